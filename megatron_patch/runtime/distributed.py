@@ -1,0 +1,114 @@
+"""Process groups and seeds: NCCL on GPU, gloo on CPU, from the same call."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch.runtime import cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a model is split: tensor, pipeline, expert and expert-tensor parallel sizes."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel; None means "same as tp", as in megatron-core
+    cp: int = 1
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        etp = "" if self.etp is None else f" ETP={self.etp}"
+        return f"TP={self.tp} PP={self.pp} EP={self.ep}{etp}" + (f" CP={self.cp}" if self.cp > 1 else "")
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available() and not cpu_compat.is_enabled():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group() -> None:
+    """Join the job described by torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    A lone process with none of them set becomes a world of one on a free local port.
+    """
+    cpu_compat.enable()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend())
+
+
+def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
+    """Process groups for ``layout`` plus megatron's model-parallel RNG streams."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    init_process_group()
+    world = dist.get_world_size()
+    if world % (layout.model_parallel_size) != 0:
+        from megatron_patch.errors import UserError
+
+        raise UserError(f"{world} processes cannot hold {layout}: the world size must be a multiple of TP*PP*CP")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,77 @@
+"""Run a function in N local processes that form one torch.distributed job (gloo on CPU).
+
+Used by the tests and by commands that need more ranks than the caller has (for example a
+parity check at TP=2 from a single CLI process). ``fn`` must be importable (a module-level
+function), since the workers are started with the "spawn" method.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from typing import Any, Callable
+
+from megatron_patch.runtime.distributed import free_port
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; carries the worker's own traceback."""
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    # Several ranks on two cores: one intra-op thread each keeps them from fighting.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    try:
+        out = fn(*args)
+        results.put((rank, True, out))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent verbatim
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        try:
+            from megatron_patch.runtime.distributed import destroy
+
+            destroy()
+        except Exception:
+            pass
+
+
+def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
+    """Run ``fn(*args)`` on ranks 0..world_size-1; return the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    try:
+        while len(outputs) + len(errors) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                raise WorkerError(f"local job timed out after {timeout}s; finished ranks: {sorted(outputs)}")
+            (outputs if ok else errors)[rank] = payload
+            if errors:
+                # One failed rank usually leaves the others blocked in a collective.
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        rank = min(errors)
+        raise WorkerError(f"rank {rank} failed: {errors[rank]}")
+    return [outputs[r] for r in range(world_size)]

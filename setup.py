@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_patch",
+    version="0.1.0",
+    description="Llama-3.1, Qwen2 and MoE models on Megatron-Core: HF conversion, alignment, training",
+    packages=find_packages(include=["megatron_patch", "megatron_patch.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # 0.16.x is the newest for Python 3.11; newer releases (Python >= 3.12) stay allowed.
+        "megatron-core>=0.16.1",
+        # Kept open downward so the local CPU build (2.13.0) satisfies it without pulling CUDA wheels.
+        "torch>=2.4",
+        "transformers>=4.45",
+        "safetensors>=0.4",
+        "psutil",  # megatron-core's dist_checkpointing needs it at save time
+        "tqdm",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
+        "test": ["pytest>=7", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["mpatch=megatron_patch.cli:main"]},
+)
