@@ -1,0 +1,1 @@
+"""Running HF and MCore side by side and judging their agreement."""

@@ -1,0 +1,61 @@
+"""Move weights between HF tensors and a live, possibly sharded, MCore model in this process."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from megatron_patch.convert.engine import MappingError, hf_to_mcore, mcore_to_hf
+from megatron_patch.convert.mapping import RankCoord
+from megatron_patch.models import get_family
+from megatron_patch.models.arch import Arch
+from megatron_patch.models.builder import model_spec_name
+from megatron_patch.runtime.distributed import ParallelLayout
+
+
+def current_coord() -> RankCoord:
+    from megatron.core import parallel_state as ps
+
+    return RankCoord(
+        tp=ps.get_tensor_model_parallel_rank(),
+        pp=ps.get_pipeline_model_parallel_rank(),
+        ep=ps.get_expert_model_parallel_rank(),
+        etp=ps.get_expert_tensor_parallel_rank(),
+    )
+
+
+def load_state_dict_strict(model, state_dict: dict[str, torch.Tensor]) -> None:
+    """load_state_dict that names what is missing or extra (TE's _extra_state entries aside)."""
+    expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    missing, extra = expected - set(state_dict), set(state_dict) - expected
+    if missing or extra:
+        raise MappingError(f"state dict does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
+    own = model.state_dict()
+    for name, tensor in state_dict.items():
+        if tuple(own[name].shape) != tuple(tensor.shape):
+            raise MappingError(f"{name}: checkpoint shape {tuple(tensor.shape)} but the model expects {tuple(own[name].shape)}")
+    model.load_state_dict(state_dict, strict=False)
+
+
+def load_hf_weights(model, arch: Arch, layout: ParallelLayout, get_hf: Callable[[str], torch.Tensor],
+                    pp_first_stage_layers: int | None = None) -> None:
+    """Fill this rank's model from HF tensors, cast to the model's dtype."""
+    spec = model_spec_name(model)
+    sd = hf_to_mcore(get_family(arch.family), arch, layout, current_coord(), get_hf, spec, pp_first_stage_layers)
+    dtype = next(model.parameters()).dtype
+    load_state_dict_strict(model, {k: v.to(dtype) for k, v in sd.items()})
+
+
+def gather_hf_weights(model, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None):
+    """All ranks' weights merged back to HF tensors, on global rank 0 (None elsewhere)."""
+    import torch.distributed as dist
+
+    spec = model_spec_name(model)
+    mine = (current_coord(), {k: v.detach().cpu() for k, v in model.state_dict().items()
+                              if not k.endswith("_extra_state") and v is not None})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    return mcore_to_hf(get_family(arch.family), arch, layout, dict(everyone), spec, pp_first_stage_layers)

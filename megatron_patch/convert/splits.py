@@ -1,0 +1,155 @@
+"""How one MCore parameter is cut from (and glued back into) its Hugging Face tensors.
+
+Each split is a pair of exact inverses: ``shards(parts, n)`` turns the HF tensors into the ``n``
+tensor-parallel shards, and ``merge(shards)`` turns the shards back into the HF tensors. Slicing and
+concatenation only, so a round trip is bit-identical in any dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_patch.errors import UserError
+
+
+@dataclass(frozen=True)
+class SplitContext:
+    """Model numbers some splits need (query-group geometry, vocabulary padding)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+
+
+class Split:
+    name = "split"
+
+    def shards(self, parts: list[torch.Tensor], n: int, ctx: SplitContext) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def merge(self, shards: list[torch.Tensor], ctx: SplitContext) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _chunk(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
+    if t.shape[dim] % n:
+        raise UserError(f"cannot split a dimension of {t.shape[dim]} into {n} equal shards")
+    return [c.contiguous() for c in torch.chunk(t, n, dim=dim)]
+
+
+class Replicated(Split):
+    """Same tensor on every rank (norms, router). Merging checks the replicas agree."""
+
+    name = "replicated"
+
+    def shards(self, parts, n, ctx):
+        return [parts[0]] * n
+
+    def merge(self, shards, ctx):
+        first = shards[0]
+        for i, other in enumerate(shards[1:], 1):
+            if not torch.equal(first, other):
+                raise ValueError(f"replica {i} differs from replica 0 of a parameter that must be identical on every rank")
+        return [first]
+
+
+class Column(Split):
+    """Split on the output dimension (dim 0)."""
+
+    name = "column"
+
+    def shards(self, parts, n, ctx):
+        return _chunk(parts[0], n, 0)
+
+    def merge(self, shards, ctx):
+        return [torch.cat(shards, 0)]
+
+
+class Row(Split):
+    """Split on the input dimension (dim 1): attention output and MLP down projections."""
+
+    name = "row"
+
+    def shards(self, parts, n, ctx):
+        return _chunk(parts[0], n, 1)
+
+    def merge(self, shards, ctx):
+        return [torch.cat(shards, 1)]
+
+
+class VocabParallel(Split):
+    """Embedding / output rows, zero-padded to the padded vocabulary, then split on dim 0."""
+
+    name = "vocab"
+
+    def shards(self, parts, n, ctx):
+        t = parts[0]
+        if t.shape[0] != ctx.vocab_size:
+            raise UserError(f"a vocabulary tensor has {t.shape[0]} rows but config.json says vocab_size={ctx.vocab_size}")
+        pad = ctx.padded_vocab_size - t.shape[0]
+        if pad:
+            t = torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))], 0)
+        return _chunk(t, n, 0)
+
+    def merge(self, shards, ctx):
+        return [torch.cat(shards, 0)[: ctx.vocab_size].contiguous()]
+
+
+class GroupedQKV(Split):
+    """q, k, v fused per query group: [q heads of group g; k_g; v_g] for each g, then split by groups.
+
+    Works for weights ([rows, hidden]) and biases ([rows]) alike.
+    """
+
+    name = "qkv"
+
+    def _groups(self, ctx: SplitContext):
+        return ctx.num_kv_heads, ctx.num_heads // ctx.num_kv_heads * ctx.head_dim, ctx.head_dim
+
+    def shards(self, parts, n, ctx):
+        q, k, v = parts
+        groups, q_rows, kv_rows = self._groups(ctx)
+        rest = tuple(q.shape[1:])
+        expect = {"q": groups * q_rows, "k": groups * kv_rows, "v": groups * kv_rows}
+        for name, t in zip("qkv", parts):
+            if t.shape[0] != expect[name]:
+                raise UserError(
+                    f"{name}_proj has {t.shape[0]} rows, the config implies {expect[name]} "
+                    f"({ctx.num_heads} heads, {ctx.num_kv_heads} key/value heads, head_dim {ctx.head_dim})")
+        fused = torch.cat([q.reshape(groups, q_rows, *rest), k.reshape(groups, kv_rows, *rest),
+                           v.reshape(groups, kv_rows, *rest)], dim=1)
+        return [s.reshape(-1, *rest) for s in _chunk(fused, n, 0)]
+
+    def merge(self, shards, ctx):
+        groups, q_rows, kv_rows = self._groups(ctx)
+        fused = torch.cat(shards, 0)
+        rest = tuple(fused.shape[1:])
+        fused = fused.reshape(groups, q_rows + 2 * kv_rows, *rest)
+        q, k, v = torch.split(fused, [q_rows, kv_rows, kv_rows], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
+class GateUp(Split):
+    """SwiGLU gate and up projections: each split on dim 0, rank i holds [gate_i; up_i]."""
+
+    name = "gate_up"
+
+    def shards(self, parts, n, ctx):
+        gate, up = parts
+        if gate.shape != up.shape:
+            raise UserError(f"gate and up projections differ in shape: {tuple(gate.shape)} vs {tuple(up.shape)}")
+        return [torch.cat([g, u], 0) for g, u in zip(_chunk(gate, n, 0), _chunk(up, n, 0))]
+
+    def merge(self, shards, ctx):
+        halves = [torch.chunk(s, 2, 0) for s in shards]
+        return [torch.cat([h[0] for h in halves], 0).contiguous(), torch.cat([h[1] for h in halves], 0).contiguous()]
+
+
+REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = Replicated(), Column(), Row(), VocabParallel(), GroupedQKV(), GateUp()

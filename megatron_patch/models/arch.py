@@ -1,0 +1,155 @@
+"""What a model is, read once from its Hugging Face config.json, independent of transformers' version.
+
+``Arch`` holds every number the MCore model, the weight mapping and the checks need. Families fill it
+from their config.json (``models/<family>/config.py``); everything downstream reads only ``Arch``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_patch.errors import UserError
+from megatron_patch.runtime.distributed import ParallelLayout
+
+# Megatron pads the vocabulary so each TP rank holds an equal, aligned slice.
+VOCAB_PAD_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class Arch:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    # llama3-style RoPE scaling as given in config.json (factor, low/high_freq_factor,
+    # original_max_position_embeddings); None for plain RoPE.
+    rope_scaling: dict | None = None
+    # Mixture of experts (0 experts: dense).
+    num_experts: int = 0
+    moe_topk: int = 0
+    moe_ffn_hidden_size: int = 0
+    shared_expert_ffn_hidden_size: int = 0
+    shared_expert_gate: bool = False
+    # Whether top-k routing probabilities are renormalised to sum to one.
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def padded_vocab_size(self, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
+        """Vocabulary rounded up so that every TP size dividing ``multiple`` splits it evenly.
+
+        Independent of TP on purpose: a torch_dist checkpoint then loads at any TP <= multiple.
+        """
+        return -(-self.vocab_size // multiple) * multiple
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The raw config.json of an HF model folder (or the file itself), with one-line errors."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise UserError(f"{file} not found: point at a Hugging Face model folder that has a config.json")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{file} is not valid JSON ({exc.msg} at line {exc.lineno}): fix or re-download it")
+    if not isinstance(raw, dict):
+        raise UserError(f"{file} must hold a JSON object, found {type(raw).__name__}")
+    return raw
+
+
+def require(raw: dict, key: str, kind=int):
+    """A config.json field that must be present; a wrong or missing one is named in the error."""
+    if key not in raw or raw[key] is None:
+        raise UserError(f"config.json lacks '{key}', which a {raw.get('model_type', '?')} model needs")
+    value = raw[key]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise UserError(f"config.json '{key}' must be a positive integer, found {value!r}")
+    if kind is float and not isinstance(value, (int, float)):
+        raise UserError(f"config.json '{key}' must be a number, found {value!r}")
+    return value
+
+
+def rope_settings(raw: dict) -> tuple[float, dict | None]:
+    """(theta, llama3 scaling or None) from either config.json convention.
+
+    transformers < 5 writes ``rope_theta`` and ``rope_scaling``; 5.x writes ``rope_parameters``.
+    """
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or None
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = (scaling or params).get("rope_type", (scaling or params).get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise UserError(f"RoPE type '{rope_type}' is not supported yet: supported are default and llama3")
+    source = scaling or params
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in source]
+    if missing:
+        raise UserError(f"config.json llama3 RoPE scaling lacks {', '.join(missing)}")
+    return float(theta), {k: float(source[k]) for k in keys}
+
+
+def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers: int | None = None) -> None:
+    """Refuse a layout that cannot split this model, before any work, saying what to change."""
+    for name, value in (("TP", layout.tp), ("PP", layout.pp), ("EP", layout.ep), ("ETP", layout.expert_tp), ("CP", layout.cp)):
+        if value < 1:
+            raise UserError(f"{name} must be >= 1, got {value}")
+    tp = layout.tp
+    if arch.num_heads % tp:
+        raise UserError(f"TP={tp} does not divide the {arch.num_heads} attention heads: choose a TP that divides {arch.num_heads}")
+    if arch.num_kv_heads % tp:
+        raise UserError(
+            f"TP={tp} does not divide the {arch.num_kv_heads} query groups (key/value heads): "
+            f"choose a TP that divides {arch.num_kv_heads}")
+    if not arch.is_moe and arch.ffn_hidden_size % tp:
+        raise UserError(f"TP={tp} does not divide the MLP size {arch.ffn_hidden_size}: choose another TP")
+    if arch.padded_vocab_size() % tp:
+        raise UserError(f"TP={tp} does not divide the padded vocabulary {arch.padded_vocab_size()}: use a power-of-two TP")
+    if pp_first_stage_layers is None:
+        if arch.num_layers % layout.pp:
+            raise UserError(
+                f"PP={layout.pp} does not divide the {arch.num_layers} layers: choose a PP that divides {arch.num_layers}")
+    elif not (0 < pp_first_stage_layers < arch.num_layers) or (arch.num_layers - pp_first_stage_layers) % max(layout.pp - 1, 1):
+        raise UserError(
+            f"a first stage of {pp_first_stage_layers} layers leaves {arch.num_layers - pp_first_stage_layers} "
+            f"that PP-1={layout.pp - 1} stages cannot share evenly")
+    if arch.is_moe:
+        if arch.num_experts % layout.ep:
+            raise UserError(f"EP={layout.ep} does not divide the {arch.num_experts} experts: choose an EP that divides {arch.num_experts}")
+        if arch.moe_ffn_hidden_size % layout.expert_tp:
+            raise UserError(f"ETP={layout.expert_tp} does not divide the expert MLP size {arch.moe_ffn_hidden_size}")
+        if arch.shared_expert_ffn_hidden_size % tp:
+            raise UserError(f"TP={tp} does not divide the shared-expert MLP size {arch.shared_expert_ffn_hidden_size}")
+    elif layout.ep > 1 or layout.etp not in (None, tp):
+        raise UserError(f"{arch.family} is a dense model: EP and ETP apply only to MoE models, set EP=1")
+
+
+def pipeline_layer_ranges(num_layers: int, pp: int, first_stage_layers: int | None = None) -> list[range]:
+    """Global layer indices held by each pipeline stage (megatron's even split, or an uneven first stage)."""
+    if first_stage_layers is None or pp == 1:
+        per = num_layers // pp
+        return [range(s * per, (s + 1) * per) for s in range(pp)]
+    rest = (num_layers - first_stage_layers) // (pp - 1)
+    return [range(0, first_stage_layers)] + [
+        range(first_stage_layers + s * rest, first_stage_layers + (s + 1) * rest) for s in range(pp - 1)]

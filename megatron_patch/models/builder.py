@@ -1,0 +1,139 @@
+"""Arch + parallel layout -> megatron-core TransformerConfig, layer spec and GPTModel."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from megatron_patch.models import get_family, rope
+from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.runtime.distributed import ParallelLayout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@functools.lru_cache(maxsize=1)
+def te_available() -> bool:
+    """Transformer-engine is usable only with CUDA; on CPU we always take the local spec."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
+                       pp_first_stage_layers: int | None = None, **overrides):
+    """The TransformerConfig of ``arch`` at ``layout``; ``overrides`` win over everything derived."""
+    from megatron.core.transformer import TransformerConfig
+
+    validate_layout(arch, layout, pp_first_stage_layers=pp_first_stage_layers)
+    gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        # Fine-tuning and conversion checks need the model as released: no dropout.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        apply_query_key_layer_scaling=False,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        num_layers_in_first_pipeline_stage=pp_first_stage_layers,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not gpu,
+        # Fused kernels exist only on GPU (and RoPE fusion only with transformer-engine).
+        bias_activation_fusion=gpu,
+        masked_softmax_fusion=gpu,
+        bias_dropout_fusion=gpu,
+        persist_layer_norm=gpu,
+        apply_rope_fusion=gpu and te_available(),
+        gradient_accumulation_fusion=gpu and te_available(),
+    )
+    if arch.is_moe:
+        kwargs.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
+            moe_shared_expert_gate=arch.shared_expert_gate,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=arch.router_aux_loss_coef,
+            moe_router_dtype="fp32",
+            # alltoall needs uneven all_to_all, which gloo lacks; allgather gives the same result.
+            moe_token_dispatcher_type="alltoall" if gpu else "allgather",
+            moe_grouped_gemm=te_available(),
+        )
+    kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: Arch, config, use_te: bool | None = None):
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    use_te = te_available() if use_te is None else use_te
+    experts = arch.num_experts or None
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    if arch.is_moe:
+        # megatron-core maps the local pre-MLP norm to the TE dense name even for MoE layers, where
+        # the TE spec keeps a separate pre_mlp_layernorm; keep the TE name so checkpoints cross specs.
+        keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if not k.startswith("pre_mlp")}
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
+    return spec
+
+
+def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
+                use_te: bool | None = None, pre_process: bool | None = None, post_process: bool | None = None,
+                pp_first_stage_layers: int | None = None, **config_overrides):
+    """This rank's GPTModel (stage taken from parallel_state unless given)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(arch, layout, dtype, pp_first_stage_layers, **config_overrides)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(
+        config,
+        layer_spec(arch, config, use_te),
+        vocab_size=arch.padded_vocab_size(),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+    )
+    rope.install(model, arch)
+    return model
+
+
+def model_spec_name(model) -> str:
+    """"te" or "local": which naming this model's state dict uses."""
+    return "te" if any("layer_norm_weight" in k for k in model.state_dict()) else "local"

@@ -1,0 +1,39 @@
+"""Full-vocabulary logits from a (tensor- and pipeline-parallel) MCore GPTModel."""
+
+from __future__ import annotations
+
+import torch
+
+
+def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """Logits [batch, seq, vocab_size] on the last pipeline stage (None on the others).
+
+    Runs megatron-core's own pipeline schedule, gathers the vocabulary shards of TP ranks and drops
+    the padding rows.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    captured: list[torch.Tensor] = []
+
+    def forward_step(data_iterator, model):
+        output = model(tokens, positions, attention_mask=None)
+
+        def keep(output_tensor, non_loss_data=False):
+            captured.append(output_tensor)
+            return output_tensor
+
+        return output, keep
+
+    model.eval()
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=seq, micro_batch_size=batch, forward_only=True, collect_non_loss_data=True)
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    logits = gather_from_tensor_model_parallel_region(captured[0])
+    return logits[..., :vocab_size].float()

@@ -1,0 +1,33 @@
+"""Mixtral config.json -> Arch: top-k experts, probabilities renormalised over the chosen k."""
+
+import dataclasses
+
+from megatron_patch.models.arch import Arch, require
+from megatron_patch.models.family import parse_decoder_config
+
+
+def parse_config(raw: dict) -> Arch:
+    arch = parse_decoder_config(raw, "mixtral", qkv_bias=False)
+    return dataclasses.replace(
+        arch,
+        num_experts=require(raw, "num_local_experts"),
+        moe_topk=require(raw, "num_experts_per_tok"),
+        moe_ffn_hidden_size=require(raw, "intermediate_size"),
+        norm_topk_prob=True,
+        router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.02)),
+    )
+
+
+def transformer_config_kwargs(arch: Arch) -> dict:
+    return {"moe_router_pre_softmax": False}
+
+
+TINY_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4,
+    "num_experts_per_tok": 2, "hidden_act": "silu", "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0, "sliding_window": None,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}

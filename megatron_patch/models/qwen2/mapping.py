@@ -1,0 +1,8 @@
+"""Qwen2 HF <-> MCore weight table: Llama's plus q/k/v biases."""
+
+from megatron_patch.models.arch import Arch
+from megatron_patch.models.family import attention_rules, dense_mlp_rules, embedding_and_head_rules
+
+
+def weight_rules(arch: Arch):
+    return embedding_and_head_rules() + attention_rules(qkv_bias=True) + dense_mlp_rules()

@@ -1,0 +1,46 @@
+"""Qwen2-MoE config.json -> Arch: routed experts, a shared expert behind a sigmoid gate."""
+
+import dataclasses
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch, require
+from megatron_patch.models.family import parse_decoder_config
+
+
+def parse_config(raw: dict) -> Arch:
+    if raw.get("use_sliding_window"):
+        raise UserError("use_sliding_window=true is not supported: Qwen2-MoE models here use full attention")
+    if raw.get("decoder_sparse_step", 1) != 1 or raw.get("mlp_only_layers"):
+        raise UserError("Qwen2-MoE with dense layers between MoE layers (decoder_sparse_step>1 or mlp_only_layers) "
+                        "is not supported: every layer must be an MoE layer")
+    arch = parse_decoder_config(raw, "qwen2_moe", qkv_bias=bool(raw.get("qkv_bias", True)))
+    shared = raw.get("shared_expert_intermediate_size") or 0
+    return dataclasses.replace(
+        arch,
+        num_experts=require(raw, "num_experts"),
+        moe_topk=require(raw, "num_experts_per_tok"),
+        moe_ffn_hidden_size=require(raw, "moe_intermediate_size"),
+        shared_expert_ffn_hidden_size=shared,
+        shared_expert_gate=shared > 0,
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+def transformer_config_kwargs(arch: Arch) -> dict:
+    # Qwen2-MoE routes by softmax over all experts then top-k; renormalising the top-k
+    # (norm_topk_prob) equals MCore's top-k-then-softmax.
+    return {"moe_router_pre_softmax": not arch.norm_topk_prob}
+
+
+# A tiny Qwen2-MoE: 4 experts, top-2, shared expert with its gate, q/k/v bias, untied.
+TINY_CONFIG = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+    "vocab_size": 200, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 96, "num_experts": 4, "num_experts_per_tok": 2,
+    "norm_topk_prob": False, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+    "router_aux_loss_coef": 0.001, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}

@@ -1,0 +1,36 @@
+"""Tiny random HF checkpoints of each family, made locally (tests, demo, quick start; no model hub)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_patch.models import get_family
+
+
+def tiny_config(family: str, **overrides) -> dict:
+    return {**get_family(family).tiny_config, **overrides}
+
+
+def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Save a randomly initialised HF model of ``family`` (fp32) to ``out_dir``; return the folder.
+
+    Every parameter is drawn at random, norms and biases included, so a mapping that drops or
+    swaps any of them changes the logits.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = tiny_config(family, **overrides)
+    config = AutoConfig.for_model(**raw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
