@@ -18,7 +18,7 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
-        "test": ["pytest>=7", "pytest-timeout"],
+        "test": ["pytest>=7"],
     },
     entry_points={"console_scripts": ["mpatch=megatron_patch.cli:main"]},
 )

@@ -32,7 +32,7 @@ def mcore_logits_worker(hf_dir: str, layout: ParallelLayout, tokens: torch.Tenso
     """Runs on every rank: build the model at ``layout``, map the HF weights in, return logits."""
     from megatron_patch.convert.hf_reader import HFCheckpointReader
     from megatron_patch.convert.model_io import load_hf_weights
-    from megatron_patch.models import parse_arch
+    from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.builder import build_model
     from megatron_patch.models.inference import forward_logits
     from megatron_patch.runtime import init_model_parallel
@@ -56,7 +56,7 @@ def mcore_logits(hf_dir: str | Path, layout: ParallelLayout, tokens: torch.Tenso
 
 def check_parity(hf_dir: str | Path, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                  batch: int = 2, seq: int = 32) -> dict[str, float]:
-    from megatron_patch.models import parse_arch
+    from megatron_patch.models.registry import parse_arch
 
     arch = parse_arch(hf_dir)
     tokens = random_tokens(arch.vocab_size, batch, seq, seed)

@@ -8,7 +8,7 @@ import torch
 
 from megatron_patch.convert.engine import MappingError, hf_to_mcore, mcore_to_hf
 from megatron_patch.convert.mapping import RankCoord
-from megatron_patch.models import get_family
+from megatron_patch.models.registry import get_family
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.builder import model_spec_name
 from megatron_patch.runtime.distributed import ParallelLayout

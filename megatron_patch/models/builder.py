@@ -8,7 +8,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_patch.models import get_family, rope
+from megatron_patch.models import rope
+from megatron_patch.models.registry import get_family
 from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
 

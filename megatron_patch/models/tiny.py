@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_patch.models import get_family
+from megatron_patch.models.registry import get_family
 
 
 def tiny_config(family: str, **overrides) -> dict:

@@ -1,0 +1,34 @@
+"""`mpatch`: one entry point, one module per subcommand (each exposes ``register(subparsers)``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from megatron_patch import __version__
+from megatron_patch.errors import UserError
+
+SUBCOMMANDS = ["info", "demo", "parity"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpatch", description="Llama-3.1, Qwen2 and MoE models on Megatron-Core: conversion, alignment, training.")
+    parser.add_argument("--version", action="version", version=f"megatron_patch {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"megatron_patch.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except UserError as exc:
+        print(f"mpatch {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mpatch {args.command}: interrupted", file=sys.stderr)
+        return 130

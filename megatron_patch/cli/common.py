@@ -1,0 +1,26 @@
+"""Arguments several subcommands share."""
+
+from __future__ import annotations
+
+from megatron_patch.runtime.distributed import ParallelLayout
+
+
+def add_layout_args(parser, *, etp: bool = True) -> None:
+    g = parser.add_argument_group("parallel layout")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default 1)")
+    if etp:
+        g.add_argument("--etp", type=int, default=None, help="expert tensor parallel size, MoE only (default: TP)")
+
+
+def layout_from_args(args) -> ParallelLayout:
+    return ParallelLayout(tp=args.tp, pp=args.pp, ep=args.ep, etp=getattr(args, "etp", None))
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    print("  ".join("-" * widths[c] for c in columns))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns))
