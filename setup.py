@@ -11,7 +11,7 @@ setup(
         "megatron-core>=0.16.1",
         # Kept open downward so the local CPU build (2.13.0) satisfies it without pulling CUDA wheels.
         "torch>=2.4",
-        "transformers>=4.45",
+        "transformers>=4.56",  # from_pretrained(dtype=...)
         "safetensors>=0.4",
         "psutil",  # megatron-core's dist_checkpointing needs it at save time
         "tqdm",
