@@ -278,3 +278,32 @@ def test_parity_detects_a_wrong_mapping(tiny_dirs, tmp_path):
     tokens = random_tokens(parse_arch(src).vocab_size, seed=3)
     m = compare_logits(hf_logits(src, tokens), mcore_logits(bad, ParallelLayout(), tokens))
     assert m["rel_l2"] > 1e-3 and m["kl"] > FP32_KL
+
+
+# --- TE and local specs meet at the checkpoint boundary ------------------------------------------
+
+def checkpoint_keys_worker(family: str) -> tuple[set, set]:
+    """(torch_dist keys of the local-spec model, our TE names with the layer/expert index folded)."""
+    import re
+
+    from megatron_patch.models.builder import build_model
+    from megatron_patch.runtime import init_model_parallel
+
+    arch = parse_arch(tiny_config(family))
+    init_model_parallel(ParallelLayout())
+    model = build_model(arch, ParallelLayout(), use_te=False)
+    keys = {v.key for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    names = {r.mcore for r in get_family(family).weight_rules(arch)}
+    if arch.tie_word_embeddings:  # one stage: the output layer is the embedding itself
+        names.discard("output_layer.weight")
+    folded = {re.sub(r"mlp\.experts\.(linear_fc[12])\.weight\{expert\}", r"mlp.experts.experts.\1.weight",
+                     n.replace("decoder.layers.{layer}.", "decoder.layers.")) for n in names}
+    return keys, folded
+
+
+@pytest.mark.parametrize("family", ["llama3_1", "qwen2", "qwen2_moe"])
+def test_local_spec_checkpoint_keys_are_the_te_names(family):
+    from megatron_patch.runtime.launch import run_local
+
+    keys, te_names = run_local(checkpoint_keys_worker, 1, family)[0]
+    assert keys == te_names

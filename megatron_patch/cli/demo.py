@@ -21,6 +21,9 @@ def run(args) -> int:
     from megatron_patch.models.registry import FAMILIES, parse_arch
     from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-model load bars drown the table
     families = args.families or list(FAMILIES)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mpatch-demo-"))
     rows, failed = [], 0

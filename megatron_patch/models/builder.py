@@ -82,8 +82,8 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=arch.router_aux_loss_coef,
             moe_router_dtype="fp32",
-            # alltoall needs uneven all_to_all, which gloo lacks; allgather gives the same result.
-            moe_token_dispatcher_type="alltoall" if gpu else "allgather",
+            # The same dispatcher on GPU and CPU (gloo does uneven all_to_all; see docs/cpu-runtime.md).
+            moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=te_available(),
         )
     kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))

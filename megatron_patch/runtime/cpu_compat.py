@@ -2,8 +2,15 @@
 
 megatron-core assumes a GPU in many small places: tensors created with ``device="cuda"`` or
 ``torch.cuda.current_device()``, ``.cuda()`` calls, ``torch.cuda.*Tensor`` type checks, CUDA
-streams, events and synchronisation, the CUDA RNG behind its model-parallel RNG tracker, and
-collectives that NCCL has but gloo lacks. Each is redirected here to its CPU equivalent.
+streams, events and synchronisation, the CUDA RNG behind its model-parallel RNG tracker. Each is
+redirected here to its CPU equivalent. A few megatron-core spots that only a CPU run reaches are
+fixed too, each where it is patched: the alltoall MoE dispatcher's token counts, the uneven
+all-gather gloo lacks, sequence parallelism for the torch norm (no Apex without CUDA), and the
+distributed optimizer's checkpoint path with torch's Adam (no TE/Apex without CUDA).
+
+No torch collective is redirected: gloo (torch >= 2.3) has reduce_scatter_tensor,
+all_gather_into_tensor, their coalesced forms and uneven all_to_all_single itself
+(tests/test_runtime.py checks each with known answers).
 
 The layer is applied only when CUDA is absent (``enable()`` does nothing otherwise, so the GPU path
 is never touched) and only for the megatron-core versions it was written against: a newer release
@@ -17,7 +24,6 @@ import functools
 import os
 
 import torch
-import torch.distributed as dist
 
 from megatron_patch.errors import UserError
 
@@ -220,54 +226,162 @@ def _patch_torch_tensors():
     torch.Tensor.type = _make_tensor_type(torch.Tensor.type)
 
 
-# --- gloo collectives --------------------------------------------------------------------------
-
-class _DoneWork:
-    """Handle for a collective that already finished synchronously."""
-
-    def wait(self, timeout=None):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-def _is_gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
-
-
-def _patch_collectives():
-    # gloo has no reduce-scatter; megatron's distributed optimizer and sequence parallelism use it.
-    # All-reduce then keep our shard: same result, more traffic, fine for development runs.
-    original_rs = dist.reduce_scatter_tensor
-
-    @functools.wraps(original_rs)
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if not _is_gloo(group):
-            return original_rs(output, input, op=op, group=group, async_op=async_op)
-        reduced = input.clone()
-        dist.all_reduce(reduced, op=op, group=group)
-        rank = dist.get_rank(group)
-        n = output.numel()
-        output.copy_(reduced.reshape(-1)[rank * n:(rank + 1) * n].view_as(output))
-        return _DoneWork() if async_op else None
-
-    dist.reduce_scatter_tensor = reduce_scatter_tensor
-    # megatron also reaches the private alias.
-    dist._reduce_scatter_base = reduce_scatter_tensor
-
-
 def _patch_megatron():
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     # Imported from transformer-engine inside a try block; absent TE leaves the name undefined.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+    # The alltoall dispatcher turns its token counts into host numpy arrays only for CUDA tensors
+    # (`tensor.is_cuda`); on CPU they stay tensors and all_to_all_single rejects tensor split sizes.
+    # Give the CPU the same host copy the GPU path makes. token_dispatcher holds its own reference.
+    original_move = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original_move)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().numpy().copy()
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    maybe_move_tensor_to_cpu.__mp_original__ = original_move
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+    _patch_uneven_all_gather()
+    _patch_torch_norm()
+    _patch_torch_adam_checkpointing()
+
+
+def _patch_uneven_all_gather():
+    """Uneven all-gather on gloo, as the alltoall MoE dispatcher needs with expert TP > 1.
+
+    `mappings._gather_along_first_dim(..., output_split_sizes)` calls `dist.all_gather` with
+    differently sized outputs: NCCL accepts that, gloo raises "invalid tensor size". Pad every
+    shard to the longest, gather equal shards, cut the padding off. (Its backward, the uneven
+    reduce-scatter, gloo does natively.)
+    """
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    original = mappings._gather_along_first_dim
+
+    @functools.wraps(original)
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or dist.get_backend(group) != "gloo":
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest,) + tuple(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)], dim=0)
+
+    _gather_along_first_dim.__mp_original__ = original
+    mappings._gather_along_first_dim = _gather_along_first_dim
+
+
+def _patch_torch_norm():
+    """Sequence parallelism for the local spec's norm, which is torch's own when Apex is absent.
+
+    Without CUDA there is no Apex, so `get_gpt_layer_local_spec` builds `WrappedTorchNorm`, which
+    refuses `sequence_parallel`. MoE with TP>1 needs sequence parallelism when training
+    (`MoELayer.forward` raises otherwise). A norm is per token, so it is correct on a sequence
+    shard; only its weight gradient is partial, and `finalize_model_grads` all-reduces it over the
+    TP group for every parameter tagged `sequence_parallel`, as Apex's FusedLayerNorm tags its own.
+    """
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original_new = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    __new__.__mp_original__ = original_new
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _patch_torch_adam_checkpointing():
+    """Restoring the distributed optimizer when its inner optimizer is torch's Adam.
+
+    Without CUDA there is neither Transformer Engine nor Apex, so megatron-core falls back to
+    `torch.optim.Adam`/`AdamW`, whose per-parameter `step` tensor its 0.16 checkpoint code handles
+    in three places only half-way (each seen on CPU; the TE/Apex FusedAdam path is untouched):
+    - `state_dict()` asserts one common step, but a fresh torch Adam has no state until its first
+      step, so `sharded_state_dict(is_loading=True)` fails before anything is read: give the fresh
+      optimizer zero state at step 0 (what `load_state_dict` then overwrites);
+    - the 'fully_reshardable' loader copies every key of the optimizer's state from the checkpoint
+      but deliberately leaves 'step' out of what it read (KeyError: 'step'): keep the step that
+      `load_state_dict` already set from the param groups;
+    - `load_state_dict` gives all parameters one shared `step` tensor, which torch's Adam then bumps
+      once per parameter per step (bias correction runs far ahead, updates differ after resume):
+      give each parameter its own copy.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+
+    original_sharded_state_dict = cls.sharded_state_dict
+
+    @functools.wraps(original_sharded_state_dict)
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        inner = self.optimizer
+        if is_loading and isinstance(inner, torch.optim.Adam | torch.optim.AdamW) and len(inner.state) == 0:
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
+        if model_sharded_state_dict is None:
+            model_sharded_state_dict = {}
+        return original_sharded_state_dict(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    original_set_states = cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set_states)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                tensors = dict(tensors, step=state["step"])
+        return original_set_states(self, model_param, tensors)
+
+    original_load_state_dict = cls.load_state_dict
+
+    @functools.wraps(original_load_state_dict)
+    def load_state_dict(self, state_dict):
+        original_load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    for name, fn, original in (
+        ("sharded_state_dict", sharded_state_dict, original_sharded_state_dict),
+        ("_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states, original_set_states),
+        ("load_state_dict", load_state_dict, original_load_state_dict),
+    ):
+        fn.__mp_original__ = original
+        setattr(cls, name, fn)
 
 
 def enable() -> bool:
@@ -280,7 +394,6 @@ def enable() -> bool:
     check_mcore_version()
     _patch_torch_cuda()
     _patch_torch_tensors()
-    _patch_collectives()
     _patch_megatron()
     _ENABLED = True
     return True

@@ -30,6 +30,13 @@ class ParallelLayout:
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
 
+    @property
+    def world_size(self) -> int:
+        """Fewest processes that hold the layout: dense ranks and expert ranks must both fit."""
+        import math
+
+        return math.lcm(self.model_parallel_size, self.pp * self.ep * self.expert_tp)
+
     def __str__(self) -> str:
         etp = "" if self.etp is None else f" ETP={self.etp}"
         return f"TP={self.tp} PP={self.pp} EP={self.ep}{etp}" + (f" CP={self.cp}" if self.cp > 1 else "")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import traceback
 from typing import Any, Callable
@@ -30,8 +31,19 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if not torch.cuda.is_available() and os.environ.get("MP_SHOW_WARNINGS") != "1":
+        # Each rank would print megatron's "Apex/TE not installed, falling back" notices and
+        # deprecation chatter: expected on CPU, and noise times N ranks.
+        import warnings
+
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
     try:
-        out = fn(*args)
+        # Plain pickle, not the queue's own: torch registers shared-memory reductions with
+        # multiprocessing, and a tensor sent that way is gone once this worker exits, before the
+        # parent has read it ("FileNotFoundError" in the parent).
+        out = pickle.dumps(fn(*args))
         results.put((rank, True, out))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent verbatim
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -61,7 +73,10 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -
                 rank, ok, payload = results.get(timeout=timeout)
             except queue.Empty:
                 raise WorkerError(f"local job timed out after {timeout}s; finished ranks: {sorted(outputs)}")
-            (outputs if ok else errors)[rank] = payload
+            if ok:
+                outputs[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             if errors:
                 # One failed rank usually leaves the others blocked in a collective.
                 break

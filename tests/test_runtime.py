@@ -1,0 +1,287 @@
+"""The CPU runtime layer: megatron-core's TP/PP/DP/EP paths, optimizer and checkpoints on gloo.
+
+Every multi-rank case runs in spawned local processes (``run_local``), never in the pytest process,
+so the CUDA redirections of ``cpu_compat`` stay out of the other tests. Each layout is compared with
+a one-process TP=1 reference built from the same checkpoint: same losses, same gradients (every
+parameter, gathered back to full shape), same training trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_patch.errors import UserError
+from megatron_patch.runtime import ParallelLayout
+from megatron_patch.runtime.launch import run_local
+from tests import runtime_helpers as rh
+
+TIMEOUT = 300
+STEPS = 4
+VARIANTS = ((False, False), (False, True), (True, False), (True, True))  # (distributed optimizer, overlap)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _close(actual, expected, atol, rtol=0.0, what=""):
+    torch.testing.assert_close(torch.as_tensor(actual, dtype=torch.float64),
+                               torch.as_tensor(expected, dtype=torch.float64), atol=atol, rtol=rtol,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _dp_losses(results, key=lambda r: r["losses"]):
+    """Losses of the global batch in order: last-stage, TP-rank-0 ranks, by data-parallel rank."""
+    ranks = sorted((r for r in results if r["last_stage"] and r["tp_rank"] == 0), key=lambda r: r["dp_rank"])
+    return [x for r in ranks for x in key(r)]
+
+
+def _assert_grads_match(grads: dict, reference: dict, what: str) -> None:
+    assert set(grads) == set(reference), f"{what}: parameters differ: {set(grads) ^ set(reference)}"
+    for name, ref in reference.items():
+        assert ref.abs().max() > 0, f"reference gradient of {name} is all zero"
+        torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-4, msg=lambda m: f"{what} {name}: {m}")
+
+
+# --- references ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dense_ref(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("dense") / "ref")
+    ref = run_local(rh.dense_reference_worker, 1, ckpt, timeout=TIMEOUT)[0]
+    assert len(ref["losses"]) == rh.NUM_MICROBATCHES
+    assert all(4.0 < loss < 5.5 for loss in ref["losses"]), ref["losses"]  # ~ln(128) at init
+    return dict(ref, ckpt=ckpt)
+
+
+@pytest.fixture(scope="module")
+def moe_ref(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("moe") / "ref")
+    ref = run_local(rh.moe_reference_worker, 1, ckpt, timeout=TIMEOUT)[0]
+    assert any(".local_experts.3." in k for k in ref["grads"])
+    return dict(ref, ckpt=ckpt)
+
+
+@pytest.fixture(scope="module")
+def train_ref(dense_ref):
+    res = run_local(rh.train_worker, 1, ParallelLayout(), dense_ref["ckpt"], ((False, False),), STEPS,
+                    timeout=TIMEOUT)[0]
+    return res["runs"][(False, False)]
+
+
+# --- gloo ------------------------------------------------------------------------------------------
+
+def test_gloo_has_the_collectives_megatron_uses():
+    """The layer redirects no torch collective: this is what it relies on gloo to do itself, plus
+    its uneven all-gather for megatron's ``_gather_along_first_dim``."""
+    res = run_local(rh.gloo_collectives_worker, 2, timeout=TIMEOUT)
+    for rank, r in enumerate(res):
+        assert r["backend"] == "gloo"
+        # inputs [0,1,2,3]+rank summed over ranks 0,1 = [1,3,5,7]; rank r keeps its half.
+        assert r["reduce_scatter_tensor"].tolist() == [[1.0, 3.0], [5.0, 7.0]][rank]
+        assert r["all_gather_into_tensor"].tolist() == [0.0, 0.0, 1.0, 1.0]
+        a, b = r["coalesced_reduce_scatter"]
+        assert a.tolist() == [[1.0, 3.0], [5.0, 7.0]][rank] and b.tolist() == [3.0]
+        # rank r receives (r+1+j) rows of value 10*j + r from each rank j.
+        expected = [float(10 * j + rank) for j in range(2) for _ in range(j + 1 + rank)]
+        assert r["all_to_all_uneven"].tolist() == expected
+        assert r["megatron_uneven_gather"].tolist() == [0.0, 1.0, 1.0]
+        assert r["megatron_uneven_reduce_scatter"].shape == (rank + 1, 2)
+        assert r["megatron_uneven_reduce_scatter"].eq(3.0).all()
+
+
+# --- 1. forward/backward through the pipeline schedules -----------------------------------------
+
+@pytest.mark.parametrize("layout,use_ddp", [
+    pytest.param(ParallelLayout(tp=2), False, id="tp2"),
+    pytest.param(ParallelLayout(pp=2), False, id="pp2"),
+    pytest.param(ParallelLayout(), True, id="dp2-ddp"),
+])
+def test_forward_backward_matches_tp1(dense_ref, layout, use_ddp):
+    res = run_local(rh.fwd_bwd_worker, 2, layout, dense_ref["ckpt"], use_ddp, timeout=TIMEOUT)
+    _close(_dp_losses(res), dense_ref["losses"], atol=1e-5, what="micro-batch losses")
+
+    grads: dict[str, torch.Tensor] = {}
+    for r in res:
+        if r["grads"] is not None:
+            assert not set(grads) & set(r["grads"]), "two stages returned the same parameter"
+            grads.update(r["grads"])
+    if layout.pp > 1 and not use_ddp:
+        # Tied embeddings without DDP: the first stage holds the input-embedding part of the
+        # gradient, the last stage's output-layer copy the rest; megatron's finalize step sums them.
+        grads["embedding.word_embeddings.weight"] = grads["embedding.word_embeddings.weight"] + grads.pop("output_layer.weight")
+    _assert_grads_match(grads, dense_ref["grads"], str(layout))
+
+
+# --- 2. MoE with expert parallelism ------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout,world", [
+    pytest.param(ParallelLayout(ep=2), 2, id="ep2"),
+    pytest.param(ParallelLayout(tp=2, ep=2), 4, id="ep2-tp2"),
+])
+def test_moe_expert_parallel_matches_tp1(moe_ref, layout, world):
+    dispatchers = ("allgather", "alltoall")
+    res = run_local(rh.moe_worker, world, layout, moe_ref["ckpt"], dispatchers, timeout=TIMEOUT)
+    assert sorted({r["ep_rank"] for r in res}) == [0, 1]
+    for dispatcher in dispatchers:
+        losses = _dp_losses(res, key=lambda r: r["results"][dispatcher]["losses"])
+        _close(losses, moe_ref["losses"], atol=1e-5, what=f"{dispatcher} losses")
+        for r in res:
+            out = r["results"][dispatcher]
+            # Each rank holds 2 of the 4 experts per layer, and every one of them received tokens.
+            assert len(out["local_expert_grad_sums"]) == 2 * 2 * 2  # layers x local experts x (fc1, fc2)
+            assert all(v > 0 for v in out["local_expert_grad_sums"].values()), out["local_expert_grad_sums"]
+            where = {k: r[k] for k in ("tp_rank", "ep_rank", "dp_rank")}
+            _assert_grads_match(out["grads"], moe_ref["grads"], f"{layout} {dispatcher} {where}")
+
+
+# --- 3. megatron DDP + optimizer -------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(ParallelLayout(tp=2), id="tp2"),
+    pytest.param(ParallelLayout(pp=2), id="pp2"),
+    pytest.param(ParallelLayout(), id="dp2"),
+])
+def test_optimizer_steps_match_tp1(dense_ref, train_ref, layout):
+    res = run_local(rh.train_worker, 2, layout, dense_ref["ckpt"], VARIANTS, STEPS, timeout=TIMEOUT)
+    ref_means = [sum(s["losses"]) / len(s["losses"]) for s in train_ref]
+    ref_norms = [s["grad_norm"] for s in train_ref]
+    assert ref_norms[0] > rh.CLIP_GRAD, "the first step must be clipped for this test to mean anything"
+    for variant in VARIANTS:
+        what = f"{layout} distributed_optimizer={variant[0]} overlap_grad_reduce={variant[1]}"
+        means = [sum(_dp_losses(res, key=lambda r, i=i: r["runs"][variant][i]["losses"])) / rh.NUM_MICROBATCHES
+                 for i in range(STEPS)]
+        for r in res:
+            hist = r["runs"][variant]
+            assert all(s["ok"] for s in hist), what
+            norms = [s["grad_norm"] for s in hist]
+            assert all(math.isfinite(n) and n > 0 for n in norms), (what, norms)
+            _close(norms, ref_norms, atol=0, rtol=1e-5, what=f"{what}: grad norms")
+            for s in hist:  # clipping leaves the gradient at norm min(norm, clip_grad)
+                _close(s["clipped_norm"], min(s["grad_norm"], rh.CLIP_GRAD), atol=1e-5, what=f"{what}: clipped norm")
+        assert all(b < a for a, b in zip(means, means[1:])), (what, means)
+        assert means[-1] < means[0] - 0.1, (what, means)
+        _close(means, ref_means, atol=2e-5, what=f"{what}: mean loss per step")
+
+
+# --- 4. dist_checkpointing across layouts ----------------------------------------------------------
+
+def test_checkpoint_tp2_restores_at_tp1_and_dp2(dense_ref, tmp_path):
+    ckpt = str(tmp_path / "tp2")
+    saved = run_local(rh.save_checkpoint_worker, 2, ParallelLayout(tp=2), dense_ref["ckpt"], ckpt, 2, timeout=TIMEOUT)
+    files = set(os.listdir(ckpt))
+    assert {".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp"} <= files, files
+    s = saved[0]
+    # Both TP ranks agree on the gathered model.
+    for name in s["params"]:
+        assert torch.equal(s["params"][name], saved[1]["params"][name]), name
+
+    tp1 = run_local(rh.load_checkpoint_worker, 1, ParallelLayout(), dense_ref["ckpt"], ckpt, True, timeout=TIMEOUT)[0]
+    dp2 = run_local(rh.load_checkpoint_worker, 2, ParallelLayout(), dense_ref["ckpt"], ckpt, False, timeout=TIMEOUT)
+    saved_after = [x for step in s["after"] for x in step["losses"]]
+
+    for what, restored, after_losses in (
+        ("TP=1", tp1["full"], [x for step in tp1["full"]["after"] for x in step["losses"]]),
+        ("DP=2", dp2[0]["full"], [x for i in range(2) for x in _dp_losses(dp2, key=lambda r, i=i: r["full"]["after"][i]["losses"])]),
+    ):
+        assert set(restored["params"]) == set(s["params"])
+        moved = max(float((restored["before"][k] - s["params"][k]).abs().max()) for k in s["params"])
+        assert moved > 1e-4, f"{what}: the model started equal to the checkpoint; the test proves nothing"
+        for name, value in s["params"].items():
+            assert torch.equal(restored["params"][name], value), f"{what}: {name} not restored exactly"
+        _close(restored["logits"], s["logits"], atol=1e-5, what=f"{what}: logits")
+        # The steps after the restore need Adam's moments and step count from the checkpoint.
+        _close(after_losses, saved_after, atol=1e-5, what=f"{what}: losses after resuming")
+        _close([x["grad_norm"] for x in restored["after"]], [x["grad_norm"] for x in s["after"]], atol=0, rtol=1e-5,
+               what=f"{what}: grad norms after resuming")
+
+    # Control: the same model restored without its optimizer state diverges on the second step.
+    control = tp1["model_only"]["after"][1]["losses"]
+    assert max(abs(a - b) for a, b in zip(control, s["after"][1]["losses"])) > 1e-3
+
+
+# --- 5. the layer stays out of the way ---------------------------------------------------------------
+
+_PROBE = r"""
+import json, sys, torch
+mode = sys.argv[1]
+if mode == "cuda":
+    torch.cuda.is_available = lambda: True
+if mode == "old-mcore":
+    from megatron.core import package_info
+    package_info.__version__ = "0.17.0"
+from megatron_patch.runtime import cpu_compat, distributed
+from megatron.core.optimizer import distrib_optimizer
+from megatron.core.tensor_parallel import mappings
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+def snapshot():
+    return dict(
+        zeros=torch.zeros, empty=torch.empty, tensor_cuda=torch.Tensor.cuda, tensor_to=torch.Tensor.to,
+        tensor_type=torch.Tensor.type, current_device=torch.cuda.current_device, stream=torch.cuda.Stream,
+        cuda_rng=torch.cuda.get_rng_state, gather=mappings._gather_along_first_dim,
+        move=moe_utils.maybe_move_tensor_to_cpu, norm=WrappedTorchNorm.__dict__["__new__"],
+        optim_load=distrib_optimizer.DistributedOptimizer.load_state_dict,
+    )
+
+before = snapshot()
+error = None
+try:
+    result = cpu_compat.enable()
+except Exception as exc:
+    result, error = None, f"{type(exc).__name__}: {exc}"
+after = snapshot()
+print(json.dumps(dict(
+    result=result, enabled=cpu_compat.is_enabled(), error=error, backend=distributed.backend(),
+    untouched=sorted(k for k in before if after[k] is before[k]), total=len(before),
+    zeros_device=str(torch.zeros(1, device="cuda").device) if result else None,
+)))
+"""
+
+
+def _probe(mode: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "MP_CPU_COMPAT_ANY_MCORE"}
+    proc = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_layer_patches_when_cuda_absent():
+    """The control for the next test: on this machine every watched spot is replaced."""
+    r = _probe("cpu")
+    assert r["result"] is True and r["enabled"] is True and r["error"] is None
+    assert r["untouched"] == [], r["untouched"]
+    assert r["zeros_device"] == "cpu" and r["backend"] == "gloo"
+
+
+def test_layer_does_nothing_when_cuda_present():
+    r = _probe("cuda")
+    assert r["result"] is False and r["enabled"] is False and r["error"] is None
+    assert len(r["untouched"]) == r["total"], r["untouched"]
+    assert r["backend"] == "nccl"
+
+
+def test_unsupported_mcore_version_is_refused(monkeypatch):
+    from megatron.core import package_info
+
+    from megatron_patch.runtime import cpu_compat
+
+    monkeypatch.setattr(package_info, "__version__", "0.17.0")
+    monkeypatch.delenv("MP_CPU_COMPAT_ANY_MCORE", raising=False)
+    with pytest.raises(UserError, match=r"megatron-core 0\.16\.x, found 0\.17\.0") as info:
+        cpu_compat.check_mcore_version()
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv("MP_CPU_COMPAT_ANY_MCORE", "1")
+    assert cpu_compat.check_mcore_version() == "0.17.0"
+
+    # enable() refuses before it patches anything.
+    r = _probe("old-mcore")
+    assert r["result"] is None and r["enabled"] is False
+    assert r["error"].startswith("UserError:") and "0.17.0" in r["error"]
+    assert len(r["untouched"]) == r["total"], r["untouched"]
