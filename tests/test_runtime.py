@@ -285,3 +285,34 @@ def test_unsupported_mcore_version_is_refused(monkeypatch):
     assert r["result"] is None and r["enabled"] is False
     assert r["error"].startswith("UserError:") and "0.17.0" in r["error"]
     assert len(r["untouched"]) == r["total"], r["untouched"]
+
+
+def test_device_contexts_still_work_after_the_layer(tmp_path):
+    """Regression: wrapping torch.tensor & co. must not break `with torch.device("meta")`.
+
+    transformers builds models under such a context; when torch's constructor cache was filled
+    with our wrappers, an HF model loaded after `enable()` got uninitialised buffers and its logits
+    changed from one load to the next.
+    """
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("qwen2", tmp_path / "qwen2", seed=0)
+    code = f"""
+import torch
+from megatron_patch.runtime import cpu_compat
+assert cpu_compat.enable()
+with torch.device("meta"):
+    assert torch.tensor([1.0]).is_meta and torch.arange(3).is_meta and torch.zeros(2).is_meta
+from transformers import AutoModelForCausalLM
+tokens = torch.arange(24).reshape(2, 12)
+logits = []
+for _ in range(3):
+    model = AutoModelForCausalLM.from_pretrained({str(hf)!r}).eval()
+    with torch.no_grad():
+        logits.append(model(tokens).logits)
+assert all(torch.equal(logits[0], other) for other in logits[1:]), [float((o - logits[0]).abs().max()) for o in logits]
+assert torch.isfinite(logits[0]).all()
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -217,6 +217,13 @@ def _patch_torch_cuda():
 
 
 def _patch_torch_tensors():
+    # torch's device contexts (`with torch.device("meta"):`, used by transformers to build models
+    # before loading weights) recognise constructors by identity, from a cache filled on first use.
+    # Fill it with the real constructors before they are wrapped, or a model built under such a
+    # context afterwards gets real, uninitialised tensors where it expects meta ones.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _redirect_factory(getattr(torch, name)))
     for name in _TENSOR_FACTORIES:
