@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 
 import torch
@@ -11,8 +13,21 @@ from safetensors import SafetensorError, safe_open
 from megatron_patch.errors import UserError
 
 
+# safetensors dtype tags -> torch dtypes.
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
 class HFCheckpointReader:
-    """Tensors by name, read from disk only when asked for."""
+    """Tensors by name, read from disk only when asked for.
+
+    Bytes are read with ``pread`` rather than through safetensors' memory map: pages touched through
+    a map stay in this process's resident set, so reading a whole checkpoint through it would make
+    the converter's memory grow with the model even though each tensor is dropped after use.
+    """
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -29,6 +44,7 @@ class HFCheckpointReader:
                 raise UserError(f"no *.safetensors files in {self.folder}: convert .bin checkpoints to safetensors first")
             weight_map = None
         self._handles = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
         self._where: dict[str, str] = {}
         for name in files:
             handle = self._open(name)
@@ -58,13 +74,52 @@ class HFCheckpointReader:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def _header(self, file: str) -> tuple[int, dict]:
+        """(offset of the data section, header) of a safetensors file, parsed once."""
+        if file not in self._headers:
+            with open(self.folder / file, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            self._headers[file] = (8 + length, header)
+        return self._headers[file]
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise UserError(f"tensor '{name}' is not in the checkpoint at {self.folder}")
+        file = self._where[name]
+        path = self.folder / file
         try:
-            return self._open(self._where[name]).get_tensor(name)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise UserError(f"cannot read '{name}' from {self._where[name]} ({exc}): the file may be truncated or corrupt")
+            self._open(file)  # validated by safetensors before any byte is trusted
+            base, header = self._header(file)
+            info = header[name]
+            begin, end = info["data_offsets"]
+            dtype = _DTYPES[info["dtype"]]
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                buf = bytearray(end - begin)
+                view, got = memoryview(buf), 0
+                while got < len(buf):
+                    n = os.preadv(fd, [view[got:]], base + begin + got)
+                    if n <= 0:
+                        raise OSError(f"file ends {len(buf) - got} bytes early")
+                    got += n
+            finally:
+                os.close(fd)
+        except (SafetensorError, OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+            raise UserError(f"cannot read '{name}' from {file} ({exc}): the file may be truncated or corrupt")
+        if not buf:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        info = self._header(self._where[name])[1][name]
+        if info["dtype"] not in _DTYPES:
+            raise UserError(f"tensor '{name}' has dtype {info['dtype']}, which the converter does not handle")
+        return _DTYPES[info["dtype"]]
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self._header(self._where[name])[1][name]["data_offsets"]
+        return end - begin
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._open(self._where[name]).get_slice(name).get_shape())

@@ -1,0 +1,88 @@
+"""`mpatch convert`: HF folders <-> Megatron-Core checkpoints (legacy or torch_dist), streaming and strict."""
+
+from __future__ import annotations
+
+import signal
+
+from megatron_patch.cli.common import add_layout_args, layout_from_args
+
+
+def _quiet_imports() -> None:
+    import warnings
+
+    # megatron-core warns at import about optional GPU packages; conversion never needs them.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+
+
+def _terminate_cleanly() -> None:
+    # SIGTERM (a scheduler cancelling the job) unwinds like Ctrl-C, so the partial output is removed.
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_hf2mcore(args) -> int:
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+
+    _terminate_cleanly()
+    _quiet_imports()
+    sidecar = hf_to_mcore(args.hf_dir, args.save_dir, layout_from_args(args), fmt=args.format, dtype=args.dtype,
+                          force=args.force, progress=False if args.quiet else None)
+    print(f"wrote {args.save_dir}: {sidecar.family} {sidecar.checkpoint_format} {layout_from_args(args)} "
+          f"{sidecar.dtype}, {sidecar.num_tensors} tensors, {sidecar.num_bytes / 2**30:.2f} GiB")
+    return 0
+
+
+def run_mcore2hf(args) -> int:
+    from megatron_patch.convert.checkpoint import mcore_to_hf
+
+    _terminate_cleanly()
+    _quiet_imports()
+    mcore_to_hf(args.load_dir, args.save_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
+                progress=False if args.quiet else None)
+    print(f"wrote {args.save_dir}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "convert", help="convert checkpoints between Hugging Face and Megatron-Core",
+        description="Convert checkpoints between a Hugging Face model folder and a Megatron-Core checkpoint. "
+                    "Streaming (one tensor in memory at a time), exact (bit-identical round trips), strict "
+                    "(every tensor accounted for) and atomic (output appears only when complete).")
+    sub = p.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
+
+    h = sub.add_parser(
+        "hf2mcore", help="HF folder -> Megatron-Core checkpoint",
+        description="Convert a Hugging Face model folder (config.json + safetensors) into a Megatron-Core checkpoint "
+                    "for a TP/PP/EP layout. torch_dist output loads at any layout; legacy output is one "
+                    "model_optim_rng.pt per rank at exactly this layout. Tokenizer and generation files are carried "
+                    "along, and mpatch_checkpoint.json records everything mcore2hf needs.")
+    h.add_argument("--hf-dir", required=True, help="Hugging Face model folder: config.json and *.safetensors (+ index)")
+    h.add_argument("--save-dir", required=True, help="output checkpoint folder (must be new or empty unless --force)")
+    add_layout_args(h)
+    h.add_argument("--format", choices=["torch_dist", "legacy"], default="torch_dist",
+                   help="torch_dist: megatron dist_checkpointing, loadable at any TP/PP/EP (default); "
+                        "legacy: release/mp_rank_*/model_optim_rng.pt for exactly this layout")
+    h.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of the MCore weights (default: the HF tensors' own dtype)")
+    h.add_argument("--force", action="store_true", help="replace a non-empty --save-dir (only once the new one is complete)")
+    h.add_argument("--quiet", action="store_true", help="no progress output")
+    h.set_defaults(run=run_hf2mcore)
+
+    m = sub.add_parser(
+        "mcore2hf", help="Megatron-Core checkpoint -> HF folder",
+        description="Convert a checkpoint written by 'mpatch convert hf2mcore' back into a Hugging Face model folder "
+                    "(sharded safetensors + index, config.json, tokenizer files) that "
+                    "transformers.AutoModelForCausalLM.from_pretrained loads. Needs only the checkpoint: the sidecar "
+                    "mpatch_checkpoint.json supplies the config, layout and vocabulary padding.")
+    m.add_argument("--load-dir", required=True, help="checkpoint folder written by hf2mcore (holds mpatch_checkpoint.json)")
+    m.add_argument("--save-dir", required=True, help="output HF folder (must be new or empty unless --force)")
+    m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of the HF weights (default: the checkpoint's dtype)")
+    m.add_argument("--max-shard-size", default="5GB",
+                   help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    m.add_argument("--force", action="store_true", help="replace a non-empty --save-dir (only once the new one is complete)")
+    m.add_argument("--quiet", action="store_true", help="no progress output")
+    m.set_defaults(run=run_mcore2hf)

@@ -1,0 +1,393 @@
+"""HF model folder <-> MCore checkpoint folder, streaming: what ``mpatch convert`` runs.
+
+Both directions run the family's weight table through ``plan_transfers``; each transfer reads its
+source tensors once, cuts or glues them (exact slicing and concatenation), and hands the results to
+a writer that puts them on disk at once. Memory holds the tensors of one transfer (plus, with tied
+embeddings, the embedding until its second user is done), never the model.
+
+Every check that can be made before reading weights is made first: config.json, the layout, every
+HF tensor's presence and shape against what megatron-core builds for that config. Output goes to a
+temporary sibling folder that is renamed onto the target only when complete.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from megatron_patch.convert.engine import MappingError, _names, check_hf_names, plan
+from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.convert.hf_writer import SafetensorsShardWriter, parse_size
+from megatron_patch.convert.legacy import (
+    CHECKPOINT_VERSION, check_legacy_layout, open_rank_files, rank_coords, rank_file)
+from megatron_patch.convert.mapping import Transfer, split_context
+from megatron_patch.convert.outputs import atomic_output_dir, carried_files, copy_carried
+from megatron_patch.convert.progress import Progress
+from megatron_patch.convert.sidecar import (
+    DTYPE_NAMES, DTYPES, RELEASE_DIR, TRACKER_NAME, Sidecar, read_sidecar)
+from megatron_patch.convert.skeleton import ModelSkeleton, describe_model
+from megatron_patch.convert.splits import Replicated
+from megatron_patch.convert.torch_dist import TorchDistReader, bytes_item, tensor_item, write_torch_dist
+from megatron_patch.convert.torch_files import StreamingTorchSave, TensorSpec
+from megatron_patch.errors import UserError
+from megatron_patch.models import get_family, parse_arch
+from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.runtime.distributed import ParallelLayout
+
+FORMATS = ("torch_dist", "legacy")
+_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _meta(shape) -> torch.Tensor:
+    return torch.empty(tuple(shape), device="meta")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def expected_hf_shapes(arch: Arch, transfers_tp1: list[Transfer], skeleton: ModelSkeleton) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor, derived from the parameters megatron-core builds for ``arch``.
+
+    Also checks that the weight table writes every parameter of the model and nothing else.
+    """
+    ctx = split_context(arch)
+    planned, out = set(), {}
+    for t in transfers_tp1:
+        name = t.placements[0].mcore_name
+        planned.add(name)
+        if name not in skeleton.shapes:
+            raise MappingError(f"the {arch.family} weight table writes {name}, which the MCore model does not have")
+        shape = skeleton.shapes[name]
+        hf_shapes = [shape] * len(t.hf_names) if isinstance(t.split, Replicated) else \
+            [tuple(m.shape) for m in t.split.merge([_meta(shape)], ctx)]
+        for hf_name, s in zip(t.hf_names, hf_shapes):
+            out.setdefault(hf_name, tuple(s))
+    unplanned = set(skeleton.shapes) - planned
+    if unplanned:
+        raise MappingError(f"no {arch.family} mapping rule writes {len(unplanned)} MCore parameter(s): {_names(unplanned)}")
+    return out
+
+
+class _ReadOnce:
+    """HF tensors by name, each read from disk once: kept only while another transfer still needs it."""
+
+    def __init__(self, reader: HFCheckpointReader, transfers: list[Transfer], progress: Progress | None):
+        self.reader, self.progress = reader, progress
+        self.uses = Counter(n for t in transfers for n in t.hf_names)
+        self.cache: dict[str, torch.Tensor] = {}
+        self.reads: Counter = Counter()
+
+    def get(self, name: str) -> torch.Tensor:
+        tensor = self.cache.get(name)
+        if tensor is None:
+            tensor = self.reader.get(name)
+            self.reads[name] += 1
+            if self.progress is not None:
+                self.progress.update(_nbytes(tensor))
+        self.uses[name] -= 1
+        if self.uses[name] > 0:
+            self.cache[name] = tensor
+        else:
+            self.cache.pop(name, None)
+        return tensor
+
+
+def _choose_dtype(reader: HFCheckpointReader, names, dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if dtype not in DTYPES:
+            raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    found = {reader.dtype(n) for n in names}
+    if len(found) == 1 and next(iter(found)) in DTYPE_NAMES:
+        return next(iter(found))
+    raise UserError(f"the HF tensors are stored as {sorted(map(str, found))}: pass --dtype bf16, fp16 or fp32")
+
+
+# --- HF -> MCore -------------------------------------------------------------------------------
+
+def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
+                dtype: str | torch.dtype | None = None, force: bool = False, progress: bool | None = None) -> Sidecar:
+    """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy)."""
+    if fmt not in FORMATS:
+        raise UserError(f"unknown checkpoint format {fmt!r}: choose {' or '.join(FORMATS)}")
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise UserError(f"{hf_dir} is not a folder: point --hf-dir at a Hugging Face model folder")
+    arch = parse_arch(hf_dir)
+    family = get_family(arch.family)
+    validate_layout(arch, layout)
+    if fmt == "legacy":
+        check_legacy_layout(layout)
+    from megatron_patch.convert.outputs import check_target
+
+    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part
+    reader = HFCheckpointReader(hf_dir)
+    tp1 = plan(family, arch, ParallelLayout())
+    check_hf_names(tp1, reader.keys(), arch)
+    torch_dtype = _choose_dtype(reader, [n for t in tp1 for n in t.hf_names], dtype)
+    skeleton = describe_model(arch)
+    for name, shape in expected_hf_shapes(arch, tp1, skeleton).items():
+        if tuple(reader.shape(name)) != shape:
+            raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {shape}: "
+                            "the weights and config.json do not belong together")
+    if arch.tie_word_embeddings and "lm_head.weight" in reader:
+        if not torch.equal(reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
+            raise UserError("config.json ties the embeddings but lm_head.weight differs from model.embed_tokens.weight: "
+                            "set tie_word_embeddings=false")
+
+    transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
+    hf_names = sorted({n for t in transfers for n in t.hf_names})
+    bar = Progress(f"hf2mcore {fmt} {layout}", sum(reader.nbytes(n) for n in hf_names), len(hf_names), progress)
+    once = _ReadOnce(reader, transfers, bar)
+    with atomic_output_dir(save_dir, force, inputs=(hf_dir,)) as tmp:
+        release = tmp / RELEASE_DIR
+        release.mkdir()
+        if fmt == "legacy":
+            count, nbytes = _write_legacy(release, arch, layout, transfers, once, torch_dtype)
+        else:
+            count, nbytes = _write_torch_dist(release, arch, transfers, once, torch_dtype, skeleton)
+        twice = [n for n, c in once.reads.items() if c > 1]
+        if twice or set(once.reads) != set(hf_names):
+            raise MappingError(f"internal error: HF tensors read {'more than once' if twice else 'not at all'}: "
+                               f"{_names(twice or set(hf_names) - set(once.reads))}")
+        sidecar = Sidecar.create(fmt, arch, layout, torch_dtype, carried_files=copy_carried(hf_dir, tmp),
+                                 num_tensors=count, num_bytes=nbytes, source=str(hf_dir.resolve()))
+        sidecar.write(tmp)
+        # Written last: Megatron treats a folder with this file as a finished checkpoint.
+        (tmp / TRACKER_NAME).write_text("release")
+    bar.close()
+    return sidecar
+
+
+def _write_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], once: _ReadOnce,
+                  dtype: torch.dtype) -> tuple[int, int]:
+    ctx = split_context(arch)
+    coords = rank_coords(layout)
+    holders = {}  # (transfer index, placement) -> coords that store it
+    specs: dict = {c: {} for c in coords}
+    for i, t in enumerate(transfers):
+        shards = t.split.shards([_meta(once.reader.shape(n)) for n in t.hf_names], t.num_shards, ctx)
+        for p in t.placements:
+            holders[(i, p)] = [c for c in coords if c.holds(t, p)]
+            for c in holders[(i, p)]:
+                specs[c][p.mcore_name] = TensorSpec(tuple(shards[p.shard].shape), dtype)
+    writers = {}
+    for c in coords:
+        path = rank_file(release, c, layout)
+        path.parent.mkdir(parents=True)
+        writers[c] = StreamingTorchSave(path, {"model": specs[c], "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0})
+    count = nbytes = 0
+    for i, t in enumerate(transfers):
+        shards = t.split.shards([once.get(n).to(dtype) for n in t.hf_names], t.num_shards, ctx)
+        for p in t.placements:
+            for c in holders[(i, p)]:
+                writers[c].write(("model", p.mcore_name), shards[p.shard])
+                count += 1
+                nbytes += _nbytes(shards[p.shard])
+        del shards
+    for w in writers.values():
+        w.close()
+    return count, nbytes
+
+
+def _write_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], once: _ReadOnce, dtype: torch.dtype,
+                      skeleton: ModelSkeleton) -> tuple[int, int]:
+    ctx = split_context(arch)
+    by_name = {t.placements[0].mcore_name: t for t in transfers}
+    chunks = defaultdict(list)
+    for ch in skeleton.chunks:
+        if ch.name not in by_name:
+            raise MappingError(f"the model's sharded state dict has {ch.name}, which no mapping rule writes")
+        chunks[ch.name].append(ch)
+    items, sources = [], {}
+    for name in by_name:
+        for ch in chunks[name]:
+            items.append(tensor_item(ch.key, ch.global_shape, ch.global_offset, ch.local_shape, dtype))
+            sources[(ch.key, ch.global_offset)] = ch
+    payloads = {obj.unique_key: obj.payload for obj in skeleton.objects}
+    items += [bytes_item(key) for key in payloads]
+    current: dict = {"name": None, "tensor": None}
+
+    def resolve(item):
+        if item.index.offset is None:
+            return io.BytesIO(payloads[item.index.fqn])
+        ch = sources[(item.index.fqn, tuple(item.index.offset))]
+        if current["name"] != ch.name:
+            t = by_name[ch.name]
+            current["tensor"] = None
+            current.update(name=ch.name, tensor=t.split.shards([once.get(n).to(dtype) for n in t.hf_names], 1, ctx)[0])
+        return current["tensor"][ch.region()].reshape(ch.local_shape)
+
+    write_torch_dist(release, items, resolve)
+    nbytes = sum(torch.Size(ch.local_shape).numel() for ch in skeleton.chunks) * torch.empty((), dtype=dtype).element_size()
+    return len(skeleton.chunks), nbytes
+
+
+# --- MCore -> HF -------------------------------------------------------------------------------
+
+def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.dtype | None = None,
+                max_shard_size: str | int = "5GB", force: bool = False, progress: bool | None = None) -> Path:
+    """Convert a checkpoint written by ``hf_to_mcore`` back into an HF model folder; needs nothing else."""
+    load_dir = Path(load_dir)
+    sidecar = read_sidecar(load_dir)
+    arch = parse_arch(sidecar.hf_config)
+    if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
+        raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
+                        f"disagrees with its config ({arch.vocab_size}, padded {arch.padded_vocab_size()})")
+    family = get_family(arch.family)
+    out_dtype = sidecar.torch_dtype if dtype is None else _choose_dtype(None, [], dtype)
+    max_bytes = parse_size(max_shard_size)
+    from megatron_patch.convert.outputs import check_target
+
+    check_target(save_dir, force, inputs=(load_dir,))
+    skeleton = describe_model(arch)
+    tp1 = plan(family, arch, ParallelLayout())
+    hf_shapes = expected_hf_shapes(arch, tp1, skeleton)
+    release = load_dir / RELEASE_DIR
+    if sidecar.checkpoint_format == "legacy":
+        layout = sidecar.parallel_layout
+        validate_layout(arch, layout)
+        check_legacy_layout(layout)
+        transfers = plan(family, arch, layout)
+        source = _LegacySource(release, arch, layout, transfers, hf_shapes)
+    else:
+        transfers = tp1
+        source = _TorchDistSource(release, skeleton)
+    entries, seen = [], set()
+    for t in transfers:
+        for n in t.hf_names:
+            if n not in seen:
+                seen.add(n)
+                entries.append((n, hf_shapes[n], out_dtype))
+    ctx = split_context(arch)
+    bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", sum(torch.Size(s).numel() for _, s, _ in entries)
+                   * torch.empty((), dtype=out_dtype).element_size(), len(entries), progress)
+    with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
+        writer = SafetensorsShardWriter(tmp, entries, max_bytes)
+        first_user: dict[str, Transfer] = {}
+        for t in transfers:
+            if len(t.hf_names) == 1 and t.hf_names[0] in first_user:
+                # The tied output layer on the last stage: a copy of the embedding; check it is one.
+                again = first_user[t.hf_names[0]]
+                if not torch.equal(t.split.merge(source.shards(t), ctx)[0], again.split.merge(source.shards(again), ctx)[0]):
+                    raise MappingError("the last stage's output layer differs from the tied embedding: the checkpoint "
+                                       "was changed after conversion in a way HF cannot represent")
+                continue
+            try:
+                merged = t.split.merge(source.shards(t), ctx)
+            except ValueError as exc:
+                raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
+            for n, tensor in zip(t.hf_names, merged):
+                first_user[n] = t
+                out = tensor.to(out_dtype)
+                writer.write(n, out)
+                bar.update(_nbytes(out))
+            del merged
+        writer.close()
+        source.check_all_read()
+        _write_hf_config(tmp, sidecar.hf_config, out_dtype)
+        copy_carried(load_dir, tmp, sidecar.carried_files)
+    bar.close()
+    return Path(save_dir)
+
+
+def _write_hf_config(folder: Path, hf_config: dict, dtype: torch.dtype) -> None:
+    import json
+
+    config = dict(hf_config)
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+    for k in keys:
+        config[k] = _TORCH_DTYPE_NAMES[dtype]
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+class _LegacySource:
+    """Shards of a transfer from the rank files that hold them; tracks that every entry is read."""
+
+    def __init__(self, release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], hf_shapes: dict):
+        self.files = open_rank_files(release, layout)
+        self.layout = layout
+        self.used: set = set()
+        # Check names and shapes of every file against the plan before reading any data.
+        ctx = split_context(arch)
+        expected: dict = {c: {} for c in self.files}
+        for t in transfers:
+            shards = t.split.shards([_meta(hf_shapes[n]) for n in t.hf_names], t.num_shards, ctx)
+            for p in t.placements:
+                for c in self.files:
+                    if c.holds(t, p):
+                        expected[c][p.mcore_name] = tuple(shards[p.shard].shape)
+        for c, sd in self.files.items():
+            where = f"rank file TP={c.tp} PP={c.pp} EP={c.ep}"
+            missing, extra = set(expected[c]) - set(sd), set(sd) - set(expected[c])
+            if missing:
+                raise MappingError(f"{where} lacks {len(missing)} parameter(s): {_names(missing)}")
+            if extra:
+                raise MappingError(f"{where} has {len(extra)} parameter(s) no mapping rule reads: {_names(extra)}")
+            for name, shape in expected[c].items():
+                if tuple(sd[name].shape) != shape:
+                    raise MappingError(f"{where}: {name} has shape {tuple(sd[name].shape)}, expected {shape}")
+
+    def shards(self, t: Transfer) -> list[torch.Tensor]:
+        out = []
+        for index in range(t.num_shards):
+            p = next(p for p in t.placements if p.shard == index)
+            coord = next(c for c in self.files if c.holds(t, p))
+            out.append(self.files[coord][p.mcore_name].load())
+            self.used.add((coord.pp, coord.ep if t.expert else None, p.mcore_name))
+        return out
+
+    def check_all_read(self) -> None:
+        unused = {name for c, sd in self.files.items() for name in sd
+                  if (c.pp, None, name) not in self.used and (c.pp, c.ep, name) not in self.used}
+        if unused:
+            raise MappingError(f"{len(unused)} checkpoint parameter(s) were never read: {_names(unused)}")
+
+
+class _TorchDistSource:
+    """Full (TP=1) parameters assembled from the chunks of a torch_dist checkpoint."""
+
+    def __init__(self, release: Path, skeleton: ModelSkeleton):
+        self.reader = TorchDistReader(release)
+        self.skeleton = skeleton
+        self.chunks = defaultdict(list)
+        for ch in skeleton.chunks:
+            self.chunks[ch.name].append(ch)
+        want = {ch.key: ch.global_shape for ch in skeleton.chunks}
+        have = self.reader.tensor_keys()
+        if set(want) - have:
+            raise MappingError(f"the torch_dist checkpoint lacks {len(set(want) - have)} tensor(s): {_names(set(want) - have)}")
+        if have - set(want):
+            raise MappingError(f"the torch_dist checkpoint has {len(have - set(want))} tensor(s) the model does not: "
+                               f"{_names(have - set(want))}")
+        for key, shape in want.items():
+            if self.reader.global_shape(key) != shape:
+                raise MappingError(f"torch_dist tensor {key} has shape {self.reader.global_shape(key)}, the model needs {shape}")
+        self.read: set = set()
+
+    def shards(self, t: Transfer) -> list[torch.Tensor]:
+        name = t.placements[0].mcore_name
+        full = torch.empty(self.skeleton.shapes[name], dtype=self.reader.dtype(self.chunks[name][0].key))
+        requests = []
+        for ch in self.chunks[name]:
+            block = torch.empty(ch.local_shape, dtype=full.dtype)
+            requests.append((ch.key, ch.global_offset, block))
+        self.reader.load(requests)
+        for ch, (_, _, block) in zip(self.chunks[name], requests):
+            full[ch.region()] = block.reshape(full[ch.region()].shape)
+            self.read.add((ch.key, ch.global_offset))
+        return [full]
+
+    def check_all_read(self) -> None:
+        # Every stored chunk of every key lies in some block read (same blocks as written), so it is
+        # enough that every block the model has was read once.
+        unread = {f"{k}@{o}" for k, o in ((ch.key, ch.global_offset) for ch in self.skeleton.chunks)
+                  if (k, o) not in self.read}
+        if unread:
+            raise MappingError(f"{len(unread)} torch_dist block(s) were never read: {_names(unread)}")

@@ -1,0 +1,46 @@
+"""Progress of a conversion: a tqdm bar (tensors, bytes, throughput) on a terminal, two log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    def __init__(self, desc: str, total_bytes: int, total_tensors: int, enabled: bool | None = None, stream=None):
+        self.stream = stream or sys.stderr
+        self.desc, self.total_bytes, self.total_tensors = desc, total_bytes, total_tensors
+        self.tensors = 0
+        self.bytes = 0
+        self.start = time.perf_counter()
+        tty = getattr(self.stream, "isatty", lambda: False)()
+        # None: a bar on a terminal, a start and an end line otherwise; True: always a bar; False: silent.
+        self.mode = "silent" if enabled is False else "bar" if (enabled or tty) else "log"
+        self._bar = None
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                             file=self.stream, dynamic_ncols=True, postfix=self._postfix())
+        elif self.mode == "log":
+            print(f"{desc}: {total_tensors} tensors, {total_bytes / 2**30:.2f} GiB", file=self.stream, flush=True)
+
+    def _postfix(self) -> str:
+        return f"tensors={self.tensors}/{self.total_tensors}"
+
+    def update(self, nbytes: int, tensors: int = 1) -> None:
+        self.tensors += tensors
+        self.bytes += nbytes
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.update(nbytes)
+
+    def close(self) -> float:
+        seconds = time.perf_counter() - self.start
+        if self._bar is not None:
+            self._bar.close()
+        elif self.mode == "log":
+            rate = self.bytes / max(seconds, 1e-9) / 2**20
+            print(f"{self.desc}: done, {self.tensors} tensors, {self.bytes / 2**30:.2f} GiB in {seconds:.1f}s "
+                  f"({rate:.0f} MiB/s)", file=self.stream, flush=True)
+        return seconds

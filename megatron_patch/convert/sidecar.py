@@ -1,0 +1,104 @@
+"""The sidecar every MCore checkpoint written here carries: ``mpatch_checkpoint.json``.
+
+It records everything needed to turn the checkpoint back into an HF model (the HF config.json
+itself, family, dtype, layout, vocabulary padding) and the versions that wrote it, so ``mcore2hf``
+needs nothing but the checkpoint, and a training launch can take its architecture from here instead
+of from flags that could drift from the weights.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch
+from megatron_patch.runtime.distributed import ParallelLayout
+
+SIDECAR_NAME = "mpatch_checkpoint.json"
+SIDECAR_VERSION = 1
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+RELEASE_DIR = "release"
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    from megatron_patch import __version__
+
+    return {"megatron_patch": __version__, "megatron_core": _version("megatron-core") or _version("megatron_core"),
+            "torch": torch.__version__, "transformers": _version("transformers"), "safetensors": _version("safetensors")}
+
+
+@dataclass
+class Sidecar:
+    checkpoint_format: str          # "legacy" | "torch_dist"
+    family: str
+    dtype: str                      # "bf16" | "fp16" | "fp32"
+    layout: dict                    # tp, pp, ep, etp
+    vocab_size: int
+    padded_vocab_size: int
+    tie_word_embeddings: bool
+    hf_config: dict
+    carried_files: list[str] = field(default_factory=list)
+    num_tensors: int = 0
+    num_bytes: int = 0
+    versions: dict = field(default_factory=versions)
+    source: str = ""
+    sidecar_version: int = SIDECAR_VERSION
+
+    @property
+    def parallel_layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.layout["tp"], pp=self.layout["pp"], ep=self.layout["ep"], etp=self.layout.get("etp"))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def create(cls, fmt: str, arch: Arch, layout: ParallelLayout, dtype: torch.dtype, **extra) -> "Sidecar":
+        return cls(checkpoint_format=fmt, family=arch.family, dtype=DTYPE_NAMES[dtype],
+                   layout={"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp},
+                   vocab_size=arch.vocab_size, padded_vocab_size=arch.padded_vocab_size(),
+                   tie_word_embeddings=arch.tie_word_embeddings, hf_config=arch.hf_config, **extra)
+
+    def write(self, folder: str | Path) -> None:
+        data = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        (Path(folder) / SIDECAR_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_sidecar(folder: str | Path) -> Sidecar:
+    folder = Path(folder)
+    path = folder / SIDECAR_NAME
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder: point --load-dir at a checkpoint written by 'mpatch convert hf2mcore'")
+    if not path.exists():
+        partial = any(p.name.startswith(f".{folder.name}.mpatch-partial.") for p in folder.parent.iterdir())
+        hint = " (a partial conversion of it exists: rerun hf2mcore)" if partial else ""
+        raise UserError(f"{path} not found: {folder} is not a complete checkpoint written by 'mpatch convert hf2mcore'{hint}")
+    try:
+        data = json.loads(path.read_text())
+        sidecar = Sidecar(**data)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise UserError(f"{path} is malformed ({exc}): the checkpoint's sidecar is damaged")
+    if sidecar.sidecar_version > SIDECAR_VERSION:
+        raise UserError(f"{path} has sidecar version {sidecar.sidecar_version}; this megatron_patch reads up to "
+                        f"{SIDECAR_VERSION}: upgrade megatron_patch")
+    if sidecar.checkpoint_format not in ("legacy", "torch_dist") or sidecar.dtype not in DTYPES:
+        raise UserError(f"{path} names format {sidecar.checkpoint_format!r} / dtype {sidecar.dtype!r}, which are unknown")
+    tracker = folder / TRACKER_NAME
+    if not tracker.exists() or tracker.read_text().strip() != "release":
+        raise UserError(f"{tracker} is missing or does not say 'release': the checkpoint is incomplete")
+    return sidecar

@@ -1,0 +1,410 @@
+"""`mpatch convert`: HF <-> MCore checkpoints, exact round trips, loading at other layouts, failures.
+
+Conversions run in this process (they need no ranks); loading a checkpoint into a model at a
+TP/PP/EP layout runs that many gloo processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megatron_patch.align.metrics import compare_logits
+from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, hf_logits, random_tokens
+from megatron_patch.cli import main
+from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.convert.outputs import PARTIAL_TAG
+from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
+from megatron_patch.errors import UserError
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.runtime import ParallelLayout
+
+FAMILIES = ["llama3_1", "qwen2", "qwen2_moe", "mixtral"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {f: make_tiny_hf_checkpoint(f, root / f, seed=3) for f in FAMILIES}
+    # Four key/value heads, so that TP=4 divides them.
+    dirs["llama3_1_kv4"] = make_tiny_hf_checkpoint("llama3_1", root / "llama3_1_kv4", seed=4, num_key_value_heads=4)
+    for d in dirs.values():  # side files that must travel both ways
+        (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+        (d / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+    return dirs
+
+
+def tensors(folder) -> dict[str, torch.Tensor]:
+    reader = HFCheckpointReader(folder)
+    return {k: reader.get(k) for k in reader.keys()}
+
+
+def leftovers(target: Path) -> list[str]:
+    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}."))
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    rc = main(list(argv))
+    return rc, capsys.readouterr().err
+
+
+# --- exact round trips ---------------------------------------------------------------------------
+
+ROUND_TRIPS = [
+    # family, format, (TP, PP, EP), dtype
+    ("llama3_1", "legacy", (1, 1, 1), "fp32"),
+    ("llama3_1", "legacy", (2, 2, 1), "bf16"),
+    ("llama3_1", "torch_dist", (2, 1, 1), "fp32"),
+    ("llama3_1_kv4", "legacy", (4, 1, 1), "fp32"),
+    ("llama3_1_kv4", "torch_dist", (4, 4, 1), "bf16"),
+    ("qwen2", "legacy", (2, 2, 1), "fp32"),       # tied embeddings, PP > 1
+    ("qwen2", "legacy", (1, 4, 1), "bf16"),       # tied embeddings, PP = 4
+    ("qwen2", "torch_dist", (1, 2, 1), "fp32"),
+    ("qwen2_moe", "legacy", (2, 2, 2), "fp32"),
+    ("qwen2_moe", "legacy", (1, 1, 4), "bf16"),
+    ("qwen2_moe", "torch_dist", (2, 2, 4), "bf16"),
+    ("mixtral", "legacy", (2, 4, 2), "fp32"),
+    ("mixtral", "legacy", (1, 2, 4), "bf16"),
+    ("mixtral", "torch_dist", (1, 1, 2), "fp32"),
+]
+
+
+@pytest.mark.parametrize("family,fmt,layout,dtype", ROUND_TRIPS,
+                         ids=[f"{f}-{fmt}-tp{l[0]}pp{l[1]}ep{l[2]}-{d}" for f, fmt, l, d in ROUND_TRIPS])
+def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dtype):
+    src = hf_dirs[family]
+    layout = ParallelLayout(tp=layout[0], pp=layout[1], ep=layout[2])
+    ckpt, back = tmp_path / "mcore", tmp_path / "hf"
+    sidecar = hf_to_mcore(src, ckpt, layout, fmt=fmt, dtype=dtype, progress=False)
+    assert (sidecar.checkpoint_format, sidecar.dtype, sidecar.parallel_layout) == (fmt, dtype, layout)
+    mcore_to_hf(ckpt, back, max_shard_size="100KB", progress=False)
+
+    want = {k: v.to(DTYPES[dtype]) for k, v in tensors(src).items()}
+    got = tensors(back)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    # Sharded with an index, config and side files carried both ways, vocabulary padding gone.
+    assert (back / "model.safetensors.index.json").exists()
+    config = json.loads((back / "config.json").read_text())
+    source_config = json.loads((src / "config.json").read_text())
+    assert {k: v for k, v in config.items() if "dtype" not in k} == {k: v for k, v in source_config.items() if "dtype" not in k}
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (ckpt / name).read_bytes() == (src / name).read_bytes() == (back / name).read_bytes()
+    assert not leftovers(ckpt) and not leftovers(back)
+
+
+def test_legacy_layout_matches_megatron(hf_dirs, tmp_path):
+    """File names, checkpoint version, stage-local layer numbers, padded vocabulary shards."""
+    ckpt = tmp_path / "ckpt"
+    hf_to_mcore(hf_dirs["qwen2_moe"], ckpt, ParallelLayout(tp=2, pp=2, ep=2), fmt="legacy", progress=False)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "release"
+    names = sorted(p.name for p in (ckpt / "release").iterdir())
+    assert names == [f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2) for p in range(2) for e in range(2)]
+    first = torch.load(ckpt / "release/mp_rank_01_000_001/model_optim_rng.pt", weights_only=True)
+    last = torch.load(ckpt / "release/mp_rank_00_001_000/model_optim_rng.pt", weights_only=True)
+    assert first["checkpoint_version"] == 3.0 and first["iteration"] == 0
+    emb = first["model"]["embedding.word_embeddings.weight"]
+    assert emb.shape == (128, 64)                   # vocab 200 padded to 256, split over TP=2
+    assert torch.count_nonzero(emb[200 - 128:]) == 0  # rank 1 holds rows 128..255: 200.. are padding
+    layers = {k.split(".")[2] for k in last["model"] if k.startswith("decoder.layers.")}
+    assert layers == {"0", "1"}                     # layers 2 and 3 renumbered on stage 1
+    experts = {k for k in first["model"] if ".mlp.experts.linear_fc2" in k}
+    assert experts == {f"decoder.layers.{i}.mlp.experts.linear_fc2.weight{j}" for i in range(2) for j in range(2)}
+    assert "output_layer.weight" in last["model"] and "output_layer.weight" not in first["model"]
+
+    one_stage = tmp_path / "pp1"
+    hf_to_mcore(hf_dirs["llama3_1"], one_stage, ParallelLayout(tp=2), fmt="legacy", progress=False)
+    assert sorted(p.name for p in (one_stage / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+
+
+def test_each_hf_tensor_is_read_once(hf_dirs, tmp_path, monkeypatch):
+    reads = []
+    original = HFCheckpointReader.get
+    monkeypatch.setattr(HFCheckpointReader, "get", lambda self, name: reads.append(name) or original(self, name))
+    hf_to_mcore(hf_dirs["qwen2"], tmp_path / "a", ParallelLayout(tp=2, pp=2), fmt="legacy", progress=False)
+    names = HFCheckpointReader(hf_dirs["qwen2"]).keys()
+    assert sorted(reads) == sorted(names)           # tied embedding read once for both stages
+    reads.clear()
+    hf_to_mcore(hf_dirs["mixtral"], tmp_path / "b", ParallelLayout(tp=2, ep=2), fmt="torch_dist", progress=False)
+    assert sorted(reads) == sorted(HFCheckpointReader(hf_dirs["mixtral"]).keys())
+
+
+def test_exported_folder_loads_in_transformers(hf_dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    src = hf_dirs["qwen2"]  # tied embeddings: lm_head must come back as HF expects
+    hf_to_mcore(src, tmp_path / "ck", ParallelLayout(pp=2), fmt="legacy", progress=False)
+    mcore_to_hf(tmp_path / "ck", tmp_path / "hf", progress=False)
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not any(info.values()), info
+    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
+    tokens = random_tokens(250)
+    assert torch.equal(model(tokens).logits, hf_logits(src, tokens))
+
+
+def megatron_save_worker(hf_dir: str, out: str) -> dict:
+    """Runs in a helper process: megatron's own torch_dist save of the model, and its metadata."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_patch.models import parse_arch
+    from megatron_patch.models.builder import build_model
+    from megatron_patch.runtime import init_model_parallel
+
+    init_model_parallel(ParallelLayout())
+    model = build_model(parse_arch(hf_dir), ParallelLayout(), use_te=False)
+    dist_checkpointing.save(model.sharded_state_dict(), out)
+    return describe_torch_dist(out)
+
+
+def describe_torch_dist(folder) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return {k: (tuple(v.size), v.properties.dtype) if hasattr(v, "size") else "bytes" for k, v in md.items()}
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen2"])
+def test_torch_dist_matches_megatrons_own_save(hf_dirs, tmp_path, family):
+    """Keys, global shapes and dtypes are exactly what dist_checkpointing.save writes for the model."""
+    from megatron_patch.runtime.launch import run_local
+
+    ours = tmp_path / "ours"
+    hf_to_mcore(hf_dirs[family], ours, ParallelLayout(), fmt="torch_dist", progress=False)
+    theirs = tmp_path / "megatron"
+    theirs.mkdir()
+    assert describe_torch_dist(ours / "release") == run_local(megatron_save_worker, 1, str(hf_dirs[family]), str(theirs))[0]
+    assert (ours / "release/metadata.json").read_text() == (theirs / "metadata.json").read_text()
+
+
+# --- loading at a layout, logits ------------------------------------------------------------------
+
+LOADS = [
+    # family, format, converted at (TP, PP, EP), loaded at (TP, PP, EP); two ranks each keeps this quick
+    ("llama3_1", "torch_dist", (1, 2, 1), (2, 1, 1)),
+    ("qwen2", "torch_dist", (2, 1, 1), (1, 2, 1)),     # tied embeddings split across stages on load
+    ("qwen2_moe", "torch_dist", (1, 1, 4), (1, 1, 2)),
+    ("mixtral", "legacy", (1, 1, 2), (1, 1, 2)),
+]
+
+
+@pytest.mark.parametrize("family,fmt,converted,loaded", LOADS, ids=[f"{f}-{fmt}-to-tp{l[0]}pp{l[1]}ep{l[2]}" for f, fmt, _, l in LOADS])
+def test_checkpoint_loads_at_layout_with_hf_logits(hf_dirs, tmp_path, family, fmt, converted, loaded):
+    from megatron_patch.convert.loading import checkpoint_logits_worker
+    from megatron_patch.runtime.launch import run_local
+
+    src = hf_dirs[family]
+    ckpt = tmp_path / "ckpt"
+    hf_to_mcore(src, ckpt, ParallelLayout(*converted), fmt=fmt, progress=False)
+    layout = ParallelLayout(*loaded)
+    tokens = random_tokens(200, batch=2, seq=16)
+    results = run_local(checkpoint_logits_worker, layout.world_size, str(ckpt), layout, tokens)
+    metrics = compare_logits(hf_logits(src, tokens), next(r for r in results if r is not None))
+    assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
+
+
+def test_legacy_checkpoint_refuses_another_layout(hf_dirs, tmp_path):
+    from megatron_patch.convert.loading import load_legacy
+
+    hf_to_mcore(hf_dirs["llama3_1"], tmp_path / "ck", ParallelLayout(tp=2), fmt="legacy", progress=False)
+    with pytest.raises(UserError, match="torch_dist"):
+        load_legacy(None, tmp_path / "ck", read_sidecar(tmp_path / "ck"), ParallelLayout(pp=2))
+
+
+# --- failures: one line, exit 2, nothing left behind ----------------------------------------------
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _break_config(d: Path, how: str) -> None:
+    if how == "missing":
+        (d / "config.json").unlink()
+    elif how == "malformed":
+        (d / "config.json").write_text('{"model_type": "llama", ')
+    elif how == "unsupported":
+        config = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+
+
+def _break_weights(d: Path, how: str) -> None:
+    path = d / "model.safetensors"
+    if how == "truncated":
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 1000])
+    elif how == "corrupt_header":
+        data = bytearray(path.read_bytes())
+        data[8:40] = b"\x00" * 32
+        path.write_bytes(bytes(data))
+    elif how == "shape":
+        sd = load_file(path)
+        name = "model.layers.1.self_attn.o_proj.weight"
+        sd[name] = sd[name][:, :32].contiguous()
+        save_file(sd, path, metadata={"format": "pt"})
+    elif how == "missing_tensor":
+        sd = load_file(path)
+        del sd["model.layers.2.mlp.down_proj.weight"]
+        save_file(sd, path, metadata={"format": "pt"})
+    elif how == "extra_tensor":
+        sd = load_file(path)
+        sd["model.layers.9.mlp.down_proj.weight"] = torch.zeros(2, 2)
+        save_file(sd, path, metadata={"format": "pt"})
+
+
+BAD_INPUTS = [
+    ("missing", "not found"), ("malformed", "not valid JSON"), ("unsupported", "gpt2"),
+    ("truncated", "truncated or corrupt"), ("corrupt_header", "corrupt"), ("shape", "o_proj.weight has shape"),
+    ("missing_tensor", "lacks 1 tensor"), ("extra_tensor", "no llama3_1 mapping rule consumes"),
+]
+
+
+@pytest.mark.parametrize("how,message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_fails_in_one_line_leaving_nothing(hf_dirs, tmp_path, capsys, how, message):
+    bad = _copy(hf_dirs["llama3_1"], tmp_path / "bad")
+    (_break_config if how in ("missing", "malformed", "unsupported") else _break_weights)(bad, how)
+    target = tmp_path / "out"
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(bad), "--save-dir", str(target), "--tp", "2",
+                      "--format", "legacy")
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("mpatch convert: error:") and message in err, err
+    assert not target.exists() and not leftovers(target)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "3"], "TP=3 does not divide"),
+    (["--pp", "3"], "PP=3 does not divide"),
+    (["--ep", "2"], "dense model"),
+    (["--tp", "2", "--etp", "1", "--format", "legacy"], "ETP"),
+], ids=["tp3", "pp3", "ep-on-dense", "legacy-etp"])
+def test_impossible_layout_is_refused(hf_dirs, tmp_path, capsys, args, message):
+    family = "qwen2_moe" if "--etp" in args else "llama3_1"
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf_dirs[family]), "--save-dir", str(tmp_path / "o"), *args)
+    assert rc == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_non_empty_target_needs_force(hf_dirs, tmp_path, capsys):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("precious")
+    argv = ["convert", "hf2mcore", "--hf-dir", str(hf_dirs["llama3_1"]), "--save-dir", str(target), "--quiet"]
+    rc, err = run_cli(capsys, *argv)
+    assert rc == 2 and "--force" in err and (target / "keep.txt").exists()
+    rc, _ = run_cli(capsys, *argv, "--force")
+    assert rc == 0 and not (target / "keep.txt").exists() and (target / SIDECAR_NAME).exists()
+    assert not leftovers(target)
+    # The input folder itself is never a valid target, --force or not.
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf_dirs["llama3_1"]), "--save-dir",
+                      str(hf_dirs["llama3_1"]), "--force")
+    assert rc == 2 and "overwrite the input" in err
+
+
+def test_damaged_mcore_checkpoint_fails_cleanly(hf_dirs, tmp_path, capsys):
+    for fmt, victim in (("legacy", "release/mp_rank_01/model_optim_rng.pt"), ("torch_dist", "release/__0_0.distcp")):
+        ckpt = tmp_path / fmt
+        hf_to_mcore(hf_dirs["llama3_1"], ckpt, ParallelLayout(tp=2), fmt=fmt, progress=False)
+        data = (ckpt / victim).read_bytes()
+        (ckpt / victim).write_bytes(data[: len(data) // 2])
+        rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / f"{fmt}-hf"),
+                          "--quiet")
+        assert rc == 2 and err.count("\n") == 1 and "corrupt" in err, err
+        assert not (tmp_path / f"{fmt}-hf").exists() and not leftovers(tmp_path / f"{fmt}-hf")
+    (tmp_path / "legacy" / SIDECAR_NAME).unlink()
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(tmp_path / "legacy"), "--save-dir", str(tmp_path / "x"))
+    assert rc == 2 and SIDECAR_NAME in err
+
+
+_SLOW_CONVERT = """
+import pathlib, sys, time
+from megatron_patch.convert import hf_reader
+original = hf_reader.HFCheckpointReader.get
+count = [0]
+def slow_get(self, name):
+    count[0] += 1
+    if count[0] == 6:  # mid-conversion: some rank files are half written
+        pathlib.Path(sys.argv[1]).touch()
+        time.sleep(120)
+    return original(self, name)
+hf_reader.HFCheckpointReader.get = slow_get
+from megatron_patch.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _clean_env() -> dict:
+    # This process may already be a world of one; the child must start its own.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_interrupted_conversion_leaves_nothing_that_looks_complete(hf_dirs, tmp_path, sig):
+    target, flag = tmp_path / "out", tmp_path / "flag"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CONVERT, str(flag), "convert", "hf2mcore", "--hf-dir", str(hf_dirs["qwen2_moe"]),
+         "--save-dir", str(target), "--tp", "2", "--pp", "2", "--format", "legacy", "--quiet"],
+        env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not flag.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline
+        time.sleep(0.1)
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert not target.exists()
+    with pytest.raises(UserError):
+        read_sidecar(target)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 130 and not leftovers(target)
+    else:
+        # Only a hidden folder that says it is partial; the next run clears it.
+        assert [name.split(PARTIAL_TAG)[0] for name in leftovers(target)] == [".out"]
+        hf_to_mcore(hf_dirs["qwen2_moe"], target, ParallelLayout(tp=2), fmt="legacy", progress=False)
+        assert read_sidecar(target).family == "qwen2_moe" and not leftovers(target)
+
+
+# --- CLI and progress -----------------------------------------------------------------------------
+
+def test_help_documents_every_option(capsys):
+    for direction, options in (("hf2mcore", ["--hf-dir", "--save-dir", "--tp", "--pp", "--ep", "--etp", "--format",
+                                             "--dtype", "--force"]),
+                               ("mcore2hf", ["--load-dir", "--save-dir", "--dtype", "--max-shard-size", "--force"])):
+        with pytest.raises(SystemExit) as exit_:
+            main(["convert", direction, "--help"])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert all(o in out for o in options), out
+
+
+def test_progress_bar_and_quiet_logs():
+    import io
+
+    from megatron_patch.convert.progress import Progress
+
+    bar_out = io.StringIO()
+    bar = Progress("convert", 2048, 2, enabled=True, stream=bar_out)
+    bar.update(1024)
+    bar.update(1024)
+    bar.close()
+    assert "tensors=2/2" in bar_out.getvalue() and "2.00k" in bar_out.getvalue()
+    log_out = io.StringIO()
+    log = Progress("convert", 2048, 2, stream=log_out)  # not a terminal: two lines
+    log.update(2048, 2)
+    log.close()
+    lines = log_out.getvalue().splitlines()
+    assert len(lines) == 2 and "2 tensors" in lines[1] and "MiB/s" in lines[1]

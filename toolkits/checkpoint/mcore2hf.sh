@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Megatron-Core checkpoint (written by hf2mcore) -> HF model folder (wrapper over `mpatch convert mcore2hf`).
+# Usage: mcore2hf.sh LOAD_DIR SAVE_DIR [DTYPE=auto] [MAX_SHARD_SIZE=5GB] [FORCE=false]
+set -euo pipefail
+if [[ $# -lt 2 || "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,3p' "$0" | sed 's/^# //'
+  echo "  DTYPE: bf16 | fp16 | fp32 | auto (the checkpoint's dtype); FORCE: true replaces a non-empty SAVE_DIR."
+  exit 2
+fi
+LOAD_DIR=$1; SAVE_DIR=$2; DTYPE=${3:-auto}; MAX_SHARD_SIZE=${4:-5GB}; FORCE=${5:-false}
+args=(convert mcore2hf --load-dir "$LOAD_DIR" --save-dir "$SAVE_DIR" --max-shard-size "$MAX_SHARD_SIZE")
+[[ "$DTYPE" != "auto" ]] && args+=(--dtype "$DTYPE")
+[[ "$FORCE" == "true" ]] && args+=(--force)
+exec python -m megatron_patch "${args[@]}"
