@@ -1,0 +1,174 @@
+"""Known sources of HF/MCore numerical difference, each switchable on the MCore side (``--ablate``).
+
+Each variant changes one thing about the MCore model the package builds (the *baseline*) and is run on
+the same inputs; its error against HF fp32 and its difference to HF in the same dtype show that
+source's share of the total, as in the Pai-Megatron-Patch study (RMSNorm implementation and the
+bias-SwiGLU fusion dominate, RoPE is small). Variants that need CUDA kernels (transformer-engine
+RMSNorm, fused RoPE, fused softmax, flash/fused attention) run only where a GPU is present; elsewhere
+the report lists them as skipped with the reason.
+
+A variant is a set of TransformerConfig overrides and/or a patch applied while the model runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ablation:
+    name: str
+    source: str              # the known source of difference it probes
+    change: str              # what differs from the baseline, in words
+    overrides: dict = field(default_factory=dict)
+    patch: Callable | None = None   # (model) -> context manager
+    needs_gpu: bool = False
+    needs_te: bool = False
+
+
+@contextmanager
+def _rope_in_fp32(model):
+    """Rotate q/k in fp32 and round once (the baseline, like HF, multiplies in the model dtype)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_bshd
+
+    def fp32(t, freqs, *args, **kwargs):
+        return original(t.float(), freqs.float(), *args, **kwargs).to(t.dtype)
+
+    rope_utils._apply_rotary_pos_emb_bshd = fp32
+    try:
+        yield
+    finally:
+        rope_utils._apply_rotary_pos_emb_bshd = original
+
+
+def _norm_modules(model):
+    return [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+
+
+@contextmanager
+def _replace_norm_forward(model, forward):
+    norms = _norm_modules(model)
+    for m in norms:
+        m.forward = forward.__get__(m)
+    try:
+        yield
+    finally:
+        for m in norms:
+            del m.forward
+
+
+def _hf_rmsnorm_forward(self, x):
+    # transformers' LlamaRMSNorm: normalise in fp32, round to the model dtype, then scale in it.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+    return self.weight.to(x.dtype) * h.to(x.dtype)
+
+
+def _lowp_rmsnorm_forward(self, x):
+    # Everything in the model dtype: what an implementation without an fp32 upcast computes.
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+    return self.weight.to(x.dtype) * h
+
+
+def _rmsnorm_hf(model):
+    return _replace_norm_forward(model, _hf_rmsnorm_forward)
+
+
+def _rmsnorm_lowp(model):
+    return _replace_norm_forward(model, _lowp_rmsnorm_forward)
+
+
+@contextmanager
+def _fp32_residual(model):
+    """Keep the residual stream in fp32.
+
+    megatron-core 0.16's bias-dropout-add casts the residual to the sub-block output's dtype, so
+    ``fp32_residual_connection`` alone only changes the embedding; here the add also happens in fp32.
+    The norms then feed the model-dtype linears in that dtype, as the fused GPU norms do (torch's
+    RMSNorm would return fp32; megatron's local spec keeps norm weights in fp32).
+    """
+    from megatron.core.fusions import fused_bias_dropout
+
+    dtype = model.config.params_dtype
+    original = fused_bias_dropout._bias_dropout_add_func
+
+    def add_in_fp32(x_with_bias, residual, prob, training):
+        x, bias = x_with_bias
+        x = x.float() if bias is None else x.float() + bias.float()
+        return residual.float() + torch.nn.functional.dropout(x, p=prob, training=training)
+
+    def norm_forward(self, x):
+        return torch.nn.RMSNorm.forward(self, x).to(dtype)
+
+    fused_bias_dropout._bias_dropout_add_func = add_in_fp32
+    try:
+        with _replace_norm_forward(model, norm_forward):
+            yield
+    finally:
+        fused_bias_dropout._bias_dropout_add_func = original
+
+
+ABLATIONS: list[Ablation] = [
+    Ablation("rope_fp32", "RoPE implementation", "q/k rotated in fp32, rounded once (baseline: in the model dtype)",
+             patch=_rope_in_fp32),
+    Ablation("rope_fused", "RoPE implementation", "transformer-engine fused RoPE kernel",
+             overrides={"apply_rope_fusion": True}, needs_gpu=True, needs_te=True),
+    Ablation("rmsnorm_hf", "RMSNorm compute dtype",
+             "HF's RMSNorm order: fp32 normalise, round, scale in the model dtype (baseline: torch.rms_norm)",
+             patch=_rmsnorm_hf),
+    Ablation("rmsnorm_lowp", "RMSNorm compute dtype", "RMSNorm computed entirely in the model dtype",
+             patch=_rmsnorm_lowp),
+    Ablation("rmsnorm_te", "RMSNorm compute dtype", "transformer-engine fused RMSNorm (TE layer spec)",
+             needs_gpu=True, needs_te=True),
+    Ablation("softmax_lowp", "attention softmax dtype", "attention softmax in the model dtype (baseline: fp32)",
+             overrides={"attention_softmax_in_fp32": False}),
+    Ablation("softmax_fused", "attention and softmax implementation", "megatron's fused scale-mask-softmax CUDA kernel",
+             overrides={"masked_softmax_fusion": True}, needs_gpu=True),
+    Ablation("attention_te", "attention and softmax implementation", "transformer-engine flash/fused attention",
+             needs_gpu=True, needs_te=True),
+    Ablation("residual_fp32", "residual precision", "residual stream kept in fp32 (fp32_residual_connection)",
+             overrides={"fp32_residual_connection": True, "pipeline_dtype": torch.float32}, patch=_fp32_residual),
+    Ablation("bias_swiglu_fused", "bias-SwiGLU fusion", "megatron's jit-fused bias-SwiGLU (torch.compile)",
+             overrides={"bias_activation_fusion": True}),
+]
+BY_NAME = {a.name: a for a in ABLATIONS}
+
+
+def get(name: str) -> Ablation:
+    return BY_NAME[name]
+
+
+def skip_reason(ablation: Ablation) -> str | None:
+    """Why a variant cannot run on this machine (None: it can)."""
+    from megatron_patch.models.builder import te_available
+
+    if ablation.needs_gpu and not torch.cuda.is_available():
+        return "needs a CUDA GPU (skipped on CPU)"
+    if ablation.needs_te and not te_available():
+        return "needs transformer-engine (not installed)"
+    return None
+
+
+def config_overrides(name: str | None) -> dict:
+    return dict(BY_NAME[name].overrides) if name else {}
+
+
+def use_te(name: str | None) -> bool | None:
+    """TE-spec variants build the TE layer spec; everything else keeps the builder's default."""
+    return True if name in ("rmsnorm_te", "attention_te") else None
+
+
+@contextmanager
+def patched(name: str | None, model):
+    """Apply the variant's run-time patch (if any) to ``model`` for the duration of the block."""
+    with ExitStack() as stack:
+        ablation = BY_NAME.get(name) if name else None
+        if ablation is not None and ablation.patch is not None:
+            stack.enter_context(ablation.patch(model))
+        yield

@@ -1,0 +1,232 @@
+"""One alignment run, end to end: inputs, the HF reference and noise floor, the side under test,
+the verdict, and (with ``ablate``) each known source of difference switched on and off.
+
+What ``mpatch align`` runs; the report writer (``align.report``) turns the returned dict into files.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from megatron_patch.align import ablations
+from megatron_patch.align.capture import point_names
+from megatron_patch.align.metrics import compare, compare_logits
+from megatron_patch.align.runner import DTYPES, McoreRun, capture_hf_dir, capture_mcore_runs
+from megatron_patch.align.verdict import DEFAULT_TOLERANCE, judge
+from megatron_patch.errors import UserError
+from megatron_patch.runtime.distributed import ParallelLayout
+
+# Fields that make two configs different *models*; any other difference is reported, not refused
+# (a wrong RoPE scaling in a converted checkpoint is exactly what the verdict must catch).
+STRUCTURE = ("family", "vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads", "num_kv_heads",
+             "head_dim", "num_experts", "moe_topk", "moe_ffn_hidden_size", "shared_expert_ffn_hidden_size")
+# config.json keys that say nothing about the computation.
+IGNORED_CONFIG_KEYS = {"torch_dtype", "dtype", "transformers_version", "_name_or_path", "architectures",
+                       "use_cache", "output_router_logits"}
+
+
+@dataclass
+class AlignSettings:
+    hf_dir: str
+    mcore_dir: str | None = None
+    hf_dir_2: str | None = None
+    layout: ParallelLayout = ParallelLayout()
+    dtype: str = "bf16"
+    seq_len: int = 128
+    batch: int = 2
+    seed: int = 0
+    text_file: str | None = None
+    ablate: bool = False
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def test_side(self) -> str:
+        return "HF (second folder)" if self.hf_dir_2 else "MCore"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_differences(a: dict, b: dict) -> list[dict]:
+    fa = {k: v for k, v in _flatten(a).items() if k.split(".")[0] not in IGNORED_CONFIG_KEYS}
+    fb = {k: v for k, v in _flatten(b).items() if k.split(".")[0] not in IGNORED_CONFIG_KEYS}
+    return [{"key": k, "reference": fa.get(k), "tested": fb.get(k)}
+            for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
+
+
+def _test_arch(s: AlignSettings):
+    from megatron_patch.models.registry import parse_arch
+
+    if s.mcore_dir:
+        from megatron_patch.convert.sidecar import read_sidecar
+
+        sidecar = read_sidecar(s.mcore_dir)
+        return parse_arch(sidecar.hf_config), sidecar
+    return parse_arch(s.hf_dir_2 or s.hf_dir), None
+
+
+def validate(s: AlignSettings):
+    """Every check that needs no model run; returns (reference arch, tested arch, sidecar or None)."""
+    from megatron_patch.models.arch import validate_layout
+    from megatron_patch.models.registry import parse_arch
+
+    if not Path(s.hf_dir).is_dir():
+        raise UserError(f"--hf-dir {s.hf_dir} is not a folder: point it at a Hugging Face model folder")
+    if s.mcore_dir and s.hf_dir_2:
+        raise UserError("give either --mcore-dir (HF vs MCore) or --hf-dir-2 (HF vs HF), not both")
+    if s.hf_dir_2 and not Path(s.hf_dir_2).is_dir():
+        raise UserError(f"--hf-dir-2 {s.hf_dir_2} is not a folder: point it at a Hugging Face model folder")
+    if s.dtype not in DTYPES:
+        raise UserError(f"--dtype {s.dtype} is not one of {', '.join(DTYPES)}")
+    if s.seq_len < 2 or s.batch < 1:
+        raise UserError(f"--seq-len must be >= 2 and --batch >= 1 (got {s.seq_len}, {s.batch})")
+    if s.tolerance <= 1:
+        raise UserError(f"--tolerance must be > 1 (a multiple of HF's own rounding error), got {s.tolerance}")
+    if s.ablate and s.hf_dir_2:
+        raise UserError("--ablate switches MCore implementation details: it needs the MCore side, not --hf-dir-2")
+    ref_arch = parse_arch(s.hf_dir)
+    test_arch, sidecar = _test_arch(s)
+    diff = [f for f in STRUCTURE if getattr(ref_arch, f) != getattr(test_arch, f)]
+    if diff:
+        what = ", ".join(f"{f} {getattr(ref_arch, f)} vs {getattr(test_arch, f)}" for f in diff)
+        raise UserError(f"the two sides are different models ({what}): compare a checkpoint with the HF folder it came from")
+    if not s.hf_dir_2:
+        validate_layout(test_arch, s.layout)
+        if sidecar is not None and sidecar.checkpoint_format == "legacy":
+            ck = sidecar.parallel_layout
+            if (ck.tp, ck.pp, ck.ep, ck.expert_tp) != (s.layout.tp, s.layout.pp, s.layout.ep, s.layout.expert_tp):
+                raise UserError(f"{s.mcore_dir} is a legacy checkpoint for {ck}: pass that layout (--tp/--pp/--ep), "
+                                "or convert with --format torch_dist, which loads at any layout")
+    return ref_arch, test_arch, sidecar
+
+
+def make_tokens(s: AlignSettings, vocab_size: int) -> tuple[torch.Tensor, str]:
+    """[batch, seq_len] token ids: seeded random ones, or real text through the checkpoint's tokenizer."""
+    if not s.text_file:
+        gen = torch.Generator().manual_seed(s.seed)
+        return torch.randint(0, vocab_size, (s.batch, s.seq_len), generator=gen), f"random tokens (seed {s.seed})"
+    path = Path(s.text_file)
+    if not path.is_file():
+        raise UserError(f"--text-file {path} not found")
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(s.hf_dir)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no usable tokenizer in the folder
+        raise UserError(f"--text-file needs a tokenizer in {s.hf_dir} ({type(exc).__name__}); "
+                        "copy the tokenizer files there or use random tokens")
+    ids = tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+    need = s.batch * s.seq_len
+    if len(ids) < need:
+        raise UserError(f"{path} has {len(ids)} tokens; --batch {s.batch} x --seq-len {s.seq_len} needs {need}: "
+                        "use a longer text or smaller --batch/--seq-len")
+    tokens = torch.tensor(ids[:need]).view(s.batch, s.seq_len)
+    if int(tokens.max()) >= vocab_size:
+        raise UserError(f"the tokenizer in {s.hf_dir} yields ids beyond the model's vocabulary ({vocab_size})")
+    return tokens, f"text from {path.name} ({need} tokens)"
+
+
+def _worker_user_error(exc: Exception) -> None:
+    """A UserError raised inside a rank process reaches us as WorkerError text: surface it as one."""
+    text = str(exc)
+    marker = "UserError: "
+    if marker in text:
+        raise UserError(text.split(marker, 1)[1].splitlines()[0]) from None
+
+
+def _point_series(ref, test, num_layers) -> list[float]:
+    return [compare(ref[n], test[n])["rel_l2"] for n in point_names(num_layers)]
+
+
+def _ablation_rows(s, ref, floor, baseline, variants, num_layers) -> list[dict]:
+    same_dtype_ref = floor if floor is not None else ref
+    base = compare_logits(ref["logits"], baseline["logits"])
+    base_diff = compare(same_dtype_ref["logits"], baseline["logits"])["rel_l2"]
+    floor_err = compare(ref["logits"], floor["logits"])["rel_l2"] if floor is not None else None
+    rows = [{"name": "baseline", "source": "-", "change": "the model as megatron_patch builds it", "status": "ran",
+             "logits_rel_l2": base["rel_l2"], "logits_kl": base["kl"], "diff_to_hf_same_dtype": base_diff,
+             "ratio_to_floor": base["rel_l2"] / floor_err if floor_err else None, "change_vs_baseline": 0.0,
+             "series": _point_series(ref, baseline, num_layers)}]
+    for ab in ablations.ABLATIONS:
+        row = {"name": ab.name, "source": ab.source, "change": ab.change}
+        if ab.name not in variants:
+            rows.append({**row, "status": "skipped", "reason": ablations.skip_reason(ab) or "not run"})
+            continue
+        cap = variants[ab.name]
+        m = compare_logits(ref["logits"], cap["logits"])
+        rows.append({**row, "status": "ran", "logits_rel_l2": m["rel_l2"], "logits_kl": m["kl"],
+                     "diff_to_hf_same_dtype": compare(same_dtype_ref["logits"], cap["logits"])["rel_l2"],
+                     "ratio_to_floor": m["rel_l2"] / floor_err if floor_err else None,
+                     "change_vs_baseline": (m["rel_l2"] - base["rel_l2"]) / max(base["rel_l2"], 1e-30),
+                     "series": _point_series(ref, cap, num_layers)})
+    return rows
+
+
+def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) -> dict:
+    """Run both sides, judge, and return every number (the content of report.json)."""
+    from megatron_patch.runtime.launch import WorkerError
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    started = time.time()
+    ref_arch, test_arch, sidecar = validate(s)
+    tokens, token_source = make_tokens(s, ref_arch.vocab_size)
+
+    log(f"[1/3] HF fp32 reference{' and HF ' + s.dtype + ' noise floor' if s.dtype != 'fp32' else ''} "
+        f"on {token_source}, batch {s.batch} x {s.seq_len}")
+    ref = capture_hf_dir(s.hf_dir, tokens, "fp32")
+    floor = capture_hf_dir(s.hf_dir, tokens, s.dtype) if s.dtype != "fp32" else None
+
+    variants: dict = {}
+    if s.hf_dir_2:
+        log(f"[2/3] HF {s.dtype} from {s.hf_dir_2}")
+        test = capture_hf_dir(s.hf_dir_2, tokens, s.dtype)
+    else:
+        source = {"mcore_dir": s.mcore_dir} if s.mcore_dir else {"hf_dir": s.hf_dir}
+        runs = [McoreRun(s.dtype, **source)]
+        if s.ablate:
+            runs += [McoreRun(s.dtype, ablation=a.name, **source)
+                     for a in ablations.ABLATIONS if ablations.skip_reason(a) is None]
+        log(f"[2/3] MCore {s.dtype} at {s.layout} in {s.layout.world_size} process(es): {len(runs)} model run(s)"
+            + (" (baseline + ablations; the fused SwiGLU variant compiles first)" if s.ablate else ""))
+        try:
+            captures = capture_mcore_runs(s.layout, tokens, runs)
+        except WorkerError as exc:
+            _worker_user_error(exc)
+            raise
+        test = captures[0]
+        variants = {r.ablation: c for r, c in zip(runs[1:], captures[1:])}
+
+    log("[3/3] verdict")
+    verdict = judge(ref, test, s.dtype, ref_arch.num_layers, floor, s.tolerance, what=s.test_side)
+    result = {
+        "verdict": verdict.to_dict(),
+        "settings": {**asdict(s), "layout": {"tp": s.layout.tp, "pp": s.layout.pp, "ep": s.layout.ep,
+                                             "etp": s.layout.etp}},
+        "inputs": {"tokens": token_source, "batch": s.batch, "seq_len": s.seq_len},
+        "model": {"family": ref_arch.family, "num_layers": ref_arch.num_layers, "hidden_size": ref_arch.hidden_size,
+                  "vocab_size": ref_arch.vocab_size, "num_experts": ref_arch.num_experts},
+        "compared": {"reference": f"HF fp32 ({s.hf_dir})",
+                     "floor": f"HF {s.dtype} ({s.hf_dir})" if floor is not None else None,
+                     "tested": (f"HF {s.dtype} ({s.hf_dir_2})" if s.hf_dir_2 else
+                                f"MCore {s.dtype} at {s.layout} from "
+                                + (f"checkpoint {s.mcore_dir} ({sidecar.checkpoint_format})" if s.mcore_dir
+                                   else f"{s.hf_dir} (in-memory mapping)"))},
+        "config_differences": config_differences(ref_arch.hf_config, test_arch.hf_config),
+        "ablations": _ablation_rows(s, ref, floor, test, variants, ref_arch.num_layers) if s.ablate else [],
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "seconds": round(time.time() - started, 1),
+    }
+    return result

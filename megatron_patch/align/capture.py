@@ -1,0 +1,122 @@
+"""Activations captured at the same points of an HF model and of an MCore GPTModel.
+
+Points, in the order data flows through the model (``point_names``)::
+
+    embedding, layers.{i}.attention, layers.{i}.mlp, layers.{i}.output, ..., final_norm, logits
+
+``attention`` and ``mlp`` are the sub-block outputs before the residual add (HF ``self_attn`` /
+``mlp``; MCore ``self_attention`` / ``mlp``, both after their row-parallel reduction), ``output`` is
+the decoder layer's output. Every capture is float32 on CPU, shaped [batch, seq, ...] (MCore's
+[seq, batch, ...] is transposed), so captures from either side compare directly.
+
+On the MCore side each pipeline stage captures its own layers (global numbers from
+``TransformerLayer.layer_number``); ``merge_captures`` joins the stages' pieces.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+Captures = dict[str, torch.Tensor]
+
+SUBLAYER_POINTS = ("attention", "mlp", "output")
+
+
+def point_names(num_layers: int) -> list[str]:
+    names = ["embedding"]
+    for i in range(num_layers):
+        names += [f"layers.{i}.{p}" for p in SUBLAYER_POINTS]
+    return names + ["final_norm", "logits"]
+
+
+def point_layer(name: str) -> int | None:
+    """The decoder layer a point belongs to (None for embedding, final norm and logits)."""
+    return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextmanager
+def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool):
+    """Forward hooks that copy each module's (first) output into ``store`` under its point name."""
+
+    def make(name):
+        def hook(module, args, output):
+            t = _first(output).detach()
+            if seq_first:
+                t = t.transpose(0, 1)
+            store[name] = t.float().cpu().contiguous()
+        return hook
+
+    handles = [m.register_forward_hook(make(n)) for n, m in targets.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def hf_capture_targets(model) -> dict[str, torch.nn.Module]:
+    base = model.model
+    targets = {"embedding": base.embed_tokens}
+    for i, layer in enumerate(base.layers):
+        targets[f"layers.{i}.attention"] = layer.self_attn
+        targets[f"layers.{i}.mlp"] = layer.mlp
+        targets[f"layers.{i}.output"] = layer
+    targets["final_norm"] = base.norm
+    return targets
+
+
+def capture_hf(model, tokens: torch.Tensor) -> Captures:
+    """Run an HF causal LM on ``tokens`` and capture every point."""
+    store: Captures = {}
+    model.eval()
+    with torch.no_grad(), _hooks(hf_capture_targets(model), store, seq_first=False):
+        store["logits"] = model(tokens).logits.float()
+    return store
+
+
+def load_hf_model(hf_dir, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    # eager attention: the same math on every machine, no backend-dependent kernel choice.
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager")
+
+
+def mcore_capture_targets(model) -> dict[str, torch.nn.Module]:
+    targets = {}
+    if getattr(model, "pre_process", False):
+        targets["embedding"] = model.embedding
+    for layer in model.decoder.layers:
+        i = layer.layer_number - 1
+        targets[f"layers.{i}.attention"] = layer.self_attention
+        targets[f"layers.{i}.mlp"] = layer.mlp
+        targets[f"layers.{i}.output"] = layer
+    if getattr(model, "post_process", False) and getattr(model.decoder, "final_layernorm", None) is not None:
+        targets["final_norm"] = model.decoder.final_layernorm
+    return targets
+
+
+def capture_mcore(model, tokens: torch.Tensor, vocab_size: int) -> Captures:
+    """This rank's points of an MCore GPTModel (its stage only), run through megatron's schedule."""
+    from megatron_patch.models.inference import forward_logits
+
+    store: Captures = {}
+    with _hooks(mcore_capture_targets(model), store, seq_first=True):
+        logits = forward_logits(model, tokens, vocab_size)
+    if logits is not None:
+        store["logits"] = logits.float().cpu()
+    return store
+
+
+def merge_captures(pieces: list[Captures | None]) -> Captures:
+    """Join per-rank captures (pipeline stages hold different points; replicas hold equal copies)."""
+    out: Captures = {}
+    for piece in pieces:
+        for name, t in (piece or {}).items():
+            out.setdefault(name, t)
+    return out

@@ -1,0 +1,169 @@
+"""report.json (every number), report.md (verdict and tables) and error_by_layer.png.
+
+Files are written under temporary names and renamed into place, so a report folder never holds a
+half-written report next to a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+
+PLOT_NAME = "error_by_layer.png"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _fmt(x, spec=".2e") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return str(x)
+    return format(x, spec)
+
+
+def _short(name: str) -> str:
+    if name.startswith("layers."):
+        _, i, p = name.split(".")
+        return f"L{i} {p[:4]}"
+    return {"embedding": "embed", "final_norm": "norm", "logits": "logits"}[name]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    v = result["verdict"]
+    points = v["points"]
+    xs = list(range(len(points)))
+    tiny = 1e-12  # log axis: exact agreement is drawn at the bottom
+    test = [max(p["metrics"]["rel_l2"], tiny) for p in points]
+    fig, ax = plt.subplots(figsize=(max(8, len(points) * 0.32), 4.8))
+    tested = result["compared"]["tested"].split(" (")[0].split(" from ")[0]
+    ax.semilogy(xs, test, "o-", color="tab:blue", label=f"{tested} vs HF fp32", zorder=3)
+    if v["dtype"] != "fp32":
+        floor = [max(p["floor"]["rel_l2"], tiny) for p in points]
+        ax.semilogy(xs, floor, "s--", color="tab:gray", label=f"noise floor: HF {v['dtype']} vs HF fp32")
+        ax.semilogy(xs, [f * v["tolerance"] for f in floor], ":", color="tab:red", label=f"limit: {v['tolerance']:g}x floor")
+    else:
+        from megatron_patch.align.parity import FP32_REL_L2
+
+        ax.axhline(FP32_REL_L2, color="tab:red", linestyle=":", label=f"limit: rel_l2 {FP32_REL_L2:g}")
+    for row in result.get("ablations", []):
+        if row["status"] == "ran" and row["name"] != "baseline":
+            ax.semilogy(xs, [max(e, tiny) for e in row["series"]], "-", linewidth=0.8, alpha=0.55,
+                        label=f"ablation: {row['name']}")
+    if v["first_failure"]:
+        i = next(k for k, p in enumerate(points) if p["name"] == v["first_failure"])
+        ax.axvline(i, color="tab:red", alpha=0.4, linewidth=6)
+        ax.annotate(f"first divergence: {v['first_failure']}", (i, test[i]), textcoords="offset points",
+                    xytext=(6, 8), color="tab:red")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([_short(p["name"]) for p in points], rotation=70, fontsize=8)
+    ax.set_ylabel("relative L2 error vs HF fp32")
+    m = result["model"]
+    ax.set_title(f"{m['family']}, {v['dtype']}: {'ALIGNED' if v['aligned'] else 'NOT ALIGNED'}",
+                 color="tab:green" if v["aligned"] else "tab:red")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def markdown(result: dict, command: str | None = None) -> str:
+    v = result["verdict"]
+    floor_on = v["dtype"] != "fp32"
+    out = [f"# Alignment report: {result['model']['family']} ({v['dtype']})", ""]
+    out += [f"**Verdict: {'ALIGNED' if v['aligned'] else 'NOT ALIGNED'}.** {v['summary']}", ""]
+    c = result["compared"]
+    out += [f"- reference: {c['reference']}"]
+    if c["floor"]:
+        out += [f"- noise floor: {c['floor']} (HF's own {v['dtype']} rounding error, per point)"]
+    out += [f"- tested: {c['tested']}", f"- inputs: {result['inputs']['tokens']}, "
+            f"batch {result['inputs']['batch']} x {result['inputs']['seq_len']} tokens",
+            f"- rule: " + (f"each point's rel_l2 <= {v['tolerance']:g}x the floor (logits: KL <= "
+                           f"{v['tolerance'] ** 2:g}x); the first point over the line is named"
+                           if floor_on else "each point's rel_l2 <= 1e-5, logits KL <= 1e-10; "
+                           "the first point over the line is named")]
+    if command:
+        out += [f"- command: `{command}`"]
+    out += ["", f"![error by layer]({PLOT_NAME})", ""]
+    if result["config_differences"]:
+        out += ["## config.json differences (reference vs tested)", "", "| key | reference | tested |", "| --- | --- | --- |"]
+        out += [f"| {d['key']} | {d['reference']} | {d['tested']} |" for d in result["config_differences"]]
+        out += [""]
+    out += ["## Per point", ""]
+    head = "| point | rel_l2 | max_abs | cosine |" + (" floor rel_l2 | ratio |" if floor_on else "") + " limit | ok |"
+    out += [head, "|" + " --- |" * (head.count("|") - 1)]
+    for p in v["points"]:
+        m = p["metrics"]
+        row = f"| {p['name']} | {_fmt(m['rel_l2'])} | {_fmt(m['max_abs'])} | {_fmt(m['cosine'], '.6f')} |"
+        if floor_on:
+            row += f" {_fmt(p['floor']['rel_l2'])} | {_fmt(p['ratio'], '.2f')}x |"
+        row += f" {p['limit']} | {'yes' if p['passed'] else '**NO**'} |"
+        out.append(row)
+    lg = v["points"][-1]
+    out += ["", "## Logits", "", "| | tested vs HF fp32 |" + (" floor (HF dtype vs fp32) |" if floor_on else ""),
+            "| --- | --- |" + (" --- |" if floor_on else "")]
+    for key, spec in (("rel_l2", ".2e"), ("kl", ".2e"), ("top1", ".4f"), ("top5", ".4f"), ("max_abs", ".2e")):
+        out.append(f"| {key} | {_fmt(lg['metrics'][key], spec)} |" + (f" {_fmt(lg['floor'][key], spec)} |" if floor_on else ""))
+    if result.get("ablations"):
+        out += ["", "## Ablations: known sources of HF/MCore difference", "",
+                f"Each variant changes one thing in the MCore model and runs on the same inputs. "
+                f"'diff to HF {v['dtype']}' is the logits' rel_l2 against HF in the same dtype: 0 means the "
+                f"variant computes exactly what HF computes.", "",
+                f"| variant | source | change | logits rel_l2 vs HF fp32 | x floor | diff to HF {v['dtype']} | vs baseline |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in result["ablations"]:
+            if r["status"] != "ran":
+                out.append(f"| {r['name']} | {r['source']} | {r['change']} | skipped: {r['reason']} | | | |")
+                continue
+            out.append(f"| {r['name']} | {r['source']} | {r['change']} | {_fmt(r['logits_rel_l2'])} | "
+                       f"{_fmt(r['ratio_to_floor'], '.2f')} | {_fmt(r['diff_to_hf_same_dtype'])} | "
+                       f"{r['change_vs_baseline'] * 100:+.1f}% |")
+    out += ["", f"Device: {result['device']}; {result['seconds']} s."]
+    return "\n".join(out) + "\n"
+
+
+def write_report(result: dict, report_dir: str | Path, command: str | None = None) -> dict[str, Path]:
+    folder = Path(report_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"json": folder / "report.json", "md": folder / "report.md", "png": folder / PLOT_NAME}
+    plot(result, paths["png"])
+    data = {**result, "command": command}
+    _atomic_write(paths["json"], (json.dumps(data, indent=1) + "\n").encode())
+    _atomic_write(paths["md"], markdown(result, command).encode())
+    return paths
+
+
+def print_summary(result: dict, file=None) -> None:
+    """The per-layer table on the terminal: one row per decoder layer plus the ends."""
+    import sys
+
+    file = file or sys.stdout
+    v = result["verdict"]
+    floor_on = v["dtype"] != "fp32"
+    by_name = {p["name"]: p for p in v["points"]}
+    n = result["model"]["num_layers"]
+    rows = [("embedding", [by_name["embedding"]])]
+    rows += [(f"layer {i}", [by_name[f"layers.{i}.{k}"] for k in ("attention", "mlp", "output")]) for i in range(n)]
+    rows += [("final_norm", [by_name["final_norm"]]), ("logits", [by_name["logits"]])]
+    print(f"{'point':<11} {'rel_l2 (attn/mlp/out)':<32} " + ("worst x floor" if floor_on else "") + "  ok", file=file)
+    for label, ps in rows:
+        errs = "/".join(_fmt(p["metrics"]["rel_l2"], ".1e") for p in ps)
+        ratio = f"{max(p['ratio'] for p in ps):>8.2f}x" if floor_on else ""
+        ok = "yes" if all(p["passed"] for p in ps) else "NO"
+        print(f"{label:<11} {errs:<32} {ratio:>13}  {ok}", file=file)
+    print(("ALIGNED: " if v["aligned"] else "") + v["summary"], file=file)

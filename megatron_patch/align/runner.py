@@ -1,0 +1,100 @@
+"""Run the two sides of an alignment: HF models in this process, MCore models in local rank processes.
+
+Several MCore runs (dtypes, ablation variants, checkpoints) share one set of spawned processes: the
+rank processes start once, build and load each model in turn, and send back each run's captures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_patch.align.capture import Captures, capture_hf, capture_mcore, load_hf_model, merge_captures
+from megatron_patch.runtime.distributed import ParallelLayout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class McoreRun:
+    """One MCore model to build, fill and capture.
+
+    Weights come from ``mcore_dir`` (a checkpoint written by ``mpatch convert hf2mcore``) when given,
+    else from ``hf_dir`` through the in-memory mapping. ``ablation`` names a variant from
+    ``align.ablations`` (None: the model as this package builds it).
+    """
+
+    dtype: str
+    hf_dir: str | None = None
+    mcore_dir: str | None = None
+    ablation: str | None = None
+
+
+def _arch_of(run: McoreRun):
+    from megatron_patch.models.registry import parse_arch
+
+    if run.mcore_dir is not None:
+        from megatron_patch.convert.sidecar import read_sidecar
+
+        return parse_arch(read_sidecar(run.mcore_dir).hf_config)
+    return parse_arch(run.hf_dir)
+
+
+def _build_and_load(run: McoreRun, layout: ParallelLayout):
+    from megatron_patch.align import ablations
+    from megatron_patch.models.builder import build_model
+
+    arch = _arch_of(run)
+    overrides = ablations.config_overrides(run.ablation)
+    model = build_model(arch, layout, DTYPES[run.dtype], use_te=ablations.use_te(run.ablation), **overrides)
+    if run.mcore_dir is not None:
+        from megatron_patch.convert.loading import load_checkpoint_into_model
+
+        load_checkpoint_into_model(model, run.mcore_dir, layout)
+    else:
+        from megatron_patch.convert.hf_reader import HFCheckpointReader
+        from megatron_patch.convert.model_io import load_hf_weights
+
+        load_hf_weights(model, arch, layout, HFCheckpointReader(run.hf_dir).get)
+    return model, arch
+
+
+def mcore_capture_worker(layout: ParallelLayout, tokens: torch.Tensor, runs: list[McoreRun]) -> list[Captures] | None:
+    """Runs on every rank: each run's captures from this rank if it is a stage's reporter, else None.
+
+    One rank per pipeline stage reports (TP rank 0, data-parallel rank 0): the others hold equal
+    copies of the same activations.
+    """
+    from megatron.core import parallel_state as ps
+
+    from megatron_patch.align import ablations
+    from megatron_patch.runtime import init_model_parallel
+
+    init_model_parallel(layout)
+    reporter = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+    out = []
+    for run in runs:
+        model, arch = _build_and_load(run, layout)
+        with ablations.patched(run.ablation, model):
+            captured = capture_mcore(model, tokens, arch.vocab_size)
+        out.append(captured if reporter else None)
+        del model
+    return out
+
+
+def capture_mcore_runs(layout: ParallelLayout, tokens: torch.Tensor, runs: list[McoreRun]) -> list[Captures]:
+    """Captures of every run at ``layout``, computed in ``layout.world_size`` local processes."""
+    from megatron_patch.runtime.launch import run_local
+
+    per_rank = run_local(mcore_capture_worker, layout.world_size, layout, tokens, list(runs))
+    return [merge_captures([r[i] if r else None for r in per_rank]) for i in range(len(runs))]
+
+
+def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str) -> Captures:
+    model = load_hf_model(hf_dir, DTYPES[dtype])
+    try:
+        return capture_hf(model, tokens)
+    finally:
+        del model
