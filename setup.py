@@ -15,6 +15,10 @@ setup(
         "safetensors>=0.4",
         "psutil",  # megatron-core's dist_checkpointing needs it at save time
         "tqdm",
+        "tokenizers>=0.15",  # mpatch preprocess / SFT: HF tokenizer folders (tokenizer.json)
+        "tiktoken>=0.6",  # mpatch preprocess: tiktoken BPE files
+        "tensorboard",  # training logs under OUTPUT_BASEPATH/tensorboard
+        "matplotlib",  # mpatch align's error-by-layer plot
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],

@@ -1,0 +1,42 @@
+"""`mpatch preprocess`: JSONL -> Megatron mmap indexed data (P_<key>_document.bin/.idx)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def run(args) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    from megatron_patch.training.preprocess import preprocess
+
+    report = preprocess(args.input, args.output_prefix, args.tokenizer, json_key=args.json_key, workers=args.workers,
+                        append_eod=args.append_eod, strict=args.strict, progress=False if args.quiet else None)
+    for lineno, error in report.bad_lines[:20]:
+        print(f"{args.input}:{lineno}: skipped: {error}", file=sys.stderr)
+    if len(report.bad_lines) > 20:
+        print(f"... and {len(report.bad_lines) - 20} more skipped lines", file=sys.stderr)
+    print(f"wrote {report.output_prefix}.bin/.idx: {report.documents} documents, {report.tokens} tokens"
+          + (f", {len(report.bad_lines)} bad lines skipped" if report.bad_lines else ""))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "preprocess", help="tokenize JSONL into Megatron mmap indexed data",
+        description="Tokenize a JSONL file (one JSON object per line) into OUTPUT_PREFIX_<json-key>_document.bin/.idx, "
+                    "the mmap indexed format megatron-core's GPTDataset reads. Bad lines are reported with their "
+                    "line numbers and skipped (--strict stops instead).")
+    p.add_argument("--input", required=True, help="JSONL file")
+    p.add_argument("--output-prefix", required=True, help="output prefix; files are PREFIX_<json-key>_document.bin/.idx")
+    p.add_argument("--tokenizer", required=True,
+                   help="HF tokenizer folder (with tokenizer.json) or a tiktoken BPE file")
+    p.add_argument("--json-key", default="text", help="field holding the document text (default: text)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer worker processes (default 1)")
+    p.add_argument("--append-eod", action="store_true", default=True,
+                   help="append the end-of-document token to each document (default)")
+    p.add_argument("--no-append-eod", dest="append_eod", action="store_false", help="do not append it")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)

@@ -1,0 +1,1 @@
+"""Training on megatron.core: launcher arguments, data, the loop, checkpoints, preprocessing."""

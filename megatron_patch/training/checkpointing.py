@@ -1,0 +1,184 @@
+"""Training checkpoints: torch_dist with model, optimizer, scheduler, RNG and data position.
+
+Layout under ``OUTPUT_BASEPATH/checkpoint``::
+
+    latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
+    iter_0000010/                       torch_dist (model + optimizer shards, common.pt with the
+                                        scheduler, iteration and consumed samples), rng/rank_*.pt,
+                                        train_state.json
+
+A save writes into ``.iter_XXXXXXX.partial``, renamed to ``iter_XXXXXXX`` only after every rank has
+finished, and only then is the latest marker replaced (write to a temporary file, rename). A run
+killed mid-save leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch.errors import UserError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+# megatron-core 0.16's default distributed-optimizer format is rejected by its own dist_checkpointing;
+# fully_reshardable also reloads at another TP/PP/DP (see docs/cpu-runtime.md).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def iteration_dir(root: Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise UserError(f"{tracker} says '{text}', not an iteration number: remove it to start afresh")
+    if not iteration_dir(root, iteration).is_dir():
+        raise UserError(f"{tracker} points at iteration {iteration}, but {iteration_dir(root, iteration)} is missing")
+    return iteration
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(model, optimizer, is_loading: bool) -> dict:
+    model_sd = model.module.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)}
+
+
+def save(cfg, iteration: int, model, optimizer, scheduler) -> Path:
+    from megatron.core import dist_checkpointing
+
+    root = cfg.checkpoint_dir
+    final = iteration_dir(root, iteration)
+    tmp = root / f".{final.name}.partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    start = time.time()
+    if cfg.overlap_param_gather:
+        model.disable_forward_pre_hook()  # finishes the pending parameter all-gather first
+    state = _sharded_state(model, optimizer, is_loading=False)
+    state.update(scheduler=scheduler.state_dict(), iteration=iteration,
+                 consumed_samples=iteration * cfg.global_batch_size)
+    dist_checkpointing.save(state, str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    if cfg.overlap_param_gather:
+        model.enable_forward_pre_hook()
+    dist.barrier()
+    if rank == 0:
+        (tmp / "train_state.json").write_text(json.dumps(
+            {"iteration": iteration, "consumed_samples": iteration * cfg.global_batch_size,
+             "world_size": dist.get_world_size(), "family": cfg.family, "hf_config": cfg.hf_config,
+             "config": cfg.to_dict()}, indent=2, default=str) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker = root / (TRACKER + ".tmp")
+        marker.write_text(f"{iteration}\n")
+        os.replace(marker, root / TRACKER)
+    dist.barrier()
+    if rank == 0:
+        print(f"saved checkpoint {final} in {time.time() - start:.1f}s", flush=True)
+    return final
+
+
+def load(cfg, iteration: int, model, optimizer, scheduler) -> int:
+    """Restore everything saved at ``iteration``; returns the consumed samples."""
+    from megatron.core import dist_checkpointing
+
+    folder = iteration_dir(cfg.checkpoint_dir, iteration)
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(folder))
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    saved = json.loads((folder / "train_state.json").read_text())
+    rng = folder / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if saved.get("world_size") == dist.get_world_size() and rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    elif dist.get_rank() == 0:
+        print(f"note: {folder} was written by {saved.get('world_size')} processes; random state starts afresh",
+              flush=True)
+    if state["iteration"] != iteration:
+        raise UserError(f"{folder} holds iteration {state['iteration']}, not {iteration}: the checkpoint is damaged")
+    return int(state["consumed_samples"])
+
+
+FINAL_DIR = "final"
+
+
+def export_model(cfg, iteration: int, model, dtype: torch.dtype) -> Path:
+    """The trained weights alone, in the layout 'mpatch convert hf2mcore' writes (``OUTPUT_BASEPATH/final``).
+
+    'mpatch convert mcore2hf --load-dir OUTPUT_BASEPATH/final' turns it into an HF folder, and it can be
+    the PRETRAIN_CHECKPOINT_PATH of the next run (e.g. SFT after pretraining), at any TP/PP.
+    Tokenizer files of the starting checkpoint are carried along.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_patch.convert.sidecar import RELEASE_DIR, TRACKER_NAME, Sidecar
+
+    final = Path(cfg.output_basepath) / FINAL_DIR
+    tmp = Path(cfg.output_basepath) / f".{FINAL_DIR}.partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / RELEASE_DIR).mkdir(parents=True)
+    dist.barrier()
+    if cfg.overlap_param_gather:
+        model.disable_forward_pre_hook()
+    dist_checkpointing.save(model.module.sharded_state_dict(), str(tmp / RELEASE_DIR))
+    if cfg.overlap_param_gather:
+        model.enable_forward_pre_hook()
+    dist.barrier()
+    if rank == 0:
+        from megatron_patch.convert.outputs import copy_carried
+
+        carried = copy_carried(cfg.pretrain_checkpoint, tmp) if cfg.pretrain_checkpoint else []
+        if not carried and cfg.tokenizer and Path(cfg.tokenizer).is_dir():
+            carried = copy_carried(cfg.tokenizer, tmp)
+        Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, carried_files=carried,
+                       source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}").write(tmp)
+        (tmp / TRACKER_NAME).write_text("release\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        print(f"exported the trained model to {final} (mpatch convert mcore2hf --load-dir {final} ...)", flush=True)
+    dist.barrier()
+    return final

@@ -1,0 +1,207 @@
+"""Training data: megatron-core GPTDataset over mmap indexed files (pretraining) and raw JSON SFT samples.
+
+Both are map-style datasets indexed by a global sample number, so the data position is one integer:
+iteration ``i`` reads samples ``[i*GBS, (i+1)*GBS)``, each data-parallel rank its contiguous share,
+cut into micro-batches. A resumed run at iteration ``i`` therefore reads exactly what the
+uninterrupted run read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_patch.errors import UserError
+
+
+class _DatasetTokenizer:
+    """What GPTDatasetConfig reads from a tokenizer: vocabulary size and end-of-document id."""
+
+    def __init__(self, vocab_size: int, eod: int):
+        self.vocab_size = vocab_size
+        self.eod = eod
+        # Part of the dataset's cache key (megatron hashes the config, tokenizer included).
+        self.unique_identifiers = {"class": "mpatch", "vocab_size": vocab_size, "eod": eod}
+
+
+def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: int):
+    """(train, valid or None) GPTDatasets built by megatron-core's BlendedMegatronDatasetBuilder."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    arch = cfg.arch
+    eos = arch.hf_config.get("eos_token_id", 0)
+    eod = eos[0] if isinstance(eos, list) else int(eos or 0)
+    valid = (cfg.valid_dataset_path, None) if cfg.valid_dataset_path else None
+    config = GPTDatasetConfig(
+        random_seed=cfg.seed, sequence_length=cfg.seq_len,
+        blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None],
+        path_to_cache=str(Path(cfg.output_basepath) / "data_cache"),
+        tokenizer=_DatasetTokenizer(arch.padded_vocab_size(), eod),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        mmap_bin_files=True,
+    )
+    sizes = [num_train_samples, num_valid_samples if valid else None, None]
+    train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return train, valid_ds
+
+
+def check_token_range(dataset, vocab_size: int, path: str) -> None:
+    """Token ids beyond the model's vocabulary would index past the embedding: say so up front."""
+    import numpy
+
+    low = getattr(dataset, "datasets", [dataset])
+    for ds in low:
+        index = getattr(ds, "dataset", None)
+        if index is None:
+            continue
+        n = min(len(index), 256)
+        top = max((int(numpy.max(index[i])) for i in range(n) if len(index[i])), default=0)
+        if top >= vocab_size:
+            raise UserError(f"{path} holds token id {top}, beyond the model's vocabulary of {vocab_size}: "
+                            "preprocess with the model's tokenizer")
+
+
+# --- SFT on raw JSON / JSONL -------------------------------------------------------------------------------
+
+PROMPT_KEYS = ("prompt", "instruction", "query", "question")
+RESPONSE_KEYS = ("response", "output", "answer", "completion")
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """A JSON array or JSONL file of SFT records; a bad line names its line number."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})")
+    else:
+        records = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path} line {lineno} is not valid JSON ({exc.msg})")
+    if not records:
+        raise UserError(f"{path} holds no SFT records")
+    return records
+
+
+def segments(record: dict, where: str) -> list[tuple[str, bool]]:
+    """A record as (text, trained-on) pieces: prompt/response pairs or chat messages."""
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: an SFT record must be a JSON object, found {type(record).__name__}")
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+        out = []
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+                raise UserError(f"{where}: each message needs a 'role' and a string 'content'")
+            out.append((f"<|{m['role']}|>\n", False))
+            out.append((m["content"] + "\n", m["role"] == "assistant"))
+        if not any(trained for _, trained in out):
+            raise UserError(f"{where}: the conversation has no assistant message to train on")
+        return out
+    prompt = next((record[k] for k in PROMPT_KEYS if k in record), None)
+    response = next((record[k] for k in RESPONSE_KEYS if k in record), None)
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        raise UserError(f"{where}: an SFT record needs string prompt and response fields "
+                        f"({'/'.join(PROMPT_KEYS)} and {'/'.join(RESPONSE_KEYS)}) or a 'messages' list")
+    if isinstance(record.get("input"), str) and record["input"]:
+        prompt = prompt + "\n" + record["input"]
+    return [(prompt + "\n", False), (response, True)]
+
+
+def tokenize_record(tokenizer, record: dict, where: str) -> tuple[list[int], list[int]]:
+    """(token ids, per-token 1 where the token is part of a response), EOD closing the response."""
+    ids, trained = [], []
+    for text, on in segments(record, where):
+        piece = tokenizer.encode(text)
+        ids += piece
+        trained += [int(on)] * len(piece)
+    ids.append(tokenizer.eod)
+    trained.append(1)
+    return ids, trained
+
+
+def _sample(ids: list[int], trained: list[int], length: int, pad: int, doc_starts: list[int] | None = None) -> dict:
+    """tokens/labels/loss_mask/position_ids of one fixed-length sample (loss on response labels only)."""
+    ids, trained = ids[:length + 1], trained[:length + 1]
+    n = len(ids) - 1
+    tokens = torch.full((length,), pad, dtype=torch.long)
+    labels = torch.full((length,), pad, dtype=torch.long)
+    loss_mask = torch.zeros(length)
+    tokens[:n] = torch.tensor(ids[:-1])
+    labels[:n] = torch.tensor(ids[1:])
+    loss_mask[:n] = torch.tensor(trained[1:], dtype=torch.float)
+    position_ids = torch.arange(length)
+    out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+    if doc_starts is not None:
+        # Packed: positions restart and attention stays inside each original sample.
+        doc = torch.zeros(length, dtype=torch.long)
+        for s in doc_starts[1:]:
+            if s < length:
+                doc[s:] += 1
+        starts = torch.tensor(doc_starts + [length])
+        position_ids = torch.arange(length) - starts[doc]
+        causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+        same = doc.unsqueeze(0) == doc.unsqueeze(1)
+        out["position_ids"] = position_ids
+        out["attention_mask"] = ~(causal & same).unsqueeze(0)  # True = masked, megatron's convention
+    return out
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Raw JSON SFT records, tokenized once, padded (or packed) to ``length``; epochs repeat in order."""
+
+    def __init__(self, path: str | Path, tokenizer, length: int, *, packing: bool = False, vocab_size: int | None = None):
+        records = read_records(path)
+        self.length, self.pad = length, tokenizer.eod
+        tokenized = [tokenize_record(tokenizer, r, f"{path} record {i + 1}") for i, r in enumerate(records)]
+        if vocab_size is not None and tokenizer.vocab_size > vocab_size:
+            raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
+        if packing:
+            self.samples = self._pack(tokenized)
+        else:
+            self.samples = [_sample(ids, tr, length, self.pad) for ids, tr in tokenized]
+
+    def _pack(self, tokenized) -> list[dict]:
+        out, ids, tr, starts = [], [], [], []
+        for sid, st in tokenized:
+            sid, st = sid[:self.length + 1], st[:self.length + 1]
+            if ids and len(ids) + len(sid) > self.length + 1:
+                out.append(_sample(ids, tr, self.length, self.pad, starts))
+                ids, tr, starts = [], [], []
+            starts.append(len(ids))
+            ids, tr = ids + sid, tr + st
+        if ids:
+            out.append(_sample(ids, tr, self.length, self.pad, starts))
+        return out
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, idx: int) -> dict:
+        return self.samples[idx % len(self.samples)]
+
+
+# --- batches -------------------------------------------------------------------------------------------------
+
+def micro_batches(dataset, iteration: int, cfg, dp_rank: int, dp_size: int) -> list[dict]:
+    """This data-parallel rank's micro-batches of global step ``iteration`` (0-based)."""
+    per_rank = cfg.global_batch_size // dp_size
+    first = iteration * cfg.global_batch_size + dp_rank * per_rank
+    out = []
+    for m in range(per_rank // cfg.micro_batch_size):
+        start = first + m * cfg.micro_batch_size
+        items = [dataset[(start + k) % len(dataset)] for k in range(cfg.micro_batch_size)]
+        out.append({key: torch.stack([it[key] for it in items]) for key in items[0]})
+    return out

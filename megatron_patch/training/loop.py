@@ -1,0 +1,346 @@
+"""The training loop on megatron.core: GPTModel, DDP, Megatron optimizer and LR schedule, pipeline
+schedules, torch_dist checkpoints. ``train(cfg)`` runs on every rank of an initialised job.
+
+One step, as it reads below: zero the grad buffers, run the pipeline schedule over this rank's
+micro-batches (loss averaged over the response/valid tokens), agree on the loss across ranks, stop
+or skip on NaN/inf, optimizer step, LR schedule step, log, maybe save.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}
+# Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+
+
+class TrainingStopped(UserError):
+    """A NaN/inf loss (with MP_NAN_POLICY=stop)."""
+
+
+def flops_per_iteration(arch, cfg) -> float:
+    """Model FLOPs of one global batch (forward + backward = 3x forward; causal attention)."""
+    h, s = arch.hidden_size, cfg.sample_length
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    attn = h * q + 2 * h * kv + q * h
+    if arch.is_moe:
+        mlp = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size + 3 * h * arch.shared_expert_ffn_hidden_size \
+              + h * arch.num_experts
+    else:
+        mlp = 3 * h * arch.ffn_hidden_size
+    per_token = 2 * (arch.num_layers * (attn + mlp) + h * arch.padded_vocab_size())
+    per_token += 2 * arch.num_layers * q * s  # QK^T and AV, halved for causal masking: 2 * 2 * s * q / 2
+    return 3.0 * per_token * cfg.global_batch_size * s
+
+
+def _memory_gib() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-token cross entropy [b, s] from this TP rank's vocabulary slice of the logits [b, s, v/tp].
+
+    The rows megatron pads the vocabulary with are excluded from the softmax: left in, their logits
+    (0 from zero-initialised rows) add probability mass no token can have, and a converted model
+    starts with a higher loss than it has in transformers.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    local = logits.shape[-1]
+    first = parallel_state.get_tensor_model_parallel_rank() * local
+    if first + local > vocab_size:
+        padded = torch.arange(first, first + local, device=logits.device) >= vocab_size
+        logits = logits.masked_fill(padded, -1e9 if logits.dtype == torch.float32 else -1e4)
+    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous().float(),
+                                                          labels.transpose(0, 1).contiguous())
+    return losses.transpose(0, 1)
+
+
+def _loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, vocab_size: int, cp_size: int,
+               output_tensor: torch.Tensor):
+    """Mean loss over the tokens the mask keeps; also returns (sum, count) for exact logging."""
+    from megatron.core import parallel_state
+
+    losses = _token_losses(output_tensor, labels, vocab_size).reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    stats = torch.stack([torch.sum(losses * mask), mask.sum()])
+    if cp_size > 1:
+        stats_all = stats.detach().clone()
+        dist.all_reduce(stats_all, group=parallel_state.get_context_parallel_group())
+        loss = stats[0] * cp_size / stats_all[1].clamp(min=1)
+        return loss, {"lm loss": stats_all}
+    loss = stats[0] / stats[1].clamp(min=1)
+    return loss, {"lm loss": stats.detach()}
+
+
+def _forward_step(vocab_size: int, cp_size: int, data_iterator, model):
+    batch = next(data_iterator)
+    # No labels: the model returns logits, and the loss (with the vocabulary padding masked) is ours.
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+    return output, partial(_loss_func, batch["loss_mask"], batch["labels"], vocab_size, cp_size)
+
+
+class Trainer:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.log_rank = 0
+        self.writer = None
+        self.metrics_file = None
+
+    # --- set-up -----------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_patch.models.builder import build_model
+        from megatron_patch.training.arguments import megatron_settings
+
+        cfg = self.cfg
+        self.arch = cfg.arch
+        self.settings = megatron_settings(cfg)
+        model = build_model(self.arch, cfg.layout, DTYPES[cfg.precision], pp_first_stage_layers=cfg.pp0_layers,
+                            **self.settings["transformer_config"])
+        self.resume_iteration = self._latest()
+        if self.resume_iteration is None and cfg.pretrain_checkpoint:
+            from megatron_patch.convert.loading import load_checkpoint_into_model
+
+            load_checkpoint_into_model(model, cfg.pretrain_checkpoint, cfg.layout)
+            self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
+        config = model.config
+        self.model = DistributedDataParallel(config, DistributedDataParallelConfig(**self.settings["ddp"]), model)
+        config.no_sync_func = self.model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), [self.model])
+        config.grad_scale_func = self.optimizer.scale_loss
+        s = self.settings["scheduler"]
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=s["init_lr"], max_lr=s["max_lr"], min_lr=s["min_lr"],
+            lr_warmup_steps=s["lr_warmup_steps"], lr_decay_steps=s["lr_decay_steps"],
+            lr_decay_style=s["lr_decay_style"], start_wd=0.1, end_wd=0.1, wd_incr_steps=cfg.train_iters,
+            wd_incr_style="constant")
+        self.iteration = 0
+        if self.resume_iteration is not None:
+            from megatron_patch.training import checkpointing
+
+            checkpointing.load(cfg, self.resume_iteration, self.model, self.optimizer, self.scheduler)
+            self.iteration = self.resume_iteration
+            self._log(f"resumed from {checkpointing.iteration_dir(cfg.checkpoint_dir, self.iteration)}")
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
+        self._build_data()
+
+    def _latest(self):
+        from megatron_patch.training.checkpointing import latest_iteration
+
+        return latest_iteration(self.cfg.checkpoint_dir)
+
+    def _build_data(self) -> None:
+        from megatron_patch.training import data
+
+        cfg = self.cfg
+        valid_samples = cfg.eval_iters * cfg.global_batch_size
+        if cfg.sft:
+            from megatron_patch.training.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(cfg.tokenizer)
+            length = cfg.pad_len
+            self.train_data = data.SFTDataset(cfg.dataset_path[0], tok, length, packing=cfg.sft_packing,
+                                              vocab_size=self.arch.padded_vocab_size())
+            self.valid_data = (data.SFTDataset(cfg.valid_dataset_path[0], tok, length, packing=cfg.sft_packing)
+                               if cfg.valid_dataset_path else None)
+        else:
+            self.train_data, self.valid_data = data.build_pretraining_datasets(
+                cfg, cfg.train_iters * cfg.global_batch_size, valid_samples)
+            data.check_token_range(self.train_data, self.arch.padded_vocab_size(), " ".join(cfg.dataset_path))
+
+    # --- logging --------------------------------------------------------------------------------------
+
+    def _log(self, text: str) -> None:
+        if self.rank == self.log_rank:
+            print(text, flush=True)
+
+    def _open_logs(self) -> None:
+        if self.rank != self.log_rank:
+            return
+        out = Path(self.cfg.output_basepath)
+        (out / "log").mkdir(parents=True, exist_ok=True)
+        self.metrics_file = open(out / "log" / "metrics.jsonl", "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(out / "tensorboard"))
+        except ImportError:
+            print("note: tensorboard is not installed; metrics go to the console and log/metrics.jsonl only", flush=True)
+
+    def _record(self, metrics: dict) -> None:
+        if self.rank != self.log_rank:
+            return
+        self.metrics_file.write(json.dumps(metrics) + "\n")
+        self.metrics_file.flush()
+        if self.writer is not None:
+            step = metrics["iteration"]
+            for k, v in metrics.items():
+                if k != "iteration" and isinstance(v, (int, float)) and v is not None:
+                    self.writer.add_scalar(k.replace(" ", "_"), v, step)
+
+    # --- steps ----------------------------------------------------------------------------------------
+
+    def _run_schedule(self, batches: list[dict], forward_only: bool) -> torch.Tensor:
+        """(sum of losses, token count) over this global batch, the same on every rank."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        cfg = self.cfg
+        out = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, self.arch.vocab_size, cfg.cp), data_iterator=iter(batches), model=[self.model],
+            num_microbatches=len(batches), seq_length=cfg.sample_length, micro_batch_size=cfg.micro_batch_size,
+            forward_only=forward_only)
+        stats = torch.zeros(2, dtype=torch.float64)
+        if self.last_stage:
+            for d in out:
+                stats += d["lm loss"].double().cpu()
+            dp_group = parallel_state.get_data_parallel_group()
+            stats = stats.to(self._device())
+            dist.all_reduce(stats, group=dp_group)
+        stats = stats.to(self._device())
+        # The last global rank sits on the last pipeline stage: everyone takes its numbers.
+        dist.broadcast(stats, src=self.world - 1)
+        return stats.cpu()
+
+    @staticmethod
+    def _device():
+        from megatron_patch.runtime import device
+
+        return device()
+
+    def train_step(self) -> dict:
+        from megatron_patch.training import data
+
+        cfg = self.cfg
+        batches = data.micro_batches(self.train_data, self.iteration, cfg, self.dp_rank, self.dp_size)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stats = self._run_schedule(batches, forward_only=False)
+        loss = float(stats[0] / max(float(stats[1]), 1.0))
+        if not math.isfinite(loss):
+            if cfg.nan_policy == "stop":
+                raise TrainingStopped(
+                    f"loss is {loss} at iteration {self.iteration + 1}: training stopped (the last checkpoint is "
+                    f"in {cfg.checkpoint_dir}); lower LR, check the data, or set MP_NAN_POLICY=skip")
+            self._log(f"iteration {self.iteration + 1}: loss is {loss}, step skipped (MP_NAN_POLICY=skip)")
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return {"loss": loss, "skipped": True, "tokens": float(stats[1])}
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens": float(stats[1])}
+
+    def evaluate(self) -> float:
+        from megatron_patch.training import data
+
+        cfg = self.cfg
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for i in range(cfg.eval_iters):
+                batches = data.micro_batches(self.valid_data, i, cfg, self.dp_rank, self.dp_size)
+                total += self._run_schedule(batches, forward_only=True)
+        self.model.train()
+        return float(total[0] / max(float(total[1]), 1.0))
+
+    # --- the loop -------------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        from megatron_patch.training import checkpointing
+
+        cfg = self.cfg
+        self._open_logs()
+        flops = flops_per_iteration(self.arch, cfg)
+        peak = self._peak_tflops()
+        losses = {}
+        self._log(f"training {cfg.family} {cfg.model_size} {cfg.layout} DP={self.dp_size} on {self.world} "
+                  f"{'GPU' if torch.cuda.is_available() else 'CPU process'}(es): iterations {self.iteration + 1}.."
+                  f"{cfg.train_iters}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x "
+                  f"{cfg.sample_length} tokens per DP rank")
+        stop_at = cfg.train_iters if cfg.exit_interval is None else min(cfg.train_iters, cfg.exit_interval)
+        while self.iteration < stop_at:
+            start = time.time()
+            result = self.train_step()
+            self.iteration += 1
+            elapsed = time.time() - start
+            losses[self.iteration] = result["loss"]
+            tokens = cfg.global_batch_size * cfg.sample_length
+            tflops = flops / elapsed / self.world / 1e12
+            metrics = {"iteration": self.iteration, "loss": result["loss"],
+                       "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": result.get("grad_norm"),
+                       "tokens_per_s": tokens / elapsed, "tflops_per_gpu": tflops, "memory_gib": _memory_gib(),
+                       "iteration_s": elapsed, "loss_tokens": result["tokens"], "skipped": result["skipped"]}
+            if peak:
+                metrics["mfu"] = tflops / peak
+            self._record(metrics)
+            if self.iteration % cfg.log_interval == 0 or self.iteration == stop_at:
+                gn = metrics["grad_norm"]
+                self._log(f"iter {self.iteration:6d}/{cfg.train_iters} | loss {result['loss']:.4f} | "
+                          f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
+                          f"tokens/s {metrics['tokens_per_s']:.0f} | TFLOP/s/{'GPU' if peak is not None else 'proc'} "
+                          f"{tflops:.3f}" + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
+                          + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms")
+            if self.valid_data is not None and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
+                vloss = self.evaluate()
+                self._log(f"validation at iter {self.iteration}: loss {vloss:.4f} | ppl {math.exp(min(vloss, 50)):.2f}")
+                self._record({"iteration": self.iteration, "valid_loss": vloss})
+            if self.iteration % cfg.save_interval == 0 or self.iteration == stop_at:
+                checkpointing.save(cfg, self.iteration, self.model, self.optimizer, self.scheduler)
+        if self.iteration == cfg.train_iters:
+            checkpointing.export_model(cfg, self.iteration, self.model, DTYPES[cfg.precision])
+        if self.writer is not None:
+            self.writer.close()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        return {"rank": self.rank, "iteration": self.iteration, "losses": losses}
+
+    def _peak_tflops(self) -> float | None:
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name()
+        for key, value in PEAK_TFLOPS.items():
+            if key in name:
+                return value * (2 if self.cfg.precision == "fp8" else 1)
+        return None
+
+
+def train(cfg) -> dict:
+    """Run on every rank (process group from RANK/WORLD_SIZE/MASTER_*)."""
+    from megatron_patch.runtime import init_model_parallel
+
+    init_model_parallel(cfg.layout, seed=cfg.seed)
+    trainer = Trainer(cfg)
+    trainer.build()
+    return trainer.run()
+
+
+def train_worker(cfg) -> dict:
+    """Entry for ``run_local`` ranks (ENV=cpu)."""
+    return train(cfg)

@@ -1,0 +1,137 @@
+"""JSONL -> Megatron mmap indexed data (``P_<key>_document.bin/.idx``), with worker processes.
+
+One document per JSON line (the value of ``json_key``), tokenized in parallel, written in input
+order through megatron-core's ``IndexedDatasetBuilder``; the end-of-document id is appended after
+each document. Lines that are not JSON objects with a string under ``json_key`` are reported with
+their line numbers and skipped (``strict`` stops at the first one). Output appears only complete:
+both files are written under temporary names and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+
+_TOKENIZER = None
+
+
+def _init_worker(tokenizer_path: str) -> None:
+    global _TOKENIZER
+    from megatron_patch.training.tokenizer import load_tokenizer
+
+    _TOKENIZER = load_tokenizer(tokenizer_path)
+
+
+def _encode_line(item: tuple[int, str, str, bool]):
+    """(line number, ids or None, error or None, characters)."""
+    lineno, line, key, append_eod = item
+    if not line.strip():
+        return lineno, None, "empty line", 0
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return lineno, None, f"not valid JSON ({exc.msg} at column {exc.colno})", 0
+    if not isinstance(obj, dict):
+        return lineno, None, f"a JSON {type(obj).__name__}, not an object", 0
+    if key not in obj:
+        return lineno, None, f"no '{key}' field (fields: {', '.join(list(obj)[:5])})", 0
+    text = obj[key]
+    if not isinstance(text, str):
+        return lineno, None, f"'{key}' is a {type(text).__name__}, not a string", 0
+    ids = _TOKENIZER.encode(text)
+    if append_eod:
+        ids.append(_TOKENIZER.eod)
+    return lineno, ids, None, len(text)
+
+
+@dataclass
+class PreprocessReport:
+    output_prefix: str
+    documents: int = 0
+    tokens: int = 0
+    characters: int = 0
+    bad_lines: list[tuple[int, str]] = field(default_factory=list)
+
+
+def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str | Path, *, json_key: str = "text",
+               workers: int = 1, append_eod: bool = True, strict: bool = False, progress: bool | None = None,
+               chunksize: int = 64) -> PreprocessReport:
+    import numpy
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    from megatron_patch.training.tokenizer import load_tokenizer
+
+    input_path = Path(input_path)
+    if not input_path.is_file():
+        raise UserError(f"input {input_path} not found: give a JSONL file (one JSON object per line)")
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    tokenizer = load_tokenizer(tokenizer_path)  # fail early, in this process, on a bad tokenizer
+    prefix = f"{output_prefix}_{json_key}_document"
+    out_dir = Path(prefix).parent
+    if not out_dir.is_dir():
+        raise UserError(f"output folder {out_dir} does not exist: create it first")
+    tmp = f"{prefix}.partial-{os.getpid()}"
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+    report = PreprocessReport(output_prefix=prefix)
+    if progress is None:
+        progress = sys.stderr.isatty()
+
+    def lines():
+        with open(input_path, encoding="utf-8", errors="strict") as f:
+            lineno = 0
+            while True:
+                lineno += 1
+                try:
+                    line = f.readline()
+                except UnicodeDecodeError as exc:
+                    raise UserError(f"{input_path} line {lineno} is not UTF-8 ({exc.reason}): re-encode the file")
+                if not line:
+                    return
+                yield lineno, line, json_key, append_eod
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=input_path.stat().st_size, unit="B", unit_scale=True, desc="preprocess", disable=not progress)
+    pool = None
+    try:
+        if workers > 1:
+            pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_path),))
+            results = pool.imap(_encode_line, lines(), chunksize=chunksize)
+        else:
+            _init_worker(str(tokenizer_path))
+            results = map(_encode_line, lines())
+        for lineno, ids, error, nchars in results:
+            if error is not None:
+                if error == "empty line":
+                    continue
+                if strict:
+                    raise UserError(f"{input_path} line {lineno}: {error}")
+                report.bad_lines.append((lineno, error))
+                continue
+            builder.add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+            report.documents += 1
+            report.tokens += len(ids)
+            report.characters += nchars
+            bar.update(nchars)
+        if report.documents == 0:
+            raise UserError(f"{input_path} has no usable line (every line lacked a string '{json_key}' field)")
+        builder.finalize(tmp + ".idx")
+        os.replace(tmp + ".bin", prefix + ".bin")
+        os.replace(tmp + ".idx", prefix + ".idx")
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        for suffix in (".bin", ".idx"):
+            if os.path.exists(tmp + suffix):
+                os.remove(tmp + suffix)
+    return report

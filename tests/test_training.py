@@ -1,0 +1,282 @@
+"""Training end to end on CPU (ENV=cpu, local gloo processes) on a locally made corpus and tokenizer.
+
+- preprocessing round trip: decode(tokens) == text, bad lines named by line number;
+- TP=2 (sequence parallel, distributed optimizer): the loss falls on real text, and a run stopped
+  after a checkpoint and restarted gives the same loss at every iteration as an uninterrupted run;
+- PP=2 from a checkpoint converted at TP=2: the first loss equals transformers' loss on the same
+  samples (the weights really arrived), and training goes on from there;
+- SFT: loss only on response tokens, packing keeps samples apart; NaN loss stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_patch.cli import main
+from tests.training_helpers import launcher_args, make_texts, make_tiktoken_file, make_tokenizer, write_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERS, GBS, SEQ = 20, 8, 64
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    texts = make_texts(2000, seed=0)
+    tok = make_tokenizer(root / "tok", texts)
+    write_jsonl(root / "corpus.jsonl", [{"text": t} for t in texts])
+    from megatron_patch.training.preprocess import preprocess
+
+    report = preprocess(root / "corpus.jsonl", str(root / "corpus"), tok, progress=False)
+    return {"root": root, "texts": texts, "tok": tok, "prefix": report.output_prefix}
+
+
+def _launch(args: list[str], env: dict | None = None, family: str = "llama3_1") -> subprocess.CompletedProcess:
+    """The real launcher script, as a user runs it."""
+    script = os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh")
+    full_env = {**os.environ, "PYTHON": sys.executable, "MP_CPU_TIMEOUT": "400", **(env or {})}
+    return subprocess.run(["bash", script, *args], env=full_env, capture_output=True, text=True, timeout=480)
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(l) for l in (out / "log" / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+
+
+def _pretrain_args(corpus, out, **over):
+    base = dict(DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), LR="3e-3", MIN_LR="3e-4",
+                GLOBAL_BATCH_SIZE=str(GBS), SEQ_LEN=str(SEQ), TRAIN_TOKENS_OR_ITERS=str(ITERS * GBS * SEQ),
+                WARMUP_TOKENS_OR_ITERS=str(2 * GBS * SEQ), SAVE_INTERVAL="10")
+    base.update(over)
+    return launcher_args("llama3_1", **base)
+
+
+# --- preprocessing -----------------------------------------------------------------------------------
+
+def test_preprocess_round_trip_and_bad_lines(corpus, tmp_path, capsys):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_patch.training.tokenizer import load_tokenizer
+
+    texts = corpus["texts"][:50] + ["Unicode too: café, naïve, 東京."]
+    lines = [json.dumps({"content": t}) for t in texts[:10]] + ["{not json", '{"text": "wrong key"}', '[1, 2]',
+                                                                 '{"content": 7}'] + [json.dumps({"content": t}) for t in texts[10:]]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    code = main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "p"),
+                 "--tokenizer", str(corpus["tok"]), "--json-key", "content", "--workers", "2", "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    for lineno in (11, 12, 13, 14):
+        assert f"in.jsonl:{lineno}: skipped" in captured.err
+    assert "4 bad lines skipped" in captured.out
+    tok = load_tokenizer(corpus["tok"])
+    ds = IndexedDataset(str(tmp_path / "p_content_document"))
+    assert len(ds) == len(texts)
+    for i, text in enumerate(texts[:-1]):
+        assert int(ds[i][-1]) == tok.eod
+        assert tok.decode(ds[i][:-1]) == text
+    assert not list(tmp_path.glob("*.partial*"))
+
+
+def test_preprocess_tiktoken_file_round_trip(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_patch.training.preprocess import preprocess
+    from megatron_patch.training.tokenizer import load_tokenizer
+
+    bpe = make_tiktoken_file(tmp_path / "tiny.tiktoken", [b"th", b"the", b" the", b"in", b"ing"])
+    texts = ["the thing in the east", "Nothing, then \u00e9t\u00e9 \U0001F600 everything"]
+    write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
+    report = preprocess(tmp_path / "in.jsonl", str(tmp_path / "t"), bpe, progress=False)
+    tok = load_tokenizer(bpe)
+    ds = IndexedDataset(report.output_prefix)
+    assert tok.vocab_size == 262 and tok.eod == 261
+    assert [tok.decode(ds[i][:-1]) for i in range(2)] == texts
+    assert 258 in ds[0].tolist()  # the merges were used, " the"
+    assert report.tokens < sum(len(t.encode()) for t in texts) + 2
+
+
+# --- pretraining at TP=2: the loss falls, and a resumed run is the same run ----------------------------
+
+@pytest.fixture(scope="module")
+def tp2_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp2") / "out"
+    args = _pretrain_args(corpus, out, TP="2", SP="true", DO="true")
+    proc = _launch(args, {"MP_TP_COMM_OVERLAP": "false"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"out": out, "args": args, "stdout": proc.stdout}
+
+
+def test_tp2_loss_falls_on_real_text(tp2_run):
+    m = _metrics(tp2_run["out"])
+    losses = [x["loss"] for x in m]
+    assert [x["iteration"] for x in m] == list(range(1, ITERS + 1))
+    assert 5.0 < losses[0] < 6.0, losses  # about ln(256) at initialisation
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "memory_gib"):
+        assert all(x[key] is not None and x[key] > 0 for x in m), key
+    assert m[0]["loss_tokens"] == GBS * SEQ
+    assert "iter     20/20 | loss" in tp2_run["stdout"] and "TFLOP/s" in tp2_run["stdout"]
+    assert list((tp2_run["out"] / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_checkpoints_are_complete_and_marked(tp2_run):
+    ckpt = tp2_run["out"] / "checkpoint"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000010", "iter_0000020", "latest_checkpointed_iteration.txt"]
+    it = ckpt / "iter_0000020"
+    assert (it / "metadata.json").exists() and (it / "common.pt").exists()
+    assert sorted(p.name for p in (it / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    state = json.loads((it / "train_state.json").read_text())
+    assert state["iteration"] == 20 and state["consumed_samples"] == 20 * GBS
+
+
+def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus, tmp_path):
+    out = tmp_path / "out"
+    args = _pretrain_args(corpus, out, TP="2", SP="true", DO="true")
+    first = _launch(args, {"MP_TP_COMM_OVERLAP": "false", "MP_EXIT_INTERVAL": "10"})
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    assert len(_metrics(out)) == 10
+    # A save that died half-way must not be mistaken for a checkpoint.
+    (out / "checkpoint" / ".iter_0000015.partial").mkdir()
+    second = _launch(args, {"MP_TP_COMM_OVERLAP": "false"})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "iter_0000010" in second.stdout
+    resumed = _metrics(out)
+    reference = _metrics(tp2_run["out"])
+    assert [x["iteration"] for x in resumed] == list(range(1, ITERS + 1))
+    for a, b in zip(resumed, reference):
+        assert abs(a["loss"] - b["loss"]) < 1e-6, (a["iteration"], a["loss"], b["loss"])
+        assert abs(a["lr"] - b["lr"]) < 1e-12 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
+
+
+# --- PP=2 from a converted checkpoint --------------------------------------------------------------------
+
+def test_pp2_starts_from_converted_checkpoint(corpus, tmp_path):
+    pytest.importorskip("megatron_patch.convert.checkpoint")
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf", seed=3)
+    mc = tmp_path / "mcore"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(mc), "--tp", "2", "--quiet"]) == 0
+    out = tmp_path / "out"
+    args = _pretrain_args(corpus, out, PP="2", MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(mc), LR="1e-3",
+                          TRAIN_TOKENS_OR_ITERS=str(6 * GBS * SEQ), WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))
+    proc = _launch(args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "loaded pretrained weights" in proc.stdout
+    losses = [x["loss"] for x in _metrics(out)]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+
+    # The first global batch, read the way training reads it, through transformers' model.
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.training.arguments import resolve
+    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
+
+    cfg = resolve("llama3_1", args, env={})
+    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * GBS, 0)
+    batches = micro_batches(train, 0, cfg, 0, 1)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            logits = model(input_ids=b["tokens"]).logits
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1),
+                                                   reduction="none")
+            total += float((ce * b["loss_mask"].reshape(-1)).sum())
+            count += int(b["loss_mask"].sum())
+    assert abs(losses[0] - total / count) < 1e-4, (losses[0], total / count)
+
+    # The trained model goes back to HF through the converter and has learned: lower loss on that batch.
+    back = tmp_path / "hf_trained"
+    assert main(["convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(back), "--quiet"]) == 0
+    trained = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
+    with torch.no_grad():
+        after = sum(float((torch.nn.functional.cross_entropy(
+            trained(input_ids=b["tokens"]).logits.reshape(-1, 200), b["labels"].reshape(-1), reduction="none")
+            * b["loss_mask"].reshape(-1)).sum()) for b in batches) / count
+    assert after < total / count - 0.05, (after, total / count)
+
+
+# --- SFT ---------------------------------------------------------------------------------------------------
+
+SFT_RECORDS = [
+    {"prompt": "Where does the cat sit?", "response": "The cat sits on the warm mat."},
+    {"messages": [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A green apple."},
+                  {"role": "user", "content": "And a colour?"}, {"role": "assistant", "content": "A blue house."}]},
+    {"instruction": "Describe the river.", "output": "A quiet river by the sea."},
+]
+
+
+def test_sft_loss_only_on_responses(corpus, tmp_path):
+    from megatron_patch.training.data import SFTDataset
+    from megatron_patch.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(corpus["tok"])
+    write_jsonl(tmp_path / "sft.jsonl", SFT_RECORDS)
+    ds = SFTDataset(tmp_path / "sft.jsonl", tok, 128)
+    expected = [["The cat sits on the warm mat."], ["A green apple.", "A blue house."], ["A quiet river by the sea."]]
+    for sample, answers in zip(ds.samples, expected):
+        labels, mask = sample["labels"], sample["loss_mask"]
+        trained = labels[mask.bool()].tolist()
+        assert trained[-1] == tok.eod  # the model learns to stop
+        text = tok.decode(trained[:-1])
+        for a in answers:
+            assert a.strip() in text
+        assert "Where does" not in text and "Name a fruit" not in text and "user" not in text
+        assert mask[labels == tok.eod].sum() == 1  # padding (eod ids after the end) carries no loss
+        # The labels are the tokens shifted by one.
+        n = int((sample["tokens"] != tok.eod).sum())
+        assert torch.equal(sample["tokens"][1:n], labels[:n - 1])
+
+
+def test_sft_packing_keeps_samples_apart(corpus, tmp_path):
+    from megatron_patch.training.data import SFTDataset
+    from megatron_patch.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(corpus["tok"])
+    write_jsonl(tmp_path / "sft.jsonl", SFT_RECORDS * 4)
+    plain = SFTDataset(tmp_path / "sft.jsonl", tok, 64)
+    packed = SFTDataset(tmp_path / "sft.jsonl", tok, 64, packing=True)
+    assert len(packed) < len(plain)
+    assert sum(float(s["loss_mask"].sum()) for s in packed.samples) == sum(float(s["loss_mask"].sum()) for s in plain.samples)
+    multi = [s for s in packed.samples if int((s["position_ids"] == 0).sum()) >= 2]
+    assert multi, "no sample holds two records"
+    s = multi[0]
+    starts = (s["position_ids"] == 0).nonzero().flatten().tolist()
+    assert starts[0] == 0
+    mask = s["attention_mask"][0]  # True = masked
+    second = starts[1]
+    assert bool(mask[second, second - 1])  # the second sample cannot see the first
+    assert not bool(mask[second + 1, second]) and bool(mask[second, second + 1])  # causal inside a sample
+
+
+def test_sft_training_run(corpus, tmp_path):
+    write_jsonl(tmp_path / "sft.jsonl", SFT_RECORDS * 8)
+    out = tmp_path / "out"
+    args = launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), OUTPUT_BASEPATH=str(out),
+                         PAD_LEN="48", TRAIN_TOKENS_OR_ITERS="6", WARMUP_TOKENS_OR_ITERS="1", LR="3e-3",
+                         SAVE_INTERVAL="100", GLOBAL_BATCH_SIZE="4")
+    proc = _launch(args, {"MP_TOKENIZER": str(corpus["tok"]), "MP_SFT_PACKING": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = _metrics(out)
+    assert len(m) == 6 and m[-1]["loss"] < m[0]["loss"]
+    assert all(x["loss_tokens"] < 4 * 48 for x in m)  # only response tokens count
+
+
+def test_nan_loss_stops_the_run(corpus, tmp_path):
+    out = tmp_path / "out"
+    proc = _launch(_pretrain_args(corpus, out, LR="1e30", MIN_LR="0"))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "loss is" in err and "at iteration" in err and "training stopped" in err, err
+    assert not math.isnan(_metrics(out)[0]["loss"])

@@ -1,0 +1,229 @@
+"""The launchers' argument validation and dry runs: no process starts, so these are fast.
+
+Each bad input must be refused before anything starts, with a one-line message that names what to
+change; each representative flag combination must turn into the expected megatron-core settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_patch.cli import main
+from megatron_patch.training.arguments import Capabilities, arg_names, machine_problems, resolve
+from tests.training_helpers import launcher_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture()
+def data(tmp_path):
+    """Files the path checks accept (their content is not read by resolve)."""
+    prefix = tmp_path / "corpus_text_document"
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{suffix}").write_bytes(b"")
+    sft = tmp_path / "sft.jsonl"
+    sft.write_text('{"prompt": "a", "response": "b"}\n')
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    return {"prefix": str(prefix), "sft": str(sft), "tok": str(tok), "out": str(tmp_path / "out")}
+
+
+def _args(data, family="llama3_1", **over):
+    over.setdefault("DATASET_PATH", data["prefix"])
+    over.setdefault("OUTPUT_BASEPATH", data["out"])
+    return launcher_args(family, **over)
+
+
+def test_launchers_take_25_26_27_arguments_in_the_reference_order():
+    assert len(arg_names("llama3_1")) == 25
+    assert arg_names("qwen2")[12] == "EP" and len(arg_names("qwen2")) == 26
+    assert arg_names("qwen2_moe")[12:14] == ["ETP", "EP"] and len(arg_names("qwen2_moe")) == 27
+    assert arg_names("llama3_1")[-1] == "OUTPUT_BASEPATH" and arg_names("llama3_1")[0] == "ENV"
+
+
+# (family, overrides, environment, a piece of the expected message)
+BAD = [
+    ("llama3_1", dict(ENV="local"), {}, "ENV must be one of dsw | dlc | cpu, got 'local'"),
+    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 8B | 70B | tiny | auto"),
+    ("qwen2", dict(MODEL_SIZE="8B"), {}, "MODEL_SIZE for qwen2 must be one of 0.5B | 1.5B"),
+    ("llama3_1", dict(BATCH_SIZE="two"), {}, "BATCH_SIZE must be an integer, got 'two'"),
+    ("llama3_1", dict(BATCH_SIZE="0"), {}, "BATCH_SIZE must be >= 1"),
+    ("llama3_1", dict(LR="fast"), {}, "LR must be a number"),
+    ("llama3_1", dict(MIN_LR="1e-2"), {}, "MIN_LR (0.01) must not exceed LR"),
+    ("llama3_1", dict(PR="fp4"), {}, "PR must be one of fp16 | bf16 | fp8 | fp32"),
+    ("llama3_1", dict(SP="yes please"), {}, "SP must be true or false"),
+    ("llama3_1", dict(SP="true"), {}, "SP=true needs TP > 1"),
+    ("llama3_1", dict(TP="2"), {"MP_TP_COMM_OVERLAP": "true"}, "TP communication overlap needs sequence parallelism"),
+    ("llama3_1", dict(DO="false"), {"MP_OVERLAP_PARAM_GATHER": "true"}, "param-gather overlap needs the distributed optimizer"),
+    ("llama3_1", dict(AC="partial"), {}, "AC must be one of sel | full | offload | none"),
+    ("llama3_1", dict(OPTIMIZER_OFFLOAD="1.5"), {}, "OPTIMIZER_OFFLOAD must be false, static or a fraction"),
+    ("llama3_1", dict(TP="3"), {}, "TP=3 does not divide the 4 attention heads"),
+    ("llama3_1", dict(PP="3"), {}, "PP=3 does not divide the 4 layers"),
+    ("qwen2_moe", dict(EP="3"), {}, "EP=3 does not divide the 4 experts"),
+    ("qwen2_moe", dict(TP="2", EP="2", ETP="1", GLOBAL_BATCH_SIZE="8"), {}, "needs sequence parallelism: set SP=true"),
+    ("qwen2", dict(EP="2"), {}, "expert parallelism needs a MoE model"),
+    ("llama3_1", dict(GLOBAL_BATCH_SIZE="7"), {}, "GLOBAL_BATCH_SIZE (7) must be a multiple of BATCH_SIZE*DP"),
+    ("llama3_1", dict(TRAIN_TOKENS_OR_ITERS="100"), {}, "less than one iteration"),
+    ("llama3_1", dict(TRAIN_TOKENS_OR_ITERS="lots"), {}, "TRAIN_TOKENS_OR_ITERS must be a count"),
+    ("llama3_1", dict(WARMUP_TOKENS_OR_ITERS="1e9"), {}, "must be shorter than training"),
+    ("llama3_1", dict(SEQ_LEN="512"), {}, "sequence length 512 exceeds the model's 256 positions"),
+    ("llama3_1", dict(MODEL_SIZE="auto"), {}, "MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH"),
+    ("llama3_1", dict(DATASET_PATH="/nonexistent/corpus"), {}, "mmap data /nonexistent/corpus.bin not found"),
+    ("llama3_1", dict(SFT="true"), {"MP_DATASET_TYPE": "mmap"}, "SFT=true trains on raw JSON/JSONL data"),
+    ("llama3_1", dict(), {"MP_DATASET_TYPE": "raw"}, "MP_DATASET_TYPE=raw (JSON data) is for SFT"),
+    ("llama3_1", dict(SFT="true", DATASET_PATH="SFT"), {}, "SFT needs a tokenizer"),
+    ("llama3_1", dict(SFT="true", PAD_LEN="128", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"}, "PAD_LEN (128) must not exceed SEQ_LEN"),
+    ("llama3_1", dict(), {"MP_VP": "2"}, "MP_VP=2 (virtual pipeline) needs PP > 1"),
+    ("llama3_1", dict(PP="2"), {"MP_PP0_LAYERS": "4"}, "a first stage of 4 layers leaves 0"),
+    ("llama3_1", dict(PR="bf16"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed needs PR=fp8"),
+    ("llama3_1", dict(PR="fp8"), {"MP_FP8_RECIPE": "fancy"}, "MP_FP8_RECIPE must be one of delayed"),
+    ("llama3_1", dict(SAVE_INTERVAL="-5"), {}, "SAVE_INTERVAL must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("family,over,env,message", BAD, ids=[m[:40] for *_, m in BAD])
+def test_bad_input_is_refused_with_a_message(data, family, over, env, message, monkeypatch, capsys):
+    over = {k: data["sft"] if v == "SFT" else v for k, v in over.items()}
+    env = {k: data["tok"] if v == "TOK" else v for k, v in env.items()}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code = main(["train", family, *_args(data, family, **over)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err, err
+    assert err.count("\n") == 1, f"not one line: {err!r}"
+
+
+def test_wrong_argument_count_and_usage(data, capsys):
+    assert main(["train", "qwen2", *_args(data, "llama3_1")]) == 2
+    err = capsys.readouterr().err
+    assert "run_mcore_qwen2.sh takes 26 arguments" in err and "got 25" in err
+    assert main(["train", "llama3_1", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name in arg_names("llama3_1"):
+        assert name in out
+    assert "8B | 70B | tiny | auto" in out
+
+
+# --- what this machine can do ------------------------------------------------------------------------
+
+CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attention_3=False)
+H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attention_3=True)
+
+
+@pytest.mark.parametrize("over,env,message", [
+    (dict(PR="fp8"), {}, "PR=fp8 needs transformer-engine on a GPU with FP8"),
+    (dict(FL="true"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
+    (dict(TP="2", SP="true"), {}, "TP communication overlap (TP > 1 with SP=true) needs transformer-engine"),
+    (dict(PR="bf16"), {}, "PR=bf16 mixed precision is not supported on ENV=cpu"),
+    (dict(AC="offload"), {}, "AC=offload moves activations from GPU to host memory"),
+    (dict(OPTIMIZER_OFFLOAD="static"), {}, "OPTIMIZER_OFFLOAD moves optimizer state"),
+    (dict(ENV="dsw", PR="bf16"), {"GPUS_PER_NODE": "1"}, "ENV=dsw trains on GPUs and this machine has none"),
+])
+def test_machine_refusals_without_gpu(data, over, env, message, monkeypatch, capsys):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = resolve("llama3_1", _args(data, **over))
+    problems = machine_problems(cfg, CPU)
+    assert any(message in p for p in problems), problems
+    if not torch_cuda():
+        assert main(["train", "llama3_1", *_args(data, **over)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_gpu_machine_accepts_fp8_flash_and_tp_overlap(data, monkeypatch):
+    monkeypatch.setenv("GPUS_PER_NODE", "8")
+    cfg = resolve("llama3_1", _args(data, ENV="dsw", PR="fp8", FL="true", TP="2", SP="true", DO="true"))
+    assert machine_problems(cfg, H100) == []
+    assert machine_problems(cfg, CPU)  # and the same config is refused without GPU
+
+
+# --- dry runs -------------------------------------------------------------------------------------------
+
+def _dry(data, family, env, **over) -> dict:
+    cmd = ["bash", os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh"), *_args(data, family, **over)]
+    full_env = {**os.environ, "MP_DRY_RUN": "json", "PYTHON": sys.executable, **env}
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
+    r = _dry(data, "llama3_1", {"GPUS_PER_NODE": "8"}, ENV="dsw", MODEL_SIZE="8B", PR="fp8", TP="4", PP="2", SP="true",
+             DO="true", FL="true", AC="sel", BATCH_SIZE="1", GLOBAL_BATCH_SIZE="64", SEQ_LEN="4096",
+             TRAIN_TOKENS_OR_ITERS="10B", WARMUP_TOKENS_OR_ITERS="1B")
+    tc, ddp, opt = r["megatron_core"]["transformer_config"], r["megatron_core"]["ddp"], r["megatron_core"]["optimizer"]
+    assert tc == {"sequence_parallel": True, "tp_comm_overlap": True, "attention_backend": "flash", "fp8": "hybrid",
+                  "fp8_recipe": "delayed", "fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max",
+                  "recompute_granularity": "selective"}
+    assert ddp == {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
+                   "grad_reduce_in_fp32": True}
+    assert opt["bf16"] is True and opt["fp16"] is False and opt["use_distributed_optimizer"] is True
+    assert r["model"]["num_layers"] == 32 and r["model"]["padded_vocab_size"] == 128256
+    res = r["resolved"]
+    assert res["world_size"] == 8 and r["megatron_core"]["data_parallel_size"] == 1
+    assert res["train_iters"] == 10**10 // (64 * 4096) and res["warmup_iters"] == 10**9 // (64 * 4096)
+    assert r["megatron_core"]["num_microbatches"] == 64
+    assert r["command"][:2] == ["torchrun", "--nproc_per_node=8"]
+    assert r["command"][-26:-25] == ["llama3_1"]
+    if not torch_cuda():
+        assert any("PR=fp8" in p for p in r["machine_problems"])
+
+
+def test_dry_run_fp8_recipe_and_full_recompute(data):
+    r = _dry(data, "llama3_1", {"GPUS_PER_NODE": "8", "MP_FP8_RECIPE": "blockwise", "MP_AC_LAYERS": "2"},
+             ENV="dsw", MODEL_SIZE="70B", PR="fp8", TP="8", AC="full", SEQ_LEN="8192", GLOBAL_BATCH_SIZE="8",
+             BATCH_SIZE="1", TRAIN_TOKENS_OR_ITERS="1e9", WARMUP_TOKENS_OR_ITERS="1e8")
+    tc = r["megatron_core"]["transformer_config"]
+    assert tc["fp8_recipe"] == "blockwise" and tc["fp8_amax_history_len"] == 1
+    assert (tc["recompute_granularity"], tc["recompute_method"], tc["recompute_num_layers"]) == ("full", "uniform", 2)
+    assert tc["attention_backend"] == "fused" and tc["sequence_parallel"] is False and tc["tp_comm_overlap"] is False
+
+
+def test_dry_run_qwen2_moe_multinode_offload_forces_do(data):
+    env = {"GPUS_PER_NODE": "8", "WORLD_SIZE": "4", "RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "23456"}
+    r = _dry(data, "qwen2_moe", env, ENV="dlc", MODEL_SIZE="57B-A14B", PR="bf16", TP="2", PP="2", ETP="1", EP="8",
+             SP="true", DO="false", OPTIMIZER_OFFLOAD="0.5", GLOBAL_BATCH_SIZE="256", BATCH_SIZE="1", SEQ_LEN="4096",
+             TRAIN_TOKENS_OR_ITERS="100B", WARMUP_TOKENS_OR_ITERS="1B")
+    opt = r["megatron_core"]["optimizer"]
+    assert opt["optimizer_cpu_offload"] is True and opt["optimizer_offload_fraction"] == 0.5
+    assert opt["use_precision_aware_optimizer"] is True and opt["use_distributed_optimizer"] is True
+    assert r["megatron_core"]["ddp"]["overlap_param_gather"] is True
+    assert any("forced by OPTIMIZER_OFFLOAD" in n for n in r["resolved"]["notes"])
+    assert r["resolved"]["world_size"] == 32 and r["megatron_core"]["data_parallel_size"] == 8
+    assert r["command"][:6] == ["torchrun", "--nproc_per_node=8", "--nnodes=4", "--node_rank=1",
+                                "--master_addr=10.0.0.1", "--master_port=23456"]
+    assert r["model"]["num_experts"] == 64
+
+
+def test_dry_run_sft_counts_iterations_and_cpu_runs_locally(data):
+    r = _dry(data, "qwen2", {"MP_TOKENIZER": data["tok"], "MP_SFT_PACKING": "true"}, SFT="true",
+             DATASET_PATH=data["sft"], TRAIN_TOKENS_OR_ITERS="30", WARMUP_TOKENS_OR_ITERS="3", TP="2",
+             SP="true", PAD_LEN="32")
+    res = r["resolved"]
+    assert (res["train_iters"], res["warmup_iters"], res["dataset_type"], res["sft_packing"]) == (30, 3, "raw", True)
+    assert r["command"][1:5] == ["-m", "megatron_patch", "train", "qwen2"] and r["processes"] == 2
+    assert r["megatron_core"]["transformer_config"]["attention_backend"] == "local"
+    assert any("TP communication overlap" in p for p in r["machine_problems"])
+
+
+def test_dry_run_text_lists_settings(data, monkeypatch, capsys):
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    assert main(["train", "llama3_1", *_args(data, TP="2", SP="true", DO="true")]) == 0
+    out = capsys.readouterr().out
+    assert "nothing is started" in out
+    assert "sequence_parallel=True tp_comm_overlap=True" in out
+    assert "machine check: this machine would refuse" in out or torch_cuda()
+    assert "command: " in out

@@ -1,0 +1,43 @@
+"""Local text, tokenizers and launcher arguments for the training tests (nothing from a model hub).
+
+The corpus is English-like text from a small grammar: it has structure a tiny model learns within a
+few dozen steps, so "the loss falls" is a real check. The tokenizer is a BPE trained on it with the
+``tokenizers`` library, small enough (<= 200 ids) for the tiny model presets.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_patch.training.toy_data import make_texts, make_tokenizer, sentence  # noqa: F401
+
+
+def make_tiktoken_file(path: str | Path, merges: list[bytes]) -> Path:
+    """A tiktoken BPE ranks file: the 256 single bytes, then ``merges`` (each a pair of earlier tokens)."""
+    import base64
+
+    tokens = [bytes([i]) for i in range(256)] + merges
+    Path(path).write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    return Path(path)
+
+
+def write_jsonl(path: str | Path, records: list) -> Path:
+    with open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return Path(path)
+
+
+def launcher_args(family: str = "llama3_1", **over) -> list[str]:
+    """A valid argument list for ``family``'s launcher; keyword arguments override by name."""
+    from megatron_patch.training.arguments import arg_names
+
+    base = dict(ENV="cpu", MODEL_SIZE="tiny", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="8", LR="1e-3", MIN_LR="1e-4",
+                SEQ_LEN="64", PAD_LEN="64", PR="fp32", TP="1", PP="1", CP="1", EP="1", ETP="1", SP="false",
+                DO="false", FL="false", SFT="false", AC="none", OPTIMIZER_OFFLOAD="false", SAVE_INTERVAL="10",
+                DATASET_PATH="none", VALID_DATASET_PATH="none", PRETRAIN_CHECKPOINT_PATH="none",
+                TRAIN_TOKENS_OR_ITERS=str(20 * 8 * 64), WARMUP_TOKENS_OR_ITERS=str(2 * 8 * 64),
+                OUTPUT_BASEPATH="/tmp/mpatch-out")
+    base.update(over)
+    return [str(base[n]) for n in arg_names(family)]
