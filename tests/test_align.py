@@ -285,3 +285,45 @@ def test_cli_ablate_reports_each_source_and_skips_gpu_variants(aligned, tmp_path
     assert rows["rmsnorm_hf"]["diff_to_hf_same_dtype"] < 0.5 * base
     assert rows["rmsnorm_lowp"]["logits_rel_l2"] > rows["baseline"]["logits_rel_l2"]
     assert "skipped" in (report / "report.md").read_text()
+
+
+def test_cli_text_file_feeds_real_text_through_the_tokenizer(aligned, tmp_path, capsys):
+    from megatron_patch.training.toy_data import make_texts, make_tokenizer
+
+    texts = make_texts(400, seed=2)
+    hf = tmp_path / "llama_with_tokenizer"
+    shutil.copytree(aligned["hf"]["llama3_1"], hf)
+    tok_dir = make_tokenizer(tmp_path / "tok", texts, vocab_size=200)
+    for f in tok_dir.iterdir():
+        shutil.copy(f, hf / f.name)
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(texts[:60]))
+    report = tmp_path / "rep"
+    assert main(["align", "--hf-dir", str(hf), "--text-file", str(text), "--dtype", "fp32", "--seq-len", "48",
+                 "--batch", "2", "--quiet", "--report-dir", str(report)]) == 0
+    data = json.loads((report / "report.json").read_text())
+    assert "text from text.txt (96 tokens)" in json.dumps(data)
+    # Too little text for the requested batch is bad input, said in one line.
+    short = tmp_path / "short.txt"
+    short.write_text(texts[0])
+    capsys.readouterr()
+    assert main(["align", "--hf-dir", str(hf), "--text-file", str(short), "--dtype", "fp32", "--quiet"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mpatch")]
+    assert len(err) == 1 and "tokens; --batch 2 x --seq-len 128 needs 256" in err[0]
+
+
+def test_cli_fp16_is_judged_against_hf_fp16_rounding(aligned, tmp_path):
+    report = tmp_path / "rep"
+    assert main(["align", "--hf-dir", str(aligned["hf"]["llama3_1"]), "--dtype", "fp16", "--quiet",
+                 "--report-dir", str(report)]) == 0
+    verdict = json.loads((report / "report.json").read_text())["verdict"]
+    assert "HF's own fp16 rounding" in verdict["summary"]
+
+
+def test_cli_moe_checkpoint_aligned_at_expert_parallel_2(aligned, tmp_path):
+    ckpt = aligned["faulty"]["query_heads_swapped_in_group"].parent.parent / "clean" / "qwen2_moe"
+    report = tmp_path / "rep"
+    assert main(["align", "--hf-dir", str(aligned["hf"]["qwen2_moe"]), "--mcore-dir", str(ckpt), "--ep", "2",
+                 "--dtype", "fp32", "--quiet", "--report-dir", str(report)]) == 0
+    data = json.loads((report / "report.json").read_text())
+    assert "EP=2" in json.dumps(data) and data["verdict"]["aligned"]
