@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from megatron_patch.cli import main
-from tests.training_helpers import launcher_args, make_texts, make_tiktoken_file, make_tokenizer, write_jsonl
+from tests.training_helpers import (launcher_args, make_chat_tokenizer, make_texts, make_tiktoken_file, make_tokenizer,
+                                    write_jsonl)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS, GBS, SEQ = 20, 8, 64
@@ -160,19 +161,37 @@ def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus
 
 # --- PP=2 from a converted checkpoint --------------------------------------------------------------------
 
-def test_pp2_starts_from_converted_checkpoint(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny random Llama-3.1 HF model and its hf2mcore conversion at TP=2 (torch_dist)."""
     pytest.importorskip("megatron_patch.convert.checkpoint")
     from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
-    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf", seed=3)
-    mc = tmp_path / "mcore"
+    root = tmp_path_factory.mktemp("converted")
+    hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=3)
+    mc = root / "mcore"
     assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(mc), "--tp", "2", "--quiet"]) == 0
-    out = tmp_path / "out"
-    args = _pretrain_args(corpus, out, PP="2", MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(mc), LR="1e-3",
-                          TRAIN_TOKENS_OR_ITERS=str(6 * GBS * SEQ), WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))
+    return {"hf": hf, "mcore": mc}
+
+
+def _from_converted_args(corpus, converted, out, **over):
+    return _pretrain_args(corpus, out, PP="2", MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(converted["mcore"]),
+                          LR="1e-3", TRAIN_TOKENS_OR_ITERS=str(6 * GBS * SEQ), WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ),
+                          **over)
+
+
+@pytest.fixture(scope="module")
+def pp2_run(corpus, converted, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2") / "out"
+    args = _from_converted_args(corpus, converted, out)
     proc = _launch(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "loaded pretrained weights" in proc.stdout
+    return {"out": out, "args": args, "stdout": proc.stdout}
+
+
+def test_pp2_starts_from_converted_checkpoint(pp2_run, converted, tmp_path):
+    hf, out, args, stdout = converted["hf"], pp2_run["out"], pp2_run["args"], pp2_run["stdout"]
+    assert "loaded pretrained weights" in stdout
     losses = [x["loss"] for x in _metrics(out)]
     assert len(losses) == 6 and losses[-1] < losses[0]
 
@@ -207,6 +226,43 @@ def test_pp2_starts_from_converted_checkpoint(corpus, tmp_path):
     assert after < total / count - 0.05, (after, total / count)
 
 
+# --- virtual pipeline (MP_VP): PP=2 x 2 chunks is the same computation as PP=2 ------------------------------
+
+def test_vp2_matches_pp2_and_resumes(pp2_run, corpus, converted, tmp_path):
+    """4 layers at PP=2, VP=2: rank 0 holds layers 1 and 3, rank 1 layers 2 and 4 (interleaved 1F1B).
+
+    From the same converted checkpoint on the same data, each iteration's loss must equal the plain
+    PP=2 run's; the run is stopped after its checkpoint at iteration 3 (chunks saved as model0/model1)
+    and restarted, so iterations 4-6 also check the resume; the exported model equals PP=2's.
+    """
+    out = tmp_path / "out"
+    args = _from_converted_args(corpus, converted, out, SAVE_INTERVAL="3")
+    first = _launch(args, {"MP_VP": "2", "MP_EXIT_INTERVAL": "3"})
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "loaded pretrained weights" in first.stdout and "PP=2 EP=1 VP=2" in first.stdout
+    assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    second = _launch(args, {"MP_VP": "2"})
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from" in second.stdout and "iter_0000003" in second.stdout
+    vp, ref = _metrics(out), _metrics(pp2_run["out"])
+    assert [x["iteration"] for x in vp] == list(range(1, 7))
+    assert abs(vp[0]["loss"] - ref[0]["loss"]) < 1e-5, (vp[0]["loss"], ref[0]["loss"])
+    for a, b in zip(vp, ref):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a["iteration"], a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * b["grad_norm"], (a["iteration"], a["grad_norm"], b["grad_norm"])
+    assert vp[-1]["loss"] < vp[0]["loss"] - 0.1, [x["loss"] for x in vp]
+
+    # final/ (the chunks merged into the hf2mcore layout) converts to the same HF weights as PP=2's.
+    from safetensors.torch import load_file
+
+    for name, src in (("vp", out), ("pp", pp2_run["out"])):
+        assert main(["convert", "mcore2hf", "--load-dir", str(src / "final"), "--save-dir", str(tmp_path / name),
+                     "--quiet"]) == 0
+    a, b = load_file(tmp_path / "vp" / "model.safetensors"), load_file(tmp_path / "pp" / "model.safetensors")
+    assert a.keys() == b.keys() and len(a) == 39
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+
+
 # --- SFT ---------------------------------------------------------------------------------------------------
 
 SFT_RECORDS = [
@@ -237,6 +293,64 @@ def test_sft_loss_only_on_responses(corpus, tmp_path):
         # The labels are the tokens shifted by one.
         n = int((sample["tokens"] != tok.eod).sum())
         assert torch.equal(sample["tokens"][1:n], labels[:n - 1])
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "A green apple."}, {"role": "user", "content": "And a colour?"},
+        {"role": "assistant", "content": "A blue house."}]
+
+
+def test_sft_chat_template_renders_and_masks_assistant_turns(corpus, tmp_path):
+    """A tokenizer folder with a chat template: messages are rendered by it, loss only on the assistant turns."""
+    from transformers import AutoTokenizer
+
+    from megatron_patch.training.data import SFTDataset, tokenize_record
+    from megatron_patch.training.tokenizer import load_tokenizer
+
+    folder = make_chat_tokenizer(tmp_path / "chat_tok", corpus["tok"])
+    tok = load_tokenizer(folder)
+    assert tok.chat_template is not None
+    ids, trained = tokenize_record(tok, {"messages": CHAT}, "r1")
+    # Exactly what transformers' apply_chat_template makes of the same folder, then the EOD.
+    reference = AutoTokenizer.from_pretrained(folder).apply_chat_template(CHAT, tokenize=True)
+    reference = reference["input_ids"] if hasattr(reference, "keys") else reference
+    assert ids[:-1] == list(reference) and ids[-1] == tok.eod
+    assert tok.decode(ids).startswith("<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    on = tok.decode([i for i, t in zip(ids, trained) if t])
+    assert on == "A green apple.<|im_end|>\nA blue house.<|im_end|>\n</s>", on
+    off = tok.decode([i for i, t in zip(ids, trained) if not t])
+    assert off == ("<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a fruit.<|im_end|>\n"
+                   "<|im_start|>assistant\n<|im_start|>user\nAnd a colour?<|im_end|>\n<|im_start|>assistant\n"), off
+
+    # A conversation ending with a user turn trains its assistant turn, not the closing EOD.
+    ids2, trained2 = tokenize_record(tok, {"messages": CHAT[:4]}, "r2")
+    assert trained2[-1] == 0 and tok.decode([i for i, t in zip(ids2, trained2) if t]) == "A green apple.<|im_end|>\n"
+    # Prompt/response records keep the plain format; a folder without a template keeps the plain chat format.
+    ids3, trained3 = tokenize_record(tok, SFT_RECORDS[0], "r3")
+    assert tok.decode(ids3) == "Where does the cat sit?\nThe cat sits on the warm mat.</s>"
+    assert tok.decode([i for i, t in zip(ids3, trained3) if t]) == "The cat sits on the warm mat.</s>"
+    plain_ids, _ = tokenize_record(load_tokenizer(corpus["tok"]), {"messages": CHAT}, "r4")
+    assert "<|user|>" in load_tokenizer(corpus["tok"]).decode(plain_ids) and "<|im_start|>" not in tok.decode(plain_ids)
+
+    # Through the dataset: labels under the loss mask are the assistant spans.
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, SFT_RECORDS[0]])
+    sample = SFTDataset(tmp_path / "chat.jsonl", tok, 128).samples[0]
+    assert tok.decode(sample["labels"][sample["loss_mask"].bool()].tolist()) == on
+
+
+def test_sft_chat_template_that_is_not_incremental_is_refused(corpus, tmp_path):
+    from megatron_patch.errors import UserError
+    from megatron_patch.training.data import tokenize_record
+    from megatron_patch.training.tokenizer import load_tokenizer
+
+    # Numbers the conversation's turns up front: an earlier part is not a prefix of the whole.
+    template = "{{ messages | length }} turns\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok = load_tokenizer(make_chat_tokenizer(tmp_path / "t1", corpus["tok"], template))
+    with pytest.raises(UserError, match="does not render message 3 as an extension"):
+        tokenize_record(tok, {"messages": CHAT}, "rec 1")
+    broken = load_tokenizer(make_chat_tokenizer(tmp_path / "t2", corpus["tok"], "{% if %}"))
+    with pytest.raises(UserError, match="chat template of .* failed"):
+        tokenize_record(broken, {"messages": CHAT}, "rec 1")
 
 
 def test_sft_packing_keeps_samples_apart(corpus, tmp_path):

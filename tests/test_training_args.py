@@ -80,6 +80,9 @@ BAD = [
     ("llama3_1", dict(SFT="true", DATASET_PATH="SFT"), {}, "SFT needs a tokenizer"),
     ("llama3_1", dict(SFT="true", PAD_LEN="128", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"}, "PAD_LEN (128) must not exceed SEQ_LEN"),
     ("llama3_1", dict(), {"MP_VP": "2"}, "MP_VP=2 (virtual pipeline) needs PP > 1"),
+    ("llama3_1", dict(PP="2"), {"MP_VP": "4"}, "MP_VP=4 with PP=2 needs the 4 layers to split into PP*VP=8"),
+    ("llama3_1", dict(PP="2", GLOBAL_BATCH_SIZE="6"), {"MP_VP": "2"}, "micro-batches per step, GLOBAL_BATCH_SIZE/(BATCH_SIZE*DP) = 3, to be a multiple of PP=2"),
+    ("llama3_1", dict(PP="2"), {"MP_VP": "2", "MP_PP0_LAYERS": "1"}, "MP_VP and MP_PP0_LAYERS cannot be combined"),
     ("llama3_1", dict(PP="2"), {"MP_PP0_LAYERS": "4"}, "a first stage of 4 layers leaves 0"),
     ("llama3_1", dict(PR="bf16"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed needs PR=fp8"),
     ("llama3_1", dict(PR="fp8"), {"MP_FP8_RECIPE": "fancy"}, "MP_FP8_RECIPE must be one of delayed"),
@@ -217,6 +220,18 @@ def test_dry_run_sft_counts_iterations_and_cpu_runs_locally(data):
     assert r["command"][1:5] == ["-m", "megatron_patch", "train", "qwen2"] and r["processes"] == 2
     assert r["megatron_core"]["transformer_config"]["attention_backend"] == "local"
     assert any("TP communication overlap" in p for p in r["machine_problems"])
+
+
+def test_dry_run_virtual_pipeline_is_accepted_on_cpu(data):
+    r = _dry(data, "llama3_1", {"MP_VP": "2"}, PP="2")
+    tc = r["megatron_core"]["transformer_config"]
+    assert tc["virtual_pipeline_model_parallel_size"] == 2
+    assert (tc["overlap_p2p_comm"], tc["batch_p2p_comm"]) == (True, False)
+    assert r["resolved"]["virtual_pipeline"] == 2 and r["processes"] == 2
+    assert r["machine_problems"] == []
+    one = _dry(data, "llama3_1", {"MP_VP": "1"}, PP="2")
+    assert one["resolved"]["virtual_pipeline"] is None
+    assert "virtual_pipeline_model_parallel_size" not in one["megatron_core"]["transformer_config"]
 
 
 def test_dry_run_text_lists_settings(data, monkeypatch, capsys):

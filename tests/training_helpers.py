@@ -41,3 +41,27 @@ def launcher_args(family: str = "llama3_1", **over) -> list[str]:
                 OUTPUT_BASEPATH="/tmp/mpatch-out")
     base.update(over)
     return [str(base[n]) for n in arg_names(family)]
+
+
+CHATML = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def make_chat_tokenizer(folder: str | Path, base: str | Path, template: str = CHATML) -> Path:
+    """``base`` (a make_tokenizer folder) plus ChatML's special tokens and a chat template in tokenizer_config.json.
+
+    Pieces are encoded with no leading-space marker (Metaspace prepend_scheme 'never'), so
+    encoding a rendered conversation in pieces gives the same ids as encoding it whole.
+    """
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(Path(base) / "tokenizer.json"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(prepend_scheme="never")
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    config = json.loads((Path(base) / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder

@@ -74,7 +74,8 @@ def print_dry_run(report: dict) -> None:
         print(f"  {i:2d} {k:<25} {v}")
     print("resolved:")
     print(f"  layout      TP={cfg['tp']} PP={cfg['pp']} CP={cfg['cp']} EP={cfg['ep']} ETP={cfg['etp'] or cfg['tp']} "
-          f"DP={cfg['world_size'] // (cfg['tp'] * cfg['pp'] * cfg['cp'])}; {cfg['world_size']} processes "
+          + (f"VP={cfg['virtual_pipeline']} " if cfg['virtual_pipeline'] else "")
+          + f"DP={cfg['world_size'] // (cfg['tp'] * cfg['pp'] * cfg['cp'])}; {cfg['world_size']} processes "
           f"({cfg['nproc_per_node']} per node x {cfg['nnodes']})")
     print(f"  schedule    {cfg['train_iters']} iterations, {cfg['warmup_iters']} warm-up, cosine {cfg['lr']} -> "
           f"{cfg['min_lr']}; {report['megatron_core']['num_microbatches']} micro-batches/step")

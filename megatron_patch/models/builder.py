@@ -59,6 +59,7 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,
         num_layers_in_first_pipeline_stage=pp_first_stage_layers,
+        virtual_pipeline_model_parallel_size=layout.vp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -110,16 +111,28 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None):
 
 def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
                 use_te: bool | None = None, pre_process: bool | None = None, post_process: bool | None = None,
-                pp_first_stage_layers: int | None = None, **config_overrides):
-    """This rank's GPTModel (stage taken from parallel_state unless given)."""
+                pp_first_stage_layers: int | None = None, vp_stage: int | None = None, **config_overrides):
+    """This rank's GPTModel (stage taken from parallel_state unless given).
+
+    With a virtual pipeline (``layout.vp``), each pipeline rank holds ``vp`` model chunks; ``vp_stage``
+    (0..vp-1) picks which one this call builds. megatron-core places the layers: chunk ``v`` of
+    pipeline rank ``r`` holds global layers ``(v*pp + r) * L/(pp*vp)`` onwards, and its sharded state
+    dict names them by those global numbers, so torch_dist checkpoints load into chunks unchanged.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if layout.vp is not None:
+        if vp_stage is None or not 0 <= vp_stage < layout.vp:
+            raise ValueError(f"{layout}: build_model needs vp_stage in 0..{layout.vp - 1}, got {vp_stage}")
+    elif vp_stage not in (None, 0):
+        raise ValueError(f"vp_stage={vp_stage} without a virtual pipeline in {layout}")
     config = transformer_config(arch, layout, dtype, pp_first_stage_layers, **config_overrides)
+    virtual = layout.vp is not None
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage()
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage()
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     model = GPTModel(
         config,
         layer_spec(arch, config, use_te),
@@ -130,9 +143,17 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
+        vp_stage=vp_stage if virtual else None,
     )
     rope.install(model, arch)
     return model
+
+
+def build_model_chunks(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32, **kwargs) -> list:
+    """This rank's model chunks: one GPTModel per virtual pipeline stage (a list of one without VP)."""
+    if layout.vp is None:
+        return [build_model(arch, layout, dtype, **kwargs)]
+    return [build_model(arch, layout, dtype, vp_stage=v, **kwargs) for v in range(layout.vp)]
 
 
 def model_spec_name(model) -> str:

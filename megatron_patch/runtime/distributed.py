@@ -14,13 +14,18 @@ from megatron_patch.runtime import cpu_compat
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How a model is split: tensor, pipeline, expert and expert-tensor parallel sizes."""
+    """How a model is split: tensor, pipeline, expert and expert-tensor parallel sizes.
+
+    ``vp``: virtual pipeline stages (model chunks) per pipeline rank, None without interleaving. It
+    changes how layers sit on ranks, not how many processes there are.
+    """
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
     etp: int | None = None  # expert tensor parallel; None means "same as tp", as in megatron-core
     cp: int = 1
+    vp: int | None = None
 
     @property
     def expert_tp(self) -> int:
@@ -39,7 +44,8 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         etp = "" if self.etp is None else f" ETP={self.etp}"
-        return f"TP={self.tp} PP={self.pp} EP={self.ep}{etp}" + (f" CP={self.cp}" if self.cp > 1 else "")
+        return (f"TP={self.tp} PP={self.pp} EP={self.ep}{etp}" + (f" CP={self.cp}" if self.cp > 1 else "")
+                + (f" VP={self.vp}" if self.vp is not None else ""))
 
 
 def device() -> torch.device:
@@ -86,6 +92,7 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        virtual_pipeline_model_parallel_size=layout.vp,
     )
     set_seed(seed)
 

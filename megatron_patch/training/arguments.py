@@ -67,7 +67,7 @@ EXTRAS = {
     "MP_DRY_RUN": "1: print the resolved configuration and command, train nothing",
     "MP_DATASET_TYPE": "mmap (default for pretraining) | raw (JSON/JSONL, the default for SFT)",
     "MP_AC_LAYERS": "layers recomputed (AC=full) or offloaded (AC=offload) per stage (default 1)",
-    "MP_VP": "virtual pipeline stages per pipeline rank (interleaved 1F1B)",
+    "MP_VP": "virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B; needs PP > 1",
     "MP_SFT_PACKING": "true: pack several SFT samples into one PAD_LEN sequence",
     "MP_PP0_LAYERS": "layers on the first pipeline stage (the rest split evenly)",
     "MP_FP8_RECIPE": "delayed (default) | tensorwise | mxfp8 | blockwise",
@@ -171,7 +171,7 @@ class RunConfig:
 
     @property
     def layout(self) -> ParallelLayout:
-        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp)
+        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp, vp=self.virtual_pipeline)
 
     @property
     def data_parallel_size(self) -> int:
@@ -337,6 +337,9 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         raise UserError("SFT=true trains on raw JSON/JSONL data: leave MP_DATASET_TYPE unset or set it to raw")
     ac_layers = _env_int(env, "MP_AC_LAYERS", 1)
     vp = _env_int(env, "MP_VP", None)
+    if vp == 1:
+        vp = None  # one chunk per rank is the plain pipeline schedule
+        notes.append("MP_VP=1: one model chunk per pipeline rank, i.e. no virtual pipeline")
     packing = _bool("MP_SFT_PACKING", env.get("MP_SFT_PACKING") or "false")
     if packing and not sft:
         raise UserError("MP_SFT_PACKING=true applies to SFT only: set SFT=true or drop MP_SFT_PACKING")
@@ -379,7 +382,7 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     from megatron_patch.models.arch import validate_layout
 
     arch = parse_arch(hf_config)
-    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp)
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vp=vp)
     validate_layout(arch, layout, pp_first_stage_layers=pp0)
     if vp is not None and arch.num_layers % (pp * vp):
         raise UserError(f"MP_VP={vp} with PP={pp} needs the {arch.num_layers} layers to split into PP*VP={pp * vp} "
@@ -402,6 +405,10 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         raise UserError(f"{world} processes cannot hold PP*EP*ETP={pp * ep * layout.expert_tp}")
     if gbs % (mbs * dp):
         raise UserError(f"GLOBAL_BATCH_SIZE ({gbs}) must be a multiple of BATCH_SIZE*DP = {mbs}*{dp} = {mbs * dp}")
+    if vp is not None and (gbs // (mbs * dp)) % pp:
+        # The interleaved schedule runs micro-batches in groups of PP per virtual stage.
+        raise UserError(f"MP_VP={vp} (interleaved schedule) needs the micro-batches per step, GLOBAL_BATCH_SIZE/"
+                        f"(BATCH_SIZE*DP) = {gbs // (mbs * dp)}, to be a multiple of PP={pp}")
 
     # Training length: tokens for pretraining, iterations for SFT (the reference's convention).
     train_raw, warm_raw = a["TRAIN_TOKENS_OR_ITERS"], a["WARMUP_TOKENS_OR_ITERS"]
@@ -540,6 +547,10 @@ def megatron_settings(cfg: RunConfig) -> dict:
                   cpu_offloading_weights=False)
     if cfg.virtual_pipeline:
         tc["virtual_pipeline_model_parallel_size"] = cfg.virtual_pipeline
+        # Megatron-LM's interleaved defaults: overlapped, unbatched p2p. With batched p2p at PP=2 the
+        # forward and backward receives from the one peer go out in one batch; on gloo that gave wrong
+        # losses (no error). Unbatched p2p at PP=2 sends the two directions over different groups.
+        tc.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     ddp = {"use_distributed_optimizer": cfg.distributed_optimizer, "overlap_grad_reduce": cfg.overlap_grad_reduce,
            "overlap_param_gather": cfg.overlap_param_gather, "grad_reduce_in_fp32": cfg.precision != "fp32"}
     optim = {"optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": 0.1, "adam_beta1": 0.9,
@@ -603,8 +614,6 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
         out.append(f"PR={cfg.precision} mixed precision is not supported on ENV=cpu: use PR=fp32")
     if cfg.precision == "fp32" and gpu_env:
         pass  # allowed (slow) on GPU
-    if cfg.virtual_pipeline:
-        out.append("MP_VP (virtual pipeline) is not supported by this training loop yet: unset MP_VP")
     return out
 
 

@@ -71,13 +71,31 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state(model, optimizer, is_loading: bool) -> dict:
-    model_sd = model.module.sharded_state_dict()
-    return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)}
+def _model_keys(models: list) -> list[str]:
+    """Megatron-LM's names for the model part of a checkpoint: 'model', or 'model0', 'model1'... per chunk."""
+    return ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
 
 
-def save(cfg, iteration: int, model, optimizer, scheduler) -> Path:
+def _sharded_state(models: list, optimizer, is_loading: bool) -> dict:
+    """Each chunk's sharded state dict under its Megatron-LM key; the optimizer's built from all of them.
+
+    The sharded tensors carry global names (layer numbers with the chunk's offset), so the stored
+    shards do not depend on how the layers were split into stages and chunks.
+    """
+    state = {key: m.module.sharded_state_dict() for key, m in zip(_model_keys(models), models)}
+    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    return state
+
+
+def _param_gather_hooks(cfg, models: list, enable: bool) -> None:
+    if cfg.overlap_param_gather:
+        for m in models:
+            # disabling finishes the pending parameter all-gather first
+            m.enable_forward_pre_hook() if enable else m.disable_forward_pre_hook()
+
+
+def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
+    """``models``: this rank's DDP-wrapped model chunks (one without a virtual pipeline)."""
     from megatron.core import dist_checkpointing
 
     root = cfg.checkpoint_dir
@@ -90,16 +108,14 @@ def save(cfg, iteration: int, model, optimizer, scheduler) -> Path:
         tmp.mkdir(parents=True)
     dist.barrier()
     start = time.time()
-    if cfg.overlap_param_gather:
-        model.disable_forward_pre_hook()  # finishes the pending parameter all-gather first
-    state = _sharded_state(model, optimizer, is_loading=False)
+    _param_gather_hooks(cfg, models, enable=False)
+    state = _sharded_state(models, optimizer, is_loading=False)
     state.update(scheduler=scheduler.state_dict(), iteration=iteration,
                  consumed_samples=iteration * cfg.global_batch_size)
     dist_checkpointing.save(state, str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    if cfg.overlap_param_gather:
-        model.enable_forward_pre_hook()
+    _param_gather_hooks(cfg, models, enable=True)
     dist.barrier()
     if rank == 0:
         (tmp / "train_state.json").write_text(json.dumps(
@@ -118,13 +134,14 @@ def save(cfg, iteration: int, model, optimizer, scheduler) -> Path:
     return final
 
 
-def load(cfg, iteration: int, model, optimizer, scheduler) -> int:
+def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     """Restore everything saved at ``iteration``; returns the consumed samples."""
     from megatron.core import dist_checkpointing
 
     folder = iteration_dir(cfg.checkpoint_dir, iteration)
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(folder))
-    model.module.load_state_dict(state["model"])
+    state = dist_checkpointing.load(_sharded_state(models, optimizer, is_loading=True), str(folder))
+    for key, m in zip(_model_keys(models), models):
+        m.module.load_state_dict(state[key])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     saved = json.loads((folder / "train_state.json").read_text())
@@ -139,10 +156,44 @@ def load(cfg, iteration: int, model, optimizer, scheduler) -> int:
     return int(state["consumed_samples"])
 
 
+def load_converted_into_chunks(chunks: list, ckpt_dir) -> None:
+    """A checkpoint from 'mpatch convert hf2mcore' (or a ``final/`` export) into virtual-pipeline chunks.
+
+    All chunks load in one ``dist_checkpointing.load``: its integrity check wants the whole request of
+    all ranks to cover every stored shard, which one chunk alone does not. The chunks' sharded
+    tensors name their layers by global number (megatron's layer offset for the chunk's vp_stage),
+    so a checkpoint written at any TP/PP, without chunks, fills them correctly.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_patch.convert.sidecar import RELEASE_DIR, read_sidecar
+    from megatron_patch.convert.torch_dist import TorchDistReader
+
+    ckpt_dir = Path(ckpt_dir)
+    if read_sidecar(ckpt_dir).checkpoint_format != "torch_dist":
+        raise UserError(f"{ckpt_dir} is a legacy checkpoint, which loads only at the layout it was written for: "
+                        "convert with --format torch_dist to train with MP_VP")
+    release = ckpt_dir / RELEASE_DIR
+    stored = TorchDistReader(release).keys()
+    request = {}
+    for i, chunk in enumerate(chunks):
+        # Transformer-engine _extra_state a CPU-written checkpoint lacks holds only FP8 bookkeeping.
+        request[f"model{i}"] = {k: v for k, v in chunk.sharded_state_dict().items()
+                                if not (isinstance(v, ShardedObject) and k.endswith("_extra_state")
+                                        and v.unique_key not in stored)}
+    state = dist_checkpointing.load(request, str(release))
+    for i, chunk in enumerate(chunks):
+        missing, unexpected = chunk.load_state_dict(state[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise UserError(f"{ckpt_dir} does not fit model chunk {i}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
 FINAL_DIR = "final"
 
 
-def export_model(cfg, iteration: int, model, dtype: torch.dtype) -> Path:
+def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
     """The trained weights alone, in the layout 'mpatch convert hf2mcore' writes (``OUTPUT_BASEPATH/final``).
 
     'mpatch convert mcore2hf --load-dir OUTPUT_BASEPATH/final' turns it into an HF folder, and it can be
@@ -161,11 +212,16 @@ def export_model(cfg, iteration: int, model, dtype: torch.dtype) -> Path:
             shutil.rmtree(tmp)
         (tmp / RELEASE_DIR).mkdir(parents=True)
     dist.barrier()
-    if cfg.overlap_param_gather:
-        model.disable_forward_pre_hook()
-    dist_checkpointing.save(model.module.sharded_state_dict(), str(tmp / RELEASE_DIR))
-    if cfg.overlap_param_gather:
-        model.enable_forward_pre_hook()
+    _param_gather_hooks(cfg, models, enable=False)
+    # One state dict, as hf2mcore writes it. What is stored is named by each sharded tensor's global
+    # key; the dict keys only need to be distinct, and chunks reuse local module names
+    # ("decoder.layers.0..."), hence the chunk prefix.
+    if len(models) == 1:
+        state = models[0].module.sharded_state_dict()
+    else:
+        state = {f"chunk{i}.{k}": v for i, m in enumerate(models) for k, v in m.module.sharded_state_dict().items()}
+    dist_checkpointing.save(state, str(tmp / RELEASE_DIR))
+    _param_gather_hooks(cfg, models, enable=True)
     dist.barrier()
     if rank == 0:
         from megatron_patch.convert.outputs import copy_carried

@@ -93,22 +93,30 @@ def read_records(path: str | Path) -> list[dict]:
     return records
 
 
-def segments(record: dict, where: str) -> list[tuple[str, bool]]:
-    """A record as (text, trained-on) pieces: prompt/response pairs or chat messages."""
+def segments(record: dict, where: str, chat_template=None) -> list[tuple[str, bool]]:
+    """A record as (text, trained-on) pieces: prompt/response pairs or chat messages.
+
+    Chat messages are rendered with ``chat_template`` (the tokenizer folder's, see
+    ``tokenizer.ChatTemplate``) when there is one, else in a plain ``<|role|>`` format; either way
+    only the assistant turns are trained on.
+    """
     if not isinstance(record, dict):
         raise UserError(f"{where}: an SFT record must be a JSON object, found {type(record).__name__}")
     if "messages" in record:
         msgs = record["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
-        out = []
         for m in msgs:
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
                 raise UserError(f"{where}: each message needs a 'role' and a string 'content'")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise UserError(f"{where}: the conversation has no assistant message to train on")
+        if chat_template is not None:
+            return chat_template.segments(msgs, where)
+        out = []
+        for m in msgs:
             out.append((f"<|{m['role']}|>\n", False))
             out.append((m["content"] + "\n", m["role"] == "assistant"))
-        if not any(trained for _, trained in out):
-            raise UserError(f"{where}: the conversation has no assistant message to train on")
         return out
     prompt = next((record[k] for k in PROMPT_KEYS if k in record), None)
     response = next((record[k] for k in RESPONSE_KEYS if k in record), None)
@@ -121,14 +129,25 @@ def segments(record: dict, where: str) -> list[tuple[str, bool]]:
 
 
 def tokenize_record(tokenizer, record: dict, where: str) -> tuple[list[int], list[int]]:
-    """(token ids, per-token 1 where the token is part of a response), EOD closing the response."""
+    """(token ids, per-token 1 where the token is trained on), EOD closing the sample.
+
+    Without a chat template the EOD is trained (the model learns to stop after the response). A
+    chat-template conversation ends as the template renders it (its end-of-turn markup, trained
+    inside the assistant span); EOD is appended as the document end unless it is already the last
+    token, trained only when the conversation ends with an assistant turn.
+    """
+    template = getattr(tokenizer, "chat_template", None) if "messages" in record else None
     ids, trained = [], []
-    for text, on in segments(record, where):
+    for text, on in segments(record, where, template):
         piece = tokenizer.encode(text)
         ids += piece
         trained += [int(on)] * len(piece)
-    ids.append(tokenizer.eod)
-    trained.append(1)
+    if template is None:
+        ids.append(tokenizer.eod)
+        trained.append(1)
+    elif not ids or ids[-1] != tokenizer.eod:
+        ids.append(tokenizer.eod)
+        trained.append(int(record["messages"][-1]["role"] == "assistant"))
     return ids, trained
 
 

@@ -111,25 +111,27 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_patch.models.builder import build_model
+        from megatron_patch.models.builder import build_model_chunks
         from megatron_patch.training.arguments import megatron_settings
 
         cfg = self.cfg
         self.arch = cfg.arch
         self.settings = megatron_settings(cfg)
-        model = build_model(self.arch, cfg.layout, DTYPES[cfg.precision], pp_first_stage_layers=cfg.pp0_layers,
-                            **self.settings["transformer_config"])
+        # One GPTModel per virtual pipeline stage (one in all without MP_VP).
+        chunks = build_model_chunks(self.arch, cfg.layout, DTYPES[cfg.precision], pp_first_stage_layers=cfg.pp0_layers,
+                                    **self.settings["transformer_config"])
         self.resume_iteration = self._latest()
         if self.resume_iteration is None and cfg.pretrain_checkpoint:
-            from megatron_patch.convert.loading import load_checkpoint_into_model
-
-            load_checkpoint_into_model(model, cfg.pretrain_checkpoint, cfg.layout)
-            self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
-        config = model.config
-        self.model = DistributedDataParallel(config, DistributedDataParallelConfig(**self.settings["ddp"]), model)
-        config.no_sync_func = self.model.no_sync
+            self._load_pretrained(chunks)
+        config = chunks[0].config
+        ddp_config = DistributedDataParallelConfig(**self.settings["ddp"])
+        # As Megatron-LM does: only the first chunk's gradient buckets are bucketed for overlap.
+        self.models = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
+                       for i, c in enumerate(chunks)]
+        no_sync = [m.no_sync for m in self.models]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), [self.model])
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), self.models)
         config.grad_scale_func = self.optimizer.scale_loss
         s = self.settings["scheduler"]
         self.scheduler = OptimizerParamScheduler(
@@ -141,13 +143,26 @@ class Trainer:
         if self.resume_iteration is not None:
             from megatron_patch.training import checkpointing
 
-            checkpointing.load(cfg, self.resume_iteration, self.model, self.optimizer, self.scheduler)
+            checkpointing.load(cfg, self.resume_iteration, self.models, self.optimizer, self.scheduler)
             self.iteration = self.resume_iteration
             self._log(f"resumed from {checkpointing.iteration_dir(cfg.checkpoint_dir, self.iteration)}")
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self._build_data()
+
+    def _load_pretrained(self, chunks: list) -> None:
+        """A converted checkpoint into this rank's model chunk(s)."""
+        from megatron_patch.convert.loading import load_checkpoint_into_model
+
+        cfg = self.cfg
+        if len(chunks) == 1:
+            load_checkpoint_into_model(chunks[0], cfg.pretrain_checkpoint, cfg.layout)
+        else:
+            from megatron_patch.training.checkpointing import load_converted_into_chunks
+
+            load_converted_into_chunks(chunks, cfg.pretrain_checkpoint)
+        self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
         from megatron_patch.training.checkpointing import latest_iteration
@@ -165,13 +180,14 @@ class Trainer:
             tok = load_tokenizer(cfg.tokenizer)
             length = cfg.pad_len
             self.train_data = data.SFTDataset(cfg.dataset_path[0], tok, length, packing=cfg.sft_packing,
-                                              vocab_size=self.arch.padded_vocab_size())
+                                              vocab_size=self.arch.vocab_size)
             self.valid_data = (data.SFTDataset(cfg.valid_dataset_path[0], tok, length, packing=cfg.sft_packing)
                                if cfg.valid_dataset_path else None)
         else:
             self.train_data, self.valid_data = data.build_pretraining_datasets(
                 cfg, cfg.train_iters * cfg.global_batch_size, valid_samples)
-            data.check_token_range(self.train_data, self.arch.padded_vocab_size(), " ".join(cfg.dataset_path))
+            # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
+            data.check_token_range(self.train_data, self.arch.vocab_size, " ".join(cfg.dataset_path))
 
     # --- logging --------------------------------------------------------------------------------------
 
@@ -211,10 +227,13 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg = self.cfg
+        # The interleaved schedule takes one iterator per chunk; each chunk reads every micro-batch
+        # in order (the first chunk its tokens, the last its labels and loss mask).
+        data = [iter(batches) for _ in self.models] if len(self.models) > 1 else iter(batches)
         out = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, self.arch.vocab_size, cfg.cp), data_iterator=iter(batches), model=[self.model],
-            num_microbatches=len(batches), seq_length=cfg.sample_length, micro_batch_size=cfg.micro_batch_size,
-            forward_only=forward_only)
+            forward_step_func=partial(_forward_step, self.arch.vocab_size, cfg.cp), data_iterator=data,
+            model=self.models, num_microbatches=len(batches), seq_length=cfg.sample_length,
+            micro_batch_size=cfg.micro_batch_size, forward_only=forward_only)
         stats = torch.zeros(2, dtype=torch.float64)
         if self.last_stage:
             for d in out:
@@ -238,7 +257,8 @@ class Trainer:
 
         cfg = self.cfg
         batches = data.micro_batches(self.train_data, self.iteration, cfg, self.dp_rank, self.dp_size)
-        self.model.zero_grad_buffer()
+        for m in self.models:
+            m.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = self._run_schedule(batches, forward_only=False)
         loss = float(stats[0] / max(float(stats[1]), 1.0))
@@ -248,7 +268,8 @@ class Trainer:
                     f"loss is {loss} at iteration {self.iteration + 1}: training stopped (the last checkpoint is "
                     f"in {cfg.checkpoint_dir}); lower LR, check the data, or set MP_NAN_POLICY=skip")
             self._log(f"iteration {self.iteration + 1}: loss is {loss}, step skipped (MP_NAN_POLICY=skip)")
-            self.model.zero_grad_buffer()
+            for m in self.models:
+                m.zero_grad_buffer()
             self.optimizer.zero_grad()
             return {"loss": loss, "skipped": True, "tokens": float(stats[1])}
         ok, grad_norm, _ = self.optimizer.step()
@@ -261,13 +282,15 @@ class Trainer:
         from megatron_patch.training import data
 
         cfg = self.cfg
-        self.model.eval()
+        for m in self.models:
+            m.eval()
         total = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad():
             for i in range(cfg.eval_iters):
                 batches = data.micro_batches(self.valid_data, i, cfg, self.dp_rank, self.dp_size)
                 total += self._run_schedule(batches, forward_only=True)
-        self.model.train()
+        for m in self.models:
+            m.train()
         return float(total[0] / max(float(total[1]), 1.0))
 
     # --- the loop -------------------------------------------------------------------------------------
@@ -312,9 +335,9 @@ class Trainer:
                 self._log(f"validation at iter {self.iteration}: loss {vloss:.4f} | ppl {math.exp(min(vloss, 50)):.2f}")
                 self._record({"iteration": self.iteration, "valid_loss": vloss})
             if self.iteration % cfg.save_interval == 0 or self.iteration == stop_at:
-                checkpointing.save(cfg, self.iteration, self.model, self.optimizer, self.scheduler)
+                checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler)
         if self.iteration == cfg.train_iters:
-            checkpointing.export_model(cfg, self.iteration, self.model, DTYPES[cfg.precision])
+            checkpointing.export_model(cfg, self.iteration, self.models, DTYPES[cfg.precision])
         if self.writer is not None:
             self.writer.close()
         if self.metrics_file is not None:

@@ -1,7 +1,8 @@
 """Tokenizers for preprocessing and SFT: an HF tokenizer folder (tokenizer.json) or a tiktoken BPE file.
 
 Both load from local files only (no model hub) and expose the same small interface: ``encode``,
-``decode``, ``vocab_size`` and ``eod`` (the end-of-document id appended after each document).
+``decode``, ``vocab_size``, ``eod`` (the end-of-document id appended after each document) and
+``chat_template`` (a ``ChatTemplate`` when an HF folder carries one, else None).
 """
 
 from __future__ import annotations
@@ -31,8 +32,83 @@ def check_tokenizer_path(path: str | Path) -> Path:
     return p
 
 
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class ChatTemplate:
+    """A tokenizer folder's jinja chat template, rendered by transformers' own renderer.
+
+    ``segments`` cuts a conversation into (text, trained) pieces whose concatenation is exactly what
+    ``apply_chat_template`` renders; trained are the spans each assistant message adds: the text
+    between the conversation so far rendered with the generation prompt (which ends with the
+    assistant header) and the conversation including that message (its content and end-of-turn
+    markup). That needs a template under which a conversation's rendering starts with the rendering
+    of any earlier part of it; one that does not is refused, naming the message.
+    """
+
+    def __init__(self, source: str, special_tokens: dict[str, str], where: str):
+        self.source, self.special_tokens, self.where = source, special_tokens, where
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, _ = render_jinja_template([messages], chat_template=self.source,
+                                                add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except Exception as exc:  # noqa: BLE001 - jinja syntax errors, raise_exception(...) in the template
+            raise UserError(f"the chat template of {self.where} failed: {type(exc).__name__}: {exc}")
+        return rendered[0]
+
+    def segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
+        full = self.render(messages)
+        spans, done = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = self.render(messages[:i], add_generation_prompt=True) if i else ""
+            end = self.render(messages[:i + 1])
+            if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
+                raise UserError(f"{where}: the chat template of {self.where} does not render message {i + 1} as an "
+                                "extension of the conversation before it, so its assistant span cannot be found; "
+                                "use a template that renders turns incrementally, or prompt/response records")
+            spans.append((max(len(start), done), len(end)))
+            done = len(end)
+        out, pos = [], 0
+        for a, b in spans:
+            if a > pos:
+                out.append((full[pos:a], False))
+            if b > a:
+                out.append((full[a:b], True))
+            pos = max(pos, b)
+        if pos < len(full):
+            out.append((full[pos:], False))
+        return out
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def load_chat_template(folder: Path) -> ChatTemplate | None:
+    """tokenizer_config.json's ``chat_template`` (a string, or named templates: 'default'), or chat_template.jinja."""
+    cfg_file = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    source = cfg.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not source and (folder / "chat_template.jinja").is_file():
+        source = (folder / "chat_template.jinja").read_text()
+    if not source:
+        return None
+    if not isinstance(source, str):
+        raise UserError(f"{cfg_file}: chat_template must be a jinja string (or a list of named templates with 'default')")
+    special = {k: _token_text(cfg[k]) for k in SPECIAL_TOKEN_KEYS if _token_text(cfg.get(k))}
+    return ChatTemplate(source, special, str(folder))
+
+
 class HFTokenizer:
-    """``tokenizers.Tokenizer`` from a folder's tokenizer.json; EOD from its config files."""
+    """``tokenizers.Tokenizer`` from a folder's tokenizer.json; EOD and chat template from its config files."""
 
     def __init__(self, folder: Path):
         from tokenizers import Tokenizer
@@ -41,6 +117,7 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eod(folder)
+        self.chat_template = load_chat_template(folder)
 
     def _find_eod(self, folder: Path) -> int:
         names = []
@@ -83,6 +160,7 @@ class TiktokenTokenizer:
         except Exception as exc:  # noqa: BLE001 - any parse failure means "not a BPE file"
             raise UserError(f"{path} is not a tiktoken BPE file ({exc}): give a tokenizer folder or a .tiktoken file")
         self.path = path
+        self.chat_template = None
         self.eod = max(ranks.values()) + 1
         self._enc = tiktoken.Encoding(name=path.name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
                                       special_tokens={TIKTOKEN_EOD: self.eod})
