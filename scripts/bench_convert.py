@@ -173,7 +173,9 @@ def main() -> int:
         sizes = {"tiny": llama_config(64, 4, 128, 4, 2, 256),
                  "large": llama_config(args.hidden, args.layers, args.ffn, args.heads, args.kv_heads, args.vocab)}
         report = {"machine": {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)},
-                  "layout": {"tp": args.tp, "pp": args.pp}}
+                  "layout": {"tp": args.tp, "pp": args.pp}, "load_average": {"start": os.getloadavg()}}
+        # Other work on the machine (load above our own one process) makes the timings unreliable.
+        print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)", flush=True)
         for label, config in sizes.items():
             hf = work / label / "hf"
             t = time.perf_counter()
@@ -187,6 +189,8 @@ def main() -> int:
                 verify(hf, [work / label / "hf_from_legacy", work / label / "hf_from_torch_dist"])
                 print(f"  round trips bit-identical ({time.perf_counter() - t:.1f} s to check)", flush=True)
                 report[label]["output_bytes"] = {k: folder_bytes(work / label / k) for k in ("legacy", "torch_dist")}
+        report["load_average"]["end"] = os.getloadavg()
+        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         large, tiny = report["large"], report["tiny"]
         copy = large["steps"]["cp -r"]["wall_s"]
         print(f"\ncheckpoint {large['bytes'] / 2**30:.2f} GiB; cp -r {copy:.2f} s; layout TP={args.tp} PP={args.pp}")

@@ -408,3 +408,135 @@ def test_progress_bar_and_quiet_logs():
     log.close()
     lines = log_out.getvalue().splitlines()
     assert len(lines) == 2 and "2 tensors" in lines[1] and "MiB/s" in lines[1]
+
+
+# --- mcore2hf from training checkpoints -----------------------------------------------------------
+
+def _training_checkpoint_worker(hf_dir: str, converted: str, root: str) -> list[str]:
+    """Start from a converted checkpoint, take one optimizer step that leaves the weights as they are
+    (zero gradients, no weight decay), and save with the training loop's own ``checkpointing.save``:
+    model + distributed-optimizer state + scheduler + RNG, as a run writes them."""
+    import types
+
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_patch.convert.loading import load_checkpoint_into_model
+    from megatron_patch.models import parse_arch
+    from megatron_patch.models.builder import build_model
+    from megatron_patch.runtime import init_model_parallel
+    from megatron_patch.training import checkpointing
+
+    layout = ParallelLayout()
+    init_model_parallel(layout, seed=1)
+    arch = parse_arch(Path(hf_dir))
+    model = build_model(arch, layout, torch.bfloat16)
+    load_checkpoint_into_model(model, converted, layout)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                              grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, bf16=True,
+                                                       use_distributed_optimizer=True), [ddp])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=1,
+                                        lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=10, wd_incr_style="constant")
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    optimizer.step()  # creates the Adam state that a checkpoint of a real run holds
+    cfg = types.SimpleNamespace(checkpoint_dir=Path(root), overlap_param_gather=False, global_batch_size=8,
+                                family=arch.family, hf_config=arch.hf_config, to_dict=lambda: {},
+                                arch=arch, layout=layout, precision="bf16")
+    checkpointing.save(cfg, 5, [ddp], optimizer, scheduler)
+    return sorted(p.name for p in Path(root).iterdir())
+
+
+@pytest.fixture(scope="module")
+def training_ckpt(hf_dirs, tmp_path_factory):
+    from megatron_patch.runtime.launch import run_local
+
+    root = tmp_path_factory.mktemp("train")
+    hf_to_mcore(hf_dirs["llama3_1"], root / "converted", ParallelLayout(), dtype="bf16", progress=False)
+    run_local(_training_checkpoint_worker, 1, str(hf_dirs["llama3_1"]), str(root / "converted"), str(root / "checkpoint"))
+    return root / "checkpoint"
+
+
+def test_training_checkpoint_without_sidecar_fails_naming_it(training_ckpt, tmp_path, capsys):
+    root = tmp_path / "checkpoint"
+    shutil.copytree(training_ckpt, root)
+    iter_dir = root / "iter_0000005"
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    (iter_dir / SIDECAR_NAME).unlink()  # e.g. a checkpoint written by another tool
+    for load in (root, iter_dir):
+        rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(load), "--save-dir", str(tmp_path / "hf"))
+        assert rc == 2 and err.count("\n") == 1, err
+        assert str(iter_dir / SIDECAR_NAME) in err and "no sidecar" in err and "final" in err, err
+        assert not (tmp_path / "hf").exists() and not leftovers(tmp_path / "hf")
+
+
+def test_mcore2hf_reads_the_weights_of_a_training_checkpoint(training_ckpt, hf_dirs, tmp_path, capsys, monkeypatch):
+    from megatron_patch.convert import checkpoint as ckpt_mod
+    from megatron_patch.convert.torch_dist import TorchDistReader
+
+    root = tmp_path / "checkpoint"
+    shutil.copytree(training_ckpt, root)
+    iter_dir = root / "iter_0000005"
+    assert read_sidecar(iter_dir, release=False).family == "llama3_1"  # written by the training save itself
+    stored = TorchDistReader(iter_dir).tensor_keys()
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in stored)  # the optimizer state really is there
+    # A later iteration that was never marked as the latest must not be taken.
+    shutil.copytree(iter_dir, root / "iter_0000009")
+    (root / "iter_0000009" / ".metadata").unlink()
+    want = {k: v.to(torch.bfloat16) for k, v in tensors(hf_dirs["llama3_1"]).items()}
+    for name, load in (("root", root), ("iter", iter_dir)):
+        rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(load), "--save-dir", str(tmp_path / name),
+                          "--quiet")
+        assert rc == 0, err
+        got = tensors(tmp_path / name)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert {config.get(k) for k in ("dtype", "torch_dtype")} - {None} == {"bfloat16"}
+    # Only the known training-state prefixes are skipped: any other stored tensor is still refused.
+    monkeypatch.setattr(ckpt_mod, "TRAINING_STATE_PREFIXES", ())
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "strict"))
+    assert rc == 2 and "the model does not" in err and "optimizer.state" in err, err
+    assert not (tmp_path / "strict").exists()
+    # The marker names an iteration that is gone.
+    (root / "latest_checkpointed_iteration.txt").write_text("7\n")
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "gone"))
+    assert rc == 2 and "iter_0000007" in err and "is missing" in err, err
+
+
+def test_prefetcher_keeps_order_bounds_memory_and_passes_errors_on():
+    import threading
+
+    from megatron_patch.convert.prefetch import Prefetcher
+
+    alive, peak, lock = [0], [0], threading.Lock()
+
+    class Item:
+        def __init__(self):
+            with lock:
+                alive[0] += 1
+                peak[0] = max(peak[0], alive[0])
+
+        def __del__(self):
+            with lock:
+                alive[0] -= 1
+
+    def produce(i):
+        if i == 7:
+            raise UserError("item 7 is broken")
+        time.sleep(0.01)
+        return i, Item()
+
+    seen = []
+    with pytest.raises(UserError, match="item 7"):
+        with Prefetcher(range(10), produce) as ahead:
+            for i, value in ahead:
+                assert value[0] == i
+                seen.append(i)
+                time.sleep(0.02)  # the writer is slower: the helper waits instead of running ahead
+                del value
+    assert seen == list(range(7))
+    assert peak[0] <= 2, peak  # the item in hand and one ahead

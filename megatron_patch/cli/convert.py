@@ -77,7 +77,11 @@ def register(subparsers) -> None:
                     "(sharded safetensors + index, config.json, tokenizer files) that "
                     "transformers.AutoModelForCausalLM.from_pretrained loads. Needs only the checkpoint: the sidecar "
                     "mpatch_checkpoint.json supplies the config, layout and vocabulary padding.")
-    m.add_argument("--load-dir", required=True, help="checkpoint folder written by hf2mcore (holds mpatch_checkpoint.json)")
+    m.add_argument("--load-dir", required=True,
+                   help="checkpoint folder written by hf2mcore or a training run's final export (holds "
+                        "mpatch_checkpoint.json); or a training checkpoint: its root (the iteration named by "
+                        "latest_checkpointed_iteration.txt is read) or one iter_XXXXXXX folder, of which only the "
+                        "model weights are read (optimizer state skipped); that folder needs its own mpatch_checkpoint.json")
     m.add_argument("--save-dir", required=True, help="output HF folder (must be new or empty unless --force)")
     m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the HF weights (default: the checkpoint's dtype)")

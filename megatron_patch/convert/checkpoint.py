@@ -2,8 +2,10 @@
 
 Both directions run the family's weight table through ``plan_transfers``; each transfer reads its
 source tensors once, cuts or glues them (exact slicing and concatenation), and hands the results to
-a writer that puts them on disk at once. Memory holds the tensors of one transfer (plus, with tied
-embeddings, the embedding until its second user is done), never the model.
+a writer that puts them on disk at once. Reading and cutting run one transfer ahead on a helper
+thread (``prefetch.Prefetcher``) while the writer writes the current one, so memory holds the
+tensors of two transfers at most (plus, with tied embeddings, the embedding until its second user
+is done), never the model.
 
 Every check that can be made before reading weights is made first: config.json, the layout, every
 HF tensor's presence and shape against what megatron-core builds for that config. Output goes to a
@@ -13,6 +15,7 @@ temporary sibling folder that is renamed onto the target only when complete.
 from __future__ import annotations
 
 import io
+import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -25,9 +28,10 @@ from megatron_patch.convert.legacy import (
     CHECKPOINT_VERSION, check_legacy_layout, open_rank_files, rank_coords, rank_file)
 from megatron_patch.convert.mapping import Transfer, split_context
 from megatron_patch.convert.outputs import atomic_output_dir, carried_files, copy_carried
+from megatron_patch.convert.prefetch import Prefetcher
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import (
-    DTYPE_NAMES, DTYPES, RELEASE_DIR, TRACKER_NAME, Sidecar, read_sidecar)
+    DTYPE_NAMES, DTYPES, RELEASE_DIR, SIDECAR_NAME, TRACKER_NAME, Sidecar, read_sidecar)
 from megatron_patch.convert.skeleton import ModelSkeleton, describe_model
 from megatron_patch.convert.splits import Replicated
 from megatron_patch.convert.torch_dist import TorchDistReader, bytes_item, tensor_item, write_torch_dist
@@ -183,14 +187,19 @@ def _write_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: 
         path.parent.mkdir(parents=True)
         writers[c] = StreamingTorchSave(path, {"model": specs[c], "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0})
     count = nbytes = 0
-    for i, t in enumerate(transfers):
-        shards = t.split.shards([once.get(n).to(dtype) for n in t.hf_names], t.num_shards, ctx)
-        for p in t.placements:
-            for c in holders[(i, p)]:
-                writers[c].write(("model", p.mcore_name), shards[p.shard])
-                count += 1
-                nbytes += _nbytes(shards[p.shard])
-        del shards
+
+    def produce(item):  # on the prefetch thread: read and cut transfer i+1 while transfer i is written
+        _, t = item
+        return t.split.shards([once.get(n).to(dtype) for n in t.hf_names], t.num_shards, ctx)
+
+    with Prefetcher(enumerate(transfers), produce) as ahead:
+        for (i, t), shards in ahead:
+            for p in t.placements:
+                for c in holders[(i, p)]:
+                    writers[c].write(("model", p.mcore_name), shards[p.shard])
+                    count += 1
+                    nbytes += _nbytes(shards[p.shard])
+            del shards
     for w in writers.values():
         w.close()
     return count, nbytes
@@ -213,18 +222,30 @@ def _write_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], once
     payloads = {obj.unique_key: obj.payload for obj in skeleton.objects}
     items += [bytes_item(key) for key in payloads]
     current: dict = {"name": None, "tensor": None}
+    # The writer asks for the items in this order, so the parameters are needed in this order.
+    order = list(dict.fromkeys(sources[(it.index.fqn, tuple(it.index.offset))].name
+                               for it in items if it.index.offset is not None))
+
+    def produce(name):  # on the prefetch thread
+        t = by_name[name]
+        return t.split.shards([once.get(n).to(dtype) for n in t.hf_names], 1, ctx)[0]
 
     def resolve(item):
         if item.index.offset is None:
             return io.BytesIO(payloads[item.index.fqn])
         ch = sources[(item.index.fqn, tuple(item.index.offset))]
         if current["name"] != ch.name:
-            t = by_name[ch.name]
             current["tensor"] = None
-            current.update(name=ch.name, tensor=t.split.shards([once.get(n).to(dtype) for n in t.hf_names], 1, ctx)[0])
+            name, tensor = next(ahead)
+            if name != ch.name:
+                raise MappingError(f"internal error: the writer asks for {ch.name} before {name}")
+            current.update(name=name, tensor=tensor)
+            del tensor
         return current["tensor"][ch.region()].reshape(ch.local_shape)
 
-    write_torch_dist(release, items, resolve)
+    with Prefetcher(order, produce) as ahead:
+        write_torch_dist(release, items, resolve)
+        current["tensor"] = None
     nbytes = sum(torch.Size(ch.local_shape).numel() for ch in skeleton.chunks) * torch.empty((), dtype=dtype).element_size()
     return len(skeleton.chunks), nbytes
 
@@ -233,9 +254,12 @@ def _write_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], once
 
 def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.dtype | None = None,
                 max_shard_size: str | int = "5GB", force: bool = False, progress: bool | None = None) -> Path:
-    """Convert a checkpoint written by ``hf_to_mcore`` back into an HF model folder; needs nothing else."""
-    load_dir = Path(load_dir)
-    sidecar = read_sidecar(load_dir)
+    """Convert a checkpoint written by ``hf_to_mcore`` (or a training run's final export) back into an HF
+    model folder; needs nothing else. ``load_dir`` may also be a training checkpoint (its root or one
+    ``iter_XXXXXXX`` folder, see ``locate_checkpoint``): its model weights are read, its optimizer state
+    skipped; such a folder needs its own sidecar."""
+    load_dir, data_dir, training = locate_checkpoint(load_dir)
+    sidecar = read_training_sidecar(load_dir) if training else read_sidecar(load_dir)
     arch = parse_arch(sidecar.hf_config)
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
@@ -249,7 +273,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
     skeleton = describe_model(arch)
     tp1 = plan(family, arch, ParallelLayout())
     hf_shapes = expected_hf_shapes(arch, tp1, skeleton)
-    release = load_dir / RELEASE_DIR
+    release = data_dir
     if sidecar.checkpoint_format == "legacy":
         layout = sidecar.parallel_layout
         validate_layout(arch, layout)
@@ -258,7 +282,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
         source = _LegacySource(release, arch, layout, transfers, hf_shapes)
     else:
         transfers = tp1
-        source = _TorchDistSource(release, skeleton)
+        source = _TorchDistSource(release, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES if training else ())
     entries, seen = [], set()
     for t in transfers:
         for n in t.hf_names:
@@ -271,30 +295,89 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
     with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
         writer = SafetensorsShardWriter(tmp, entries, max_bytes)
         first_user: dict[str, Transfer] = {}
-        for t in transfers:
+
+        def produce(t: Transfer):
+            """On the prefetch thread: read transfer i+1's shards and cut them into HF pieces."""
             if len(t.hf_names) == 1 and t.hf_names[0] in first_user:
                 # The tied output layer on the last stage: a copy of the embedding; check it is one.
                 again = first_user[t.hf_names[0]]
                 if not torch.equal(t.split.merge(source.shards(t), ctx)[0], again.split.merge(source.shards(again), ctx)[0]):
                     raise MappingError("the last stage's output layer differs from the tied embedding: the checkpoint "
                                        "was changed after conversion in a way HF cannot represent")
-                continue
+                return None
             try:
-                merged = t.split.merge(source.shards(t), ctx)
+                merged = t.split.merge_pieces(source.shards(t), ctx)
             except ValueError as exc:
                 raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
-            for n, tensor in zip(t.hf_names, merged):
+            for n in t.hf_names:
                 first_user[n] = t
-                out = tensor.to(out_dtype)
-                writer.write(n, out)
-                bar.update(_nbytes(out))
-            del merged
+            return [[piece.to(out_dtype) for piece in pieces] for pieces in merged]
+
+        with Prefetcher(transfers, produce) as ahead:
+            for t, merged in ahead:
+                if merged is None:
+                    continue
+                for n, pieces in zip(t.hf_names, merged):
+                    writer.write_pieces(n, hf_shapes[n], pieces)
+                    bar.update(sum(_nbytes(piece) for piece in pieces))
+                del merged
         writer.close()
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         copy_carried(load_dir, tmp, sidecar.carried_files)
     bar.close()
     return Path(save_dir)
+
+
+# --- training checkpoints ----------------------------------------------------------------------
+
+# Tensors of a training checkpoint that are not model weights, by the key prefix megatron-core gives
+# them: the optimizer's state (Adam moments, fp32 main parameters: "optimizer.state.<kind>.<param>"
+# or "optimizer.distributed...."). The scheduler, iteration and consumed samples live in common.pt
+# and the RNG states in rng/rank_*.pt (Megatron-LM: ShardedObjects "rng_state" and
+# "rerun_state_machine_state", not tensors), so no tensor of theirs can appear. Any other tensor the
+# model does not have is still an error.
+TRAINING_STATE_PREFIXES = ("optimizer.",)
+_ITER_DIR = re.compile(r"iter_\d{7}")
+
+
+def locate_checkpoint(load_dir: str | Path) -> tuple[Path, Path, bool]:
+    """(folder holding the sidecar, folder holding the weights, whether it is a training checkpoint).
+
+    ``load_dir`` is a converted or exported checkpoint (tracker says 'release', weights in release/),
+    a training run's checkpoint root (tracker names the latest iteration: that iteration is taken),
+    or one training iteration folder ``iter_XXXXXXX``.
+    """
+    load_dir = Path(load_dir)
+    tracker = load_dir / TRACKER_NAME
+    if load_dir.is_dir() and tracker.is_file():
+        text = tracker.read_text().strip()
+        if text.isdigit():
+            it = load_dir / f"iter_{int(text):07d}"
+            if not it.is_dir():
+                raise UserError(f"{tracker} names iteration {int(text)}, but {it} is missing: the training checkpoint "
+                                "is incomplete")
+            load_dir = it
+    if load_dir.is_dir() and _ITER_DIR.fullmatch(load_dir.name) and not (load_dir / TRACKER_NAME).exists():
+        if not (load_dir / ".metadata").is_file():
+            raise UserError(f"{load_dir} has no .metadata: it is not a complete torch_dist training checkpoint")
+        return load_dir, load_dir, True
+    return load_dir, load_dir / RELEASE_DIR, False
+
+
+def read_training_sidecar(iter_dir: Path) -> Sidecar:
+    """The sidecar of a training iteration folder, or an error that says what is missing."""
+    if not (iter_dir / SIDECAR_NAME).exists():
+        has = sorted(p.name for p in iter_dir.iterdir() if not p.name.startswith(("__", ".")))
+        raise UserError(
+            f"{iter_dir / SIDECAR_NAME} not found: this training checkpoint holds the weights but no sidecar, so the "
+            f"HF config, dtype and vocabulary padding mcore2hf needs are not recorded (it has {', '.join(has)}); "
+            f"convert the run's final export (OUTPUT_BASEPATH/final, which has one) instead")
+    sidecar = read_sidecar(iter_dir, release=False)
+    if sidecar.checkpoint_format != "torch_dist":
+        raise UserError(f"{iter_dir / SIDECAR_NAME} says format {sidecar.checkpoint_format!r}, but training "
+                        "checkpoints are torch_dist: the sidecar does not belong to this folder")
+    return sidecar
 
 
 def _write_hf_config(folder: Path, hf_config: dict, dtype: torch.dtype) -> None:
@@ -353,14 +436,15 @@ class _LegacySource:
 class _TorchDistSource:
     """Full (TP=1) parameters assembled from the chunks of a torch_dist checkpoint."""
 
-    def __init__(self, release: Path, skeleton: ModelSkeleton):
+    def __init__(self, release: Path, skeleton: ModelSkeleton, ignore_prefixes: tuple[str, ...] = ()):
         self.reader = TorchDistReader(release)
         self.skeleton = skeleton
         self.chunks = defaultdict(list)
         for ch in skeleton.chunks:
             self.chunks[ch.name].append(ch)
         want = {ch.key: ch.global_shape for ch in skeleton.chunks}
-        have = self.reader.tensor_keys()
+        # Training state stored beside the weights (optimizer moments, main parameters) is skipped by name.
+        have = {k for k in self.reader.tensor_keys() if not k.startswith(ignore_prefixes) or k in want}
         if set(want) - have:
             raise MappingError(f"the torch_dist checkpoint lacks {len(set(want) - have)} tensor(s): {_names(set(want) - have)}")
         if have - set(want):
@@ -374,13 +458,19 @@ class _TorchDistSource:
     def shards(self, t: Transfer) -> list[torch.Tensor]:
         name = t.placements[0].mcore_name
         full = torch.empty(self.skeleton.shapes[name], dtype=self.reader.dtype(self.chunks[name][0].key))
-        requests = []
+        requests, copies = [], []
         for ch in self.chunks[name]:
-            block = torch.empty(ch.local_shape, dtype=full.dtype)
+            region = full[ch.region()]
+            if region.is_contiguous():  # (at TP=1 a chunk is a whole parameter) read straight into place
+                block = region.view(ch.local_shape)
+            else:
+                block = torch.empty(ch.local_shape, dtype=full.dtype)
+                copies.append((region, block))
             requests.append((ch.key, ch.global_offset, block))
         self.reader.load(requests)
-        for ch, (_, _, block) in zip(self.chunks[name], requests):
-            full[ch.region()] = block.reshape(full[ch.region()].shape)
+        for region, block in copies:
+            region.copy_(block.reshape(region.shape))
+        for ch in self.chunks[name]:
             self.read.add((ch.key, ch.global_offset))
         return [full]
 

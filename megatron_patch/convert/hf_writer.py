@@ -88,17 +88,29 @@ class SafetensorsShardWriter:
         self._open_shard = shard
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.write_pieces(name, tuple(tensor.shape), [tensor])
+
+    def write_pieces(self, name: str, shape: tuple[int, ...], pieces: list[torch.Tensor]) -> None:
+        """Write tensor ``name`` of ``shape`` given as pieces whose concatenation on dim 0 is its bytes.
+
+        Each piece's bytes go to the file as they are (views, no merged copy in memory).
+        """
         if self._next >= len(self.entries):
             raise RuntimeError(f"unexpected extra tensor {name}")
-        want, shape, dtype = self.entries[self._next]
-        if name != want or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-            raise RuntimeError(f"expected {want} {tuple(shape)} {dtype}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        want, want_shape, dtype = self.entries[self._next]
+        numel = sum(p.numel() for p in pieces)
+        if name != want or tuple(shape) != tuple(want_shape) or any(p.dtype != dtype for p in pieces) \
+                or numel != torch.Size(want_shape).numel():
+            got = sorted({str(p.dtype) for p in pieces})
+            raise RuntimeError(f"expected {want} {tuple(want_shape)} {dtype}, got {name} {tuple(shape)} "
+                               f"({numel} elements) {', '.join(got)}")
         shard = self._shard_of[self._next]
         if shard != self._open_shard:
             self._start_shard(shard)
-        data = tensor.detach().cpu().contiguous()
-        if data.numel():
-            self._handle.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+        for piece in pieces:
+            data = piece.detach().cpu().contiguous()
+            if data.numel():
+                self._handle.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
         self._next += 1
 
     def close(self) -> None:

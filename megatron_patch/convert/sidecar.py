@@ -79,7 +79,10 @@ class Sidecar:
         (Path(folder) / SIDECAR_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def read_sidecar(folder: str | Path) -> Sidecar:
+def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
+    """The sidecar of a checkpoint folder. ``release``: a converted / exported checkpoint, whose
+    tracker file must say 'release'; ``False`` for a training iteration folder (``iter_XXXXXXX``),
+    whose tracker is the checkpoint root's."""
     folder = Path(folder)
     path = folder / SIDECAR_NAME
     if not folder.is_dir():
@@ -98,6 +101,8 @@ def read_sidecar(folder: str | Path) -> Sidecar:
                         f"{SIDECAR_VERSION}: upgrade megatron_patch")
     if sidecar.checkpoint_format not in ("legacy", "torch_dist") or sidecar.dtype not in DTYPES:
         raise UserError(f"{path} names format {sidecar.checkpoint_format!r} / dtype {sidecar.dtype!r}, which are unknown")
+    if not release:
+        return sidecar
     tracker = folder / TRACKER_NAME
     if not tracker.exists() or tracker.read_text().strip() != "release":
         raise UserError(f"{tracker} is missing or does not say 'release': the checkpoint is incomplete")

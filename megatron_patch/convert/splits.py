@@ -34,6 +34,12 @@ class Split:
     def merge(self, shards: list[torch.Tensor], ctx: SplitContext) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def merge_pieces(self, shards: list[torch.Tensor], ctx: SplitContext) -> list[list[torch.Tensor]]:
+        """``merge`` without the final copy: for each HF tensor, contiguous pieces (views into the shards
+        where possible) whose concatenation on dim 0 is that tensor, byte for byte. A writer puts them
+        on disk one after another instead of first gluing them together in memory."""
+        return [[m] for m in self.merge(shards, ctx)]
+
     def __repr__(self) -> str:
         return self.name
 
@@ -71,6 +77,9 @@ class Column(Split):
     def merge(self, shards, ctx):
         return [torch.cat(shards, 0)]
 
+    def merge_pieces(self, shards, ctx):
+        return [_contiguous_rows(shards)]
+
 
 class Row(Split):
     """Split on the input dimension (dim 1): attention output and MLP down projections."""
@@ -100,6 +109,15 @@ class VocabParallel(Split):
 
     def merge(self, shards, ctx):
         return [torch.cat(shards, 0)[: ctx.vocab_size].contiguous()]
+
+    def merge_pieces(self, shards, ctx):
+        pieces, rows = [], 0
+        for shard in shards:  # drop the padding rows at the end
+            take = min(shard.shape[0], ctx.vocab_size - rows)
+            if take > 0:
+                pieces.append(shard[:take])
+            rows += take
+        return [_contiguous_rows(pieces)]
 
 
 class GroupedQKV(Split):
@@ -135,6 +153,17 @@ class GroupedQKV(Split):
         q, k, v = torch.split(fused, [q_rows, kv_rows, kv_rows], dim=1)
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
+    def merge_pieces(self, shards, ctx):
+        groups, q_rows, kv_rows = self._groups(ctx)
+        out: list[list[torch.Tensor]] = [[], [], []]
+        for shard in shards:  # each shard holds whole query groups, in order
+            rest = tuple(shard.shape[1:])
+            fused = shard.contiguous().reshape(-1, q_rows + 2 * kv_rows, *rest)
+            for g in range(fused.shape[0]):
+                for j, part in enumerate(torch.split(fused[g], [q_rows, kv_rows, kv_rows], dim=0)):
+                    out[j].append(part)
+        return out
+
 
 class GateUp(Split):
     """SwiGLU gate and up projections: each split on dim 0, rank i holds [gate_i; up_i]."""
@@ -150,6 +179,14 @@ class GateUp(Split):
     def merge(self, shards, ctx):
         halves = [torch.chunk(s, 2, 0) for s in shards]
         return [torch.cat([h[0] for h in halves], 0).contiguous(), torch.cat([h[1] for h in halves], 0).contiguous()]
+
+    def merge_pieces(self, shards, ctx):
+        halves = [torch.chunk(s.contiguous(), 2, 0) for s in shards]
+        return [[h[0] for h in halves], [h[1] for h in halves]]
+
+
+def _contiguous_rows(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.contiguous() for p in pieces]
 
 
 REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = Replicated(), Column(), Row(), VocabParallel(), GroupedQKV(), GateUp()

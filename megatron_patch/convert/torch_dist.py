@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
+from megatron_patch.convert.torch_files import LazyTensor, LazyTorchFile
 from megatron_patch.errors import UserError
 
 # What megatron-core's dist_checkpointing.save writes next to the torch files.
@@ -137,6 +138,10 @@ def write_torch_dist(folder: str | Path, items: list[WriteItem],
     (folder / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
 
 
+def _same(a, b) -> bool:
+    return tuple(a) == tuple(b)
+
+
 def _cause(exc: BaseException) -> str:
     """The innermost error's message, first sentence only (torch's messages run to paragraphs)."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
@@ -214,9 +219,27 @@ class TorchDistReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.metadata.state_dict_metadata[key].properties.dtype
 
+    def _read_stored_chunk(self, key: str, offset: tuple[int, ...], target: torch.Tensor) -> bool:
+        """Fast path: the block asked for is exactly one stored chunk, kept as a plain torch.save record.
+
+        Its bytes are read straight into ``target`` (one copy, GIL released), where torch's reader
+        reads the record into a buffer, unpickles a tensor from it and then copies that into the
+        target. Anything else (other chunking, transforms, another dtype) goes through torch's reader.
+        """
+        md = self.metadata.state_dict_metadata.get(key)
+        if md is None or isinstance(md, BytesStorageMetadata) or md.properties.dtype != target.dtype:
+            return False
+        if not any(_same(c.offsets, offset) and _same(c.sizes, target.shape) for c in md.chunks):
+            return False
+        info = (self.metadata.storage_data or {}).get(MetadataIndex(key, torch.Size(offset)))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return False
+        blob = LazyTorchFile(self.folder / info.relative_path, window=(info.offset, info.length))
+        return isinstance(blob.obj, LazyTensor) and blob.read_into(blob.obj, target)
+
     def load(self, requests: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -> None:
         """Fill each target tensor with the block of ``key`` that starts at ``offset``."""
-        requests = list(requests)
+        requests = [r for r in requests if not self._read_stored_chunk(*r)]
         if not requests:
             return
         try:

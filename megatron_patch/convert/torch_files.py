@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import sys
 from dataclasses import dataclass
@@ -208,10 +209,17 @@ _SAFE_GLOBALS = {
 class LazyTorchFile:
     """The structure of a torch.save file, with ``LazyTensor`` leaves."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, window: tuple[int, int] | None = None):
+        """``window``: (offset, length) of a torch.save file stored inside ``path`` (as in a .distcp file)."""
         self.path = Path(path)
+        self._base = window[0] if window else 0
+        self._file = None
         try:
-            self._reader = torch._C.PyTorchFileReader(str(self.path))
+            if window is None:
+                self._reader = torch._C.PyTorchFileReader(str(self.path))
+            else:
+                self._file = _Window(self.path, *window)
+                self._reader = torch._C.PyTorchFileReader(self._file)
             data = self._reader.get_record("data.pkl")
         except RuntimeError as exc:
             raise UserError(f"{self.path} is not a readable torch checkpoint file ({str(exc).splitlines()[0]}): "
@@ -243,12 +251,90 @@ class LazyTorchFile:
 
     def _read(self, t: LazyTensor) -> torch.Tensor:
         element = torch.empty((), dtype=t.dtype).element_size()
+        nbytes = t.storage_numel * element
+        record = f"data/{t.key}"
         try:
-            storage = self._reader.get_storage_from_record(f"data/{t.key}", t.storage_numel * element, torch.uint8)
+            # torch stores records uncompressed: read the bytes straight from the file into the tensor
+            # (one copy, without the GIL), as torch.load(mmap=True) locates them.
+            if self._reader.get_record_size(record) != nbytes:
+                raise RuntimeError(f"record {record} holds {self._reader.get_record_size(record)} bytes, "
+                                   f"the pickle says {nbytes}")
+            offset = self._base + self._reader.get_record_offset(record)
         except RuntimeError as exc:
             raise UserError(f"{self.path}: cannot read tensor storage {t.key} ({str(exc).splitlines()[0]}): "
                             "the file may be truncated or corrupt")
-        untyped = storage.untyped_storage() if isinstance(storage, torch.Tensor) else storage
-        if isinstance(untyped, torch.storage.TypedStorage):
-            untyped = untyped._untyped_storage
-        return torch.empty(0, dtype=t.dtype).set_(untyped, t.offset, t.shape, t.stride)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self._pread(t, offset, buf)
+        return torch.empty(0, dtype=t.dtype).set_(buf.untyped_storage(), t.offset, t.shape, t.stride)
+
+    def _pread(self, t: LazyTensor, offset: int, buf: torch.Tensor) -> None:
+        if buf.numel():
+            try:
+                _pread_into(self.path, offset, memoryview(buf.numpy()))
+            except OSError as exc:
+                raise UserError(f"{self.path}: cannot read tensor storage {t.key} ({exc}): "
+                                "the file may be truncated or corrupt")
+
+    def read_into(self, t: LazyTensor, target: torch.Tensor) -> bool:
+        """Read ``t`` straight into ``target`` (no intermediate copy) when ``t`` is stored as exactly
+        ``target``'s bytes: same dtype and shape, contiguous, the whole storage. False otherwise."""
+        if (t.dtype != target.dtype or tuple(t.shape) != tuple(target.shape) or not target.is_contiguous()
+                or t.offset != 0 or t.stride != _contiguous_stride(t.shape) or t.storage_numel != target.numel()):
+            return False
+        record = f"data/{t.key}"
+        try:
+            nbytes = self._reader.get_record_size(record)
+            offset = self._base + self._reader.get_record_offset(record)
+        except RuntimeError as exc:
+            raise UserError(f"{self.path}: cannot read tensor storage {t.key} ({str(exc).splitlines()[0]}): "
+                            "the file may be truncated or corrupt")
+        if nbytes != target.numel() * target.element_size():
+            return False
+        self._pread(t, offset, target.reshape(-1).view(torch.uint8) if target.numel() else target)
+        return True
+
+
+class _Window(io.RawIOBase):
+    """Bytes [offset, offset + length) of a file, as a seekable file of their own."""
+
+    def __init__(self, path: Path, offset: int, length: int):
+        super().__init__()
+        self._path, self._offset, self._length, self._pos = path, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = max(0, min(len(view), self._length - self._pos))
+        if n == 0:
+            return 0
+        with open(self._path, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [view[:n]], self._offset + self._pos)
+        self._pos += got
+        return got
+
+
+def _pread_into(path: Path, offset: int, view: memoryview) -> None:
+    """Fill ``view`` with the bytes of ``path`` from ``offset`` (the GIL is released while reading)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise OSError(f"file ends {len(view) - got} bytes early")
+            got += n
+    finally:
+        os.close(fd)

@@ -122,6 +122,12 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
             {"iteration": iteration, "consumed_samples": iteration * cfg.global_batch_size,
              "world_size": dist.get_world_size(), "family": cfg.family, "hf_config": cfg.hf_config,
              "config": cfg.to_dict()}, indent=2, default=str) + "\n")
+        # The converter's sidecar too, so 'mpatch convert mcore2hf' reads any iteration folder directly.
+        from megatron_patch.convert.sidecar import Sidecar
+        from megatron_patch.training.loop import DTYPES
+
+        Sidecar.create("torch_dist", cfg.arch, cfg.layout, DTYPES[cfg.precision],
+                       source=f"mpatch train, iteration {iteration}").write(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
