@@ -93,7 +93,7 @@ def markdown(result: dict, command: str | None = None) -> str:
         out += [f"- noise floor: {c['floor']} (HF's own {v['dtype']} rounding error, per point)"]
     out += [f"- tested: {c['tested']}", f"- inputs: {result['inputs']['tokens']}, "
             f"batch {result['inputs']['batch']} x {result['inputs']['seq_len']} tokens",
-            f"- rule: " + (f"each point's rel_l2 <= {v['tolerance']:g}x the floor (logits: KL <= "
+            "- rule: " + (f"each point's rel_l2 <= {v['tolerance']:g}x the floor (logits: KL <= "
                            f"{v['tolerance'] ** 2:g}x); the first point over the line is named"
                            if floor_on else "each point's rel_l2 <= 1e-5, logits KL <= 1e-10; "
                            "the first point over the line is named")]

@@ -27,7 +27,7 @@ from megatron_patch.convert.hf_writer import SafetensorsShardWriter, parse_size
 from megatron_patch.convert.legacy import (
     CHECKPOINT_VERSION, check_legacy_layout, open_rank_files, rank_coords, rank_file)
 from megatron_patch.convert.mapping import Transfer, split_context
-from megatron_patch.convert.outputs import atomic_output_dir, carried_files, copy_carried
+from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
 from megatron_patch.convert.prefetch import Prefetcher
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import (

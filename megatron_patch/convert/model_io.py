@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from megatron_patch.convert.engine import MappingError, hf_to_mcore, mcore_to_hf
+from megatron_patch.convert.engine import MappingError, hf_to_mcore
 from megatron_patch.convert.mapping import RankCoord
 from megatron_patch.models.registry import get_family
 from megatron_patch.models.arch import Arch
@@ -45,17 +45,3 @@ def load_hf_weights(model, arch: Arch, layout: ParallelLayout, get_hf: Callable[
     sd = hf_to_mcore(get_family(arch.family), arch, layout, current_coord(), get_hf, spec, pp_first_stage_layers)
     dtype = next(model.parameters()).dtype
     load_state_dict_strict(model, {k: v.to(dtype) for k, v in sd.items()})
-
-
-def gather_hf_weights(model, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None):
-    """All ranks' weights merged back to HF tensors, on global rank 0 (None elsewhere)."""
-    import torch.distributed as dist
-
-    spec = model_spec_name(model)
-    mine = (current_coord(), {k: v.detach().cpu() for k, v in model.state_dict().items()
-                              if not k.endswith("_extra_state") and v is not None})
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() != 0:
-        return None
-    return mcore_to_hf(get_family(arch.family), arch, layout, dict(everyone), spec, pp_first_stage_layers)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_patch.convert.mapping import Rule, Scope
-from megatron_patch.convert.splits import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB  # noqa: F401
+from megatron_patch.convert.splits import GATE_UP, QKV, REPLICATED, ROW, VOCAB
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, require, rope_settings
 

@@ -76,7 +76,7 @@ def init_process_group() -> None:
 
 def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
     """Process groups for ``layout`` plus megatron's model-parallel RNG streams."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     init_process_group()
     world = dist.get_world_size()
