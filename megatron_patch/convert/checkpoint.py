@@ -49,10 +49,6 @@ def _meta(shape) -> torch.Tensor:
     return torch.empty(tuple(shape), device="meta")
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def expected_hf_shapes(arch: Arch, transfers_tp1: list[Transfer], skeleton: ModelSkeleton) -> dict[str, tuple[int, ...]]:
     """Shape of every HF tensor, derived from the parameters megatron-core builds for ``arch``.
 
@@ -91,7 +87,7 @@ class _ReadOnce:
             tensor = self.reader.get(name)
             self.reads[name] += 1
             if self.progress is not None:
-                self.progress.update(_nbytes(tensor))
+                self.progress.update(tensor.nbytes)
         self.uses[name] -= 1
         if self.uses[name] > 0:
             self.cache[name] = tensor
@@ -198,7 +194,7 @@ def _write_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: 
                 for c in holders[(i, p)]:
                     writers[c].write(("model", p.mcore_name), shards[p.shard])
                     count += 1
-                    nbytes += _nbytes(shards[p.shard])
+                    nbytes += shards[p.shard].nbytes
             del shards
     for w in writers.values():
         w.close()
@@ -319,7 +315,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
                     continue
                 for n, pieces in zip(t.hf_names, merged):
                     writer.write_pieces(n, hf_shapes[n], pieces)
-                    bar.update(sum(_nbytes(piece) for piece in pieces))
+                    bar.update(sum(piece.nbytes for piece in pieces))
                 del merged
         writer.close()
         source.check_all_read()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_patch.convert.torch_files import nbytes
 from megatron_patch.errors import UserError
 
 _TAGS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -36,13 +37,6 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def _nbytes(shape, dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n * torch.empty((), dtype=dtype).element_size()
-
-
 class SafetensorsShardWriter:
     """Writes ``entries`` (name, shape, dtype), in that order, into shards of at most ``max_shard_bytes``.
 
@@ -55,7 +49,7 @@ class SafetensorsShardWriter:
         shards: list[list[int]] = [[]]
         size = 0
         for i, (_, shape, dtype) in enumerate(entries):
-            nb = _nbytes(shape, dtype)
+            nb = nbytes(shape, dtype)
             if shards[-1] and size + nb > max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -68,7 +62,7 @@ class SafetensorsShardWriter:
         self._next = 0
         self._handle = None
         self._open_shard = -1
-        self.total_bytes = sum(_nbytes(s, d) for _, s, d in entries)
+        self.total_bytes = sum(nbytes(s, d) for _, s, d in entries)
 
     def _start_shard(self, shard: int) -> None:
         if self._handle is not None:
@@ -76,7 +70,7 @@ class SafetensorsShardWriter:
         header, offset = {}, 0
         for i in self._shards[shard]:
             name, shape, dtype = self.entries[i]
-            nb = _nbytes(shape, dtype)
+            nb = nbytes(shape, dtype)
             header[name] = {"dtype": _TAGS[dtype], "shape": list(shape), "data_offsets": [offset, offset + nb]}
             offset += nb
         header["__metadata__"] = {"format": "pt"}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import os
 import pickle
 import sys
@@ -37,6 +38,11 @@ _STORAGE_TYPES = {
 _STORAGE_DTYPES = {name: dtype for dtype, name in _STORAGE_TYPES.items()}
 
 
+def nbytes(shape, dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype``, without making one."""
+    return math.prod(shape) * dtype.itemsize
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for size in reversed(shape):
@@ -54,10 +60,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return nbytes(self.shape, self.dtype)
 
 
 class _PendingStorage:
@@ -182,10 +185,7 @@ class LazyTensor:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return nbytes(self.shape, self.dtype)
 
 
 def _rebuild_lazy(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
