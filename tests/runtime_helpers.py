@@ -461,3 +461,21 @@ def gloo_collectives_worker() -> dict:
     scattered = mappings._reduce_scatter_along_first_dim(torch.ones(sum(sizes), 2) * (rank + 1), group, sizes)
     out["megatron_uneven_reduce_scatter"] = scattered
     return out
+
+
+# --- run_local's error paths ----------------------------------------------------------------------
+
+def raise_user_error_on_rank_1(message: str):
+    from megatron_patch.errors import UserError
+
+    if int(os.environ["RANK"]) == 1:
+        raise UserError(message)
+    return "ok"
+
+
+def die_without_reporting(code: int):
+    os._exit(code)
+
+
+def raise_value_error():
+    raise ValueError("not a user error")

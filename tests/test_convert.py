@@ -24,13 +24,14 @@ from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, hf_logits, random_
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.convert.outputs import PARTIAL_TAG
+from megatron_patch.checkpoint_layout import PARTIAL_TAG
 from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
 from megatron_patch.errors import UserError
+from megatron_patch.models.registry import families
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 
-FAMILIES = ["llama3_1", "qwen2", "qwen2_moe", "mixtral"]
+FAMILIES = list(families())
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -62,30 +63,18 @@ def run_cli(capsys, *argv) -> tuple[int, str]:
 
 # --- exact round trips ---------------------------------------------------------------------------
 
-ROUND_TRIPS = [
-    # family, format, (TP, PP, EP), dtype
-    ("llama3_1", "legacy", (1, 1, 1), "fp32"),
-    ("llama3_1", "legacy", (2, 2, 1), "bf16"),
-    ("llama3_1", "torch_dist", (2, 1, 1), "fp32"),
-    ("llama3_1_kv4", "legacy", (4, 1, 1), "fp32"),
-    ("llama3_1_kv4", "torch_dist", (4, 4, 1), "bf16"),
-    ("qwen2", "legacy", (2, 2, 1), "fp32"),       # tied embeddings, PP > 1
-    ("qwen2", "legacy", (1, 4, 1), "bf16"),       # tied embeddings, PP = 4
-    ("qwen2", "torch_dist", (1, 2, 1), "fp32"),
-    ("qwen2_moe", "legacy", (2, 2, 2), "fp32"),
-    ("qwen2_moe", "legacy", (1, 1, 4), "bf16"),
-    ("qwen2_moe", "torch_dist", (2, 2, 4), "bf16"),
-    ("mixtral", "legacy", (2, 4, 2), "fp32"),
-    ("mixtral", "legacy", (1, 2, 4), "bf16"),
-    ("mixtral", "torch_dist", (1, 1, 2), "fp32"),
+# Each family's own round trips (test_layouts.round_trips), plus TP=4 on a Llama with four KV heads.
+ROUND_TRIPS = [(name, fmt, layout, dtype) for name, f in families().items()
+               for fmt, layout, dtype in f.test_layouts.round_trips] + [
+    ("llama3_1_kv4", "legacy", ParallelLayout(tp=4), "fp32"),
+    ("llama3_1_kv4", "torch_dist", ParallelLayout(tp=4, pp=4), "bf16"),
 ]
 
 
 @pytest.mark.parametrize("family,fmt,layout,dtype", ROUND_TRIPS,
-                         ids=[f"{f}-{fmt}-tp{l[0]}pp{l[1]}ep{l[2]}-{d}" for f, fmt, l, d in ROUND_TRIPS])
+                         ids=[f"{f}-{fmt}-{str(l).replace(' ', '')}-{d}" for f, fmt, l, d in ROUND_TRIPS])
 def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dtype):
     src = hf_dirs[family]
-    layout = ParallelLayout(tp=layout[0], pp=layout[1], ep=layout[2])
     ckpt, back = tmp_path / "mcore", tmp_path / "hf"
     sidecar = hf_to_mcore(src, ckpt, layout, fmt=fmt, dtype=dtype, progress=False)
     assert (sidecar.checkpoint_format, sidecar.dtype, sidecar.parallel_layout) == (fmt, dtype, layout)
@@ -159,7 +148,7 @@ def megatron_save_worker(hf_dir: str, out: str) -> dict:
     """Runs in a helper process: megatron's own torch_dist save of the model, and its metadata."""
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.models import parse_arch
+    from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.builder import build_model
     from megatron_patch.runtime import init_model_parallel
 
@@ -423,7 +412,7 @@ def _training_checkpoint_worker(hf_dir: str, converted: str, root: str) -> list[
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_patch.convert.loading import load_checkpoint_into_model
-    from megatron_patch.models import parse_arch
+    from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.builder import build_model
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training import checkpointing

@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
-from megatron_patch.convert.engine import MappingError, hf_to_mcore, mcore_to_hf
+from megatron_patch.convert.engine import MappingError, hf_tensors_from_ranks, rank_state_dict_from_hf
 from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.convert.mapping import RankCoord
-from megatron_patch.convert.naming import from_spec, to_spec
+from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import FAMILIES, get_family, parse_arch
+from megatron_patch.models.registry import families, get_family, parse_arch
 from megatron_patch.models.arch import validate_layout
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 
-FAMILY_NAMES = list(FAMILIES)
+FAMILY_NAMES = list(families())
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +48,7 @@ def all_coords(layout: ParallelLayout):
 # --- config.json -> Arch ------------------------------------------------------------------------
 
 def test_detects_each_family_from_model_type():
-    for name, family in FAMILIES.items():
+    for name, family in families().items():
         assert parse_arch(tiny_config(name)).family == name
 
 
@@ -155,8 +155,8 @@ def test_round_trip_is_bit_identical(tiny_dirs, family, dtype, spec):
     arch = parse_arch(tiny_dirs[family])
     fam = get_family(arch.family)
     for layout in ROUND_TRIP_LAYOUTS[family]:
-        ranks = {c: hf_to_mcore(fam, arch, layout, c, hf.__getitem__, spec) for c in all_coords(layout)}
-        back = mcore_to_hf(fam, arch, layout, ranks, spec)
+        ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__, spec) for c in all_coords(layout)}
+        back = hf_tensors_from_ranks(fam, arch, layout, ranks, spec)
         assert set(back) == set(hf), layout
         for name, tensor in hf.items():
             assert back[name].dtype == dtype and torch.equal(back[name], tensor), f"{name} at {layout}"
@@ -165,7 +165,7 @@ def test_round_trip_is_bit_identical(tiny_dirs, family, dtype, spec):
 def test_shards_have_megatron_shapes(tiny_dirs):
     arch = parse_arch(tiny_dirs["qwen2_moe"])
     hf = hf_tensors(tiny_dirs["qwen2_moe"])
-    sd = hf_to_mcore(get_family("qwen2_moe"), arch, ParallelLayout(tp=2, pp=2, ep=2), RankCoord(tp=1, pp=1, ep=1, etp=1),
+    sd = rank_state_dict_from_hf(get_family("qwen2_moe"), arch, ParallelLayout(tp=2, pp=2, ep=2), RankCoord(tp=1, pp=1, ep=1, etp=1),
                      hf.__getitem__, "te")
     h, hd = arch.hidden_size, arch.head_dim
     assert sd["decoder.layers.0.self_attention.linear_qkv.weight"].shape == ((4 + 2 * 2) * hd // 2, h)
@@ -183,7 +183,7 @@ def test_vocab_padding_rows_are_zero_and_dropped_on_the_way_back(tiny_dirs):
     arch = parse_arch(tiny_dirs["qwen2"])
     assert (arch.vocab_size, arch.padded_vocab_size()) == (250, 256)
     hf = hf_tensors(tiny_dirs["qwen2"])
-    sd = hf_to_mcore(get_family("qwen2"), arch, ParallelLayout(tp=2), RankCoord(tp=1), hf.__getitem__)
+    sd = rank_state_dict_from_hf(get_family("qwen2"), arch, ParallelLayout(tp=2), RankCoord(tp=1), hf.__getitem__)
     emb = sd["embedding.word_embeddings.weight"]
     assert emb.shape[0] == 128 and torch.count_nonzero(emb[250 - 128:]) == 0
     assert "output_layer.weight" not in sd  # tied, single stage
@@ -194,13 +194,13 @@ def test_tied_embedding_with_pp_puts_a_copy_on_the_last_stage(tiny_dirs):
     hf = hf_tensors(tiny_dirs["qwen2"])
     fam = get_family("qwen2")
     layout = ParallelLayout(pp=2)
-    first = hf_to_mcore(fam, arch, layout, RankCoord(pp=0), hf.__getitem__)
-    last = hf_to_mcore(fam, arch, layout, RankCoord(pp=1), hf.__getitem__)
+    first = rank_state_dict_from_hf(fam, arch, layout, RankCoord(pp=0), hf.__getitem__)
+    last = rank_state_dict_from_hf(fam, arch, layout, RankCoord(pp=1), hf.__getitem__)
     assert torch.equal(first["embedding.word_embeddings.weight"], last["output_layer.weight"])
     last["output_layer.weight"] = last["output_layer.weight"].clone()
     last["output_layer.weight"][0, 0] += 1
     with pytest.raises(MappingError, match="differs from the tied embedding"):
-        mcore_to_hf(fam, arch, layout, {RankCoord(pp=0): first, RankCoord(pp=1): last})
+        hf_tensors_from_ranks(fam, arch, layout, {RankCoord(pp=0): first, RankCoord(pp=1): last})
 
 
 def test_engine_is_strict_about_missing_and_extra_tensors(tiny_dirs):
@@ -210,22 +210,22 @@ def test_engine_is_strict_about_missing_and_extra_tensors(tiny_dirs):
     fam = get_family("llama3_1")
     transfers = plan(fam, arch, ParallelLayout())
     names = set(hf_tensors(tiny_dirs["llama3_1"]))
-    check_hf_names(transfers, names, arch)
+    check_hf_names(fam, arch, transfers, names)
     with pytest.raises(MappingError, match="lacks 1 tensor.*model.layers.2.self_attn.k_proj.weight"):
-        check_hf_names(transfers, names - {"model.layers.2.self_attn.k_proj.weight"}, arch)
+        check_hf_names(fam, arch, transfers, names - {"model.layers.2.self_attn.k_proj.weight"})
     with pytest.raises(MappingError, match="no llama3_1 mapping rule consumes: model.layers.0.extra"):
-        check_hf_names(transfers, names | {"model.layers.0.extra"}, arch)
-    ranks = {RankCoord(): hf_to_mcore(fam, arch, ParallelLayout(), RankCoord(), hf_tensors(tiny_dirs["llama3_1"]).__getitem__)}
+        check_hf_names(fam, arch, transfers, names | {"model.layers.0.extra"})
+    ranks = {RankCoord(): rank_state_dict_from_hf(fam, arch, ParallelLayout(), RankCoord(), hf_tensors(tiny_dirs["llama3_1"]).__getitem__)}
     ranks[RankCoord()]["decoder.layers.0.unknown.weight"] = torch.zeros(1)
     with pytest.raises(MappingError, match="no mapping rule reads: decoder.layers.0.unknown.weight"):
-        mcore_to_hf(fam, arch, ParallelLayout(), ranks)
+        hf_tensors_from_ranks(fam, arch, ParallelLayout(), ranks)
 
 
 def test_te_and_local_names_cross_both_ways(tiny_dirs):
     for family in ("llama3_1", "mixtral"):
         arch = parse_arch(tiny_dirs[family])
         hf = hf_tensors(tiny_dirs[family])
-        te = hf_to_mcore(get_family(family), arch, ParallelLayout(), RankCoord(), hf.__getitem__, "te")
+        te = rank_state_dict_from_hf(get_family(family), arch, ParallelLayout(), RankCoord(), hf.__getitem__, "te")
         local = to_spec(te, "local", arch.is_moe)
         assert from_spec(local, "local", arch.is_moe) == te
         if arch.is_moe:
@@ -238,14 +238,8 @@ def test_te_and_local_names_cross_both_ways(tiny_dirs):
 
 # --- HF vs MCore logits, fp32: rel err <= 1e-5, KL <= 1e-10 --------------------------------------
 
-PARITY_CASES = [
-    ("llama3_1", ParallelLayout()), ("qwen2", ParallelLayout()), ("qwen2_moe", ParallelLayout()), ("mixtral", ParallelLayout()),
-    ("llama3_1", ParallelLayout(tp=2)), ("qwen2", ParallelLayout(tp=2)),
-    ("llama3_1", ParallelLayout(pp=2)), ("qwen2", ParallelLayout(pp=2)),
-    ("qwen2_moe", ParallelLayout(pp=2)), ("mixtral", ParallelLayout(pp=2)),
-    ("qwen2_moe", ParallelLayout(ep=2)), ("mixtral", ParallelLayout(ep=2)),
-    ("qwen2_moe", ParallelLayout(tp=2, ep=2)), ("mixtral", ParallelLayout(tp=2, ep=2, etp=1)),
-]
+# Each family's own parity layouts (models/<family>/__init__.py, test_layouts.parity).
+PARITY_CASES = [(name, layout) for name, f in families().items() for layout in f.test_layouts.parity]
 
 
 @pytest.mark.parametrize("family, layout", PARITY_CASES, ids=[f"{f}-{str(l).replace(' ', '-')}" for f, l in PARITY_CASES])

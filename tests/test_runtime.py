@@ -316,3 +316,25 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+# --- run_local: how a rank's failure reaches the caller --------------------------------------------
+
+def test_run_local_reraises_a_ranks_user_error_as_itself():
+    from megatron_patch.runtime.launch import run_local
+    from tests.runtime_helpers import raise_user_error_on_rank_1
+
+    with pytest.raises(UserError, match="^TP=3 does not divide the heads$"):
+        run_local(raise_user_error_on_rank_1, 2, "TP=3 does not divide the heads", timeout=120)
+
+
+def test_run_local_reports_other_failures_with_the_traceback_and_dead_ranks_at_once():
+    from megatron_patch.runtime.launch import WorkerError, run_local
+    from tests.runtime_helpers import die_without_reporting, raise_value_error
+
+    with pytest.raises(WorkerError, match="rank 0 failed: ValueError: not a user error") as info:
+        run_local(raise_value_error, 1, timeout=120)
+    assert "Traceback" in str(info.value)
+    # Found dead and named, instead of "timed out after 300s".
+    with pytest.raises(WorkerError, match="exited with code 3 before reporting"):
+        run_local(die_without_reporting, 2, 3, timeout=300)

@@ -17,8 +17,9 @@ import torch
 from megatron_patch.align import ablations
 from megatron_patch.align.capture import point_names
 from megatron_patch.align.metrics import compare, compare_logits
-from megatron_patch.align.runner import DTYPES, McoreRun, capture_hf_dir, capture_mcore_runs
+from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, judge
+from megatron_patch.dtypes import PRECISIONS
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -89,8 +90,8 @@ def validate(s: AlignSettings):
         raise UserError("give either --mcore-dir (HF vs MCore) or --hf-dir-2 (HF vs HF), not both")
     if s.hf_dir_2 and not Path(s.hf_dir_2).is_dir():
         raise UserError(f"--hf-dir-2 {s.hf_dir_2} is not a folder: point it at a Hugging Face model folder")
-    if s.dtype not in DTYPES:
-        raise UserError(f"--dtype {s.dtype} is not one of {', '.join(DTYPES)}")
+    if s.dtype not in PRECISIONS:
+        raise UserError(f"--dtype {s.dtype} is not one of {', '.join(PRECISIONS)}")
     if s.seq_len < 2 or s.batch < 1:
         raise UserError(f"--seq-len must be >= 2 and --batch >= 1 (got {s.seq_len}, {s.batch})")
     if s.tolerance <= 1:
@@ -139,14 +140,6 @@ def make_tokens(s: AlignSettings, vocab_size: int) -> tuple[torch.Tensor, str]:
     return tokens, f"text from {path.name} ({need} tokens)"
 
 
-def _worker_user_error(exc: Exception) -> None:
-    """A UserError raised inside a rank process reaches us as WorkerError text: surface it as one."""
-    text = str(exc)
-    marker = "UserError: "
-    if marker in text:
-        raise UserError(text.split(marker, 1)[1].splitlines()[0]) from None
-
-
 def _point_series(ref, test, num_layers) -> list[float]:
     return [compare(ref[n], test[n])["rel_l2"] for n in point_names(num_layers)]
 
@@ -177,8 +170,6 @@ def _ablation_rows(s, ref, floor, baseline, variants, num_layers) -> list[dict]:
 
 def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) -> dict:
     """Run both sides, judge, and return every number (the content of report.json)."""
-    from megatron_patch.runtime.launch import WorkerError
-
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     started = time.time()
     ref_arch, test_arch, sidecar = validate(s)
@@ -201,11 +192,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
                      for a in ablations.ABLATIONS if ablations.skip_reason(a) is None]
         log(f"[2/3] MCore {s.dtype} at {s.layout} in {s.layout.world_size} process(es): {len(runs)} model run(s)"
             + (" (baseline + ablations; the fused SwiGLU variant compiles first)" if s.ablate else ""))
-        try:
-            captures = capture_mcore_runs(s.layout, tokens, runs)
-        except WorkerError as exc:
-            _worker_user_error(exc)
-            raise
+        captures = capture_mcore_runs(s.layout, tokens, runs)
         test = captures[0]
         variants = {r.ablation: c for r, c in zip(runs[1:], captures[1:])}
 

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_patch.models.family import HFModules
+
 Captures = dict[str, torch.Tensor]
 
 SUBLAYER_POINTS = ("attention", "mlp", "output")
@@ -60,22 +62,22 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
             h.remove()
 
 
-def hf_capture_targets(model) -> dict[str, torch.nn.Module]:
-    base = model.model
-    targets = {"embedding": base.embed_tokens}
-    for i, layer in enumerate(base.layers):
-        targets[f"layers.{i}.attention"] = layer.self_attn
-        targets[f"layers.{i}.mlp"] = layer.mlp
+def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
+    """The HF modules behind each point, at the paths the model's family names."""
+    targets = {"embedding": model.get_submodule(modules.embedding)}
+    for i, layer in enumerate(model.get_submodule(modules.layers)):
+        targets[f"layers.{i}.attention"] = layer.get_submodule(modules.attention)
+        targets[f"layers.{i}.mlp"] = layer.get_submodule(modules.mlp)
         targets[f"layers.{i}.output"] = layer
-    targets["final_norm"] = base.norm
+    targets["final_norm"] = model.get_submodule(modules.final_norm)
     return targets
 
 
-def capture_hf(model, tokens: torch.Tensor) -> Captures:
-    """Run an HF causal LM on ``tokens`` and capture every point."""
+def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
+    """Run an HF causal LM on ``tokens`` and capture every point (``modules``: its family's paths)."""
     store: Captures = {}
     model.eval()
-    with torch.no_grad(), _hooks(hf_capture_targets(model), store, seq_first=False):
+    with torch.no_grad(), _hooks(hf_capture_targets(model, modules), store, seq_first=False):
         store["logits"] = model(tokens).logits.float()
     return store
 

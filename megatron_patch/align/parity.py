@@ -40,7 +40,7 @@ def mcore_logits_worker(hf_dir: str, layout: ParallelLayout, tokens: torch.Tenso
     arch = parse_arch(hf_dir)
     init_model_parallel(layout)
     model = build_model(arch, layout, dtype)
-    load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir).get)
+    load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir))
     return forward_logits(model, tokens, arch.vocab_size)
 
 

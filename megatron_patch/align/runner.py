@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from megatron_patch.align.capture import Captures, capture_hf, capture_mcore, load_hf_model, merge_captures
+from megatron_patch.dtypes import precision_dtype
 from megatron_patch.runtime.distributed import ParallelLayout
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
 
     arch = _arch_of(run)
     overrides = ablations.config_overrides(run.ablation)
-    model = build_model(arch, layout, DTYPES[run.dtype], use_te=ablations.use_te(run.ablation), **overrides)
+    model = build_model(arch, layout, precision_dtype(run.dtype), use_te=ablations.use_te(run.ablation), **overrides)
     if run.mcore_dir is not None:
         from megatron_patch.convert.loading import load_checkpoint_into_model
 
@@ -57,7 +57,7 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
         from megatron_patch.convert.hf_reader import HFCheckpointReader
         from megatron_patch.convert.model_io import load_hf_weights
 
-        load_hf_weights(model, arch, layout, HFCheckpointReader(run.hf_dir).get)
+        load_hf_weights(model, arch, layout, HFCheckpointReader(run.hf_dir))
     return model, arch
 
 
@@ -93,8 +93,12 @@ def capture_mcore_runs(layout: ParallelLayout, tokens: torch.Tensor, runs: list[
 
 
 def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str) -> Captures:
-    model = load_hf_model(hf_dir, DTYPES[dtype])
+    from megatron_patch.models.arch import read_config_json
+    from megatron_patch.models.registry import detect_family
+
+    modules = detect_family(read_config_json(hf_dir)).hf_modules
+    model = load_hf_model(hf_dir, precision_dtype(dtype))
     try:
-        return capture_hf(model, tokens)
+        return capture_hf(model, tokens, modules)
     finally:
         del model

@@ -44,12 +44,15 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
+    from megatron_patch.align.verdict import DEFAULT_TOLERANCE
+
     p = subparsers.add_parser(
         "align", help="layer-by-layer precision alignment of HF and Megatron-Core, with a verdict",
         description="Run the HF model and its Megatron-Core twin (a converted checkpoint, or the HF folder mapped in "
                     "memory) on the same inputs, capture every layer (embedding, attention and MLP outputs, layer "
-                    "outputs, final norm, logits) and judge them. fp32: logits rel_l2 <= 1e-5 and KL <= 1e-10 and "
-                    "every point rel_l2 <= 1e-5. bf16/fp16: HF's own error in that dtype (vs HF fp32) is the noise "
+                    f"outputs, final norm, logits) and judge them. fp32: logits rel_l2 <= {FP32_REL_L2:g} and KL <= {FP32_KL:g} "
+                    f"and every point rel_l2 <= {FP32_REL_L2:g}. bf16/fp16: HF's own error in that dtype (vs HF fp32) is the noise "
                     "floor, and each point's error must stay within --tolerance times it. The first point over the "
                     "line is named. Exit 0 aligned, 1 not aligned, 2 bad input.")
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder: the reference (run in fp32) and floor")
@@ -63,8 +66,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
     p.add_argument("--text-file", default=None, help="real text, tokenized with the tokenizer in --hf-dir")
-    p.add_argument("--tolerance", type=float, default=2.0,
-                   help="bf16/fp16: allowed multiple of HF's own rounding error per point (default 2)")
+    p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                   help=f"bf16/fp16: allowed multiple of HF's own rounding error per point (default {DEFAULT_TOLERANCE:g})")
     p.add_argument("--ablate", action="store_true",
                    help="also run each known source of HF/MCore difference switched on and off")
     p.add_argument("--report-dir", default=None, help="write report.json, report.md and error_by_layer.png here")

@@ -1,4 +1,4 @@
-"""`mpatch demo`: tiny models of every family, HF vs MCore logit parity at several layouts."""
+"""`mpatch demo`: tiny models of every family, HF vs MCore logit parity at each family's test layouts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from megatron_patch.runtime.distributed import ParallelLayout
 
+# Extra layouts a user can ask for instead of each family's own (--layouts).
 LAYOUTS = {
     "tp1": ParallelLayout(),
     "tp2": ParallelLayout(tp=2),
@@ -16,45 +17,48 @@ LAYOUTS = {
 
 
 def run(args) -> int:
-    from megatron_patch.align.parity import check_parity
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
     from megatron_patch.cli.common import print_table
-    from megatron_patch.models.registry import FAMILIES, parse_arch
+    from megatron_patch.models.registry import families, parse_arch
     from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-model load bars drown the table
-    families = args.families or list(FAMILIES)
+    registered = families()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mpatch-demo-"))
     rows, failed = [], 0
-    for family in families:
-        hf_dir = make_tiny_hf_checkpoint(family, work / family, seed=args.seed)
-        arch = parse_arch(hf_dir)
-        for name in args.layouts:
-            layout = LAYOUTS[name]
-            if layout.ep > 1 and not arch.is_moe:
-                continue
+    for name in args.families or list(registered):
+        family = registered[name]
+        hf_dir = make_tiny_hf_checkpoint(name, work / name, seed=args.seed)
+        layouts = [LAYOUTS[k] for k in args.layouts] if args.layouts else list(family.test_layouts.parity)
+        for layout in layouts:
+            if layout.ep > 1 and not parse_arch(hf_dir).is_moe:
+                continue  # expert parallelism applies to MoE families only
             m = check_parity(hf_dir, layout, seed=args.seed)
             failed += not m["passed"]
-            rows.append({"family": family, "layout": str(layout), "rel_l2": f"{m['rel_l2']:.1e}", "kl": f"{m['kl']:.1e}",
+            rows.append({"family": name, "layout": str(layout), "rel_l2": f"{m['rel_l2']:.1e}", "kl": f"{m['kl']:.1e}",
                          "max_abs": f"{m['max_abs']:.1e}", "top1": f"{m['top1']:.3f}",
                          "verdict": "PASS" if m["passed"] else "FAIL"})
-            print(f"  {family:<10} {str(layout):<18} {rows[-1]['verdict']}", flush=True)
+            print(f"  {name:<12} {str(layout):<22} {rows[-1]['verdict']}", flush=True)
     print()
     print_table(rows, ["family", "layout", "rel_l2", "kl", "max_abs", "top1", "verdict"])
-    print(f"\n{len(rows) - failed}/{len(rows)} passed (fp32 bounds: rel_l2 <= 1e-5, KL <= 1e-10); tiny models in {work}")
+    print(f"\n{len(rows) - failed}/{len(rows)} passed (fp32 bounds: rel_l2 <= {FP32_REL_L2:g}, KL <= {FP32_KL:g}); "
+          f"tiny models in {work}")
     return 1 if failed else 0
 
 
 def register(subparsers) -> None:
+    from megatron_patch.models.registry import families
+
     p = subparsers.add_parser(
         "demo", help="tiny model of each family: HF vs MCore parity",
         description="Make a tiny random HF checkpoint of each supported family locally, build its MCore model "
-                    "with this package, map the weights, and compare fp32 logits at several parallel layouts.")
-    p.add_argument("--families", nargs="+", choices=["llama3_1", "qwen2", "qwen2_moe", "mixtral"],
-                   help="families to run (default: all)")
-    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=["tp1", "tp2", "pp2", "ep2"],
-                   help="layouts to check (ep2 applies to MoE families only)")
+                    "with this package, map the weights, and compare fp32 logits at the parallel layouts each "
+                    "family is tested at.")
+    p.add_argument("--families", nargs="+", choices=list(families()), help="families to run (default: all)")
+    p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=None,
+                   help="layouts to check instead of each family's own (ep2 applies to MoE families only)")
     p.add_argument("--work-dir", help="where to write the tiny checkpoints (default: a new temporary folder)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=run)

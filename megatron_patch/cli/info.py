@@ -18,7 +18,7 @@ def collect() -> dict:
     import torch
 
     from megatron_patch import __version__
-    from megatron_patch.models.registry import FAMILIES
+    from megatron_patch.models.registry import families
     from megatron_patch.runtime import cpu_compat
 
     cuda = torch.cuda.is_available()
@@ -51,7 +51,7 @@ def collect() -> dict:
             "layer_spec": "transformer_engine" if te and cuda else "local",
             "attention": "flash/fused (TE)" if te and cuda else "local (unfused softmax)",
         },
-        "families": {name: list(f.hf_model_types) for name, f in FAMILIES.items()},
+        "families": {name: list(f.hf_model_types) for name, f in families().items()},
     }
 
 

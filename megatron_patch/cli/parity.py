@@ -24,11 +24,13 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
+
     p = subparsers.add_parser(
         "parity", help="fp32 logit parity of an HF model and its MCore twin",
         description="Build the MCore model for an HF folder at a TP/PP/EP layout (in local processes), map the "
                     "weights in memory, and compare fp32 logits with transformers on random tokens. "
-                    "Passes at relative L2 error <= 1e-5 and KL <= 1e-10; exit 0 pass, 1 fail, 2 bad input.")
+                    f"Passes at relative L2 error <= {FP32_REL_L2:g} and KL <= {FP32_KL:g}; exit 0 pass, 1 fail, 2 bad input.")
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder (config.json + safetensors)")
     add_layout_args(p)
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")

@@ -93,11 +93,11 @@ def print_dry_run(report: dict) -> None:
 
 
 def run(args) -> int:
-    from megatron_patch.training.arguments import LAUNCHERS, check_machine, resolve, usage
+    from megatron_patch.training.arguments import check_machine, launchers, resolve, usage
 
     family, argv = args.family, list(args.args)
-    if family not in LAUNCHERS:
-        raise UserError(f"no launcher for '{family}': choose one of {', '.join(LAUNCHERS)}")
+    if family not in launchers():
+        raise UserError(f"no launcher for '{family}': choose one of {', '.join(launchers())}")
     if any(a in ("-h", "--help") for a in argv) or not argv:
         print(usage(family))
         return 0 if argv else 2
@@ -130,32 +130,25 @@ def _train_here(cfg) -> int:
 
 
 def _train_local(cfg) -> int:
-    from megatron_patch.runtime.launch import WorkerError, run_local
+    from megatron_patch.runtime.launch import run_local
     from megatron_patch.training.loop import train_worker
 
     print(f"ENV=cpu: starting {cfg.world_size} local gloo processes", flush=True)
-    try:
-        results = run_local(train_worker, cfg.world_size, cfg, timeout=float(os.environ.get("MP_CPU_TIMEOUT", "3600")))
-    except WorkerError as exc:
-        text = str(exc)
-        # "rank N failed: UserError: message\n<traceback>": user errors stay one line.
-        head = text.split("\n", 1)[0]
-        for kind in ("TrainingStopped: ", "UserError: "):
-            if kind in head:
-                raise UserError(head.split(kind, 1)[1])
-        raise
+    results = run_local(train_worker, cfg.world_size, cfg, timeout=float(os.environ.get("MP_CPU_TIMEOUT", "3600")))
     last = results[-1]
     print(f"done: iteration {last['iteration']}, checkpoints in {cfg.checkpoint_dir}")
     return 0
 
 
 def register(subparsers) -> None:
+    from megatron_patch.models.registry import families
+
     p = subparsers.add_parser(
         "train", help="train with the positional launcher arguments (run_mcore_<family>.sh)",
         description="Train a model on megatron.core with the Pai-Megatron-Patch positional arguments. "
                     "'mpatch train FAMILY --help' lists them. MP_DRY_RUN=1 (or =json) prints the resolved "
                     "configuration and the command instead of training.",
         add_help=True)
-    p.add_argument("family", help="llama3_1 | qwen2 | qwen2_moe")
+    p.add_argument("family", help=" | ".join(families()))
     p.add_argument("args", nargs="...", help="the launcher's positional arguments")
     p.set_defaults(run=run)

@@ -15,34 +15,36 @@ temporary sibling folder that is renamed onto the target only when complete.
 from __future__ import annotations
 
 import io
-import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
 
-from megatron_patch.convert.engine import MappingError, _names, check_hf_names, plan
+from megatron_patch.checkpoint_layout import (
+    RELEASE, TRACKER_NAME, is_iteration_dir, iteration_dir, read_tracker, write_tracker)
+from megatron_patch.convert.engine import (
+    HFAssembler, MappingError, RankShards, check_hf_names, check_tied_copies, names_list, plan)
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.hf_writer import SafetensorsShardWriter, parse_size
 from megatron_patch.convert.legacy import (
     CHECKPOINT_VERSION, check_legacy_layout, open_rank_files, rank_coords, rank_file)
-from megatron_patch.convert.mapping import Transfer, split_context
+from megatron_patch.models.mapping import Transfer, split_context
+from megatron_patch.models.mapping.splits import Replicated
 from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
 from megatron_patch.convert.prefetch import Prefetcher
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import (
-    DTYPE_NAMES, DTYPES, RELEASE_DIR, SIDECAR_NAME, TRACKER_NAME, Sidecar, read_sidecar)
+    SIDECAR_NAME, Sidecar, read_sidecar)
 from megatron_patch.convert.skeleton import ModelSkeleton, describe_model
-from megatron_patch.convert.splits import Replicated
 from megatron_patch.convert.torch_dist import TorchDistReader, bytes_item, tensor_item, write_torch_dist
 from megatron_patch.convert.torch_files import StreamingTorchSave, TensorSpec
+from megatron_patch.dtypes import HF_CONFIG_NAMES, PRECISION_NAMES, precision_dtype
 from megatron_patch.errors import UserError
-from megatron_patch.models import get_family, parse_arch
+from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
 
 FORMATS = ("torch_dist", "legacy")
-_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def _meta(shape) -> torch.Tensor:
@@ -68,7 +70,7 @@ def expected_hf_shapes(arch: Arch, transfers_tp1: list[Transfer], skeleton: Mode
             out.setdefault(hf_name, tuple(s))
     unplanned = set(skeleton.shapes) - planned
     if unplanned:
-        raise MappingError(f"no {arch.family} mapping rule writes {len(unplanned)} MCore parameter(s): {_names(unplanned)}")
+        raise MappingError(f"no {arch.family} mapping rule writes {len(unplanned)} MCore parameter(s): {names_list(unplanned)}")
     return out
 
 
@@ -100,11 +102,9 @@ def _choose_dtype(reader: HFCheckpointReader, names, dtype: str | torch.dtype | 
     if dtype is not None:
         if isinstance(dtype, torch.dtype):
             return dtype
-        if dtype not in DTYPES:
-            raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-        return DTYPES[dtype]
+        return precision_dtype(dtype)
     found = {reader.dtype(n) for n in names}
-    if len(found) == 1 and next(iter(found)) in DTYPE_NAMES:
+    if len(found) == 1 and next(iter(found)) in PRECISION_NAMES:
         return next(iter(found))
     raise UserError(f"the HF tensors are stored as {sorted(map(str, found))}: pass --dtype bf16, fp16 or fp32")
 
@@ -129,24 +129,21 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part
     reader = HFCheckpointReader(hf_dir)
     tp1 = plan(family, arch, ParallelLayout())
-    check_hf_names(tp1, reader.keys(), arch)
+    check_hf_names(family, arch, tp1, reader.keys())
     torch_dtype = _choose_dtype(reader, [n for t in tp1 for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
     for name, shape in expected_hf_shapes(arch, tp1, skeleton).items():
         if tuple(reader.shape(name)) != shape:
             raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {shape}: "
                             "the weights and config.json do not belong together")
-    if arch.tie_word_embeddings and "lm_head.weight" in reader:
-        if not torch.equal(reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
-            raise UserError("config.json ties the embeddings but lm_head.weight differs from model.embed_tokens.weight: "
-                            "set tie_word_embeddings=false")
+    check_tied_copies(family, arch, reader.get, reader)
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
     hf_names = sorted({n for t in transfers for n in t.hf_names})
     bar = Progress(f"hf2mcore {fmt} {layout}", sum(reader.nbytes(n) for n in hf_names), len(hf_names), progress)
     once = _ReadOnce(reader, transfers, bar)
     with atomic_output_dir(save_dir, force, inputs=(hf_dir,)) as tmp:
-        release = tmp / RELEASE_DIR
+        release = tmp / RELEASE
         release.mkdir()
         if fmt == "legacy":
             count, nbytes = _write_legacy(release, arch, layout, transfers, once, torch_dtype)
@@ -155,12 +152,12 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         twice = [n for n, c in once.reads.items() if c > 1]
         if twice or set(once.reads) != set(hf_names):
             raise MappingError(f"internal error: HF tensors read {'more than once' if twice else 'not at all'}: "
-                               f"{_names(twice or set(hf_names) - set(once.reads))}")
+                               f"{names_list(twice or set(hf_names) - set(once.reads))}")
         sidecar = Sidecar.create(fmt, arch, layout, torch_dtype, carried_files=copy_carried(hf_dir, tmp),
                                  num_tensors=count, num_bytes=nbytes, source=str(hf_dir.resolve()))
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.
-        (tmp / TRACKER_NAME).write_text("release")
+        write_tracker(tmp, RELEASE)
     bar.close()
     return sidecar
 
@@ -285,29 +282,16 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
             if n not in seen:
                 seen.add(n)
                 entries.append((n, hf_shapes[n], out_dtype))
-    ctx = split_context(arch)
     bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", sum(torch.Size(s).numel() for _, s, _ in entries)
                    * torch.empty((), dtype=out_dtype).element_size(), len(entries), progress)
     with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
         writer = SafetensorsShardWriter(tmp, entries, max_bytes)
-        first_user: dict[str, Transfer] = {}
+        assembler = HFAssembler(arch, source, pieces=True)
 
         def produce(t: Transfer):
             """On the prefetch thread: read transfer i+1's shards and cut them into HF pieces."""
-            if len(t.hf_names) == 1 and t.hf_names[0] in first_user:
-                # The tied output layer on the last stage: a copy of the embedding; check it is one.
-                again = first_user[t.hf_names[0]]
-                if not torch.equal(t.split.merge(source.shards(t), ctx)[0], again.split.merge(source.shards(again), ctx)[0]):
-                    raise MappingError("the last stage's output layer differs from the tied embedding: the checkpoint "
-                                       "was changed after conversion in a way HF cannot represent")
-                return None
-            try:
-                merged = t.split.merge_pieces(source.shards(t), ctx)
-            except ValueError as exc:
-                raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
-            for n in t.hf_names:
-                first_user[n] = t
-            return [[piece.to(out_dtype) for piece in pieces] for pieces in merged]
+            merged = assembler.assemble(t)
+            return None if merged is None else [[piece.to(out_dtype) for piece in pieces] for pieces in merged]
 
         with Prefetcher(transfers, produce) as ahead:
             for t, merged in ahead:
@@ -334,7 +318,6 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
 # "rerun_state_machine_state", not tensors), so no tensor of theirs can appear. Any other tensor the
 # model does not have is still an error.
 TRAINING_STATE_PREFIXES = ("optimizer.",)
-_ITER_DIR = re.compile(r"iter_\d{7}")
 
 
 def locate_checkpoint(load_dir: str | Path) -> tuple[Path, Path, bool]:
@@ -345,20 +328,17 @@ def locate_checkpoint(load_dir: str | Path) -> tuple[Path, Path, bool]:
     or one training iteration folder ``iter_XXXXXXX``.
     """
     load_dir = Path(load_dir)
-    tracker = load_dir / TRACKER_NAME
-    if load_dir.is_dir() and tracker.is_file():
-        text = tracker.read_text().strip()
-        if text.isdigit():
-            it = load_dir / f"iter_{int(text):07d}"
-            if not it.is_dir():
-                raise UserError(f"{tracker} names iteration {int(text)}, but {it} is missing: the training checkpoint "
-                                "is incomplete")
-            load_dir = it
-    if load_dir.is_dir() and _ITER_DIR.fullmatch(load_dir.name) and not (load_dir / TRACKER_NAME).exists():
+    latest = read_tracker(load_dir) if load_dir.is_dir() else None
+    if isinstance(latest, int):
+        load_dir = iteration_dir(load_dir, latest)
+        if not load_dir.is_dir():
+            raise UserError(f"{load_dir.parent / TRACKER_NAME} names iteration {latest}, but {load_dir} is missing: "
+                            "the training checkpoint is incomplete")
+    if load_dir.is_dir() and is_iteration_dir(load_dir) and read_tracker(load_dir) is None:
         if not (load_dir / ".metadata").is_file():
             raise UserError(f"{load_dir} has no .metadata: it is not a complete torch_dist training checkpoint")
         return load_dir, load_dir, True
-    return load_dir, load_dir / RELEASE_DIR, False
+    return load_dir, load_dir / RELEASE, False
 
 
 def read_training_sidecar(iter_dir: Path) -> Sidecar:
@@ -382,51 +362,35 @@ def _write_hf_config(folder: Path, hf_config: dict, dtype: torch.dtype) -> None:
     config = dict(hf_config)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     for k in keys:
-        config[k] = _TORCH_DTYPE_NAMES[dtype]
+        config[k] = HF_CONFIG_NAMES[dtype]
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-class _LegacySource:
-    """Shards of a transfer from the rank files that hold them; tracks that every entry is read."""
+class _LegacySource(RankShards):
+    """Shards of a transfer from the rank files that hold them (read lazily, checked up front)."""
 
     def __init__(self, release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], hf_shapes: dict):
-        self.files = open_rank_files(release, layout)
-        self.layout = layout
-        self.used: set = set()
+        files = open_rank_files(release, layout)
+        super().__init__(files, load=lambda lazy: lazy.load())
         # Check names and shapes of every file against the plan before reading any data.
         ctx = split_context(arch)
-        expected: dict = {c: {} for c in self.files}
+        expected: dict = {c: {} for c in files}
         for t in transfers:
             shards = t.split.shards([_meta(hf_shapes[n]) for n in t.hf_names], t.num_shards, ctx)
             for p in t.placements:
-                for c in self.files:
+                for c in files:
                     if c.holds(t, p):
                         expected[c][p.mcore_name] = tuple(shards[p.shard].shape)
-        for c, sd in self.files.items():
+        for c, sd in files.items():
             where = f"rank file TP={c.tp} PP={c.pp} EP={c.ep}"
             missing, extra = set(expected[c]) - set(sd), set(sd) - set(expected[c])
             if missing:
-                raise MappingError(f"{where} lacks {len(missing)} parameter(s): {_names(missing)}")
+                raise MappingError(f"{where} lacks {len(missing)} parameter(s): {names_list(missing)}")
             if extra:
-                raise MappingError(f"{where} has {len(extra)} parameter(s) no mapping rule reads: {_names(extra)}")
+                raise MappingError(f"{where} has {len(extra)} parameter(s) no mapping rule reads: {names_list(extra)}")
             for name, shape in expected[c].items():
                 if tuple(sd[name].shape) != shape:
                     raise MappingError(f"{where}: {name} has shape {tuple(sd[name].shape)}, expected {shape}")
-
-    def shards(self, t: Transfer) -> list[torch.Tensor]:
-        out = []
-        for index in range(t.num_shards):
-            p = next(p for p in t.placements if p.shard == index)
-            coord = next(c for c in self.files if c.holds(t, p))
-            out.append(self.files[coord][p.mcore_name].load())
-            self.used.add((coord.pp, coord.ep if t.expert else None, p.mcore_name))
-        return out
-
-    def check_all_read(self) -> None:
-        unused = {name for c, sd in self.files.items() for name in sd
-                  if (c.pp, None, name) not in self.used and (c.pp, c.ep, name) not in self.used}
-        if unused:
-            raise MappingError(f"{len(unused)} checkpoint parameter(s) were never read: {_names(unused)}")
 
 
 class _TorchDistSource:
@@ -442,10 +406,10 @@ class _TorchDistSource:
         # Training state stored beside the weights (optimizer moments, main parameters) is skipped by name.
         have = {k for k in self.reader.tensor_keys() if not k.startswith(ignore_prefixes) or k in want}
         if set(want) - have:
-            raise MappingError(f"the torch_dist checkpoint lacks {len(set(want) - have)} tensor(s): {_names(set(want) - have)}")
+            raise MappingError(f"the torch_dist checkpoint lacks {len(set(want) - have)} tensor(s): {names_list(set(want) - have)}")
         if have - set(want):
             raise MappingError(f"the torch_dist checkpoint has {len(have - set(want))} tensor(s) the model does not: "
-                               f"{_names(have - set(want))}")
+                               f"{names_list(have - set(want))}")
         for key, shape in want.items():
             if self.reader.global_shape(key) != shape:
                 raise MappingError(f"torch_dist tensor {key} has shape {self.reader.global_shape(key)}, the model needs {shape}")
@@ -476,4 +440,4 @@ class _TorchDistSource:
         unread = {f"{k}@{o}" for k, o in ((ch.key, ch.global_offset) for ch in self.skeleton.chunks)
                   if (k, o) not in self.read}
         if unread:
-            raise MappingError(f"{len(unread)} torch_dist block(s) were never read: {_names(unread)}")
+            raise MappingError(f"{len(unread)} torch_dist block(s) were never read: {names_list(unread)}")

@@ -1,60 +1,143 @@
-"""The in-memory mapping engine: HF tensors <-> per-rank MCore state dicts, for any family's table.
+"""The mapping engine: a family's weight table run between HF tensors and per-rank MCore state dicts.
 
-Forward: ``hf_to_mcore(family, arch, layout, coord, get_hf)`` builds one rank's state dict.
-Inverse: ``mcore_to_hf(family, arch, layout, rank_state_dicts)`` rebuilds every HF tensor.
-Both are strict: a missing HF tensor, an HF tensor no rule consumed, or a rank parameter no rule
-produced is an error that names them.
+In memory (parity checks, the aligner, tests):
+
+- ``rank_state_dict_from_hf(family, arch, layout, coord, get_hf)``: one rank's state dict;
+- ``hf_tensors_from_ranks(family, arch, layout, rank_state_dicts)``: every HF tensor back.
+
+The strictness checks live here once, and the streaming converter (``convert.checkpoint``) runs the
+same ones: ``check_hf_names`` (a needed HF tensor missing, an HF tensor no rule consumes),
+``check_tied_copies`` (an HF copy of a tied tensor that differs), ``RankShards`` (a transfer's shards
+gathered from the ranks that hold them; afterwards every parameter no rule read is named) and
+``HFAssembler`` (shards merged into HF tensors; a last-stage copy of a tied embedding that differs
+from the embedding, or replicas that disagree, are errors).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
 import torch
 
-from megatron_patch.convert.mapping import RankCoord, Transfer, plan_transfers, split_context
-from megatron_patch.convert.naming import from_spec, to_spec
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
+from megatron_patch.models.family import ModelFamily
+from megatron_patch.models.mapping import RankCoord, Transfer, plan_transfers, split_context
+from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.runtime.distributed import ParallelLayout
+
+T = TypeVar("T")
 
 
 class MappingError(UserError):
     pass
 
 
-def _names(names: Iterable[str], limit: int = 8) -> str:
+def names_list(names: Iterable[str], limit: int = 8) -> str:
+    """Names for an error message: sorted, at most ``limit``, with how many more there are."""
     names = sorted(names)
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
 
-def plan(family, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None) -> list[Transfer]:
+def plan(family: ModelFamily, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None) -> list[Transfer]:
     return plan_transfers(family.weight_rules(arch), arch, layout, pp_first_stage_layers)
 
 
-def hf_names_consumed(transfers: list[Transfer]) -> set[str]:
-    return {n for t in transfers for n in t.hf_names}
-
-
-def check_hf_names(transfers: list[Transfer], available: Iterable[str], arch: Arch) -> None:
-    """Every tensor the plan needs exists, and every HF tensor is consumed by the plan."""
+def check_hf_names(family: ModelFamily, arch: Arch, transfers: list[Transfer], available: Iterable[str]) -> None:
+    """Every tensor the plan needs exists, and every HF tensor is consumed by the plan (or is a buffer
+    the family ignores, or the stored copy of a tied tensor)."""
     available = set(available)
-    needed = hf_names_consumed(transfers)
+    needed = {n for t in transfers for n in t.hf_names}
     missing = needed - available
     if missing:
-        raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) a {arch.family} model needs: {_names(missing)}")
-    # A tied checkpoint may still carry lm_head; it must then equal the embedding (checked by callers).
-    extra = available - needed - ({"lm_head.weight"} if arch.tie_word_embeddings else set())
-    extra = {n for n in extra if not n.endswith("rotary_emb.inv_freq")}
+        raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) a {arch.family} model needs: {names_list(missing)}")
+    extra = {n for n in available - needed - set(family.tied_hf_names(arch)) if not family.is_ignored(n)}
     if extra:
-        raise MappingError(f"HF checkpoint has {len(extra)} tensor(s) no {arch.family} mapping rule consumes: {_names(extra)}")
+        raise MappingError(f"HF checkpoint has {len(extra)} tensor(s) no {arch.family} mapping rule consumes: {names_list(extra)}")
 
 
-def hf_to_mcore(family, arch: Arch, layout: ParallelLayout, coord: RankCoord,
-                get_hf: Callable[[str], torch.Tensor], spec: str = "te",
-                pp_first_stage_layers: int | None = None) -> dict[str, torch.Tensor]:
-    """One rank's MCore state dict (names for ``spec``) from HF tensors fetched by name."""
+def check_tied_copies(family: ModelFamily, arch: Arch, get_hf: Callable[[str], torch.Tensor], available) -> None:
+    """A tied checkpoint may still store the copy (lm_head); it must then equal what it copies."""
+    for name, source in family.tied_hf_names(arch).items():
+        if name in available and not torch.equal(get_hf(name), get_hf(source)):
+            raise MappingError(f"config.json ties the embeddings but {name} differs from {source}: "
+                               "set tie_word_embeddings=false")
+
+
+class RankShards(Generic[T]):
+    """A transfer's shards, gathered from the state dicts of the ranks that hold them.
+
+    ``state_dicts`` needs at least one rank per distinct shard; extra (data-parallel) copies are left
+    unread. ``load`` turns an entry into a tensor (identity in memory, a disk read for lazy files).
+    """
+
+    def __init__(self, state_dicts: Mapping[RankCoord, Mapping[str, T]], load: Callable[[T], torch.Tensor] = lambda t: t):
+        self.state_dicts, self.load = state_dicts, load
+        self.used: set[tuple] = set()  # (stage, EP rank or None for dense, name)
+
+    def shards(self, transfer: Transfer) -> list[torch.Tensor]:
+        out = []
+        for index in range(transfer.num_shards):
+            placements = [p for p in transfer.placements if p.shard == index]
+            found = next(((coord, p) for p in placements for coord, sd in self.state_dicts.items()
+                          if coord.holds(transfer, p) and p.mcore_name in sd), None)
+            if found is None:
+                want = placements[0]
+                raise MappingError(
+                    f"no rank state dict holds {want.mcore_name} (stage {want.pp}, shard {index}"
+                    + (f", EP rank {want.ep})" if want.ep is not None else ")"))
+            coord, p = found
+            out.append(self.load(self.state_dicts[coord][p.mcore_name]))
+            self.used.add((coord.pp, coord.ep if transfer.expert else None, p.mcore_name))
+        return out
+
+    def check_all_read(self) -> None:
+        """Data-parallel copies are legitimately left unread; a name no rank of its stage contributed is not."""
+        unused = {name for c, sd in self.state_dicts.items() for name in sd
+                  if (c.pp, None, name) not in self.used and (c.pp, c.ep, name) not in self.used}
+        if unused:
+            raise MappingError(f"MCore state dict has {len(unused)} parameter(s) no mapping rule reads: {names_list(unused)}")
+
+
+class HFAssembler:
+    """Merges each transfer's shards back into HF tensors, in plan order.
+
+    ``assemble(t)`` returns, per HF name of ``t``, the merged tensor (``pieces=False``) or the list of
+    contiguous pieces whose concatenation on dim 0 is its bytes (``pieces=True``, for writers that
+    stream). A transfer that only re-reads an HF tensor already produced (the last stage's copy of a
+    tied embedding) returns None after checking the copy equals it.
+    """
+
+    def __init__(self, arch: Arch, source, pieces: bool = False):
+        self.ctx, self.source, self.pieces = split_context(arch), source, pieces
+        self.first_user: dict[str, Transfer] = {}
+
+    def _merge(self, t: Transfer) -> list:
+        shards = self.source.shards(t)
+        try:
+            return t.split.merge_pieces(shards, self.ctx) if self.pieces else t.split.merge(shards, self.ctx)
+        except ValueError as exc:  # replicas that disagree
+            raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
+
+    def assemble(self, t: Transfer) -> list | None:
+        if len(t.hf_names) == 1 and t.hf_names[0] in self.first_user:
+            again = self.first_user[t.hf_names[0]]
+            copy = t.split.merge(self.source.shards(t), self.ctx)[0]
+            if not torch.equal(copy, again.split.merge(self.source.shards(again), self.ctx)[0]):
+                raise MappingError("the last stage's output layer differs from the tied embedding: the checkpoint "
+                                   "was changed in a way HF cannot represent (untie the embeddings in config.json)")
+            return None
+        merged = self._merge(t)
+        for n in t.hf_names:
+            self.first_user[n] = t
+        return merged
+
+
+def rank_state_dict_from_hf(family: ModelFamily, arch: Arch, layout: ParallelLayout, coord: RankCoord,
+                            get_hf: Callable[[str], torch.Tensor], spec: str = "te",
+                            pp_first_stage_layers: int | None = None) -> dict[str, torch.Tensor]:
+    """One rank's MCore state dict (names for ``spec``: "te" or "local") from HF tensors fetched by name."""
     ctx = split_context(arch)
     out: dict[str, torch.Tensor] = {}
     for transfer in plan(family, arch, layout, pp_first_stage_layers):
@@ -67,52 +150,16 @@ def hf_to_mcore(family, arch: Arch, layout: ParallelLayout, coord: RankCoord,
     return to_spec(out, spec, arch.is_moe)
 
 
-def mcore_to_hf(family, arch: Arch, layout: ParallelLayout,
-                rank_state_dicts: Mapping[RankCoord, Mapping[str, torch.Tensor]], spec: str = "te",
-                pp_first_stage_layers: int | None = None) -> dict[str, torch.Tensor]:
-    """Every HF tensor from the state dicts of the ranks that together hold the model.
-
-    ``rank_state_dicts`` needs at least one rank per distinct shard; extra (data-parallel) copies
-    are ignored. Replicated tensors are checked to agree across the ranks merged.
-    """
-    ctx = split_context(arch)
-    named = {c: from_spec(sd, spec, arch.is_moe) for c, sd in rank_state_dicts.items()}
-    used: set[tuple] = set()  # (stage, EP rank or None for dense, name)
+def hf_tensors_from_ranks(family: ModelFamily, arch: Arch, layout: ParallelLayout,
+                          rank_state_dicts: Mapping[RankCoord, Mapping[str, torch.Tensor]], spec: str = "te",
+                          pp_first_stage_layers: int | None = None) -> dict[str, torch.Tensor]:
+    """Every HF tensor from the state dicts of the ranks that together hold the model."""
+    source = RankShards({c: from_spec(sd, spec, arch.is_moe) for c, sd in rank_state_dicts.items()})
+    assembler = HFAssembler(arch, source)
     hf: dict[str, torch.Tensor] = {}
     for transfer in plan(family, arch, layout, pp_first_stage_layers):
-        if len(transfer.hf_names) == 1 and transfer.hf_names[0] in hf:
-            # Tied output layer on the last stage: a copy of the embedding, check it is one.
-            shards = _gather(transfer, named, used)
-            if not torch.equal(transfer.split.merge(shards, ctx)[0], hf[transfer.hf_names[0]]):
-                raise MappingError("the last stage's output layer differs from the tied embedding")
-            continue
-        merged = transfer.split.merge(_gather(transfer, named, used), ctx)
-        hf.update(zip(transfer.hf_names, merged))
-    # Data-parallel copies are legitimately left unread; a name no rank of its stage contributed is not.
-    unused = {name for c, sd in named.items() for name in sd
-              if (c.pp, None, name) not in used and (c.pp, c.ep, name) not in used}
-    if unused:
-        raise MappingError(f"MCore state dict has {len(unused)} parameter(s) no mapping rule reads: {_names(unused)}")
+        merged = assembler.assemble(transfer)
+        if merged is not None:
+            hf.update(zip(transfer.hf_names, merged))
+    source.check_all_read()
     return hf
-
-
-def _gather(transfer: Transfer, named, used) -> list[torch.Tensor]:
-    shards = []
-    for index in range(transfer.num_shards):
-        placements = [p for p in transfer.placements if p.shard == index]
-        tensor = None
-        for p in placements:
-            for coord, sd in named.items():
-                if coord.holds(transfer, p) and p.mcore_name in sd:
-                    tensor = sd[p.mcore_name]
-                    used.add((coord.pp, coord.ep if transfer.expert else None, p.mcore_name))
-                    break
-            if tensor is not None:
-                break
-        if tensor is None:
-            want = placements[0]
-            raise MappingError(
-                f"no rank state dict holds {want.mcore_name} (stage {want.pp}, shard {index}"
-                + (f", EP rank {want.ep})" if want.ep is not None else ")"))
-        shards.append(tensor)
-    return shards

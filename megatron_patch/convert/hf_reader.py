@@ -10,15 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from megatron_patch.dtypes import SAFETENSORS_TAGS
 from megatron_patch.errors import UserError
-
-
-# safetensors dtype tags -> torch dtypes.
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 
 class HFCheckpointReader:
@@ -93,7 +86,7 @@ class HFCheckpointReader:
             base, header = self._header(file)
             info = header[name]
             begin, end = info["data_offsets"]
-            dtype = _DTYPES[info["dtype"]]
+            dtype = SAFETENSORS_TAGS[info["dtype"]]
             fd = os.open(path, os.O_RDONLY)
             try:
                 buf = bytearray(end - begin)
@@ -113,9 +106,9 @@ class HFCheckpointReader:
 
     def dtype(self, name: str) -> torch.dtype:
         info = self._header(self._where[name])[1][name]
-        if info["dtype"] not in _DTYPES:
+        if info["dtype"] not in SAFETENSORS_TAGS:
             raise UserError(f"tensor '{name}' has dtype {info['dtype']}, which the converter does not handle")
-        return _DTYPES[info["dtype"]]
+        return SAFETENSORS_TAGS[info["dtype"]]
 
     def nbytes(self, name: str) -> int:
         begin, end = self._header(self._where[name])[1][name]["data_offsets"]

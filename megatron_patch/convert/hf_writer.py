@@ -14,11 +14,9 @@ from pathlib import Path
 import torch
 
 from megatron_patch.convert.torch_files import nbytes
+from megatron_patch.dtypes import SAFETENSORS_TAG_OF
 from megatron_patch.errors import UserError
 
-_TAGS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-         torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-         torch.bool: "BOOL"}
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -71,7 +69,7 @@ class SafetensorsShardWriter:
         for i in self._shards[shard]:
             name, shape, dtype = self.entries[i]
             nb = nbytes(shape, dtype)
-            header[name] = {"dtype": _TAGS[dtype], "shape": list(shape), "data_offsets": [offset, offset + nb]}
+            header[name] = {"dtype": SAFETENSORS_TAG_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nb]}
             offset += nb
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()

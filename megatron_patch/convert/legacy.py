@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_patch.convert.mapping import RankCoord
+from megatron_patch.models.mapping import RankCoord
 from megatron_patch.convert.torch_files import LazyTensor, LazyTorchFile
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from megatron_patch.convert.engine import MappingError, hf_to_mcore
-from megatron_patch.convert.mapping import RankCoord
-from megatron_patch.models.registry import get_family
+from megatron_patch.convert.engine import (
+    MappingError, check_hf_names, check_tied_copies, plan, rank_state_dict_from_hf)
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.builder import model_spec_name
+from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.registry import get_family
 from megatron_patch.runtime.distributed import ParallelLayout
 
 
@@ -38,10 +37,13 @@ def load_state_dict_strict(model, state_dict: dict[str, torch.Tensor]) -> None:
     model.load_state_dict(state_dict, strict=False)
 
 
-def load_hf_weights(model, arch: Arch, layout: ParallelLayout, get_hf: Callable[[str], torch.Tensor],
-                    pp_first_stage_layers: int | None = None) -> None:
-    """Fill this rank's model from HF tensors, cast to the model's dtype."""
-    spec = model_spec_name(model)
-    sd = hf_to_mcore(get_family(arch.family), arch, layout, current_coord(), get_hf, spec, pp_first_stage_layers)
+def load_hf_weights(model, arch: Arch, layout: ParallelLayout, reader, pp_first_stage_layers: int | None = None) -> None:
+    """Fill this rank's model from an HF checkpoint (``reader``: ``keys()`` and ``get(name)``, e.g.
+    ``HFCheckpointReader``), cast to the model's dtype. As strict as the converter."""
+    family = get_family(arch.family)
+    check_hf_names(family, arch, plan(family, arch, ParallelLayout()), reader.keys())
+    check_tied_copies(family, arch, reader.get, set(reader.keys()))
+    sd = rank_state_dict_from_hf(family, arch, layout, current_coord(), reader.get, model_spec_name(model),
+                                 pp_first_stage_layers)
     dtype = next(model.parameters()).dtype
     load_state_dict_strict(model, {k: v.to(dtype) for k, v in sd.items()})

@@ -1,9 +1,5 @@
-"""Output folders that appear complete or not at all, and the HF side files carried along.
-
-Everything is written under a hidden sibling (``.NAME.mpatch-partial.PID``) and renamed onto the
-target only once complete; a failure removes the partial folder, and an interrupted run (even
-``kill -9``) leaves at most a hidden folder whose name says it is partial, which the next run
-removes once its process is gone.
+"""The converter's output folders (complete or absent, see ``checkpoint_layout``) and the HF side files
+carried along with the weights.
 """
 
 from __future__ import annotations
@@ -14,9 +10,8 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from megatron_patch.checkpoint_layout import atomic_dir
 from megatron_patch.errors import UserError
-
-PARTIAL_TAG = ".mpatch-partial."
 
 # Files of an HF model folder that travel with the weights (tokenizer, chat template, generation).
 CARRIED_PATTERNS = (
@@ -41,26 +36,6 @@ def copy_carried(src: str | Path, dst: str | Path, names: list[str] | None = Non
     return names
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_partials(target: Path) -> None:
-    for p in target.parent.glob(f".{target.name}{PARTIAL_TAG}*"):
-        try:
-            pid = int(p.name.rsplit(".", 1)[-1])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
-
-
 def check_target(target: str | Path, force: bool, *, inputs: tuple[str | Path, ...] = ()) -> Path:
     """Refuse a target that is a file, holds an input, or is non-empty without ``force``."""
     target = Path(target).absolute()
@@ -83,20 +58,5 @@ def check_target(target: str | Path, force: bool, *, inputs: tuple[str | Path, .
 @contextlib.contextmanager
 def atomic_output_dir(target: str | Path, force: bool, *, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
     """Yield a temporary folder that becomes ``target`` when the block finishes without error."""
-    target = check_target(target, force, inputs=inputs)
-    _remove_stale_partials(target)
-    tmp = target.parent / f".{target.name}{PARTIAL_TAG}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_dir(check_target(target, force, inputs=inputs)) as tmp:
         yield tmp
-        if target.exists():
-            old = target.parent / f".{target.name}.mpatch-replaced.{os.getpid()}"
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -15,17 +15,15 @@ from pathlib import Path
 
 import torch
 
+from megatron_patch.checkpoint_layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_tracker
+from megatron_patch.dtypes import PRECISION_NAMES, PRECISIONS
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
 SIDECAR_NAME = "mpatch_checkpoint.json"
 SIDECAR_VERSION = 1
-TRACKER_NAME = "latest_checkpointed_iteration.txt"
-RELEASE_DIR = "release"
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
 
 
 def _version(dist: str) -> str | None:
@@ -65,11 +63,11 @@ class Sidecar:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return PRECISIONS[self.dtype]
 
     @classmethod
     def create(cls, fmt: str, arch: Arch, layout: ParallelLayout, dtype: torch.dtype, **extra) -> "Sidecar":
-        return cls(checkpoint_format=fmt, family=arch.family, dtype=DTYPE_NAMES[dtype],
+        return cls(checkpoint_format=fmt, family=arch.family, dtype=PRECISION_NAMES[dtype],
                    layout={"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp},
                    vocab_size=arch.vocab_size, padded_vocab_size=arch.padded_vocab_size(),
                    tie_word_embeddings=arch.tie_word_embeddings, hf_config=arch.hf_config, **extra)
@@ -88,7 +86,7 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder: point --load-dir at a checkpoint written by 'mpatch convert hf2mcore'")
     if not path.exists():
-        partial = any(p.name.startswith(f".{folder.name}.mpatch-partial.") for p in folder.parent.iterdir())
+        partial = any(p.name.startswith(f".{folder.name}{PARTIAL_TAG}") for p in folder.parent.iterdir())
         hint = " (a partial conversion of it exists: rerun hf2mcore)" if partial else ""
         raise UserError(f"{path} not found: {folder} is not a complete checkpoint written by 'mpatch convert hf2mcore'{hint}")
     try:
@@ -99,11 +97,10 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
     if sidecar.sidecar_version > SIDECAR_VERSION:
         raise UserError(f"{path} has sidecar version {sidecar.sidecar_version}; this megatron_patch reads up to "
                         f"{SIDECAR_VERSION}: upgrade megatron_patch")
-    if sidecar.checkpoint_format not in ("legacy", "torch_dist") or sidecar.dtype not in DTYPES:
+    if sidecar.checkpoint_format not in ("legacy", "torch_dist") or sidecar.dtype not in PRECISIONS:
         raise UserError(f"{path} names format {sidecar.checkpoint_format!r} / dtype {sidecar.dtype!r}, which are unknown")
     if not release:
         return sidecar
-    tracker = folder / TRACKER_NAME
-    if not tracker.exists() or tracker.read_text().strip() != "release":
-        raise UserError(f"{tracker} is missing or does not say 'release': the checkpoint is incomplete")
+    if read_tracker(folder) != RELEASE:
+        raise UserError(f"{folder / TRACKER_NAME} is missing or does not say '{RELEASE}': the checkpoint is incomplete")
     return sidecar

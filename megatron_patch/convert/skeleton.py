@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_patch.convert.naming import local_to_te
+from megatron_patch.models.mapping.naming import local_to_te
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 
@@ -83,20 +83,13 @@ def describe_model(arch: Arch) -> ModelSkeleton:
 
 @functools.lru_cache(maxsize=8)
 def _describe_cached(hf_config_json: str) -> ModelSkeleton:
-    from megatron_patch.runtime.launch import WorkerError, run_local
+    from megatron_patch.runtime.launch import run_local
 
-    try:
-        return run_local(_describe_worker, 1, hf_config_json)[0]
-    except WorkerError as exc:
-        message = str(exc)
-        marker = "UserError: "
-        if marker in message:
-            raise UserError(message.split(marker, 1)[1].splitlines()[0])
-        raise
+    return run_local(_describe_worker, 1, hf_config_json)[0]
 
 
 def _describe_worker(hf_config_json: str) -> ModelSkeleton:
-    from megatron_patch.models import parse_arch
+    from megatron_patch.models.registry import parse_arch
 
     return describe_model_here(parse_arch(json.loads(hf_config_json)))
 

@@ -144,10 +144,6 @@ class StreamingTorchSave:
             raise RuntimeError(f"{self.path}: {len(self._pending)} tensor(s) never written, e.g. {sorted(self._pending)[0]}")
         self._writer.write_end_of_file()
 
-    @property
-    def pending(self) -> set:
-        return set(self._pending)
-
 
 # --- reading ---------------------------------------------------------------------------------
 

@@ -13,8 +13,6 @@ from megatron_patch.models.registry import get_family
 from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @functools.lru_cache(maxsize=1)
 def te_available() -> bool:

@@ -1,106 +1,82 @@
-"""What a model family provides, and the pieces Llama-style decoders share.
+"""The model family: the one extension point for a new architecture.
 
-A family (one folder under ``models/``) turns its config.json into an ``Arch``, adds its own
-TransformerConfig fields, declares its weight table, and ships a tiny config for tests and demos.
+A family (one folder under ``models/``) owns everything family-specific and registers itself from
+its own ``__init__.py`` (``registry.register``):
+
+- which Hugging Face checkpoints it claims (``model_type`` / ``architectures``) and how their
+  config.json becomes an ``Arch``, plus the TransformerConfig fields it adds;
+- its weight table (``mapping.py``, written in the vocabulary of ``models.mapping``), the HF names it
+  ignores (buffers such as rotary ``inv_freq``) and, through the table, the names it ties;
+- presets of the published sizes (the launcher's MODEL_SIZE) and a tiny config for tests and demos;
+- its launcher's parallel arguments (where EP / ETP sit in the positional list);
+- the HF module paths the aligner captures;
+- the layouts its tests run.
+
+Everything else (converter, aligner, trainer, CLI choices, launcher argument lists, docs tables,
+parametrized tests) reads the registered families and never names one.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
-from megatron_patch.convert.mapping import Rule, Scope
-from megatron_patch.convert.splits import GATE_UP, QKV, REPLICATED, ROW, VOCAB
-from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, require, rope_settings
+from megatron_patch.models.arch import Arch
+from megatron_patch.models.mapping import Rule, tied_hf_names
+from megatron_patch.runtime.distributed import ParallelLayout
+
+
+@dataclass(frozen=True)
+class HFModules:
+    """Attribute paths into the transformers model, for the aligner's capture points."""
+
+    embedding: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    attention: str = "self_attn"       # within a decoder layer
+    mlp: str = "mlp"                   # within a decoder layer
+    final_norm: str = "model.norm"
+
+
+@dataclass(frozen=True)
+class TestLayouts:
+    """What a family's tests run: logit parity in local gloo processes (costly: keep it short) and
+    bit-exact conversion round trips in process, as (format, layout, dtype)."""
+
+    parity: tuple[ParallelLayout, ...] = (ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=2))
+    round_trips: tuple[tuple[str, ParallelLayout, str], ...] = (
+        ("legacy", ParallelLayout(tp=2, pp=2), "bf16"), ("torch_dist", ParallelLayout(tp=2), "fp32"))
+
+
+def _no_extra_config(arch: Arch) -> dict:
+    return {}
 
 
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
+    summary: str                                   # one line, for docs tables and `mpatch info`
     hf_model_types: tuple[str, ...]
-    hf_architecture: str
+    hf_architectures: tuple[str, ...]
     parse_config: Callable[[dict], Arch]
     weight_rules: Callable[[Arch], list[Rule]]
-    # TransformerConfig fields this family sets beyond the shared decoder ones.
-    transformer_config_kwargs: Callable[[Arch], dict] = lambda arch: {}
-    tiny_config: dict = field(default_factory=dict)
+    tiny_config: dict
+    presets: Mapping[str, dict]                    # MODEL_SIZE -> HF config.json dict
+    transformer_config_kwargs: Callable[[Arch], dict] = _no_extra_config
+    # Parallel sizes the launcher takes after CP, in order: () dense, ("EP",), ("ETP", "EP") for MoE.
+    launcher_parallel_args: tuple[str, ...] = ()
+    hf_modules: HFModules = HFModules()
+    # HF tensors that are not weights (regular expressions, matched in full).
+    ignored_hf_names: tuple[str, ...] = (r"(.+\.)?rotary_emb\.inv_freq",)
+    test_layouts: TestLayouts = field(default_factory=TestLayouts)
 
+    @property
+    def launcher(self) -> str:
+        return f"examples/{self.name}/run_mcore_{self.name}.sh"
 
-def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, ffn_key: str = "intermediate_size") -> Arch:
-    """The fields every Llama-style decoder shares (attention, norms, RoPE, embeddings)."""
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise UserError(f"hidden_act '{act}' is not supported: {family} models here use SwiGLU (silu)")
-    if raw.get("mlp_bias"):
-        raise UserError("mlp_bias=true is not supported: MCore's SwiGLU MLP here has no biases")
-    hidden = require(raw, "hidden_size")
-    heads = require(raw, "num_attention_heads")
-    kv_heads = raw.get("num_key_value_heads") or heads
-    if heads % kv_heads:
-        raise UserError(f"config.json has {heads} attention heads, not a multiple of its {kv_heads} key/value heads")
-    head_dim = raw.get("head_dim") or hidden // heads
-    theta, scaling = rope_settings(raw)
-    return Arch(
-        family=family,
-        vocab_size=require(raw, "vocab_size"),
-        hidden_size=hidden,
-        ffn_hidden_size=require(raw, ffn_key),
-        num_layers=require(raw, "num_hidden_layers"),
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        hf_config=raw,
-    )
+    def is_ignored(self, hf_name: str) -> bool:
+        return any(re.fullmatch(p, hf_name) for p in self.ignored_hf_names)
 
-
-HF_LAYER = "model.layers.{layer}"
-MC_LAYER = "decoder.layers.{layer}"
-
-
-def embedding_and_head_rules() -> list[Rule]:
-    return [
-        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, Scope.FIRST_STAGE),
-        Rule("decoder.final_layernorm.weight", "model.norm.weight", REPLICATED, Scope.LAST_STAGE),
-        Rule("output_layer.weight", "lm_head.weight", VOCAB, Scope.LAST_STAGE),
-    ]
-
-
-def attention_rules(qkv_bias: bool) -> list[Rule]:
-    attn = f"{HF_LAYER}.self_attn"
-    rules = [
-        Rule(f"{MC_LAYER}.self_attention.linear_qkv.layer_norm_weight", f"{HF_LAYER}.input_layernorm.weight", REPLICATED),
-        Rule(f"{MC_LAYER}.self_attention.linear_qkv.weight",
-             (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), QKV),
-        Rule(f"{MC_LAYER}.self_attention.linear_proj.weight", f"{attn}.o_proj.weight", ROW),
-    ]
-    if qkv_bias:
-        rules.append(Rule(f"{MC_LAYER}.self_attention.linear_qkv.bias",
-                          (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), QKV))
-    return rules
-
-
-def dense_mlp_rules() -> list[Rule]:
-    mlp = f"{HF_LAYER}.mlp"
-    return [
-        Rule(f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED),
-        Rule(f"{MC_LAYER}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP),
-        Rule(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW),
-    ]
-
-
-def moe_rules(router: str, expert: str, gate: str, up: str, down: str) -> list[Rule]:
-    """Router and routed experts; HF names are relative to the layer, ``{expert}`` marks the index."""
-    return [
-        Rule(f"{MC_LAYER}.pre_mlp_layernorm.weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED),
-        Rule(f"{MC_LAYER}.mlp.router.weight", f"{HF_LAYER}.{router}", REPLICATED),
-        Rule(f"{MC_LAYER}.mlp.experts.linear_fc1.weight{{expert}}",
-             (f"{HF_LAYER}.{expert}.{gate}", f"{HF_LAYER}.{expert}.{up}"), GATE_UP, Scope.EXPERT),
-        Rule(f"{MC_LAYER}.mlp.experts.linear_fc2.weight{{expert}}", f"{HF_LAYER}.{expert}.{down}", ROW, Scope.EXPERT),
-    ]
+    def tied_hf_names(self, arch: Arch) -> dict[str, str]:
+        """HF name -> the HF name it must equal, when ``arch`` ties its embeddings (else empty)."""
+        return tied_hf_names(self.weight_rules(arch)) if arch.tie_word_embeddings else {}

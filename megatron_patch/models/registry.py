@@ -1,33 +1,68 @@
-"""The model families this package supports: detect one from a config.json, parse it."""
+"""The registered model families: each folder under ``models/`` registers its ``ModelFamily`` from its
+``__init__.py``; ``families()`` imports every such folder once, so adding a folder adds a family.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from pathlib import Path
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, read_config_json
 from megatron_patch.models.family import ModelFamily
-from megatron_patch.models.llama3_1 import FAMILY as LLAMA3_1
-from megatron_patch.models.mixtral import FAMILY as MIXTRAL
-from megatron_patch.models.qwen2 import FAMILY as QWEN2
-from megatron_patch.models.qwen2_moe import FAMILY as QWEN2_MOE
 
-FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA3_1, QWEN2, QWEN2_MOE, MIXTRAL)}
+_FAMILIES: dict[str, ModelFamily] = {}
+_DISCOVERED = False
+# Sub-packages of models/ that hold shared machinery, not a family.
+_NOT_FAMILIES = {"mapping"}
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Called by a family's own ``__init__.py``."""
+    known = _FAMILIES.get(family.name)
+    if known is not None and known is not family:
+        raise RuntimeError(f"two model families are named {family.name!r}")
+    claimed = {t: f.name for f in _FAMILIES.values() if f is not family for t in f.hf_model_types}
+    clash = [t for t in family.hf_model_types if t in claimed]
+    if clash:
+        raise RuntimeError(f"model_type {clash[0]!r} is claimed by both {claimed[clash[0]]} and {family.name}")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> dict[str, ModelFamily]:
+    """Every registered family by name, in folder order."""
+    global _DISCOVERED
+    if not _DISCOVERED:
+        package = importlib.import_module("megatron_patch.models")
+        for module in pkgutil.iter_modules(package.__path__):
+            if module.ispkg and module.name not in _NOT_FAMILIES:
+                importlib.import_module(f"megatron_patch.models.{module.name}")
+        _DISCOVERED = True
+    return dict(sorted(_FAMILIES.items()))
 
 
 def get_family(name: str) -> ModelFamily:
-    if name not in FAMILIES:
-        raise UserError(f"unknown model family '{name}': supported are {', '.join(FAMILIES)}")
-    return FAMILIES[name]
+    known = families()
+    if name not in known:
+        raise UserError(f"unknown model family '{name}': supported are {', '.join(known)}")
+    return known[name]
 
 
 def detect_family(raw: dict) -> ModelFamily:
+    """The family that claims a config.json: by its ``model_type``, else by its ``architectures``."""
     model_type = raw.get("model_type")
-    for family in FAMILIES.values():
+    architectures = raw.get("architectures") or []
+    for family in families().values():
         if model_type in family.hf_model_types:
             return family
-    supported = ", ".join(f"{t} ({f.name})" for f in FAMILIES.values() for t in f.hf_model_types)
-    found = f"model_type '{model_type}'" if model_type else "no model_type"
+    if not model_type:
+        for family in families().values():
+            if any(a in family.hf_architectures for a in architectures):
+                return family
+    supported = ", ".join(f"{t} ({f.name})" for f in families().values() for t in f.hf_model_types)
+    found = f"model_type '{model_type}'" if model_type else f"no model_type (architectures {architectures})"
     raise UserError(f"config.json has {found}: supported model types are {supported}")
 
 

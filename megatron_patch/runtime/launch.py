@@ -11,9 +11,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import time
 import traceback
 from typing import Any, Callable
 
+from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import free_port
 
 
@@ -45,6 +47,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         # parent has read it ("FileNotFoundError" in the parent).
         out = pickle.dumps(fn(*args))
         results.put((rank, True, out))
+    except UserError as exc:
+        # Bad input found on a rank: the parent raises it again as itself (one line, exit 2).
+        results.put((rank, False, _pickled_user_error(exc)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent verbatim
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -56,8 +61,19 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             pass
 
 
+def _pickled_user_error(exc: UserError) -> bytes:
+    try:
+        return pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - an unpicklable subclass still travels as a plain UserError
+        return pickle.dumps(UserError(str(exc)))
+
+
 def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
-    """Run ``fn(*args)`` on ranks 0..world_size-1; return the per-rank results in rank order."""
+    """Run ``fn(*args)`` on ranks 0..world_size-1; return the per-rank results in rank order.
+
+    A ``UserError`` raised on a rank is raised here as itself; any other failure as ``WorkerError``
+    carrying the rank's traceback.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -66,13 +82,25 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
-    errors: dict[int, str] = {}
+    errors: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(outputs) + len(errors) < world_size:
             try:
-                rank, ok, payload = results.get(timeout=timeout)
+                rank, ok, payload = results.get(timeout=1.0)
             except queue.Empty:
-                raise WorkerError(f"local job timed out after {timeout}s; finished ranks: {sorted(outputs)}")
+                # A rank that died before it could report (a crash, or a failure while starting, such as
+                # an import error) would otherwise leave us waiting for the whole timeout.
+                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outputs and r not in errors]
+                if gone and results.empty():
+                    time.sleep(0.5)  # its last words may still be in the queue's pipe
+                    if results.empty():
+                        rank = gone[0]
+                        errors[rank] = f"exited with code {procs[rank].exitcode} before reporting a result"
+                        break
+                if time.monotonic() > deadline:
+                    raise WorkerError(f"local job timed out after {timeout}s; finished ranks: {sorted(outputs)}")
+                continue
             if ok:
                 outputs[rank] = pickle.loads(payload)
             else:
@@ -88,5 +116,7 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -
                 p.join()
     if errors:
         rank = min(errors)
+        if isinstance(errors[rank], bytes):
+            raise pickle.loads(errors[rank])
         raise WorkerError(f"rank {rank} failed: {errors[rank]}")
     return [outputs[r] for r in range(world_size)]

@@ -10,7 +10,6 @@ context parallelism and offloading need a GPU with transformer-engine).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -26,12 +25,13 @@ HEAD = ["ENV", "MODEL_SIZE", "BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", 
 TAIL = ["SP", "DO", "FL", "SFT", "AC", "OPTIMIZER_OFFLOAD", "SAVE_INTERVAL", "DATASET_PATH", "VALID_DATASET_PATH",
         "PRETRAIN_CHECKPOINT_PATH", "TRAIN_TOKENS_OR_ITERS", "WARMUP_TOKENS_OR_ITERS", "OUTPUT_BASEPATH"]
 
-# family -> parallel sizes inserted after CP (the reference launchers' order).
-LAUNCHERS = {
-    "llama3_1": [],
-    "qwen2": ["EP"],
-    "qwen2_moe": ["ETP", "EP"],
-}
+
+
+def launchers() -> dict[str, list[str]]:
+    """family -> parallel sizes its launcher takes after CP (the reference launchers' order)."""
+    from megatron_patch.models.registry import families
+
+    return {name: list(f.launcher_parallel_args) for name, f in families().items()}
 
 ARG_HELP = {
     "ENV": "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT) | "
@@ -91,18 +91,23 @@ AC_MODES = ("sel", "full", "offload", "none")
 
 
 def arg_names(family: str) -> list[str]:
-    if family not in LAUNCHERS:
-        raise UserError(f"no launcher for family '{family}': launchers exist for {', '.join(LAUNCHERS)}")
-    return HEAD + LAUNCHERS[family] + TAIL
+    known = launchers()
+    if family not in known:
+        raise UserError(f"no launcher for family '{family}': launchers exist for {', '.join(known)}")
+    return HEAD + known[family] + TAIL
 
 
 def presets(family: str) -> dict[str, dict]:
-    return importlib.import_module(f"megatron_patch.models.{family}.presets").PRESETS
+    from megatron_patch.models.registry import get_family
+
+    return dict(get_family(family).presets)
 
 
 def usage(family: str) -> str:
+    from megatron_patch.models.registry import get_family
+
     names = arg_names(family)
-    script = f"examples/{family}/run_mcore_{family}.sh"
+    script = get_family(family).launcher
     lines = [f"usage: {script} " + " ".join(names), "",
              f"{len(names)} positional arguments, in this order:"]
     sizes = " | ".join([*presets(family), "auto"])
@@ -187,7 +192,7 @@ class RunConfig:
 
     @property
     def arch(self):
-        from megatron_patch.models import parse_arch
+        from megatron_patch.models.registry import parse_arch
 
         return parse_arch(self.hf_config)
 
@@ -199,10 +204,6 @@ class RunConfig:
         d = dataclasses.asdict(self)
         d.pop("hf_config")
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "RunConfig":
-        return cls(**d)
 
 
 # --- parsing helpers ---------------------------------------------------------------------------------
@@ -369,8 +370,6 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         raise UserError(f"MP_PP0_LAYERS={pp0} (uneven first stage) needs PP > 1")
     if vp is not None and pp0 is not None:
         raise UserError("MP_VP and MP_PP0_LAYERS cannot be combined: choose one way to split the pipeline")
-    if family != "qwen2_moe" and ep > 1:
-        raise UserError(f"EP={ep}: {family} models are dense; expert parallelism needs a MoE model (set EP=1)")
     if sft and pad_len > seq_len:
         raise UserError(f"PAD_LEN ({pad_len}) must not exceed SEQ_LEN ({seq_len})")
 
@@ -378,7 +377,7 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     size = a["MODEL_SIZE"]
     ckpt = None if _none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
     hf_config = _model_config(family, size, ckpt, check_paths)
-    from megatron_patch.models import parse_arch
+    from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.arch import validate_layout
 
     arch = parse_arch(hf_config)

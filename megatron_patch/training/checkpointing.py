@@ -7,15 +7,14 @@ Layout under ``OUTPUT_BASEPATH/checkpoint``::
                                         scheduler, iteration and consumed samples), rng/rank_*.pt,
                                         train_state.json
 
-A save writes into ``.iter_XXXXXXX.partial``, renamed to ``iter_XXXXXXX`` only after every rank has
-finished, and only then is the latest marker replaced (write to a temporary file, rename). A run
-killed mid-save leaves the previous checkpoint as the latest.
+A save writes into a partial folder (``checkpoint_layout``), renamed to ``iter_XXXXXXX`` only after
+every rank has finished, and only then is the latest marker replaced. A run killed mid-save leaves
+the previous checkpoint as the latest.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -24,30 +23,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_patch.checkpoint_layout import (
+    RELEASE, TRACKER_NAME, iteration_dir, load_models_torch_dist, partial_dir, publish, read_tracker,
+    remove_stale_partials, write_tracker)
 from megatron_patch.errors import UserError
 
-TRACKER = "latest_checkpointed_iteration.txt"
 # megatron-core 0.16's default distributed-optimizer format is rejected by its own dist_checkpointing;
 # fully_reshardable also reloads at another TP/PP/DP (see docs/cpu-runtime.md).
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def iteration_dir(root: Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
 def latest_iteration(root: str | Path) -> int | None:
-    tracker = Path(root) / TRACKER
-    if not tracker.is_file():
+    tracker = Path(root) / TRACKER_NAME
+    latest = read_tracker(root)
+    if latest is None:
         return None
-    text = tracker.read_text().strip()
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise UserError(f"{tracker} says '{text}', not an iteration number: remove it to start afresh")
-    if not iteration_dir(root, iteration).is_dir():
-        raise UserError(f"{tracker} points at iteration {iteration}, but {iteration_dir(root, iteration)} is missing")
-    return iteration
+    if latest == RELEASE:
+        raise UserError(f"{tracker} says '{RELEASE}': {root} holds converted weights, not a training run's checkpoints; "
+                        "give it as PRETRAIN_CHECKPOINT_PATH and choose another OUTPUT_BASEPATH")
+    if not iteration_dir(root, latest).is_dir():
+        raise UserError(f"{tracker} points at iteration {latest}, but {iteration_dir(root, latest)} is missing")
+    return latest
 
 
 def _rng_state() -> dict:
@@ -100,13 +96,8 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
 
     root = cfg.checkpoint_dir
     final = iteration_dir(root, iteration)
-    tmp = root / f".{final.name}.partial"
     rank = dist.get_rank()
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    tmp = _shared_partial_dir(final)
     start = time.time()
     _param_gather_hooks(cfg, models, enable=False)
     state = _sharded_state(models, optimizer, is_loading=False)
@@ -124,16 +115,12 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
              "config": cfg.to_dict()}, indent=2, default=str) + "\n")
         # The converter's sidecar too, so 'mpatch convert mcore2hf' reads any iteration folder directly.
         from megatron_patch.convert.sidecar import Sidecar
-        from megatron_patch.training.loop import DTYPES
+        from megatron_patch.dtypes import precision_dtype
 
-        Sidecar.create("torch_dist", cfg.arch, cfg.layout, DTYPES[cfg.precision],
+        Sidecar.create("torch_dist", cfg.arch, cfg.layout, precision_dtype(cfg.precision),
                        source=f"mpatch train, iteration {iteration}").write(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        marker = root / (TRACKER + ".tmp")
-        marker.write_text(f"{iteration}\n")
-        os.replace(marker, root / TRACKER)
+        publish(tmp, final)
+        write_tracker(root, iteration)
     dist.barrier()
     if rank == 0:
         print(f"saved checkpoint {final} in {time.time() - start:.1f}s", flush=True)
@@ -165,35 +152,30 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
 def load_converted_into_chunks(chunks: list, ckpt_dir) -> None:
     """A checkpoint from 'mpatch convert hf2mcore' (or a ``final/`` export) into virtual-pipeline chunks.
 
-    All chunks load in one ``dist_checkpointing.load``: its integrity check wants the whole request of
-    all ranks to cover every stored shard, which one chunk alone does not. The chunks' sharded
-    tensors name their layers by global number (megatron's layer offset for the chunk's vp_stage),
-    so a checkpoint written at any TP/PP, without chunks, fills them correctly.
+    The chunks' sharded tensors name their layers by global number (megatron's layer offset for the
+    chunk's vp_stage), so a checkpoint written at any TP/PP, without chunks, fills them correctly.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    from megatron_patch.convert.sidecar import RELEASE_DIR, read_sidecar
-    from megatron_patch.convert.torch_dist import TorchDistReader
+    from megatron_patch.convert.sidecar import read_sidecar
 
     ckpt_dir = Path(ckpt_dir)
     if read_sidecar(ckpt_dir).checkpoint_format != "torch_dist":
         raise UserError(f"{ckpt_dir} is a legacy checkpoint, which loads only at the layout it was written for: "
                         "convert with --format torch_dist to train with MP_VP")
-    release = ckpt_dir / RELEASE_DIR
-    stored = TorchDistReader(release).keys()
-    request = {}
-    for i, chunk in enumerate(chunks):
-        # Transformer-engine _extra_state a CPU-written checkpoint lacks holds only FP8 bookkeeping.
-        request[f"model{i}"] = {k: v for k, v in chunk.sharded_state_dict().items()
-                                if not (isinstance(v, ShardedObject) and k.endswith("_extra_state")
-                                        and v.unique_key not in stored)}
-    state = dist_checkpointing.load(request, str(release))
-    for i, chunk in enumerate(chunks):
-        missing, unexpected = chunk.load_state_dict(state[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith("_extra_state")]
-        if missing or unexpected:
-            raise UserError(f"{ckpt_dir} does not fit model chunk {i}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    load_models_torch_dist(chunks, ckpt_dir / RELEASE)
+
+
+def _shared_partial_dir(final: Path, inner: str = "") -> Path:
+    """Rank 0 makes a fresh partial folder for ``final`` (and its sub-folder ``inner``) and tells every
+    rank its name."""
+    holder = [None]
+    if dist.get_rank() == 0:
+        remove_stale_partials(final)
+        tmp = partial_dir(final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / inner).mkdir(parents=True)
+        holder = [str(tmp)]
+    dist.broadcast_object_list(holder, src=0)
+    return Path(holder[0])
 
 
 FINAL_DIR = "final"
@@ -208,16 +190,11 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.convert.sidecar import RELEASE_DIR, TRACKER_NAME, Sidecar
+    from megatron_patch.convert.sidecar import Sidecar
 
     final = Path(cfg.output_basepath) / FINAL_DIR
-    tmp = Path(cfg.output_basepath) / f".{FINAL_DIR}.partial"
     rank = dist.get_rank()
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / RELEASE_DIR).mkdir(parents=True)
-    dist.barrier()
+    tmp = _shared_partial_dir(final, inner=RELEASE)
     _param_gather_hooks(cfg, models, enable=False)
     # One state dict, as hf2mcore writes it. What is stored is named by each sharded tensor's global
     # key; the dict keys only need to be distinct, and chunks reuse local module names
@@ -226,7 +203,7 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
         state = models[0].module.sharded_state_dict()
     else:
         state = {f"chunk{i}.{k}": v for i, m in enumerate(models) for k, v in m.module.sharded_state_dict().items()}
-    dist_checkpointing.save(state, str(tmp / RELEASE_DIR))
+    dist_checkpointing.save(state, str(tmp / RELEASE))
     _param_gather_hooks(cfg, models, enable=True)
     dist.barrier()
     if rank == 0:
@@ -237,10 +214,8 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
             carried = copy_carried(cfg.tokenizer, tmp)
         Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, carried_files=carried,
                        source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}").write(tmp)
-        (tmp / TRACKER_NAME).write_text("release\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        write_tracker(tmp, RELEASE)
+        publish(tmp, final)
         print(f"exported the trained model to {final} (mpatch convert mcore2hf --load-dir {final} ...)", flush=True)
     dist.barrier()
     return final

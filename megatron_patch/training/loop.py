@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "fp16": torch.float16}
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
@@ -118,7 +118,7 @@ class Trainer:
         self.arch = cfg.arch
         self.settings = megatron_settings(cfg)
         # One GPTModel per virtual pipeline stage (one in all without MP_VP).
-        chunks = build_model_chunks(self.arch, cfg.layout, DTYPES[cfg.precision], pp_first_stage_layers=cfg.pp0_layers,
+        chunks = build_model_chunks(self.arch, cfg.layout, precision_dtype(cfg.precision), pp_first_stage_layers=cfg.pp0_layers,
                                     **self.settings["transformer_config"])
         self.resume_iteration = self._latest()
         if self.resume_iteration is None and cfg.pretrain_checkpoint:
@@ -337,7 +337,7 @@ class Trainer:
             if self.iteration % cfg.save_interval == 0 or self.iteration == stop_at:
                 checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler)
         if self.iteration == cfg.train_iters:
-            checkpointing.export_model(cfg, self.iteration, self.models, DTYPES[cfg.precision])
+            checkpointing.export_model(cfg, self.iteration, self.models, precision_dtype(cfg.precision))
         if self.writer is not None:
             self.writer.close()
         if self.metrics_file is not None:

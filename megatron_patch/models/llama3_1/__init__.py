@@ -1,10 +1,17 @@
-"""Llama 3 and 3.1 (dense, GQA, llama3 RoPE scaling)."""
+"""Llama 3 / 3.1 (dense, GQA, llama3 RoPE scaling)."""
 
-from megatron_patch.models.family import ModelFamily
+from megatron_patch.models.family import ModelFamily, TestLayouts
 from megatron_patch.models.llama3_1.config import TINY_CONFIG, parse_config
 from megatron_patch.models.llama3_1.mapping import weight_rules
+from megatron_patch.models.llama3_1.presets import PRESETS
+from megatron_patch.models.registry import register
+from megatron_patch.runtime.distributed import ParallelLayout as L
 
-FAMILY = ModelFamily(
-    name="llama3_1", hf_model_types=("llama",), hf_architecture="LlamaForCausalLM",
-    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG,
-)
+FAMILY = register(ModelFamily(
+    name="llama3_1", summary="Llama 3 / 3.1: dense, GQA, llama3 RoPE scaling read from config.json",
+    hf_model_types=("llama",), hf_architectures=("LlamaForCausalLM",),
+    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
+    test_layouts=TestLayouts(
+        parity=(L(), L(tp=2), L(pp=2)),
+        round_trips=(("legacy", L(), "fp32"), ("legacy", L(tp=2, pp=2), "bf16"), ("torch_dist", L(tp=2), "fp32"))),
+))

@@ -2,7 +2,7 @@
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
-from megatron_patch.models.family import parse_decoder_config
+from megatron_patch.models.decoder import parse_decoder_config
 
 
 def parse_config(raw: dict) -> Arch:

@@ -1,7 +1,7 @@
 """Llama HF <-> MCore weight table."""
 
 from megatron_patch.models.arch import Arch
-from megatron_patch.models.family import attention_rules, dense_mlp_rules, embedding_and_head_rules
+from megatron_patch.models.decoder import attention_rules, dense_mlp_rules, embedding_and_head_rules
 
 
 def weight_rules(arch: Arch):

@@ -1,10 +1,19 @@
 """Qwen2 and Qwen2.5 (dense, q/k/v bias, tied embeddings on small models)."""
 
-from megatron_patch.models.family import ModelFamily
+from megatron_patch.models.family import ModelFamily, TestLayouts
 from megatron_patch.models.qwen2.config import TINY_CONFIG, parse_config
 from megatron_patch.models.qwen2.mapping import weight_rules
+from megatron_patch.models.qwen2.presets import PRESETS
+from megatron_patch.models.registry import register
+from megatron_patch.runtime.distributed import ParallelLayout as L
 
-FAMILY = ModelFamily(
-    name="qwen2", hf_model_types=("qwen2",), hf_architecture="Qwen2ForCausalLM",
-    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG,
-)
+FAMILY = register(ModelFamily(
+    name="qwen2", summary="Qwen2 / Qwen2.5: dense, q/k/v bias, tied embeddings up to 3B",
+    hf_model_types=("qwen2",), hf_architectures=("Qwen2ForCausalLM",),
+    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
+    launcher_parallel_args=("EP",),
+    test_layouts=TestLayouts(
+        parity=(L(), L(tp=2), L(pp=2)),
+        # Tied embeddings with PP > 1: the last stage keeps a copy.
+        round_trips=(("legacy", L(tp=2, pp=2), "fp32"), ("legacy", L(pp=4), "bf16"), ("torch_dist", L(pp=2), "fp32"))),
+))

@@ -1,11 +1,19 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): routed experts plus a sigmoid-gated shared expert."""
 
-from megatron_patch.models.family import ModelFamily
+from megatron_patch.models.family import ModelFamily, TestLayouts
 from megatron_patch.models.qwen2_moe.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.qwen2_moe.mapping import weight_rules
+from megatron_patch.models.qwen2_moe.presets import PRESETS
+from megatron_patch.models.registry import register
+from megatron_patch.runtime.distributed import ParallelLayout as L
 
-FAMILY = ModelFamily(
-    name="qwen2_moe", hf_model_types=("qwen2_moe",), hf_architecture="Qwen2MoeForCausalLM",
-    parse_config=parse_config, weight_rules=weight_rules,
-    transformer_config_kwargs=transformer_config_kwargs, tiny_config=TINY_CONFIG,
-)
+FAMILY = register(ModelFamily(
+    name="qwen2_moe", summary="Qwen2-MoE: routed experts plus a sigmoid-gated shared expert, q/k/v bias",
+    hf_model_types=("qwen2_moe",), hf_architectures=("Qwen2MoeForCausalLM",),
+    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
+    transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
+    test_layouts=TestLayouts(
+        parity=(L(), L(pp=2), L(ep=2), L(tp=2, ep=2)),
+        round_trips=(("legacy", L(tp=2, pp=2, ep=2), "fp32"), ("legacy", L(ep=4), "bf16"),
+                     ("torch_dist", L(tp=2, pp=2, ep=4), "bf16"))),
+))

@@ -4,7 +4,7 @@ import dataclasses
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, require
-from megatron_patch.models.family import parse_decoder_config
+from megatron_patch.models.decoder import parse_decoder_config
 
 
 def parse_config(raw: dict) -> Arch:

@@ -1,9 +1,8 @@
 """Qwen2-MoE HF <-> MCore weight table: attention with bias, router, experts, gated shared expert."""
 
-from megatron_patch.convert.mapping import Rule
-from megatron_patch.convert.splits import GATE_UP, REPLICATED, ROW
 from megatron_patch.models.arch import Arch
-from megatron_patch.models.family import HF_LAYER, MC_LAYER, attention_rules, embedding_and_head_rules, moe_rules
+from megatron_patch.models.mapping import GATE_UP, REPLICATED, ROW, Rule
+from megatron_patch.models.decoder import HF_LAYER, MC_LAYER, attention_rules, embedding_and_head_rules, moe_rules
 
 
 def weight_rules(arch: Arch):

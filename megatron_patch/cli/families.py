@@ -1,0 +1,59 @@
+"""`mpatch families`: the registered model families, as a table (the docs' tables are generated from it)."""
+
+from __future__ import annotations
+
+import json
+
+
+def family_rows() -> list[dict]:
+    from megatron_patch.models.registry import families
+    from megatron_patch.training.arguments import arg_names
+
+    rows = []
+    for name, f in families().items():
+        extra = ", ".join(f.launcher_parallel_args)
+        rows.append({
+            "family": name, "summary": f.summary, "model_types": list(f.hf_model_types),
+            "architectures": list(f.hf_architectures), "launcher": f.launcher,
+            "arguments": len(arg_names(name)), "after_cp": extra, "sizes": [*f.presets, "auto"],
+        })
+    return rows
+
+
+def markdown(table: str) -> str:
+    """``models``: what each family is and claims; ``launchers``: each launcher's arguments and sizes."""
+    rows = family_rows()
+    if table == "models":
+        lines = ["| family | Hugging Face `model_type` | architectures | what |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{r['family']}` | {', '.join(f'`{t}`' for t in r['model_types'])} | "
+                  f"{', '.join(r['architectures'])} | {r['summary']} |" for r in rows]
+    elif table == "launchers":
+        lines = ["| launcher | arguments | model sizes (MODEL_SIZE) |", "| --- | --- | --- |"]
+        lines += [f"| `{r['launcher']}` | {r['arguments']}" + (f" ({r['after_cp']} after CP)" if r["after_cp"] else "")
+                  + f" | {', '.join(f'`{s}`' for s in r['sizes'])} |" for r in rows]
+    else:
+        raise ValueError(f"unknown table {table!r}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> int:
+    if args.markdown:
+        print(markdown(args.markdown), end="")
+    elif args.json:
+        print(json.dumps(family_rows(), indent=2))
+    else:
+        from megatron_patch.cli.common import print_table
+
+        rows = [{**r, "model_types": ",".join(r["model_types"]), "sizes": " ".join(r["sizes"])} for r in family_rows()]
+        print_table(rows, ["family", "model_types", "arguments", "sizes", "summary"])
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "families", help="the supported model families, their launchers and preset sizes",
+        description="List the registered model families: the Hugging Face model types each claims, its launcher's "
+                    "argument count, and the published sizes it has presets for.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", choices=["models", "launchers"], help="print one of the docs' tables")
+    p.set_defaults(run=run)

@@ -1,0 +1,90 @@
+"""What Llama-style decoders share: config.json fields and weight-table pieces.
+
+Families built on the Llama layout (RMSNorm, GQA attention with RoPE, SwiGLU MLP or experts) parse
+their config.json with ``parse_decoder_config`` and assemble their tables from these rules.
+"""
+
+from __future__ import annotations
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch, require, rope_settings
+from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, Scope
+
+
+def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, ffn_key: str = "intermediate_size") -> Arch:
+    """The fields every Llama-style decoder shares (attention, norms, RoPE, embeddings)."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"hidden_act '{act}' is not supported: {family} models here use SwiGLU (silu)")
+    if raw.get("mlp_bias"):
+        raise UserError("mlp_bias=true is not supported: MCore's SwiGLU MLP here has no biases")
+    hidden = require(raw, "hidden_size")
+    heads = require(raw, "num_attention_heads")
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise UserError(f"config.json has {heads} attention heads, not a multiple of its {kv_heads} key/value heads")
+    head_dim = raw.get("head_dim") or hidden // heads
+    theta, scaling = rope_settings(raw)
+    return Arch(
+        family=family,
+        vocab_size=require(raw, "vocab_size"),
+        hidden_size=hidden,
+        ffn_hidden_size=require(raw, ffn_key),
+        num_layers=require(raw, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        hf_config=raw,
+    )
+
+
+HF_LAYER = "model.layers.{layer}"
+MC_LAYER = "decoder.layers.{layer}"
+
+
+def embedding_and_head_rules() -> list[Rule]:
+    return [
+        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", VOCAB, Scope.FIRST_STAGE),
+        Rule("decoder.final_layernorm.weight", "model.norm.weight", REPLICATED, Scope.LAST_STAGE),
+        Rule("output_layer.weight", "lm_head.weight", VOCAB, Scope.LAST_STAGE, tied_to="model.embed_tokens.weight"),
+    ]
+
+
+def attention_rules(qkv_bias: bool) -> list[Rule]:
+    attn = f"{HF_LAYER}.self_attn"
+    rules = [
+        Rule(f"{MC_LAYER}.self_attention.linear_qkv.layer_norm_weight", f"{HF_LAYER}.input_layernorm.weight", REPLICATED),
+        Rule(f"{MC_LAYER}.self_attention.linear_qkv.weight",
+             (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), QKV),
+        Rule(f"{MC_LAYER}.self_attention.linear_proj.weight", f"{attn}.o_proj.weight", ROW),
+    ]
+    if qkv_bias:
+        rules.append(Rule(f"{MC_LAYER}.self_attention.linear_qkv.bias",
+                          (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), QKV))
+    return rules
+
+
+def dense_mlp_rules() -> list[Rule]:
+    mlp = f"{HF_LAYER}.mlp"
+    return [
+        Rule(f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED),
+        Rule(f"{MC_LAYER}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP),
+        Rule(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW),
+    ]
+
+
+def moe_rules(router: str, expert: str, gate: str, up: str, down: str) -> list[Rule]:
+    """Router and routed experts; HF names are relative to the layer, ``{expert}`` marks the index."""
+    return [
+        Rule(f"{MC_LAYER}.pre_mlp_layernorm.weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED),
+        Rule(f"{MC_LAYER}.mlp.router.weight", f"{HF_LAYER}.{router}", REPLICATED),
+        Rule(f"{MC_LAYER}.mlp.experts.linear_fc1.weight{{expert}}",
+             (f"{HF_LAYER}.{expert}.{gate}", f"{HF_LAYER}.{expert}.{up}"), GATE_UP, Scope.EXPERT),
+        Rule(f"{MC_LAYER}.mlp.experts.linear_fc2.weight{{expert}}", f"{HF_LAYER}.{expert}.{down}", ROW, Scope.EXPERT),
+    ]

@@ -1,0 +1,10 @@
+"""The weight-mapping vocabulary: rules, split kinds, their expansion into per-layout transfers, and
+the two MCore layer specs' names. It belongs to the models layer: a family's table is written in it,
+and the converter, the in-memory engine and the aligner only run what the tables say.
+"""
+
+from megatron_patch.models.mapping.plan import (  # noqa: F401
+    Placement, RankCoord, Transfer, plan_transfers, split_context)
+from megatron_patch.models.mapping.rules import Rule, Scope, tied_hf_names  # noqa: F401
+from megatron_patch.models.mapping.splits import (  # noqa: F401
+    GATE_UP, QKV, REPLICATED, ROW, VOCAB, Split, SplitContext)

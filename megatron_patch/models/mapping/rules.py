@@ -1,0 +1,45 @@
+"""The words a weight table is written in: which MCore parameter comes from which HF tensors, and how.
+
+A family's table (``models/<family>/mapping.py``) is a list of ``Rule``s. Patterns use ``{layer}``
+(global layer index on the HF side, stage-local on the MCore side) and ``{expert}`` (global expert
+index on the HF side, EP-rank-local on the MCore side). MCore names are written in the
+transformer-engine spec's naming, the one checkpoints use; ``naming.py`` renames them for the local
+spec. ``plan.py`` expands a table for one model and one parallel layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from megatron_patch.models.mapping.splits import Split
+
+
+class Scope(Enum):
+    FIRST_STAGE = "first"    # embedding: on pipeline stage 0
+    LAST_STAGE = "last"      # final norm, output layer
+    LAYER = "layer"          # once per decoder layer
+    EXPERT = "expert"        # once per (layer, expert); split across expert-tensor-parallel ranks
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str
+    hf: tuple[str, ...]
+    split: Split
+    scope: Scope = Scope.LAYER
+    # The HF tensor this one is a copy of when config.json ties the embeddings (lm_head ->
+    # embed_tokens): then HF stores at most a copy, and MCore shares the embedding on one stage or
+    # keeps its own copy on the last stage.
+    tied_to: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.hf, str):
+            object.__setattr__(self, "hf", (self.hf,))
+        if self.tied_to is not None and len(self.hf) != 1:
+            raise ValueError(f"{self.mcore}: only a rule with one HF tensor can be tied to another")
+
+
+def tied_hf_names(rules: list[Rule]) -> dict[str, str]:
+    """HF name -> the HF name it copies when the embeddings are tied (e.g. lm_head -> embed_tokens)."""
+    return {rule.hf[0]: rule.tied_to for rule in rules if rule.tied_to is not None}

@@ -1,0 +1,49 @@
+#!/usr/bin/env python
+"""Regenerate the docs' tables that list the model families (from the registry, `mpatch families`).
+
+Each table sits between `<!-- families:NAME -->` and `<!-- /families:NAME -->` in a docs file.
+`--check` exits 1 (naming the file) when a table is out of date; tests/test_docs.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ["README.md", "examples/README.md"]
+
+
+def updated(text: str) -> str:
+    from megatron_patch.cli.families import markdown
+
+    def fill(m: re.Match) -> str:
+        return f"{m.group(1)}\n{markdown(m.group(2))}{m.group(3)}"
+
+    return re.sub(r"(<!-- families:(\w+) -->)\n.*?(<!-- /families:\2 -->)", fill, text, flags=re.S)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a table is out of date")
+    args = parser.parse_args()
+    stale = []
+    for name in FILES:
+        path = ROOT / name
+        text = path.read_text()
+        new = updated(text)
+        if new != text:
+            stale.append(name)
+            if not args.check:
+                path.write_text(new)
+    if stale and args.check:
+        print(f"out of date: {', '.join(stale)}: run scripts/update_docs_tables.py", file=sys.stderr)
+        return 1
+    print(("updated: " + ", ".join(stale)) if stale else "the docs' family tables are current")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
