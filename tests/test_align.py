@@ -19,11 +19,11 @@ from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_
 from megatron_patch.align.verdict import judge
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.models.registry import FAMILIES, parse_arch
+from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 
-FAMILY_NAMES = list(FAMILIES)
+FAMILY_NAMES = list(families())
 DTYPES = ("fp32", "bf16")
 TP2PP2 = ParallelLayout(tp=2, pp=2)
 FAULT_LAYER = 2
@@ -264,27 +264,51 @@ def test_cli_hf_vs_hf_round_trip_verdicts_and_report(aligned, tmp_path):
     assert (report / "error_by_layer.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_cli_ablate_reports_each_source_and_skips_gpu_variants(aligned, tmp_path):
-    report = tmp_path / "rep"
+GPU_ABLATIONS = ("rope_fused", "rmsnorm_te", "softmax_fused", "attention_te")
+CPU_ABLATIONS = ("rope_fp32", "rmsnorm_hf", "rmsnorm_lowp", "softmax_lowp", "residual_fp32", "bias_swiglu_fused")
+
+
+@pytest.fixture(scope="module")
+def ablation_report(aligned, tmp_path_factory):
+    report = tmp_path_factory.mktemp("ablate") / "rep"
     ckpt = str(aligned["faulty"]["query_heads_swapped_in_group"].parent.parent / "clean" / "llama3_1")
     code = main(["align", "--hf-dir", str(aligned["hf"]["llama3_1"]), "--mcore-dir", ckpt, "--dtype", "bf16",
                  "--seq-len", "64", "--ablate", "--quiet", "--report-dir", str(report)])
     assert code == 0
-    rows = {r["name"]: r for r in json.loads((report / "report.json").read_text())["ablations"]}
+    return report
+
+
+def test_cli_ablate_reports_each_source(ablation_report):
     from megatron_patch.align.ablations import ABLATIONS
 
+    rows = {r["name"]: r for r in json.loads((ablation_report / "report.json").read_text())["ablations"]}
     assert set(rows) == {"baseline"} | {a.name for a in ABLATIONS}
-    if not torch.cuda.is_available():
-        for name in ("rope_fused", "rmsnorm_te", "softmax_fused", "attention_te"):
-            assert rows[name]["status"] == "skipped" and "GPU" in rows[name]["reason"]
-        for name in ("rope_fp32", "rmsnorm_hf", "rmsnorm_lowp", "softmax_lowp", "residual_fp32"):
-            assert rows[name]["status"] == "ran", name
+    for name in CPU_ABLATIONS:
+        assert rows[name]["status"] == "ran", name
     base = rows["baseline"]["diff_to_hf_same_dtype"]
     assert base > 1e-3
     # HF's RMSNorm arithmetic removes most of the HF/MCore bf16 difference; a bf16-only norm adds error.
     assert rows["rmsnorm_hf"]["diff_to_hf_same_dtype"] < 0.5 * base
     assert rows["rmsnorm_lowp"]["logits_rel_l2"] > rows["baseline"]["logits_rel_l2"]
-    assert "skipped" in (report / "report.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the TE/fused variants run (next test)")
+def test_cli_ablate_skips_gpu_variants_on_cpu(ablation_report):
+    rows = {r["name"]: r for r in json.loads((ablation_report / "report.json").read_text())["ablations"]}
+    for name in GPU_ABLATIONS:
+        assert rows[name]["status"] == "skipped" and "GPU" in rows[name]["reason"], name
+    assert "skipped" in (ablation_report / "report.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the TE/fused ablations need a CUDA GPU")
+def test_cli_ablate_runs_gpu_variants_on_gpu(ablation_report):
+    from megatron_patch.models.builder import te_available
+
+    rows = {r["name"]: r for r in json.loads((ablation_report / "report.json").read_text())["ablations"]}
+    assert rows["softmax_fused"]["status"] == "ran"
+    for name in ("rope_fused", "rmsnorm_te", "attention_te"):
+        assert rows[name]["status"] == ("ran" if te_available() else "skipped"), name
 
 
 def test_cli_text_file_feeds_real_text_through_the_tokenizer(aligned, tmp_path, capsys):

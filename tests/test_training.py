@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_patch.checkpoint_layout import partial_dir
 from megatron_patch.cli import main
 from tests.training_helpers import (launcher_args, make_chat_tokenizer, make_texts, make_tiktoken_file, make_tokenizer,
                                     write_jsonl)
@@ -147,7 +148,9 @@ def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus
     assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
     assert len(_metrics(out)) == 10
     # A save that died half-way must not be mistaken for a checkpoint.
-    (out / "checkpoint" / ".iter_0000015.partial").mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (partial_dir(out / "checkpoint" / "iter_0000015", pid=dead.pid) / "model").mkdir(parents=True)
     second = _launch(args, {"MP_TP_COMM_OVERLAP": "false"})
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "iter_0000010" in second.stdout
@@ -164,7 +167,6 @@ def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A tiny random Llama-3.1 HF model and its hf2mcore conversion at TP=2 (torch_dist)."""
-    pytest.importorskip("megatron_patch.convert.checkpoint")
     from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("converted")
@@ -281,9 +283,15 @@ def test_sft_loss_only_on_responses(corpus, tmp_path):
     write_jsonl(tmp_path / "sft.jsonl", SFT_RECORDS)
     ds = SFTDataset(tmp_path / "sft.jsonl", tok, 128)
     expected = [["The cat sits on the warm mat."], ["A green apple.", "A blue house."], ["A quiet river by the sea."]]
-    for sample, answers in zip(ds.samples, expected):
+    # Exactly the response tokens (each assistant turn is rendered as its text and a newline without a
+    # chat template) plus the closing EOD: nothing of the prompts, not a token more or less.
+    counts = [len(tok.encode("The cat sits on the warm mat.")) + 1,
+              len(tok.encode("A green apple.\n")) + len(tok.encode("A blue house.\n")) + 1,
+              len(tok.encode("A quiet river by the sea.")) + 1]
+    for sample, answers, count in zip(ds.samples, expected, counts):
         labels, mask = sample["labels"], sample["loss_mask"]
         trained = labels[mask.bool()].tolist()
+        assert int(mask.sum()) == len(trained) == count
         assert trained[-1] == tok.eod  # the model learns to stop
         text = tok.decode(trained[:-1])
         for a in answers:

@@ -12,8 +12,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_patch.cli import main
+from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.training.arguments import Capabilities, arg_names, machine_problems, resolve
 from tests.training_helpers import launcher_args
 
@@ -44,7 +46,26 @@ def test_launchers_take_25_26_27_arguments_in_the_reference_order():
     assert len(arg_names("llama3_1")) == 25
     assert arg_names("qwen2")[12] == "EP" and len(arg_names("qwen2")) == 26
     assert arg_names("qwen2_moe")[12:14] == ["ETP", "EP"] and len(arg_names("qwen2_moe")) == 27
+    assert arg_names("mixtral")[12:14] == ["ETP", "EP"] and len(arg_names("mixtral")) == 27
     assert arg_names("llama3_1")[-1] == "OUTPUT_BASEPATH" and arg_names("llama3_1")[0] == "ENV"
+
+
+@pytest.mark.parametrize("family", list(families()))
+def test_every_family_has_its_launcher(family):
+    """Each registered family's launcher exists, runs its own family, and takes the argument list derived
+    from the family: MoE families put ETP then EP after CP (27), dense ones at most EP (25 or 26)."""
+    fam = families()[family]
+    script = os.path.join(REPO, fam.launcher)
+    assert os.access(script, os.X_OK), script
+    moe = parse_arch(fam.tiny_config).is_moe
+    names = arg_names(family)
+    assert names[12:12 + len(fam.launcher_parallel_args)] == list(fam.launcher_parallel_args)
+    assert len(names) == (27 if moe else 25 + len(fam.launcher_parallel_args))
+    if moe:
+        assert fam.launcher_parallel_args == ("ETP", "EP")
+    out = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"usage: {fam.launcher} " + " ".join(names) in out.stdout
 
 
 # (family, overrides, environment, a piece of the expected message)
@@ -67,7 +88,7 @@ BAD = [
     ("llama3_1", dict(PP="3"), {}, "PP=3 does not divide the 4 layers"),
     ("qwen2_moe", dict(EP="3"), {}, "EP=3 does not divide the 4 experts"),
     ("qwen2_moe", dict(TP="2", EP="2", ETP="1", GLOBAL_BATCH_SIZE="8"), {}, "needs sequence parallelism: set SP=true"),
-    ("qwen2", dict(EP="2"), {}, "expert parallelism needs a MoE model"),
+    ("qwen2", dict(EP="2"), {}, "apply only to MoE models, set EP=1"),
     ("llama3_1", dict(GLOBAL_BATCH_SIZE="7"), {}, "GLOBAL_BATCH_SIZE (7) must be a multiple of BATCH_SIZE*DP"),
     ("llama3_1", dict(TRAIN_TOKENS_OR_ITERS="100"), {}, "less than one iteration"),
     ("llama3_1", dict(TRAIN_TOKENS_OR_ITERS="lots"), {}, "TRAIN_TOKENS_OR_ITERS must be a count"),
@@ -120,7 +141,7 @@ CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attent
 H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attention_3=True)
 
 
-@pytest.mark.parametrize("over,env,message", [
+MACHINE_REFUSALS = [
     (dict(PR="fp8"), {}, "PR=fp8 needs transformer-engine on a GPU with FP8"),
     (dict(FL="true"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
     (dict(TP="2", SP="true"), {}, "TP communication overlap (TP > 1 with SP=true) needs transformer-engine"),
@@ -128,22 +149,25 @@ H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attentio
     (dict(AC="offload"), {}, "AC=offload moves activations from GPU to host memory"),
     (dict(OPTIMIZER_OFFLOAD="static"), {}, "OPTIMIZER_OFFLOAD moves optimizer state"),
     (dict(ENV="dsw", PR="bf16"), {"GPUS_PER_NODE": "1"}, "ENV=dsw trains on GPUs and this machine has none"),
-])
-def test_machine_refusals_without_gpu(data, over, env, message, monkeypatch, capsys):
+]
+
+
+@pytest.mark.parametrize("over,env,message", MACHINE_REFUSALS, ids=[m[:40] for *_, m in MACHINE_REFUSALS])
+def test_machine_refusals_without_gpu(data, over, env, message, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     cfg = resolve("llama3_1", _args(data, **over))
     problems = machine_problems(cfg, CPU)
     assert any(message in p for p in problems), problems
-    if not torch_cuda():
-        assert main(["train", "llama3_1", *_args(data, **over)]) == 2
-        assert message in capsys.readouterr().err
 
 
-def torch_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
+@pytest.mark.parametrize("over,env,message", MACHINE_REFUSALS, ids=[m[:40] for *_, m in MACHINE_REFUSALS])
+def test_launcher_refuses_what_this_cpu_machine_cannot_do(data, over, env, message, monkeypatch, capsys):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert main(["train", "llama3_1", *_args(data, **over)]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_gpu_machine_accepts_fp8_flash_and_tp_overlap(data, monkeypatch):
@@ -168,11 +192,12 @@ def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
              DO="true", FL="true", AC="sel", BATCH_SIZE="1", GLOBAL_BATCH_SIZE="64", SEQ_LEN="4096",
              TRAIN_TOKENS_OR_ITERS="10B", WARMUP_TOKENS_OR_ITERS="1B")
     tc, ddp, opt = r["megatron_core"]["transformer_config"], r["megatron_core"]["ddp"], r["megatron_core"]["optimizer"]
-    assert tc == {"sequence_parallel": True, "tp_comm_overlap": True, "attention_backend": "flash", "fp8": "hybrid",
-                  "fp8_recipe": "delayed", "fp8_amax_history_len": 1024, "fp8_amax_compute_algo": "max",
-                  "recompute_granularity": "selective"}
-    assert ddp == {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True,
-                   "grad_reduce_in_fp32": True}
+    assert (tc["sequence_parallel"], tc["tp_comm_overlap"], tc["attention_backend"]) == (True, True, "flash")
+    assert (tc["fp8"], tc["fp8_recipe"], tc["fp8_amax_history_len"], tc["fp8_amax_compute_algo"]) == \
+        ("hybrid", "delayed", 1024, "max")
+    assert tc["recompute_granularity"] == "selective"
+    assert (ddp["use_distributed_optimizer"], ddp["overlap_grad_reduce"], ddp["overlap_param_gather"],
+            ddp["grad_reduce_in_fp32"]) == (True, True, True, True)
     assert opt["bf16"] is True and opt["fp16"] is False and opt["use_distributed_optimizer"] is True
     assert r["model"]["num_layers"] == 32 and r["model"]["padded_vocab_size"] == 128256
     res = r["resolved"]
@@ -181,8 +206,8 @@ def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
     assert r["megatron_core"]["num_microbatches"] == 64
     assert r["command"][:2] == ["torchrun", "--nproc_per_node=8"]
     assert r["command"][-26:-25] == ["llama3_1"]
-    if not torch_cuda():
-        assert any("PR=fp8" in p for p in r["machine_problems"])
+    # The dry run reports what this machine would refuse: fp8 exactly when it has no FP8 GPU.
+    assert any("PR=fp8" in p for p in r["machine_problems"]) == (not Capabilities.detect().fp8)
 
 
 def test_dry_run_fp8_recipe_and_full_recompute(data):
@@ -240,5 +265,55 @@ def test_dry_run_text_lists_settings(data, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "nothing is started" in out
     assert "sequence_parallel=True tp_comm_overlap=True" in out
-    assert "machine check: this machine would refuse" in out or torch_cuda()
+    cfg = resolve("llama3_1", _args(data, TP="2", SP="true", DO="true"))
+    refused = bool(machine_problems(cfg, Capabilities.detect()))
+    assert ("machine check: this machine would refuse" in out) == refused
+    assert ("machine check: ok" in out) == (not refused)
     assert "command: " in out
+
+
+def _te_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+SETTINGS_CASES = [
+    ("llama3_1", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", MODEL_SIZE="tiny", PR="fp8", TP="2", PP="2", SP="true",
+                                               DO="true", FL="true", AC="sel")),
+    ("llama3_1", {"GPUS_PER_NODE": "8", "MP_FP8_RECIPE": "blockwise", "MP_AC_LAYERS": "1"},
+     dict(ENV="dsw", PR="fp8", TP="2", AC="full")),
+    ("llama3_1", {"MP_VP": "2"}, dict(PP="2")),
+    ("qwen2", {}, dict(PR="fp32", TP="2", SP="true", DO="true")),
+    ("qwen2_moe", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="bf16", TP="2", ETP="1", EP="2", SP="true")),
+    ("llama3_1", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="fp16", DO="true", GLOBAL_BATCH_SIZE="16")),
+    pytest.param("qwen2_moe", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="bf16", OPTIMIZER_OFFLOAD="0.5"),
+                 marks=pytest.mark.skipif(not _te_installed(), reason="megatron-core's optimizer offload (precision-aware "
+                                          "optimizer) needs transformer-engine >= 2.1 to build its OptimizerConfig")),
+]
+
+
+@pytest.mark.parametrize("family,env,over", SETTINGS_CASES)
+def test_megatron_settings_build_megatron_core_configs(data, family, env, over, monkeypatch):
+    """What each flag becomes must be accepted by megatron-core's own config classes: an invalid or
+    misspelt keyword fails here, not on the first GPU."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_patch.dtypes import precision_dtype
+    from megatron_patch.models.builder import transformer_config
+    from megatron_patch.training.arguments import megatron_settings
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = resolve(family, _args(data, family, **over))
+    settings = megatron_settings(cfg)
+    tc = transformer_config(cfg.arch, cfg.layout, precision_dtype(cfg.precision), cfg.pp0_layers,
+                            **settings["transformer_config"])
+    for key, value in settings["transformer_config"].items():
+        assert getattr(tc, key) == value, key
+    ddp = DistributedDataParallelConfig(**settings["ddp"])
+    opt = OptimizerConfig(**settings["optimizer"])
+    assert ddp.use_distributed_optimizer == opt.use_distributed_optimizer == cfg.distributed_optimizer
+    assert (opt.bf16, opt.fp16) == (cfg.precision in ("bf16", "fp8"), cfg.precision == "fp16")
+    assert opt.lr == cfg.lr and opt.min_lr == cfg.min_lr
