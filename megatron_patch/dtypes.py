@@ -1,33 +1,74 @@
 """The one table of dtypes: the project's precision names, and each dtype's name in the formats it
-meets (config.json's ``torch_dtype``, safetensors headers).
+meets (config.json's ``torch_dtype``, safetensors headers, torch pickles).
+
+Every table is kept by dtype *name* (torch's attribute name: ``"bfloat16"``), which needs no torch;
+the tables of ``torch.dtype`` objects (``PRECISIONS``, ``SAFETENSORS_TAGS``, ...) are built from
+them on first use, so a command that never touches a tensor never imports torch.
 """
 
 from __future__ import annotations
 
-import torch
-
 from megatron_patch.errors import UserError
 
-# --dtype / PR / sidecar name -> torch dtype.
-PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISION_NAMES: dict[torch.dtype, str] = {v: k for k, v in PRECISIONS.items()}
+# --dtype / PR / sidecar name -> dtype name.
+PRECISION_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PRECISION_OF_DTYPE_NAME: dict[str, str] = {v: k for k, v in PRECISION_DTYPE_NAMES.items()}
 
-# config.json's torch_dtype / dtype field.
-HF_CONFIG_NAMES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-# safetensors header tag -> torch dtype.
-SAFETENSORS_TAGS: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+# safetensors header tag -> dtype name.
+SAFETENSORS_TAG_NAMES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }
-SAFETENSORS_TAG_OF: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_TAGS.items()}
+SAFETENSORS_TAG_OF_NAME: dict[str, str] = {v: k for k, v in SAFETENSORS_TAG_NAMES.items()}
+
+# Bytes per element.
+ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+    "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+# config.json's torch_dtype / dtype field is the dtype's name ("bfloat16").
+HF_CONFIG_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def precision_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a precision name (fp32, bf16, fp16); fp8 training keeps bf16 parameters."""
+def precision_dtype_name(name: str) -> str:
+    """The dtype name of a precision name (fp32, bf16, fp16); fp8 training keeps bf16 parameters."""
     if name == "fp8":
-        return torch.bfloat16
-    if name not in PRECISIONS:
-        raise UserError(f"unknown dtype {name!r}: choose one of {', '.join(PRECISIONS)}")
-    return PRECISIONS[name]
+        return "bfloat16"
+    if name not in PRECISION_DTYPE_NAMES:
+        raise UserError(f"unknown dtype {name!r}: choose one of {', '.join(PRECISION_DTYPE_NAMES)}")
+    return PRECISION_DTYPE_NAMES[name]
+
+
+def precision_dtype(name: str):
+    """The torch dtype of a precision name (fp32, bf16, fp16); fp8 training keeps bf16 parameters."""
+    import torch
+
+    return getattr(torch, precision_dtype_name(name))
+
+
+def dtype_name(dtype) -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+_TORCH_TABLES = ("PRECISIONS", "PRECISION_NAMES", "HF_CONFIG_NAMES", "SAFETENSORS_TAGS", "SAFETENSORS_TAG_OF")
+
+
+def __getattr__(attr: str):
+    """The tables of torch.dtype objects, built (and torch imported) when first asked for."""
+    if attr not in _TORCH_TABLES:  # e.g. the import system probing for ``__path__``: no torch for that
+        raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+    import torch
+
+    tables = {
+        "PRECISIONS": lambda: {k: getattr(torch, v) for k, v in PRECISION_DTYPE_NAMES.items()},
+        "PRECISION_NAMES": lambda: {getattr(torch, v): k for k, v in PRECISION_DTYPE_NAMES.items()},
+        "HF_CONFIG_NAMES": lambda: {getattr(torch, n): n for n in HF_CONFIG_DTYPE_NAMES},
+        "SAFETENSORS_TAGS": lambda: {k: getattr(torch, v) for k, v in SAFETENSORS_TAG_NAMES.items()},
+        "SAFETENSORS_TAG_OF": lambda: {getattr(torch, v): k for k, v in SAFETENSORS_TAG_NAMES.items()},
+    }
+    value = tables[attr]()
+    globals()[attr] = value
+    return value

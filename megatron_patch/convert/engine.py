@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
-import torch
-
 from megatron_patch.errors import UserError
+from megatron_patch.lazy import LazyModule
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.family import ModelFamily
 from megatron_patch.models.mapping import RankCoord, Transfer, plan_transfers, split_context
@@ -27,6 +26,7 @@ from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.runtime.distributed import ParallelLayout
 
 T = TypeVar("T")
+torch = LazyModule("torch")  # the streaming converter uses the checks here without tensors
 
 
 class MappingError(UserError):

@@ -13,10 +13,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from megatron_patch.checkpoint_layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_tracker
-from megatron_patch.dtypes import PRECISION_NAMES, PRECISIONS
+from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -37,7 +35,7 @@ def versions() -> dict[str, str | None]:
     from megatron_patch import __version__
 
     return {"megatron_patch": __version__, "megatron_core": _version("megatron-core") or _version("megatron_core"),
-            "torch": torch.__version__, "transformers": _version("transformers"), "safetensors": _version("safetensors")}
+            "torch": _version("torch"), "transformers": _version("transformers"), "safetensors": _version("safetensors")}
 
 
 @dataclass
@@ -62,12 +60,19 @@ class Sidecar:
         return ParallelLayout(tp=self.layout["tp"], pp=self.layout["pp"], ep=self.layout["ep"], etp=self.layout.get("etp"))
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return PRECISIONS[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, PRECISION_DTYPE_NAMES[self.dtype])
+
+    @property
+    def dtype_name(self) -> str:
+        return PRECISION_DTYPE_NAMES[self.dtype]
 
     @classmethod
-    def create(cls, fmt: str, arch: Arch, layout: ParallelLayout, dtype: torch.dtype, **extra) -> "Sidecar":
-        return cls(checkpoint_format=fmt, family=arch.family, dtype=PRECISION_NAMES[dtype],
+    def create(cls, fmt: str, arch: Arch, layout: ParallelLayout, dtype, **extra) -> "Sidecar":
+        """``dtype``: a torch dtype or its name."""
+        return cls(checkpoint_format=fmt, family=arch.family, dtype=PRECISION_OF_DTYPE_NAME[dtype_name(dtype)],
                    layout={"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp},
                    vocab_size=arch.vocab_size, padded_vocab_size=arch.padded_vocab_size(),
                    tie_word_embeddings=arch.tie_word_embeddings, hf_config=arch.hf_config, **extra)
@@ -97,7 +102,7 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
     if sidecar.sidecar_version > SIDECAR_VERSION:
         raise UserError(f"{path} has sidecar version {sidecar.sidecar_version}; this megatron_patch reads up to "
                         f"{SIDECAR_VERSION}: upgrade megatron_patch")
-    if sidecar.checkpoint_format not in ("legacy", "torch_dist") or sidecar.dtype not in PRECISIONS:
+    if sidecar.checkpoint_format not in ("legacy", "torch_dist") or sidecar.dtype not in PRECISION_DTYPE_NAMES:
         raise UserError(f"{path} names format {sidecar.checkpoint_format!r} / dtype {sidecar.dtype!r}, which are unknown")
     if not release:
         return sidecar

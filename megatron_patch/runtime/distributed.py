@@ -6,10 +6,13 @@ import os
 import random
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
+from megatron_patch.lazy import LazyModule
 
-from megatron_patch.runtime import cpu_compat
+# Imported on first use: ParallelLayout is needed by commands (conversion, --help) that never touch
+# a process group, and importing torch costs seconds.
+torch = LazyModule("torch")
+dist = LazyModule("torch.distributed")
+cpu_compat = LazyModule("megatron_patch.runtime.cpu_compat")
 
 
 @dataclass(frozen=True)
