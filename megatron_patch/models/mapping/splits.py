@@ -3,15 +3,20 @@
 Each split is a pair of exact inverses: ``shards(parts, n)`` turns the HF tensors into the ``n``
 tensor-parallel shards, and ``merge(shards)`` turns the shards back into the HF tensors. Slicing and
 concatenation only, so a round trip is bit-identical in any dtype.
+
+``blocks(shapes, n)`` says the same without tensors: which rows (and dim-1 columns) of which HF
+tensor each shard stacks, so the converter can move bytes file to file without loading them. A
+split that cannot say it returns None, and is run on tensors instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from megatron_patch.errors import UserError
+from megatron_patch.lazy import LazyModule
+
+torch = LazyModule("torch")  # only the tensor methods need it; the block descriptions do not
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,28 @@ class SplitContext:
     padded_vocab_size: int
 
 
+@dataclass(frozen=True)
+class Block:
+    """Rows ``[start, stop)`` of HF tensor ``part`` (all its dim-1 columns, or only ``cols``); with
+    ``part`` None, ``stop - start`` rows of zeros (vocabulary padding). A shard is its blocks stacked
+    on dim 0, in order."""
+
+    part: int | None
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows[1] - self.rows[0]
+
+
 class Split:
     name = "split"
+
+    def blocks(self, shapes: list[tuple[int, ...]], n: int, ctx: SplitContext) -> list[list[Block]] | None:
+        """For each of the ``n`` shards, the blocks of the HF tensors (of ``shapes``) it stacks on dim 0;
+        None when this split is not made of row and column blocks (it then runs on tensors)."""
+        return None
 
     def shards(self, parts: list[torch.Tensor], n: int, ctx: SplitContext) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -44,6 +69,12 @@ class Split:
         return self.name
 
 
+def _even(size: int, n: int) -> int:
+    if size % n:
+        raise UserError(f"cannot split a dimension of {size} into {n} equal shards")
+    return size // n
+
+
 def _chunk(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
     if t.shape[dim] % n:
         raise UserError(f"cannot split a dimension of {t.shape[dim]} into {n} equal shards")
@@ -54,6 +85,11 @@ class Replicated(Split):
     """Same tensor on every rank (norms, router). Merging checks the replicas agree."""
 
     name = "replicated"
+
+    def blocks(self, shapes, n, ctx):
+        if not shapes[0]:
+            return None
+        return [[Block(0, (0, shapes[0][0]))] for _ in range(n)]
 
     def shards(self, parts, n, ctx):
         return [parts[0]] * n
@@ -71,6 +107,10 @@ class Row(Split):
 
     name = "row"
 
+    def blocks(self, shapes, n, ctx):
+        rows, cols = shapes[0][0], _even(shapes[0][1], n)
+        return [[Block(0, (0, rows), (k * cols, (k + 1) * cols))] for k in range(n)]
+
     def shards(self, parts, n, ctx):
         return _chunk(parts[0], n, 1)
 
@@ -82,6 +122,20 @@ class VocabParallel(Split):
     """Embedding / output rows, zero-padded to the padded vocabulary, then split on dim 0."""
 
     name = "vocab"
+
+    def blocks(self, shapes, n, ctx):
+        if shapes[0][0] != ctx.vocab_size:
+            raise UserError(f"a vocabulary tensor has {shapes[0][0]} rows but config.json says vocab_size={ctx.vocab_size}")
+        per = _even(ctx.padded_vocab_size, n)
+        out = []
+        for k in range(n):
+            start, stop = k * per, (k + 1) * per
+            real = max(0, min(stop, ctx.vocab_size) - start)
+            shard = [Block(0, (start, start + real))] if real else []
+            if per - real:
+                shard.append(Block(None, (0, per - real)))
+            out.append(shard)
+        return out
 
     def shards(self, parts, n, ctx):
         t = parts[0]
@@ -116,16 +170,28 @@ class GroupedQKV(Split):
     def _groups(self, ctx: SplitContext):
         return ctx.num_kv_heads, ctx.num_heads // ctx.num_kv_heads * ctx.head_dim, ctx.head_dim
 
+    def blocks(self, shapes, n, ctx):
+        groups, q_rows, kv_rows = self._groups(ctx)
+        self._check_rows([s[0] for s in shapes], ctx)
+        per = _even(groups, n)
+        return [[Block(j, (g * size, (g + 1) * size))
+                 for g in range(k * per, (k + 1) * per) for j, size in ((0, q_rows), (1, kv_rows), (2, kv_rows))]
+                for k in range(n)]
+
+    def _check_rows(self, rows: list[int], ctx: SplitContext) -> None:
+        groups, q_rows, kv_rows = self._groups(ctx)
+        expect = {"q": groups * q_rows, "k": groups * kv_rows, "v": groups * kv_rows}
+        for name, r in zip("qkv", rows):
+            if r != expect[name]:
+                raise UserError(
+                    f"{name}_proj has {r} rows, the config implies {expect[name]} "
+                    f"({ctx.num_heads} heads, {ctx.num_kv_heads} key/value heads, head_dim {ctx.head_dim})")
+
     def shards(self, parts, n, ctx):
         q, k, v = parts
         groups, q_rows, kv_rows = self._groups(ctx)
         rest = tuple(q.shape[1:])
-        expect = {"q": groups * q_rows, "k": groups * kv_rows, "v": groups * kv_rows}
-        for name, t in zip("qkv", parts):
-            if t.shape[0] != expect[name]:
-                raise UserError(
-                    f"{name}_proj has {t.shape[0]} rows, the config implies {expect[name]} "
-                    f"({ctx.num_heads} heads, {ctx.num_kv_heads} key/value heads, head_dim {ctx.head_dim})")
+        self._check_rows([t.shape[0] for t in parts], ctx)
         fused = torch.cat([q.reshape(groups, q_rows, *rest), k.reshape(groups, kv_rows, *rest),
                            v.reshape(groups, kv_rows, *rest)], dim=1)
         return [s.reshape(-1, *rest) for s in _chunk(fused, n, 0)]
@@ -154,6 +220,12 @@ class GateUp(Split):
     """SwiGLU gate and up projections: each split on dim 0, rank i holds [gate_i; up_i]."""
 
     name = "gate_up"
+
+    def blocks(self, shapes, n, ctx):
+        if tuple(shapes[0]) != tuple(shapes[1]):
+            raise UserError(f"gate and up projections differ in shape: {tuple(shapes[0])} vs {tuple(shapes[1])}")
+        per = _even(shapes[0][0], n)
+        return [[Block(0, (k * per, (k + 1) * per)), Block(1, (k * per, (k + 1) * per))] for k in range(n)]
 
     def shards(self, parts, n, ctx):
         gate, up = parts
