@@ -23,6 +23,7 @@ from megatron_patch.align.metrics import compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, hf_logits, random_tokens
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+from megatron_patch.convert.copier import Copier
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.checkpoint_layout import PARTIAL_TAG
 from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
@@ -33,6 +34,23 @@ from megatron_patch.runtime import ParallelLayout
 
 FAMILIES = list(families())
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_skeleton_cache(tmp_path_factory):
+    """An empty model-skeleton cache: the first conversion of each family really asks megatron-core
+    (in its helper process), as on a new machine; later ones read what it said."""
+    from megatron_patch.convert import skeleton
+
+    old = os.environ.get("MPATCH_CACHE_DIR")
+    os.environ["MPATCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    skeleton._describe_cached.cache_clear()
+    yield
+    skeleton._describe_cached.cache_clear()
+    if old is None:
+        os.environ.pop("MPATCH_CACHE_DIR", None)
+    else:
+        os.environ["MPATCH_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")
@@ -119,16 +137,36 @@ def test_legacy_layout_matches_megatron(hf_dirs, tmp_path):
     assert sorted(p.name for p in (one_stage / "release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
 
 
-def test_each_hf_tensor_is_read_once(hf_dirs, tmp_path, monkeypatch):
-    reads = []
-    original = HFCheckpointReader.get
-    monkeypatch.setattr(HFCheckpointReader, "get", lambda self, name: reads.append(name) or original(self, name))
-    hf_to_mcore(hf_dirs["qwen2"], tmp_path / "a", ParallelLayout(tp=2, pp=2), fmt="legacy", progress=False)
-    names = HFCheckpointReader(hf_dirs["qwen2"]).keys()
-    assert sorted(reads) == sorted(names)           # tied embedding read once for both stages
-    reads.clear()
-    hf_to_mcore(hf_dirs["mixtral"], tmp_path / "b", ParallelLayout(tp=2, ep=2), fmt="torch_dist", progress=False)
-    assert sorted(reads) == sorted(HFCheckpointReader(hf_dirs["mixtral"]).keys())
+def _bytes_read_per_tensor(reads, reader) -> dict[str, tuple[int, bool]]:
+    """For each HF tensor: bytes read from its range (summed over reads), and whether reads cover it."""
+    out = {}
+    for name in reader.keys():
+        s = reader.stored(name)
+        lo, hi = s.offset, s.offset + s.nbytes
+        spans = sorted((max(lo, o), min(hi, o + n)) for p, o, n in reads if p == s.path and o < hi and o + n > lo)
+        covered, end = True, lo
+        for a, b in spans:
+            covered &= a <= end
+            end = max(end, b)
+        out[name] = (sum(b - a for a, b in spans), covered and end == hi)
+    return out
+
+
+def test_each_hf_byte_is_read_once_per_copy_written(hf_dirs, tmp_path):
+    """A TP shard reads its own rows, not the whole tensor; a row-parallel weight is read a band at a time
+    once for all its shards; only what is written several times (a norm on every TP rank, the last
+    stage's copy of a tied embedding) is read as many times, and every tensor is read whole."""
+    for family, layout, fmt, tp in (("qwen2", ParallelLayout(tp=2, pp=2), "legacy", 2),
+                                    ("mixtral", ParallelLayout(tp=2, ep=2), "torch_dist", 1),
+                                    ("llama3_1_kv4", ParallelLayout(tp=4), "legacy", 4)):
+        copier = Copier(2, trace=True)
+        hf_to_mcore(hf_dirs[family], tmp_path / family, layout, fmt=fmt, progress=False, copier=copier)
+        reader = HFCheckpointReader(hf_dirs[family])
+        got = _bytes_read_per_tensor(copier.stats.source_reads, reader)
+        copies = {n: tp if "norm" in n else 2 if family == "qwen2" and n == "model.embed_tokens.weight" else 1
+                  for n in reader.keys()}
+        want = {n: (reader.nbytes(n) * copies[n], True) for n in reader.keys()}
+        assert got == want, {n: (got[n], want[n]) for n in want if got[n] != want[n]}
 
 
 def test_exported_folder_loads_in_transformers(hf_dirs, tmp_path):
@@ -317,17 +355,19 @@ def test_damaged_mcore_checkpoint_fails_cleanly(hf_dirs, tmp_path, capsys):
 
 
 _SLOW_CONVERT = """
-import pathlib, sys, time
-from megatron_patch.convert import hf_reader
-original = hf_reader.HFCheckpointReader.get
-count = [0]
-def slow_get(self, name):
-    count[0] += 1
-    if count[0] == 6:  # mid-conversion: some rank files are half written
+import pathlib, sys, threading, time
+from megatron_patch.convert import copier
+original = copier.Copier._run_one
+count, lock = [0], threading.Lock()
+def slow_task(self, task):
+    with lock:
+        count[0] += 1
+        mine = count[0]
+    if mine == 6:  # mid-conversion: some rank files are half written
         pathlib.Path(sys.argv[1]).touch()
         time.sleep(120)
-    return original(self, name)
-hf_reader.HFCheckpointReader.get = slow_get
+    return original(self, task)
+copier.Copier._run_one = slow_task
 from megatron_patch.cli import main
 sys.exit(main(sys.argv[2:]))
 """
@@ -371,8 +411,9 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(hf_dirs, tmp_
 
 def test_help_documents_every_option(capsys):
     for direction, options in (("hf2mcore", ["--hf-dir", "--save-dir", "--tp", "--pp", "--ep", "--etp", "--format",
-                                             "--dtype", "--force"]),
-                               ("mcore2hf", ["--load-dir", "--save-dir", "--dtype", "--max-shard-size", "--force"])):
+                                             "--dtype", "--force", "--workers"]),
+                               ("mcore2hf", ["--load-dir", "--save-dir", "--dtype", "--max-shard-size", "--force",
+                                             "--workers"])):
         with pytest.raises(SystemExit) as exit_:
             main(["convert", direction, "--help"])
         assert exit_.value.code == 0
@@ -494,38 +535,3 @@ def test_mcore2hf_reads_the_weights_of_a_training_checkpoint(training_ckpt, hf_d
     (root / "latest_checkpointed_iteration.txt").write_text("7\n")
     rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "gone"))
     assert rc == 2 and "iter_0000007" in err and "is missing" in err, err
-
-
-def test_prefetcher_keeps_order_bounds_memory_and_passes_errors_on():
-    import threading
-
-    from megatron_patch.convert.prefetch import Prefetcher
-
-    alive, peak, lock = [0], [0], threading.Lock()
-
-    class Item:
-        def __init__(self):
-            with lock:
-                alive[0] += 1
-                peak[0] = max(peak[0], alive[0])
-
-        def __del__(self):
-            with lock:
-                alive[0] -= 1
-
-    def produce(i):
-        if i == 7:
-            raise UserError("item 7 is broken")
-        time.sleep(0.01)
-        return i, Item()
-
-    seen = []
-    with pytest.raises(UserError, match="item 7"):
-        with Prefetcher(range(10), produce) as ahead:
-            for i, value in ahead:
-                assert value[0] == i
-                seen.append(i)
-                time.sleep(0.02)  # the writer is slower: the helper waits instead of running ahead
-                del value
-    assert seen == list(range(7))
-    assert peak[0] <= 2, peak  # the item in hand and one ahead

@@ -7,6 +7,9 @@ path through memory, bit for bit.
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 import torch
 
@@ -86,3 +89,331 @@ def hf_shapes(tmp_path_factory) -> dict:
         reader = HFCheckpointReader(make_tiny_hf_checkpoint(family, root / family))
         out[family] = {n: reader.shape(n) for n in reader.keys()}
     return out
+
+
+# --- the copier: zero copy, its fallbacks, workers -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    # Four KV heads so TP=4 splits them; bf16 so same-dtype moves go file to file.
+    d = make_tiny_hf_checkpoint("qwen2_moe", tmp_path_factory.mktemp("moe") / "hf", seed=5, num_key_value_heads=4)
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.hf_writer import SafetensorsShardWriter
+
+    reader = HFCheckpointReader(d)
+    tensors = {n: reader.get(n).to(torch.bfloat16) for n in reader.keys()}
+    (d / "model.safetensors").unlink()
+    writer = SafetensorsShardWriter(d, [(n, t.shape, t.dtype) for n, t in tensors.items()], 40_000)
+    for n, t in tensors.items():
+        writer.write(n, t)
+    writer.close()
+    return d
+
+
+def _folder_bytes(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+            and p.name != "mpatch_checkpoint.json"}
+
+
+def _convert_both_ways(hf, out, fmt, copier_factory, layout=ParallelLayout(tp=2, pp=2, ep=2), **kw):
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+
+    there, back = copier_factory(), copier_factory()
+    out.mkdir(parents=True)
+    hf_to_mcore(hf, out / "mcore", layout, fmt=fmt, progress=False, copier=there, **kw)
+    mcore_to_hf(out / "mcore", out / "hf", max_shard_size="50KB", progress=False, copier=back)
+    return _folder_bytes(out / "mcore"), _folder_bytes(out / "hf"), there.stats, back.stats
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_zero_copy_output_is_byte_identical_to_copying_through_memory(hf_dir, tmp_path, fmt):
+    from megatron_patch.convert.copier import Copier
+
+    fast = _convert_both_ways(hf_dir, tmp_path / "fast", fmt, lambda: Copier(3))
+    slow = _convert_both_ways(hf_dir, tmp_path / "slow", fmt, lambda: Copier(1, zero_copy=False))
+    assert fast[0] == slow[0] and fast[1] == slow[1]
+    for f, s in zip(fast[2:], slow[2:]):
+        assert f.zero_copy_bytes > 0 and f.buffered_bytes == 0 and f.fallback_reason is None
+        assert f.called_bytes == 0  # nothing needed torch: every tensor was placed by byte ranges
+        assert s.zero_copy_bytes == 0 and s.buffered_bytes == f.zero_copy_bytes and s.gathered_bytes == f.gathered_bytes
+    # torch_dist holds whole (TP=1) tensors: every byte goes file to file; legacy at TP=2 gathers the
+    # dim-1 slices of the row-parallel weights through memory.
+    assert (fast[2].gathered_bytes > 0) == (fast[3].gathered_bytes > 0) == (fmt == "legacy")
+    # And the round trip is exact.
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+    a, b = HFCheckpointReader(hf_dir), HFCheckpointReader(tmp_path / "fast" / "hf")
+    assert a.keys() == b.keys() and all(torch.equal(a.get(n), b.get(n)) for n in a.keys())
+
+
+@pytest.mark.parametrize("failure", ["exdev", "enosys", "missing", "short"])
+def test_copy_file_range_refused_falls_back_with_the_same_bytes(hf_dir, tmp_path, monkeypatch, failure):
+    """Another file system (EXDEV), no kernel support (ENOSYS), no os.copy_file_range at all, or a
+    kernel that copies a little at a time: the output is the same."""
+    from megatron_patch.convert.copier import Copier
+
+    want = _convert_both_ways(hf_dir, tmp_path / "want", "legacy", lambda: Copier(2))
+    real = os.copy_file_range
+    calls = []
+
+    def fake(src, dst, count, offset_src=None, offset_dst=None):
+        calls.append(count)
+        if failure == "short":
+            return real(src, dst, min(count, 4097), offset_src, offset_dst)
+        raise OSError(errno.EXDEV if failure == "exdev" else errno.ENOSYS, os.strerror(errno.EXDEV if failure == "exdev" else errno.ENOSYS))
+
+    if failure == "missing":
+        monkeypatch.delattr(os, "copy_file_range")
+    else:
+        monkeypatch.setattr(os, "copy_file_range", fake)
+    got = _convert_both_ways(hf_dir, tmp_path / "got", "legacy", lambda: Copier(2))
+    assert got[0] == want[0] and got[1] == want[1]
+    for stats in got[2:]:
+        if failure == "short":
+            assert stats.zero_copy_bytes > 0 and stats.fallback_reason is None
+        else:
+            assert stats.zero_copy_bytes == 0 and stats.buffered_bytes > 0 and stats.fallback_reason
+    if failure == "short":
+        assert len(calls) > 50  # many partial copies, stitched together
+    elif failure != "missing":
+        assert len(calls) == 2  # tried once per conversion, then not again
+
+
+def test_dtype_change_and_splits_without_blocks_go_through_torch(hf_dir, tmp_path, monkeypatch):
+    """A split that cannot describe itself as blocks runs on tensors, with the same result; a dtype
+    change is converted as torch converts."""
+    from megatron_patch.convert.copier import Copier
+    from megatron_patch.models.mapping.splits import GateUp, Row
+
+    for fmt in ("legacy", "torch_dist"):
+        want = _convert_both_ways(hf_dir, tmp_path / f"want-{fmt}", fmt, lambda: Copier(2), dtype="fp32")
+        with monkeypatch.context() as m:
+            m.setattr(GateUp, "blocks", lambda self, *a: None)
+            m.setattr(Row, "blocks", lambda self, *a: None)
+            got = _convert_both_ways(hf_dir, tmp_path / f"got-{fmt}", fmt, lambda: Copier(2), dtype="fp32")
+        assert got[0] == want[0] and got[1] == want[1]
+        assert got[2].called_bytes > 0 and got[3].called_bytes > 0 and want[2].called_bytes == want[3].called_bytes == 0
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+    a, b = HFCheckpointReader(hf_dir), HFCheckpointReader(tmp_path / "want-legacy" / "hf")
+    assert all(b.dtype(n) == "float32" and torch.equal(b.get(n), a.get(n).float()) for n in a.keys())
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_output_does_not_depend_on_the_number_of_workers(hf_dir, tmp_path, workers):
+    from megatron_patch.convert.copier import Copier
+
+    one = _convert_both_ways(hf_dir, tmp_path / "one", "torch_dist", lambda: Copier(1), layout=ParallelLayout(tp=4))
+    many = _convert_both_ways(hf_dir, tmp_path / "many", "torch_dist", lambda: Copier(workers, band_bytes=4096),
+                              layout=ParallelLayout(tp=4))
+    assert one[0] == many[0] and one[1] == many[1]
+
+
+# --- the file formats, against torch's own readers ------------------------------------------------
+
+
+
+def test_torch_save_layout_loads_in_torch_also_past_4_gib(tmp_path):
+    """Our torch.save files load with torch.load (plain and zip64 form); a record that starts past 4 GiB
+    is where torch's own reader says it is. The big file is sparse: it takes no disk space."""
+    import zipfile
+
+    from megatron_patch.convert.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
+
+    values = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2, 0)}
+    obj = {"model": {k: TensorSpec(tuple(v.shape), str(v.dtype)[6:]) for k, v in values.items()},
+           "checkpoint_version": 3.0, "iteration": 0, "args": None, "big": 2**40, "neg": -3, "name": "x"}
+    for zip64 in (False, True):
+        path = tmp_path / f"small-{zip64}.pt"
+        layout, places = plan_torch_save(path, obj, force_zip64=zip64)
+        with open(path, "wb") as f:
+            f.truncate(layout.size)
+            for offset, data in layout.small:
+                f.seek(offset)
+                f.write(data)
+            for k, v in values.items():
+                f.seek(places[("model", k)].offset)
+                f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
+        loaded = torch.load(path, weights_only=True)
+        assert {k: v for k, v in loaded.items() if k != "model"} == {k: v for k, v in obj.items() if k != "model"}
+        assert all(torch.equal(loaded["model"][k], v) for k, v in values.items())
+        lazy = LazyTorchFile(path)
+        assert {k: lazy.stored(r) for k, r in lazy.obj["model"].items()} == {k: places[("model", k)] for k in values}
+        assert all(torch.equal(lazy.load(lazy.obj["model"][k]), v) for k, v in values.items())
+
+    big = tmp_path / "big.pt"
+    obj = {"model": {"huge": TensorSpec((2**32 + 64,), "uint8"), "after": TensorSpec((4,), "float32")}}
+    layout, places = plan_torch_save(big, obj)
+    with open(big, "wb") as f:
+        f.truncate(layout.size)
+        for offset, data in layout.small:
+            f.seek(offset)
+            f.write(data)
+    assert places[("model", "after")].offset > 2**32
+    reader = torch._C.PyTorchFileReader(str(big))
+    assert reader.get_record_offset("data/0") == places[("model", "huge")].offset
+    assert reader.get_record_offset("data/1") == places[("model", "after")].offset
+    assert reader.get_record_size("data/0") == 2**32 + 64
+    info = {i.filename.split("/", 1)[1]: i for i in zipfile.ZipFile(big).infolist()}
+    assert info["data/0"].file_size == 2**32 + 64 and info["data/1"].header_offset > 2**32
+    lazy = LazyTorchFile(big)
+    assert lazy.stored(lazy.obj["model"]["after"]) == places[("model", "after")]
+
+
+def test_torch_dist_metadata_reads_as_torch_writes_it(hf_dir, tmp_path):
+    """Our .metadata, unpickled by torch, equals what torch's own planner and writer make for the same
+    tensors, and torch's reader loads every chunk; our reader reads a torch-written .metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.convert.torch_dist import TorchDistReader
+
+    hf_to_mcore(hf_dir, tmp_path / "ours", ParallelLayout(), fmt="torch_dist", progress=False)
+    ours = dcp.FileSystemReader(str(tmp_path / "ours" / "release")).read_metadata()
+    tensors = {}
+    for key, md in ours.state_dict_metadata.items():
+        if hasattr(md, "size"):
+            tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(tmp_path / "ours" / "release")), no_dist=True)
+    assert all(t.abs().sum() > 0 for t in tensors.values())  # every chunk was found and read
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp_path / "torch")), no_dist=True)
+    theirs = dcp.FileSystemReader(str(tmp_path / "torch")).read_metadata()
+    # torch saves whole tensors; compare each key's properties and size, and that our chunks tile it.
+    for key, md in theirs.state_dict_metadata.items():
+        mine = ours.state_dict_metadata[key]
+        assert (mine.properties, mine.size) == (md.properties, md.size), key
+        assert sum(torch.Size(c.sizes).numel() for c in mine.chunks) == md.size.numel(), key
+    assert {(i.fqn, tuple(i.offset) if i.offset is not None else None) for i in ours.storage_data} == \
+        {(k, tuple(c.offsets)) for k, md in ours.state_dict_metadata.items() if hasattr(md, "size") for c in md.chunks} | \
+        {(k, None) for k, md in ours.state_dict_metadata.items() if not hasattr(md, "size")}
+    back = TorchDistReader(tmp_path / "torch")
+    assert back.tensor_keys() == set(tensors)
+    assert {k: (back.global_shape(k), back.dtype(k)) for k in tensors} == \
+        {k: (tuple(t.shape), str(t.dtype)[6:]) for k, t in tensors.items()}
+    for key, t in tensors.items():  # torch's own files: each whole tensor is one plain stored chunk
+        stored = back.stored_chunk(key, (0,) * t.dim(), tuple(t.shape))
+        with open(stored.path, "rb") as f:
+            f.seek(stored.offset)
+            raw = f.read(stored.nbytes)
+        assert raw == t.contiguous().view(torch.uint8).numpy().tobytes(), key
+
+
+def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
+    """Checkpoints written by other tools: tensors stored as strided views of their storage (legacy)
+    and parameters cut into several chunks (torch_dist written at TP > 1) are read through torch,
+    with the same result."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.convert.copier import Copier
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
+
+    want = HFCheckpointReader(hf_dir)
+    # legacy: every matrix saved column-major (a transposed view of a contiguous storage)
+    legacy = tmp_path / "legacy"
+    hf_to_mcore(hf_dir, legacy, ParallelLayout(tp=2, ep=2), fmt="legacy", progress=False)
+    for path in (legacy / "release").rglob("model_optim_rng.pt"):
+        state = torch.load(path, weights_only=True)
+        state["model"] = {k: v.t().contiguous().t() if v.dim() == 2 else v for k, v in state["model"].items()}
+        torch.save(state, path)
+    # torch_dist: every chunk cut in two along its last dimension
+    td = tmp_path / "td"
+    hf_to_mcore(hf_dir, td, ParallelLayout(), fmt="torch_dist", progress=False)
+    release = td / "release"
+    reader = TorchDistReader(release)
+    full = {k: torch.empty(reader.global_shape(k), dtype=getattr(torch, reader.dtype(k))) for k in reader.tensor_keys()}
+    dcp.load(full, storage_reader=dcp.FileSystemReader(str(release)), no_dist=True)
+    objects = []
+    for key in sorted(reader.objects):
+        path, offset, length, _ = reader.storage[(key, None)]
+        with open(release / path, "rb") as f:
+            f.seek(offset)
+            objects.append((key, f.read(length)))
+    chunks, values = [], {}
+    for key, info in reader.tensors.items():
+        for offset, sizes in info.chunks:
+            half = sizes[-1] // 2
+            for start, size in ((0, half), (half, sizes[-1] - half)):
+                o = offset[:-1] + (offset[-1] + start,)
+                s = sizes[:-1] + (size,)
+                chunks.append(ChunkItem(key, info.global_shape, o, s, info.dtype))
+                values[(key, o)] = full[key][tuple(slice(a, a + b) for a, b in zip(o, s))]
+    shutil.rmtree(release)
+    plan = plan_torch_dist(release, chunks, objects)
+    plan.create_files()
+    for (key, o), v in values.items():
+        stored = plan.stored[(key, o)]
+        with open(stored.path, "r+b") as f:
+            f.seek(stored.offset)
+            f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
+    plan.finish()
+    assert len(TorchDistReader(release).tensors["decoder.layers.self_attention.linear_qkv.weight"].chunks) == 8
+
+    for ckpt in (legacy, td):
+        copier = Copier(2)
+        mcore_to_hf(ckpt, tmp_path / f"{ckpt.name}-hf", progress=False, copier=copier)
+        got = HFCheckpointReader(tmp_path / f"{ckpt.name}-hf")
+        assert got.keys() == want.keys() and all(torch.equal(got.get(n), want.get(n)) for n in want.keys()), ckpt.name
+        assert copier.stats.called_bytes > 0, ckpt.name  # these went through torch
+
+
+# --- the model skeleton's disk cache ----------------------------------------------------------------
+
+def describe_all_worker(configs: list[dict]) -> list:
+    """In a helper process: megatron-core's skeleton of each config (one megatron import for all)."""
+    from megatron_patch.convert.skeleton import describe_model_here
+
+    return [describe_model_here(parse_arch(c)) for c in configs]
+
+
+def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
+    """For every family the skeleton read back from the disk cache equals the one megatron-core
+    computes (shapes, every sharded-state-dict chunk, every object's bytes, the HF shapes); a miss is
+    computed once and stored, a damaged entry is computed again; the key changes with config.json
+    and with the code."""
+    import json
+
+    from megatron_patch.convert import skeleton as sk
+    from megatron_patch.runtime.launch import run_local
+
+    configs = {f: families()[f].tiny_config for f in FAMILIES}
+    megatron = dict(zip(FAMILIES, run_local(describe_all_worker, 1, list(configs.values()))[0]))
+    monkeypatch.setenv("MPATCH_CACHE_DIR", str(tmp_path / "cache"))
+    computed = []
+
+    def compute(config_json):  # stands for the helper process, which gives megatron's answer
+        computed.append(config_json)
+        return megatron[parse_arch(json.loads(config_json)).family]
+
+    monkeypatch.setattr(sk, "_compute", compute)
+    sk._describe_cached.cache_clear()
+    try:
+        for family, config in configs.items():
+            arch = parse_arch(config)
+            assert sk.describe_model(arch) is megatron[family]        # a miss: computed, then stored
+            path = sk.cache_path(json.dumps(arch.hf_config, sort_keys=True))
+            assert path.is_file() and path.parent == tmp_path / "cache" / "skeletons"
+            sk._describe_cached.cache_clear()
+            cached = sk.describe_model(arch)                          # read back from disk
+            assert cached == megatron[family] and cached is not megatron[family]
+            assert len(cached.chunks) > 10 and cached.hf_shapes and cached.objects
+        assert len(computed) == len(FAMILIES)
+        arch = parse_arch(configs["llama3_1"])
+        config = json.dumps(arch.hf_config, sort_keys=True)
+        assert sk.cache_path(json.dumps({**arch.hf_config, "num_hidden_layers": 2}, sort_keys=True)) != sk.cache_path(config)
+        with monkeypatch.context() as m:
+            m.setattr(sk, "_code_digest", lambda: "another version of the code")
+            changed = sk.cache_path(config)
+        assert changed != sk.cache_path(config)
+        path = sk.cache_path(config)
+        path.write_text('{"format": 1, "shapes": ')     # damaged (a full disk, say)
+        sk._describe_cached.cache_clear()
+        assert sk.describe_model(arch) == megatron["llama3_1"] and len(computed) == len(FAMILIES) + 1
+        assert sk.ModelSkeleton.from_json(json.loads(path.read_text())) == megatron["llama3_1"]
+    finally:
+        sk._describe_cached.cache_clear()

@@ -28,7 +28,7 @@ def run_hf2mcore(args) -> int:
     _terminate_cleanly()
     _quiet_imports()
     sidecar = hf_to_mcore(args.hf_dir, args.save_dir, layout_from_args(args), fmt=args.format, dtype=args.dtype,
-                          force=args.force, progress=False if args.quiet else None)
+                          force=args.force, progress=False if args.quiet else None, workers=args.workers)
     print(f"wrote {args.save_dir}: {sidecar.family} {sidecar.checkpoint_format} {layout_from_args(args)} "
           f"{sidecar.dtype}, {sidecar.num_tensors} tensors, {sidecar.num_bytes / 2**30:.2f} GiB")
     return 0
@@ -40,17 +40,38 @@ def run_mcore2hf(args) -> int:
     _terminate_cleanly()
     _quiet_imports()
     mcore_to_hf(args.load_dir, args.save_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
-                progress=False if args.quiet else None)
+                progress=False if args.quiet else None, workers=args.workers)
     print(f"wrote {args.save_dir}")
     return 0
+
+
+def _workers(text: str) -> int:
+    import argparse
+
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+    return n
+
+
+def _add_workers(parser) -> None:
+    from megatron_patch.convert.checkpoint import DEFAULT_WORKERS
+
+    parser.add_argument("--workers", type=_workers, default=DEFAULT_WORKERS, metavar="N",
+                        help="threads that copy bytes, several output files and tensors at once "
+                             f"(default {DEFAULT_WORKERS}: one per core, at most 8; more help on fast disks)")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert", help="convert checkpoints between Hugging Face and Megatron-Core",
         description="Convert checkpoints between a Hugging Face model folder and a Megatron-Core checkpoint. "
-                    "Streaming (one tensor in memory at a time), exact (bit-identical round trips), strict "
-                    "(every tensor accounted for) and atomic (output appears only when complete).")
+                    "Streaming (bytes go file to file; only row-parallel slices and dtype changes pass through memory, "
+                    "a band of rows at a time), exact (bit-identical round trips), strict (every tensor accounted "
+                    "for) and atomic (output appears only when complete).")
     sub = p.add_subparsers(dest="direction", metavar="DIRECTION", required=True)
 
     h = sub.add_parser(
@@ -68,6 +89,7 @@ def register(subparsers) -> None:
     h.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the MCore weights (default: the HF tensors' own dtype)")
     h.add_argument("--force", action="store_true", help="replace a non-empty --save-dir (only once the new one is complete)")
+    _add_workers(h)
     h.add_argument("--quiet", action="store_true", help="no progress output")
     h.set_defaults(run=run_hf2mcore)
 
@@ -88,5 +110,6 @@ def register(subparsers) -> None:
     m.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
     m.add_argument("--force", action="store_true", help="replace a non-empty --save-dir (only once the new one is complete)")
+    _add_workers(m)
     m.add_argument("--quiet", action="store_true", help="no progress output")
     m.set_defaults(run=run_mcore2hf)

@@ -1,119 +1,142 @@
-"""HF model folder <-> MCore checkpoint folder, streaming: what ``mpatch convert`` runs.
+"""HF model folder <-> MCore checkpoint folder: what ``mpatch convert`` runs.
 
-Both directions run the family's weight table through ``plan_transfers``; each transfer reads its
-source tensors once, cuts or glues them (exact slicing and concatenation), and hands the results to
-a writer that puts them on disk at once. Reading and cutting run one transfer ahead on a helper
-thread (``prefetch.Prefetcher``) while the writer writes the current one, so memory holds the
-tensors of two transfers at most (plus, with tied embeddings, the embedding until its second user
-is done), never the model.
+A conversion is planned completely before any tensor byte moves:
 
-Every check that can be made before reading weights is made first: config.json, the layout, every
-HF tensor's presence and shape against what megatron-core builds for that config. Output goes to a
-temporary sibling folder that is renamed onto the target only when complete.
+1. every check that needs no weights: config.json, the layout, every input tensor's presence, shape
+   and dtype against what megatron-core builds for that config (``skeleton``), the input files'
+   headers;
+2. the output layout: each output file's headers, pickles and directory, and the exact byte range of
+   every tensor in it (``torch_files``, ``torch_dist``, ``hf_writer``), made from shapes alone;
+3. the family's weight table (``plan_transfers``) turned into byte moves: each split says which rows
+   (and dim-1 columns) of which HF tensor each shard holds (``Split.blocks``), which, between two
+   stored tensors, is a box copy (``bytemap``).
+
+Then a pool of workers (``copier``) fills the files: contiguous boxes go file to file with
+``os.copy_file_range``, the rest (row-parallel dim-1 slices, dtype changes) a band of rows at a time
+through memory; replicas and tied copies are compared byte for byte. Output goes to a temporary
+sibling folder that is renamed onto the target only when complete. Neither torch nor megatron-core
+is imported on this path unless something needs them (a dtype change, a split or a stored layout
+that cannot be described as byte ranges, or a model skeleton not yet cached).
 """
 
 from __future__ import annotations
 
-import io
-from collections import Counter, defaultdict
+import math
+import os
+from collections import defaultdict
 from pathlib import Path
-
-import torch
 
 from megatron_patch.checkpoint_layout import (
     RELEASE, TRACKER_NAME, is_iteration_dir, iteration_dir, read_tracker, write_tracker)
-from megatron_patch.convert.engine import (
-    HFAssembler, MappingError, RankShards, check_hf_names, check_tied_copies, names_list, plan)
+from megatron_patch.convert.bytemap import Move, Stored, Tiled, block_moves, shard_shape
+from megatron_patch.convert.copier import CallTask, CompareTask, Copier, write_all
+from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.convert.hf_writer import SafetensorsShardWriter, parse_size
+from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.convert.legacy import (
-    CHECKPOINT_VERSION, check_legacy_layout, open_rank_files, rank_coords, rank_file)
-from megatron_patch.models.mapping import Transfer, split_context
-from megatron_patch.models.mapping.splits import Replicated
+    CHECKPOINT_VERSION, FILE_NAME, check_legacy_layout, open_rank_files, rank_coords, rank_file)
 from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
-from megatron_patch.convert.prefetch import Prefetcher
 from megatron_patch.convert.progress import Progress
-from megatron_patch.convert.sidecar import (
-    SIDECAR_NAME, Sidecar, read_sidecar)
+from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
 from megatron_patch.convert.skeleton import ModelSkeleton, describe_model
-from megatron_patch.convert.torch_dist import TorchDistReader, bytes_item, tensor_item, write_torch_dist
-from megatron_patch.convert.torch_files import StreamingTorchSave, TensorSpec
-from megatron_patch.dtypes import HF_CONFIG_NAMES, PRECISION_NAMES, precision_dtype
+from megatron_patch.convert.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
+from megatron_patch.convert.torch_files import TensorSpec, nbytes, plan_torch_save
+from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.models.mapping import Transfer, split_context
+from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
 FORMATS = ("torch_dist", "legacy")
+# Workers when none are asked for: one per core, up to 8 (the disk, not the CPU, is usually the limit).
+DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
-def _meta(shape) -> torch.Tensor:
-    return torch.empty(tuple(shape), device="meta")
-
-
-def expected_hf_shapes(arch: Arch, transfers_tp1: list[Transfer], skeleton: ModelSkeleton) -> dict[str, tuple[int, ...]]:
-    """Shape of every HF tensor, derived from the parameters megatron-core builds for ``arch``.
-
-    Also checks that the weight table writes every parameter of the model and nothing else.
-    """
-    ctx = split_context(arch)
-    planned, out = set(), {}
-    for t in transfers_tp1:
-        name = t.placements[0].mcore_name
-        planned.add(name)
-        if name not in skeleton.shapes:
-            raise MappingError(f"the {arch.family} weight table writes {name}, which the MCore model does not have")
-        shape = skeleton.shapes[name]
-        hf_shapes = [shape] * len(t.hf_names) if isinstance(t.split, Replicated) else \
-            [tuple(m.shape) for m in t.split.merge([_meta(shape)], ctx)]
-        for hf_name, s in zip(t.hf_names, hf_shapes):
-            out.setdefault(hf_name, tuple(s))
-    unplanned = set(skeleton.shapes) - planned
-    if unplanned:
-        raise MappingError(f"no {arch.family} mapping rule writes {len(unplanned)} MCore parameter(s): {names_list(unplanned)}")
-    return out
-
-
-class _ReadOnce:
-    """HF tensors by name, each read from disk once: kept only while another transfer still needs it."""
-
-    def __init__(self, reader: HFCheckpointReader, transfers: list[Transfer], progress: Progress | None):
-        self.reader, self.progress = reader, progress
-        self.uses = Counter(n for t in transfers for n in t.hf_names)
-        self.cache: dict[str, torch.Tensor] = {}
-        self.reads: Counter = Counter()
-
-    def get(self, name: str) -> torch.Tensor:
-        tensor = self.cache.get(name)
-        if tensor is None:
-            tensor = self.reader.get(name)
-            self.reads[name] += 1
-            if self.progress is not None:
-                self.progress.update(tensor.nbytes)
-        self.uses[name] -= 1
-        if self.uses[name] > 0:
-            self.cache[name] = tensor
-        else:
-            self.cache.pop(name, None)
-        return tensor
-
-
-def _choose_dtype(reader: HFCheckpointReader, names, dtype: str | torch.dtype | None) -> torch.dtype:
+def _choose_dtype(reader: HFCheckpointReader | None, names, dtype) -> str:
+    """The dtype name the output is written in: ``dtype`` (a precision name or torch dtype), or the
+    source's own when it is one of the precisions."""
     if dtype is not None:
-        if isinstance(dtype, torch.dtype):
-            return dtype
-        return precision_dtype(dtype)
+        name = dtype_name(dtype)
+        if name not in PRECISION_OF_DTYPE_NAME:
+            name = precision_dtype_name(name)  # "bf16" -> "bfloat16", or UserError
+        return name
     found = {reader.dtype(n) for n in names}
-    if len(found) == 1 and next(iter(found)) in PRECISION_NAMES:
+    if len(found) == 1 and next(iter(found)) in PRECISION_OF_DTYPE_NAME:
         return next(iter(found))
-    raise UserError(f"the HF tensors are stored as {sorted(map(str, found))}: pass --dtype bf16, fp16 or fp32")
+    raise UserError(f"the HF tensors are stored as {sorted(found)}: pass --dtype bf16, fp16 or fp32")
+
+
+def _make_copier(copier: Copier | None, workers: int | None, progress) -> Copier:
+    if copier is None:
+        copier = Copier(DEFAULT_WORKERS if workers is None else workers)
+    copier.progress = progress
+    return copier
+
+
+def _move_tasks(copier: Copier, moves: list[Move]) -> list:
+    """Copy tasks when every move is one contiguous range on both sides, else gather tasks for all of
+    them (a gather writes whole rows of its outputs, so no other task may write there)."""
+    if not moves:
+        return []
+    if all(m.contiguous for m in moves):
+        return [task for m in moves for task in copier.copy_tasks(m.src.path, m.src_range[0], m.dst.path,
+                                                                   m.dst_range[0], m.src_range[1])]
+    return copier.gather_tasks(moves)
+
+
+def _write_tensor(copier: Copier, dst: Stored, tensor) -> int:
+    """A torch tensor's bytes into its place (the paths the byte plan cannot express)."""
+    import torch
+
+    data = tensor.detach().to(getattr(torch, dst.dtype)).contiguous().reshape(-1)
+    if tuple(tensor.shape) != tuple(dst.shape):
+        raise MappingError(f"internal error: a tensor of shape {tuple(tensor.shape)} for a place of shape {dst.shape}")
+    if data.numel():
+        write_all(copier.fd(dst.path, True), data.view(torch.uint8).numpy(), dst.offset)
+    return data.numel() * data.element_size()
+
+
+def _restrict(moves: list[Move], region: tuple[slice, ...], target: Stored) -> list[Move] | None:
+    """The moves into a full parameter, cut to the part of it a stored chunk holds (``region``: slices
+    of the parameter's dims), landing in ``target`` (that chunk). None if the region is not a box of
+    the parameter's 2-D view (it splits a dim past the second)."""
+    if not moves:
+        return []
+    full = moves[0].dst
+    shape = full.shape
+    if any((s.start, s.stop) != (0, n) for s, n in zip(region[2:], shape[2:])):
+        return None
+    r0, r1 = (region[0].start, region[0].stop) if region else (0, 1)
+    c0, c1 = (region[1].start * full.inner, region[1].stop * full.inner) if len(region) > 1 else (0, full.cols)
+    out = []
+    for m in moves:
+        i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
+        j0, j1 = max(c0, m.dst_col), min(c1, m.dst_col + m.cols)
+        if i0 < i1 and j0 < j1:
+            out.append(Move(m.src, m.src_row + i0 - m.dst_row, m.src_col + j0 - m.dst_col, target,
+                            i0 - r0, j0 - c0, i1 - i0, j1 - j0))
+    return out
 
 
 # --- HF -> MCore -------------------------------------------------------------------------------
 
+def check_hf_shapes(reader: HFCheckpointReader, skeleton: ModelSkeleton) -> None:
+    for name, shape in skeleton.hf_shapes.items():
+        if name in reader and tuple(reader.shape(name)) != tuple(shape):
+            raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {tuple(shape)}: "
+                            "the weights and config.json do not belong together")
+
+
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
-                dtype: str | torch.dtype | None = None, force: bool = False, progress: bool | None = None) -> Sidecar:
-    """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy)."""
+                dtype=None, force: bool = False, progress: bool | None = None, workers: int | None = None,
+                copier: Copier | None = None) -> Sidecar:
+    """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy).
+
+    ``workers``: threads that copy bytes (default ``DEFAULT_WORKERS``); ``copier``: a configured
+    ``Copier`` instead (tests: tracing, the fallback path). ``dtype``: bf16 / fp16 / fp32 (or a torch
+    dtype); None keeps the HF tensors' own.
+    """
     if fmt not in FORMATS:
         raise UserError(f"unknown checkpoint format {fmt!r}: choose {' or '.join(FORMATS)}")
     hf_dir = Path(hf_dir)
@@ -130,76 +153,130 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     reader = HFCheckpointReader(hf_dir)
     tp1 = plan(family, arch, ParallelLayout())
     check_hf_names(family, arch, tp1, reader.keys())
-    torch_dtype = _choose_dtype(reader, [n for t in tp1 for n in t.hf_names], dtype)
+    out_dtype = _choose_dtype(reader, [n for t in tp1 for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
-    for name, shape in expected_hf_shapes(arch, tp1, skeleton).items():
-        if tuple(reader.shape(name)) != shape:
-            raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {shape}: "
-                            "the weights and config.json do not belong together")
-    check_tied_copies(family, arch, reader.get, reader)
+    check_hf_shapes(reader, skeleton)
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
-    hf_names = sorted({n for t in transfers for n in t.hf_names})
-    bar = Progress(f"hf2mcore {fmt} {layout}", sum(reader.nbytes(n) for n in hf_names), len(hf_names), progress)
-    once = _ReadOnce(reader, transfers, bar)
+    copier = _make_copier(copier, workers, None)
     with atomic_output_dir(save_dir, force, inputs=(hf_dir,)) as tmp:
         release = tmp / RELEASE
         release.mkdir()
+        tasks = [_tied_copy_check(family, arch, reader, name, source)
+                 for name, source in family.tied_hf_names(arch).items() if name in reader]
         if fmt == "legacy":
-            count, nbytes = _write_legacy(release, arch, layout, transfers, once, torch_dtype)
+            out_tasks, count, total, finish = _plan_legacy(release, arch, layout, transfers, reader, out_dtype, copier)
         else:
-            count, nbytes = _write_torch_dist(release, arch, transfers, once, torch_dtype, skeleton)
-        twice = [n for n, c in once.reads.items() if c > 1]
-        if twice or set(once.reads) != set(hf_names):
-            raise MappingError(f"internal error: HF tensors read {'more than once' if twice else 'not at all'}: "
-                               f"{names_list(twice or set(hf_names) - set(once.reads))}")
-        sidecar = Sidecar.create(fmt, arch, layout, torch_dtype, carried_files=copy_carried(hf_dir, tmp),
-                                 num_tensors=count, num_bytes=nbytes, source=str(hf_dir.resolve()))
+            out_tasks, count, total, finish = _plan_torch_dist(release, arch, transfers, reader, out_dtype, skeleton, copier)
+        tasks += out_tasks
+        bar = Progress(f"hf2mcore {fmt} {layout}", total, count, progress)
+        copier.progress = bar
+        try:
+            copier.run(tasks)
+        finally:
+            copier.close()
+        finish()
+        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp),
+                                 num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()))
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.
         write_tracker(tmp, RELEASE)
-    bar.close()
+    bar.tensors = count
+    bar.close(copier.stats)
     return sidecar
 
 
-def _write_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], once: _ReadOnce,
-                  dtype: torch.dtype) -> tuple[int, int]:
+def _tied_copy_check(family, arch: Arch, reader: HFCheckpointReader, name: str, source: str):
+    """A tied checkpoint may still store the copy (lm_head); it must then equal what it copies."""
+    message = f"config.json ties the embeddings but {name} differs from {source}: set tie_word_embeddings=false"
+    a, b = reader.stored(name), reader.stored(source)
+    if a.dtype == b.dtype:
+        return CompareTask(a, b, message)
+
+    def compare(_copier) -> int:
+        import torch
+
+        if not torch.equal(reader.get(name), reader.get(source)):
+            raise MappingError(message)
+        return 0
+
+    return CallTask(compare)
+
+
+def _hf_to_shards(t: Transfer, reader: HFCheckpointReader, ctx) -> tuple[list | None, list[tuple[int, ...]]]:
+    """(blocks per shard or None, shard shapes) of transfer ``t`` from the HF tensors' shapes."""
+    shapes = [reader.shape(n) for n in t.hf_names]
+    blocks = t.split.blocks(shapes, t.num_shards, ctx)
+    if blocks is not None:
+        return blocks, [shard_shape(b, shapes) for b in blocks]
+    import torch
+
+    meta = [torch.empty(s, device="meta") for s in shapes]
+    return None, [tuple(s.shape) for s in t.split.shards(meta, t.num_shards, ctx)]
+
+
+def _transfer_tasks(copier: Copier, t: Transfer, blocks, reader: HFCheckpointReader, ctx,
+                    destinations: dict[int, list[Stored]]) -> list:
+    """Tasks that write every shard of ``t`` into its places (``destinations``: shard -> places)."""
+    parts = [reader.stored(n) for n in t.hf_names]
+    if blocks is not None:
+        moves = [m for shard, places in destinations.items() for place in places
+                 for m in block_moves(blocks[shard], parts, place)]
+        return _move_tasks(copier, moves)
+
+    def run(copier: Copier) -> int:  # a split that is not rows and columns: through torch
+        shards = t.split.shards([reader.get(n) for n in t.hf_names], t.num_shards, ctx)
+        return sum(_write_tensor(copier, place, shards[shard]) for shard, places in destinations.items() for place in places)
+
+    return [CallTask(run)]
+
+
+def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], reader: HFCheckpointReader,
+                 dtype: str, copier: Copier):
     ctx = split_context(arch)
     coords = rank_coords(layout)
-    holders = {}  # (transfer index, placement) -> coords that store it
     specs: dict = {c: {} for c in coords}
-    for i, t in enumerate(transfers):
-        shards = t.split.shards([_meta(once.reader.shape(n)) for n in t.hf_names], t.num_shards, ctx)
+    shapes_of, blocks_of = [], []
+    for t in transfers:
+        blocks, shapes = _hf_to_shards(t, reader, ctx)
+        blocks_of.append(blocks)
+        shapes_of.append(shapes)
         for p in t.placements:
-            holders[(i, p)] = [c for c in coords if c.holds(t, p)]
-            for c in holders[(i, p)]:
-                specs[c][p.mcore_name] = TensorSpec(tuple(shards[p.shard].shape), dtype)
-    writers = {}
+            for c in coords:
+                if c.holds(t, p):
+                    specs[c][p.mcore_name] = TensorSpec(shapes[p.shard], dtype)
+    files, places = [], {}
     for c in coords:
         path = rank_file(release, c, layout)
         path.parent.mkdir(parents=True)
-        writers[c] = StreamingTorchSave(path, {"model": specs[c], "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0})
-    count = nbytes = 0
-
-    def produce(item):  # on the prefetch thread: read and cut transfer i+1 while transfer i is written
-        _, t = item
-        return t.split.shards([once.get(n).to(dtype) for n in t.hf_names], t.num_shards, ctx)
-
-    with Prefetcher(enumerate(transfers), produce) as ahead:
-        for (i, t), shards in ahead:
-            for p in t.placements:
-                for c in holders[(i, p)]:
-                    writers[c].write(("model", p.mcore_name), shards[p.shard])
+        zl, stored = plan_torch_save(path, {"model": specs[c], "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0},
+                                     archive=Path(FILE_NAME).stem)
+        files.append((path, zl))
+        for (_, name), s in stored.items():
+            places[(c, name)] = s
+    for path, zl in files:  # each file at its full size, headers and pickle in place
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, zl.size)
+            for offset, data in zl.small:
+                os.pwrite(fd, data, offset)
+        finally:
+            os.close(fd)
+    tasks, count, total = [], 0, 0
+    for t, blocks in zip(transfers, blocks_of):
+        destinations: dict[int, list[Stored]] = defaultdict(list)
+        for p in t.placements:
+            for c in coords:
+                if c.holds(t, p):
+                    destinations[p.shard].append(places[(c, p.mcore_name)])
                     count += 1
-                    nbytes += shards[p.shard].nbytes
-            del shards
-    for w in writers.values():
-        w.close()
-    return count, nbytes
+                    total += places[(c, p.mcore_name)].nbytes
+        tasks += _transfer_tasks(copier, t, blocks, reader, ctx, destinations)
+    return tasks, count, total, lambda: None
 
 
-def _write_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], once: _ReadOnce, dtype: torch.dtype,
-                      skeleton: ModelSkeleton) -> tuple[int, int]:
+def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reader: HFCheckpointReader, dtype: str,
+                     skeleton: ModelSkeleton, copier: Copier):
     ctx = split_context(arch)
     by_name = {t.placements[0].mcore_name: t for t in transfers}
     chunks = defaultdict(list)
@@ -207,46 +284,43 @@ def _write_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], once
         if ch.name not in by_name:
             raise MappingError(f"the model's sharded state dict has {ch.name}, which no mapping rule writes")
         chunks[ch.name].append(ch)
-    items, sources = [], {}
-    for name in by_name:
-        for ch in chunks[name]:
-            items.append(tensor_item(ch.key, ch.global_shape, ch.global_offset, ch.local_shape, dtype))
-            sources[(ch.key, ch.global_offset)] = ch
-    payloads = {obj.unique_key: obj.payload for obj in skeleton.objects}
-    items += [bytes_item(key) for key in payloads]
-    current: dict = {"name": None, "tensor": None}
-    # The writer asks for the items in this order, so the parameters are needed in this order.
-    order = list(dict.fromkeys(sources[(it.index.fqn, tuple(it.index.offset))].name
-                               for it in items if it.index.offset is not None))
+    items = [ChunkItem(ch.key, ch.global_shape, ch.global_offset, ch.local_shape, dtype)
+             for name in by_name for ch in chunks[name]]
+    td = plan_torch_dist(release, items, [(o.unique_key, o.payload) for o in skeleton.objects])
+    td.create_files()
+    tasks = []
+    for name, t in by_name.items():
+        blocks, (shape,) = _hf_to_shards(t, reader, ctx)
+        targets = [(ch, td.stored[(ch.key, tuple(ch.global_offset))]) for ch in chunks[name]]
+        if blocks is not None:
+            full = Stored("", 0, tuple(shape), dtype)
+            moves = block_moves(blocks[0], [reader.stored(n) for n in t.hf_names], full)
+            pieces = []
+            for ch, place in targets:
+                region = ch.region()
+                target = Stored(place.path, place.offset, tuple(s.stop - s.start for s in region), dtype)
+                cut = _restrict(moves, region, target)
+                if cut is None:
+                    break
+                pieces.append(cut)
+            else:
+                tasks += _move_tasks(copier, [m for cut in pieces for m in cut])
+                continue
 
-    def produce(name):  # on the prefetch thread
-        t = by_name[name]
-        return t.split.shards([once.get(n).to(dtype) for n in t.hf_names], 1, ctx)[0]
+        def run(copier: Copier, t=t, targets=targets) -> int:  # through torch
+            full = t.split.shards([reader.get(n) for n in t.hf_names], 1, ctx)[0]
+            return sum(_write_tensor(copier, place, full[ch.region()].reshape(place.shape)) for ch, place in targets)
 
-    def resolve(item):
-        if item.index.offset is None:
-            return io.BytesIO(payloads[item.index.fqn])
-        ch = sources[(item.index.fqn, tuple(item.index.offset))]
-        if current["name"] != ch.name:
-            current["tensor"] = None
-            name, tensor = next(ahead)
-            if name != ch.name:
-                raise MappingError(f"internal error: the writer asks for {ch.name} before {name}")
-            current.update(name=name, tensor=tensor)
-            del tensor
-        return current["tensor"][ch.region()].reshape(ch.local_shape)
-
-    with Prefetcher(order, produce) as ahead:
-        write_torch_dist(release, items, resolve)
-        current["tensor"] = None
-    nbytes = sum(torch.Size(ch.local_shape).numel() for ch in skeleton.chunks) * torch.empty((), dtype=dtype).element_size()
-    return len(skeleton.chunks), nbytes
+        tasks.append(CallTask(run))
+    total = sum(nbytes(ch.local_shape, dtype) for ch in skeleton.chunks)
+    return tasks, len(skeleton.chunks), total, td.finish
 
 
 # --- MCore -> HF -------------------------------------------------------------------------------
 
-def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.dtype | None = None,
-                max_shard_size: str | int = "5GB", force: bool = False, progress: bool | None = None) -> Path:
+def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shard_size: str | int = "5GB",
+                force: bool = False, progress: bool | None = None, workers: int | None = None,
+                copier: Copier | None = None) -> Path:
     """Convert a checkpoint written by ``hf_to_mcore`` (or a training run's final export) back into an HF
     model folder; needs nothing else. ``load_dir`` may also be a training checkpoint (its root or one
     ``iter_XXXXXXX`` folder, see ``locate_checkpoint``): its model weights are read, its optimizer state
@@ -258,55 +332,115 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
                         f"disagrees with its config ({arch.vocab_size}, padded {arch.padded_vocab_size()})")
     family = get_family(arch.family)
-    out_dtype = sidecar.torch_dtype if dtype is None else _choose_dtype(None, [], dtype)
+    out_dtype = sidecar.dtype_name if dtype is None else _choose_dtype(None, [], dtype)
     max_bytes = parse_size(max_shard_size)
     from megatron_patch.convert.outputs import check_target
 
     check_target(save_dir, force, inputs=(load_dir,))
     skeleton = describe_model(arch)
     tp1 = plan(family, arch, ParallelLayout())
-    hf_shapes = expected_hf_shapes(arch, tp1, skeleton)
-    release = data_dir
+    hf_shapes = skeleton.hf_shapes
     if sidecar.checkpoint_format == "legacy":
         layout = sidecar.parallel_layout
         validate_layout(arch, layout)
         check_legacy_layout(layout)
         transfers = plan(family, arch, layout)
-        source = _LegacySource(release, arch, layout, transfers, hf_shapes)
+        source = _LegacySource(data_dir, arch, layout, transfers, hf_shapes)
     else:
         transfers = tp1
-        source = _TorchDistSource(release, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES if training else ())
+        source = _TorchDistSource(data_dir, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES if training else ())
     entries, seen = [], set()
     for t in transfers:
         for n in t.hf_names:
             if n not in seen:
                 seen.add(n)
                 entries.append((n, hf_shapes[n], out_dtype))
-    bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", sum(torch.Size(s).numel() for _, s, _ in entries)
-                   * torch.empty((), dtype=out_dtype).element_size(), len(entries), progress)
+    copier = _make_copier(copier, workers, None)
+    total = sum(nbytes(s, d) for _, s, d in entries)
     with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
-        writer = SafetensorsShardWriter(tmp, entries, max_bytes)
-        assembler = HFAssembler(arch, source, pieces=True)
-
-        def produce(t: Transfer):
-            """On the prefetch thread: read transfer i+1's shards and cut them into HF pieces."""
-            merged = assembler.assemble(t)
-            return None if merged is None else [[piece.to(out_dtype) for piece in pieces] for pieces in merged]
-
-        with Prefetcher(transfers, produce) as ahead:
-            for t, merged in ahead:
-                if merged is None:
-                    continue
-                for n, pieces in zip(t.hf_names, merged):
-                    writer.write_pieces(n, hf_shapes[n], pieces)
-                    bar.update(sum(piece.nbytes for piece in pieces))
-                del merged
-        writer.close()
+        out = plan_safetensors(tmp, entries, max_bytes)
+        out.write_headers()
+        tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copier)
+        bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
+        copier.progress = bar
+        try:
+            copier.run(tasks)
+        finally:
+            copier.close()
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         copy_carried(load_dir, tmp, sidecar.carried_files)
-    bar.close()
+    bar.tensors = len(entries)
+    bar.close(copier.stats)
     return Path(save_dir)
+
+
+def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dict[str, Stored], copier: Copier) -> list:
+    """Moves from the shards of every transfer into the HF tensors' places; replicas and the last
+    stage's copy of a tied embedding are compared with the copy that is written."""
+    ctx = split_context(arch)
+    first: dict[str, tuple[Transfer, list]] = {}   # HF name -> the transfer that writes it, its shards
+    tasks = []
+    for t in transfers:
+        shards = source.shards(t)
+        again = len(t.hf_names) == 1 and t.hf_names[0] in first
+        if again:  # the last stage's own copy of a tied embedding
+            message = ("the last stage's output layer differs from the tied embedding: the checkpoint was changed "
+                       "in a way HF cannot represent (untie the embeddings in config.json)")
+            tasks += _compare_shards(first[t.hf_names[0]], (t, shards), message, source, ctx)
+            continue
+        for n in t.hf_names:
+            first[n] = (t, shards)
+        parts = [places[n] for n in t.hf_names]
+        blocks = t.split.blocks([p.shape for p in parts], t.num_shards, ctx)
+        if blocks is None or any(s is None for s in shards):
+            tasks.append(CallTask(lambda copier, t=t, parts=parts: _merge_through_torch(copier, t, source, parts, ctx)))
+            continue
+        moves, written = [], {}
+        for k, shard in enumerate(shards):
+            shard_moves = block_moves(blocks[k], parts, shard.whole if isinstance(shard, Tiled) else shard, to_shard=False)
+            if isinstance(shard, Tiled):
+                shard_moves = shard.resolve(shard_moves)
+            for m in shard_moves:
+                box = (m.dst, m.dst_row, m.dst_col, m.rows, m.cols)
+                if box not in written:
+                    written[box] = m
+                    moves.append(m)
+                    continue
+                kept = written[box]  # a replica: the same box again, from another rank
+                if (m.src_row, m.src_col, m.rows, m.cols) != (0, 0, m.src.rows, m.src.cols) or \
+                        (kept.src_row, kept.src_col) != (0, 0) or kept.src.shape != m.src.shape:
+                    raise MappingError(f"internal error: {t.placements[0].mcore_name} writes part of an HF tensor twice")
+                tasks.append(CompareTask(kept.src, m.src, f"{t.placements[0].mcore_name}: replica {k} differs from "
+                                         "replica 0 of a parameter that must be identical on every rank"))
+        tasks += _move_tasks(copier, moves)
+    return tasks
+
+
+def _compare_shards(first, second, message: str, source, ctx) -> list:
+    (t1, shards1), (t2, shards2) = first, second
+    if len(shards1) == len(shards2) and all(a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype
+                                            for a, b in zip(shards1, shards2)):
+        return [CompareTask(a, b, message) for a, b in zip(shards1, shards2)]
+
+    def run(_copier) -> int:
+        import torch
+
+        a = t1.split.merge(source.load_shards(t1), ctx)[0]
+        b = t2.split.merge(source.load_shards(t2), ctx)[0]
+        if not torch.equal(a, b):
+            raise MappingError(message)
+        return 0
+
+    return [CallTask(run)]
+
+
+def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored], ctx) -> int:
+    try:
+        merged = t.split.merge(source.load_shards(t), ctx)
+    except ValueError as exc:  # replicas that disagree
+        raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
+    return sum(_write_tensor(copier, place, tensor) for place, tensor in zip(parts, merged))
 
 
 # --- training checkpoints ----------------------------------------------------------------------
@@ -356,32 +490,46 @@ def read_training_sidecar(iter_dir: Path) -> Sidecar:
     return sidecar
 
 
-def _write_hf_config(folder: Path, hf_config: dict, dtype: torch.dtype) -> None:
+def _write_hf_config(folder: Path, hf_config: dict, dtype: str) -> None:
     import json
 
     config = dict(hf_config)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     for k in keys:
-        config[k] = HF_CONFIG_NAMES[dtype]
+        config[k] = dtype
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-class _LegacySource(RankShards):
-    """Shards of a transfer from the rank files that hold them (read lazily, checked up front)."""
+class _LegacySource:
+    """Shards of a transfer from the rank files that hold them (checked up front, located lazily).
+
+    ``shards(t)`` gives one ``Stored`` per shard (None for a tensor that is not a dense run of its
+    storage: those are read through torch by ``load_shards``). A shard is taken from the first rank
+    file that holds it; data-parallel copies (dense parameters in every expert-parallel rank's file)
+    are left unread, and ``check_all_read`` names any parameter that no rule read.
+    """
 
     def __init__(self, release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], hf_shapes: dict):
-        files = open_rank_files(release, layout)
-        super().__init__(files, load=lambda lazy: lazy.load())
+        self.files = open_rank_files(release, layout)
+        self.used: set[tuple] = set()
         # Check names and shapes of every file against the plan before reading any data.
         ctx = split_context(arch)
-        expected: dict = {c: {} for c in files}
+        expected: dict = {c: {} for c in self.files}
         for t in transfers:
-            shards = t.split.shards([_meta(hf_shapes[n]) for n in t.hf_names], t.num_shards, ctx)
+            shapes = [tuple(hf_shapes[n]) for n in t.hf_names]
+            blocks = t.split.blocks(shapes, t.num_shards, ctx)
+            if blocks is not None:
+                shard_shapes = [shard_shape(b, shapes) for b in blocks]
+            else:
+                import torch
+
+                shard_shapes = [tuple(s.shape) for s in t.split.shards([torch.empty(s, device="meta") for s in shapes],
+                                                                        t.num_shards, ctx)]
             for p in t.placements:
-                for c in files:
+                for c in self.files:
                     if c.holds(t, p):
-                        expected[c][p.mcore_name] = tuple(shards[p.shard].shape)
-        for c, sd in files.items():
+                        expected[c][p.mcore_name] = shard_shapes[p.shard]
+        for c, (_, sd) in self.files.items():
             where = f"rank file TP={c.tp} PP={c.pp} EP={c.ep}"
             missing, extra = set(expected[c]) - set(sd), set(sd) - set(expected[c])
             if missing:
@@ -392,9 +540,35 @@ class _LegacySource(RankShards):
                 if tuple(sd[name].shape) != shape:
                     raise MappingError(f"{where}: {name} has shape {tuple(sd[name].shape)}, expected {shape}")
 
+    def _find(self, t: Transfer, index: int):
+        placements = [p for p in t.placements if p.shard == index]
+        found = next(((c, p) for p in placements for c, (_, sd) in self.files.items()
+                      if c.holds(t, p) and p.mcore_name in sd), None)
+        if found is None:
+            want = placements[0]
+            raise MappingError(f"no rank state dict holds {want.mcore_name} (stage {want.pp}, shard {index}"
+                               + (f", EP rank {want.ep})" if want.ep is not None else ")"))
+        c, p = found
+        self.used.add((c.pp, c.ep if t.expert else None, p.mcore_name))
+        lazy, sd = self.files[c]
+        return lazy, sd[p.mcore_name]
+
+    def shards(self, t: Transfer) -> list[Stored | None]:
+        return [lazy.stored(ref) for lazy, ref in (self._find(t, i) for i in range(t.num_shards))]
+
+    def load_shards(self, t: Transfer) -> list:
+        return [lazy.load(ref) for lazy, ref in (self._find(t, i) for i in range(t.num_shards))]
+
+    def check_all_read(self) -> None:
+        """Data-parallel copies are legitimately left unread; a name no rank of its stage contributed is not."""
+        unused = {name for c, (_, sd) in self.files.items() for name in sd
+                  if (c.pp, None, name) not in self.used and (c.pp, c.ep, name) not in self.used}
+        if unused:
+            raise MappingError(f"MCore state dict has {len(unused)} parameter(s) no mapping rule reads: {names_list(unused)}")
+
 
 class _TorchDistSource:
-    """Full (TP=1) parameters assembled from the chunks of a torch_dist checkpoint."""
+    """Full (TP=1) parameters from the chunks of a torch_dist checkpoint."""
 
     def __init__(self, release: Path, skeleton: ModelSkeleton, ignore_prefixes: tuple[str, ...] = ()):
         self.reader = TorchDistReader(release)
@@ -415,23 +589,46 @@ class _TorchDistSource:
                 raise MappingError(f"torch_dist tensor {key} has shape {self.reader.global_shape(key)}, the model needs {shape}")
         self.read: set = set()
 
-    def shards(self, t: Transfer) -> list[torch.Tensor]:
+    def shards(self, t: Transfer) -> list[Stored | Tiled | None]:
+        """The (TP=1) parameter where its bytes are: one ``Stored`` when one chunk holds it, ``Tiled``
+        when each of the chunks the model asks for is stored as such (checkpoints written here, TP=1
+        training; megatron keeps a SwiGLU fc1 as two chunks); None otherwise (read through torch)."""
         name = t.placements[0].mcore_name
-        full = torch.empty(self.skeleton.shapes[name], dtype=self.reader.dtype(self.chunks[name][0].key))
-        requests, copies = [], []
+        shape = tuple(self.skeleton.shapes[name])
+        tiles = []
+        self.read.update((ch.key, ch.global_offset) for ch in self.chunks[name])
         for ch in self.chunks[name]:
+            region = ch.region()
+            stored = self.reader.stored_chunk(ch.key, ch.global_offset, ch.local_shape)
+            if stored is None or any((r.start, r.stop) != (0, n) for r, n in zip(region[2:], shape[2:])):
+                return [None]
+            part = Stored(stored.path, stored.offset, tuple(r.stop - r.start for r in region), stored.dtype)
+            inner = part.inner
+            rows = (region[0].start, region[0].stop) if region else (0, 1)
+            cols = (region[1].start * inner, region[1].stop * inner) if len(region) > 1 else (0, part.cols)
+            tiles.append((*rows, *cols, part))
+        if len(tiles) == 1 and tiles[0][4].shape == shape:
+            return [tiles[0][4]]
+        if sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, _ in tiles) != math.prod(shape) or \
+                len({p.dtype for *_, p in tiles}) != 1:
+            return [None]
+        return [Tiled(shape, tiles[0][4].dtype, tuple(tiles))]
+
+    def load_shards(self, t: Transfer) -> list:
+        import torch
+
+        name = t.placements[0].mcore_name
+        chunks = self.chunks[name]
+        full = torch.empty(self.skeleton.shapes[name], dtype=getattr(torch, self.reader.dtype(chunks[0].key)))
+        requests, copies = [], []
+        for ch in chunks:
             region = full[ch.region()]
-            if region.is_contiguous():  # (at TP=1 a chunk is a whole parameter) read straight into place
-                block = region.view(ch.local_shape)
-            else:
-                block = torch.empty(ch.local_shape, dtype=full.dtype)
-                copies.append((region, block))
+            block = torch.empty(ch.local_shape, dtype=full.dtype)
+            copies.append((region, block))
             requests.append((ch.key, ch.global_offset, block))
         self.reader.load(requests)
         for region, block in copies:
             region.copy_(block.reshape(region.shape))
-        for ch in self.chunks[name]:
-            self.read.add((ch.key, ch.global_offset))
         return [full]
 
     def check_all_read(self) -> None:

@@ -1,25 +1,88 @@
-"""Lazy reader of an HF model folder's safetensors (one file or sharded with an index)."""
+"""Lazy reader of an HF model folder's safetensors (one file or sharded with an index), without torch.
+
+A safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, data offsets) and
+the tensors' bytes, back to back. Only the headers are read up front, and checked as strictly as the
+safetensors library checks them (offsets contiguous from 0, sizes that match shapes, a data section
+that ends exactly at the end of the file, so a truncated file fails here, before anything is written).
+Each tensor is then a ``Stored`` place in its file: the converter copies bytes from there directly.
+``get`` still returns a torch tensor for callers that want one (torch is imported then).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError, safe_open
-
-from megatron_patch.dtypes import SAFETENSORS_TAGS
+from megatron_patch.convert.bytemap import Stored
+from megatron_patch.dtypes import ITEMSIZE, SAFETENSORS_TAG_NAMES
 from megatron_patch.errors import UserError
+
+# The safetensors library refuses headers above 100 MB.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def read_safetensors_header(path: Path) -> dict[str, Stored]:
+    """Every tensor of one safetensors file as a ``Stored``; UserError if the file is damaged."""
+
+    def bad(why: str) -> UserError:
+        return UserError(f"{path} is not a readable safetensors file ({why}): it may be truncated or corrupt")
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad("shorter than its 8-byte header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise bad(f"header length {length} does not fit a file of {size} bytes")
+            raw = f.read(length)
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc})")
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"header is not valid JSON: {exc}")
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    data_start, data_size = 8 + length, size - 8 - length
+    out, spans = {}, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            tag, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)
+                    and isinstance(begin, int) and isinstance(end, int)):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"malformed header entry for '{name}'")
+        if tag not in SAFETENSORS_TAG_NAMES:
+            raise UserError(f"tensor '{name}' in {path} has dtype {tag}, which the converter does not handle")
+        dtype = SAFETENSORS_TAG_NAMES[tag]
+        if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0:
+            raise bad(f"'{name}' has {end - begin} bytes for shape {shape} {tag}")
+        spans.append((begin, end, name))
+        out[name] = Stored(str(path), data_start + begin, tuple(shape), dtype)
+    expected = 0
+    for begin, end, name in sorted(spans):
+        if begin != expected:
+            raise bad(f"the bytes of '{name}' start at {begin}, not {expected}")
+        expected = end
+    if expected != data_size:
+        raise bad(f"the header accounts for {expected} bytes of data, the file holds {data_size}")
+    return out
 
 
 class HFCheckpointReader:
-    """Tensors by name, read from disk only when asked for.
+    """Tensors by name: their places (``stored``), shapes and dtypes, read from disk only when asked for.
 
-    Bytes are read with ``pread`` rather than through safetensors' memory map: pages touched through
-    a map stay in this process's resident set, so reading a whole checkpoint through it would make
-    the converter's memory grow with the model even though each tensor is dropped after use.
+    Bytes are read with ``pread`` rather than through a memory map: pages touched through a map stay
+    in this process's resident set, so reading a whole checkpoint through one would make the
+    converter's memory grow with the model even though each tensor is dropped after use.
     """
 
     def __init__(self, folder: str | Path):
@@ -28,7 +91,7 @@ class HFCheckpointReader:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
                 raise UserError(f"{index} is malformed ({exc}): re-download the checkpoint")
             files = sorted(set(weight_map.values()))
         else:
@@ -36,83 +99,66 @@ class HFCheckpointReader:
             if not files:
                 raise UserError(f"no *.safetensors files in {self.folder}: convert .bin checkpoints to safetensors first")
             weight_map = None
-        self._handles = {}
-        self._headers: dict[str, tuple[int, dict]] = {}
-        self._where: dict[str, str] = {}
+        self._stored: dict[str, Stored] = {}
         for name in files:
-            handle = self._open(name)
-            for key in handle.keys():
-                if weight_map is not None and weight_map.get(key) != name:
-                    raise UserError(f"{name} holds '{key}', which the index places elsewhere: the index is stale")
-                self._where[key] = name
-        if weight_map is not None:
-            missing = set(weight_map) - set(self._where)
-            if missing:
-                raise UserError(f"the index lists {len(missing)} tensor(s) that no shard holds, e.g. {sorted(missing)[0]}")
-
-    def _open(self, name: str):
-        if name not in self._handles:
             path = self.folder / name
             if not path.exists():
                 raise UserError(f"{path} is listed in the index but missing")
-            try:
-                self._handles[name] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise UserError(f"{path} is not a readable safetensors file ({exc}): it may be truncated or corrupt")
-        return self._handles[name]
+            for key, stored in read_safetensors_header(path).items():
+                if weight_map is not None and weight_map.get(key) != name:
+                    raise UserError(f"{name} holds '{key}', which the index places elsewhere: the index is stale")
+                self._stored[key] = stored
+        if weight_map is not None:
+            missing = set(weight_map) - set(self._stored)
+            if missing:
+                raise UserError(f"the index lists {len(missing)} tensor(s) that no shard holds, e.g. {sorted(missing)[0]}")
 
     def keys(self) -> list[str]:
-        return sorted(self._where)
+        return sorted(self._stored)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._stored
 
-    def _header(self, file: str) -> tuple[int, dict]:
-        """(offset of the data section, header) of a safetensors file, parsed once."""
-        if file not in self._headers:
-            with open(self.folder / file, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
-            self._headers[file] = (8 + length, header)
-        return self._headers[file]
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
+    def stored(self, name: str) -> Stored:
+        if name not in self._stored:
             raise UserError(f"tensor '{name}' is not in the checkpoint at {self.folder}")
-        file = self._where[name]
-        path = self.folder / file
+        return self._stored[name]
+
+    def dtype(self, name: str) -> str:
+        """The dtype's name ("bfloat16")."""
+        return self.stored(name).dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.stored(name).shape
+
+    def nbytes(self, name: str) -> int:
+        return self.stored(name).nbytes
+
+    def read_bytes(self, name: str) -> bytearray:
+        s = self.stored(name)
+        buf = bytearray(s.nbytes)
+        view, got = memoryview(buf), 0
         try:
-            self._open(file)  # validated by safetensors before any byte is trusted
-            base, header = self._header(file)
-            info = header[name]
-            begin, end = info["data_offsets"]
-            dtype = SAFETENSORS_TAGS[info["dtype"]]
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(s.path, os.O_RDONLY)
             try:
-                buf = bytearray(end - begin)
-                view, got = memoryview(buf), 0
                 while got < len(buf):
-                    n = os.preadv(fd, [view[got:]], base + begin + got)
+                    n = os.preadv(fd, [view[got:]], s.offset + got)
                     if n <= 0:
                         raise OSError(f"file ends {len(buf) - got} bytes early")
                     got += n
             finally:
                 os.close(fd)
-        except (SafetensorError, OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-            raise UserError(f"cannot read '{name}' from {file} ({exc}): the file may be truncated or corrupt")
+        except OSError as exc:
+            raise UserError(f"cannot read '{name}' from {Path(s.path).name} ({exc}): the file may be truncated or corrupt")
+        return buf
+
+    def get(self, name: str):
+        """The tensor as a torch tensor (imports torch)."""
+        import torch
+
+        s = self.stored(name)
+        dtype = getattr(torch, s.dtype)
+        buf = self.read_bytes(name)
         if not buf:
-            return torch.empty(info["shape"], dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
-
-    def dtype(self, name: str) -> torch.dtype:
-        info = self._header(self._where[name])[1][name]
-        if info["dtype"] not in SAFETENSORS_TAGS:
-            raise UserError(f"tensor '{name}' has dtype {info['dtype']}, which the converter does not handle")
-        return SAFETENSORS_TAGS[info["dtype"]]
-
-    def nbytes(self, name: str) -> int:
-        begin, end = self._header(self._where[name])[1][name]["data_offsets"]
-        return end - begin
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self._where[name]).get_slice(name).get_shape())
+            return torch.empty(s.shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(s.shape)

@@ -1,20 +1,21 @@
-"""Sharded safetensors written one tensor at a time, with the index transformers reads.
+"""Sharded safetensors laid out before any tensor exists, with the index transformers reads.
 
-Every tensor's name, shape and dtype is known before any is produced, so each shard's header is
-written first and the tensors' bytes follow as they arrive: memory holds only the tensor in hand,
-whatever ``max_shard_size`` is.
+Every tensor's name, shape and dtype is known up front, so ``plan_safetensors`` fixes each shard's
+header and each tensor's byte range at once (a ``Stored``); the bytes are then copied into place in
+any order. ``SafetensorsShardWriter`` writes tensors one after another into such a plan.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from megatron_patch.convert.bytemap import Stored
 from megatron_patch.convert.torch_files import nbytes
-from megatron_patch.dtypes import SAFETENSORS_TAG_OF
+from megatron_patch.dtypes import SAFETENSORS_TAG_OF_NAME, dtype_name
 from megatron_patch.errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,82 +36,92 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-class SafetensorsShardWriter:
-    """Writes ``entries`` (name, shape, dtype), in that order, into shards of at most ``max_shard_bytes``.
+@dataclass
+class SafetensorsPlan:
+    """Files (name -> total size and header bytes at offset 0), each tensor's place, the index."""
 
-    A tensor larger than the limit gets a shard of its own, as transformers does.
-    """
+    folder: Path
+    files: dict[str, tuple[int, bytes]] = field(default_factory=dict)
+    stored: dict[str, Stored] = field(default_factory=dict)
+    index: dict | None = None
+    total_bytes: int = 0
 
-    def __init__(self, folder: str | Path, entries: list[tuple[str, tuple[int, ...], torch.dtype]], max_shard_bytes: int):
-        self.folder = Path(folder)
-        self.entries = entries
-        shards: list[list[int]] = [[]]
-        size = 0
-        for i, (_, shape, dtype) in enumerate(entries):
-            nb = nbytes(shape, dtype)
-            if shards[-1] and size + nb > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(i)
-            size += nb
-        n = len(shards)
-        self.files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        self._shard_of = {i: s for s, members in enumerate(shards) for i in members}
-        self._shards = shards
-        self._next = 0
-        self._handle = None
-        self._open_shard = -1
-        self.total_bytes = sum(nbytes(s, d) for _, s, d in entries)
+    def write_headers(self) -> None:
+        """Create every file at its full size with its header; the index (if sharded) too."""
+        for name, (size, header) in self.files.items():
+            fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, size)
+                os.pwrite(fd, header, 0)
+            finally:
+                os.close(fd)
+        if self.index is not None:
+            (self.folder / INDEX_NAME).write_text(json.dumps(self.index, indent=2) + "\n")
 
-    def _start_shard(self, shard: int) -> None:
-        if self._handle is not None:
-            self._handle.close()
+
+def plan_safetensors(folder: str | Path, entries: list[tuple[str, tuple[int, ...], str]], max_shard_bytes: int) -> SafetensorsPlan:
+    """``entries`` (name, shape, dtype name), in order, in shards of at most ``max_shard_bytes`` of tensor
+    data (a tensor larger than the limit gets a shard of its own, as transformers does)."""
+    folder = Path(folder)
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, (_, shape, dtype) in enumerate(entries):
+        nb = nbytes(shape, dtype)
+        if shards[-1] and size + nb > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nb
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    plan = SafetensorsPlan(folder)
+    for file, members in zip(names, shards):
         header, offset = {}, 0
-        for i in self._shards[shard]:
-            name, shape, dtype = self.entries[i]
+        for i in members:
+            name, shape, dtype = entries[i]
             nb = nbytes(shape, dtype)
-            header[name] = {"dtype": SAFETENSORS_TAG_OF[dtype], "shape": list(shape), "data_offsets": [offset, offset + nb]}
+            header[name] = {"dtype": SAFETENSORS_TAG_OF_NAME[dtype], "shape": list(shape), "data_offsets": [offset, offset + nb]}
             offset += nb
         header["__metadata__"] = {"format": "pt"}
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
-        self._handle = open(self.folder / self.files[shard], "wb")
-        self._handle.write(len(raw).to_bytes(8, "little"))
-        self._handle.write(raw)
-        self._open_shard = shard
+        prefix = len(raw).to_bytes(8, "little") + raw
+        for i in members:
+            name, shape, dtype = entries[i]
+            plan.stored[name] = Stored(str(folder / file), len(prefix) + header[name]["data_offsets"][0], tuple(shape), dtype)
+        plan.files[file] = (len(prefix) + offset, prefix)
+    plan.total_bytes = sum(nbytes(s, d) for _, s, d in entries)
+    if n > 1:
+        plan.index = {"metadata": {"total_size": plan.total_bytes},
+                      "weight_map": {name: Path(plan.stored[name].path).name for name, _, _ in entries}}
+    return plan
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        self.write_pieces(name, tuple(tensor.shape), [tensor])
 
-    def write_pieces(self, name: str, shape: tuple[int, ...], pieces: list[torch.Tensor]) -> None:
-        """Write tensor ``name`` of ``shape`` given as pieces whose concatenation on dim 0 is its bytes.
+class SafetensorsShardWriter:
+    """Writes ``entries`` (name, shape, dtype) one tensor at a time, in order (tests, benchmarks)."""
 
-        Each piece's bytes go to the file as they are (views, no merged copy in memory).
-        """
-        if self._next >= len(self.entries):
-            raise RuntimeError(f"unexpected extra tensor {name}")
-        want, want_shape, dtype = self.entries[self._next]
-        numel = sum(p.numel() for p in pieces)
-        if name != want or tuple(shape) != tuple(want_shape) or any(p.dtype != dtype for p in pieces) \
-                or numel != torch.Size(want_shape).numel():
-            got = sorted({str(p.dtype) for p in pieces})
-            raise RuntimeError(f"expected {want} {tuple(want_shape)} {dtype}, got {name} {tuple(shape)} "
-                               f"({numel} elements) {', '.join(got)}")
-        shard = self._shard_of[self._next]
-        if shard != self._open_shard:
-            self._start_shard(shard)
-        for piece in pieces:
-            data = piece.detach().cpu().contiguous()
-            if data.numel():
-                self._handle.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+    def __init__(self, folder: str | Path, entries: list[tuple[str, tuple[int, ...], object]], max_shard_bytes: int):
+        self.entries = [(n, tuple(s), dtype_name(d)) for n, s, d in entries]
+        self.plan = plan_safetensors(folder, self.entries, max_shard_bytes)
+        self.plan.write_headers()
+        self.files = list(self.plan.files)
+        self.total_bytes = self.plan.total_bytes
+        self._next = 0
+
+    def write(self, name: str, tensor) -> None:
+        want, shape, dtype = self.entries[self._next]
+        if name != want or tuple(tensor.shape) != shape or dtype_name(tensor.dtype) != dtype:
+            raise RuntimeError(f"expected {want} {shape} {dtype}, got {name} {tuple(tensor.shape)} {tensor.dtype}")
+        place = self.plan.stored[name]
+        data = tensor.detach().cpu().contiguous().reshape(-1)
+        if data.numel():
+            import torch
+
+            with open(place.path, "r+b") as f:
+                f.seek(place.offset)
+                f.write(memoryview(data.view(torch.uint8).numpy()))
         self._next += 1
 
     def close(self) -> None:
         if self._next != len(self.entries):
             raise RuntimeError(f"{len(self.entries) - self._next} tensor(s) were never written")
-        if self._handle is not None:
-            self._handle.close()
-        if len(self.files) > 1:
-            index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": {name: self.files[self._shard_of[i]] for i, (name, _, _) in enumerate(self.entries)}}
-            (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_patch.models.mapping import RankCoord
-from megatron_patch.convert.torch_files import LazyTensor, LazyTorchFile
+from megatron_patch.convert.pickles import TensorRef
+from megatron_patch.convert.torch_files import LazyTorchFile
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -46,8 +47,8 @@ def rank_file(release_dir: str | Path, coord: RankCoord, layout: ParallelLayout)
     return Path(release_dir) / rank_dir_name(coord, layout) / FILE_NAME
 
 
-def open_rank_files(release_dir: str | Path, layout: ParallelLayout) -> dict[RankCoord, dict[str, LazyTensor]]:
-    """Every rank file's model state dict, lazily; refuses missing or unexpected rank folders."""
+def open_rank_files(release_dir: str | Path, layout: ParallelLayout) -> dict[RankCoord, tuple[LazyTorchFile, dict[str, TensorRef]]]:
+    """Every rank file and its model state dict, lazily; refuses missing or unexpected rank folders."""
     release_dir = Path(release_dir)
     if not release_dir.is_dir():
         raise UserError(f"{release_dir} is missing: the legacy checkpoint is incomplete")
@@ -61,11 +62,13 @@ def open_rank_files(release_dir: str | Path, layout: ParallelLayout) -> dict[Ran
         path = release_dir / name / FILE_NAME
         if not path.exists():
             raise UserError(f"{path} is missing: the legacy checkpoint is incomplete")
-        obj = LazyTorchFile(path).obj
+        lazy = LazyTorchFile(path)
+        obj = lazy.obj
         if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
             raise UserError(f"{path} has no 'model' state dict: it is not a Megatron model checkpoint")
-        out[coord] = {k: v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
-        bad = [k for k, v in out[coord].items() if not isinstance(v, LazyTensor)]
+        model = {k: v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
+        out[coord] = (lazy, model)
+        bad = [k for k, v in model.items() if not isinstance(v, TensorRef)]
         if bad:
             raise UserError(f"{path}: model entry {bad[0]} is not a tensor")
     return out

@@ -35,12 +35,19 @@ class Progress:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
             self._bar.update(nbytes)
 
-    def close(self) -> float:
+    def close(self, stats=None) -> float:
+        """``stats``: the copier's, to say how the bytes moved (file to file, through memory)."""
         seconds = time.perf_counter() - self.start
+        how = ""
+        if stats is not None:
+            how = f"; {stats.zero_copy_bytes / 2**30:.2f} GiB file to file, " \
+                  f"{(stats.gathered_bytes + stats.buffered_bytes + stats.called_bytes) / 2**30:.2f} GiB through memory"
+            if stats.fallback_reason:
+                how += f" (copy_file_range unavailable: {stats.fallback_reason})"
         if self._bar is not None:
             self._bar.close()
-        elif self.mode == "log":
+        if self.mode != "silent":
             rate = self.bytes / max(seconds, 1e-9) / 2**20
             print(f"{self.desc}: done, {self.tensors} tensors, {self.bytes / 2**30:.2f} GiB in {seconds:.1f}s "
-                  f"({rate:.0f} MiB/s)", file=self.stream, flush=True)
+                  f"({rate:.0f} MiB/s){how}", file=self.stream, flush=True)
         return seconds

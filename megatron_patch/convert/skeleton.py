@@ -12,23 +12,39 @@ uninitialised storage (nothing is written to it, so it costs no resident memory)
 A torch_dist checkpoint holds global tensors, so these single-rank entries describe it completely,
 whatever TP/PP/EP it is later loaded at.
 
+It also holds the shape of every HF tensor that config implies (the family's weight table run
+backwards from those parameters), and checks that the table writes every parameter and nothing else.
+
 The model is built in a helper process: building one needs megatron's process groups and, without
 CUDA, the CPU compatibility layer, which patches torch process-wide (transformers models loaded
 afterwards in the same process are not reliable). The caller's process stays untouched.
+
+Importing megatron-core and building the model takes 5-10 s, most of a small conversion, and the
+answer depends only on config.json and the code. So the skeleton is kept on disk
+(``~/.cache/megatron_patch/skeletons``, or ``$MPATCH_CACHE_DIR``), keyed by a hash of config.json,
+the megatron-core and torch versions, and the source of every module that shapes the model
+(``models/``, ``runtime/``, this file and the engine's ``plan``): anything that could change the answer changes the key. A
+cached skeleton is the helper's own result read back (tests compare the two); a damaged or foreign
+cache file is ignored and rewritten.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
+import importlib.metadata
 import io
 import json
+import os
 from dataclasses import dataclass
-
-import torch
+from pathlib import Path
 
 from megatron_patch.models.mapping.naming import local_to_te
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
+
+SKELETON_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,24 @@ class ModelSkeleton:
     shapes: dict[str, tuple[int, ...]]   # TE name -> full (TP=1) shape
     chunks: list[ChunkEntry]
     objects: list[ObjectEntry]
+    hf_shapes: dict[str, tuple[int, ...]]  # HF name -> the shape config.json implies
+
+    def to_json(self) -> dict:
+        return {"format": SKELETON_FORMAT,
+                "shapes": {k: list(v) for k, v in self.shapes.items()},
+                "hf_shapes": {k: list(v) for k, v in self.hf_shapes.items()},
+                "chunks": [[c.name, c.key, list(c.global_shape), list(c.global_offset), list(c.local_shape), c.prepend]
+                           for c in self.chunks],
+                "objects": [[o.unique_key, base64.b64encode(o.payload).decode()] for o in self.objects]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ModelSkeleton":
+        if data.get("format") != SKELETON_FORMAT:
+            raise ValueError(f"skeleton format {data.get('format')!r}")
+        return cls(shapes={k: tuple(v) for k, v in data["shapes"].items()},
+                   chunks=[ChunkEntry(n, k, tuple(g), tuple(o), tuple(s), int(p)) for n, k, g, o, s, p in data["chunks"]],
+                   objects=[ObjectEntry(k, base64.b64decode(p)) for k, p in data["objects"]],
+                   hf_shapes={k: tuple(v) for k, v in data["hf_shapes"].items()})
 
 
 def _ensure_single_rank_state() -> None:
@@ -76,16 +110,79 @@ def _ensure_single_rank_state() -> None:
     init_model_parallel(ParallelLayout())
 
 
-def describe_model(arch: Arch) -> ModelSkeleton:
-    """The skeleton of ``arch``'s MCore model (computed in a helper process; independent of dtype)."""
-    return _describe_cached(json.dumps(arch.hf_config, sort_keys=True))
+def describe_model(arch: Arch, *, use_cache: bool = True) -> ModelSkeleton:
+    """The skeleton of ``arch``'s MCore model (independent of dtype and layout): from the disk cache, or
+    computed by megatron-core in a helper process (and then cached)."""
+    config = json.dumps(arch.hf_config, sort_keys=True)
+    return _describe_cached(config) if use_cache else _compute(config)
 
 
 @functools.lru_cache(maxsize=8)
 def _describe_cached(hf_config_json: str) -> ModelSkeleton:
+    path = cache_path(hf_config_json)
+    if path is not None and path.is_file():
+        try:
+            return ModelSkeleton.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # damaged or foreign: computed again and rewritten below
+    skeleton = _compute(hf_config_json)
+    if path is not None:
+        _store(path, skeleton)
+    return skeleton
+
+
+def _compute(hf_config_json: str) -> ModelSkeleton:
     from megatron_patch.runtime.launch import run_local
 
     return run_local(_describe_worker, 1, hf_config_json)[0]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MPATCH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "megatron_patch")
+    return Path(root) / "skeletons"
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """Hash of every source file that decides what megatron builds for a config (and of the versions)."""
+    package = Path(__file__).resolve().parents[1]
+    files = sorted(p for sub in ("models", "runtime") for p in (package / sub).rglob("*.py"))
+    files += [Path(__file__).resolve(), package / "convert" / "engine.py"]
+    h = hashlib.sha256()
+    for dist in ("megatron-core", "torch"):
+        h.update(f"{dist}={_version(dist)}\n".encode())
+    for p in files:
+        h.update(str(p.relative_to(package)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cache_path(hf_config_json: str) -> Path | None:
+    """Where the skeleton of this config is cached; None if the code cannot be hashed."""
+    try:
+        key = hashlib.sha256(f"{SKELETON_FORMAT}\0{_code_digest()}\0{hf_config_json}".encode()).hexdigest()
+    except OSError:
+        return None
+    return cache_dir() / f"{key}.json"
+
+
+def _store(path: Path, skeleton: ModelSkeleton) -> None:
+    """Written aside and renamed, so concurrent conversions never read half a file; failures are ignored
+    (the cache only saves time)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(skeleton.to_json()))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _describe_worker(hf_config_json: str) -> ModelSkeleton:
@@ -96,6 +193,7 @@ def _describe_worker(hf_config_json: str) -> ModelSkeleton:
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:
     """``describe_model`` in this process (sets up a world of one and megatron's CPU layer)."""
+    import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     from megatron_patch.models.builder import build_model
@@ -126,7 +224,39 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
             else:
                 raise UserError(f"unexpected entry {type(item).__name__} in the model's sharded state dict")
     del model
-    return ModelSkeleton(shapes, chunks, objects)
+    return ModelSkeleton(shapes, chunks, objects, expected_hf_shapes(arch, shapes))
+
+
+def expected_hf_shapes(arch: Arch, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shape of every HF tensor, derived from the parameters megatron-core builds for ``arch`` (the
+    weight table's splits run backwards on shape-only tensors).
+
+    Also checks that the weight table writes every parameter of the model and nothing else.
+    """
+    import torch
+
+    from megatron_patch.convert.engine import MappingError, names_list, plan
+    from megatron_patch.models.mapping import split_context
+    from megatron_patch.models.mapping.splits import Replicated
+    from megatron_patch.models.registry import get_family
+    from megatron_patch.runtime import ParallelLayout
+
+    ctx = split_context(arch)
+    planned, out = set(), {}
+    for t in plan(get_family(arch.family), arch, ParallelLayout()):
+        name = t.placements[0].mcore_name
+        planned.add(name)
+        if name not in shapes:
+            raise MappingError(f"the {arch.family} weight table writes {name}, which the MCore model does not have")
+        shape = shapes[name]
+        hf_shapes = [shape] * len(t.hf_names) if isinstance(t.split, Replicated) else \
+            [tuple(m.shape) for m in t.split.merge([torch.empty(shape, device="meta")], ctx)]
+        for hf_name, s in zip(t.hf_names, hf_shapes):
+            out.setdefault(hf_name, tuple(s))
+    unplanned = set(shapes) - planned
+    if unplanned:
+        raise MappingError(f"no {arch.family} mapping rule writes {len(unplanned)} MCore parameter(s): {names_list(unplanned)}")
+    return out
 
 
 def _single_layout():

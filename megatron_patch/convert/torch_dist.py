@@ -1,35 +1,33 @@
-"""The torch_dist format (megatron-core ``dist_checkpointing``) written and read one chunk at a time.
+"""The torch_dist format (megatron-core ``dist_checkpointing``), laid out and read without torch.
 
-A torch_dist checkpoint is a PyTorch distributed checkpoint (``.metadata`` + ``*.distcp`` files)
-of global tensors, plus megatron's ``metadata.json`` and ``common.pt``. The write path goes through
-torch's own save planner, so ``.metadata`` is exactly what ``torch.distributed.checkpoint`` builds,
-but with a storage writer that asks for each chunk only when it is about to be written and drops it
-right after (torch's own writer keeps every tensor of a file alive until the file is finished).
-The read path asks for blocks of global tensors (one layer of one parameter at a time).
+A torch_dist checkpoint is a PyTorch distributed checkpoint: ``*.distcp`` files that hold one
+``torch.save`` archive per tensor chunk (and raw bytes per object) back to back, and a ``.metadata``
+pickle that says, for every global tensor, its shape, dtype and chunks, and where each chunk's
+archive lies; plus megatron's ``metadata.json`` and ``common.pt``.
+
+``plan_torch_dist`` lays out all of it from the chunk list alone (shapes, offsets, dtypes): every
+archive's headers and pickle, every chunk's byte range (a ``Stored`` the copier fills), and the
+``.metadata`` pickle, spelled as torch's own ``FileSystemWriter`` spells it, so torch's reader and
+megatron's ``dist_checkpointing.load`` read the result as their own.
+
+``TorchDistReader`` reads ``.metadata`` with the safe unpickler (no torch, and no dependence on the
+torch version that wrote it beyond the field names) and locates each stored chunk's bytes. A block
+that is not exactly one plain stored chunk is read through torch's own reader (``load``).
 """
 
 from __future__ import annotations
 
-import io
 import json
+import os
 import warnings
-from torch.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
-import torch
-from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex, TensorProperties)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.storage import WriteResult
-
-from megatron_patch.convert.torch_files import LazyTensor, LazyTorchFile
+from megatron_patch.convert.bytemap import Stored
+from megatron_patch.convert.pickles import (
+    Call, DType, Global, Items, New, Record, TensorRef, dumps, loads, torch_dtype, torch_size)
+from megatron_patch.convert.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
 from megatron_patch.errors import UserError
 
 # What megatron-core's dist_checkpointing.save writes next to the torch files.
@@ -37,109 +35,220 @@ MEGATRON_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1
                    "common_backend": "torch", "common_backend_version": 1}
 # A new .distcp file is started after this many bytes, to keep files a manageable size.
 FILE_BYTES = 2 * 2**30
+_MD = "torch.distributed.checkpoint.metadata"
+_FS = "torch.distributed.checkpoint.filesystem"
+METADATA_VERSION = "1.0.0"
 
 
-def tensor_item(key: str, global_shape, offset, local_shape, dtype: torch.dtype) -> WriteItem:
-    return WriteItem(index=MetadataIndex(key, torch.Size(offset)), type=WriteItemType.SHARD,
-                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offset), torch.Size(local_shape)),
-                                                 properties=TensorProperties(dtype=dtype), size=torch.Size(global_shape)))
+@dataclass(frozen=True)
+class ChunkItem:
+    """One stored block of global tensor ``key``: at ``offset`` (all dims), of ``local_shape``."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    dtype: str
 
 
-def bytes_item(key: str) -> WriteItem:
-    return WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO)
+@dataclass
+class TorchDistPlan:
+    folder: Path
+    files: dict[str, int] = field(default_factory=dict)                 # .distcp name -> size
+    small: list[tuple[str, int, bytes]] = field(default_factory=list)   # (file name, offset, bytes)
+    stored: dict[tuple[str, tuple[int, ...]], Stored] = field(default_factory=dict)
+    metadata: bytes = b""
+
+    def create_files(self) -> None:
+        """Every .distcp file at its full size, with all headers and object bytes in place."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        by_file: dict[str, list[tuple[int, bytes]]] = {}
+        for name, offset, data in self.small:
+            by_file.setdefault(name, []).append((offset, data))
+        for name, size in self.files.items():
+            fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, size)
+                for offset, data in by_file.get(name, ()):
+                    os.pwrite(fd, data, offset)
+            finally:
+                os.close(fd)
+
+    def finish(self) -> None:
+        """``.metadata``, ``common.pt`` and ``metadata.json``: written once the data is in place."""
+        (self.folder / ".metadata").write_bytes(self.metadata)
+        write_torch_save(self.folder / "common.pt", {})
+        (self.folder / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
 
 
-class _PlannedSave(DefaultSavePlanner):
-    """A save planner whose plan is given (no state dict) and whose data is produced on demand."""
-
-    def __init__(self, items: list[WriteItem], resolve: Callable[[WriteItem], torch.Tensor | io.BytesIO]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._items, self._resolve = items, resolve
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
-        super().set_up_planner({}, storage_meta, is_coordinator)
-
-    def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan(list(self._items))
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem):
-        return self._resolve(write_item)
-
-
-class _StreamingWriter(dcp.FileSystemWriter):
-    """Writes items in plan order, one at a time, never holding more than the item in hand."""
-
-    def __init__(self, path, order: dict, on_item: Callable[[WriteItem, int], None] | None = None):
-        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1)
-        self._order, self._on_item = order, on_item
-
-    def write_data(self, plan: SavePlan, planner) -> Future:
-        prefix = plan.storage_data.prefix
-        items = sorted(plan.items, key=lambda it: self._order[(it.index.fqn, tuple(it.index.offset or ()))])
-        results, file_index, stream, written = [], -1, None, FILE_BYTES
-        try:
-            for item in items:
-                if written >= FILE_BYTES:
-                    if stream is not None:
-                        stream.close()
-                    file_index += 1
-                    name = f"{prefix}{file_index}.distcp"
-                    stream = open(Path(self.path) / name, "wb")
-                    written = 0
-                offset = stream.tell()
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    stream.write(data.getbuffer())
-                else:
-                    data = data.detach().cpu().contiguous()
-                    if data.storage_offset() or data.untyped_storage().nbytes() != data.nbytes:
-                        data = data.clone()  # torch.save writes whole storages
-                    torch.save(data, stream)
-                length = stream.tell() - offset
-                written += length
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
-                if self._on_item is not None:
-                    self._on_item(item, length)
-                del data
-        finally:
-            if stream is not None:
-                stream.close()
-        future: Future = Future()
-        future.set_result(results)
-        return future
-
-
-def write_torch_dist(folder: str | Path, items: list[WriteItem],
-                     resolve: Callable[[WriteItem], torch.Tensor | io.BytesIO],
-                     on_item: Callable[[WriteItem, int], None] | None = None) -> None:
-    """Write a megatron torch_dist checkpoint holding ``items`` (in this order) into ``folder``."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    order = {(it.index.fqn, tuple(it.index.offset or ())): i for i, it in enumerate(items)}
-    from torch.utils.serialization import config
-
-    crc, config.save.compute_crc32 = config.save.compute_crc32, False  # as in StreamingTorchSave
+def write_torch_save(path: Path, obj) -> None:
+    """A small torch.save file with no tensors."""
+    layout, _ = plan_torch_save(path, obj)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-            dcp.save({}, storage_writer=_StreamingWriter(folder, order, on_item), planner=_PlannedSave(items, resolve),
-                     no_dist=True)
-    except CheckpointException as exc:
-        # torch wraps whatever the writer raised; a UserError from reading the HF side passes through.
-        inner = [v[0] if isinstance(v, tuple) else v for v in getattr(exc, "failures", {}).values()]
-        if inner and isinstance(inner[0], UserError):
-            raise inner[0]
-        raise UserError(f"cannot write the torch_dist checkpoint in {folder} ({_cause(exc)})")
+        os.ftruncate(fd, layout.size)
+        for offset, data in layout.small:
+            os.pwrite(fd, data, offset)
     finally:
-        config.save.compute_crc32 = crc
-    torch.save({}, folder / "common.pt")
-    (folder / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
+        os.close(fd)
 
 
-def _same(a, b) -> bool:
-    return tuple(a) == tuple(b)
+def _properties(dtype: str) -> New:
+    return New(Global(_MD, "TensorProperties"),
+               (torch_dtype(dtype), Call(Global("torch.serialization", "_get_layout"), ("torch.strided",)), False,
+                Call(Global(_MD, "_MEM_FORMAT_ENCODING"), (0,)), False))
+
+
+def plan_torch_dist(folder: str | Path, chunks: list[ChunkItem], objects: list[tuple[str, bytes]],
+                    file_bytes: int = FILE_BYTES) -> TorchDistPlan:
+    """Lay out a torch_dist checkpoint holding ``chunks`` (then ``objects``: key, raw bytes) in this order."""
+    plan = TorchDistPlan(Path(folder))
+    tensors: dict[str, dict] = {}
+    storage = []
+    file_index, pos, name = -1, file_bytes, ""
+
+    def place(length_hint: int) -> tuple[str, int]:
+        nonlocal file_index, pos, name
+        if pos >= file_bytes:
+            file_index += 1
+            name = f"__0_{file_index}.distcp"
+            pos = 0
+        return name, pos
+
+    for ch in chunks:
+        fname, start = place(0)
+        layout, stored = plan_torch_save(plan.folder / fname, TensorSpec(tuple(ch.local_shape), ch.dtype), base=start)
+        plan.small += [(fname, off, data) for off, data in layout.small]
+        plan.stored[(ch.key, tuple(ch.offset))] = stored[()]
+        entry = tensors.setdefault(ch.key, {"dtype": ch.dtype, "size": tuple(ch.global_shape), "chunks": []})
+        if entry["dtype"] != ch.dtype or entry["size"] != tuple(ch.global_shape):
+            raise ValueError(f"chunks of {ch.key} disagree on dtype or global shape")
+        index = len(entry["chunks"])
+        entry["chunks"].append(New(Global(_MD, "ChunkStorageMetadata"),
+                                   {"offsets": torch_size(ch.offset), "sizes": torch_size(ch.local_shape)}))
+        storage.append((New(Global(_MD, "MetadataIndex"), {"fqn": ch.key, "index": index, "offset": torch_size(ch.offset)}),
+                        New(Global(_FS, "_StorageInfo"), {"relative_path": fname, "offset": start, "length": layout.size})))
+        pos = layout.end
+        plan.files[fname] = pos
+    sd_metadata = {key: New(Global(_MD, "TensorStorageMetadata"),
+                            {"properties": _properties(e["dtype"]), "size": torch_size(e["size"]), "chunks": e["chunks"]})
+                   for key, e in tensors.items()}
+    for key, payload in objects:
+        fname, start = place(0)
+        plan.small.append((fname, start, payload))
+        sd_metadata[key] = New(Global(_MD, "BytesStorageMetadata"), {})
+        storage.append((New(Global(_MD, "MetadataIndex"), {"fqn": key, "index": None, "offset": None}),
+                        New(Global(_FS, "_StorageInfo"), {"relative_path": fname, "offset": start, "length": len(payload)})))
+        pos = start + len(payload)
+        plan.files[fname] = pos
+    plan.metadata = dumps(New(Global(_MD, "Metadata"), {
+        "state_dict_metadata": sd_metadata, "planner_data": None, "storage_data": Items(storage),
+        "storage_meta": None, "version": METADATA_VERSION}))
+    return plan
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorInfo:
+    global_shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]   # (offsets, sizes)
+
+
+def _state(rec, name: str):
+    """Field ``name`` of an unpickled dataclass (None when absent: torch leaves out some None fields)."""
+    return rec.get(name) if isinstance(rec, Record) else getattr(rec, name, None)
+
+
+class TorchDistReader:
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not (self.folder / ".metadata").exists():
+            raise UserError(f"{self.folder} has no .metadata: it is not a complete torch_dist checkpoint")
+        try:
+            md = loads((self.folder / ".metadata").read_bytes(), where=str(self.folder / ".metadata"))
+            self.tensors: dict[str, TensorInfo] = {}
+            self.objects: set[str] = set()
+            for key, entry in _state(md, "state_dict_metadata").items():
+                if entry.qualname.endswith("BytesStorageMetadata"):
+                    self.objects.add(key)
+                    continue
+                props = _state(entry, "properties")
+                pstate = props.state
+                dtype = pstate[0] if isinstance(pstate, tuple) else pstate["dtype"]
+                chunks = tuple((tuple(_state(c, "offsets")), tuple(_state(c, "sizes"))) for c in _state(entry, "chunks"))
+                self.tensors[key] = TensorInfo(tuple(_state(entry, "size")), dtype.name if isinstance(dtype, DType) else str(dtype),
+                                               chunks)
+            self.storage: dict[tuple[str, tuple | None], tuple[str, int, int, object]] = {}
+            for index, info in (_state(md, "storage_data") or {}).items():
+                offset = _state(index, "offset")
+                self.storage[(_state(index, "fqn"), None if offset is None else tuple(offset))] = (
+                    _state(info, "relative_path"), int(_state(info, "offset")), int(_state(info, "length")),
+                    info.get("transform_descriptors") if isinstance(info, Record) else None)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unpickling or structure failure means a damaged file
+            raise UserError(f"{self.folder / '.metadata'} is unreadable ({type(exc).__name__}: {exc}): "
+                            "the checkpoint is damaged")
+
+    def keys(self) -> set[str]:
+        return set(self.tensors) | self.objects
+
+    def tensor_keys(self) -> set[str]:
+        return set(self.tensors)
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        return self.tensors[key].global_shape
+
+    def dtype(self, key: str) -> str:
+        return self.tensors[key].dtype
+
+    def stored_chunk(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Stored | None:
+        """Where the bytes of the block of ``key`` at ``offset`` of ``shape`` are, when exactly one plain
+        stored chunk holds it (always for checkpoints written here or by a TP=1 training run); else None."""
+        info = self.tensors.get(key)
+        if info is None or (tuple(offset), tuple(shape)) not in info.chunks:
+            return None
+        where = self.storage.get((key, tuple(offset)))
+        if where is None or where[3]:
+            return None
+        relative, start, length, _ = where
+        blob = LazyTorchFile(self.folder / relative, window=(start, length))
+        if not isinstance(blob.obj, TensorRef):
+            return None
+        stored = blob.stored(blob.obj)
+        if stored is None or stored.dtype != info.dtype or tuple(stored.shape) != tuple(shape):
+            return None
+        return stored
+
+    def load(self, requests: Iterable[tuple[str, tuple[int, ...], object]]) -> None:
+        """Fill each target tensor with the block of ``key`` that starts at ``offset``, through torch's
+        reader (torch imported here): for blocks ``stored_chunk`` cannot place."""
+        requests = list(requests)
+        if not requests:
+            return
+        from torch.distributed import checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        for key, offset, target in requests:
+            info = self.tensors.get(key)
+            if info is None:
+                raise UserError(f"the torch_dist checkpoint has no tensor '{key}': it was not written for this model")
+            end = [o + s for o, s in zip(offset, target.shape)]
+            if len(info.global_shape) != len(offset) or any(e > s for e, s in zip(end, info.global_shape)):
+                raise UserError(f"torch_dist tensor '{key}' has shape {info.global_shape}, which does not fit the model "
+                                f"(needs a block at {offset} of {tuple(target.shape)})")
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+                dcp.load({}, storage_reader=dcp.FileSystemReader(str(self.folder)), planner=_chunk_load_planner(requests),
+                         no_dist=True)
+        except UserError:
+            raise
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - torch reports damaged files in many ways
+            raise UserError(f"cannot read {requests[0][0]} from {self.folder} ({_cause(exc)}): "
+                            "the checkpoint may be truncated or corrupt")
 
 
 def _cause(exc: BaseException) -> str:
@@ -149,105 +258,37 @@ def _cause(exc: BaseException) -> str:
     return last.split(". ")[0]
 
 
-class _ChunkLoad(DefaultLoadPlanner):
-    """Loads the given blocks of global tensors into the given target tensors."""
+def _chunk_load_planner(requests):
+    """torch's load planner, asked for the given blocks of global tensors, filling the given targets."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    def __init__(self, requests: list[tuple[str, tuple[int, ...], torch.Tensor]]):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self._requests = requests
-        self._targets: dict = {}
+    class _ChunkLoad(DefaultLoadPlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self._targets: dict = {}
 
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        super().set_up_planner({}, metadata, is_coordinator)
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            super().set_up_planner({}, metadata, is_coordinator)
 
-    def create_local_plan(self) -> LoadPlan:
-        items = []
-        for key, offset, target in self._requests:
-            md = self.metadata.state_dict_metadata.get(key)
-            if md is None or isinstance(md, BytesStorageMetadata):
-                raise UserError(f"the torch_dist checkpoint has no tensor '{key}': it was not written for this model")
-            end = [o + s for o, s in zip(offset, target.shape)]
-            if len(md.size) != len(offset) or any(e > s for e, s in zip(end, md.size)):
-                raise UserError(f"torch_dist tensor '{key}' has shape {tuple(md.size)}, which does not fit the model "
-                                f"(needs a block at {offset} of {tuple(target.shape)})")
-            self._targets[(key, tuple(offset))] = target
-            items += create_read_items_for_chunk_list(
-                key, md, [ChunkStorageMetadata(torch.Size(offset), target.size())])
-        return LoadPlan(items)
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key, offset, target in requests:
+                md = self.metadata.state_dict_metadata[key]
+                self._targets[(key, tuple(offset))] = target
+                items += create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offset), target.size())])
+            return LoadPlan(items)
 
-    def resolve_tensor(self, read_item):
-        target = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            target = target.narrow(dim, start, length)
-        return target
+        def resolve_tensor(self, read_item):
+            target = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                target = target.narrow(dim, start, length)
+            return target
 
-    def commit_tensor(self, read_item, tensor) -> None:
-        pass
+        def commit_tensor(self, read_item, tensor) -> None:
+            pass
 
-
-class _CachedReader(dcp.FileSystemReader):
-    """Reads ``.metadata`` once for the many small loads of a conversion."""
-
-    _metadata = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self._metadata is None:
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
-
-
-class TorchDistReader:
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        if not (self.folder / ".metadata").exists():
-            raise UserError(f"{self.folder} has no .metadata: it is not a complete torch_dist checkpoint")
-        try:
-            self._reader = _CachedReader(self.folder)
-            self.metadata = self._reader.read_metadata()
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
-            raise UserError(f"{self.folder / '.metadata'} is unreadable ({exc}): the checkpoint is damaged")
-
-    def keys(self) -> set[str]:
-        return set(self.metadata.state_dict_metadata)
-
-    def tensor_keys(self) -> set[str]:
-        return {k for k, v in self.metadata.state_dict_metadata.items() if not isinstance(v, BytesStorageMetadata)}
-
-    def global_shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.metadata.state_dict_metadata[key].size)
-
-    def dtype(self, key: str) -> torch.dtype:
-        return self.metadata.state_dict_metadata[key].properties.dtype
-
-    def _read_stored_chunk(self, key: str, offset: tuple[int, ...], target: torch.Tensor) -> bool:
-        """Fast path: the block asked for is exactly one stored chunk, kept as a plain torch.save record.
-
-        Its bytes are read straight into ``target`` (one copy, GIL released), where torch's reader
-        reads the record into a buffer, unpickles a tensor from it and then copies that into the
-        target. Anything else (other chunking, transforms, another dtype) goes through torch's reader.
-        """
-        md = self.metadata.state_dict_metadata.get(key)
-        if md is None or isinstance(md, BytesStorageMetadata) or md.properties.dtype != target.dtype:
-            return False
-        if not any(_same(c.offsets, offset) and _same(c.sizes, target.shape) for c in md.chunks):
-            return False
-        info = (self.metadata.storage_data or {}).get(MetadataIndex(key, torch.Size(offset)))
-        if info is None or getattr(info, "transform_descriptors", None):
-            return False
-        blob = LazyTorchFile(self.folder / info.relative_path, window=(info.offset, info.length))
-        return isinstance(blob.obj, LazyTensor) and blob.read_into(blob.obj, target)
-
-    def load(self, requests: Iterable[tuple[str, tuple[int, ...], torch.Tensor]]) -> None:
-        """Fill each target tensor with the block of ``key`` that starts at ``offset``."""
-        requests = [r for r in requests if not self._read_stored_chunk(*r)]
-        if not requests:
-            return
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-                dcp.load({}, storage_reader=self._reader, planner=_ChunkLoad(requests), no_dist=True)
-        except UserError:
-            raise
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - torch reports damaged files in many ways
-            raise UserError(f"cannot read {requests[0][0]} from {self.folder} ({_cause(exc)}): "
-                            "the checkpoint may be truncated or corrupt")
+    return _ChunkLoad()

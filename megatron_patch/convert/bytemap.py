@@ -1,0 +1,149 @@
+"""Where tensor bytes are, and which bytes go where: the converter's plan, before any byte moves.
+
+Every tensor the converter reads or writes is ``Stored``: dense, C-contiguous, at a known byte offset
+of a known file (a safetensors entry, a record of a torch.save zip, a chunk inside a ``.distcp``
+file). Seen as a 2-D array (dim 0 by everything else), a split's ``Block`` (rows, optionally dim-1
+columns, of one HF tensor) becomes a ``Move``: a box of one stored tensor copied into a box of
+another. A move whose boxes span whole rows on both sides and keeps the dtype is one contiguous byte
+range on each side, which goes file to file (``os.copy_file_range``); any other move (dim-1 slices of
+a row-parallel split, a dtype change) is gathered in user space, a band of rows at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_patch.dtypes import ITEMSIZE
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A dense C-contiguous tensor of ``shape`` and ``dtype`` (a dtype name) at ``offset`` of ``path``."""
+
+    path: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def cols(self) -> int:
+        """Elements per dim-0 row."""
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def inner(self) -> int:
+        """Elements per dim-1 index (a dim-1 column is this many contiguous elements)."""
+        return math.prod(self.shape[2:]) if len(self.shape) > 2 else 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.cols * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class Move:
+    """Rows ``[src_row, src_row + rows)`` x elements ``[src_col, src_col + cols)`` of ``src`` (in its 2-D
+    view) into the same-sized box of ``dst`` at (``dst_row``, ``dst_col``), converting the dtype if the
+    two differ."""
+
+    src: Stored
+    src_row: int
+    src_col: int
+    dst: Stored
+    dst_row: int
+    dst_col: int
+    rows: int
+    cols: int
+
+    @property
+    def contiguous(self) -> bool:
+        """One byte range on each side: whole rows of both tensors, same dtype."""
+        return (self.src.dtype == self.dst.dtype and self.cols == self.src.cols == self.dst.cols
+                and self.src_col == 0 and self.dst_col == 0)
+
+    @property
+    def src_range(self) -> tuple[int, int]:
+        return self.src.offset + self.src_row * self.src.row_bytes, self.rows * self.src.row_bytes
+
+    @property
+    def dst_range(self) -> tuple[int, int]:
+        return self.dst.offset + self.dst_row * self.dst.row_bytes, self.rows * self.dst.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.dst.itemsize
+
+
+def shard_shape(blocks, part_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of a shard made of ``blocks`` of tensors of ``part_shapes``."""
+    rows, rest = 0, None
+    for b in blocks:
+        ref = part_shapes[0 if b.part is None else b.part]
+        trailing = tuple(ref[1:])
+        if b.cols is not None:
+            trailing = (b.cols[1] - b.cols[0],) + trailing[1:]
+        if rest is None:
+            rest = trailing
+        elif b.part is not None and trailing != rest:
+            raise ValueError(f"blocks of one shard differ in trailing shape: {rest} vs {trailing}")
+        rows += b.num_rows
+    return (rows,) + (rest or ())
+
+
+def block_moves(blocks, parts: list[Stored], shard: Stored, *, to_shard: bool = True) -> list[Move]:
+    """The moves that build ``shard`` from ``parts`` (``to_shard``), or the HF ``parts`` back from
+    ``shard`` (the same boxes, the other way round). Padding blocks move nothing: an output file is
+    created at its full size, so rows never written read as zeros."""
+    moves, row = [], 0
+    for b in blocks:
+        if b.part is not None:
+            part = parts[b.part]
+            inner = part.inner
+            col0, width = (0, part.cols) if b.cols is None else (b.cols[0] * inner, (b.cols[1] - b.cols[0]) * inner)
+            if to_shard:
+                moves.append(Move(part, b.rows[0], col0, shard, row, 0, b.num_rows, width))
+            else:
+                moves.append(Move(shard, row, 0, part, b.rows[0], col0, b.num_rows, width))
+        row += b.num_rows
+    return moves
+
+
+@dataclass(frozen=True)
+class Tiled:
+    """A tensor stored as several boxes, each a ``Stored`` of its own: ``tiles`` are (first row, stop row,
+    first element column, stop element column, where) in the tensor's 2-D view. A torch_dist
+    checkpoint keeps a SwiGLU ``linear_fc1`` as its gate and up halves, for example."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    tiles: tuple[tuple[int, int, int, int, Stored], ...]
+
+    @property
+    def whole(self) -> Stored:
+        """Stands for the tensor in moves until ``resolve`` sends them to the tiles."""
+        return Stored("", 0, self.shape, self.dtype)
+
+    def resolve(self, moves: list[Move]) -> list[Move]:
+        """Moves out of ``whole`` as moves out of the tiles that hold those bytes."""
+        out = []
+        for m in moves:
+            for r0, r1, c0, c1, where in self.tiles:
+                i0, i1 = max(r0, m.src_row), min(r1, m.src_row + m.rows)
+                j0, j1 = max(c0, m.src_col), min(c1, m.src_col + m.cols)
+                if i0 < i1 and j0 < j1:
+                    out.append(Move(where, i0 - r0, j0 - c0, m.dst, m.dst_row + i0 - m.src_row,
+                                    m.dst_col + j0 - m.src_col, i1 - i0, j1 - j0))
+        return out

@@ -1,0 +1,341 @@
+"""Moves bytes between files with a pool of workers: the converter's only data path.
+
+Everything is planned before this runs (``bytemap``): each output file already exists at its full
+size with its headers written, and every tensor byte has a fixed destination. So the work is a
+list of independent tasks that any worker can do in any order:
+
+- ``CopyTask``: one contiguous byte range, file to file with ``os.copy_file_range`` (the kernel
+  copies page-cache pages; no byte passes through Python). Where the kernel refuses (another file
+  system, no support, an old kernel), the copier falls back, once and for all, to ``pread`` /
+  ``pwrite`` through a small per-worker buffer. Large ranges are cut into pieces so workers share them.
+- ``GatherTask``: moves that are not contiguous (dim-1 slices of row-parallel weights, dtype
+  changes): a band of rows at a time is read into memory, sliced (and converted), and written.
+  Memory per worker is bounded by ``band_bytes``.
+- ``CompareTask``: two stored tensors must hold the same bytes (replicas, tied copies).
+- ``CallTask``: anything the plan could not express as moves, done by a function (through torch).
+
+Each worker opens nothing it could create: output files are only opened for writing, never made, so
+a worker still running after the partial output folder was removed cannot bring a file back.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from megatron_patch.convert.bytemap import Move, Stored
+from megatron_patch.errors import UserError
+
+# Contiguous ranges are cut into pieces of this size so that several workers share a large tensor.
+COPY_PIECE = 64 * 2**20
+# Memory a gather may hold at once (the rows read and the rows assembled).
+BAND_BYTES = 32 * 2**20
+# Bytes per pread/pwrite when copy_file_range is not available.
+FALLBACK_BUFFER = 8 * 2**20
+# copy_file_range errors that mean "not here", not "broken": fall back to reading and writing.
+_NO_ZERO_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM, errno.ETXTBSY, errno.EBADF}
+
+
+@dataclass(frozen=True)
+class CopyTask:
+    src: str
+    src_offset: int
+    dst: str
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GatherTask:
+    moves: tuple[Move, ...]
+    band_rows: int
+    bands: tuple[int, int]          # band indices [first, stop) this task fills
+
+
+@dataclass(frozen=True)
+class CompareTask:
+    a: Stored
+    b: Stored
+    message: str
+
+
+@dataclass(frozen=True)
+class CallTask:
+    fn: Callable[["Copier"], int]   # returns the bytes it wrote
+    nbytes: int = 0
+
+
+@dataclass
+class CopyStats:
+    zero_copy_bytes: int = 0
+    buffered_bytes: int = 0         # contiguous bytes copied through memory (copy_file_range unavailable)
+    gathered_bytes: int = 0
+    compared_bytes: int = 0
+    called_bytes: int = 0
+    fallback_reason: str | None = None
+    source_reads: list = field(default_factory=list)   # (path, offset, length) when ``trace`` is on
+
+
+def copy_range(copier: "Copier", src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset``."""
+    while nbytes > 0:
+        if copier.zero_copy:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, nbytes, src_offset, dst_offset)
+            except OSError as exc:
+                if exc.errno not in _NO_ZERO_COPY:
+                    raise
+                copier.disable_zero_copy(f"copy_file_range: {exc.strerror or exc}")
+                continue
+            if n == 0:
+                raise EOFError(f"the source ends {nbytes} bytes early")
+            copier.count("zero_copy_bytes", n)
+        else:
+            buf = copier.buffer(min(nbytes, FALLBACK_BUFFER))
+            n = os.preadv(src_fd, [buf], src_offset)
+            if n == 0:
+                raise EOFError(f"the source ends {nbytes} bytes early")
+            written = 0
+            while written < n:
+                written += os.pwrite(dst_fd, buf[written:n], dst_offset + written)
+            copier.count("buffered_bytes", n)
+        src_offset += n
+        dst_offset += n
+        nbytes -= n
+
+
+def read_exact(fd: int, view: memoryview, offset: int) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise EOFError(f"the file ends {len(view) - got} bytes early")
+        got += n
+
+
+def write_all(fd: int, view, offset: int) -> None:
+    view = memoryview(view).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+class Copier:
+    """Runs tasks on ``workers`` threads. ``zero_copy=False`` copies every contiguous range through
+    memory instead (the fallback path, also what tests compare the zero-copy path with)."""
+
+    def __init__(self, workers: int = 1, *, zero_copy: bool = True, progress=None, band_bytes: int = BAND_BYTES,
+                 trace: bool = False):
+        if workers < 1:
+            raise UserError(f"--workers must be at least 1 (got {workers})")
+        self.workers = workers
+        self.zero_copy = zero_copy and hasattr(os, "copy_file_range")
+        self.progress = progress
+        self.band_bytes = band_bytes
+        self.trace = trace
+        self.stats = CopyStats()
+        if not self.zero_copy:
+            self.stats.fallback_reason = "copy_file_range not used" if zero_copy is False else "no os.copy_file_range"
+        self._lock = threading.Lock()
+        self._fds: dict[tuple[str, bool], int] = {}
+        self._local = threading.local()
+
+    # --- shared state --------------------------------------------------------------------------------
+
+    def fd(self, path: str, write: bool = False) -> int:
+        key = (path, write)
+        fd = self._fds.get(key)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(key)
+                if fd is None:
+                    fd = os.open(path, os.O_WRONLY if write else os.O_RDONLY)
+                    self._fds[key] = fd
+        return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def count(self, stat: str, n: int) -> None:
+        with self._lock:
+            setattr(self.stats, stat, getattr(self.stats, stat) + n)
+
+    def note_read(self, path: str, offset: int, length: int) -> None:
+        if self.trace:
+            with self._lock:
+                self.stats.source_reads.append((path, offset, length))
+
+    def disable_zero_copy(self, reason: str) -> None:
+        with self._lock:
+            if self.zero_copy:
+                self.zero_copy = False
+                self.stats.fallback_reason = reason
+
+    def buffer(self, size: int) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.buf = memoryview(bytearray(max(size, 1)))
+        return buf[:size]
+
+    # --- tasks ---------------------------------------------------------------------------------------
+
+    def copy_tasks(self, src: str, src_offset: int, dst: str, dst_offset: int, nbytes: int) -> list[CopyTask]:
+        return [CopyTask(src, src_offset + k, dst, dst_offset + k, min(COPY_PIECE, nbytes - k))
+                for k in range(0, nbytes, COPY_PIECE)]
+
+    def gather_tasks(self, moves: list[Move]) -> list[GatherTask]:
+        """Tasks for one group of moves that share destinations (all moves into any of its outputs)."""
+        srcs = list(dict.fromkeys(m.src for m in moves))
+        dsts = list(dict.fromkeys(m.dst for m in moves))
+        per_row = sum(s.row_bytes for s in srcs) + max(d.row_bytes for d in dsts)
+        band_rows = max(1, self.band_bytes // max(per_row, 1))
+        bands = -(-max(d.rows for d in dsts) // band_rows)
+        # Several bands per task keep the number of tasks small; a task stays well under a second.
+        per_task = max(1, (4 * self.band_bytes) // max(band_rows * per_row, 1))
+        return [GatherTask(tuple(moves), band_rows, (b, min(bands, b + per_task))) for b in range(0, bands, per_task)]
+
+    def _copy(self, t: CopyTask) -> int:
+        self.note_read(t.src, t.src_offset, t.nbytes)
+        try:
+            copy_range(self, self.fd(t.src), t.src_offset, self.fd(t.dst, True), t.dst_offset, t.nbytes)
+        except EOFError as exc:
+            raise UserError(f"cannot read {t.src} ({exc}): the file may be truncated or corrupt")
+        return t.nbytes
+
+    def _read_rows(self, src: Stored, first: int, stop: int):
+        import numpy as np
+
+        band = np.empty((stop - first, src.row_bytes), dtype=np.uint8)
+        offset = src.offset + first * src.row_bytes
+        self.note_read(src.path, offset, band.nbytes)
+        try:
+            read_exact(self.fd(src.path), memoryview(band).cast("B"), offset)
+        except EOFError as exc:
+            raise UserError(f"cannot read {src.path} ({exc}): the file may be truncated or corrupt")
+        return band
+
+    def _gather(self, t: GatherTask) -> int:
+        import numpy as np
+
+        by_dst: dict[Stored, list[Move]] = {}
+        for m in t.moves:
+            by_dst.setdefault(m.dst, []).append(m)
+        written = 0
+        for band in range(*t.bands):
+            r0 = band * t.band_rows
+            cache: dict = {}
+            for dst, moves in by_dst.items():
+                r1 = min(r0 + t.band_rows, dst.rows)
+                if r0 >= r1:
+                    continue
+                out = np.zeros((r1 - r0, dst.row_bytes), dtype=np.uint8)
+                for m in moves:
+                    i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
+                    if i0 >= i1:
+                        continue
+                    s0 = m.src_row + i0 - m.dst_row
+                    key = (m.src, s0, s0 + i1 - i0)
+                    if key not in cache:
+                        cache[key] = self._read_rows(m.src, s0, s0 + i1 - i0)
+                    si, di = m.src.itemsize, dst.itemsize
+                    piece = cache[key][:, m.src_col * si:(m.src_col + m.cols) * si]
+                    if m.src.dtype != dst.dtype:
+                        piece = convert_rows(piece, m.src.dtype, dst.dtype)
+                    out[i0 - r0:i1 - r0, m.dst_col * di:(m.dst_col + m.cols) * di] = piece
+                write_all(self.fd(dst.path, True), out, dst.offset + r0 * dst.row_bytes)
+                written += out.nbytes
+            del cache
+            if self._stop.is_set():
+                break
+        return written
+
+    def _compare(self, t: CompareTask) -> int:
+        if t.a.dtype != t.b.dtype or t.a.shape != t.b.shape:
+            raise UserError(t.message)
+        step = max(t.a.row_bytes, 1) * max(1, self.band_bytes // 2 // max(t.a.row_bytes, 1))
+        total = t.a.nbytes
+        for k in range(0, total, step):
+            n = min(step, total - k)
+            a, b = bytearray(n), bytearray(n)
+            try:
+                read_exact(self.fd(t.a.path), memoryview(a), t.a.offset + k)
+                read_exact(self.fd(t.b.path), memoryview(b), t.b.offset + k)
+            except EOFError as exc:
+                raise UserError(f"cannot read {t.a.path} or {t.b.path} ({exc}): the file may be truncated or corrupt")
+            if a != b:
+                raise UserError(t.message)
+        return total
+
+    def _run_one(self, task) -> None:
+        if isinstance(task, CopyTask):
+            n = self._copy(task)
+        elif isinstance(task, GatherTask):
+            n = self._gather(task)
+            self.count("gathered_bytes", n)
+        elif isinstance(task, CompareTask):
+            self.count("compared_bytes", self._compare(task))
+            return
+        else:
+            n = task.fn(self)
+            self.count("called_bytes", n)
+        if self.progress is not None:
+            with self._lock:
+                self.progress.update(n, tensors=0)
+
+    def run(self, tasks: list) -> CopyStats:
+        """Do every task; the first error stops the others and is raised here (also on Ctrl-C)."""
+        self._stop = threading.Event()
+        errors: list[BaseException] = []
+        next_index = iter(range(len(tasks)))
+        take = threading.Lock()
+
+        def work():
+            try:
+                while not self._stop.is_set():
+                    with take:
+                        i = next(next_index, None)
+                    if i is None:
+                        return
+                    self._run_one(tasks[i])
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                with self._lock:
+                    errors.append(exc)
+                self._stop.set()
+
+        threads = [threading.Thread(target=work, name=f"mpatch-copy-{i}", daemon=True)
+                   for i in range(min(self.workers, max(len(tasks), 1)))]
+        for th in threads:
+            th.start()
+        try:
+            for th in threads:
+                while th.is_alive():
+                    th.join(0.2)
+        except BaseException:
+            # Ctrl-C / SIGTERM: stop handing out tasks; a worker inside one large copy finishes it,
+            # one stuck longer is abandoned (daemon threads), the caller removes the partial output.
+            self._stop.set()
+            deadline = time.monotonic() + 2
+            for th in threads:
+                th.join(max(0.0, deadline - time.monotonic()))
+            raise
+        if errors:
+            raise errors[0]
+        return self.stats
+
+
+def convert_rows(piece, src: str, dst: str):
+    """Bytes of ``src``-dtype elements (a 2-D uint8 array, rows of whole elements) as ``dst`` elements,
+    rounded as torch's ``Tensor.to`` rounds (torch imported here: only dtype changes need it)."""
+    import numpy as np
+    import torch
+
+    rows = piece.shape[0]
+    src_t = torch.from_numpy(np.ascontiguousarray(piece)).view(getattr(torch, src))
+    return src_t.to(getattr(torch, dst)).view(torch.uint8).numpy().reshape(rows, -1)
