@@ -201,6 +201,25 @@ def test_dtype_change_and_splits_without_blocks_go_through_torch(hf_dir, tmp_pat
     assert all(b.dtype(n) == "float32" and torch.equal(b.get(n), a.get(n).float()) for n in a.keys())
 
 
+def test_every_move_gathered_in_small_bands_with_short_writes_gives_the_same_bytes(hf_dir, tmp_path, monkeypatch):
+    """The gather path (band reads, pwritev of slices, zero rows for vocabulary padding) on every
+    tensor, with bands of a few rows and a kernel that writes at most 1000 bytes per call."""
+    from megatron_patch.convert import copier as copier_mod
+    from megatron_patch.convert.bytemap import Move
+    from megatron_patch.convert.copier import Copier
+
+    for fmt in ("legacy", "torch_dist"):
+        want = _convert_both_ways(hf_dir, tmp_path / f"want-{fmt}", fmt, lambda: Copier(2))
+        real = os.pwritev
+        with monkeypatch.context() as m:
+            m.setattr(Move, "contiguous", property(lambda self: False))
+            m.setattr(copier_mod.os, "pwritev", lambda fd, bufs, offset: real(fd, bufs, offset) if sum(map(len, bufs)) < 1000
+                      else real(fd, [memoryview(bytes().join(bytes(b) for b in bufs))[:999]], offset))
+            got = _convert_both_ways(hf_dir, tmp_path / f"got-{fmt}", fmt, lambda: Copier(3, band_bytes=2048))
+        assert got[0] == want[0] and got[1] == want[1]
+        assert got[2].zero_copy_bytes == got[3].zero_copy_bytes == 0 and got[2].gathered_bytes > 0
+
+
 @pytest.mark.parametrize("workers", [1, 4])
 def test_output_does_not_depend_on_the_number_of_workers(hf_dir, tmp_path, workers):
     from megatron_patch.convert.copier import Copier

@@ -117,6 +117,30 @@ def read_exact(fd: int, view: memoryview, offset: int) -> None:
         got += n
 
 
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_ZEROS = memoryview(bytes(1 << 20))
+
+
+def _zeros(n: int) -> memoryview:
+    return _ZEROS[:n] if n <= len(_ZEROS) else memoryview(bytes(n))
+
+
+def write_pieces(fd: int, pieces: list[memoryview], offset: int) -> None:
+    """Write byte ``pieces`` back to back from ``offset``: ``pwritev``, IOV_MAX pieces at a time."""
+    k = 0
+    while k < len(pieces):
+        group = pieces[k:k + _IOV_MAX]
+        n = os.pwritev(fd, group, offset)
+        pos = 0
+        for p in group:  # after a short write (rare), the rest of the group piece by piece
+            if pos + len(p) > n:
+                skip = max(0, n - pos)
+                write_all(fd, p[skip:], offset + pos + skip)
+            pos += len(p)
+        offset += pos
+        k += len(group)
+
+
 def write_all(fd: int, view, offset: int) -> None:
     view = memoryview(view).cast("B")
     done = 0
@@ -209,21 +233,20 @@ class Copier:
             raise UserError(f"cannot read {t.src} ({exc}): the file may be truncated or corrupt")
         return t.nbytes
 
-    def _read_rows(self, src: Stored, first: int, stop: int):
-        import numpy as np
-
-        band = np.empty((stop - first, src.row_bytes), dtype=np.uint8)
+    def _read_rows(self, src: Stored, first: int, stop: int) -> memoryview:
+        band = memoryview(bytearray((stop - first) * src.row_bytes))
         offset = src.offset + first * src.row_bytes
-        self.note_read(src.path, offset, band.nbytes)
+        self.note_read(src.path, offset, len(band))
         try:
-            read_exact(self.fd(src.path), memoryview(band).cast("B"), offset)
+            read_exact(self.fd(src.path), band, offset)
         except EOFError as exc:
             raise UserError(f"cannot read {src.path} ({exc}): the file may be truncated or corrupt")
         return band
 
     def _gather(self, t: GatherTask) -> int:
-        import numpy as np
-
+        """Fill whole rows of each destination, a band at a time: the source rows a band needs are read
+        once (shared by all destinations that take slices of them), and each destination band is written
+        with one ``pwritev`` of slices of those rows; rows no move covers are zeros."""
         by_dst: dict[Stored, list[Move]] = {}
         for m in t.moves:
             by_dst.setdefault(m.dst, []).append(m)
@@ -235,7 +258,12 @@ class Copier:
                 r1 = min(r0 + t.band_rows, dst.rows)
                 if r0 >= r1:
                     continue
-                out = np.zeros((r1 - r0, dst.row_bytes), dtype=np.uint8)
+                if any(m.src.dtype != dst.dtype for m in moves):
+                    written += self._gather_converting(dst, moves, r0, r1, cache)
+                    continue
+                # (dst row, dst byte column, bytes, source band, byte offset in it) for each row of each move
+                segments = []
+                di = dst.itemsize
                 for m in moves:
                     i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
                     if i0 >= i1:
@@ -243,18 +271,50 @@ class Copier:
                     s0 = m.src_row + i0 - m.dst_row
                     key = (m.src, s0, s0 + i1 - i0)
                     if key not in cache:
-                        cache[key] = self._read_rows(m.src, s0, s0 + i1 - i0)
-                    si, di = m.src.itemsize, dst.itemsize
-                    piece = cache[key][:, m.src_col * si:(m.src_col + m.cols) * si]
-                    if m.src.dtype != dst.dtype:
-                        piece = convert_rows(piece, m.src.dtype, dst.dtype)
-                    out[i0 - r0:i1 - r0, m.dst_col * di:(m.dst_col + m.cols) * di] = piece
-                write_all(self.fd(dst.path, True), out, dst.offset + r0 * dst.row_bytes)
-                written += out.nbytes
+                        cache[key] = self._read_rows(m.src, *key[1:])
+                    rb, width = m.src.row_bytes, m.cols * di
+                    start = m.src_col * di
+                    segments += [(i, m.dst_col * di, width, cache[key], (i - i0) * rb + start) for i in range(i0, i1)]
+                segments.sort(key=lambda seg: (seg[0], seg[1]))
+                pieces, at = [], r0 * dst.row_bytes
+                for row, col, width, buf, offset in segments:
+                    here = row * dst.row_bytes + col
+                    if here > at:
+                        pieces.append(_zeros(here - at))
+                    elif here < at:
+                        raise ValueError(f"internal error: two moves write the same bytes of {dst.path}")
+                    pieces.append(buf[offset:offset + width])
+                    at = here + width
+                if r1 * dst.row_bytes > at:
+                    pieces.append(_zeros(r1 * dst.row_bytes - at))
+                write_pieces(self.fd(dst.path, True), pieces, dst.offset + r0 * dst.row_bytes)
+                written += (r1 - r0) * dst.row_bytes
             del cache
             if self._stop.is_set():
                 break
         return written
+
+    def _gather_converting(self, dst: Stored, moves: list[Move], r0: int, r1: int, cache: dict) -> int:
+        """A destination band whose sources have another dtype: assembled in memory, converted as torch does."""
+        import numpy as np
+
+        out = np.zeros((r1 - r0, dst.row_bytes), dtype=np.uint8)
+        for m in moves:
+            i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
+            if i0 >= i1:
+                continue
+            s0 = m.src_row + i0 - m.dst_row
+            key = (m.src, s0, s0 + i1 - i0)
+            if key not in cache:
+                cache[key] = self._read_rows(m.src, *key[1:])
+            si, di = m.src.itemsize, dst.itemsize
+            band = np.frombuffer(cache[key], dtype=np.uint8).reshape(i1 - i0, m.src.row_bytes)
+            piece = band[:, m.src_col * si:(m.src_col + m.cols) * si]
+            if m.src.dtype != dst.dtype:
+                piece = convert_rows(piece, m.src.dtype, dst.dtype)
+            out[i0 - r0:i1 - r0, m.dst_col * di:(m.dst_col + m.cols) * di] = piece
+        write_all(self.fd(dst.path, True), out, dst.offset + r0 * dst.row_bytes)
+        return out.nbytes
 
     def _compare(self, t: CompareTask) -> int:
         if t.a.dtype != t.b.dtype or t.a.shape != t.b.shape:
