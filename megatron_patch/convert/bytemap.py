@@ -113,11 +113,16 @@ def block_moves(blocks, parts: list[Stored], shard: Stored, *, to_shard: bool = 
             part = parts[b.part]
             inner = part.inner
             col0, width = (0, part.cols) if b.cols is None else (b.cols[0] * inner, (b.cols[1] - b.cols[0]) * inner)
+            if width != shard.cols or b.rows[1] > part.rows:
+                raise ValueError(f"a block of {width} x {b.num_rows} does not fit a shard of {shard.shape} "
+                                 f"or a tensor of {part.shape}")
             if to_shard:
                 moves.append(Move(part, b.rows[0], col0, shard, row, 0, b.num_rows, width))
             else:
                 moves.append(Move(shard, row, 0, part, b.rows[0], col0, b.num_rows, width))
         row += b.num_rows
+    if row != shard.rows:
+        raise ValueError(f"blocks of {row} rows for a shard of {shard.shape}")
     return moves
 
 

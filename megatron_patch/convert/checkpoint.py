@@ -175,13 +175,13 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             copier.run(tasks)
         finally:
             copier.close()
+        bar.update(0, tensors=count)
         finish()
         sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp),
                                  num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()))
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.
         write_tracker(tmp, RELEASE)
-    bar.tensors = count
     bar.close(copier.stats)
     return sidecar
 
@@ -367,10 +367,10 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
             copier.run(tasks)
         finally:
             copier.close()
+        bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         copy_carried(load_dir, tmp, sidecar.carried_files)
-    bar.tensors = len(entries)
     bar.close(copier.stats)
     return Path(save_dir)
 
@@ -413,6 +413,10 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
                     raise MappingError(f"internal error: {t.placements[0].mcore_name} writes part of an HF tensor twice")
                 tasks.append(CompareTask(kept.src, m.src, f"{t.placements[0].mcore_name}: replica {k} differs from "
                                          "replica 0 of a parameter that must be identical on every rank"))
+        for part in parts:  # every byte of every HF tensor comes from some shard: no silent zeros
+            if sum(m.rows * m.cols for m in moves if m.dst == part) != part.rows * part.cols:
+                raise MappingError(f"internal error: the shards of {t.placements[0].mcore_name} do not cover "
+                                   f"{Path(part.path).name}'s {part.shape}")
         tasks += _move_tasks(copier, moves)
     return tasks
 

@@ -233,8 +233,15 @@ class Copier:
             raise UserError(f"cannot read {t.src} ({exc}): the file may be truncated or corrupt")
         return t.nbytes
 
-    def _read_rows(self, src: Stored, first: int, stop: int) -> memoryview:
-        band = memoryview(bytearray((stop - first) * src.row_bytes))
+    def _read_rows(self, src: Stored, first: int, stop: int, arena: list) -> memoryview:
+        """Rows [first, stop) of ``src``, read into this worker's reusable arena (``arena``: [buffer,
+        bytes used]; allocated once per worker, so a band costs no fresh page faults)."""
+        size = (stop - first) * src.row_bytes
+        if arena[1] + size <= len(arena[0]):
+            band = arena[0][arena[1]:arena[1] + size]
+            arena[1] += size
+        else:
+            band = memoryview(bytearray(size))
         offset = src.offset + first * src.row_bytes
         self.note_read(src.path, offset, len(band))
         try:
@@ -250,20 +257,24 @@ class Copier:
         by_dst: dict[Stored, list[Move]] = {}
         for m in t.moves:
             by_dst.setdefault(m.dst, []).append(m)
+        buf = getattr(self._local, "arena", None)
+        if buf is None or len(buf) < self.band_bytes:
+            buf = self._local.arena = memoryview(bytearray(self.band_bytes))
         written = 0
         for band in range(*t.bands):
             r0 = band * t.band_rows
             cache: dict = {}
+            arena = [buf, 0]
             for dst, moves in by_dst.items():
                 r1 = min(r0 + t.band_rows, dst.rows)
                 if r0 >= r1:
                     continue
                 if any(m.src.dtype != dst.dtype for m in moves):
-                    written += self._gather_converting(dst, moves, r0, r1, cache)
+                    written += self._gather_converting(dst, moves, r0, r1, cache, arena)
                     continue
                 # (dst row, dst byte column, bytes, source band, byte offset in it) for each row of each move
                 segments = []
-                di = dst.itemsize
+                di, dst_row_bytes = dst.itemsize, dst.row_bytes
                 for m in moves:
                     i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
                     if i0 >= i1:
@@ -271,30 +282,31 @@ class Copier:
                     s0 = m.src_row + i0 - m.dst_row
                     key = (m.src, s0, s0 + i1 - i0)
                     if key not in cache:
-                        cache[key] = self._read_rows(m.src, *key[1:])
+                        cache[key] = self._read_rows(m.src, *key[1:], arena)
                     rb, width = m.src.row_bytes, m.cols * di
-                    start = m.src_col * di
-                    segments += [(i, m.dst_col * di, width, cache[key], (i - i0) * rb + start) for i in range(i0, i1)]
+                    start, col = m.src_col * di, m.dst_col * di
+                    rows = cache[key]
+                    segments += [(i, col, width, rows, (i - i0) * rb + start) for i in range(i0, i1)]
                 segments.sort(key=lambda seg: (seg[0], seg[1]))
-                pieces, at = [], r0 * dst.row_bytes
-                for row, col, width, buf, offset in segments:
-                    here = row * dst.row_bytes + col
+                pieces, at = [], r0 * dst_row_bytes
+                for row, col, width, rows, offset in segments:
+                    here = row * dst_row_bytes + col
                     if here > at:
                         pieces.append(_zeros(here - at))
                     elif here < at:
                         raise ValueError(f"internal error: two moves write the same bytes of {dst.path}")
-                    pieces.append(buf[offset:offset + width])
+                    pieces.append(rows[offset:offset + width])
                     at = here + width
-                if r1 * dst.row_bytes > at:
-                    pieces.append(_zeros(r1 * dst.row_bytes - at))
-                write_pieces(self.fd(dst.path, True), pieces, dst.offset + r0 * dst.row_bytes)
-                written += (r1 - r0) * dst.row_bytes
+                if r1 * dst_row_bytes > at:
+                    pieces.append(_zeros(r1 * dst_row_bytes - at))
+                write_pieces(self.fd(dst.path, True), pieces, dst.offset + r0 * dst_row_bytes)
+                written += (r1 - r0) * dst_row_bytes
             del cache
             if self._stop.is_set():
                 break
         return written
 
-    def _gather_converting(self, dst: Stored, moves: list[Move], r0: int, r1: int, cache: dict) -> int:
+    def _gather_converting(self, dst: Stored, moves: list[Move], r0: int, r1: int, cache: dict, arena: list) -> int:
         """A destination band whose sources have another dtype: assembled in memory, converted as torch does."""
         import numpy as np
 
@@ -306,7 +318,7 @@ class Copier:
             s0 = m.src_row + i0 - m.dst_row
             key = (m.src, s0, s0 + i1 - i0)
             if key not in cache:
-                cache[key] = self._read_rows(m.src, *key[1:])
+                cache[key] = self._read_rows(m.src, *key[1:], arena)
             si, di = m.src.itemsize, dst.itemsize
             band = np.frombuffer(cache[key], dtype=np.uint8).reshape(i1 - i0, m.src.row_bytes)
             piece = band[:, m.src_col * si:(m.src_col + m.cols) * si]
