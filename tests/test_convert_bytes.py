@@ -178,7 +178,7 @@ def test_copy_file_range_refused_falls_back_with_the_same_bytes(hf_dir, tmp_path
     if failure == "short":
         assert len(calls) > 50  # many partial copies, stitched together
     elif failure != "missing":
-        assert len(calls) == 2  # tried once per conversion, then not again
+        assert 2 <= len(calls) <= 4  # per conversion, tried at most once by each of its two workers, then not again
 
 
 def test_dtype_change_and_splits_without_blocks_go_through_torch(hf_dir, tmp_path, monkeypatch):
