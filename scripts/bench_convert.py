@@ -219,7 +219,7 @@ def main() -> int:
             print("cannot drop the page cache here (needs root): cold-cache runs skipped", flush=True)
             caches = [c for c in caches if c != "cold"]
         report = {"machine": {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)},
-                  "layout": {"tp": args.tp, "pp": args.pp}, "preset": args.preset,
+                  "layout": {"tp": args.tp, "pp": args.pp}, "preset": args.preset, "verified": not args.no_verify,
                   "load_average": {"start": os.getloadavg()}, "runs": {}}
         print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)", flush=True)
         models = {}
@@ -262,7 +262,8 @@ def main() -> int:
 def summarize(report: dict) -> bool:
     size = report["large"]["bytes"]
     print(f"\ncheckpoint {size / 2**30:.2f} GiB ({size / 1e9:.2f} GB); layout TP={report['layout']['tp']} "
-          f"PP={report['layout']['pp']}; round trips {'checked' if True else ''}")
+          f"PP={report['layout']['pp']}; round trips {'bit-identical' if report['verified'] else 'not checked'}; "
+          f"load average {report['load_average']['start'][0]:.2f} at the start, {report['load_average']['end'][0]:.2f} at the end")
     header = (f"{'run':<24} {'step':<20} {'wall (s)':>8} {'tiny (s)':>8} {'marginal':>8} {'x cp':>5} {'GB/s':>6} "
               f"{'peak RSS':>9} {'marg. RSS':>9} {'/ ckpt':>6}  verdict")
     print(header)

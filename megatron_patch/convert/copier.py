@@ -178,6 +178,11 @@ class Copier:
                 fd = self._fds.get(key)
                 if fd is None:
                     fd = os.open(path, os.O_WRONLY if write else os.O_RDONLY)
+                    if not write:
+                        try:
+                            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+                        except (AttributeError, OSError):
+                            pass  # only a hint
                     self._fds[key] = fd
         return fd
 
@@ -345,6 +350,15 @@ class Copier:
                 raise UserError(t.message)
         return total
 
+    def _read_ahead(self, task) -> None:
+        ranges = [(task.src, task.src_offset, task.nbytes)] if isinstance(task, CopyTask) else \
+            [(m.src.path, *m.src_range) for m in task.moves] if isinstance(task, GatherTask) else []
+        for path, offset, length in ranges[:64]:
+            try:
+                os.posix_fadvise(self.fd(path), offset, length, os.POSIX_FADV_WILLNEED)
+            except (AttributeError, OSError):
+                return  # only a hint
+
     def _run_one(self, task) -> None:
         if isinstance(task, CopyTask):
             n = self._copy(task)
@@ -362,9 +376,16 @@ class Copier:
                 self.progress.update(n, tensors=0)
 
     def run(self, tasks: list) -> CopyStats:
-        """Do every task; the first error stops the others and is raised here (also on Ctrl-C)."""
+        """Do every task; the first error stops the others and is raised here (also on Ctrl-C).
+
+        Tasks are taken in the order of the bytes they read (checks first), so that the sources are
+        read front to back, as the kernel's read-ahead expects; on taking a task, a worker asks the
+        kernel to start reading the task ``workers`` places further on (``posix_fadvise`` WILLNEED:
+        at most one task ahead per worker, in the page cache, not in this process's memory).
+        """
         self._stop = threading.Event()
         errors: list[BaseException] = []
+        tasks = sorted(tasks, key=_read_order)
         next_index = iter(range(len(tasks)))
         take = threading.Lock()
 
@@ -375,6 +396,8 @@ class Copier:
                         i = next(next_index, None)
                     if i is None:
                         return
+                    if i + self.workers < len(tasks):
+                        self._read_ahead(tasks[i + self.workers])
                     self._run_one(tasks[i])
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 with self._lock:
@@ -400,6 +423,16 @@ class Copier:
         if errors:
             raise errors[0]
         return self.stats
+
+
+def _read_order(task) -> tuple:
+    """Checks and whole-tensor work first, then by the first byte read."""
+    if isinstance(task, CopyTask):
+        return (1, task.src, task.src_offset)
+    if isinstance(task, GatherTask):
+        first = min((m.src.path, m.src_range[0]) for m in task.moves)
+        return (1, first[0], first[1] + task.bands[0])
+    return (0, "", 0)
 
 
 def convert_rows(piece, src: str, dst: str):
