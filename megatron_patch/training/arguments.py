@@ -612,9 +612,11 @@ def megatron_settings(cfg: RunConfig) -> dict:
     from megatron.core.transformer.enums import AttnBackend
 
     gpu = cfg.env != "cpu"
-    # deallocate_pipeline_outputs: a stage's output is sent on, so keep only its autograd graph (Megatron-LM's default).
-    tc: dict = {"sequence_parallel": cfg.sequence_parallel, "tp_comm_overlap": cfg.tp_comm_overlap,
-                "deallocate_pipeline_outputs": True}
+    tc: dict = {"sequence_parallel": cfg.sequence_parallel, "tp_comm_overlap": cfg.tp_comm_overlap}
+    if gpu:
+        # A stage's output, once sent on, is freed but for its autograd graph (Megatron-LM's default). Not
+        # on gloo: its asynchronous sends read the buffer later (PP=2 x VP=2 then trained on garbage).
+        tc["deallocate_pipeline_outputs"] = True
     if cfg.flash_attention:
         tc["attention_backend"] = AttnBackend.flash
     elif not gpu:
