@@ -28,11 +28,12 @@
 #
 # --wheels DIR installs from local wheels only (a GPU machine without network). Knobs (environment):
 # GPU_SUITE_SEQ_LEN (4096), GPU_SUITE_ITERS (6), GPU_SUITE_GBS (8), GPU_SUITE_LAYERS (default: what fits),
-# PYTHON (python).
+# GPU_SUITE_PINS (the packages to install), PYTHON (python).
 set -uo pipefail
 
 # The exact versions this suite was written against (megatron-core as on the CPU machines).
-PINS=("megatron-core==0.16.1" "transformer-engine[pytorch]==2.10.0" "flash-attn==2.8.3")
+# GPU_SUITE_PINS replaces the list (e.g. transformer-engine[pytorch,core_cu13] for a CUDA 13 torch).
+read -r -a PINS <<<"${GPU_SUITE_PINS:-megatron-core==0.16.1 transformer-engine[pytorch]==2.10.0 flash-attn==2.8.3}"
 BUDGET_S=1500  # 25 minutes
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -100,10 +101,10 @@ for s in "${STEPS[@]}"; do IFS='|' read -r _ limit _ _ <<<"$s"; PLANNED=$((PLANN
 
 step_install() {
   if [ "$DRY" = 1 ]; then
-    printf 'would install: %s%s\n' "${PINS[*]}" "${WHEELS:+ from $WHEELS}"
+    "$PYTHON" -m pip --version || return 1
     [ -z "$WHEELS" ] || [ -d "$WHEELS" ] || { echo "--wheels $WHEELS is not a folder"; return 1; }
-    "$PYTHON" -m pip --version
-    return
+    printf 'would install: %s%s\n' "${PINS[*]}" "${WHEELS:+ from $WHEELS}"
+    return 0
   fi
   [ "$SKIP_INSTALL" = 1 ] && { echo "SKIP: --skip-install"; return 3; }
   local missing=()

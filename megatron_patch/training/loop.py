@@ -391,10 +391,12 @@ class Trainer:
         flops = flops_per_iteration(self.arch, cfg)
         peak = self._peak_tflops()
         losses = {}
+        from megatron_patch.training.arguments import Capabilities, attention_kernel
+
         self._log(f"training {cfg.family} {cfg.model_size} {cfg.layout} DP={self.dp_size} on {self.world} "
                   f"{'GPU' if torch.cuda.is_available() else 'CPU process'}(es): iterations {self.iteration + 1}.."
                   f"{cfg.train_iters}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x "
-                  f"{cfg.sample_length} tokens per DP rank")
+                  f"{cfg.sample_length} tokens per DP rank; attention {attention_kernel(cfg, Capabilities.detect())}")
         stop_at = cfg.train_iters if cfg.exit_interval is None else min(cfg.train_iters, cfg.exit_interval)
         first = self.iteration + 1
         records = []
