@@ -166,7 +166,7 @@ def _sample(ids: list[int], trained: list[int], length: int, pad: int, doc_start
     if doc_starts is not None:
         # Packed: each document (and the padding after the last) is a segment of its own; the
         # training step turns the starts into THD boundaries (training/packing.py).
-        starts = [s for s in doc_starts if s < length] + ([n] if n < length else [])
+        starts = sorted({s for s in doc_starts if s < length} | ({n} if n < length else set()))
         doc_start = torch.zeros(length, dtype=torch.bool)
         doc_start[starts] = True
         out["doc_start"] = doc_start
