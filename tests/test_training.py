@@ -126,6 +126,13 @@ def test_tp2_loss_falls_on_real_text(tp2_run):
         assert all(x[key] is not None and x[key] > 0 for x in m), key
     assert m[0]["loss_tokens"] == GBS * SEQ
     assert "iter     20/20 | loss" in tp2_run["stdout"] and "TFLOP/s" in tp2_run["stdout"]
+    # The first iteration is the warm-up, left out of the throughput summary.
+    assert [x["warmup"] for x in m] == [True] + [False] * (ITERS - 1)
+    summary = json.loads((tp2_run["out"] / "log" / "throughput.json").read_text())
+    steady = m[1:]
+    assert summary["iterations"] == [2, ITERS] and summary["warmup_excluded"] == 1
+    assert abs(summary["tokens_per_s"] - GBS * SEQ * len(steady) / sum(x["iteration_s"] for x in steady)) < 1e-6
+    assert "throughput over iterations 2..20 (1 warm-up iteration(s) left out)" in tp2_run["stdout"]
     assert list((tp2_run["out"] / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -157,6 +164,7 @@ def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus
     resumed = _metrics(out)
     reference = _metrics(tp2_run["out"])
     assert [x["iteration"] for x in resumed] == list(range(1, ITERS + 1))
+    assert [x["iteration"] for x in resumed if x["warmup"]] == [1, 11]  # each process's first iteration
     for a, b in zip(resumed, reference):
         assert abs(a["loss"] - b["loss"]) < 1e-6, (a["iteration"], a["loss"], b["loss"])
         assert abs(a["lr"] - b["lr"]) < 1e-12 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
@@ -376,10 +384,13 @@ def test_sft_packing_keeps_samples_apart(corpus, tmp_path):
     s = multi[0]
     starts = (s["position_ids"] == 0).nonzero().flatten().tolist()
     assert starts[0] == 0
-    mask = s["attention_mask"][0]  # True = masked
-    second = starts[1]
-    assert bool(mask[second, second - 1])  # the second sample cannot see the first
-    assert not bool(mask[second + 1, second]) and bool(mask[second, second + 1])  # causal inside a sample
+    # Each record starts a THD segment (attention and RoPE restart there; tests/test_training_gpu_path.py
+    # checks that the packed loss equals the unpacked loss).
+    assert s["doc_start"].nonzero().flatten().tolist() == starts
+    from megatron_patch.training.packing import thd_batch
+
+    _, thd = thd_batch({k: v.unsqueeze(0) for k, v in s.items()})
+    assert thd["cu_seqlens"].tolist() == starts + [64]
 
 
 def test_sft_training_run(corpus, tmp_path):

@@ -108,6 +108,25 @@ BAD = [
     ("llama3_1", dict(PR="bf16"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed needs PR=fp8"),
     ("llama3_1", dict(PR="fp8"), {"MP_FP8_RECIPE": "fancy"}, "MP_FP8_RECIPE must be one of delayed"),
     ("llama3_1", dict(SAVE_INTERVAL="-5"), {}, "SAVE_INTERVAL must be >= 1"),
+    # Checked up front since issue 14; megatron-core refused these only after every rank had started.
+    ("llama3_1", dict(AC="offload", PP="2"), {}, "AC=offload (activation CPU offloading) does not work with pipeline"),
+    ("llama3_1", dict(AC="offload"), {"MP_AC_LAYERS": "4"}, "AC=offload can offload at most 3 of the 4 layers"),
+    ("llama3_1", dict(AC="full", PP="2"), {"MP_AC_LAYERS": "3"}, "a stage here holds 2: set MP_AC_LAYERS <= 2"),
+    ("llama3_1", dict(AC="full", PP="2"), {"MP_VP": "2", "MP_AC_LAYERS": "2"}, "a stage here holds 1"),
+    ("llama3_1", dict(FL="true"), {}, "FL=true: FlashAttention has no fp32 kernel"),
+    ("llama3_1", dict(SFT="true", CP="2", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
+     "MP_SFT_PACKING=true with CP=2 is not supported"),
+    ("llama3_1", dict(CP="2", SEQ_LEN="66"), {}, "CP=2 splits the sequence into 2*CP=4 chunks: SEQ_LEN (66)"),
+    ("llama3_1", dict(SFT="true", TP="2", SP="true", PAD_LEN="63", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"},
+     "PAD_LEN (63) must be a multiple of 2"),
+    ("llama3_1", dict(PR="fp8", BATCH_SIZE="1", SEQ_LEN="60"), {},
+     "the tokens per GEMM, BATCH_SIZE*SEQ_LEN/CP = 60, must be a multiple of 8"),
+    ("llama3_1", dict(PR="fp8", BATCH_SIZE="1", SEQ_LEN="48"), {"MP_FP8_RECIPE": "mxfp8"}, "= 48, must be a multiple of 32"),
+    ("qwen2_moe", dict(PR="fp8", ETP="4"), {}, "divisible by 16, and this model at TP=1 has expert FFN size per ETP rank 8"),
+    ("llama3_1", dict(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH="/x"), {"MP_NUM_LAYERS": "2"},
+     "MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset"),
+    ("llama3_1", dict(ENV="dsw"), {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"},
+     "WORLD_SIZE=12 processes do not fill nodes of 8"),
 ]
 
 
@@ -138,12 +157,13 @@ def test_wrong_argument_count_and_usage(data, capsys):
 # --- what this machine can do ------------------------------------------------------------------------
 
 CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attention_3=False)
-H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attention_3=True)
+H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attention_3=True, flash_attention_2=True,
+                    compute_capability=(9, 0), cuda_version="13.0")
 
 
 MACHINE_REFUSALS = [
     (dict(PR="fp8"), {}, "PR=fp8 needs transformer-engine on a GPU with FP8"),
-    (dict(FL="true"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
+    (dict(FL="true", PR="bf16"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
     (dict(TP="2", SP="true"), {}, "TP communication overlap (TP > 1 with SP=true) needs transformer-engine"),
     (dict(PR="bf16"), {}, "PR=bf16 mixed precision is not supported on ENV=cpu"),
     (dict(AC="offload"), {}, "AC=offload moves activations from GPU to host memory"),
@@ -198,6 +218,7 @@ def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
     assert tc["recompute_granularity"] == "selective"
     assert (ddp["use_distributed_optimizer"], ddp["overlap_grad_reduce"], ddp["overlap_param_gather"],
             ddp["grad_reduce_in_fp32"]) == (True, True, True, True)
+    assert tc["deallocate_pipeline_outputs"] is True
     assert opt["bf16"] is True and opt["fp16"] is False and opt["use_distributed_optimizer"] is True
     assert r["model"]["num_layers"] == 32 and r["model"]["padded_vocab_size"] == 128256
     res = r["resolved"]
@@ -205,6 +226,7 @@ def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
     assert res["train_iters"] == 10**10 // (64 * 4096) and res["warmup_iters"] == 10**9 // (64 * 4096)
     assert r["megatron_core"]["num_microbatches"] == 64
     assert r["command"][:2] == ["torchrun", "--nproc_per_node=8"]
+    assert r["environment"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP=4 below (or without) sm100
     assert r["command"][-26:-25] == ["llama3_1"]
     # The dry run reports what this machine would refuse: fp8 exactly when it has no FP8 GPU.
     assert any("PR=fp8" in p for p in r["machine_problems"]) == (not Capabilities.detect().fp8)
@@ -317,3 +339,84 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
     assert ddp.use_distributed_optimizer == opt.use_distributed_optimizer == cfg.distributed_optimizer
     assert (opt.bf16, opt.fp16) == (cfg.precision in ("bf16", "fp8"), cfg.precision == "fp16")
     assert opt.lr == cfg.lr and opt.min_lr == cfg.min_lr
+
+
+# --- issue 14: what a GPU run needs, checked on CPU ------------------------------------------------------
+
+def _cfg(data, env=None, **over):
+    return resolve("llama3_1", _args(data, **over), env={"GPUS_PER_NODE": "1", **(env or {})})
+
+
+def test_fp8_recipes_are_checked_against_the_gpu(data):
+    """transformer-engine's own rules: mxfp8 on sm100 only, blockwise on sm90+ with CUDA >= 12.9."""
+    b200 = Capabilities(**{**H100.__dict__, "compute_capability": (10, 0)})
+    old_cuda = Capabilities(**{**H100.__dict__, "cuda_version": "12.4"})
+    fp8 = dict(ENV="dsw", PR="fp8")
+    for recipe, caps, message in [
+        ("delayed", H100, None), ("tensorwise", H100, None), ("blockwise", H100, None),
+        ("mxfp8", H100, "MP_FP8_RECIPE=mxfp8 needs a Blackwell GPU (compute capability 10.x) and this GPU is sm90"),
+        ("mxfp8", b200, None),
+        ("blockwise", old_cuda, "needs compute capability >= 9.0 and CUDA >= 12.9, and this GPU is sm90 with CUDA 12.4"),
+    ]:
+        problems = machine_problems(_cfg(data, {"MP_FP8_RECIPE": recipe}, **fp8), caps)
+        if message is None:
+            assert problems == [], (recipe, problems)
+        else:
+            assert len(problems) == 1 and message in problems[0], (recipe, problems)
+
+
+def test_flash_attention_needs_a_flash_attn_package(data):
+    from megatron_patch.training.arguments import attention_kernel
+
+    cfg = _cfg(data, ENV="dsw", PR="bf16", FL="true")
+    no_fa = Capabilities(**{**H100.__dict__, "flash_attention_2": False, "flash_attention_3": False})
+    problems = machine_problems(cfg, no_fa)
+    assert len(problems) == 1 and "neither is installed: pip install flash-attn, or set FL=false" in problems[0]
+    assert attention_kernel(cfg, no_fa).startswith("none")  # the log no longer claims FlashAttention-2
+    fa2 = Capabilities(**{**no_fa.__dict__, "flash_attention_2": True})
+    assert machine_problems(cfg, fa2) == [] and attention_kernel(cfg, fa2) == "FlashAttention-2 (flash_attn)"
+
+
+def test_attention_backend_per_precision_and_device(data):
+    """fp32 on a GPU must not ask transformer-engine for fused/flash attention, which have no fp32 kernel."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_patch.training.arguments import megatron_settings
+
+    def backend(**over):
+        return megatron_settings(_cfg(data, **over))["transformer_config"]["attention_backend"]
+
+    assert backend(ENV="dsw", PR="fp32") == AttnBackend.auto
+    assert backend(ENV="dsw", PR="bf16") == AttnBackend.fused
+    assert backend(ENV="dsw", PR="bf16", FL="true") == AttnBackend.flash
+    assert backend(PR="fp32") == AttnBackend.local  # ENV=cpu
+
+
+def test_dlc_ranks_take_the_world_size_torchrun_gives_them(data):
+    """ENV=dlc: the user's process reads WORLD_SIZE as nodes; torchrun's children read it as processes."""
+    over = dict(ENV="dlc", BATCH_SIZE="1", GLOBAL_BATCH_SIZE="16", PR="bf16")
+    parent = resolve("llama3_1", _args(data, **over), env={"WORLD_SIZE": "2", "GPUS_PER_NODE": "8"})
+    child_env = {"WORLD_SIZE": "16", "GPUS_PER_NODE": "8", "TORCHELASTIC_RUN_ID": "42", "LOCAL_WORLD_SIZE": "8",
+                 "LOCAL_RANK": "3", "RANK": "11", "MASTER_ADDR": "10.0.0.1"}
+    child = resolve("llama3_1", _args(data, **over), env=child_env)
+    for cfg in (parent, child):
+        assert (cfg.world_size, cfg.nproc_per_node, cfg.nnodes, cfg.data_parallel_size) == (16, 8, 2, 16)
+    assert parent.num_microbatches == child.num_microbatches == 1
+
+
+def test_launch_environment_serialises_kernels_for_tp_and_cp(data):
+    from megatron_patch.training.arguments import launch_environment
+
+    b200 = Capabilities(**{**H100.__dict__, "compute_capability": (10, 0)})
+    wanted = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert launch_environment(_cfg(data, {"GPUS_PER_NODE": "2"}, ENV="dsw", PR="bf16", TP="2"), H100) == wanted
+    assert launch_environment(_cfg(data, {"GPUS_PER_NODE": "2"}, ENV="dsw", PR="bf16", CP="2"), H100) == wanted
+    assert launch_environment(_cfg(data, ENV="dsw", PR="bf16"), H100) == {}  # TP=CP=1
+    assert launch_environment(_cfg(data, {"GPUS_PER_NODE": "2"}, ENV="dsw", PR="bf16", TP="2"), b200) == {}
+    assert launch_environment(_cfg(data, TP="2"), CPU) == {}  # ENV=cpu
+
+
+def test_num_layers_and_no_save_extras(data):
+    cfg = _cfg(data, {"MP_NUM_LAYERS": "6", "MP_SAVE": "false"}, ENV="dsw", MODEL_SIZE="8B", PR="bf16")
+    assert cfg.arch.num_layers == 6 and cfg.arch.hidden_size == 4096 and cfg.save is False
+    assert _cfg(data).save is True

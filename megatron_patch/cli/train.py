@@ -43,7 +43,7 @@ def _jsonable(value):
 
 def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
     from megatron_patch.training.arguments import (
-        Capabilities, arg_names, attention_kernel, machine_problems, megatron_settings)
+        Capabilities, arg_names, attention_kernel, launch_environment, machine_problems, megatron_settings)
 
     caps = Capabilities.detect()
     arch = cfg.arch
@@ -61,6 +61,7 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
         "megatron_core": _jsonable(megatron_settings(cfg)),
         "attention_kernel": attention_kernel(cfg, caps),
         "machine_problems": machine_problems(cfg, caps),
+        "environment": launch_environment(cfg, caps),
         "command": command,
         "processes": cfg.world_size,
     }
@@ -89,11 +90,13 @@ def print_dry_run(report: dict) -> None:
         print(f"  {section:<19}{items}")
     problems = report["machine_problems"]
     print("machine check: " + ("ok" if not problems else "this machine would refuse: " + "; ".join(problems)))
-    print("command: " + " ".join(shlex.quote(c) for c in report["command"]))
+    env = " ".join(f"{k}={v}" for k, v in report["environment"].items())
+    print("command: " + (env + " " if env else "") + " ".join(shlex.quote(c) for c in report["command"]))
 
 
 def run(args) -> int:
-    from megatron_patch.training.arguments import check_machine, launchers, resolve, usage
+    from megatron_patch.training.arguments import (
+        Capabilities, check_machine, launch_environment, launched_rank, launchers, resolve, usage)
 
     family, argv = args.family, list(args.args)
     if family not in launchers():
@@ -110,15 +113,26 @@ def run(args) -> int:
         else:
             print_dry_run(report)
         return 0
-    check_machine(cfg)
-    under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "MASTER_ADDR" in os.environ)
-    if under_launcher:
+    caps = Capabilities.detect()
+    check_machine(cfg, caps)
+    needed = launch_environment(cfg, caps)
+    if launched_rank(os.environ):
+        wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}
+        if wrong:
+            k, v = next(iter(wrong.items()))
+            raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
+                            f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
         return _train_here(cfg)
     if cfg.env == "cpu":
         return _train_local(cfg)
     command = launch_command(cfg, family, argv)
-    print("+ " + " ".join(shlex.quote(c) for c in command), flush=True)
-    os.execvp(command[0], command)
+    for k, v in needed.items():
+        if os.environ.get(k, v) != v:
+            print(f"note: {k}={os.environ[k]} replaced by {v} (needed for TP/CP communication overlap)", flush=True)
+    env = {**os.environ, **needed}
+    print("+ " + " ".join(f"{k}={v}" for k, v in needed.items()) + (" " if needed else "")
+          + " ".join(shlex.quote(c) for c in command), flush=True)
+    os.execvpe(command[0], command, env)
     return 1  # not reached
 
 

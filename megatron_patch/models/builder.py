@@ -26,6 +26,16 @@ def te_available() -> bool:
     return True
 
 
+def apex_wgrad_fusion_available() -> bool:
+    """Apex's fused_weight_gradient_mlp_cuda, which megatron-core's own linears (the output layer) need for
+    gradient_accumulation_fusion; transformer-engine's linears have their own."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
                        pp_first_stage_layers: int | None = None, **overrides):
     """The TransformerConfig of ``arch`` at ``layout``; ``overrides`` win over everything derived."""
@@ -69,7 +79,7 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         bias_dropout_fusion=gpu,
         persist_layer_norm=gpu,
         apply_rope_fusion=gpu and te_available(),
-        gradient_accumulation_fusion=gpu and te_available(),
+        gradient_accumulation_fusion=gpu and te_available() and apex_wgrad_fusion_available(),
     )
     if arch.is_moe:
         kwargs.update(

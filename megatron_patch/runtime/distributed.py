@@ -75,7 +75,11 @@ def init_process_group() -> None:
 
 
 def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
-    """Process groups for ``layout`` plus megatron's model-parallel RNG streams."""
+    """Process groups for ``layout`` plus megatron's model-parallel RNG streams.
+
+    Pipeline stage p is seeded with ``seed + 100 * p`` (Megatron-LM's rule): with one seed for all
+    stages, a model initialised from scratch would start with the same weights in every stage.
+    """
     from megatron.core import parallel_state
 
     init_process_group()
@@ -94,7 +98,11 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         expert_tensor_parallel_size=layout.etp,
         virtual_pipeline_model_parallel_size=layout.vp,
     )
-    set_seed(seed)
+    set_seed(stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank()))
+
+
+def stage_seed(seed: int, pipeline_rank: int) -> int:
+    return seed + 100 * pipeline_rank
 
 
 def set_seed(seed: int) -> None:
