@@ -73,7 +73,7 @@ START=$(date +%s)
 # --- the steps ---------------------------------------------------------------------------------------------
 # Each step is "name|time limit in seconds|function|argument"; the function runs it (or, with
 # --dry-run, checks it). Families and their tiny models come from the registry, never listed here.
-FAMILIES=$("$PYTHON" -c 'from megatron_patch.models.registry import FAMILIES; print(" ".join(FAMILIES))') \
+FAMILIES=$("$PYTHON" -c 'from megatron_patch.models.registry import families; print(" ".join(families()))') \
   || { echo "gpu_suite.sh: cannot import megatron_patch with $PYTHON" >&2; exit 2; }
 # mode|PR|FL|AC|OPTIMIZER_OFFLOAD|extra environment
 TRAIN_MODES=(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patch.models.registry import FAMILIES
+from megatron_patch.models.registry import families
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_suite.sh"
@@ -46,8 +46,8 @@ def test_dry_run_checks_every_step(dry_run):
     proc, results = dry_run["proc"], dry_run["results"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     steps = _steps(results)
-    expected = (["install", "info", "gpu-tests", "prepare"] + [f"parity-{f}" for f in FAMILIES]
-                + [f"align-{f}" for f in FAMILIES] + [f"train-{m}" for m in TRAIN_MODES] + ["bench-convert"])
+    expected = (["install", "info", "gpu-tests", "prepare"] + [f"parity-{f}" for f in families()]
+                + [f"align-{f}" for f in families()] + [f"train-{m}" for m in TRAIN_MODES] + ["bench-convert"])
     assert list(steps) == expected
     assert {r["status"] for r in steps.values()} == {"OK (dry run)"}
     # The training steps went through the launcher's own validation with Llama-3.1-8B's shape.
