@@ -41,6 +41,9 @@ def hf_dirs(tmp_path_factory):
     dirs = {f: make_tiny_hf_checkpoint(f, root / f, seed=3) for f in FAMILIES}
     # Four key/value heads, so that TP=4 divides them.
     dirs["llama3_1_kv4"] = make_tiny_hf_checkpoint("llama3_1", root / "llama3_1_kv4", seed=4, num_key_value_heads=4)
+    # An MoE model whose layers 0-2 are dense (megatron keys a mixed model's layers by number).
+    dirs["qwen2_moe_mixed"] = make_tiny_hf_checkpoint("qwen2_moe", root / "qwen2_moe_mixed", seed=5,
+                                                      decoder_sparse_step=2, mlp_only_layers=[1])
     for d in dirs.values():  # side files that must travel both ways
         (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
         (d / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
@@ -68,6 +71,8 @@ ROUND_TRIPS = [(name, fmt, layout, dtype) for name, f in families().items()
                for fmt, layout, dtype in f.test_layouts.round_trips] + [
     ("llama3_1_kv4", "legacy", ParallelLayout(tp=4), "fp32"),
     ("llama3_1_kv4", "torch_dist", ParallelLayout(tp=4, pp=4), "bf16"),
+    ("qwen2_moe_mixed", "torch_dist", ParallelLayout(tp=2, ep=2), "fp32"),
+    ("qwen2_moe_mixed", "legacy", ParallelLayout(pp=2, ep=4), "bf16"),
 ]
 
 

@@ -14,7 +14,7 @@ import torch
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
 from megatron_patch.convert.engine import MappingError, hf_tensors_from_ranks, rank_state_dict_from_hf
 from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.mapping import RankCoord, plan_transfers
 from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families, get_family, parse_arch
@@ -226,8 +226,8 @@ def test_te_and_local_names_cross_both_ways(tiny_dirs):
         arch = parse_arch(tiny_dirs[family])
         hf = hf_tensors(tiny_dirs[family])
         te = rank_state_dict_from_hf(get_family(family), arch, ParallelLayout(), RankCoord(), hf.__getitem__, "te")
-        local = to_spec(te, "local", arch.is_moe)
-        assert from_spec(local, "local", arch.is_moe) == te
+        local = to_spec(te, "local")
+        assert from_spec(local, "local") == te
         if arch.is_moe:
             assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in local
             assert "decoder.layers.0.pre_mlp_layernorm.weight" in local
@@ -276,28 +276,70 @@ def test_parity_detects_a_wrong_mapping(tiny_dirs, tmp_path):
 
 # --- TE and local specs meet at the checkpoint boundary ------------------------------------------
 
-def checkpoint_keys_worker(family: str) -> tuple[set, set]:
+def checkpoint_keys_worker(family: str, overrides: dict) -> tuple[set, set]:
     """(torch_dist keys of the local-spec model, our TE names with the layer/expert index folded)."""
     import re
 
     from megatron_patch.models.builder import build_model
     from megatron_patch.runtime import init_model_parallel
 
-    arch = parse_arch(tiny_config(family))
+    arch = parse_arch(tiny_config(family, **overrides))
     init_model_parallel(ParallelLayout())
     model = build_model(arch, ParallelLayout(), use_te=False)
     keys = {v.key for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
-    names = {r.mcore for r in get_family(family).weight_rules(arch)}
-    if arch.tie_word_embeddings:  # one stage: the output layer is the embedding itself
-        names.discard("output_layer.weight")
-    folded = {re.sub(r"mlp\.experts\.(linear_fc[12])\.weight\{expert\}", r"mlp.experts.experts.\1.weight",
-                     n.replace("decoder.layers.{layer}.", "decoder.layers.")) for n in names}
+    # Every parameter the plan writes at TP=PP=EP=1, where layer and expert numbers are global.
+    names = {p.mcore_name for t in plan_transfers(get_family(family).weight_rules(arch), arch, ParallelLayout())
+             for p in t.placements}
+    experts = r"mlp\.experts\.(linear_fc[12])\.weight\d+"
+    if arch.dense_layers:  # megatron keys layers of a mixed model by their number; experts stacked
+        folded = {re.sub(experts, r"mlp.experts.experts.\1.weight", n) for n in names}
+    else:  # homogeneous layers are stacked on a leading axis
+        folded = {re.sub(experts, r"mlp.experts.experts.\1.weight", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))
+                  for n in names}
     return keys, folded
 
 
-@pytest.mark.parametrize("family", ["llama3_1", "qwen2", "qwen2_moe"])
-def test_local_spec_checkpoint_keys_are_the_te_names(family):
+KEY_CASES = [(f, {}) for f in families()] + [("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [1]})]
+
+
+@pytest.mark.parametrize("family,overrides", KEY_CASES, ids=[f"{f}{'-mixed' if o else ''}" for f, o in KEY_CASES])
+def test_local_spec_checkpoint_keys_are_the_te_names(family, overrides):
+    """The local spec (CPU) writes torch_dist keys under the TE names the weight tables use."""
     from megatron_patch.runtime.launch import run_local
 
-    keys, te_names = run_local(checkpoint_keys_worker, 1, family)[0]
+    keys, te_names = run_local(checkpoint_keys_worker, 1, family, overrides)[0]
     assert keys == te_names
+
+
+# --- MoE models with dense layers (mlp_only_layers / decoder_sparse_step) ------------------------------
+
+@pytest.fixture(scope="module")
+def mixed_moe(tmp_path_factory):
+    # MoE where (i + 1) % 2 == 0 and i is not listed: only layer 3; layers 0, 1, 2 have a dense MLP.
+    return make_tiny_hf_checkpoint("qwen2_moe", tmp_path_factory.mktemp("mixed") / "hf", seed=2,
+                                   decoder_sparse_step=2, mlp_only_layers=[1])
+
+
+def test_dense_layers_of_an_moe_model_are_read_from_config(mixed_moe):
+    arch = parse_arch(mixed_moe)
+    assert arch.dense_layers == (0, 1, 2) and arch.moe_layer_pattern == [0, 0, 0, 1]
+    hf = hf_tensors(mixed_moe)
+    assert "model.layers.1.mlp.gate_proj.weight" in hf and "model.layers.3.mlp.gate.weight" in hf
+    layout = ParallelLayout(tp=2, pp=2, ep=2)
+    fam = get_family("qwen2_moe")
+    for spec in ("te", "local"):
+        ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__, spec) for c in all_coords(layout)}
+        back = hf_tensors_from_ranks(fam, arch, layout, ranks, spec)
+        assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    # Stage 1 holds global layers 2 (dense) and 3 (MoE) as its local layers 0 and 1.
+    stage1 = rank_state_dict_from_hf(fam, arch, layout, RankCoord(pp=1), hf.__getitem__)
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in stage1
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in stage1 and "decoder.layers.1.mlp.router.weight" in stage1
+    local = rank_state_dict_from_hf(fam, arch, layout, RankCoord(pp=1), hf.__getitem__, "local")
+    assert {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"} <= set(local)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(pp=2, ep=2)], ids=str)
+def test_moe_model_with_dense_layers_matches_transformers(mixed_moe, layout):
+    m = check_parity(mixed_moe, layout, seed=5)
+    assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m

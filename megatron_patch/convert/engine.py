@@ -147,14 +147,14 @@ def rank_state_dict_from_hf(family: ModelFamily, arch: Arch, layout: ParallelLay
         shards = transfer.split.shards([get_hf(n) for n in transfer.hf_names], transfer.num_shards, ctx)
         for p in mine:
             out[p.mcore_name] = shards[p.shard]
-    return to_spec(out, spec, arch.is_moe)
+    return to_spec(out, spec)
 
 
 def hf_tensors_from_ranks(family: ModelFamily, arch: Arch, layout: ParallelLayout,
                           rank_state_dicts: Mapping[RankCoord, Mapping[str, torch.Tensor]], spec: str = "te",
                           pp_first_stage_layers: int | None = None) -> dict[str, torch.Tensor]:
     """Every HF tensor from the state dicts of the ranks that together hold the model."""
-    source = RankShards({c: from_spec(sd, spec, arch.is_moe) for c, sd in rank_state_dicts.items()})
+    source = RankShards({c: from_spec(sd, spec) for c, sd in rank_state_dicts.items()})
     assembler = HFAssembler(arch, source)
     hf: dict[str, torch.Tensor] = {}
     for transfer in plan(family, arch, layout, pp_first_stage_layers):

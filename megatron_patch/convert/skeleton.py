@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_patch.models.mapping.naming import local_to_te
+from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 
@@ -104,8 +104,9 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
     # Storage is allocated but never touched (no initialisation), so it never becomes resident.
     model = build_model(arch, _single_layout(), torch.float32, use_te=False, pre_process=True, post_process=True,
                         perform_initialization=False, use_cpu_initialization=True)
-    shapes = {local_to_te(k, arch.is_moe): tuple(v.shape) for k, v in model.state_dict().items()
-              if not k.endswith("_extra_state") and v is not None}
+    local_state = model.state_dict()
+    te_name = local_to_te_names(local_state)
+    shapes = {te_name[k]: tuple(v.shape) for k, v in local_state.items() if not k.endswith("_extra_state") and v is not None}
     chunks: list[ChunkEntry] = []
     objects: list[ObjectEntry] = []
     for sd_name, entry in model.sharded_state_dict().items():
@@ -116,7 +117,7 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
                     raise UserError("flattened sharded tensors are not expected in a model state dict")
                 prepend = item.prepend_axis_num
                 chunks.append(ChunkEntry(
-                    name=local_to_te(sd_name, arch.is_moe), key=item.key, global_shape=tuple(item.global_shape),
+                    name=te_name.get(sd_name, sd_name), key=item.key, global_shape=tuple(item.global_shape),
                     global_offset=tuple(item.global_offset), local_shape=(1,) * prepend + tuple(item.local_shape),
                     prepend=prepend))
             elif isinstance(item, ShardedObject):

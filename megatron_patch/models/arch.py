@@ -45,11 +45,26 @@ class Arch:
     # Whether top-k routing probabilities are renormalised to sum to one.
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0
+    # Layers of an MoE model that have a dense MLP (of ffn_hidden_size) instead of experts.
+    dense_layers: tuple[int, ...] = ()
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def has_dense_layers(self) -> bool:
+        """Whether any layer has a dense MLP (every layer of a dense model; some of a mixed MoE model)."""
+        return not self.is_moe or bool(self.dense_layers)
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """megatron-core's ``moe_layer_freq`` list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
     def padded_vocab_size(self, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
         """Vocabulary rounded up so that every TP size dividing ``multiple`` splits it evenly.
@@ -122,7 +137,7 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
         raise UserError(
             f"TP={tp} does not divide the {arch.num_kv_heads} query groups (key/value heads): "
             f"choose a TP that divides {arch.num_kv_heads}")
-    if not arch.is_moe and arch.ffn_hidden_size % tp:
+    if arch.has_dense_layers and arch.ffn_hidden_size % tp:
         raise UserError(f"TP={tp} does not divide the MLP size {arch.ffn_hidden_size}: choose another TP")
     if arch.padded_vocab_size() % tp:
         raise UserError(f"TP={tp} does not divide the padded vocabulary {arch.padded_vocab_size()}: use a power-of-two TP")

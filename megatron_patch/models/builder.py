@@ -94,27 +94,47 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
             # The same dispatcher on GPU and CPU (gloo does uneven all_to_all; see docs/cpu-runtime.md).
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=te_available(),
+            # 1 for an MoE layer, 0 for a dense one (ffn_hidden_size), as config.json places them.
+            moe_layer_freq=arch.moe_layer_pattern if arch.dense_layers else 1,
         )
     kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: Arch, config, use_te: bool | None = None):
+def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None):
+    """The layer spec of every decoder layer, or, for an MoE model with dense layers, this pipeline
+    stage's block of per-layer specs (megatron-core's ``moe_layer_freq`` pattern picks each one)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+        get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     use_te = te_available() if use_te is None else use_te
+    if arch.is_moe and arch.dense_layers:
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
+        if not use_te:
+            block.layer_specs = [_moe_norm_keeps_te_name(s) if _is_moe_spec(s) else s for s in block.layer_specs]
+        return block
     experts = arch.num_experts or None
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm)
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
-    if arch.is_moe:
-        # megatron-core maps the local pre-MLP norm to the TE dense name even for MoE layers, where
-        # the TE spec keeps a separate pre_mlp_layernorm; keep the TE name so checkpoints cross specs.
-        keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if not k.startswith("pre_mlp")}
-        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
-    return spec
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                                          qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+                                    normalization="RMSNorm")
+    return _moe_norm_keeps_te_name(spec) if arch.is_moe else spec
+
+
+def _is_moe_spec(spec) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return isinstance(spec.submodules.mlp.module, type) and issubclass(spec.submodules.mlp.module, MoELayer)
+
+
+def _moe_norm_keeps_te_name(spec):
+    """megatron-core maps the local pre-MLP norm to the TE dense name even for MoE layers, where the
+    TE spec keeps a separate pre_mlp_layernorm; keep the TE name so checkpoints cross specs."""
+    keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if not k.startswith("pre_mlp")}
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
 
 
 def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
@@ -143,7 +163,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     model = GPTModel(
         config,
-        layer_spec(arch, config, use_te),
+        layer_spec(arch, config, use_te, vp_stage if virtual else None),
         vocab_size=arch.padded_vocab_size(),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,

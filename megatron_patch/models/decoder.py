@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, require, rope_settings
-from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, Scope
+from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, Rule, Scope
 
 
 def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, ffn_key: str = "intermediate_size") -> Arch:
@@ -71,20 +71,36 @@ def attention_rules(qkv_bias: bool) -> list[Rule]:
 
 
 def dense_mlp_rules() -> list[Rule]:
-    mlp = f"{HF_LAYER}.mlp"
+    """The SwiGLU MLP of dense layers (every layer of a dense model, the dense ones of an MoE model)."""
+    mlp, dense = f"{HF_LAYER}.mlp", LayerKind.DENSE
     return [
-        Rule(f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED),
-        Rule(f"{MC_LAYER}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP),
-        Rule(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW),
+        Rule(f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED,
+             layers=dense),
+        Rule(f"{MC_LAYER}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP,
+             layers=dense),
+        Rule(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW, layers=dense),
     ]
 
 
 def moe_rules(router: str, expert: str, gate: str, up: str, down: str) -> list[Rule]:
-    """Router and routed experts; HF names are relative to the layer, ``{expert}`` marks the index."""
+    """Router and routed experts of MoE layers; HF names are relative to the layer, ``{expert}`` marks
+    the index."""
+    moe = LayerKind.MOE
     return [
-        Rule(f"{MC_LAYER}.pre_mlp_layernorm.weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED),
-        Rule(f"{MC_LAYER}.mlp.router.weight", f"{HF_LAYER}.{router}", REPLICATED),
+        Rule(f"{MC_LAYER}.pre_mlp_layernorm.weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED,
+             layers=moe),
+        Rule(f"{MC_LAYER}.mlp.router.weight", f"{HF_LAYER}.{router}", REPLICATED, layers=moe),
         Rule(f"{MC_LAYER}.mlp.experts.linear_fc1.weight{{expert}}",
-             (f"{HF_LAYER}.{expert}.{gate}", f"{HF_LAYER}.{expert}.{up}"), GATE_UP, Scope.EXPERT),
-        Rule(f"{MC_LAYER}.mlp.experts.linear_fc2.weight{{expert}}", f"{HF_LAYER}.{expert}.{down}", ROW, Scope.EXPERT),
+             (f"{HF_LAYER}.{expert}.{gate}", f"{HF_LAYER}.{expert}.{up}"), GATE_UP, Scope.EXPERT, layers=moe),
+        Rule(f"{MC_LAYER}.mlp.experts.linear_fc2.weight{{expert}}", f"{HF_LAYER}.{expert}.{down}", ROW, Scope.EXPERT,
+             layers=moe),
     ]
+
+
+def qwen_dense_layers(raw: dict) -> tuple[int, ...]:
+    """Layers a Qwen-MoE config.json gives a dense MLP: those in ``mlp_only_layers``, and those
+    ``decoder_sparse_step`` skips (transformers: MoE where (i + 1) % step == 0)."""
+    step = raw.get("decoder_sparse_step", 1) or 1
+    only = set(raw.get("mlp_only_layers") or [])
+    layers = require(raw, "num_hidden_layers")
+    return tuple(i for i in range(layers) if i in only or (i + 1) % step)

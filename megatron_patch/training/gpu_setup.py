@@ -81,9 +81,9 @@ def warm_up_fused_kernels(cfg, arch, dtype: torch.dtype, device: torch.device) -
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 
     tokens = cfg.tokens_per_gemm
-    widths = {arch.ffn_hidden_size // cfg.tp}
+    widths = {arch.ffn_hidden_size // cfg.tp} if arch.has_dense_layers else set()
     if arch.is_moe:
-        widths = {arch.moe_ffn_hidden_size // cfg.layout.expert_tp}
+        widths.add(arch.moe_ffn_hidden_size // cfg.layout.expert_tp)
         if arch.shared_expert_ffn_hidden_size:
             widths.add(arch.shared_expert_ffn_hidden_size // cfg.tp)
     rows = tokens // cfg.tp if cfg.sequence_parallel else tokens

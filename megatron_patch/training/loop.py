@@ -35,12 +35,11 @@ def flops_per_iteration(arch, cfg) -> float:
     h, s = arch.hidden_size, cfg.sample_length
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     attn = h * q + 2 * h * kv + q * h
-    if arch.is_moe:
-        mlp = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size + 3 * h * arch.shared_expert_ffn_hidden_size \
-              + h * arch.num_experts
-    else:
-        mlp = 3 * h * arch.ffn_hidden_size
-    per_token = 2 * (arch.num_layers * (attn + mlp) + h * arch.padded_vocab_size())
+    moe_mlp = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size + 3 * h * arch.shared_expert_ffn_hidden_size \
+        + h * arch.num_experts
+    dense_mlp = 3 * h * arch.ffn_hidden_size
+    mlp = sum(moe_mlp if arch.is_moe_layer(i) else dense_mlp for i in range(arch.num_layers))
+    per_token = 2 * (arch.num_layers * attn + mlp + h * arch.padded_vocab_size())
     per_token += 2 * arch.num_layers * q * s  # QK^T and AV, halved for causal masking: 2 * 2 * s * q / 2
     return 3.0 * per_token * cfg.global_batch_size * s
 

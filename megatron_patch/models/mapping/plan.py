@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_patch.models.arch import Arch, pipeline_layer_ranges
-from megatron_patch.models.mapping.rules import Rule, Scope
+from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope
 from megatron_patch.models.mapping.splits import Split, SplitContext
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -82,6 +82,8 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
         else:
             for stage, layers in enumerate(ranges):
                 for local, layer in enumerate(layers):
+                    if rule.layers is not None and (rule.layers is LayerKind.MOE) != arch.is_moe_layer(layer):
+                        continue
                     mcore = rule.mcore.replace("{layer}", str(local))
                     hf = [h.replace("{layer}", str(layer)) for h in rule.hf]
                     if rule.scope is Scope.LAYER:

@@ -15,6 +15,13 @@ from enum import Enum
 from megatron_patch.models.mapping.splits import Split
 
 
+class LayerKind(Enum):
+    """Which decoder layers a LAYER/EXPERT rule covers (an MoE model may also have dense layers)."""
+
+    DENSE = "dense"
+    MOE = "moe"
+
+
 class Scope(Enum):
     FIRST_STAGE = "first"    # embedding: on pipeline stage 0
     LAST_STAGE = "last"      # final norm, output layer
@@ -32,6 +39,8 @@ class Rule:
     # embed_tokens): then HF stores at most a copy, and MCore shares the embedding on one stage or
     # keeps its own copy on the last stage.
     tied_to: str | None = None
+    # Only layers of this kind (None: every layer).
+    layers: LayerKind | None = None
 
     def __post_init__(self):
         if isinstance(self.hf, str):
