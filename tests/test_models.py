@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
+from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity, check_parity_all
 from megatron_patch.convert.engine import MappingError, hf_tensors_from_ranks, rank_state_dict_from_hf
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.models.mapping import RankCoord, plan_transfers
@@ -68,7 +68,7 @@ def test_llama31_rope_scaling_is_read_from_config_not_hard_coded():
 
     raw = tiny_config("llama3_1")
     arch = parse_arch(raw)
-    assert arch.rope_scaling == {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+    assert arch.rope_scaling == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
                                  "original_max_position_embeddings": 64.0}
     hf_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.for_model(**raw), "cpu")
     ours = rope.inv_freq(arch)
@@ -79,6 +79,46 @@ def test_llama31_rope_scaling_is_read_from_config_not_hard_coded():
     plain = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2).float() / arch.head_dim))
     megatron_default = RotaryEmbedding._apply_scaling(None, plain, factor=4.0)
     assert not torch.allclose(megatron_default, hf_freq.float())
+
+
+ROPE_CASES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0,
+             "beta_slow": 2.0},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+                    "mscale_all_dim": 0.7},
+    "yarn_untruncated": {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 64, "truncate": False},
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_CASES))
+def test_every_rope_type_equals_transformers(name):
+    """Inverse frequencies bit for bit, and the attention factor HF scales cos/sin by, for each type."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_patch.models import rope
+
+    raw = {**tiny_config("llama3_1"), "rope_scaling": ROPE_CASES[name], "head_dim": 32}
+    arch = parse_arch(raw)
+    config = AutoConfig.for_model(**raw)
+    kind = (ROPE_CASES[name] or {}).get("rope_type", "default")
+    if kind == "default":  # transformers 5 keeps the plain formula on the model's rotary class
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hf_freq, hf_factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        hf_freq, hf_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    ours, factor = rope.inv_freq_and_attention_factor(arch)
+    torch.testing.assert_close(ours, hf_freq.float(), rtol=0, atol=0)
+    assert factor == pytest.approx(hf_factor, rel=1e-12)
+    if kind == "yarn":
+        assert factor != 1.0 and rope.softmax_scale(arch) == pytest.approx(factor ** 2 / 32 ** 0.5)
+    else:
+        assert factor == 1.0 and rope.softmax_scale(arch) is None
 
 
 def test_rope_scaling_in_transformers5_form_is_read():
@@ -102,10 +142,14 @@ def test_family_specifics_are_parsed():
 @pytest.mark.parametrize("raw, fragment", [
     ({**tiny_config("llama3_1"), "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({**tiny_config("qwen2"), "use_sliding_window": True}, "use_sliding_window"),
-    ({**tiny_config("qwen2_moe"), "decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({**tiny_config("llama3_1"), "model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+    ({**tiny_config("llama3_1"), "attention_bias": True}, "attention_bias=true with mlp_bias=false"),
+    ({**tiny_config("qwen2"), "mlp_bias": True}, "mlp_bias=true is not supported for qwen2"),
+    ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "RoPE type 'longrope'"),
+    ({**tiny_config("llama3_1"), "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "linear"}}, "linear RoPE scaling lacks factor"),
     ({k: v for k, v in tiny_config("mixtral").items() if k != "num_local_experts"}, "num_local_experts"),
     ({**tiny_config("llama3_1"), "num_hidden_layers": "four"}, "num_hidden_layers"),
-    ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
 ])
 def test_unsupported_configs_fail_with_one_line(raw, fragment):
     with pytest.raises(UserError) as err:
@@ -238,16 +282,57 @@ def test_te_and_local_names_cross_both_ways(tiny_dirs):
 
 # --- HF vs MCore logits, fp32: rel err <= 1e-5, KL <= 1e-10 --------------------------------------
 
-# Each family's own parity layouts (models/<family>/__init__.py, test_layouts.parity).
-PARITY_CASES = [(name, layout) for name, f in families().items() for layout in f.test_layouts.parity]
+# Each family's own parity layouts (models/<family>/__init__.py, test_layouts.parity), grouped by layout
+# so that the families sharing a layout share one start of its processes.
+PARITY_LAYOUTS: dict[ParallelLayout, list[str]] = {}
+for _name, _family in families().items():
+    for _layout in _family.test_layouts.parity:
+        PARITY_LAYOUTS.setdefault(_layout, []).append(_name)
 
 
-@pytest.mark.parametrize("family, layout", PARITY_CASES, ids=[f"{f}-{str(l).replace(' ', '-')}" for f, l in PARITY_CASES])
-def test_logits_match_transformers(tiny_dirs, family, layout):
-    m = check_parity(tiny_dirs[family], layout, seed=3)
-    assert m["rel_l2"] <= FP32_REL_L2, m
-    assert m["kl"] <= FP32_KL, m
-    assert m["top1"] == 1.0, m
+@pytest.mark.parametrize("layout", list(PARITY_LAYOUTS), ids=lambda l: str(l).replace(" ", "-"))
+def test_logits_match_transformers(tiny_dirs, layout):
+    names = PARITY_LAYOUTS[layout]
+    for name, m in zip(names, check_parity_all([tiny_dirs[n] for n in names], layout, seed=3)):
+        assert m["rel_l2"] <= FP32_REL_L2, (name, m)
+        assert m["kl"] <= FP32_KL, (name, m)
+        assert m["top1"] == 1.0, (name, m)
+
+
+# Llama-architecture checkpoints beyond Llama 3.1 (the family claims any LlamaForCausalLM and
+# MistralForCausalLM): tied embeddings (Llama 3.2), an explicit head_dim, linear and yarn RoPE,
+# linear biases, Mistral without a sliding window.
+LLAMA_VARIANTS = {
+    "llama3.2_tied": {"tie_word_embeddings": True},
+    "head_dim_32_yarn": {"head_dim": 32, "rope_scaling": ROPE_CASES["yarn"]},
+    "linear_rope_biases": {"rope_scaling": ROPE_CASES["linear"], "attention_bias": True, "mlp_bias": True},
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None,
+                "rope_scaling": None},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_variants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama_variants")
+    return {name: make_tiny_hf_checkpoint("llama3_1", root / name, seed=7, **over) for name, over in LLAMA_VARIANTS.items()}
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2, pp=2)], ids=str)
+def test_llama_architecture_variants_match_transformers(llama_variants, layout):
+    names = list(llama_variants)
+    assert parse_arch(llama_variants["mistral"]).family == "llama3_1"
+    for name, m in zip(names, check_parity_all([llama_variants[n] for n in names], layout, seed=4)):
+        assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, (name, m)
+
+
+def test_llama_architecture_variants_round_trip(llama_variants):
+    layout = ParallelLayout(tp=2, pp=2)
+    fam = get_family("llama3_1")
+    for name, folder in llama_variants.items():
+        arch, hf = parse_arch(folder), hf_tensors(folder)
+        ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__) for c in all_coords(layout)}
+        back = hf_tensors_from_ranks(fam, arch, layout, ranks)
+        assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf), name
 
 
 def test_parity_detects_a_wrong_mapping(tiny_dirs, tmp_path):
@@ -270,7 +355,7 @@ def test_parity_detects_a_wrong_mapping(tiny_dirs, tmp_path):
     from megatron_patch.align.parity import hf_logits, mcore_logits, random_tokens
 
     tokens = random_tokens(parse_arch(src).vocab_size, seed=3)
-    m = compare_logits(hf_logits(src, tokens), mcore_logits(bad, ParallelLayout(), tokens))
+    m = compare_logits(hf_logits(src, tokens), mcore_logits([bad], ParallelLayout(), [tokens])[0])
     assert m["rel_l2"] > 1e-3 and m["kl"] > FP32_KL
 
 

@@ -33,8 +33,10 @@ class Arch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
-    # llama3-style RoPE scaling as given in config.json (factor, low/high_freq_factor,
-    # original_max_position_embeddings); None for plain RoPE.
+    # Every linear layer has a bias (q/k/v, output projection, MLP): megatron-core's add_bias_linear.
+    linear_bias: bool = False
+    # RoPE scaling as config.json gives it ({"rope_type": "linear" | "llama3" | "yarn", ...}, see
+    # ROPE_TYPES); None for plain RoPE. models/rope.py turns it into frequencies.
     rope_scaling: dict | None = None
     # Mixture of experts (0 experts: dense).
     num_experts: int = 0
@@ -104,25 +106,50 @@ def require(raw: dict, key: str, kind=int):
     return value
 
 
+# Keys each supported RoPE type reads from config.json (besides rope_theta); None: optional.
+ROPE_TYPES: dict[str, dict[str, bool]] = {
+    "default": {},
+    "linear": {"factor": True},
+    "llama3": {"factor": True, "low_freq_factor": True, "high_freq_factor": True,
+               "original_max_position_embeddings": True},
+    "yarn": {"factor": True, "original_max_position_embeddings": True, "beta_fast": False, "beta_slow": False,
+             "mscale": False, "mscale_all_dim": False, "attention_factor": False, "truncate": False},
+}
+
+
 def rope_settings(raw: dict) -> tuple[float, dict | None]:
-    """(theta, llama3 scaling or None) from either config.json convention.
+    """(theta, scaling or None) from either config.json convention; the scaling dict holds
+    ``rope_type`` and the fields ``ROPE_TYPES`` lists for it, exactly as config.json gives them.
 
     transformers < 5 writes ``rope_theta`` and ``rope_scaling``; 5.x writes ``rope_parameters``.
+    A RoPE megatron-core cannot be given (any other type, a partial rotary dimension) is refused.
     """
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or None
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = (scaling or params).get("rope_type", (scaling or params).get("type", "default"))
-    if rope_type in (None, "default"):
-        return float(theta), None
-    if rope_type != "llama3":
-        raise UserError(f"RoPE type '{rope_type}' is not supported yet: supported are default and llama3")
     source = scaling or params
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in source]
-    if missing:
-        raise UserError(f"config.json llama3 RoPE scaling lacks {', '.join(missing)}")
-    return float(theta), {k: float(source[k]) for k in keys}
+    rope_type = source.get("rope_type", source.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise UserError(f"RoPE type '{rope_type}' is not supported: supported are {', '.join(ROPE_TYPES)}")
+    partial = source.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise UserError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported: "
+                        "only full rotary embeddings convert exactly")
+    if rope_type == "default":
+        return float(theta), None
+    out: dict = {"rope_type": rope_type}
+    for key, needed in ROPE_TYPES[rope_type].items():
+        value = source.get(key)
+        if key == "original_max_position_embeddings":
+            # As transformers reads it: a top-level value wins (Phi-3 style), else the scaling's own,
+            # else the model's context length.
+            value = raw.get(key) or value or raw.get("max_position_embeddings")
+        if value is None:
+            if needed:
+                raise UserError(f"config.json {rope_type} RoPE scaling lacks {key}")
+            continue
+        out[key] = value if isinstance(value, bool) else float(value)
+    return float(theta), out
 
 
 def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers: int | None = None) -> None:

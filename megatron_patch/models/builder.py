@@ -54,8 +54,10 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=arch.linear_bias,
         add_qkv_bias=arch.qkv_bias,
+        # YaRN's attention factor (cos/sin scaled in HF) as a softmax scale; None for other RoPE.
+        softmax_scale=rope.softmax_scale(arch),
         # Fine-tuning and conversion checks need the model as released: no dropout.
         hidden_dropout=0.0,
         attention_dropout=0.0,
