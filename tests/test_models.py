@@ -183,12 +183,18 @@ def test_cli_refuses_impossible_layout_before_starting_processes(tiny_dirs):
 
 # --- mapping engine: HF -> MCore (any layout) -> HF is bit-identical ----------------------------
 
-ROUND_TRIP_LAYOUTS = {
-    "llama3_1": [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=4), ParallelLayout(tp=2, pp=2)],
-    "qwen2": [ParallelLayout(), ParallelLayout(tp=2, pp=2), ParallelLayout(pp=4)],
-    "qwen2_moe": [ParallelLayout(ep=4), ParallelLayout(tp=2, pp=2, ep=2), ParallelLayout(tp=2, ep=2, etp=1)],
-    "mixtral": [ParallelLayout(ep=2, pp=2), ParallelLayout(tp=2, ep=4), ParallelLayout(tp=2, ep=2, etp=1)],
-}
+DENSE_LAYOUTS = [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=4), ParallelLayout(tp=2, pp=2)]
+MOE_LAYOUTS = [ParallelLayout(ep=4), ParallelLayout(tp=2, pp=2, ep=2), ParallelLayout(tp=2, ep=2, etp=1),
+               ParallelLayout(ep=2, pp=2), ParallelLayout(tp=2, ep=4)]
+
+
+def round_trip_layouts(family: str) -> list[ParallelLayout]:
+    """The in-memory round trip is cheap: every layout the family's tests name, and the generic ones of
+    its kind (dense or MoE)."""
+    fam = get_family(family)
+    arch = parse_arch(fam.tiny_config)
+    named = list(fam.test_layouts.parity) + [layout for _, layout, _ in fam.test_layouts.round_trips]
+    return list(dict.fromkeys(named + (MOE_LAYOUTS if arch.is_moe else DENSE_LAYOUTS)))
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -198,7 +204,7 @@ def test_round_trip_is_bit_identical(tiny_dirs, family, dtype, spec):
     hf = {k: v.to(dtype) for k, v in hf_tensors(tiny_dirs[family]).items()}
     arch = parse_arch(tiny_dirs[family])
     fam = get_family(arch.family)
-    for layout in ROUND_TRIP_LAYOUTS[family]:
+    for layout in round_trip_layouts(family):
         ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__, spec) for c in all_coords(layout)}
         back = hf_tensors_from_ranks(fam, arch, layout, ranks, spec)
         assert set(back) == set(hf), layout
