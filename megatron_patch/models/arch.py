@@ -94,15 +94,17 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def require(raw: dict, key: str, kind=int):
-    """A config.json field that must be present; a wrong or missing one is named in the error."""
-    if key not in raw or raw[key] is None:
+def require(raw: dict, key: str, kind=int, *, aliases: tuple[str, ...] = ()):
+    """A config.json field that must be present (under ``key`` or one of its ``aliases``: transformers
+    writes some fields under other names than the hub's configs); a wrong or missing one is named."""
+    found = next((k for k in (key, *aliases) if raw.get(k) is not None), None)
+    if found is None:
         raise UserError(f"config.json lacks '{key}', which a {raw.get('model_type', '?')} model needs")
-    value = raw[key]
+    value = raw[found]
     if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise UserError(f"config.json '{key}' must be a positive integer, found {value!r}")
+        raise UserError(f"config.json '{found}' must be a positive integer, found {value!r}")
     if kind is float and not isinstance(value, (int, float)):
-        raise UserError(f"config.json '{key}' must be a number, found {value!r}")
+        raise UserError(f"config.json '{found}' must be a number, found {value!r}")
     return value
 
 
