@@ -36,6 +36,8 @@ class HFModules:
     attention: str = "self_attn"       # within a decoder layer
     mlp: str = "mlp"                   # within a decoder layer
     final_norm: str = "model.norm"
+    # Within an MoE layer: the router, whose output ends with the chosen expert indices (transformers 5).
+    router: str | None = None
 
 
 @dataclass(frozen=True)
