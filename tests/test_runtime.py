@@ -219,6 +219,7 @@ from megatron.core.optimizer import distrib_optimizer
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
 def snapshot():
     return dict(
@@ -227,6 +228,7 @@ def snapshot():
         cuda_rng=torch.cuda.get_rng_state, gather=mappings._gather_along_first_dim,
         move=moe_utils.maybe_move_tensor_to_cpu, norm=WrappedTorchNorm.__dict__["__new__"],
         optim_load=distrib_optimizer.DistributedOptimizer.load_state_dict,
+        yarn_init=YarnRotaryEmbedding.__init__,
     )
 
 before = snapshot()

@@ -173,7 +173,7 @@ def _write_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: 
         for p in t.placements:
             holders[(i, p)] = [c for c in coords if c.holds(t, p)]
             for c in holders[(i, p)]:
-                specs[c][p.mcore_name] = TensorSpec(tuple(shards[p.shard].shape), dtype)
+                specs[c][p.mcore_name] = TensorSpec(tuple(shards[p.shard].shape), t.dtype_in(dtype))
     writers = {}
     for c in coords:
         path = rank_file(release, c, layout)
@@ -183,7 +183,7 @@ def _write_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: 
 
     def produce(item):  # on the prefetch thread: read and cut transfer i+1 while transfer i is written
         _, t = item
-        return t.split.shards([once.get(n).to(dtype) for n in t.hf_names], t.num_shards, ctx)
+        return t.split.shards([once.get(n).to(t.dtype_in(dtype)) for n in t.hf_names], t.num_shards, ctx)
 
     with Prefetcher(enumerate(transfers), produce) as ahead:
         for (i, t), shards in ahead:
@@ -210,7 +210,8 @@ def _write_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], once
     items, sources = [], {}
     for name in by_name:
         for ch in chunks[name]:
-            items.append(tensor_item(ch.key, ch.global_shape, ch.global_offset, ch.local_shape, dtype))
+            items.append(tensor_item(ch.key, ch.global_shape, ch.global_offset, ch.local_shape,
+                                     by_name[name].dtype_in(dtype)))
             sources[(ch.key, ch.global_offset)] = ch
     payloads = {obj.unique_key: obj.payload for obj in skeleton.objects}
     items += [bytes_item(key) for key in payloads]
@@ -221,7 +222,7 @@ def _write_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], once
 
     def produce(name):  # on the prefetch thread
         t = by_name[name]
-        return t.split.shards([once.get(n).to(dtype) for n in t.hf_names], 1, ctx)[0]
+        return t.split.shards([once.get(n).to(t.dtype_in(dtype)) for n in t.hf_names], 1, ctx)[0]
 
     def resolve(item):
         if item.index.offset is None:
@@ -281,7 +282,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
         for n in t.hf_names:
             if n not in seen:
                 seen.add(n)
-                entries.append((n, hf_shapes[n], out_dtype))
+                entries.append((n, hf_shapes[n], t.dtype_in(out_dtype)))
     bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", sum(torch.Size(s).numel() for _, s, _ in entries)
                    * torch.empty((), dtype=out_dtype).element_size(), len(entries), progress)
     with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
@@ -291,7 +292,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
         def produce(t: Transfer):
             """On the prefetch thread: read transfer i+1's shards and cut them into HF pieces."""
             merged = assembler.assemble(t)
-            return None if merged is None else [[piece.to(out_dtype) for piece in pieces] for pieces in merged]
+            return None if merged is None else [[piece.to(t.dtype_in(out_dtype)) for piece in pieces] for pieces in merged]
 
         with Prefetcher(transfers, produce) as ahead:
             for t, merged in ahead:

@@ -20,9 +20,9 @@ from typing import Callable, Generic, Iterable, Mapping, TypeVar
 import torch
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.models.family import ModelFamily
-from megatron_patch.models.mapping import RankCoord, Transfer, plan_transfers, split_context
+from megatron_patch.models.mapping import REPLICATED, RankCoord, Transfer, plan_transfers, split_context
 from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -40,8 +40,11 @@ def names_list(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def plan(family: ModelFamily, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None) -> list[Transfer]:
-    return plan_transfers(family.weight_rules(arch), arch, layout, pp_first_stage_layers)
+def plan(family: ModelFamily, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None,
+         spec: str = "te") -> list[Transfer]:
+    """The family's table expanded at ``layout`` (refused, naming why, if the layout cannot hold ``arch``)."""
+    validate_layout(arch, layout, pp_first_stage_layers=pp_first_stage_layers)
+    return plan_transfers(family.weight_rules(arch), arch, layout, pp_first_stage_layers, spec)
 
 
 def check_hf_names(family: ModelFamily, arch: Arch, transfers: list[Transfer], available: Iterable[str]) -> None:
@@ -140,7 +143,7 @@ def rank_state_dict_from_hf(family: ModelFamily, arch: Arch, layout: ParallelLay
     """One rank's MCore state dict (names for ``spec``: "te" or "local") from HF tensors fetched by name."""
     ctx = split_context(arch)
     out: dict[str, torch.Tensor] = {}
-    for transfer in plan(family, arch, layout, pp_first_stage_layers):
+    for transfer in plan(family, arch, layout, pp_first_stage_layers, spec):
         mine = [p for p in transfer.placements if coord.holds(transfer, p)]
         if not mine:
             continue
@@ -157,9 +160,28 @@ def hf_tensors_from_ranks(family: ModelFamily, arch: Arch, layout: ParallelLayou
     source = RankShards({c: from_spec(sd, spec) for c, sd in rank_state_dicts.items()})
     assembler = HFAssembler(arch, source)
     hf: dict[str, torch.Tensor] = {}
-    for transfer in plan(family, arch, layout, pp_first_stage_layers):
+    for transfer in plan(family, arch, layout, pp_first_stage_layers, spec):
         merged = assembler.assemble(transfer)
         if merged is not None:
             hf.update(zip(transfer.hf_names, merged))
     source.check_all_read()
     return hf
+
+
+def reshard_for_local_spec(family: ModelFamily, arch: Arch, layout: ParallelLayout, coord: RankCoord,
+                           state: dict[str, torch.Tensor], pp_first_stage_layers: int | None = None) -> dict:
+    """One rank's TE-layout state dict (TE names) with the parameters the local spec shards otherwise
+    re-cut for it: TE keeps them whole on every rank (MLA's down projections), so this rank's piece of
+    the local split is cut from the whole tensor it already holds."""
+    ctx = split_context(arch)
+    te, local = plan(family, arch, layout, pp_first_stage_layers), plan(family, arch, layout, pp_first_stage_layers, "local")
+    out = dict(state)
+    for t_te, t_local in zip(te, local):
+        if t_te.split is t_local.split:
+            continue
+        if not isinstance(t_te.split, type(REPLICATED)):
+            raise MappingError(f"cannot re-cut {t_te.placements[0].mcore_name} for the local spec from a {t_te.split} split")
+        for p in t_local.placements:
+            if coord.holds(t_local, p) and p.mcore_name in out:
+                out[p.mcore_name] = t_local.split.shards([out[p.mcore_name]], t_local.num_shards, ctx)[p.shard]
+    return out

@@ -19,6 +19,23 @@ VOCAB_PAD_MULTIPLE = 128
 
 
 @dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention (DeepSeek-V2/V3): queries through a low-rank latent (or a plain
+    projection when ``q_lora_rank`` is None), keys and values from one shared latent, and a RoPE part of
+    each head apart from the rest."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class Arch:
     family: str
     vocab_size: int
@@ -49,6 +66,10 @@ class Arch:
     router_aux_loss_coef: float = 0.0
     # Layers of an MoE model that have a dense MLP (of ffn_hidden_size) instead of experts.
     dense_layers: tuple[int, ...] = ()
+    # Multi-latent attention instead of GQA (head_dim is then the value head dimension).
+    mla: MLAShape | None = None
+    # Multi-token-prediction layers the MCore model carries (DeepSeek-V3's; 0 unless converted with them).
+    mtp_layers: int = 0
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property

@@ -101,6 +101,10 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         )
     kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))
     kwargs.update(overrides)
+    if kwargs.get("multi_latent_attention"):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
@@ -111,19 +115,34 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | N
         get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     use_te = te_available() if use_te is None else use_te
+    mla = bool(config.multi_latent_attention)
     if arch.is_moe and arch.dense_layers:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                            vp_stage=vp_stage)
         if not use_te:
-            block.layer_specs = [_moe_norm_keeps_te_name(s) if _is_moe_spec(s) else s for s in block.layer_specs]
+            block.layer_specs = [_local_layer(s, _is_moe_spec(s), mla) for s in block.layer_specs]
         return block
     experts = arch.num_experts or None
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
-                                                          qk_layernorm=config.qk_layernorm)
+                                                          qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
-                                    normalization="RMSNorm")
-    return _moe_norm_keeps_te_name(spec) if arch.is_moe else spec
+                                    multi_latent_attention=mla, normalization="RMSNorm")
+    return _local_layer(spec, arch.is_moe, mla)
+
+
+def _local_layer(spec, moe: bool, mla: bool):
+    """A local layer spec made to keep TE's checkpoint names, and for multi-latent attention given a core
+    attention that takes MLA's key/value head sizes (megatron-core 0.16's local one refuses them)."""
+    spec = _with_te_checkpoint_names(spec, moe, mla)
+    if not mla:
+        return spec
+    from megatron_patch.models.local_attention import LocalMLACoreAttention
+
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=LocalMLACoreAttention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
 def _is_moe_spec(spec) -> bool:
@@ -132,10 +151,21 @@ def _is_moe_spec(spec) -> bool:
     return isinstance(spec.submodules.mlp.module, type) and issubclass(spec.submodules.mlp.module, MoELayer)
 
 
-def _moe_norm_keeps_te_name(spec):
-    """megatron-core maps the local pre-MLP norm to the TE dense name even for MoE layers, where the
-    TE spec keeps a separate pre_mlp_layernorm; keep the TE name so checkpoints cross specs."""
-    keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if not k.startswith("pre_mlp")}
+def _with_te_checkpoint_names(spec, moe: bool, mla: bool):
+    """A local layer spec whose torch_dist keys are the TE spec's, so checkpoints cross specs.
+
+    megatron-core's local spec maps the input and pre-MLP norms to TE's fused names for standard
+    attention, but also the pre-MLP norm of MoE layers (TE keeps ``pre_mlp_layernorm`` there), and
+    maps nothing for multi-latent attention (TE fuses its latent norms into the up projections).
+    """
+    if mla:
+        keys = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+        if not moe:
+            keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    else:
+        keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items()
+                if not (moe and k.startswith("pre_mlp"))}
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
 
 

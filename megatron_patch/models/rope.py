@@ -85,7 +85,10 @@ def inv_freq(arch: Arch) -> torch.Tensor:
 
 
 def softmax_scale(arch: Arch) -> float | None:
-    """The attention softmax scale the RoPE type needs; None: megatron-core's default 1/sqrt(head_dim)."""
+    """The attention softmax scale the RoPE type needs; None: megatron-core's default 1/sqrt(head_dim).
+    Multi-latent attention sets its own (megatron-core's MLA computes YaRN's scale itself)."""
+    if arch.mla is not None:
+        return None
     factor = inv_freq_and_attention_factor(arch)[1]
     return None if factor == 1.0 else factor ** 2 / math.sqrt(arch.head_dim)
 

@@ -7,4 +7,4 @@ from megatron_patch.models.mapping.plan import (  # noqa: F401
     Placement, RankCoord, Transfer, plan_transfers, split_context)
 from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope, tied_hf_names  # noqa: F401
 from megatron_patch.models.mapping.splits import (  # noqa: F401
-    GATE_UP, QKV, REPLICATED, ROW, VOCAB, Split, SplitContext)
+    COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB, Split, SplitContext)

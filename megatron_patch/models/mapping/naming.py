@@ -7,7 +7,8 @@ Renaming is the whole difference: the tensors themselves are laid out identicall
 
 Which norms TE fuses depends on the layer, not on the model: a dense MLP fuses its pre-MLP norm, an
 MoE layer keeps ``pre_mlp_layernorm``; standard attention fuses the input norm into ``linear_qkv``,
-multi-latent attention keeps ``input_layernorm``. So local -> TE renames a layer's norm only when the
+multi-latent attention keeps ``input_layernorm`` and fuses its latent norms into the up projections
+(Qwen3's q/k norms stay modules of their own in both specs). So local -> TE renames a layer's norm only when the
 layer has the linear it fuses into, which the state dict itself tells; a model may mix both kinds.
 """
 
@@ -20,12 +21,19 @@ from typing import Iterable
 _TE_TO_LOCAL = [
     (r"(.*)\.self_attention\.linear_qkv\.layer_norm_weight$", r"\1.input_layernorm.weight"),
     (r"(.*)\.mlp\.linear_fc1\.layer_norm_weight$", r"\1.pre_mlp_layernorm.weight"),
+    (r"(.*)\.self_attention\.linear_q_up_proj\.layer_norm_weight$", r"\1.self_attention.q_layernorm.weight"),
+    (r"(.*)\.self_attention\.linear_kv_up_proj\.layer_norm_weight$", r"\1.self_attention.kv_layernorm.weight"),
     (r"(.*)\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$", r"\1.mlp.experts.local_experts.\3.\2.weight"),
 ]
 # local norm -> (the linear it fuses into, the TE name), relative to the layer prefix.
 _FUSED_NORMS = {
     "input_layernorm.weight": ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.layer_norm_weight"),
     "pre_mlp_layernorm.weight": ("mlp.linear_fc1.weight", "mlp.linear_fc1.layer_norm_weight"),
+    # MLA's latent norms, fused into the up projections after them.
+    "self_attention.q_layernorm.weight": ("self_attention.linear_q_up_proj.weight",
+                                          "self_attention.linear_q_up_proj.layer_norm_weight"),
+    "self_attention.kv_layernorm.weight": ("self_attention.linear_kv_up_proj.weight",
+                                           "self_attention.linear_kv_up_proj.layer_norm_weight"),
 }
 _LOCAL_EXPERT = re.compile(r"(.*)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 

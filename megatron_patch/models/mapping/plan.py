@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from megatron_patch.models.arch import Arch, pipeline_layer_ranges
 from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope
 from megatron_patch.models.mapping.splits import Split, SplitContext
@@ -33,6 +35,10 @@ class Transfer:
     expert: bool             # shard index counts expert-tensor-parallel ranks, not TP ranks
     num_shards: int
     placements: tuple[Placement, ...]
+    dtype: torch.dtype | None = None  # kept whatever the checkpoint's dtype (Rule.dtype)
+
+    def dtype_in(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        return self.dtype or checkpoint_dtype
 
 
 @dataclass(frozen=True)
@@ -57,7 +63,9 @@ def split_context(arch: Arch) -> SplitContext:
 
 
 def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
-                   pp_first_stage_layers: int | None = None) -> list[Transfer]:
+                   pp_first_stage_layers: int | None = None, spec: str = "te") -> list[Transfer]:
+    """Every transfer of ``rules`` at ``layout``, sharded as the ``spec`` ("te" or "local") layer
+    spec shards it (checkpoint files use TE's; a live CPU model, the local spec's)."""
     ranges = pipeline_layer_ranges(arch.num_layers, layout.pp, pp_first_stage_layers)
     experts_per_rank = arch.num_experts // layout.ep if arch.is_moe else 0
     transfers: list[Transfer] = []
@@ -65,7 +73,8 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
     def add(hf_names, rule, expert, placements_for_shard):
         n = layout.expert_tp if expert else layout.tp
         placements = tuple(p for i in range(n) for p in placements_for_shard(i))
-        transfers.append(Transfer(tuple(hf_names), rule.split, expert, n, placements))
+        split = rule.local_split if spec == "local" and rule.local_split is not None else rule.split
+        transfers.append(Transfer(tuple(hf_names), split, expert, n, placements, rule.dtype))
 
     for rule in rules:
         if rule.scope is Scope.FIRST_STAGE:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+import torch
+
 from megatron_patch.models.mapping.splits import Split
 
 
@@ -41,6 +43,12 @@ class Rule:
     tied_to: str | None = None
     # Only layers of this kind (None: every layer).
     layers: LayerKind | None = None
+    # How the local spec shards it, where that differs from the TE spec's ``split`` (MLA's down
+    # projections: TE keeps them whole on every rank, megatron-core's local spec splits their rows).
+    local_split: Split | None = None
+    # A dtype it keeps whatever the checkpoint's dtype (DeepSeek's router bias: float32 in the hub's
+    # checkpoints and in megatron-core, where routing decisions depend on its exact values).
+    dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if isinstance(self.hf, str):
