@@ -191,14 +191,19 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
         raise UserError(f"TP={tp} does not divide the MLP size {arch.ffn_hidden_size}: choose another TP")
     if arch.padded_vocab_size() % tp:
         raise UserError(f"TP={tp} does not divide the padded vocabulary {arch.padded_vocab_size()}: use a power-of-two TP")
+    layers = f"{arch.num_layers} layers" + (f" ({len(arch.dense_layers)} dense, then MoE)" if arch.dense_layers else "")
     if pp_first_stage_layers is None:
         if arch.num_layers % layout.pp:
-            raise UserError(
-                f"PP={layout.pp} does not divide the {arch.num_layers} layers: choose a PP that divides {arch.num_layers}")
+            first = first_stage_that_fits(arch.num_layers, layout.pp)
+            hint = (f", or MP_PP0_LAYERS={first} (the first stage {first} layers, the other {layout.pp - 1} "
+                    f"{(arch.num_layers - first) // (layout.pp - 1)} each)") if first else ""
+            raise UserError(f"PP={layout.pp} does not divide the {layers}: choose a PP that divides "
+                            f"{arch.num_layers}{hint}")
     elif not (0 < pp_first_stage_layers < arch.num_layers) or (arch.num_layers - pp_first_stage_layers) % max(layout.pp - 1, 1):
+        first = first_stage_that_fits(arch.num_layers, layout.pp)
         raise UserError(
-            f"a first stage of {pp_first_stage_layers} layers leaves {arch.num_layers - pp_first_stage_layers} "
-            f"that PP-1={layout.pp - 1} stages cannot share evenly")
+            f"a first stage of {pp_first_stage_layers} of the {layers} leaves {arch.num_layers - pp_first_stage_layers} "
+            f"that PP-1={layout.pp - 1} stages cannot share evenly" + (f": try MP_PP0_LAYERS={first}" if first else ""))
     if arch.is_moe:
         if arch.num_experts % layout.ep:
             raise UserError(f"EP={layout.ep} does not divide the {arch.num_experts} experts: choose an EP that divides {arch.num_experts}")
@@ -208,6 +213,15 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
             raise UserError(f"TP={tp} does not divide the shared-expert MLP size {arch.shared_expert_ffn_hidden_size}")
     elif layout.ep > 1 or layout.etp not in (None, tp):
         raise UserError(f"{arch.family} is a dense model: EP and ETP apply only to MoE models, set EP=1")
+
+
+def first_stage_that_fits(num_layers: int, pp: int) -> int | None:
+    """A first-stage size (closest to an even share) that lets the other PP-1 stages split the rest
+    evenly, or None."""
+    if pp < 2:
+        return None
+    fits = [f for f in range(1, num_layers) if (num_layers - f) % (pp - 1) == 0 and num_layers - f >= pp - 1]
+    return min(fits, key=lambda f: abs(f - num_layers / pp)) if fits else None
 
 
 def pipeline_layer_ranges(num_layers: int, pp: int, first_stage_layers: int | None = None) -> list[range]:
