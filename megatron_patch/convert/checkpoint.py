@@ -14,7 +14,9 @@ temporary sibling folder that is renamed onto the target only when complete.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from megatron_patch.checkpoint_layout import (
     RELEASE, TRACKER_NAME, is_iteration_dir, iteration_dir, read_tracker, write_tracker)
 from megatron_patch.convert.engine import (
     HFAssembler, MappingError, RankShards, check_hf_names, check_tied_copies, names_list, plan)
+from megatron_patch.convert.fp8 import DequantizingReader, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.hf_writer import SafetensorsShardWriter, parse_size
 from megatron_patch.convert.legacy import (
@@ -112,8 +115,13 @@ def _choose_dtype(reader: HFCheckpointReader, names, dtype: str | torch.dtype | 
 # --- HF -> MCore -------------------------------------------------------------------------------
 
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
-                dtype: str | torch.dtype | None = None, force: bool = False, progress: bool | None = None) -> Sidecar:
-    """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy)."""
+                dtype: str | torch.dtype | None = None, force: bool = False, progress: bool | None = None,
+                mtp: bool = False) -> Sidecar:
+    """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy).
+
+    FP8 block-scaled weights are dequantized on the way (``convert.fp8``). Multi-token-prediction
+    layers go into megatron-core's MTP block with ``mtp``; without it they are dropped, with a count
+    printed and a note in the sidecar."""
     if fmt not in FORMATS:
         raise UserError(f"unknown checkpoint format {fmt!r}: choose {' or '.join(FORMATS)}")
     hf_dir = Path(hf_dir)
@@ -127,9 +135,15 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     from megatron_patch.convert.outputs import check_target
 
     check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part
-    reader = HFCheckpointReader(hf_dir)
+    reader = open_weights(HFCheckpointReader(hf_dir), arch.hf_config)
+    notes = []
+    if isinstance(reader, DequantizingReader):
+        notes.append(f"weights dequantized from FP8 ({reader.block[0]}x{reader.block[1]} block scales); "
+                     "quantization_config removed from the config")
+        arch = dataclasses.replace(arch, hf_config={k: v for k, v in arch.hf_config.items() if k != "quantization_config"})
+    available, arch = _multi_token_prediction(family, arch, reader, mtp, notes)
     tp1 = plan(family, arch, ParallelLayout())
-    check_hf_names(family, arch, tp1, reader.keys())
+    check_hf_names(family, arch, tp1, available)
     torch_dtype = _choose_dtype(reader, [n for t in tp1 for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
     for name, shape in expected_hf_shapes(arch, tp1, skeleton).items():
@@ -154,12 +168,30 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             raise MappingError(f"internal error: HF tensors read {'more than once' if twice else 'not at all'}: "
                                f"{names_list(twice or set(hf_names) - set(once.reads))}")
         sidecar = Sidecar.create(fmt, arch, layout, torch_dtype, carried_files=copy_carried(hf_dir, tmp),
-                                 num_tensors=count, num_bytes=nbytes, source=str(hf_dir.resolve()))
+                                 num_tensors=count, num_bytes=nbytes, source=str(hf_dir.resolve()), notes=notes)
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.
         write_tracker(tmp, RELEASE)
     bar.close()
     return sidecar
+
+
+def _multi_token_prediction(family, arch: Arch, reader, keep: bool, notes: list[str]) -> tuple[set[str], Arch]:
+    """(the HF tensors to convert, the model to build): with ``keep``, the MTP layers join the model;
+    without, their tensors are left out, loudly."""
+    names, count = set(reader.keys()), family.hf_mtp_layers(arch.hf_config)
+    if keep:
+        if not count:
+            raise UserError("--mtp: this checkpoint's config.json declares no multi-token-prediction layers")
+        return names, dataclasses.replace(arch, mtp_layers=count)
+    prefixes = tuple(f"{family.hf_modules.layers}.{arch.num_layers + k}." for k in range(count))
+    dropped = {n for n in names if n.startswith(prefixes)} if count else set()
+    if dropped:
+        note = (f"{len(dropped)} tensors of {count} multi-token-prediction layer(s) were not converted "
+                "(convert with --mtp to keep them)")
+        print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
+        notes.append(note)
+    return names - dropped, arch
 
 
 def _write_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], once: _ReadOnce,
@@ -254,7 +286,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
     skipped; such a folder needs its own sidecar."""
     load_dir, data_dir, training = locate_checkpoint(load_dir)
     sidecar = read_training_sidecar(load_dir) if training else read_sidecar(load_dir)
-    arch = parse_arch(sidecar.hf_config)
+    arch = sidecar.arch
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
                         f"disagrees with its config ({arch.vocab_size}, padded {arch.padded_vocab_size()})")
@@ -277,12 +309,16 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
     else:
         transfers = tp1
         source = _TorchDistSource(release, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES if training else ())
-    entries, seen = [], set()
+    entries, seen, made_by = [], set(), {}
     for t in transfers:
         for n in t.hf_names:
             if n not in seen:
                 seen.add(n)
+                made_by[n] = t
                 entries.append((n, hf_shapes[n], t.dtype_in(out_dtype)))
+    # HF tensors that repeat others (an MTP layer's embedding and head), written again at the end.
+    copies = family.hf_copies(arch)
+    entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
     bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", sum(torch.Size(s).numel() for _, s, _ in entries)
                    * torch.empty((), dtype=out_dtype).element_size(), len(entries), progress)
     with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
@@ -302,6 +338,11 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
                     writer.write_pieces(n, hf_shapes[n], pieces)
                     bar.update(sum(piece.nbytes for piece in pieces))
                 del merged
+        for copy, src in copies.items():  # read again rather than held: memory stays at one tensor
+            t = made_by[src]
+            pieces = assembler.merge(t)[t.hf_names.index(src)]
+            writer.write_pieces(copy, hf_shapes[src], [piece.to(t.dtype_in(out_dtype)) for piece in pieces])
+            bar.update(sum(piece.nbytes for piece in pieces))
         writer.close()
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)

@@ -55,17 +55,23 @@ def check_hf_names(family: ModelFamily, arch: Arch, transfers: list[Transfer], a
     missing = needed - available
     if missing:
         raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) a {arch.family} model needs: {names_list(missing)}")
-    extra = {n for n in available - needed - set(family.tied_hf_names(arch)) if not family.is_ignored(n)}
+    copies = set(family.tied_hf_names(arch)) | set(family.hf_copies(arch))
+    extra = {n for n in available - needed - copies if not family.is_ignored(n)}
     if extra:
         raise MappingError(f"HF checkpoint has {len(extra)} tensor(s) no {arch.family} mapping rule consumes: {names_list(extra)}")
 
 
 def check_tied_copies(family: ModelFamily, arch: Arch, get_hf: Callable[[str], torch.Tensor], available) -> None:
-    """A tied checkpoint may still store the copy (lm_head); it must then equal what it copies."""
+    """A tied checkpoint may still store the copy (lm_head), and an MTP layer stores copies of the
+    embedding and head (``ModelFamily.hf_copies``): each must equal what it copies."""
     for name, source in family.tied_hf_names(arch).items():
         if name in available and not torch.equal(get_hf(name), get_hf(source)):
             raise MappingError(f"config.json ties the embeddings but {name} differs from {source}: "
                                "set tie_word_embeddings=false")
+    for name, source in family.hf_copies(arch).items():
+        if name in available and not torch.equal(get_hf(name), get_hf(source)):
+            raise MappingError(f"{name} differs from {source}, which megatron-core shares with it: the checkpoint "
+                               "cannot be represented")
 
 
 class RankShards(Generic[T]):
@@ -116,7 +122,8 @@ class HFAssembler:
         self.ctx, self.source, self.pieces = split_context(arch), source, pieces
         self.first_user: dict[str, Transfer] = {}
 
-    def _merge(self, t: Transfer) -> list:
+    def merge(self, t: Transfer) -> list:
+        """``t``'s HF tensors (or pieces) from its shards, without the tied-copy bookkeeping."""
         shards = self.source.shards(t)
         try:
             return t.split.merge_pieces(shards, self.ctx) if self.pieces else t.split.merge(shards, self.ctx)
@@ -131,7 +138,7 @@ class HFAssembler:
                 raise MappingError("the last stage's output layer differs from the tied embedding: the checkpoint "
                                    "was changed in a way HF cannot represent (untie the embeddings in config.json)")
             return None
-        merged = self._merge(t)
+        merged = self.merge(t)
         for n in t.hf_names:
             self.first_user[n] = t
         return merged
@@ -165,6 +172,7 @@ def hf_tensors_from_ranks(family: ModelFamily, arch: Arch, layout: ParallelLayou
         if merged is not None:
             hf.update(zip(transfer.hf_names, merged))
     source.check_all_read()
+    hf.update({copy: hf[source_name] for copy, source_name in family.hf_copies(arch).items()})
     return hf
 
 

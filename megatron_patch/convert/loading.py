@@ -43,6 +43,8 @@ def load_legacy(model, ckpt_dir: str | Path, sidecar: Sidecar, layout=None) -> N
     path = rank_file(Path(ckpt_dir) / RELEASE, RankCoord(coord.tp, coord.pp, coord.ep, coord.tp), ckpt_layout)
     state = torch.load(path, map_location="cpu", weights_only=True)["model"]
     state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    if not any(k.startswith("mtp.") for k in model.state_dict()):  # converted with --mtp, run without it
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     spec = model_spec_name(model)
     if spec == "local":  # rank files hold TE's shards; a few parameters the local spec cuts otherwise
         from megatron_patch.convert.engine import reshard_for_local_spec

@@ -78,20 +78,22 @@ def _ensure_single_rank_state() -> None:
 
 def describe_model(arch: Arch) -> ModelSkeleton:
     """The skeleton of ``arch``'s MCore model (computed in a helper process; independent of dtype)."""
-    return _describe_cached(json.dumps(arch.hf_config, sort_keys=True))
+    return _describe_cached(json.dumps(arch.hf_config, sort_keys=True), arch.mtp_layers)
 
 
 @functools.lru_cache(maxsize=8)
-def _describe_cached(hf_config_json: str) -> ModelSkeleton:
+def _describe_cached(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
     from megatron_patch.runtime.launch import run_local
 
-    return run_local(_describe_worker, 1, hf_config_json)[0]
+    return run_local(_describe_worker, 1, hf_config_json, mtp_layers)[0]
 
 
-def _describe_worker(hf_config_json: str) -> ModelSkeleton:
+def _describe_worker(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
+    import dataclasses
+
     from megatron_patch.models.registry import parse_arch
 
-    return describe_model_here(parse_arch(json.loads(hf_config_json)))
+    return describe_model_here(dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers))
 
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:

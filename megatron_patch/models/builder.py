@@ -58,6 +58,8 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         add_qkv_bias=arch.qkv_bias,
         # YaRN's attention factor (cos/sin scaled in HF) as a softmax scale; None for other RoPE.
         softmax_scale=rope.softmax_scale(arch),
+        # Multi-token-prediction layers, when the checkpoint was converted with them.
+        mtp_num_layers=arch.mtp_layers or None,
         # Fine-tuning and conversion checks need the model as released: no dropout.
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -193,9 +195,16 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
+    spec = layer_spec(arch, config, use_te, vp_stage if virtual else None)
+    mtp_spec = None
+    if arch.mtp_layers and post_process:  # megatron-core keeps the MTP block on the last stage
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te_available() if use_te is None else use_te,
+                                          vp_stage=vp_stage if virtual else None)
     model = GPTModel(
         config,
-        layer_spec(arch, config, use_te, vp_stage if virtual else None),
+        spec,
         vocab_size=arch.padded_vocab_size(),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -204,6 +213,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
         vp_stage=vp_stage if virtual else None,
+        mtp_block_spec=mtp_spec,
     )
     rope.install(model, arch)
     return model

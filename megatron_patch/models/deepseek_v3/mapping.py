@@ -1,9 +1,12 @@
 """DeepSeek HF <-> MCore weight table: multi-latent attention, dense first layers, DeepSeekMoE
-(router with its score-correction bias, routed experts, ungated shared experts).
+(router with its score-correction bias, routed experts, ungated shared experts), and, when converted
+with them, the multi-token-prediction layers.
 
 The down projections (q_a_proj, kv_a_proj_with_mqa) are whole on every TP rank with the TE spec, row
 split with megatron-core's local spec; q_b_proj, q_proj and kv_b_proj are split by heads.
 """
+
+import dataclasses
 
 import torch
 
@@ -48,6 +51,33 @@ def deepseek_moe_rules(arch: Arch) -> list[Rule]:
     return rules
 
 
+MTP_LAYER = "mtp.layers.{layer}"
+
+
+def mtp_rules(arch: Arch) -> list[Rule]:
+    """Multi-token-prediction layers (HF: the layers after the decoder's) in megatron-core's MTP block:
+    their own norms and eh_proj around a full decoder layer; the embedding and output head they use
+    are the model's own (the HF copies are ``hf_copies``)."""
+    layer = [dataclasses.replace(r, mcore=r.mcore.replace(MC_LAYER, f"{MTP_LAYER}.transformer_layer"), mtp=True)
+             for r in attention_rules(arch) + deepseek_moe_rules(arch)]
+    return layer + [
+        Rule(f"{MTP_LAYER}.enorm.weight", f"{HF_LAYER}.enorm.weight", REPLICATED, mtp=True),
+        Rule(f"{MTP_LAYER}.hnorm.weight", f"{HF_LAYER}.hnorm.weight", REPLICATED, mtp=True),
+        Rule(f"{MTP_LAYER}.eh_proj.weight", f"{HF_LAYER}.eh_proj.weight", COLUMN, mtp=True),
+        Rule(f"{MTP_LAYER}.final_layernorm.weight", f"{HF_LAYER}.shared_head.norm.weight", REPLICATED, mtp=True),
+    ]
+
+
+def mtp_copies(arch: Arch) -> dict[str, str]:
+    """HF tensors of each MTP layer that copy the model's embedding and output head."""
+    out = {}
+    for k in range(arch.mtp_layers):
+        hf = HF_LAYER.replace("{layer}", str(arch.num_layers + k))
+        out[f"{hf}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"{hf}.shared_head.head.weight"] = "lm_head.weight"
+    return out
+
+
 def weight_rules(arch: Arch) -> list[Rule]:
     return (embedding_and_head_rules() + attention_rules(arch) + deepseek_moe_rules(arch)
-            + (dense_mlp_rules() if arch.dense_layers else []))
+            + (dense_mlp_rules() if arch.dense_layers else []) + (mtp_rules(arch) if arch.mtp_layers else []))

@@ -89,18 +89,21 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
                 hf = (rule.tied_to,)
             add(hf, rule, False, lambda i, r=rule: [Placement(layout.pp - 1, None, i, r.mcore)])
         else:
-            for stage, layers in enumerate(ranges):
-                for local, layer in enumerate(layers):
-                    if rule.layers is not None and (rule.layers is LayerKind.MOE) != arch.is_moe_layer(layer):
-                        continue
-                    mcore = rule.mcore.replace("{layer}", str(local))
-                    hf = [h.replace("{layer}", str(layer)) for h in rule.hf]
-                    if rule.scope is Scope.LAYER:
-                        add(hf, rule, False, lambda i, m=mcore, s=stage: [Placement(s, None, i, m)])
-                        continue
-                    for expert in range(arch.num_experts):
-                        ep_rank, local_expert = divmod(expert, experts_per_rank)
-                        add([h.replace("{expert}", str(expert)) for h in hf], rule, True,
-                            lambda i, m=mcore.replace("{expert}", str(local_expert)), s=stage, e=ep_rank:
-                            [Placement(s, e, i, m)])
+            if rule.mtp:  # multi-token-prediction layers follow the decoder, on the last stage
+                spots = [(layout.pp - 1, k, arch.num_layers + k) for k in range(arch.mtp_layers)]
+            else:
+                spots = [(stage, local, layer) for stage, layers in enumerate(ranges) for local, layer in enumerate(layers)]
+            for stage, local, layer in spots:
+                if rule.layers is not None and (rule.layers is LayerKind.MOE) != arch.is_moe_layer(layer):
+                    continue
+                mcore = rule.mcore.replace("{layer}", str(local))
+                hf = [h.replace("{layer}", str(layer)) for h in rule.hf]
+                if rule.scope is Scope.LAYER:
+                    add(hf, rule, False, lambda i, m=mcore, s=stage: [Placement(s, None, i, m)])
+                    continue
+                for expert in range(arch.num_experts):
+                    ep_rank, local_expert = divmod(expert, experts_per_rank)
+                    add([h.replace("{expert}", str(expert)) for h in hf], rule, True,
+                        lambda i, m=mcore.replace("{expert}", str(local_expert)), s=stage, e=ep_rank:
+                        [Placement(s, e, i, m)])
     return transfers
