@@ -340,3 +340,23 @@ def test_run_local_reports_other_failures_with_the_traceback_and_dead_ranks_at_o
     # Found dead and named, instead of "timed out after 300s".
     with pytest.raises(WorkerError, match="exited with code 3 before reporting"):
         run_local(die_without_reporting, 2, 3, timeout=300)
+
+
+def test_run_local_starts_again_when_its_port_was_taken(monkeypatch):
+    """free_port() can hand out a port another process binds before rank 0 does (tests running side by
+    side did): the job starts again on another port instead of failing."""
+    import socket
+
+    from megatron_patch.runtime import launch
+    from megatron_patch.runtime.distributed import free_port
+    from tests.runtime_helpers import join_and_report_world
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        assert launch.run_local(join_and_report_world, 2, timeout=300) == [2, 2]
+    finally:
+        taken.close()

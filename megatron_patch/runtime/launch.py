@@ -68,12 +68,26 @@ def _pickled_user_error(exc: UserError) -> bytes:
         return pickle.dumps(UserError(str(exc)))
 
 
+# Attempts at a job whose rendezvous port another process took between ``free_port`` and the bind.
+PORT_ATTEMPTS = 3
+
+
 def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
     """Run ``fn(*args)`` on ranks 0..world_size-1; return the per-rank results in rank order.
 
     A ``UserError`` raised on a rank is raised here as itself; any other failure as ``WorkerError``
-    carrying the rank's traceback.
+    carrying the rank's traceback. A job that lost its free port to another process before it could
+    bind it (EADDRINUSE) starts again on another one.
     """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except WorkerError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
