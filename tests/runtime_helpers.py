@@ -12,7 +12,6 @@ layout loads that checkpoint, runs the same data and must reproduce those number
 from __future__ import annotations
 
 import os
-from functools import partial
 
 import torch
 

@@ -20,7 +20,7 @@ import torch
 from megatron_patch.cli import main
 from megatron_patch.models.registry import families
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
-from tests.training_helpers import launcher_args, make_texts, make_tokenizer, write_jsonl
+from tests.training_helpers import launcher_args, make_corpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GBS, SEQ, ITERS = 4, 32, 6
@@ -28,15 +28,7 @@ GBS, SEQ, ITERS = 4, 32, 6
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """A local corpus, tokenized with a BPE of 200 ids (within every tiny model's vocabulary)."""
-    from megatron_patch.training.preprocess import preprocess
-
-    root = tmp_path_factory.mktemp("e2e")
-    texts = make_texts(300, seed=1)
-    tok = make_tokenizer(root / "tok", texts)
-    write_jsonl(root / "corpus.jsonl", [{"text": t} for t in texts])
-    report = preprocess(root / "corpus.jsonl", str(root / "corpus"), tok, progress=False)
-    return {"root": root, "prefix": report.output_prefix, "tok": tok}
+    return make_corpus(tmp_path_factory.mktemp("e2e"), 300, seed=1)
 
 
 def _metrics(out) -> list[dict]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
-import math
 import subprocess
 import sys
 

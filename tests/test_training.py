@@ -22,8 +22,7 @@ import torch
 
 from megatron_patch.checkpoint_layout import partial_dir
 from megatron_patch.cli import main
-from tests.training_helpers import (launcher_args, make_chat_tokenizer, make_texts, make_tiktoken_file, make_tokenizer,
-                                    write_jsonl)
+from tests.training_helpers import launcher_args, make_chat_tokenizer, make_corpus, make_tiktoken_file, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS, GBS, SEQ = 20, 8, 64
@@ -31,14 +30,7 @@ ITERS, GBS, SEQ = 20, 8, 64
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    texts = make_texts(2000, seed=0)
-    tok = make_tokenizer(root / "tok", texts)
-    write_jsonl(root / "corpus.jsonl", [{"text": t} for t in texts])
-    from megatron_patch.training.preprocess import preprocess
-
-    report = preprocess(root / "corpus.jsonl", str(root / "corpus"), tok, progress=False)
-    return {"root": root, "texts": texts, "tok": tok, "prefix": report.output_prefix}
+    return make_corpus(tmp_path_factory.mktemp("corpus"), 2000, seed=0)
 
 
 def _launch(args: list[str], env: dict | None = None, family: str = "llama3_1") -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ import torch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.training.loop import (StepContext, _forward_step, configure_overlap, prepare_batch,
                                           split_for_context_parallel)
-from tests.training_helpers import launcher_args, make_texts, make_tokenizer, write_jsonl
+from tests.training_helpers import launcher_args, make_corpus, make_texts, make_tokenizer, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 META = torch.device("meta")
@@ -348,15 +348,9 @@ def _gpu_launch(tmp_path, family="llama3_1", env=None, **over) -> subprocess.Com
 
 @pytest.fixture(scope="module")
 def gpu_corpus(tmp_path_factory):
-    from megatron_patch.training.preprocess import preprocess
-
-    root = tmp_path_factory.mktemp("gpu_corpus")
-    texts = make_texts(500, seed=2)
-    tok = make_tokenizer(root / "tok", texts)
-    write_jsonl(root / "corpus.jsonl", [{"text": t} for t in texts])
-    write_jsonl(root / "sft.jsonl", SFT_RECORDS * 8)
-    return {"prefix": preprocess(root / "corpus.jsonl", str(root / "corpus"), tok, progress=False).output_prefix,
-            "tok": tok, "sft": root / "sft.jsonl"}
+    corpus = make_corpus(tmp_path_factory.mktemp("gpu_corpus"), 500, seed=2)
+    write_jsonl(corpus["root"] / "sft.jsonl", SFT_RECORDS * 8)
+    return {**corpus, "sft": corpus["root"] / "sft.jsonl"}
 
 
 @pytest.mark.gpu
