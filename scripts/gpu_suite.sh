@@ -90,9 +90,9 @@ TRAIN_MODES=(
 )
 # Limits: what each step may take at most on one H100 (they add up to the 25-minute budget).
 STEPS=("install|90|step_install|" "info|30|step_info|" "gpu-tests|150|step_gpu_tests|" "prepare|60|step_prepare|")
-for f in $FAMILIES; do STEPS+=("parity-$f|40|step_parity|$f"); done
-for f in $FAMILIES; do STEPS+=("align-$f|60|step_align|$f"); done
-for m in "${TRAIN_MODES[@]}"; do STEPS+=("train-${m%%|*}|65|step_train|$m"); done
+for f in $FAMILIES; do STEPS+=("parity-$f|25|step_parity|$f"); done
+for f in $FAMILIES; do STEPS+=("align-$f|40|step_align|$f"); done
+for m in "${TRAIN_MODES[@]}"; do STEPS+=("train-${m%%|*}|55|step_train|$m"); done
 STEPS+=("bench-convert|120|step_bench|")
 
 # The sum of the limits is the worst case, and must stay inside the budget.

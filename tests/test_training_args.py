@@ -71,7 +71,7 @@ def test_every_family_has_its_launcher(family):
 # (family, overrides, environment, a piece of the expected message)
 BAD = [
     ("llama3_1", dict(ENV="local"), {}, "ENV must be one of dsw | dlc | cpu, got 'local'"),
-    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 8B | 70B | tiny | auto"),
+    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 1B | 3B | 8B | 70B | 405B | tiny | auto"),
     ("qwen2", dict(MODEL_SIZE="8B"), {}, "MODEL_SIZE for qwen2 must be one of 0.5B | 1.5B"),
     ("llama3_1", dict(BATCH_SIZE="two"), {}, "BATCH_SIZE must be an integer, got 'two'"),
     ("llama3_1", dict(BATCH_SIZE="0"), {}, "BATCH_SIZE must be >= 1"),
@@ -104,7 +104,7 @@ BAD = [
     ("llama3_1", dict(PP="2"), {"MP_VP": "4"}, "MP_VP=4 with PP=2 needs the 4 layers to split into PP*VP=8"),
     ("llama3_1", dict(PP="2", GLOBAL_BATCH_SIZE="6"), {"MP_VP": "2"}, "micro-batches per step, GLOBAL_BATCH_SIZE/(BATCH_SIZE*DP) = 3, to be a multiple of PP=2"),
     ("llama3_1", dict(PP="2"), {"MP_VP": "2", "MP_PP0_LAYERS": "1"}, "MP_VP and MP_PP0_LAYERS cannot be combined"),
-    ("llama3_1", dict(PP="2"), {"MP_PP0_LAYERS": "4"}, "a first stage of 4 layers leaves 0"),
+    ("llama3_1", dict(PP="2"), {"MP_PP0_LAYERS": "4"}, "a first stage of 4 of the 4 layers leaves 0 that PP-1=1 stages cannot share evenly: try MP_PP0_LAYERS=2"),
     ("llama3_1", dict(PR="bf16"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed needs PR=fp8"),
     ("llama3_1", dict(PR="fp8"), {"MP_FP8_RECIPE": "fancy"}, "MP_FP8_RECIPE must be one of delayed"),
     ("llama3_1", dict(SAVE_INTERVAL="-5"), {}, "SAVE_INTERVAL must be >= 1"),
@@ -151,7 +151,7 @@ def test_wrong_argument_count_and_usage(data, capsys):
     out = capsys.readouterr().out
     for name in arg_names("llama3_1"):
         assert name in out
-    assert "8B | 70B | tiny | auto" in out
+    assert "1B | 3B | 8B | 70B | 405B | tiny | auto" in out
 
 
 # --- what this machine can do ------------------------------------------------------------------------
