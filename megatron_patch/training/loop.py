@@ -250,9 +250,9 @@ class Trainer:
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-        from megatron_patch.training.checkpointing import latest_iteration
+        from megatron_patch.training.checkpointing import resume_iteration
 
-        return latest_iteration(self.cfg.checkpoint_dir)
+        return resume_iteration(self.cfg.checkpoint_dir, self._log)
 
     def _build_data(self) -> None:
         from megatron_patch.training import data
