@@ -170,8 +170,14 @@ def explain(exc: BaseException, rank: int, timeout_minutes: float, now: float | 
     if kind is None:
         return None
     where = f"in {operation(exc)} during {phase()}"
+    if beats is False and _state["beat"] is None:
+        # Before the heartbeats start: the job was still forming (a rank or node that never arrived).
+        head = (f"rank {rank} waited {timeout_minutes:g} min (MP_DIST_TIMEOUT_MIN) {where} and gave up"
+                if kind == "timeout" else f"rank {rank} lost its connection to another rank {where}")
+        return head + "; the ranks had not started their heartbeats yet, so which one is missing is not known " \
+                      "(check that every node's launcher started and can reach MASTER_ADDR)"
     if beats is False:
-        beats = _state["beat"].read() if _state["beat"] is not None else None
+        beats = _state["beat"].read()
     now = time.time() if now is None else now
     if kind == "lost":
         head = f"rank {rank} lost its connection to another rank {where}: that rank died or its node went away"
