@@ -8,10 +8,8 @@ SIGKILLed one, a full disk) through the launchers.
 from __future__ import annotations
 
 import json
-import os
 import signal
 
-import pytest
 import torch
 import torch.distributed as dist
 
