@@ -501,10 +501,19 @@ def test_mcore2hf_reads_the_weights_of_a_training_checkpoint(training_ckpt, hf_d
     rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "strict"))
     assert rc == 2 and "the model does not" in err and "optimizer.state" in err, err
     assert not (tmp_path / "strict").exists()
-    # The marker names an iteration that is gone.
+    # The marker names an iteration that is gone: the newest complete one is converted, as training would
+    # resume from it (checkpoint_layout.latest_complete_iteration), with a warning naming what was skipped.
+    monkeypatch.undo()
     (root / "latest_checkpointed_iteration.txt").write_text("7\n")
-    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "gone"))
-    assert rc == 2 and "iter_0000007" in err and "is missing" in err, err
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "gone"),
+                      "--quiet")
+    assert rc == 0 and "warning:" in err and "names iteration 7, but iter_0000007 is missing" in err, err
+    assert all(torch.equal(tensors(tmp_path / "gone")[k], want[k]) for k in want)
+    # None complete: refused in one line, nothing written.
+    (iter_dir / "metadata.json").unlink()
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "none"))
+    assert rc == 2 and err.count("\n") == 1 and f"no complete checkpoint in {root}" in err, err
+    assert "metadata.json is missing" in err and not (tmp_path / "none").exists()
 
 
 def test_prefetcher_keeps_order_bounds_memory_and_passes_errors_on():

@@ -127,6 +127,13 @@ BAD = [
      "MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset"),
     ("llama3_1", dict(ENV="dsw"), {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"},
      "WORLD_SIZE=12 processes do not fill nodes of 8"),
+    ("llama3_1", {}, {"MP_DIST_TIMEOUT_MIN": "0"}, "MP_DIST_TIMEOUT_MIN must be a number of minutes > 0, got '0'"),
+    ("llama3_1", {}, {"MP_DIST_TIMEOUT_MIN": "soon"}, "MP_DIST_TIMEOUT_MIN must be a number, got 'soon'"),
+    ("llama3_1", {}, {"MP_MAX_RESTARTS": "-1"}, "MP_MAX_RESTARTS must be >= 0, got -1"),
+    ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                                   "GPUS_PER_NODE": "1"}, "RANK=2 is this node's rank among WORLD_SIZE=2 nodes"),
+    ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "GPUS_PER_NODE": "1"},
+     "ENV=dlc reads MASTER_PORT"),
 ]
 
 
@@ -225,7 +232,9 @@ def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
     assert res["world_size"] == 8 and r["megatron_core"]["data_parallel_size"] == 1
     assert res["train_iters"] == 10**10 // (64 * 4096) and res["warmup_iters"] == 10**9 // (64 * 4096)
     assert r["megatron_core"]["num_microbatches"] == 64
-    assert r["command"][:2] == ["torchrun", "--nproc_per_node=8"]
+    # torchrun with this interpreter, one node on a free rendezvous port
+    assert r["command"][:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                                "--nproc_per_node=8"]
     assert r["environment"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP=4 below (or without) sm100
     assert r["command"][-26:-25] == ["llama3_1"]
     # The dry run reports what this machine would refuse: fp8 exactly when it has no FP8 GPU.
@@ -253,8 +262,8 @@ def test_dry_run_qwen2_moe_multinode_offload_forces_do(data):
     assert r["megatron_core"]["ddp"]["overlap_param_gather"] is True
     assert any("forced by OPTIMIZER_OFFLOAD" in n for n in r["resolved"]["notes"])
     assert r["resolved"]["world_size"] == 32 and r["megatron_core"]["data_parallel_size"] == 8
-    assert r["command"][:6] == ["torchrun", "--nproc_per_node=8", "--nnodes=4", "--node_rank=1",
-                                "--master_addr=10.0.0.1", "--master_port=23456"]
+    assert r["command"][3:8] == ["--nproc_per_node=8", "--nnodes=4", "--node_rank=1",
+                                 "--master_addr=10.0.0.1", "--master_port=23456"]
     assert r["model"]["num_experts"] == 64
 
 
@@ -264,7 +273,10 @@ def test_dry_run_sft_counts_iterations_and_cpu_runs_locally(data):
              SP="true", PAD_LEN="32")
     res = r["resolved"]
     assert (res["train_iters"], res["warmup_iters"], res["dataset_type"], res["sft_packing"]) == (30, 3, "raw", True)
-    assert r["command"][1:5] == ["-m", "megatron_patch", "train", "qwen2"] and r["processes"] == 2
+    # ENV=cpu goes through torchrun too, the cluster's path: one process per rank on one node
+    assert r["command"][1:7] == ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc_per_node=2",
+                                 "-m"] and r["processes"] == 2
+    assert r["command"][7:10] == ["megatron_patch", "train", "qwen2"]
     assert r["megatron_core"]["transformer_config"]["attention_backend"] == "local"
     assert any("TP communication overlap" in p for p in r["machine_problems"])
 
@@ -402,6 +414,31 @@ def test_dlc_ranks_take_the_world_size_torchrun_gives_them(data):
     for cfg in (parent, child):
         assert (cfg.world_size, cfg.nproc_per_node, cfg.nnodes, cfg.data_parallel_size) == (16, 8, 2, 16)
     assert parent.num_microbatches == child.num_microbatches == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what ENV=dlc becomes on a node without GPUs")
+def test_dlc_on_a_cpu_node_trains_on_gloo_with_restarts_and_a_timeout(data):
+    """ENV=dlc without GPUs: PAI-DLC's variables make the torchrun command (static rendezvous at node 0), the
+    ranks train on CPU (gloo, local attention, no refusal), MP_MAX_RESTARTS and MP_DIST_TIMEOUT_MIN reach
+    torchrun and the process groups."""
+    env = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555", "GPUS_PER_NODE": "1",
+           "MP_MAX_RESTARTS": "3", "MP_DIST_TIMEOUT_MIN": "0.5"}
+    r = _dry(data, "llama3_1", env, ENV="dlc", TP="2")
+    res, tc = r["resolved"], r["megatron_core"]["transformer_config"]
+    assert (res["device"], res["world_size"], res["nnodes"], res["nproc_per_node"]) == ("cpu", 2, 2, 1)
+    assert (res["max_restarts"], res["dist_timeout_min"]) == (3, 0.5)
+    assert r["machine_problems"] == []
+    assert tc["attention_backend"] == "local" and "deallocate_pipeline_outputs" not in tc
+    assert r["command"][3:9] == ["--nproc_per_node=1", "--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3",
+                                 "--master_port=29555", "--max-restarts=3"]
+    assert r["command"][9:13] == ["-m", "megatron_patch", "train", "llama3_1"]
+    # Without PAI-DLC's GPUS_PER_NODE a CPU node runs one process.
+    one = _dry(data, "llama3_1", {k: v for k, v in env.items() if k != "GPUS_PER_NODE"}, ENV="dlc")
+    assert one["resolved"]["nproc_per_node"] == 1 and one["processes"] == 2
+    # ENV=cpu passes MP_MAX_RESTARTS to torchrun the same way.
+    cpu = _dry(data, "llama3_1", {"MP_MAX_RESTARTS": "2", "MP_NPROC": "2"})
+    assert cpu["command"][3:7] == ["--standalone", "--nnodes=1", "--nproc_per_node=2", "--max-restarts=2"]
+    assert cpu["resolved"]["dist_timeout_min"] == 10.0  # Megatron-LM's default
 
 
 def test_launch_environment_serialises_kernels_for_tp_and_cp(data):

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from megatron_patch.checkpoint_layout import (
-    RELEASE, TRACKER_NAME, is_iteration_dir, iteration_dir, read_tracker, write_tracker)
+    RELEASE, is_iteration_dir, iteration_dir, latest_complete_iteration, read_tracker, torch_dist_problem, write_tracker)
 from megatron_patch.convert.engine import (
     HFAssembler, MappingError, RankShards, check_hf_names, check_tied_copies, names_list, plan)
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
@@ -372,13 +372,16 @@ def locate_checkpoint(load_dir: str | Path) -> tuple[Path, Path, bool]:
     load_dir = Path(load_dir)
     latest = read_tracker(load_dir) if load_dir.is_dir() else None
     if isinstance(latest, int):
+        # The newest complete iteration, as training resumes from (checkpoint_layout), with a warning
+        # for each newer one that is damaged.
+        latest, notes = latest_complete_iteration(load_dir, lambda f: torch_dist_problem(f, common=False))
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
         load_dir = iteration_dir(load_dir, latest)
-        if not load_dir.is_dir():
-            raise UserError(f"{load_dir.parent / TRACKER_NAME} names iteration {latest}, but {load_dir} is missing: "
-                            "the training checkpoint is incomplete")
     if load_dir.is_dir() and is_iteration_dir(load_dir) and read_tracker(load_dir) is None:
-        if not (load_dir / ".metadata").is_file():
-            raise UserError(f"{load_dir} has no .metadata: it is not a complete torch_dist training checkpoint")
+        problem = torch_dist_problem(load_dir, common=False)
+        if problem:
+            raise UserError(f"{load_dir} is not a complete torch_dist training checkpoint: {problem}")
         return load_dir, load_dir, True
     return load_dir, load_dir / RELEASE, False
 

@@ -34,8 +34,8 @@ def launchers() -> dict[str, list[str]]:
     return {name: list(f.launcher_parallel_args) for name, f in families().items()}
 
 ARG_HELP = {
-    "ENV": "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT) | "
-           "cpu (local gloo processes)",
+    "ENV": "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT; on "
+           "CPU nodes gloo) | cpu (local gloo processes); all start through torchrun",
     "MODEL_SIZE": "a published size of the family, tiny, or auto (architecture from PRETRAIN_CHECKPOINT_PATH)",
     "BATCH_SIZE": "micro-batch size per data-parallel rank (integer >= 1)",
     "GLOBAL_BATCH_SIZE": "samples per optimizer step; a multiple of BATCH_SIZE * data-parallel size",
@@ -83,7 +83,11 @@ EXTRAS = {
     "MP_SEED": "random seed (default 1234; pipeline stage p initialises with seed + 100*p)",
     "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
     "MP_SAVE": "false: write no checkpoints and no final/ export (benchmarks)",
-    "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible)",
+    "MP_MAX_RESTARTS": "restart the ranks up to N times after a failure (torchrun --max-restarts); each restart "
+                       "resumes from the latest complete checkpoint (default 0)",
+    "MP_DIST_TIMEOUT_MIN": "minutes a collective may wait for the other ranks before the job fails naming the "
+                           "rank that stopped answering (default 10)",
+    "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; 1 on a dlc node without GPUs)",
 }
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -166,6 +170,10 @@ class RunConfig:
     world_size: int = 1
     nproc_per_node: int = 1
     nnodes: int = 1
+    # "cuda", or "cpu" for ENV=cpu and for ENV=dlc on nodes without a GPU (gloo, CPU limits)
+    device: str = "cuda"
+    max_restarts: int = 0
+    dist_timeout_min: float = 10.0
     tokenizer: str | None = None
     nan_policy: str = "stop"
     exit_interval: int | None = None
@@ -288,6 +296,16 @@ def _data_paths(name: str, raw: str) -> tuple[list[str], list[float] | None]:
 def _env_int(env: dict, name: str, default, lo: int = 1):
     raw = env.get(name, "")
     return default if raw == "" else _int(name, raw, lo)
+
+
+def _env_minutes(env: dict, name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    value = _float(name, raw)
+    if value <= 0:
+        raise UserError(f"{name} must be a number of minutes > 0, got '{raw}'")
+    return value
 
 
 # --- resolve ---------------------------------------------------------------------------------------------
@@ -419,6 +437,14 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
                         f"{arch.max_position_embeddings} positions")
 
     # Processes and data parallelism.
+    if run_env == "cpu":
+        device = "cpu"
+    elif run_env == "dlc":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device = "cuda"
     world, nproc, nnodes = _world(run_env, layout, env)
     mp = tp * pp * cp
     if world % mp:
@@ -485,7 +511,9 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         tokenizer=tokenizer, nan_policy=nan_policy, exit_interval=_env_int(env, "MP_EXIT_INTERVAL", None),
         log_interval=_env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=_env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
         eval_iters=_env_int(env, "MP_EVAL_ITERS", 10), seed=_env_int(env, "MP_SEED", 1234, lo=0),
-        save=_bool("MP_SAVE", env.get("MP_SAVE") or "true"),
+        save=_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=device,
+        max_restarts=_env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
+        dist_timeout_min=_env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
         hf_config=hf_config, notes=notes,
     )
     return cfg
@@ -599,7 +627,9 @@ def _world(run_env: str, layout: ParallelLayout, env: dict) -> tuple[int, int, i
     else:
         import torch
 
-        per_node = torch.cuda.device_count() or 8
+        # Without a GPU: a dlc node trains on its CPU, one process unless GPUS_PER_NODE says more;
+        # dsw (refused there) keeps a GPU node's 8 for dry runs that plan one.
+        per_node = torch.cuda.device_count() or (1 if run_env == "dlc" else 8)
     nnodes = _int("WORLD_SIZE", env.get("WORLD_SIZE", "1")) if run_env == "dlc" else 1
     return per_node * nnodes, per_node, nnodes
 
@@ -610,7 +640,7 @@ def megatron_settings(cfg: RunConfig) -> dict:
     """TransformerConfig overrides, DDP and optimizer settings: what each flag becomes."""
     from megatron.core.transformer.enums import AttnBackend
 
-    gpu = cfg.env != "cpu"
+    gpu = cfg.device == "cuda"
     tc: dict = {"sequence_parallel": cfg.sequence_parallel, "tp_comm_overlap": cfg.tp_comm_overlap}
     if gpu:
         # A stage's output, once sent on, is freed but for its autograd graph (Megatron-LM's default). Not
@@ -712,7 +742,7 @@ def fp8_recipe_problem(recipe: str, caps: Capabilities) -> str | None:
 def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     """Every reason this machine cannot run ``cfg``, each saying what to change."""
     out = []
-    gpu_env = cfg.env != "cpu"
+    gpu_env = cfg.device == "cuda"
     if gpu_env and not caps.cuda:
         out.append(f"ENV={cfg.env} trains on GPUs and this machine has none: use ENV=cpu for a CPU run")
     te = caps.transformer_engine and gpu_env
@@ -749,7 +779,7 @@ def check_machine(cfg: RunConfig, caps: Capabilities | None = None) -> None:
 
 def attention_kernel(cfg: RunConfig, caps: Capabilities) -> str:
     """What attention will run, as the log reports it."""
-    if cfg.env == "cpu" or not caps.transformer_engine:
+    if cfg.device == "cpu" or not caps.transformer_engine:
         return "local (megatron-core DotProductAttention, unfused softmax)"
     if cfg.flash_attention:
         if caps.flash_attention_3:
@@ -767,6 +797,6 @@ def launch_environment(cfg: RunConfig, caps: Capabilities) -> dict[str, str]:
     communication launched before a GEMM really overlaps it; Megatron-LM requires it below sm100.
     """
     cc = caps.compute_capability
-    if cfg.env != "cpu" and (cfg.tp > 1 or cfg.cp > 1) and (cc is None or cc < (10, 0)):
+    if cfg.device == "cuda" and (cfg.tp > 1 or cfg.cp > 1) and (cc is None or cc < (10, 0)):
         return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     return {}

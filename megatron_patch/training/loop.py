@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
+from megatron_patch.runtime import watchdog
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
@@ -249,9 +250,9 @@ class Trainer:
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-        from megatron_patch.training.checkpointing import latest_iteration
+        from megatron_patch.training.checkpointing import resume_iteration
 
-        return latest_iteration(self.cfg.checkpoint_dir)
+        return resume_iteration(self.cfg.checkpoint_dir, self._log)
 
     def _build_data(self) -> None:
         from megatron_patch.training import data
@@ -401,6 +402,7 @@ class Trainer:
         records = []
         self._param_gather_before_first_step()
         while self.iteration < stop_at:
+            watchdog.set_phase(f"iteration {self.iteration + 1}")
             start = time.time()
             result = self.train_step()
             self.iteration += 1
@@ -427,6 +429,7 @@ class Trainer:
                           f"{tflops:.3f}" + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
                           + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms")
             if self.valid_data is not None and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
+                watchdog.set_phase(f"validation after iteration {self.iteration}")
                 vloss = self.evaluate()
                 self._log(f"validation at iter {self.iteration}: loss {vloss:.4f} | ppl {math.exp(min(vloss, 50)):.2f}")
                 self._record({"iteration": self.iteration, "valid_loss": vloss})
@@ -484,9 +487,18 @@ class Trainer:
 
 def train(cfg) -> dict:
     """Run on every rank (process group from RANK/WORLD_SIZE/MASTER_*)."""
+    import os
+
     from megatron_patch.runtime import init_model_parallel
 
-    init_model_parallel(cfg.layout, seed=cfg.seed)
+    watchdog.set_phase("joining the job")
+    init_model_parallel(cfg.layout, seed=cfg.seed, timeout_minutes=cfg.dist_timeout_min)
+    watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.dist_timeout_min)
+    watchdog.set_phase("building the model, optimizer and data")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and dist.get_rank() == 0:
+        print(f"restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (MP_MAX_RESTARTS): "
+              "resuming from the latest complete checkpoint", flush=True)
     if cfg.tp_comm_overlap:
         from megatron_patch.training.gpu_setup import initialize_tp_communicators
 
@@ -494,8 +506,3 @@ def train(cfg) -> dict:
     trainer = Trainer(cfg)
     trainer.build()
     return trainer.run()
-
-
-def train_worker(cfg) -> dict:
-    """Entry for ``run_local`` ranks (ENV=cpu)."""
-    return train(cfg)
