@@ -10,6 +10,12 @@ Folders appear complete or not at all: everything is written under a hidden sibl
 failure removes the partial folder; an interrupted run (even ``kill -9``) leaves at most a folder
 whose name says it is partial, which the next writer removes once its process is gone.
 
+Durability: before a folder is renamed onto its name, every file and folder in it is fsynced, and
+after the rename (and after the tracker moves) the parent folder is, so that after a power loss
+the tracker never names a folder whose contents were still only in the page cache. Readers do not
+rely on that alone: ``latest_complete_iteration`` checks a training checkpoint before it is used
+(missing or truncated files, an unreadable tracker) and falls back to the previous complete one.
+
 Also here: the torch_dist model loader every reader uses, which tolerates the transformer-engine
 ``_extra_state`` objects a checkpoint written without TE does not hold.
 """
@@ -17,11 +23,13 @@ Also here: the torch_dist model loader every reader uses, which tolerates the tr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from megatron_patch.errors import UserError
 
@@ -61,8 +69,57 @@ def write_tracker(root: str | Path, value: int | str) -> None:
         raise ValueError(f"a tracker holds 'release' or an iteration number, not {value!r}")
     tracker = Path(root) / TRACKER_NAME
     tmp = tracker.with_name(f".{TRACKER_NAME}.tmp.{os.getpid()}")
-    tmp.write_text(str(value))  # as Megatron-LM writes it: no newline
-    os.replace(tmp, tracker)
+    try:
+        with open(tmp, "w") as f:
+            f.write(str(value))  # as Megatron-LM writes it: no newline
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, tracker)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(tracker.parent)
+
+
+# --- durability -------------------------------------------------------------------------------------
+
+def fsync_file(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make the entries of folder ``path`` (names created, renamed or removed in it) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # a platform or filesystem that cannot open folders has no folder fsync either
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some network filesystems refuse fsync on a folder (EINVAL); their renames are durable
+        # once they return. Anything else (EIO, ENOSPC) is a real failure.
+        if exc.errno not in (22, 95):  # EINVAL, EOPNOTSUPP
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | Path) -> None:
+    """fsync every file under ``folder``, then every folder, deepest first (their entries)."""
+    folders = []
+    for dirpath, _dirnames, filenames in os.walk(folder):
+        folders.append(dirpath)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                fsync_file(path)
+    for dirpath in reversed(folders):
+        fsync_dir(dirpath)
 
 
 # --- folders that appear complete or not at all --------------------------------------------------
@@ -96,16 +153,23 @@ def remove_stale_partials(target: str | Path) -> None:
 
 
 def publish(tmp: str | Path, target: str | Path) -> None:
-    """Make the finished folder ``tmp`` the ``target``; an old ``target`` is replaced only now."""
+    """Make the finished folder ``tmp`` the ``target``; an old ``target`` is replaced only now.
+
+    Everything in ``tmp`` is fsynced first and the parent folder after the rename, so ``target``
+    is on disk with its contents before anything (a tracker) can point at it.
+    """
     tmp, target = Path(tmp), Path(target)
+    fsync_tree(tmp)
     if target.exists():
         old = target.parent / f".{target.name}.mpatch-replaced.{os.getpid()}"
         shutil.rmtree(old, ignore_errors=True)
         target.rename(old)
         tmp.rename(target)
+        fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(target)
+        fsync_dir(target.parent)
 
 
 @contextlib.contextmanager
@@ -122,6 +186,107 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# --- which checkpoint is complete --------------------------------------------------------------------
+
+def zip_problem(path: str | Path) -> str | None:
+    """Why the torch.save file ``path`` is unusable, or None. torch.save writes a zip archive whose
+    members carry CRC-32s: reading them all finds truncation and flipped bytes, not only a short file."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path.name} is missing"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
+        return f"{path.name} is unreadable ({exc})"
+    return f"{path.name} is damaged (its member {bad} fails its CRC check)" if bad else None
+
+
+def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None:
+    """What makes the torch_dist checkpoint in ``folder`` unusable, or None when it is complete.
+
+    Checked without reading the tensors: megatron's ``metadata.json`` parses; torch's ``.metadata``
+    unpickles; every data file it names exists and is long enough for every record it points into
+    (a truncated ``.distcp`` is found, a flipped byte inside one is not: the format has no
+    checksums); ``common.pt`` (with ``common``) is an intact torch.save archive.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder.name} is missing"
+    config = folder / "metadata.json"
+    if not config.is_file():
+        return "metadata.json is missing"
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        return f"metadata.json is unreadable ({exc})"
+    if not (folder / ".metadata").is_file():
+        return ".metadata is missing"
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
+        return f".metadata is unreadable ({type(exc).__name__}: {exc})"
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    if not ends and metadata.state_dict_metadata:
+        return ".metadata lists tensors but no data files"
+    for name, end in sorted(ends.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size < end:
+            return f"{name} is truncated ({size} bytes; its records end at byte {end})"
+    if common:
+        return zip_problem(folder / "common.pt")
+    return None
+
+
+def latest_complete_iteration(root: str | Path, problem: Callable[[Path], str | None] = torch_dist_problem,
+                              ) -> tuple[int | None, list[str]]:
+    """The newest complete iteration under a training run's checkpoint folder ``root``, and one warning
+    for each thing skipped on the way (each names what was wrong).
+
+    The tracker decides which iterations count: the one it names and older ones (a tracker moved back
+    by hand is respected). An unreadable tracker, or none next to iteration folders, is skipped and
+    every iteration folder is a candidate. ``problem(folder)`` says why a folder is unusable.
+
+    Returns (None, []) when nothing was ever saved there. Raises ``UserError`` when checkpoints exist
+    and none is complete: loading a damaged one is never an option.
+    """
+    root = Path(root)
+    notes: list[str] = []
+    tracker = root / TRACKER_NAME
+    try:
+        latest = read_tracker(root)
+    except UserError as exc:
+        notes.append(f"{exc}; looking for the newest complete iteration folder instead")
+        latest = None
+    if latest == RELEASE:
+        raise UserError(f"{tracker} says '{RELEASE}': {root} holds converted weights, not a training run's checkpoints")
+    found = sorted((int(m.group(1)) for p in (root.iterdir() if root.is_dir() else ())
+                    if (m := ITERATION_DIR.fullmatch(p.name)) and p.is_dir()), reverse=True)
+    if latest is None and not notes and not found:
+        return None, []
+    if latest is None and not notes:
+        notes.append(f"{tracker} is missing; looking for the newest complete iteration folder instead")
+    if isinstance(latest, int):
+        if latest not in found:
+            notes.append(f"{tracker} names iteration {latest}, but {iteration_dir(root, latest).name} is missing")
+        found = [i for i in found if i <= latest]
+    for iteration in found:
+        folder = iteration_dir(root, iteration)
+        why = problem(folder)
+        if why is None:
+            return iteration, notes
+        notes.append(f"{folder} is incomplete or damaged: {why}")
+    raise UserError(f"no complete checkpoint in {root} (" + "; ".join(notes) + "): move the damaged folders away to "
+                    "resume from an older copy, or choose another OUTPUT_BASEPATH to start afresh")
 
 
 # --- torch_dist model weights ----------------------------------------------------------------------

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's registry, whatever copy is installed
 FILES = ["README.md", "examples/README.md"]
 
 

@@ -12,7 +12,6 @@ layout loads that checkpoint, runs the same data and must reproduce those number
 from __future__ import annotations
 
 import os
-from functools import partial
 
 import torch
 
@@ -479,3 +478,13 @@ def die_without_reporting(code: int):
 
 def raise_value_error():
     raise ValueError("not a user error")
+
+
+def join_and_report_world():
+    """Joins the job's process group (binding the rendezvous port) and reports the world size."""
+    from megatron_patch.runtime.distributed import init_process_group
+
+    import torch.distributed as dist
+
+    init_process_group()
+    return dist.get_world_size()

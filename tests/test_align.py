@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,20 @@ from megatron_patch.runtime import ParallelLayout
 FAMILY_NAMES = list(families())
 DTYPES = ("fp32", "bf16")
 TP2PP2 = ParallelLayout(tp=2, pp=2)
+
+
+def multi_rank_layout(family: str) -> ParallelLayout:
+    """Where a family's clean conversion is aligned besides TP=1: TP=2 x PP=2, or, for a model that
+    cannot split so (DeepSeek's 3 tiny layers), the last layout its own parity tests run."""
+    from megatron_patch.models.arch import validate_layout
+    from megatron_patch.errors import UserError
+
+    family_ = families()[family]
+    try:
+        validate_layout(parse_arch(family_.tiny_config), TP2PP2)
+        return TP2PP2
+    except UserError:
+        return family_.test_layouts.parity[-1]
 FAULT_LAYER = 2
 
 
@@ -108,6 +123,13 @@ def plant_expert_swap(arch):
     return edit
 
 
+def plant_router_rows_swapped(arch):
+    """Experts 0 and 1 swapped in the router only: tokens go to the other expert's weights."""
+    def edit(sd):
+        swap_rows(sd["decoder.layers.1.mlp.router.weight"], slice(0, 1), slice(1, 2))
+    return edit
+
+
 def plant_megatron_default_rope_scaling(hf_config):
     """The fault users hit: llama3 scaling factors hard-coded to megatron's defaults (1, 4, 8192)."""
     rope = hf_config.get("rope_parameters") or hf_config["rope_scaling"]
@@ -122,7 +144,11 @@ FAULTS = {
     "qwen2_qkv_bias_dropped": ("qwen2", plant_qkv_bias_dropped, None, "layers.0.attention"),
     "wrong_rope_scaling_in_config": ("llama3_1", None, plant_megatron_default_rope_scaling, "layers.0.attention"),
     "expert_0_and_1_swapped": ("qwen2_moe", plant_expert_swap, None, "layers.1.mlp"),
+    "router_rows_0_and_1_swapped": ("mixtral", plant_router_rows_swapped, None, "layers.1.routing"),
 }
+MOE_FAMILIES = [f for f in FAMILY_NAMES if parse_arch(families()[f].tiny_config).is_moe]
+# Faults also judged in bf16 against the noise floor.
+BF16_FAULTS = ("k_and_v_swapped", "expert_0_and_1_swapped", "router_rows_0_and_1_swapped")
 
 
 @pytest.fixture(scope="module")
@@ -153,16 +179,27 @@ def aligned(tmp_path_factory):
 
     clean_runs = [McoreRun(dt, mcore_dir=str(clean[f])) for f in FAMILY_NAMES for dt in DTYPES]
     fault_runs = [McoreRun("fp32", mcore_dir=str(faulty[n])) for n in FAULTS]
-    bf16_fault = McoreRun("bf16", mcore_dir=str(faulty["k_and_v_swapped"]))
-    tp1 = capture_mcore_runs(ParallelLayout(), tokens, clean_runs + fault_runs + [bf16_fault])
-    tp2pp2 = capture_mcore_runs(TP2PP2, tokens, clean_runs)
+    bf16_faults = [McoreRun("bf16", mcore_dir=str(faulty[n])) for n in BF16_FAULTS]
+    tp1 = capture_mcore_runs(ParallelLayout(), tokens, clean_runs + fault_runs + bf16_faults)
+    multi = {}
+    for layout in dict.fromkeys(multi_rank_layout(f) for f in FAMILY_NAMES):
+        runs = [r for r in clean_runs if multi_rank_layout(Path(r.mcore_dir).name) == layout]
+        multi.update({(Path(r.mcore_dir).name, r.dtype): c for r, c in zip(runs, capture_mcore_runs(layout, tokens, runs))})
+    # MoE routing under bf16 at the layouts users convert MoE models to: TP=2 (Mixtral's reported case)
+    # and expert parallelism.
+    moe_runs = [McoreRun("bf16", mcore_dir=str(clean[f])) for f in MOE_FAMILIES]
+    tp2 = capture_mcore_runs(ParallelLayout(tp=2), tokens, moe_runs)
+    ep2 = capture_mcore_runs(ParallelLayout(ep=2), tokens, moe_runs)
 
     n = len(clean_runs)
     keys = [(f, dt) for f in FAMILY_NAMES for dt in DTYPES]
+    moe_keys = [(f, "bf16") for f in MOE_FAMILIES]
     return {
         "hf": hf, "ref": ref, "floor": floor, "faulty": faulty,
-        "clean": {"tp1": dict(zip(keys, tp1[:n])), "tp2pp2": dict(zip(keys, tp2pp2))},
-        "faults": dict(zip(FAULTS, tp1[n:n + len(FAULTS)])), "bf16_fault": tp1[-1],
+        "clean": {"tp1": dict(zip(keys, tp1[:n])), "multi": multi,
+                  "tp2": dict(zip(moe_keys, tp2)), "ep2": dict(zip(moe_keys, ep2))},
+        "faults": dict(zip(FAULTS, tp1[n:n + len(FAULTS)])),
+        "bf16_faults": dict(zip(BF16_FAULTS, tp1[n + len(FAULTS):])),
     }
 
 
@@ -178,33 +215,84 @@ def test_planted_fault_fails_at_its_first_layer(aligned, fault):
     assert not v.aligned, v.summary
     assert v.first_failure == expected, v.summary
     assert f"layer {int(expected.split('.')[1])}" in v.summary
-    # Everything upstream of the fault agrees to fp32 precision: the localisation is not luck.
-    upstream = [p for p in v.points[: [p.name for p in v.points].index(expected)]]
+    # Everything upstream of the fault agrees to fp32 precision: the localisation is not luck (a
+    # routing fault sits just before its layer's MLP output).
+    upstream = [p for p in v.points[: [p.name for p in v.points].index(expected.replace(".routing", ".mlp"))]]
     assert upstream and all(p.metrics["rel_l2"] <= 1e-5 for p in upstream)
 
 
-def test_fault_in_bf16_fails_against_the_noise_floor(aligned):
-    v = _judge(aligned, "llama3_1", "bf16", aligned["bf16_fault"])
-    assert not v.aligned and v.first_failure == f"layers.{FAULT_LAYER}.attention", v.summary
-    failing = next(p for p in v.points if not p.passed)
-    assert failing.ratio > 10 and "HF's own bf16 rounding" in v.summary
+@pytest.mark.parametrize("fault", BF16_FAULTS)
+def test_fault_in_bf16_fails_against_the_noise_floor(aligned, fault):
+    family, _, _, expected = FAULTS[fault]
+    v = _judge(aligned, family, "bf16", aligned["bf16_faults"][fault])
+    assert not v.aligned and v.first_failure == expected, v.summary
+    if expected.endswith(".routing"):
+        r = next(r for r in v.routing if not r.passed)
+        assert r.flipped > 10 * max(r.floor_flipped, 1) and "choose other experts" in v.summary
+    else:
+        # An expert swap keeps the routing: the tokens it judges on are the ones with HF's expert choice.
+        failing = next(p for p in v.points if not p.passed)
+        assert failing.ratio > 10 and "HF's own bf16 rounding" in v.summary
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_clean_conversion_is_aligned(aligned, family, dtype, layout):
-    v = _judge(aligned, family, dtype, aligned["clean"][layout][(family, dtype)])
+def _check_clean(v, family, dtype, aligned):
     assert v.aligned, v.summary
-    assert v.first_failure is None and [p.name for p in v.points] == point_names(4)
+    arch = parse_arch(aligned["hf"][family])
+    assert v.first_failure is None and [p.name for p in v.points] == point_names(arch.num_layers)
+    assert [r.layer for r in v.routing] == [i for i in range(arch.num_layers) if arch.is_moe_layer(i)]
     logits = v.points[-1]
     if dtype == "fp32":
         assert logits.metrics["rel_l2"] <= 1e-5 and logits.metrics["kl"] <= 1e-10
+        assert all(r.flipped == 0 for r in v.routing)
     else:
-        # A correct bf16 model is about as far from fp32 as HF's own bf16 run: near 1x, not 0x (the
-        # tiny MoE routers have near-ties, so a few tokens flip experts on either side: 0.5x-1.8x seen).
+        # A correct bf16 model is about as far from fp32 as HF's own bf16 run: near 1x, not 0x.
         assert 0.25 < logits.ratio < 2.0, v.summary
         assert logits.metrics["rel_l2"] > 1e-3
+
+
+@pytest.mark.parametrize("layout", ["tp1", "multi"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_clean_conversion_is_aligned(aligned, family, dtype, layout):
+    _check_clean(_judge(aligned, family, dtype, aligned["clean"][layout][(family, dtype)]), family, dtype, aligned)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "ep2"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_clean_moe_conversion_is_aligned_in_bf16_at_tp_and_ep(aligned, family, layout):
+    _check_clean(_judge(aligned, family, "bf16", aligned["clean"][layout][(family, "bf16")]), family, "bf16", aligned)
+
+
+def test_routing_flips_are_judged_on_their_own_floor():
+    """The verdict's routing rule on made-up captures: near-tie flips within the floor pass and the
+    tokens they reach are left out; flips far beyond HF's own fail, naming the layer."""
+    from megatron_patch.align.verdict import MIN_FLOOR_FLIPS
+
+    torch.manual_seed(0)
+    layers, b, s, h, k = 2, 2, 16, 8, 2
+
+    def captures(routing):
+        out = {n: torch.randn(b, s, h) for n in point_names(layers)}
+        out["logits"] = torch.randn(b, s, 32)
+        out.update({f"routing.{i}": r.clone() for i, r in enumerate(routing)})
+        return out
+
+    route = [torch.sort(torch.randint(0, 8, (b, s, k)), -1).values for _ in range(layers)]
+    ref = captures(route)
+    floor = {n: t + 0.01 * torch.randn_like(t) if t.is_floating_point() else t.clone() for n, t in ref.items()}
+    test = {n: t + 0.01 * torch.randn_like(t) if t.is_floating_point() else t.clone() for n, t in ref.items()}
+    # One near-tie flip at layer 1, position 10 of sequence 0: that token's MLP output jumps.
+    test["routing.1"][0, 10] = test["routing.1"][0, 10] + 8
+    test["layers.1.mlp"][0, 10] += 5.0
+    v = judge(ref, test, "bf16", layers, floor)
+    assert v.aligned, v.summary
+    mlp = next(p for p in v.points if p.name == "layers.1.mlp")
+    assert mlp.tokens == b * s - 1 and v.points[-1].tokens == b * s - (s - 10)  # reached through attention
+    # Beyond the floor: every token of layer 0 goes elsewhere.
+    test["routing.0"] = test["routing.0"] + 8
+    v = judge(ref, test, "bf16", layers, floor)
+    assert not v.aligned and v.first_failure == "layers.0.routing", v.summary
+    assert v.routing[0].flipped == b * s and v.routing[0].ratio == b * s / MIN_FLOOR_FLIPS
 
 
 def test_bf16_verdict_needs_the_floor_and_uses_it(aligned):

@@ -1,14 +1,19 @@
-"""The checkpoint layout shared by the converter and the trainer: tracker, iteration folders, atomic folders."""
+"""The checkpoint layout shared by the converter and the trainer: tracker, iteration folders, atomic and
+durable folders, and which checkpoint is complete."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import warnings
 
 import pytest
+import torch
 
 from megatron_patch.checkpoint_layout import (
-    RELEASE, TRACKER_NAME, atomic_dir, is_iteration_dir, iteration_dir, partial_dir, read_tracker,
-    remove_stale_partials, write_tracker)
+    RELEASE, TRACKER_NAME, atomic_dir, is_iteration_dir, iteration_dir, latest_complete_iteration, partial_dir,
+    read_tracker, remove_stale_partials, torch_dist_problem, write_tracker)
 from megatron_patch.errors import UserError
 
 
@@ -64,3 +69,179 @@ def test_stale_partials_of_dead_processes_are_removed(tmp_path):
     live.mkdir()
     remove_stale_partials(target)
     assert not stale.exists() and live.exists()
+
+
+# --- durability: everything on disk before a name (or the tracker) points at it ---------------------------
+
+@pytest.fixture
+def disk_log(monkeypatch):
+    """Records, in order, each fsync (the path of the fsynced descriptor) and each rename."""
+    events = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst, *a, **k):
+        events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+        real_rename(src, dst, *a, **k)
+
+    def replace(src, dst, *a, **k):
+        events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+        real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_atomic_dir_fsyncs_every_file_and_folder_before_the_rename(tmp_path, disk_log):
+    """What the converter's outputs and training checkpoints go through (publish): a power loss after the
+    rename cannot leave the folder's name pointing at files still only in the page cache."""
+    target = tmp_path / "out"
+    with atomic_dir(target) as tmp:
+        (tmp / "release").mkdir()
+        (tmp / "release" / "w.bin").write_bytes(b"x" * 100)
+        (tmp / "sidecar.json").write_text("{}")
+        staged = {os.path.realpath(p) for p in [tmp, tmp / "release", tmp / "release" / "w.bin", tmp / "sidecar.json"]}
+    renames = [i for i, e in enumerate(disk_log) if e[0] == "rename" and e[2] == os.path.realpath(target)]
+    assert len(renames) == 1
+    before = {e[1] for e in disk_log[:renames[0]] if e[0] == "fsync"}
+    assert staged <= before, staged - before
+    # and the parent folder after the rename, which makes the new name itself durable
+    assert ("fsync", os.path.realpath(tmp_path)) in disk_log[renames[0]:]
+    # a folder is fsynced after the files in it (its entries name them)
+    order = [e[1] for e in disk_log if e[0] == "fsync"]
+    assert order.index(os.path.realpath(tmp / "release" / "w.bin")) < order.index(os.path.realpath(tmp / "release"))
+
+
+def test_tracker_reaches_the_disk_before_and_after_its_rename(tmp_path, disk_log):
+    write_tracker(tmp_path, 20)
+    tracker = os.path.realpath(tmp_path / TRACKER_NAME)
+    (i,) = [i for i, e in enumerate(disk_log) if e[0] == "rename" and e[2] == tracker]
+    assert disk_log[i - 1][0] == "fsync" and disk_log[i - 1][1] == disk_log[i][1]  # the new content, then the rename
+    assert ("fsync", os.path.realpath(tmp_path)) in disk_log[i:]
+    assert read_tracker(tmp_path) == 20
+
+
+# --- which checkpoint is complete --------------------------------------------------------------------------
+
+def _torch_dist(folder, seed=0):
+    """A small torch_dist checkpoint as megatron-core writes it: torch DCP files, metadata.json, common.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}, checkpoint_id=str(folder),
+                 no_dist=True)
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                      "common_backend": "torch", "common_backend_version": 1}))
+    torch.save({"iteration": seed, "scheduler": {"num_steps": seed}}, folder / "common.pt")
+    return folder
+
+
+def _damage(folder, how):
+    distcp = sorted(folder.glob("*.distcp"))[0]
+    if how == "truncated .distcp":
+        distcp.write_bytes(distcp.read_bytes()[:-100])
+        return f"{distcp.name} is truncated ({distcp.stat().st_size} bytes; its records end at byte"
+    if how == "missing .distcp":
+        distcp.unlink()
+        return f"{distcp.name} is missing"
+    if how == "missing .metadata":
+        (folder / ".metadata").unlink()
+        return ".metadata is missing"
+    if how == "garbage .metadata":
+        (folder / ".metadata").write_bytes(b"not a pickle")
+        return ".metadata is unreadable (UnpicklingError"
+    if how == "missing common.pt":
+        (folder / "common.pt").unlink()
+        return "common.pt is missing"
+    if how == "flipped byte in common.pt":
+        import struct
+        import zipfile
+
+        data = bytearray((folder / "common.pt").read_bytes())
+        with zipfile.ZipFile(folder / "common.pt") as archive:
+            info = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+        name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+        start = info.header_offset + 30 + name_len + extra_len  # the member's first byte, past its local header
+        data[start + info.file_size // 2] ^= 0xFF
+        (folder / "common.pt").write_bytes(bytes(data))
+        return "common.pt is damaged (its member"
+    if how == "truncated common.pt":
+        (folder / "common.pt").write_bytes((folder / "common.pt").read_bytes()[:100])
+        return "common.pt is unreadable"
+    if how == "missing metadata.json":
+        (folder / "metadata.json").unlink()
+        return "metadata.json is missing"
+    raise ValueError(how)
+
+
+DAMAGE = ["truncated .distcp", "missing .distcp", "missing .metadata", "garbage .metadata", "missing common.pt",
+          "flipped byte in common.pt", "truncated common.pt", "missing metadata.json"]
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_torch_dist_checkpoint_is_named(tmp_path, how):
+    folder = _torch_dist(tmp_path / "ckpt")
+    assert torch_dist_problem(folder) is None
+    expected = _damage(folder, how)
+    problem = torch_dist_problem(folder)
+    assert problem is not None and problem.startswith(expected), problem
+
+
+def _run_root(tmp_path, iterations=(2, 4, 6), tracker=6):
+    for i in iterations:
+        _torch_dist(iteration_dir(tmp_path, i), seed=i)
+    if tracker is not None:
+        write_tracker(tmp_path, tracker)
+    return tmp_path
+
+
+def test_the_newest_complete_checkpoint_is_taken_with_a_warning_for_each_skipped(tmp_path):
+    root = _run_root(tmp_path)
+    assert latest_complete_iteration(root) == (6, [])
+    why6 = _damage(iteration_dir(root, 6), "truncated .distcp")
+    why4 = _damage(iteration_dir(root, 4), "missing common.pt")
+    latest, notes = latest_complete_iteration(root)
+    assert latest == 2 and len(notes) == 2
+    assert notes[0].startswith(f"{iteration_dir(root, 6)} is incomplete or damaged: {why6}")
+    assert notes[1] == f"{iteration_dir(root, 4)} is incomplete or damaged: {why4}"
+
+
+def test_the_tracker_bounds_the_choice_and_a_bad_tracker_is_skipped(tmp_path):
+    root = _run_root(tmp_path, tracker=4)
+    assert latest_complete_iteration(root) == (4, [])  # a tracker moved back by hand is respected
+    write_tracker(root, 8)
+    latest, notes = latest_complete_iteration(root)
+    assert latest == 6 and notes == [f"{root / TRACKER_NAME} names iteration 8, but iter_0000008 is missing"]
+    (root / TRACKER_NAME).write_bytes(b"\xff\xfe")
+    latest, notes = latest_complete_iteration(root)
+    assert latest == 6 and "is unreadable" in notes[0] and "looking for the newest complete iteration folder" in notes[0]
+    (root / TRACKER_NAME).unlink()
+    latest, notes = latest_complete_iteration(root)
+    assert latest == 6 and notes == [f"{root / TRACKER_NAME} is missing; looking for the newest complete iteration "
+                                     "folder instead"]
+
+
+def test_nothing_saved_yet_and_nothing_complete(tmp_path):
+    assert latest_complete_iteration(tmp_path / "absent") == (None, [])
+    assert latest_complete_iteration(tmp_path) == (None, [])
+    (tmp_path / ".iter_0000002.mpatch-partial.1").mkdir()  # a partial folder is not a checkpoint
+    assert latest_complete_iteration(tmp_path) == (None, [])
+    root = _run_root(tmp_path, iterations=(2, 4), tracker=4)
+    _damage(iteration_dir(root, 4), "missing .metadata")
+    _damage(iteration_dir(root, 2), "truncated .distcp")
+    with pytest.raises(UserError) as err:
+        latest_complete_iteration(root)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"no complete checkpoint in {root} (")
+    assert "iter_0000004 is incomplete or damaged: .metadata is missing" in message
+    assert "iter_0000002 is incomplete or damaged: __0_0.distcp is truncated" in message
+    write_tracker(root, RELEASE)
+    with pytest.raises(UserError, match="holds converted weights"):
+        latest_complete_iteration(root)

@@ -59,6 +59,9 @@ def hf_dirs(tmp_path_factory):
     dirs = {f: make_tiny_hf_checkpoint(f, root / f, seed=3) for f in FAMILIES}
     # Four key/value heads, so that TP=4 divides them.
     dirs["llama3_1_kv4"] = make_tiny_hf_checkpoint("llama3_1", root / "llama3_1_kv4", seed=4, num_key_value_heads=4)
+    # An MoE model whose layers 0-2 are dense (megatron keys a mixed model's layers by number).
+    dirs["qwen2_moe_mixed"] = make_tiny_hf_checkpoint("qwen2_moe", root / "qwen2_moe_mixed", seed=5,
+                                                      decoder_sparse_step=2, mlp_only_layers=[1])
     for d in dirs.values():  # side files that must travel both ways
         (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
         (d / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
@@ -86,6 +89,8 @@ ROUND_TRIPS = [(name, fmt, layout, dtype) for name, f in families().items()
                for fmt, layout, dtype in f.test_layouts.round_trips] + [
     ("llama3_1_kv4", "legacy", ParallelLayout(tp=4), "fp32"),
     ("llama3_1_kv4", "torch_dist", ParallelLayout(tp=4, pp=4), "bf16"),
+    ("qwen2_moe_mixed", "torch_dist", ParallelLayout(tp=2, ep=2), "fp32"),
+    ("qwen2_moe_mixed", "legacy", ParallelLayout(pp=2, ep=4), "bf16"),
 ]
 
 
@@ -98,7 +103,14 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     assert (sidecar.checkpoint_format, sidecar.dtype, sidecar.parallel_layout) == (fmt, dtype, layout)
     mcore_to_hf(ckpt, back, max_shard_size="100KB", progress=False)
 
-    want = {k: v.to(DTYPES[dtype]) for k, v in tensors(src).items()}
+    # Tensors the family keeps in a dtype of their own (DeepSeek's fp32 router bias) stay in it.
+    from megatron_patch.convert.engine import plan
+    from megatron_patch.models.registry import get_family, parse_arch
+
+    arch = parse_arch(src)
+    kept = {n: getattr(torch, t.dtype) for t in plan(get_family(arch.family), arch, ParallelLayout()) for n in t.hf_names
+            if t.dtype}
+    want = {k: v.to(kept.get(k, DTYPES[dtype])) for k, v in tensors(src).items()}
     got = tensors(back)
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
@@ -531,7 +543,17 @@ def test_mcore2hf_reads_the_weights_of_a_training_checkpoint(training_ckpt, hf_d
     rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "strict"))
     assert rc == 2 and "the model does not" in err and "optimizer.state" in err, err
     assert not (tmp_path / "strict").exists()
-    # The marker names an iteration that is gone.
+    # The marker names an iteration that is gone: the newest complete one is converted, as training would
+    # resume from it (checkpoint_layout.latest_complete_iteration), with a warning naming what was skipped.
+    monkeypatch.undo()
     (root / "latest_checkpointed_iteration.txt").write_text("7\n")
-    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "gone"))
-    assert rc == 2 and "iter_0000007" in err and "is missing" in err, err
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "gone"),
+                      "--quiet")
+    assert rc == 0 and "warning:" in err and "names iteration 7, but iter_0000007 is missing" in err, err
+    assert all(torch.equal(tensors(tmp_path / "gone")[k], want[k]) for k in want)
+    # None complete: refused in one line, nothing written.
+    (iter_dir / "metadata.json").unlink()
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "none"))
+    assert rc == 2 and err.count("\n") == 1 and f"no complete checkpoint in {root}" in err, err
+    assert "metadata.json is missing" in err and not (tmp_path / "none").exists()
+

@@ -383,56 +383,61 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
 
 # --- the model skeleton's disk cache ----------------------------------------------------------------
 
-def describe_all_worker(configs: list[dict]) -> list:
-    """In a helper process: megatron-core's skeleton of each config (one megatron import for all)."""
+def describe_all_worker(archs: list) -> list:
+    """In a helper process: megatron-core's skeleton of each arch (one megatron import for all)."""
     from megatron_patch.convert.skeleton import describe_model_here
 
-    return [describe_model_here(parse_arch(c)) for c in configs]
+    return [describe_model_here(a) for a in archs]
 
 
 def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
-    """For every family the skeleton read back from the disk cache equals the one megatron-core
-    computes (shapes, every sharded-state-dict chunk, every object's bytes, the HF shapes); a miss is
-    computed once and stored, a damaged entry is computed again; the key changes with config.json
-    and with the code."""
+    """For every family (and DeepSeek with its multi-token-prediction layers) the skeleton read back
+    from the disk cache equals the one megatron-core computes (shapes, every sharded-state-dict chunk,
+    every object's bytes, the HF shapes); a miss is computed once and stored, a damaged entry is
+    computed again; the key changes with config.json, the MTP layers and the code."""
+    import dataclasses
     import json
 
     from megatron_patch.convert import skeleton as sk
     from megatron_patch.runtime.launch import run_local
 
-    configs = {f: families()[f].tiny_config for f in FAMILIES}
-    megatron = dict(zip(FAMILIES, run_local(describe_all_worker, 1, list(configs.values()))[0]))
+    archs = {(f, 0): parse_arch(families()[f].tiny_config) for f in FAMILIES}
+    ds = archs[("deepseek_v3", 0)]
+    archs[("deepseek_v3", 1)] = dataclasses.replace(ds, mtp_layers=1)
+    megatron = dict(zip(archs, run_local(describe_all_worker, 1, list(archs.values()))[0]))
     monkeypatch.setenv("MPATCH_CACHE_DIR", str(tmp_path / "cache"))
     computed = []
 
-    def compute(config_json):  # stands for the helper process, which gives megatron's answer
+    def compute(config_json, mtp_layers):  # stands for the helper process, which gives megatron's answer
         computed.append(config_json)
-        return megatron[parse_arch(json.loads(config_json)).family]
+        return megatron[(parse_arch(json.loads(config_json)).family, int(mtp_layers > 0))]
 
     monkeypatch.setattr(sk, "_compute", compute)
     sk._describe_cached.cache_clear()
     try:
-        for family, config in configs.items():
-            arch = parse_arch(config)
-            assert sk.describe_model(arch) is megatron[family]        # a miss: computed, then stored
-            path = sk.cache_path(json.dumps(arch.hf_config, sort_keys=True))
+        for key, arch in archs.items():
+            assert sk.describe_model(arch) is megatron[key]           # a miss: computed, then stored
+            path = sk.cache_path(json.dumps(arch.hf_config, sort_keys=True), arch.mtp_layers)
             assert path.is_file() and path.parent == tmp_path / "cache" / "skeletons"
             sk._describe_cached.cache_clear()
             cached = sk.describe_model(arch)                          # read back from disk
-            assert cached == megatron[family] and cached is not megatron[family]
+            assert cached == megatron[key] and cached is not megatron[key]
             assert len(cached.chunks) > 10 and cached.hf_shapes and cached.objects
-        assert len(computed) == len(FAMILIES)
-        arch = parse_arch(configs["llama3_1"])
+        assert len(computed) == len(archs)
+        assert megatron[("deepseek_v3", 1)] != megatron[("deepseek_v3", 0)]
+        arch = archs[("llama3_1", 0)]
         config = json.dumps(arch.hf_config, sort_keys=True)
-        assert sk.cache_path(json.dumps({**arch.hf_config, "num_hidden_layers": 2}, sort_keys=True)) != sk.cache_path(config)
+        assert sk.cache_path(json.dumps({**arch.hf_config, "num_hidden_layers": 2}, sort_keys=True), 0) != \
+            sk.cache_path(config, 0)
+        assert sk.cache_path(config, 1) != sk.cache_path(config, 0)
         with monkeypatch.context() as m:
             m.setattr(sk, "_code_digest", lambda: "another version of the code")
-            changed = sk.cache_path(config)
-        assert changed != sk.cache_path(config)
-        path = sk.cache_path(config)
+            changed = sk.cache_path(config, 0)
+        assert changed != sk.cache_path(config, 0)
+        path = sk.cache_path(config, 0)
         path.write_text('{"format": 1, "shapes": ')     # damaged (a full disk, say)
         sk._describe_cached.cache_clear()
-        assert sk.describe_model(arch) == megatron["llama3_1"] and len(computed) == len(FAMILIES) + 1
-        assert sk.ModelSkeleton.from_json(json.loads(path.read_text())) == megatron["llama3_1"]
+        assert sk.describe_model(arch) == megatron[("llama3_1", 0)] and len(computed) == len(archs) + 1
+        assert sk.ModelSkeleton.from_json(json.loads(path.read_text())) == megatron[("llama3_1", 0)]
     finally:
         sk._describe_cached.cache_clear()

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import itertools
-import json
-import math
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
+from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity, check_parity_all
 from megatron_patch.convert.engine import MappingError, hf_tensors_from_ranks, rank_state_dict_from_hf
 from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.mapping import RankCoord, plan_transfers
 from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families, get_family, parse_arch
@@ -68,7 +66,7 @@ def test_llama31_rope_scaling_is_read_from_config_not_hard_coded():
 
     raw = tiny_config("llama3_1")
     arch = parse_arch(raw)
-    assert arch.rope_scaling == {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+    assert arch.rope_scaling == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
                                  "original_max_position_embeddings": 64.0}
     hf_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](AutoConfig.for_model(**raw), "cpu")
     ours = rope.inv_freq(arch)
@@ -79,6 +77,46 @@ def test_llama31_rope_scaling_is_read_from_config_not_hard_coded():
     plain = 1.0 / (arch.rope_theta ** (torch.arange(0, arch.head_dim, 2).float() / arch.head_dim))
     megatron_default = RotaryEmbedding._apply_scaling(None, plain, factor=4.0)
     assert not torch.allclose(megatron_default, hf_freq.float())
+
+
+ROPE_CASES = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0,
+             "beta_slow": 2.0},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+                    "mscale_all_dim": 0.7},
+    "yarn_untruncated": {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 64, "truncate": False},
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_CASES))
+def test_every_rope_type_equals_transformers(name):
+    """Inverse frequencies bit for bit, and the attention factor HF scales cos/sin by, for each type."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from megatron_patch.models import rope
+
+    raw = {**tiny_config("llama3_1"), "rope_scaling": ROPE_CASES[name], "head_dim": 32}
+    arch = parse_arch(raw)
+    config = AutoConfig.for_model(**raw)
+    kind = (ROPE_CASES[name] or {}).get("rope_type", "default")
+    if kind == "default":  # transformers 5 keeps the plain formula on the model's rotary class
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        hf_freq, hf_factor = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        hf_freq, hf_factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    ours, factor = rope.inv_freq_and_attention_factor(arch)
+    torch.testing.assert_close(ours, hf_freq.float(), rtol=0, atol=0)
+    assert factor == pytest.approx(hf_factor, rel=1e-12)
+    if kind == "yarn":
+        assert factor != 1.0 and rope.softmax_scale(arch) == pytest.approx(factor ** 2 / 32 ** 0.5)
+    else:
+        assert factor == 1.0 and rope.softmax_scale(arch) is None
 
 
 def test_rope_scaling_in_transformers5_form_is_read():
@@ -102,10 +140,14 @@ def test_family_specifics_are_parsed():
 @pytest.mark.parametrize("raw, fragment", [
     ({**tiny_config("llama3_1"), "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({**tiny_config("qwen2"), "use_sliding_window": True}, "use_sliding_window"),
-    ({**tiny_config("qwen2_moe"), "decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({**tiny_config("llama3_1"), "model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+    ({**tiny_config("llama3_1"), "attention_bias": True}, "attention_bias=true with mlp_bias=false"),
+    ({**tiny_config("qwen2"), "mlp_bias": True}, "mlp_bias=true is not supported for qwen2"),
+    ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "RoPE type 'longrope'"),
+    ({**tiny_config("llama3_1"), "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "linear"}}, "linear RoPE scaling lacks factor"),
     ({k: v for k, v in tiny_config("mixtral").items() if k != "num_local_experts"}, "num_local_experts"),
     ({**tiny_config("llama3_1"), "num_hidden_layers": "four"}, "num_hidden_layers"),
-    ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
 ])
 def test_unsupported_configs_fail_with_one_line(raw, fragment):
     with pytest.raises(UserError) as err:
@@ -139,12 +181,27 @@ def test_cli_refuses_impossible_layout_before_starting_processes(tiny_dirs):
 
 # --- mapping engine: HF -> MCore (any layout) -> HF is bit-identical ----------------------------
 
-ROUND_TRIP_LAYOUTS = {
-    "llama3_1": [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=4), ParallelLayout(tp=2, pp=2)],
-    "qwen2": [ParallelLayout(), ParallelLayout(tp=2, pp=2), ParallelLayout(pp=4)],
-    "qwen2_moe": [ParallelLayout(ep=4), ParallelLayout(tp=2, pp=2, ep=2), ParallelLayout(tp=2, ep=2, etp=1)],
-    "mixtral": [ParallelLayout(ep=2, pp=2), ParallelLayout(tp=2, ep=4), ParallelLayout(tp=2, ep=2, etp=1)],
-}
+DENSE_LAYOUTS = [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=4), ParallelLayout(tp=2, pp=2)]
+MOE_LAYOUTS = [ParallelLayout(ep=4), ParallelLayout(tp=2, pp=2, ep=2), ParallelLayout(tp=2, ep=2, etp=1),
+               ParallelLayout(ep=2, pp=2), ParallelLayout(tp=2, ep=4)]
+
+
+def round_trip_layouts(family: str) -> list[ParallelLayout]:
+    """The in-memory round trip is cheap: every layout the family's tests name, and the generic ones of
+    its kind (dense or MoE)."""
+    fam = get_family(family)
+    arch = parse_arch(fam.tiny_config)
+    named = list(fam.test_layouts.parity) + [layout for _, layout, _ in fam.test_layouts.round_trips]
+    return [layout for layout in dict.fromkeys(named + (MOE_LAYOUTS if arch.is_moe else DENSE_LAYOUTS))
+            if _fits(arch, layout)]
+
+
+def _fits(arch, layout) -> bool:
+    try:
+        validate_layout(arch, layout)
+    except UserError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -154,7 +211,7 @@ def test_round_trip_is_bit_identical(tiny_dirs, family, dtype, spec):
     hf = {k: v.to(dtype) for k, v in hf_tensors(tiny_dirs[family]).items()}
     arch = parse_arch(tiny_dirs[family])
     fam = get_family(arch.family)
-    for layout in ROUND_TRIP_LAYOUTS[family]:
+    for layout in round_trip_layouts(family):
         ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__, spec) for c in all_coords(layout)}
         back = hf_tensors_from_ranks(fam, arch, layout, ranks, spec)
         assert set(back) == set(hf), layout
@@ -226,8 +283,8 @@ def test_te_and_local_names_cross_both_ways(tiny_dirs):
         arch = parse_arch(tiny_dirs[family])
         hf = hf_tensors(tiny_dirs[family])
         te = rank_state_dict_from_hf(get_family(family), arch, ParallelLayout(), RankCoord(), hf.__getitem__, "te")
-        local = to_spec(te, "local", arch.is_moe)
-        assert from_spec(local, "local", arch.is_moe) == te
+        local = to_spec(te, "local")
+        assert from_spec(local, "local") == te
         if arch.is_moe:
             assert "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight" in local
             assert "decoder.layers.0.pre_mlp_layernorm.weight" in local
@@ -238,16 +295,57 @@ def test_te_and_local_names_cross_both_ways(tiny_dirs):
 
 # --- HF vs MCore logits, fp32: rel err <= 1e-5, KL <= 1e-10 --------------------------------------
 
-# Each family's own parity layouts (models/<family>/__init__.py, test_layouts.parity).
-PARITY_CASES = [(name, layout) for name, f in families().items() for layout in f.test_layouts.parity]
+# Each family's own parity layouts (models/<family>/__init__.py, test_layouts.parity), grouped by layout
+# so that the families sharing a layout share one start of its processes.
+PARITY_LAYOUTS: dict[ParallelLayout, list[str]] = {}
+for _name, _family in families().items():
+    for _layout in _family.test_layouts.parity:
+        PARITY_LAYOUTS.setdefault(_layout, []).append(_name)
 
 
-@pytest.mark.parametrize("family, layout", PARITY_CASES, ids=[f"{f}-{str(l).replace(' ', '-')}" for f, l in PARITY_CASES])
-def test_logits_match_transformers(tiny_dirs, family, layout):
-    m = check_parity(tiny_dirs[family], layout, seed=3)
-    assert m["rel_l2"] <= FP32_REL_L2, m
-    assert m["kl"] <= FP32_KL, m
-    assert m["top1"] == 1.0, m
+@pytest.mark.parametrize("layout", list(PARITY_LAYOUTS), ids=lambda l: str(l).replace(" ", "-"))
+def test_logits_match_transformers(tiny_dirs, layout):
+    names = PARITY_LAYOUTS[layout]
+    for name, m in zip(names, check_parity_all([tiny_dirs[n] for n in names], layout, seed=3)):
+        assert m["rel_l2"] <= FP32_REL_L2, (name, m)
+        assert m["kl"] <= FP32_KL, (name, m)
+        assert m["top1"] == 1.0, (name, m)
+
+
+# Llama-architecture checkpoints beyond Llama 3.1 (the family claims any LlamaForCausalLM and
+# MistralForCausalLM): tied embeddings (Llama 3.2), an explicit head_dim, linear and yarn RoPE,
+# linear biases, Mistral without a sliding window.
+LLAMA_VARIANTS = {
+    "llama3.2_tied": {"tie_word_embeddings": True},
+    "head_dim_32_yarn": {"head_dim": 32, "rope_scaling": ROPE_CASES["yarn"]},
+    "linear_rope_biases": {"rope_scaling": ROPE_CASES["linear"], "attention_bias": True, "mlp_bias": True},
+    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None,
+                "rope_scaling": None},
+}
+
+
+@pytest.fixture(scope="module")
+def llama_variants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama_variants")
+    return {name: make_tiny_hf_checkpoint("llama3_1", root / name, seed=7, **over) for name, over in LLAMA_VARIANTS.items()}
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2, pp=2)], ids=str)
+def test_llama_architecture_variants_match_transformers(llama_variants, layout):
+    names = list(llama_variants)
+    assert parse_arch(llama_variants["mistral"]).family == "llama3_1"
+    for name, m in zip(names, check_parity_all([llama_variants[n] for n in names], layout, seed=4)):
+        assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, (name, m)
+
+
+def test_llama_architecture_variants_round_trip(llama_variants):
+    layout = ParallelLayout(tp=2, pp=2)
+    fam = get_family("llama3_1")
+    for name, folder in llama_variants.items():
+        arch, hf = parse_arch(folder), hf_tensors(folder)
+        ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__) for c in all_coords(layout)}
+        back = hf_tensors_from_ranks(fam, arch, layout, ranks)
+        assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf), name
 
 
 def test_parity_detects_a_wrong_mapping(tiny_dirs, tmp_path):
@@ -270,34 +368,76 @@ def test_parity_detects_a_wrong_mapping(tiny_dirs, tmp_path):
     from megatron_patch.align.parity import hf_logits, mcore_logits, random_tokens
 
     tokens = random_tokens(parse_arch(src).vocab_size, seed=3)
-    m = compare_logits(hf_logits(src, tokens), mcore_logits(bad, ParallelLayout(), tokens))
+    m = compare_logits(hf_logits(src, tokens), mcore_logits([bad], ParallelLayout(), [tokens])[0])
     assert m["rel_l2"] > 1e-3 and m["kl"] > FP32_KL
 
 
 # --- TE and local specs meet at the checkpoint boundary ------------------------------------------
 
-def checkpoint_keys_worker(family: str) -> tuple[set, set]:
+def checkpoint_keys_worker(family: str, overrides: dict) -> tuple[set, set]:
     """(torch_dist keys of the local-spec model, our TE names with the layer/expert index folded)."""
     import re
 
     from megatron_patch.models.builder import build_model
     from megatron_patch.runtime import init_model_parallel
 
-    arch = parse_arch(tiny_config(family))
+    arch = parse_arch(tiny_config(family, **overrides))
     init_model_parallel(ParallelLayout())
     model = build_model(arch, ParallelLayout(), use_te=False)
     keys = {v.key for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
-    names = {r.mcore for r in get_family(family).weight_rules(arch)}
-    if arch.tie_word_embeddings:  # one stage: the output layer is the embedding itself
-        names.discard("output_layer.weight")
-    folded = {re.sub(r"mlp\.experts\.(linear_fc[12])\.weight\{expert\}", r"mlp.experts.experts.\1.weight",
-                     n.replace("decoder.layers.{layer}.", "decoder.layers.")) for n in names}
+    # Every parameter the plan writes at TP=PP=EP=1, where layer and expert numbers are global.
+    names = {p.mcore_name for t in plan_transfers(get_family(family).weight_rules(arch), arch, ParallelLayout())
+             for p in t.placements}
+    experts = r"mlp\.experts\.(linear_fc[12])\.weight\d+"
+    if arch.dense_layers:  # megatron keys layers of a mixed model by their number; experts stacked
+        folded = {re.sub(experts, r"mlp.experts.experts.\1.weight", n) for n in names}
+    else:  # homogeneous layers are stacked on a leading axis
+        folded = {re.sub(experts, r"mlp.experts.experts.\1.weight", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))
+                  for n in names}
     return keys, folded
 
 
-@pytest.mark.parametrize("family", ["llama3_1", "qwen2", "qwen2_moe"])
-def test_local_spec_checkpoint_keys_are_the_te_names(family):
+KEY_CASES = [(f, {}) for f in families()] + [("qwen2_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [1]})]
+
+
+@pytest.mark.parametrize("family,overrides", KEY_CASES, ids=[f"{f}{'-mixed' if o else ''}" for f, o in KEY_CASES])
+def test_local_spec_checkpoint_keys_are_the_te_names(family, overrides):
+    """The local spec (CPU) writes torch_dist keys under the TE names the weight tables use."""
     from megatron_patch.runtime.launch import run_local
 
-    keys, te_names = run_local(checkpoint_keys_worker, 1, family)[0]
+    keys, te_names = run_local(checkpoint_keys_worker, 1, family, overrides)[0]
     assert keys == te_names
+
+
+# --- MoE models with dense layers (mlp_only_layers / decoder_sparse_step) ------------------------------
+
+@pytest.fixture(scope="module")
+def mixed_moe(tmp_path_factory):
+    # MoE where (i + 1) % 2 == 0 and i is not listed: only layer 3; layers 0, 1, 2 have a dense MLP.
+    return make_tiny_hf_checkpoint("qwen2_moe", tmp_path_factory.mktemp("mixed") / "hf", seed=2,
+                                   decoder_sparse_step=2, mlp_only_layers=[1])
+
+
+def test_dense_layers_of_an_moe_model_are_read_from_config(mixed_moe):
+    arch = parse_arch(mixed_moe)
+    assert arch.dense_layers == (0, 1, 2) and arch.moe_layer_pattern == [0, 0, 0, 1]
+    hf = hf_tensors(mixed_moe)
+    assert "model.layers.1.mlp.gate_proj.weight" in hf and "model.layers.3.mlp.gate.weight" in hf
+    layout = ParallelLayout(tp=2, pp=2, ep=2)
+    fam = get_family("qwen2_moe")
+    for spec in ("te", "local"):
+        ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__, spec) for c in all_coords(layout)}
+        back = hf_tensors_from_ranks(fam, arch, layout, ranks, spec)
+        assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    # Stage 1 holds global layers 2 (dense) and 3 (MoE) as its local layers 0 and 1.
+    stage1 = rank_state_dict_from_hf(fam, arch, layout, RankCoord(pp=1), hf.__getitem__)
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in stage1
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in stage1 and "decoder.layers.1.mlp.router.weight" in stage1
+    local = rank_state_dict_from_hf(fam, arch, layout, RankCoord(pp=1), hf.__getitem__, "local")
+    assert {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"} <= set(local)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(pp=2, ep=2)], ids=str)
+def test_moe_model_with_dense_layers_matches_transformers(mixed_moe, layout):
+    m = check_parity(mixed_moe, layout, seed=5)
+    assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m

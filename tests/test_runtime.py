@@ -219,6 +219,7 @@ from megatron.core.optimizer import distrib_optimizer
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
 def snapshot():
     return dict(
@@ -227,6 +228,7 @@ def snapshot():
         cuda_rng=torch.cuda.get_rng_state, gather=mappings._gather_along_first_dim,
         move=moe_utils.maybe_move_tensor_to_cpu, norm=WrappedTorchNorm.__dict__["__new__"],
         optim_load=distrib_optimizer.DistributedOptimizer.load_state_dict,
+        yarn_init=YarnRotaryEmbedding.__init__,
     )
 
 before = snapshot()
@@ -338,3 +340,23 @@ def test_run_local_reports_other_failures_with_the_traceback_and_dead_ranks_at_o
     # Found dead and named, instead of "timed out after 300s".
     with pytest.raises(WorkerError, match="exited with code 3 before reporting"):
         run_local(die_without_reporting, 2, 3, timeout=300)
+
+
+def test_run_local_starts_again_when_its_port_was_taken(monkeypatch):
+    """free_port() can hand out a port another process binds before rank 0 does (tests running side by
+    side did): the job starts again on another port instead of failing."""
+    import socket
+
+    from megatron_patch.runtime import launch
+    from megatron_patch.runtime.distributed import free_port
+    from tests.runtime_helpers import join_and_report_world
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    monkeypatch.setattr(launch, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        assert launch.run_local(join_and_report_world, 2, timeout=300) == [2, 2]
+    finally:
+        taken.close()

@@ -1,11 +1,15 @@
-"""Training end to end on CPU (ENV=cpu, local gloo processes) on a locally made corpus and tokenizer.
+"""Training end to end on CPU (ENV=cpu: torchrun, gloo processes) on a locally made corpus and tokenizer.
 
 - preprocessing round trip: decode(tokens) == text, bad lines named by line number;
 - TP=2 (sequence parallel, distributed optimizer): the loss falls on real text, and a run stopped
   after a checkpoint and restarted gives the same loss at every iteration as an uninterrupted run;
 - PP=2 from a checkpoint converted at TP=2: the first loss equals transformers' loss on the same
   samples (the weights really arrived), and training goes on from there;
-- SFT: loss only on response tokens, packing keeps samples apart; NaN loss stops the run.
+- SFT: loss only on response tokens, packing keeps samples apart; NaN loss stops the run;
+- multi-node and failures: two ENV=dlc "nodes" on 127.0.0.1 (DP, then TP, across them) give the
+  one-node losses; a SIGKILLed rank is restarted (MP_MAX_RESTARTS) and the run resumes to the same
+  losses; a SIGSTOPped rank fails the job naming it; damaged checkpoints are skipped (or refused when
+  none is complete); a full disk stops the run and leaves the previous checkpoint resumable.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +27,7 @@ import torch
 
 from megatron_patch.checkpoint_layout import partial_dir
 from megatron_patch.cli import main
-from tests.training_helpers import (launcher_args, make_chat_tokenizer, make_texts, make_tiktoken_file, make_tokenizer,
-                                    write_jsonl)
+from tests.training_helpers import launcher_args, make_chat_tokenizer, make_corpus, make_tiktoken_file, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS, GBS, SEQ = 20, 8, 64
@@ -31,20 +35,13 @@ ITERS, GBS, SEQ = 20, 8, 64
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    texts = make_texts(2000, seed=0)
-    tok = make_tokenizer(root / "tok", texts)
-    write_jsonl(root / "corpus.jsonl", [{"text": t} for t in texts])
-    from megatron_patch.training.preprocess import preprocess
-
-    report = preprocess(root / "corpus.jsonl", str(root / "corpus"), tok, progress=False)
-    return {"root": root, "texts": texts, "tok": tok, "prefix": report.output_prefix}
+    return make_corpus(tmp_path_factory.mktemp("corpus"), 2000, seed=0)
 
 
 def _launch(args: list[str], env: dict | None = None, family: str = "llama3_1") -> subprocess.CompletedProcess:
     """The real launcher script, as a user runs it."""
     script = os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh")
-    full_env = {**os.environ, "PYTHON": sys.executable, "MP_CPU_TIMEOUT": "400", **(env or {})}
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
     return subprocess.run(["bash", script, *args], env=full_env, capture_output=True, text=True, timeout=480)
 
 
@@ -126,6 +123,13 @@ def test_tp2_loss_falls_on_real_text(tp2_run):
         assert all(x[key] is not None and x[key] > 0 for x in m), key
     assert m[0]["loss_tokens"] == GBS * SEQ
     assert "iter     20/20 | loss" in tp2_run["stdout"] and "TFLOP/s" in tp2_run["stdout"]
+    # The first iteration is the warm-up, left out of the throughput summary.
+    assert [x["warmup"] for x in m] == [True] + [False] * (ITERS - 1)
+    summary = json.loads((tp2_run["out"] / "log" / "throughput.json").read_text())
+    steady = m[1:]
+    assert summary["iterations"] == [2, ITERS] and summary["warmup_excluded"] == 1
+    assert abs(summary["tokens_per_s"] - GBS * SEQ * len(steady) / sum(x["iteration_s"] for x in steady)) < 1e-6
+    assert "throughput over iterations 2..20 (1 warm-up iteration(s) left out)" in tp2_run["stdout"]
     assert list((tp2_run["out"] / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -157,6 +161,7 @@ def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus
     resumed = _metrics(out)
     reference = _metrics(tp2_run["out"])
     assert [x["iteration"] for x in resumed] == list(range(1, ITERS + 1))
+    assert [x["iteration"] for x in resumed if x["warmup"]] == [1, 11]  # each process's first iteration
     for a, b in zip(resumed, reference):
         assert abs(a["loss"] - b["loss"]) < 1e-6, (a["iteration"], a["loss"], b["loss"])
         assert abs(a["lr"] - b["lr"]) < 1e-12 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5
@@ -376,10 +381,13 @@ def test_sft_packing_keeps_samples_apart(corpus, tmp_path):
     s = multi[0]
     starts = (s["position_ids"] == 0).nonzero().flatten().tolist()
     assert starts[0] == 0
-    mask = s["attention_mask"][0]  # True = masked
-    second = starts[1]
-    assert bool(mask[second, second - 1])  # the second sample cannot see the first
-    assert not bool(mask[second + 1, second]) and bool(mask[second, second + 1])  # causal inside a sample
+    # Each record starts a THD segment (attention and RoPE restart there; tests/test_training_gpu_path.py
+    # checks that the packed loss equals the unpacked loss).
+    assert s["doc_start"].nonzero().flatten().tolist() == starts
+    from megatron_patch.training.packing import thd_batch
+
+    _, thd = thd_batch({k: v.unsqueeze(0) for k, v in s.items()})
+    assert thd["cu_seqlens"].tolist() == starts + [64]
 
 
 def test_sft_training_run(corpus, tmp_path):
@@ -402,3 +410,314 @@ def test_nan_loss_stops_the_run(corpus, tmp_path):
     err = proc.stderr.strip().splitlines()[-1]
     assert "loss is" in err and "at iteration" in err and "training stopped" in err, err
     assert not math.isnan(_metrics(out)[0]["loss"])
+
+
+# --- multi-node and failures -----------------------------------------------------------------------------
+
+# Two data-parallel ranks (ENV=cpu, MP_NPROC=2), checkpoints at 6, 12, 18, 24: the reference of the
+# two-node, restart, damaged-checkpoint and full-disk tests.
+DP_ITERS, DP_SAVE = 24, 6
+
+
+def _dp2_args(corpus, out, **over):
+    return _pretrain_args(corpus, out, TRAIN_TOKENS_OR_ITERS=str(DP_ITERS * GBS * SEQ), SAVE_INTERVAL=str(DP_SAVE),
+                          **over)
+
+
+@pytest.fixture(scope="module")
+def dp2_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp2") / "out"
+    proc = _launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DP=2 on 2 CPU process(es)" in proc.stdout
+    return {"out": out}
+
+
+def _last_records(out: Path) -> dict[int, dict]:
+    """Each iteration's last record: after a restart, the iterations since the checkpoint appear twice."""
+    return {m["iteration"]: m for m in _metrics(out)}
+
+
+def _assert_same_losses(got: dict[int, dict], want: dict[int, dict], iterations) -> float:
+    worst = 0.0
+    for i in iterations:
+        diff = abs(got[i]["loss"] - want[i]["loss"])
+        worst = max(worst, diff)
+        assert diff < 1e-6, (i, got[i]["loss"], want[i]["loss"])
+        assert abs(got[i]["grad_norm"] - want[i]["grad_norm"]) < 1e-5 * want[i]["grad_norm"], i
+    return worst
+
+
+def _start(args, env, log: Path, family="llama3_1") -> subprocess.Popen:
+    """The launcher script in the background, its output in LOG.out / LOG.err."""
+    script = os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh")
+    with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
+        return subprocess.Popen(["bash", script, *args], env={**os.environ, "PYTHON": sys.executable, **env},
+                                stdout=out, stderr=err)
+
+
+def _output(log: Path) -> tuple[str, str]:
+    return log.with_suffix(".out").read_text(), log.with_suffix(".err").read_text()
+
+
+def _run_nodes(args, env: dict, tmp_path: Path, nodes: int = 2) -> list[tuple[int, str, str]]:
+    """``nodes`` launcher invocations on 127.0.0.1, as PAI-DLC starts one per node: WORLD_SIZE nodes, RANK
+    this node's, MASTER_ADDR/MASTER_PORT node 0's; one process per node (GPUS_PER_NODE=1)."""
+    from megatron_patch.runtime.distributed import free_port
+
+    port = str(free_port())
+    # All "nodes" share this machine's cores: one thread per process, as on a node with one rank per core.
+    base = {"WORLD_SIZE": str(nodes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GPUS_PER_NODE": "1",
+            "OMP_NUM_THREADS": "1", **env}
+    procs = [(_start(args, {**base, "RANK": str(n)}, tmp_path / f"node{n}"), tmp_path / f"node{n}") for n in range(nodes)]
+    results = []
+    try:
+        for proc, log in procs:
+            proc.wait(timeout=600)
+            results.append((proc.returncode, *_output(log)))
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return results
+
+
+def test_two_nodes_train_one_model_with_dp_across_them(dp2_run, corpus, tmp_path):
+    """ENV=dlc on a machine without GPUs (gloo): node 0 and node 1 hold one data-parallel rank each, and
+    train the one-node run's model: the same losses, and a checkpoint written from both nodes."""
+    from megatron_patch.training.checkpointing import iteration_problem
+
+    out = tmp_path / "out"
+    results = _run_nodes(_dp2_args(corpus, out, ENV="dlc"), {"MP_EXIT_INTERVAL": str(DP_SAVE)}, tmp_path)
+    for code, stdout, stderr in results:
+        assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "--nnodes=2 --node_rank=1" in results[1][1]
+    assert "DP=2 on 2 CPU process(es)" in results[0][1]
+    got = _last_records(out)
+    assert sorted(got) == list(range(1, DP_SAVE + 1))
+    worst = _assert_same_losses(got, _last_records(dp2_run["out"]), range(1, DP_SAVE + 1))
+    print(f"two nodes DP=2 vs one node DP=2: largest loss difference {worst:.3g} over {DP_SAVE} iterations")
+    assert iteration_problem(out / "checkpoint" / f"iter_{DP_SAVE:07d}") is None
+
+
+def test_two_nodes_train_one_model_with_tp_across_them(tp2_run, corpus, tmp_path):
+    """TP=2 with one tensor-parallel rank per node (sequence parallel, distributed optimizer): the losses
+    and grad norms of the one-node TP=2 run."""
+    out = tmp_path / "out"
+    args = _pretrain_args(corpus, out, ENV="dlc", TP="2", SP="true", DO="true")
+    results = _run_nodes(args, {"MP_TP_COMM_OVERLAP": "false", "MP_EXIT_INTERVAL": "4"}, tmp_path)
+    for code, stdout, stderr in results:
+        assert code == 0, stdout[-3000:] + stderr[-3000:]
+    got = _last_records(out)
+    assert sorted(got) == [1, 2, 3, 4]
+    worst = _assert_same_losses(got, _last_records(tp2_run["out"]), range(1, 5))
+    print(f"two nodes TP=2 vs one node TP=2: largest loss difference {worst:.3g} over 4 iterations")
+
+
+def _rank_process(launcher: subprocess.Popen, rank: int, log: Path):
+    """The process torchrun started as ``rank`` (a direct child of the launcher, which runs torchrun's
+    agent in-process; the rank's own helper processes have the same environment but another parent)."""
+    import time
+
+    import psutil
+
+    while launcher.poll() is None:
+        for child in psutil.Process(launcher.pid).children():
+            try:
+                env = child.environ()
+            except psutil.Error:
+                continue
+            if env.get("RANK") == str(rank) and env.get("TORCHELASTIC_RUN_ID"):
+                return child
+        time.sleep(0.05)
+    pytest.fail("the launcher exited before its ranks started:\n" + "\n".join(_output(log))[-3000:])
+
+
+def _wait_for_checkpoint(launcher: subprocess.Popen, out: Path, log: Path) -> None:
+    """Until the first checkpoint is published (the tracker exists): the marker the kill and stop tests act on."""
+    import time
+
+    tracker = out / "checkpoint" / "latest_checkpointed_iteration.txt"
+    while not tracker.exists():
+        if launcher.poll() is not None:
+            pytest.fail("the run ended before its first checkpoint:\n" + "\n".join(_output(log))[-3000:])
+        time.sleep(0.01)
+
+
+def test_killed_rank_is_restarted_and_the_run_resumes(dp2_run, corpus, tmp_path):
+    """MP_MAX_RESTARTS=1: SIGKILL rank 1 right after the first checkpoint; torchrun restarts both ranks, which
+    resume from the latest complete checkpoint by themselves; the job ends with status 0 and every
+    iteration's loss is the uninterrupted run's."""
+    import signal
+
+    import psutil
+
+    out, log = tmp_path / "out", tmp_path / "launcher"
+    launcher = _start(_dp2_args(corpus, out), {"MP_NPROC": "2", "MP_MAX_RESTARTS": "1"}, log)
+    try:
+        victim = _rank_process(launcher, 1, log)
+        _wait_for_checkpoint(launcher, out, log)
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pytest.fail("rank 1 had already exited when the first checkpoint appeared")
+        launcher.wait(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    stdout, stderr = _output(log)
+    assert launcher.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "--max-restarts=1" in stdout
+    assert "restart 1 of 1 (MP_MAX_RESTARTS): resuming from the latest complete checkpoint" in stdout
+    resumed = re.search(r"resumed from \S+/iter_(\d{7})", stdout)
+    assert resumed and int(resumed.group(1)) % DP_SAVE == 0, stdout[-3000:]
+    got = _last_records(out)
+    assert sorted(got) == list(range(1, DP_ITERS + 1))
+    _assert_same_losses(got, _last_records(dp2_run["out"]), range(1, DP_ITERS + 1))
+
+
+def test_stopped_rank_fails_the_job_naming_it(corpus, tmp_path):
+    """SIGSTOP rank 1 after the first checkpoint: rank 0's next collective gives up after MP_DIST_TIMEOUT_MIN,
+    and the job ends (no restart asked for) with one line naming rank 1, its pid, the collective and the
+    iteration, instead of waiting forever."""
+    import signal
+    import time
+
+    import psutil
+
+    out, log = tmp_path / "out", tmp_path / "launcher"
+    launcher = _start(_dp2_args(corpus, out), {"MP_NPROC": "2", "MP_DIST_TIMEOUT_MIN": "0.2"}, log)
+    victim = None
+    try:
+        victim = _rank_process(launcher, 1, log)
+        _wait_for_checkpoint(launcher, out, log)
+        victim.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        launcher.wait(timeout=600)
+        print(f"job ended {time.monotonic() - stopped:.0f} s after rank 1 was stopped (MP_DIST_TIMEOUT_MIN=0.2)")
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if victim is not None and victim.is_running():
+            victim.send_signal(signal.SIGCONT)
+            victim.kill()
+    stdout, stderr = _output(log)
+    assert launcher.returncode == 1, stdout[-3000:] + stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("mpatch train: error: rank 0 waited 0.2 min (MP_DIST_TIMEOUT_MIN) in "), last
+    assert "(called from" in last and "during iteration" in last, last
+    assert "rank 1 stopped answering (rank 1: last heartbeat" in last and f"pid {victim.pid})" in last, last
+    assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE  # the job left no rank behind
+
+
+def _copy_checkpoints(src: Path, out: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src / "checkpoint", out / "checkpoint")
+    return out / "checkpoint"
+
+
+def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, corpus, tmp_path):
+    """The latest checkpoint with a truncated .distcp and the one before without common.pt: the run warns
+    about each, resumes from the newest complete one (12), and repeats the uninterrupted run's losses."""
+    from megatron_patch.training.checkpointing import iteration_problem
+
+    out = tmp_path / "out"
+    ckpt = _copy_checkpoints(dp2_run["out"], out)
+    distcp = sorted((ckpt / "iter_0000024").glob("*.distcp"))[-1]
+    distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
+    truncated = distcp.stat().st_size
+    (ckpt / "iter_0000018" / "common.pt").unlink()
+    proc = _launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(rf"warning: \S+/iter_0000024 is incomplete or damaged: {re.escape(distcp.name)} is truncated "
+                     rf"\({truncated} bytes; its records end at byte \d+\)", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"warning: \S+/iter_0000018 is incomplete or damaged: common\.pt is missing", proc.stdout)
+    assert re.search(r"resumed from \S+/iter_0000012\n", proc.stdout)
+    got = _last_records(out)
+    assert sorted(got) == list(range(13, DP_ITERS + 1))
+    _assert_same_losses(got, _last_records(dp2_run["out"]), range(13, DP_ITERS + 1))
+    # The damaged folders were replaced by complete ones when those iterations were saved again.
+    assert iteration_problem(ckpt / "iter_0000024") is None and iteration_problem(ckpt / "iter_0000018") is None
+
+
+def test_no_complete_checkpoint_is_refused_in_one_line(dp2_run, corpus, tmp_path):
+    out = tmp_path / "out"
+    ckpt = _copy_checkpoints(dp2_run["out"], out)
+    for folder in ckpt.glob("iter_*"):
+        (folder / ".metadata").unlink()
+    (ckpt / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe")
+    proc = _launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mpatch train: error: no complete checkpoint in {ckpt} ("), err
+    assert "latest_checkpointed_iteration.txt is unreadable" in err[0]
+    assert "iter_0000006 is incomplete or damaged: .metadata is missing" in err[0]
+    assert "torch.distributed.run" not in proc.stdout  # refused before any rank started
+
+
+FAIL_WRITES = '''
+import builtins, errno, os
+_open = builtins.open
+def _full_disk_open(file, mode="r", *args, **kwargs):
+    marker = os.environ.get("MP_TEST_FULL_DISK")
+    if marker and isinstance(file, (str, os.PathLike)) and marker in str(file) and "w" in mode:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+    return _open(file, mode, *args, **kwargs)
+builtins.open = _full_disk_open
+'''
+
+
+def _small_disk(folder: Path, size: int) -> bool:
+    """A tmpfs of ``size`` bytes mounted on ``folder``; False where this machine cannot mount one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    return proc.returncode == 0
+
+
+def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(dp2_run, corpus, tmp_path):
+    """The checkpoint folder on a disk with room for one and a half checkpoints: the save at 12 fails, the run
+    stops with one line naming the error and the checkpoint kept, no partial folder is left, iteration 6 is
+    complete; with room again, a rerun resumes from 6 and gives the uninterrupted run's losses.
+
+    Without permission to mount a tmpfs, the same full disk is simulated: a sitecustomize (on PYTHONPATH of
+    the ranks) makes every file opened for writing in the save of iteration 12 fail with ENOSPC."""
+    from megatron_patch.training.checkpointing import iteration_problem
+
+    out = tmp_path / "out"
+    ckpt = out / "checkpoint"
+    one = sum(p.stat().st_size for p in (dp2_run["out"] / "checkpoint" / "iter_0000006").rglob("*") if p.is_file())
+    mounted = _small_disk(ckpt, one * 3 // 2)
+    env = {"MP_NPROC": "2"}
+    if not mounted:
+        (tmp_path / "inject").mkdir()
+        (tmp_path / "inject" / "sitecustomize.py").write_text(FAIL_WRITES)
+        env.update(PYTHONPATH=f"{tmp_path / 'inject'}:{os.environ.get('PYTHONPATH', '')}",
+                   MP_TEST_FULL_DISK=".iter_0000012.mpatch-partial")
+    try:
+        proc = _launch(_dp2_args(corpus, out), env)
+        assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+        last = proc.stderr.strip().splitlines()[-1]
+        said = re.fullmatch(rf"mpatch train: error: saving iter_0000012 failed on rank \d: (.+); training stopped, "
+                            rf"{ckpt}/iter_0000006 is intact and a rerun resumes from it: free space in {ckpt} \(or "
+                            rf"choose another OUTPUT_BASEPATH\) and rerun", last)
+        assert said, last
+        # torch.save's writer reports a short write without its errno; then the free space tells.
+        assert ("[Errno 28] No space left on device" in said.group(1) if not mounted else
+                re.search(r"\(the disk is full: [\d.]+ MiB free, a checkpoint takes [\d.]+ MiB\)$", said.group(1))), last
+        assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000006", "latest_checkpointed_iteration.txt"]
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
+        assert iteration_problem(ckpt / "iter_0000006") is None
+        first = _last_records(out)
+        assert sorted(first) == list(range(1, 13))  # trained up to the failed save
+
+        if mounted:
+            subprocess.run(["mount", "-o", "remount,size=64m", str(ckpt)], check=True)
+        env.pop("MP_TEST_FULL_DISK", None)
+        again = _launch(_dp2_args(corpus, out), env)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+        assert re.search(r"resumed from \S+/iter_0000006\n", again.stdout)
+        _assert_same_losses(_last_records(out), _last_records(dp2_run["out"]), range(1, DP_ITERS + 1))
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ckpt)], check=False)

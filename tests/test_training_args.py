@@ -71,7 +71,7 @@ def test_every_family_has_its_launcher(family):
 # (family, overrides, environment, a piece of the expected message)
 BAD = [
     ("llama3_1", dict(ENV="local"), {}, "ENV must be one of dsw | dlc | cpu, got 'local'"),
-    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 8B | 70B | tiny | auto"),
+    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 1B | 3B | 8B | 70B | 405B | tiny | auto"),
     ("qwen2", dict(MODEL_SIZE="8B"), {}, "MODEL_SIZE for qwen2 must be one of 0.5B | 1.5B"),
     ("llama3_1", dict(BATCH_SIZE="two"), {}, "BATCH_SIZE must be an integer, got 'two'"),
     ("llama3_1", dict(BATCH_SIZE="0"), {}, "BATCH_SIZE must be >= 1"),
@@ -104,10 +104,36 @@ BAD = [
     ("llama3_1", dict(PP="2"), {"MP_VP": "4"}, "MP_VP=4 with PP=2 needs the 4 layers to split into PP*VP=8"),
     ("llama3_1", dict(PP="2", GLOBAL_BATCH_SIZE="6"), {"MP_VP": "2"}, "micro-batches per step, GLOBAL_BATCH_SIZE/(BATCH_SIZE*DP) = 3, to be a multiple of PP=2"),
     ("llama3_1", dict(PP="2"), {"MP_VP": "2", "MP_PP0_LAYERS": "1"}, "MP_VP and MP_PP0_LAYERS cannot be combined"),
-    ("llama3_1", dict(PP="2"), {"MP_PP0_LAYERS": "4"}, "a first stage of 4 layers leaves 0"),
+    ("llama3_1", dict(PP="2"), {"MP_PP0_LAYERS": "4"}, "a first stage of 4 of the 4 layers leaves 0 that PP-1=1 stages cannot share evenly: try MP_PP0_LAYERS=2"),
     ("llama3_1", dict(PR="bf16"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed needs PR=fp8"),
     ("llama3_1", dict(PR="fp8"), {"MP_FP8_RECIPE": "fancy"}, "MP_FP8_RECIPE must be one of delayed"),
     ("llama3_1", dict(SAVE_INTERVAL="-5"), {}, "SAVE_INTERVAL must be >= 1"),
+    # Checked up front since issue 14; megatron-core refused these only after every rank had started.
+    ("llama3_1", dict(AC="offload", PP="2"), {}, "AC=offload (activation CPU offloading) does not work with pipeline"),
+    ("llama3_1", dict(AC="offload"), {"MP_AC_LAYERS": "4"}, "AC=offload can offload at most 3 of the 4 layers"),
+    ("llama3_1", dict(AC="full", PP="2"), {"MP_AC_LAYERS": "3"}, "a stage here holds 2: set MP_AC_LAYERS <= 2"),
+    ("llama3_1", dict(AC="full", PP="2"), {"MP_VP": "2", "MP_AC_LAYERS": "2"}, "a stage here holds 1"),
+    ("llama3_1", dict(FL="true"), {}, "FL=true: FlashAttention has no fp32 kernel"),
+    ("llama3_1", dict(SFT="true", CP="2", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
+     "MP_SFT_PACKING=true with CP=2 is not supported"),
+    ("llama3_1", dict(CP="2", SEQ_LEN="66"), {}, "CP=2 splits the sequence into 2*CP=4 chunks: SEQ_LEN (66)"),
+    ("llama3_1", dict(SFT="true", TP="2", SP="true", PAD_LEN="63", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"},
+     "PAD_LEN (63) must be a multiple of 2"),
+    ("llama3_1", dict(PR="fp8", BATCH_SIZE="1", SEQ_LEN="60"), {},
+     "the tokens per GEMM, BATCH_SIZE*SEQ_LEN/CP = 60, must be a multiple of 8"),
+    ("llama3_1", dict(PR="fp8", BATCH_SIZE="1", SEQ_LEN="48"), {"MP_FP8_RECIPE": "mxfp8"}, "= 48, must be a multiple of 32"),
+    ("qwen2_moe", dict(PR="fp8", ETP="4"), {}, "divisible by 16, and this model at TP=1 has expert FFN size per ETP rank 8"),
+    ("llama3_1", dict(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH="/x"), {"MP_NUM_LAYERS": "2"},
+     "MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset"),
+    ("llama3_1", dict(ENV="dsw"), {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"},
+     "WORLD_SIZE=12 processes do not fill nodes of 8"),
+    ("llama3_1", {}, {"MP_DIST_TIMEOUT_MIN": "0"}, "MP_DIST_TIMEOUT_MIN must be a number of minutes > 0, got '0'"),
+    ("llama3_1", {}, {"MP_DIST_TIMEOUT_MIN": "soon"}, "MP_DIST_TIMEOUT_MIN must be a number, got 'soon'"),
+    ("llama3_1", {}, {"MP_MAX_RESTARTS": "-1"}, "MP_MAX_RESTARTS must be >= 0, got -1"),
+    ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                                   "GPUS_PER_NODE": "1"}, "RANK=2 is this node's rank among WORLD_SIZE=2 nodes"),
+    ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "GPUS_PER_NODE": "1"},
+     "ENV=dlc reads MASTER_PORT"),
 ]
 
 
@@ -132,18 +158,19 @@ def test_wrong_argument_count_and_usage(data, capsys):
     out = capsys.readouterr().out
     for name in arg_names("llama3_1"):
         assert name in out
-    assert "8B | 70B | tiny | auto" in out
+    assert "1B | 3B | 8B | 70B | 405B | tiny | auto" in out
 
 
 # --- what this machine can do ------------------------------------------------------------------------
 
 CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attention_3=False)
-H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attention_3=True)
+H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attention_3=True, flash_attention_2=True,
+                    compute_capability=(9, 0), cuda_version="13.0")
 
 
 MACHINE_REFUSALS = [
     (dict(PR="fp8"), {}, "PR=fp8 needs transformer-engine on a GPU with FP8"),
-    (dict(FL="true"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
+    (dict(FL="true", PR="bf16"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
     (dict(TP="2", SP="true"), {}, "TP communication overlap (TP > 1 with SP=true) needs transformer-engine"),
     (dict(PR="bf16"), {}, "PR=bf16 mixed precision is not supported on ENV=cpu"),
     (dict(AC="offload"), {}, "AC=offload moves activations from GPU to host memory"),
@@ -198,13 +225,17 @@ def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
     assert tc["recompute_granularity"] == "selective"
     assert (ddp["use_distributed_optimizer"], ddp["overlap_grad_reduce"], ddp["overlap_param_gather"],
             ddp["grad_reduce_in_fp32"]) == (True, True, True, True)
+    assert tc["deallocate_pipeline_outputs"] is True
     assert opt["bf16"] is True and opt["fp16"] is False and opt["use_distributed_optimizer"] is True
     assert r["model"]["num_layers"] == 32 and r["model"]["padded_vocab_size"] == 128256
     res = r["resolved"]
     assert res["world_size"] == 8 and r["megatron_core"]["data_parallel_size"] == 1
     assert res["train_iters"] == 10**10 // (64 * 4096) and res["warmup_iters"] == 10**9 // (64 * 4096)
     assert r["megatron_core"]["num_microbatches"] == 64
-    assert r["command"][:2] == ["torchrun", "--nproc_per_node=8"]
+    # torchrun with this interpreter, one node on a free rendezvous port
+    assert r["command"][:6] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                                "--nproc_per_node=8"]
+    assert r["environment"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP=4 below (or without) sm100
     assert r["command"][-26:-25] == ["llama3_1"]
     # The dry run reports what this machine would refuse: fp8 exactly when it has no FP8 GPU.
     assert any("PR=fp8" in p for p in r["machine_problems"]) == (not Capabilities.detect().fp8)
@@ -231,8 +262,8 @@ def test_dry_run_qwen2_moe_multinode_offload_forces_do(data):
     assert r["megatron_core"]["ddp"]["overlap_param_gather"] is True
     assert any("forced by OPTIMIZER_OFFLOAD" in n for n in r["resolved"]["notes"])
     assert r["resolved"]["world_size"] == 32 and r["megatron_core"]["data_parallel_size"] == 8
-    assert r["command"][:6] == ["torchrun", "--nproc_per_node=8", "--nnodes=4", "--node_rank=1",
-                                "--master_addr=10.0.0.1", "--master_port=23456"]
+    assert r["command"][3:8] == ["--nproc_per_node=8", "--nnodes=4", "--node_rank=1",
+                                 "--master_addr=10.0.0.1", "--master_port=23456"]
     assert r["model"]["num_experts"] == 64
 
 
@@ -242,7 +273,10 @@ def test_dry_run_sft_counts_iterations_and_cpu_runs_locally(data):
              SP="true", PAD_LEN="32")
     res = r["resolved"]
     assert (res["train_iters"], res["warmup_iters"], res["dataset_type"], res["sft_packing"]) == (30, 3, "raw", True)
-    assert r["command"][1:5] == ["-m", "megatron_patch", "train", "qwen2"] and r["processes"] == 2
+    # ENV=cpu goes through torchrun too, the cluster's path: one process per rank on one node
+    assert r["command"][1:7] == ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc_per_node=2",
+                                 "-m"] and r["processes"] == 2
+    assert r["command"][7:10] == ["megatron_patch", "train", "qwen2"]
     assert r["megatron_core"]["transformer_config"]["attention_backend"] == "local"
     assert any("TP communication overlap" in p for p in r["machine_problems"])
 
@@ -317,3 +351,109 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
     assert ddp.use_distributed_optimizer == opt.use_distributed_optimizer == cfg.distributed_optimizer
     assert (opt.bf16, opt.fp16) == (cfg.precision in ("bf16", "fp8"), cfg.precision == "fp16")
     assert opt.lr == cfg.lr and opt.min_lr == cfg.min_lr
+
+
+# --- issue 14: what a GPU run needs, checked on CPU ------------------------------------------------------
+
+def _cfg(data, env=None, **over):
+    return resolve("llama3_1", _args(data, **over), env={"GPUS_PER_NODE": "1", **(env or {})})
+
+
+def test_fp8_recipes_are_checked_against_the_gpu(data):
+    """transformer-engine's own rules: mxfp8 on sm100 only, blockwise on sm90+ with CUDA >= 12.9."""
+    b200 = Capabilities(**{**H100.__dict__, "compute_capability": (10, 0)})
+    old_cuda = Capabilities(**{**H100.__dict__, "cuda_version": "12.4"})
+    fp8 = dict(ENV="dsw", PR="fp8")
+    for recipe, caps, message in [
+        ("delayed", H100, None), ("tensorwise", H100, None), ("blockwise", H100, None),
+        ("mxfp8", H100, "MP_FP8_RECIPE=mxfp8 needs a Blackwell GPU (compute capability 10.x) and this GPU is sm90"),
+        ("mxfp8", b200, None),
+        ("blockwise", old_cuda, "needs compute capability >= 9.0 and CUDA >= 12.9, and this GPU is sm90 with CUDA 12.4"),
+    ]:
+        problems = machine_problems(_cfg(data, {"MP_FP8_RECIPE": recipe}, **fp8), caps)
+        if message is None:
+            assert problems == [], (recipe, problems)
+        else:
+            assert len(problems) == 1 and message in problems[0], (recipe, problems)
+
+
+def test_flash_attention_needs_a_flash_attn_package(data):
+    from megatron_patch.training.arguments import attention_kernel
+
+    cfg = _cfg(data, ENV="dsw", PR="bf16", FL="true")
+    no_fa = Capabilities(**{**H100.__dict__, "flash_attention_2": False, "flash_attention_3": False})
+    problems = machine_problems(cfg, no_fa)
+    assert len(problems) == 1 and "neither is installed: pip install flash-attn, or set FL=false" in problems[0]
+    assert attention_kernel(cfg, no_fa).startswith("none")  # the log no longer claims FlashAttention-2
+    fa2 = Capabilities(**{**no_fa.__dict__, "flash_attention_2": True})
+    assert machine_problems(cfg, fa2) == [] and attention_kernel(cfg, fa2) == "FlashAttention-2 (flash_attn)"
+
+
+def test_attention_backend_per_precision_and_device(data):
+    """fp32 on a GPU must not ask transformer-engine for fused/flash attention, which have no fp32 kernel."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_patch.training.arguments import megatron_settings
+
+    def backend(**over):
+        return megatron_settings(_cfg(data, **over))["transformer_config"]["attention_backend"]
+
+    assert backend(ENV="dsw", PR="fp32") == AttnBackend.auto
+    assert backend(ENV="dsw", PR="bf16") == AttnBackend.fused
+    assert backend(ENV="dsw", PR="bf16", FL="true") == AttnBackend.flash
+    assert backend(PR="fp32") == AttnBackend.local  # ENV=cpu
+
+
+def test_dlc_ranks_take_the_world_size_torchrun_gives_them(data):
+    """ENV=dlc: the user's process reads WORLD_SIZE as nodes; torchrun's children read it as processes."""
+    over = dict(ENV="dlc", BATCH_SIZE="1", GLOBAL_BATCH_SIZE="16", PR="bf16")
+    parent = resolve("llama3_1", _args(data, **over), env={"WORLD_SIZE": "2", "GPUS_PER_NODE": "8"})
+    child_env = {"WORLD_SIZE": "16", "GPUS_PER_NODE": "8", "TORCHELASTIC_RUN_ID": "42", "LOCAL_WORLD_SIZE": "8",
+                 "LOCAL_RANK": "3", "RANK": "11", "MASTER_ADDR": "10.0.0.1"}
+    child = resolve("llama3_1", _args(data, **over), env=child_env)
+    for cfg in (parent, child):
+        assert (cfg.world_size, cfg.nproc_per_node, cfg.nnodes, cfg.data_parallel_size) == (16, 8, 2, 16)
+    assert parent.num_microbatches == child.num_microbatches == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what ENV=dlc becomes on a node without GPUs")
+def test_dlc_on_a_cpu_node_trains_on_gloo_with_restarts_and_a_timeout(data):
+    """ENV=dlc without GPUs: PAI-DLC's variables make the torchrun command (static rendezvous at node 0), the
+    ranks train on CPU (gloo, local attention, no refusal), MP_MAX_RESTARTS and MP_DIST_TIMEOUT_MIN reach
+    torchrun and the process groups."""
+    env = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555", "GPUS_PER_NODE": "1",
+           "MP_MAX_RESTARTS": "3", "MP_DIST_TIMEOUT_MIN": "0.5"}
+    r = _dry(data, "llama3_1", env, ENV="dlc", TP="2")
+    res, tc = r["resolved"], r["megatron_core"]["transformer_config"]
+    assert (res["device"], res["world_size"], res["nnodes"], res["nproc_per_node"]) == ("cpu", 2, 2, 1)
+    assert (res["max_restarts"], res["dist_timeout_min"]) == (3, 0.5)
+    assert r["machine_problems"] == []
+    assert tc["attention_backend"] == "local" and "deallocate_pipeline_outputs" not in tc
+    assert r["command"][3:9] == ["--nproc_per_node=1", "--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3",
+                                 "--master_port=29555", "--max-restarts=3"]
+    assert r["command"][9:13] == ["-m", "megatron_patch", "train", "llama3_1"]
+    # Without PAI-DLC's GPUS_PER_NODE a CPU node runs one process.
+    one = _dry(data, "llama3_1", {k: v for k, v in env.items() if k != "GPUS_PER_NODE"}, ENV="dlc")
+    assert one["resolved"]["nproc_per_node"] == 1 and one["processes"] == 2
+    # ENV=cpu passes MP_MAX_RESTARTS to torchrun the same way.
+    cpu = _dry(data, "llama3_1", {"MP_MAX_RESTARTS": "2", "MP_NPROC": "2"})
+    assert cpu["command"][3:7] == ["--standalone", "--nnodes=1", "--nproc_per_node=2", "--max-restarts=2"]
+    assert cpu["resolved"]["dist_timeout_min"] == 10.0  # Megatron-LM's default
+
+
+def test_launch_environment_serialises_kernels_for_tp_and_cp(data):
+    from megatron_patch.training.arguments import launch_environment
+
+    b200 = Capabilities(**{**H100.__dict__, "compute_capability": (10, 0)})
+    wanted = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert launch_environment(_cfg(data, {"GPUS_PER_NODE": "2"}, ENV="dsw", PR="bf16", TP="2"), H100) == wanted
+    assert launch_environment(_cfg(data, {"GPUS_PER_NODE": "2"}, ENV="dsw", PR="bf16", CP="2"), H100) == wanted
+    assert launch_environment(_cfg(data, ENV="dsw", PR="bf16"), H100) == {}  # TP=CP=1
+    assert launch_environment(_cfg(data, {"GPUS_PER_NODE": "2"}, ENV="dsw", PR="bf16", TP="2"), b200) == {}
+    assert launch_environment(_cfg(data, TP="2"), CPU) == {}  # ENV=cpu
+
+
+def test_num_layers_and_no_save_extras(data):
+    cfg = _cfg(data, {"MP_NUM_LAYERS": "6", "MP_SAVE": "false"}, ENV="dsw", MODEL_SIZE="8B", PR="bf16")
+    assert cfg.arch.num_layers == 6 and cfg.arch.hidden_size == 4096 and cfg.save is False
+    assert _cfg(data).save is True

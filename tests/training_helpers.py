@@ -22,6 +22,19 @@ def make_tiktoken_file(path: str | Path, merges: list[bytes]) -> Path:
     return Path(path)
 
 
+def make_corpus(root: str | Path, documents: int, seed: int = 0) -> dict:
+    """A local corpus under ``root``: its texts, a BPE tokenizer trained on them (<= 200 ids, within every
+    tiny model's vocabulary) and the corpus preprocessed into mmap data (``prefix``)."""
+    from megatron_patch.training.preprocess import preprocess
+
+    root = Path(root)
+    texts = make_texts(documents, seed=seed)
+    tok = make_tokenizer(root / "tok", texts)
+    write_jsonl(root / "corpus.jsonl", [{"text": t} for t in texts])
+    report = preprocess(root / "corpus.jsonl", str(root / "corpus"), tok, progress=False)
+    return {"root": root, "texts": texts, "tok": tok, "prefix": report.output_prefix}
+
+
 def write_jsonl(path: str | Path, records: list) -> Path:
     with open(path, "w") as f:
         for r in records:

@@ -11,6 +11,10 @@ the decoder layer's output. Every capture is float32 on CPU, shaped [batch, seq,
 
 On the MCore side each pipeline stage captures its own layers (global numbers from
 ``TransformerLayer.layer_number``); ``merge_captures`` joins the stages' pieces.
+
+MoE layers also report which experts each token was sent to, ``routing.{i}``: the top-k expert
+indices [batch, seq, k], sorted. HF's routers (transformers 5) return the chosen indices last; the
+family names the router's path (``HFModules.router``). MCore's router returns its routing map.
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ def point_names(num_layers: int) -> list[str]:
     for i in range(num_layers):
         names += [f"layers.{i}.{p}" for p in SUBLAYER_POINTS]
     return names + ["final_norm", "logits"]
+
+
+ROUTING = "routing."
+
+
+def routing_layers(captures: Captures) -> list[int]:
+    """The MoE layers whose expert choices ``captures`` holds."""
+    return sorted(int(n[len(ROUTING):]) for n in captures if n.startswith(ROUTING))
 
 
 def point_layer(name: str) -> int | None:
@@ -62,6 +74,33 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
             h.remove()
 
 
+@contextmanager
+def _routing_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: int, seq: int, mcore: bool):
+    """Hooks that record each router's top-k expert indices as ``routing.{layer}`` [batch, seq, k]."""
+
+    def make(layer):
+        def hook(module, args, output):
+            if mcore:  # (probs, routing_map [tokens, experts]); tokens run sequence-first
+                chosen = output[1]
+                k = int(chosen.sum(-1).max())
+                idx = torch.topk(chosen.float(), k, dim=-1).indices.view(seq, batch, k).transpose(0, 1)
+            else:  # transformers' routers return (logits, weights, indices)
+                idx = output[-1] if isinstance(output, (tuple, list)) else output
+                if idx.is_floating_point():
+                    raise TypeError(f"the router of layer {layer} returned no expert indices: check the family's "
+                                    "HFModules.router path")
+                idx = idx.reshape(batch, seq, -1)
+            store[f"{ROUTING}{layer}"] = torch.sort(idx.detach().long().cpu(), dim=-1).values.contiguous()
+        return hook
+
+    handles = [m.register_forward_hook(make(i)) for i, m in routers.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
     """The HF modules behind each point, at the paths the model's family names."""
     targets = {"embedding": model.get_submodule(modules.embedding)}
@@ -73,11 +112,26 @@ def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
     return targets
 
 
+def hf_routers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
+    """Each MoE layer's router, at the family's path (dense layers of a mixed model have none)."""
+    if modules.router is None:
+        return {}
+    out = {}
+    for i, layer in enumerate(model.get_submodule(modules.layers)):
+        try:
+            out[i] = layer.get_submodule(modules.router)
+        except AttributeError:
+            continue
+    return out
+
+
 def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
     """Run an HF causal LM on ``tokens`` and capture every point (``modules``: its family's paths)."""
     store: Captures = {}
     model.eval()
-    with torch.no_grad(), _hooks(hf_capture_targets(model, modules), store, seq_first=False):
+    batch, seq = tokens.shape
+    with torch.no_grad(), _hooks(hf_capture_targets(model, modules), store, seq_first=False), \
+            _routing_hooks(hf_routers(model, modules), store, batch, seq, mcore=False):
         store["logits"] = model(tokens).logits.float()
     return store
 
@@ -103,12 +157,19 @@ def mcore_capture_targets(model) -> dict[str, torch.nn.Module]:
     return targets
 
 
+def mcore_routers(model) -> dict[int, torch.nn.Module]:
+    return {layer.layer_number - 1: layer.mlp.router for layer in model.decoder.layers
+            if getattr(layer.mlp, "router", None) is not None}
+
+
 def capture_mcore(model, tokens: torch.Tensor, vocab_size: int) -> Captures:
     """This rank's points of an MCore GPTModel (its stage only), run through megatron's schedule."""
     from megatron_patch.models.inference import forward_logits
 
     store: Captures = {}
-    with _hooks(mcore_capture_targets(model), store, seq_first=True):
+    batch, seq = tokens.shape
+    with _hooks(mcore_capture_targets(model), store, seq_first=True), \
+            _routing_hooks(mcore_routers(model), store, batch, seq, mcore=True):
         logits = forward_logits(model, tokens, vocab_size)
     if logits is not None:
         store["logits"] = logits.float().cpu()

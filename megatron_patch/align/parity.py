@@ -28,40 +28,52 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype=torch.float32) -> 
         return model(tokens).logits.float()
 
 
-def mcore_logits_worker(hf_dir: str, layout: ParallelLayout, tokens: torch.Tensor, dtype=torch.float32):
-    """Runs on every rank: build the model at ``layout``, map the HF weights in, return logits."""
+def mcore_logits_worker(hf_dirs: list[str], layout: ParallelLayout, tokens: list[torch.Tensor], dtype=torch.float32):
+    """Runs on every rank: for each HF folder, build the model at ``layout``, map the weights in, and
+    return its logits (last pipeline stage; None elsewhere)."""
     from megatron_patch.convert.hf_reader import HFCheckpointReader
     from megatron_patch.convert.model_io import load_hf_weights
-    from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.builder import build_model
     from megatron_patch.models.inference import forward_logits
+    from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
 
-    arch = parse_arch(hf_dir)
-    init_model_parallel(layout)
-    model = build_model(arch, layout, dtype)
-    load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir))
-    return forward_logits(model, tokens, arch.vocab_size)
+    out = []
+    for hf_dir, toks in zip(hf_dirs, tokens):
+        arch = parse_arch(hf_dir)
+        init_model_parallel(layout)
+        model = build_model(arch, layout, dtype)
+        load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir))
+        out.append(forward_logits(model, toks, arch.vocab_size))
+        del model
+    return out
 
 
-def mcore_logits(hf_dir: str | Path, layout: ParallelLayout, tokens: torch.Tensor, dtype=torch.float32,
-                 world_size: int | None = None) -> torch.Tensor:
-    """Logits of the MCore model at ``layout``, computed in local processes (one per rank)."""
+def mcore_logits(hf_dirs: list[str | Path], layout: ParallelLayout, tokens: list[torch.Tensor], dtype=torch.float32,
+                 world_size: int | None = None) -> list[torch.Tensor]:
+    """Logits of each MCore model at ``layout``, computed in one set of local processes (one per rank)."""
     from megatron_patch.runtime.launch import run_local
 
     world = world_size or layout.world_size
-    results = run_local(mcore_logits_worker, world, str(hf_dir), layout, tokens, dtype)
-    return next(r for r in results if r is not None)
+    results = run_local(mcore_logits_worker, world, [str(d) for d in hf_dirs], layout, tokens, dtype)
+    return [next(r[i] for r in results if r[i] is not None) for i in range(len(hf_dirs))]
+
+
+def check_parity_all(hf_dirs: list[str | Path], layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
+                     batch: int = 2, seq: int = 32) -> list[dict[str, float]]:
+    """fp32 logit parity of several HF folders at one layout (their MCore twins share one process start)."""
+    from megatron_patch.models.registry import parse_arch
+
+    tokens = [random_tokens(parse_arch(d).vocab_size, batch, seq, seed) for d in hf_dirs]
+    tests = mcore_logits(hf_dirs, layout, tokens)
+    out = []
+    for hf_dir, toks, test in zip(hf_dirs, tokens, tests):
+        metrics = compare_logits(hf_logits(hf_dir, toks), test)
+        metrics["passed"] = metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL
+        out.append(metrics)
+    return out
 
 
 def check_parity(hf_dir: str | Path, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                  batch: int = 2, seq: int = 32) -> dict[str, float]:
-    from megatron_patch.models.registry import parse_arch
-
-    arch = parse_arch(hf_dir)
-    tokens = random_tokens(arch.vocab_size, batch, seq, seed)
-    ref = hf_logits(hf_dir, tokens)
-    test = mcore_logits(hf_dir, layout, tokens)
-    metrics = compare_logits(ref, test)
-    metrics["passed"] = metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL
-    return metrics
+    return check_parity_all([hf_dir], layout, seed=seed, batch=batch, seq=seq)[0]

@@ -45,13 +45,13 @@ def plot(result: dict, path: Path) -> None:
     v = result["verdict"]
     points = v["points"]
     xs = list(range(len(points)))
-    tiny = 1e-12  # log axis: exact agreement is drawn at the bottom
-    test = [max(p["metrics"]["rel_l2"], tiny) for p in points]
+    tiny = 1e-12  # log axis: exact agreement (and a point no token was left to judge) is drawn at the bottom
+    test = [max(p["metrics"].get("rel_l2", 0.0), tiny) for p in points]
     fig, ax = plt.subplots(figsize=(max(8, len(points) * 0.32), 4.8))
     tested = result["compared"]["tested"].split(" (")[0].split(" from ")[0]
     ax.semilogy(xs, test, "o-", color="tab:blue", label=f"{tested} vs HF fp32", zorder=3)
     if v["dtype"] != "fp32":
-        floor = [max(p["floor"]["rel_l2"], tiny) for p in points]
+        floor = [max((p["floor"] or {}).get("rel_l2", 0.0), tiny) for p in points]
         ax.semilogy(xs, floor, "s--", color="tab:gray", label=f"noise floor: HF {v['dtype']} vs HF fp32")
         ax.semilogy(xs, [f * v["tolerance"] for f in floor], ":", color="tab:red", label=f"limit: {v['tolerance']:g}x floor")
     else:
@@ -63,7 +63,9 @@ def plot(result: dict, path: Path) -> None:
             ax.semilogy(xs, [max(e, tiny) for e in row["series"]], "-", linewidth=0.8, alpha=0.55,
                         label=f"ablation: {row['name']}")
     if v["first_failure"]:
-        i = next(k for k, p in enumerate(points) if p["name"] == v["first_failure"])
+        # a routing failure is drawn at its layer's MLP point
+        at = v["first_failure"].replace(".routing", ".mlp")
+        i = next(k for k, p in enumerate(points) if p["name"] == at)
         ax.axvline(i, color="tab:red", alpha=0.4, linewidth=6)
         ax.annotate(f"first divergence: {v['first_failure']}", (i, test[i]), textcoords="offset points",
                     xytext=(6, 8), color="tab:red")
@@ -104,21 +106,41 @@ def markdown(result: dict, command: str | None = None) -> str:
         out += ["## config.json differences (reference vs tested)", "", "| key | reference | tested |", "| --- | --- | --- |"]
         out += [f"| {d['key']} | {d['reference']} | {d['tested']} |" for d in result["config_differences"]]
         out += [""]
+    if v.get("routing"):
+        out += ["## Routing (MoE layers)", "",
+                "Tokens whose top-k expert set differs from HF fp32's. A near tie between two experts' scores "
+                "can flip either way under rounding; HF's own flips in the same dtype are the floor. The "
+                "points below are compared on the tokens no flip reached (the 'tokens' column).", "",
+                "| layer | tokens | flipped (tested) |" + (f" flipped (HF {v['dtype']}) | ratio |" if floor_on else "")
+                + " limit | ok |", "|" + " --- |" * (6 if floor_on else 4)]
+        for r in v["routing"]:
+            row = f"| {r['layer']} | {r['tokens']} | {r['flipped']} |"
+            if floor_on:
+                row += f" {r['floor_flipped']} | {_fmt(r['ratio'], '.2f')}x |"
+            out.append(row + f" {r['limit']} | {'yes' if r['passed'] else '**NO**'} |")
+        out += [""]
     out += ["## Per point", ""]
-    head = "| point | rel_l2 | max_abs | cosine |" + (" floor rel_l2 | ratio |" if floor_on else "") + " limit | ok |"
+    head = ("| point | tokens | rel_l2 | max_abs | cosine |" + (" floor rel_l2 | ratio |" if floor_on else "")
+            + " limit | ok |")
     out += [head, "|" + " --- |" * (head.count("|") - 1)]
     for p in v["points"]:
         m = p["metrics"]
-        row = f"| {p['name']} | {_fmt(m['rel_l2'])} | {_fmt(m['max_abs'])} | {_fmt(m['cosine'], '.6f')} |"
+        tokens = "all" if p.get("tokens") is None else str(p["tokens"])
+        if not m:
+            out.append(f"| {p['name']} | 0 |" + " - |" * (5 if floor_on else 3) + f" {p['limit']} | - |")
+            continue
+        row = f"| {p['name']} | {tokens} | {_fmt(m['rel_l2'])} | {_fmt(m['max_abs'])} | {_fmt(m['cosine'], '.6f')} |"
         if floor_on:
             row += f" {_fmt(p['floor']['rel_l2'])} | {_fmt(p['ratio'], '.2f')}x |"
         row += f" {p['limit']} | {'yes' if p['passed'] else '**NO**'} |"
         out.append(row)
     lg = v["points"][-1]
-    out += ["", "## Logits", "", "| | tested vs HF fp32 |" + (" floor (HF dtype vs fp32) |" if floor_on else ""),
-            "| --- | --- |" + (" --- |" if floor_on else "")]
-    for key, spec in (("rel_l2", ".2e"), ("kl", ".2e"), ("top1", ".4f"), ("top5", ".4f"), ("max_abs", ".2e")):
-        out.append(f"| {key} | {_fmt(lg['metrics'][key], spec)} |" + (f" {_fmt(lg['floor'][key], spec)} |" if floor_on else ""))
+    if lg["metrics"]:
+        out += ["", "## Logits", "", "| | tested vs HF fp32 |" + (" floor (HF dtype vs fp32) |" if floor_on else ""),
+                "| --- | --- |" + (" --- |" if floor_on else "")]
+        for key, spec in (("rel_l2", ".2e"), ("kl", ".2e"), ("top1", ".4f"), ("top5", ".4f"), ("max_abs", ".2e")):
+            out.append(f"| {key} | {_fmt(lg['metrics'][key], spec)} |"
+                       + (f" {_fmt(lg['floor'][key], spec)} |" if floor_on else ""))
     if result.get("ablations"):
         out += ["", "## Ablations: known sources of HF/MCore difference", "",
                 f"Each variant changes one thing in the MCore model and runs on the same inputs. "
@@ -161,9 +183,15 @@ def print_summary(result: dict, file=None) -> None:
     rows += [(f"layer {i}", [by_name[f"layers.{i}.{k}"] for k in ("attention", "mlp", "output")]) for i in range(n)]
     rows += [("final_norm", [by_name["final_norm"]]), ("logits", [by_name["logits"]])]
     print(f"{'point':<11} {'rel_l2 (attn/mlp/out)':<32} " + ("worst x floor" if floor_on else "") + "  ok", file=file)
+    routing = {r["layer"]: r for r in v.get("routing", [])}
     for label, ps in rows:
-        errs = "/".join(_fmt(p["metrics"]["rel_l2"], ".1e") for p in ps)
-        ratio = f"{max(p['ratio'] for p in ps):>8.2f}x" if floor_on else ""
-        ok = "yes" if all(p["passed"] for p in ps) else "NO"
-        print(f"{label:<11} {errs:<32} {ratio:>13}  {ok}", file=file)
+        errs = "/".join(_fmt(p["metrics"].get("rel_l2"), ".1e") for p in ps)
+        ratios = [p["ratio"] for p in ps if p["ratio"] is not None]
+        ratio = f"{max(ratios):>8.2f}x" if floor_on and ratios else ""
+        layer = ps[0]["layer"]
+        r = routing.get(layer)
+        ok = "yes" if all(p["passed"] for p in ps) and (r is None or r["passed"]) else "NO"
+        flips = f"  routing flips {r['flipped']}" + (f" (HF {r['floor_flipped']})" if r["floor_flipped"] is not None else "") \
+            if r is not None else ""
+        print(f"{label:<11} {errs:<32} {ratio:>13}  {ok}{flips}", file=file)
     print(("ALIGNED: " if v["aligned"] else "") + v["summary"], file=file)

@@ -14,6 +14,18 @@ The reference is always the HF model in fp32.
 
 Points are judged in data-flow order, so the first failing point localises a fault: a wrong query
 head order in layer 2 leaves the embedding and layers 0-1 exact and breaks ``layers.2.attention``.
+
+MoE layers add a discrete step that rounding cannot be compared through: when two experts' router
+scores nearly tie, bf16 rounding on either side may pick the other one, and that token's MLP output
+jumps by a whole expert's difference. So routing is judged on its own noise floor: per MoE layer, the
+tokens whose top-k expert set differs from HF fp32's (the tested side's flips) must stay within
+``tolerance`` x HF's own flips in that dtype (at least ``MIN_FLOOR_FLIPS`` allowed; in fp32, at most
+``FP32_ROUTING_FLIPS`` of the tokens). The other points are then compared on the tokens the flips did
+not reach: a flip at layer L changes that token's MLP output at L and, through attention, every later
+position of its sequence from layer L + 1 on; those tokens are left out (on both sides, floor too),
+and each point records how many tokens it was judged on. A planted fault that keeps the routing (two
+experts' weights swapped) still fails at the MLP point; one that changes it (router rows swapped)
+fails at the routing check.
 """
 
 from __future__ import annotations
@@ -22,11 +34,16 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from megatron_patch.align.capture import Captures, point_layer, point_names
+from megatron_patch.align.capture import ROUTING, Captures, point_layer, point_names, routing_layers
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
 
 DEFAULT_TOLERANCE = 2.0
+# Routing flips HF's own rounding is credited with at least: a floor of zero would forbid any flip, and
+# at the few flips per layer a short run sees (256 tokens: 0-5), a ratio of 2 is within counting noise.
+MIN_FLOOR_FLIPS = 3
+# fp32 has no floor run: at most this share of tokens may choose other experts than HF fp32.
+FP32_ROUTING_FLIPS = 0.01
 
 
 def min_floor(dtype: str) -> float:
@@ -45,6 +62,20 @@ class PointResult:
     ratio: float | None      # test rel_l2 / floor rel_l2 (None in fp32)
     limit: str               # the bound, in words
     passed: bool
+    tokens: int | None = None  # tokens judged (those no routing flip reached); None: all
+
+
+@dataclass
+class RoutingResult:
+    """One MoE layer: tokens whose top-k expert set differs from HF fp32's."""
+
+    layer: int
+    tokens: int
+    flipped: int               # tested side
+    floor_flipped: int | None  # HF in the test dtype (None in fp32)
+    ratio: float | None        # flipped / max(floor_flipped, MIN_FLOOR_FLIPS)
+    limit: str
+    passed: bool
 
 
 @dataclass
@@ -58,6 +89,7 @@ class Verdict:
     worst_point: str | None = None
     worst_ratio: float | None = None
     points: list[PointResult] = field(default_factory=list)
+    routing: list[RoutingResult] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,58 +113,156 @@ def _judge_floor(name: str, m: dict, floor: dict, dtype: str, tol: float) -> tup
     return ok, ratio, limit
 
 
+def _flips(ref: Captures, other: Captures, layer: int) -> torch.Tensor:
+    """[batch, seq] True where ``other`` sends the token to another expert set than ``ref``."""
+    a, b = ref[f"{ROUTING}{layer}"], other[f"{ROUTING}{layer}"]
+    if a.shape != b.shape:
+        raise RuntimeError(f"routing of layer {layer} has shape {tuple(b.shape)}, the reference {tuple(a.shape)}")
+    return (a != b).any(-1)
+
+
+def _reach(flips: torch.Tensor) -> torch.Tensor:
+    """Positions a flip reaches through causal attention: from the first flip of each sequence on."""
+    return torch.cummax(flips.int(), dim=1).values.bool()
+
+
+def _judge_routing(ref: Captures, test: Captures, floor: Captures | None, dtype: str, tolerance: float,
+                   layer: int) -> tuple[RoutingResult, torch.Tensor]:
+    """The routing result of ``layer`` and the tokens that flipped on either side."""
+    test_flips = _flips(ref, test, layer)
+    floor_flips = _flips(ref, floor, layer) if floor is not None else torch.zeros_like(test_flips)
+    n, flipped = test_flips.numel(), int(test_flips.sum())
+    if floor is None:
+        allowed = int(FP32_ROUTING_FLIPS * n)
+        result = RoutingResult(layer, n, flipped, None, None, f"<= {FP32_ROUTING_FLIPS:.0%} of tokens", flipped <= allowed)
+    else:
+        base = max(int(floor_flips.sum()), MIN_FLOOR_FLIPS)
+        ratio = flipped / base
+        result = RoutingResult(layer, n, flipped, int(floor_flips.sum()), ratio,
+                               f"<= {tolerance:g}x HF {dtype}'s flips (at least {MIN_FLOOR_FLIPS})", ratio <= tolerance)
+    return result, test_flips | floor_flips
+
+
+def _clean_tokens(ref: Captures, test: Captures, floor: Captures | None, dtype: str, tolerance: float,
+                  num_layers: int) -> tuple[list[RoutingResult], dict[str, torch.Tensor | None]]:
+    """Routing results, and for each point the tokens to judge it on (None: all of them)."""
+    layers = routing_layers(ref)
+    if not layers:
+        return [], {}
+    results, masks = [], {}
+    reached = None  # tokens a flip in an earlier layer reaches
+    for name in point_names(num_layers):
+        layer = point_layer(name)
+        if layer is not None and layer in layers and name.endswith(".mlp"):
+            result, flips = _judge_routing(ref, test, floor, dtype, tolerance, layer)
+            results.append(result)
+            own = flips if reached is None else reached | flips
+            masks[f"layers.{layer}.mlp"] = masks[f"layers.{layer}.output"] = ~own
+            reached = _reach(own)
+            continue
+        if name.endswith(".output") and name in masks:
+            continue
+        masks[name] = None if reached is None else ~reached
+    return results, masks
+
+
 def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Captures | None = None,
           tolerance: float = DEFAULT_TOLERANCE, what: str = "MCore") -> Verdict:
     """Compare ``test`` with the fp32 reference ``ref`` at every point; ``floor`` holds HF's own
-    captures in ``dtype`` (required unless dtype is fp32)."""
+    captures in ``dtype`` (required unless dtype is fp32). MoE layers' routing is judged on its own
+    and the other points on the tokens no routing flip reached (see the module docstring)."""
     if dtype != "fp32" and floor is None:
         raise ValueError("a bf16/fp16 verdict needs HF's own captures in that dtype (the noise floor)")
+    routing, masks = _clean_tokens(ref, test, floor, dtype, tolerance, num_layers)
     results: list[PointResult] = []
     for name in point_names(num_layers):
         if name not in ref or name not in test:
             missing = "reference" if name not in ref else what
             raise RuntimeError(f"point {name} was not captured on the {missing} side")
         cmp = compare_logits if name == "logits" else compare
-        m = cmp(ref[name], test[name])
+        mask = masks.get(name)
+        tokens = None if mask is None else int(mask.sum())
+        if tokens == 0:  # every token's routing diverged before this point: the routing check speaks for it
+            results.append(PointResult(name, point_layer(name), {}, None, None, "no token left to judge", True, 0))
+            continue
+
+        def pick(t, mask=mask):
+            return t if mask is None else t[mask]
+
+        m = cmp(pick(ref[name]), pick(test[name]))
         if dtype == "fp32":
             ok, limit = _judge_fp32(name, m)
-            results.append(PointResult(name, point_layer(name), m, None, None, limit, ok))
+            results.append(PointResult(name, point_layer(name), m, None, None, limit, ok, tokens))
         else:
-            f = cmp(ref[name], floor[name])
+            f = cmp(pick(ref[name]), pick(floor[name]))
             ok, ratio, limit = _judge_floor(name, m, f, dtype, tolerance)
-            results.append(PointResult(name, point_layer(name), m, f, ratio, limit, ok))
-    return _verdict(results, dtype, tolerance, what)
+            results.append(PointResult(name, point_layer(name), m, f, ratio, limit, ok, tokens))
+    return _verdict(results, routing, dtype, tolerance, what)
 
 
 def _where(p: PointResult) -> str:
     return f"layer {p.layer} ({p.name})" if p.layer is not None else p.name
 
 
-def _verdict(results: list[PointResult], dtype: str, tol: float, what: str) -> Verdict:
-    first = next((p for p in results if not p.passed), None)
+def _in_flow_order(results: list[PointResult], routing: list[RoutingResult]) -> list:
+    """Points and routing checks in data-flow order: a layer's routing comes before its MLP output."""
+    by_layer = {r.layer: r for r in routing}
+    out = []
+    for p in results:
+        if p.name.endswith(".mlp") and p.layer in by_layer:
+            out.append(by_layer[p.layer])
+        out.append(p)
+    return out
+
+
+def _why(first, dtype: str, tol: float) -> tuple[str, str]:
+    """(where, why) of the first failure, in words."""
+    if isinstance(first, RoutingResult):
+        where = f"layer {first.layer} (routing)"
+        if first.floor_flipped is None:
+            return where, f"{first.flipped} of {first.tokens} tokens choose other experts than HF fp32 (limit {first.limit})"
+        return where, (f"{first.flipped} of {first.tokens} tokens choose other experts than HF fp32, "
+                       f"{first.ratio:.1f}x HF's own {dtype} flips ({first.floor_flipped}) > {tol:g}x")
+    if dtype == "fp32":
+        why = f"rel_l2 {first.metrics['rel_l2']:.1e} > {FP32_REL_L2:g}"
+        if first.name == "logits" and first.metrics["rel_l2"] <= FP32_REL_L2:
+            why = f"KL {first.metrics['kl']:.1e} > {FP32_KL:g}"
+    else:
+        why = f"error {first.ratio:.1f}x HF's own {dtype} rounding > {tol:g}x"
+    if first.tokens is not None:
+        why += f" (on the {first.tokens} tokens no routing flip reached)"
+    return _where(first), why
+
+
+def _verdict(results: list[PointResult], routing: list[RoutingResult], dtype: str, tol: float, what: str) -> Verdict:
+    first = next((p for p in _in_flow_order(results, routing) if not p.passed), None)
+    judged = [p for p in results if p.metrics]
     logits = results[-1]
     if dtype == "fp32":
-        worst = max(results, key=lambda p: p.metrics["rel_l2"])
+        worst = max(judged, key=lambda p: p.metrics["rel_l2"])
         worst_ratio = None
         head = (f"fp32 logits agree to rel_l2 {logits.metrics['rel_l2']:.1e} (limit {FP32_REL_L2:g}), "
                 f"KL {logits.metrics['kl']:.1e} (limit {FP32_KL:g}); worst point {worst.name} at "
-                f"{worst.metrics['rel_l2']:.1e}")
+                f"{worst.metrics['rel_l2']:.1e}" if logits.metrics else
+                f"fp32: worst point {worst.name} at {worst.metrics['rel_l2']:.1e}")
     else:
-        worst = max(results, key=lambda p: p.ratio)
+        worst = max(judged, key=lambda p: p.ratio)
         worst_ratio = worst.ratio
         head = (f"{what}'s {dtype} error is {logits.ratio:.2f}x HF's own {dtype} rounding at the logits "
-                f"(worst {worst.ratio:.2f}x at {worst.name}; limit {tol:g}x)")
+                f"(worst {worst.ratio:.2f}x at {worst.name}; limit {tol:g}x)" if logits.metrics else
+                f"{what}'s {dtype} error: worst {worst.ratio:.2f}x HF's own rounding at {worst.name}")
+    if routing:
+        flipped = sum(r.flipped for r in routing)
+        floor = sum(r.floor_flipped or 0 for r in routing)
+        head += (f"; routing: {flipped} token-layer flips against HF fp32 over {len(routing)} MoE layers"
+                 + (f" (HF {dtype}'s own: {floor})" if dtype != "fp32" else ""))
     if first is None:
         summary = f"{head}: aligned"
     else:
-        if dtype == "fp32":
-            why = f"rel_l2 {first.metrics['rel_l2']:.1e} > {FP32_REL_L2:g}"
-            if first.name == "logits" and first.metrics["rel_l2"] <= FP32_REL_L2:
-                why = f"KL {first.metrics['kl']:.1e} > {FP32_KL:g}"
-        else:
-            why = f"error {first.ratio:.1f}x HF's own {dtype} rounding > {tol:g}x"
-        summary = f"NOT aligned: first divergence at {_where(first)}: {why}. {head}"
+        where, why = _why(first, dtype, tol)
+        summary = f"NOT aligned: first divergence at {where}: {why}. {head}"
+    first_name = None if first is None else (f"layers.{first.layer}.routing" if isinstance(first, RoutingResult)
+                                             else first.name)
     return Verdict(aligned=first is None, dtype=dtype, tolerance=tol, summary=summary,
-                   first_failure=first.name if first else None,
-                   first_failure_layer=first.layer if first else None,
-                   worst_point=worst.name, worst_ratio=worst_ratio, points=results)
+                   first_failure=first_name, first_failure_layer=None if first is None else first.layer,
+                   worst_point=worst.name, worst_ratio=worst_ratio, points=results, routing=routing)

@@ -28,7 +28,8 @@ def run_hf2mcore(args) -> int:
     _terminate_cleanly()
     _quiet_imports()
     sidecar = hf_to_mcore(args.hf_dir, args.save_dir, layout_from_args(args), fmt=args.format, dtype=args.dtype,
-                          force=args.force, progress=False if args.quiet else None, workers=args.workers)
+                          force=args.force, progress=False if args.quiet else None, mtp=args.mtp,
+                          workers=args.workers)
     print(f"wrote {args.save_dir}: {sidecar.family} {sidecar.checkpoint_format} {layout_from_args(args)} "
           f"{sidecar.dtype}, {sidecar.num_tensors} tensors, {sidecar.num_bytes / 2**30:.2f} GiB")
     return 0
@@ -87,7 +88,11 @@ def register(subparsers) -> None:
                    help="torch_dist: megatron dist_checkpointing, loadable at any TP/PP/EP (default); "
                         "legacy: release/mp_rank_*/model_optim_rng.pt for exactly this layout")
     h.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="dtype of the MCore weights (default: the HF tensors' own dtype)")
+                   help="dtype of the MCore weights (default: the HF tensors' own dtype; required for FP8 hub "
+                        "checkpoints, whose block-scaled weights are dequantized on the fly)")
+    h.add_argument("--mtp", action="store_true",
+                   help="keep the multi-token-prediction layers (DeepSeek-V3's) in megatron-core's MTP block; without "
+                        "it they are dropped, with a count printed and a note in the sidecar")
     h.add_argument("--force", action="store_true", help="replace a non-empty --save-dir (only once the new one is complete)")
     _add_workers(h)
     h.add_argument("--quiet", action="store_true", help="no progress output")

@@ -1,8 +1,10 @@
 """`mpatch train FAMILY ARGS...`: the positional launchers' engine (examples/<family>/run_mcore_<family>.sh).
 
 Validates everything first (``training.arguments``), then: MP_DRY_RUN=1 prints the resolved
-configuration and the command; ENV=cpu starts TP*PP*CP*DP local gloo processes; ENV=dsw/dlc re-executes
-itself under torchrun (one process per GPU), and each torchrun child trains its rank.
+configuration and the command; otherwise it runs torchrun (in this process, ``runtime.launch``), which
+starts this command again once per rank, and each of those trains its rank. ENV=cpu and dsw: one
+node (``--standalone``); dlc: this node of WORLD_SIZE nodes (PAI-DLC's variables). A failed job ends
+with one line saying why (``runtime.launch.explain_failures``).
 """
 
 from __future__ import annotations
@@ -15,20 +17,35 @@ import sys
 from megatron_patch.errors import UserError
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, with this interpreter
+
+
 def launch_command(cfg, family: str, argv: list[str]) -> list[str]:
+    """The torchrun command line that runs the job (on this node)."""
     tail = ["-m", "megatron_patch", "train", family, *argv]
-    if cfg.env == "cpu":
-        return [sys.executable, *tail]
-    if cfg.env == "dsw":
-        return ["torchrun", f"--nproc_per_node={cfg.nproc_per_node}", "--nnodes=1", "--node_rank=0",
-                "--master_addr=localhost", f"--master_port={os.environ.get('MASTER_PORT', '6000')}", *tail]
+    restarts = [f"--max-restarts={cfg.max_restarts}"] if cfg.max_restarts else []
+    if cfg.env in ("cpu", "dsw"):
+        # A rendezvous on a free local port: several jobs can share a machine.
+        return [*TORCHRUN, "--standalone", "--nnodes=1", f"--nproc_per_node={cfg.nproc_per_node}", *restarts, *tail]
     for var in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise UserError(f"ENV=dlc reads {var} (with WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT) from the "
                             "environment, and it is not set: set it, or use ENV=dsw on one node")
-    return ["torchrun", f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}",
-            f"--node_rank={os.environ['RANK']}", f"--master_addr={os.environ['MASTER_ADDR']}",
-            f"--master_port={os.environ['MASTER_PORT']}", *tail]
+    node = _int_env("RANK")
+    if node >= cfg.nnodes:
+        raise UserError(f"RANK={node} is this node's rank among WORLD_SIZE={cfg.nnodes} nodes: it must be below "
+                        f"{cfg.nnodes}")
+    _int_env("MASTER_PORT")
+    return [*TORCHRUN, f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}", f"--node_rank={node}",
+            f"--master_addr={os.environ['MASTER_ADDR']}", f"--master_port={os.environ['MASTER_PORT']}", *restarts,
+            *tail]
+
+
+def _int_env(name: str) -> int:
+    raw = os.environ[name]
+    if not raw.isdigit():
+        raise UserError(f"ENV=dlc: {name} must be a whole number, got '{raw}'")
+    return int(raw)
 
 
 def _jsonable(value):
@@ -43,7 +60,7 @@ def _jsonable(value):
 
 def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
     from megatron_patch.training.arguments import (
-        Capabilities, arg_names, attention_kernel, machine_problems, megatron_settings)
+        Capabilities, arg_names, attention_kernel, launch_environment, machine_problems, megatron_settings)
 
     caps = Capabilities.detect()
     arch = cfg.arch
@@ -61,6 +78,7 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
         "megatron_core": _jsonable(megatron_settings(cfg)),
         "attention_kernel": attention_kernel(cfg, caps),
         "machine_problems": machine_problems(cfg, caps),
+        "environment": launch_environment(cfg, caps),
         "command": command,
         "processes": cfg.world_size,
     }
@@ -89,11 +107,13 @@ def print_dry_run(report: dict) -> None:
         print(f"  {section:<19}{items}")
     problems = report["machine_problems"]
     print("machine check: " + ("ok" if not problems else "this machine would refuse: " + "; ".join(problems)))
-    print("command: " + " ".join(shlex.quote(c) for c in report["command"]))
+    env = " ".join(f"{k}={v}" for k, v in report["environment"].items())
+    print("command: " + (env + " " if env else "") + " ".join(shlex.quote(c) for c in report["command"]))
 
 
 def run(args) -> int:
-    from megatron_patch.training.arguments import check_machine, launchers, resolve, usage
+    from megatron_patch.training.arguments import (
+        Capabilities, check_machine, launch_environment, launched_rank, launchers, resolve, usage)
 
     family, argv = args.family, list(args.args)
     if family not in launchers():
@@ -110,33 +130,69 @@ def run(args) -> int:
         else:
             print_dry_run(report)
         return 0
-    check_machine(cfg)
-    under_launcher = "TORCHELASTIC_RUN_ID" in os.environ or ("LOCAL_RANK" in os.environ and "MASTER_ADDR" in os.environ)
-    if under_launcher:
+    caps = Capabilities.detect()
+    check_machine(cfg, caps)
+    needed = launch_environment(cfg, caps)
+    if launched_rank(os.environ):
+        wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}
+        if wrong:
+            k, v = next(iter(wrong.items()))
+            raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
+                            f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
         return _train_here(cfg)
-    if cfg.env == "cpu":
-        return _train_local(cfg)
     command = launch_command(cfg, family, argv)
-    print("+ " + " ".join(shlex.quote(c) for c in command), flush=True)
-    os.execvp(command[0], command)
-    return 1  # not reached
+    # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
+    # has started (the ranks decide again for themselves: a restart comes back to them, not here).
+    from megatron_patch.training.checkpointing import latest_iteration
 
+    latest_iteration(cfg.checkpoint_dir)
+    for k, v in needed.items():
+        if os.environ.get(k, v) != v:
+            print(f"note: {k}={os.environ[k]} replaced by {v} (needed for TP/CP communication overlap)", flush=True)
+    os.environ.update(needed)
+    if cfg.nproc_per_node > 1:
+        # torchrun's own default, set here so it does not print a banner about it.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print("+ " + " ".join(f"{k}={v}" for k, v in needed.items()) + (" " if needed else "")
+          + " ".join(shlex.quote(c) for c in command), flush=True)
+    from megatron_patch.runtime.launch import JobFailed, run_torchrun
 
-def _train_here(cfg) -> int:
-    from megatron_patch.training.loop import train
-
-    train(cfg)
+    try:
+        run_torchrun(command[len(TORCHRUN):])
+    except JobFailed as exc:
+        if exc.code == 2:
+            raise UserError(str(exc))
+        print(f"mpatch train: error: {exc}", file=sys.stderr, flush=True)
+        return exc.code
+    print(f"done: checkpoints in {cfg.checkpoint_dir}", flush=True)
     return 0
 
 
-def _train_local(cfg) -> int:
-    from megatron_patch.runtime.launch import run_local
-    from megatron_patch.training.loop import train_worker
+def _train_here(cfg) -> int:
+    """One rank of the job. A failure it can explain in one line (bad input, a full disk, a collective
+    that timed out) goes to torchrun's error file for the launcher to print once; anything else keeps
+    its traceback."""
+    from megatron_patch.runtime import watchdog
+    from megatron_patch.runtime.launch import quiet_cpu_warnings
+    from megatron_patch.training.loop import train
 
-    print(f"ENV=cpu: starting {cfg.world_size} local gloo processes", flush=True)
-    results = run_local(train_worker, cfg.world_size, cfg, timeout=float(os.environ.get("MP_CPU_TIMEOUT", "3600")))
-    last = results[-1]
-    print(f"done: iteration {last['iteration']}, checkpoints in {cfg.checkpoint_dir}")
+    quiet_cpu_warnings()
+    try:
+        train(cfg)
+    except UserError as exc:
+        if watchdog.report_failure(str(exc), "user"):
+            return 2
+        raise
+    except Exception as exc:
+        message = watchdog.explain(exc, int(os.environ.get("RANK", "0")), cfg.dist_timeout_min)
+        if message is None:
+            raise
+        kind = "hang" if watchdog.failure_kind(exc) == "timeout" else "lost"
+        if not watchdog.report_failure(message, kind):
+            print(f"mpatch train: error: {message}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        watchdog.stop()
     return 0
 
 

@@ -21,16 +21,19 @@ that cannot be described as byte ranges, or a model skeleton not yet cached).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 from megatron_patch.checkpoint_layout import (
-    RELEASE, TRACKER_NAME, is_iteration_dir, iteration_dir, read_tracker, write_tracker)
+    RELEASE, is_iteration_dir, iteration_dir, latest_complete_iteration, read_tracker, torch_dist_problem, write_tracker)
 from megatron_patch.convert.bytemap import Move, Stored, Tiled, block_moves, shard_shape
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier, write_all
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
+from megatron_patch.convert.fp8 import DequantizingReader, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.convert.legacy import (
@@ -129,13 +132,17 @@ def check_hf_shapes(reader: HFCheckpointReader, skeleton: ModelSkeleton) -> None
 
 
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
-                dtype=None, force: bool = False, progress: bool | None = None, workers: int | None = None,
-                copier: Copier | None = None) -> Sidecar:
+                dtype=None, force: bool = False, progress: bool | None = None, mtp: bool = False,
+                workers: int | None = None, copier: Copier | None = None) -> Sidecar:
     """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy).
 
     ``workers``: threads that copy bytes (default ``DEFAULT_WORKERS``); ``copier``: a configured
     ``Copier`` instead (tests: tracing, the fallback path). ``dtype``: bf16 / fp16 / fp32 (or a torch
     dtype); None keeps the HF tensors' own.
+
+    FP8 block-scaled weights are dequantized on the way (``convert.fp8``; through torch, as they are
+    computed, not copied). Multi-token-prediction layers go into megatron-core's MTP block with
+    ``mtp``; without it they are dropped, with a count printed and a note in the sidecar.
     """
     if fmt not in FORMATS:
         raise UserError(f"unknown checkpoint format {fmt!r}: choose {' or '.join(FORMATS)}")
@@ -150,10 +157,17 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     from megatron_patch.convert.outputs import check_target
 
     check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part
-    reader = HFCheckpointReader(hf_dir)
+    reader = open_weights(HFCheckpointReader(hf_dir), arch.hf_config)
+    notes = []
+    if isinstance(reader, DequantizingReader):
+        notes.append(f"weights dequantized from FP8 ({reader.block[0]}x{reader.block[1]} block scales); "
+                     "quantization_config removed from the config")
+        arch = dataclasses.replace(arch, hf_config={k: v for k, v in arch.hf_config.items() if k != "quantization_config"})
+    available, arch = _multi_token_prediction(family, arch, reader, mtp, notes)
     tp1 = plan(family, arch, ParallelLayout())
-    check_hf_names(family, arch, tp1, reader.keys())
-    out_dtype = _choose_dtype(reader, [n for t in tp1 for n in t.hf_names], dtype)
+    check_hf_names(family, arch, tp1, available)
+    # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
+    out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
     check_hf_shapes(reader, skeleton)
 
@@ -162,8 +176,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     with atomic_output_dir(save_dir, force, inputs=(hf_dir,)) as tmp:
         release = tmp / RELEASE
         release.mkdir()
-        tasks = [_tied_copy_check(family, arch, reader, name, source)
-                 for name, source in family.tied_hf_names(arch).items() if name in reader]
+        tasks = _copy_checks(family, arch, reader, available)
         if fmt == "legacy":
             out_tasks, count, total, finish = _plan_legacy(release, arch, layout, transfers, reader, out_dtype, copier)
         else:
@@ -178,7 +191,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         bar.update(0, tensors=count)
         finish()
         sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp),
-                                 num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()))
+                                 num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()), notes=notes)
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.
         write_tracker(tmp, RELEASE)
@@ -186,21 +199,50 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     return sidecar
 
 
-def _tied_copy_check(family, arch: Arch, reader: HFCheckpointReader, name: str, source: str):
-    """A tied checkpoint may still store the copy (lm_head); it must then equal what it copies."""
-    message = f"config.json ties the embeddings but {name} differs from {source}: set tie_word_embeddings=false"
-    a, b = reader.stored(name), reader.stored(source)
-    if a.dtype == b.dtype:
-        return CompareTask(a, b, message)
+def _multi_token_prediction(family, arch: Arch, reader, keep: bool, notes: list[str]) -> tuple[set[str], Arch]:
+    """(the HF tensors to convert, the model to build): with ``keep``, the MTP layers join the model;
+    without, their tensors are left out, loudly."""
+    names, count = set(reader.keys()), family.hf_mtp_layers(arch.hf_config)
+    if keep:
+        if not count:
+            raise UserError("--mtp: this checkpoint's config.json declares no multi-token-prediction layers")
+        return names, dataclasses.replace(arch, mtp_layers=count)
+    prefixes = tuple(f"{family.hf_modules.layers}.{arch.num_layers + k}." for k in range(count))
+    dropped = {n for n in names if n.startswith(prefixes)} if count else set()
+    if dropped:
+        note = (f"{len(dropped)} tensors of {count} multi-token-prediction layer(s) were not converted "
+                "(convert with --mtp to keep them)")
+        print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
+        notes.append(note)
+    return names - dropped, arch
 
-    def compare(_copier) -> int:
-        import torch
 
-        if not torch.equal(reader.get(name), reader.get(source)):
-            raise MappingError(message)
-        return 0
+def _copy_checks(family, arch: Arch, reader, available: set[str]) -> list:
+    """The checks of ``engine.check_tied_copies`` as tasks: a tied checkpoint may still store the copy
+    (lm_head), and an MTP layer stores copies of the embedding and head; each must equal what it
+    copies. Compared byte for byte where both are stored alike, else through torch."""
+    pairs = [(name, source, f"config.json ties the embeddings but {name} differs from {source}: "
+              "set tie_word_embeddings=false") for name, source in family.tied_hf_names(arch).items()]
+    pairs += [(name, source, f"{name} differs from {source}, which megatron-core shares with it: the checkpoint "
+               "cannot be represented") for name, source in family.hf_copies(arch).items()]
+    tasks = []
+    for name, source, message in pairs:
+        if name not in available:
+            continue
+        a, b = reader.stored(name), reader.stored(source)
+        if a is not None and b is not None and a.dtype == b.dtype:
+            tasks.append(CompareTask(a, b, message))
+            continue
 
-    return CallTask(compare)
+        def compare(_copier, name=name, source=source, message=message) -> int:
+            import torch
+
+            if not torch.equal(reader.get(name), reader.get(source)):
+                raise MappingError(message)
+            return 0
+
+        tasks.append(CallTask(compare))
+    return tasks
 
 
 def _hf_to_shards(t: Transfer, reader: HFCheckpointReader, ctx) -> tuple[list | None, list[tuple[int, ...]]]:
@@ -219,7 +261,7 @@ def _transfer_tasks(copier: Copier, t: Transfer, blocks, reader: HFCheckpointRea
                     destinations: dict[int, list[Stored]]) -> list:
     """Tasks that write every shard of ``t`` into its places (``destinations``: shard -> places)."""
     parts = [reader.stored(n) for n in t.hf_names]
-    if blocks is not None:
+    if blocks is not None and None not in parts:  # None: computed, not stored (FP8 dequantized)
         moves = [m for shard, places in destinations.items() for place in places
                  for m in block_moves(blocks[shard], parts, place)]
         return _move_tasks(copier, moves)
@@ -244,7 +286,7 @@ def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: l
         for p in t.placements:
             for c in coords:
                 if c.holds(t, p):
-                    specs[c][p.mcore_name] = TensorSpec(shapes[p.shard], dtype)
+                    specs[c][p.mcore_name] = TensorSpec(shapes[p.shard], t.dtype_in(dtype))
     files, places = [], {}
     for c in coords:
         path = rank_file(release, c, layout)
@@ -284,21 +326,22 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
         if ch.name not in by_name:
             raise MappingError(f"the model's sharded state dict has {ch.name}, which no mapping rule writes")
         chunks[ch.name].append(ch)
-    items = [ChunkItem(ch.key, ch.global_shape, ch.global_offset, ch.local_shape, dtype)
-             for name in by_name for ch in chunks[name]]
+    items = [ChunkItem(ch.key, ch.global_shape, ch.global_offset, ch.local_shape, t.dtype_in(dtype))
+             for name, t in by_name.items() for ch in chunks[name]]
     td = plan_torch_dist(release, items, [(o.unique_key, o.payload) for o in skeleton.objects])
     td.create_files()
     tasks = []
     for name, t in by_name.items():
         blocks, (shape,) = _hf_to_shards(t, reader, ctx)
         targets = [(ch, td.stored[(ch.key, tuple(ch.global_offset))]) for ch in chunks[name]]
-        if blocks is not None:
-            full = Stored("", 0, tuple(shape), dtype)
-            moves = block_moves(blocks[0], [reader.stored(n) for n in t.hf_names], full)
+        parts = [reader.stored(n) for n in t.hf_names]
+        if blocks is not None and None not in parts:  # None: computed, not stored (FP8 dequantized)
+            full = Stored("", 0, tuple(shape), t.dtype_in(dtype))
+            moves = block_moves(blocks[0], parts, full)
             pieces = []
             for ch, place in targets:
                 region = ch.region()
-                target = Stored(place.path, place.offset, tuple(s.stop - s.start for s in region), dtype)
+                target = Stored(place.path, place.offset, tuple(s.stop - s.start for s in region), full.dtype)
                 cut = _restrict(moves, region, target)
                 if cut is None:
                     break
@@ -312,7 +355,7 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
             return sum(_write_tensor(copier, place, full[ch.region()].reshape(place.shape)) for ch, place in targets)
 
         tasks.append(CallTask(run))
-    total = sum(nbytes(ch.local_shape, dtype) for ch in skeleton.chunks)
+    total = sum(nbytes(ch.local_shape, by_name[ch.name].dtype_in(dtype)) for ch in skeleton.chunks)
     return tasks, len(skeleton.chunks), total, td.finish
 
 
@@ -327,7 +370,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     skipped; such a folder needs its own sidecar."""
     load_dir, data_dir, training = locate_checkpoint(load_dir)
     sidecar = read_training_sidecar(load_dir) if training else read_sidecar(load_dir)
-    arch = parse_arch(sidecar.hf_config)
+    arch = sidecar.arch
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
                         f"disagrees with its config ({arch.vocab_size}, padded {arch.padded_vocab_size()})")
@@ -349,18 +392,21 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     else:
         transfers = tp1
         source = _TorchDistSource(data_dir, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES if training else ())
-    entries, seen = [], set()
+    entries, made_by = [], {}
     for t in transfers:
         for n in t.hf_names:
-            if n not in seen:
-                seen.add(n)
-                entries.append((n, hf_shapes[n], out_dtype))
+            if n not in made_by:
+                made_by[n] = t
+                entries.append((n, hf_shapes[n], t.dtype_in(out_dtype)))
+    # HF tensors that repeat others (an MTP layer's embedding and head): the same bytes, written twice.
+    copies = family.hf_copies(arch)
+    entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
     copier = _make_copier(copier, workers, None)
     total = sum(nbytes(s, d) for _, s, d in entries)
     with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
-        tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copier)
+        tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
         bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
         copier.progress = bar
         try:
@@ -375,10 +421,15 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     return Path(save_dir)
 
 
-def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dict[str, Stored], copier: Copier) -> list:
+def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dict[str, Stored],
+                      copies: dict[str, str], copier: Copier) -> list:
     """Moves from the shards of every transfer into the HF tensors' places; replicas and the last
-    stage's copy of a tied embedding are compared with the copy that is written."""
+    stage's copy of a tied embedding are compared with the copy that is written. An HF tensor that
+    ``copies`` another (copy -> source) gets the same moves as its source."""
     ctx = split_context(arch)
+    copy_places: dict[Stored, list[Stored]] = defaultdict(list)   # a source's place -> its copies' places
+    for copy, src in copies.items():
+        copy_places[places[src]].append(places[copy])
     first: dict[str, tuple[Transfer, list]] = {}   # HF name -> the transfer that writes it, its shards
     tasks = []
     for t in transfers:
@@ -394,7 +445,8 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
         parts = [places[n] for n in t.hf_names]
         blocks = t.split.blocks([p.shape for p in parts], t.num_shards, ctx)
         if blocks is None or any(s is None for s in shards):
-            tasks.append(CallTask(lambda copier, t=t, parts=parts: _merge_through_torch(copier, t, source, parts, ctx)))
+            tasks.append(CallTask(lambda copier, t=t, parts=parts: _merge_through_torch(copier, t, source, parts,
+                                                                                       copy_places, ctx)))
             continue
         moves, written = [], {}
         for k, shard in enumerate(shards):
@@ -417,6 +469,7 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
             if sum(m.rows * m.cols for m in moves if m.dst == part) != part.rows * part.cols:
                 raise MappingError(f"internal error: the shards of {t.placements[0].mcore_name} do not cover "
                                    f"{Path(part.path).name}'s {part.shape}")
+        moves += [dataclasses.replace(m, dst=extra) for m in moves for extra in copy_places.get(m.dst, ())]
         tasks += _move_tasks(copier, moves)
     return tasks
 
@@ -439,12 +492,14 @@ def _compare_shards(first, second, message: str, source, ctx) -> list:
     return [CallTask(run)]
 
 
-def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored], ctx) -> int:
+def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored],
+                         copy_places: dict[Stored, list[Stored]], ctx) -> int:
     try:
         merged = t.split.merge(source.load_shards(t), ctx)
     except ValueError as exc:  # replicas that disagree
         raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
-    return sum(_write_tensor(copier, place, tensor) for place, tensor in zip(parts, merged))
+    return sum(_write_tensor(copier, place, tensor) for part, tensor in zip(parts, merged)
+               for place in [part, *copy_places.get(part, ())])
 
 
 # --- training checkpoints ----------------------------------------------------------------------
@@ -468,13 +523,16 @@ def locate_checkpoint(load_dir: str | Path) -> tuple[Path, Path, bool]:
     load_dir = Path(load_dir)
     latest = read_tracker(load_dir) if load_dir.is_dir() else None
     if isinstance(latest, int):
+        # The newest complete iteration, as training resumes from (checkpoint_layout), with a warning
+        # for each newer one that is damaged.
+        latest, notes = latest_complete_iteration(load_dir, lambda f: torch_dist_problem(f, common=False))
+        for note in notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
         load_dir = iteration_dir(load_dir, latest)
-        if not load_dir.is_dir():
-            raise UserError(f"{load_dir.parent / TRACKER_NAME} names iteration {latest}, but {load_dir} is missing: "
-                            "the training checkpoint is incomplete")
     if load_dir.is_dir() and is_iteration_dir(load_dir) and read_tracker(load_dir) is None:
-        if not (load_dir / ".metadata").is_file():
-            raise UserError(f"{load_dir} has no .metadata: it is not a complete torch_dist training checkpoint")
+        problem = torch_dist_problem(load_dir, common=False)
+        if problem:
+            raise UserError(f"{load_dir} is not a complete torch_dist training checkpoint: {problem}")
         return load_dir, load_dir, True
     return load_dir, load_dir / RELEASE, False
 

@@ -19,9 +19,9 @@ from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
 from megatron_patch.errors import UserError
 from megatron_patch.lazy import LazyModule
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.models.family import ModelFamily
-from megatron_patch.models.mapping import RankCoord, Transfer, plan_transfers, split_context
+from megatron_patch.models.mapping import REPLICATED, RankCoord, Transfer, plan_transfers, split_context
 from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -40,8 +40,11 @@ def names_list(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def plan(family: ModelFamily, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None) -> list[Transfer]:
-    return plan_transfers(family.weight_rules(arch), arch, layout, pp_first_stage_layers)
+def plan(family: ModelFamily, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None,
+         spec: str = "te") -> list[Transfer]:
+    """The family's table expanded at ``layout`` (refused, naming why, if the layout cannot hold ``arch``)."""
+    validate_layout(arch, layout, pp_first_stage_layers=pp_first_stage_layers)
+    return plan_transfers(family.weight_rules(arch), arch, layout, pp_first_stage_layers, spec)
 
 
 def check_hf_names(family: ModelFamily, arch: Arch, transfers: list[Transfer], available: Iterable[str]) -> None:
@@ -52,17 +55,23 @@ def check_hf_names(family: ModelFamily, arch: Arch, transfers: list[Transfer], a
     missing = needed - available
     if missing:
         raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) a {arch.family} model needs: {names_list(missing)}")
-    extra = {n for n in available - needed - set(family.tied_hf_names(arch)) if not family.is_ignored(n)}
+    copies = set(family.tied_hf_names(arch)) | set(family.hf_copies(arch))
+    extra = {n for n in available - needed - copies if not family.is_ignored(n)}
     if extra:
         raise MappingError(f"HF checkpoint has {len(extra)} tensor(s) no {arch.family} mapping rule consumes: {names_list(extra)}")
 
 
 def check_tied_copies(family: ModelFamily, arch: Arch, get_hf: Callable[[str], torch.Tensor], available) -> None:
-    """A tied checkpoint may still store the copy (lm_head); it must then equal what it copies."""
+    """A tied checkpoint may still store the copy (lm_head), and an MTP layer stores copies of the
+    embedding and head (``ModelFamily.hf_copies``): each must equal what it copies."""
     for name, source in family.tied_hf_names(arch).items():
         if name in available and not torch.equal(get_hf(name), get_hf(source)):
             raise MappingError(f"config.json ties the embeddings but {name} differs from {source}: "
                                "set tie_word_embeddings=false")
+    for name, source in family.hf_copies(arch).items():
+        if name in available and not torch.equal(get_hf(name), get_hf(source)):
+            raise MappingError(f"{name} differs from {source}, which megatron-core shares with it: the checkpoint "
+                               "cannot be represented")
 
 
 class RankShards(Generic[T]):
@@ -113,7 +122,8 @@ class HFAssembler:
         self.ctx, self.source, self.pieces = split_context(arch), source, pieces
         self.first_user: dict[str, Transfer] = {}
 
-    def _merge(self, t: Transfer) -> list:
+    def merge(self, t: Transfer) -> list:
+        """``t``'s HF tensors (or pieces) from its shards, without the tied-copy bookkeeping."""
         shards = self.source.shards(t)
         try:
             return t.split.merge_pieces(shards, self.ctx) if self.pieces else t.split.merge(shards, self.ctx)
@@ -128,7 +138,7 @@ class HFAssembler:
                 raise MappingError("the last stage's output layer differs from the tied embedding: the checkpoint "
                                    "was changed in a way HF cannot represent (untie the embeddings in config.json)")
             return None
-        merged = self._merge(t)
+        merged = self.merge(t)
         for n in t.hf_names:
             self.first_user[n] = t
         return merged
@@ -140,26 +150,46 @@ def rank_state_dict_from_hf(family: ModelFamily, arch: Arch, layout: ParallelLay
     """One rank's MCore state dict (names for ``spec``: "te" or "local") from HF tensors fetched by name."""
     ctx = split_context(arch)
     out: dict[str, torch.Tensor] = {}
-    for transfer in plan(family, arch, layout, pp_first_stage_layers):
+    for transfer in plan(family, arch, layout, pp_first_stage_layers, spec):
         mine = [p for p in transfer.placements if coord.holds(transfer, p)]
         if not mine:
             continue
         shards = transfer.split.shards([get_hf(n) for n in transfer.hf_names], transfer.num_shards, ctx)
         for p in mine:
             out[p.mcore_name] = shards[p.shard]
-    return to_spec(out, spec, arch.is_moe)
+    return to_spec(out, spec)
 
 
 def hf_tensors_from_ranks(family: ModelFamily, arch: Arch, layout: ParallelLayout,
                           rank_state_dicts: Mapping[RankCoord, Mapping[str, torch.Tensor]], spec: str = "te",
                           pp_first_stage_layers: int | None = None) -> dict[str, torch.Tensor]:
     """Every HF tensor from the state dicts of the ranks that together hold the model."""
-    source = RankShards({c: from_spec(sd, spec, arch.is_moe) for c, sd in rank_state_dicts.items()})
+    source = RankShards({c: from_spec(sd, spec) for c, sd in rank_state_dicts.items()})
     assembler = HFAssembler(arch, source)
     hf: dict[str, torch.Tensor] = {}
-    for transfer in plan(family, arch, layout, pp_first_stage_layers):
+    for transfer in plan(family, arch, layout, pp_first_stage_layers, spec):
         merged = assembler.assemble(transfer)
         if merged is not None:
             hf.update(zip(transfer.hf_names, merged))
     source.check_all_read()
+    hf.update({copy: hf[source_name] for copy, source_name in family.hf_copies(arch).items()})
     return hf
+
+
+def reshard_for_local_spec(family: ModelFamily, arch: Arch, layout: ParallelLayout, coord: RankCoord,
+                           state: dict[str, torch.Tensor], pp_first_stage_layers: int | None = None) -> dict:
+    """One rank's TE-layout state dict (TE names) with the parameters the local spec shards otherwise
+    re-cut for it: TE keeps them whole on every rank (MLA's down projections), so this rank's piece of
+    the local split is cut from the whole tensor it already holds."""
+    ctx = split_context(arch)
+    te, local = plan(family, arch, layout, pp_first_stage_layers), plan(family, arch, layout, pp_first_stage_layers, "local")
+    out = dict(state)
+    for t_te, t_local in zip(te, local):
+        if t_te.split is t_local.split:
+            continue
+        if not isinstance(t_te.split, type(REPLICATED)):
+            raise MappingError(f"cannot re-cut {t_te.placements[0].mcore_name} for the local spec from a {t_te.split} split")
+        for p in t_local.placements:
+            if coord.holds(t_local, p) and p.mcore_name in out:
+                out[p.mcore_name] = t_local.split.shards([out[p.mcore_name]], t_local.num_shards, ctx)[p.shard]
+    return out

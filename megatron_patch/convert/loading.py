@@ -33,7 +33,6 @@ def load_legacy(model, ckpt_dir: str | Path, sidecar: Sidecar, layout=None) -> N
     from megatron_patch.convert.model_io import current_coord, load_state_dict_strict
     from megatron_patch.models.mapping.naming import to_spec
     from megatron_patch.models.builder import model_spec_name
-    from megatron_patch.models.registry import parse_arch
 
     ckpt_layout = sidecar.parallel_layout
     if layout is not None and (layout.tp, layout.pp, layout.ep, layout.expert_tp) != \
@@ -43,10 +42,17 @@ def load_legacy(model, ckpt_dir: str | Path, sidecar: Sidecar, layout=None) -> N
     coord = current_coord()
     path = rank_file(Path(ckpt_dir) / RELEASE, RankCoord(coord.tp, coord.pp, coord.ep, coord.tp), ckpt_layout)
     state = torch.load(path, map_location="cpu", weights_only=True)["model"]
-    state = to_spec({k: v for k, v in state.items() if not k.endswith("_extra_state")}, model_spec_name(model),
-                    parse_arch(sidecar.hf_config).is_moe)
-    dtype = next(model.parameters()).dtype
-    load_state_dict_strict(model, {k: v.to(dtype) for k, v in state.items()})
+    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    if not any(k.startswith("mtp.") for k in model.state_dict()):  # converted with --mtp, run without it
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    spec = model_spec_name(model)
+    if spec == "local":  # rank files hold TE's shards; a few parameters the local spec cuts otherwise
+        from megatron_patch.convert.engine import reshard_for_local_spec
+        from megatron_patch.models.registry import get_family, parse_arch
+
+        arch = parse_arch(sidecar.hf_config)
+        state = reshard_for_local_spec(get_family(arch.family), arch, ckpt_layout, coord, state)
+    load_state_dict_strict(model, to_spec(state, spec))
 
 
 def checkpoint_logits_worker(ckpt_dir: str, layout, tokens: torch.Tensor, dtype=torch.float32):

@@ -25,25 +25,24 @@ def current_coord() -> RankCoord:
 
 
 def load_state_dict_strict(model, state_dict: dict[str, torch.Tensor]) -> None:
-    """load_state_dict that names what is missing or extra (TE's _extra_state entries aside)."""
-    expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
-    missing, extra = expected - set(state_dict), set(state_dict) - expected
+    """load_state_dict that names what is missing or extra (TE's _extra_state entries aside). Each
+    tensor takes the dtype of the model's own (a float32 router bias stays float32 in a bf16 model)."""
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing, extra = set(own) - set(state_dict), set(state_dict) - set(own)
     if missing or extra:
         raise MappingError(f"state dict does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
-    own = model.state_dict()
     for name, tensor in state_dict.items():
         if tuple(own[name].shape) != tuple(tensor.shape):
             raise MappingError(f"{name}: checkpoint shape {tuple(tensor.shape)} but the model expects {tuple(own[name].shape)}")
-    model.load_state_dict(state_dict, strict=False)
+    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=False)
 
 
 def load_hf_weights(model, arch: Arch, layout: ParallelLayout, reader, pp_first_stage_layers: int | None = None) -> None:
     """Fill this rank's model from an HF checkpoint (``reader``: ``keys()`` and ``get(name)``, e.g.
-    ``HFCheckpointReader``), cast to the model's dtype. As strict as the converter."""
+    ``HFCheckpointReader``), each tensor cast to the model's own dtype. As strict as the converter."""
     family = get_family(arch.family)
     check_hf_names(family, arch, plan(family, arch, ParallelLayout()), reader.keys())
     check_tied_copies(family, arch, reader.get, set(reader.keys()))
     sd = rank_state_dict_from_hf(family, arch, layout, current_coord(), reader.get, model_spec_name(model),
                                  pp_first_stage_layers)
-    dtype = next(model.parameters()).dtype
-    load_state_dict_strict(model, {k: v.to(dtype) for k, v in sd.items()})
+    load_state_dict_strict(model, sd)

@@ -20,7 +20,7 @@ from megatron_patch.models.arch import Arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
 SIDECAR_NAME = "mpatch_checkpoint.json"
-SIDECAR_VERSION = 1
+SIDECAR_VERSION = 2  # 2: mtp_layers and notes
 
 
 
@@ -53,6 +53,10 @@ class Sidecar:
     num_bytes: int = 0
     versions: dict = field(default_factory=versions)
     source: str = ""
+    # Multi-token-prediction layers the checkpoint holds (converted with --mtp).
+    mtp_layers: int = 0
+    # What the conversion changed on the way (layers dropped, weights dequantized), in words.
+    notes: list[str] = field(default_factory=list)
     sidecar_version: int = SIDECAR_VERSION
 
     @property
@@ -75,7 +79,17 @@ class Sidecar:
         return cls(checkpoint_format=fmt, family=arch.family, dtype=PRECISION_OF_DTYPE_NAME[dtype_name(dtype)],
                    layout={"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "etp": layout.etp},
                    vocab_size=arch.vocab_size, padded_vocab_size=arch.padded_vocab_size(),
-                   tie_word_embeddings=arch.tie_word_embeddings, hf_config=arch.hf_config, **extra)
+                   tie_word_embeddings=arch.tie_word_embeddings, hf_config=arch.hf_config,
+                   mtp_layers=arch.mtp_layers, **extra)
+
+    @property
+    def arch(self) -> Arch:
+        """The model this checkpoint holds (its config, with the MTP layers it was converted with)."""
+        import dataclasses
+
+        from megatron_patch.models.registry import parse_arch
+
+        return dataclasses.replace(parse_arch(self.hf_config), mtp_layers=self.mtp_layers)
 
     def write(self, folder: str | Path) -> None:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_patch.models.mapping.naming import local_to_te
+from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 
@@ -114,27 +114,27 @@ def describe_model(arch: Arch, *, use_cache: bool = True) -> ModelSkeleton:
     """The skeleton of ``arch``'s MCore model (independent of dtype and layout): from the disk cache, or
     computed by megatron-core in a helper process (and then cached)."""
     config = json.dumps(arch.hf_config, sort_keys=True)
-    return _describe_cached(config) if use_cache else _compute(config)
+    return _describe_cached(config, arch.mtp_layers) if use_cache else _compute(config, arch.mtp_layers)
 
 
 @functools.lru_cache(maxsize=8)
-def _describe_cached(hf_config_json: str) -> ModelSkeleton:
-    path = cache_path(hf_config_json)
+def _describe_cached(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
+    path = cache_path(hf_config_json, mtp_layers)
     if path is not None and path.is_file():
         try:
             return ModelSkeleton.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # damaged or foreign: computed again and rewritten below
-    skeleton = _compute(hf_config_json)
+    skeleton = _compute(hf_config_json, mtp_layers)
     if path is not None:
         _store(path, skeleton)
     return skeleton
 
 
-def _compute(hf_config_json: str) -> ModelSkeleton:
+def _compute(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
     from megatron_patch.runtime.launch import run_local
 
-    return run_local(_describe_worker, 1, hf_config_json)[0]
+    return run_local(_describe_worker, 1, hf_config_json, mtp_layers)[0]
 
 
 def cache_dir() -> Path:
@@ -164,10 +164,11 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def cache_path(hf_config_json: str) -> Path | None:
-    """Where the skeleton of this config is cached; None if the code cannot be hashed."""
+def cache_path(hf_config_json: str, mtp_layers: int) -> Path | None:
+    """Where the skeleton of this config (with ``mtp_layers`` MTP layers) is cached; None if the code
+    cannot be hashed."""
     try:
-        key = hashlib.sha256(f"{SKELETON_FORMAT}\0{_code_digest()}\0{hf_config_json}".encode()).hexdigest()
+        key = hashlib.sha256(f"{SKELETON_FORMAT}\0{_code_digest()}\0{mtp_layers}\0{hf_config_json}".encode()).hexdigest()
     except OSError:
         return None
     return cache_dir() / f"{key}.json"
@@ -185,10 +186,12 @@ def _store(path: Path, skeleton: ModelSkeleton) -> None:
         pass
 
 
-def _describe_worker(hf_config_json: str) -> ModelSkeleton:
+def _describe_worker(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
+    import dataclasses
+
     from megatron_patch.models.registry import parse_arch
 
-    return describe_model_here(parse_arch(json.loads(hf_config_json)))
+    return describe_model_here(dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers))
 
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:
@@ -202,8 +205,9 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
     # Storage is allocated but never touched (no initialisation), so it never becomes resident.
     model = build_model(arch, _single_layout(), torch.float32, use_te=False, pre_process=True, post_process=True,
                         perform_initialization=False, use_cpu_initialization=True)
-    shapes = {local_to_te(k, arch.is_moe): tuple(v.shape) for k, v in model.state_dict().items()
-              if not k.endswith("_extra_state") and v is not None}
+    local_state = model.state_dict()
+    te_name = local_to_te_names(local_state)
+    shapes = {te_name[k]: tuple(v.shape) for k, v in local_state.items() if not k.endswith("_extra_state") and v is not None}
     chunks: list[ChunkEntry] = []
     objects: list[ObjectEntry] = []
     for sd_name, entry in model.sharded_state_dict().items():
@@ -214,7 +218,7 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
                     raise UserError("flattened sharded tensors are not expected in a model state dict")
                 prepend = item.prepend_axis_num
                 chunks.append(ChunkEntry(
-                    name=local_to_te(sd_name, arch.is_moe), key=item.key, global_shape=tuple(item.global_shape),
+                    name=te_name.get(sd_name, sd_name), key=item.key, global_shape=tuple(item.global_shape),
                     global_offset=tuple(item.global_offset), local_shape=(1,) * prepend + tuple(item.local_shape),
                     prepend=prepend))
             elif isinstance(item, ShardedObject):

@@ -19,6 +19,23 @@ VOCAB_PAD_MULTIPLE = 128
 
 
 @dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention (DeepSeek-V2/V3): queries through a low-rank latent (or a plain
+    projection when ``q_lora_rank`` is None), keys and values from one shared latent, and a RoPE part of
+    each head apart from the rest."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class Arch:
     family: str
     vocab_size: int
@@ -33,8 +50,10 @@ class Arch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False
-    # llama3-style RoPE scaling as given in config.json (factor, low/high_freq_factor,
-    # original_max_position_embeddings); None for plain RoPE.
+    # Every linear layer has a bias (q/k/v, output projection, MLP): megatron-core's add_bias_linear.
+    linear_bias: bool = False
+    # RoPE scaling as config.json gives it ({"rope_type": "linear" | "llama3" | "yarn", ...}, see
+    # ROPE_TYPES); None for plain RoPE. models/rope.py turns it into frequencies.
     rope_scaling: dict | None = None
     # Mixture of experts (0 experts: dense).
     num_experts: int = 0
@@ -45,11 +64,30 @@ class Arch:
     # Whether top-k routing probabilities are renormalised to sum to one.
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0
+    # Layers of an MoE model that have a dense MLP (of ffn_hidden_size) instead of experts.
+    dense_layers: tuple[int, ...] = ()
+    # Multi-latent attention instead of GQA (head_dim is then the value head dimension).
+    mla: MLAShape | None = None
+    # Multi-token-prediction layers the MCore model carries (DeepSeek-V3's; 0 unless converted with them).
+    mtp_layers: int = 0
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def has_dense_layers(self) -> bool:
+        """Whether any layer has a dense MLP (every layer of a dense model; some of a mixed MoE model)."""
+        return not self.is_moe or bool(self.dense_layers)
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """megatron-core's ``moe_layer_freq`` list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
     def padded_vocab_size(self, multiple: int = VOCAB_PAD_MULTIPLE) -> int:
         """Vocabulary rounded up so that every TP size dividing ``multiple`` splits it evenly.
@@ -77,37 +115,64 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def require(raw: dict, key: str, kind=int):
-    """A config.json field that must be present; a wrong or missing one is named in the error."""
-    if key not in raw or raw[key] is None:
+def require(raw: dict, key: str, kind=int, *, aliases: tuple[str, ...] = ()):
+    """A config.json field that must be present (under ``key`` or one of its ``aliases``: transformers
+    writes some fields under other names than the hub's configs); a wrong or missing one is named."""
+    found = next((k for k in (key, *aliases) if raw.get(k) is not None), None)
+    if found is None:
         raise UserError(f"config.json lacks '{key}', which a {raw.get('model_type', '?')} model needs")
-    value = raw[key]
+    value = raw[found]
     if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise UserError(f"config.json '{key}' must be a positive integer, found {value!r}")
+        raise UserError(f"config.json '{found}' must be a positive integer, found {value!r}")
     if kind is float and not isinstance(value, (int, float)):
-        raise UserError(f"config.json '{key}' must be a number, found {value!r}")
+        raise UserError(f"config.json '{found}' must be a number, found {value!r}")
     return value
 
 
+# Keys each supported RoPE type reads from config.json (besides rope_theta); None: optional.
+ROPE_TYPES: dict[str, dict[str, bool]] = {
+    "default": {},
+    "linear": {"factor": True},
+    "llama3": {"factor": True, "low_freq_factor": True, "high_freq_factor": True,
+               "original_max_position_embeddings": True},
+    "yarn": {"factor": True, "original_max_position_embeddings": True, "beta_fast": False, "beta_slow": False,
+             "mscale": False, "mscale_all_dim": False, "attention_factor": False, "truncate": False},
+}
+
+
 def rope_settings(raw: dict) -> tuple[float, dict | None]:
-    """(theta, llama3 scaling or None) from either config.json convention.
+    """(theta, scaling or None) from either config.json convention; the scaling dict holds
+    ``rope_type`` and the fields ``ROPE_TYPES`` lists for it, exactly as config.json gives them.
 
     transformers < 5 writes ``rope_theta`` and ``rope_scaling``; 5.x writes ``rope_parameters``.
+    A RoPE megatron-core cannot be given (any other type, a partial rotary dimension) is refused.
     """
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or None
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = (scaling or params).get("rope_type", (scaling or params).get("type", "default"))
-    if rope_type in (None, "default"):
-        return float(theta), None
-    if rope_type != "llama3":
-        raise UserError(f"RoPE type '{rope_type}' is not supported yet: supported are default and llama3")
     source = scaling or params
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in source]
-    if missing:
-        raise UserError(f"config.json llama3 RoPE scaling lacks {', '.join(missing)}")
-    return float(theta), {k: float(source[k]) for k in keys}
+    rope_type = source.get("rope_type", source.get("type", "default")) or "default"
+    if rope_type not in ROPE_TYPES:
+        raise UserError(f"RoPE type '{rope_type}' is not supported: supported are {', '.join(ROPE_TYPES)}")
+    partial = source.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise UserError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported: "
+                        "only full rotary embeddings convert exactly")
+    if rope_type == "default":
+        return float(theta), None
+    out: dict = {"rope_type": rope_type}
+    for key, needed in ROPE_TYPES[rope_type].items():
+        value = source.get(key)
+        if key == "original_max_position_embeddings":
+            # As transformers reads it: a top-level value wins (Phi-3 style), else the scaling's own,
+            # else the model's context length.
+            value = raw.get(key) or value or raw.get("max_position_embeddings")
+        if value is None:
+            if needed:
+                raise UserError(f"config.json {rope_type} RoPE scaling lacks {key}")
+            continue
+        out[key] = value if isinstance(value, bool) else float(value)
+    return float(theta), out
 
 
 def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers: int | None = None) -> None:
@@ -122,18 +187,23 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
         raise UserError(
             f"TP={tp} does not divide the {arch.num_kv_heads} query groups (key/value heads): "
             f"choose a TP that divides {arch.num_kv_heads}")
-    if not arch.is_moe and arch.ffn_hidden_size % tp:
+    if arch.has_dense_layers and arch.ffn_hidden_size % tp:
         raise UserError(f"TP={tp} does not divide the MLP size {arch.ffn_hidden_size}: choose another TP")
     if arch.padded_vocab_size() % tp:
         raise UserError(f"TP={tp} does not divide the padded vocabulary {arch.padded_vocab_size()}: use a power-of-two TP")
+    layers = f"{arch.num_layers} layers" + (f" ({len(arch.dense_layers)} dense, then MoE)" if arch.dense_layers else "")
     if pp_first_stage_layers is None:
         if arch.num_layers % layout.pp:
-            raise UserError(
-                f"PP={layout.pp} does not divide the {arch.num_layers} layers: choose a PP that divides {arch.num_layers}")
+            first = first_stage_that_fits(arch.num_layers, layout.pp)
+            hint = (f", or MP_PP0_LAYERS={first} (the first stage {first} layers, the other {layout.pp - 1} "
+                    f"{(arch.num_layers - first) // (layout.pp - 1)} each)") if first else ""
+            raise UserError(f"PP={layout.pp} does not divide the {layers}: choose a PP that divides "
+                            f"{arch.num_layers}{hint}")
     elif not (0 < pp_first_stage_layers < arch.num_layers) or (arch.num_layers - pp_first_stage_layers) % max(layout.pp - 1, 1):
+        first = first_stage_that_fits(arch.num_layers, layout.pp)
         raise UserError(
-            f"a first stage of {pp_first_stage_layers} layers leaves {arch.num_layers - pp_first_stage_layers} "
-            f"that PP-1={layout.pp - 1} stages cannot share evenly")
+            f"a first stage of {pp_first_stage_layers} of the {layers} leaves {arch.num_layers - pp_first_stage_layers} "
+            f"that PP-1={layout.pp - 1} stages cannot share evenly" + (f": try MP_PP0_LAYERS={first}" if first else ""))
     if arch.is_moe:
         if arch.num_experts % layout.ep:
             raise UserError(f"EP={layout.ep} does not divide the {arch.num_experts} experts: choose an EP that divides {arch.num_experts}")
@@ -143,6 +213,15 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
             raise UserError(f"TP={tp} does not divide the shared-expert MLP size {arch.shared_expert_ffn_hidden_size}")
     elif layout.ep > 1 or layout.etp not in (None, tp):
         raise UserError(f"{arch.family} is a dense model: EP and ETP apply only to MoE models, set EP=1")
+
+
+def first_stage_that_fits(num_layers: int, pp: int) -> int | None:
+    """A first-stage size (closest to an even share) that lets the other PP-1 stages split the rest
+    evenly, or None."""
+    if pp < 2:
+        return None
+    fits = [f for f in range(1, num_layers) if (num_layers - f) % (pp - 1) == 0 and num_layers - f >= pp - 1]
+    return min(fits, key=lambda f: abs(f - num_layers / pp)) if fits else None
 
 
 def pipeline_layer_ranges(num_layers: int, pp: int, first_stage_layers: int | None = None) -> list[range]:

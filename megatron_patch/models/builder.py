@@ -26,6 +26,16 @@ def te_available() -> bool:
     return True
 
 
+def apex_wgrad_fusion_available() -> bool:
+    """Apex's fused_weight_gradient_mlp_cuda, which megatron-core's own linears (the output layer) need for
+    gradient_accumulation_fusion; transformer-engine's linears have their own."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
                        pp_first_stage_layers: int | None = None, **overrides):
     """The TransformerConfig of ``arch`` at ``layout``; ``overrides`` win over everything derived."""
@@ -44,8 +54,12 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         layernorm_epsilon=arch.norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=arch.linear_bias,
         add_qkv_bias=arch.qkv_bias,
+        # YaRN's attention factor (cos/sin scaled in HF) as a softmax scale; None for other RoPE.
+        softmax_scale=rope.softmax_scale(arch),
+        # Multi-token-prediction layers, when the checkpoint was converted with them.
+        mtp_num_layers=arch.mtp_layers or None,
         # Fine-tuning and conversion checks need the model as released: no dropout.
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -69,7 +83,7 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         bias_dropout_fusion=gpu,
         persist_layer_norm=gpu,
         apply_rope_fusion=gpu and te_available(),
-        gradient_accumulation_fusion=gpu and te_available(),
+        gradient_accumulation_fusion=gpu and te_available() and apex_wgrad_fusion_available(),
     )
     if arch.is_moe:
         kwargs.update(
@@ -84,27 +98,77 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
             # The same dispatcher on GPU and CPU (gloo does uneven all_to_all; see docs/cpu-runtime.md).
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=te_available(),
+            # 1 for an MoE layer, 0 for a dense one (ffn_hidden_size), as config.json places them.
+            moe_layer_freq=arch.moe_layer_pattern if arch.dense_layers else 1,
         )
     kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))
     kwargs.update(overrides)
+    if kwargs.get("multi_latent_attention"):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: Arch, config, use_te: bool | None = None):
+def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None):
+    """The layer spec of every decoder layer, or, for an MoE model with dense layers, this pipeline
+    stage's block of per-layer specs (megatron-core's ``moe_layer_freq`` pattern picks each one)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+        get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     use_te = te_available() if use_te is None else use_te
+    mla = bool(config.multi_latent_attention)
+    if arch.is_moe and arch.dense_layers:
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                           vp_stage=vp_stage)
+        if not use_te:
+            block.layer_specs = [_local_layer(s, _is_moe_spec(s), mla) for s in block.layer_specs]
+        return block
     experts = arch.num_experts or None
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm)
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm")
-    if arch.is_moe:
-        # megatron-core maps the local pre-MLP norm to the TE dense name even for MoE layers, where
-        # the TE spec keeps a separate pre_mlp_layernorm; keep the TE name so checkpoints cross specs.
-        keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if not k.startswith("pre_mlp")}
-        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
-    return spec
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                                                          qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
+                                    multi_latent_attention=mla, normalization="RMSNorm")
+    return _local_layer(spec, arch.is_moe, mla)
+
+
+def _local_layer(spec, moe: bool, mla: bool):
+    """A local layer spec made to keep TE's checkpoint names, and for multi-latent attention given a core
+    attention that takes MLA's key/value head sizes (megatron-core 0.16's local one refuses them)."""
+    spec = _with_te_checkpoint_names(spec, moe, mla)
+    if not mla:
+        return spec
+    from megatron_patch.models.local_attention import LocalMLACoreAttention
+
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=LocalMLACoreAttention))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+
+
+def _is_moe_spec(spec) -> bool:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return isinstance(spec.submodules.mlp.module, type) and issubclass(spec.submodules.mlp.module, MoELayer)
+
+
+def _with_te_checkpoint_names(spec, moe: bool, mla: bool):
+    """A local layer spec whose torch_dist keys are the TE spec's, so checkpoints cross specs.
+
+    megatron-core's local spec maps the input and pre-MLP norms to TE's fused names for standard
+    attention, but also the pre-MLP norm of MoE layers (TE keeps ``pre_mlp_layernorm`` there), and
+    maps nothing for multi-latent attention (TE fuses its latent norms into the up projections).
+    """
+    if mla:
+        keys = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
+        if not moe:
+            keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    else:
+        keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items()
+                if not (moe and k.startswith("pre_mlp"))}
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, sharded_state_dict_keys_map=keys))
 
 
 def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
@@ -131,9 +195,16 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
+    spec = layer_spec(arch, config, use_te, vp_stage if virtual else None)
+    mtp_spec = None
+    if arch.mtp_layers and post_process:  # megatron-core keeps the MTP block on the last stage
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te_available() if use_te is None else use_te,
+                                          vp_stage=vp_stage if virtual else None)
     model = GPTModel(
         config,
-        layer_spec(arch, config, use_te),
+        spec,
         vocab_size=arch.padded_vocab_size(),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -142,6 +213,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
         vp_stage=vp_stage if virtual else None,
+        mtp_block_spec=mtp_spec,
     )
     rope.install(model, arch)
     return model

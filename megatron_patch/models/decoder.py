@@ -8,16 +8,21 @@ from __future__ import annotations
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, require, rope_settings
-from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, Rule, Scope
+from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, Rule, Scope
 
 
-def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, ffn_key: str = "intermediate_size") -> Arch:
-    """The fields every Llama-style decoder shares (attention, norms, RoPE, embeddings)."""
+def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias: bool = False,
+                         ffn_key: str = "intermediate_size") -> Arch:
+    """The fields every Llama-style decoder shares (attention, norms, RoPE, embeddings).
+
+    ``linear_bias``: every linear layer has a bias (megatron-core's ``add_bias_linear``); a family
+    that can have them reads its config's flags and says so, any other refuses ``mlp_bias``.
+    """
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"hidden_act '{act}' is not supported: {family} models here use SwiGLU (silu)")
-    if raw.get("mlp_bias"):
-        raise UserError("mlp_bias=true is not supported: MCore's SwiGLU MLP here has no biases")
+    if raw.get("mlp_bias") and not linear_bias:
+        raise UserError(f"mlp_bias=true is not supported for {family}: its SwiGLU MLP here has no biases")
     hidden = require(raw, "hidden_size")
     heads = require(raw, "num_attention_heads")
     kv_heads = raw.get("num_key_value_heads") or heads
@@ -39,7 +44,8 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, ffn_key: str
         rope_scaling=scaling,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
+        qkv_bias=qkv_bias or linear_bias,
+        linear_bias=linear_bias,
         hf_config=raw,
     )
 
@@ -56,7 +62,7 @@ def embedding_and_head_rules() -> list[Rule]:
     ]
 
 
-def attention_rules(qkv_bias: bool) -> list[Rule]:
+def attention_rules(qkv_bias: bool, proj_bias: bool = False) -> list[Rule]:
     attn = f"{HF_LAYER}.self_attn"
     rules = [
         Rule(f"{MC_LAYER}.self_attention.linear_qkv.layer_norm_weight", f"{HF_LAYER}.input_layernorm.weight", REPLICATED),
@@ -67,24 +73,58 @@ def attention_rules(qkv_bias: bool) -> list[Rule]:
     if qkv_bias:
         rules.append(Rule(f"{MC_LAYER}.self_attention.linear_qkv.bias",
                           (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), QKV))
+    if proj_bias:  # a row-parallel layer adds its whole bias once, after the reduction
+        rules.append(Rule(f"{MC_LAYER}.self_attention.linear_proj.bias", f"{attn}.o_proj.bias", REPLICATED))
     return rules
 
 
-def dense_mlp_rules() -> list[Rule]:
-    mlp = f"{HF_LAYER}.mlp"
+def qk_norm_rules() -> list[Rule]:
+    """Per-head RMSNorms of queries and keys before RoPE (Qwen3): megatron-core's qk_layernorm."""
+    attn = f"{HF_LAYER}.self_attn"
     return [
-        Rule(f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED),
-        Rule(f"{MC_LAYER}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP),
-        Rule(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW),
+        Rule(f"{MC_LAYER}.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight", REPLICATED),
+        Rule(f"{MC_LAYER}.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight", REPLICATED),
     ]
+
+
+def dense_mlp_rules(bias: bool = False) -> list[Rule]:
+    """The SwiGLU MLP of dense layers (every layer of a dense model, the dense ones of an MoE model)."""
+    mlp, dense = f"{HF_LAYER}.mlp", LayerKind.DENSE
+    rules = [
+        Rule(f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED,
+             layers=dense),
+        Rule(f"{MC_LAYER}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP,
+             layers=dense),
+        Rule(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW, layers=dense),
+    ]
+    if bias:
+        rules += [
+            Rule(f"{MC_LAYER}.mlp.linear_fc1.bias", (f"{mlp}.gate_proj.bias", f"{mlp}.up_proj.bias"), GATE_UP,
+                 layers=dense),
+            Rule(f"{MC_LAYER}.mlp.linear_fc2.bias", f"{mlp}.down_proj.bias", REPLICATED, layers=dense),
+        ]
+    return rules
 
 
 def moe_rules(router: str, expert: str, gate: str, up: str, down: str) -> list[Rule]:
-    """Router and routed experts; HF names are relative to the layer, ``{expert}`` marks the index."""
+    """Router and routed experts of MoE layers; HF names are relative to the layer, ``{expert}`` marks
+    the index."""
+    moe = LayerKind.MOE
     return [
-        Rule(f"{MC_LAYER}.pre_mlp_layernorm.weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED),
-        Rule(f"{MC_LAYER}.mlp.router.weight", f"{HF_LAYER}.{router}", REPLICATED),
+        Rule(f"{MC_LAYER}.pre_mlp_layernorm.weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED,
+             layers=moe),
+        Rule(f"{MC_LAYER}.mlp.router.weight", f"{HF_LAYER}.{router}", REPLICATED, layers=moe),
         Rule(f"{MC_LAYER}.mlp.experts.linear_fc1.weight{{expert}}",
-             (f"{HF_LAYER}.{expert}.{gate}", f"{HF_LAYER}.{expert}.{up}"), GATE_UP, Scope.EXPERT),
-        Rule(f"{MC_LAYER}.mlp.experts.linear_fc2.weight{{expert}}", f"{HF_LAYER}.{expert}.{down}", ROW, Scope.EXPERT),
+             (f"{HF_LAYER}.{expert}.{gate}", f"{HF_LAYER}.{expert}.{up}"), GATE_UP, Scope.EXPERT, layers=moe),
+        Rule(f"{MC_LAYER}.mlp.experts.linear_fc2.weight{{expert}}", f"{HF_LAYER}.{expert}.{down}", ROW, Scope.EXPERT,
+             layers=moe),
     ]
+
+
+def qwen_dense_layers(raw: dict) -> tuple[int, ...]:
+    """Layers a Qwen-MoE config.json gives a dense MLP: those in ``mlp_only_layers``, and those
+    ``decoder_sparse_step`` skips (transformers: MoE where (i + 1) % step == 0)."""
+    step = raw.get("decoder_sparse_step", 1) or 1
+    only = set(raw.get("mlp_only_layers") or [])
+    layers = require(raw, "num_hidden_layers")
+    return tuple(i for i in range(layers) if i in only or (i + 1) % step)

@@ -10,7 +10,8 @@ its own ``__init__.py`` (``registry.register``):
 - presets of the published sizes (the launcher's MODEL_SIZE) and a tiny config for tests and demos;
 - its launcher's parallel arguments (where EP / ETP sit in the positional list);
 - the HF module paths the aligner captures;
-- the layouts its tests run.
+- the layouts its tests run;
+- multi-token-prediction layers and the HF tensors that are copies of others, if it has any.
 
 Everything else (converter, aligner, trainer, CLI choices, launcher argument lists, docs tables,
 parametrized tests) reads the registered families and never names one.
@@ -36,6 +37,8 @@ class HFModules:
     attention: str = "self_attn"       # within a decoder layer
     mlp: str = "mlp"                   # within a decoder layer
     final_norm: str = "model.norm"
+    # Within an MoE layer: the router, whose output ends with the chosen expert indices (transformers 5).
+    router: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,14 @@ class TestLayouts:
 
 
 def _no_extra_config(arch: Arch) -> dict:
+    return {}
+
+
+def _no_mtp_layers(raw: dict) -> int:
+    return 0
+
+
+def _no_copies(arch: Arch) -> dict[str, str]:
     return {}
 
 
@@ -69,6 +80,12 @@ class ModelFamily:
     # HF tensors that are not weights (regular expressions, matched in full).
     ignored_hf_names: tuple[str, ...] = (r"(.+\.)?rotary_emb\.inv_freq",)
     test_layouts: TestLayouts = field(default_factory=TestLayouts)
+    # Multi-token-prediction layers an HF checkpoint carries after the decoder's (DeepSeek-V3: 1); the
+    # converter keeps them only when asked, and otherwise drops them saying so.
+    hf_mtp_layers: Callable[[dict], int] = _no_mtp_layers
+    # HF tensors that are copies of others (an MTP layer's embedding and head): checked equal on the way
+    # in, written again on the way out.
+    hf_copies: Callable[[Arch], dict[str, str]] = _no_copies
 
     @property
     def launcher(self) -> str:

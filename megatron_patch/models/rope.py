@@ -2,7 +2,12 @@
 
 megatron-core's own llama3 scaling fixes low/high_freq_factor and the original context length
 (1, 4, 8192); a model whose config.json says otherwise would silently get wrong positions. We compute
-the frequencies from what config.json says and install them on the model.
+the frequencies from what config.json says, with transformers' formulas for each RoPE type (default,
+linear, llama3, yarn), and install them on the model.
+
+YaRN also scales cos and sin by an attention factor ``a``. Both q and k are rotated, so the scores
+grow by ``a**2``: the same as a softmax scale of ``a**2 / sqrt(head_dim)``, which is how it reaches
+megatron-core (``softmax_scale``).
 """
 
 from __future__ import annotations
@@ -14,12 +19,11 @@ import torch
 from megatron_patch.models.arch import Arch
 
 
-def inv_freq(arch: Arch) -> torch.Tensor:
-    dim = arch.head_dim
-    freqs = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    s = arch.rope_scaling
-    if not s:
-        return freqs
+def _plain(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3(freqs: torch.Tensor, s: dict) -> torch.Tensor:
     factor, low, high, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / freqs
@@ -28,6 +32,65 @@ def inv_freq(arch: Arch) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(arch: Arch, s: dict) -> tuple[torch.Tensor, float]:
+    dim, base = arch.head_dim, arch.rope_theta
+    factor, old_len = s["factor"], s["original_max_position_embeddings"]
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = yarn_mscale(factor, s["mscale"]) / yarn_mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero in the ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention_factor)
+
+
+def inv_freq_and_attention_factor(arch: Arch) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies [head_dim / 2] and the factor HF scales cos/sin by (1 but for YaRN)."""
+    s = arch.rope_scaling
+    if not s:
+        return _plain(arch.rope_theta, arch.head_dim), 1.0
+    kind = s["rope_type"]
+    if kind == "linear":
+        return _plain(arch.rope_theta, arch.head_dim) / s["factor"], 1.0
+    if kind == "llama3":
+        return _llama3(_plain(arch.rope_theta, arch.head_dim), s), 1.0
+    if kind == "yarn":
+        return _yarn(arch, s)
+    raise ValueError(f"RoPE type {kind!r} reached the model builder unchecked")
+
+
+def inv_freq(arch: Arch) -> torch.Tensor:
+    return inv_freq_and_attention_factor(arch)[0]
+
+
+def softmax_scale(arch: Arch) -> float | None:
+    """The attention softmax scale the RoPE type needs; None: megatron-core's default 1/sqrt(head_dim).
+    Multi-latent attention sets its own (megatron-core's MLA computes YaRN's scale itself)."""
+    if arch.mla is not None:
+        return None
+    factor = inv_freq_and_attention_factor(arch)[1]
+    return None if factor == 1.0 else factor ** 2 / math.sqrt(arch.head_dim)
 
 
 def install(model, arch: Arch) -> None:

@@ -16,8 +16,9 @@ def tiny_config(family: str, **overrides) -> dict:
 def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Save a randomly initialised HF model of ``family`` (fp32) to ``out_dir``; return the folder.
 
-    Every parameter is drawn at random, norms and biases included, so a mapping that drops or
-    swaps any of them changes the logits.
+    Every parameter is drawn at random, norms and biases included, and so is every stored buffer
+    (DeepSeek's router score correction bias), so a mapping that drops or swaps any of them changes
+    the logits.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -31,6 +32,10 @@ def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **o
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08)
+        stored = set(model.state_dict())
+        for name, b in model.named_buffers():
+            if name in stored and b.is_floating_point():
+                b.normal_(0.0, 0.05)
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out

@@ -261,8 +261,40 @@ def _patch_megatron():
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
     _patch_uneven_all_gather()
+    _patch_yarn_rotary_device()
+    _patch_mla_without_te()
     _patch_torch_norm()
     _patch_torch_adam_checkpointing()
+
+
+def _patch_mla_without_te():
+    """megatron-core's transformer-engine extension imports without TE and leaves mock classes behind,
+    so multi-latent attention believes TE is there (``HAVE_TE``) and calls ``isinstance`` with a mock,
+    a TypeError. Without CUDA there is no TE: say so."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        multi_latent_attention.HAVE_TE = False
+
+
+def _patch_yarn_rotary_device():
+    """Multi-latent attention builds ``YarnRotaryEmbedding`` without ``use_cpu_initialization``, which
+    then places its frequencies under ``torch.device(torch.cuda.current_device())``: with the device
+    index 0 (what the layer's current_device returns) torch asks for an accelerator and fails. On CPU
+    the frequencies are made on the CPU, as ``use_cpu_initialization`` does."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    original = YarnRotaryEmbedding.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        kwargs["use_cpu_initialization"] = True
+        original(self, *args, **kwargs)
+
+    __init__.__mp_original__ = original
+    YarnRotaryEmbedding.__init__ = __init__
 
 
 def _patch_uneven_all_gather():

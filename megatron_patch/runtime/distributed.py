@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 
 from megatron_patch.lazy import LazyModule
 
@@ -61,10 +62,12 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_process_group() -> None:
+def init_process_group(timeout_minutes: float | None = None) -> None:
     """Join the job described by torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
 
     A lone process with none of them set becomes a world of one on a free local port.
+    ``timeout_minutes``: how long a collective (and joining the job) may wait for the other ranks
+    before it raises instead of hanging; torch's default when None.
     """
     cpu_compat.enable()
     if dist.is_initialized():
@@ -74,14 +77,40 @@ def init_process_group() -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend())
+    extra = {} if timeout_minutes is None else {"timeout": timedelta(minutes=timeout_minutes)}
+    store = _attempt_store(extra.get("timeout"))
+    if store is not None:
+        extra.update(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend=backend(), **extra)
 
 
-def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
-    """Process groups for ``layout`` plus megatron's model-parallel RNG streams."""
+def _attempt_store(timeout: timedelta | None):
+    """torchrun's agent store, seen through a prefix of this restart attempt (None when not under an agent).
+
+    torch 2.13's agents keep one store across restarts (static and c10d rendezvous alike), and its
+    env:// rendezvous adds no per-attempt prefix. A restarted rank could then read the address a dead
+    rank of the previous attempt had published and wait for it (seen: both restarted ranks stuck in
+    gloo's connectFullMesh until the timeout). Every process group's keys live under the default store,
+    so one prefix here covers megatron's groups too.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout or timedelta(minutes=30))
+    return dist.PrefixStore(f"/mpatch/attempt_{attempt}", client)
+
+
+def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_minutes: float | None = None) -> None:
+    """Process groups for ``layout`` plus megatron's model-parallel RNG streams.
+
+    Pipeline stage p is seeded with ``seed + 100 * p`` (Megatron-LM's rule): with one seed for all
+    stages, a model initialised from scratch would start with the same weights in every stage.
+    ``timeout_minutes`` applies to every group, megatron's included.
+    """
     from megatron.core import parallel_state
 
-    init_process_group()
+    init_process_group(timeout_minutes)
     world = dist.get_world_size()
     if world % (layout.model_parallel_size) != 0:
         from megatron_patch.errors import UserError
@@ -96,8 +125,13 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234) -> None:
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
         virtual_pipeline_model_parallel_size=layout.vp,
+        **({} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}),
     )
-    set_seed(seed)
+    set_seed(stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank()))
+
+
+def stage_seed(seed: int, pipeline_rank: int) -> int:
+    return seed + 100 * pipeline_rank
 
 
 def set_seed(seed: int) -> None:

@@ -1,8 +1,12 @@
-"""Run a function in N local processes that form one torch.distributed job (gloo on CPU).
+"""Starting the ranks of a job.
 
-Used by the tests and by commands that need more ranks than the caller has (for example a
-parity check at TP=2 from a single CLI process). ``fn`` must be importable (a module-level
-function), since the workers are started with the "spawn" method.
+``run_torchrun``: training's one launch path, on a laptop (ENV=cpu) as on a cluster (dsw, dlc):
+torch's own torchrun, run in this process, and its failures turned into one line.
+
+``run_local``: a function in N local processes that form one torch.distributed job (gloo on CPU),
+for commands that need ranks for themselves (a parity check or an alignment at TP=2 from a single
+CLI process) and for the tests. ``fn`` must be importable (a module-level function), since the
+workers are started with the "spawn" method.
 """
 
 from __future__ import annotations
@@ -23,6 +27,19 @@ class WorkerError(RuntimeError):
     """A worker raised; carries the worker's own traceback."""
 
 
+def quiet_cpu_warnings() -> None:
+    """On CPU, each rank would print megatron's "Apex/TE not installed, falling back" notices and
+    deprecation chatter: expected there, and noise times N ranks (MP_SHOW_WARNINGS=1 keeps them)."""
+    import torch
+
+    if not torch.cuda.is_available() and os.environ.get("MP_SHOW_WARNINGS") != "1":
+        import warnings
+
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -33,14 +50,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    if not torch.cuda.is_available() and os.environ.get("MP_SHOW_WARNINGS") != "1":
-        # Each rank would print megatron's "Apex/TE not installed, falling back" notices and
-        # deprecation chatter: expected on CPU, and noise times N ranks.
-        import warnings
-
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    quiet_cpu_warnings()
     try:
         # Plain pickle, not the queue's own: torch registers shared-memory reductions with
         # multiprocessing, and a tensor sent that way is gone once this worker exits, before the
@@ -68,12 +78,26 @@ def _pickled_user_error(exc: UserError) -> bytes:
         return pickle.dumps(UserError(str(exc)))
 
 
+# Attempts at a job whose rendezvous port another process took between ``free_port`` and the bind.
+PORT_ATTEMPTS = 3
+
+
 def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
     """Run ``fn(*args)`` on ranks 0..world_size-1; return the per-rank results in rank order.
 
     A ``UserError`` raised on a rank is raised here as itself; any other failure as ``WorkerError``
-    carrying the rank's traceback.
+    carrying the rank's traceback. A job that lost its free port to another process before it could
+    bind it (EADDRINUSE) starts again on another one.
     """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except WorkerError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -120,3 +144,67 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -
             raise pickle.loads(errors[rank])
         raise WorkerError(f"rank {rank} failed: {errors[rank]}")
     return [outputs[r] for r in range(world_size)]
+
+
+# --- torchrun -------------------------------------------------------------------------------------
+
+class JobFailed(Exception):
+    """A job started by torchrun failed; the message is one line, ``code`` the exit status to give."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def run_torchrun(torchrun_args: list[str]) -> None:
+    """``torchrun torchrun_args...`` in this process: torch.distributed.run's own parser and agent,
+    so it behaves exactly as the command does (rendezvous, --max-restarts, signals). Raises
+    ``JobFailed`` with one line saying why the job failed."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(torchrun_args))
+    except ChildFailedError as exc:
+        raise JobFailed(*explain_failures(exc.failures)) from None
+    except SignalException as exc:
+        name = signal.Signals(exc.sigval).name
+        raise JobFailed(f"the launcher got {name}: every rank was stopped", 128 + int(exc.sigval)) from None
+
+
+def _kind(failure) -> str | None:
+    data = failure.error_file_data or {}
+    message = data.get("message")
+    return message.get("extraInfo", {}).get("mpatch_kind") if isinstance(message, dict) else None
+
+
+def _text(failure) -> str:
+    message = (failure.error_file_data or {}).get("message")
+    return message.get("message", "") if isinstance(message, dict) else str(message or "")
+
+
+def explain_failures(failures: dict) -> tuple[str, int]:
+    """(one line, exit status) for torchrun's failed ranks ({global rank: ProcessFailure}).
+
+    The root cause, in this order: a rank's own one-line error (bad input: exit 2; a collective that
+    timed out, naming the rank that stopped answering), a rank killed by a signal the agent did not
+    send (SIGKILL from the OOM killer or a person, SIGSEGV...), a lost connection, the first rank
+    that exited non-zero (whose traceback is above)."""
+    order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    for kind, code in (("user", 2), ("hang", 1)):
+        for rank, f in order:
+            if _kind(f) == kind:
+                return _text(f), code
+    for rank, f in order:
+        if f.exitcode < 0 and f.signal_name() not in ("SIGTERM", "SIGINT"):
+            return (f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (by hand, by the scheduler, or by "
+                    "the kernel for want of memory); the other ranks were stopped"), 1
+    for rank, f in order:
+        if _kind(f) == "lost":
+            return _text(f), 1
+    rank, f = order[0]
+    how = f"was stopped by {f.signal_name()}" if f.exitcode < 0 else f"exited with status {f.exitcode}"
+    return f"rank {rank} (pid {f.pid}) {how}: its traceback is above", 1

@@ -34,8 +34,8 @@ def launchers() -> dict[str, list[str]]:
     return {name: list(f.launcher_parallel_args) for name, f in families().items()}
 
 ARG_HELP = {
-    "ENV": "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT) | "
-           "cpu (local gloo processes)",
+    "ENV": "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT; on "
+           "CPU nodes gloo) | cpu (local gloo processes); all start through torchrun",
     "MODEL_SIZE": "a published size of the family, tiny, or auto (architecture from PRETRAIN_CHECKPOINT_PATH)",
     "BATCH_SIZE": "micro-batch size per data-parallel rank (integer >= 1)",
     "GLOBAL_BATCH_SIZE": "samples per optimizer step; a multiple of BATCH_SIZE * data-parallel size",
@@ -80,8 +80,14 @@ EXTRAS = {
     "MP_LOG_INTERVAL": "log every this many iterations (default 1)",
     "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",
     "MP_EVAL_ITERS": "validation micro-batch rounds per evaluation (default 10)",
-    "MP_SEED": "random seed (default 1234)",
-    "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible)",
+    "MP_SEED": "random seed (default 1234; pipeline stage p initialises with seed + 100*p)",
+    "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
+    "MP_SAVE": "false: write no checkpoints and no final/ export (benchmarks)",
+    "MP_MAX_RESTARTS": "restart the ranks up to N times after a failure (torchrun --max-restarts); each restart "
+                       "resumes from the latest complete checkpoint (default 0)",
+    "MP_DIST_TIMEOUT_MIN": "minutes a collective may wait for the other ranks before the job fails naming the "
+                           "rank that stopped answering (default 10)",
+    "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; 1 on a dlc node without GPUs)",
 }
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -164,6 +170,10 @@ class RunConfig:
     world_size: int = 1
     nproc_per_node: int = 1
     nnodes: int = 1
+    # "cuda", or "cpu" for ENV=cpu and for ENV=dlc on nodes without a GPU (gloo, CPU limits)
+    device: str = "cuda"
+    max_restarts: int = 0
+    dist_timeout_min: float = 10.0
     tokenizer: str | None = None
     nan_policy: str = "stop"
     exit_interval: int | None = None
@@ -171,6 +181,7 @@ class RunConfig:
     eval_interval: int = 100
     eval_iters: int = 10
     seed: int = 1234
+    save: bool = True
     hf_config: dict = field(default_factory=dict, repr=False)
     notes: list[str] = field(default_factory=list)
 
@@ -189,6 +200,11 @@ class RunConfig:
     @property
     def sample_length(self) -> int:
         return self.pad_len if self.sft else self.seq_len
+
+    @property
+    def tokens_per_gemm(self) -> int:
+        """Rows of every linear layer's GEMM: a micro-batch's tokens on one context-parallel rank."""
+        return self.micro_batch_size * self.sample_length // self.cp
 
     @property
     def arch(self):
@@ -282,6 +298,16 @@ def _env_int(env: dict, name: str, default, lo: int = 1):
     return default if raw == "" else _int(name, raw, lo)
 
 
+def _env_minutes(env: dict, name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    value = _float(name, raw)
+    if value <= 0:
+        raise UserError(f"{name} must be a number of minutes > 0, got '{raw}'")
+    return value
+
+
 # --- resolve ---------------------------------------------------------------------------------------------
 
 def resolve(family: str, argv: list[str], env: dict | None = None, *, check_paths: bool = True) -> RunConfig:
@@ -364,6 +390,14 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         raise UserError("param-gather overlap needs the distributed optimizer: set DO=true")
     if ac in ("full", "offload") and ac_layers < 1:
         raise UserError("MP_AC_LAYERS must be >= 1")
+    if ac == "offload" and pp > 1:
+        raise UserError(f"AC=offload (activation CPU offloading) does not work with pipeline parallelism in "
+                        f"megatron-core: set PP=1 or AC=sel/full (PP={pp})")
+    if fl and precision == "fp32":
+        raise UserError("FL=true: FlashAttention has no fp32 kernel: use PR=bf16/fp16/fp8 or FL=false")
+    if packing and cp > 1:
+        raise UserError(f"MP_SFT_PACKING=true with CP={cp} is not supported (packed sequences would need "
+                        "per-document context-parallel partitioning): set CP=1 or drop MP_SFT_PACKING")
     if vp is not None and pp == 1:
         raise UserError(f"MP_VP={vp} (virtual pipeline) needs PP > 1")
     if pp0 is not None and pp == 1:
@@ -376,7 +410,7 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     # Model architecture.
     size = a["MODEL_SIZE"]
     ckpt = None if _none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
-    hf_config = _model_config(family, size, ckpt, check_paths)
+    hf_config = _model_config(family, size, ckpt, check_paths, _env_int(env, "MP_NUM_LAYERS", None))
     from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.arch import validate_layout
 
@@ -388,13 +422,29 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
                         "equal chunks")
     if arch.is_moe and tp > 1 and ep > 1 and not sp:
         raise UserError("a MoE model with TP > 1 and EP > 1 needs sequence parallelism: set SP=true")
-    if sp and seq_len % tp:
-        raise UserError(f"SP=true splits the sequence over TP={tp}: SEQ_LEN ({seq_len}) must be a multiple of {tp}")
+    length_name, length = ("PAD_LEN", pad_len) if sft else ("SEQ_LEN", seq_len)
+    if sp and length % tp:
+        raise UserError(f"SP=true splits the sequence over TP={tp}: {length_name} ({length}) must be a multiple of {tp}")
+    if cp > 1 and length % (2 * cp):
+        # Each CP rank takes two of 2*CP equal chunks (one early, one late) to balance causal attention.
+        raise UserError(f"CP={cp} splits the sequence into 2*CP={2 * cp} chunks: {length_name} ({length}) must be a "
+                        f"multiple of {2 * cp}")
+    _check_activation_checkpointing(ac, ac_layers, arch.num_layers, pp, vp, pp0)
+    if precision == "fp8":
+        _check_fp8_shapes(arch, fp8_recipe, mbs * length // cp, f"BATCH_SIZE*{length_name}/CP", tp, layout.expert_tp)
     if (pad_len if sft else seq_len) > arch.max_position_embeddings:
         raise UserError(f"sequence length {pad_len if sft else seq_len} exceeds the model's "
                         f"{arch.max_position_embeddings} positions")
 
     # Processes and data parallelism.
+    if run_env == "cpu":
+        device = "cpu"
+    elif run_env == "dlc":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    else:
+        device = "cuda"
     world, nproc, nnodes = _world(run_env, layout, env)
     mp = tp * pp * cp
     if world % mp:
@@ -461,13 +511,58 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         tokenizer=tokenizer, nan_policy=nan_policy, exit_interval=_env_int(env, "MP_EXIT_INTERVAL", None),
         log_interval=_env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=_env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
         eval_iters=_env_int(env, "MP_EVAL_ITERS", 10), seed=_env_int(env, "MP_SEED", 1234, lo=0),
+        save=_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=device,
+        max_restarts=_env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
+        dist_timeout_min=_env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
         hf_config=hf_config, notes=notes,
     )
     return cfg
 
 
-def _model_config(family: str, size: str, ckpt: str | None, check_paths: bool) -> dict:
+def _check_activation_checkpointing(ac: str, ac_layers: int, num_layers: int, pp: int, vp: int | None,
+                                    pp0: int | None) -> None:
+    """What megatron-core would reject (or crash on) only after every rank has started."""
+    if ac == "offload" and ac_layers >= num_layers:
+        raise UserError(f"MP_AC_LAYERS={ac_layers}: AC=offload can offload at most {num_layers - 1} of the "
+                        f"{num_layers} layers (the last layer's activations are needed at once)")
+    if ac == "full":
+        # Uniform recompute walks each model chunk in blocks of MP_AC_LAYERS layers.
+        if pp0 is not None:
+            fewest = min(pp0, (num_layers - pp0) // (pp - 1))
+        else:
+            fewest = num_layers // (pp * (vp or 1))
+        if ac_layers > fewest:
+            raise UserError(f"MP_AC_LAYERS={ac_layers}: AC=full recomputes blocks of MP_AC_LAYERS layers within a "
+                            f"pipeline stage, and a stage here holds {fewest}: set MP_AC_LAYERS <= {fewest}")
+
+
+def _check_fp8_shapes(arch, recipe: str, tokens: int, tokens_name: str, tp: int, etp: int) -> None:
+    """transformer-engine's FP8 GEMMs need rows divisible by 8 and the inner dimension by 16 (MXFP8: 32 and 32)."""
+    rows, inner = (32, 32) if recipe == "mxfp8" else (8, 16)
+    if tokens % rows:
+        raise UserError(f"PR=fp8 ({recipe}): the tokens per GEMM, {tokens_name} = {tokens}, must be a multiple of "
+                        f"{rows}: change BATCH_SIZE or the sequence length")
+    dims = {"hidden_size": arch.hidden_size, "attention width per TP rank": arch.num_heads * arch.head_dim // tp,
+            "FFN size per TP rank": arch.ffn_hidden_size // tp}
+    if arch.is_moe:
+        dims["expert FFN size per ETP rank"] = arch.moe_ffn_hidden_size // etp
+        if arch.shared_expert_ffn_hidden_size:
+            dims["shared-expert FFN size per TP rank"] = arch.shared_expert_ffn_hidden_size // tp
+    bad = [f"{name} {value}" for name, value in dims.items() if value % inner]
+    if bad:
+        raise UserError(f"PR=fp8 ({recipe}) needs GEMM inner dimensions divisible by {inner}, and this model at "
+                        f"TP={tp} has {', '.join(bad)}: use PR=bf16 or another TP")
+
+
+def _model_config(family: str, size: str, ckpt: str | None, check_paths: bool, num_layers: int | None = None) -> dict:
     table = presets(family)
+    if num_layers is not None:
+        if size == "auto" or ckpt is not None:
+            raise UserError("MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset and cannot change a checkpoint's: "
+                            "drop MP_NUM_LAYERS or PRETRAIN_CHECKPOINT_PATH")
+        if size not in table:
+            raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
+        return {**table[size], "num_hidden_layers": num_layers}
     if size == "auto":
         if ckpt is None:
             raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
@@ -506,18 +601,35 @@ def _check_data(path: str, dataset_type: str) -> None:
                         "written by 'mpatch preprocess' (e.g. data/corpus_text_document)")
 
 
+def launched_rank(env) -> bool:
+    """True in a process that a launcher (torchrun) started as one rank of the job.
+
+    There WORLD_SIZE is the job's process count; in the process the user started (ENV=dlc), PAI-DLC's
+    WORLD_SIZE is the node count.
+    """
+    return "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "MASTER_ADDR" in env)
+
+
 def _world(run_env: str, layout: ParallelLayout, env: dict) -> tuple[int, int, int]:
     """(world size, processes per node, nodes)."""
     if run_env == "cpu":
         nproc = _env_int(env, "MP_NPROC", layout.world_size)
         return nproc, nproc, 1
+    if launched_rank(env) and env.get("WORLD_SIZE"):
+        world = _int("WORLD_SIZE", env["WORLD_SIZE"])
+        per_node = _int("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE") or env.get("GPUS_PER_NODE") or str(world))
+        if world % per_node:
+            raise UserError(f"WORLD_SIZE={world} processes do not fill nodes of {per_node}: check GPUS_PER_NODE")
+        return world, per_node, world // per_node
     gpus = env.get("GPUS_PER_NODE")
     if gpus:
         per_node = _int("GPUS_PER_NODE", gpus)
     else:
         import torch
 
-        per_node = torch.cuda.device_count() or 8
+        # Without a GPU: a dlc node trains on its CPU, one process unless GPUS_PER_NODE says more;
+        # dsw (refused there) keeps a GPU node's 8 for dry runs that plan one.
+        per_node = torch.cuda.device_count() or (1 if run_env == "dlc" else 8)
     nnodes = _int("WORLD_SIZE", env.get("WORLD_SIZE", "1")) if run_env == "dlc" else 1
     return per_node * nnodes, per_node, nnodes
 
@@ -528,15 +640,27 @@ def megatron_settings(cfg: RunConfig) -> dict:
     """TransformerConfig overrides, DDP and optimizer settings: what each flag becomes."""
     from megatron.core.transformer.enums import AttnBackend
 
-    gpu = cfg.env != "cpu"
+    gpu = cfg.device == "cuda"
     tc: dict = {"sequence_parallel": cfg.sequence_parallel, "tp_comm_overlap": cfg.tp_comm_overlap}
+    if gpu:
+        # A stage's output, once sent on, is freed but for its autograd graph (Megatron-LM's default). Not
+        # on gloo: its asynchronous sends read the buffer later (PP=2 x VP=2 then trained on garbage).
+        tc["deallocate_pipeline_outputs"] = True
     if cfg.flash_attention:
         tc["attention_backend"] = AttnBackend.flash
+    elif not gpu:
+        tc["attention_backend"] = AttnBackend.local
+    elif cfg.precision == "fp32":
+        # transformer-engine's fused (cuDNN) and flash kernels have no fp32 path; auto lets TE take its unfused one.
+        tc["attention_backend"] = AttnBackend.auto
     else:
-        tc["attention_backend"] = AttnBackend.fused if gpu else AttnBackend.local
+        tc["attention_backend"] = AttnBackend.fused
     if cfg.precision == "fp8":
         tc.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_amax_history_len=1024 if cfg.fp8_recipe == "delayed" else 1,
                   fp8_amax_compute_algo="max" if cfg.fp8_recipe == "delayed" else "most_recent")
+        if cfg.arch.is_moe:
+            # Each expert's token count varies per step; pad it so its FP8 GEMM rows divide.
+            tc["moe_router_padding_for_quantization"] = True
     if cfg.activation_checkpointing == "sel":
         tc.update(recompute_granularity="selective")
     elif cfg.activation_checkpointing == "full":
@@ -577,6 +701,9 @@ class Capabilities:
     transformer_engine: bool
     fp8: bool
     flash_attention_3: bool
+    flash_attention_2: bool = False
+    compute_capability: tuple[int, int] | None = None  # of GPU 0
+    cuda_version: str | None = None  # torch's CUDA build
 
     @classmethod
     def detect(cls) -> "Capabilities":
@@ -585,21 +712,49 @@ class Capabilities:
         f = collect()["features"]
         import torch
 
-        return cls(cuda=torch.cuda.is_available(), transformer_engine=f["transformer_engine"], fp8=f["fp8"],
-                   flash_attention_3=f["flash_attention_3"])
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda, transformer_engine=f["transformer_engine"], fp8=f["fp8"],
+                   flash_attention_3=f["flash_attention_3"], flash_attention_2=f["flash_attention_2"],
+                   compute_capability=tuple(torch.cuda.get_device_capability(0)) if cuda else None,
+                   cuda_version=torch.version.cuda)
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in (text or "").split(".")[:2])
+    except ValueError:
+        return ()
+
+
+def fp8_recipe_problem(recipe: str, caps: Capabilities) -> str | None:
+    """Why transformer-engine cannot run ``recipe`` here (its own support checks), or None."""
+    cc, cuda = caps.compute_capability, caps.cuda_version
+    where = f"this GPU is sm{cc[0]}{cc[1]}" if cc else "the GPU's compute capability is unknown"
+    if recipe == "mxfp8" and not (cc and (10, 0) <= cc < (12, 0)):
+        return f"MP_FP8_RECIPE=mxfp8 needs a Blackwell GPU (compute capability 10.x) and {where}: " \
+               "use MP_FP8_RECIPE=delayed, tensorwise or blockwise"
+    if recipe == "blockwise" and not (cc and cc >= (9, 0) and _version_tuple(cuda) >= (12, 9)):
+        return f"MP_FP8_RECIPE=blockwise needs compute capability >= 9.0 and CUDA >= 12.9, and {where} with " \
+               f"CUDA {cuda}: use MP_FP8_RECIPE=delayed or tensorwise"
+    return None
 
 
 def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     """Every reason this machine cannot run ``cfg``, each saying what to change."""
     out = []
-    gpu_env = cfg.env != "cpu"
+    gpu_env = cfg.device == "cuda"
     if gpu_env and not caps.cuda:
         out.append(f"ENV={cfg.env} trains on GPUs and this machine has none: use ENV=cpu for a CPU run")
     te = caps.transformer_engine and gpu_env
     if cfg.precision == "fp8" and not (te and caps.fp8):
         out.append("PR=fp8 needs transformer-engine on a GPU with FP8 (compute capability >= 8.9): use PR=bf16")
+    elif cfg.precision == "fp8" and fp8_recipe_problem(cfg.fp8_recipe, caps):
+        out.append(fp8_recipe_problem(cfg.fp8_recipe, caps))
     if cfg.flash_attention and not te:
         out.append("FL=true needs transformer-engine's flash attention on a GPU: set FL=false")
+    elif cfg.flash_attention and not (caps.flash_attention_2 or caps.flash_attention_3):
+        out.append("FL=true: transformer-engine runs flash attention through the flash-attn package "
+                   "(or flash_attn_3 on Hopper), and neither is installed: pip install flash-attn, or set FL=false")
     if cfg.tp_comm_overlap and not te:
         out.append("TP communication overlap (TP > 1 with SP=true) needs transformer-engine on GPUs: "
                    "set MP_TP_COMM_OVERLAP=false (keeps SP) or SP=false")
@@ -624,8 +779,24 @@ def check_machine(cfg: RunConfig, caps: Capabilities | None = None) -> None:
 
 def attention_kernel(cfg: RunConfig, caps: Capabilities) -> str:
     """What attention will run, as the log reports it."""
-    if cfg.env == "cpu" or not caps.transformer_engine:
+    if cfg.device == "cpu" or not caps.transformer_engine:
         return "local (megatron-core DotProductAttention, unfused softmax)"
     if cfg.flash_attention:
-        return "FlashAttention-3 (flash_attn_interface)" if caps.flash_attention_3 else "FlashAttention-2 (flash_attn)"
+        if caps.flash_attention_3:
+            return "FlashAttention-3 (flash_attn_interface)"
+        return "FlashAttention-2 (flash_attn)" if caps.flash_attention_2 else "none: no flash-attn package (refused)"
+    if cfg.precision == "fp32":
+        return "auto (transformer-engine picks; fp32 runs its unfused attention)"
     return "fused (transformer-engine cuDNN attention)"
+
+
+def launch_environment(cfg: RunConfig, caps: Capabilities) -> dict[str, str]:
+    """Variables the launcher sets for every rank.
+
+    CUDA_DEVICE_MAX_CONNECTIONS=1 makes kernels run in the order they were issued, so TP/CP
+    communication launched before a GEMM really overlaps it; Megatron-LM requires it below sm100.
+    """
+    cc = caps.compute_capability
+    if cfg.device == "cuda" and (cfg.tp > 1 or cfg.cp > 1) and (cc is None or cc < (10, 0)):
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}

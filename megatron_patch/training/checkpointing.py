@@ -8,14 +8,19 @@ Layout under ``OUTPUT_BASEPATH/checkpoint``::
                                         train_state.json
 
 A save writes into a partial folder (``checkpoint_layout``), renamed to ``iter_XXXXXXX`` only after
-every rank has finished, and only then is the latest marker replaced. A run killed mid-save leaves
-the previous checkpoint as the latest.
+every rank has finished and everything in it is fsynced, and only then is the latest marker replaced.
+A run killed mid-save leaves the previous checkpoint as the latest. A save that fails (a full disk,
+any OSError) stops the run with one line and removes its partial folder; the previous checkpoint is
+untouched. At resume, the newest complete checkpoint is taken (``iteration_problem`` says what makes
+one incomplete), with a warning for each newer one skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -24,26 +29,68 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.checkpoint_layout import (
-    RELEASE, TRACKER_NAME, iteration_dir, load_models_torch_dist, partial_dir, publish, read_tracker,
-    remove_stale_partials, write_tracker)
+    RELEASE, fsync_file, iteration_dir, latest_complete_iteration, load_models_torch_dist, partial_dir, publish,
+    remove_stale_partials, torch_dist_problem, write_tracker, zip_problem)
 from megatron_patch.errors import UserError
+from megatron_patch.runtime import watchdog
 
 # megatron-core 0.16's default distributed-optimizer format is rejected by its own dist_checkpointing;
 # fully_reshardable also reloads at another TP/PP/DP (see docs/cpu-runtime.md).
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def latest_iteration(root: str | Path) -> int | None:
-    tracker = Path(root) / TRACKER_NAME
-    latest = read_tracker(root)
-    if latest is None:
-        return None
-    if latest == RELEASE:
-        raise UserError(f"{tracker} says '{RELEASE}': {root} holds converted weights, not a training run's checkpoints; "
-                        "give it as PRETRAIN_CHECKPOINT_PATH and choose another OUTPUT_BASEPATH")
-    if not iteration_dir(root, latest).is_dir():
-        raise UserError(f"{tracker} points at iteration {latest}, but {iteration_dir(root, latest)} is missing")
-    return latest
+TRAIN_STATE = "train_state.json"
+
+
+def iteration_problem(folder: Path) -> str | None:
+    """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
+    (checkpoint_layout.torch_dist_problem), train_state.json, and every rank's random state."""
+    why = torch_dist_problem(folder)
+    if why:
+        return why
+    try:
+        state = json.loads((folder / TRAIN_STATE).read_text())
+        iteration, world = int(state["iteration"]), int(state["world_size"])
+    except FileNotFoundError:
+        return f"{TRAIN_STATE} is missing"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{TRAIN_STATE} is unreadable ({type(exc).__name__}: {exc})"
+    if iteration_dir(folder.parent, iteration).name != folder.name:
+        return f"{TRAIN_STATE} says iteration {iteration}"
+    for rank in range(world):
+        why = zip_problem(folder / "rng" / f"rank_{rank:05d}.pt")
+        if why:
+            return f"rng/{why}"
+    return None
+
+
+def latest_iteration(root: str | Path) -> tuple[int | None, list[str]]:
+    """The newest complete checkpoint under ``root`` (None: nothing saved yet) and a warning for each
+    newer one skipped. UserError when checkpoints exist and none is complete."""
+    try:
+        return latest_complete_iteration(root, iteration_problem)
+    except UserError as exc:
+        if f"'{RELEASE}'" in str(exc):
+            raise UserError(f"{exc}; give it as PRETRAIN_CHECKPOINT_PATH and choose another OUTPUT_BASEPATH")
+        raise
+
+
+def resume_iteration(root: str | Path, log=print) -> int | None:
+    """``latest_iteration``, decided by rank 0 and the same on every rank (warnings logged once)."""
+    holder: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            holder = [latest_iteration(root)]
+        except UserError as exc:
+            holder = [exc]
+    dist.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], UserError):
+        raise UserError(str(holder[0]))
+    iteration, notes = holder[0]
+    if dist.get_rank() == 0:
+        for note in notes:
+            log(f"warning: {note}")
+    return iteration
 
 
 def _rng_state() -> dict:
@@ -97,34 +144,133 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
     root = cfg.checkpoint_dir
     final = iteration_dir(root, iteration)
     rank = dist.get_rank()
+    watchdog.set_phase(f"saving {final.name}")
     tmp = _shared_partial_dir(final)
     start = time.time()
-    _param_gather_hooks(cfg, models, enable=False)
-    state = _sharded_state(models, optimizer, is_loading=False)
-    state.update(scheduler=scheduler.state_dict(), iteration=iteration,
-                 consumed_samples=iteration * cfg.global_batch_size)
-    dist_checkpointing.save(state, str(tmp))
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
-    _param_gather_hooks(cfg, models, enable=True)
-    dist.barrier()
-    if rank == 0:
-        (tmp / "train_state.json").write_text(json.dumps(
-            {"iteration": iteration, "consumed_samples": iteration * cfg.global_batch_size,
-             "world_size": dist.get_world_size(), "family": cfg.family, "hf_config": cfg.hf_config,
-             "config": cfg.to_dict()}, indent=2, default=str) + "\n")
-        # The converter's sidecar too, so 'mpatch convert mcore2hf' reads any iteration folder directly.
-        from megatron_patch.convert.sidecar import Sidecar
-        from megatron_patch.dtypes import precision_dtype
+    with _stop_on_write_error(final, tmp, rank):
+        _param_gather_hooks(cfg, models, enable=False)
+        state = _sharded_state(models, optimizer, is_loading=False)
+        state.update(scheduler=scheduler.state_dict(), iteration=iteration,
+                     consumed_samples=iteration * cfg.global_batch_size)
+        dist_checkpointing.save(state, str(tmp))
+        (tmp / "rng").mkdir(exist_ok=True)
+        rng_file = tmp / "rng" / f"rank_{rank:05d}.pt"
+        torch.save(_rng_state(), rng_file)
+        # Each rank makes its own file durable: on several nodes, rank 0's fsync of the folder
+        # would not reach another node's cache. (megatron's writer fsyncs the .distcp files.)
+        fsync_file(rng_file)
+        _param_gather_hooks(cfg, models, enable=True)
+        dist.barrier()
+        if rank == 0:
+            (tmp / TRAIN_STATE).write_text(json.dumps(
+                {"iteration": iteration, "consumed_samples": iteration * cfg.global_batch_size,
+                 "world_size": dist.get_world_size(), "family": cfg.family, "hf_config": cfg.hf_config,
+                 "config": cfg.to_dict()}, indent=2, default=str) + "\n")
+            # The converter's sidecar too, so 'mpatch convert mcore2hf' reads any iteration folder directly.
+            from megatron_patch.convert.sidecar import Sidecar
+            from megatron_patch.dtypes import precision_dtype
 
-        Sidecar.create("torch_dist", cfg.arch, cfg.layout, precision_dtype(cfg.precision),
-                       source=f"mpatch train, iteration {iteration}").write(tmp)
-        publish(tmp, final)
-        write_tracker(root, iteration)
-    dist.barrier()
+            Sidecar.create("torch_dist", cfg.arch, cfg.layout, precision_dtype(cfg.precision),
+                           source=f"mpatch train, iteration {iteration}").write(tmp)
+            publish(tmp, final)  # fsyncs everything in it first
+            write_tracker(root, iteration)  # the marker moves last
+        dist.barrier()
     if rank == 0:
         print(f"saved checkpoint {final} in {time.time() - start:.1f}s", flush=True)
     return final
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (a full disk, a lost mount): the run stops, the previous one stays."""
+
+
+_ERRNO = re.compile(r"\[Errno (\d+)\] ([^:'\]\n]+)(?:: '([^']*)')?")
+# What torch.save's C++ writer says when the bytes do not reach the disk (it does not pass on the errno).
+_STREAM_WRITE = re.compile(r"PytorchStreamWriter failed|inline_container\.cc|file write failed")
+
+
+def _exceptions(exc: BaseException):
+    """``exc``, its causes, and (torch's CheckpointException) each rank's failure, once each."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        for failure in (getattr(e, "failures", None) or {}).values():  # {rank: (exception, traceback)}
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+
+
+def _write_failure_text(exc: BaseException) -> str | None:
+    """One line for a failure to get the checkpoint's bytes onto the disk, or None for anything else
+    (a bug keeps its traceback).
+
+    An OSError is named by its errno; one raised in megatron's writer processes reaches the
+    coordinator pickled inside a RuntimeError ("Worker failure: [Errno 28] ..."), its cause lost on
+    the way, so its text is read. torch.save's own writer reports a short write without an errno
+    ("unexpected pos 704 vs 598"): that is taken as a write failure too.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    # A CheckpointException's own text is its ranks' tracebacks: read its failures instead.
+    found = [e for e in _exceptions(exc) if not isinstance(e, CheckpointException)]
+    for e in found:
+        if isinstance(e, OSError) and e.errno:
+            return f"[Errno {e.errno}] {e.strerror}" + (f" ({e.filename})" if e.filename else "")
+        m = _ERRNO.search(str(e))
+        if m:
+            return f"[Errno {m.group(1)}] {m.group(2).strip()}" + (f" ({m.group(3)})" if m.group(3) else "")
+    for e in found:
+        if _STREAM_WRITE.search(str(e)):
+            return "a file could not be written (" + " ".join(str(e).split())[:200] + ")"
+    return None
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def _stop_on_write_error(final: Path, tmp: Path, rank: int):
+    """A save that fails to write (a full disk, any OSError) stops the run with one line; its partial
+    folder goes (it may hold most of the free space) and the previous checkpoint is left as it was.
+
+    torch's CheckpointException (a BaseException) is raised on every rank after one broadcast, with the
+    details on the coordinator only: the ranks share them here (a collective every rank is ready
+    for), so whichever rank the launcher hears from first says what failed. A rank whose own write
+    failed elsewhere exits alone; the launcher stops the others (they cannot leave a collective they
+    are already in)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (Exception, CheckpointException) as exc:
+        what, where = _write_failure_text(exc), rank
+        if isinstance(exc, CheckpointException):
+            failed = sorted(exc.failures)
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, None if what is None else (failed[0] if failed else rank, what))
+            where, what = next((x for x in everyone if x), (rank, None))
+        if what is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        root = final.parent
+        try:
+            previous = latest_complete_iteration(root, iteration_problem)[0]
+        except UserError:
+            previous = None
+        if previous is None:
+            kept, room = "no complete earlier checkpoint exists", ""
+        else:
+            kept = f"{iteration_dir(root, previous)} is intact and a rerun resumes from it"
+            free, size = shutil.disk_usage(root).free, _folder_bytes(iteration_dir(root, previous))
+            room = (f" (the disk is full: {free / 2**20:.1f} MiB free, a checkpoint takes {size / 2**20:.1f} MiB)"
+                    if free < size else "")
+        raise CheckpointWriteError(
+            f"saving {final.name} failed on rank {where}: {what}{room}; training stopped, {kept}: free space in "
+            f"{root} (or choose another OUTPUT_BASEPATH) and rerun") from None
 
 
 def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
@@ -132,6 +278,7 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     from megatron.core import dist_checkpointing
 
     folder = iteration_dir(cfg.checkpoint_dir, iteration)
+    watchdog.set_phase(f"loading {folder.name}")
     state = dist_checkpointing.load(_sharded_state(models, optimizer, is_loading=True), str(folder))
     for key, m in zip(_model_keys(models), models):
         m.module.load_state_dict(state[key])
@@ -193,6 +340,7 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
     from megatron_patch.convert.sidecar import Sidecar
 
     final = Path(cfg.output_basepath) / FINAL_DIR
+    watchdog.set_phase(f"exporting {final}")
     rank = dist.get_rank()
     tmp = _shared_partial_dir(final, inner=RELEASE)
     _param_gather_hooks(cfg, models, enable=False)

@@ -164,17 +164,13 @@ def _sample(ids: list[int], trained: list[int], length: int, pad: int, doc_start
     position_ids = torch.arange(length)
     out = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
     if doc_starts is not None:
-        # Packed: positions restart and attention stays inside each original sample.
-        doc = torch.zeros(length, dtype=torch.long)
-        for s in doc_starts[1:]:
-            if s < length:
-                doc[s:] += 1
-        starts = torch.tensor(doc_starts + [length])
-        position_ids = torch.arange(length) - starts[doc]
-        causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
-        same = doc.unsqueeze(0) == doc.unsqueeze(1)
-        out["position_ids"] = position_ids
-        out["attention_mask"] = ~(causal & same).unsqueeze(0)  # True = masked, megatron's convention
+        # Packed: each document (and the padding after the last) is a segment of its own; the
+        # training step turns the starts into THD boundaries (training/packing.py).
+        starts = sorted({s for s in doc_starts if s < length} | ({n} if n < length else set()))
+        doc_start = torch.zeros(length, dtype=torch.bool)
+        doc_start[starts] = True
+        out["doc_start"] = doc_start
+        out["position_ids"] = torch.arange(length) - torch.tensor(starts)[torch.cumsum(doc_start.long(), 0) - 1]
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import torch.distributed as dist
 
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
+from megatron_patch.runtime import watchdog
+from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
@@ -33,12 +36,11 @@ def flops_per_iteration(arch, cfg) -> float:
     h, s = arch.hidden_size, cfg.sample_length
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     attn = h * q + 2 * h * kv + q * h
-    if arch.is_moe:
-        mlp = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size + 3 * h * arch.shared_expert_ffn_hidden_size \
-              + h * arch.num_experts
-    else:
-        mlp = 3 * h * arch.ffn_hidden_size
-    per_token = 2 * (arch.num_layers * (attn + mlp) + h * arch.padded_vocab_size())
+    moe_mlp = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size + 3 * h * arch.shared_expert_ffn_hidden_size \
+        + h * arch.num_experts
+    dense_mlp = 3 * h * arch.ffn_hidden_size
+    mlp = sum(moe_mlp if arch.is_moe_layer(i) else dense_mlp for i in range(arch.num_layers))
+    per_token = 2 * (arch.num_layers * attn + mlp + h * arch.padded_vocab_size())
     per_token += 2 * arch.num_layers * q * s  # QK^T and AV, halved for causal masking: 2 * 2 * s * q / 2
     return 3.0 * per_token * cfg.global_batch_size * s
 
@@ -87,11 +89,80 @@ def _loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, vocab_size: int, c
     return loss, {"lm loss": stats.detach()}
 
 
-def _forward_step(vocab_size: int, cp_size: int, data_iterator, model):
-    batch = next(data_iterator)
+def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int) -> dict:
+    """This context-parallel rank's part of each [b, s] tensor: chunks r and 2*CP-1-r of 2*CP.
+
+    The layout megatron-core's CP attention and RoPE expect (Megatron-LM's get_batch_on_this_cp_rank):
+    with causal masking a late chunk costs more than an early one, so each rank takes one of each.
+    """
+    if cp_size == 1:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        chunks = value.chunk(2 * cp_size, dim=1)
+        out[key] = torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=1)
+    return out
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the forward step needs besides the batch (fixed for a run)."""
+    vocab_size: int
+    device: torch.device
+    cp_size: int = 1
+    cp_rank: int = 0
+
+
+def prepare_batch(batch: dict, ctx: StepContext) -> tuple[dict, object]:
+    """A micro-batch as the model takes it: packed samples in THD form, on the device, this CP rank's part.
+
+    Returns (batch, PackedSeqParams or None).
+    """
+    from megatron_patch.training import packing
+
+    params = None
+    if "doc_start" in batch:
+        batch, thd = packing.thd_batch(batch)
+        params = packing.packed_seq_params(thd["cu_seqlens"].to(ctx.device, non_blocking=True), thd["max_seqlen"])
+    batch = {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
+    if params is None:
+        batch = split_for_context_parallel(batch, ctx.cp_size, ctx.cp_rank)
+    return batch, params
+
+
+def _forward_step(ctx: StepContext, data_iterator, model):
+    batch, packed = prepare_batch(next(data_iterator), ctx)
     # No labels: the model returns logits, and the loss (with the vocabulary padding masked) is ours.
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
-    return output, partial(_loss_func, batch["loss_mask"], batch["labels"], vocab_size, cp_size)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), packed_seq_params=packed)
+    return output, partial(_loss_func, batch["loss_mask"], batch["labels"], ctx.vocab_size, ctx.cp_size)
+
+
+def move_to_device(chunks: list, device: torch.device) -> None:
+    """Every parameter and buffer of the model chunks onto ``device`` (Megatron-LM's get_model does the same).
+
+    megatron-core creates some on the host whatever the config says (the MoE router, the shared-expert
+    gate); the mixed-precision optimizer then refuses them.
+    """
+    for chunk in chunks:
+        chunk.to(device)
+    stray = [name for chunk in chunks for name, t in [*chunk.named_parameters(), *chunk.named_buffers()]
+             if t.device != device]
+    if stray:
+        raise RuntimeError(f"{len(stray)} tensors stayed off {device} after moving the model, e.g. {stray[0]}")
+
+
+def configure_overlap(config, models: list, ddp_settings: dict) -> None:
+    """The schedule's hooks for overlapping DP communication with compute (Megatron-LM's train()).
+
+    grad_sync_func: each pipeline stage starts its gradient reduction as soon as its last backward
+    is done; param_sync_func: the interleaved schedule gathers the next chunk's parameters ahead.
+    """
+    one = len(models) == 1
+    config.no_sync_func = models[0].no_sync if one else [m.no_sync for m in models]
+    if ddp_settings["overlap_grad_reduce"]:
+        config.grad_sync_func = models[0].start_grad_sync if one else [m.start_grad_sync for m in models]
+    if ddp_settings["overlap_param_gather"] and not one:
+        config.param_sync_func = [m.start_param_sync for m in models]
 
 
 class Trainer:
@@ -117,9 +188,16 @@ class Trainer:
         cfg = self.cfg
         self.arch = cfg.arch
         self.settings = megatron_settings(cfg)
+        device = self._device()
         # One GPTModel per virtual pipeline stage (one in all without MP_VP).
         chunks = build_model_chunks(self.arch, cfg.layout, precision_dtype(cfg.precision), pp_first_stage_layers=cfg.pp0_layers,
                                     **self.settings["transformer_config"])
+        if cfg.sft_packing:
+            from megatron_patch.training.packing import use_packed_local_attention
+
+            for c in chunks:
+                use_packed_local_attention(c)
+        move_to_device(chunks, device)
         self.resume_iteration = self._latest()
         if self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
@@ -128,8 +206,8 @@ class Trainer:
         # As Megatron-LM does: only the first chunk's gradient buckets are bucketed for overlap.
         self.models = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
                        for i, c in enumerate(chunks)]
-        no_sync = [m.no_sync for m in self.models]
-        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        self.config = config
+        configure_overlap(config, self.models, self.settings["ddp"])
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), self.models)
         config.grad_scale_func = self.optimizer.scale_loss
@@ -149,7 +227,14 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.step_context = StepContext(vocab_size=self.arch.vocab_size, device=device, cp_size=cfg.cp,
+                                        cp_rank=parallel_state.get_context_parallel_rank())
         self._build_data()
+        if device.type == "cuda":
+            from megatron_patch.training.gpu_setup import warm_up_fused_kernels
+
+            if config.bias_activation_fusion:
+                warm_up_fused_kernels(cfg, self.arch, precision_dtype(cfg.precision), device)
 
     def _load_pretrained(self, chunks: list) -> None:
         """A converted checkpoint into this rank's model chunk(s)."""
@@ -165,9 +250,9 @@ class Trainer:
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-        from megatron_patch.training.checkpointing import latest_iteration
+        from megatron_patch.training.checkpointing import resume_iteration
 
-        return latest_iteration(self.cfg.checkpoint_dir)
+        return resume_iteration(self.cfg.checkpoint_dir, self._log)
 
     def _build_data(self) -> None:
         from megatron_patch.training import data
@@ -230,10 +315,13 @@ class Trainer:
         # The interleaved schedule takes one iterator per chunk; each chunk reads every micro-batch
         # in order (the first chunk its tokens, the last its labels and loss mask).
         data = [iter(batches) for _ in self.models] if len(self.models) > 1 else iter(batches)
+        # Packed micro-batches travel between stages as one THD row of all their tokens.
+        seq, mbs = ((cfg.micro_batch_size * cfg.sample_length, 1) if cfg.sft_packing
+                    else (cfg.sample_length, cfg.micro_batch_size))
         out = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, self.arch.vocab_size, cfg.cp), data_iterator=data,
-            model=self.models, num_microbatches=len(batches), seq_length=cfg.sample_length,
-            micro_batch_size=cfg.micro_batch_size, forward_only=forward_only)
+            forward_step_func=partial(_forward_step, self.step_context), data_iterator=data,
+            model=self.models, num_microbatches=len(batches), seq_length=seq,
+            micro_batch_size=mbs, forward_only=forward_only)
         stats = torch.zeros(2, dtype=torch.float64)
         if self.last_stage:
             for d in out:
@@ -303,23 +391,33 @@ class Trainer:
         flops = flops_per_iteration(self.arch, cfg)
         peak = self._peak_tflops()
         losses = {}
+        from megatron_patch.training.arguments import Capabilities, attention_kernel
+
         self._log(f"training {cfg.family} {cfg.model_size} {cfg.layout} DP={self.dp_size} on {self.world} "
                   f"{'GPU' if torch.cuda.is_available() else 'CPU process'}(es): iterations {self.iteration + 1}.."
                   f"{cfg.train_iters}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x "
-                  f"{cfg.sample_length} tokens per DP rank")
+                  f"{cfg.sample_length} tokens per DP rank; attention {attention_kernel(cfg, Capabilities.detect())}")
         stop_at = cfg.train_iters if cfg.exit_interval is None else min(cfg.train_iters, cfg.exit_interval)
+        first = self.iteration + 1
+        records = []
+        self._param_gather_before_first_step()
         while self.iteration < stop_at:
+            watchdog.set_phase(f"iteration {self.iteration + 1}")
             start = time.time()
             result = self.train_step()
             self.iteration += 1
             elapsed = time.time() - start
+            if self.iteration == first:
+                self._param_gather_after_first_step()
             losses[self.iteration] = result["loss"]
             tokens = cfg.global_batch_size * cfg.sample_length
             tflops = flops / elapsed / self.world / 1e12
             metrics = {"iteration": self.iteration, "loss": result["loss"],
                        "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": result.get("grad_norm"),
                        "tokens_per_s": tokens / elapsed, "tflops_per_gpu": tflops, "memory_gib": _memory_gib(),
-                       "iteration_s": elapsed, "loss_tokens": result["tokens"], "skipped": result["skipped"]}
+                       "iteration_s": elapsed, "tokens": tokens, "loss_tokens": result["tokens"],
+                       "skipped": result["skipped"], "warmup": self.iteration < first + WARMUP_ITERATIONS}
+            records.append(metrics)
             if peak:
                 metrics["mfu"] = tflops / peak
             self._record(metrics)
@@ -331,18 +429,51 @@ class Trainer:
                           f"{tflops:.3f}" + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
                           + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms")
             if self.valid_data is not None and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
+                watchdog.set_phase(f"validation after iteration {self.iteration}")
                 vloss = self.evaluate()
                 self._log(f"validation at iter {self.iteration}: loss {vloss:.4f} | ppl {math.exp(min(vloss, 50)):.2f}")
                 self._record({"iteration": self.iteration, "valid_loss": vloss})
-            if self.iteration % cfg.save_interval == 0 or self.iteration == stop_at:
+            if cfg.save and (self.iteration % cfg.save_interval == 0 or self.iteration == stop_at):
                 checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler)
-        if self.iteration == cfg.train_iters:
+        self._report_throughput(records, peak)
+        if cfg.save and self.iteration == cfg.train_iters:
             checkpointing.export_model(cfg, self.iteration, self.models, precision_dtype(cfg.precision))
         if self.writer is not None:
             self.writer.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
         return {"rank": self.rank, "iteration": self.iteration, "losses": losses}
+
+    def _param_gather_before_first_step(self) -> None:
+        """With overlapped parameter all-gathers, the first step runs without them (Megatron-LM's order).
+
+        The weights are already complete on every rank (initialised or loaded); a gather before the
+        first optimizer step would only spread a loading error to all ranks.
+        """
+        self._param_sync_func = self.config.param_sync_func
+        if self.settings["ddp"]["overlap_param_gather"]:
+            for m in self.models:
+                m.disable_forward_pre_hook(param_sync=False)
+            self.config.param_sync_func = None
+
+    def _param_gather_after_first_step(self) -> None:
+        if self.settings["ddp"]["overlap_param_gather"]:
+            for m in self.models:
+                m.enable_forward_pre_hook()
+            self.config.param_sync_func = self._param_sync_func
+
+    def _report_throughput(self, records: list[dict], peak: float | None) -> None:
+        summary = summarize(records, peak)
+        if summary is not None:
+            # Peak memory is per rank: report the largest.
+            mem = torch.tensor([summary["peak_memory_gib"]], dtype=torch.float64, device=self._device())
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            summary["peak_memory_gib"] = float(mem)
+        if self.rank != self.log_rank:
+            return
+        self._log(describe(summary))
+        out = Path(self.cfg.output_basepath) / "log" / "throughput.json"
+        out.write_text(json.dumps(summary, indent=2) + "\n")
 
     def _peak_tflops(self) -> float | None:
         if not torch.cuda.is_available():
@@ -356,14 +487,22 @@ class Trainer:
 
 def train(cfg) -> dict:
     """Run on every rank (process group from RANK/WORLD_SIZE/MASTER_*)."""
+    import os
+
     from megatron_patch.runtime import init_model_parallel
 
-    init_model_parallel(cfg.layout, seed=cfg.seed)
+    watchdog.set_phase("joining the job")
+    init_model_parallel(cfg.layout, seed=cfg.seed, timeout_minutes=cfg.dist_timeout_min)
+    watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.dist_timeout_min)
+    watchdog.set_phase("building the model, optimizer and data")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and dist.get_rank() == 0:
+        print(f"restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (MP_MAX_RESTARTS): "
+              "resuming from the latest complete checkpoint", flush=True)
+    if cfg.tp_comm_overlap:
+        from megatron_patch.training.gpu_setup import initialize_tp_communicators
+
+        initialize_tp_communicators(cfg, cfg.arch.hidden_size)
     trainer = Trainer(cfg)
     trainer.build()
     return trainer.run()
-
-
-def train_worker(cfg) -> dict:
-    """Entry for ``run_local`` ranks (ENV=cpu)."""
-    return train(cfg)

@@ -1,4 +1,4 @@
-"""Llama 3 / 3.1 (dense, GQA, llama3 RoPE scaling)."""
+"""Llama 3.x and any Llama-architecture checkpoint (LlamaForCausalLM; MistralForCausalLM without a sliding window)."""
 
 from megatron_patch.models.family import ModelFamily, TestLayouts
 from megatron_patch.models.llama3_1.config import TINY_CONFIG, parse_config
@@ -8,8 +8,9 @@ from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(
-    name="llama3_1", summary="Llama 3 / 3.1: dense, GQA, llama3 RoPE scaling read from config.json",
-    hf_model_types=("llama",), hf_architectures=("LlamaForCausalLM",),
+    name="llama3_1", summary="Llama 3.x (3.2 with tied embeddings) and any Llama-architecture checkpoint, Mistral "
+                             "without a sliding window: GQA, default/linear/llama3/yarn RoPE from config.json",
+    hf_model_types=("llama", "mistral"), hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2), L(pp=2)),

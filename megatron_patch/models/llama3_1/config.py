@@ -1,4 +1,6 @@
-"""Llama 3 / 3.1 config.json -> Arch. RoPE scaling (rope_type llama3) is read, never assumed."""
+"""Llama-architecture config.json -> Arch: Llama 3 / 3.1 / 3.2 and any LlamaForCausalLM or
+MistralForCausalLM (without a sliding window). RoPE (default, linear, llama3, yarn) is read, never
+assumed; tied embeddings, an explicit head_dim and linear biases are taken as given."""
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
@@ -6,9 +8,16 @@ from megatron_patch.models.decoder import parse_decoder_config
 
 
 def parse_config(raw: dict) -> Arch:
-    if raw.get("attention_bias"):
-        raise UserError("attention_bias=true is not supported for Llama models")
-    return parse_decoder_config(raw, "llama3_1", qkv_bias=False)
+    window = raw.get("sliding_window")
+    if window is not None and raw.get("use_sliding_window", True):
+        raise UserError(f"sliding_window={window} (attention over the last {window} tokens only) is not supported: "
+                        "megatron-core's attention here is full causal attention, so only checkpoints with "
+                        "sliding_window null convert exactly")
+    attention_bias, mlp_bias = bool(raw.get("attention_bias")), bool(raw.get("mlp_bias"))
+    if attention_bias != mlp_bias:
+        raise UserError(f"attention_bias={str(attention_bias).lower()} with mlp_bias={str(mlp_bias).lower()} cannot be "
+                        "built: megatron-core puts a bias on every linear layer or on none (add_bias_linear)")
+    return parse_decoder_config(raw, "llama3_1", qkv_bias=False, linear_bias=attention_bias)
 
 
 # A tiny Llama-3.1: GQA (4 heads, 2 groups), llama3 RoPE scaling with non-default factors so a

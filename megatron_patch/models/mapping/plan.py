@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_patch.models.arch import Arch, pipeline_layer_ranges
-from megatron_patch.models.mapping.rules import Rule, Scope
+from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope
 from megatron_patch.models.mapping.splits import Split, SplitContext
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -33,6 +33,11 @@ class Transfer:
     expert: bool             # shard index counts expert-tensor-parallel ranks, not TP ranks
     num_shards: int
     placements: tuple[Placement, ...]
+    dtype: str | None = None  # a dtype name kept whatever the checkpoint's dtype (Rule.dtype)
+
+    def dtype_in(self, checkpoint_dtype: str) -> str:
+        """The dtype name this transfer's tensors have in a checkpoint of ``checkpoint_dtype`` (a name)."""
+        return self.dtype or checkpoint_dtype
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,9 @@ def split_context(arch: Arch) -> SplitContext:
 
 
 def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
-                   pp_first_stage_layers: int | None = None) -> list[Transfer]:
+                   pp_first_stage_layers: int | None = None, spec: str = "te") -> list[Transfer]:
+    """Every transfer of ``rules`` at ``layout``, sharded as the ``spec`` ("te" or "local") layer
+    spec shards it (checkpoint files use TE's; a live CPU model, the local spec's)."""
     ranges = pipeline_layer_ranges(arch.num_layers, layout.pp, pp_first_stage_layers)
     experts_per_rank = arch.num_experts // layout.ep if arch.is_moe else 0
     transfers: list[Transfer] = []
@@ -65,7 +72,8 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
     def add(hf_names, rule, expert, placements_for_shard):
         n = layout.expert_tp if expert else layout.tp
         placements = tuple(p for i in range(n) for p in placements_for_shard(i))
-        transfers.append(Transfer(tuple(hf_names), rule.split, expert, n, placements))
+        split = rule.local_split if spec == "local" and rule.local_split is not None else rule.split
+        transfers.append(Transfer(tuple(hf_names), split, expert, n, placements, rule.dtype))
 
     for rule in rules:
         if rule.scope is Scope.FIRST_STAGE:
@@ -80,16 +88,21 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
                 hf = (rule.tied_to,)
             add(hf, rule, False, lambda i, r=rule: [Placement(layout.pp - 1, None, i, r.mcore)])
         else:
-            for stage, layers in enumerate(ranges):
-                for local, layer in enumerate(layers):
-                    mcore = rule.mcore.replace("{layer}", str(local))
-                    hf = [h.replace("{layer}", str(layer)) for h in rule.hf]
-                    if rule.scope is Scope.LAYER:
-                        add(hf, rule, False, lambda i, m=mcore, s=stage: [Placement(s, None, i, m)])
-                        continue
-                    for expert in range(arch.num_experts):
-                        ep_rank, local_expert = divmod(expert, experts_per_rank)
-                        add([h.replace("{expert}", str(expert)) for h in hf], rule, True,
-                            lambda i, m=mcore.replace("{expert}", str(local_expert)), s=stage, e=ep_rank:
-                            [Placement(s, e, i, m)])
+            if rule.mtp:  # multi-token-prediction layers follow the decoder, on the last stage
+                spots = [(layout.pp - 1, k, arch.num_layers + k) for k in range(arch.mtp_layers)]
+            else:
+                spots = [(stage, local, layer) for stage, layers in enumerate(ranges) for local, layer in enumerate(layers)]
+            for stage, local, layer in spots:
+                if rule.layers is not None and (rule.layers is LayerKind.MOE) != arch.is_moe_layer(layer):
+                    continue
+                mcore = rule.mcore.replace("{layer}", str(local))
+                hf = [h.replace("{layer}", str(layer)) for h in rule.hf]
+                if rule.scope is Scope.LAYER:
+                    add(hf, rule, False, lambda i, m=mcore, s=stage: [Placement(s, None, i, m)])
+                    continue
+                for expert in range(arch.num_experts):
+                    ep_rank, local_expert = divmod(expert, experts_per_rank)
+                    add([h.replace("{expert}", str(expert)) for h in hf], rule, True,
+                        lambda i, m=mcore.replace("{expert}", str(local_expert)), s=stage, e=ep_rank:
+                        [Placement(s, e, i, m)])
     return transfers

@@ -15,6 +15,13 @@ from enum import Enum
 from megatron_patch.models.mapping.splits import Split
 
 
+class LayerKind(Enum):
+    """Which decoder layers a LAYER/EXPERT rule covers (an MoE model may also have dense layers)."""
+
+    DENSE = "dense"
+    MOE = "moe"
+
+
 class Scope(Enum):
     FIRST_STAGE = "first"    # embedding: on pipeline stage 0
     LAST_STAGE = "last"      # final norm, output layer
@@ -32,6 +39,18 @@ class Rule:
     # embed_tokens): then HF stores at most a copy, and MCore shares the embedding on one stage or
     # keeps its own copy on the last stage.
     tied_to: str | None = None
+    # Only layers of this kind (None: every layer).
+    layers: LayerKind | None = None
+    # How the local spec shards it, where that differs from the TE spec's ``split`` (MLA's down
+    # projections: TE keeps them whole on every rank, megatron-core's local spec splits their rows).
+    local_split: Split | None = None
+    # A multi-token-prediction layer's rule: expanded over the MTP layers (on the last pipeline stage),
+    # ``{layer}`` being the MTP index on the MCore side and the HF layer after the decoder's on the HF side.
+    mtp: bool = False
+    # A dtype it keeps whatever the checkpoint's dtype (DeepSeek's router bias: float32 in the hub's
+    # checkpoints and in megatron-core, where routing decisions depend on its exact values), by name
+    # ("float32"): the converter plans bytes by dtype name, without importing torch.
+    dtype: str | None = None
 
     def __post_init__(self):
         if isinstance(self.hf, str):

@@ -102,6 +102,26 @@ class Replicated(Split):
         return [first]
 
 
+class Column(Split):
+    """Split on the output dimension (dim 0): column-parallel layers whose rows are whole heads or
+    units in order (MLA's up projections, an MTP layer's eh_proj)."""
+
+    name = "column"
+
+    def blocks(self, shapes, n, ctx):
+        rows = _even(shapes[0][0], n)
+        return [[Block(0, (k * rows, (k + 1) * rows))] for k in range(n)]
+
+    def shards(self, parts, n, ctx):
+        return _chunk(parts[0], n, 0)
+
+    def merge(self, shards, ctx):
+        return [torch.cat(shards, 0)]
+
+    def merge_pieces(self, shards, ctx):
+        return [_contiguous_rows(shards)]
+
+
 class Row(Split):
     """Split on the input dimension (dim 1): attention output and MLP down projections."""
 
@@ -246,4 +266,4 @@ def _contiguous_rows(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p.contiguous() for p in pieces]
 
 
-REPLICATED, ROW, VOCAB, QKV, GATE_UP = Replicated(), Row(), VocabParallel(), GroupedQKV(), GateUp()
+REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = Replicated(), Column(), Row(), VocabParallel(), GroupedQKV(), GateUp()

@@ -1,6 +1,6 @@
 """Mixtral (8x7B, 8x22B): sparse MoE with top-2 routing, no shared expert."""
 
-from megatron_patch.models.family import ModelFamily, TestLayouts
+from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.models.mixtral.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.mixtral.mapping import weight_rules
 from megatron_patch.models.mixtral.presets import PRESETS
@@ -12,6 +12,7 @@ FAMILY = register(ModelFamily(
     hf_model_types=("mixtral",), hf_architectures=("MixtralForCausalLM",),
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
+    hf_modules=HFModules(router="mlp.gate"),
     test_layouts=TestLayouts(
         parity=(L(), L(pp=2), L(ep=2), L(tp=2, ep=2, etp=1)),
         round_trips=(("legacy", L(tp=2, pp=4, ep=2), "fp32"), ("legacy", L(pp=2, ep=4), "bf16"),

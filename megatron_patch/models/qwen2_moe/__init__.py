@@ -1,6 +1,6 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): routed experts plus a sigmoid-gated shared expert."""
 
-from megatron_patch.models.family import ModelFamily, TestLayouts
+from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.models.qwen2_moe.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.qwen2_moe.mapping import weight_rules
 from megatron_patch.models.qwen2_moe.presets import PRESETS
@@ -12,6 +12,7 @@ FAMILY = register(ModelFamily(
     hf_model_types=("qwen2_moe",), hf_architectures=("Qwen2MoeForCausalLM",),
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
+    hf_modules=HFModules(router="mlp.gate"),
     test_layouts=TestLayouts(
         parity=(L(), L(pp=2), L(ep=2), L(tp=2, ep=2)),
         round_trips=(("legacy", L(tp=2, pp=2, ep=2), "fp32"), ("legacy", L(ep=4), "bf16"),

@@ -4,15 +4,12 @@ import dataclasses
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.decoder import parse_decoder_config, qwen_dense_layers
 
 
 def parse_config(raw: dict) -> Arch:
     if raw.get("use_sliding_window"):
         raise UserError("use_sliding_window=true is not supported: Qwen2-MoE models here use full attention")
-    if raw.get("decoder_sparse_step", 1) != 1 or raw.get("mlp_only_layers"):
-        raise UserError("Qwen2-MoE with dense layers between MoE layers (decoder_sparse_step>1 or mlp_only_layers) "
-                        "is not supported: every layer must be an MoE layer")
     arch = parse_decoder_config(raw, "qwen2_moe", qkv_bias=bool(raw.get("qkv_bias", True)))
     shared = raw.get("shared_expert_intermediate_size") or 0
     return dataclasses.replace(
@@ -24,6 +21,7 @@ def parse_config(raw: dict) -> Arch:
         shared_expert_gate=shared > 0,
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)),
+        dense_layers=qwen_dense_layers(raw),
     )
 
 

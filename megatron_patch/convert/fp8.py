@@ -1,0 +1,105 @@
+"""Hub checkpoints stored in FP8 with block scales (DeepSeek-V3's): dequantized on the fly, tensor by tensor.
+
+Such a checkpoint stores each quantized ``X.weight`` as float8_e4m3fn next to ``X.weight_scale_inv``, one
+float32 scale per block of ``quantization_config.weight_block_size`` (128 x 128); the real weight is
+the FP8 value times its block's scale. ``DequantizingReader`` wraps an ``HFCheckpointReader`` and shows
+the converter plain weights: the scales disappear from its names, and reading ``X.weight`` returns
+the product computed in float32, which the converter then casts to its ``--dtype``, exactly as
+transformers' own dequantization does (``Fp8Dequantize``: float32 product, cast to the model's
+dtype). Memory holds one weight at a time. Writing FP8 back is not done: ``mcore2hf`` writes the
+checkpoint's dtype (bf16).
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_patch.errors import UserError
+
+SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2")
+
+
+def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
+    """The (rows, cols) block of an FP8 checkpoint's scales, None if config.json declares no FP8 weights."""
+    q = hf_config.get("quantization_config") or {}
+    if q.get("quant_method") != "fp8":
+        return None
+    block = q.get("weight_block_size")
+    if block is None:
+        raise UserError("config.json's fp8 quantization_config has no weight_block_size: only block-scaled FP8 "
+                        "checkpoints (DeepSeek-V3's) are dequantized")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise UserError(f"fp8 activation_scheme '{q['activation_scheme']}' is not supported: only dynamic "
+                        "activation scales (nothing stored) convert")
+    return int(block[0]), int(block[1])
+
+
+def dequantize(weight, scale, block: tuple[int, int]):
+    """float32 weight of an FP8 ``weight`` [rows, cols] with per-block ``scale`` [ceil(rows/b0), ceil(cols/b1)];
+    the last block of a dimension may be partial."""
+    import torch
+
+    rows, cols = weight.shape
+    want = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if tuple(scale.shape) != want:
+        raise UserError(f"a weight of shape {(rows, cols)} with {block[0]}x{block[1]} blocks needs scales of shape "
+                        f"{want}, found {tuple(scale.shape)}: the checkpoint's scales do not belong to it")
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    col_scale = scale.to(torch.float32).repeat_interleave(block[1], dim=1)[:, :cols]
+    for i in range(want[0]):  # one row block at a time: no second weight-sized tensor
+        r = slice(i * block[0], min((i + 1) * block[0], rows))
+        torch.mul(weight[r].to(torch.float32), col_scale[i], out=out[r])
+    return out
+
+
+class DequantizingReader:
+    """An HF reader over an FP8 block-scaled checkpoint that shows dequantized float32 weights.
+
+    Dtypes are names, as ``HFCheckpointReader``'s. ``stored`` gives the place of a tensor kept as it is
+    (norms, the embedding), and None for a dequantized weight: its bytes are not the weight's, so
+    the converter computes it through torch instead of copying it."""
+
+    def __init__(self, reader, block: tuple[int, int]):
+        self.reader, self.block = reader, block
+        names = set(reader.keys())
+        self.scales = {n[: -len(SCALE_SUFFIX)]: n for n in names if n.endswith(SCALE_SUFFIX)}
+        self.scale_names = set(self.scales.values())  # kept: DeepSeek-V3 has tens of thousands
+        for weight in self.scales:
+            if weight not in names:
+                raise UserError(f"the checkpoint has {self.scales[weight]} but no {weight} it would scale")
+        stray = sorted(n for n in names - self.scale_names
+                       if reader.dtype(n) in FP8_DTYPE_NAMES and n not in self.scales)
+        if stray:
+            raise UserError(f"{stray[0]} is stored in FP8 without a {stray[0]}{SCALE_SUFFIX}: cannot dequantize it")
+        self.folder = reader.folder
+
+    def keys(self) -> list[str]:
+        return sorted(n for n in self.reader.keys() if n not in self.scale_names)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.reader and name not in self.scale_names
+
+    def stored(self, name: str):
+        return None if name in self.scales else self.reader.stored(name)
+
+    def get(self, name: str):
+        if name not in self.scales:
+            return self.reader.get(name)
+        return dequantize(self.reader.get(name), self.reader.get(self.scales[name]), self.block)
+
+    def dtype(self, name: str) -> str:
+        return "float32" if name in self.scales else self.reader.dtype(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.reader.shape(name)
+
+    def nbytes(self, name: str) -> int:
+        """Bytes read from disk for ``name`` (the FP8 weight and its scales)."""
+        return self.reader.nbytes(name) + (self.reader.nbytes(self.scales[name]) if name in self.scales else 0)
+
+
+def open_weights(reader, hf_config: dict):
+    """``reader`` itself, or a dequantizing view of it when config.json declares block-scaled FP8 weights."""
+    block = fp8_block_size(hf_config)
+    return reader if block is None else DequantizingReader(reader, block)

@@ -1,0 +1,129 @@
+"""DeepSeek-V3 / V2 config.json -> Arch and the megatron-core settings of multi-latent attention and
+DeepSeekMoE.
+
+What megatron-core computes differently from transformers is refused in one line instead of being
+converted into a model that routes or attends otherwise: sigmoid routing without renormalising the
+top-k (megatron-core always renormalises it), group-limited routing whose group score is not the sum
+of the top two experts (V3) or the best one (V2's group_limited_greedy), RoPE on halves rather than
+interleaved pairs, attention biases.
+"""
+
+import dataclasses
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch, MLAShape, require
+from megatron_patch.models.decoder import parse_decoder_config
+
+
+def routing_of(raw: dict) -> dict:
+    """The routing fields, checked against what megatron-core can compute exactly."""
+    v3 = raw.get("model_type") == "deepseek_v3"
+    method = raw.get("topk_method", "noaux_tc" if v3 else "greedy")
+    score = raw.get("scoring_func", "sigmoid" if v3 else "softmax")
+    topk = require(raw, "num_experts_per_tok")
+    groups, group_topk = raw.get("n_group") or 1, raw.get("topk_group") or 1
+    norm = bool(raw.get("norm_topk_prob", v3))
+    if score not in ("sigmoid", "softmax"):
+        raise UserError(f"scoring_func '{score}' is not supported: choose sigmoid or softmax")
+    if score == "sigmoid" and not norm and topk > 1:
+        raise UserError("norm_topk_prob=false with sigmoid routing cannot be built: megatron-core renormalises "
+                        "the top-k sigmoid scores")
+    if score == "softmax" and norm:
+        raise UserError("norm_topk_prob=true with softmax routing is not supported for DeepSeek-V2 models here")
+    grouped = groups > 1 and method in ("noaux_tc", "group_limited_greedy")
+    if grouped:
+        # megatron-core scores a group by the sum of its top (topk // topk_group) experts; transformers by
+        # the sum of the top two (V3) or by the best one (V2's group_limited_greedy).
+        per_group = 2 if method == "noaux_tc" else 1
+        if topk // group_topk != per_group:
+            raise UserError(f"group-limited routing with num_experts_per_tok={topk}, topk_group={group_topk} scores "
+                            f"groups differently in megatron-core (top {topk // group_topk}) than in transformers "
+                            f"(top {per_group}): not supported")
+    elif method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+        raise UserError(f"topk_method '{method}' is not supported: choose noaux_tc, greedy or group_limited_greedy")
+    return {"score": score, "expert_bias": method == "noaux_tc", "groups": groups if grouped else None,
+            "group_topk": group_topk if grouped else None, "scale": float(raw.get("routed_scaling_factor", 1.0)),
+            "norm": norm}
+
+
+def parse_config(raw: dict) -> Arch:
+    heads = require(raw, "num_attention_heads")
+    if (raw.get("num_key_value_heads") or heads) != heads:
+        raise UserError("multi-latent attention has one key/value head per query head: num_key_value_heads must "
+                        f"equal num_attention_heads ({heads})")
+    if raw.get("attention_bias"):
+        raise UserError("attention_bias=true is not supported for DeepSeek models")
+    if raw.get("rope_interleave", True) is False:
+        raise UserError("rope_interleave=false (RoPE on halves) is not supported: megatron-core's multi-latent "
+                        "attention rotates interleaved pairs, as DeepSeek's released checkpoints do")
+    if (raw.get("moe_layer_freq") or 1) != 1:
+        raise UserError(f"moe_layer_freq={raw['moe_layer_freq']} is not supported: every layer after "
+                        "first_k_dense_replace must be an MoE layer")
+    mla = MLAShape(q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=require(raw, "kv_lora_rank"),
+                   qk_nope_head_dim=require(raw, "qk_nope_head_dim"), qk_rope_head_dim=require(raw, "qk_rope_head_dim"),
+                   v_head_dim=require(raw, "v_head_dim"))
+    routing = routing_of(raw)
+    arch = parse_decoder_config({**raw, "head_dim": mla.v_head_dim}, "deepseek_v3", qkv_bias=False)
+    experts = require(raw, "n_routed_experts", aliases=("num_local_experts", "num_experts"))
+    moe_ffn = require(raw, "moe_intermediate_size")
+    return dataclasses.replace(
+        arch, mla=mla,
+        num_experts=experts, moe_topk=require(raw, "num_experts_per_tok"), moe_ffn_hidden_size=moe_ffn,
+        shared_expert_ffn_hidden_size=(raw.get("n_shared_experts") or 0) * moe_ffn, shared_expert_gate=False,
+        norm_topk_prob=routing["norm"], router_aux_loss_coef=float(raw.get("aux_loss_alpha", 0.0)),
+        dense_layers=tuple(range(min(raw.get("first_k_dense_replace") or 0, arch.num_layers))),
+    )
+
+
+def num_mtp_layers(raw: dict) -> int:
+    """The multi-token-prediction layers a hub checkpoint carries after its decoder layers."""
+    return int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0)
+
+
+def transformer_config_kwargs(arch: Arch) -> dict:
+    raw, mla = arch.hf_config, arch.mla
+    routing = routing_of(raw)
+    rope = arch.rope_scaling or {}
+    kwargs = dict(
+        multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+        kv_channels=mla.v_head_dim,
+        # The latent norms (q_a_layernorm, kv_a_layernorm): megatron-core builds them under qk_layernorm.
+        qk_layernorm=True,
+        rotary_base=arch.rope_theta, rope_type="yarn" if rope.get("rope_type") == "yarn" else "rope",
+        moe_router_score_function=routing["score"], moe_router_enable_expert_bias=routing["expert_bias"],
+        moe_router_num_groups=routing["groups"], moe_router_group_topk=routing["group_topk"],
+        moe_router_topk_scaling_factor=routing["scale"] if routing["scale"] != 1.0 else None,
+        moe_router_pre_softmax=routing["score"] == "softmax",
+        moe_router_load_balancing_type="seq_aux_loss" if raw.get("seq_aux") else "aux_loss",
+    )
+    if rope.get("rope_type") == "yarn":
+        # transformers scales cos/sin by mscale/mscale_all_dim only when both are given, else by the
+        # plain YaRN factor; megatron-core always takes the ratio, which with mscale=1, mscale_all_dim=0
+        # is that same plain factor. The softmax correction (mscale_all_dim) is the same in both.
+        both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+        kwargs.update(rotary_scaling_factor=rope["factor"],
+                      original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                      beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
+                      mscale=rope["mscale"] if both else 1.0, mscale_all_dim=rope.get("mscale_all_dim") or 0.0)
+    else:
+        kwargs.update(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return kwargs
+
+
+# A tiny DeepSeek-V3: q-LoRA, YaRN with a softmax-scale correction (mscale_all_dim) and a cos/sin factor
+# (mscale != mscale_all_dim), sigmoid routing with a score-correction bias over 4 groups of 2 experts
+# (top-2 groups, top-4 experts), a shared expert, the first layer dense; 3 layers so that PP=3 splits it.
+TINY_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 200, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+    "rope_interleave": True, "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": 0,
+    "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+}

@@ -1,0 +1,33 @@
+"""Qwen3 config.json -> Arch: per-head q/k RMSNorm, an explicit head_dim, no q/k/v bias."""
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch
+from megatron_patch.models.decoder import parse_decoder_config
+
+
+def parse_config(raw: dict) -> Arch:
+    sliding = [t for t in raw.get("layer_types") or [] if t != "full_attention"]
+    if raw.get("use_sliding_window") or sliding:
+        raise UserError("use_sliding_window=true (sliding-window layers) is not supported: Qwen3 models here use full "
+                        "attention in every layer")
+    if raw.get("attention_bias"):
+        raise UserError("attention_bias=true is not supported for Qwen3: megatron-core would put biases on the MLP too")
+    return parse_decoder_config(raw, "qwen3", qkv_bias=False)
+
+
+def transformer_config_kwargs(arch: Arch) -> dict:
+    # q_norm / k_norm: RMSNorm over each head's dimensions, applied before RoPE, as megatron-core's
+    # qk_layernorm does.
+    return {"qk_layernorm": True}
+
+
+# A tiny Qwen3: head_dim 32 although hidden/heads is 16 (as in Qwen3-0.6B: 1024/16 heads, head_dim 128),
+# GQA with 2 groups, tied embeddings, a vocabulary that needs padding.
+TINY_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+    "vocab_size": 300, "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu",
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}

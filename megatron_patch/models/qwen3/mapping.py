@@ -1,0 +1,8 @@
+"""Qwen3 HF <-> MCore weight table: Llama's plus the per-head q/k norms."""
+
+from megatron_patch.models.arch import Arch
+from megatron_patch.models.decoder import attention_rules, dense_mlp_rules, embedding_and_head_rules, qk_norm_rules
+
+
+def weight_rules(arch: Arch):
+    return embedding_and_head_rules() + attention_rules(qkv_bias=False) + qk_norm_rules() + dense_mlp_rules()

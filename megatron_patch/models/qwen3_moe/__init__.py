@@ -1,0 +1,20 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention, routed experts without a shared one."""
+
+from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.qwen3_moe.config import TINY_CONFIG, parse_config, transformer_config_kwargs
+from megatron_patch.models.qwen3_moe.mapping import weight_rules
+from megatron_patch.models.qwen3_moe.presets import PRESETS
+from megatron_patch.models.registry import register
+from megatron_patch.runtime.distributed import ParallelLayout as L
+
+FAMILY = register(ModelFamily(
+    name="qwen3_moe", summary="Qwen3-MoE: Qwen3 attention (q/k norm), routed experts, norm_topk_prob, dense layers "
+                              "from mlp_only_layers / decoder_sparse_step",
+    hf_model_types=("qwen3_moe",), hf_architectures=("Qwen3MoeForCausalLM",),
+    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
+    transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
+    hf_modules=HFModules(router="mlp.gate"),
+    test_layouts=TestLayouts(
+        parity=(L(), L(pp=2), L(ep=2), L(tp=2, ep=2)),
+        round_trips=(("legacy", L(tp=2, pp=2, ep=2), "fp32"), ("torch_dist", L(tp=2, ep=2, etp=1), "bf16"))),
+))

@@ -1,0 +1,81 @@
+"""Packed SFT sequences in megatron-core's THD format: one row of tokens, documents cut by ``cu_seqlens``.
+
+A packed sample marks where each document starts (``doc_start``); the tail padding starts a segment
+of its own. A micro-batch of such samples becomes one row ``[1, b*L]`` with cumulative boundaries,
+handed to the model as ``PackedSeqParams(qkv_format="thd")``. Then
+
+- attention stays inside each document: transformer-engine's attention takes the boundaries (it
+  ignores an explicit mask when the mask type is causal), and on CPU ``PackedLocalAttention`` runs
+  megatron-core's local attention once per document;
+- RoPE positions restart at each document (megatron-core ignores ``position_ids`` for RoPE, and in
+  THD rotates each segment from position 0).
+
+So a packed run computes exactly what the same records padded one per sample compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def thd_batch(batch: dict) -> tuple[dict, dict]:
+    """A micro-batch of packed samples as one THD row, and the ``PackedSeqParams`` fields for it.
+
+    Computed on the host (the boundaries are needed there anyway, as Python ints for max_seqlen).
+    """
+    starts = batch["doc_start"].reshape(-1).clone()
+    length = batch["doc_start"].shape[-1]
+    starts[::length] = True  # a sample boundary is always a document boundary
+    bounds = torch.nonzero(starts).flatten().tolist() + [starts.numel()]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    flat = {k: v.reshape(1, -1) for k, v in batch.items() if k != "doc_start"}
+    return flat, {"cu_seqlens": cu_seqlens, "max_seqlen": longest}
+
+
+def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+class PackedLocalAttention(torch.nn.Module):
+    """megatron-core's local ``DotProductAttention`` made to accept THD packed sequences.
+
+    The local attention refuses ``packed_seq_params``; this runs it causally on each document's slice
+    ``[s_i, 1, heads, dim]`` and concatenates the results, the same arithmetic as one document per
+    sample. Unpacked calls go straight through.
+    """
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                              attention_bias=attention_bias)
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        pieces = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            q, k, v = (t[start:end].unsqueeze(1) for t in (query, key, value))
+            pieces.append(self.inner(q, k, v, None, attn_mask_type=attn_mask_type))
+        return torch.cat(pieces, dim=0)
+
+
+def use_packed_local_attention(model: torch.nn.Module) -> int:
+    """Wrap every local core attention of ``model`` in ``PackedLocalAttention``; returns how many.
+
+    transformer-engine's attention takes THD itself and is left alone.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    wrapped = 0
+    for module in list(model.modules()):
+        inner = getattr(module, "core_attention", None)
+        if isinstance(inner, DotProductAttention):
+            module.core_attention = PackedLocalAttention(inner)
+            wrapped += 1
+    return wrapped

@@ -1,0 +1,38 @@
+"""Steady-state throughput of a run, from its per-iteration metrics.
+
+The first iteration after a start (or a resume) carries one-off costs: CUDA context and allocator
+growth, cuDNN/cuBLAS autotuning, transformer-engine's first FP8 scales, compilation of fused kernels
+not covered by the warm-up. Its tokens/s and MFU say little about the run, so it is recorded with
+``"warmup": true`` and left out of the summary, as Megatron-LM leaves its first iteration out of
+its throughput log.
+"""
+
+from __future__ import annotations
+
+WARMUP_ITERATIONS = 1
+
+
+def summarize(records: list[dict], peak_tflops: float | None = None) -> dict | None:
+    """Totals over the training iterations not flagged as warm-up; None if there are none."""
+    steady = [r for r in records if "loss" in r and not r.get("warmup")]
+    if not steady:
+        return None
+    seconds = sum(r["iteration_s"] for r in steady)
+    tokens = sum(r["tokens"] for r in steady)
+    tflops = sum(r["tflops_per_gpu"] * r["iteration_s"] for r in steady) / seconds
+    out = {"iterations": [steady[0]["iteration"], steady[-1]["iteration"]], "count": len(steady),
+           "warmup_excluded": sum(1 for r in records if r.get("warmup")), "seconds": seconds,
+           "tokens_per_s": tokens / seconds, "tflops_per_gpu": tflops,
+           "peak_memory_gib": max(r["memory_gib"] for r in steady), "peak_tflops": peak_tflops,
+           "mfu": tflops / peak_tflops if peak_tflops else None}
+    return out
+
+
+def describe(summary: dict | None) -> str:
+    if summary is None:
+        return "throughput: only warm-up iterations ran, nothing to summarise"
+    first, last = summary["iterations"]
+    mfu = f", MFU {summary['mfu']:.1%} of {summary['peak_tflops']:.0f}" if summary["mfu"] is not None else ""
+    return (f"throughput over iterations {first}..{last} ({summary['warmup_excluded']} warm-up iteration(s) left out): "
+            f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_gpu']:.2f} TFLOP/s per GPU{mfu}, "
+            f"peak memory {summary['peak_memory_gib']:.2f} GiB")

@@ -1,0 +1,338 @@
+"""DeepSeek beyond what the registry-driven tests run for every family: its relatives' variants
+(V2-Lite: no q-LoRA, softmax routing; Moonlight: plain RoPE, sigmoid routing without groups), the
+RoPE layout megatron-core's MLA assumes, the configurations it refuses, and the launcher's checks.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity_all, hf_logits, mcore_logits, random_tokens
+from megatron_patch.align.metrics import compare_logits
+from megatron_patch.convert.engine import hf_tensors_from_ranks, rank_state_dict_from_hf
+from megatron_patch.errors import UserError
+from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.registry import get_family, parse_arch
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
+from megatron_patch.runtime import ParallelLayout
+from tests.training_helpers import launcher_args
+
+V2_LITE = dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], q_lora_rank=None,
+               topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
+               routed_scaling_factor=2.0,
+               rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+MOONLIGHT = dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=2.446, rope_scaling=None,
+                 rope_theta=50000.0)
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek")
+    return {name: make_tiny_hf_checkpoint("deepseek_v3", root / name, seed=seed, **over)
+            for name, over, seed in (("v3", {}, 1), ("v2_lite", V2_LITE, 2), ("moonlight", MOONLIGHT, 3))}
+
+
+def test_variants_parse_as_their_hub_configs_say(variants):
+    v3, v2, moon = (parse_arch(variants[n]) for n in ("v3", "v2_lite", "moonlight"))
+    assert v3.mla.q_lora_rank == 48 and v2.mla.q_lora_rank is None and moon.mla.q_lora_rank is None
+    assert v3.dense_layers == (0,) and v3.shared_expert_ffn_hidden_size == 32 and not v3.shared_expert_gate
+    kwargs = get_family("deepseek_v3").transformer_config_kwargs
+    k3, k2, km = kwargs(v3), kwargs(v2), kwargs(moon)
+    assert (k3["moe_router_score_function"], k3["moe_router_enable_expert_bias"], k3["moe_router_num_groups"],
+            k3["moe_router_group_topk"], k3["moe_router_topk_scaling_factor"]) == ("sigmoid", True, 4, 2, 2.5)
+    assert (k2["moe_router_score_function"], k2["moe_router_pre_softmax"], k2["moe_router_num_groups"]) == \
+        ("softmax", True, None)
+    assert k3["rope_type"] == k2["rope_type"] == "yarn" and km["rope_type"] == "rope"
+    # V3's cos/sin factor is mscale/mscale_all_dim (1/0.8 here); with equal mscales it is 1.
+    assert (k3["mscale"], k3["mscale_all_dim"]) == (1.0, 0.8) and (k2["mscale"], k2["mscale_all_dim"]) == (0.707, 0.707)
+
+
+@pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2, ep=2)], ids=str)
+def test_variants_match_transformers(variants, layout):
+    names = ["v2_lite", "moonlight"]
+    for name, m in zip(names, check_parity_all([variants[n] for n in names], layout, seed=6)):
+        assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, (name, m)
+
+
+def test_variants_round_trip_at_tp_ep_and_pp(variants):
+    fam = get_family("deepseek_v3")
+    for name, folder in variants.items():
+        arch = parse_arch(folder)
+        from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+        reader = HFCheckpointReader(folder)
+        hf = {k: reader.get(k) for k in reader.keys()}
+        for layout in (ParallelLayout(tp=2, ep=2), ParallelLayout(pp=3), ParallelLayout(tp=2, ep=4, etp=1)):
+            for spec in ("te", "local"):
+                coords = [RankCoord(t, p, e, x) for t in range(layout.tp) for p in range(layout.pp)
+                          for e in range(layout.ep) for x in range(layout.expert_tp)
+                          if layout.etp is not None or x == t]
+                ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__, spec) for c in coords}
+                back = hf_tensors_from_ranks(fam, arch, layout, ranks, spec)
+                assert sorted(back) == sorted(hf), (name, layout, spec)
+                assert all(torch.equal(back[k], hf[k]) and back[k].dtype == hf[k].dtype for k in hf), (name, layout)
+
+
+def _interleaved_to_halves(rows: torch.Tensor) -> torch.Tensor:
+    """Rows of one RoPE block laid out as pairs (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...)."""
+    d = rows.shape[0]
+    return rows.view(d // 2, 2, -1).transpose(0, 1).reshape(d, -1)
+
+
+def test_rope_on_interleaved_pairs_is_what_megatron_core_computes(variants, tmp_path):
+    """transformers' rope_interleave=true (the released checkpoints) is reproduced with the weights as
+    they are (test_variants_match_transformers and the family's own parity); the same weights with their
+    RoPE rows re-ordered to halves, which a converter ignoring the layout would produce, are far off."""
+    from safetensors.torch import save_file
+
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+    src, bad = variants["v3"], tmp_path / "halves"
+    shutil.copytree(src, bad)
+    reader = HFCheckpointReader(src)
+    tensors = {k: reader.get(k).clone() for k in reader.keys()}
+    arch = parse_arch(src)
+    nope, rope, heads = arch.mla.qk_nope_head_dim, arch.mla.qk_rope_head_dim, arch.num_heads
+    for layer in range(arch.num_layers):
+        q = tensors[f"model.layers.{layer}.self_attn.q_b_proj.weight"].view(heads, nope + rope, -1)
+        for h in range(heads):
+            q[h, nope:] = _interleaved_to_halves(q[h, nope:].clone())
+        kv = tensors[f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"]
+        kv[arch.mla.kv_lora_rank:] = _interleaved_to_halves(kv[arch.mla.kv_lora_rank:].clone())
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    tokens = random_tokens(arch.vocab_size, seed=2)
+    m = compare_logits(hf_logits(src, tokens), mcore_logits([bad], ParallelLayout(), [tokens])[0])
+    assert m["rel_l2"] > 1e-3, m
+
+
+@pytest.mark.parametrize("over, fragment", [
+    (dict(norm_topk_prob=False), "norm_topk_prob=false with sigmoid routing"),
+    (dict(num_experts_per_tok=6, topk_group=2), "scores groups differently"),
+    (dict(rope_interleave=False), "rope_interleave=false"),
+    (dict(num_key_value_heads=2), "num_key_value_heads must equal num_attention_heads"),
+    (dict(scoring_func="sqrtsoftplus"), "scoring_func 'sqrtsoftplus'"),
+    (dict(attention_bias=True), "attention_bias=true"),
+])
+def test_what_megatron_core_computes_otherwise_is_refused(over, fragment):
+    with pytest.raises(UserError) as err:
+        parse_arch({**tiny_config("deepseek_v3"), **over})
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("over, fragment", [
+    (dict(TP="3"), "TP=3 does not divide the 4 attention heads"),
+    (dict(EP="3"), "EP=3 does not divide the 8 experts"),
+    (dict(PP="2"), "PP=2 does not divide the 3 layers (1 dense, then MoE)"),
+])
+def test_launcher_refuses_layouts_that_cannot_split_the_model(tmp_path, over, fragment):
+    from megatron_patch.training.arguments import resolve
+
+    prefix = tmp_path / "d_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    args = launcher_args("deepseek_v3", DATASET_PATH=str(prefix), OUTPUT_BASEPATH=str(tmp_path / "out"), **over)
+    with pytest.raises(UserError) as err:
+        resolve("deepseek_v3", args)
+    assert fragment in str(err.value)
+
+
+# --- FP8 hub checkpoints ------------------------------------------------------------------------------
+
+FP8_BLOCK = (16, 16)
+_FP8_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled float8_e4m3fn as DeepSeek's checkpoints store it: per block, scale = amax / 448."""
+    import math
+
+    rows, cols = w.shape
+    scale = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            r, c = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+            scale[i, j] = w[r, c].abs().max().clamp(min=1e-12) / 448.0
+            q[r, c] = (w[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(variants, tmp_path_factory):
+    """The tiny V3 written as the hub writes DeepSeek-V3: linear weights in FP8 with block scales,
+    everything else bf16 (the router bias fp32), quantization_config in config.json."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+    src = variants["v3"]
+    out = tmp_path_factory.mktemp("fp8") / "hf"
+    shutil.copytree(src, out)
+    reader = HFCheckpointReader(src)
+    tensors = {}
+    for name in reader.keys():
+        t = reader.get(name)
+        if name.endswith(".weight") and name.split(".")[-2] in _FP8_LINEAR:
+            tensors[name], tensors[name + "_scale_inv"] = _quantize(t, FP8_BLOCK)
+        else:
+            tensors[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+    (out / "model.safetensors").unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK)}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_fp8_checkpoint_converts_to_what_transformers_dequantizes(fp8_checkpoint, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.cli import main
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.sidecar import read_sidecar
+
+    # FP8 weights must say which dtype they become.
+    assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(tmp_path / "x"),
+                 "--quiet"]) == 2
+    assert "pass --dtype" in capsys.readouterr().err
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(mcore), "--dtype", "bf16",
+                 "--tp", "2", "--ep", "2", "--format", "legacy", "--quiet"]) == 0
+    assert any("dequantized from FP8 (16x16" in n for n in read_sidecar(mcore).notes)
+    assert main(["convert", "mcore2hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
+    ours = HFCheckpointReader(back)
+    assert not any(n.endswith("_scale_inv") for n in ours.keys())
+    assert "quantization_config" not in (back / "config.json").read_text()
+
+    # transformers' own dequantization (on CPU it dequantizes pre-quantized FP8 while loading).
+    model = AutoModelForCausalLM.from_pretrained(str(fp8_checkpoint), dtype=torch.bfloat16)
+    theirs = model.state_dict()
+    inter = parse_arch(fp8_checkpoint).moe_ffn_hidden_size
+    checked = 0
+    for name in ours.keys():
+        got = ours.get(name)
+        if ".mlp.experts." in name:  # transformers keeps the experts fused: [E, 2I, H] and [E, H, I]
+            prefix, expert, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+            if proj == "down_proj":
+                want = theirs[f"{prefix}.down_proj"][expert]
+            else:
+                want = theirs[f"{prefix}.gate_up_proj"][expert][(0 if proj == "gate_proj" else inter):][:inter]
+        else:
+            want = theirs[name]
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+        checked += 1
+    assert checked == len(ours.keys()) and checked > 40
+
+
+def test_fp8_dequantization_with_partial_blocks():
+    """A dimension that is not a multiple of the block (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows in
+    128-row blocks) scales its last, partial block by the last scale."""
+    from megatron_patch.convert.fp8 import dequantize
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 24)
+    q, scale = _quantize(w, (16, 16))  # 3 x 2 blocks, the last ones partial
+    got = dequantize(q, scale, (16, 16))
+    want = q.float() * scale.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)[:, :24]
+    assert torch.equal(got, want) and (got - w).abs().max() < 0.1 * w.abs().max()
+    with pytest.raises(UserError, match="needs scales of shape"):
+        dequantize(q, scale[:2], (16, 16))
+
+
+# --- multi-token-prediction layers --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(variants, tmp_path_factory):
+    """The tiny V3 with one MTP layer after its decoder, laid out as DeepSeek-V3's hub checkpoint: a full
+    (MoE) decoder layer, enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and head."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+    src = variants["v3"]
+    out = tmp_path_factory.mktemp("mtp") / "hf"
+    shutil.copytree(src, out)
+    reader = HFCheckpointReader(src)
+    tensors = {n: reader.get(n) for n in reader.keys()}
+    arch = parse_arch(src)
+    n, h = arch.num_layers, arch.hidden_size
+    g = torch.Generator().manual_seed(9)
+    for name in list(tensors):
+        if name.startswith(f"model.layers.{n - 1}."):
+            tensors[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = tensors[name] + 0.01 * torch.randn(
+                tensors[name].shape, generator=g)
+    tensors.update({
+        f"model.layers.{n}.enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        f"model.layers.{n}.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        f"model.layers.{n}.eh_proj.weight": 0.08 * torch.randn(h, 2 * h, generator=g),
+        f"model.layers.{n}.shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+        f"model.layers.{n}.embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+        f"model.layers.{n}.shared_head.head.weight": tensors["lm_head.weight"].clone(),
+    })
+    (out / "model.safetensors").unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_mtp_layers_are_dropped_loudly_without_mtp(mtp_checkpoint, tmp_path, capsys):
+    from megatron_patch.cli import main
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.sidecar import read_sidecar
+
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(mtp_checkpoint), "--save-dir", str(mcore), "--quiet"]) == 0
+    mtp_names = [n for n in HFCheckpointReader(mtp_checkpoint).keys() if n.startswith("model.layers.3.")]
+    message = f"{len(mtp_names)} tensors of 1 multi-token-prediction layer(s) were not converted"
+    assert message in capsys.readouterr().err
+    sidecar = read_sidecar(mcore)
+    assert sidecar.mtp_layers == 0 and any(message in n for n in sidecar.notes)
+    assert main(["convert", "mcore2hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
+    assert not any(n.startswith("model.layers.3.") for n in HFCheckpointReader(back).keys())
+
+
+@pytest.mark.parametrize("fmt,layout", [("legacy", ["--tp", "2", "--ep", "2"]), ("torch_dist", ["--pp", "3"])])
+def test_mtp_layers_convert_both_ways_bit_exact(mtp_checkpoint, tmp_path, fmt, layout):
+    from megatron_patch.cli import main
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.sidecar import read_sidecar
+
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(mtp_checkpoint), "--save-dir", str(mcore), "--mtp",
+                 "--format", fmt, *layout, "--quiet"]) == 0
+    assert read_sidecar(mcore).mtp_layers == 1
+    assert main(["convert", "mcore2hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
+    src, out = HFCheckpointReader(mtp_checkpoint), HFCheckpointReader(back)
+    assert sorted(out.keys()) == sorted(src.keys())
+    for name in src.keys():
+        assert torch.equal(out.get(name), src.get(name)), name
+    if fmt == "legacy":  # what transformers loads from the export computes the source's logits exactly
+        tokens = random_tokens(200, seed=5)
+        assert torch.equal(hf_logits(back, tokens), hf_logits(mtp_checkpoint, tokens))
+    if fmt == "torch_dist":  # a model run without its MTP block still loads the checkpoint: HF's logits
+        from megatron_patch.convert.loading import checkpoint_logits_worker
+        from megatron_patch.runtime.launch import run_local
+
+        tokens = random_tokens(200, seed=4)
+        got = run_local(checkpoint_logits_worker, 1, str(mcore), ParallelLayout(), tokens)[0]
+        m = compare_logits(hf_logits(mtp_checkpoint, tokens), got)
+        assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m
+
+
+def test_mtp_of_a_model_without_it_is_refused(variants, tmp_path, capsys):
+    from megatron_patch.cli import main
+
+    assert main(["convert", "hf2mcore", "--hf-dir", str(variants["moonlight"]), "--save-dir", str(tmp_path / "x"),
+                 "--mtp", "--quiet"]) == 2
+    assert "declares no multi-token-prediction layers" in capsys.readouterr().err

@@ -1,0 +1,118 @@
+"""How a failed job is told in one line: which collective timed out and which rank went silent
+(runtime.watchdog), and which of torchrun's failed ranks is the root cause (runtime.launch).
+
+Fast: no job is started here. tests/test_training.py runs the real thing (a SIGSTOPped rank, a
+SIGKILLed one, a full disk) through the launchers.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch.runtime import watchdog
+from megatron_patch.runtime.launch import explain_failures
+
+
+def _timed_out_in_all_reduce() -> RuntimeError:
+    """gloo's timeout, raised from inside torch.distributed.all_reduce (a real traceback through it)."""
+    try:
+        dist.all_reduce(torch.ones(1))  # no process group here: raises from within all_reduce
+    except Exception as exc:  # noqa: BLE001
+        tb = exc.__traceback__
+    return RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 12000ms for recv operation "
+                        "to complete").with_traceback(tb)
+
+
+def _beat(age: float, phase: str, now: float, pid: int) -> dict:
+    return {"time": now - age, "phase": phase, "host": "node1", "pid": pid}
+
+
+def test_a_timeout_names_the_collective_the_phase_and_the_silent_rank(monkeypatch):
+    exc = _timed_out_in_all_reduce()
+    assert watchdog.failure_kind(exc) == "timeout"
+    assert watchdog.operation(exc).startswith("all_reduce (called from test_launch_failures.py, ")
+    watchdog.set_phase("iteration 7")
+    monkeypatch.setitem(watchdog._state, "beat", watchdog.Heartbeat(0, 3, 12.0))  # not started: judging only
+    now = 1000.0
+    beats = {0: _beat(0.5, "iteration 7", now, 10), 1: _beat(0.9, "iteration 7", now, 11),
+             2: _beat(14.0, "saving iter_0000006", now, 12)}
+    line = watchdog.explain(exc, 0, 0.2, now=now, beats=beats)
+    assert line == ("rank 0 waited 0.2 min (MP_DIST_TIMEOUT_MIN) in all_reduce (called from test_launch_failures.py, "
+                    "_timed_out_in_all_reduce) during iteration 7 and gave up; rank 2 stopped answering (rank 2: last "
+                    "heartbeat 14 s ago, during saving iter_0000006 (host node1, pid 12))")
+
+
+def test_a_timeout_with_every_rank_alive_says_they_wait_in_different_collectives(monkeypatch):
+    monkeypatch.setitem(watchdog._state, "beat", watchdog.Heartbeat(0, 2, 12.0))
+    now = 50.0
+    line = watchdog.explain(_timed_out_in_all_reduce(), 1, 0.2, now=now,
+                            beats={0: _beat(1, "saving iter_0000006", now, 1), 1: _beat(1, "iteration 7", now, 2)})
+    assert line.endswith("every rank's heartbeat is recent, so none is frozen: the ranks are waiting in different "
+                         "collectives (rank 0: saving iter_0000006; rank 1: iteration 7)")
+    unreachable = watchdog.explain(_timed_out_in_all_reduce(), 1, 0.2, now=now, beats=None)
+    assert unreachable.endswith("the job's store did not answer either, so which rank stopped is not known (its host, "
+                                "MASTER_ADDR, may be the one that is frozen)")
+
+
+def test_before_the_heartbeats_start_the_line_says_the_job_was_still_forming(monkeypatch):
+    monkeypatch.setitem(watchdog._state, "beat", None)
+    watchdog.set_phase("joining the job")
+    line = watchdog.explain(_timed_out_in_all_reduce(), 3, 10, now=0.0)
+    assert "during joining the job and gave up; the ranks had not started their heartbeats yet" in line
+
+
+def test_other_errors_are_left_to_their_traceback():
+    assert watchdog.explain(ValueError("a bug"), 0, 10) is None
+    assert watchdog.failure_kind(RuntimeError("CUDA out of memory")) is None
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1234: Connection reset by peer")
+    assert watchdog.failure_kind(lost) == "lost"
+
+
+def test_report_failure_writes_torchruns_error_file(tmp_path, monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / "attempt_0" / "1" / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    assert watchdog.report_failure("DATASET_PATH x not found", "user")
+    failure = ProcessFailure(local_rank=1, pid=42, exitcode=2, error_file=str(path))  # torchrun reads it back
+    assert failure.error_file_data["message"]["message"] == "DATASET_PATH x not found"
+    assert failure.error_file_data["message"]["extraInfo"]["mpatch_kind"] == "user"
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    assert not watchdog.report_failure("x", "user")  # not under torchrun: the caller prints it
+
+
+# --- the launcher's one line from torchrun's failures ------------------------------------------------------
+
+def _failure(tmp_path, rank: int, exitcode: int, message: str | None = None, kind: str | None = None, at: int = 0):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    path = tmp_path / f"error_{rank}.json"
+    if message is not None:
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": "", "timestamp": str(1000 + at), **({"mpatch_kind": kind} if kind else {})}}}))
+    return ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=exitcode, error_file=str(path))
+
+
+def test_the_root_cause_is_chosen_in_order(tmp_path):
+    sigkill, sigterm = -int(signal.SIGKILL), -int(signal.SIGTERM)
+    hang = _failure(tmp_path, 0, 1, "rank 0 waited ... rank 1 stopped answering", "hang", at=5)
+    killed_by_agent = _failure(tmp_path, 1, sigkill)  # the stopped rank, SIGKILLed by torchrun after its grace
+    # A hang explained by a rank beats the SIGKILL torchrun gave the silent rank afterwards.
+    assert explain_failures({0: hang, 1: killed_by_agent}) == ("rank 0 waited ... rank 1 stopped answering", 1)
+    # Bad input (or a full disk) on any rank beats everything, with exit status 2.
+    user = _failure(tmp_path, 3, 2, "saving iter_0000012 failed on rank 0: [Errno 28] ...", "user", at=9)
+    assert explain_failures({0: hang, 3: user}) == ("saving iter_0000012 failed on rank 0: [Errno 28] ...", 2)
+    # A rank killed by someone else's signal beats the lost connections it caused and the agent's SIGTERMs.
+    lost = _failure(tmp_path, 0, 1, "rank 0 lost its connection to another rank ...", "lost")
+    terminated = _failure(tmp_path, 2, sigterm)
+    line, code = explain_failures({0: lost, 1: _failure(tmp_path, 1, sigkill), 2: terminated})
+    assert code == 1 and line.startswith("rank 1 (pid 101) was killed by SIGKILL"), line
+    assert explain_failures({0: lost, 2: terminated}) == ("rank 0 lost its connection to another rank ...", 1)
+    # Nothing explained: the earliest failure, pointing at its traceback.
+    plain = _failure(tmp_path, 4, 1, "ValueError: a bug", at=-1)
+    assert explain_failures({4: plain, 2: terminated}) == ("rank 4 (pid 104) exited with status 1: its traceback is "
+                                                           "above", 1)
