@@ -31,7 +31,7 @@ from pathlib import Path
 from megatron_patch.checkpoint_layout import (
     RELEASE, is_iteration_dir, iteration_dir, latest_complete_iteration, read_tracker, torch_dist_problem, write_tracker)
 from megatron_patch.convert.bytemap import Move, Stored, Tiled, block_moves, shard_shape
-from megatron_patch.convert.copier import CallTask, CompareTask, Copier, write_all
+from megatron_patch.convert.copier import CallTask, CompareTask, Copier, create_file, write_all
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader
@@ -297,13 +297,7 @@ def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: l
         for (_, name), s in stored.items():
             places[(c, name)] = s
     for path, zl in files:  # each file at its full size, headers and pickle in place
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, zl.size)
-            for offset, data in zl.small:
-                os.pwrite(fd, data, offset)
-        finally:
-            os.close(fd)
+        create_file(path, zl.size, zl.small)
     tasks, count, total = [], 0, 0
     for t, blocks in zip(transfers, blocks_of):
         destinations: dict[int, list[Stored]] = defaultdict(list)

@@ -117,6 +117,21 @@ def read_exact(fd: int, view: memoryview, offset: int) -> None:
         got += n
 
 
+def read_range(path, offset: int, nbytes: int) -> bytearray:
+    """``nbytes`` of ``path`` from ``offset`` (the GIL is released while reading); UserError naming the
+    file if it cannot be read or ends early."""
+    buf = bytearray(nbytes)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            read_exact(fd, memoryview(buf), offset)
+        finally:
+            os.close(fd)
+    except (OSError, EOFError) as exc:
+        raise UserError(f"cannot read {path} ({exc}): the file may be truncated or corrupt")
+    return buf
+
+
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _ZEROS = memoryview(bytes(1 << 20))
 
@@ -139,6 +154,18 @@ def write_pieces(fd: int, pieces: list[memoryview], offset: int) -> None:
             pos += len(p)
         offset += pos
         k += len(group)
+
+
+def create_file(path, size: int, pieces) -> None:
+    """Create ``path`` at its full ``size`` (sparse: rows never written read as zeros) with ``pieces``
+    ((offset, bytes): headers, pickles) in place; the tensors' bytes are copied in later, in any order."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        for offset, data in pieces:
+            write_all(fd, data, offset)
+    finally:
+        os.close(fd)
 
 
 def write_all(fd: int, view, offset: int) -> None:
@@ -255,6 +282,19 @@ class Copier:
             raise UserError(f"cannot read {src.path} ({exc}): the file may be truncated or corrupt")
         return band
 
+    def _band_rows(self, m: Move, r0: int, r1: int, cache: dict, arena: list):
+        """(first, stop) destination rows of move ``m`` inside the band [r0, r1) and the source rows they
+        take, or None if it has none there. Source rows are read once per band (``cache``): several
+        destinations may take slices of the same rows."""
+        i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
+        if i0 >= i1:
+            return None
+        s0 = m.src_row + i0 - m.dst_row
+        key = (m.src, s0, s0 + i1 - i0)
+        if key not in cache:
+            cache[key] = self._read_rows(m.src, s0, s0 + i1 - i0, arena)
+        return i0, i1, cache[key]
+
     def _gather(self, t: GatherTask) -> int:
         """Fill whole rows of each destination, a band at a time: the source rows a band needs are read
         once (shared by all destinations that take slices of them), and each destination band is written
@@ -281,16 +321,12 @@ class Copier:
                 segments = []
                 di, dst_row_bytes = dst.itemsize, dst.row_bytes
                 for m in moves:
-                    i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
-                    if i0 >= i1:
+                    band_rows = self._band_rows(m, r0, r1, cache, arena)
+                    if band_rows is None:
                         continue
-                    s0 = m.src_row + i0 - m.dst_row
-                    key = (m.src, s0, s0 + i1 - i0)
-                    if key not in cache:
-                        cache[key] = self._read_rows(m.src, *key[1:], arena)
+                    i0, i1, rows = band_rows
                     rb, width = m.src.row_bytes, m.cols * di
                     start, col = m.src_col * di, m.dst_col * di
-                    rows = cache[key]
                     segments += [(i, col, width, rows, (i - i0) * rb + start) for i in range(i0, i1)]
                 segments.sort(key=lambda seg: (seg[0], seg[1]))
                 pieces, at = [], r0 * dst_row_bytes
@@ -317,15 +353,12 @@ class Copier:
 
         out = np.zeros((r1 - r0, dst.row_bytes), dtype=np.uint8)
         for m in moves:
-            i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
-            if i0 >= i1:
+            band_rows = self._band_rows(m, r0, r1, cache, arena)
+            if band_rows is None:
                 continue
-            s0 = m.src_row + i0 - m.dst_row
-            key = (m.src, s0, s0 + i1 - i0)
-            if key not in cache:
-                cache[key] = self._read_rows(m.src, *key[1:], arena)
+            i0, i1, rows = band_rows
             si, di = m.src.itemsize, dst.itemsize
-            band = np.frombuffer(cache[key], dtype=np.uint8).reshape(i1 - i0, m.src.row_bytes)
+            band = np.frombuffer(rows, dtype=np.uint8).reshape(i1 - i0, m.src.row_bytes)
             piece = band[:, m.src_col * si:(m.src_col + m.cols) * si]
             if m.src.dtype != dst.dtype:
                 piece = convert_rows(piece, m.src.dtype, dst.dtype)

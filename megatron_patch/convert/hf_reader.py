@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from pathlib import Path
 
 from megatron_patch.convert.bytemap import Stored
+from megatron_patch.convert.copier import read_range
 from megatron_patch.dtypes import ITEMSIZE, SAFETENSORS_TAG_NAMES
 from megatron_patch.errors import UserError
 
@@ -136,21 +136,7 @@ class HFCheckpointReader:
 
     def read_bytes(self, name: str) -> bytearray:
         s = self.stored(name)
-        buf = bytearray(s.nbytes)
-        view, got = memoryview(buf), 0
-        try:
-            fd = os.open(s.path, os.O_RDONLY)
-            try:
-                while got < len(buf):
-                    n = os.preadv(fd, [view[got:]], s.offset + got)
-                    if n <= 0:
-                        raise OSError(f"file ends {len(buf) - got} bytes early")
-                    got += n
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            raise UserError(f"cannot read '{name}' from {Path(s.path).name} ({exc}): the file may be truncated or corrupt")
-        return buf
+        return read_range(s.path, s.offset, s.nbytes)
 
     def get(self, name: str):
         """The tensor as a torch tensor (imports torch)."""

@@ -8,12 +8,12 @@ any order. ``SafetensorsShardWriter`` writes tensors one after another into such
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_patch.convert.bytemap import Stored
+from megatron_patch.convert.copier import create_file
 from megatron_patch.convert.torch_files import nbytes
 from megatron_patch.dtypes import SAFETENSORS_TAG_OF_NAME, dtype_name
 from megatron_patch.errors import UserError
@@ -49,12 +49,7 @@ class SafetensorsPlan:
     def write_headers(self) -> None:
         """Create every file at its full size with its header; the index (if sharded) too."""
         for name, (size, header) in self.files.items():
-            fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.ftruncate(fd, size)
-                os.pwrite(fd, header, 0)
-            finally:
-                os.close(fd)
+            create_file(self.folder / name, size, [(0, header)])
         if self.index is not None:
             (self.folder / INDEX_NAME).write_text(json.dumps(self.index, indent=2) + "\n")
 

@@ -18,13 +18,13 @@ that is not exactly one plain stored chunk is read through torch's own reader (`
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 from megatron_patch.convert.bytemap import Stored
+from megatron_patch.convert.copier import create_file
 from megatron_patch.convert.pickles import (
     Call, DType, Global, Items, New, Record, TensorRef, dumps, loads, torch_dtype, torch_size)
 from megatron_patch.convert.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
@@ -66,13 +66,7 @@ class TorchDistPlan:
         for name, offset, data in self.small:
             by_file.setdefault(name, []).append((offset, data))
         for name, size in self.files.items():
-            fd = os.open(self.folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.ftruncate(fd, size)
-                for offset, data in by_file.get(name, ()):
-                    os.pwrite(fd, data, offset)
-            finally:
-                os.close(fd)
+            create_file(self.folder / name, size, by_file.get(name, ()))
 
     def finish(self) -> None:
         """``.metadata``, ``common.pt`` and ``metadata.json``: written once the data is in place."""
@@ -84,13 +78,7 @@ class TorchDistPlan:
 def write_torch_save(path: Path, obj) -> None:
     """A small torch.save file with no tensors."""
     layout, _ = plan_torch_save(path, obj)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, layout.size)
-        for offset, data in layout.small:
-            os.pwrite(fd, data, offset)
-    finally:
-        os.close(fd)
+    create_file(path, layout.size, layout.small)
 
 
 def _properties(dtype: str) -> New:
@@ -107,7 +95,7 @@ def plan_torch_dist(folder: str | Path, chunks: list[ChunkItem], objects: list[t
     storage = []
     file_index, pos, name = -1, file_bytes, ""
 
-    def place(length_hint: int) -> tuple[str, int]:
+    def place() -> tuple[str, int]:
         nonlocal file_index, pos, name
         if pos >= file_bytes:
             file_index += 1
@@ -116,7 +104,7 @@ def plan_torch_dist(folder: str | Path, chunks: list[ChunkItem], objects: list[t
         return name, pos
 
     for ch in chunks:
-        fname, start = place(0)
+        fname, start = place()
         layout, stored = plan_torch_save(plan.folder / fname, TensorSpec(tuple(ch.local_shape), ch.dtype), base=start)
         plan.small += [(fname, off, data) for off, data in layout.small]
         plan.stored[(ch.key, tuple(ch.offset))] = stored[()]
@@ -134,7 +122,7 @@ def plan_torch_dist(folder: str | Path, chunks: list[ChunkItem], objects: list[t
                             {"properties": _properties(e["dtype"]), "size": torch_size(e["size"]), "chunks": e["chunks"]})
                    for key, e in tensors.items()}
     for key, payload in objects:
-        fname, start = place(0)
+        fname, start = place()
         plan.small.append((fname, start, payload))
         sd_metadata[key] = New(Global(_MD, "BytesStorageMetadata"), {})
         storage.append((New(Global(_MD, "MetadataIndex"), {"fqn": key, "index": None, "offset": None}),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_patch.convert.bytemap import Stored
+from megatron_patch.convert.copier import read_range
 from megatron_patch.convert.pickles import (
     STORAGE_CLASS_OF_DTYPE, Call, Global, PersistentId, StorageRef, TensorRef, dumps, loads)
 from megatron_patch.convert.zipfmt import ALIGNMENT, ZipFormatError, ZipIndex, ZipLayout, plan_zip
@@ -147,22 +148,7 @@ class LazyTorchFile:
         import torch
 
         offset, length = self._record(t.storage)
-        buf = bytearray(length)
-        _pread_into(self.path, offset, memoryview(buf))
+        buf = read_range(self.path, offset, length)
         flat = torch.frombuffer(buf, dtype=getattr(torch, t.storage.dtype)) if length else \
             torch.empty(0, dtype=getattr(torch, t.storage.dtype))
         return torch.as_strided(flat, t.shape, t.stride, t.offset).clone()
-
-
-def _pread_into(path: Path, offset: int, view: memoryview) -> None:
-    """Fill ``view`` with the bytes of ``path`` from ``offset`` (the GIL is released while reading)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = 0
-        while got < len(view):
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if n <= 0:
-                raise UserError(f"{path}: file ends {len(view) - got} bytes early: it may be truncated or corrupt")
-            got += n
-    finally:
-        os.close(fd)
