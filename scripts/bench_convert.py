@@ -6,6 +6,7 @@ safetensors; `--preset 8b` is Llama-3.1-8B's shape, 16 GB) and a tiny one, then 
 processes, for each page-cache state (`--cache warm,cold`) and worker count (`--workers 1,2`):
 
     cp -r HF COPY
+    cp -r HF COPY, then fsync every file (the converters fsync their output before publishing it)
     mpatch convert hf2mcore --format legacy     --tp 2 --pp 2 --workers N
     mpatch convert mcore2hf  (from it)
     mpatch convert hf2mcore --format torch_dist --tp 2 --pp 2 --workers N
@@ -23,11 +24,19 @@ are what converting the weights costs. Targets (issue 13):
     tiny model (start-up) <= 3 s (the model skeleton cached, as after the first conversion of an architecture)
 
 The first conversion of an architecture computes megatron's model skeleton (a helper process that
-imports megatron-core); that one-time cost is measured and printed separately. Each round trip is
+imports megatron-core); that one-time cost is measured and printed separately.
+
+Each step's CPU time (user + system) is measured too: converted bytes over the marginal CPU time
+is what one core converts per second, which is what spreads over workers (independent tasks). From
+it the script projects, for a 32-core conversion node, the time of Llama-3.1-70B (bf16) and
+DeepSeek-V3 (from its FP8 hub checkpoint, whose weights are dequantized through torch: that rate is
+measured here too, on one thread, for an expert-sized weight): the CPU's time over 32 cores or the
+storage's (`--node-storage-gbps`, assumed), whichever is longer. Each round trip is
 checked tensor by tensor against the original: bit-identical. The load average is printed at the
 start and the end: on a shared machine, numbers taken under load are not comparable.
 
     python scripts/bench_convert.py [--preset bench|8b] [--workers 1,2] [--cache warm,cold] [--json out.json]
+                                    [--node-storage-gbps 4]
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -98,7 +108,9 @@ def synthesize(folder: Path, config: dict, shard_bytes: int = 5 * 10**9) -> int:
 
 
 def measure(cmd: list[str], env: dict) -> dict:
-    """Wall time and peak resident memory (sum over the process tree, sampled) of one command."""
+    """Wall time, CPU time (user + system, the process and the helpers it waited for) and peak resident
+    memory (sum over the process tree, sampled) of one command."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     peak = 0
@@ -124,9 +136,11 @@ def measure(cmd: list[str], env: dict) -> dict:
     out, err = proc.communicate()
     wall = time.perf_counter() - start
     t.join()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{err.decode()[-2000:]}")
-    return {"wall_s": wall, "peak_rss": peak}
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss": peak}
 
 
 def drop_caches() -> bool:
@@ -180,6 +194,10 @@ def run_suite(hf: Path, work: Path, env: dict, args, workers: int, cache: str, c
 
     step("cp -r", ["cp", "-r", str(hf), str(work / "copy")], [hf])
     shutil.rmtree(work / "copy")
+    copy = work / "copy"
+    step("cp -r + fsync", ["sh", "-c", f'cp -r "{hf}" "{copy}" && find "{copy}" -type f -exec sync {{}} + && sync "{copy}"'],
+         [hf])
+    shutil.rmtree(copy)
     for fmt in args.formats:
         ckpt, back = work / fmt, work / f"hf_from_{fmt}"
         step(f"hf2mcore {fmt}", mpatch + ["hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--tp", str(args.tp),
@@ -204,6 +222,8 @@ def main() -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the tensor-by-tensor round-trip check")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     ap.add_argument("--json", help="also write the results as JSON here")
+    ap.add_argument("--node-storage-gbps", type=float, default=4.0,
+                    help="write rate assumed for the projected conversion node's storage (default 4 GB/s)")
     args = ap.parse_args()
     args.formats = args.formats.split(",")
     worker_counts = [int(w) for w in args.workers.split(",")]
@@ -248,9 +268,12 @@ def main() -> int:
                                             check=label == "large" and not args.no_verify)
                 report["runs"][key] = runs
                 print(f"{key}: " + ", ".join(f"{s} {runs['large'][s]['wall_s']:.2f} s" for s in runs["large"]), flush=True)
+        report["fp8_dequantize"] = fp8_dequantize_rate()
         report["load_average"]["end"] = os.getloadavg()
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
         ok = summarize(report)
+        if any(k.startswith("warm cache, 1 worker /") for k in report["summary"]):
+            project(report, args.node_storage_gbps)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2))
         return 0 if ok else 1
@@ -259,12 +282,68 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def fp8_dequantize_rate() -> dict:
+    """One thread's rate of turning a DeepSeek-V3 expert weight (2048 x 7168, FP8 with 128 x 128 block
+    scales) into bf16, as the converter does (``convert.fp8.dequantize``, then the cast): best of 3."""
+    import torch
+
+    from megatron_patch.convert.fp8 import dequantize
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(2048, 7168, generator=gen).to(torch.float8_e4m3fn)
+    scale = torch.rand(16, 56, generator=gen)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        dequantize(weight, scale, (128, 128)).to(torch.bfloat16)
+        best = min(best, time.perf_counter() - t)
+    out_bytes = weight.numel() * 2
+    return {"seconds": best, "bf16_bytes": out_bytes, "gb_per_s": out_bytes / 1e9 / best}
+
+
+# Bytes of the models projected: Llama-3.1-70B has 70.55e9 parameters; DeepSeek-V3 671e9 (the MTP
+# layer aside), of which all but about 15e9 (embedding, head, norms, routers) are FP8 in the hub's files.
+PROJECTIONS = {"Llama-3.1-70B": (70.55e9 * 2, 0.0), "DeepSeek-V3 (FP8 hub -> bf16)": (15e9 * 2, 656e9 * 2)}
+NODE_CORES = 32
+
+
+def project(report: dict, storage_gbps: float) -> dict:
+    """What one core converts per second (converted bytes over the marginal CPU time of the warm runs;
+    the work is split into independent tasks, so it spreads over cores), and the time of the projected
+    models' conversions on a ``NODE_CORES``-core node: the CPU's time or the storage's
+    (``storage_gbps``, an assumption: the node's write rate), whichever is longer."""
+    fp8 = report["fp8_dequantize"]["gb_per_s"]
+    out = {}
+    for key, row in report["summary"].items():
+        if not key.startswith("warm cache, 1 worker /") or " / cp -r" in key:
+            continue
+        step = key.split(" / ", 1)[1]
+        per_core = row["gb_per_s_per_cpu_s"]
+        times = {}
+        for model, (copied, dequantized) in PROJECTIONS.items():
+            through_fp8 = dequantized if step.startswith("hf2mcore") else 0.0
+            cpu = (copied + dequantized - through_fp8) / 1e9 / per_core + through_fp8 / 1e9 / fp8
+            times[model] = max(cpu / NODE_CORES, (copied + dequantized) / 1e9 / storage_gbps)
+        out[step] = {"gb_per_cpu_s": per_core, "projected_s": times}
+    walls = {k: v["gb_per_s"] for k, v in report["summary"].items() if k.startswith("warm cache")}
+    print(f"\nper core (converted GB per CPU-second, warm cache, 1 worker), and projected on a {NODE_CORES}-core node "
+          f"whose storage writes {storage_gbps:g} GB/s (FP8 dequantization: {fp8:.2f} GB/s of bf16 per core)")
+    for step, row in out.items():
+        one, two = walls.get(f"warm cache, 1 worker / {step}"), walls.get(f"warm cache, 2 workers / {step}")
+        scaling = f"; wall GB/s 1 worker {one:.2f}, 2 workers {two:.2f}" if one and two else ""
+        times = ", ".join(f"{m} {t / 60:.1f} min" for m, t in row["projected_s"].items())
+        print(f"  {step:<20} {row['gb_per_cpu_s']:.2f} GB per CPU-s{scaling}; {times}")
+    report["projection"] = {"node_cores": NODE_CORES, "storage_gb_per_s": storage_gbps, "steps": out}
+    return out
+
+
 def summarize(report: dict) -> bool:
     size = report["large"]["bytes"]
     print(f"\ncheckpoint {size / 2**30:.2f} GiB ({size / 1e9:.2f} GB); layout TP={report['layout']['tp']} "
           f"PP={report['layout']['pp']}; round trips {'bit-identical' if report['verified'] else 'not checked'}; "
           f"load average {report['load_average']['start'][0]:.2f} at the start, {report['load_average']['end'][0]:.2f} at the end")
-    header = (f"{'run':<24} {'step':<20} {'wall (s)':>8} {'tiny (s)':>8} {'marginal':>8} {'x cp':>5} {'GB/s':>6} "
+    header = (f"{'run':<24} {'step':<20} {'wall (s)':>8} {'tiny (s)':>8} {'marginal':>8} {'x cp':>5} {'GB/s':>6} {'CPU s':>6} "
               f"{'peak RSS':>9} {'marg. RSS':>9} {'/ ckpt':>6}  verdict")
     print(header)
     print("-" * len(header))
@@ -277,8 +356,9 @@ def summarize(report: dict) -> bool:
             base = tiny[name]
             extra = step["wall_s"] - base["wall_s"]
             extra_rss = step["peak_rss"] - base["peak_rss"]
+            extra_cpu = step["cpu_s"] - base["cpu_s"]
             checks = []
-            if name != "cp -r":
+            if not name.startswith("cp -r"):
                 if key.startswith("warm"):
                     checks.append(extra <= 2 * copy)
                 checks += [extra_rss <= 0.10 * size, base["wall_s"] <= 3.0]
@@ -286,11 +366,12 @@ def summarize(report: dict) -> bool:
             ok &= passed
             report["summary"][f"{key} / {name}"] = {
                 "wall_s": step["wall_s"], "tiny_wall_s": base["wall_s"], "marginal_s": extra, "x_copy": extra / copy,
-                "gb_per_s": size / 1e9 / extra, "peak_rss": step["peak_rss"], "marginal_rss": extra_rss,
+                "gb_per_s": size / 1e9 / extra, "cpu_s": step["cpu_s"], "marginal_cpu_s": extra_cpu,
+                "gb_per_s_per_cpu_s": size / 1e9 / max(extra_cpu, 1e-9), "peak_rss": step["peak_rss"], "marginal_rss": extra_rss,
                 "marginal_rss_fraction": extra_rss / size, "pass": passed}
             print(f"{key:<24} {name:<20} {step['wall_s']:8.2f} {base['wall_s']:8.2f} {extra:8.2f} {extra / copy:5.2f} "
-                  f"{size / 1e9 / extra:6.2f} {step['peak_rss'] / 2**20:8.0f}M {extra_rss / 2**20:8.0f}M "
-                  f"{extra_rss / size:6.3f}  {'' if name == 'cp -r' else 'PASS' if passed else 'FAIL'}")
+                  f"{size / 1e9 / extra:6.2f} {extra_cpu:6.2f} {step['peak_rss'] / 2**20:8.0f}M {extra_rss / 2**20:8.0f}M "
+                  f"{extra_rss / size:6.3f}  {'' if name.startswith('cp -r') else 'PASS' if passed else 'FAIL'}")
     return ok
 
 
