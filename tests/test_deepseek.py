@@ -244,6 +244,12 @@ def test_fp8_dequantization_with_partial_blocks():
     assert torch.equal(got, want) and (got - w).abs().max() < 0.1 * w.abs().max()
     with pytest.raises(UserError, match="needs scales of shape"):
         dequantize(q, scale[:2], (16, 16))
+    # Every code of both FP8 formats (NaNs and infinities too) becomes what torch makes of it, bit for bit.
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.uint8).view(fp8).reshape(16, 16)
+        got = dequantize(codes, torch.full((1, 1), 0.5), (16, 16))
+        want = codes.to(torch.float32) * 0.5
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), fp8
 
 
 # --- multi-token-prediction layers --------------------------------------------------------------------

@@ -12,6 +12,7 @@ checkpoint's dtype (bf16).
 
 from __future__ import annotations
 
+import functools
 import math
 
 from megatron_patch.errors import UserError
@@ -45,12 +46,24 @@ def dequantize(weight, scale, block: tuple[int, int]):
     if tuple(scale.shape) != want:
         raise UserError(f"a weight of shape {(rows, cols)} with {block[0]}x{block[1]} blocks needs scales of shape "
                         f"{want}, found {tuple(scale.shape)}: the checkpoint's scales do not belong to it")
-    out = torch.empty(rows, cols, dtype=torch.float32)
+    # An FP8 value has 256 codes: looking each up in a table of torch's own conversions of all of them
+    # gives the same floats as ``weight.to(float32)`` at twice its speed on a CPU (most of DeepSeek-V3's
+    # conversion time is this).
+    codes = weight.contiguous().view(torch.uint8).numpy()
+    out = torch.from_numpy(_fp8_to_float32(str(weight.dtype))[codes])
     col_scale = scale.to(torch.float32).repeat_interleave(block[1], dim=1)[:, :cols]
-    for i in range(want[0]):  # one row block at a time: no second weight-sized tensor
-        r = slice(i * block[0], min((i + 1) * block[0], rows))
-        torch.mul(weight[r].to(torch.float32), col_scale[i], out=out[r])
+    for i in range(want[0]):  # in place, one row block at a time: no second weight-sized tensor
+        out[i * block[0]:(i + 1) * block[0]].mul_(col_scale[i])
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_to_float32(dtype: str):
+    """The float32 value of each of the 256 codes of FP8 ``dtype`` ("torch.float8_e4m3fn"), as torch converts it."""
+    import torch
+
+    fp8 = getattr(torch, dtype.removeprefix("torch."))
+    return torch.arange(256, dtype=torch.uint8).view(fp8).to(torch.float32).numpy()
 
 
 class DequantizingReader:
