@@ -108,6 +108,8 @@ BAD = [
     ("llama3_1", dict(PR="bf16"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed needs PR=fp8"),
     ("llama3_1", dict(PR="fp8"), {"MP_FP8_RECIPE": "fancy"}, "MP_FP8_RECIPE must be one of delayed"),
     ("llama3_1", dict(SAVE_INTERVAL="-5"), {}, "SAVE_INTERVAL must be >= 1"),
+    ("llama3_1", dict(PR="bf16"), {"MP_LOSS_SCALE_WINDOW": "3"}, "MP_LOSS_SCALE_WINDOW applies to PR=fp16"),
+    ("llama3_1", dict(), {"MP_INJECT_FAULT": "crash@3"}, "MP_INJECT_FAULT item 'crash@3' must be KIND@ITERATION"),
     # Checked up front since issue 14; megatron-core refused these only after every rank had started.
     ("llama3_1", dict(AC="offload", PP="2"), {}, "AC=offload (activation CPU offloading) does not work with pipeline"),
     ("llama3_1", dict(AC="offload"), {"MP_AC_LAYERS": "4"}, "AC=offload can offload at most 3 of the 4 layers"),
@@ -165,7 +167,6 @@ MACHINE_REFUSALS = [
     (dict(PR="fp8"), {}, "PR=fp8 needs transformer-engine on a GPU with FP8"),
     (dict(FL="true", PR="bf16"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
     (dict(TP="2", SP="true"), {}, "TP communication overlap (TP > 1 with SP=true) needs transformer-engine"),
-    (dict(PR="bf16"), {}, "PR=bf16 mixed precision is not supported on ENV=cpu"),
     (dict(AC="offload"), {}, "AC=offload moves activations from GPU to host memory"),
     (dict(OPTIMIZER_OFFLOAD="static"), {}, "OPTIMIZER_OFFLOAD moves optimizer state"),
     (dict(ENV="dsw", PR="bf16"), {"GPUS_PER_NODE": "1"}, "ENV=dsw trains on GPUs and this machine has none"),
@@ -188,6 +189,13 @@ def test_launcher_refuses_what_this_cpu_machine_cannot_do(data, over, env, messa
         monkeypatch.setenv(k, v)
     assert main(["train", "llama3_1", *_args(data, **over)]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cpu_machine_accepts_mixed_precision(data, precision):
+    """bf16/fp16 train on ENV=cpu (megatron's mixed-precision optimizers, fp32 master weights); fp8 does not."""
+    cfg = resolve("llama3_1", _args(data, PR=precision, DO="true"))
+    assert machine_problems(cfg, CPU) == []
 
 
 def test_gpu_machine_accepts_fp8_flash_and_tp_overlap(data, monkeypatch):

@@ -76,6 +76,8 @@ EXTRAS = {
     "MP_NPROC": "ENV=cpu: number of local processes (default TP*PP*CP, or what the expert layout needs)",
     "MP_TOKENIZER": "tokenizer folder (tokenizer.json) or tiktoken file for SFT data (default: the checkpoint's)",
     "MP_NAN_POLICY": "stop (default) | skip: what a NaN/inf loss does",
+    "MP_LOSS_SCALE_WINDOW": "PR=fp16: good steps before the dynamic loss scale doubles (default 1000)",
+    "MP_INJECT_FAULT": "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), comma-separated",
     "MP_EXIT_INTERVAL": "stop after this many iterations (after saving), e.g. to test a resume",
     "MP_LOG_INTERVAL": "log every this many iterations (default 1)",
     "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",
@@ -168,6 +170,8 @@ class RunConfig:
     nnodes: int = 1
     tokenizer: str | None = None
     nan_policy: str = "stop"
+    loss_scale_window: int = 1000
+    faults: list = field(default_factory=list)
     exit_interval: int | None = None
     log_interval: int = 1
     eval_interval: int = 100
@@ -357,6 +361,12 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     if env.get("MP_FP8_RECIPE") and precision != "fp8":
         raise UserError(f"MP_FP8_RECIPE={env['MP_FP8_RECIPE']} needs PR=fp8, got PR={precision}")
     nan_policy = _choice("MP_NAN_POLICY", env.get("MP_NAN_POLICY") or "stop", ("stop", "skip"))
+    loss_scale_window = _env_int(env, "MP_LOSS_SCALE_WINDOW", 1000)
+    if env.get("MP_LOSS_SCALE_WINDOW") and precision != "fp16":
+        raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
+    from megatron_patch.training.faults import parse_faults
+
+    faults = parse_faults(env.get("MP_INJECT_FAULT"))
 
     # Combinations megatron-core would reject late (or silently ignore).
     if sp and tp == 1:
@@ -482,7 +492,8 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         output_basepath=str(output), dataset_type=dataset_type, ac_layers=ac_layers, virtual_pipeline=vp,
         sft_packing=packing, pp0_layers=pp0, fp8_recipe=fp8_recipe, tp_comm_overlap=tp_comm_overlap,
         overlap_param_gather=overlap_param_gather, world_size=world, nproc_per_node=nproc, nnodes=nnodes,
-        tokenizer=tokenizer, nan_policy=nan_policy, exit_interval=_env_int(env, "MP_EXIT_INTERVAL", None),
+        tokenizer=tokenizer, nan_policy=nan_policy, loss_scale_window=loss_scale_window, faults=faults,
+        exit_interval=_env_int(env, "MP_EXIT_INTERVAL", None),
         log_interval=_env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=_env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
         eval_iters=_env_int(env, "MP_EVAL_ITERS", 10), seed=_env_int(env, "MP_SEED", 1234, lo=0),
         save=_bool("MP_SAVE", env.get("MP_SAVE") or "true"),
@@ -652,7 +663,8 @@ def megatron_settings(cfg: RunConfig) -> dict:
              "use_distributed_optimizer": cfg.distributed_optimizer,
              "overlap_param_gather": cfg.overlap_param_gather}
     if cfg.precision == "fp16":
-        optim.update(initial_loss_scale=2.0 ** 16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1.0)
+        optim.update(initial_loss_scale=2.0 ** 16, loss_scale_window=cfg.loss_scale_window, hysteresis=2,
+                     min_loss_scale=1.0)
     if cfg.optimizer_offload_fraction > 0:
         optim.update(optimizer_cpu_offload=True, optimizer_offload_fraction=cfg.optimizer_offload_fraction,
                      use_precision_aware_optimizer=True, overlap_cpu_optimizer_d2h_h2d=True)
@@ -734,8 +746,6 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
         out.append("AC=offload moves activations from GPU to host memory; ENV=cpu has no GPU: use AC=sel, full or none")
     if cfg.optimizer_offload_fraction > 0 and not gpu_env:
         out.append("OPTIMIZER_OFFLOAD moves optimizer state from GPU to host memory; ENV=cpu has no GPU: set it to false")
-    if cfg.precision in ("bf16", "fp16", "fp8") and not gpu_env:
-        out.append(f"PR={cfg.precision} mixed precision is not supported on ENV=cpu: use PR=fp32")
     if cfg.precision == "fp32" and gpu_env:
         pass  # allowed (slow) on GPU
     return out

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
+from megatron_patch.training import faults
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
@@ -151,6 +152,20 @@ def move_to_device(chunks: list, device: torch.device) -> None:
         raise RuntimeError(f"{len(stray)} tensors stayed off {device} after moving the model, e.g. {stray[0]}")
 
 
+def cast_parameters(chunks: list, dtype: torch.dtype) -> None:
+    """Every floating-point parameter in the training dtype (what Megatron-LM's Float16Module does).
+
+    megatron-core's local layer spec builds its norms with torch's RMSNorm, which ignores
+    ``params_dtype``: a bf16 model kept fp32 norm weights, so final/ held mixed dtypes and megatron's
+    non-distributed fp16/bf16 optimizer failed to save (its checkpoint code maps only the 16-bit
+    parameters). transformer-engine's norms already take ``params_dtype``. Buffers are left as built.
+    """
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+
 def configure_overlap(config, models: list, ddp_settings: dict) -> None:
     """The schedule's hooks for overlapping DP communication with compute (Megatron-LM's train()).
 
@@ -198,6 +213,7 @@ class Trainer:
             for c in chunks:
                 use_packed_local_attention(c)
         move_to_device(chunks, device)
+        cast_parameters(chunks, precision_dtype(cfg.precision))
         self.resume_iteration = self._latest()
         if self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
@@ -349,6 +365,8 @@ class Trainer:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = self._run_schedule(batches, forward_only=False)
+        if faults.due(cfg.faults, "overflow", self.iteration + 1):
+            faults.fill_gradients_with_inf(self.models)
         loss = float(stats[0] / max(float(stats[1]), 1.0))
         if not math.isfinite(loss):
             if cfg.nan_policy == "stop":
@@ -360,11 +378,23 @@ class Trainer:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
             return {"loss": loss, "skipped": True, "tokens": float(stats[1])}
+        scale = self._loss_scale()
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
+        else:
+            # megatron found inf/nan gradients (an fp16 overflow): no update, no scheduler step.
+            after = self._loss_scale()
+            self._log(f"iteration {self.iteration + 1}: inf/nan gradients, step skipped"
+                      + (f" (loss scale {scale:g} -> {after:g})" if scale is not None else ""))
         return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": float(stats[1])}
+                "tokens": float(stats[1]), "loss_scale": scale}
+
+    def _loss_scale(self) -> float | None:
+        """fp16's dynamic loss scale (None without one: bf16 and fp32 train unscaled)."""
+        if self.cfg.precision != "fp16":
+            return None
+        return float(self.optimizer.get_loss_scale())
 
     def evaluate(self) -> float:
         from megatron_patch.training import data
@@ -402,6 +432,8 @@ class Trainer:
         records = []
         self._param_gather_before_first_step()
         while self.iteration < stop_at:
+            if faults.due(cfg.faults, "kill", self.iteration + 1):
+                faults.kill_this_process()
             start = time.time()
             result = self.train_step()
             self.iteration += 1
@@ -416,6 +448,8 @@ class Trainer:
                        "tokens_per_s": tokens / elapsed, "tflops_per_gpu": tflops, "memory_gib": _memory_gib(),
                        "iteration_s": elapsed, "tokens": tokens, "loss_tokens": result["tokens"],
                        "skipped": result["skipped"], "warmup": self.iteration < first + WARMUP_ITERATIONS}
+            if result.get("loss_scale") is not None:
+                metrics["loss_scale"] = result["loss_scale"]
             records.append(metrics)
             if peak:
                 metrics["mfu"] = tflops / peak
