@@ -225,7 +225,17 @@ class Trainer:
         self.config = config
         configure_overlap(config, self.models, self.settings["ddp"])
         config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), self.models)
+        self.offload = None
+        from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
+
+        offload = settings_from_config(cfg)
+        if offload.enabled:
+            # megatron's distributed optimizer with its state in chunks on two tiers (training/offload/)
+            self.optimizer, self.offload = build_chunked_optimizer(
+                OptimizerConfig(**self.settings["optimizer"]), self.models, offload)
+            self._log(self.offload.describe())
+        else:
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), self.models)
         config.grad_scale_func = self.optimizer.scale_loss
         s = self.settings["scheduler"]
         self.scheduler = OptimizerParamScheduler(
@@ -364,7 +374,18 @@ class Trainer:
         for m in self.models:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.offload is not None:
+            self.offload.begin_step(self.iteration + 1)
+        result = self._step(batches)
+        if self.offload is not None:
+            result["offload"] = self.offload.after_update(self.iteration + 1)
+        return result
+
+    def _step(self, batches: list[dict]) -> dict:
+        cfg = self.cfg
         stats = self._run_schedule(batches, forward_only=False)
+        if self.offload is not None:
+            self.offload.after_backward()
         if faults.due(cfg.faults, "overflow", self.iteration + 1):
             faults.fill_gradients_with_inf(self.models)
         loss = float(stats[0] / max(float(stats[1]), 1.0))
@@ -450,6 +471,7 @@ class Trainer:
                        "skipped": result["skipped"], "warmup": self.iteration < first + WARMUP_ITERATIONS}
             if result.get("loss_scale") is not None:
                 metrics["loss_scale"] = result["loss_scale"]
+            metrics.update(result.get("offload", {}))
             records.append(metrics)
             if peak:
                 metrics["mfu"] = tflops / peak
@@ -460,7 +482,8 @@ class Trainer:
                           f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
                           f"tokens/s {metrics['tokens_per_s']:.0f} | TFLOP/s/{'GPU' if peak is not None else 'proc'} "
                           f"{tflops:.3f}" + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
-                          + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms")
+                          + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms"
+                          + (f" | offload {metrics['offload_share']:.0%}" if "offload_share" in metrics else ""))
             if self.valid_data is not None and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
                 vloss = self.evaluate()
                 self._log(f"validation at iter {self.iteration}: loss {vloss:.4f} | ppl {math.exp(min(vloss, 50)):.2f}")
