@@ -333,16 +333,27 @@ class OffloadController:
             if settings.timing:
                 sub.optimizer.timing = {}
         self.moved_bytes = 0
+        self._t0 = self._fwd_bwd_s = 0.0
 
     # --- what the trainer calls ----------------------------------------------------------------------
 
     def begin_step(self, iteration: int) -> None:
         if self.probe is not None:
             self.probe.begin_step(iteration)
+        self._t0 = self._clock()
 
     def after_backward(self) -> None:
         if self.probe is not None:
             self.probe.end_phase("fwd_bwd")
+        self._fwd_bwd_s = self._clock() - self._t0
+
+    def _clock(self) -> float:
+        """Seconds, after the device has finished its queued work when MP_OFFLOAD_TIMING asks for it."""
+        import time
+
+        if self.settings.timing and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def after_update(self, iteration: int) -> dict:
         """Read memory, decide, move (between steps, bit for bit); the step's offload metrics."""
@@ -362,6 +373,7 @@ class OffloadController:
             metrics["offload_peak_fwd_bwd_bytes"] = reading.peak_fwd_bwd
             metrics["offload_peak_update_bytes"] = reading.peak_update
         if self.settings.timing:
+            metrics["offload_fwd_bwd_s"] = self._fwd_bwd_s
             for sub in self.subs:
                 for name, seconds in (sub.optimizer.timing or {}).items():
                     metrics[f"offload_{name}"] = metrics.get(f"offload_{name}", 0.0) + seconds
