@@ -308,11 +308,17 @@ class MemoryPlan:
 
 
 def _spec(cfg) -> str:
+    """The layers the run will build: the local spec on ENV=cpu, and on a GPU transformer-engine's when it
+    is installed (planned from a machine without a GPU, a GPU run is assumed to have it)."""
     if cfg.env == "cpu":
         return "local"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "te"
     from megatron_patch.models.builder import te_available
 
-    return "te" if te_available() or cfg.env != "cpu" else "local"
+    return "te" if te_available() else "local"
 
 
 def _capacity(cfg) -> tuple[int | None, str]:
