@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-
-import pytest
 
 from megatron_patch.cli import main
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.training.arguments import resolve
 from megatron_patch.training.memory_plan import GiB, auto_share, plan_memory, stage_memory
 from tests.memory_helpers import measure_ranks
-from tests.test_training import corpus  # noqa: F401 - a fixture
 from tests.training_helpers import launcher_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,8 @@ import torch
 
 from megatron_patch.cli import main
 from megatron_patch.convert.torch_dist import TorchDistReader
-from tests.test_training import GBS, SEQ, _launch, _metrics, corpus  # noqa: F401 - corpus is a fixture
+from tests.test_training import GBS, SEQ
+from tests.training_helpers import launch, read_metrics
 
 ITERS = 6
 
@@ -43,19 +44,19 @@ def read_tensors(folder) -> dict[str, torch.Tensor]:
 
 def _last_per_iteration(out) -> dict[int, dict]:
     """A killed run logged some iterations twice (before the kill and after the resume): the last wins."""
-    return {m["iteration"]: m for m in _metrics(out)}
+    return {m["iteration"]: m for m in read_metrics(out)}
 
 
 def _killed_and_resumed(corpus, out, **over):
     """Launch with kill@5 (after the checkpoint at 3), then launch again; returns the second run's stdout."""
     args = _args(corpus, out, **over)
-    killed = _launch(args, {"MP_INJECT_FAULT": "kill@5"})
+    killed = launch(args, {"MP_INJECT_FAULT": "kill@5"})
     assert killed.returncode != 0, "the injected SIGKILL did not stop the run"
     assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert not (out / "final").exists()
-    logged = [m["iteration"] for m in _metrics(out)]
+    logged = [m["iteration"] for m in read_metrics(out)]
     assert logged == [1, 2, 3, 4], logged  # killed as iteration 5 started
-    resumed = _launch(args)
+    resumed = launch(args)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "iter_0000003" in resumed.stdout
     return resumed.stdout
@@ -75,16 +76,16 @@ def _assert_same_run(a_out, b_out):
 @pytest.fixture(scope="module")
 def bf16_run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("bf16") / "out"
-    proc = _launch(_args(corpus, out))
+    proc = launch(_args(corpus, out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
 
 def test_bf16_loss_falls_and_final_holds_the_trained_bf16_weights(bf16_run, tmp_path):
-    losses = [m["loss"] for m in _metrics(bf16_run)]
+    losses = [m["loss"] for m in read_metrics(bf16_run)]
     assert len(losses) == ITERS and 5.0 < losses[0] < 6.0
     assert losses[-1] < losses[0] - 0.5, losses
-    assert all("loss_scale" not in m for m in _metrics(bf16_run))  # bf16 trains unscaled
+    assert all("loss_scale" not in m for m in read_metrics(bf16_run))  # bf16 trains unscaled
 
     final = read_tensors(bf16_run / "final" / "release")
     assert final and {t.dtype for t in final.values()} == {torch.bfloat16}, {k: t.dtype for k, t in final.items()}
@@ -132,13 +133,13 @@ def _fp16_args(corpus, out):
 @pytest.fixture(scope="module")
 def fp16_run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16") / "out"
-    proc = _launch(_fp16_args(corpus, out), FP16_FAULTS)
+    proc = launch(_fp16_args(corpus, out), FP16_FAULTS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"out": out, "stdout": proc.stdout}
 
 
 def test_fp16_loss_scale_grows_and_backs_off_on_overflow(fp16_run):
-    m, stdout = _metrics(fp16_run["out"]), fp16_run["stdout"]
+    m, stdout = read_metrics(fp16_run["out"]), fp16_run["stdout"]
     scales = [x["loss_scale"] for x in m]
     # 2^16 to start; doubled after each 3 good steps; the first overflow uses up the hysteresis (2),
     # the second halves the scale.
@@ -158,10 +159,10 @@ def test_fp16_without_distributed_optimizer_resumes_after_a_kill_bit_for_bit(fp1
     scaler (growth and hysteresis trackers), or its scale and skipped steps would differ."""
     out = tmp_path / "out"
     args = _fp16_args(corpus, out)
-    killed = _launch(args, {**FP16_FAULTS, "MP_INJECT_FAULT": "kill@7"})
+    killed = launch(args, {**FP16_FAULTS, "MP_INJECT_FAULT": "kill@7"})
     assert killed.returncode != 0
-    assert [m["iteration"] for m in _metrics(out)] == [1, 2, 3, 4, 5, 6]
-    resumed = _launch(args, FP16_FAULTS)
+    assert [m["iteration"] for m in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+    resumed = launch(args, FP16_FAULTS)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "iter_0000005" in resumed.stdout
     a, b = _last_per_iteration(fp16_run["out"]), _last_per_iteration(out)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from tests.test_mixed_precision import read_tensors
-from tests.test_training import GBS, SEQ, _launch, _metrics, corpus  # noqa: F401 - corpus is a fixture
-from tests.training_helpers import launcher_args
+from tests.test_training import GBS, SEQ
+from tests.training_helpers import launch, launcher_args, read_metrics
 
 ITERS, SAVE = 14, 7
 SCRIPT = {"device_fraction": {"1": 1.0, "3": 0.4, "7": 1.0, "9": 0.3, "10": 1.0, "11": 0.3, "12": 1.0}}
@@ -38,14 +38,14 @@ def _args(corpus, out, offload="false"):
 
 
 def _run(corpus, out, offload="false", env=None):
-    proc = _launch(_args(corpus, out, offload), {"MP_NPROC": "2", **(env or {})})
+    proc = launch(_args(corpus, out, offload), {"MP_NPROC": "2", **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
 def _same_run(a_out, b_out, iterations=range(1, ITERS + 1)):
-    a = {m["iteration"]: m for m in _metrics(a_out)}
-    b = {m["iteration"]: m for m in _metrics(b_out)}
+    a = {m["iteration"]: m for m in read_metrics(a_out)}
+    b = {m["iteration"]: m for m in read_metrics(b_out)}
     for i in iterations:
         for key in ("loss", "grad_norm", "lr"):
             assert a[i][key] == b[i][key], (i, key, a[i][key], b[i][key])
@@ -88,7 +88,7 @@ def auto(corpus, script, tmp_path_factory):
 
 
 def test_auto_schedule_under_the_scripted_probe(auto):
-    m = _metrics(auto["out"])
+    m = read_metrics(auto["out"])
     actions = [x["offload_action"] for x in m]
     # 3: room for 40% -> evict; 7: room again, patience 2 -> promote at 8; 9: 30% -> evict; 10 room, 11 tight
     # (streak broken), 12-13 room, cooldown long over -> promote at 13.
@@ -123,14 +123,14 @@ def test_exact_numerics_any_schedule_equals_no_offload(corpus, script, tmp_path)
     off, moved = tmp_path / "off", tmp_path / "moved"
     assert "optimizer offload off (exact numerics only)" in _run(corpus, off, "false", exact)
     _run(corpus, moved, "auto", {**exact, "MP_OFFLOAD_PROBE_SCRIPT": script, **POLICY})
-    assert sum(x["offload_moved_bytes"] > 0 for x in _metrics(moved)) == 4
+    assert sum(x["offload_moved_bytes"] > 0 for x in read_metrics(moved)) == 4
     _same_run(off, moved)
 
 
 def test_offload_checkpoint_resumes_without_offload(auto, plain, tmp_path):
     out = tmp_path / "out"
     _stopped_after_checkpoint(auto["out"], out, SAVE)
-    proc = _launch(_args_from(out, "false"), {"MP_NPROC": "2"})
+    proc = launch(_args_from(out, "false"), {"MP_NPROC": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"iter_{SAVE:07d}" in proc.stdout and "optimizer offload" not in proc.stdout
     _same_run(plain, out)
@@ -139,10 +139,10 @@ def test_offload_checkpoint_resumes_without_offload(auto, plain, tmp_path):
 def test_plain_checkpoint_resumes_with_offload(plain, tmp_path):
     out = tmp_path / "out"
     _stopped_after_checkpoint(plain, out, SAVE)
-    proc = _launch(_args_from(out, "0.5"), {"MP_NPROC": "2"})
+    proc = launch(_args_from(out, "0.5"), {"MP_NPROC": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"iter_{SAVE:07d}" in proc.stdout
-    m = _metrics(out)
+    m = read_metrics(out)
     resumed = [x for x in m if x["iteration"] > SAVE]
     # static 0.5: half the state on the host, to within one chunk, the whole time
     assert len({x["offload_share"] for x in resumed}) == 1 and abs(resumed[0]["offload_share"] - 0.5) < 0.2

@@ -8,9 +8,26 @@ few dozen steps, so "the loss falls" is a real check. The tokenizer is a BPE tra
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from megatron_patch.training.toy_data import make_texts, make_tokenizer, sentence  # noqa: F401
+from megatron_patch.training.toy_data import make_texts, make_tokenizer  # noqa: F401 - re-exported
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(args: list[str], env: dict | None = None, family: str = "llama3_1") -> subprocess.CompletedProcess:
+    """The real launcher script, as a user runs it."""
+    script = os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh")
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(["bash", script, *args], env=full_env, capture_output=True, text=True, timeout=480)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The per-iteration records of a run's log/metrics.jsonl."""
+    return [json.loads(l) for l in (Path(out) / "log" / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
 
 
 def make_tiktoken_file(path: str | Path, merges: list[bytes]) -> Path:
