@@ -336,13 +336,13 @@ def what_to_give(found: FoundCheckpoint) -> str:
     return f"--hf-config PATH: the HF config.json of the model it holds{hint}"
 
 
-def open_checkpoint(path: str | Path, hf_config: str | Path | None = None, family: str | None = None,
+def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None, family: str | None = None,
                     iteration: int | None = None, found: FoundCheckpoint | None = None) -> OpenedCheckpoint:
     """The checkpoint at ``path`` with its architecture (see the module docstring for the order)."""
     from megatron_patch.models.registry import get_family, parse_arch
 
     found = found or find_checkpoint(path, iteration)
-    if found.sidecar_dir is not None and hf_config is None:
+    if found.sidecar_dir is not None:  # this project's own record wins over any other source
         sidecar = found.sidecar
         if family is not None and family != sidecar.family:
             raise UserError(f"{found.sidecar_dir / SIDECAR_NAME} says {sidecar.family}, not --family {family}")
@@ -350,9 +350,9 @@ def open_checkpoint(path: str | Path, hf_config: str | Path | None = None, famil
     notes: list[str] = []
     if hf_config is not None:
         arch = parse_arch(hf_config)
+        source = "the model's HF config" if isinstance(hf_config, dict) else f"--hf-config {hf_config}"
         if family is not None and family != arch.family:
-            raise UserError(f"--hf-config {hf_config} describes a {arch.family} model, not --family {family}")
-        source = f"--hf-config {hf_config}"
+            raise UserError(f"{source} describes a {arch.family} model, not --family {family}")
     elif found.args is not None and family is not None:
         from megatron_patch.models.megatron_args import hf_config_from_megatron_args
 
