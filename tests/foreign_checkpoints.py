@@ -22,9 +22,9 @@ bit for bit. Which tool and version each layout follows:
   ``hf2mcore_*`` scripts (2024-2025): ``release/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` holding
   {args, checkpoint_version 3.0, iteration 0, model} with the ``_extra_state`` entries removed, the
   tracker saying ``release``, and the HF config.json and tokenizer files copied into the root.
-- ``megatron_bridge_torch_dist``: NeMo / Megatron-Bridge 0.6 (megatron-core 0.19):
-  ``iter_0000000/`` with .metadata, __0_0.distcp, metadata.json and run_config.yaml but no
-  common.pt, the tracker, and ``latest_train_state.pt``; no Megatron-LM args anywhere.
+- ``megatron_bridge_torch_dist``: NeMo / Megatron-Bridge 0.6 (megatron-core 0.19), as observed
+  (docs' references): ``iter_0000000/`` with .metadata, *.distcp, metadata.json and run_config.yaml
+  but no common.pt, the tracker, and ``latest_train_state.pt``; no Megatron-LM args anywhere.
 """
 
 from __future__ import annotations
@@ -147,14 +147,20 @@ def megatron_lm_torch_dist(hf_dir, root, *, tp: int = 2, iteration: int = 20, pa
     return root
 
 
-def megatron_bridge_torch_dist(hf_dir, root) -> Path:
-    """Megatron-Bridge: no common.pt and no args; run_config.yaml and latest_train_state.pt instead."""
-    megatron_lm_torch_dist(hf_dir, root, tp=1, iteration=0, optimizer=False, args=False)
-    folder = Path(root) / "iter_0000000"
-    (folder / "common.pt").unlink()
-    (folder / "run_config.yaml").write_text("model:\n  _target_: megatron.bridge.models.llama.Llama3ModelProvider\n")
-    torch.save({"step": 0}, Path(root) / "latest_train_state.pt")
-    return Path(root)
+def megatron_bridge_torch_dist(megatron_lm_root, root) -> Path:
+    """Megatron-Bridge's layout, from a Megatron-LM torch_dist fixture (the DCP data is the same
+    ``dist_checkpointing.save`` output): no common.pt and so no args, run_config.yaml beside the
+    weights, ``latest_train_state.pt`` beside the tracker."""
+    root = Path(root)
+    source = Path(megatron_lm_root)
+    iteration = int((source / "latest_checkpointed_iteration.txt").read_text())
+    shutil.copytree(source / f"iter_{iteration:07d}", root / "iter_0000000")
+    (root / "iter_0000000" / "common.pt").unlink()
+    (root / "iter_0000000" / "run_config.yaml").write_text(
+        "model:\n  _target_: megatron.bridge.models.llama.Llama3ModelProvider\n")
+    torch.save({"step": 0}, root / "latest_train_state.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text("0")
+    return root
 
 
 def _legacy_worker(hf_dir: str, folder: str, layout, padded: int, te_names: bool, payload: dict) -> None:

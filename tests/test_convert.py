@@ -469,7 +469,7 @@ def test_training_checkpoint_without_sidecar_fails_naming_it(training_ckpt, tmp_
     for load in (root, iter_dir):
         rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(load), "--save-dir", str(tmp_path / "hf"))
         assert rc == 2 and err.count("\n") == 1, err
-        assert str(iter_dir / SIDECAR_NAME) in err and "no sidecar" in err and "final" in err, err
+        assert f"{iter_dir} has no {SIDECAR_NAME}" in err and "--hf-config" in err and "final" in err, err
         assert not (tmp_path / "hf").exists() and not leftovers(tmp_path / "hf")
 
 

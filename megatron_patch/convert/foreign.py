@@ -171,8 +171,8 @@ def find_checkpoint(path: str | Path, iteration: int | None = None) -> FoundChec
     root, folder, label, notes = _locate(Path(path), iteration)
     problem = checkpoint_problem(folder)
     if problem:
-        raise UserError(f"{folder} is not a complete checkpoint ({problem}): it may be half-written; point at a "
-                        "finished one (or --iteration N for an older one)")
+        raise UserError(f"{folder} is not a complete checkpoint ({problem}): it is half-written, truncated or "
+                        "corrupt; point at a finished one (or --iteration N for an older one)")
     fmt = _format(folder)
     found = _read_torch_dist(folder) if fmt == "torch_dist" else _read_legacy(folder)
     iterations = sorted(int(m.group(1)) for p in root.iterdir() if (m := ITERATION_DIR.fullmatch(p.name)))
@@ -330,6 +330,8 @@ def what_to_give(found: FoundCheckpoint) -> str:
         return ""
     beside = found.hf_config_beside
     hint = f" ({beside} lies beside the weights)" if beside else ""
+    if (found.folder / "train_state.json").is_file():  # a run of this project: its export describes itself
+        hint += "; or convert the run's final export (OUTPUT_BASEPATH/final), which has one"
     if found.args is not None:
         return ("--family NAME, to read its saved Megatron-LM arguments as that family's model (plus --hf-config "
                 "if they lack the true vocab_size), or --hf-config PATH" + hint)

@@ -81,6 +81,8 @@ EXTRAS = {
     "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",
     "MP_EVAL_ITERS": "validation micro-batch rounds per evaluation (default 10)",
     "MP_SEED": "random seed (default 1234; pipeline stage p initialises with seed + 100*p)",
+    "MP_HF_CONFIG": "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another tool without saved "
+                    "arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
     "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
     "MP_SAVE": "false: write no checkpoints and no final/ export (benchmarks)",
     "MP_MAX_RESTARTS": "restart the ranks up to N times after a failure (torchrun --max-restarts); each restart "
