@@ -75,8 +75,8 @@ def _test_arch(s: AlignSettings):
         from megatron_patch.convert.foreign import open_checkpoint
 
         # A checkpoint of another tool is read as the model of --hf-dir, checked against its tensors.
-        sidecar = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir).sidecar
-        return sidecar.arch, sidecar
+        opened = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir)
+        return opened.model_arch, opened.sidecar
     return parse_arch(s.hf_dir_2 or s.hf_dir), None
 
 

@@ -38,7 +38,7 @@ def _arch_of(run: McoreRun):
     if run.mcore_dir is not None:
         from megatron_patch.convert.foreign import open_checkpoint
 
-        return open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).sidecar.arch
+        return open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).model_arch
     return parse_arch(run.hf_dir)
 
 

@@ -320,8 +320,10 @@ class OpenedCheckpoint:
         return self.found.sidecar_dir or self.found.root
 
     @property
-    def skip_prefixes(self) -> tuple[str, ...]:
-        return TRAINING_STATE_PREFIXES
+    def model_arch(self) -> Arch:
+        """The model alignment and training build from it: the checkpoint's, without a multi-token-
+        prediction block it may hold (docs/deepseek.md), with its vocabulary padding."""
+        return dataclasses.replace(self.sidecar.arch, mtp_layers=0)
 
 
 def what_to_give(found: FoundCheckpoint) -> str:

@@ -67,7 +67,7 @@ def checkpoint_logits_worker(ckpt_dir: str, layout, tokens: torch.Tensor, dtype=
     from megatron_patch.models.inference import forward_logits
     from megatron_patch.runtime import init_model_parallel
 
-    arch = open_checkpoint(ckpt_dir, hf_config=hf_config).sidecar.arch
+    arch = open_checkpoint(ckpt_dir, hf_config=hf_config).model_arch
     init_model_parallel(layout)
     model = build_model(arch, layout, dtype)
     load_checkpoint_into_model(model, ckpt_dir, layout, hf_config)
