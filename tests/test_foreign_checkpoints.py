@@ -160,6 +160,8 @@ def test_bad_input_is_refused_in_one_line(ckpts, tmp_path, capsys):
     rc, err = _export(capsys, ckpts["megatron_lm"], tmp_path / "out", "--hf-config", str(wrong))
     assert rc == 2 and err.count("\n") == 1 and "query groups: config 4" in err, err
     assert not (tmp_path / "out").exists()
+    rc, err = _export(capsys, ckpts["megatron_lm"], tmp_path / "out", "--family", "llama3_1", "--iteration", "7")
+    assert rc == 2 and err.count("\n") == 1 and "iter_0000007 not found: the iterations saved in" in err and "are 20" in err
     rc, err = run_cli(capsys, "inspect", str(ckpts["hf"]))
     assert rc == 2 and err.count("\n") == 1 and "is not a Megatron checkpoint" in err
 
