@@ -72,7 +72,7 @@ def _test_arch(s: AlignSettings):
     from megatron_patch.models.registry import parse_arch
 
     if s.mcore_dir:
-        from megatron_patch.convert.foreign import open_checkpoint
+        from megatron_patch.convert.arch_source import open_checkpoint
 
         # A checkpoint of another tool is read as the model of --hf-dir, checked against its tensors.
         opened = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir)

@@ -36,7 +36,7 @@ def _arch_of(run: McoreRun):
     from megatron_patch.models.registry import parse_arch
 
     if run.mcore_dir is not None:
-        from megatron_patch.convert.foreign import open_checkpoint
+        from megatron_patch.convert.arch_source import open_checkpoint
 
         return open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).model_arch
     return parse_arch(run.hf_dir)

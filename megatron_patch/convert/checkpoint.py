@@ -25,7 +25,8 @@ import torch
 from megatron_patch.checkpoint_layout import RELEASE, write_tracker
 from megatron_patch.convert.engine import (
     HFAssembler, MappingError, RankShards, check_hf_names, check_tied_copies, names_list, plan)
-from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES, open_checkpoint
+from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.hf_writer import SafetensorsShardWriter, parse_size
@@ -285,7 +286,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype: str | torch.d
     ``load_dir`` is any torch_dist or legacy checkpoint (its root, or one iteration or release folder):
     one written here (hf2mcore, a training run or its final export: the sidecar says everything) or
     by another tool, whose architecture comes from ``hf_config`` or from its saved Megatron-LM
-    arguments read as ``family`` (``convert.foreign``). Optimizer state is skipped; ``iteration`` picks
+    arguments read as ``family`` (``convert.arch_source``). Optimizer state is skipped; ``iteration`` picks
     an older iteration than the tracker's."""
     opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
     for note in opened.found.notes + opened.notes:

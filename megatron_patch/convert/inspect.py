@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_patch.convert.foreign import find_checkpoint, tensor_facts, what_to_give
+from megatron_patch.convert.arch_source import what_to_give
+from megatron_patch.convert.foreign import find_checkpoint, tensor_facts
 from megatron_patch.dtypes import PRECISION_NAMES
 
 # Megatron-LM argument -> what it is called here, for the architecture a checkpoint's args describe.

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megatron_patch.checkpoint_layout import load_models_torch_dist
-from megatron_patch.convert.foreign import open_checkpoint
+from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
 
@@ -22,7 +22,7 @@ def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_conf
     """Fill ``model`` (built by ``build_model`` on this rank) from ``ckpt_dir``; returns its sidecar.
 
     A checkpoint without this project's sidecar (another tool's) needs ``hf_config``, the model's
-    config the caller built ``model`` from (``convert.foreign.open_checkpoint``)."""
+    config the caller built ``model`` from (``convert.arch_source.open_checkpoint``)."""
     opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
     sidecar = opened.sidecar
     if sidecar.checkpoint_format == "torch_dist":

@@ -565,7 +565,7 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
 
     With a PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else
     MP_HF_CONFIG, else the MODEL_SIZE preset, else its saved Megatron-LM arguments (as this
-    launcher's family), each checked against its tensors (``convert.foreign``)."""
+    launcher's family), each checked against its tensors (``convert.arch_source``)."""
     table = presets(family)
     if num_layers is not None:
         if size == "auto" or ckpt is not None:
@@ -581,7 +581,7 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
         raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
     if ckpt is None:
         return dict(table[size]), None
-    from megatron_patch.convert.foreign import open_checkpoint
+    from megatron_patch.convert.arch_source import open_checkpoint
 
     preset = None if size == "auto" else dict(table[size])
     try:

@@ -303,7 +303,7 @@ def load_converted_into_chunks(chunks: list, ckpt_dir, hf_config: dict | None = 
     The chunks' sharded tensors name their layers by global number (megatron's layer offset for the
     chunk's vp_stage), so a checkpoint written at any TP/PP, without chunks, fills them correctly.
     """
-    from megatron_patch.convert.foreign import open_checkpoint
+    from megatron_patch.convert.arch_source import open_checkpoint
 
     opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
     if opened.sidecar.checkpoint_format != "torch_dist":
