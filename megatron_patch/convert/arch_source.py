@@ -64,11 +64,11 @@ def what_to_give(found: FoundCheckpoint) -> str:
 
 
 def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None, family: str | None = None,
-                    iteration: int | None = None, found: FoundCheckpoint | None = None) -> OpenedCheckpoint:
+                    iteration: int | None = None) -> OpenedCheckpoint:
     """The checkpoint at ``path`` with its architecture (see the module docstring for the order)."""
     from megatron_patch.models.registry import get_family, parse_arch
 
-    found = found or find_checkpoint(path, iteration)
+    found = find_checkpoint(path, iteration)
     if found.sidecar_dir is not None:  # this project's own record wins over any other source
         sidecar = found.sidecar
         if family is not None and family != sidecar.family:
