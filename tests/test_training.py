@@ -27,8 +27,8 @@ import torch
 
 from megatron_patch.checkpoint_layout import partial_dir
 from megatron_patch.cli import main
-from tests.training_helpers import (launch, launcher_args, make_chat_tokenizer, make_tiktoken_file, read_metrics,
-                                    write_jsonl)
+from tests.training_helpers import (hf_loss_on_first_batch, launch, launcher_args, make_chat_tokenizer,
+                                    make_tiktoken_file, read_metrics, write_jsonl)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS, GBS, SEQ = 20, 8, 64
@@ -188,34 +188,14 @@ def test_pp2_starts_from_converted_checkpoint(pp2_run, converted, tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0]
 
     # The first global batch, read the way training reads it, through transformers' model.
-    from transformers import AutoModelForCausalLM
-
-    from megatron_patch.training.arguments import resolve
-    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
-
-    cfg = resolve("llama3_1", args, env={})
-    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * GBS, 0)
-    batches = micro_batches(train, 0, cfg, 0, 1)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in batches:
-            logits = model(input_ids=b["tokens"]).logits
-            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1),
-                                                   reduction="none")
-            total += float((ce * b["loss_mask"].reshape(-1)).sum())
-            count += int(b["loss_mask"].sum())
-    assert abs(losses[0] - total / count) < 1e-4, (losses[0], total / count)
+    before = hf_loss_on_first_batch(hf, "llama3_1", args)
+    assert abs(losses[0] - before) < 1e-4, (losses[0], before)
 
     # The trained model goes back to HF through the converter and has learned: lower loss on that batch.
     back = tmp_path / "hf_trained"
     assert main(["convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(back), "--quiet"]) == 0
-    trained = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
-    with torch.no_grad():
-        after = sum(float((torch.nn.functional.cross_entropy(
-            trained(input_ids=b["tokens"]).logits.reshape(-1, 200), b["labels"].reshape(-1), reduction="none")
-            * b["loss_mask"].reshape(-1)).sum()) for b in batches) / count
-    assert after < total / count - 0.05, (after, total / count)
+    after = hf_loss_on_first_batch(back, "llama3_1", args)
+    assert after < before - 0.05, (after, before)
 
 
 # --- virtual pipeline (MP_VP): PP=2 x 2 chunks is the same computation as PP=2 ------------------------------

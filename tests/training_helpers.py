@@ -52,6 +52,29 @@ def make_corpus(root: str | Path, documents: int, seed: int = 0) -> dict:
     return {"root": root, "texts": texts, "tok": tok, "prefix": report.output_prefix}
 
 
+def hf_loss_on_first_batch(hf_dir: str | Path, family: str, args: list[str]) -> float:
+    """transformers' loss on the first global batch of a launcher run, read the way training reads it:
+    a run that starts from a checkpoint of that model must log this as its first loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.training.arguments import resolve
+    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
+
+    cfg = resolve(family, args, env={})
+    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in micro_batches(train, 0, cfg, 0, 1):
+            logits = model(input_ids=b["tokens"]).logits
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1),
+                                                   reduction="none")
+            total += float((ce * b["loss_mask"].reshape(-1)).sum())
+            count += int(b["loss_mask"].sum())
+    return total / count
+
+
 def write_jsonl(path: str | Path, records: list) -> Path:
     with open(path, "w") as f:
         for r in records:

@@ -78,22 +78,23 @@ def _ensure_single_rank_state() -> None:
 
 def describe_model(arch: Arch) -> ModelSkeleton:
     """The skeleton of ``arch``'s MCore model (computed in a helper process; independent of dtype)."""
-    return _describe_cached(json.dumps(arch.hf_config, sort_keys=True), arch.mtp_layers)
+    return _describe_cached(json.dumps(arch.hf_config, sort_keys=True), arch.mtp_layers, arch.vocab_padded_to)
 
 
 @functools.lru_cache(maxsize=8)
-def _describe_cached(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
+def _describe_cached(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton:
     from megatron_patch.runtime.launch import run_local
 
-    return run_local(_describe_worker, 1, hf_config_json, mtp_layers)[0]
+    return run_local(_describe_worker, 1, hf_config_json, mtp_layers, vocab_padded_to)[0]
 
 
-def _describe_worker(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
+def _describe_worker(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton:
     import dataclasses
 
     from megatron_patch.models.registry import parse_arch
 
-    return describe_model_here(dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers))
+    return describe_model_here(dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers,
+                                                   vocab_padded_to=vocab_padded_to))
 
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:

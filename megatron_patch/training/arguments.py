@@ -93,6 +93,8 @@ EXTRAS = {
     "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",
     "MP_EVAL_ITERS": "validation micro-batch rounds per evaluation (default 10)",
     "MP_SEED": "random seed (default 1234; pipeline stage p initialises with seed + 100*p)",
+    "MP_HF_CONFIG": "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another tool without saved "
+                    "arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
     "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
     "MP_SAVE": "false: write no checkpoints and no final/ export (benchmarks)",
     "MP_MAX_RESTARTS": "restart the ranks up to N times after a failure (torchrun --max-restarts); each restart "
@@ -206,6 +208,8 @@ class RunConfig:
     seed: int = 1234
     save: bool = True
     hf_config: dict = field(default_factory=dict, repr=False)
+    # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
+    vocab_padded_to: int | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -233,7 +237,7 @@ class RunConfig:
     def arch(self):
         from megatron_patch.models.registry import parse_arch
 
-        return parse_arch(self.hf_config)
+        return dataclasses.replace(parse_arch(self.hf_config), vocab_padded_to=self.vocab_padded_to)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -459,11 +463,12 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     # Model architecture.
     size = a["MODEL_SIZE"]
     ckpt = None if _none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
-    hf_config = _model_config(family, size, ckpt, check_paths, _env_int(env, "MP_NUM_LAYERS", None))
+    hf_config, vocab_padded_to = _model_config(family, size, ckpt, env.get("MP_HF_CONFIG") or None,
+                                               _env_int(env, "MP_NUM_LAYERS", None))
     from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.arch import validate_layout
 
-    arch = parse_arch(hf_config)
+    arch = dataclasses.replace(parse_arch(hf_config), vocab_padded_to=vocab_padded_to)
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vp=vp)
     validate_layout(arch, layout, pp_first_stage_layers=pp0)
     if vp is not None and arch.num_layers % (pp * vp):
@@ -568,7 +573,7 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         save=_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=device,
         max_restarts=_env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
         dist_timeout_min=_env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
-        hf_config=hf_config, notes=notes,
+        hf_config=hf_config, vocab_padded_to=vocab_padded_to, notes=notes,
     )
     return cfg
 
@@ -608,7 +613,13 @@ def _check_fp8_shapes(arch, recipe: str, tokens: int, tokens_name: str, tp: int,
                         f"TP={tp} has {', '.join(bad)}: use PR=bf16 or another TP")
 
 
-def _model_config(family: str, size: str, ckpt: str | None, check_paths: bool, num_layers: int | None = None) -> dict:
+def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str | None,
+                  num_layers: int | None = None) -> tuple[dict, int | None]:
+    """(the model's HF config, the checkpoint's own vocabulary padding when it differs from ours).
+
+    With a PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else
+    MP_HF_CONFIG, else the MODEL_SIZE preset, else its saved Megatron-LM arguments (as this
+    launcher's family), each checked against its tensors (``convert.arch_source``)."""
     table = presets(family)
     if num_layers is not None:
         if size == "auto" or ckpt is not None:
@@ -616,32 +627,33 @@ def _model_config(family: str, size: str, ckpt: str | None, check_paths: bool, n
                             "drop MP_NUM_LAYERS or PRETRAIN_CHECKPOINT_PATH")
         if size not in table:
             raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
-        return {**table[size], "num_hidden_layers": num_layers}
-    if size == "auto":
-        if ckpt is None:
-            raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
-                            "give a converted checkpoint or a model size")
-        from megatron_patch.convert.sidecar import read_sidecar
-
-        sidecar = read_sidecar(ckpt)
-        if sidecar.family != family:
-            raise UserError(f"{ckpt} holds a {sidecar.family} model; this is the {family} launcher")
-        return sidecar.hf_config
-    if size not in table:
+        return {**table[size], "num_hidden_layers": num_layers}, None
+    if size == "auto" and ckpt is None:
+        raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
+                        "give a converted checkpoint or a model size")
+    if size != "auto" and size not in table:
         raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
-    config = dict(table[size])
-    if ckpt is not None and check_paths:
-        from megatron_patch.convert.sidecar import read_sidecar
+    if ckpt is None:
+        return dict(table[size]), None
+    from megatron_patch.convert.arch_source import open_checkpoint
 
-        sidecar = read_sidecar(ckpt)
+    preset = None if size == "auto" else dict(table[size])
+    try:
+        opened = open_checkpoint(ckpt, hf_config=hf_config_file or preset, family=family)
+    except UserError as exc:
+        raise UserError(f"PRETRAIN_CHECKPOINT_PATH: {exc}" + (" (or set MP_HF_CONFIG)" if "--hf-config" in str(exc)
+                                                              else ""))
+    sidecar = opened.sidecar
+    if sidecar.family != family:
+        raise UserError(f"{ckpt} holds a {sidecar.family} model; this is the {family} launcher")
+    if preset is not None and opened.found.sidecar_dir is not None:
         keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                 "intermediate_size", "num_experts")
-        diff = [k for k in keys if sidecar.hf_config.get(k) != config.get(k)]
-        if sidecar.family != family or diff:
-            raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff) or 'family'}): "
+        diff = [k for k in keys if sidecar.hf_config.get(k) != preset.get(k)]
+        if diff:
+            raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff)}): "
                             "use MODEL_SIZE=auto to take the checkpoint's architecture")
-        config = sidecar.hf_config
-    return config
+    return sidecar.hf_config, sidecar.arch.vocab_padded_to
 
 
 def _check_data(path: str, dataset_type: str) -> None:
