@@ -14,6 +14,9 @@
 #                      fp8 with each recipe this GPU supports, FL=true (the attention kernel TE picked is
 #                      logged), each AC mode and OPTIMIZER_OFFLOAD: tokens/s, TFLOP/s, MFU, peak memory
 #   bench-convert      scripts/bench_convert.py, the conversion benchmark
+#   bench-offload      (optional: only with --only, it needs its own ~15 minutes) scripts/bench_offload.py:
+#                      OPTIMIZER_OFFLOAD static 0..1 against auto on Llama-3.1-8B, exact numerics on CPU+GPU
+#                      tiers, megatron-core's own offload step counter after a load (docs/performance.md)
 #
 # Results go to DIR (default ./gpu-suite-results): summary.md (one table), steps.tsv, logs/STEP.log, info.json,
 # train/MODE.json, align/FAMILY/, bench_convert.json; DIR/work holds what the steps make. A rerun
@@ -86,7 +89,7 @@ TRAIN_MODES=(
   "ac-none|bf16|false|none|false|"
   "ac-full|bf16|false|full|false|MP_AC_LAYERS=1"
   "ac-offload|bf16|false|offload|false|MP_AC_LAYERS=1"
-  "optimizer-offload|bf16|false|sel|static|"
+  "optimizer-offload|bf16|false|sel|auto|"
 )
 # Limits: what each step may take at most on one H100 (they add up to the 25-minute budget).
 STEPS=("install|90|step_install|" "info|30|step_info|" "gpu-tests|150|step_gpu_tests|" "prepare|60|step_prepare|")
@@ -94,6 +97,8 @@ for f in $FAMILIES; do STEPS+=("parity-$f|25|step_parity|$f"); done
 for f in $FAMILIES; do STEPS+=("align-$f|40|step_align|$f"); done
 for m in "${TRAIN_MODES[@]}"; do STEPS+=("train-${m%%|*}|55|step_train|$m"); done
 STEPS+=("bench-convert|120|step_bench|")
+# Optional steps run only when --only names them: they would not fit the budget above.
+OPTIONAL_STEPS=("bench-offload|1500|step_bench_offload|")
 
 # The sum of the limits is the worst case, and must stay inside the budget.
 PLANNED=0
@@ -316,6 +321,14 @@ print(json.dumps(summary))
 PY
 }
 
+step_bench_offload() {
+  if [ "$DRY" = 1 ]; then
+    "$PYTHON" "$ROOT/scripts/bench_offload.py" --dry-run --out "$WORK/bench-offload" | tail -n 20
+    return "${PIPESTATUS[0]}"
+  fi
+  "$PYTHON" "$ROOT/scripts/bench_offload.py" --out "$RESULTS/bench-offload"
+}
+
 step_bench() {
   if [ "$DRY" = 1 ]; then
     "$PYTHON" "$ROOT/scripts/bench_convert.py" --help >/dev/null && echo "arguments ok: scripts/bench_convert.py"
@@ -335,6 +348,10 @@ selected() {
   done
   return 1
 }
+
+if [ -n "$ONLY" ]; then
+  for s in "${OPTIONAL_STEPS[@]}"; do selected "${s%%|*}" && STEPS+=("$s"); done
+fi
 
 echo "GPU suite$([ "$DRY" = 1 ] && echo ' (dry run: checks each command on this machine, runs nothing on a GPU)')"
 echo "results: $RESULTS; budget ${BUDGET_S}s, planned worst case ${PLANNED}s"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_patch.align.alignment import config_differences
-from megatron_patch.align.capture import point_names
+from megatron_patch.align.capture import _hooks, point_names
 from megatron_patch.align.parity import random_tokens
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import judge
@@ -439,3 +439,16 @@ def test_cli_moe_checkpoint_aligned_at_expert_parallel_2(aligned, tmp_path):
                  "--dtype", "fp32", "--quiet", "--report-dir", str(report)]) == 0
     data = json.loads((report / "report.json").read_text())
     assert "EP=2" in json.dumps(data) and data["verdict"]["aligned"]
+
+
+def test_a_capture_is_a_copy_even_when_the_output_is_changed_in_place_later():
+    """MCore adds the residual into a sub-block's output in place; with batch 1 the [seq, 1, h] output
+    transposes to an already contiguous tensor, so a capture that aliased it was silently changed."""
+    module = torch.nn.Linear(4, 4)
+    x = torch.randn(5, 1, 4)  # [seq, batch=1, hidden], MCore's order
+    store = {}
+    with torch.no_grad(), _hooks({"layers.0.mlp": module}, store, seq_first=True):
+        out = module(x)
+        expected = out.transpose(0, 1).clone()
+        out.add_(1.0)
+    assert torch.equal(store["layers.0.mlp"], expected)

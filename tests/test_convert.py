@@ -361,9 +361,11 @@ def test_damaged_mcore_checkpoint_fails_cleanly(hf_dirs, tmp_path, capsys):
                           "--quiet")
         assert rc == 2 and err.count("\n") == 1 and "corrupt" in err, err
         assert not (tmp_path / f"{fmt}-hf").exists() and not leftovers(tmp_path / f"{fmt}-hf")
-    (tmp_path / "legacy" / SIDECAR_NAME).unlink()
-    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(tmp_path / "legacy"), "--save-dir", str(tmp_path / "x"))
-    assert rc == 2 and SIDECAR_NAME in err
+    # An intact checkpoint without its sidecar: what to give instead is named (docs/foreign-checkpoints.md).
+    hf_to_mcore(hf_dirs["llama3_1"], tmp_path / "intact", ParallelLayout(tp=2), fmt="legacy", progress=False)
+    (tmp_path / "intact" / SIDECAR_NAME).unlink()
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(tmp_path / "intact"), "--save-dir", str(tmp_path / "x"))
+    assert rc == 2 and SIDECAR_NAME in err and "--hf-config" in err and not (tmp_path / "x").exists()
 
 
 _SLOW_CONVERT = """
@@ -511,7 +513,7 @@ def test_training_checkpoint_without_sidecar_fails_naming_it(training_ckpt, tmp_
     for load in (root, iter_dir):
         rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(load), "--save-dir", str(tmp_path / "hf"))
         assert rc == 2 and err.count("\n") == 1, err
-        assert str(iter_dir / SIDECAR_NAME) in err and "no sidecar" in err and "final" in err, err
+        assert f"{iter_dir} has no {SIDECAR_NAME}" in err and "--hf-config" in err and "final" in err, err
         assert not (tmp_path / "hf").exists() and not leftovers(tmp_path / "hf")
 
 

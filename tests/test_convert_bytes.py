@@ -394,7 +394,7 @@ def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
     """For every family (and DeepSeek with its multi-token-prediction layers) the skeleton read back
     from the disk cache equals the one megatron-core computes (shapes, every sharded-state-dict chunk,
     every object's bytes, the HF shapes); a miss is computed once and stored, a damaged entry is
-    computed again; the key changes with config.json, the MTP layers and the code."""
+    computed again; the key changes with config.json, the MTP layers, the vocabulary padding and the code."""
     import dataclasses
     import json
 
@@ -408,7 +408,7 @@ def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
     monkeypatch.setenv("MPATCH_CACHE_DIR", str(tmp_path / "cache"))
     computed = []
 
-    def compute(config_json, mtp_layers):  # stands for the helper process, which gives megatron's answer
+    def compute(config_json, mtp_layers, vocab_padded_to):  # stands for the helper process (megatron's answer)
         computed.append(config_json)
         return megatron[(parse_arch(json.loads(config_json)).family, int(mtp_layers > 0))]
 
@@ -430,6 +430,7 @@ def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
         assert sk.cache_path(json.dumps({**arch.hf_config, "num_hidden_layers": 2}, sort_keys=True), 0) != \
             sk.cache_path(config, 0)
         assert sk.cache_path(config, 1) != sk.cache_path(config, 0)
+        assert sk.cache_path(config, 0, vocab_padded_to=arch.padded_vocab_size() + 128) != sk.cache_path(config, 0)
         with monkeypatch.context() as m:
             m.setattr(sk, "_code_digest", lambda: "another version of the code")
             changed = sk.cache_path(config, 0)

@@ -9,7 +9,6 @@ folder; the parallel layouts are covered elsewhere (tests/test_models.py, tests/
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import torch
 from megatron_patch.cli import main
 from megatron_patch.models.registry import families
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
-from tests.training_helpers import launcher_args, make_corpus
+from tests.training_helpers import launcher_args, make_corpus, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GBS, SEQ, ITERS = 4, 32, 6
@@ -29,10 +28,6 @@ GBS, SEQ, ITERS = 4, 32, 6
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp("e2e"), 300, seed=1)
-
-
-def _metrics(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
 def _hf_loss(folder, tokens: torch.Tensor) -> float:
@@ -62,7 +57,7 @@ def test_convert_train_export_load(data, tmp_path, family):
                           capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "loaded pretrained weights" in proc.stdout
-    losses = [m["loss"] for m in _metrics(out)]
+    losses = [m["loss"] for m in read_metrics(out)]
     assert len(losses) == ITERS and losses[-1] < losses[0], losses
 
     back = tmp_path / "back"

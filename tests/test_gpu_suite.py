@@ -92,3 +92,20 @@ def test_bad_option_is_refused(tmp_path):
     assert proc.returncode == 2 and "unknown argument '--fast'" in proc.stderr
     usage = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 0 and "--dry-run" in usage.stdout and "25 minutes" in usage.stdout
+
+
+def test_optional_offload_benchmark_dry_run(tmp_path):
+    """bench-offload is not in the default plan (it needs its own ~15 minutes); --only runs it, and its dry
+    run validates the sweep's launches against the memory plan of an 80 GiB GPU."""
+    proc = _suite(tmp_path, "--only", "bench-offload")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert list(_steps(tmp_path)) == ["bench-offload"]
+    import json
+
+    report = json.loads((tmp_path / "work" / "bench-offload" / "report.json").read_text())
+    assert (report["model"]["size"], report["model"]["layers"]) == ("8B", 32)
+    assert report["model"]["fits_without_offload"] is False and report["model"]["fits_with_offload"] is True
+    checks = {r["mode"]: r["check"] for r in report["sweep"]}
+    assert list(checks) == ["false", *[f"{r / 10:g}" for r in range(1, 11)], "auto"]
+    assert checks["false"] == "refused by the memory plan" and checks["1"] == checks["auto"] == "ok"
+    assert report["exact"]["checks"] == {"off": "ok", "scripted": "ok"}

@@ -27,26 +27,11 @@ import torch
 
 from megatron_patch.checkpoint_layout import partial_dir
 from megatron_patch.cli import main
-from tests.training_helpers import launcher_args, make_chat_tokenizer, make_corpus, make_tiktoken_file, write_jsonl
+from tests.training_helpers import (hf_loss_on_first_batch, launch, launcher_args, make_chat_tokenizer,
+                                    make_tiktoken_file, read_metrics, write_jsonl)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERS, GBS, SEQ = 20, 8, 64
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return make_corpus(tmp_path_factory.mktemp("corpus"), 2000, seed=0)
-
-
-def _launch(args: list[str], env: dict | None = None, family: str = "llama3_1") -> subprocess.CompletedProcess:
-    """The real launcher script, as a user runs it."""
-    script = os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh")
-    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
-    return subprocess.run(["bash", script, *args], env=full_env, capture_output=True, text=True, timeout=480)
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(l) for l in (out / "log" / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
 
 
 def _pretrain_args(corpus, out, **over):
@@ -108,13 +93,13 @@ def test_preprocess_tiktoken_file_round_trip(tmp_path):
 def tp2_run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2") / "out"
     args = _pretrain_args(corpus, out, TP="2", SP="true", DO="true")
-    proc = _launch(args, {"MP_TP_COMM_OVERLAP": "false"})
+    proc = launch(args, {"MP_TP_COMM_OVERLAP": "false"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"out": out, "args": args, "stdout": proc.stdout}
 
 
 def test_tp2_loss_falls_on_real_text(tp2_run):
-    m = _metrics(tp2_run["out"])
+    m = read_metrics(tp2_run["out"])
     losses = [x["loss"] for x in m]
     assert [x["iteration"] for x in m] == list(range(1, ITERS + 1))
     assert 5.0 < losses[0] < 6.0, losses  # about ln(256) at initialisation
@@ -147,19 +132,19 @@ def test_checkpoints_are_complete_and_marked(tp2_run):
 def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus, tmp_path):
     out = tmp_path / "out"
     args = _pretrain_args(corpus, out, TP="2", SP="true", DO="true")
-    first = _launch(args, {"MP_TP_COMM_OVERLAP": "false", "MP_EXIT_INTERVAL": "10"})
+    first = launch(args, {"MP_TP_COMM_OVERLAP": "false", "MP_EXIT_INTERVAL": "10"})
     assert first.returncode == 0, first.stderr[-3000:]
     assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
-    assert len(_metrics(out)) == 10
+    assert len(read_metrics(out)) == 10
     # A save that died half-way must not be mistaken for a checkpoint.
     dead = subprocess.Popen(["true"])
     dead.wait()
     (partial_dir(out / "checkpoint" / "iter_0000015", pid=dead.pid) / "model").mkdir(parents=True)
-    second = _launch(args, {"MP_TP_COMM_OVERLAP": "false"})
+    second = launch(args, {"MP_TP_COMM_OVERLAP": "false"})
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "iter_0000010" in second.stdout
-    resumed = _metrics(out)
-    reference = _metrics(tp2_run["out"])
+    resumed = read_metrics(out)
+    reference = read_metrics(tp2_run["out"])
     assert [x["iteration"] for x in resumed] == list(range(1, ITERS + 1))
     assert [x["iteration"] for x in resumed if x["warmup"]] == [1, 11]  # each process's first iteration
     for a, b in zip(resumed, reference):
@@ -191,7 +176,7 @@ def _from_converted_args(corpus, converted, out, **over):
 def pp2_run(corpus, converted, tmp_path_factory):
     out = tmp_path_factory.mktemp("pp2") / "out"
     args = _from_converted_args(corpus, converted, out)
-    proc = _launch(args)
+    proc = launch(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"out": out, "args": args, "stdout": proc.stdout}
 
@@ -199,38 +184,18 @@ def pp2_run(corpus, converted, tmp_path_factory):
 def test_pp2_starts_from_converted_checkpoint(pp2_run, converted, tmp_path):
     hf, out, args, stdout = converted["hf"], pp2_run["out"], pp2_run["args"], pp2_run["stdout"]
     assert "loaded pretrained weights" in stdout
-    losses = [x["loss"] for x in _metrics(out)]
+    losses = [x["loss"] for x in read_metrics(out)]
     assert len(losses) == 6 and losses[-1] < losses[0]
 
     # The first global batch, read the way training reads it, through transformers' model.
-    from transformers import AutoModelForCausalLM
-
-    from megatron_patch.training.arguments import resolve
-    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
-
-    cfg = resolve("llama3_1", args, env={})
-    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * GBS, 0)
-    batches = micro_batches(train, 0, cfg, 0, 1)
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in batches:
-            logits = model(input_ids=b["tokens"]).logits
-            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1),
-                                                   reduction="none")
-            total += float((ce * b["loss_mask"].reshape(-1)).sum())
-            count += int(b["loss_mask"].sum())
-    assert abs(losses[0] - total / count) < 1e-4, (losses[0], total / count)
+    before = hf_loss_on_first_batch(hf, "llama3_1", args)
+    assert abs(losses[0] - before) < 1e-4, (losses[0], before)
 
     # The trained model goes back to HF through the converter and has learned: lower loss on that batch.
     back = tmp_path / "hf_trained"
     assert main(["convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(back), "--quiet"]) == 0
-    trained = AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
-    with torch.no_grad():
-        after = sum(float((torch.nn.functional.cross_entropy(
-            trained(input_ids=b["tokens"]).logits.reshape(-1, 200), b["labels"].reshape(-1), reduction="none")
-            * b["loss_mask"].reshape(-1)).sum()) for b in batches) / count
-    assert after < total / count - 0.05, (after, total / count)
+    after = hf_loss_on_first_batch(back, "llama3_1", args)
+    assert after < before - 0.05, (after, before)
 
 
 # --- virtual pipeline (MP_VP): PP=2 x 2 chunks is the same computation as PP=2 ------------------------------
@@ -244,14 +209,14 @@ def test_vp2_matches_pp2_and_resumes(pp2_run, corpus, converted, tmp_path):
     """
     out = tmp_path / "out"
     args = _from_converted_args(corpus, converted, out, SAVE_INTERVAL="3")
-    first = _launch(args, {"MP_VP": "2", "MP_EXIT_INTERVAL": "3"})
+    first = launch(args, {"MP_VP": "2", "MP_EXIT_INTERVAL": "3"})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "loaded pretrained weights" in first.stdout and "PP=2 EP=1 VP=2" in first.stdout
     assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    second = _launch(args, {"MP_VP": "2"})
+    second = launch(args, {"MP_VP": "2"})
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout and "iter_0000003" in second.stdout
-    vp, ref = _metrics(out), _metrics(pp2_run["out"])
+    vp, ref = read_metrics(out), read_metrics(pp2_run["out"])
     assert [x["iteration"] for x in vp] == list(range(1, 7))
     assert abs(vp[0]["loss"] - ref[0]["loss"]) < 1e-5, (vp[0]["loss"], ref[0]["loss"])
     for a, b in zip(vp, ref):
@@ -396,20 +361,20 @@ def test_sft_training_run(corpus, tmp_path):
     args = launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), OUTPUT_BASEPATH=str(out),
                          PAD_LEN="48", TRAIN_TOKENS_OR_ITERS="6", WARMUP_TOKENS_OR_ITERS="1", LR="3e-3",
                          SAVE_INTERVAL="100", GLOBAL_BATCH_SIZE="4")
-    proc = _launch(args, {"MP_TOKENIZER": str(corpus["tok"]), "MP_SFT_PACKING": "true"})
+    proc = launch(args, {"MP_TOKENIZER": str(corpus["tok"]), "MP_SFT_PACKING": "true"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    m = _metrics(out)
+    m = read_metrics(out)
     assert len(m) == 6 and m[-1]["loss"] < m[0]["loss"]
     assert all(x["loss_tokens"] < 4 * 48 for x in m)  # only response tokens count
 
 
 def test_nan_loss_stops_the_run(corpus, tmp_path):
     out = tmp_path / "out"
-    proc = _launch(_pretrain_args(corpus, out, LR="1e30", MIN_LR="0"))
+    proc = launch(_pretrain_args(corpus, out, LR="1e30", MIN_LR="0"))
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()[-1]
     assert "loss is" in err and "at iteration" in err and "training stopped" in err, err
-    assert not math.isnan(_metrics(out)[0]["loss"])
+    assert not math.isnan(read_metrics(out)[0]["loss"])
 
 
 # --- multi-node and failures -----------------------------------------------------------------------------
@@ -427,7 +392,7 @@ def _dp2_args(corpus, out, **over):
 @pytest.fixture(scope="module")
 def dp2_run(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("dp2") / "out"
-    proc = _launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
+    proc = launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DP=2 on 2 CPU process(es)" in proc.stdout
     return {"out": out}
@@ -435,7 +400,7 @@ def dp2_run(corpus, tmp_path_factory):
 
 def _last_records(out: Path) -> dict[int, dict]:
     """Each iteration's last record: after a restart, the iterations since the checkpoint appear twice."""
-    return {m["iteration"]: m for m in _metrics(out)}
+    return {m["iteration"]: m for m in read_metrics(out)}
 
 
 def _assert_same_losses(got: dict[int, dict], want: dict[int, dict], iterations) -> float:
@@ -628,7 +593,7 @@ def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, 
     distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
     truncated = distcp.stat().st_size
     (ckpt / "iter_0000018" / "common.pt").unlink()
-    proc = _launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
+    proc = launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(rf"warning: \S+/iter_0000024 is incomplete or damaged: {re.escape(distcp.name)} is truncated "
                      rf"\({truncated} bytes; its records end at byte \d+\)", proc.stdout), proc.stdout[-3000:]
@@ -647,7 +612,7 @@ def test_no_complete_checkpoint_is_refused_in_one_line(dp2_run, corpus, tmp_path
     for folder in ckpt.glob("iter_*"):
         (folder / ".metadata").unlink()
     (ckpt / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe")
-    proc = _launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
+    proc = launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"mpatch train: error: no complete checkpoint in {ckpt} ("), err
@@ -695,7 +660,7 @@ def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(dp2_run, corp
         env.update(PYTHONPATH=f"{tmp_path / 'inject'}:{os.environ.get('PYTHONPATH', '')}",
                    MP_TEST_FULL_DISK=".iter_0000012.mpatch-partial")
     try:
-        proc = _launch(_dp2_args(corpus, out), env)
+        proc = launch(_dp2_args(corpus, out), env)
         assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
         last = proc.stderr.strip().splitlines()[-1]
         said = re.fullmatch(rf"mpatch train: error: saving iter_0000012 failed on rank \d: (.+); training stopped, "
@@ -714,7 +679,7 @@ def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(dp2_run, corp
         if mounted:
             subprocess.run(["mount", "-o", "remount,size=64m", str(ckpt)], check=True)
         env.pop("MP_TEST_FULL_DISK", None)
-        again = _launch(_dp2_args(corpus, out), env)
+        again = launch(_dp2_args(corpus, out), env)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
         assert re.search(r"resumed from \S+/iter_0000006\n", again.stdout)
         _assert_same_losses(_last_records(out), _last_records(dp2_run["out"]), range(1, DP_ITERS + 1))

@@ -83,7 +83,13 @@ BAD = [
     ("llama3_1", dict(TP="2"), {"MP_TP_COMM_OVERLAP": "true"}, "TP communication overlap needs sequence parallelism"),
     ("llama3_1", dict(DO="false"), {"MP_OVERLAP_PARAM_GATHER": "true"}, "param-gather overlap needs the distributed optimizer"),
     ("llama3_1", dict(AC="partial"), {}, "AC must be one of sel | full | offload | none"),
-    ("llama3_1", dict(OPTIMIZER_OFFLOAD="1.5"), {}, "OPTIMIZER_OFFLOAD must be false, static or a fraction"),
+    ("llama3_1", dict(OPTIMIZER_OFFLOAD="1.5"), {}, "OPTIMIZER_OFFLOAD must be false, static, auto or a fraction"),
+    ("llama3_1", dict(OPTIMIZER_OFFLOAD="0.5"), {"MP_OFFLOAD_PROBE_SCRIPT": "/x.json"},
+     "MP_OFFLOAD_PROBE_SCRIPT drives OPTIMIZER_OFFLOAD=auto's decisions"),
+    ("llama3_1", dict(OPTIMIZER_OFFLOAD="auto"), {"MP_OFFLOAD_PROBE_SCRIPT": "/nonexistent.json"},
+     "MP_OFFLOAD_PROBE_SCRIPT /nonexistent.json not found"),
+    ("llama3_1", dict(), {"MP_OFFLOAD_NUMERICS": "precise"}, "MP_OFFLOAD_NUMERICS must be one of fast | exact"),
+    ("llama3_1", dict(), {"MP_GPU_MEMORY_GB": "-3"}, "MP_GPU_MEMORY_GB must be a finite number >= 0"),
     ("llama3_1", dict(TP="3"), {}, "TP=3 does not divide the 4 attention heads"),
     ("llama3_1", dict(PP="3"), {}, "PP=3 does not divide the 4 layers"),
     ("qwen2_moe", dict(EP="3"), {}, "EP=3 does not divide the 4 experts"),
@@ -108,6 +114,8 @@ BAD = [
     ("llama3_1", dict(PR="bf16"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed needs PR=fp8"),
     ("llama3_1", dict(PR="fp8"), {"MP_FP8_RECIPE": "fancy"}, "MP_FP8_RECIPE must be one of delayed"),
     ("llama3_1", dict(SAVE_INTERVAL="-5"), {}, "SAVE_INTERVAL must be >= 1"),
+    ("llama3_1", dict(PR="bf16"), {"MP_LOSS_SCALE_WINDOW": "3"}, "MP_LOSS_SCALE_WINDOW applies to PR=fp16"),
+    ("llama3_1", dict(), {"MP_INJECT_FAULT": "crash@3"}, "MP_INJECT_FAULT item 'crash@3' must be KIND@ITERATION"),
     # Checked up front since issue 14; megatron-core refused these only after every rank had started.
     ("llama3_1", dict(AC="offload", PP="2"), {}, "AC=offload (activation CPU offloading) does not work with pipeline"),
     ("llama3_1", dict(AC="offload"), {"MP_AC_LAYERS": "4"}, "AC=offload can offload at most 3 of the 4 layers"),
@@ -172,9 +180,7 @@ MACHINE_REFUSALS = [
     (dict(PR="fp8"), {}, "PR=fp8 needs transformer-engine on a GPU with FP8"),
     (dict(FL="true", PR="bf16"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
     (dict(TP="2", SP="true"), {}, "TP communication overlap (TP > 1 with SP=true) needs transformer-engine"),
-    (dict(PR="bf16"), {}, "PR=bf16 mixed precision is not supported on ENV=cpu"),
     (dict(AC="offload"), {}, "AC=offload moves activations from GPU to host memory"),
-    (dict(OPTIMIZER_OFFLOAD="static"), {}, "OPTIMIZER_OFFLOAD moves optimizer state"),
     (dict(ENV="dsw", PR="bf16"), {"GPUS_PER_NODE": "1"}, "ENV=dsw trains on GPUs and this machine has none"),
 ]
 
@@ -195,6 +201,25 @@ def test_launcher_refuses_what_this_cpu_machine_cannot_do(data, over, env, messa
         monkeypatch.setenv(k, v)
     assert main(["train", "llama3_1", *_args(data, **over)]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_cpu_machine_accepts_mixed_precision(data, precision):
+    """bf16/fp16 train on ENV=cpu (megatron's mixed-precision optimizers, fp32 master weights); fp8 does not."""
+    cfg = resolve("llama3_1", _args(data, PR=precision, DO="true"))
+    assert machine_problems(cfg, CPU) == []
+
+
+@pytest.mark.parametrize("value,policy,share", [("false", "off", 0.0), ("static", "static", 1.0),
+                                                 ("0.3", "static", 0.3), ("auto", "auto", 0.0)])
+def test_optimizer_offload_values_and_cpu(data, value, policy, share):
+    """OPTIMIZER_OFFLOAD runs on ENV=cpu too: the 'device' tier is host memory tagged as the device."""
+    cfg = resolve("llama3_1", _args(data, OPTIMIZER_OFFLOAD=value))
+    assert (cfg.optimizer_offload_policy, cfg.optimizer_offload_fraction) == (policy, share)
+    assert cfg.distributed_optimizer == (policy != "off")
+    assert machine_problems(cfg, CPU) == []
+    exact = resolve("llama3_1", _args(data), env={"MP_OFFLOAD_NUMERICS": "exact"})
+    assert exact.distributed_optimizer and exact.offload_numerics == "exact"
 
 
 def test_gpu_machine_accepts_fp8_flash_and_tp_overlap(data, monkeypatch):
@@ -257,8 +282,10 @@ def test_dry_run_qwen2_moe_multinode_offload_forces_do(data):
              SP="true", DO="false", OPTIMIZER_OFFLOAD="0.5", GLOBAL_BATCH_SIZE="256", BATCH_SIZE="1", SEQ_LEN="4096",
              TRAIN_TOKENS_OR_ITERS="100B", WARMUP_TOKENS_OR_ITERS="1B")
     opt = r["megatron_core"]["optimizer"]
-    assert opt["optimizer_cpu_offload"] is True and opt["optimizer_offload_fraction"] == 0.5
-    assert opt["use_precision_aware_optimizer"] is True and opt["use_distributed_optimizer"] is True
+    assert r["megatron_core"]["offload"] == {"policy": "static", "numerics": "fast", "host_share": 0.5}
+    # megatron-core's own offload (HybridDeviceOptimizer) stays off: the chunked optimizer replaces it
+    assert "optimizer_cpu_offload" not in opt and "use_precision_aware_optimizer" not in opt
+    assert opt["use_distributed_optimizer"] is True
     assert r["megatron_core"]["ddp"]["overlap_param_gather"] is True
     assert any("forced by OPTIMIZER_OFFLOAD" in n for n in r["resolved"]["notes"])
     assert r["resolved"]["world_size"] == 32 and r["megatron_core"]["data_parallel_size"] == 8
@@ -306,12 +333,6 @@ def test_dry_run_text_lists_settings(data, monkeypatch, capsys):
     assert "command: " in out
 
 
-def _te_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 SETTINGS_CASES = [
     ("llama3_1", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", MODEL_SIZE="tiny", PR="fp8", TP="2", PP="2", SP="true",
                                                DO="true", FL="true", AC="sel")),
@@ -321,9 +342,8 @@ SETTINGS_CASES = [
     ("qwen2", {}, dict(PR="fp32", TP="2", SP="true", DO="true")),
     ("qwen2_moe", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="bf16", TP="2", ETP="1", EP="2", SP="true")),
     ("llama3_1", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="fp16", DO="true", GLOBAL_BATCH_SIZE="16")),
-    pytest.param("qwen2_moe", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="bf16", OPTIMIZER_OFFLOAD="0.5"),
-                 marks=pytest.mark.skipif(not _te_installed(), reason="megatron-core's optimizer offload (precision-aware "
-                                          "optimizer) needs transformer-engine >= 2.1 to build its OptimizerConfig")),
+    ("qwen2_moe", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="bf16", OPTIMIZER_OFFLOAD="0.5", GLOBAL_BATCH_SIZE="16")),
+    ("llama3_1", {"MP_OFFLOAD_NUMERICS": "exact"}, dict(PR="bf16", OPTIMIZER_OFFLOAD="auto")),
 ]
 
 
@@ -351,6 +371,9 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
     assert ddp.use_distributed_optimizer == opt.use_distributed_optimizer == cfg.distributed_optimizer
     assert (opt.bf16, opt.fp16) == (cfg.precision in ("bf16", "fp8"), cfg.precision == "fp16")
     assert opt.lr == cfg.lr and opt.min_lr == cfg.min_lr
+    if settings["offload"]["policy"] != "off" or settings["offload"]["numerics"] == "exact":
+        # what build_chunked_optimizer requires of megatron's config
+        assert opt.use_distributed_optimizer and not opt.optimizer_cpu_offload and not opt.use_precision_aware_optimizer
 
 
 # --- issue 14: what a GPU run needs, checked on CPU ------------------------------------------------------

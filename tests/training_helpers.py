@@ -8,9 +8,26 @@ few dozen steps, so "the loss falls" is a real check. The tokenizer is a BPE tra
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from megatron_patch.training.toy_data import make_texts, make_tokenizer, sentence  # noqa: F401
+from megatron_patch.training.toy_data import make_texts, make_tokenizer  # noqa: F401 - re-exported
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(args: list[str], env: dict | None = None, family: str = "llama3_1") -> subprocess.CompletedProcess:
+    """The real launcher script, as a user runs it."""
+    script = os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh")
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run(["bash", script, *args], env=full_env, capture_output=True, text=True, timeout=480)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The per-iteration records of a run's log/metrics.jsonl."""
+    return [json.loads(l) for l in (Path(out) / "log" / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
 
 
 def make_tiktoken_file(path: str | Path, merges: list[bytes]) -> Path:
@@ -33,6 +50,29 @@ def make_corpus(root: str | Path, documents: int, seed: int = 0) -> dict:
     write_jsonl(root / "corpus.jsonl", [{"text": t} for t in texts])
     report = preprocess(root / "corpus.jsonl", str(root / "corpus"), tok, progress=False)
     return {"root": root, "texts": texts, "tok": tok, "prefix": report.output_prefix}
+
+
+def hf_loss_on_first_batch(hf_dir: str | Path, family: str, args: list[str]) -> float:
+    """transformers' loss on the first global batch of a launcher run, read the way training reads it:
+    a run that starts from a checkpoint of that model must log this as its first loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.training.arguments import resolve
+    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
+
+    cfg = resolve(family, args, env={})
+    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in micro_batches(train, 0, cfg, 0, 1):
+            logits = model(input_ids=b["tokens"]).logits
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1),
+                                                   reduction="none")
+            total += float((ce * b["loss_mask"].reshape(-1)).sum())
+            count += int(b["loss_mask"].sum())
+    return total / count
 
 
 def write_jsonl(path: str | Path, records: list) -> Path:

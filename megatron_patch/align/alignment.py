@@ -72,10 +72,11 @@ def _test_arch(s: AlignSettings):
     from megatron_patch.models.registry import parse_arch
 
     if s.mcore_dir:
-        from megatron_patch.convert.sidecar import read_sidecar
+        from megatron_patch.convert.arch_source import open_checkpoint
 
-        sidecar = read_sidecar(s.mcore_dir)
-        return parse_arch(sidecar.hf_config), sidecar
+        # A checkpoint of another tool is read as the model of --hf-dir, checked against its tensors.
+        opened = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir)
+        return opened.model_arch, opened.sidecar
     return parse_arch(s.hf_dir_2 or s.hf_dir), None
 
 
@@ -185,7 +186,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
         log(f"[2/3] HF {s.dtype} from {s.hf_dir_2}")
         test = capture_hf_dir(s.hf_dir_2, tokens, s.dtype)
     else:
-        source = {"mcore_dir": s.mcore_dir} if s.mcore_dir else {"hf_dir": s.hf_dir}
+        source = {"mcore_dir": s.mcore_dir, "hf_dir": s.hf_dir} if s.mcore_dir else {"hf_dir": s.hf_dir}
         runs = [McoreRun(s.dtype, **source)]
         if s.ablate:
             runs += [McoreRun(s.dtype, ablation=a.name, **source)

@@ -63,7 +63,9 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
             t = _first(output).detach()
             if seq_first:
                 t = t.transpose(0, 1)
-            store[name] = t.float().cpu().contiguous()
+            # Always a copy: with batch 1 the transposed output is already contiguous, and MCore adds the
+            # residual into its sub-block outputs in place, which would change an aliased capture.
+            store[name] = t.to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format)
         return hook
 
     handles = [m.register_forward_hook(make(n)) for n, m in targets.items()]

@@ -21,8 +21,8 @@ from megatron_patch.runtime.distributed import ParallelLayout
 class McoreRun:
     """One MCore model to build, fill and capture.
 
-    Weights come from ``mcore_dir`` (a checkpoint written by ``mpatch convert hf2mcore``) when given,
-    else from ``hf_dir`` through the in-memory mapping. ``ablation`` names a variant from
+    Weights come from ``mcore_dir`` (any Megatron-Core checkpoint; one without this project's sidecar
+    is read as the model of ``hf_dir``) when given, else from ``hf_dir`` through the in-memory mapping. ``ablation`` names a variant from
     ``align.ablations`` (None: the model as this package builds it).
     """
 
@@ -36,9 +36,9 @@ def _arch_of(run: McoreRun):
     from megatron_patch.models.registry import parse_arch
 
     if run.mcore_dir is not None:
-        from megatron_patch.convert.sidecar import read_sidecar
+        from megatron_patch.convert.arch_source import open_checkpoint
 
-        return parse_arch(read_sidecar(run.mcore_dir).hf_config)
+        return open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).model_arch
     return parse_arch(run.hf_dir)
 
 
@@ -52,7 +52,7 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
     if run.mcore_dir is not None:
         from megatron_patch.convert.loading import load_checkpoint_into_model
 
-        load_checkpoint_into_model(model, run.mcore_dir, layout)
+        load_checkpoint_into_model(model, run.mcore_dir, layout, hf_config=run.hf_dir)
     else:
         from megatron_patch.convert.hf_reader import HFCheckpointReader
         from megatron_patch.convert.model_io import load_hf_weights

@@ -9,7 +9,7 @@ import sys
 from megatron_patch import __version__
 from megatron_patch.errors import UserError
 
-SUBCOMMANDS = ["info", "families", "demo", "parity", "convert", "preprocess", "train", "align"]
+SUBCOMMANDS = ["info", "families", "demo", "parity", "convert", "inspect", "preprocess", "train", "align"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -57,7 +57,9 @@ def register(subparsers) -> None:
                     "line is named. Exit 0 aligned, 1 not aligned, 2 bad input.")
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder: the reference (run in fp32) and floor")
     p.add_argument("--mcore-dir", default=None,
-                   help="checkpoint written by 'mpatch convert hf2mcore' (default: map --hf-dir in memory)")
+                   help="a Megatron-Core checkpoint (torch_dist or legacy): written by 'mpatch convert hf2mcore' or "
+                        "a run, or by another tool, whose tensors are then read as the model of --hf-dir (default: "
+                        "map --hf-dir in memory)")
     p.add_argument("--hf-dir-2", default=None,
                    help="a second HF folder to test instead of MCore (e.g. an mcore2hf round trip)")
     add_layout_args(p)

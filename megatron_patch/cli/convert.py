@@ -41,7 +41,8 @@ def run_mcore2hf(args) -> int:
     _terminate_cleanly()
     _quiet_imports()
     mcore_to_hf(args.load_dir, args.save_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
-                progress=False if args.quiet else None, workers=args.workers)
+                progress=False if args.quiet else None, hf_config=args.hf_config, family=args.family,
+                iteration=args.iteration, workers=args.workers)
     print(f"wrote {args.save_dir}")
     return 0
 
@@ -67,6 +68,8 @@ def _add_workers(parser) -> None:
 
 
 def register(subparsers) -> None:
+    from megatron_patch.models.registry import families
+
     p = subparsers.add_parser(
         "convert", help="convert checkpoints between Hugging Face and Megatron-Core",
         description="Convert checkpoints between a Hugging Face model folder and a Megatron-Core checkpoint. "
@@ -100,15 +103,23 @@ def register(subparsers) -> None:
 
     m = sub.add_parser(
         "mcore2hf", help="Megatron-Core checkpoint -> HF folder",
-        description="Convert a checkpoint written by 'mpatch convert hf2mcore' back into a Hugging Face model folder "
-                    "(sharded safetensors + index, config.json, tokenizer files) that "
-                    "transformers.AutoModelForCausalLM.from_pretrained loads. Needs only the checkpoint: the sidecar "
-                    "mpatch_checkpoint.json supplies the config, layout and vocabulary padding.")
+        description="Convert a Megatron-Core checkpoint (torch_dist or legacy; written here, by Megatron-LM, "
+                    "NeMo / Megatron-Bridge or Pai-Megatron-Patch) into a Hugging Face model folder (sharded "
+                    "safetensors + index, config.json, tokenizer files) that transformers.AutoModelForCausalLM."
+                    "from_pretrained loads. The architecture comes from this project's sidecar "
+                    "mpatch_checkpoint.json if there is one, else from --hf-config (checked against every tensor), "
+                    "else from the checkpoint's saved Megatron-LM arguments read as --family; disagreements are "
+                    "named, vocabulary padding is dropped, optimizer state is skipped.")
     m.add_argument("--load-dir", required=True,
-                   help="checkpoint folder written by hf2mcore or a training run's final export (holds "
-                        "mpatch_checkpoint.json); or a training checkpoint: its root (the iteration named by "
-                        "latest_checkpointed_iteration.txt is read) or one iter_XXXXXXX folder, of which only the "
-                        "model weights are read (optimizer state skipped); that folder needs its own mpatch_checkpoint.json")
+                   help="checkpoint folder: its root (the iteration named by latest_checkpointed_iteration.txt, or "
+                        "release, is read) or one iter_XXXXXXX / release folder")
+    m.add_argument("--hf-config", default=None,
+                   help="HF config.json (or the folder holding it) of the model the checkpoint holds: needed when the "
+                        "checkpoint has no mpatch_checkpoint.json and no saved Megatron-LM arguments")
+    m.add_argument("--family", default=None, choices=sorted(families()),
+                   help="read the checkpoint's saved Megatron-LM arguments as this family's model")
+    m.add_argument("--iteration", type=int, default=None,
+                   help="convert this iteration instead of the newest complete one")
     m.add_argument("--save-dir", required=True, help="output HF folder (must be new or empty unless --force)")
     m.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the HF weights (default: the checkpoint's dtype)")

@@ -62,8 +62,12 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
     from megatron_patch.training.arguments import (
         Capabilities, arg_names, attention_kernel, launch_environment, machine_problems, megatron_settings)
 
+    from megatron_patch.training.memory_plan import plan_memory
+
     caps = Capabilities.detect()
     arch = cfg.arch
+    plan = plan_memory(cfg)
+    problems = machine_problems(cfg, caps) + ([plan.problem()] if plan.problem() else [])
     try:
         command = launch_command(cfg, family, argv)
     except UserError as exc:
@@ -77,7 +81,9 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
                   "num_experts": arch.num_experts, "padded_vocab_size": arch.padded_vocab_size()},
         "megatron_core": _jsonable(megatron_settings(cfg)),
         "attention_kernel": attention_kernel(cfg, caps),
-        "machine_problems": machine_problems(cfg, caps),
+        "machine_problems": problems,
+        "memory_plan": plan.to_dict(),
+        "memory_plan_lines": plan.lines(),
         "environment": launch_environment(cfg, caps),
         "command": command,
         "processes": cfg.world_size,
@@ -105,6 +111,8 @@ def print_dry_run(report: dict) -> None:
     for section in ("transformer_config", "ddp", "optimizer", "scheduler"):
         items = " ".join(f"{k}={v}" for k, v in report["megatron_core"][section].items())
         print(f"  {section:<19}{items}")
+    for line in report["memory_plan_lines"]:
+        print(line)
     problems = report["machine_problems"]
     print("machine check: " + ("ok" if not problems else "this machine would refuse: " + "; ".join(problems)))
     env = " ".join(f"{k}={v}" for k, v in report["environment"].items())
@@ -132,6 +140,11 @@ def run(args) -> int:
         return 0
     caps = Capabilities.detect()
     check_machine(cfg, caps)
+    from megatron_patch.training.memory_plan import plan_memory
+
+    problem = plan_memory(cfg).problem()
+    if problem:
+        raise UserError(problem)
     needed = launch_environment(cfg, caps)
     if launched_rank(os.environ):
         wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}

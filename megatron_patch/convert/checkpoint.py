@@ -28,11 +28,12 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from megatron_patch.checkpoint_layout import (
-    RELEASE, is_iteration_dir, iteration_dir, latest_complete_iteration, read_tracker, torch_dist_problem, write_tracker)
+from megatron_patch.checkpoint_layout import RELEASE, write_tracker
+from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.bytemap import Move, Stored, Tiled, block_moves, shard_shape
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier, create_file, write_all
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
+from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
@@ -40,7 +41,7 @@ from megatron_patch.convert.legacy import (
     CHECKPOINT_VERSION, FILE_NAME, check_legacy_layout, open_rank_files, rank_coords, rank_file)
 from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
 from megatron_patch.convert.progress import Progress
-from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
+from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.convert.skeleton import ModelSkeleton, describe_model
 from megatron_patch.convert.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.convert.torch_files import TensorSpec, nbytes, plan_torch_save
@@ -356,14 +357,20 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
 # --- MCore -> HF -------------------------------------------------------------------------------
 
 def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shard_size: str | int = "5GB",
-                force: bool = False, progress: bool | None = None, workers: int | None = None,
+                force: bool = False, progress: bool | None = None, hf_config: str | Path | None = None,
+                family: str | None = None, iteration: int | None = None, workers: int | None = None,
                 copier: Copier | None = None) -> Path:
-    """Convert a checkpoint written by ``hf_to_mcore`` (or a training run's final export) back into an HF
-    model folder; needs nothing else. ``load_dir`` may also be a training checkpoint (its root or one
-    ``iter_XXXXXXX`` folder, see ``locate_checkpoint``): its model weights are read, its optimizer state
-    skipped; such a folder needs its own sidecar."""
-    load_dir, data_dir, training = locate_checkpoint(load_dir)
-    sidecar = read_training_sidecar(load_dir) if training else read_sidecar(load_dir)
+    """Convert a Megatron-Core checkpoint into an HF model folder.
+
+    ``load_dir`` is any torch_dist or legacy checkpoint (its root, or one iteration or release folder):
+    one written here (hf2mcore, a training run or its final export: the sidecar says everything) or
+    by another tool, whose architecture comes from ``hf_config`` or from its saved Megatron-LM
+    arguments read as ``family`` (``convert.arch_source``). Optimizer state is skipped; ``iteration`` picks
+    an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``."""
+    opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
+    for note in opened.found.notes + opened.notes:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    load_dir, data_dir, sidecar = opened.sidecar_dir, opened.found.folder, opened.sidecar
     arch = sidecar.arch
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
@@ -385,7 +392,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
         source = _LegacySource(data_dir, arch, layout, transfers, hf_shapes)
     else:
         transfers = tp1
-        source = _TorchDistSource(data_dir, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES if training else ())
+        source = _TorchDistSource(data_dir, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES)
     entries, made_by = [], {}
     for t in transfers:
         for n in t.hf_names:
@@ -494,56 +501,6 @@ def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored
         raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
     return sum(_write_tensor(copier, place, tensor) for part, tensor in zip(parts, merged)
                for place in [part, *copy_places.get(part, ())])
-
-
-# --- training checkpoints ----------------------------------------------------------------------
-
-# Tensors of a training checkpoint that are not model weights, by the key prefix megatron-core gives
-# them: the optimizer's state (Adam moments, fp32 main parameters: "optimizer.state.<kind>.<param>"
-# or "optimizer.distributed...."). The scheduler, iteration and consumed samples live in common.pt
-# and the RNG states in rng/rank_*.pt (Megatron-LM: ShardedObjects "rng_state" and
-# "rerun_state_machine_state", not tensors), so no tensor of theirs can appear. Any other tensor the
-# model does not have is still an error.
-TRAINING_STATE_PREFIXES = ("optimizer.",)
-
-
-def locate_checkpoint(load_dir: str | Path) -> tuple[Path, Path, bool]:
-    """(folder holding the sidecar, folder holding the weights, whether it is a training checkpoint).
-
-    ``load_dir`` is a converted or exported checkpoint (tracker says 'release', weights in release/),
-    a training run's checkpoint root (tracker names the latest iteration: that iteration is taken),
-    or one training iteration folder ``iter_XXXXXXX``.
-    """
-    load_dir = Path(load_dir)
-    latest = read_tracker(load_dir) if load_dir.is_dir() else None
-    if isinstance(latest, int):
-        # The newest complete iteration, as training resumes from (checkpoint_layout), with a warning
-        # for each newer one that is damaged.
-        latest, notes = latest_complete_iteration(load_dir, lambda f: torch_dist_problem(f, common=False))
-        for note in notes:
-            print(f"warning: {note}", file=sys.stderr, flush=True)
-        load_dir = iteration_dir(load_dir, latest)
-    if load_dir.is_dir() and is_iteration_dir(load_dir) and read_tracker(load_dir) is None:
-        problem = torch_dist_problem(load_dir, common=False)
-        if problem:
-            raise UserError(f"{load_dir} is not a complete torch_dist training checkpoint: {problem}")
-        return load_dir, load_dir, True
-    return load_dir, load_dir / RELEASE, False
-
-
-def read_training_sidecar(iter_dir: Path) -> Sidecar:
-    """The sidecar of a training iteration folder, or an error that says what is missing."""
-    if not (iter_dir / SIDECAR_NAME).exists():
-        has = sorted(p.name for p in iter_dir.iterdir() if not p.name.startswith(("__", ".")))
-        raise UserError(
-            f"{iter_dir / SIDECAR_NAME} not found: this training checkpoint holds the weights but no sidecar, so the "
-            f"HF config, dtype and vocabulary padding mcore2hf needs are not recorded (it has {', '.join(has)}); "
-            f"convert the run's final export (OUTPUT_BASEPATH/final, which has one) instead")
-    sidecar = read_sidecar(iter_dir, release=False)
-    if sidecar.checkpoint_format != "torch_dist":
-        raise UserError(f"{iter_dir / SIDECAR_NAME} says format {sidecar.checkpoint_format!r}, but training "
-                        "checkpoints are torch_dist: the sidecar does not belong to this folder")
-    return sidecar
 
 
 def _write_hf_config(folder: Path, hf_config: dict, dtype: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.convert.pickles import TensorRef
 from megatron_patch.convert.torch_files import LazyTorchFile
 from megatron_patch.errors import UserError
@@ -62,13 +63,24 @@ def open_rank_files(release_dir: str | Path, layout: ParallelLayout) -> dict[Ran
         path = release_dir / name / FILE_NAME
         if not path.exists():
             raise UserError(f"{path} is missing: the legacy checkpoint is incomplete")
-        lazy = LazyTorchFile(path)
-        obj = lazy.obj
-        if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
-            raise UserError(f"{path} has no 'model' state dict: it is not a Megatron model checkpoint")
-        model = {k: v for k, v in obj["model"].items() if not k.endswith("_extra_state")}
-        out[coord] = (lazy, model)
-        bad = [k for k, v in model.items() if not isinstance(v, TensorRef)]
-        if bad:
-            raise UserError(f"{path}: model entry {bad[0]} is not a tensor")
+        out[coord] = open_rank_file(path)
     return out
+
+
+def open_rank_file(path: Path) -> tuple[LazyTorchFile, dict[str, TensorRef]]:
+    """One rank file and its model weights under TE names, read lazily (no storage read, nothing in the
+    file executed): TE's ``_extra_state`` entries are dropped and the local spec's names (Megatron-LM
+    and Pai-Megatron-Patch write either) renamed."""
+    lazy = LazyTorchFile(path)
+    obj = lazy.obj
+    if isinstance(obj, dict) and "model" not in obj and "model0" in obj:
+        raise UserError(f"{path} holds virtual-pipeline chunks (model0, model1, ...): convert a checkpoint saved "
+                        "without a virtual pipeline, or as torch_dist")
+    if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+        raise UserError(f"{path} has no 'model' state dict: it is not a Megatron model checkpoint")
+    model = {k: v for k, v in obj["model"].items() if not k.endswith("_extra_state") and v is not None}
+    bad = [k for k, v in model.items() if not isinstance(v, TensorRef)]
+    if bad:
+        raise UserError(f"{path}: model entry {bad[0]} is not a tensor")
+    names = local_to_te_names(model)
+    return lazy, {names[k]: v for k, v in model.items()}

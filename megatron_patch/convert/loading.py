@@ -1,4 +1,4 @@
-"""Load a checkpoint written by ``hf_to_mcore`` into this rank's live GPTModel.
+"""Load a Megatron-Core checkpoint (``hf_to_mcore``'s, a run's, or another tool's) into this rank's live GPTModel.
 
 torch_dist: megatron-core's own ``dist_checkpointing.load`` with the model's sharded state dict, at
 any TP/PP/EP (``checkpoint_layout.load_models_torch_dist``). legacy: this rank's ``model_optim_rng.pt``
@@ -11,24 +11,30 @@ from pathlib import Path
 
 import torch
 
-from megatron_patch.checkpoint_layout import RELEASE, load_models_torch_dist
-from megatron_patch.convert.sidecar import Sidecar, read_sidecar
+from megatron_patch.checkpoint_layout import load_models_torch_dist
+from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
 
 
-def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None) -> Sidecar:
-    """Fill ``model`` (built by ``build_model`` on this rank) from ``ckpt_dir``; returns its sidecar."""
-    ckpt_dir = Path(ckpt_dir)
-    sidecar = read_sidecar(ckpt_dir)
+def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_config: dict | str | Path | None = None
+                               ) -> Sidecar:
+    """Fill ``model`` (built by ``build_model`` on this rank) from ``ckpt_dir``; returns its sidecar.
+
+    A checkpoint without this project's sidecar (another tool's) needs ``hf_config``, the model's
+    config the caller built ``model`` from (``convert.arch_source.open_checkpoint``)."""
+    opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
+    sidecar = opened.sidecar
     if sidecar.checkpoint_format == "torch_dist":
-        load_models_torch_dist([model], ckpt_dir / RELEASE)
+        load_models_torch_dist([model], opened.found.folder)
     else:
-        load_legacy(model, ckpt_dir, sidecar, layout)
+        load_legacy(model, opened.found.folder, sidecar, layout)
     return sidecar
 
 
-def load_legacy(model, ckpt_dir: str | Path, sidecar: Sidecar, layout=None) -> None:
-    from megatron_patch.convert.legacy import rank_file
+def load_legacy(model, folder: str | Path, sidecar: Sidecar, layout=None) -> None:
+    """This rank's legacy rank file from the weights folder ``folder`` (``release/`` or ``iter_XXXXXXX/``)."""
+    from megatron_patch.convert.legacy import open_rank_file, rank_file
     from megatron_patch.models.mapping import RankCoord
     from megatron_patch.convert.model_io import current_coord, load_state_dict_strict
     from megatron_patch.models.mapping.naming import to_spec
@@ -40,31 +46,30 @@ def load_legacy(model, ckpt_dir: str | Path, sidecar: Sidecar, layout=None) -> N
         raise UserError(f"this legacy checkpoint is for {ckpt_layout}, not {layout}: convert again at that layout "
                         "or use --format torch_dist, which loads at any layout")
     coord = current_coord()
-    path = rank_file(Path(ckpt_dir) / RELEASE, RankCoord(coord.tp, coord.pp, coord.ep, coord.tp), ckpt_layout)
-    state = torch.load(path, map_location="cpu", weights_only=True)["model"]
-    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    path = rank_file(folder, RankCoord(coord.tp, coord.pp, coord.ep, coord.tp), ckpt_layout)
+    # Read without unpickling anything but tensors: rank files of other tools also hold their args.
+    lazy, refs = open_rank_file(path)
+    state = {k: lazy.load(v) for k, v in refs.items()}
     if not any(k.startswith("mtp.") for k in model.state_dict()):  # converted with --mtp, run without it
         state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     spec = model_spec_name(model)
     if spec == "local":  # rank files hold TE's shards; a few parameters the local spec cuts otherwise
         from megatron_patch.convert.engine import reshard_for_local_spec
-        from megatron_patch.models.registry import get_family, parse_arch
+        from megatron_patch.models.registry import get_family
 
-        arch = parse_arch(sidecar.hf_config)
+        arch = sidecar.arch
         state = reshard_for_local_spec(get_family(arch.family), arch, ckpt_layout, coord, state)
     load_state_dict_strict(model, to_spec(state, spec))
 
 
-def checkpoint_logits_worker(ckpt_dir: str, layout, tokens: torch.Tensor, dtype=torch.float32):
+def checkpoint_logits_worker(ckpt_dir: str, layout, tokens: torch.Tensor, dtype=torch.float32, hf_config=None):
     """Runs on every rank: build the model at ``layout``, load the checkpoint, return logits (last stage)."""
-    from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.builder import build_model
     from megatron_patch.models.inference import forward_logits
     from megatron_patch.runtime import init_model_parallel
 
-    sidecar = read_sidecar(ckpt_dir)
-    arch = parse_arch(sidecar.hf_config)
+    arch = open_checkpoint(ckpt_dir, hf_config=hf_config).model_arch
     init_model_parallel(layout)
     model = build_model(arch, layout, dtype)
-    load_checkpoint_into_model(model, ckpt_dir, layout)
+    load_checkpoint_into_model(model, ckpt_dir, layout, hf_config)
     return forward_logits(model, tokens, arch.vocab_size)

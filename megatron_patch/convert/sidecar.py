@@ -89,7 +89,10 @@ class Sidecar:
 
         from megatron_patch.models.registry import parse_arch
 
-        return dataclasses.replace(parse_arch(self.hf_config), mtp_layers=self.mtp_layers)
+        arch = parse_arch(self.hf_config)
+        # A checkpoint from another tool may pad the vocabulary otherwise than this project does.
+        padded = self.padded_vocab_size if self.padded_vocab_size != arch.padded_vocab_size() else None
+        return dataclasses.replace(arch, mtp_layers=self.mtp_layers, vocab_padded_to=padded)
 
     def write(self, folder: str | Path) -> None:
         data = {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -20,12 +20,13 @@ CUDA, the CPU compatibility layer, which patches torch process-wide (transformer
 afterwards in the same process are not reliable). The caller's process stays untouched.
 
 Importing megatron-core and building the model takes 5-10 s, most of a small conversion, and the
-answer depends only on config.json and the code. So the skeleton is kept on disk
-(``~/.cache/megatron_patch/skeletons``, or ``$MPATCH_CACHE_DIR``), keyed by a hash of config.json,
-the megatron-core and torch versions, and the source of every module that shapes the model
-(``models/``, ``runtime/``, this file and the engine's ``plan``): anything that could change the answer changes the key. A
-cached skeleton is the helper's own result read back (tests compare the two); a damaged or foreign
-cache file is ignored and rewritten.
+answer depends only on config.json (with the MTP layers and a checkpoint's own vocabulary padding)
+and the code. So the skeleton is kept on disk (``~/.cache/megatron_patch/skeletons``, or
+``$MPATCH_CACHE_DIR``), keyed by a hash of those, the megatron-core and torch versions, and the
+source of every module that shapes the model (``models/``, ``runtime/``, this file and the engine's
+``plan``): anything that could change the answer changes the key. A cached skeleton is the helper's
+own result read back (tests compare the two); a damaged or foreign cache file is ignored and
+rewritten.
 """
 
 from __future__ import annotations
@@ -113,28 +114,28 @@ def _ensure_single_rank_state() -> None:
 def describe_model(arch: Arch, *, use_cache: bool = True) -> ModelSkeleton:
     """The skeleton of ``arch``'s MCore model (independent of dtype and layout): from the disk cache, or
     computed by megatron-core in a helper process (and then cached)."""
-    config = json.dumps(arch.hf_config, sort_keys=True)
-    return _describe_cached(config, arch.mtp_layers) if use_cache else _compute(config, arch.mtp_layers)
+    key = (json.dumps(arch.hf_config, sort_keys=True), arch.mtp_layers, arch.vocab_padded_to)
+    return _describe_cached(*key) if use_cache else _compute(*key)
 
 
 @functools.lru_cache(maxsize=8)
-def _describe_cached(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
-    path = cache_path(hf_config_json, mtp_layers)
+def _describe_cached(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton:
+    path = cache_path(hf_config_json, mtp_layers, vocab_padded_to)
     if path is not None and path.is_file():
         try:
             return ModelSkeleton.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError):
             pass  # damaged or foreign: computed again and rewritten below
-    skeleton = _compute(hf_config_json, mtp_layers)
+    skeleton = _compute(hf_config_json, mtp_layers, vocab_padded_to)
     if path is not None:
         _store(path, skeleton)
     return skeleton
 
 
-def _compute(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
+def _compute(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton:
     from megatron_patch.runtime.launch import run_local
 
-    return run_local(_describe_worker, 1, hf_config_json, mtp_layers)[0]
+    return run_local(_describe_worker, 1, hf_config_json, mtp_layers, vocab_padded_to)[0]
 
 
 def cache_dir() -> Path:
@@ -164,11 +165,12 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def cache_path(hf_config_json: str, mtp_layers: int) -> Path | None:
-    """Where the skeleton of this config (with ``mtp_layers`` MTP layers) is cached; None if the code
-    cannot be hashed."""
+def cache_path(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None = None) -> Path | None:
+    """Where the skeleton of this config (with ``mtp_layers`` MTP layers and the embedding padded to
+    ``vocab_padded_to`` rows, None: the config's own padding) is cached; None if the code cannot be hashed."""
     try:
-        key = hashlib.sha256(f"{SKELETON_FORMAT}\0{_code_digest()}\0{mtp_layers}\0{hf_config_json}".encode()).hexdigest()
+        key = hashlib.sha256(f"{SKELETON_FORMAT}\0{_code_digest()}\0{mtp_layers}\0{vocab_padded_to}\0"
+                             f"{hf_config_json}".encode()).hexdigest()
     except OSError:
         return None
     return cache_dir() / f"{key}.json"
@@ -186,12 +188,13 @@ def _store(path: Path, skeleton: ModelSkeleton) -> None:
         pass
 
 
-def _describe_worker(hf_config_json: str, mtp_layers: int) -> ModelSkeleton:
+def _describe_worker(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton:
     import dataclasses
 
     from megatron_patch.models.registry import parse_arch
 
-    return describe_model_here(dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers))
+    return describe_model_here(dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers,
+                                                   vocab_padded_to=vocab_padded_to))
 
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:

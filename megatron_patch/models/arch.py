@@ -70,6 +70,9 @@ class Arch:
     mla: MLAShape | None = None
     # Multi-token-prediction layers the MCore model carries (DeepSeek-V3's; 0 unless converted with them).
     mtp_layers: int = 0
+    # The embedding's row count when a checkpoint written elsewhere padded the vocabulary otherwise
+    # (Megatron-LM pads to a multiple of 128 x TP): the model is built with exactly its rows.
+    vocab_padded_to: int | None = None
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -93,7 +96,10 @@ class Arch:
         """Vocabulary rounded up so that every TP size dividing ``multiple`` splits it evenly.
 
         Independent of TP on purpose: a torch_dist checkpoint then loads at any TP <= multiple.
+        A checkpoint from another tool keeps its own padding (``vocab_padded_to``).
         """
+        if self.vocab_padded_to is not None:
+            return self.vocab_padded_to
         return -(-self.vocab_size // multiple) * multiple
 
     def to_dict(self) -> dict:

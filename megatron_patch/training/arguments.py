@@ -51,7 +51,8 @@ ARG_HELP = {
     "FL": "flash attention: true | false (FlashAttention-3 when its Hopper build is installed)",
     "SFT": "true: fine-tune on SFT data (token counts become iteration counts) | false: pretrain",
     "AC": "activation checkpointing: sel | full | offload | none (MP_AC_LAYERS layers for full/offload)",
-    "OPTIMIZER_OFFLOAD": "false | static (all optimizer states on CPU) | a fraction 0..1 (forces DO=true)",
+    "OPTIMIZER_OFFLOAD": "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto "
+                         "(what the GPU cannot hold, measured each step); forces DO=true",
     "SAVE_INTERVAL": "save a checkpoint every this many iterations",
     "DATASET_PATH": "pretraining: mmap data prefix(es) (P_text_document, optionally 'W1 P1 W2 P2'); "
                     "SFT: a JSON/JSONL file",
@@ -76,11 +77,24 @@ EXTRAS = {
     "MP_NPROC": "ENV=cpu: number of local processes (default TP*PP*CP, or what the expert layout needs)",
     "MP_TOKENIZER": "tokenizer folder (tokenizer.json) or tiktoken file for SFT data (default: the checkpoint's)",
     "MP_NAN_POLICY": "stop (default) | skip: what a NaN/inf loss does",
+    "MP_GPU_MEMORY_GB": "memory per GPU the memory plan checks against (default: the visible GPU's); ENV=cpu: the "
+                        "'device' budget of OPTIMIZER_OFFLOAD=auto and the plan",
+    "MP_OFFLOAD_NUMERICS": "fast (default) | exact: optimizer updates bit-identical on every tier and schedule",
+    "MP_OFFLOAD_MARGIN_GB": "OPTIMIZER_OFFLOAD=auto: device memory kept free (default 2)",
+    "MP_OFFLOAD_PATIENCE": "OPTIMIZER_OFFLOAD=auto: steps with room before chunks come back to the GPU (default 3)",
+    "MP_OFFLOAD_COOLDOWN": "OPTIMIZER_OFFLOAD=auto: steps after an eviction with no promotion (default 5)",
+    "MP_OFFLOAD_CHUNK_MB": "optimizer offload chunk size in MiB of fp32 elements (default: least fragmentation)",
+    "MP_OFFLOAD_PROBE_SCRIPT": "testing: JSON {\"device_fraction\": {\"ITER\": share}} replaces auto's memory readings",
+    "MP_OFFLOAD_TIMING": "true: time the offloaded step's phases (adds synchronisations; benchmarks)",
+    "MP_LOSS_SCALE_WINDOW": "PR=fp16: good steps before the dynamic loss scale doubles (default 1000)",
+    "MP_INJECT_FAULT": "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), comma-separated",
     "MP_EXIT_INTERVAL": "stop after this many iterations (after saving), e.g. to test a resume",
     "MP_LOG_INTERVAL": "log every this many iterations (default 1)",
     "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",
     "MP_EVAL_ITERS": "validation micro-batch rounds per evaluation (default 10)",
     "MP_SEED": "random seed (default 1234; pipeline stage p initialises with seed + 100*p)",
+    "MP_HF_CONFIG": "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another tool without saved "
+                    "arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
     "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
     "MP_SAVE": "false: write no checkpoints and no final/ export (benchmarks)",
     "MP_MAX_RESTARTS": "restart the ranks up to N times after a failure (torchrun --max-restarts); each restart "
@@ -148,7 +162,7 @@ class RunConfig:
     flash_attention: bool
     sft: bool
     activation_checkpointing: str
-    optimizer_offload_fraction: float  # 0: off
+    optimizer_offload_fraction: float  # static: share on the host; 0: off
     save_interval: int
     dataset_path: list[str]
     dataset_weights: list[float] | None
@@ -176,6 +190,17 @@ class RunConfig:
     dist_timeout_min: float = 10.0
     tokenizer: str | None = None
     nan_policy: str = "stop"
+    loss_scale_window: int = 1000
+    optimizer_offload_policy: str = "off"  # off | static | auto
+    offload_numerics: str = "fast"
+    offload_margin_gb: float = 2.0
+    offload_patience: int = 3
+    offload_cooldown: int = 5
+    offload_chunk_mb: float | None = None
+    offload_probe_script: str | None = None
+    offload_timing: bool = False
+    gpu_memory_gb: float | None = None
+    faults: list = field(default_factory=list)
     exit_interval: int | None = None
     log_interval: int = 1
     eval_interval: int = 100
@@ -183,6 +208,8 @@ class RunConfig:
     seed: int = 1234
     save: bool = True
     hf_config: dict = field(default_factory=dict, repr=False)
+    # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
+    vocab_padded_to: int | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -210,7 +237,7 @@ class RunConfig:
     def arch(self):
         from megatron_patch.models.registry import parse_arch
 
-        return parse_arch(self.hf_config)
+        return dataclasses.replace(parse_arch(self.hf_config), vocab_padded_to=self.vocab_padded_to)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -298,13 +325,15 @@ def _env_int(env: dict, name: str, default, lo: int = 1):
     return default if raw == "" else _int(name, raw, lo)
 
 
-def _env_minutes(env: dict, name: str, default: float) -> float:
+def _env_float(env: dict, name: str, default):
     raw = env.get(name, "")
-    if raw == "":
-        return default
-    value = _float(name, raw)
+    return default if raw == "" else _float(name, raw)
+
+
+def _env_minutes(env: dict, name: str, default: float) -> float:
+    value = _env_float(env, name, default)
     if value <= 0:
-        raise UserError(f"{name} must be a number of minutes > 0, got '{raw}'")
+        raise UserError(f"{name} must be a number of minutes > 0, got '{env.get(name)}'")
     return value
 
 
@@ -340,20 +369,38 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
 
     offload_raw = a["OPTIMIZER_OFFLOAD"].strip().lower()
     notes: list[str] = []
+    offload_policy = "static"
     if offload_raw == "false":
-        offload = 0.0
+        offload, offload_policy = 0.0, "off"
     elif offload_raw == "static":
         offload = 1.0
+    elif offload_raw == "auto":
+        offload, offload_policy = 0.0, "auto"
     else:
         try:
             offload = float(offload_raw)
         except ValueError:
             offload = -1.0
         if not 0.0 < offload <= 1.0:
-            raise UserError(f"OPTIMIZER_OFFLOAD must be false, static or a fraction in (0, 1], got '{a['OPTIMIZER_OFFLOAD']}'")
-    if offload > 0 and not do:
+            raise UserError(f"OPTIMIZER_OFFLOAD must be false, static, auto or a fraction in (0, 1], got "
+                            f"'{a['OPTIMIZER_OFFLOAD']}'")
+    offload_numerics = _choice("MP_OFFLOAD_NUMERICS", env.get("MP_OFFLOAD_NUMERICS") or "fast", ("fast", "exact"))
+    if (offload_policy != "off" or offload_numerics == "exact") and not do:
         do = True
-        notes.append("DO=true: forced by OPTIMIZER_OFFLOAD (megatron-core offloads only distributed-optimizer state)")
+        notes.append("DO=true: forced by OPTIMIZER_OFFLOAD / MP_OFFLOAD_NUMERICS (the optimizer's chunks are the "
+                     "distributed optimizer's bucket shards)")
+    gpu_memory_gb = _env_float(env, "MP_GPU_MEMORY_GB", None)
+    offload_margin_gb = _env_float(env, "MP_OFFLOAD_MARGIN_GB", 2.0)
+    offload_chunk_mb = _env_float(env, "MP_OFFLOAD_CHUNK_MB", None)
+    if offload_chunk_mb is not None and offload_chunk_mb <= 0:
+        raise UserError("MP_OFFLOAD_CHUNK_MB must be > 0")
+    if gpu_memory_gb is not None and gpu_memory_gb <= 0:
+        raise UserError("MP_GPU_MEMORY_GB must be > 0")
+    offload_probe_script = env.get("MP_OFFLOAD_PROBE_SCRIPT") or None
+    if offload_probe_script and offload_policy != "auto":
+        raise UserError("MP_OFFLOAD_PROBE_SCRIPT drives OPTIMIZER_OFFLOAD=auto's decisions: set OPTIMIZER_OFFLOAD=auto")
+    if offload_probe_script and check_paths and not Path(offload_probe_script).is_file():
+        raise UserError(f"MP_OFFLOAD_PROBE_SCRIPT {offload_probe_script} not found")
 
     # Extras
     dataset_type = env.get("MP_DATASET_TYPE", "") or ("raw" if sft else "mmap")
@@ -375,6 +422,12 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     if env.get("MP_FP8_RECIPE") and precision != "fp8":
         raise UserError(f"MP_FP8_RECIPE={env['MP_FP8_RECIPE']} needs PR=fp8, got PR={precision}")
     nan_policy = _choice("MP_NAN_POLICY", env.get("MP_NAN_POLICY") or "stop", ("stop", "skip"))
+    loss_scale_window = _env_int(env, "MP_LOSS_SCALE_WINDOW", 1000)
+    if env.get("MP_LOSS_SCALE_WINDOW") and precision != "fp16":
+        raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
+    from megatron_patch.training.faults import parse_faults
+
+    faults = parse_faults(env.get("MP_INJECT_FAULT"))
 
     # Combinations megatron-core would reject late (or silently ignore).
     if sp and tp == 1:
@@ -410,11 +463,12 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     # Model architecture.
     size = a["MODEL_SIZE"]
     ckpt = None if _none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
-    hf_config = _model_config(family, size, ckpt, check_paths, _env_int(env, "MP_NUM_LAYERS", None))
+    hf_config, vocab_padded_to = _model_config(family, size, ckpt, env.get("MP_HF_CONFIG") or None,
+                                               _env_int(env, "MP_NUM_LAYERS", None))
     from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.arch import validate_layout
 
-    arch = parse_arch(hf_config)
+    arch = dataclasses.replace(parse_arch(hf_config), vocab_padded_to=vocab_padded_to)
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vp=vp)
     validate_layout(arch, layout, pp_first_stage_layers=pp0)
     if vp is not None and arch.num_layers % (pp * vp):
@@ -508,13 +562,18 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
         output_basepath=str(output), dataset_type=dataset_type, ac_layers=ac_layers, virtual_pipeline=vp,
         sft_packing=packing, pp0_layers=pp0, fp8_recipe=fp8_recipe, tp_comm_overlap=tp_comm_overlap,
         overlap_param_gather=overlap_param_gather, world_size=world, nproc_per_node=nproc, nnodes=nnodes,
-        tokenizer=tokenizer, nan_policy=nan_policy, exit_interval=_env_int(env, "MP_EXIT_INTERVAL", None),
+        tokenizer=tokenizer, nan_policy=nan_policy, loss_scale_window=loss_scale_window, faults=faults,
+        exit_interval=_env_int(env, "MP_EXIT_INTERVAL", None), optimizer_offload_policy=offload_policy,
+        offload_numerics=offload_numerics, offload_margin_gb=offload_margin_gb,
+        offload_patience=_env_int(env, "MP_OFFLOAD_PATIENCE", 3), offload_cooldown=_env_int(env, "MP_OFFLOAD_COOLDOWN", 5, lo=0),
+        offload_chunk_mb=offload_chunk_mb, offload_probe_script=offload_probe_script,
+        offload_timing=_bool("MP_OFFLOAD_TIMING", env.get("MP_OFFLOAD_TIMING") or "false"), gpu_memory_gb=gpu_memory_gb,
         log_interval=_env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=_env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
         eval_iters=_env_int(env, "MP_EVAL_ITERS", 10), seed=_env_int(env, "MP_SEED", 1234, lo=0),
         save=_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=device,
         max_restarts=_env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
         dist_timeout_min=_env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
-        hf_config=hf_config, notes=notes,
+        hf_config=hf_config, vocab_padded_to=vocab_padded_to, notes=notes,
     )
     return cfg
 
@@ -554,7 +613,13 @@ def _check_fp8_shapes(arch, recipe: str, tokens: int, tokens_name: str, tp: int,
                         f"TP={tp} has {', '.join(bad)}: use PR=bf16 or another TP")
 
 
-def _model_config(family: str, size: str, ckpt: str | None, check_paths: bool, num_layers: int | None = None) -> dict:
+def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str | None,
+                  num_layers: int | None = None) -> tuple[dict, int | None]:
+    """(the model's HF config, the checkpoint's own vocabulary padding when it differs from ours).
+
+    With a PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else
+    MP_HF_CONFIG, else the MODEL_SIZE preset, else its saved Megatron-LM arguments (as this
+    launcher's family), each checked against its tensors (``convert.arch_source``)."""
     table = presets(family)
     if num_layers is not None:
         if size == "auto" or ckpt is not None:
@@ -562,32 +627,33 @@ def _model_config(family: str, size: str, ckpt: str | None, check_paths: bool, n
                             "drop MP_NUM_LAYERS or PRETRAIN_CHECKPOINT_PATH")
         if size not in table:
             raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
-        return {**table[size], "num_hidden_layers": num_layers}
-    if size == "auto":
-        if ckpt is None:
-            raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
-                            "give a converted checkpoint or a model size")
-        from megatron_patch.convert.sidecar import read_sidecar
-
-        sidecar = read_sidecar(ckpt)
-        if sidecar.family != family:
-            raise UserError(f"{ckpt} holds a {sidecar.family} model; this is the {family} launcher")
-        return sidecar.hf_config
-    if size not in table:
+        return {**table[size], "num_hidden_layers": num_layers}, None
+    if size == "auto" and ckpt is None:
+        raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
+                        "give a converted checkpoint or a model size")
+    if size != "auto" and size not in table:
         raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
-    config = dict(table[size])
-    if ckpt is not None and check_paths:
-        from megatron_patch.convert.sidecar import read_sidecar
+    if ckpt is None:
+        return dict(table[size]), None
+    from megatron_patch.convert.arch_source import open_checkpoint
 
-        sidecar = read_sidecar(ckpt)
+    preset = None if size == "auto" else dict(table[size])
+    try:
+        opened = open_checkpoint(ckpt, hf_config=hf_config_file or preset, family=family)
+    except UserError as exc:
+        raise UserError(f"PRETRAIN_CHECKPOINT_PATH: {exc}" + (" (or set MP_HF_CONFIG)" if "--hf-config" in str(exc)
+                                                              else ""))
+    sidecar = opened.sidecar
+    if sidecar.family != family:
+        raise UserError(f"{ckpt} holds a {sidecar.family} model; this is the {family} launcher")
+    if preset is not None and opened.found.sidecar_dir is not None:
         keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                 "intermediate_size", "num_experts")
-        diff = [k for k in keys if sidecar.hf_config.get(k) != config.get(k)]
-        if sidecar.family != family or diff:
-            raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff) or 'family'}): "
+        diff = [k for k in keys if sidecar.hf_config.get(k) != preset.get(k)]
+        if diff:
+            raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff)}): "
                             "use MODEL_SIZE=auto to take the checkpoint's architecture")
-        config = sidecar.hf_config
-    return config
+    return sidecar.hf_config, sidecar.arch.vocab_padded_to
 
 
 def _check_data(path: str, dataset_type: str) -> None:
@@ -682,13 +748,16 @@ def megatron_settings(cfg: RunConfig) -> dict:
              "use_distributed_optimizer": cfg.distributed_optimizer,
              "overlap_param_gather": cfg.overlap_param_gather}
     if cfg.precision == "fp16":
-        optim.update(initial_loss_scale=2.0 ** 16, loss_scale_window=1000, hysteresis=2, min_loss_scale=1.0)
-    if cfg.optimizer_offload_fraction > 0:
-        optim.update(optimizer_cpu_offload=True, optimizer_offload_fraction=cfg.optimizer_offload_fraction,
-                     use_precision_aware_optimizer=True, overlap_cpu_optimizer_d2h_h2d=True)
+        optim.update(initial_loss_scale=2.0 ** 16, loss_scale_window=cfg.loss_scale_window, hysteresis=2,
+                     min_loss_scale=1.0)
     sched = {"lr_warmup_steps": cfg.warmup_iters, "lr_decay_steps": cfg.train_iters, "lr_decay_style": "cosine",
              "init_lr": 0.0, "max_lr": cfg.lr, "min_lr": cfg.min_lr}
-    return {"transformer_config": tc, "ddp": ddp, "optimizer": optim, "scheduler": sched,
+    offload = {"policy": cfg.optimizer_offload_policy, "numerics": cfg.offload_numerics}
+    if cfg.optimizer_offload_policy == "static":
+        offload["host_share"] = cfg.optimizer_offload_fraction
+    if cfg.optimizer_offload_policy == "auto":
+        offload.update(margin_gb=cfg.offload_margin_gb, patience=cfg.offload_patience, cooldown=cfg.offload_cooldown)
+    return {"transformer_config": tc, "ddp": ddp, "optimizer": optim, "scheduler": sched, "offload": offload,
             "num_microbatches": cfg.num_microbatches, "data_parallel_size": cfg.data_parallel_size,
             "pp_first_stage_layers": cfg.pp0_layers}
 
@@ -762,10 +831,6 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
         out.append(f"CP={cfg.cp} needs transformer-engine attention on GPUs: set CP=1")
     if cfg.activation_checkpointing == "offload" and not gpu_env:
         out.append("AC=offload moves activations from GPU to host memory; ENV=cpu has no GPU: use AC=sel, full or none")
-    if cfg.optimizer_offload_fraction > 0 and not gpu_env:
-        out.append("OPTIMIZER_OFFLOAD moves optimizer state from GPU to host memory; ENV=cpu has no GPU: set it to false")
-    if cfg.precision in ("bf16", "fp16", "fp8") and not gpu_env:
-        out.append(f"PR={cfg.precision} mixed precision is not supported on ENV=cpu: use PR=fp32")
     if cfg.precision == "fp32" and gpu_env:
         pass  # allowed (slow) on GPU
     return out

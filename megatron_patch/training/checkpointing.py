@@ -296,19 +296,20 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     return int(state["consumed_samples"])
 
 
-def load_converted_into_chunks(chunks: list, ckpt_dir) -> None:
-    """A checkpoint from 'mpatch convert hf2mcore' (or a ``final/`` export) into virtual-pipeline chunks.
+def load_converted_into_chunks(chunks: list, ckpt_dir, hf_config: dict | None = None) -> None:
+    """A torch_dist checkpoint (converted, a ``final/`` export, or another tool's, read as the model of
+    ``hf_config``) into virtual-pipeline chunks.
 
     The chunks' sharded tensors name their layers by global number (megatron's layer offset for the
     chunk's vp_stage), so a checkpoint written at any TP/PP, without chunks, fills them correctly.
     """
-    from megatron_patch.convert.sidecar import read_sidecar
+    from megatron_patch.convert.arch_source import open_checkpoint
 
-    ckpt_dir = Path(ckpt_dir)
-    if read_sidecar(ckpt_dir).checkpoint_format != "torch_dist":
+    opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
+    if opened.sidecar.checkpoint_format != "torch_dist":
         raise UserError(f"{ckpt_dir} is a legacy checkpoint, which loads only at the layout it was written for: "
                         "convert with --format torch_dist to train with MP_VP")
-    load_models_torch_dist(chunks, ckpt_dir / RELEASE)
+    load_models_torch_dist(chunks, opened.found.folder)
 
 
 def _shared_partial_dir(final: Path, inner: str = "") -> Path:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
 from megatron_patch.runtime import watchdog
+from megatron_patch.training import faults
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
@@ -151,6 +152,20 @@ def move_to_device(chunks: list, device: torch.device) -> None:
         raise RuntimeError(f"{len(stray)} tensors stayed off {device} after moving the model, e.g. {stray[0]}")
 
 
+def cast_parameters(chunks: list, dtype: torch.dtype) -> None:
+    """Every floating-point parameter in the training dtype (what Megatron-LM's Float16Module does).
+
+    megatron-core's local layer spec builds its norms with torch's RMSNorm, which ignores
+    ``params_dtype``: a bf16 model kept fp32 norm weights, so final/ held mixed dtypes and megatron's
+    non-distributed fp16/bf16 optimizer failed to save (its checkpoint code maps only the 16-bit
+    parameters). transformer-engine's norms already take ``params_dtype``. Buffers are left as built.
+    """
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+
 def configure_overlap(config, models: list, ddp_settings: dict) -> None:
     """The schedule's hooks for overlapping DP communication with compute (Megatron-LM's train()).
 
@@ -198,6 +213,7 @@ class Trainer:
             for c in chunks:
                 use_packed_local_attention(c)
         move_to_device(chunks, device)
+        cast_parameters(chunks, precision_dtype(cfg.precision))
         self.resume_iteration = self._latest()
         if self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
@@ -209,7 +225,26 @@ class Trainer:
         self.config = config
         configure_overlap(config, self.models, self.settings["ddp"])
         config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), self.models)
+        self.offload = None
+        from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
+
+        offload = settings_from_config(cfg)
+        if offload.enabled:
+            # auto starts from the share the memory plan leaves room for on this stage, and without a GPU
+            # the plan's activations stand for the measured non-model data (offload/probe.py)
+            from megatron_patch.training.memory_plan import auto_share, plan_memory
+
+            plan = plan_memory(cfg)
+            stage = plan.stage(parallel_state.get_pipeline_model_parallel_rank())
+            offload = settings_from_config(cfg, initial_share=auto_share(stage, plan.capacity, plan.margin),
+                                           activation_bytes=stage.activations + stage.transient)
+        if offload.enabled:
+            # megatron's distributed optimizer with its state in chunks on two tiers (training/offload/)
+            self.optimizer, self.offload = build_chunked_optimizer(
+                OptimizerConfig(**self.settings["optimizer"]), self.models, offload)
+            self._log(self.offload.describe())
+        else:
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), self.models)
         config.grad_scale_func = self.optimizer.scale_loss
         s = self.settings["scheduler"]
         self.scheduler = OptimizerParamScheduler(
@@ -242,11 +277,11 @@ class Trainer:
 
         cfg = self.cfg
         if len(chunks) == 1:
-            load_checkpoint_into_model(chunks[0], cfg.pretrain_checkpoint, cfg.layout)
+            load_checkpoint_into_model(chunks[0], cfg.pretrain_checkpoint, cfg.layout, hf_config=cfg.hf_config)
         else:
             from megatron_patch.training.checkpointing import load_converted_into_chunks
 
-            load_converted_into_chunks(chunks, cfg.pretrain_checkpoint)
+            load_converted_into_chunks(chunks, cfg.pretrain_checkpoint, cfg.hf_config)
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
@@ -348,7 +383,20 @@ class Trainer:
         for m in self.models:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.offload is not None:
+            self.offload.begin_step(self.iteration + 1)
+        result = self._step(batches)
+        if self.offload is not None:
+            result["offload"] = self.offload.after_update(self.iteration + 1)
+        return result
+
+    def _step(self, batches: list[dict]) -> dict:
+        cfg = self.cfg
         stats = self._run_schedule(batches, forward_only=False)
+        if self.offload is not None:
+            self.offload.after_backward()
+        if faults.due(cfg.faults, "overflow", self.iteration + 1):
+            faults.fill_gradients_with_inf(self.models)
         loss = float(stats[0] / max(float(stats[1]), 1.0))
         if not math.isfinite(loss):
             if cfg.nan_policy == "stop":
@@ -360,11 +408,23 @@ class Trainer:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
             return {"loss": loss, "skipped": True, "tokens": float(stats[1])}
+        scale = self._loss_scale()
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
+        else:
+            # megatron found inf/nan gradients (an fp16 overflow): no update, no scheduler step.
+            after = self._loss_scale()
+            self._log(f"iteration {self.iteration + 1}: inf/nan gradients, step skipped"
+                      + (f" (loss scale {scale:g} -> {after:g})" if scale is not None else ""))
         return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": float(stats[1])}
+                "tokens": float(stats[1]), "loss_scale": scale}
+
+    def _loss_scale(self) -> float | None:
+        """fp16's dynamic loss scale (None without one: bf16 and fp32 train unscaled)."""
+        if self.cfg.precision != "fp16":
+            return None
+        return float(self.optimizer.get_loss_scale())
 
     def evaluate(self) -> float:
         from megatron_patch.training import data
@@ -403,6 +463,8 @@ class Trainer:
         self._param_gather_before_first_step()
         while self.iteration < stop_at:
             watchdog.set_phase(f"iteration {self.iteration + 1}")
+            if faults.due(cfg.faults, "kill", self.iteration + 1):
+                faults.kill_this_process()
             start = time.time()
             result = self.train_step()
             self.iteration += 1
@@ -417,6 +479,9 @@ class Trainer:
                        "tokens_per_s": tokens / elapsed, "tflops_per_gpu": tflops, "memory_gib": _memory_gib(),
                        "iteration_s": elapsed, "tokens": tokens, "loss_tokens": result["tokens"],
                        "skipped": result["skipped"], "warmup": self.iteration < first + WARMUP_ITERATIONS}
+            if result.get("loss_scale") is not None:
+                metrics["loss_scale"] = result["loss_scale"]
+            metrics.update(result.get("offload", {}))
             records.append(metrics)
             if peak:
                 metrics["mfu"] = tflops / peak
@@ -427,7 +492,8 @@ class Trainer:
                           f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
                           f"tokens/s {metrics['tokens_per_s']:.0f} | TFLOP/s/{'GPU' if peak is not None else 'proc'} "
                           f"{tflops:.3f}" + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
-                          + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms")
+                          + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms"
+                          + (f" | offload {metrics['offload_share']:.0%}" if "offload_share" in metrics else ""))
             if self.valid_data is not None and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
                 watchdog.set_phase(f"validation after iteration {self.iteration}")
                 vloss = self.evaluate()

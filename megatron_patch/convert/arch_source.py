@@ -1,0 +1,162 @@
+"""Which model a Megatron-Core checkpoint holds: ``open_checkpoint(path, hf_config=, family=)``.
+
+The architecture comes from the first source that exists, never from guesses:
+
+1. this project's sidecar ``mpatch_checkpoint.json``;
+2. ``hf_config``: an HF config.json (or its folder, or the dict) giving the architecture to export into;
+3. Megatron-LM's saved ``args`` (legacy: in model_optim_rng.pt; torch_dist: in common.pt), mapped to
+   the HF config of the family named by ``family`` (``models.megatron_args``);
+4. otherwise one line saying which of these to give.
+
+Sources 2 and 3 are checked against the tensors (``convert.foreign``), and every disagreement is
+named (hidden size, layers, heads, query groups, MLP size, vocabulary, tied output layer, qk norm,
+experts, biases). The vocabulary padding is the checkpoint's own (Megatron-LM pads to a multiple of
+128 x TP): the model is described with exactly its rows (``Arch.vocab_padded_to``) and the padding
+rows are dropped on export, the true vocabulary being the config's. The result is a ``Sidecar`` like
+the one this project writes, so everything downstream (mcore2hf, align, the launcher) reads any
+checkpoint alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_patch.convert.foreign import FoundCheckpoint, find_checkpoint, tensor_facts
+from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch
+from megatron_patch.runtime.distributed import ParallelLayout
+
+
+@dataclass
+class OpenedCheckpoint:
+    found: FoundCheckpoint
+    sidecar: Sidecar                    # this project's, or one made from the architecture source
+    source: str                         # where the architecture came from, in words
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sidecar_dir(self) -> Path:
+        """Where the side files (tokenizer, ...) the sidecar lists lie."""
+        return self.found.sidecar_dir or self.found.root
+
+    @property
+    def model_arch(self) -> Arch:
+        """The model alignment and training build from it: the checkpoint's, without a multi-token-
+        prediction block it may hold (docs/deepseek.md), with its vocabulary padding."""
+        return dataclasses.replace(self.sidecar.arch, mtp_layers=0)
+
+
+def what_to_give(found: FoundCheckpoint) -> str:
+    """What ``open_checkpoint`` still needs for this folder, in words ('' when nothing)."""
+    if found.sidecar_dir is not None:
+        return ""
+    beside = found.hf_config_beside
+    hint = f" ({beside} lies beside the weights)" if beside else ""
+    if (found.folder / "train_state.json").is_file():  # a run of this project: its export describes itself
+        hint += "; or convert the run's final export (OUTPUT_BASEPATH/final), which has one"
+    if found.args is not None:
+        return ("--family NAME, to read its saved Megatron-LM arguments as that family's model (plus --hf-config "
+                "if they lack the true vocab_size), or --hf-config PATH" + hint)
+    return f"--hf-config PATH: the HF config.json of the model it holds{hint}"
+
+
+def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None, family: str | None = None,
+                    iteration: int | None = None) -> OpenedCheckpoint:
+    """The checkpoint at ``path`` with its architecture (see the module docstring for the order)."""
+    from megatron_patch.models.registry import get_family, parse_arch
+
+    found = find_checkpoint(path, iteration)
+    if found.sidecar_dir is not None:  # this project's own record wins over any other source
+        sidecar = found.sidecar
+        if family is not None and family != sidecar.family:
+            raise UserError(f"{found.sidecar_dir / SIDECAR_NAME} says {sidecar.family}, not --family {family}")
+        return OpenedCheckpoint(found, sidecar, f"{found.sidecar_dir / SIDECAR_NAME}")
+    notes: list[str] = []
+    if hf_config is not None:
+        arch = parse_arch(hf_config)
+        source = "the model's HF config" if isinstance(hf_config, dict) else f"--hf-config {hf_config}"
+        if family is not None and family != arch.family:
+            raise UserError(f"{source} describes a {arch.family} model, not --family {family}")
+    elif found.args is not None and family is not None:
+        from megatron_patch.models.megatron_args import hf_config_from_megatron_args
+
+        config, notes = hf_config_from_megatron_args(found.args, get_family(family))
+        arch = get_family(family).parse_config(config)
+        source = f"the saved Megatron-LM arguments, as {family}"
+    else:
+        raise UserError(f"{found.folder} has no {SIDECAR_NAME} to say what model it holds: give {what_to_give(found)}")
+    arch = check_architecture(arch, found, source)
+    fmt_layout = found.layout or ParallelLayout()
+    if found.fmt == "legacy":
+        _check_legacy_fits(arch, found)
+    from megatron_patch.convert.outputs import carried_files
+
+    sidecar = Sidecar.create(found.fmt, arch, fmt_layout, found.dtype, carried_files=carried_files(found.root),
+                             num_tensors=found.num_tensors, num_bytes=found.num_bytes,
+                             source=f"{found.writer}: {found.folder}", notes=notes)
+    return OpenedCheckpoint(found, sidecar, source, notes)
+
+
+def _check_legacy_fits(arch: Arch, found: FoundCheckpoint) -> None:
+    from megatron_patch.models.arch import validate_layout
+
+    counts = set(found.layers_per_stage)
+    if len(counts) > 1:
+        raise UserError(f"{found.folder}: its pipeline stages hold {'+'.join(map(str, found.layers_per_stage))} "
+                        "layers; only even stages convert from the legacy format")
+    validate_layout(arch, found.layout)
+
+
+def check_architecture(arch: Arch, found: FoundCheckpoint, source: str) -> Arch:
+    """``arch`` with the checkpoint's vocabulary padding, after every named disagreement between it
+    and the tensors has been refused (all of them in one line)."""
+    have, want = tensor_facts(found.shapes), _arch_facts(arch)
+    if found.layout is not None and found.layout.pp > 1:
+        # A legacy last stage holds output_layer.weight whether or not it is tied to the embedding.
+        have.pop("tied output layer")
+    wrong = []
+    for name, expected in want.items():
+        got = have.get(name)
+        if got is None or got == expected:
+            continue
+        wrong.append(_describe(name, expected, got, arch))
+    rows = have.get("embedding rows")
+    if rows is not None and rows < arch.vocab_size:
+        wrong.append(f"vocabulary: {source} has {arch.vocab_size} tokens, the embedding only {rows} rows")
+    if wrong:
+        raise UserError(f"{found.folder} does not hold the model {source} describes: " + "; ".join(wrong))
+    if rows is not None and rows != arch.padded_vocab_size():
+        arch = dataclasses.replace(arch, vocab_padded_to=rows)
+    return arch
+
+
+def _describe(name: str, expected, got, arch: Arch) -> str:
+    if name == "attention width":
+        return (f"attention heads: config {arch.num_heads} x head dim {arch.head_dim} = {expected}, tensors {got}"
+                + (f" ({got // arch.head_dim} heads)" if got % arch.head_dim == 0 else ""))
+    if name == "key/value width":
+        return (f"query groups: config {arch.num_kv_heads} (key/value rows {expected}), tensors {got} rows"
+                + (f" ({got // (2 * arch.head_dim)} groups)" if got % (2 * arch.head_dim) == 0 else ""))
+    if isinstance(expected, bool):
+        return f"{name}: config {'yes' if expected else 'no'}, tensors {'yes' if got else 'no'}"
+    return f"{name}: config {expected}, tensors {got}"
+
+
+def _arch_facts(arch: Arch) -> dict:
+    from megatron_patch.convert.engine import plan
+    from megatron_patch.models.registry import get_family
+
+    names = {p.mcore_name for t in plan(get_family(arch.family), arch, ParallelLayout()) for p in t.placements}
+    facts = {"hidden size": arch.hidden_size, "layers": arch.num_layers, "experts": arch.num_experts,
+             "tied output layer": arch.tie_word_embeddings,
+             "qk norm": any(n.endswith("self_attention.q_layernorm.weight") for n in names),
+             "linear biases": any(n.endswith("self_attention.linear_qkv.bias") for n in names)}
+    if arch.mla is None:
+        facts["attention width"] = arch.num_heads * arch.head_dim
+        facts["key/value width"] = 2 * arch.num_kv_heads * arch.head_dim
+    if not arch.is_moe:
+        facts["MLP size"] = arch.ffn_hidden_size
+    return facts

@@ -1,0 +1,311 @@
+"""Megatron-Core checkpoints from anywhere: which files hold the weights, and what they hold.
+
+``find_checkpoint(path)`` looks at a folder written by this project, Megatron-LM, NeMo /
+Megatron-Bridge or Pai-Megatron-Patch and says which files hold the weights, in which format
+(torch_dist or legacy, TE or local-spec names), at which iteration, with what tensors (as torch_dist
+stores them: global, layers stacked), whether optimizer state and saved Megatron-LM arguments are
+there and which tool wrote it; it reads no weights. A folder that is not a checkpoint, a half-written
+one, or one whose layers don't add up is refused in one line. ``convert.arch_source`` adds the model
+those tensors are (docs/foreign-checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_patch.checkpoint_layout import (
+    ITERATION_DIR, RELEASE, TRACKER_NAME, is_iteration_dir, iteration_dir, latest_complete_iteration, read_tracker,
+    torch_dist_problem, zip_problem)
+from megatron_patch.convert.legacy import FILE_NAME, open_rank_file
+from megatron_patch.convert.pickles import Record, TensorRef
+from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
+from megatron_patch.convert.torch_files import LazyTorchFile, nbytes
+from megatron_patch.errors import UserError
+from megatron_patch.runtime.distributed import ParallelLayout
+
+# Tensors of a checkpoint that are training state, not weights, by megatron-core's key prefix
+# (Adam moments and main parameters: "optimizer.state.exp_avg.<param>", "optimizer.distributed....").
+TRAINING_STATE_PREFIXES = ("optimizer.",)
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+# Parameters a TP rank holds a slice of, and the dimension sliced (of the unstacked parameter).
+_TP_DIM = {"linear_qkv.weight": 0, "linear_qkv.bias": 0, "linear_fc1.weight": 0, "linear_fc1.bias": 0,
+           "linear_proj.weight": 1, "linear_fc2.weight": 1, "word_embeddings.weight": 0, "output_layer.weight": 0}
+
+
+@dataclass
+class FoundCheckpoint:
+    """A checkpoint folder as found on disk: no weights read."""
+
+    root: Path                          # the folder with the tracker (or the one given)
+    folder: Path                        # the iteration or release folder that holds the weights
+    fmt: str                            # "torch_dist" | "legacy"
+    iteration: int | str                # an iteration number or "release"
+    iterations: list[int]               # every complete-looking iteration folder under root
+    shapes: dict[str, tuple[int, ...]]  # model tensors as torch_dist stores them: global, layers stacked
+    dtype: str                          # the weights' dtype name (an fp32 router beside bf16 weights does not count)
+    num_tensors: int                    # stored model tensors (legacy: over every rank file)
+    num_bytes: int
+    has_optimizer: bool
+    args: dict | None                   # Megatron-LM's saved arguments, if any
+    layout: ParallelLayout | None       # legacy: the TP/PP/EP its rank files are cut for
+    layers_per_stage: list[int] = field(default_factory=list)
+    sidecar_dir: Path | None = None     # where this project's sidecar lies, if there is one
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sidecar(self) -> Sidecar | None:
+        if self.sidecar_dir is None:
+            return None
+        return read_sidecar(self.sidecar_dir, release=self.sidecar_dir == self.root)
+
+    @property
+    def writer(self) -> str:
+        """Which tool wrote it, as far as the files tell."""
+        if self.sidecar_dir is not None:
+            versions = self.sidecar.versions or {}
+            return f"megatron_patch {versions.get('megatron_patch', '?')} ({self.sidecar.source or 'mpatch'})"
+        if (self.folder / "run_config.yaml").exists() or (self.root / "latest_train_state.pt").exists():
+            return "NeMo / Megatron-Bridge (run_config.yaml)"
+        if self.args is not None:
+            # Pai-Megatron-Patch adds its own tokenizer argument to Megatron-LM's.
+            if "patch_tokenizer_type" in self.args:
+                return "Pai-Megatron-Patch (Megatron-LM arguments with patch_tokenizer_type)"
+            return "Megatron-LM (saved training arguments)"
+        return "unknown (Megatron-Core layout without saved arguments)"
+
+    @property
+    def hf_config_beside(self) -> Path | None:
+        """An HF config.json stored with the checkpoint (Pai-Megatron-Patch's converter copies one)."""
+        for folder in (self.root, self.folder):
+            if (folder / "config.json").is_file():
+                return folder / "config.json"
+        return None
+
+
+# --- finding the weights ---------------------------------------------------------------------------
+
+def _format(folder: Path) -> str | None:
+    if (folder / ".metadata").exists() or (folder / "metadata.json").exists():
+        return "torch_dist"
+    if any(_RANK_DIR.fullmatch(p.name) for p in folder.iterdir() if p.is_dir()):
+        return "legacy"
+    return None
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why ``folder`` (an iteration or release folder) is not a complete checkpoint, or None."""
+    if not folder.is_dir():
+        return f"{folder.name} is missing"
+    fmt = _format(folder)
+    if fmt is None:
+        return "it has neither torch_dist files (.metadata, *.distcp) nor legacy mp_rank_* folders"
+    if fmt == "torch_dist":
+        # common.pt is optional: Megatron-Bridge keeps its common state inside the .distcp files.
+        return torch_dist_problem(folder, common=False) or (
+            zip_problem(folder / "common.pt") if (folder / "common.pt").exists() else None)
+    for rank_dir in sorted(p for p in folder.iterdir() if _RANK_DIR.fullmatch(p.name)):
+        if not (rank_dir / FILE_NAME).is_file():
+            return f"{rank_dir.name}/{FILE_NAME} is missing"
+    return None
+
+
+def _locate(path: Path, iteration: int | None) -> tuple[Path, Path, int | str, list[str]]:
+    """(root, weights folder, iteration or 'release', warnings)."""
+    if not path.is_dir():
+        raise UserError(f"{path} is not a folder: point at a Megatron checkpoint folder")
+    if is_iteration_dir(path) or (path.name == RELEASE and _format(path)):
+        if iteration is not None:
+            raise UserError(f"{path} is one iteration's folder: give its parent with --iteration, or this folder alone")
+        label = RELEASE if path.name == RELEASE else int(path.name[len("iter_"):])
+        return path.parent, path, label, []
+    found = sorted(int(m.group(1)) for p in path.iterdir() if (m := ITERATION_DIR.fullmatch(p.name)) and p.is_dir())
+    if iteration is not None:
+        folder = iteration_dir(path, iteration)
+        if not folder.is_dir():
+            have = ", ".join(map(str, found)) or "none"
+            raise UserError(f"{folder} not found: the iterations saved in {path} are {have}")
+        return path, folder, iteration, []
+    tracked = read_tracker(path)
+    if tracked == RELEASE or (tracked is None and not found and (path / RELEASE).is_dir()):
+        return path, path / RELEASE, RELEASE, []
+    if tracked is None and not found:
+        if _format(path):
+            raise UserError(f"{path} holds checkpoint files but is not inside an iter_XXXXXXX or release folder: "
+                            "point at the folder that holds latest_checkpointed_iteration.txt")
+        raise UserError(f"{path} is not a Megatron checkpoint: it has no {TRACKER_NAME}, iter_XXXXXXX or release "
+                        "folder")
+    latest, notes = latest_complete_iteration(path, checkpoint_problem)
+    return path, iteration_dir(path, latest), latest, notes
+
+
+def _saved_args(obj) -> dict | None:
+    args = obj.get("args") if isinstance(obj, dict) else None
+    if isinstance(args, Record):  # argparse.Namespace, unpickled as an inert record
+        return dict(args.state) if isinstance(args.state, dict) else None
+    return dict(args) if isinstance(args, dict) else None
+
+
+def find_checkpoint(path: str | Path, iteration: int | None = None) -> FoundCheckpoint:
+    """Look at a checkpoint folder (its root, or one iteration or release folder); reads no weights."""
+    root, folder, label, notes = _locate(Path(path), iteration)
+    problem = checkpoint_problem(folder)
+    if problem:
+        raise UserError(f"{folder} is not a complete checkpoint ({problem}): it is half-written, truncated or "
+                        "corrupt; point at a finished one (or --iteration N for an older one)")
+    fmt = _format(folder)
+    found = _read_torch_dist(folder) if fmt == "torch_dist" else _read_legacy(folder)
+    iterations = sorted(int(m.group(1)) for p in root.iterdir() if (m := ITERATION_DIR.fullmatch(p.name)))
+    sidecar_dir = next((d for d in ((root, folder) if label == RELEASE else (folder,)) if (d / SIDECAR_NAME).is_file()),
+                       None)
+    return FoundCheckpoint(root=root, folder=folder, fmt=fmt, iteration=label, iterations=iterations,
+                           sidecar_dir=sidecar_dir, notes=notes, **found)
+
+
+def _read_torch_dist(folder: Path) -> dict:
+    from megatron_patch.convert.torch_dist import TorchDistReader
+
+    reader = TorchDistReader(folder)
+    keys = reader.tensor_keys()
+    model = sorted(k for k in keys if not k.startswith(TRAINING_STATE_PREFIXES))
+    shapes = {k: reader.global_shape(k) for k in model}
+    args = None
+    if (folder / "common.pt").exists():
+        args = _saved_args(LazyTorchFile(folder / "common.pt").obj)
+    return dict(shapes=shapes, dtype=_weights_dtype({k: reader.dtype(k) for k in model}), num_tensors=len(model),
+                num_bytes=sum(nbytes(s, reader.dtype(k)) for k, s in shapes.items()),
+                has_optimizer=len(model) < len(keys), args=args, layout=None)
+
+
+def _weights_dtype(dtypes: dict[str, str]) -> str:
+    """The embedding's dtype, else the most common one (an fp32 router beside bf16 weights is not it)."""
+    if "embedding.word_embeddings.weight" in dtypes:
+        return dtypes["embedding.word_embeddings.weight"]
+    values = list(dtypes.values()) or ["float32"]
+    return max(set(values), key=values.count)
+
+
+def _legacy_layout(folder: Path, files: dict[str, dict], args: dict | None) -> tuple[ParallelLayout, dict]:
+    """The layout a legacy checkpoint's rank folders are cut for, and folder name -> (tp, pp, ep).
+
+    Megatron-LM adds the pipeline suffix only when PP > 1 and the expert suffix only when EP > 1, so
+    ``mp_rank_00_001`` is stage 1 or expert rank 1: the saved arguments say which, else the files
+    (every expert rank holds the embedding, only the first stage does)."""
+    parsed = {name: _RANK_DIR.fullmatch(name).groups() for name in files}
+    two = {g[2] is not None for g in parsed.values()}
+    one = {g[1] is not None for g in parsed.values()}
+    if len(two) > 1 or len(one) > 1:
+        raise UserError(f"{folder} mixes rank folder names of different layouts ({', '.join(sorted(files)[:4])}): "
+                        "it is not one checkpoint")
+    coords = {}
+    for name, (tp, a, b) in parsed.items():
+        if b is not None:
+            coords[name] = (int(tp), int(a), int(b))
+        elif a is None:
+            coords[name] = (int(tp), 0, 0)
+        else:
+            if args and args.get("pipeline_model_parallel_size"):
+                is_pp = args["pipeline_model_parallel_size"] > 1
+            else:
+                is_pp = not all("embedding.word_embeddings.weight" in sd for sd in files.values())
+            coords[name] = (int(tp), int(a), 0) if is_pp else (int(tp), 0, int(a))
+    tp, pp, ep = (max(c[i] for c in coords.values()) + 1 for i in range(3))
+    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+               for t in range(tp) for p in range(pp) for e in range(ep) if (t, p, e) not in coords.values()]
+    if missing:
+        raise UserError(f"{folder} lacks rank folder(s) {', '.join(missing[:4])} of its TP={tp} PP={pp} EP={ep} "
+                        "layout: the checkpoint is incomplete")
+    return ParallelLayout(tp=tp, pp=pp, ep=ep), coords
+
+
+def _read_legacy(folder: Path) -> dict:
+    rank_dirs = sorted(p for p in folder.iterdir() if _RANK_DIR.fullmatch(p.name))
+    opened = {d.name: open_rank_file(d / FILE_NAME) for d in rank_dirs}
+    first = opened[rank_dirs[0].name][0].obj
+    args = _saved_args(first)
+    files = {name: sd for name, (_, sd) in opened.items()}
+    layout, coords = _legacy_layout(folder, files, args)
+    has_optimizer = (isinstance(first, dict) and bool(first.get("optimizer"))) or any(
+        (d / "distrib_optim.pt").exists() for d in rank_dirs)
+    by_coord = {coords[name]: sd for name, sd in files.items()}
+    layers_per_stage = []
+    for p in range(layout.pp):
+        sets = {(t, e): sorted({int(m.group(1)) for k in by_coord[(t, p, e)] if (m := _LAYER.match(k))})
+                for t in range(layout.tp) for e in range(layout.ep)}
+        distinct = {tuple(s) for s in sets.values()}
+        if len(distinct) > 1:
+            raise UserError(f"{folder}: the ranks of pipeline stage {p} hold different layers ("
+                            + "; ".join(f"TP {t} EP {e}: {len(s)}" for (t, e), s in sorted(sets.items())[:3])
+                            + "): the layers don't add up")
+        held = distinct.pop()
+        if held != tuple(range(len(held))):
+            raise UserError(f"{folder}: pipeline stage {p} holds layers {held[:6]}, not 0..{len(held) - 1} as "
+                            "Megatron numbers them on each stage: the layers don't add up")
+        layers_per_stage.append(len(held))
+    shapes, dtypes, count, total = {}, {}, 0, 0
+    for p in range(layout.pp):
+        for (t, pp, e), sd in by_coord.items():
+            if pp != p:
+                continue
+            count += len(sd)
+            total += sum(nbytes(v.shape, v.storage.dtype) for v in sd.values())
+            dtypes.update((k, v.storage.dtype) for k, v in sd.items())
+            if t == 0 and e == 0:
+                _add_global_shapes(shapes, sd, layout, sum(layers_per_stage))
+    return dict(shapes=shapes, dtype=_weights_dtype(dtypes), num_tensors=count, num_bytes=total,
+                has_optimizer=has_optimizer, args=args, layout=layout, layers_per_stage=layers_per_stage)
+
+
+def _add_global_shapes(shapes: dict, sd: dict[str, TensorRef], layout: ParallelLayout, num_layers: int) -> None:
+    """The torch_dist-style global shape of each tensor of one (TP 0, EP 0) rank file: TP slices
+    scaled back up, layers stacked on a leading axis, experts (local-spec lists or TE ``weightN``)
+    on a second one."""
+    for name, t in sd.items():
+        shape = list(t.shape)
+        for suffix, dim in _TP_DIM.items():
+            if name.endswith(suffix):
+                shape[dim] *= layout.tp
+                break
+        m = _LAYER.match(name)
+        if not m:
+            shapes[name] = tuple(shape)
+            continue
+        rest = m.group(2)
+        expert = _TE_EXPERT.match(rest)
+        if expert:
+            key = f"decoder.layers.mlp.experts.experts.{expert.group(1)}.{expert.group(2)}"
+            local = int(expert.group(3)) + 1
+            if expert.group(1) == "linear_fc1":
+                shape[0] *= layout.tp
+            else:
+                shape[-1] *= layout.tp
+            prev = shapes.get(key, (num_layers, 0))
+            shapes[key] = (num_layers, max(prev[1], local * layout.ep), *shape)
+            continue
+        shapes[f"decoder.layers.{rest}"] = (num_layers, *shape)
+
+
+def tensor_facts(shapes: dict[str, tuple[int, ...]]) -> dict:
+    """What the stored tensors say about the model (torch_dist key names, global shapes)."""
+    facts: dict = {}
+    emb = shapes.get("embedding.word_embeddings.weight")
+    if emb:
+        facts["hidden size"], facts["embedding rows"] = emb[1], emb[0]
+    proj = shapes.get("decoder.layers.self_attention.linear_proj.weight")
+    if proj:
+        facts["layers"] = proj[0]
+    qkv = shapes.get("decoder.layers.self_attention.linear_qkv.weight")
+    if qkv and proj:
+        facts["attention width"], facts["key/value width"] = proj[-1], qkv[1] - proj[-1]
+    fc1 = shapes.get("decoder.layers.mlp.linear_fc1.weight")
+    if fc1:
+        facts["MLP size"] = fc1[1] // 2
+    router = shapes.get("decoder.layers.mlp.router.weight")
+    facts["experts"] = router[1] if router else 0
+    facts["tied output layer"] = "output_layer.weight" not in shapes
+    facts["qk norm"] = "decoder.layers.self_attention.q_layernorm.weight" in shapes
+    facts["linear biases"] = "decoder.layers.self_attention.linear_qkv.bias" in shapes
+    return facts

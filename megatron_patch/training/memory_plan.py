@@ -1,0 +1,498 @@
+"""Per-rank memory of a training run, worked out before launch (``MP_DRY_RUN=1``) and checked against it.
+
+Model state is counted exactly as megatron-core lays it out: each pipeline stage's parameters in
+module order, into DDP buffers (with the distributed optimizer: every parameter starting at a multiple
+of 64 elements, buckets of ``max(4e7, 1e6*DP)`` elements on the first stage only, each padded to a
+multiple of lcm(DP, 128), tied embeddings in a bucket of their own), fp32 gradient buffers for mixed
+precision, and the optimizer state of this rank's shard of every bucket: fp32 master weights for
+16-bit parameters, Adam's two moments, torch's per-parameter step where torch's Adam runs; with
+OPTIMIZER_OFFLOAD the chunks of the chunked optimizer (``training/offload``) on their tiers.
+
+Activations are what autograd saves for backward (``training.saved_tensors``), per micro-batch and
+layer, for the layer implementation that runs: megatron-core's local spec (torch RMSNorm, unfused
+attention with an fp32 softmax, GQA keys/values expanded per head: what runs on CPU, where the tests
+check the model against the measurement) or transformer-engine's (fused norm+linear and fused
+attention: no s^2 term; from TE's saved tensors, not measured here). Then per recompute mode (sel:
+core attention recomputed; full: block inputs plus one recomputed block), sequence parallelism (norm
+and linear inputs split over TP), context parallelism (the sequence split over CP) and the micro-
+batches a pipeline stage keeps in flight (1F1B: PP - stage; interleaved: megatron's warm-up count).
+
+The transient peak (logits in fp32 and their gradient, or one layer's activations) and the offload
+share ``auto`` would start from complete the plan. A configuration whose device memory exceeds
+``MP_GPU_MEMORY_GB`` (default: the visible GPU's memory) is refused before launch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GiB = 2**30
+PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
+
+
+def human(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+# --- parameters per rank, in module order ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    expert: bool = False  # in the expert-parallel buffer (EP > 1)
+    shared_embedding: bool = False  # tied embeddings across pipeline stages: a bucket of its own
+
+
+def stage_layers(arch, cfg, pp_rank: int) -> list[int]:
+    """Layers of each model chunk of pipeline rank ``pp_rank`` (one entry per virtual stage)."""
+    pp, vp, layers = cfg.pp, cfg.virtual_pipeline or 1, arch.num_layers
+    if cfg.pp0_layers is not None and pp > 1:
+        return [cfg.pp0_layers if pp_rank == 0 else (layers - cfg.pp0_layers) // (pp - 1)]
+    return [layers // (pp * vp)] * vp
+
+
+def _layer_params(arch, cfg, prefix: str) -> list[Param]:
+    tp, h = cfg.tp, arch.hidden_size
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    out = [Param(prefix + "input_layernorm.weight", h), Param(prefix + "self_attention.linear_proj.weight", h * q // tp),
+           Param(prefix + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h)]
+    if arch.qkv_bias:
+        out.append(Param(prefix + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp))
+    out.append(Param(prefix + "pre_mlp_layernorm.weight", h))
+    if not arch.is_moe:
+        f = arch.ffn_hidden_size // tp
+        return out + [Param(prefix + "mlp.linear_fc1.weight", 2 * f * h), Param(prefix + "mlp.linear_fc2.weight", h * f)]
+    ep, etp = cfg.ep, cfg.etp or cfg.tp
+    expert = ep > 1
+    mf = arch.moe_ffn_hidden_size // etp
+    out.append(Param(prefix + "mlp.router.weight", arch.num_experts * h))
+    for j in range(arch.num_experts // ep):
+        e = f"{prefix}mlp.experts.local_experts.{j}."
+        out += [Param(e + "linear_fc1.weight", 2 * mf * h, expert), Param(e + "linear_fc2.weight", h * mf, expert)]
+    if arch.shared_expert_ffn_hidden_size:
+        sf = arch.shared_expert_ffn_hidden_size // tp
+        if arch.shared_expert_gate:
+            out.append(Param(prefix + "mlp.shared_experts.gate_weight", h))
+        out += [Param(prefix + "mlp.shared_experts.linear_fc1.weight", 2 * sf * h),
+                Param(prefix + "mlp.shared_experts.linear_fc2.weight", h * sf)]
+    return out
+
+
+def chunk_params(arch, cfg, pp_rank: int, vp_stage: int) -> list[Param]:
+    """The parameters of one model chunk, in the order ``named_parameters()`` gives them."""
+    vp = cfg.virtual_pipeline or 1
+    first = pp_rank == 0 and vp_stage == 0
+    last = pp_rank == cfg.pp - 1 and vp_stage == vp - 1
+    vocab = arch.padded_vocab_size() // cfg.tp * arch.hidden_size
+    tied_across = arch.tie_word_embeddings and cfg.pp > 1
+    out = []
+    if first:
+        out.append(Param("embedding.word_embeddings.weight", vocab, shared_embedding=tied_across and not last))
+    for i in range(stage_layers(arch, cfg, pp_rank)[vp_stage]):
+        out += _layer_params(arch, cfg, f"decoder.layers.{i}.")
+    if last:
+        out.append(Param("decoder.final_layernorm.weight", arch.hidden_size))
+        if not (arch.tie_word_embeddings and first):
+            out.append(Param("output_layer.weight", vocab, shared_embedding=tied_across))
+    return out
+
+
+# --- DDP buffers and the distributed optimizer's shards ------------------------------------------------------
+
+@dataclass
+class Buffer:
+    """One DDP buffer: where each parameter sits (element ranges) and the buckets."""
+
+    params: list[tuple[Param, int, int]]  # (param, start, end)
+    buckets: list[tuple[int, int]]
+    dp: int  # data-parallel size its shards are split over (distributed optimizer)
+
+    @property
+    def numel(self) -> int:
+        return self.buckets[-1][1] if self.buckets else 0
+
+
+def buffer_layout(params: list[Param], dp: int, bucket_size: int | None, distributed_optimizer: bool) -> Buffer:
+    """megatron-core's _ParamAndGradBuffer index computation (param_and_grad_buffer.py, 0.16)."""
+    def pad(n, d):
+        return -(-n // d) * d
+
+    divisor = math.lcm(dp, 128)
+    placed, buckets = [], []
+    start = bucket_start = 0
+    in_bucket = 0
+    end = 0
+    for p in reversed(params):
+        if distributed_optimizer:
+            start = pad(start, PARAM_ALIGN)
+        if p.shared_embedding and distributed_optimizer and in_bucket:
+            bucket_end = pad(start, divisor)
+            buckets.append((bucket_start, bucket_end))
+            bucket_start = start = bucket_end
+            in_bucket = 0
+        end = start + p.numel
+        placed.append((p, start, end))
+        in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or (p.shared_embedding and distributed_optimizer):
+            bucket_end = pad(end, divisor) if distributed_optimizer else end
+            buckets.append((bucket_start, bucket_end))
+            bucket_start = start = bucket_end
+            in_bucket = 0
+        else:
+            start = end
+    if in_bucket:
+        buckets.append((bucket_start, pad(end, divisor) if distributed_optimizer else end))
+    return Buffer(placed, buckets, dp)
+
+
+def shard_spans(buffer: Buffer, dp_rank: int):
+    """This DP rank's part of every bucket: (bucket index, [(param, start, end) clipped to the shard])."""
+    out = []
+    for b, (lo, hi) in enumerate(buffer.buckets):
+        size = (hi - lo) // buffer.dp
+        s0, s1 = lo + dp_rank * size, lo + (dp_rank + 1) * size
+        spans = [(p, max(a, s0), min(e, s1)) for p, a, e in buffer.params if min(e, s1) > max(a, s0)]
+        out.append((b, spans))
+    return out
+
+
+# --- activations per micro-batch -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    s: int  # sequence length on this CP rank
+    b: int
+    h: int
+    a: int  # attention width (heads * head_dim)
+    kvw: int  # key/value width
+    hn: int
+    heads: int
+    f: int  # MLP width per layer (dense: ffn; MoE: per-token routed expert width + shared)
+    vocab: int  # padded vocabulary
+    tp: int
+    sp: bool
+    d: int  # activation bytes (2 for bf16/fp16, 4 for fp32)
+
+    @property
+    def s_sp(self) -> int:
+        return self.s // self.tp if self.sp else self.s
+
+
+def layer_activations(sh: Shape, ac: str, spec: str) -> int:
+    """Bytes one transformer layer saves for backward for one micro-batch (no full recompute)."""
+    s, b, h, a, kvw, hn, tp, d = sh.s, sh.b, sh.h, sh.a, sh.kvw, sh.hn, sh.tp, sh.d
+    np_, ssp, f = sh.heads // tp, sh.s_sp, sh.f
+    if spec == "local":
+        # torch RMSNorm (fp32 internally): its fp32 input, the normalised fp32 values and 1/rms, twice
+        norms = 2 * (2 * ssp * b * h * 4 + ssp * b * 4)
+        linear_inputs = 2 * ssp * b * h * d + s * b * a // tp * d + s * b * f // tp * d  # qkv, fc1; proj; fc2
+        rope = 4 * s * hn * d
+        if ac == "sel":
+            # recomputed core attention keeps q, k (after RoPE) and the qkv output (v is a view of it)
+            attention = s * b * (a + kvw) // tp * d + s * b * (a + 2 * kvw) // tp * d + 4
+        else:
+            # q, k, v expanded to every head, the causal mask, the fp32 softmax and (below fp32) its cast
+            # for the AV matmul
+            attention = 3 * s * b * a // tp * d + s * s + b * np_ * s * s * (4 + (d if d != 4 else 0))
+        swiglu = 4 * s * b * f // tp * d  # fc1 output (both halves), silu output, the gated half
+        return norms + linear_inputs + rope + attention + swiglu
+    # transformer-engine: norm fused into the next linear (its input, the normalised output, 1/rms),
+    # fused attention keeps q, k, v, the output and fp32 softmax statistics, fused SwiGLU keeps its input
+    norm_linear = 2 * (2 * ssp * b * h * d + ssp * b * 4)
+    attention = s * b * (a + 2 * kvw) // tp * d + s * b * a // tp * d + b * np_ * s * 4
+    mlp = 2 * s * b * f // tp * d + s * b * f // tp * d
+    return norm_linear + attention + mlp
+
+
+def head_activations(sh: Shape, first: bool, last: bool, spec: str) -> int:
+    """Embedding and loss: token ids; final norm, output layer input, fp32 softmax of the logits."""
+    out = sh.b * sh.s * 8 if first else 0
+    if last:
+        ssp = sh.s_sp
+        norm = 2 * ssp * sh.b * sh.h * 4 + ssp * sh.b * 4 if spec == "local" else 2 * ssp * sh.b * sh.h * sh.d + ssp * sh.b * 4
+        out += norm + ssp * sh.b * sh.h * sh.d + sh.s * sh.b * sh.vocab // sh.tp * 4 + sh.s * sh.b + sh.s * sh.b * 8
+    return out
+
+
+def full_recompute_block_inputs(sh: Shape, blocks: int, spec: str) -> int:
+    """What uniform full recompute keeps per micro-batch: each block's input, and the fp32 RoPE table."""
+    return blocks * sh.s_sp * sh.b * sh.h * sh.d + (sh.s * sh.hn * 4 if spec == "local" else 0)
+
+
+# --- the plan ---------------------------------------------------------------------------------------------
+
+@dataclass
+class StageMemory:
+    pp_rank: int
+    layers: int
+    params: int = 0
+    grads: int = 0
+    optimizer_device: int = 0
+    optimizer_host: int = 0
+    activations: int = 0  # peak saved for backward
+    per_microbatch: int = 0
+    in_flight: int = 0
+    transient: int = 0
+    optimizer_elements: int = 0
+    chunks: list = field(default_factory=list, repr=False)  # (nbytes, state elements) per chunk, device first
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer_device + self.optimizer_host
+
+    @property
+    def device(self) -> int:
+        return self.params + self.grads + self.optimizer_device + self.activations + self.transient
+
+
+@dataclass
+class MemoryPlan:
+    spec: str
+    stages: list[StageMemory]
+    capacity: int | None  # bytes of device memory per rank, None when unknown
+    capacity_source: str
+    offload_policy: str
+    offload_share: float  # host share of the optimizer state (static: the ratio; auto: where it starts)
+    margin: int
+
+    def stage(self, pp_rank: int) -> StageMemory:
+        return self.stages[pp_rank]
+
+    @property
+    def worst(self) -> StageMemory:
+        return max(self.stages, key=lambda st: st.device)
+
+    def problem(self) -> str | None:
+        """Why this configuration cannot run on the device, or None."""
+        if self.capacity is None:
+            return None
+        worst = self.worst
+        if worst.device <= self.capacity:
+            return None
+        hint = "AC=full, a smaller BATCH_SIZE or more TP/PP"
+        if self.offload_policy != "auto":
+            hint = f"OPTIMIZER_OFFLOAD=auto, {hint}"
+        return (f"the memory plan needs {human(worst.device)} on pipeline stage {worst.pp_rank} and the device has "
+                f"{human(self.capacity)} ({self.capacity_source}): try {hint} (MP_DRY_RUN=1 prints the plan)")
+
+    def lines(self) -> list[str]:
+        out = [f"memory plan per rank ({self.spec} layers; device memory {human(self.capacity)}, "
+               f"{self.capacity_source}):"]
+        for st in self.stages:
+            out.append(f"  stage {st.pp_rank} ({st.layers} layers): params {human(st.params)}, grads "
+                       f"{human(st.grads)}, optimizer state {human(st.optimizer_device)} on the device + "
+                       f"{human(st.optimizer_host)} on the host, activations {human(st.activations)} "
+                       f"({st.in_flight} micro-batch(es) x {human(st.per_microbatch)}), transient "
+                       f"{human(st.transient)} -> device {human(st.device)}")
+        if self.offload_policy == "auto":
+            out.append(f"  OPTIMIZER_OFFLOAD=auto starts with {self.offload_share:.0%} of the optimizer state on the "
+                       f"host (margin {self.margin / GiB:g} GiB), then follows what each step measures")
+        elif self.offload_policy == "static":
+            out.append(f"  OPTIMIZER_OFFLOAD static: {self.offload_share:.0%} of the optimizer state on the host")
+        return out
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec, "capacity_bytes": self.capacity, "capacity_source": self.capacity_source,
+                "offload_policy": self.offload_policy, "offload_share": self.offload_share,
+                "stages": [{k: v for k, v in st.__dict__.items() if k != "chunks"} | {"device": st.device,
+                                                                                       "model_state": st.model_state}
+                           for st in self.stages],
+                "problem": self.problem()}
+
+
+def _spec(cfg) -> str:
+    """The layers the run will build: the local spec on ENV=cpu, and on a GPU transformer-engine's when it
+    is installed (planned from a machine without a GPU, a GPU run is assumed to have it)."""
+    if cfg.env == "cpu":
+        return "local"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "te"
+    from megatron_patch.models.builder import te_available
+
+    return "te" if te_available() else "local"
+
+
+def _capacity(cfg) -> tuple[int | None, str]:
+    if cfg.gpu_memory_gb is not None:
+        return int(cfg.gpu_memory_gb * GiB), "MP_GPU_MEMORY_GB"
+    if cfg.env != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
+    return None, "unknown: set MP_GPU_MEMORY_GB"
+
+
+def _shape(arch, cfg) -> Shape:
+    from megatron_patch.dtypes import precision_dtype
+
+    if arch.is_moe:
+        # tokens spread evenly: each token runs top-k experts (per EP rank: its share), plus the shared expert
+        f = arch.moe_topk * arch.moe_ffn_hidden_size + arch.shared_expert_ffn_hidden_size
+    else:
+        f = arch.ffn_hidden_size
+    d = precision_dtype(cfg.precision).itemsize
+    return Shape(s=cfg.sample_length // cfg.cp, b=cfg.micro_batch_size, h=arch.hidden_size,
+                 a=arch.num_heads * arch.head_dim, kvw=arch.num_kv_heads * arch.head_dim, hn=arch.head_dim,
+                 heads=arch.num_heads, f=f, vocab=arch.padded_vocab_size(), tp=cfg.tp, sp=cfg.sequence_parallel, d=d)
+
+
+def in_flight(cfg, pp_rank: int) -> int:
+    """Micro-batches (for VP: chunk micro-batches) whose activations a stage holds at its peak."""
+    m, pp, vp = cfg.num_microbatches, cfg.pp, cfg.virtual_pipeline or 1
+    if pp == 1:
+        return 1
+    if vp == 1:
+        return min(pp - pp_rank, m)
+    return min((pp - pp_rank - 1) * 2 + (vp - 1) * pp + 1, m * vp)
+
+
+def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageMemory:
+    from megatron_patch.dtypes import precision_dtype
+
+    param_bytes = precision_dtype(cfg.precision).itemsize
+    grad_bytes = 4  # fp32 gradient buffers (grad_reduce_in_fp32 with mixed precision)
+    do = cfg.distributed_optimizer
+    vp = cfg.virtual_pipeline or 1
+    dp = cfg.data_parallel_size
+    dense_dp = dp * cfg.cp
+    expert_dp = cfg.world_size // (cfg.pp * cfg.ep * (cfg.etp or cfg.tp))
+    bucket_size = max(40_000_000, 1_000_000 * dense_dp)
+    chunks = [chunk_params(arch, cfg, pp_rank, v) for v in range(vp)]
+    st = StageMemory(pp_rank, sum(stage_layers(arch, cfg, pp_rank)))
+    dense_buffers, expert_buffers = [], []
+    for v, params in enumerate(chunks):
+        bucketed = bucket_size if (pp_rank == 0 and v == 0) else None
+        dense = [p for p in params if not p.expert]
+        experts = [p for p in params if p.expert]
+        if dense:
+            dense_buffers.append(buffer_layout(dense, dense_dp, bucketed, do))
+        if experts:
+            expert_buffers.append(buffer_layout(experts, expert_dp, bucketed, do))
+    # torch's Adam keeps a scalar step per parameter where neither transformer-engine nor Apex is installed
+    step_bytes = 0 if _fused_adam_available() else 4
+    offload = cfg.optimizer_offload_policy != "off" or cfg.offload_numerics == "exact"
+    from megatron_patch.training.offload.chunks import Span, plan_chunks
+
+    master = 4 if param_bytes != 4 else 0  # fp32 parameters are their own master weights
+    capacity = None if cfg.offload_chunk_mb is None else max(1, int(cfg.offload_chunk_mb * 2**20 / 4))
+    # one distributed optimizer for the dense buffers, one for the expert buffers (EP > 1)
+    for buffers, group_dp in ((dense_buffers, dense_dp), (expert_buffers, expert_dp)):
+        segments = []
+        for index, buf in enumerate(buffers):
+            st.grads += buf.numel * grad_bytes
+            if do:
+                st.params += buf.numel * param_bytes
+                for _, spans in shard_spans(buf, dp_rank % group_dp):
+                    n = sum(e - s for _, s, e in spans)
+                    st.optimizer_elements += n
+                    if offload:
+                        segments.append((index, [Span(i, s, e) for i, (_, s, e) in enumerate(spans)]))
+                    else:
+                        st.optimizer_device += n * (master + 8) + len(spans) * step_bytes
+            else:
+                n = sum(p.numel for p, _, _ in buf.params)
+                st.params += n * param_bytes
+                st.optimizer_elements += n
+                st.optimizer_device += n * (master + 8) + len(buf.params) * step_bytes
+        if offload and segments:
+            st.chunks += [(c.nbytes, c.state_numel, c.capacity) for c in plan_chunks(segments, capacity).chunks]
+    st.per_microbatch, st.transient = _activations(arch, cfg, pp_rank, spec)
+    st.in_flight = in_flight(cfg, pp_rank)
+    st.activations = _peak_activations(arch, cfg, pp_rank, spec, st.per_microbatch, st.in_flight)
+    return st
+
+
+def _fused_adam_available() -> bool:
+    """Whether megatron-core's optimizer is TE's or Apex's FusedAdam (its HAVE_APEX_OR_TE), without
+    importing megatron-core (seconds) in the launcher."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
+
+
+def _activations(arch, cfg, pp_rank: int, spec: str) -> tuple[int, int]:
+    """(saved bytes per micro-batch of this stage, transient peak)."""
+    sh = _shape(arch, cfg)
+    vp = cfg.virtual_pipeline or 1
+    layers = stage_layers(arch, cfg, pp_rank)
+    first, last = pp_rank == 0, pp_rank == cfg.pp - 1
+    ac = cfg.activation_checkpointing
+    per_layer = layer_activations(sh, ac, spec)
+    if ac == "full":
+        blocks = sum(-(-n // cfg.ac_layers) for n in layers)
+        body = full_recompute_block_inputs(sh, blocks, spec)
+    else:
+        body = sum(layers) * per_layer
+    head = head_activations(sh, first, last, spec)
+    logits = sh.s * sh.b * sh.vocab // sh.tp * (4 + 4 + sh.d) if last else 0
+    transient = max(logits, per_layer * (cfg.ac_layers if ac == "full" else 1))
+    return (body + head) // (vp if vp > 1 else 1), transient
+
+
+def _peak_activations(arch, cfg, pp_rank, spec, per_microbatch: int, flights: int) -> int:
+    peak = per_microbatch * flights
+    if cfg.activation_checkpointing == "full":
+        # during backward one block of MP_AC_LAYERS layers is rebuilt; the loss's tensors are gone by then
+        sh = _shape(arch, cfg)
+        block = cfg.ac_layers * layer_activations(sh, "none", spec)
+        head = head_activations(sh, pp_rank == 0, pp_rank == cfg.pp - 1, spec)
+        embed_only = head_activations(sh, pp_rank == 0, False, spec)
+        peak = max(peak, peak - head + embed_only + block)
+    return peak
+
+
+def plan_memory(cfg, spec: str | None = None) -> MemoryPlan:
+    """The plan for ``cfg`` (a RunConfig): every pipeline stage, data-parallel rank 0."""
+    arch = cfg.arch
+    spec = spec or _spec(cfg)
+    stages = [stage_memory(arch, cfg, p, spec) for p in range(cfg.pp)]
+    capacity, source = _capacity(cfg)
+    margin = int(cfg.offload_margin_gb * GiB)
+    policy = cfg.optimizer_offload_policy
+    share = cfg.optimizer_offload_fraction if policy == "static" else 0.0
+    if policy == "auto":
+        share = max(auto_share(st, capacity, margin) for st in stages)
+    if policy != "off" or cfg.offload_numerics == "exact":
+        from megatron_patch.dtypes import precision_dtype
+
+        for st in stages:
+            _place_chunks(st, share if policy != "off" else 0.0, precision_dtype(cfg.precision).itemsize)
+    return MemoryPlan(spec, stages, capacity, source, policy, share, margin)
+
+
+def auto_share(st: StageMemory, capacity: int | None, margin: int) -> float:
+    """The host share of the optimizer state that leaves ``margin`` free on this stage."""
+    if capacity is None or not st.chunks:
+        return 0.0
+    room = capacity - margin - (st.params + st.grads + st.activations + st.transient)
+    used, k = 0, 0
+    for nbytes, _, _ in st.chunks:
+        if used + nbytes > room:
+            break
+        used += nbytes
+        k += 1
+    total = sum(n for _, n, _ in st.chunks)
+    return sum(n for _, n, _ in st.chunks[k:]) / total if total else 0.0
+
+
+def _place_chunks(st: StageMemory, share: float, param_bytes: int) -> None:
+    """Chunks [0, k) on the device, the rest on the host with their staging buffers (fp32 gradients in,
+    parameters out), as the offload controller places them at the start."""
+    from types import SimpleNamespace
+
+    from megatron_patch.training.offload.chunks import host_chunk_count
+
+    host = host_chunk_count([SimpleNamespace(state_numel=n) for _, n, _ in st.chunks], share)
+    k = len(st.chunks) - host
+    st.optimizer_device = sum(nb for nb, _, _ in st.chunks[:k])
+    st.optimizer_host = sum(nb + cap * (4 + param_bytes) for nb, _, cap in st.chunks[k:])

@@ -1,0 +1,206 @@
+"""Checkpoints this project did not write: exported to HF, inspected, aligned, refused when wrong.
+
+The fixtures (tests/foreign_checkpoints.py) are written with megatron-core's own dist_checkpointing
+and torch.save in the layouts of Megatron-LM (torch_dist with TP=2 and a vocabulary padded to 512
+rows, legacy with TE names at PP=2), Pai-Megatron-Patch (legacy release at TP=2, local names) and
+Megatron-Bridge (torch_dist without common.pt), each from one tiny random Llama: an export must give
+back its HF tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from megatron_patch.convert.arch_source import check_architecture, open_checkpoint
+from megatron_patch.convert.foreign import find_checkpoint
+from megatron_patch.errors import UserError
+from megatron_patch.models.registry import parse_arch
+from tests import foreign_checkpoints as fc
+from tests.test_convert import leftovers, run_cli
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("foreign")
+    hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=2)
+    mlm = fc.megatron_lm_torch_dist(hf, root / "megatron_lm", tp=2, padded=512)
+    return {"hf": hf, "want": fc.hf_tensors(hf), "megatron_lm": mlm,
+            "legacy": fc.megatron_lm_legacy(hf, root / "megatron_lm_legacy", pp=2, te_names=True),
+            "pai": fc.pai_megatron_patch_legacy(hf, root / "pai", tp=2),
+            "bridge": fc.megatron_bridge_torch_dist(mlm, root / "bridge")}
+
+
+def _export(capsys, load, out, *extra) -> tuple[int, str]:
+    return run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(load), "--save-dir", str(out), "--quiet", *extra)
+
+
+def _same_tensors(folder, want) -> list[str]:
+    got = fc.hf_tensors(folder)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    return [k for k in want if not torch.equal(got[k], want[k])]
+
+
+# --- export: every layout, every architecture source -----------------------------------------------
+
+@pytest.mark.parametrize("name,source", [("megatron_lm", "hf_config"), ("legacy", "hf_config"),
+                                         ("pai", "config_beside"), ("bridge", "hf_config")])
+def test_export_gives_back_the_hf_tensors(ckpts, name, source, tmp_path, capsys):
+    hf_config = ckpts["pai"] / "config.json" if source == "config_beside" else ckpts["hf"]
+    rc, err = _export(capsys, ckpts[name], tmp_path / "hf", "--hf-config", str(hf_config))
+    assert rc == 0, err
+    assert _same_tensors(tmp_path / "hf", ckpts["want"]) == []  # padding rows dropped, optimizer skipped
+    assert parse_arch(tmp_path / "hf") == parse_arch(ckpts["hf"])  # every number of the model, RoPE included
+
+
+def test_export_from_saved_megatron_lm_arguments(ckpts, tmp_path, capsys):
+    """No config at all: the args in common.pt (torch_dist) or in the rank files (legacy) as --family llama3_1."""
+    for name in ("megatron_lm", "pai"):
+        rc, err = _export(capsys, ckpts[name], tmp_path / name, "--family", "llama3_1")
+        assert rc == 0, err
+        assert _same_tensors(tmp_path / name, ckpts["want"]) == []
+        got, original = parse_arch(tmp_path / name), parse_arch(ckpts["hf"])
+        # --use-rope-scaling records only the factor: megatron-core's other llama3 values are what it trained with.
+        assert got.rope_scaling == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        import dataclasses
+
+        assert dataclasses.replace(got, rope_scaling=original.rope_scaling) == original
+
+
+def test_without_an_architecture_source_one_line_says_what_to_give(ckpts, tmp_path, capsys):
+    for name, wanted in (("megatron_lm", "--family NAME"), ("bridge", "--hf-config PATH"),
+                         ("pai", "config.json lies beside the weights")):
+        rc, err = _export(capsys, ckpts[name], tmp_path / name)
+        assert rc == 2 and err.count("\n") == 1 and wanted in err, err
+        assert not (tmp_path / name).exists() and not leftovers(tmp_path / name)
+
+
+# --- disagreements are named -----------------------------------------------------------------------
+
+def _config(ckpts, **changes) -> dict:
+    return {**fc.read_config(ckpts["hf"]), **changes}
+
+
+@pytest.mark.parametrize("changes,named", [
+    ({"hidden_size": 128}, "hidden size: config 128, tensors 64"),
+    ({"num_attention_heads": 8}, "attention heads: config 8 x head dim 16 = 128, tensors 64 (4 heads)"),
+    ({"num_key_value_heads": 4}, "query groups: config 4 (key/value rows 128), tensors 64 rows (2 groups)"),
+    ({"num_hidden_layers": 6}, "layers: config 6, tensors 4"),
+    ({"intermediate_size": 96}, "MLP size: config 96, tensors 128"),
+    ({"vocab_size": 600}, "vocabulary: the model's HF config has 600 tokens, the embedding only 512 rows"),
+    ({"tie_word_embeddings": True}, "tied output layer: config yes, tensors no"),
+])
+def test_each_disagreement_is_named(ckpts, changes, named):
+    found = find_checkpoint(ckpts["megatron_lm"])
+    with pytest.raises(UserError) as info:
+        check_architecture(parse_arch(_config(ckpts, **changes)), found, "the model's HF config")
+    assert named in str(info.value), str(info.value)
+
+
+def test_qk_norm_and_experts_disagreements_are_named(ckpts):
+    from megatron_patch.models.tiny import tiny_config
+
+    found = find_checkpoint(ckpts["megatron_lm"])
+    qwen3 = {**tiny_config("qwen3"), **{k: fc.read_config(ckpts["hf"])[k] for k in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "num_hidden_layers", "vocab_size", "tie_word_embeddings")}}
+    with pytest.raises(UserError, match="qk norm: config yes, tensors no"):
+        check_architecture(parse_arch(qwen3), found, "x")
+    moe = tiny_config("mixtral", hidden_size=64, num_hidden_layers=4)
+    with pytest.raises(UserError, match="experts: config 4, tensors 0"):
+        check_architecture(parse_arch(moe), found, "x")
+
+
+def test_padding_rows_are_the_checkpoints_own(ckpts):
+    opened = open_checkpoint(ckpts["megatron_lm"], hf_config=ckpts["hf"])
+    assert opened.sidecar.padded_vocab_size == 512 and opened.sidecar.arch.padded_vocab_size() == 512
+    assert opened.sidecar.arch.vocab_size == 200 and opened.found.has_optimizer
+
+
+# --- bad input: one line, exit 2, nothing written --------------------------------------------------
+
+def _legacy_without(ckpts, root, rank_dir: str, layer: int):
+    """A copy of the Megatron-LM legacy fixture whose ``rank_dir`` file lost its (local) layer ``layer``."""
+    shutil.copytree(ckpts["legacy"], root)
+    path = root / "iter_0000010" / rank_dir / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    state["model"] = {k: v for k, v in state["model"].items() if not k.startswith(f"decoder.layers.{layer}.")}
+    torch.save(state, path)
+    return root
+
+
+def test_bad_input_is_refused_in_one_line(ckpts, tmp_path, capsys):
+    cases = {}
+    cases["not a checkpoint"] = (ckpts["hf"], "is not a Megatron checkpoint")
+    half = tmp_path / "half"
+    shutil.copytree(ckpts["megatron_lm"], half)
+    (half / "iter_0000020" / "__0_0.distcp").unlink()  # a save that died before its data was written
+    cases["half-written torch_dist"] = (half, "__0_0.distcp is missing")
+    half_legacy = tmp_path / "half_legacy"
+    shutil.copytree(ckpts["legacy"], half_legacy)
+    (half_legacy / "iter_0000010" / "mp_rank_00_001" / "model_optim_rng.pt").unlink()
+    cases["half-written legacy"] = (half_legacy, "mp_rank_00_001/model_optim_rng.pt is missing")
+    # The last stage lost a layer: 2 + 1 layers where the config has 4.
+    cases["layers don't add up"] = (_legacy_without(ckpts, tmp_path / "short", "mp_rank_00_001", 1),
+                                    "layers: config 4, tensors 3")
+    cases["layer numbering with a gap"] = (_legacy_without(ckpts, tmp_path / "gap", "mp_rank_00_000", 0),
+                                           "the layers don't add up")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps(_config(ckpts, num_key_value_heads=4)))
+    for what, (load, expected) in cases.items():
+        out = tmp_path / "out"
+        rc, err = _export(capsys, load, out, "--hf-config", str(ckpts["hf"]))
+        assert rc == 2 and err.count("\n") == 1 and expected in err, (what, err)
+        assert not out.exists() and not leftovers(out), what
+    rc, err = _export(capsys, ckpts["megatron_lm"], tmp_path / "out", "--hf-config", str(wrong))
+    assert rc == 2 and err.count("\n") == 1 and "query groups: config 4" in err, err
+    assert not (tmp_path / "out").exists()
+    rc, err = _export(capsys, ckpts["megatron_lm"], tmp_path / "out", "--family", "llama3_1", "--iteration", "7")
+    assert rc == 2 and err.count("\n") == 1 and "iter_0000007 not found: the iterations saved in" in err and "are 20" in err
+    rc, err = run_cli(capsys, "inspect", str(ckpts["hf"]))
+    assert rc == 2 and err.count("\n") == 1 and "is not a Megatron checkpoint" in err
+
+
+# --- mpatch inspect --------------------------------------------------------------------------------
+
+def test_inspect_says_what_each_folder_is(ckpts, capsys):
+    expected = {
+        "megatron_lm": ("torch_dist", "Megatron-LM", True, 20, "--family NAME"),
+        "legacy": ("legacy", "Megatron-LM", True, 10, "--family NAME"),
+        "pai": ("legacy", "Pai-Megatron-Patch", False, "release", "config.json lies beside"),
+        "bridge": ("torch_dist", "Megatron-Bridge", True, 0, "--hf-config PATH"),
+    }
+    from megatron_patch.cli import main
+
+    for name, (fmt, writer, optimizer, iteration, needs) in expected.items():
+        rc = main(["inspect", str(ckpts[name]), "--json"])
+        info = json.loads(capsys.readouterr().out) if rc == 0 else None
+        assert rc == 0 and info["format"] == fmt and writer in info["written_by"], (name, info)
+        assert info["optimizer_state"] is optimizer and info["iteration"] == iteration and needs in info["mcore2hf_needs"]
+        assert info["dtype"] == "fp32" and info["tensors"] > 0 and info["bytes"] > 0
+    legacy = find_checkpoint(ckpts["legacy"])
+    assert legacy.layers_per_stage == [2, 2] and (legacy.layout.tp, legacy.layout.pp) == (1, 2)
+    rc = main(["inspect", str(ckpts["pai"])])
+    text = capsys.readouterr().out
+    assert rc == 0 and "layout TP=2 PP=1 EP=1" in text and "padded vocabulary 256" in text and len(text.splitlines()) < 20
+
+
+# --- align: the foreign checkpoint is the model of --hf-dir ----------------------------------------
+
+def test_align_reads_a_megatron_lm_checkpoint(ckpts, tmp_path, capsys):
+    from megatron_patch.cli import main
+
+    main(["align", "--hf-dir", str(ckpts["hf"]), "--mcore-dir", str(ckpts["megatron_lm"]), "--dtype", "fp32",
+          "--seq-len", "16", "--batch", "1", "--quiet", "--report-dir", str(tmp_path / "r")])
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert "megatron_lm" in report["compared"]["tested"] and report["config_differences"] == []
+    # Loaded at TP=1 in fp32, every point (embedding, each layer's attention, MLP and output, final norm,
+    # logits) is HF's own, bit for bit.
+    points = report["verdict"]["points"]
+    assert len(points) == 4 * 3 + 3 and all(p["metrics"]["rel_l2"] == 0 for p in points), points

@@ -1,0 +1,148 @@
+"""The memory plan (training/memory_plan.py) against what runs allocate, and the dry run and refusal.
+
+Each configuration is built by the trainer exactly as `mpatch train` builds it and takes one step with
+autograd's saved tensors metered (training/saved_tensors.py):
+
+- model state (parameters, gradient buffers, optimizer state by tier) equals the plan to the byte;
+- saved activations come within 10% of the plan for the dense models, across AC none/sel/full, fp32
+  and bf16, TP=2 with and without sequence parallelism, and PP=2 (1F1B: the first stage holds two
+  micro-batches); MoE activations depend on the routing and are only printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from megatron_patch.cli import main
+from megatron_patch.runtime.launch import run_local
+from megatron_patch.training.arguments import resolve
+from megatron_patch.training.memory_plan import GiB, auto_share, plan_memory, stage_memory
+from tests.memory_helpers import measure_ranks
+from tests.training_helpers import launcher_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (family, launcher arguments, environment, whether the activation estimate is checked)
+ONE_PROCESS = [
+    ("llama3_1", dict(PR="bf16"), {}, True),  # megatron's Float16Optimizer (DO=false)
+    ("llama3_1", dict(PR="bf16", AC="sel"), {}, True),
+    ("llama3_1", dict(PR="bf16", AC="full"), {"MP_AC_LAYERS": "2"}, True),
+    ("llama3_1", dict(PR="fp32", DO="true"), {}, True),
+    ("llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.5"), {}, True),  # chunks on both tiers, staging
+    ("qwen2", dict(PR="bf16", DO="true"), {}, True),  # tied embeddings, q/k/v bias
+    ("qwen2_moe", dict(PR="bf16", DO="true"), {}, False),  # router, experts, gated shared expert
+]
+TWO_PROCESSES = [
+    ("llama3_1", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, True),
+    ("llama3_1", dict(PR="bf16", TP="2", DO="true"), {}, True),
+    ("llama3_1", dict(PR="bf16", PP="2", DO="true"), {}, True),
+    ("llama3_1", dict(PR="fp32", PP="2", AC="full"), {}, True),
+    ("qwen2", dict(PR="bf16", PP="2", DO="true"), {}, True),  # tied embeddings across stages: own bucket
+    ("qwen2_moe", dict(PR="bf16", EP="2", DO="true"), {}, False),  # expert buffers, expert DP
+    ("llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.3"), {"MP_NPROC": "2"}, True),  # DP=2 bucket shards
+]
+
+
+def _cfg(corpus, out, family, over, env):
+    args = launcher_args(family, DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), SAVE_INTERVAL="100",
+                         **over)
+    return resolve(family, args, env=env)
+
+
+def _check(cfgs, results, checked):
+    rows = []
+    for cfg, measured, check_activations in zip(cfgs, results, checked):
+        for r in measured:
+            st = stage_memory(cfg.arch, cfg, r["pp_rank"], "local", r["dp_rank"])
+            plan = plan_memory(cfg, "local")
+            if plan.offload_policy != "off":
+                from megatron_patch.training.memory_plan import _place_chunks
+
+                _place_chunks(st, plan.offload_share, 4 if cfg.precision == "fp32" else 2)
+            planned = {k: getattr(st, k) for k in ("params", "grads", "optimizer_device", "optimizer_host")}
+            got = {k: r[k] for k in planned}
+            ratio = st.activations / r["activations"]
+            rows.append((cfg.family, cfg.layout, cfg.precision, cfg.activation_checkpointing, r["pp_rank"], ratio))
+            assert planned == got, (cfg.family, str(cfg.layout), r["pp_rank"], planned, got)
+            assert r["leftover"] == 0  # every saved tensor was released by backward: the meter saw it all
+            if check_activations:
+                assert abs(ratio - 1) < 0.10, (cfg.family, str(cfg.layout), cfg.activation_checkpointing, ratio)
+    print("\n".join(f"{f} {l} {p} AC={a} stage {s}: planned/measured activations {x:.4f}" for f, l, p, a, s, x in rows))
+
+
+def test_plan_equals_what_one_process_allocates(corpus, tmp_path):
+    cfgs = [_cfg(corpus, tmp_path / str(i), f, o, e) for i, (f, o, e, _) in enumerate(ONE_PROCESS)]
+    results = run_local(measure_ranks, 1, cfgs, timeout=900)[0]
+    _check(cfgs, [[r] for r in results], [c for *_, c in ONE_PROCESS])
+
+
+def test_plan_equals_what_two_processes_allocate(corpus, tmp_path):
+    cfgs = [_cfg(corpus, tmp_path / str(i), f, o, e) for i, (f, o, e, _) in enumerate(TWO_PROCESSES)]
+    assert {c.world_size for c in cfgs} == {2}
+    per_rank = run_local(measure_ranks, 2, cfgs, timeout=900)
+    _check(cfgs, [[rank[i] for rank in per_rank] for i in range(len(cfgs))], [c for *_, c in TWO_PROCESSES])
+
+
+def _gpu_cfg(tmp_path, env=None, **over):
+    prefix = tmp_path / "c_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    base = dict(ENV="dsw", MODEL_SIZE="8B", PR="bf16", BATCH_SIZE="1", GLOBAL_BATCH_SIZE="8", SEQ_LEN="4096",
+                TRAIN_TOKENS_OR_ITERS="1e9", WARMUP_TOKENS_OR_ITERS="1e8", DATASET_PATH=str(prefix),
+                OUTPUT_BASEPATH=str(tmp_path / "out"))
+    base.update(over)
+    return resolve("llama3_1", launcher_args("llama3_1", **base), env={"GPUS_PER_NODE": "1", **(env or {})})
+
+
+def test_llama_8b_model_state_counts_its_parameters(tmp_path):
+    """8,030,261,248 parameters (Meta's count): bf16 weights, fp32 gradients, fp32 master + Adam moments."""
+    plan = plan_memory(_gpu_cfg(tmp_path, DO="true", AC="sel"), "te")
+    st = plan.stages[0]
+    n = 8_030_261_248
+    assert n <= st.params / 2 < n * (1 + 1e-6)  # bucket padding only
+    assert n <= st.grads / 4 < n * (1 + 1e-6)
+    assert st.optimizer_elements == n
+    assert 12 * n <= st.optimizer_device <= 12 * n + 4 * 291  # (+ torch Adam's step per tensor without TE)
+    # about 0.6 GiB per layer for a 4K-token micro-batch with TE (Korthikanti et al.: sbh*34 bytes, no s^2 term)
+    assert 32 * 0.5 * GiB < st.activations < 32 * 0.7 * GiB, st.activations / GiB
+    # does not fit 80 GiB without offload; with auto it does, and auto starts with part of the state on the host
+    assert plan_memory(_gpu_cfg(tmp_path, {"MP_GPU_MEMORY_GB": "80"}, DO="true"), "te").problem()
+    auto = plan_memory(_gpu_cfg(tmp_path, {"MP_GPU_MEMORY_GB": "80"}, OPTIMIZER_OFFLOAD="auto"), "te")
+    assert auto.problem() is None and 0.3 < auto.offload_share < 1.0, auto.offload_share
+    pp2 = plan_memory(_gpu_cfg(tmp_path, {"GPUS_PER_NODE": "2"}, PP="2", DO="true"), "te")
+    assert pp2.stages[0].in_flight == 2 and pp2.stages[1].in_flight == 1
+
+
+def test_auto_share_shrinks_as_the_device_grows(tmp_path):
+    shares = [plan_memory(_gpu_cfg(tmp_path, {"MP_GPU_MEMORY_GB": str(g)}, OPTIMIZER_OFFLOAD="auto"), "te").offload_share
+              for g in (60, 80, 100, 140, 200)]
+    assert shares == sorted(shares, reverse=True) and shares[0] > 0.5 and shares[-1] == 0.0, shares
+    st = plan_memory(_gpu_cfg(tmp_path, OPTIMIZER_OFFLOAD="auto"), "te").stages[0]
+    assert auto_share(st, None, 0) == 0.0  # capacity unknown: everything starts on the device
+
+
+def test_dry_run_prints_the_plan_and_a_config_that_cannot_fit_is_refused(corpus, tmp_path, monkeypatch, capsys):
+    args = launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(tmp_path / "out"), PR="bf16",
+                         PP="2", DO="true", OPTIMIZER_OFFLOAD="0.5")
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    assert main(["train", "llama3_1", *args]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan per rank (local layers" in out
+    assert "stage 0 (2 layers): params" in out and "stage 1 (2 layers)" in out
+    assert "(2 micro-batch(es) x" in out and "on the host" in out
+    assert "OPTIMIZER_OFFLOAD static: 50% of the optimizer state on the host" in out
+    monkeypatch.setenv("MP_DRY_RUN", "json")
+    assert main(["train", "llama3_1", *args]) == 0
+    report = json.loads(capsys.readouterr().out)
+    stages = report["memory_plan"]["stages"]
+    assert [s["pp_rank"] for s in stages] == [0, 1] and stages[0]["optimizer_host"] > 0
+    # 2 MiB of device memory: listed by the dry run, refused before anything starts (one line, exit 2)
+    monkeypatch.setenv("MP_GPU_MEMORY_GB", str(2 / 1024))
+    assert main(["train", "llama3_1", *args]) == 0
+    assert any("the memory plan needs" in p for p in json.loads(capsys.readouterr().out)["machine_problems"])
+    monkeypatch.delenv("MP_DRY_RUN")
+    assert main(["train", "llama3_1", *args]) == 2
+    err = capsys.readouterr().err
+    assert "the memory plan needs" in err and "on pipeline stage 0 and the device has 2.00 MiB" in err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
