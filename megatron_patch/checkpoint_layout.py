@@ -207,8 +207,8 @@ def zip_problem(path: str | Path) -> str | None:
 def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None:
     """What makes the torch_dist checkpoint in ``folder`` unusable, or None when it is complete.
 
-    Checked without reading the tensors: megatron's ``metadata.json`` parses; torch's ``.metadata``
-    unpickles; every data file it names exists and is long enough for every record it points into
+    Checked without reading the tensors (and without torch): megatron's ``metadata.json`` parses;
+    torch's ``.metadata`` unpickles (``convert.torch_dist.read_metadata``); every data file it names exists and is long enough for every record it points into
     (a truncated ``.distcp`` is found, a flipped byte inside one is not: the format has no
     checksums); ``common.pt`` (with ``common``) is an intact torch.save archive.
     """
@@ -224,16 +224,16 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
         return f"metadata.json is unreadable ({exc})"
     if not (folder / ".metadata").is_file():
         return ".metadata is missing"
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
+    from megatron_patch.convert.torch_dist import read_metadata
 
-        metadata = FileSystemReader(str(folder)).read_metadata()
+    try:
+        metadata = read_metadata(folder / ".metadata")
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
         return f".metadata is unreadable ({type(exc).__name__}: {exc})"
     ends: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    if not ends and metadata.state_dict_metadata:
+    for name, start, length, _ in metadata.storage.values():
+        ends[name] = max(ends.get(name, 0), start + length)
+    if not ends and (metadata.tensors or metadata.objects):
         return ".metadata lists tensors but no data files"
     for name, end in sorted(ends.items()):
         path = folder / name

@@ -149,36 +149,52 @@ def _state(rec, name: str):
     return rec.get(name) if isinstance(rec, Record) else getattr(rec, name, None)
 
 
+@dataclass
+class DistMetadata:
+    """What a ``.metadata`` pickle says: every tensor, the byte objects' keys, and where each stored
+    item lies ((key, offset or None) -> (file, start, length, transform descriptors))."""
+
+    tensors: dict[str, TensorInfo]
+    objects: set[str]
+    storage: dict[tuple[str, tuple | None], tuple[str, int, int, object]]
+
+
+def read_metadata(path: Path) -> DistMetadata:
+    """``.metadata`` read with the safe unpickler; raises whatever a damaged file makes unpickling or
+    the structure raise."""
+    md = loads(path.read_bytes(), where=str(path))
+    tensors: dict[str, TensorInfo] = {}
+    objects: set[str] = set()
+    for key, entry in _state(md, "state_dict_metadata").items():
+        if entry.qualname.endswith("BytesStorageMetadata"):
+            objects.add(key)
+            continue
+        props = _state(entry, "properties")
+        pstate = props.state
+        dtype = pstate[0] if isinstance(pstate, tuple) else pstate["dtype"]
+        chunks = tuple((tuple(_state(c, "offsets")), tuple(_state(c, "sizes"))) for c in _state(entry, "chunks"))
+        tensors[key] = TensorInfo(tuple(_state(entry, "size")), dtype.name if isinstance(dtype, DType) else str(dtype),
+                                  chunks)
+    storage = {}
+    for index, info in (_state(md, "storage_data") or {}).items():
+        offset = _state(index, "offset")
+        storage[(_state(index, "fqn"), None if offset is None else tuple(offset))] = (
+            _state(info, "relative_path"), int(_state(info, "offset")), int(_state(info, "length")),
+            info.get("transform_descriptors") if isinstance(info, Record) else None)
+    return DistMetadata(tensors, objects, storage)
+
+
 class TorchDistReader:
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
         if not (self.folder / ".metadata").exists():
             raise UserError(f"{self.folder} has no .metadata: it is not a complete torch_dist checkpoint")
         try:
-            md = loads((self.folder / ".metadata").read_bytes(), where=str(self.folder / ".metadata"))
-            self.tensors: dict[str, TensorInfo] = {}
-            self.objects: set[str] = set()
-            for key, entry in _state(md, "state_dict_metadata").items():
-                if entry.qualname.endswith("BytesStorageMetadata"):
-                    self.objects.add(key)
-                    continue
-                props = _state(entry, "properties")
-                pstate = props.state
-                dtype = pstate[0] if isinstance(pstate, tuple) else pstate["dtype"]
-                chunks = tuple((tuple(_state(c, "offsets")), tuple(_state(c, "sizes"))) for c in _state(entry, "chunks"))
-                self.tensors[key] = TensorInfo(tuple(_state(entry, "size")), dtype.name if isinstance(dtype, DType) else str(dtype),
-                                               chunks)
-            self.storage: dict[tuple[str, tuple | None], tuple[str, int, int, object]] = {}
-            for index, info in (_state(md, "storage_data") or {}).items():
-                offset = _state(index, "offset")
-                self.storage[(_state(index, "fqn"), None if offset is None else tuple(offset))] = (
-                    _state(info, "relative_path"), int(_state(info, "offset")), int(_state(info, "length")),
-                    info.get("transform_descriptors") if isinstance(info, Record) else None)
-        except UserError:
-            raise
+            md = read_metadata(self.folder / ".metadata")
         except Exception as exc:  # noqa: BLE001 - any unpickling or structure failure means a damaged file
             raise UserError(f"{self.folder / '.metadata'} is unreadable ({type(exc).__name__}: {exc}): "
                             "the checkpoint is damaged")
+        self.tensors, self.objects, self.storage = md.tensors, md.objects, md.storage
 
     def keys(self) -> set[str]:
         return set(self.tensors) | self.objects
