@@ -37,7 +37,7 @@ def _args(corpus, out, **over):
 def read_tensors(folder) -> dict[str, torch.Tensor]:
     """Every tensor of a torch_dist folder, whole, in its stored dtype."""
     reader = TorchDistReader(folder)
-    out = {k: torch.empty(reader.global_shape(k), dtype=reader.dtype(k)) for k in reader.tensor_keys()}
+    out = {k: torch.empty(reader.global_shape(k), dtype=getattr(torch, reader.dtype(k))) for k in reader.tensor_keys()}
     reader.load([(k, (0,) * t.dim(), t) for k, t in out.items()])
     return out
 
