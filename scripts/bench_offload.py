@@ -226,7 +226,7 @@ def phase_exact(work: Path, results: Path, dry: bool) -> dict:
 
     def tensors(folder):
         r = TorchDistReader(folder)
-        t = {k: torch.empty(r.global_shape(k), dtype=r.dtype(k)) for k in r.tensor_keys()}
+        t = {k: torch.empty(r.global_shape(k), dtype=getattr(torch, r.dtype(k))) for k in r.tensor_keys()}
         r.load([(k, (0,) * v.dim(), v) for k, v in t.items()])
         return t
 
