@@ -11,6 +11,7 @@ from pathlib import Path
 from megatron_patch.convert.arch_source import what_to_give
 from megatron_patch.convert.foreign import find_checkpoint, tensor_facts
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME
+from megatron_patch.units import human_bytes
 
 # Megatron-LM argument -> what it is called here, for the architecture a checkpoint's args describe.
 _ARG_FIELDS = (("num_layers", "layers"), ("hidden_size", "hidden size"), ("ffn_hidden_size", "MLP size"),
@@ -63,14 +64,6 @@ def describe_checkpoint(path: str | Path, iteration: int | None = None) -> dict:
     return out
 
 
-def _size(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-    return ""
-
-
 def format_summary(info: dict) -> str:
     """The dict of ``describe_checkpoint`` as lines a person reads."""
     iterations = info["iterations"]
@@ -81,7 +74,7 @@ def format_summary(info: dict) -> str:
         f"format         {info['format']}, layout {info['layout']}",
         f"iteration      {info['iteration']}{listed}",
         f"written by     {info['written_by']}",
-        f"weights        {info['tensors']} tensors, {_size(info['bytes'])}, {info['dtype']}",
+        f"weights        {info['tensors']} tensors, {human_bytes(info['bytes'])}, {info['dtype']}",
         f"optimizer      {'present (skipped on export)' if info['optimizer_state'] else 'none'}",
     ]
     if "layers_per_stage" in info:

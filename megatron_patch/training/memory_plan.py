@@ -27,17 +27,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-GiB = 2**30
+from megatron_patch.units import GiB, human_bytes
+
 PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
-
-
-def human(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 # --- parameters per rank, in module order ------------------------------------------------------------------
@@ -279,18 +271,18 @@ class MemoryPlan:
         hint = "AC=full, a smaller BATCH_SIZE or more TP/PP"
         if self.offload_policy != "auto":
             hint = f"OPTIMIZER_OFFLOAD=auto, {hint}"
-        return (f"the memory plan needs {human(worst.device)} on pipeline stage {worst.pp_rank} and the device has "
-                f"{human(self.capacity)} ({self.capacity_source}): try {hint} (MP_DRY_RUN=1 prints the plan)")
+        return (f"the memory plan needs {human_bytes(worst.device)} on pipeline stage {worst.pp_rank} and the device has "
+                f"{human_bytes(self.capacity)} ({self.capacity_source}): try {hint} (MP_DRY_RUN=1 prints the plan)")
 
     def lines(self) -> list[str]:
-        out = [f"memory plan per rank ({self.spec} layers; device memory {human(self.capacity)}, "
+        out = [f"memory plan per rank ({self.spec} layers; device memory {human_bytes(self.capacity)}, "
                f"{self.capacity_source}):"]
         for st in self.stages:
-            out.append(f"  stage {st.pp_rank} ({st.layers} layers): params {human(st.params)}, grads "
-                       f"{human(st.grads)}, optimizer state {human(st.optimizer_device)} on the device + "
-                       f"{human(st.optimizer_host)} on the host, activations {human(st.activations)} "
-                       f"({st.in_flight} micro-batch(es) x {human(st.per_microbatch)}), transient "
-                       f"{human(st.transient)} -> device {human(st.device)}")
+            out.append(f"  stage {st.pp_rank} ({st.layers} layers): params {human_bytes(st.params)}, grads "
+                       f"{human_bytes(st.grads)}, optimizer state {human_bytes(st.optimizer_device)} on the device + "
+                       f"{human_bytes(st.optimizer_host)} on the host, activations {human_bytes(st.activations)} "
+                       f"({st.in_flight} micro-batch(es) x {human_bytes(st.per_microbatch)}), transient "
+                       f"{human_bytes(st.transient)} -> device {human_bytes(st.device)}")
         if self.offload_policy == "auto":
             out.append(f"  OPTIMIZER_OFFLOAD=auto starts with {self.offload_share:.0%} of the optimizer state on the "
                        f"host (margin {self.margin / GiB:g} GiB), then follows what each step measures")
