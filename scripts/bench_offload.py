@@ -172,11 +172,7 @@ def phase_sweep(work: Path, results: Path, model: dict, seq: int, iters: int, gb
             env.setdefault("MP_GPU_MEMORY_GB", os.environ.get("MP_GPU_MEMORY_GB", "80"))
             rows.append({"mode": mode, "check": dry_check(argv, env)})
             continue
-        shutil.rmtree(out, ignore_errors=True)
-        proc = subprocess.run(["bash", str(REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"), *argv],
-                              env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
-        (results / "logs").mkdir(parents=True, exist_ok=True)
-        (results / "logs" / f"sweep-{mode}.log").write_text(proc.stdout + proc.stderr)
+        proc = launch(argv, env, out, results / "logs" / f"sweep-{mode}.log", timeout=900)
         if proc.returncode == 2 and "memory plan needs" in proc.stderr:
             rows.append({"mode": mode, "status": "refused by the memory plan",
                          "why": proc.stderr.strip().splitlines()[-1]})
@@ -187,6 +183,16 @@ def phase_sweep(work: Path, results: Path, model: dict, seq: int, iters: int, gb
             rows.append({"mode": mode, "status": "ok", **summarize_run(out)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def launch(argv: list[str], env: dict, out: Path, log: Path, timeout: int) -> subprocess.CompletedProcess:
+    """The Llama launcher into a fresh ``out``, its output kept in ``log``."""
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run(["bash", str(REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"), *argv],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stdout + proc.stderr)
+    return proc
 
 
 EXACT_SCRIPT = {"device_fraction": {"1": 1.0, "3": 0.4, "7": 1.0, "9": 0.3, "10": 1.0, "11": 0.3, "12": 1.0}}
@@ -209,11 +215,7 @@ def phase_exact(work: Path, results: Path, dry: bool) -> dict:
         if dry:
             runs[name] = dry_check(argv, env)
             continue
-        shutil.rmtree(out, ignore_errors=True)
-        proc = subprocess.run(["bash", str(REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"), *argv],
-                              env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-        (results / "logs").mkdir(parents=True, exist_ok=True)
-        (results / "logs" / f"exact-{name}.log").write_text(proc.stdout + proc.stderr)
+        proc = launch(argv, env, out, results / "logs" / f"exact-{name}.log", timeout=600)
         if proc.returncode != 0:
             return {"status": f"failed (exit {proc.returncode})", "run": name}
         runs[name] = [json.loads(l) for l in (out / "log" / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
