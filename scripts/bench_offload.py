@@ -226,13 +226,7 @@ def phase_exact(work: Path, results: Path, dry: bool) -> dict:
     from megatron_patch.convert.torch_dist import TorchDistReader
     import torch
 
-    def tensors(folder):
-        r = TorchDistReader(folder)
-        t = {k: torch.empty(r.global_shape(k), dtype=getattr(torch, r.dtype(k))) for k in r.tensor_keys()}
-        r.load([(k, (0,) * v.dim(), v) for k, v in t.items()])
-        return t
-
-    fa, fb = tensors(work / "exact" / "off" / "final" / "release"), tensors(work / "exact" / "scripted" / "final" / "release")
+    fa, fb = (TorchDistReader(work / "exact" / run / "final" / "release").read_all() for run in ("off", "scripted"))
     weights = fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
     moves = [m["offload_action"] for m in b if m["offload_action"] != "hold"]
     return {"status": "bit-identical" if same and weights else "DIFFERENT", "losses_grad_norms_lr_equal": same,

@@ -36,10 +36,7 @@ def _args(corpus, out, **over):
 
 def read_tensors(folder) -> dict[str, torch.Tensor]:
     """Every tensor of a torch_dist folder, whole, in its stored dtype."""
-    reader = TorchDistReader(folder)
-    out = {k: torch.empty(reader.global_shape(k), dtype=getattr(torch, reader.dtype(k))) for k in reader.tensor_keys()}
-    reader.load([(k, (0,) * t.dim(), t) for k, t in out.items()])
-    return out
+    return TorchDistReader(folder).read_all()
 
 
 def _last_per_iteration(out) -> dict[int, dict]:

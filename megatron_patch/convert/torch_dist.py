@@ -226,6 +226,14 @@ class TorchDistReader:
             return None
         return stored
 
+    def read_all(self) -> dict:
+        """Every tensor whole, in its stored dtype (torch imported here): for tests and benchmarks."""
+        import torch
+
+        out = {k: torch.empty(self.global_shape(k), dtype=getattr(torch, self.dtype(k))) for k in self.tensor_keys()}
+        self.load([(k, (0,) * t.dim(), t) for k, t in out.items()])
+        return out
+
     def load(self, requests: Iterable[tuple[str, tuple[int, ...], object]]) -> None:
         """Fill each target tensor with the block of ``key`` that starts at ``offset``, through torch's
         reader (torch imported here): for blocks ``stored_chunk`` cannot place."""
