@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from megatron_patch.errors import UserError
 from megatron_patch.models.mapping import plan_transfers, split_context
 from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.runtime import ParallelLayout
@@ -201,13 +202,19 @@ def test_dtype_change_and_splits_without_blocks_go_through_torch(hf_dir, tmp_pat
     assert all(b.dtype(n) == "float32" and torch.equal(b.get(n), a.get(n).float()) for n in a.keys())
 
 
-def test_every_move_gathered_in_small_bands_with_short_writes_gives_the_same_bytes(hf_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("map_reads", [True, False], ids=["mapped", "read"])
+def test_every_move_gathered_in_small_bands_with_short_writes_gives_the_same_bytes(hf_dir, tmp_path, monkeypatch,
+                                                                                   map_reads):
     """The gather path (band reads, pwritev of slices, zero rows for vocabulary padding) on every
-    tensor, with bands of a few rows and a kernel that writes at most 1000 bytes per call."""
+    tensor, with bands of a few rows and a kernel that writes at most 1000 bytes per call; the source
+    rows mapped from the page cache (the default) or read into memory (where mmap fails)."""
     from megatron_patch.convert import copier as copier_mod
     from megatron_patch.convert.bytemap import Move
     from megatron_patch.convert.copier import Copier
 
+    maps = []
+    real_map = Copier._map
+    monkeypatch.setattr(Copier, "_map", lambda self, *a: maps.append(a[1]) or real_map(self, *a))
     for fmt in ("legacy", "torch_dist"):
         want = _convert_both_ways(hf_dir, tmp_path / f"want-{fmt}", fmt, lambda: Copier(2))
         real = os.pwritev
@@ -215,9 +222,29 @@ def test_every_move_gathered_in_small_bands_with_short_writes_gives_the_same_byt
             m.setattr(Move, "contiguous", property(lambda self: False))
             m.setattr(copier_mod.os, "pwritev", lambda fd, bufs, offset: real(fd, bufs, offset) if sum(map(len, bufs)) < 1000
                       else real(fd, [memoryview(bytes().join(bytes(b) for b in bufs))[:999]], offset))
-            got = _convert_both_ways(hf_dir, tmp_path / f"got-{fmt}", fmt, lambda: Copier(3, band_bytes=2048))
+            maps.clear()
+            got = _convert_both_ways(hf_dir, tmp_path / f"got-{fmt}", fmt,
+                                     lambda: Copier(3, band_bytes=2048, map_reads=map_reads))
         assert got[0] == want[0] and got[1] == want[1]
         assert got[2].zero_copy_bytes == got[3].zero_copy_bytes == 0 and got[2].gathered_bytes > 0
+        assert (len(maps) > 100) == map_reads
+
+
+def test_gather_from_a_source_that_ends_early_is_an_error_not_a_crash(tmp_path):
+    """A mapped page past the end of a file would kill the process (SIGBUS): the length is checked
+    first, and the error names the file. With mmap refused, the read path says the same."""
+    from megatron_patch.convert.bytemap import Move, Stored
+    from megatron_patch.convert.copier import Copier, create_file
+
+    src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
+    src.write_bytes(bytes(range(256)) * 60)            # 15360 bytes: 60 of the 64 rows of 256 bytes
+    create_file(dst, 64 * 128, [])
+    a, b = Stored(str(src), 0, (64, 128), "bfloat16"), Stored(str(dst), 0, (64, 64), "bfloat16")
+    for map_reads in (True, False):
+        copier = Copier(1, map_reads=map_reads)
+        with pytest.raises(UserError, match=r"cannot read .*src\.bin .*truncated or corrupt"):
+            copier.run(copier.gather_tasks([Move(a, 0, 0, b, 0, 0, 64, 64)]))
+        copier.close()
 
 
 @pytest.mark.parametrize("workers", [1, 4])
