@@ -12,7 +12,10 @@ processes, for each page-cache state (`--cache warm,cold`) and worker count (`--
     mpatch convert hf2mcore --format torch_dist --tp 2 --pp 2 --workers N
     mpatch convert mcore2hf  (from it)
 
-timing each and sampling the resident memory of its whole process tree (every 20 ms). Before each
+timing each and sampling the resident memory of its whole process tree (every 20 ms). The whole
+sequence runs `--repeat` times (default 3), one pass after the other, and each step's median wall and
+CPU time (and its largest peak RSS) are reported: on a virtual machine the same `cp -r` varies by
++-30% from one moment to the next, and a single run compares moments as much as programs. Before each
 step the dirty pages of the previous one are written out (`sync`, not timed); then, for `warm`, the
 step's inputs are read once so they are in the page cache, and for `cold` the page cache is dropped
 (`echo 3 > /proc/sys/vm/drop_caches`, which needs root; without it the script says so and skips
@@ -35,8 +38,8 @@ storage's (`--node-storage-gbps`, assumed), whichever is longer. Each round trip
 checked tensor by tensor against the original: bit-identical. The load average is printed at the
 start and the end: on a shared machine, numbers taken under load are not comparable.
 
-    python scripts/bench_convert.py [--preset bench|8b] [--workers 1,2] [--cache warm,cold] [--json out.json]
-                                    [--node-storage-gbps 4]
+    python scripts/bench_convert.py [--preset bench|8b] [--workers 1,2] [--cache warm,cold] [--repeat 3]
+                                    [--json out.json] [--node-storage-gbps 4]
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -143,6 +147,16 @@ def measure(cmd: list[str], env: dict) -> dict:
     return {"wall_s": wall, "cpu_s": cpu, "peak_rss": peak}
 
 
+def combine(passes: list[dict]) -> dict:
+    """One result per step over the passes: the median wall and CPU time, the largest peak RSS, and
+    every pass's wall time."""
+    return {name: {"wall_s": statistics.median(p[name]["wall_s"] for p in passes),
+                   "cpu_s": statistics.median(p[name]["cpu_s"] for p in passes),
+                   "peak_rss": max(p[name]["peak_rss"] for p in passes),
+                   "wall_s_passes": [p[name]["wall_s"] for p in passes]}
+            for name in passes[0]}
+
+
 def drop_caches() -> bool:
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -219,6 +233,7 @@ def main() -> int:
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts (default 1,2)")
     ap.add_argument("--cache", default="warm,cold", help="page-cache states: warm, cold or both (default both)")
     ap.add_argument("--formats", default="legacy,torch_dist", help="MCore formats (default legacy,torch_dist)")
+    ap.add_argument("--repeat", type=int, default=3, help="passes over the steps; medians are reported (default 3)")
     ap.add_argument("--no-verify", action="store_true", help="skip the tensor-by-tensor round-trip check")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     ap.add_argument("--json", help="also write the results as JSON here")
@@ -240,6 +255,7 @@ def main() -> int:
             caches = [c for c in caches if c != "cold"]
         report = {"machine": {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)},
                   "layout": {"tp": args.tp, "pp": args.pp}, "preset": args.preset, "verified": not args.no_verify,
+                  "repeat": args.repeat,
                   "load_average": {"start": os.getloadavg()}, "runs": {}}
         print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)", flush=True)
         models = {}
@@ -262,10 +278,12 @@ def main() -> int:
         for cache in caches:
             for workers in worker_counts:
                 key = f"{cache} cache, {workers} worker{'s' if workers > 1 else ''}"
-                runs = {}
-                for label, (hf, _) in models.items():
-                    runs[label] = run_suite(hf, work / label, env, args, workers, cache,
-                                            check=label == "large" and not args.no_verify)
+                passes = {label: [] for label in models}
+                for i in range(args.repeat):
+                    for label, (hf, _) in models.items():
+                        passes[label].append(run_suite(hf, work / label, env, args, workers, cache,
+                                                       check=label == "large" and i == 0 and not args.no_verify))
+                runs = {label: combine(p) for label, p in passes.items()}
                 report["runs"][key] = runs
                 print(f"{key}: " + ", ".join(f"{s} {runs['large'][s]['wall_s']:.2f} s" for s in runs["large"]), flush=True)
         report["fp8_dequantize"] = fp8_dequantize_rate()
@@ -342,7 +360,8 @@ def summarize(report: dict) -> bool:
     size = report["large"]["bytes"]
     print(f"\ncheckpoint {size / 2**30:.2f} GiB ({size / 1e9:.2f} GB); layout TP={report['layout']['tp']} "
           f"PP={report['layout']['pp']}; round trips {'bit-identical' if report['verified'] else 'not checked'}; "
-          f"load average {report['load_average']['start'][0]:.2f} at the start, {report['load_average']['end'][0]:.2f} at the end")
+          f"load average {report['load_average']['start'][0]:.2f} at the start, {report['load_average']['end'][0]:.2f} at the end; "
+          f"median of {report['repeat']} passes")
     header = (f"{'run':<24} {'step':<20} {'wall (s)':>8} {'tiny (s)':>8} {'marginal':>8} {'x cp':>5} {'GB/s':>6} {'CPU s':>6} "
               f"{'peak RSS':>9} {'marg. RSS':>9} {'/ ckpt':>6}  verdict")
     print(header)
