@@ -208,9 +208,10 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
     """What makes the torch_dist checkpoint in ``folder`` unusable, or None when it is complete.
 
     Checked without reading the tensors (and without torch): megatron's ``metadata.json`` parses;
-    torch's ``.metadata`` unpickles (``convert.torch_dist.read_metadata``); every data file it names exists and is long enough for every record it points into
-    (a truncated ``.distcp`` is found, a flipped byte inside one is not: the format has no
-    checksums); ``common.pt`` (with ``common``) is an intact torch.save archive.
+    torch's ``.metadata`` unpickles (``convert.torch_dist.read_metadata``); every data file it names
+    exists and is long enough for every record it points into (a truncated ``.distcp`` is found, a
+    flipped byte inside one is not: the format has no checksums); ``common.pt`` (with ``common``) is
+    an intact torch.save archive.
     """
     folder = Path(folder)
     if not folder.is_dir():
