@@ -7,11 +7,13 @@ setup(
     packages=find_packages(include=["megatron_patch", "megatron_patch.*"]),
     python_requires=">=3.10",
     install_requires=[
-        # 0.16.x is the newest for Python 3.11; newer releases (Python >= 3.12) stay allowed.
-        "megatron-core>=0.16.1",
+        # The releases whose internals the CPU compatibility layer and the converter were audited against:
+        # 0.16.x (the newest for Python 3.10/3.11) and 0.19.x (Python >= 3.12). 0.17/0.18 were never
+        # audited, and 0.20 is not out: each is refused here rather than half-working.
+        "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20",
         # Kept open downward so the local CPU build (2.13.0) satisfies it without pulling CUDA wheels.
         "torch>=2.4",
-        "transformers>=4.56",  # from_pretrained(dtype=...)
+        "transformers>=4.56,<6",  # from_pretrained(dtype=...); 6.x unknown
         "safetensors>=0.4",
         "psutil",  # megatron-core's dist_checkpointing needs it at save time
         "tqdm",

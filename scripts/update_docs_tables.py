@@ -1,7 +1,9 @@
 #!/usr/bin/env python
-"""Regenerate the docs' tables that list the model families (from the registry, `mpatch families`).
+"""Regenerate the docs' generated tables: the model families (from the registry, `mpatch families`) and
+the tested version combinations (megatron_patch/runtime/versions.py).
 
-Each table sits between `<!-- families:NAME -->` and `<!-- /families:NAME -->` in a docs file.
+Each table sits between `<!-- families:NAME -->` and `<!-- /families:NAME -->` (or `versions:tested`)
+in a docs file.
 `--check` exits 1 (naming the file) when a table is out of date; tests/test_docs.py runs it.
 """
 
@@ -17,13 +19,22 @@ sys.path.insert(0, str(ROOT))  # this checkout's registry, whatever copy is inst
 FILES = ["README.md", "examples/README.md"]
 
 
+def versions_table() -> str:
+    from megatron_patch.runtime.versions import TESTED
+
+    rows = ["| Python | megatron-core | torch | transformers | how it is tested |", "| --- | --- | --- | --- | --- |"]
+    rows += [f"| {c.python} | {c.megatron_core} | {c.torch} | {c.transformers} | {c.how} |" for c in TESTED]
+    return "\n".join(rows) + "\n"
+
+
 def updated(text: str) -> str:
     from megatron_patch.cli.families import markdown
 
     def fill(m: re.Match) -> str:
-        return f"{m.group(1)}\n{markdown(m.group(2))}{m.group(3)}"
+        table = versions_table() if m.group(2) == "versions" else markdown(m.group(3))
+        return f"{m.group(1)}\n{table}{m.group(4)}"
 
-    return re.sub(r"(<!-- families:(\w+) -->)\n.*?(<!-- /families:\2 -->)", fill, text, flags=re.S)
+    return re.sub(r"(<!-- (families|versions):(\w+) -->)\n.*?(<!-- /\2:\3 -->)", fill, text, flags=re.S)
 
 
 def main() -> int:
@@ -42,7 +53,7 @@ def main() -> int:
     if stale and args.check:
         print(f"out of date: {', '.join(stale)}: run scripts/update_docs_tables.py", file=sys.stderr)
         return 1
-    print(("updated: " + ", ".join(stale)) if stale else "the docs' family tables are current")
+    print(("updated: " + ", ".join(stale)) if stale else "the docs' generated tables are current")
     return 0
 
 

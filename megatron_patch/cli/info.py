@@ -19,7 +19,7 @@ def collect() -> dict:
 
     from megatron_patch import __version__
     from megatron_patch.models.registry import families
-    from megatron_patch.runtime import cpu_compat
+    from megatron_patch.runtime import cpu_compat, versions
 
     cuda = torch.cuda.is_available()
     gpu = None
@@ -31,6 +31,7 @@ def collect() -> dict:
     fa2 = _version("flash-attn") or _version("flash_attn")
     fa3 = _version("flash-attn-3") or _version("flash_attn_3")
     hopper = bool(gpu) and gpu["capability"].startswith("9.")
+    tested = versions.tested_combination()
     return {
         "megatron_patch": __version__,
         "python": platform.python_version(),
@@ -38,6 +39,8 @@ def collect() -> dict:
         "megatron_core": _version("megatron-core") or _version("megatron_core"),
         "transformers": _version("transformers"),
         "safetensors": _version("safetensors"),
+        "tested_combination": (f"yes ({tested.how})" if tested else
+                               "no: see the README's supported versions for the combinations that are tested"),
         "device": "cuda" if cuda else "cpu",
         "gpu": gpu,
         "distributed_backend": "nccl" if cuda else "gloo",

@@ -1,0 +1,58 @@
+"""The combinations of Python, megatron-core, torch and transformers this project is tested with.
+
+`mpatch info` says whether the running combination is one of them. A combination is matched by release
+line: the Python and torch minor versions, megatron-core's minor and transformers' minor.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import platform
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Combination:
+    python: str
+    megatron_core: str
+    torch: str
+    transformers: str
+    how: str  # where it is tested
+
+    def matches(self, found: dict[str, str | None]) -> bool:
+        return all(_line(found.get(key)) == _line(getattr(self, key))
+                   for key in ("python", "megatron_core", "torch", "transformers"))
+
+
+# What pip resolves today from the README's commands, and the 4.x line checked by hand.
+TESTED = (
+    Combination("3.11", "0.16.1", "2.13.0", "5.24.0", "CI: the whole suite (.ci/run, fresh venv)"),
+    Combination("3.12", "0.19.2", "2.13.0", "5.24.0",
+                "CI: conversion, checkpoint, model and runtime tests, and checkpoints across releases"),
+    Combination("3.11", "0.16.1", "2.13.0", "4.57.6", "by hand: the whole suite"),
+)
+
+
+def _line(version: str | None) -> tuple[str, ...] | None:
+    """'2.13.0+cpu' -> ('2', '13'): the release line a combination is matched on."""
+    if version is None:
+        return None
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def _dist_version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def installed() -> dict[str, str | None]:
+    return {"python": platform.python_version(), "megatron_core": _dist_version("megatron-core"),
+            "torch": _dist_version("torch"), "transformers": _dist_version("transformers")}
+
+
+def tested_combination(found: dict[str, str | None] | None = None) -> Combination | None:
+    """The tested combination the installed versions belong to, or None."""
+    found = installed() if found is None else found
+    return next((c for c in TESTED if c.matches(found)), None)
