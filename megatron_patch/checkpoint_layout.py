@@ -312,13 +312,12 @@ def load_models_torch_dist(models: list, folder: str | Path) -> None:
     weights in ``folder``, at whatever layout they were saved. All chunks load in one
     ``dist_checkpointing.load``: its integrity check wants the request of all ranks together to cover
     every stored shard, which one chunk alone does not."""
-    from megatron.core import dist_checkpointing
-
+    from megatron_patch.checkpoint_files.safe_torch import safe_dist_load
     from megatron_patch.convert.torch_dist import TorchDistReader
 
     stored = TorchDistReader(folder).keys()
     request = {f"model{i}": without_missing_extra_state(m.sharded_state_dict(), stored) for i, m in enumerate(models)}
-    state = dist_checkpointing.load(request, str(folder))
+    state = safe_dist_load(request, folder)
     for i, model in enumerate(models):
         missing, unexpected = model.load_state_dict(state[f"model{i}"], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]

@@ -5,17 +5,21 @@ torch classes (``torch._utils._rebuild_tensor_v2``, ``torch.BFloat16Storage``,
 ``torch.distributed.checkpoint.metadata.Metadata``, ...). Python's pickler would import torch to
 check that those names exist; ``dumps`` writes the opcodes itself for a small closed set of values
 (the stand-ins ``Global``, ``Call``, ``New`` and ``PersistentId`` below), the way torch's own pickles
-spell them. ``SafeUnpickler`` reads them back into inert records: nothing in a file is executed.
+spell them. ``SafeUnpickler`` reads them back into inert records: nothing in a file is executed, and a
+pickle that names anything outside the checkpoint allow-list (``checkpoint_files.allowlist``) is refused.
 """
 
 from __future__ import annotations
 
+import codecs
 import collections
 import io
 import pickle
 import struct
 from dataclasses import dataclass, field
 from typing import Any
+
+from megatron_patch.checkpoint_files.allowlist import canonical, check
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,7 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, *rest):
     return data
 
 
-def _record_class(module: str, name: str):
+def record_class(module: str, name: str):
     qualname = f"{module}.{name}"
 
     class _Rec(Record):
@@ -229,8 +233,9 @@ STORAGE_CLASS_OF_DTYPE = {v: k for k, v in _STORAGE_DTYPES.items()}
 class SafeUnpickler(pickle.Unpickler):
     """Unpickles torch's pickles into ``TensorRef`` / ``StorageRef`` / ``DType`` / ``Record`` values.
 
-    Only plain containers and the names below are built; any other global becomes an inert
-    ``Record`` (Megatron-LM puts ``argparse.Namespace``, RNG states and more in its checkpoints).
+    Only plain containers and the names below are built; any other allow-listed global becomes an
+    inert ``Record`` (Megatron-LM puts ``argparse.Namespace``, RNG states and more in its checkpoints),
+    and a global off the allow-list is refused (``UnsafePickle``, naming the file and the global).
     """
 
     _SAFE = {
@@ -238,6 +243,8 @@ class SafeUnpickler(pickle.Unpickler):
         ("builtins", "set"): set,
         ("builtins", "frozenset"): frozenset,
         ("builtins", "slice"): slice,
+        ("builtins", "bytes"): bytes,
+        ("_codecs", "encode"): codecs.encode,
         ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
         ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
         ("torch", "Size"): lambda shape=(): tuple(shape),
@@ -250,6 +257,8 @@ class SafeUnpickler(pickle.Unpickler):
         self._classes: dict = {}
 
     def find_class(self, module: str, name: str):
+        check(module, name, self.where)
+        module, name = canonical(module, name)
         if (module, name) in self._SAFE:
             return self._SAFE[(module, name)]
         if module == "torch" and name in _STORAGE_DTYPES:
@@ -258,7 +267,7 @@ class SafeUnpickler(pickle.Unpickler):
             return DType(name)
         key = (module, name)
         if key not in self._classes:
-            self._classes[key] = _record_class(module, name)
+            self._classes[key] = record_class(module, name)
         return self._classes[key]
 
     def persistent_load(self, pid):

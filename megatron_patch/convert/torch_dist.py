@@ -191,6 +191,8 @@ class TorchDistReader:
             raise UserError(f"{self.folder} has no .metadata: it is not a complete torch_dist checkpoint")
         try:
             md = read_metadata(self.folder / ".metadata")
+        except UserError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any unpickling or structure failure means a damaged file
             raise UserError(f"{self.folder / '.metadata'} is unreadable ({type(exc).__name__}: {exc}): "
                             "the checkpoint is damaged")
@@ -240,8 +242,9 @@ class TorchDistReader:
         requests = list(requests)
         if not requests:
             return
-        from torch.distributed import checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
+
+        from megatron_patch.checkpoint_files.safe_torch import SafeFileSystemReader, load_refusing
 
         for key, offset, target in requests:
             info = self.tensors.get(key)
@@ -254,8 +257,7 @@ class TorchDistReader:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-                dcp.load({}, storage_reader=dcp.FileSystemReader(str(self.folder)), planner=_chunk_load_planner(requests),
-                         no_dist=True)
+                load_refusing({}, SafeFileSystemReader(self.folder), _chunk_load_planner(requests))
         except UserError:
             raise
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - torch reports damaged files in many ways

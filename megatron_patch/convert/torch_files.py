@@ -118,7 +118,9 @@ class LazyTorchFile:
                             "it may be truncated or corrupt")
         try:
             self.obj = loads(data, where=str(self.path))
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other unpickling failure means a damaged file
             raise UserError(f"{self.path}: cannot unpickle its contents ({exc}): the file may be corrupt")
 
     def stored(self, t: TensorRef) -> Stored | None:

@@ -275,11 +275,13 @@ def _stop_on_write_error(final: Path, tmp: Path, rank: int):
 
 def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     """Restore everything saved at ``iteration``; returns the consumed samples."""
-    from megatron.core import dist_checkpointing
+    # megatron-core is imported here, not at the top: the launcher reads this module's tracker helpers
+    # before any rank starts, and should not pay for it.
+    from megatron_patch.checkpoint_files.safe_torch import load_torch_file, safe_dist_load
 
     folder = iteration_dir(cfg.checkpoint_dir, iteration)
     watchdog.set_phase(f"loading {folder.name}")
-    state = dist_checkpointing.load(_sharded_state(models, optimizer, is_loading=True), str(folder))
+    state = safe_dist_load(_sharded_state(models, optimizer, is_loading=True), folder)
     for key, m in zip(_model_keys(models), models):
         m.module.load_state_dict(state[key])
     optimizer.load_state_dict(state["optimizer"])
@@ -287,7 +289,7 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     saved = json.loads((folder / "train_state.json").read_text())
     rng = folder / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if saved.get("world_size") == dist.get_world_size() and rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _set_rng_state(load_torch_file(rng))
     elif dist.get_rank() == 0:
         print(f"note: {folder} was written by {saved.get('world_size')} processes; random state starts afresh",
               flush=True)

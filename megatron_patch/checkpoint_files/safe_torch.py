@@ -1,0 +1,213 @@
+"""torch's and megatron-core's checkpoint loaders, fed only what the allow-list has read.
+
+torch's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle.load``, and its default load
+planner reads every byte entry of a ``.distcp`` file (megatron's ``_extra_state``, other tools'
+``common_state``) with ``torch.load(weights_only=False)``: a ``__reduce__`` payload in either runs.
+Here every such pickle is read once into memory and parsed with the allow-list
+(``checkpoint_files.allowlist``), and torch is handed the parsed object (the metadata) or bytes that
+have passed it (a byte entry, loaded with ``weights_only=True``), never the file to read again.
+
+``safe_dist_load`` is megatron-core's ``dist_checkpointing.load`` with that reader and a common-state
+loader that does the same for ``common.pt`` (and accepts its absence, as other tools write it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import pickle
+import re
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from megatron_patch.checkpoint_files.allowlist import ALLOWED, UnsafePickle, canonical, check, refuse
+from megatron_patch.convert.pickles import loads as parse_inert
+from megatron_patch.convert.pickles import record_class
+from megatron_patch.errors import UserError
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """A pickle of real objects whose every global is on the allow-list. An allowed class this torch
+    does not have (a newer torch's metadata record) is read as an inert record."""
+
+    def __init__(self, data: bytes, where: str):
+        super().__init__(io.BytesIO(data))
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        check(module, name, self.where)
+        module, name = canonical(module, name)
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return record_class(module, name)
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError(f"unexpected persistent record {pid!r:.60}")
+
+
+def read_dcp_metadata(path: str | Path):
+    """A torch.distributed.checkpoint ``.metadata`` file as torch's ``Metadata``, read with the allow-list."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return _AllowListUnpickler(data, str(path)).load()
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise UserError(f"{path} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is damaged") from None
+
+
+def check_torch_save(data: bytes, where: str) -> None:
+    """Parse a torch.save archive's pickle with the allow-list (nothing built but inert records)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            name = next((n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")), None)
+            if name is None:
+                raise UserError(f"{where}: no data.pkl record: not a torch.save archive, or a damaged one")
+            pkl = archive.read(name)
+    except zipfile.BadZipFile:
+        raise UserError(f"{where} is not a torch.save zip archive (a damaged file, or torch's pre-1.6 format, "
+                        "which is not read)") from None
+    try:
+        parse_inert(pkl, where=where)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
+        raise UserError(f"{where}: cannot unpickle its contents ({exc}): the file may be corrupt") from None
+
+
+def _torch_safe_globals() -> list:
+    """The allow-list's entries this environment can import, for torch's weights_only unpickler."""
+    found = []
+    for module, name in sorted(ALLOWED):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return found
+
+
+_SAFE_GLOBALS: list | None = None
+_UNSUPPORTED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)\.(\w+)")
+
+
+def load_torch_bytes(data: bytes, where: str) -> Any:
+    """A torch.save archive held in memory: checked with the allow-list, then loaded by torch with
+    ``weights_only=True`` (torch's own restricted unpickler, given the same allow-list)."""
+    global _SAFE_GLOBALS
+    check_torch_save(data, where)
+    if _SAFE_GLOBALS is None:
+        _SAFE_GLOBALS = _torch_safe_globals()
+    try:
+        with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _UNSUPPORTED_GLOBAL.search(str(exc))
+        if found:
+            raise refuse(found.group(1), found.group(2), where) from None
+        raise UnsafePickle(f"{where}: refused by torch's restricted loader ({str(exc).splitlines()[0]})") from None
+
+
+def load_torch_file(path: str | Path) -> Any:
+    """A torch.save file (RNG state, common.pt, another tool's train state), read once, allow-listed."""
+    path = Path(path)
+    return load_torch_bytes(path.read_bytes(), str(path))
+
+
+class _SafeBytesPlanner:
+    """A load planner whose byte entries are allow-listed before the real planner sees them."""
+
+    def __init__(self, planner, where: str):
+        self._planner = planner
+        self._where = where
+
+    def __getattr__(self, name):
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = load_torch_bytes(value.read(), f"{self._where} ({read_item.dest_index.fqn})")
+        # The planner torch.loads what it is given: give it a fresh archive of the vetted object.
+        vetted = io.BytesIO()
+        torch.save(obj, vetted)
+        vetted.seek(0)
+        self._planner.load_bytes(read_item, vetted)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` with ``.metadata`` and the byte entries read through the allow-list.
+    Tensor entries are torch.load-ed by torch itself with ``weights_only=True``."""
+
+    def __init__(self, path: str | Path, *args, **kwargs):
+        super().__init__(str(path), *args, **kwargs)
+        # Read now, not inside torch's load steps, which would bury a refusal in a CheckpointException.
+        self._safe_metadata = read_dcp_metadata(Path(self.path) / ".metadata")
+        if getattr(self._safe_metadata, "storage_meta", None) is None:
+            self._safe_metadata.storage_meta = StorageMeta()
+        self._safe_metadata.storage_meta.load_id = self.load_id
+
+    def read_metadata(self, *args, **kwargs):
+        return self._safe_metadata
+
+    def read_data(self, plan, planner):
+        return super().read_data(plan, _SafeBytesPlanner(planner, str(self.path)))
+
+
+def _raise_refusal(exc: CheckpointException) -> None:
+    """torch reports a rank's failure inside a CheckpointException: a refusal is raised as itself."""
+    for failure in exc.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, UnsafePickle):
+            raise inner from None
+
+
+def load_refusing(state_dict: dict, reader: SafeFileSystemReader, planner=None) -> None:
+    """torch's ``dcp.load`` (no process group) through the safe reader; a refusal is raised as itself."""
+    try:
+        dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:
+        _raise_refusal(exc)
+        raise
+
+
+class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
+    """``common.pt`` through the allow-list; a checkpoint without one (Megatron-Bridge keeps its common
+    state inside the .distcp data) has an empty common state."""
+
+    def load_common(self, checkpoint_dir):
+        path = Path(checkpoint_dir) / "common.pt"
+        return load_torch_file(path) if path.is_file() else {}
+
+
+@contextlib.contextmanager
+def _megatron_reads_safely():
+    """megatron-core's torch_dist strategy makes its reader in one module-level function, called from
+    each of its load paths and no hook: point it at the safe reader for the duration of a load."""
+    original = mcore_torch._get_filesystem_reader
+    mcore_torch._get_filesystem_reader = lambda checkpoint_dir, *args, **kwargs: SafeFileSystemReader(checkpoint_dir)
+    try:
+        yield
+    finally:
+        mcore_torch._get_filesystem_reader = original
+
+
+def safe_dist_load(sharded_state_dict: dict, folder: str | Path, **kwargs) -> dict:
+    """megatron-core's ``dist_checkpointing.load``, reading every pickle through the allow-list."""
+    try:
+        with _megatron_reads_safely():
+            return dist_checkpointing.load(sharded_state_dict, str(folder), common_strategy=SafeCommonLoadStrategy(),
+                                           **kwargs)
+    except CheckpointException as exc:
+        _raise_refusal(exc)
+        raise
