@@ -2,7 +2,9 @@
 
 The fake-CUDA tests patch ``torch.cuda.is_available`` and hide transformer-engine and Apex's softmax
 kernels, as the lent GPU machine lacks them; they check configuration and model build, not a forward
-pass (the forward of the same local-spec settings runs on CPU in test_models and test_align).
+pass (the forward of the same local-spec settings runs on CPU in test_models and test_align). The
+placement tests stand the meta device in for the rank's GPU: megatron-core builds some tensors on the
+host, so a parity or alignment run must move the whole model, and inference its inputs, to the device.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import torch
 from megatron_patch.align import ablations
 from megatron_patch.models import builder
 from megatron_patch.models.registry import families, parse_arch
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.runtime.launch import run_local
 
 # What the lent GPU machine does not have: transformer-engine, and Apex's fused softmax kernels.
 ABSENT = ("transformer_engine", "scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda")
+META = torch.device("meta")
 
 
 def _fake_gpu_without_te() -> None:
@@ -109,3 +113,65 @@ def test_fused_softmax_ablation_is_skipped_without_apex_kernel(monkeypatch):
     assert reason is not None and "scaled_masked_softmax_cuda" in reason
     monkeypatch.setattr(builder, "fused_softmax_available", lambda: True)
     assert ablations.skip_reason(ablations.get("softmax_fused")) is None
+
+
+# --- parity and alignment put the model and its inputs on the rank's device ---------------------------------
+
+class _Recorder(torch.nn.Module):
+    """Stands in for GPTModel on a device: records where its inputs are."""
+
+    def __init__(self, config, vocab: int):
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.vocab = vocab
+        self.weight = torch.nn.Parameter(torch.zeros(1, device=META))
+        self.inputs = []
+
+    def set_input_tensor(self, tensor):
+        pass
+
+    def forward(self, tokens, position_ids, attention_mask=None):
+        self.inputs.append({"tokens": tokens.device.type, "positions": position_ids.device.type})
+        return torch.zeros(*tokens.shape, self.vocab)
+
+
+def placement_worker(hf_dir: str) -> dict:
+    """Where the parity and alignment workers' models are when inference starts, with the meta device as this
+    rank's device; and where forward_logits puts the tokens and positions."""
+    from megatron_patch.align import parity, runner
+    from megatron_patch.models import inference
+    from megatron_patch.runtime import distributed, init_model_parallel
+
+    init_model_parallel(ParallelLayout())
+    arch = parse_arch(hf_dir)
+    tokens = parity.random_tokens(arch.vocab_size, seq=8)
+    recorder = _Recorder(builder.transformer_config(arch, ParallelLayout()), arch.vocab_size)
+    logits = inference.forward_logits(recorder, tokens, arch.vocab_size)
+    out = {"inputs": recorder.inputs, "logits": logits.device.type}
+
+    distributed.device = lambda: META  # stands for this rank's GPU
+    real_forward = inference.forward_logits
+
+    def record(model, toks, vocab_size):
+        out.setdefault("models", []).append(sorted({t.device.type for t in [*model.parameters(), *model.buffers()]}))
+        return torch.zeros(*toks.shape, vocab_size)
+
+    inference.forward_logits = record
+    try:
+        parity.mcore_logits_worker([hf_dir], ParallelLayout(), [tokens])
+        runner.mcore_capture_worker(ParallelLayout(), tokens, [runner.McoreRun("fp32", hf_dir=hf_dir)])
+    finally:
+        inference.forward_logits = real_forward
+    return out
+
+
+def test_parity_and_alignment_run_with_the_model_and_inputs_on_its_device(tmp_path):
+    hf_dir = make_tiny_hf_checkpoint("llama3_1", tmp_path / "llama", seed=1)
+    r = run_local(placement_worker, 1, str(hf_dir), timeout=600)[0]
+    assert r["inputs"] == [{"tokens": "meta", "positions": "meta"}]  # moved to next(model.parameters()).device
+    assert r["logits"] == "cpu"  # handed back to the host through the rank's queue
+    # parity, then alignment: every parameter and buffer on the rank's device, the local spec's norms included
+    assert r["models"] == [["meta"], ["meta"]]
