@@ -222,6 +222,40 @@ def test_optimizer_offload_values_and_cpu(data, value, policy, share):
     assert exact.distributed_optimizer and exact.offload_numerics == "exact"
 
 
+# The lent GPU machine of issue 20: CUDA, megatron-core's local spec, no transformer-engine.
+GPU_NO_TE = Capabilities(cuda=True, transformer_engine=False, fp8=False, flash_attention_3=False,
+                         compute_capability=(9, 0), cuda_version="13.0")
+TE_ONLY = [
+    (dict(AC="offload"), "AC=offload (activation offloading) needs transformer-engine on GPUs"),
+    (dict(TP="2", SP="true"), "SP=true needs transformer-engine on GPUs"),
+    (dict(PR="fp8"), "PR=fp8 needs transformer-engine on a GPU with FP8"),
+    (dict(FL="true"), "FL=true needs transformer-engine's flash attention on a GPU"),
+    (dict(CP="2"), "CP=2 needs transformer-engine attention on GPUs"),
+]
+
+
+@pytest.mark.parametrize("over,message", TE_ONLY, ids=[m[:30] for _, m in TE_ONLY])
+def test_gpu_without_te_refuses_te_only_choices_before_launch(data, over, message, monkeypatch, capsys):
+    """Each would start every rank and then fail inside megatron-core (AC=offload: TransformerBlock's
+    assertion; SP: WrappedTorchNorm's): refused in one line, exit 2, nothing started."""
+    monkeypatch.setenv("GPUS_PER_NODE", "2")
+    monkeypatch.setattr(Capabilities, "detect", classmethod(lambda cls: GPU_NO_TE))
+    argv = _args(data, ENV="dsw", **{"PR": "bf16", **over})
+    assert any(message in p for p in machine_problems(resolve("llama3_1", argv), GPU_NO_TE))
+    assert main(["train", "llama3_1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err, err
+    assert machine_problems(resolve("llama3_1", argv), H100) == []
+
+
+def test_gpu_without_te_accepts_the_local_spec_choices(data, monkeypatch):
+    monkeypatch.setenv("GPUS_PER_NODE", "2")
+    for over in (dict(AC="sel"), dict(AC="full"), dict(AC="none"), dict(TP="2", SP="false"),
+                 dict(PR="fp32", DO="true", OPTIMIZER_OFFLOAD="static")):
+        cfg = resolve("llama3_1", _args(data, ENV="dsw", **{"PR": "bf16", **over}))
+        assert machine_problems(cfg, GPU_NO_TE) == [], over
+
+
 def test_gpu_machine_accepts_fp8_flash_and_tp_overlap(data, monkeypatch):
     monkeypatch.setenv("GPUS_PER_NODE", "8")
     cfg = resolve("llama3_1", _args(data, ENV="dsw", PR="fp8", FL="true", TP="2", SP="true", DO="true"))

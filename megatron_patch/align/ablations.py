@@ -28,6 +28,7 @@ class Ablation:
     patch: Callable | None = None   # (model) -> context manager
     needs_gpu: bool = False
     needs_te: bool = False
+    needs_fused_softmax: bool = False  # Apex's scaled-masked-softmax kernels
 
 
 @contextmanager
@@ -129,7 +130,7 @@ ABLATIONS: list[Ablation] = [
     Ablation("softmax_lowp", "attention softmax dtype", "attention softmax in the model dtype (baseline: fp32)",
              overrides={"attention_softmax_in_fp32": False}),
     Ablation("softmax_fused", "attention and softmax implementation", "megatron's fused scale-mask-softmax CUDA kernel",
-             overrides={"masked_softmax_fusion": True}, needs_gpu=True),
+             overrides={"masked_softmax_fusion": True}, needs_gpu=True, needs_fused_softmax=True),
     Ablation("attention_te", "attention and softmax implementation", "transformer-engine flash/fused attention",
              needs_gpu=True, needs_te=True),
     Ablation("residual_fp32", "residual precision", "residual stream kept in fp32 (fp32_residual_connection)",
@@ -146,12 +147,14 @@ def get(name: str) -> Ablation:
 
 def skip_reason(ablation: Ablation) -> str | None:
     """Why a variant cannot run on this machine (None: it can)."""
-    from megatron_patch.models.builder import te_available
+    from megatron_patch.models.builder import fused_softmax_available, te_available
 
     if ablation.needs_gpu and not torch.cuda.is_available():
         return "needs a CUDA GPU (skipped on CPU)"
     if ablation.needs_te and not te_available():
         return "needs transformer-engine (not installed)"
+    if ablation.needs_fused_softmax and not fused_softmax_available():
+        return "needs Apex's fused softmax kernels (scaled_masked_softmax_cuda, not installed)"
     return None
 
 

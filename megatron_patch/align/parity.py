@@ -34,7 +34,7 @@ def mcore_logits_worker(hf_dirs: list[str], layout: ParallelLayout, tokens: list
     from megatron_patch.convert.hf_reader import HFCheckpointReader
     from megatron_patch.convert.model_io import load_hf_weights
     from megatron_patch.models.builder import build_model
-    from megatron_patch.models.inference import forward_logits
+    from megatron_patch.models.inference import forward_logits, place_on_rank_device
     from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
 
@@ -44,7 +44,7 @@ def mcore_logits_worker(hf_dirs: list[str], layout: ParallelLayout, tokens: list
         init_model_parallel(layout)
         model = build_model(arch, layout, dtype)
         load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir))
-        out.append(forward_logits(model, toks, arch.vocab_size))
+        out.append(forward_logits(place_on_rank_device(model), toks, arch.vocab_size))
         del model
     return out
 

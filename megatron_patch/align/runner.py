@@ -45,6 +45,7 @@ def _arch_of(run: McoreRun):
 def _build_and_load(run: McoreRun, layout: ParallelLayout):
     from megatron_patch.align import ablations
     from megatron_patch.models.builder import build_model
+    from megatron_patch.models.inference import place_on_rank_device
 
     arch = _arch_of(run)
     overrides = ablations.config_overrides(run.ablation)
@@ -58,7 +59,7 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
         from megatron_patch.convert.model_io import load_hf_weights
 
         load_hf_weights(model, arch, layout, HFCheckpointReader(run.hf_dir))
-    return model, arch
+    return place_on_rank_device(model), arch
 
 
 def mcore_capture_worker(layout: ParallelLayout, tokens: torch.Tensor, runs: list[McoreRun]) -> list[Captures] | None:

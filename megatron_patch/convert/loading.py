@@ -65,11 +65,11 @@ def load_legacy(model, folder: str | Path, sidecar: Sidecar, layout=None) -> Non
 def checkpoint_logits_worker(ckpt_dir: str, layout, tokens: torch.Tensor, dtype=torch.float32, hf_config=None):
     """Runs on every rank: build the model at ``layout``, load the checkpoint, return logits (last stage)."""
     from megatron_patch.models.builder import build_model
-    from megatron_patch.models.inference import forward_logits
+    from megatron_patch.models.inference import forward_logits, place_on_rank_device
     from megatron_patch.runtime import init_model_parallel
 
     arch = open_checkpoint(ckpt_dir, hf_config=hf_config).model_arch
     init_model_parallel(layout)
     model = build_model(arch, layout, dtype)
     load_checkpoint_into_model(model, ckpt_dir, layout, hf_config)
-    return forward_logits(model, tokens, arch.vocab_size)
+    return forward_logits(place_on_rank_device(model), tokens, arch.vocab_size)

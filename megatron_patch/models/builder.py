@@ -36,13 +36,27 @@ def apex_wgrad_fusion_available() -> bool:
     return True
 
 
+def fused_softmax_available() -> bool:
+    """Apex's scaled-masked-softmax kernels, which megatron's FusedScaleMaskSoftmax imports on the first
+    fp16/bf16 forward with ``masked_softmax_fusion`` (sequences of 4096 or fewer); neither megatron-core
+    nor transformer-engine ships them."""
+    try:
+        import scaled_masked_softmax_cuda  # noqa: F401
+        import scaled_upper_triang_masked_softmax_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
-                       pp_first_stage_layers: int | None = None, **overrides):
-    """The TransformerConfig of ``arch`` at ``layout``; ``overrides`` win over everything derived."""
+                       pp_first_stage_layers: int | None = None, *, use_te: bool | None = None, **overrides):
+    """The TransformerConfig of ``arch`` at ``layout`` for the TE layer spec (``use_te``; None: where TE is
+    usable) or the local one; ``overrides`` win over everything derived."""
     from megatron.core.transformer import TransformerConfig
 
     validate_layout(arch, layout, pp_first_stage_layers=pp_first_stage_layers)
     gpu = torch.cuda.is_available()
+    te = te_available() if use_te is None else use_te
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -77,11 +91,13 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not gpu,
-        # Fused kernels exist only on GPU (and RoPE fusion only with transformer-engine).
+        # Fused kernels exist only on GPU, and each flag follows the spec being built, not CUDA alone:
+        # the local spec's RMSNorm (torch's, WrappedTorchNorm) refuses persist_layer_norm, and the fused
+        # softmax needs Apex's kernels (RoPE fusion needs transformer-engine).
         bias_activation_fusion=gpu,
-        masked_softmax_fusion=gpu,
+        masked_softmax_fusion=gpu and fused_softmax_available(),
         bias_dropout_fusion=gpu,
-        persist_layer_norm=gpu,
+        persist_layer_norm=gpu and te,
         apply_rope_fusion=gpu and te_available(),
         gradient_accumulation_fusion=gpu and te_available() and apex_wgrad_fusion_available(),
     )
@@ -97,7 +113,8 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
             moe_router_dtype="fp32",
             # The same dispatcher on GPU and CPU (gloo does uneven all_to_all; see docs/cpu-runtime.md).
             moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=te_available(),
+            # TE's grouped GEMM; the local spec's would need the grouped_gemm package.
+            moe_grouped_gemm=te,
             # 1 for an MoE layer, 0 for a dense one (ffn_hidden_size), as config.json places them.
             moe_layer_freq=arch.moe_layer_pattern if arch.dense_layers else 1,
         )
@@ -189,7 +206,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
             raise ValueError(f"{layout}: build_model needs vp_stage in 0..{layout.vp - 1}, got {vp_stage}")
     elif vp_stage not in (None, 0):
         raise ValueError(f"vp_stage={vp_stage} without a virtual pipeline in {layout}")
-    config = transformer_config(arch, layout, dtype, pp_first_stage_layers, **config_overrides)
+    config = transformer_config(arch, layout, dtype, pp_first_stage_layers, use_te=use_te, **config_overrides)
     virtual = layout.vp is not None
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)

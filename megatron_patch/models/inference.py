@@ -4,19 +4,36 @@ from __future__ import annotations
 
 import torch
 
+from megatron_patch.runtime import distributed
+
+
+def place_on_rank_device(model):
+    """``model`` whole on this rank's device (the GPU where there is one), returned.
+
+    megatron-core creates some tensors on the host whatever ``use_cpu_initialization`` says: the local
+    spec's norms (torch's RMSNorm), the MoE router. A GPU forward then meets CPU weights.
+    """
+    from megatron_patch.training.loop import move_to_device
+
+    move_to_device([model], distributed.device())
+    return model
+
 
 def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Logits [batch, seq, vocab_size] on the last pipeline stage (None on the others).
+    """Logits [batch, seq, vocab_size] on the last pipeline stage, on the host (None on the others).
 
     Runs megatron-core's own pipeline schedule, gathers the vocabulary shards of TP ranks and drops
-    the padding rows.
+    the padding rows. Tokens and positions go to the model's device; the logits come back to the host
+    (rank processes hand them on through a queue).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    device = next(model.parameters()).device
     batch, seq = tokens.shape
-    positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    tokens = tokens.to(device)
+    positions = torch.arange(seq, device=device).unsqueeze(0).expand(batch, seq)
     captured: list[torch.Tensor] = []
 
     def forward_step(data_iterator, model):
@@ -36,4 +53,4 @@ def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor
     if not parallel_state.is_pipeline_last_stage():
         return None
     logits = gather_from_tensor_model_parallel_region(captured[0])
-    return logits[..., :vocab_size].float()
+    return logits[..., :vocab_size].float().cpu()

@@ -3,8 +3,8 @@
 Everything a launch can get wrong is checked here, before any process starts: the number of
 arguments, each value's type and allowed values, combinations megatron-core would reject deep inside
 (TP overlap without sequence parallelism, param-gather overlap without the distributed optimizer),
-and, separately, what this machine can do (``check_machine``: FP8, FlashAttention, TP overlap,
-context parallelism and offloading need a GPU with transformer-engine).
+and, separately, what this machine can do (``check_machine``: FP8, FlashAttention, sequence parallelism,
+TP overlap, context parallelism and activation offloading need a GPU with transformer-engine).
 """
 
 from __future__ import annotations
@@ -824,13 +824,20 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     elif cfg.flash_attention and not (caps.flash_attention_2 or caps.flash_attention_3):
         out.append("FL=true: transformer-engine runs flash attention through the flash-attn package "
                    "(or flash_attn_3 on Hopper), and neither is installed: pip install flash-attn, or set FL=false")
-    if cfg.tp_comm_overlap and not te:
+    if cfg.sequence_parallel and gpu_env and not te:
+        # CPU runs get sequence parallelism from cpu_compat; on a GPU megatron's WrappedTorchNorm asserts in every rank.
+        out.append("SP=true needs transformer-engine on GPUs (megatron-core's local-spec RMSNorm refuses sequence "
+                   "parallelism): set SP=false")
+    elif cfg.tp_comm_overlap and not te:
         out.append("TP communication overlap (TP > 1 with SP=true) needs transformer-engine on GPUs: "
                    "set MP_TP_COMM_OVERLAP=false (keeps SP) or SP=false")
     if cfg.cp > 1 and not te:
         out.append(f"CP={cfg.cp} needs transformer-engine attention on GPUs: set CP=1")
     if cfg.activation_checkpointing == "offload" and not gpu_env:
         out.append("AC=offload moves activations from GPU to host memory; ENV=cpu has no GPU: use AC=sel, full or none")
+    elif cfg.activation_checkpointing == "offload" and not te:
+        # megatron-core's activation offload context is transformer-engine's; without it TransformerBlock asserts.
+        out.append("AC=offload (activation offloading) needs transformer-engine on GPUs: use AC=sel, full or none")
     if cfg.precision == "fp32" and gpu_env:
         pass  # allowed (slow) on GPU
     return out
