@@ -255,7 +255,7 @@ def packing_worker(tok_dir: str, sft_path: str) -> dict:
     from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training.data import SFTDataset
-    from megatron_patch.training.loop import move_to_device
+    from megatron_patch.runtime.distributed import move_to_device
     from megatron_patch.training.packing import use_packed_local_attention
     from megatron_patch.training.tokenizer import load_tokenizer
 

@@ -98,8 +98,8 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         masked_softmax_fusion=gpu and fused_softmax_available(),
         bias_dropout_fusion=gpu,
         persist_layer_norm=gpu and te,
-        apply_rope_fusion=gpu and te_available(),
-        gradient_accumulation_fusion=gpu and te_available() and apex_wgrad_fusion_available(),
+        apply_rope_fusion=gpu and te,
+        gradient_accumulation_fusion=gpu and te and apex_wgrad_fusion_available(),
     )
     if arch.is_moe:
         kwargs.update(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_patch.runtime import distributed
+from megatron_patch.runtime.distributed import move_to_device
 
 
 def place_on_rank_device(model):
@@ -13,8 +14,6 @@ def place_on_rank_device(model):
     megatron-core creates some tensors on the host whatever ``use_cpu_initialization`` says: the local
     spec's norms (torch's RMSNorm), the MoE router. A GPU forward then meets CPU weights.
     """
-    from megatron_patch.training.loop import move_to_device
-
     move_to_device([model], distributed.device())
     return model
 

@@ -163,3 +163,17 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def move_to_device(chunks: list, device: torch.device) -> None:
+    """Every parameter and buffer of the model chunks onto ``device`` (Megatron-LM's get_model does the same).
+
+    megatron-core creates some on the host whatever the config says (the MoE router, the shared-expert
+    gate); the mixed-precision optimizer then refuses them.
+    """
+    for chunk in chunks:
+        chunk.to(device)
+    stray = [name for chunk in chunks for name, t in [*chunk.named_parameters(), *chunk.named_buffers()]
+             if t.device != device]
+    if stray:
+        raise RuntimeError(f"{len(stray)} tensors stayed off {device} after moving the model, e.g. {stray[0]}")

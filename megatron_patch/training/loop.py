@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
 from megatron_patch.runtime import watchdog
+from megatron_patch.runtime.distributed import move_to_device
 from megatron_patch.training import faults
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
@@ -136,20 +137,6 @@ def _forward_step(ctx: StepContext, data_iterator, model):
     # No labels: the model returns logits, and the loss (with the vocabulary padding masked) is ours.
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), packed_seq_params=packed)
     return output, partial(_loss_func, batch["loss_mask"], batch["labels"], ctx.vocab_size, ctx.cp_size)
-
-
-def move_to_device(chunks: list, device: torch.device) -> None:
-    """Every parameter and buffer of the model chunks onto ``device`` (Megatron-LM's get_model does the same).
-
-    megatron-core creates some on the host whatever the config says (the MoE router, the shared-expert
-    gate); the mixed-precision optimizer then refuses them.
-    """
-    for chunk in chunks:
-        chunk.to(device)
-    stray = [name for chunk in chunks for name, t in [*chunk.named_parameters(), *chunk.named_buffers()]
-             if t.device != device]
-    if stray:
-        raise RuntimeError(f"{len(stray)} tensors stayed off {device} after moving the model, e.g. {stray[0]}")
 
 
 def cast_parameters(chunks: list, dtype: torch.dtype) -> None:
