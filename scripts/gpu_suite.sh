@@ -34,9 +34,10 @@
 # GPU_SUITE_PINS (the packages to install), PYTHON (python).
 set -uo pipefail
 
-# The exact versions this suite was written against (megatron-core as on the CPU machines).
+# The exact versions this suite was written against. megatron-core 0.19.2 is what pip gives the lent GPU
+# machine's Python 3.12 (a 2.4 MB cp312 wheel to carry), and a tested combination (README).
 # GPU_SUITE_PINS replaces the list (e.g. transformer-engine[pytorch,core_cu13] for a CUDA 13 torch).
-read -r -a PINS <<<"${GPU_SUITE_PINS:-megatron-core==0.16.1 transformer-engine[pytorch]==2.10.0 flash-attn==2.8.3}"
+read -r -a PINS <<<"${GPU_SUITE_PINS:-megatron-core==0.19.2 transformer-engine[pytorch]==2.10.0 flash-attn==2.8.3}"
 BUDGET_S=1500  # 25 minutes
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
