@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity_all, hf_logits, mcore_logits, random_tokens
 from megatron_patch.align.metrics import compare_logits
@@ -20,6 +21,7 @@ from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 from tests.training_helpers import launcher_args
 
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 V2_LITE = dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], q_lora_rank=None,
                topk_method="greedy", scoring_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
                routed_scaling_factor=2.0,
@@ -53,7 +55,9 @@ def test_variants_parse_as_their_hub_configs_say(variants):
 
 @pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2, ep=2)], ids=str)
 def test_variants_match_transformers(variants, layout):
-    names = ["v2_lite", "moonlight"]
+    # transformers 4.x's DeepseekV2 leaves YaRN's mscale out of the softmax scale (5.0 fixed it): its
+    # V2-Lite is no reference there. Moonlight (V3 code, no YaRN) is compared on every version.
+    names = ["v2_lite", "moonlight"] if TRANSFORMERS_MAJOR >= 5 else ["moonlight"]
     for name, m in zip(names, check_parity_all([variants[n] for n in names], layout, seed=6)):
         assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, (name, m)
 
@@ -191,6 +195,8 @@ def fp8_checkpoint(variants, tmp_path_factory):
     return out
 
 
+@pytest.mark.skipif(TRANSFORMERS_MAJOR < 5, reason="transformers 4.x dequantizes FP8 checkpoints only on a GPU, "
+                    "so it gives no reference on this machine (test_fp8_dequantization_* check ours)")
 def test_fp8_checkpoint_converts_to_what_transformers_dequantizes(fp8_checkpoint, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

@@ -77,8 +77,23 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
 
 
 @contextmanager
-def _routing_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: int, seq: int, mcore: bool):
-    """Hooks that record each router's top-k expert indices as ``routing.{layer}`` [batch, seq, k]."""
+def _hf_expert_indices(output, top_k: int | None) -> torch.Tensor | None:
+    """The expert indices a transformers router chose. 5.x routers return (logits, weights, indices), 4.x
+    DeepSeek's (indices, weights), and 4.x Mixtral/Qwen-MoE gates are plain linears whose logits the
+    block turns into its top-k (softmax first or not, the same experts)."""
+    parts = output if isinstance(output, (tuple, list)) else (output,)
+    indices = [t for t in parts if torch.is_tensor(t) and not t.is_floating_point()]
+    if indices:
+        return indices[0]
+    if top_k and torch.is_tensor(parts[0]) and parts[0].dim() >= 2:
+        return torch.topk(parts[0].float(), top_k, dim=-1).indices
+    return None
+
+
+def _routing_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: int, seq: int, mcore: bool,
+                   top_k: int | None = None):
+    """Hooks that record each router's top-k expert indices as ``routing.{layer}`` [batch, seq, k]
+    (``top_k``: the HF model's, for a gate that returns only logits)."""
 
     def make(layer):
         def hook(module, args, output):
@@ -86,9 +101,9 @@ def _routing_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: 
                 chosen = output[1]
                 k = int(chosen.sum(-1).max())
                 idx = torch.topk(chosen.float(), k, dim=-1).indices.view(seq, batch, k).transpose(0, 1)
-            else:  # transformers' routers return (logits, weights, indices)
-                idx = output[-1] if isinstance(output, (tuple, list)) else output
-                if idx.is_floating_point():
+            else:
+                idx = _hf_expert_indices(output, top_k)
+                if idx is None:
                     raise TypeError(f"the router of layer {layer} returned no expert indices: check the family's "
                                     "HFModules.router path")
                 idx = idx.reshape(batch, seq, -1)
@@ -133,7 +148,8 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
     model.eval()
     batch, seq = tokens.shape
     with torch.no_grad(), _hooks(hf_capture_targets(model, modules), store, seq_first=False), \
-            _routing_hooks(hf_routers(model, modules), store, batch, seq, mcore=False):
+            _routing_hooks(hf_routers(model, modules), store, batch, seq, mcore=False,
+                           top_k=getattr(model.config, "num_experts_per_tok", None)):
         store["logits"] = model(tokens).logits.float()
     return store
 
