@@ -76,7 +76,6 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
             h.remove()
 
 
-@contextmanager
 def _hf_expert_indices(output, top_k: int | None) -> torch.Tensor | None:
     """The expert indices a transformers router chose. 5.x routers return (logits, weights, indices), 4.x
     DeepSeek's (indices, weights), and 4.x Mixtral/Qwen-MoE gates are plain linears whose logits the
@@ -90,6 +89,7 @@ def _hf_expert_indices(output, top_k: int | None) -> torch.Tensor | None:
     return None
 
 
+@contextmanager
 def _routing_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: int, seq: int, mcore: bool,
                    top_k: int | None = None):
     """Hooks that record each router's top-k expert indices as ``routing.{layer}`` [batch, seq, k]

@@ -7,8 +7,9 @@ Here every such pickle is read once into memory and parsed with the allow-list
 (``checkpoint_files.allowlist``), and torch is handed the parsed object (the metadata) or bytes that
 have passed it (a byte entry, loaded with ``weights_only=True``), never the file to read again.
 
-``safe_dist_load`` is megatron-core's ``dist_checkpointing.load`` with that reader and a common-state
-loader that does the same for ``common.pt`` (and accepts its absence, as other tools write it).
+``safe_dist_load`` is megatron-core's ``dist_checkpointing.load`` (0.16 or 0.19) with that reader and a
+common-state loader that does the same for ``common.pt`` (and accepts its absence, as other tools and
+megatron-core 0.19 write it).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import serialization as mcore_serialization
+from megatron.core.dist_checkpointing.strategies import common as mcore_common
 from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
-from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -181,33 +183,57 @@ def load_refusing(state_dict: dict, reader: SafeFileSystemReader, planner=None) 
         raise
 
 
-class SafeCommonLoadStrategy(TorchCommonLoadStrategy):
-    """``common.pt`` through the allow-list; a checkpoint without one (Megatron-Bridge keeps its common
-    state inside the .distcp data) has an empty common state."""
+def load_common_pt(checkpoint_dir) -> dict:
+    """megatron's ``common.pt`` through the allow-list; a checkpoint without one has an empty common state
+    (Megatron-Bridge, and megatron-core 0.19, keep it inside the .distcp data instead)."""
+    path = Path(checkpoint_dir) / "common.pt"
+    return load_torch_file(path) if path.is_file() else {}
 
-    def load_common(self, checkpoint_dir):
-        path = Path(checkpoint_dir) / "common.pt"
-        return load_torch_file(path) if path.is_file() else {}
+
+def _safe_reader(checkpoint_dir, *args, **kwargs) -> SafeFileSystemReader:
+    return SafeFileSystemReader(checkpoint_dir)
+
+
+# Where megatron-core makes its readers and reads common.pt: module-level names its load paths call,
+# with no hook. 0.16 takes a common-state strategy as an argument instead (below); 0.19 reads common.pt
+# through serialization.load_common and the common_state object through the DCP reader.
+_PATCHES = ((mcore_torch, "_get_filesystem_reader", _safe_reader),
+            (mcore_serialization, "_get_filesystem_reader", _safe_reader),
+            (mcore_serialization, "load_common", load_common_pt))
 
 
 @contextlib.contextmanager
 def _megatron_reads_safely():
-    """megatron-core's torch_dist strategy makes its reader in one module-level function, called from
-    each of its load paths and no hook: point it at the safe reader for the duration of a load."""
-    original = mcore_torch._get_filesystem_reader
-    mcore_torch._get_filesystem_reader = lambda checkpoint_dir, *args, **kwargs: SafeFileSystemReader(checkpoint_dir)
+    """Point megatron-core's readers at the safe ones for the duration of a load."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in _PATCHES if hasattr(module, name)]
+    for module, name, safe in _PATCHES:
+        if hasattr(module, name):
+            setattr(module, name, safe)
     try:
         yield
     finally:
-        mcore_torch._get_filesystem_reader = original
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def _common_strategy_argument() -> dict:
+    """megatron-core 0.16's load takes the common-state loader as an argument."""
+    base = getattr(mcore_common, "TorchCommonLoadStrategy", None)
+    if base is None:
+        return {}
+
+    class SafeCommonLoadStrategy(base):
+        def load_common(self, checkpoint_dir):
+            return load_common_pt(checkpoint_dir)
+
+    return {"common_strategy": SafeCommonLoadStrategy()}
 
 
 def safe_dist_load(sharded_state_dict: dict, folder: str | Path, **kwargs) -> dict:
     """megatron-core's ``dist_checkpointing.load``, reading every pickle through the allow-list."""
     try:
         with _megatron_reads_safely():
-            return dist_checkpointing.load(sharded_state_dict, str(folder), common_strategy=SafeCommonLoadStrategy(),
-                                           **kwargs)
+            return dist_checkpointing.load(sharded_state_dict, str(folder), **_common_strategy_argument(), **kwargs)
     except CheckpointException as exc:
         _raise_refusal(exc)
         raise
