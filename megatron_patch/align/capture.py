@@ -118,12 +118,22 @@ def _routing_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: 
             h.remove()
 
 
+def _submodule(parent: torch.nn.Module, paths: str | tuple[str, ...]) -> torch.nn.Module:
+    """The first of ``paths`` that ``parent`` has (AttributeError naming them all when none)."""
+    for path in (paths,) if isinstance(paths, str) else paths:
+        try:
+            return parent.get_submodule(path)
+        except AttributeError:
+            continue
+    raise AttributeError(f"{type(parent).__name__} has none of {paths}")
+
+
 def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
     """The HF modules behind each point, at the paths the model's family names."""
     targets = {"embedding": model.get_submodule(modules.embedding)}
     for i, layer in enumerate(model.get_submodule(modules.layers)):
         targets[f"layers.{i}.attention"] = layer.get_submodule(modules.attention)
-        targets[f"layers.{i}.mlp"] = layer.get_submodule(modules.mlp)
+        targets[f"layers.{i}.mlp"] = _submodule(layer, modules.mlp)
         targets[f"layers.{i}.output"] = layer
     targets["final_norm"] = model.get_submodule(modules.final_norm)
     return targets
@@ -136,7 +146,7 @@ def hf_routers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
     out = {}
     for i, layer in enumerate(model.get_submodule(modules.layers)):
         try:
-            out[i] = layer.get_submodule(modules.router)
+            out[i] = _submodule(layer, modules.router)
         except AttributeError:
             continue
     return out

@@ -194,12 +194,29 @@ def _safe_reader(checkpoint_dir, *args, **kwargs) -> SafeFileSystemReader:
     return SafeFileSystemReader(checkpoint_dir)
 
 
-# Where megatron-core makes its readers and reads common.pt: module-level names its load paths call,
-# with no hook. 0.16 takes a common-state strategy as an argument instead (below); 0.19 reads common.pt
-# through serialization.load_common and the common_state object through the DCP reader.
+def load_common_state(checkpoint_dir) -> dict:
+    """megatron's common state, wherever its writer kept it: ``common.pt`` (megatron-core 0.16, this
+    project's converter), the ``common_state`` object inside the .distcp data (0.19, Megatron-Bridge),
+    or nowhere (an empty state), each read through the allow-list."""
+    if (Path(checkpoint_dir) / "common.pt").is_file():
+        return load_common_pt(checkpoint_dir)
+    reader = SafeFileSystemReader(checkpoint_dir)
+    key = next((k for k in reader.read_metadata().state_dict_metadata if k.split("/")[0] == "common_state"), None)
+    if key is None:
+        return {}
+    state = {key: io.BytesIO()}
+    load_refusing(state, reader)
+    loaded = state[key]
+    if isinstance(loaded, io.BytesIO):
+        loaded = load_torch_bytes(loaded.getvalue(), f"{checkpoint_dir} ({key})")
+    return loaded[0] if isinstance(loaded, (list, tuple)) else loaded
+
+
+# Where megatron-core makes its readers and reads its common state: module-level names its load paths
+# call, with no hook. 0.16 takes a common-state strategy as an argument instead (below).
 _PATCHES = ((mcore_torch, "_get_filesystem_reader", _safe_reader),
             (mcore_serialization, "_get_filesystem_reader", _safe_reader),
-            (mcore_serialization, "load_common", load_common_pt))
+            (mcore_serialization, "load_common_state_dict", load_common_state))
 
 
 @contextlib.contextmanager

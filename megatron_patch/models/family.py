@@ -30,15 +30,16 @@ from megatron_patch.runtime.distributed import ParallelLayout
 
 @dataclass(frozen=True)
 class HFModules:
-    """Attribute paths into the transformers model, for the aligner's capture points."""
+    """Attribute paths into the transformers model, for the aligner's capture points. A tuple gives
+    alternatives, the first the model has is used (transformers 4.x and 5.x name some blocks apart)."""
 
     embedding: str = "model.embed_tokens"
     layers: str = "model.layers"
     attention: str = "self_attn"       # within a decoder layer
-    mlp: str = "mlp"                   # within a decoder layer
+    mlp: str | tuple[str, ...] = "mlp"  # within a decoder layer
     final_norm: str = "model.norm"
-    # Within an MoE layer: the router, whose output ends with the chosen expert indices (transformers 5).
-    router: str | None = None
+    # Within an MoE layer: the router (its output holds the chosen experts, or only logits in 4.x).
+    router: str | tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ FAMILY = register(ModelFamily(
     hf_model_types=("mixtral",), hf_architectures=("MixtralForCausalLM",),
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
-    hf_modules=HFModules(router="mlp.gate"),
+    # transformers 4.x calls the MoE block block_sparse_moe
+    hf_modules=HFModules(mlp=("mlp", "block_sparse_moe"), router=("mlp.gate", "block_sparse_moe.gate")),
     test_layouts=TestLayouts(
         parity=(L(), L(pp=2), L(ep=2), L(tp=2, ep=2, etp=1)),
         round_trips=(("legacy", L(tp=2, pp=4, ep=2), "fp32"), ("legacy", L(pp=2, ep=4), "bf16"),
