@@ -18,6 +18,8 @@ import sys
 import pytest
 import torch
 
+from megatron_patch.checkpoint_layout import torch_dist_problem
+from megatron_patch.convert.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.runtime.launch import run_local
@@ -175,7 +177,9 @@ def test_checkpoint_tp2_restores_at_tp1_and_dp2(dense_ref, tmp_path):
     ckpt = str(tmp_path / "tp2")
     saved = run_local(rh.save_checkpoint_worker, 2, ParallelLayout(tp=2), dense_ref["ckpt"], ckpt, 2, timeout=TIMEOUT)
     files = set(os.listdir(ckpt))
-    assert {".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp"} <= files, files
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= files, files
+    # megatron's common state: common.pt up to megatron-core 0.16, an object in the .distcp files from 0.19.
+    assert torch_dist_problem(ckpt) is None and TorchDistReader(ckpt).common_state() is not None
     s = saved[0]
     # Both TP ranks agree on the gathered model.
     for name in s["params"]:
