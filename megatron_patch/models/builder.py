@@ -150,7 +150,14 @@ def _local_layer(spec, moe: bool, mla: bool):
 def _is_moe_spec(spec) -> bool:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return isinstance(spec.submodules.mlp.module, type) and issubclass(spec.submodules.mlp.module, MoELayer)
+    built = _mlp_builder(spec.submodules.mlp)
+    return isinstance(built, type) and issubclass(built, MoELayer)
+
+
+def _mlp_builder(mlp):
+    """What a layer spec's MLP entry builds: a ModuleSpec's module (megatron-core 0.16), or the callable of
+    the ``functools.partial`` that 0.19's spec functions return instead."""
+    return mlp.func if isinstance(mlp, functools.partial) else mlp.module
 
 
 def _with_te_checkpoint_names(spec, moe: bool, mla: bool):
