@@ -101,6 +101,7 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
             # 1 for an MoE layer, 0 for a dense one (ffn_hidden_size), as config.json places them.
             moe_layer_freq=arch.moe_layer_pattern if arch.dense_layers else 1,
         )
+    kwargs.update(_cuda_graph_default(TransformerConfig))
     kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))
     kwargs.update(overrides)
     if kwargs.get("multi_latent_attention"):
@@ -108,6 +109,15 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
 
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _cuda_graph_default(config_cls) -> dict:
+    """The whole layer as CUDA-graph scope, spelled as megatron-core now asks: its default "full" warns
+    that it is deprecated ("use empty ..."), and ``[]`` means the same. The field is ``cuda_graph_scope``
+    in 0.16 and ``cuda_graph_modules`` in 0.19 (where the old name is itself deprecated)."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    field = "cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope"
+    return {field: []}
 
 
 def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None):
