@@ -132,7 +132,7 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | N
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                            vp_stage=vp_stage)
         if not use_te:
-            block.layer_specs = [_local_layer(s, _is_moe_spec(s), mla) for s in block.layer_specs]
+            block.layer_specs = [_local_layer(s, _is_moe_spec(s), mla, config) for s in block.layer_specs]
         return block
     experts = arch.num_experts or None
     if use_te:
@@ -140,20 +140,27 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | N
                                                           qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
                                     multi_latent_attention=mla, normalization="RMSNorm")
-    return _local_layer(spec, arch.is_moe, mla)
+    return _local_layer(spec, arch.is_moe, mla, config)
 
 
-def _local_layer(spec, moe: bool, mla: bool):
+def _local_layer(spec, moe: bool, mla: bool, config):
     """A local layer spec made to keep TE's checkpoint names, and for multi-latent attention given a core
-    attention that takes MLA's key/value head sizes (megatron-core 0.16's local one refuses them)."""
+    attention that takes MLA's key/value head sizes (megatron-core 0.16's local one refuses them).
+
+    Without a query LoRA (``q_lora_rank`` None, as DeepSeek-V2-Lite) there is no query norm: 0.16 skips
+    the spec's ``q_layernorm`` then, 0.19 refuses a spec that names one, so it is left out, and the
+    attention module builds the spec's plain projections (``LocalMLASelfAttention``)."""
     spec = _with_te_checkpoint_names(spec, moe, mla)
     if not mla:
         return spec
-    from megatron_patch.models.local_attention import LocalMLACoreAttention
+    from megatron_patch.models.local_attention import LocalMLACoreAttention, LocalMLASelfAttention
 
     attention = spec.submodules.self_attention
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, core_attention=LocalMLACoreAttention))
+    submodules = dataclasses.replace(attention.submodules, core_attention=LocalMLACoreAttention)
+    if config.q_lora_rank is None:
+        attention = dataclasses.replace(attention, module=LocalMLASelfAttention)
+        submodules = dataclasses.replace(submodules, q_layernorm=None)
+    attention = dataclasses.replace(attention, submodules=submodules)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
