@@ -210,8 +210,8 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
     Checked without reading the tensors (and without torch): megatron's ``metadata.json`` parses;
     torch's ``.metadata`` unpickles (``convert.torch_dist.read_metadata``); every data file it names
     exists and is long enough for every record it points into (a truncated ``.distcp`` is found, a
-    flipped byte inside one is not: the format has no checksums); ``common.pt`` (with ``common``) is
-    an intact torch.save archive.
+    flipped byte inside one is not: the format has no checksums); with ``common``, megatron's common
+    state is there: an intact ``common.pt`` archive, or (megatron-core >= 0.19) the ``common_state`` object.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -244,6 +244,16 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
         if size < end:
             return f"{name} is truncated ({size} bytes; its records end at byte {end})"
     if common:
+        return _common_state_problem(folder, metadata)
+    return None
+
+
+def _common_state_problem(folder: Path, metadata) -> str | None:
+    """megatron's common state: ``common.pt`` (megatron-core <= 0.16) must be an intact archive; from 0.19
+    on it is the ``common_state`` object, whose data record was checked with the other records."""
+    from megatron_patch.convert.torch_dist import COMMON_STATE_OBJECT
+
+    if (folder / "common.pt").exists() or COMMON_STATE_OBJECT not in metadata.objects:
         return zip_problem(folder / "common.pt")
     return None
 

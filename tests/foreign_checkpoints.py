@@ -10,7 +10,8 @@ bit for bit. Which tool and version each layout follows:
   ``dist_checkpointing.save`` of {args, checkpoint_version 3.0, iteration, model (the GPTModel's
   sharded state dict: global keys, layers stacked), optimizer (``optimizer.state.<moment>.<param>``
   tensors), opt_param_scheduler, num_floating_point_operations_so_far, rng_state (a ShardedObject per
-  rank)}; common.pt then holds the args namespace; the TE spec adds one ``_extra_state`` object per
+  rank)}; megatron's common state (common.pt up to megatron-core 0.16, the ``common_state`` object in the
+  .distcp files from 0.19) then holds the args namespace; the TE spec adds one ``_extra_state`` object per
   linear layer and layer. The vocabulary is padded to a multiple of 128 x TP, as Megatron-LM pads it.
   The tracker holds the iteration number (no newline).
 - ``megatron_lm_legacy``: the same tool with ``--ckpt-format torch``: one torch.save per model-
@@ -24,7 +25,8 @@ bit for bit. Which tool and version each layout follows:
   tracker saying ``release``, and the HF config.json and tokenizer files copied into the root.
 - ``megatron_bridge_torch_dist``: NeMo / Megatron-Bridge 0.6 (megatron-core 0.19), as observed
   (docs' references): ``iter_0000000/`` with .metadata, *.distcp, metadata.json and run_config.yaml
-  but no common.pt, the tracker, and ``latest_train_state.pt``; no Megatron-LM args anywhere.
+  but no common.pt (the common state is inside the .distcp files), the tracker, and
+  ``latest_train_state.pt``; no Megatron-LM args anywhere.
 """
 
 from __future__ import annotations
@@ -149,19 +151,17 @@ def megatron_lm_torch_dist(hf_dir, root, *, tp: int = 2, iteration: int = 20, pa
     return root
 
 
-def megatron_bridge_torch_dist(megatron_lm_root, root) -> Path:
-    """Megatron-Bridge's layout, from a Megatron-LM torch_dist fixture (the DCP data is the same
-    ``dist_checkpointing.save`` output): no common.pt and so no args, run_config.yaml beside the
-    weights, ``latest_train_state.pt`` beside the tracker."""
+def megatron_bridge_torch_dist(hf_dir, root, *, tp: int = 2, padded: int | None = None) -> Path:
+    """Megatron-Bridge's layout: the same ``dist_checkpointing.save`` output as Megatron-LM's but without
+    Megatron-LM's args, its common state inside the .distcp files (megatron-core 0.19: no common.pt; the
+    common.pt megatron-core 0.16 writes is removed), run_config.yaml beside the weights,
+    ``latest_train_state.pt`` beside the tracker."""
     root = Path(root)
-    source = Path(megatron_lm_root)
-    iteration = int((source / "latest_checkpointed_iteration.txt").read_text())
-    shutil.copytree(source / f"iter_{iteration:07d}", root / "iter_0000000")
-    (root / "iter_0000000" / "common.pt").unlink()
+    megatron_lm_torch_dist(hf_dir, root, tp=tp, iteration=0, padded=padded, args=False)
+    (root / "iter_0000000" / "common.pt").unlink(missing_ok=True)
     (root / "iter_0000000" / "run_config.yaml").write_text(
         "model:\n  _target_: megatron.bridge.models.llama.Llama3ModelProvider\n")
     torch.save({"step": 0}, root / "latest_train_state.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text("0")
     return root
 
 

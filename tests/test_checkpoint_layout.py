@@ -194,6 +194,41 @@ def test_a_damaged_torch_dist_checkpoint_is_named(tmp_path, how):
     assert problem is not None and problem.startswith(expected), problem
 
 
+def _torch_dist_019(folder, seed=0):
+    """As megatron-core >= 0.19 writes it: the common state is the byte object ``common_state`` (torch DCP's
+    torch.save of a one-element list) inside the .distcp files, and there is no common.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    common = [{"iteration": seed, "args": {"num_layers": 2}}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        # megatron's planner keeps the list whole (the default one would flatten it into "....0").
+        dcp.save({"w": torch.randn(256, 64), "common_state/shard_0_1": common}, checkpoint_id=str(folder), no_dist=True,
+                 planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    return folder
+
+
+def test_the_common_state_of_megatron_core_019_is_found_inside_the_distcp(tmp_path):
+    from megatron_patch.convert.torch_dist import COMMON_STATE_OBJECT, TorchDistReader, read_metadata
+
+    folder = _torch_dist_019(tmp_path / "ckpt", seed=7)
+    assert torch_dist_problem(folder) is None
+    assert TorchDistReader(folder).common_state() == {"iteration": 7, "args": {"num_layers": 2}}
+    # The object's record is checked like a tensor's: cut the file inside it and the checkpoint is incomplete.
+    name, start, length, _ = read_metadata(folder / ".metadata").storage[(COMMON_STATE_OBJECT, None)]
+    distcp = folder / name
+    distcp.write_bytes(distcp.read_bytes()[:start + length - 1])
+    assert torch_dist_problem(folder).startswith(f"{name} is truncated")
+
+
+def test_a_torch_dist_checkpoint_without_any_common_state_is_named(tmp_path):
+    folder = _torch_dist(tmp_path / "ckpt")
+    (folder / "common.pt").unlink()
+    assert torch_dist_problem(folder) == "common.pt is missing"
+    assert torch_dist_problem(folder, common=False) is None
+
+
 def _run_root(tmp_path, iterations=(2, 4, 6), tracker=6):
     for i in iterations:
         _torch_dist(iteration_dir(tmp_path, i), seed=i)

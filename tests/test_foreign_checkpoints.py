@@ -3,8 +3,8 @@
 The fixtures (tests/foreign_checkpoints.py) are written with megatron-core's own dist_checkpointing
 and torch.save in the layouts of Megatron-LM (torch_dist with TP=2 and a vocabulary padded to 512
 rows, legacy with TE names at PP=2), Pai-Megatron-Patch (legacy release at TP=2, local names) and
-Megatron-Bridge (torch_dist without common.pt), each from one tiny random Llama: an export must give
-back its HF tensors bit for bit.
+Megatron-Bridge (torch_dist without Megatron-LM args or common.pt), each from one tiny random Llama: an
+export must give back its HF tensors bit for bit.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def ckpts(tmp_path_factory):
     return {"hf": hf, "want": fc.hf_tensors(hf), "megatron_lm": mlm,
             "legacy": fc.megatron_lm_legacy(hf, root / "megatron_lm_legacy", pp=2, te_names=True),
             "pai": fc.pai_megatron_patch_legacy(hf, root / "pai", tp=2),
-            "bridge": fc.megatron_bridge_torch_dist(mlm, root / "bridge")}
+            "bridge": fc.megatron_bridge_torch_dist(hf, root / "bridge", tp=2, padded=512)}
 
 
 def _export(capsys, load, out, *extra) -> tuple[int, str]:
@@ -59,7 +59,7 @@ def test_export_gives_back_the_hf_tensors(ckpts, name, source, tmp_path, capsys)
 
 
 def test_export_from_saved_megatron_lm_arguments(ckpts, tmp_path, capsys):
-    """No config at all: the args in common.pt (torch_dist) or in the rank files (legacy) as --family llama3_1."""
+    """No config at all: the args in megatron's common state (torch_dist) or in the rank files (legacy) as --family llama3_1."""
     for name in ("megatron_lm", "pai"):
         rc, err = _export(capsys, ckpts[name], tmp_path / name, "--family", "llama3_1")
         assert rc == 0, err

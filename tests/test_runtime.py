@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from megatron_patch.checkpoint_layout import torch_dist_problem
+from megatron_patch.convert.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.runtime.launch import run_local
@@ -174,7 +177,9 @@ def test_checkpoint_tp2_restores_at_tp1_and_dp2(dense_ref, tmp_path):
     ckpt = str(tmp_path / "tp2")
     saved = run_local(rh.save_checkpoint_worker, 2, ParallelLayout(tp=2), dense_ref["ckpt"], ckpt, 2, timeout=TIMEOUT)
     files = set(os.listdir(ckpt))
-    assert {".metadata", "common.pt", "__0_0.distcp", "__1_0.distcp"} <= files, files
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= files, files
+    # megatron's common state: common.pt up to megatron-core 0.16, an object in the .distcp files from 0.19.
+    assert torch_dist_problem(ckpt) is None and TorchDistReader(ckpt).common_state() is not None
     s = saved[0]
     # Both TP ranks agree on the gathered model.
     for name in s["params"]:
@@ -238,8 +243,11 @@ try:
 except Exception as exc:
     result, error = None, f"{type(exc).__name__}: {exc}"
 after = snapshot()
+from megatron.core import package_info
 print(json.dumps(dict(
     result=result, enabled=cpu_compat.is_enabled(), error=error, backend=distributed.backend(),
+    applied=list(cpu_compat.applied()),
+    expected=[p.name for p in cpu_compat.patches_for(package_info.__version__)],
     untouched=sorted(k for k in before if after[k] is before[k]), total=len(before),
     zeros_device=str(torch.zeros(1, device="cuda").device) if result else None,
 )))
@@ -260,6 +268,22 @@ def test_layer_patches_when_cuda_absent():
     assert r["result"] is True and r["enabled"] is True and r["error"] is None
     assert r["untouched"] == [], r["untouched"]
     assert r["zeros_device"] == "cpu" and r["backend"] == "gloo"
+    # This release's row of the version rule, and nothing else, was applied.
+    assert r["applied"] == r["expected"] and r["applied"], r
+
+
+def test_each_patch_applies_to_the_releases_that_need_it():
+    from megatron_patch.runtime import cpu_compat
+
+    names = {v: [p.name for p in cpu_compat.patches_for(v)] for v in ("0.16.1", "0.19.0rc1", "0.19.2")}
+    assert "MLA without TE" in names["0.16.1"] and "MLA without TE" not in names["0.19.2"]
+    assert "MoE te_general_gemm" in names["0.16.1"] and "MoE te_general_gemm" not in names["0.19.2"]
+    assert names["0.19.0rc1"] == names["0.19.2"]
+    assert {p.name for p in cpu_compat.PATCHES} == set(names["0.16.1"]) | set(names["0.19.2"])
+    # Every row names only audited releases; an unaudited one tried anyway gets its nearest older audited row.
+    assert all(set(p.releases) <= set(cpu_compat.SUPPORTED_MCORE) for p in cpu_compat.PATCHES)
+    assert cpu_compat.patches_for("0.20.0") == cpu_compat.patches_for("0.19.2")
+    assert cpu_compat.patches_for("0.17.0") == cpu_compat.patches_for("0.16.1")
 
 
 def test_layer_does_nothing_when_cuda_present():
@@ -274,13 +298,18 @@ def test_unsupported_mcore_version_is_refused(monkeypatch):
 
     from megatron_patch.runtime import cpu_compat
 
-    monkeypatch.setattr(package_info, "__version__", "0.17.0")
     monkeypatch.delenv("MP_CPU_COMPAT_ANY_MCORE", raising=False)
-    with pytest.raises(UserError, match=r"megatron-core 0\.16\.x, found 0\.17\.0") as info:
-        cpu_compat.check_mcore_version()
-    assert "\n" not in str(info.value)
+    for supported in ("0.16.1", "0.19.2"):
+        monkeypatch.setattr(package_info, "__version__", supported)
+        assert cpu_compat.check_mcore_version() == supported
+    for unknown in ("0.17.0", "0.18.1", "0.20.0", "0.15.3"):
+        monkeypatch.setattr(package_info, "__version__", unknown)
+        with pytest.raises(UserError, match=rf"megatron-core 0\.16\.x and 0\.19\.x, found {re.escape(unknown)}") as info:
+            cpu_compat.check_mcore_version()
+        message = str(info.value)
+        assert "\n" not in message and "MP_CPU_COMPAT_ANY_MCORE=1" in message, message
     monkeypatch.setenv("MP_CPU_COMPAT_ANY_MCORE", "1")
-    assert cpu_compat.check_mcore_version() == "0.17.0"
+    assert cpu_compat.check_mcore_version() == "0.15.3"
 
     # enable() refuses before it patches anything.
     r = _probe("old-mcore")

@@ -27,6 +27,7 @@ import torch
 
 from megatron_patch.checkpoint_layout import partial_dir
 from megatron_patch.cli import main
+from megatron_patch.convert.torch_dist import TorchDistReader
 from tests.training_helpers import (hf_loss_on_first_batch, launch, launcher_args, make_chat_tokenizer,
                                     make_tiktoken_file, read_metrics, write_jsonl)
 
@@ -123,7 +124,10 @@ def test_checkpoints_are_complete_and_marked(tp2_run):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000010", "iter_0000020", "latest_checkpointed_iteration.txt"]
     it = ckpt / "iter_0000020"
-    assert (it / "metadata.json").exists() and (it / "common.pt").exists()
+    assert (it / "metadata.json").exists()
+    # megatron's common state (common.pt up to megatron-core 0.16, an object in the .distcp files from 0.19).
+    common = TorchDistReader(it).common_state()
+    assert common["iteration"] == 20 and common["consumed_samples"] == 20 * GBS
     assert sorted(p.name for p in (it / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
     state = json.loads((it / "train_state.json").read_text())
     assert state["iteration"] == 20 and state["consumed_samples"] == 20 * GBS
@@ -583,7 +587,7 @@ def _copy_checkpoints(src: Path, out: Path) -> Path:
 
 
 def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, corpus, tmp_path):
-    """The latest checkpoint with a truncated .distcp and the one before without common.pt: the run warns
+    """The latest checkpoint with a truncated .distcp and the one before without metadata.json: the run warns
     about each, resumes from the newest complete one (12), and repeats the uninterrupted run's losses."""
     from megatron_patch.training.checkpointing import iteration_problem
 
@@ -592,12 +596,12 @@ def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, 
     distcp = sorted((ckpt / "iter_0000024").glob("*.distcp"))[-1]
     distcp.write_bytes(distcp.read_bytes()[: distcp.stat().st_size // 2])
     truncated = distcp.stat().st_size
-    (ckpt / "iter_0000018" / "common.pt").unlink()
+    (ckpt / "iter_0000018" / "metadata.json").unlink()
     proc = launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert re.search(rf"warning: \S+/iter_0000024 is incomplete or damaged: {re.escape(distcp.name)} is truncated "
                      rf"\({truncated} bytes; its records end at byte \d+\)", proc.stdout), proc.stdout[-3000:]
-    assert re.search(r"warning: \S+/iter_0000018 is incomplete or damaged: common\.pt is missing", proc.stdout)
+    assert re.search(r"warning: \S+/iter_0000018 is incomplete or damaged: metadata\.json is missing", proc.stdout)
     assert re.search(r"resumed from \S+/iter_0000012\n", proc.stdout)
     got = _last_records(out)
     assert sorted(got) == list(range(13, DP_ITERS + 1))

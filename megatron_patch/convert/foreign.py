@@ -21,7 +21,7 @@ from megatron_patch.checkpoint_layout import (
 from megatron_patch.convert.legacy import FILE_NAME, open_rank_file
 from megatron_patch.convert.pickles import Record, TensorRef
 from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
-from megatron_patch.convert.torch_files import LazyTorchFile, nbytes
+from megatron_patch.convert.torch_files import nbytes
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -172,9 +172,8 @@ def _read_torch_dist(folder: Path) -> dict:
     keys = reader.tensor_keys()
     model = sorted(k for k in keys if not k.startswith(TRAINING_STATE_PREFIXES))
     shapes = {k: reader.global_shape(k) for k in model}
-    args = None
-    if (folder / "common.pt").exists():
-        args = _saved_args(LazyTorchFile(folder / "common.pt").obj)
+    common = reader.common_state()
+    args = None if common is None else _saved_args(common)
     return dict(shapes=shapes, dtype=_weights_dtype({k: reader.dtype(k) for k in model}), num_tensors=len(model),
                 num_bytes=sum(nbytes(s, reader.dtype(k)) for k, s in shapes.items()),
                 has_optimizer=len(model) < len(keys), args=args, layout=None)

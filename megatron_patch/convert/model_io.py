@@ -9,6 +9,7 @@ from megatron_patch.convert.engine import (
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.builder import model_spec_name
 from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.mapping.naming import checkpoint_name
 from megatron_patch.models.registry import get_family
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -27,14 +28,16 @@ def current_coord() -> RankCoord:
 def load_state_dict_strict(model, state_dict: dict[str, torch.Tensor]) -> None:
     """load_state_dict that names what is missing or extra (TE's _extra_state entries aside). Each
     tensor takes the dtype of the model's own (a float32 router bias stays float32 in a bf16 model)."""
-    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    model_names = {checkpoint_name(k): k for k in model.state_dict() if not k.endswith("_extra_state")}
+    state = model.state_dict()
+    own = {k: state[m] for k, m in model_names.items()}
     missing, extra = set(own) - set(state_dict), set(state_dict) - set(own)
     if missing or extra:
         raise MappingError(f"state dict does not fit the model: missing {sorted(missing)[:5]}, unexpected {sorted(extra)[:5]}")
     for name, tensor in state_dict.items():
         if tuple(own[name].shape) != tuple(tensor.shape):
             raise MappingError(f"{name}: checkpoint shape {tuple(tensor.shape)} but the model expects {tuple(own[name].shape)}")
-    model.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=False)
+    model.load_state_dict({model_names[k]: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=False)
 
 
 def load_hf_weights(model, arch: Arch, layout: ParallelLayout, reader, pp_first_stage_layers: int | None = None) -> None:

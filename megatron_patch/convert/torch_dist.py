@@ -3,7 +3,8 @@
 A torch_dist checkpoint is a PyTorch distributed checkpoint: ``*.distcp`` files that hold one
 ``torch.save`` archive per tensor chunk (and raw bytes per object) back to back, and a ``.metadata``
 pickle that says, for every global tensor, its shape, dtype and chunks, and where each chunk's
-archive lies; plus megatron's ``metadata.json`` and ``common.pt``.
+archive lies; plus megatron's ``metadata.json`` and its common (non-tensor) state: ``common.pt`` up to
+megatron-core 0.16, the byte object ``common_state`` inside the ``.distcp`` files from 0.19 on.
 
 ``plan_torch_dist`` lays out all of it from the chunk list alone (shapes, offsets, dtypes): every
 archive's headers and pickle, every chunk's byte range (a ``Stored`` the copier fills), and the
@@ -38,6 +39,8 @@ FILE_BYTES = 2 * 2**30
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 METADATA_VERSION = "1.0.0"
+# megatron-core >= 0.19 stores the common state as this ShardedObject (one shard) instead of common.pt.
+COMMON_STATE_OBJECT = "common_state/shard_0_1"
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,19 @@ class TorchDistReader:
 
     def tensor_keys(self) -> set[str]:
         return set(self.tensors)
+
+    def common_state(self):
+        """megatron's common state (args, iteration, ...) as the safe unpickler reads it: ``common.pt``
+        when present (megatron-core <= 0.16, and this project's writer), else the ``common_state`` object
+        (megatron-core >= 0.19, a one-element list around the dict); None when neither is there."""
+        if (self.folder / "common.pt").exists():
+            return LazyTorchFile(self.folder / "common.pt").obj
+        where = self.storage.get((COMMON_STATE_OBJECT, None))
+        if where is None:
+            return None
+        relative, start, length, _ = where
+        obj = LazyTorchFile(self.folder / relative, window=(start, length)).obj
+        return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         return self.tensors[key].global_shape

@@ -118,6 +118,7 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
             # 1 for an MoE layer, 0 for a dense one (ffn_hidden_size), as config.json places them.
             moe_layer_freq=arch.moe_layer_pattern if arch.dense_layers else 1,
         )
+    kwargs.update(_cuda_graph_default(TransformerConfig))
     kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))
     kwargs.update(overrides)
     if kwargs.get("multi_latent_attention"):
@@ -125,6 +126,15 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
 
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _cuda_graph_default(config_cls) -> dict:
+    """The whole layer as CUDA-graph scope, spelled as megatron-core now asks: its default "full" warns
+    that it is deprecated ("use empty ..."), and ``[]`` means the same. The field is ``cuda_graph_scope``
+    in 0.16 and ``cuda_graph_modules`` in 0.19 (where the old name is itself deprecated)."""
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    field = "cuda_graph_modules" if "cuda_graph_modules" in names else "cuda_graph_scope"
+    return {field: []}
 
 
 def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None):
@@ -139,7 +149,7 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | N
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                            vp_stage=vp_stage)
         if not use_te:
-            block.layer_specs = [_local_layer(s, _is_moe_spec(s), mla) for s in block.layer_specs]
+            block.layer_specs = [_local_layer(s, _is_moe_spec(s), mla, config) for s in block.layer_specs]
         return block
     experts = arch.num_experts or None
     if use_te:
@@ -147,27 +157,41 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | N
                                                           qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
                                     multi_latent_attention=mla, normalization="RMSNorm")
-    return _local_layer(spec, arch.is_moe, mla)
+    return _local_layer(spec, arch.is_moe, mla, config)
 
 
-def _local_layer(spec, moe: bool, mla: bool):
+def _local_layer(spec, moe: bool, mla: bool, config):
     """A local layer spec made to keep TE's checkpoint names, and for multi-latent attention given a core
-    attention that takes MLA's key/value head sizes (megatron-core 0.16's local one refuses them)."""
+    attention that takes MLA's key/value head sizes (megatron-core 0.16's local one refuses them).
+
+    Without a query LoRA (``q_lora_rank`` None, as DeepSeek-V2-Lite) there is no query norm: 0.16 skips
+    the spec's ``q_layernorm`` then, 0.19 refuses a spec that names one, so it is left out, and the
+    attention module builds the spec's plain projections (``LocalMLASelfAttention``)."""
     spec = _with_te_checkpoint_names(spec, moe, mla)
     if not mla:
         return spec
-    from megatron_patch.models.local_attention import LocalMLACoreAttention
+    from megatron_patch.models.local_attention import LocalMLACoreAttention, LocalMLASelfAttention
 
     attention = spec.submodules.self_attention
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, core_attention=LocalMLACoreAttention))
+    submodules = dataclasses.replace(attention.submodules, core_attention=LocalMLACoreAttention)
+    if config.q_lora_rank is None:
+        attention = dataclasses.replace(attention, module=LocalMLASelfAttention)
+        submodules = dataclasses.replace(submodules, q_layernorm=None)
+    attention = dataclasses.replace(attention, submodules=submodules)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
 def _is_moe_spec(spec) -> bool:
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return isinstance(spec.submodules.mlp.module, type) and issubclass(spec.submodules.mlp.module, MoELayer)
+    built = _mlp_builder(spec.submodules.mlp)
+    return isinstance(built, type) and issubclass(built, MoELayer)
+
+
+def _mlp_builder(mlp):
+    """What a layer spec's MLP entry builds: a ModuleSpec's module (megatron-core 0.16), or the callable of
+    the ``functools.partial`` that 0.19's spec functions return instead."""
+    return mlp.func if isinstance(mlp, functools.partial) else mlp.module
 
 
 def _with_te_checkpoint_names(spec, moe: bool, mla: bool):

@@ -13,23 +13,27 @@ all_gather_into_tensor, their coalesced forms and uneven all_to_all_single itsel
 (tests/test_runtime.py checks each with known answers).
 
 The layer is applied only when CUDA is absent (``enable()`` does nothing otherwise, so the GPU path
-is never touched) and only for the megatron-core versions it was written against: a newer release
-may have moved the calls it patches, so it refuses with a clear message rather than half-working.
+is never touched) and only for the megatron-core releases it was audited against (``PATCHES`` says,
+patch by patch, which releases need it and why): another release may have moved the calls it
+patches, so it refuses with a clear message rather than half-working.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+from typing import Callable
 
 import torch
 
 from megatron_patch.errors import UserError
 
-# Releases whose CUDA-only spots were audited for this layer.
-SUPPORTED_MCORE = ("0.16.",)
+# Releases (major.minor) whose CUDA-only spots were audited for this layer.
+SUPPORTED_MCORE = ("0.16", "0.19")
 _ENABLED = False
+_APPLIED: tuple[str, ...] = ()
 
 
 def is_needed() -> bool:
@@ -40,16 +44,38 @@ def is_enabled() -> bool:
     return _ENABLED
 
 
+def applied() -> tuple[str, ...]:
+    """Names of the patches ``enable()`` applied (empty when the layer is off)."""
+    return _APPLIED
+
+
+def release_of(version: str) -> str:
+    """'0.19.2' -> '0.19'; a pre-release such as '0.19.0rc1' belongs to its release too."""
+    major, minor = version.split(".")[:2]
+    return f"{major}.{''.join(c for c in minor if c.isdigit())}"
+
+
 def check_mcore_version() -> str:
     from megatron.core import package_info
 
     version = package_info.__version__
-    if not version.startswith(SUPPORTED_MCORE) and os.environ.get("MP_CPU_COMPAT_ANY_MCORE") != "1":
+    if release_of(version) not in SUPPORTED_MCORE and os.environ.get("MP_CPU_COMPAT_ANY_MCORE") != "1":
         raise UserError(
-            f"the CPU compatibility layer was written for megatron-core {'/'.join(v + 'x' for v in SUPPORTED_MCORE)}, "
-            f"found {version}: install megatron-core==0.16.1, run on a GPU, or set MP_CPU_COMPAT_ANY_MCORE=1 to try anyway"
+            f"the CPU compatibility layer was written for megatron-core {' and '.join(v + '.x' for v in SUPPORTED_MCORE)}, "
+            f"found {version}: install megatron-core 0.16.1 (Python 3.10/3.11) or 0.19.x (Python 3.12/3.13), "
+            f"run on a GPU, or set MP_CPU_COMPAT_ANY_MCORE=1 to try anyway"
         )
     return version
+
+
+def _audited_release(version: str) -> str:
+    """The audited release whose patches an unaudited one (MP_CPU_COMPAT_ANY_MCORE=1) tries: the newest
+    audited release not newer than it, else the oldest."""
+    def key(release):
+        return tuple(int(x) for x in release.split("."))
+
+    older = [r for r in SUPPORTED_MCORE if key(r) <= key(release_of(version))]
+    return max(older, key=key) if older else min(SUPPORTED_MCORE, key=key)
 
 
 # --- devices -----------------------------------------------------------------------------------
@@ -233,21 +259,30 @@ def _patch_torch_tensors():
     torch.Tensor.type = _make_tensor_type(torch.Tensor.type)
 
 
-def _patch_megatron():
+def _patch_model_parallel_rng():
+    """The model-parallel RNG tracker saves and restores "the CUDA generator" through megatron's own
+    helpers, which call CUDA directly: give it the CPU generator."""
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.get_rng_state()
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    # Imported from transformer-engine inside a try block; absent TE leaves the name undefined.
+def _patch_moe_te_general_gemm():
+    """moe_utils imports ``te_general_gemm`` from transformer-engine inside a try block; absent TE
+    leaves the name undefined (NameError in the router). 0.19 sets it to None itself."""
+    from megatron.core.transformer.moe import moe_utils
+
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
-    # The alltoall dispatcher turns its token counts into host numpy arrays only for CUDA tensors
-    # (`tensor.is_cuda`); on CPU they stay tensors and all_to_all_single rejects tensor split sizes.
-    # Give the CPU the same host copy the GPU path makes. token_dispatcher holds its own reference.
+
+def _patch_moe_token_counts():
+    """The alltoall dispatcher turns its token counts into host numpy arrays only for CUDA tensors
+    (`tensor.is_cuda`); on CPU they stay tensors and all_to_all_single rejects tensor split sizes.
+    Give the CPU the same host copy the GPU path makes. token_dispatcher holds its own reference."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
     original_move = moe_utils.maybe_move_tensor_to_cpu
 
     @functools.wraps(original_move)
@@ -259,12 +294,6 @@ def _patch_megatron():
     maybe_move_tensor_to_cpu.__mp_original__ = original_move
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-
-    _patch_uneven_all_gather()
-    _patch_yarn_rotary_device()
-    _patch_mla_without_te()
-    _patch_torch_norm()
-    _patch_torch_adam_checkpointing()
 
 
 def _patch_mla_without_te():
@@ -423,16 +452,57 @@ def _patch_torch_adam_checkpointing():
         setattr(cls, name, fn)
 
 
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    name: str
+    releases: tuple[str, ...]  # the audited megatron-core releases (major.minor) that need it
+    apply: Callable[[], None]
+    why: str
+
+
+_BOTH = ("0.16", "0.19")
+
+# The version rule, patch by patch. docs/cpu-runtime.md shows the same table.
+PATCHES = (
+    Patch("torch.cuda", _BOTH, _patch_torch_cuda,
+          "current_device/streams/events/synchronize/CUDA RNG calls all over megatron-core"),
+    Patch("torch tensors", _BOTH, _patch_torch_tensors,
+          'device="cuda" factories, .cuda(), .to("cuda"), torch.cuda.*Tensor type checks'),
+    Patch("model-parallel RNG", _BOTH, _patch_model_parallel_rng,
+          "tensor_parallel.random's _get/_set_cuda_rng_state call CUDA directly"),
+    Patch("MoE te_general_gemm", ("0.16",), _patch_moe_te_general_gemm,
+          "0.16 leaves the name undefined without TE; 0.19 sets it to None itself"),
+    Patch("MoE token counts", _BOTH, _patch_moe_token_counts,
+          "maybe_move_tensor_to_cpu makes host numpy split sizes only for CUDA tensors"),
+    Patch("uneven all-gather", _BOTH, _patch_uneven_all_gather,
+          "gloo's all_gather refuses the uneven shards of the alltoall dispatcher at ETP>1"),
+    Patch("YaRN rotary device", _BOTH, _patch_yarn_rotary_device,
+          "MLA builds YarnRotaryEmbedding on torch.device(current_device())"),
+    Patch("MLA without TE", ("0.16",), _patch_mla_without_te,
+          "0.16's MLA takes HAVE_TE from a try-import that succeeds on TE's mocks; 0.19 reads the real flag"),
+    Patch("torch norm sequence parallel", _BOTH, _patch_torch_norm,
+          "WrappedTorchNorm refuses sequence_parallel, which MoE with TP>1 needs"),
+    Patch("torch Adam checkpointing", _BOTH, _patch_torch_adam_checkpointing,
+          "the distributed optimizer's checkpoint path assumes FusedAdam's step handling"),
+)
+
+
+def patches_for(version: str) -> tuple[Patch, ...]:
+    release = _audited_release(version)
+    return tuple(p for p in PATCHES if release in p.releases)
+
+
 def enable() -> bool:
     """Apply the layer if CUDA is absent. Idempotent. Returns whether the layer is active."""
-    global _ENABLED
+    global _ENABLED, _APPLIED
     if _ENABLED:
         return True
     if not is_needed():
         return False
-    check_mcore_version()
-    _patch_torch_cuda()
-    _patch_torch_tensors()
-    _patch_megatron()
+    version = check_mcore_version()
+    todo = patches_for(version)
+    for patch in todo:
+        patch.apply()
+    _APPLIED = tuple(p.name for p in todo)
     _ENABLED = True
     return True

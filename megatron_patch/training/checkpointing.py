@@ -3,7 +3,7 @@
 Layout under ``OUTPUT_BASEPATH/checkpoint``::
 
     latest_checkpointed_iteration.txt   the iteration of the newest complete checkpoint
-    iter_0000010/                       torch_dist (model + optimizer shards, common.pt with the
+    iter_0000010/                       torch_dist (model + optimizer shards, megatron's common state with the
                                         scheduler, iteration and consumed samples), rng/rank_*.pt,
                                         train_state.json
 

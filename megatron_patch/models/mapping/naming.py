@@ -36,6 +36,14 @@ _FUSED_NORMS = {
                                            "self_attention.linear_kv_up_proj.layer_norm_weight"),
 }
 _LOCAL_EXPERT = re.compile(r"(.*)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+# megatron-core 0.19 renamed the MTP layer's module from transformer_layer to mtp_model_layer; its torch_dist
+# keys keep the old name (it remaps them itself), and so do the weight tables and legacy rank files here.
+_MTP_LAYER_019 = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
+
+
+def checkpoint_name(name: str) -> str:
+    """A live model's parameter name as checkpoints spell it (the same on 0.16; MTP renamed back on 0.19)."""
+    return _MTP_LAYER_019.sub(r"\1transformer_layer.", name)
 
 
 def te_to_local_name(name: str) -> str:
@@ -49,10 +57,10 @@ def te_to_local_name(name: str) -> str:
 def local_to_te_names(names: Iterable[str]) -> dict[str, str]:
     """local name -> TE name for every name of one model (or rank) state dict."""
     names = list(names)
-    present = set(names)
+    present = {checkpoint_name(n) for n in names}
     out = {}
-    for name in names:
-        new = name
+    for original in names:
+        name = new = checkpoint_name(original)
         m = _LOCAL_EXPERT.match(name)
         if m:
             new = f"{m.group(1)}.mlp.experts.{m.group(3)}.weight{m.group(2)}"
@@ -62,7 +70,7 @@ def local_to_te_names(names: Iterable[str]) -> dict[str, str]:
                     prefix = name[: -len(norm)]
                     if prefix + fused_into in present:
                         new = prefix + te_name
-        out[name] = new
+        out[original] = new
     return out
 
 
