@@ -183,13 +183,6 @@ def load_refusing(state_dict: dict, reader: SafeFileSystemReader, planner=None) 
         raise
 
 
-def load_common_pt(checkpoint_dir) -> dict:
-    """megatron's ``common.pt`` through the allow-list; a checkpoint without one has an empty common state
-    (Megatron-Bridge, and megatron-core 0.19, keep it inside the .distcp data instead)."""
-    path = Path(checkpoint_dir) / "common.pt"
-    return load_torch_file(path) if path.is_file() else {}
-
-
 def _safe_reader(checkpoint_dir, *args, **kwargs) -> SafeFileSystemReader:
     return SafeFileSystemReader(checkpoint_dir)
 
@@ -199,7 +192,7 @@ def load_common_state(checkpoint_dir) -> dict:
     project's converter), the ``common_state`` object inside the .distcp data (0.19, Megatron-Bridge),
     or nowhere (an empty state), each read through the allow-list."""
     if (Path(checkpoint_dir) / "common.pt").is_file():
-        return load_common_pt(checkpoint_dir)
+        return load_torch_file(Path(checkpoint_dir) / "common.pt")
     reader = SafeFileSystemReader(checkpoint_dir)
     key = next((k for k in reader.read_metadata().state_dict_metadata if k.split("/")[0] == "common_state"), None)
     if key is None:
@@ -240,8 +233,8 @@ def _common_strategy_argument() -> dict:
         return {}
 
     class SafeCommonLoadStrategy(base):
-        def load_common(self, checkpoint_dir):
-            return load_common_pt(checkpoint_dir)
+        def load_common(self, checkpoint_dir):  # a 0.19 checkpoint's common_state object too
+            return load_common_state(checkpoint_dir)
 
     return {"common_strategy": SafeCommonLoadStrategy()}
 
