@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from megatron_patch.checkpoint_files.allowlist import ALLOWED, UnsafePickle, canonical, check, refuse
 from megatron_patch.convert.pickles import loads as parse_inert
 from megatron_patch.convert.pickles import record_class
+from megatron_patch.convert.torch_dist import COMMON_STATE_OBJECT
 from megatron_patch.errors import UserError
 
 
@@ -194,8 +195,8 @@ def load_common_state(checkpoint_dir) -> dict:
     if (Path(checkpoint_dir) / "common.pt").is_file():
         return load_torch_file(Path(checkpoint_dir) / "common.pt")
     reader = SafeFileSystemReader(checkpoint_dir)
-    key = next((k for k in reader.read_metadata().state_dict_metadata if k.split("/")[0] == "common_state"), None)
-    if key is None:
+    key = COMMON_STATE_OBJECT
+    if key not in reader.read_metadata().state_dict_metadata:
         return {}
     state = {key: io.BytesIO()}
     load_refusing(state, reader)
