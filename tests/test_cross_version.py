@@ -76,10 +76,11 @@ def versions(other_python) -> dict[str, str]:
 
 
 def _args(corpus, out: Path, **over) -> list[str]:
-    return launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), LR="3e-3",
-                         MIN_LR="3e-4", GLOBAL_BATCH_SIZE=str(GBS), SEQ_LEN=str(SEQ), TP="2", SP="true", DO="true",
-                         TRAIN_TOKENS_OR_ITERS=str(ITERS * GBS * SEQ), WARMUP_TOKENS_OR_ITERS=str(2 * GBS * SEQ),
-                         SAVE_INTERVAL=str(SAVE), **over)
+    args = dict(DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), LR="3e-3", MIN_LR="3e-4",
+                GLOBAL_BATCH_SIZE=str(GBS), SEQ_LEN=str(SEQ), TP="2", SP="true", DO="true",
+                TRAIN_TOKENS_OR_ITERS=str(ITERS * GBS * SEQ), WARMUP_TOKENS_OR_ITERS=str(2 * GBS * SEQ),
+                SAVE_INTERVAL=str(SAVE))
+    return launcher_args("llama3_1", **{**args, **over})
 
 
 def _train(python: str, args: list[str]) -> subprocess.CompletedProcess:
