@@ -189,14 +189,15 @@ else:
     from megatron_patch.models.registry import parse_arch
     from megatron_patch.training.arguments import presets
 
+    from megatron_patch.models.shape import model_shape
+
     arch = parse_arch(presets("llama3_1")["8B"])
-    h, v = arch.hidden_size, arch.padded_vocab_size()
-    per_layer = h * (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim + arch.num_heads * arch.head_dim * h \
-        + 3 * h * arch.ffn_hidden_size
+    shape = model_shape(arch)  # parameter counts from megatron-core's own layers
+    per_layer = shape.layer_params("dense")
     if torch.cuda.is_available():
         memory = torch.cuda.get_device_properties(0).total_memory
         scale = seq / 4096
-        fixed = 2 * v * h * 18 + 6 * 2**30 * scale
+        fixed = (shape.params() - arch.num_layers * per_layer) * 18 + 6 * 2**30 * scale
         layers = max(1, min(arch.num_layers, int((0.85 * memory - fixed) // (per_layer * 18 + 2**30 * scale))))
         why = f"{layers} of {arch.num_layers} layers fit in {memory / 2**30:.0f} GiB"
     else:

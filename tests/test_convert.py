@@ -41,7 +41,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def fresh_skeleton_cache(tmp_path_factory):
     """An empty model-skeleton cache: the first conversion of each family really asks megatron-core
     (in its helper process), as on a new machine; later ones read what it said."""
-    from megatron_patch.convert import skeleton
+    from megatron_patch.models import skeleton
 
     old = os.environ.get("MPATCH_CACHE_DIR")
     os.environ["MPATCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))

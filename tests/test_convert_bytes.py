@@ -412,7 +412,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
 
 def describe_all_worker(archs: list) -> list:
     """In a helper process: megatron-core's skeleton of each arch (one megatron import for all)."""
-    from megatron_patch.convert.skeleton import describe_model_here
+    from megatron_patch.models.skeleton import describe_model_here
 
     return [describe_model_here(a) for a in archs]
 
@@ -425,7 +425,7 @@ def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
     import dataclasses
     import json
 
-    from megatron_patch.convert import skeleton as sk
+    from megatron_patch.models import skeleton as sk
     from megatron_patch.runtime.launch import run_local
 
     archs = {(f, 0): parse_arch(families()[f].tiny_config) for f in FAMILIES}
@@ -435,9 +435,12 @@ def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
     monkeypatch.setenv("MPATCH_CACHE_DIR", str(tmp_path / "cache"))
     computed = []
 
-    def compute(config_json, mtp_layers, vocab_padded_to):  # stands for the helper process (megatron's answer)
-        computed.append(config_json)
-        return megatron[(parse_arch(json.loads(config_json)).family, int(mtp_layers > 0))]
+    def compute(keys):  # stands for the helper process (megatron's answer)
+        out = []
+        for config_json, mtp_layers, vocab_padded_to, layers in keys:
+            computed.append(config_json)
+            out.append(megatron[(parse_arch(json.loads(config_json)).family, int(mtp_layers > 0))])
+        return out
 
     monkeypatch.setattr(sk, "_compute", compute)
     sk._describe_cached.cache_clear()
@@ -458,6 +461,7 @@ def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
             sk.cache_path(config, 0)
         assert sk.cache_path(config, 1) != sk.cache_path(config, 0)
         assert sk.cache_path(config, 0, vocab_padded_to=arch.padded_vocab_size() + 128) != sk.cache_path(config, 0)
+        assert sk.cache_path(config, 0, layers=(0,)) != sk.cache_path(config, 0)
         with monkeypatch.context() as m:
             m.setattr(sk, "_code_digest", lambda: "another version of the code")
             changed = sk.cache_path(config, 0)

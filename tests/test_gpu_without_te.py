@@ -37,7 +37,7 @@ def _fake_gpu_without_te() -> None:
 
 def fake_gpu_build_worker() -> dict:
     """Every family's model in bf16 and the converter's skeleton, built as a GPU without TE builds them."""
-    from megatron_patch.convert.skeleton import describe_model_here
+    from megatron_patch.models.skeleton import describe_model_here
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())  # gloo and megatron's CPU layer, before CUDA "appears"

@@ -32,6 +32,10 @@ ONE_PROCESS = [
     ("llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.5"), {}, True),  # chunks on both tiers, staging
     ("qwen2", dict(PR="bf16", DO="true"), {}, True),  # tied embeddings, q/k/v bias
     ("qwen2_moe", dict(PR="bf16", DO="true"), {}, False),  # router, experts, gated shared expert
+    ("qwen3", dict(PR="bf16", DO="true"), {}, True),  # q/k norms
+    ("qwen3_moe", dict(PR="bf16", DO="true"), {}, False),  # a dense layer among MoE layers
+    ("mixtral", dict(PR="bf16"), {}, False),
+    ("deepseek_v3", dict(PR="bf16", DO="true"), {}, False),  # MLA, dense then MoE layers, router bias buffer
 ]
 TWO_PROCESSES = [
     ("llama3_1", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, True),
@@ -40,6 +44,8 @@ TWO_PROCESSES = [
     ("llama3_1", dict(PR="fp32", PP="2", AC="full"), {}, True),
     ("qwen2", dict(PR="bf16", PP="2", DO="true"), {}, True),  # tied embeddings across stages: own bucket
     ("qwen2_moe", dict(PR="bf16", EP="2", DO="true"), {}, False),  # expert buffers, expert DP
+    ("deepseek_v3", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, False),  # MLA's local-spec TP splits
+    ("qwen3_moe", dict(PR="bf16", PP="2", DO="true"), {"MP_PP0_LAYERS": "1"}, False),  # its dense layer alone
     ("llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.3"), {"MP_NPROC": "2"}, True),  # DP=2 bucket shards
 ]
 

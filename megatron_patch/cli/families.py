@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 
-def family_rows() -> list[dict]:
-    from megatron_patch.models.registry import families
+def family_rows(*, with_params: bool = False) -> list[dict]:
+    """One row per family; ``with_params`` adds each preset's parameter counts (megatron-core builds one
+    layer of each kind per preset, once: models/shape.py caches it)."""
+    from megatron_patch.models.registry import families, parse_arch
+    from megatron_patch.models.shape import model_shapes
     from megatron_patch.training.arguments import arg_names
 
     rows = []
@@ -17,6 +20,12 @@ def family_rows() -> list[dict]:
             "architectures": list(f.hf_architectures), "launcher": f.launcher,
             "arguments": len(arg_names(name)), "after_cp": extra, "sizes": [*f.presets, "auto"],
         })
+    if with_params:
+        presets = [(row, size, parse_arch(config)) for row, f in zip(rows, families().values())
+                   for size, config in f.presets.items()]
+        for (row, size, _), shape in zip(presets, model_shapes([arch for *_, arch in presets])):
+            row.setdefault("presets", {})[size] = {"params_total": shape.params(),
+                                                   "params_active": shape.params(active=True)}
     return rows
 
 
@@ -40,7 +49,7 @@ def run(args) -> int:
     if args.markdown:
         print(markdown(args.markdown), end="")
     elif args.json:
-        print(json.dumps(family_rows(), indent=2))
+        print(json.dumps(family_rows(with_params=True), indent=2))
     else:
         from megatron_patch.cli.common import print_table
 
@@ -54,6 +63,8 @@ def register(subparsers) -> None:
         "families", help="the supported model families, their launchers and preset sizes",
         description="List the registered model families: the Hugging Face model types each claims, its launcher's "
                     "argument count, and the published sizes it has presets for.")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output, with each preset's params_total and params_active (from the "
+                        "shapes megatron-core builds; the first call per preset takes seconds, later ones are cached)")
     p.add_argument("--markdown", choices=["models", "launchers"], help="print one of the docs' tables")
     p.set_defaults(run=run)

@@ -62,11 +62,13 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
     from megatron_patch.training.arguments import (
         Capabilities, arg_names, attention_kernel, launch_environment, machine_problems, megatron_settings)
 
+    from megatron_patch.models.shape import model_shape
     from megatron_patch.training.memory_plan import plan_memory
 
     caps = Capabilities.detect()
     arch = cfg.arch
     plan = plan_memory(cfg)
+    shape = model_shape(arch)
     problems = machine_problems(cfg, caps) + ([plan.problem()] if plan.problem() else [])
     try:
         command = launch_command(cfg, family, argv)
@@ -78,7 +80,9 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
         "resolved": cfg.to_dict(),
         "model": {"hidden_size": arch.hidden_size, "num_layers": arch.num_layers, "num_heads": arch.num_heads,
                   "num_kv_heads": arch.num_kv_heads, "ffn_hidden_size": arch.ffn_hidden_size,
-                  "num_experts": arch.num_experts, "padded_vocab_size": arch.padded_vocab_size()},
+                  "num_experts": arch.num_experts, "padded_vocab_size": arch.padded_vocab_size(),
+                  "params_total": shape.params(), "params_active": shape.params(active=True),
+                  "train_flops_per_token": shape.flops_per_token(cfg.sample_length)},
         "megatron_core": _jsonable(megatron_settings(cfg)),
         "attention_kernel": attention_kernel(cfg, caps),
         "machine_problems": problems,

@@ -42,7 +42,7 @@ from megatron_patch.convert.legacy import (
 from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import Sidecar
-from megatron_patch.convert.skeleton import ModelSkeleton, describe_model
+from megatron_patch.models.skeleton import ModelSkeleton, describe_model
 from megatron_patch.convert.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.convert.torch_files import TensorSpec, nbytes, plan_torch_save
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name

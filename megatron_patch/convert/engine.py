@@ -21,23 +21,13 @@ from megatron_patch.errors import UserError
 from megatron_patch.lazy import LazyModule
 from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.models.family import ModelFamily
-from megatron_patch.models.mapping import REPLICATED, RankCoord, Transfer, plan_transfers, split_context
+from megatron_patch.models.mapping import (  # noqa: F401 (MappingError, names_list: the converter's errors)
+    REPLICATED, MappingError, RankCoord, Transfer, names_list, plan_transfers, split_context)
 from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.runtime.distributed import ParallelLayout
 
 T = TypeVar("T")
 torch = LazyModule("torch")  # the streaming converter uses the checks here without tensors
-
-
-class MappingError(UserError):
-    pass
-
-
-def names_list(names: Iterable[str], limit: int = 8) -> str:
-    """Names for an error message: sorted, at most ``limit``, with how many more there are."""
-    names = sorted(names)
-    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
 
 
 def plan(family: ModelFamily, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None,

@@ -474,8 +474,9 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     if vp is not None and arch.num_layers % (pp * vp):
         raise UserError(f"MP_VP={vp} with PP={pp} needs the {arch.num_layers} layers to split into PP*VP={pp * vp} "
                         "equal chunks")
-    if arch.is_moe and tp > 1 and ep > 1 and not sp:
-        raise UserError("a MoE model with TP > 1 and EP > 1 needs sequence parallelism: set SP=true")
+    if arch.is_moe and tp > 1 and not sp:
+        # megatron-core's MoE layer refuses to train under TP without it (deep in the first forward)
+        raise UserError("a MoE model trained with TP > 1 needs sequence parallelism: set SP=true")
     length_name, length = ("PAD_LEN", pad_len) if sft else ("SEQ_LEN", seq_len)
     if sp and length % tp:
         raise UserError(f"SP=true splits the sequence over TP={tp}: {length_name} ({length}) must be a multiple of {tp}")

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
+from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.distributed import move_to_device
 from megatron_patch.training import faults
@@ -34,17 +35,8 @@ class TrainingStopped(UserError):
 
 
 def flops_per_iteration(arch, cfg) -> float:
-    """Model FLOPs of one global batch (forward + backward = 3x forward; causal attention)."""
-    h, s = arch.hidden_size, cfg.sample_length
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    attn = h * q + 2 * h * kv + q * h
-    moe_mlp = arch.moe_topk * 3 * h * arch.moe_ffn_hidden_size + 3 * h * arch.shared_expert_ffn_hidden_size \
-        + h * arch.num_experts
-    dense_mlp = 3 * h * arch.ffn_hidden_size
-    mlp = sum(moe_mlp if arch.is_moe_layer(i) else dense_mlp for i in range(arch.num_layers))
-    per_token = 2 * (arch.num_layers * attn + mlp + h * arch.padded_vocab_size())
-    per_token += 2 * arch.num_layers * q * s  # QK^T and AV, halved for causal masking: 2 * 2 * s * q / 2
-    return 3.0 * per_token * cfg.global_batch_size * s
+    """Model FLOPs of one global batch, in Megatron-LM's convention (models/shape.py)."""
+    return model_shape(arch).flops_per_token(cfg.sample_length) * cfg.global_batch_size * cfg.sample_length
 
 
 def _memory_gib() -> float:

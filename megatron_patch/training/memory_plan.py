@@ -1,7 +1,7 @@
 """Per-rank memory of a training run, worked out before launch (``MP_DRY_RUN=1``) and checked against it.
 
 Model state is counted exactly as megatron-core lays it out: each pipeline stage's parameters in
-module order, into DDP buffers (with the distributed optimizer: every parameter starting at a multiple
+module order (from the shapes megatron-core builds: ``models/shape.py``), into DDP buffers (with the distributed optimizer: every parameter starting at a multiple
 of 64 elements, buckets of ``max(4e7, 1e6*DP)`` elements on the first stage only, each padded to a
 multiple of lcm(DP, 128), tied embeddings in a bucket of their own), fp32 gradient buffers for mixed
 precision, and the optimizer state of this rank's shard of every bucket: fp32 master weights for
@@ -27,20 +27,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_patch.models.shape import RankParam as Param
+from megatron_patch.models.shape import model_shape
 from megatron_patch.units import GiB, human_bytes
 
 PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
 
 
-# --- parameters per rank, in module order ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Param:
-    name: str
-    numel: int
-    expert: bool = False  # in the expert-parallel buffer (EP > 1)
-    shared_embedding: bool = False  # tied embeddings across pipeline stages: a bucket of its own
-
+# --- parameters per rank, in module order: from the model's shape (models/shape.py) ---------------------------
 
 def stage_layers(arch, cfg, pp_rank: int) -> list[int]:
     """Layers of each model chunk of pipeline rank ``pp_rank`` (one entry per virtual stage)."""
@@ -50,50 +44,10 @@ def stage_layers(arch, cfg, pp_rank: int) -> list[int]:
     return [layers // (pp * vp)] * vp
 
 
-def _layer_params(arch, cfg, prefix: str) -> list[Param]:
-    tp, h = cfg.tp, arch.hidden_size
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    out = [Param(prefix + "input_layernorm.weight", h), Param(prefix + "self_attention.linear_proj.weight", h * q // tp),
-           Param(prefix + "self_attention.linear_qkv.weight", (q + 2 * kv) // tp * h)]
-    if arch.qkv_bias:
-        out.append(Param(prefix + "self_attention.linear_qkv.bias", (q + 2 * kv) // tp))
-    out.append(Param(prefix + "pre_mlp_layernorm.weight", h))
-    if not arch.is_moe:
-        f = arch.ffn_hidden_size // tp
-        return out + [Param(prefix + "mlp.linear_fc1.weight", 2 * f * h), Param(prefix + "mlp.linear_fc2.weight", h * f)]
-    ep, etp = cfg.ep, cfg.etp or cfg.tp
-    expert = ep > 1
-    mf = arch.moe_ffn_hidden_size // etp
-    out.append(Param(prefix + "mlp.router.weight", arch.num_experts * h))
-    for j in range(arch.num_experts // ep):
-        e = f"{prefix}mlp.experts.local_experts.{j}."
-        out += [Param(e + "linear_fc1.weight", 2 * mf * h, expert), Param(e + "linear_fc2.weight", h * mf, expert)]
-    if arch.shared_expert_ffn_hidden_size:
-        sf = arch.shared_expert_ffn_hidden_size // tp
-        if arch.shared_expert_gate:
-            out.append(Param(prefix + "mlp.shared_experts.gate_weight", h))
-        out += [Param(prefix + "mlp.shared_experts.linear_fc1.weight", 2 * sf * h),
-                Param(prefix + "mlp.shared_experts.linear_fc2.weight", h * sf)]
-    return out
-
-
-def chunk_params(arch, cfg, pp_rank: int, vp_stage: int) -> list[Param]:
+def chunk_params(arch, cfg, pp_rank: int, vp_stage: int, spec: str = "local") -> list[Param]:
     """The parameters of one model chunk, in the order ``named_parameters()`` gives them."""
-    vp = cfg.virtual_pipeline or 1
-    first = pp_rank == 0 and vp_stage == 0
-    last = pp_rank == cfg.pp - 1 and vp_stage == vp - 1
-    vocab = arch.padded_vocab_size() // cfg.tp * arch.hidden_size
-    tied_across = arch.tie_word_embeddings and cfg.pp > 1
-    out = []
-    if first:
-        out.append(Param("embedding.word_embeddings.weight", vocab, shared_embedding=tied_across and not last))
-    for i in range(stage_layers(arch, cfg, pp_rank)[vp_stage]):
-        out += _layer_params(arch, cfg, f"decoder.layers.{i}.")
-    if last:
-        out.append(Param("decoder.final_layernorm.weight", arch.hidden_size))
-        if not (arch.tie_word_embeddings and first):
-            out.append(Param("output_layer.weight", vocab, shared_embedding=tied_across))
-    return out
+    return model_shape(arch).rank_params(cfg.layout, pp_rank, vp_stage, pp_first_stage_layers=cfg.pp0_layers,
+                                         spec=spec)
 
 
 # --- DDP buffers and the distributed optimizer's shards ------------------------------------------------------
@@ -171,6 +125,7 @@ class Shape:
     tp: int
     sp: bool
     d: int  # activation bytes (2 for bf16/fp16, 4 for fp32)
+    qk_norm: bool = False  # per-head norms of queries and keys (Qwen3)
 
     @property
     def s_sp(self) -> int:
@@ -194,13 +149,16 @@ def layer_activations(sh: Shape, ac: str, spec: str) -> int:
             # for the AV matmul
             attention = 3 * s * b * a // tp * d + s * s + b * np_ * s * s * (4 + (d if d != 4 else 0))
         swiglu = 4 * s * b * f // tp * d  # fc1 output (both halves), silu output, the gated half
-        return norms + linear_inputs + rope + attention + swiglu
+        # q/k norms as the input norms above: fp32 input, normalised values and 1/rms per head
+        qk_norms = (2 * s * b * (a + kvw) // tp * 4 + s * b * (a + kvw) // hn // tp * 4) if sh.qk_norm else 0
+        return norms + linear_inputs + rope + attention + swiglu + qk_norms
     # transformer-engine: norm fused into the next linear (its input, the normalised output, 1/rms),
     # fused attention keeps q, k, v, the output and fp32 softmax statistics, fused SwiGLU keeps its input
     norm_linear = 2 * (2 * ssp * b * h * d + ssp * b * 4)
     attention = s * b * (a + 2 * kvw) // tp * d + s * b * a // tp * d + b * np_ * s * 4
     mlp = 2 * s * b * f // tp * d + s * b * f // tp * d
-    return norm_linear + attention + mlp
+    qk_norms = (s * b * (a + kvw) // tp * d + s * b * (a + kvw) // hn // tp * 4) if sh.qk_norm else 0
+    return norm_linear + attention + mlp + qk_norms
 
 
 def head_activations(sh: Shape, first: bool, last: bool, spec: str) -> int:
@@ -333,9 +291,11 @@ def _shape(arch, cfg) -> Shape:
     else:
         f = arch.ffn_hidden_size
     d = precision_dtype(cfg.precision).itemsize
+    qk_norm = any("self_attention.q_layernorm." in n for layer in model_shape(arch).layers.values() for n in layer)
     return Shape(s=cfg.sample_length // cfg.cp, b=cfg.micro_batch_size, h=arch.hidden_size,
                  a=arch.num_heads * arch.head_dim, kvw=arch.num_kv_heads * arch.head_dim, hn=arch.head_dim,
-                 heads=arch.num_heads, f=f, vocab=arch.padded_vocab_size(), tp=cfg.tp, sp=cfg.sequence_parallel, d=d)
+                 heads=arch.num_heads, f=f, vocab=arch.padded_vocab_size(), tp=cfg.tp, sp=cfg.sequence_parallel, d=d,
+                 qk_norm=qk_norm)
 
 
 def in_flight(cfg, pp_rank: int) -> int:
@@ -359,7 +319,7 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
     dense_dp = dp * cfg.cp
     expert_dp = cfg.world_size // (cfg.pp * cfg.ep * (cfg.etp or cfg.tp))
     bucket_size = max(40_000_000, 1_000_000 * dense_dp)
-    chunks = [chunk_params(arch, cfg, pp_rank, v) for v in range(vp)]
+    chunks = [chunk_params(arch, cfg, pp_rank, v, spec) for v in range(vp)]
     st = StageMemory(pp_rank, sum(stage_layers(arch, cfg, pp_rank)))
     dense_buffers, expert_buffers = [], []
     for v, params in enumerate(chunks):

@@ -4,7 +4,7 @@ and the converter, the in-memory engine and the aligner only run what the tables
 """
 
 from megatron_patch.models.mapping.plan import (  # noqa: F401
-    Placement, RankCoord, Transfer, plan_transfers, split_context)
+    MappingError, Placement, RankCoord, Transfer, names_list, plan_transfers, split_context)
 from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope, tied_hf_names  # noqa: F401
 from megatron_patch.models.mapping.splits import (  # noqa: F401
     COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB, Block, Split, SplitContext)

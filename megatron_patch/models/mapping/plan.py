@@ -10,10 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Iterable
+
+from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, pipeline_layer_ranges
 from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope
 from megatron_patch.models.mapping.splits import Split, SplitContext
 from megatron_patch.runtime.distributed import ParallelLayout
+
+
+class MappingError(UserError):
+    """A weight table and a model (or checkpoint) that do not agree."""
+
+
+def names_list(names: Iterable[str], limit: int = 8) -> str:
+    """Names for an error message: sorted, at most ``limit``, with how many more there are."""
+    names = sorted(names)
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,12 @@ Importing megatron-core and building the model takes 5-10 s, most of a small con
 answer depends only on config.json (with the MTP layers and a checkpoint's own vocabulary padding)
 and the code. So the skeleton is kept on disk (``~/.cache/megatron_patch/skeletons``, or
 ``$MPATCH_CACHE_DIR``), keyed by a hash of those, the megatron-core and torch versions, and the
-source of every module that shapes the model (``models/``, ``runtime/``, this file and the engine's
-``plan``): anything that could change the answer changes the key. A cached skeleton is the helper's
-own result read back (tests compare the two); a damaged or foreign cache file is ignored and
-rewritten.
+source of every module that shapes the model (``models/``, this file among them, and ``runtime/``):
+anything that could change the answer changes the key. A cached skeleton is the helper's own result
+read back (tests compare the two); a damaged or foreign cache file is ignored and rewritten.
+
+It lives with the models, not the converter: the parameter counts, FLOPs and memory plan
+(``models/shape.py``) read the same shapes.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 
-SKELETON_FORMAT = 1
+SKELETON_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,14 @@ class ModelSkeleton:
     chunks: list[ChunkEntry]
     objects: list[ObjectEntry]
     hf_shapes: dict[str, tuple[int, ...]]  # HF name -> the shape config.json implies
+    # Entries of ``shapes`` that are buffers, not parameters (DeepSeek's router ``expert_bias``): saved
+    # and converted like weights, but no optimizer or gradient buffer holds them.
+    buffers: frozenset[str] = frozenset()
 
     def to_json(self) -> dict:
         return {"format": SKELETON_FORMAT,
                 "shapes": {k: list(v) for k, v in self.shapes.items()},
+                "buffers": sorted(self.buffers),
                 "hf_shapes": {k: list(v) for k, v in self.hf_shapes.items()},
                 "chunks": [[c.name, c.key, list(c.global_shape), list(c.global_offset), list(c.local_shape), c.prepend]
                            for c in self.chunks],
@@ -94,7 +100,8 @@ class ModelSkeleton:
         return cls(shapes={k: tuple(v) for k, v in data["shapes"].items()},
                    chunks=[ChunkEntry(n, k, tuple(g), tuple(o), tuple(s), int(p)) for n, k, g, o, s, p in data["chunks"]],
                    objects=[ObjectEntry(k, base64.b64decode(p)) for k, p in data["objects"]],
-                   hf_shapes={k: tuple(v) for k, v in data["hf_shapes"].items()})
+                   hf_shapes={k: tuple(v) for k, v in data["hf_shapes"].items()},
+                   buffers=frozenset(data["buffers"]))
 
 
 def _ensure_single_rank_state() -> None:
@@ -111,31 +118,61 @@ def _ensure_single_rank_state() -> None:
     init_model_parallel(ParallelLayout())
 
 
-def describe_model(arch: Arch, *, use_cache: bool = True) -> ModelSkeleton:
+def _key(arch: Arch, layers: tuple[int, ...] | None) -> tuple:
+    return json.dumps(arch.hf_config, sort_keys=True), arch.mtp_layers, arch.vocab_padded_to, layers
+
+
+def describe_model(arch: Arch, *, use_cache: bool = True, layers: tuple[int, ...] | None = None) -> ModelSkeleton:
     """The skeleton of ``arch``'s MCore model (independent of dtype and layout): from the disk cache, or
-    computed by megatron-core in a helper process (and then cached)."""
-    key = (json.dumps(arch.hf_config, sort_keys=True), arch.mtp_layers, arch.vocab_padded_to)
-    return _describe_cached(*key) if use_cache else _compute(*key)
+    computed by megatron-core in a helper process (and then cached).
+
+    ``layers`` builds only those decoder layers of the model, in that order (``models/shape.py`` asks
+    for one layer of each kind, so that a 671B model's shapes cost what two of its layers cost)."""
+    key = _key(arch, layers)
+    return _describe_cached(*key) if use_cache else _compute([key])[0]
 
 
-@functools.lru_cache(maxsize=8)
-def _describe_cached(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton:
-    path = cache_path(hf_config_json, mtp_layers, vocab_padded_to)
+def describe_models(requests: list[tuple[Arch, tuple[int, ...] | None]]) -> list[ModelSkeleton]:
+    """``describe_model`` of each (arch, layers), with every cache miss computed in one helper process
+    (megatron-core is imported once, not once per model)."""
+    keys = [_key(arch, layers) for arch, layers in requests]
+    missing = [k for k in dict.fromkeys(keys) if _read_cache(*k) is None]
+    if missing:
+        for key, skeleton in zip(missing, _compute(missing)):
+            path = cache_path(*key)
+            if path is not None:
+                _store(path, skeleton)
+    return [_describe_cached(*k) for k in keys]
+
+
+def _read_cache(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None,
+                layers: tuple[int, ...] | None) -> ModelSkeleton | None:
+    path = cache_path(hf_config_json, mtp_layers, vocab_padded_to, layers)
     if path is not None and path.is_file():
         try:
             return ModelSkeleton.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError):
-            pass  # damaged or foreign: computed again and rewritten below
-    skeleton = _compute(hf_config_json, mtp_layers, vocab_padded_to)
-    if path is not None:
-        _store(path, skeleton)
+            pass  # damaged or foreign: computed again and rewritten
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _describe_cached(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None,
+                     layers: tuple[int, ...] | None) -> ModelSkeleton:
+    key = (hf_config_json, mtp_layers, vocab_padded_to, layers)
+    skeleton = _read_cache(*key)
+    if skeleton is None:
+        skeleton = _compute([key])[0]
+        path = cache_path(*key)
+        if path is not None:
+            _store(path, skeleton)
     return skeleton
 
 
-def _compute(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton:
+def _compute(keys: list[tuple]) -> list[ModelSkeleton]:
     from megatron_patch.runtime.launch import run_local
 
-    return run_local(_describe_worker, 1, hf_config_json, mtp_layers, vocab_padded_to)[0]
+    return run_local(_describe_worker, 1, keys)[0]
 
 
 def cache_dir() -> Path:
@@ -156,7 +193,6 @@ def _code_digest() -> str:
     """Hash of every source file that decides what megatron builds for a config (and of the versions)."""
     package = Path(__file__).resolve().parents[1]
     files = sorted(p for sub in ("models", "runtime") for p in (package / sub).rglob("*.py"))
-    files += [Path(__file__).resolve(), package / "convert" / "engine.py"]
     h = hashlib.sha256()
     for dist in ("megatron-core", "torch"):
         h.update(f"{dist}={_version(dist)}\n".encode())
@@ -165,11 +201,14 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def cache_path(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None = None) -> Path | None:
-    """Where the skeleton of this config (with ``mtp_layers`` MTP layers and the embedding padded to
-    ``vocab_padded_to`` rows, None: the config's own padding) is cached; None if the code cannot be hashed."""
+def cache_path(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None = None,
+               layers: tuple[int, ...] | None = None) -> Path | None:
+    """Where the skeleton of this config (with ``mtp_layers`` MTP layers, the embedding padded to
+    ``vocab_padded_to`` rows, None: the config's own padding, and only the decoder ``layers`` given, None:
+    all) is cached; None if the code cannot be hashed."""
+    only = "" if layers is None else f"layers={','.join(map(str, layers))}\0"
     try:
-        key = hashlib.sha256(f"{SKELETON_FORMAT}\0{_code_digest()}\0{mtp_layers}\0{vocab_padded_to}\0"
+        key = hashlib.sha256(f"{SKELETON_FORMAT}\0{_code_digest()}\0{mtp_layers}\0{vocab_padded_to}\0{only}"
                              f"{hf_config_json}".encode()).hexdigest()
     except OSError:
         return None
@@ -188,13 +227,27 @@ def _store(path: Path, skeleton: ModelSkeleton) -> None:
         pass
 
 
-def _describe_worker(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton:
+def _describe_worker(keys: list[tuple]) -> list[ModelSkeleton]:
     import dataclasses
 
     from megatron_patch.models.registry import parse_arch
 
-    return describe_model_here(dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers,
-                                                   vocab_padded_to=vocab_padded_to))
+    out = []
+    for hf_config_json, mtp_layers, vocab_padded_to, layers in keys:
+        arch = dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers,
+                                   vocab_padded_to=vocab_padded_to)
+        out.append(describe_model_here(only_layers(arch, layers) if layers is not None else arch))
+    return out
+
+
+def only_layers(arch: Arch, layers: tuple[int, ...]) -> Arch:
+    """``arch`` with only the decoder ``layers`` given (each keeping its kind), renumbered from 0."""
+    import dataclasses
+
+    if not layers or any(not 0 <= i < arch.num_layers for i in layers):
+        raise ValueError(f"layers {layers} are not layers of a {arch.num_layers}-layer model")
+    return dataclasses.replace(arch, num_layers=len(layers),
+                               dense_layers=tuple(j for j, i in enumerate(layers) if i in arch.dense_layers))
 
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:
@@ -211,6 +264,8 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
     local_state = model.state_dict()
     te_name = local_to_te_names(local_state)
     shapes = {te_name[k]: tuple(v.shape) for k, v in local_state.items() if not k.endswith("_extra_state") and v is not None}
+    parameters = {name for name, _ in model.named_parameters()}
+    buffers = frozenset(te_name[k] for k in local_state if te_name[k] in shapes and k not in parameters)
     chunks: list[ChunkEntry] = []
     objects: list[ObjectEntry] = []
     for sd_name, entry in model.sharded_state_dict().items():
@@ -231,7 +286,7 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
             else:
                 raise UserError(f"unexpected entry {type(item).__name__} in the model's sharded state dict")
     del model
-    return ModelSkeleton(shapes, chunks, objects, expected_hf_shapes(arch, shapes))
+    return ModelSkeleton(shapes, chunks, objects, expected_hf_shapes(arch, shapes), buffers)
 
 
 def expected_hf_shapes(arch: Arch, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -242,15 +297,14 @@ def expected_hf_shapes(arch: Arch, shapes: dict[str, tuple[int, ...]]) -> dict[s
     """
     import torch
 
-    from megatron_patch.convert.engine import MappingError, names_list, plan
-    from megatron_patch.models.mapping import split_context
+    from megatron_patch.models.mapping import MappingError, names_list, plan_transfers, split_context
     from megatron_patch.models.mapping.splits import Replicated
     from megatron_patch.models.registry import get_family
     from megatron_patch.runtime import ParallelLayout
 
     ctx = split_context(arch)
     planned, out = set(), {}
-    for t in plan(get_family(arch.family), arch, ParallelLayout()):
+    for t in plan_transfers(get_family(arch.family).weight_rules(arch), arch, ParallelLayout()):
         name = t.placements[0].mcore_name
         planned.add(name)
         if name not in shapes:
