@@ -32,6 +32,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
+from tests.convert_helpers import leftovers, run_cli
 
 FAMILIES = list(families())
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -72,15 +73,6 @@ def hf_dirs(tmp_path_factory):
 def tensors(folder) -> dict[str, torch.Tensor]:
     reader = HFCheckpointReader(folder)
     return {k: reader.get(k) for k in reader.keys()}
-
-
-def leftovers(target: Path) -> list[str]:
-    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}."))
-
-
-def run_cli(capsys, *argv) -> tuple[int, str]:
-    rc = main(list(argv))
-    return rc, capsys.readouterr().err
 
 
 # --- exact round trips ---------------------------------------------------------------------------

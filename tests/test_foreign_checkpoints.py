@@ -20,7 +20,7 @@ from megatron_patch.convert.foreign import find_checkpoint
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import parse_arch
 from tests import foreign_checkpoints as fc
-from tests.test_convert import leftovers, run_cli
+from tests.convert_helpers import leftovers, run_cli
 
 
 @pytest.fixture(scope="module")

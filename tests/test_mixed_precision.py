@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from megatron_patch.cli import main
-from megatron_patch.convert.torch_dist import TorchDistReader
-from tests.test_training import GBS, SEQ
+from tests.training_helpers import GBS, SEQ, read_tensors
 from tests.training_helpers import launch, read_metrics
 
 ITERS = 6
@@ -32,11 +31,6 @@ def _args(corpus, out, **over):
                 WARMUP_TOKENS_OR_ITERS=str(2 * GBS * SEQ), SAVE_INTERVAL="3")
     base.update(over)
     return launcher_args("llama3_1", **base)
-
-
-def read_tensors(folder) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist folder, whole, in its stored dtype."""
-    return TorchDistReader(folder).read_all()
 
 
 def _last_per_iteration(out) -> dict[int, dict]:

@@ -21,8 +21,7 @@ import shutil
 import pytest
 import torch
 
-from tests.test_mixed_precision import read_tensors
-from tests.test_training import GBS, SEQ
+from tests.training_helpers import GBS, SEQ, read_tensors
 from tests.training_helpers import launch, launcher_args, read_metrics
 
 ITERS, SAVE = 14, 7

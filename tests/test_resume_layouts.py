@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 
 from tests import foreign_checkpoints as fc
-from tests.test_training import GBS, SEQ, _pretrain_args
+from tests.training_helpers import GBS, SEQ
+from tests.training_helpers import pretrain_args as _pretrain_args
 from tests.training_helpers import hf_loss_on_first_batch, launch, read_metrics
 
 ITERS = 12

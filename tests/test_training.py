@@ -28,19 +28,11 @@ import torch
 from megatron_patch.checkpoint_layout import partial_dir
 from megatron_patch.cli import main
 from megatron_patch.convert.torch_dist import TorchDistReader
-from tests.training_helpers import (hf_loss_on_first_batch, launch, launcher_args, make_chat_tokenizer,
-                                    make_tiktoken_file, read_metrics, write_jsonl)
+from tests.training_helpers import (GBS, ITERS, SEQ, hf_loss_on_first_batch, launch, launcher_args,
+                                    make_chat_tokenizer, make_tiktoken_file, read_metrics, write_jsonl)
+from tests.training_helpers import pretrain_args as _pretrain_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ITERS, GBS, SEQ = 20, 8, 64
-
-
-def _pretrain_args(corpus, out, **over):
-    base = dict(DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), LR="3e-3", MIN_LR="3e-4",
-                GLOBAL_BATCH_SIZE=str(GBS), SEQ_LEN=str(SEQ), TRAIN_TOKENS_OR_ITERS=str(ITERS * GBS * SEQ),
-                WARMUP_TOKENS_OR_ITERS=str(2 * GBS * SEQ), SAVE_INTERVAL="10")
-    base.update(over)
-    return launcher_args("llama3_1", **base)
 
 
 # --- preprocessing -----------------------------------------------------------------------------------

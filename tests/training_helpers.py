@@ -118,3 +118,23 @@ def make_chat_tokenizer(folder: str | Path, base: str | Path, template: str = CH
     config = json.loads((Path(base) / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     return folder
+
+
+# The training tests' default run: ITERS iterations of GBS sequences of SEQ tokens.
+ITERS, GBS, SEQ = 20, 8, 64
+
+
+def pretrain_args(corpus, out, **over) -> list[str]:
+    """The Llama launcher's arguments for the default run on ``corpus``, writing to ``out``."""
+    base = dict(DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), LR="3e-3", MIN_LR="3e-4",
+                GLOBAL_BATCH_SIZE=str(GBS), SEQ_LEN=str(SEQ), TRAIN_TOKENS_OR_ITERS=str(ITERS * GBS * SEQ),
+                WARMUP_TOKENS_OR_ITERS=str(2 * GBS * SEQ), SAVE_INTERVAL="10")
+    base.update(over)
+    return launcher_args("llama3_1", **base)
+
+
+def read_tensors(folder) -> dict:
+    """Every tensor of a torch_dist folder, whole, in its stored dtype."""
+    from megatron_patch.convert.torch_dist import TorchDistReader
+
+    return TorchDistReader(folder).read_all()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
-from megatron_patch.errors import UserError
 from megatron_patch.lazy import LazyModule
 from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.models.family import ModelFamily
