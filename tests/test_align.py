@@ -208,6 +208,7 @@ def _judge(aligned, family, dtype, test):
                  aligned["floor"][family] if dtype != "fp32" else None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_planted_fault_fails_at_its_first_layer(aligned, fault):
     family, _, _, expected = FAULTS[fault]
@@ -221,6 +222,7 @@ def test_planted_fault_fails_at_its_first_layer(aligned, fault):
     assert upstream and all(p.metrics["rel_l2"] <= 1e-5 for p in upstream)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", BF16_FAULTS)
 def test_fault_in_bf16_fails_against_the_noise_floor(aligned, fault):
     family, _, _, expected = FAULTS[fault]
@@ -250,6 +252,7 @@ def _check_clean(v, family, dtype, aligned):
         assert logits.metrics["rel_l2"] > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp1", "multi"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -257,6 +260,7 @@ def test_clean_conversion_is_aligned(aligned, family, dtype, layout):
     _check_clean(_judge(aligned, family, dtype, aligned["clean"][layout][(family, dtype)]), family, dtype, aligned)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "ep2"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_clean_moe_conversion_is_aligned_in_bf16_at_tp_and_ep(aligned, family, layout):
@@ -295,6 +299,7 @@ def test_routing_flips_are_judged_on_their_own_floor():
     assert v.routing[0].flipped == b * s and v.routing[0].ratio == b * s / MIN_FLOOR_FLIPS
 
 
+@pytest.mark.slow
 def test_bf16_verdict_needs_the_floor_and_uses_it(aligned):
     ref, floor = aligned["ref"]["llama3_1"], aligned["floor"]["llama3_1"]
     with pytest.raises(ValueError):
@@ -306,6 +311,7 @@ def test_bf16_verdict_needs_the_floor_and_uses_it(aligned):
     assert judge(ref, floor, "fp32", 4).first_failure == "embedding"
 
 
+@pytest.mark.slow
 def test_config_differences_name_the_changed_keys(aligned):
     from megatron_patch.convert.sidecar import read_sidecar
 
@@ -317,6 +323,7 @@ def test_config_differences_name_the_changed_keys(aligned):
 
 # --- the command line ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_bad_input_exits_2(aligned, tmp_path, capsys):
     llama = str(aligned["hf"]["llama3_1"])
     legacy = str(aligned["faulty"]["k_and_v_swapped"])
@@ -328,6 +335,7 @@ def test_cli_bad_input_exits_2(aligned, tmp_path, capsys):
     assert "legacy checkpoint for TP=1" in err and "different models" in err
 
 
+@pytest.mark.slow
 def test_cli_hf_vs_hf_round_trip_verdicts_and_report(aligned, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -366,6 +374,7 @@ def ablation_report(aligned, tmp_path_factory):
     return report
 
 
+@pytest.mark.slow
 def test_cli_ablate_reports_each_source(ablation_report):
     from megatron_patch.align.ablations import ABLATIONS
 
@@ -380,6 +389,7 @@ def test_cli_ablate_reports_each_source(ablation_report):
     assert rows["rmsnorm_lowp"]["logits_rel_l2"] > rows["baseline"]["logits_rel_l2"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the TE/fused variants run (next test)")
 def test_cli_ablate_skips_gpu_variants_on_cpu(ablation_report):
     rows = {r["name"]: r for r in json.loads((ablation_report / "report.json").read_text())["ablations"]}
@@ -388,6 +398,7 @@ def test_cli_ablate_skips_gpu_variants_on_cpu(ablation_report):
     assert "skipped" in (ablation_report / "report.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the TE/fused ablations need a CUDA GPU")
 def test_cli_ablate_runs_gpu_variants_on_gpu(ablation_report):
@@ -399,6 +410,7 @@ def test_cli_ablate_runs_gpu_variants_on_gpu(ablation_report):
         assert rows[name]["status"] == ("ran" if te_available() else "skipped"), name
 
 
+@pytest.mark.slow
 def test_cli_text_file_feeds_real_text_through_the_tokenizer(aligned, tmp_path, capsys):
     from megatron_patch.training.toy_data import make_texts, make_tokenizer
 
@@ -424,6 +436,7 @@ def test_cli_text_file_feeds_real_text_through_the_tokenizer(aligned, tmp_path, 
     assert len(err) == 1 and "tokens; --batch 2 x --seq-len 128 needs 256" in err[0]
 
 
+@pytest.mark.slow
 def test_cli_fp16_is_judged_against_hf_fp16_rounding(aligned, tmp_path):
     report = tmp_path / "rep"
     assert main(["align", "--hf-dir", str(aligned["hf"]["llama3_1"]), "--dtype", "fp16", "--quiet",
@@ -432,6 +445,7 @@ def test_cli_fp16_is_judged_against_hf_fp16_rounding(aligned, tmp_path):
     assert "HF's own fp16 rounding" in verdict["summary"]
 
 
+@pytest.mark.slow
 def test_cli_moe_checkpoint_aligned_at_expert_parallel_2(aligned, tmp_path):
     ckpt = aligned["faulty"]["query_heads_swapped_in_group"].parent.parent / "clean" / "qwen2_moe"
     report = tmp_path / "rep"

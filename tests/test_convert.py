@@ -89,6 +89,7 @@ ROUND_TRIPS = [(name, fmt, layout, dtype) for name, f in families().items()
 
 @pytest.mark.parametrize("family,fmt,layout,dtype", ROUND_TRIPS,
                          ids=[f"{f}-{fmt}-{str(l).replace(' ', '')}-{d}" for f, fmt, l, d in ROUND_TRIPS])
+@pytest.mark.slow
 def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dtype):
     src = hf_dirs[family]
     ckpt, back = tmp_path / "mcore", tmp_path / "hf"
@@ -211,6 +212,7 @@ def describe_torch_dist(folder) -> dict:
             if k != COMMON_STATE_OBJECT}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen2"])
 def test_torch_dist_matches_megatrons_own_save(hf_dirs, tmp_path, family):
     """Keys, global shapes and dtypes are exactly what dist_checkpointing.save writes for the model."""
@@ -239,6 +241,7 @@ LOADS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,fmt,converted,loaded", LOADS, ids=[f"{f}-{fmt}-to-tp{l[0]}pp{l[1]}ep{l[2]}" for f, fmt, _, l in LOADS])
 def test_checkpoint_loads_at_layout_with_hf_logits(hf_dirs, tmp_path, family, fmt, converted, loaded):
     from megatron_patch.convert.loading import checkpoint_logits_worker

@@ -128,6 +128,7 @@ def _convert_both_ways(hf, out, fmt, copier_factory, layout=ParallelLayout(tp=2,
     return _folder_bytes(out / "mcore"), _folder_bytes(out / "hf"), there.stats, back.stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
 def test_zero_copy_output_is_byte_identical_to_copying_through_memory(hf_dir, tmp_path, fmt):
     from megatron_patch.convert.copier import Copier
@@ -417,6 +418,7 @@ def describe_all_worker(archs: list) -> list:
     return [describe_model_here(a) for a in archs]
 
 
+@pytest.mark.slow
 def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
     """For every family (and DeepSeek with its multi-token-prediction layers) the skeleton read back
     from the disk cache equals the one megatron-core computes (shapes, every sharded-state-dict chunk,

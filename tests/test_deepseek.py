@@ -53,6 +53,7 @@ def test_variants_parse_as_their_hub_configs_say(variants):
     assert (k3["mscale"], k3["mscale_all_dim"]) == (1.0, 0.8) and (k2["mscale"], k2["mscale_all_dim"]) == (0.707, 0.707)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2, ep=2)], ids=str)
 def test_variants_match_transformers(variants, layout):
     # transformers 4.x's DeepseekV2 leaves YaRN's mscale out of the softmax scale (5.0 fixed it): its
@@ -62,6 +63,7 @@ def test_variants_match_transformers(variants, layout):
         assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, (name, m)
 
 
+@pytest.mark.slow
 def test_variants_round_trip_at_tp_ep_and_pp(variants):
     fam = get_family("deepseek_v3")
     for name, folder in variants.items():

@@ -39,6 +39,7 @@ def _hf_loss(folder, tokens: torch.Tensor) -> float:
         return float(model.eval()(tokens, labels=tokens).loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(families()))
 def test_convert_train_export_load(data, tmp_path, family):
     hf = make_tiny_hf_checkpoint(family, tmp_path / "hf", seed=11)

@@ -48,6 +48,7 @@ def _same_tensors(folder, want) -> list[str]:
 
 # --- export: every layout, every architecture source -----------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,source", [("megatron_lm", "hf_config"), ("legacy", "hf_config"),
                                          ("pai", "config_beside"), ("bridge", "hf_config")])
 def test_export_gives_back_the_hf_tensors(ckpts, name, source, tmp_path, capsys):
@@ -58,6 +59,7 @@ def test_export_gives_back_the_hf_tensors(ckpts, name, source, tmp_path, capsys)
     assert parse_arch(tmp_path / "hf") == parse_arch(ckpts["hf"])  # every number of the model, RoPE included
 
 
+@pytest.mark.slow
 def test_export_from_saved_megatron_lm_arguments(ckpts, tmp_path, capsys):
     """No config at all: the args in megatron's common state (torch_dist) or in the rank files (legacy) as --family llama3_1."""
     for name in ("megatron_lm", "pai"):
@@ -73,6 +75,7 @@ def test_export_from_saved_megatron_lm_arguments(ckpts, tmp_path, capsys):
         assert dataclasses.replace(got, rope_scaling=original.rope_scaling) == original
 
 
+@pytest.mark.slow
 def test_without_an_architecture_source_one_line_says_what_to_give(ckpts, tmp_path, capsys):
     for name, wanted in (("megatron_lm", "--family NAME"), ("bridge", "--hf-config PATH"),
                          ("pai", "config.json lies beside the weights")):
@@ -87,6 +90,7 @@ def _config(ckpts, **changes) -> dict:
     return {**fc.read_config(ckpts["hf"]), **changes}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("changes,named", [
     ({"hidden_size": 128}, "hidden size: config 128, tensors 64"),
     ({"num_attention_heads": 8}, "attention heads: config 8 x head dim 16 = 128, tensors 64 (4 heads)"),
@@ -103,6 +107,7 @@ def test_each_disagreement_is_named(ckpts, changes, named):
     assert named in str(info.value), str(info.value)
 
 
+@pytest.mark.slow
 def test_qk_norm_and_experts_disagreements_are_named(ckpts):
     from megatron_patch.models.tiny import tiny_config
 
@@ -117,6 +122,7 @@ def test_qk_norm_and_experts_disagreements_are_named(ckpts):
         check_architecture(parse_arch(moe), found, "x")
 
 
+@pytest.mark.slow
 def test_padding_rows_are_the_checkpoints_own(ckpts):
     opened = open_checkpoint(ckpts["megatron_lm"], hf_config=ckpts["hf"])
     assert opened.sidecar.padded_vocab_size == 512 and opened.sidecar.arch.padded_vocab_size() == 512
@@ -135,6 +141,7 @@ def _legacy_without(ckpts, root, rank_dir: str, layer: int):
     return root
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_in_one_line(ckpts, tmp_path, capsys):
     cases = {}
     cases["not a checkpoint"] = (ckpts["hf"], "is not a Megatron checkpoint")
@@ -169,6 +176,7 @@ def test_bad_input_is_refused_in_one_line(ckpts, tmp_path, capsys):
 
 # --- mpatch inspect --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_inspect_says_what_each_folder_is(ckpts, capsys):
     expected = {
         "megatron_lm": ("torch_dist", "Megatron-LM", True, 20, "--family NAME"),
@@ -193,6 +201,7 @@ def test_inspect_says_what_each_folder_is(ckpts, capsys):
 
 # --- align: the foreign checkpoint is the model of --hf-dir ----------------------------------------
 
+@pytest.mark.slow
 def test_align_reads_a_megatron_lm_checkpoint(ckpts, tmp_path, capsys):
     from megatron_patch.cli import main
 

@@ -42,6 +42,7 @@ def dry_run(tmp_path_factory):
     return {"results": results, "proc": proc}
 
 
+@pytest.mark.slow
 def test_dry_run_checks_every_step(dry_run):
     proc, results = dry_run["proc"], dry_run["results"]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -67,6 +68,7 @@ def test_the_plan_fits_25_minutes(dry_run):
     assert sum(limits) == int(planned.group(1))
 
 
+@pytest.mark.slow
 def test_a_failing_step_is_marked_and_the_suite_goes_on(dry_run):
     """Reuses the folder (the prepared inputs stay), with a sequence length beyond the model's positions."""
     results = dry_run["results"]

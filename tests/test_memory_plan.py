@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from megatron_patch.cli import main
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.training.arguments import resolve
@@ -77,12 +79,14 @@ def _check(cfgs, results, checked):
     print("\n".join(f"{f} {l} {p} AC={a} stage {s}: planned/measured activations {x:.4f}" for f, l, p, a, s, x in rows))
 
 
+@pytest.mark.slow
 def test_plan_equals_what_one_process_allocates(corpus, tmp_path):
     cfgs = [_cfg(corpus, tmp_path / str(i), f, o, e) for i, (f, o, e, _) in enumerate(ONE_PROCESS)]
     results = run_local(measure_ranks, 1, cfgs, timeout=900)[0]
     _check(cfgs, [[r] for r in results], [c for *_, c in ONE_PROCESS])
 
 
+@pytest.mark.slow
 def test_plan_equals_what_two_processes_allocate(corpus, tmp_path):
     cfgs = [_cfg(corpus, tmp_path / str(i), f, o, e) for i, (f, o, e, _) in enumerate(TWO_PROCESSES)]
     assert {c.world_size for c in cfgs} == {2}

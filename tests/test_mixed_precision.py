@@ -72,6 +72,7 @@ def bf16_run(corpus, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_bf16_loss_falls_and_final_holds_the_trained_bf16_weights(bf16_run, tmp_path):
     losses = [m["loss"] for m in read_metrics(bf16_run)]
     assert len(losses) == ITERS and 5.0 < losses[0] < 6.0
@@ -107,6 +108,7 @@ def test_bf16_loss_falls_and_final_holds_the_trained_bf16_weights(bf16_run, tmp_
                       final["decoder.layers.mlp.linear_fc1.layer_norm_weight"][2])
 
 
+@pytest.mark.slow
 def test_bf16_distributed_optimizer_resumes_after_a_kill_bit_for_bit(bf16_run, corpus, tmp_path):
     out = tmp_path / "out"
     _killed_and_resumed(corpus, out)
@@ -145,6 +147,7 @@ def test_fp16_loss_scale_grows_and_backs_off_on_overflow(fp16_run):
     assert losses[5] < losses[0] - 0.5, losses
 
 
+@pytest.mark.slow
 def test_fp16_without_distributed_optimizer_resumes_after_a_kill_bit_for_bit(fp16_run, corpus, tmp_path):
     """Killed at iteration 7 after the checkpoint at 5: the resumed run must also restore the loss
     scaler (growth and hysteresis trackers), or its scale and skipped steps would differ."""

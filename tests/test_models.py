@@ -303,6 +303,7 @@ for _name, _family in families().items():
         PARITY_LAYOUTS.setdefault(_layout, []).append(_name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(PARITY_LAYOUTS), ids=lambda l: str(l).replace(" ", "-"))
 def test_logits_match_transformers(tiny_dirs, layout):
     names = PARITY_LAYOUTS[layout]
@@ -330,6 +331,7 @@ def llama_variants(tmp_path_factory):
     return {name: make_tiny_hf_checkpoint("llama3_1", root / name, seed=7, **over) for name, over in LLAMA_VARIANTS.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(tp=2, pp=2)], ids=str)
 def test_llama_architecture_variants_match_transformers(llama_variants, layout):
     names = list(llama_variants)
@@ -437,6 +439,7 @@ def test_dense_layers_of_an_moe_model_are_read_from_config(mixed_moe):
     assert {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"} <= set(local)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [ParallelLayout(), ParallelLayout(pp=2, ep=2)], ids=str)
 def test_moe_model_with_dense_layers_matches_transformers(mixed_moe, layout):
     m = check_parity(mixed_moe, layout, seed=5)

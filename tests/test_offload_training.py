@@ -113,10 +113,12 @@ def test_auto_schedule_under_the_scripted_probe(auto):
     assert [e.value for e in events.Scalars("offload_moved_bytes")] == moved
 
 
+@pytest.mark.slow
 def test_auto_gives_the_plain_optimizers_run_bit_for_bit(auto, plain):
     _same_run(plain, auto["out"])
 
 
+@pytest.mark.slow
 def test_exact_numerics_any_schedule_equals_no_offload(corpus, script, tmp_path):
     exact = {"MP_OFFLOAD_NUMERICS": "exact"}
     off, moved = tmp_path / "off", tmp_path / "moved"
@@ -126,6 +128,7 @@ def test_exact_numerics_any_schedule_equals_no_offload(corpus, script, tmp_path)
     _same_run(off, moved)
 
 
+@pytest.mark.slow
 def test_offload_checkpoint_resumes_without_offload(auto, plain, tmp_path):
     out = tmp_path / "out"
     _stopped_after_checkpoint(auto["out"], out, SAVE)
@@ -135,6 +138,7 @@ def test_offload_checkpoint_resumes_without_offload(auto, plain, tmp_path):
     _same_run(plain, out)
 
 
+@pytest.mark.slow
 def test_plain_checkpoint_resumes_with_offload(plain, tmp_path):
     out = tmp_path / "out"
     _stopped_after_checkpoint(plain, out, SAVE)

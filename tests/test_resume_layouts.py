@@ -54,6 +54,7 @@ def uninterrupted(start, tmp_path_factory):
     return {"out": out, "args": args, "stdout": _run(start, args)}
 
 
+@pytest.mark.slow
 def test_a_run_starts_from_a_megatron_lm_checkpoint(start, uninterrupted):
     assert f"loaded pretrained weights from {start['ckpt']}" in uninterrupted["stdout"]
     first = read_metrics(uninterrupted["out"])[0]["loss"]
@@ -61,6 +62,7 @@ def test_a_run_starts_from_a_megatron_lm_checkpoint(start, uninterrupted):
     assert abs(first - expected) < 1e-4, (first, expected)  # the weights, padded vocabulary and all, arrived
 
 
+@pytest.mark.slow
 def test_resume_at_another_tp_pp_and_dp_repeats_the_run(start, uninterrupted, tmp_path):
     out = tmp_path / "out"
     _run(start, _args(start, out, TP="2", SP="true"), MP_EXIT_INTERVAL="4")

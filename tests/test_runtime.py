@@ -173,6 +173,7 @@ def test_optimizer_steps_match_tp1(dense_ref, train_ref, layout):
 
 # --- 4. dist_checkpointing across layouts ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_checkpoint_tp2_restores_at_tp1_and_dp2(dense_ref, tmp_path):
     ckpt = str(tmp_path / "tp2")
     saved = run_local(rh.save_checkpoint_worker, 2, ParallelLayout(tp=2), dense_ref["ckpt"], ckpt, 2, timeout=TIMEOUT)
@@ -371,6 +372,7 @@ def test_run_local_reports_other_failures_with_the_traceback_and_dead_ranks_at_o
         run_local(die_without_reporting, 2, 3, timeout=300)
 
 
+@pytest.mark.slow
 def test_run_local_starts_again_when_its_port_was_taken(monkeypatch):
     """free_port() can hand out a port another process binds before rank 0 does (tests running side by
     side did): the job starts again on another port instead of failing."""

@@ -91,6 +91,7 @@ def tp2_run(corpus, tmp_path_factory):
     return {"out": out, "args": args, "stdout": proc.stdout}
 
 
+@pytest.mark.slow
 def test_tp2_loss_falls_on_real_text(tp2_run):
     m = read_metrics(tp2_run["out"])
     losses = [x["loss"] for x in m]
@@ -111,6 +112,7 @@ def test_tp2_loss_falls_on_real_text(tp2_run):
     assert list((tp2_run["out"] / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_checkpoints_are_complete_and_marked(tp2_run):
     ckpt = tp2_run["out"] / "checkpoint"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "20"
@@ -125,6 +127,7 @@ def test_checkpoints_are_complete_and_marked(tp2_run):
     assert state["iteration"] == 20 and state["consumed_samples"] == 20 * GBS
 
 
+@pytest.mark.slow
 def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus, tmp_path):
     out = tmp_path / "out"
     args = _pretrain_args(corpus, out, TP="2", SP="true", DO="true")
@@ -177,6 +180,7 @@ def pp2_run(corpus, converted, tmp_path_factory):
     return {"out": out, "args": args, "stdout": proc.stdout}
 
 
+@pytest.mark.slow
 def test_pp2_starts_from_converted_checkpoint(pp2_run, converted, tmp_path):
     hf, out, args, stdout = converted["hf"], pp2_run["out"], pp2_run["args"], pp2_run["stdout"]
     assert "loaded pretrained weights" in stdout
@@ -196,6 +200,7 @@ def test_pp2_starts_from_converted_checkpoint(pp2_run, converted, tmp_path):
 
 # --- virtual pipeline (MP_VP): PP=2 x 2 chunks is the same computation as PP=2 ------------------------------
 
+@pytest.mark.slow
 def test_vp2_matches_pp2_and_resumes(pp2_run, corpus, converted, tmp_path):
     """4 layers at PP=2, VP=2: rank 0 holds layers 1 and 3, rank 1 layers 2 and 4 (interleaved 1F1B).
 
@@ -351,6 +356,7 @@ def test_sft_packing_keeps_samples_apart(corpus, tmp_path):
     assert thd["cu_seqlens"].tolist() == starts + [64]
 
 
+@pytest.mark.slow
 def test_sft_training_run(corpus, tmp_path):
     write_jsonl(tmp_path / "sft.jsonl", SFT_RECORDS * 8)
     out = tmp_path / "out"
@@ -364,6 +370,7 @@ def test_sft_training_run(corpus, tmp_path):
     assert all(x["loss_tokens"] < 4 * 48 for x in m)  # only response tokens count
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_the_run(corpus, tmp_path):
     out = tmp_path / "out"
     proc = launch(_pretrain_args(corpus, out, LR="1e30", MIN_LR="0"))
@@ -443,6 +450,7 @@ def _run_nodes(args, env: dict, tmp_path: Path, nodes: int = 2) -> list[tuple[in
     return results
 
 
+@pytest.mark.slow
 def test_two_nodes_train_one_model_with_dp_across_them(dp2_run, corpus, tmp_path):
     """ENV=dlc on a machine without GPUs (gloo): node 0 and node 1 hold one data-parallel rank each, and
     train the one-node run's model: the same losses, and a checkpoint written from both nodes."""
@@ -461,6 +469,7 @@ def test_two_nodes_train_one_model_with_dp_across_them(dp2_run, corpus, tmp_path
     assert iteration_problem(out / "checkpoint" / f"iter_{DP_SAVE:07d}") is None
 
 
+@pytest.mark.slow
 def test_two_nodes_train_one_model_with_tp_across_them(tp2_run, corpus, tmp_path):
     """TP=2 with one tensor-parallel rank per node (sequence parallel, distributed optimizer): the losses
     and grad norms of the one-node TP=2 run."""
@@ -505,6 +514,7 @@ def _wait_for_checkpoint(launcher: subprocess.Popen, out: Path, log: Path) -> No
         time.sleep(0.01)
 
 
+@pytest.mark.slow
 def test_killed_rank_is_restarted_and_the_run_resumes(dp2_run, corpus, tmp_path):
     """MP_MAX_RESTARTS=1: SIGKILL rank 1 right after the first checkpoint; torchrun restarts both ranks, which
     resume from the latest complete checkpoint by themselves; the job ends with status 0 and every
@@ -537,6 +547,7 @@ def test_killed_rank_is_restarted_and_the_run_resumes(dp2_run, corpus, tmp_path)
     _assert_same_losses(got, _last_records(dp2_run["out"]), range(1, DP_ITERS + 1))
 
 
+@pytest.mark.slow
 def test_stopped_rank_fails_the_job_naming_it(corpus, tmp_path):
     """SIGSTOP rank 1 after the first checkpoint: rank 0's next collective gives up after MP_DIST_TIMEOUT_MIN,
     and the job ends (no restart asked for) with one line naming rank 1, its pid, the collective and the
@@ -578,6 +589,7 @@ def _copy_checkpoints(src: Path, out: Path) -> Path:
     return out / "checkpoint"
 
 
+@pytest.mark.slow
 def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, corpus, tmp_path):
     """The latest checkpoint with a truncated .distcp and the one before without metadata.json: the run warns
     about each, resumes from the newest complete one (12), and repeats the uninterrupted run's losses."""
@@ -636,6 +648,7 @@ def _small_disk(folder: Path, size: int) -> bool:
     return proc.returncode == 0
 
 
+@pytest.mark.slow
 def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(dp2_run, corpus, tmp_path):
     """The checkpoint folder on a disk with room for one and a half checkpoints: the save at 12 fails, the run
     stops with one line naming the error and the checkpoint kept, no partial folder is left, iteration 6 is

@@ -11,9 +11,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_quickstart_runs_end_to_end(tmp_path):
     work = tmp_path / "qs"
     env = {**os.environ, "PYTHON": sys.executable}
