@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import json
 import platform
 
-
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
+from megatron_patch.runtime.machine import features, gpu_info, installed_version
 
 
 def collect() -> dict:
@@ -21,39 +15,22 @@ def collect() -> dict:
     from megatron_patch.models.registry import families
     from megatron_patch.runtime import cpu_compat, versions
 
-    cuda = torch.cuda.is_available()
-    gpu = None
-    if cuda:
-        props = torch.cuda.get_device_properties(0)
-        gpu = {"name": props.name, "count": torch.cuda.device_count(), "capability": f"{props.major}.{props.minor}",
-               "memory_gib": round(props.total_memory / 2**30, 1)}
-    te = _version("transformer-engine") or _version("transformer_engine")
-    fa2 = _version("flash-attn") or _version("flash_attn")
-    fa3 = _version("flash-attn-3") or _version("flash_attn_3")
-    hopper = bool(gpu) and gpu["capability"].startswith("9.")
+    gpu = gpu_info()
     tested = versions.tested_combination()
     return {
         "megatron_patch": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "megatron_core": _version("megatron-core") or _version("megatron_core"),
-        "transformers": _version("transformers"),
-        "safetensors": _version("safetensors"),
+        "megatron_core": installed_version("megatron-core", "megatron_core"),
+        "transformers": installed_version("transformers"),
+        "safetensors": installed_version("safetensors"),
         "tested_combination": (f"yes ({tested.how})" if tested else
                                "no: see the README's supported versions for the combinations that are tested"),
-        "device": "cuda" if cuda else "cpu",
+        "device": "cuda" if gpu else "cpu",
         "gpu": gpu,
-        "distributed_backend": "nccl" if cuda else "gloo",
+        "distributed_backend": "nccl" if gpu else "gloo",
         "cpu_compat_layer": "needed (no CUDA)" if cpu_compat.is_needed() else "off (CUDA present)",
-        "features": {
-            "transformer_engine": bool(te and cuda),
-            "transformer_engine_version": te,
-            "fp8": bool(te and cuda and gpu and float(gpu["capability"]) >= 8.9),
-            "flash_attention_2": bool(fa2 and cuda),
-            "flash_attention_3": bool(fa3 and hopper),
-            "layer_spec": "transformer_engine" if te and cuda else "local",
-            "attention": "flash/fused (TE)" if te and cuda else "local (unfused softmax)",
-        },
+        "features": features(gpu),
         "families": {name: list(f.hf_model_types) for name, f in families().items()},
     }
 

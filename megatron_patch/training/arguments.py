@@ -17,6 +17,7 @@ from pathlib import Path
 
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.runtime.machine import Capabilities  # noqa: F401 (the launcher's checks take it)
 
 # --- the positional interface ----------------------------------------------------------------------
 
@@ -764,30 +765,6 @@ def megatron_settings(cfg: RunConfig) -> dict:
 
 
 # --- what this machine can do ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Capabilities:
-    cuda: bool
-    transformer_engine: bool
-    fp8: bool
-    flash_attention_3: bool
-    flash_attention_2: bool = False
-    compute_capability: tuple[int, int] | None = None  # of GPU 0
-    cuda_version: str | None = None  # torch's CUDA build
-
-    @classmethod
-    def detect(cls) -> "Capabilities":
-        from megatron_patch.cli.info import collect
-
-        f = collect()["features"]
-        import torch
-
-        cuda = torch.cuda.is_available()
-        return cls(cuda=cuda, transformer_engine=f["transformer_engine"], fp8=f["fp8"],
-                   flash_attention_3=f["flash_attention_3"], flash_attention_2=f["flash_attention_2"],
-                   compute_capability=tuple(torch.cuda.get_device_capability(0)) if cuda else None,
-                   cuda_version=torch.version.cuda)
-
 
 def _version_tuple(text: str | None) -> tuple[int, ...]:
     try:

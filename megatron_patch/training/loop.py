@@ -23,7 +23,9 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.distributed import move_to_device
+from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import faults
+from megatron_patch.training.arguments import attention_kernel
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
@@ -430,7 +432,6 @@ class Trainer:
         flops = flops_per_iteration(self.arch, cfg)
         peak = self._peak_tflops()
         losses = {}
-        from megatron_patch.training.arguments import Capabilities, attention_kernel
 
         self._log(f"training {cfg.family} {cfg.model_size} {cfg.layout} DP={self.dp_size} on {self.world} "
                   f"{'GPU' if torch.cuda.is_available() else 'CPU process'}(es): iterations {self.iteration + 1}.."

@@ -1,0 +1,73 @@
+"""What this machine has: installed packages, the GPU, and the training features they make usable.
+
+`mpatch info` prints it and the launcher decides on it (``Capabilities``), so both read this one place.
+torch is imported inside the functions: the launcher and the converter start without it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import dataclass
+
+
+def installed_version(*dists: str) -> str | None:
+    """The version of the first of ``dists`` that is installed (distributions spell names two ways)."""
+    for dist in dists:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def gpu_info() -> dict | None:
+    """GPU 0's name, count, compute capability and memory, or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return {"name": props.name, "count": torch.cuda.device_count(), "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1)}
+
+
+def features(gpu: dict | None) -> dict:
+    """Which of transformer-engine, FP8 and FlashAttention are usable with ``gpu`` (``gpu_info()``)."""
+    cuda = gpu is not None
+    te = installed_version("transformer-engine", "transformer_engine")
+    fa2 = installed_version("flash-attn", "flash_attn")
+    fa3 = installed_version("flash-attn-3", "flash_attn_3")
+    hopper = cuda and gpu["capability"].startswith("9.")
+    return {
+        "transformer_engine": bool(te and cuda),
+        "transformer_engine_version": te,
+        "fp8": bool(te and cuda and float(gpu["capability"]) >= 8.9),
+        "flash_attention_2": bool(fa2 and cuda),
+        "flash_attention_3": bool(fa3 and hopper),
+        "layer_spec": "transformer_engine" if te and cuda else "local",
+        "attention": "flash/fused (TE)" if te and cuda else "local (unfused softmax)",
+    }
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the launcher checks a configuration against."""
+
+    cuda: bool
+    transformer_engine: bool
+    fp8: bool
+    flash_attention_3: bool
+    flash_attention_2: bool = False
+    compute_capability: tuple[int, int] | None = None  # of GPU 0
+    cuda_version: str | None = None  # torch's CUDA build
+
+    @classmethod
+    def detect(cls) -> "Capabilities":
+        import torch
+
+        gpu = gpu_info()
+        f = features(gpu)
+        return cls(cuda=gpu is not None, transformer_engine=f["transformer_engine"], fp8=f["fp8"],
+                   flash_attention_3=f["flash_attention_3"], flash_attention_2=f["flash_attention_2"],
+                   compute_capability=tuple(torch.cuda.get_device_capability(0)) if gpu else None,
+                   cuda_version=torch.version.cuda)
