@@ -59,7 +59,7 @@ def run_env(layers: int, extra: dict | None = None) -> dict:
 
 
 def resolve_cfg(argv: list[str], env: dict):
-    from megatron_patch.training.arguments import resolve
+    from megatron_patch.training.validation import resolve
 
     return resolve("llama3_1", argv, env={**os.environ, **env}, check_paths=False)
 

@@ -187,7 +187,7 @@ else:
     # logits ~6 GiB; 85% of the GPU's memory usable.
     import torch
     from megatron_patch.models.registry import parse_arch
-    from megatron_patch.training.arguments import presets
+    from megatron_patch.training.launcher_args import presets
 
     from megatron_patch.models.shape import model_shape
 
@@ -303,7 +303,8 @@ step_train() {
   if [ "$pr" = fp8 ]; then
     local recipe="${extra#MP_FP8_RECIPE=}" why
     why=$("$PYTHON" -c 'import sys
-from megatron_patch.training.arguments import Capabilities, fp8_recipe_problem
+from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.training.machine_checks import fp8_recipe_problem
 print(fp8_recipe_problem(sys.argv[1], Capabilities.detect()) or "")' "$recipe") || return 1
     [ -n "$why" ] && { echo "SKIP: $why"; return 3; }
   fi

@@ -135,7 +135,7 @@ def test_what_megatron_core_computes_otherwise_is_refused(over, fragment):
     (dict(PP="2"), "PP=2 does not divide the 3 layers (1 dense, then MoE)"),
 ])
 def test_launcher_refuses_layouts_that_cannot_split_the_model(tmp_path, over, fragment):
-    from megatron_patch.training.arguments import resolve
+    from megatron_patch.training.validation import resolve
 
     prefix = tmp_path / "d_text_document"
     for suffix in (".bin", ".idx"):

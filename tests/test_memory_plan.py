@@ -18,7 +18,7 @@ import pytest
 
 from megatron_patch.cli import main
 from megatron_patch.runtime.launch import run_local
-from megatron_patch.training.arguments import resolve
+from megatron_patch.training.validation import resolve
 from megatron_patch.training.memory_plan import GiB, auto_share, plan_memory, stage_memory
 from tests.memory_helpers import measure_ranks
 from tests.training_helpers import launcher_args
@@ -67,7 +67,7 @@ def _check(cfgs, results, checked):
             if plan.offload_policy != "off":
                 from megatron_patch.training.memory_plan import _place_chunks
 
-                _place_chunks(st, plan.offload_share, 4 if cfg.precision == "fp32" else 2)
+                _place_chunks(st, plan.offload_share, cfg.precision.itemsize)
             planned = {k: getattr(st, k) for k in ("params", "grads", "optimizer_device", "optimizer_host")}
             got = {k: r[k] for k in planned}
             ratio = st.activations / r["activations"]

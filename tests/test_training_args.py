@@ -16,7 +16,10 @@ import torch
 
 from megatron_patch.cli import main
 from megatron_patch.models.registry import families, parse_arch
-from megatron_patch.training.arguments import Capabilities, arg_names, machine_problems, resolve
+from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.training.launcher_args import arg_names
+from megatron_patch.training.machine_checks import machine_problems
+from megatron_patch.training.validation import resolve
 from tests.training_helpers import launcher_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -391,7 +394,7 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
 
     from megatron_patch.dtypes import precision_dtype
     from megatron_patch.models.builder import transformer_config
-    from megatron_patch.training.arguments import megatron_settings
+    from megatron_patch.training.megatron_settings import megatron_settings
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -436,7 +439,7 @@ def test_fp8_recipes_are_checked_against_the_gpu(data):
 
 
 def test_flash_attention_needs_a_flash_attn_package(data):
-    from megatron_patch.training.arguments import attention_kernel
+    from megatron_patch.training.machine_checks import attention_kernel
 
     cfg = _cfg(data, ENV="dsw", PR="bf16", FL="true")
     no_fa = Capabilities(**{**H100.__dict__, "flash_attention_2": False, "flash_attention_3": False})
@@ -451,7 +454,7 @@ def test_attention_backend_per_precision_and_device(data):
     """fp32 on a GPU must not ask transformer-engine for fused/flash attention, which have no fp32 kernel."""
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_patch.training.arguments import megatron_settings
+    from megatron_patch.training.megatron_settings import megatron_settings
 
     def backend(**over):
         return megatron_settings(_cfg(data, **over))["transformer_config"]["attention_backend"]
@@ -500,7 +503,7 @@ def test_dlc_on_a_cpu_node_trains_on_gloo_with_restarts_and_a_timeout(data):
 
 
 def test_launch_environment_serialises_kernels_for_tp_and_cp(data):
-    from megatron_patch.training.arguments import launch_environment
+    from megatron_patch.training.machine_checks import launch_environment
 
     b200 = Capabilities(**{**H100.__dict__, "compute_capability": (10, 0)})
     wanted = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

@@ -175,7 +175,7 @@ def _te_base(new_api: bool):
 
 
 def test_userbuffers_get_the_micro_batch_shape_and_the_api_te_has(tmp_path):
-    from megatron_patch.training.arguments import resolve
+    from megatron_patch.training.validation import resolve
     from megatron_patch.training.gpu_setup import initialize_tp_communicators
 
     data = tmp_path / "d_text_document"

@@ -8,7 +8,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from megatron_patch.cli import main
-from megatron_patch.runtime.versions import TESTED, installed, tested_combination
+from megatron_patch.runtime import versions
+from megatron_patch.runtime.versions import TESTED, installed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,11 +21,11 @@ def _requirement(name: str) -> Requirement:
 
 def test_combinations_match_by_release_line():
     found = {"python": "3.11.9", "megatron_core": "0.16.1", "torch": "2.13.0+cpu", "transformers": "5.24.1"}
-    assert tested_combination(found) is TESTED[0]
-    assert tested_combination({**found, "python": "3.12.1", "megatron_core": "0.19.0"}) is TESTED[1]
-    assert tested_combination({**found, "megatron_core": "0.17.0"}) is None
-    assert tested_combination({**found, "transformers": "5.23.0"}) is None
-    assert tested_combination({**found, "torch": None}) is None
+    assert versions.tested_combination(found) is TESTED[0]
+    assert versions.tested_combination({**found, "python": "3.12.1", "megatron_core": "0.19.0"}) is TESTED[1]
+    assert versions.tested_combination({**found, "megatron_core": "0.17.0"}) is None
+    assert versions.tested_combination({**found, "transformers": "5.23.0"}) is None
+    assert versions.tested_combination({**found, "torch": None}) is None
 
 
 def test_setup_admits_the_tested_megatron_core_lines_and_no_unaudited_one():
@@ -42,5 +43,5 @@ def test_info_says_whether_this_combination_is_tested(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.startswith("tested_combination"))
-    assert ("yes" in line) == (tested_combination(installed()) is not None), line
+    assert ("yes" in line) == (versions.tested_combination(installed()) is not None), line
     assert installed()["megatron_core"] in out

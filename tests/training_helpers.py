@@ -58,7 +58,7 @@ def hf_loss_on_first_batch(hf_dir: str | Path, family: str, args: list[str]) -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megatron_patch.training.arguments import resolve
+    from megatron_patch.training.validation import resolve
     from megatron_patch.training.data import build_pretraining_datasets, micro_batches
 
     cfg = resolve(family, args, env={})
@@ -84,7 +84,7 @@ def write_jsonl(path: str | Path, records: list) -> Path:
 
 def launcher_args(family: str = "llama3_1", **over) -> list[str]:
     """A valid argument list for ``family``'s launcher; keyword arguments override by name."""
-    from megatron_patch.training.arguments import arg_names
+    from megatron_patch.training.launcher_args import arg_names
 
     base = dict(ENV="cpu", MODEL_SIZE="tiny", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="8", LR="1e-3", MIN_LR="1e-4",
                 SEQ_LEN="64", PAD_LEN="64", PR="fp32", TP="1", PP="1", CP="1", EP="1", ETP="1", SP="false",

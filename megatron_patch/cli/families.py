@@ -10,7 +10,7 @@ def family_rows(*, with_params: bool = False) -> list[dict]:
     layer of each kind per preset, once: models/shape.py caches it)."""
     from megatron_patch.models.registry import families, parse_arch
     from megatron_patch.models.shape import model_shapes
-    from megatron_patch.training.arguments import arg_names
+    from megatron_patch.training.launcher_args import arg_names
 
     rows = []
     for name, f in families().items():

@@ -1,6 +1,6 @@
 """`mpatch train FAMILY ARGS...`: the positional launchers' engine (examples/<family>/run_mcore_<family>.sh).
 
-Validates everything first (``training.arguments``), then: MP_DRY_RUN=1 prints the resolved
+Validates everything first (``training.validation``), then: MP_DRY_RUN=1 prints the resolved
 configuration and the command; otherwise it runs torchrun (in this process, ``runtime.launch``), which
 starts this command again once per rank, and each of those trains its rank. ENV=cpu and dsw: one
 node (``--standalone``); dlc: this node of WORLD_SIZE nodes (PAI-DLC's variables). A failed job ends
@@ -59,8 +59,10 @@ def _jsonable(value):
 
 
 def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
-    from megatron_patch.training.arguments import (
-        Capabilities, arg_names, attention_kernel, launch_environment, machine_problems, megatron_settings)
+    from megatron_patch.runtime.machine import Capabilities
+    from megatron_patch.training.launcher_args import arg_names
+    from megatron_patch.training.machine_checks import attention_kernel, launch_environment, machine_problems
+    from megatron_patch.training.megatron_settings import megatron_settings
 
     from megatron_patch.models.shape import model_shape
     from megatron_patch.training.memory_plan import plan_memory
@@ -124,8 +126,10 @@ def print_dry_run(report: dict) -> None:
 
 
 def run(args) -> int:
-    from megatron_patch.training.arguments import (
-        Capabilities, check_machine, launch_environment, launched_rank, launchers, resolve, usage)
+    from megatron_patch.runtime.machine import Capabilities
+    from megatron_patch.training.launcher_args import launched_rank, launchers, usage
+    from megatron_patch.training.machine_checks import check_machine, launch_environment
+    from megatron_patch.training.validation import resolve
 
     family, argv = args.family, list(args.args)
     if family not in launchers():

@@ -168,9 +168,8 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
                  "config": cfg.to_dict()}, indent=2, default=str) + "\n")
             # The converter's sidecar too, so 'mpatch convert mcore2hf' reads any iteration folder directly.
             from megatron_patch.convert.sidecar import Sidecar
-            from megatron_patch.dtypes import precision_dtype
 
-            Sidecar.create("torch_dist", cfg.arch, cfg.layout, precision_dtype(cfg.precision),
+            Sidecar.create("torch_dist", cfg.arch, cfg.layout, cfg.precision.dtype,
                            source=f"mpatch train, iteration {iteration}").write(tmp)
             publish(tmp, final)  # fsyncs everything in it first
             write_tracker(root, iteration)  # the marker moves last

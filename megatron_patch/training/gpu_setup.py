@@ -53,7 +53,7 @@ def initialize_tp_communicators(cfg, hidden_size: int, *, te_base=None, multicas
     if te_base is None:
         from transformer_engine.pytorch.module import base as te_base
     params = inspect.signature(te_base.initialize_ub).parameters
-    fp8 = cfg.precision == "fp8"
+    fp8 = cfg.precision.fp8
     kwargs: dict = {"shape": userbuffer_shape(cfg, hidden_size), "tp_size": cfg.tp}
     if "quantization_modes" in params:  # transformer-engine >= 2.7
         modes = te_base.UserBufferQuantizationMode

@@ -18,14 +18,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
 from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.distributed import move_to_device
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import faults
-from megatron_patch.training.arguments import attention_kernel
+from megatron_patch.training.machine_checks import attention_kernel
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
@@ -179,14 +178,14 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_patch.models.builder import build_model_chunks
-        from megatron_patch.training.arguments import megatron_settings
+        from megatron_patch.training.megatron_settings import megatron_settings
 
         cfg = self.cfg
         self.arch = cfg.arch
         self.settings = megatron_settings(cfg)
         device = self._device()
         # One GPTModel per virtual pipeline stage (one in all without MP_VP).
-        chunks = build_model_chunks(self.arch, cfg.layout, precision_dtype(cfg.precision), pp_first_stage_layers=cfg.pp0_layers,
+        chunks = build_model_chunks(self.arch, cfg.layout, cfg.precision.dtype, pp_first_stage_layers=cfg.pp0_layers,
                                     **self.settings["transformer_config"])
         if cfg.sft_packing:
             from megatron_patch.training.packing import use_packed_local_attention
@@ -194,7 +193,7 @@ class Trainer:
             for c in chunks:
                 use_packed_local_attention(c)
         move_to_device(chunks, device)
-        cast_parameters(chunks, precision_dtype(cfg.precision))
+        cast_parameters(chunks, cfg.precision.dtype)
         self.resume_iteration = self._latest()
         if self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
@@ -250,7 +249,7 @@ class Trainer:
             from megatron_patch.training.gpu_setup import warm_up_fused_kernels
 
             if config.bias_activation_fusion:
-                warm_up_fused_kernels(cfg, self.arch, precision_dtype(cfg.precision), device)
+                warm_up_fused_kernels(cfg, self.arch, cfg.precision.dtype, device)
 
     def _load_pretrained(self, chunks: list) -> None:
         """A converted checkpoint into this rank's model chunk(s)."""
@@ -403,7 +402,7 @@ class Trainer:
 
     def _loss_scale(self) -> float | None:
         """fp16's dynamic loss scale (None without one: bf16 and fp32 train unscaled)."""
-        if self.cfg.precision != "fp16":
+        if not self.cfg.precision.loss_scaled:
             return None
         return float(self.optimizer.get_loss_scale())
 
@@ -483,7 +482,7 @@ class Trainer:
                 checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler)
         self._report_throughput(records, peak)
         if cfg.save and self.iteration == cfg.train_iters:
-            checkpointing.export_model(cfg, self.iteration, self.models, precision_dtype(cfg.precision))
+            checkpointing.export_model(cfg, self.iteration, self.models, cfg.precision.dtype)
         if self.writer is not None:
             self.writer.close()
         if self.metrics_file is not None:
@@ -527,7 +526,7 @@ class Trainer:
         name = torch.cuda.get_device_name()
         for key, value in PEAK_TFLOPS.items():
             if key in name:
-                return value * (2 if self.cfg.precision == "fp8" else 1)
+                return value * (2 if self.cfg.precision.fp8 else 1)
         return None
 
 

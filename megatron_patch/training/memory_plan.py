@@ -283,14 +283,12 @@ def _capacity(cfg) -> tuple[int | None, str]:
 
 
 def _shape(arch, cfg) -> Shape:
-    from megatron_patch.dtypes import precision_dtype
-
     if arch.is_moe:
         # tokens spread evenly: each token runs top-k experts (per EP rank: its share), plus the shared expert
         f = arch.moe_topk * arch.moe_ffn_hidden_size + arch.shared_expert_ffn_hidden_size
     else:
         f = arch.ffn_hidden_size
-    d = precision_dtype(cfg.precision).itemsize
+    d = cfg.precision.itemsize
     qk_norm = any("self_attention.q_layernorm." in n for layer in model_shape(arch).layers.values() for n in layer)
     return Shape(s=cfg.sample_length // cfg.cp, b=cfg.micro_batch_size, h=arch.hidden_size,
                  a=arch.num_heads * arch.head_dim, kvw=arch.num_kv_heads * arch.head_dim, hn=arch.head_dim,
@@ -309,9 +307,7 @@ def in_flight(cfg, pp_rank: int) -> int:
 
 
 def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageMemory:
-    from megatron_patch.dtypes import precision_dtype
-
-    param_bytes = precision_dtype(cfg.precision).itemsize
+    param_bytes = cfg.precision.itemsize
     grad_bytes = 4  # fp32 gradient buffers (grad_reduce_in_fp32 with mixed precision)
     do = cfg.distributed_optimizer
     vp = cfg.virtual_pipeline or 1
@@ -415,10 +411,8 @@ def plan_memory(cfg, spec: str | None = None) -> MemoryPlan:
     if policy == "auto":
         share = max(auto_share(st, capacity, margin) for st in stages)
     if policy != "off" or cfg.offload_numerics == "exact":
-        from megatron_patch.dtypes import precision_dtype
-
         for st in stages:
-            _place_chunks(st, share if policy != "off" else 0.0, precision_dtype(cfg.precision).itemsize)
+            _place_chunks(st, share if policy != "off" else 0.0, cfg.precision.itemsize)
     return MemoryPlan(spec, stages, capacity, source, policy, share, margin)
 
 

@@ -1,0 +1,226 @@
+"""The positional launcher interface (Pai-Megatron-Patch's order): each argument's name, place and meaning,
+the environment extras, and how one raw value is read (a value wrong on its own is refused here, in one
+line naming it; combinations are ``validation.py``'s).
+"""
+
+from __future__ import annotations
+
+import math
+
+from megatron_patch.errors import UserError
+
+HEAD = ["ENV", "MODEL_SIZE", "BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", "SEQ_LEN", "PAD_LEN", "PR",
+        "TP", "PP", "CP"]
+TAIL = ["SP", "DO", "FL", "SFT", "AC", "OPTIMIZER_OFFLOAD", "SAVE_INTERVAL", "DATASET_PATH", "VALID_DATASET_PATH",
+        "PRETRAIN_CHECKPOINT_PATH", "TRAIN_TOKENS_OR_ITERS", "WARMUP_TOKENS_OR_ITERS", "OUTPUT_BASEPATH"]
+
+
+def launchers() -> dict[str, list[str]]:
+    """family -> parallel sizes its launcher takes after CP (the reference launchers' order)."""
+    from megatron_patch.models.registry import families
+
+    return {name: list(f.launcher_parallel_args) for name, f in families().items()}
+
+
+ARG_HELP = {
+    "ENV": "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT; on "
+           "CPU nodes gloo) | cpu (local gloo processes); all start through torchrun",
+    "MODEL_SIZE": "a published size of the family, tiny, or auto (architecture from PRETRAIN_CHECKPOINT_PATH)",
+    "BATCH_SIZE": "micro-batch size per data-parallel rank (integer >= 1)",
+    "GLOBAL_BATCH_SIZE": "samples per optimizer step; a multiple of BATCH_SIZE * data-parallel size",
+    "LR": "peak learning rate (> 0)",
+    "MIN_LR": "final learning rate of the cosine decay (0 <= MIN_LR <= LR)",
+    "SEQ_LEN": "sequence length of pretraining samples",
+    "PAD_LEN": "SFT sample length (samples are padded or packed to it); <= SEQ_LEN",
+    "PR": "precision: fp16 | bf16 | fp8 (transformer-engine, hybrid format) | fp32 (CPU development)",
+    "TP": "tensor parallel size", "PP": "pipeline parallel size", "CP": "context parallel size",
+    "ETP": "expert tensor parallel size (MoE)", "EP": "expert parallel size (MoE)",
+    "SP": "sequence parallelism: true | false (TP > 1 with SP=true also turns on TP communication overlap)",
+    "DO": "distributed optimizer: true | false (true also overlaps the parameter all-gather)",
+    "FL": "flash attention: true | false (FlashAttention-3 when its Hopper build is installed)",
+    "SFT": "true: fine-tune on SFT data (token counts become iteration counts) | false: pretrain",
+    "AC": "activation checkpointing: sel | full | offload | none (MP_AC_LAYERS layers for full/offload)",
+    "OPTIMIZER_OFFLOAD": "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto "
+                         "(what the GPU cannot hold, measured each step); forces DO=true",
+    "SAVE_INTERVAL": "save a checkpoint every this many iterations",
+    "DATASET_PATH": "pretraining: mmap data prefix(es) (P_text_document, optionally 'W1 P1 W2 P2'); "
+                    "SFT: a JSON/JSONL file",
+    "VALID_DATASET_PATH": "validation data like DATASET_PATH, or none",
+    "PRETRAIN_CHECKPOINT_PATH": "a checkpoint from 'mpatch convert hf2mcore' to start from, or none",
+    "TRAIN_TOKENS_OR_ITERS": "pretraining: training tokens; SFT: iterations",
+    "WARMUP_TOKENS_OR_ITERS": "pretraining: warm-up tokens; SFT: warm-up iterations",
+    "OUTPUT_BASEPATH": "where checkpoints, logs and TensorBoard go; a rerun with the same path resumes",
+}
+
+# Environment extras (name -> meaning); documented in examples/README.md.
+EXTRAS = {
+    "MP_DRY_RUN": "1: print the resolved configuration and command, train nothing",
+    "MP_DATASET_TYPE": "mmap (default for pretraining) | raw (JSON/JSONL, the default for SFT)",
+    "MP_AC_LAYERS": "layers recomputed (AC=full) or offloaded (AC=offload) per stage (default 1)",
+    "MP_VP": "virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B; needs PP > 1",
+    "MP_SFT_PACKING": "true: pack several SFT samples into one PAD_LEN sequence",
+    "MP_PP0_LAYERS": "layers on the first pipeline stage (the rest split evenly)",
+    "MP_FP8_RECIPE": "delayed (default) | tensorwise | mxfp8 | blockwise",
+    "MP_TP_COMM_OVERLAP": "false: keep SP but turn TP communication overlap off (needed without transformer-engine)",
+    "MP_OVERLAP_PARAM_GATHER": "true: insist on param-gather overlap (refused without DO=true); default follows DO",
+    "MP_NPROC": "ENV=cpu: number of local processes (default TP*PP*CP, or what the expert layout needs)",
+    "MP_TOKENIZER": "tokenizer folder (tokenizer.json) or tiktoken file for SFT data (default: the checkpoint's)",
+    "MP_NAN_POLICY": "stop (default) | skip: what a NaN/inf loss does",
+    "MP_GPU_MEMORY_GB": "memory per GPU the memory plan checks against (default: the visible GPU's); ENV=cpu: the "
+                        "'device' budget of OPTIMIZER_OFFLOAD=auto and the plan",
+    "MP_OFFLOAD_NUMERICS": "fast (default) | exact: optimizer updates bit-identical on every tier and schedule",
+    "MP_OFFLOAD_MARGIN_GB": "OPTIMIZER_OFFLOAD=auto: device memory kept free (default 2)",
+    "MP_OFFLOAD_PATIENCE": "OPTIMIZER_OFFLOAD=auto: steps with room before chunks come back to the GPU (default 3)",
+    "MP_OFFLOAD_COOLDOWN": "OPTIMIZER_OFFLOAD=auto: steps after an eviction with no promotion (default 5)",
+    "MP_OFFLOAD_CHUNK_MB": "optimizer offload chunk size in MiB of fp32 elements (default: least fragmentation)",
+    "MP_OFFLOAD_PROBE_SCRIPT": "testing: JSON {\"device_fraction\": {\"ITER\": share}} replaces auto's memory readings",
+    "MP_OFFLOAD_TIMING": "true: time the offloaded step's phases (adds synchronisations; benchmarks)",
+    "MP_LOSS_SCALE_WINDOW": "PR=fp16: good steps before the dynamic loss scale doubles (default 1000)",
+    "MP_INJECT_FAULT": "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), comma-separated",
+    "MP_EXIT_INTERVAL": "stop after this many iterations (after saving), e.g. to test a resume",
+    "MP_LOG_INTERVAL": "log every this many iterations (default 1)",
+    "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",
+    "MP_EVAL_ITERS": "validation micro-batch rounds per evaluation (default 10)",
+    "MP_SEED": "random seed (default 1234; pipeline stage p initialises with seed + 100*p)",
+    "MP_HF_CONFIG": "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another tool without saved "
+                    "arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
+    "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
+    "MP_SAVE": "false: write no checkpoints and no final/ export (benchmarks)",
+    "MP_MAX_RESTARTS": "restart the ranks up to N times after a failure (torchrun --max-restarts); each restart "
+                       "resumes from the latest complete checkpoint (default 0)",
+    "MP_DIST_TIMEOUT_MIN": "minutes a collective may wait for the other ranks before the job fails naming the "
+                           "rank that stopped answering (default 10)",
+    "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; 1 on a dlc node without GPUs)",
+}
+
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+ENVS = ("dsw", "dlc", "cpu")
+AC_MODES = ("sel", "full", "offload", "none")
+
+
+def arg_names(family: str) -> list[str]:
+    known = launchers()
+    if family not in known:
+        raise UserError(f"no launcher for family '{family}': launchers exist for {', '.join(known)}")
+    return HEAD + known[family] + TAIL
+
+
+def presets(family: str) -> dict[str, dict]:
+    from megatron_patch.models.registry import get_family
+
+    return dict(get_family(family).presets)
+
+
+def usage(family: str) -> str:
+    from megatron_patch.models.registry import get_family
+
+    names = arg_names(family)
+    script = get_family(family).launcher
+    lines = [f"usage: {script} " + " ".join(names), "",
+             f"{len(names)} positional arguments, in this order:"]
+    sizes = " | ".join([*presets(family), "auto"])
+    for i, name in enumerate(names, 1):
+        text = ARG_HELP[name] + (f" [{sizes}]" if name == "MODEL_SIZE" else "")
+        lines.append(f"  {i:2d} {name:<25} {text}")
+    lines += ["", "environment extras:"] + [f"  {k:<19} {v}" for k, v in EXTRAS.items()]
+    return "\n".join(lines)
+
+
+
+# --- reading one value -----------------------------------------------------------------------------
+
+def parse_int(name: str, raw: str, lo: int = 1) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserError(f"{name} must be an integer, got '{raw}'")
+    if value < lo:
+        raise UserError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+def parse_count(name: str, raw: str) -> int:
+    """A token or iteration count: integers, also written as 1e9 or 10B/500M/20K."""
+    text = raw.strip()
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}.get(text[-1:].upper(), 1)
+    if scale != 1:
+        text = text[:-1]
+    try:
+        value = float(text) * scale
+    except ValueError:
+        raise UserError(f"{name} must be a count (e.g. 1000000, 1e9 or 10B), got '{raw}'")
+    if value < 0 or value != int(value):
+        raise UserError(f"{name} must be a whole non-negative count, got '{raw}'")
+    return int(value)
+
+
+def parse_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UserError(f"{name} must be a number, got '{raw}'")
+    if not math.isfinite(value) or value < 0:
+        raise UserError(f"{name} must be a finite number >= 0, got '{raw}'")
+    return value
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("true", "1", "yes"):
+        return True
+    if low in ("false", "0", "no"):
+        return False
+    raise UserError(f"{name} must be true or false, got '{raw}'")
+
+
+def parse_choice(name: str, raw: str, allowed) -> str:
+    if raw not in allowed:
+        raise UserError(f"{name} must be one of {' | '.join(allowed)}, got '{raw}'")
+    return raw
+
+
+def is_none(raw: str) -> bool:
+    return raw.strip().lower() in ("", "none", "null")
+
+
+def parse_data_paths(name: str, raw: str) -> tuple[list[str], list[float] | None]:
+    """'P' or 'P1 P2' or 'W1 P1 W2 P2' (Megatron's blend syntax)."""
+    parts = raw.split()
+    if not parts:
+        raise UserError(f"{name} is empty: give a data path")
+    try:
+        weights = [float(p) for p in parts[0::2]]
+    except ValueError:
+        return parts, None
+    paths = parts[1::2]
+    if len(paths) != len(weights):
+        raise UserError(f"{name} '{raw}' mixes weights and paths: write 'W1 P1 W2 P2 ...'")
+    return paths, weights
+
+
+def env_int(env: dict, name: str, default, lo: int = 1):
+    raw = env.get(name, "")
+    return default if raw == "" else parse_int(name, raw, lo)
+
+
+def env_float(env: dict, name: str, default):
+    raw = env.get(name, "")
+    return default if raw == "" else parse_float(name, raw)
+
+
+def env_minutes(env: dict, name: str, default: float) -> float:
+    value = env_float(env, name, default)
+    if value <= 0:
+        raise UserError(f"{name} must be a number of minutes > 0, got '{env.get(name)}'")
+    return value
+
+
+def launched_rank(env) -> bool:
+    """True in a process that a launcher (torchrun) started as one rank of the job.
+
+    There WORLD_SIZE is the job's process count; in the process the user started (ENV=dlc), PAI-DLC's
+    WORLD_SIZE is the node count.
+    """
+    return "TORCHELASTIC_RUN_ID" in env or ("LOCAL_RANK" in env and "MASTER_ADDR" in env)
+
+

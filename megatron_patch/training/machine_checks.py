@@ -1,0 +1,93 @@
+"""What this machine can run of a ``RunConfig`` (read from ``runtime/machine.py``'s ``Capabilities``): FP8,
+FlashAttention, sequence parallelism, TP overlap, context parallelism and activation offloading need a GPU
+with transformer-engine. Each problem says what to change; the launcher refuses on the first."""
+
+from __future__ import annotations
+
+from megatron_patch.errors import UserError
+from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.training.run_config import RunConfig
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in (text or "").split(".")[:2])
+    except ValueError:
+        return ()
+
+
+def fp8_recipe_problem(recipe: str, caps: Capabilities) -> str | None:
+    """Why transformer-engine cannot run ``recipe`` here (its own support checks), or None."""
+    cc, cuda = caps.compute_capability, caps.cuda_version
+    where = f"this GPU is sm{cc[0]}{cc[1]}" if cc else "the GPU's compute capability is unknown"
+    if recipe == "mxfp8" and not (cc and (10, 0) <= cc < (12, 0)):
+        return f"MP_FP8_RECIPE=mxfp8 needs a Blackwell GPU (compute capability 10.x) and {where}: " \
+               "use MP_FP8_RECIPE=delayed, tensorwise or blockwise"
+    if recipe == "blockwise" and not (cc and cc >= (9, 0) and _version_tuple(cuda) >= (12, 9)):
+        return f"MP_FP8_RECIPE=blockwise needs compute capability >= 9.0 and CUDA >= 12.9, and {where} with " \
+               f"CUDA {cuda}: use MP_FP8_RECIPE=delayed or tensorwise"
+    return None
+
+
+def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
+    """Every reason this machine cannot run ``cfg``, each saying what to change."""
+    out = []
+    gpu_env = cfg.device == "cuda"
+    if gpu_env and not caps.cuda:
+        out.append(f"ENV={cfg.env} trains on GPUs and this machine has none: use ENV=cpu for a CPU run")
+    te = caps.transformer_engine and gpu_env
+    if cfg.precision.fp8 and not (te and caps.fp8):
+        out.append("PR=fp8 needs transformer-engine on a GPU with FP8 (compute capability >= 8.9): use PR=bf16")
+    elif cfg.precision.fp8 and fp8_recipe_problem(cfg.fp8_recipe, caps):
+        out.append(fp8_recipe_problem(cfg.fp8_recipe, caps))
+    if cfg.flash_attention and not te:
+        out.append("FL=true needs transformer-engine's flash attention on a GPU: set FL=false")
+    elif cfg.flash_attention and not (caps.flash_attention_2 or caps.flash_attention_3):
+        out.append("FL=true: transformer-engine runs flash attention through the flash-attn package "
+                   "(or flash_attn_3 on Hopper), and neither is installed: pip install flash-attn, or set FL=false")
+    if cfg.sequence_parallel and gpu_env and not te:
+        # CPU runs get sequence parallelism from cpu_compat; on a GPU megatron's WrappedTorchNorm asserts in every rank.
+        out.append("SP=true needs transformer-engine on GPUs (megatron-core's local-spec RMSNorm refuses sequence "
+                   "parallelism): set SP=false")
+    elif cfg.tp_comm_overlap and not te:
+        out.append("TP communication overlap (TP > 1 with SP=true) needs transformer-engine on GPUs: "
+                   "set MP_TP_COMM_OVERLAP=false (keeps SP) or SP=false")
+    if cfg.cp > 1 and not te:
+        out.append(f"CP={cfg.cp} needs transformer-engine attention on GPUs: set CP=1")
+    if cfg.activation_checkpointing == "offload" and not gpu_env:
+        out.append("AC=offload moves activations from GPU to host memory; ENV=cpu has no GPU: use AC=sel, full or none")
+    elif cfg.activation_checkpointing == "offload" and not te:
+        # megatron-core's activation offload context is transformer-engine's; without it TransformerBlock asserts.
+        out.append("AC=offload (activation offloading) needs transformer-engine on GPUs: use AC=sel, full or none")
+    return out
+
+
+def check_machine(cfg: RunConfig, caps: Capabilities | None = None) -> None:
+    problems = machine_problems(cfg, caps or Capabilities.detect())
+    if problems:
+        raise UserError(problems[0] + (f" (and {len(problems) - 1} more: see MP_DRY_RUN=1)" if len(problems) > 1 else ""))
+
+
+def attention_kernel(cfg: RunConfig, caps: Capabilities) -> str:
+    """What attention will run, as the log reports it."""
+    if cfg.device == "cpu" or not caps.transformer_engine:
+        return "local (megatron-core DotProductAttention, unfused softmax)"
+    if cfg.flash_attention:
+        if caps.flash_attention_3:
+            return "FlashAttention-3 (flash_attn_interface)"
+        return "FlashAttention-2 (flash_attn)" if caps.flash_attention_2 else "none: no flash-attn package (refused)"
+    if not cfg.precision.mixed:
+        return "auto (transformer-engine picks; fp32 runs its unfused attention)"
+    return "fused (transformer-engine cuDNN attention)"
+
+
+def launch_environment(cfg: RunConfig, caps: Capabilities) -> dict[str, str]:
+    """Variables the launcher sets for every rank.
+
+    CUDA_DEVICE_MAX_CONNECTIONS=1 makes kernels run in the order they were issued, so TP/CP
+    communication launched before a GEMM really overlaps it; Megatron-LM requires it below sm100.
+    """
+    cc = caps.compute_capability
+    if cfg.device == "cuda" and (cfg.tp > 1 or cfg.cp > 1) and (cc is None or cc < (10, 0)):
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}

@@ -1,0 +1,66 @@
+"""What a ``RunConfig`` becomes in megatron-core: TransformerConfig overrides, DDP, optimizer and scheduler
+settings, each flag's translation in one place (the dry run prints it; the trainer builds from it)."""
+
+from __future__ import annotations
+
+from megatron_patch.training.run_config import RunConfig
+
+
+def megatron_settings(cfg: RunConfig) -> dict:
+    """TransformerConfig overrides, DDP and optimizer settings: what each flag becomes."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    gpu = cfg.device == "cuda"
+    tc: dict = {"sequence_parallel": cfg.sequence_parallel, "tp_comm_overlap": cfg.tp_comm_overlap}
+    if gpu:
+        # A stage's output, once sent on, is freed but for its autograd graph (Megatron-LM's default). Not
+        # on gloo: its asynchronous sends read the buffer later (PP=2 x VP=2 then trained on garbage).
+        tc["deallocate_pipeline_outputs"] = True
+    if cfg.flash_attention:
+        tc["attention_backend"] = AttnBackend.flash
+    elif not gpu:
+        tc["attention_backend"] = AttnBackend.local
+    elif not cfg.precision.mixed:
+        # transformer-engine's fused (cuDNN) and flash kernels have no fp32 path; auto lets TE take its unfused one.
+        tc["attention_backend"] = AttnBackend.auto
+    else:
+        tc["attention_backend"] = AttnBackend.fused
+    if cfg.precision.fp8:
+        tc.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_amax_history_len=1024 if cfg.fp8_recipe == "delayed" else 1,
+                  fp8_amax_compute_algo="max" if cfg.fp8_recipe == "delayed" else "most_recent")
+        if cfg.arch.is_moe:
+            # Each expert's token count varies per step; pad it so its FP8 GEMM rows divide.
+            tc["moe_router_padding_for_quantization"] = True
+    if cfg.activation_checkpointing == "sel":
+        tc.update(recompute_granularity="selective")
+    elif cfg.activation_checkpointing == "full":
+        tc.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=cfg.ac_layers)
+    elif cfg.activation_checkpointing == "offload":
+        tc.update(cpu_offloading=True, cpu_offloading_num_layers=cfg.ac_layers, cpu_offloading_activations=True,
+                  cpu_offloading_weights=False)
+    if cfg.virtual_pipeline:
+        tc["virtual_pipeline_model_parallel_size"] = cfg.virtual_pipeline
+        # Megatron-LM's interleaved defaults: overlapped, unbatched p2p. With batched p2p at PP=2 the
+        # forward and backward receives from the one peer go out in one batch; on gloo that gave wrong
+        # losses (no error). Unbatched p2p at PP=2 sends the two directions over different groups.
+        tc.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+    ddp = {"use_distributed_optimizer": cfg.distributed_optimizer, "overlap_grad_reduce": cfg.overlap_grad_reduce,
+           "overlap_param_gather": cfg.overlap_param_gather, "grad_reduce_in_fp32": cfg.precision.mixed}
+    optim = {"optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": 0.1, "adam_beta1": 0.9,
+             "adam_beta2": 0.95, "adam_eps": 1e-8, "clip_grad": 1.0,
+             "bf16": cfg.precision.bf16, "fp16": cfg.precision.loss_scaled,
+             "use_distributed_optimizer": cfg.distributed_optimizer,
+             "overlap_param_gather": cfg.overlap_param_gather}
+    if cfg.precision.loss_scaled:
+        optim.update(initial_loss_scale=2.0 ** 16, loss_scale_window=cfg.loss_scale_window, hysteresis=2,
+                     min_loss_scale=1.0)
+    sched = {"lr_warmup_steps": cfg.warmup_iters, "lr_decay_steps": cfg.train_iters, "lr_decay_style": "cosine",
+             "init_lr": 0.0, "max_lr": cfg.lr, "min_lr": cfg.min_lr}
+    offload = {"policy": cfg.optimizer_offload_policy, "numerics": cfg.offload_numerics}
+    if cfg.optimizer_offload_policy == "static":
+        offload["host_share"] = cfg.optimizer_offload_fraction
+    if cfg.optimizer_offload_policy == "auto":
+        offload.update(margin_gb=cfg.offload_margin_gb, patience=cfg.offload_patience, cooldown=cfg.offload_cooldown)
+    return {"transformer_config": tc, "ddp": ddp, "optimizer": optim, "scheduler": sched, "offload": offload,
+            "num_microbatches": cfg.num_microbatches, "data_parallel_size": cfg.data_parallel_size,
+            "pp_first_stage_layers": cfg.pp0_layers}

@@ -1,0 +1,174 @@
+"""What a launch resolves to: one typed ``RunConfig`` (``validation.resolve`` builds it from the launcher's
+arguments), and the training precision as one value that knows what it implies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from megatron_patch.dtypes import ITEMSIZE, precision_dtype_name
+from megatron_patch.runtime.distributed import ParallelLayout
+
+
+class Precision(str, Enum):
+    """PR: the training precision. A ``str`` so that it prints, compares and serialises as PR's value."""
+
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP8 = "fp8"
+    FP32 = "fp32"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def fp8(self) -> bool:
+        """transformer-engine's FP8 GEMMs (parameters stay bf16)."""
+        return self is Precision.FP8
+
+    @property
+    def loss_scaled(self) -> bool:
+        """fp16's dynamic loss scale."""
+        return self is Precision.FP16
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit parameters with fp32 master weights and fp32 gradient reduction."""
+        return self is not Precision.FP32
+
+    @property
+    def bf16(self) -> bool:
+        """megatron-core's ``bf16`` flag (FP8 keeps bf16 parameters)."""
+        return self in (Precision.BF16, Precision.FP8)
+
+    @property
+    def dtype_name(self) -> str:
+        """The parameters' dtype name ("bfloat16")."""
+        return precision_dtype_name(self.value)
+
+    @property
+    def dtype(self):
+        """The parameters' torch dtype."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype_name]
+
+
+PRECISIONS = tuple(p.value for p in Precision)
+
+
+@dataclass
+class RunConfig:
+    family: str
+    env: str
+    model_size: str
+    micro_batch_size: int
+    global_batch_size: int
+    lr: float
+    min_lr: float
+    seq_len: int
+    pad_len: int
+    precision: Precision
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int | None
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    flash_attention: bool
+    sft: bool
+    activation_checkpointing: str
+    optimizer_offload_fraction: float  # static: share on the host; 0: off
+    save_interval: int
+    dataset_path: list[str]
+    dataset_weights: list[float] | None
+    valid_dataset_path: list[str] | None
+    pretrain_checkpoint: str | None
+    train_iters: int
+    warmup_iters: int
+    output_basepath: str
+    # extras
+    dataset_type: str = "mmap"
+    ac_layers: int = 1
+    virtual_pipeline: int | None = None
+    sft_packing: bool = False
+    pp0_layers: int | None = None
+    fp8_recipe: str = "delayed"
+    tp_comm_overlap: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    world_size: int = 1
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    # "cuda", or "cpu" for ENV=cpu and for ENV=dlc on nodes without a GPU (gloo, CPU limits)
+    device: str = "cuda"
+    max_restarts: int = 0
+    dist_timeout_min: float = 10.0
+    tokenizer: str | None = None
+    nan_policy: str = "stop"
+    loss_scale_window: int = 1000
+    optimizer_offload_policy: str = "off"  # off | static | auto
+    offload_numerics: str = "fast"
+    offload_margin_gb: float = 2.0
+    offload_patience: int = 3
+    offload_cooldown: int = 5
+    offload_chunk_mb: float | None = None
+    offload_probe_script: str | None = None
+    offload_timing: bool = False
+    gpu_memory_gb: float | None = None
+    faults: list = field(default_factory=list)
+    exit_interval: int | None = None
+    log_interval: int = 1
+    eval_interval: int = 100
+    eval_iters: int = 10
+    seed: int = 1234
+    save: bool = True
+    hf_config: dict = field(default_factory=dict, repr=False)
+    # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
+    vocab_padded_to: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return ParallelLayout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp, vp=self.virtual_pipeline)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def sample_length(self) -> int:
+        return self.pad_len if self.sft else self.seq_len
+
+    @property
+    def tokens_per_gemm(self) -> int:
+        """Rows of every linear layer's GEMM: a micro-batch's tokens on one context-parallel rank."""
+        return self.micro_batch_size * self.sample_length // self.cp
+
+    @property
+    def arch(self):
+        from megatron_patch.models.registry import parse_arch
+
+        return dataclasses.replace(parse_arch(self.hf_config), vocab_padded_to=self.vocab_padded_to)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.output_basepath) / "checkpoint"
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("hf_config")
+        d["precision"] = self.precision.value
+        return d

@@ -1,0 +1,451 @@
+"""A launch's arguments resolved into one ``RunConfig``, everything a launch can get wrong refused before any
+process starts, in one line that says what to change.
+
+``resolve`` reads each value (``launcher_args``: its type and allowed values), derives what follows from
+them (the model's architecture, the processes, the iterations), then runs ``CHECKS``: the combinations
+megatron-core would reject deep inside a rank, or silently ignore, as small named checks in a fixed
+order. What this machine can do is ``machine_checks``'.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import validate_layout
+from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.training.faults import parse_faults
+from megatron_patch.training.launcher_args import (
+    AC_MODES, ENVS, FP8_RECIPES, arg_names, env_float, env_int, env_minutes, is_none, launched_rank, parse_bool,
+    parse_choice, parse_count, parse_data_paths, parse_float, parse_int, presets)
+from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
+
+
+def resolve(family: str, argv: list[str], env: dict | None = None, *, check_paths: bool = True) -> RunConfig:
+    """Parse and validate the positional arguments (and MP_* extras in ``env``) into a RunConfig;
+    ``check_paths``: also that the data, tokenizer and probe files exist."""
+    env = dict(os.environ if env is None else env)
+    cfg = _parse(family, argv, env)
+    for check in CHECKS + (PATH_CHECKS if check_paths else ()):
+        check(cfg)
+    return cfg
+
+
+def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
+    """Each value read on its own (and the extras whose mere presence matters checked against what they need)."""
+    names = arg_names(family)
+    if len(argv) != len(names):
+        raise UserError(f"run_mcore_{family}.sh takes {len(names)} arguments ({' '.join(names)}), got {len(argv)}; "
+                        f"run it with --help for each one's meaning")
+    a = dict(zip(names, argv))
+
+    run_env = parse_choice("ENV", a["ENV"], ENVS)
+    precision = Precision(parse_choice("PR", a["PR"], PRECISIONS))
+    sft = parse_bool("SFT", a["SFT"])
+    tp, pp, cp = parse_int("TP", a["TP"]), parse_int("PP", a["PP"]), parse_int("CP", a["CP"])
+    ep = parse_int("EP", a["EP"]) if "EP" in a else 1
+    etp = parse_int("ETP", a["ETP"]) if "ETP" in a else None
+    sp = parse_bool("SP", a["SP"])
+    do = parse_bool("DO", a["DO"])
+    fl = parse_bool("FL", a["FL"])
+    ac = parse_choice("AC", a["AC"], AC_MODES)
+    mbs, gbs = parse_int("BATCH_SIZE", a["BATCH_SIZE"]), parse_int("GLOBAL_BATCH_SIZE", a["GLOBAL_BATCH_SIZE"])
+    lr, min_lr = parse_float("LR", a["LR"]), parse_float("MIN_LR", a["MIN_LR"])
+    seq_len, pad_len = parse_int("SEQ_LEN", a["SEQ_LEN"]), parse_int("PAD_LEN", a["PAD_LEN"])
+    save_interval = parse_int("SAVE_INTERVAL", a["SAVE_INTERVAL"])
+    offload, offload_policy = _offload(a["OPTIMIZER_OFFLOAD"])
+    offload_numerics = parse_choice("MP_OFFLOAD_NUMERICS", env.get("MP_OFFLOAD_NUMERICS") or "fast", ("fast", "exact"))
+    notes: list[str] = []
+    if (offload_policy != "off" or offload_numerics == "exact") and not do:
+        do = True
+        notes.append("DO=true: forced by OPTIMIZER_OFFLOAD / MP_OFFLOAD_NUMERICS (the optimizer's chunks are the "
+                     "distributed optimizer's bucket shards)")
+
+    dataset_type = parse_choice("MP_DATASET_TYPE", env.get("MP_DATASET_TYPE", "") or ("raw" if sft else "mmap"),
+                                ("mmap", "raw"))
+    vp = env_int(env, "MP_VP", None)
+    if vp == 1:
+        vp = None  # one chunk per rank is the plain pipeline schedule
+        notes.append("MP_VP=1: one model chunk per pipeline rank, i.e. no virtual pipeline")
+    pp0 = env_int(env, "MP_PP0_LAYERS", None)
+    fp8_recipe = parse_choice("MP_FP8_RECIPE", env.get("MP_FP8_RECIPE") or "delayed", FP8_RECIPES)
+    if env.get("MP_FP8_RECIPE") and not precision.fp8:
+        raise UserError(f"MP_FP8_RECIPE={env['MP_FP8_RECIPE']} needs PR=fp8, got PR={precision}")
+    loss_scale_window = env_int(env, "MP_LOSS_SCALE_WINDOW", 1000)
+    if env.get("MP_LOSS_SCALE_WINDOW") and not precision.loss_scaled:
+        raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
+    tp_overlap_env = env.get("MP_TP_COMM_OVERLAP", "")
+    tp_comm_overlap = tp > 1 and sp if tp_overlap_env == "" else parse_bool("MP_TP_COMM_OVERLAP", tp_overlap_env)
+    if env.get("MP_OVERLAP_PARAM_GATHER") and parse_bool("MP_OVERLAP_PARAM_GATHER", env["MP_OVERLAP_PARAM_GATHER"]) \
+            and not do:
+        raise UserError("param-gather overlap needs the distributed optimizer: set DO=true")
+
+    size = a["MODEL_SIZE"]
+    ckpt = None if is_none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
+    hf_config, vocab_padded_to = _model_config(family, size, ckpt, env.get("MP_HF_CONFIG") or None,
+                                               env_int(env, "MP_NUM_LAYERS", None))
+    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vp=vp)
+    world, nproc, nnodes = _world(run_env, layout, env)
+    train_iters, warmup_iters = _iterations(a, sft, gbs * seq_len)
+    paths, weights = parse_data_paths("DATASET_PATH", a["DATASET_PATH"])
+    valid = None if is_none(a["VALID_DATASET_PATH"]) else \
+        parse_data_paths("VALID_DATASET_PATH", a["VALID_DATASET_PATH"])[0]
+    tokenizer = env.get("MP_TOKENIZER") or (ckpt if sft else None)
+    if is_none(a["OUTPUT_BASEPATH"]):
+        raise UserError("OUTPUT_BASEPATH is required: checkpoints, logs and TensorBoard go there")
+
+    return RunConfig(
+        family=family, env=run_env, model_size=size, micro_batch_size=mbs, global_batch_size=gbs, lr=lr,
+        min_lr=min_lr, seq_len=seq_len, pad_len=pad_len, precision=precision, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
+        sequence_parallel=sp, distributed_optimizer=do, flash_attention=fl, sft=sft, activation_checkpointing=ac,
+        optimizer_offload_fraction=offload, save_interval=save_interval, dataset_path=paths, dataset_weights=weights,
+        valid_dataset_path=valid, pretrain_checkpoint=ckpt, train_iters=train_iters, warmup_iters=warmup_iters,
+        output_basepath=str(a["OUTPUT_BASEPATH"]), dataset_type=dataset_type, ac_layers=env_int(env, "MP_AC_LAYERS", 1),
+        virtual_pipeline=vp, sft_packing=parse_bool("MP_SFT_PACKING", env.get("MP_SFT_PACKING") or "false"),
+        pp0_layers=pp0, fp8_recipe=fp8_recipe, tp_comm_overlap=tp_comm_overlap, overlap_param_gather=do,
+        world_size=world, nproc_per_node=nproc, nnodes=nnodes, tokenizer=tokenizer,
+        nan_policy=parse_choice("MP_NAN_POLICY", env.get("MP_NAN_POLICY") or "stop", ("stop", "skip")),
+        loss_scale_window=loss_scale_window, faults=parse_faults(env.get("MP_INJECT_FAULT")),
+        exit_interval=env_int(env, "MP_EXIT_INTERVAL", None), optimizer_offload_policy=offload_policy,
+        offload_numerics=offload_numerics, offload_margin_gb=env_float(env, "MP_OFFLOAD_MARGIN_GB", 2.0),
+        offload_patience=env_int(env, "MP_OFFLOAD_PATIENCE", 3),
+        offload_cooldown=env_int(env, "MP_OFFLOAD_COOLDOWN", 5, lo=0),
+        offload_chunk_mb=env_float(env, "MP_OFFLOAD_CHUNK_MB", None),
+        offload_probe_script=env.get("MP_OFFLOAD_PROBE_SCRIPT") or None,
+        offload_timing=parse_bool("MP_OFFLOAD_TIMING", env.get("MP_OFFLOAD_TIMING") or "false"),
+        gpu_memory_gb=env_float(env, "MP_GPU_MEMORY_GB", None),
+        log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
+        eval_iters=env_int(env, "MP_EVAL_ITERS", 10), seed=env_int(env, "MP_SEED", 1234, lo=0),
+        save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
+        max_restarts=env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
+        dist_timeout_min=env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
+        hf_config=hf_config, vocab_padded_to=vocab_padded_to, notes=notes,
+    )
+
+
+def _offload(raw: str) -> tuple[float, str]:
+    """OPTIMIZER_OFFLOAD -> (host share, policy)."""
+    value = raw.strip().lower()
+    if value == "false":
+        return 0.0, "off"
+    if value == "static":
+        return 1.0, "static"
+    if value == "auto":
+        return 0.0, "auto"
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise UserError(f"OPTIMIZER_OFFLOAD must be false, static, auto or a fraction in (0, 1], got '{raw}'")
+    return share, "static"
+
+
+def _iterations(a: dict, sft: bool, tokens_per_iter: int) -> tuple[int, int]:
+    """(training, warm-up) iterations: tokens for pretraining, iterations for SFT (the reference's convention)."""
+    train_raw, warm_raw = a["TRAIN_TOKENS_OR_ITERS"], a["WARMUP_TOKENS_OR_ITERS"]
+    if sft:
+        train, warmup = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw), parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw)
+    else:
+        train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw) // tokens_per_iter
+        warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw) // tokens_per_iter
+        if train < 1:
+            raise UserError(f"TRAIN_TOKENS_OR_ITERS={train_raw} tokens is less than one iteration "
+                            f"(GLOBAL_BATCH_SIZE*SEQ_LEN = {tokens_per_iter} tokens): pretraining takes a token count")
+    if train < 1:
+        raise UserError(f"TRAIN_TOKENS_OR_ITERS must give at least one iteration, got '{train_raw}'")
+    return train, warmup
+
+
+def _device(run_env: str) -> str:
+    if run_env == "cpu":
+        return "cpu"
+    if run_env == "dlc":
+        import torch  # only a dlc node asks: one without a GPU trains on its CPU
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda"
+
+
+# --- the combinations, in the order they are checked ---------------------------------------------------------
+
+def learning_rates(cfg: RunConfig) -> None:
+    if cfg.lr <= 0:
+        raise UserError(f"LR must be > 0, got {cfg.lr:g}")
+    if cfg.min_lr > cfg.lr:
+        raise UserError(f"MIN_LR ({cfg.min_lr}) must not exceed LR ({cfg.lr})")
+
+
+def offload_settings(cfg: RunConfig) -> None:
+    if cfg.offload_chunk_mb is not None and cfg.offload_chunk_mb <= 0:
+        raise UserError("MP_OFFLOAD_CHUNK_MB must be > 0")
+    if cfg.gpu_memory_gb is not None and cfg.gpu_memory_gb <= 0:
+        raise UserError("MP_GPU_MEMORY_GB must be > 0")
+    if cfg.offload_probe_script and cfg.optimizer_offload_policy != "auto":
+        raise UserError("MP_OFFLOAD_PROBE_SCRIPT drives OPTIMIZER_OFFLOAD=auto's decisions: set OPTIMIZER_OFFLOAD=auto")
+
+
+def data_kind(cfg: RunConfig) -> None:
+    if cfg.dataset_type == "raw" and not cfg.sft:
+        raise UserError("MP_DATASET_TYPE=raw (JSON data) is for SFT: set SFT=true, or give mmap data for pretraining")
+    if cfg.dataset_type == "mmap" and cfg.sft:
+        raise UserError("SFT=true trains on raw JSON/JSONL data: leave MP_DATASET_TYPE unset or set it to raw")
+    if cfg.sft_packing and not cfg.sft:
+        raise UserError("MP_SFT_PACKING=true applies to SFT only: set SFT=true or drop MP_SFT_PACKING")
+
+
+def sequence_parallelism(cfg: RunConfig) -> None:
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise UserError("SP=true needs TP > 1 (sequence parallelism splits activations over tensor-parallel ranks): "
+                        "set SP=false or TP >= 2")
+    if cfg.tp_comm_overlap and not cfg.sequence_parallel:
+        raise UserError("TP communication overlap needs sequence parallelism: set SP=true (with TP > 1) "
+                        "or MP_TP_COMM_OVERLAP=false")
+
+
+def activation_checkpointing_mode(cfg: RunConfig) -> None:
+    if cfg.activation_checkpointing in ("full", "offload") and cfg.ac_layers < 1:
+        raise UserError("MP_AC_LAYERS must be >= 1")
+    if cfg.activation_checkpointing == "offload" and cfg.pp > 1:
+        raise UserError(f"AC=offload (activation CPU offloading) does not work with pipeline parallelism in "
+                        f"megatron-core: set PP=1 or AC=sel/full (PP={cfg.pp})")
+
+
+def flash_attention_precision(cfg: RunConfig) -> None:
+    if cfg.flash_attention and not cfg.precision.mixed:
+        raise UserError("FL=true: FlashAttention has no fp32 kernel: use PR=bf16/fp16/fp8 or FL=false")
+
+
+def packing_and_context_parallelism(cfg: RunConfig) -> None:
+    if cfg.sft_packing and cfg.cp > 1:
+        raise UserError(f"MP_SFT_PACKING=true with CP={cfg.cp} is not supported (packed sequences would need "
+                        "per-document context-parallel partitioning): set CP=1 or drop MP_SFT_PACKING")
+
+
+def pipeline_split(cfg: RunConfig) -> None:
+    vp, pp0 = cfg.virtual_pipeline, cfg.pp0_layers
+    if vp is not None and cfg.pp == 1:
+        raise UserError(f"MP_VP={vp} (virtual pipeline) needs PP > 1")
+    if pp0 is not None and cfg.pp == 1:
+        raise UserError(f"MP_PP0_LAYERS={pp0} (uneven first stage) needs PP > 1")
+    if vp is not None and pp0 is not None:
+        raise UserError("MP_VP and MP_PP0_LAYERS cannot be combined: choose one way to split the pipeline")
+
+
+def sample_lengths(cfg: RunConfig) -> None:
+    if cfg.sft and cfg.pad_len > cfg.seq_len:
+        raise UserError(f"PAD_LEN ({cfg.pad_len}) must not exceed SEQ_LEN ({cfg.seq_len})")
+
+
+def model_layout(cfg: RunConfig) -> None:
+    """The model splits over TP/PP/EP/ETP/VP as asked."""
+    arch = cfg.arch
+    validate_layout(arch, cfg.layout, pp_first_stage_layers=cfg.pp0_layers)
+    vp, pp = cfg.virtual_pipeline, cfg.pp
+    if vp is not None and arch.num_layers % (pp * vp):
+        raise UserError(f"MP_VP={vp} with PP={pp} needs the {arch.num_layers} layers to split into PP*VP={pp * vp} "
+                        "equal chunks")
+    if arch.is_moe and cfg.tp > 1 and not cfg.sequence_parallel:
+        # megatron-core's MoE layer refuses to train under TP without it (deep in the first forward)
+        raise UserError("a MoE model trained with TP > 1 needs sequence parallelism: set SP=true")
+
+
+def _length(cfg: RunConfig) -> tuple[str, int]:
+    return ("PAD_LEN", cfg.pad_len) if cfg.sft else ("SEQ_LEN", cfg.seq_len)
+
+
+def sequence_splits(cfg: RunConfig) -> None:
+    """The sequence divides over SP's TP ranks and CP's 2*CP chunks."""
+    length_name, length = _length(cfg)
+    tp, cp = cfg.tp, cfg.cp
+    if cfg.sequence_parallel and length % tp:
+        raise UserError(f"SP=true splits the sequence over TP={tp}: {length_name} ({length}) must be a multiple of {tp}")
+    if cp > 1 and length % (2 * cp):
+        # Each CP rank takes two of 2*CP equal chunks (one early, one late) to balance causal attention.
+        raise UserError(f"CP={cp} splits the sequence into 2*CP={2 * cp} chunks: {length_name} ({length}) must be a "
+                        f"multiple of {2 * cp}")
+
+
+def recompute_blocks(cfg: RunConfig) -> None:
+    """What megatron-core would reject (or crash on) only after every rank has started."""
+    ac, ac_layers, num_layers = cfg.activation_checkpointing, cfg.ac_layers, cfg.arch.num_layers
+    pp, vp, pp0 = cfg.pp, cfg.virtual_pipeline, cfg.pp0_layers
+    if ac == "offload" and ac_layers >= num_layers:
+        raise UserError(f"MP_AC_LAYERS={ac_layers}: AC=offload can offload at most {num_layers - 1} of the "
+                        f"{num_layers} layers (the last layer's activations are needed at once)")
+    if ac == "full":
+        # Uniform recompute walks each model chunk in blocks of MP_AC_LAYERS layers.
+        fewest = min(pp0, (num_layers - pp0) // (pp - 1)) if pp0 is not None else num_layers // (pp * (vp or 1))
+        if ac_layers > fewest:
+            raise UserError(f"MP_AC_LAYERS={ac_layers}: AC=full recomputes blocks of MP_AC_LAYERS layers within a "
+                            f"pipeline stage, and a stage here holds {fewest}: set MP_AC_LAYERS <= {fewest}")
+
+
+def fp8_shapes(cfg: RunConfig) -> None:
+    """transformer-engine's FP8 GEMMs need rows divisible by 8 and the inner dimension by 16 (MXFP8: 32 and 32)."""
+    if not cfg.precision.fp8:
+        return
+    arch, recipe, tp, etp = cfg.arch, cfg.fp8_recipe, cfg.tp, cfg.layout.expert_tp
+    length_name, length = _length(cfg)
+    tokens, tokens_name = cfg.micro_batch_size * length // cfg.cp, f"BATCH_SIZE*{length_name}/CP"
+    rows, inner = (32, 32) if recipe == "mxfp8" else (8, 16)
+    if tokens % rows:
+        raise UserError(f"PR=fp8 ({recipe}): the tokens per GEMM, {tokens_name} = {tokens}, must be a multiple of "
+                        f"{rows}: change BATCH_SIZE or the sequence length")
+    dims = {"hidden_size": arch.hidden_size, "attention width per TP rank": arch.num_heads * arch.head_dim // tp,
+            "FFN size per TP rank": arch.ffn_hidden_size // tp}
+    if arch.is_moe:
+        dims["expert FFN size per ETP rank"] = arch.moe_ffn_hidden_size // etp
+        if arch.shared_expert_ffn_hidden_size:
+            dims["shared-expert FFN size per TP rank"] = arch.shared_expert_ffn_hidden_size // tp
+    bad = [f"{name} {value}" for name, value in dims.items() if value % inner]
+    if bad:
+        raise UserError(f"PR=fp8 ({recipe}) needs GEMM inner dimensions divisible by {inner}, and this model at "
+                        f"TP={tp} has {', '.join(bad)}: use PR=bf16 or another TP")
+
+
+def positions(cfg: RunConfig) -> None:
+    length = _length(cfg)[1]
+    if length > cfg.arch.max_position_embeddings:
+        raise UserError(f"sequence length {length} exceeds the model's {cfg.arch.max_position_embeddings} positions")
+
+
+def processes(cfg: RunConfig) -> None:
+    """The processes hold the layout, and the global batch splits over data parallelism."""
+    world, tp, pp, cp, ep, etp = cfg.world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.layout.expert_tp
+    mp = tp * pp * cp
+    if world % mp:
+        raise UserError(f"{world} processes cannot hold TP*PP*CP={mp}: use a multiple of {mp} processes")
+    if world % (pp * ep * etp):
+        raise UserError(f"{world} processes cannot hold PP*EP*ETP={pp * ep * etp}")
+    mbs, gbs, dp = cfg.micro_batch_size, cfg.global_batch_size, cfg.data_parallel_size
+    if gbs % (mbs * dp):
+        raise UserError(f"GLOBAL_BATCH_SIZE ({gbs}) must be a multiple of BATCH_SIZE*DP = {mbs}*{dp} = {mbs * dp}")
+    if cfg.virtual_pipeline is not None and (gbs // (mbs * dp)) % pp:
+        # The interleaved schedule runs micro-batches in groups of PP per virtual stage.
+        raise UserError(f"MP_VP={cfg.virtual_pipeline} (interleaved schedule) needs the micro-batches per step, "
+                        f"GLOBAL_BATCH_SIZE/(BATCH_SIZE*DP) = {gbs // (mbs * dp)}, to be a multiple of PP={pp}")
+
+
+def training_length(cfg: RunConfig) -> None:
+    if cfg.warmup_iters >= cfg.train_iters:
+        raise UserError(f"warm-up ({cfg.warmup_iters} iterations) must be shorter than training "
+                        f"({cfg.train_iters} iterations)")
+
+
+def sft_data(cfg: RunConfig) -> None:
+    if cfg.sft and (len(cfg.dataset_path) != 1 or cfg.dataset_weights):
+        raise UserError("SFT takes one JSON/JSONL file as DATASET_PATH")
+    if cfg.sft and cfg.tokenizer is None:
+        raise UserError("SFT needs a tokenizer: set MP_TOKENIZER to a tokenizer folder/file, or give a "
+                        "PRETRAIN_CHECKPOINT_PATH that carries tokenizer.json")
+
+
+CHECKS: tuple[Callable[[RunConfig], None], ...] = (
+    learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
+    flash_attention_precision, packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
+    sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
+
+
+# --- files the configuration names (skipped by check_paths=False: a dry run planned elsewhere) ---------------
+
+def probe_script_exists(cfg: RunConfig) -> None:
+    if cfg.offload_probe_script and not Path(cfg.offload_probe_script).is_file():
+        raise UserError(f"MP_OFFLOAD_PROBE_SCRIPT {cfg.offload_probe_script} not found")
+
+
+def data_exists(cfg: RunConfig) -> None:
+    for path in cfg.dataset_path + (cfg.valid_dataset_path or []):
+        _check_data(path, cfg.dataset_type)
+
+
+def tokenizer_exists(cfg: RunConfig) -> None:
+    if cfg.sft and cfg.tokenizer is not None:
+        from megatron_patch.training.tokenizer import check_tokenizer_path  # transformers: only SFT needs it
+
+        check_tokenizer_path(cfg.tokenizer)
+
+
+PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, data_exists, tokenizer_exists)
+
+
+# --- reading what a value names ------------------------------------------------------------------------------
+
+def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str | None,
+                  num_layers: int | None = None) -> tuple[dict, int | None]:
+    """(the model's HF config, the checkpoint's own vocabulary padding when it differs from ours).
+
+    With a PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else
+    MP_HF_CONFIG, else the MODEL_SIZE preset, else its saved Megatron-LM arguments (as this
+    launcher's family), each checked against its tensors (``convert.arch_source``)."""
+    table = presets(family)
+    if num_layers is not None:
+        if size == "auto" or ckpt is not None:
+            raise UserError("MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset and cannot change a checkpoint's: "
+                            "drop MP_NUM_LAYERS or PRETRAIN_CHECKPOINT_PATH")
+        if size not in table:
+            raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
+        return {**table[size], "num_hidden_layers": num_layers}, None
+    if size == "auto" and ckpt is None:
+        raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
+                        "give a converted checkpoint or a model size")
+    if size != "auto" and size not in table:
+        raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
+    if ckpt is None:
+        return dict(table[size]), None
+    from megatron_patch.convert.arch_source import open_checkpoint
+
+    preset = None if size == "auto" else dict(table[size])
+    try:
+        opened = open_checkpoint(ckpt, hf_config=hf_config_file or preset, family=family)
+    except UserError as exc:
+        raise UserError(f"PRETRAIN_CHECKPOINT_PATH: {exc}" + (" (or set MP_HF_CONFIG)" if "--hf-config" in str(exc)
+                                                              else ""))
+    sidecar = opened.sidecar
+    if sidecar.family != family:
+        raise UserError(f"{ckpt} holds a {sidecar.family} model; this is the {family} launcher")
+    if preset is not None and opened.found.sidecar_dir is not None:
+        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                "intermediate_size", "num_experts")
+        diff = [k for k in keys if sidecar.hf_config.get(k) != preset.get(k)]
+        if diff:
+            raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff)}): "
+                            "use MODEL_SIZE=auto to take the checkpoint's architecture")
+    return sidecar.hf_config, sidecar.arch.vocab_padded_to
+
+
+def _check_data(path: str, dataset_type: str) -> None:
+    if dataset_type == "raw":
+        if not Path(path).is_file():
+            raise UserError(f"SFT data {path} not found: give a JSON or JSONL file")
+        return
+    missing = [s for s in (".bin", ".idx") if not Path(path + s).is_file()]
+    if missing:
+        raise UserError(f"mmap data {path}{missing[0]} not found: give the prefix of the .bin/.idx pair "
+                        "written by 'mpatch preprocess' (e.g. data/corpus_text_document)")
+
+
+def _world(run_env: str, layout: ParallelLayout, env: dict) -> tuple[int, int, int]:
+    """(world size, processes per node, nodes)."""
+    if run_env == "cpu":
+        nproc = env_int(env, "MP_NPROC", layout.world_size)
+        return nproc, nproc, 1
+    if launched_rank(env) and env.get("WORLD_SIZE"):
+        world = parse_int("WORLD_SIZE", env["WORLD_SIZE"])
+        per_node = parse_int("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE") or env.get("GPUS_PER_NODE") or str(world))
+        if world % per_node:
+            raise UserError(f"WORLD_SIZE={world} processes do not fill nodes of {per_node}: check GPUS_PER_NODE")
+        return world, per_node, world // per_node
+    gpus = env.get("GPUS_PER_NODE")
+    if gpus:
+        per_node = parse_int("GPUS_PER_NODE", gpus)
+    else:
+        import torch
+
+        # Without a GPU: a dlc node trains on its CPU, one process unless GPUS_PER_NODE says more;
+        # dsw (refused there) keeps a GPU node's 8 for dry runs that plan one.
+        per_node = torch.cuda.device_count() or (1 if run_env == "dlc" else 8)
+    nnodes = parse_int("WORLD_SIZE", env.get("WORLD_SIZE", "1")) if run_env == "dlc" else 1
+    return per_node * nnodes, per_node, nnodes
