@@ -223,7 +223,7 @@ def phase_exact(work: Path, results: Path, dry: bool) -> dict:
         return {"status": "dry run", "checks": runs}
     a, b = runs["off"], runs["scripted"]
     same = all(x[k] == y[k] for x, y in zip(a, b) for k in ("loss", "grad_norm", "lr")) and len(a) == len(b)
-    from megatron_patch.convert.torch_dist import TorchDistReader
+    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
     import torch
 
     fa, fb = (TorchDistReader(work / "exact" / run / "final" / "release").read_all() for run in ("off", "scripted"))

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_patch.checkpoint_layout import (
+from megatron_patch.checkpoint_files.layout import (
     RELEASE, TRACKER_NAME, atomic_dir, is_iteration_dir, iteration_dir, latest_complete_iteration, partial_dir,
     read_tracker, remove_stale_partials, torch_dist_problem, write_tracker)
 from megatron_patch.errors import UserError
@@ -210,7 +210,7 @@ def _torch_dist_019(folder, seed=0):
 
 
 def test_the_common_state_of_megatron_core_019_is_found_inside_the_distcp(tmp_path):
-    from megatron_patch.convert.torch_dist import COMMON_STATE_OBJECT, TorchDistReader, read_metadata
+    from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, TorchDistReader, read_metadata
 
     folder = _torch_dist_019(tmp_path / "ckpt", seed=7)
     assert torch_dist_problem(folder) is None

@@ -25,9 +25,9 @@ from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from megatron_patch.convert.copier import Copier
 from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.checkpoint_layout import PARTIAL_TAG
+from megatron_patch.checkpoint_files.layout import PARTIAL_TAG
 from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
-from megatron_patch.convert.torch_dist import COMMON_STATE_OBJECT, TorchDistReader
+from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
@@ -548,7 +548,7 @@ def test_mcore2hf_reads_the_weights_of_a_training_checkpoint(training_ckpt, hf_d
     assert rc == 2 and "the model does not" in err and "optimizer.state" in err, err
     assert not (tmp_path / "strict").exists()
     # The marker names an iteration that is gone: the newest complete one is converted, as training would
-    # resume from it (checkpoint_layout.latest_complete_iteration), with a warning naming what was skipped.
+    # resume from it (checkpoint_files.layout.latest_complete_iteration), with a warning naming what was skipped.
     monkeypatch.undo()
     (root / "latest_checkpointed_iteration.txt").write_text("7\n")
     rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "gone"),

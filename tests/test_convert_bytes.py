@@ -234,8 +234,9 @@ def test_every_move_gathered_in_small_bands_with_short_writes_gives_the_same_byt
 def test_gather_from_a_source_that_ends_early_is_an_error_not_a_crash(tmp_path):
     """A mapped page past the end of a file would kill the process (SIGBUS): the length is checked
     first, and the error names the file. With mmap refused, the read path says the same."""
-    from megatron_patch.convert.bytemap import Move, Stored
-    from megatron_patch.convert.copier import Copier, create_file
+    from megatron_patch.checkpoint_files.byte_io import Stored, create_file
+    from megatron_patch.convert.bytemap import Move
+    from megatron_patch.convert.copier import Copier
 
     src, dst = tmp_path / "src.bin", tmp_path / "dst.bin"
     src.write_bytes(bytes(range(256)) * 60)            # 15360 bytes: 60 of the 64 rows of 256 bytes
@@ -267,7 +268,7 @@ def test_torch_save_layout_loads_in_torch_also_past_4_gib(tmp_path):
     is where torch's own reader says it is. The big file is sparse: it takes no disk space."""
     import zipfile
 
-    from megatron_patch.convert.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
+    from megatron_patch.checkpoint_files.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
 
     values = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2, 0)}
     obj = {"model": {k: TensorSpec(tuple(v.shape), str(v.dtype)[6:]) for k, v in values.items()},
@@ -315,7 +316,7 @@ def test_torch_dist_metadata_reads_as_torch_writes_it(hf_dir, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from megatron_patch.convert.checkpoint import hf_to_mcore
-    from megatron_patch.convert.torch_dist import TorchDistReader
+    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 
     hf_to_mcore(hf_dir, tmp_path / "ours", ParallelLayout(), fmt="torch_dist", progress=False)
     ours = dcp.FileSystemReader(str(tmp_path / "ours" / "release")).read_metadata()
@@ -358,7 +359,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
     from megatron_patch.convert.copier import Copier
     from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
+    from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 
     want = HFCheckpointReader(hf_dir)
     # legacy: every matrix saved column-major (a transposed view of a contiguous storage)

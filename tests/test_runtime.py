@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from megatron_patch.checkpoint_layout import torch_dist_problem
-from megatron_patch.convert.torch_dist import TorchDistReader
+from megatron_patch.checkpoint_files.layout import torch_dist_problem
+from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.runtime.launch import run_local

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_patch.checkpoint_layout import partial_dir
+from megatron_patch.checkpoint_files.layout import partial_dir
 from megatron_patch.cli import main
-from megatron_patch.convert.torch_dist import TorchDistReader
+from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from tests.training_helpers import (GBS, ITERS, SEQ, hf_loss_on_first_batch, launch, launcher_args,
                                     make_chat_tokenizer, make_tiktoken_file, read_metrics, write_jsonl)
 from tests.training_helpers import pretrain_args as _pretrain_args

@@ -135,6 +135,6 @@ def pretrain_args(corpus, out, **over) -> list[str]:
 
 def read_tensors(folder) -> dict:
     """Every tensor of a torch_dist folder, whole, in its stored dtype."""
-    from megatron_patch.convert.torch_dist import TorchDistReader
+    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 
     return TorchDistReader(folder).read_all()

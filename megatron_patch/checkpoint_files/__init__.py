@@ -1,2 +1,6 @@
-"""Checkpoint files as untrusted input: the one allow-list of what their pickles may name, and the
-torch-side readers that apply it (nothing in a checkpoint runs code; docs/security.md)."""
+"""Checkpoint files, model-free: the formats (torch.save zips and their pickles, torch_dist, Megatron's legacy
+rank files, the tracker and iteration folders) read and written without torch, and, since every one of them
+is untrusted input, the one allow-list of what their pickles may name with the torch-side readers that apply
+it (nothing in a checkpoint runs code; docs/security.md). convert, training, align and inspect all read
+checkpoints through here.
+"""

@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from megatron_patch.checkpoint_files.allowlist import ALLOWED, UnsafePickle, canonical, check, refuse
-from megatron_patch.convert.pickles import loads as parse_inert
-from megatron_patch.convert.pickles import record_class
-from megatron_patch.convert.torch_dist import COMMON_STATE_OBJECT
+from megatron_patch.checkpoint_files.pickles import loads as parse_inert
+from megatron_patch.checkpoint_files.pickles import record_class
+from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT
 from megatron_patch.errors import UserError
 
 

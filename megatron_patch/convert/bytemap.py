@@ -11,46 +11,9 @@ a row-parallel split, a dtype change) is gathered in user space, a band of rows 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from megatron_patch.dtypes import ITEMSIZE
-
-
-@dataclass(frozen=True)
-class Stored:
-    """A dense C-contiguous tensor of ``shape`` and ``dtype`` (a dtype name) at ``offset`` of ``path``."""
-
-    path: str
-    offset: int
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype]
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if self.shape else 1
-
-    @property
-    def cols(self) -> int:
-        """Elements per dim-0 row."""
-        return math.prod(self.shape[1:]) if self.shape else 1
-
-    @property
-    def inner(self) -> int:
-        """Elements per dim-1 index (a dim-1 column is this many contiguous elements)."""
-        return math.prod(self.shape[2:]) if len(self.shape) > 2 else 1
-
-    @property
-    def row_bytes(self) -> int:
-        return self.cols * self.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows * self.row_bytes
+from megatron_patch.checkpoint_files.byte_io import Stored
 
 
 @dataclass(frozen=True)

@@ -28,23 +28,24 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from megatron_patch.checkpoint_layout import RELEASE, write_tracker
+from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
 from megatron_patch.convert.arch_source import open_checkpoint
-from megatron_patch.convert.bytemap import Move, Stored, Tiled, block_moves, shard_shape
-from megatron_patch.convert.copier import CallTask, CompareTask, Copier, create_file, write_all
+from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
+from megatron_patch.convert.bytemap import Move, Tiled, block_moves, shard_shape
+from megatron_patch.convert.copier import CallTask, CompareTask, Copier
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
-from megatron_patch.convert.legacy import (
+from megatron_patch.checkpoint_files.legacy import (
     CHECKPOINT_VERSION, FILE_NAME, check_legacy_layout, open_rank_files, rank_coords, rank_file)
 from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
-from megatron_patch.convert.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
-from megatron_patch.convert.torch_files import TensorSpec, nbytes, plan_torch_save
+from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
+from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan_torch_save
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, validate_layout

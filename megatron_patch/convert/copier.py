@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron_patch.convert.bytemap import Move, Stored
+from megatron_patch.checkpoint_files.byte_io import Stored, read_exact, write_all
+from megatron_patch.convert.bytemap import Move
 from megatron_patch.errors import UserError
 
 # Contiguous ranges are cut into pieces of this size so that several workers share a large tensor.
@@ -115,30 +116,6 @@ def copy_range(copier: "Copier", src_fd: int, src_offset: int, dst_fd: int, dst_
         nbytes -= n
 
 
-def read_exact(fd: int, view: memoryview, offset: int) -> None:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise EOFError(f"the file ends {len(view) - got} bytes early")
-        got += n
-
-
-def read_range(path, offset: int, nbytes: int) -> bytearray:
-    """``nbytes`` of ``path`` from ``offset`` (the GIL is released while reading); UserError naming the
-    file if it cannot be read or ends early."""
-    buf = bytearray(nbytes)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            read_exact(fd, memoryview(buf), offset)
-        finally:
-            os.close(fd)
-    except (OSError, EOFError) as exc:
-        raise UserError(f"cannot read {path} ({exc}): the file may be truncated or corrupt")
-    return buf
-
-
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _ZEROS = memoryview(bytes(1 << 20))
 
@@ -161,25 +138,6 @@ def write_pieces(fd: int, pieces: list[memoryview], offset: int) -> None:
             pos += len(p)
         offset += pos
         k += len(group)
-
-
-def create_file(path, size: int, pieces) -> None:
-    """Create ``path`` at its full ``size`` (sparse: rows never written read as zeros) with ``pieces``
-    ((offset, bytes): headers, pickles) in place; the tensors' bytes are copied in later, in any order."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, size)
-        for offset, data in pieces:
-            write_all(fd, data, offset)
-    finally:
-        os.close(fd)
-
-
-def write_all(fd: int, view, offset: int) -> None:
-    view = memoryview(view).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
 
 
 class Copier:
@@ -554,7 +512,7 @@ def _sync_file_range():
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing ``nbytes`` of ``fd`` from ``offset`` to disk now (0: to the end),
     without waiting for the disk. The output is fsynced before it is published
-    (``checkpoint_layout.publish``); started as each range is done, the disk writes overlap the copying
+    (``checkpoint_files.layout.publish``); started as each range is done, the disk writes overlap the copying
     instead of all waiting for that final fsync."""
     fn = _sync_file_range()
     if fn is not None:

@@ -15,8 +15,8 @@ import math
 import struct
 from pathlib import Path
 
-from megatron_patch.convert.bytemap import Stored
-from megatron_patch.convert.copier import read_range
+from megatron_patch.checkpoint_files.byte_io import Stored
+from megatron_patch.checkpoint_files.byte_io import read_range
 from megatron_patch.dtypes import ITEMSIZE, SAFETENSORS_TAG_NAMES
 from megatron_patch.errors import UserError
 

@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_patch.convert.bytemap import Stored
-from megatron_patch.convert.copier import create_file
-from megatron_patch.convert.torch_files import nbytes
+from megatron_patch.checkpoint_files.byte_io import Stored
+from megatron_patch.checkpoint_files.byte_io import create_file
+from megatron_patch.checkpoint_files.torch_files import nbytes
 from megatron_patch.dtypes import SAFETENSORS_TAG_OF_NAME, dtype_name
 from megatron_patch.errors import UserError
 

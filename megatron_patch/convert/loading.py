@@ -1,7 +1,7 @@
 """Load a Megatron-Core checkpoint (``hf_to_mcore``'s, a run's, or another tool's) into this rank's live GPTModel.
 
 torch_dist: megatron-core's own ``dist_checkpointing.load`` with the model's sharded state dict, at
-any TP/PP/EP (``checkpoint_layout.load_models_torch_dist``). legacy: this rank's ``model_optim_rng.pt``
+any TP/PP/EP (``checkpoint_files.layout.load_models_torch_dist``). legacy: this rank's ``model_optim_rng.pt``
 at exactly the layout it was written for.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_patch.checkpoint_layout import load_models_torch_dist
+from megatron_patch.checkpoint_files.layout import load_models_torch_dist
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
@@ -34,7 +34,7 @@ def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_conf
 
 def load_legacy(model, folder: str | Path, sidecar: Sidecar, layout=None) -> None:
     """This rank's legacy rank file from the weights folder ``folder`` (``release/`` or ``iter_XXXXXXX/``)."""
-    from megatron_patch.convert.legacy import open_rank_file, rank_file
+    from megatron_patch.checkpoint_files.legacy import open_rank_file, rank_file
     from megatron_patch.models.mapping import RankCoord
     from megatron_patch.convert.model_io import current_coord, load_state_dict_strict
     from megatron_patch.models.mapping.naming import to_spec

@@ -1,4 +1,4 @@
-"""The converter's output folders (complete or absent, see ``checkpoint_layout``) and the HF side files
+"""The converter's output folders (complete or absent, see ``checkpoint_files.layout``) and the HF side files
 carried along with the weights.
 """
 
@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from megatron_patch.checkpoint_layout import atomic_dir
+from megatron_patch.checkpoint_files.layout import atomic_dir
 from megatron_patch.errors import UserError
 
 # Files of an HF model folder that travel with the weights (tokenizer, chat template, generation).

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_patch.checkpoint_layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_tracker
+from megatron_patch.checkpoint_files.layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_tracker
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch

@@ -7,7 +7,7 @@ Layout under ``OUTPUT_BASEPATH/checkpoint``::
                                         scheduler, iteration and consumed samples), rng/rank_*.pt,
                                         train_state.json
 
-A save writes into a partial folder (``checkpoint_layout``), renamed to ``iter_XXXXXXX`` only after
+A save writes into a partial folder (``checkpoint_files.layout``), renamed to ``iter_XXXXXXX`` only after
 every rank has finished and everything in it is fsynced, and only then is the latest marker replaced.
 A run killed mid-save leaves the previous checkpoint as the latest. A save that fails (a full disk,
 any OSError) stops the run with one line and removes its partial folder; the previous checkpoint is
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_patch.checkpoint_layout import (
+from megatron_patch.checkpoint_files.layout import (
     RELEASE, fsync_file, iteration_dir, latest_complete_iteration, load_models_torch_dist, partial_dir, publish,
     remove_stale_partials, torch_dist_problem, write_tracker, zip_problem)
 from megatron_patch.errors import UserError
@@ -44,7 +44,7 @@ TRAIN_STATE = "train_state.json"
 
 def iteration_problem(folder: Path) -> str | None:
     """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
-    (checkpoint_layout.torch_dist_problem), train_state.json, and every rank's random state."""
+    (checkpoint_files.layout.torch_dist_problem), train_state.json, and every rank's random state."""
     why = torch_dist_problem(folder)
     if why:
         return why

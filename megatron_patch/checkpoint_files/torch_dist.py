@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from megatron_patch.convert.bytemap import Stored
-from megatron_patch.convert.copier import create_file
-from megatron_patch.convert.pickles import (
+from megatron_patch.checkpoint_files.byte_io import Stored
+from megatron_patch.checkpoint_files.byte_io import create_file
+from megatron_patch.checkpoint_files.pickles import (
     Call, DType, Global, Items, New, Record, TensorRef, dumps, loads, torch_dtype, torch_size)
-from megatron_patch.convert.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
+from megatron_patch.checkpoint_files.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
 from megatron_patch.errors import UserError
 
 # What megatron-core's dist_checkpointing.save writes next to the torch files.

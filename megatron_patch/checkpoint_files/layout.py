@@ -208,7 +208,7 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
     """What makes the torch_dist checkpoint in ``folder`` unusable, or None when it is complete.
 
     Checked without reading the tensors (and without torch): megatron's ``metadata.json`` parses;
-    torch's ``.metadata`` unpickles (``convert.torch_dist.read_metadata``); every data file it names
+    torch's ``.metadata`` unpickles (``torch_dist.read_metadata``); every data file it names
     exists and is long enough for every record it points into (a truncated ``.distcp`` is found, a
     flipped byte inside one is not: the format has no checksums); with ``common``, megatron's common
     state is there: an intact ``common.pt`` archive, or (megatron-core >= 0.19) the ``common_state`` object.
@@ -225,7 +225,7 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
         return f"metadata.json is unreadable ({exc})"
     if not (folder / ".metadata").is_file():
         return ".metadata is missing"
-    from megatron_patch.convert.torch_dist import read_metadata
+    from megatron_patch.checkpoint_files.torch_dist import read_metadata
 
     try:
         metadata = read_metadata(folder / ".metadata")
@@ -251,7 +251,7 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
 def _common_state_problem(folder: Path, metadata) -> str | None:
     """megatron's common state: ``common.pt`` (megatron-core <= 0.16) must be an intact archive; from 0.19
     on it is the ``common_state`` object, whose data record was checked with the other records."""
-    from megatron_patch.convert.torch_dist import COMMON_STATE_OBJECT
+    from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT
 
     if (folder / "common.pt").exists() or COMMON_STATE_OBJECT not in metadata.objects:
         return zip_problem(folder / "common.pt")
@@ -323,7 +323,7 @@ def load_models_torch_dist(models: list, folder: str | Path) -> None:
     ``dist_checkpointing.load``: its integrity check wants the request of all ranks together to cover
     every stored shard, which one chunk alone does not."""
     from megatron_patch.checkpoint_files.safe_torch import safe_dist_load
-    from megatron_patch.convert.torch_dist import TorchDistReader
+    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 
     stored = TorchDistReader(folder).keys()
     request = {f"model{i}": without_missing_extra_state(m.sharded_state_dict(), stored) for i, m in enumerate(models)}

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_patch.convert.bytemap import Stored
-from megatron_patch.convert.copier import read_range
-from megatron_patch.convert.pickles import (
+from megatron_patch.checkpoint_files.byte_io import Stored
+from megatron_patch.checkpoint_files.byte_io import read_range
+from megatron_patch.checkpoint_files.pickles import (
     STORAGE_CLASS_OF_DTYPE, Call, Global, PersistentId, StorageRef, TensorRef, dumps, loads)
-from megatron_patch.convert.zipfmt import ALIGNMENT, ZipFormatError, ZipIndex, ZipLayout, plan_zip
+from megatron_patch.checkpoint_files.zipfmt import ALIGNMENT, ZipFormatError, ZipIndex, ZipLayout, plan_zip
 from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.errors import UserError
 
