@@ -159,7 +159,7 @@ import json, sys
 from pathlib import Path
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.training.preprocess import preprocess
-from megatron_patch.training.toy_data import make_texts, make_tokenizer
+from megatron_patch.training.demo_data import make_texts, make_tokenizer
 
 work, families = Path(sys.argv[1]), sys.argv[2].split()
 for f in families:

@@ -54,7 +54,7 @@ def measure_rank(cfg) -> dict:
 
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training.loop import Trainer
-    from megatron_patch.training.saved_tensors import SavedTensorMeter
+    from tests.saved_tensors import SavedTensorMeter
 
     init_model_parallel(cfg.layout, seed=cfg.seed)
     trainer = Trainer(cfg)

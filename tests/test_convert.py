@@ -244,7 +244,7 @@ LOADS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("family,fmt,converted,loaded", LOADS, ids=[f"{f}-{fmt}-to-tp{l[0]}pp{l[1]}ep{l[2]}" for f, fmt, _, l in LOADS])
 def test_checkpoint_loads_at_layout_with_hf_logits(hf_dirs, tmp_path, family, fmt, converted, loaded):
-    from megatron_patch.convert.loading import checkpoint_logits_worker
+    from tests.convert_helpers import checkpoint_logits_worker
     from megatron_patch.runtime.launch import run_local
 
     src = hf_dirs[family]

@@ -341,7 +341,7 @@ def test_mtp_layers_convert_both_ways_bit_exact(mtp_checkpoint, tmp_path, fmt, l
         tokens = random_tokens(200, seed=5)
         assert torch.equal(hf_logits(back, tokens), hf_logits(mtp_checkpoint, tokens))
     if fmt == "torch_dist":  # a model run without its MTP block still loads the checkpoint: HF's logits
-        from megatron_patch.convert.loading import checkpoint_logits_worker
+        from tests.convert_helpers import checkpoint_logits_worker
         from megatron_patch.runtime.launch import run_local
 
         tokens = random_tokens(200, seed=4)

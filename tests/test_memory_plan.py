@@ -1,7 +1,7 @@
 """The memory plan (training/memory_plan.py) against what runs allocate, and the dry run and refusal.
 
 Each configuration is built by the trainer exactly as `mpatch train` builds it and takes one step with
-autograd's saved tensors metered (training/saved_tensors.py):
+autograd's saved tensors metered (tests/saved_tensors.py):
 
 - model state (parameters, gradient buffers, optimizer state by tier) equals the plan to the byte;
 - saved activations come within 10% of the plan for the dense models, across AC none/sel/full, fp32

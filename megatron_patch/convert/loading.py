@@ -1,15 +1,15 @@
-"""Load a Megatron-Core checkpoint (``hf_to_mcore``'s, a run's, or another tool's) into this rank's live GPTModel.
+"""Load a Megatron-Core checkpoint (``hf_to_mcore``'s, a run's ``final/``, or another tool's) into this rank's
+live model: the one function that loads pretrained weights, for training, the aligner and the tests.
 
 torch_dist: megatron-core's own ``dist_checkpointing.load`` with the model's sharded state dict, at
-any TP/PP/EP (``checkpoint_files.layout.load_models_torch_dist``). legacy: this rank's ``model_optim_rng.pt``
+any TP/PP/EP and into virtual-pipeline chunks (``checkpoint_files.layout.load_models_torch_dist``: the
+chunks' sharded tensors name their layers by global number). legacy: this rank's ``model_optim_rng.pt``
 at exactly the layout it was written for.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
 
 from megatron_patch.checkpoint_files.layout import load_models_torch_dist
 from megatron_patch.convert.arch_source import open_checkpoint
@@ -19,16 +19,21 @@ from megatron_patch.errors import UserError
 
 def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_config: dict | str | Path | None = None
                                ) -> Sidecar:
-    """Fill ``model`` (built by ``build_model`` on this rank) from ``ckpt_dir``; returns its sidecar.
+    """Fill ``model`` (built by ``build_model`` on this rank; a list: its virtual-pipeline chunks) from
+    ``ckpt_dir``; returns its sidecar.
 
     A checkpoint without this project's sidecar (another tool's) needs ``hf_config``, the model's
     config the caller built ``model`` from (``convert.arch_source.open_checkpoint``)."""
+    chunks = model if isinstance(model, list) else [model]
     opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
     sidecar = opened.sidecar
     if sidecar.checkpoint_format == "torch_dist":
-        load_models_torch_dist([model], opened.found.folder)
+        load_models_torch_dist(chunks, opened.found.folder)
+    elif len(chunks) > 1:
+        raise UserError(f"{ckpt_dir} is a legacy checkpoint, which loads only at the layout it was written for: "
+                        "convert with --format torch_dist to train with MP_VP")
     else:
-        load_legacy(model, opened.found.folder, sidecar, layout)
+        load_legacy(chunks[0], opened.found.folder, sidecar, layout)
     return sidecar
 
 
@@ -60,16 +65,3 @@ def load_legacy(model, folder: str | Path, sidecar: Sidecar, layout=None) -> Non
         arch = sidecar.arch
         state = reshard_for_local_spec(get_family(arch.family), arch, ckpt_layout, coord, state)
     load_state_dict_strict(model, to_spec(state, spec))
-
-
-def checkpoint_logits_worker(ckpt_dir: str, layout, tokens: torch.Tensor, dtype=torch.float32, hf_config=None):
-    """Runs on every rank: build the model at ``layout``, load the checkpoint, return logits (last stage)."""
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.inference import forward_logits, place_on_rank_device
-    from megatron_patch.runtime import init_model_parallel
-
-    arch = open_checkpoint(ckpt_dir, hf_config=hf_config).model_arch
-    init_model_parallel(layout)
-    model = build_model(arch, layout, dtype)
-    load_checkpoint_into_model(model, ckpt_dir, layout, hf_config)
-    return forward_logits(place_on_rank_device(model), tokens, arch.vocab_size)

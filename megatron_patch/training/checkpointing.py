@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.checkpoint_files.layout import (
-    RELEASE, fsync_file, iteration_dir, latest_complete_iteration, load_models_torch_dist, partial_dir, publish,
+    RELEASE, fsync_file, iteration_dir, latest_complete_iteration, partial_dir, publish,
     remove_stale_partials, torch_dist_problem, write_tracker, zip_problem)
 from megatron_patch.errors import UserError
 from megatron_patch.runtime import watchdog
@@ -295,22 +295,6 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     if state["iteration"] != iteration:
         raise UserError(f"{folder} holds iteration {state['iteration']}, not {iteration}: the checkpoint is damaged")
     return int(state["consumed_samples"])
-
-
-def load_converted_into_chunks(chunks: list, ckpt_dir, hf_config: dict | None = None) -> None:
-    """A torch_dist checkpoint (converted, a ``final/`` export, or another tool's, read as the model of
-    ``hf_config``) into virtual-pipeline chunks.
-
-    The chunks' sharded tensors name their layers by global number (megatron's layer offset for the
-    chunk's vp_stage), so a checkpoint written at any TP/PP, without chunks, fills them correctly.
-    """
-    from megatron_patch.convert.arch_source import open_checkpoint
-
-    opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
-    if opened.sidecar.checkpoint_format != "torch_dist":
-        raise UserError(f"{ckpt_dir} is a legacy checkpoint, which loads only at the layout it was written for: "
-                        "convert with --format torch_dist to train with MP_VP")
-    load_models_torch_dist(chunks, opened.found.folder)
 
 
 def _shared_partial_dir(final: Path, inner: str = "") -> Path:

@@ -256,12 +256,7 @@ class Trainer:
         from megatron_patch.convert.loading import load_checkpoint_into_model
 
         cfg = self.cfg
-        if len(chunks) == 1:
-            load_checkpoint_into_model(chunks[0], cfg.pretrain_checkpoint, cfg.layout, hf_config=cfg.hf_config)
-        else:
-            from megatron_patch.training.checkpointing import load_converted_into_chunks
-
-            load_converted_into_chunks(chunks, cfg.pretrain_checkpoint, cfg.hf_config)
+        load_checkpoint_into_model(chunks, cfg.pretrain_checkpoint, cfg.layout, hf_config=cfg.hf_config)
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):

@@ -8,7 +8,7 @@ precision, and the optimizer state of this rank's shard of every bucket: fp32 ma
 16-bit parameters, Adam's two moments, torch's per-parameter step where torch's Adam runs; with
 OPTIMIZER_OFFLOAD the chunks of the chunked optimizer (``training/offload``) on their tiers.
 
-Activations are what autograd saves for backward (``training.saved_tensors``), per micro-batch and
+Activations are what autograd saves for backward (``tests/saved_tensors.py``), per micro-batch and
 layer, for the layer implementation that runs: megatron-core's local spec (torch RMSNorm, unfused
 attention with an fp32 softmax, GQA keys/values expanded per head: what runs on CPU, where the tests
 check the model against the measurement) or transformer-engine's (fused norm+linear and fused

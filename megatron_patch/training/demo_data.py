@@ -1,4 +1,4 @@
-"""A toy corpus and tokenizer made locally (tests, the quick start; nothing from a model hub).
+"""The demo corpus and tokenizer, made locally (the quick start, the GPU suite and the tests; nothing from a model hub).
 
 The corpus is English-like text from a small grammar: it has structure a tiny model learns within a
 few dozen steps. The tokenizer is a BPE trained on it with the ``tokenizers`` library, small enough
