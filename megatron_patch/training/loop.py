@@ -146,6 +146,39 @@ def cast_parameters(chunks: list, dtype: torch.dtype) -> None:
                 param.data = param.data.to(dtype)
 
 
+def ddp_buffer_layout(config, ddp_config, chunk, disable_bucketing: bool) -> dict:
+    """``DistributedDataParallel``'s ``full_param_layout`` argument, where megatron-core has one (0.19).
+
+    From 0.19 the distributed optimizer's DDP buffers are laid out by the caller, with the optimizer's own
+    ``compute_full_param_layout``, as Megatron-LM does before it builds DDP; left to DDP it still works but
+    warns. The arguments are the ones DDP would use: the same process groups (DDP's own set-up function),
+    the bucket size it defaults to, and no bucketing on later pipeline stages, later model chunks, or
+    without grad-reduce overlap."""
+    import inspect
+
+    from megatron.core.distributed import DistributedDataParallel
+
+    if not ddp_config.use_distributed_optimizer or \
+            "full_param_layout" not in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {}
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = ProcessGroupCollection.setup_process_groups_for_ddp(None, config, ddp_config)
+    bucket = ddp_config.bucket_size
+    if bucket is None:
+        bucket = max(40_000_000, 1_000_000 * groups["dp_group"].size())
+    pp_group = groups["pp_group"]
+    pp_rank = (pp_group[0] if isinstance(pp_group, list) else pp_group).rank()
+    if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
+        bucket = None
+    params = [p for p in chunk.parameters() if p.requires_grad]
+    layout = DistributedOptimizer.compute_full_param_layout(
+        params, bucket, groups["intra_dp_cp_group"].size(), ddp_config,
+        expert_data_parallel_world_size=groups["intra_expt_dp_group"].size())
+    return {"full_param_layout": layout}
+
+
 def configure_overlap(config, models: list, ddp_settings: dict) -> None:
     """The schedule's hooks for overlapping DP communication with compute (Megatron-LM's train()).
 
@@ -200,7 +233,8 @@ class Trainer:
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(**self.settings["ddp"])
         # As Megatron-LM does: only the first chunk's gradient buckets are bucketed for overlap.
-        self.models = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
+        self.models = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0,
+                                               **ddp_buffer_layout(c.config, ddp_config, c, i > 0))
                        for i, c in enumerate(chunks)]
         self.config = config
         configure_overlap(config, self.models, self.settings["ddp"])
