@@ -158,6 +158,7 @@ def _bytes_read_per_tensor(reads, reader) -> dict[str, tuple[int, bool]]:
     return out
 
 
+@pytest.mark.slow
 def test_each_hf_byte_is_read_once_per_copy_written(hf_dirs, tmp_path):
     """A TP shard reads its own rows, not the whole tensor; a row-parallel weight is read a band at a time
     once for all its shards; only what is written several times (a norm on every TP rank, the last

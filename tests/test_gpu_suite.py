@@ -61,6 +61,7 @@ def test_dry_run_checks_every_step(dry_run):
     assert (results / "info.json").is_file() and (results / "work" / "hf" / "mixtral" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_the_plan_fits_25_minutes(dry_run):
     planned = re.search(r"planned worst case (\d+)s", dry_run["proc"].stdout)
     assert planned and int(planned.group(1)) <= 25 * 60, dry_run["proc"].stdout[:2000]
@@ -96,6 +97,7 @@ def test_bad_option_is_refused(tmp_path):
     assert usage.returncode == 0 and "--dry-run" in usage.stdout and "25 minutes" in usage.stdout
 
 
+@pytest.mark.slow
 def test_optional_offload_benchmark_dry_run(tmp_path):
     """bench-offload is not in the default plan (it needs its own ~15 minutes); --only runs it, and its dry
     run validates the sweep's launches against the memory plan of an 80 GiB GPU."""

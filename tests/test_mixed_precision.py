@@ -131,6 +131,7 @@ def fp16_run(corpus, tmp_path_factory):
     return {"out": out, "stdout": proc.stdout}
 
 
+@pytest.mark.slow
 def test_fp16_loss_scale_grows_and_backs_off_on_overflow(fp16_run):
     m, stdout = read_metrics(fp16_run["out"]), fp16_run["stdout"]
     scales = [x["loss_scale"] for x in m]

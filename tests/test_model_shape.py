@@ -82,6 +82,7 @@ def _full_meta_build_worker(configs: list[dict]) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_layer_kind_arithmetic_equals_a_full_build():
     configs = [families()["deepseek_v3"].presets["Moonlight-16B-A3B"], families()["qwen2_moe"].presets["57B-A14B"],
                families()["mixtral"].presets["8x7B"], families()["qwen3_moe"].tiny_config]

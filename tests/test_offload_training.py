@@ -86,6 +86,7 @@ def auto(corpus, script, tmp_path_factory):
     return {"out": out, "stdout": stdout}
 
 
+@pytest.mark.slow
 def test_auto_schedule_under_the_scripted_probe(auto):
     m = read_metrics(auto["out"])
     actions = [x["offload_action"] for x in m]

@@ -122,6 +122,7 @@ def test_forward_backward_matches_tp1(dense_ref, layout, use_ddp):
 
 # --- 2. MoE with expert parallelism ------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,world", [
     pytest.param(ParallelLayout(ep=2), 2, id="ep2"),
     pytest.param(ParallelLayout(tp=2, ep=2), 4, id="ep2-tp2"),
@@ -144,6 +145,7 @@ def test_moe_expert_parallel_matches_tp1(moe_ref, layout, world):
 
 # --- 3. megatron DDP + optimizer -------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     pytest.param(ParallelLayout(tp=2), id="tp2"),
     pytest.param(ParallelLayout(pp=2), id="pp2"),

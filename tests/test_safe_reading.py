@@ -195,6 +195,7 @@ def _load_one_tensor(folder: str, key: str) -> torch.Tensor:
     return safe_dist_load({"w": ShardedTensor.from_rank_offsets(key, target)}, folder)["w"]
 
 
+@pytest.mark.slow
 def test_safe_dist_load_reads_a_checkpoint_without_common_pt(checkpoints, tmp_path):
     """Other tools (Megatron-Bridge) write no common.pt: the common state is then empty, not an error."""
     weights = _weights(_copy(checkpoints["torch_dist"], tmp_path / "ckpt"))

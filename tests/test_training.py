@@ -614,6 +614,7 @@ def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, 
     assert iteration_problem(ckpt / "iter_0000024") is None and iteration_problem(ckpt / "iter_0000018") is None
 
 
+@pytest.mark.slow
 def test_no_complete_checkpoint_is_refused_in_one_line(dp2_run, corpus, tmp_path):
     out = tmp_path / "out"
     ckpt = _copy_checkpoints(dp2_run["out"], out)

@@ -477,6 +477,7 @@ def test_dlc_ranks_take_the_world_size_torchrun_gives_them(data):
     assert parent.num_microbatches == child.num_microbatches == 1
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what ENV=dlc becomes on a node without GPUs")
 def test_dlc_on_a_cpu_node_trains_on_gloo_with_restarts_and_a_timeout(data):
     """ENV=dlc without GPUs: PAI-DLC's variables make the torchrun command (static rendezvous at node 0), the

@@ -323,6 +323,7 @@ def stage_weights_worker() -> dict:
     return {"pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "qkv": first_layer}
 
 
+@pytest.mark.slow
 def test_pipeline_stages_start_from_different_weights():
     """From scratch at PP=4 (one layer per stage): the middle stages hold neither embedding nor output
     layer, so with one seed for all stages their layers would be initialised identically."""
