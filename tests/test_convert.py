@@ -32,6 +32,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
+from megatron_patch.training.run_config import Precision
 from tests.convert_helpers import leftovers, run_cli
 
 FAMILIES = list(families())
@@ -119,6 +120,7 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     assert not leftovers(ckpt) and not leftovers(back)
 
 
+@pytest.mark.slow
 def test_legacy_layout_matches_megatron(hf_dirs, tmp_path):
     """File names, checkpoint version, stage-local layer numbers, padded vocabulary shards."""
     ckpt = tmp_path / "ckpt"
@@ -493,7 +495,7 @@ def _training_checkpoint_worker(hf_dir: str, converted: str, root: str) -> list[
     optimizer.step()  # creates the Adam state that a checkpoint of a real run holds
     cfg = types.SimpleNamespace(checkpoint_dir=Path(root), overlap_param_gather=False, global_batch_size=8,
                                 family=arch.family, hf_config=arch.hf_config, to_dict=lambda: {},
-                                arch=arch, layout=layout, precision="bf16")
+                                arch=arch, layout=layout, precision=Precision.BF16)
     checkpointing.save(cfg, 5, [ddp], optimizer, scheduler)
     return sorted(p.name for p in Path(root).iterdir())
 
@@ -508,6 +510,7 @@ def training_ckpt(hf_dirs, tmp_path_factory):
     return root / "checkpoint"
 
 
+@pytest.mark.slow
 def test_training_checkpoint_without_sidecar_fails_naming_it(training_ckpt, tmp_path, capsys):
     root = tmp_path / "checkpoint"
     shutil.copytree(training_ckpt, root)
@@ -521,6 +524,7 @@ def test_training_checkpoint_without_sidecar_fails_naming_it(training_ckpt, tmp_
         assert not (tmp_path / "hf").exists() and not leftovers(tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_mcore2hf_reads_the_weights_of_a_training_checkpoint(training_ckpt, hf_dirs, tmp_path, capsys, monkeypatch):
     from megatron_patch.convert import checkpoint as ckpt_mod
 

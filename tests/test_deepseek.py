@@ -89,6 +89,7 @@ def _interleaved_to_halves(rows: torch.Tensor) -> torch.Tensor:
     return rows.view(d // 2, 2, -1).transpose(0, 1).reshape(d, -1)
 
 
+@pytest.mark.slow
 def test_rope_on_interleaved_pairs_is_what_megatron_core_computes(variants, tmp_path):
     """transformers' rope_interleave=true (the released checkpoints) is reproduced with the weights as
     they are (test_variants_match_transformers and the family's own parity); the same weights with their
@@ -322,6 +323,7 @@ def test_mtp_layers_are_dropped_loudly_without_mtp(mtp_checkpoint, tmp_path, cap
     assert not any(n.startswith("model.layers.3.") for n in HFCheckpointReader(back).keys())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,layout", [("legacy", ["--tp", "2", "--ep", "2"]), ("torch_dist", ["--pp", "3"])])
 def test_mtp_layers_convert_both_ways_bit_exact(mtp_checkpoint, tmp_path, fmt, layout):
     from megatron_patch.cli import main

@@ -99,6 +99,7 @@ def test_gloo_has_the_collectives_megatron_uses():
 
 # --- 1. forward/backward through the pipeline schedules -----------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,use_ddp", [
     pytest.param(ParallelLayout(tp=2), False, id="tp2"),
     pytest.param(ParallelLayout(pp=2), False, id="pp2"),
@@ -321,6 +322,7 @@ def test_unsupported_mcore_version_is_refused(monkeypatch):
     assert len(r["untouched"]) == r["total"], r["untouched"]
 
 
+@pytest.mark.slow
 def test_device_contexts_still_work_after_the_layer(tmp_path):
     """Regression: wrapping torch.tensor & co. must not break `with torch.device("meta")`.
 
@@ -362,6 +364,7 @@ def test_run_local_reraises_a_ranks_user_error_as_itself():
         run_local(raise_user_error_on_rank_1, 2, "TP=3 does not divide the heads", timeout=120)
 
 
+@pytest.mark.slow
 def test_run_local_reports_other_failures_with_the_traceback_and_dead_ranks_at_once():
     from megatron_patch.runtime.launch import WorkerError, run_local
     from tests.runtime_helpers import die_without_reporting, raise_value_error

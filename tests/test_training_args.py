@@ -346,6 +346,7 @@ def test_dry_run_sft_counts_iterations_and_cpu_runs_locally(data):
     assert any("TP communication overlap" in p for p in r["machine_problems"])
 
 
+@pytest.mark.slow
 def test_dry_run_virtual_pipeline_is_accepted_on_cpu(data):
     r = _dry(data, "llama3_1", {"MP_VP": "2"}, PP="2")
     tc = r["megatron_core"]["transformer_config"]
