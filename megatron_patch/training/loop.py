@@ -8,6 +8,9 @@ or skip on NaN/inf, optimizer step, LR schedule step, log, maybe save.
 
 from __future__ import annotations
 
+# megatron-core is imported inside the functions, after init_model_parallel: on a machine without CUDA the CPU
+# compatibility layer (runtime/cpu_compat.py) must patch torch before megatron binds names at import.
+
 import json
 import math
 import time
@@ -18,13 +21,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_patch.convert.loading import load_checkpoint_into_model
 from megatron_patch.errors import UserError
+from megatron_patch.models.builder import build_model_chunks
 from megatron_patch.models.shape import model_shape
-from megatron_patch.runtime import watchdog
+from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import move_to_device
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training import faults
+from megatron_patch.training import checkpointing, data, faults, packing
+from megatron_patch.training.checkpointing import resume_iteration
+from megatron_patch.training.gpu_setup import initialize_tp_communicators
 from megatron_patch.training.machine_checks import attention_kernel
+from megatron_patch.training.megatron_settings import megatron_settings
+from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
@@ -113,7 +122,6 @@ def prepare_batch(batch: dict, ctx: StepContext) -> tuple[dict, object]:
 
     Returns (batch, PackedSeqParams or None).
     """
-    from megatron_patch.training import packing
 
     params = None
     if "doc_start" in batch:
@@ -210,8 +218,6 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_patch.models.builder import build_model_chunks
-        from megatron_patch.training.megatron_settings import megatron_settings
 
         cfg = self.cfg
         self.arch = cfg.arch
@@ -240,7 +246,6 @@ class Trainer:
         configure_overlap(config, self.models, self.settings["ddp"])
         config.finalize_model_grads_func = finalize_model_grads
         self.offload = None
-        from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
 
         offload = settings_from_config(cfg)
         if offload.enabled:
@@ -268,7 +273,6 @@ class Trainer:
             wd_incr_style="constant")
         self.iteration = 0
         if self.resume_iteration is not None:
-            from megatron_patch.training import checkpointing
 
             checkpointing.load(cfg, self.resume_iteration, self.models, self.optimizer, self.scheduler)
             self.iteration = self.resume_iteration
@@ -287,19 +291,16 @@ class Trainer:
 
     def _load_pretrained(self, chunks: list) -> None:
         """A converted checkpoint into this rank's model chunk(s)."""
-        from megatron_patch.convert.loading import load_checkpoint_into_model
 
         cfg = self.cfg
         load_checkpoint_into_model(chunks, cfg.pretrain_checkpoint, cfg.layout, hf_config=cfg.hf_config)
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-        from megatron_patch.training.checkpointing import resume_iteration
 
         return resume_iteration(self.cfg.checkpoint_dir, self._log)
 
     def _build_data(self) -> None:
-        from megatron_patch.training import data
 
         cfg = self.cfg
         valid_samples = cfg.eval_iters * cfg.global_batch_size
@@ -358,12 +359,12 @@ class Trainer:
         cfg = self.cfg
         # The interleaved schedule takes one iterator per chunk; each chunk reads every micro-batch
         # in order (the first chunk its tokens, the last its labels and loss mask).
-        data = [iter(batches) for _ in self.models] if len(self.models) > 1 else iter(batches)
+        iterators = [iter(batches) for _ in self.models] if len(self.models) > 1 else iter(batches)
         # Packed micro-batches travel between stages as one THD row of all their tokens.
         seq, mbs = ((cfg.micro_batch_size * cfg.sample_length, 1) if cfg.sft_packing
                     else (cfg.sample_length, cfg.micro_batch_size))
         out = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, self.step_context), data_iterator=data,
+            forward_step_func=partial(_forward_step, self.step_context), data_iterator=iterators,
             model=self.models, num_microbatches=len(batches), seq_length=seq,
             micro_batch_size=mbs, forward_only=forward_only)
         stats = torch.zeros(2, dtype=torch.float64)
@@ -380,12 +381,10 @@ class Trainer:
 
     @staticmethod
     def _device():
-        from megatron_patch.runtime import device
 
         return device()
 
     def train_step(self) -> dict:
-        from megatron_patch.training import data
 
         cfg = self.cfg
         batches = data.micro_batches(self.train_data, self.iteration, cfg, self.dp_rank, self.dp_size)
@@ -436,7 +435,6 @@ class Trainer:
         return float(self.optimizer.get_loss_scale())
 
     def evaluate(self) -> float:
-        from megatron_patch.training import data
 
         cfg = self.cfg
         for m in self.models:
@@ -453,7 +451,6 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        from megatron_patch.training import checkpointing
 
         cfg = self.cfg
         self._open_logs()
@@ -563,7 +560,6 @@ def train(cfg) -> dict:
     """Run on every rank (process group from RANK/WORLD_SIZE/MASTER_*)."""
     import os
 
-    from megatron_patch.runtime import init_model_parallel
 
     watchdog.set_phase("joining the job")
     init_model_parallel(cfg.layout, seed=cfg.seed, timeout_minutes=cfg.dist_timeout_min)
@@ -574,7 +570,6 @@ def train(cfg) -> dict:
         print(f"restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (MP_MAX_RESTARTS): "
               "resuming from the latest complete checkpoint", flush=True)
     if cfg.tp_comm_overlap:
-        from megatron_patch.training.gpu_setup import initialize_tp_communicators
 
         initialize_tp_communicators(cfg, cfg.arch.hidden_size)
     trainer = Trainer(cfg)
