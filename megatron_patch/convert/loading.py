@@ -12,9 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import load_models_torch_dist
+from megatron_patch.checkpoint_files.legacy import open_rank_file, rank_file
 from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.convert.engine import reshard_for_local_spec
+from megatron_patch.convert.model_io import current_coord, load_state_dict_strict
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
+from megatron_patch.models.builder import model_spec_name
+from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.mapping.naming import to_spec
+from megatron_patch.models.registry import get_family
 
 
 def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_config: dict | str | Path | None = None
@@ -39,12 +46,6 @@ def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_conf
 
 def load_legacy(model, folder: str | Path, sidecar: Sidecar, layout=None) -> None:
     """This rank's legacy rank file from the weights folder ``folder`` (``release/`` or ``iter_XXXXXXX/``)."""
-    from megatron_patch.checkpoint_files.legacy import open_rank_file, rank_file
-    from megatron_patch.models.mapping import RankCoord
-    from megatron_patch.convert.model_io import current_coord, load_state_dict_strict
-    from megatron_patch.models.mapping.naming import to_spec
-    from megatron_patch.models.builder import model_spec_name
-
     ckpt_layout = sidecar.parallel_layout
     if layout is not None and (layout.tp, layout.pp, layout.ep, layout.expert_tp) != \
             (ckpt_layout.tp, ckpt_layout.pp, ckpt_layout.ep, ckpt_layout.expert_tp):
@@ -59,9 +60,6 @@ def load_legacy(model, folder: str | Path, sidecar: Sidecar, layout=None) -> Non
         state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     spec = model_spec_name(model)
     if spec == "local":  # rank files hold TE's shards; a few parameters the local spec cuts otherwise
-        from megatron_patch.convert.engine import reshard_for_local_spec
-        from megatron_patch.models.registry import get_family
-
         arch = sidecar.arch
         state = reshard_for_local_spec(get_family(arch.family), arch, ckpt_layout, coord, state)
     load_state_dict_strict(model, to_spec(state, spec))
