@@ -186,6 +186,12 @@ def _chunked_class():
             return [g for main, g in zip(self._mains, self._main_grads)
                     if param_is_not_shared(main) and param_is_not_tensor_parallel_duplicate(main, tp_group)]
 
+        def get_grads_for_grad_norm(self, grad_norm_group=None):
+            """megatron-core 0.19's name for the same question (0.16 asks ``get_main_grads_for_grad_norm``);
+            left to megatron's default it reads the main parameters' ``.grad``, which the chunks never set,
+            and the norm came out 0. No parameter here belongs to a separate grad-norm group."""
+            return [] if grad_norm_group is not None else self.get_main_grads_for_grad_norm()
+
         def main_grads_for_clipping(self):
             return list(self._main_grads)
 
