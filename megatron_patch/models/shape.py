@@ -58,7 +58,7 @@ class RankParam:
 
     name: str
     numel: int
-    expert: bool = False            # in the expert-parallel buffer (EP > 1)
+    expert: bool = False            # a routed expert's weight
     shared_embedding: bool = False  # tied embeddings across pipeline stages: a bucket of its own
 
 
@@ -172,9 +172,7 @@ class ModelShape:
             for t in plan_transfers(get_family(reduced.family).weight_rules(reduced), reduced, flat, spec=spec):
                 for p in t.placements:
                     if RankCoord().holds(t, p):
-                        # expert weights leave the dense DDP buffer only with EP > 1 (megatron's "allreduce")
-                        out[p.mcore_name] = (1 if isinstance(t.split, Replicated) else t.num_shards,
-                                             t.expert and layout.ep > 1)
+                        out[p.mcore_name] = (1 if isinstance(t.split, Replicated) else t.num_shards, t.expert)
             self._divisors[key] = out
         return self._divisors[key]
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from megatron_patch.models.shape import RankParam as Param
 from megatron_patch.models.shape import model_shape
+from megatron_patch.runtime.machine import installed_version
 from megatron_patch.units import GiB, human_bytes
 
 PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
@@ -320,8 +321,9 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
     dense_buffers, expert_buffers = [], []
     for v, params in enumerate(chunks):
         bucketed = bucket_size if (pp_rank == 0 and v == 0) else None
-        dense = [p for p in params if not p.expert]
-        experts = [p for p in params if p.expert]
+        own_groups = expert_process_groups(cfg)
+        dense = [p for p in params if not (p.expert and own_groups)]
+        experts = [p for p in params if p.expert and own_groups]
         if dense:
             dense_buffers.append(buffer_layout(dense, dense_dp, bucketed, do))
         if experts:
@@ -358,6 +360,22 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
     st.in_flight = in_flight(cfg, pp_rank)
     st.activations = _peak_activations(arch, cfg, pp_rank, spec, st.per_microbatch, st.in_flight)
     return st
+
+
+def expert_process_groups(cfg) -> bool:
+    """Whether the experts' weights sit in DDP's expert buffer, reduced and sharded over expert data
+    parallelism (megatron's ``allreduce=False``): with EP > 1, and from megatron-core 0.19 also when
+    ETP differs from TP. Otherwise they are dense parameters like any other."""
+    if cfg.ep > 1:
+        return True
+    return cfg.layout.expert_tp != cfg.tp and _version_tuple(installed_version("megatron-core", "megatron_core")) >= (0, 19)
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in (text or "0").split(".")[:2])
+    except ValueError:
+        return (0,)
 
 
 def _fused_adam_available() -> bool:
