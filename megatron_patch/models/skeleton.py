@@ -232,6 +232,11 @@ def _describe_worker(keys: list[tuple]) -> list[ModelSkeleton]:
 
     from megatron_patch.models.registry import parse_arch
 
+    # Asked from inside a training rank (its memory plan, with no cache yet), the helper inherits the
+    # attention-backend variables megatron-core set there for that run's spec; they do not apply to
+    # this build, and megatron asserts on them.
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
     out = []
     for hf_config_json, mtp_layers, vocab_padded_to, layers in keys:
         arch = dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers,
