@@ -291,17 +291,14 @@ class Trainer:
 
     def _load_pretrained(self, chunks: list) -> None:
         """A converted checkpoint into this rank's model chunk(s)."""
-
         cfg = self.cfg
         load_checkpoint_into_model(chunks, cfg.pretrain_checkpoint, cfg.layout, hf_config=cfg.hf_config)
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-
         return resume_iteration(self.cfg.checkpoint_dir, self._log)
 
     def _build_data(self) -> None:
-
         cfg = self.cfg
         valid_samples = cfg.eval_iters * cfg.global_batch_size
         if cfg.sft:
@@ -381,11 +378,9 @@ class Trainer:
 
     @staticmethod
     def _device():
-
         return device()
 
     def train_step(self) -> dict:
-
         cfg = self.cfg
         batches = data.micro_batches(self.train_data, self.iteration, cfg, self.dp_rank, self.dp_size)
         for m in self.models:
@@ -435,7 +430,6 @@ class Trainer:
         return float(self.optimizer.get_loss_scale())
 
     def evaluate(self) -> float:
-
         cfg = self.cfg
         for m in self.models:
             m.eval()
@@ -451,7 +445,6 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------------
 
     def run(self) -> dict:
-
         cfg = self.cfg
         self._open_logs()
         flops = flops_per_iteration(self.arch, cfg)
