@@ -677,8 +677,10 @@ def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(dp2_run, corp
                             rf"{ckpt}/iter_0000006 is intact and a rerun resumes from it: free space in {ckpt} \(or "
                             rf"choose another OUTPUT_BASEPATH\) and rerun", last)
         assert said, last
-        # torch.save's writer reports a short write without its errno; then the free space tells.
-        assert ("[Errno 28] No space left on device" in said.group(1) if not mounted else
+        # torch.save's writer reports a short write without its errno (megatron-core 0.19 writes through it
+        # and only logs what it said); then the free space tells.
+        assert (re.search(r"\[Errno 28\] No space left on device|a file could not be written \(.*inline_container",
+                          said.group(1)) if not mounted else
                 re.search(r"\(the disk is full: [\d.]+ MiB free, a checkpoint takes [\d.]+ MiB\)$", said.group(1))), last
         assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000006", "latest_checkpointed_iteration.txt"]
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"

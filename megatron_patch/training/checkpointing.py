@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import random
 import re
 import shutil
@@ -202,7 +203,22 @@ def _exceptions(exc: BaseException):
             todo.append(failure[0] if isinstance(failure, tuple) else failure)
 
 
-def _write_failure_text(exc: BaseException) -> str | None:
+class _WriterLog(logging.Handler):
+    """The errors megatron-core's checkpoint writer logs during one save.
+
+    megatron-core 0.19's writer catches the OSError of a failed write, logs it ("Local worker 0
+    encountered an error: [Errno 28] ...") and raises a RuntimeError that names only an exception type;
+    the log is where the errno survives."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _write_failure_text(exc: BaseException, logged: list[str] = ()) -> str | None:
     """One line for a failure to get the checkpoint's bytes onto the disk, or None for anything else
     (a bug keeps its traceback).
 
@@ -218,12 +234,14 @@ def _write_failure_text(exc: BaseException) -> str | None:
     for e in found:
         if isinstance(e, OSError) and e.errno:
             return f"[Errno {e.errno}] {e.strerror}" + (f" ({e.filename})" if e.filename else "")
-        m = _ERRNO.search(str(e))
+    for text in [str(e) for e in found] + list(logged):
+        m = _ERRNO.search(text)
         if m:
             return f"[Errno {m.group(1)}] {m.group(2).strip()}" + (f" ({m.group(3)})" if m.group(3) else "")
-    for e in found:
-        if _STREAM_WRITE.search(str(e)):
-            return "a file could not be written (" + " ".join(str(e).split())[:200] + ")"
+    for text in [str(e) for e in found] + list(logged):
+        m = _STREAM_WRITE.search(text)
+        if m:
+            return "a file could not be written (" + " ".join(text[m.start():].split())[:200] + ")"
     return None
 
 
@@ -243,10 +261,13 @@ def _stop_on_write_error(final: Path, tmp: Path, rank: int):
     are already in)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    writer_log = _WriterLog()
+    logger = logging.getLogger("megatron.core.dist_checkpointing")
+    logger.addHandler(writer_log)
     try:
         yield
     except (Exception, CheckpointException) as exc:
-        what, where = _write_failure_text(exc), rank
+        what, where = _write_failure_text(exc, writer_log.messages), rank
         if isinstance(exc, CheckpointException):
             failed = sorted(exc.failures)
             everyone: list = [None] * dist.get_world_size()
@@ -270,6 +291,8 @@ def _stop_on_write_error(final: Path, tmp: Path, rank: int):
         raise CheckpointWriteError(
             f"saving {final.name} failed on rank {where}: {what}{room}; training stopped, {kept}: free space in "
             f"{root} (or choose another OUTPUT_BASEPATH) and rerun") from None
+    finally:
+        logger.removeHandler(writer_log)
 
 
 def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
