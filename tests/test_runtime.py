@@ -356,6 +356,15 @@ print("ok")
 
 # --- run_local: how a rank's failure reaches the caller --------------------------------------------
 
+def test_run_local_works_from_a_script_on_stdin():
+    """``python -`` (the GPU suite's inline steps) has no main file for spawned ranks to re-run; they used to
+    die at start ("No such file or directory: '<stdin>'"), and with them the skeleton helper."""
+    code = "import os\nfrom megatron_patch.runtime.launch import run_local\nprint('pid', run_local(os.getpid, 1)[0] > 0)\n"
+    proc = subprocess.run([sys.executable, "-"], input=code, text=True, capture_output=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    assert proc.returncode == 0 and "pid True" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_run_local_reraises_a_ranks_user_error_as_itself():
     from megatron_patch.runtime.launch import run_local
     from tests.runtime_helpers import raise_user_error_on_rank_1

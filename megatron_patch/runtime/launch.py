@@ -11,10 +11,12 @@ workers are started with the "spawn" method.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -97,14 +99,31 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -
                 raise
 
 
+@contextlib.contextmanager
+def _main_importable():
+    """Spawned children re-run the parent's main script by its path; a script read from stdin or given with
+    -c has none to re-run ("<stdin>"), and the children died at start. Without a path they skip it."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with _main_importable():
+        for p in procs:
+            p.start()
     outputs: dict[int, Any] = {}
     errors: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
