@@ -28,7 +28,8 @@ class Combination:
 TESTED = (
     Combination("3.11", "0.16.1", "2.13.0", "5.24.0", "CI: the whole suite (.ci/run, fresh venv)"),
     Combination("3.12", "0.19.2", "2.13.0", "5.24.0",
-                "CI: conversion, checkpoint, model and runtime tests, and checkpoints across releases"),
+                "CI: the quick subset, every conversion and checkpoint test, and checkpoints across releases; "
+                "by hand: the other slow tests (docs/cpu-runtime.md says which)"),
     Combination("3.11", "0.16.1", "2.13.0", "4.57.6",
                 "by hand: the tests that read transformers (models, deepseek, convert, align, families, foreign)"),
 )
