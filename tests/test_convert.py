@@ -178,6 +178,7 @@ def test_each_hf_byte_is_read_once_per_copy_written(hf_dirs, tmp_path):
         assert got == want, {n: (got[n], want[n]) for n in want if got[n] != want[n]}
 
 
+@pytest.mark.slow
 def test_exported_folder_loads_in_transformers(hf_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 

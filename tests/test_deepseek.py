@@ -307,6 +307,7 @@ def mtp_checkpoint(variants, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_mtp_layers_are_dropped_loudly_without_mtp(mtp_checkpoint, tmp_path, capsys):
     from megatron_patch.cli import main
     from megatron_patch.convert.hf_reader import HFCheckpointReader

@@ -67,6 +67,7 @@ def fake_gpu_builds():
     return run_local(fake_gpu_build_worker, 1, timeout=600)[0]
 
 
+@pytest.mark.slow
 def test_every_family_builds_on_a_gpu_without_te(fake_gpu_builds):
     """megatron-core's local-spec RMSNorm (WrappedTorchNorm) asserts against persist_layer_norm, which
     had been set whenever CUDA was present: no model of any family could be built there."""
@@ -168,6 +169,7 @@ def placement_worker(hf_dir: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_parity_and_alignment_run_with_the_model_and_inputs_on_its_device(tmp_path):
     hf_dir = make_tiny_hf_checkpoint("llama3_1", tmp_path / "llama", seed=1)
     r = run_local(placement_worker, 1, str(hf_dir), timeout=600)[0]

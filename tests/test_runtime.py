@@ -356,6 +356,7 @@ print("ok")
 
 # --- run_local: how a rank's failure reaches the caller --------------------------------------------
 
+@pytest.mark.slow
 def test_run_local_works_from_a_script_on_stdin():
     """``python -`` (the GPU suite's inline steps) has no main file for spawned ranks to re-run; they used to
     die at start ("No such file or directory: '<stdin>'"), and with them the skeleton helper."""

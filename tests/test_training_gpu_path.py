@@ -292,6 +292,7 @@ def packing_results(tmp_path_factory):
     return run_local(packing_worker, 1, str(tok), str(root / "sft.jsonl"), timeout=300)[0]
 
 
+@pytest.mark.slow
 def test_packed_sft_loss_equals_unpacked_loss(packing_results):
     """Same records, same model: packing changes how many tokens share a row, not what is computed."""
     r = packing_results
