@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 from megatron_patch.models.arch import Arch, pipeline_layer_ranges
@@ -75,46 +76,34 @@ class ModelShape:
 
     # --- totals ---------------------------------------------------------------------------------------
 
+    def _share(self, name: str, active: bool) -> float:
+        """How much of a parameter counts: all of it, except a routed expert's when counting what one token
+        uses (top-k of E)."""
+        if active and _EXPERT.search("." + name):
+            return self.arch.moe_topk / self.arch.num_experts
+        return 1.0
+
+    def _kind_counts(self) -> Counter:
+        return Counter(layer_kind(self.arch, i) for i in range(self.arch.num_layers))
+
     def layer_params(self, kind: str, *, active: bool = False) -> float:
-        out = 0.0
-        for name, shape in self.layers[kind].items():
-            n = math.prod(shape)
-            out += n * self._expert_share() if active and _EXPERT.search("." + name) else n
-        return out
-
-    def _expert_share(self) -> float:
-        return self.arch.moe_topk / self.arch.num_experts if self.arch.is_moe else 1.0
-
-    def _kind_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for i in range(self.arch.num_layers):
-            counts[layer_kind(self.arch, i)] = counts.get(layer_kind(self.arch, i), 0) + 1
-        return counts
-
-    def _ends_params(self, *, active: bool) -> float:
-        out = 0.0
-        for name, shape in self.ends.items():
-            n = math.prod(shape)
-            out += n * self._expert_share() if active and _EXPERT.search(name) else n
-        return out
+        return sum(math.prod(shape) * self._share(name, active) for name, shape in self.layers[kind].items())
 
     def params(self, *, active: bool = False) -> int:
         """Parameters of the whole model (MTP layers included when the model carries them); ``active``:
         those one token passes through."""
         body = sum(c * self.layer_params(k, active=active) for k, c in self._kind_counts().items())
-        return round(body + self._ends_params(active=active))
+        ends = sum(math.prod(shape) * self._share(name, active) for name, shape in self.ends.items())
+        return round(body + ends)
 
     # --- FLOPs ----------------------------------------------------------------------------------------
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token of a ``seq_len`` sequence (forward and backward; see the module doc)."""
         arch = self.arch
-        matrices = 0.0
-        for kind, count in self._kind_counts().items():
-            matrices += count * sum(_matrix(name, shape) * (self._expert_share() if _EXPERT.search("." + name) else 1)
-                                    for name, shape in self.layers[kind].items())
-        mtp = {n: s for n, s in self.ends.items() if n.startswith("mtp.")}
-        matrices += sum(_matrix(n, s) * (self._expert_share() if _EXPERT.search(n) else 1) for n, s in mtp.items())
+        matrices = sum(count * sum(_matrix(n, s) * self._share(n, True) for n, s in self.layers[kind].items())
+                       for kind, count in self._kind_counts().items())
+        matrices += sum(_matrix(n, s) * self._share(n, True) for n, s in self.ends.items() if n.startswith("mtp."))
         vocab_rows = self.ends[EMBEDDING][0]
         matrices += vocab_rows * arch.hidden_size * (1 + arch.mtp_layers)  # logits, once per prediction head
         attention_layers = arch.num_layers + arch.mtp_layers

@@ -20,6 +20,14 @@ def installed_version(*dists: str) -> str | None:
     return None
 
 
+def version_tuple(text: str | None) -> tuple[int, ...]:
+    """'12.9' or '0.19.2' -> (12, 9) / (0, 19): the release line, for comparisons; () when unreadable."""
+    try:
+        return tuple(int(x) for x in (text or "").split(".")[:2])
+    except ValueError:
+        return ()
+
+
 def gpu_info() -> dict | None:
     """GPU 0's name, count, compute capability and memory, or None without CUDA."""
     import torch

@@ -5,15 +5,8 @@ with transformer-engine. Each problem says what to change; the launcher refuses 
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
-from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.runtime.machine import Capabilities, version_tuple
 from megatron_patch.training.run_config import RunConfig
-
-
-def _version_tuple(text: str | None) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in (text or "").split(".")[:2])
-    except ValueError:
-        return ()
 
 
 def fp8_recipe_problem(recipe: str, caps: Capabilities) -> str | None:
@@ -23,7 +16,7 @@ def fp8_recipe_problem(recipe: str, caps: Capabilities) -> str | None:
     if recipe == "mxfp8" and not (cc and (10, 0) <= cc < (12, 0)):
         return f"MP_FP8_RECIPE=mxfp8 needs a Blackwell GPU (compute capability 10.x) and {where}: " \
                "use MP_FP8_RECIPE=delayed, tensorwise or blockwise"
-    if recipe == "blockwise" and not (cc and cc >= (9, 0) and _version_tuple(cuda) >= (12, 9)):
+    if recipe == "blockwise" and not (cc and cc >= (9, 0) and version_tuple(cuda) >= (12, 9)):
         return f"MP_FP8_RECIPE=blockwise needs compute capability >= 9.0 and CUDA >= 12.9, and {where} with " \
                f"CUDA {cuda}: use MP_FP8_RECIPE=delayed or tensorwise"
     return None

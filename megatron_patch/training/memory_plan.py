@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from megatron_patch.models.shape import RankParam as Param
 from megatron_patch.models.shape import model_shape
-from megatron_patch.runtime.machine import installed_version
+from megatron_patch.runtime.machine import installed_version, version_tuple
 from megatron_patch.units import GiB, human_bytes
 
 PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
@@ -368,14 +368,7 @@ def expert_process_groups(cfg) -> bool:
     ETP differs from TP. Otherwise they are dense parameters like any other."""
     if cfg.ep > 1:
         return True
-    return cfg.layout.expert_tp != cfg.tp and _version_tuple(installed_version("megatron-core", "megatron_core")) >= (0, 19)
-
-
-def _version_tuple(text: str | None) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in (text or "0").split(".")[:2])
-    except ValueError:
-        return (0,)
+    return cfg.layout.expert_tp != cfg.tp and version_tuple(installed_version("megatron-core", "megatron_core")) >= (0, 19)
 
 
 def _fused_adam_available() -> bool:
