@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorProperties
 
 from megatron_patch.checkpoint_files.allowlist import ALLOWED, UnsafePickle, canonical, check, refuse
 from megatron_patch.checkpoint_files.pickles import loads as parse_inert
@@ -51,6 +51,8 @@ class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         check(module, name, self.where)
         module, name = canonical(module, name)
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return _TensorProperties
         try:
             return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
@@ -58,6 +60,15 @@ class _AllowListUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError(f"unexpected persistent record {pid!r:.60}")
+
+
+class _TensorProperties(TensorProperties):
+    """torch's TensorProperties, also from a newer torch's pickle: torch 2.14+ adds the tensor's strides as
+    a sixth field, which older torch's ``__setstate__`` cannot unpack (the chunks' own archives carry
+    their strides; the planner does not need them)."""
+
+    def __setstate__(self, state):
+        super().__setstate__(tuple(state)[:5] if isinstance(state, tuple) else state)
 
 
 def read_dcp_metadata(path: str | Path):
