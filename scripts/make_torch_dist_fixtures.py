@@ -160,12 +160,15 @@ def _write_rank(rank: int, staging: str, folder: str, port: int) -> None:
             return next(t for _, o, t in self.chunks if tuple(o) == tuple(index.offset))
 
     class MegatronLikePlanner(DefaultSavePlanner):
-        """megatron-core's saver keeps every rank's local plan in the global metadata."""
+        """megatron-core's saver: every rank's local plan kept in the global metadata, byte objects as given."""
 
         def create_global_plan(self, all_plans):
             plans, metadata = super().create_global_plan(all_plans)
             metadata.all_local_plans = all_plans
             return plans, metadata
+
+        def transform_object(self, write_item, object):
+            return object  # byte objects are torch.save bytes already (megatron-core's MCoreSavePlanner)
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP * PP)
     items = torch.load(Path(staging) / f"rank{rank}.pt", weights_only=True)

@@ -30,7 +30,7 @@ from megatron_patch.checkpoint_files.byte_io import Stored
 from megatron_patch.checkpoint_files.byte_io import read_range
 from megatron_patch.checkpoint_files.pickles import (
     STORAGE_CLASS_OF_DTYPE, Call, Global, PersistentId, StorageRef, TensorRef, dumps, loads)
-from megatron_patch.checkpoint_files.zipfmt import ALIGNMENT, ZipFormatError, ZipIndex, SMALL_RECORD, ZipLayout, check_crc, plan_zip, crc32
+from megatron_patch.checkpoint_files.zipfmt import ALIGNMENT, ZipFormatError, ZipIndex, ZipLayout, check_crc, plan_zip, crc32
 from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.errors import UserError
 
@@ -135,9 +135,8 @@ class LazyTorchFile:
     def record_check(self, t: TensorRef) -> tuple[str, int, int, int] | None:
         """(path, offset, length, CRC-32) of ``t``'s storage record, to check while reading it; None when
         opening the file checked it already or it carries no CRC."""
-        offset, length = self._record(t.storage)
-        crc = self.zip.crc(f"data/{t.storage.key}")
-        return (str(self.path), offset, length, crc) if crc and length > SMALL_RECORD else None
+        self._record(t.storage)
+        return self.zip.record_check(f"data/{t.storage.key}")
 
     def stored(self, t: TensorRef) -> Stored | None:
         """Where ``t``'s bytes are, when it is a dense C-contiguous run of its storage; else None."""

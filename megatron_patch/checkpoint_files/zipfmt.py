@@ -179,11 +179,14 @@ class ZipIndex:
     Record names are given without the archive's own first path component ("data/0", "data.pkl").
     """
 
-    def __init__(self, path: str | os.PathLike, base: int = 0, length: int | None = None):
+    def __init__(self, path: str | os.PathLike, base: int = 0, length: int | None = None, data: bytes | None = None):
+        """``data``: the archive's bytes, already in memory (``path`` then only names it)."""
         self.path = os.fspath(path)
-        fd = os.open(self.path, os.O_RDONLY)
+        self._memory = None if data is None else memoryview(data)
+        fd = os.open(self.path, os.O_RDONLY) if data is None else -1
+        self._fd = fd
         try:
-            total = os.fstat(fd).st_size
+            total = os.fstat(fd).st_size if data is None else len(data)
             self.base = base
             self.length = total - base if length is None else length
             if base + self.length > total:
@@ -193,11 +196,20 @@ class ZipIndex:
             self._small: dict[str, bytes] = {}
             self._check_records(fd, directory_at)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
+            self._fd = -1
+
+    def _read(self, length: int, offset: int) -> bytes:
+        if self._memory is not None:
+            if offset + length > len(self._memory):
+                raise ZipFormatError(f"file ends {offset + length - len(self._memory)} bytes early")
+            return bytes(self._memory[offset:offset + length])
+        return _pread(self._fd, length, offset)
 
     def _read_directory(self, fd: int) -> tuple[dict[str, _Entry], int]:
         tail_len = min(self.length, _EOCD.size + 65535 + _LOCATOR.size + _EOCD64.size)
-        tail = _pread(fd, tail_len, self.base + self.length - tail_len)
+        tail = self._read(tail_len, self.base + self.length - tail_len)
         at = tail.rfind(b"PK\x05\x06")
         if at < 0 or at + _EOCD.size > len(tail):
             raise ZipFormatError("no zip end-of-directory record")
@@ -207,11 +219,13 @@ class ZipIndex:
         cd_end = self.length - len(tail) + at  # where the directory (and any zip64 records) must end
         loc_at = at - _LOCATOR.size
         if loc_at >= 0 and tail[loc_at:loc_at + 4] == b"PK\x06\x07":
-            _, _, eocd64_at, _ = _LOCATOR.unpack_from(tail, loc_at)
-            rec = _pread(fd, _EOCD64.size, self.base + eocd64_at)
-            if rec[:4] != b"PK\x06\x06":
+            _, loc_disk, eocd64_at, disks = _LOCATOR.unpack_from(tail, loc_at)
+            rec = self._read(_EOCD64.size, self.base + eocd64_at)
+            if rec[:4] != b"PK\x06\x06" or (loc_disk, disks) != (0, 1):
                 raise ZipFormatError("bad zip64 end-of-directory record")
-            _, _, _, _, _, _, count64, total64, cd_size64, cd_offset64 = _EOCD64.unpack(rec)
+            _, size64, _, _, disk64, cd_disk64, count64, total64, cd_size64, cd_offset64 = _EOCD64.unpack(rec)
+            if (size64, disk64, cd_disk64) != (_EOCD64.size - 12, 0, 0):
+                raise ZipFormatError("a damaged zip64 end-of-directory record")
             for small, big in ((count, total64), (cd_size, cd_size64), (cd_offset, cd_offset64)):
                 if small not in (big, _U16, _U32):
                     raise ZipFormatError("the zip64 and zip end-of-directory records disagree")
@@ -221,18 +235,20 @@ class ZipIndex:
             cd_end = eocd64_at
         if cd_offset + cd_size != cd_end:
             raise ZipFormatError("the zip directory does not end where its end record begins")
-        directory = _pread(fd, cd_size, self.base + cd_offset)
+        directory = self._read(cd_size, self.base + cd_offset)
         entries: dict[str, _Entry] = {}
         pos = 0
         for _ in range(count):
             if directory[pos:pos + 4] != b"PK\x01\x02":
                 raise ZipFormatError("bad zip directory entry")
-            (_, _, _, flags, method, _, _, crc, csize, usize, nlen, xlen, clen, _, _, _, local) = \
+            (_, _, _, flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk, _, _, local) = \
                 _CENTRAL.unpack_from(directory, pos)
             raw = directory[pos + _CENTRAL.size: pos + _CENTRAL.size + nlen]
             extra = directory[pos + _CENTRAL.size + nlen: pos + _CENTRAL.size + nlen + xlen]
             usize, csize, local = _zip64_values(extra, usize, csize, local)
             name = raw.decode("utf-8", "replace")
+            if disk != 0:
+                raise ZipFormatError("a damaged zip directory entry (it names another disk)")
             if method != 0 or csize != usize:
                 raise ZipFormatError(f"record {name} is compressed; torch files are stored uncompressed")
             key = name.split("/", 1)[1] if "/" in name else name
@@ -252,9 +268,9 @@ class ZipIndex:
             name = e.name.decode("utf-8", "replace")
             if e.local != at:
                 raise ZipFormatError(f"record {name} is not where the previous one ends")
-            header = _pread(fd, _LOCAL.size, self.base + e.local)
+            header = self._read(_LOCAL.size, self.base + e.local)
             sig, _, flags, method, _, _, crc, csize, usize, nlen, xlen = _LOCAL.unpack(header)
-            names_extra = _pread(fd, nlen + xlen, self.base + e.local + _LOCAL.size)
+            names_extra = self._read(nlen + xlen, self.base + e.local + _LOCAL.size)
             if sig != 0x04034B50 or names_extra[:nlen] != e.name or (flags, method) != (e.flags, 0):
                 raise ZipFormatError(f"the local header of record {name} disagrees with the zip directory")
             extra = names_extra[nlen:]
@@ -272,7 +288,7 @@ class ZipIndex:
                 raise ZipFormatError(f"the local header of record {name} disagrees with the zip directory")
             self._data[key] = (self.base + start, e.size)
             if e.size <= SMALL_RECORD:
-                data = _pread(fd, e.size, self.base + start)
+                data = self._read(e.size, self.base + start)
                 if e.crc and crc32(data) != e.crc:
                     raise ZipFormatError(f"record {name} fails its CRC-32 check")
                 self._small[key] = data
@@ -283,7 +299,7 @@ class ZipIndex:
     def _check_descriptor(self, fd: int, end: int, e: _Entry, name: str) -> int:
         """The data descriptor after a record's bytes (optional signature, CRC, sizes of 4 or, in zip64, 8
         bytes each) must repeat the directory's values; returns where the next record begins."""
-        raw = _pread(fd, min(24, max(0, self.length - end)), self.base + end)
+        raw = self._read(min(24, max(0, self.length - end)), self.base + end)
         pos = 4 if raw[:4] == struct.pack("<I", _DESCRIPTOR) else 0
         for fmt in ("<III", "<IQQ"):
             n = struct.calcsize(fmt)
@@ -311,14 +327,28 @@ class ZipIndex:
         if name in self._small:
             return self._small[name]
         offset, size = self.locate(name)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            data = _pread(fd, size, offset)
-        finally:
-            os.close(fd)
+        if self._memory is not None:
+            data = bytes(self._memory[offset:offset + size])
+        else:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                data = _pread(fd, size, offset)
+            finally:
+                os.close(fd)
         if self._entries[name].crc and crc32(data) != self._entries[name].crc:
             raise ZipFormatError(f"record {name} fails its CRC-32 check")
         return data
+
+    def verify(self) -> None:
+        """Check the CRC-32 of every record now (the large ones too)."""
+        for name, e in self._entries.items():
+            if e.crc and e.size > SMALL_RECORD:
+                self.read(name)
+
+    def record_check(self, name: str) -> tuple[str, int, int, int] | None:
+        """(path, offset, length, CRC-32) of a record opening did not check (a large one with a CRC), else None."""
+        e = self._entries[name]
+        return (self.path, *self._data[name], e.crc) if e.crc and e.size > SMALL_RECORD else None
 
     def record_checks(self) -> list[tuple[str, int, int, int]]:
         """(path, offset, length, CRC-32) of each large record that carries a CRC: what opening the

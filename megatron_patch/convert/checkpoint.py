@@ -436,7 +436,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
         tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
-        tasks += source.integrity_tasks()  # the stored CRC-32s, checked beside the copies
+        tasks = source.integrity_tasks() + tasks  # the stored CRC-32s, checked first, beside the copies
         bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
         copier.progress = bar
         try:
