@@ -41,15 +41,17 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @pytest.fixture(scope="module", autouse=True)
 def fresh_skeleton_cache(tmp_path_factory):
-    """An empty model-skeleton cache: the first conversion of each family really asks megatron-core
-    (in its helper process), as on a new machine; later ones read what it said."""
+    """An empty model-skeleton cache, as on a new machine: each family's skeleton is derived, or, for a
+    family the derivation does not describe, asked of megatron-core (in its helper process) once."""
     from megatron_patch.models import skeleton
 
     old = os.environ.get("MPATCH_CACHE_DIR")
     os.environ["MPATCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     skeleton._describe_cached.cache_clear()
+    skeleton._derived.cache_clear()
     yield
     skeleton._describe_cached.cache_clear()
+    skeleton._derived.cache_clear()
     if old is None:
         os.environ.pop("MPATCH_CACHE_DIR", None)
     else:

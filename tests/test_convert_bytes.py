@@ -74,20 +74,29 @@ def test_blocks_describe_exactly_what_shards_and_merge_do(family, hf_shapes):
                     row += b.num_rows
             merged = t.split.merge(want, ctx)
             assert all(torch.equal(b, m) for b, m in zip(back, merged)), t.placements[0].mcore_name
+            if layout == ParallelLayout():  # the shapes alone say the same
+                assert t.split.merged_shapes(tuple(want[0].shape), ctx) == [tuple(m.shape) for m in merged]
             checked += 1
     assert checked > 20
 
 
 @pytest.fixture(scope="module")
-def hf_shapes(tmp_path_factory) -> dict:
-    """Every family's tiny checkpoint's tensor shapes, as its safetensors store them."""
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+def tiny_hf_dirs(tmp_path_factory) -> dict:
+    """Every family's tiny HF checkpoint (fp32)."""
     from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("hf")
+    return {family: make_tiny_hf_checkpoint(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def hf_shapes(tiny_hf_dirs) -> dict:
+    """Every family's tiny checkpoint's tensor shapes, as its safetensors store them."""
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
     out = {}
-    for family in FAMILIES:
-        reader = HFCheckpointReader(make_tiny_hf_checkpoint(family, root / family))
+    for family, folder in tiny_hf_dirs.items():
+        reader = HFCheckpointReader(folder)
         out[family] = {n: reader.shape(n) for n in reader.keys()}
     return out
 
@@ -415,7 +424,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
             assert copier.stats.called_bytes == 0 and copier.stats.gathered_bytes > 0  # half chunks: byte moves
 
 
-# --- the model skeleton's disk cache ----------------------------------------------------------------
+# --- the model skeleton: derived without megatron-core, megatron-core's own where not, cached --------
 
 def describe_all_worker(archs: list) -> list:
     """In a helper process: megatron-core's skeleton of each arch (one megatron import for all)."""
@@ -424,46 +433,100 @@ def describe_all_worker(archs: list) -> list:
     return [describe_model_here(a) for a in archs]
 
 
-@pytest.mark.slow
-def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
-    """For every family (and DeepSeek with its multi-token-prediction layers) the skeleton read back
-    from the disk cache equals the one megatron-core computes (shapes, every sharded-state-dict chunk,
-    every object's bytes, the HF shapes); a miss is computed once and stored, a damaged entry is
-    computed again; the key changes with config.json, the MTP layers, the vocabulary padding and the code."""
+def skeleton_variants() -> dict:
+    """Every family's tiny model, and a variant of some for each branch of the derivation's rules: tied
+    embeddings, linear biases, a head_dim apart from hidden/heads, another vocabulary padding, MoE
+    without a shared expert, dense layers between MoE ones (per-layer keys), multi-latent attention
+    without a query LoRA and without the router's expert bias, multi-token-prediction layers."""
     import dataclasses
+
+    tiny = {name: fam.tiny_config for name, fam in families().items()}
+    archs = {name: parse_arch(config) for name, config in tiny.items()}
+    configs = {
+        "llama3_1/tied": {**tiny["llama3_1"], "tie_word_embeddings": True},
+        "llama3_1/biases": {**tiny["llama3_1"], "attention_bias": True, "mlp_bias": True},
+        "llama3_1/head_dim": {**tiny["llama3_1"], "head_dim": 32},
+        "qwen2_moe/no_shared_expert": {**tiny["qwen2_moe"], "shared_expert_intermediate_size": 0},
+        "qwen2_moe/dense_layers": {**tiny["qwen2_moe"], "decoder_sparse_step": 2},
+        "deepseek_v3/v2_lite": {**tiny["deepseek_v3"], "model_type": "deepseek_v2", "q_lora_rank": None,
+                                "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+                                "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0},
+    }
+    archs.update({name: parse_arch(config) for name, config in configs.items()})
+    archs["deepseek_v3/mtp"] = dataclasses.replace(archs["deepseek_v3"], mtp_layers=1)
+    archs["llama3_1/vocab_padded"] = dataclasses.replace(archs["llama3_1"], vocab_padded_to=archs["llama3_1"].padded_vocab_size() + 128)
+    return archs
+
+
+@pytest.fixture(scope="module")
+def megatron_skeletons():
+    """Each variant's arch and megatron-core's skeleton of it, from one helper process."""
+    from megatron_patch.runtime.launch import run_local
+
+    archs = skeleton_variants()
+    return archs, dict(zip(archs, run_local(describe_all_worker, 1, list(archs.values()))[0]))
+
+
+def _extra_states(skeleton) -> list:
+    import io
+
+    return [(o.unique_key, torch.load(io.BytesIO(o.payload), weights_only=True)) for o in skeleton.objects]
+
+
+@pytest.mark.slow
+def test_derived_skeleton_is_what_megatron_builds(megatron_skeletons):
+    """For every family and variant, the skeleton derived from the weight table and config equals the one
+    megatron-core computes: every parameter's shape, every torch_dist chunk in order, which are buffers,
+    the HF shapes, and every _extra_state object's key in order, holding what torch reads as megatron's
+    ([None]; the bytes are this project's torch.save writer's). A torch_dist checkpoint holds global
+    tensors, so this single-rank description is the one every layout loads from (the round trips at each
+    family's layouts and the training runs from converted torch_dist checkpoints use it)."""
+    from megatron_patch.models.derived_skeleton import derive_skeleton
+
+    archs, megatron = megatron_skeletons
+    for name, arch in archs.items():
+        derived, want = derive_skeleton(arch), megatron[name]
+        assert (derived.shapes, derived.buffers, derived.hf_shapes) == (want.shapes, want.buffers, want.hf_shapes), name
+        assert derived.chunks == want.chunks, name
+        assert _extra_states(derived) == _extra_states(want) and all(v == [None] for _, v in _extra_states(want)), name
+    assert len(archs) >= len(families()) + 8
+
+
+@pytest.mark.slow
+def test_cached_skeleton_is_what_megatron_computed(megatron_skeletons, tmp_path, monkeypatch):
+    """Where the derivation does not describe a model, the skeleton read back from the disk cache equals
+    the one megatron-core computes (shapes, every sharded-state-dict chunk, every object's bytes, the HF
+    shapes); a miss is computed once and stored, a damaged entry is computed again; the key changes with
+    config.json, the MTP layers, the vocabulary padding and the code."""
     import json
 
     from megatron_patch.models import skeleton as sk
-    from megatron_patch.runtime.launch import run_local
 
-    archs = {(f, 0): parse_arch(families()[f].tiny_config) for f in FAMILIES}
-    ds = archs[("deepseek_v3", 0)]
-    archs[("deepseek_v3", 1)] = dataclasses.replace(ds, mtp_layers=1)
-    megatron = dict(zip(archs, run_local(describe_all_worker, 1, list(archs.values()))[0]))
+    archs, megatron = megatron_skeletons
+    by_key = {sk._key(arch, None): name for name, arch in archs.items()}
     monkeypatch.setenv("MPATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sk, "derive_skeleton", _not_derivable)  # as for a family the rules do not describe
     computed = []
 
     def compute(keys):  # stands for the helper process (megatron's answer)
-        out = []
-        for config_json, mtp_layers, vocab_padded_to, layers in keys:
-            computed.append(config_json)
-            out.append(megatron[(parse_arch(json.loads(config_json)).family, int(mtp_layers > 0))])
-        return out
+        computed.extend(keys)
+        return [megatron[by_key[k]] for k in keys]
 
     monkeypatch.setattr(sk, "_compute", compute)
     sk._describe_cached.cache_clear()
+    sk._derived.cache_clear()
     try:
-        for key, arch in archs.items():
-            assert sk.describe_model(arch) is megatron[key]           # a miss: computed, then stored
-            path = sk.cache_path(json.dumps(arch.hf_config, sort_keys=True), arch.mtp_layers)
+        for name, arch in archs.items():
+            assert sk.describe_model(arch) is megatron[name]           # a miss: computed, then stored
+            path = sk.cache_path(*sk._key(arch, None))
             assert path.is_file() and path.parent == tmp_path / "cache" / "skeletons"
             sk._describe_cached.cache_clear()
             cached = sk.describe_model(arch)                          # read back from disk
-            assert cached == megatron[key] and cached is not megatron[key]
+            assert cached == megatron[name] and cached is not megatron[name]
             assert len(cached.chunks) > 10 and cached.hf_shapes and cached.objects
         assert len(computed) == len(archs)
-        assert megatron[("deepseek_v3", 1)] != megatron[("deepseek_v3", 0)]
-        arch = archs[("llama3_1", 0)]
+        assert megatron["deepseek_v3/mtp"] != megatron["deepseek_v3"]
+        arch = archs["llama3_1"]
         config = json.dumps(arch.hf_config, sort_keys=True)
         assert sk.cache_path(json.dumps({**arch.hf_config, "num_hidden_layers": 2}, sort_keys=True), 0) != \
             sk.cache_path(config, 0)
@@ -477,7 +540,103 @@ def test_cached_skeleton_is_what_megatron_computed(tmp_path, monkeypatch):
         path = sk.cache_path(config, 0)
         path.write_text('{"format": 1, "shapes": ')     # damaged (a full disk, say)
         sk._describe_cached.cache_clear()
-        assert sk.describe_model(arch) == megatron[("llama3_1", 0)] and len(computed) == len(archs) + 1
-        assert sk.ModelSkeleton.from_json(json.loads(path.read_text())) == megatron[("llama3_1", 0)]
+        assert sk.describe_model(arch) == megatron["llama3_1"] and len(computed) == len(archs) + 1
+        assert sk.ModelSkeleton.from_json(json.loads(path.read_text())) == megatron["llama3_1"]
     finally:
         sk._describe_cached.cache_clear()
+        sk._derived.cache_clear()
+
+
+def _not_derivable(arch):
+    from megatron_patch.models.derived_skeleton import NotDerivable
+
+    raise NotDerivable("a test's stand-in for a family the rules do not describe")
+
+
+def _with_family(monkeypatch, **changes):
+    """The derivation sees the Llama family changed as given (a stand-in for a family added later)."""
+    import dataclasses
+
+    from megatron_patch.models import derived_skeleton
+
+    family = dataclasses.replace(families()["llama3_1"], **changes)
+    monkeypatch.setattr(derived_skeleton, "get_family", lambda name: family)
+
+
+def test_derivation_refuses_what_its_rules_do_not_model(monkeypatch):
+    """A family setting megatron-core's rules here do not model, an Arch field they do not read set away
+    from its default, linear biases with experts, or a weight table that writes a module they do not
+    know (or leaves out one megatron-core builds): ``NotDerivable`` saying why, never a guess; and
+    ``describe_model`` then asks megatron-core (the cached path above)."""
+    import dataclasses
+
+    from megatron_patch.models import derived_skeleton as ds
+    from megatron_patch.models import skeleton as sk
+    from megatron_patch.models.mapping import REPLICATED, Rule
+
+    llama = families()["llama3_1"]
+    arch = parse_arch(llama.tiny_config)
+    assert ds.derive_skeleton(arch).chunks
+    with monkeypatch.context() as m:
+        _with_family(m, transformer_config_kwargs=lambda a: {"window_size": (128, 0)})
+        with pytest.raises(ds.NotDerivable, match="sets window_size"):
+            ds.derive_skeleton(arch)
+    sink = Rule("decoder.layers.{layer}.self_attention.core_attention.softmax_offset",
+                "model.layers.{layer}.self_attn.sinks", REPLICATED)
+    with monkeypatch.context() as m:
+        _with_family(m, weight_rules=lambda a: llama.weight_rules(a) + [sink])
+        with pytest.raises(ds.NotDerivable, match="disagree on 4 parameter.*core_attention.softmax_offset"):
+            ds.derive_skeleton(arch)
+    with monkeypatch.context() as m:
+        _with_family(m, weight_rules=lambda a: [r for r in llama.weight_rules(a) if "linear_proj" not in r.mcore])
+        with pytest.raises(ds.NotDerivable, match="linear_proj.weight"):
+            ds.derive_skeleton(arch)
+    with monkeypatch.context() as m:
+        m.setattr(ds, "_ARCH_FIELDS", ds._ARCH_FIELDS - {"dense_layers"})
+        assert ds.derive_skeleton(arch).chunks                                  # at its default: nothing new
+        with pytest.raises(ds.NotDerivable, match="Arch.dense_layers"):
+            ds.derive_skeleton(dataclasses.replace(arch, dense_layers=(1,)))
+    moe = parse_arch(families()["mixtral"].tiny_config)
+    with pytest.raises(ds.NotDerivable, match="linear biases"):
+        ds.derive_skeleton(dataclasses.replace(moe, linear_bias=True))
+    # describe_model: derived when it can, megatron-core's (through the cache) when not
+    asked = []
+    monkeypatch.setattr(sk, "_describe_cached", lambda *key: asked.append(key) or "megatron's")
+    sk._derived.cache_clear()
+    try:
+        assert sk.describe_model(arch).chunks and not asked
+        assert sk.describe_model(arch, layers=(0,)) == "megatron's"          # models/shape.py's question
+        monkeypatch.setattr(sk, "derive_skeleton", _not_derivable)
+        sk._derived.cache_clear()
+        assert sk.describe_model(arch) == "megatron's" and len(asked) == 2
+    finally:
+        sk._derived.cache_clear()
+
+
+def test_first_conversion_imports_neither_megatron_nor_torch(tiny_hf_dirs, tmp_path):
+    """Every family's first conversion (an empty skeleton cache), both ways and in both formats, runs
+    without importing megatron-core or torch and without starting the skeleton's helper process."""
+    import subprocess
+    import sys
+
+    dirs = {name: str(folder) for name, folder in tiny_hf_dirs.items()}
+    code = f"""
+import sys
+from pathlib import Path
+from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+from megatron_patch.runtime.distributed import ParallelLayout
+for name, hf in {dirs!r}.items():
+    root = Path({str(tmp_path)!r}) / name
+    root.mkdir()
+    for fmt in ("legacy", "torch_dist"):
+        hf_to_mcore(hf, root / fmt, ParallelLayout(tp=2), fmt, progress=False)
+        mcore_to_hf(root / fmt, root / f"back-{{fmt}}", progress=False)
+print(sorted(m for m in ("torch", "megatron") if m in sys.modules))
+"""
+    env = {**os.environ, "MPATCH_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert not (tmp_path / "cache").exists()   # no helper process asked megatron-core
+    assert all((tmp_path / name / f"back-{fmt}" / "config.json").is_file() for name in FAMILIES
+               for fmt in ("legacy", "torch_dist"))

@@ -100,6 +100,15 @@ def plan_torch_save(path: str | os.PathLike, obj: Any, *, base: int = 0, archive
     return layout, stored
 
 
+def torch_save_bytes(obj: Any) -> bytes:
+    """The bytes of a small ``torch.save(obj)`` file (``obj`` holds no tensors), made in memory."""
+    layout, _ = plan_torch_save("", obj)
+    out = bytearray(layout.size)
+    for offset, data in layout.small:
+        out[offset:offset + len(data)] = data
+    return bytes(out)
+
+
 # --- reading ---------------------------------------------------------------------------------------
 
 class LazyTorchFile:

@@ -1,107 +1,57 @@
-"""What the MCore model of an ``Arch`` looks like, taken from megatron-core itself, without weights.
+"""What the MCore model of an ``Arch`` looks like, without weights: ``describe_model``.
 
-The converter never guesses megatron's layout: it builds the GPTModel once at TP=PP=EP=1 with
-uninitialised storage (nothing is written to it, so it costs no resident memory), and reads
+A conversion needs, for the model of a config.json (at TP=PP=EP=1: a torch_dist checkpoint holds
+global tensors, so these single-rank entries describe it completely, whatever TP/PP/EP it is later
+loaded at):
 
 - the shape of every parameter, to check each HF tensor against config.json before any byte is
   read, and
 - every entry of ``model.sharded_state_dict()``: the torch_dist key, global shape and offset of each
   tensor chunk (layers stacked on a leading axis, experts on a second one, the SwiGLU ``linear_fc1``
-  as [gate; up]), and the ``_extra_state`` objects a model asks for when loading.
+  as [gate; up]), and the ``_extra_state`` objects a model asks for when loading;
+- the shape of every HF tensor that config implies (the family's weight table run backwards from
+  those parameters), having checked that the table writes every parameter and nothing else.
 
-A torch_dist checkpoint holds global tensors, so these single-rank entries describe it completely,
-whatever TP/PP/EP it is later loaded at.
-
-It also holds the shape of every HF tensor that config implies (the family's weight table run
-backwards from those parameters), and checks that the table writes every parameter and nothing else.
+``describe_model`` derives it from the family's weight table and config by megatron-core's rules
+(``derived_skeleton``: milliseconds, no megatron-core import) wherever those rules describe the model,
+and otherwise asks megatron-core itself: it builds the GPTModel once with uninitialised storage (nothing
+is written to it, so it costs no resident memory) and reads the same from it. Tests check that the two
+agree for every family.
 
 The model is built in a helper process: building one needs megatron's process groups and, without
 CUDA, the CPU compatibility layer, which patches torch process-wide (transformers models loaded
 afterwards in the same process are not reliable). The caller's process stays untouched.
 
-Importing megatron-core and building the model takes 5-10 s, most of a small conversion, and the
-answer depends only on config.json (with the MTP layers and a checkpoint's own vocabulary padding)
-and the code. So the skeleton is kept on disk (``~/.cache/megatron_patch/skeletons``, or
-``$MPATCH_CACHE_DIR``), keyed by a hash of those, the megatron-core and torch versions, and the
-source of every module that shapes the model (``models/``, this file among them, and ``runtime/``):
-anything that could change the answer changes the key. A cached skeleton is the helper's own result
-read back (tests compare the two); a damaged or foreign cache file is ignored and rewritten.
+Importing megatron-core and building the model takes 5-10 s, and the answer depends only on
+config.json (with the MTP layers and a checkpoint's own vocabulary padding) and the code. So what
+megatron-core says is kept on disk (``~/.cache/megatron_patch/skeletons``, or ``$MPATCH_CACHE_DIR``),
+keyed by a hash of those, the megatron-core and torch versions, and the source of every module that
+shapes the model (``models/``, this file among them, and ``runtime/``): anything that could change the
+answer changes the key. A cached skeleton is the helper's own result read back (tests compare the
+two); a damaged or foreign cache file is ignored and rewritten.
 
 It lives with the models, not the converter: the parameter counts, FLOPs and memory plan
-(``models/shape.py``) read the same shapes.
+(``models/shape.py``) read the same shapes, from megatron-core (``describe_models``).
 """
 
 from __future__ import annotations
 
-import base64
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import io
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
-
-SKELETON_FORMAT = 2
-
-
-@dataclass(frozen=True)
-class ChunkEntry:
-    """One ShardedTensor of the single-rank model: a block of ``key`` taken from parameter ``name``."""
-
-    name: str                        # TE-spec parameter name (the weight tables' MCore name)
-    key: str                         # torch_dist key
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-    local_shape: tuple[int, ...]     # with the prepended (layer, expert) axes as 1s
-    prepend: int                     # number of prepended axes
-
-    def region(self) -> tuple[slice, ...]:
-        """Which part of the full (TP=1) parameter this chunk holds."""
-        return tuple(slice(o, o + s) for o, s in zip(self.global_offset[self.prepend:], self.local_shape[self.prepend:]))
-
-
-@dataclass(frozen=True)
-class ObjectEntry:
-    """A ShardedObject (``_extra_state``): stored as the torch.save bytes of ``[data]`` under ``unique_key``."""
-
-    unique_key: str
-    payload: bytes
-
-
-@dataclass(frozen=True)
-class ModelSkeleton:
-    shapes: dict[str, tuple[int, ...]]   # TE name -> full (TP=1) shape
-    chunks: list[ChunkEntry]
-    objects: list[ObjectEntry]
-    hf_shapes: dict[str, tuple[int, ...]]  # HF name -> the shape config.json implies
-    # Entries of ``shapes`` that are buffers, not parameters (DeepSeek's router ``expert_bias``): saved
-    # and converted like weights, but no optimizer or gradient buffer holds them.
-    buffers: frozenset[str] = frozenset()
-
-    def to_json(self) -> dict:
-        return {"format": SKELETON_FORMAT,
-                "shapes": {k: list(v) for k, v in self.shapes.items()},
-                "buffers": sorted(self.buffers),
-                "hf_shapes": {k: list(v) for k, v in self.hf_shapes.items()},
-                "chunks": [[c.name, c.key, list(c.global_shape), list(c.global_offset), list(c.local_shape), c.prepend]
-                           for c in self.chunks],
-                "objects": [[o.unique_key, base64.b64encode(o.payload).decode()] for o in self.objects]}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "ModelSkeleton":
-        if data.get("format") != SKELETON_FORMAT:
-            raise ValueError(f"skeleton format {data.get('format')!r}")
-        return cls(shapes={k: tuple(v) for k, v in data["shapes"].items()},
-                   chunks=[ChunkEntry(n, k, tuple(g), tuple(o), tuple(s), int(p)) for n, k, g, o, s, p in data["chunks"]],
-                   objects=[ObjectEntry(k, base64.b64decode(p)) for k, p in data["objects"]],
-                   hf_shapes={k: tuple(v) for k, v in data["hf_shapes"].items()},
-                   buffers=frozenset(data["buffers"]))
+from megatron_patch.models.derived_skeleton import NotDerivable, derive_skeleton
+from megatron_patch.models.mapping.naming import local_to_te_names
+from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.skeleton_entries import (  # noqa: F401 - the skeleton's types, used from here
+    SKELETON_FORMAT, ChunkEntry, ModelSkeleton, ObjectEntry, expected_hf_shapes)
 
 
 def _ensure_single_rank_state() -> None:
@@ -123,13 +73,35 @@ def _key(arch: Arch, layers: tuple[int, ...] | None) -> tuple:
 
 
 def describe_model(arch: Arch, *, use_cache: bool = True, layers: tuple[int, ...] | None = None) -> ModelSkeleton:
-    """The skeleton of ``arch``'s MCore model (independent of dtype and layout): from the disk cache, or
-    computed by megatron-core in a helper process (and then cached).
+    """The skeleton of ``arch``'s MCore model (independent of dtype and layout): derived from the family's
+    weight table, or, where that derivation does not describe the model, from the disk cache or computed
+    by megatron-core in a helper process (and then cached). ``use_cache=False``: computed by megatron-core.
 
     ``layers`` builds only those decoder layers of the model, in that order (``models/shape.py`` asks
     for one layer of each kind, so that a 671B model's shapes cost what two of its layers cost)."""
     key = _key(arch, layers)
-    return _describe_cached(*key) if use_cache else _compute([key])[0]
+    if not use_cache:
+        return _compute([key])[0]
+    if layers is None:
+        derived = _derived(*key[:3])
+        if derived is not None:
+            return derived
+    return _describe_cached(*key)
+
+
+@functools.lru_cache(maxsize=32)
+def _derived(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> ModelSkeleton | None:
+    """``derive_skeleton`` of the arch the key stands for (as the helper rebuilds it), None where the rules
+    do not describe it."""
+    try:
+        return derive_skeleton(_arch_of(hf_config_json, mtp_layers, vocab_padded_to))
+    except NotDerivable:
+        return None
+
+
+def _arch_of(hf_config_json: str, mtp_layers: int, vocab_padded_to: int | None) -> Arch:
+    return dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers,
+                               vocab_padded_to=vocab_padded_to)
 
 
 def describe_models(requests: list[tuple[Arch, tuple[int, ...] | None]]) -> list[ModelSkeleton]:
@@ -228,10 +200,6 @@ def _store(path: Path, skeleton: ModelSkeleton) -> None:
 
 
 def _describe_worker(keys: list[tuple]) -> list[ModelSkeleton]:
-    import dataclasses
-
-    from megatron_patch.models.registry import parse_arch
-
     # Asked from inside a training rank (its memory plan, with no cache yet), the helper inherits the
     # attention-backend variables megatron-core set there for that run's spec; they do not apply to
     # this build, and megatron asserts on them.
@@ -239,16 +207,13 @@ def _describe_worker(keys: list[tuple]) -> list[ModelSkeleton]:
         os.environ.pop(name, None)
     out = []
     for hf_config_json, mtp_layers, vocab_padded_to, layers in keys:
-        arch = dataclasses.replace(parse_arch(json.loads(hf_config_json)), mtp_layers=mtp_layers,
-                                   vocab_padded_to=vocab_padded_to)
+        arch = _arch_of(hf_config_json, mtp_layers, vocab_padded_to)
         out.append(describe_model_here(only_layers(arch, layers) if layers is not None else arch))
     return out
 
 
 def only_layers(arch: Arch, layers: tuple[int, ...]) -> Arch:
     """``arch`` with only the decoder ``layers`` given (each keeping its kind), renumbered from 0."""
-    import dataclasses
-
     if not layers or any(not 0 <= i < arch.num_layers for i in layers):
         raise ValueError(f"layers {layers} are not layers of a {arch.num_layers}-layer model")
     return dataclasses.replace(arch, num_layers=len(layers),
@@ -292,37 +257,6 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
                 raise UserError(f"unexpected entry {type(item).__name__} in the model's sharded state dict")
     del model
     return ModelSkeleton(shapes, chunks, objects, expected_hf_shapes(arch, shapes), buffers)
-
-
-def expected_hf_shapes(arch: Arch, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Shape of every HF tensor, derived from the parameters megatron-core builds for ``arch`` (the
-    weight table's splits run backwards on shape-only tensors).
-
-    Also checks that the weight table writes every parameter of the model and nothing else.
-    """
-    import torch
-
-    from megatron_patch.models.mapping import MappingError, names_list, plan_transfers, split_context
-    from megatron_patch.models.mapping.splits import Replicated
-    from megatron_patch.models.registry import get_family
-    from megatron_patch.runtime import ParallelLayout
-
-    ctx = split_context(arch)
-    planned, out = set(), {}
-    for t in plan_transfers(get_family(arch.family).weight_rules(arch), arch, ParallelLayout()):
-        name = t.placements[0].mcore_name
-        planned.add(name)
-        if name not in shapes:
-            raise MappingError(f"the {arch.family} weight table writes {name}, which the MCore model does not have")
-        shape = shapes[name]
-        hf_shapes = [shape] * len(t.hf_names) if isinstance(t.split, Replicated) else \
-            [tuple(m.shape) for m in t.split.merge([torch.empty(shape, device="meta")], ctx)]
-        for hf_name, s in zip(t.hf_names, hf_shapes):
-            out.setdefault(hf_name, tuple(s))
-    unplanned = set(shapes) - planned
-    if unplanned:
-        raise MappingError(f"no {arch.family} mapping rule writes {len(unplanned)} MCore parameter(s): {names_list(unplanned)}")
-    return out
 
 
 def _single_layout():

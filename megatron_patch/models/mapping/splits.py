@@ -59,6 +59,12 @@ class Split:
     def merge(self, shards: list[torch.Tensor], ctx: SplitContext) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def merged_shapes(self, shape: tuple[int, ...], ctx: SplitContext) -> list[tuple[int, ...]]:
+        """The shapes of the HF tensors a whole (TP=1) parameter of ``shape`` merges back into. The splits
+        here say it from shapes alone (the converter's start-up imports no torch); any other split runs
+        ``merge`` on a shape-only (meta) tensor."""
+        return [tuple(m.shape) for m in self.merge([torch.empty(shape, device="meta")], ctx)]
+
     def merge_pieces(self, shards: list[torch.Tensor], ctx: SplitContext) -> list[list[torch.Tensor]]:
         """``merge`` without the final copy: for each HF tensor, contiguous pieces (views into the shards
         where possible) whose concatenation on dim 0 is that tensor, byte for byte. A writer puts them
@@ -91,6 +97,9 @@ class Replicated(Split):
             return None
         return [[Block(0, (0, shapes[0][0]))] for _ in range(n)]
 
+    def merged_shapes(self, shape, ctx):
+        return [tuple(shape)]
+
     def shards(self, parts, n, ctx):
         return [parts[0]] * n
 
@@ -112,6 +121,9 @@ class Column(Split):
         rows = _even(shapes[0][0], n)
         return [[Block(0, (k * rows, (k + 1) * rows))] for k in range(n)]
 
+    def merged_shapes(self, shape, ctx):
+        return [tuple(shape)]
+
     def shards(self, parts, n, ctx):
         return _chunk(parts[0], n, 0)
 
@@ -130,6 +142,9 @@ class Row(Split):
     def blocks(self, shapes, n, ctx):
         rows, cols = shapes[0][0], _even(shapes[0][1], n)
         return [[Block(0, (0, rows), (k * cols, (k + 1) * cols))] for k in range(n)]
+
+    def merged_shapes(self, shape, ctx):
+        return [tuple(shape)]
 
     def shards(self, parts, n, ctx):
         return _chunk(parts[0], n, 1)
@@ -156,6 +171,9 @@ class VocabParallel(Split):
                 shard.append(Block(None, (0, per - real)))
             out.append(shard)
         return out
+
+    def merged_shapes(self, shape, ctx):
+        return [(ctx.vocab_size, *shape[1:])]
 
     def shards(self, parts, n, ctx):
         t = parts[0]
@@ -207,6 +225,13 @@ class GroupedQKV(Split):
                     f"{name}_proj has {r} rows, the config implies {expect[name]} "
                     f"({ctx.num_heads} heads, {ctx.num_kv_heads} key/value heads, head_dim {ctx.head_dim})")
 
+    def merged_shapes(self, shape, ctx):
+        groups, q_rows, kv_rows = self._groups(ctx)
+        if shape[0] != groups * (q_rows + 2 * kv_rows):
+            raise UserError(f"a fused q/k/v parameter has {shape[0]} rows, the config implies {groups * (q_rows + 2 * kv_rows)}")
+        rest = tuple(shape[1:])
+        return [(groups * q_rows, *rest), (groups * kv_rows, *rest), (groups * kv_rows, *rest)]
+
     def shards(self, parts, n, ctx):
         q, k, v = parts
         groups, q_rows, kv_rows = self._groups(ctx)
@@ -246,6 +271,10 @@ class GateUp(Split):
             raise UserError(f"gate and up projections differ in shape: {tuple(shapes[0])} vs {tuple(shapes[1])}")
         per = _even(shapes[0][0], n)
         return [[Block(0, (k * per, (k + 1) * per)), Block(1, (k * per, (k + 1) * per))] for k in range(n)]
+
+    def merged_shapes(self, shape, ctx):
+        half = (_even(shape[0], 2), *shape[1:])
+        return [half, half]
 
     def shards(self, parts, n, ctx):
         gate, up = parts
