@@ -159,13 +159,18 @@ def test_zero_copy_output_is_byte_identical_to_copying_through_memory(hf_dir, tm
     assert a.keys() == b.keys() and all(torch.equal(a.get(n), b.get(n)) for n in a.keys())
 
 
+@pytest.mark.parametrize("slices", ["mapped", "copied"])
 @pytest.mark.parametrize("failure", ["exdev", "enosys", "missing", "short"])
-def test_copy_file_range_refused_falls_back_with_the_same_bytes(hf_dir, tmp_path, monkeypatch, failure):
+def test_copy_file_range_refused_falls_back_with_the_same_bytes(hf_dir, tmp_path, monkeypatch, failure, slices):
     """Another file system (EXDEV), no kernel support (ENOSYS), no os.copy_file_range at all, or a
-    kernel that copies a little at a time: the output is the same."""
+    kernel that copies a little at a time: the output is the same, also where the gathers copy their
+    row slices file to file."""
+    from megatron_patch.convert import copier as copier_mod
     from megatron_patch.convert.copier import Copier
 
     want = _convert_both_ways(hf_dir, tmp_path / "want", "legacy", lambda: Copier(2))
+    if slices == "copied":
+        monkeypatch.setattr(copier_mod, "GATHER_COPY_MIN", 0)
     real = os.copy_file_range
     calls = []
 
@@ -190,6 +195,24 @@ def test_copy_file_range_refused_falls_back_with_the_same_bytes(hf_dir, tmp_path
         assert len(calls) > 50  # many partial copies, stitched together
     elif failure != "missing":
         assert 2 <= len(calls) <= 4  # per conversion, tried at most once by each of its two workers, then not again
+
+
+def test_gathers_copy_long_row_slices_file_to_file(hf_dir, tmp_path, monkeypatch):
+    """Row slices of at least GATHER_COPY_MIN bytes (row-parallel weights) are copied file to file, each
+    with copy_file_range, not written from a mapping; the bytes are the same either way."""
+    from megatron_patch.convert import copier as copier_mod
+    from megatron_patch.convert.copier import Copier
+
+    maps = []
+    real_map = Copier._map
+    monkeypatch.setattr(Copier, "_map", lambda self, *a: maps.append(a[1]) or real_map(self, *a))
+    want = _convert_both_ways(hf_dir, tmp_path / "want", "legacy", lambda: Copier(2))
+    assert maps and want[2].gathered_bytes > 0   # this model's slices are short: mapped
+    maps.clear()
+    monkeypatch.setattr(copier_mod, "GATHER_COPY_MIN", 0)
+    got = _convert_both_ways(hf_dir, tmp_path / "got", "legacy", lambda: Copier(2))
+    assert not maps and got[2].gathered_bytes == want[2].gathered_bytes and got[3].gathered_bytes == want[3].gathered_bytes
+    assert got[0] == want[0] and got[1] == want[1]
 
 
 def test_dtype_change_and_splits_without_blocks_go_through_torch(hf_dir, tmp_path, monkeypatch):
@@ -266,6 +289,81 @@ def test_output_does_not_depend_on_the_number_of_workers(hf_dir, tmp_path, worke
     many = _convert_both_ways(hf_dir, tmp_path / "many", "torch_dist", lambda: Copier(workers, band_bytes=4096),
                               layout=ParallelLayout(tp=4))
     assert one[0] == many[0] and one[1] == many[1]
+
+
+def test_schedule_gives_each_file_one_writer_and_starts_a_task_after_the_bytes_it_waits_for():
+    """Tasks go in read order, except that a task writing a busy file yields to the next one writing
+    another file (or none), and a task waiting for a byte range starts once every writer of bytes in it
+    is done: an overlapping range, a task that may write anywhere in that file, or anywhere at all."""
+    import threading
+
+    from megatron_patch.convert.schedule import ANY_FILE, WHOLE_FILE, Schedule, Work
+
+    works = [Work(frozenset({"F"}), (("F", 0, 100),)),      # 0
+             Work(frozenset({"F"}), (("F", 100, 200),)),    # 1
+             Work(after=(("F", 0, 100),)),                  # 2: waits for 0 only
+             Work(frozenset({"G"}), (("G", 0, 50),)),       # 3
+             Work(),                                        # 4: writes nothing
+             Work(after=(("F", 150, 160),))]                # 5: waits for 1
+    plan = Schedule(works)
+    assert [plan.take(), plan.take(), plan.take()] == [0, 3, 4]   # F busy: 1 yields to G, then to nothing
+    plan.done(0)
+    assert [plan.take(), plan.take()] == [1, 2]
+    for i in (1, 2, 3, 4):
+        plan.done(i)
+    assert plan.take() == 5 and (plan.done(5) or plan.take()) is None
+    anywhere = [Work(frozenset({"F"}), (("F", 0, WHOLE_FILE),)), Work(ranges=((ANY_FILE, 0, WHOLE_FILE),)),
+                Work(frozenset({"G"}), (("G", 0, 10),)), Work(after=(("F", 5, 6),))]
+    plan = Schedule(anywhere)
+    assert [plan.take(), plan.take(), plan.take()] == [0, 1, 2]
+    plan.done(0)
+    plan.done(2)
+    got = []
+    taker = threading.Thread(target=lambda: got.append(plan.take()), daemon=True)
+    taker.start()
+    taker.join(0.5)
+    assert taker.is_alive() and not got      # 3 still waits for 1 (it may write anywhere)
+    plan.done(1)
+    taker.join(5)
+    assert got == [3]
+
+
+def test_copier_runs_one_writer_per_file_beside_other_work(tmp_path):
+    """With four workers and tasks that write two files, never two tasks write one file at once, the
+    tasks that write nothing run beside them, and a task that waits for a file's bytes starts after
+    every task writing them has finished."""
+    import threading
+    import time
+    from collections import Counter
+
+    from megatron_patch.convert.copier import CallTask, Copier
+
+    lock, active, peak, log = threading.Lock(), Counter(), Counter(), []
+
+    def task(name: str, files: tuple[str, ...]):
+        def run(_copier) -> int:
+            with lock:
+                active.update(files)
+                peak.update({f: max(0, active[f] - peak[f]) for f in files})
+                log.append(("start", name))
+            time.sleep(0.02)
+            with lock:
+                active.subtract(files)
+                log.append(("end", name))
+            return 0
+        return run
+
+    tasks = [CallTask(task(f"a{i}", ("A",)), writes=("A",), reads=("src", i)) for i in range(6)]
+    tasks += [CallTask(task(f"b{i}", ("B",)), writes=("B",), reads=("src", 10 + i)) for i in range(3)]
+    tasks += [CallTask(task(f"c{i}", ()), writes=(), reads=("src", 20 + i)) for i in range(3)]
+    tasks += [CallTask(task("seal", ()), writes=(), reads=("src", 0), after=(("A", 0, 10),))]
+    copier = Copier(4)
+    copier.run(tasks)
+    copier.close()
+    assert peak["A"] == 1 and peak["B"] == 1
+    when = {(kind, name): k for k, (kind, name) in enumerate(log)}
+    assert when[("start", "seal")] > max(when[("end", f"a{i}")] for i in range(6))
+    assert when[("start", "b0")] < when[("end", "a5")] and when[("start", "c0")] < when[("end", "a5")]
 
 
 # --- the file formats, against torch's own readers ------------------------------------------------

@@ -245,7 +245,7 @@ def _copy_checks(family, arch: Arch, reader, available: set[str]) -> list:
                 raise MappingError(message)
             return 0
 
-        tasks.append(CallTask(compare))
+        tasks.append(CallTask(compare, writes=()))
     return tasks
 
 
@@ -274,7 +274,7 @@ def _transfer_tasks(copier: Copier, t: Transfer, blocks, reader: HFCheckpointRea
         shards = t.split.shards([reader.get(n) for n in t.hf_names], t.num_shards, ctx)
         return sum(_write_tensor(copier, place, shards[shard]) for shard, places in destinations.items() for place in places)
 
-    return [CallTask(run)]
+    return [CallTask(run, writes=tuple({place.path for places in destinations.values() for place in places}))]
 
 
 def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], reader: HFCheckpointReader,
@@ -312,7 +312,7 @@ def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: l
                     count += 1
                     total += places[(c, p.mcore_name)].nbytes
         tasks += _transfer_tasks(copier, t, blocks, reader, ctx, destinations)
-    return tasks, count, total, lambda: _seal(copier, files)
+    return tasks + _seal_tasks(files), count, total, lambda: None
 
 
 def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reader: HFCheckpointReader, dtype: str,
@@ -352,19 +352,15 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
             full = t.split.shards([reader.get(n) for n in t.hf_names], 1, ctx)[0]
             return sum(_write_tensor(copier, place, full[ch.region()].reshape(place.shape)) for ch, place in targets)
 
-        tasks.append(CallTask(run))
+        tasks.append(CallTask(run, writes=tuple({place.path for _, place in targets})))
     total = sum(nbytes(ch.local_shape, by_name[ch.name].dtype_in(dtype)) for ch in skeleton.chunks)
-
-    def finish() -> None:
-        _seal(copier, [(release / name, layout) for name, layout in td.archives])
-        td.finish()
-
-    return tasks, len(skeleton.chunks), total, finish
+    tasks += _seal_tasks([(release / name, layout) for name, layout in td.archives])
+    return tasks, len(skeleton.chunks), total, td.finish
 
 
-def _seal(copier: Copier, archives: list[tuple[Path, ZipLayout]]) -> None:
+def _seal_tasks(archives: list[tuple[Path, ZipLayout]]) -> list:
     """Every zip record copied in gets its real CRC-32, computed from the page cache by the copier's workers
-    (about 12 GB/s per core) once the bytes are in place."""
+    (about 12 GB/s per core) as soon as all of its bytes are in place, beside the copies still running."""
     def run(_copier, path, layout, name) -> int:
         fd = os.open(path, os.O_RDWR)
         try:
@@ -373,13 +369,13 @@ def _seal(copier: Copier, archives: list[tuple[Path, ZipLayout]]) -> None:
             os.close(fd)
         return 0
 
-    progress, copier.progress = copier.progress, None
-    try:
-        copier.run([CallTask(functools.partial(run, path=str(path), layout=layout, name=name))
-                    for path, layout in archives for name in layout.unsealed])
-    finally:
-        copier.close()
-        copier.progress = progress
+    tasks = []
+    for path, layout in archives:
+        for name in layout.unsealed:
+            offset, length = layout.records[name]
+            tasks.append(CallTask(functools.partial(run, path=str(path), layout=layout, name=name), writes=(),
+                                  reads=(str(path), offset), after=((str(path), offset, offset + length),)))
+    return tasks
 
 
 # --- MCore -> HF -------------------------------------------------------------------------------
@@ -436,7 +432,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
         tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
-        tasks = source.integrity_tasks() + tasks  # the stored CRC-32s, checked first, beside the copies
+        tasks = source.integrity_tasks() + tasks  # the stored CRC-32s, checked beside the copies that read them
         bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
         copier.progress = bar
         try:
@@ -477,7 +473,8 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
         blocks = t.split.blocks([p.shape for p in parts], t.num_shards, ctx)
         if blocks is None or any(s is None for s in shards):  # a strided legacy tensor, or a split not by rows
             tasks.append(CallTask(lambda copier, t=t, parts=parts: _merge_through_torch(copier, t, source, parts,
-                                                                                       copy_places, ctx)))
+                                                                                       copy_places, ctx),
+                                  writes=tuple({p.path for part in parts for p in [part, *copy_places.get(part, ())]})))
             continue
         moves, written = [], {}
         for k, shard in enumerate(shards):
@@ -520,7 +517,7 @@ def _compare_shards(first, second, message: str, source, ctx) -> list:
             raise MappingError(message)
         return 0
 
-    return [CallTask(run)]
+    return [CallTask(run, writes=())]
 
 
 def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored],
@@ -701,5 +698,5 @@ def crc_tasks(checks: dict) -> list:
             raise UserError(f"{path}: {exc}: the file is corrupt (a flipped byte or a damaged disk)")
         return 0
 
-    return [CallTask(functools.partial(check, path=p, offset=o, length=n, crc=c, what=w))
+    return [CallTask(functools.partial(check, path=p, offset=o, length=n, crc=c, what=w), writes=(), reads=(p, o))
             for (p, o, n), (c, w) in checks.items()]

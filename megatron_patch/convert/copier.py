@@ -36,12 +36,19 @@ from typing import Callable
 
 from megatron_patch.checkpoint_files.byte_io import Stored, read_exact, write_all
 from megatron_patch.convert.bytemap import Move
+from megatron_patch.convert.schedule import ANY_FILE, WHOLE_FILE, Schedule, Work
 from megatron_patch.errors import UserError
 
 # Contiguous ranges are cut into pieces of this size so that several workers share a large tensor.
 COPY_PIECE = 64 * 2**20
 # Memory a gather may hold at once (the rows read and the rows assembled).
 BAND_BYTES = 32 * 2**20
+# A gather copies each row's slice file to file (copy_file_range, like a contiguous copy) when every
+# slice it writes is at least this long; shorter ones go through a mapping of the source rows, where one
+# pwritev writes a band. Writing bytes from this process's memory into newly made page-cache pages costs
+# 2-8x what the kernel's own copy costs on this project's machine (a virtual one), more than the one
+# system call a slice of this size costs.
+GATHER_COPY_MIN = 4096
 # Bytes per pread/pwrite when copy_file_range is not available.
 FALLBACK_BUFFER = 8 * 2**20
 # copy_file_range errors that mean "not here", not "broken": fall back to reading and writing.
@@ -75,6 +82,9 @@ class CompareTask:
 class CallTask:
     fn: Callable[["Copier"], int]   # returns the bytes it wrote
     nbytes: int = 0
+    writes: tuple[str, ...] | None = None       # the files it writes (None: any)
+    reads: tuple[str, int] | None = None        # where it reads first (its place in the read order)
+    after: tuple[tuple[str, int, int], ...] = ()   # (path, start, stop): written by the others first
 
 
 @dataclass
@@ -88,8 +98,10 @@ class CopyStats:
     source_reads: list = field(default_factory=list)   # (path, offset, length) when ``trace`` is on
 
 
-def copy_range(copier: "Copier", src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> None:
-    """Copy ``nbytes`` from ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset``."""
+def copy_range(copier: "Copier", src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int,
+               count: bool = True) -> None:
+    """Copy ``nbytes`` from ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset`` (``count``: add
+    them to the zero-copy or buffered bytes; a gather counts its own)."""
     while nbytes > 0:
         if copier.zero_copy:
             try:
@@ -101,7 +113,8 @@ def copy_range(copier: "Copier", src_fd: int, src_offset: int, dst_fd: int, dst_
                 continue
             if n == 0:
                 raise EOFError(f"the source ends {nbytes} bytes early")
-            copier.count("zero_copy_bytes", n)
+            if count:
+                copier.count("zero_copy_bytes", n)
         else:
             buf = copier.buffer(min(nbytes, FALLBACK_BUFFER))
             n = os.preadv(src_fd, [buf], src_offset)
@@ -110,7 +123,8 @@ def copy_range(copier: "Copier", src_fd: int, src_offset: int, dst_fd: int, dst_
             written = 0
             while written < n:
                 written += os.pwrite(dst_fd, buf[written:n], dst_offset + written)
-            copier.count("buffered_bytes", n)
+            if count:
+                copier.count("buffered_bytes", n)
         src_offset += n
         dst_offset += n
         nbytes -= n
@@ -332,6 +346,9 @@ class Copier:
                 if any(m.src.dtype != dst.dtype for m in moves):
                     written += self._gather_converting(dst, moves, r0, r1, cache, arena)
                     continue
+                if self.zero_copy and all(m.cols * dst.itemsize >= GATHER_COPY_MIN for m in moves):
+                    written += self._gather_copying(dst, moves, r0, r1)
+                    continue
                 # (dst row, dst byte column, bytes, source band, byte offset in it) for each row of each move
                 segments = []
                 di, dst_row_bytes = dst.itemsize, dst.row_bytes
@@ -364,6 +381,27 @@ class Copier:
             if self._stop.is_set():
                 break
         return written
+
+    def _gather_copying(self, dst: Stored, moves: list[Move], r0: int, r1: int) -> int:
+        """A destination band whose row slices are long: each slice copied file to file (rows no move
+        covers stay as created: zeros)."""
+        di, dst_fd = dst.itemsize, self.fd(dst.path, True)
+        segments = []
+        for m in moves:
+            i0, i1 = max(r0, m.dst_row), min(r1, m.dst_row + m.rows)
+            rb, width = m.src.row_bytes, m.cols * di
+            src_at = m.src.offset + (m.src_row - m.dst_row) * rb + m.src_col * di
+            dst_at = dst.offset + m.dst_col * di
+            segments += [(dst_at + i * dst.row_bytes, m.src.path, src_at + i * rb, width) for i in range(i0, i1)]
+        segments.sort()
+        for dst_offset, src, src_offset, width in segments:
+            self.note_read(src, src_offset, width)
+            try:
+                copy_range(self, self.fd(src), src_offset, dst_fd, dst_offset, width, count=False)
+            except EOFError as exc:
+                raise UserError(f"cannot read {src} ({exc}): the file may be truncated or corrupt")
+        self.written(dst.path, dst.offset + r0 * dst.row_bytes, (r1 - r0) * dst.row_bytes)
+        return (r1 - r0) * dst.row_bytes
 
     def _gather_converting(self, dst: Stored, moves: list[Move], r0: int, r1: int, cache: dict, arena: list) -> int:
         """A destination band whose sources have another dtype: assembled in memory, converted as torch does."""
@@ -431,31 +469,32 @@ class Copier:
     def run(self, tasks: list) -> CopyStats:
         """Do every task; the first error stops the others and is raised here (also on Ctrl-C).
 
-        Tasks are taken in the order of the bytes they read (checks first), so that the sources are
-        read front to back, as the kernel's read-ahead expects; on taking a task, a worker asks the
-        kernel to start reading the task ``workers`` places further on (``posix_fadvise`` WILLNEED:
-        at most one task ahead per worker, in the page cache, not in this process's memory).
+        Tasks are taken in the order of the bytes they read, so that the sources are read front to
+        back, as the kernel's read-ahead expects, one writer per output file at a time, each after the
+        tasks it waits for (``schedule``); on taking a task, a worker asks the kernel to start reading
+        the task ``workers`` places further on (``posix_fadvise`` WILLNEED: at most one task ahead per
+        worker, in the page cache, not in this process's memory).
         """
         self._stop = threading.Event()
         errors: list[BaseException] = []
         tasks = sorted(tasks, key=_read_order)
-        next_index = iter(range(len(tasks)))
-        take = threading.Lock()
+        plan = Schedule([_work_of(t) for t in tasks])
 
         def work():
             try:
                 while not self._stop.is_set():
-                    with take:
-                        i = next(next_index, None)
+                    i = plan.take()
                     if i is None:
                         return
                     if i + self.workers < len(tasks):
                         self._read_ahead(tasks[i + self.workers])
                     self._run_one(tasks[i])
+                    plan.done(i)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 with self._lock:
                     errors.append(exc)
                 self._stop.set()
+                plan.stop()
 
         threads = [threading.Thread(target=work, name=f"mpatch-copy-{i}", daemon=True)
                    for i in range(min(self.workers, max(len(tasks), 1)))]
@@ -470,6 +509,7 @@ class Copier:
             # Ctrl-C / SIGTERM: stop handing out tasks; a worker inside one large copy finishes it,
             # one stuck longer is abandoned (daemon threads), the caller removes the partial output.
             self._stop.set()
+            plan.stop()
             deadline = time.monotonic() + 2
             for th in threads:
                 th.join(max(0.0, deadline - time.monotonic()))
@@ -520,13 +560,33 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def _read_order(task) -> tuple:
-    """Checks and whole-tensor work first, then by the first byte read."""
+    """By the first byte read; checks and whole-tensor work that say nothing of it first."""
     if isinstance(task, CopyTask):
         return (1, task.src, task.src_offset)
     if isinstance(task, GatherTask):
         first = min((m.src.path, m.src_range[0]) for m in task.moves)
         return (1, first[0], first[1] + task.bands[0])
+    if isinstance(task, CallTask) and task.reads is not None:
+        return (1, *task.reads)
     return (0, "", 0)
+
+
+def _work_of(task) -> Work:
+    """What ``schedule`` needs to know of a task: the files and bytes it writes, what it waits for."""
+    if isinstance(task, CopyTask):
+        return Work(frozenset((task.dst,)), ((task.dst, task.dst_offset, task.dst_offset + task.nbytes),))
+    if isinstance(task, GatherTask):
+        ranges = {}
+        for m in task.moves:
+            d = m.dst
+            stop = min(task.bands[1] * task.band_rows, d.rows)
+            ranges[d] = (d.path, d.offset + task.bands[0] * task.band_rows * d.row_bytes, d.offset + stop * d.row_bytes)
+        return Work(frozenset(d.path for d in ranges), tuple(ranges.values()))
+    if isinstance(task, CallTask):
+        if task.writes is None:
+            return Work(ranges=((ANY_FILE, 0, WHOLE_FILE),), after=task.after)
+        return Work(frozenset(task.writes), tuple((p, 0, WHOLE_FILE) for p in task.writes), task.after)
+    return Work()
 
 
 def convert_rows(piece, src: str, dst: str):
