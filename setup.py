@@ -15,6 +15,8 @@ setup(
         "torch>=2.4",
         "transformers>=4.56,<6",  # from_pretrained(dtype=...); 6.x unknown
         "safetensors>=0.4",
+        "isal>=1.6",  # CRC-32 of checkpoint zip records at ~12 GB/s (zlib's: ~2), written and checked
+        "zstandard>=0.22",  # torch_dist chunks saved with torch's stream.zstd transform
         "psutil",  # megatron-core's dist_checkpointing needs it at save time
         "tqdm",
         "tokenizers>=0.15",  # mpatch preprocess / SFT: HF tokenizer folders (tokenizer.json)
@@ -25,7 +27,7 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
         # accelerate: transformers dequantizes FP8 hub checkpoints with it (the FP8 conversion test compares).
-        "test": ["pytest>=7", "accelerate"],
+        "test": ["pytest>=7", "accelerate", "hypothesis>=6"],
     },
     entry_points={"console_scripts": ["mpatch=megatron_patch.cli:main"]},
 )

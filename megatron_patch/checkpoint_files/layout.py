@@ -223,9 +223,10 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
         json.loads(config.read_text())
     except (OSError, ValueError) as exc:
         return f"metadata.json is unreadable ({exc})"
-    if not (folder / ".metadata").is_file():
+    from megatron_patch.checkpoint_files.torch_dist import metadata_files, read_metadata
+
+    if not metadata_files(folder):
         return ".metadata is missing"
-    from megatron_patch.checkpoint_files.torch_dist import read_metadata
 
     try:
         metadata = read_metadata(folder / ".metadata")

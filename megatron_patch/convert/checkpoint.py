@@ -22,6 +22,7 @@ that cannot be described as byte ranges, or a model skeleton not yet cached).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -31,7 +32,7 @@ from pathlib import Path
 from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
-from megatron_patch.convert.bytemap import Move, Tiled, block_moves, shard_shape
+from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
@@ -46,6 +47,7 @@ from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
 from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan_torch_save
+from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipLayout, check_crc, seal
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, validate_layout
@@ -310,7 +312,7 @@ def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: l
                     count += 1
                     total += places[(c, p.mcore_name)].nbytes
         tasks += _transfer_tasks(copier, t, blocks, reader, ctx, destinations)
-    return tasks, count, total, lambda: None
+    return tasks, count, total, lambda: _seal(copier, files)
 
 
 def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reader: HFCheckpointReader, dtype: str,
@@ -352,7 +354,32 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
 
         tasks.append(CallTask(run))
     total = sum(nbytes(ch.local_shape, by_name[ch.name].dtype_in(dtype)) for ch in skeleton.chunks)
-    return tasks, len(skeleton.chunks), total, td.finish
+
+    def finish() -> None:
+        _seal(copier, [(release / name, layout) for name, layout in td.archives])
+        td.finish()
+
+    return tasks, len(skeleton.chunks), total, finish
+
+
+def _seal(copier: Copier, archives: list[tuple[Path, ZipLayout]]) -> None:
+    """Every zip record copied in gets its real CRC-32, computed from the page cache by the copier's workers
+    (about 12 GB/s per core) once the bytes are in place."""
+    def run(_copier, path, layout, name) -> int:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            seal(fd, layout, [name])
+        finally:
+            os.close(fd)
+        return 0
+
+    progress, copier.progress = copier.progress, None
+    try:
+        copier.run([CallTask(functools.partial(run, path=str(path), layout=layout, name=name))
+                    for path, layout in archives for name in layout.unsealed])
+    finally:
+        copier.close()
+        copier.progress = progress
 
 
 # --- MCore -> HF -------------------------------------------------------------------------------
@@ -409,12 +436,14 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
         tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
+        tasks = source.integrity_tasks() + tasks  # the stored CRC-32s, checked first, beside the copies
         bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
         copier.progress = bar
         try:
             copier.run(tasks)
         finally:
             copier.close()
+            source.close()
         bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
@@ -446,7 +475,7 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
             first[n] = (t, shards)
         parts = [places[n] for n in t.hf_names]
         blocks = t.split.blocks([p.shape for p in parts], t.num_shards, ctx)
-        if blocks is None or any(s is None for s in shards):
+        if blocks is None or any(s is None for s in shards):  # a strided legacy tensor, or a split not by rows
             tasks.append(CallTask(lambda copier, t=t, parts=parts: _merge_through_torch(copier, t, source, parts,
                                                                                        copy_places, ctx)))
             continue
@@ -526,6 +555,7 @@ class _LegacySource:
     def __init__(self, release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], hf_shapes: dict):
         self.files = open_rank_files(release, layout)
         self.used: set[tuple] = set()
+        self.checks: dict = {}   # CRC-32s of the records read, checked beside the copies
         # Check names and shapes of every file against the plan before reading any data.
         ctx = split_context(arch)
         expected: dict = {c: {} for c in self.files}
@@ -565,6 +595,9 @@ class _LegacySource:
         c, p = found
         self.used.add((c.pp, c.ep if t.expert else None, p.mcore_name))
         lazy, sd = self.files[c]
+        record = lazy.record_check(sd[p.mcore_name])
+        if record is not None:
+            self.checks[record[:3]] = (record[3], f"record of {p.mcore_name}")
         return lazy, sd[p.mcore_name]
 
     def shards(self, t: Transfer) -> list[Stored | None]:
@@ -572,6 +605,12 @@ class _LegacySource:
 
     def load_shards(self, t: Transfer) -> list:
         return [lazy.load(ref) for lazy, ref in (self._find(t, i) for i in range(t.num_shards))]
+
+    def integrity_tasks(self) -> list:
+        return crc_tasks(self.checks)
+
+    def close(self) -> None:
+        pass
 
     def check_all_read(self) -> None:
         """Data-parallel copies are legitimately left unread; a name no rank of its stage contributed is not."""
@@ -582,7 +621,7 @@ class _LegacySource:
 
 
 class _TorchDistSource:
-    """Full (TP=1) parameters from the chunks of a torch_dist checkpoint."""
+    """Full (TP=1) parameters from the chunks of a torch_dist checkpoint, whatever chunks were stored."""
 
     def __init__(self, release: Path, skeleton: ModelSkeleton, ignore_prefixes: tuple[str, ...] = ()):
         self.reader = TorchDistReader(release)
@@ -603,47 +642,43 @@ class _TorchDistSource:
                 raise MappingError(f"torch_dist tensor {key} has shape {self.reader.global_shape(key)}, the model needs {shape}")
         self.read: set = set()
 
-    def shards(self, t: Transfer) -> list[Stored | Tiled | None]:
-        """The (TP=1) parameter where its bytes are: one ``Stored`` when one chunk holds it, ``Tiled``
-        when each of the chunks the model asks for is stored as such (checkpoints written here, TP=1
-        training; megatron keeps a SwiGLU fc1 as two chunks); None otherwise (read through torch)."""
+    def shards(self, t: Transfer) -> list[Stored | Tiled]:
+        """The (TP=1) parameter where its bytes are: one ``Stored`` when one stored chunk is exactly it,
+        else ``Tiled``: the boxes of the stored chunks that hold each part of it (a TP>1 checkpoint's
+        chunks, megatron's SwiGLU halves, a chunk holding several layers)."""
         name = t.placements[0].mcore_name
         shape = tuple(self.skeleton.shapes[name])
         tiles = []
-        self.read.update((ch.key, ch.global_offset) for ch in self.chunks[name])
         for ch in self.chunks[name]:
+            self.read.add((ch.key, ch.global_offset))
             region = ch.region()
-            stored = self.reader.stored_chunk(ch.key, ch.global_offset, ch.local_shape)
-            if stored is None or any((r.start, r.stop) != (0, n) for r, n in zip(region[2:], shape[2:])):
-                return [None]
-            part = Stored(stored.path, stored.offset, tuple(r.stop - r.start for r in region), stored.dtype)
-            inner = part.inner
-            rows = (region[0].start, region[0].stop) if region else (0, 1)
-            cols = (region[1].start * inner, region[1].stop * inner) if len(region) > 1 else (0, part.cols)
-            tiles.append((*rows, *cols, part))
-        if len(tiles) == 1 and tiles[0][4].shape == shape:
-            return [tiles[0][4]]
-        if sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, _ in tiles) != math.prod(shape) or \
-                len({p.dtype for *_, p in tiles}) != 1:
-            return [None]
-        return [Tiled(shape, tiles[0][4].dtype, tuple(tiles))]
+            for piece in self.reader.block(ch.key, ch.global_offset, ch.local_shape):
+                start = tuple(r.start + d for r, d in zip(region, piece.dst_start[ch.prepend:]))
+                tiles += box_tiles(shape, start, piece.size, piece.src, piece.src_start)
+        if len(tiles) == 1:
+            r0, r1, c0, c1, where, wr, wc = tiles[0]
+            rows, cols = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+            if (r0, r1, c0, c1, wr, wc) == (0, rows, 0, cols, 0, 0) and where.shape[1:] == (cols,) \
+                    and where.shape[0] == rows:
+                return [Stored(where.path, where.offset, shape, where.dtype)]
+        return [Tiled(shape, self.reader.dtype(self.chunks[name][0].key), tuple(tiles))]
 
     def load_shards(self, t: Transfer) -> list:
+        """The parameter as a tensor, assembled by the project's own reader (for splits that are not
+        rows and columns)."""
         import torch
 
         name = t.placements[0].mcore_name
-        chunks = self.chunks[name]
-        full = torch.empty(self.skeleton.shapes[name], dtype=getattr(torch, self.reader.dtype(chunks[0].key)))
-        requests, copies = [], []
-        for ch in chunks:
-            region = full[ch.region()]
-            block = torch.empty(ch.local_shape, dtype=full.dtype)
-            copies.append((region, block))
-            requests.append((ch.key, ch.global_offset, block))
-        self.reader.load(requests)
-        for region, block in copies:
-            region.copy_(block.reshape(region.shape))
+        full = torch.empty(self.skeleton.shapes[name], dtype=getattr(torch, self.reader.dtype(self.chunks[name][0].key)))
+        for ch in self.chunks[name]:
+            self.read.add((ch.key, ch.global_offset))
+            full[ch.region()] = self.reader.read_block(ch.key, ch.global_offset, ch.local_shape).reshape(
+                full[ch.region()].shape)
         return [full]
+
+    def integrity_tasks(self) -> list:
+        """The CRC-32 of every stored record read that opening it did not check (large tensor records)."""
+        return crc_tasks(self.reader.integrity)
 
     def check_all_read(self) -> None:
         # Every stored chunk of every key lies in some block read (same blocks as written), so it is
@@ -652,3 +687,19 @@ class _TorchDistSource:
                   if (k, o) not in self.read}
         if unread:
             raise MappingError(f"{len(unread)} torch_dist block(s) were never read: {names_list(unread)}")
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def crc_tasks(checks: dict) -> list:
+    """Copier tasks that check the CRC-32 of each (path, offset, length) -> (crc, what) while the copies run."""
+    def check(_copier, path=None, offset=0, length=0, crc=0, what=""):
+        try:
+            check_crc(path, offset, length, crc, what)
+        except ZipFormatError as exc:
+            raise UserError(f"{path}: {exc}: the file is corrupt (a flipped byte or a damaged disk)")
+        return 0
+
+    return [CallTask(functools.partial(check, path=p, offset=o, length=n, crc=c, what=w))
+            for (p, o, n), (c, w) in checks.items()]
