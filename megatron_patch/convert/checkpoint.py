@@ -29,6 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
+from megatron_patch.checkpoint_files.manifest import BackgroundCheck, manifest_for
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
 from megatron_patch.convert.bytemap import Move, Tiled, block_moves, shard_shape
@@ -40,7 +41,7 @@ from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.checkpoint_files.legacy import (
     CHECKPOINT_VERSION, FILE_NAME, check_legacy_layout, open_rank_files, rank_coords, rank_file)
-from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
+from megatron_patch.convert.outputs import atomic_output_dir, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
@@ -156,9 +157,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     validate_layout(arch, layout)
     if fmt == "legacy":
         check_legacy_layout(layout)
-    from megatron_patch.convert.outputs import check_target
-
-    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part
+    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
     reader = open_weights(HFCheckpointReader(hf_dir), arch.hf_config)
     notes = []
     if isinstance(reader, DequantizingReader):
@@ -175,7 +174,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
     copier = _make_copier(copier, workers, None)
-    with atomic_output_dir(save_dir, force, inputs=(hf_dir,)) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=(hf_dir,)) as tmp:
         release = tmp / RELEASE
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
@@ -360,17 +359,38 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
 def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shard_size: str | int = "5GB",
                 force: bool = False, progress: bool | None = None, hf_config: str | Path | None = None,
                 family: str | None = None, iteration: int | None = None, workers: int | None = None,
-                copier: Copier | None = None) -> Path:
+                copier: Copier | None = None, verify: bool = True) -> Path:
     """Convert a Megatron-Core checkpoint into an HF model folder.
 
     ``load_dir`` is any torch_dist or legacy checkpoint (its root, or one iteration or release folder):
     one written here (hf2mcore, a training run or its final export: the sidecar says everything) or
     by another tool, whose architecture comes from ``hf_config`` or from its saved Megatron-LM
     arguments read as ``family`` (``convert.arch_source``). Optimizer state is skipped; ``iteration`` picks
-    an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``."""
+    an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``. ``verify``: check
+    the input against its manifest where it has one (beside the copy, before the output is published)."""
+    # Every folder read is an input the output may not overlap: the one given, the weights' folder, the
+    # sidecar's, and the folder --hf-config came from.
+    inputs = (load_dir, _config_folder(hf_config))
+    check_target(save_dir, force, inputs=inputs)
     opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
     for note in opened.found.notes + opened.notes:
         print(f"warning: {note}", file=sys.stderr, flush=True)
+    inputs += (opened.sidecar_dir, opened.found.folder)
+    manifest = manifest_for(opened.found.folder) if verify else None
+    check = BackgroundCheck(manifest) if manifest is not None else None
+    try:
+        _export_hf(opened, save_dir, dtype, max_shard_size, force, progress, copier, workers, inputs, check)
+    except Exception as exc:
+        # A damaged input file explains a failed conversion better than the conversion's own error.
+        found = check.failure() if check is not None else None
+        if found is not None and found is not exc:
+            raise found from None
+        raise
+    return Path(save_dir)
+
+
+def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, copier, workers, inputs: tuple,
+               check: BackgroundCheck | None) -> None:
     load_dir, data_dir, sidecar = opened.sidecar_dir, opened.found.folder, opened.sidecar
     arch = sidecar.arch
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
@@ -379,9 +399,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     family = get_family(arch.family)
     out_dtype = sidecar.dtype_name if dtype is None else _choose_dtype(None, [], dtype)
     max_bytes = parse_size(max_shard_size)
-    from megatron_patch.convert.outputs import check_target
-
-    check_target(save_dir, force, inputs=(load_dir,))
+    check_target(save_dir, force, inputs=inputs)
     skeleton = describe_model(arch)
     tp1 = plan(family, arch, ParallelLayout())
     hf_shapes = skeleton.hf_shapes
@@ -405,7 +423,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
     copier = _make_copier(copier, workers, None)
     total = sum(nbytes(s, d) for _, s, d in entries)
-    with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf", inputs=inputs) as tmp:
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
         tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
@@ -419,8 +437,17 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         copy_carried(load_dir, tmp, sidecar.carried_files)
+        if check is not None:
+            check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)
-    return Path(save_dir)
+
+
+def _config_folder(hf_config) -> Path | None:
+    """The folder an ``--hf-config`` was read from (None for a dict or nothing)."""
+    if hf_config is None or isinstance(hf_config, dict):
+        return None
+    path = Path(hf_config)
+    return path if path.is_dir() else path.parent
 
 
 def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dict[str, Stored],
