@@ -35,7 +35,9 @@ from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
-ITERATION_DIR = re.compile(r"iter_(\d{7})")
+ITERATION_DIR = re.compile(r"iter_([0-9]{7})")
+# An iteration number as a tracker or the environment gives it: ASCII digits, at most 12 of them.
+WHOLE_NUMBER = re.compile(r"[0-9]{1,12}")
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -57,7 +59,7 @@ def read_tracker(root: str | Path) -> int | str | None:
         raise UserError(f"{tracker} is unreadable ({exc}): the checkpoint is damaged")
     if text == RELEASE:
         return RELEASE
-    if text.isdigit():
+    if WHOLE_NUMBER.fullmatch(text):  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
         return int(text)
     raise UserError(f"{tracker} says '{text[:40]}', neither 'release' nor an iteration number: the checkpoint is damaged")
 

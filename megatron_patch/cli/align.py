@@ -54,7 +54,7 @@ def register(subparsers) -> None:
                     f"outputs, final norm, logits) and judge them. fp32: logits rel_l2 <= {FP32_REL_L2:g} and KL <= {FP32_KL:g} "
                     f"and every point rel_l2 <= {FP32_REL_L2:g}. bf16/fp16: HF's own error in that dtype (vs HF fp32) is the noise "
                     "floor, and each point's error must stay within --tolerance times it. The first point over the "
-                    "line is named. Exit 0 aligned, 1 not aligned, 2 bad input.")
+                    "line is named. Exit 0 aligned, 1 not aligned, 2 bad input, 3 internal error.")
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder: the reference (run in fp32) and floor")
     p.add_argument("--mcore-dir", default=None,
                    help="a Megatron-Core checkpoint (torch_dist or legacy): written by 'mpatch convert hf2mcore' or "

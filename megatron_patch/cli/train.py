@@ -42,8 +42,10 @@ def launch_command(cfg, family: str, argv: list[str]) -> list[str]:
 
 
 def _int_env(name: str) -> int:
+    from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
+
     raw = os.environ[name]
-    if not raw.isdigit():
+    if not WHOLE_NUMBER.fullmatch(raw):
         raise UserError(f"ENV=dlc: {name} must be a whole number, got '{raw}'")
     return int(raw)
 

@@ -50,6 +50,7 @@ from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.models.config_checks import check_weights_fit
 from megatron_patch.models.mapping import Transfer, split_context
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -158,7 +159,9 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     if fmt == "legacy":
         check_legacy_layout(layout)
     check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
-    reader = open_weights(HFCheckpointReader(hf_dir), arch.hf_config)
+    hf_reader = HFCheckpointReader(hf_dir)
+    check_weights_fit(arch, sum(hf_reader.nbytes(n) for n in hf_reader.keys()), f"the safetensors of {hf_dir}")
+    reader = open_weights(hf_reader, arch.hf_config)
     notes = []
     if isinstance(reader, DequantizingReader):
         notes.append(f"weights dequantized from FP8 ({reader.block[0]}x{reader.block[1]} block scales); "
@@ -396,6 +399,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
                         f"disagrees with its config ({arch.vocab_size}, padded {arch.padded_vocab_size()})")
+    check_weights_fit(arch, sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file()), f"{data_dir}")
     family = get_family(arch.family)
     out_dtype = sidecar.dtype_name if dtype is None else _choose_dtype(None, [], dtype)
     max_bytes = parse_size(max_shard_size)

@@ -13,6 +13,7 @@ from typing import Iterator
 
 from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_files, write_manifest
+from megatron_patch.convert.hf_reader import contained
 from megatron_patch.convert.sidecar import SIDECAR_NAME
 from megatron_patch.errors import UserError
 from megatron_patch.outputs.folders import atomic_dir, overlap
@@ -32,11 +33,14 @@ def carried_files(folder: str | Path) -> list[str]:
 
 
 def copy_carried(src: str | Path, dst: str | Path, names: list[str] | None = None) -> list[str]:
+    """Copy the side files into the output; one that leads outside ``src`` (a symlink to a system file, a
+    sidecar naming ``../x``) is refused."""
     names = carried_files(src) if names is None else names
     for name in names:
-        if not (Path(src) / name).is_file():
-            raise UserError(f"{Path(src) / name} is missing: the checkpoint's side files are incomplete")
-        shutil.copy2(Path(src) / name, Path(dst) / name)
+        path = contained(src, name, "has a side file")
+        if not path.is_file():
+            raise UserError(f"{path} is missing: the checkpoint's side files are incomplete")
+        shutil.copy2(path, Path(dst) / Path(name).name)
     return names
 
 
