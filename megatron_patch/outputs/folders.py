@@ -166,18 +166,28 @@ def publish(tmp: str | Path, target: str | Path, *, replace: bool = True,
         except FileExistsError:
             raise UserError(f"{target} appeared while this output was written (by something that does not take "
                             "mpatch's lock): nothing was replaced; move it away and rerun") from None
+        except OSError as exc:
+            raise UserError(f"cannot create {target} ({exc.strerror or exc}): choose another output") from None
         fsync_dir(target.parent)
         return
     if not replace:
         raise UserError(f"{target} exists: nothing was replaced (pass --force to replace an earlier output)")
     try:
-        exchange(tmp, target)
-        old = tmp
-    except FlagsUnsupported:
-        # Two renames: a kill between them leaves the previous output parked, which ``recover`` restores.
-        old = replaced_dir(target)
-        os.rename(target, old)
-        os.rename(tmp, target)
+        try:
+            exchange(tmp, target)
+            old = tmp
+        except FlagsUnsupported:
+            # Two renames: a kill between them leaves the previous output parked, which ``recover`` restores.
+            old = replaced_dir(target)
+            os.rename(target, old)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                os.rename(old, target)
+                raise
+    except OSError as exc:  # an immutable or read-only target, a mount point
+        raise UserError(f"cannot replace {target} ({exc.strerror or exc}): it was left as it was; make it writable "
+                        "or choose another output") from None
     fsync_dir(target.parent)
     why = _remove(old)
     if why is not None:
