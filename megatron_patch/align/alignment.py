@@ -119,10 +119,10 @@ def validate(s: AlignSettings):
                         f"got {s.tolerance}")
     if s.ablate and s.hf_dir_2:
         raise UserError("--ablate switches MCore implementation details: it needs the MCore side, not --hf-dir-2")
-    ref_arch = checked_arch(s.hf_dir)
+    ref_arch = checked_arch(s.hf_dir, shapes=True)
     check_run_fits(ref_arch, s.batch, s.seq_len, "align")
     if s.hf_dir_2:
-        checked_arch(s.hf_dir_2)
+        checked_arch(s.hf_dir_2, shapes=True)
     test_arch, sidecar = _test_arch(s)
     diff = [f for f in STRUCTURE if getattr(ref_arch, f) != getattr(test_arch, f)]
     if diff:

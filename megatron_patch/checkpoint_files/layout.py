@@ -61,7 +61,7 @@ def read_tracker(root: str | Path) -> int | str | None:
         return RELEASE
     if WHOLE_NUMBER.fullmatch(text):  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
         return int(text)
-    raise UserError(f"{tracker} says '{text[:40]}', neither 'release' nor an iteration number: the checkpoint is damaged")
+    raise UserError(f"{tracker} says {text[:40]!r}, neither 'release' nor an iteration number: the checkpoint is damaged")
 
 
 def write_tracker(root: str | Path, value: int | str) -> None:

@@ -17,7 +17,7 @@ def run(args) -> int:
     layout = layout_from_args(args)
     if args.seq_len < 1 or args.batch < 1:
         raise UserError(f"--seq-len and --batch must be at least 1 (got {args.seq_len}, {args.batch})")
-    arch = checked_arch(args.hf_dir)
+    arch = checked_arch(args.hf_dir, shapes=True)
     validate_layout(arch, layout)  # refuse before starting any process
     check_run_fits(arch, args.batch, args.seq_len, "parity")
     metrics = check_parity(args.hf_dir, layout, seed=args.seed, batch=args.batch, seq=args.seq_len)

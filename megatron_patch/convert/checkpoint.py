@@ -37,11 +37,11 @@ from megatron_patch.convert.copier import CallTask, CompareTask, Copier
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
-from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes, contained
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.checkpoint_files.legacy import (
     CHECKPOINT_VERSION, FILE_NAME, check_legacy_layout, open_rank_files, rank_coords, rank_file)
-from megatron_patch.convert.outputs import atomic_output_dir, check_target, copy_carried
+from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
@@ -128,13 +128,6 @@ def _restrict(moves: list[Move], region: tuple[slice, ...], target: Stored) -> l
 
 # --- HF -> MCore -------------------------------------------------------------------------------
 
-def check_hf_shapes(reader: HFCheckpointReader, skeleton: ModelSkeleton) -> None:
-    for name, shape in skeleton.hf_shapes.items():
-        if name in reader and tuple(reader.shape(name)) != tuple(shape):
-            raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {tuple(shape)}: "
-                            "the weights and config.json do not belong together")
-
-
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
                 dtype=None, force: bool = False, progress: bool | None = None, mtp: bool = False,
                 workers: int | None = None, copier: Copier | None = None) -> Sidecar:
@@ -159,6 +152,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     if fmt == "legacy":
         check_legacy_layout(layout)
     check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
+    carried = [contained(hf_dir, name, "has a side file").name for name in carried_files(hf_dir)]
     hf_reader = HFCheckpointReader(hf_dir)
     check_weights_fit(arch, sum(hf_reader.nbytes(n) for n in hf_reader.keys()), f"the safetensors of {hf_dir}")
     reader = open_weights(hf_reader, arch.hf_config)
@@ -173,7 +167,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
     out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
-    check_hf_shapes(reader, skeleton)
+    check_hf_shapes(reader, skeleton.hf_shapes)
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
     copier = _make_copier(copier, workers, None)
@@ -194,7 +188,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             copier.close()
         bar.update(0, tensors=count)
         finish()
-        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp),
+        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp, carried),
                                  num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()), notes=notes)
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.

@@ -63,18 +63,18 @@ def read_safetensors_header(path: Path) -> dict[str, Stored]:
                     and isinstance(begin, int) and isinstance(end, int)):
                 raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise bad(f"malformed header entry for '{name}'")
+            raise bad(f"malformed header entry for {name!r}")
         if tag not in SAFETENSORS_TAG_NAMES:
-            raise UserError(f"tensor '{name}' in {path} has dtype {tag}, which the converter does not handle")
+            raise UserError(f"tensor {name!r} in {path} has dtype {tag}, which the converter does not handle")
         dtype = SAFETENSORS_TAG_NAMES[tag]
         if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0:
-            raise bad(f"'{name}' has {end - begin} bytes for shape {shape} {tag}")
+            raise bad(f"{name!r} has {end - begin} bytes for shape {shape} {tag}")
         spans.append((begin, end, name))
         out[name] = Stored(str(path), data_start + begin, tuple(shape), dtype)
     expected = 0
     for begin, end, name in sorted(spans):
         if begin != expected:
-            raise bad(f"the bytes of '{name}' start at {begin}, not {expected}")
+            raise bad(f"the bytes of {name!r} start at {begin}, not {expected}")
         expected = end
     if expected != data_size:
         raise bad(f"the header accounts for {expected} bytes of data, the file holds {data_size}")
@@ -188,13 +188,26 @@ class HFCheckpointReader:
         return torch.frombuffer(buf, dtype=dtype).reshape(s.shape)
 
 
-def checked_arch(hf_dir: str | Path):
+def checked_arch(hf_dir: str | Path, *, shapes: bool = False):
     """The model of an HF folder (``registry.parse_arch``: every config value checked), with its size checked
-    against the safetensors headers before anything proportional to it is planned or allocated."""
+    against the safetensors headers before anything proportional to it is planned or allocated; with
+    ``shapes``, every stored tensor's shape too, against what megatron-core builds for the config (the
+    model's skeleton, cached: what hf2mcore checks), so a config that disagrees with its weights is one line."""
     from megatron_patch.models.config_checks import check_weights_fit
     from megatron_patch.models.registry import parse_arch
 
     arch = parse_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
     check_weights_fit(arch, sum(reader.nbytes(n) for n in reader.keys()), f"the safetensors of {hf_dir}")
+    if shapes:
+        from megatron_patch.models.skeleton import describe_model
+
+        check_hf_shapes(reader, describe_model(arch).hf_shapes)
     return arch
+
+
+def check_hf_shapes(reader: HFCheckpointReader, hf_shapes: dict) -> None:
+    for name, shape in hf_shapes.items():
+        if name in reader and tuple(reader.shape(name)) != tuple(shape):
+            raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {tuple(shape)}: "
+                            "the weights and config.json do not belong together")
