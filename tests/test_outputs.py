@@ -317,3 +317,10 @@ def test_preprocess_takes_the_lock_and_leaves_a_manifest(tmp_path, capsys):
     assert run_cli(capsys, "verify", str(manifest))[0] == 0
     Path(f"{prefix}_text_document.idx").write_bytes(b"\0" * 10)
     _one_line_error(*run_cli(capsys, "verify", str(tmp_path)), "p_text_document.idx")
+
+
+def test_align_report_dir_has_one_writer(hf, tmp_path, capsys):
+    report = tmp_path / "report"
+    with OutputLock(report, "--report-dir"):
+        rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(report), "--quiet")
+    assert rc == 2 and "is being written by" in err and err.count("\n") == 1, err
