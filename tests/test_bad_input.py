@@ -49,13 +49,18 @@ def _one_line(rc: int, err: str, *words: str, code: int = 2) -> None:
         assert w in err, (w, err)
 
 
+def _linked_copy(hf: Path, folder: Path, skip: tuple[str, ...] = ()) -> Path:
+    """``folder``, holding hard links to the tiny HF folder's files (but ``skip``)."""
+    folder.mkdir(exist_ok=True)
+    for p in hf.iterdir():
+        if p.name not in skip and not (folder / p.name).exists():
+            os.link(p, folder / p.name)
+    return folder
+
+
 def _variant(hf: Path, tmp_path: Path, name: str, **config) -> Path:
     """A copy of the tiny HF folder (weights linked, not copied) with config.json fields replaced."""
-    folder = tmp_path / name
-    folder.mkdir()
-    for p in hf.iterdir():
-        if p.name != "config.json":
-            os.link(p, folder / p.name)
+    folder = _linked_copy(hf, tmp_path / name, skip=("config.json",))
     raw = json.loads((hf / "config.json").read_text())
     raw.update(config)
     (folder / "config.json").write_text(json.dumps(raw))
@@ -144,11 +149,7 @@ def test_align_and_parity_numbers(hf, capsys):
 
 
 def test_duplicate_tensors_across_files_name_both_files(hf, tmp_path, capsys):
-    folder = tmp_path / "dup"
-    folder.mkdir()
-    for p in hf.iterdir():
-        os.link(p, folder / p.name)
-    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    folder = _linked_copy(hf, tmp_path / "dup", skip=("model.safetensors.index.json",))
     weights = sorted(folder.glob("*.safetensors"))
     os.link(weights[0], folder / "zz-stale-copy.safetensors")
     rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"))
@@ -156,11 +157,7 @@ def test_duplicate_tensors_across_files_name_both_files(hf, tmp_path, capsys):
 
 
 def _indexed(hf: Path, tmp_path: Path, weight_map) -> Path:
-    folder = tmp_path / "indexed"
-    folder.mkdir(exist_ok=True)
-    for p in hf.iterdir():
-        if not (folder / p.name).exists():
-            os.link(p, folder / p.name)
+    folder = _linked_copy(hf, tmp_path / "indexed")
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
 
@@ -190,11 +187,7 @@ def test_index_entries_that_leave_the_folder_or_are_malformed(hf, tmp_path, caps
 
 
 def test_a_symlinked_side_file_that_leaves_the_folder_is_refused(hf, tmp_path, capsys):
-    folder = tmp_path / "linked"
-    folder.mkdir()
-    for p in hf.iterdir():
-        os.link(p, folder / p.name)
-    (folder / "tokenizer.json").unlink(missing_ok=True)
+    folder = _linked_copy(hf, tmp_path / "linked", skip=("tokenizer.json",))
     (folder / "tokenizer.json").symlink_to("/etc/passwd")
     rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"))
     _one_line(rc, err, "tokenizer.json", "leads outside the folder")

@@ -79,17 +79,23 @@ def test_a_stale_lock_is_taken_over_saying_so(tmp_path, capsys):
     assert (target / "a").read_text() == "1" and not lock_path(target).exists()
 
 
-def test_ranks_of_an_earlier_run_are_named_until_they_end(tmp_path):
-    out = tmp_path / "run"
+def _live_rank(out: Path) -> subprocess.Popen:
+    """A process marked as a rank writing ``out`` (as ``mpatch train``'s ranks mark themselves), once it is."""
     rank = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys, time
+        import time
         from megatron_patch.outputs.lock import register_rank
         register_rank({str(out)!r})
         print("ready", flush=True)
-        time.sleep(60)
+        time.sleep(120)
     """)], env=_env(), stdout=subprocess.PIPE, text=True)
+    assert rank.stdout.readline().strip() == "ready"
+    return rank
+
+
+def test_ranks_of_an_earlier_run_are_named_until_they_end(tmp_path):
+    out = tmp_path / "run"
+    rank = _live_rank(out)
     try:
-        assert rank.stdout.readline().strip() == "ready"
         assert live_ranks(out) == [f"pid {rank.pid} on {os.uname().nodename}"]
     finally:
         rank.kill()
@@ -324,3 +330,56 @@ def test_align_report_dir_has_one_writer(hf, tmp_path, capsys):
     with OutputLock(report, "--report-dir"):
         rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(report), "--quiet")
     assert rc == 2 and "is being written by" in err and err.count("\n") == 1, err
+
+
+# --- a training run's OUTPUT_BASEPATH ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_training_run_outputs_one_run_per_folder_and_ranks_die_with_their_launcher(corpus, tmp_path, capsys):
+    """One short run, several checks on its folder: every iteration and final/ carry a manifest (mpatch verify
+    passes); rerunning the finished run says so and exits 0 (it died in export_model before); a rank of an
+    earlier run that is still alive blocks a restart, named by PID; and ranks end when their launcher is
+    SIGKILLed (torch elastic gives them sessions of their own)."""
+    import time
+
+    from tests.training_helpers import GBS, SEQ, launch, pretrain_args
+
+    out = tmp_path / "out"
+    args = pretrain_args(corpus, out, DO="true", TRAIN_TOKENS_OR_ITERS=str(4 * GBS * SEQ), SAVE_INTERVAL="2",
+                         WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))
+    first = launch(args)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    for folder in (out / "checkpoint" / "iter_0000002", out / "checkpoint" / "iter_0000004", out / "final"):
+        assert (folder / MANIFEST_NAME).is_file(), folder
+    rc, err = run_cli(capsys, "verify", str(out))
+    assert rc == 0, err
+    again = launch(args)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "is complete (iteration 4 of 4)" in again.stdout and str(out / "final") in again.stdout
+    assert "Traceback" not in again.stderr and not lock_path(out).exists()
+
+    longer = pretrain_args(corpus, out, DO="true", TRAIN_TOKENS_OR_ITERS=str(400 * GBS * SEQ), SAVE_INTERVAL="1000",
+                           WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))
+    rank = _live_rank(out)
+    try:
+        blocked = launch(longer)
+        assert blocked.returncode == 2 and f"pid {rank.pid}" in blocked.stderr, blocked.stderr[-2000:]
+        assert "ranks of an earlier run still write" in blocked.stderr
+    finally:
+        rank.kill()
+        rank.wait()
+
+    script = REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"
+    launcher = subprocess.Popen(["bash", str(script), *longer], env={**_env(), "PYTHON": sys.executable},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while len(live_ranks(out)) < 1:  # the rank has started and marked itself
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+    alive = live_ranks(out)
+    os.killpg(launcher.pid, signal.SIGKILL)  # bash and the launcher; the rank is in a session of its own
+    launcher.wait()
+    deadline = time.time() + 60
+    while live_ranks(out):
+        assert time.time() < deadline, f"ranks outlived their launcher: {alive}"
+        time.sleep(0.5)
