@@ -243,3 +243,42 @@ def explain_failures(failures: dict) -> tuple[str, int]:
     rank, f = order[0]
     how = f"was stopped by {f.signal_name()}" if f.exitcode < 0 else f"exited with status {f.exitcode}"
     return f"rank {rank} (pid {f.pid}) {how}: its traceback is above", 1
+
+
+# --- ranks end with their launcher ----------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+LAUNCHER_PID = "MP_LAUNCHER_PID"  # set by the launcher for its ranks
+
+
+def die_with_launcher(log=print) -> str:
+    """Make this rank end when the process that started it ends, however it ends (a SIGKILL to the launcher's
+    process group, a closed terminal, a scheduler without cgroups): torch elastic starts each rank in a
+    session of its own, so nothing else would stop it, and it would go on writing the run's checkpoints.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, then a check that the parent is still the launcher (it may
+    have died before the call, and then no signal comes). Elsewhere: a thread that watches the parent.
+    Returns how, in words."""
+    import ctypes
+    import signal
+    import threading
+
+    expected = int(os.environ.get(LAUNCHER_PID) or os.getppid())
+    how = "prctl(PR_SET_PDEATHSIG)"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl failed")
+    except (OSError, AttributeError):
+        how = "a thread watching the parent"
+
+        def watch():
+            while os.getppid() == expected:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="mpatch-parent-watch", daemon=True).start()
+    if os.getppid() != expected:  # the launcher was gone before the signal was armed
+        log(f"rank {os.environ.get('RANK', '?')}: its launcher (pid {expected}) is gone; exiting")
+        os._exit(1)
+    return how
