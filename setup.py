@@ -23,10 +23,12 @@ setup(
         "tiktoken>=0.6",  # mpatch preprocess: tiktoken BPE files
         "tensorboard",  # training logs under OUTPUT_BASEPATH/tensorboard
         "matplotlib",  # mpatch align's error-by-layer plot
+        "xxhash>=3",  # the outputs' manifests: XXH3-128 digests (mpatch verify, checked loads)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
         # accelerate: transformers dequantizes FP8 hub checkpoints with it (the FP8 conversion test compares).
+        # hypothesis: the fuzzed bad-input contract (tests/test_bad_input.py) and chunkings of torch_dist blocks.
         "test": ["pytest>=7", "accelerate", "hypothesis>=6"],
     },
     entry_points={"console_scripts": ["mpatch=megatron_patch.cli:main"]},

@@ -465,10 +465,11 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
+    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
+    from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
     from megatron_patch.convert.copier import Copier
     from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 
     want = HFCheckpointReader(hf_dir)
     # legacy: every matrix saved column-major (a transposed view of a contiguous storage)
@@ -478,6 +479,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
         state = torch.load(path, weights_only=True)
         state["model"] = {k: v.t().contiguous().t() if v.dim() == 2 else v for k, v in state["model"].items()}
         torch.save(state, path)
+    (legacy / MANIFEST_NAME).unlink()  # rewritten as another tool would: no manifest of ours
     # torch_dist: every chunk cut in two along its last dimension
     td = tmp_path / "td"
     hf_to_mcore(hf_dir, td, ParallelLayout(), fmt="torch_dist", progress=False)
@@ -501,6 +503,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
                 chunks.append(ChunkItem(key, info.global_shape, o, s, info.dtype))
                 values[(key, o)] = full[key][tuple(slice(a, a + b) for a, b in zip(o, s))]
     shutil.rmtree(release)
+    (td / MANIFEST_NAME).unlink()
     plan = plan_torch_dist(release, chunks, objects)
     plan.create_files()
     for (key, o), v in values.items():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
+from pathlib import Path
 
 from megatron_patch.cli.common import add_layout_args, layout_from_args
 
@@ -29,17 +31,26 @@ def run(args) -> int:
 
     from megatron_patch.align.alignment import AlignSettings, run_alignment
     from megatron_patch.align.report import print_summary, write_report
+    from megatron_patch.errors import UserError
+    from megatron_patch.outputs.lock import OutputLock
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     settings = AlignSettings(
         hf_dir=args.hf_dir, mcore_dir=args.mcore_dir, hf_dir_2=args.hf_dir_2, layout=layout_from_args(args),
         dtype=args.dtype, seq_len=args.seq_len, batch=args.batch, seed=args.seed, text_file=args.text_file,
         ablate=args.ablate, tolerance=args.tolerance)
-    result = run_alignment(settings, log=None if not args.quiet else (lambda msg: None))
-    print_summary(result)
     if args.report_dir:
-        paths = write_report(result, args.report_dir, command_line(args))
-        print(f"report: {paths['md']} (+ report.json, {paths['png'].name})")
+        try:
+            Path(args.report_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create the folder of --report-dir {args.report_dir} ({exc.strerror or exc})")
+    # One writer per report folder, for the whole run (taken first: a second align into it fails at once).
+    with OutputLock(args.report_dir, "--report-dir") if args.report_dir else contextlib.nullcontext():
+        result = run_alignment(settings, log=None if not args.quiet else (lambda msg: None))
+        print_summary(result)
+        if args.report_dir:
+            paths = write_report(result, args.report_dir, command_line(args))
+            print(f"report: {paths['md']} (+ report.json, {paths['png'].name})")
     return 0 if result["verdict"]["aligned"] else 1
 
 
@@ -54,7 +65,7 @@ def register(subparsers) -> None:
                     f"outputs, final norm, logits) and judge them. fp32: logits rel_l2 <= {FP32_REL_L2:g} and KL <= {FP32_KL:g} "
                     f"and every point rel_l2 <= {FP32_REL_L2:g}. bf16/fp16: HF's own error in that dtype (vs HF fp32) is the noise "
                     "floor, and each point's error must stay within --tolerance times it. The first point over the "
-                    "line is named. Exit 0 aligned, 1 not aligned, 2 bad input.")
+                    "line is named. Exit 0 aligned, 1 not aligned, 2 bad input, 3 internal error.")
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder: the reference (run in fp32) and floor")
     p.add_argument("--mcore-dir", default=None,
                    help="a Megatron-Core checkpoint (torch_dist or legacy): written by 'mpatch convert hf2mcore' or "

@@ -30,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
+from megatron_patch.checkpoint_files.manifest import BackgroundCheck, manifest_for
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
 from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
@@ -37,11 +38,11 @@ from megatron_patch.convert.copier import CallTask, CompareTask, Copier
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
-from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes, contained
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.checkpoint_files.legacy import (
     CHECKPOINT_VERSION, FILE_NAME, check_legacy_layout, open_rank_files, rank_coords, rank_file)
-from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
+from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
@@ -51,6 +52,7 @@ from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipLayout, ch
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.models.config_checks import check_weights_fit
 from megatron_patch.models.mapping import Transfer, split_context
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -128,13 +130,6 @@ def _restrict(moves: list[Move], region: tuple[slice, ...], target: Stored) -> l
 
 # --- HF -> MCore -------------------------------------------------------------------------------
 
-def check_hf_shapes(reader: HFCheckpointReader, skeleton: ModelSkeleton) -> None:
-    for name, shape in skeleton.hf_shapes.items():
-        if name in reader and tuple(reader.shape(name)) != tuple(shape):
-            raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {tuple(shape)}: "
-                            "the weights and config.json do not belong together")
-
-
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
                 dtype=None, force: bool = False, progress: bool | None = None, mtp: bool = False,
                 workers: int | None = None, copier: Copier | None = None) -> Sidecar:
@@ -158,10 +153,11 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     validate_layout(arch, layout)
     if fmt == "legacy":
         check_legacy_layout(layout)
-    from megatron_patch.convert.outputs import check_target
-
-    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part
-    reader = open_weights(HFCheckpointReader(hf_dir), arch.hf_config)
+    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
+    carried = [contained(hf_dir, name, "has a side file").name for name in carried_files(hf_dir)]
+    hf_reader = HFCheckpointReader(hf_dir)
+    check_weights_fit(arch, sum(hf_reader.nbytes(n) for n in hf_reader.keys()), f"the safetensors of {hf_dir}")
+    reader = open_weights(hf_reader, arch.hf_config)
     notes = []
     if isinstance(reader, DequantizingReader):
         notes.append(f"weights dequantized from FP8 ({reader.block[0]}x{reader.block[1]} block scales); "
@@ -173,11 +169,11 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
     out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
-    check_hf_shapes(reader, skeleton)
+    check_hf_shapes(reader, skeleton.hf_shapes)
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
     copier = _make_copier(copier, workers, None)
-    with atomic_output_dir(save_dir, force, inputs=(hf_dir,)) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=(hf_dir,)) as tmp:
         release = tmp / RELEASE
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
@@ -194,7 +190,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             copier.close()
         bar.update(0, tensors=count)
         finish()
-        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp),
+        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp, carried),
                                  num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()), notes=notes)
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.
@@ -383,28 +379,48 @@ def _seal_tasks(archives: list[tuple[Path, ZipLayout]]) -> list:
 def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shard_size: str | int = "5GB",
                 force: bool = False, progress: bool | None = None, hf_config: str | Path | None = None,
                 family: str | None = None, iteration: int | None = None, workers: int | None = None,
-                copier: Copier | None = None) -> Path:
+                copier: Copier | None = None, verify: bool = True) -> Path:
     """Convert a Megatron-Core checkpoint into an HF model folder.
 
     ``load_dir`` is any torch_dist or legacy checkpoint (its root, or one iteration or release folder):
     one written here (hf2mcore, a training run or its final export: the sidecar says everything) or
     by another tool, whose architecture comes from ``hf_config`` or from its saved Megatron-LM
     arguments read as ``family`` (``convert.arch_source``). Optimizer state is skipped; ``iteration`` picks
-    an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``."""
+    an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``. ``verify``: check
+    the input against its manifest where it has one (beside the copy, before the output is published)."""
+    # Every folder read is an input the output may not overlap: the one given, the weights' folder, the
+    # sidecar's, and the folder --hf-config came from.
+    inputs = (load_dir, _config_folder(hf_config))
+    check_target(save_dir, force, inputs=inputs)
     opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
     for note in opened.found.notes + opened.notes:
         print(f"warning: {note}", file=sys.stderr, flush=True)
+    inputs += (opened.sidecar_dir, opened.found.folder)
+    manifest = manifest_for(opened.found.folder) if verify else None
+    check = BackgroundCheck(manifest) if manifest is not None else None
+    try:
+        _export_hf(opened, save_dir, dtype, max_shard_size, force, progress, copier, workers, inputs, check)
+    except Exception as exc:
+        # A damaged input file explains a failed conversion better than the conversion's own error.
+        found = check.failure() if check is not None else None
+        if found is not None and found is not exc:
+            raise found from None
+        raise
+    return Path(save_dir)
+
+
+def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, copier, workers, inputs: tuple,
+               check: BackgroundCheck | None) -> None:
     load_dir, data_dir, sidecar = opened.sidecar_dir, opened.found.folder, opened.sidecar
     arch = sidecar.arch
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
                         f"disagrees with its config ({arch.vocab_size}, padded {arch.padded_vocab_size()})")
+    check_weights_fit(arch, sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file()), f"{data_dir}")
     family = get_family(arch.family)
     out_dtype = sidecar.dtype_name if dtype is None else _choose_dtype(None, [], dtype)
     max_bytes = parse_size(max_shard_size)
-    from megatron_patch.convert.outputs import check_target
-
-    check_target(save_dir, force, inputs=(load_dir,))
+    check_target(save_dir, force, inputs=inputs)
     skeleton = describe_model(arch)
     tp1 = plan(family, arch, ParallelLayout())
     hf_shapes = skeleton.hf_shapes
@@ -428,7 +444,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
     copier = _make_copier(copier, workers, None)
     total = sum(nbytes(s, d) for _, s, d in entries)
-    with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf", inputs=inputs) as tmp:
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
         tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
@@ -444,8 +460,17 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         copy_carried(load_dir, tmp, sidecar.carried_files)
+        if check is not None:
+            check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)
-    return Path(save_dir)
+
+
+def _config_folder(hf_config) -> Path | None:
+    """The folder an ``--hf-config`` was read from (None for a dict or nothing)."""
+    if hf_config is None or isinstance(hf_config, dict):
+        return None
+    path = Path(hf_config)
+    return path if path.is_dir() else path.parent
 
 
 def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dict[str, Stored],
