@@ -326,6 +326,29 @@ def test_a_flipped_byte_in_a_legacy_rank_file_is_refused(written, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
+def test_a_checkpoint_with_a_manifest_is_read_whole_once(written, tmp_path, capsys, monkeypatch, fmt):
+    """The manifest's check reads every byte of the files it lists, so the records' CRC-32s in them are not
+    checked a second time (they are with --no-verify, or without a manifest); a flipped tensor byte is
+    refused either way, naming the file."""
+    from megatron_patch.convert import checkpoint
+
+    checked = []
+    real = checkpoint.check_crc
+    monkeypatch.setattr(checkpoint, "check_crc", lambda *a: checked.append(a[0]) or real(*a))
+    monkeypatch.setattr(zipfmt, "SMALL_RECORD", 0)   # every record's CRC-32 is left to the copier's workers
+    export = ["convert", "mcore2hf", "--load-dir", str(written[fmt]), "--quiet", "--save-dir"]
+    assert main(export + [str(tmp_path / "verified")]) == 0 and not checked
+    assert main(export + [str(tmp_path / "unverified"), "--no-verify"]) == 0 and checked
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(written[fmt], ckpt)
+    path = max((p for p in (ckpt / "release").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    _flip(path, path.stat().st_size // 2)
+    _one_line_exit_2(capsys, ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "out"),
+                              "--quiet"], str(path))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_flipped_byte_in_a_distcp_chunk_is_refused(written, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(written["torch_dist"], ckpt)

@@ -40,7 +40,7 @@ MANIFEST_VERSION = 1
 DIGEST = "xxh3_128"
 # A file is hashed through a read-only map of this many bytes at a time (populated up front: the pages
 # come from the page cache without a copy), so the process holds at most this much per thread.
-WINDOW = 64 * 2**20
+WINDOW = 16 * 2**20
 # Hashing threads: xxhash releases the GIL, and the files are usually in the page cache.
 HASH_THREADS = min(4, os.cpu_count() or 1)
 
@@ -198,6 +198,8 @@ class BackgroundCheck:
         import threading
 
         self.path = path
+        # The files whose every byte it checks (resolved): a reader needs no other check of them.
+        self.files = frozenset((path.parent / name).resolve() for name in read_manifest(path)["files"])
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="mpatch-verify", daemon=True)
         self.thread.start()

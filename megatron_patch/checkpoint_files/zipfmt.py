@@ -118,7 +118,7 @@ def plan_zip(records: list[tuple[str, bytes | int]], *, base: int = 0, force_zip
     return layout
 
 
-def crc_of_range(fd: int, offset: int, length: int, piece: int = 64 * 2**20) -> int:
+def crc_of_range(fd: int, offset: int, length: int, piece: int = 16 * 2**20) -> int:
     """CRC-32 of ``length`` bytes of ``fd`` from ``offset``, read through read-only mappings of the page
     cache (no copy into this process), ``piece`` bytes at a time."""
     crc, end = 0, offset + length

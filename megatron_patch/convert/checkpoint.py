@@ -448,7 +448,9 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
         tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
-        tasks = source.integrity_tasks() + tasks  # the stored CRC-32s, checked beside the copies that read them
+        # The stored CRC-32s, checked beside the copies that read them; a file the manifest check reads whole
+        # (every file of a checkpoint written here) is checked by its digest instead.
+        tasks = crc_tasks(source.crc_checks(), skip=check.files if check is not None else ()) + tasks
         bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
         copier.progress = bar
         try:
@@ -628,8 +630,8 @@ class _LegacySource:
     def load_shards(self, t: Transfer) -> list:
         return [lazy.load(ref) for lazy, ref in (self._find(t, i) for i in range(t.num_shards))]
 
-    def integrity_tasks(self) -> list:
-        return crc_tasks(self.checks)
+    def crc_checks(self) -> dict:
+        return self.checks
 
     def close(self) -> None:
         pass
@@ -698,9 +700,9 @@ class _TorchDistSource:
                 full[ch.region()].shape)
         return [full]
 
-    def integrity_tasks(self) -> list:
+    def crc_checks(self) -> dict:
         """The CRC-32 of every stored record read that opening it did not check (large tensor records)."""
-        return crc_tasks(self.reader.integrity)
+        return self.reader.integrity
 
     def check_all_read(self) -> None:
         # Every stored chunk of every key lies in some block read (same blocks as written), so it is
@@ -714,8 +716,9 @@ class _TorchDistSource:
         self.reader.close()
 
 
-def crc_tasks(checks: dict) -> list:
-    """Copier tasks that check the CRC-32 of each (path, offset, length) -> (crc, what) while the copies run."""
+def crc_tasks(checks: dict, skip=()) -> list:
+    """Copier tasks that check the CRC-32 of each (path, offset, length) -> (crc, what) while the copies run,
+    but in the files of ``skip`` (resolved paths)."""
     def check(_copier, path=None, offset=0, length=0, crc=0, what=""):
         try:
             check_crc(path, offset, length, crc, what)
@@ -723,5 +726,6 @@ def crc_tasks(checks: dict) -> list:
             raise UserError(f"{path}: {exc}: the file is corrupt (a flipped byte or a damaged disk)")
         return 0
 
+    skip = set(skip)
     return [CallTask(functools.partial(check, path=p, offset=o, length=n, crc=c, what=w), writes=(), reads=(p, o))
-            for (p, o, n), (c, w) in checks.items()]
+            for (p, o, n), (c, w) in checks.items() if Path(p).resolve() not in skip]
