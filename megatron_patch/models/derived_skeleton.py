@@ -32,7 +32,7 @@ configs the rules branch on.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_patch.checkpoint_files.torch_files import torch_save_bytes
@@ -70,6 +70,8 @@ class _Config:
     """The TransformerConfig values that shape the parameters (names as megatron-core's)."""
 
     hidden_size: int
+    padded_vocab_size: int
+    share_embeddings_and_output_weights: bool
     num_attention_heads: int
     num_query_groups: int
     kv_channels: int
@@ -107,7 +109,8 @@ def _config(arch: Arch) -> _Config:
     if arch.linear_bias and (arch.is_moe or mla):
         raise NotDerivable("linear biases in an MoE or multi-latent-attention model")
     return _Config(
-        hidden_size=arch.hidden_size, num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
+        hidden_size=arch.hidden_size, padded_vocab_size=arch.padded_vocab_size(),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings, num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
         kv_channels=extra.get("kv_channels", arch.head_dim), ffn_hidden_size=arch.ffn_hidden_size,
         add_bias_linear=arch.linear_bias, add_qkv_bias=arch.qkv_bias, qk_layernorm=bool(extra.get("qk_layernorm")),
         multi_latent_attention=mla, q_lora_rank=extra.get("q_lora_rank"), kv_lora_rank=extra.get("kv_lora_rank", 0),
@@ -199,6 +202,11 @@ _MOE_AFTER_EXPERTS = [
     _Param("mlp.shared_experts.gate_weight", lambda c: (1, c.hidden_size),
            lambda c: c.shared_expert_size > 0 and c.shared_expert_gate),
 ]
+_EMBEDDING = [_Param("embedding.word_embeddings.weight", lambda c: (c.padded_vocab_size, c.hidden_size))]
+_FINAL_NORM = [_Param("decoder.final_layernorm.weight", lambda c: (c.hidden_size,))]
+# Tied, a single stage's output layer is the embedding itself.
+_OUTPUT = [_Param("output_layer.weight", lambda c: (c.padded_vocab_size, c.hidden_size),
+                  lambda c: not c.share_embeddings_and_output_weights)]
 _MTP_BEFORE_LAYER = [
     _Param("enorm.weight", lambda c: (c.hidden_size,)),
     _Param("hnorm.weight", lambda c: (c.hidden_size,)),
@@ -213,10 +221,10 @@ class _Builder:
     """Collects a model's parameters, chunks and objects in megatron-core's order."""
 
     config: _Config
-    shapes: dict
-    chunks: list
-    objects: list
-    buffers: set
+    shapes: dict = field(default_factory=dict)
+    chunks: list = field(default_factory=list)
+    objects: list = field(default_factory=list)
+    buffers: set = field(default_factory=set)
 
     def add(self, p: _Param, name: str, key: str, axes: tuple[tuple[int, int], ...]) -> None:
         """Parameter ``p`` as ``name``, stored under torch_dist ``key`` with the prepended ``axes``
@@ -236,7 +244,7 @@ class _Builder:
             offset, size = (".".join(map(str, offsets)), ".".join(map(str, sizes))) if axes else ("0", "1")
             self.objects.append(ObjectEntry(f"{module}._extra_state/shard_{offset}_{size}", _EMPTY_EXTRA_STATE))
 
-    def params(self, group: list[_Param], prefix: str, key_prefix: str, axes) -> None:
+    def params(self, group: list[_Param], prefix: str = "", key_prefix: str = "", axes=()) -> None:
         for p in group:
             if p.built(self.config):
                 self.add(p, prefix + p.name, key_prefix + p.name, axes)
@@ -262,28 +270,22 @@ _EMPTY_EXTRA_STATE = torch_save_bytes([None])   # what megatron-core stores for 
 
 def derive_skeleton(arch: Arch) -> ModelSkeleton:
     """``arch``'s skeleton by the rules above; ``NotDerivable`` (saying why) where they do not describe it."""
-    c = _config(arch)
-    b = _Builder(c, {}, [], [], set())
-    hidden = lambda c: (c.hidden_size,)  # noqa: E731
-    vocab = lambda c: (arch.padded_vocab_size(), c.hidden_size)  # noqa: E731
-    b.add(_Param("embedding.word_embeddings.weight", vocab), "embedding.word_embeddings.weight",
-          "embedding.word_embeddings.weight", ())
+    b = _Builder(_config(arch))
+    b.params(_EMBEDDING)
     layers = arch.num_layers
     # megatron-core stacks the layers on one axis only if every layer is built alike (moe_layer_freq an int)
     stacked = not (arch.is_moe and arch.dense_layers)
     for i in range(layers):
         prefix = f"decoder.layers.{i}."
         b.layer(prefix, "decoder.layers." if stacked else prefix, ((i, layers),) if stacked else (), arch.is_moe_layer(i))
-    b.add(_Param("decoder.final_layernorm.weight", hidden), "decoder.final_layernorm.weight",
-          "decoder.final_layernorm.weight", ())
+    b.params(_FINAL_NORM)
     for k in range(arch.mtp_layers):
         # megatron-core builds an MTP layer with the last decoder layer's spec, one key per layer
         prefix = f"mtp.layers.{k}."
-        b.params(_MTP_BEFORE_LAYER, prefix, prefix, ())
+        b.params(_MTP_BEFORE_LAYER, prefix, prefix)
         b.layer(prefix + "transformer_layer.", prefix + "transformer_layer.", (), arch.is_moe_layer(layers - 1))
-        b.params(_MTP_AFTER_LAYER, prefix, prefix, ())
-    if not arch.tie_word_embeddings:  # tied, a single stage's output layer is the embedding itself
-        b.add(_Param("output_layer.weight", vocab), "output_layer.weight", "output_layer.weight", ())
+        b.params(_MTP_AFTER_LAYER, prefix, prefix)
+    b.params(_OUTPUT)
     transfers = plan_transfers(get_family(arch.family).weight_rules(arch), arch, ParallelLayout())
     table = {t.placements[0].mcore_name for t in transfers}
     if table != set(b.shapes):
