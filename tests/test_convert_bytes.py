@@ -8,6 +8,7 @@ path through memory, bit for bit.
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -289,6 +290,27 @@ def test_output_does_not_depend_on_the_number_of_workers(hf_dir, tmp_path, worke
     many = _convert_both_ways(hf_dir, tmp_path / "many", "torch_dist", lambda: Copier(workers, band_bytes=4096),
                               layout=ParallelLayout(tp=4))
     assert one[0] == many[0] and one[1] == many[1]
+
+
+def test_manifest_digests_of_the_data_files_are_taken_beside_the_copies(hf_dir, tmp_path, monkeypatch):
+    """The converters' data files (rank files, .distcp, safetensors) are hashed by the copier's workers as
+    soon as each is complete, CRC-32s sealed, not in a pass after the copies; the manifests check out."""
+    from megatron_patch.checkpoint_files import manifest
+    from megatron_patch.convert.copier import Copier
+
+    late = []   # what the manifests' writer hashes itself (a check of the input hashes without syncing)
+    real = manifest.digests
+    monkeypatch.setattr(manifest, "digests", lambda folder, names, sync=True: (late.extend(names) if sync else None)
+                        or real(folder, names, sync=sync))
+    for fmt in ("legacy", "torch_dist"):
+        late.clear()
+        out = tmp_path / fmt
+        _convert_both_ways(hf_dir, out, fmt, lambda: Copier(2))
+        assert late and not [n for n in late if n.endswith(("model_optim_rng.pt", ".distcp", ".safetensors"))], late
+        for folder in (out / "mcore", out / "hf"):
+            data = json.loads((folder / manifest.MANIFEST_NAME).read_text())["files"]
+            assert any(n.endswith((".pt", ".distcp", ".safetensors")) for n in data)
+            assert manifest.verify_manifest(folder / manifest.MANIFEST_NAME) == sum(e["size"] for e in data.values())
 
 
 def test_schedule_gives_each_file_one_writer_and_starts_a_task_after_the_bytes_it_waits_for():

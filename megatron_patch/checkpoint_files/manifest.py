@@ -103,12 +103,14 @@ def digests(folder: str | Path, names: Iterable[str], *, sync: bool = True) -> d
 
 
 def write_manifest(folder: str | Path, tool: str, *, name: str = MANIFEST_NAME, files: dict[str, dict] | None = None,
-                   sync: bool = True) -> Path:
+                   sync: bool = True, known: dict[str, dict] | None = None) -> Path:
     """Write ``folder``'s manifest (``name``) listing every file under it (or ``files``, already hashed, e.g.
-    by several ranks), named as written by ``tool``. Call it last, before the folder is published."""
+    by several ranks), named as written by ``tool``. Call it last, before the folder is published. ``known``:
+    entries of files hashed already, once complete (a converter's large files, hashed beside its copies)."""
     folder = Path(folder)
     if files is None:
-        files = digests(folder, _files(folder, name), sync=sync)
+        known = known or {}
+        files = {**known, **digests(folder, [n for n in _files(folder, name) if n not in known], sync=sync)}
     # No time stamp: converting the same input twice gives the same bytes, manifest included.
     data = {"manifest_version": MANIFEST_VERSION, "tool": tool, "versions": _tool_versions(), "digest": DIGEST,
             "files": dict(sorted(files.items()))}

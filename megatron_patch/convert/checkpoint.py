@@ -30,11 +30,12 @@ from collections import defaultdict
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
-from megatron_patch.checkpoint_files.manifest import BackgroundCheck, manifest_for
+from megatron_patch.checkpoint_files.manifest import DIGEST, BackgroundCheck, digest_file, manifest_for
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
 from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
-from megatron_patch.convert.copier import CallTask, CompareTask, Copier
+from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
+from megatron_patch.convert.schedule import WHOLE_FILE
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
@@ -173,7 +174,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
     copier = _make_copier(copier, workers, None)
-    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=(hf_dir,)) as tmp:
+    digested: dict = {}
+    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=(hf_dir,), digested=digested) as tmp:
         release = tmp / RELEASE
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
@@ -181,7 +183,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             out_tasks, count, total, finish = _plan_legacy(release, arch, layout, transfers, reader, out_dtype, copier)
         else:
             out_tasks, count, total, finish = _plan_torch_dist(release, arch, transfers, reader, out_dtype, skeleton, copier)
-        tasks += out_tasks
+        tasks += out_tasks + _digest_tasks(tmp, out_tasks, digested)
         bar = Progress(f"hf2mcore {fmt} {layout}", total, count, progress)
         copier.progress = bar
         try:
@@ -370,8 +372,31 @@ def _seal_tasks(archives: list[tuple[Path, ZipLayout]]) -> list:
         for name in layout.unsealed:
             offset, length = layout.records[name]
             tasks.append(CallTask(functools.partial(run, path=str(path), layout=layout, name=name), writes=(),
-                                  reads=(str(path), offset), after=((str(path), offset, offset + length),)))
+                                  reads=(str(path), offset), after=((str(path), offset, offset + length),),
+                                  patches=tuple((str(path), at, at + 4) for at in layout.unsealed[name])))
     return tasks
+
+
+def _digest_tasks(folder: Path, tasks: list, digested: dict) -> list:
+    """The manifest's digest of each file the ``tasks`` write, taken by a copier worker as soon as every task
+    writing in that file is done (beside the copies into the other files), into ``digested``."""
+    paths = set()
+    for t in tasks:
+        if isinstance(t, CopyTask):
+            paths.add(t.dst)
+        elif isinstance(t, GatherTask):
+            paths.update(m.dst.path for m in t.moves)
+        elif isinstance(t, CallTask):  # one whose writes are not known is waited for, its files hashed later
+            paths.update(t.writes or ())
+            paths.update(p for p, _, _ in t.patches)
+
+    def run(_copier, path: str) -> int:
+        size, digest = digest_file(path)
+        digested[Path(path).relative_to(folder).as_posix()] = {"size": size, DIGEST: digest}
+        return 0
+
+    return [CallTask(functools.partial(run, path=p), writes=(), reads=(p, 0), after=((p, 0, WHOLE_FILE),))
+            for p in sorted(paths)]
 
 
 # --- MCore -> HF -------------------------------------------------------------------------------
@@ -444,10 +469,12 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
     copier = _make_copier(copier, workers, None)
     total = sum(nbytes(s, d) for _, s, d in entries)
-    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf", inputs=inputs) as tmp:
+    digested: dict = {}
+    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf", inputs=inputs, digested=digested) as tmp:
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
         tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
+        tasks += _digest_tasks(tmp, tasks, digested)
         # The stored CRC-32s, checked beside the copies that read them; a file the manifest check reads whole
         # (every file of a checkpoint written here) is checked by its digest instead.
         tasks = crc_tasks(source.crc_checks(), skip=check.files if check is not None else ()) + tasks

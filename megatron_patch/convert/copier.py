@@ -85,6 +85,7 @@ class CallTask:
     writes: tuple[str, ...] | None = None       # the files it writes (None: any)
     reads: tuple[str, int] | None = None        # where it reads first (its place in the read order)
     after: tuple[tuple[str, int, int], ...] = ()   # (path, start, stop): written by the others first
+    patches: tuple[tuple[str, int, int], ...] = ()  # (path, start, stop) it writes beside a file's writer
 
 
 @dataclass
@@ -585,7 +586,7 @@ def _work_of(task) -> Work:
     if isinstance(task, CallTask):
         if task.writes is None:
             return Work(ranges=((ANY_FILE, 0, WHOLE_FILE),), after=task.after)
-        return Work(frozenset(task.writes), tuple((p, 0, WHOLE_FILE) for p in task.writes), task.after)
+        return Work(frozenset(task.writes), tuple((p, 0, WHOLE_FILE) for p in task.writes) + task.patches, task.after)
     return Work()
 
 

@@ -117,11 +117,12 @@ def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: s
 
 @contextlib.contextmanager
 def atomic_output_dir(target: str | Path, force: bool, *, tool: str, inputs: tuple = (),
-                      what: str = "--save-dir") -> Iterator[Path]:
+                      what: str = "--save-dir", digested: dict | None = None) -> Iterator[Path]:
     """Yield a temporary folder that becomes ``target`` when the block finishes without error; ``target``'s lock
     is held throughout, and what makes it free (``check_target``) is decided under it. The manifest
-    (naming ``tool``) is written last, before the folder is published."""
+    (naming ``tool``) is written last, before the folder is published; ``digested``: the manifest entries
+    of files the block hashed itself once they were complete (filled in by the block)."""
     with atomic_dir(target, replace=force, what=what,
                     check=lambda t: check_target(t, force, inputs=inputs, what=what)) as tmp:
         yield tmp
-        write_manifest(tmp, tool)
+        write_manifest(tmp, tool, known=digested)
