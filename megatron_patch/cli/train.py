@@ -167,6 +167,9 @@ def run(args) -> int:
     from megatron_patch.training.checkpointing import latest_iteration
 
     latest_iteration(cfg.checkpoint_dir)
+    from megatron_patch.training.lora_run import check_resume_base
+
+    check_resume_base(cfg)
     for k, v in needed.items():
         if os.environ.get(k, v) != v:
             print(f"note: {k}={os.environ[k]} replaced by {v} (needed for TP/CP communication overlap)", flush=True)

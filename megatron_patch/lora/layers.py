@@ -33,30 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_patch.errors import UserError
-from megatron_patch.lora.plan import Site
+from megatron_patch.lora.plan import COLUMN, ROW, WHOLE, Site, site_split, split_mode
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.models.mapping import SplitContext, split_context
 from megatron_patch.models.mapping.naming import te_to_local_name
-from megatron_patch.models.mapping.splits import Column, GateUp, GroupedQKV, Replicated, Row
-
-COLUMN, ROW, WHOLE = "column", "row", "whole"
-
-
-def site_split(site: Site, spec_name: str):
-    """The split of the layer of ``site`` in the ``spec_name`` ("te" / "local") layer spec."""
-    return site.rule.local_split if spec_name == "local" and site.rule.local_split is not None else site.rule.split
-
-
-def split_mode(split) -> str:
-    """How a layer whose weight is cut by ``split`` is parallel."""
-    if isinstance(split, (Column, GroupedQKV, GateUp)):
-        return COLUMN
-    if isinstance(split, Row):
-        return ROW
-    if isinstance(split, Replicated):
-        return WHOLE
-    raise UserError(f"LoRA does not know how a layer split as {split} is parallel")
-
 
 class _SumGradOver(torch.autograd.Function):
     """Identity forward; the gradient summed over ``group`` (a factor replicated over ranks that each
@@ -92,6 +72,7 @@ class SiteAdapters(nn.Module):
                  dtype: torch.dtype, device, *, expert: bool, sequence_parallel: bool):
         super().__init__()
         mode = split_mode(split)
+        self.group_rank = shard  # this rank's place in the TP (expert-TP) group, whatever the mode
         if mode == WHOLE:
             shard, shards = 0, 1
         self.site, self.split, self.mode, self.shard, self.shards, self.expert = site, split, mode, shard, shards, expert

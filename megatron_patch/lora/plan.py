@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.mapping import Rule, Scope
+from megatron_patch.models.mapping.splits import Column, GateUp, GroupedQKV, Replicated, Row
 from megatron_patch.models.registry import get_family
 from megatron_patch.lora.spec import LoraSpec
 
@@ -108,6 +109,25 @@ class Site:
                 k = a.parts.index(part)
                 return i, sum(a.rows[:k])
         return None
+
+
+COLUMN, ROW, WHOLE = "column", "row", "whole"
+
+
+def site_split(site: Site, spec_name: str):
+    """The split of the layer of ``site`` in the ``spec_name`` ("te" / "local") layer spec."""
+    return site.rule.local_split if spec_name == "local" and site.rule.local_split is not None else site.rule.split
+
+
+def split_mode(split) -> str:
+    """How a layer whose weight is cut by ``split`` is parallel."""
+    if isinstance(split, (Column, GroupedQKV, GateUp)):
+        return COLUMN
+    if isinstance(split, Row):
+        return ROW
+    if isinstance(split, Replicated):
+        return WHOLE
+    raise UserError(f"LoRA does not know how a layer split as {split} is parallel")
 
 
 def lora_rules(arch: Arch) -> list[Rule]:
@@ -236,3 +256,32 @@ def check_experts_uniform(sites: list[Site]) -> None:
     for name, rs in ranks.items():
         if len(rs) != 1:
             raise UserError(f"the experts of {name} have adapters of different ranks {sorted(rs)}: peft keeps one rank")
+
+
+def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_stage: int = 0,
+                        pp_first_stage_layers: int | None = None, spec_name: str = "local") -> list:
+    """The adapter parameters of model chunk ``vp_stage`` of pipeline rank ``pp_rank`` (TP, EP and expert-TP
+    rank 0) as ``models.shape.RankParam``s, in the order the chunk's ``LoraAdapters`` holds them (A's, then
+    B's, site by site): what the memory plan lays into the DDP buffers."""
+    from megatron_patch.models.shape import RankParam, chunk_layers
+
+    layers = set(chunk_layers(arch, layout, pp_rank, vp_stage, pp_first_stage_layers))
+    per_rank = arch.num_experts // layout.ep if arch.is_moe else 0
+    out = []
+    for i, s in enumerate(sites):
+        if s.layer not in layers or (s.expert is not None and s.expert >= per_rank):
+            continue
+        expert = s.expert is not None
+        mode = split_mode(site_split(s, spec_name))
+        n = (layout.expert_tp if expert else layout.tp) if mode in (COLUMN, ROW) else 1
+        for k, a in enumerate(s.adapters):
+            out.append(RankParam(f"lora.sites.{i}.A.{k}", a.rank * (a.in_features // n if mode == ROW else a.in_features),
+                                 expert))
+        j = 0
+        for part, rows in enumerate(s.part_rows):
+            cover = s.covering(part)
+            if cover is not None:
+                a = s.adapters[cover[0]]
+                out.append(RankParam(f"lora.sites.{i}.B.{j}", a.rank * (rows // n if mode == COLUMN else rows), expert))
+                j += 1
+    return out

@@ -58,3 +58,37 @@ def saved_mcore_names(arch: Arch, modules: tuple[str, ...]) -> set[str]:
         m = re.search(r"\.layers\.(\d+)\.", hf_name)
         out.add(rule.mcore.replace("{layer}", m.group(1)) if m else rule.mcore)
     return out
+
+
+def load_saved(chunks: list, arch: Arch, layout, saved: dict) -> None:
+    """Put modules_to_save tensors (HF names, whole) into this rank's model chunk: each cut by its rule's split
+    for this rank's place, as the converter cuts it."""
+    if not saved:
+        return
+    import torch
+
+    from megatron_patch.convert.model_io import current_coord
+    from megatron_patch.models.builder import model_spec_name
+    from megatron_patch.models.mapping import plan_transfers, split_context
+    from megatron_patch.models.mapping.naming import te_to_local_name
+
+    if len(chunks) > 1:
+        raise UserError("an adapter with modules_to_save cannot start under MP_VP yet: train it without MP_VP")
+    chunk = chunks[0]
+    spec_name = model_spec_name(chunk)
+    rules = list({id(r): r for r in saved_rules(arch, tuple(_modules_of(saved))).values()}.values())
+    coord, ctx = current_coord(), split_context(arch)
+    params = dict(chunk.named_parameters())
+    with torch.no_grad():
+        for t in plan_transfers(rules, arch, layout, spec=spec_name):
+            if not all(n in saved for n in t.hf_names):
+                continue
+            shards = t.split.shards([saved[n] for n in t.hf_names], t.num_shards, ctx)
+            for p in t.placements:
+                if coord.holds(t, p):
+                    name = te_to_local_name(p.mcore_name) if spec_name == "local" else p.mcore_name
+                    params[name].copy_(shards[p.shard])
+
+
+def _modules_of(saved: dict) -> set[str]:
+    return {n.rpartition(".")[0] for n in saved}

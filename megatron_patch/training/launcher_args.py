@@ -90,6 +90,12 @@ EXTRAS = {
                        "resumes from the latest complete checkpoint (default 0)",
     "MP_DIST_TIMEOUT_MIN": "minutes a collective may wait for the other ranks before the job fails naming the "
                            "rank that stopped answering (default 10)",
+    "MP_LORA_RANK": "R: train LoRA adapters of rank R on the frozen PRETRAIN_CHECKPOINT_PATH (unset or 0: full "
+                    "fine-tuning; docs/lora.md)",
+    "MP_LORA_ALPHA": "LoRA alpha: the adapters' output is scaled by alpha/R (default R)",
+    "MP_LORA_DROPOUT": "dropout on the adapters' input (default 0)",
+    "MP_LORA_TARGETS": "comma list out of qkv,proj,fc1,fc2,experts,shared_experts (default qkv,proj,fc1,fc2)",
+    "MP_LORA_INIT": "a peft adapter folder to start the adapters from (its config decides rank, alpha, targets)",
     "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; 1 on a dlc node without GPUs)",
 }
 

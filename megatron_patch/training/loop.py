@@ -31,6 +31,7 @@ from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import checkpointing, data, faults, packing
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
+from megatron_patch.training.lora_run import describe_trainable, setup_lora
 from megatron_patch.training.machine_checks import attention_kernel
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
@@ -234,7 +235,10 @@ class Trainer:
         move_to_device(chunks, device)
         cast_parameters(chunks, cfg.precision.dtype)
         self.resume_iteration = self._latest()
-        if self.resume_iteration is None and cfg.pretrain_checkpoint:
+        if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
+            setup_lora(cfg, chunks, self.resume_iteration is not None, self._log)
+            self._log(describe_trainable(chunks))
+        elif self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(**self.settings["ddp"])

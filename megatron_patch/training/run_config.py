@@ -134,6 +134,10 @@ class RunConfig:
     hf_config: dict = field(default_factory=dict, repr=False)
     # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
     vocab_padded_to: int | None = None
+    # LoRA (MP_LORA_*): the adapters' spec (lora.spec.LoraSpec as a dict; None: full fine-tuning) and the
+    # peft folder they start from (MP_LORA_INIT).
+    lora: dict | None = None
+    lora_init: str | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
