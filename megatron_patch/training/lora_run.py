@@ -195,3 +195,52 @@ def describe_trainable(chunks: list) -> str:
     frozen = sum(p.numel() for c in chunks for p in c.parameters() if not p.requires_grad)
     return (f"parameters on rank 0: {trainable:,} trainable, {frozen:,} frozen "
             f"({100 * trainable / max(trainable + frozen, 1):.2f}% trainable)")
+
+
+def split_trainable(arch, cfg, chunks: list[list], pp_rank: int, spec_name: str) -> tuple[list[list], int]:
+    """For the memory plan: each model chunk's trainable parameters of a rank (modules_to_save weights, then
+    the adapters, as the chunk holds them) and the number of frozen elements."""
+    import re
+
+    from megatron_patch.lora.plan import plan_sites, rank_adapter_params
+    from megatron_patch.lora.saved import saved_mcore_names
+    from megatron_patch.models.shape import chunk_layers
+
+    spec = LoraSpec.from_dict(cfg.lora)
+    sites = plan_sites(arch, spec)
+    saved = saved_mcore_names(arch, spec.modules_to_save)
+    out, frozen = [], 0
+    for v, params in enumerate(chunks):
+        layers = list(chunk_layers(arch, cfg.layout, pp_rank, v, cfg.pp0_layers))
+
+        def global_name(name: str) -> str:
+            m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+            return f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}" if m else name
+
+        trainable = [p for p in params if global_name(p.name) in saved]
+        frozen += sum(p.numel for p in params) - sum(p.numel for p in trainable)
+        out.append(trainable + rank_adapter_params(sites, arch, cfg.layout, pp_rank, v, cfg.pp0_layers, spec_name))
+    return out, frozen
+
+
+def layer_adapters(arch, cfg, spec_name: str) -> tuple:
+    """For the memory plan's activations: the adapted linears of one layer (the first MoE layer of an MoE model,
+    the layer the plan's formula stands for) on rank 0, as ``memory_plan.Shape.lora`` describes them."""
+    from megatron_patch.lora.plan import COLUMN, ROW, plan_sites, site_split, split_mode
+
+    spec = LoraSpec.from_dict(cfg.lora)
+    layer = next((i for i in range(arch.num_layers) if arch.is_moe_layer(i)), 0)
+    per_rank = arch.num_experts // cfg.ep if arch.is_moe else 0
+    out = []
+    for s in plan_sites(arch, spec):
+        if s.layer != layer or (s.expert is not None and s.expert >= per_rank):
+            continue
+        mode = split_mode(site_split(s, spec_name))
+        n = (cfg.layout.expert_tp if s.expert is not None else cfg.tp) if mode in (COLUMN, ROW) else 1
+        width = s.in_features // n if mode == ROW else s.in_features
+        rows = sum(s.part_rows) // n if mode == COLUMN else sum(s.part_rows)
+        # routed experts see their share of the top-k tokens; everything else every token
+        fan = arch.moe_topk / arch.num_experts if s.expert is not None else 1
+        out.append((s.target if s.expert is None else f"experts{s.expert}", mode, width,
+                    sum(a.rank for a in s.adapters), rows, len(s.adapters), fan))
+    return tuple(out)

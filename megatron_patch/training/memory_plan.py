@@ -127,6 +127,9 @@ class Shape:
     sp: bool
     d: int  # activation bytes (2 for bf16/fp16, 4 for fp32)
     qk_norm: bool = False  # per-head norms of queries and keys (Qwen3)
+    # LoRA (None: full fine-tuning): a layer's adapted linears as (target, mode, input width on this rank,
+    # the adapters' total rank, output rows on this rank, adapters, tokens per sequence position it sees)
+    lora: tuple | None = None
 
     @property
     def s_sp(self) -> int:
@@ -152,6 +155,12 @@ def layer_activations(sh: Shape, ac: str, spec: str) -> int:
         swiglu = 4 * s * b * f // tp * d  # fc1 output (both halves), silu output, the gated half
         # q/k norms as the input norms above: fp32 input, normalised values and 1/rms per head
         qk_norms = (2 * s * b * (a + kvw) // tp * 4 + s * b * (a + kvw) // hn // tp * 4) if sh.qk_norm else 0
+        if sh.lora is not None:
+            # a frozen base: norms keep no normalised values for their weight's gradient, linear layers no
+            # input (megatron-core's frozen-weight path); the adapters keep theirs (lora_activations)
+            norms = 2 * (ssp * b * h * 4 + ssp * b * 4)
+            qk_norms -= s * b * (a + kvw) // tp * 4 if sh.qk_norm else 0
+            linear_inputs = lora_activations(sh)
         return norms + linear_inputs + rope + attention + swiglu + qk_norms
     # transformer-engine: norm fused into the next linear (its input, the normalised output, 1/rms),
     # fused attention keeps q, k, v, the output and fp32 softmax statistics, fused SwiGLU keeps its input
@@ -159,16 +168,34 @@ def layer_activations(sh: Shape, ac: str, spec: str) -> int:
     attention = s * b * (a + 2 * kvw) // tp * d + s * b * a // tp * d + b * np_ * s * 4
     mlp = 2 * s * b * f // tp * d + s * b * f // tp * d
     qk_norms = (s * b * (a + kvw) // tp * d + s * b * (a + kvw) // hn // tp * 4) if sh.qk_norm else 0
-    return norm_linear + attention + mlp + qk_norms
+    # LoRA: the adapters' tensors on top (transformer-engine's savings from a frozen base are not counted)
+    extra = lora_activations(sh, inputs=False) if sh.lora is not None else 0
+    return norm_linear + attention + mlp + qk_norms + extra
+
+
+def lora_activations(sh: Shape, inputs: bool = True) -> int:
+    """What a layer's adapters keep for backward: each adapted linear's input (once per distinct input; under SP
+    the column-parallel adapters gather it over the sequence), the low-rank product z, and the combined A and
+    the fused B they multiply by."""
+    s, b, d = sh.s, sh.b, sh.d
+    out, seen = 0, set()
+    for target, mode, width, rank, rows, adapters, fan in sh.lora:
+        tokens = s * b * fan
+        if inputs and (target, width) not in seen:
+            seen.add((target, width))
+            out += tokens * width * d
+        out += tokens * rank * d + rows * rank * d + (rank * width * d if adapters > 1 else 0)
+    return round(out)
 
 
 def head_activations(sh: Shape, first: bool, last: bool, spec: str) -> int:
     """Embedding and loss: token ids; final norm, output layer input, fp32 softmax of the logits."""
-    out = sh.b * sh.s * 8 if first else 0
+    frozen = sh.lora is not None and spec == "local"  # a frozen embedding keeps no ids, its final norm no x-hat
+    out = sh.b * sh.s * 8 if first and not frozen else 0
     if last:
         ssp = sh.s_sp
         norm = 2 * ssp * sh.b * sh.h * 4 + ssp * sh.b * 4 if spec == "local" else 2 * ssp * sh.b * sh.h * sh.d + ssp * sh.b * 4
-        out += norm + ssp * sh.b * sh.h * sh.d + sh.s * sh.b * sh.vocab // sh.tp * 4 + sh.s * sh.b + sh.s * sh.b * 8
+        out += norm - (ssp * sh.b * sh.h * 4 if frozen else 0) + ssp * sh.b * sh.h * sh.d + sh.s * sh.b * sh.vocab // sh.tp * 4 + sh.s * sh.b + sh.s * sh.b * 8
     return out
 
 
@@ -192,6 +219,8 @@ class StageMemory:
     in_flight: int = 0
     transient: int = 0
     optimizer_elements: int = 0
+    trainable: int = 0  # parameters this rank trains (elements; LoRA: adapters) and holds frozen
+    frozen: int = 0
     chunks: list = field(default_factory=list, repr=False)  # (nbytes, state elements) per chunk, device first
 
     @property
@@ -237,7 +266,8 @@ class MemoryPlan:
         out = [f"memory plan per rank ({self.spec} layers; device memory {human_bytes(self.capacity)}, "
                f"{self.capacity_source}):"]
         for st in self.stages:
-            out.append(f"  stage {st.pp_rank} ({st.layers} layers): params {human_bytes(st.params)}, grads "
+            frozen = f" ({st.trainable:,} trainable, {st.frozen:,} frozen)" if st.frozen else ""
+            out.append(f"  stage {st.pp_rank} ({st.layers} layers): params {human_bytes(st.params)}{frozen}, grads "
                        f"{human_bytes(st.grads)}, optimizer state {human_bytes(st.optimizer_device)} on the device + "
                        f"{human_bytes(st.optimizer_host)} on the host, activations {human_bytes(st.activations)} "
                        f"({st.in_flight} micro-batch(es) x {human_bytes(st.per_microbatch)}), transient "
@@ -291,10 +321,15 @@ def _shape(arch, cfg) -> Shape:
         f = arch.ffn_hidden_size
     d = cfg.precision.itemsize
     qk_norm = any("self_attention.q_layernorm." in n for layer in model_shape(arch).layers.values() for n in layer)
+    lora = None
+    if cfg.lora is not None:
+        from megatron_patch.training.lora_run import layer_adapters
+
+        lora = layer_adapters(arch, cfg, _spec(cfg))
     return Shape(s=cfg.sample_length // cfg.cp, b=cfg.micro_batch_size, h=arch.hidden_size,
                  a=arch.num_heads * arch.head_dim, kvw=arch.num_kv_heads * arch.head_dim, hn=arch.head_dim,
                  heads=arch.num_heads, f=f, vocab=arch.padded_vocab_size(), tp=cfg.tp, sp=cfg.sequence_parallel, d=d,
-                 qk_norm=qk_norm)
+                 qk_norm=qk_norm, lora=lora)
 
 
 def in_flight(cfg, pp_rank: int) -> int:
@@ -318,6 +353,14 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
     bucket_size = max(40_000_000, 1_000_000 * dense_dp)
     chunks = [chunk_params(arch, cfg, pp_rank, v, spec) for v in range(vp)]
     st = StageMemory(pp_rank, sum(stage_layers(arch, cfg, pp_rank)))
+    if cfg.lora is not None:
+        # LoRA: the frozen base is held as it is, outside the DDP buffers (no gradient, no optimizer state)
+        from megatron_patch.training.lora_run import split_trainable
+
+        chunks, frozen = split_trainable(arch, cfg, chunks, pp_rank, spec)
+        st.params += frozen * param_bytes
+        st.frozen = frozen
+    st.trainable = sum(p.numel for params in chunks for p in params)
     dense_buffers, expert_buffers = [], []
     for v, params in enumerate(chunks):
         bucketed = bucket_size if (pp_rank == 0 and v == 0) else None
