@@ -312,9 +312,21 @@ def attach(chunks: list, arch, spec: LoraSpec, sites: list[Site], dtype: torch.d
         for entry in grouped.values():
             module = entry.pop("module")
             container._hooks.append(module.register_forward_hook(_grouped_hook(entry), with_kwargs=True))
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None:
+            container._hooks.append(embedding.register_forward_hook(_input_requires_grad))
         chunk.add_module("lora", container)
         containers.append(container)
     return containers
+
+
+def _input_requires_grad(module, args, output):
+    """The frozen embedding's output made to require a gradient: megatron-core's full recompute is an
+    autograd Function of the layer's input, and an input that needs no gradient would skip the backward
+    of every recomputed layer, adapters included (what transformers' enable_input_require_grads fixes)."""
+    if isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def _freeze(chunk, numbers: dict[int, int], trainable: set[str], spec_name: str) -> None:
