@@ -152,39 +152,28 @@ def setup_lora(cfg, chunks: list, resuming: bool, log) -> list:
     from megatron_patch.convert.loading import load_checkpoint_into_model
     from megatron_patch.lora.layers import attach
     from megatron_patch.lora.plan import plan_sites
-    from megatron_patch.lora.state import check_adapter_keys, load_adapters, read_adapter_tensors
+    from megatron_patch.lora.sources import add_adapters, open_adapters
 
     spec = LoraSpec.from_dict(cfg.lora)
     arch = cfg.arch
     base = cfg_base(cfg)
     load_checkpoint_into_model(chunks, base, cfg.layout, hf_config=cfg.hf_config)
-    sites = plan_sites(arch, spec)
-    containers = attach(chunks, arch, spec, sites, cfg.precision.dtype)
-    if resuming:
-        log(f"LoRA ({spec.describe()}): base weights from {base}; adapters from the checkpoint being resumed")
-        return containers
-    opened = open_checkpoint(cfg.pretrain_checkpoint)
-    if cfg.lora_init is not None:
-        from megatron_patch.lora.peft_io import read_peft_adapter
-        from megatron_patch.lora.saved import load_saved
-
-        _, tensors, saved = read_peft_adapter(cfg.lora_init, arch)
-        load_adapters(containers, tensors)
-        load_saved(chunks, arch, cfg.layout, saved)
-        source = f"the peft adapter {cfg.lora_init}"
-    elif opened.sidecar.lora:
-        if spec.modules_to_save:
-            raise UserError(f"{cfg.pretrain_checkpoint} carries modules_to_save weights beside its adapters: continue "
-                            "from its peft export (mpatch convert mcore2hf --lora-adapter) with MP_LORA_INIT")
-        tensors = read_adapter_tensors(opened.found.folder)
-        check_adapter_keys(sites, tensors, str(opened.found.folder))
-        load_adapters(containers, tensors)
-        source = f"the adapters of {cfg.pretrain_checkpoint}"
+    starting = None
+    if not resuming and cfg.lora_init is not None:
+        starting = open_adapters(cfg.lora_init, arch)
+    elif not resuming and open_checkpoint(cfg.pretrain_checkpoint).sidecar.lora:
+        starting = open_adapters(cfg.pretrain_checkpoint, arch)
+    if starting is not None:
+        starting.spec = spec  # MP_LORA_DROPOUT may differ; the rest was checked to agree
+        containers = add_adapters(chunks, arch, starting, cfg.layout, cfg.precision.dtype)
+        source = starting.source
     else:
-        for container in containers:
-            for sa in container.sites:
-                sa.init_fresh(cfg.seed)
-        source = "peft's initialisation (A kaiming-uniform, B zero)"
+        containers = attach(chunks, arch, spec, plan_sites(arch, spec), cfg.precision.dtype)
+        if not resuming:
+            for container in containers:
+                for sa in container.sites:
+                    sa.init_fresh(cfg.seed)
+        source = "the checkpoint being resumed" if resuming else "peft's initialisation (A kaiming-uniform, B zero)"
     log(f"LoRA ({spec.describe()}): base weights from {base}, frozen; adapters from {source}")
     return containers
 
