@@ -167,9 +167,9 @@ def run(args) -> int:
     from megatron_patch.training.checkpointing import latest_iteration
 
     latest_iteration(cfg.checkpoint_dir)
-    from megatron_patch.training.lora_run import check_resume_base
+    from megatron_patch.training.lora_run import check_lora_launch
 
-    check_resume_base(cfg)
+    check_lora_launch(cfg)
     for k, v in needed.items():
         if os.environ.get(k, v) != v:
             print(f"note: {k}={os.environ[k]} replaced by {v} (needed for TP/CP communication overlap)", flush=True)

@@ -288,11 +288,35 @@ def _names(chosen: list[str], universe: set[str]) -> list[str]:
     return relative if picked == set(chosen) else list(chosen)
 
 
+def peft_reinterpreted(model_type: str | None) -> set[str]:
+    """Module names peft reads, on a model of ``model_type``, as the routed experts' stacked parameters (its
+    conversion of transformers-4 MoE adapters: on Mixtral, DeepSeek, Qwen3-MoE and their kin, ``gate_proj``,
+    ``up_proj`` and ``down_proj`` anywhere mean the experts). peft's own table when peft is installed."""
+    try:
+        from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+    except ImportError:
+        return set()
+    return set(_MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type), {}))
+
+
+def check_peft_loads(sites: list[Site], arch: Arch) -> None:
+    """An adapter peft would load otherwise than it was trained is refused: peft reinterprets a dense or
+    shared-expert MLP's gate/up/down names on some MoE model types, so such adapters export merged only."""
+    leaves = peft_reinterpreted(arch.hf_config.get("model_type"))
+    bad = sorted({a.name for s in sites for a in s.adapters if a.expert is None and a.name.rsplit(".", 1)[1] in leaves})
+    if bad:
+        groups = ",".join(sorted({s.target for s in sites for a in s.adapters if a.name in bad}))
+        raise UserError(f"peft reads {bad[0].rsplit('.', 1)[1]} on {arch.hf_config.get('model_type')} models as the routed "
+                        f"experts, so it cannot load the adapter on {bad[0]} (targets {groups}): export it merged with "
+                        "--merge-lora, which is exact, or train those targets out (MP_LORA_TARGETS)")
+
+
 def write_peft_adapter(folder: str | Path, sites: list[Site], spec: LoraSpec, arch: Arch, tensors: dict,
                        saved: dict, base: str | None = None, dtype=None) -> None:
     """Write a peft adapter folder (``folder`` exists and is empty); ``dtype``: the tensors' dtype on disk."""
     from safetensors.torch import save_file
 
+    check_peft_loads(sites, arch)
     out = peft_tensors(sites, tensors)
     out.update({f"{PEFT_PREFIX}{name}": t.contiguous() for name, t in saved.items()})
     if dtype is not None:

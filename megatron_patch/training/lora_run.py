@@ -88,15 +88,11 @@ def _checkpoint_lora(checkpoint: str | None) -> LoraSpec | None:
 
 
 def check_lora(cfg) -> None:
-    """What a LoRA run needs besides its spec: a base checkpoint, targets the family has, and FP8 only with
-    transformer-engine (its FP8 GEMMs run the base; the adapters run beside them in bf16)."""
+    """What a LoRA run needs besides its spec: targets the family has, and FP8 only with transformer-engine (its FP8 GEMMs run the base; the adapters run beside them in bf16)."""
     if cfg.lora is None:
         return
     from megatron_patch.lora.plan import check_targets
 
-    if cfg.pretrain_checkpoint is None:
-        raise UserError("LoRA trains adapters on a base model: give its converted checkpoint as "
-                        "PRETRAIN_CHECKPOINT_PATH (mpatch convert hf2mcore)")
     check_targets(cfg.arch, tuple(cfg.lora["targets"]))
     if cfg.precision.fp8:
         from megatron_patch.models.builder import te_available
@@ -113,10 +109,14 @@ def check_lora(cfg) -> None:
             raise UserError("an adapter with modules_to_save cannot start under MP_VP yet: train it without MP_VP")
 
 
-def check_resume_base(cfg) -> None:
-    """A run that resumes trains on the base its checkpoints name: PRETRAIN_CHECKPOINT_PATH must be it."""
+def check_lora_launch(cfg) -> None:
+    """Before a LoRA run starts (a dry run plans one without weights): the base checkpoint is given, and a
+    run that resumes trains on the base its checkpoints name."""
     if cfg.lora is None:
         return
+    if cfg.pretrain_checkpoint is None:
+        raise UserError("LoRA trains adapters on a base model: give its converted checkpoint as "
+                        "PRETRAIN_CHECKPOINT_PATH (mpatch convert hf2mcore)")
     from megatron_patch.convert.sidecar import read_sidecar
     from megatron_patch.lora.state import find_base
     from megatron_patch.training.checkpointing import iteration_dir, latest_iteration

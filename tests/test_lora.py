@@ -1,0 +1,289 @@
+"""LoRA on Megatron-Core against Hugging Face peft, both ways (docs/lora.md).
+
+peft is the reference throughout: adapters are made by peft (random, non-zero), logits come from
+``PeftModel.from_pretrained``, and training is compared with peft plus a plain ``torch.optim.AdamW`` loop.
+The quick tests need no rank processes; the multi-process parity and the launcher runs are ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_patch.align.parity import random_tokens
+from megatron_patch.convert.checkpoint import hf_to_mcore
+from megatron_patch.lora.peft_io import peft_tensors, read_peft_adapter, write_peft_adapter
+from megatron_patch.lora.plan import count_params, plan_sites
+from megatron_patch.lora.spec import LoraSpec
+from megatron_patch.models.registry import families, parse_arch
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.runtime import ParallelLayout
+from tests.convert_helpers import run_cli
+from tests.lora_helpers import hf_logits, load_hf, make_peft_adapter, mcore_lora_logits, peft_logits, rel
+
+FAMILY_NAMES = list(families())
+MOE = [f for f in FAMILY_NAMES if parse_arch(families()[f].tiny_config).is_moe]
+FP32_FLOOR = 1e-5
+
+
+@pytest.fixture(scope="session")
+def lora_models(tmp_path_factory):
+    """Each family's tiny HF model and a random peft adapter of it on every module it adapts (routed experts
+    through peft's target_parameters), plus variants: a partial adapter (q_proj, v_proj), one with peft's
+    per-module patterns and rsLoRA, and one with modules_to_save."""
+    root = tmp_path_factory.mktemp("lora")
+    hf = {f: make_tiny_hf_checkpoint(f, root / "hf" / f, seed=1) for f in FAMILY_NAMES}
+    adapters = {f: make_peft_adapter(hf[f], root / "peft" / f) for f in FAMILY_NAMES}
+    variants = {
+        "partial": make_peft_adapter(hf["llama3_1"], root / "partial", modules=["q_proj", "v_proj"]),
+        "patterns": make_peft_adapter(hf["qwen2"], root / "patterns", use_rslora=True, layers_to_transform=[1, 2],
+                                      rank_pattern={"k_proj": 2, r"layers\.2\.mlp\.down_proj": 5},
+                                      alpha_pattern={"o_proj": 11}),
+        "saved": make_peft_adapter(hf["llama3_1"], root / "saved", modules=["q_proj", "o_proj"],
+                                   modules_to_save=["lm_head", "model.norm"]),
+    }
+    return {"root": root, "hf": hf, "adapters": adapters, "variants": variants}
+
+
+# --- quick: the adapter's layout and peft's rules -------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama3_1", "qwen2_moe", "deepseek_v3"])
+def test_peft_folder_round_trips_byte_for_byte(lora_models, family, tmp_path):
+    """Reading a peft folder and writing it back gives peft's own tensors bit for bit, and a config peft reads
+    into the same adapter (the stacked experts' A/B layout and nesting included)."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    src = lora_models["adapters"][family]
+    arch = parse_arch(lora_models["hf"][family])
+    spec, tensors, saved = read_peft_adapter(src, arch)
+    out = tmp_path / "out"
+    out.mkdir()
+    write_peft_adapter(out, plan_sites(arch, spec), spec, arch, tensors, saved)
+    a, b = load_file(src / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    config = LoraConfig.from_pretrained(str(out))
+    assert config.r == 3 and config.lora_alpha == 5 and config.bias == "none"
+
+
+def test_fused_layers_keep_one_adapter_per_hf_module(lora_models):
+    """linear_qkv carries q, k and v's adapters apart (three A's), linear_fc1 gate's and up's; a partial adapter
+    (q_proj, v_proj) leaves k's rows of the fused layer without one; a routed expert's adapter is one A over its
+    fused gate/up input and one B over both halves, as transformers 5 and peft stack them."""
+    arch = parse_arch(lora_models["hf"]["llama3_1"])
+    full = plan_sites(arch, read_peft_adapter(lora_models["adapters"]["llama3_1"], arch)[0])
+    qkv = next(s for s in full if s.target == "qkv")
+    assert [a.name.rsplit(".", 1)[1] for a in qkv.adapters] == ["q_proj", "k_proj", "v_proj"]
+    fc1 = next(s for s in full if s.target == "fc1")
+    assert [a.name.rsplit(".", 1)[1] for a in fc1.adapters] == ["gate_proj", "up_proj"]
+    partial = plan_sites(arch, read_peft_adapter(lora_models["variants"]["partial"], arch)[0])
+    qkv = next(s for s in partial if s.target == "qkv")
+    assert [a.name.rsplit(".", 1)[1] for a in qkv.adapters] == ["q_proj", "v_proj"]
+    assert qkv.covering(1) is None and qkv.covering(2) == (1, 0)
+    assert {s.target for s in partial} == {"qkv"}
+    moe = parse_arch(lora_models["hf"]["qwen2_moe"])
+    expert = next(s for s in plan_sites(moe, read_peft_adapter(lora_models["adapters"]["qwen2_moe"], moe)[0])
+                  if s.target == "experts")
+    (a,) = expert.adapters
+    assert a.name.endswith("mlp.experts.gate_up_proj") and a.parts == (0, 1) and a.shape_b == (sum(a.rows), 3)
+
+
+def test_peft_rules_for_rank_alpha_layers_and_rslora(lora_models):
+    """rank_pattern, alpha_pattern, layers_to_transform and use_rslora give each module the rank and scaling
+    peft's own LoraModel gives it."""
+    from peft import PeftModel
+
+    adapter = lora_models["variants"]["patterns"]
+    arch = parse_arch(lora_models["hf"]["qwen2"])
+    spec = read_peft_adapter(adapter, arch)[0]
+    ours = {a.name: (a.rank, spec.scaling(a.rank, a.alpha)) for s in plan_sites(arch, spec) for a in s.adapters}
+    model = PeftModel.from_pretrained(load_hf(lora_models["hf"]["qwen2"]), str(adapter))
+    theirs = {name.removeprefix("base_model.model."): (m.r["default"], m.scaling["default"])
+              for name, m in model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A}
+    assert ours.keys() == theirs.keys() and all(n.split(".")[2] in ("1", "2") for n in ours)
+    for name in ours:
+        assert ours[name][0] == theirs[name][0] and ours[name][1] == pytest.approx(theirs[name][1], rel=1e-12), name
+    assert {r for r, _ in ours.values()} == {2, 3, 5}
+
+
+@pytest.mark.parametrize("family, expert_module, projections", [
+    ("mixtral", "block_sparse_moe.experts.{e}", ("w1", "w3", "w2")),
+    ("qwen3_moe", "mlp.experts.{e}", ("gate_proj", "up_proj", "down_proj")),
+])
+def test_transformers4_expert_adapters_join_as_peft_joins_them(family, expert_module, projections, tmp_path):
+    """An adapter made with transformers 4 (one LoRA per expert's gate, up and down projections) is joined per
+    expert into the stacked form exactly as peft's own weight conversion joins it when transformers 5 loads it
+    (peft 0.21 converts these for Mixtral and the Qwen2-MoE-like models it maps, not for qwen2_moe itself)."""
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    hf = make_tiny_hf_checkpoint(family, tmp_path / "hf")
+    arch = parse_arch(hf)
+    gen = torch.Generator().manual_seed(3)
+    shapes = dict(zip(projections, [(arch.moe_ffn_hidden_size, arch.hidden_size)] * 2
+                      + [(arch.hidden_size, arch.moe_ffn_hidden_size)]))
+    tensors = {}
+    for layer in [i for i in range(arch.num_layers) if arch.is_moe_layer(i)]:
+        for e in range(arch.num_experts):
+            for proj, (rows, cols) in shapes.items():
+                name = f"base_model.model.model.layers.{layer}.{expert_module.format(e=e)}.{proj}"
+                tensors[f"{name}.lora_A.weight"] = torch.randn(2, cols, generator=gen) * 0.1
+                tensors[f"{name}.lora_B.weight"] = torch.randn(rows, 2, generator=gen) * 0.1
+    v4 = tmp_path / "v4"
+    v4.mkdir()
+    save_file(tensors, v4 / "adapter_model.safetensors")
+    (v4 / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 6, "target_modules": list(projections), "bias": "none",
+         "task_type": "CAUSAL_LM"}))
+    spec, ours, _ = read_peft_adapter(v4, arch)
+    ours = peft_tensors(plan_sites(arch, spec), ours)
+    model = PeftModel.from_pretrained(load_hf(hf), str(v4))
+    theirs = {k: v for k, v in get_peft_model_state_dict(model).items() if ".experts." in k}
+    assert set(ours) == set(theirs) and len(theirs) == 4 * (arch.num_layers - len(arch.dense_layers))
+    for k in theirs:
+        assert torch.equal(ours[k], theirs[k]), k
+    tokens = random_tokens(arch.vocab_size, 2, 16)
+    assert set(ours) and rel(hf_logits(hf, tokens), peft_logits(hf, v4, tokens)) > 1e-3  # the experts adapt
+
+
+@pytest.mark.slow
+def test_trainable_parameters_equal_peft_for_the_same_targets_and_rank():
+    """The plan's trainable count equals peft's on every family for the same targets and rank (on the MoE types
+    where peft reads gate/up/down as the experts, the dense and shared-expert MLPs are left out on both sides)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_patch.lora.peft_io import peft_reinterpreted
+    from tests.lora_helpers import STACKED, peft_modules
+
+    from megatron_patch.models.shape import model_shapes
+
+    shapes = model_shapes([parse_arch(families()[f].tiny_config) for f in FAMILY_NAMES])  # one megatron-core start
+    for family, shape in zip(FAMILY_NAMES, shapes):
+        raw = families()[family].tiny_config
+        arch = parse_arch(raw)
+        mlp = () if peft_reinterpreted(raw["model_type"]) else ("fc1", "fc2", "shared_experts")
+        targets = tuple(t for t in ("qkv", "proj", "experts") + mlp if t in _groups(arch))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
+        peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=peft_modules(model),
+                                                target_parameters=STACKED if arch.is_moe else None))
+        ours = count_params(plan_sites(arch, LoraSpec(rank=4, alpha=8, targets=targets), shape))
+        assert ours == peft.get_nb_trainable_parameters()[0], family
+
+
+def _groups(arch):
+    from megatron_patch.lora.plan import family_targets
+
+    return family_targets(arch)
+
+
+# --- quick: bad input, one line, exit 2 -----------------------------------------------------------------------
+
+def _one_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("mpatch")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"use_dora": True}, "DoRA (use_dora) is not supported"),
+    ({"bias": "lora_only"}, "only bias=\"none\" adapters"),
+    ({"peft_type": "IA3"}, "only LoRA adapters are supported"),
+    ({"layers_pattern": "blocks"}, "layers_pattern 'blocks' is not supported"),
+])
+def test_unsupported_peft_configs_are_refused(lora_models, tmp_path, capsys, edit, message):
+    adapter = tmp_path / "a"
+    shutil.copytree(lora_models["adapters"]["llama3_1"], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(lora_models["hf"]["llama3_1"]), "--save-dir",
+                      str(tmp_path / "out"), "--peft-dir", str(adapter))
+    assert rc == 2 and message in _one_line(err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_adapter_for_another_base_is_refused(lora_models, tmp_path, capsys):
+    """A qwen2 adapter on a llama model: the shapes (or the modules) are not the model's."""
+    other = make_tiny_hf_checkpoint("llama3_1", tmp_path / "wide", hidden_size=128, intermediate_size=192)
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(other), "--save-dir", str(tmp_path / "out"),
+                      "--peft-dir", str(lora_models["adapters"]["llama3_1"]))
+    assert rc == 2 and "made for another base model" in _one_line(err)
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(lora_models["hf"]["llama3_1"]), "--save-dir",
+                      str(tmp_path / "out"), "--peft-dir", str(lora_models["adapters"]["deepseek_v3"]))
+    assert rc == 2 and "made for another base model" in _one_line(err)
+
+
+def test_merge_lora_of_a_checkpoint_without_adapters_is_refused(lora_models, tmp_path, capsys):
+    ckpt = tmp_path / "plain"
+    hf_to_mcore(lora_models["hf"]["llama3_1"], ckpt, ParallelLayout(), progress=False)
+    for flag in ("--merge-lora", "--lora-adapter"):
+        rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"), flag)
+        assert rc == 2 and "holds no LoRA adapters" in _one_line(err)
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"),
+                      "--base-dir", str(ckpt))
+    assert rc == 2 and "pass --merge-lora" in _one_line(err)
+
+
+def test_launcher_lora_settings_are_checked_in_one_line(lora_models, tmp_path, capsys, monkeypatch):
+    from megatron_patch.cli import main
+    from tests.training_helpers import launcher_args
+
+    prefix = tmp_path / "c_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    args = launcher_args("llama3_1", DATASET_PATH=str(prefix), OUTPUT_BASEPATH=str(tmp_path / "out"))
+    cases = [
+        ({"MP_LORA_RANK": "4", "MP_LORA_TARGETS": "qkv,experts"}, "which a llama3_1 model does not have"),
+        ({"MP_LORA_RANK": "4", "MP_LORA_TARGETS": "attention"}, "MP_LORA_TARGETS must be a comma list"),
+        ({"MP_LORA_ALPHA": "8"}, "MP_LORA_ALPHA configures LoRA, which is off"),
+        ({"MP_LORA_RANK": "x"}, "MP_LORA_RANK must be an integer"),
+        ({"MP_LORA_RANK": "4", "MP_LORA_DROPOUT": "1"}, "MP_LORA_DROPOUT must be in [0, 1)"),
+        ({"MP_LORA_INIT": str(lora_models["adapters"]["llama3_1"]), "MP_LORA_RANK": "8"},
+         "MP_LORA_RANK=8 disagrees with the adapter"),
+        ({"MP_LORA_INIT": str(tmp_path)}, "adapter_config.json not found"),
+    ]
+    for env, message in cases:
+        for k in ("MP_LORA_RANK", "MP_LORA_ALPHA", "MP_LORA_TARGETS", "MP_LORA_INIT", "MP_LORA_DROPOUT"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert main(["train", "llama3_1", *args]) == 2, env
+        assert message in _one_line(capsys.readouterr().err), env
+    # LoRA with FP8 needs transformer-engine; a LoRA run needs its base checkpoint (a dry run plans without one)
+    monkeypatch.delenv("MP_LORA_INIT")
+    monkeypatch.setenv("MP_LORA_RANK", "4")
+    fp8 = launcher_args("llama3_1", DATASET_PATH=str(prefix), OUTPUT_BASEPATH=str(tmp_path / "out"), PR="fp8")
+    assert main(["train", "llama3_1", *fp8]) == 2
+    assert "PR=fp8 with LoRA needs transformer-engine" in _one_line(capsys.readouterr().err)
+    assert main(["train", "llama3_1", *args]) == 2
+    assert "give its converted checkpoint as PRETRAIN_CHECKPOINT_PATH" in _one_line(capsys.readouterr().err)
+
+
+def test_memory_plan_of_lora_on_llama_8b_and_70b(tmp_path):
+    """On GPU layouts: the frozen base is held without gradients or optimizer state; what trains is the
+    adapters, whose count per rank is the plan's (rank 16 on q, k, v, o, gate, up, down)."""
+    from megatron_patch.training.memory_plan import plan_memory
+    from megatron_patch.training.validation import resolve
+    from tests.training_helpers import launcher_args
+
+    prefix = tmp_path / "c_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    for size, tp, pp, trainable in (("8B", 1, 1, 41_943_040), ("70B", 8, 4, None)):
+        args = launcher_args("llama3_1", ENV="dsw", MODEL_SIZE=size, PR="bf16", TP=str(tp), PP=str(pp), SP=str(tp > 1),
+                             DO="true", SEQ_LEN="4096", BATCH_SIZE="1", GLOBAL_BATCH_SIZE="64",
+                             TRAIN_TOKENS_OR_ITERS="1e9", WARMUP_TOKENS_OR_ITERS="1e8", DATASET_PATH=str(prefix),
+                             OUTPUT_BASEPATH=str(tmp_path / size))
+        full = plan_memory(resolve("llama3_1", args, env={"GPUS_PER_NODE": str(tp * pp)}), "te")
+        lora = plan_memory(resolve("llama3_1", args, env={"GPUS_PER_NODE": str(tp * pp), "MP_LORA_RANK": "16"}), "te")
+        st, base = lora.stages[0], full.stages[0]
+        if pp == 1:
+            assert st.trainable == trainable  # 32 layers x 1,310,720: peft's count for rank 16
+        assert st.frozen + st.trainable > 0.99 * base.trainable and st.grads < 0.02 * base.grads
+        assert st.optimizer_device < 0.02 * base.optimizer_device and abs(st.params / base.params - 1) < 0.01
+        assert st.device < base.device
