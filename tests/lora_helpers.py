@@ -106,3 +106,38 @@ def mcore_lora_logits(cases: list[tuple], layout, tokens) -> list[torch.Tensor]:
 
     per_rank = run_local(lora_logits_worker, layout.world_size, [tuple(map(str, c)) for c in cases], layout, tokens)
     return [next(r[i] for r in per_rank if r[i] is not None) for i in range(len(cases))]
+
+
+def peft_training_reference(hf_dir, adapter, cfg, lrs: list[float]) -> tuple[list[float], dict]:
+    """What peft plus a plain ``torch.optim.AdamW`` loop does on the launcher's batches with the launcher's
+    optimizer settings (AdamW betas 0.9/0.95, eps 1e-8, weight decay 0.1 on the 2-D adapter weights, gradients
+    clipped to norm 1.0, the step's learning rate ``lrs[i]``; each micro-batch's mean token loss, averaged over
+    the micro-batches): the losses of each step and the trained adapter (peft's state dict)."""
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+
+    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
+
+    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)
+    model = PeftModel.from_pretrained(load_hf(hf_dir), str(adapter), is_trainable=True)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    losses = []
+    for step, lr in enumerate(lrs):
+        opt.zero_grad()
+        batches = micro_batches(train, step, cfg, 0, 1)
+        total = count = 0.0
+        for b in batches:
+            logits = model(input_ids=b["tokens"]).logits
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["labels"].reshape(-1), reduction="none")
+            mask = b["loss_mask"].reshape(-1).float()
+            ((ce * mask).sum() / mask.sum().clamp(min=1) / len(batches)).backward()
+            total, count = total + float((ce * mask).sum()), count + float(mask.sum())
+        losses.append(total / count)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}

@@ -23,7 +23,8 @@ from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 from tests.convert_helpers import run_cli
-from tests.lora_helpers import hf_logits, load_hf, make_peft_adapter, mcore_lora_logits, peft_logits, rel
+from tests.lora_helpers import (
+    hf_logits, load_hf, make_peft_adapter, mcore_lora_logits, peft_logits, peft_training_reference, rel)
 
 FAMILY_NAMES = list(families())
 MOE = [f for f in FAMILY_NAMES if parse_arch(families()[f].tiny_config).is_moe]
@@ -287,3 +288,182 @@ def test_memory_plan_of_lora_on_llama_8b_and_70b(tmp_path):
         assert st.frozen + st.trainable > 0.99 * base.trainable and st.grads < 0.02 * base.grads
         assert st.optimizer_device < 0.02 * base.optimizer_device and abs(st.params / base.params - 1) < 0.01
         assert st.device < base.device
+
+
+# --- slow: logits of imported adapters against peft's, at TP, PP and EP -----------------------------------------
+
+def _pp_layout(family: str) -> ParallelLayout:
+    layers = parse_arch(families()[family].tiny_config).num_layers
+    return ParallelLayout(pp=2 if layers % 2 == 0 else layers)
+
+
+@pytest.fixture(scope="session")
+def lora_parity(lora_models):
+    """MCore's fp32 logits of every family's tiny model with its peft adapter (and the variants) at TP=1,
+    TP=2, PP=2 (DeepSeek's three layers: PP=3) and, for MoE families, EP=2: one set of processes per layout."""
+    hf, adapters, variants = lora_models["hf"], lora_models["adapters"], lora_models["variants"]
+    tokens = random_tokens(200, batch=2, seq=24, seed=5)
+    cases = {f: (hf[f], adapters[f], hf[f]) for f in FAMILY_NAMES}
+    extra = {"partial": (hf["llama3_1"], variants["partial"], hf["llama3_1"]),
+             "patterns": (hf["qwen2"], variants["patterns"], hf["qwen2"]),
+             "saved": (hf["llama3_1"], variants["saved"], hf["llama3_1"])}
+    layouts = {"tp1": (ParallelLayout(), list(cases) + list(extra)), "tp2": (ParallelLayout(tp=2), list(cases) + list(extra)),
+               "ep2": (ParallelLayout(ep=2), MOE)}
+    for f in FAMILY_NAMES:
+        layouts.setdefault(f"pp:{_pp_layout(f)}", (_pp_layout(f), []))[1].append(f)
+    every = {**cases, **extra}
+    out = {}
+    for name, (layout, names) in layouts.items():
+        logits = mcore_lora_logits([every[n] for n in names], layout, tokens)
+        out.update({(n, "pp" if name.startswith("pp:") else name): lg for n, lg in zip(names, logits)})
+    reference = {n: peft_logits(c[0], c[1], tokens) for n, c in every.items()}
+    base = {n: hf_logits(c[0], tokens) for n, c in every.items()}
+    return {"mcore": out, "peft": reference, "base": base}
+
+
+PARITY_CASES = ([(f, layout) for f in FAMILY_NAMES for layout in ("tp1", "tp2", "pp")] + [(f, "ep2") for f in MOE]
+                + [(v, layout) for v in ("partial", "patterns", "saved") for layout in ("tp1", "tp2")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, layout", PARITY_CASES)
+def test_imported_peft_adapter_gives_peft_logits(lora_parity, case, layout):
+    ours, peft = lora_parity["mcore"][(case, layout)], lora_parity["peft"][case]
+    assert rel(ours, peft) <= FP32_FLOOR, rel(ours, peft)
+    assert rel(peft, lora_parity["base"][case]) > 1e-2  # the adapter changes the function: the check can fail
+
+
+# --- slow: training through the launcher -----------------------------------------------------------------------
+
+ITERS = 6
+
+
+def _lora_args(corpus, out, base, **over):
+    from tests.training_helpers import launcher_args
+
+    gbs, seq = 8, 64
+    values = dict(DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), MODEL_SIZE="auto", PR="fp32", LR="5e-3",
+                  MIN_LR="5e-4", GLOBAL_BATCH_SIZE=str(gbs), SEQ_LEN=str(seq), PRETRAIN_CHECKPOINT_PATH=str(base),
+                  TRAIN_TOKENS_OR_ITERS=str(ITERS * gbs * seq), WARMUP_TOKENS_OR_ITERS=str(2 * gbs * seq),
+                  SAVE_INTERVAL="2")
+    values.update(over)
+    family = values.pop("family", "llama3_1")
+    return family, launcher_args(family, **values)
+
+
+@pytest.fixture(scope="session")
+def lora_bases(lora_models, tmp_path_factory):
+    """Converted checkpoints of the tiny bases (what PRETRAIN_CHECKPOINT_PATH names), and a Qwen2-MoE base without
+    the router's load-balancing loss (which peft's plain loop does not add) with its adapter."""
+    root = tmp_path_factory.mktemp("bases")
+    hf = dict(lora_models["hf"])
+    hf["qwen2_moe_noaux"] = make_tiny_hf_checkpoint("qwen2_moe", root / "hf_moe", seed=2, router_aux_loss_coef=0.0)
+    adapters = {**lora_models["adapters"], "qwen2_moe_noaux": make_peft_adapter(hf["qwen2_moe_noaux"], root / "peft_moe")}
+    bases = {}
+    for name in ("llama3_1", "qwen2_moe_noaux"):
+        bases[name] = root / name
+        hf_to_mcore(hf[name], bases[name], ParallelLayout(), progress=False)
+    return {"hf": hf, "adapters": adapters, "bases": bases}
+
+
+def _run(family, args, env=None):
+    from tests.training_helpers import launch, read_metrics
+
+    proc = launch(args, env or {}, family=family)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = Path(args[-1])
+    return read_metrics(out), proc.stdout
+
+
+PEFT_RUNS = {
+    # name: (base, launcher arguments, extras, loss tolerance)
+    "tp1": ("llama3_1", {}, {}, 1e-5),
+    "tp2_pp2_vp2_sp_do_recompute": ("llama3_1", dict(TP="2", PP="2", SP="true", DO="true", AC="full"),
+                                    {"MP_VP": "2", "MP_TP_COMM_OVERLAP": "false"}, 5e-5),
+    "moe_tp2_ep2": ("qwen2_moe_noaux", dict(family="qwen2_moe", TP="2", EP="2", SP="true", DO="true"),
+                    {"MP_TP_COMM_OVERLAP": "false"}, 5e-5),
+}
+
+
+@pytest.fixture(scope="session")
+def peft_runs(corpus, lora_bases, tmp_path_factory):
+    """A PEFT_RUNS launcher run from an imported peft adapter, and peft's own training on the same batches
+    (each made once, when a test first asks for it)."""
+    from megatron_patch.training.validation import resolve
+
+    root = tmp_path_factory.mktemp("peft_runs")
+    made: dict = {}
+
+    def get(name: str) -> dict:
+        if name not in made:
+            base, over, extras, tol = PEFT_RUNS[name]
+            family, args = _lora_args(corpus, root / name, lora_bases["bases"][base], **over)
+            env = {"MP_LORA_INIT": str(lora_bases["adapters"][base]), **extras}
+            metrics, stdout = _run(family, args, env)
+            cfg = resolve(family, args, env=env)
+            lrs = [0.0] + [m["lr"] for m in metrics[:-1]]  # the step's rate: the scheduler moves after each step
+            losses, trained = peft_training_reference(lora_bases["hf"][base], lora_bases["adapters"][base], cfg, lrs)
+            made[name] = {"metrics": metrics, "stdout": stdout, "reference": losses, "trained": trained, "tol": tol,
+                          "out": root / name, "base": base, "args": (family, args, env)}
+        return made[name]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PEFT_RUNS))
+def test_lora_training_is_peft_training(peft_runs, lora_bases, name, tmp_path):
+    """A short fp32 run from an imported peft adapter trains as peft with a plain AdamW loop does on the same
+    batches: equal losses at every step, and the exported adapter equals peft's trained one."""
+    from safetensors.torch import load_file
+
+    run = peft_runs(name)
+    ours = [m["loss"] for m in run["metrics"]]
+    assert len(ours) == ITERS and ours[-1] < ours[0]
+    for i, (a, b) in enumerate(zip(ours, run["reference"])):
+        assert abs(a - b) <= run["tol"] * abs(b), (i, a, b)
+    out = tmp_path / "adapter"
+    assert _cli("convert", "mcore2hf", "--load-dir", str(run["out"] / "final"), "--save-dir", str(out), "--lora-adapter") == 0
+    exported = load_file(out / "adapter_model.safetensors")
+    trained = run["trained"]
+    assert set(exported) == set(trained)
+    start = load_file(lora_bases["adapters"][run["base"]] / "adapter_model.safetensors")
+    for k in trained:
+        moved = (trained[k] - start[k]).norm()
+        assert moved > 0 and (exported[k] - trained[k]).norm() <= 1e-3 * moved, k
+
+
+def _cli(*argv) -> int:
+    from megatron_patch.cli import main
+
+    return main(list(argv))
+
+
+@pytest.mark.slow
+def test_lora_kill_and_restart_equals_the_uninterrupted_run(peft_runs, corpus, lora_bases, tmp_path):
+    """The TP=2 PP=2 VP=2 run, killed as iteration 4 starts and restarted by the launcher, resumes its adapters and
+    their optimizer state from iteration 2 and logs the uninterrupted run's losses bit for bit; its checkpoints
+    hold only the adapters and their optimizer state, and name the base by digest."""
+    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+    from tests.training_helpers import launch, read_metrics
+
+    reference = peft_runs("tp2_pp2_vp2_sp_do_recompute")
+    family, args, env = reference["args"]
+    out = tmp_path / "killed"
+    args = [str(out) if a == str(reference["out"]) else a for a in args]
+    proc = launch(args, {**env, "MP_INJECT_FAULT": "kill@4", "MP_MAX_RESTARTS": "1"}, family=family)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout
+    got = {m["iteration"]: m["loss"] for m in read_metrics(out)}
+    want = {m["iteration"]: m["loss"] for m in reference["metrics"]}
+    assert got == want
+    keys = TorchDistReader(out / "checkpoint" / "iter_0000006").tensor_keys()
+    assert keys and all(k.startswith("lora.") or ".lora." in k for k in keys)
+    sidecar = json.loads((out / "checkpoint" / "iter_0000006" / "mpatch_checkpoint.json").read_text())
+    assert sidecar["lora"]["base"]["path"] == str(lora_bases["bases"]["llama3_1"].resolve())
+    # Resuming on another base is refused in one line, before any rank starts.
+    other = tmp_path / "other_base"
+    hf_to_mcore(lora_bases["hf"]["llama3_1"], other, ParallelLayout(tp=2), fmt="legacy", progress=False)
+    moved = [str(other) if a == str(lora_bases["bases"]["llama3_1"]) else a for a in args]
+    proc = launch(moved, env, family=family)
+    assert proc.returncode == 2 and "is not the base model" in proc.stderr, proc.stderr[-2000:]

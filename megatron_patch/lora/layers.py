@@ -82,14 +82,17 @@ class SiteAdapters(nn.Module):
         # the layer's split cuts this rank's fused rows from the per-part rows: with the local head counts
         self.ctx = SplitContext(ctx.num_heads // shards, ctx.num_kv_heads // shards, ctx.head_dim, ctx.vocab_size,
                                 ctx.padded_vocab_size) if mode == COLUMN else ctx
-        self.A = nn.ParameterList()
-        self.B = nn.ParameterList()
+        # Parameters of this module itself (not of a ParameterList inside it): DDP's forward pre-hook, which
+        # waits for an overlapped parameter all-gather, looks at the parameters of the module being called.
+        self.A: list[nn.Parameter] = []
+        self.B: list[nn.Parameter] = []
         self.b_of_part: list[int | None] = []   # part -> index into B (None: no adapter covers it)
         self.b_adapter: list[int] = []          # B index -> its adapter
         for a in site.adapters:
             cols = a.in_features // shards if mode == ROW else a.in_features
             self.A.append(_param((a.rank, cols), dtype, device, tensor_parallel=1 if mode == ROW else None,
                                  expert=expert, sequence_parallel=self.sequence_parallel and mode == WHOLE))
+            self.register_parameter(f"a{len(self.A) - 1}", self.A[-1])
         for part, rows in enumerate(site.part_rows):
             cover = site.covering(part)
             if cover is None:
@@ -102,6 +105,7 @@ class SiteAdapters(nn.Module):
             self.B.append(_param((local, site.adapters[i].rank), dtype, device,
                                  tensor_parallel=0 if mode == COLUMN else None, expert=expert,
                                  sequence_parallel=self.sequence_parallel and mode == WHOLE))
+            self.register_parameter(f"b{len(self.B) - 1}", self.B[-1])
         self._columns = [0]
         for a in site.adapters:
             self._columns.append(self._columns[-1] + a.rank)

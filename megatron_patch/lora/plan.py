@@ -275,13 +275,13 @@ def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_
         mode = split_mode(site_split(s, spec_name))
         n = (layout.expert_tp if expert else layout.tp) if mode in (COLUMN, ROW) else 1
         for k, a in enumerate(s.adapters):
-            out.append(RankParam(f"lora.sites.{i}.A.{k}", a.rank * (a.in_features // n if mode == ROW else a.in_features),
+            out.append(RankParam(f"lora.sites.{i}.a{k}", a.rank * (a.in_features // n if mode == ROW else a.in_features),
                                  expert))
         j = 0
         for part, rows in enumerate(s.part_rows):
             cover = s.covering(part)
             if cover is not None:
                 a = s.adapters[cover[0]]
-                out.append(RankParam(f"lora.sites.{i}.B.{j}", a.rank * (rows // n if mode == COLUMN else rows), expert))
+                out.append(RankParam(f"lora.sites.{i}.b{j}", a.rank * (rows // n if mode == COLUMN else rows), expert))
                 j += 1
     return out
