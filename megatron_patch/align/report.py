@@ -89,6 +89,12 @@ def markdown(result: dict, command: str | None = None) -> str:
     floor_on = v["dtype"] != "fp32"
     out = [f"# Alignment report: {result['model']['family']} ({v['dtype']})", ""]
     out += [f"**Verdict: {'ALIGNED' if v['aligned'] else 'NOT ALIGNED'}.** {v['summary']}", ""]
+    runs = v.get("runs") or {}
+    if len(runs) > 1:  # fp32 first, then the training dtype: which one decided, and what each said
+        out += [f"- {dt} run{' (certifies the conversion)' if dt == 'fp32' else ''}: "
+                f"{'aligned' if r['aligned'] else 'NOT aligned at ' + str(r['first_failure'])}"
+                + (" (decided the verdict; the tables below are this run's)" if dt == v.get("decided_by") else "")
+                for dt, r in runs.items()] + [""]
     c = result["compared"]
     out += [f"- reference: {c['reference']}"]
     if c["floor"]:
