@@ -377,7 +377,7 @@ def _run(family, args, env=None):
 
 PEFT_RUNS = {
     # name: (base, launcher arguments, extras, loss tolerance)
-    "tp1": ("llama3_1", {}, {}, 1e-5),
+    "tp1_offload": ("llama3_1", dict(OPTIMIZER_OFFLOAD="0.5"), {}, 1e-5),  # the chunked optimizer, half on the host
     "tp2_pp2_vp2_sp_do_recompute": ("llama3_1", dict(TP="2", PP="2", SP="true", DO="true", AC="full"),
                                     {"MP_VP": "2", "MP_TP_COMM_OVERLAP": "false"}, 5e-5),
     "moe_tp2_ep2": ("qwen2_moe_noaux", dict(family="qwen2_moe", TP="2", EP="2", SP="true", DO="true"),
@@ -540,6 +540,7 @@ def math_prod(shape) -> int:
 LORA_MEMORY = [  # (processes, base, launcher arguments, extras)
     (1, "llama3_1", dict(PR="bf16", DO="true"), {"MP_LORA_RANK": "8"}),
     (1, "llama3_1", dict(PR="bf16", AC="sel"), {"MP_LORA_RANK": "8", "MP_LORA_TARGETS": "qkv,fc2"}),
+    (1, "llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.5"), {"MP_LORA_RANK": "8"}),
     (1, "qwen2_moe_noaux", dict(family="qwen2_moe", PR="bf16", DO="true"),
      {"MP_LORA_RANK": "4", "MP_LORA_TARGETS": "qkv,proj,experts,shared_experts"}),
     (2, "llama3_1", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_LORA_RANK": "8", "MP_TP_COMM_OVERLAP": "false"}),
@@ -555,7 +556,7 @@ def test_memory_plan_equals_what_lora_runs_allocate(corpus, lora_bases, tmp_path
     """Model state to the byte (frozen base outside DDP's buffers; adapters' gradients and optimizer state) and
     activations within 10% for the dense models (a frozen base keeps fewer tensors; the adapters add theirs)."""
     from megatron_patch.runtime.launch import run_local
-    from megatron_patch.training.memory_plan import stage_memory
+    from megatron_patch.training.memory_plan import _place_chunks, plan_memory, stage_memory
     from megatron_patch.training.validation import resolve
     from tests.memory_helpers import measure_ranks
 
@@ -569,6 +570,9 @@ def test_memory_plan_equals_what_lora_runs_allocate(corpus, lora_bases, tmp_path
     for i, cfg in enumerate(cfgs):
         for r in (rank[i] for rank in per_rank):
             st = stage_memory(cfg.arch, cfg, r["pp_rank"], "local", r["dp_rank"])
+            plan = plan_memory(cfg, "local")
+            if plan.offload_policy != "off":
+                _place_chunks(st, plan.offload_share, cfg.precision.itemsize)
             planned = {k: getattr(st, k) for k in ("params", "grads", "optimizer_device", "optimizer_host")}
             assert planned == {k: r[k] for k in planned}, (cfg.family, str(cfg.layout))
             assert st.frozen > st.trainable > 0

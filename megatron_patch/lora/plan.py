@@ -244,20 +244,6 @@ def stacked_depth(sites: list[Site]) -> dict[str, int]:
     return {name: len(names) - 1 - i for names in by_module.values() for i, name in enumerate(names)}
 
 
-def check_experts_uniform(sites: list[Site]) -> None:
-    """peft stores a stacked parameter's adapters as one A and one B of every expert: all of one rank."""
-    ranks: dict[str, set] = {}
-    count: dict[str, int] = {}
-    for s in sites:
-        for a in s.adapters:
-            if a.expert is not None:
-                ranks.setdefault(a.name, set()).add(a.rank)
-                count[a.name] = count.get(a.name, 0) + 1
-    for name, rs in ranks.items():
-        if len(rs) != 1:
-            raise UserError(f"the experts of {name} have adapters of different ranks {sorted(rs)}: peft keeps one rank")
-
-
 def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_stage: int = 0,
                         pp_first_stage_layers: int | None = None, spec_name: str = "local") -> list:
     """The adapter parameters of model chunk ``vp_stage`` of pipeline rank ``pp_rank`` (TP, EP and expert-TP
