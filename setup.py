@@ -15,17 +15,22 @@ setup(
         "torch>=2.4",
         "transformers>=4.56,<6",  # from_pretrained(dtype=...); 6.x unknown
         "safetensors>=0.4",
+        "isal>=1.6",  # CRC-32 of checkpoint zip records at ~12 GB/s (zlib's: ~2), written and checked
+        "zstandard>=0.22",  # torch_dist chunks saved with torch's stream.zstd transform
         "psutil",  # megatron-core's dist_checkpointing needs it at save time
         "tqdm",
         "tokenizers>=0.15",  # mpatch preprocess / SFT: HF tokenizer folders (tokenizer.json)
         "tiktoken>=0.6",  # mpatch preprocess: tiktoken BPE files
         "tensorboard",  # training logs under OUTPUT_BASEPATH/tensorboard
         "matplotlib",  # mpatch align's error-by-layer plot
+        "xxhash>=3",  # the outputs' manifests: XXH3-128 digests (mpatch verify, checked loads)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
         # accelerate: transformers dequantizes FP8 hub checkpoints with it (the FP8 conversion test compares).
-        "test": ["pytest>=7", "accelerate"],
+        # hypothesis: the fuzzed bad-input contract (tests/test_bad_input.py) and chunkings of torch_dist blocks.
+        # peft: the reference LoRA implementation tests/test_lora.py compares against both ways.
+        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21"],
     },
     entry_points={"console_scripts": ["mpatch=megatron_patch.cli:main"]},
 )

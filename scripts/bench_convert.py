@@ -220,6 +220,11 @@ def run_suite(hf: Path, work: Path, env: dict, args, workers: int, cache: str, c
         step(f"hf2mcore {fmt}", mpatch + ["hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--tp", str(args.tp),
                                            "--pp", str(args.pp), "--format", fmt] + common, [hf])
         step(f"mcore2hf {fmt}", mpatch + ["mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(back)] + common, [ckpt])
+        if args.manifest_steps:  # what the manifest costs: its check alone, and mcore2hf without it
+            step(f"verify {fmt}", [sys.executable, "-m", "megatron_patch", "verify", str(ckpt), "--quiet"], [ckpt])
+            step(f"mcore2hf {fmt} --no-verify", mpatch + ["mcore2hf", "--load-dir", str(ckpt), "--save-dir",
+                                                          str(work / "unverified"), "--no-verify"] + common, [ckpt])
+            shutil.rmtree(work / "unverified")
         shutil.rmtree(ckpt)
         if check:
             verify(hf, back)
@@ -238,6 +243,8 @@ def main() -> int:
     ap.add_argument("--formats", default="legacy,torch_dist", help="MCore formats (default legacy,torch_dist)")
     ap.add_argument("--repeat", type=int, default=3, help="passes over the steps; medians are reported (default 3)")
     ap.add_argument("--no-verify", action="store_true", help="skip the tensor-by-tensor round-trip check")
+    ap.add_argument("--manifest-steps", action="store_true",
+                    help="also time 'mpatch verify' of each checkpoint and mcore2hf --no-verify (the manifest's cost)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     ap.add_argument("--json", help="also write the results as JSON here")
     ap.add_argument("--node-storage-gbps", type=float, default=4.0,

@@ -18,6 +18,7 @@ from megatron_patch.align.capture import _hooks, point_names
 from megatron_patch.align.parity import random_tokens
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import judge
+from megatron_patch.checkpoint_files.manifest import write_manifest
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.models.registry import families, parse_arch
@@ -175,6 +176,8 @@ def aligned(tmp_path_factory):
             edit_weights(ckpt, edit_w(arch))
         if edit_c:
             edit_config(ckpt, edit_c)
+        # A fault planted by hand would otherwise be refused as a damaged file before alignment sees it.
+        write_manifest(ckpt, "tests: planted fault", sync=False)
         faulty[name] = ckpt
 
     clean_runs = [McoreRun(dt, mcore_dir=str(clean[f])) for f in FAMILY_NAMES for dt in DTYPES]

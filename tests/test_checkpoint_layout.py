@@ -15,6 +15,7 @@ from megatron_patch.checkpoint_files.layout import (
     RELEASE, TRACKER_NAME, atomic_dir, is_iteration_dir, iteration_dir, latest_complete_iteration, partial_dir,
     read_tracker, remove_stale_partials, torch_dist_problem, write_tracker)
 from megatron_patch.errors import UserError
+from megatron_patch.outputs import renames
 
 
 def test_tracker_is_written_as_megatron_writes_it_and_read_back(tmp_path):
@@ -91,9 +92,16 @@ def disk_log(monkeypatch):
         events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
         real_replace(src, dst, *a, **k)
 
+    real_renameat2 = renames.renameat2
+
+    def renameat2(src, dst, flags):
+        events.append(("rename", os.path.realpath(src), os.path.realpath(dst)))
+        real_renameat2(src, dst, flags)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(renames, "renameat2", renameat2)
     return events
 
 

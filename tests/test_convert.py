@@ -349,13 +349,19 @@ def test_non_empty_target_needs_force(hf_dirs, tmp_path, capsys):
     argv = ["convert", "hf2mcore", "--hf-dir", str(hf_dirs["llama3_1"]), "--save-dir", str(target), "--quiet"]
     rc, err = run_cli(capsys, *argv)
     assert rc == 2 and "--force" in err and (target / "keep.txt").exists()
-    rc, _ = run_cli(capsys, *argv, "--force")
-    assert rc == 0 and not (target / "keep.txt").exists() and (target / SIDECAR_NAME).exists()
-    assert not leftovers(target)
+    # --force replaces only an earlier output of mpatch: a folder holding anything else is kept, saying why.
+    rc, err = run_cli(capsys, *argv, "--force")
+    assert rc == 2 and "keep.txt" in err and "only an earlier output" in err and err.count("\n") == 1, err
+    assert (target / "keep.txt").read_text() == "precious" and not leftovers(target)
+    (target / "keep.txt").unlink()
+    rc, _ = run_cli(capsys, *argv)
+    assert rc == 0 and (target / SIDECAR_NAME).exists()
+    rc, _ = run_cli(capsys, *argv, "--force", "--format", "legacy")
+    assert rc == 0 and read_sidecar(target).checkpoint_format == "legacy" and not leftovers(target)
     # The input folder itself is never a valid target, --force or not.
     rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf_dirs["llama3_1"]), "--save-dir",
                       str(hf_dirs["llama3_1"]), "--force")
-    assert rc == 2 and "overwrite the input" in err
+    assert rc == 2 and "overlaps the input" in err
 
 
 def test_damaged_mcore_checkpoint_fails_cleanly(hf_dirs, tmp_path, capsys):
@@ -422,8 +428,8 @@ def test_interrupted_conversion_leaves_nothing_that_looks_complete(hf_dirs, tmp_
     if sig == signal.SIGTERM:
         assert proc.returncode == 130 and not leftovers(target)
     else:
-        # Only a hidden folder that says it is partial; the next run clears it.
-        assert [name.split(PARTIAL_TAG)[0] for name in leftovers(target)] == [".out"]
+        # Only a hidden folder that says it is partial, and the lock of the killed run; the next run clears both.
+        assert sorted(name.split(PARTIAL_TAG)[0] for name in leftovers(target)) == [".out", ".out.mpatch-lock"]
         hf_to_mcore(hf_dirs["qwen2_moe"], target, ParallelLayout(tp=2), fmt="legacy", progress=False)
         assert read_sidecar(target).family == "qwen2_moe" and not leftovers(target)
 

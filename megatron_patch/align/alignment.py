@@ -6,6 +6,7 @@ What ``mpatch align`` runs; the report writer (``align.report``) turns the retur
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -92,10 +93,28 @@ def _test_arch(s: AlignSettings):
     return parse_arch(s.hf_dir_2 or s.hf_dir), None
 
 
+def check_run_fits(arch, batch: int, seq_len: int, command: str) -> None:
+    """Refuse, before any model is built, a run whose inputs the model was not made for or whose activations
+    (logits of each side, the captured layer outputs, attention scores: a rough upper estimate) would not fit
+    in this machine's free memory."""
+    import psutil
+
+    if seq_len > arch.max_position_embeddings:
+        raise UserError(f"--seq-len {seq_len:,} is beyond the model's {arch.max_position_embeddings:,} positions "
+                        "(max_position_embeddings): choose a shorter --seq-len")
+    tokens = batch * seq_len
+    need = 4 * (4 * tokens * arch.vocab_size + 8 * tokens * arch.hidden_size * (arch.num_layers + 2)
+                + batch * arch.num_heads * seq_len * seq_len)
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise UserError(f"{command} of --batch {batch:,} x --seq-len {seq_len:,} needs about {need / 2**30:,.1f} GiB "
+                        f"for its activations; {free / 2**30:.1f} GiB are free: lower --batch or --seq-len")
+
+
 def validate(s: AlignSettings):
     """Every check that needs no model run; returns (reference arch, tested arch, sidecar or None)."""
+    from megatron_patch.convert.hf_reader import checked_arch
     from megatron_patch.models.arch import validate_layout
-    from megatron_patch.models.registry import parse_arch
 
     if not Path(s.hf_dir).is_dir():
         raise UserError(f"--hf-dir {s.hf_dir} is not a folder: point it at a Hugging Face model folder")
@@ -107,8 +126,9 @@ def validate(s: AlignSettings):
         raise UserError(f"--dtype {s.dtype} is not one of {', '.join(PRECISIONS)}")
     if s.seq_len < 2 or s.batch < 1:
         raise UserError(f"--seq-len must be >= 2 and --batch >= 1 (got {s.seq_len}, {s.batch})")
-    if s.tolerance <= 1:
-        raise UserError(f"--tolerance must be > 1 (a multiple of HF's own rounding error), got {s.tolerance}")
+    if not math.isfinite(s.tolerance) or s.tolerance <= 1:
+        raise UserError(f"--tolerance must be a finite number > 1 (a multiple of HF's own rounding error), "
+                        f"got {s.tolerance}")
     if s.ablate and s.hf_dir_2:
         raise UserError("--ablate switches MCore implementation details: it needs the MCore side, not --hf-dir-2")
     if s.only_dtype and s.dtype == "fp32":
@@ -120,7 +140,10 @@ def validate(s: AlignSettings):
             raise UserError("--peft-dir puts the adapter on both sides of HF vs MCore: drop --hf-dir-2")
         if not is_peft_folder(s.peft_dir):
             raise UserError(f"--peft-dir {s.peft_dir} is not a peft adapter folder (it has no adapter_config.json)")
-    ref_arch = parse_arch(s.hf_dir)
+    ref_arch = checked_arch(s.hf_dir, shapes=True)
+    check_run_fits(ref_arch, s.batch, s.seq_len, "align")
+    if s.hf_dir_2:
+        checked_arch(s.hf_dir_2, shapes=True)
     test_arch, sidecar = _test_arch(s)
     if s.peft_dir:
         from megatron_patch.lora.peft_io import read_peft_adapter

@@ -5,13 +5,12 @@
     ROOT/release/                            the weights of a converted or exported checkpoint
     ROOT/iter_0000010/                       one training checkpoint per saved iteration
 
-Folders appear complete or not at all: everything is written under a hidden sibling
-``.NAME.mpatch-partial.PID`` and renamed onto its name once complete; the tracker moves last. A
-failure removes the partial folder; an interrupted run (even ``kill -9``) leaves at most a folder
-whose name says it is partial, which the next writer removes once its process is gone.
+Folders appear complete or not at all (``megatron_patch.outputs.folders``, re-exported here): everything
+is written under a hidden sibling ``.NAME.mpatch-partial.PID``, under the output's lock, and renamed onto
+its name once complete and fsynced; the tracker moves last. An interrupted run (even ``kill -9``) leaves
+at most a folder whose name says it is partial, which the next holder of the lock removes.
 
-Durability: before a folder is renamed onto its name, every file and folder in it is fsynced, and
-after the rename (and after the tracker moves) the parent folder is, so that after a power loss
+Durability: the tracker is fsynced before its rename and its folder after, so that after a power loss
 the tracker never names a folder whose contents were still only in the page cache. Readers do not
 rely on that alone: ``latest_complete_iteration`` checks a training checkpoint before it is used
 (missing or truncated files, an unreadable tracker) and falls back to the previous complete one.
@@ -26,17 +25,19 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from megatron_patch.errors import UserError
+from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder helpers, one import for readers
+    PARTIAL_TAG, atomic_dir, fsync_dir, fsync_file, fsync_tree, partial_dir, publish, remove_stale_partials)
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
-ITERATION_DIR = re.compile(r"iter_(\d{7})")
-PARTIAL_TAG = ".mpatch-partial."
+ITERATION_DIR = re.compile(r"iter_([0-9]{7})")
+# An iteration number as a tracker or the environment gives it: ASCII digits, at most 12 of them.
+WHOLE_NUMBER = re.compile(r"[0-9]{1,12}")
 
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
@@ -58,9 +59,9 @@ def read_tracker(root: str | Path) -> int | str | None:
         raise UserError(f"{tracker} is unreadable ({exc}): the checkpoint is damaged")
     if text == RELEASE:
         return RELEASE
-    if text.isdigit():
+    if WHOLE_NUMBER.fullmatch(text):  # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
         return int(text)
-    raise UserError(f"{tracker} says '{text[:40]}', neither 'release' nor an iteration number: the checkpoint is damaged")
+    raise UserError(f"{tracker} says {text[:40]!r}, neither 'release' nor an iteration number: the checkpoint is damaged")
 
 
 def write_tracker(root: str | Path, value: int | str) -> None:
@@ -80,112 +81,6 @@ def write_tracker(root: str | Path, value: int | str) -> None:
             tmp.unlink()
         raise
     fsync_dir(tracker.parent)
-
-
-# --- durability -------------------------------------------------------------------------------------
-
-def fsync_file(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str | Path) -> None:
-    """Make the entries of folder ``path`` (names created, renamed or removed in it) durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # a platform or filesystem that cannot open folders has no folder fsync either
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        # Some network filesystems refuse fsync on a folder (EINVAL); their renames are durable
-        # once they return. Anything else (EIO, ENOSPC) is a real failure.
-        if exc.errno not in (22, 95):  # EINVAL, EOPNOTSUPP
-            raise
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(folder: str | Path) -> None:
-    """fsync every file under ``folder``, then every folder, deepest first (their entries)."""
-    folders = []
-    for dirpath, _dirnames, filenames in os.walk(folder):
-        folders.append(dirpath)
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path):
-                fsync_file(path)
-    for dirpath in reversed(folders):
-        fsync_dir(dirpath)
-
-
-# --- folders that appear complete or not at all --------------------------------------------------
-
-def partial_dir(target: str | Path, pid: int | None = None) -> Path:
-    """The hidden sibling ``target`` is written in by process ``pid`` (default: this one)."""
-    target = Path(target)
-    return target.parent / f".{target.name}{PARTIAL_TAG}{pid or os.getpid()}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_partials(target: str | Path) -> None:
-    """Remove partial folders of ``target`` whose writing process is gone."""
-    target = Path(target)
-    for p in target.parent.glob(f".{target.name}{PARTIAL_TAG}*"):
-        try:
-            pid = int(p.name.rsplit(".", 1)[-1])
-        except ValueError:
-            continue
-        if not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def publish(tmp: str | Path, target: str | Path) -> None:
-    """Make the finished folder ``tmp`` the ``target``; an old ``target`` is replaced only now.
-
-    Everything in ``tmp`` is fsynced first and the parent folder after the rename, so ``target``
-    is on disk with its contents before anything (a tracker) can point at it.
-    """
-    tmp, target = Path(tmp), Path(target)
-    fsync_tree(tmp)
-    if target.exists():
-        old = target.parent / f".{target.name}.mpatch-replaced.{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        target.rename(old)
-        tmp.rename(target)
-        fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(target)
-        fsync_dir(target.parent)
-
-
-@contextlib.contextmanager
-def atomic_dir(target: str | Path) -> Iterator[Path]:
-    """Yield a fresh partial folder that becomes ``target`` when the block finishes without error."""
-    target = Path(target)
-    remove_stale_partials(target)
-    tmp = partial_dir(target)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        publish(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # --- which checkpoint is complete --------------------------------------------------------------------
@@ -223,9 +118,10 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
         json.loads(config.read_text())
     except (OSError, ValueError) as exc:
         return f"metadata.json is unreadable ({exc})"
-    if not (folder / ".metadata").is_file():
+    from megatron_patch.checkpoint_files.torch_dist import metadata_files, read_metadata
+
+    if not metadata_files(folder):
         return ".metadata is missing"
-    from megatron_patch.checkpoint_files.torch_dist import read_metadata
 
     try:
         metadata = read_metadata(folder / ".metadata")

@@ -19,7 +19,6 @@ import importlib
 import io
 import pickle
 import re
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +30,13 @@ from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorProperties
 
 from megatron_patch.checkpoint_files.allowlist import ALLOWED, UnsafePickle, canonical, check, refuse
 from megatron_patch.checkpoint_files.pickles import loads as parse_inert
 from megatron_patch.checkpoint_files.pickles import record_class
 from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT
+from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex
 from megatron_patch.errors import UserError
 
 
@@ -51,6 +51,8 @@ class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         check(module, name, self.where)
         module, name = canonical(module, name)
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return _TensorProperties
         try:
             return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
@@ -58,6 +60,16 @@ class _AllowListUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError(f"unexpected persistent record {pid!r:.60}")
+
+
+class _TensorProperties(TensorProperties):
+    """torch's TensorProperties, also from a newer torch's pickle: torch 2.14+ adds the tensor's strides as
+    a sixth field, which older torch's ``__setstate__`` cannot unpack (the chunks' own archives carry
+    their strides; the planner does not need them)."""
+
+    def __setstate__(self, state):
+        super().__setstate__(tuple(state)[:5] if isinstance(state, tuple) else state)
+        self.__class__ = TensorProperties  # torch's own class from here on (pickled again, compared)
 
 
 def read_dcp_metadata(path: str | Path):
@@ -73,16 +85,17 @@ def read_dcp_metadata(path: str | Path):
 
 
 def check_torch_save(data: bytes, where: str) -> None:
-    """Parse a torch.save archive's pickle with the allow-list (nothing built but inert records)."""
+    """Check a torch.save archive held in memory: its zip structure and every record's CRC-32
+    (``zipfmt.ZipIndex``), then its pickle with the allow-list (nothing built but inert records)."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            name = next((n for n in archive.namelist() if n == "data.pkl" or n.endswith("/data.pkl")), None)
-            if name is None:
-                raise UserError(f"{where}: no data.pkl record: not a torch.save archive, or a damaged one")
-            pkl = archive.read(name)
-    except zipfile.BadZipFile:
-        raise UserError(f"{where} is not a torch.save zip archive (a damaged file, or torch's pre-1.6 format, "
-                        "which is not read)") from None
+        index = ZipIndex(where, data=data)
+        index.verify()
+        if "data.pkl" not in index:
+            raise UserError(f"{where}: no data.pkl record: not a torch.save archive, or a damaged one")
+        pkl = index.read("data.pkl")
+    except ZipFormatError as exc:
+        raise UserError(f"{where} is not a readable torch.save archive ({exc}): it is truncated or corrupt "
+                        "(torch's pre-1.6 format is not read)") from None
     try:
         parse_inert(pkl, where=where)
     except UserError:
@@ -166,12 +179,25 @@ class SafeFileSystemReader(FileSystemReader):
     def read_data(self, plan, planner):
         return super().read_data(plan, _SafeBytesPlanner(planner, str(self.path)))
 
+    def _slice_file(self, file, sinfo):
+        """Each stored item read once into memory; a tensor chunk's archive is checked (zip structure and
+        CRC-32s) before torch loads it from those bytes."""
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        if not getattr(sinfo, "transform_descriptors", None) and data[:4] == b"PK\x03\x04":
+            where = f"{Path(self.path) / sinfo.relative_path} (the archive at byte {sinfo.offset})"
+            try:
+                ZipIndex(where, data=data).verify()
+            except ZipFormatError as exc:
+                raise UserError(f"{where} is corrupt ({exc})") from None
+        return io.BytesIO(data)
+
 
 def _raise_refusal(exc: CheckpointException) -> None:
     """torch reports a rank's failure inside a CheckpointException: a refusal is raised as itself."""
     for failure in exc.failures.values():
         inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, UnsafePickle):
+        if isinstance(inner, UserError):  # a refused pickle, a corrupt archive
             raise inner from None
 
 

@@ -12,23 +12,24 @@ archive's headers and pickle, every chunk's byte range (a ``Stored`` the copier 
 megatron's ``dist_checkpointing.load`` read the result as their own.
 
 ``TorchDistReader`` reads ``.metadata`` with the safe unpickler (no torch, and no dependence on the
-torch version that wrote it beyond the field names) and locates each stored chunk's bytes. A block
-that is not exactly one plain stored chunk is read through torch's own reader (``load``).
+torch version that wrote it beyond the field names), locates each stored chunk's bytes, and assembles
+any block of any tensor from whatever chunks were stored: torch's own reader is never used, so no
+checkpoint pickle reaches an unguarded unpickler on this path.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from megatron_patch.checkpoint_files.byte_io import Stored
-from megatron_patch.checkpoint_files.byte_io import create_file
+from megatron_patch.checkpoint_files.byte_io import create_file, read_range
 from megatron_patch.checkpoint_files.pickles import (
     Call, DType, Global, Items, New, Record, TensorRef, dumps, loads, torch_dtype, torch_size)
 from megatron_patch.checkpoint_files.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
+from megatron_patch.checkpoint_files.zipfmt import ZipLayout
 from megatron_patch.errors import UserError
 
 # What megatron-core's dist_checkpointing.save writes next to the torch files.
@@ -61,6 +62,7 @@ class TorchDistPlan:
     small: list[tuple[str, int, bytes]] = field(default_factory=list)   # (file name, offset, bytes)
     stored: dict[tuple[str, tuple[int, ...]], Stored] = field(default_factory=dict)
     metadata: bytes = b""
+    archives: list[tuple[str, ZipLayout]] = field(default_factory=list)   # (file name, a chunk's archive)
 
     def create_files(self) -> None:
         """Every .distcp file at its full size, with all headers and object bytes in place."""
@@ -110,6 +112,7 @@ def plan_torch_dist(folder: str | Path, chunks: list[ChunkItem], objects: list[t
         fname, start = place()
         layout, stored = plan_torch_save(plan.folder / fname, TensorSpec(tuple(ch.local_shape), ch.dtype), base=start)
         plan.small += [(fname, off, data) for off, data in layout.small]
+        plan.archives.append((fname, layout))
         plan.stored[(ch.key, tuple(ch.offset))] = stored[()]
         entry = tensors.setdefault(ch.key, {"dtype": ch.dtype, "size": tuple(ch.global_shape), "chunks": []})
         if entry["dtype"] != ch.dtype or entry["size"] != tuple(ch.global_shape):
@@ -140,11 +143,27 @@ def plan_torch_dist(folder: str | Path, chunks: list[ChunkItem], objects: list[t
 
 # --- reading ---------------------------------------------------------------------------------------
 
+# Transform descriptors (torch >= 2.7's StreamTransformExtension) this reader decodes: the registry name
+# and the major version it knows.
+ZSTD = "stream.zstd"
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     global_shape: tuple[int, ...]
     dtype: str
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]   # (offsets, sizes)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of a requested block that one stored chunk holds: the box of ``size`` at ``src_start`` of
+    ``src`` (the whole stored chunk, dense, in its stored shape) is the box at ``dst_start`` of the block."""
+
+    src: Stored
+    src_start: tuple[int, ...]
+    dst_start: tuple[int, ...]
+    size: tuple[int, ...]
 
 
 def _state(rec, name: str):
@@ -159,12 +178,35 @@ class DistMetadata:
 
     tensors: dict[str, TensorInfo]
     objects: set[str]
-    storage: dict[tuple[str, tuple | None], tuple[str, int, int, object]]
+    storage: dict[tuple[str, tuple | None], tuple[str, int, int, tuple[str, ...]]]
+
+
+def metadata_files(folder: Path) -> list[Path]:
+    """The metadata of a torch_dist folder: ``.metadata``, or, written by ``dcp.save(use_collectives=False)``
+    (torch >= 2.6), one ``__<rank>.metadata`` per rank and no global file; [] when there is none."""
+    if (folder / ".metadata").is_file():
+        return [folder / ".metadata"]
+    return sorted(folder.glob("__*.metadata"), key=lambda p: p.name)
 
 
 def read_metadata(path: Path) -> DistMetadata:
-    """``.metadata`` read with the safe unpickler; raises whatever a damaged file makes unpickling or
-    the structure raise."""
+    """``.metadata`` (or, where only rank-local files exist, all of them merged) read with the safe
+    unpickler; raises whatever a damaged file makes unpickling or the structure raise.
+
+    Reads any torch version's records by field name: torch 2.14-2.15 add ``strides`` to the tensor
+    properties and megatron-core adds ``all_local_plans`` and ``mcore_data`` to the metadata, which
+    nothing here needs."""
+    path = Path(path)
+    files = [path] if path.exists() else metadata_files(path.parent)
+    if not files:
+        raise FileNotFoundError(f"{path} is missing")
+    out = DistMetadata({}, set(), {})
+    for file in files:
+        _merge(out, _parse_metadata(file), file)
+    return out
+
+
+def _parse_metadata(path: Path) -> DistMetadata:
     md = loads(path.read_bytes(), where=str(path))
     tensors: dict[str, TensorInfo] = {}
     objects: set[str] = set()
@@ -172,8 +214,7 @@ def read_metadata(path: Path) -> DistMetadata:
         if entry.qualname.endswith("BytesStorageMetadata"):
             objects.add(key)
             continue
-        props = _state(entry, "properties")
-        pstate = props.state
+        pstate = _state(entry, "properties").state
         dtype = pstate[0] if isinstance(pstate, tuple) else pstate["dtype"]
         chunks = tuple((tuple(_state(c, "offsets")), tuple(_state(c, "sizes"))) for c in _state(entry, "chunks"))
         tensors[key] = TensorInfo(tuple(_state(entry, "size")), dtype.name if isinstance(dtype, DType) else str(dtype),
@@ -183,14 +224,39 @@ def read_metadata(path: Path) -> DistMetadata:
         offset = _state(index, "offset")
         storage[(_state(index, "fqn"), None if offset is None else tuple(offset))] = (
             _state(info, "relative_path"), int(_state(info, "offset")), int(_state(info, "length")),
-            info.get("transform_descriptors") if isinstance(info, Record) else None)
+            tuple(_state(info, "transform_descriptors") or ()))
     return DistMetadata(tensors, objects, storage)
 
 
+def _merge(out: DistMetadata, md: DistMetadata, where: Path) -> None:
+    for key, info in md.tensors.items():
+        have = out.tensors.get(key)
+        if have is not None and (have.global_shape, have.dtype) != (info.global_shape, info.dtype):
+            raise ValueError(f"{where.name} gives {key} another shape or dtype than an earlier rank's metadata")
+        out.tensors[key] = info if have is None else TensorInfo(
+            have.global_shape, have.dtype, have.chunks + tuple(c for c in info.chunks if c not in have.chunks))
+    out.objects |= md.objects
+    out.storage.update(md.storage)
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    (ao, asz), (bo, bsz) = a, b
+    return all(x < y + ys and y < x + xs for x, xs, y, ys in zip(ao, asz, bo, bsz))
+
+
 class TorchDistReader:
+    """A torch_dist checkpoint read without torch's reader: ``.metadata`` through the allow-list, each stored
+    chunk located in its ``.distcp`` file (``chunk``), and any block of any tensor assembled from whatever
+    chunks hold it (``block``): a block spread over several chunks, part of one, chunks of another TP/PP/EP
+    layout or of the distributed optimizer's flattened buckets.
+
+    A chunk stored with a transform (zstd, torch >= 2.7) or as a strided view is decoded into an anonymous
+    scratch file (``close`` drops them); any other transform is refused. ``integrity`` collects the CRC-32
+    of every stored record handed out, for the caller to check while it reads the bytes."""
+
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        if not (self.folder / ".metadata").exists():
+        if not metadata_files(self.folder):
             raise UserError(f"{self.folder} has no .metadata: it is not a complete torch_dist checkpoint")
         try:
             md = read_metadata(self.folder / ".metadata")
@@ -200,6 +266,10 @@ class TorchDistReader:
             raise UserError(f"{self.folder / '.metadata'} is unreadable ({type(exc).__name__}: {exc}): "
                             "the checkpoint is damaged")
         self.tensors, self.objects, self.storage = md.tensors, md.objects, md.storage
+        self.integrity: dict[tuple[str, int, int], tuple[int, str]] = {}   # (path, offset, length) -> (crc, what)
+        self._chunks: dict[tuple[str, tuple], Stored] = {}
+        self._index: dict[str, tuple[int, dict]] = {}
+        self._scratch: list = []
 
     def keys(self) -> set[str]:
         return set(self.tensors) | self.objects
@@ -207,118 +277,196 @@ class TorchDistReader:
     def tensor_keys(self) -> set[str]:
         return set(self.tensors)
 
-    def common_state(self):
-        """megatron's common state (args, iteration, ...) as the safe unpickler reads it: ``common.pt``
-        when present (megatron-core <= 0.16, and this project's writer), else the ``common_state`` object
-        (megatron-core >= 0.19, a one-element list around the dict); None when neither is there."""
-        if (self.folder / "common.pt").exists():
-            return LazyTorchFile(self.folder / "common.pt").obj
-        where = self.storage.get((COMMON_STATE_OBJECT, None))
-        if where is None:
-            return None
-        relative, start, length, _ = where
-        obj = LazyTorchFile(self.folder / relative, window=(start, length)).obj
-        return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
-
     def global_shape(self, key: str) -> tuple[int, ...]:
         return self.tensors[key].global_shape
 
     def dtype(self, key: str) -> str:
         return self.tensors[key].dtype
 
-    def stored_chunk(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Stored | None:
-        """Where the bytes of the block of ``key`` at ``offset`` of ``shape`` are, when exactly one plain
-        stored chunk holds it (always for checkpoints written here or by a TP=1 training run); else None."""
-        info = self.tensors.get(key)
-        if info is None or (tuple(offset), tuple(shape)) not in info.chunks:
+    def close(self) -> None:
+        for f in self._scratch:
+            f.close()
+        self._scratch.clear()
+        self._chunks = {k: v for k, v in self._chunks.items() if not v.path.startswith("/proc/self/fd/")}
+
+    # --- byte objects ---------------------------------------------------------------------------
+
+    def object_range(self, key: str) -> tuple[Path, int, int]:
+        """(file, offset, length) of byte object ``key``'s stored bytes, decoded if it was stored with a transform."""
+        where = self.storage.get((key, None))
+        if where is None:
+            raise UserError(f"{self.folder / '.metadata'} lists the object {key} but not where it is stored: "
+                            "the checkpoint is damaged")
+        relative, start, length, transforms = where
+        return self._decoded(self.folder / relative, start, length, transforms, key)
+
+    def common_state(self):
+        """megatron's common state (args, iteration, ...) as the safe unpickler reads it: ``common.pt``
+        when present (megatron-core <= 0.16, and this project's writer), else the ``common_state`` object
+        (megatron-core >= 0.19, a one-element list around the dict); None when neither is there."""
+        if (self.folder / "common.pt").exists():
+            return LazyTorchFile(self.folder / "common.pt", verify=True).obj
+        if (COMMON_STATE_OBJECT, None) not in self.storage:
             return None
-        where = self.storage.get((key, tuple(offset)))
-        if where is None or where[3]:
-            return None
-        relative, start, length, _ = where
-        blob = LazyTorchFile(self.folder / relative, window=(start, length))
-        if not isinstance(blob.obj, TensorRef):
-            return None
-        stored = blob.stored(blob.obj)
-        if stored is None or stored.dtype != info.dtype or tuple(stored.shape) != tuple(shape):
-            return None
+        path, start, length = self.object_range(COMMON_STATE_OBJECT)
+        obj = LazyTorchFile(path, window=(start, length), verify=True).obj
+        return obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+
+    # --- tensor chunks ----------------------------------------------------------------------------
+
+    def chunk(self, key: str, offset: tuple[int, ...]) -> Stored:
+        """Where the stored chunk of ``key`` at ``offset`` is: a dense tensor of the chunk's shape."""
+        offset = tuple(offset)
+        found = self._chunks.get((key, offset))
+        if found is not None:
+            return found
+        info = self.tensors[key]
+        sizes = next((s for o, s in info.chunks if o == offset), None)
+        where = self.storage.get((key, offset))
+        if sizes is None or where is None:
+            raise UserError(f"{self.folder / '.metadata'} lists a chunk of {key} at {offset} but not where it is "
+                            "stored: the checkpoint is damaged")
+        relative, start, length, transforms = where
+        path, start, length = self._decoded(self.folder / relative, start, length, transforms, f"{key} at {offset}")
+        blob = LazyTorchFile(path, window=(start, length))
+        ref = blob.obj
+        what = f"{Path(relative).name}: chunk of {key} at {list(offset)}"
+        if not isinstance(ref, TensorRef):
+            raise UserError(f"{what} holds no tensor: the checkpoint is damaged")
+        if ref.storage.dtype != info.dtype or tuple(ref.shape) != tuple(sizes):
+            raise UserError(f"{what} holds a {ref.storage.dtype} tensor of shape {list(ref.shape)} where .metadata "
+                            f"says {info.dtype} of {list(sizes)}: the checkpoint is damaged")
+        stored = blob.stored(ref)
+        record = blob.record_check(ref)
+        if record is not None:
+            self.integrity[record[:3]] = (record[3], what)
+        if stored is None:  # a strided view of its storage: made dense once
+            import torch
+
+            tensor = blob.load(ref).contiguous()
+            stored = self._scratch_file(tensor.reshape(-1).view(torch.uint8).numpy(), tuple(sizes), info.dtype)
+        self._chunks[(key, offset)] = stored
         return stored
 
-    def read_all(self) -> dict:
-        """Every tensor whole, in its stored dtype (torch imported here): for tests and benchmarks."""
+    def _scratch_file(self, data, shape: tuple[int, ...], dtype: str) -> Stored:
+        import tempfile
+
+        f = tempfile.TemporaryFile(prefix="mpatch-chunk-")
+        f.write(memoryview(data).cast("B"))
+        f.flush()
+        self._scratch.append(f)
+        return Stored(f"/proc/self/fd/{f.fileno()}", 0, shape, dtype)
+
+    def _decoded(self, path: Path, start: int, length: int, transforms: tuple[str, ...], what: str):
+        """(file, start, length) of an item's bytes once its transforms are undone (they are applied in
+        order when saving, so undone in reverse)."""
+        if not transforms:
+            return path, start, length
+        for desc in transforms:
+            name, _, version = str(desc).partition("/")
+            if name != ZSTD or version.partition(".")[0] != "1":
+                raise UserError(f"{path}: {what} is stored with the transform '{str(desc)[:60]}', which this reader "
+                                f"does not decode (it decodes {ZSTD}/1): the checkpoint cannot be read")
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"{path}: {what} is zstd-compressed (torch's {ZSTD} extension): pip install zstandard "
+                            "to read it") from None
+        data = bytes(read_range(path, start, length))
+        try:
+            for _ in transforms:
+                data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        except zstandard.ZstdError as exc:
+            raise UserError(f"{path}: {what} does not decompress ({exc}): the checkpoint is damaged") from None
+        stored = self._scratch_file(data, (len(data),), "uint8")
+        return Path(stored.path), 0, len(data)
+
+    def _candidates(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]):
+        """The stored chunks of ``key`` that may intersect the block: chunks are indexed by their offsets on
+        the leading axes on which every chunk has size 1 (megatron's layer and expert axes)."""
+        if key not in self._index:
+            chunks = self.tensors[key].chunks
+            ndim = len(self.tensors[key].global_shape)
+            lead = next((d for d in range(ndim) if any(s[d] != 1 for _, s in chunks)), ndim)
+            buckets: dict = {}
+            for o, s in chunks:
+                buckets.setdefault(o[:lead], []).append((o, s))
+            self._index[key] = (lead, buckets)
+        lead, buckets = self._index[key]
+        if lead == 0:
+            return buckets.get((), [])
+        import itertools
+
+        ranges = [range(o, o + s) for o, s in zip(offset[:lead], shape[:lead])]
+        return [c for prefix in itertools.product(*ranges) for c in buckets.get(prefix, ())]
+
+    def block(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> list[Piece]:
+        """The pieces that make up the block of ``key`` at ``offset`` of ``shape``: every element of it
+        held by exactly one stored chunk, or one line saying what is wrong."""
+        info = self.tensors.get(key)
+        if info is None:
+            raise UserError(f"the torch_dist checkpoint has no tensor '{key}': it was not written for this model")
+        offset, shape = tuple(offset), tuple(shape)
+        if len(offset) != len(info.global_shape) or len(shape) != len(offset) or \
+                any(o < 0 or o + s > g for o, s, g in zip(offset, shape, info.global_shape)):
+            raise UserError(f"torch_dist tensor '{key}' has shape {info.global_shape}, which does not fit the model "
+                            f"(needs a block at {offset} of {shape})")
+        pieces, boxes = [], []
+        for co, cs in self._candidates(key, offset, shape):
+            lo = tuple(max(a, b) for a, b in zip(offset, co))
+            hi = tuple(min(a + s, b + t) for a, s, b, t in zip(offset, shape, co, cs))
+            if any(x >= y for x, y in zip(lo, hi)):
+                continue
+            if any(not 0 <= o or o + s > g for o, s, g in zip(co, cs, info.global_shape)):
+                raise UserError(f"{self.folder / '.metadata'}: a chunk of {key} at {list(co)} of {list(cs)} lies "
+                                f"outside its shape {list(info.global_shape)}: the checkpoint is damaged")
+            size = tuple(y - x for x, y in zip(lo, hi))
+            boxes.append((lo, size))
+            pieces.append(Piece(self.chunk(key, co), tuple(x - c for x, c in zip(lo, co)),
+                                tuple(x - o for x, o in zip(lo, offset)), size))
+        _check_cover(key, offset, shape, boxes)
+        return pieces
+
+    def read_block(self, key: str, offset: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None):
+        """The block as a torch tensor (torch imported here), assembled by this reader: for tests, the
+        in-memory merges of the converter and benchmarks."""
+        import numpy as np
         import torch
 
-        out = {k: torch.empty(self.global_shape(k), dtype=getattr(torch, self.dtype(k))) for k in self.tensor_keys()}
-        self.load([(k, (0,) * t.dim(), t) for k, t in out.items()])
-        return out
+        info = self.tensors[key]
+        shape = tuple(info.global_shape if shape is None else shape)
+        offset = tuple((0,) * len(shape) if offset is None else offset)
+        itemsize = torch.empty((), dtype=getattr(torch, info.dtype)).element_size()
+        out = np.zeros(shape[:-1] + (shape[-1] * itemsize,) if shape else (itemsize,), dtype=np.uint8)
+        for p in self.block(key, offset, shape):
+            src = np.fromfile(p.src.path, dtype=np.uint8, count=p.src.nbytes, offset=p.src.offset)
+            src = src.reshape(p.src.shape[:-1] + (p.src.shape[-1] * itemsize,) if p.src.shape else (itemsize,))
+            box = tuple(slice(a, a + s) for a, s in zip(p.src_start, p.size))
+            dst = tuple(slice(a, a + s) for a, s in zip(p.dst_start, p.size))
+            if shape:
+                box = box[:-1] + (slice(box[-1].start * itemsize, box[-1].stop * itemsize),)
+                dst = dst[:-1] + (slice(dst[-1].start * itemsize, dst[-1].stop * itemsize),)
+            out[dst] = src[box]
+        return torch.from_numpy(out.reshape(-1)).view(getattr(torch, info.dtype)).reshape(shape).clone()
 
-    def load(self, requests: Iterable[tuple[str, tuple[int, ...], object]]) -> None:
-        """Fill each target tensor with the block of ``key`` that starts at ``offset``, through torch's
-        reader (torch imported here): for blocks ``stored_chunk`` cannot place."""
-        requests = list(requests)
-        if not requests:
-            return
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from megatron_patch.checkpoint_files.safe_torch import SafeFileSystemReader, load_refusing
-
-        for key, offset, target in requests:
-            info = self.tensors.get(key)
-            if info is None:
-                raise UserError(f"the torch_dist checkpoint has no tensor '{key}': it was not written for this model")
-            end = [o + s for o, s in zip(offset, target.shape)]
-            if len(info.global_shape) != len(offset) or any(e > s for e, s in zip(end, info.global_shape)):
-                raise UserError(f"torch_dist tensor '{key}' has shape {info.global_shape}, which does not fit the model "
-                                f"(needs a block at {offset} of {tuple(target.shape)})")
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-                load_refusing({}, SafeFileSystemReader(self.folder), _chunk_load_planner(requests))
-        except UserError:
-            raise
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - torch reports damaged files in many ways
-            raise UserError(f"cannot read {requests[0][0]} from {self.folder} ({_cause(exc)}): "
-                            "the checkpoint may be truncated or corrupt")
+    def read_all(self) -> dict:
+        """Every tensor whole, in its stored dtype: for tests and benchmarks."""
+        return {k: self.read_block(k) for k in self.tensor_keys()}
 
 
-def _cause(exc: BaseException) -> str:
-    """The innermost error's message, first sentence only (torch's messages run to paragraphs)."""
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    last = lines[-1].strip() if lines else type(exc).__name__
-    return last.split(". ")[0]
-
-
-def _chunk_load_planner(requests):
-    """torch's load planner, asked for the given blocks of global tensors, filling the given targets."""
-    import torch
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-    from torch.distributed.checkpoint.planner import LoadPlan
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    class _ChunkLoad(DefaultLoadPlanner):
-        def __init__(self):
-            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self._targets: dict = {}
-
-        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-            super().set_up_planner({}, metadata, is_coordinator)
-
-        def create_local_plan(self) -> LoadPlan:
-            items = []
-            for key, offset, target in requests:
-                md = self.metadata.state_dict_metadata[key]
-                self._targets[(key, tuple(offset))] = target
-                items += create_read_items_for_chunk_list(key, md, [ChunkStorageMetadata(torch.Size(offset), target.size())])
-            return LoadPlan(items)
-
-        def resolve_tensor(self, read_item):
-            target = self._targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
-            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-                target = target.narrow(dim, start, length)
-            return target
-
-        def commit_tensor(self, read_item, tensor) -> None:
-            pass
-
-    return _ChunkLoad()
+def _check_cover(key: str, offset: tuple, shape: tuple, boxes: list) -> None:
+    """The boxes cover the block exactly once (torch refuses overlapping chunks when it saves, so
+    overlaps or holes mean a damaged or forged .metadata)."""
+    volume = math.prod(shape)
+    got = sum(math.prod(s) for _, s in boxes)
+    if len(shape) == 1:
+        ordered = sorted(boxes)
+        overlapping = any(a[0][0] + a[1][0] > b[0][0] for a, b in zip(ordered, ordered[1:]))
+    else:
+        overlapping = got > volume or any(_overlap(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    if overlapping:
+        raise UserError(f"the torch_dist checkpoint stores overlapping chunks of {key} (in the block at "
+                        f"{list(offset)} of {list(shape)}): its .metadata is damaged")
+    if got != volume:
+        raise UserError(f"the torch_dist checkpoint stores only {got} of the {volume} elements of {key} in the block "
+                        f"at {list(offset)} of {list(shape)}: it is incomplete or was not written for this model")

@@ -10,7 +10,9 @@ place (a ``Stored``) that the copier fills later. ``torch.load`` reads the resul
 Megatron-LM's) without reading any storage, into ``TensorRef`` leaves whose bytes it can locate
 (``stored``) or, for the odd tensor that is not a dense view of its storage, load through torch.
 Globals other than tensors and plain containers (``args``, RNG states, ...) come back as inert
-records: nothing in the file is ever executed.
+records: nothing in the file is ever executed, and a global off the allow-list is refused. Opening a
+file checks its zip structure and the CRC-32 of its pickle and small records; the tensor storages'
+CRC-32s are checked by whoever reads them (``record_check``), or at once with ``verify``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from megatron_patch.checkpoint_files.byte_io import Stored
 from megatron_patch.checkpoint_files.byte_io import read_range
 from megatron_patch.checkpoint_files.pickles import (
     STORAGE_CLASS_OF_DTYPE, Call, Global, PersistentId, StorageRef, TensorRef, dumps, loads)
-from megatron_patch.checkpoint_files.zipfmt import ALIGNMENT, ZipFormatError, ZipIndex, ZipLayout, plan_zip
+from megatron_patch.checkpoint_files.zipfmt import ALIGNMENT, ZipFormatError, ZipIndex, ZipLayout, check_crc, plan_zip, crc32
 from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.errors import UserError
 
@@ -103,8 +105,9 @@ def plan_torch_save(path: str | os.PathLike, obj: Any, *, base: int = 0, archive
 class LazyTorchFile:
     """The structure of a torch.save file, with ``TensorRef`` leaves (no storage read)."""
 
-    def __init__(self, path: str | Path, window: tuple[int, int] | None = None):
-        """``window``: (offset, length) of a torch.save file stored inside ``path`` (as in a .distcp file)."""
+    def __init__(self, path: str | Path, window: tuple[int, int] | None = None, verify: bool = False):
+        """``window``: (offset, length) of a torch.save file stored inside ``path`` (as in a .distcp file);
+        ``verify``: check every record's CRC-32 now (small files: common.pt, RNG and train-state files)."""
         self.path = Path(path)
         self.window = window
         try:
@@ -113,15 +116,27 @@ class LazyTorchFile:
             if pkl is None:
                 raise ZipFormatError("no data.pkl record")
             data = self.zip.read(pkl)
+            if verify:
+                for path_, offset, length, crc in self.zip.record_checks():
+                    check_crc(path_, offset, length, crc, "a record")
         except (ZipFormatError, OSError) as exc:
-            raise UserError(f"{self.path} is not a readable torch checkpoint file ({exc}): "
-                            "it may be truncated or corrupt")
+            raise UserError(f"{self._where()} is not a readable torch checkpoint file ({exc}): "
+                            "it is truncated or corrupt")
         try:
             self.obj = loads(data, where=str(self.path))
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - any other unpickling failure means a damaged file
             raise UserError(f"{self.path}: cannot unpickle its contents ({exc}): the file may be corrupt")
+
+    def _where(self) -> str:
+        return f"{self.path} (the archive at byte {self.window[0]})" if self.window else str(self.path)
+
+    def record_check(self, t: TensorRef) -> tuple[str, int, int, int] | None:
+        """(path, offset, length, CRC-32) of ``t``'s storage record, to check while reading it; None when
+        opening the file checked it already or it carries no CRC."""
+        self._record(t.storage)
+        return self.zip.record_check(f"data/{t.storage.key}")
 
     def stored(self, t: TensorRef) -> Stored | None:
         """Where ``t``'s bytes are, when it is a dense C-contiguous run of its storage; else None."""
@@ -138,7 +153,7 @@ class LazyTorchFile:
         try:
             offset, length = self.zip.locate(f"data/{storage.key}")
         except (ZipFormatError, OSError) as exc:
-            raise UserError(f"{self.path}: cannot read tensor storage {storage.key} ({exc}): "
+            raise UserError(f"{self._where()}: cannot read tensor storage {storage.key} ({exc}): "
                             "the file may be truncated or corrupt")
         if length != storage.numel * ITEMSIZE.get(storage.dtype, 0):
             raise UserError(f"{self.path}: record data/{storage.key} holds {length} bytes, the pickle says "
@@ -151,6 +166,9 @@ class LazyTorchFile:
 
         offset, length = self._record(t.storage)
         buf = read_range(self.path, offset, length)
+        crc = self.zip.crc(f"data/{t.storage.key}")
+        if crc and crc32(buf) != crc:
+            raise UserError(f"{self._where()}: record data/{t.storage.key} fails its CRC-32 check: the file is corrupt")
         flat = torch.frombuffer(buf, dtype=getattr(torch, t.storage.dtype)) if length else \
             torch.empty(0, dtype=getattr(torch, t.storage.dtype))
         return torch.as_strided(flat, t.shape, t.stride, t.offset).clone()

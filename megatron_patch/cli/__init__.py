@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
+from pathlib import Path
 
 from megatron_patch import __version__
 from megatron_patch.errors import UserError
 
-SUBCOMMANDS = ["info", "families", "demo", "parity", "convert", "inspect", "preprocess", "train", "align"]
+SUBCOMMANDS = ["info", "families", "demo", "parity", "convert", "inspect", "verify", "preprocess", "train", "align"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -29,14 +32,43 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Exit codes (docs/outputs.md). align and parity give a verdict, so their internal error is 3, not 1.
+EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = {"align": 3, "parity": 3}
+EXIT_BROKEN_PIPE = 141  # as a shell reports a process ended by SIGPIPE (`mpatch families | head -1`)
+DEBUG_VARIABLE = "MPATCH_DEBUG"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every command: 0 success, 2 bad input (one line), 1 an internal error (one line; its traceback with
+    MPATCH_DEBUG=1), 130 interrupted; align and parity: 1 is their negative verdict, 3 an internal error."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(only=argv[0] if argv else None).parse_args(argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else "mpatch"
     try:
+        args = build_parser(only=argv[0] if argv else None).parse_args(argv)
+        command = args.command
         return int(args.run(args) or 0)
     except UserError as exc:
-        print(f"mpatch {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"mpatch {command}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print(f"mpatch {args.command}: interrupted", file=sys.stderr)
+        print(f"mpatch {command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (a pager quit, `| head`): nothing is wrong and nothing more can be said.
+        # stdout is pointed at /dev/null so that the interpreter's final flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except Exception as exc:  # noqa: BLE001 - the contract: one line, never a traceback unless asked for
+        # A rank started by the training launcher keeps its traceback: the launcher prints the one line.
+        if os.environ.get(DEBUG_VARIABLE) == "1" or "TORCHELASTIC_RUN_ID" in os.environ:
+            traceback.print_exc()
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
+        print(f"mpatch {command}: internal error: {type(exc).__name__}: {_one_line(exc)[:300]}{at} (a bug: "
+              f"please report it; {DEBUG_VARIABLE}=1 prints the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL.get(command, 1)

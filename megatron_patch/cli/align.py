@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
+from pathlib import Path
 
 from megatron_patch.cli.common import add_layout_args, layout_from_args
 
@@ -33,17 +35,26 @@ def run(args) -> int:
 
     from megatron_patch.align.alignment import AlignSettings, run_alignment
     from megatron_patch.align.report import print_summary, write_report
+    from megatron_patch.errors import UserError
+    from megatron_patch.outputs.lock import OutputLock
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     settings = AlignSettings(
         hf_dir=args.hf_dir, mcore_dir=args.mcore_dir, hf_dir_2=args.hf_dir_2, layout=layout_from_args(args),
         dtype=args.dtype, seq_len=args.seq_len, batch=args.batch, seed=args.seed, text_file=args.text_file,
         ablate=args.ablate, tolerance=args.tolerance, only_dtype=args.only_dtype, peft_dir=args.peft_dir)
-    result = run_alignment(settings, log=None if not args.quiet else (lambda msg: None))
-    print_summary(result)
     if args.report_dir:
-        paths = write_report(result, args.report_dir, command_line(args))
-        print(f"report: {paths['md']} (+ report.json, {paths['png'].name})")
+        try:
+            Path(args.report_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create the folder of --report-dir {args.report_dir} ({exc.strerror or exc})")
+    # One writer per report folder, for the whole run (taken first: a second align into it fails at once).
+    with OutputLock(args.report_dir, "--report-dir") if args.report_dir else contextlib.nullcontext():
+        result = run_alignment(settings, log=None if not args.quiet else (lambda msg: None))
+        print_summary(result)
+        if args.report_dir:
+            paths = write_report(result, args.report_dir, command_line(args))
+            print(f"report: {paths['md']} (+ report.json, {paths['png'].name})")
     return 0 if result["verdict"]["aligned"] else 1
 
 
@@ -60,7 +71,7 @@ def register(subparsers) -> None:
                     "floor, and each point's error must stay within --tolerance times it. The first point over the "
                     "line is named. The tested side runs in fp32 first, which certifies the conversion (bf16 rounding "
                     "hides faults such as a 0.1% norm scale), then in --dtype; one verdict says which run decided it. "
-                    "Exit 0 aligned, 1 not aligned, 2 bad input.")
+                    "Exit 0 aligned, 1 not aligned, 2 bad input, 3 internal error.")
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder: the reference (run in fp32) and floor")
     p.add_argument("--mcore-dir", default=None,
                    help="a Megatron-Core checkpoint (torch_dist or legacy): written by 'mpatch convert hf2mcore' or "

@@ -70,7 +70,7 @@ def run_mcore2hf(args) -> int:
         return 0
     mcore_to_hf(args.load_dir, args.save_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
                 progress=False if args.quiet else None, hf_config=args.hf_config, family=args.family,
-                iteration=args.iteration, workers=args.workers)
+                iteration=args.iteration, workers=args.workers, verify=not args.no_verify)
     print(f"wrote {args.save_dir}")
     return 0
 
@@ -93,6 +93,11 @@ def _add_workers(parser) -> None:
     parser.add_argument("--workers", type=_workers, default=DEFAULT_WORKERS, metavar="N",
                         help="threads that copy bytes, several output files and tensors at once "
                              f"(default {DEFAULT_WORKERS}: one per core, at most 8; more help on fast disks)")
+
+
+FORCE_HELP = ("replace an earlier output of mpatch in --save-dir (a folder its mpatch_manifest.json describes, or an "
+              "MCore checkpoint / HF export holding nothing else), in one step once the new one is complete; "
+              "anything else is refused (docs/outputs.md)")
 
 
 def register(subparsers) -> None:
@@ -127,7 +132,7 @@ def register(subparsers) -> None:
     h.add_argument("--peft-dir", default=None,
                    help="a peft LoRA adapter folder of this model: its adapters are stored beside the weights "
                         "(torch_dist), for training to continue them or mcore2hf to export or merge them")
-    h.add_argument("--force", action="store_true", help="replace a non-empty --save-dir (only once the new one is complete)")
+    h.add_argument("--force", action="store_true", help=FORCE_HELP)
     _add_workers(h)
     h.add_argument("--quiet", action="store_true", help="no progress output")
     h.set_defaults(run=run_hf2mcore)
@@ -164,7 +169,10 @@ def register(subparsers) -> None:
     m.add_argument("--base-dir", default=None,
                    help="--merge-lora: the base model's checkpoint (default: the one the LoRA checkpoint names, checked "
                         "by digest)")
-    m.add_argument("--force", action="store_true", help="replace a non-empty --save-dir (only once the new one is complete)")
+    m.add_argument("--force", action="store_true", help=FORCE_HELP)
+    m.add_argument("--no-verify", action="store_true",
+                   help="do not check the checkpoint's files against its mpatch_manifest.json (checked by default, "
+                        "beside the copy, where the checkpoint has one)")
     _add_workers(m)
     m.add_argument("--quiet", action="store_true", help="no progress output")
     m.set_defaults(run=run_mcore2hf)

@@ -8,12 +8,18 @@ from megatron_patch.cli.common import add_layout_args, layout_from_args
 
 
 def run(args) -> int:
+    from megatron_patch.align.alignment import check_run_fits
     from megatron_patch.align.parity import check_parity
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.errors import UserError
+    from megatron_patch.convert.hf_reader import checked_arch
     from megatron_patch.models.arch import validate_layout
 
     layout = layout_from_args(args)
-    validate_layout(parse_arch(args.hf_dir), layout)  # refuse before starting any process
+    if args.seq_len < 1 or args.batch < 1:
+        raise UserError(f"--seq-len and --batch must be at least 1 (got {args.seq_len}, {args.batch})")
+    arch = checked_arch(args.hf_dir, shapes=True)
+    validate_layout(arch, layout)  # refuse before starting any process
+    check_run_fits(arch, args.batch, args.seq_len, "parity")
     metrics = check_parity(args.hf_dir, layout, seed=args.seed, batch=args.batch, seq=args.seq_len)
     if args.json:
         print(json.dumps(metrics, indent=2))
@@ -30,7 +36,8 @@ def register(subparsers) -> None:
         "parity", help="fp32 logit parity of an HF model and its MCore twin",
         description="Build the MCore model for an HF folder at a TP/PP/EP layout (in local processes), map the "
                     "weights in memory, and compare fp32 logits with transformers on random tokens. "
-                    f"Passes at relative L2 error <= {FP32_REL_L2:g} and KL <= {FP32_KL:g}; exit 0 pass, 1 fail, 2 bad input.")
+                    f"Passes at relative L2 error <= {FP32_REL_L2:g} and KL <= {FP32_KL:g}; exit 0 pass, 1 fail, 2 bad input, "
+                    "3 internal error.")
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder (config.json + safetensors)")
     add_layout_args(p)
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")

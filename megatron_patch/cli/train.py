@@ -9,10 +9,12 @@ with one line saying why (``runtime.launch.explain_failures``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from megatron_patch.errors import UserError
 
@@ -42,8 +44,10 @@ def launch_command(cfg, family: str, argv: list[str]) -> list[str]:
 
 
 def _int_env(name: str) -> int:
+    from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
+
     raw = os.environ[name]
-    if not raw.isdigit():
+    if not WHOLE_NUMBER.fullmatch(raw):
         raise UserError(f"ENV=dlc: {name} must be a whole number, got '{raw}'")
     return int(raw)
 
@@ -162,14 +166,49 @@ def run(args) -> int:
                             f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
         return _train_here(cfg)
     command = launch_command(cfg, family, argv)
-    # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
-    # has started (the ranks decide again for themselves: a restart comes back to them, not here).
-    from megatron_patch.training.checkpointing import latest_iteration
+    with _run_lock(cfg):
+        # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
+        # has started (the ranks decide again for themselves: a restart comes back to them, not here).
+        from megatron_patch.training.checkpointing import finished_run, latest_iteration
 
-    latest_iteration(cfg.checkpoint_dir)
-    from megatron_patch.training.lora_run import check_lora_launch
+        latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
+        from megatron_patch.training.lora_run import check_lora_launch
 
-    check_lora_launch(cfg)
+        check_lora_launch(cfg)  # a LoRA run's base, and the one its checkpoints name
+        done = finished_run(cfg, latest)
+        if done:
+            print(done, flush=True)
+            return 0
+        return _launch(cfg, command, needed)
+
+
+@contextlib.contextmanager
+def _run_lock(cfg):
+    """OUTPUT_BASEPATH's lock for the whole run: one launcher per run folder, and none while a rank of an
+    earlier run still lives (its launcher gone, the rank not yet: named by PID). On several nodes the first
+    node's launcher holds it for the job; every node's ranks mark themselves (``_train_here``)."""
+    from megatron_patch.outputs.lock import OutputLock, live_ranks
+
+    if cfg.env == "dlc" and os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    out = Path(cfg.output_basepath).absolute()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"OUTPUT_BASEPATH {out}: cannot create its folder ({exc.strerror or exc}): choose another")
+    with OutputLock(out, "OUTPUT_BASEPATH"):
+        alive = live_ranks(out)
+        if alive:
+            raise UserError(f"ranks of an earlier run still write {out}: {', '.join(alive)}; wait for them to end or "
+                            "stop them (kill PID), then rerun")
+        yield
+
+
+def _launch(cfg, command: list[str], needed: dict) -> int:
+    from megatron_patch.runtime.launch import LAUNCHER_PID
+
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     for k, v in needed.items():
         if os.environ.get(k, v) != v:
             print(f"note: {k}={os.environ[k]} replaced by {v} (needed for TP/CP communication overlap)", flush=True)
@@ -196,11 +235,14 @@ def _train_here(cfg) -> int:
     """One rank of the job. A failure it can explain in one line (bad input, a full disk, a collective
     that timed out) goes to torchrun's error file for the launcher to print once; anything else keeps
     its traceback."""
+    from megatron_patch.outputs.lock import register_rank
     from megatron_patch.runtime import watchdog
-    from megatron_patch.runtime.launch import quiet_cpu_warnings
+    from megatron_patch.runtime.launch import die_with_launcher, quiet_cpu_warnings
     from megatron_patch.training.loop import train
 
     quiet_cpu_warnings()
+    die_with_launcher()
+    register_rank(Path(cfg.output_basepath).absolute())  # held until this process ends, however it ends
     try:
         train(cfg)
     except UserError as exc:

@@ -11,6 +11,8 @@ a row-parallel split, a dtype change) is gathered in user space, a band of rows 
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 
 from megatron_patch.checkpoint_files.byte_io import Stored
@@ -91,13 +93,14 @@ def block_moves(blocks, parts: list[Stored], shard: Stored, *, to_shard: bool = 
 
 @dataclass(frozen=True)
 class Tiled:
-    """A tensor stored as several boxes, each a ``Stored`` of its own: ``tiles`` are (first row, stop row,
-    first element column, stop element column, where) in the tensor's 2-D view. A torch_dist
-    checkpoint keeps a SwiGLU ``linear_fc1`` as its gate and up halves, for example."""
+    """A tensor stored as several boxes: ``tiles`` are (first row, stop row, first element column, stop
+    element column, where, row, column) in the tensor's 2-D view: that box is the box of ``where``'s 2-D
+    view at (row, column). A torch_dist checkpoint keeps a SwiGLU ``linear_fc1`` as its gate and up
+    halves, a TP=2 one each half in two chunks, and a chunk may hold more than the box (several layers)."""
 
     shape: tuple[int, ...]
     dtype: str
-    tiles: tuple[tuple[int, int, int, int, Stored], ...]
+    tiles: tuple[tuple[int, int, int, int, Stored, int, int], ...]
 
     @property
     def whole(self) -> Stored:
@@ -108,10 +111,55 @@ class Tiled:
         """Moves out of ``whole`` as moves out of the tiles that hold those bytes."""
         out = []
         for m in moves:
-            for r0, r1, c0, c1, where in self.tiles:
+            for r0, r1, c0, c1, where, wr, wc in self.tiles:
                 i0, i1 = max(r0, m.src_row), min(r1, m.src_row + m.rows)
                 j0, j1 = max(c0, m.src_col), min(c1, m.src_col + m.cols)
                 if i0 < i1 and j0 < j1:
-                    out.append(Move(where, i0 - r0, j0 - c0, m.dst, m.dst_row + i0 - m.src_row,
+                    out.append(Move(where, i0 - r0 + wr, j0 - c0 + wc, m.dst, m.dst_row + i0 - m.src_row,
                                     m.dst_col + j0 - m.src_col, i1 - i0, j1 - j0))
         return out
+
+
+def box_tiles(shape: tuple[int, ...], start: tuple[int, ...], size: tuple[int, ...], src: Stored,
+              src_start: tuple[int, ...]) -> list[tuple[int, int, int, int, Stored, int, int]]:
+    """The box at ``start`` of ``size`` of a tensor of ``shape``, held by the dense tensor ``src`` at
+    ``src_start``, as tiles of ``Tiled`` (boxes of both 2-D views).
+
+    ``src`` may have more (leading) dims than the tensor: the box is 1 wide there (a layer or expert
+    axis). One tile when the box spans whole dims past the second on both sides (megatron's chunks
+    always do); otherwise one tile per index of the dims before the first such dim."""
+    lead = len(src.shape) - len(shape)
+    if lead < 0 or any(s != 1 for s in size[:lead]) or len(size) != len(src.shape):
+        raise ValueError(f"a box of {size} in a tensor of {shape} cannot come from a chunk of {src.shape}")
+    item = src.itemsize
+    chunk = tuple(src.shape[lead:])
+    base = 0  # elements before the box's slice of the leading axes
+    for d in range(lead):
+        base = base * src.shape[d] + src_start[d]
+    base *= math.prod(chunk)
+    start_in, size_in, q = tuple(start), tuple(size[lead:]), tuple(src_start[lead:])
+    n = len(shape)
+    if n == 0:
+        return [(0, 1, 0, 1, Stored(src.path, src.offset + base * item, (1, 1), src.dtype), 0, 0)]
+    # the first dim m >= 1 past which the box spans whole dims of both tensors
+    m = next((d for d in range(1, n) if all(size_in[k] == shape[k] == chunk[k] for k in range(d + 1, n))), n)
+    rows_src, cols_src = chunk[0], math.prod(chunk[1:])
+    where = Stored(src.path, src.offset + base * item, (rows_src, cols_src), src.dtype)
+    if m >= n:  # 1-D
+        return [(start_in[0], start_in[0] + size_in[0], 0, 1, Stored(where.path, where.offset, (rows_src, 1),
+                                                                       src.dtype), q[0], 0)]
+    inner = math.prod(shape[m + 1:])
+    run = size_in[m] * inner
+    tiles = []
+    for idx in itertools.product(*(range(size_in[k]) for k in range(1, m))):
+        col_dst = _flat(tuple(start_in[k] + i for k, i in zip(range(1, m), idx)) + (start_in[m],), shape[1:m + 1]) * inner
+        col_src = _flat(tuple(q[k] + i for k, i in zip(range(1, m), idx)) + (q[m],), chunk[1:m + 1]) * inner
+        tiles.append((start_in[0], start_in[0] + size_in[0], col_dst, col_dst + run, where, q[0], col_src))
+    return tiles
+
+
+def _flat(index: tuple[int, ...], dims: tuple[int, ...]) -> int:
+    out = 0
+    for i, d in zip(index, dims):
+        out = out * d + i
+    return out

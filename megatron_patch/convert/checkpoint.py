@@ -22,6 +22,7 @@ that cannot be described as byte ranges, or a model skeleton not yet cached).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -29,27 +30,30 @@ from collections import defaultdict
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
+from megatron_patch.checkpoint_files.manifest import BackgroundCheck, manifest_for
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
-from megatron_patch.convert.bytemap import Move, Tiled, block_moves, shard_shape
+from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
-from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes, contained
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.checkpoint_files.legacy import (
     CHECKPOINT_VERSION, FILE_NAME, check_legacy_layout, open_rank_files, rank_coords, rank_file)
-from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
+from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
 from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan_torch_save
+from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipLayout, check_crc, seal
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.models.config_checks import check_weights_fit
 from megatron_patch.models.mapping import Transfer, split_context
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -127,13 +131,6 @@ def _restrict(moves: list[Move], region: tuple[slice, ...], target: Stored) -> l
 
 # --- HF -> MCore -------------------------------------------------------------------------------
 
-def check_hf_shapes(reader: HFCheckpointReader, skeleton: ModelSkeleton) -> None:
-    for name, shape in skeleton.hf_shapes.items():
-        if name in reader and tuple(reader.shape(name)) != tuple(shape):
-            raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {tuple(shape)}: "
-                            "the weights and config.json do not belong together")
-
-
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
                 dtype=None, force: bool = False, progress: bool | None = None, mtp: bool = False,
                 workers: int | None = None, copier: Copier | None = None, adapter=None) -> Sidecar:
@@ -163,10 +160,11 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     validate_layout(arch, layout)
     if fmt == "legacy":
         check_legacy_layout(layout)
-    from megatron_patch.convert.outputs import check_target
-
-    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part
-    reader = open_weights(HFCheckpointReader(hf_dir), arch.hf_config)
+    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
+    carried = [contained(hf_dir, name, "has a side file").name for name in carried_files(hf_dir)]
+    hf_reader = HFCheckpointReader(hf_dir)
+    check_weights_fit(arch, sum(hf_reader.nbytes(n) for n in hf_reader.keys()), f"the safetensors of {hf_dir}")
+    reader = open_weights(hf_reader, arch.hf_config)
     if adapter is not None and adapter.saved:
         reader = adapter.reader(reader)
     notes = []
@@ -180,11 +178,11 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
     out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
-    check_hf_shapes(reader, skeleton)
+    check_hf_shapes(reader, skeleton.hf_shapes)
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
     copier = _make_copier(copier, workers, None)
-    with atomic_output_dir(save_dir, force, inputs=(hf_dir,)) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=(hf_dir,)) as tmp:
         release = tmp / RELEASE
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
@@ -202,7 +200,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             copier.close()
         bar.update(0, tensors=count)
         finish()
-        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp),
+        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp, carried),
                                  num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()), notes=notes,
                                  lora=adapter.sidecar if adapter is not None else None)
         sidecar.write(tmp)
@@ -321,7 +319,7 @@ def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: l
                     count += 1
                     total += places[(c, p.mcore_name)].nbytes
         tasks += _transfer_tasks(copier, t, blocks, reader, ctx, destinations)
-    return tasks, count, total, lambda: None
+    return tasks, count, total, lambda: _seal(copier, files)
 
 
 def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reader: HFCheckpointReader, dtype: str,
@@ -368,7 +366,32 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
     tasks += [CallTask(lambda copier, k=k, v=v: _write_tensor(copier, td.stored[(k, (0,) * v.dim())], v))
               for k, v in extra.items()]
     total = sum(nbytes(ch.local_shape, by_name[ch.name].dtype_in(dtype)) for ch in skeleton.chunks)
-    return tasks, len(skeleton.chunks) + len(extra), total, td.finish
+
+    def finish() -> None:
+        _seal(copier, [(release / name, layout) for name, layout in td.archives])
+        td.finish()
+
+    return tasks, len(skeleton.chunks) + len(extra), total, finish
+
+
+def _seal(copier: Copier, archives: list[tuple[Path, ZipLayout]]) -> None:
+    """Every zip record copied in gets its real CRC-32, computed from the page cache by the copier's workers
+    (about 12 GB/s per core) once the bytes are in place."""
+    def run(_copier, path, layout, name) -> int:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            seal(fd, layout, [name])
+        finally:
+            os.close(fd)
+        return 0
+
+    progress, copier.progress = copier.progress, None
+    try:
+        copier.run([CallTask(functools.partial(run, path=str(path), layout=layout, name=name))
+                    for path, layout in archives for name in layout.unsealed])
+    finally:
+        copier.close()
+        copier.progress = progress
 
 
 # --- MCore -> HF -------------------------------------------------------------------------------
@@ -376,36 +399,57 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
 def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shard_size: str | int = "5GB",
                 force: bool = False, progress: bool | None = None, hf_config: str | Path | None = None,
                 family: str | None = None, iteration: int | None = None, workers: int | None = None,
-                copier: Copier | None = None, base_only: bool = False) -> Path:
+                copier: Copier | None = None, verify: bool = True, base_only: bool = False) -> Path:
     """Convert a Megatron-Core checkpoint into an HF model folder.
 
     ``load_dir`` is any torch_dist or legacy checkpoint (its root, or one iteration or release folder):
     one written here (hf2mcore, a training run or its final export: the sidecar says everything) or
     by another tool, whose architecture comes from ``hf_config`` or from its saved Megatron-LM
     arguments read as ``family`` (``convert.arch_source``). Optimizer state is skipped; ``iteration`` picks
-    an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``.
+    an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``. ``verify``: check
+    the input against its manifest where it has one (beside the copy, before the output is published).
 
     A checkpoint that holds LoRA adapters exports through ``convert.lora_io`` (--lora-adapter, --merge-lora);
     ``base_only`` exports the base weights a checkpoint carries beside its adapters (hf2mcore --peft-dir)."""
+    # Every folder read is an input the output may not overlap: the one given, the weights' folder, the
+    # sidecar's, and the folder --hf-config came from.
+    inputs = (load_dir, _config_folder(hf_config))
+    check_target(save_dir, force, inputs=inputs)
     opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
     for note in opened.found.notes + opened.notes:
         print(f"warning: {note}", file=sys.stderr, flush=True)
+    lora = opened.sidecar.lora
+    if lora and not base_only:
+        raise UserError(f"{opened.sidecar_dir} holds LoRA adapters: pass --lora-adapter (a peft adapter folder) or "
+                        "--merge-lora (the model with the adapters merged in)")
+    if lora and lora.get("base"):
+        raise UserError(f"{opened.sidecar_dir} holds LoRA adapters only; its base model is {lora['base']['path']}")
+    inputs += (opened.sidecar_dir, opened.found.folder)
+    manifest = manifest_for(opened.found.folder) if verify else None
+    check = BackgroundCheck(manifest) if manifest is not None else None
+    try:
+        _export_hf(opened, save_dir, dtype, max_shard_size, force, progress, copier, workers, inputs, check)
+    except Exception as exc:
+        # A damaged input file explains a failed conversion better than the conversion's own error.
+        found = check.failure() if check is not None else None
+        if found is not None and found is not exc:
+            raise found from None
+        raise
+    return Path(save_dir)
+
+
+def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, copier, workers, inputs: tuple,
+               check: BackgroundCheck | None) -> None:
     load_dir, data_dir, sidecar = opened.sidecar_dir, opened.found.folder, opened.sidecar
-    if sidecar.lora and not base_only:
-        raise UserError(f"{load_dir} holds LoRA adapters: pass --lora-adapter (a peft adapter folder) or --merge-lora "
-                        "(the model with the adapters merged in)")
-    if sidecar.lora and sidecar.lora.get("base"):
-        raise UserError(f"{load_dir} holds LoRA adapters only; its base model is {sidecar.lora['base']['path']}")
     arch = sidecar.arch
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
                         f"disagrees with its config ({arch.vocab_size}, padded {arch.padded_vocab_size()})")
+    check_weights_fit(arch, sum(p.stat().st_size for p in data_dir.rglob("*") if p.is_file()), f"{data_dir}")
     family = get_family(arch.family)
     out_dtype = sidecar.dtype_name if dtype is None else _choose_dtype(None, [], dtype)
     max_bytes = parse_size(max_shard_size)
-    from megatron_patch.convert.outputs import check_target
-
-    check_target(save_dir, force, inputs=(load_dir,))
+    check_target(save_dir, force, inputs=inputs)
     skeleton = describe_model(arch)
     tp1 = plan(family, arch, ParallelLayout())
     hf_shapes = skeleton.hf_shapes
@@ -430,22 +474,33 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
     copier = _make_copier(copier, workers, None)
     total = sum(nbytes(s, d) for _, s, d in entries)
-    with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf", inputs=inputs) as tmp:
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
         tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
+        tasks = source.integrity_tasks() + tasks  # the stored CRC-32s, checked first, beside the copies
         bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
         copier.progress = bar
         try:
             copier.run(tasks)
         finally:
             copier.close()
+            source.close()
         bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         copy_carried(load_dir, tmp, sidecar.carried_files)
+        if check is not None:
+            check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)
-    return Path(save_dir)
+
+
+def _config_folder(hf_config) -> Path | None:
+    """The folder an ``--hf-config`` was read from (None for a dict or nothing)."""
+    if hf_config is None or isinstance(hf_config, dict):
+        return None
+    path = Path(hf_config)
+    return path if path.is_dir() else path.parent
 
 
 def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dict[str, Stored],
@@ -471,7 +526,7 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
             first[n] = (t, shards)
         parts = [places[n] for n in t.hf_names]
         blocks = t.split.blocks([p.shape for p in parts], t.num_shards, ctx)
-        if blocks is None or any(s is None for s in shards):
+        if blocks is None or any(s is None for s in shards):  # a strided legacy tensor, or a split not by rows
             tasks.append(CallTask(lambda copier, t=t, parts=parts: _merge_through_torch(copier, t, source, parts,
                                                                                        copy_places, ctx)))
             continue
@@ -551,6 +606,7 @@ class _LegacySource:
     def __init__(self, release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], hf_shapes: dict):
         self.files = open_rank_files(release, layout)
         self.used: set[tuple] = set()
+        self.checks: dict = {}   # CRC-32s of the records read, checked beside the copies
         # Check names and shapes of every file against the plan before reading any data.
         ctx = split_context(arch)
         expected: dict = {c: {} for c in self.files}
@@ -590,6 +646,9 @@ class _LegacySource:
         c, p = found
         self.used.add((c.pp, c.ep if t.expert else None, p.mcore_name))
         lazy, sd = self.files[c]
+        record = lazy.record_check(sd[p.mcore_name])
+        if record is not None:
+            self.checks[record[:3]] = (record[3], f"record of {p.mcore_name}")
         return lazy, sd[p.mcore_name]
 
     def shards(self, t: Transfer) -> list[Stored | None]:
@@ -597,6 +656,12 @@ class _LegacySource:
 
     def load_shards(self, t: Transfer) -> list:
         return [lazy.load(ref) for lazy, ref in (self._find(t, i) for i in range(t.num_shards))]
+
+    def integrity_tasks(self) -> list:
+        return crc_tasks(self.checks)
+
+    def close(self) -> None:
+        pass
 
     def check_all_read(self) -> None:
         """Data-parallel copies are legitimately left unread; a name no rank of its stage contributed is not."""
@@ -607,7 +672,7 @@ class _LegacySource:
 
 
 class _TorchDistSource:
-    """Full (TP=1) parameters from the chunks of a torch_dist checkpoint."""
+    """Full (TP=1) parameters from the chunks of a torch_dist checkpoint, whatever chunks were stored."""
 
     def __init__(self, release: Path, skeleton: ModelSkeleton, ignore_prefixes: tuple[str, ...] = ()):
         self.reader = TorchDistReader(release)
@@ -628,47 +693,43 @@ class _TorchDistSource:
                 raise MappingError(f"torch_dist tensor {key} has shape {self.reader.global_shape(key)}, the model needs {shape}")
         self.read: set = set()
 
-    def shards(self, t: Transfer) -> list[Stored | Tiled | None]:
-        """The (TP=1) parameter where its bytes are: one ``Stored`` when one chunk holds it, ``Tiled``
-        when each of the chunks the model asks for is stored as such (checkpoints written here, TP=1
-        training; megatron keeps a SwiGLU fc1 as two chunks); None otherwise (read through torch)."""
+    def shards(self, t: Transfer) -> list[Stored | Tiled]:
+        """The (TP=1) parameter where its bytes are: one ``Stored`` when one stored chunk is exactly it,
+        else ``Tiled``: the boxes of the stored chunks that hold each part of it (a TP>1 checkpoint's
+        chunks, megatron's SwiGLU halves, a chunk holding several layers)."""
         name = t.placements[0].mcore_name
         shape = tuple(self.skeleton.shapes[name])
         tiles = []
-        self.read.update((ch.key, ch.global_offset) for ch in self.chunks[name])
         for ch in self.chunks[name]:
+            self.read.add((ch.key, ch.global_offset))
             region = ch.region()
-            stored = self.reader.stored_chunk(ch.key, ch.global_offset, ch.local_shape)
-            if stored is None or any((r.start, r.stop) != (0, n) for r, n in zip(region[2:], shape[2:])):
-                return [None]
-            part = Stored(stored.path, stored.offset, tuple(r.stop - r.start for r in region), stored.dtype)
-            inner = part.inner
-            rows = (region[0].start, region[0].stop) if region else (0, 1)
-            cols = (region[1].start * inner, region[1].stop * inner) if len(region) > 1 else (0, part.cols)
-            tiles.append((*rows, *cols, part))
-        if len(tiles) == 1 and tiles[0][4].shape == shape:
-            return [tiles[0][4]]
-        if sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1, _ in tiles) != math.prod(shape) or \
-                len({p.dtype for *_, p in tiles}) != 1:
-            return [None]
-        return [Tiled(shape, tiles[0][4].dtype, tuple(tiles))]
+            for piece in self.reader.block(ch.key, ch.global_offset, ch.local_shape):
+                start = tuple(r.start + d for r, d in zip(region, piece.dst_start[ch.prepend:]))
+                tiles += box_tiles(shape, start, piece.size, piece.src, piece.src_start)
+        if len(tiles) == 1:
+            r0, r1, c0, c1, where, wr, wc = tiles[0]
+            rows, cols = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+            if (r0, r1, c0, c1, wr, wc) == (0, rows, 0, cols, 0, 0) and where.shape[1:] == (cols,) \
+                    and where.shape[0] == rows:
+                return [Stored(where.path, where.offset, shape, where.dtype)]
+        return [Tiled(shape, self.reader.dtype(self.chunks[name][0].key), tuple(tiles))]
 
     def load_shards(self, t: Transfer) -> list:
+        """The parameter as a tensor, assembled by the project's own reader (for splits that are not
+        rows and columns)."""
         import torch
 
         name = t.placements[0].mcore_name
-        chunks = self.chunks[name]
-        full = torch.empty(self.skeleton.shapes[name], dtype=getattr(torch, self.reader.dtype(chunks[0].key)))
-        requests, copies = [], []
-        for ch in chunks:
-            region = full[ch.region()]
-            block = torch.empty(ch.local_shape, dtype=full.dtype)
-            copies.append((region, block))
-            requests.append((ch.key, ch.global_offset, block))
-        self.reader.load(requests)
-        for region, block in copies:
-            region.copy_(block.reshape(region.shape))
+        full = torch.empty(self.skeleton.shapes[name], dtype=getattr(torch, self.reader.dtype(self.chunks[name][0].key)))
+        for ch in self.chunks[name]:
+            self.read.add((ch.key, ch.global_offset))
+            full[ch.region()] = self.reader.read_block(ch.key, ch.global_offset, ch.local_shape).reshape(
+                full[ch.region()].shape)
         return [full]
+
+    def integrity_tasks(self) -> list:
+        """The CRC-32 of every stored record read that opening it did not check (large tensor records)."""
+        return crc_tasks(self.reader.integrity)
 
     def check_all_read(self) -> None:
         # Every stored chunk of every key lies in some block read (same blocks as written), so it is
@@ -677,3 +738,19 @@ class _TorchDistSource:
                   if (k, o) not in self.read}
         if unread:
             raise MappingError(f"{len(unread)} torch_dist block(s) were never read: {names_list(unread)}")
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def crc_tasks(checks: dict) -> list:
+    """Copier tasks that check the CRC-32 of each (path, offset, length) -> (crc, what) while the copies run."""
+    def check(_copier, path=None, offset=0, length=0, crc=0, what=""):
+        try:
+            check_crc(path, offset, length, crc, what)
+        except ZipFormatError as exc:
+            raise UserError(f"{path}: {exc}: the file is corrupt (a flipped byte or a damaged disk)")
+        return 0
+
+    return [CallTask(functools.partial(check, path=p, offset=o, length=n, crc=c, what=w))
+            for (p, o, n), (c, w) in checks.items()]

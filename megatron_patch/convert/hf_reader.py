@@ -50,6 +50,10 @@ def read_safetensors_header(path: Path) -> dict[str, Stored]:
         raise bad("header is not a JSON object")
     data_start, data_size = 8 + length, size - 8 - length
     out, spans = {}, []
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise bad("its __metadata__ is not a table of strings")
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -59,22 +63,54 @@ def read_safetensors_header(path: Path) -> dict[str, Stored]:
                     and isinstance(begin, int) and isinstance(end, int)):
                 raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise bad(f"malformed header entry for '{name}'")
+            raise bad(f"malformed header entry for {name!r}")
         if tag not in SAFETENSORS_TAG_NAMES:
-            raise UserError(f"tensor '{name}' in {path} has dtype {tag}, which the converter does not handle")
+            raise UserError(f"tensor {name!r} in {path} has dtype {tag}, which the converter does not handle")
         dtype = SAFETENSORS_TAG_NAMES[tag]
         if end - begin != math.prod(shape) * ITEMSIZE[dtype] or begin < 0:
-            raise bad(f"'{name}' has {end - begin} bytes for shape {shape} {tag}")
+            raise bad(f"{name!r} has {end - begin} bytes for shape {shape} {tag}")
         spans.append((begin, end, name))
         out[name] = Stored(str(path), data_start + begin, tuple(shape), dtype)
     expected = 0
     for begin, end, name in sorted(spans):
         if begin != expected:
-            raise bad(f"the bytes of '{name}' start at {begin}, not {expected}")
+            raise bad(f"the bytes of {name!r} start at {begin}, not {expected}")
         expected = end
     if expected != data_size:
         raise bad(f"the header accounts for {expected} bytes of data, the file holds {data_size}")
     return out
+
+
+def contained(folder: str | Path, name: str, how: str = "found") -> Path:
+    """``folder / name``, refused in one line if it leaves ``folder`` (``..``, an absolute path, a symlink to
+    elsewhere). The one exception is the Hugging Face hub cache, whose snapshot folders hold symlinks into
+    the model's ``blobs/`` (``models--X/snapshots/REV/f -> ../../blobs/HASH``): those stay in the model."""
+    folder = Path(folder)
+    path = folder / name
+    real, home = path.resolve(), folder.resolve()
+    allowed = [home]
+    if home.parent.name == "snapshots":
+        allowed.append(home.parent.parent / "blobs")
+    if not any(real == a or a in real.parents for a in allowed):
+        raise UserError(f"{folder} {how} {name!r}, which leads outside the folder (to {real}): refused; copy the file "
+                        "into the folder if it belongs to the model")
+    return path
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> file table, checked for shape."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{index} is unreadable ({exc}): re-download the checkpoint")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{index} has no 'weight_map' table (found {type(weight_map).__name__}): re-download the "
+                        "checkpoint")
+    for key, value in weight_map.items():
+        if not isinstance(value, str) or not value:
+            raise UserError(f"{index} maps '{key}' to {value!r}, not a file name: re-download the checkpoint")
+    return weight_map
 
 
 class HFCheckpointReader:
@@ -89,10 +125,7 @@ class HFCheckpointReader:
         self.folder = Path(folder)
         index = self.folder / "model.safetensors.index.json"
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise UserError(f"{index} is malformed ({exc}): re-download the checkpoint")
+            weight_map = read_weight_map(index)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
@@ -100,13 +133,18 @@ class HFCheckpointReader:
                 raise UserError(f"no *.safetensors files in {self.folder}: convert .bin checkpoints to safetensors first")
             weight_map = None
         self._stored: dict[str, Stored] = {}
+        held_by: dict[str, str] = {}
         for name in files:
-            path = self.folder / name
+            path = contained(self.folder, name, "the index names" if weight_map is not None else "found")
             if not path.exists():
                 raise UserError(f"{path} is listed in the index but missing")
             for key, stored in read_safetensors_header(path).items():
                 if weight_map is not None and weight_map.get(key) != name:
                     raise UserError(f"{name} holds '{key}', which the index places elsewhere: the index is stale")
+                if key in held_by:  # without an index, two files with one name: which is meant is unknowable
+                    raise UserError(f"tensor '{key}' is in both {held_by[key]} and {name} in {self.folder}: remove the "
+                                    "stale copy (or add the model.safetensors.index.json that says which file holds it)")
+                held_by[key] = name
                 self._stored[key] = stored
         if weight_map is not None:
             missing = set(weight_map) - set(self._stored)
@@ -148,3 +186,28 @@ class HFCheckpointReader:
         if not buf:
             return torch.empty(s.shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(s.shape)
+
+
+def checked_arch(hf_dir: str | Path, *, shapes: bool = False):
+    """The model of an HF folder (``registry.parse_arch``: every config value checked), with its size checked
+    against the safetensors headers before anything proportional to it is planned or allocated; with
+    ``shapes``, every stored tensor's shape too, against what megatron-core builds for the config (the
+    model's skeleton, cached: what hf2mcore checks), so a config that disagrees with its weights is one line."""
+    from megatron_patch.models.config_checks import check_weights_fit
+    from megatron_patch.models.registry import parse_arch
+
+    arch = parse_arch(hf_dir)
+    reader = HFCheckpointReader(hf_dir)
+    check_weights_fit(arch, sum(reader.nbytes(n) for n in reader.keys()), f"the safetensors of {hf_dir}")
+    if shapes:
+        from megatron_patch.models.skeleton import describe_model
+
+        check_hf_shapes(reader, describe_model(arch).hf_shapes)
+    return arch
+
+
+def check_hf_shapes(reader: HFCheckpointReader, hf_shapes: dict) -> None:
+    for name, shape in hf_shapes.items():
+        if name in reader and tuple(reader.shape(name)) != tuple(shape):
+            raise UserError(f"{name} has shape {tuple(reader.shape(name))} but config.json implies {tuple(shape)}: "
+                            "the weights and config.json do not belong together")

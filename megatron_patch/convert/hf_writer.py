@@ -25,7 +25,7 @@ def parse_size(text: str | int) -> int:
     """'5GB', '500MB', '2GiB', or a number of bytes."""
     if isinstance(text, int):
         return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]{1,15}(?:\.[0-9]{1,15})?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
     if not m:
         raise UserError(f"cannot read size {text!r}: write it like 5GB, 500MB or 2GiB")
     number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import load_models_torch_dist
 from megatron_patch.checkpoint_files.legacy import open_rank_file, rank_file
+from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_for, verify_manifest
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.engine import reshard_for_local_spec
 from megatron_patch.convert.model_io import current_coord, load_state_dict_strict
@@ -33,6 +34,7 @@ def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_conf
     config the caller built ``model`` from (``convert.arch_source.open_checkpoint``)."""
     chunks = model if isinstance(model, list) else [model]
     opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
+    verify_before_load(opened.found.folder)
     sidecar = opened.sidecar
     if sidecar.checkpoint_format == "torch_dist":
         load_models_torch_dist(chunks, opened.found.folder)
@@ -42,6 +44,28 @@ def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_conf
     else:
         load_legacy(chunks[0], opened.found.folder, sidecar, layout)
     return sidecar
+
+
+def verify_before_load(folder: Path) -> None:
+    """Check a checkpoint written here against its manifest before any rank reads it: rank 0 hashes the files,
+    every rank learns the outcome (a collective every rank is ready for), so all refuse alike."""
+    manifest = manifest_for(folder)
+    if manifest is None:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        verify_manifest(manifest)
+        return
+    holder: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            verify_manifest(manifest)
+        except UserError as exc:
+            holder = [str(exc)]
+    dist.broadcast_object_list(holder, src=0)
+    if holder[0] is not None:
+        raise IntegrityError(holder[0])
 
 
 def load_legacy(model, folder: str | Path, sidecar: Sidecar, layout=None) -> None:

@@ -1,17 +1,22 @@
-"""The converter's output folders (complete or absent, see ``checkpoint_files.layout``) and the HF side files
-carried along with the weights.
+"""The converter's output folders (complete or absent, one writer at a time: ``megatron_patch.outputs``), what
+``--force`` may replace, and the HF side files carried along with the weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
-from megatron_patch.checkpoint_files.layout import atomic_dir
+from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_files, write_manifest
+from megatron_patch.convert.hf_reader import contained
+from megatron_patch.convert.sidecar import SIDECAR_NAME
 from megatron_patch.errors import UserError
+from megatron_patch.outputs.folders import atomic_dir, overlap
 
 # Files of an HF model folder that travel with the weights (tokenizer, chat template, generation).
 CARRIED_PATTERNS = (
@@ -28,35 +33,95 @@ def carried_files(folder: str | Path) -> list[str]:
 
 
 def copy_carried(src: str | Path, dst: str | Path, names: list[str] | None = None) -> list[str]:
+    """Copy the side files into the output; one that leads outside ``src`` (a symlink to a system file, a
+    sidecar naming ``../x``) is refused."""
     names = carried_files(src) if names is None else names
     for name in names:
-        if not (Path(src) / name).is_file():
-            raise UserError(f"{Path(src) / name} is missing: the checkpoint's side files are incomplete")
-        shutil.copy2(Path(src) / name, Path(dst) / name)
+        path = contained(src, name, "has a side file")
+        if not path.is_file():
+            raise UserError(f"{path} is missing: the checkpoint's side files are incomplete")
+        shutil.copy2(path, Path(dst) / Path(name).name)
     return names
 
 
-def check_target(target: str | Path, force: bool, *, inputs: tuple[str | Path, ...] = ()) -> Path:
-    """Refuse a target that is a file, holds an input, or is non-empty without ``force``."""
+def _first_file_above(path: Path) -> Path | None:
+    """The nearest ancestor of ``path`` that exists and is not a folder (a --save-dir under a file), or None."""
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            return None if parent.is_dir() else parent
+    return None
+
+
+# What a folder written here before the manifest existed may hold at its top level, by kind.
+_HF_EXPORT = ("config.json", "*.safetensors", "model.safetensors.index.json", *CARRIED_PATTERNS)
+_CHECKPOINT = (TRACKER_NAME, RELEASE, "iter_[0-9]*", SIDECAR_NAME, *CARRIED_PATTERNS)
+
+
+def replace_refusal(folder: Path) -> str | None:
+    """Why ``--force`` must not replace ``folder`` (None: it is an earlier output of this project).
+
+    Recognised: a folder whose manifest lists every file in it; or, from before the manifest existed, an
+    MCore checkpoint (its tracker file) or an HF export (config.json and safetensors) holding nothing
+    else at its top level."""
+    manifest = manifest_of(folder)
+    if manifest is not None:
+        try:
+            listed = set(read_manifest(manifest)["files"])
+        except UserError as exc:
+            return f"has a damaged manifest ({exc})"
+        extra = [f for f in unlisted_files(folder) if f not in listed]
+        if extra:
+            return f"holds {extra[0]}, which its {MANIFEST_NAME} does not list (added after mpatch wrote the folder)"
+        return None
+    names = sorted(p.name for p in folder.iterdir())
+    if TRACKER_NAME in names:
+        kind, allowed = "an MCore checkpoint", _CHECKPOINT
+    elif "config.json" in names and any(n.endswith(".safetensors") for n in names):
+        kind, allowed = "an HF export", _HF_EXPORT
+    else:
+        return ("is neither an output of mpatch (no mpatch_manifest.json) nor an MCore checkpoint or HF export "
+                f"(it holds {names[0]})")
+    extra = [n for n in names if not any(fnmatch.fnmatch(n, pattern) for pattern in allowed)]
+    if extra:
+        return f"looks like {kind} but also holds {extra[0]}, which mpatch does not write"
+    return None
+
+
+def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: str = "--save-dir") -> Path:
+    """Refuse an output folder that overlaps an input (``--force`` or not), is a file or under one, is
+    non-empty without ``force``, or (with ``force``) is not an earlier output of this project."""
     target = Path(target).absolute()
-    for src in inputs:
-        src = Path(src).resolve()
-        t = target.resolve()
-        if t == src or t in src.parents:
-            raise UserError(f"the output folder {target} would overwrite the input {src}: choose another --save-dir")
-    if target.exists() and not target.is_dir():
-        raise UserError(f"{target} exists and is not a folder: choose another --save-dir")
-    if target.is_dir() and any(target.iterdir()) and not force:
-        raise UserError(f"{target} is not empty: choose an empty or new --save-dir, or pass --force to replace it")
+    clash = overlap(target, inputs)
+    if clash is not None:
+        raise UserError(f"the output folder {target} overlaps the input {clash} (it is, lies inside, or holds it): "
+                        f"choose a {what} outside every input")
+    above = _first_file_above(target)
+    if above is not None:
+        raise UserError(f"{target} would be under {above}, which is a file: choose another {what}")
+    if (target.exists() or target.is_symlink()) and not target.is_dir():
+        raise UserError(f"{target} exists and is not a folder: choose another {what}")
     if not target.parent.exists():
         raise UserError(f"the parent folder of {target} does not exist: create it first")
     if not os.access(target.parent, os.W_OK):
-        raise UserError(f"cannot write in {target.parent}: choose a --save-dir you can write to")
+        raise UserError(f"cannot write in {target.parent}: choose a {what} you can write to")
+    if target.is_dir() and any(target.iterdir()):
+        if not force:
+            raise UserError(f"{target} is not empty: choose an empty or new {what}, or pass --force to replace an "
+                            "earlier output of mpatch")
+        why = replace_refusal(target)
+        if why is not None:
+            raise UserError(f"--force replaces only an earlier output of mpatch, and {target} {why}: move it away or "
+                            f"choose another {what}")
     return target
 
 
 @contextlib.contextmanager
-def atomic_output_dir(target: str | Path, force: bool, *, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
-    """Yield a temporary folder that becomes ``target`` when the block finishes without error."""
-    with atomic_dir(check_target(target, force, inputs=inputs)) as tmp:
+def atomic_output_dir(target: str | Path, force: bool, *, tool: str, inputs: tuple = (),
+                      what: str = "--save-dir") -> Iterator[Path]:
+    """Yield a temporary folder that becomes ``target`` when the block finishes without error; ``target``'s lock
+    is held throughout, and what makes it free (``check_target``) is decided under it. The manifest
+    (naming ``tool``) is written last, before the folder is published."""
+    with atomic_dir(target, replace=force, what=what,
+                    check=lambda t: check_target(t, force, inputs=inputs, what=what)) as tmp:
         yield tmp
+        write_manifest(tmp, tool)

@@ -102,6 +102,27 @@ class Sidecar:
         (Path(folder) / SIDECAR_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _field_problem(sidecar: Sidecar) -> str | None:
+    """The first field of a sidecar read from disk whose type is wrong (it is untrusted input like the rest)."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    checks = {
+        "sidecar_version": whole(sidecar.sidecar_version), "hf_config": isinstance(sidecar.hf_config, dict),
+        "family": isinstance(sidecar.family, str), "vocab_size": whole(sidecar.vocab_size),
+        "padded_vocab_size": whole(sidecar.padded_vocab_size), "mtp_layers": whole(sidecar.mtp_layers),
+        "tie_word_embeddings": isinstance(sidecar.tie_word_embeddings, bool),
+        "layout": isinstance(sidecar.layout, dict) and all(whole(sidecar.layout.get(k)) and sidecar.layout[k] >= 1
+                                                            for k in ("tp", "pp", "ep"))
+        and (sidecar.layout.get("etp") is None or whole(sidecar.layout["etp"])),
+        "carried_files": isinstance(sidecar.carried_files, list) and all(isinstance(n, str) and n
+                                                                         for n in sidecar.carried_files),
+        "notes": isinstance(sidecar.notes, list), "versions": isinstance(sidecar.versions, dict),
+    }
+    bad = next((name for name, ok in checks.items() if not ok), None)
+    return f"'{bad}' has the wrong type or value" if bad else None
+
+
 def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
     """The sidecar of a checkpoint folder. ``release``: a converted / exported checkpoint, whose
     tracker file must say 'release'; ``False`` for a training iteration folder (``iter_XXXXXXX``),
@@ -117,8 +138,11 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
     try:
         data = json.loads(path.read_text())
         sidecar = Sidecar(**data)
-    except (json.JSONDecodeError, TypeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
         raise UserError(f"{path} is malformed ({exc}): the checkpoint's sidecar is damaged")
+    why = _field_problem(sidecar)
+    if why:
+        raise UserError(f"{path} is malformed ({why}): the checkpoint's sidecar is damaged")
     if sidecar.sidecar_version > SIDECAR_VERSION:
         raise UserError(f"{path} has sidecar version {sidecar.sidecar_version}; this megatron_patch reads up to "
                         f"{SIDECAR_VERSION}: upgrade megatron_patch")

@@ -20,6 +20,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import KEY_PREFIX
 
 DIGEST_FORMAT = "sha256-files-1"
+MANIFEST_DIGEST = "sha256-manifest-1"
 
 
 # --- the base model's record ------------------------------------------------------------------------------------
@@ -36,13 +37,22 @@ def _digest_cache() -> Path:
 
 
 def checkpoint_digest(folder: str | Path) -> str:
-    """sha256 over every file of a checkpoint folder (relative path, size, content), hidden files aside.
+    """A digest of a base checkpoint's contents.
 
-    Reading a 16 GB base takes seconds to a minute, so the answer is kept per folder (under the skeleton
-    cache's parent) with each file's size and modification time: a file that changed is read again."""
+    Where the checkpoint carries this project's manifest (every output written here does), the digest is of
+    the manifest's table (each file's size and XXH3-128): cheap, and every load checks the files against
+    that table (``convert.loading.verify_before_load``). Otherwise sha256 over every file (relative path,
+    size, content), hidden files aside: reading a 16 GB base takes a minute, so that answer is kept per folder
+    (under the skeleton cache's parent) with each file's size and modification time."""
+    from megatron_patch.checkpoint_files.manifest import manifest_for, read_manifest
+
     folder = Path(folder).resolve()
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder")
+    manifest = manifest_for(folder)
+    if manifest is not None:
+        table = json.dumps(read_manifest(manifest)["files"], sort_keys=True).encode()
+        return f"{MANIFEST_DIGEST}:{hashlib.sha256(table).hexdigest()}"
     files = _files(folder)
     stamp = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     cache = _digest_cache() / (hashlib.sha256(str(folder).encode()).hexdigest() + ".json")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, read_config_json
+from megatron_patch.models.config_checks import check_arch, check_config_values
 from megatron_patch.models.family import ModelFamily
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -67,6 +68,16 @@ def detect_family(raw: dict) -> ModelFamily:
 
 
 def parse_arch(config: dict | str | Path) -> Arch:
-    """An ``Arch`` from a config.json dict, file, or HF model folder."""
+    """An ``Arch`` from a config.json dict, file, or HF model folder; every value checked before use
+    (``config_checks``)."""
     raw = config if isinstance(config, dict) else read_config_json(config)
-    return detect_family(raw).parse_config(raw)
+    check_config_values(raw)
+    family = detect_family(raw)
+    try:
+        arch = family.parse_config(raw)
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:
+        # A combination of values the checks above let through and the family cannot read: still bad input.
+        raise UserError(f"config.json cannot be read as a {family.name} model ({type(exc).__name__}: {exc}): "
+                        "fix the field it names") from None
+    check_arch(arch)
+    return arch

@@ -6,7 +6,8 @@ torch's own torchrun, run in this process, and its failures turned into one line
 ``run_local``: a function in N local processes that form one torch.distributed job (gloo on CPU),
 for commands that need ranks for themselves (a parity check or an alignment at TP=2 from a single
 CLI process) and for the tests. ``fn`` must be importable (a module-level function), since the
-workers are started with the "spawn" method.
+workers are started by a fork server (``rank_preload`` says why), or with "spawn" where
+``MP_LOCAL_START=spawn`` asks for a fresh interpreter per rank.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def quiet_cpu_warnings() -> None:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, env: dict) -> None:
+    # A rank forked from the fork server has the server's environment, taken when it started: the
+    # caller's current one is what the rank must see, as a spawned rank would.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -115,11 +120,22 @@ def _main_importable():
         main.__file__ = path
 
 
+def _start_context():
+    """The fork server (started on first use, kept for this process's life, ranks forked from it with
+    ``rank_preload`` imported), or "spawn" where asked for or where there is no fork server."""
+    if os.environ.get("MP_LOCAL_START") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["megatron_patch.runtime.rank_preload"])
+    return ctx
+
+
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=False)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, env), daemon=False)
              for r in range(world_size)]
     with _main_importable():
         for p in procs:
@@ -227,3 +243,42 @@ def explain_failures(failures: dict) -> tuple[str, int]:
     rank, f = order[0]
     how = f"was stopped by {f.signal_name()}" if f.exitcode < 0 else f"exited with status {f.exitcode}"
     return f"rank {rank} (pid {f.pid}) {how}: its traceback is above", 1
+
+
+# --- ranks end with their launcher ----------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+LAUNCHER_PID = "MP_LAUNCHER_PID"  # set by the launcher for its ranks
+
+
+def die_with_launcher(log=print) -> str:
+    """Make this rank end when the process that started it ends, however it ends (a SIGKILL to the launcher's
+    process group, a closed terminal, a scheduler without cgroups): torch elastic starts each rank in a
+    session of its own, so nothing else would stop it, and it would go on writing the run's checkpoints.
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, then a check that the parent is still the launcher (it may
+    have died before the call, and then no signal comes). Elsewhere: a thread that watches the parent.
+    Returns how, in words."""
+    import ctypes
+    import signal
+    import threading
+
+    expected = int(os.environ.get(LAUNCHER_PID) or os.getppid())
+    how = "prctl(PR_SET_PDEATHSIG)"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl failed")
+    except (OSError, AttributeError):
+        how = "a thread watching the parent"
+
+        def watch():
+            while os.getppid() == expected:
+                time.sleep(1.0)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="mpatch-parent-watch", daemon=True).start()
+    if os.getppid() != expected:  # the launcher was gone before the signal was armed
+        log(f"rank {os.environ.get('RANK', '?')}: its launcher (pid {expected}) is gone; exiting")
+        os._exit(1)
+    return how

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.checkpoint_files.layout import (
-    RELEASE, fsync_file, iteration_dir, latest_complete_iteration, partial_dir, publish,
+    RELEASE, TRACKER_NAME, fsync_file, iteration_dir, latest_complete_iteration, partial_dir, publish,
     remove_stale_partials, torch_dist_problem, write_tracker, zip_problem)
+from megatron_patch.checkpoint_files.manifest import digests, manifest_of, unlisted_files, verify_manifest, write_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.runtime import watchdog
 
@@ -43,12 +44,19 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 TRAIN_STATE = "train_state.json"
 
 
-def iteration_problem(folder: Path) -> str | None:
+def iteration_problem(folder: Path, verify: bool = True) -> str | None:
     """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
-    (checkpoint_files.layout.torch_dist_problem), train_state.json, and every rank's random state."""
+    (checkpoint_files.layout.torch_dist_problem), train_state.json, every rank's random state, and (``verify``)
+    every file against the folder's manifest, where it has one."""
     why = torch_dist_problem(folder)
     if why:
         return why
+    manifest = manifest_of(folder)
+    if verify and manifest is not None:
+        try:
+            verify_manifest(manifest)
+        except UserError as exc:
+            return str(exc)
     try:
         state = json.loads((folder / TRAIN_STATE).read_text())
         iteration, world = int(state["iteration"]), int(state["world_size"])
@@ -65,11 +73,12 @@ def iteration_problem(folder: Path) -> str | None:
     return None
 
 
-def latest_iteration(root: str | Path) -> tuple[int | None, list[str]]:
+def latest_iteration(root: str | Path, verify: bool = True) -> tuple[int | None, list[str]]:
     """The newest complete checkpoint under ``root`` (None: nothing saved yet) and a warning for each
-    newer one skipped. UserError when checkpoints exist and none is complete."""
+    newer one skipped. UserError when checkpoints exist and none is complete. ``verify``: check the files'
+    digests too (the ranks do; the launcher's early look leaves that to them)."""
     try:
-        return latest_complete_iteration(root, iteration_problem)
+        return latest_complete_iteration(root, lambda folder: iteration_problem(folder, verify))
     except UserError as exc:
         if f"'{RELEASE}'" in str(exc):
             raise UserError(f"{exc}; give it as PRETRAIN_CHECKPOINT_PATH and choose another OUTPUT_BASEPATH")
@@ -193,6 +202,8 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
 
             Sidecar.create("torch_dist", cfg.arch, cfg.layout, cfg.precision.dtype,
                            source=f"mpatch train, iteration {iteration}", lora=_lora_record(cfg)).write(tmp)
+        _write_shared_manifest(tmp, f"mpatch train, iteration {iteration}")
+        if rank == 0:
             publish(tmp, final)  # fsyncs everything in it first
             write_tracker(root, iteration)  # the marker moves last
         dist.barrier()
@@ -347,6 +358,31 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     return int(state["consumed_samples"])
 
 
+def _write_shared_manifest(tmp: Path, tool: str) -> None:
+    """The folder's manifest, once megatron's saver has returned on every rank and before anything moves: the
+    ranks hash a share of the files each (and fsync them), rank 0 writes the whole."""
+    dist.barrier()  # every file is written, rank 0's included
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [n for n in unlisted_files(tmp) if not n.startswith(".")]
+    mine = digests(tmp, names[rank::world])
+    shares: list = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        write_manifest(tmp, tool, files={k: v for share in shares for k, v in share.items()})
+
+
+def finished_run(cfg, latest: int | None) -> str | None:
+    """What to say, instead of training, when OUTPUT_BASEPATH holds a run that is already complete (nothing left
+    to train and, with saving on, its model exported); None otherwise."""
+    final = Path(cfg.output_basepath) / FINAL_DIR
+    if latest is None or latest < cfg.train_iters or (cfg.save and not (final / TRACKER_NAME).is_file()):
+        return None
+    where = f"its model is in {final} (mpatch convert mcore2hf --load-dir {final} --save-dir HF_OUT)" if cfg.save \
+        else f"its checkpoints are in {cfg.checkpoint_dir}"
+    return (f"the run in {cfg.output_basepath} is complete (iteration {latest} of {cfg.train_iters}): {where}; "
+            "nothing to train (choose another OUTPUT_BASEPATH or more iterations to train further)")
+
+
 def _shared_partial_dir(final: Path, inner: str = "") -> Path:
     """Rank 0 makes a fresh partial folder for ``final`` (and its sub-folder ``inner``) and tells every
     rank its name."""
@@ -400,6 +436,8 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
                        source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}",
                        lora=_lora_record(cfg)).write(tmp)
         write_tracker(tmp, RELEASE)
+    _write_shared_manifest(tmp, f"mpatch train, final export of iteration {iteration}")
+    if rank == 0:
         publish(tmp, final)
         how = " --lora-adapter (or --merge-lora)" if cfg.lora is not None else " ..."
         print(f"exported the trained {'adapters' if cfg.lora is not None else 'model'} to {final} "

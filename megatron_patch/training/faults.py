@@ -18,6 +18,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
 from megatron_patch.errors import UserError
 
 KINDS = ("overflow", "kill")
@@ -37,7 +38,7 @@ def parse_faults(raw: str | None) -> list[Fault]:
         if not item:
             continue
         kind, _, when = item.partition("@")
-        if kind not in KINDS or not when.isdigit() or int(when) < 1:
+        if kind not in KINDS or not WHOLE_NUMBER.fullmatch(when) or int(when) < 1:
             raise UserError(f"MP_INJECT_FAULT item '{item}' must be KIND@ITERATION with KIND one of "
                             f"{' | '.join(KINDS)} and ITERATION >= 1, e.g. overflow@7,kill@12")
         faults.append(Fault(kind, int(when)))

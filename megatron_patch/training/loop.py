@@ -503,6 +503,8 @@ class Trainer:
                 self._record({"iteration": self.iteration, "valid_loss": vloss})
             if cfg.save and (self.iteration % cfg.save_interval == 0 or self.iteration == stop_at):
                 checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler)
+        if self.iteration < first:  # resumed with nothing left to train: put back what the first step would have
+            self._param_gather_after_first_step()
         self._report_throughput(records, peak)
         if cfg.save and self.iteration == cfg.train_iters:
             checkpointing.export_model(cfg, self.iteration, self.models, cfg.precision.dtype)

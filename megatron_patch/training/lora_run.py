@@ -121,7 +121,7 @@ def check_lora_launch(cfg) -> None:
     from megatron_patch.lora.state import find_base
     from megatron_patch.training.checkpointing import iteration_dir, latest_iteration
 
-    latest, _ = latest_iteration(cfg.checkpoint_dir)
+    latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
     if latest is None:
         return
     folder = iteration_dir(cfg.checkpoint_dir, latest)

@@ -4,11 +4,13 @@ One document per JSON line (the value of ``json_key``), tokenized in parallel, w
 order through megatron-core's ``IndexedDatasetBuilder``; the end-of-document id is appended after
 each document. Lines that are not JSON objects with a string under ``json_key`` are reported with
 their line numbers and skipped (``strict`` stops at the first one). Output appears only complete:
-both files are written under temporary names and renamed at the end.
+both files are written under temporary names and renamed at the end, under the output's lock (one
+writer per prefix), with ``P_<key>_document.mpatch_manifest.json`` written last (``mpatch verify``).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -16,7 +18,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_patch.checkpoint_files.manifest import DIGEST, MANIFEST_NAME, digest_file, write_manifest
 from megatron_patch.errors import UserError
+from megatron_patch.outputs.folders import fsync_dir, fsync_file
+from megatron_patch.outputs.lock import OutputLock
 
 _TOKENIZER = None
 
@@ -59,12 +64,27 @@ class PreprocessReport:
     bad_lines: list[tuple[int, str]] = field(default_factory=list)
 
 
+def _publish(tmp: str, prefix: str) -> None:
+    """The two finished files onto their names, durable, with a manifest written last: the old manifest goes
+    first, so an interrupted replace leaves no manifest that vouches for a mismatched .bin/.idx pair."""
+    files = {}
+    for suffix in (".bin", ".idx"):
+        size, digest = digest_file(tmp + suffix)
+        fsync_file(tmp + suffix)
+        files[Path(prefix + suffix).name] = {"size": size, DIGEST: digest}
+    folder, name = Path(prefix).parent, f"{Path(prefix).name}.{MANIFEST_NAME}"
+    (folder / name).unlink(missing_ok=True)
+    os.replace(tmp + ".bin", prefix + ".bin")
+    os.replace(tmp + ".idx", prefix + ".idx")
+    part = folder / f".{name}.partial-{os.getpid()}"
+    write_manifest(folder, "mpatch preprocess", name=part.name, files=files)
+    os.replace(part, folder / name)
+    fsync_dir(folder)
+
+
 def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str | Path, *, json_key: str = "text",
                workers: int = 1, append_eod: bool = True, strict: bool = False, progress: bool | None = None,
                chunksize: int = 64) -> PreprocessReport:
-    import numpy
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
-
     from megatron_patch.training.tokenizer import load_tokenizer
 
     input_path = Path(input_path)
@@ -77,6 +97,20 @@ def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str |
     out_dir = Path(prefix).parent
     if not out_dir.is_dir():
         raise UserError(f"output folder {out_dir} does not exist: create it first")
+    with OutputLock(prefix, "--output-prefix"):
+        # Only the lock holder writes here: any partial file is an earlier run's that did not finish.
+        for stale in sorted(glob.glob(f"{glob.escape(prefix)}.partial-*")):
+            os.remove(stale)
+            print(f"note: removed {stale}, the unfinished output of an earlier run", file=sys.stderr, flush=True)
+        return _preprocess(input_path, prefix, tokenizer, tokenizer_path, json_key, workers, append_eod, strict,
+                           progress, chunksize)
+
+
+def _preprocess(input_path: Path, prefix: str, tokenizer, tokenizer_path, json_key: str, workers: int,
+                append_eod: bool, strict: bool, progress: bool | None, chunksize: int) -> PreprocessReport:
+    import numpy
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
     tmp = f"{prefix}.partial-{os.getpid()}"
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
@@ -124,8 +158,7 @@ def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str |
         if report.documents == 0:
             raise UserError(f"{input_path} has no usable line (every line lacked a string '{json_key}' field)")
         builder.finalize(tmp + ".idx")
-        os.replace(tmp + ".bin", prefix + ".bin")
-        os.replace(tmp + ".idx", prefix + ".idx")
+        _publish(tmp, prefix)
     finally:
         bar.close()
         if pool is not None:

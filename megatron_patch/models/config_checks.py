@@ -1,0 +1,229 @@
+"""Every config.json value is checked before anything uses it: its type, its range, and, for the sizes, that the
+weights on disk can hold the model it describes.
+
+A config.json is untrusted input like the rest of a checkpoint. The families read it with ``raw.get``; this
+module runs first (``registry.parse_arch``), so a string where a number belongs, a negative epsilon, a NaN,
+zero key/value heads or a billion layers is refused in one line naming the field, instead of a traceback, a
+silently wrong model, or an allocation proportional to the bad number.
+
+- ``check_config_values(raw)``: the fields any supported family reads, by type and range (JSON ``null``
+  means "not given": the families' defaults apply).
+- Structural sizes have ceilings far beyond any published model (layers 10,000, vocabulary 2**31...): the
+  work before a model is built (layer lists, the weight plan) is proportional to them.
+- ``least_weight_elements(arch)``: a lower bound of the model's weights from the config alone;
+  ``check_weights_fit`` compares it with the bytes the checkpoint's files hold, before anything
+  proportional to the model is planned or allocated. Where no weights exist (a preset, a config alone),
+  the training memory plan decides.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_patch.errors import UserError
+
+
+@dataclass(frozen=True)
+class Whole:
+    """A whole number in [low, high]."""
+
+    low: int
+    high: int
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be a whole number, found {_show(value)}"
+        if not self.low <= value <= self.high:
+            return f"must be between {self.low} and {self.high:,}, found {value:,}"
+        return None
+
+
+@dataclass(frozen=True)
+class Real:
+    """A finite number, > low (or >= low with ``closed``), at most ``high``."""
+
+    low: float
+    high: float = math.inf
+    closed: bool = False
+
+    def problem(self, value) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"must be a number, found {_show(value)}"
+        if not math.isfinite(value):
+            return f"must be a finite number, found {value}"
+        if value < self.low or (value == self.low and not self.closed) or value > self.high:
+            bound = f">= {self.low:g}" if self.closed else f"> {self.low:g}"
+            return f"must be {bound}" + (f" and at most {self.high:g}" if math.isfinite(self.high) else "") + \
+                f", found {value:g}"
+        return None
+
+
+@dataclass(frozen=True)
+class Flag:
+    def problem(self, value) -> str | None:
+        return None if isinstance(value, bool) else f"must be true or false, found {_show(value)}"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A JSON object whose own fields follow ``fields``."""
+
+    fields: dict
+
+    def problem(self, value) -> str | None:
+        return None if isinstance(value, dict) else f"must be a JSON object, found {_show(value)}"
+
+
+@dataclass(frozen=True)
+class WholeList:
+    """A list of whole numbers in [low, high], at most ``longest`` of them."""
+
+    low: int
+    high: int
+    longest: int = 10_000
+
+    def problem(self, value) -> str | None:
+        if not isinstance(value, list):
+            return f"must be a list of whole numbers, found {_show(value)}"
+        if len(value) > self.longest:
+            return f"must list at most {self.longest:,} numbers, found {len(value):,}"
+        for item in value:
+            why = Whole(self.low, self.high).problem(item)
+            if why:
+                return f"must list whole numbers between {self.low} and {self.high:,}, found {_show(item)}"
+        return None
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}" + ("..." if len(text) > 40 else "")
+
+
+MAX_LAYERS = 10_000
+MAX_WIDTH = 2**20           # hidden size, MLP sizes, head dims, LoRA ranks
+MAX_HEADS = 2**16
+MAX_VOCAB = 2**31 - 1
+MAX_EXPERTS = 2**16
+MAX_POSITIONS = 2**31 - 1
+
+_ROPE = {
+    "rope_theta": Real(0), "factor": Real(0), "low_freq_factor": Real(0), "high_freq_factor": Real(0),
+    "original_max_position_embeddings": Whole(1, MAX_POSITIONS), "beta_fast": Real(0), "beta_slow": Real(0),
+    "mscale": Real(0, closed=True), "mscale_all_dim": Real(0, closed=True), "attention_factor": Real(0),
+    "partial_rotary_factor": Real(0, 1.0), "truncate": Flag(),
+}
+
+# The fields the supported families read (and a few every config has), by name.
+FIELDS: dict = {
+    "vocab_size": Whole(1, MAX_VOCAB),
+    "hidden_size": Whole(1, MAX_WIDTH),
+    "intermediate_size": Whole(1, MAX_WIDTH),
+    "moe_intermediate_size": Whole(1, MAX_WIDTH),
+    "shared_expert_intermediate_size": Whole(0, MAX_WIDTH),
+    "num_hidden_layers": Whole(1, MAX_LAYERS),
+    "num_attention_heads": Whole(1, MAX_HEADS),
+    "num_key_value_heads": Whole(1, MAX_HEADS),
+    "head_dim": Whole(1, MAX_WIDTH),
+    "max_position_embeddings": Whole(1, MAX_POSITIONS),
+    "rms_norm_eps": Real(0, 1.0),
+    "rope_theta": Real(0),
+    "partial_rotary_factor": Real(0, 1.0),
+    "rope_scaling": Table(_ROPE),
+    "rope_parameters": Table(_ROPE),
+    "tie_word_embeddings": Flag(),
+    "attention_bias": Flag(),
+    "mlp_bias": Flag(),
+    "norm_topk_prob": Flag(),
+    "num_experts": Whole(0, MAX_EXPERTS),
+    "num_local_experts": Whole(0, MAX_EXPERTS),
+    "n_routed_experts": Whole(0, MAX_EXPERTS),
+    "num_experts_per_tok": Whole(1, MAX_EXPERTS),
+    "n_shared_experts": Whole(0, MAX_EXPERTS),
+    "n_group": Whole(1, MAX_EXPERTS),
+    "topk_group": Whole(1, MAX_EXPERTS),
+    "routed_scaling_factor": Real(0),
+    "router_aux_loss_coef": Real(0, closed=True),
+    "aux_loss_alpha": Real(0, closed=True),
+    "decoder_sparse_step": Whole(1, MAX_LAYERS),
+    "mlp_only_layers": WholeList(0, MAX_LAYERS),
+    "first_k_dense_replace": Whole(0, MAX_LAYERS),
+    "moe_layer_freq": Whole(1, MAX_LAYERS),
+    "q_lora_rank": Whole(1, MAX_WIDTH),
+    "kv_lora_rank": Whole(1, MAX_WIDTH),
+    "qk_nope_head_dim": Whole(1, MAX_WIDTH),
+    "qk_rope_head_dim": Whole(1, MAX_WIDTH),
+    "v_head_dim": Whole(1, MAX_WIDTH),
+    "num_nextn_predict_layers": Whole(0, MAX_LAYERS),
+    "num_mtp_layers": Whole(0, MAX_LAYERS),
+    "model_type": None,  # strings: checked below
+    "hidden_act": None,
+    "scoring_func": None,
+    "topk_method": None,
+}
+_STRINGS = ("model_type", "hidden_act", "scoring_func", "topk_method")
+
+
+def check_config_values(raw: dict, where: str = "config.json") -> None:
+    """Refuse the first field whose type or range is wrong, in one line naming it."""
+    for key in _STRINGS:
+        if raw.get(key) is not None and not isinstance(raw[key], str):
+            raise UserError(f"{where} '{key}' must be a string, found {_show(raw[key])}")
+    archs = raw.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise UserError(f"{where} 'architectures' must be a list of strings, found {_show(archs)}")
+    for key, rule in FIELDS.items():
+        value = raw.get(key)
+        if rule is None or value is None:
+            continue
+        why = rule.problem(value)
+        if why:
+            raise UserError(f"{where} '{key}' {why}")
+        if isinstance(rule, Table):
+            for sub, sub_rule in rule.fields.items():
+                if value.get(sub) is not None:
+                    why = sub_rule.problem(value[sub])
+                    if why:
+                        raise UserError(f"{where} '{key}.{sub}' {why}")
+            kind = value.get("rope_type", value.get("type"))
+            if kind is not None and not isinstance(kind, str):
+                raise UserError(f"{where} '{key}.rope_type' must be a string, found {_show(kind)}")
+
+
+def check_arch(arch) -> None:
+    """The parsed model, as a backstop for fields a family derived (sizes from products, defaults)."""
+    for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_position_embeddings"):
+        value = getattr(arch, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"config.json gives {name}={value!r}, which must be a positive whole number")
+    for name in ("norm_eps", "rope_theta"):
+        value = getattr(arch, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise UserError(f"config.json gives {name}={value!r}, which must be a finite number above 0")
+    if arch.num_heads % arch.num_kv_heads:
+        raise UserError(f"config.json has {arch.num_heads} attention heads, not a multiple of its "
+                        f"{arch.num_kv_heads} key/value heads")
+
+
+def least_weight_elements(arch) -> int:
+    """A lower bound of the weights' element count from the config alone: the embedding, and in every layer
+    the attention's output projection and the MLP's up and down projections (each expert's, in MoE layers).
+    Every supported architecture has at least these."""
+    moe_layers = arch.num_layers - len(arch.dense_layers) if arch.is_moe else 0
+    dense_layers = arch.num_layers - moe_layers
+    per_layer_attention = arch.num_heads * arch.head_dim * arch.hidden_size
+    return (arch.vocab_size * arch.hidden_size + arch.num_layers * per_layer_attention
+            + dense_layers * 2 * arch.ffn_hidden_size * arch.hidden_size
+            + moe_layers * arch.num_experts * 2 * arch.moe_ffn_hidden_size * arch.hidden_size)
+
+
+def check_weights_fit(arch, stored_bytes: int, where: str) -> None:
+    """Refuse a config that describes more weights than ``where``'s files can hold (at least one byte per
+    element, FP8 included), before any work proportional to the model."""
+    least = least_weight_elements(arch)
+    if least > stored_bytes:
+        raise UserError(
+            f"config.json describes a model of at least {least:,} weights (vocab_size={arch.vocab_size:,}, "
+            f"hidden_size={arch.hidden_size:,}, num_hidden_layers={arch.num_layers:,}), but {where} holds "
+            f"{stored_bytes:,} bytes: the config and the weights do not belong together")

@@ -1,0 +1,180 @@
+"""One writer per output: a lock file next to the output, ``.NAME.mpatch-lock``, held (``fcntl.flock``) for
+the whole run.
+
+The kernel holds the lock for as long as the writing process lives, and drops it when the process ends,
+however it ends (a SIGKILL, the OOM killer): so a second writer is refused in one line naming the first,
+and a lock file left by a process that is gone is simply taken over (and said so). Nothing here judges
+liveness by PID. The file's content (pid, host, command, start time) only names the owner in messages.
+
+Training runs add the ranks: each rank holds a lock of its own in ``.NAME.mpatch-lock.ranks/`` for as long as
+it lives, so a new launcher can see ranks of an earlier run that outlived theirs (``live_ranks``) and
+refuse to start beside them, naming their PIDs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from megatron_patch.errors import UserError
+
+LOCK_SUFFIX = ".mpatch-lock"
+RANKS_SUFFIX = ".mpatch-lock.ranks"
+
+
+def lock_path(target: str | Path) -> Path:
+    target = Path(target).absolute()
+    return target.parent / f".{target.name}{LOCK_SUFFIX}"
+
+
+def _owner_text(info: dict) -> str:
+    if not info:
+        return "another process (its lock file names no owner)"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"])) if isinstance(
+        info.get("started"), (int, float)) else "?"
+    return f"pid {info.get('pid', '?')} on {info.get('host', '?')} ({info.get('command', '?')}, started {when})"
+
+
+def _read_owner(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 4096, 0)
+        info = json.loads(data.decode()) if data else {}
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _try_flock(path: Path, *, shared: bool = False) -> tuple[int, bool]:
+    """(fd, locked) for ``path``, opened (created if need be) and, if free, locked."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return fd, False
+        except OSError:
+            os.close(fd)
+            raise
+        # The owner may have removed the file between our open and our lock: then we hold a lock on a
+        # file nobody else can find. Start again on the name as it is now.
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd, True
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+class OutputLock:
+    """``with OutputLock(target, "--save-dir"):`` the caller is the one writer of ``target`` until the block
+    ends. ``what`` names the option the user gave the output with, for the messages."""
+
+    def __init__(self, target: str | Path, what: str = "output", *, log: Callable[[str], None] | None = None):
+        self.target = Path(target).absolute()
+        self.path = lock_path(self.target)
+        self.what = what
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.fd: int | None = None
+
+    def acquire(self) -> "OutputLock":
+        if not self.target.parent.is_dir():
+            raise UserError(f"the folder {self.target.parent} (where {self.target.name} would go) does not exist or "
+                            f"is not a folder: create it first, or choose another {self.what}")
+        try:
+            fd, locked = _try_flock(self.path)
+        except OSError as exc:
+            raise UserError(f"cannot lock {self.target} ({exc.strerror or exc}: {self.path}): choose a {self.what} "
+                            "in a folder you can write to")
+        owner = _read_owner(fd)
+        if not locked:
+            os.close(fd)
+            raise UserError(f"{self.target} is being written by {_owner_text(owner)}: wait for it to finish, or "
+                            f"choose another {self.what}")
+        if owner:
+            self.log(f"note: took over the lock of {self.target} left by {_owner_text(owner)}, which is gone")
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                "command": shlex.join(["mpatch" if i == 0 else a for i, a in enumerate(sys.argv[:6])])}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        """Remove the lock file (still holding the lock, so nobody takes a lock on the removed file), then
+        let go."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# --- the ranks of a training run -------------------------------------------------------------------------
+
+def _ranks_dir(target: str | Path) -> Path:
+    target = Path(target).absolute()
+    return target.parent / f".{target.name}{RANKS_SUFFIX}"
+
+
+def register_rank(target: str | Path) -> int:
+    """Mark this process as a rank writing ``target`` for as long as it lives (the returned descriptor holds
+    the mark; the kernel drops it when the process ends)."""
+    folder = _ranks_dir(target)
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{socket.gethostname()}.{os.getpid()}"
+    fd, locked = _try_flock(path)
+    if not locked:  # a PID reused on this host while an old holder's descriptor lives on elsewhere
+        os.close(fd)
+        raise UserError(f"{path} is held by another process: an earlier run still writes {target}")
+    return fd
+
+
+def live_ranks(target: str | Path) -> list[str]:
+    """'pid N on HOST' for every rank of an earlier run that still holds its mark on ``target``; the marks of
+    ranks that are gone are removed."""
+    folder = _ranks_dir(target)
+    if not folder.is_dir():
+        return []
+    alive = []
+    for path in sorted(folder.iterdir()):
+        try:
+            fd, locked = _try_flock(path)
+        except OSError:
+            continue
+        try:
+            host, _, pid = path.name.rpartition(".")
+            if locked:
+                path.unlink(missing_ok=True)
+            else:
+                alive.append(f"pid {pid} on {host}")
+        finally:
+            os.close(fd)
+    if not alive:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    return alive
+
+
+@contextlib.contextmanager
+def locked(target: str | Path, what: str = "output") -> Iterator[OutputLock]:
+    lock = OutputLock(target, what).acquire()
+    try:
+        yield lock
+    finally:
+        lock.release()

@@ -1,0 +1,22 @@
+"""Imported once by ``run_local``'s fork server, so that each local rank forks with torch, megatron-core and
+transformers already imported instead of importing them itself: about 3 s of CPU per rank on 2 cores
+(megatron-core pulls in torch's compiler stack), which a parity check at TP=2 or a test suite of
+multi-process checks pays over and over.
+
+The CPU compatibility layer is enabled first, because it must patch torch before megatron-core binds
+names at import. Any failure here is left for the rank to meet again and report itself (an unsupported
+megatron-core release refused in one line, say): the fork server only imports what it can.
+"""
+
+try:
+    from megatron_patch.runtime import cpu_compat
+
+    cpu_compat.enable()
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import transformers  # noqa: F401
+
+    import megatron_patch.models.builder  # noqa: F401
+except Exception:  # noqa: BLE001 - see the module's docstring
+    pass

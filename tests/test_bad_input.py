@@ -1,0 +1,474 @@
+"""One line and exit 2 for every bad input (issue 19): each item of the issue as a regular test, and a fuzzed
+contract (hypothesis) over config.json fields, safetensors headers, index.json, tracker contents, CLI numbers
+and the launcher's positional arguments: every generated input ends in a correct result or in a one-line
+``UserError``, never another exception. The library functions are called in process; the examples are
+bounded so the whole file stays well under a minute. Inputs the fuzzing found wrong are kept below as
+regular tests (``FOUND_BY_FUZZING``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME, read_tracker
+from megatron_patch.convert.checkpoint import hf_to_mcore
+from megatron_patch.convert.hf_reader import HFCheckpointReader, read_safetensors_header
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch
+from megatron_patch.models.config_checks import check_weights_fit, least_weight_elements
+from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.runtime.distributed import ParallelLayout
+from tests.convert_helpers import leftovers, run_cli
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                         HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    return make_tiny_hf_checkpoint("llama3_1", tmp_path_factory.mktemp("hf") / "llama", seed=2)
+
+
+@pytest.fixture(scope="module")
+def config(hf) -> dict:
+    return json.loads((hf / "config.json").read_text())
+
+
+def _one_line(rc: int, err: str, *words: str, code: int = 2) -> None:
+    assert rc == code and err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def _linked_copy(hf: Path, folder: Path, skip: tuple[str, ...] = ()) -> Path:
+    """``folder``, holding hard links to the tiny HF folder's files (but ``skip``)."""
+    folder.mkdir(exist_ok=True)
+    for p in hf.iterdir():
+        if p.name not in skip and not (folder / p.name).exists():
+            os.link(p, folder / p.name)
+    return folder
+
+
+def _variant(hf: Path, tmp_path: Path, name: str, **config) -> Path:
+    """A copy of the tiny HF folder (weights linked, not copied) with config.json fields replaced."""
+    folder = _linked_copy(hf, tmp_path / name, skip=("config.json",))
+    raw = json.loads((hf / "config.json").read_text())
+    raw.update(config)
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+# --- the issue's items, each a regular test ---------------------------------------------------------------
+
+BAD_CONFIGS = {
+    "eps-negative": ({"rms_norm_eps": -1}, "'rms_norm_eps' must be > 0"),
+    "eps-nan": ({"rms_norm_eps": math.nan}, "'rms_norm_eps' must be a finite number"),
+    "eps-string": ({"rms_norm_eps": "1e-5"}, "'rms_norm_eps' must be a number"),
+    "theta-negative": ({"rope_theta": -1}, "'rope_theta' must be > 0"),
+    "theta-string": ({"rope_theta": "10000"}, "'rope_theta' must be a number"),
+    "rope-parameters-string": ({"rope_parameters": "llama3"}, "'rope_parameters' must be a JSON object"),
+    "positions-negative": ({"max_position_embeddings": -1}, "'max_position_embeddings' must be between 1"),
+    "kv-heads-zero": ({"num_key_value_heads": 0}, "'num_key_value_heads' must be between 1"),
+    "layers-1e9": ({"num_hidden_layers": 10**9}, "'num_hidden_layers' must be between 1 and 10,000"),
+    "vocab-1e12": ({"vocab_size": 10**12}, "'vocab_size' must be between 1"),
+    "layers-beyond-weights": ({"num_hidden_layers": 9000}, "do not belong together"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_config_values_are_one_line_in_hf2mcore(hf, tmp_path, capsys, name):
+    fields, message = BAD_CONFIGS[name]
+    folder = _variant(hf, tmp_path, name, **fields)
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"), "--quiet")
+    _one_line(rc, err, message)
+    assert not (tmp_path / "o").exists() and not leftovers(tmp_path / "o")
+
+
+@pytest.mark.parametrize("command", ["parity", "align", "mcore2hf", "inspect"])
+def test_every_command_that_reads_a_config_refuses_enormous_values(hf, tmp_path, capsys, command):
+    layers = _variant(hf, tmp_path, "layers", num_hidden_layers=10**9)
+    vocab = _variant(hf, tmp_path, "vocab", vocab_size=10**12)
+    kv0 = _variant(hf, tmp_path, "kv0", num_key_value_heads=0)
+    for folder in (layers, vocab, kv0):
+        if command in ("parity", "align"):
+            argv = [command, "--hf-dir", str(folder)]
+        else:
+            ckpt = tmp_path / f"ck-{folder.name}"
+            hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
+            sidecar = ckpt / "mpatch_checkpoint.json"
+            data = json.loads(sidecar.read_text())
+            data["hf_config"] = json.loads((folder / "config.json").read_text())
+            sidecar.write_text(json.dumps(data))
+            argv = ["inspect", str(ckpt)] if command == "inspect" else \
+                ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"), "--no-verify"]
+        rc, err = run_cli(capsys, *argv)
+        _one_line(rc, err, "config.json")
+
+
+def test_a_config_that_outgrows_its_weights_is_refused_by_mcore2hf(hf, tmp_path, capsys):
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
+    sidecar = ckpt / "mpatch_checkpoint.json"
+    data = json.loads(sidecar.read_text())
+    data["hf_config"]["vocab_size"] = data["vocab_size"] = data["padded_vocab_size"] = 2**30
+    sidecar.write_text(json.dumps(data))
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"),
+                      "--no-verify")
+    _one_line(rc, err, "do not belong together")
+    # without the sidecar, the tensors themselves answer a --hf-config that does not fit them
+    sidecar.unlink()
+    big = _variant(hf, tmp_path, "big", vocab_size=2**30)
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--hf-config", str(big),
+                      "--save-dir", str(tmp_path / "o"), "--no-verify")
+    _one_line(rc, err, "embedding only")
+
+
+def test_align_and_parity_say_a_mismatched_vocabulary_in_one_line(hf, tmp_path, capsys):
+    folder = _variant(hf, tmp_path, "vocab", vocab_size=json.loads((hf / "config.json").read_text())["vocab_size"] - 3)
+    for argv in (["align", "--hf-dir", str(folder), "--quiet"], ["parity", "--hf-dir", str(folder)]):
+        _one_line(*run_cli(capsys, *argv), "do not belong together")
+
+
+def test_align_and_parity_numbers(hf, capsys):
+    _one_line(*run_cli(capsys, "align", "--hf-dir", str(hf), "--tolerance", "nan"), "--tolerance")
+    _one_line(*run_cli(capsys, "align", "--hf-dir", str(hf), "--tolerance", "inf"), "--tolerance")
+    _one_line(*run_cli(capsys, "parity", "--hf-dir", str(hf), "--seq-len", "-4"), "--seq-len")
+    _one_line(*run_cli(capsys, "align", "--hf-dir", str(hf), "--seq-len", "100000000", "--batch", "100000"),
+              "--seq-len")
+    _one_line(*run_cli(capsys, "align", "--hf-dir", str(hf), "--seq-len", "200", "--batch", "100000000"),
+              "free: lower --batch or --seq-len")
+
+
+def test_duplicate_tensors_across_files_name_both_files(hf, tmp_path, capsys):
+    folder = _linked_copy(hf, tmp_path / "dup", skip=("model.safetensors.index.json",))
+    weights = sorted(folder.glob("*.safetensors"))
+    os.link(weights[0], folder / "zz-stale-copy.safetensors")
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"))
+    _one_line(rc, err, weights[0].name, "zz-stale-copy.safetensors", "remove the stale copy")
+
+
+def _indexed(hf: Path, tmp_path: Path, weight_map) -> Path:
+    folder = _linked_copy(hf, tmp_path / "indexed")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+@pytest.mark.parametrize("mutation,message", [
+    ("dotdot", "leads outside the folder"), ("absolute", "leads outside the folder"),
+    ("list", "no 'weight_map' table"), ("number", "not a file name"),
+])
+def test_index_entries_that_leave_the_folder_or_are_malformed(hf, tmp_path, capsys, mutation, message):
+    names = HFCheckpointReader(hf).keys()
+    shard = sorted(hf.glob("*.safetensors"))[0]
+    outside = tmp_path / "elsewhere.safetensors"
+    os.link(shard, outside)
+    weight_map = {n: shard.name for n in names}
+    first = names[0]
+    if mutation == "dotdot":
+        weight_map[first] = "../elsewhere.safetensors"
+    elif mutation == "absolute":
+        weight_map[first] = str(outside)
+    elif mutation == "list":
+        weight_map = [[n, shard.name] for n in names]
+    else:
+        weight_map[first] = 7
+    folder = _indexed(hf, tmp_path, weight_map)
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"))
+    _one_line(rc, err, message)
+
+
+def test_a_symlinked_side_file_that_leaves_the_folder_is_refused(hf, tmp_path, capsys):
+    folder = _linked_copy(hf, tmp_path / "linked", skip=("tokenizer.json",))
+    (folder / "tokenizer.json").symlink_to("/etc/passwd")
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"))
+    _one_line(rc, err, "tokenizer.json", "leads outside the folder")
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_hub_cache_layout_of_symlinks_into_blobs_is_accepted(hf, tmp_path, capsys):
+    snapshot = tmp_path / "models--x" / "snapshots" / "abc"
+    blobs = tmp_path / "models--x" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, p in enumerate(sorted(hf.iterdir())):
+        os.link(p, blobs / f"blob{i}")
+        (snapshot / p.name).symlink_to(f"../../blobs/blob{i}")
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(snapshot), "--save-dir", str(tmp_path / "o"), "--quiet")
+    assert rc == 0, err
+
+
+def _safetensors(path: Path, header: dict, data: bytes = b"") -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_a_tensor_name_with_a_newline_stays_one_line(tmp_path):
+    """Found by test_fuzz_safetensors_headers: the name was quoted as is, and the message broke in two."""
+    path = _safetensors(tmp_path / "n.safetensors", {"a\nb": {}})
+    with pytest.raises(UserError) as exc:
+        read_safetensors_header(path)
+    assert "\n" not in str(exc.value) and "'a\\nb'" in str(exc.value)
+
+
+def test_non_dict_metadata_is_refused(tmp_path):
+    path = _safetensors(tmp_path / "m.safetensors", {"__metadata__": ["pt"], "w": {
+        "dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+    with pytest.raises(UserError, match="__metadata__"):
+        read_safetensors_header(path)
+
+
+@pytest.mark.parametrize("text", ["²", "١٢", "9" * 5000, "-3", "1.5", "", "release\nrelease"])
+def test_tracker_that_is_not_a_number_is_one_line_everywhere(hf, tmp_path, capsys, text):
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
+    (ckpt / TRACKER_NAME).write_text(text)
+    with pytest.raises(UserError, match="neither 'release' nor an iteration number|damaged"):
+        read_tracker(ckpt)
+    for argv in (["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o")],
+                 ["inspect", str(ckpt)]):
+        rc, err = run_cli(capsys, *argv)
+        assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    from megatron_patch.training.checkpointing import latest_iteration  # resume's own reading
+
+    try:
+        latest_iteration(ckpt)
+    except UserError as exc:
+        assert "\n" not in str(exc)
+
+
+def test_internal_errors_are_one_line_and_debug_shows_the_traceback(monkeypatch, capsys):
+    from megatron_patch.cli import families
+
+    def broken(args):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(families, "run", broken)
+    monkeypatch.setattr("megatron_patch.cli.families.register", _register_with(broken))
+    rc, err = run_cli(capsys, "families")
+    _one_line(rc, err, "internal error: KeyError", "MPATCH_DEBUG=1", code=1)
+    monkeypatch.setenv("MPATCH_DEBUG", "1")
+    rc, err = run_cli(capsys, "families")
+    assert rc == 1 and "Traceback" in err
+
+
+def _register_with(fn):
+    def register(subparsers):
+        p = subparsers.add_parser("families")
+        p.set_defaults(run=fn)
+    return register
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(f"{sys.executable} -m megatron_patch families | true", shell=True, capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+# --- the fuzzed contract -----------------------------------------------------------------------------------
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
+                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                                  st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                           max_leaves=6)
+CONFIG_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings",
+               "rope_scaling", "rope_parameters", "tie_word_embeddings", "hidden_act", "model_type", "architectures",
+               "partial_rotary_factor", "mlp_bias", "attention_bias", "num_experts", "num_experts_per_tok",
+               "moe_intermediate_size", "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob"]
+ROPE_FIELDS = st.fixed_dictionaries({}, optional={
+    "rope_type": st.sampled_from(["default", "linear", "llama3", "yarn", "dynamic", 3]),
+    "factor": JSON_SCALARS, "low_freq_factor": JSON_SCALARS, "high_freq_factor": JSON_SCALARS,
+    "original_max_position_embeddings": JSON_SCALARS, "rope_theta": JSON_SCALARS})
+
+# Inputs this fuzzing found breaking the contract in the code before issue 19 (run against main's parse_arch:
+# a traceback, or a model accepted with impossible values), kept as regular tests.
+FOUND_BY_FUZZING = [
+    {"max_position_embeddings": -1.5, "rope_theta": -1.5},   # accepted: negative positions and theta
+    {"head_dim": {"": []}},                                   # accepted: a dict as the head dimension
+    {"num_key_value_heads": "\x98d"},                        # TypeError
+    {"max_position_embeddings": {"": 0}},                     # TypeError
+    {"rope_parameters": [[]]},                                # AttributeError ('list' has no 'get')
+    {"architectures": 5, "model_type": None},                 # TypeError ('int' is not iterable)
+]
+
+
+def _check_arch(arch: Arch) -> None:
+    assert isinstance(arch, Arch)
+    for f in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        assert isinstance(getattr(arch, f), int) and getattr(arch, f) >= 1
+    assert math.isfinite(arch.norm_eps) and arch.norm_eps > 0 and arch.rope_theta > 0
+
+
+@FUZZ
+@given(changes=st.dictionaries(st.sampled_from(CONFIG_KEYS), JSON_VALUES, max_size=4), rope=ROPE_FIELDS,
+       family=st.sampled_from(["llama3_1", "qwen2_moe", "qwen3", "deepseek_v3"]))
+def test_fuzz_config_fields(family, changes, rope):
+    from megatron_patch.models.registry import get_family
+
+    raw = {**get_family(family).tiny_config, **changes}
+    if rope:
+        raw["rope_parameters"] = {**rope}
+    try:
+        arch = parse_arch(raw)
+    except UserError as exc:
+        assert "\n" not in str(exc)
+        return
+    _check_arch(arch)
+    try:  # sizes against a small checkpoint: refused in one line, or it fits
+        check_weights_fit(arch, 10**6, "the test's files")
+    except UserError as exc:
+        assert least_weight_elements(arch) > 10**6 and "\n" not in str(exc)
+
+
+@pytest.mark.parametrize("changes", FOUND_BY_FUZZING)
+def test_inputs_found_by_fuzzing(changes):
+    from megatron_patch.models.registry import get_family
+
+    raw = {**get_family("llama3_1").tiny_config, **changes}
+    try:
+        _check_arch(parse_arch(raw))
+    except UserError as exc:
+        assert "\n" not in str(exc)
+
+
+TAGS = st.sampled_from(["F32", "BF16", "F16", "I64", "F8_E4M3", "X9", 5])
+ENTRY = st.fixed_dictionaries({}, optional={
+    "dtype": TAGS, "shape": st.one_of(st.lists(st.integers(-2, 2**40), max_size=3), JSON_SCALARS),
+    "data_offsets": st.one_of(st.lists(st.integers(-4, 64), min_size=0, max_size=3), JSON_SCALARS)})
+
+
+@FUZZ
+@given(header=st.dictionaries(st.text(max_size=6), st.one_of(ENTRY, JSON_VALUES), max_size=4),
+       data=st.binary(max_size=64), length_delta=st.integers(-3, 3))
+def test_fuzz_safetensors_headers(header, data, length_delta):
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = json.dumps(header).encode()
+        path = Path(tmp) / "x.safetensors"
+        path.write_bytes(struct.pack("<Q", max(0, len(raw) + length_delta)) + raw + data)
+        try:
+            tensors = read_safetensors_header(path)
+        except UserError as exc:
+            assert "\n" not in str(exc)
+            return
+        for stored in tensors.values():  # accepted: every tensor lies inside the file
+            assert stored.offset + stored.nbytes <= path.stat().st_size
+
+
+@FUZZ
+@example(index={"weight_map": {"w": "\n"}})  # found by this test: a file name with a line break broke the message
+@given(index=st.one_of(JSON_VALUES, st.fixed_dictionaries({"weight_map": st.one_of(
+    JSON_VALUES, st.dictionaries(st.sampled_from(["w", "v", "u"]), st.one_of(
+        st.sampled_from(["a.safetensors", "../a.safetensors", "/etc/passwd", "b.safetensors", ""]), JSON_SCALARS),
+        max_size=3))})))
+def test_fuzz_index_json(index):
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "m"
+        folder.mkdir()
+        _safetensors(folder / "a.safetensors", {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+        _safetensors(Path(tmp) / "a.safetensors", {"v": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4)
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        try:
+            reader = HFCheckpointReader(folder)
+        except UserError as exc:
+            assert "\n" not in str(exc)
+            return
+        assert all(Path(reader.stored(k).path).parent == folder for k in reader.keys())
+
+
+@FUZZ
+@given(text=st.one_of(st.text(max_size=20), st.integers(-10, 10**13).map(str), st.just(RELEASE)))
+@example(text="²")
+@example(text="9" * 5000)
+def test_fuzz_tracker_contents(text):
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, TRACKER_NAME).write_text(text)
+        try:
+            value = read_tracker(tmp)
+        except UserError as exc:
+            assert "\n" not in str(exc)
+            return
+        assert value == RELEASE or (isinstance(value, int) and value >= 0)
+
+
+NUMBER_TEXT = st.one_of(st.integers(-10**12, 10**12).map(str), st.floats(allow_nan=True).map(str),
+                        st.sampled_from(["1e8", "0x10", "٣", "²", "", " 4", "nan", "-inf", "5GB", "0GB", "1e400MB"]),
+                        st.text(max_size=5))
+
+
+@FUZZ
+@given(size=NUMBER_TEXT)
+def test_fuzz_max_shard_size(size):
+    from megatron_patch.convert.hf_writer import parse_size
+
+    try:
+        value = parse_size(size)
+    except UserError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert isinstance(value, int) and value >= 1
+
+
+@FUZZ
+@given(seq=NUMBER_TEXT, batch=NUMBER_TEXT, tolerance=NUMBER_TEXT, tp=NUMBER_TEXT)
+def test_fuzz_align_numbers(hf, capsys, seq, batch, tolerance, tp):
+    """align validates every number before running anything; what argparse refuses exits 2 with its usage."""
+    from megatron_patch.align import alignment
+
+    calls = []
+    real = alignment.validate
+
+    def validate_only(s):
+        calls.append(real(s))
+        raise UserError("validated")  # stop before the models run
+
+    alignment.validate = validate_only
+    try:
+        rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--seq-len", seq, "--batch", batch,
+                          "--tolerance", tolerance, "--tp", tp, "--quiet")
+    except SystemExit as exc:  # argparse: usage plus one error line, exit 2
+        assert exc.code == 2 and "Traceback" not in capsys.readouterr().err
+        return
+    finally:
+        alignment.validate = real
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+LAUNCHER_TOKENS = st.one_of(st.sampled_from(["cpu", "dsw", "dlc", "tiny", "8B", "auto", "1", "2", "0", "-1", "true",
+                                             "false", "none", "sel", "full", "fp32", "bf16", "fp8", "1e-3", "nan",
+                                             "inf", "1e400", "²", "999999999999", "static:0.5", "auto", ""]),
+                            st.text(max_size=6))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_launcher_arguments(data):
+    from megatron_patch.training.launcher_args import arg_names
+    from megatron_patch.training.validation import resolve
+    from tests.training_helpers import launcher_args
+
+    family = data.draw(st.sampled_from(["llama3_1", "qwen2_moe"]))
+    names = arg_names(family)
+    argv = launcher_args(family)
+    for i in data.draw(st.lists(st.integers(0, len(names) - 1), max_size=3)):
+        argv[i] = data.draw(LAUNCHER_TOKENS)
+    if data.draw(st.booleans().filter(lambda b: True)) and data.draw(st.integers(0, 9)) == 0:
+        argv = argv[:-1]
+    try:
+        resolve(family, argv, env={}, check_paths=False)
+    except UserError as exc:
+        assert "\n" not in str(exc)

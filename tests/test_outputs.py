@@ -1,0 +1,385 @@
+"""Nothing lost, nothing half-done (issue 19): one writer per output, publishing that cannot clobber, what
+killed runs left recovered through the lock, --force only onto an earlier output, no output overlapping an
+input, and the manifest every output carries (mpatch verify, mcore2hf's check)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
+from megatron_patch.convert.checkpoint import hf_to_mcore
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.outputs import renames
+from megatron_patch.outputs.folders import atomic_dir, replaced_dir
+from megatron_patch.outputs.lock import OutputLock, live_ranks, lock_path, register_rank
+from megatron_patch.runtime.distributed import ParallelLayout
+from tests.convert_helpers import leftovers, run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Path:
+    folder = make_tiny_hf_checkpoint("llama3_1", tmp_path_factory.mktemp("hf") / "llama", seed=1)
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ck") / "ck"
+    hf_to_mcore(hf, out, ParallelLayout(), progress=False)
+    return out
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _one_line_error(rc: int, err: str, *words: str, code: int = 2) -> None:
+    assert rc == code and err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+# --- one writer per output ------------------------------------------------------------------------------
+
+def test_second_writer_is_refused_naming_the_first_and_the_lock_goes_on_exit(hf, tmp_path, capsys):
+    target = tmp_path / "out"
+    with OutputLock(target, "--save-dir"):
+        rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(target), "--quiet")
+        _one_line_error(rc, err, "is being written by", f"pid {os.getpid()}", "mpatch")
+        assert not target.exists()
+    assert not lock_path(target).exists()
+    rc, _ = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(target), "--quiet")
+    assert rc == 0 and not leftovers(target)  # the lock file is removed on a clean exit
+
+
+def test_a_stale_lock_is_taken_over_saying_so(tmp_path, capsys):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    target = tmp_path / "out"
+    lock_path(target).write_text(json.dumps({"pid": dead.pid, "host": "h", "command": "mpatch convert", "started": 0}))
+    with atomic_dir(target) as tmp:
+        (tmp / "a").write_text("1")
+    err = capsys.readouterr().err
+    assert f"took over the lock of {target} left by pid {dead.pid}" in err and err.count("\n") == 1
+    assert (target / "a").read_text() == "1" and not lock_path(target).exists()
+
+
+def _live_rank(out: Path) -> subprocess.Popen:
+    """A process marked as a rank writing ``out`` (as ``mpatch train``'s ranks mark themselves), once it is."""
+    rank = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from megatron_patch.outputs.lock import register_rank
+        register_rank({str(out)!r})
+        print("ready", flush=True)
+        time.sleep(120)
+    """)], env=_env(), stdout=subprocess.PIPE, text=True)
+    assert rank.stdout.readline().strip() == "ready"
+    return rank
+
+
+def test_ranks_of_an_earlier_run_are_named_until_they_end(tmp_path):
+    out = tmp_path / "run"
+    rank = _live_rank(out)
+    try:
+        assert live_ranks(out) == [f"pid {rank.pid} on {os.uname().nodename}"]
+    finally:
+        rank.kill()
+        rank.wait()
+    assert live_ranks(out) == [] and not any(p.name.endswith(".ranks") for p in tmp_path.iterdir())
+    fd = register_rank(out)  # this process: not "earlier"
+    os.close(fd)
+
+
+# --- publishing that cannot clobber, and what killed runs left ----------------------------------------------
+
+def test_a_name_taken_meanwhile_is_never_replaced(tmp_path):
+    from megatron_patch.errors import UserError
+
+    target = tmp_path / "out"
+    with pytest.raises(UserError, match="nothing was replaced"):
+        with atomic_dir(target, replace=False) as tmp:
+            (tmp / "new").write_text("new")
+            target.mkdir()
+            (target / "theirs").write_text("theirs")  # something that does not take the lock
+    assert [p.name for p in target.iterdir()] == ["theirs"] and not leftovers(target)
+
+
+_KILL_DURING_REPLACE = """
+import os, signal, sys
+from megatron_patch.outputs import folders, renames
+mode = sys.argv[1]
+if mode == "exchange":     # killed right after the one-step swap, before the old folder is removed
+    real = folders.exchange
+    def exchange(a, b):
+        real(a, b)
+        os.kill(os.getpid(), signal.SIGKILL)
+    folders.exchange = exchange
+else:                      # a filesystem without renameat2 flags, killed between the fallback's two renames
+    def exchange(a, b):
+        raise renames.FlagsUnsupported(22, "Invalid argument")
+    folders.exchange = exchange
+    real_rename = os.rename
+    def rename(src, dst):
+        real_rename(src, dst)
+        if ".mpatch-replaced." in str(dst):
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.rename = rename
+from megatron_patch.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["exchange", "fallback"])
+def test_sigkill_during_a_forced_replace_leaves_the_previous_output_whole(hf, ckpt, tmp_path, capsys, mode):
+    target = tmp_path / "ck"
+    shutil.copytree(ckpt, target)
+    before = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_DURING_REPLACE, mode, "convert", "hf2mcore", "--hf-dir",
+                             str(hf), "--save-dir", str(target), "--format", "legacy", "--force", "--quiet"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, stderr
+    if mode == "exchange":  # the new output is in place, whole; the old one waits under the partial name
+        assert json.loads((target / "mpatch_checkpoint.json").read_text())["checkpoint_format"] == "legacy"
+        assert run_cli(capsys, "verify", str(target))[0] == 0
+        assert any(".mpatch-partial." in n for n in leftovers(target))
+    else:  # nothing at the name for now: the previous output is parked, and the next holder of the lock restores it
+        assert not target.exists() and any(".mpatch-replaced." in n for n in leftovers(target))
+    with atomic_dir(target) as tmp:  # any next writer of this output
+        if mode == "fallback":
+            restored = {p.relative_to(target): p.read_bytes() for p in target.rglob("*") if p.is_file()}
+            assert restored == before
+        shutil.copytree(target, tmp, dirs_exist_ok=True)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"note: took over the lock of {target} left by pid {proc.pid}"), err
+    assert err[1] == f"note: removed .ck.mpatch-partial.{proc.pid}, the unfinished output of an earlier run", err
+    if mode == "fallback":
+        assert err[2] == f"note: restored {target} from .ck.mpatch-replaced.{proc.pid}: an earlier replace of it was " \
+                         "interrupted", err
+    assert len(err) == (3 if mode == "fallback" else 2) and not leftovers(target)
+
+
+def test_replaced_folder_is_removed_when_the_replace_completed(tmp_path, capsys):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "new").write_text("new")
+    replaced_dir(target, pid=1).mkdir()
+    (replaced_dir(target, pid=1) / "old").write_text("old")
+    with atomic_dir(target) as tmp:
+        (tmp / "newer").write_text("newer")
+    assert [p.name for p in target.iterdir()] == ["newer"] and not leftovers(target)
+    assert "the previous out an earlier replace left behind" in capsys.readouterr().err
+
+
+def test_without_renameat2_flags_the_fallback_still_publishes(monkeypatch, tmp_path):
+    def unsupported(src, dst, flags):
+        raise renames.FlagsUnsupported(22, "Invalid argument")
+
+    monkeypatch.setattr(renames, "renameat2", unsupported)
+    target = tmp_path / "out"
+    for value in ("1", "2"):
+        with atomic_dir(target) as tmp:
+            (tmp / "v").write_text(value)
+        assert (target / "v").read_text() == value and not leftovers(target)
+
+
+# --- --force replaces only an earlier output; no output overlaps an input --------------------------------------
+
+def test_force_replaces_only_what_mpatch_wrote(hf, ckpt, tmp_path, capsys):
+    def hf2mcore(target, *extra):
+        return run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(target), "--quiet",
+                       "--force", *extra)
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "precious.txt").write_text("keep me")
+    rc, err = hf2mcore(notes)
+    _one_line_error(rc, err, "neither an output of mpatch", "precious.txt")
+    assert (notes / "precious.txt").read_text() == "keep me"
+    # an earlier output with a file added after it was written
+    added = tmp_path / "added"
+    shutil.copytree(ckpt, added)
+    (added / "notes.md").write_text("mine")
+    rc, err = hf2mcore(added)
+    _one_line_error(rc, err, "notes.md", "does not list")
+    # an HF export from before the manifest existed, plus something else
+    old_hf = tmp_path / "old_hf"
+    shutil.copytree(hf, old_hf)
+    (old_hf / "train.py").write_text("")
+    rc, err = hf2mcore(old_hf)
+    _one_line_error(rc, err, "looks like an HF export", "train.py")
+    # recognised: this project's outputs, with or without a manifest
+    (old_hf / "train.py").unlink()
+    assert hf2mcore(old_hf)[0] == 0
+    pre_manifest = tmp_path / "pre_manifest"
+    shutil.copytree(ckpt, pre_manifest)
+    (pre_manifest / MANIFEST_NAME).unlink()
+    assert hf2mcore(pre_manifest, "--format", "legacy")[0] == 0
+    assert (pre_manifest / MANIFEST_NAME).exists() and not leftovers(pre_manifest)
+
+
+def test_no_output_overlaps_an_input(hf, ckpt, tmp_path, capsys):
+    work = tmp_path / "ck"
+    shutil.copytree(ckpt, work)
+    cases = [
+        ["convert", "mcore2hf", "--load-dir", str(work), "--save-dir", str(work / "release"), "--force"],
+        ["convert", "mcore2hf", "--load-dir", str(work / "release"), "--save-dir", str(work), "--force"],
+        ["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(hf / "sub"), "--force"],
+        ["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(hf.parent), "--force"],
+    ]
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    shutil.copy(hf / "config.json", cfg / "config.json")
+    foreign = tmp_path / "foreign"
+    shutil.copytree(ckpt, foreign)
+    (foreign / "mpatch_checkpoint.json").unlink()
+    cases.append(["convert", "mcore2hf", "--load-dir", str(foreign), "--hf-config", str(cfg / "config.json"),
+                  "--save-dir", str(cfg), "--force"])
+    for argv in cases:
+        rc, err = run_cli(capsys, *argv, "--quiet")
+        _one_line_error(rc, err, "overlaps the input")
+    assert (cfg / "config.json").exists() and (work / "release").is_dir()
+    # an output under a regular file
+    (tmp_path / "file").write_text("")
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "file" / "x"))
+    _one_line_error(rc, err, "which is a file")
+
+
+def test_force_onto_an_immutable_folder_is_one_line(hf, ckpt, tmp_path, capsys):
+    target = tmp_path / "ck"
+    shutil.copytree(ckpt, target)
+    if subprocess.run(["chattr", "+i", str(target)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (not root, or a filesystem without the flag)")
+    try:
+        rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(target), "--force",
+                          "--quiet")
+    finally:
+        subprocess.run(["chattr", "-i", str(target)], check=True)
+    _one_line_error(rc, err, "cannot replace", "left as it was")
+    assert run_cli(capsys, "verify", str(target))[0] == 0 and not leftovers(target)
+
+
+# --- the manifest ------------------------------------------------------------------------------------------------
+
+def test_every_conversion_carries_a_manifest_that_finds_a_flipped_byte(ckpt, tmp_path, capsys):
+    work = tmp_path / "ck"
+    shutil.copytree(ckpt, work)
+    manifest = json.loads((work / MANIFEST_NAME).read_text())
+    assert manifest["tool"] == "mpatch convert hf2mcore" and manifest["digest"] == "xxh3_128"
+    assert set(manifest["files"]) == {p.relative_to(work).as_posix() for p in work.rglob("*")
+                                      if p.is_file() and p.name != MANIFEST_NAME}
+    hf_out = tmp_path / "hf_out"
+    assert run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(work), "--save-dir", str(hf_out), "--quiet")[0] == 0
+    assert run_cli(capsys, "verify", str(hf_out))[0] == 0
+    assert json.loads((hf_out / MANIFEST_NAME).read_text())["tool"] == "mpatch convert mcore2hf"
+    victim = sorted((work / "release").glob("*.distcp"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    rc, err = run_cli(capsys, "verify", str(work))
+    _one_line_error(rc, err, victim.name, "does not match its digest")
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(work), "--save-dir", str(tmp_path / "x"), "--quiet")
+    _one_line_error(rc, err, victim.name, "does not match its digest")
+    assert not (tmp_path / "x").exists() and not leftovers(tmp_path / "x")
+    # truncated, and missing
+    victim.write_bytes(bytes(data[:-8]))
+    _one_line_error(*run_cli(capsys, "verify", str(work)), victim.name, "bytes, but")
+    victim.unlink()
+    _one_line_error(*run_cli(capsys, "verify", str(work)), victim.name, "is missing")
+    (tmp_path / "empty").mkdir()
+    _one_line_error(*run_cli(capsys, "verify", str(tmp_path / "empty")), "has no mpatch_manifest.json")
+
+
+def test_preprocess_takes_the_lock_and_leaves_a_manifest(tmp_path, capsys):
+    from tests.training_helpers import make_tiktoken_file
+
+    tok = make_tiktoken_file(tmp_path / "tok.tiktoken", [])
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    prefix = tmp_path / "p"
+    stale = Path(f"{prefix}_text_document.partial-1.bin")
+    stale.write_bytes(b"x")
+    argv = ["preprocess", "--input", str(data), "--output-prefix", str(prefix), "--tokenizer", str(tok), "--quiet"]
+    with OutputLock(f"{prefix}_text_document", "--output-prefix"):
+        _one_line_error(*run_cli(capsys, *argv), "is being written by")
+    assert run_cli(capsys, *argv)[0] == 0 and not stale.exists()
+    manifest = tmp_path / f"p_text_document.{MANIFEST_NAME}"
+    assert set(json.loads(manifest.read_text())["files"]) == {"p_text_document.bin", "p_text_document.idx"}
+    assert run_cli(capsys, "verify", str(manifest))[0] == 0
+    Path(f"{prefix}_text_document.idx").write_bytes(b"\0" * 10)
+    _one_line_error(*run_cli(capsys, "verify", str(tmp_path)), "p_text_document.idx")
+
+
+def test_align_report_dir_has_one_writer(hf, tmp_path, capsys):
+    report = tmp_path / "report"
+    with OutputLock(report, "--report-dir"):
+        rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(report), "--quiet")
+    assert rc == 2 and "is being written by" in err and err.count("\n") == 1, err
+
+
+# --- a training run's OUTPUT_BASEPATH ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_training_run_outputs_one_run_per_folder_and_ranks_die_with_their_launcher(corpus, tmp_path, capsys):
+    """One short run, several checks on its folder: every iteration and final/ carry a manifest (mpatch verify
+    passes); rerunning the finished run says so and exits 0 (it died in export_model before); a rank of an
+    earlier run that is still alive blocks a restart, named by PID; and ranks end when their launcher is
+    SIGKILLed (torch elastic gives them sessions of their own)."""
+    import time
+
+    from tests.training_helpers import GBS, SEQ, launch, pretrain_args
+
+    out = tmp_path / "out"
+    args = pretrain_args(corpus, out, DO="true", TRAIN_TOKENS_OR_ITERS=str(4 * GBS * SEQ), SAVE_INTERVAL="2",
+                         WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))
+    first = launch(args)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    for folder in (out / "checkpoint" / "iter_0000002", out / "checkpoint" / "iter_0000004", out / "final"):
+        assert (folder / MANIFEST_NAME).is_file(), folder
+    rc, err = run_cli(capsys, "verify", str(out))
+    assert rc == 0, err
+    again = launch(args)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "is complete (iteration 4 of 4)" in again.stdout and str(out / "final") in again.stdout
+    assert "Traceback" not in again.stderr and not lock_path(out).exists()
+
+    longer = pretrain_args(corpus, out, DO="true", TRAIN_TOKENS_OR_ITERS=str(400 * GBS * SEQ), SAVE_INTERVAL="1000",
+                           WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))
+    rank = _live_rank(out)
+    try:
+        blocked = launch(longer)
+        assert blocked.returncode == 2 and f"pid {rank.pid}" in blocked.stderr, blocked.stderr[-2000:]
+        assert "ranks of an earlier run still write" in blocked.stderr
+    finally:
+        rank.kill()
+        rank.wait()
+
+    script = REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"
+    launcher = subprocess.Popen(["bash", str(script), *longer], env={**_env(), "PYTHON": sys.executable},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while len(live_ranks(out)) < 1:  # the rank has started and marked itself
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+    alive = live_ranks(out)
+    os.killpg(launcher.pid, signal.SIGKILL)  # bash and the launcher; the rank is in a session of its own
+    launcher.wait()
+    deadline = time.time() + 60
+    while live_ranks(out):
+        assert time.time() < deadline, f"ranks outlived their launcher: {alive}"
+        time.sleep(0.5)
