@@ -57,7 +57,8 @@ def run_mcore2hf(args) -> int:
     if args.lora_adapter:
         from megatron_patch.convert.lora_io import export_adapter
 
-        export_adapter(args.load_dir, args.save_dir, dtype=args.dtype, force=args.force, iteration=args.iteration)
+        export_adapter(args.load_dir, args.save_dir, dtype=args.dtype, force=args.force, iteration=args.iteration,
+                       verify=not args.no_verify)
         print(f"wrote the peft adapter {args.save_dir}")
         return 0
     if args.merge_lora:
@@ -65,7 +66,7 @@ def run_mcore2hf(args) -> int:
 
         merge_adapter(args.load_dir, args.save_dir, base_dir=args.base_dir, dtype=args.dtype, force=args.force,
                       iteration=args.iteration, progress=False if args.quiet else None, workers=args.workers,
-                      max_shard_size=args.max_shard_size)
+                      max_shard_size=args.max_shard_size, verify=not args.no_verify)
         print(f"wrote {args.save_dir} (LoRA merged)")
         return 0
     mcore_to_hf(args.load_dir, args.save_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,

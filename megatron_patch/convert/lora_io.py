@@ -93,9 +93,15 @@ def _open(load_dir, iteration):
     return opened
 
 
-def _adapters(opened):
-    """(spec, sites, whole adapter tensors in float32, modules_to_save HF tensors) of a LoRA checkpoint."""
+def _adapters(opened, verify: bool = True):
+    """(spec, sites, whole adapter tensors, modules_to_save HF tensors) of a LoRA checkpoint, its files checked
+    against its manifest first (``verify``)."""
+    from megatron_patch.checkpoint_files.manifest import manifest_for, verify_manifest
     from megatron_patch.lora.state import check_adapter_keys, read_adapter_tensors
+
+    manifest = manifest_for(opened.found.folder) if verify else None
+    if manifest is not None:
+        verify_manifest(manifest)
 
     arch = opened.model_arch
     spec = LoraSpec.from_dict(opened.sidecar.lora["spec"])
@@ -132,7 +138,7 @@ def _saved_tensors(opened, arch, spec: LoraSpec) -> dict:
 
 
 def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, force: bool = False,
-                   iteration: int | None = None) -> Path:
+                   iteration: int | None = None, verify: bool = True) -> Path:
     """A peft adapter folder from a LoRA checkpoint: peft's key names and config; ``dtype`` (a precision
     name) casts the tensors, else they keep the checkpoint's."""
     from megatron_patch.convert.outputs import atomic_output_dir
@@ -140,9 +146,9 @@ def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, fo
     from megatron_patch.lora.peft_io import write_peft_adapter
 
     opened = _open(load_dir, iteration)
-    arch, spec, sites, tensors, saved = _adapters(opened)
+    arch, spec, sites, tensors, saved = _adapters(opened, verify)
     base = opened.sidecar.lora.get("base")
-    with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf --lora-adapter", inputs=(load_dir,)) as tmp:
         write_peft_adapter(tmp, sites, spec, arch, tensors, saved,
                            base=base["path"] if base else str(opened.sidecar_dir),
                            dtype=None if dtype is None else precision_dtype(dtype))
@@ -151,14 +157,15 @@ def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, fo
 
 def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str | Path | None = None, dtype=None,
                   force: bool = False, iteration: int | None = None, progress: bool | None = None,
-                  workers: int | None = None, max_shard_size: str | int = "5GB") -> Path:
+                  workers: int | None = None, max_shard_size: str | int = "5GB", verify: bool = True) -> Path:
     """The HF model with a LoRA checkpoint's adapters merged in (W + scaling * B @ A in float32, then cast)."""
+    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
     from megatron_patch.convert.checkpoint import mcore_to_hf
     from megatron_patch.convert.outputs import atomic_output_dir
     from megatron_patch.lora.state import find_base
 
     opened = _open(load_dir, iteration)
-    arch, spec, sites, tensors, saved = _adapters(opened)
+    arch, spec, sites, tensors, saved = _adapters(opened, verify)
     record = opened.sidecar.lora.get("base")
     if record is None:
         if base_dir is not None:
@@ -166,9 +173,17 @@ def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str |
         base = opened.found.root
     else:
         base = find_base(record, base_dir, str(load_dir), "--base-dir")
-    with atomic_output_dir(save_dir, force, inputs=(load_dir, base)) as tmp:
-        mcore_to_hf(base, tmp, dtype=dtype, max_shard_size=max_shard_size, progress=progress, workers=workers,
-                    base_only=True)
+    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf --merge-lora", inputs=(load_dir, base)) as tmp:
+        # the base exported as plain mcore2hf does it, then moved up (its manifest is written again at the end)
+        staged = tmp / "base"
+        mcore_to_hf(base, staged, dtype=dtype, max_shard_size=max_shard_size, progress=progress, workers=workers,
+                    base_only=True, verify=verify)
+        for path in staged.iterdir():
+            if path.name == MANIFEST_NAME:
+                path.unlink()
+            else:
+                path.rename(tmp / path.name)
+        staged.rmdir()
         merged = _merge_in_place(tmp, sites, spec, tensors, saved)
         print(f"merged {merged} adapted weight(s) in float32", file=sys.stderr, flush=True)
     return Path(save_dir)

@@ -8,13 +8,13 @@ peft gives it.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_patch.errors import UserError
+from megatron_patch.models.arch import read_json_object
 from megatron_patch.models.mapping import LORA_TARGETS
 
 DEFAULT_TARGETS = ("qkv", "proj", "fc1", "fc2")
@@ -103,19 +103,10 @@ _REFUSED = {
 
 
 def read_adapter_config(folder: str | Path) -> dict:
-    path = Path(folder) / ADAPTER_CONFIG
+    hint = f"give a peft adapter folder (adapter_config.json and {ADAPTER_WEIGHTS})"
     if not Path(folder).is_dir():
-        raise UserError(f"{folder} is not a folder: give a peft adapter folder (adapter_config.json and "
-                        f"{ADAPTER_WEIGHTS})")
-    if not path.is_file():
-        raise UserError(f"{path} not found: give a peft adapter folder (adapter_config.json and {ADAPTER_WEIGHTS})")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})")
-    if not isinstance(data, dict):
-        raise UserError(f"{path} must hold a JSON object")
-    return data
+        raise UserError(f"{folder} is not a folder: {hint}")
+    return read_json_object(Path(folder) / ADAPTER_CONFIG, hint)
 
 
 def spec_from_peft_config(data: dict, where: str) -> LoraSpec:
