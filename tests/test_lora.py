@@ -183,6 +183,22 @@ def _groups(arch):
     return family_targets(arch)
 
 
+@pytest.mark.parametrize("adapter", ["qwen2_moe", "saved"])
+def test_peft_dir_checkpoint_exports_the_same_adapter(lora_models, adapter, tmp_path):
+    """hf2mcore --peft-dir stores the adapters (and modules_to_save weights, in place of the base's) beside the
+    weights; mcore2hf --lora-adapter gives back peft's tensors bit for bit."""
+    from megatron_patch.cli import main
+    from safetensors.torch import load_file
+
+    src = lora_models["adapters"].get(adapter) or lora_models["variants"][adapter]
+    hf = lora_models["hf"]["qwen2_moe" if adapter == "qwen2_moe" else "llama3_1"]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--peft-dir", str(src), "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(out), "--lora-adapter"]) == 0
+    a, b = load_file(src / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # --- quick: bad input, one line, exit 2 -----------------------------------------------------------------------
 
 def _one_line(err: str) -> str:

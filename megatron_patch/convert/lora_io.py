@@ -129,10 +129,10 @@ def _saved_tensors(opened, arch, spec: LoraSpec) -> dict:
     out = {}
     for t in plan_transfers(rules, arch, ParallelLayout()):
         name = t.placements[0].mcore_name
-        full = torch.empty(skeleton.shapes[name], dtype=getattr(torch, reader.dtype(next(
-            c.key for c in skeleton.chunks if c.name == name))))
-        reader.load([(c.key, c.global_offset, full[c.region()].view(c.local_shape))
-                     for c in skeleton.chunks if c.name == name])
+        chunks = [c for c in skeleton.chunks if c.name == name]
+        full = torch.empty(skeleton.shapes[name], dtype=getattr(torch, reader.dtype(chunks[0].key)))
+        for c in chunks:
+            full[c.region()] = reader.read_block(c.key, c.global_offset, c.local_shape).reshape(full[c.region()].shape)
         out.update(zip(t.hf_names, t.split.merge([full], split_context(arch))))
     return out
 

@@ -45,10 +45,10 @@ def open_adapters(path: str | Path, arch) -> Adapters:
     spec = LoraSpec.from_dict(lora["spec"])
     tensors = read_adapter_tensors(opened.found.folder)
     check_adapter_keys(plan_sites(arch, spec), tensors, str(opened.found.folder))
-    if spec.modules_to_save:
-        raise UserError(f"{path} carries modules_to_save weights beside its adapters: use its peft export "
-                        "(mpatch convert mcore2hf --lora-adapter)")
     base = find_base(lora["base"], None, str(path), "its base") if lora.get("base") else None
+    if spec.modules_to_save and base is not None:  # saved weights beside the adapters, not in a base loaded here
+        raise UserError(f"{path} carries modules_to_save weights beside its adapters: start from its peft export "
+                        "(mpatch convert mcore2hf --lora-adapter) instead")
     return Adapters(spec, tensors, {}, base, f"the adapters of {path}")
 
 

@@ -104,15 +104,13 @@ def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> P
 
 def read_adapter_tensors(folder: str | Path) -> dict:
     """Every adapter tensor of a torch_dist weights folder, whole (model-free: each rank can read it)."""
-    import torch
-
     from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 
     reader = TorchDistReader(folder)
-    keys = sorted(k for k in reader.tensor_keys() if k.startswith(KEY_PREFIX))
-    out = {k: torch.empty(reader.global_shape(k), dtype=getattr(torch, reader.dtype(k))) for k in keys}
-    reader.load([(k, (0,) * t.dim(), t) for k, t in out.items()])
-    return out
+    try:
+        return {k: reader.read_block(k) for k in sorted(reader.tensor_keys()) if k.startswith(KEY_PREFIX)}
+    finally:
+        reader.close()
 
 
 def load_adapters(containers: list, tensors: dict) -> None:
