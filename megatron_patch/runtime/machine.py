@@ -39,21 +39,40 @@ def gpu_info() -> dict | None:
             "memory_gib": round(props.total_memory / 2**30, 1)}
 
 
+def transformer_engine_usable() -> bool:
+    """Whether transformer-engine's PyTorch layers import here, with CUDA: what its layer spec needs. Package
+    metadata alone is not enough: a partial install (the core library without the torch extension, which is
+    built from source) has the metadata and fails at the first import. The launcher, ``mpatch info`` and
+    the model builder all decide on this one test."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure to import means: not usable here
+        return False
+    return True
+
+
 def features(gpu: dict | None) -> dict:
     """Which of transformer-engine, FP8 and FlashAttention are usable with ``gpu`` (``gpu_info()``)."""
     cuda = gpu is not None
-    te = installed_version("transformer-engine", "transformer_engine")
+    te_version = installed_version("transformer-engine", "transformer_engine")
+    te = bool(cuda and te_version and transformer_engine_usable())
     fa2 = installed_version("flash-attn", "flash_attn")
     fa3 = installed_version("flash-attn-3", "flash_attn_3")
     hopper = cuda and gpu["capability"].startswith("9.")
     return {
-        "transformer_engine": bool(te and cuda),
-        "transformer_engine_version": te,
-        "fp8": bool(te and cuda and float(gpu["capability"]) >= 8.9),
+        "transformer_engine": te,
+        "transformer_engine_version": te_version,
+        "fp8": te and float(gpu["capability"]) >= 8.9,
         "flash_attention_2": bool(fa2 and cuda),
         "flash_attention_3": bool(fa3 and hopper),
-        "layer_spec": "transformer_engine" if te and cuda else "local",
-        "attention": "flash/fused (TE)" if te and cuda else "local (unfused softmax)",
+        "layer_spec": "transformer_engine" if te else "local",
+        # models/core_attention.py: SDPA on a GPU without transformer-engine, unfused on CPU (FL=true: SDPA)
+        "attention": "flash/fused (TE)" if te else ("sdpa (torch SDPA, local spec)" if cuda
+                                                   else "local (unfused softmax; FL=true: torch SDPA)"),
     }
 
 

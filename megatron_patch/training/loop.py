@@ -31,7 +31,7 @@ from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import checkpointing, data, faults, packing
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
-from megatron_patch.training.machine_checks import attention_kernel
+from megatron_patch.training.machine_checks import attention_kernel, core_attention
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
@@ -225,6 +225,7 @@ class Trainer:
         device = self._device()
         # One GPTModel per virtual pipeline stage (one in all without MP_VP).
         chunks = build_model_chunks(self.arch, cfg.layout, cfg.precision.dtype, pp_first_stage_layers=cfg.pp0_layers,
+                                    core_attention=core_attention(cfg, Capabilities.detect()),
                                     **self.settings["transformer_config"])
         if cfg.sft_packing:
             from megatron_patch.training.packing import use_packed_local_attention

@@ -16,10 +16,11 @@ def megatron_settings(cfg: RunConfig) -> dict:
         # A stage's output, once sent on, is freed but for its autograd graph (Megatron-LM's default). Not
         # on gloo: its asynchronous sends read the buffer later (PP=2 x VP=2 then trained on garbage).
         tc["deallocate_pipeline_outputs"] = True
-    if cfg.flash_attention:
-        tc["attention_backend"] = AttnBackend.flash
-    elif not gpu:
+    if not gpu:
+        # the local spec; FL=true picks its SDPA core attention (machine_checks.core_attention), not TE's
         tc["attention_backend"] = AttnBackend.local
+    elif cfg.flash_attention:
+        tc["attention_backend"] = AttnBackend.flash
     elif not cfg.precision.mixed:
         # transformer-engine's fused (cuDNN) and flash kernels have no fp32 path; auto lets TE take its unfused one.
         tc["attention_backend"] = AttnBackend.auto

@@ -213,11 +213,6 @@ def activation_checkpointing_mode(cfg: RunConfig) -> None:
                         f"megatron-core: set PP=1 or AC=sel/full (PP={cfg.pp})")
 
 
-def flash_attention_precision(cfg: RunConfig) -> None:
-    if cfg.flash_attention and not cfg.precision.mixed:
-        raise UserError("FL=true: FlashAttention has no fp32 kernel: use PR=bf16/fp16/fp8 or FL=false")
-
-
 def packing_and_context_parallelism(cfg: RunConfig) -> None:
     if cfg.sft_packing and cfg.cp > 1:
         raise UserError(f"MP_SFT_PACKING=true with CP={cfg.cp} is not supported (packed sequences would need "
@@ -345,7 +340,7 @@ def sft_data(cfg: RunConfig) -> None:
 
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
-    flash_attention_precision, packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
+    packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
     sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
 
 
