@@ -7,7 +7,12 @@ torch is imported inside the functions: the launcher and the converter start wit
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
+import os
+import shutil
+import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def installed_version(*dists: str) -> str | None:
@@ -26,6 +31,21 @@ def version_tuple(text: str | None) -> tuple[int, ...]:
         return tuple(int(x) for x in (text or "").split(".")[:2])
     except ValueError:
         return ()
+
+
+def compile_problem(cuda: bool) -> str | None:
+    """Why ``torch.compile`` cannot generate kernels here, or None. Inductor writes Triton on a GPU and C++
+    on CPU, which it builds with the system's compiler against Python's headers."""
+    if cuda:
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile on a GPU needs triton (pip install triton, the version your torch names)"
+        return None
+    if not any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++")):
+        return "torch.compile on CPU needs a C++ compiler (g++ or clang++, or CXX=...) to build its kernels"
+    include = sysconfig.get_paths().get("include") or ""
+    if not (Path(include) / "Python.h").is_file():
+        return f"torch.compile on CPU needs Python's headers ({include}/Python.h: install python3-dev)"
+    return None
 
 
 def gpu_info() -> dict | None:
@@ -87,6 +107,7 @@ class Capabilities:
     flash_attention_2: bool = False
     compute_capability: tuple[int, int] | None = None  # of GPU 0
     cuda_version: str | None = None  # torch's CUDA build
+    compile_problem: str | None = None  # why torch.compile cannot build kernels here (None: it can)
 
     @classmethod
     def detect(cls) -> "Capabilities":
@@ -97,4 +118,4 @@ class Capabilities:
         return cls(cuda=gpu is not None, transformer_engine=f["transformer_engine"], fp8=f["fp8"],
                    flash_attention_3=f["flash_attention_3"], flash_attention_2=f["flash_attention_2"],
                    compute_capability=tuple(torch.cuda.get_device_capability(0)) if gpu else None,
-                   cuda_version=torch.version.cuda)
+                   cuda_version=torch.version.cuda, compile_problem=compile_problem(gpu is not None))

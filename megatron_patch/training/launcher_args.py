@@ -66,6 +66,8 @@ EXTRAS = {
     "MP_NPROC": "ENV=cpu: number of local processes (default TP*PP*CP, or what the expert layout needs)",
     "MP_TOKENIZER": "tokenizer folder (tokenizer.json) or tiktoken file for SFT data (default: the checkpoint's)",
     "MP_NAN_POLICY": "stop (default) | skip: what a NaN/inf loss does",
+    "MP_COMPILE_FUSIONS": "true: torch.compile the local spec's RMSNorm, RoPE, SwiGLU and bias-dropout-add (no "
+                          "transformer-engine); false: all of them eager (default: megatron-core's own choice)",
     "MP_GPU_MEMORY_GB": "memory per GPU the memory plan checks against (default: the visible GPU's); ENV=cpu: the "
                         "'device' budget of OPTIMIZER_OFFLOAD=auto and the plan",
     "MP_OFFLOAD_NUMERICS": "fast (default) | exact: optimizer updates bit-identical on every tier and schedule",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_patch.convert.loading import load_checkpoint_into_model
 from megatron_patch.errors import UserError
+from megatron_patch.models import compiled_fusions
 from megatron_patch.models.builder import build_model_chunks
 from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime import device, init_model_parallel, watchdog
@@ -234,6 +235,8 @@ class Trainer:
                 use_packed_local_attention(c)
         move_to_device(chunks, device)
         cast_parameters(chunks, cfg.precision.dtype)
+        if cfg.compile_fusions:
+            self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         self.resume_iteration = self._latest()
         if self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)

@@ -56,6 +56,11 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     elif cfg.activation_checkpointing == "offload" and not te:
         # megatron-core's activation offload context is transformer-engine's; without it TransformerBlock asserts.
         out.append("AC=offload (activation offloading) needs transformer-engine on GPUs: use AC=sel, full or none")
+    if cfg.compile_fusions and te:
+        out.append("MP_COMPILE_FUSIONS=true compiles the local spec's norms and RoPE, and this GPU runs "
+                   "transformer-engine's spec, whose kernels are fused already: drop MP_COMPILE_FUSIONS")
+    elif cfg.compile_fusions and caps.compile_problem:
+        out.append(f"MP_COMPILE_FUSIONS=true: {caps.compile_problem}; or drop MP_COMPILE_FUSIONS")
     return out
 
 

@@ -116,6 +116,8 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         offload_probe_script=env.get("MP_OFFLOAD_PROBE_SCRIPT") or None,
         offload_timing=parse_bool("MP_OFFLOAD_TIMING", env.get("MP_OFFLOAD_TIMING") or "false"),
         gpu_memory_gb=env_float(env, "MP_GPU_MEMORY_GB", None),
+        compile_fusions=parse_bool("MP_COMPILE_FUSIONS", env["MP_COMPILE_FUSIONS"]) if env.get("MP_COMPILE_FUSIONS")
+        else None,
         log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
         eval_iters=env_int(env, "MP_EVAL_ITERS", 10), seed=env_int(env, "MP_SEED", 1234, lo=0),
         save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
