@@ -6,7 +6,8 @@ Each case runs in a fresh process (megatron's CPU layer, one rank), on random q,
 feeds them ([s, b, heads, dim], keys and values grouped), causal. Time: the median of --repeat forward+
 backward passes after one warm-up. Peak memory: what one forward+backward needs above what the process held
 with its inputs (the unfused attention's [b, heads, s, s] scores and softmax, SDPA's O(s) working set): on
-CPU the resident set sampled every millisecond, on a GPU torch's peak allocation. Prints the load
+CPU the resident set sampled every millisecond (with glibc returning every block of 64 KiB or more on free,
+so that it follows what is live), on a GPU torch's peak allocation. Prints the load
 average before and after (the development machine is shared: times are only comparable within one run).
 
     python scripts/bench_attention.py [--device cpu|cuda] [--seq 2048,4096] [--dtype fp32,bf16] [--heads 8]
@@ -145,6 +146,9 @@ def main() -> int:
     heads = args.heads or (32 if gpu else 8)
     kv_heads = args.kv_heads or (8 if gpu else 2)
     head_dim = args.head_dim or (128 if gpu else 64)
+    # Every allocation of 64 KiB or more its own mapping, returned on free: the resident set then follows what
+    # is live (glibc would otherwise keep freed blocks of the warm-up pass and hide the measured pass's needs).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     else:  # run_local pins its ranks to one thread unless told otherwise

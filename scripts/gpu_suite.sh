@@ -5,9 +5,9 @@
 #
 # Phases (each installs and prepares what it needs, so each can start on a bare machine; a phase's step limits
 # add up to its budget, and no step starts once the budget is spent):
-#   1 checks  (320 s)  install, info, prepare, parity (fp32, every family), align (bf16, every family; llama3_1
+#   1 checks  (300 s)  install, info, prepare, parity (fp32, every family), align (bf16, every family; llama3_1
 #                      with the ablations), gpu-tests (pytest -m gpu; tests that need more GPUs skip themselves)
-#   2 speed   (320 s)  install, info, prepare (corpus, layers), bench-attention (SDPA vs unfused on this GPU),
+#   2 speed   (300 s)  install, info, prepare (corpus, layers), bench-attention (SDPA vs unfused on this GPU),
 #                      Llama-3.1-8B-shaped training (as many layers as fit, at most GPU_SUITE_LAYERS_CAP): bf16,
 #                      eager and compiled fusions (MP_COMPILE_FUSIONS), AC=full, OPTIMIZER_OFFLOAD: tokens/s,
 #                      TFLOP/s, MFU, peak memory
@@ -49,7 +49,7 @@ GBS="${GPU_SUITE_GBS:-4}"
 ITERS="${GPU_SUITE_ITERS:-6}"
 LAYERS_CAP="${GPU_SUITE_LAYERS_CAP:-8}"
 # Seconds each phase may take at most: one call on the lent machine runs at most 10 minutes (docs/gpu.md).
-PHASE_BUDGET=([1]=320 [2]=320 [3]=360)
+PHASE_BUDGET=([1]=300 [2]=300 [3]=360)
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
@@ -97,14 +97,14 @@ STEPS=()
 for p in 1 2 3; do
   STEPS+=("install|$p|15|step_install||" "info|$p|10|step_info||")
 done
-STEPS+=("prepare|1|35|step_prepare|checks|mcore" "parity|1|45|step_parity||mcore" "align|1|95|step_align||mcore"
-        "gpu-tests|1|120|step_gpu_tests||mcore"
-        "prepare|2|30|step_prepare|train|mcore" "bench-attention|2|45|step_bench_attention||mcore"
+STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|45|step_parity||mcore" "align|1|90|step_align||mcore"
+        "gpu-tests|1|110|step_gpu_tests||mcore"
+        "prepare|2|30|step_prepare|train|mcore" "bench-attention|2|40|step_bench_attention||mcore"
         "train-bf16|2|45|step_train|bf16|bf16|false|sel|false||mcore"
-        "train-eager|2|40|step_train|eager|bf16|false|sel|false|MP_COMPILE_FUSIONS=false|mcore"
+        "train-eager|2|35|step_train|eager|bf16|false|sel|false|MP_COMPILE_FUSIONS=false|mcore"
         "train-compiled|2|50|step_train|compiled|bf16|false|sel|false|MP_COMPILE_FUSIONS=true|mcore,local"
-        "train-ac-full|2|40|step_train|ac-full|bf16|false|full|false|MP_AC_LAYERS=1|mcore"
-        "train-optimizer-offload|2|45|step_train|optimizer-offload|bf16|false|sel|0.25||mcore"
+        "train-ac-full|2|35|step_train|ac-full|bf16|false|full|false|MP_AC_LAYERS=1|mcore"
+        "train-optimizer-offload|2|40|step_train|optimizer-offload|bf16|false|sel|0.25||mcore"
         "prepare|3|35|step_prepare|train|mcore,te"
         "train-fp8-delayed|3|50|step_train|fp8-delayed|fp8|false|sel|false|MP_FP8_RECIPE=delayed|mcore,te"
         "train-fp8-tensorwise|3|50|step_train|fp8-tensorwise|fp8|false|sel|false|MP_FP8_RECIPE=tensorwise|mcore,te"

@@ -94,6 +94,10 @@ def install(args) -> int:
     missing here come from the package index."""
     from megatron_patch.runtime.machine import installed_version
 
+    bad = [p for p in args.pins.split() if "==" not in p]
+    if bad:
+        print(f"GPU_SUITE_PINS: '{bad[0]}' is not NAME==VERSION")
+        return 1
     pins = dict(p.split("==", 1) for p in args.pins.split())
     if not args.wheels:
         missing = [f"{n}=={v}" for n, v in pins.items() if installed_version(_normalise(n)) != v]

@@ -33,6 +33,7 @@ PHASE_STEPS = {
 }
 LENT_DEVICE_SECONDS = 15 * 60  # a session's device time on the lent machine, machine starts included
 MACHINE_START = 120  # a fresh machine's start, at worst (docs/gpu.md)
+CALL_OVERHEAD = 30  # a phase's own start-up, packing and transfers around its steps
 
 
 def _suite(out: Path, work: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -116,7 +117,7 @@ def test_each_phase_fits_one_call_and_the_lent_phases_fit_the_device_time(dry_ru
     assert set(found) == {1, 2, 3}
     for phase, (budget, planned) in found.items():
         assert planned <= budget <= 9 * 60, (phase, budget, planned)
-    assert found[1][0] + found[2][0] + 2 * MACHINE_START <= LENT_DEVICE_SECONDS
+    assert found[1][0] + found[2][0] + 2 * (MACHINE_START + CALL_OVERHEAD) <= LENT_DEVICE_SECONDS
 
 
 @pytest.mark.slow

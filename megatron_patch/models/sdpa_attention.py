@@ -34,9 +34,10 @@ import inspect
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
+
+from megatron_patch.models.local_attention import LocalMLACoreAttention
 
 CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 HALF = (torch.float16, torch.bfloat16)
@@ -76,21 +77,16 @@ def _varlen():
     return varlen_attn, causal, "enable_gqa" in params
 
 
-class SDPAttention(DotProductAttention):
-    """megatron-core's core attention, computed by torch SDPA (see the module's docstring)."""
+class SDPAttention(LocalMLACoreAttention):
+    """megatron-core's core attention, computed by torch SDPA (see the module's docstring). Built from
+    ``LocalMLACoreAttention``, megatron's ``DotProductAttention`` that also takes MLA's key/value head sizes:
+    the arithmetic below follows the tensors' own sizes."""
 
     # packing.use_packed_local_attention leaves it alone: THD is handled here
     handles_packed_sequences = True
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
-        # MLA passes its key and value head sizes; the arithmetic below follows the tensors' own sizes, and
-        # the output width (heads * kv_channels) must be the value heads'.
-        if v_channels is not None and v_channels != config.kv_channels:
-            raise ValueError(f"multi-latent attention's value heads ({v_channels}) must equal kv_channels "
-                             f"({config.kv_channels}) for the SDPA core attention")
-        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
-                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, **kwargs)
         self.fallback = fallback_reason(config, self.layer_number)
         # megatron's softmax multiplies the scores by the layer number again under query-key layer scaling
         self.sdpa_scale = self.softmax_scale * (self.layer_number if config.apply_query_key_layer_scaling else 1)

@@ -37,7 +37,8 @@ ARG_HELP = {
     "ETP": "expert tensor parallel size (MoE)", "EP": "expert parallel size (MoE)",
     "SP": "sequence parallelism: true | false (TP > 1 with SP=true also turns on TP communication overlap)",
     "DO": "distributed optimizer: true | false (true also overlaps the parameter all-gather)",
-    "FL": "flash attention: true | false (FlashAttention-3 when its Hopper build is installed)",
+    "FL": "flash attention: true | false (with transformer-engine its FlashAttention, FA3 on Hopper when installed; "
+          "without it torch SDPA, the default on a GPU, FL=true on CPU)",
     "SFT": "true: fine-tune on SFT data (token counts become iteration counts) | false: pretrain",
     "AC": "activation checkpointing: sel | full | offload | none (MP_AC_LAYERS layers for full/offload)",
     "OPTIMIZER_OFFLOAD": "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto "
