@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_patch.models.core_attention import SDPA, UNFUSED, describe
+from megatron_patch.models.core_attention import SDPA, UNFUSED
 from megatron_patch.models.shape import RankParam as Param
 from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime.machine import installed_version, version_tuple
@@ -243,7 +243,7 @@ class MemoryPlan:
                 f"{human_bytes(self.capacity)} ({self.capacity_source}): try {hint} (MP_DRY_RUN=1 prints the plan)")
 
     def lines(self) -> list[str]:
-        layers = f"{self.spec} layers" + (f", {describe(self.attention).split(':')[0]} attention" if self.attention else "")
+        layers = f"{self.spec} layers" + (f", {self.attention} attention" if self.attention else "")
         out = [f"memory plan per rank ({layers}; device memory {human_bytes(self.capacity)}, "
                f"{self.capacity_source}):"]
         for st in self.stages:
