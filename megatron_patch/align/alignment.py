@@ -266,6 +266,8 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
                                    else f"{s.hf_dir} (in-memory mapping)") + peft)},
         "config_differences": config_differences(ref_arch.hf_config, test_arch.hf_config),
         "ablations": _ablation_rows(s, ref, floor, test, variants, ref_arch.num_layers) if s.ablate else [],
+        # what the tested MCore side's attention was (the runner builds the baseline with exactly this)
+        "attention": None if s.hf_dir_2 else ablations.describe_baseline_attention(),
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "seconds": round(time.time() - started, 1),
     }

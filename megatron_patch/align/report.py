@@ -99,7 +99,10 @@ def markdown(result: dict, command: str | None = None) -> str:
     out += [f"- reference: {c['reference']}"]
     if c["floor"]:
         out += [f"- noise floor: {c['floor']} (HF's own {v['dtype']} rounding error, per point)"]
-    out += [f"- tested: {c['tested']}", f"- inputs: {result['inputs']['tokens']}, "
+    out += [f"- tested: {c['tested']}"]
+    if result.get("attention"):
+        out += [f"- attention: {result['attention']}"]
+    out += [f"- inputs: {result['inputs']['tokens']}, "
             f"batch {result['inputs']['batch']} x {result['inputs']['seq_len']} tokens",
             "- rule: " + (f"each point's rel_l2 <= {v['tolerance']:g}x the floor (logits: KL <= "
                            f"{v['tolerance'] ** 2:g}x); the first point over the line is named"

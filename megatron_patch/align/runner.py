@@ -51,7 +51,8 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
 
     arch = _arch_of(run)
     overrides = ablations.config_overrides(run.ablation)
-    model = build_model(arch, layout, precision_dtype(run.dtype), use_te=ablations.use_te(run.ablation), **overrides)
+    model = build_model(arch, layout, precision_dtype(run.dtype), use_te=ablations.use_te(run.ablation),
+                        core_attention=ablations.core_attention(run.ablation), **overrides)
     adapters = _adapters_of(run, arch)
     if run.mcore_dir is not None:
         from megatron_patch.convert.loading import load_checkpoint_into_model

@@ -73,7 +73,7 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
 
     caps = Capabilities.detect()
     arch = cfg.arch
-    plan = plan_memory(cfg)
+    plan = plan_memory(cfg, caps=caps)
     shape = model_shape(arch)
     problems = machine_problems(cfg, caps) + ([plan.problem()] if plan.problem() else [])
     try:
@@ -154,7 +154,7 @@ def run(args) -> int:
     check_machine(cfg, caps)
     from megatron_patch.training.memory_plan import plan_memory
 
-    problem = plan_memory(cfg).problem()
+    problem = plan_memory(cfg, caps=caps).problem()
     if problem:
         raise UserError(problem)
     needed = launch_environment(cfg, caps)

@@ -124,6 +124,7 @@ class RunConfig:
     offload_probe_script: str | None = None
     offload_timing: bool = False
     gpu_memory_gb: float | None = None
+    compile_fusions: bool | None = None  # MP_COMPILE_FUSIONS; None: megatron-core's defaults
     faults: list = field(default_factory=list)
     exit_interval: int | None = None
     log_interval: int = 1
