@@ -31,22 +31,34 @@ MOE = [f for f in FAMILY_NAMES if parse_arch(families()[f].tiny_config).is_moe]
 FP32_FLOOR = 1e-5
 
 
+class _Lazy(dict):
+    """A dict whose values are made on first use (a quick test builds only the models it reads)."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        self[key] = self.make(key)
+        return self[key]
+
+
+VARIANTS = {  # a partial adapter (q_proj, v_proj); peft's per-module patterns with rsLoRA; modules_to_save
+    "partial": ("llama3_1", dict(modules=["q_proj", "v_proj"])),
+    "patterns": ("qwen2", dict(use_rslora=True, layers_to_transform=[1, 2], alpha_pattern={"o_proj": 11},
+                               rank_pattern={"k_proj": 2, r"layers\.2\.mlp\.down_proj": 5})),
+    "saved": ("llama3_1", dict(modules=["q_proj", "o_proj"], modules_to_save=["lm_head", "model.norm"])),
+}
+
+
 @pytest.fixture(scope="session")
 def lora_models(tmp_path_factory):
     """Each family's tiny HF model and a random peft adapter of it on every module it adapts (routed experts
-    through peft's target_parameters), plus variants: a partial adapter (q_proj, v_proj), one with peft's
-    per-module patterns and rsLoRA, and one with modules_to_save."""
+    through peft's target_parameters), plus the VARIANTS; each made when first read."""
     root = tmp_path_factory.mktemp("lora")
-    hf = {f: make_tiny_hf_checkpoint(f, root / "hf" / f, seed=1) for f in FAMILY_NAMES}
-    adapters = {f: make_peft_adapter(hf[f], root / "peft" / f) for f in FAMILY_NAMES}
-    variants = {
-        "partial": make_peft_adapter(hf["llama3_1"], root / "partial", modules=["q_proj", "v_proj"]),
-        "patterns": make_peft_adapter(hf["qwen2"], root / "patterns", use_rslora=True, layers_to_transform=[1, 2],
-                                      rank_pattern={"k_proj": 2, r"layers\.2\.mlp\.down_proj": 5},
-                                      alpha_pattern={"o_proj": 11}),
-        "saved": make_peft_adapter(hf["llama3_1"], root / "saved", modules=["q_proj", "o_proj"],
-                                   modules_to_save=["lm_head", "model.norm"]),
-    }
+    hf = _Lazy(lambda f: make_tiny_hf_checkpoint(f, root / "hf" / f, seed=1))
+    adapters = _Lazy(lambda f: make_peft_adapter(hf[f], root / "peft" / f))
+    variants = _Lazy(lambda v: make_peft_adapter(hf[VARIANTS[v][0]], root / v, **VARIANTS[v][1]))
     return {"root": root, "hf": hf, "adapters": adapters, "variants": variants}
 
 
@@ -183,6 +195,7 @@ def _groups(arch):
     return family_targets(arch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", ["qwen2_moe", "saved"])
 def test_peft_dir_checkpoint_exports_the_same_adapter(lora_models, adapter, tmp_path):
     """hf2mcore --peft-dir stores the adapters (and modules_to_save weights, in place of the base's) beside the
@@ -190,7 +203,7 @@ def test_peft_dir_checkpoint_exports_the_same_adapter(lora_models, adapter, tmp_
     from megatron_patch.cli import main
     from safetensors.torch import load_file
 
-    src = lora_models["adapters"].get(adapter) or lora_models["variants"][adapter]
+    src = lora_models["adapters"][adapter] if adapter in FAMILY_NAMES else lora_models["variants"][adapter]
     hf = lora_models["hf"]["qwen2_moe" if adapter == "qwen2_moe" else "llama3_1"]
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--peft-dir", str(src), "--quiet"]) == 0
