@@ -29,7 +29,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
         # accelerate: transformers dequantizes FP8 hub checkpoints with it (the FP8 conversion test compares).
         # hypothesis: the fuzzed bad-input contract (tests/test_bad_input.py) and chunkings of torch_dist blocks.
-        "test": ["pytest>=7", "accelerate", "hypothesis>=6"],
+        # peft: the reference LoRA implementation tests/test_lora.py compares against both ways.
+        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21"],
     },
     entry_points={"console_scripts": ["mpatch=megatron_patch.cli:main"]},
 )

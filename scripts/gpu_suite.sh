@@ -1,140 +1,147 @@
 #!/usr/bin/env bash
-# The GPU check-up in one command: everything this project does that only a GPU can show, with numbers.
+# The GPU check-up, in phases that each fit one call on the lent GPU machine (docs/gpu.md gives the commands).
 #
-#   scripts/gpu_suite.sh [--results DIR] [--wheels DIR] [--skip-install] [--only 'GLOB ...'] [--dry-run]
+#   scripts/gpu_suite.sh [--phase 1|2|3|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...'] [--dry-run]
 #
-# Steps (each with a time limit; all of them fit in 25 minutes on one H100):
-#   install            the GPU extras at the exact versions below (skipped when already installed)
-#   info               mpatch info --json: versions, GPU, which TE / FP8 / FlashAttention features are usable
-#   gpu-tests          pytest -m gpu: the tests that need a GPU
-#   prepare            tiny HF checkpoints of every family, a corpus, the layer count that fits this GPU
-#   parity-FAMILY      fp32 logit parity of each family's tiny model with the transformer-engine spec
-#   align-FAMILY       bf16 layer-by-layer alignment with the TE/fused ablations (report per family)
-#   train-MODE         a Llama-3.1-8B-shaped model (as many layers as fit) trained a few iterations in bf16,
-#                      fp8 with each recipe this GPU supports, FL=true (the attention kernel TE picked is
-#                      logged), each AC mode and OPTIMIZER_OFFLOAD: tokens/s, TFLOP/s, MFU, peak memory
-#   bench-convert      scripts/bench_convert.py, the conversion benchmark
-#   bench-offload      (optional: only with --only, it needs its own ~15 minutes) scripts/bench_offload.py:
-#                      OPTIMIZER_OFFLOAD static 0..1 against auto on Llama-3.1-8B, exact numerics on CPU+GPU
-#                      tiers, megatron-core's own offload step counter after a load (docs/performance.md)
+# Phases (each installs and prepares what it needs, so each can start on a bare machine; a phase's step limits
+# add up to its budget, and no step starts once the budget is spent):
+#   1 checks  (300 s)  install, info, prepare, parity (fp32, every family), align (bf16, every family; llama3_1
+#                      with the ablations), gpu-tests (pytest -m gpu; tests that need more GPUs skip themselves)
+#   2 speed   (300 s)  install, info, prepare (corpus, layers), bench-attention (SDPA vs unfused on this GPU),
+#                      Llama-3.1-8B-shaped training (as many layers as fit, at most GPU_SUITE_LAYERS_CAP): bf16,
+#                      eager and compiled fusions (MP_COMPILE_FUSIONS), AC=full, OPTIMIZER_OFFLOAD: tokens/s,
+#                      TFLOP/s, MFU, peak memory
+#   3 te      (360 s)  transformer-engine only: fp8 with each recipe, TE's FlashAttention, AC=offload; on a
+#                      machine without it every step is SKIPPED with the reason (do not spend a lent GPU on it)
 #
-# Results go to DIR (default ./gpu-suite-results): summary.md (one table), steps.tsv, logs/STEP.log, info.json,
-# train/MODE.json, align/FAMILY/, bench_convert.json; DIR/work holds what the steps make. A rerun
-# redoes every step into the same folder. A failing step is marked FAILED, loudly, and the suite goes
-# on; it exits 1 if any step failed. A step whose feature this GPU lacks (mxfp8 before Blackwell) is
-# SKIPPED with the reason, and does not fail the suite.
+# Install: each wheel in --wheels on its own (--no-deps) into WORK/site; a pinned package with no wheel there is
+# skipped with the reason, and so is every step that needs it. Without --wheels the pins come from the package
+# index. Pins: GPU_SUITE_PINS (default megatron-core==0.19.2, the cp312 wheel the lent machine gets).
 #
-# --dry-run (CPU, what CI runs): prints the plan and checks every step's command without a GPU:
-# launcher arguments validate (MP_DRY_RUN), mpatch arguments parse, files and inputs exist, the gpu
-# tests collect. It prepares the small inputs for real (tiny checkpoints, corpus), since the checks
-# read them.
+# Results: one tar per phase, OUT/gpu-suite-phaseN.tar.gz (summary.md, steps.tsv, logs/, info.json, train/,
+# align/, parity.json, bench_attention.json, gpu-tests.xml; at most 15 MiB), and OUT/gpu-suite-phaseN.md, a copy
+# of its summary: two files per phase. OUT defaults to ./gpu-suite-results (ignored by git); WORK (inputs,
+# installs, per-phase results before packing) to ${TMPDIR:-/tmp}/gpu-suite. A failing step is marked FAILED,
+# loudly, and the suite goes on; it exits 1 if any step failed. A step whose need this machine lacks is SKIPPED
+# with the reason and does not fail the suite.
 #
-# --wheels DIR installs from local wheels only (a GPU machine without network). Knobs (environment):
-# GPU_SUITE_SEQ_LEN (4096), GPU_SUITE_ITERS (6), GPU_SUITE_GBS (8), GPU_SUITE_LAYERS (default: what fits),
-# GPU_SUITE_PINS (the packages to install), PYTHON (python).
+# --dry-run (CPU, what CI runs): simulates the lent machine (one H100 of 78 GiB, python3, megatron-core's local spec,
+# no transformer-engine, only the wheels in --wheels), prints the plan and checks every step's command: launcher
+# arguments validate and fit the memory plan (MP_DRY_RUN), mpatch arguments parse, inputs exist, the gpu tests
+# collect. It prepares the small inputs for real, since the checks read them.
+#
+# Knobs (environment): GPU_SUITE_SEQ_LEN (4096), GPU_SUITE_GBS (4), GPU_SUITE_ITERS (6), GPU_SUITE_LAYERS (default:
+# what fits), GPU_SUITE_LAYERS_CAP (8), GPU_SUITE_PINS, PYTHON (python3, else python).
 set -uo pipefail
 
-# The exact versions this suite was written against. megatron-core 0.19.2 is what pip gives the lent GPU
-# machine's Python 3.12 (a 2.4 MB cp312 wheel to carry), and a tested combination (README).
-# GPU_SUITE_PINS replaces the list (e.g. transformer-engine[pytorch,core_cu13] for a CUDA 13 torch).
-read -r -a PINS <<<"${GPU_SUITE_PINS:-megatron-core==0.19.2 transformer-engine[pytorch]==2.10.0 flash-attn==2.8.3}"
-BUDGET_S=1500  # 25 minutes
-
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-python}"
-RESULTS="$PWD/gpu-suite-results"
+HELPER="$ROOT/scripts/gpu_suite_steps.py"
+PYTHON="${PYTHON:-$(command -v python3 || command -v python || echo python3)}"
+PINS="${GPU_SUITE_PINS:-megatron-core==0.19.2}"
+OUT="$PWD/gpu-suite-results"
+WORK="${TMPDIR:-/tmp}/gpu-suite"
 WHEELS=""
 DRY=0
-SKIP_INSTALL=0
+PHASES="1 2 3"
 ONLY=""
 SEQ="${GPU_SUITE_SEQ_LEN:-4096}"
+GBS="${GPU_SUITE_GBS:-4}"
 ITERS="${GPU_SUITE_ITERS:-6}"
-GBS="${GPU_SUITE_GBS:-8}"
+LAYERS_CAP="${GPU_SUITE_LAYERS_CAP:-8}"
+# Seconds each phase may take at most: one call on the lent machine runs at most 10 minutes (docs/gpu.md).
+PHASE_BUDGET=([1]=300 [2]=300 [3]=360)
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --results) RESULTS="$2"; shift ;;
-    --wheels) WHEELS="$2"; shift ;;
-    --skip-install) SKIP_INSTALL=1 ;;
-    --only) ONLY="$2"; shift ;;
+    --phase) case "${2:-}" in 1|2|3) PHASES="$2" ;; all) PHASES="1 2 3" ;;
+               *) echo "gpu_suite.sh: --phase takes 1, 2, 3 or all, got '${2:-}'" >&2; exit 2 ;; esac; shift ;;
+    --out|--results) OUT="${2:?}"; shift ;;
+    --work) WORK="${2:?}"; shift ;;
+    --wheels) WHEELS="${2:?}"; shift ;;
+    --only) ONLY="${2:?}"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_suite.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
-mkdir -p "$RESULTS" || { echo "gpu_suite.sh: cannot create $RESULTS" >&2; exit 2; }
-RESULTS="$(cd "$RESULTS" && pwd)"
-WORK="$RESULTS/work"
-LOGS="$RESULTS/logs"
-mkdir -p "$WORK" "$LOGS" "$RESULTS/train"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+command -v "$PYTHON" >/dev/null || { echo "gpu_suite.sh: no python3 (or python) on PATH: set PYTHON" >&2; exit 2; }
+[ -z "$WHEELS" ] || [ -d "$WHEELS" ] || { echo "gpu_suite.sh: --wheels $WHEELS is not a folder" >&2; exit 2; }
+[ -z "$WHEELS" ] || WHEELS="$(cd "$WHEELS" && pwd)"
+mkdir -p "$OUT" "$WORK" || { echo "gpu_suite.sh: cannot create $OUT or $WORK" >&2; exit 2; }
+OUT="$(cd "$OUT" && pwd)"
+WORK="$(cd "$WORK" && pwd)"
+SITE="$WORK/site"
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+read -r GPUS FAMILIES < <("$PYTHON" -c 'import torch
+from megatron_patch.models.registry import families
+print(torch.cuda.device_count(), " ".join(families()))' 2>/dev/null)
+[ -n "${FAMILIES:-}" ] || { echo "gpu_suite.sh: $PYTHON cannot import torch and megatron_patch" >&2; exit 2; }
+if [ "$DRY" = 0 ] && [ "$GPUS" = 0 ]; then
+  echo "gpu_suite.sh: no CUDA GPU here: run with --dry-run to check the plan on this machine" >&2
+  exit 2
+fi
+# A dry run on a machine without a GPU checks every step as the lent machine would run it.
+[ "$DRY" = 1 ] && [ "$GPUS" = 0 ] && export GPU_SUITE_SIMULATE=lent
+helper() { "$PYTHON" "$HELPER" "$@"; }
 mpatch() { "$PYTHON" -m megatron_patch "$@"; }
-START=$(date +%s)
 
 # --- the steps ---------------------------------------------------------------------------------------------
-# Each step is "name|time limit in seconds|function|argument"; the function runs it (or, with
-# --dry-run, checks it). Families and their tiny models come from the registry, never listed here.
-FAMILIES=$("$PYTHON" -c 'from megatron_patch.models.registry import families; print(" ".join(families()))') \
-  || { echo "gpu_suite.sh: cannot import megatron_patch with $PYTHON" >&2; exit 2; }
-# mode|PR|FL|AC|OPTIMIZER_OFFLOAD|extra environment
-TRAIN_MODES=(
-  "bf16|bf16|false|sel|false|"
-  "fp8-delayed|fp8|false|sel|false|MP_FP8_RECIPE=delayed"
-  "fp8-tensorwise|fp8|false|sel|false|MP_FP8_RECIPE=tensorwise"
-  "fp8-blockwise|fp8|false|sel|false|MP_FP8_RECIPE=blockwise"
-  "fp8-mxfp8|fp8|false|sel|false|MP_FP8_RECIPE=mxfp8"
-  "fl|bf16|true|sel|false|NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2"
-  "ac-none|bf16|false|none|false|"
-  "ac-full|bf16|false|full|false|MP_AC_LAYERS=1"
-  "ac-offload|bf16|false|offload|false|MP_AC_LAYERS=1"
-  "optimizer-offload|bf16|false|sel|auto|"
-)
-# Limits: what each step may take at most on one H100 (they add up to the 25-minute budget).
-STEPS=("install|90|step_install|" "info|30|step_info|" "gpu-tests|150|step_gpu_tests|" "prepare|60|step_prepare|")
-for f in $FAMILIES; do STEPS+=("parity-$f|25|step_parity|$f"); done
-for f in $FAMILIES; do STEPS+=("align-$f|40|step_align|$f"); done
-for m in "${TRAIN_MODES[@]}"; do STEPS+=("train-${m%%|*}|55|step_train|$m"); done
-STEPS+=("bench-convert|120|step_bench|")
-# Optional steps run only when --only names them: they would not fit the budget above.
-OPTIONAL_STEPS=("bench-offload|1500|step_bench_offload|")
+# "name|phase|time limit in seconds|function|argument|needs": the function runs the step (or, with --dry-run,
+# checks it); needs (comma-separated) are checked first: mcore (megatron-core importable), te (transformer-engine
+# usable), local (this machine builds megatron-core's local spec, i.e. no TE).
+# train modes: mode|PR|FL|AC|OPTIMIZER_OFFLOAD|extra environment
+STEPS=()
+for p in 1 2 3; do
+  STEPS+=("install|$p|15|step_install||" "info|$p|10|step_info||")
+done
+STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|45|step_parity||mcore" "align|1|90|step_align||mcore"
+        "gpu-tests|1|110|step_gpu_tests||mcore"
+        "prepare|2|30|step_prepare|train|mcore" "bench-attention|2|40|step_bench_attention||mcore"
+        "train-bf16|2|45|step_train|bf16|bf16|false|sel|false||mcore"
+        "train-eager|2|35|step_train|eager|bf16|false|sel|false|MP_COMPILE_FUSIONS=false|mcore"
+        "train-compiled|2|50|step_train|compiled|bf16|false|sel|false|MP_COMPILE_FUSIONS=true|mcore,local"
+        "train-ac-full|2|35|step_train|ac-full|bf16|false|full|false|MP_AC_LAYERS=1|mcore"
+        "train-optimizer-offload|2|40|step_train|optimizer-offload|bf16|false|sel|0.25||mcore"
+        "prepare|3|35|step_prepare|train|mcore,te"
+        "train-fp8-delayed|3|50|step_train|fp8-delayed|fp8|false|sel|false|MP_FP8_RECIPE=delayed|mcore,te"
+        "train-fp8-tensorwise|3|50|step_train|fp8-tensorwise|fp8|false|sel|false|MP_FP8_RECIPE=tensorwise|mcore,te"
+        "train-fp8-blockwise|3|50|step_train|fp8-blockwise|fp8|false|sel|false|MP_FP8_RECIPE=blockwise|mcore,te"
+        "train-fp8-mxfp8|3|50|step_train|fp8-mxfp8|fp8|false|sel|false|MP_FP8_RECIPE=mxfp8|mcore,te"
+        "train-fl-te|3|50|step_train|fl-te|bf16|true|sel|false|NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2|mcore,te"
+        "train-ac-offload|3|50|step_train|ac-offload|bf16|false|offload|false|MP_AC_LAYERS=1|mcore,te")
 
-# The sum of the limits is the worst case, and must stay inside the budget.
-PLANNED=0
-for s in "${STEPS[@]}"; do IFS='|' read -r _ limit _ _ <<<"$s"; PLANNED=$((PLANNED + limit)); done
+# A step line's fields: name, phase, limit, function, the function's argument (train: the mode's 6 fields), needs.
+parse_step() {
+  IFS='|' read -r S_NAME S_PHASE S_LIMIT S_FN S_REST <<<"$1"
+  S_NEEDS="${S_REST##*|}"
+  S_ARG="${S_REST%|*}"
+}
 
 step_install() {
-  if [ "$DRY" = 1 ]; then
-    "$PYTHON" -m pip --version || return 1
-    [ -z "$WHEELS" ] || [ -d "$WHEELS" ] || { echo "--wheels $WHEELS is not a folder"; return 1; }
-    printf 'would install: %s%s\n' "${PINS[*]}" "${WHEELS:+ from $WHEELS}"
-    return 0
+  if [ "$DRY" = 1 ] && [ "$PHASE" != "${PHASES%% *}" ]; then
+    echo "ok: as in phase ${PHASES%% *} (dry run)"
+    return
   fi
-  [ "$SKIP_INSTALL" = 1 ] && { echo "SKIP: --skip-install"; return 3; }
-  local missing=()
-  for pin in "${PINS[@]}"; do
-    local name="${pin%%==*}"; name="${name%%\[*}"
-    local have; have=$("$PYTHON" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
-    if [ "$have" = "${pin##*==}" ]; then echo "present: $name $have"; else missing+=("$pin"); fi
-  done
-  [ ${#missing[@]} -eq 0 ] && return 0
-  local from=()
-  [ -n "$WHEELS" ] && from=(--no-index --find-links "$WHEELS")
-  # --no-build-isolation: flash-attn and transformer-engine build against the torch already installed.
-  "$PYTHON" -m pip install --no-build-isolation "${from[@]}" "${missing[@]}"
+  helper install --wheels "$WHEELS" --site "$SITE" --pins "$PINS" $([ "$DRY" = 1 ] && echo --dry-run)
 }
 
 step_info() {
+  local earlier; earlier=$(ls "$WORK"/phase*/info.json 2>/dev/null | head -n 1)
+  if [ "$DRY" = 1 ] && [ -n "$earlier" ]; then
+    cp "$earlier" "$RESULTS/info.json" && echo "ok: the same machine as ${earlier#$WORK/} (dry run)"
+    return
+  fi
   mpatch info --json >"$RESULTS/info.json" || return 1
   "$PYTHON" - "$RESULTS/info.json" <<'PY'
 import json, sys
 info = json.load(open(sys.argv[1]))
 f = info["features"]
 print(json.dumps(info, indent=1))
-print(f"device {info['device']} {info['gpu'] or ''}; transformer-engine {f['transformer_engine_version']}, "
-      f"fp8 {f['fp8']}, FlashAttention-2 {f['flash_attention_2']}, FlashAttention-3 {f['flash_attention_3']}")
+print(f"device {info['device']} {info['gpu'] or ''}; megatron-core {info['megatron_core']}; transformer-engine "
+      f"{f['transformer_engine_version']}, fp8 {f['fp8']}, attention {f['attention']}")
 PY
 }
 
@@ -146,141 +153,45 @@ step_gpu_tests() {
       | grep -Eq '^[1-9][0-9]*(/[0-9]+)? tests? collected' || { echo "no gpu-marked test collected"; return 1; }
     return
   fi
-  (cd "$ROOT" && "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider --junitxml="$RESULTS/gpu-tests.xml" $files)
+  # -m gpu: every test that needs a GPU; those that need more GPUs than this machine has skip themselves
+  (cd "$ROOT" && "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs --junitxml="$RESULTS/gpu-tests.xml" $files)
 }
 
 step_prepare() {
-  # Small inputs shared by the later steps, made once per results folder (a marker says they are complete);
-  # the layer count is worked out afresh each time, for the GPU at hand.
-  if [ ! -f "$WORK/.prepared" ]; then
-    rm -rf "$WORK/hf" "$WORK/data"
-    "$PYTHON" - "$WORK" "$FAMILIES" <<'PY' || return 1
-import json, sys
-from pathlib import Path
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
-from megatron_patch.training.preprocess import preprocess
-from megatron_patch.training.demo_data import make_texts, make_tokenizer
-
-work, families = Path(sys.argv[1]), sys.argv[2].split()
-for f in families:
-    make_tiny_hf_checkpoint(f, work / "hf" / f, seed=0)
-texts = make_texts(1000, seed=0)  # megatron's dataset repeats it for as many samples as training reads
-tok = make_tokenizer(work / "data" / "tokenizer", texts, vocab_size=200)
-with open(work / "data" / "corpus.jsonl", "w") as out:
-    for t in texts:
-        out.write(json.dumps({"text": t}) + "\n")
-report = preprocess(work / "data" / "corpus.jsonl", str(work / "data" / "corpus"), tok, progress=False)
-(work / ".prepared").write_text(f"tiny checkpoints of {', '.join(families)}; corpus {report.output_prefix}\n")
-PY
+  if [ "$1" = checks ]; then
+    helper prepare --work "$WORK" --checkpoints
+  else
+    helper prepare --work "$WORK" --layers --seq "$SEQ" --gbs "$GBS" --cap "$LAYERS_CAP"
   fi
-  cat "$WORK/.prepared"
-  "$PYTHON" - "$WORK" "${GPU_SUITE_LAYERS:-}" "$SEQ" <<'PY'
-import sys
-from pathlib import Path
-
-work, layers, seq = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-if layers:
-    why = f"{layers} layers (GPU_SUITE_LAYERS)"
-else:
-    # Llama-3.1-8B's shape with as many layers as fit: per parameter bf16 weight + fp32 grad + fp32 master
-    # + Adam's two moments = 18 bytes; activations ~1 GiB per layer per 4096 tokens (selective recompute),
-    # logits ~6 GiB; 85% of the GPU's memory usable.
-    import torch
-    from megatron_patch.models.registry import parse_arch
-    from megatron_patch.training.launcher_args import presets
-
-    from megatron_patch.models.shape import model_shape
-
-    arch = parse_arch(presets("llama3_1")["8B"])
-    shape = model_shape(arch)  # parameter counts from megatron-core's own layers
-    per_layer = shape.layer_params("dense")
-    if torch.cuda.is_available():
-        memory = torch.cuda.get_device_properties(0).total_memory
-        scale = seq / 4096
-        fixed = (shape.params() - arch.num_layers * per_layer) * 18 + 6 * 2**30 * scale
-        layers = max(1, min(arch.num_layers, int((0.85 * memory - fixed) // (per_layer * 18 + 2**30 * scale))))
-        why = f"{layers} of {arch.num_layers} layers fit in {memory / 2**30:.0f} GiB"
-    else:
-        layers, why = 2, "no GPU here: 2 layers"
-(work / "layers").write_text(f"{layers}\n")
-print(f"training model: Llama-3.1-8B shape, {why}")
-PY
-}
-
-# --dry-run checks each mpatch command line in one Python process (imports once, not once per step):
-# COLLECT=1 queues a step's command, the first check after that runs the queue, each step reads its line.
-COLLECT=0
-dry_check() {
-  local step="$1"; shift
-  if [ "$COLLECT" = 1 ]; then
-    "$PYTHON" -c 'import json, sys; print(json.dumps({"step": sys.argv[1], "env": dict(a.split("=", 1) for a in
-      sys.argv[2].split()), "argv": sys.argv[3:]}))' "$step" "${CHECK_ENV:-}" "$@" >>"$WORK/dry/queue.jsonl"
-    return 0
-  fi
-  if [ ! -f "$WORK/dry/results.json" ]; then
-    "$PYTHON" - "$WORK/dry" <<'PY' || return 1
-import contextlib, io, json, os, sys
-from pathlib import Path
-from megatron_patch.cli import main
-
-folder = Path(sys.argv[1])
-results = {}
-for line in (folder / "queue.jsonl").read_text().splitlines():
-    check = json.loads(line)
-    saved = dict(os.environ)
-    os.environ.update(check["env"])
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            argv = check["argv"]
-            # mpatch train runs in-process with MP_DRY_RUN=json (what the launcher executes); any other
-            # command is only parsed.
-            if argv[0] == "train":
-                code = main(argv)
-            else:
-                from megatron_patch.cli import build_parser
-                build_parser().parse_args(argv)
-                code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 2
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    if code != 0:
-        results[check["step"]] = f"error (exit {code}): " + (err.getvalue().strip().splitlines() or ["?"])[-1]
-    elif argv[0] == "train":
-        r = json.loads(out.getvalue())
-        results[check["step"]] = (f"ok: {r['model']['num_layers']} layers, attention {r['attention_kernel']}, "
-                                  f"{r['resolved']['train_iters']} iterations; on this machine: "
-                                  + ("; ".join(r["machine_problems"]) or "runnable"))
-    else:
-        results[check["step"]] = "ok: mpatch " + " ".join(argv)
-(folder / "results.json").write_text(json.dumps(results, indent=1))
-PY
-  fi
-  local verdict
-  verdict=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1])).get(sys.argv[2], "error: not checked"))' \
-    "$WORK/dry/results.json" "$step")
-  echo "$verdict"
-  [[ "$verdict" == ok:* ]]
 }
 
 step_parity() {
-  local hf="$WORK/hf/$1"
-  if [ "$DRY" = 1 ]; then dry_check "parity-$1" parity --hf-dir "$hf" --json || return 1; fi
-  [ -f "$hf/config.json" ] || { echo "missing $hf/config.json (the prepare step makes it)"; return 1; }
-  [ "$DRY" = 1 ] && return 0
-  mpatch parity --hf-dir "$hf" --json
+  local f
+  for f in $FAMILIES; do [ -f "$WORK/hf/$f/config.json" ] || { echo "missing $WORK/hf/$f (the prepare step makes it)"; return 1; }; done
+  if [ "$DRY" = 1 ]; then echo "ok: would check fp32 parity of $(echo $FAMILIES | wc -w) families"; return 0; fi
+  helper parity --work "$WORK" --json "$RESULTS/parity.json"
 }
 
 step_align() {
-  local hf="$WORK/hf/$1" out="$RESULTS/align/$1"
-  local args=(align --hf-dir "$hf" --dtype bf16 --ablate --report-dir "$out")
-  if [ "$DRY" = 1 ]; then dry_check "align-$1" "${args[@]}" || return 1; fi
-  [ -f "$hf/config.json" ] || { echo "missing $hf/config.json (the prepare step makes it)"; return 1; }
-  [ "$DRY" = 1 ] && return 0
-  rm -rf "$out"
-  mpatch "${args[@]}"
+  local f
+  if [ "$DRY" = 1 ]; then
+    for f in $FAMILIES; do
+      dry_check "align-$f" align --hf-dir "$WORK/hf/$f" --dtype bf16 --report-dir "$RESULTS/align/$f" \
+        $([ "$f" = llama3_1 ] && echo --ablate) || return 1
+    done
+    return 0
+  fi
+  rm -rf "$RESULTS/align"
+  helper align --work "$WORK" --out "$RESULTS/align" --ablate llama3_1
+}
+
+step_bench_attention() {
+  if [ "$DRY" = 1 ]; then
+    "$PYTHON" "$ROOT/scripts/bench_attention.py" --help >/dev/null && echo "arguments ok: scripts/bench_attention.py"
+    return
+  fi
+  "$PYTHON" "$ROOT/scripts/bench_attention.py" --device cuda --seq 2048,4096,8192 --dtype bf16 --repeat 5 \
+    --json "$RESULTS/bench_attention.json"
 }
 
 step_train() {
@@ -289,7 +200,6 @@ step_train() {
   local layers; layers=$(cat "$WORK/layers" 2>/dev/null || echo 2)
   local out="$WORK/train/$mode"
   rm -rf "$out" "$RESULTS/train/$mode.json"
-  # 25 positional arguments: ENV=dsw on this one GPU, Llama-3.1-8B's shape, random init, no checkpoints.
   local args=(dsw 8B 1 "$GBS" 1e-4 1e-5 "$SEQ" "$SEQ" "$pr" 1 1 1 false false "$fl" false "$ac" "$offload" 1000
               "$WORK/data/corpus_text_document" none none "$((ITERS * GBS * SEQ))" "$((GBS * SEQ))" "$out")
   local env=(GPUS_PER_NODE=1 MP_NUM_LAYERS="$layers" MP_SAVE=false MP_EVAL_INTERVAL=0 PYTHON="$PYTHON" $extra)
@@ -310,35 +220,36 @@ print(fp8_recipe_problem(sys.argv[1], Capabilities.detect()) or "")' "$recipe") 
   fi
   env "${env[@]}" bash "$launcher" "${args[@]}" || return 1
   [ -f "$out/log/throughput.json" ] || { echo "no $out/log/throughput.json: the run did not report throughput"; return 1; }
-  "$PYTHON" - "$out" "$RESULTS/train/$mode.json" "$LOGS/train-$mode.log" "$layers" <<'PY'
-import json, re, sys
-from pathlib import Path
-out, dest, log, layers = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
-summary = json.loads((out / "log" / "throughput.json").read_text())
-summary["layers"] = layers
-# transformer-engine's own word on the attention backend it chose (NVTE_DEBUG, FL run), when logged.
-picked = [l.strip() for l in log.read_text(errors="replace").splitlines() if re.search(r"[Ss]elected backend|backend =", l)]
-summary["attention_backend_log"] = picked[-1][-160:] if picked else None
-dest.write_text(json.dumps(summary, indent=2) + "\n")
-print(json.dumps(summary))
-PY
+  helper train-summary "$out" "$RESULTS/train/$mode.json" "$LOGS/train-$mode.log" "$layers"
 }
 
-step_bench_offload() {
-  if [ "$DRY" = 1 ]; then
-    "$PYTHON" "$ROOT/scripts/bench_offload.py" --dry-run --out "$WORK/bench-offload" | tail -n 20
-    return "${PIPESTATUS[0]}"
+# --dry-run checks each mpatch command line in one Python process (imports once, not once per step): the
+# phase's first check queues every checked step's command (COLLECT=1: the step functions only queue), runs the
+# queue, and each step reads its own line. The queue is made then, after the prepare step, whose layer count the
+# training commands carry.
+COLLECT=0
+dry_check() {
+  local step="$1"; shift
+  if [ "$COLLECT" = 1 ]; then  # step, environment, arguments: tab-separated, the arguments by \x1f
+    printf '%s\t%s\t%s\n' "$step" "${CHECK_ENV:-}" "$(IFS=$'\x1f'; echo "$*")" >>"$WORK/dry/queue.tsv"
+    return 0
   fi
-  "$PYTHON" "$ROOT/scripts/bench_offload.py" --out "$RESULTS/bench-offload"
-}
-
-step_bench() {
-  if [ "$DRY" = 1 ]; then
-    "$PYTHON" "$ROOT/scripts/bench_convert.py" --help >/dev/null && echo "arguments ok: scripts/bench_convert.py"
-    return
+  if [ ! -f "$WORK/dry/results.tsv" ]; then
+    mkdir -p "$WORK/dry" && : >"$WORK/dry/queue.tsv"
+    COLLECT=1
+    local s
+    for s in "${STEPS[@]}"; do
+      parse_step "$s"
+      [ "$S_PHASE" = "$PHASE" ] && selected "$S_NAME" || continue
+      case "$S_FN" in step_align|step_train) missing_need "$S_NEEDS" >/dev/null && "$S_FN" "$S_ARG" >/dev/null ;; esac
+    done
+    COLLECT=0
+    helper dry-check --queue "$WORK/dry/queue.tsv" --results "$WORK/dry/results.tsv" || return 1
   fi
-  # One pass, warm cache, 1 and 8 workers: what fits the step's limit, and the scaling a node's cores allow.
-  "$PYTHON" "$ROOT/scripts/bench_convert.py" --cache warm --workers 1,8 --repeat 1 --json "$RESULTS/bench_convert.json"
+  local verdict
+  verdict=$(awk -F'\t' -v s="$step" '$1 == s { print $2 }' "$WORK/dry/results.tsv")
+  echo "${verdict:-error: not checked}"
+  [[ "$verdict" == ok:* ]]
 }
 
 # --- running them ------------------------------------------------------------------------------------------
@@ -353,51 +264,41 @@ selected() {
   return 1
 }
 
-if [ -n "$ONLY" ]; then
-  for s in "${OPTIONAL_STEPS[@]}"; do selected "${s%%|*}" && STEPS+=("$s"); done
-fi
-
-echo "GPU suite$([ "$DRY" = 1 ] && echo ' (dry run: checks each command on this machine, runs nothing on a GPU)')"
-echo "results: $RESULTS; budget ${BUDGET_S}s, planned worst case ${PLANNED}s"
-echo "plan:"
-for s in "${STEPS[@]}"; do
-  IFS='|' read -r name limit fn arg <<<"$s"
-  selected "$name" && printf '  %-28s limit %4ss\n' "$name" "$limit"
-done
-if [ "$PLANNED" -gt "$BUDGET_S" ]; then
-  echo "!!! the steps' limits add up to ${PLANNED}s, over the ${BUDGET_S}s budget" >&2
-fi
-
-if [ "$DRY" = 1 ]; then
-  rm -rf "$WORK/dry" && mkdir -p "$WORK/dry" && : >"$WORK/dry/queue.jsonl"
-  COLLECT=1
-  for s in "${STEPS[@]}"; do
-    IFS='|' read -r name limit fn arg <<<"$s"
-    case "$fn" in step_parity|step_align|step_train) selected "$name" && "$fn" "$arg" >/dev/null ;; esac
+missing_need() {  # prints the reason (and fails) when this machine lacks one of the step's needs
+  local need reason
+  [ -n "$1" ] || return 0
+  [ -f "$WORK/needs.tsv" ] || helper needs >"$WORK/needs.tsv" || return 0
+  for need in ${1//,/ }; do
+    reason=$(awk -F'\t' -v n="$need" '$1 == n { print $2 }' "$WORK/needs.tsv")
+    [ -z "$reason" ] && continue
+    echo "$reason"
+    return 1
   done
-  COLLECT=0
-fi
+  return 0
+}
 
-printf 'step\tstatus\tseconds\tnote\n' >"$RESULTS/steps.tsv"
-FAILED=0
-for s in "${STEPS[@]}"; do
-  IFS='|' read -r name limit fn arg <<<"$s"
-  selected "$name" || continue
-  log="$LOGS/$name.log"
-  left=$((BUDGET_S - ($(date +%s) - START)))
+run_step() {
+  local name="$1" limit="$2" fn="$3" arg="$4" needs="$5"
+  local log="$LOGS/$name.log" status note secs rc why left
+  left=$((BUDGET - ($(date +%s) - PHASE_START)))
   if [ "$DRY" = 0 ] && [ "$left" -lt 10 ]; then
-    status=FAILED; note="not run: the ${BUDGET_S}s budget is spent"; secs=0
+    status=FAILED; note="not run: phase $PHASE's ${BUDGET}s budget is spent"; secs=0
+  elif ! why=$(missing_need "$needs"); then
+    status=SKIPPED; note="$why"; secs=0
+    echo "SKIP: $why" >"$log"
   else
     [ "$DRY" = 0 ] && [ "$left" -lt "$limit" ] && limit=$left
     # A dry run checks commands, not GPU timings: its first check runs the whole queue of them (imports,
     # every launcher's plan, the model shapes megatron-core is asked for on a cold cache).
     [ "$DRY" = 1 ] && limit=600
-    t0=$(date +%s)
+    local t0; t0=$(date +%s)
     # Each step in its own process, under its time limit; exit 3 means skipped (feature absent here).
-    timeout --kill-after=15 "$limit" bash -c "$(declare -f); $(declare -p DRY PYTHON ROOT RESULTS WORK LOGS WHEELS \
-      SKIP_INSTALL FAMILIES SEQ ITERS GBS PINS COLLECT 2>/dev/null); export PYTHONPATH PYTHONUNBUFFERED; $fn \"\$1\"" _ "$arg" \
-      >"$log" 2>&1
+    timeout --kill-after=15 "$limit" bash -c "$(declare -f); $(declare -p DRY PYTHON ROOT HELPER RESULTS WORK LOGS \
+      WHEELS SITE PINS FAMILIES SEQ ITERS GBS LAYERS_CAP COLLECT STEPS PHASE PHASES ONLY 2>/dev/null); \
+      export PYTHONPATH PYTHONUNBUFFERED; $fn \"\$1\"" _ "$arg" >"$log" 2>&1
     rc=$?
+    # what a step installed can change what later steps have
+    [ "$fn" = step_install ] && [ "$DRY" = 0 ] && rm -f "$WORK/needs.tsv"
     secs=$(($(date +%s) - t0))
     note=$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200 | tr '\t' ' ')
     if [ $rc -eq 0 ]; then status=$([ "$DRY" = 1 ] && echo "OK (dry run)" || echo PASSED)
@@ -413,47 +314,43 @@ for s in "${STEPS[@]}"; do
   else
     printf '    %-8s %-26s %4ss  %s\n' "$status" "$name" "$secs" "$note"
   fi
+}
+
+echo "GPU suite$([ "$DRY" = 1 ] && echo ' (dry run: checks each command on this machine, runs nothing on a GPU)')"
+echo "python: $PYTHON; GPUs: $GPUS${GPU_SUITE_SIMULATE:+ (simulating the lent machine: one H100 of 78 GiB without transformer-engine)}"
+echo "out: $OUT; work: $WORK; wheels: ${WHEELS:-none (pins from the package index)}"
+FAILED=0
+rm -f "$WORK/needs.tsv" "$WORK"/phase*/info.json
+for PHASE in $PHASES; do
+  BUDGET=${PHASE_BUDGET[$PHASE]}
+  PLANNED=0
+  for s in "${STEPS[@]}"; do
+    parse_step "$s"
+    [ "$S_PHASE" = "$PHASE" ] && selected "$S_NAME" && PLANNED=$((PLANNED + S_LIMIT))
+  done
+  RESULTS="$WORK/phase$PHASE"
+  LOGS="$RESULTS/logs"
+  rm -rf "$RESULTS" && mkdir -p "$LOGS" "$RESULTS/train"
+  echo "phase $PHASE: budget ${BUDGET}s, planned worst case ${PLANNED}s"
+  [ "$PLANNED" -gt "$BUDGET" ] && echo "!!! phase $PHASE's step limits add up to ${PLANNED}s, over its ${BUDGET}s budget" >&2
+  for s in "${STEPS[@]}"; do
+    parse_step "$s"
+    [ "$S_PHASE" = "$PHASE" ] && selected "$S_NAME" && printf '  %-28s limit %4ss\n' "$S_NAME" "$S_LIMIT"
+  done
+  rm -rf "$WORK/dry"
+  printf 'step\tstatus\tseconds\tnote\n' >"$RESULTS/steps.tsv"
+  PHASE_START=$(date +%s)
+  for s in "${STEPS[@]}"; do
+    parse_step "$s"
+    [ "$S_PHASE" = "$PHASE" ] && selected "$S_NAME" || continue
+    run_step "$S_NAME" "$S_LIMIT" "$S_FN" "$S_ARG" "$S_NEEDS"
+  done
 done
-
-# --- the summary -------------------------------------------------------------------------------------------
-"$PYTHON" - "$RESULTS" "$DRY" "$FAILED" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" <<'PY'
-import csv, json, subprocess, sys
-from pathlib import Path
-
-results, dry, failed, when = Path(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
-rows = list(csv.DictReader(open(results / "steps.tsv"), delimiter="\t"))
-info = json.loads((results / "info.json").read_text()) if (results / "info.json").is_file() else {}
-try:
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=20).stdout.strip() or "none"
-except (OSError, subprocess.SubprocessError):
-    smi = "none (no nvidia-smi)"
-lines = [f"# GPU suite {'dry run ' if dry else ''}{when}", ""]
-lines.append(f"**{failed} step(s) FAILED**" if failed else "All steps passed (or were skipped with a reason).")
-lines += ["", f"- GPU: {smi}",
-          f"- versions: " + ", ".join(f"{k} {info.get(k)}" for k in ("python", "torch", "megatron_core", "transformers")),
-          f"- transformer-engine {info.get('features', {}).get('transformer_engine_version')}; "
-          f"features {json.dumps({k: v for k, v in info.get('features', {}).items() if k != 'transformer_engine_version'})}",
-          "", "| step | status | s | result |", "| --- | --- | ---: | --- |"]
-for r in rows:
-    status = f"**{r['status']}**" if r["status"] == "FAILED" else r["status"]
-    result = r["note"].replace("|", "/")
-    train = results / "train" / f"{r['step'][len('train-'):]}.json"
-    if r["step"].startswith("train-") and train.is_file():
-        t = json.loads(train.read_text())
-        mfu = f"{t['mfu']:.1%}" if t.get("mfu") is not None else "n/a"
-        result = (f"{t['layers']} layers: {t['tokens_per_s']:.0f} tokens/s, {t['tflops_per_gpu']:.1f} TFLOP/s, "
-                  f"MFU {mfu}, peak {t['peak_memory_gib']:.1f} GiB (iterations {t['iterations'][0]}-{t['iterations'][1]})")
-        if t.get("attention_backend_log"):
-            result += f"; TE: {t['attention_backend_log']}"
-    lines.append(f"| {r['step']} | {status} | {r['seconds']} | {result} |")
-lines += ["", "Logs: logs/STEP.log; training throughput excludes the warm-up iteration (train/MODE.json)."]
-(results / "summary.md").write_text("\n".join(lines) + "\n")
-print(f"summary: {results / 'summary.md'}")
-PY
+# Each phase's results: one tar and a copy of its summary in OUT.
+helper pack --work "$WORK" --out "$OUT" --phases $PHASES $([ "$DRY" = 1 ] && echo --dry-run) || FAILED=$((FAILED + 1))
 
 if [ "$FAILED" -gt 0 ]; then
-  echo "!!! $FAILED step(s) FAILED: see $RESULTS/summary.md" >&2
+  echo "!!! $FAILED step(s) FAILED: see the summaries in $OUT" >&2
   exit 1
 fi
-echo "all steps passed (or skipped with a reason): $RESULTS/summary.md"
+echo "all steps passed (or skipped with a reason): $OUT"

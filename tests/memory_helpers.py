@@ -52,6 +52,7 @@ def model_state_bytes(models: list, optimizer) -> dict:
 def measure_rank(cfg) -> dict:
     from megatron.core import parallel_state
 
+    from megatron_patch.models.core_attention import core_attention_of
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training.loop import Trainer
     from tests.saved_tensors import SavedTensorMeter
@@ -65,6 +66,7 @@ def measure_rank(cfg) -> dict:
         trainer.train_step()
     return {"pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
             "dp_rank": parallel_state.get_data_parallel_rank(), "activations": meter.peak,
+            "attention": core_attention_of(trainer.models[0]),
             "leftover": meter.live, **model_state_bytes(trainer.models, trainer.optimizer)}
 
 

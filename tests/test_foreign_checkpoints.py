@@ -158,7 +158,8 @@ def test_bad_input_is_refused_in_one_line(ckpts, tmp_path, capsys):
                                     "layers: config 4, tensors 3")
     cases["layer numbering with a gap"] = (_legacy_without(ckpts, tmp_path / "gap", "mp_rank_00_000", 0),
                                            "the layers don't add up")
-    wrong = tmp_path / "wrong.json"
+    wrong = tmp_path / "wrong" / "config.json"  # a folder of its own: the output may not lie inside it
+    wrong.parent.mkdir()
     wrong.write_text(json.dumps(_config(ckpts, num_key_value_heads=4)))
     for what, (load, expected) in cases.items():
         out = tmp_path / "out"

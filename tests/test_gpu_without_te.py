@@ -37,6 +37,7 @@ def _fake_gpu_without_te() -> None:
 
 def fake_gpu_build_worker() -> dict:
     """Every family's model in bf16 and the converter's skeleton, built as a GPU without TE builds them."""
+    from megatron_patch.models.core_attention import core_attention_of
     from megatron_patch.models.skeleton import describe_model_here
     from megatron_patch.runtime import init_model_parallel
 
@@ -47,9 +48,10 @@ def fake_gpu_build_worker() -> dict:
     for name, family in families().items():
         arch = parse_arch(family.tiny_config)
         try:
-            config = builder.build_model(arch, ParallelLayout(), torch.bfloat16).config
-            out["models"][name] = {k: getattr(config, k) for k in (
+            model = builder.build_model(arch, ParallelLayout(), torch.bfloat16)
+            out["models"][name] = {k: getattr(model.config, k) for k in (
                 "persist_layer_norm", "masked_softmax_fusion", "moe_grouped_gemm", "apply_rope_fusion")}
+            out["models"][name]["core_attention"] = core_attention_of(model)
         except Exception as exc:  # reported per family, asserted in the test
             out["models"][name] = f"{type(exc).__name__}: {exc}"[:300]
         archs = [arch] + ([dataclasses.replace(arch, mtp_layers=1)] if name == "deepseek_v3" else [])
@@ -76,9 +78,10 @@ def test_every_family_builds_on_a_gpu_without_te(fake_gpu_builds):
     assert set(r["models"]) == set(families())
     for name, flags in r["models"].items():
         assert isinstance(flags, dict), (name, flags)
-        # no fused softmax without Apex's kernel; no TE grouped GEMM or fused RoPE on the local spec
+        # no fused softmax without Apex's kernel; no TE grouped GEMM or fused RoPE on the local spec; torch SDPA
+        # is the core attention there (MLA's included)
         assert flags == {"persist_layer_norm": False, "masked_softmax_fusion": False, "moe_grouped_gemm": False,
-                         "apply_rope_fusion": False}, name
+                         "apply_rope_fusion": False, "core_attention": "sdpa"}, name
 
 
 def test_converter_skeleton_builds_on_a_gpu_without_te(fake_gpu_builds):
@@ -113,6 +116,10 @@ def test_fused_softmax_ablation_is_skipped_without_apex_kernel(monkeypatch):
     reason = ablations.skip_reason(ablations.get("softmax_fused"))
     assert reason is not None and "scaled_masked_softmax_cuda" in reason
     monkeypatch.setattr(builder, "fused_softmax_available", lambda: True)
+    # with the kernel but no transformer-engine the baseline runs SDPA, which has no softmax of its own to fuse
+    monkeypatch.setattr(builder, "te_available", lambda: False)
+    assert "no separate softmax" in ablations.skip_reason(ablations.get("softmax_fused"))
+    monkeypatch.setattr(builder, "te_available", lambda: True)
     assert ablations.skip_reason(ablations.get("softmax_fused")) is None
 
 

@@ -5,8 +5,10 @@ autograd's saved tensors metered (tests/saved_tensors.py):
 
 - model state (parameters, gradient buffers, optimizer state by tier) equals the plan to the byte;
 - saved activations come within 10% of the plan for the dense models, across AC none/sel/full, fp32
-  and bf16, TP=2 with and without sequence parallelism, and PP=2 (1F1B: the first stage holds two
-  micro-batches); MoE activations depend on the routing and are only printed.
+  and bf16, megatron's unfused attention and SDPA (FL=true), TP=2 with and without sequence parallelism,
+  and PP=2 (1F1B: the first stage holds two micro-batches); MoE activations depend on the routing and are
+  only printed;
+- the trainer builds the core attention the plan assumes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ ONE_PROCESS = [
     ("llama3_1", dict(PR="bf16", AC="sel"), {}, True),
     ("llama3_1", dict(PR="bf16", AC="full"), {"MP_AC_LAYERS": "2"}, True),
     ("llama3_1", dict(PR="fp32", DO="true"), {}, True),
+    ("llama3_1", dict(PR="bf16", FL="true"), {}, True),  # SDPA: its output and log-sum-exp, no s^2 scores
+    ("llama3_1", dict(PR="fp32", FL="true", AC="full"), {"MP_AC_LAYERS": "2"}, True),
     ("llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.5"), {}, True),  # chunks on both tiers, staging
     ("qwen2", dict(PR="bf16", DO="true"), {}, True),  # tied embeddings, q/k/v bias
     ("qwen2_moe", dict(PR="bf16", DO="true"), {}, False),  # router, experts, gated shared expert
@@ -74,6 +78,7 @@ def _check(cfgs, results, checked):
             rows.append((cfg.family, cfg.layout, cfg.precision, cfg.activation_checkpointing, r["pp_rank"], ratio))
             assert planned == got, (cfg.family, str(cfg.layout), r["pp_rank"], planned, got)
             assert r["leftover"] == 0  # every saved tensor was released by backward: the meter saw it all
+            assert r["attention"] == plan.attention, (cfg.family, r["attention"], plan.attention)
             if check_activations:
                 assert abs(ratio - 1) < 0.10, (cfg.family, str(cfg.layout), cfg.activation_checkpointing, ratio)
     print("\n".join(f"{f} {l} {p} AC={a} stage {s}: planned/measured activations {x:.4f}" for f, l, p, a, s, x in rows))

@@ -248,7 +248,10 @@ except Exception as exc:
     result, error = None, f"{type(exc).__name__}: {exc}"
 after = snapshot()
 from megatron.core import package_info
+from megatron.core.transformer import multi_latent_attention
 print(json.dumps(dict(
+    # what megatron-core leaves undone without transformer-engine, on CPU and GPU alike
+    te_gemm_defined=hasattr(moe_utils, "te_general_gemm"), mla_have_te=bool(multi_latent_attention.HAVE_TE),
     result=result, enabled=cpu_compat.is_enabled(), error=error, backend=distributed.backend(),
     applied=list(cpu_compat.applied()),
     expected=[p.name for p in cpu_compat.patches_for(package_info.__version__)],
@@ -291,10 +294,13 @@ def test_each_patch_applies_to_the_releases_that_need_it():
 
 
 def test_layer_does_nothing_when_cuda_present():
+    """On a GPU without transformer-engine only its gaps are filled (megatron-core 0.16 left the MoE router's
+    ``te_general_gemm`` undefined and MLA believing TE was there: a crash in every MoE or MLA forward)."""
     r = _probe("cuda")
     assert r["result"] is False and r["enabled"] is False and r["error"] is None
     assert len(r["untouched"]) == r["total"], r["untouched"]
     assert r["backend"] == "nccl"
+    assert (r["te_gemm_defined"], r["mla_have_te"]) == (True, False)
 
 
 def test_unsupported_mcore_version_is_refused(monkeypatch):

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from megatron_patch.checkpoint_files.allowlist import UnsafePickle, is_allowed
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, write_manifest
 from megatron_patch.checkpoint_files.safe_torch import (
     SafeFileSystemReader, load_refusing, load_torch_file, read_dcp_metadata, safe_dist_load)
 from megatron_patch.cli import main
@@ -67,20 +68,30 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _reseal(path: Path) -> Path:
+    """An attacker who can change a checkpoint's files can rewrite its manifest too (a digest is no
+    signature): the payload must meet the allow-list, not the manifest's digests."""
+    for folder in path.parents:
+        if (folder / MANIFEST_NAME).exists():
+            write_manifest(folder, "attacker", sync=False)
+            break
+    return path
+
+
 def _poison_metadata(folder: Path, marker: Path) -> Path:
     path = folder / ".metadata"
     with open(path, "rb") as f:
         md = pickle.load(f)  # our own file: trusted here
     md.planner_data = {"note": Payload(marker)}
     path.write_bytes(pickle.dumps(md))
-    return path
+    return _reseal(path)
 
 
 def _poison_torch_save(path: Path, marker: Path, keep: bool = True) -> Path:
     obj = torch.load(path, weights_only=False) if keep and path.exists() else {}
     obj = dict(obj, args=Payload(marker))
     torch.save(obj, path)
-    return path
+    return _reseal(path)
 
 
 def test_the_payload_runs_through_plain_pickle(tmp_path):

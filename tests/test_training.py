@@ -577,7 +577,8 @@ def test_stopped_rank_fails_the_job_naming_it(corpus, tmp_path):
     assert launcher.returncode == 1, stdout[-3000:] + stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("mpatch train: error: rank 0 waited 0.2 min (MP_DIST_TIMEOUT_MIN) in "), last
-    assert "(called from" in last and "during iteration" in last, last
+    # Where rank 1 was stopped depends on the machine's speed: in an iteration, or in the next save.
+    assert "(called from" in last and re.search(r"during (iteration \d+|saving iter_\d+)", last), last
     assert "rank 1 stopped answering (rank 1: last heartbeat" in last and f"pid {victim.pid})" in last, last
     assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE  # the job left no rank behind
 

@@ -125,7 +125,6 @@ BAD = [
     ("llama3_1", dict(AC="offload"), {"MP_AC_LAYERS": "4"}, "AC=offload can offload at most 3 of the 4 layers"),
     ("llama3_1", dict(AC="full", PP="2"), {"MP_AC_LAYERS": "3"}, "a stage here holds 2: set MP_AC_LAYERS <= 2"),
     ("llama3_1", dict(AC="full", PP="2"), {"MP_VP": "2", "MP_AC_LAYERS": "2"}, "a stage here holds 1"),
-    ("llama3_1", dict(FL="true"), {}, "FL=true: FlashAttention has no fp32 kernel"),
     ("llama3_1", dict(SFT="true", CP="2", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
      "MP_SFT_PACKING=true with CP=2 is not supported"),
     ("llama3_1", dict(CP="2", SEQ_LEN="66"), {}, "CP=2 splits the sequence into 2*CP=4 chunks: SEQ_LEN (66)"),
@@ -182,7 +181,6 @@ H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attentio
 
 MACHINE_REFUSALS = [
     (dict(PR="fp8"), {}, "PR=fp8 needs transformer-engine on a GPU with FP8"),
-    (dict(FL="true", PR="bf16"), {}, "FL=true needs transformer-engine's flash attention on a GPU"),
     (dict(TP="2", SP="true"), {}, "TP communication overlap (TP > 1 with SP=true) needs transformer-engine"),
     (dict(AC="offload"), {}, "AC=offload moves activations from GPU to host memory"),
     (dict(ENV="dsw", PR="bf16"), {"GPUS_PER_NODE": "1"}, "ENV=dsw trains on GPUs and this machine has none"),
@@ -233,7 +231,6 @@ TE_ONLY = [
     (dict(AC="offload"), "AC=offload (activation offloading) needs transformer-engine on GPUs"),
     (dict(TP="2", SP="true"), "SP=true needs transformer-engine on GPUs"),
     (dict(PR="fp8"), "PR=fp8 needs transformer-engine on a GPU with FP8"),
-    (dict(FL="true"), "FL=true needs transformer-engine's flash attention on a GPU"),
     (dict(CP="2"), "CP=2 needs transformer-engine attention on GPUs"),
 ]
 
@@ -254,8 +251,9 @@ def test_gpu_without_te_refuses_te_only_choices_before_launch(data, over, messag
 
 def test_gpu_without_te_accepts_the_local_spec_choices(data, monkeypatch):
     monkeypatch.setenv("GPUS_PER_NODE", "2")
+    # FL=true there is torch SDPA (tests/test_sdpa_attention.py), in fp32 too
     for over in (dict(AC="sel"), dict(AC="full"), dict(AC="none"), dict(TP="2", SP="false"),
-                 dict(PR="fp32", DO="true", OPTIMIZER_OFFLOAD="static")):
+                 dict(PR="fp32", DO="true", OPTIMIZER_OFFLOAD="static"), dict(FL="true"), dict(PR="fp32", FL="true")):
         cfg = resolve("llama3_1", _args(data, ENV="dsw", **{"PR": "bf16", **over}))
         assert machine_problems(cfg, GPU_NO_TE) == [], over
 

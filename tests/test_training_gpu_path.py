@@ -378,7 +378,8 @@ def test_gpu_training_runs_and_loss_falls(gpu_corpus, tmp_path, family, over):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_packed_sft_with_transformer_engine(gpu_corpus, tmp_path):
-    """Defect 10 on the TE path: a packed SFT run trains (TE's THD attention with cu_seqlens)."""
+    """Defect 10 on a GPU: a packed SFT run trains (THD with cu_seqlens: transformer-engine's attention, or
+    without TE the SDPA core attention's variable-length kernel)."""
     out = tmp_path / "out"
     proc = _gpu_launch(tmp_path, ENV="dsw", PR="bf16", SFT="true", DATASET_PATH=str(gpu_corpus["sft"]),
                        OUTPUT_BASEPATH=str(out), PAD_LEN="64", TRAIN_TOKENS_OR_ITERS="6", WARMUP_TOKENS_OR_ITERS="1",

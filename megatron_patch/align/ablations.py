@@ -5,9 +5,11 @@ the same inputs; its error against HF fp32 and its difference to HF in the same 
 source's share of the total, as in the Pai-Megatron-Patch study (RMSNorm implementation and the
 bias-SwiGLU fusion dominate, RoPE is small). Variants that need CUDA kernels (transformer-engine
 RMSNorm, fused RoPE, fused softmax, flash/fused attention) run only where a GPU is present; elsewhere
-the report lists them as skipped with the reason.
+the report lists them as skipped with the reason. The core attention variants build the local spec with
+the attention the baseline does not run here (torch SDPA or megatron's unfused one).
 
-A variant is a set of TransformerConfig overrides and/or a patch applied while the model runs.
+A variant is a set of TransformerConfig overrides, a core attention, and/or a patch applied while the model
+runs.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from megatron_patch.models.core_attention import SDPA, UNFUSED, default_core_attention, describe
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,8 @@ class Ablation:
     needs_gpu: bool = False
     needs_te: bool = False
     needs_fused_softmax: bool = False  # Apex's scaled-masked-softmax kernels
+    needs_unfused_softmax: bool = False  # changes megatron's own softmax, which SDPA does not run
+    core_attention: str | None = None  # the local spec's core attention (None: the baseline's)
 
 
 @contextmanager
@@ -128,11 +134,16 @@ ABLATIONS: list[Ablation] = [
     Ablation("rmsnorm_te", "RMSNorm compute dtype", "transformer-engine fused RMSNorm (TE layer spec)",
              needs_gpu=True, needs_te=True),
     Ablation("softmax_lowp", "attention softmax dtype", "attention softmax in the model dtype (baseline: fp32)",
-             overrides={"attention_softmax_in_fp32": False}),
+             overrides={"attention_softmax_in_fp32": False}, needs_unfused_softmax=True),
     Ablation("softmax_fused", "attention and softmax implementation", "megatron's fused scale-mask-softmax CUDA kernel",
-             overrides={"masked_softmax_fusion": True}, needs_gpu=True, needs_fused_softmax=True),
+             overrides={"masked_softmax_fusion": True}, needs_gpu=True, needs_fused_softmax=True,
+             needs_unfused_softmax=True),
     Ablation("attention_te", "attention and softmax implementation", "transformer-engine flash/fused attention",
              needs_gpu=True, needs_te=True),
+    Ablation("attention_sdpa", "attention and softmax implementation",
+             "torch SDPA core attention (softmax accumulated in fp32 inside the kernel)", core_attention=SDPA),
+    Ablation("attention_unfused", "attention and softmax implementation",
+             "megatron's unfused core attention (scores in the model dtype, fp32 softmax)", core_attention=UNFUSED),
     Ablation("residual_fp32", "residual precision", "residual stream kept in fp32 (fp32_residual_connection)",
              overrides={"fp32_residual_connection": True, "pipeline_dtype": torch.float32}, patch=_fp32_residual),
     Ablation("bias_swiglu_fused", "bias-SwiGLU fusion", "megatron's jit-fused bias-SwiGLU (torch.compile)",
@@ -145,6 +156,19 @@ def get(name: str) -> Ablation:
     return BY_NAME[name]
 
 
+def baseline_core_attention() -> str | None:
+    """The core attention the baseline builds on this machine: None where it is transformer-engine's spec."""
+    from megatron_patch.models.builder import te_available
+
+    return None if te_available() else default_core_attention()
+
+
+def describe_baseline_attention() -> str:
+    """What attention the baseline runs here, for the report."""
+    local = baseline_core_attention()
+    return describe(local) if local else "transformer-engine's attention (TE layer spec)"
+
+
 def skip_reason(ablation: Ablation) -> str | None:
     """Why a variant cannot run on this machine (None: it can)."""
     from megatron_patch.models.builder import fused_softmax_available, te_available
@@ -155,11 +179,24 @@ def skip_reason(ablation: Ablation) -> str | None:
         return "needs transformer-engine (not installed)"
     if ablation.needs_fused_softmax and not fused_softmax_available():
         return "needs Apex's fused softmax kernels (scaled_masked_softmax_cuda, not installed)"
+    baseline = baseline_core_attention()
+    if ablation.core_attention and baseline is None:
+        return "the transformer-engine spec runs its own attention here (the local spec's core attentions do not)"
+    if ablation.core_attention and ablation.core_attention == baseline:
+        return f"the baseline already runs it here ({describe(baseline)})"
+    if ablation.needs_unfused_softmax and baseline == SDPA:
+        return "the baseline's SDPA kernels have no separate softmax to change (they accumulate it in fp32)"
     return None
 
 
 def config_overrides(name: str | None) -> dict:
     return dict(BY_NAME[name].overrides) if name else {}
+
+
+def core_attention(name: str | None) -> str | None:
+    """The core attention the run builds: the variant's, else the baseline's (None: the builder's default)."""
+    ablation = BY_NAME.get(name) if name else None
+    return ablation.core_attention if ablation is not None and ablation.core_attention else baseline_core_attention()
 
 
 def use_te(name: str | None) -> bool | None:

@@ -89,11 +89,20 @@ def markdown(result: dict, command: str | None = None) -> str:
     floor_on = v["dtype"] != "fp32"
     out = [f"# Alignment report: {result['model']['family']} ({v['dtype']})", ""]
     out += [f"**Verdict: {'ALIGNED' if v['aligned'] else 'NOT ALIGNED'}.** {v['summary']}", ""]
+    runs = v.get("runs") or {}
+    if len(runs) > 1:  # fp32 first, then the training dtype: which one decided, and what each said
+        out += [f"- {dt} run{' (certifies the conversion)' if dt == 'fp32' else ''}: "
+                f"{'aligned' if r['aligned'] else 'NOT aligned at ' + str(r['first_failure'])}"
+                + (" (decided the verdict; the tables below are this run's)" if dt == v.get("decided_by") else "")
+                for dt, r in runs.items()] + [""]
     c = result["compared"]
     out += [f"- reference: {c['reference']}"]
     if c["floor"]:
         out += [f"- noise floor: {c['floor']} (HF's own {v['dtype']} rounding error, per point)"]
-    out += [f"- tested: {c['tested']}", f"- inputs: {result['inputs']['tokens']}, "
+    out += [f"- tested: {c['tested']}"]
+    if result.get("attention"):
+        out += [f"- attention: {result['attention']}"]
+    out += [f"- inputs: {result['inputs']['tokens']}, "
             f"batch {result['inputs']['batch']} x {result['inputs']['seq_len']} tokens",
             "- rule: " + (f"each point's rel_l2 <= {v['tolerance']:g}x the floor (logits: KL <= "
                            f"{v['tolerance'] ** 2:g}x); the first point over the line is named"

@@ -30,6 +30,8 @@ class McoreRun:
     hf_dir: str | None = None
     mcore_dir: str | None = None
     ablation: str | None = None
+    # LoRA adapters on top (a peft folder), unless ``mcore_dir`` carries adapters of its own
+    peft_dir: str | None = None
 
 
 def _arch_of(run: McoreRun):
@@ -49,17 +51,36 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
 
     arch = _arch_of(run)
     overrides = ablations.config_overrides(run.ablation)
-    model = build_model(arch, layout, precision_dtype(run.dtype), use_te=ablations.use_te(run.ablation), **overrides)
+    model = build_model(arch, layout, precision_dtype(run.dtype), use_te=ablations.use_te(run.ablation),
+                        core_attention=ablations.core_attention(run.ablation), **overrides)
+    adapters = _adapters_of(run, arch)
     if run.mcore_dir is not None:
         from megatron_patch.convert.loading import load_checkpoint_into_model
 
-        load_checkpoint_into_model(model, run.mcore_dir, layout, hf_config=run.hf_dir)
+        base = adapters.base if adapters is not None and adapters.base is not None else run.mcore_dir
+        load_checkpoint_into_model(model, base, layout, hf_config=run.hf_dir)
     else:
         from megatron_patch.convert.hf_reader import HFCheckpointReader
         from megatron_patch.convert.model_io import load_hf_weights
 
         load_hf_weights(model, arch, layout, HFCheckpointReader(run.hf_dir))
+    if adapters is not None:
+        from megatron_patch.lora.sources import add_adapters
+
+        add_adapters([model], arch, adapters, layout, precision_dtype(run.dtype))
     return place_on_rank_device(model), arch
+
+
+def _adapters_of(run: McoreRun, arch):
+    """The LoRA adapters of the MCore side: those ``mcore_dir`` carries, else ``peft_dir``'s, else None."""
+    from megatron_patch.lora.sources import open_adapters
+
+    if run.mcore_dir is not None:
+        from megatron_patch.convert.arch_source import open_checkpoint
+
+        if open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).sidecar.lora:
+            return open_adapters(run.mcore_dir, arch)
+    return open_adapters(run.peft_dir, arch) if run.peft_dir else None
 
 
 def mcore_capture_worker(layout: ParallelLayout, tokens: torch.Tensor, runs: list[McoreRun]) -> list[Captures] | None:
@@ -93,13 +114,28 @@ def capture_mcore_runs(layout: ParallelLayout, tokens: torch.Tensor, runs: list[
     return [merge_captures([r[i] if r else None for r in per_rank]) for i in range(len(runs))]
 
 
-def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str) -> Captures:
+def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_dir: str | Path | None = None) -> Captures:
+    """Captures of the HF model in ``hf_dir`` (with ``peft_dir``: peft's model of it with that adapter)."""
     from megatron_patch.models.arch import read_config_json
     from megatron_patch.models.registry import detect_family
 
     modules = detect_family(read_config_json(hf_dir)).hf_modules
     model = load_hf_model(hf_dir, precision_dtype(dtype))
+    if peft_dir is not None:
+        model = peft_model(model, peft_dir)
     try:
         return capture_hf(model, tokens, modules)
     finally:
         del model
+
+
+def peft_model(model, peft_dir: str | Path):
+    """``peft.PeftModel.from_pretrained(model, peft_dir)``, as the transformers model it adapts (the module paths
+    the capture points name)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        from megatron_patch.errors import UserError
+
+        raise UserError("--peft-dir compares against peft's own model of the adapter: pip install peft")
+    return PeftModel.from_pretrained(model, str(peft_dir)).eval().get_base_model()

@@ -18,8 +18,12 @@ def command_line(args) -> str:
     parts += ["--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
     if args.etp is not None:
         parts += ["--etp", str(args.etp)]
+    if args.peft_dir:
+        parts += ["--peft-dir", args.peft_dir]
     parts += ["--dtype", args.dtype, "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--seed", str(args.seed),
               "--tolerance", f"{args.tolerance:g}"]
+    if args.only_dtype:
+        parts.append("--only-dtype")
     if args.ablate:
         parts.append("--ablate")
     parts += ["--report-dir", args.report_dir]
@@ -38,7 +42,7 @@ def run(args) -> int:
     settings = AlignSettings(
         hf_dir=args.hf_dir, mcore_dir=args.mcore_dir, hf_dir_2=args.hf_dir_2, layout=layout_from_args(args),
         dtype=args.dtype, seq_len=args.seq_len, batch=args.batch, seed=args.seed, text_file=args.text_file,
-        ablate=args.ablate, tolerance=args.tolerance)
+        ablate=args.ablate, tolerance=args.tolerance, only_dtype=args.only_dtype, peft_dir=args.peft_dir)
     if args.report_dir:
         try:
             Path(args.report_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +69,9 @@ def register(subparsers) -> None:
                     f"outputs, final norm, logits) and judge them. fp32: logits rel_l2 <= {FP32_REL_L2:g} and KL <= {FP32_KL:g} "
                     f"and every point rel_l2 <= {FP32_REL_L2:g}. bf16/fp16: HF's own error in that dtype (vs HF fp32) is the noise "
                     "floor, and each point's error must stay within --tolerance times it. The first point over the "
-                    "line is named. Exit 0 aligned, 1 not aligned, 2 bad input, 3 internal error.")
+                    "line is named. The tested side runs in fp32 first, which certifies the conversion (bf16 rounding "
+                    "hides faults such as a 0.1% norm scale), then in --dtype; one verdict says which run decided it. "
+                    "Exit 0 aligned, 1 not aligned, 2 bad input, 3 internal error.")
     p.add_argument("--hf-dir", required=True, help="Hugging Face model folder: the reference (run in fp32) and floor")
     p.add_argument("--mcore-dir", default=None,
                    help="a Megatron-Core checkpoint (torch_dist or legacy): written by 'mpatch convert hf2mcore' or "
@@ -74,7 +80,14 @@ def register(subparsers) -> None:
     p.add_argument("--hf-dir-2", default=None,
                    help="a second HF folder to test instead of MCore (e.g. an mcore2hf round trip)")
     add_layout_args(p)
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16", help="dtype under test (default bf16)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16",
+                   help="the training dtype whose precision is judged after the fp32 run (default bf16)")
+    p.add_argument("--only-dtype", action="store_true",
+                   help="run only --dtype, without the fp32 run that certifies the conversion: faster, and its verdict "
+                        "says what it cannot resolve")
+    p.add_argument("--peft-dir", default=None,
+                   help="a peft LoRA adapter of --hf-dir: the reference is peft's model with it, MCore carries the same "
+                        "adapters (from --mcore-dir when it holds adapters, else from this folder)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")

@@ -27,9 +27,16 @@ def run_hf2mcore(args) -> int:
 
     _terminate_cleanly()
     _quiet_imports()
+    adapter = None
+    if args.peft_dir:
+        from megatron_patch.convert.lora_io import read_peft_import
+
+        adapter = read_peft_import(args.peft_dir, args.hf_dir)
     sidecar = hf_to_mcore(args.hf_dir, args.save_dir, layout_from_args(args), fmt=args.format, dtype=args.dtype,
                           force=args.force, progress=False if args.quiet else None, mtp=args.mtp,
-                          workers=args.workers)
+                          workers=args.workers, adapter=adapter)
+    if adapter is not None:
+        print(f"with the LoRA adapters of {args.peft_dir}: {adapter.spec.describe()}")
     print(f"wrote {args.save_dir}: {sidecar.family} {sidecar.checkpoint_format} {layout_from_args(args)} "
           f"{sidecar.dtype}, {sidecar.num_tensors} tensors, {sidecar.num_bytes / 2**30:.2f} GiB")
     return 0
@@ -37,9 +44,31 @@ def run_hf2mcore(args) -> int:
 
 def run_mcore2hf(args) -> int:
     from megatron_patch.convert.checkpoint import mcore_to_hf
+    from megatron_patch.errors import UserError
 
     _terminate_cleanly()
     _quiet_imports()
+    if args.lora_adapter and args.merge_lora:
+        raise UserError("--lora-adapter and --merge-lora write different things: choose one")
+    if args.base_dir and not args.merge_lora:
+        raise UserError("--base-dir names the base model --merge-lora merges into: pass --merge-lora")
+    if (args.lora_adapter or args.merge_lora) and (args.hf_config or args.family):
+        raise UserError("a LoRA checkpoint written here describes itself: drop --hf-config / --family")
+    if args.lora_adapter:
+        from megatron_patch.convert.lora_io import export_adapter
+
+        export_adapter(args.load_dir, args.save_dir, dtype=args.dtype, force=args.force, iteration=args.iteration,
+                       verify=not args.no_verify)
+        print(f"wrote the peft adapter {args.save_dir}")
+        return 0
+    if args.merge_lora:
+        from megatron_patch.convert.lora_io import merge_adapter
+
+        merge_adapter(args.load_dir, args.save_dir, base_dir=args.base_dir, dtype=args.dtype, force=args.force,
+                      iteration=args.iteration, progress=False if args.quiet else None, workers=args.workers,
+                      max_shard_size=args.max_shard_size, verify=not args.no_verify)
+        print(f"wrote {args.save_dir} (LoRA merged)")
+        return 0
     mcore_to_hf(args.load_dir, args.save_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
                 progress=False if args.quiet else None, hf_config=args.hf_config, family=args.family,
                 iteration=args.iteration, workers=args.workers, verify=not args.no_verify)
@@ -101,6 +130,9 @@ def register(subparsers) -> None:
     h.add_argument("--mtp", action="store_true",
                    help="keep the multi-token-prediction layers (DeepSeek-V3's) in megatron-core's MTP block; without "
                         "it they are dropped, with a count printed and a note in the sidecar")
+    h.add_argument("--peft-dir", default=None,
+                   help="a peft LoRA adapter folder of this model: its adapters are stored beside the weights "
+                        "(torch_dist), for training to continue them or mcore2hf to export or merge them")
     h.add_argument("--force", action="store_true", help=FORCE_HELP)
     _add_workers(h)
     h.add_argument("--quiet", action="store_true", help="no progress output")
@@ -130,6 +162,14 @@ def register(subparsers) -> None:
                    help="dtype of the HF weights (default: the checkpoint's dtype)")
     m.add_argument("--max-shard-size", default="5GB",
                    help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    m.add_argument("--lora-adapter", action="store_true",
+                   help="a LoRA checkpoint (a LoRA run's final/ or iteration, or hf2mcore --peft-dir): write its adapters "
+                        "as a peft folder (adapter_config.json, adapter_model.safetensors)")
+    m.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA checkpoint: write the whole HF model with its adapters merged in (float32, then --dtype)")
+    m.add_argument("--base-dir", default=None,
+                   help="--merge-lora: the base model's checkpoint (default: the one the LoRA checkpoint names, checked "
+                        "by digest)")
     m.add_argument("--force", action="store_true", help=FORCE_HELP)
     m.add_argument("--no-verify", action="store_true",
                    help="do not check the checkpoint's files against its mpatch_manifest.json (checked by default, "

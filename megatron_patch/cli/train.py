@@ -73,7 +73,7 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
 
     caps = Capabilities.detect()
     arch = cfg.arch
-    plan = plan_memory(cfg)
+    plan = plan_memory(cfg, caps=caps)
     shape = model_shape(arch)
     problems = machine_problems(cfg, caps) + ([plan.problem()] if plan.problem() else [])
     try:
@@ -154,7 +154,7 @@ def run(args) -> int:
     check_machine(cfg, caps)
     from megatron_patch.training.memory_plan import plan_memory
 
-    problem = plan_memory(cfg).problem()
+    problem = plan_memory(cfg, caps=caps).problem()
     if problem:
         raise UserError(problem)
     needed = launch_environment(cfg, caps)
@@ -172,6 +172,9 @@ def run(args) -> int:
         from megatron_patch.training.checkpointing import finished_run, latest_iteration
 
         latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
+        from megatron_patch.training.lora_run import check_lora_launch
+
+        check_lora_launch(cfg)  # a LoRA run's base, and the one its checkpoints name
         done = finished_run(cfg, latest)
         if done:
             print(done, flush=True)

@@ -38,6 +38,7 @@ from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTas
 from megatron_patch.convert.schedule import WHOLE_FILE
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
+from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
 from megatron_patch.convert.fp8 import DequantizingReader, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes, contained
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
@@ -133,7 +134,7 @@ def _restrict(moves: list[Move], region: tuple[slice, ...], target: Stored) -> l
 
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
                 dtype=None, force: bool = False, progress: bool | None = None, mtp: bool = False,
-                workers: int | None = None, copier: Copier | None = None) -> Sidecar:
+                workers: int | None = None, copier: Copier | None = None, adapter=None) -> Sidecar:
     """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy).
 
     ``workers``: threads that copy bytes (default ``DEFAULT_WORKERS``); ``copier``: a configured
@@ -143,7 +144,13 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     FP8 block-scaled weights are dequantized on the way (``convert.fp8``; through torch, as they are
     computed, not copied). Multi-token-prediction layers go into megatron-core's MTP block with
     ``mtp``; without it they are dropped, with a count printed and a note in the sidecar.
+
+    ``adapter``: LoRA adapters to store beside the weights (``convert.lora_io.PeftImport``: their tensors
+    under layout-free keys, modules_to_save weights that replace the base's, the sidecar's ``lora``).
     """
+    if adapter is not None and fmt != "torch_dist":
+        raise UserError("--peft-dir writes the adapters beside the weights in torch_dist, which loads at any layout: "
+                        "use --format torch_dist")
     if fmt not in FORMATS:
         raise UserError(f"unknown checkpoint format {fmt!r}: choose {' or '.join(FORMATS)}")
     hf_dir = Path(hf_dir)
@@ -159,6 +166,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     hf_reader = HFCheckpointReader(hf_dir)
     check_weights_fit(arch, sum(hf_reader.nbytes(n) for n in hf_reader.keys()), f"the safetensors of {hf_dir}")
     reader = open_weights(hf_reader, arch.hf_config)
+    if adapter is not None and adapter.saved:
+        reader = adapter.reader(reader)
     notes = []
     if isinstance(reader, DequantizingReader):
         notes.append(f"weights dequantized from FP8 ({reader.block[0]}x{reader.block[1]} block scales); "
@@ -182,7 +191,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         if fmt == "legacy":
             out_tasks, count, total, finish = _plan_legacy(release, arch, layout, transfers, reader, out_dtype, copier)
         else:
-            out_tasks, count, total, finish = _plan_torch_dist(release, arch, transfers, reader, out_dtype, skeleton, copier)
+            out_tasks, count, total, finish = _plan_torch_dist(release, arch, transfers, reader, out_dtype, skeleton, copier,
+                                                               adapter.tensors if adapter is not None else None)
         tasks += out_tasks + _digest_tasks(tmp, out_tasks, digested)
         bar = Progress(f"hf2mcore {fmt} {layout}", total, count, progress)
         copier.progress = bar
@@ -193,7 +203,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         bar.update(0, tensors=count)
         finish()
         sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp, carried),
-                                 num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()), notes=notes)
+                                 num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()), notes=notes,
+                                 lora=adapter.sidecar if adapter is not None else None)
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.
         write_tracker(tmp, RELEASE)
@@ -314,7 +325,8 @@ def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: l
 
 
 def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reader: HFCheckpointReader, dtype: str,
-                     skeleton: ModelSkeleton, copier: Copier):
+                     skeleton: ModelSkeleton, copier: Copier, extra: dict | None = None):
+    """``extra``: whole tensors (by key, in their own dtype) stored beside the model's (LoRA adapters)."""
     ctx = split_context(arch)
     by_name = {t.placements[0].mcore_name: t for t in transfers}
     chunks = defaultdict(list)
@@ -324,6 +336,8 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
         chunks[ch.name].append(ch)
     items = [ChunkItem(ch.key, ch.global_shape, ch.global_offset, ch.local_shape, t.dtype_in(dtype))
              for name, t in by_name.items() for ch in chunks[name]]
+    extra = extra or {}
+    items += [ChunkItem(k, tuple(v.shape), (0,) * v.dim(), tuple(v.shape), dtype_name(v.dtype)) for k, v in extra.items()]
     td = plan_torch_dist(release, items, [(o.unique_key, o.payload) for o in skeleton.objects])
     td.create_files()
     tasks = []
@@ -351,9 +365,11 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
             return sum(_write_tensor(copier, place, full[ch.region()].reshape(place.shape)) for ch, place in targets)
 
         tasks.append(CallTask(run, writes=tuple({place.path for _, place in targets})))
+    tasks += [CallTask(lambda copier, k=k, v=v: _write_tensor(copier, td.stored[(k, (0,) * v.dim())], v),
+                       writes=(td.stored[(k, (0,) * v.dim())].path,)) for k, v in extra.items()]
     total = sum(nbytes(ch.local_shape, by_name[ch.name].dtype_in(dtype)) for ch in skeleton.chunks)
     tasks += _seal_tasks([(release / name, layout) for name, layout in td.archives])
-    return tasks, len(skeleton.chunks), total, td.finish
+    return tasks, len(skeleton.chunks) + len(extra), total, td.finish
 
 
 def _seal_tasks(archives: list[tuple[Path, ZipLayout]]) -> list:
@@ -404,7 +420,7 @@ def _digest_tasks(folder: Path, tasks: list, digested: dict) -> list:
 def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shard_size: str | int = "5GB",
                 force: bool = False, progress: bool | None = None, hf_config: str | Path | None = None,
                 family: str | None = None, iteration: int | None = None, workers: int | None = None,
-                copier: Copier | None = None, verify: bool = True) -> Path:
+                copier: Copier | None = None, verify: bool = True, base_only: bool = False) -> Path:
     """Convert a Megatron-Core checkpoint into an HF model folder.
 
     ``load_dir`` is any torch_dist or legacy checkpoint (its root, or one iteration or release folder):
@@ -412,7 +428,10 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     by another tool, whose architecture comes from ``hf_config`` or from its saved Megatron-LM
     arguments read as ``family`` (``convert.arch_source``). Optimizer state is skipped; ``iteration`` picks
     an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``. ``verify``: check
-    the input against its manifest where it has one (beside the copy, before the output is published)."""
+    the input against its manifest where it has one (beside the copy, before the output is published).
+
+    A checkpoint that holds LoRA adapters exports through ``convert.lora_io`` (--lora-adapter, --merge-lora);
+    ``base_only`` exports the base weights a checkpoint carries beside its adapters (hf2mcore --peft-dir)."""
     # Every folder read is an input the output may not overlap: the one given, the weights' folder, the
     # sidecar's, and the folder --hf-config came from.
     inputs = (load_dir, _config_folder(hf_config))
@@ -420,6 +439,12 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
     for note in opened.found.notes + opened.notes:
         print(f"warning: {note}", file=sys.stderr, flush=True)
+    lora = opened.sidecar.lora
+    if lora and not base_only:
+        raise UserError(f"{opened.sidecar_dir} holds LoRA adapters: pass --lora-adapter (a peft adapter folder) or "
+                        "--merge-lora (the model with the adapters merged in)")
+    if lora and lora.get("base"):
+        raise UserError(f"{opened.sidecar_dir} holds LoRA adapters only; its base model is {lora['base']['path']}")
     inputs += (opened.sidecar_dir, opened.found.folder)
     manifest = manifest_for(opened.found.folder) if verify else None
     check = BackgroundCheck(manifest) if manifest is not None else None
@@ -457,7 +482,8 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         source = _LegacySource(data_dir, arch, layout, transfers, hf_shapes)
     else:
         transfers = tp1
-        source = _TorchDistSource(data_dir, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES)
+        adapters = (LORA_KEY_PREFIX,) if sidecar.lora else ()  # stored beside the base weights (--peft-dir)
+        source = _TorchDistSource(data_dir, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES + adapters)
     entries, made_by = [], {}
     for t in transfers:
         for n in t.hf_names:

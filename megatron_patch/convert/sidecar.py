@@ -20,7 +20,7 @@ from megatron_patch.models.arch import Arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
 SIDECAR_NAME = "mpatch_checkpoint.json"
-SIDECAR_VERSION = 2  # 2: mtp_layers and notes
+SIDECAR_VERSION = 3  # 2: mtp_layers and notes; 3: lora
 
 
 
@@ -57,6 +57,9 @@ class Sidecar:
     mtp_layers: int = 0
     # What the conversion changed on the way (layers dropped, weights dequantized), in words.
     notes: list[str] = field(default_factory=list)
+    # LoRA adapters it holds (None: none): {"spec": lora.spec.LoraSpec as a dict, "base": None when the base
+    # weights are in the checkpoint too, else {"path", "digest"} of the base checkpoint they need}.
+    lora: dict | None = None
     sidecar_version: int = SIDECAR_VERSION
 
     @property

@@ -110,8 +110,13 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     """The raw config.json of an HF model folder (or the file itself), with one-line errors."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
+    return read_json_object(file, "point at a Hugging Face model folder that has a config.json")
+
+
+def read_json_object(file: Path, hint: str) -> dict[str, Any]:
+    """A JSON file holding an object, with one-line errors (``hint``: what to give when it is missing)."""
     if not file.exists():
-        raise UserError(f"{file} not found: point at a Hugging Face model folder that has a config.json")
+        raise UserError(f"{file} not found: {hint}")
     try:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as exc:

@@ -9,21 +9,18 @@ import torch
 import torch.nn.functional as F
 
 from megatron_patch.models import rope
+from megatron_patch.models.core_attention import core_attention_class
 from megatron_patch.models.registry import get_family
 from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.runtime.machine import transformer_engine_usable
 
 
 @functools.lru_cache(maxsize=1)
 def te_available() -> bool:
-    """Transformer-engine is usable only with CUDA; on CPU we always take the local spec."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+    """Transformer-engine is usable only with CUDA; on CPU we always take the local spec. The same test as
+    the launcher's and ``mpatch info``'s (``runtime.machine.transformer_engine_usable``)."""
+    return transformer_engine_usable()
 
 
 def apex_wgrad_fusion_available() -> bool:
@@ -137,9 +134,13 @@ def _cuda_graph_default(config_cls) -> dict:
     return {field: []}
 
 
-def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None):
+def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None,
+               core_attention: str | None = None):
     """The layer spec of every decoder layer, or, for an MoE model with dense layers, this pipeline
-    stage's block of per-layer specs (megatron-core's ``moe_layer_freq`` pattern picks each one)."""
+    stage's block of per-layer specs (megatron-core's ``moe_layer_freq`` pattern picks each one).
+
+    ``core_attention``: the local spec's core attention, "unfused" or "sdpa" (None: this machine's
+    default, ``models/core_attention.py``); the TE spec brings its own."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
@@ -149,7 +150,8 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | N
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                            vp_stage=vp_stage)
         if not use_te:
-            block.layer_specs = [_local_layer(s, _is_moe_spec(s), mla, config) for s in block.layer_specs]
+            block.layer_specs = [_local_layer(s, _is_moe_spec(s), mla, config, core_attention)
+                                 for s in block.layer_specs]
         return block
     experts = arch.num_experts or None
     if use_te:
@@ -157,24 +159,24 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | N
                                                           qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=config.qk_layernorm,
                                     multi_latent_attention=mla, normalization="RMSNorm")
-    return _local_layer(spec, arch.is_moe, mla, config)
+    return _local_layer(spec, arch.is_moe, mla, config, core_attention)
 
 
-def _local_layer(spec, moe: bool, mla: bool, config):
-    """A local layer spec made to keep TE's checkpoint names, and for multi-latent attention given a core
-    attention that takes MLA's key/value head sizes (megatron-core 0.16's local one refuses them).
+def _local_layer(spec, moe: bool, mla: bool, config, core_attention: str | None):
+    """A local layer spec made to keep TE's checkpoint names, with the core attention asked for (for
+    multi-latent attention one that takes MLA's key/value head sizes: megatron-core 0.16's local one
+    refuses them).
 
     Without a query LoRA (``q_lora_rank`` None, as DeepSeek-V2-Lite) there is no query norm: 0.16 skips
     the spec's ``q_layernorm`` then, 0.19 refuses a spec that names one, so it is left out, and the
     attention module builds the spec's plain projections (``LocalMLASelfAttention``)."""
     spec = _with_te_checkpoint_names(spec, moe, mla)
-    if not mla:
-        return spec
-    from megatron_patch.models.local_attention import LocalMLACoreAttention, LocalMLASelfAttention
-
     attention = spec.submodules.self_attention
-    submodules = dataclasses.replace(attention.submodules, core_attention=LocalMLACoreAttention)
-    if config.q_lora_rank is None:
+    submodules = dataclasses.replace(attention.submodules,
+                                     core_attention=core_attention_class(core_attention, mla))
+    if mla and config.q_lora_rank is None:
+        from megatron_patch.models.local_attention import LocalMLASelfAttention
+
         attention = dataclasses.replace(attention, module=LocalMLASelfAttention)
         submodules = dataclasses.replace(submodules, q_layernorm=None)
     attention = dataclasses.replace(attention, submodules=submodules)
@@ -214,13 +216,15 @@ def _with_te_checkpoint_names(spec, moe: bool, mla: bool):
 
 def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32, *,
                 use_te: bool | None = None, pre_process: bool | None = None, post_process: bool | None = None,
-                pp_first_stage_layers: int | None = None, vp_stage: int | None = None, **config_overrides):
+                pp_first_stage_layers: int | None = None, vp_stage: int | None = None,
+                core_attention: str | None = None, **config_overrides):
     """This rank's GPTModel (stage taken from parallel_state unless given).
 
     With a virtual pipeline (``layout.vp``), each pipeline rank holds ``vp`` model chunks; ``vp_stage``
     (0..vp-1) picks which one this call builds. megatron-core places the layers: chunk ``v`` of
     pipeline rank ``r`` holds global layers ``(v*pp + r) * L/(pp*vp)`` onwards, and its sharded state
     dict names them by those global numbers, so torch_dist checkpoints load into chunks unchanged.
+    ``core_attention``: "unfused" or "sdpa" on the local spec (None: this machine's default).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -236,7 +240,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=not virtual, vp_stage=vp_stage)
-    spec = layer_spec(arch, config, use_te, vp_stage if virtual else None)
+    spec = layer_spec(arch, config, use_te, vp_stage if virtual else None, core_attention)
     mtp_spec = None
     if arch.mtp_layers and post_process:  # megatron-core keeps the MTP block on the last stage
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, require, rope_settings
-from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, Rule, Scope
+from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, LoraSite, Rule, Scope
 
 
 def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias: bool = False,
@@ -67,8 +67,8 @@ def attention_rules(qkv_bias: bool, proj_bias: bool = False) -> list[Rule]:
     rules = [
         Rule(f"{MC_LAYER}.self_attention.linear_qkv.layer_norm_weight", f"{HF_LAYER}.input_layernorm.weight", REPLICATED),
         Rule(f"{MC_LAYER}.self_attention.linear_qkv.weight",
-             (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), QKV),
-        Rule(f"{MC_LAYER}.self_attention.linear_proj.weight", f"{attn}.o_proj.weight", ROW),
+             (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), QKV, lora=LoraSite("qkv")),
+        Rule(f"{MC_LAYER}.self_attention.linear_proj.weight", f"{attn}.o_proj.weight", ROW, lora=LoraSite("proj")),
     ]
     if qkv_bias:
         rules.append(Rule(f"{MC_LAYER}.self_attention.linear_qkv.bias",
@@ -94,8 +94,8 @@ def dense_mlp_rules(bias: bool = False) -> list[Rule]:
         Rule(f"{MC_LAYER}.mlp.linear_fc1.layer_norm_weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED,
              layers=dense),
         Rule(f"{MC_LAYER}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP,
-             layers=dense),
-        Rule(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW, layers=dense),
+             layers=dense, lora=LoraSite("fc1")),
+        Rule(f"{MC_LAYER}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW, layers=dense, lora=LoraSite("fc2")),
     ]
     if bias:
         rules += [
@@ -106,18 +106,32 @@ def dense_mlp_rules(bias: bool = False) -> list[Rule]:
     return rules
 
 
-def moe_rules(router: str, expert: str, gate: str, up: str, down: str) -> list[Rule]:
+def moe_rules(router: str, expert: str, gate: str, up: str, down: str, stacked: str = "mlp.experts") -> list[Rule]:
     """Router and routed experts of MoE layers; HF names are relative to the layer, ``{expert}`` marks
-    the index."""
+    the index. ``stacked``: the module that holds every expert's weights as 3-D parameters in transformers 5
+    (``gate_up_proj``, ``down_proj``), where peft puts the experts' LoRA adapters."""
     moe = LayerKind.MOE
     return [
         Rule(f"{MC_LAYER}.pre_mlp_layernorm.weight", f"{HF_LAYER}.post_attention_layernorm.weight", REPLICATED,
              layers=moe),
         Rule(f"{MC_LAYER}.mlp.router.weight", f"{HF_LAYER}.{router}", REPLICATED, layers=moe),
         Rule(f"{MC_LAYER}.mlp.experts.linear_fc1.weight{{expert}}",
-             (f"{HF_LAYER}.{expert}.{gate}", f"{HF_LAYER}.{expert}.{up}"), GATE_UP, Scope.EXPERT, layers=moe),
+             (f"{HF_LAYER}.{expert}.{gate}", f"{HF_LAYER}.{expert}.{up}"), GATE_UP, Scope.EXPERT, layers=moe,
+             lora=LoraSite("experts", hf_param=f"{HF_LAYER}.{stacked}.gate_up_proj")),
         Rule(f"{MC_LAYER}.mlp.experts.linear_fc2.weight{{expert}}", f"{HF_LAYER}.{expert}.{down}", ROW, Scope.EXPERT,
-             layers=moe),
+             layers=moe, lora=LoraSite("experts", hf_param=f"{HF_LAYER}.{stacked}.down_proj")),
+    ]
+
+
+def shared_expert_rules(shared: str) -> list[Rule]:
+    """The shared expert of MoE layers (a SwiGLU MLP beside the routed ones); ``shared``: its HF module,
+    relative to the layer."""
+    moe, hf = LayerKind.MOE, f"{HF_LAYER}.{shared}"
+    return [
+        Rule(f"{MC_LAYER}.mlp.shared_experts.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
+             GATE_UP, layers=moe, lora=LoraSite("shared_experts")),
+        Rule(f"{MC_LAYER}.mlp.shared_experts.linear_fc2.weight", f"{hf}.down_proj.weight", ROW, layers=moe,
+             lora=LoraSite("shared_experts")),
     ]
 
 

@@ -26,7 +26,7 @@ class LocalMLACoreAttention(DotProductAttention):
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, k_channels=None, v_channels=None):
         if v_channels is not None and v_channels != config.kv_channels:
             raise ValueError(f"multi-latent attention's value heads ({v_channels}) must equal kv_channels "
-                             f"({config.kv_channels}) for the local core attention")
+                             f"({config.kv_channels}) for the local core attentions")
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
                          softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
 

@@ -119,9 +119,7 @@ class ModelShape:
         rank 0), in the order ``named_parameters()`` gives them, sharded as the ``spec`` layer spec shards
         them ("local": megatron-core's own layers; "te": transformer-engine's)."""
         arch, vp = self.arch, layout.vp or 1
-        ranges = pipeline_layer_ranges(arch.num_layers, layout.pp * vp, None) if pp_first_stage_layers is None \
-            else pipeline_layer_ranges(arch.num_layers, layout.pp, pp_first_stage_layers)
-        chunk = ranges[vp_stage * layout.pp + pp_rank] if pp_first_stage_layers is None else ranges[pp_rank]
+        chunk = chunk_layers(arch, layout, pp_rank, vp_stage, pp_first_stage_layers)
         first = pp_rank == 0 and vp_stage == 0
         last = pp_rank == layout.pp - 1 and vp_stage == vp - 1
         divisor = self._shard_divisors(layout, spec)
@@ -164,6 +162,14 @@ class ModelShape:
                         out[p.mcore_name] = (1 if isinstance(t.split, Replicated) else t.num_shards, t.expert)
             self._divisors[key] = out
         return self._divisors[key]
+
+
+def chunk_layers(arch: Arch, layout: ParallelLayout, pp_rank: int, vp_stage: int = 0,
+                 pp_first_stage_layers: int | None = None) -> range:
+    """The global decoder layers of model chunk ``vp_stage`` of pipeline rank ``pp_rank``."""
+    if pp_first_stage_layers is not None:
+        return pipeline_layer_ranges(arch.num_layers, layout.pp, pp_first_stage_layers)[pp_rank]
+    return pipeline_layer_ranges(arch.num_layers, layout.pp * (layout.vp or 1), None)[vp_stage * layout.pp + pp_rank]
 
 
 def _matrix(name: str, shape: tuple[int, ...]) -> int:

@@ -15,7 +15,10 @@ all_gather_into_tensor, their coalesced forms and uneven all_to_all_single itsel
 The layer is applied only when CUDA is absent (``enable()`` does nothing otherwise, so the GPU path
 is never touched) and only for the megatron-core releases it was audited against (``PATCHES`` says,
 patch by patch, which releases need it and why): another release may have moved the calls it
-patches, so it refuses with a clear message rather than half-working.
+patches, so it refuses with a clear message rather than half-working. Two of its patches are about
+transformer-engine being absent, not CUDA (``without_te``): on a GPU without TE, ``enable()`` applies
+those alone, where TE is not installed (megatron-core 0.16 crashes there otherwise, in every MoE router
+and every MLA forward).
 """
 
 from __future__ import annotations
@@ -458,6 +461,7 @@ class Patch:
     releases: tuple[str, ...]  # the audited megatron-core releases (major.minor) that need it
     apply: Callable[[], None]
     why: str
+    without_te: bool = False  # also needed on a GPU when transformer-engine is absent
 
 
 _BOTH = ("0.16", "0.19")
@@ -471,7 +475,7 @@ PATCHES = (
     Patch("model-parallel RNG", _BOTH, _patch_model_parallel_rng,
           "tensor_parallel.random's _get/_set_cuda_rng_state call CUDA directly"),
     Patch("MoE te_general_gemm", ("0.16",), _patch_moe_te_general_gemm,
-          "0.16 leaves the name undefined without TE; 0.19 sets it to None itself"),
+          "0.16 leaves the name undefined without TE; 0.19 sets it to None itself", without_te=True),
     Patch("MoE token counts", _BOTH, _patch_moe_token_counts,
           "maybe_move_tensor_to_cpu makes host numpy split sizes only for CUDA tensors"),
     Patch("uneven all-gather", _BOTH, _patch_uneven_all_gather,
@@ -479,12 +483,29 @@ PATCHES = (
     Patch("YaRN rotary device", _BOTH, _patch_yarn_rotary_device,
           "MLA builds YarnRotaryEmbedding on torch.device(current_device())"),
     Patch("MLA without TE", ("0.16",), _patch_mla_without_te,
-          "0.16's MLA takes HAVE_TE from a try-import that succeeds on TE's mocks; 0.19 reads the real flag"),
+          "0.16's MLA takes HAVE_TE from a try-import that succeeds on TE's mocks; 0.19 reads the real flag",
+          without_te=True),
     Patch("torch norm sequence parallel", _BOTH, _patch_torch_norm,
           "WrappedTorchNorm refuses sequence_parallel, which MoE with TP>1 needs"),
     Patch("torch Adam checkpointing", _BOTH, _patch_torch_adam_checkpointing,
           "the distributed optimizer's checkpoint path assumes FusedAdam's step handling"),
 )
+
+
+def fill_gaps_without_te() -> tuple[str, ...]:
+    """On a GPU without transformer-engine: the ``without_te`` patches this megatron-core release needs (each
+    only fills in what TE would have provided, so it changes nothing where TE is there). Returns their names."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return ()
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    todo = [p for p in patches_for(version) if p.without_te]
+    for patch in todo:
+        patch.apply()
+    return tuple(p.name for p in todo)
 
 
 def patches_for(version: str) -> tuple[Patch, ...]:
@@ -493,11 +514,13 @@ def patches_for(version: str) -> tuple[Patch, ...]:
 
 
 def enable() -> bool:
-    """Apply the layer if CUDA is absent. Idempotent. Returns whether the layer is active."""
+    """Apply the layer if CUDA is absent (with CUDA and without transformer-engine, its ``without_te``
+    patches). Idempotent. Returns whether the layer is active."""
     global _ENABLED, _APPLIED
     if _ENABLED:
         return True
     if not is_needed():
+        fill_gaps_without_te()
         return False
     version = check_mcore_version()
     todo = patches_for(version)

@@ -7,7 +7,12 @@ torch is imported inside the functions: the launcher and the converter start wit
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
+import os
+import shutil
+import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def installed_version(*dists: str) -> str | None:
@@ -28,6 +33,21 @@ def version_tuple(text: str | None) -> tuple[int, ...]:
         return ()
 
 
+def compile_problem(cuda: bool) -> str | None:
+    """Why ``torch.compile`` cannot generate kernels here, or None. Inductor writes Triton on a GPU and C++
+    on CPU, which it builds with the system's compiler against Python's headers."""
+    if cuda:
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile on a GPU needs triton (pip install triton, the version your torch names)"
+        return None
+    if not any(c and shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++")):
+        return "torch.compile on CPU needs a C++ compiler (g++ or clang++, or CXX=...) to build its kernels"
+    include = sysconfig.get_paths().get("include") or ""
+    if not (Path(include) / "Python.h").is_file():
+        return f"torch.compile on CPU needs Python's headers ({include}/Python.h: install python3-dev)"
+    return None
+
+
 def gpu_info() -> dict | None:
     """GPU 0's name, count, compute capability and memory, or None without CUDA."""
     import torch
@@ -39,21 +59,40 @@ def gpu_info() -> dict | None:
             "memory_gib": round(props.total_memory / 2**30, 1)}
 
 
+def transformer_engine_usable() -> bool:
+    """Whether transformer-engine's PyTorch layers import here, with CUDA: what its layer spec needs. Package
+    metadata alone is not enough: a partial install (the core library without the torch extension, which is
+    built from source) has the metadata and fails at the first import. The launcher, ``mpatch info`` and
+    the model builder all decide on this one test."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure to import means: not usable here
+        return False
+    return True
+
+
 def features(gpu: dict | None) -> dict:
     """Which of transformer-engine, FP8 and FlashAttention are usable with ``gpu`` (``gpu_info()``)."""
     cuda = gpu is not None
-    te = installed_version("transformer-engine", "transformer_engine")
+    te_version = installed_version("transformer-engine", "transformer_engine")
+    te = bool(cuda and te_version and transformer_engine_usable())
     fa2 = installed_version("flash-attn", "flash_attn")
     fa3 = installed_version("flash-attn-3", "flash_attn_3")
     hopper = cuda and gpu["capability"].startswith("9.")
     return {
-        "transformer_engine": bool(te and cuda),
-        "transformer_engine_version": te,
-        "fp8": bool(te and cuda and float(gpu["capability"]) >= 8.9),
+        "transformer_engine": te,
+        "transformer_engine_version": te_version,
+        "fp8": te and float(gpu["capability"]) >= 8.9,
         "flash_attention_2": bool(fa2 and cuda),
         "flash_attention_3": bool(fa3 and hopper),
-        "layer_spec": "transformer_engine" if te and cuda else "local",
-        "attention": "flash/fused (TE)" if te and cuda else "local (unfused softmax)",
+        "layer_spec": "transformer_engine" if te else "local",
+        # models/core_attention.py: SDPA on a GPU without transformer-engine, unfused on CPU (FL=true: SDPA)
+        "attention": "flash/fused (TE)" if te else ("sdpa (torch SDPA, local spec)" if cuda
+                                                   else "local (unfused softmax; FL=true: torch SDPA)"),
     }
 
 
@@ -68,6 +107,7 @@ class Capabilities:
     flash_attention_2: bool = False
     compute_capability: tuple[int, int] | None = None  # of GPU 0
     cuda_version: str | None = None  # torch's CUDA build
+    compile_problem: str | None = None  # why torch.compile cannot build kernels here (None: it can)
 
     @classmethod
     def detect(cls) -> "Capabilities":
@@ -78,4 +118,4 @@ class Capabilities:
         return cls(cuda=gpu is not None, transformer_engine=f["transformer_engine"], fp8=f["fp8"],
                    flash_attention_3=f["flash_attention_3"], flash_attention_2=f["flash_attention_2"],
                    compute_capability=tuple(torch.cuda.get_device_capability(0)) if gpu else None,
-                   cuda_version=torch.version.cuda)
+                   cuda_version=torch.version.cuda, compile_problem=compile_problem(gpu is not None))

@@ -135,9 +135,30 @@ def _sharded_state(models: list, optimizer, is_loading: bool) -> dict:
     The sharded tensors carry global names (layer numbers with the chunk's offset), so the stored
     shards do not depend on how the layers were split into stages and chunks.
     """
-    state = {key: m.module.sharded_state_dict() for key, m in zip(_model_keys(models), models)}
+    state = {key: _model_state(m.module) for key, m in zip(_model_keys(models), models)}
     state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return state
+
+
+def _model_state(chunk) -> dict:
+    """A chunk's sharded state: the whole model, or for a LoRA run only what it trains (the adapters under
+    layout-free keys, any modules_to_save weights): the frozen base stays in the checkpoint it came from."""
+    lora = getattr(chunk, "lora", None)
+    if lora is None:
+        return chunk.sharded_state_dict()
+    from megatron_patch.lora.state import adapter_sharded_state
+
+    return adapter_sharded_state(chunk, lora)
+
+
+def _lora_record(cfg) -> dict | None:
+    """The sidecar's ``lora`` section of a LoRA run's checkpoints: the spec and the base they need."""
+    if cfg.lora is None:
+        return None
+    from megatron_patch.lora.state import base_record
+    from megatron_patch.training.lora_run import cfg_base
+
+    return {"spec": cfg.lora, "base": base_record(cfg_base(cfg))}
 
 
 def _param_gather_hooks(cfg, models: list, enable: bool) -> None:
@@ -180,7 +201,7 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
             from megatron_patch.convert.sidecar import Sidecar
 
             Sidecar.create("torch_dist", cfg.arch, cfg.layout, cfg.precision.dtype,
-                           source=f"mpatch train, iteration {iteration}").write(tmp)
+                           source=f"mpatch train, iteration {iteration}", lora=_lora_record(cfg)).write(tmp)
         _write_shared_manifest(tmp, f"mpatch train, iteration {iteration}")
         if rank == 0:
             publish(tmp, final)  # fsyncs everything in it first
@@ -316,7 +337,13 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     watchdog.set_phase(f"loading {folder.name}")
     state = safe_dist_load(_sharded_state(models, optimizer, is_loading=True), folder)
     for key, m in zip(_model_keys(models), models):
-        m.module.load_state_dict(state[key])
+        if getattr(m.module, "lora", None) is None:
+            m.module.load_state_dict(state[key])
+            continue
+        unexpected = m.module.load_state_dict(state[key], strict=False).unexpected_keys
+        if unexpected:
+            raise UserError(f"{folder} holds {unexpected[0]}, which this LoRA model does not train: resume with the "
+                            "MP_LORA_* settings the run was started with")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     saved = json.loads((folder / "train_state.json").read_text())
@@ -393,9 +420,9 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
     # key; the dict keys only need to be distinct, and chunks reuse local module names
     # ("decoder.layers.0..."), hence the chunk prefix.
     if len(models) == 1:
-        state = models[0].module.sharded_state_dict()
+        state = _model_state(models[0].module)
     else:
-        state = {f"chunk{i}.{k}": v for i, m in enumerate(models) for k, v in m.module.sharded_state_dict().items()}
+        state = {f"chunk{i}.{k}": v for i, m in enumerate(models) for k, v in _model_state(m.module).items()}
     dist_checkpointing.save(state, str(tmp / RELEASE))
     _param_gather_hooks(cfg, models, enable=True)
     dist.barrier()
@@ -406,11 +433,14 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
         if not carried and cfg.tokenizer and Path(cfg.tokenizer).is_dir():
             carried = copy_carried(cfg.tokenizer, tmp)
         Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, carried_files=carried,
-                       source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}").write(tmp)
+                       source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}",
+                       lora=_lora_record(cfg)).write(tmp)
         write_tracker(tmp, RELEASE)
     _write_shared_manifest(tmp, f"mpatch train, final export of iteration {iteration}")
     if rank == 0:
         publish(tmp, final)
-        print(f"exported the trained model to {final} (mpatch convert mcore2hf --load-dir {final} ...)", flush=True)
+        how = " --lora-adapter (or --merge-lora)" if cfg.lora is not None else " ..."
+        print(f"exported the trained {'adapters' if cfg.lora is not None else 'model'} to {final} "
+              f"(mpatch convert mcore2hf --load-dir {final} --save-dir OUT{how})", flush=True)
     dist.barrier()
     return final

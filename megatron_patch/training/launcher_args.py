@@ -37,7 +37,8 @@ ARG_HELP = {
     "ETP": "expert tensor parallel size (MoE)", "EP": "expert parallel size (MoE)",
     "SP": "sequence parallelism: true | false (TP > 1 with SP=true also turns on TP communication overlap)",
     "DO": "distributed optimizer: true | false (true also overlaps the parameter all-gather)",
-    "FL": "flash attention: true | false (FlashAttention-3 when its Hopper build is installed)",
+    "FL": "flash attention: true | false (with transformer-engine its FlashAttention, FA3 on Hopper when installed; "
+          "without it torch SDPA, the default on a GPU, FL=true on CPU)",
     "SFT": "true: fine-tune on SFT data (token counts become iteration counts) | false: pretrain",
     "AC": "activation checkpointing: sel | full | offload | none (MP_AC_LAYERS layers for full/offload)",
     "OPTIMIZER_OFFLOAD": "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto "
@@ -66,6 +67,8 @@ EXTRAS = {
     "MP_NPROC": "ENV=cpu: number of local processes (default TP*PP*CP, or what the expert layout needs)",
     "MP_TOKENIZER": "tokenizer folder (tokenizer.json) or tiktoken file for SFT data (default: the checkpoint's)",
     "MP_NAN_POLICY": "stop (default) | skip: what a NaN/inf loss does",
+    "MP_COMPILE_FUSIONS": "true: torch.compile the local spec's RMSNorm, RoPE, SwiGLU and bias-dropout-add (no "
+                          "transformer-engine); false: all of them eager (default: megatron-core's own choice)",
     "MP_GPU_MEMORY_GB": "memory per GPU the memory plan checks against (default: the visible GPU's); ENV=cpu: the "
                         "'device' budget of OPTIMIZER_OFFLOAD=auto and the plan",
     "MP_OFFLOAD_NUMERICS": "fast (default) | exact: optimizer updates bit-identical on every tier and schedule",
@@ -90,6 +93,12 @@ EXTRAS = {
                        "resumes from the latest complete checkpoint (default 0)",
     "MP_DIST_TIMEOUT_MIN": "minutes a collective may wait for the other ranks before the job fails naming the "
                            "rank that stopped answering (default 10)",
+    "MP_LORA_RANK": "R: train LoRA adapters of rank R on the frozen PRETRAIN_CHECKPOINT_PATH (unset or 0: full "
+                    "fine-tuning; docs/lora.md)",
+    "MP_LORA_ALPHA": "LoRA alpha: the adapters' output is scaled by alpha/R (default R)",
+    "MP_LORA_DROPOUT": "dropout on the adapters' input (default 0)",
+    "MP_LORA_TARGETS": "comma list out of qkv,proj,fc1,fc2,experts,shared_experts (default qkv,proj,fc1,fc2)",
+    "MP_LORA_INIT": "a peft adapter folder to start the adapters from (its config decides rank, alpha, targets)",
     "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; 1 on a dlc node without GPUs)",
 }
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_patch.convert.loading import load_checkpoint_into_model
 from megatron_patch.errors import UserError
+from megatron_patch.models import compiled_fusions
 from megatron_patch.models.builder import build_model_chunks
 from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime import device, init_model_parallel, watchdog
@@ -31,7 +32,8 @@ from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import checkpointing, data, faults, packing
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
-from megatron_patch.training.machine_checks import attention_kernel
+from megatron_patch.training.lora_run import describe_trainable, setup_lora
+from megatron_patch.training.machine_checks import attention_kernel, core_attention
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
@@ -225,6 +227,7 @@ class Trainer:
         device = self._device()
         # One GPTModel per virtual pipeline stage (one in all without MP_VP).
         chunks = build_model_chunks(self.arch, cfg.layout, cfg.precision.dtype, pp_first_stage_layers=cfg.pp0_layers,
+                                    core_attention=core_attention(cfg, Capabilities.detect()),
                                     **self.settings["transformer_config"])
         if cfg.sft_packing:
             from megatron_patch.training.packing import use_packed_local_attention
@@ -233,8 +236,13 @@ class Trainer:
                 use_packed_local_attention(c)
         move_to_device(chunks, device)
         cast_parameters(chunks, cfg.precision.dtype)
+        if cfg.compile_fusions:
+            self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         self.resume_iteration = self._latest()
-        if self.resume_iteration is None and cfg.pretrain_checkpoint:
+        if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
+            setup_lora(cfg, chunks, self.resume_iteration is not None, self._log)
+            self._log(describe_trainable(chunks))
+        elif self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(**self.settings["ddp"])

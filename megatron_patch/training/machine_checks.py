@@ -1,10 +1,12 @@
 """What this machine can run of a ``RunConfig`` (read from ``runtime/machine.py``'s ``Capabilities``): FP8,
-FlashAttention, sequence parallelism, TP overlap, context parallelism and activation offloading need a GPU
-with transformer-engine. Each problem says what to change; the launcher refuses on the first."""
+transformer-engine's FlashAttention, sequence parallelism, TP overlap, context parallelism and activation
+offloading need a GPU with transformer-engine. Each problem says what to change; the launcher refuses on the
+first. Which attention runs is decided here too (``core_attention``, ``attention_kernel``)."""
 
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
+from megatron_patch.models.core_attention import SDPA, UNFUSED, describe
 from megatron_patch.runtime.machine import Capabilities, version_tuple
 from megatron_patch.training.run_config import RunConfig
 
@@ -33,9 +35,11 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
         out.append("PR=fp8 needs transformer-engine on a GPU with FP8 (compute capability >= 8.9): use PR=bf16")
     elif cfg.precision.fp8 and fp8_recipe_problem(cfg.fp8_recipe, caps):
         out.append(fp8_recipe_problem(cfg.fp8_recipe, caps))
-    if cfg.flash_attention and not te:
-        out.append("FL=true needs transformer-engine's flash attention on a GPU: set FL=false")
-    elif cfg.flash_attention and not (caps.flash_attention_2 or caps.flash_attention_3):
+    # Without transformer-engine FL=true is torch SDPA on the local spec (core_attention), which every
+    # machine and precision has.
+    if cfg.flash_attention and te and not cfg.precision.mixed:
+        out.append("FL=true: transformer-engine's FlashAttention has no fp32 kernel: use PR=bf16/fp16/fp8 or FL=false")
+    elif cfg.flash_attention and te and not (caps.flash_attention_2 or caps.flash_attention_3):
         out.append("FL=true: transformer-engine runs flash attention through the flash-attn package "
                    "(or flash_attn_3 on Hopper), and neither is installed: pip install flash-attn, or set FL=false")
     if cfg.sequence_parallel and gpu_env and not te:
@@ -52,6 +56,11 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     elif cfg.activation_checkpointing == "offload" and not te:
         # megatron-core's activation offload context is transformer-engine's; without it TransformerBlock asserts.
         out.append("AC=offload (activation offloading) needs transformer-engine on GPUs: use AC=sel, full or none")
+    if cfg.compile_fusions and te:
+        out.append("MP_COMPILE_FUSIONS=true compiles the local spec's norms and RoPE, and this GPU runs "
+                   "transformer-engine's spec, whose kernels are fused already: drop MP_COMPILE_FUSIONS")
+    elif cfg.compile_fusions and caps.compile_problem:
+        out.append(f"MP_COMPILE_FUSIONS=true: {caps.compile_problem}; or drop MP_COMPILE_FUSIONS")
     return out
 
 
@@ -61,10 +70,25 @@ def check_machine(cfg: RunConfig, caps: Capabilities | None = None) -> None:
         raise UserError(problems[0] + (f" (and {len(problems) - 1} more: see MP_DRY_RUN=1)" if len(problems) > 1 else ""))
 
 
+def local_core_attention(cfg: RunConfig) -> str:
+    """The core attention a run of ``cfg`` on megatron-core's local spec builds: SDPA on a GPU (one without
+    transformer-engine) and with FL=true; on CPU otherwise megatron's unfused attention."""
+    return SDPA if cfg.flash_attention or cfg.device == "cuda" else UNFUSED
+
+
+def core_attention(cfg: RunConfig, caps: Capabilities) -> str | None:
+    """``local_core_attention`` where the run builds the local spec, None where it builds transformer-engine's
+    (which brings its own attention)."""
+    if cfg.device == "cuda" and caps.transformer_engine:
+        return None
+    return local_core_attention(cfg)
+
+
 def attention_kernel(cfg: RunConfig, caps: Capabilities) -> str:
-    """What attention will run, as the log reports it."""
-    if cfg.device == "cpu" or not caps.transformer_engine:
-        return "local (megatron-core DotProductAttention, unfused softmax)"
+    """What attention will run, as the log and the dry run report it."""
+    local = core_attention(cfg, caps)
+    if local is not None:
+        return describe(local)
     if cfg.flash_attention:
         if caps.flash_attention_3:
             return "FlashAttention-3 (flash_attn_interface)"

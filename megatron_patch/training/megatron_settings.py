@@ -3,6 +3,7 @@ settings, each flag's translation in one place (the dry run prints it; the train
 
 from __future__ import annotations
 
+from megatron_patch.models.compiled_fusions import config_overrides
 from megatron_patch.training.run_config import RunConfig
 
 
@@ -16,15 +17,17 @@ def megatron_settings(cfg: RunConfig) -> dict:
         # A stage's output, once sent on, is freed but for its autograd graph (Megatron-LM's default). Not
         # on gloo: its asynchronous sends read the buffer later (PP=2 x VP=2 then trained on garbage).
         tc["deallocate_pipeline_outputs"] = True
-    if cfg.flash_attention:
-        tc["attention_backend"] = AttnBackend.flash
-    elif not gpu:
+    if not gpu:
+        # the local spec; FL=true picks its SDPA core attention (machine_checks.core_attention), not TE's
         tc["attention_backend"] = AttnBackend.local
+    elif cfg.flash_attention:
+        tc["attention_backend"] = AttnBackend.flash
     elif not cfg.precision.mixed:
         # transformer-engine's fused (cuDNN) and flash kernels have no fp32 path; auto lets TE take its unfused one.
         tc["attention_backend"] = AttnBackend.auto
     else:
         tc["attention_backend"] = AttnBackend.fused
+    tc.update(config_overrides(cfg.compile_fusions))
     if cfg.precision.fp8:
         tc.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_amax_history_len=1024 if cfg.fp8_recipe == "delayed" else 1,
                   fp8_amax_compute_algo="max" if cfg.fp8_recipe == "delayed" else "most_recent")

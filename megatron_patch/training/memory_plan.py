@@ -9,10 +9,10 @@ precision, and the optimizer state of this rank's shard of every bucket: fp32 ma
 OPTIMIZER_OFFLOAD the chunks of the chunked optimizer (``training/offload``) on their tiers.
 
 Activations are what autograd saves for backward (``tests/saved_tensors.py``), per micro-batch and
-layer, for the layer implementation that runs: megatron-core's local spec (torch RMSNorm, unfused
-attention with an fp32 softmax, GQA keys/values expanded per head: what runs on CPU, where the tests
-check the model against the measurement) or transformer-engine's (fused norm+linear and fused
-attention: no s^2 term; from TE's saved tensors, not measured here). Then per recompute mode (sel:
+layer, for the layer implementation that runs: megatron-core's local spec (torch RMSNorm; its unfused
+attention with an fp32 softmax and GQA keys/values expanded per head, or the SDPA core attention: no s^2
+term; what runs on CPU, where the tests check the model against the measurement) or transformer-engine's
+(fused norm+linear and fused attention: no s^2 term; from TE's saved tensors, not measured here). Then per recompute mode (sel:
 core attention recomputed; full: block inputs plus one recomputed block), sequence parallelism (norm
 and linear inputs split over TP), context parallelism (the sequence split over CP) and the micro-
 batches a pipeline stage keeps in flight (1F1B: PP - stage; interleaved: megatron's warm-up count).
@@ -27,9 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_patch.models.core_attention import SDPA, UNFUSED
 from megatron_patch.models.shape import RankParam as Param
 from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime.machine import installed_version, version_tuple
+from megatron_patch.training.machine_checks import local_core_attention
 from megatron_patch.units import GiB, human_bytes
 
 PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
@@ -127,14 +129,18 @@ class Shape:
     sp: bool
     d: int  # activation bytes (2 for bf16/fp16, 4 for fp32)
     qk_norm: bool = False  # per-head norms of queries and keys (Qwen3)
+    # LoRA (None: full fine-tuning): a layer's adapted linears as (target, mode, input width on this rank,
+    # the adapters' total rank, output rows on this rank, adapters, tokens per sequence position it sees)
+    lora: tuple | None = None
 
     @property
     def s_sp(self) -> int:
         return self.s // self.tp if self.sp else self.s
 
 
-def layer_activations(sh: Shape, ac: str, spec: str) -> int:
-    """Bytes one transformer layer saves for backward for one micro-batch (no full recompute)."""
+def layer_activations(sh: Shape, ac: str, spec: str, attention: str = UNFUSED) -> int:
+    """Bytes one transformer layer saves for backward for one micro-batch (no full recompute); ``attention``:
+    the local spec's core attention."""
     s, b, h, a, kvw, hn, tp, d = sh.s, sh.b, sh.h, sh.a, sh.kvw, sh.hn, sh.tp, sh.d
     np_, ssp, f = sh.heads // tp, sh.s_sp, sh.f
     if spec == "local":
@@ -145,6 +151,11 @@ def layer_activations(sh: Shape, ac: str, spec: str) -> int:
         if ac == "sel":
             # recomputed core attention keeps q, k (after RoPE) and the qkv output (v is a view of it)
             attention = s * b * (a + kvw) // tp * d + s * b * (a + 2 * kvw) // tp * d + 4
+        elif attention == SDPA:
+            # SDPA keeps its inputs (q, k after RoPE; v a view of the qkv output) and the fp32 log-sum-exp of
+            # each query and head; keys and values stay grouped (enable_gqa). Its output is laid out so that the
+            # projection's input is a view of it, counted with the linear inputs.
+            attention = s * b * (a + kvw) // tp * d + s * b * (a + 2 * kvw) // tp * d + b * np_ * s * 4
         else:
             # q, k, v expanded to every head, the causal mask, the fp32 softmax and (below fp32) its cast
             # for the AV matmul
@@ -152,6 +163,12 @@ def layer_activations(sh: Shape, ac: str, spec: str) -> int:
         swiglu = 4 * s * b * f // tp * d  # fc1 output (both halves), silu output, the gated half
         # q/k norms as the input norms above: fp32 input, normalised values and 1/rms per head
         qk_norms = (2 * s * b * (a + kvw) // tp * 4 + s * b * (a + kvw) // hn // tp * 4) if sh.qk_norm else 0
+        if sh.lora is not None:
+            # a frozen base: norms keep no normalised values for their weight's gradient, linear layers no
+            # input (megatron-core's frozen-weight path); the adapters keep theirs (lora_activations)
+            norms = 2 * (ssp * b * h * 4 + ssp * b * 4)
+            qk_norms -= s * b * (a + kvw) // tp * 4 if sh.qk_norm else 0
+            linear_inputs = lora_activations(sh)
         return norms + linear_inputs + rope + attention + swiglu + qk_norms
     # transformer-engine: norm fused into the next linear (its input, the normalised output, 1/rms),
     # fused attention keeps q, k, v, the output and fp32 softmax statistics, fused SwiGLU keeps its input
@@ -159,16 +176,34 @@ def layer_activations(sh: Shape, ac: str, spec: str) -> int:
     attention = s * b * (a + 2 * kvw) // tp * d + s * b * a // tp * d + b * np_ * s * 4
     mlp = 2 * s * b * f // tp * d + s * b * f // tp * d
     qk_norms = (s * b * (a + kvw) // tp * d + s * b * (a + kvw) // hn // tp * 4) if sh.qk_norm else 0
-    return norm_linear + attention + mlp + qk_norms
+    # LoRA: the adapters' tensors on top (transformer-engine's savings from a frozen base are not counted)
+    extra = lora_activations(sh, inputs=False) if sh.lora is not None else 0
+    return norm_linear + attention + mlp + qk_norms + extra
+
+
+def lora_activations(sh: Shape, inputs: bool = True) -> int:
+    """What a layer's adapters keep for backward: each adapted linear's input (once per distinct input; under SP
+    the column-parallel adapters gather it over the sequence), the low-rank product z, and the combined A and
+    the fused B they multiply by."""
+    s, b, d = sh.s, sh.b, sh.d
+    out, seen = 0, set()
+    for target, mode, width, rank, rows, adapters, fan in sh.lora:
+        tokens = s * b * fan
+        if inputs and (target, width) not in seen:
+            seen.add((target, width))
+            out += tokens * width * d
+        out += tokens * rank * d + rows * rank * d + (rank * width * d if adapters > 1 else 0)
+    return round(out)
 
 
 def head_activations(sh: Shape, first: bool, last: bool, spec: str) -> int:
     """Embedding and loss: token ids; final norm, output layer input, fp32 softmax of the logits."""
-    out = sh.b * sh.s * 8 if first else 0
+    frozen = sh.lora is not None and spec == "local"  # a frozen embedding keeps no ids, its final norm no x-hat
+    out = sh.b * sh.s * 8 if first and not frozen else 0
     if last:
         ssp = sh.s_sp
         norm = 2 * ssp * sh.b * sh.h * 4 + ssp * sh.b * 4 if spec == "local" else 2 * ssp * sh.b * sh.h * sh.d + ssp * sh.b * 4
-        out += norm + ssp * sh.b * sh.h * sh.d + sh.s * sh.b * sh.vocab // sh.tp * 4 + sh.s * sh.b + sh.s * sh.b * 8
+        out += norm - (ssp * sh.b * sh.h * 4 if frozen else 0) + ssp * sh.b * sh.h * sh.d + sh.s * sh.b * sh.vocab // sh.tp * 4 + sh.s * sh.b + sh.s * sh.b * 8
     return out
 
 
@@ -192,6 +227,8 @@ class StageMemory:
     in_flight: int = 0
     transient: int = 0
     optimizer_elements: int = 0
+    trainable: int = 0  # parameters this rank trains (elements; LoRA: adapters) and holds frozen
+    frozen: int = 0
     chunks: list = field(default_factory=list, repr=False)  # (nbytes, state elements) per chunk, device first
 
     @property
@@ -212,6 +249,7 @@ class MemoryPlan:
     offload_policy: str
     offload_share: float  # host share of the optimizer state (static: the ratio; auto: where it starts)
     margin: int
+    attention: str | None = None  # the local spec's core attention (models/core_attention.py); None with TE
 
     def stage(self, pp_rank: int) -> StageMemory:
         return self.stages[pp_rank]
@@ -234,10 +272,12 @@ class MemoryPlan:
                 f"{human_bytes(self.capacity)} ({self.capacity_source}): try {hint} (MP_DRY_RUN=1 prints the plan)")
 
     def lines(self) -> list[str]:
-        out = [f"memory plan per rank ({self.spec} layers; device memory {human_bytes(self.capacity)}, "
+        layers = f"{self.spec} layers" + (f", {self.attention} attention" if self.attention else "")
+        out = [f"memory plan per rank ({layers}; device memory {human_bytes(self.capacity)}, "
                f"{self.capacity_source}):"]
         for st in self.stages:
-            out.append(f"  stage {st.pp_rank} ({st.layers} layers): params {human_bytes(st.params)}, grads "
+            frozen = f" ({st.trainable:,} trainable, {st.frozen:,} frozen)" if st.frozen else ""
+            out.append(f"  stage {st.pp_rank} ({st.layers} layers): params {human_bytes(st.params)}{frozen}, grads "
                        f"{human_bytes(st.grads)}, optimizer state {human_bytes(st.optimizer_device)} on the device + "
                        f"{human_bytes(st.optimizer_host)} on the host, activations {human_bytes(st.activations)} "
                        f"({st.in_flight} micro-batch(es) x {human_bytes(st.per_microbatch)}), transient "
@@ -250,7 +290,7 @@ class MemoryPlan:
         return out
 
     def to_dict(self) -> dict:
-        return {"spec": self.spec, "capacity_bytes": self.capacity, "capacity_source": self.capacity_source,
+        return {"spec": self.spec, "attention": self.attention, "capacity_bytes": self.capacity, "capacity_source": self.capacity_source,
                 "offload_policy": self.offload_policy, "offload_share": self.offload_share,
                 "stages": [{k: v for k, v in st.__dict__.items() if k != "chunks"} | {"device": st.device,
                                                                                        "model_state": st.model_state}
@@ -258,18 +298,21 @@ class MemoryPlan:
                 "problem": self.problem()}
 
 
-def _spec(cfg) -> str:
+def _spec(cfg, caps=None) -> str:
     """The layers the run will build: the local spec on ENV=cpu, and on a GPU transformer-engine's when it
-    is installed (planned from a machine without a GPU, a GPU run is assumed to have it)."""
-    if cfg.env == "cpu":
+    is installed (planned from a machine without a GPU, a GPU run is assumed to have it). ``caps``: the
+    machine's ``Capabilities`` (default: this one's)."""
+    if cfg.device == "cpu":
         return "local"
-    import torch
+    if caps is None:
+        from megatron_patch.runtime.machine import Capabilities
 
-    if not torch.cuda.is_available():
-        return "te"
-    from megatron_patch.models.builder import te_available
+        caps = Capabilities.detect()
+    return "local" if caps.cuda and not caps.transformer_engine else "te"
 
-    return "te" if te_available() else "local"
+
+def _attention(cfg, spec: str) -> str | None:
+    return local_core_attention(cfg) if spec == "local" else None
 
 
 def _capacity(cfg) -> tuple[int | None, str]:
@@ -291,10 +334,15 @@ def _shape(arch, cfg) -> Shape:
         f = arch.ffn_hidden_size
     d = cfg.precision.itemsize
     qk_norm = any("self_attention.q_layernorm." in n for layer in model_shape(arch).layers.values() for n in layer)
+    lora = None
+    if cfg.lora is not None:
+        from megatron_patch.training.lora_run import layer_adapters
+
+        lora = layer_adapters(arch, cfg, _spec(cfg))
     return Shape(s=cfg.sample_length // cfg.cp, b=cfg.micro_batch_size, h=arch.hidden_size,
                  a=arch.num_heads * arch.head_dim, kvw=arch.num_kv_heads * arch.head_dim, hn=arch.head_dim,
                  heads=arch.num_heads, f=f, vocab=arch.padded_vocab_size(), tp=cfg.tp, sp=cfg.sequence_parallel, d=d,
-                 qk_norm=qk_norm)
+                 qk_norm=qk_norm, lora=lora)
 
 
 def in_flight(cfg, pp_rank: int) -> int:
@@ -308,6 +356,7 @@ def in_flight(cfg, pp_rank: int) -> int:
 
 
 def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageMemory:
+    attention = _attention(cfg, spec)
     param_bytes = cfg.precision.itemsize
     grad_bytes = 4  # fp32 gradient buffers (grad_reduce_in_fp32 with mixed precision)
     do = cfg.distributed_optimizer
@@ -318,6 +367,14 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
     bucket_size = max(40_000_000, 1_000_000 * dense_dp)
     chunks = [chunk_params(arch, cfg, pp_rank, v, spec) for v in range(vp)]
     st = StageMemory(pp_rank, sum(stage_layers(arch, cfg, pp_rank)))
+    if cfg.lora is not None:
+        # LoRA: the frozen base is held as it is, outside the DDP buffers (no gradient, no optimizer state)
+        from megatron_patch.training.lora_run import split_trainable
+
+        chunks, frozen = split_trainable(arch, cfg, chunks, pp_rank, spec)
+        st.params += frozen * param_bytes
+        st.frozen = frozen
+    st.trainable = sum(p.numel for params in chunks for p in params)
     dense_buffers, expert_buffers = [], []
     for v, params in enumerate(chunks):
         bucketed = bucket_size if (pp_rank == 0 and v == 0) else None
@@ -356,9 +413,9 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
                 st.optimizer_device += n * (master + 8) + len(buf.params) * step_bytes
         if offload and segments:
             st.chunks += [(c.nbytes, c.state_numel, c.capacity) for c in plan_chunks(segments, capacity).chunks]
-    st.per_microbatch, st.transient = _activations(arch, cfg, pp_rank, spec)
+    st.per_microbatch, st.transient = _activations(arch, cfg, pp_rank, spec, attention)
     st.in_flight = in_flight(cfg, pp_rank)
-    st.activations = _peak_activations(arch, cfg, pp_rank, spec, st.per_microbatch, st.in_flight)
+    st.activations = _peak_activations(arch, cfg, pp_rank, spec, attention, st.per_microbatch, st.in_flight)
     return st
 
 
@@ -379,14 +436,14 @@ def _fused_adam_available() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
 
 
-def _activations(arch, cfg, pp_rank: int, spec: str) -> tuple[int, int]:
+def _activations(arch, cfg, pp_rank: int, spec: str, attention: str | None) -> tuple[int, int]:
     """(saved bytes per micro-batch of this stage, transient peak)."""
     sh = _shape(arch, cfg)
     vp = cfg.virtual_pipeline or 1
     layers = stage_layers(arch, cfg, pp_rank)
     first, last = pp_rank == 0, pp_rank == cfg.pp - 1
     ac = cfg.activation_checkpointing
-    per_layer = layer_activations(sh, ac, spec)
+    per_layer = layer_activations(sh, ac, spec, attention)
     if ac == "full":
         blocks = sum(-(-n // cfg.ac_layers) for n in layers)
         body = full_recompute_block_inputs(sh, blocks, spec)
@@ -398,22 +455,23 @@ def _activations(arch, cfg, pp_rank: int, spec: str) -> tuple[int, int]:
     return (body + head) // (vp if vp > 1 else 1), transient
 
 
-def _peak_activations(arch, cfg, pp_rank, spec, per_microbatch: int, flights: int) -> int:
+def _peak_activations(arch, cfg, pp_rank, spec, attention, per_microbatch: int, flights: int) -> int:
     peak = per_microbatch * flights
     if cfg.activation_checkpointing == "full":
         # during backward one block of MP_AC_LAYERS layers is rebuilt; the loss's tensors are gone by then
         sh = _shape(arch, cfg)
-        block = cfg.ac_layers * layer_activations(sh, "none", spec)
+        block = cfg.ac_layers * layer_activations(sh, "none", spec, attention)
         head = head_activations(sh, pp_rank == 0, pp_rank == cfg.pp - 1, spec)
         embed_only = head_activations(sh, pp_rank == 0, False, spec)
         peak = max(peak, peak - head + embed_only + block)
     return peak
 
 
-def plan_memory(cfg, spec: str | None = None) -> MemoryPlan:
-    """The plan for ``cfg`` (a RunConfig): every pipeline stage, data-parallel rank 0."""
+def plan_memory(cfg, spec: str | None = None, caps=None) -> MemoryPlan:
+    """The plan for ``cfg`` (a RunConfig): every pipeline stage, data-parallel rank 0. ``spec``: "local" or
+    "te" (default: what the run builds on the machine ``caps`` describes, default this one)."""
     arch = cfg.arch
-    spec = spec or _spec(cfg)
+    spec = spec or _spec(cfg, caps)
     stages = [stage_memory(arch, cfg, p, spec) for p in range(cfg.pp)]
     capacity, source = _capacity(cfg)
     margin = int(cfg.offload_margin_gb * GiB)
@@ -424,7 +482,7 @@ def plan_memory(cfg, spec: str | None = None) -> MemoryPlan:
     if policy != "off" or cfg.offload_numerics == "exact":
         for st in stages:
             _place_chunks(st, share if policy != "off" else 0.0, cfg.precision.itemsize)
-    return MemoryPlan(spec, stages, capacity, source, policy, share, margin)
+    return MemoryPlan(spec, stages, capacity, source, policy, share, margin, _attention(cfg, spec))
 
 
 def auto_share(st: StageMemory, capacity: int | None, margin: int) -> float:

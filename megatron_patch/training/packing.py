@@ -4,9 +4,9 @@ A packed sample marks where each document starts (``doc_start``); the tail paddi
 of its own. A micro-batch of such samples becomes one row ``[1, b*L]`` with cumulative boundaries,
 handed to the model as ``PackedSeqParams(qkv_format="thd")``. Then
 
-- attention stays inside each document: transformer-engine's attention takes the boundaries (it
-  ignores an explicit mask when the mask type is causal), and on CPU ``PackedLocalAttention`` runs
-  megatron-core's local attention once per document;
+- attention stays inside each document: transformer-engine's attention and the SDPA core attention
+  take the boundaries (TE ignores an explicit mask when the mask type is causal), and for megatron-core's
+  unfused local attention ``PackedLocalAttention`` runs it once per document;
 - RoPE positions restart at each document (megatron-core ignores ``position_ids`` for RoPE, and in
   THD rotates each segment from position 0).
 
@@ -68,14 +68,15 @@ class PackedLocalAttention(torch.nn.Module):
 def use_packed_local_attention(model: torch.nn.Module) -> int:
     """Wrap every local core attention of ``model`` in ``PackedLocalAttention``; returns how many.
 
-    transformer-engine's attention takes THD itself and is left alone.
+    transformer-engine's attention and the SDPA core attention (``models/sdpa_attention.py``) take THD
+    themselves and are left alone.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     wrapped = 0
     for module in list(model.modules()):
         inner = getattr(module, "core_attention", None)
-        if isinstance(inner, DotProductAttention):
+        if isinstance(inner, DotProductAttention) and not getattr(inner, "handles_packed_sequences", False):
             module.core_attention = PackedLocalAttention(inner)
             wrapped += 1
     return wrapped

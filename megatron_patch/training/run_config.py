@@ -124,6 +124,7 @@ class RunConfig:
     offload_probe_script: str | None = None
     offload_timing: bool = False
     gpu_memory_gb: float | None = None
+    compile_fusions: bool | None = None  # MP_COMPILE_FUSIONS; None: megatron-core's defaults
     faults: list = field(default_factory=list)
     exit_interval: int | None = None
     log_interval: int = 1
@@ -134,6 +135,10 @@ class RunConfig:
     hf_config: dict = field(default_factory=dict, repr=False)
     # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
     vocab_padded_to: int | None = None
+    # LoRA (MP_LORA_*): the adapters' spec (lora.spec.LoraSpec as a dict; None: full fine-tuning) and the
+    # peft folder they start from (MP_LORA_INIT).
+    lora: dict | None = None
+    lora_init: str | None = None
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -20,6 +20,7 @@ from megatron_patch.training.faults import parse_faults
 from megatron_patch.training.launcher_args import (
     AC_MODES, ENVS, FP8_RECIPES, arg_names, env_float, env_int, env_minutes, is_none, launched_rank, parse_bool,
     parse_choice, parse_count, parse_data_paths, parse_float, parse_int, presets)
+from megatron_patch.training.lora_run import check_lora, lora_from_env
 from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
 
 
@@ -28,6 +29,7 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     ``check_paths``: also that the data, tokenizer and probe files exist."""
     env = dict(os.environ if env is None else env)
     cfg = _parse(family, argv, env)
+    cfg.lora, cfg.lora_init = lora_from_env(env, cfg.arch, cfg.pretrain_checkpoint)
     for check in CHECKS + (PATH_CHECKS if check_paths else ()):
         check(cfg)
     return cfg
@@ -116,6 +118,8 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         offload_probe_script=env.get("MP_OFFLOAD_PROBE_SCRIPT") or None,
         offload_timing=parse_bool("MP_OFFLOAD_TIMING", env.get("MP_OFFLOAD_TIMING") or "false"),
         gpu_memory_gb=env_float(env, "MP_GPU_MEMORY_GB", None),
+        compile_fusions=parse_bool("MP_COMPILE_FUSIONS", env["MP_COMPILE_FUSIONS"]) if env.get("MP_COMPILE_FUSIONS")
+        else None,
         log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
         eval_iters=env_int(env, "MP_EVAL_ITERS", 10), seed=env_int(env, "MP_SEED", 1234, lo=0),
         save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
@@ -211,11 +215,6 @@ def activation_checkpointing_mode(cfg: RunConfig) -> None:
     if cfg.activation_checkpointing == "offload" and cfg.pp > 1:
         raise UserError(f"AC=offload (activation CPU offloading) does not work with pipeline parallelism in "
                         f"megatron-core: set PP=1 or AC=sel/full (PP={cfg.pp})")
-
-
-def flash_attention_precision(cfg: RunConfig) -> None:
-    if cfg.flash_attention and not cfg.precision.mixed:
-        raise UserError("FL=true: FlashAttention has no fp32 kernel: use PR=bf16/fp16/fp8 or FL=false")
 
 
 def packing_and_context_parallelism(cfg: RunConfig) -> None:
@@ -345,8 +344,8 @@ def sft_data(cfg: RunConfig) -> None:
 
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
-    flash_attention_precision, packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
-    sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
+    packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
+    check_lora, sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
 
 
 # --- files the configuration names (skipped by check_paths=False: a dry run planned elsewhere) ---------------

@@ -22,6 +22,31 @@ class LayerKind(Enum):
     MOE = "moe"
 
 
+# What MP_LORA_TARGETS names: the groups of MCore linear layers that take LoRA adapters.
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")
+
+
+@dataclass(frozen=True)
+class LoraSite:
+    """A rule whose MCore parameter is the weight of a linear layer that takes LoRA adapters, as peft puts
+    them on the HF side: one adapter per HF module (q, k and v each their own, gate and up each their own),
+    on the rule's HF tensors.
+
+    ``target``: its MP_LORA_TARGETS group. ``hf_param``: for routed experts, the HF parameter that holds
+    every expert of a layer (transformers 5 stacks them: ``mlp.experts.gate_up_proj`` [E, 2I, H]), written
+    relative to the HF layer; peft reaches it through ``target_parameters`` with one adapter per layer
+    whose A and B stack the experts' (the rule's own HF names are the per-expert tensors of the checkpoint
+    files, and of adapters made with transformers 4).
+    """
+
+    target: str
+    hf_param: str | None = None
+
+    def __post_init__(self):
+        if self.target not in LORA_TARGETS:
+            raise ValueError(f"LoRA target {self.target!r} is not one of {LORA_TARGETS}")
+
+
 class Scope(Enum):
     FIRST_STAGE = "first"    # embedding: on pipeline stage 0
     LAST_STAGE = "last"      # final norm, output layer
@@ -51,6 +76,8 @@ class Rule:
     # checkpoints and in megatron-core, where routing decisions depend on its exact values), by name
     # ("float32"): the converter plans bytes by dtype name, without importing torch.
     dtype: str | None = None
+    # The linear layer this rule's weight belongs to takes LoRA adapters (None: it does not).
+    lora: LoraSite | None = None
 
     def __post_init__(self):
         if isinstance(self.hf, str):

@@ -1,0 +1,225 @@
+"""LoRA through the converter: a peft adapter into a checkpoint beside its base (``hf2mcore --peft-dir``), and a
+checkpoint's adapters out as a peft folder (``mcore2hf --lora-adapter``) or merged into the HF weights
+(``mcore2hf --merge-lora``).
+
+The merge exports the base as ``mcore_to_hf`` does (byte moves), then rewrites each adapted HF tensor in
+place, one at a time: read it, add scaling * B @ A in float32, cast back to the output dtype. Peak memory
+is one weight in float32 and the adapters. modules_to_save weights replace the base's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+from megatron_patch.lora.plan import plan_sites
+from megatron_patch.lora.spec import LoraSpec
+
+
+@dataclass
+class PeftImport:
+    """A peft adapter read for ``hf_to_mcore``: its tensors under checkpoint keys, the modules_to_save weights
+    (HF names) that replace the base's, and the sidecar's ``lora`` section."""
+
+    spec: LoraSpec
+    tensors: dict
+    saved: dict = field(default_factory=dict)
+
+    @property
+    def sidecar(self) -> dict:
+        return {"spec": self.spec.to_dict(), "base": None}  # the base weights are in the same checkpoint
+
+    def reader(self, reader):
+        return _OverridingReader(reader, self.saved)
+
+
+class _OverridingReader:
+    """An HF reader that shows the modules_to_save weights of an adapter in place of the base's (computed
+    tensors for the converter: ``stored`` None, read through torch)."""
+
+    def __init__(self, reader, overrides: dict):
+        self.reader, self.overrides, self.folder = reader, overrides, reader.folder
+        for name, t in overrides.items():
+            if name not in reader:
+                raise UserError(f"the adapter saves {name}, which the base model does not have")
+            if tuple(t.shape) != tuple(reader.shape(name)):
+                raise UserError(f"the adapter saves {name} of shape {tuple(t.shape)}; the base's is "
+                                f"{tuple(reader.shape(name))}: the adapter was made for another base model")
+
+    def keys(self):
+        return self.reader.keys()
+
+    def __contains__(self, name):
+        return name in self.reader
+
+    def stored(self, name):
+        return None if name in self.overrides else self.reader.stored(name)
+
+    def get(self, name):
+        return self.overrides[name] if name in self.overrides else self.reader.get(name)
+
+    def dtype(self, name):
+        from megatron_patch.dtypes import dtype_name
+
+        return dtype_name(self.overrides[name].dtype) if name in self.overrides else self.reader.dtype(name)
+
+    def shape(self, name):
+        return self.reader.shape(name)
+
+    def nbytes(self, name):
+        return self.reader.nbytes(name)
+
+
+def read_peft_import(peft_dir: str | Path, hf_dir: str | Path) -> PeftImport:
+    from megatron_patch.lora.peft_io import read_peft_adapter
+    from megatron_patch.models.registry import parse_arch
+
+    spec, tensors, saved = read_peft_adapter(peft_dir, parse_arch(hf_dir))
+    return PeftImport(spec, tensors, saved)
+
+
+# --- out of a LoRA checkpoint ------------------------------------------------------------------------------------
+
+def _open(load_dir, iteration):
+    from megatron_patch.convert.arch_source import open_checkpoint
+
+    opened = open_checkpoint(load_dir, iteration=iteration)
+    if not opened.sidecar.lora:
+        raise UserError(f"{load_dir} holds no LoRA adapters: --lora-adapter and --merge-lora export a LoRA run's "
+                        "checkpoint (or one converted with --peft-dir); export this one without them")
+    return opened
+
+
+def _adapters(opened, verify: bool = True):
+    """(spec, sites, whole adapter tensors, modules_to_save HF tensors) of a LoRA checkpoint, its files checked
+    against its manifest first (``verify``)."""
+    from megatron_patch.checkpoint_files.manifest import manifest_for, verify_manifest
+    from megatron_patch.lora.state import check_adapter_keys, read_adapter_tensors
+
+    manifest = manifest_for(opened.found.folder) if verify else None
+    if manifest is not None:
+        verify_manifest(manifest)
+
+    arch = opened.model_arch
+    spec = LoraSpec.from_dict(opened.sidecar.lora["spec"])
+    sites = plan_sites(arch, spec)
+    tensors = read_adapter_tensors(opened.found.folder)
+    check_adapter_keys(sites, tensors, str(opened.found.folder))
+    return arch, spec, sites, tensors, _saved_tensors(opened, arch, spec)
+
+
+def _saved_tensors(opened, arch, spec: LoraSpec) -> dict:
+    """The modules_to_save weights a LoRA checkpoint stores (under megatron-core's keys), as HF tensors."""
+    if not spec.modules_to_save:
+        return {}
+    import torch
+
+    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+    from megatron_patch.lora.saved import saved_rules
+    from megatron_patch.models.mapping import plan_transfers, split_context
+    from megatron_patch.models.skeleton import describe_model
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    skeleton = describe_model(arch)
+    reader = TorchDistReader(opened.found.folder)
+    rules = list({id(r): r for r in saved_rules(arch, spec.modules_to_save).values()}.values())
+    out = {}
+    for t in plan_transfers(rules, arch, ParallelLayout()):
+        name = t.placements[0].mcore_name
+        chunks = [c for c in skeleton.chunks if c.name == name]
+        full = torch.empty(skeleton.shapes[name], dtype=getattr(torch, reader.dtype(chunks[0].key)))
+        for c in chunks:
+            full[c.region()] = reader.read_block(c.key, c.global_offset, c.local_shape).reshape(full[c.region()].shape)
+        out.update(zip(t.hf_names, t.split.merge([full], split_context(arch))))
+    return out
+
+
+def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, force: bool = False,
+                   iteration: int | None = None, verify: bool = True) -> Path:
+    """A peft adapter folder from a LoRA checkpoint: peft's key names and config; ``dtype`` (a precision
+    name) casts the tensors, else they keep the checkpoint's."""
+    from megatron_patch.convert.outputs import atomic_output_dir
+    from megatron_patch.dtypes import precision_dtype
+    from megatron_patch.lora.peft_io import write_peft_adapter
+
+    opened = _open(load_dir, iteration)
+    arch, spec, sites, tensors, saved = _adapters(opened, verify)
+    base = opened.sidecar.lora.get("base")
+    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf --lora-adapter", inputs=(load_dir,)) as tmp:
+        write_peft_adapter(tmp, sites, spec, arch, tensors, saved,
+                           base=base["path"] if base else str(opened.sidecar_dir),
+                           dtype=None if dtype is None else precision_dtype(dtype))
+    return Path(save_dir)
+
+
+def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str | Path | None = None, dtype=None,
+                  force: bool = False, iteration: int | None = None, progress: bool | None = None,
+                  workers: int | None = None, max_shard_size: str | int = "5GB", verify: bool = True) -> Path:
+    """The HF model with a LoRA checkpoint's adapters merged in (W + scaling * B @ A in float32, then cast)."""
+    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
+    from megatron_patch.convert.checkpoint import mcore_to_hf
+    from megatron_patch.convert.outputs import atomic_output_dir
+    from megatron_patch.lora.state import find_base
+
+    opened = _open(load_dir, iteration)
+    arch, spec, sites, tensors, saved = _adapters(opened, verify)
+    record = opened.sidecar.lora.get("base")
+    if record is None:
+        if base_dir is not None:
+            raise UserError(f"{load_dir} carries its base weights itself: drop --base-dir")
+        base = opened.found.root
+    else:
+        base = find_base(record, base_dir, str(load_dir), "--base-dir")
+    with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf --merge-lora", inputs=(load_dir, base)) as tmp:
+        # the base exported as plain mcore2hf does it, then moved up (its manifest is written again at the end)
+        staged = tmp / "base"
+        mcore_to_hf(base, staged, dtype=dtype, max_shard_size=max_shard_size, progress=progress, workers=workers,
+                    base_only=True, verify=verify)
+        for path in staged.iterdir():
+            if path.name == MANIFEST_NAME:
+                path.unlink()
+            else:
+                path.rename(tmp / path.name)
+        staged.rmdir()
+        merged = _merge_in_place(tmp, sites, spec, tensors, saved)
+        print(f"merged {merged} adapted weight(s) in float32", file=sys.stderr, flush=True)
+    return Path(save_dir)
+
+
+def _merge_in_place(folder: Path, sites, spec: LoraSpec, tensors: dict, saved: dict) -> int:
+    import torch
+
+    from megatron_patch.checkpoint_files.byte_io import write_all
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+    reader = HFCheckpointReader(folder)
+    count = 0
+
+    def rewrite(name: str, tensor) -> None:
+        place = reader.stored(name)
+        data = tensor.to(getattr(torch, place.dtype)).contiguous().reshape(-1)
+        fd = os.open(place.path, os.O_WRONLY)
+        try:
+            write_all(fd, data.view(torch.uint8).numpy(), place.offset)
+        finally:
+            os.close(fd)
+
+    for site in sites:
+        for part, hf_name in enumerate(site.hf_names):
+            cover = site.covering(part)
+            if cover is None:
+                continue
+            i, first = cover
+            a = site.adapters[i]
+            rows = site.part_rows[part]
+            b = tensors[a.key_b][first:first + rows].float()
+            weight = reader.get(hf_name).float()
+            weight += spec.scaling(a.rank, a.alpha) * (b @ tensors[a.key_a].float())
+            rewrite(hf_name, weight)
+            count += 1
+    for name, tensor in saved.items():
+        rewrite(name, tensor.float())
+    return count

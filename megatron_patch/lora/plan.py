@@ -1,0 +1,273 @@
+"""The adapters of a model, planned from its family's weight table: which MCore linear layers take them,
+one adapter per HF module, their shapes and their names.
+
+A rule with ``lora`` (``models.mapping.LoraSite``) marks an MCore linear layer whose weight fuses the rule's
+HF tensors (q, k and v into ``linear_qkv``; gate and up into ``linear_fc1``). Each HF module keeps an adapter
+of its own, as peft puts them: q, k and v each an A [r, in] and a B [rows, r], so an adapter made by peft
+imports without loss and an exported one is peft's. The fused layer adds the adapters' outputs in its own row
+layout, cut from the HF rows by the rule's split, exactly as the converter cuts the weights.
+
+Routed experts follow transformers 5, where a layer's experts are one 3-D parameter (``gate_up_proj``
+[E, 2I, H], ``down_proj`` [E, H, I]) and peft's ``target_parameters`` gives each expert one A over the fused
+gate/up input and one B over both its halves. Here each expert's adapter is its own (A [r, H], B [2I, r]); its
+B covers the rule's two HF parts (gate rows, then up rows).
+
+Checkpoints store every adapter whole, under a key made of its HF name (``lora.<module>.lora_A``), so they
+load at any TP / PP / EP: a rank's shard is a box of the whole tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch
+from megatron_patch.models.mapping import Rule, Scope
+from megatron_patch.models.mapping.splits import Column, GateUp, GroupedQKV, Replicated, Row
+from megatron_patch.models.registry import get_family
+from megatron_patch.lora.spec import LoraSpec
+
+KEY_PREFIX = "lora."          # torch_dist keys of adapter tensors
+PEFT_PREFIX = "base_model.model."  # peft's prefix of module names in adapter_model.safetensors
+MC_LAYER = "decoder.layers.{layer}."
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapter (peft's unit): A [rank, in_features], B [sum(rows), rank].
+
+    ``name``: peft's name of the HF module, or of the stacked 3-D parameter for routed experts (then
+    ``expert`` says which expert's slice this is). ``parts``: which of its site's HF tensors B's rows
+    cover, in order, and ``rows`` their row counts.
+    """
+
+    name: str
+    expert: int | None
+    rank: int
+    alpha: float
+    in_features: int
+    parts: tuple[int, ...]
+    rows: tuple[int, ...]
+
+    @property
+    def storage(self) -> str:
+        """The name checkpoints store it under: the HF module, or the stacked parameter with the expert."""
+        if self.expert is None:
+            return self.name
+        module, _, leaf = self.name.rpartition(".")
+        return f"{module}.{self.expert}.{leaf}"
+
+    @property
+    def key_a(self) -> str:
+        return f"{KEY_PREFIX}{self.storage}.lora_A"
+
+    @property
+    def key_b(self) -> str:
+        return f"{KEY_PREFIX}{self.storage}.lora_B"
+
+    @property
+    def shape_a(self) -> tuple[int, int]:
+        return (self.rank, self.in_features)
+
+    @property
+    def shape_b(self) -> tuple[int, int]:
+        return (sum(self.rows), self.rank)
+
+    @property
+    def numel(self) -> int:
+        return self.rank * (self.in_features + sum(self.rows))
+
+
+@dataclass(frozen=True)
+class Site:
+    """One MCore linear layer with adapters, in global numbers (decoder layer, routed expert)."""
+
+    rule: Rule
+    layer: int
+    expert: int | None
+    hf_names: tuple[str, ...]        # the rule's HF tensors here
+    part_rows: tuple[int, ...]       # their rows
+    in_features: int
+    adapters: tuple[Adapter, ...]
+
+    @property
+    def target(self) -> str:
+        return self.rule.lora.target
+
+    @property
+    def mcore_name(self) -> str:
+        """The weight's MCore name (TE naming), with the global layer and expert numbers."""
+        name = self.rule.mcore.replace("{layer}", str(self.layer))
+        return name if self.expert is None else name.replace("{expert}", str(self.expert))
+
+    def covering(self, part: int) -> tuple[int, int] | None:
+        """(adapter index, first row in its B) of HF part ``part``, or None when no adapter covers it
+        (a partial adapter: its rows of the fused layer get nothing added)."""
+        for i, a in enumerate(self.adapters):
+            if part in a.parts:
+                k = a.parts.index(part)
+                return i, sum(a.rows[:k])
+        return None
+
+
+COLUMN, ROW, WHOLE = "column", "row", "whole"
+
+
+def site_split(site: Site, spec_name: str):
+    """The split of the layer of ``site`` in the ``spec_name`` ("te" / "local") layer spec."""
+    return site.rule.local_split if spec_name == "local" and site.rule.local_split is not None else site.rule.split
+
+
+def split_mode(split) -> str:
+    """How a layer whose weight is cut by ``split`` is parallel."""
+    if isinstance(split, (Column, GroupedQKV, GateUp)):
+        return COLUMN
+    if isinstance(split, Row):
+        return ROW
+    if isinstance(split, Replicated):
+        return WHOLE
+    raise UserError(f"LoRA does not know how a layer split as {split} is parallel")
+
+
+def lora_rules(arch: Arch) -> list[Rule]:
+    """The family's rules that take adapters (multi-token-prediction layers never do)."""
+    return [r for r in get_family(arch.family).weight_rules(arch) if r.lora is not None and not r.mtp]
+
+
+def family_targets(arch: Arch) -> tuple[str, ...]:
+    """The MP_LORA_TARGETS groups this model has."""
+    return tuple(dict.fromkeys(r.lora.target for r in lora_rules(arch)))
+
+
+def check_targets(arch: Arch, targets: tuple[str, ...]) -> None:
+    have = family_targets(arch)
+    missing = [t for t in targets if t not in have]
+    if missing:
+        raise UserError(f"MP_LORA_TARGETS names {','.join(missing)}, which a {arch.family} model does not have: "
+                        f"its targets are {','.join(have)}")
+
+
+def _applies(rule: Rule, arch: Arch, layer: int) -> bool:
+    from megatron_patch.models.mapping import LayerKind
+
+    return rule.layers is None or (rule.layers is LayerKind.MOE) == arch.is_moe_layer(layer)
+
+
+def hf_part_shapes(rule: Rule, arch: Arch, mcore_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The HF tensors' shapes a rule's full (TP=1) MCore weight of ``mcore_shape`` stands for: the split run
+    backwards on a shape-only tensor (as the skeleton derives every HF shape)."""
+    import torch
+
+    from megatron_patch.models.mapping import split_context
+    from megatron_patch.models.mapping.splits import Replicated
+
+    if isinstance(rule.split, Replicated):
+        return [tuple(mcore_shape)]
+    return [tuple(t.shape) for t in rule.split.merge([torch.empty(mcore_shape, device="meta")], split_context(arch))]
+
+
+def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
+    """Every site of the model with its adapters, by decoder layer, then in the weight table's order.
+
+    ``shape``: the model's ``models.shape.ModelShape`` (read from megatron-core when not given)."""
+    if shape is None:
+        from megatron_patch.models.shape import model_shape
+
+        shape = model_shape(arch)
+    from megatron_patch.models.shape import layer_kind
+
+    rules = [r for r in lora_rules(arch) if r.lora.target in spec.targets]
+    part_shapes: dict = {}  # (rule index, layer kind) -> (HF part shapes)
+    sites: list[Site] = []
+    wanted = None if spec.modules is None else set(spec.modules)
+    saved = spec.modules_to_save
+    for layer in range(arch.num_layers):
+        kind = layer_kind(arch, layer)
+        for index, rule in enumerate(rules):
+            if not _applies(rule, arch, layer):
+                continue
+            if (index, kind) not in part_shapes:
+                rel = rule.mcore[len(MC_LAYER):].replace("{expert}", "0")
+                part_shapes[index, kind] = hf_part_shapes(rule, arch, shape.layers[kind][rel])
+            parts = part_shapes[index, kind]
+            hf = tuple(h.replace("{layer}", str(layer)) for h in rule.hf)
+            experts = range(arch.num_experts) if rule.scope is Scope.EXPERT else [None]
+            for expert in experts:
+                names = hf if expert is None else tuple(h.replace("{expert}", str(expert)) for h in hf)
+                adapters = _adapters(rule, spec, layer, expert, names, parts, wanted, saved)
+                if adapters:
+                    sites.append(Site(rule, layer, expert, names, tuple(p[0] for p in parts), parts[0][1],
+                                      tuple(adapters)))
+    return sites
+
+
+def _saved(name: str, saved: tuple[str, ...]) -> bool:
+    """peft leaves a module that modules_to_save names (or one inside it) without an adapter."""
+    return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in saved)
+
+
+def _adapters(rule: Rule, spec: LoraSpec, layer: int, expert, names, parts, wanted, saved) -> list[Adapter]:
+    if rule.lora.hf_param is not None:  # a routed expert: one adapter on its slice of the stacked parameter
+        name = rule.lora.hf_param.replace("{layer}", str(layer))
+        if (wanted is not None and name not in wanted) or _saved(name, saved):
+            return []
+        rank, alpha = spec.rank_alpha(name)
+        return [Adapter(name, expert, rank, alpha, parts[0][1], tuple(range(len(parts))), tuple(p[0] for p in parts))]
+    if spec.layers is not None and layer not in spec.layers:
+        return []
+    out = []
+    for i, (hf_name, part) in enumerate(zip(names, parts)):
+        module = hf_name.removesuffix(".weight")
+        if (wanted is not None and module not in wanted) or _saved(module, saved):
+            continue
+        rank, alpha = spec.rank_alpha(module)
+        out.append(Adapter(module, None, rank, alpha, part[1], (i,), (part[0],)))
+    return out
+
+
+def count_params(sites: list[Site]) -> int:
+    return sum(a.numel for s in sites for a in s.adapters)
+
+
+def stacked_depth(sites: list[Site]) -> dict[str, int]:
+    """For each stacked parameter with adapters, how deep peft nests its wrapper: peft wraps the targeted
+    parameters of one module in the module's parameter order (the weight table's order of the rules), the
+    first innermost, so its keys gain one ``base_layer.`` per parameter wrapped after it."""
+    by_module: dict[str, list[str]] = {}
+    for s in sites:
+        for a in s.adapters:
+            if a.expert is not None:
+                module = a.name.rpartition(".")[0]
+                if a.name not in by_module.setdefault(module, []):
+                    by_module[module].append(a.name)
+    return {name: len(names) - 1 - i for names in by_module.values() for i, name in enumerate(names)}
+
+
+def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_stage: int = 0,
+                        pp_first_stage_layers: int | None = None, spec_name: str = "local") -> list:
+    """The adapter parameters of model chunk ``vp_stage`` of pipeline rank ``pp_rank`` (TP, EP and expert-TP
+    rank 0) as ``models.shape.RankParam``s, in the order the chunk's ``LoraAdapters`` holds them (A's, then
+    B's, site by site): what the memory plan lays into the DDP buffers."""
+    from megatron_patch.models.shape import RankParam, chunk_layers
+
+    layers = set(chunk_layers(arch, layout, pp_rank, vp_stage, pp_first_stage_layers))
+    per_rank = arch.num_experts // layout.ep if arch.is_moe else 0
+    out = []
+    for i, s in enumerate(sites):
+        if s.layer not in layers or (s.expert is not None and s.expert >= per_rank):
+            continue
+        expert = s.expert is not None
+        mode = split_mode(site_split(s, spec_name))
+        n = (layout.expert_tp if expert else layout.tp) if mode in (COLUMN, ROW) else 1
+        for k, a in enumerate(s.adapters):
+            out.append(RankParam(f"lora.sites.{i}.a{k}", a.rank * (a.in_features // n if mode == ROW else a.in_features),
+                                 expert))
+        j = 0
+        for part, rows in enumerate(s.part_rows):
+            cover = s.covering(part)
+            if cover is not None:
+                a = s.adapters[cover[0]]
+                out.append(RankParam(f"lora.sites.{i}.b{j}", a.rank * (rows // n if mode == COLUMN else rows), expert))
+                j += 1
+    return out

@@ -1,0 +1,94 @@
+"""peft's ``modules_to_save``: HF modules trained whole beside the adapters and saved with them.
+
+Here they are the MCore parameters the weight table maps one to one from those modules' HF tensors (the
+output layer from ``lm_head``, a norm, a router): they stay trainable while every other base weight is
+frozen. A module fused with others into one MCore parameter (q_proj of ``linear_qkv``) cannot train alone,
+and a tied embedding would train both ends: both are refused in one line.
+"""
+
+from __future__ import annotations
+
+import re
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch
+from megatron_patch.models.mapping import Rule, Scope
+from megatron_patch.models.registry import get_family
+
+
+def _named(hf_name: str, modules: tuple[str, ...]) -> bool:
+    module = hf_name.rpartition(".")[0]
+    return any(re.match(rf"(^|.*\.){m}$", module) for m in modules)
+
+
+def saved_rules(arch: Arch, modules: tuple[str, ...]) -> dict[str, Rule]:
+    """HF tensor name -> its rule, for every HF tensor under ``modules`` (decoder layers expanded)."""
+    if not modules:
+        return {}
+    out: dict[str, Rule] = {}
+    for rule in get_family(arch.family).weight_rules(arch):
+        if rule.mtp:
+            continue
+        layers = range(arch.num_layers) if rule.scope in (Scope.LAYER, Scope.EXPERT) else [None]
+        experts = range(arch.num_experts) if rule.scope is Scope.EXPERT else [None]
+        for layer in layers:
+            for expert in experts:
+                names = [h.replace("{layer}", str(layer)).replace("{expert}", str(expert)) for h in rule.hf]
+                hits = [n for n in names if _named(n, modules)]
+                if not hits:
+                    continue
+                if len(names) > 1:
+                    raise UserError(f"modules_to_save names {hits[0].rpartition('.')[0]}, which megatron-core fuses "
+                                    f"with {', '.join(n for n in names if n not in hits) or 'others'} into one weight: it "
+                                    "cannot be trained whole alone")
+                if rule.tied_to is not None and arch.tie_word_embeddings:
+                    raise UserError(f"modules_to_save names {hits[0].rpartition('.')[0]}, which this model ties to "
+                                    f"{rule.tied_to}: name the embedding instead")
+                out[names[0]] = rule
+    missing = [m for m in modules if not any(_named(n, (m,)) for n in out)]
+    if missing:
+        raise UserError(f"modules_to_save names {missing[0]}, which is no module of a {arch.family} model")
+    return out
+
+
+def saved_mcore_names(arch: Arch, modules: tuple[str, ...]) -> set[str]:
+    """The MCore parameter names (TE naming, global layer numbers) of ``modules``."""
+    out = set()
+    for hf_name, rule in saved_rules(arch, modules).items():
+        m = re.search(r"\.layers\.(\d+)\.", hf_name)
+        out.add(rule.mcore.replace("{layer}", m.group(1)) if m else rule.mcore)
+    return out
+
+
+def load_saved(chunks: list, arch: Arch, layout, saved: dict) -> None:
+    """Put modules_to_save tensors (HF names, whole) into this rank's model chunk: each cut by its rule's split
+    for this rank's place, as the converter cuts it."""
+    if not saved:
+        return
+    import torch
+
+    from megatron_patch.convert.model_io import current_coord
+    from megatron_patch.models.builder import model_spec_name
+    from megatron_patch.models.mapping import plan_transfers, split_context
+    from megatron_patch.models.mapping.naming import te_to_local_name
+
+    if len(chunks) > 1:
+        raise UserError("an adapter with modules_to_save cannot start under MP_VP yet: train it without MP_VP")
+    chunk = chunks[0]
+    spec_name = model_spec_name(chunk)
+    rules = list({id(r): r for r in saved_rules(arch, tuple(_modules_of(saved))).values()}.values())
+    coord, ctx = current_coord(), split_context(arch)
+    params = dict(chunk.named_parameters())
+    with torch.no_grad():
+        for t in plan_transfers(rules, arch, layout, spec=spec_name):
+            if not all(n in saved for n in t.hf_names):
+                continue
+            shards = t.split.shards([saved[n] for n in t.hf_names], t.num_shards, ctx)
+            for p in t.placements:
+                if coord.holds(t, p):
+                    name = te_to_local_name(p.mcore_name) if spec_name == "local" else p.mcore_name
+                    params[name].copy_(shards[p.shard])
+
+
+def _modules_of(saved: dict) -> set[str]:
+    return {n.rpartition(".")[0] for n in saved}

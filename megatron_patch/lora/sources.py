@@ -1,0 +1,65 @@
+"""Where a model's adapters come from, for every consumer alike (training, the aligner, tests): a peft folder,
+or a checkpoint written here that carries them (hf2mcore --peft-dir, a LoRA run's iteration or final/).
+
+``open_adapters`` reads one into whole tensors; ``add_adapters`` puts them on a rank's model chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+from megatron_patch.lora.spec import ADAPTER_CONFIG, LoraSpec
+
+
+@dataclass
+class Adapters:
+    spec: LoraSpec
+    tensors: dict                                # whole adapter tensors by checkpoint key
+    saved: dict = field(default_factory=dict)    # modules_to_save tensors by HF name
+    base: Path | None = None                     # the base checkpoint a LoRA checkpoint names (None: its own)
+    source: str = ""
+
+
+def is_peft_folder(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def open_adapters(path: str | Path, arch) -> Adapters:
+    """The adapters of a peft folder or of a LoRA checkpoint, checked against ``arch``'s model."""
+    if is_peft_folder(path):
+        from megatron_patch.lora.peft_io import read_peft_adapter
+
+        spec, tensors, saved = read_peft_adapter(path, arch)
+        return Adapters(spec, tensors, saved, None, f"the peft adapter {path}")
+    from megatron_patch.convert.arch_source import open_checkpoint
+    from megatron_patch.lora.plan import plan_sites
+    from megatron_patch.lora.state import check_adapter_keys, find_base, read_adapter_tensors
+
+    opened = open_checkpoint(path)
+    lora = opened.sidecar.lora
+    if not lora:
+        raise UserError(f"{path} is neither a peft adapter folder (adapter_config.json) nor a checkpoint with LoRA "
+                        "adapters")
+    spec = LoraSpec.from_dict(lora["spec"])
+    tensors = read_adapter_tensors(opened.found.folder)
+    check_adapter_keys(plan_sites(arch, spec), tensors, str(opened.found.folder))
+    base = find_base(lora["base"], None, str(path), "its base") if lora.get("base") else None
+    if spec.modules_to_save and base is not None:  # saved weights beside the adapters, not in a base loaded here
+        raise UserError(f"{path} carries modules_to_save weights beside its adapters: start from its peft export "
+                        "(mpatch convert mcore2hf --lora-adapter) instead")
+    return Adapters(spec, tensors, {}, base, f"the adapters of {path}")
+
+
+def add_adapters(chunks: list, arch, adapters: Adapters, layout, dtype) -> list:
+    """Attach ``adapters`` to this rank's model chunks (base frozen) and fill them; returns the containers."""
+    from megatron_patch.lora.layers import attach
+    from megatron_patch.lora.plan import plan_sites
+    from megatron_patch.lora.saved import load_saved
+    from megatron_patch.lora.state import load_adapters
+
+    containers = attach(chunks, arch, adapters.spec, plan_sites(arch, adapters.spec), dtype)
+    load_adapters(containers, adapters.tensors)
+    load_saved(chunks, arch, layout, adapters.saved)
+    return containers

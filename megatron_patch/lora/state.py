@@ -1,0 +1,178 @@
+"""What a LoRA run keeps on disk: the adapters (and any modules_to_save weights) with their optimizer
+state, and the record of the base model they need.
+
+Adapters are stored whole under layout-free keys (``plan.Adapter.key_a`` / ``key_b``): each rank's
+ShardedTensor says which box of the whole tensor it holds (a column-parallel layer's B rows, a
+row-parallel layer's A columns; replicated factors written once), so a checkpoint written at one
+TP/PP/EP loads at any other. The base weights are not in a run's checkpoints: the sidecar's ``lora``
+section names the base checkpoint by path and by a digest of its files, and resuming or exporting
+finds it there, checks the digest, or says in one line what to give.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+from megatron_patch.lora.plan import KEY_PREFIX
+
+DIGEST_FORMAT = "sha256-files-1"
+MANIFEST_DIGEST = "sha256-manifest-1"
+
+
+# --- the base model's record ------------------------------------------------------------------------------------
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
+                                                                           p.relative_to(folder).parts))
+
+
+def _digest_cache() -> Path:
+    from megatron_patch.models.skeleton import cache_dir
+
+    return cache_dir().parent / "digests"
+
+
+def checkpoint_digest(folder: str | Path) -> str:
+    """A digest of a base checkpoint's contents.
+
+    Where the checkpoint carries this project's manifest (every output written here does), the digest is of
+    the manifest's table (each file's size and XXH3-128): cheap, and every load checks the files against
+    that table (``convert.loading.verify_before_load``). Otherwise sha256 over every file (relative path,
+    size, content), hidden files aside: reading a 16 GB base takes a minute, so that answer is kept per folder
+    (under the skeleton cache's parent) with each file's size and modification time."""
+    from megatron_patch.checkpoint_files.manifest import manifest_for, read_manifest
+
+    folder = Path(folder).resolve()
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder")
+    manifest = manifest_for(folder)
+    if manifest is not None:
+        table = json.dumps(read_manifest(manifest)["files"], sort_keys=True).encode()
+        return f"{MANIFEST_DIGEST}:{hashlib.sha256(table).hexdigest()}"
+    files = _files(folder)
+    stamp = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    cache = _digest_cache() / (hashlib.sha256(str(folder).encode()).hexdigest() + ".json")
+    try:
+        saved = json.loads(cache.read_text())
+        if saved.get("stamp") == [list(s) for s in stamp] and saved.get("format") == DIGEST_FORMAT:
+            return saved["digest"]
+    except (OSError, ValueError):
+        pass
+    total = hashlib.sha256()
+    for p, (rel, size, _) in zip(files, stamp):
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(8 << 20), b""):
+                h.update(block)
+        total.update(f"{rel}\0{size}\0{h.hexdigest()}\n".encode())
+    digest = f"{DIGEST_FORMAT}:{total.hexdigest()}"
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"format": DIGEST_FORMAT, "stamp": stamp, "digest": digest}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return digest
+
+
+def base_record(path: str | Path) -> dict:
+    return {"path": str(Path(path).resolve()), "digest": checkpoint_digest(path)}
+
+
+def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> Path:
+    """The base checkpoint a LoRA checkpoint needs: ``given`` (an override) or the one ``record`` names;
+    its digest must match the record's, or one line says what to give (``flag``)."""
+    path = Path(given) if given is not None else Path(record["path"])
+    short = record["digest"].split(":")[-1][:12]
+    if not path.is_dir():
+        raise UserError(f"{what} was trained on the base model {record['path']} (digest {short}), which is not "
+                        f"there{' (' + str(path) + ' is not a folder)' if given is not None else ''}: give that "
+                        f"checkpoint with {flag}")
+    found = checkpoint_digest(path)
+    if found != record["digest"]:
+        raise UserError(f"{path} is not the base model {what} was trained on (digest {found.split(':')[-1][:12]}, "
+                        f"expected {short}): give the base it was trained on with {flag}")
+    return path
+
+
+# --- adapter tensors in a torch_dist checkpoint -----------------------------------------------------------------
+
+def read_adapter_tensors(folder: str | Path) -> dict:
+    """Every adapter tensor of a torch_dist weights folder, whole (model-free: each rank can read it)."""
+    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+
+    reader = TorchDistReader(folder)
+    try:
+        return {k: reader.read_block(k) for k in sorted(reader.tensor_keys()) if k.startswith(KEY_PREFIX)}
+    finally:
+        reader.close()
+
+
+def load_adapters(containers: list, tensors: dict) -> None:
+    """Fill every live adapter of a rank from whole tensors (by checkpoint key)."""
+    for container in containers:
+        for sa in container.sites:
+            sa.load_whole(tensors)
+
+
+def check_adapter_keys(sites: list, tensors: dict, where: str) -> None:
+    """The tensors are exactly the plan's adapters: one missing or one too many means another model's."""
+    want = {k for s in sites for a in s.adapters for k in (a.key_a, a.key_b)}
+    missing, extra = want - set(tensors), set(tensors) - want
+    if missing or extra:
+        name = sorted(missing or extra)[0]
+        raise UserError(f"{where} {'lacks' if missing else 'has'} the adapter tensor {name}"
+                        f"{'' if missing else ', which no adapter of this model takes'}: its adapters were made for "
+                        "another model or other targets")
+
+
+# --- the sharded state of a LoRA model chunk --------------------------------------------------------------------
+
+def _dp_rank(expert: bool) -> int:
+    from megatron.core import parallel_state as ps
+
+    if expert:
+        return ps.get_expert_data_parallel_rank()
+    return ps.get_data_parallel_rank(with_context_parallel=True)
+
+
+def adapter_sharded_state(chunk, container) -> dict:
+    """{parameter name: ShardedTensor} of a chunk's trainable weights: every adapter (whole-tensor keys, this
+    rank's box) and the modules_to_save weights (megatron-core's own sharded entries for them)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    names = {id(p): n for n, p in chunk.named_parameters()}
+    out = {}
+    for sa in container.sites:
+        dp = _dp_rank(sa.expert)
+        for i, a in enumerate(sa.site.adapters):
+            p = sa.A[i]
+            if sa.mode == "row":  # A's input columns: this rank's box
+                out[names[id(p)]] = ShardedTensor.from_rank_offsets(
+                    a.key_a, p, (1, sa.shard, sa.shards), replica_id=(0, dp))
+            else:  # whole on every rank of the group: written by its first
+                out[names[id(p)]] = ShardedTensor.from_rank_offsets(a.key_a, p, replica_id=(sa.group_rank, dp))
+        for part, j in enumerate(sa.b_of_part):
+            if j is None:
+                continue
+            p = sa.B[j]
+            a = sa.site.adapters[sa.b_adapter[j]]
+            rows = sa.b_slice(part)[0]
+            local = rows.stop - rows.start
+            total = a.shape_b[0]
+            if total % local or rows.start % local:
+                raise UserError(f"{a.key_b}: a block of {local} rows at {rows.start} does not tile its {total} rows")
+            replica = 0 if sa.mode == "column" else sa.group_rank
+            out[names[id(p)]] = ShardedTensor.from_rank_offsets(
+                a.key_b, p, (0, rows.start // local, total // local), replica_id=(replica, dp))
+    trainable = {id(p) for p in chunk.parameters() if p.requires_grad} - {id(p) for p in container.parameters()}
+    if trainable:
+        for key, entry in chunk.sharded_state_dict().items():
+            if id(getattr(entry, "data", None)) in trainable:
+                out[names[id(entry.data)]] = entry
+    return out

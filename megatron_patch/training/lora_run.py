@@ -1,0 +1,235 @@
+"""LoRA in a training run: the MP_LORA_* extras read into a ``LoraSpec`` (before any process starts), and on
+each rank the base loaded and frozen, the adapters attached and started (fresh as peft starts them, from
+a peft folder, or from a checkpoint that carries adapters).
+
+Where the base comes from: PRETRAIN_CHECKPOINT_PATH, which a LoRA run needs (a converted checkpoint; or a
+LoRA run's ``final/``, whose adapters then continue on the base it names). Checkpoints of the run hold only
+the adapters, any modules_to_save weights and their optimizer state; their sidecar names the base by path
+and digest (``lora.state``), so a resume or an export checks it is the same base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+from megatron_patch.lora.spec import LoraSpec, parse_targets
+
+LORA_EXTRAS = ("MP_LORA_RANK", "MP_LORA_ALPHA", "MP_LORA_DROPOUT", "MP_LORA_TARGETS", "MP_LORA_INIT")
+
+
+def lora_from_env(env: dict, arch, checkpoint: str | None) -> tuple[dict | None, str | None]:
+    """(the LoRA spec as a dict, or None for full fine-tuning; the MP_LORA_INIT folder or None).
+
+    MP_LORA_RANK=R turns LoRA on (unset or 0: off), MP_LORA_ALPHA (default R), MP_LORA_DROPOUT (default 0),
+    MP_LORA_TARGETS (default qkv,proj,fc1,fc2). MP_LORA_INIT=PEFT_DIR starts from a peft adapter, whose
+    config then decides rank, alpha, dropout and targets (an MP_LORA_* value that disagrees is refused). A
+    PRETRAIN_CHECKPOINT_PATH that carries adapters (hf2mcore --peft-dir, a LoRA run's final/) starts from
+    those the same way."""
+    from megatron_patch.training.launcher_args import parse_float, parse_int
+
+    init = env.get("MP_LORA_INIT") or None
+    raw_rank = env.get("MP_LORA_RANK", "")
+    rank = 0 if raw_rank == "" else parse_int("MP_LORA_RANK", raw_rank, lo=0)
+    given = [k for k in LORA_EXTRAS[1:4] if env.get(k)]
+    carried = _checkpoint_lora(checkpoint)
+    if rank == 0 and init is None and carried is None:
+        if given:
+            raise UserError(f"{given[0]} configures LoRA, which is off: set MP_LORA_RANK=R (or MP_LORA_INIT=PEFT_DIR)")
+        return None, None
+    alpha = parse_float("MP_LORA_ALPHA", env["MP_LORA_ALPHA"]) if env.get("MP_LORA_ALPHA") else None
+    if alpha is not None and alpha <= 0:
+        raise UserError(f"MP_LORA_ALPHA must be > 0, got '{env['MP_LORA_ALPHA']}'")
+    dropout = parse_float("MP_LORA_DROPOUT", env["MP_LORA_DROPOUT"]) if env.get("MP_LORA_DROPOUT") else None
+    if dropout is not None and not dropout < 1:
+        raise UserError(f"MP_LORA_DROPOUT must be in [0, 1), got '{env['MP_LORA_DROPOUT']}'")
+    targets = parse_targets(env["MP_LORA_TARGETS"]) if env.get("MP_LORA_TARGETS") else None
+    if init is not None and carried is not None:
+        raise UserError(f"MP_LORA_INIT={init} and PRETRAIN_CHECKPOINT_PATH={checkpoint}, which carries adapters of its "
+                        "own: start from one of them")
+    if init is not None or carried is not None:
+        if init is not None:
+            from megatron_patch.lora.peft_io import read_peft_adapter
+
+            spec = read_peft_adapter(init, arch)[0]
+            source = f"MP_LORA_INIT={init}"
+        else:
+            spec, source = carried, f"PRETRAIN_CHECKPOINT_PATH={checkpoint}"
+        asked = {"MP_LORA_RANK": (rank or None, spec.rank), "MP_LORA_ALPHA": (alpha, spec.alpha),
+                 "MP_LORA_DROPOUT": (dropout, spec.dropout), "MP_LORA_TARGETS": (targets, spec.targets)}
+        for name, (value, have) in asked.items():
+            if value is not None and value != have and not (name == "MP_LORA_DROPOUT"):
+                shown = ",".join(have) if isinstance(have, tuple) else f"{have:g}"
+                raise UserError(f"{name}={env[name]} disagrees with the adapter of {source} ({shown}): leave "
+                                f"{name} unset to continue that adapter")
+        if dropout is not None:
+            spec = dataclasses.replace(spec, dropout=dropout)  # dropout changes training, not the function
+        return spec.to_dict(), init
+    spec = LoraSpec(rank=rank, alpha=float(rank) if alpha is None else alpha, dropout=dropout or 0.0,
+                    targets=targets or LoraSpec.__dataclass_fields__["targets"].default)
+    return spec.to_dict(), None
+
+
+def _checkpoint_lora(checkpoint: str | None) -> LoraSpec | None:
+    """The spec of the adapters a starting checkpoint carries (its sidecar's ``lora``), or None."""
+    if checkpoint is None:
+        return None
+    from megatron_patch.convert.foreign import find_checkpoint
+
+    try:
+        found = find_checkpoint(checkpoint)
+    except UserError:
+        return None  # the launcher's own checks say what is wrong with it
+    sidecar = found.sidecar if found.sidecar_dir is not None else None
+    if sidecar is None or not sidecar.lora:
+        return None
+    return LoraSpec.from_dict(sidecar.lora["spec"])
+
+
+def check_lora(cfg) -> None:
+    """What a LoRA run needs besides its spec: targets the family has, and FP8 only with transformer-engine (its FP8 GEMMs run the base; the adapters run beside them in bf16)."""
+    if cfg.lora is None:
+        return
+    from megatron_patch.lora.plan import check_targets
+
+    check_targets(cfg.arch, tuple(cfg.lora["targets"]))
+    if cfg.precision.fp8:
+        from megatron_patch.models.builder import te_available
+
+        if not te_available():
+            raise UserError("PR=fp8 with LoRA needs transformer-engine on a GPU (its FP8 GEMMs run the frozen base), "
+                            "which this machine lacks: use PR=bf16")
+    spec = LoraSpec.from_dict(cfg.lora)
+    if spec.modules_to_save:
+        from megatron_patch.lora.saved import saved_rules
+
+        saved_rules(cfg.arch, spec.modules_to_save)
+        if cfg.virtual_pipeline:
+            raise UserError("an adapter with modules_to_save cannot start under MP_VP yet: train it without MP_VP")
+
+
+def check_lora_launch(cfg) -> None:
+    """Before a LoRA run starts (a dry run plans one without weights): the base checkpoint is given, and a
+    run that resumes trains on the base its checkpoints name."""
+    if cfg.lora is None:
+        return
+    if cfg.pretrain_checkpoint is None:
+        raise UserError("LoRA trains adapters on a base model: give its converted checkpoint as "
+                        "PRETRAIN_CHECKPOINT_PATH (mpatch convert hf2mcore)")
+    from megatron_patch.convert.sidecar import read_sidecar
+    from megatron_patch.lora.state import find_base
+    from megatron_patch.training.checkpointing import iteration_dir, latest_iteration
+
+    latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
+    if latest is None:
+        return
+    folder = iteration_dir(cfg.checkpoint_dir, latest)
+    lora = read_sidecar(folder, release=False).lora
+    if not lora:
+        raise UserError(f"{folder} is a full fine-tuning checkpoint and this is a LoRA run: choose another "
+                        "OUTPUT_BASEPATH, or drop the MP_LORA_* settings to resume it")
+    find_base(lora["base"], cfg_base(cfg), f"the run in {cfg.output_basepath}", "PRETRAIN_CHECKPOINT_PATH")
+
+
+def cfg_base(cfg) -> Path:
+    """The base weights' checkpoint: PRETRAIN_CHECKPOINT_PATH, or the base a LoRA export there names."""
+    from megatron_patch.convert.arch_source import open_checkpoint
+    from megatron_patch.lora.state import find_base
+
+    sidecar = open_checkpoint(cfg.pretrain_checkpoint).sidecar
+    lora = sidecar.lora or {}
+    if lora.get("base"):
+        return find_base(lora["base"], None, cfg.pretrain_checkpoint, "a PRETRAIN_CHECKPOINT_PATH converted from the base")
+    return Path(cfg.pretrain_checkpoint)
+
+
+# --- on each rank --------------------------------------------------------------------------------------------
+
+def setup_lora(cfg, chunks: list, resuming: bool, log) -> list:
+    """Load and freeze the base, attach the adapters and start them; returns each chunk's container."""
+    from megatron_patch.convert.arch_source import open_checkpoint
+    from megatron_patch.convert.loading import load_checkpoint_into_model
+    from megatron_patch.lora.layers import attach
+    from megatron_patch.lora.plan import plan_sites
+    from megatron_patch.lora.sources import add_adapters, open_adapters
+
+    spec = LoraSpec.from_dict(cfg.lora)
+    arch = cfg.arch
+    base = cfg_base(cfg)
+    load_checkpoint_into_model(chunks, base, cfg.layout, hf_config=cfg.hf_config)
+    starting = None
+    if not resuming and cfg.lora_init is not None:
+        starting = open_adapters(cfg.lora_init, arch)
+    elif not resuming and open_checkpoint(cfg.pretrain_checkpoint).sidecar.lora:
+        starting = open_adapters(cfg.pretrain_checkpoint, arch)
+    if starting is not None:
+        starting.spec = spec  # MP_LORA_DROPOUT may differ; the rest was checked to agree
+        containers = add_adapters(chunks, arch, starting, cfg.layout, cfg.precision.dtype)
+        source = starting.source
+    else:
+        containers = attach(chunks, arch, spec, plan_sites(arch, spec), cfg.precision.dtype)
+        if not resuming:
+            for container in containers:
+                for sa in container.sites:
+                    sa.init_fresh(cfg.seed)
+        source = "the checkpoint being resumed" if resuming else "peft's initialisation (A kaiming-uniform, B zero)"
+    log(f"LoRA ({spec.describe()}): base weights from {base}, frozen; adapters from {source}")
+    return containers
+
+
+def describe_trainable(chunks: list) -> str:
+    """One line: this rank's trainable and frozen parameters."""
+    trainable = sum(p.numel() for c in chunks for p in c.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for c in chunks for p in c.parameters() if not p.requires_grad)
+    return (f"parameters on rank 0: {trainable:,} trainable, {frozen:,} frozen "
+            f"({100 * trainable / max(trainable + frozen, 1):.2f}% trainable)")
+
+
+def split_trainable(arch, cfg, chunks: list[list], pp_rank: int, spec_name: str) -> tuple[list[list], int]:
+    """For the memory plan: each model chunk's trainable parameters of a rank (modules_to_save weights, then
+    the adapters, as the chunk holds them) and the number of frozen elements."""
+    import re
+
+    from megatron_patch.lora.plan import plan_sites, rank_adapter_params
+    from megatron_patch.lora.saved import saved_mcore_names
+    from megatron_patch.models.shape import chunk_layers
+
+    spec = LoraSpec.from_dict(cfg.lora)
+    sites = plan_sites(arch, spec)
+    saved = saved_mcore_names(arch, spec.modules_to_save)
+    out, frozen = [], 0
+    for v, params in enumerate(chunks):
+        layers = list(chunk_layers(arch, cfg.layout, pp_rank, v, cfg.pp0_layers))
+
+        def global_name(name: str) -> str:
+            m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
+            return f"decoder.layers.{layers[int(m.group(1))]}.{m.group(2)}" if m else name
+
+        trainable = [p for p in params if global_name(p.name) in saved]
+        frozen += sum(p.numel for p in params) - sum(p.numel for p in trainable)
+        out.append(trainable + rank_adapter_params(sites, arch, cfg.layout, pp_rank, v, cfg.pp0_layers, spec_name))
+    return out, frozen
+
+
+def layer_adapters(arch, cfg, spec_name: str) -> tuple:
+    """For the memory plan's activations: the adapted linears of one layer (the first MoE layer of an MoE model,
+    the layer the plan's formula stands for) on rank 0, as ``memory_plan.Shape.lora`` describes them."""
+    from megatron_patch.lora.plan import COLUMN, ROW, plan_sites, site_split, split_mode
+
+    spec = LoraSpec.from_dict(cfg.lora)
+    layer = next((i for i in range(arch.num_layers) if arch.is_moe_layer(i)), 0)
+    per_rank = arch.num_experts // cfg.ep if arch.is_moe else 0
+    out = []
+    for s in plan_sites(arch, spec):
+        if s.layer != layer or (s.expert is not None and s.expert >= per_rank):
+            continue
+        mode = split_mode(site_split(s, spec_name))
+        n = (cfg.layout.expert_tp if s.expert is not None else cfg.tp) if mode in (COLUMN, ROW) else 1
+        width = s.in_features // n if mode == ROW else s.in_features
+        rows = sum(s.part_rows) // n if mode == COLUMN else sum(s.part_rows)
+        # routed experts see their share of the top-k tokens; everything else every token
+        fan = arch.moe_topk / arch.num_experts if s.expert is not None else 1
+        out.append((s.target if s.expert is None else f"experts{s.expert}", mode, width,
+                    sum(a.rank for a in s.adapters), rows, len(s.adapters), fan))
+    return tuple(out)

@@ -1,0 +1,143 @@
+"""LoRA test helpers: random non-zero peft adapters made by peft itself, peft's logits, and MCore's logits of
+the same adapters in local rank processes (workers here are importable for the "spawn" start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Leaf names of every module the families adapt (attention, MLA's projections, dense and shared-expert MLPs).
+PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+                "kv_a_proj_with_mqa", "kv_b_proj")
+STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def load_hf(hf_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager")
+
+
+def make_peft_adapter(hf_dir, out, *, modules=None, experts: bool = True, seed: int = 1, r: int = 3,
+                      lora_alpha: float = 5, **config) -> Path:
+    """A peft adapter of ``hf_dir`` whose every A and B is random (peft starts B at zero), saved by peft."""
+    from peft import LoraConfig, get_peft_model
+
+    model = load_hf(hf_dir)
+    targets = peft_modules(model, modules)
+    stacked = experts and any(n.endswith("experts.gate_up_proj") for n, _ in model.named_parameters())
+    cfg = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=targets, target_parameters=STACKED if stacked else None,
+                     **config)
+    peft_model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    peft_model.save_pretrained(str(out))
+    return Path(out)
+
+
+def peft_modules(model, modules=None) -> list[str]:
+    """The module names of ``modules`` (default: all the families adapt) this model has and peft can adapt as
+    modules (peft reads gate/up/down on some MoE model types as the experts: ``peft_io.peft_reinterpreted``)."""
+    from megatron_patch.lora.peft_io import peft_reinterpreted
+
+    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    skip = peft_reinterpreted(model.config.model_type)
+    return [m for m in (modules or PEFT_MODULES) if m in leaves and m not in skip]
+
+
+def peft_logits(hf_dir, adapter, tokens, merged: bool = False) -> torch.Tensor:
+    """Logits of ``peft.PeftModel.from_pretrained(base, adapter)`` (or of its ``merge_and_unload``)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(load_hf(hf_dir), str(adapter)).eval()
+    with torch.no_grad():
+        if merged:
+            model = model.merge_and_unload()
+        return model(tokens).logits.float()
+
+
+def hf_logits(hf_dir, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return load_hf(hf_dir).eval()(tokens).logits.float()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def lora_logits_worker(cases: list[tuple], layout, tokens) -> list:
+    """On every rank: for each (base, adapters) build the model at ``layout``, load the base (an HF folder through
+    the in-memory mapping, or a checkpoint), add the adapters (a peft folder or a LoRA checkpoint, or none) and
+    return the logits (last stage; None elsewhere)."""
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.loading import load_checkpoint_into_model
+    from megatron_patch.convert.model_io import load_hf_weights
+    from megatron_patch.lora.sources import add_adapters, open_adapters
+    from megatron_patch.models.builder import build_model
+    from megatron_patch.models.inference import forward_logits
+    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.runtime import init_model_parallel
+
+    out = []
+    init_model_parallel(layout)
+    for base, adapters, arch_source in cases:
+        arch = parse_arch(arch_source)
+        model = build_model(arch, layout, torch.float32)
+        lora = open_adapters(adapters, arch) if adapters not in ("", "None") else None
+        if (Path(base) / "config.json").is_file():
+            load_hf_weights(model, arch, layout, HFCheckpointReader(base))
+        else:
+            load_checkpoint_into_model(model, lora.base if lora is not None and lora.base else base, layout)
+        if lora is not None:
+            add_adapters([model], arch, lora, layout, torch.float32)
+        out.append(forward_logits(model, tokens, arch.vocab_size))
+        del model
+    return out
+
+
+def mcore_lora_logits(cases: list[tuple], layout, tokens) -> list[torch.Tensor]:
+    from megatron_patch.runtime.launch import run_local
+
+    per_rank = run_local(lora_logits_worker, layout.world_size, [tuple(map(str, c)) for c in cases], layout, tokens)
+    return [next(r[i] for r in per_rank if r[i] is not None) for i in range(len(cases))]
+
+
+def peft_training_reference(hf_dir, adapter, cfg, lrs: list[float]) -> tuple[list[float], dict]:
+    """What peft plus a plain ``torch.optim.AdamW`` loop does on the launcher's batches with the launcher's
+    optimizer settings (AdamW betas 0.9/0.95, eps 1e-8, weight decay 0.1 on the 2-D adapter weights, gradients
+    clipped to norm 1.0, the step's learning rate ``lrs[i]``; each micro-batch's mean token loss, averaged over
+    the micro-batches): the losses of each step and the trained adapter (peft's state dict)."""
+    import torch.nn.functional as F
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+
+    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
+
+    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)
+    model = PeftModel.from_pretrained(load_hf(hf_dir), str(adapter), is_trainable=True)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    losses = []
+    for step, lr in enumerate(lrs):
+        opt.zero_grad()
+        batches = micro_batches(train, step, cfg, 0, 1)
+        total = count = 0.0
+        for b in batches:
+            logits = model(input_ids=b["tokens"]).logits
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), b["labels"].reshape(-1), reduction="none")
+            mask = b["loss_mask"].reshape(-1).float()
+            ((ce * mask).sum() / mask.sum().clamp(min=1) / len(batches)).backward()
+            total, count = total + float((ce * mask).sum()), count + float(mask.sum())
+        losses.append(total / count)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    return losses, {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}

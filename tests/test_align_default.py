@@ -1,0 +1,89 @@
+"""`mpatch align`'s default verdict certifies a conversion: fp32 first, then the training dtype, one verdict that
+names the run that decided it; a bf16-only run (--only-dtype) says in its verdict what it cannot resolve. And
+--peft-dir: the reference is peft's model with the adapter, MCore carries the same adapters.
+
+Faults below bf16's rounding are planted HF-vs-HF (no MCore processes), where the two sides are the same code:
+what decides is only which dtype can see the fault."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from megatron_patch.cli import main
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return make_tiny_hf_checkpoint("llama3_1", tmp_path_factory.mktemp("hf") / "llama", seed=1)
+
+
+def _planted(src, dst, edit):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("fault, edit", [
+    ("norm scaled by 1.001", lambda t: t["model.layers.1.post_attention_layernorm.weight"].mul_(1.001)),
+    ("one element moved by a standard deviation",
+     lambda t: t["model.layers.2.mlp.up_proj.weight"].view(-1)[7].add_(t["model.layers.2.mlp.up_proj.weight"].std())),
+])
+def test_default_run_certifies_in_fp32_what_bf16_alone_calls_aligned(llama, tmp_path, fault, edit):
+    bad = _planted(llama, tmp_path / "bad", edit)
+    report = tmp_path / "default"
+    assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(bad), "--quiet", "--report-dir", str(report)]) == 1
+    v = json.loads((report / "report.json").read_text())["verdict"]
+    assert v["decided_by"] == "fp32" and set(v["runs"]) == {"fp32", "bf16"}, fault
+    assert "decided by the fp32 run" in v["summary"] and v["runs"]["bf16"]["aligned"], v["summary"]
+    md = (report / "report.md").read_text()
+    assert "fp32 run (certifies the conversion): NOT aligned" in md and "bf16 run: aligned" in md
+    only = tmp_path / "only"
+    assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(bad), "--only-dtype", "--quiet", "--report-dir",
+                 str(only)]) == 0
+    v = json.loads((only / "report.json").read_text())["verdict"]
+    assert list(v["runs"]) == ["bf16"] and v["aligned"]
+    assert "bf16 only (--only-dtype): faults smaller than bf16 rounding" in v["summary"] and "pass unseen" in v["summary"]
+
+
+def test_a_clean_model_is_aligned_by_both_runs(llama, tmp_path, capsys):
+    same = tmp_path / "same"
+    shutil.copytree(llama, same)
+    assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(same), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "ALIGNED" in out and "decided by both runs: fp32 certifies the conversion" in out
+    assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(same), "--dtype", "fp32", "--only-dtype"]) == 2
+    assert "with --dtype fp32 there is only one run" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_align_peft_dir_against_peft_in_memory_and_from_a_converted_checkpoint(llama, tmp_path):
+    """The default (fp32, then bf16) aligns MCore with peft's model of the adapter, with the adapter mapped in
+    memory at TP=2, and loaded from `hf2mcore --peft-dir`'s checkpoint at PP=2; a wrong adapter fails in fp32."""
+    from tests.lora_helpers import make_peft_adapter
+
+    adapter = make_peft_adapter(llama, tmp_path / "adapter")
+    report = tmp_path / "r1"
+    assert main(["align", "--hf-dir", str(llama), "--peft-dir", str(adapter), "--tp", "2", "--quiet",
+                 "--report-dir", str(report)]) == 0
+    data = json.loads((report / "report.json").read_text())
+    assert data["verdict"]["decided_by"] == "bf16" and data["verdict"]["runs"]["fp32"]["aligned"]
+    assert "with the LoRA adapter" in data["compared"]["tested"]
+    ckpt = tmp_path / "ckpt"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(llama), "--save-dir", str(ckpt), "--peft-dir", str(adapter),
+                 "--quiet"]) == 0
+    assert main(["align", "--hf-dir", str(llama), "--peft-dir", str(adapter), "--mcore-dir", str(ckpt), "--pp", "2",
+                 "--quiet", "--report-dir", str(tmp_path / "r2")]) == 0
+    # Another adapter of the same model as the reference: MCore carries the checkpoint's, so fp32 tells them apart.
+    other = make_peft_adapter(llama, tmp_path / "other", seed=9)
+    assert main(["align", "--hf-dir", str(llama), "--peft-dir", str(other), "--mcore-dir", str(ckpt), "--quiet",
+                 "--report-dir", str(tmp_path / "r3")]) == 1
+    v = json.loads((tmp_path / "r3" / "report.json").read_text())["verdict"]
+    assert v["decided_by"] == "fp32" and v["first_failure"] == "layers.0.attention"
