@@ -120,6 +120,28 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     assert not leftovers(ckpt) and not leftovers(back)
 
 
+# Families whose hub checkpoints carry multi-token-prediction layers (DeepSeek's own tests,
+# tests/test_deepseek.py, also check their logits).
+MTP_FAMILIES = [name for name, f in families().items() if f.has_mtp and name != "deepseek_v3"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_mtp_layers_convert_both_ways_bit_exact(hf_dirs, tmp_path, family):
+    from megatron_patch.models.registry import get_family
+    from tests.convert_helpers import with_mtp_layer
+
+    src = with_mtp_layer(hf_dirs[family], tmp_path / "hf")
+    want = tensors(src)
+    _, layout, _ = get_family(family).test_layouts.round_trips[0]
+    hf_to_mcore(src, tmp_path / "mcore", layout, fmt="legacy", mtp=True, progress=False)
+    assert read_sidecar(tmp_path / "mcore").mtp_layers == 1
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
+    got = tensors(tmp_path / "back")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n], t) for n, t in want.items())
+
+
 @pytest.mark.slow
 def test_legacy_layout_matches_megatron(hf_dirs, tmp_path):
     """File names, checkpoint version, stage-local layer numbers, padded vocabulary shards."""

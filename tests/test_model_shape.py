@@ -53,6 +53,21 @@ def test_families_json_gives_the_published_sizes(rows, family, size, total, acti
     assert shown == active, counts
 
 
+# Publishers who give the total rounded and count active parameters without the embedding and the output
+# layer (Zhipu: GLM-4.5 "355B total, 32B active", GLM-4.5-Air "106B, 12B"): totals within 1% of the
+# card's figure (without the multi-token-prediction layer), active ones cut down as the card cuts them.
+@pytest.mark.parametrize("family,size,total,active", [
+    ("glm4_moe", "355B-A32B", 355, 32),
+    ("glm4_moe", "Air-106B-A12B", 106, 12),
+])
+def test_published_sizes_without_embeddings(rows, family, size, total, active):
+    counts = rows[family]["presets"][size]
+    arch = parse_arch(families()[family].presets[size])
+    ends = arch.padded_vocab_size() * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
+    assert abs(counts["params_total"] / B - total) < 0.01 * total, counts
+    assert math.floor((counts["params_active"] - ends) / B) == active, counts
+
+
 def test_every_preset_has_its_counts(rows):
     for name, family in families().items():
         for size in family.presets:
@@ -113,7 +128,8 @@ def _megatron_lm_flops_per_token(arch, seq: int) -> float:
 
 @pytest.mark.parametrize("family,size", [("llama3_1", "8B"), ("llama3_1", "70B"), ("qwen3", "8B"),
                                          ("qwen3_moe", "30B-A3B"), ("qwen2_moe", "57B-A14B"), ("mixtral", "8x7B"),
-                                         ("deepseek_v3", "671B"), ("deepseek_v3", "V2-Lite-16B")])
+                                         ("deepseek_v3", "671B"), ("deepseek_v3", "V2-Lite-16B"),
+                                         ("glm4_moe", "355B-A32B")])
 @pytest.mark.parametrize("seq", [4096, 32768])
 def test_flops_follow_megatron_lm(family, size, seq):
     arch = parse_arch(families()[family].presets[size])

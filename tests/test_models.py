@@ -119,6 +119,29 @@ def test_every_rope_type_equals_transformers(name):
         assert factor == 1.0 and rope.softmax_scale(arch) is None
 
 
+PARTIAL_ROPE_FAMILIES = [f for f in FAMILY_NAMES if parse_arch(tiny_config(f)).rotary_percent < 1]
+
+
+@pytest.mark.parametrize("scaling", ["default", "yarn"])
+@pytest.mark.parametrize("family", PARTIAL_ROPE_FAMILIES)
+def test_partial_rope_equals_transformers(family, scaling):
+    """RoPE on part of each head: the frequencies over the rotated dimensions (and YaRN's factor) bit for
+    bit as the family's transformers model computes them, and megatron-core builds that many."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_patch.models import rope
+
+    # a dict of its own: transformers writes rope_theta and partial_rotary_factor into the one it is given
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0}
+    raw = tiny_config(family, **({"rope_scaling": yarn} if scaling == "yarn" else {}))
+    arch = parse_arch(raw)
+    hf_rotary = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).model.rotary_emb
+    ours, factor = rope.inv_freq_and_attention_factor(arch)
+    assert ours.numel() * 2 == rope.rotary_dim(arch) < arch.head_dim
+    torch.testing.assert_close(ours, hf_rotary.inv_freq.float(), rtol=0, atol=0)
+    assert factor == pytest.approx(hf_rotary.attention_scaling, rel=1e-12)
+
+
 def test_rope_scaling_in_transformers5_form_is_read():
     raw = dict(tiny_config("llama3_1"))
     scaling = raw.pop("rope_scaling")
@@ -148,6 +171,9 @@ def test_family_specifics_are_parsed():
     ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "linear"}}, "linear RoPE scaling lacks factor"),
     ({k: v for k, v in tiny_config("mixtral").items() if k != "num_local_experts"}, "num_local_experts"),
     ({**tiny_config("llama3_1"), "num_hidden_layers": "four"}, "num_hidden_layers"),
+    ({**tiny_config("glm4_moe"), "norm_topk_prob": False}, "norm_topk_prob=false"),
+    ({**tiny_config("glm4_moe"), "n_group": 2, "topk_group": 2}, "group-limited routing"),
+    ({**tiny_config("glm4_moe"), "partial_rotary_factor": 1.5}, "partial_rotary_factor must be a number in (0, 1]"),
 ])
 def test_unsupported_configs_fail_with_one_line(raw, fragment):
     with pytest.raises(UserError) as err:

@@ -55,6 +55,9 @@ class Arch:
     # RoPE scaling as config.json gives it ({"rope_type": "linear" | "llama3" | "yarn", ...}, see
     # ROPE_TYPES); None for plain RoPE. models/rope.py turns it into frequencies.
     rope_scaling: dict | None = None
+    # The share of each head's dimensions RoPE rotates (config.json's partial_rotary_factor: the first
+    # int(head_dim * it) dimensions, the rest pass through); megatron-core's rotary_percent.
+    rotary_percent: float = 1.0
     # Mixture of experts (0 experts: dense).
     num_experts: int = 0
     moe_topk: int = 0
@@ -146,12 +149,25 @@ ROPE_TYPES: dict[str, dict[str, bool]] = {
 }
 
 
-def rope_settings(raw: dict) -> tuple[float, dict | None]:
+def partial_rotary_factor(raw: dict) -> float:
+    """config.json's ``partial_rotary_factor`` (5.x keeps it in ``rope_parameters``, 4.x at the top), 1.0
+    when absent."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UserError(f"config.json partial_rotary_factor must be a number in (0, 1], found {value!r}")
+    return float(value)
+
+
+def rope_settings(raw: dict, *, partial: bool = False) -> tuple[float, dict | None]:
     """(theta, scaling or None) from either config.json convention; the scaling dict holds
     ``rope_type`` and the fields ``ROPE_TYPES`` lists for it, exactly as config.json gives them.
 
     transformers < 5 writes ``rope_theta`` and ``rope_scaling``; 5.x writes ``rope_parameters``.
-    A RoPE megatron-core cannot be given (any other type, a partial rotary dimension) is refused.
+    A RoPE megatron-core cannot be given (any other type) is refused, and so is a partial rotary
+    dimension unless the family's model has one (``partial``: ``partial_rotary_factor`` then gives it).
     """
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or None
@@ -160,10 +176,10 @@ def rope_settings(raw: dict) -> tuple[float, dict | None]:
     rope_type = source.get("rope_type", source.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
         raise UserError(f"RoPE type '{rope_type}' is not supported: supported are {', '.join(ROPE_TYPES)}")
-    partial = source.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise UserError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported: "
-                        "only full rotary embeddings convert exactly")
+    factor = partial_rotary_factor(raw)
+    if factor != 1.0 and not partial:
+        raise UserError(f"partial_rotary_factor={factor} (RoPE on part of each head) is not supported for "
+                        f"{raw.get('model_type', 'this model')}: only full rotary embeddings convert exactly")
     if rope_type == "default":
         return float(theta), None
     out: dict = {"rope_type": rope_type}

@@ -253,6 +253,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
+        rotary_percent=arch.rotary_percent,
         vp_stage=vp_stage if virtual else None,
         mtp_block_spec=mtp_spec,
     )

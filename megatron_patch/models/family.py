@@ -89,6 +89,11 @@ class ModelFamily:
     hf_copies: Callable[[Arch], dict[str, str]] = _no_copies
 
     @property
+    def has_mtp(self) -> bool:
+        """Whether its hub checkpoints may carry multi-token-prediction layers (converted with --mtp)."""
+        return self.hf_mtp_layers is not _no_mtp_layers
+
+    @property
     def launcher(self) -> str:
         return f"examples/{self.name}/run_mcore_{self.name}.sh"
 

@@ -1,9 +1,10 @@
 """DeepSeek-V3 (and V2 / Moonlight, whose layout matches): multi-latent attention, DeepSeekMoE."""
 
-from megatron_patch.models.deepseek_v3.config import TINY_CONFIG, num_mtp_layers, parse_config, transformer_config_kwargs
-from megatron_patch.models.deepseek_v3.mapping import mtp_copies, weight_rules
+from megatron_patch.models.deepseek_v3.config import TINY_CONFIG, parse_config, transformer_config_kwargs
+from megatron_patch.models.deepseek_v3.mapping import weight_rules
 from megatron_patch.models.deepseek_v3.presets import PRESETS
 from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.mtp import mtp_copies, num_mtp_layers
 from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 

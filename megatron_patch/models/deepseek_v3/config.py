@@ -75,11 +75,6 @@ def parse_config(raw: dict) -> Arch:
     )
 
 
-def num_mtp_layers(raw: dict) -> int:
-    """The multi-token-prediction layers a hub checkpoint carries after its decoder layers."""
-    return int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0)
-
-
 def transformer_config_kwargs(arch: Arch) -> dict:
     raw, mla = arch.hf_config, arch.mla
     routing = routing_of(raw)
