@@ -42,6 +42,7 @@ def rows():
 @pytest.mark.parametrize("family,size,total,active,digits,cut", [
     ("llama3_1", "8B", 8.03, 8.03, 2, False),
     ("deepseek_v3", "671B", 671, 37, 0, True),      # without the multi-token-prediction layer
+    ("deepseek_v3", "Kimi-K2-1T-A32B", 1026, 32, 0, True),  # Moonshot: "1T total (1.026T), 32B activated"
     ("qwen3_moe", "30B-A3B", 30.5, 3.3, 1, True),
     ("mixtral", "8x7B", 46.7, 12.9, 1, False),
 ])

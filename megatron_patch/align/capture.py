@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from megatron_patch.models.family import HFModules
+from megatron_patch.models.hf_model import load_causal_lm
 
 Captures = dict[str, torch.Tensor]
 
@@ -165,10 +166,8 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
 
 
 def load_hf_model(hf_dir, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
     # eager attention: the same math on every machine, no backend-dependent kernel choice.
-    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager")
+    return load_causal_lm(hf_dir, dtype, attn_implementation="eager")
 
 
 def mcore_capture_targets(model) -> dict[str, torch.nn.Module]:

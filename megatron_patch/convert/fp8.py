@@ -112,7 +112,18 @@ class DequantizingReader:
         return self.reader.nbytes(name) + (self.reader.nbytes(self.scales[name]) if name in self.scales else 0)
 
 
+def check_quantization(hf_config: dict) -> None:
+    """Refuse hub weights quantized in a way the converter does not dequantize, before any is read."""
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method in (None, "fp8"):
+        return
+    what = " (INT4 weights, as Kimi-K2-Thinking ships them)" if method == "compressed-tensors" else ""
+    raise UserError(f"quantization_config quant_method '{method}'{what} is not supported: convert a bf16 or "
+                    "block-scaled FP8 release of the model")
+
+
 def open_weights(reader, hf_config: dict):
     """``reader`` itself, or a dequantizing view of it when config.json declares block-scaled FP8 weights."""
+    check_quantization(hf_config)
     block = fp8_block_size(hf_config)
     return reader if block is None else DequantizingReader(reader, block)

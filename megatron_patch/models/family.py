@@ -87,6 +87,9 @@ class ModelFamily:
     # HF tensors that are copies of others (an MTP layer's embedding and head): checked equal on the way
     # in, written again on the way out.
     hf_copies: Callable[[Arch], dict[str, str]] = _no_copies
+    # model_type -> the name transformers knows its code under, for a type that only remote code would
+    # load (Kimi-K2: kimi_k2 -> deepseek_v3); the aligner builds transformers' own class (models/hf_model.py).
+    transformers_model_types: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def has_mtp(self) -> bool:
