@@ -416,11 +416,11 @@ def checkpoint_keys_worker(family: str, overrides: dict) -> tuple[set, set]:
     # Every parameter the plan writes at TP=PP=EP=1, where layer and expert numbers are global.
     names = {p.mcore_name for t in plan_transfers(get_family(family).weight_rules(arch), arch, ParallelLayout())
              for p in t.placements}
-    experts = r"mlp\.experts\.(linear_fc[12])\.weight\d+"
+    experts = r"mlp\.experts\.(linear_fc[12])\.(weight|bias)\d+"
     if arch.dense_layers:  # megatron keys layers of a mixed model by their number; experts stacked
-        folded = {re.sub(experts, r"mlp.experts.experts.\1.weight", n) for n in names}
+        folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", n) for n in names}
     else:  # homogeneous layers are stacked on a leading axis
-        folded = {re.sub(experts, r"mlp.experts.experts.\1.weight", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))
+        folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))
                   for n in names}
     return keys, folded
 

@@ -62,6 +62,9 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
     def make(name):
         def hook(module, args, output):
             t = _first(output).detach()
+            if seq_first and not name.endswith(".output") and isinstance(output, tuple) and torch.is_tensor(output[-1]):
+                # megatron-core's sub-blocks return (output, bias) and add the bias later, with the residual
+                t = t + output[-1].detach()
             if seq_first:
                 t = t.transpose(0, 1)
             # Always a copy: with batch 1 the transposed output is already contiguous, and MCore adds the

@@ -35,7 +35,7 @@ from megatron_patch.convert.bytemap import Move, Tiled, block_moves, shard_shape
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
-from megatron_patch.convert.fp8 import DequantizingReader, open_weights
+from megatron_patch.convert.fp8 import open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.checkpoint_files.legacy import (
@@ -43,6 +43,7 @@ from megatron_patch.checkpoint_files.legacy import (
 from megatron_patch.convert.outputs import atomic_output_dir, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import Sidecar
+from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
 from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan_torch_save
@@ -142,8 +143,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     ``Copier`` instead (tests: tracing, the fallback path). ``dtype``: bf16 / fp16 / fp32 (or a torch
     dtype); None keeps the HF tensors' own.
 
-    FP8 block-scaled weights are dequantized on the way (``convert.fp8``; through torch, as they are
-    computed, not copied). Multi-token-prediction layers go into megatron-core's MTP block with
+    FP8 block-scaled weights and MXFP4 experts are dequantized on the way (``convert.fp8``,
+    ``convert.mxfp4``; through torch, as they are computed, not copied). Multi-token-prediction layers go into megatron-core's MTP block with
     ``mtp``; without it they are dropped, with a count printed and a note in the sidecar.
     """
     if fmt not in FORMATS:
@@ -161,13 +162,13 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part
     reader = open_weights(HFCheckpointReader(hf_dir), arch.hf_config)
     notes = []
-    if isinstance(reader, DequantizingReader):
-        notes.append(f"weights dequantized from FP8 ({reader.block[0]}x{reader.block[1]} block scales); "
-                     "quantization_config removed from the config")
+    if hasattr(reader, "note"):  # dequantized (FP8, MXFP4): the checkpoint and its export hold plain weights
+        notes.append(reader.note)
         arch = dataclasses.replace(arch, hf_config={k: v for k, v in arch.hf_config.items() if k != "quantization_config"})
     available, arch = _multi_token_prediction(family, arch, reader, mtp, notes)
     tp1 = plan(family, arch, ParallelLayout())
     check_hf_names(family, arch, tp1, available)
+    reader = StackedView(reader, family.hf_stacked(arch))  # stacked experts read as the table's members
     # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
     out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
@@ -403,12 +404,14 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     # HF tensors that repeat others (an MTP layer's embedding and head): the same bytes, written twice.
     copies = family.hf_copies(arch)
     entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
+    entries = stack_entries(entries, family.hf_stacked(arch))
     copier = _make_copier(copier, workers, None)
     total = sum(nbytes(s, d) for _, s, d in entries)
     with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
-        tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
+        places = member_places(out.stored, family.hf_stacked(arch))
+        tasks = _plan_mcore_to_hf(arch, transfers, source, places, copies, copier)
         bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
         copier.progress = bar
         try:

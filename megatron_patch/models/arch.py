@@ -16,6 +16,8 @@ from megatron_patch.runtime.distributed import ParallelLayout
 
 # Megatron pads the vocabulary so each TP rank holds an equal, aligned slice.
 VOCAB_PAD_MULTIPLE = 128
+# config.json's layer_types.
+FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION = "full_attention", "sliding_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,18 @@ class MLAShape:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """Gated DeltaNet (Qwen3-Next's linear attention): key and value heads, their sizes, and the causal
+    convolution's kernel over the q/k/v channels."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,16 @@ class Arch:
     dense_layers: tuple[int, ...] = ()
     # Multi-latent attention instead of GQA (head_dim is then the value head dimension).
     mla: MLAShape | None = None
+    # Each decoder layer's attention as config.json's ``layer_types`` names it ("full_attention",
+    # "sliding_attention", "linear_attention"); empty: full attention in every layer.
+    layer_types: tuple[str, ...] = ()
+    # The key window of "sliding_attention" layers (transformers' sliding_window: a query sees itself and
+    # the sliding_window - 1 keys before it).
+    sliding_window: int | None = None
+    # A learnt per-head logit joins every softmax and takes its share (gpt-oss's attention sinks).
+    attention_sinks: bool = False
+    # The "linear_attention" layers' shape.
+    linear_attention: LinearAttentionShape | None = None
     # Multi-token-prediction layers the MCore model carries (DeepSeek-V3's; 0 unless converted with them).
     mtp_layers: int = 0
     # The embedding's row count when a checkpoint written elsewhere padded the vocabulary otherwise
@@ -81,6 +105,11 @@ class Arch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def attention_type(self, layer: int) -> str:
+        """Layer ``layer``'s attention (``layer_types``), "full_attention" when config.json names none; an MTP
+        layer after the decoder's has full attention."""
+        return self.layer_types[layer] if layer < len(self.layer_types) else FULL_ATTENTION
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
@@ -233,8 +262,18 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
             raise UserError(f"ETP={layout.expert_tp} does not divide the expert MLP size {arch.moe_ffn_hidden_size}")
         if arch.shared_expert_ffn_hidden_size % tp:
             raise UserError(f"TP={tp} does not divide the shared-expert MLP size {arch.shared_expert_ffn_hidden_size}")
+        if arch.linear_bias and layout.expert_tp > 1:
+            raise UserError(f"ETP={layout.expert_tp}: megatron-core's experts take biases ({arch.family}) only unsplit: "
+                            "set ETP=1")
     elif layout.ep > 1 or layout.etp not in (None, tp):
         raise UserError(f"{arch.family} is a dense model: EP and ETP apply only to MoE models, set EP=1")
+    if layout.cp > 1:
+        kinds = set(arch.layer_types)
+        unsplit = ("attention sinks" if arch.attention_sinks else "sliding-window attention" if SLIDING_ATTENTION in kinds
+                   else "linear attention (Gated DeltaNet)" if LINEAR_ATTENTION in kinds else None)
+        if unsplit:
+            raise UserError(f"CP={layout.cp}: megatron-core's context parallelism does not split {unsplit} "
+                            f"({arch.family}): set CP=1")
 
 
 def first_stage_that_fits(num_layers: int, pp: int) -> int | None:

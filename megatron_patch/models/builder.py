@@ -137,13 +137,20 @@ def _cuda_graph_default(config_cls) -> dict:
     return {field: []}
 
 
-def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None):
+def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None, *,
+               family_spec: bool = True):
     """The layer spec of every decoder layer, or, for an MoE model with dense layers, this pipeline
-    stage's block of per-layer specs (megatron-core's ``moe_layer_freq`` pattern picks each one)."""
+    stage's block of per-layer specs (megatron-core's ``moe_layer_freq`` pattern picks each one).
+
+    A family whose layers need modules of their own builds its spec itself (``ModelFamily.layer_spec``,
+    starting from this standard one with ``family_spec=False`` where it wants)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     use_te = te_available() if use_te is None else use_te
+    own = get_family(arch.family).layer_spec
+    if family_spec and own is not None:
+        return own(arch, config, use_te, vp_stage)
     mla = bool(config.multi_latent_attention)
     if arch.is_moe and arch.dense_layers:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",

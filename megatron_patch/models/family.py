@@ -64,6 +64,10 @@ def _no_copies(arch: Arch) -> dict[str, str]:
     return {}
 
 
+def _no_stacks(arch: Arch) -> dict[str, tuple[str, ...]]:
+    return {}
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
@@ -87,6 +91,12 @@ class ModelFamily:
     # HF tensors that are copies of others (an MTP layer's embedding and head): checked equal on the way
     # in, written again on the way out.
     hf_copies: Callable[[Arch], dict[str, str]] = _no_copies
+    # HF tensors that hold its table's per-expert tensors stacked on dim 0 (gpt-oss's experts as transformers
+    # stores them): stacked name -> member names in order (models/mapping/stacks.py).
+    hf_stacked: Callable[[Arch], dict[str, tuple[str, ...]]] = _no_stacks
+    # The megatron-core layer spec, for a family whose layers need modules of their own (arch, TransformerConfig,
+    # use_te, vp_stage) -> spec; None: the builder's standard spec (models/builder.py: layer_spec).
+    layer_spec: Callable | None = None
     # model_type -> the name transformers knows its code under, for a type that only remote code would
     # load (Kimi-K2: kimi_k2 -> deepseek_v3); the aligner builds transformers' own class (models/hf_model.py).
     transformers_model_types: Mapping[str, str] = field(default_factory=dict)

@@ -252,7 +252,8 @@ def only_layers(arch: Arch, layers: tuple[int, ...]) -> Arch:
     if not layers or any(not 0 <= i < arch.num_layers for i in layers):
         raise ValueError(f"layers {layers} are not layers of a {arch.num_layers}-layer model")
     return dataclasses.replace(arch, num_layers=len(layers),
-                               dense_layers=tuple(j for j, i in enumerate(layers) if i in arch.dense_layers))
+                               dense_layers=tuple(j for j, i in enumerate(layers) if i in arch.dense_layers),
+                               layer_types=tuple(arch.layer_types[i] for i in layers) if arch.layer_types else ())
 
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:

@@ -41,6 +41,9 @@ class Rule:
     tied_to: str | None = None
     # Only layers of this kind (None: every layer).
     layers: LayerKind | None = None
+    # Only layers whose attention is of this type (Arch.attention_type: "linear_attention", ...; None: every
+    # layer), for models that mix attention types with different weights (Qwen3-Next).
+    attention: str | None = None
     # How the local spec shards it, where that differs from the TE spec's ``split`` (MLA's down
     # projections: TE keeps them whole on every rank, megatron-core's local spec splits their rows).
     local_split: Split | None = None

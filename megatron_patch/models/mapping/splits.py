@@ -262,8 +262,41 @@ class GateUp(Split):
         return [[h[0] for h in halves], [h[1] for h in halves]]
 
 
+class InterleavedGateUp(Split):
+    """A fused SwiGLU input projection stored transposed with gate and up in alternating columns (gpt-oss's
+    experts: HF ``gate_up_proj`` [hidden, 2 x ffn], gate = columns 0, 2, ..., up = 1, 3, ...; its bias
+    [2 x ffn] alike): de-interleaved into megatron-core's [gate; up] rows, then split as ``GateUp``."""
+
+    name = "gate_up_interleaved"
+
+    def shards(self, parts, n, ctx):
+        t = parts[0].t() if parts[0].dim() == 2 else parts[0]
+        if t.shape[0] % 2:
+            raise UserError(f"a gate/up projection of {t.shape[0]} outputs cannot alternate gate and up")
+        return GATE_UP.shards([t[0::2].contiguous(), t[1::2].contiguous()], n, ctx)
+
+    def merge(self, shards, ctx):
+        gate, up = GATE_UP.merge(shards, ctx)
+        t = torch.stack([gate, up], 1).reshape(2 * gate.shape[0], *gate.shape[1:])
+        return [(t.t() if t.dim() == 2 else t).contiguous()]
+
+
+class TransposedRow(Split):
+    """A row-parallel weight stored transposed ([in, out]: gpt-oss's experts' ``down_proj``): megatron-core's
+    [out, in], split on its input dimension."""
+
+    name = "row_transposed"
+
+    def shards(self, parts, n, ctx):
+        return [c.t().contiguous() for c in _chunk(parts[0], n, 0)]
+
+    def merge(self, shards, ctx):
+        return [torch.cat([s.t() for s in shards], 0).contiguous()]
+
+
 def _contiguous_rows(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p.contiguous() for p in pieces]
 
 
 REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = Replicated(), Column(), Row(), VocabParallel(), GroupedQKV(), GateUp()
+GATE_UP_INTERLEAVED, ROW_TRANSPOSED = InterleavedGateUp(), TransposedRow()
