@@ -54,14 +54,15 @@ def test_families_json_gives_the_published_sizes(rows, family, size, total, acti
     assert shown == active, counts
 
 
-# Publishers who count active parameters without the vocabulary matrices: Zhipu leaves out the embedding and
-# the output layer (GLM-4.5 "355B total, 32B active", its total rounded up from 352.8 B without the MTP
+# Publishers who count active parameters without the vocabulary matrices: Zhipu and Qwen (for Qwen3-Next) leave
+# out the embedding and the output layer (GLM-4.5 "355B total, 32B active", its total rounded up from 352.8 B without the MTP
 # layer: within 1%), OpenAI only the embedding (gpt-oss's card: 20.91 B / 3.61 B and 116.83 B / 5.13 B).
 @pytest.mark.parametrize("family,size,total,active,left_out,rel", [
     ("glm4_moe", "355B-A32B", 355, 32, 2, 0.01),
     ("glm4_moe", "Air-106B-A12B", 106, 12, 2, 0.01),
     ("gpt_oss", "20B-A3.6B", 20.91, 3.61, 1, 0.0005),
     ("gpt_oss", "120B-A5.1B", 116.83, 5.13, 1, 0.0005),
+    ("qwen3_next", "80B-A3B", 80, 3, 2, 0.01),  # Qwen: "80B total, 3B activated" (79.7 B, 3.25 B)
 ])
 def test_published_sizes_without_vocabulary_matrices(rows, family, size, total, active, left_out, rel):
     counts = rows[family]["presets"][size]

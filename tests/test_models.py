@@ -412,12 +412,16 @@ def checkpoint_keys_worker(family: str, overrides: dict) -> tuple[set, set]:
     arch = parse_arch(tiny_config(family, **overrides))
     init_model_parallel(ParallelLayout())
     model = build_model(arch, ParallelLayout(), use_te=False)
-    keys = {v.key for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    keys = set()
+    for name, entry in model.sharded_state_dict().items():
+        if not name.endswith("_extra_state"):  # a parameter stored as pieces (Gated DeltaNet) counts once
+            keys.add(entry.key)
     # Every parameter the plan writes at TP=PP=EP=1, where layer and expert numbers are global.
     names = {p.mcore_name for t in plan_transfers(get_family(family).weight_rules(arch), arch, ParallelLayout())
              for p in t.placements}
     experts = r"mlp\.experts\.(linear_fc[12])\.(weight|bias)\d+"
-    if arch.dense_layers:  # megatron keys layers of a mixed model by their number; experts stacked
+    # megatron keys the layers of a mixed model (dense and MoE, linear and full attention) by their number
+    if arch.dense_layers or "linear_attention" in arch.layer_types:  # experts stacked
         folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", n) for n in names}
     else:  # homogeneous layers are stacked on a leading axis
         folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))

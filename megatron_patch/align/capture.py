@@ -136,7 +136,7 @@ def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
     """The HF modules behind each point, at the paths the model's family names."""
     targets = {"embedding": model.get_submodule(modules.embedding)}
     for i, layer in enumerate(model.get_submodule(modules.layers)):
-        targets[f"layers.{i}.attention"] = layer.get_submodule(modules.attention)
+        targets[f"layers.{i}.attention"] = _submodule(layer, modules.attention)
         targets[f"layers.{i}.mlp"] = _submodule(layer, modules.mlp)
         targets[f"layers.{i}.output"] = layer
     targets["final_norm"] = model.get_submodule(modules.final_norm)

@@ -210,8 +210,7 @@ def _multi_token_prediction(family, arch: Arch, reader, keep: bool, notes: list[
         if not count:
             raise UserError("--mtp: this checkpoint's config.json declares no multi-token-prediction layers")
         return names, dataclasses.replace(arch, mtp_layers=count)
-    prefixes = tuple(f"{family.hf_modules.layers}.{arch.num_layers + k}." for k in range(count))
-    dropped = {n for n in names if n.startswith(prefixes)} if count else set()
+    dropped = family.hf_mtp_names(arch, names)
     if dropped:
         note = (f"{len(dropped)} tensors of {count} multi-token-prediction layer(s) were not converted "
                 "(convert with --mtp to keep them)")

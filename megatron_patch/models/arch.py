@@ -178,13 +178,13 @@ ROPE_TYPES: dict[str, dict[str, bool]] = {
 }
 
 
-def partial_rotary_factor(raw: dict) -> float:
-    """config.json's ``partial_rotary_factor`` (5.x keeps it in ``rope_parameters``, 4.x at the top), 1.0
-    when absent."""
+def partial_rotary_factor(raw: dict, default: float | None = 1.0) -> float | None:
+    """config.json's ``partial_rotary_factor`` (5.x keeps it in ``rope_parameters``, 4.x at the top),
+    ``default`` when absent."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if value is None:
-        return 1.0
+        return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise UserError(f"config.json partial_rotary_factor must be a number in (0, 1], found {value!r}")
     return float(value)
@@ -238,6 +238,10 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
         raise UserError(
             f"TP={tp} does not divide the {arch.num_kv_heads} query groups (key/value heads): "
             f"choose a TP that divides {arch.num_kv_heads}")
+    linear = arch.linear_attention
+    if linear is not None and (linear.num_key_heads % tp or linear.num_value_heads % tp):
+        raise UserError(f"TP={tp} does not divide the linear attention's {linear.num_key_heads} key and "
+                        f"{linear.num_value_heads} value heads: choose a TP that divides both")
     if arch.has_dense_layers and arch.ffn_hidden_size % tp:
         raise UserError(f"TP={tp} does not divide the MLP size {arch.ffn_hidden_size}: choose another TP")
     if arch.padded_vocab_size() % tp:

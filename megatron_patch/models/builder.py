@@ -248,8 +248,10 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
     if arch.mtp_layers and post_process:  # megatron-core keeps the MTP block on the last stage
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te_available() if use_te is None else use_te,
-                                          vp_stage=vp_stage if virtual else None)
+        te = te_available() if use_te is None else use_te
+        own = get_family(arch.family).mtp_block_spec
+        mtp_spec = own(arch, config, spec, te, vp_stage if virtual else None) if own else \
+            get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te, vp_stage=vp_stage if virtual else None)
     model = GPTModel(
         config,
         spec,

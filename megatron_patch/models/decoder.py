@@ -12,12 +12,13 @@ from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, 
 
 
 def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias: bool = False,
-                         ffn_key: str = "intermediate_size", partial_rope: bool = False) -> Arch:
+                         ffn_key: str = "intermediate_size", partial_rope: float | None = None) -> Arch:
     """The fields every Llama-style decoder shares (attention, norms, RoPE, embeddings).
 
     ``linear_bias``: every linear layer has a bias (megatron-core's ``add_bias_linear``); a family
     that can have them reads its config's flags and says so, any other refuses ``mlp_bias``.
-    ``partial_rope``: the family's models may rotate only part of each head (``partial_rotary_factor``).
+    ``partial_rope``: the family's models may rotate only part of each head (``partial_rotary_factor``), and
+    this is the share transformers assumes when config.json gives none (GLM-4.5: 0.5, Qwen3-Next: 0.25).
     """
     act = raw.get("hidden_act", "silu")
     if act != "silu":
@@ -30,7 +31,7 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias:
     if heads % kv_heads:
         raise UserError(f"config.json has {heads} attention heads, not a multiple of its {kv_heads} key/value heads")
     head_dim = raw.get("head_dim") or hidden // heads
-    theta, scaling = rope_settings(raw, partial=partial_rope)
+    theta, scaling = rope_settings(raw, partial=partial_rope is not None)
     return Arch(
         family=family,
         vocab_size=require(raw, "vocab_size"),
@@ -43,7 +44,7 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias:
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        rotary_percent=partial_rotary_factor(raw),
+        rotary_percent=partial_rotary_factor(raw, default=1.0 if partial_rope is None else partial_rope),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias or linear_bias,

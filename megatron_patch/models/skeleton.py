@@ -47,7 +47,7 @@ from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 
-SKELETON_FORMAT = 2
+SKELETON_FORMAT = 3  # 3: a chunk's place in its parameter when it is a piece stored under a key of its own
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,14 @@ class ChunkEntry:
     global_offset: tuple[int, ...]
     local_shape: tuple[int, ...]     # with the prepended (layer, expert) axes as 1s
     prepend: int                     # number of prepended axes
+    # Where in the parameter a piece stored as a tensor of its own starts (megatron-core's Gated DeltaNet keeps
+    # its input projection as query, key, value, z, beta and alpha); None: at its global offset.
+    position: tuple[int, ...] | None = None
 
     def region(self) -> tuple[slice, ...]:
         """Which part of the full (TP=1) parameter this chunk holds."""
-        return tuple(slice(o, o + s) for o, s in zip(self.global_offset[self.prepend:], self.local_shape[self.prepend:]))
+        start = self.global_offset[self.prepend:] if self.position is None else self.position
+        return tuple(slice(o, o + s) for o, s in zip(start, self.local_shape[self.prepend:]))
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,8 @@ class ModelSkeleton:
                 "shapes": {k: list(v) for k, v in self.shapes.items()},
                 "buffers": sorted(self.buffers),
                 "hf_shapes": {k: list(v) for k, v in self.hf_shapes.items()},
-                "chunks": [[c.name, c.key, list(c.global_shape), list(c.global_offset), list(c.local_shape), c.prepend]
-                           for c in self.chunks],
+                "chunks": [[c.name, c.key, list(c.global_shape), list(c.global_offset), list(c.local_shape), c.prepend,
+                            None if c.position is None else list(c.position)] for c in self.chunks],
                 "objects": [[o.unique_key, base64.b64encode(o.payload).decode()] for o in self.objects]}
 
     @classmethod
@@ -98,7 +102,8 @@ class ModelSkeleton:
         if data.get("format") != SKELETON_FORMAT:
             raise ValueError(f"skeleton format {data.get('format')!r}")
         return cls(shapes={k: tuple(v) for k, v in data["shapes"].items()},
-                   chunks=[ChunkEntry(n, k, tuple(g), tuple(o), tuple(s), int(p)) for n, k, g, o, s, p in data["chunks"]],
+                   chunks=[ChunkEntry(n, k, tuple(g), tuple(o), tuple(s), int(p), None if at is None else tuple(at))
+                           for n, k, g, o, s, p, at in data["chunks"]],
                    objects=[ObjectEntry(k, base64.b64decode(p)) for k, p in data["objects"]],
                    hf_shapes={k: tuple(v) for k, v in data["hf_shapes"].items()},
                    buffers=frozenset(data["buffers"]))
@@ -275,16 +280,18 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
     chunks: list[ChunkEntry] = []
     objects: list[ObjectEntry] = []
     for sd_name, entry in model.sharded_state_dict().items():
-        built = entry.build() if isinstance(entry, ShardedTensorFactory) else entry
+        factory = isinstance(entry, ShardedTensorFactory)
+        built = entry.build() if factory else entry
         for item in built if isinstance(built, list) else [built]:
             if isinstance(item, ShardedTensor):
                 if item.flattened_range is not None:
                     raise UserError("flattened sharded tensors are not expected in a model state dict")
                 prepend = item.prepend_axis_num
+                piece = factory and item.key != entry.key  # a part of the parameter under a key of its own
                 chunks.append(ChunkEntry(
                     name=te_name.get(sd_name, sd_name), key=item.key, global_shape=tuple(item.global_shape),
                     global_offset=tuple(item.global_offset), local_shape=(1,) * prepend + tuple(item.local_shape),
-                    prepend=prepend))
+                    prepend=prepend, position=_position_in(entry.data, item.data) if piece else None))
             elif isinstance(item, ShardedObject):
                 buf = io.BytesIO()
                 torch.save([item.data], buf)  # megatron stores a list of the objects sharing a key
@@ -293,6 +300,15 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
                 raise UserError(f"unexpected entry {type(item).__name__} in the model's sharded state dict")
     del model
     return ModelSkeleton(shapes, chunks, objects, expected_hf_shapes(arch, shapes), buffers)
+
+
+def _position_in(whole, part) -> tuple[int, ...]:
+    """Where the view ``part`` of the parameter ``whole`` starts, index by index."""
+    offset, out = part.storage_offset() - whole.storage_offset(), []
+    for stride in whole.stride():
+        out.append(offset // stride)
+        offset %= stride
+    return tuple(out)
 
 
 def expected_hf_shapes(arch: Arch, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

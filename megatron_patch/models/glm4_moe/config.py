@@ -39,7 +39,8 @@ def parse_config(raw: dict) -> Arch:
     routing_of(raw)
     if raw.get("mlp_bias"):
         raise UserError("mlp_bias=true is not supported for GLM-4.5 models: their MLPs have no biases")
-    arch = parse_decoder_config(raw, "glm4_moe", qkv_bias=bool(raw.get("attention_bias", False)), partial_rope=True)
+    # transformers' Glm4MoeConfig rotates half of each head when config.json does not say
+    arch = parse_decoder_config(raw, "glm4_moe", qkv_bias=bool(raw.get("attention_bias", False)), partial_rope=0.5)
     moe_ffn = require(raw, "moe_intermediate_size")
     return dataclasses.replace(
         arch,

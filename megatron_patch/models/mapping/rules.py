@@ -48,7 +48,8 @@ class Rule:
     # projections: TE keeps them whole on every rank, megatron-core's local spec splits their rows).
     local_split: Split | None = None
     # A multi-token-prediction layer's rule: expanded over the MTP layers (on the last pipeline stage),
-    # ``{layer}`` being the MTP index on the MCore side and the HF layer after the decoder's on the HF side.
+    # ``{layer}`` being the MTP index on the MCore side and the HF layer after the decoder's on the HF side
+    # (``{mtp_layer}``: the MTP index there too, as Qwen3-Next's ``mtp.layers.{k}`` count).
     mtp: bool = False
     # A dtype it keeps whatever the checkpoint's dtype (DeepSeek's router bias: float32 in the hub's
     # checkpoints and in megatron-core, where routing decisions depend on its exact values), by name
