@@ -56,8 +56,11 @@ def with_mtp_layer(src: Path, out: Path, seed: int = 9) -> Path:
     shutil.copytree(src, out)
     config = json.loads((out / "config.json").read_text())
     family = get_family(parse_arch(config).family)
-    key = next(k for k in MTP_CONFIG_KEYS if family.hf_mtp_layers({**config, k: 1}) == 1)
-    config[key] = 1
+    # the key its family reads, at the top of config.json or in its text_config (Qwen3.5's)
+    where, key = next((c, k) for c in (config, config.get("text_config")) if isinstance(c, dict)
+                      for k in MTP_CONFIG_KEYS if family.hf_mtp_layers({**config, **({k: 1} if c is config else
+                                                                                    {"text_config": {**c, k: 1}})}) == 1)
+    where[key] = 1
     arch = dataclasses.replace(parse_arch(config), mtp_layers=1)
     reader = HFCheckpointReader(src)
     tensors = {n: reader.get(n) for n in reader.keys()}

@@ -41,6 +41,7 @@ ONE_PROCESS = [
     ("glm4_moe", dict(PR="bf16", DO="true"), {}, False),  # partial RoPE, q/k/v bias and norms, shared expert
     ("gpt_oss", dict(PR="bf16", DO="true"), {}, False),  # sinks, sliding window, router and expert biases
     ("qwen3_next", dict(PR="bf16", DO="true"), {}, False),  # Gated DeltaNet and gated attention, its own spec
+    ("qwen3_5", dict(PR="bf16", DO="true"), {}, False),  # Qwen3.5-MoE's language model
 ]
 TWO_PROCESSES = [
     ("llama3_1", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, True),

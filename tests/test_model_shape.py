@@ -54,8 +54,8 @@ def test_families_json_gives_the_published_sizes(rows, family, size, total, acti
     assert shown == active, counts
 
 
-# Publishers who count active parameters without the vocabulary matrices: Zhipu and Qwen (for Qwen3-Next) leave
-# out the embedding and the output layer (GLM-4.5 "355B total, 32B active", its total rounded up from 352.8 B without the MTP
+# Published sizes within 1%, and active ones as the publisher counts them: Zhipu and Qwen (for Qwen3-Next) leave
+# out the embedding and the output layer, Qwen for Qwen3.5 neither (GLM-4.5 "355B total, 32B active", its total rounded up from 352.8 B without the MTP
 # layer: within 1%), OpenAI only the embedding (gpt-oss's card: 20.91 B / 3.61 B and 116.83 B / 5.13 B).
 @pytest.mark.parametrize("family,size,total,active,left_out,rel", [
     ("glm4_moe", "355B-A32B", 355, 32, 2, 0.01),
@@ -63,6 +63,7 @@ def test_families_json_gives_the_published_sizes(rows, family, size, total, acti
     ("gpt_oss", "20B-A3.6B", 20.91, 3.61, 1, 0.0005),
     ("gpt_oss", "120B-A5.1B", 116.83, 5.13, 1, 0.0005),
     ("qwen3_next", "80B-A3B", 80, 3, 2, 0.01),  # Qwen: "80B total, 3B activated" (79.7 B, 3.25 B)
+    ("qwen3_5", "397B-A17B", 397, 17, 0, 0.01),  # the language model, 396.3 B: the card counts the vision tower too
 ])
 def test_published_sizes_without_vocabulary_matrices(rows, family, size, total, active, left_out, rel):
     counts = rows[family]["presets"][size]

@@ -83,3 +83,32 @@ def test_more_than_one_mtp_layer_is_refused():
     arch = dataclasses.replace(parse_arch(tiny_config("qwen3_next")), mtp_layers=2)
     with pytest.raises(UserError, match="share one mtp.fc"):
         get_family("qwen3_next").weight_rules(arch)
+
+
+# --- Qwen3.5 (the qwen3_5 family): the dense sibling of the MoE model the registry-driven tests run ---------------
+
+@pytest.mark.slow
+def test_qwen3_5_dense_language_model_round_trips_and_matches_transformers(tmp_path):
+    """Qwen3.5-27B's layout (a dense MLP in every layer) at a tiny size: converted both ways bit-exact with its
+    vision tower, and its MCore twin's logits are transformers'."""
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.models.qwen3_5.config import TINY_DENSE_CONFIG
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("qwen3_5", tmp_path / "hf", seed=5, **TINY_DENSE_CONFIG)
+    arch = parse_arch(hf)
+    assert not arch.is_moe and arch.layer_types == ("linear_attention", "full_attention")
+    hf_to_mcore(hf, tmp_path / "mcore", ParallelLayout(tp=2, pp=2), fmt="legacy", progress=False)
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
+    src, out = HFCheckpointReader(hf), HFCheckpointReader(tmp_path / "back")
+    assert sorted(out.keys()) == sorted(src.keys()) and any("visual" in n for n in src.keys())
+    assert all(torch.equal(out.get(n), src.get(n)) for n in src.keys())
+    m = check_parity(hf, ParallelLayout(tp=2), seed=3)
+    assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m
+
+
+def test_qwen3_5_without_its_text_config_is_refused():
+    with pytest.raises(UserError, match="has no text_config: point at Qwen3.5's multimodal hub folder"):
+        parse_arch({"model_type": "qwen3_5", "hidden_size": 64})

@@ -32,6 +32,7 @@ from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
 from megatron_patch.convert.bytemap import Move, Tiled, block_moves, shard_shape
+from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_carried_plan
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
@@ -175,11 +176,14 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     check_hf_shapes(reader, skeleton)
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
+    carried = _carried_sources(family, reader, available, notes)
     copier = _make_copier(copier, workers, None)
     with atomic_output_dir(save_dir, force, inputs=(hf_dir,)) as tmp:
         release = tmp / RELEASE
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
+        if carried:  # byte for byte beside the checkpoint's weights
+            tasks += _move_tasks(copier, _whole_moves(carried, write_carried_plan(tmp, carried)))
         if fmt == "legacy":
             out_tasks, count, total, finish = _plan_legacy(release, arch, layout, transfers, reader, out_dtype, copier)
         else:
@@ -193,13 +197,35 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             copier.close()
         bar.update(0, tensors=count)
         finish()
-        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp),
+        carried_files = copy_carried(hf_dir, tmp) + ([CARRIED_TENSORS] if carried else [])
+        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=carried_files,
                                  num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()), notes=notes)
         sidecar.write(tmp)
         # Written last: Megatron treats a folder with this file as a finished checkpoint.
         write_tracker(tmp, RELEASE)
     bar.close(copier.stats)
     return sidecar
+
+
+def _carried_sources(family, reader, available: set[str], notes: list[str]) -> dict[str, Stored]:
+    """The HF tensors the family carries beside the MCore model, where their bytes are; said once, loudly."""
+    names = sorted(n for n in available if family.is_carried(n))
+    if not names:
+        return {}
+    sources = {n: reader.stored(n) for n in names}
+    computed = [n for n, place in sources.items() if place is None]
+    if computed:
+        raise UserError(f"{computed[0]} is quantized: tensors carried beside the model are copied as stored")
+    note = (f"the MCore model holds the language model only: {len(names)} other tensors ({names[0]}, ...) travel "
+            f"beside it unchanged in {CARRIED_TENSORS}, are written back on export and are not trained")
+    print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
+    notes.append(note)
+    return sources
+
+
+def _whole_moves(sources: dict[str, Stored], places: dict[str, Stored]) -> list[Move]:
+    """Each source tensor's bytes, whole, into its place."""
+    return [Move(src, 0, 0, places[n], 0, 0, src.rows, src.cols) for n, src in sources.items() if src.nbytes]
 
 
 def _multi_token_prediction(family, arch: Arch, reader, keep: bool, notes: list[str]) -> tuple[set[str], Arch]:
@@ -404,6 +430,9 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     copies = family.hf_copies(arch)
     entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
     entries = stack_entries(entries, family.hf_stacked(arch))
+    # HF tensors carried beside the model (convert/carried.py), back among the exported ones as they were
+    carried = read_carried(load_dir) if CARRIED_TENSORS in sidecar.carried_files else {}
+    entries += [(n, place.shape, place.dtype) for n, place in carried.items()]
     copier = _make_copier(copier, workers, None)
     total = sum(nbytes(s, d) for _, s, d in entries)
     with atomic_output_dir(save_dir, force, inputs=(load_dir,)) as tmp:
@@ -411,6 +440,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
         out.write_headers()
         places = member_places(out.stored, family.hf_stacked(arch))
         tasks = _plan_mcore_to_hf(arch, transfers, source, places, copies, copier)
+        tasks += _move_tasks(copier, _whole_moves(carried, places))
         bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
         copier.progress = bar
         try:
@@ -420,7 +450,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
         bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
-        copy_carried(load_dir, tmp, sidecar.carried_files)
+        copy_carried(load_dir, tmp, [f for f in sidecar.carried_files if f != CARRIED_TENSORS])
     bar.close(copier.stats)
     return Path(save_dir)
 

@@ -48,7 +48,7 @@ def check_hf_names(family: ModelFamily, arch: Arch, transfers: list[Transfer], a
     copies = set(family.tied_hf_names(arch)) | set(family.hf_copies(arch))
     # a model built without its multi-token-prediction layers leaves theirs unread (the converter says so)
     unbuilt = family.hf_mtp_names(arch, available) if not arch.mtp_layers else set()
-    extra = {n for n in available - needed - copies - unbuilt if not family.is_ignored(n)}
+    extra = {n for n in available - needed - copies - unbuilt if not (family.is_ignored(n) or family.is_carried(n))}
     if extra:
         raise MappingError(f"HF checkpoint has {len(extra)} tensor(s) no {arch.family} mapping rule consumes: {names_list(extra)}")
 

@@ -88,6 +88,9 @@ class ModelFamily:
     hf_modules: HFModules = HFModules()
     # HF tensors that are not weights (regular expressions, matched in full).
     ignored_hf_names: tuple[str, ...] = (r"(.+\.)?rotary_emb\.inv_freq",)
+    # HF tensors the MCore model does not hold but that travel with it, unchanged (Qwen3.5's vision tower;
+    # regular expressions, matched in full): convert/carried.py.
+    hf_carried: tuple[str, ...] = ()
     test_layouts: TestLayouts = field(default_factory=TestLayouts)
     # Multi-token-prediction layers an HF checkpoint carries after the decoder's (DeepSeek-V3: 1); the
     # converter keeps them only when asked, and otherwise drops them saying so.
@@ -107,6 +110,9 @@ class ModelFamily:
     # Its multi-token-prediction block's spec where megatron-core's would not fit its layers (arch, config, the
     # decoder's spec, use_te, vp_stage) -> spec; None: megatron-core's around the last decoder layer.
     mtp_block_spec: Callable | None = None
+    # The transformers auto class whose model its hub checkpoints hold (tiny checkpoints are made with it):
+    # Qwen3.5's is the multimodal model, of which the family converts and trains the language model.
+    hf_auto_class: str = "AutoModelForCausalLM"
     # model_type -> the name transformers knows its code under, for a type that only remote code would
     # load (Kimi-K2: kimi_k2 -> deepseek_v3); the aligner builds transformers' own class (models/hf_model.py).
     transformers_model_types: Mapping[str, str] = field(default_factory=dict)
@@ -122,6 +128,9 @@ class ModelFamily:
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored_hf_names)
+
+    def is_carried(self, hf_name: str) -> bool:
+        return any(re.fullmatch(p, hf_name) for p in self.hf_carried)
 
     def hf_mtp_names(self, arch: Arch, names) -> set[str]:
         """Those of ``names`` that belong to the multi-token-prediction layers config.json declares."""
