@@ -51,6 +51,21 @@ def test_parity_inputs_reach_the_window_the_sinks_and_the_clamp(tiny, tmp_path):
     assert (other - base).norm() / base.norm() > 1e-3
 
 
+def test_rope_defaults_are_what_transformers_fills_in():
+    """A config.json without RoPE fields gets transformers' YaRN (factor 32) on rope_theta 150000."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_patch.models import rope
+
+    raw = {k: v for k, v in tiny_config("gpt_oss").items() if k not in ("rope_scaling", "rope_theta")}
+    arch = parse_arch(raw)
+    assert arch.rope_theta == 150000.0 and arch.rope_scaling["factor"] == 32.0
+    hf_rotary = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).model.rotary_emb
+    ours, factor = rope.inv_freq_and_attention_factor(arch)
+    torch.testing.assert_close(ours, hf_rotary.inv_freq.float(), rtol=0, atol=0)
+    assert factor == pytest.approx(hf_rotary.attention_scaling, rel=1e-12)
+
+
 def test_mxfp4_dequantization_is_transformers_bit_for_bit():
     """Every byte of codes against every scale exponent (zeros, subnormals, infinities and NaNs included),
     in float32 and as transformers dequantizes into bf16."""

@@ -43,7 +43,7 @@ def parse_config(raw: dict) -> Arch:
                         "layer or on none, and the experts have them")
     filled = dict(raw)
     if not (raw.get("rope_parameters") or raw.get("rope_scaling")):
-        filled["rope_scaling"] = DEFAULT_ROPE
+        filled["rope_scaling"] = dict(DEFAULT_ROPE)
     if raw.get("rope_theta") is None and "rope_theta" not in (raw.get("rope_parameters") or {}):
         filled["rope_theta"] = DEFAULT_THETA
     arch = parse_decoder_config(filled, "gpt_oss", qkv_bias=True, linear_bias=True)

@@ -11,7 +11,7 @@ def _gpt_oss(layers, experts):
         "layer_types": ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)],
         "sliding_window": 128, "num_local_experts": experts, "num_experts_per_tok": 4, "swiglu_limit": 7.0,
         "router_aux_loss_coef": 0.9, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-        "rope_theta": 150000, "rope_scaling": DEFAULT_ROPE, "tie_word_embeddings": False,
+        "rope_theta": 150000, "rope_scaling": dict(DEFAULT_ROPE), "tie_word_embeddings": False,
         "eos_token_id": 200002, "pad_token_id": 199999, "torch_dtype": "bfloat16",
     }
 

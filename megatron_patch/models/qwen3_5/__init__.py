@@ -20,5 +20,5 @@ FAMILY = register(ModelFamily(
     hf_mtp_layers=num_mtp_layers, hf_mtp_prefixes=mtp_prefixes, layer_spec=layer_spec, mtp_block_spec=mtp_block_spec,
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2, ep=2)),
-        round_trips=(("legacy", L(tp=2, pp=2, ep=2), "bf16"),)),
+        round_trips=(("legacy", L(tp=2, pp=2, ep=2), "bf16"), ("torch_dist", L(tp=2, ep=2, etp=1), "fp32"))),
 ))
