@@ -32,3 +32,47 @@ def checkpoint_logits_worker(ckpt_dir: str, layout, tokens: torch.Tensor, dtype=
     model = build_model(arch, layout, dtype)
     load_checkpoint_into_model(model, ckpt_dir, layout, hf_config)
     return forward_logits(place_on_rank_device(model), tokens, arch.vocab_size)
+
+
+MTP_CONFIG_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+
+
+def with_mtp_layer(src: Path, out: Path, seed: int = 9) -> Path:
+    """A copy of the HF folder ``src`` with one multi-token-prediction layer, laid out as its family's hub
+    checkpoints lay them out: the tensors the family's table reads for it drawn at random (shapes from the
+    model megatron-core builds), and the copies it declares (embedding, head) equal to what they copy."""
+    import dataclasses
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.models.mapping import plan_transfers
+    from megatron_patch.models.registry import get_family, parse_arch
+    from megatron_patch.models.skeleton import describe_model
+    from megatron_patch.runtime import ParallelLayout
+
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    family = get_family(parse_arch(config).family)
+    # the key its family reads, at the top of config.json or in its text_config (Qwen3.5's)
+    where, key = next((c, k) for c in (config, config.get("text_config")) if isinstance(c, dict)
+                      for k in MTP_CONFIG_KEYS if family.hf_mtp_layers({**config, **({k: 1} if c is config else
+                                                                                    {"text_config": {**c, k: 1}})}) == 1)
+    where[key] = 1
+    arch = dataclasses.replace(parse_arch(config), mtp_layers=1)
+    reader = HFCheckpointReader(src)
+    tensors = {n: reader.get(n) for n in reader.keys()}
+    shapes = describe_model(arch).hf_shapes
+    g = torch.Generator().manual_seed(seed)
+    for t in plan_transfers(family.weight_rules(arch), arch, ParallelLayout()):
+        for name in t.hf_names:
+            if name not in tensors:
+                base = torch.randn(shapes[name], generator=g)
+                tensors[name] = 1 + 0.1 * base if name.endswith("norm.weight") else 0.08 * base
+    tensors.update({copy: tensors[source].clone() for copy, source in family.hf_copies(arch).items()})
+    (out / "model.safetensors").unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    return out

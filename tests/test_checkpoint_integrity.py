@@ -30,7 +30,7 @@ from megatron_patch.checkpoint_files.torch_files import LazyTorchFile, TensorSpe
 from megatron_patch.checkpoint_files.byte_io import create_file
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.cli import main
-from megatron_patch.convert.bytemap import Move, Tiled, box_tiles
+from megatron_patch.convert.bytemap import box_tiles
 from megatron_patch.errors import UserError
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
@@ -251,7 +251,6 @@ def test_mcore2hf_from_whole_stacked_chunks_and_odd_cuts(hf, tmp_path, capsys):
 
 
 def test_overlapping_or_missing_chunks_are_refused(tmp_path):
-    t = torch.arange(12.0).reshape(3, 4)
     items = [ChunkItem("t", (3, 4), (0, 0), (2, 4), "float32"), ChunkItem("t", (3, 4), (1, 0), (2, 4), "float32")]
     plan = plan_torch_dist(tmp_path / "o", items, [])
     plan.create_files()

@@ -105,9 +105,10 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     from megatron_patch.models.registry import get_family, parse_arch
 
     arch = parse_arch(src)
-    kept = {n: getattr(torch, t.dtype) for t in plan(get_family(arch.family), arch, ParallelLayout()) for n in t.hf_names
-            if t.dtype}
-    want = {k: v.to(kept.get(k, DTYPES[dtype])) for k, v in tensors(src).items()}
+    fam = get_family(arch.family)
+    kept = {n: getattr(torch, t.dtype) for t in plan(fam, arch, ParallelLayout()) for n in t.hf_names if t.dtype}
+    # tensors carried beside the model (Qwen3.5's vision tower) come back as they were
+    want = {k: v if fam.is_carried(k) else v.to(kept.get(k, DTYPES[dtype])) for k, v in tensors(src).items()}
     got = tensors(back)
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
@@ -120,6 +121,28 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (ckpt / name).read_bytes() == (src / name).read_bytes() == (back / name).read_bytes()
     assert not leftovers(ckpt) and not leftovers(back)
+
+
+# Families whose hub checkpoints carry multi-token-prediction layers (DeepSeek's own tests,
+# tests/test_deepseek.py, also check their logits).
+MTP_FAMILIES = [name for name, f in families().items() if f.has_mtp and name != "deepseek_v3"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_mtp_layers_convert_both_ways_bit_exact(hf_dirs, tmp_path, family):
+    from megatron_patch.models.registry import get_family
+    from tests.convert_helpers import with_mtp_layer
+
+    src = with_mtp_layer(hf_dirs[family], tmp_path / "hf")
+    want = tensors(src)
+    _, layout, _ = get_family(family).test_layouts.round_trips[0]
+    hf_to_mcore(src, tmp_path / "mcore", layout, fmt="legacy", mtp=True, progress=False)
+    assert read_sidecar(tmp_path / "mcore").mtp_layers == 1
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
+    got = tensors(tmp_path / "back")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n], t) for n, t in want.items())
 
 
 @pytest.mark.slow

@@ -359,3 +359,67 @@ def test_mtp_of_a_model_without_it_is_refused(variants, tmp_path, capsys):
     assert main(["convert", "hf2mcore", "--hf-dir", str(variants["moonlight"]), "--save-dir", str(tmp_path / "x"),
                  "--mtp", "--quiet"]) == 2
     assert "declares no multi-token-prediction layers" in capsys.readouterr().err
+
+
+# --- Kimi-K2: a DeepSeek-V3 checkpoint under its own model_type, with remote code that never runs --------------
+
+@pytest.fixture(scope="module")
+def kimi_checkpoint(variants, tmp_path_factory):
+    """The tiny V3 laid out as Kimi-K2's hub folder: model_type kimi_k2, auto_map pointing at code of its
+    own, which, were it ever imported, would leave a file behind."""
+    import json
+
+    out = tmp_path_factory.mktemp("kimi") / "hf"
+    shutil.copytree(variants["v3"], out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                                   "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (out / "config.json").write_text(json.dumps(config))
+    marker = out.parent / "remote_code_ran"
+    for name in ("configuration_deepseek.py", "modeling_deepseek.py"):
+        (out / name).write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit('remote code ran')\n")
+    return out
+
+
+@pytest.mark.slow
+def test_kimi_k2_converts_and_runs_as_deepseek_v3_without_its_code(kimi_checkpoint, variants, tmp_path):
+    import json
+
+    from megatron_patch.cli import main
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+    assert parse_arch(kimi_checkpoint).family == "deepseek_v3"
+    assert parse_arch(kimi_checkpoint).to_dict() | {"hf_config": None} == \
+        parse_arch(variants["v3"]).to_dict() | {"hf_config": None}
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(kimi_checkpoint), "--save-dir", str(mcore), "--tp", "2",
+                 "--ep", "2", "--format", "legacy", "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
+    src, out = HFCheckpointReader(kimi_checkpoint), HFCheckpointReader(back)
+    assert sorted(out.keys()) == sorted(src.keys()) and all(torch.equal(out.get(n), src.get(n)) for n in src.keys())
+    config = json.loads((back / "config.json").read_text())
+    assert config["model_type"] == "kimi_k2" and "auto_map" in config
+    # transformers' own DeepSeek-V3 runs it (as the aligner and parity check load it), and MCore agrees
+    tokens = random_tokens(200, seed=8)
+    reference = hf_logits(kimi_checkpoint, tokens)
+    assert torch.equal(reference, hf_logits(variants["v3"], tokens))
+    m = compare_logits(reference, mcore_logits([kimi_checkpoint], ParallelLayout(), [tokens])[0])
+    assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m
+    assert not (kimi_checkpoint.parent / "remote_code_ran").exists()
+
+
+def test_int4_hub_weights_are_refused_in_one_line(kimi_checkpoint, tmp_path, capsys):
+    """Kimi-K2-Thinking ships INT4 (compressed-tensors) weights: refused before anything is read or written."""
+    import json
+
+    from megatron_patch.cli import main
+
+    int4 = tmp_path / "int4"
+    shutil.copytree(kimi_checkpoint, int4)
+    config = json.loads((int4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (int4 / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "hf2mcore", "--hf-dir", str(int4), "--save-dir", str(tmp_path / "out"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "quant_method 'compressed-tensors' (INT4 weights, as Kimi-K2-Thinking ships them) is not supported" in err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()

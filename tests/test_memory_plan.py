@@ -42,6 +42,10 @@ ONE_PROCESS = [
     ("qwen3_moe", dict(PR="bf16", DO="true"), {}, False),  # a dense layer among MoE layers
     ("mixtral", dict(PR="bf16"), {}, False),
     ("deepseek_v3", dict(PR="bf16", DO="true"), {}, False),  # MLA, dense then MoE layers, router bias buffer
+    ("glm4_moe", dict(PR="bf16", DO="true"), {}, False),  # partial RoPE, q/k/v bias and norms, shared expert
+    ("gpt_oss", dict(PR="bf16", DO="true"), {}, False),  # sinks, sliding window, router and expert biases
+    ("qwen3_next", dict(PR="bf16", DO="true"), {}, False),  # Gated DeltaNet and gated attention, its own spec
+    ("qwen3_5", dict(PR="bf16", DO="true"), {}, False),  # Qwen3.5-MoE's language model
 ]
 TWO_PROCESSES = [
     ("llama3_1", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, True),
@@ -99,7 +103,14 @@ def test_plan_equals_what_two_processes_allocate(corpus, tmp_path):
     _check(cfgs, [[rank[i] for rank in per_rank] for i in range(len(cfgs))], [c for *_, c in TWO_PROCESSES])
 
 
-def _gpu_cfg(tmp_path, env=None, **over):
+def test_every_family_is_planned():
+    """Each family's model state is checked against a real run above (the lists name every family)."""
+    from megatron_patch.models.registry import families
+
+    assert {f for f, *_ in ONE_PROCESS + TWO_PROCESSES} == set(families())
+
+
+def _gpu_cfg(tmp_path, env=None, family="llama3_1", **over):
     prefix = tmp_path / "c_text_document"
     for suffix in (".bin", ".idx"):
         prefix.with_name(prefix.name + suffix).write_bytes(b"")
@@ -107,7 +118,7 @@ def _gpu_cfg(tmp_path, env=None, **over):
                 TRAIN_TOKENS_OR_ITERS="1e9", WARMUP_TOKENS_OR_ITERS="1e8", DATASET_PATH=str(prefix),
                 OUTPUT_BASEPATH=str(tmp_path / "out"))
     base.update(over)
-    return resolve("llama3_1", launcher_args("llama3_1", **base), env={"GPUS_PER_NODE": "1", **(env or {})})
+    return resolve(family, launcher_args(family, **base), env={"GPUS_PER_NODE": "1", **(env or {})})
 
 
 def test_llama_8b_model_state_counts_its_parameters(tmp_path):
@@ -127,6 +138,20 @@ def test_llama_8b_model_state_counts_its_parameters(tmp_path):
     assert auto.problem() is None and 0.3 < auto.offload_share < 1.0, auto.offload_share
     pp2 = plan_memory(_gpu_cfg(tmp_path, {"GPUS_PER_NODE": "2"}, PP="2", DO="true"), "te")
     assert pp2.stages[0].in_flight == 2 and pp2.stages[1].in_flight == 1
+
+
+@pytest.mark.slow
+def test_every_published_size_is_planned(tmp_path):
+    """The large presets (what the suite cannot run) get their plan: one GPU's stage holds every parameter
+    the model has, counted as megatron-core builds it (models/shape.py)."""
+    from megatron_patch.models.registry import families, parse_arch
+    from megatron_patch.models.shape import model_shapes
+
+    sizes = [(name, size) for name, f in families().items() for size in f.presets if size != "tiny"]
+    counts = [s.params() for s in model_shapes([parse_arch(families()[n].presets[z]) for n, z in sizes])]
+    for (name, size), n in zip(sizes, counts):
+        st = plan_memory(_gpu_cfg(tmp_path, family=name, MODEL_SIZE=size, DO="true"), "te").stages[0]
+        assert n <= st.params / 2 < n * (1 + 1e-5), (name, size, n, st.params)
 
 
 def test_auto_share_shrinks_as_the_device_grows(tmp_path):

@@ -42,6 +42,7 @@ def rows():
 @pytest.mark.parametrize("family,size,total,active,digits,cut", [
     ("llama3_1", "8B", 8.03, 8.03, 2, False),
     ("deepseek_v3", "671B", 671, 37, 0, True),      # without the multi-token-prediction layer
+    ("deepseek_v3", "Kimi-K2-1T-A32B", 1026, 32, 0, True),  # Moonshot: "1T total (1.026T), 32B activated"
     ("qwen3_moe", "30B-A3B", 30.5, 3.3, 1, True),
     ("mixtral", "8x7B", 46.7, 12.9, 1, False),
 ])
@@ -51,6 +52,26 @@ def test_families_json_gives_the_published_sizes(rows, family, size, total, acti
     scale = 10 ** digits
     shown = math.floor(counts["params_active"] / B * scale) / scale if cut else round(counts["params_active"] / B, digits)
     assert shown == active, counts
+
+
+# Published sizes within 1%, and active ones as the publisher counts them: Zhipu and Qwen (for Qwen3-Next) leave
+# out the embedding and the output layer, Qwen for Qwen3.5 neither (GLM-4.5 "355B total, 32B active", its total rounded up from 352.8 B without the MTP
+# layer: within 1%), OpenAI only the embedding (gpt-oss's card: 20.91 B / 3.61 B and 116.83 B / 5.13 B).
+@pytest.mark.parametrize("family,size,total,active,left_out,rel", [
+    ("glm4_moe", "355B-A32B", 355, 32, 2, 0.01),
+    ("glm4_moe", "Air-106B-A12B", 106, 12, 2, 0.01),
+    ("gpt_oss", "20B-A3.6B", 20.91, 3.61, 1, 0.0005),
+    ("gpt_oss", "120B-A5.1B", 116.83, 5.13, 1, 0.0005),
+    ("qwen3_next", "80B-A3B", 80, 3, 2, 0.01),  # Qwen: "80B total, 3B activated" (79.7 B, 3.25 B)
+    ("qwen3_5", "397B-A17B", 397, 17, 0, 0.01),  # the language model, 396.3 B: the card counts the vision tower too
+])
+def test_published_sizes_without_vocabulary_matrices(rows, family, size, total, active, left_out, rel):
+    counts = rows[family]["presets"][size]
+    arch = parse_arch(families()[family].presets[size])
+    digits = len(str(active).partition(".")[2])
+    assert abs(counts["params_total"] / B - total) <= rel * total, counts
+    shown = (counts["params_active"] - left_out * arch.padded_vocab_size() * arch.hidden_size) / B
+    assert round(shown, digits) == active, counts
 
 
 def test_every_preset_has_its_counts(rows):
@@ -113,12 +134,28 @@ def _megatron_lm_flops_per_token(arch, seq: int) -> float:
 
 @pytest.mark.parametrize("family,size", [("llama3_1", "8B"), ("llama3_1", "70B"), ("qwen3", "8B"),
                                          ("qwen3_moe", "30B-A3B"), ("qwen2_moe", "57B-A14B"), ("mixtral", "8x7B"),
-                                         ("deepseek_v3", "671B"), ("deepseek_v3", "V2-Lite-16B")])
+                                         ("deepseek_v3", "671B"), ("deepseek_v3", "V2-Lite-16B"),
+                                         ("glm4_moe", "355B-A32B")])
 @pytest.mark.parametrize("seq", [4096, 32768])
 def test_flops_follow_megatron_lm(family, size, seq):
     arch = parse_arch(families()[family].presets[size])
     ours, theirs = model_shape(arch).flops_per_token(seq), _megatron_lm_flops_per_token(arch, seq)
     assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
+
+
+@pytest.mark.parametrize("seq", [64, 32768])
+def test_sliding_window_layers_count_the_keys_their_window_leaves(seq):
+    """gpt-oss-120b: half its layers see 128 keys at most; against the same model with full attention
+    everywhere, exactly those layers' score and value products go (W - W^2/2s keys a query for s > W)."""
+    import dataclasses
+
+    arch = parse_arch(families()["gpt_oss"].presets["120B-A5.1B"])
+    full = dataclasses.replace(arch, layer_types=("full_attention",) * arch.num_layers)
+    sliding, w = arch.layer_types.count("sliding_attention"), arch.sliding_window
+    keys = seq / 2 if seq <= w else w - w * w / (2 * seq)
+    saved = 6 * sliding * (seq / 2 - keys) * arch.num_heads * 2 * arch.head_dim
+    assert model_shape(full).flops_per_token(seq) - model_shape(arch).flops_per_token(seq) == pytest.approx(saved)
+    assert (saved == 0) == (seq <= w)
 
 
 @pytest.mark.parametrize("size", ["8B", "70B"])

@@ -119,6 +119,31 @@ def test_every_rope_type_equals_transformers(name):
         assert factor == 1.0 and rope.softmax_scale(arch) is None
 
 
+# Families that rotate part of each head; YaRN is tried where config.json's RoPE is at its top (Qwen3.5 keeps it in
+# its text_config, and its text RoPE is Qwen3-Next's).
+PARTIAL_ROPE_CASES = [(f, scaling) for f in FAMILY_NAMES if parse_arch(tiny_config(f)).rotary_percent < 1
+                      for scaling in ("default", "yarn") if scaling == "default" or "text_config" not in tiny_config(f)]
+
+
+@pytest.mark.parametrize("family,scaling", PARTIAL_ROPE_CASES)
+def test_partial_rope_equals_transformers(family, scaling):
+    """RoPE on part of each head: the frequencies over the rotated dimensions (and YaRN's factor) bit for
+    bit as the family's transformers model computes them, and megatron-core builds that many."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_patch.models import rope
+
+    # a dict of its own: transformers writes rope_theta and partial_rotary_factor into the one it is given
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0}
+    raw = tiny_config(family, **({"rope_scaling": yarn} if scaling == "yarn" else {}))
+    arch = parse_arch(raw)
+    hf_rotary = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).model.rotary_emb
+    ours, factor = rope.inv_freq_and_attention_factor(arch)
+    assert ours.numel() * 2 == rope.rotary_dim(arch) < arch.head_dim
+    torch.testing.assert_close(ours, hf_rotary.inv_freq.float(), rtol=0, atol=0)
+    assert factor == pytest.approx(hf_rotary.attention_scaling, rel=1e-12)
+
+
 def test_rope_scaling_in_transformers5_form_is_read():
     raw = dict(tiny_config("llama3_1"))
     scaling = raw.pop("rope_scaling")
@@ -148,6 +173,9 @@ def test_family_specifics_are_parsed():
     ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "linear"}}, "linear RoPE scaling lacks factor"),
     ({k: v for k, v in tiny_config("mixtral").items() if k != "num_local_experts"}, "num_local_experts"),
     ({**tiny_config("llama3_1"), "num_hidden_layers": "four"}, "num_hidden_layers"),
+    ({**tiny_config("glm4_moe"), "norm_topk_prob": False}, "norm_topk_prob=false"),
+    ({**tiny_config("glm4_moe"), "n_group": 2, "topk_group": 2}, "group-limited routing"),
+    ({**tiny_config("glm4_moe"), "partial_rotary_factor": 1.5}, "partial_rotary_factor must be a number in (0, 1]"),
 ])
 def test_unsupported_configs_fail_with_one_line(raw, fragment):
     with pytest.raises(UserError) as err:
@@ -208,9 +236,10 @@ def _fits(arch, layout) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", ["te", "local"])
 def test_round_trip_is_bit_identical(tiny_dirs, family, dtype, spec):
-    hf = {k: v.to(dtype) for k, v in hf_tensors(tiny_dirs[family]).items()}
     arch = parse_arch(tiny_dirs[family])
     fam = get_family(arch.family)
+    # the tensors the model holds (Qwen3.5's vision tower travels beside it: tests/test_convert.py)
+    hf = {k: v.to(dtype) for k, v in hf_tensors(tiny_dirs[family]).items() if not fam.is_carried(k)}
     for layout in round_trip_layouts(family):
         ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__, spec) for c in all_coords(layout)}
         back = hf_tensors_from_ranks(fam, arch, layout, ranks, spec)
@@ -386,15 +415,19 @@ def checkpoint_keys_worker(family: str, overrides: dict) -> tuple[set, set]:
     arch = parse_arch(tiny_config(family, **overrides))
     init_model_parallel(ParallelLayout())
     model = build_model(arch, ParallelLayout(), use_te=False)
-    keys = {v.key for k, v in model.sharded_state_dict().items() if not k.endswith("_extra_state")}
+    keys = set()
+    for name, entry in model.sharded_state_dict().items():
+        if not name.endswith("_extra_state"):  # a parameter stored as pieces (Gated DeltaNet) counts once
+            keys.add(entry.key)
     # Every parameter the plan writes at TP=PP=EP=1, where layer and expert numbers are global.
     names = {p.mcore_name for t in plan_transfers(get_family(family).weight_rules(arch), arch, ParallelLayout())
              for p in t.placements}
-    experts = r"mlp\.experts\.(linear_fc[12])\.weight\d+"
-    if arch.dense_layers:  # megatron keys layers of a mixed model by their number; experts stacked
-        folded = {re.sub(experts, r"mlp.experts.experts.\1.weight", n) for n in names}
+    experts = r"mlp\.experts\.(linear_fc[12])\.(weight|bias)\d+"
+    # megatron keys the layers of a mixed model (dense and MoE, linear and full attention) by their number
+    if arch.dense_layers or "linear_attention" in arch.layer_types:  # experts stacked
+        folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", n) for n in names}
     else:  # homogeneous layers are stacked on a leading axis
-        folded = {re.sub(experts, r"mlp.experts.experts.\1.weight", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))
+        folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))
                   for n in names}
     return keys, folded
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from megatron_patch.models.family import HFModules
+from megatron_patch.models.hf_model import load_causal_lm
 
 Captures = dict[str, torch.Tensor]
 
@@ -61,6 +62,9 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
     def make(name):
         def hook(module, args, output):
             t = _first(output).detach()
+            if seq_first and not name.endswith(".output") and isinstance(output, tuple) and torch.is_tensor(output[-1]):
+                # megatron-core's sub-blocks return (output, bias) and add the bias later, with the residual
+                t = t + output[-1].detach()
             if seq_first:
                 t = t.transpose(0, 1)
             # Always a copy: with batch 1 the transposed output is already contiguous, and MCore adds the
@@ -132,7 +136,7 @@ def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
     """The HF modules behind each point, at the paths the model's family names."""
     targets = {"embedding": model.get_submodule(modules.embedding)}
     for i, layer in enumerate(model.get_submodule(modules.layers)):
-        targets[f"layers.{i}.attention"] = layer.get_submodule(modules.attention)
+        targets[f"layers.{i}.attention"] = _submodule(layer, modules.attention)
         targets[f"layers.{i}.mlp"] = _submodule(layer, modules.mlp)
         targets[f"layers.{i}.output"] = layer
     targets["final_norm"] = model.get_submodule(modules.final_norm)
@@ -165,10 +169,8 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
 
 
 def load_hf_model(hf_dir, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
     # eager attention: the same math on every machine, no backend-dependent kernel choice.
-    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, attn_implementation="eager")
+    return load_causal_lm(hf_dir, dtype, attn_implementation="eager")
 
 
 def mcore_capture_targets(model) -> dict[str, torch.nn.Module]:

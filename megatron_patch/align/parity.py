@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from megatron_patch.align.metrics import compare_logits
+from megatron_patch.models.hf_model import load_causal_lm
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # fp32 bounds from the project's requirements: relative L2 error and mean per-token KL.
@@ -20,9 +21,7 @@ def random_tokens(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0)
 
 
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
+    model = load_causal_lm(hf_dir, dtype)
     model.eval()
     with torch.no_grad():
         return model(tokens).logits.float()

@@ -34,12 +34,13 @@ from megatron_patch.checkpoint_files.manifest import DIGEST, BackgroundCheck, di
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
 from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
+from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_carried_plan
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
 from megatron_patch.convert.schedule import WHOLE_FILE
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
-from megatron_patch.convert.fp8 import DequantizingReader, open_weights
+from megatron_patch.convert.fp8 import open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes, contained
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.checkpoint_files.legacy import (
@@ -47,6 +48,7 @@ from megatron_patch.checkpoint_files.legacy import (
 from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.sidecar import Sidecar
+from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
 from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan_torch_save
@@ -141,8 +143,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     ``Copier`` instead (tests: tracing, the fallback path). ``dtype``: bf16 / fp16 / fp32 (or a torch
     dtype); None keeps the HF tensors' own.
 
-    FP8 block-scaled weights are dequantized on the way (``convert.fp8``; through torch, as they are
-    computed, not copied). Multi-token-prediction layers go into megatron-core's MTP block with
+    FP8 block-scaled weights and MXFP4 experts are dequantized on the way (``convert.fp8``,
+    ``convert.mxfp4``; through torch, as they are computed, not copied). Multi-token-prediction layers go into megatron-core's MTP block with
     ``mtp``; without it they are dropped, with a count printed and a note in the sidecar.
 
     ``adapter``: LoRA adapters to store beside the weights (``convert.lora_io.PeftImport``: their tensors
@@ -162,38 +164,41 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     if fmt == "legacy":
         check_legacy_layout(layout)
     check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
-    carried = [contained(hf_dir, name, "has a side file").name for name in carried_files(hf_dir)]
+    side_files = [contained(hf_dir, name, "has a side file").name for name in carried_files(hf_dir)]
     hf_reader = HFCheckpointReader(hf_dir)
     check_weights_fit(arch, sum(hf_reader.nbytes(n) for n in hf_reader.keys()), f"the safetensors of {hf_dir}")
     reader = open_weights(hf_reader, arch.hf_config)
     if adapter is not None and adapter.saved:
         reader = adapter.reader(reader)
     notes = []
-    if isinstance(reader, DequantizingReader):
-        notes.append(f"weights dequantized from FP8 ({reader.block[0]}x{reader.block[1]} block scales); "
-                     "quantization_config removed from the config")
+    if hasattr(reader, "note"):  # dequantized (FP8, MXFP4): the checkpoint and its export hold plain weights
+        notes.append(reader.note)
         arch = dataclasses.replace(arch, hf_config={k: v for k, v in arch.hf_config.items() if k != "quantization_config"})
     available, arch = _multi_token_prediction(family, arch, reader, mtp, notes)
     tp1 = plan(family, arch, ParallelLayout())
     check_hf_names(family, arch, tp1, available)
+    reader = StackedView(reader, family.hf_stacked(arch))  # stacked experts read as the table's members
     # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
     out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype)
     skeleton = describe_model(arch)
     check_hf_shapes(reader, skeleton.hf_shapes)
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
+    carried = _carried_sources(family, reader, available, notes)
     copier = _make_copier(copier, workers, None)
     digested: dict = {}
     with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=(hf_dir,), digested=digested) as tmp:
         release = tmp / RELEASE
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
+        # tensors carried byte for byte beside the checkpoint's weights
+        carried_tasks = _move_tasks(copier, _whole_moves(carried, write_carried_plan(tmp, carried))) if carried else []
         if fmt == "legacy":
             out_tasks, count, total, finish = _plan_legacy(release, arch, layout, transfers, reader, out_dtype, copier)
         else:
             out_tasks, count, total, finish = _plan_torch_dist(release, arch, transfers, reader, out_dtype, skeleton, copier,
                                                                adapter.tensors if adapter is not None else None)
-        tasks += out_tasks + _digest_tasks(tmp, out_tasks, digested)
+        tasks += carried_tasks + out_tasks + _digest_tasks(tmp, carried_tasks + out_tasks, digested)
         bar = Progress(f"hf2mcore {fmt} {layout}", total, count, progress)
         copier.progress = bar
         try:
@@ -202,7 +207,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             copier.close()
         bar.update(0, tensors=count)
         finish()
-        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=copy_carried(hf_dir, tmp, carried),
+        kept = copy_carried(hf_dir, tmp, side_files) + ([CARRIED_TENSORS] if carried else [])
+        sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=kept,
                                  num_tensors=count, num_bytes=total, source=str(hf_dir.resolve()), notes=notes,
                                  lora=adapter.sidecar if adapter is not None else None)
         sidecar.write(tmp)
@@ -210,6 +216,27 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         write_tracker(tmp, RELEASE)
     bar.close(copier.stats)
     return sidecar
+
+
+def _carried_sources(family, reader, available: set[str], notes: list[str]) -> dict[str, Stored]:
+    """The HF tensors the family carries beside the MCore model, where their bytes are; said once, loudly."""
+    names = sorted(n for n in available if family.is_carried(n))
+    if not names:
+        return {}
+    sources = {n: reader.stored(n) for n in names}
+    computed = [n for n, place in sources.items() if place is None]
+    if computed:
+        raise UserError(f"{computed[0]} is quantized: tensors carried beside the model are copied as stored")
+    note = (f"the MCore model holds the language model only: {len(names)} other tensors ({names[0]}, ...) travel "
+            f"beside it unchanged in {CARRIED_TENSORS}, are written back on export and are not trained")
+    print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
+    notes.append(note)
+    return sources
+
+
+def _whole_moves(sources: dict[str, Stored], places: dict[str, Stored]) -> list[Move]:
+    """Each source tensor's bytes, whole, into its place."""
+    return [Move(src, 0, 0, places[n], 0, 0, src.rows, src.cols) for n, src in sources.items() if src.nbytes]
 
 
 def _multi_token_prediction(family, arch: Arch, reader, keep: bool, notes: list[str]) -> tuple[set[str], Arch]:
@@ -220,8 +247,7 @@ def _multi_token_prediction(family, arch: Arch, reader, keep: bool, notes: list[
         if not count:
             raise UserError("--mtp: this checkpoint's config.json declares no multi-token-prediction layers")
         return names, dataclasses.replace(arch, mtp_layers=count)
-    prefixes = tuple(f"{family.hf_modules.layers}.{arch.num_layers + k}." for k in range(count))
-    dropped = {n for n in names if n.startswith(prefixes)} if count else set()
+    dropped = family.hf_mtp_names(arch, names)
     if dropped:
         note = (f"{len(dropped)} tensors of {count} multi-token-prediction layer(s) were not converted "
                 "(convert with --mtp to keep them)")
@@ -493,13 +519,19 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     # HF tensors that repeat others (an MTP layer's embedding and head): the same bytes, written twice.
     copies = family.hf_copies(arch)
     entries += [(copy, hf_shapes[src], made_by[src].dtype_in(out_dtype)) for copy, src in copies.items()]
+    entries = stack_entries(entries, family.hf_stacked(arch))
+    # HF tensors carried beside the model (convert/carried.py), back among the exported ones as they were
+    carried = read_carried(load_dir) if CARRIED_TENSORS in sidecar.carried_files else {}
+    entries += [(n, place.shape, place.dtype) for n, place in carried.items()]
     copier = _make_copier(copier, workers, None)
     total = sum(nbytes(s, d) for _, s, d in entries)
     digested: dict = {}
     with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf", inputs=inputs, digested=digested) as tmp:
         out = plan_safetensors(tmp, entries, max_bytes)
         out.write_headers()
-        tasks = _plan_mcore_to_hf(arch, transfers, source, out.stored, copies, copier)
+        places = member_places(out.stored, family.hf_stacked(arch))
+        tasks = _plan_mcore_to_hf(arch, transfers, source, places, copies, copier)
+        tasks += _move_tasks(copier, _whole_moves(carried, places))
         tasks += _digest_tasks(tmp, tasks, digested)
         # The stored CRC-32s, checked beside the copies that read them; a file the manifest check reads whole
         # (every file of a checkpoint written here) is checked by its digest instead.
@@ -514,7 +546,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
-        copy_carried(load_dir, tmp, sidecar.carried_files)
+        copy_carried(load_dir, tmp, [f for f in sidecar.carried_files if f != CARRIED_TENSORS])
         if check is not None:
             check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)

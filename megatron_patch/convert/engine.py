@@ -23,6 +23,7 @@ from megatron_patch.models.family import ModelFamily
 from megatron_patch.models.mapping import (  # noqa: F401 (MappingError, names_list: the converter's errors)
     REPLICATED, MappingError, RankCoord, Transfer, names_list, plan_transfers, split_context)
 from megatron_patch.models.mapping.naming import from_spec, to_spec
+from megatron_patch.models.mapping.stacks import member_index, stacked_names
 from megatron_patch.runtime.distributed import ParallelLayout
 
 T = TypeVar("T")
@@ -40,12 +41,14 @@ def check_hf_names(family: ModelFamily, arch: Arch, transfers: list[Transfer], a
     """Every tensor the plan needs exists, and every HF tensor is consumed by the plan (or is a buffer
     the family ignores, or the stored copy of a tied tensor)."""
     available = set(available)
-    needed = {n for t in transfers for n in t.hf_names}
+    needed = stacked_names({n for t in transfers for n in t.hf_names}, family.hf_stacked(arch))
     missing = needed - available
     if missing:
         raise MappingError(f"HF checkpoint lacks {len(missing)} tensor(s) a {arch.family} model needs: {names_list(missing)}")
     copies = set(family.tied_hf_names(arch)) | set(family.hf_copies(arch))
-    extra = {n for n in available - needed - copies if not family.is_ignored(n)}
+    # a model built without its multi-token-prediction layers leaves theirs unread (the converter says so)
+    unbuilt = family.hf_mtp_names(arch, available) if not arch.mtp_layers else set()
+    extra = {n for n in available - needed - copies - unbuilt if not (family.is_ignored(n) or family.is_carried(n))}
     if extra:
         raise MappingError(f"HF checkpoint has {len(extra)} tensor(s) no {arch.family} mapping rule consumes: {names_list(extra)}")
 
@@ -133,11 +136,39 @@ class HFAssembler:
         return merged
 
 
+def member_getter(family: ModelFamily, arch: Arch, get_hf: Callable[[str], torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """``get_hf`` that also gives a stacked tensor's members (models/mapping/stacks.py), keeping the last
+    stacked tensor read (a table reads one's members one after another)."""
+    index = member_index(family.hf_stacked(arch))
+    if not index:
+        return get_hf
+    last: dict[str, torch.Tensor] = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in index:
+            return get_hf(name)
+        stacked, i = index[name]
+        if stacked not in last:
+            last.clear()
+            last[stacked] = get_hf(stacked)
+        return last[stacked][i]
+
+    return get
+
+
+def stack_members(family: ModelFamily, arch: Arch, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``hf`` with each stacked tensor's members joined into it."""
+    for stacked, members in family.hf_stacked(arch).items():
+        hf[stacked] = torch.stack([hf.pop(m) for m in members])
+    return hf
+
+
 def rank_state_dict_from_hf(family: ModelFamily, arch: Arch, layout: ParallelLayout, coord: RankCoord,
                             get_hf: Callable[[str], torch.Tensor], spec: str = "te",
                             pp_first_stage_layers: int | None = None) -> dict[str, torch.Tensor]:
     """One rank's MCore state dict (names for ``spec``: "te" or "local") from HF tensors fetched by name."""
     ctx = split_context(arch)
+    get_hf = member_getter(family, arch, get_hf)
     out: dict[str, torch.Tensor] = {}
     for transfer in plan(family, arch, layout, pp_first_stage_layers, spec):
         mine = [p for p in transfer.placements if coord.holds(transfer, p)]
@@ -162,7 +193,7 @@ def hf_tensors_from_ranks(family: ModelFamily, arch: Arch, layout: ParallelLayou
             hf.update(zip(transfer.hf_names, merged))
     source.check_all_read()
     hf.update({copy: hf[source_name] for copy, source_name in family.hf_copies(arch).items()})
-    return hf
+    return stack_members(family, arch, hf)
 
 
 def reshard_for_local_spec(family: ModelFamily, arch: Arch, layout: ParallelLayout, coord: RankCoord,

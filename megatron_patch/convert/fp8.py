@@ -86,6 +86,8 @@ class DequantizingReader:
         if stray:
             raise UserError(f"{stray[0]} is stored in FP8 without a {stray[0]}{SCALE_SUFFIX}: cannot dequantize it")
         self.folder = reader.folder
+        self.note = (f"weights dequantized from FP8 ({block[0]}x{block[1]} block scales); "
+                     "quantization_config removed from the config")
 
     def keys(self) -> list[str]:
         return sorted(n for n in self.reader.keys() if n not in self.scale_names)
@@ -112,7 +114,23 @@ class DequantizingReader:
         return self.reader.nbytes(name) + (self.reader.nbytes(self.scales[name]) if name in self.scales else 0)
 
 
+def check_quantization(hf_config: dict) -> None:
+    """Refuse hub weights quantized in a way the converter does not dequantize, before any is read."""
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method in (None, "fp8", "mxfp4"):
+        return
+    what = " (INT4 weights, as Kimi-K2-Thinking ships them)" if method == "compressed-tensors" else ""
+    raise UserError(f"quantization_config quant_method '{method}'{what} is not supported: convert a bf16, "
+                    "block-scaled FP8 or MXFP4 release of the model")
+
+
 def open_weights(reader, hf_config: dict):
-    """``reader`` itself, or a dequantizing view of it when config.json declares block-scaled FP8 weights."""
+    """``reader`` itself, or a dequantizing view of it when config.json declares block-scaled FP8 weights or
+    MXFP4 experts (``convert/mxfp4.py``); such a view has a ``note`` saying what it did."""
+    check_quantization(hf_config)
+    if (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        from megatron_patch.convert.mxfp4 import Mxfp4Reader
+
+        return Mxfp4Reader(reader)
     block = fp8_block_size(hf_config)
     return reader if block is None else DequantizingReader(reader, block)

@@ -54,9 +54,11 @@ class SafetensorsPlan:
             (self.folder / INDEX_NAME).write_text(json.dumps(self.index, indent=2) + "\n")
 
 
-def plan_safetensors(folder: str | Path, entries: list[tuple[str, tuple[int, ...], str]], max_shard_bytes: int) -> SafetensorsPlan:
+def plan_safetensors(folder: str | Path, entries: list[tuple[str, tuple[int, ...], str]], max_shard_bytes: int,
+                     file_name: str = "model.safetensors") -> SafetensorsPlan:
     """``entries`` (name, shape, dtype name), in order, in shards of at most ``max_shard_bytes`` of tensor
-    data (a tensor larger than the limit gets a shard of its own, as transformers does)."""
+    data (a tensor larger than the limit gets a shard of its own, as transformers does); ``file_name``: the
+    file's name when there is one shard."""
     folder = Path(folder)
     shards: list[list[int]] = [[]]
     size = 0
@@ -68,7 +70,7 @@ def plan_safetensors(folder: str | Path, entries: list[tuple[str, tuple[int, ...
         shards[-1].append(i)
         size += nb
     n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = [file_name] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     plan = SafetensorsPlan(folder)
     for file, members in zip(names, shards):
         header, offset = {}, 0

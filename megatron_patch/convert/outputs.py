@@ -23,6 +23,8 @@ CARRIED_PATTERNS = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
     "*.tiktoken", "tokenizer.model", "spiece.model", "sentencepiece*.model", "generation_config.json",
     "chat_template.*", "preprocessor_config.json",
+    # HF tensors the MCore model does not hold, kept beside it (convert/carried.py)
+    "carried_tensors.safetensors",
 )
 
 

@@ -16,6 +16,8 @@ from megatron_patch.runtime.distributed import ParallelLayout
 
 # Megatron pads the vocabulary so each TP rank holds an equal, aligned slice.
 VOCAB_PAD_MULTIPLE = 128
+# config.json's layer_types.
+FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION = "full_attention", "sliding_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,18 @@ class MLAShape:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """Gated DeltaNet (Qwen3-Next's linear attention): key and value heads, their sizes, and the causal
+    convolution's kernel over the q/k/v channels."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,9 @@ class Arch:
     # RoPE scaling as config.json gives it ({"rope_type": "linear" | "llama3" | "yarn", ...}, see
     # ROPE_TYPES); None for plain RoPE. models/rope.py turns it into frequencies.
     rope_scaling: dict | None = None
+    # The share of each head's dimensions RoPE rotates (config.json's partial_rotary_factor: the first
+    # int(head_dim * it) dimensions, the rest pass through); megatron-core's rotary_percent.
+    rotary_percent: float = 1.0
     # Mixture of experts (0 experts: dense).
     num_experts: int = 0
     moe_topk: int = 0
@@ -68,6 +85,16 @@ class Arch:
     dense_layers: tuple[int, ...] = ()
     # Multi-latent attention instead of GQA (head_dim is then the value head dimension).
     mla: MLAShape | None = None
+    # Each decoder layer's attention as config.json's ``layer_types`` names it ("full_attention",
+    # "sliding_attention", "linear_attention"); empty: full attention in every layer.
+    layer_types: tuple[str, ...] = ()
+    # The key window of "sliding_attention" layers (transformers' sliding_window: a query sees itself and
+    # the sliding_window - 1 keys before it).
+    sliding_window: int | None = None
+    # A learnt per-head logit joins every softmax and takes its share (gpt-oss's attention sinks).
+    attention_sinks: bool = False
+    # The "linear_attention" layers' shape.
+    linear_attention: LinearAttentionShape | None = None
     # Multi-token-prediction layers the MCore model carries (DeepSeek-V3's; 0 unless converted with them).
     mtp_layers: int = 0
     # The embedding's row count when a checkpoint written elsewhere padded the vocabulary otherwise
@@ -78,6 +105,11 @@ class Arch:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def attention_type(self, layer: int) -> str:
+        """Layer ``layer``'s attention (``layer_types``), "full_attention" when config.json names none; an MTP
+        layer after the decoder's has full attention."""
+        return self.layer_types[layer] if layer < len(self.layer_types) else FULL_ATTENTION
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
@@ -151,12 +183,25 @@ ROPE_TYPES: dict[str, dict[str, bool]] = {
 }
 
 
-def rope_settings(raw: dict) -> tuple[float, dict | None]:
+def partial_rotary_factor(raw: dict, default: float | None = 1.0) -> float | None:
+    """config.json's ``partial_rotary_factor`` (5.x keeps it in ``rope_parameters``, 4.x at the top),
+    ``default`` when absent."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UserError(f"config.json partial_rotary_factor must be a number in (0, 1], found {value!r}")
+    return float(value)
+
+
+def rope_settings(raw: dict, *, partial: bool = False) -> tuple[float, dict | None]:
     """(theta, scaling or None) from either config.json convention; the scaling dict holds
     ``rope_type`` and the fields ``ROPE_TYPES`` lists for it, exactly as config.json gives them.
 
     transformers < 5 writes ``rope_theta`` and ``rope_scaling``; 5.x writes ``rope_parameters``.
-    A RoPE megatron-core cannot be given (any other type, a partial rotary dimension) is refused.
+    A RoPE megatron-core cannot be given (any other type) is refused, and so is a partial rotary
+    dimension unless the family's model has one (``partial``: ``partial_rotary_factor`` then gives it).
     """
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or None
@@ -165,10 +210,10 @@ def rope_settings(raw: dict) -> tuple[float, dict | None]:
     rope_type = source.get("rope_type", source.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
         raise UserError(f"RoPE type '{rope_type}' is not supported: supported are {', '.join(ROPE_TYPES)}")
-    partial = source.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise UserError(f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported: "
-                        "only full rotary embeddings convert exactly")
+    factor = partial_rotary_factor(raw)
+    if factor != 1.0 and not partial:
+        raise UserError(f"partial_rotary_factor={factor} (RoPE on part of each head) is not supported for "
+                        f"{raw.get('model_type', 'this model')}: only full rotary embeddings convert exactly")
     if rope_type == "default":
         return float(theta), None
     out: dict = {"rope_type": rope_type}
@@ -198,6 +243,10 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
         raise UserError(
             f"TP={tp} does not divide the {arch.num_kv_heads} query groups (key/value heads): "
             f"choose a TP that divides {arch.num_kv_heads}")
+    linear = arch.linear_attention
+    if linear is not None and (linear.num_key_heads % tp or linear.num_value_heads % tp):
+        raise UserError(f"TP={tp} does not divide the linear attention's {linear.num_key_heads} key and "
+                        f"{linear.num_value_heads} value heads: choose a TP that divides both")
     if arch.has_dense_layers and arch.ffn_hidden_size % tp:
         raise UserError(f"TP={tp} does not divide the MLP size {arch.ffn_hidden_size}: choose another TP")
     if arch.padded_vocab_size() % tp:
@@ -222,8 +271,18 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
             raise UserError(f"ETP={layout.expert_tp} does not divide the expert MLP size {arch.moe_ffn_hidden_size}")
         if arch.shared_expert_ffn_hidden_size % tp:
             raise UserError(f"TP={tp} does not divide the shared-expert MLP size {arch.shared_expert_ffn_hidden_size}")
+        if arch.linear_bias and layout.expert_tp > 1:
+            raise UserError(f"ETP={layout.expert_tp}: megatron-core's experts take biases ({arch.family}) only unsplit: "
+                            "set ETP=1")
     elif layout.ep > 1 or layout.etp not in (None, tp):
         raise UserError(f"{arch.family} is a dense model: EP and ETP apply only to MoE models, set EP=1")
+    if layout.cp > 1:
+        kinds = set(arch.layer_types)
+        unsplit = ("attention sinks" if arch.attention_sinks else "sliding-window attention" if SLIDING_ATTENTION in kinds
+                   else "linear attention (Gated DeltaNet)" if LINEAR_ATTENTION in kinds else None)
+        if unsplit:
+            raise UserError(f"CP={layout.cp}: megatron-core's context parallelism does not split {unsplit} "
+                            f"({arch.family}): set CP=1")
 
 
 def first_stage_that_fits(num_layers: int, pp: int) -> int | None:

@@ -135,16 +135,21 @@ def _cuda_graph_default(config_cls) -> dict:
 
 
 def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | None = None,
-               core_attention: str | None = None):
+               core_attention: str | None = None, *, family_spec: bool = True):
     """The layer spec of every decoder layer, or, for an MoE model with dense layers, this pipeline
     stage's block of per-layer specs (megatron-core's ``moe_layer_freq`` pattern picks each one).
 
     ``core_attention``: the local spec's core attention, "unfused" or "sdpa" (None: this machine's
-    default, ``models/core_attention.py``); the TE spec brings its own."""
+    default, ``models/core_attention.py``); the TE spec brings its own. A family whose layers need modules
+    of their own builds its spec itself (``ModelFamily.layer_spec``, starting from this standard one with
+    ``family_spec=False`` where it wants)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec, get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
     use_te = te_available() if use_te is None else use_te
+    own = get_family(arch.family).layer_spec
+    if family_spec and own is not None:
+        return own(arch, config, use_te, vp_stage, core_attention)
     mla = bool(config.multi_latent_attention)
     if arch.is_moe and arch.dense_layers:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
@@ -245,8 +250,10 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
     if arch.mtp_layers and post_process:  # megatron-core keeps the MTP block on the last stage
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-        mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te_available() if use_te is None else use_te,
-                                          vp_stage=vp_stage if virtual else None)
+        te = te_available() if use_te is None else use_te
+        own = get_family(arch.family).mtp_block_spec
+        mtp_spec = own(arch, config, spec, te, vp_stage if virtual else None) if own else \
+            get_gpt_mtp_block_spec(config, spec, use_transformer_engine=te, vp_stage=vp_stage if virtual else None)
     model = GPTModel(
         config,
         spec,
@@ -257,6 +264,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
+        rotary_percent=arch.rotary_percent,
         vp_stage=vp_stage if virtual else None,
         mtp_block_spec=mtp_spec,
     )

@@ -7,16 +7,18 @@ their config.json with ``parse_decoder_config`` and assemble their tables from t
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, require, rope_settings
+from megatron_patch.models.arch import Arch, partial_rotary_factor, require, rope_settings
 from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, LoraSite, Rule, Scope
 
 
 def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias: bool = False,
-                         ffn_key: str = "intermediate_size") -> Arch:
+                         ffn_key: str = "intermediate_size", partial_rope: float | None = None) -> Arch:
     """The fields every Llama-style decoder shares (attention, norms, RoPE, embeddings).
 
     ``linear_bias``: every linear layer has a bias (megatron-core's ``add_bias_linear``); a family
     that can have them reads its config's flags and says so, any other refuses ``mlp_bias``.
+    ``partial_rope``: the family's models may rotate only part of each head (``partial_rotary_factor``), and
+    this is the share transformers assumes when config.json gives none (GLM-4.5: 0.5, Qwen3-Next: 0.25).
     """
     act = raw.get("hidden_act", "silu")
     if act != "silu":
@@ -29,7 +31,7 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias:
     if heads % kv_heads:
         raise UserError(f"config.json has {heads} attention heads, not a multiple of its {kv_heads} key/value heads")
     head_dim = raw.get("head_dim") or hidden // heads
-    theta, scaling = rope_settings(raw)
+    theta, scaling = rope_settings(raw, partial=partial_rope is not None)
     return Arch(
         family=family,
         vocab_size=require(raw, "vocab_size"),
@@ -42,6 +44,7 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias:
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
+        rotary_percent=partial_rotary_factor(raw, default=1.0 if partial_rope is None else partial_rope),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias or linear_bias,
@@ -123,16 +126,27 @@ def moe_rules(router: str, expert: str, gate: str, up: str, down: str, stacked: 
     ]
 
 
-def shared_expert_rules(shared: str) -> list[Rule]:
-    """The shared expert of MoE layers (a SwiGLU MLP beside the routed ones); ``shared``: its HF module,
-    relative to the layer."""
-    moe, hf = LayerKind.MOE, f"{HF_LAYER}.{shared}"
-    return [
-        Rule(f"{MC_LAYER}.mlp.shared_experts.linear_fc1.weight", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"),
-             GATE_UP, layers=moe, lora=LoraSite("shared_experts")),
-        Rule(f"{MC_LAYER}.mlp.shared_experts.linear_fc2.weight", f"{hf}.down_proj.weight", ROW, layers=moe,
+def shared_expert_rules(hf: str = "mlp.shared_experts", gate: str | None = None) -> list[Rule]:
+    """The shared expert of MoE layers (one SwiGLU MLP, of all the model's shared experts together), HF
+    names relative to the layer; ``gate``: its sigmoid gate's weight (Qwen2-MoE's, Qwen3-Next's)."""
+    shared, moe = f"{HF_LAYER}.{hf}", LayerKind.MOE
+    rules = [
+        Rule(f"{MC_LAYER}.mlp.shared_experts.linear_fc1.weight",
+             (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"), GATE_UP, layers=moe,
+             lora=LoraSite("shared_experts")),
+        Rule(f"{MC_LAYER}.mlp.shared_experts.linear_fc2.weight", f"{shared}.down_proj.weight", ROW, layers=moe,
              lora=LoraSite("shared_experts")),
     ]
+    if gate is not None:
+        rules.append(Rule(f"{MC_LAYER}.mlp.shared_experts.gate_weight", f"{HF_LAYER}.{gate}", REPLICATED, layers=moe))
+    return rules
+
+
+def expert_bias_rule(hf: str = "mlp.gate.e_score_correction_bias") -> Rule:
+    """The router's score-correction bias (DeepSeek-V3's noaux_tc routing): it only chooses experts, kept in
+    float32 as the hub's checkpoints and megatron-core keep it (choices depend on its exact values)."""
+    return Rule(f"{MC_LAYER}.mlp.router.expert_bias", f"{HF_LAYER}.{hf}", REPLICATED, layers=LayerKind.MOE,
+                dtype="float32")
 
 
 def qwen_dense_layers(raw: dict) -> tuple[int, ...]:

@@ -99,7 +99,10 @@ def _config(arch: Arch) -> _Config:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if getattr(arch, f.name) != default:
                 raise NotDerivable(f"Arch.{f.name}={getattr(arch, f.name)!r} is a setting these rules do not model")
-    extra = get_family(arch.family).transformer_config_kwargs(arch)
+    family = get_family(arch.family)
+    if family.layer_spec is not None or family.mtp_block_spec is not None:
+        raise NotDerivable(f"the {arch.family} family builds layers of its own")
+    extra = family.transformer_config_kwargs(arch)
     unknown = sorted(set(extra) - _STRUCTURAL - _NUMERIC)
     if unknown:
         raise NotDerivable(f"the {arch.family} family sets {', '.join(unknown)}, which these rules do not model")

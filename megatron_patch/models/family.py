@@ -35,7 +35,7 @@ class HFModules:
 
     embedding: str = "model.embed_tokens"
     layers: str = "model.layers"
-    attention: str = "self_attn"       # within a decoder layer
+    attention: str | tuple[str, ...] = "self_attn"  # within a decoder layer (Qwen3-Next: or linear_attn)
     mlp: str | tuple[str, ...] = "mlp"  # within a decoder layer
     final_norm: str = "model.norm"
     # Within an MoE layer: the router (its output holds the chosen experts, or only logits in 4.x).
@@ -64,6 +64,14 @@ def _no_copies(arch: Arch) -> dict[str, str]:
     return {}
 
 
+def _layers_after_decoder(arch: Arch, count: int) -> tuple[str, ...]:
+    return tuple(f"model.layers.{arch.num_layers + k}." for k in range(count))
+
+
+def _no_stacks(arch: Arch) -> dict[str, tuple[str, ...]]:
+    return {}
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
@@ -80,13 +88,39 @@ class ModelFamily:
     hf_modules: HFModules = HFModules()
     # HF tensors that are not weights (regular expressions, matched in full).
     ignored_hf_names: tuple[str, ...] = (r"(.+\.)?rotary_emb\.inv_freq",)
+    # HF tensors the MCore model does not hold but that travel with it, unchanged (Qwen3.5's vision tower;
+    # regular expressions, matched in full): convert/carried.py.
+    hf_carried: tuple[str, ...] = ()
     test_layouts: TestLayouts = field(default_factory=TestLayouts)
     # Multi-token-prediction layers an HF checkpoint carries after the decoder's (DeepSeek-V3: 1); the
     # converter keeps them only when asked, and otherwise drops them saying so.
     hf_mtp_layers: Callable[[dict], int] = _no_mtp_layers
+    # Where those layers' HF tensors are (name prefixes, for ``count`` layers): after the decoder's layers in
+    # DeepSeek-V3's layout, under ``mtp.`` in Qwen3-Next's.
+    hf_mtp_prefixes: Callable[[Arch, int], tuple[str, ...]] = _layers_after_decoder
     # HF tensors that are copies of others (an MTP layer's embedding and head): checked equal on the way
     # in, written again on the way out.
     hf_copies: Callable[[Arch], dict[str, str]] = _no_copies
+    # HF tensors that hold its table's per-expert tensors stacked on dim 0 (gpt-oss's experts as transformers
+    # stores them): stacked name -> member names in order (models/mapping/stacks.py).
+    hf_stacked: Callable[[Arch], dict[str, tuple[str, ...]]] = _no_stacks
+    # The megatron-core layer spec, for a family whose layers need modules of their own (arch, TransformerConfig,
+    # use_te, vp_stage, core_attention) -> spec; None: the builder's standard spec (models/builder.py: layer_spec).
+    layer_spec: Callable | None = None
+    # Its multi-token-prediction block's spec where megatron-core's would not fit its layers (arch, config, the
+    # decoder's spec, use_te, vp_stage) -> spec; None: megatron-core's around the last decoder layer.
+    mtp_block_spec: Callable | None = None
+    # The transformers auto class whose model its hub checkpoints hold (tiny checkpoints are made with it):
+    # Qwen3.5's is the multimodal model, of which the family converts and trains the language model.
+    hf_auto_class: str = "AutoModelForCausalLM"
+    # model_type -> the name transformers knows its code under, for a type that only remote code would
+    # load (Kimi-K2: kimi_k2 -> deepseek_v3); the aligner builds transformers' own class (models/hf_model.py).
+    transformers_model_types: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether its hub checkpoints may carry multi-token-prediction layers (converted with --mtp)."""
+        return self.hf_mtp_layers is not _no_mtp_layers
 
     @property
     def launcher(self) -> str:
@@ -94,6 +128,15 @@ class ModelFamily:
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored_hf_names)
+
+    def is_carried(self, hf_name: str) -> bool:
+        return any(re.fullmatch(p, hf_name) for p in self.hf_carried)
+
+    def hf_mtp_names(self, arch: Arch, names) -> set[str]:
+        """Those of ``names`` that belong to the multi-token-prediction layers config.json declares."""
+        count = self.hf_mtp_layers(arch.hf_config)
+        prefixes = self.hf_mtp_prefixes(arch, count) if count else ()
+        return {n for n in names if n.startswith(prefixes)} if prefixes else set()
 
     def tied_hf_names(self, arch: Arch) -> dict[str, str]:
         """HF name -> the HF name it must equal, when ``arch`` ties its embeddings (else empty)."""

@@ -5,6 +5,11 @@ megatron-core's own llama3 scaling fixes low/high_freq_factor and the original c
 the frequencies from what config.json says, with transformers' formulas for each RoPE type (default,
 linear, llama3, yarn), and install them on the model.
 
+Partial RoPE (GLM-4.5, Qwen3-Next: ``partial_rotary_factor``) rotates only the first
+``int(head_dim * factor)`` dimensions of each head, with frequencies computed over that dimension, as
+transformers does for every type; megatron-core's ``rotary_percent`` rotates the same leading part and
+passes the rest through (``rotary_dim``; the builder hands ``Arch.rotary_percent`` to the GPTModel).
+
 YaRN also scales cos and sin by an attention factor ``a``. Both q and k are rotated, so the scores
 grow by ``a**2``: the same as a softmax scale of ``a**2 / sqrt(head_dim)``, which is how it reaches
 megatron-core (``softmax_scale``).
@@ -38,8 +43,13 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def rotary_dim(arch: Arch) -> int:
+    """The leading dimensions of each head that RoPE rotates."""
+    return int(arch.head_dim * arch.rotary_percent)
+
+
 def _yarn(arch: Arch, s: dict) -> tuple[torch.Tensor, float]:
-    dim, base = arch.head_dim, arch.rope_theta
+    dim, base = rotary_dim(arch), arch.rope_theta
     factor, old_len = s["factor"], s["original_max_position_embeddings"]
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
@@ -66,15 +76,15 @@ def _yarn(arch: Arch, s: dict) -> tuple[torch.Tensor, float]:
 
 
 def inv_freq_and_attention_factor(arch: Arch) -> tuple[torch.Tensor, float]:
-    """The inverse frequencies [head_dim / 2] and the factor HF scales cos/sin by (1 but for YaRN)."""
-    s = arch.rope_scaling
+    """The inverse frequencies [rotary_dim / 2] and the factor HF scales cos/sin by (1 but for YaRN)."""
+    s, dim = arch.rope_scaling, rotary_dim(arch)
     if not s:
-        return _plain(arch.rope_theta, arch.head_dim), 1.0
+        return _plain(arch.rope_theta, dim), 1.0
     kind = s["rope_type"]
     if kind == "linear":
-        return _plain(arch.rope_theta, arch.head_dim) / s["factor"], 1.0
+        return _plain(arch.rope_theta, dim) / s["factor"], 1.0
     if kind == "llama3":
-        return _llama3(_plain(arch.rope_theta, arch.head_dim), s), 1.0
+        return _llama3(_plain(arch.rope_theta, dim), s), 1.0
     if kind == "yarn":
         return _yarn(arch, s)
     raise ValueError(f"RoPE type {kind!r} reached the model builder unchecked")
@@ -98,6 +108,10 @@ def install(model, arch: Arch) -> None:
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is None:
         return
-    rotary.inv_freq = inv_freq(arch).to(rotary.inv_freq.device)
+    freqs = inv_freq(arch)
+    if freqs.shape != rotary.inv_freq.shape:
+        raise ValueError(f"megatron-core built {tuple(rotary.inv_freq.shape)} rotary frequencies, config.json gives "
+                         f"{tuple(freqs.shape)}: the model was built without the config's rotary_percent")
+    rotary.inv_freq = freqs.to(rotary.inv_freq.device)
     if hasattr(rotary.forward, "cache_clear"):
         rotary.forward.cache_clear()

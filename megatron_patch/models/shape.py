@@ -2,9 +2,10 @@
 
 megatron-core builds (in the skeleton's helper process, cached on disk: ``models/skeleton.py``) one
 decoder layer of each kind the model has, with the embedding, the final norm, the output layer and any
-multi-token-prediction layers. A layer's kind is everything that changes its parameters (today: dense
-or MoE MLP; MLA or GQA attention is the same in every layer of a model). Everything below is arithmetic
-over those shapes and the family's weight table, which says how each parameter is cut for a layout:
+multi-token-prediction layers. A layer's kind is everything that can change its parameters: its MLP
+(dense or MoE) and, where config.json gives per-layer types (``layer_types``), its attention (full,
+sliding-window or linear). Everything below is arithmetic over those shapes and the family's weight
+table, which says how each parameter is cut for a layout:
 
 - **total** parameters: the whole model; **active**: what one token passes through (in an MoE layer
   the router, the shared experts and top-k of the E routed experts; everything else whole, the
@@ -16,7 +17,10 @@ over those shapes and the family's weight table, which says how each parameter i
   top-k, the output layer's logits included, the embedding lookup not), plus causal attention's
   score and value products, 6 * (s/2) * heads * (qk head dim + v head dim) per attention layer for a
   sequence of s tokens (half the score matrix is masked). This holds for GQA and MLA alike, since
-  both terms come from the built shapes. Megatron-LM leaves the router's GEMM and the norms out; the
+  both terms come from the built shapes. A sliding-window layer counts the keys its window leaves
+  (on average W - W^2/2s of them for s > W, s/2 otherwise); a linear-attention layer (Gated DeltaNet)
+  has no score matrix, and counts its recurrent state instead: per token and value head, 6 * 2 * (key
+  head dim * value head dim) for the state update and the read-out. Megatron-LM leaves the router's GEMM and the norms out; the
   router is counted here (it is a matrix), which changes a total by well under 0.1%.
 """
 
@@ -27,7 +31,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_patch.models.arch import Arch, pipeline_layer_ranges
+from megatron_patch.models.arch import LINEAR_ATTENTION, SLIDING_ATTENTION, Arch, pipeline_layer_ranges
 from megatron_patch.models.mapping import RankCoord, plan_transfers
 from megatron_patch.models.mapping.splits import Replicated
 from megatron_patch.models.registry import get_family
@@ -41,8 +45,10 @@ OUTPUT = "output_layer.weight"
 
 
 def layer_kind(arch: Arch, layer: int) -> str:
-    """What decides a decoder layer's parameters: its MLP (dense or MoE)."""
-    return "moe" if arch.is_moe_layer(layer) else "dense"
+    """What decides a decoder layer's parameters: its MLP (dense or MoE) and, for a model with per-layer
+    types, its attention."""
+    mlp = "moe" if arch.is_moe_layer(layer) else "dense"
+    return f"{arch.attention_type(layer)}+{mlp}" if arch.layer_types else mlp
 
 
 def representative_layers(arch: Arch) -> tuple[int, ...]:
@@ -106,9 +112,9 @@ class ModelShape:
         matrices += sum(_matrix(n, s) * self._share(n, True) for n, s in self.ends.items() if n.startswith("mtp."))
         vocab_rows = self.ends[EMBEDDING][0]
         matrices += vocab_rows * arch.hidden_size * (1 + arch.mtp_layers)  # logits, once per prediction head
-        attention_layers = arch.num_layers + arch.mtp_layers
         qk, v = (arch.mla.qk_head_dim, arch.mla.v_head_dim) if arch.mla else (arch.head_dim, arch.head_dim)
-        attention = attention_layers * (seq_len / 2) * arch.num_heads * (qk + v)
+        attention = sum(_attention_terms(arch, arch.attention_type(i), seq_len, qk, v)
+                        for i in range(arch.num_layers + arch.mtp_layers))
         return 6.0 * (matrices + attention)
 
     # --- one rank of a layout ------------------------------------------------------------------------
@@ -170,6 +176,17 @@ def chunk_layers(arch: Arch, layout: ParallelLayout, pp_rank: int, vp_stage: int
     if pp_first_stage_layers is not None:
         return pipeline_layer_ranges(arch.num_layers, layout.pp, pp_first_stage_layers)[pp_rank]
     return pipeline_layer_ranges(arch.num_layers, layout.pp * (layout.vp or 1), None)[vp_stage * layout.pp + pp_rank]
+
+
+def _attention_terms(arch: Arch, kind: str, seq_len: int, qk: int, v: int) -> float:
+    """Multiply-adds per token of one layer's attention beyond its weights (module doc)."""
+    if kind == LINEAR_ATTENTION:
+        linear = arch.linear_attention
+        return 2 * linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
+    keys = seq_len / 2
+    if kind == SLIDING_ATTENTION and arch.sliding_window and seq_len > arch.sliding_window:
+        keys = arch.sliding_window - arch.sliding_window ** 2 / (2 * seq_len)
+    return keys * arch.num_heads * (qk + v)
 
 
 def _matrix(name: str, shape: tuple[int, ...]) -> int:

@@ -217,7 +217,8 @@ def only_layers(arch: Arch, layers: tuple[int, ...]) -> Arch:
     if not layers or any(not 0 <= i < arch.num_layers for i in layers):
         raise ValueError(f"layers {layers} are not layers of a {arch.num_layers}-layer model")
     return dataclasses.replace(arch, num_layers=len(layers),
-                               dense_layers=tuple(j for j, i in enumerate(layers) if i in arch.dense_layers))
+                               dense_layers=tuple(j for j, i in enumerate(layers) if i in arch.dense_layers),
+                               layer_types=tuple(arch.layer_types[i] for i in layers) if arch.layer_types else ())
 
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:
@@ -239,16 +240,18 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
     chunks: list[ChunkEntry] = []
     objects: list[ObjectEntry] = []
     for sd_name, entry in model.sharded_state_dict().items():
-        built = entry.build() if isinstance(entry, ShardedTensorFactory) else entry
+        factory = isinstance(entry, ShardedTensorFactory)
+        built = entry.build() if factory else entry
         for item in built if isinstance(built, list) else [built]:
             if isinstance(item, ShardedTensor):
                 if item.flattened_range is not None:
                     raise UserError("flattened sharded tensors are not expected in a model state dict")
                 prepend = item.prepend_axis_num
+                piece = factory and item.key != entry.key  # a part of the parameter under a key of its own
                 chunks.append(ChunkEntry(
                     name=te_name.get(sd_name, sd_name), key=item.key, global_shape=tuple(item.global_shape),
                     global_offset=tuple(item.global_offset), local_shape=(1,) * prepend + tuple(item.local_shape),
-                    prepend=prepend))
+                    prepend=prepend, position=_position_in(entry.data, item.data) if piece else None))
             elif isinstance(item, ShardedObject):
                 buf = io.BytesIO()
                 torch.save([item.data], buf)  # megatron stores a list of the objects sharing a key
@@ -257,6 +260,15 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
                 raise UserError(f"unexpected entry {type(item).__name__} in the model's sharded state dict")
     del model
     return ModelSkeleton(shapes, chunks, objects, expected_hf_shapes(arch, shapes), buffers)
+
+
+def _position_in(whole, part) -> tuple[int, ...]:
+    """Where the view ``part`` of the parameter ``whole`` starts, index by index."""
+    offset, out = part.storage_offset() - whole.storage_offset(), []
+    for stride in whole.stride():
+        out.append(offset // stride)
+        offset %= stride
+    return tuple(out)
 
 
 def _single_layout():

@@ -16,7 +16,7 @@ from megatron_patch.models.mapping.splits import Replicated
 from megatron_patch.models.registry import get_family
 from megatron_patch.runtime.distributed import ParallelLayout
 
-SKELETON_FORMAT = 2
+SKELETON_FORMAT = 3  # 3: a chunk's place in its parameter when it is a piece stored under a key of its own
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,14 @@ class ChunkEntry:
     global_offset: tuple[int, ...]
     local_shape: tuple[int, ...]     # with the prepended (layer, expert) axes as 1s
     prepend: int                     # number of prepended axes
+    # Where in the parameter a piece stored as a tensor of its own starts (megatron-core's Gated DeltaNet keeps
+    # its input projection as query, key, value, z, beta and alpha); None: at its global offset.
+    position: tuple[int, ...] | None = None
 
     def region(self) -> tuple[slice, ...]:
         """Which part of the full (TP=1) parameter this chunk holds."""
-        return tuple(slice(o, o + s) for o, s in zip(self.global_offset[self.prepend:], self.local_shape[self.prepend:]))
+        start = self.global_offset[self.prepend:] if self.position is None else self.position
+        return tuple(slice(o, o + s) for o, s in zip(start, self.local_shape[self.prepend:]))
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,8 @@ class ModelSkeleton:
                 "shapes": {k: list(v) for k, v in self.shapes.items()},
                 "buffers": sorted(self.buffers),
                 "hf_shapes": {k: list(v) for k, v in self.hf_shapes.items()},
-                "chunks": [[c.name, c.key, list(c.global_shape), list(c.global_offset), list(c.local_shape), c.prepend]
-                           for c in self.chunks],
+                "chunks": [[c.name, c.key, list(c.global_shape), list(c.global_offset), list(c.local_shape), c.prepend,
+                            None if c.position is None else list(c.position)] for c in self.chunks],
                 "objects": [[o.unique_key, base64.b64encode(o.payload).decode()] for o in self.objects]}
 
     @classmethod
@@ -67,7 +71,8 @@ class ModelSkeleton:
         if data.get("format") != SKELETON_FORMAT:
             raise ValueError(f"skeleton format {data.get('format')!r}")
         return cls(shapes={k: tuple(v) for k, v in data["shapes"].items()},
-                   chunks=[ChunkEntry(n, k, tuple(g), tuple(o), tuple(s), int(p)) for n, k, g, o, s, p in data["chunks"]],
+                   chunks=[ChunkEntry(n, k, tuple(g), tuple(o), tuple(s), int(p), None if at is None else tuple(at))
+                           for n, k, g, o, s, p, at in data["chunks"]],
                    objects=[ObjectEntry(k, base64.b64decode(p)) for k, p in data["objects"]],
                    hf_shapes={k: tuple(v) for k, v in data["hf_shapes"].items()},
                    buffers=frozenset(data["buffers"]))

@@ -20,12 +20,12 @@ def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **o
     (DeepSeek's router score correction bias), so a mapping that drops or swaps any of them changes
     the logits.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import transformers
 
     raw = tiny_config(family, **overrides)
-    config = AutoConfig.for_model(**raw)
+    config = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, get_family(family).hf_auto_class).from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -24,6 +24,7 @@ share ``auto`` would start from complete the plan. A configuration whose device 
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -103,12 +104,16 @@ def buffer_layout(params: list[Param], dp: int, bucket_size: int | None, distrib
 
 def shard_spans(buffer: Buffer, dp_rank: int):
     """This DP rank's part of every bucket: (bucket index, [(param, start, end) clipped to the shard])."""
+    # Parameters lie in the buffer one after another, so those a shard meets are found by bisection (a
+    # scan of every parameter per bucket took minutes for a 671B model's 47k expert weights).
+    starts = [a for _, a, _ in buffer.params]
+    ends = [e for _, _, e in buffer.params]
     out = []
     for b, (lo, hi) in enumerate(buffer.buckets):
         size = (hi - lo) // buffer.dp
         s0, s1 = lo + dp_rank * size, lo + (dp_rank + 1) * size
-        spans = [(p, max(a, s0), min(e, s1)) for p, a, e in buffer.params if min(e, s1) > max(a, s0)]
-        out.append((b, spans))
+        near = buffer.params[bisect.bisect_right(ends, s0):bisect.bisect_left(starts, s1)]
+        out.append((b, [(p, max(a, s0), min(e, s1)) for p, a, e in near if min(e, s1) > max(a, s0)]))
     return out
 
 

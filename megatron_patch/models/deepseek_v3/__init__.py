@@ -1,16 +1,18 @@
 """DeepSeek-V3 (and V2 / Moonlight, whose layout matches): multi-latent attention, DeepSeekMoE."""
 
-from megatron_patch.models.deepseek_v3.config import TINY_CONFIG, num_mtp_layers, parse_config, transformer_config_kwargs
-from megatron_patch.models.deepseek_v3.mapping import mtp_copies, weight_rules
+from megatron_patch.models.deepseek_v3.config import TINY_CONFIG, parse_config, transformer_config_kwargs
+from megatron_patch.models.deepseek_v3.mapping import weight_rules
 from megatron_patch.models.deepseek_v3.presets import PRESETS
 from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.mtp import mtp_copies, num_mtp_layers
 from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(
-    name="deepseek_v3", summary="DeepSeek-V3 / V2 / Moonlight: multi-latent attention (q-LoRA or not, YaRN), "
-                                "DeepSeekMoE (sigmoid or softmax routing, score bias, groups, shared experts)",
-    hf_model_types=("deepseek_v3", "deepseek_v2"), hf_architectures=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+    name="deepseek_v3", summary="DeepSeek-V3 / V2 / Moonlight / Kimi-K2: multi-latent attention (q-LoRA or not, "
+                                "YaRN), DeepSeekMoE (sigmoid or softmax routing, score bias, groups, shared experts)",
+    hf_model_types=("deepseek_v3", "deepseek_v2", "kimi_k2"), hf_architectures=("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"),
+    transformers_model_types={"kimi_k2": "deepseek_v3"},
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
     hf_modules=HFModules(router="mlp.gate"), hf_mtp_layers=num_mtp_layers, hf_copies=mtp_copies,

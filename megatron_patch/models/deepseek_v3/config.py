@@ -15,9 +15,14 @@ from megatron_patch.models.arch import Arch, MLAShape, require
 from megatron_patch.models.decoder import parse_decoder_config
 
 
+# Model types read as DeepSeek-V3: Kimi-K2's config.json says kimi_k2 (with remote code in auto_map, never
+# run), its architecture is DeepseekV3ForCausalLM with its own values (384 experts, 64 heads).
+V3_TYPES = ("deepseek_v3", "kimi_k2")
+
+
 def routing_of(raw: dict) -> dict:
     """The routing fields, checked against what megatron-core can compute exactly."""
-    v3 = raw.get("model_type") == "deepseek_v3"
+    v3 = raw.get("model_type") in V3_TYPES
     method = raw.get("topk_method", "noaux_tc" if v3 else "greedy")
     score = raw.get("scoring_func", "sigmoid" if v3 else "softmax")
     topk = require(raw, "num_experts_per_tok")
@@ -73,11 +78,6 @@ def parse_config(raw: dict) -> Arch:
         norm_topk_prob=routing["norm"], router_aux_loss_coef=float(raw.get("aux_loss_alpha", 0.0)),
         dense_layers=tuple(range(min(raw.get("first_k_dense_replace") or 0, arch.num_layers))),
     )
-
-
-def num_mtp_layers(raw: dict) -> int:
-    """The multi-token-prediction layers a hub checkpoint carries after its decoder layers."""
-    return int(raw.get("num_nextn_predict_layers") or raw.get("num_mtp_layers") or 0)
 
 
 def transformer_config_kwargs(arch: Arch) -> dict:

@@ -6,13 +6,12 @@ The down projections (q_a_proj, kv_a_proj_with_mqa) are whole on every TP rank w
 split with megatron-core's local spec; q_b_proj, q_proj and kv_b_proj are split by heads.
 """
 
-import dataclasses
-
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.deepseek_v3.config import routing_of
 from megatron_patch.models.decoder import (
-    HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules, moe_rules, shared_expert_rules)
-from megatron_patch.models.mapping import COLUMN, REPLICATED, ROW, LayerKind, LoraSite, Rule
+    HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules, expert_bias_rule, moe_rules, shared_expert_rules)
+from megatron_patch.models.mapping import COLUMN, REPLICATED, ROW, LoraSite, Rule
+from megatron_patch.models.mtp import mtp_rules
 
 
 def attention_rules(arch: Arch) -> list[Rule]:
@@ -38,46 +37,14 @@ def attention_rules(arch: Arch) -> list[Rule]:
 
 
 def deepseek_moe_rules(arch: Arch) -> list[Rule]:
-    moe = LayerKind.MOE
     rules = moe_rules(router="mlp.gate.weight", expert="mlp.experts.{expert}",
                       gate="gate_proj.weight", up="up_proj.weight", down="down_proj.weight")
     if routing_of(arch.hf_config)["expert_bias"]:
-        rules.append(Rule(f"{MC_LAYER}.mlp.router.expert_bias", f"{HF_LAYER}.mlp.gate.e_score_correction_bias",
-                          REPLICATED, layers=moe, dtype="float32"))
-    if arch.shared_expert_ffn_hidden_size:
-        rules += shared_expert_rules("mlp.shared_experts")
-    return rules
-
-
-MTP_LAYER = "mtp.layers.{layer}"
-
-
-def mtp_rules(arch: Arch) -> list[Rule]:
-    """Multi-token-prediction layers (HF: the layers after the decoder's) in megatron-core's MTP block:
-    their own norms and eh_proj around a full decoder layer; the embedding and output head they use
-    are the model's own (the HF copies are ``hf_copies``). They take no LoRA adapters: transformers does not
-    build them, so peft cannot put any there."""
-    layer = [dataclasses.replace(r, mcore=r.mcore.replace(MC_LAYER, f"{MTP_LAYER}.transformer_layer"), mtp=True,
-                                 lora=None)
-             for r in attention_rules(arch) + deepseek_moe_rules(arch)]
-    return layer + [
-        Rule(f"{MTP_LAYER}.enorm.weight", f"{HF_LAYER}.enorm.weight", REPLICATED, mtp=True),
-        Rule(f"{MTP_LAYER}.hnorm.weight", f"{HF_LAYER}.hnorm.weight", REPLICATED, mtp=True),
-        Rule(f"{MTP_LAYER}.eh_proj.weight", f"{HF_LAYER}.eh_proj.weight", COLUMN, mtp=True),
-        Rule(f"{MTP_LAYER}.final_layernorm.weight", f"{HF_LAYER}.shared_head.norm.weight", REPLICATED, mtp=True),
-    ]
-
-
-def mtp_copies(arch: Arch) -> dict[str, str]:
-    """HF tensors of each MTP layer that copy the model's embedding and output head."""
-    out = {}
-    for k in range(arch.mtp_layers):
-        hf = HF_LAYER.replace("{layer}", str(arch.num_layers + k))
-        out[f"{hf}.embed_tokens.weight"] = "model.embed_tokens.weight"
-        out[f"{hf}.shared_head.head.weight"] = "lm_head.weight"
-    return out
+        rules.append(expert_bias_rule())
+    return rules + (shared_expert_rules() if arch.shared_expert_ffn_hidden_size else [])
 
 
 def weight_rules(arch: Arch) -> list[Rule]:
-    return (embedding_and_head_rules() + attention_rules(arch) + deepseek_moe_rules(arch)
-            + (dense_mlp_rules() if arch.dense_layers else []) + (mtp_rules(arch) if arch.mtp_layers else []))
+    layer = attention_rules(arch) + deepseek_moe_rules(arch)
+    return (embedding_and_head_rules() + layer + (dense_mlp_rules() if arch.dense_layers else [])
+            + (mtp_rules(layer) if arch.mtp_layers else []))

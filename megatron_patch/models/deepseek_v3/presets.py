@@ -36,5 +36,18 @@ PRESETS = {
         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 50000.0, "rope_scaling": None,
         "bos_token_id": 163584, "eos_token_id": 163585,
     },
+    # Kimi-K2 (Base and Instruct; Instruct-0905 and Thinking have YaRN factor 64 and a 262144 context): DeepSeek-V3's
+    # architecture with 384 experts and 64 heads, read from its own config.json values (model_type kimi_k2).
+    "Kimi-K2-1T-A32B": {
+        **_COMMON, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "vocab_size": 163840,
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+        "num_nextn_predict_layers": 0, "num_attention_heads": 64, "num_key_value_heads": 64, "n_shared_experts": 1,
+        "n_routed_experts": 384, "routed_scaling_factor": 2.827, "q_lora_rank": 1536, "topk_method": "noaux_tc",
+        "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "bos_token_id": 163584, "eos_token_id": 163585,
+    },
     "tiny": TINY_CONFIG,
 }

@@ -2,7 +2,8 @@
 
 Checkpoints use the transformer-engine spec's names (what Megatron-LM writes): a norm fused into the
 linear layer after it is ``<linear>.layer_norm_weight``, and grouped experts are ``weight{j}``. The
-local spec, used where TE is absent, keeps norms as separate modules and experts as a list of MLPs.
+local spec, used where TE is absent, keeps norms as separate modules and experts as a list of MLPs
+(their biases, gpt-oss's, ``bias{j}`` in TE).
 Renaming is the whole difference: the tensors themselves are laid out identically.
 
 Which norms TE fuses depends on the layer, not on the model: a dense MLP fuses its pre-MLP norm, an
@@ -20,22 +21,25 @@ from typing import Iterable
 # (TE name, local name); the local names of fused norms.
 _TE_TO_LOCAL = [
     (r"(.*)\.self_attention\.linear_qkv\.layer_norm_weight$", r"\1.input_layernorm.weight"),
+    # Gated DeltaNet (linear attention) fuses the input norm into its input projection
+    (r"(.*)\.self_attention\.in_proj\.layer_norm_weight$", r"\1.input_layernorm.weight"),
     (r"(.*)\.mlp\.linear_fc1\.layer_norm_weight$", r"\1.pre_mlp_layernorm.weight"),
     (r"(.*)\.self_attention\.linear_q_up_proj\.layer_norm_weight$", r"\1.self_attention.q_layernorm.weight"),
     (r"(.*)\.self_attention\.linear_kv_up_proj\.layer_norm_weight$", r"\1.self_attention.kv_layernorm.weight"),
-    (r"(.*)\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$", r"\1.mlp.experts.local_experts.\3.\2.weight"),
+    (r"(.*)\.mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$", r"\1.mlp.experts.local_experts.\4.\2.\3"),
 ]
 # local norm -> (the linear it fuses into, the TE name), relative to the layer prefix.
-_FUSED_NORMS = {
-    "input_layernorm.weight": ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.layer_norm_weight"),
-    "pre_mlp_layernorm.weight": ("mlp.linear_fc1.weight", "mlp.linear_fc1.layer_norm_weight"),
+_FUSED_NORMS = [
+    ("input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.layer_norm_weight"),
+    ("input_layernorm.weight", "self_attention.in_proj.weight", "self_attention.in_proj.layer_norm_weight"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc1.layer_norm_weight"),
     # MLA's latent norms, fused into the up projections after them.
-    "self_attention.q_layernorm.weight": ("self_attention.linear_q_up_proj.weight",
-                                          "self_attention.linear_q_up_proj.layer_norm_weight"),
-    "self_attention.kv_layernorm.weight": ("self_attention.linear_kv_up_proj.weight",
-                                           "self_attention.linear_kv_up_proj.layer_norm_weight"),
-}
-_LOCAL_EXPERT = re.compile(r"(.*)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+    ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.weight",
+     "self_attention.linear_q_up_proj.layer_norm_weight"),
+    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.weight",
+     "self_attention.linear_kv_up_proj.layer_norm_weight"),
+]
+_LOCAL_EXPERT = re.compile(r"(.*)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 # megatron-core 0.19 renamed the MTP layer's module from transformer_layer to mtp_model_layer; its torch_dist
 # keys keep the old name (it remaps them itself), and so do the weight tables and legacy rank files here.
 _MTP_LAYER_019 = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
@@ -63,9 +67,9 @@ def local_to_te_names(names: Iterable[str]) -> dict[str, str]:
         name = new = checkpoint_name(original)
         m = _LOCAL_EXPERT.match(name)
         if m:
-            new = f"{m.group(1)}.mlp.experts.{m.group(3)}.weight{m.group(2)}"
+            new = f"{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(4)}{m.group(2)}"
         else:
-            for norm, (fused_into, te_name) in _FUSED_NORMS.items():
+            for norm, fused_into, te_name in _FUSED_NORMS:
                 if name.endswith("." + norm):
                     prefix = name[: -len(norm)]
                     if prefix + fused_into in present:

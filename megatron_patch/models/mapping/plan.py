@@ -109,8 +109,11 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
             for stage, local, layer in spots:
                 if rule.layers is not None and (rule.layers is LayerKind.MOE) != arch.is_moe_layer(layer):
                     continue
+                if rule.attention is not None and rule.attention != arch.attention_type(layer):
+                    continue
                 mcore = rule.mcore.replace("{layer}", str(local))
-                hf = [h.replace("{layer}", str(layer)) for h in rule.hf]
+                # an MTP layer's HF name counts on from the decoder's ({layer}) or from 0 ({mtp_layer})
+                hf = [h.replace("{layer}", str(layer)).replace("{mtp_layer}", str(local)) for h in rule.hf]
                 if rule.scope is Scope.LAYER:
                     add(hf, rule, False, lambda i, m=mcore, s=stage: [Placement(s, None, i, m)])
                     continue

@@ -66,11 +66,15 @@ class Rule:
     tied_to: str | None = None
     # Only layers of this kind (None: every layer).
     layers: LayerKind | None = None
+    # Only layers whose attention is of this type (Arch.attention_type: "linear_attention", ...; None: every
+    # layer), for models that mix attention types with different weights (Qwen3-Next).
+    attention: str | None = None
     # How the local spec shards it, where that differs from the TE spec's ``split`` (MLA's down
     # projections: TE keeps them whole on every rank, megatron-core's local spec splits their rows).
     local_split: Split | None = None
     # A multi-token-prediction layer's rule: expanded over the MTP layers (on the last pipeline stage),
-    # ``{layer}`` being the MTP index on the MCore side and the HF layer after the decoder's on the HF side.
+    # ``{layer}`` being the MTP index on the MCore side and the HF layer after the decoder's on the HF side
+    # (``{mtp_layer}``: the MTP index there too, as Qwen3-Next's ``mtp.layers.{k}`` count).
     mtp: bool = False
     # A dtype it keeps whatever the checkpoint's dtype (DeepSeek's router bias: float32 in the hub's
     # checkpoints and in megatron-core, where routing decisions depend on its exact values), by name

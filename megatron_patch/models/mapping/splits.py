@@ -291,8 +291,160 @@ class GateUp(Split):
         return [[h[0] for h in halves], [h[1] for h in halves]]
 
 
+class InterleavedGateUp(Split):
+    """A fused SwiGLU input projection stored transposed with gate and up in alternating columns (gpt-oss's
+    experts: HF ``gate_up_proj`` [hidden, 2 x ffn], gate = columns 0, 2, ..., up = 1, 3, ...; its bias
+    [2 x ffn] alike): de-interleaved into megatron-core's [gate; up] rows, then split as ``GateUp``."""
+
+    name = "gate_up_interleaved"
+
+    def shards(self, parts, n, ctx):
+        t = parts[0].t() if parts[0].dim() == 2 else parts[0]
+        if t.shape[0] % 2:
+            raise UserError(f"a gate/up projection of {t.shape[0]} outputs cannot alternate gate and up")
+        return GATE_UP.shards([t[0::2].contiguous(), t[1::2].contiguous()], n, ctx)
+
+    def merge(self, shards, ctx):
+        gate, up = GATE_UP.merge(shards, ctx)
+        t = torch.stack([gate, up], 1).reshape(2 * gate.shape[0], *gate.shape[1:])
+        return [(t.t() if t.dim() == 2 else t).contiguous()]
+
+
+class TransposedRow(Split):
+    """A row-parallel weight stored transposed ([in, out]: gpt-oss's experts' ``down_proj``): megatron-core's
+    [out, in], split on its input dimension."""
+
+    name = "row_transposed"
+
+    def shards(self, parts, n, ctx):
+        return [c.t().contiguous() for c in _chunk(parts[0], n, 0)]
+
+    def merge(self, shards, ctx):
+        return [torch.cat([s.t() for s in shards], 0).contiguous()]
+
+
+class RowPieces(Split):
+    """A shard stacked from row ranges of its HF tensors, described once (``pieces``); the blocks, the
+    shards and the merge all follow from that description, so they cannot disagree."""
+
+    def part_rows(self, ctx: SplitContext) -> list[int]:
+        """Rows of each HF tensor."""
+        raise NotImplementedError
+
+    def pieces(self, ctx: SplitContext, n: int) -> list[list[tuple[int, int, int]]]:
+        """For each of the ``n`` shards, its (HF tensor, first row, stop row) ranges in order."""
+        raise NotImplementedError
+
+    def _check(self, rows: list[int], ctx: SplitContext) -> None:
+        want = self.part_rows(ctx)
+        if list(rows) != want:
+            raise UserError(f"{self.name}: HF tensors with {list(rows)} rows, the config implies {want}")
+
+    def blocks(self, shapes, n, ctx):
+        self._check([s[0] for s in shapes], ctx)
+        return [[Block(p, (a, b)) for p, a, b in shard] for shard in self.pieces(ctx, n)]
+
+    def shards(self, parts, n, ctx):
+        self._check([t.shape[0] for t in parts], ctx)
+        return [torch.cat([parts[p][a:b] for p, a, b in shard], 0).contiguous() for shard in self.pieces(ctx, n)]
+
+    def merge(self, shards, ctx):
+        rest = tuple(shards[0].shape[1:])
+        out = [shards[0].new_empty((rows,) + rest) for rows in self.part_rows(ctx)]
+        for shard, pieces in zip(shards, self.pieces(ctx, len(shards))):
+            row = 0
+            for p, a, b in pieces:
+                out[p][a:b] = shard[row:row + b - a]
+                row += b - a
+        return out
+
+
+class GatedQKV(RowPieces):
+    """q, its output gate, k and v, per query group (megatron-core's ``attention_output_gate``): a group's rows
+    are [q heads; gate heads; k; v]. The HF ``q_proj`` holds each head's query and gate one after the other
+    (Qwen3-Next: [q_h; gate_h] per head); ``k_proj`` and ``v_proj`` as for ``GroupedQKV``."""
+
+    name = "qkv_gated"
+
+    def part_rows(self, ctx):
+        return [2 * ctx.num_heads * ctx.head_dim, ctx.num_kv_heads * ctx.head_dim, ctx.num_kv_heads * ctx.head_dim]
+
+    def pieces(self, ctx, n):
+        hd, per = ctx.head_dim, ctx.num_heads // ctx.num_kv_heads
+        groups = _even(ctx.num_kv_heads, n)
+        out = []
+        for k in range(n):
+            shard = []
+            for g in range(k * groups, (k + 1) * groups):
+                heads = range(g * per, (g + 1) * per)
+                shard += [(0, 2 * h * hd, (2 * h + 1) * hd) for h in heads]
+                shard += [(0, (2 * h + 1) * hd, (2 * h + 2) * hd) for h in heads]
+                shard += [(1, g * hd, (g + 1) * hd), (2, g * hd, (g + 1) * hd)]
+            out.append(shard)
+        return out
+
+
+def _even_ranges(part: int, total_rows: int, n: int) -> list[tuple[int, int, int]]:
+    per = _even(total_rows, n)
+    return [(part, k * per, (k + 1) * per) for k in range(n)]
+
+
+@dataclass(frozen=True, eq=False)
+class ConcatPieces(RowPieces):
+    """Rows that are several pieces back to back, each split evenly over the shards: shard k holds
+    [piece 0's k-th part; piece 1's k-th part; ...] (megatron-core's Gated DeltaNet keeps its input
+    projection and convolution so). ``layout`` gives, per HF tensor, the rows of the pieces it holds, in
+    order (Qwen3.5: in_proj_qkv holds q, k and v; in_proj_z, in_proj_b, in_proj_a one each)."""
+
+    layout: tuple[tuple[int, ...], ...]
+    name: str = "concat_pieces"
+
+    def part_rows(self, ctx):
+        return [sum(sizes) for sizes in self.layout]
+
+    def pieces(self, ctx, n):
+        ranges = []  # per piece, its n even parts
+        for part, sizes in enumerate(self.layout):
+            start = 0
+            for size in sizes:
+                ranges.append([(part, start + a, start + b) for _, a, b in _even_ranges(part, size, n)])
+                start += size
+        return [[piece[k] for piece in ranges] for k in range(n)]
+
+
+@dataclass(frozen=True, eq=False)
+class GroupedDeltaNetInput(RowPieces):
+    """Qwen3-Next's fused Gated DeltaNet input projections, grouped by key head: ``in_proj_qkvz`` holds, for
+    each key head, [q (key_dim); k (key_dim); v; z (value_dim x value heads per key head)], ``in_proj_ba``
+    [b; a (value heads per key head)]; megatron-core's shard k is [q; k; v; z; b; a] of its key heads."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    name: str = "deltanet_grouped_input"
+
+    def part_rows(self, ctx):
+        r = self.value_heads // self.key_heads
+        return [self.key_heads * (2 * self.key_dim + 2 * r * self.value_dim), self.key_heads * 2 * r]
+
+    def pieces(self, ctx, n):
+        r, hk, hv = self.value_heads // self.key_heads, self.key_dim, self.value_dim
+        group = 2 * hk + 2 * r * hv
+        per = _even(self.key_heads, n)
+        offsets = ((0, hk), (hk, hk), (2 * hk, r * hv), (2 * hk + r * hv, r * hv))
+        out = []
+        for k in range(n):
+            groups = range(k * per, (k + 1) * per)
+            shard = [(0, g * group + off, g * group + off + size) for off, size in offsets for g in groups]
+            shard += [(1, g * 2 * r + off, g * 2 * r + off + r) for off in (0, r) for g in groups]
+            out.append(shard)
+        return out
+
+
 def _contiguous_rows(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p.contiguous() for p in pieces]
 
 
 REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = Replicated(), Column(), Row(), VocabParallel(), GroupedQKV(), GateUp()
+GATE_UP_INTERLEAVED, ROW_TRANSPOSED, QKV_GATED = InterleavedGateUp(), TransposedRow(), GatedQKV()

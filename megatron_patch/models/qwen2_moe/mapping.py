@@ -1,9 +1,8 @@
 """Qwen2-MoE HF <-> MCore weight table: attention with bias, router, experts, gated shared expert."""
 
 from megatron_patch.models.arch import Arch
-from megatron_patch.models.mapping import REPLICATED, LayerKind, Rule
 from megatron_patch.models.decoder import (
-    HF_LAYER, MC_LAYER, attention_rules, dense_mlp_rules, embedding_and_head_rules, moe_rules, shared_expert_rules)
+    attention_rules, dense_mlp_rules, embedding_and_head_rules, moe_rules, shared_expert_rules)
 
 
 def weight_rules(arch: Arch):
@@ -13,8 +12,5 @@ def weight_rules(arch: Arch):
     if arch.dense_layers:
         rules += dense_mlp_rules()
     if arch.shared_expert_ffn_hidden_size:
-        rules += shared_expert_rules("mlp.shared_expert") + [
-            Rule(f"{MC_LAYER}.mlp.shared_experts.gate_weight", f"{HF_LAYER}.mlp.shared_expert_gate.weight", REPLICATED,
-                 layers=LayerKind.MOE),
-        ]
+        rules += shared_expert_rules("mlp.shared_expert", gate="mlp.shared_expert_gate.weight")
     return rules

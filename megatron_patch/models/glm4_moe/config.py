@@ -1,0 +1,77 @@
+"""GLM-4.5 / 4.6 / 4.7 (``glm4_moe``) config.json -> Arch and the megatron-core settings of its attention
+and MoE.
+
+GQA attention with q/k/v biases (``attention_bias``; the output projection has none), optional per-head
+q/k RMSNorms (``use_qk_norm``: GLM-4.5 has them, GLM-4.5-Air not) and RoPE on the first half of each head
+(``partial_rotary_factor``, 0.5 in every release: megatron-core's ``rotary_percent``); the first
+``first_k_dense_replace`` layers dense, then DeepSeek-V3-style MoE layers: sigmoid scores with a score
+correction bias that only chooses experts, optionally limited to groups, the top-k renormalised and
+scaled by ``routed_scaling_factor``, plus ungated shared experts. Multi-token-prediction layers follow the
+decoder's in the hub checkpoints (DeepSeek-V3's layout, ``models/mtp.py``).
+
+What megatron-core would compute otherwise is refused in one line: top-k without renormalisation
+(megatron-core renormalises sigmoid top-k), groups scored other than by their top two experts, an
+activation other than SwiGLU.
+"""
+
+import dataclasses
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch, require
+from megatron_patch.models.decoder import parse_decoder_config
+
+
+def routing_of(raw: dict) -> dict:
+    """The routing fields, checked against what megatron-core computes exactly."""
+    topk = require(raw, "num_experts_per_tok")
+    groups, group_topk = raw.get("n_group") or 1, raw.get("topk_group") or 1
+    if not raw.get("norm_topk_prob", True) and topk > 1:
+        raise UserError("norm_topk_prob=false is not supported: megatron-core renormalises the top-k sigmoid scores")
+    if groups > 1 and topk // group_topk != 2:
+        raise UserError(f"group-limited routing with num_experts_per_tok={topk}, topk_group={group_topk} scores groups "
+                        f"by their top {topk // group_topk} experts in megatron-core, by their top 2 in transformers: "
+                        "not supported")
+    return {"groups": groups if groups > 1 else None, "group_topk": group_topk if groups > 1 else None,
+            "scale": float(raw.get("routed_scaling_factor", 1.0))}
+
+
+def parse_config(raw: dict) -> Arch:
+    routing_of(raw)
+    if raw.get("mlp_bias"):
+        raise UserError("mlp_bias=true is not supported for GLM-4.5 models: their MLPs have no biases")
+    # transformers' Glm4MoeConfig rotates half of each head when config.json does not say
+    arch = parse_decoder_config(raw, "glm4_moe", qkv_bias=bool(raw.get("attention_bias", False)), partial_rope=0.5)
+    moe_ffn = require(raw, "moe_intermediate_size")
+    return dataclasses.replace(
+        arch,
+        num_experts=require(raw, "n_routed_experts", aliases=("num_local_experts",)),
+        moe_topk=require(raw, "num_experts_per_tok"), moe_ffn_hidden_size=moe_ffn,
+        shared_expert_ffn_hidden_size=(raw.get("n_shared_experts") or 0) * moe_ffn,
+        norm_topk_prob=True, router_aux_loss_coef=float(raw.get("router_aux_loss_coef") or 0.0),
+        dense_layers=tuple(range(min(raw.get("first_k_dense_replace") or 0, arch.num_layers))),
+    )
+
+
+def transformer_config_kwargs(arch: Arch) -> dict:
+    routing = routing_of(arch.hf_config)
+    return dict(
+        qk_layernorm=bool(arch.hf_config.get("use_qk_norm", False)),
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
+        moe_router_num_groups=routing["groups"], moe_router_group_topk=routing["group_topk"],
+        moe_router_topk_scaling_factor=routing["scale"] if routing["scale"] != 1.0 else None,
+    )
+
+
+# A tiny GLM-4.5: q/k/v biases, q/k norms, RoPE on half of each head (head_dim 32 apart from hidden/heads),
+# layer 0 dense, then 4 routed experts (top-2, sigmoid with a correction bias, scaled by 2.5) and a shared
+# expert; 2 layers so that PP=2 splits it.
+TINY_CONFIG = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+    "vocab_size": 200, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": True,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0,
+    "hidden_act": "silu", "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+}

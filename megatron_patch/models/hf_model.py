@@ -1,0 +1,26 @@
+"""The transformers model of an HF folder, as the aligner and the parity check run it.
+
+Never with remote code: a checkpoint is untrusted input. A family may claim a ``model_type`` that
+transformers knows under another name (Kimi-K2's config.json says ``kimi_k2`` and points ``auto_map`` at
+its own copy of DeepSeek-V3's code); the model is then built from transformers' own class for that
+name (``ModelFamily.transformers_model_types``), with the folder's config values, and ``auto_map`` is
+ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_patch.models.arch import read_config_json
+from megatron_patch.models.registry import detect_family
+
+
+def load_causal_lm(hf_dir: str | Path, dtype, **kwargs):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = read_config_json(hf_dir)
+    as_type = detect_family(raw).transformers_model_types.get(raw.get("model_type"))
+    if as_type is not None:
+        values = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+        kwargs["config"] = AutoConfig.for_model(as_type, **values)
+    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, trust_remote_code=False, **kwargs)

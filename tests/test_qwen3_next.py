@@ -1,0 +1,114 @@
+"""Qwen3-Next beyond what the registry-driven tests run for every family: its layers' arithmetic against
+transformers' own (the gated delta rule over several chunks, the zero-centred and gated norms, bit for
+bit), and what megatron-core cannot run refused in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import validate_layout
+from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.tiny import tiny_config
+from megatron_patch.runtime import ParallelLayout
+
+
+@pytest.mark.parametrize("length", [32, 150])  # one chunk; three, the last one partial
+def test_gated_delta_rule_is_transformers_bit_for_bit(length):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from megatron_patch.models.qwen3_next.layers import chunked_gated_delta_rule
+
+    g = torch.Generator().manual_seed(length)
+    q, k = (torch.randn(2, length, 2, 16, generator=g) for _ in range(2))  # 2 key heads serve 4 value heads
+    v = torch.randn(2, length, 4, 8, generator=g)
+    decay, beta = -torch.rand(2, length, 4, generator=g), torch.rand(2, length, 4, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(dtype) for t in (q, k, v)] + [decay, beta.to(dtype)]
+        theirs = torch_chunk_gated_delta_rule(*args[:3], g=args[3], beta=args[4], use_qk_l2norm_in_kernel=True)[0]
+        assert torch.equal(chunked_gated_delta_rule(*args), theirs), dtype
+
+
+def test_norms_are_transformers_bit_for_bit():
+    """The zero-centred RMSNorm keeps the weight as stored and adds the 1 in float32, as transformers does;
+    the Gated DeltaNet's output norm has a plain weight and a SiLU gate."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRMSNormGated
+
+    from megatron_patch.models.qwen3_next.layers import GatedRMSNorm, ZeroCenteredRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x, gate, weight = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g), 0.1 * torch.randn(32, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        config = SimpleNamespace(params_dtype=dtype, sequence_parallel=False)
+        ours, theirs = ZeroCenteredRMSNorm(config, 32, eps=1e-6), Qwen3NextRMSNorm(32, eps=1e-6).to(dtype)
+        ours_gated, theirs_gated = GatedRMSNorm(config, 32, eps=1e-6), Qwen3NextRMSNormGated(32, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            for module in (ours, theirs, ours_gated, theirs_gated):
+                module.weight.copy_(weight if module in (ours, theirs) else 1 + weight)
+            assert torch.equal(ours(x.to(dtype)), theirs(x.to(dtype))), dtype
+            assert torch.equal(ours_gated(x.to(dtype), gate.to(dtype)), theirs_gated(x.to(dtype), gate.to(dtype))), dtype
+
+
+@pytest.mark.parametrize("over, fragment", [
+    ({"attention_bias": True}, "attention_bias=true is not supported for qwen3_next"),
+    ({"layer_types": ["linear_attention", "sliding_attention"]}, "each linear_attention or full_attention"),
+    ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple"),
+    ({"use_sliding_window": True}, "use_sliding_window=true"),
+])
+def test_what_megatron_core_computes_otherwise_is_refused(over, fragment):
+    with pytest.raises(UserError) as err:
+        parse_arch(tiny_config("qwen3_next", **over))
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("over, layout, fragment", [
+    ({}, ParallelLayout(cp=2), "does not split linear attention (Gated DeltaNet)"),
+    ({"linear_num_key_heads": 1}, ParallelLayout(tp=2), "TP=2 does not divide the linear attention's 1 key"),
+])
+def test_layouts_megatron_core_cannot_run_are_refused(over, layout, fragment):
+    with pytest.raises(UserError) as err:
+        validate_layout(parse_arch(tiny_config("qwen3_next", **over)), layout)
+    assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_more_than_one_mtp_layer_is_refused():
+    import dataclasses
+
+    from megatron_patch.models.registry import get_family
+
+    arch = dataclasses.replace(parse_arch(tiny_config("qwen3_next")), mtp_layers=2)
+    with pytest.raises(UserError, match="share one mtp.fc"):
+        get_family("qwen3_next").weight_rules(arch)
+
+
+# --- Qwen3.5 (the qwen3_5 family): the dense sibling of the MoE model the registry-driven tests run ---------------
+
+@pytest.mark.slow
+def test_qwen3_5_dense_language_model_round_trips_and_matches_transformers(tmp_path):
+    """Qwen3.5-27B's layout (a dense MLP in every layer) at a tiny size: converted both ways bit-exact with its
+    vision tower, and its MCore twin's logits are transformers'."""
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.models.qwen3_5.config import TINY_DENSE_CONFIG
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("qwen3_5", tmp_path / "hf", seed=5, **TINY_DENSE_CONFIG)
+    arch = parse_arch(hf)
+    assert not arch.is_moe and arch.layer_types == ("linear_attention", "full_attention")
+    hf_to_mcore(hf, tmp_path / "mcore", ParallelLayout(tp=2, pp=2), fmt="legacy", progress=False)
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
+    src, out = HFCheckpointReader(hf), HFCheckpointReader(tmp_path / "back")
+    assert sorted(out.keys()) == sorted(src.keys()) and any("visual" in n for n in src.keys())
+    assert all(torch.equal(out.get(n), src.get(n)) for n in src.keys())
+    m = check_parity(hf, ParallelLayout(tp=2), seed=3)
+    assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m
+
+
+def test_qwen3_5_without_its_text_config_is_refused():
+    with pytest.raises(UserError, match="has no text_config: point at Qwen3.5's multimodal hub folder"):
+        parse_arch({"model_type": "qwen3_5", "hidden_size": 64})
