@@ -175,7 +175,7 @@ def test_family_specifics_are_parsed():
     ({**tiny_config("llama3_1"), "num_hidden_layers": "four"}, "num_hidden_layers"),
     ({**tiny_config("glm4_moe"), "norm_topk_prob": False}, "norm_topk_prob=false"),
     ({**tiny_config("glm4_moe"), "n_group": 2, "topk_group": 2}, "group-limited routing"),
-    ({**tiny_config("glm4_moe"), "partial_rotary_factor": 1.5}, "partial_rotary_factor must be a number in (0, 1]"),
+    ({**tiny_config("glm4_moe"), "partial_rotary_factor": 1.5}, "'partial_rotary_factor' must be > 0 and at most 1"),
 ])
 def test_unsupported_configs_fail_with_one_line(raw, fragment):
     with pytest.raises(UserError) as err:

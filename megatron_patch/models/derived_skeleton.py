@@ -58,7 +58,7 @@ _ARCH_FIELDS = {"family", "vocab_size", "hidden_size", "ffn_hidden_size", "num_l
                 "head_dim", "norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings", "qkv_bias",
                 "linear_bias", "rope_scaling", "num_experts", "moe_topk", "moe_ffn_hidden_size",
                 "shared_expert_ffn_hidden_size", "shared_expert_gate", "norm_topk_prob", "router_aux_loss_coef",
-                "dense_layers", "mla", "mtp_layers", "vocab_padded_to", "hf_config"}
+                "dense_layers", "mla", "mtp_layers", "vocab_padded_to", "hf_config", "rotary_percent"}
 
 
 class NotDerivable(Exception):
