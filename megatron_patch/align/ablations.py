@@ -20,7 +20,12 @@ from typing import Callable
 
 import torch
 
+from megatron_patch.models.builder import fused_softmax_available, te_available
 from megatron_patch.models.core_attention import SDPA, UNFUSED, default_core_attention, describe
+
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
 
 
 @dataclass(frozen=True)
@@ -158,8 +163,6 @@ def get(name: str) -> Ablation:
 
 def baseline_core_attention() -> str | None:
     """The core attention the baseline builds on this machine: None where it is transformer-engine's spec."""
-    from megatron_patch.models.builder import te_available
-
     return None if te_available() else default_core_attention()
 
 
@@ -171,8 +174,6 @@ def describe_baseline_attention() -> str:
 
 def skip_reason(ablation: Ablation) -> str | None:
     """Why a variant cannot run on this machine (None: it can)."""
-    from megatron_patch.models.builder import fused_softmax_available, te_available
-
     if ablation.needs_gpu and not torch.cuda.is_available():
         return "needs a CUDA GPU (skipped on CPU)"
     if ablation.needs_te and not te_available():

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import torch
 
 from megatron_patch.align import ablations
@@ -20,9 +21,16 @@ from megatron_patch.align.capture import point_names
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, judge
+from megatron_patch.convert.hf_reader import checked_arch
 from megatron_patch.dtypes import PRECISIONS
 from megatron_patch.errors import UserError
+from megatron_patch.models.arch import validate_layout
+from megatron_patch.models.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
+
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
 
 # Fields that make two configs different *models*; any other difference is reported, not refused
 # (a wrong RoPE scaling in a converted checkpoint is exactly what the verdict must catch).
@@ -82,8 +90,6 @@ def config_differences(a: dict, b: dict) -> list[dict]:
 
 
 def _test_arch(s: AlignSettings):
-    from megatron_patch.models.registry import parse_arch
-
     if s.mcore_dir:
         from megatron_patch.convert.arch_source import open_checkpoint
 
@@ -97,7 +103,6 @@ def check_run_fits(arch, batch: int, seq_len: int, command: str) -> None:
     """Refuse, before any model is built, a run whose inputs the model was not made for or whose activations
     (logits of each side, the captured layer outputs, attention scores: a rough upper estimate) would not fit
     in this machine's free memory."""
-    import psutil
 
     if seq_len > arch.max_position_embeddings:
         raise UserError(f"--seq-len {seq_len:,} is beyond the model's {arch.max_position_embeddings:,} positions "
@@ -113,9 +118,6 @@ def check_run_fits(arch, batch: int, seq_len: int, command: str) -> None:
 
 def validate(s: AlignSettings):
     """Every check that needs no model run; returns (reference arch, tested arch, sidecar or None)."""
-    from megatron_patch.convert.hf_reader import checked_arch
-    from megatron_patch.models.arch import validate_layout
-
     if not Path(s.hf_dir).is_dir():
         raise UserError(f"--hf-dir {s.hf_dir} is not a folder: point it at a Hugging Face model folder")
     if s.mcore_dir and s.hf_dir_2:

@@ -25,6 +25,7 @@ import torch
 
 from megatron_patch.models.family import HFModules
 from megatron_patch.models.hf_model import load_causal_lm
+from megatron_patch.models.inference import forward_logits
 
 Captures = dict[str, torch.Tensor]
 
@@ -194,8 +195,6 @@ def mcore_routers(model) -> dict[int, torch.nn.Module]:
 
 def capture_mcore(model, tokens: torch.Tensor, vocab_size: int) -> Captures:
     """This rank's points of an MCore GPTModel (its stage only), run through megatron's schedule."""
-    from megatron_patch.models.inference import forward_logits
-
     store: Captures = {}
     batch, seq = tokens.shape
     with _hooks(mcore_capture_targets(model), store, seq_first=True), \

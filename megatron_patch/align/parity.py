@@ -7,8 +7,15 @@ from pathlib import Path
 import torch
 
 from megatron_patch.align.metrics import compare_logits
+from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.convert.model_io import load_hf_weights
+from megatron_patch.models.builder import build_model
 from megatron_patch.models.hf_model import load_causal_lm
+from megatron_patch.models.inference import forward_logits, place_on_rank_device
+from megatron_patch.models.registry import parse_arch
+from megatron_patch.runtime import init_model_parallel
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.runtime.launch import run_local
 
 # fp32 bounds from the project's requirements: relative L2 error and mean per-token KL.
 FP32_REL_L2 = 1e-5
@@ -30,13 +37,6 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype=torch.float32) -> 
 def mcore_logits_worker(hf_dirs: list[str], layout: ParallelLayout, tokens: list[torch.Tensor], dtype=torch.float32):
     """Runs on every rank: for each HF folder, build the model at ``layout``, map the weights in, and
     return its logits (last pipeline stage; None elsewhere)."""
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.model_io import load_hf_weights
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.inference import forward_logits, place_on_rank_device
-    from megatron_patch.models.registry import parse_arch
-    from megatron_patch.runtime import init_model_parallel
-
     out = []
     for hf_dir, toks in zip(hf_dirs, tokens):
         arch = parse_arch(hf_dir)
@@ -51,8 +51,6 @@ def mcore_logits_worker(hf_dirs: list[str], layout: ParallelLayout, tokens: list
 def mcore_logits(hf_dirs: list[str | Path], layout: ParallelLayout, tokens: list[torch.Tensor], dtype=torch.float32,
                  world_size: int | None = None) -> list[torch.Tensor]:
     """Logits of each MCore model at ``layout``, computed in one set of local processes (one per rank)."""
-    from megatron_patch.runtime.launch import run_local
-
     world = world_size or layout.world_size
     results = run_local(mcore_logits_worker, world, [str(d) for d in hf_dirs], layout, tokens, dtype)
     return [next(r[i] for r in results if r[i] is not None) for i in range(len(hf_dirs))]
@@ -61,8 +59,6 @@ def mcore_logits(hf_dirs: list[str | Path], layout: ParallelLayout, tokens: list
 def check_parity_all(hf_dirs: list[str | Path], layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                      batch: int = 2, seq: int = 32) -> list[dict[str, float]]:
     """fp32 logit parity of several HF folders at one layout (their MCore twins share one process start)."""
-    from megatron_patch.models.registry import parse_arch
-
     tokens = [random_tokens(parse_arch(d).vocab_size, batch, seq, seed) for d in hf_dirs]
     tests = mcore_logits(hf_dirs, layout, tokens)
     out = []

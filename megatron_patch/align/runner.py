@@ -11,10 +11,21 @@ from pathlib import Path
 
 import torch
 
+from megatron_patch.align import ablations
 from megatron_patch.align.capture import Captures, capture_hf, capture_mcore, load_hf_model, merge_captures
 from megatron_patch.dtypes import precision_dtype
+from megatron_patch.lora.sources import open_adapters
+from megatron_patch.models.arch import read_config_json
+from megatron_patch.models.builder import build_model
+from megatron_patch.models.inference import place_on_rank_device
+from megatron_patch.models.registry import detect_family, parse_arch
+from megatron_patch.runtime import init_model_parallel
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.runtime.launch import run_local
 
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
 
 
 @dataclass(frozen=True)
@@ -35,8 +46,6 @@ class McoreRun:
 
 
 def _arch_of(run: McoreRun):
-    from megatron_patch.models.registry import parse_arch
-
     if run.mcore_dir is not None:
         from megatron_patch.convert.arch_source import open_checkpoint
 
@@ -45,10 +54,6 @@ def _arch_of(run: McoreRun):
 
 
 def _build_and_load(run: McoreRun, layout: ParallelLayout):
-    from megatron_patch.align import ablations
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.inference import place_on_rank_device
-
     arch = _arch_of(run)
     overrides = ablations.config_overrides(run.ablation)
     model = build_model(arch, layout, precision_dtype(run.dtype), use_te=ablations.use_te(run.ablation),
@@ -73,8 +78,6 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
 
 def _adapters_of(run: McoreRun, arch):
     """The LoRA adapters of the MCore side: those ``mcore_dir`` carries, else ``peft_dir``'s, else None."""
-    from megatron_patch.lora.sources import open_adapters
-
     if run.mcore_dir is not None:
         from megatron_patch.convert.arch_source import open_checkpoint
 
@@ -91,9 +94,6 @@ def mcore_capture_worker(layout: ParallelLayout, tokens: torch.Tensor, runs: lis
     """
     from megatron.core import parallel_state as ps
 
-    from megatron_patch.align import ablations
-    from megatron_patch.runtime import init_model_parallel
-
     init_model_parallel(layout)
     reporter = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     out = []
@@ -108,17 +108,12 @@ def mcore_capture_worker(layout: ParallelLayout, tokens: torch.Tensor, runs: lis
 
 def capture_mcore_runs(layout: ParallelLayout, tokens: torch.Tensor, runs: list[McoreRun]) -> list[Captures]:
     """Captures of every run at ``layout``, computed in ``layout.world_size`` local processes."""
-    from megatron_patch.runtime.launch import run_local
-
     per_rank = run_local(mcore_capture_worker, layout.world_size, layout, tokens, list(runs))
     return [merge_captures([r[i] if r else None for r in per_rank]) for i in range(len(runs))]
 
 
 def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_dir: str | Path | None = None) -> Captures:
     """Captures of the HF model in ``hf_dir`` (with ``peft_dir``: peft's model of it with that adapter)."""
-    from megatron_patch.models.arch import read_config_json
-    from megatron_patch.models.registry import detect_family
-
     modules = detect_family(read_config_json(hf_dir)).hf_modules
     model = load_hf_model(hf_dir, precision_dtype(dtype))
     if peft_dir is not None:

@@ -27,12 +27,14 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
 
 import xxhash
 
+from megatron_patch import __version__
 from megatron_patch.errors import UserError
 
 MANIFEST_NAME = "mpatch_manifest.json"
@@ -75,8 +77,6 @@ def _files(folder: Path, exclude: str) -> list[str]:
 
 
 def _tool_versions() -> dict:
-    from megatron_patch import __version__
-
     return {"megatron_patch": __version__}
 
 
@@ -197,7 +197,6 @@ class BackgroundCheck:
     in the page cache): ``result()`` waits and raises what it found."""
 
     def __init__(self, path: Path):
-        import threading
 
         self.path = path
         # The files whose every byte it checks (resolved): a reader needs no other check of them.

@@ -19,18 +19,33 @@ checkpoint pickle reaches an unguarded unpickler on this path.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.byte_io import Stored
-from megatron_patch.checkpoint_files.byte_io import create_file, read_range
+from megatron_patch.checkpoint_files.byte_io import Stored, create_file, read_range
 from megatron_patch.checkpoint_files.pickles import (
-    Call, DType, Global, Items, New, Record, TensorRef, dumps, loads, torch_dtype, torch_size)
+    Call,
+    DType,
+    Global,
+    Items,
+    New,
+    Record,
+    TensorRef,
+    dumps,
+    loads,
+    torch_dtype,
+    torch_size,
+)
 from megatron_patch.checkpoint_files.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
 from megatron_patch.checkpoint_files.zipfmt import ZipLayout
 from megatron_patch.errors import UserError
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 # What megatron-core's dist_checkpointing.save writes next to the torch files.
 MEGATRON_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -349,7 +364,6 @@ class TorchDistReader:
         return stored
 
     def _scratch_file(self, data, shape: tuple[int, ...], dtype: str) -> Stored:
-        import tempfile
 
         f = tempfile.TemporaryFile(prefix="mpatch-chunk-")
         f.write(memoryview(data).cast("B"))
@@ -395,7 +409,6 @@ class TorchDistReader:
         lead, buckets = self._index[key]
         if lead == 0:
             return buckets.get((), [])
-        import itertools
 
         ranges = [range(o, o + s) for o, s in zip(offset[:lead], shape[:lead])]
         return [c for prefix in itertools.product(*ranges) for c in buckets.get(prefix, ())]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import warnings
+
+from megatron_patch.convert.inspect import describe_checkpoint, format_summary
 
 
 def run_inspect(args) -> int:
-    import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from megatron_patch.convert.inspect import describe_checkpoint, format_summary
 
     info = describe_checkpoint(args.dir, args.iteration)
     print(json.dumps(info, indent=2, default=str) if args.json else format_summary(info))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
+import warnings
+
+from megatron_patch.training.preprocess import preprocess
 
 
 def run(args) -> int:
-    import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from megatron_patch.training.preprocess import preprocess
 
     report = preprocess(args.input, args.output_prefix, args.tokenizer, json_key=args.json_key, workers=args.workers,
                         append_eod=args.append_eod, strict=args.strict, progress=False if args.quiet else None)

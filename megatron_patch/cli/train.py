@@ -16,8 +16,21 @@ import shlex
 import sys
 from pathlib import Path
 
+from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
 from megatron_patch.errors import UserError
+from megatron_patch.models.registry import families
+from megatron_patch.models.shape import model_shape
+from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
+from megatron_patch.runtime import watchdog
+from megatron_patch.runtime.launch import LAUNCHER_PID, JobFailed, die_with_launcher, quiet_cpu_warnings, run_torchrun
+from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.training.launcher_args import arg_names, launched_rank, launchers, usage
+from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
+from megatron_patch.training.memory_plan import plan_memory
+from megatron_patch.training.validation import resolve
 
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
+# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, with this interpreter
 
@@ -44,8 +57,6 @@ def launch_command(cfg, family: str, argv: list[str]) -> list[str]:
 
 
 def _int_env(name: str) -> int:
-    from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
-
     raw = os.environ[name]
     if not WHOLE_NUMBER.fullmatch(raw):
         raise UserError(f"ENV=dlc: {name} must be a whole number, got '{raw}'")
@@ -63,13 +74,7 @@ def _jsonable(value):
 
 
 def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
-    from megatron_patch.runtime.machine import Capabilities
-    from megatron_patch.training.launcher_args import arg_names
-    from megatron_patch.training.machine_checks import attention_kernel, launch_environment, machine_problems
     from megatron_patch.training.megatron_settings import megatron_settings
-
-    from megatron_patch.models.shape import model_shape
-    from megatron_patch.training.memory_plan import plan_memory
 
     caps = Capabilities.detect()
     arch = cfg.arch
@@ -130,11 +135,6 @@ def print_dry_run(report: dict) -> None:
 
 
 def run(args) -> int:
-    from megatron_patch.runtime.machine import Capabilities
-    from megatron_patch.training.launcher_args import launched_rank, launchers, usage
-    from megatron_patch.training.machine_checks import check_machine, launch_environment
-    from megatron_patch.training.validation import resolve
-
     family, argv = args.family, list(args.args)
     if family not in launchers():
         raise UserError(f"no launcher for '{family}': choose one of {', '.join(launchers())}")
@@ -152,7 +152,6 @@ def run(args) -> int:
         return 0
     caps = Capabilities.detect()
     check_machine(cfg, caps)
-    from megatron_patch.training.memory_plan import plan_memory
 
     problem = plan_memory(cfg, caps=caps).problem()
     if problem:
@@ -187,8 +186,6 @@ def _run_lock(cfg):
     """OUTPUT_BASEPATH's lock for the whole run: one launcher per run folder, and none while a rank of an
     earlier run still lives (its launcher gone, the rank not yet: named by PID). On several nodes the first
     node's launcher holds it for the job; every node's ranks mark themselves (``_train_here``)."""
-    from megatron_patch.outputs.lock import OutputLock, live_ranks
-
     if cfg.env == "dlc" and os.environ.get("RANK", "0") != "0":
         yield
         return
@@ -206,8 +203,6 @@ def _run_lock(cfg):
 
 
 def _launch(cfg, command: list[str], needed: dict) -> int:
-    from megatron_patch.runtime.launch import LAUNCHER_PID
-
     os.environ[LAUNCHER_PID] = str(os.getpid())
     for k, v in needed.items():
         if os.environ.get(k, v) != v:
@@ -218,7 +213,6 @@ def _launch(cfg, command: list[str], needed: dict) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     print("+ " + " ".join(f"{k}={v}" for k, v in needed.items()) + (" " if needed else "")
           + " ".join(shlex.quote(c) for c in command), flush=True)
-    from megatron_patch.runtime.launch import JobFailed, run_torchrun
 
     try:
         run_torchrun(command[len(TORCHRUN):])
@@ -235,9 +229,6 @@ def _train_here(cfg) -> int:
     """One rank of the job. A failure it can explain in one line (bad input, a full disk, a collective
     that timed out) goes to torchrun's error file for the launcher to print once; anything else keeps
     its traceback."""
-    from megatron_patch.outputs.lock import register_rank
-    from megatron_patch.runtime import watchdog
-    from megatron_patch.runtime.launch import die_with_launcher, quiet_cpu_warnings
     from megatron_patch.training.loop import train
 
     quiet_cpu_warnings()
@@ -263,8 +254,6 @@ def _train_here(cfg) -> int:
 
 
 def register(subparsers) -> None:
-    from megatron_patch.models.registry import families
-
     p = subparsers.add_parser(
         "train", help="train with the positional launcher arguments (run_mcore_<family>.sh)",
         description="Train a model on megatron.core with the Pai-Megatron-Patch positional arguments. "

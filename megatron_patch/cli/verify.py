@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, verify_manifest
+from megatron_patch.errors import UserError
+
 
 def manifests_under(path: Path) -> list[Path]:
     """The manifests that ``path`` names: a manifest file itself, a folder's own, or (a training run's
     OUTPUT_BASEPATH or checkpoint folder) those of the folders in it, two levels down."""
-    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
-
     if path.is_file():
         return [path]
     own = path / MANIFEST_NAME
@@ -20,9 +21,6 @@ def manifests_under(path: Path) -> list[Path]:
 
 
 def run(args) -> int:
-    from megatron_patch.checkpoint_files.manifest import verify_manifest
-    from megatron_patch.errors import UserError
-
     path = Path(args.path)
     if not path.exists():
         raise UserError(f"{path} does not exist")

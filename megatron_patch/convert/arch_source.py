@@ -23,11 +23,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_patch.convert.engine import plan
 from megatron_patch.convert.foreign import FoundCheckpoint, find_checkpoint, tensor_facts
+from megatron_patch.convert.outputs import carried_files
 from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 
 @dataclass
@@ -66,8 +72,6 @@ def what_to_give(found: FoundCheckpoint) -> str:
 def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None, family: str | None = None,
                     iteration: int | None = None) -> OpenedCheckpoint:
     """The checkpoint at ``path`` with its architecture (see the module docstring for the order)."""
-    from megatron_patch.models.registry import get_family, parse_arch
-
     found = find_checkpoint(path, iteration)
     if found.sidecar_dir is not None:  # this project's own record wins over any other source
         sidecar = found.sidecar
@@ -92,7 +96,6 @@ def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None
     fmt_layout = found.layout or ParallelLayout()
     if found.fmt == "legacy":
         _check_legacy_fits(arch, found)
-    from megatron_patch.convert.outputs import carried_files
 
     sidecar = Sidecar.create(found.fmt, arch, fmt_layout, found.dtype, carried_files=carried_files(found.root),
                              num_tensors=found.num_tensors, num_bytes=found.num_bytes,
@@ -101,8 +104,6 @@ def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None
 
 
 def _check_legacy_fits(arch: Arch, found: FoundCheckpoint) -> None:
-    from megatron_patch.models.arch import validate_layout
-
     counts = set(found.layers_per_stage)
     if len(counts) > 1:
         raise UserError(f"{found.folder}: its pipeline stages hold {'+'.join(map(str, found.layers_per_stage))} "
@@ -146,9 +147,6 @@ def _describe(name: str, expected, got, arch: Arch) -> str:
 
 
 def _arch_facts(arch: Arch) -> dict:
-    from megatron_patch.convert.engine import plan
-    from megatron_patch.models.registry import get_family
-
     names = {p.mcore_name for t in plan(get_family(arch.family), arch, ParallelLayout()) for p in t.placements}
     facts = {"hidden size": arch.hidden_size, "layers": arch.num_layers, "experts": arch.num_experts,
              "tied output layer": arch.tie_word_embeddings,

@@ -23,43 +23,53 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
-from megatron_patch.checkpoint_files.manifest import DIGEST, BackgroundCheck, digest_file, manifest_for
-from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
-from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
-from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_carried_plan
-from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
-from megatron_patch.convert.schedule import WHOLE_FILE
-from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
-from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
-from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
-from megatron_patch.convert.fp8 import open_weights
-from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes, contained
-from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
+from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
 from megatron_patch.checkpoint_files.legacy import (
-    CHECKPOINT_VERSION, FILE_NAME, check_legacy_layout, open_rank_files, rank_coords, rank_file)
-from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
-from megatron_patch.convert.progress import Progress
-from megatron_patch.convert.sidecar import Sidecar
-from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
-from megatron_patch.models.skeleton import ModelSkeleton, describe_model
+    CHECKPOINT_VERSION,
+    FILE_NAME,
+    check_legacy_layout,
+    open_rank_files,
+    rank_coords,
+    rank_file,
+)
+from megatron_patch.checkpoint_files.manifest import DIGEST, BackgroundCheck, digest_file, manifest_for
 from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan_torch_save
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipLayout, check_crc, seal
+from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
+from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_carried_plan
+from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
+from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
+from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
+from megatron_patch.convert.fp8 import open_weights
+from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes, contained
+from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
+from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
+from megatron_patch.convert.progress import Progress
+from megatron_patch.convert.schedule import WHOLE_FILE
+from megatron_patch.convert.sidecar import Sidecar
+from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
+from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
 from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.models.config_checks import check_weights_fit
 from megatron_patch.models.mapping import Transfer, split_context
 from megatron_patch.models.registry import get_family, parse_arch
+from megatron_patch.models.skeleton import ModelSkeleton, describe_model
 from megatron_patch.runtime.distributed import ParallelLayout
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 FORMATS = ("torch_dist", "legacy")
 # Workers when none are asked for: one per core, up to 8 (the disk, not the CPU, is usually the limit).
@@ -643,7 +653,6 @@ def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored
 
 
 def _write_hf_config(folder: Path, hf_config: dict, dtype: str) -> None:
-    import json
 
     config = dict(hf_config)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]

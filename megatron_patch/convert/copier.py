@@ -24,6 +24,7 @@ a worker still running after the partial output folder was removed cannot bring 
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import mmap
@@ -38,6 +39,9 @@ from megatron_patch.checkpoint_files.byte_io import Stored, read_exact, write_al
 from megatron_patch.convert.bytemap import Move
 from megatron_patch.convert.schedule import ANY_FILE, WHOLE_FILE, Schedule, Work
 from megatron_patch.errors import UserError
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 # Contiguous ranges are cut into pieces of this size so that several workers share a large tensor.
 COPY_PIECE = 64 * 2**20
@@ -539,7 +543,6 @@ _SYNC_FILE_RANGE_WRITE = 2
 @functools.lru_cache(maxsize=1)
 def _sync_file_range():
     """libc's sync_file_range (Linux), or None."""
-    import ctypes
 
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range

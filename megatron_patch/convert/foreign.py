@@ -16,12 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import (
-    ITERATION_DIR, RELEASE, TRACKER_NAME, is_iteration_dir, iteration_dir, latest_complete_iteration, read_tracker,
-    torch_dist_problem, zip_problem)
+    ITERATION_DIR,
+    RELEASE,
+    TRACKER_NAME,
+    is_iteration_dir,
+    iteration_dir,
+    latest_complete_iteration,
+    read_tracker,
+    torch_dist_problem,
+    zip_problem,
+)
 from megatron_patch.checkpoint_files.legacy import FILE_NAME, open_rank_file
 from megatron_patch.checkpoint_files.pickles import Record, TensorRef
-from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
+from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.checkpoint_files.torch_files import nbytes
+from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -166,8 +175,6 @@ def find_checkpoint(path: str | Path, iteration: int | None = None) -> FoundChec
 
 
 def _read_torch_dist(folder: Path) -> dict:
-    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
-
     reader = TorchDistReader(folder)
     keys = reader.tensor_keys()
     model = sorted(k for k in keys if not k.startswith(TRAINING_STATE_PREFIXES))

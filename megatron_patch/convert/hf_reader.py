@@ -15,10 +15,14 @@ import math
 import struct
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.byte_io import Stored
-from megatron_patch.checkpoint_files.byte_io import read_range
+from megatron_patch.checkpoint_files.byte_io import Stored, read_range
 from megatron_patch.dtypes import ITEMSIZE, SAFETENSORS_TAG_NAMES
 from megatron_patch.errors import UserError
+from megatron_patch.models.config_checks import check_weights_fit
+from megatron_patch.models.registry import parse_arch
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 # The safetensors library refuses headers above 100 MB.
 MAX_HEADER_BYTES = 100_000_000
@@ -193,9 +197,6 @@ def checked_arch(hf_dir: str | Path, *, shapes: bool = False):
     against the safetensors headers before anything proportional to it is planned or allocated; with
     ``shapes``, every stored tensor's shape too, against what megatron-core builds for the config (the
     model's skeleton, cached: what hf2mcore checks), so a config that disagrees with its weights is one line."""
-    from megatron_patch.models.config_checks import check_weights_fit
-    from megatron_patch.models.registry import parse_arch
-
     arch = parse_arch(hf_dir)
     reader = HFCheckpointReader(hf_dir)
     check_weights_fit(arch, sum(reader.nbytes(n) for n in reader.keys()), f"the safetensors of {hf_dir}")

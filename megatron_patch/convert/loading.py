@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch.distributed as dist
+
 from megatron_patch.checkpoint_files.layout import load_models_torch_dist
 from megatron_patch.checkpoint_files.legacy import open_rank_file, rank_file
 from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_for, verify_manifest
@@ -52,7 +54,6 @@ def verify_before_load(folder: Path) -> None:
     manifest = manifest_for(folder)
     if manifest is None:
         return
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         verify_manifest(manifest)

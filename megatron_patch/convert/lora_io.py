@@ -14,9 +14,27 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_patch.checkpoint_files.byte_io import write_all
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_for, verify_manifest
+from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.convert.checkpoint import mcore_to_hf
+from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.convert.outputs import atomic_output_dir
+from megatron_patch.dtypes import dtype_name, precision_dtype
 from megatron_patch.errors import UserError
+from megatron_patch.lora.peft_io import read_peft_adapter, write_peft_adapter
 from megatron_patch.lora.plan import plan_sites
+from megatron_patch.lora.saved import saved_rules
 from megatron_patch.lora.spec import LoraSpec
+from megatron_patch.lora.state import check_adapter_keys, find_base, read_adapter_tensors
+from megatron_patch.models.mapping import plan_transfers, split_context
+from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.skeleton import describe_model
+from megatron_patch.runtime.distributed import ParallelLayout
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 
 @dataclass
@@ -62,8 +80,6 @@ class _OverridingReader:
         return self.overrides[name] if name in self.overrides else self.reader.get(name)
 
     def dtype(self, name):
-        from megatron_patch.dtypes import dtype_name
-
         return dtype_name(self.overrides[name].dtype) if name in self.overrides else self.reader.dtype(name)
 
     def shape(self, name):
@@ -74,9 +90,6 @@ class _OverridingReader:
 
 
 def read_peft_import(peft_dir: str | Path, hf_dir: str | Path) -> PeftImport:
-    from megatron_patch.lora.peft_io import read_peft_adapter
-    from megatron_patch.models.registry import parse_arch
-
     spec, tensors, saved = read_peft_adapter(peft_dir, parse_arch(hf_dir))
     return PeftImport(spec, tensors, saved)
 
@@ -84,8 +97,6 @@ def read_peft_import(peft_dir: str | Path, hf_dir: str | Path) -> PeftImport:
 # --- out of a LoRA checkpoint ------------------------------------------------------------------------------------
 
 def _open(load_dir, iteration):
-    from megatron_patch.convert.arch_source import open_checkpoint
-
     opened = open_checkpoint(load_dir, iteration=iteration)
     if not opened.sidecar.lora:
         raise UserError(f"{load_dir} holds no LoRA adapters: --lora-adapter and --merge-lora export a LoRA run's "
@@ -96,9 +107,6 @@ def _open(load_dir, iteration):
 def _adapters(opened, verify: bool = True):
     """(spec, sites, whole adapter tensors, modules_to_save HF tensors) of a LoRA checkpoint, its files checked
     against its manifest first (``verify``)."""
-    from megatron_patch.checkpoint_files.manifest import manifest_for, verify_manifest
-    from megatron_patch.lora.state import check_adapter_keys, read_adapter_tensors
-
     manifest = manifest_for(opened.found.folder) if verify else None
     if manifest is not None:
         verify_manifest(manifest)
@@ -116,12 +124,6 @@ def _saved_tensors(opened, arch, spec: LoraSpec) -> dict:
     if not spec.modules_to_save:
         return {}
     import torch
-
-    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
-    from megatron_patch.lora.saved import saved_rules
-    from megatron_patch.models.mapping import plan_transfers, split_context
-    from megatron_patch.models.skeleton import describe_model
-    from megatron_patch.runtime.distributed import ParallelLayout
 
     skeleton = describe_model(arch)
     reader = TorchDistReader(opened.found.folder)
@@ -141,10 +143,6 @@ def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, fo
                    iteration: int | None = None, verify: bool = True) -> Path:
     """A peft adapter folder from a LoRA checkpoint: peft's key names and config; ``dtype`` (a precision
     name) casts the tensors, else they keep the checkpoint's."""
-    from megatron_patch.convert.outputs import atomic_output_dir
-    from megatron_patch.dtypes import precision_dtype
-    from megatron_patch.lora.peft_io import write_peft_adapter
-
     opened = _open(load_dir, iteration)
     arch, spec, sites, tensors, saved = _adapters(opened, verify)
     base = opened.sidecar.lora.get("base")
@@ -159,11 +157,6 @@ def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str |
                   force: bool = False, iteration: int | None = None, progress: bool | None = None,
                   workers: int | None = None, max_shard_size: str | int = "5GB", verify: bool = True) -> Path:
     """The HF model with a LoRA checkpoint's adapters merged in (W + scaling * B @ A in float32, then cast)."""
-    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
-    from megatron_patch.convert.checkpoint import mcore_to_hf
-    from megatron_patch.convert.outputs import atomic_output_dir
-    from megatron_patch.lora.state import find_base
-
     opened = _open(load_dir, iteration)
     arch, spec, sites, tensors, saved = _adapters(opened, verify)
     record = opened.sidecar.lora.get("base")
@@ -191,9 +184,6 @@ def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str |
 
 def _merge_in_place(folder: Path, sites, spec: LoraSpec, tensors: dict, saved: dict) -> int:
     import torch
-
-    from megatron_patch.checkpoint_files.byte_io import write_all
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
 
     reader = HFCheckpointReader(folder)
     count = 0

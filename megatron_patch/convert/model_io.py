@@ -13,6 +13,10 @@ from megatron_patch.models.mapping.naming import checkpoint_name
 from megatron_patch.models.registry import get_family
 from megatron_patch.runtime.distributed import ParallelLayout
 
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
+
 
 def current_coord() -> RankCoord:
     from megatron.core import parallel_state as ps

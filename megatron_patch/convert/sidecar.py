@@ -8,16 +8,22 @@ of from flags that could drift from the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata as md
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_patch import __version__
 from megatron_patch.checkpoint_files.layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_tracker
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
+from megatron_patch.models.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 SIDECAR_NAME = "mpatch_checkpoint.json"
 SIDECAR_VERSION = 3  # 2: mtp_layers and notes; 3: lora
@@ -32,8 +38,6 @@ def _version(dist: str) -> str | None:
 
 
 def versions() -> dict[str, str | None]:
-    from megatron_patch import __version__
-
     return {"megatron_patch": __version__, "megatron_core": _version("megatron-core") or _version("megatron_core"),
             "torch": _version("torch"), "transformers": _version("transformers"), "safetensors": _version("safetensors")}
 
@@ -88,9 +92,7 @@ class Sidecar:
     @property
     def arch(self) -> Arch:
         """The model this checkpoint holds (its config, with the MTP layers it was converted with)."""
-        import dataclasses
 
-        from megatron_patch.models.registry import parse_arch
 
         arch = parse_arch(self.hf_config)
         # A checkpoint from another tool may pad the vocabulary otherwise than this project does.

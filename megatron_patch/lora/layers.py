@@ -26,6 +26,7 @@ order of the trainable parameters (which the DDP buffers and the memory plan fol
 from __future__ import annotations
 
 import math
+import re
 import zlib
 
 import torch
@@ -34,9 +35,15 @@ from torch import nn
 
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import COLUMN, ROW, WHOLE, Site, site_split, split_mode
+from megatron_patch.lora.saved import saved_mcore_names
 from megatron_patch.lora.spec import LoraSpec
+from megatron_patch.models.builder import model_spec_name
 from megatron_patch.models.mapping import SplitContext, split_context
-from megatron_patch.models.mapping.naming import te_to_local_name
+from megatron_patch.models.mapping.naming import local_to_te_names, te_to_local_name
+
+# megatron-core is imported inside the functions that use it, so that in a rank it loads after
+# init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
+
 
 class _SumGradOver(torch.autograd.Function):
     """Identity forward; the gradient summed over ``group`` (a factor replicated over ranks that each
@@ -274,9 +281,6 @@ def attach(chunks: list, arch, spec: LoraSpec, sites: list[Site], dtype: torch.d
     ``spec.modules_to_save``'s. Returns each chunk's container."""
     from megatron.core import parallel_state as ps
 
-    from megatron_patch.lora.saved import saved_mcore_names
-    from megatron_patch.models.builder import model_spec_name
-
     ctx = split_context(arch)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
@@ -335,8 +339,6 @@ def _input_requires_grad(module, args, output):
 
 def _freeze(chunk, numbers: dict[int, int], trainable: set[str], spec_name: str) -> None:
     """Every base weight frozen but those modules_to_save names (MCore names, global layers)."""
-    from megatron_patch.models.mapping.naming import local_to_te_names
-
     local_of_global = {v: k for k, v in numbers.items()}
     names = [n for n, _ in chunk.named_parameters()]
     te = local_to_te_names(names) if spec_name == "local" else {n: n for n in names}
@@ -346,7 +348,6 @@ def _freeze(chunk, numbers: dict[int, int], trainable: set[str], spec_name: str)
 
 
 def _global(name: str, local_of_global: dict[int, int]) -> str:
-    import re
 
     m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
     return f"decoder.layers.{local_of_global[int(m.group(1))]}.{m.group(2)}" if m else name

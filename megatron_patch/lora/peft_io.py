@@ -25,9 +25,19 @@ from pathlib import Path
 
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import PEFT_PREFIX, Site, plan_sites, stacked_depth
-from megatron_patch.lora.spec import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraSpec, read_adapter_config, spec_from_peft_config
+from megatron_patch.lora.saved import saved_rules
+from megatron_patch.lora.spec import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LoraSpec,
+    read_adapter_config,
+    spec_from_peft_config,
+)
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.mapping import LORA_TARGETS
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 _LORA_KEY = re.compile(r"^(?P<module>.+?)\.(?P<base>(?:base_layer\.)*)(?P<which>lora_[AB])\.weight$")
 
@@ -217,8 +227,6 @@ def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec:
 
 def _check_saved(spec: LoraSpec, saved: dict, arch: Arch, where: str) -> None:
     """modules_to_save tensors: HF tensors the weight table maps one to one (lm_head, norms, ...)."""
-    from megatron_patch.lora.saved import saved_rules
-
     if saved and not spec.modules_to_save:
         raise UserError(f"{where} holds {sorted(saved)[0]}, which is neither a LoRA weight nor in modules_to_save")
     rules = saved_rules(arch, spec.modules_to_save)

@@ -22,11 +22,15 @@ import re
 from dataclasses import dataclass
 
 from megatron_patch.errors import UserError
+from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.models.arch import Arch
-from megatron_patch.models.mapping import Rule, Scope
+from megatron_patch.models.mapping import LayerKind, Rule, Scope, split_context
 from megatron_patch.models.mapping.splits import Column, GateUp, GroupedQKV, Replicated, Row
 from megatron_patch.models.registry import get_family
-from megatron_patch.lora.spec import LoraSpec
+from megatron_patch.models.shape import RankParam, chunk_layers, layer_kind
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 KEY_PREFIX = "lora."          # torch_dist keys of adapter tensors
 PEFT_PREFIX = "base_model.model."  # peft's prefix of module names in adapter_model.safetensors
@@ -149,8 +153,6 @@ def check_targets(arch: Arch, targets: tuple[str, ...]) -> None:
 
 
 def _applies(rule: Rule, arch: Arch, layer: int) -> bool:
-    from megatron_patch.models.mapping import LayerKind
-
     return rule.layers is None or (rule.layers is LayerKind.MOE) == arch.is_moe_layer(layer)
 
 
@@ -158,9 +160,6 @@ def hf_part_shapes(rule: Rule, arch: Arch, mcore_shape: tuple[int, ...]) -> list
     """The HF tensors' shapes a rule's full (TP=1) MCore weight of ``mcore_shape`` stands for: the split run
     backwards on a shape-only tensor (as the skeleton derives every HF shape)."""
     import torch
-
-    from megatron_patch.models.mapping import split_context
-    from megatron_patch.models.mapping.splits import Replicated
 
     if isinstance(rule.split, Replicated):
         return [tuple(mcore_shape)]
@@ -175,7 +174,6 @@ def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
         from megatron_patch.models.shape import model_shape
 
         shape = model_shape(arch)
-    from megatron_patch.models.shape import layer_kind
 
     rules = [r for r in lora_rules(arch) if r.lora.target in spec.targets]
     part_shapes: dict = {}  # (rule index, layer kind) -> (HF part shapes)
@@ -249,8 +247,6 @@ def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_
     """The adapter parameters of model chunk ``vp_stage`` of pipeline rank ``pp_rank`` (TP, EP and expert-TP
     rank 0) as ``models.shape.RankParam``s, in the order the chunk's ``LoraAdapters`` holds them (A's, then
     B's, site by site): what the memory plan lays into the DDP buffers."""
-    from megatron_patch.models.shape import RankParam, chunk_layers
-
     layers = set(chunk_layers(arch, layout, pp_rank, vp_stage, pp_first_stage_layers))
     per_rank = arch.num_experts // layout.ep if arch.is_moe else 0
     out = []

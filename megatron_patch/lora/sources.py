@@ -9,8 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
+from megatron_patch.lora.plan import plan_sites
+from megatron_patch.lora.saved import load_saved
 from megatron_patch.lora.spec import ADAPTER_CONFIG, LoraSpec
+from megatron_patch.lora.state import check_adapter_keys, find_base, load_adapters, read_adapter_tensors
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 
 @dataclass
@@ -33,10 +40,6 @@ def open_adapters(path: str | Path, arch) -> Adapters:
 
         spec, tensors, saved = read_peft_adapter(path, arch)
         return Adapters(spec, tensors, saved, None, f"the peft adapter {path}")
-    from megatron_patch.convert.arch_source import open_checkpoint
-    from megatron_patch.lora.plan import plan_sites
-    from megatron_patch.lora.state import check_adapter_keys, find_base, read_adapter_tensors
-
     opened = open_checkpoint(path)
     lora = opened.sidecar.lora
     if not lora:
@@ -55,10 +58,6 @@ def open_adapters(path: str | Path, arch) -> Adapters:
 def add_adapters(chunks: list, arch, adapters: Adapters, layout, dtype) -> list:
     """Attach ``adapters`` to this rank's model chunks (base frozen) and fill them; returns the containers."""
     from megatron_patch.lora.layers import attach
-    from megatron_patch.lora.plan import plan_sites
-    from megatron_patch.lora.saved import load_saved
-    from megatron_patch.lora.state import load_adapters
-
     containers = attach(chunks, arch, adapters.spec, plan_sites(arch, adapters.spec), dtype)
     load_adapters(containers, adapters.tensors)
     load_saved(chunks, arch, layout, adapters.saved)

@@ -16,8 +16,14 @@ import json
 import os
 from pathlib import Path
 
+from megatron_patch.checkpoint_files.manifest import manifest_for, read_manifest
+from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import KEY_PREFIX
+from megatron_patch.models.skeleton import cache_dir
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 DIGEST_FORMAT = "sha256-files-1"
 MANIFEST_DIGEST = "sha256-manifest-1"
@@ -31,8 +37,6 @@ def _files(folder: Path) -> list[Path]:
 
 
 def _digest_cache() -> Path:
-    from megatron_patch.models.skeleton import cache_dir
-
     return cache_dir().parent / "digests"
 
 
@@ -44,8 +48,6 @@ def checkpoint_digest(folder: str | Path) -> str:
     that table (``convert.loading.verify_before_load``). Otherwise sha256 over every file (relative path,
     size, content), hidden files aside: reading a 16 GB base takes a minute, so that answer is kept per folder
     (under the skeleton cache's parent) with each file's size and modification time."""
-    from megatron_patch.checkpoint_files.manifest import manifest_for, read_manifest
-
     folder = Path(folder).resolve()
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder")
@@ -104,8 +106,6 @@ def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> P
 
 def read_adapter_tensors(folder: str | Path) -> dict:
     """Every adapter tensor of a torch_dist weights folder, whole (model-free: each rank can read it)."""
-    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
-
     reader = TorchDistReader(folder)
     try:
         return {k: reader.read_block(k) for k in sorted(reader.tensor_keys()) if k.startswith(KEY_PREFIX)}

@@ -26,6 +26,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
+
 
 def config_overrides(enabled: bool | None) -> dict:
     """TransformerConfig fields for MP_COMPILE_FUSIONS (None: megatron-core's defaults, set by the builder)."""

@@ -7,6 +7,10 @@ import torch
 from megatron_patch.runtime import distributed
 from megatron_patch.runtime.distributed import move_to_device
 
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
+
 
 def place_on_rank_device(model):
     """``model`` whole on this rank's device (the GPU where there is one), returned.

@@ -51,14 +51,23 @@ from megatron_patch.models.derived_skeleton import NotDerivable, derive_skeleton
 from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.models.registry import parse_arch
 from megatron_patch.models.skeleton_entries import (  # noqa: F401 - the skeleton's types, used from here
-    SKELETON_FORMAT, ChunkEntry, ModelSkeleton, ObjectEntry, expected_hf_shapes)
+    SKELETON_FORMAT,
+    ChunkEntry,
+    ModelSkeleton,
+    ObjectEntry,
+    expected_hf_shapes,
+)
+from megatron_patch.runtime import ParallelLayout, init_model_parallel
+from megatron_patch.runtime.launch import run_local
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 
 def _ensure_single_rank_state() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_patch.runtime import ParallelLayout, init_model_parallel
 
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise UserError("checkpoint conversion runs in a single process: do not launch it with torchrun")
@@ -142,8 +151,6 @@ def _describe_cached(hf_config_json: str, mtp_layers: int, vocab_padded_to: int 
 
 
 def _compute(keys: list[tuple]) -> list[ModelSkeleton]:
-    from megatron_patch.runtime.launch import run_local
-
     return run_local(_describe_worker, 1, keys)[0]
 
 
@@ -272,6 +279,4 @@ def _position_in(whole, part) -> tuple[int, ...]:
 
 
 def _single_layout():
-    from megatron_patch.runtime import ParallelLayout
-
     return ParallelLayout()

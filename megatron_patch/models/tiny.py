@@ -8,6 +8,10 @@ import torch
 
 from megatron_patch.models.registry import get_family
 
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
+
 
 def tiny_config(family: str, **overrides) -> dict:
     return {**get_family(family).tiny_config, **overrides}

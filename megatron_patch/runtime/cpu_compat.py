@@ -24,14 +24,21 @@ and every MLA forward).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import importlib.util
 import os
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch.utils._device import _device_constructors
 
 from megatron_patch.errors import UserError
+
+# megatron-core's modules are imported by the patches that change them, applied only on CPU (or without
+# transformer-engine) and only for the releases they were audited against (PATCHES).
 
 # Releases (major.minor) whose CUDA-only spots were audited for this layer.
 SUPPORTED_MCORE = ("0.16", "0.19")
@@ -250,7 +257,6 @@ def _patch_torch_tensors():
     # before loading weights) recognise constructors by identity, from a cache filled on first use.
     # Fill it with the real constructors before they are wrapped, or a model built under such a
     # context afterwards gets real, uninitialised tensors where it expects meta ones.
-    from torch.utils._device import _device_constructors
 
     _device_constructors()
     for name in _FACTORIES:
@@ -303,7 +309,6 @@ def _patch_mla_without_te():
     """megatron-core's transformer-engine extension imports without TE and leaves mock classes behind,
     so multi-latent attention believes TE is there (``HAVE_TE``) and calls ``isinstance`` with a mock,
     a TypeError. Without CUDA there is no TE: say so."""
-    import importlib.util
 
     from megatron.core.transformer import multi_latent_attention
 
@@ -337,7 +342,6 @@ def _patch_uneven_all_gather():
     shard to the longest, gather equal shards, cut the padding off. (Its backward, the uneven
     reduce-scatter, gloo does natively.)
     """
-    import torch.distributed as dist
     from megatron.core.tensor_parallel import mappings
 
     original = mappings._gather_along_first_dim
@@ -367,7 +371,6 @@ def _patch_torch_norm():
     shard; only its weight gradient is partial, and `finalize_model_grads` all-reduces it over the
     TP group for every parameter tagged `sequence_parallel`, as Apex's FusedLayerNorm tags its own.
     """
-    import copy
 
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -495,7 +498,6 @@ PATCHES = (
 def fill_gaps_without_te() -> tuple[str, ...]:
     """On a GPU without transformer-engine: the ``without_te`` patches this megatron-core release needs (each
     only fills in what TE would have provided, so it changes nothing where TE is there). Returns their names."""
-    import importlib.util
 
     if importlib.util.find_spec("transformer_engine") is not None:
         return ()

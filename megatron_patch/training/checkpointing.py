@@ -26,15 +26,40 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_patch.checkpoint_files.layout import (
-    RELEASE, TRACKER_NAME, fsync_file, iteration_dir, latest_complete_iteration, partial_dir, publish,
-    remove_stale_partials, torch_dist_problem, write_tracker, zip_problem)
-from megatron_patch.checkpoint_files.manifest import digests, manifest_of, unlisted_files, verify_manifest, write_manifest
+    RELEASE,
+    TRACKER_NAME,
+    fsync_file,
+    iteration_dir,
+    latest_complete_iteration,
+    partial_dir,
+    publish,
+    remove_stale_partials,
+    torch_dist_problem,
+    write_tracker,
+    zip_problem,
+)
+from megatron_patch.checkpoint_files.manifest import (
+    digests,
+    manifest_of,
+    unlisted_files,
+    verify_manifest,
+    write_manifest,
+)
+from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
+from megatron_patch.lora.state import adapter_sharded_state, base_record
 from megatron_patch.runtime import watchdog
+from megatron_patch.training.lora_run import cfg_base
+
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
 
 # megatron-core 0.16's default distributed-optimizer format is rejected by its own dist_checkpointing;
 # fully_reshardable also reloads at another TP/PP/DP (see docs/cpu-runtime.md).
@@ -104,7 +129,6 @@ def resume_iteration(root: str | Path, log=print) -> int | None:
 
 
 def _rng_state() -> dict:
-    import numpy as np
     from megatron.core import tensor_parallel
 
     return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
@@ -113,7 +137,6 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    import numpy as np
     from megatron.core import tensor_parallel
 
     random.setstate(state["random"])
@@ -146,7 +169,6 @@ def _model_state(chunk) -> dict:
     lora = getattr(chunk, "lora", None)
     if lora is None:
         return chunk.sharded_state_dict()
-    from megatron_patch.lora.state import adapter_sharded_state
 
     return adapter_sharded_state(chunk, lora)
 
@@ -155,9 +177,6 @@ def _lora_record(cfg) -> dict | None:
     """The sidecar's ``lora`` section of a LoRA run's checkpoints: the spec and the base they need."""
     if cfg.lora is None:
         return None
-    from megatron_patch.lora.state import base_record
-    from megatron_patch.training.lora_run import cfg_base
-
     return {"spec": cfg.lora, "base": base_record(cfg_base(cfg))}
 
 
@@ -259,7 +278,6 @@ def _write_failure_text(exc: BaseException, logged: list[str] = ()) -> str | Non
     the way, so its text is read. torch.save's own writer reports a short write without an errno
     ("unexpected pos 704 vs 598"): that is taken as a write failure too.
     """
-    from torch.distributed.checkpoint.api import CheckpointException
 
     # A CheckpointException's own text is its ranks' tracebacks: read its failures instead.
     found = [e for e in _exceptions(exc) if not isinstance(e, CheckpointException)]
@@ -291,7 +309,6 @@ def _stop_on_write_error(final: Path, tmp: Path, rank: int):
     for), so whichever rank the launcher hears from first says what failed. A rank whose own write
     failed elsewhere exits alone; the launcher stops the others (they cannot leave a collective they
     are already in)."""
-    from torch.distributed.checkpoint.api import CheckpointException
 
     writer_log = _WriterLog()
     logger = logging.getLogger("megatron.core.dist_checkpointing")
@@ -409,7 +426,6 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.convert.sidecar import Sidecar
 
     final = Path(cfg.output_basepath) / FINAL_DIR
     watchdog.set_phase(f"exporting {final}")

@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy
 import torch
 
 from megatron_patch.errors import UserError
+
+# megatron-core is imported inside the functions that use it, so that in a rank it loads after
+# init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
 
 
 class _DatasetTokenizer:
@@ -50,7 +54,6 @@ def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: i
 
 def check_token_range(dataset, vocab_size: int, path: str) -> None:
     """Token ids beyond the model's vocabulary would index past the embedding: say so up front."""
-    import numpy
 
     low = getattr(dataset, "datasets", [dataset])
     for ds in low:

@@ -12,6 +12,8 @@ import random
 import string
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher", "her brother", "the farmer"]
 VERBS = ["sees", "likes", "finds", "carries", "watches", "follows", "paints", "remembers"]
 OBJECTS = ["the red ball", "a green apple", "the long road", "a quiet river", "the tall tree", "a warm coat",
@@ -33,7 +35,6 @@ def make_texts(n: int, seed: int = 0) -> list[str]:
 
 def make_tokenizer(folder: str | Path, texts: list[str], vocab_size: int = 200) -> Path:
     """A BPE tokenizer folder (tokenizer.json + tokenizer_config.json) that round-trips the corpus exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+import psutil
+
 from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
 from megatron_patch.errors import UserError
 
@@ -59,7 +61,6 @@ def fill_gradients_with_inf(models: list) -> None:
 def kill_this_process() -> None:
     """SIGKILL to this rank and the helper processes it started (the torch_dist writer's), as when a
     node is lost: a helper left alive would keep the launcher's output pipes open."""
-    import psutil
 
     for child in psutil.Process().children(recursive=True):
         try:

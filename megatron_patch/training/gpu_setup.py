@@ -17,6 +17,9 @@ import os
 
 import torch
 
+# megatron-core is imported inside the functions that use it, so that in a rank it loads after
+# init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
+
 # cuDeviceGetAttribute's CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED (CUDA >= 12.1).
 _CU_MULTICAST_SUPPORTED = 132
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from megatron_patch.errors import UserError
+from megatron_patch.models.registry import families, get_family
 
 HEAD = ["ENV", "MODEL_SIZE", "BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", "SEQ_LEN", "PAD_LEN", "PR",
         "TP", "PP", "CP"]
@@ -17,8 +18,6 @@ TAIL = ["SP", "DO", "FL", "SFT", "AC", "OPTIMIZER_OFFLOAD", "SAVE_INTERVAL", "DA
 
 def launchers() -> dict[str, list[str]]:
     """family -> parallel sizes its launcher takes after CP (the reference launchers' order)."""
-    from megatron_patch.models.registry import families
-
     return {name: list(f.launcher_parallel_args) for name, f in families().items()}
 
 
@@ -115,14 +114,10 @@ def arg_names(family: str) -> list[str]:
 
 
 def presets(family: str) -> dict[str, dict]:
-    from megatron_patch.models.registry import get_family
-
     return dict(get_family(family).presets)
 
 
 def usage(family: str) -> str:
-    from megatron_patch.models.registry import get_family
-
     names = arg_names(family)
     script = get_family(family).launcher
     lines = [f"usage: {script} " + " ".join(names), "",

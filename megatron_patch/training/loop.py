@@ -8,16 +8,16 @@ or skip on NaN/inf, optimizer step, LR schedule step, log, maybe save.
 
 from __future__ import annotations
 
-# megatron-core is imported inside the functions, after init_model_parallel: on a machine without CUDA the CPU
-# compatibility layer (runtime/cpu_compat.py) must patch torch before megatron binds names at import.
-
+import inspect
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -38,6 +38,9 @@ from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
 
+# megatron-core is imported inside the functions, after init_model_parallel: on a machine without CUDA the CPU
+# compatibility layer (runtime/cpu_compat.py) must patch torch before megatron binds names at import.
+
 # Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
@@ -54,7 +57,6 @@ def flops_per_iteration(arch, cfg) -> float:
 def _memory_gib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    import psutil
 
     return psutil.Process().memory_info().rss / 2**30
 
@@ -164,7 +166,6 @@ def ddp_buffer_layout(config, ddp_config, chunk, disable_bucketing: bool) -> dic
     warns. The arguments are the ones DDP would use: the same process groups (DDP's own set-up function),
     the bucket size it defaults to, and no bucketing on later pipeline stages, later model chunks, or
     without grad-reduce overlap."""
-    import inspect
 
     from megatron.core.distributed import DistributedDataParallel
 
@@ -216,7 +217,11 @@ class Trainer:
 
     def build(self) -> None:
         from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -561,7 +566,6 @@ class Trainer:
 
 def train(cfg) -> dict:
     """Run on every rank (process group from RANK/WORLD_SIZE/MASTER_*)."""
-    import os
 
 
     watchdog.set_phase("joining the job")

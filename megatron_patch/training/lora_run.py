@@ -11,10 +11,23 @@ and digest (``lora.state``), so a resume or an export checks it is the same base
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
+from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.convert.foreign import find_checkpoint
+from megatron_patch.convert.sidecar import read_sidecar
 from megatron_patch.errors import UserError
+from megatron_patch.lora.plan import COLUMN, ROW, check_targets, plan_sites, rank_adapter_params, site_split, split_mode
+from megatron_patch.lora.saved import saved_mcore_names
+from megatron_patch.lora.sources import add_adapters, open_adapters
 from megatron_patch.lora.spec import LoraSpec, parse_targets
+from megatron_patch.lora.state import find_base
+from megatron_patch.models.shape import chunk_layers
+from megatron_patch.training.launcher_args import parse_float, parse_int
+
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
+# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 LORA_EXTRAS = ("MP_LORA_RANK", "MP_LORA_ALPHA", "MP_LORA_DROPOUT", "MP_LORA_TARGETS", "MP_LORA_INIT")
 
@@ -27,8 +40,6 @@ def lora_from_env(env: dict, arch, checkpoint: str | None) -> tuple[dict | None,
     config then decides rank, alpha, dropout and targets (an MP_LORA_* value that disagrees is refused). A
     PRETRAIN_CHECKPOINT_PATH that carries adapters (hf2mcore --peft-dir, a LoRA run's final/) starts from
     those the same way."""
-    from megatron_patch.training.launcher_args import parse_float, parse_int
-
     init = env.get("MP_LORA_INIT") or None
     raw_rank = env.get("MP_LORA_RANK", "")
     rank = 0 if raw_rank == "" else parse_int("MP_LORA_RANK", raw_rank, lo=0)
@@ -75,7 +86,6 @@ def _checkpoint_lora(checkpoint: str | None) -> LoraSpec | None:
     """The spec of the adapters a starting checkpoint carries (its sidecar's ``lora``), or None."""
     if checkpoint is None:
         return None
-    from megatron_patch.convert.foreign import find_checkpoint
 
     try:
         found = find_checkpoint(checkpoint)
@@ -91,7 +101,6 @@ def check_lora(cfg) -> None:
     """What a LoRA run needs besides its spec: targets the family has, and FP8 only with transformer-engine (its FP8 GEMMs run the base; the adapters run beside them in bf16)."""
     if cfg.lora is None:
         return
-    from megatron_patch.lora.plan import check_targets
 
     check_targets(cfg.arch, tuple(cfg.lora["targets"]))
     if cfg.precision.fp8:
@@ -117,8 +126,6 @@ def check_lora_launch(cfg) -> None:
     if cfg.pretrain_checkpoint is None:
         raise UserError("LoRA trains adapters on a base model: give its converted checkpoint as "
                         "PRETRAIN_CHECKPOINT_PATH (mpatch convert hf2mcore)")
-    from megatron_patch.convert.sidecar import read_sidecar
-    from megatron_patch.lora.state import find_base
     from megatron_patch.training.checkpointing import iteration_dir, latest_iteration
 
     latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
@@ -134,9 +141,6 @@ def check_lora_launch(cfg) -> None:
 
 def cfg_base(cfg) -> Path:
     """The base weights' checkpoint: PRETRAIN_CHECKPOINT_PATH, or the base a LoRA export there names."""
-    from megatron_patch.convert.arch_source import open_checkpoint
-    from megatron_patch.lora.state import find_base
-
     sidecar = open_checkpoint(cfg.pretrain_checkpoint).sidecar
     lora = sidecar.lora or {}
     if lora.get("base"):
@@ -148,12 +152,8 @@ def cfg_base(cfg) -> Path:
 
 def setup_lora(cfg, chunks: list, resuming: bool, log) -> list:
     """Load and freeze the base, attach the adapters and start them; returns each chunk's container."""
-    from megatron_patch.convert.arch_source import open_checkpoint
     from megatron_patch.convert.loading import load_checkpoint_into_model
     from megatron_patch.lora.layers import attach
-    from megatron_patch.lora.plan import plan_sites
-    from megatron_patch.lora.sources import add_adapters, open_adapters
-
     spec = LoraSpec.from_dict(cfg.lora)
     arch = cfg.arch
     base = cfg_base(cfg)
@@ -189,11 +189,6 @@ def describe_trainable(chunks: list) -> str:
 def split_trainable(arch, cfg, chunks: list[list], pp_rank: int, spec_name: str) -> tuple[list[list], int]:
     """For the memory plan: each model chunk's trainable parameters of a rank (modules_to_save weights, then
     the adapters, as the chunk holds them) and the number of frozen elements."""
-    import re
-
-    from megatron_patch.lora.plan import plan_sites, rank_adapter_params
-    from megatron_patch.lora.saved import saved_mcore_names
-    from megatron_patch.models.shape import chunk_layers
 
     spec = LoraSpec.from_dict(cfg.lora)
     sites = plan_sites(arch, spec)
@@ -215,8 +210,6 @@ def split_trainable(arch, cfg, chunks: list[list], pp_rank: int, spec_name: str)
 def layer_adapters(arch, cfg, spec_name: str) -> tuple:
     """For the memory plan's activations: the adapted linears of one layer (the first MoE layer of an MoE model,
     the layer the plan's formula stands for) on rank 0, as ``memory_plan.Shape.lora`` describes them."""
-    from megatron_patch.lora.plan import COLUMN, ROW, plan_sites, site_split, split_mode
-
     spec = LoraSpec.from_dict(cfg.lora)
     layer = next((i for i in range(arch.num_layers) if arch.is_moe_layer(i)), 0)
     per_rank = arch.num_experts // cfg.ep if arch.is_moe else 0

@@ -6,6 +6,10 @@ from __future__ import annotations
 from megatron_patch.models.compiled_fusions import config_overrides
 from megatron_patch.training.run_config import RunConfig
 
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
+
 
 def megatron_settings(cfg: RunConfig) -> dict:
     """TransformerConfig overrides, DDP and optimizer settings: what each flag becomes."""

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+# megatron-core is imported inside the functions that use it, so that in a rank it loads after
+# init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
+
 
 def thd_batch(batch: dict) -> tuple[dict, dict]:
     """A micro-batch of packed samples as one THD row, and the ``PackedSeqParams`` fields for it.

@@ -19,6 +19,9 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch, require
 from megatron_patch.models.decoder import parse_decoder_config
 
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+
 # transformers' GptOssConfig fills these in when config.json leaves them out.
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}

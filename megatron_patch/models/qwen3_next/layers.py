@@ -26,13 +26,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules, get_num_layers_to_build)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
 
@@ -261,7 +260,6 @@ def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str |
 def mtp_block_spec(arch: Arch, config, spec, use_te: bool, vp_stage):
     """megatron-core's MTP block around a full-attention layer (the MTP layers' own kind, whatever the last
     decoder layer is), with Qwen3-Next's norms."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     layer = _layer(arch, arch.num_layers, arch.attention_type(arch.num_layers))
     block = get_gpt_mtp_block_spec(config, TransformerBlockSubmodules(layer_specs=[layer], layer_norm=ZeroCenteredRMSNorm),

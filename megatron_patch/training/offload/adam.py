@@ -29,6 +29,7 @@ import time
 from collections import defaultdict
 
 import torch
+from torch.optim.adam import adam
 
 from megatron_patch.training.offload.chunks import DEVICE, HOST, ChunkStore
 
@@ -82,7 +83,6 @@ def exact_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, 
 def torch_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, step: int, lr: float, beta1: float, beta2: float,
                  eps: float, weight_decay: float, fused: bool) -> None:
     """torch's AdamW on these tensors (single-tensor path, or the fused kernel of their device)."""
-    from torch.optim.adam import adam
 
     device = params[0].device
     steps = [torch.tensor(float(step - 1), dtype=torch.float32, device=device if fused else "cpu")

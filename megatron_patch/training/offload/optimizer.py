@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 
 from megatron_patch.errors import UserError
 from megatron_patch.training.offload.adam import ChunkedAdam
-from megatron_patch.training.offload.chunks import (
-    DEVICE, FIELDS, HOST, ChunkStore, Span, host_chunk_count, plan_chunks)
+from megatron_patch.training.offload.chunks import DEVICE, FIELDS, HOST, ChunkStore, Span, host_chunk_count, plan_chunks
 from megatron_patch.training.offload.policy import AutoPolicy, StaticPolicy
-from megatron_patch.training.offload.probe import (
-    Accounting, AccountingProbe, CudaProbe, MemoryReading, ScriptedProbe)
+from megatron_patch.training.offload.probe import Accounting, AccountingProbe, CudaProbe, MemoryReading, ScriptedProbe
+
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# processes that import this module without building a megatron-core model (align's main process, the
+# launcher's dry run and resume checks) do not pay for it.
 
 GiB = 2**30
 
@@ -355,7 +358,6 @@ class OffloadController:
 
     def _clock(self) -> float:
         """Seconds, after the device has finished its queued work when MP_OFFLOAD_TIMING asks for it."""
-        import time
 
         if self.settings.timing and torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatron_patch.errors import UserError
 
 
@@ -57,7 +59,6 @@ class MemoryProbe:
 
 class CudaProbe(MemoryProbe):
     def __init__(self, capacity: int | None = None, cuda=None):
-        import torch
 
         self.cuda = cuda or torch.cuda  # injectable for tests of the arithmetic
         self.capacity = capacity or int(self.cuda.mem_get_info()[1])
