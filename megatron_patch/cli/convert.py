@@ -11,8 +11,8 @@ from megatron_patch.convert.checkpoint import DEFAULT_WORKERS, hf_to_mcore, mcor
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
 def _quiet_imports() -> None:

@@ -8,8 +8,8 @@ from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.models.shape import model_shapes
 from megatron_patch.training.launcher_args import arg_names
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
 def family_rows(*, with_params: bool = False) -> list[dict]:

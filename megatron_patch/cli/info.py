@@ -9,8 +9,8 @@ from megatron_patch import __version__
 from megatron_patch.models.registry import families
 from megatron_patch.runtime.machine import features, gpu_info, installed_version
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
 def collect() -> dict:

@@ -11,8 +11,8 @@ from datetime import timedelta
 
 from megatron_patch.lazy import LazyModule
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 # Imported on first use: ParallelLayout is needed by commands (conversion, --help) that never touch
 # a process group, and importing torch costs seconds.

@@ -28,8 +28,8 @@ from typing import Any, Callable
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import free_port
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
 class WorkerError(RuntimeError):

@@ -26,8 +26,8 @@ from megatron_patch.lora.state import find_base
 from megatron_patch.models.shape import chunk_layers
 from megatron_patch.training.launcher_args import parse_float, parse_int
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 LORA_EXTRAS = ("MP_LORA_RANK", "MP_LORA_ALPHA", "MP_LORA_DROPOUT", "MP_LORA_TARGETS", "MP_LORA_INIT")
 

@@ -37,8 +37,8 @@ from megatron_patch.runtime.machine import installed_version, version_tuple
 from megatron_patch.training.machine_checks import local_core_attention
 from megatron_patch.units import GiB, human_bytes
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
 

@@ -13,8 +13,8 @@ from megatron_patch.dtypes import ITEMSIZE, precision_dtype_name
 from megatron_patch.models.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
 class Precision(str, Enum):

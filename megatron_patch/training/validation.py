@@ -39,8 +39,8 @@ from megatron_patch.training.launcher_args import (
 from megatron_patch.training.lora_run import check_lora, lora_from_env
 from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
 
-# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are imported
-# inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
+# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
 def resolve(family: str, argv: list[str], env: dict | None = None, *, check_paths: bool = True) -> RunConfig:

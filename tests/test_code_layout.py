@@ -1,0 +1,69 @@
+"""The package's import rules (docs/architecture.md): imports at the top of a module unless the module says
+why not; nothing imports upward into the CLI; no test module imports another (shared code lives in
+tests/*_helpers.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megatron_patch"
+# How a module says why some of its imports are inside functions (a measured start-up cost, an optional
+# package, the order megatron-core must load in).
+REASONS = ("imported inside", "imported here", "imported by the", "imported where", "imported only", "optional")
+
+
+def _imports(tree: ast.AST):
+    """(node, imported module names, whether it runs when the module is imported) for every import; one
+    inside a ``try`` that catches ImportError (an optional package, a name that moved between releases)
+    counts as the module's own."""
+    def visit(node, in_function: bool, optional: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                names = [child.module or ""] if isinstance(child, ast.ImportFrom) else [a.name for a in child.names]
+                yield child, names, not in_function or optional
+            else:
+                catches = isinstance(child, ast.Try) and any(
+                    "ImportError" in ast.dump(h.type) for h in child.handlers if h.type is not None)
+                yield from visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)),
+                                 optional or catches)
+
+    yield from visit(tree, False, False)
+
+
+def _modules():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_function_level_imports_say_why():
+    unexplained = []
+    for path in _modules():
+        source = path.read_text()
+        inner = [n for n, _, at_top in _imports(ast.parse(source)) if not at_top]
+        if inner and not any(reason in source for reason in REASONS):
+            unexplained.append(f"{path.relative_to(ROOT)}:{inner[0].lineno}")
+    assert not unexplained, f"imports inside functions without a reason given in the module: {unexplained}"
+
+
+def test_nothing_imports_the_cli_from_below():
+    upward = []
+    for path in _modules():
+        if path.parent.name == "cli" or path.name == "__main__.py":
+            continue
+        for node, names, _ in _imports(ast.parse(path.read_text())):
+            if any(n == "megatron_patch.cli" or n.startswith("megatron_patch.cli.") for n in names):
+                upward.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not upward, f"library modules importing the CLI: {upward}"
+
+
+def test_no_test_module_imports_another():
+    tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    crossing = []
+    for path in (ROOT / "tests").glob("*.py"):
+        for node, names, _ in _imports(ast.parse(path.read_text())):
+            for name in names:
+                if name.split(".")[-1] in tests or (isinstance(node, ast.ImportFrom) and node.level
+                                                     and any(a.name in tests for a in node.names)):
+                    crossing.append(f"{path.name}:{node.lineno}")
+    assert not crossing, f"test modules importing other test modules: {crossing}"
