@@ -149,7 +149,7 @@ class _Recorder(torch.nn.Module):
 def placement_worker(hf_dir: str) -> dict:
     """Where the parity and alignment workers' models are when inference starts, with the meta device as this
     rank's device; and where forward_logits puts the tokens and positions."""
-    from megatron_patch.align import parity, runner
+    from megatron_patch.align import capture, parity, runner
     from megatron_patch.models import inference
     from megatron_patch.runtime import distributed, init_model_parallel
 
@@ -167,12 +167,15 @@ def placement_worker(hf_dir: str) -> dict:
         out.setdefault("models", []).append(sorted({t.device.type for t in [*model.parameters(), *model.buffers()]}))
         return torch.zeros(*toks.shape, vocab_size)
 
-    inference.forward_logits = record
+    users = (parity, capture)  # the modules that call forward_logits
+    for module in users:
+        module.forward_logits = record
     try:
         parity.mcore_logits_worker([hf_dir], ParallelLayout(), [tokens])
         runner.mcore_capture_worker(ParallelLayout(), tokens, [runner.McoreRun("fp32", hf_dir=hf_dir)])
     finally:
-        inference.forward_logits = real_forward
+        for module in users:
+            module.forward_logits = real_forward
     return out
 
 

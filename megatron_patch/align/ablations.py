@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from megatron_patch.models.builder import fused_softmax_available, te_available
+from megatron_patch.models import builder
 from megatron_patch.models.core_attention import SDPA, UNFUSED, default_core_attention, describe
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
@@ -163,7 +163,7 @@ def get(name: str) -> Ablation:
 
 def baseline_core_attention() -> str | None:
     """The core attention the baseline builds on this machine: None where it is transformer-engine's spec."""
-    return None if te_available() else default_core_attention()
+    return None if builder.te_available() else default_core_attention()
 
 
 def describe_baseline_attention() -> str:
@@ -176,9 +176,9 @@ def skip_reason(ablation: Ablation) -> str | None:
     """Why a variant cannot run on this machine (None: it can)."""
     if ablation.needs_gpu and not torch.cuda.is_available():
         return "needs a CUDA GPU (skipped on CPU)"
-    if ablation.needs_te and not te_available():
+    if ablation.needs_te and not builder.te_available():
         return "needs transformer-engine (not installed)"
-    if ablation.needs_fused_softmax and not fused_softmax_available():
+    if ablation.needs_fused_softmax and not builder.fused_softmax_available():
         return "needs Apex's fused softmax kernels (scaled_masked_softmax_cuda, not installed)"
     baseline = baseline_core_attention()
     if ablation.core_attention and baseline is None:
