@@ -4,20 +4,20 @@ transformers' ``MiniMaxM2Attention`` normalises the query projection as one vect
 values (and the keys as one of num_kv_heads * head_dim), not head by head as megatron-core's
 ``qk_layernorm`` does. Under tensor parallelism a rank holds only its heads, so ``WholeWidthRMSNorm``
 sums the squares of its own part, adds the other ranks' sums (an all-reduce over the TP group, and the
-same in backward: every rank's output depends on every rank's input) and divides by the whole width. Its
-weight is split over TP with the heads (checkpointed as one tensor of the whole width, whatever the TP).
+same in backward: every rank's output depends on every rank's input) and divides by the whole width.
 
-With sequence parallelism the norm sees the whole sequence (linear_qkv gathers it) and only its heads, so
-its weight's gradient is complete on each rank: it is a tensor-parallel parameter, not a sequence-parallel
-one whose gradient is summed over the TP group.
+Its weight is whole on every TP rank, each rank scaling its heads by its slice of it: megatron-core's
+``finalize_model_grads`` sums the gradients of every ``q_layernorm`` / ``k_layernorm`` parameter over the
+TP group (its per-head norms are replicated and each rank sees only its heads), which makes each rank's
+slice-only gradient the whole one. A weight split over TP would get its neighbours' slices added to its
+own there. With sequence parallelism the norm sees the whole sequence (linear_qkv gathers it) and the same
+sum applies.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.spec_edits import submodules_of, with_submodules
@@ -41,39 +41,30 @@ class _SumOverTP(torch.autograd.Function):
 
 
 class WholeWidthRMSNorm(torch.nn.Module):
-    """RMSNorm over all heads of a projection ([..., heads, head_dim] in, the same out), computed as
-    transformers' ``MiniMaxM2RMSNorm``: float32 statistics, the normalised input cast back, then times the
-    weight. ``heads``: the projection's heads over all TP ranks (set by a subclass)."""
+    """RMSNorm over all heads of a projection ([..., heads here, head_dim] in, the same out), computed as
+    transformers' ``MiniMaxM2RMSNorm``: float32 statistics, the normalised input cast back, then times this
+    rank's slice of the weight."""
 
-    heads_field = ""  # the TransformerConfig field that counts the projection's heads
+    heads_field = ""  # the TransformerConfig field that counts the projection's heads (set by a subclass)
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
         super().__init__()
         self.eps = eps
-        self.head_dim = hidden_size
         self.tp_size = config.tensor_model_parallel_size
-        heads = getattr(config, self.heads_field)
-        self.width = heads * hidden_size
-        self.weight = torch.nn.Parameter(torch.ones(self.width // self.tp_size, dtype=config.params_dtype))
-        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+        self.width = getattr(config, self.heads_field) * hidden_size
+        self.weight = torch.nn.Parameter(torch.ones(self.width, dtype=config.params_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        dtype, local = x.dtype, x.shape[-2] * x.shape[-1]
         y = x.float()
         squares = y.pow(2).sum(dim=(-2, -1), keepdim=True)
+        weight = self.weight
         if self.tp_size > 1:
             squares = _SumOverTP.apply(squares, parallel_state.get_tensor_model_parallel_group())
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            weight = weight[rank * local:(rank + 1) * local]
         y = y * torch.rsqrt(squares / self.width + self.eps)
-        return self.weight.view(x.shape[-2], x.shape[-1]) * y.to(dtype)
-
-    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """The weight as one tensor of the whole width, each TP rank holding its heads' part."""
-        state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(
-            state, prefix, {"weight": 0}, sharded_offsets,
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
-            dp_cp_group=(metadata or {}).get("dp_cp_group")
-            or parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return weight.view(x.shape[-2], x.shape[-1]) * y.to(dtype)
 
 
 class QueryNorm(WholeWidthRMSNorm):
