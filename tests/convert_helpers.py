@@ -76,3 +76,48 @@ def with_mtp_layer(src: Path, out: Path, seed: int = 9) -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled float8_e4m3fn as DeepSeek's and MiniMax's hub checkpoints store it: per block,
+    scale = amax / 448."""
+    import math
+
+    rows, cols = w.shape
+    scale = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            r, c = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+            scale[i, j] = w[r, c].abs().max().clamp(min=1e-12) / 448.0
+            q[r, c] = (w[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def write_fp8_checkpoint(src: Path, out: Path, linear: tuple[str, ...], block) -> Path:
+    """``src`` written as the hub writes its FP8 models: the weights of the ``linear`` modules (leaf names) in FP8
+    with block scales (``X.weight_scale_inv``), everything else bf16 (the router bias fp32), quantization_config
+    in config.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+    shutil.copytree(src, out)
+    reader = HFCheckpointReader(src)
+    tensors = {}
+    for name in reader.keys():
+        t = reader.get(name)
+        if name.endswith(".weight") and name.split(".")[-2] in linear:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(t, block)
+        else:
+            tensors[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+    (out / "model.safetensors").unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -267,6 +267,7 @@ LOADS = [
     ("qwen2", "torch_dist", (2, 1, 1), (1, 2, 1)),     # tied embeddings split across stages on load
     ("qwen2_moe", "torch_dist", (1, 1, 4), (1, 1, 2)),
     ("mixtral", "legacy", (1, 1, 2), (1, 1, 2)),
+    ("minimax_m2", "torch_dist", (2, 1, 2), (1, 2, 1)),  # whole-width q/k norms read at another TP
 ]
 
 

@@ -19,6 +19,7 @@ from megatron_patch.models.mapping import RankCoord
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
+from tests.convert_helpers import quantize_fp8_blocks, write_fp8_checkpoint
 from tests.training_helpers import launcher_args
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -153,49 +154,11 @@ FP8_BLOCK = (16, 16)
 _FP8_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled float8_e4m3fn as DeepSeek's checkpoints store it: per block, scale = amax / 448."""
-    import math
-
-    rows, cols = w.shape
-    scale = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            r, c = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
-            scale[i, j] = w[r, c].abs().max().clamp(min=1e-12) / 448.0
-            q[r, c] = (w[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
-    return q, scale
-
-
 @pytest.fixture(scope="module")
 def fp8_checkpoint(variants, tmp_path_factory):
     """The tiny V3 written as the hub writes DeepSeek-V3: linear weights in FP8 with block scales,
     everything else bf16 (the router bias fp32), quantization_config in config.json."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-
-    src = variants["v3"]
-    out = tmp_path_factory.mktemp("fp8") / "hf"
-    shutil.copytree(src, out)
-    reader = HFCheckpointReader(src)
-    tensors = {}
-    for name in reader.keys():
-        t = reader.get(name)
-        if name.endswith(".weight") and name.split(".")[-2] in _FP8_LINEAR:
-            tensors[name], tensors[name + "_scale_inv"] = _quantize(t, FP8_BLOCK)
-        else:
-            tensors[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
-    (out / "model.safetensors").unlink()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(FP8_BLOCK)}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+    return write_fp8_checkpoint(variants["v3"], tmp_path_factory.mktemp("fp8") / "hf", _FP8_LINEAR, FP8_BLOCK)
 
 
 @pytest.mark.skipif(TRANSFORMERS_MAJOR < 5, reason="transformers 4.x dequantizes FP8 checkpoints only on a GPU, "
@@ -253,7 +216,7 @@ def test_fp8_dequantization_with_partial_blocks():
 
     torch.manual_seed(0)
     w = torch.randn(40, 24)
-    q, scale = _quantize(w, (16, 16))  # 3 x 2 blocks, the last ones partial
+    q, scale = quantize_fp8_blocks(w, (16, 16))  # 3 x 2 blocks, the last ones partial
     got = dequantize(q, scale, (16, 16))
     want = q.float() * scale.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)[:, :24]
     assert torch.equal(got, want) and (got - w).abs().max() < 0.1 * w.abs().max()

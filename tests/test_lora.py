@@ -64,7 +64,7 @@ def lora_models(tmp_path_factory):
 
 # --- quick: the adapter's layout and peft's rules -------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama3_1", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama3_1", "qwen2_moe", "deepseek_v3", "minimax_m2"])
 def test_peft_folder_round_trips_byte_for_byte(lora_models, family, tmp_path):
     """Reading a peft folder and writing it back gives peft's own tensors bit for bit, and a config peft reads
     into the same adapter (the stacked experts' A/B layout and nesting included)."""

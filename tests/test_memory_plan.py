@@ -46,6 +46,7 @@ ONE_PROCESS = [
     ("gpt_oss", dict(PR="bf16", DO="true"), {}, False),  # sinks, sliding window, router and expert biases
     ("qwen3_next", dict(PR="bf16", DO="true"), {}, False),  # Gated DeltaNet and gated attention, its own spec
     ("qwen3_5", dict(PR="bf16", DO="true"), {}, False),  # Qwen3.5-MoE's language model
+    ("minimax_m2", dict(PR="bf16", DO="true"), {}, False),  # whole-width q/k norms, router bias, no shared expert
 ]
 TWO_PROCESSES = [
     ("llama3_1", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, True),
@@ -56,6 +57,8 @@ TWO_PROCESSES = [
     ("qwen2_moe", dict(PR="bf16", EP="2", DO="true"), {}, False),  # expert buffers, expert DP
     ("deepseek_v3", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, False),  # MLA's local-spec TP splits
     ("qwen3_moe", dict(PR="bf16", PP="2", DO="true"), {"MP_PP0_LAYERS": "1"}, False),  # its dense layer alone
+    # q/k norms whole on each TP rank (their heads' slices used), experts split over TP
+    ("minimax_m2", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, False),
     ("llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.3"), {"MP_NPROC": "2"}, True),  # DP=2 bucket shards
 ]
 

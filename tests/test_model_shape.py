@@ -64,6 +64,7 @@ def test_families_json_gives_the_published_sizes(rows, family, size, total, acti
     ("gpt_oss", "120B-A5.1B", 116.83, 5.13, 1, 0.0005),
     ("qwen3_next", "80B-A3B", 80, 3, 2, 0.01),  # Qwen: "80B total, 3B activated" (79.7 B, 3.25 B)
     ("qwen3_5", "397B-A17B", 397, 17, 0, 0.01),  # the language model, 396.3 B: the card counts the vision tower too
+    ("minimax_m2", "230B-A10B", 230, 10, 2, 0.01),  # MiniMax: "230B total, 10B activated" (228.7 B, 9.8 B)
 ])
 def test_published_sizes_without_vocabulary_matrices(rows, family, size, total, active, left_out, rel):
     counts = rows[family]["presets"][size]

@@ -156,12 +156,19 @@ FIELDS: dict = {
     "v_head_dim": Whole(1, MAX_WIDTH),
     "num_nextn_predict_layers": Whole(0, MAX_LAYERS),
     "num_mtp_layers": Whole(0, MAX_LAYERS),
+    # MiniMax-M2
+    "rotary_dim": Whole(1, MAX_WIDTH),
+    "use_qk_norm": Flag(),
+    "use_routing_bias": Flag(),
+    "shared_intermediate_size": Whole(0, MAX_WIDTH),
+    "attn_type_list": WholeList(0, 1, longest=MAX_LAYERS),
     "model_type": None,  # strings: checked below
     "hidden_act": None,
     "scoring_func": None,
     "topk_method": None,
+    "qk_norm_type": None,
 }
-_STRINGS = ("model_type", "hidden_act", "scoring_func", "topk_method")
+_STRINGS = ("model_type", "hidden_act", "scoring_func", "topk_method", "qk_norm_type")
 
 
 def check_config_values(raw: dict, where: str = "config.json") -> None:
