@@ -20,6 +20,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_patch.models.arch import Arch
+from megatron_patch.models.builder import layer_spec as standard_layer_spec
 from megatron_patch.models.spec_edits import submodules_of, with_submodules
 
 
@@ -83,8 +84,6 @@ def _with_whole_width_norms(layer):
 
 def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
     """The standard spec (TE or local), with the whole-width q/k norms in place of the per-head ones."""
-    from megatron_patch.models.builder import layer_spec as standard_layer_spec
-
     spec = standard_layer_spec(arch, config, use_te, vp_stage, core_attention, family_spec=False)
     if hasattr(spec, "layer_specs"):  # a block of per-layer specs
         spec.layer_specs = [_with_whole_width_norms(s) for s in spec.layer_specs]
