@@ -156,6 +156,9 @@ FIELDS: dict = {
     "v_head_dim": Whole(1, MAX_WIDTH),
     "num_nextn_predict_layers": Whole(0, MAX_LAYERS),
     "num_mtp_layers": Whole(0, MAX_LAYERS),
+    "index_topk": Whole(1, MAX_POSITIONS),
+    "index_n_heads": Whole(1, MAX_HEADS),
+    "index_head_dim": Whole(1, MAX_WIDTH),
     "model_type": None,  # strings: checked below
     "hidden_act": None,
     "scoring_func": None,

@@ -1,0 +1,225 @@
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5) on megatron-core's multi-latent attention, on CPU
+and GPU alike, in fp32 and bf16.
+
+megatron-core has DSA (``experimental_attention_variant="dsa"``) but its modules cannot run the released
+models here: its indexer asserts bf16 and the ``fast_hadamard_transform`` CUDA extension, its linears are
+transformer-engine's only, 0.16 puts the indexer's RoPE part after the rest of each head where DeepSeek and
+transformers put it first, 0.16 has no RoPE on halves (DeepSeek-V3.2's indexer) and 0.19 no fixed k-norm
+epsilon of 1e-6 (transformers' value). So:
+
+- ``SparseAttentionIndexer`` is megatron-core's ``DSAIndexer`` (its parameters, names and checkpoint layout:
+  ``linear_wq_b``, ``linear_wk``, ``k_norm`` with a bias, ``linear_weights_proj``, all whole on every TP
+  rank) with the scoring of transformers' indexer: RoPE on the first ``qk_pos_emb_head_dim`` of each
+  head, in interleaved pairs (GLM-5) or halves (DeepSeek-V3.2); ReLU of the scaled q.k per head, weighted
+  by ``weights_proj`` over ``sqrt(heads)`` and summed, in float32; the top-k of the causal scores.
+- The Hadamard rotation of q and k before scoring: megatron-core's ``rotate_activation`` where the extension
+  is installed and the tensors are bf16 on a GPU; skipped elsewhere. The rotation is orthogonal
+  (Hq.Hk = q.k) and only matters before an FP8 quantization of the scores, which no path here has, so
+  skipping it is exact (transformers' indexer skips it too).
+- ``SparseMLACoreAttention`` replaces MLA's core attention: the indexer's top-k per query, attention over
+  those keys only (a dense score matrix masked to them, softmax in float32, as transformers' eager
+  attention computes it) and, while training, megatron-core's indexer loss (the KL divergence between the
+  indexer's distribution and the attention's, summed over heads) attached to the output with its
+  ``DSAIndexerLossAutoScaler``, scaled by ``dsa_indexer_loss_coeff``.
+
+The indexer reads the layer's input and the query latent detached, as megatron-core's does: the language
+model loss never trains it, the indexer loss trains nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant import dsa as mcore_dsa
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+# transformers' DeepseekV32Indexer / GlmMoeDsaIndexer: nn.LayerNorm(head_dim, eps=1e-6), whatever rms_norm_eps is
+INDEXER_K_NORM_EPS = 1e-6
+
+
+def hadamard_extension_available() -> bool:
+    return mcore_dsa.hadamard_transform is not None
+
+
+def maybe_rotate(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's Hadamard rotation where its extension can run (bf16 on a GPU), else ``x`` unchanged:
+    exact either way, as nothing is quantized between the rotation and the dot product."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hadamard_extension_available():
+        return mcore_dsa.rotate_activation(x)
+    return x
+
+
+def rope_path(x: torch.Tensor | None = None) -> str:
+    """Which indexer path runs for ``x`` (for logs and docs)."""
+    if x is not None and x.is_cuda and x.dtype == torch.bfloat16 and hadamard_extension_available():
+        return "hadamard (fast_hadamard_transform)"
+    return "no rotation (exact: orthogonal, no FP8 scoring)"
+
+
+class IndexerLinear(torch.nn.Module):
+    """A linear layer whole on every tensor-parallel rank (megatron-core's "duplicated" TE linear), for the
+    local layer spec, which has none: ``weight`` only, returning (output, None) as megatron's linears do."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method, bias: bool = False,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False, parallel_mode=None,
+                 **kwargs):
+        super().__init__()
+        if bias:
+            raise ValueError("the indexer's projections have no bias")
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            init_method(self.weight)
+
+    def forward(self, x: torch.Tensor):
+        return F.linear(x, self.weight), None
+
+
+class IndexerKeyNorm(torch.nn.LayerNorm):
+    """The indexer's key LayerNorm (weight and bias), with transformers' epsilon."""
+
+    def __init__(self, config, hidden_size: int, eps: float = INDEXER_K_NORM_EPS, **kwargs):
+        device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=INDEXER_K_NORM_EPS, dtype=config.params_dtype, device=device)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """RoPE on the last dimension as transformers applies it: on halves, or (``interleaved``) on pairs
+    (x0, x1), (x2, x3), ... written out as halves (the order only matters through q.k, the same for both)."""
+    if interleaved:
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class SparseAttentionIndexer(mcore_dsa.DSAIndexer):
+    """megatron-core's DSA indexer, scored as transformers scores it (module doc)."""
+
+    def __init__(self, config, submodules, pg_collection=None, rope_interleaved: bool = False):
+        super().__init__(config, submodules, pg_collection=pg_collection)
+        self.rope_interleaved = rope_interleaved
+        for p in self.parameters():  # whole on every TP rank: identical gradients, averaged (0.19) or not
+            p.average_gradients_across_tp_domain = True
+
+    def _cos_sin(self, seq_len: int, dtype: torch.dtype):
+        out = self.rotary_pos_emb(seq_len, packed_seq=False)
+        emb, mscale = out if isinstance(out, tuple) else (out, 1.0)
+        emb = emb.view(seq_len, 1, 1, -1)  # [s, 1, 1, rope dim]: the angles, twice
+        return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
+
+    def forward_with_scores(self, x: torch.Tensor, qr: torch.Tensor, mask: torch.Tensor | None = None,
+                            packed_seq_params=None):
+        """Index scores [b, sq, sk] (float32, ``mask`` added) and the top-k keys of each query [b, sq, k].
+        ``x`` [s, b, hidden], ``qr`` [s, b, q_lora_rank] (sequence-parallel shards are gathered)."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("DeepSeek sparse attention here runs unpacked sequences only")
+        if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
+            x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
+            qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
+        seq, batch, _ = x.shape
+        heads, dim, rope_dim = self.index_n_heads, self.index_head_dim, self.qk_pos_emb_head_dim
+        q, _ = self.linear_wq_b(qr)
+        q = q.view(seq, batch, heads, dim)
+        k, _ = self.linear_wk(x)
+        k = self.k_norm(k).view(seq, batch, 1, dim)
+        cos, sin = self._cos_sin(seq, q.dtype)
+        q = torch.cat([_rope(q[..., :rope_dim], cos, sin, self.rope_interleaved), q[..., rope_dim:]], dim=-1)
+        k = torch.cat([_rope(k[..., :rope_dim], cos, sin, self.rope_interleaved), k[..., rope_dim:]], dim=-1)
+        q, k = maybe_rotate(q), maybe_rotate(k)
+        # [b, s, heads, t]: ReLU of each head's scaled q.k, then the heads weighted and summed: [b, s, t]
+        q_b = q.permute(1, 0, 2, 3).float()
+        k_b = k.squeeze(2).permute(1, 2, 0).float().unsqueeze(1)
+        scores = F.relu(torch.matmul(q_b, k_b) * self.softmax_scale)
+        weights, _ = self.linear_weights_proj(x)
+        weights = weights.float().permute(1, 0, 2) * heads ** -0.5
+        index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+        if mask is not None:
+            index_scores = index_scores + mask
+        topk = index_scores.topk(min(self.index_topk, index_scores.shape[-1]), dim=-1).indices
+        return index_scores, topk
+
+
+def causal_mask(sq: int, skv: int, device) -> torch.Tensor:
+    """float32 [sq, skv]: 0 where a query may attend, -inf after it."""
+    return torch.triu(torch.full((sq, skv), float("-inf"), dtype=torch.float32, device=device), diagonal=1)
+
+
+def sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float, mask: torch.Tensor):
+    """Attention of each query over its top-k keys: [sq, b, heads, d] tensors, ``topk`` [b, sq, k], ``mask``
+    the float causal mask [sq, skv]; returns [sq, b, heads * value dim]. Scores in the tensors' dtype, the
+    softmax in float32, as transformers' eager attention."""
+    sq, b, heads, _ = query.shape
+    skv, dv = key.shape[0], value.shape[-1]
+    keep = torch.full((b, sq, skv), float("-inf"), device=query.device).scatter_(-1, topk, 0.0) + mask
+    q, k, v = query.permute(1, 2, 0, 3), key.permute(1, 2, 3, 0), value.permute(1, 2, 0, 3)
+    scores = torch.matmul(q, k) * softmax_scale
+    probs = torch.softmax(scores.float() + keep.unsqueeze(1), dim=-1).to(value.dtype)
+    out = torch.matmul(probs, v)  # [b, heads, sq, dv]
+    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
+
+
+@functools.lru_cache(maxsize=1)
+def _loss_takes_mask() -> bool:
+    """megatron-core 0.19's indexer loss takes the causal mask; 0.16's builds it itself."""
+    return "mask" in inspect.signature(mcore_dsa.compute_dsa_indexer_loss).parameters
+
+
+# Each layer's latest indexer loss (coefficient applied), detached, for the training log: layer number -> loss.
+INDEXER_LOSSES: dict[int, torch.Tensor] = {}
+
+
+class SparseMLACoreAttention(MegatronModule):
+    """MLA's core attention with DeepSeek sparse attention (module doc); constructed as megatron-core
+    constructs a core attention, with its indexer from ``submodules``."""
+
+    # megatron-core 0.19's MLA passes the layer input and the query latent to a core attention that asks
+    requires_dsa_inputs = True
+
+    def __init__(self, config, submodules, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout=None, softmax_scale=None, k_channels=None, v_channels=None,
+                 cp_comm_type=None, pg_collection: ProcessGroupCollection | None = None, **kwargs):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.indexer = build_module(submodules.indexer, config=config, pg_collection=pg_collection)
+        self.softmax_scale = softmax_scale if softmax_scale is not None else \
+            (k_channels if k_channels is not None else config.kv_channels) ** -0.5
+
+    def forward(self, query, key, value, attention_mask, x=None, qr=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **kwargs):
+        if x is None or qr is None:
+            raise RuntimeError("sparse attention needs the layer input and the query latent (experimental_attention_"
+                               "variant='dsa' and a q_lora_rank)")
+        if packed_seq_params is not None:
+            raise NotImplementedError("DeepSeek sparse attention here runs unpacked sequences only")
+        if attn_mask_type not in (None, AttnMaskType.causal):
+            raise NotImplementedError(f"DeepSeek sparse attention here is causal only, not {attn_mask_type}")
+        sq, skv = query.shape[0], key.shape[0]
+        mask = causal_mask(sq, skv, query.device)
+        index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask)
+        output = sparse_attention(query, key, value, topk, self.softmax_scale, mask)
+        coeff = getattr(self.config, "dsa_indexer_loss_coeff", None) or 0.0
+        if self.training and torch.is_grad_enabled() and coeff > 0:
+            extra = {"mask": mask} if _loss_takes_mask() else {}
+            loss = mcore_dsa.compute_dsa_indexer_loss(
+                index_scores, topk, query.detach(), key.detach(), self.softmax_scale, coeff,
+                bool(getattr(self.config, "dsa_indexer_use_sparse_loss", False)), self.indexer.pg_collection, **extra)
+            INDEXER_LOSSES[self.layer_number] = loss.detach()
+            output = mcore_dsa.DSAIndexerLossAutoScaler.apply(output, loss)
+        return output
+
+
+def core_attention_spec(rope_interleaved: bool) -> ModuleSpec:
+    """The spec of MLA's ``core_attention`` for DeepSeek sparse attention, with the local indexer modules."""
+    indexer = ModuleSpec(module=SparseAttentionIndexer, params={"rope_interleaved": rope_interleaved},
+                         submodules=mcore_dsa.DSAIndexerSubmodules(linear_wq_b=IndexerLinear, linear_wk=IndexerLinear,
+                                                                   k_norm=IndexerKeyNorm,
+                                                                   linear_weights_proj=IndexerLinear))
+    return ModuleSpec(module=SparseMLACoreAttention, submodules=mcore_dsa.DSAttentionSubmodules(indexer=indexer))
