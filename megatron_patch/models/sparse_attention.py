@@ -189,8 +189,16 @@ class SparseMLACoreAttention(MegatronModule):
         super().__init__(config=config)
         self.layer_number = layer_number
         self.indexer = build_module(submodules.indexer, config=config, pg_collection=pg_collection)
+        if not self.loss_coeff:
+            # Nothing trains the indexer without its loss (its inputs are detached, top-k has no gradient):
+            # frozen, it stays as released instead of drifting under weight decay, and DDP expects no grads.
+            self.indexer.requires_grad_(False)
         self.softmax_scale = softmax_scale if softmax_scale is not None else \
             (k_channels if k_channels is not None else config.kv_channels) ** -0.5
+
+    @property
+    def loss_coeff(self) -> float:
+        return getattr(self.config, "dsa_indexer_loss_coeff", None) or 0.0
 
     def forward(self, query, key, value, attention_mask, x=None, qr=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **kwargs):
@@ -205,7 +213,7 @@ class SparseMLACoreAttention(MegatronModule):
         mask = causal_mask(sq, skv, query.device)
         index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask)
         output = sparse_attention(query, key, value, topk, self.softmax_scale, mask)
-        coeff = getattr(self.config, "dsa_indexer_loss_coeff", None) or 0.0
+        coeff = self.loss_coeff
         if self.training and torch.is_grad_enabled() and coeff > 0:
             extra = {"mask": mask} if _loss_takes_mask() else {}
             loss = mcore_dsa.compute_dsa_indexer_loss(
