@@ -188,6 +188,7 @@ class SparseMLACoreAttention(MegatronModule):
                  cp_comm_type=None, pg_collection: ProcessGroupCollection | None = None, **kwargs):
         super().__init__(config=config)
         self.layer_number = layer_number
+        self.last_topk: torch.Tensor | None = None
         self.indexer = build_module(submodules.indexer, config=config, pg_collection=pg_collection)
         if not self.loss_coeff:
             # Nothing trains the indexer without its loss (its inputs are detached, top-k has no gradient):
@@ -213,6 +214,7 @@ class SparseMLACoreAttention(MegatronModule):
         mask = causal_mask(sq, skv, query.device)
         index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask)
         output = sparse_attention(query, key, value, topk, self.softmax_scale, mask)
+        self.last_topk = topk.detach()  # what the alignment report compares with transformers' selection
         coeff = self.loss_coeff
         if self.training and torch.is_grad_enabled() and coeff > 0:
             extra = {"mask": mask} if _loss_takes_mask() else {}

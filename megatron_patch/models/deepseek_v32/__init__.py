@@ -13,7 +13,7 @@ from megatron_patch.runtime.distributed import ParallelLayout as L
 
 _COMMON = dict(
     parse_config=parse_config, weight_rules=weight_rules, transformer_config_kwargs=transformer_config_kwargs,
-    layer_spec=layer_spec, launcher_parallel_args=("ETP", "EP"), hf_modules=HFModules(router="mlp.gate"),
+    layer_spec=layer_spec, launcher_parallel_args=("ETP", "EP"), hf_modules=HFModules(router="mlp.gate", indexer="self_attn.indexer"),
     hf_mtp_layers=num_mtp_layers, hf_copies=mtp_copies,
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2, ep=2), L(pp=3)),
