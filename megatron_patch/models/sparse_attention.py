@@ -172,8 +172,32 @@ def _loss_takes_mask() -> bool:
     return "mask" in inspect.signature(mcore_dsa.compute_dsa_indexer_loss).parameters
 
 
-# Each layer's latest indexer loss (coefficient applied), detached, for the training log: layer number -> loss.
-INDEXER_LOSSES: dict[int, torch.Tensor] = {}
+# The indexer losses (coefficient applied) this process computed since the training loop last took them.
+INDEXER_LOSS = {"sum": 0.0, "count": 0}
+
+
+def _schedule_scales_indexer_loss() -> bool:
+    """Whether megatron-core's pipeline schedule sets the indexer loss's backward scale (0.19 does; 0.16 only the
+    MoE auxiliary loss's)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    return hasattr(schedules, "_get_experimental_attention_variant_loss_scale_func")
+
+
+class IndexerLossScaler(mcore_dsa.DSAIndexerLossAutoScaler):
+    """megatron-core's indexer-loss autoscaler, scaled as the schedule scales the main loss on either version:
+    with 0.16's schedule, which sets only the MoE auxiliary loss's scale (grad scale / micro-batches, exactly
+    what the indexer loss needs, and these models are MoE), it takes that one."""
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        (loss,) = ctx.saved_tensors
+        owner = mcore_dsa.DSAIndexerLossAutoScaler if _schedule_scales_indexer_loss() else MoEAuxLossAutoScaler
+        scale = owner.main_loss_backward_scale
+        scale = 1.0 if scale is None else scale.to(loss.device)
+        return grad_output, torch.ones_like(loss) * scale
 
 
 class SparseMLACoreAttention(MegatronModule):
@@ -189,6 +213,8 @@ class SparseMLACoreAttention(MegatronModule):
         super().__init__(config=config)
         self.layer_number = layer_number
         self.last_topk: torch.Tensor | None = None
+        # DeepSeek's dense warm-up (MP_DSA_INDEXER_ONLY): attend to every earlier key, train the indexer alone
+        self.dense_warmup = False
         self.indexer = build_module(submodules.indexer, config=config, pg_collection=pg_collection)
         if not self.loss_coeff:
             # Nothing trains the indexer without its loss (its inputs are detached, top-k has no gradient):
@@ -213,7 +239,11 @@ class SparseMLACoreAttention(MegatronModule):
         sq, skv = query.shape[0], key.shape[0]
         mask = causal_mask(sq, skv, query.device)
         index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask)
-        output = sparse_attention(query, key, value, topk, self.softmax_scale, mask)
+        if self.dense_warmup:
+            every = torch.arange(skv, device=query.device).expand(query.shape[1], sq, skv)
+            output = sparse_attention(query, key, value, every, self.softmax_scale, mask)
+        else:
+            output = sparse_attention(query, key, value, topk, self.softmax_scale, mask)
         self.last_topk = topk.detach()  # what the alignment report compares with transformers' selection
         coeff = self.loss_coeff
         if self.training and torch.is_grad_enabled() and coeff > 0:
@@ -221,8 +251,9 @@ class SparseMLACoreAttention(MegatronModule):
             loss = mcore_dsa.compute_dsa_indexer_loss(
                 index_scores, topk, query.detach(), key.detach(), self.softmax_scale, coeff,
                 bool(getattr(self.config, "dsa_indexer_use_sparse_loss", False)), self.indexer.pg_collection, **extra)
-            INDEXER_LOSSES[self.layer_number] = loss.detach()
-            output = mcore_dsa.DSAIndexerLossAutoScaler.apply(output, loss)
+            INDEXER_LOSS["sum"] = INDEXER_LOSS["sum"] + loss.detach()  # no host sync per layer
+            INDEXER_LOSS["count"] += 1
+            output = IndexerLossScaler.apply(output, loss)
         return output
 
 

@@ -21,6 +21,7 @@ from megatron_patch.training.launcher_args import (
     AC_MODES, ENVS, FP8_RECIPES, arg_names, env_float, env_int, env_minutes, is_none, launched_rank, parse_bool,
     parse_choice, parse_count, parse_data_paths, parse_float, parse_int, presets)
 from megatron_patch.training.lora_run import check_lora, lora_from_env
+from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
 from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
 
 
@@ -30,6 +31,7 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     env = dict(os.environ if env is None else env)
     cfg = _parse(family, argv, env)
     cfg.lora, cfg.lora_init = lora_from_env(env, cfg.arch, cfg.pretrain_checkpoint)
+    cfg.dsa = dsa_from_env(env, cfg.arch)
     for check in CHECKS + (PATH_CHECKS if check_paths else ()):
         check(cfg)
     return cfg
@@ -345,7 +347,7 @@ def sft_data(cfg: RunConfig) -> None:
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
     packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
-    check_lora, sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
+    check_lora, check_sparse_attention, sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
 
 
 # --- files the configuration names (skipped by check_paths=False: a dry run planned elsewhere) ---------------
