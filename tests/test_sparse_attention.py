@@ -170,9 +170,13 @@ def test_training_extras_are_refused_where_they_cannot_run(tmp_path, monkeypatch
         ("deepseek_v32", {"CP": "2"}, {}, "CP=2 with DeepSeek sparse attention is not supported"),
         ("deepseek_v32", {}, {"MP_DSA_INDEXER_ONLY": "true", "MP_DSA_INDEXER_LOSS_SCALE": "0"}, "must be > 0"),
         ("deepseek_v32", {}, {"MP_DSA_INDEXER_LOSS_SCALE": "-1"}, "a finite number >= 0"),
+        ("deepseek_v32", {}, {"MP_LORA_RANK": "4", "MP_LORA_TARGETS": "qkv,indexer"}, "learns from its loss alone"),
+        ("deepseek_v32", {"TP": "2", "SP": "true"},
+         {"MP_LORA_RANK": "4", "MP_LORA_TARGETS": "indexer", "MP_DSA_INDEXER_LOSS_SCALE": "1"}, "with TP=2"),
+        ("deepseek_v32", {}, {"MP_LORA_RANK": "4", "MP_DSA_INDEXER_ONLY": "true"}, "choose one"),
     ]
     for family, over, env, message in cases:
-        for k in ("MP_DSA_INDEXER_LOSS_SCALE", "MP_DSA_INDEXER_ONLY"):
+        for k in ("MP_DSA_INDEXER_LOSS_SCALE", "MP_DSA_INDEXER_ONLY", "MP_LORA_RANK", "MP_LORA_TARGETS"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -215,3 +219,23 @@ def test_indexer_only_warm_up_trains_the_indexers_alone(tmp_path):
     indexer = [n for n in source.keys() if ".self_attn.indexer." in n]
     assert moved and set(moved) <= set(indexer), moved
     assert all(".indexer." in n for n in moved)
+
+
+# --- LoRA on the indexer -----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_indexer_adapters_match_peft(tmp_path):
+    """peft reaches the indexer's wq_b, wk and weights_proj (plain linears): an adapter on them alone, imported,
+    gives peft's logits at TP=1 and TP=2; it changes which keys are kept, so the logits move off the base's."""
+    from megatron_patch.align.parity import random_tokens
+    from megatron_patch.runtime import ParallelLayout
+    from tests.lora_helpers import hf_logits, make_peft_adapter, mcore_lora_logits, peft_logits, rel
+
+    hf = make_tiny_hf_checkpoint("glm_moe_dsa", tmp_path / "hf", seed=1)
+    adapter = make_peft_adapter(hf, tmp_path / "peft", modules=("wq_b", "wk", "weights_proj"), r=4, lora_alpha=16)
+    tokens = random_tokens(200, batch=2, seq=32, seed=5)
+    reference = peft_logits(hf, adapter, tokens)
+    assert rel(reference, hf_logits(hf, tokens)) > 1e-3
+    for layout in (ParallelLayout(), ParallelLayout(tp=2)):
+        (ours,) = mcore_lora_logits([(hf, adapter, hf)], layout, tokens)
+        assert rel(ours, reference) <= 1e-5, (layout, rel(ours, reference))

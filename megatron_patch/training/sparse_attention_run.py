@@ -52,6 +52,14 @@ def check_sparse_attention(cfg) -> None:
     if cfg.sft_packing:
         raise UserError("MP_SFT_PACKING=true with DeepSeek sparse attention is not supported: its indexer selects "
                         "keys over one unpacked sequence")
+    if cfg.lora is not None and "indexer" in cfg.lora["targets"]:
+        if not cfg.dsa["loss_scale"]:
+            raise UserError("MP_LORA_TARGETS=...indexer: the indexer learns from its loss alone (its inputs are "
+                            "detached, its top-k has no gradient): set MP_DSA_INDEXER_LOSS_SCALE > 0")
+        if cfg.tp > 1:
+            raise UserError(f"MP_LORA_TARGETS=...indexer with TP={cfg.tp} is not supported: the indexer sees the whole "
+                            "gathered sequence on every TP rank, where LoRA sums a whole layer's gradients over the "
+                            "sequence-parallel shards")
     if cfg.dsa and cfg.dsa["indexer_only"] and cfg.lora is not None:
         raise UserError("MP_DSA_INDEXER_ONLY=true with LoRA (MP_LORA_*): the indexer-only mode trains the indexers "
                         "themselves; choose one")

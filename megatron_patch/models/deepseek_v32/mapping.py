@@ -6,17 +6,19 @@ from megatron_patch.models.arch import Arch
 from megatron_patch.models.decoder import HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules
 from megatron_patch.models.deepseek_v3.mapping import attention_rules, deepseek_moe_rules
 from megatron_patch.models.deepseek_v32.config import v3_view
-from megatron_patch.models.mapping import REPLICATED, Rule
+from megatron_patch.models.mapping import REPLICATED, LoraSite, Rule
 from megatron_patch.models.mtp import mtp_rules
 
-INDEXER_TENSORS = (("linear_wq_b.weight", "wq_b.weight"), ("linear_wk.weight", "wk.weight"),
-                   ("k_norm.weight", "k_norm.weight"), ("k_norm.bias", "k_norm.bias"),
-                   ("linear_weights_proj.weight", "weights_proj.weight"))
+# (MCore, HF, whether it is a linear layer's weight: LoRA's "indexer" target, off unless MP_LORA_TARGETS names it)
+INDEXER_TENSORS = (("linear_wq_b.weight", "wq_b.weight", True), ("linear_wk.weight", "wk.weight", True),
+                   ("k_norm.weight", "k_norm.weight", False), ("k_norm.bias", "k_norm.bias", False),
+                   ("linear_weights_proj.weight", "weights_proj.weight", True))
 
 
 def indexer_rules() -> list[Rule]:
     mc, hf = f"{MC_LAYER}.self_attention.core_attention.indexer", f"{HF_LAYER}.self_attn.indexer"
-    return [Rule(f"{mc}.{m}", f"{hf}.{h}", REPLICATED) for m, h in INDEXER_TENSORS]
+    return [Rule(f"{mc}.{m}", f"{hf}.{h}", REPLICATED, lora=LoraSite("indexer") if linear else None)
+            for m, h, linear in INDEXER_TENSORS]
 
 
 def weight_rules(arch: Arch) -> list[Rule]:
