@@ -239,3 +239,33 @@ def test_indexer_adapters_match_peft(tmp_path):
     for layout in (ParallelLayout(), ParallelLayout(tp=2)):
         (ours,) = mcore_lora_logits([(hf, adapter, hf)], layout, tokens)
         assert rel(ours, reference) <= 1e-5, (layout, rel(ours, reference))
+
+
+# --- the memory plan ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_memory_plan_counts_what_the_indexer_keeps(tmp_path):
+    """One step with autograd's saved tensors metered, the indexer loss on and off (same data, same routing): the
+    model state equals the plan to the byte (the frozen indexer outside DDP's buffers), and the activations the
+    loss adds (the indexer's per-head scores, its q and k, the loss's [b, s, s] tensors) are the plan's term."""
+    from megatron_patch.runtime.launch import run_local
+    from megatron_patch.training.memory_plan import stage_memory
+    from megatron_patch.training.validation import resolve
+    from tests.memory_helpers import measure_ranks
+
+    corpus = make_corpus(tmp_path / "c", 100, seed=0)
+    runs = [(pr, env) for pr in ("bf16", "fp32") for env in ({"MP_DSA_INDEXER_LOSS_SCALE": "1"}, {})]
+    cfgs = [resolve("deepseek_v32", launcher_args("deepseek_v32", DATASET_PATH=corpus["prefix"], PR=pr, DO="true",
+                                                  OUTPUT_BASEPATH=str(tmp_path / str(i)), SAVE_INTERVAL="100"), env=env)
+            for i, (pr, env) in enumerate(runs)]
+    measured = run_local(measure_ranks, 1, cfgs, timeout=900)[0]
+    planned = [stage_memory(c.arch, c, 0, "local", 0) for c in cfgs]
+    for st, r in zip(planned, measured):
+        assert {k: getattr(st, k) for k in ("params", "grads", "optimizer_device")} == \
+            {k: r[k] for k in ("params", "grads", "optimizer_device")}
+        assert r["attention"] == "unfused" and r["leftover"] == 0
+    assert planned[1].frozen > 0 and planned[0].frozen == 0  # the indexers, frozen without their loss
+    for on, off in ((0, 1), (2, 3)):
+        term = (planned[on].activations - planned[off].activations) / (measured[on]["activations"] -
+                                                                       measured[off]["activations"])
+        assert abs(term - 1) < 0.05, (runs[on], term)

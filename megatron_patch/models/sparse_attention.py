@@ -63,6 +63,14 @@ def rope_path(x: torch.Tensor | None = None) -> str:
     return "no rotation (exact: orthogonal, no FP8 scoring)"
 
 
+def describe(shape, cuda: bool) -> str:
+    """One line for logs and dry runs: what a sparse-attention model's attention runs."""
+    rotation = "Hadamard rotation in bf16 (fast_hadamard_transform)" if cuda and hadamard_extension_available() \
+        else "no Hadamard rotation (exact without FP8 scoring)"
+    return (f"DeepSeek sparse attention: top-{shape.topk} keys per query from a {shape.n_heads}-head indexer, "
+            f"{rotation}; dense scores masked to them, fp32 softmax")
+
+
 class IndexerLinear(torch.nn.Module):
     """A linear layer whole on every tensor-parallel rank (megatron-core's "duplicated" TE linear), for the
     local layer spec, which has none: ``weight`` only, returning (output, None) as megatron's linears do."""
@@ -134,10 +142,12 @@ class SparseAttentionIndexer(mcore_dsa.DSAIndexer):
         q = torch.cat([_rope(q[..., :rope_dim], cos, sin, self.rope_interleaved), q[..., rope_dim:]], dim=-1)
         k = torch.cat([_rope(k[..., :rope_dim], cos, sin, self.rope_interleaved), k[..., rope_dim:]], dim=-1)
         q, k = maybe_rotate(q), maybe_rotate(k)
-        # [b, s, heads, t]: ReLU of each head's scaled q.k, then the heads weighted and summed: [b, s, t]
-        q_b = q.permute(1, 0, 2, 3).float()
-        k_b = k.squeeze(2).permute(1, 2, 0).float().unsqueeze(1)
-        scores = F.relu(torch.matmul(q_b, k_b) * self.softmax_scale)
+        # [b, s, heads, t]: ReLU of each head's scaled q.k, then the heads weighted and summed: [b, s, t]. One
+        # batched product per sequence ([s * heads, d] x [d, t]): broadcasting k over the queries instead (as
+        # transformers does) would have autograd keep a [b * s, d, t] copy of it.
+        q_b = q.permute(1, 0, 2, 3).float().reshape(batch, seq * heads, dim)
+        k_b = k.squeeze(2).permute(1, 2, 0).float()
+        scores = F.relu(torch.bmm(q_b, k_b).view(batch, seq, heads, -1) * self.softmax_scale)
         weights, _ = self.linear_weights_proj(x)
         weights = weights.float().permute(1, 0, 2) * heads ** -0.5
         index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)

@@ -88,6 +88,21 @@ def setup_indexer_only(chunks: list) -> int:
     return trainable
 
 
+def trains(name: str, dsa: dict) -> bool:
+    """Whether the parameter ``name`` trains in a sparse-attention run of ``dsa`` (its MP_DSA_* settings)."""
+    indexer = INDEXER_PARAMS in f".{name}"
+    return indexer if dsa["indexer_only"] else (not indexer or dsa["loss_scale"] > 0)
+
+
+def split_trainable(cfg, chunks: list[list]) -> tuple[list[list], int]:
+    """For the memory plan: each model chunk's trainable parameters (``models.shape.RankParam``s, in order) and
+    the number of frozen elements."""
+    dsa = cfg.dsa or {"loss_scale": 0.0, "indexer_only": False}
+    out = [[p for p in params if trains(p.name, dsa)] for params in chunks]
+    frozen = sum(p.numel for params in chunks for p in params) - sum(p.numel for params in out for p in params)
+    return out, frozen
+
+
 def take_indexer_loss(device) -> float | None:
     """The mean indexer loss of this step over every layer, micro-batch and rank (a collective: every rank
     calls it), then cleared; None when no layer computed one."""
