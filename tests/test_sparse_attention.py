@@ -269,3 +269,24 @@ def test_memory_plan_counts_what_the_indexer_keeps(tmp_path):
         term = (planned[on].activations - planned[off].activations) / (measured[on]["activations"] -
                                                                        measured[off]["activations"])
         assert abs(term - 1) < 0.05, (runs[on], term)
+
+
+def test_gathered_attention_equals_the_masked_dense_one():
+    """The no-gradient path (each query's top-k keys gathered, a few queries at a time) computes what the training
+    path computes (dense scores masked to the same keys), top-k lists that reach past a query included."""
+    from megatron_patch.models.sparse_attention import causal_mask, gathered_sparse_attention, sparse_attention
+
+    torch.manual_seed(0)
+    s, b, h, d, dv, k = 23, 2, 3, 8, 5, 6
+    q, key = torch.randn(s, b, h, d), torch.randn(s, b, h, d)
+    v = torch.randn(s, b, h, dv)
+
+    def row(i):  # k distinct keys, the query itself among them (no row without a key), later ones too
+        others = torch.randperm(s)
+        return torch.cat([torch.tensor([i]), others[others != i][:k - 1]])
+
+    topk = torch.stack([torch.stack([row(i) for i in range(s)]) for _ in range(b)])
+    dense = sparse_attention(q, key, v, topk, 0.3, causal_mask(s, s, q.device))
+    for chunk in (1, 5, s):
+        gathered = gathered_sparse_attention(q, key, v, topk, 0.3, chunk=chunk)
+        assert torch.allclose(gathered, dense, atol=1e-6, rtol=1e-5), chunk

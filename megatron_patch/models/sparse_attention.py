@@ -17,10 +17,15 @@ epsilon of 1e-6 (transformers' value). So:
   (Hq.Hk = q.k) and only matters before an FP8 quantization of the scores, which no path here has, so
   skipping it is exact (transformers' indexer skips it too).
 - ``SparseMLACoreAttention`` replaces MLA's core attention: the indexer's top-k per query, attention over
-  those keys only (a dense score matrix masked to them, softmax in float32, as transformers' eager
-  attention computes it) and, while training, megatron-core's indexer loss (the KL divergence between the
+  those keys only and, while training with it, megatron-core's indexer loss (the KL divergence between the
   indexer's distribution and the attention's, summed over heads) attached to the output with its
   ``DSAIndexerLossAutoScaler``, scaled by ``dsa_indexer_loss_coeff``.
+- Two paths. With a gradient (training): a dense score matrix masked to the kept keys, softmax in float32, as
+  transformers' eager attention computes it (O(s^2) memory, like megatron's unfused attention); the indexer's
+  scores whole when its loss needs them. Without one (inference, alignment, the frozen indexer of a training
+  step): the indexer scored ``QUERY_CHUNK`` queries at a time and the attention over each query's gathered
+  top-k keys (``gathered_sparse_attention``): O(s * k) work and memory for the attention, O(chunk * s) for
+  the indexer.
 
 The indexer reads the layer's input and the query latent detached, as megatron-core's does: the language
 model loss never trains it, the indexer loss trains nothing else.
@@ -42,6 +47,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 # transformers' DeepseekV32Indexer / GlmMoeDsaIndexer: nn.LayerNorm(head_dim, eps=1e-6), whatever rms_norm_eps is
 INDEXER_K_NORM_EPS = 1e-6
+# Queries scored (and, without a gradient, attended) at a time: what bounds the no-gradient paths' memory.
+QUERY_CHUNK = 1024
 
 
 def hadamard_extension_available() -> bool:
@@ -123,12 +130,10 @@ class SparseAttentionIndexer(mcore_dsa.DSAIndexer):
         emb = emb.view(seq_len, 1, 1, -1)  # [s, 1, 1, rope dim]: the angles, twice
         return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
 
-    def forward_with_scores(self, x: torch.Tensor, qr: torch.Tensor, mask: torch.Tensor | None = None,
-                            packed_seq_params=None):
-        """Index scores [b, sq, sk] (float32, ``mask`` added) and the top-k keys of each query [b, sq, k].
-        ``x`` [s, b, hidden], ``qr`` [s, b, q_lora_rank] (sequence-parallel shards are gathered)."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("DeepSeek sparse attention here runs unpacked sequences only")
+    def project(self, x: torch.Tensor, qr: torch.Tensor):
+        """(q [b, s * heads, d], k [b, d, s], weights [b, s, heads]) in float32, RoPE applied (and rotated where
+        the extension runs). ``x`` [s, b, hidden], ``qr`` [s, b, q_lora_rank] (sequence-parallel shards are
+        gathered)."""
         if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
             qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
@@ -142,19 +147,41 @@ class SparseAttentionIndexer(mcore_dsa.DSAIndexer):
         q = torch.cat([_rope(q[..., :rope_dim], cos, sin, self.rope_interleaved), q[..., rope_dim:]], dim=-1)
         k = torch.cat([_rope(k[..., :rope_dim], cos, sin, self.rope_interleaved), k[..., rope_dim:]], dim=-1)
         q, k = maybe_rotate(q), maybe_rotate(k)
-        # [b, s, heads, t]: ReLU of each head's scaled q.k, then the heads weighted and summed: [b, s, t]. One
-        # batched product per sequence ([s * heads, d] x [d, t]): broadcasting k over the queries instead (as
+        # One batched product per sequence ([s * heads, d] x [d, t]): broadcasting k over the queries instead (as
         # transformers does) would have autograd keep a [b * s, d, t] copy of it.
         q_b = q.permute(1, 0, 2, 3).float().reshape(batch, seq * heads, dim)
         k_b = k.squeeze(2).permute(1, 2, 0).float()
-        scores = F.relu(torch.bmm(q_b, k_b).view(batch, seq, heads, -1) * self.softmax_scale)
         weights, _ = self.linear_weights_proj(x)
-        weights = weights.float().permute(1, 0, 2) * heads ** -0.5
+        return q_b, k_b, weights.float().permute(1, 0, 2) * heads ** -0.5
+
+    def score(self, q_b: torch.Tensor, k_b: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor | None):
+        """Index scores [b, c, t] of ``c`` queries (``project``'s q rows of them, their weights): ReLU of each
+        head's scaled q.k, the heads weighted and summed, ``mask`` [c, t] added."""
+        batch, rows = weights.shape[0], weights.shape[1]
+        scores = F.relu(torch.bmm(q_b, k_b).view(batch, rows, self.index_n_heads, -1) * self.softmax_scale)
         index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
-        if mask is not None:
-            index_scores = index_scores + mask
+        return index_scores if mask is None else index_scores + mask
+
+    def forward_with_scores(self, x: torch.Tensor, qr: torch.Tensor, mask: torch.Tensor | None = None,
+                            packed_seq_params=None):
+        """Index scores [b, sq, sk] (float32, ``mask`` added) and the top-k keys of each query [b, sq, k]."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("DeepSeek sparse attention here runs unpacked sequences only")
+        index_scores = self.score(*self.project(x, qr), mask)
         topk = index_scores.topk(min(self.index_topk, index_scores.shape[-1]), dim=-1).indices
         return index_scores, topk
+
+    @torch.no_grad()
+    def select(self, x: torch.Tensor, qr: torch.Tensor, mask: torch.Tensor, chunk: int = QUERY_CHUNK):
+        """The top-k keys of each query [b, sq, k] without a gradient, ``chunk`` queries at a time: the per-head
+        scores held are [b, chunk, heads, s], not [b, s, heads, s]. A sequence of at most ``chunk`` tokens is
+        scored as ``forward_with_scores`` scores it."""
+        q_b, k_b, weights = self.project(x, qr)
+        seq, heads = weights.shape[1], self.index_n_heads
+        k = min(self.index_topk, k_b.shape[-1])
+        pieces = [self.score(q_b[:, s0 * heads:min(seq, s0 + chunk) * heads], k_b, weights[:, s0:s0 + chunk],
+                             mask[s0:s0 + chunk]).topk(k, dim=-1).indices for s0 in range(0, seq, chunk)]
+        return torch.cat(pieces, dim=1)
 
 
 def causal_mask(sq: int, skv: int, device) -> torch.Tensor:
@@ -173,6 +200,33 @@ def sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float
     scores = torch.matmul(q, k) * softmax_scale
     probs = torch.softmax(scores.float() + keep.unsqueeze(1), dim=-1).to(value.dtype)
     out = torch.matmul(probs, v)  # [b, heads, sq, dv]
+    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
+
+
+@torch.no_grad()
+def gathered_sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float,
+                              chunk: int | None = None) -> torch.Tensor:
+    """``sparse_attention`` without a gradient, holding only the kept keys: per chunk of queries, each one's
+    top-k keys and values gathered ([b, heads, chunk, k, d]), the scores float32, the future keys among them
+    masked. Memory O(chunk * k) per head instead of O(s^2); work O(s * k) instead of O(s^2)."""
+    sq, b, heads, hn = query.shape
+    dv = value.shape[-1]
+    width = topk.shape[-1]
+    if chunk is None:  # about 256 MiB of gathered keys and values per chunk
+        chunk = max(1, min(sq, 2**26 // max(1, b * heads * width * (hn + dv))))
+    q, k, v = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, heads, s, d]
+    out = query.new_empty(b, heads, sq, dv)
+    for s0 in range(0, sq, chunk):
+        idx = topk[:, s0:s0 + chunk]  # [b, c, k]
+        c = idx.shape[1]
+        flat = idx.reshape(b, 1, c * width, 1).expand(b, heads, c * width, 1)
+        k_sel = k.gather(2, flat.expand(-1, -1, -1, hn)).view(b, heads, c, width, hn)
+        v_sel = v.gather(2, flat.expand(-1, -1, -1, dv)).view(b, heads, c, width, dv)
+        scores = torch.einsum("bhcd,bhckd->bhck", q[:, :, s0:s0 + c].float(), k_sel.float()) * softmax_scale
+        future = idx > torch.arange(s0, s0 + c, device=idx.device).view(1, c, 1)
+        scores = scores.masked_fill(future.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        out[:, :, s0:s0 + c] = torch.einsum("bhck,bhckd->bhcd", probs, v_sel)
     return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
 
 
@@ -248,15 +302,21 @@ class SparseMLACoreAttention(MegatronModule):
             raise NotImplementedError(f"DeepSeek sparse attention here is causal only, not {attn_mask_type}")
         sq, skv = query.shape[0], key.shape[0]
         mask = causal_mask(sq, skv, query.device)
-        index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask)
+        coeff = self.loss_coeff
+        with_loss = self.training and torch.is_grad_enabled() and coeff > 0
+        if with_loss:  # the loss needs every index score, with its gradient
+            index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask)
+        else:
+            topk = self.indexer.select(x.detach(), qr.detach(), mask)
         if self.dense_warmup:
             every = torch.arange(skv, device=query.device).expand(query.shape[1], sq, skv)
             output = sparse_attention(query, key, value, every, self.softmax_scale, mask)
-        else:
+        elif torch.is_grad_enabled() and query.requires_grad:
             output = sparse_attention(query, key, value, topk, self.softmax_scale, mask)
+        else:
+            output = gathered_sparse_attention(query, key, value, topk, self.softmax_scale)
         self.last_topk = topk.detach()  # what the alignment report compares with transformers' selection
-        coeff = self.loss_coeff
-        if self.training and torch.is_grad_enabled() and coeff > 0:
+        if with_loss:
             extra = {"mask": mask} if _loss_takes_mask() else {}
             loss = mcore_dsa.compute_dsa_indexer_loss(
                 index_scores, topk, query.detach(), key.detach(), self.softmax_scale, coeff,
