@@ -271,10 +271,10 @@ def test_memory_plan_counts_what_the_indexer_keeps(tmp_path):
         assert abs(term - 1) < 0.05, (runs[on], term)
 
 
-def test_gathered_attention_equals_the_masked_dense_one():
-    """The no-gradient path (each query's top-k keys gathered, a few queries at a time) computes what the training
-    path computes (dense scores masked to the same keys), top-k lists that reach past a query included."""
-    from megatron_patch.models.sparse_attention import causal_mask, gathered_sparse_attention, sparse_attention
+def test_chunked_attention_equals_the_whole_one():
+    """The no-gradient path (a few queries at a time) computes what the training path computes (dense scores masked
+    to the same keys), top-k lists that reach past a query included."""
+    from megatron_patch.models.sparse_attention import causal_mask, chunked_sparse_attention, sparse_attention
 
     torch.manual_seed(0)
     s, b, h, d, dv, k = 23, 2, 3, 8, 5, 6
@@ -288,5 +288,28 @@ def test_gathered_attention_equals_the_masked_dense_one():
     topk = torch.stack([torch.stack([row(i) for i in range(s)]) for _ in range(b)])
     dense = sparse_attention(q, key, v, topk, 0.3, causal_mask(s, s, q.device))
     for chunk in (1, 5, s):
-        gathered = gathered_sparse_attention(q, key, v, topk, 0.3, chunk=chunk)
-        assert torch.allclose(gathered, dense, atol=1e-6, rtol=1e-5), chunk
+        chunked = chunked_sparse_attention(q, key, v, topk, 0.3, chunk=chunk)
+        assert torch.allclose(chunked, dense, atol=1e-6, rtol=1e-5), chunk
+
+
+def test_indexer_chunked_selection_equals_the_whole_one():
+    """Without a gradient the indexer scores a chunk of queries at a time under their slice of the causal mask: the
+    same keys as scoring the whole sequence (sets compared: ties among masked keys may order otherwise)."""
+    from megatron_patch.models.builder import build_model
+    from megatron_patch.models.skeleton import _ensure_single_rank_state
+    from megatron_patch.models.sparse_attention import causal_mask
+    from megatron_patch.runtime import ParallelLayout
+
+    _ensure_single_rank_state()
+    torch.manual_seed(0)
+    model = build_model(parse_arch(tiny_config("glm_moe_dsa")), ParallelLayout(), torch.float32)
+    indexer = model.decoder.layers[1].self_attention.core_attention.indexer
+    s, b = 40, 2
+    x, qr = torch.randn(s, b, 64), torch.randn(s, b, 48)
+    _, whole = indexer.forward_with_scores(x, qr, mask=causal_mask(s, s, x.device))
+    chunked = indexer.select(x, qr, chunk=7)
+    visible = torch.ones(s, s, dtype=torch.bool).tril()
+    for rows in (whole, chunked):
+        assert rows.shape == (b, s, 8)
+    keep = [torch.zeros(b, s, s, dtype=torch.bool).scatter_(-1, t, True) & visible for t in (whole, chunked)]
+    assert torch.equal(keep[0], keep[1])

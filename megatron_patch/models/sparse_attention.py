@@ -23,9 +23,8 @@ epsilon of 1e-6 (transformers' value). So:
 - Two paths. With a gradient (training): a dense score matrix masked to the kept keys, softmax in float32, as
   transformers' eager attention computes it (O(s^2) memory, like megatron's unfused attention); the indexer's
   scores whole when its loss needs them. Without one (inference, alignment, the frozen indexer of a training
-  step): the indexer scored ``QUERY_CHUNK`` queries at a time and the attention over each query's gathered
-  top-k keys (``gathered_sparse_attention``): O(s * k) work and memory for the attention, O(chunk * s) for
-  the indexer.
+  step): the indexer and the attention a chunk of queries at a time (``chunked_sparse_attention``): O(chunk * s)
+  memory for both, the same arithmetic row by row; the work stays O(s^2) (see there why on a CPU).
 
 The indexer reads the layer's input and the query latent detached, as megatron-core's does: the language
 model loss never trains it, the indexer loss trains nothing else.
@@ -172,27 +171,32 @@ class SparseAttentionIndexer(mcore_dsa.DSAIndexer):
         return index_scores, topk
 
     @torch.no_grad()
-    def select(self, x: torch.Tensor, qr: torch.Tensor, mask: torch.Tensor, chunk: int = QUERY_CHUNK):
-        """The top-k keys of each query [b, sq, k] without a gradient, ``chunk`` queries at a time: the per-head
-        scores held are [b, chunk, heads, s], not [b, s, heads, s]. A sequence of at most ``chunk`` tokens is
-        scored as ``forward_with_scores`` scores it."""
+    def select(self, x: torch.Tensor, qr: torch.Tensor, chunk: int = QUERY_CHUNK):
+        """The top-k keys of each query [b, sq, k] under the causal mask, without a gradient, ``chunk`` queries at a
+        time: the per-head scores held are [b, chunk, heads, s], not [b, s, heads, s]. A sequence of at most
+        ``chunk`` tokens is scored as ``forward_with_scores`` scores it."""
         q_b, k_b, weights = self.project(x, qr)
-        seq, heads = weights.shape[1], self.index_n_heads
-        k = min(self.index_topk, k_b.shape[-1])
-        pieces = [self.score(q_b[:, s0 * heads:min(seq, s0 + chunk) * heads], k_b, weights[:, s0:s0 + chunk],
-                             mask[s0:s0 + chunk]).topk(k, dim=-1).indices for s0 in range(0, seq, chunk)]
+        seq, heads, skv = weights.shape[1], self.index_n_heads, k_b.shape[-1]
+        k = min(self.index_topk, skv)
+        pieces = []
+        for s0 in range(0, seq, chunk):
+            s1 = min(seq, s0 + chunk)
+            mask = causal_mask(s1 - s0, skv, q_b.device, first=s0)
+            pieces.append(self.score(q_b[:, s0 * heads:s1 * heads], k_b, weights[:, s0:s1], mask)
+                          .topk(k, dim=-1).indices)
         return torch.cat(pieces, dim=1)
 
 
-def causal_mask(sq: int, skv: int, device) -> torch.Tensor:
-    """float32 [sq, skv]: 0 where a query may attend, -inf after it."""
-    return torch.triu(torch.full((sq, skv), float("-inf"), dtype=torch.float32, device=device), diagonal=1)
+def causal_mask(sq: int, skv: int, device, first: int = 0) -> torch.Tensor:
+    """float32 [sq, skv] for queries ``first`` .. ``first + sq - 1``: 0 where a query may attend, -inf after it."""
+    return torch.triu(torch.full((sq, skv), float("-inf"), dtype=torch.float32, device=device), diagonal=1 + first)
 
 
 def sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float, mask: torch.Tensor):
-    """Attention of each query over its top-k keys: [sq, b, heads, d] tensors, ``topk`` [b, sq, k], ``mask``
-    the float causal mask [sq, skv]; returns [sq, b, heads * value dim]. Scores in the tensors' dtype, the
-    softmax in float32, as transformers' eager attention."""
+    """Attention of each query over its top-k keys: ``query`` [sq, b, heads, d] (sq: these queries), ``key`` and
+    ``value`` [skv, b, heads, d], ``topk`` [b, sq, k], ``mask`` the float causal mask of these queries [sq, skv];
+    returns [sq, b, heads * value dim]. Scores in the tensors' dtype, the softmax in float32, as transformers'
+    eager attention."""
     sq, b, heads, _ = query.shape
     skv, dv = key.shape[0], value.shape[-1]
     keep = torch.full((b, sq, skv), float("-inf"), device=query.device).scatter_(-1, topk, 0.0) + mask
@@ -204,30 +208,21 @@ def sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float
 
 
 @torch.no_grad()
-def gathered_sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float,
-                              chunk: int | None = None) -> torch.Tensor:
-    """``sparse_attention`` without a gradient, holding only the kept keys: per chunk of queries, each one's
-    top-k keys and values gathered ([b, heads, chunk, k, d]), the scores float32, the future keys among them
-    masked. Memory O(chunk * k) per head instead of O(s^2); work O(s * k) instead of O(s^2)."""
-    sq, b, heads, hn = query.shape
-    dv = value.shape[-1]
-    width = topk.shape[-1]
-    if chunk is None:  # about 256 MiB of gathered keys and values per chunk
-        chunk = max(1, min(sq, 2**26 // max(1, b * heads * width * (hn + dv))))
-    q, k, v = query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)  # [b, heads, s, d]
-    out = query.new_empty(b, heads, sq, dv)
-    for s0 in range(0, sq, chunk):
-        idx = topk[:, s0:s0 + chunk]  # [b, c, k]
-        c = idx.shape[1]
-        flat = idx.reshape(b, 1, c * width, 1).expand(b, heads, c * width, 1)
-        k_sel = k.gather(2, flat.expand(-1, -1, -1, hn)).view(b, heads, c, width, hn)
-        v_sel = v.gather(2, flat.expand(-1, -1, -1, dv)).view(b, heads, c, width, dv)
-        scores = torch.einsum("bhcd,bhckd->bhck", q[:, :, s0:s0 + c].float(), k_sel.float()) * softmax_scale
-        future = idx > torch.arange(s0, s0 + c, device=idx.device).view(1, c, 1)
-        scores = scores.masked_fill(future.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(value.dtype)
-        out[:, :, s0:s0 + c] = torch.einsum("bhck,bhckd->bhcd", probs, v_sel)
-    return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dv)
+def chunked_sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float,
+                             chunk: int | None = None) -> torch.Tensor:
+    """``sparse_attention`` without a gradient, ``chunk`` queries at a time: each chunk's scores against every key
+    masked to its top-k (the same arithmetic row by row), so the scores held are [b, heads, chunk, s], not
+    [b, heads, s, s]. The work stays O(s^2): gathering each query's top-k keys instead (O(s * k) work) moves
+    k * heads * (qk + v dims) values per query, which on a CPU costs more than the matrix products it saves;
+    that is for sparse kernels on a GPU (FlashMLA's, megatron-core 0.19's tilelang ones)."""
+    sq, b, heads, _ = query.shape
+    skv = key.shape[0]
+    if chunk is None:  # about 64 MiB of float32 scores per chunk
+        chunk = max(1, min(sq, 2**24 // max(1, b * heads * skv)))
+    pieces = [sparse_attention(query[s0:s0 + chunk], key, value, topk[:, s0:s0 + chunk], softmax_scale,
+                               causal_mask(min(chunk, sq - s0), skv, query.device, first=s0))
+              for s0 in range(0, sq, chunk)]
+    return torch.cat(pieces, dim=0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -301,20 +296,21 @@ class SparseMLACoreAttention(MegatronModule):
         if attn_mask_type not in (None, AttnMaskType.causal):
             raise NotImplementedError(f"DeepSeek sparse attention here is causal only, not {attn_mask_type}")
         sq, skv = query.shape[0], key.shape[0]
-        mask = causal_mask(sq, skv, query.device)
         coeff = self.loss_coeff
         with_loss = self.training and torch.is_grad_enabled() and coeff > 0
+        dense = torch.is_grad_enabled() and query.requires_grad  # training: the whole score matrix anyway
+        mask = causal_mask(sq, skv, query.device) if with_loss or dense or self.dense_warmup else None
         if with_loss:  # the loss needs every index score, with its gradient
             index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask)
         else:
-            topk = self.indexer.select(x.detach(), qr.detach(), mask)
+            topk = self.indexer.select(x.detach(), qr.detach())
         if self.dense_warmup:
             every = torch.arange(skv, device=query.device).expand(query.shape[1], sq, skv)
             output = sparse_attention(query, key, value, every, self.softmax_scale, mask)
-        elif torch.is_grad_enabled() and query.requires_grad:
+        elif dense:
             output = sparse_attention(query, key, value, topk, self.softmax_scale, mask)
         else:
-            output = gathered_sparse_attention(query, key, value, topk, self.softmax_scale)
+            output = chunked_sparse_attention(query, key, value, topk, self.softmax_scale)
         self.last_topk = topk.detach()  # what the alignment report compares with transformers' selection
         if with_loss:
             extra = {"mask": mask} if _loss_takes_mask() else {}
