@@ -14,7 +14,7 @@ the layer input and the query latent its indexer reads), causal:
   query width, as its CPU kernel asks).
 
 Time: the median of --repeat passes after one warm-up. Peak memory: the resident set above what the process
-held with its inputs (sampled every millisecond, ``bench_attention.ResidentPeak``), or torch's peak allocation
+held with its inputs (sampled every millisecond: ``bench_attention.measure``), or torch's peak allocation
 on a GPU. Prints the load average before and after (a shared machine: compare within one run).
 
     python scripts/bench_sparse_attention.py [--device cpu|cuda] [--seq 4096,8192,16384] [--heads 4]
@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_patch.runtime.distributed import ParallelLayout  # noqa: E402
 from megatron_patch.runtime.launch import run_local  # noqa: E402
-from scripts.bench_attention import ResidentPeak  # noqa: E402
+from scripts.bench_attention import measure  # noqa: E402
 
 QK_NOPE, QK_ROPE, V_DIM, Q_LORA, INDEX_DIM = 128, 64, 128, 512, 128
 
@@ -105,23 +103,9 @@ def case_worker(kind: str, seq: int, heads: int, index_heads: int, topk: int, dt
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    step()  # warm-up
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        step()
-        extra = torch.cuda.max_memory_allocated(device) - base
-    else:
-        with ResidentPeak() as peak:
-            step()
-        extra = peak.extra
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"attention": kind, "seq": seq, "dtype": dtype_name, "seconds": statistics.median(times),
-            "peak_extra_bytes": extra, "threads": torch.get_num_threads()}
+    seconds, extra = measure(step, device, repeat)
+    return {"attention": kind, "seq": seq, "dtype": dtype_name, "seconds": seconds, "peak_extra_bytes": extra,
+            "threads": torch.get_num_threads()}
 
 
 def main() -> int:

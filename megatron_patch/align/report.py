@@ -116,32 +116,18 @@ def markdown(result: dict, command: str | None = None) -> str:
         out += [f"| {d['key']} | {d['reference']} | {d['tested']} |" for d in result["config_differences"]]
         out += [""]
     if v.get("routing"):
-        out += ["## Routing (MoE layers)", "",
-                "Tokens whose top-k expert set differs from HF fp32's. A near tie between two experts' scores "
-                "can flip either way under rounding; HF's own flips in the same dtype are the floor. The "
-                "points below are compared on the tokens no flip reached (the 'tokens' column).", "",
-                "| layer | tokens | flipped (tested) |" + (f" flipped (HF {v['dtype']}) | ratio |" if floor_on else "")
-                + " limit | ok |", "|" + " --- |" * (6 if floor_on else 4)]
-        for r in v["routing"]:
-            row = f"| {r['layer']} | {r['tokens']} | {r['flipped']} |"
-            if floor_on:
-                row += f" {r['floor_flipped']} | {_fmt(r['ratio'], '.2f')}x |"
-            out.append(row + f" {r['limit']} | {'yes' if r['passed'] else '**NO**'} |")
-        out += [""]
+        out += _flips_table("## Routing (MoE layers)",
+                            "Tokens whose top-k expert set differs from HF fp32's. A near tie between two experts' "
+                            "scores can flip either way under rounding; HF's own flips in the same dtype are the "
+                            "floor. The points below are compared on the tokens no flip reached (the 'tokens' "
+                            "column).", v["routing"], v["dtype"], floor_on, agreement=False)
     if v.get("selection"):
-        out += ["## Key selection (sparse-attention layers)", "",
-                "Tokens whose indexer kept other keys (among those they may see) than HF fp32's indexer; "
-                "agreement is the share that kept the same ones. A near tie between two keys' index scores can "
-                "flip under rounding; HF's own flips in the same dtype are the floor. Tokens a flip reached are "
-                "left out of the points below from that layer's attention output on.", "",
-                "| layer | tokens | agreement | flipped (tested) |" + (f" flipped (HF {v['dtype']}) | ratio |" if floor_on else "")
-                + " limit | ok |", "|" + " --- |" * (7 if floor_on else 5)]
-        for r in v["selection"]:
-            row = f"| {r['layer']} | {r['tokens']} | {r['agreement']:.1%} | {r['flipped']} |"
-            if floor_on:
-                row += f" {r['floor_flipped']} | {_fmt(r['ratio'], '.2f')}x |"
-            out.append(row + f" {r['limit']} | {'yes' if r['passed'] else '**NO**'} |")
-        out += [""]
+        out += _flips_table("## Key selection (sparse-attention layers)",
+                            "Tokens whose indexer kept other keys (among those they may see) than HF fp32's "
+                            "indexer; agreement is the share that kept the same ones. A near tie between two keys' "
+                            "index scores can flip under rounding; HF's own flips in the same dtype are the floor. "
+                            "Tokens a flip reached are left out of the points below from that layer's attention "
+                            "output on.", v["selection"], v["dtype"], floor_on, agreement=True)
     out += ["## Per point", ""]
     head = ("| point | tokens | rel_l2 | max_abs | cosine |" + (" floor rel_l2 | ratio |" if floor_on else "")
             + " limit | ok |")
@@ -180,6 +166,19 @@ def markdown(result: dict, command: str | None = None) -> str:
                        f"{r['change_vs_baseline'] * 100:+.1f}% |")
     out += ["", f"Device: {result['device']}; {result['seconds']} s."]
     return "\n".join(out) + "\n"
+
+
+def _flips_table(title: str, text: str, rows: list[dict], dtype: str, floor_on: bool, agreement: bool) -> list[str]:
+    """A routing or key-selection section: per layer, the tokens that flipped (and HF's own, in bf16/fp16)."""
+    head = "| layer | tokens |" + (" agreement |" if agreement else "") + " flipped (tested) |" \
+        + (f" flipped (HF {dtype}) | ratio |" if floor_on else "") + " limit | ok |"
+    out = [title, "", text, "", head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        row = f"| {r['layer']} | {r['tokens']} |" + (f" {r['agreement']:.1%} |" if agreement else "") + f" {r['flipped']} |"
+        if floor_on:
+            row += f" {r['floor_flipped']} | {_fmt(r['ratio'], '.2f')}x |"
+        out.append(row + f" {r['limit']} | {'yes' if r['passed'] else '**NO**'} |")
+    return out + [""]
 
 
 def write_report(result: dict, report_dir: str | Path, command: str | None = None) -> dict[str, Path]:
