@@ -76,3 +76,18 @@ def with_mtp_layer(src: Path, out: Path, seed: int = 9) -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-scaled float8_e4m3fn as DeepSeek's checkpoints store it: per block, scale = amax / 448."""
+    import math
+
+    rows, cols = w.shape
+    scale = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            r, c = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
+            scale[i, j] = w[r, c].abs().max().clamp(min=1e-12) / 448.0
+            q[r, c] = (w[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
+    return q, scale

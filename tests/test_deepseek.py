@@ -19,6 +19,7 @@ from megatron_patch.models.mapping import RankCoord
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
+from tests.convert_helpers import quantize_fp8_blocks
 from tests.training_helpers import launcher_args
 
 TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
@@ -153,21 +154,6 @@ FP8_BLOCK = (16, 16)
 _FP8_LINEAR = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _quantize(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-scaled float8_e4m3fn as DeepSeek's checkpoints store it: per block, scale = amax / 448."""
-    import math
-
-    rows, cols = w.shape
-    scale = torch.empty(math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            r, c = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
-            scale[i, j] = w[r, c].abs().max().clamp(min=1e-12) / 448.0
-            q[r, c] = (w[r, c] / scale[i, j]).to(torch.float8_e4m3fn)
-    return q, scale
-
-
 @pytest.fixture(scope="module")
 def fp8_checkpoint(variants, tmp_path_factory):
     """The tiny V3 written as the hub writes DeepSeek-V3: linear weights in FP8 with block scales,
@@ -186,7 +172,7 @@ def fp8_checkpoint(variants, tmp_path_factory):
     for name in reader.keys():
         t = reader.get(name)
         if name.endswith(".weight") and name.split(".")[-2] in _FP8_LINEAR:
-            tensors[name], tensors[name + "_scale_inv"] = _quantize(t, FP8_BLOCK)
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(t, FP8_BLOCK)
         else:
             tensors[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
     (out / "model.safetensors").unlink()
@@ -253,7 +239,7 @@ def test_fp8_dequantization_with_partial_blocks():
 
     torch.manual_seed(0)
     w = torch.randn(40, 24)
-    q, scale = _quantize(w, (16, 16))  # 3 x 2 blocks, the last ones partial
+    q, scale = quantize_fp8_blocks(w, (16, 16))  # 3 x 2 blocks, the last ones partial
     got = dequantize(q, scale, (16, 16))
     want = q.float() * scale.repeat_interleave(16, 0)[:40].repeat_interleave(16, 1)[:, :24]
     assert torch.equal(got, want) and (got - w).abs().max() < 0.1 * w.abs().max()

@@ -320,3 +320,47 @@ def test_indexer_chunked_selection_equals_the_whole_one():
     visible = torch.ones(s, s, dtype=torch.bool).tril()
     keep = [torch.zeros(b, s, s, dtype=torch.bool).scatter_(-1, t, True) & visible for t in (whole, chunked)]
     assert torch.equal(keep[0], keep[1])
+
+
+# --- FP8 hub weights ---------------------------------------------------------------------------------------------
+
+def test_fp8_hub_weights_dequantize_to_what_transformers_loads(tmp_path):
+    """A tiny DeepSeek-V3.2 written as the hub writes it (the attention's and the indexer's linears in block-scaled
+    FP8, the rest bf16): converted at TP=2 x EP=2 and back, the indexer's tensors are transformers' own
+    dequantization bit for bit."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from tests.convert_helpers import quantize_fp8_blocks
+
+    src = make_tiny_hf_checkpoint("deepseek_v32", tmp_path / "src", seed=4)
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    reader = HFCheckpointReader(src)
+    quantized = ("q_a_proj", "q_b_proj", "kv_b_proj", "o_proj", "wq_b", "wk", "weights_proj")
+    tensors = {}
+    for name in reader.keys():
+        t = reader.get(name)
+        if name.endswith(".weight") and name.split(".")[-2] in quantized:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(t, (16, 16))
+        else:
+            tensors[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+    save_file(tensors, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(fp8), "--save-dir", str(mcore), "--dtype", "bf16", "--tp", "2",
+                 "--ep", "2", "--format", "legacy", "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
+    ours = HFCheckpointReader(back)
+    theirs = AutoModelForCausalLM.from_pretrained(str(fp8), dtype=torch.bfloat16).state_dict()
+    names = [n for n in ours.keys() if ".indexer." in n or ".self_attn.q_b_proj." in n]
+    assert len(names) == 3 * 6
+    for name in names:
+        got = ours.get(name)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, theirs[name].to(torch.bfloat16)), name
