@@ -309,6 +309,7 @@ def _selections_worker() -> tuple:
     return whole, indexer.select(x, qr, chunk=7)
 
 
+@pytest.mark.slow
 def test_indexer_chunked_selection_equals_the_whole_one():
     """Without a gradient the indexer scores a chunk of queries at a time under their slice of the causal mask: the
     same keys as scoring the whole sequence (sets compared: ties among masked keys may order otherwise)."""
