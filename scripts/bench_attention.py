@@ -107,7 +107,15 @@ def case_worker(kind: str, seq: int, dtype_name: str, heads: int, kv_heads: int,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    step()  # warm-up (kernel choice, allocator)
+    seconds, extra = measure(step, device, repeat)
+    return {"attention": kind, "seq": seq, "dtype": dtype_name, "seconds": seconds, "peak_extra_bytes": extra,
+            "threads": torch.get_num_threads()}
+
+
+def measure(step, device: torch.device, repeat: int) -> tuple[float, int]:
+    """(median seconds of ``repeat`` calls of ``step``, the peak memory one call needs above what was held before
+    it) after one warm-up call (kernel choice, allocator)."""
+    step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -122,8 +130,7 @@ def case_worker(kind: str, seq: int, dtype_name: str, heads: int, kv_heads: int,
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"attention": kind, "seq": seq, "dtype": dtype_name, "seconds": statistics.median(times),
-            "peak_extra_bytes": extra, "threads": torch.get_num_threads()}
+    return statistics.median(times), extra
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check-up, in phases that each fit one call on the lent GPU machine (docs/gpu.md gives the commands).
 #
-#   scripts/gpu_suite.sh [--phase 1|2|3|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...'] [--dry-run]
+#   scripts/gpu_suite.sh [--phase 1|2|3|4|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...'] [--dry-run]
 #
 # Phases (each installs and prepares what it needs, so each can start on a bare machine; a phase's step limits
 # add up to its budget, and no step starts once the budget is spent):
@@ -13,6 +13,8 @@
 #                      TFLOP/s, MFU, peak memory
 #   3 te      (360 s)  transformer-engine only: fp8 with each recipe, TE's FlashAttention, AC=offload; on a
 #                      machine without it every step is SKIPPED with the reason (do not spend a lent GPU on it)
+#   4 sparse  (150 s)  install, info, bench-sparse-attention (DeepSeek sparse attention against SDPA and unfused
+#                      dense attention at 4k/8k/16k tokens, DeepSeek-V3.2's head counts, forward: time, peak memory)
 #
 # Install: each wheel in --wheels on its own (--no-deps) into WORK/site; a pinned package with no wheel there is
 # skipped with the reason, and so is every step that needs it. Without --wheels the pins come from the package
@@ -42,21 +44,21 @@ OUT="$PWD/gpu-suite-results"
 WORK="${TMPDIR:-/tmp}/gpu-suite"
 WHEELS=""
 DRY=0
-PHASES="1 2 3"
+PHASES="1 2 3 4"
 ONLY=""
 SEQ="${GPU_SUITE_SEQ_LEN:-4096}"
 GBS="${GPU_SUITE_GBS:-4}"
 ITERS="${GPU_SUITE_ITERS:-6}"
 LAYERS_CAP="${GPU_SUITE_LAYERS_CAP:-8}"
 # Seconds each phase may take at most: one call on the lent machine runs at most 10 minutes (docs/gpu.md).
-PHASE_BUDGET=([1]=300 [2]=300 [3]=360)
+PHASE_BUDGET=([1]=300 [2]=300 [3]=360 [4]=150)
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --phase) case "${2:-}" in 1|2|3) PHASES="$2" ;; all) PHASES="1 2 3" ;;
-               *) echo "gpu_suite.sh: --phase takes 1, 2, 3 or all, got '${2:-}'" >&2; exit 2 ;; esac; shift ;;
+    --phase) case "${2:-}" in 1|2|3|4) PHASES="$2" ;; all) PHASES="1 2 3 4" ;;
+               *) echo "gpu_suite.sh: --phase takes 1, 2, 3, 4 or all, got '${2:-}'" >&2; exit 2 ;; esac; shift ;;
     --out|--results) OUT="${2:?}"; shift ;;
     --work) WORK="${2:?}"; shift ;;
     --wheels) WHEELS="${2:?}"; shift ;;
@@ -94,7 +96,7 @@ mpatch() { "$PYTHON" -m megatron_patch "$@"; }
 # usable), local (this machine builds megatron-core's local spec, i.e. no TE).
 # train modes: mode|PR|FL|AC|OPTIMIZER_OFFLOAD|extra environment
 STEPS=()
-for p in 1 2 3; do
+for p in 1 2 3 4; do
   STEPS+=("install|$p|15|step_install||" "info|$p|10|step_info||")
 done
 STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|45|step_parity||mcore" "align|1|90|step_align||mcore"
@@ -111,7 +113,8 @@ STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|45|step_parity||mcore
         "train-fp8-blockwise|3|50|step_train|fp8-blockwise|fp8|false|sel|false|MP_FP8_RECIPE=blockwise|mcore,te"
         "train-fp8-mxfp8|3|50|step_train|fp8-mxfp8|fp8|false|sel|false|MP_FP8_RECIPE=mxfp8|mcore,te"
         "train-fl-te|3|50|step_train|fl-te|bf16|true|sel|false|NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2|mcore,te"
-        "train-ac-offload|3|50|step_train|ac-offload|bf16|false|offload|false|MP_AC_LAYERS=1|mcore,te")
+        "train-ac-offload|3|50|step_train|ac-offload|bf16|false|offload|false|MP_AC_LAYERS=1|mcore,te"
+        "bench-sparse-attention|4|125|step_bench_sparse_attention||mcore")
 
 # A step line's fields: name, phase, limit, function, the function's argument (train: the mode's 6 fields), needs.
 parse_step() {
@@ -192,6 +195,15 @@ step_bench_attention() {
   fi
   "$PYTHON" "$ROOT/scripts/bench_attention.py" --device cuda --seq 2048,4096,8192 --dtype bf16 --repeat 5 \
     --json "$RESULTS/bench_attention.json"
+}
+
+step_bench_sparse_attention() {
+  if [ "$DRY" = 1 ]; then
+    "$PYTHON" "$ROOT/scripts/bench_sparse_attention.py" --help >/dev/null && echo "arguments ok: scripts/bench_sparse_attention.py"
+    return
+  fi
+  "$PYTHON" "$ROOT/scripts/bench_sparse_attention.py" --device cuda --seq 4096,8192,16384 --repeat 3 --max-gib 40 \
+    --json "$RESULTS/bench_sparse_attention.json"
 }
 
 step_train() {

@@ -9,7 +9,7 @@ import torch
 
 # Leaf names of every module the families adapt (attention, MLA's projections, dense and shared-expert MLPs).
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
-                "kv_a_proj_with_mqa", "kv_b_proj")
+                "kv_a_proj_with_mqa", "kv_b_proj", "wq_b", "wk", "weights_proj")
 STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 

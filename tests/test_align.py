@@ -261,6 +261,10 @@ def _check_clean(v, family, dtype, aligned):
     arch = parse_arch(aligned["hf"][family])
     assert v.first_failure is None and [p.name for p in v.points] == point_names(arch.num_layers)
     assert [r.layer for r in v.routing] == [i for i in range(arch.num_layers) if arch.is_moe_layer(i)]
+    # sparse attention (DeepSeek-V3.2, GLM-5): every layer's key selection judged, exact in fp32
+    assert [r.layer for r in v.selection] == (list(range(arch.num_layers)) if arch.sparse_attention else [])
+    if dtype == "fp32":
+        assert all(r.flipped == 0 for r in v.selection)
     logits = v.points[-1]
     if dtype == "fp32":
         assert logits.metrics["rel_l2"] <= 1e-5 and logits.metrics["kl"] <= 1e-10

@@ -30,6 +30,7 @@ PHASE_STEPS = {
         "train-optimizer-offload"],
     3: ["install", "info", "prepare", "train-fp8-delayed", "train-fp8-tensorwise", "train-fp8-blockwise",
         "train-fp8-mxfp8", "train-fl-te", "train-ac-offload"],
+    4: ["install", "info", "bench-sparse-attention"],
 }
 LENT_DEVICE_SECONDS = 15 * 60  # a session's device time on the lent machine, machine starts included
 MACHINE_START = 120  # a fresh machine's start, at worst (docs/gpu.md)
@@ -78,8 +79,9 @@ def test_dry_run_checks_every_step_as_the_lent_machine_runs_it(dry_run):
     assert re.search(r"python: \S+python3; GPUs: 0 \(simulating the lent machine", proc.stdout)
     for phase, names in PHASE_STEPS.items():
         assert list(_steps(work, phase)) == names, phase
-    one, two, three = (_steps(work, p) for p in (1, 2, 3))
+    one, two, three, four = (_steps(work, p) for p in (1, 2, 3, 4))
     assert {r["status"] for r in one.values()} == {r["status"] for r in two.values()} == {"OK (dry run)"}
+    assert {r["status"] for r in four.values()} == {"OK (dry run)"}
     # only the carried wheel, on its own and without dependencies
     assert re.search(r"would install megatron_core-0.19.2-\S+\.whl \(--no-deps\)|present: megatron-core 0.19.2",
                      (work / "phase1" / "logs" / "install.log").read_text())
@@ -99,8 +101,8 @@ def test_dry_run_checks_every_step_as_the_lent_machine_runs_it(dry_run):
 def test_results_come_back_as_two_files_per_phase(dry_run):
     """The device tool brings back at most 8 files of at most 16 MiB."""
     files = sorted(p.name for p in dry_run["out"].iterdir())
-    assert files == [f"gpu-suite-phase{p}.{ext}" for p in (1, 2, 3) for ext in ("md", "tar.gz")]
-    for p in (1, 2, 3):
+    assert files == [f"gpu-suite-phase{p}.{ext}" for p in (1, 2, 3, 4) for ext in ("md", "tar.gz")]
+    for p in (1, 2, 3, 4):
         tar = dry_run["out"] / f"gpu-suite-phase{p}.tar.gz"
         assert tar.stat().st_size < 16 * 2**20
         names = tarfile.open(tar).getnames()
@@ -111,13 +113,15 @@ def test_results_come_back_as_two_files_per_phase(dry_run):
 @pytest.mark.slow
 def test_each_phase_fits_one_call_and_the_lent_phases_fit_the_device_time(dry_run):
     """A phase is one call (at most 10 minutes; 9 planned). Phases 1 and 2 are what the lent machine runs: with
-    a fresh machine's start before each, they fit a session's 15 minutes of device time (docs/gpu.md)."""
+    a fresh machine's start before each, they fit a session's 15 minutes of device time (docs/gpu.md); phase 4 (the
+    sparse-attention benchmark) is a session of its own and fits one with a start."""
     found = {int(p): (int(b), int(w)) for p, b, w in
              re.findall(r"phase (\d): budget (\d+)s, planned worst case (\d+)s", dry_run["proc"].stdout)}
-    assert set(found) == {1, 2, 3}
+    assert set(found) == {1, 2, 3, 4}
     for phase, (budget, planned) in found.items():
         assert planned <= budget <= 9 * 60, (phase, budget, planned)
     assert found[1][0] + found[2][0] + 2 * (MACHINE_START + CALL_OVERHEAD) <= LENT_DEVICE_SECONDS
+    assert found[4][0] + MACHINE_START + CALL_OVERHEAD <= LENT_DEVICE_SECONDS
 
 
 @pytest.mark.slow
@@ -138,7 +142,7 @@ def test_a_failing_step_is_marked_and_the_suite_goes_on(dry_run, tmp_path):
 
 
 def test_bad_option_is_refused(tmp_path):
-    for args, message in ((["--fast"], "unknown argument '--fast'"), (["--phase", "4"], "--phase takes 1, 2, 3 or all"),
+    for args, message in ((["--fast"], "unknown argument '--fast'"), (["--phase", "5"], "--phase takes 1, 2, 3, 4 or all"),
                           (["--wheels", str(tmp_path / "none")], "is not a folder")):
         proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)

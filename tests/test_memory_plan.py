@@ -47,6 +47,9 @@ ONE_PROCESS = [
     ("qwen3_next", dict(PR="bf16", DO="true"), {}, False),  # Gated DeltaNet and gated attention, its own spec
     ("qwen3_5", dict(PR="bf16", DO="true"), {}, False),  # Qwen3.5-MoE's language model
     ("minimax_m2", dict(PR="bf16", DO="true"), {}, False),  # whole-width q/k norms, router bias, no shared expert
+    # DeepSeek sparse attention: the indexer trained by its loss; frozen without it (outside DDP's buffers)
+    ("deepseek_v32", dict(PR="bf16", DO="true"), {"MP_DSA_INDEXER_LOSS_SCALE": "1"}, False),
+    ("glm_moe_dsa", dict(PR="bf16", DO="true"), {}, False),
 ]
 TWO_PROCESSES = [
     ("llama3_1", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, True),

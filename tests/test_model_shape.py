@@ -60,6 +60,7 @@ def test_families_json_gives_the_published_sizes(rows, family, size, total, acti
 @pytest.mark.parametrize("family,size,total,active,left_out,rel", [
     ("glm4_moe", "355B-A32B", 355, 32, 2, 0.01),
     ("glm4_moe", "Air-106B-A12B", 106, 12, 2, 0.01),
+    ("glm_moe_dsa", "744B-A40B", 744, 40, 2, 0.01),  # Zhipu: "744B parameters (40B active)" (743.9 B, 39.9 B)
     ("gpt_oss", "20B-A3.6B", 20.91, 3.61, 1, 0.0005),
     ("gpt_oss", "120B-A5.1B", 116.83, 5.13, 1, 0.0005),
     ("qwen3_next", "80B-A3B", 80, 3, 2, 0.01),  # Qwen: "80B total, 3B activated" (79.7 B, 3.25 B)
@@ -73,6 +74,16 @@ def test_published_sizes_without_vocabulary_matrices(rows, family, size, total, 
     assert abs(counts["params_total"] / B - total) <= rel * total, counts
     shown = (counts["params_active"] - left_out * arch.padded_vocab_size() * arch.hidden_size) / B
     assert round(shown, digits) == active, counts
+
+
+def test_deepseek_v32_is_v3_with_an_indexer_per_layer(rows):
+    """DeepSeek-V3.2's card gives V3's 671B (685B with the MTP layer's 14B): 671.9 B here, the difference
+    exactly 61 indexers (wq_b from the query latent, wk, the key LayerNorm, weights_proj), all active."""
+    v3, v32 = rows["deepseek_v3"]["presets"]["671B"], rows["deepseek_v32"]["presets"]["671B"]
+    assert abs(v32["params_total"] / B - 671) <= 0.01 * 671, v32
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    for key in ("params_total", "params_active"):
+        assert v32[key] - v3[key] == 61 * indexer, (v3, v32)
 
 
 def test_every_preset_has_its_counts(rows):

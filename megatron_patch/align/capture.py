@@ -15,6 +15,11 @@ On the MCore side each pipeline stage captures its own layers (global numbers fr
 MoE layers also report which experts each token was sent to, ``routing.{i}``: the top-k expert
 indices [batch, seq, k], sorted. HF's routers (transformers 5) return the chosen indices last; the
 family names the router's path (``HFModules.router``). MCore's router returns its routing map.
+
+Sparse-attention layers (DeepSeek-V3.2, GLM-5) report which keys each query attends to, ``selection.{i}``:
+[batch, seq, seq] True at the keys the indexer kept that the query may see (a query with fewer earlier
+tokens than the top-k keeps them all, whatever else fills its top-k). HF's indexer returns its top-k
+indices; MCore's sparse core attention keeps its latest ones (``last_topk``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,39 @@ def point_names(num_layers: int) -> list[str]:
 
 
 ROUTING = "routing."
+
+
+SELECTION = "selection."
+
+
+def selection_layers(captures: Captures) -> list[int]:
+    """The sparse-attention layers whose key selections ``captures`` holds."""
+    return sorted(int(n[len(SELECTION):]) for n in captures if n.startswith(SELECTION))
+
+
+def selection_mask(topk: torch.Tensor) -> torch.Tensor:
+    """[batch, seq, seq] bool of the top-k key indices [batch, seq, k] a query may see (causal)."""
+    batch, seq = topk.shape[:2]
+    chosen = torch.zeros(batch, seq, seq, dtype=torch.bool).scatter_(-1, topk.long().cpu(), True)
+    return chosen & torch.ones(seq, seq, dtype=torch.bool).tril()
+
+
+@contextmanager
+def _selection_hooks(modules: dict[int, torch.nn.Module], store: Captures, mcore: bool):
+    """Hooks that record each sparse-attention layer's key selection as ``selection.{layer}``."""
+
+    def make(layer):
+        def hook(module, args, output):
+            topk = module.last_topk if mcore else _first(output)
+            store[f"{SELECTION}{layer}"] = selection_mask(topk.detach())
+        return hook
+
+    handles = [m.register_forward_hook(make(i)) for i, m in modules.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def routing_layers(captures: Captures) -> list[int]:
@@ -157,6 +195,13 @@ def hf_routers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
     return out
 
 
+def hf_indexers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
+    """Each sparse-attention layer's indexer, at the family's path."""
+    if modules.indexer is None:
+        return {}
+    return {i: layer.get_submodule(modules.indexer) for i, layer in enumerate(model.get_submodule(modules.layers))}
+
+
 def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
     """Run an HF causal LM on ``tokens`` and capture every point (``modules``: its family's paths)."""
     store: Captures = {}
@@ -164,7 +209,8 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
     batch, seq = tokens.shape
     with torch.no_grad(), _hooks(hf_capture_targets(model, modules), store, seq_first=False), \
             _routing_hooks(hf_routers(model, modules), store, batch, seq, mcore=False,
-                           top_k=getattr(model.config, "num_experts_per_tok", None)):
+                           top_k=getattr(model.config, "num_experts_per_tok", None)), \
+            _selection_hooks(hf_indexers(model, modules), store, mcore=False):
         store["logits"] = model(tokens).logits.float()
     return store
 
@@ -193,12 +239,19 @@ def mcore_routers(model) -> dict[int, torch.nn.Module]:
             if getattr(layer.mlp, "router", None) is not None}
 
 
+def mcore_indexers(model) -> dict[int, torch.nn.Module]:
+    """Each sparse-attention layer's core attention (it keeps its latest top-k)."""
+    return {layer.layer_number - 1: layer.self_attention.core_attention for layer in model.decoder.layers
+            if hasattr(getattr(layer.self_attention, "core_attention", None), "last_topk")}
+
+
 def capture_mcore(model, tokens: torch.Tensor, vocab_size: int) -> Captures:
     """This rank's points of an MCore GPTModel (its stage only), run through megatron's schedule."""
     store: Captures = {}
     batch, seq = tokens.shape
     with _hooks(mcore_capture_targets(model), store, seq_first=True), \
-            _routing_hooks(mcore_routers(model), store, batch, seq, mcore=True):
+            _routing_hooks(mcore_routers(model), store, batch, seq, mcore=True), \
+            _selection_hooks(mcore_indexers(model), store, mcore=True):
         logits = forward_logits(model, tokens, vocab_size)
     if logits is not None:
         store["logits"] = logits.float().cpu()

@@ -66,8 +66,8 @@ def plot(result: dict, path: Path) -> None:
             ax.semilogy(xs, [max(e, tiny) for e in row["series"]], "-", linewidth=0.8, alpha=0.55,
                         label=f"ablation: {row['name']}")
     if v["first_failure"]:
-        # a routing failure is drawn at its layer's MLP point
-        at = v["first_failure"].replace(".routing", ".mlp")
+        # a routing failure is drawn at its layer's MLP point, a key-selection failure at its attention point
+        at = v["first_failure"].replace(".routing", ".mlp").replace(".selection", ".attention")
         i = next(k for k, p in enumerate(points) if p["name"] == at)
         ax.axvline(i, color="tab:red", alpha=0.4, linewidth=6)
         ax.annotate(f"first divergence: {v['first_failure']}", (i, test[i]), textcoords="offset points",
@@ -119,18 +119,18 @@ def markdown(result: dict, command: str | None = None) -> str:
         out += [f"| {d['key']} | {d['reference']} | {d['tested']} |" for d in result["config_differences"]]
         out += [""]
     if v.get("routing"):
-        out += ["## Routing (MoE layers)", "",
-                "Tokens whose top-k expert set differs from HF fp32's. A near tie between two experts' scores "
-                "can flip either way under rounding; HF's own flips in the same dtype are the floor. The "
-                "points below are compared on the tokens no flip reached (the 'tokens' column).", "",
-                "| layer | tokens | flipped (tested) |" + (f" flipped (HF {v['dtype']}) | ratio |" if floor_on else "")
-                + " limit | ok |", "|" + " --- |" * (6 if floor_on else 4)]
-        for r in v["routing"]:
-            row = f"| {r['layer']} | {r['tokens']} | {r['flipped']} |"
-            if floor_on:
-                row += f" {r['floor_flipped']} | {_fmt(r['ratio'], '.2f')}x |"
-            out.append(row + f" {r['limit']} | {'yes' if r['passed'] else '**NO**'} |")
-        out += [""]
+        out += _flips_table("## Routing (MoE layers)",
+                            "Tokens whose top-k expert set differs from HF fp32's. A near tie between two experts' "
+                            "scores can flip either way under rounding; HF's own flips in the same dtype are the "
+                            "floor. The points below are compared on the tokens no flip reached (the 'tokens' "
+                            "column).", v["routing"], v["dtype"], floor_on, agreement=False)
+    if v.get("selection"):
+        out += _flips_table("## Key selection (sparse-attention layers)",
+                            "Tokens whose indexer kept other keys (among those they may see) than HF fp32's "
+                            "indexer; agreement is the share that kept the same ones. A near tie between two keys' "
+                            "index scores can flip under rounding; HF's own flips in the same dtype are the floor. "
+                            "Tokens a flip reached are left out of the points below from that layer's attention "
+                            "output on.", v["selection"], v["dtype"], floor_on, agreement=True)
     out += ["## Per point", ""]
     head = ("| point | tokens | rel_l2 | max_abs | cosine |" + (" floor rel_l2 | ratio |" if floor_on else "")
             + " limit | ok |")
@@ -171,6 +171,19 @@ def markdown(result: dict, command: str | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def _flips_table(title: str, text: str, rows: list[dict], dtype: str, floor_on: bool, agreement: bool) -> list[str]:
+    """A routing or key-selection section: per layer, the tokens that flipped (and HF's own, in bf16/fp16)."""
+    head = "| layer | tokens |" + (" agreement |" if agreement else "") + " flipped (tested) |" \
+        + (f" flipped (HF {dtype}) | ratio |" if floor_on else "") + " limit | ok |"
+    out = [title, "", text, "", head, "|" + " --- |" * (head.count("|") - 1)]
+    for r in rows:
+        row = f"| {r['layer']} | {r['tokens']} |" + (f" {r['agreement']:.1%} |" if agreement else "") + f" {r['flipped']} |"
+        if floor_on:
+            row += f" {r['floor_flipped']} | {_fmt(r['ratio'], '.2f')}x |"
+        out.append(row + f" {r['limit']} | {'yes' if r['passed'] else '**NO**'} |")
+    return out + [""]
+
+
 def write_report(result: dict, report_dir: str | Path, command: str | None = None) -> dict[str, Path]:
     folder = Path(report_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -195,14 +208,19 @@ def print_summary(result: dict, file=None) -> None:
     rows += [("final_norm", [by_name["final_norm"]]), ("logits", [by_name["logits"]])]
     print(f"{'point':<11} {'rel_l2 (attn/mlp/out)':<32} " + ("worst x floor" if floor_on else "") + "  ok", file=file)
     routing = {r["layer"]: r for r in v.get("routing", [])}
+    selection = {r["layer"]: r for r in v.get("selection", [])}
     for label, ps in rows:
         errs = "/".join(_fmt(p["metrics"].get("rel_l2"), ".1e") for p in ps)
         ratios = [p["ratio"] for p in ps if p["ratio"] is not None]
         ratio = f"{max(ratios):>8.2f}x" if floor_on and ratios else ""
         layer = ps[0]["layer"]
         r = routing.get(layer)
-        ok = "yes" if all(p["passed"] for p in ps) and (r is None or r["passed"]) else "NO"
+        sel = selection.get(layer)
+        ok = "yes" if all(p["passed"] for p in ps) and all(c is None or c["passed"] for c in (r, sel)) else "NO"
         flips = f"  routing flips {r['flipped']}" + (f" (HF {r['floor_flipped']})" if r["floor_flipped"] is not None else "") \
             if r is not None else ""
+        if sel is not None:
+            flips += f"  selection agreement {sel['agreement']:.1%}" + (
+                f" (HF {1 - sel['floor_flipped'] / max(sel['tokens'], 1):.1%})" if sel["floor_flipped"] is not None else "")
         print(f"{label:<11} {errs:<32} {ratio:>13}  {ok}{flips}", file=file)
     print(("ALIGNED: " if v["aligned"] else "") + v["summary"], file=file)

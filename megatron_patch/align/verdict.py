@@ -26,6 +26,14 @@ position of its sequence from layer L + 1 on; those tokens are left out (on both
 and each point records how many tokens it was judged on. A planted fault that keeps the routing (two
 experts' weights swapped) still fails at the MLP point; one that changes it (router rows swapped)
 fails at the routing check.
+
+Sparse attention (DeepSeek-V3.2, GLM-5) adds another discrete step, the indexer's top-k keys per query, judged
+the same way: per sparse-attention layer, the tokens whose selected keys (among those they may see) differ
+from HF fp32's must stay within ``tolerance`` x HF's own such tokens in that dtype (at least
+``MIN_FLOOR_FLIPS``; in fp32 at most ``FP32_ROUTING_FLIPS`` of the tokens); a near-tie that flips in bf16 is
+noise, a selection that differs systematically fails there. A token whose selection flipped is left out from
+its layer's attention output on, and the positions after it from the next layer on. Each layer's selection
+agreement (the share of tokens that keep HF fp32's keys) is reported.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from megatron_patch.align.capture import ROUTING, Captures, point_layer, point_names, routing_layers
+from megatron_patch.align.capture import (
+    ROUTING, SELECTION, Captures, point_layer, point_names, routing_layers, selection_layers)
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
 
@@ -67,7 +76,8 @@ class PointResult:
 
 @dataclass
 class RoutingResult:
-    """One MoE layer: tokens whose top-k expert set differs from HF fp32's."""
+    """One MoE layer: tokens whose top-k expert set differs from HF fp32's; or (``kind`` "selection") one
+    sparse-attention layer: tokens whose selected keys differ from HF fp32's."""
 
     layer: int
     tokens: int
@@ -76,6 +86,12 @@ class RoutingResult:
     ratio: float | None        # flipped / max(floor_flipped, MIN_FLOOR_FLIPS)
     limit: str
     passed: bool
+    kind: str = "routing"
+
+    @property
+    def agreement(self) -> float:
+        """The share of tokens whose choice is HF fp32's."""
+        return 1.0 - self.flipped / max(self.tokens, 1)
 
 
 @dataclass
@@ -90,9 +106,13 @@ class Verdict:
     worst_ratio: float | None = None
     points: list[PointResult] = field(default_factory=list)
     routing: list[RoutingResult] = field(default_factory=list)
+    selection: list[RoutingResult] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        for r, d in zip(self.selection, out["selection"]):
+            d["agreement"] = r.agreement
+        return out
 
 
 def _judge_fp32(name: str, m: dict) -> tuple[bool, str]:
@@ -113,11 +133,12 @@ def _judge_floor(name: str, m: dict, floor: dict, dtype: str, tol: float) -> tup
     return ok, ratio, limit
 
 
-def _flips(ref: Captures, other: Captures, layer: int) -> torch.Tensor:
-    """[batch, seq] True where ``other`` sends the token to another expert set than ``ref``."""
-    a, b = ref[f"{ROUTING}{layer}"], other[f"{ROUTING}{layer}"]
+def _flips(ref: Captures, other: Captures, layer: int, prefix: str = ROUTING) -> torch.Tensor:
+    """[batch, seq] True where ``other`` sends the token to another expert set (or, ``prefix`` SELECTION,
+    has it attend to other keys) than ``ref``."""
+    a, b = ref[f"{prefix}{layer}"], other[f"{prefix}{layer}"]
     if a.shape != b.shape:
-        raise RuntimeError(f"routing of layer {layer} has shape {tuple(b.shape)}, the reference {tuple(a.shape)}")
+        raise RuntimeError(f"{prefix}{layer} has shape {tuple(b.shape)}, the reference {tuple(a.shape)}")
     return (a != b).any(-1)
 
 
@@ -127,43 +148,53 @@ def _reach(flips: torch.Tensor) -> torch.Tensor:
 
 
 def _judge_routing(ref: Captures, test: Captures, floor: Captures | None, dtype: str, tolerance: float,
-                   layer: int) -> tuple[RoutingResult, torch.Tensor]:
-    """The routing result of ``layer`` and the tokens that flipped on either side."""
-    test_flips = _flips(ref, test, layer)
-    floor_flips = _flips(ref, floor, layer) if floor is not None else torch.zeros_like(test_flips)
+                   layer: int, prefix: str = ROUTING) -> tuple[RoutingResult, torch.Tensor]:
+    """The routing (or, ``prefix`` SELECTION, key selection) result of ``layer`` and the tokens that flipped
+    on either side."""
+    test_flips = _flips(ref, test, layer, prefix)
+    floor_flips = _flips(ref, floor, layer, prefix) if floor is not None else torch.zeros_like(test_flips)
     n, flipped = test_flips.numel(), int(test_flips.sum())
+    kind = "selection" if prefix == SELECTION else "routing"
     if floor is None:
         allowed = int(FP32_ROUTING_FLIPS * n)
-        result = RoutingResult(layer, n, flipped, None, None, f"<= {FP32_ROUTING_FLIPS:.0%} of tokens", flipped <= allowed)
+        result = RoutingResult(layer, n, flipped, None, None, f"<= {FP32_ROUTING_FLIPS:.0%} of tokens", flipped <= allowed,
+                               kind)
     else:
         base = max(int(floor_flips.sum()), MIN_FLOOR_FLIPS)
         ratio = flipped / base
         result = RoutingResult(layer, n, flipped, int(floor_flips.sum()), ratio,
-                               f"<= {tolerance:g}x HF {dtype}'s flips (at least {MIN_FLOOR_FLIPS})", ratio <= tolerance)
+                               f"<= {tolerance:g}x HF {dtype}'s flips (at least {MIN_FLOOR_FLIPS})", ratio <= tolerance,
+                               kind)
     return result, test_flips | floor_flips
 
 
 def _clean_tokens(ref: Captures, test: Captures, floor: Captures | None, dtype: str, tolerance: float,
-                  num_layers: int) -> tuple[list[RoutingResult], dict[str, torch.Tensor | None]]:
-    """Routing results, and for each point the tokens to judge it on (None: all of them)."""
-    layers = routing_layers(ref)
-    if not layers:
-        return [], {}
-    results, masks = [], {}
+                  num_layers: int) -> tuple[list[RoutingResult], list[RoutingResult], dict[str, torch.Tensor | None]]:
+    """Routing and key-selection results, and for each point the tokens to judge it on (None: all of them)."""
+    moe, sparse = routing_layers(ref), selection_layers(ref)
+    if not moe and not sparse:
+        return [], [], {}
+    routing, selection, masks = [], [], {}
     reached = None  # tokens a flip in an earlier layer reaches
+    excluded = None  # tokens left out at the current point
     for name in point_names(num_layers):
         layer = point_layer(name)
-        if layer is not None and layer in layers and name.endswith(".mlp"):
+        if layer is not None and name.endswith(".attention"):
+            excluded = reached
+            if layer in sparse:
+                result, flips = _judge_routing(ref, test, floor, dtype, tolerance, layer, SELECTION)
+                selection.append(result)
+                excluded = flips if excluded is None else excluded | flips
+        elif layer is not None and name.endswith(".mlp") and layer in moe:
             result, flips = _judge_routing(ref, test, floor, dtype, tolerance, layer)
-            results.append(result)
-            own = flips if reached is None else reached | flips
-            masks[f"layers.{layer}.mlp"] = masks[f"layers.{layer}.output"] = ~own
-            reached = _reach(own)
-            continue
-        if name.endswith(".output") and name in masks:
-            continue
-        masks[name] = None if reached is None else ~reached
-    return results, masks
+            routing.append(result)
+            excluded = flips if excluded is None else excluded | flips
+        elif layer is None:
+            excluded = reached
+        masks[name] = None if excluded is None else ~excluded
+        if name.endswith(".output") and excluded is not None:
+            reached = _reach(excluded)
+    return routing, selection, masks
 
 
 def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Captures | None = None,
@@ -173,7 +204,7 @@ def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Cap
     and the other points on the tokens no routing flip reached (see the module docstring)."""
     if dtype != "fp32" and floor is None:
         raise ValueError("a bf16/fp16 verdict needs HF's own captures in that dtype (the noise floor)")
-    routing, masks = _clean_tokens(ref, test, floor, dtype, tolerance, num_layers)
+    routing, selection, masks = _clean_tokens(ref, test, floor, dtype, tolerance, num_layers)
     results: list[PointResult] = []
     for name in point_names(num_layers):
         if name not in ref or name not in test:
@@ -197,18 +228,23 @@ def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Cap
             f = cmp(pick(ref[name]), pick(floor[name]))
             ok, ratio, limit = _judge_floor(name, m, f, dtype, tolerance)
             results.append(PointResult(name, point_layer(name), m, f, ratio, limit, ok, tokens))
-    return _verdict(results, routing, dtype, tolerance, what)
+    return _verdict(results, routing, dtype, tolerance, what, selection)
 
 
 def _where(p: PointResult) -> str:
     return f"layer {p.layer} ({p.name})" if p.layer is not None else p.name
 
 
-def _in_flow_order(results: list[PointResult], routing: list[RoutingResult]) -> list:
-    """Points and routing checks in data-flow order: a layer's routing comes before its MLP output."""
+def _in_flow_order(results: list[PointResult], routing: list[RoutingResult],
+                   selection: list[RoutingResult] = ()) -> list:
+    """Points and discrete checks in data-flow order: a layer's key selection comes before its attention
+    output, its routing before its MLP output."""
     by_layer = {r.layer: r for r in routing}
+    selected = {r.layer: r for r in selection}
     out = []
     for p in results:
+        if p.name.endswith(".attention") and p.layer in selected:
+            out.append(selected[p.layer])
         if p.name.endswith(".mlp") and p.layer in by_layer:
             out.append(by_layer[p.layer])
         out.append(p)
@@ -218,10 +254,11 @@ def _in_flow_order(results: list[PointResult], routing: list[RoutingResult]) -> 
 def _why(first, dtype: str, tol: float) -> tuple[str, str]:
     """(where, why) of the first failure, in words."""
     if isinstance(first, RoutingResult):
-        where = f"layer {first.layer} (routing)"
+        where = f"layer {first.layer} ({first.kind})"
+        choice = "attend to other keys" if first.kind == "selection" else "choose other experts"
         if first.floor_flipped is None:
-            return where, f"{first.flipped} of {first.tokens} tokens choose other experts than HF fp32 (limit {first.limit})"
-        return where, (f"{first.flipped} of {first.tokens} tokens choose other experts than HF fp32, "
+            return where, f"{first.flipped} of {first.tokens} tokens {choice} than HF fp32 (limit {first.limit})"
+        return where, (f"{first.flipped} of {first.tokens} tokens {choice} than HF fp32, "
                        f"{first.ratio:.1f}x HF's own {dtype} flips ({first.floor_flipped}) > {tol:g}x")
     if dtype == "fp32":
         why = f"rel_l2 {first.metrics['rel_l2']:.1e} > {FP32_REL_L2:g}"
@@ -230,12 +267,13 @@ def _why(first, dtype: str, tol: float) -> tuple[str, str]:
     else:
         why = f"error {first.ratio:.1f}x HF's own {dtype} rounding > {tol:g}x"
     if first.tokens is not None:
-        why += f" (on the {first.tokens} tokens no routing flip reached)"
+        why += f" (on the {first.tokens} tokens no routing or selection flip reached)"
     return _where(first), why
 
 
-def _verdict(results: list[PointResult], routing: list[RoutingResult], dtype: str, tol: float, what: str) -> Verdict:
-    first = next((p for p in _in_flow_order(results, routing) if not p.passed), None)
+def _verdict(results: list[PointResult], routing: list[RoutingResult], dtype: str, tol: float, what: str,
+             selection: list[RoutingResult] = ()) -> Verdict:
+    first = next((p for p in _in_flow_order(results, routing, selection) if not p.passed), None)
     judged = [p for p in results if p.metrics]
     logits = results[-1]
     if dtype == "fp32":
@@ -256,13 +294,20 @@ def _verdict(results: list[PointResult], routing: list[RoutingResult], dtype: st
         floor = sum(r.floor_flipped or 0 for r in routing)
         head += (f"; routing: {flipped} token-layer flips against HF fp32 over {len(routing)} MoE layers"
                  + (f" (HF {dtype}'s own: {floor})" if dtype != "fp32" else ""))
+    if selection:
+        flipped = sum(r.flipped for r in selection)
+        floor = sum(r.floor_flipped or 0 for r in selection)
+        head += (f"; key selection: {flipped} token-layer flips against HF fp32 over {len(selection)} sparse-attention "
+                 "layers" + (f" (HF {dtype}'s own: {floor})" if dtype != "fp32" else "")
+                 + f", agreement {min(r.agreement for r in selection):.1%} at worst")
     if first is None:
         summary = f"{head}: aligned"
     else:
         where, why = _why(first, dtype, tol)
         summary = f"NOT aligned: first divergence at {where}: {why}. {head}"
-    first_name = None if first is None else (f"layers.{first.layer}.routing" if isinstance(first, RoutingResult)
+    first_name = None if first is None else (f"layers.{first.layer}.{first.kind}" if isinstance(first, RoutingResult)
                                              else first.name)
     return Verdict(aligned=first is None, dtype=dtype, tolerance=tol, summary=summary,
                    first_failure=first_name, first_failure_layer=None if first is None else first.layer,
-                   worst_point=worst.name, worst_ratio=worst_ratio, points=results, routing=routing)
+                   worst_point=worst.name, worst_ratio=worst_ratio, points=results, routing=routing,
+                   selection=list(selection))

@@ -38,6 +38,19 @@ class MLAShape:
 
 
 @dataclass(frozen=True)
+class SparseAttentionShape:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer scores every earlier token
+    with ``n_heads`` small heads of ``head_dim`` (RoPE on the first ``rope_head_dim`` of each, interleaved
+    pairs or halves), and each query attends to its ``topk`` best."""
+
+    topk: int
+    n_heads: int
+    head_dim: int
+    rope_head_dim: int
+    rope_interleaved: bool
+
+
+@dataclass(frozen=True)
 class LinearAttentionShape:
     """Gated DeltaNet (Qwen3-Next's linear attention): key and value heads, their sizes, and the causal
     convolution's kernel over the q/k/v channels."""
@@ -85,6 +98,8 @@ class Arch:
     dense_layers: tuple[int, ...] = ()
     # Multi-latent attention instead of GQA (head_dim is then the value head dimension).
     mla: MLAShape | None = None
+    # DeepSeek sparse attention's indexer, on top of multi-latent attention.
+    sparse_attention: SparseAttentionShape | None = None
     # Each decoder layer's attention as config.json's ``layer_types`` names it ("full_attention",
     # "sliding_attention", "linear_attention"); empty: full attention in every layer.
     layer_types: tuple[str, ...] = ()

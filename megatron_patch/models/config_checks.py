@@ -162,6 +162,10 @@ FIELDS: dict = {
     "use_routing_bias": Flag(),
     "shared_intermediate_size": Whole(0, MAX_WIDTH),
     "attn_type_list": WholeList(0, 1, longest=MAX_LAYERS),
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5)
+    "index_topk": Whole(1, MAX_POSITIONS),
+    "index_n_heads": Whole(1, MAX_HEADS),
+    "index_head_dim": Whole(1, MAX_WIDTH),
     "model_type": None,  # strings: checked below
     "hidden_act": None,
     "scoring_func": None,

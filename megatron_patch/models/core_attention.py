@@ -76,8 +76,8 @@ def core_attention_of(model) -> str | None:
         inner = getattr(inner, "inner", inner)  # training/packing.PackedLocalAttention wraps the unfused one
         if isinstance(inner, SDPAttention):
             kinds.add(SDPA)
-        elif isinstance(inner, DotProductAttention):
-            kinds.add(UNFUSED)
+        elif isinstance(inner, DotProductAttention) or getattr(inner, "requires_dsa_inputs", False):
+            kinds.add(UNFUSED)  # DeepSeek sparse attention's arithmetic is the unfused one's, masked to its keys
     if len(kinds) > 1:
         raise RuntimeError(f"a model with mixed core attentions: {sorted(kinds)}")
     return kinds.pop() if kinds else None

@@ -40,6 +40,8 @@ class HFModules:
     final_norm: str = "model.norm"
     # Within an MoE layer: the router (its output holds the chosen experts, or only logits in 4.x).
     router: str | tuple[str, ...] | None = None
+    # Within a decoder layer: a sparse attention's indexer (its output holds each query's top-k keys).
+    indexer: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 
 class LocalMLACoreAttention(DotProductAttention):
@@ -38,3 +39,15 @@ class LocalMLASelfAttention(MLASelfAttention):
         return dict(linear_q_proj=submodules.linear_q_proj, linear_q_up_proj=IdentityOp,
                     linear_kv_up_proj=submodules.linear_kv_up_proj, q_layernorm=IdentityOp,
                     kv_layernorm=submodules.kv_layernorm)
+
+
+# transformers' DeepSeek MLA builds its latent norms (q_a_layernorm, kv_a_layernorm) without passing
+# rms_norm_eps: they keep RMSNorm's default epsilon whatever config.json says (GLM-5: 1e-5 elsewhere).
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentRMSNorm(WrappedTorchNorm):
+    """The local spec's RMSNorm for MLA's query and key/value latents, with transformers' epsilon."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = LATENT_NORM_EPS, **kwargs):
+        return super().__new__(cls, config, hidden_size, eps=LATENT_NORM_EPS, **kwargs)

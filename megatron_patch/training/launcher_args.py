@@ -96,8 +96,13 @@ EXTRAS = {
                     "fine-tuning; docs/lora.md)",
     "MP_LORA_ALPHA": "LoRA alpha: the adapters' output is scaled by alpha/R (default R)",
     "MP_LORA_DROPOUT": "dropout on the adapters' input (default 0)",
-    "MP_LORA_TARGETS": "comma list out of qkv,proj,fc1,fc2,experts,shared_experts (default qkv,proj,fc1,fc2)",
+    "MP_LORA_TARGETS": "comma list out of qkv,proj,fc1,fc2,experts,shared_experts,indexer (default "
+                       "qkv,proj,fc1,fc2)",
     "MP_LORA_INIT": "a peft adapter folder to start the adapters from (its config decides rank, alpha, targets)",
+    "MP_DSA_INDEXER_LOSS_SCALE": "S: DeepSeek sparse attention's indexer loss (megatron-core's KL to the attention) "
+                                 "at coefficient S (default 0: off, the indexer frozen as released)",
+    "MP_DSA_INDEXER_ONLY": "true: DeepSeek's dense warm-up: dense attention, only the indexers train (their loss "
+                           "at MP_DSA_INDEXER_LOSS_SCALE, default 1)",
     "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; 1 on a dlc node without GPUs)",
 }
 

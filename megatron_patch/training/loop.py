@@ -29,7 +29,7 @@ from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import move_to_device
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training import checkpointing, data, faults, packing
+from megatron_patch.training import checkpointing, data, faults, packing, sparse_attention_run
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
 from megatron_patch.training.lora_run import describe_trainable, setup_lora
@@ -249,6 +249,9 @@ class Trainer:
             self._log(describe_trainable(chunks))
         elif self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
+        if cfg.dsa and cfg.dsa["indexer_only"]:  # before DDP: its buffers hold the trainable parameters only
+            self._log(f"indexer-only (dense warm-up): {sparse_attention_run.setup_indexer_only(chunks):,} indexer "
+                      "parameters train, the rest is frozen")
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(**self.settings["ddp"])
         # As Megatron-LM does: only the first chunk's gradient buckets are bucketed for overlap.
@@ -424,6 +427,8 @@ class Trainer:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
             return {"loss": loss, "skipped": True, "tokens": float(stats[1])}
+        indexer_loss = sparse_attention_run.take_indexer_loss(self._device()) if cfg.dsa and cfg.dsa["loss_scale"] \
+            else None
         scale = self._loss_scale()
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -434,7 +439,7 @@ class Trainer:
             self._log(f"iteration {self.iteration + 1}: inf/nan gradients, step skipped"
                       + (f" (loss scale {scale:g} -> {after:g})" if scale is not None else ""))
         return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": float(stats[1]), "loss_scale": scale}
+                "tokens": float(stats[1]), "loss_scale": scale, "indexer_loss": indexer_loss}
 
     def _loss_scale(self) -> float | None:
         """fp16's dynamic loss scale (None without one: bf16 and fp32 train unscaled)."""
@@ -492,6 +497,8 @@ class Trainer:
                        "skipped": result["skipped"], "warmup": self.iteration < first + WARMUP_ITERATIONS}
             if result.get("loss_scale") is not None:
                 metrics["loss_scale"] = result["loss_scale"]
+            if result.get("indexer_loss") is not None:
+                metrics["indexer_loss"] = result["indexer_loss"]
             metrics.update(result.get("offload", {}))
             records.append(metrics)
             if peak:
@@ -500,7 +507,8 @@ class Trainer:
             if self.iteration % cfg.log_interval == 0 or self.iteration == stop_at:
                 gn = metrics["grad_norm"]
                 self._log(f"iter {self.iteration:6d}/{cfg.train_iters} | loss {result['loss']:.4f} | "
-                          f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
+                          + (f"indexer loss {metrics['indexer_loss']:.4f} | " if "indexer_loss" in metrics else "")
+                          + f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
                           f"tokens/s {metrics['tokens_per_s']:.0f} | TFLOP/s/{'GPU' if peak is not None else 'proc'} "
                           f"{tflops:.3f}" + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
                           + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms"

@@ -4,6 +4,7 @@ settings, each flag's translation in one place (the dry run prints it; the train
 from __future__ import annotations
 
 from megatron_patch.models.compiled_fusions import config_overrides
+from megatron_patch.training import sparse_attention_run
 from megatron_patch.training.run_config import RunConfig
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
@@ -32,6 +33,7 @@ def megatron_settings(cfg: RunConfig) -> dict:
     else:
         tc["attention_backend"] = AttnBackend.fused
     tc.update(config_overrides(cfg.compile_fusions))
+    tc.update(sparse_attention_run.config_overrides(cfg))
     if cfg.precision.fp8:
         tc.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_amax_history_len=1024 if cfg.fp8_recipe == "delayed" else 1,
                   fp8_amax_compute_algo="max" if cfg.fp8_recipe == "delayed" else "most_recent")

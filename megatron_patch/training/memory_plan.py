@@ -142,6 +142,8 @@ class Shape:
     # LoRA (None: full fine-tuning): a layer's adapted linears as (target, mode, input width on this rank,
     # the adapters' total rank, output rows on this rank, adapters, tokens per sequence position it sees)
     lora: tuple | None = None
+    # DeepSeek sparse attention's indexer (None: none): (heads, head dim, top-k, whether it trains: its loss is on)
+    indexer: tuple | None = None
 
     @property
     def s_sp(self) -> int:
@@ -179,7 +181,7 @@ def layer_activations(sh: Shape, ac: str, spec: str, attention: str = UNFUSED) -
             norms = 2 * (ssp * b * h * 4 + ssp * b * 4)
             qk_norms -= s * b * (a + kvw) // tp * 4 if sh.qk_norm else 0
             linear_inputs = lora_activations(sh)
-        return norms + linear_inputs + rope + attention + swiglu + qk_norms
+        return norms + linear_inputs + rope + attention + swiglu + qk_norms + indexer_activations(sh)
     # transformer-engine: norm fused into the next linear (its input, the normalised output, 1/rms),
     # fused attention keeps q, k, v, the output and fp32 softmax statistics, fused SwiGLU keeps its input
     norm_linear = 2 * (2 * ssp * b * h * d + ssp * b * 4)
@@ -189,6 +191,31 @@ def layer_activations(sh: Shape, ac: str, spec: str, attention: str = UNFUSED) -
     # LoRA: the adapters' tensors on top (transformer-engine's savings from a frozen base are not counted)
     extra = lora_activations(sh, inputs=False) if sh.lora is not None else 0
     return norm_linear + attention + mlp + qk_norms + extra
+
+
+def indexer_activations(sh: Shape) -> int:
+    """What a DeepSeek sparse attention layer's indexer keeps for backward, only while its loss trains it (its
+    inputs are detached, its top-k has no gradient): its key projection's output and the key LayerNorm's
+    statistics, its float32 q and k, the ReLU'd per-head scores [b, s, heads, s] and the weights they are
+    summed with, the top-k's int64 indices, and the loss's softmax, log and target of the index scores
+    [b, s, s] (the attention's own scores there are taken without gradient). The sparse attention itself is
+    counted as the unfused one: its scores are dense, masked to the kept keys."""
+    if sh.indexer is None or not sh.indexer[3]:
+        return 0
+    heads, dim, topk, _ = sh.indexer
+    s, b = sh.s, sh.b
+    key = b * s * dim * sh.d + 2 * b * s * 4
+    return key + 4 * (b * s * heads * s + b * s * heads * dim + b * s * dim + b * s * heads + 3 * b * s * s) \
+        + 8 * b * s * min(topk, s)
+
+
+def indexer_transient(sh: Shape) -> int:
+    """The indexer's largest temporary, trained or not: its float32 per-head scores [b, s, heads, s], and with
+    its loss on, the attention's float32 scores [b, heads / TP, s, s] that the loss compares with."""
+    if sh.indexer is None:
+        return 0
+    heads, _, _, trains = sh.indexer
+    return 4 * sh.b * sh.s * sh.s * (heads + (sh.heads // sh.tp if trains else 0))
 
 
 def lora_activations(sh: Shape, inputs: bool = True) -> int:
@@ -312,8 +339,8 @@ def _spec(cfg, caps=None) -> str:
     """The layers the run will build: the local spec on ENV=cpu, and on a GPU transformer-engine's when it
     is installed (planned from a machine without a GPU, a GPU run is assumed to have it). ``caps``: the
     machine's ``Capabilities`` (default: this one's)."""
-    if cfg.device == "cpu":
-        return "local"
+    if cfg.device == "cpu" or cfg.arch.sparse_attention is not None:
+        return "local"  # DeepSeek sparse attention builds its own local modules with or without TE
     if caps is None:
         from megatron_patch.runtime.machine import Capabilities
 
@@ -322,6 +349,8 @@ def _spec(cfg, caps=None) -> str:
 
 
 def _attention(cfg, spec: str) -> str | None:
+    if cfg.arch.sparse_attention is not None:
+        return UNFUSED  # DeepSeek sparse attention: dense scores masked to the kept keys, an fp32 softmax
     return local_core_attention(cfg) if spec == "local" else None
 
 
@@ -349,10 +378,13 @@ def _shape(arch, cfg) -> Shape:
         from megatron_patch.training.lora_run import layer_adapters
 
         lora = layer_adapters(arch, cfg, _spec(cfg))
+    sparse = arch.sparse_attention
+    indexer = None if sparse is None else (sparse.n_heads, sparse.head_dim, sparse.topk,
+                                           bool(cfg.dsa and cfg.dsa["loss_scale"]))
     return Shape(s=cfg.sample_length // cfg.cp, b=cfg.micro_batch_size, h=arch.hidden_size,
                  a=arch.num_heads * arch.head_dim, kvw=arch.num_kv_heads * arch.head_dim, hn=arch.head_dim,
                  heads=arch.num_heads, f=f, vocab=arch.padded_vocab_size(), tp=cfg.tp, sp=cfg.sequence_parallel, d=d,
-                 qk_norm=qk_norm, lora=lora)
+                 qk_norm=qk_norm, lora=lora, indexer=indexer)
 
 
 def in_flight(cfg, pp_rank: int) -> int:
@@ -382,6 +414,14 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
         from megatron_patch.training.lora_run import split_trainable
 
         chunks, frozen = split_trainable(arch, cfg, chunks, pp_rank, spec)
+        st.params += frozen * param_bytes
+        st.frozen = frozen
+    elif arch.sparse_attention is not None:
+        # DeepSeek sparse attention: the indexers frozen without their loss, or everything else in the indexer-
+        # only warm-up (training/sparse_attention_run.py); frozen weights held outside the DDP buffers
+        from megatron_patch.training.sparse_attention_run import split_trainable as dsa_split
+
+        chunks, frozen = dsa_split(cfg, chunks)
         st.params += frozen * param_bytes
         st.frozen = frozen
     st.trainable = sum(p.numel for params in chunks for p in params)
@@ -460,7 +500,7 @@ def _activations(arch, cfg, pp_rank: int, spec: str, attention: str | None) -> t
         body = sum(layers) * per_layer
     head = head_activations(sh, first, last, spec)
     logits = sh.s * sh.b * sh.vocab // sh.tp * (4 + 4 + sh.d) if last else 0
-    transient = max(logits, per_layer * (cfg.ac_layers if ac == "full" else 1))
+    transient = max(logits, per_layer * (cfg.ac_layers if ac == "full" else 1), indexer_transient(sh))
     return (body + head) // (vp if vp > 1 else 1), transient
 
 

@@ -143,6 +143,9 @@ class RunConfig:
     # peft folder they start from (MP_LORA_INIT).
     lora: dict | None = None
     lora_init: str | None = None
+    # DeepSeek sparse attention (MP_DSA_*; training/sparse_attention_run.py): {"loss_scale", "indexer_only"}, None
+    # for a model without it.
+    dsa: dict | None = None
     notes: list[str] = field(default_factory=list)
 
     @property

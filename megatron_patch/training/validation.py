@@ -37,6 +37,7 @@ from megatron_patch.training.launcher_args import (
     presets,
 )
 from megatron_patch.training.lora_run import check_lora, lora_from_env
+from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
 from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -49,6 +50,7 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     env = dict(os.environ if env is None else env)
     cfg = _parse(family, argv, env)
     cfg.lora, cfg.lora_init = lora_from_env(env, cfg.arch, cfg.pretrain_checkpoint)
+    cfg.dsa = dsa_from_env(env, cfg.arch)
     for check in CHECKS + (PATH_CHECKS if check_paths else ()):
         check(cfg)
     return cfg
@@ -364,7 +366,7 @@ def sft_data(cfg: RunConfig) -> None:
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
     packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
-    check_lora, sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
+    check_lora, check_sparse_attention, sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
 
 
 # --- files the configuration names (skipped by check_paths=False: a dry run planned elsewhere) ---------------

@@ -23,7 +23,7 @@ class LayerKind(Enum):
 
 
 # What MP_LORA_TARGETS names: the groups of MCore linear layers that take LoRA adapters.
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts", "indexer")
 
 
 @dataclass(frozen=True)

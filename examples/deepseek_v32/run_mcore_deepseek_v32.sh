@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# DeepSeek-V3.2 (V3.2-Exp: DeepSeek sparse attention) on megatron.core: 27 positional arguments in the Pai-Megatron-Patch order (ETP, then EP, after CP).
+# `run_mcore_deepseek_v322.sh --help` lists them; examples/README.md explains each. All validation lives in Python
+# (megatron_patch/training/launcher_args.py, validation.py); MP_DRY_RUN=1 prints the resolved configuration and command.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python}" -m megatron_patch train deepseek_v32 "$@"

@@ -1,0 +1,134 @@
+"""DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 (``glm_moe_dsa``) config.json -> Arch and the megatron-core
+settings of DeepSeek sparse attention.
+
+Both are DeepSeek-V3 (multi-latent attention with a query LoRA, DeepSeekMoE with sigmoid routing and a
+score-correction bias, the first layers dense, MTP layers after the decoder's) plus a lightning indexer
+in every layer that picks the ``index_topk`` keys each query attends to (``index_n_heads`` heads of
+``index_head_dim``, RoPE on their first ``qk_rope_head_dim``). Their tensors have the same names; their
+configs differ in values and in the indexer's RoPE: on halves for DeepSeek-V3.2, on interleaved pairs for
+GLM-5 (transformers 5.24's ``DeepseekV32Indexer`` and ``GlmMoeDsaIndexer``).
+
+DeepSeek-V3's parsing and megatron-core settings are used as they are (``deepseek_v3/config.py``), read
+as DeepSeek-V3 reads them: transformers' V3.2 and GLM-5 routers are always V3's (sigmoid, noaux_tc, groups
+scored by their top two experts), whatever ``topk_method`` / ``scoring_func`` say.
+
+Refused in one line: a model without a query LoRA (the indexer reads the query latent), GLM-5's shared
+top-k layers (``indexer_types`` "shared": a layer reusing the previous layer's selection), MLP layer
+types other than first-k-dense, an indexer wider than its RoPE part allows.
+"""
+
+import copy
+import dataclasses
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch, SparseAttentionShape, require
+from megatron_patch.models.deepseek_v3 import config as v3
+
+DSA_TYPES = {"deepseek_v32": False, "glm_moe_dsa": True}  # model_type -> indexer RoPE on interleaved pairs
+INDEXED_ATTENTION = "indexed_attention"
+
+
+def as_v3(raw: dict) -> dict:
+    """config.json as DeepSeek-V3's parsing reads it: V3's routing and interleaved MLA RoPE (transformers' V3.2
+    and GLM-5 models have no other), no layer types of the indexer's."""
+    out = {k: v for k, v in raw.items() if k not in ("layer_types", "indexer_types", "mlp_layer_types")}
+    return {**out, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "rope_interleave": True}
+
+
+def sparse_attention_of(raw: dict) -> SparseAttentionShape:
+    layers = require(raw, "num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is not None and (len(types) != layers or set(types) != {INDEXED_ATTENTION}):
+        raise UserError(f"config.json layer_types must be {INDEXED_ATTENTION} for each of the {layers} layers: "
+                        f"found {types}")
+    shared = [i for i, t in enumerate(raw.get("indexer_types") or []) if t != "full"]
+    if shared:
+        raise UserError(f"indexer_types gives layers {shared[:4]} a shared top-k (reusing an earlier layer's "
+                        "selection): not supported, every layer here runs its own indexer")
+    if raw.get("index_topk_freq", 1) not in (1, None) or raw.get("index_topk_pattern") is not None:
+        raise UserError("index_topk_freq / index_topk_pattern (layers sharing a top-k) are not supported: every "
+                        "layer here runs its own indexer")
+    mlp_types = raw.get("mlp_layer_types")
+    dense = min(raw.get("first_k_dense_replace") or 0, layers)
+    if mlp_types is not None and list(mlp_types) != ["dense"] * dense + ["sparse"] * (layers - dense):
+        raise UserError(f"mlp_layer_types {mlp_types} is not the first {dense} layers dense and the rest sparse "
+                        "(first_k_dense_replace): not supported")
+    if raw.get("q_lora_rank") is None:
+        raise UserError("q_lora_rank is missing: DeepSeek sparse attention's indexer reads the query latent")
+    shape = SparseAttentionShape(topk=require(raw, "index_topk"), n_heads=require(raw, "index_n_heads"),
+                                 head_dim=require(raw, "index_head_dim"), rope_head_dim=require(raw, "qk_rope_head_dim"),
+                                 rope_interleaved=DSA_TYPES[raw["model_type"]])
+    if shape.rope_head_dim > shape.head_dim or shape.rope_head_dim % 2:
+        raise UserError(f"index_head_dim={shape.head_dim} cannot hold an even RoPE part of qk_rope_head_dim="
+                        f"{shape.rope_head_dim}")
+    return shape
+
+
+def parse_config(raw: dict) -> Arch:
+    if raw.get("model_type") not in DSA_TYPES:
+        raise UserError(f"model_type '{raw.get('model_type')}' is not a DeepSeek sparse attention model")
+    sparse = sparse_attention_of(raw)
+    arch = v3.parse_config(as_v3(raw))
+    return dataclasses.replace(arch, family=raw["model_type"], sparse_attention=sparse, hf_config=raw)
+
+
+def v3_view(arch: Arch) -> Arch:
+    return dataclasses.replace(arch, hf_config=as_v3(arch.hf_config))
+
+
+def transformer_config_kwargs(arch: Arch) -> dict:
+    sparse = arch.sparse_attention
+    return dict(
+        v3.transformer_config_kwargs(v3_view(arch)),
+        experimental_attention_variant="dsa", dsa_indexer_n_heads=sparse.n_heads,
+        dsa_indexer_head_dim=sparse.head_dim, dsa_indexer_topk=sparse.topk,
+        # off unless the launcher asks (MP_DSA_INDEXER_LOSS_COEFF): fine-tuning a released model keeps its indexer
+        dsa_indexer_loss_coeff=0.0,
+        # the family's local modules, with or without transformer-engine (models/sparse_attention.py)
+        persist_layer_norm=False, apply_rope_fusion=False, moe_grouped_gemm=False, gradient_accumulation_fusion=False,
+    )
+
+
+def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
+    """megatron-core's local layer specs (dense and MoE layers as config.json places them) with DeepSeek
+    sparse attention as MLA's core attention; the same modules with or without transformer-engine."""
+    from megatron_patch.models import builder
+    from megatron_patch.models.sparse_attention import core_attention_spec
+
+    plain = copy.copy(config)  # megatron-core 0.19's standard block specs refuse an attention variant
+    plain.experimental_attention_variant = None
+    spec = builder.layer_spec(arch, plain, use_te=False, vp_stage=vp_stage, core_attention=core_attention,
+                              family_spec=False)
+    attention = core_attention_spec(arch.sparse_attention.rope_interleaved)
+    if hasattr(spec, "layer_specs"):
+        spec.layer_specs = [_with_sparse_attention(s, attention) for s in spec.layer_specs]
+        return spec
+    return _with_sparse_attention(spec, attention)
+
+
+def _with_sparse_attention(layer, attention):
+    from megatron_patch.models.local_attention import LatentRMSNorm
+    from megatron_patch.models.spec_edits import submodules_of, with_submodules
+
+    self_attention = with_submodules(submodules_of(layer).self_attention, core_attention=attention,
+                                     q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)
+    return with_submodules(layer, self_attention=self_attention)
+
+
+# A tiny DeepSeek-V3.2: DeepSeek-V3's tiny model (q-LoRA, YaRN, grouped sigmoid routing, a shared expert, the
+# first layer dense, 3 layers so that PP=3 splits it) with an indexer of 4 heads of 32 (RoPE on 16) keeping
+# the top 8 keys, so that a sequence longer than 8 attends sparsely.
+TINY_CONFIG = {
+    **{k: v for k, v in v3.TINY_CONFIG.items() if k not in ("topk_method", "scoring_func")},
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+    "index_topk": 8, "index_n_heads": 4, "index_head_dim": 32,
+}
+
+# A tiny GLM-5: the same shape without YaRN (GLM-5 has plain RoPE) and with GLM's RMSNorm epsilon; its indexer
+# rotates interleaved pairs.
+GLM_TINY_CONFIG = {
+    **{k: v for k, v in TINY_CONFIG.items() if k not in ("rope_scaling", "rope_interleave")},
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+}
