@@ -17,7 +17,8 @@ import torch
 from megatron_patch.cli import main
 from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training.launcher_args import arg_names
+from megatron_patch.errors import UserError
+from megatron_patch.training.launcher_args import arg_names, parse_count
 from megatron_patch.training.machine_checks import machine_problems
 from megatron_patch.training.validation import resolve
 from tests.training_helpers import launcher_args
@@ -518,3 +519,12 @@ def test_num_layers_and_no_save_extras(data):
     cfg = _cfg(data, {"MP_NUM_LAYERS": "6", "MP_SAVE": "false"}, ENV="dsw", MODEL_SIZE="8B", PR="bf16")
     assert cfg.arch.num_layers == 6 and cfg.arch.hidden_size == 4096 and cfg.save is False
     assert _cfg(data).save is True
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "1e400", "infB", "2.5", "-1"])
+def test_counts_that_are_not_whole_finite_numbers_are_refused_in_one_line(raw):
+    """float() reads these; a count of tokens or iterations must still be a whole, finite, non-negative number
+    (the fuzzed launcher found 'inf' and 'nan' crashing int())."""
+    with pytest.raises(UserError, match="TRAIN_TOKENS_OR_ITERS must be a whole non-negative count"):
+        parse_count("TRAIN_TOKENS_OR_ITERS", raw)
+    assert parse_count("TRAIN_TOKENS_OR_ITERS", "10K") == 10_000 and parse_count("X", "1e9") == 10**9

@@ -37,11 +37,13 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from megatron.core.pipeline_parallel import schedules
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant import dsa as mcore_dsa
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 # transformers' DeepseekV32Indexer / GlmMoeDsaIndexer: nn.LayerNorm(head_dim, eps=1e-6), whatever rms_norm_eps is
@@ -238,8 +240,6 @@ INDEXER_LOSS = {"sum": 0.0, "count": 0}
 def _schedule_scales_indexer_loss() -> bool:
     """Whether megatron-core's pipeline schedule sets the indexer loss's backward scale (0.19 does; 0.16 only the
     MoE auxiliary loss's)."""
-    from megatron.core.pipeline_parallel import schedules
-
     return hasattr(schedules, "_get_experimental_attention_variant_loss_scale_func")
 
 
@@ -250,8 +250,6 @@ class IndexerLossScaler(mcore_dsa.DSAIndexerLossAutoScaler):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
         (loss,) = ctx.saved_tensors
         owner = mcore_dsa.DSAIndexerLossAutoScaler if _schedule_scales_indexer_loss() else MoEAuxLossAutoScaler
         scale = owner.main_loss_backward_scale

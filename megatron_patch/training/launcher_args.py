@@ -158,7 +158,7 @@ def parse_count(name: str, raw: str) -> int:
         value = float(text) * scale
     except ValueError:
         raise UserError(f"{name} must be a count (e.g. 1000000, 1e9 or 10B), got '{raw}'")
-    if value < 0 or value != int(value):
+    if not math.isfinite(value) or value < 0 or value != int(value):
         raise UserError(f"{name} must be a whole non-negative count, got '{raw}'")
     return int(value)
 

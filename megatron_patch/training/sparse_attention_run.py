@@ -14,8 +14,13 @@ cannot run with it refused in one line, the indexer-only mode, and the indexer l
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_patch.errors import UserError
+from megatron_patch.training.launcher_args import parse_bool, parse_float
+
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
+# launcher's checks and dry run read this module's extras without building a model.
 
 DSA_EXTRAS = ("MP_DSA_INDEXER_LOSS_SCALE", "MP_DSA_INDEXER_ONLY")
 INDEXER_PARAMS = ".core_attention.indexer."
@@ -24,8 +29,6 @@ INDEXER_PARAMS = ".core_attention.indexer."
 def dsa_from_env(env: dict, arch) -> dict | None:
     """{"loss_scale": float, "indexer_only": bool} for a sparse-attention model (None for any other, which
     the MP_DSA_* extras are refused for)."""
-    from megatron_patch.training.launcher_args import parse_bool, parse_float
-
     given = [k for k in DSA_EXTRAS if env.get(k)]
     if arch.sparse_attention is None:
         if given:
@@ -106,8 +109,6 @@ def split_trainable(cfg, chunks: list[list]) -> tuple[list[list], int]:
 def take_indexer_loss(device) -> float | None:
     """The mean indexer loss of this step over every layer, micro-batch and rank (a collective: every rank
     calls it), then cleared; None when no layer computed one."""
-    import torch.distributed as dist
-
     from megatron_patch.models.sparse_attention import INDEXER_LOSS
 
     stats = torch.tensor([float(INDEXER_LOSS["sum"]), float(INDEXER_LOSS["count"])], dtype=torch.float64,
