@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
-# Leaf names of every module the families adapt (attention, MLA's projections, dense and shared-expert MLPs).
+# Leaf names of every module the families adapt (attention, MLA's projections, Qwen3-Next's Gated DeltaNet
+# projections, dense and shared-expert MLPs). Qwen3.5's separate DeltaNet input projections (in_proj_qkv, ...)
+# take no adapters here (docs/lora.md).
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
-                "kv_a_proj_with_mqa", "kv_b_proj")
+                "kv_a_proj_with_mqa", "kv_b_proj", "in_proj_qkvz", "in_proj_ba", "out_proj")
 STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 

@@ -331,6 +331,12 @@ def _pp_layout(family: str) -> ParallelLayout:
     return ParallelLayout(pp=2 if layers % 2 == 0 else layers)
 
 
+def _etp(family: str) -> int | None:
+    """The expert-TP size the family's own parity layouts use with TP (gpt-oss's experts take biases only at
+    ETP=1); None: ETP follows TP."""
+    return next((layout.etp for layout in families()[family].test_layouts.parity if layout.tp > 1), None)
+
+
 @pytest.fixture(scope="session")
 def lora_parity(lora_models):
     """MCore's fp32 logits of every family's tiny model with its peft adapter (and the variants) at TP=1,
@@ -341,15 +347,17 @@ def lora_parity(lora_models):
     extra = {"partial": (hf["llama3_1"], variants["partial"], hf["llama3_1"]),
              "patterns": (hf["qwen2"], variants["patterns"], hf["qwen2"]),
              "saved": (hf["llama3_1"], variants["saved"], hf["llama3_1"])}
-    layouts = {"tp1": (ParallelLayout(), list(cases) + list(extra)), "tp2": (ParallelLayout(tp=2), list(cases) + list(extra)),
-               "ep2": (ParallelLayout(ep=2), MOE)}
+    layouts = {"tp1": (ParallelLayout(), list(cases) + list(extra)), "ep2": (ParallelLayout(ep=2), MOE)}
+    for f in list(cases) + list(extra):
+        tp2 = ParallelLayout(tp=2, etp=_etp(VARIANTS[f][0] if f in VARIANTS else f))
+        layouts.setdefault(f"tp2:{tp2}", (tp2, []))[1].append(f)
     for f in FAMILY_NAMES:
         layouts.setdefault(f"pp:{_pp_layout(f)}", (_pp_layout(f), []))[1].append(f)
     every = {**cases, **extra}
     out = {}
     for name, (layout, names) in layouts.items():
         logits = mcore_lora_logits([every[n] for n in names], layout, tokens)
-        out.update({(n, "pp" if name.startswith("pp:") else name): lg for n, lg in zip(names, logits)})
+        out.update({(n, name.partition(":")[0]): lg for n, lg in zip(names, logits)})
     reference = {n: peft_logits(c[0], c[1], tokens) for n, c in every.items()}
     base = {n: hf_logits(c[0], tokens) for n, c in every.items()}
     return {"mcore": out, "peft": reference, "base": base}

@@ -207,7 +207,8 @@ def _merge_in_place(folder: Path, sites, spec: LoraSpec, tensors: dict, saved: d
             rows = site.part_rows[part]
             b = tensors[a.key_b][first:first + rows].float()
             weight = reader.get(hf_name).float()
-            weight += spec.scaling(a.rank, a.alpha) * (b @ tensors[a.key_a].float())
+            delta = spec.scaling(a.rank, a.alpha) * (b @ tensors[a.key_a].float())
+            weight += delta.t() if site.rule.split.transposed else delta  # gpt-oss's experts: stored [in, out]
             rewrite(hf_name, weight)
             count += 1
     for name, tensor in saved.items():

@@ -40,6 +40,7 @@ from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.models.builder import model_spec_name
 from megatron_patch.models.mapping import SplitContext, split_context
 from megatron_patch.models.mapping.naming import local_to_te_names, te_to_local_name
+from megatron_patch.models.mapping.splits import RowPieces
 
 # megatron-core is imported inside the functions that use it, so that in a rank it loads after
 # init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
@@ -89,6 +90,9 @@ class SiteAdapters(nn.Module):
         # the layer's split cuts this rank's fused rows from the per-part rows: with the local head counts
         self.ctx = SplitContext(ctx.num_heads // shards, ctx.num_kv_heads // shards, ctx.head_dim, ctx.vocab_size,
                                 ctx.padded_vocab_size) if mode == COLUMN else ctx
+        # A split described by row pieces (Qwen3-Next's gated QKV, the Gated DeltaNet's input projection): this
+        # rank's fused rows are its pieces of the whole split, each read from the rank's block of its part.
+        self.pieces = _local_pieces(site, split, ctx, shard, shards) if isinstance(split, RowPieces) else None
         # Parameters of this module itself (not of a ParameterList inside it): DDP's forward pre-hook, which
         # waits for an overlapped parameter all-gather, looks at the parameters of the module being called.
         self.A: list[nn.Parameter] = []
@@ -185,6 +189,10 @@ class SiteAdapters(nn.Module):
             i = self.b_adapter[j]
             b = self._factor(self.B[j], self.mode != COLUMN) * self.scalings[i]
             blocks.append(F.pad(b, (self._columns[i], width - self._columns[i + 1])))
+        if self.pieces is not None:
+            return torch.cat([blocks[p][a:b] for p, a, b in self.pieces], 0)
+        if self.split.transposed:  # the split cuts an HF [in, out] tensor (gpt-oss's interleaved gate/up)
+            return self.split.shards([b.t() for b in blocks], 1, self.ctx)[0]
         if len(blocks) == 1:
             return blocks[0]
         return self.split.shards(blocks, 1, self.ctx)[0]
@@ -228,6 +236,25 @@ class SiteAdapters(nn.Module):
 
     def sharded_state_dict(self, *args, **kwargs) -> dict:
         return {}  # the container's ``adapter_sharded_state`` names them: layout-free keys
+
+
+def _local_pieces(site: Site, split: RowPieces, ctx: SplitContext, shard: int, shards: int) -> list:
+    """(part, first, stop) rows, within this rank's block of each HF part, of the rank's fused rows in order.
+    The adapters' B of a part are split over TP in contiguous blocks (their checkpoint boxes), so a split whose
+    rank takes rows of a part from several places is refused."""
+    pieces = split.pieces(ctx, shards)[shard] if shards > 1 else split.pieces(ctx, 1)[0]
+    out = []
+    for part, rows in enumerate(site.part_rows):
+        per = rows // shards
+        mine = sorted((a, b) for p, a, b in pieces if p == part)
+        if mine[0][0] != shard * per or mine[-1][1] != (shard + 1) * per or any(
+                x[1] != y[0] for x, y in zip(mine, mine[1:])):
+            raise UserError(f"LoRA on {site.mcore_name} ({split.name}) at TP={shards} is not supported: a rank takes "
+                            f"rows of {site.hf_names[part]} from several places")
+    for part, a, b in pieces:
+        first = shard * (site.part_rows[part] // shards)
+        out.append((part, a - first, b - first))
+    return out
 
 
 def _param(shape, dtype, device, *, tensor_parallel: int | None, expert: bool, sequence_parallel: bool) -> nn.Parameter:

@@ -25,7 +25,8 @@ from megatron_patch.errors import UserError
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.mapping import LayerKind, Rule, Scope, split_context
-from megatron_patch.models.mapping.splits import Column, GateUp, GroupedQKV, Replicated, Row
+from megatron_patch.models.mapping.splits import (
+    Column, GateUp, GroupedQKV, InterleavedGateUp, Replicated, Row, RowPieces, TransposedRow)
 from megatron_patch.models.registry import get_family
 from megatron_patch.models.shape import RankParam, chunk_layers, layer_kind
 
@@ -125,9 +126,9 @@ def site_split(site: Site, spec_name: str):
 
 def split_mode(split) -> str:
     """How a layer whose weight is cut by ``split`` is parallel."""
-    if isinstance(split, (Column, GroupedQKV, GateUp)):
+    if isinstance(split, (Column, GroupedQKV, GateUp, InterleavedGateUp, RowPieces)):
         return COLUMN
-    if isinstance(split, Row):
+    if isinstance(split, (Row, TransposedRow)):
         return ROW
     if isinstance(split, Replicated):
         return WHOLE
@@ -153,17 +154,21 @@ def check_targets(arch: Arch, targets: tuple[str, ...]) -> None:
 
 
 def _applies(rule: Rule, arch: Arch, layer: int) -> bool:
+    if rule.attention is not None and rule.attention != arch.attention_type(layer):
+        return False  # a layer of another attention type (Qwen3-Next's full vs linear attention)
     return rule.layers is None or (rule.layers is LayerKind.MOE) == arch.is_moe_layer(layer)
 
 
 def hf_part_shapes(rule: Rule, arch: Arch, mcore_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The HF tensors' shapes a rule's full (TP=1) MCore weight of ``mcore_shape`` stands for: the split run
-    backwards on a shape-only tensor (as the skeleton derives every HF shape)."""
+    """The HF tensors' shapes a rule's full (TP=1) MCore weight of ``mcore_shape`` stands for, as a linear layer
+    sees them ([out, in]): the split run backwards on a shape-only tensor (as the skeleton derives every HF
+    shape), a weight stored transposed ([in, out]: gpt-oss's experts) read the other way round."""
     import torch
 
     if isinstance(rule.split, Replicated):
         return [tuple(mcore_shape)]
-    return [tuple(t.shape) for t in rule.split.merge([torch.empty(mcore_shape, device="meta")], split_context(arch))]
+    shapes = [tuple(t.shape) for t in rule.split.merge([torch.empty(mcore_shape, device="meta")], split_context(arch))]
+    return [s[::-1] for s in shapes] if rule.split.transposed else shapes
 
 
 def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:

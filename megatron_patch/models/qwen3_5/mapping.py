@@ -17,8 +17,11 @@ def _in_language_model(rule: Rule) -> Rule:
     def moved(name):
         return LANGUAGE_MODEL + name[len("model."):] if name.startswith("model.") else name
 
+    lora = rule.lora
+    if lora is not None and lora.hf_param is not None:  # the routed experts' stacked parameter, where peft adapts them
+        lora = dataclasses.replace(lora, hf_param=moved(lora.hf_param))
     return dataclasses.replace(rule, hf=tuple(moved(h) for h in rule.hf),
-                               tied_to=None if rule.tied_to is None else moved(rule.tied_to))
+                               tied_to=None if rule.tied_to is None else moved(rule.tied_to), lora=lora)
 
 
 def weight_rules(arch: Arch) -> list[Rule]:
@@ -27,6 +30,8 @@ def weight_rules(arch: Arch) -> list[Rule]:
         linear.num_value_heads
     in_proj = (("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"),
                ConcatPieces(((qk, qk, v), (v,), (heads,), (heads,))))
-    layer = full_attention_rules() + linear_attention_rules(arch, in_proj) + mlp_rules(arch)
+    # No LoRA on the input projection: its rows of in_proj_qkv reach a TP rank from three places, and an
+    # adapter's B is split in one contiguous block per rank (docs/lora.md).
+    layer = full_attention_rules() + linear_attention_rules(arch, in_proj, in_proj_lora=False) + mlp_rules(arch)
     rules = [_in_language_model(r) for r in embedding_and_head_rules() + layer]
     return rules + (mtp_rules(arch, layer) if arch.mtp_layers else [])
