@@ -64,7 +64,7 @@ def lora_models(tmp_path_factory):
 
 # --- quick: the adapter's layout and peft's rules -------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama3_1", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama3_1", "qwen2_moe", "deepseek_v3", "qwen3_next", "gpt_oss"])
 def test_peft_folder_round_trips_byte_for_byte(lora_models, family, tmp_path):
     """Reading a peft folder and writing it back gives peft's own tensors bit for bit, and a config peft reads
     into the same adapter (the stacked experts' A/B layout and nesting included)."""
@@ -210,6 +210,31 @@ def test_peft_dir_checkpoint_exports_the_same_adapter(lora_models, adapter, tmp_
     assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(out), "--lora-adapter"]) == 0
     a, b = load_file(src / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "gpt_oss"])
+def test_new_family_adapters_export_and_merge_as_peft(lora_models, family, tmp_path):
+    """Issue 23's families through the converter: hf2mcore --peft-dir, then --lora-adapter gives peft's tensors
+    back bit for bit (Qwen3.5's under the hub class's model.language_model. names), and --merge-lora gives
+    peft's merge_and_unload logits (gpt-oss: the transposed, interleaved experts; Qwen3-Next: the gated q rows
+    and the Gated DeltaNet's fused input projections)."""
+    from megatron_patch.cli import main
+    from safetensors.torch import load_file
+
+    hf, src = lora_models["hf"][family], lora_models["adapters"][family]
+    ckpt, out, merged = tmp_path / "ckpt", tmp_path / "out", tmp_path / "merged"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--peft-dir", str(src), "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(out), "--lora-adapter"]) == 0
+    a, b = load_file(src / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    if family == "qwen3_5":
+        a = {k.replace("model.model.layers.", "model.model.language_model.layers."): v for k, v in a.items()}
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(merged), "--merge-lora",
+                 "--quiet"]) == 0
+    tokens = random_tokens(200, batch=2, seq=16, seed=3)
+    ours, peft_merged = hf_logits(merged, tokens), peft_logits(hf, src, tokens, merged=True)
+    assert rel(ours, peft_merged) <= 1e-6 and rel(peft_merged, hf_logits(hf, tokens)) > 1e-2
 
 
 # --- quick: bad input, one line, exit 2 -----------------------------------------------------------------------

@@ -145,6 +145,21 @@ def family_targets(arch: Arch) -> tuple[str, ...]:
     return tuple(dict.fromkeys(r.lora.target for r in lora_rules(arch)))
 
 
+def target_modules(arch: Arch) -> dict[str, list[str]]:
+    """For each MP_LORA_TARGETS group of the model, the HF modules (relative to a decoder layer) that take its
+    adapters, as peft names them: ``target_modules``, or the stacked parameters peft reaches through
+    ``target_parameters`` (marked so). The docs' table of targets per family is made of it."""
+    out: dict[str, list[str]] = {}
+    for rule in lora_rules(arch):
+        if rule.lora.hf_param is not None:
+            names = [rule.lora.hf_param.rpartition(".layers.{layer}.")[2] + " (parameter)"]
+        else:
+            names = [h.rpartition(".layers.{layer}.")[2].removesuffix(".weight") for h in rule.hf]
+        group = out.setdefault(rule.lora.target, [])
+        group += [n for n in names if n not in group]
+    return out
+
+
 def check_targets(arch: Arch, targets: tuple[str, ...]) -> None:
     have = family_targets(arch)
     missing = [t for t in targets if t not in have]
