@@ -273,6 +273,16 @@ def test_adapter_for_another_base_is_refused(lora_models, tmp_path, capsys):
     assert rc == 2 and "made for another base model" in _one_line(err)
 
 
+def test_adapter_on_qwen3_5_deltanet_input_is_refused(lora_models, tmp_path, capsys):
+    """Qwen3.5's Gated DeltaNet input projections take no adapter (docs/lora.md): a peft adapter on them is
+    refused in one line that says so, not read as another model's."""
+    hf = lora_models["hf"]["qwen3_5"]
+    adapter = make_peft_adapter(hf, tmp_path / "peft", modules=["q_proj", "in_proj_qkv"], experts=False)
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "out"),
+                      "--peft-dir", str(adapter))
+    assert rc == 2 and "Gated DeltaNet input projections" in _one_line(err) and "in_proj_qkv" in _one_line(err)
+
+
 def test_merge_lora_of_a_checkpoint_without_adapters_is_refused(lora_models, tmp_path, capsys):
     ckpt = tmp_path / "plain"
     hf_to_mcore(lora_models["hf"]["llama3_1"], ckpt, ParallelLayout(), progress=False)

@@ -137,7 +137,15 @@ def split_mode(split) -> str:
 
 def lora_rules(arch: Arch) -> list[Rule]:
     """The family's rules that take adapters (multi-token-prediction layers never do)."""
-    return [r for r in get_family(arch.family).weight_rules(arch) if r.lora is not None and not r.mtp]
+    return [r for r in get_family(arch.family).weight_rules(arch)
+            if r.lora is not None and r.lora.unsupported is None and not r.mtp]
+
+
+def unsupported_modules(arch: Arch) -> dict[str, str]:
+    """HF module leaf names (``linear_attn.in_proj_qkv``) whose layer declines adapters -> why."""
+    return {h.rpartition(".layers.{layer}.")[2].removesuffix(".weight"): r.lora.unsupported
+            for r in get_family(arch.family).weight_rules(arch)
+            if r.lora is not None and r.lora.unsupported is not None for h in r.hf}
 
 
 def family_targets(arch: Arch) -> tuple[str, ...]:
