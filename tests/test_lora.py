@@ -433,9 +433,10 @@ def lora_bases(lora_models, tmp_path_factory):
     """Converted checkpoints of the tiny bases (what PRETRAIN_CHECKPOINT_PATH names), and a Qwen2-MoE base without
     the router's load-balancing loss (which peft's plain loop does not add) with its adapter."""
     root = tmp_path_factory.mktemp("bases")
-    hf = dict(lora_models["hf"])
+    # lazy like lora_models' own (a copy of those would hold only what earlier tests happened to make)
+    hf, adapters = _Lazy(lambda f: lora_models["hf"][f]), _Lazy(lambda f: lora_models["adapters"][f])
     hf["qwen2_moe_noaux"] = make_tiny_hf_checkpoint("qwen2_moe", root / "hf_moe", seed=2, router_aux_loss_coef=0.0)
-    adapters = {**lora_models["adapters"], "qwen2_moe_noaux": make_peft_adapter(hf["qwen2_moe_noaux"], root / "peft_moe")}
+    adapters["qwen2_moe_noaux"] = make_peft_adapter(hf["qwen2_moe_noaux"], root / "peft_moe")
     bases = {}
     for name in ("llama3_1", "qwen2_moe_noaux"):
         bases[name] = root / name
