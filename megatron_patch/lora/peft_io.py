@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_patch.errors import UserError
-from megatron_patch.lora.plan import PEFT_PREFIX, Site, plan_sites, stacked_depth, unsupported_modules
+from megatron_patch.lora.plan import PEFT_PREFIX, Site, plan_sites, stacked_depth
 from megatron_patch.lora.saved import saved_rules
 from megatron_patch.lora.spec import (
     ADAPTER_CONFIG,
@@ -200,9 +200,6 @@ def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec:
     for module in sorted(modules):
         if module in plain or module in {m for m, _ in depth_of}:
             continue
-        declined = next((why for m, why in unsupported_modules(arch).items() if module.endswith("." + m)), None)
-        if declined is not None:
-            raise UserError(f"{where}: has an adapter on {module}: {declined}")
         if module not in per_expert:
             raise UserError(f"{where}: has an adapter on {module}, which this {arch.family} model does not have as a "
                             f"LoRA target: the adapter was made for another base model (targets here: "

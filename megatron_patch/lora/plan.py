@@ -135,17 +135,26 @@ def split_mode(split) -> str:
     raise UserError(f"LoRA does not know how a layer split as {split} is parallel")
 
 
+def b_whole(split, part_rows: tuple[int, ...], ctx, n: int) -> bool:
+    """Whether the adapters' B of a column-parallel layer stay whole on every TP rank: a split described by row
+    pieces whose rank takes rows of an HF part from several places (Qwen3.5's in_proj_qkv: its q, k and v) has
+    no block per rank to keep (nor a checkpoint box); the rank then reads its rows from the whole B, and B's
+    gradient, each rank's rows of it, is summed over TP. Every other split: one contiguous block per rank."""
+    if not isinstance(split, RowPieces) or n == 1:
+        return False
+    pieces = split.pieces(ctx, n)
+    for k in range(n):
+        for part, rows in enumerate(part_rows):
+            mine = sorted((a, b) for p, a, b in pieces[k] if p == part)
+            per = rows // n
+            if mine[0][0] != k * per or mine[-1][1] != (k + 1) * per or any(x[1] != y[0] for x, y in zip(mine, mine[1:])):
+                return True
+    return False
+
+
 def lora_rules(arch: Arch) -> list[Rule]:
     """The family's rules that take adapters (multi-token-prediction layers never do)."""
-    return [r for r in get_family(arch.family).weight_rules(arch)
-            if r.lora is not None and r.lora.unsupported is None and not r.mtp]
-
-
-def unsupported_modules(arch: Arch) -> dict[str, str]:
-    """HF module leaf names (``linear_attn.in_proj_qkv``) whose layer declines adapters -> why."""
-    return {h.rpartition(".layers.{layer}.")[2].removesuffix(".weight"): r.lora.unsupported
-            for r in get_family(arch.family).weight_rules(arch)
-            if r.lora is not None and r.lora.unsupported is not None for h in r.hf}
+    return [r for r in get_family(arch.family).weight_rules(arch) if r.lora is not None and not r.mtp]
 
 
 def family_targets(arch: Arch) -> tuple[str, ...]:
@@ -282,8 +291,10 @@ def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_
         if s.layer not in layers or (s.expert is not None and s.expert >= per_rank):
             continue
         expert = s.expert is not None
-        mode = split_mode(site_split(s, spec_name))
+        split = site_split(s, spec_name)
+        mode = split_mode(split)
         n = (layout.expert_tp if expert else layout.tp) if mode in (COLUMN, ROW) else 1
+        b_n = 1 if b_whole(split, s.part_rows, split_context(arch), n) else n
         for k, a in enumerate(s.adapters):
             out.append(RankParam(f"lora.sites.{i}.a{k}", a.rank * (a.in_features // n if mode == ROW else a.in_features),
                                  expert))
@@ -292,6 +303,6 @@ def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_
             cover = s.covering(part)
             if cover is not None:
                 a = s.adapters[cover[0]]
-                out.append(RankParam(f"lora.sites.{i}.b{j}", a.rank * (rows // n if mode == COLUMN else rows), expert))
+                out.append(RankParam(f"lora.sites.{i}.b{j}", a.rank * (rows // b_n if mode == COLUMN else rows), expert))
                 j += 1
     return out

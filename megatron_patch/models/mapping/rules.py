@@ -41,9 +41,6 @@ class LoraSite:
 
     target: str
     hf_param: str | None = None
-    # Why this layer takes no adapter after all (an exactness the engine cannot keep yet): it is left out of
-    # the plan, and a peft adapter on its HF modules is refused in one line with this reason.
-    unsupported: str | None = None
 
     def __post_init__(self):
         if self.target not in LORA_TARGETS:

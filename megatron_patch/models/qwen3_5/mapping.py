@@ -7,15 +7,10 @@ import dataclasses
 
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.decoder import embedding_and_head_rules
-from megatron_patch.models.mapping import ConcatPieces, LoraSite, Rule
+from megatron_patch.models.mapping import ConcatPieces, Rule
 from megatron_patch.models.qwen3_next.mapping import full_attention_rules, linear_attention_rules, mlp_rules, mtp_rules
 
 LANGUAGE_MODEL = "model.language_model."
-# A TP rank's rows of in_proj_qkv are three pieces of it (its q, k and v), while an adapter's B is split, and
-# checkpointed, as one contiguous block per rank.
-NO_IN_PROJ_LORA = LoraSite("qkv", unsupported=(
-    "LoRA on Qwen3.5's Gated DeltaNet input projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) is not "
-    "supported: adapt the full-attention layers, out_proj and the MLPs (docs/lora.md)"))
 
 
 def _in_language_model(rule: Rule) -> Rule:
@@ -35,6 +30,6 @@ def weight_rules(arch: Arch) -> list[Rule]:
         linear.num_value_heads
     in_proj = (("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight"),
                ConcatPieces(((qk, qk, v), (v,), (heads,), (heads,))))
-    layer = full_attention_rules() + linear_attention_rules(arch, in_proj, NO_IN_PROJ_LORA) + mlp_rules(arch)
+    layer = full_attention_rules() + linear_attention_rules(arch, in_proj) + mlp_rules(arch)
     rules = [_in_language_model(r) for r in embedding_and_head_rules() + layer]
     return rules + (mtp_rules(arch, layer) if arch.mtp_layers else [])

@@ -34,15 +34,13 @@ def conv_split(arch: Arch) -> Split:
     return ConcatPieces(((qk, qk, v),))
 
 
-def linear_attention_rules(arch: Arch, in_proj: tuple[tuple[str, ...], Split],
-                           in_proj_lora: LoraSite = LoraSite("qkv")) -> list[Rule]:
+def linear_attention_rules(arch: Arch, in_proj: tuple[tuple[str, ...], Split]) -> list[Rule]:
     """A Gated DeltaNet layer; ``in_proj``: its HF input projections (relative to linear_attn) and their split.
     Its input and output projections take LoRA adapters as the attention's ``qkv`` and ``proj``."""
     linear, names = LINEAR_ATTENTION, tuple(f"{LINEAR}.{n}" for n in in_proj[0])
     return [
         Rule(f"{MC_ATTN}.in_proj.layer_norm_weight", f"{HF_LAYER}.input_layernorm.weight", REPLICATED, attention=linear),
-        Rule(f"{MC_ATTN}.in_proj.weight", names, in_proj[1], attention=linear,
-             lora=in_proj_lora),
+        Rule(f"{MC_ATTN}.in_proj.weight", names, in_proj[1], attention=linear, lora=LoraSite("qkv")),
         Rule(f"{MC_ATTN}.conv1d.weight", f"{LINEAR}.conv1d.weight", conv_split(arch), attention=linear),
         Rule(f"{MC_ATTN}.dt_bias", f"{LINEAR}.dt_bias", COLUMN, attention=linear),
         Rule(f"{MC_ATTN}.A_log", f"{LINEAR}.A_log", COLUMN, attention=linear),
