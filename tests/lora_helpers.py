@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
-# Leaf names of every module the families adapt (attention, MLA's projections, dense and shared-expert MLPs).
+# Leaf names of every module the families adapt (attention, MLA's projections, the Gated DeltaNet's projections
+# of Qwen3-Next and Qwen3.5, dense and shared-expert MLPs).
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
-                "kv_a_proj_with_mqa", "kv_b_proj", "wq_b", "wk", "weights_proj")
+                "kv_a_proj_with_mqa", "kv_b_proj", "wq_b", "wk", "weights_proj", "in_proj_qkvz", "in_proj_ba",
+                "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
@@ -49,6 +51,12 @@ def peft_modules(model, modules=None) -> list[str]:
     leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     skip = peft_reinterpreted(model.config.model_type)
     return [m for m in (modules or PEFT_MODULES) if m in leaves and m not in skip]
+
+
+def as_text_class(tensors: dict) -> dict:
+    """An exported adapter's tensors named as peft names them on the text-only class: Qwen3.5's exports name the
+    language model as its hub class does (``model.language_model.``), AutoModelForCausalLM has it at ``model.``."""
+    return {k.replace("base_model.model.model.language_model.", "base_model.model.model."): v for k, v in tensors.items()}
 
 
 def peft_logits(hf_dir, adapter, tokens, merged: bool = False) -> torch.Tensor:

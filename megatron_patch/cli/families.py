@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from megatron_patch.lora.plan import target_modules
 from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.models.shape import model_shapes
 from megatron_patch.training.launcher_args import arg_names
@@ -33,7 +34,8 @@ def family_rows(*, with_params: bool = False) -> list[dict]:
 
 
 def markdown(table: str) -> str:
-    """``models``: what each family is and claims; ``launchers``: each launcher's arguments and sizes."""
+    """``models``: what each family is and claims; ``launchers``: each launcher's arguments and sizes;
+    ``lora``: the HF modules each MP_LORA_TARGETS group adapts, per family (its tiny model's)."""
     rows = family_rows()
     if table == "models":
         lines = ["| family | Hugging Face `model_type` | architectures | what |", "| --- | --- | --- | --- |"]
@@ -43,6 +45,14 @@ def markdown(table: str) -> str:
         lines = ["| launcher | arguments | model sizes (MODEL_SIZE) |", "| --- | --- | --- |"]
         lines += [f"| `{r['launcher']}` | {r['arguments']}" + (f" ({r['after_cp']} after CP)" if r["after_cp"] else "")
                   + f" | {', '.join(f'`{s}`' for s in r['sizes'])} |" for r in rows]
+    elif table == "lora":
+        targets = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")
+        lines = ["| family | " + " | ".join(f"`{t}`" for t in targets) + " |", "| --- |" + " --- |" * len(targets)]
+        for name, f in families().items():
+            have = target_modules(parse_arch(f.tiny_config))
+            lines.append(f"| `{name}` | " + " | ".join(
+                "<br>".join(f"`{m.removesuffix(' (parameter)')}`" + (" (parameter)" if m.endswith(" (parameter)") else "")
+                            for m in have[t]) if t in have else "-" for t in targets) + " |")
     else:
         raise ValueError(f"unknown table {table!r}")
     return "\n".join(lines) + "\n"

@@ -21,6 +21,7 @@ from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.checkpoint import mcore_to_hf
 from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.convert.outputs import atomic_output_dir
+from megatron_patch.convert.stacked import StackedView
 from megatron_patch.dtypes import dtype_name, precision_dtype
 from megatron_patch.errors import UserError
 from megatron_patch.lora.peft_io import read_peft_adapter, write_peft_adapter
@@ -29,7 +30,7 @@ from megatron_patch.lora.saved import saved_rules
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.lora.state import check_adapter_keys, find_base, read_adapter_tensors
 from megatron_patch.models.mapping import plan_transfers, split_context
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.models.skeleton import describe_model
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -177,15 +178,16 @@ def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str |
             else:
                 path.rename(tmp / path.name)
         staged.rmdir()
-        merged = _merge_in_place(tmp, sites, spec, tensors, saved)
+        merged = _merge_in_place(tmp, arch, sites, spec, tensors, saved)
         print(f"merged {merged} adapted weight(s) in float32", file=sys.stderr, flush=True)
     return Path(save_dir)
 
 
-def _merge_in_place(folder: Path, sites, spec: LoraSpec, tensors: dict, saved: dict) -> int:
+def _merge_in_place(folder: Path, arch, sites, spec: LoraSpec, tensors: dict, saved: dict) -> int:
     import torch
 
-    reader = HFCheckpointReader(folder)
+    # stacked experts (gpt-oss) read and written as the table's members: each one's bytes within its stack
+    reader = StackedView(HFCheckpointReader(folder), get_family(arch.family).hf_stacked(arch))
     count = 0
 
     def rewrite(name: str, tensor) -> None:
@@ -207,7 +209,8 @@ def _merge_in_place(folder: Path, sites, spec: LoraSpec, tensors: dict, saved: d
             rows = site.part_rows[part]
             b = tensors[a.key_b][first:first + rows].float()
             weight = reader.get(hf_name).float()
-            weight += spec.scaling(a.rank, a.alpha) * (b @ tensors[a.key_a].float())
+            delta = spec.scaling(a.rank, a.alpha) * (b @ tensors[a.key_a].float())
+            weight += delta.t() if site.rule.split.transposed else delta  # gpt-oss's experts: stored [in, out]
             rewrite(hf_name, weight)
             count += 1
     for name, tensor in saved.items():

@@ -34,12 +34,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_patch.errors import UserError
-from megatron_patch.lora.plan import COLUMN, ROW, WHOLE, Site, site_split, split_mode
+from megatron_patch.lora.plan import COLUMN, ROW, WHOLE, Site, b_whole, site_split, split_mode
 from megatron_patch.lora.saved import saved_mcore_names
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.models.builder import model_spec_name
 from megatron_patch.models.mapping import SplitContext, split_context
 from megatron_patch.models.mapping.naming import local_to_te_names, te_to_local_name
+from megatron_patch.models.mapping.splits import RowPieces
 
 # megatron-core is imported inside the functions that use it, so that in a rank it loads after
 # init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
@@ -89,6 +90,14 @@ class SiteAdapters(nn.Module):
         # the layer's split cuts this rank's fused rows from the per-part rows: with the local head counts
         self.ctx = SplitContext(ctx.num_heads // shards, ctx.num_kv_heads // shards, ctx.head_dim, ctx.vocab_size,
                                 ctx.padded_vocab_size) if mode == COLUMN else ctx
+        # A split described by row pieces (Qwen3-Next's gated QKV, the Gated DeltaNet's input projections): this
+        # rank's fused rows are its pieces of the whole split, each read from the rank's block of its part, or
+        # from the whole B where the rank's rows of a part are not one block (``plan.b_whole``).
+        self.b_whole = mode == COLUMN and b_whole(split, site.part_rows, ctx, shards)
+        self.pieces = None
+        if isinstance(split, RowPieces):
+            block = [0 if self.b_whole else shard * (rows // shards) for rows in site.part_rows]  # the B block's first row
+            self.pieces = [(p, a - block[p], b - block[p]) for p, a, b in split.pieces(ctx, shards)[shard]]
         # Parameters of this module itself (not of a ParameterList inside it): DDP's forward pre-hook, which
         # waits for an overlapped parameter all-gather, looks at the parameters of the module being called.
         self.A: list[nn.Parameter] = []
@@ -108,9 +117,9 @@ class SiteAdapters(nn.Module):
             i, _ = cover
             self.b_of_part.append(len(self.B))
             self.b_adapter.append(i)
-            local = rows // shards if mode == COLUMN else rows
+            local = rows // shards if mode == COLUMN and not self.b_whole else rows
             self.B.append(_param((local, site.adapters[i].rank), dtype, device,
-                                 tensor_parallel=0 if mode == COLUMN else None, expert=expert,
+                                 tensor_parallel=0 if mode == COLUMN and not self.b_whole else None, expert=expert,
                                  sequence_parallel=self.sequence_parallel and mode == WHOLE))
             self.register_parameter(f"b{len(self.B) - 1}", self.B[-1])
         self._columns = [0]
@@ -130,7 +139,7 @@ class SiteAdapters(nn.Module):
         """Rows of this rank's block of ``part`` within its adapter's whole B."""
         i, first = self.site.covering(part)
         rows = self.site.part_rows[part]
-        if self.mode == COLUMN:
+        if self.mode == COLUMN and not self.b_whole:
             per = rows // self.shards
             return slice(first + self.shard * per, first + (self.shard + 1) * per), slice(None)
         return slice(first, first + rows), slice(None)
@@ -177,14 +186,21 @@ class SiteAdapters(nn.Module):
         width = self._columns[-1]
         blocks = []
         for part, rows in enumerate(self.site.part_rows):
-            local = rows // self.shards if self.mode == COLUMN else rows
+            local = rows // self.shards if self.mode == COLUMN and not self.b_whole else rows
             j = self.b_of_part[part]
             if j is None:
                 blocks.append(self.B[0].new_zeros(local, width) if len(self.B) else None)
                 continue
             i = self.b_adapter[j]
-            b = self._factor(self.B[j], self.mode != COLUMN) * self.scalings[i]
+            b = self.B[j]
+            if self.b_whole:  # each rank uses its rows of the whole B: its gradient's rows summed over TP
+                b = _SumGradOver.apply(b, self._group())
+            b = self._factor(b, self.mode != COLUMN) * self.scalings[i]
             blocks.append(F.pad(b, (self._columns[i], width - self._columns[i + 1])))
+        if self.pieces is not None:
+            return torch.cat([blocks[p][a:b] for p, a, b in self.pieces], 0)
+        if self.split.transposed:  # the split cuts an HF [in, out] tensor (gpt-oss's interleaved gate/up)
+            return self.split.shards([b.t() for b in blocks], 1, self.ctx)[0]
         if len(blocks) == 1:
             return blocks[0]
         return self.split.shards(blocks, 1, self.ctx)[0]

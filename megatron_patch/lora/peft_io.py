@@ -74,6 +74,7 @@ def read_peft_adapter(folder: str | Path, arch: Arch, shape=None) -> tuple[LoraS
                             "LoRA variants are not supported)")
         else:
             saved[key] = tensor
+    lora, saved = _language_model_names(lora, every), _language_model_names(saved, every)
     config_params = read_adapter_config(folder).get("target_parameters") or []
     adapters, modules = _match_adapters(lora, every, arch, str(weights), spec, config_params)
     targets = tuple(t for t in LORA_TARGETS
@@ -81,6 +82,24 @@ def read_peft_adapter(folder: str | Path, arch: Arch, shape=None) -> tuple[LoraS
     spec = _final_spec(spec, modules, targets)
     _check_saved(spec, saved, arch, str(weights))
     return spec, adapters, saved
+
+
+LANGUAGE_MODEL = "model.language_model."
+
+
+def _language_model_names(found: dict, every: list[Site]) -> dict:
+    """peft names modules as the class it wrapped has them. A multimodal hub checkpoint's language model
+    (Qwen3.5) sits at ``model.language_model.`` in the hub's class, the names the weight table and exports
+    use, and at ``model.`` in the text-only class AutoModelForCausalLM builds: an adapter of either is read."""
+    names = {n for s in every for n in s.hf_names} | {a.name for s in every for a in s.adapters}
+    if not names or not all(n.startswith(LANGUAGE_MODEL) for n in names):
+        return found
+
+    def moved(name: str) -> str:
+        text_class = name.startswith("model.") and not name.startswith((LANGUAGE_MODEL, "model.visual."))
+        return LANGUAGE_MODEL + name[len("model."):] if text_class else name
+
+    return {((moved(k[0]),) + k[1:] if isinstance(k, tuple) else moved(k)): v for k, v in found.items()}
 
 
 def _final_spec(spec: LoraSpec, modules: dict, targets: tuple[str, ...]) -> LoraSpec:

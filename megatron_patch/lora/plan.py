@@ -25,7 +25,8 @@ from megatron_patch.errors import UserError
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.mapping import LayerKind, Rule, Scope, split_context
-from megatron_patch.models.mapping.splits import Column, GateUp, GroupedQKV, Replicated, Row
+from megatron_patch.models.mapping.splits import (
+    Column, GateUp, GroupedQKV, InterleavedGateUp, Replicated, Row, RowPieces, TransposedRow)
 from megatron_patch.models.registry import get_family
 from megatron_patch.models.shape import RankParam, chunk_layers, layer_kind
 
@@ -125,13 +126,30 @@ def site_split(site: Site, spec_name: str):
 
 def split_mode(split) -> str:
     """How a layer whose weight is cut by ``split`` is parallel."""
-    if isinstance(split, (Column, GroupedQKV, GateUp)):
+    if isinstance(split, (Column, GroupedQKV, GateUp, InterleavedGateUp, RowPieces)):
         return COLUMN
-    if isinstance(split, Row):
+    if isinstance(split, (Row, TransposedRow)):
         return ROW
     if isinstance(split, Replicated):
         return WHOLE
     raise UserError(f"LoRA does not know how a layer split as {split} is parallel")
+
+
+def b_whole(split, part_rows: tuple[int, ...], ctx, n: int) -> bool:
+    """Whether the adapters' B of a column-parallel layer stay whole on every TP rank: a split described by row
+    pieces whose rank takes rows of an HF part from several places (Qwen3.5's in_proj_qkv: its q, k and v) has
+    no block per rank to keep (nor a checkpoint box); the rank then reads its rows from the whole B, and B's
+    gradient, each rank's rows of it, is summed over TP. Every other split: one contiguous block per rank."""
+    if not isinstance(split, RowPieces) or n == 1:
+        return False
+    pieces = split.pieces(ctx, n)
+    for k in range(n):
+        for part, rows in enumerate(part_rows):
+            mine = sorted((a, b) for p, a, b in pieces[k] if p == part)
+            per = rows // n
+            if mine[0][0] != k * per or mine[-1][1] != (k + 1) * per or any(x[1] != y[0] for x, y in zip(mine, mine[1:])):
+                return True
+    return False
 
 
 def lora_rules(arch: Arch) -> list[Rule]:
@@ -144,6 +162,21 @@ def family_targets(arch: Arch) -> tuple[str, ...]:
     return tuple(dict.fromkeys(r.lora.target for r in lora_rules(arch)))
 
 
+def target_modules(arch: Arch) -> dict[str, list[str]]:
+    """For each MP_LORA_TARGETS group of the model, the HF modules (relative to a decoder layer) that take its
+    adapters, as peft names them: ``target_modules``, or the stacked parameters peft reaches through
+    ``target_parameters`` (marked so). The docs' table of targets per family is made of it."""
+    out: dict[str, list[str]] = {}
+    for rule in lora_rules(arch):
+        if rule.lora.hf_param is not None:
+            names = [rule.lora.hf_param.rpartition(".layers.{layer}.")[2] + " (parameter)"]
+        else:
+            names = [h.rpartition(".layers.{layer}.")[2].removesuffix(".weight") for h in rule.hf]
+        group = out.setdefault(rule.lora.target, [])
+        group += [n for n in names if n not in group]
+    return out
+
+
 def check_targets(arch: Arch, targets: tuple[str, ...]) -> None:
     have = family_targets(arch)
     missing = [t for t in targets if t not in have]
@@ -153,17 +186,21 @@ def check_targets(arch: Arch, targets: tuple[str, ...]) -> None:
 
 
 def _applies(rule: Rule, arch: Arch, layer: int) -> bool:
+    if rule.attention is not None and rule.attention != arch.attention_type(layer):
+        return False  # a layer of another attention type (Qwen3-Next's full vs linear attention)
     return rule.layers is None or (rule.layers is LayerKind.MOE) == arch.is_moe_layer(layer)
 
 
 def hf_part_shapes(rule: Rule, arch: Arch, mcore_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """The HF tensors' shapes a rule's full (TP=1) MCore weight of ``mcore_shape`` stands for: the split run
-    backwards on a shape-only tensor (as the skeleton derives every HF shape)."""
+    """The HF tensors' shapes a rule's full (TP=1) MCore weight of ``mcore_shape`` stands for, as a linear layer
+    sees them ([out, in]): the split run backwards on a shape-only tensor (as the skeleton derives every HF
+    shape), a weight stored transposed ([in, out]: gpt-oss's experts) read the other way round."""
     import torch
 
     if isinstance(rule.split, Replicated):
         return [tuple(mcore_shape)]
-    return [tuple(t.shape) for t in rule.split.merge([torch.empty(mcore_shape, device="meta")], split_context(arch))]
+    shapes = [tuple(t.shape) for t in rule.split.merge([torch.empty(mcore_shape, device="meta")], split_context(arch))]
+    return [s[::-1] for s in shapes] if rule.split.transposed else shapes
 
 
 def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
@@ -254,8 +291,10 @@ def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_
         if s.layer not in layers or (s.expert is not None and s.expert >= per_rank):
             continue
         expert = s.expert is not None
-        mode = split_mode(site_split(s, spec_name))
+        split = site_split(s, spec_name)
+        mode = split_mode(split)
         n = (layout.expert_tp if expert else layout.tp) if mode in (COLUMN, ROW) else 1
+        b_n = 1 if b_whole(split, s.part_rows, split_context(arch), n) else n
         for k, a in enumerate(s.adapters):
             out.append(RankParam(f"lora.sites.{i}.a{k}", a.rank * (a.in_features // n if mode == ROW else a.in_features),
                                  expert))
@@ -264,6 +303,6 @@ def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_
             cover = s.covering(part)
             if cover is not None:
                 a = s.adapters[cover[0]]
-                out.append(RankParam(f"lora.sites.{i}.b{j}", a.rank * (rows // n if mode == COLUMN else rows), expert))
+                out.append(RankParam(f"lora.sites.{i}.b{j}", a.rank * (rows // b_n if mode == COLUMN else rows), expert))
                 j += 1
     return out

@@ -167,7 +167,7 @@ def adapter_sharded_state(chunk, container) -> dict:
             total = a.shape_b[0]
             if total % local or rows.start % local:
                 raise UserError(f"{a.key_b}: a block of {local} rows at {rows.start} does not tile its {total} rows")
-            replica = 0 if sa.mode == "column" else sa.group_rank
+            replica = 0 if sa.mode == "column" and not sa.b_whole else sa.group_rank
             out[names[id(p)]] = ShardedTensor.from_rank_offsets(
                 a.key_b, p, (0, rows.start // local, total // local), replica_id=(replica, dp))
     trainable = {id(p) for p in chunk.parameters() if p.requires_grad} - {id(p) for p in container.parameters()}

@@ -6,7 +6,7 @@ biases): each expert's slice is a member of the stacked tensor (``models/mapping
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.decoder import HF_LAYER, MC_LAYER, attention_rules, embedding_and_head_rules
 from megatron_patch.models.mapping import (
-    COLUMN, GATE_UP_INTERLEAVED, REPLICATED, ROW_TRANSPOSED, LayerKind, Rule, Scope)
+    COLUMN, GATE_UP_INTERLEAVED, REPLICATED, ROW_TRANSPOSED, LayerKind, LoraSite, Rule, Scope)
 from megatron_patch.models.mapping.stacks import Stacks, experts_stacks
 
 EXPERTS = f"{HF_LAYER}.mlp.experts"
@@ -23,9 +23,12 @@ def weight_rules(arch: Arch) -> list[Rule]:
              layers=moe),
         Rule(f"{MC_LAYER}.mlp.router.weight", f"{HF_LAYER}.mlp.router.weight", REPLICATED, layers=moe),
         Rule(f"{MC_LAYER}.mlp.router.bias", f"{HF_LAYER}.mlp.router.bias", REPLICATED, layers=moe),
-        Rule(f"{fc1}.weight{{expert}}", f"{expert}.gate_up_proj", GATE_UP_INTERLEAVED, Scope.EXPERT, layers=moe),
+        # LoRA as peft's target_parameters puts it on the stacked [E, in, out] tensors (transposed, interleaved)
+        Rule(f"{fc1}.weight{{expert}}", f"{expert}.gate_up_proj", GATE_UP_INTERLEAVED, Scope.EXPERT, layers=moe,
+             lora=LoraSite("experts", hf_param=f"{EXPERTS}.gate_up_proj")),
         Rule(f"{fc1}.bias{{expert}}", f"{expert}.gate_up_proj_bias", GATE_UP_INTERLEAVED, Scope.EXPERT, layers=moe),
-        Rule(f"{fc2}.weight{{expert}}", f"{expert}.down_proj", ROW_TRANSPOSED, Scope.EXPERT, layers=moe),
+        Rule(f"{fc2}.weight{{expert}}", f"{expert}.down_proj", ROW_TRANSPOSED, Scope.EXPERT, layers=moe,
+             lora=LoraSite("experts", hf_param=f"{EXPERTS}.down_proj")),
         # a row-parallel layer adds its whole bias once, after the reduction
         Rule(f"{fc2}.bias{{expert}}", f"{expert}.down_proj_bias", REPLICATED, Scope.EXPERT, layers=moe),
     ]

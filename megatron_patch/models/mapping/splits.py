@@ -47,6 +47,8 @@ class Block:
 
 class Split:
     name = "split"
+    # The HF tensor is stored transposed ([in, out]) from the linear layer's [out, in] (gpt-oss's experts).
+    transposed = False
 
     def blocks(self, shapes: list[tuple[int, ...]], n: int, ctx: SplitContext) -> list[list[Block]] | None:
         """For each of the ``n`` shards, the blocks of the HF tensors (of ``shapes``) it stacks on dim 0;
@@ -297,6 +299,7 @@ class InterleavedGateUp(Split):
     [2 x ffn] alike): de-interleaved into megatron-core's [gate; up] rows, then split as ``GateUp``."""
 
     name = "gate_up_interleaved"
+    transposed = True
 
     def shards(self, parts, n, ctx):
         t = parts[0].t() if parts[0].dim() == 2 else parts[0]
@@ -315,6 +318,7 @@ class TransposedRow(Split):
     [out, in], split on its input dimension."""
 
     name = "row_transposed"
+    transposed = True
 
     def shards(self, parts, n, ctx):
         return [c.t().contiguous() for c in _chunk(parts[0], n, 0)]

@@ -17,8 +17,11 @@ def _in_language_model(rule: Rule) -> Rule:
     def moved(name):
         return LANGUAGE_MODEL + name[len("model."):] if name.startswith("model.") else name
 
+    lora = rule.lora
+    if lora is not None and lora.hf_param is not None:  # the routed experts' stacked parameter, where peft adapts them
+        lora = dataclasses.replace(lora, hf_param=moved(lora.hf_param))
     return dataclasses.replace(rule, hf=tuple(moved(h) for h in rule.hf),
-                               tied_to=None if rule.tied_to is None else moved(rule.tied_to))
+                               tied_to=None if rule.tied_to is None else moved(rule.tied_to), lora=lora)
 
 
 def weight_rules(arch: Arch) -> list[Rule]:

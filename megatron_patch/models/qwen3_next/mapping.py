@@ -9,7 +9,7 @@ from megatron_patch.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, Arch
 from megatron_patch.models.decoder import (
     HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules, moe_rules, shared_expert_rules)
 from megatron_patch.models.mapping import (
-    COLUMN, QKV_GATED, REPLICATED, ROW, ConcatPieces, GroupedDeltaNetInput, Rule, Split)
+    COLUMN, QKV_GATED, REPLICATED, ROW, ConcatPieces, GroupedDeltaNetInput, LoraSite, Rule, Split)
 from megatron_patch.models.mtp import MTP_LAYER
 
 ATTN, LINEAR, MC_ATTN = f"{HF_LAYER}.self_attn", f"{HF_LAYER}.linear_attn", f"{MC_LAYER}.self_attention"
@@ -20,10 +20,10 @@ def full_attention_rules() -> list[Rule]:
     return [
         Rule(f"{MC_ATTN}.linear_qkv.layer_norm_weight", f"{HF_LAYER}.input_layernorm.weight", REPLICATED, attention=full),
         Rule(f"{MC_ATTN}.linear_qkv.weight", (f"{ATTN}.q_proj.weight", f"{ATTN}.k_proj.weight", f"{ATTN}.v_proj.weight"),
-             QKV_GATED, attention=full),
+             QKV_GATED, attention=full, lora=LoraSite("qkv")),
         Rule(f"{MC_ATTN}.q_layernorm.weight", f"{ATTN}.q_norm.weight", REPLICATED, attention=full),
         Rule(f"{MC_ATTN}.k_layernorm.weight", f"{ATTN}.k_norm.weight", REPLICATED, attention=full),
-        Rule(f"{MC_ATTN}.linear_proj.weight", f"{ATTN}.o_proj.weight", ROW, attention=full),
+        Rule(f"{MC_ATTN}.linear_proj.weight", f"{ATTN}.o_proj.weight", ROW, attention=full, lora=LoraSite("proj")),
     ]
 
 
@@ -35,16 +35,17 @@ def conv_split(arch: Arch) -> Split:
 
 
 def linear_attention_rules(arch: Arch, in_proj: tuple[tuple[str, ...], Split]) -> list[Rule]:
-    """A Gated DeltaNet layer; ``in_proj``: its HF input projections (relative to linear_attn) and their split."""
+    """A Gated DeltaNet layer; ``in_proj``: its HF input projections (relative to linear_attn) and their split.
+    Its input and output projections take LoRA adapters as the attention's ``qkv`` and ``proj``."""
     linear, names = LINEAR_ATTENTION, tuple(f"{LINEAR}.{n}" for n in in_proj[0])
     return [
         Rule(f"{MC_ATTN}.in_proj.layer_norm_weight", f"{HF_LAYER}.input_layernorm.weight", REPLICATED, attention=linear),
-        Rule(f"{MC_ATTN}.in_proj.weight", names, in_proj[1], attention=linear),
+        Rule(f"{MC_ATTN}.in_proj.weight", names, in_proj[1], attention=linear, lora=LoraSite("qkv")),
         Rule(f"{MC_ATTN}.conv1d.weight", f"{LINEAR}.conv1d.weight", conv_split(arch), attention=linear),
         Rule(f"{MC_ATTN}.dt_bias", f"{LINEAR}.dt_bias", COLUMN, attention=linear),
         Rule(f"{MC_ATTN}.A_log", f"{LINEAR}.A_log", COLUMN, attention=linear),
         Rule(f"{MC_ATTN}.out_norm.weight", f"{LINEAR}.norm.weight", REPLICATED, attention=linear),
-        Rule(f"{MC_ATTN}.out_proj.weight", f"{LINEAR}.out_proj.weight", ROW, attention=linear),
+        Rule(f"{MC_ATTN}.out_proj.weight", f"{LINEAR}.out_proj.weight", ROW, attention=linear, lora=LoraSite("proj")),
     ]
 
 
