@@ -182,7 +182,7 @@ def test_trainable_parameters_equal_peft_for_the_same_targets_and_rank():
         raw = families()[family].tiny_config
         arch = parse_arch(raw)
         mlp = () if peft_reinterpreted(raw["model_type"]) else ("fc1", "fc2", "shared_experts")
-        targets = tuple(t for t in ("qkv", "proj", "experts") + mlp if t in _groups(arch))
+        targets = tuple(t for t in ("qkv", "proj", "experts", "indexer") + mlp if t in _groups(arch))
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
         peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=peft_modules(model),
                                                 target_parameters=STACKED if arch.is_moe else None))

@@ -208,10 +208,14 @@ def every_family():
 def test_every_family_builds_and_matches_with_sdpa(every_family):
     assert set(every_family) == set(families())
     for name, r in every_family.items():
-        assert r["built"] == {UNFUSED: UNFUSED, SDPA: SDPA}, name
+        # DeepSeek sparse attention is its own core attention, whichever is asked (unfused arithmetic, masked)
+        sparse = parse_arch(families()[name].tiny_config).sparse_attention is not None
+        assert r["built"] == {UNFUSED: UNFUSED, SDPA: UNFUSED if sparse else SDPA}, name
         assert r["fp32"] < 1e-6, (name, r)  # bit-close: the fp32 parity floor holds with either attention
         # bf16 against fp32: SDPA within the unfused attention's own rounding error
-        assert r["bf16_sdpa"] < 2e-2 and r["bf16_sdpa"] <= 1.25 * r["bf16_unfused"], (name, r)
+        # (a sparse-attention model builds the same module both ways; its bf16 key selections flip on near-ties,
+        # which the alignment verdict judges: test_sparse_attention.py)
+        assert (sparse or r["bf16_sdpa"] < 2e-2) and r["bf16_sdpa"] <= 1.25 * r["bf16_unfused"], (name, r)
 
 
 @pytest.mark.slow
