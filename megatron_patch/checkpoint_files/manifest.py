@@ -197,7 +197,6 @@ class BackgroundCheck:
     in the page cache): ``result()`` waits and raises what it found."""
 
     def __init__(self, path: Path):
-
         self.path = path
         # The files whose every byte it checks (resolved): a reader needs no other check of them.
         self.files = frozenset((path.parent / name).resolve() for name in read_manifest(path)["files"])

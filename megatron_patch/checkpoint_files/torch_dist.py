@@ -364,7 +364,6 @@ class TorchDistReader:
         return stored
 
     def _scratch_file(self, data, shape: tuple[int, ...], dtype: str) -> Stored:
-
         f = tempfile.TemporaryFile(prefix="mpatch-chunk-")
         f.write(memoryview(data).cast("B"))
         f.flush()

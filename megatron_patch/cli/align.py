@@ -38,7 +38,6 @@ def command_line(args) -> str:
 
 
 def run(args) -> int:
-
     from megatron_patch.align.alignment import AlignSettings, run_alignment
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     settings = AlignSettings(

@@ -79,7 +79,6 @@ def run_mcore2hf(args) -> int:
 
 
 def _workers(text: str) -> int:
-
     try:
         n = int(text)
     except ValueError:

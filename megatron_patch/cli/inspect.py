@@ -9,7 +9,6 @@ from megatron_patch.convert.inspect import describe_checkpoint, format_summary
 
 
 def run_inspect(args) -> int:
-
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
     info = describe_checkpoint(args.dir, args.iteration)

@@ -9,7 +9,6 @@ from megatron_patch.training.preprocess import preprocess
 
 
 def run(args) -> int:
-
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
     report = preprocess(args.input, args.output_prefix, args.tokenizer, json_key=args.json_key, workers=args.workers,

@@ -653,7 +653,6 @@ def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored
 
 
 def _write_hf_config(folder: Path, hf_config: dict, dtype: str) -> None:
-
     config = dict(hf_config)
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
     for k in keys:

@@ -93,7 +93,6 @@ class Sidecar:
     def arch(self) -> Arch:
         """The model this checkpoint holds (its config, with the MTP layers it was converted with)."""
 
-
         arch = parse_arch(self.hf_config)
         # A checkpoint from another tool may pad the vocabulary otherwise than this project does.
         padded = self.padded_vocab_size if self.padded_vocab_size != arch.padded_vocab_size() else None

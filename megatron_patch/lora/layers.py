@@ -364,7 +364,6 @@ def _freeze(chunk, numbers: dict[int, int], trainable: set[str], spec_name: str)
 
 
 def _global(name: str, local_of_global: dict[int, int]) -> str:
-
     m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", name)
     return f"decoder.layers.{local_of_global[int(m.group(1))]}.{m.group(2)}" if m else name
 

@@ -162,7 +162,6 @@ def destroy() -> None:
 
 
 def free_port() -> int:
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -575,7 +575,6 @@ class Trainer:
 def train(cfg) -> dict:
     """Run on every rank (process group from RANK/WORLD_SIZE/MASTER_*)."""
 
-
     watchdog.set_phase("joining the job")
     init_model_parallel(cfg.layout, seed=cfg.seed, timeout_minutes=cfg.dist_timeout_min)
     watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.dist_timeout_min)

@@ -116,7 +116,6 @@ class HFTokenizer:
     """``tokenizers.Tokenizer`` from a folder's tokenizer.json; EOD and chat template from its config files."""
 
     def __init__(self, folder: Path):
-
         self.path = folder
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

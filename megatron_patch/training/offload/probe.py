@@ -59,7 +59,6 @@ class MemoryProbe:
 
 class CudaProbe(MemoryProbe):
     def __init__(self, capacity: int | None = None, cuda=None):
-
         self.cuda = cuda or torch.cuda  # injectable for tests of the arithmetic
         self.capacity = capacity or int(self.cuda.mem_get_info()[1])
         self._start = 0
