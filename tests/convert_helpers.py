@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_patch.checkpoint_files.torch_dist import plan_torch_dist
 from megatron_patch.cli import main
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.loading import load_checkpoint_into_model
@@ -121,3 +122,16 @@ def write_fp8_checkpoint(src: Path, out: Path, linear: tuple[str, ...], block) -
                                      "weight_block_size": list(block)}
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def write_torch_dist_chunks(folder, items, objects, values) -> None:
+    """A torch_dist checkpoint in ``folder`` holding ``items`` (ChunkItems) and ``objects``, each chunk's bytes
+    taken from ``values[(key, offset)]``, written with the project's own writer."""
+    plan = plan_torch_dist(folder, items, objects)
+    plan.create_files()
+    for (key, offset), v in values.items():
+        stored = plan.stored[(key, offset)]
+        with open(stored.path, "r+b") as f:
+            f.seek(stored.offset)
+            f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
+    plan.finish()

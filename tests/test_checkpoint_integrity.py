@@ -33,6 +33,7 @@ from megatron_patch.cli import main
 from megatron_patch.convert.bytemap import box_tiles
 from megatron_patch.errors import UserError
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from tests.convert_helpers import write_torch_dist_chunks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "torch215_tp2pp2"
 
@@ -157,14 +158,7 @@ def _write_chunked(folder: Path, tensors: dict[str, torch.Tensor], cuts: dict[st
             offset, size = tuple(a for a, _ in box), tuple(b - a for a, b in box)
             items.append(ChunkItem(key, tuple(t.shape), offset, size, str(t.dtype)[6:]))
             values[(key, offset)] = t[tuple(slice(a, b) for a, b in box)]
-    plan = plan_torch_dist(folder, items, [])
-    plan.create_files()
-    for (key, offset), v in values.items():
-        s = plan.stored[(key, offset)]
-        with open(s.path, "r+b") as f:
-            f.seek(s.offset)
-            f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
-    plan.finish()
+    write_torch_dist_chunks(folder, items, [], values)
 
 
 @st.composite

@@ -19,6 +19,7 @@ from megatron_patch.models import derived_skeleton as ds
 from megatron_patch.models.mapping import plan_transfers, split_context
 from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.runtime import ParallelLayout
+from tests.convert_helpers import write_torch_dist_chunks
 
 FAMILIES = sorted(families())
 
@@ -498,7 +499,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
-    from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
+    from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
     from megatron_patch.convert.copier import Copier
     from megatron_patch.convert.hf_reader import HFCheckpointReader
@@ -536,14 +537,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
                 values[(key, o)] = full[key][tuple(slice(a, a + b) for a, b in zip(o, s))]
     shutil.rmtree(release)
     (td / MANIFEST_NAME).unlink()
-    plan = plan_torch_dist(release, chunks, objects)
-    plan.create_files()
-    for (key, o), v in values.items():
-        stored = plan.stored[(key, o)]
-        with open(stored.path, "r+b") as f:
-            f.seek(stored.offset)
-            f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
-    plan.finish()
+    write_torch_dist_chunks(release, chunks, objects, values)
     assert len(TorchDistReader(release).tensors["decoder.layers.self_attention.linear_qkv.weight"].chunks) == 8
 
     for ckpt in (legacy, td):
