@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from megatron_patch.checkpoint_files.allowlist import UnsafePickle, is_allowed
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, write_manifest
 from megatron_patch.checkpoint_files.safe_torch import (
-    SafeFileSystemReader, load_refusing, load_torch_file, read_dcp_metadata, safe_dist_load)
+    SafeFileSystemReader, _AllowListUnpickler, load_refusing, load_torch_file, read_dcp_metadata, safe_dist_load)
 from megatron_patch.cli import main
 from megatron_patch.checkpoint_files.pickles import loads
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
@@ -239,3 +239,32 @@ def test_training_refuses_poisoned_pretrained_weights_and_resume_state(checkpoin
     _poison_torch_save(rng, marker)
     second = launch(args)
     assert second.returncode == 2 and f"{rng}: refused" in second.stderr, second.stderr[-2000:]
+
+
+def _enum_by_name_pickle(module: str, cls: str, name: str) -> bytes:
+    """A protocol-2 pickle of ``getattr(module.cls, name)``, as Python 3.11.0-3.11.4 write an enum member."""
+    return (b"\x80\x02c__builtin__\ngetattr\n" + f"c{module}\n{cls}\n".encode() + pickle.dumps(name, protocol=2)[2:-1]
+            + b"\x86R.")
+
+
+def test_an_enum_member_pickled_by_name_is_read_and_no_other_getattr():
+    """Python 3.11 before 3.11.5 pickles enum members as getattr(EnumClass, "NAME"): torch's and megatron-core's
+    files written there name builtins.getattr. The reader that builds objects takes exactly that use and refuses
+    a getattr on an allowed class that is not an enum, or a name that is not a member; the inert reader gives records."""
+    from megatron.core.enums import ModelType
+
+    member = _enum_by_name_pickle("megatron.core.enums", "ModelType", "encoder_or_decoder")
+    assert _AllowListUnpickler(member, "m").load() is ModelType.encoder_or_decoder
+    inert = loads(member, where="m")
+    assert inert.qualname == "megatron.core.enums.ModelType" and inert.state == {"_name_": "encoder_or_decoder"}
+    for module, cls, name in [("argparse", "Namespace", "__init__"), ("megatron.core.enums", "ModelType", "mro"),
+                              ("megatron.core.enums", "ModelType", "__class__")]:
+        bad = _enum_by_name_pickle(module, cls, name)
+        with pytest.raises(UnsafePickle, match="getattr"):
+            _AllowListUnpickler(bad, "m").load()
+        # the inert reader cannot tell an enum's record from another class's: it gives an inert record, never
+        # the attribute (nothing it returns can be called)
+        got = loads(bad, where="m")
+        assert type(got).__mro__[1].__name__ == "Record" and got.state == {"_name_": name} and not callable(got)
+    with pytest.raises(UnsafePickle, match="getattr"):
+        loads(_enum_by_name_pickle("megatron.core.enums", "ModelType", "not a name"), where="m")

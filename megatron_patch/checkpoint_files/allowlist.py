@@ -14,6 +14,7 @@ torch's tensor/storage rebuilders and dtypes, numpy's array reconstruction (RNG 
 from __future__ import annotations
 
 import _compat_pickle
+import enum
 
 from megatron_patch.errors import UserError
 
@@ -71,6 +72,30 @@ TORCH_STORAGES = frozenset({
 
 class UnsafePickle(UserError):
     """A checkpoint pickle names a global outside the allow-list."""
+
+
+# Python 3.11 up to 3.11.4 pickles an enum member as ``getattr(EnumClass, "NAME")`` (other releases call
+# ``EnumClass(value)``), so torch's and megatron-core's files written there name ``builtins.getattr``. Only
+# that use is read: the class must be an allow-listed Enum (or the inert record of one) and the name one of
+# its members; any other getattr is refused.
+ENUM_BY_NAME = ("builtins", "getattr")
+
+
+def enum_by_name(where: str, record_type: type):
+    """What a safe unpickler gives for ``builtins.getattr``: a member of an allow-listed enum by its name
+    (``record_type``: the inert records an unpickler builds for classes it does not import)."""
+    def member(cls, name):
+        if isinstance(cls, type) and isinstance(name, str):
+            if issubclass(cls, enum.Enum) and name in cls.__members__:
+                return cls.__members__[name]
+            if issubclass(cls, record_type) and name.isidentifier():
+                record = cls()
+                record.state = {"_name_": name}
+                return record
+        raise UnsafePickle(f"{where}: refused: its pickle calls getattr({cls!r:.60}, {name!r:.40}), which is not "
+                           "an enum member by name and could run code on loading (docs/security.md); do not use "
+                           "this file")
+    return member
 
 
 def canonical(module: str, name: str) -> tuple[str, str]:

@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_patch.checkpoint_files.allowlist import canonical, check
+from megatron_patch.checkpoint_files.allowlist import ENUM_BY_NAME, canonical, check, enum_by_name
 
 
 @dataclass(frozen=True)
@@ -257,6 +257,8 @@ class SafeUnpickler(pickle.Unpickler):
         self._classes: dict = {}
 
     def find_class(self, module: str, name: str):
+        if canonical(module, name) == ENUM_BY_NAME:
+            return enum_by_name(self.where, Record)
         check(module, name, self.where)
         module, name = canonical(module, name)
         if (module, name) in self._SAFE:

@@ -32,9 +32,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorProperties
 
-from megatron_patch.checkpoint_files.allowlist import ALLOWED, UnsafePickle, canonical, check, refuse
+from megatron_patch.checkpoint_files.allowlist import ALLOWED, ENUM_BY_NAME, UnsafePickle, canonical, check, enum_by_name, refuse
 from megatron_patch.checkpoint_files.pickles import loads as parse_inert
-from megatron_patch.checkpoint_files.pickles import record_class
+from megatron_patch.checkpoint_files.pickles import Record, record_class
 from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex
 from megatron_patch.errors import UserError
@@ -49,6 +49,8 @@ class _AllowListUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module: str, name: str):
+        if canonical(module, name) == ENUM_BY_NAME:
+            return enum_by_name(self.where, Record)
         check(module, name, self.where)
         module, name = canonical(module, name)
         if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
