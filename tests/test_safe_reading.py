@@ -242,13 +242,13 @@ def test_training_refuses_poisoned_pretrained_weights_and_resume_state(checkpoin
 
 
 def _enum_by_name_pickle(module: str, cls: str, name: str) -> bytes:
-    """A protocol-2 pickle of ``getattr(module.cls, name)``, as Python 3.11.0-3.11.4 write an enum member."""
+    """A protocol-2 pickle of ``getattr(module.cls, name)``, as some Python 3.11 releases (3.11.2) write an enum member."""
     return (b"\x80\x02c__builtin__\ngetattr\n" + f"c{module}\n{cls}\n".encode() + pickle.dumps(name, protocol=2)[2:-1]
             + b"\x86R.")
 
 
 def test_an_enum_member_pickled_by_name_is_read_and_no_other_getattr():
-    """Python 3.11 before 3.11.5 pickles enum members as getattr(EnumClass, "NAME"): torch's and megatron-core's
+    """Some Python 3.11 releases (3.11.2; not 3.11.7) pickle enum members as getattr(EnumClass, "NAME"): torch's and megatron-core's
     files written there name builtins.getattr. The reader that builds objects takes exactly that use and refuses
     a getattr on an allowed class that is not an enum, or a name that is not a member; the inert reader gives records."""
     from megatron.core.enums import ModelType
