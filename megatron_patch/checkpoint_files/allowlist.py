@@ -74,10 +74,10 @@ class UnsafePickle(UserError):
     """A checkpoint pickle names a global outside the allow-list."""
 
 
-# Some Python 3.11 releases (3.11.2 here; 3.11.7 does not) pickle an enum member as ``getattr(EnumClass, "NAME")`` (other releases call
-# ``EnumClass(value)``), so torch's and megatron-core's files written there name ``builtins.getattr``. Only
-# that use is read: the class must be an allow-listed Enum (or the inert record of one) and the name one of
-# its members; any other getattr is refused.
+# Some Python 3.11 releases (3.11.2 here; 3.11.7 does not) pickle an enum member as
+# ``getattr(EnumClass, "NAME")`` (others call ``EnumClass(value)``), so torch's and megatron-core's files written
+# there name ``builtins.getattr``. Only that use is read: the class must be an allow-listed Enum (or the inert
+# record of one) and the name one of its members; any other getattr is refused.
 ENUM_BY_NAME = ("builtins", "getattr")
 
 
