@@ -43,6 +43,13 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _reader_gone() -> int:
+    """The reader went away (a pager quit, `| head`): nothing is wrong and nothing more can be said. stdout
+    is pointed at /dev/null so that the interpreter's final flush does not complain either."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every command: 0 success, 2 bad input (one line), 1 an internal error (one line; its traceback with
     MPATCH_DEBUG=1), 130 interrupted; align and parity: 1 is their negative verdict, 3 an internal error."""
@@ -51,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser(only=argv[0] if argv else None).parse_args(argv)
         command = args.command
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        # Output to a pipe is buffered: a reader gone by now fails this flush, caught here, not at exit.
+        sys.stdout.flush()
+        return code
     except UserError as exc:
         print(f"mpatch {command}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -59,10 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpatch {command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # The reader went away (a pager quit, `| head`): nothing is wrong and nothing more can be said.
-        # stdout is pointed at /dev/null so that the interpreter's final flush does not complain either.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+        return _reader_gone()
+    except SystemExit:  # argparse's --help and usage errors: their output is flushed here too
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            return _reader_gone()
+        raise
     except Exception as exc:  # noqa: BLE001 - the contract: one line, never a traceback unless asked for
         # A rank started by the training launcher keeps its traceback: the launcher prints the one line.
         if os.environ.get(DEBUG_VARIABLE) == "1" or "TORCHELASTIC_RUN_ID" in os.environ:
