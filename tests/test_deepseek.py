@@ -28,8 +28,9 @@ V2_LITE = dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"]
                routed_scaling_factor=2.0,
                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                              "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+# Moonlight's rms_norm_eps is 1e-5, while transformers' latent norms keep 1e-6: the parity checks both
 MOONLIGHT = dict(q_lora_rank=None, n_group=1, topk_group=1, routed_scaling_factor=2.446, rope_scaling=None,
-                 rope_theta=50000.0)
+                 rope_theta=50000.0, rms_norm_eps=1e-5)
 
 
 @pytest.fixture(scope="module")

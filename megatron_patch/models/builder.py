@@ -183,9 +183,12 @@ def _local_layer(spec, moe: bool, mla: bool, config, core_attention: str | None)
     attention = spec.submodules.self_attention
     submodules = dataclasses.replace(attention.submodules,
                                      core_attention=core_attention_class(core_attention, mla))
-    if mla and config.q_lora_rank is None:
-        from megatron_patch.models.local_attention import LocalMLASelfAttention
+    if mla:
+        from megatron_patch.models.local_attention import LatentRMSNorm, LocalMLASelfAttention
 
+        # transformers' latent norms keep epsilon 1e-6 whatever rms_norm_eps says (Moonlight, GLM-5: 1e-5)
+        submodules = dataclasses.replace(submodules, q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)
+    if mla and config.q_lora_rank is None:
         attention = dataclasses.replace(attention, module=LocalMLASelfAttention)
         submodules = dataclasses.replace(submodules, q_layernorm=None)
     attention = dataclasses.replace(attention, submodules=submodules)

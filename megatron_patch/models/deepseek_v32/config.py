@@ -111,11 +111,10 @@ def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str |
 
 
 def _with_sparse_attention(layer, attention):
-    from megatron_patch.models.local_attention import LatentRMSNorm
     from megatron_patch.models.spec_edits import submodules_of, with_submodules
 
-    self_attention = with_submodules(submodules_of(layer).self_attention, core_attention=attention,
-                                     q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)
+    # the latent norms are already transformers' (builder's local MLA layer: LatentRMSNorm)
+    self_attention = with_submodules(submodules_of(layer).self_attention, core_attention=attention)
     return with_submodules(layer, self_attention=self_attention)
 
 
