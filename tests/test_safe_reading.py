@@ -247,6 +247,24 @@ def _enum_by_name_pickle(module: str, cls: str, name: str) -> bytes:
             + b"\x86R.")
 
 
+def test_a_path_pickled_by_python_3_13_is_read_under_any_python():
+    """Python 3.13 moved pathlib's classes into pathlib._local, so megatron-core's files written there name
+    pathlib._local.PosixPath: both readers take it as pathlib.PosixPath, on every Python; the module's other
+    names stay refused."""
+    import pathlib
+
+    data = pickle.dumps(pathlib.PurePosixPath("/ckpt/iter_0000001"), protocol=2)
+    data = data.replace(b"cpathlib\nPurePosixPath\n", b"cpathlib._local\nPurePosixPath\n")
+    assert b"cpathlib._local\nPurePosixPath\n" in data
+    got = _AllowListUnpickler(data, "m").load()
+    assert type(got) is pathlib.PurePosixPath and str(got) == "/ckpt/iter_0000001"
+    assert loads(data, where="m") is not None
+    bad = data.replace(b"cpathlib._local\nPurePosixPath\n", b"cpathlib._local\n_abc\n")
+    for read in (lambda d: _AllowListUnpickler(d, "m").load(), lambda d: loads(d, where="m")):
+        with pytest.raises(UnsafePickle, match="pathlib._local._abc"):
+            read(bad)
+
+
 def test_an_enum_member_pickled_by_name_is_read_and_no_other_getattr():
     """Some Python 3.11 releases (3.11.2; not 3.11.7) pickle enum members as getattr(EnumClass, "NAME"): torch's and megatron-core's
     files written there name builtins.getattr. The reader that builds objects takes exactly that use and refuses

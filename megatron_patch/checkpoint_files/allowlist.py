@@ -98,11 +98,18 @@ def enum_by_name(where: str, record_type: type):
     return member
 
 
+# Python 3.13 moved pathlib's classes into ``pathlib._local`` (``pathlib`` re-exports them), so a pickle written
+# there names ``pathlib._local.PosixPath``: read under any Python as ``pathlib.PosixPath``, the same class.
+_MOVED_MODULES = {"pathlib._local": "pathlib"}
+
+
 def canonical(module: str, name: str) -> tuple[str, str]:
-    """The Python 3 name of a global a protocol-2 pickle spells the Python 2 way (``__builtin__.set``),
-    as pickle's own ``find_class`` maps it."""
+    """The one name of a global: the Python 3 name of one a protocol-2 pickle spells the Python 2 way
+    (``__builtin__.set``, as pickle's own ``find_class`` maps it), and the public module of one a newer
+    Python moved (``pathlib._local``)."""
     module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+    module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    return _MOVED_MODULES.get(module, module), name
 
 
 def is_allowed(module: str, name: str) -> bool:
