@@ -27,7 +27,11 @@ def test_gated_delta_rule_is_transformers_bit_for_bit(length):
     decay, beta = -torch.rand(2, length, 4, generator=g), torch.rand(2, length, 4, generator=g)
     for dtype in (torch.float32, torch.bfloat16):
         args = [t.to(dtype) for t in (q, k, v)] + [decay, beta.to(dtype)]
-        theirs = torch_chunk_gated_delta_rule(*args[:3], g=args[3], beta=args[4], use_qk_l2norm_in_kernel=True)[0]
+        # transformers' layer gives the function each key head repeated for its value heads (before 5.24 the
+        # function required it; 5.24 also takes them grouped)
+        q_rep, k_rep = (t.repeat_interleave(2, dim=2) for t in args[:2])
+        theirs = torch_chunk_gated_delta_rule(q_rep, k_rep, args[2], g=args[3], beta=args[4],
+                                              use_qk_l2norm_in_kernel=True)[0]
         assert torch.equal(chunked_gated_delta_rule(*args), theirs), dtype
 
 
