@@ -109,7 +109,11 @@ class Heartbeat:
         return out
 
     def stop(self) -> None:
+        """Stop beating and wait for a beat in flight: a daemon thread still inside the store's C++ client when
+        the interpreter exits can abort the process ("terminate called without an active exception")."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, min(60.0, self.timeout_s / 4)) + 1)  # the store's own timeout
 
 
 def start(rank: int, world: int, timeout_minutes: float) -> Heartbeat | None:

@@ -27,7 +27,7 @@ from megatron_patch.models import compiled_fusions
 from megatron_patch.models.builder import build_model_chunks
 from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime import device, init_model_parallel, watchdog
-from megatron_patch.runtime.distributed import move_to_device
+from megatron_patch.runtime.distributed import destroy, move_to_device
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import checkpointing, data, faults, packing, sparse_attention_run
 from megatron_patch.training.checkpointing import resume_iteration
@@ -588,4 +588,11 @@ def train(cfg) -> dict:
         initialize_tp_communicators(cfg, cfg.arch.hidden_size)
     trainer = Trainer(cfg)
     trainer.build()
-    return trainer.run()
+    result = trainer.run()
+    # Leave the job together and in order, heartbeat first: with the process group or a heartbeat still open
+    # when the interpreter exits, a rank of a two-node gloo job was once aborted after its last iteration.
+    watchdog.stop()
+    watchdog.set_phase("leaving the job")
+    dist.barrier()
+    destroy()
+    return result
