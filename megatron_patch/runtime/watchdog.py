@@ -49,6 +49,7 @@ class Heartbeat:
 
     def __init__(self, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.store_timeout_s = max(5.0, min(60.0, timeout_s / 4))  # one store call's limit
         # Ten beats per timeout, between 1 and 30 seconds apart: a rank silent for half the
         # timeout has missed at least five.
         self.interval = min(30.0, max(1.0, timeout_s / 10))
@@ -70,7 +71,7 @@ class Heartbeat:
         try:
             # A connection of its own: a blocking wait on the job's store elsewhere cannot delay a beat.
             self._store = dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False,
-                                        timeout=timedelta(seconds=max(5.0, min(60.0, self.timeout_s / 4))))
+                                        timeout=timedelta(seconds=self.store_timeout_s))
             self._beat()
         except Exception as exc:  # noqa: BLE001 - without heartbeats a timeout still fires, less explained
             print(f"note: rank {self.rank}: no heartbeat ({type(exc).__name__}: {exc}); a timeout will not name "
@@ -113,7 +114,7 @@ class Heartbeat:
         the interpreter exits can abort the process ("terminate called without an active exception")."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(5.0, min(60.0, self.timeout_s / 4)) + 1)  # the store's own timeout
+            self._thread.join(timeout=self.store_timeout_s + 1)
 
 
 def start(rank: int, world: int, timeout_minutes: float) -> Heartbeat | None:
