@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check-up, in phases that each fit one call on the lent GPU machine (docs/gpu.md gives the commands).
 #
-#   scripts/gpu_suite.sh [--phase 1|2|3|4|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...'] [--dry-run]
+#   scripts/gpu_suite.sh [--phase 1|2|3|4|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...']
+#                        [--budget SECONDS] [--dry-run]
 #
 # Phases (each installs and prepares what it needs, so each can start on a bare machine; a phase's step limits
 # add up to its budget, and no step starts once the budget is spent):
@@ -27,6 +28,11 @@
 # loudly, and the suite goes on; it exits 1 if any step failed. A step whose need this machine lacks is SKIPPED
 # with the reason and does not fail the suite.
 #
+# --budget SECONDS replaces each phase's budget, so that two phases fit one call on the lent machine (its 15
+# minutes of device time leave one call of about 8 minutes and a rerun: --phase 1 --budget 200, then --phase 2
+# --budget 240). A step still takes at most its own limit; the steps left when the budget is spent are FAILED
+# as not run.
+#
 # --dry-run (CPU, what CI runs): simulates the lent machine (one H100 of 78 GiB, python3, megatron-core's local spec,
 # no transformer-engine, only the wheels in --wheels), prints the plan and checks every step's command: launcher
 # arguments validate and fit the memory plan (MP_DRY_RUN), mpatch arguments parse, inputs exist, the gpu tests
@@ -46,6 +52,7 @@ WHEELS=""
 DRY=0
 PHASES="1 2 3 4"
 ONLY=""
+BUDGET_OVERRIDE=""
 SEQ="${GPU_SUITE_SEQ_LEN:-4096}"
 GBS="${GPU_SUITE_GBS:-4}"
 ITERS="${GPU_SUITE_ITERS:-6}"
@@ -63,6 +70,9 @@ while [ $# -gt 0 ]; do
     --work) WORK="${2:?}"; shift ;;
     --wheels) WHEELS="${2:?}"; shift ;;
     --only) ONLY="${2:?}"; shift ;;
+    --budget) [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] && [ "$2" -le 600 ] \
+                || { echo "gpu_suite.sh: --budget takes seconds from 1 to 600, got '${2:-}'" >&2; exit 2; }
+              BUDGET_OVERRIDE="$2"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_suite.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -334,7 +344,7 @@ echo "out: $OUT; work: $WORK; wheels: ${WHEELS:-none (pins from the package inde
 FAILED=0
 rm -f "$WORK/needs.tsv" "$WORK"/phase*/info.json
 for PHASE in $PHASES; do
-  BUDGET=${PHASE_BUDGET[$PHASE]}
+  BUDGET=${BUDGET_OVERRIDE:-${PHASE_BUDGET[$PHASE]}}
   PLANNED=0
   for s in "${STEPS[@]}"; do
     parse_step "$s"

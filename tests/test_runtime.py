@@ -372,6 +372,23 @@ def test_run_local_works_from_a_script_on_stdin():
     assert proc.returncode == 0 and "pid True" in proc.stdout, proc.stderr[-3000:]
 
 
+def test_run_local_spawns_its_ranks_where_a_cuda_device_is(monkeypatch):
+    """On the lent H100 every rank forked from the fork server failed at torch.cuda.set_device ("Cannot
+    re-initialize CUDA in forked subprocess"): where a CUDA device is, the ranks are spawned, and still run."""
+    import multiprocessing as mp
+
+    from megatron_patch.runtime import launch
+
+    monkeypatch.delenv("MP_LOCAL_START", raising=False)
+    monkeypatch.setattr(launch, "_cuda_present", lambda: False)
+    if "forkserver" in mp.get_all_start_methods():
+        assert launch._start_context().get_start_method() == "forkserver"
+    monkeypatch.setattr(launch, "_cuda_present", lambda: True)
+    assert launch._start_context().get_start_method() == "spawn"
+    pids = launch.run_local(os.getpid, 2, timeout=120)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+
+
 def test_run_local_reraises_a_ranks_user_error_as_itself():
     from megatron_patch.runtime.launch import run_local
     from tests.runtime_helpers import raise_user_error_on_rank_1

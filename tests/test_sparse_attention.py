@@ -37,6 +37,14 @@ def test_both_families_read_one_table_with_their_own_indexer_rope():
     assert ("model.layers.{layer}.self_attn.indexer.k_norm.bias",) in names
 
 
+@pytest.mark.parametrize("name", ["indexed_attention", "deepseek_sparse_attention"])
+def test_layer_types_as_each_transformers_release_writes_them(name):
+    """transformers 5.24 writes indexed_attention, 5.17 (the lent GPU machine's) deepseek_sparse_attention: the
+    GPU suite's parity refused every V3.2 and GLM-5 checkpoint that 5.17 had written."""
+    arch = parse_arch({**tiny_config("deepseek_v32"), "layer_types": [name] * 3})
+    assert arch.sparse_attention.topk == 8
+
+
 @pytest.mark.parametrize("over, fragment", [
     ({"indexer_types": ["full", "shared", "full"]}, "shared top-k"),
     ({"index_topk_freq": 2}, "index_topk_freq"),

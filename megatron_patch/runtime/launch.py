@@ -7,7 +7,7 @@ torch's own torchrun, run in this process, and its failures turned into one line
 for commands that need ranks for themselves (a parity check or an alignment at TP=2 from a single
 CLI process) and for the tests. ``fn`` must be importable (a module-level function), since the
 workers are started by a fork server (``rank_preload`` says why), or with "spawn" where
-``MP_LOCAL_START=spawn`` asks for a fresh interpreter per rank.
+``MP_LOCAL_START=spawn`` asks for a fresh interpreter per rank and on a machine with a CUDA device.
 """
 
 from __future__ import annotations
@@ -126,10 +126,21 @@ def _main_importable():
         main.__file__ = path
 
 
+def _cuda_present() -> bool:
+    """Whether this machine has a CUDA device, asked without initialising CUDA here (NVML's count)."""
+    import torch
+
+    return torch.cuda.device_count() > 0
+
+
 def _start_context():
     """The fork server (started on first use, kept for this process's life, ranks forked from it with
-    ``rank_preload`` imported), or "spawn" where asked for or where there is no fork server."""
-    if os.environ.get("MP_LOCAL_START") == "spawn" or "forkserver" not in mp.get_all_start_methods():
+    ``rank_preload`` imported), or "spawn" where asked for, where there is no fork server, or where a CUDA
+    device is. On the lent H100 every rank forked from the fork server failed at ``torch.cuda.set_device``
+    ("Cannot re-initialize CUDA in forked subprocess"): importing megatron-core 0.19 and transformers there
+    initialises CUDA in the server, and a forked child cannot use it again. A spawned rank starts clean."""
+    if (os.environ.get("MP_LOCAL_START") == "spawn" or "forkserver" not in mp.get_all_start_methods()
+            or _cuda_present()):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["megatron_patch.runtime.rank_preload"])

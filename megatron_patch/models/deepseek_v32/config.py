@@ -29,6 +29,9 @@ from megatron_patch.models.deepseek_v3 import config as v3
 
 DSA_TYPES = {"deepseek_v32": False, "glm_moe_dsa": True}  # model_type -> indexer RoPE on interleaved pairs
 INDEXED_ATTENTION = "indexed_attention"
+# What each transformers release writes into layer_types for a layer with the indexer: 5.24 "indexed_attention",
+# 5.17 (the lent GPU machine's) "deepseek_sparse_attention". Both mean the same layer.
+INDEXED_ATTENTION_NAMES = {INDEXED_ATTENTION, "deepseek_sparse_attention"}
 
 
 def as_v3(raw: dict) -> dict:
@@ -42,7 +45,7 @@ def as_v3(raw: dict) -> dict:
 def sparse_attention_of(raw: dict) -> SparseAttentionShape:
     layers = require(raw, "num_hidden_layers")
     types = raw.get("layer_types")
-    if types is not None and (len(types) != layers or set(types) != {INDEXED_ATTENTION}):
+    if types is not None and (len(types) != layers or not set(types) <= INDEXED_ATTENTION_NAMES):
         raise UserError(f"config.json layer_types must be {INDEXED_ATTENTION} for each of the {layers} layers: "
                         f"found {types}")
     shared = [i for i, t in enumerate(raw.get("indexer_types") or []) if t != "full"]
