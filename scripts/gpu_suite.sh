@@ -6,9 +6,10 @@
 #
 # Phases (each installs and prepares what it needs, so each can start on a bare machine; a phase's step limits
 # add up to its budget, and no step starts once the budget is spent):
-#   1 checks  (300 s)  install, info, prepare, parity (fp32, every family), align (bf16, every family; llama3_1
-#                      with the ablations), gpu-tests (pytest -m gpu; tests that need more GPUs skip themselves)
-#   2 speed   (300 s)  install, info, prepare (corpus, layers), bench-attention (SDPA vs unfused on this GPU),
+#   1 checks  (330 s)  install, info, prepare, parity (fp32, every family), align (bf16, GPU_SUITE_ALIGN_FAMILIES:
+#                      llama3_1 with the ablations and deepseek_v3), gpu-tests (pytest -m gpu; tests that need more
+#                      GPUs skip themselves)
+#   2 speed   (375 s)  install, info, prepare (corpus, layers), bench-attention (SDPA vs unfused on this GPU),
 #                      Llama-3.1-8B-shaped training (as many layers as fit, at most GPU_SUITE_LAYERS_CAP): bf16,
 #                      eager and compiled fusions (MP_COMPILE_FUSIONS), AC=full, OPTIMIZER_OFFLOAD: tokens/s,
 #                      TFLOP/s, MFU, peak memory
@@ -57,8 +58,13 @@ SEQ="${GPU_SUITE_SEQ_LEN:-4096}"
 GBS="${GPU_SUITE_GBS:-4}"
 ITERS="${GPU_SUITE_ITERS:-6}"
 LAYERS_CAP="${GPU_SUITE_LAYERS_CAP:-8}"
+# One dense and one MoE (multi-latent attention) family: each alignment is a start of its own ranks.
+ALIGN_FAMILIES="${GPU_SUITE_ALIGN_FAMILIES:-llama3_1 deepseek_v3}"
 # Seconds each phase may take at most: one call on the lent machine runs at most 10 minutes (docs/gpu.md).
-PHASE_BUDGET=([1]=300 [2]=300 [3]=360 [4]=150)
+# Sized from the first run on the lent H100 (2026-11-27, docs/performance.md): a Llama-8B-shaped training step
+# took 31-42 s (launch, spawned skeleton check, model build, 6 iterations), aligning deepseek_v3 50 s with the
+# step's own imports, bench-attention 40 s for its first two cases (each case is a spawned process there).
+PHASE_BUDGET=([1]=330 [2]=375 [3]=360 [4]=150)
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
@@ -109,14 +115,14 @@ STEPS=()
 for p in 1 2 3 4; do
   STEPS+=("install|$p|15|step_install||" "info|$p|10|step_info||")
 done
-STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|45|step_parity||mcore" "align|1|90|step_align||mcore"
-        "gpu-tests|1|110|step_gpu_tests||mcore"
-        "prepare|2|30|step_prepare|train|mcore" "bench-attention|2|40|step_bench_attention||mcore"
-        "train-bf16|2|45|step_train|bf16|bf16|false|sel|false||mcore"
-        "train-eager|2|35|step_train|eager|bf16|false|sel|false|MP_COMPILE_FUSIONS=false|mcore"
-        "train-compiled|2|50|step_train|compiled|bf16|false|sel|false|MP_COMPILE_FUSIONS=true|mcore,local"
-        "train-ac-full|2|35|step_train|ac-full|bf16|false|full|false|MP_AC_LAYERS=1|mcore"
-        "train-optimizer-offload|2|40|step_train|optimizer-offload|bf16|false|sel|0.25||mcore"
+STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|60|step_parity||mcore" "align|1|90|step_align||mcore"
+        "gpu-tests|1|125|step_gpu_tests||mcore"
+        "prepare|2|30|step_prepare|train|mcore" "bench-attention|2|60|step_bench_attention||mcore"
+        "train-bf16|2|50|step_train|bf16|bf16|false|sel|false||mcore"
+        "train-eager|2|45|step_train|eager|bf16|false|sel|false|MP_COMPILE_FUSIONS=false|mcore"
+        "train-compiled|2|55|step_train|compiled|bf16|false|sel|false|MP_COMPILE_FUSIONS=true|mcore,local"
+        "train-ac-full|2|50|step_train|ac-full|bf16|false|full|false|MP_AC_LAYERS=1|mcore"
+        "train-optimizer-offload|2|60|step_train|optimizer-offload|bf16|false|sel|0.25||mcore"
         "prepare|3|35|step_prepare|train|mcore,te"
         "train-fp8-delayed|3|50|step_train|fp8-delayed|fp8|false|sel|false|MP_FP8_RECIPE=delayed|mcore,te"
         "train-fp8-tensorwise|3|50|step_train|fp8-tensorwise|fp8|false|sel|false|MP_FP8_RECIPE=tensorwise|mcore,te"
@@ -188,14 +194,14 @@ step_parity() {
 step_align() {
   local f
   if [ "$DRY" = 1 ]; then
-    for f in $FAMILIES; do
+    for f in $ALIGN_FAMILIES; do
       dry_check "align-$f" align --hf-dir "$WORK/hf/$f" --dtype bf16 --report-dir "$RESULTS/align/$f" \
         $([ "$f" = llama3_1 ] && echo --ablate) || return 1
     done
     return 0
   fi
   rm -rf "$RESULTS/align"
-  helper align --work "$WORK" --out "$RESULTS/align" --ablate llama3_1
+  helper align --work "$WORK" --out "$RESULTS/align" --ablate llama3_1 --families $ALIGN_FAMILIES
 }
 
 step_bench_attention() {
@@ -203,7 +209,7 @@ step_bench_attention() {
     "$PYTHON" "$ROOT/scripts/bench_attention.py" --help >/dev/null && echo "arguments ok: scripts/bench_attention.py"
     return
   fi
-  "$PYTHON" "$ROOT/scripts/bench_attention.py" --device cuda --seq 2048,4096,8192 --dtype bf16 --repeat 5 \
+  "$PYTHON" "$ROOT/scripts/bench_attention.py" --device cuda --seq 4096,8192 --dtype bf16 --repeat 5 \
     --json "$RESULTS/bench_attention.json"
 }
 
@@ -316,7 +322,7 @@ run_step() {
     local t0; t0=$(date +%s)
     # Each step in its own process, under its time limit; exit 3 means skipped (feature absent here).
     timeout --kill-after=15 "$limit" bash -c "$(declare -f); $(declare -p DRY PYTHON ROOT HELPER RESULTS WORK LOGS \
-      WHEELS SITE PINS FAMILIES SEQ ITERS GBS LAYERS_CAP COLLECT STEPS PHASE PHASES ONLY 2>/dev/null); \
+      WHEELS SITE PINS FAMILIES ALIGN_FAMILIES SEQ ITERS GBS LAYERS_CAP COLLECT STEPS PHASE PHASES ONLY 2>/dev/null); \
       export PYTHONPATH PYTHONUNBUFFERED; $fn \"\$1\"" _ "$arg" >"$log" 2>&1
     rc=$?
     # what a step installed can change what later steps have

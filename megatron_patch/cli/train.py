@@ -221,7 +221,8 @@ def _launch(cfg, command: list[str], needed: dict) -> int:
             raise UserError(str(exc))
         print(f"mpatch train: error: {exc}", file=sys.stderr, flush=True)
         return exc.code
-    print(f"done: checkpoints in {cfg.checkpoint_dir}", flush=True)
+    print(f"done: checkpoints in {cfg.checkpoint_dir}" if cfg.save else "done (MP_SAVE=false: no checkpoint written)",
+          flush=True)
     return 0
 
 

@@ -137,8 +137,9 @@ def _start_context():
     """The fork server (started on first use, kept for this process's life, ranks forked from it with
     ``rank_preload`` imported), or "spawn" where asked for, where there is no fork server, or where a CUDA
     device is. On the lent H100 every rank forked from the fork server failed at ``torch.cuda.set_device``
-    ("Cannot re-initialize CUDA in forked subprocess"): importing megatron-core 0.19 and transformers there
-    initialises CUDA in the server, and a forked child cannot use it again. A spawned rank starts clean."""
+    ("Cannot re-initialize CUDA in forked subprocess"): the server's preload touched CUDA (most likely
+    ``cpu_compat``'s ``torch.cuda.is_available()``, whose device count arms torch's fork guard), and a child
+    forked after that cannot use CUDA. A spawned rank starts clean."""
     if (os.environ.get("MP_LOCAL_START") == "spawn" or "forkserver" not in mp.get_all_start_methods()
             or _cuda_present()):
         return mp.get_context("spawn")
