@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -77,6 +78,68 @@ def test_a_stale_lock_is_taken_over_saying_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"took over the lock of {target} left by pid {dead.pid}" in err and err.count("\n") == 1
     assert (target / "a").read_text() == "1" and not lock_path(target).exists()
+
+
+def _not_a_plain_file(kind: str, lock: Path, victim: Path) -> None:
+    """Put something that is not a plain file of its own at ``lock`` (``victim``: what a link leads to)."""
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "dangling symlink":  # O_CREAT through it would create the file it names
+        lock.symlink_to(victim.with_name("created-through-the-link"))
+    elif kind == "hard link":
+        os.link(victim, lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "folder":
+        lock.mkdir()
+    elif kind == "device":  # /dev/null's numbers: opening it writes nowhere, but it is no lock
+        try:
+            os.mknod(lock, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("mknod needs root (CAP_MKNOD), which this run lacks")
+
+
+@pytest.mark.parametrize("kind,said", [("symlink", "is a symlink (to"), ("dangling symlink", "is a symlink (to"),
+                                       ("hard link", "is a file with 2 names (hard links)"), ("fifo", "is a FIFO"),
+                                       ("folder", "is a folder"), ("device", "is a device")])
+def test_a_lock_that_is_not_a_plain_file_is_refused_and_nothing_is_written_through_it(kind, said, tmp_path):
+    """N2: the lock was opened without O_NOFOLLOW, and truncated and rewritten: a symlink at its name made every
+    writer overwrite the link's target with the lock's JSON."""
+    from megatron_patch.errors import UserError
+
+    target = tmp_path / "out"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    _not_a_plain_file(kind, lock_path(target), victim)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(UserError, match="not a plain file: mpatch's lock is always a plain file") as refused:
+        with atomic_dir(target, what="--save-dir") as tmp:
+            (tmp / "a").write_text("1")
+    assert str(refused.value).startswith(f"{lock_path(target)} {said}")
+    assert victim.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_ranks_folder_that_is_not_a_folder_is_refused(tmp_path):
+    """Through a symlinked ``.NAME.mpatch-lock.ranks``, the launcher's clean-up of ranks that are gone removed
+    every file no process held from wherever the link led, and the ranks marked themselves there."""
+    from megatron_patch.errors import UserError
+
+    out = tmp_path / "run"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("keep me")
+    ranks = tmp_path / ".run.mpatch-lock.ranks"
+    ranks.symlink_to(elsewhere)
+    for check in (live_ranks, register_rank):
+        with pytest.raises(UserError, match="is a symlink .*nothing was written through it"):
+            check(out)
+    assert [p.name for p in elsewhere.iterdir()] == ["notes.txt"] and (elsewhere / "notes.txt").read_text() == "keep me"
+    ranks.unlink()
+    ranks.mkdir()
+    os.mkfifo(ranks / "host.1")  # a mark that is not a plain file: no open of it, no removal
+    with pytest.raises(UserError, match="is a FIFO, not a plain file"):
+        live_ranks(out)
+    assert (ranks / "host.1").exists()
 
 
 def _live_rank(out: Path) -> subprocess.Popen:
@@ -184,6 +247,21 @@ def test_replaced_folder_is_removed_when_the_replace_completed(tmp_path, capsys)
         (tmp / "newer").write_text("newer")
     assert [p.name for p in target.iterdir()] == ["newer"] and not leftovers(target)
     assert "the previous out an earlier replace left behind" in capsys.readouterr().err
+
+
+def test_a_symlink_at_a_parked_name_is_removed_never_put_back(tmp_path, capsys):
+    """Only a folder parked by an interrupted replace is put back: a symlink at that name would have become the
+    output, leading wherever it pointed."""
+    from megatron_patch.outputs.folders import recover
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("keep me")
+    target = tmp_path / "out"
+    replaced_dir(target, pid=1).symlink_to(elsewhere)
+    recover(target)
+    assert not os.path.lexists(target) and not os.path.lexists(replaced_dir(target, pid=1))
+    assert (elsewhere / "notes.txt").read_text() == "keep me"
 
 
 def test_without_renameat2_flags_the_fallback_still_publishes(monkeypatch, tmp_path):

@@ -408,7 +408,10 @@ def _shared_partial_dir(final: Path, inner: str = "") -> Path:
         remove_stale_partials(final)
         tmp = partial_dir(final)
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / inner).mkdir(parents=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)  # the checkpoint folder, at the first save
+        tmp.mkdir()  # a new folder, never one found at the name (a symlink's target)
+        if inner:
+            (tmp / inner).mkdir()
         holder = [str(tmp)]
     dist.broadcast_object_list(holder, src=0)
     return Path(holder[0])
