@@ -33,7 +33,7 @@ print(f"model {hf}, tokenizer {tok}, corpus {work / 'corpus.jsonl'} ({len(texts)
 PY
 
 step "2/7 preprocess: JSONL -> mmap indexed data"
-mpatch preprocess --input "$WORK/corpus.jsonl" --output-prefix "$WORK/corpus" --tokenizer "$WORK/hf" --workers 2 --quiet
+mpatch preprocess --input "$WORK/corpus.jsonl" --output-prefix "$WORK/corpus" --tokenizer "$WORK/hf" --workers 2 --force --quiet
 
 step "3/7 convert HF -> Megatron-Core (torch_dist, TP=2)"
 mpatch convert hf2mcore --hf-dir "$WORK/hf" --save-dir "$WORK/mcore_tp2" --tp 2 --force --quiet

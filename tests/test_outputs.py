@@ -20,7 +20,7 @@ from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.outputs import renames
-from megatron_patch.outputs.folders import atomic_dir, replaced_dir
+from megatron_patch.outputs.folders import atomic_dir, partial_dir, replaced_dir
 from megatron_patch.outputs.lock import OutputLock, live_ranks, lock_path, register_rank
 from megatron_patch.runtime.distributed import ParallelLayout
 from tests.convert_helpers import leftovers, run_cli
@@ -390,8 +390,9 @@ def test_preprocess_takes_the_lock_and_leaves_a_manifest(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
     prefix = tmp_path / "p"
-    stale = Path(f"{prefix}_text_document.partial-1.bin")
-    stale.write_bytes(b"x")
+    stale = partial_dir(f"{prefix}_text_document", pid=1)  # a killed run's
+    stale.mkdir()
+    (stale / "p_text_document.bin").write_bytes(b"x")
     argv = ["preprocess", "--input", str(data), "--output-prefix", str(prefix), "--tokenizer", str(tok), "--quiet"]
     with OutputLock(f"{prefix}_text_document", "--output-prefix"):
         _one_line_error(*run_cli(capsys, *argv), "is being written by")
@@ -408,6 +409,33 @@ def test_align_report_dir_has_one_writer(hf, tmp_path, capsys):
     with OutputLock(report, "--report-dir"):
         rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(report), "--quiet")
     assert rc == 2 and "is being written by" in err and err.count("\n") == 1, err
+
+
+def test_preprocess_replaces_only_a_pair_its_manifest_lists(tmp_path, capsys):
+    """N3: a .bin/.idx pair mpatch never wrote was overwritten, and preprocess had no --force."""
+    from tests.training_helpers import make_tiktoken_file
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    tok = make_tiktoken_file(tmp_path / "tok.tiktoken", [])
+    prefix = tmp_path / "p"
+    argv = ["preprocess", "--input", str(data), "--tokenizer", str(tok), "--output-prefix", str(prefix), "--quiet"]
+    idx = tmp_path / "p_text_document.idx"
+    idx.write_bytes(b"someone's index")  # one file alone is not mpatch's either
+    _one_line_error(*run_cli(capsys, *argv, "--force"), "p_text_document.idx", "mpatch did not write it",
+                      "even with --force")
+    assert idx.read_bytes() == b"someone's index" and not (tmp_path / "p_text_document.bin").exists()
+    idx.unlink()
+    assert run_cli(capsys, *argv)[0] == 0
+    _one_line_error(*run_cli(capsys, *argv), "an earlier output of mpatch preprocess", "pass --force")
+    manifest = tmp_path / f"p_text_document.{MANIFEST_NAME}"
+    listed = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**listed, "files": {"p_text_document.bin": listed["files"]["p_text_document.bin"]}}))
+    _one_line_error(*run_cli(capsys, *argv, "--force"), "not the two files", "even with --force")
+    manifest.write_text(json.dumps(listed))
+    assert run_cli(capsys, *argv, "--force")[0] == 0 and run_cli(capsys, "verify", str(manifest))[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if "p_text_document" in p.name) == [
+        "p_text_document.bin", "p_text_document.idx", f"p_text_document.{MANIFEST_NAME}"]
 
 
 # --- a training run's OUTPUT_BASEPATH ----------------------------------------------------------------------------
