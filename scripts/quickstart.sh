@@ -40,7 +40,7 @@ mpatch convert hf2mcore --hf-dir "$WORK/hf" --save-dir "$WORK/mcore_tp2" --tp 2 
 
 step "4/7 alignment: HF vs the converted checkpoint"
 if mpatch align --help >/dev/null 2>&1; then
-  mpatch align --hf-dir "$WORK/hf" --mcore-dir "$WORK/mcore_tp2" --tp 2 --report-dir "$WORK/align" --quiet
+  mpatch align --hf-dir "$WORK/hf" --mcore-dir "$WORK/mcore_tp2" --tp 2 --report-dir "$WORK/align" --force --quiet
 else
   mpatch parity --hf-dir "$WORK/hf" --tp 2
 fi

@@ -411,6 +411,30 @@ def test_align_report_dir_has_one_writer(hf, tmp_path, capsys):
     assert rc == 2 and "is being written by" in err and err.count("\n") == 1, err
 
 
+def test_the_report_dir_is_checked_before_the_run_and_never_written_into(hf, tmp_path, capsys, monkeypatch):
+    """N4: align wrote its report into a folder the user had, over their report.md. N15: a --report-dir naming
+    a file was refused only after the whole run, as an internal error (exit 3). Both are refused now before
+    anything runs, --force or not."""
+    import megatron_patch.align.alignment as alignment
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the alignment ran before the report folder was checked")
+
+    monkeypatch.setattr(alignment, "run_alignment", no_run)
+    file = tmp_path / "report"
+    file.write_text("a file")
+    rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(file), "--quiet")
+    _one_line_error(rc, err, "exists and is not a folder", "--report-dir")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    for force in ([], ["--force"]):
+        rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(mine), "--quiet", *force)
+        _one_line_error(rc, err, str(mine), "--report-dir")
+    assert file.read_text() == "a file" and [p.name for p in mine.iterdir()] == ["report.md"]
+    assert (mine / "report.md").read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["mine", "report"]
+
+
 def test_preprocess_replaces_only_a_pair_its_manifest_lists(tmp_path, capsys):
     """N3: a .bin/.idx pair mpatch never wrote was overwritten, and preprocess had no --force."""
     from tests.training_helpers import make_tiktoken_file
