@@ -123,7 +123,7 @@ def prepare_corpus(work: Path) -> None:
     with open(work / "data" / "corpus.jsonl", "w") as f:
         for t in texts:
             f.write(json.dumps({"text": t}) + "\n")
-    preprocess(work / "data" / "corpus.jsonl", str(work / "data" / "corpus"), tok, progress=False)
+    preprocess(work / "data" / "corpus.jsonl", str(work / "data" / "corpus"), tok, progress=False, force=True)
 
 
 def dry_check(argv: list[str], env: dict) -> str:

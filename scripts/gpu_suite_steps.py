@@ -185,7 +185,7 @@ def prepare(args) -> int:
         with open(work / "data" / "corpus.jsonl", "w") as out:
             for t in texts:
                 out.write(json.dumps({"text": t}) + "\n")
-        preprocess(work / "data" / "corpus.jsonl", str(work / "data" / "corpus"), tok, progress=False)
+        preprocess(work / "data" / "corpus.jsonl", str(work / "data" / "corpus"), tok, progress=False, force=True)
         marker.write_text("corpus\n")
     print(f"corpus: {work / 'data' / 'corpus_text_document'}")
     if args.checkpoints:

@@ -33,14 +33,14 @@ print(f"model {hf}, tokenizer {tok}, corpus {work / 'corpus.jsonl'} ({len(texts)
 PY
 
 step "2/7 preprocess: JSONL -> mmap indexed data"
-mpatch preprocess --input "$WORK/corpus.jsonl" --output-prefix "$WORK/corpus" --tokenizer "$WORK/hf" --workers 2 --quiet
+mpatch preprocess --input "$WORK/corpus.jsonl" --output-prefix "$WORK/corpus" --tokenizer "$WORK/hf" --workers 2 --force --quiet
 
 step "3/7 convert HF -> Megatron-Core (torch_dist, TP=2)"
 mpatch convert hf2mcore --hf-dir "$WORK/hf" --save-dir "$WORK/mcore_tp2" --tp 2 --force --quiet
 
 step "4/7 alignment: HF vs the converted checkpoint"
 if mpatch align --help >/dev/null 2>&1; then
-  mpatch align --hf-dir "$WORK/hf" --mcore-dir "$WORK/mcore_tp2" --tp 2 --report-dir "$WORK/align" --quiet
+  mpatch align --hf-dir "$WORK/hf" --mcore-dir "$WORK/mcore_tp2" --tp 2 --report-dir "$WORK/align" --force --quiet
 else
   mpatch parity --hf-dir "$WORK/hf" --tp 2
 fi

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.outputs import renames
-from megatron_patch.outputs.folders import atomic_dir, replaced_dir
+from megatron_patch.outputs.folders import atomic_dir, partial_dir, replaced_dir
 from megatron_patch.outputs.lock import OutputLock, live_ranks, lock_path, register_rank
 from megatron_patch.runtime.distributed import ParallelLayout
 from tests.convert_helpers import leftovers, run_cli
@@ -77,6 +78,68 @@ def test_a_stale_lock_is_taken_over_saying_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"took over the lock of {target} left by pid {dead.pid}" in err and err.count("\n") == 1
     assert (target / "a").read_text() == "1" and not lock_path(target).exists()
+
+
+def _not_a_plain_file(kind: str, lock: Path, victim: Path) -> None:
+    """Put something that is not a plain file of its own at ``lock`` (``victim``: what a link leads to)."""
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "dangling symlink":  # O_CREAT through it would create the file it names
+        lock.symlink_to(victim.with_name("created-through-the-link"))
+    elif kind == "hard link":
+        os.link(victim, lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "folder":
+        lock.mkdir()
+    elif kind == "device":  # /dev/null's numbers: opening it writes nowhere, but it is no lock
+        try:
+            os.mknod(lock, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("mknod needs root (CAP_MKNOD), which this run lacks")
+
+
+@pytest.mark.parametrize("kind,said", [("symlink", "is a symlink (to"), ("dangling symlink", "is a symlink (to"),
+                                       ("hard link", "is a file with 2 names (hard links)"), ("fifo", "is a FIFO"),
+                                       ("folder", "is a folder"), ("device", "is a device")])
+def test_a_lock_that_is_not_a_plain_file_is_refused_and_nothing_is_written_through_it(kind, said, tmp_path):
+    """N2: the lock was opened without O_NOFOLLOW, and truncated and rewritten: a symlink at its name made every
+    writer overwrite the link's target with the lock's JSON."""
+    from megatron_patch.errors import UserError
+
+    target = tmp_path / "out"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    _not_a_plain_file(kind, lock_path(target), victim)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(UserError, match="not a plain file: mpatch's lock is always a plain file") as refused:
+        with atomic_dir(target, what="--save-dir") as tmp:
+            (tmp / "a").write_text("1")
+    assert str(refused.value).startswith(f"{lock_path(target)} {said}")
+    assert victim.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_ranks_folder_that_is_not_a_folder_is_refused(tmp_path):
+    """Through a symlinked ``.NAME.mpatch-lock.ranks``, the launcher's clean-up of ranks that are gone removed
+    every file no process held from wherever the link led, and the ranks marked themselves there."""
+    from megatron_patch.errors import UserError
+
+    out = tmp_path / "run"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("keep me")
+    ranks = tmp_path / ".run.mpatch-lock.ranks"
+    ranks.symlink_to(elsewhere)
+    for check in (live_ranks, register_rank):
+        with pytest.raises(UserError, match="is a symlink .*nothing was written through it"):
+            check(out)
+    assert [p.name for p in elsewhere.iterdir()] == ["notes.txt"] and (elsewhere / "notes.txt").read_text() == "keep me"
+    ranks.unlink()
+    ranks.mkdir()
+    os.mkfifo(ranks / "host.1")  # a mark that is not a plain file: no open of it, no removal
+    with pytest.raises(UserError, match="is a FIFO, not a plain file"):
+        live_ranks(out)
+    assert (ranks / "host.1").exists()
 
 
 def _live_rank(out: Path) -> subprocess.Popen:
@@ -184,6 +247,21 @@ def test_replaced_folder_is_removed_when_the_replace_completed(tmp_path, capsys)
         (tmp / "newer").write_text("newer")
     assert [p.name for p in target.iterdir()] == ["newer"] and not leftovers(target)
     assert "the previous out an earlier replace left behind" in capsys.readouterr().err
+
+
+def test_a_symlink_at_a_parked_name_is_removed_never_put_back(tmp_path, capsys):
+    """Only a folder parked by an interrupted replace is put back: a symlink at that name would have become the
+    output, leading wherever it pointed."""
+    from megatron_patch.outputs.folders import recover
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("keep me")
+    target = tmp_path / "out"
+    replaced_dir(target, pid=1).symlink_to(elsewhere)
+    recover(target)
+    assert not os.path.lexists(target) and not os.path.lexists(replaced_dir(target, pid=1))
+    assert (elsewhere / "notes.txt").read_text() == "keep me"
 
 
 def test_without_renameat2_flags_the_fallback_still_publishes(monkeypatch, tmp_path):
@@ -312,8 +390,9 @@ def test_preprocess_takes_the_lock_and_leaves_a_manifest(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
     prefix = tmp_path / "p"
-    stale = Path(f"{prefix}_text_document.partial-1.bin")
-    stale.write_bytes(b"x")
+    stale = partial_dir(f"{prefix}_text_document", pid=1)  # a killed run's
+    stale.mkdir()
+    (stale / "p_text_document.bin").write_bytes(b"x")
     argv = ["preprocess", "--input", str(data), "--output-prefix", str(prefix), "--tokenizer", str(tok), "--quiet"]
     with OutputLock(f"{prefix}_text_document", "--output-prefix"):
         _one_line_error(*run_cli(capsys, *argv), "is being written by")
@@ -330,6 +409,57 @@ def test_align_report_dir_has_one_writer(hf, tmp_path, capsys):
     with OutputLock(report, "--report-dir"):
         rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(report), "--quiet")
     assert rc == 2 and "is being written by" in err and err.count("\n") == 1, err
+
+
+def test_the_report_dir_is_checked_before_the_run_and_never_written_into(hf, tmp_path, capsys, monkeypatch):
+    """N4: align wrote its report into a folder the user had, over their report.md. N15: a --report-dir naming
+    a file was refused only after the whole run, as an internal error (exit 3). Both are refused now before
+    anything runs, --force or not."""
+    import megatron_patch.align.alignment as alignment
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the alignment ran before the report folder was checked")
+
+    monkeypatch.setattr(alignment, "run_alignment", no_run)
+    file = tmp_path / "report"
+    file.write_text("a file")
+    rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(file), "--quiet")
+    _one_line_error(rc, err, "exists and is not a folder", "--report-dir")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.md").write_text("my notes")
+    for force in ([], ["--force"]):
+        rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", str(mine), "--quiet", *force)
+        _one_line_error(rc, err, str(mine), "--report-dir")
+    assert file.read_text() == "a file" and [p.name for p in mine.iterdir()] == ["report.md"]
+    assert (mine / "report.md").read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["mine", "report"]
+
+
+def test_preprocess_replaces_only_a_pair_its_manifest_lists(tmp_path, capsys):
+    """N3: a .bin/.idx pair mpatch never wrote was overwritten, and preprocess had no --force."""
+    from tests.training_helpers import make_tiktoken_file
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    tok = make_tiktoken_file(tmp_path / "tok.tiktoken", [])
+    prefix = tmp_path / "p"
+    argv = ["preprocess", "--input", str(data), "--tokenizer", str(tok), "--output-prefix", str(prefix), "--quiet"]
+    idx = tmp_path / "p_text_document.idx"
+    idx.write_bytes(b"someone's index")  # one file alone is not mpatch's either
+    _one_line_error(*run_cli(capsys, *argv, "--force"), "p_text_document.idx", "mpatch did not write it",
+                      "even with --force")
+    assert idx.read_bytes() == b"someone's index" and not (tmp_path / "p_text_document.bin").exists()
+    idx.unlink()
+    assert run_cli(capsys, *argv)[0] == 0
+    _one_line_error(*run_cli(capsys, *argv), "an earlier output of mpatch preprocess", "pass --force")
+    manifest = tmp_path / f"p_text_document.{MANIFEST_NAME}"
+    listed = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**listed, "files": {"p_text_document.bin": listed["files"]["p_text_document.bin"]}}))
+    _one_line_error(*run_cli(capsys, *argv, "--force"), "not the two files", "even with --force")
+    manifest.write_text(json.dumps(listed))
+    assert run_cli(capsys, *argv, "--force")[0] == 0 and run_cli(capsys, "verify", str(manifest))[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if "p_text_document" in p.name) == [
+        "p_text_document.bin", "p_text_document.idx", f"p_text_document.{MANIFEST_NAME}"]
 
 
 # --- a training run's OUTPUT_BASEPATH ----------------------------------------------------------------------------

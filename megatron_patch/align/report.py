@@ -1,14 +1,13 @@
 """report.json (every number), report.md (verdict and tables) and error_by_layer.png.
 
-Files are written under temporary names and renamed into place, so a report folder never holds a
-half-written report next to a finished one.
+``mpatch align --report-dir`` writes them into a partial folder that is published whole (``cli/align.py``,
+docs/outputs.md), so a report folder never holds a half-written report.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -16,12 +15,7 @@ from pathlib import Path
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 PLOT_NAME = "error_by_layer.png"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+REPORT_FILES = ("report.json", "report.md", PLOT_NAME)
 
 
 def _fmt(x, spec=".2e") -> str:
@@ -81,10 +75,8 @@ def plot(result: dict, path: Path) -> None:
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def markdown(result: dict, command: str | None = None) -> str:
@@ -190,8 +182,8 @@ def write_report(result: dict, report_dir: str | Path, command: str | None = Non
     paths = {"json": folder / "report.json", "md": folder / "report.md", "png": folder / PLOT_NAME}
     plot(result, paths["png"])
     data = {**result, "command": command}
-    _atomic_write(paths["json"], (json.dumps(data, indent=1) + "\n").encode())
-    _atomic_write(paths["md"], markdown(result, command).encode())
+    paths["json"].write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    paths["md"].write_text(markdown(result, command), encoding="utf-8")
     return paths
 
 

@@ -7,10 +7,10 @@ import shlex
 import warnings
 from pathlib import Path
 
-from megatron_patch.align.report import print_summary, write_report
+from megatron_patch.align.report import PLOT_NAME, print_summary, write_report
 from megatron_patch.cli.common import add_layout_args, layout_from_args
+from megatron_patch.convert.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
-from megatron_patch.outputs.lock import OutputLock
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -33,7 +33,7 @@ def command_line(args) -> str:
         parts.append("--only-dtype")
     if args.ablate:
         parts.append("--ablate")
-    parts += ["--report-dir", args.report_dir]
+    parts += ["--report-dir", args.report_dir] + (["--force"] if args.force else [])
     return shlex.join(parts)
 
 
@@ -49,13 +49,18 @@ def run(args) -> int:
             Path(args.report_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"cannot create the folder of --report-dir {args.report_dir} ({exc.strerror or exc})")
-    # One writer per report folder, for the whole run (taken first: a second align into it fails at once).
-    with OutputLock(args.report_dir, "--report-dir") if args.report_dir else contextlib.nullcontext():
+    # The report folder is an output like any other (docs/outputs.md): its lock is taken and the folder checked
+    # (new, or an earlier report replaced with --force) before the run, and it is published whole at the end.
+    inputs = (args.hf_dir, args.mcore_dir, args.hf_dir_2, args.peft_dir, args.text_file)
+    with atomic_output_dir(args.report_dir, args.force, tool="mpatch align", inputs=inputs, what="--report-dir") \
+            if args.report_dir else contextlib.nullcontext() as partial:
         result = run_alignment(settings, log=None if not args.quiet else (lambda msg: None))
         print_summary(result)
-        if args.report_dir:
-            paths = write_report(result, args.report_dir, command_line(args))
-            print(f"report: {paths['md']} (+ report.json, {paths['png'].name})")
+        if partial is not None:
+            write_report(result, partial, command_line(args))
+    if args.report_dir:
+        report = Path(args.report_dir)
+        print(f"report: {report / 'report.md'} (+ report.json, {PLOT_NAME})")
     return 0 if result["verdict"]["aligned"] else 1
 
 
@@ -97,6 +102,10 @@ def register(subparsers) -> None:
                    help=f"bf16/fp16: allowed multiple of HF's own rounding error per point (default {DEFAULT_TOLERANCE:g})")
     p.add_argument("--ablate", action="store_true",
                    help="also run each known source of HF/MCore difference switched on and off")
-    p.add_argument("--report-dir", default=None, help="write report.json, report.md and error_by_layer.png here")
+    p.add_argument("--report-dir", default=None,
+                   help="write report.json, report.md and error_by_layer.png into this new folder (with a manifest)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the --report-dir of an earlier mpatch align; folders mpatch did not write are never "
+                        "replaced")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.set_defaults(run=run)

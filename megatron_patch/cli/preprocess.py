@@ -12,7 +12,8 @@ def run(args) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
     report = preprocess(args.input, args.output_prefix, args.tokenizer, json_key=args.json_key, workers=args.workers,
-                        append_eod=args.append_eod, strict=args.strict, progress=False if args.quiet else None)
+                        append_eod=args.append_eod, strict=args.strict, progress=False if args.quiet else None,
+                        force=args.force)
     for lineno, error in report.bad_lines[:20]:
         print(f"{args.input}:{lineno}: skipped: {error}", file=sys.stderr)
     if len(report.bad_lines) > 20:
@@ -38,5 +39,8 @@ def register(subparsers) -> None:
                    help="append the end-of-document token to each document (default)")
     p.add_argument("--no-append-eod", dest="append_eod", action="store_false", help="do not append it")
     p.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
+    p.add_argument("--force", action="store_true",
+                   help="replace an earlier output of mpatch preprocess at this prefix (its manifest lists both "
+                        "files); files mpatch did not write are never replaced")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)

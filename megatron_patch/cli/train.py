@@ -199,6 +199,9 @@ def _run_lock(cfg):
         if alive:
             raise UserError(f"ranks of an earlier run still write {out}: {', '.join(alive)}; wait for them to end or "
                             "stop them (kill PID), then rerun")
+        from megatron_patch.training.checkpointing import check_output_basepath
+
+        check_output_basepath(out)
         yield
 
 

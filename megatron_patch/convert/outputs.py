@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
+from megatron_patch.align.report import REPORT_FILES
 from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_files, write_manifest
 from megatron_patch.convert.hf_reader import contained
@@ -63,8 +64,8 @@ def replace_refusal(folder: Path) -> str | None:
     """Why ``--force`` must not replace ``folder`` (None: it is an earlier output of this project).
 
     Recognised: a folder whose manifest lists every file in it; or, from before the manifest existed, an
-    MCore checkpoint (its tracker file) or an HF export (config.json and safetensors) holding nothing
-    else at its top level."""
+    MCore checkpoint (its tracker file), an HF export (config.json and safetensors) or an align report
+    (report.json and report.md) holding nothing else at its top level."""
     manifest = manifest_of(folder)
     if manifest is not None:
         try:
@@ -80,9 +81,11 @@ def replace_refusal(folder: Path) -> str | None:
         kind, allowed = "an MCore checkpoint", _CHECKPOINT
     elif "config.json" in names and any(n.endswith(".safetensors") for n in names):
         kind, allowed = "an HF export", _HF_EXPORT
+    elif {"report.json", "report.md"} <= set(names):
+        kind, allowed = "an align report", REPORT_FILES
     else:
-        return ("is neither an output of mpatch (no mpatch_manifest.json) nor an MCore checkpoint or HF export "
-                f"(it holds {names[0]})")
+        return ("is neither an output of mpatch (no mpatch_manifest.json) nor an MCore checkpoint, HF export or "
+                f"align report (it holds {names[0]})")
     extra = [n for n in names if not any(fnmatch.fnmatch(n, pattern) for pattern in allowed)]
     if extra:
         return f"looks like {kind} but also holds {extra[0]}, which mpatch does not write"

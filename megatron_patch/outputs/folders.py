@@ -110,7 +110,8 @@ def _remove(path: Path) -> str | None:
 def recover(target: str | Path, log: Callable[[str], None] = _stderr, *, keep: Path | None = None) -> None:
     """What earlier runs left next to ``target`` (call with ``target``'s lock held): partial folders are
     removed, a previous output parked by an interrupted replace is restored or removed. ``keep``: a partial
-    folder of this run that must stay."""
+    folder of this run that must stay. A symlink at either name is removed as a link, never followed: only
+    a folder is put back."""
     target = Path(target)
     parent = target.parent
     if not parent.is_dir():
@@ -122,7 +123,7 @@ def recover(target: str | Path, log: Callable[[str], None] = _stderr, *, keep: P
         log(f"note: removed {p.name}, the unfinished output of an earlier run" if why is None else
             f"warning: could not remove {p}, the unfinished output of an earlier run ({why}): remove it by hand")
     for p in sorted(parent.glob(f".{glob_escape(target.name)}{REPLACED_TAG}*")):
-        if not os.path.lexists(target):
+        if not os.path.lexists(target) and p.is_dir() and not p.is_symlink():
             try:
                 rename_noreplace(p, target)
             except OSError as exc:

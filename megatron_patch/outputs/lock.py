@@ -9,16 +9,22 @@ liveness by PID. The file's content (pid, host, command, start time) only names 
 Training runs add the ranks: each rank holds a lock of its own in ``.NAME.mpatch-lock.ranks/`` for as long as
 it lives, so a new launcher can see ranks of an earlier run that outlived theirs (``live_ranks``) and
 refuse to start beside them, naming their PIDs.
+
+A lock is opened without following symlinks, and only ever as a plain file with no other name: the lock's
+content is truncated and rewritten, so a symlink, a hard link (to someone's file), a FIFO, a folder or a
+device at its name is refused in one line and left as it is; so is a ranks folder that is not a folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import shlex
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -52,10 +58,48 @@ def _read_owner(fd: int) -> dict:
     return info if isinstance(info, dict) else {}
 
 
+def _not_plain(path: Path, st: os.stat_result) -> UserError | None:
+    """The refusal of a lock file that is not a plain file of its own, or None."""
+    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:  # 0: its owner removed it meanwhile (``_try_flock`` retries)
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        kind = f"a symlink (to {os.readlink(path)})"
+    elif stat.S_ISREG(st.st_mode):
+        kind = f"a file with {st.st_nlink} names (hard links)"
+    else:
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a folder", stat.S_IFSOCK: "a socket"}.get(
+            stat.S_IFMT(st.st_mode), "a device")
+    return UserError(f"{path} is {kind}, not a plain file: mpatch's lock is always a plain file of its own, so "
+                     "something else put this there; nothing was written through it. Remove it and rerun")
+
+
+def _open_plain(path: Path) -> int:
+    """``path`` opened for reading and writing (created if need be), refused (``_not_plain``) unless it is a
+    plain file of its own. Checked before the open (opening a FIFO or a device can have effects of its own)
+    and again on what was opened, since the name can change in between."""
+    try:
+        refusal = _not_plain(path, os.lstat(path))
+    except FileNotFoundError:
+        refusal = None
+    if refusal is not None:
+        raise refusal
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # it changed into a symlink, folder or FIFO
+            raise _not_plain(path, os.lstat(path)) or exc
+        raise
+    refusal = _not_plain(path, os.fstat(fd))
+    if refusal is not None:
+        os.close(fd)
+        raise refusal
+    return fd
+
+
 def _try_flock(path: Path, *, shared: bool = False) -> tuple[int, bool]:
-    """(fd, locked) for ``path``, opened (created if need be) and, if free, locked."""
+    """(fd, locked) for ``path``, opened (created if need be; a plain file only) and, if free, locked."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open_plain(path)
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -132,11 +176,23 @@ def _ranks_dir(target: str | Path) -> Path:
     return target.parent / f".{target.name}{RANKS_SUFFIX}"
 
 
+def _check_ranks_dir(folder: Path) -> None:
+    """The ranks' folder must be a folder itself: through a symlink, the marks of ranks that are gone (every
+    file in it that no process holds) would be removed from wherever it leads."""
+    if folder.is_symlink() or not folder.is_dir():
+        kind = f"a symlink (to {os.readlink(folder)})" if folder.is_symlink() else "not a folder"
+        raise UserError(f"{folder} is {kind}: mpatch keeps the marks of a run's ranks in a folder of its own there, "
+                        "so something else put this there; nothing was written through it. Remove it and rerun")
+
+
 def register_rank(target: str | Path) -> int:
     """Mark this process as a rank writing ``target`` for as long as it lives (the returned descriptor holds
     the mark; the kernel drops it when the process ends)."""
     folder = _ranks_dir(target)
-    folder.mkdir(exist_ok=True)
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        _check_ranks_dir(folder)
     path = folder / f"{socket.gethostname()}.{os.getpid()}"
     fd, locked = _try_flock(path)
     if not locked:  # a PID reused on this host while an old holder's descriptor lives on elsewhere
@@ -149,8 +205,9 @@ def live_ranks(target: str | Path) -> list[str]:
     """'pid N on HOST' for every rank of an earlier run that still holds its mark on ``target``; the marks of
     ranks that are gone are removed."""
     folder = _ranks_dir(target)
-    if not folder.is_dir():
+    if not os.path.lexists(folder):
         return []
+    _check_ranks_dir(folder)
     alive = []
     for path in sorted(folder.iterdir()):
         try:

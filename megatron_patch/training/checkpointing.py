@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -51,6 +52,7 @@ from megatron_patch.checkpoint_files.manifest import (
     verify_manifest,
     write_manifest,
 )
+from megatron_patch.convert.outputs import replace_refusal
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.lora.state import adapter_sharded_state, base_record
@@ -408,13 +410,45 @@ def _shared_partial_dir(final: Path, inner: str = "") -> Path:
         remove_stale_partials(final)
         tmp = partial_dir(final)
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / inner).mkdir(parents=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)  # the checkpoint folder, at the first save
+        tmp.mkdir()  # a new folder, never one found at the name (a symlink's target)
+        if inner:
+            (tmp / inner).mkdir()
         holder = [str(tmp)]
     dist.broadcast_object_list(holder, src=0)
     return Path(holder[0])
 
 
 FINAL_DIR = "final"
+# What a run writes at the top of OUTPUT_BASEPATH (each a folder), beside the hidden names its publishing
+# uses (``.final.mpatch-partial.PID``): a folder holding anything else is not a run's.
+RUN_FOLDER_ENTRIES = ("checkpoint", FINAL_DIR, "log", "tensorboard", "data_cache")
+
+
+def check_output_basepath(out: Path) -> None:
+    """The one output rule for a training run (docs/outputs.md), decided by the launcher under the lock:
+    OUTPUT_BASEPATH is new or empty, or an earlier run's folder, which this run resumes. A folder holding
+    anything a run does not write is refused, and so is a ``final/`` that mpatch did not export (the run's
+    export replaces it)."""
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise UserError(f"OUTPUT_BASEPATH {out} exists and is not a folder: choose another OUTPUT_BASEPATH")
+    for entry in sorted(out.iterdir()):
+        name = entry.name
+        if name in RUN_FOLDER_ENTRIES and entry.is_dir():
+            continue
+        if any(name.startswith(f".{ours}.mpatch-") for ours in RUN_FOLDER_ENTRIES):
+            continue
+        raise UserError(f"OUTPUT_BASEPATH {out} holds {name}, which a training run does not write there: it is "
+                        f"neither new nor an earlier run's folder (which a rerun resumes); move {name} away or "
+                        "choose a new or empty OUTPUT_BASEPATH")
+    final = out / FINAL_DIR
+    if final.is_dir() and any(final.iterdir()):
+        why = replace_refusal(final)
+        if why is not None:
+            raise UserError(f"{final} {why}; the run's export would replace it: move it away or choose another "
+                            "OUTPUT_BASEPATH")
 
 
 def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:

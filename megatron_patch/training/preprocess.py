@@ -3,26 +3,29 @@
 One document per JSON line (the value of ``json_key``), tokenized in parallel, written in input
 order through megatron-core's ``IndexedDatasetBuilder``; the end-of-document id is appended after
 each document. Lines that are not JSON objects with a string under ``json_key`` are reported with
-their line numbers and skipped (``strict`` stops at the first one). Output appears only complete:
-both files are written under temporary names and renamed at the end, under the output's lock (one
-writer per prefix), with ``P_<key>_document.mpatch_manifest.json`` written last (``mpatch verify``).
+their line numbers and skipped (``strict`` stops at the first one).
+
+The output follows the rule of every output (docs/outputs.md): under its lock (one writer per prefix), it
+is new, or an earlier output of mpatch preprocess (its manifest lists both files) replaced with ``force``;
+a pair mpatch did not write is never replaced. Both files are built in a partial folder beside them and
+renamed onto their names at the end, with ``P_<key>_document.mpatch_manifest.json`` last (``mpatch verify``).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
-from megatron_patch.checkpoint_files.manifest import DIGEST, MANIFEST_NAME, digest_file, write_manifest
+from megatron_patch.checkpoint_files.manifest import DIGEST, MANIFEST_NAME, digest_file, read_manifest, write_manifest
 from megatron_patch.errors import UserError
-from megatron_patch.outputs.folders import fsync_dir, fsync_file
+from megatron_patch.outputs.folders import fsync_dir, fsync_file, partial_dir, recover
 from megatron_patch.outputs.lock import OutputLock
 from megatron_patch.training.tokenizer import load_tokenizer
 
@@ -69,27 +72,58 @@ class PreprocessReport:
     bad_lines: list[tuple[int, str]] = field(default_factory=list)
 
 
-def _publish(tmp: str, prefix: str) -> None:
-    """The two finished files onto their names, durable, with a manifest written last: the old manifest goes
-    first, so an interrupted replace leaves no manifest that vouches for a mismatched .bin/.idx pair."""
+def _manifest_path(prefix: str) -> Path:
+    return Path(f"{prefix}.{MANIFEST_NAME}")
+
+
+def check_output_prefix(prefix: str, force: bool) -> None:
+    """Refuse (under the prefix's lock) a pair that is not new unless it is an earlier output of mpatch
+    preprocess (its manifest lists both files) and ``force`` is given: a pair mpatch did not write is never
+    replaced, as the converters never replace a folder they did not write."""
+    manifest = _manifest_path(prefix)
+    ours = [Path(prefix + suffix) for suffix in (".bin", ".idx")]
+    present = [p for p in (*ours, manifest) if os.path.lexists(p)]
+    if not present:
+        return
+    for p in present:
+        if p.is_symlink() or not p.is_file():
+            raise UserError(f"{p} exists and is not a file mpatch wrote: move it away or choose another "
+                            "--output-prefix")
+    if not manifest.exists():
+        raise UserError(f"{present[0]} exists and mpatch did not write it (no {manifest.name} lists it): it is not "
+                        "replaced, even with --force; move it away or choose another --output-prefix")
+    try:
+        listed = set(read_manifest(manifest)["files"])
+    except UserError as exc:
+        raise UserError(f"{prefix} is not replaced: {exc}") from None
+    if listed != {p.name for p in ours}:
+        raise UserError(f"{manifest} lists {', '.join(sorted(listed)) or 'nothing'}, not the two files of {prefix}: "
+                        "it is not replaced, even with --force; move it away or choose another --output-prefix")
+    if not force:
+        raise UserError(f"{present[0]} exists (an earlier output of mpatch preprocess): pass --force to replace it, or "
+                        "choose another --output-prefix")
+
+
+def _publish(tmp: Path, prefix: str) -> None:
+    """The two finished files in ``tmp`` onto their names, durable, with the manifest last. The old manifest
+    stays until the new one replaces it: a replace interrupted between the renames leaves a pair its
+    manifest does not match (mpatch verify names the file), still known as mpatch's for the --force that
+    repairs it."""
+    manifest = _manifest_path(prefix)
     files = {}
-    for suffix in (".bin", ".idx"):
-        size, digest = digest_file(tmp + suffix)
-        fsync_file(tmp + suffix)
-        files[Path(prefix + suffix).name] = {"size": size, DIGEST: digest}
-    folder, name = Path(prefix).parent, f"{Path(prefix).name}.{MANIFEST_NAME}"
-    (folder / name).unlink(missing_ok=True)
-    os.replace(tmp + ".bin", prefix + ".bin")
-    os.replace(tmp + ".idx", prefix + ".idx")
-    part = folder / f".{name}.partial-{os.getpid()}"
-    write_manifest(folder, "mpatch preprocess", name=part.name, files=files)
-    os.replace(part, folder / name)
-    fsync_dir(folder)
+    for name in (Path(prefix + suffix).name for suffix in (".bin", ".idx")):
+        size, digest = digest_file(tmp / name)
+        fsync_file(tmp / name)
+        files[name] = {"size": size, DIGEST: digest}
+    write_manifest(tmp, "mpatch preprocess", name=manifest.name, files=files)
+    for name in (*files, manifest.name):
+        os.replace(tmp / name, manifest.parent / name)
+    fsync_dir(manifest.parent)
 
 
 def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str | Path, *, json_key: str = "text",
                workers: int = 1, append_eod: bool = True, strict: bool = False, progress: bool | None = None,
-               chunksize: int = 64) -> PreprocessReport:
+               chunksize: int = 64, force: bool = False) -> PreprocessReport:
     input_path = Path(input_path)
     if not input_path.is_file():
         raise UserError(f"input {input_path} not found: give a JSONL file (one JSON object per line)")
@@ -101,22 +135,25 @@ def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str |
     if not out_dir.is_dir():
         raise UserError(f"output folder {out_dir} does not exist: create it first")
     with OutputLock(prefix, "--output-prefix"):
-        # Only the lock holder writes here: any partial file is an earlier run's that did not finish.
-        for stale in sorted(glob.glob(f"{glob.escape(prefix)}.partial-*")):
-            os.remove(stale)
-            print(f"note: removed {stale}, the unfinished output of an earlier run", file=sys.stderr, flush=True)
-        return _preprocess(input_path, prefix, tokenizer, tokenizer_path, json_key, workers, append_eod, strict,
-                           progress, chunksize)
+        recover(prefix)  # only the lock holder writes here: a partial folder is an earlier run's that did not finish
+        check_output_prefix(prefix, force)
+        tmp = partial_dir(prefix)
+        tmp.mkdir()  # a new folder, not one found at the name
+        try:
+            return _preprocess(input_path, prefix, tmp, tokenizer, tokenizer_path, json_key, workers, append_eod,
+                               strict, progress, chunksize)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _preprocess(input_path: Path, prefix: str, tokenizer, tokenizer_path, json_key: str, workers: int,
+def _preprocess(input_path: Path, prefix: str, tmp: Path, tokenizer, tokenizer_path, json_key: str, workers: int,
                 append_eod: bool, strict: bool, progress: bool | None, chunksize: int) -> PreprocessReport:
     import numpy
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    tmp = f"{prefix}.partial-{os.getpid()}"
+    partial = tmp / Path(prefix).name  # the files' own names, in the partial folder
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+    builder = IndexedDatasetBuilder(f"{partial}.bin", dtype=dtype)
     report = PreprocessReport(output_prefix=prefix)
     if progress is None:
         progress = sys.stderr.isatty()
@@ -159,14 +196,11 @@ def _preprocess(input_path: Path, prefix: str, tokenizer, tokenizer_path, json_k
             bar.update(nchars)
         if report.documents == 0:
             raise UserError(f"{input_path} has no usable line (every line lacked a string '{json_key}' field)")
-        builder.finalize(tmp + ".idx")
+        builder.finalize(f"{partial}.idx")
         _publish(tmp, prefix)
     finally:
         bar.close()
         if pool is not None:
             pool.terminate()
             pool.join()
-        for suffix in (".bin", ".idx"):
-            if os.path.exists(tmp + suffix):
-                os.remove(tmp + suffix)
     return report
