@@ -1,7 +1,8 @@
 """Inputs are checked before they are read (issue 34): config.json and tokenizer files are regular files inside
 their folder, of a sane size (a FIFO, ``/dev/zero``, a link out of the folder are refused in one line); tiktoken
 files are read by their content, never from tiktoken's cache of their path; a garbage tokenizer is bad input;
-no tokenizer code from a folder runs."""
+no tokenizer code from a folder runs; ``--hf-config`` / ``MP_HF_CONFIG`` that name nothing, a non-float
+``torch_dtype`` and data paths with spaces. The manifest's rules (``mpatch verify``) are in test_manifest_rules.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.input_files import MAX_INPUT_BYTES
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from tests.convert_helpers import run_cli
-from tests.training_helpers import make_tiktoken_file, write_jsonl
+from tests.training_helpers import launcher_args, make_tiktoken_file, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -228,3 +229,94 @@ def test_align_text_file_never_runs_the_folders_tokenizer_code(hf, tokenizer, tm
     finally:
         assert not marker.exists(), "the folder's tokenizer code ran"
     assert tokens.shape == (2, 16)
+
+
+# --- N19: --hf-config, torch_dtype, data paths with spaces ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ckpt(hf, tmp_path_factory) -> Path:
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    out = tmp_path_factory.mktemp("ck") / "ck"
+    hf_to_mcore(hf, out, ParallelLayout(), progress=False)
+    return out
+
+
+@pytest.mark.parametrize("given", ["folder without config.json", "missing file"])
+def test_hf_config_that_names_no_config_is_refused_not_ignored(ckpt, tmp_path, capsys, given):
+    """The checkpoint describes itself (its sidecar wins), which is why a bad --hf-config went unnoticed."""
+    where = tmp_path / "cfg"
+    if given == "folder without config.json":
+        where.mkdir()
+    else:
+        where = where / "config.json"
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"),
+                      "--hf-config", str(where), "--quiet")
+    _one_line(rc, err, "not found", "--hf-config takes the model's HF config.json")
+    assert not (tmp_path / "o").exists()
+
+
+def test_mp_hf_config_that_names_no_config_is_refused(hf, ckpt, tmp_path):
+    from megatron_patch.training.validation import resolve
+
+    (tmp_path / "empty").mkdir()
+    args = launcher_args(PRETRAIN_CHECKPOINT_PATH=str(ckpt), OUTPUT_BASEPATH=str(tmp_path / "out"))
+    with pytest.raises(UserError, match="MP_HF_CONFIG takes the model's HF config.json"):
+        resolve("llama3_1", args, env={"MP_HF_CONFIG": str(tmp_path / "empty")}, check_paths=False)
+    with pytest.raises(UserError, match="there is none: drop MP_HF_CONFIG"):
+        resolve("llama3_1", launcher_args(), env={"MP_HF_CONFIG": str(hf)}, check_paths=False)
+
+
+@pytest.mark.parametrize("key, value", [("torch_dtype", "evil"), ("dtype", "int8"), ("torch_dtype", 16)])
+def test_a_config_dtype_that_is_not_a_float_is_refused(hf, tmp_path, capsys, key, value):
+    folder = _linked_copy(hf, tmp_path / "hf", skip=("config.json",))
+    raw = json.loads((hf / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, key: value}))
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"))
+    _one_line(rc, err, f"'{key}' must name a float dtype")
+
+
+def test_config_dtype_names_the_float_dtype_for_callers_to_default_to():
+    from megatron_patch.models.config_checks import config_dtype
+
+    assert config_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
+    assert config_dtype({"dtype": "float16", "torch_dtype": "float32"}) == "float16"  # 5.x's name wins
+    assert config_dtype({"torch_dtype": None}) is None and config_dtype({}) is None
+
+
+def _mmap_prefix(folder: Path, name: str = "corpus_text_document") -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    for suffix in (".bin", ".idx"):
+        (folder / (name + suffix)).write_bytes(b"")
+    return str(folder / name)
+
+
+def test_a_data_path_with_spaces_is_one_path_and_blends_quote_theirs(tmp_path):
+    from megatron_patch.training.validation import resolve
+
+    spaced = _mmap_prefix(tmp_path / "my data")
+    plain = _mmap_prefix(tmp_path / "plain")
+    out = str(tmp_path / "out")
+    cfg = resolve("llama3_1", launcher_args(DATASET_PATH=spaced, VALID_DATASET_PATH=spaced, OUTPUT_BASEPATH=out))
+    assert cfg.dataset_path == [spaced] and cfg.dataset_weights is None and cfg.valid_dataset_path == [spaced]
+    blend = f'0.3 "{spaced}" 0.7 {plain}'
+    cfg = resolve("llama3_1", launcher_args(DATASET_PATH=blend, VALID_DATASET_PATH=blend, OUTPUT_BASEPATH=out))
+    assert cfg.dataset_path == [spaced, plain] and cfg.dataset_weights == [0.3, 0.7]
+    assert cfg.valid_dataset_path == [spaced, plain] and cfg.valid_dataset_weights == [0.3, 0.7]
+    cfg = resolve("llama3_1", launcher_args(DATASET_PATH=f"{plain} {plain}", OUTPUT_BASEPATH=out))
+    assert cfg.dataset_path == [plain, plain] and cfg.dataset_weights is None
+    with pytest.raises(UserError, match=r"read as \d+ paths; quote a path that holds spaces"):
+        resolve("llama3_1", launcher_args(DATASET_PATH=f"0.5 {spaced} 0.5 {plain}", OUTPUT_BASEPATH=out))
+    with pytest.raises(UserError, match="cannot be split into paths"):
+        resolve("llama3_1", launcher_args(DATASET_PATH=f'0.5 "{spaced} 0.5 {plain}', OUTPUT_BASEPATH=out))
+
+
+def test_sft_data_with_spaces_in_its_path(tmp_path, tokenizer):
+    from megatron_patch.training.validation import resolve
+
+    data = write_jsonl(tmp_path / "my sft data.jsonl", [{"prompt": "a", "response": "b"}])
+    cfg = resolve("llama3_1", launcher_args(SFT="true", DATASET_PATH=str(data), OUTPUT_BASEPATH=str(tmp_path / "o"),
+                                            TRAIN_TOKENS_OR_ITERS="4", WARMUP_TOKENS_OR_ITERS="1"),
+                  env={"MP_TOKENIZER": str(tokenizer)})
+    assert cfg.dataset_path == [str(data)]
