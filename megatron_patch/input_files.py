@@ -139,5 +139,6 @@ def check_folder_inputs(folder: str | Path, patterns: tuple[str, ...] = ("config
     """Check every file of ``folder`` that matches ``patterns`` before a reader that opens them itself
     (transformers) does: inside the folder, regular, bounded."""
     folder = Path(folder)
-    for name in sorted({p.name for pattern in patterns for p in folder.glob(pattern)}):
+    found = {p.name for pattern in patterns for p in folder.glob(pattern) if not p.is_dir()}  # tokenizer/: a folder
+    for name in sorted(found):
         checked_input(folder / name, inside=folder)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import MAX_INPUT_BYTES
+from megatron_patch.input_files import MAX_INPUT_BYTES, check_folder_inputs
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from tests.convert_helpers import run_cli
 from tests.training_helpers import launcher_args, make_tiktoken_file, write_jsonl
@@ -128,6 +128,15 @@ def test_tokenizer_files_must_be_regular_files_inside_the_folder(tokenizer, tmp_
     _one_line(rc, err, name, words)
 
 
+def test_a_side_file_that_is_a_fifo_is_refused_not_left_out(hf, tmp_path, capsys, no_hang):
+    """The converters carry the tokenizer files along: one that is not a regular file was silently not copied."""
+    folder = _linked_copy(hf, tmp_path / "hf")
+    os.mkfifo(folder / "tokenizer.json")
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"))
+    _one_line(rc, err, "tokenizer.json is a FIFO")
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_tiktoken_file_that_is_a_fifo_is_refused(tmp_path, capsys, no_hang):
     os.mkfifo(tmp_path / "tok.tiktoken")
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c"}])
@@ -146,6 +155,9 @@ def test_transformers_reads_no_file_of_the_folder_that_was_not_checked(hf, tmp_p
     os.mkfifo(folder / "generation_config.json")
     with pytest.raises(UserError, match="generation_config.json is a FIFO"):
         load_causal_lm(folder, torch.float32)
+    (folder / "generation_config.json").unlink()
+    (folder / "tokenizer").mkdir()  # a folder whose name a side file's pattern matches is no side file
+    check_folder_inputs(folder)
 
 
 # --- N15: a garbage tokenizer is bad input ---------------------------------------------------------------------

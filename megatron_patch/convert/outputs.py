@@ -25,7 +25,8 @@ CARRIED_PATTERNS = (*HF_SIDE_FILES, "carried_tensors.safetensors")
 
 def carried_files(folder: str | Path) -> list[str]:
     folder = Path(folder)
-    names = {p.name for pattern in CARRIED_PATTERNS for p in folder.glob(pattern) if p.is_file()}
+    # Whatever is there but folders: a FIFO or a dangling link is refused when copied, not silently left out.
+    names = {p.name for pattern in CARRIED_PATTERNS for p in folder.glob(pattern) if not p.is_dir()}
     return sorted(names)
 
 
