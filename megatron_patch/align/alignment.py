@@ -24,9 +24,11 @@ from megatron_patch.align.verdict import DEFAULT_TOLERANCE, judge
 from megatron_patch.convert.hf_reader import checked_arch
 from megatron_patch.dtypes import PRECISIONS
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import read_input_text
 from megatron_patch.models.arch import validate_layout
 from megatron_patch.models.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.training.tokenizer import load_tokenizer
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the
@@ -171,16 +173,16 @@ def make_tokens(s: AlignSettings, vocab_size: int) -> tuple[torch.Tensor, str]:
         gen = torch.Generator().manual_seed(s.seed)
         return torch.randint(0, vocab_size, (s.batch, s.seq_len), generator=gen), f"random tokens (seed {s.seed})"
     path = Path(s.text_file)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"--text-file {path} not found")
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(s.hf_dir)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no usable tokenizer in the folder
-        raise UserError(f"--text-file needs a tokenizer in {s.hf_dir} ({type(exc).__name__}); "
-                        "copy the tokenizer files there or use random tokens")
-    ids = tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+    text = read_input_text(path)
+    tokenizer_file = Path(s.hf_dir) / "tokenizer.json"
+    if not (tokenizer_file.exists() or tokenizer_file.is_symlink()):
+        raise UserError(f"--text-file needs a tokenizer.json in {s.hf_dir}: copy the tokenizer files there or use "
+                        "random tokens")
+    # The tokenizer preprocess and SFT use: tokenizer.json read and parsed here, never code from the folder
+    # (transformers' AutoTokenizer would run a folder's auto_map tokenizer once its prompt is answered).
+    ids = load_tokenizer(s.hf_dir).encode(text)
     need = s.batch * s.seq_len
     if len(ids) < need:
         raise UserError(f"{path} has {len(ids)} tokens; --batch {s.batch} x --seq-len {s.seq_len} needs {need}: "

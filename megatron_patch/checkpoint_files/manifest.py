@@ -8,7 +8,9 @@ preprocess`` (beside its two files, as ``PREFIX.mpatch_manifest.json``). What it
 
 - ``mpatch verify DIR``, and by default ``mcore2hf`` and every load for training (resume,
   PRETRAIN_CHECKPOINT_PATH): a file that changed after it was written, a flipped byte, a truncated copy is
-  named in one line;
+  named in one line; and, before any byte is hashed, the output is held to exactly what the manifest lists
+  (``check_coverage``: no file it does not list, no listed file that is a link, leaves the folder or is not a
+  regular file, and not an empty list), so that nothing is read that the manifest does not vouch for;
 - ``--force``: a folder whose manifest names every file in it is an earlier output of this project, and may
   be replaced (``convert.outputs``).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +39,7 @@ import xxhash
 
 from megatron_patch import __version__
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import contained, read_input_json
 
 MANIFEST_NAME = "mpatch_manifest.json"
 MANIFEST_VERSION = 1
@@ -54,8 +58,12 @@ class IntegrityError(UserError):
 def digest_file(path: str | Path) -> tuple[int, str]:
     """(size, XXH3-128 hex digest) of one file."""
     h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    # Without blocking (a FIFO put in place of a file), and on the descriptor's own type.
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise IntegrityError(f"{path} is not a regular file: an output of mpatch holds only files")
+        size = st.st_size
         for start in range(0, size, WINDOW):
             length = min(WINDOW, size - start)
             with mmap.mmap(f.fileno(), length, offset=start, prot=mmap.PROT_READ,
@@ -133,9 +141,9 @@ def read_manifest(path: str | Path) -> dict:
     """A manifest file, checked for shape (one line naming what is wrong)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UserError(f"{path} is unreadable ({exc}): the output's manifest is damaged")
+        data = read_input_json(path, inside=path.parent)
+    except UserError as exc:
+        raise UserError(f"{exc}: the output's manifest is damaged")
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict) or not isinstance(data.get("manifest_version"), int):
         raise UserError(f"{path} is not a manifest written by mpatch (no 'files' table)")
@@ -151,17 +159,93 @@ def read_manifest(path: str | Path) -> dict:
     return data
 
 
-def verify_manifest(path: str | Path) -> int:
-    """Check every file a manifest lists against its size and digest; returns the bytes checked. Raises
-    ``IntegrityError`` naming the first file that differs."""
+PREFIX_SUFFIXES = (".bin", ".idx")  # what a data prefix's manifest (``PREFIX.mpatch_manifest.json``) covers
+
+
+def output_files(path: str | Path) -> list[str]:
+    """Every name the output of manifest ``path`` holds, whatever it is (file, link, FIFO), relative to the
+    manifest's folder: everything under a folder's ``mpatch_manifest.json`` but the manifest itself, or a data
+    prefix's ``.bin`` and ``.idx`` beside ``PREFIX.mpatch_manifest.json``."""
+    path = Path(path)
+    folder = path.parent
+    if path.name != MANIFEST_NAME and path.name.endswith(f".{MANIFEST_NAME}"):
+        prefix = path.name[:-len(MANIFEST_NAME) - 1]
+        return [prefix + s for s in PREFIX_SUFFIXES if os.path.lexists(folder / (prefix + s))]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):  # links to folders are listed, never entered
+        here = Path(dirpath)
+        out += [(here / d).relative_to(folder).as_posix() for d in dirnames if (here / d).is_symlink()]
+        out += [(here / f).relative_to(folder).as_posix() for f in filenames]
+    return sorted(n for n in out if n != path.name)
+
+
+def _legacy_unlisted(data: dict) -> bool:
+    """A training iteration saved before its manifest listed the folder's hidden files (``.metadata``): those
+    are not counted as unlisted (docs/outputs.md)."""
+    return str(data.get("tool", "")).startswith("mpatch train") and ".metadata" not in data["files"]
+
+
+def _listed_problem(folder: Path, name: str) -> str | None:
+    """What is wrong with a listed name on disk (None: a regular file of the folder's own)."""
+    path = folder / name
+    if not os.path.lexists(path):
+        return "is missing"
+    try:
+        contained(folder, name)
+    except UserError:
+        return f"leads outside {folder} (to {path.resolve()})"
+    rel = Path(name)
+    links = [p for p in [rel, *list(rel.parents)[:-1]] if (folder / p).is_symlink()]
+    # The one layout of links allowed: the hub cache's snapshot files, which lead into its blobs/ (``contained``).
+    into_hub_blobs = folder.resolve() not in path.resolve().parents
+    if links and not into_hub_blobs:
+        link = folder / links[0]
+        where = "is" if links[0] == rel else f"lies under {links[0]}, which is"
+        return f"{where} a symlink (to {os.readlink(link)})"
+    mode = path.stat().st_mode
+    if not stat.S_ISREG(mode):
+        return "is a FIFO, not a regular file" if stat.S_ISFIFO(mode) else "is not a regular file"
+    return None
+
+
+def check_coverage(path: str | Path) -> dict:
+    """The manifest at ``path``, once the output holds exactly what it lists: not an empty list, every listed
+    name a regular file of the output's own (not a link, nothing leading outside its folder), no file it does
+    not list. Checked before any byte is hashed or read. Raises ``IntegrityError`` naming every problem in one
+    line. Every reader that checks a manifest goes through here (``verify_manifest``, ``BackgroundCheck``)."""
     path = Path(path)
     folder = path.parent
     data = read_manifest(path)
+    listed = data["files"]
+    if not listed:
+        raise IntegrityError(f"{path} lists no files, so it vouches for nothing (it was emptied or written by "
+                             "hand): refused")
+    problems = []
+    for name in listed:
+        why = _listed_problem(folder, name)
+        if why == "is missing":
+            problems.append(f"{folder / name} is missing: {path.name} lists it ({data.get('tool', '?')} wrote it)")
+        elif why:
+            problems.append(f"{path.name} lists {name}, which {why}")
+    skip_hidden = _legacy_unlisted(data)
+    unlisted = [n for n in output_files(path) if n not in listed and not (skip_hidden and n.startswith("."))]
+    if unlisted:
+        problems.append(f"{folder} holds {len(unlisted)} file(s) that {path.name} does not list (added after mpatch "
+                        f"wrote it): {', '.join(unlisted)}")
+    if problems:
+        raise IntegrityError("; ".join(problems))
+    return data
+
+
+def verify_manifest(path: str | Path) -> int:
+    """Check an output against its manifest: what it holds (``check_coverage``), then every listed file's size
+    and digest; returns the bytes checked. Raises ``IntegrityError`` naming what differs."""
+    path = Path(path)
+    folder = path.parent
+    data = check_coverage(path)
     entries = data["files"]
     for name, entry in entries.items():  # sizes first: cheap, and names a truncated copy before any hashing
         file = folder / name
-        if not file.is_file():
-            raise IntegrityError(f"{file} is missing: {path.name} lists it ({data.get('tool', '?')} wrote it)")
         size = file.stat().st_size
         if size != entry["size"]:
             raise IntegrityError(f"{file} is {size} bytes, but {path.name} records {entry['size']}: the file was "
@@ -198,8 +282,10 @@ class BackgroundCheck:
 
     def __init__(self, path: Path):
         self.path = path
+        # What the output holds is checked here, before the reader beside it opens anything.
+        listed = check_coverage(path)["files"]
         # The files whose every byte it checks (resolved): a reader needs no other check of them.
-        self.files = frozenset((path.parent / name).resolve() for name in read_manifest(path)["files"])
+        self.files = frozenset((path.parent / name).resolve() for name in listed)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="mpatch-verify", daemon=True)
         self.thread.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, verify_manifest
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, verify_manifest
 from megatron_patch.errors import UserError
 
 
@@ -30,7 +30,11 @@ def run(args) -> int:
                         "manifest was removed), so there is nothing to check it against")
     total = 0
     for manifest in manifests:
-        total += verify_manifest(manifest)  # IntegrityError: one line naming the file, exit 2
+        root, here = path.resolve(), manifest.parent.resolve()
+        if path.is_dir() and here != root and root not in here.parents:
+            raise IntegrityError(f"{manifest.parent} leads outside {path} (to {manifest.parent.resolve()}) through a "
+                                 "symlink: an output's folders are its own")
+        total += verify_manifest(manifest)  # IntegrityError: one line naming every problem, exit 2
         if not args.quiet:
             print(f"ok: {manifest}")
     print(f"verified {len(manifests)} manifest(s), {total / 2**20:.1f} MiB: every file is as written")
@@ -40,10 +44,11 @@ def run(args) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "verify", help="check a checkpoint, HF export or preprocessed data against its manifest",
-        description="Check every file an output of mpatch lists in its mpatch_manifest.json (converted checkpoints, "
-                    "HF exports, training iterations and final/, preprocessed data) against the size and XXH3-128 "
-                    "digest recorded when it was written. Exit 0 when all match; 2, with one line naming the first "
-                    "file that differs, is missing or was truncated.")
+        description="Check an output of mpatch against its mpatch_manifest.json (converted checkpoints, HF exports, "
+                    "training iterations and final/, preprocessed data): it holds exactly the files the manifest "
+                    "lists (none added, none a symlink or leading outside the folder, the list not empty), and each "
+                    "has the size and XXH3-128 digest recorded when it was written. Exit 0 when all match; 2, with "
+                    "one line naming every file added, linked or missing, or the first that differs.")
     p.add_argument("path", metavar="PATH",
                    help="an output folder, a training run's OUTPUT_BASEPATH or checkpoint folder (every iteration is "
                         "checked), or a manifest file")

@@ -28,7 +28,7 @@ from megatron_patch.convert.foreign import FoundCheckpoint, find_checkpoint, ten
 from megatron_patch.convert.outputs import carried_files
 from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.models.arch import Arch, read_config_json, validate_layout
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -72,6 +72,12 @@ def what_to_give(found: FoundCheckpoint) -> str:
 def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None, family: str | None = None,
                     iteration: int | None = None) -> OpenedCheckpoint:
     """The checkpoint at ``path`` with its architecture (see the module docstring for the order)."""
+    source = "the model's HF config"
+    if hf_config is not None and not isinstance(hf_config, dict):
+        # Read whether or not it is needed: a --hf-config that names nothing usable is refused, never ignored.
+        source = f"--hf-config {hf_config}"
+        hf_config = read_config_json(hf_config, hint="--hf-config takes the model's HF config.json or the folder "
+                                                      "that holds it")
     found = find_checkpoint(path, iteration)
     if found.sidecar_dir is not None:  # this project's own record wins over any other source
         sidecar = found.sidecar
@@ -81,7 +87,6 @@ def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None
     notes: list[str] = []
     if hf_config is not None:
         arch = parse_arch(hf_config)
-        source = "the model's HF config" if isinstance(hf_config, dict) else f"--hf-config {hf_config}"
         if family is not None and family != arch.family:
             raise UserError(f"{source} describes a {arch.family} model, not --family {family}")
     elif found.args is not None and family is not None:

@@ -51,7 +51,7 @@ from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTas
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import open_weights
-from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes, contained
+from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
@@ -60,6 +60,7 @@ from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import checked_input
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
 from megatron_patch.models.arch import Arch, validate_layout
 from megatron_patch.models.config_checks import check_weights_fit
@@ -174,7 +175,9 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     if fmt == "legacy":
         check_legacy_layout(layout)
     check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
-    side_files = [contained(hf_dir, name, "has a side file").name for name in carried_files(hf_dir)]
+    side_files = carried_files(hf_dir)
+    for name in side_files:  # each inside the folder and a regular file, before the slow part
+        checked_input(hf_dir / name, inside=hf_dir, how="has a side file", limit=None)
     hf_reader = HFCheckpointReader(hf_dir)
     check_weights_fit(arch, sum(hf_reader.nbytes(n) for n in hf_reader.keys()), f"the safetensors of {hf_dir}")
     reader = open_weights(hf_reader, arch.hf_config)

@@ -18,6 +18,7 @@ from pathlib import Path
 from megatron_patch.checkpoint_files.byte_io import Stored, read_range
 from megatron_patch.dtypes import ITEMSIZE, SAFETENSORS_TAG_NAMES
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import checked_input, contained, read_input_json
 from megatron_patch.models.config_checks import check_weights_fit
 from megatron_patch.models.registry import parse_arch
 
@@ -34,6 +35,7 @@ def read_safetensors_header(path: Path) -> dict[str, Stored]:
     def bad(why: str) -> UserError:
         return UserError(f"{path} is not a readable safetensors file ({why}): it may be truncated or corrupt")
 
+    checked_input(path, limit=None)  # a FIFO would block the open below
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -48,7 +50,7 @@ def read_safetensors_header(path: Path) -> dict[str, Stored]:
         raise UserError(f"cannot read {path} ({exc})")
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise bad(f"header is not valid JSON: {exc}")
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
@@ -85,28 +87,9 @@ def read_safetensors_header(path: Path) -> dict[str, Stored]:
     return out
 
 
-def contained(folder: str | Path, name: str, how: str = "found") -> Path:
-    """``folder / name``, refused in one line if it leaves ``folder`` (``..``, an absolute path, a symlink to
-    elsewhere). The one exception is the Hugging Face hub cache, whose snapshot folders hold symlinks into
-    the model's ``blobs/`` (``models--X/snapshots/REV/f -> ../../blobs/HASH``): those stay in the model."""
-    folder = Path(folder)
-    path = folder / name
-    real, home = path.resolve(), folder.resolve()
-    allowed = [home]
-    if home.parent.name == "snapshots":
-        allowed.append(home.parent.parent / "blobs")
-    if not any(real == a or a in real.parents for a in allowed):
-        raise UserError(f"{folder} {how} {name!r}, which leads outside the folder (to {real}): refused; copy the file "
-                        "into the folder if it belongs to the model")
-    return path
-
-
 def read_weight_map(index: Path) -> dict[str, str]:
     """The index's tensor -> file table, checked for shape."""
-    try:
-        data = json.loads(index.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UserError(f"{index} is unreadable ({exc}): re-download the checkpoint")
+    data = read_input_json(index, inside=index.parent)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
         raise UserError(f"{index} has no 'weight_map' table (found {type(weight_map).__name__}): re-download the "

@@ -14,24 +14,20 @@ from typing import Iterator
 from megatron_patch.align.report import REPORT_FILES
 from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_files, write_manifest
-from megatron_patch.convert.hf_reader import contained
 from megatron_patch.convert.sidecar import SIDECAR_NAME
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import HF_SIDE_FILES, checked_input
 from megatron_patch.outputs.folders import atomic_dir, overlap
 
-# Files of an HF model folder that travel with the weights (tokenizer, chat template, generation).
-CARRIED_PATTERNS = (
-    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-    "*.tiktoken", "tokenizer.model", "spiece.model", "sentencepiece*.model", "generation_config.json",
-    "chat_template.*", "preprocessor_config.json",
-    # HF tensors the MCore model does not hold, kept beside it (convert/carried.py)
-    "carried_tensors.safetensors",
-)
+# Files of an HF model folder that travel with the weights (tokenizer, chat template, generation), and the HF
+# tensors the MCore model does not hold, kept beside it (convert/carried.py).
+CARRIED_PATTERNS = (*HF_SIDE_FILES, "carried_tensors.safetensors")
 
 
 def carried_files(folder: str | Path) -> list[str]:
     folder = Path(folder)
-    names = {p.name for pattern in CARRIED_PATTERNS for p in folder.glob(pattern) if p.is_file()}
+    # Whatever is there but folders: a FIFO or a dangling link is refused when copied, not silently left out.
+    names = {p.name for pattern in CARRIED_PATTERNS for p in folder.glob(pattern) if not p.is_dir()}
     return sorted(names)
 
 
@@ -40,9 +36,8 @@ def copy_carried(src: str | Path, dst: str | Path, names: list[str] | None = Non
     sidecar naming ``../x``) is refused."""
     names = carried_files(src) if names is None else names
     for name in names:
-        path = contained(src, name, "has a side file")
-        if not path.is_file():
-            raise UserError(f"{path} is missing: the checkpoint's side files are incomplete")
+        path = checked_input(Path(src) / name, inside=src, how="has a side file", limit=None,
+                             hint="the checkpoint's side files are incomplete")
         shutil.copy2(path, Path(dst) / Path(name).name)
     return names
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import read_json_object
+from megatron_patch.input_files import read_json_object
 from megatron_patch.models.mapping import LORA_TARGETS
 
 DEFAULT_TARGETS = ("qkv", "proj", "fc1", "fc2")
@@ -106,7 +106,7 @@ def read_adapter_config(folder: str | Path) -> dict:
     hint = f"give a peft adapter folder (adapter_config.json and {ADAPTER_WEIGHTS})"
     if not Path(folder).is_dir():
         raise UserError(f"{folder} is not a folder: {hint}")
-    return read_json_object(Path(folder) / ADAPTER_CONFIG, hint)
+    return read_json_object(Path(folder) / ADAPTER_CONFIG, inside=folder, hint=hint)
 
 
 def spec_from_peft_config(data: dict, where: str) -> LoraSpec:

@@ -6,12 +6,12 @@ from their config.json (``models/<family>/config.py``); everything downstream re
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import read_json_object
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # Megatron pads the vocabulary so each TP rank holds an equal, aligned slice.
@@ -153,24 +153,14 @@ class Arch:
         return asdict(self)
 
 
-def read_config_json(path: str | Path) -> dict[str, Any]:
-    """The raw config.json of an HF model folder (or the file itself), with one-line errors."""
+def read_config_json(path: str | Path, hint: str = "point at a Hugging Face model folder that has a config.json"
+                     ) -> dict[str, Any]:
+    """The raw config.json of an HF model folder (or the file itself), with one-line errors; a folder's
+    config.json must be a regular file inside it (``input_files``)."""
     path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    return read_json_object(file, "point at a Hugging Face model folder that has a config.json")
-
-
-def read_json_object(file: Path, hint: str) -> dict[str, Any]:
-    """A JSON file holding an object, with one-line errors (``hint``: what to give when it is missing)."""
-    if not file.exists():
-        raise UserError(f"{file} not found: {hint}")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{file} is not valid JSON ({exc.msg} at line {exc.lineno}): fix or re-download it")
-    if not isinstance(raw, dict):
-        raise UserError(f"{file} must hold a JSON object, found {type(raw).__name__}")
-    return raw
+    if path.is_dir():
+        return read_json_object(path / "config.json", inside=path, hint=hint)
+    return read_json_object(path, hint=hint)
 
 
 def require(raw: dict, key: str, kind=int, *, aliases: tuple[str, ...] = ()):

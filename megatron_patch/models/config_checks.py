@@ -175,8 +175,25 @@ FIELDS: dict = {
 _STRINGS = ("model_type", "hidden_act", "scoring_func", "topk_method", "qk_norm_type")
 
 
+# What config.json's ``torch_dtype`` (transformers < 5) or ``dtype`` (5.x) may name: the dtype the weights were
+# saved in, always a float (a quantized checkpoint names the dtype it dequantizes to).
+CONFIG_FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def config_dtype(raw: dict, where: str = "config.json") -> str | None:
+    """The float dtype config.json names (``dtype``, else ``torch_dtype``), None when it names none; anything
+    else is refused in one line."""
+    for key in ("dtype", "torch_dtype"):
+        value = raw.get(key)
+        if value is not None and value not in CONFIG_FLOAT_DTYPES:
+            raise UserError(f"{where} '{key}' must name a float dtype ({', '.join(CONFIG_FLOAT_DTYPES)}), found "
+                            f"{_show(value)}")
+    return raw.get("dtype") or raw.get("torch_dtype")
+
+
 def check_config_values(raw: dict, where: str = "config.json") -> None:
     """Refuse the first field whose type or range is wrong, in one line naming it."""
+    config_dtype(raw, where)
     for key in _STRINGS:
         if raw.get(key) is not None and not isinstance(raw[key], str):
             raise UserError(f"{where} '{key}' must be a string, found {_show(raw[key])}")

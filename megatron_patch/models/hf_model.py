@@ -4,13 +4,15 @@ Never with remote code: a checkpoint is untrusted input. A family may claim a ``
 transformers knows under another name (Kimi-K2's config.json says ``kimi_k2`` and points ``auto_map`` at
 its own copy of DeepSeek-V3's code); the model is then built from transformers' own class for that
 name (``ModelFamily.transformers_model_types``), with the folder's config values, and ``auto_map`` is
-ignored.
+ignored. The folder's small files (config, generation config, index, tokenizer files) are checked as every
+reader here checks them (``input_files``) before transformers opens them itself.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_patch.input_files import check_folder_inputs
 from megatron_patch.models.arch import read_config_json
 from megatron_patch.models.registry import detect_family
 
@@ -22,6 +24,7 @@ def load_causal_lm(hf_dir: str | Path, dtype, **kwargs):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = read_config_json(hf_dir)
+    check_folder_inputs(hf_dir)  # transformers opens config, generation and tokenizer files itself
     as_type = detect_family(raw).transformers_model_types.get(raw.get("model_type"))
     if as_type is not None:
         values = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}

@@ -38,7 +38,7 @@ def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: i
     arch = cfg.arch
     eos = arch.hf_config.get("eos_token_id", 0)
     eod = eos[0] if isinstance(eos, list) else int(eos or 0)
-    valid = (cfg.valid_dataset_path, None) if cfg.valid_dataset_path else None
+    valid = (cfg.valid_dataset_path, cfg.valid_dataset_weights) if cfg.valid_dataset_path else None
     config = GPTDatasetConfig(
         random_seed=cfg.seed, sequence_length=cfg.seq_len,
         blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None],

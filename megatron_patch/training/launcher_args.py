@@ -6,6 +6,8 @@ line naming it; combinations are ``validation.py``'s).
 from __future__ import annotations
 
 import math
+import shlex
+from typing import Callable
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families, get_family
@@ -43,7 +45,8 @@ ARG_HELP = {
     "OPTIMIZER_OFFLOAD": "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto "
                          "(what the GPU cannot hold, measured each step); forces DO=true",
     "SAVE_INTERVAL": "save a checkpoint every this many iterations",
-    "DATASET_PATH": "pretraining: mmap data prefix(es) (P_text_document, optionally 'W1 P1 W2 P2'); "
+    "DATASET_PATH": "pretraining: mmap data prefix(es) (P_text_document, optionally 'W1 P1 W2 P2'; a path "
+                    "that exists is one path, spaces and all; quote one with spaces inside a blend); "
                     "SFT: a JSON/JSONL file",
     "VALID_DATASET_PATH": "validation data like DATASET_PATH, or none",
     "PRETRAIN_CHECKPOINT_PATH": "a checkpoint from 'mpatch convert hf2mcore' to start from, or none",
@@ -192,9 +195,21 @@ def is_none(raw: str) -> bool:
     return raw.strip().lower() in ("", "none", "null")
 
 
-def parse_data_paths(name: str, raw: str) -> tuple[list[str], list[float] | None]:
-    """'P' or 'P1 P2' or 'W1 P1 W2 P2' (Megatron's blend syntax)."""
-    parts = raw.split()
+def parse_data_paths(name: str, raw: str, names_data: Callable[[str], bool] = lambda path: False
+                     ) -> tuple[list[str], list[float] | None]:
+    """'P' or 'P1 P2' or 'W1 P1 W2 P2' (Megatron's blend syntax), split as a shell splits words, so a path with
+    spaces inside a blend is quoted ('0.3 "my data/a_text_document" 0.7 b_text_document'). A value that names
+    data as a whole (``names_data``: the files are there) is one path, spaces and all."""
+    value = raw.strip()
+    if not value:
+        raise UserError(f"{name} is empty: give a data path")
+    if names_data(value):
+        return [value], None
+    try:
+        parts = shlex.split(value)
+    except ValueError as exc:
+        raise UserError(f"{name} '{raw}' cannot be split into paths ({exc}): quote each path that holds spaces "
+                        "once, e.g. '0.3 \"my data/a_text_document\" 0.7 b_text_document'")
     if not parts:
         raise UserError(f"{name} is empty: give a data path")
     try:
@@ -204,6 +219,8 @@ def parse_data_paths(name: str, raw: str) -> tuple[list[str], list[float] | None
     paths = parts[1::2]
     if len(paths) != len(weights):
         raise UserError(f"{name} '{raw}' mixes weights and paths: write 'W1 P1 W2 P2 ...'")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise UserError(f"{name} '{raw}': each weight of a blend must be a number > 0")
     return paths, weights
 
 

@@ -100,6 +100,7 @@ class RunConfig:
     warmup_iters: int
     output_basepath: str
     # extras
+    valid_dataset_weights: list[float] | None = None
     dataset_type: str = "mmap"
     ac_layers: int = 1
     virtual_pipeline: int | None = None

@@ -1,18 +1,25 @@
-"""Tokenizers for preprocessing and SFT: an HF tokenizer folder (tokenizer.json) or a tiktoken BPE file.
+"""Tokenizers for preprocessing, SFT and ``align --text-file``: an HF tokenizer folder (tokenizer.json) or a
+tiktoken BPE file.
 
-Both load from local files only (no model hub) and expose the same small interface: ``encode``,
-``decode``, ``vocab_size``, ``eod`` (the end-of-document id appended after each document) and
-``chat_template`` (a ``ChatTemplate`` when an HF folder carries one, else None).
+Both load from local files only (no model hub, no code from the folder) and expose the same small interface:
+``encode``, ``decode``, ``vocab_size``, ``eod`` (the end-of-document id appended after each document) and
+``chat_template`` (a ``ChatTemplate`` when an HF folder carries one, else None). Every file is read through
+``input_files`` (a regular file inside the folder, of a sane size) and parsed here, so a garbage file is one
+line. A tiktoken file is parsed from its bytes each time: tiktoken's own loader caches a file under its path
+string in ``/tmp/data-gym-cache``, so an edited file, or another folder's file given by the same relative
+path, would tokenize with the old vocabulary.
 """
 
 from __future__ import annotations
 
-import json
+import base64
+import binascii
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import checked_input, read_input, read_input_text, read_json_object
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -28,12 +35,10 @@ TIKTOKEN_EOD = "<|endoftext|>"
 def check_tokenizer_path(path: str | Path) -> Path:
     p = Path(path)
     if p.is_dir():
-        if not (p / "tokenizer.json").is_file():
-            raise UserError(f"{p} has no tokenizer.json: give an HF tokenizer folder (with tokenizer.json) "
-                            "or a tiktoken BPE file")
+        checked_input(p / "tokenizer.json", inside=p,
+                      hint="give an HF tokenizer folder (with tokenizer.json) or a tiktoken BPE file")
         return p
-    if not p.is_file():
-        raise UserError(f"tokenizer {p} not found: give an HF tokenizer folder (tokenizer.json) or a tiktoken BPE file")
+    checked_input(p, hint="give an HF tokenizer folder (tokenizer.json) or a tiktoken BPE file")
     return p
 
 
@@ -94,16 +99,23 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def _folder_json(folder: Path, name: str) -> dict:
+    """A JSON object file of the tokenizer folder, {} when there is none."""
+    path = folder / name
+    return read_json_object(path, inside=folder) if path.exists() or path.is_symlink() else {}
+
+
 def load_chat_template(folder: Path) -> ChatTemplate | None:
     """tokenizer_config.json's ``chat_template`` (a string, or named templates: 'default'), or chat_template.jinja."""
     cfg_file = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    cfg = _folder_json(folder, cfg_file.name)
     source = cfg.get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
-    if not source and (folder / "chat_template.jinja").is_file():
-        source = (folder / "chat_template.jinja").read_text()
+    jinja = folder / "chat_template.jinja"
+    if not source and (jinja.exists() or jinja.is_symlink()):
+        source = read_input_text(jinja, inside=folder)
     if not source:
         return None
     if not isinstance(source, str):
@@ -117,28 +129,31 @@ class HFTokenizer:
 
     def __init__(self, folder: Path):
         self.path = folder
-        self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        text = read_input_text(folder / "tokenizer.json", inside=folder)
+        try:
+            self._tok = Tokenizer.from_str(text)
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception for any bad file
+            raise UserError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads "
+                            f"({str(exc)[:200]}): fix or re-download it")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eod(folder)
         self.chat_template = load_chat_template(folder)
 
     def _find_eod(self, folder: Path) -> int:
-        names = []
-        cfg = folder / "tokenizer_config.json"
-        if cfg.is_file():
-            eos = json.loads(cfg.read_text()).get("eos_token")
-            names.append(eos.get("content") if isinstance(eos, dict) else eos)
-        for name in [n for n in names if n] + list(EOD_CANDIDATES):
+        eos = _token_text(_folder_json(folder, "tokenizer_config.json").get("eos_token"))
+        for name in [eos] if isinstance(eos, str) and eos else []:
             tid = self._tok.token_to_id(name)
             if tid is not None:
                 return tid
-        model_cfg = folder / "config.json"
-        if model_cfg.is_file():
-            eos_id = json.loads(model_cfg.read_text()).get("eos_token_id")
-            if isinstance(eos_id, list):
-                eos_id = eos_id[0]
-            if isinstance(eos_id, int):
-                return eos_id
+        for name in EOD_CANDIDATES:
+            tid = self._tok.token_to_id(name)
+            if tid is not None:
+                return tid
+        eos_id = _folder_json(folder, "config.json").get("eos_token_id")
+        if isinstance(eos_id, list) and eos_id:
+            eos_id = eos_id[0]
+        if isinstance(eos_id, int) and not isinstance(eos_id, bool):
+            return eos_id
         raise UserError(f"{folder}: cannot tell the end-of-document token (no eos_token in tokenizer_config.json, "
                         f"none of {', '.join(EOD_CANDIDATES)} in the vocabulary)")
 
@@ -155,18 +170,17 @@ class TiktokenTokenizer:
     def __init__(self, path: Path):
         try:
             import tiktoken
-            from tiktoken.load import load_tiktoken_bpe
         except ImportError:
             raise UserError("a tiktoken BPE file needs the tiktoken package: pip install tiktoken")
-        try:
-            ranks = load_tiktoken_bpe(str(path))
-        except Exception as exc:  # noqa: BLE001 - any parse failure means "not a BPE file"
-            raise UserError(f"{path} is not a tiktoken BPE file ({exc}): give a tokenizer folder or a .tiktoken file")
+        ranks = read_tiktoken_ranks(path)
         self.path = path
         self.chat_template = None
         self.eod = max(ranks.values()) + 1
-        self._enc = tiktoken.Encoding(name=path.name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
-                                      special_tokens={TIKTOKEN_EOD: self.eod})
+        try:
+            self._enc = tiktoken.Encoding(name=path.name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+                                          special_tokens={TIKTOKEN_EOD: self.eod})
+        except Exception as exc:  # noqa: BLE001 - tiktoken's core refuses ranks it cannot build, in its own words
+            raise UserError(f"{path} is not a usable tiktoken BPE file ({str(exc)[:200]})")
         self.vocab_size = self.eod + 1
 
     def encode(self, text: str) -> list[int]:
@@ -174,6 +188,30 @@ class TiktokenTokenizer:
 
     def decode(self, ids) -> str:
         return self._enc.decode(list(map(int, ids)))
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A tiktoken BPE file's ``{token: rank}``: one ``base64-token rank`` pair a line, as tiktoken's
+    ``load_tiktoken_bpe`` reads it, but from this file's bytes, never from tiktoken's cache."""
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(read_input(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            token, rank = base64.b64decode(token, validate=True), int(rank)
+            if not 0 <= rank < 2**31:
+                raise ValueError
+        except (ValueError, binascii.Error):
+            raise UserError(f"{path} is not a tiktoken BPE file (line {lineno} is not 'base64-token rank'): give a "
+                            "tokenizer folder or a .tiktoken file")
+        ranks[token] = rank
+    if not ranks:
+        raise UserError(f"{path} is not a tiktoken BPE file (it holds no tokens): give a tokenizer folder or a "
+                        ".tiktoken file")
+    if len(set(ranks.values())) != len(ranks):
+        raise UserError(f"{path} gives two tokens the same rank: it is not a tiktoken BPE file")
+    return ranks
 
 
 def load_tokenizer(path: str | Path):

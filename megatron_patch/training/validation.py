@@ -9,13 +9,14 @@ order. What this machine can do is ``machine_checks``'.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Callable
 
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import validate_layout
+from megatron_patch.models.arch import read_config_json, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.training.faults import parse_faults
 from megatron_patch.training.launcher_args import (
@@ -112,9 +113,10 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vp=vp)
     world, nproc, nnodes = _world(run_env, layout, env)
     train_iters, warmup_iters = _iterations(a, sft, gbs * seq_len)
-    paths, weights = parse_data_paths("DATASET_PATH", a["DATASET_PATH"])
-    valid = None if is_none(a["VALID_DATASET_PATH"]) else \
-        parse_data_paths("VALID_DATASET_PATH", a["VALID_DATASET_PATH"])[0]
+    names_data = functools.partial(_data_found, dataset_type=dataset_type)
+    paths, weights = parse_data_paths("DATASET_PATH", a["DATASET_PATH"], names_data)
+    valid, valid_weights = (None, None) if is_none(a["VALID_DATASET_PATH"]) else \
+        parse_data_paths("VALID_DATASET_PATH", a["VALID_DATASET_PATH"], names_data)
     tokenizer = env.get("MP_TOKENIZER") or (ckpt if sft else None)
     if is_none(a["OUTPUT_BASEPATH"]):
         raise UserError("OUTPUT_BASEPATH is required: checkpoints, logs and TensorBoard go there")
@@ -124,7 +126,7 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         min_lr=min_lr, seq_len=seq_len, pad_len=pad_len, precision=precision, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
         sequence_parallel=sp, distributed_optimizer=do, flash_attention=fl, sft=sft, activation_checkpointing=ac,
         optimizer_offload_fraction=offload, save_interval=save_interval, dataset_path=paths, dataset_weights=weights,
-        valid_dataset_path=valid, pretrain_checkpoint=ckpt, train_iters=train_iters, warmup_iters=warmup_iters,
+        valid_dataset_path=valid, valid_dataset_weights=valid_weights, pretrain_checkpoint=ckpt, train_iters=train_iters, warmup_iters=warmup_iters,
         output_basepath=str(a["OUTPUT_BASEPATH"]), dataset_type=dataset_type, ac_layers=env_int(env, "MP_AC_LAYERS", 1),
         virtual_pipeline=vp, sft_packing=parse_bool("MP_SFT_PACKING", env.get("MP_SFT_PACKING") or "false"),
         pp0_layers=pp0, fp8_recipe=fp8_recipe, tp_comm_overlap=tp_comm_overlap, overlap_param_gather=do,
@@ -358,6 +360,8 @@ def training_length(cfg: RunConfig) -> None:
 def sft_data(cfg: RunConfig) -> None:
     if cfg.sft and (len(cfg.dataset_path) != 1 or cfg.dataset_weights):
         raise UserError("SFT takes one JSON/JSONL file as DATASET_PATH")
+    if cfg.sft and cfg.valid_dataset_path and (len(cfg.valid_dataset_path) != 1 or cfg.valid_dataset_weights):
+        raise UserError("SFT validates on one JSON/JSONL file as VALID_DATASET_PATH")
     if cfg.sft and cfg.tokenizer is None:
         raise UserError("SFT needs a tokenizer: set MP_TOKENIZER to a tokenizer folder/file, or give a "
                         "PRETRAIN_CHECKPOINT_PATH that carries tokenizer.json")
@@ -377,8 +381,15 @@ def probe_script_exists(cfg: RunConfig) -> None:
 
 
 def data_exists(cfg: RunConfig) -> None:
-    for path in cfg.dataset_path + (cfg.valid_dataset_path or []):
-        _check_data(path, cfg.dataset_type)
+    for name, paths in (("DATASET_PATH", cfg.dataset_path), ("VALID_DATASET_PATH", cfg.valid_dataset_path or [])):
+        for path in paths:
+            try:
+                _check_data(path, cfg.dataset_type)
+            except UserError as exc:
+                if len(paths) > 1:  # perhaps one path with spaces, read as several
+                    raise UserError(f"{exc} ({name} was read as {len(paths)} paths; quote a path that holds spaces "
+                                    "inside a blend, as examples/README.md shows)")
+                raise
 
 
 def tokenizer_exists(cfg: RunConfig) -> None:
@@ -413,12 +424,17 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
                         "give a converted checkpoint or a model size")
     if size != "auto" and size not in table:
         raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
+    if hf_config_file is not None and ckpt is None:
+        raise UserError("MP_HF_CONFIG describes the model a PRETRAIN_CHECKPOINT_PATH holds, and there is none: drop "
+                        "MP_HF_CONFIG (MODEL_SIZE chooses the model)")
     if ckpt is None:
         return dict(table[size]), None
 
     preset = None if size == "auto" else dict(table[size])
+    given = None if hf_config_file is None else read_config_json(
+        hf_config_file, hint="MP_HF_CONFIG takes the model's HF config.json or the folder that holds it")
     try:
-        opened = open_checkpoint(ckpt, hf_config=hf_config_file or preset, family=family)
+        opened = open_checkpoint(ckpt, hf_config=preset if given is None else given, family=family)
     except UserError as exc:
         raise UserError(f"PRETRAIN_CHECKPOINT_PATH: {exc}" + (" (or set MP_HF_CONFIG)" if "--hf-config" in str(exc)
                                                               else ""))
@@ -433,6 +449,11 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
             raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff)}): "
                             "use MODEL_SIZE=auto to take the checkpoint's architecture")
     return sidecar.hf_config, sidecar.arch.vocab_padded_to
+
+
+def _data_found(path: str, dataset_type: str) -> bool:
+    """Whether ``path`` names data as a whole: a value that does is one path, whatever spaces it holds."""
+    return Path(path).is_file() if dataset_type == "raw" else any(Path(path + s).exists() for s in (".bin", ".idx"))
 
 
 def _check_data(path: str, dataset_type: str) -> None:

@@ -1,0 +1,144 @@
+"""Small input files read whole (config.json, tokenizer files, the safetensors index, manifests): each is checked
+for where it leads, what it is and how large it is before a byte of it is read.
+
+- A file found inside a folder the user names (``--hf-dir``, a tokenizer folder, a checkpoint) must stay inside
+  it: ``config.json -> /dev/zero`` or ``tokenizer.json -> /etc/...`` is refused (``contained``). The one
+  exception is the Hugging Face hub cache, whose snapshot files link into the model's ``blobs/``. A file the
+  user names directly (``--hf-config FILE``, a ``.tiktoken`` file) is read wherever it leads.
+- Either way it must be a regular file: a FIFO would block its reader forever, a device (``/dev/zero``) never
+  ends. It is opened without blocking and without following a last symlink (``O_NONBLOCK``, ``O_NOFOLLOW``),
+  checked with ``fstat`` on the descriptor that is read, and read with a bound: ``MAX_INPUT_BYTES``, far above
+  any published model's file (the largest tokenizer.json on the hub is about 35 MB, the largest index about 10).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from megatron_patch.errors import UserError
+
+MAX_INPUT_BYTES = 256 * 2**20
+
+# The side files of an HF model folder that a tokenizer, transformers or a chat template read: what the
+# converters carry along with the weights, and what is checked before transformers reads a folder.
+HF_SIDE_FILES = (
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+    "*.tiktoken", "tokenizer.model", "spiece.model", "sentencepiece*.model", "generation_config.json",
+    "chat_template.*", "preprocessor_config.json",
+)
+
+
+def contained(folder: str | Path, name: str | Path, how: str = "found") -> Path:
+    """``folder / name``, refused in one line if it leaves ``folder`` (``..``, an absolute path, a symlink to
+    elsewhere). The one exception is the Hugging Face hub cache, whose snapshot folders hold symlinks into
+    the model's ``blobs/`` (``models--X/snapshots/REV/f -> ../../blobs/HASH``): those stay in the model."""
+    folder = Path(folder)
+    path = folder / name
+    real, home = path.resolve(), folder.resolve()
+    allowed = [home]
+    if home.parent.name == "snapshots":
+        allowed.append(home.parent.parent / "blobs")
+    if not any(real == a or a in real.parents for a in allowed):
+        raise UserError(f"{folder} {how} {str(name)!r}, which leads outside the folder (to {real}): refused; copy "
+                        "the file into the folder if it belongs to the model")
+    return path
+
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _check_regular(shown: Path, st: os.stat_result, limit: int | None) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        what = next((f"{kind}, not a regular file" for test, kind in _KINDS if test(st.st_mode)), "not a regular file")
+        raise UserError(f"{shown} is {what}: refused (a FIFO would block its reader, a device never ends); give "
+                        "the file itself")
+    if limit is not None and st.st_size > limit:
+        raise UserError(f"{shown} holds {st.st_size:,} bytes, more than the {limit:,} any such file needs: refused; "
+                        "check that it is the file you meant")
+
+
+def checked_input(path: str | Path, *, inside: str | Path | None = None, how: str = "found",
+                  limit: int | None = MAX_INPUT_BYTES, hint: str = "") -> Path:
+    """The real path of an input file that passed the checks (inside ``inside`` when given, a regular file, at
+    most ``limit`` bytes): for readers that open it themselves (a copy, transformers). UserError otherwise."""
+    path = Path(path)
+    if inside is not None:
+        path = contained(inside, os.path.relpath(path, inside), how)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise UserError(f"{path} not found" + (f": {hint}" if hint else ""))
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror})")
+    _check_regular(path, st, limit)
+    return path.resolve()
+
+
+def read_input(path: str | Path, *, inside: str | Path | None = None, how: str = "found",
+               limit: int | None = MAX_INPUT_BYTES, hint: str = "") -> bytes:
+    """The bytes of an input file, checked first (``checked_input``) and again on the descriptor that is read,
+    so a file swapped for a FIFO or a link in between is refused too."""
+    shown = Path(path)
+    real = checked_input(shown, inside=inside, how=how, limit=limit, hint=hint)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UserError(f"cannot read {shown} ({exc.strerror})")
+    try:
+        _check_regular(shown, os.fstat(fd), limit)
+        chunks, size = [], 0
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            size += len(chunk)
+            if limit is not None and size > limit:  # it grew while being read
+                raise UserError(f"{shown} grew past {limit:,} bytes while it was read: refused")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise UserError(f"cannot read {shown} ({exc.strerror})")
+    finally:
+        os.close(fd)
+
+
+def read_input_text(path: str | Path, **checks) -> str:
+    """``read_input`` as UTF-8 text, with a one-line error for bytes that are not."""
+    data = read_input(path, **checks)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}): fix or re-download it")
+
+
+def read_input_json(path: str | Path, *, hint: str = "", **checks) -> Any:
+    """An input file's JSON value, with one-line errors (``hint``: what to give when the file is missing)."""
+    data = read_input(path, hint=hint, **checks)
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}): fix or re-download it")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text (byte {exc.start}): fix or re-download it")
+    except RecursionError:
+        raise UserError(f"{path} nests its JSON too deeply to be a real file of its kind: fix or re-download it")
+
+
+def read_json_object(path: str | Path, *, hint: str = "", **checks) -> dict[str, Any]:
+    """``read_input_json`` of a file that must hold a JSON object."""
+    value = read_input_json(path, hint=hint, **checks)
+    if not isinstance(value, dict):
+        raise UserError(f"{path} must hold a JSON object, found {type(value).__name__}")
+    return value
+
+
+def check_folder_inputs(folder: str | Path, patterns: tuple[str, ...] = ("config.json", "model.safetensors.index.json",
+                                                                          *HF_SIDE_FILES)) -> None:
+    """Check every file of ``folder`` that matches ``patterns`` before a reader that opens them itself
+    (transformers) does: inside the folder, regular, bounded."""
+    folder = Path(folder)
+    found = {p.name for pattern in patterns for p in folder.glob(pattern) if not p.is_dir()}  # tokenizer/: a folder
+    for name in sorted(found):
+        checked_input(folder / name, inside=folder)

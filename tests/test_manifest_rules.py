@@ -1,0 +1,171 @@
+"""An output holds exactly what its manifest lists (issue 34, N7): ``mpatch verify`` names every file the
+manifest does not list and every listed file that is a symlink, leads outside the folder or is not a regular
+file, and refuses an empty manifest; every reader that checks a manifest (mcore2hf, the loads for training and
+align) applies the same rules (``checkpoint_files.manifest.check_coverage``) before it reads a byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, write_manifest
+from megatron_patch.convert.checkpoint import hf_to_mcore
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.runtime.distributed import ParallelLayout
+from tests.convert_helpers import leftovers, run_cli
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path_factory.mktemp("hf") / "llama", seed=4)
+    out = tmp_path_factory.mktemp("ck") / "ck"
+    hf_to_mcore(hf, out, ParallelLayout(), progress=False)
+    return out
+
+
+@pytest.fixture
+def work(ckpt, tmp_path) -> Path:
+    """A copy of the converted checkpoint to spoil."""
+    return Path(shutil.copytree(ckpt, tmp_path / "ck"))
+
+
+def _one_line(rc: int, err: str, *words: str) -> None:
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def _verify(capsys, path: Path, *words: str) -> str:
+    rc, err = run_cli(capsys, "verify", str(path))
+    _one_line(rc, err, *words)
+    return err
+
+
+def _link_out(work: Path, name: str) -> Path:
+    """``work/name`` replaced by a link to an identical copy outside the folder (its digest still matches)."""
+    outside = work.parent / "elsewhere" / name
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(work / name, outside)
+    (work / name).symlink_to(outside)
+    return outside
+
+
+def test_verify_names_every_file_the_manifest_does_not_list(work, capsys):
+    (work / "notes.txt").write_text("mine")
+    (work / "release" / "extra.distcp").write_bytes(b"x")
+    (work / "passwd").symlink_to("/etc/passwd")
+    os.mkfifo(work / "pipe")
+    _verify(capsys, work, "4 file(s) that mpatch_manifest.json does not list",
+            "notes.txt", "passwd", "pipe", "release/extra.distcp")
+
+
+def test_verify_names_listed_files_that_are_links_or_not_regular_files(work, capsys):
+    sidecar, distcp = "mpatch_checkpoint.json", sorted(p.name for p in (work / "release").glob("*.distcp"))[0]
+    _link_out(work, sidecar)
+    os.replace(work / "release" / distcp, work / "release" / "saved")
+    os.mkfifo(work / "release" / distcp)
+    err = _verify(capsys, work, f"lists {sidecar}, which leads outside", f"lists release/{distcp}, which is a FIFO")
+    assert "saved" in err  # the file moved aside is unlisted
+    (work / "release" / distcp).unlink()
+    (work / "release" / distcp).symlink_to(work / "release" / "saved")  # a link that stays inside is a link still
+    _verify(capsys, work, f"lists release/{distcp}, which is a symlink (to {work / 'release' / 'saved'})")
+
+
+def test_verify_refuses_a_listed_folder_reached_through_a_link(work, capsys):
+    _link_out(work, "release")
+    _verify(capsys, work, "lists release/", "which leads outside")
+
+
+def test_verify_refuses_an_empty_manifest(work, capsys):
+    manifest = json.loads((work / MANIFEST_NAME).read_text())
+    (work / MANIFEST_NAME).write_text(json.dumps({**manifest, "files": {}}))
+    _verify(capsys, work, "lists no files, so it vouches for nothing")
+
+
+def test_verify_refuses_a_run_folder_whose_iterations_lie_elsewhere(work, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint").symlink_to(work)
+    _verify(capsys, run, "leads outside", "through a symlink")
+
+
+def test_the_hub_cache_layout_of_an_output_verifies(work, tmp_path, capsys):
+    snapshot, blobs = tmp_path / "models--x" / "snapshots" / "abc", tmp_path / "models--x" / "blobs"
+    blobs.mkdir(parents=True)
+    for i, p in enumerate(sorted(q for q in work.rglob("*") if q.is_file())):
+        os.link(p, blobs / f"blob{i}")
+        (snapshot / p.relative_to(work)).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / p.relative_to(work)).symlink_to(blobs / f"blob{i}")
+    rc, err = run_cli(capsys, "verify", str(snapshot))
+    assert rc == 0, err
+
+
+def test_mcore2hf_does_not_read_through_a_listed_link(work, tmp_path, capsys):
+    distcp = sorted(p.name for p in (work / "release").glob("*.distcp"))[0]
+    _link_out(work, f"release/{distcp}")
+    out = tmp_path / "hf_out"
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(work), "--save-dir", str(out), "--quiet")
+    _one_line(rc, err, f"lists release/{distcp}, which leads outside")
+    assert not out.exists() and not leftovers(out)
+
+
+def test_loads_for_training_and_align_apply_the_same_rules(work):
+    from megatron_patch.convert.loading import verify_before_load
+
+    (work / "release" / "planted.pt").write_bytes(b"x")
+    with pytest.raises(IntegrityError, match="does not list .added after mpatch wrote it.: release/planted.pt"):
+        verify_before_load(work / "release")
+
+
+def test_a_data_prefix_manifest_covers_its_bin_and_idx(tmp_path, capsys):
+    from tests.training_helpers import make_tiktoken_file, write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i}"} for i in range(5)])
+    tok = make_tiktoken_file(tmp_path / "tok.tiktoken", [])
+    assert run_cli(capsys, "preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "p"),
+                   "--tokenizer", str(tok), "--quiet")[0] == 0
+    manifest = tmp_path / f"p_text_document.{MANIFEST_NAME}"
+    raw = json.loads(manifest.read_text())
+    del raw["files"]["p_text_document.idx"]
+    manifest.write_text(json.dumps(raw))
+    _verify(capsys, manifest, "1 file(s) that p_text_document.mpatch_manifest.json does not list",
+            "p_text_document.idx")
+
+
+def _iteration_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "iter_0000002"
+    folder.mkdir()
+    for name in (".metadata", "__0_0.distcp", "common.pt", "train_state.json"):
+        (folder / name).write_bytes(name.encode())
+    return folder
+
+
+def test_training_manifests_list_the_hidden_metadata(tmp_path, monkeypatch):
+    """torch_dist's ``.metadata`` is what resume reads first; the manifest of a training save left hidden files out."""
+    from megatron_patch.training import checkpointing
+
+    folder = _iteration_folder(tmp_path)
+    one_rank = SimpleNamespace(barrier=lambda: None, get_rank=lambda: 0, get_world_size=lambda: 1,
+                               all_gather_object=lambda out, obj: out.__setitem__(0, obj))
+    monkeypatch.setattr(checkpointing, "dist", one_rank)
+    checkpointing._write_shared_manifest(folder, "mpatch train, iteration 2")
+    assert ".metadata" in json.loads((folder / MANIFEST_NAME).read_text())["files"]
+
+
+def test_a_training_iteration_saved_before_its_manifest_listed_metadata_still_reads(tmp_path):
+    """A run folder saved before the change above still resumes: its ``.metadata`` is not counted as unlisted.
+    Only training left it out: any other writer's manifest that does not list it is refused."""
+    from megatron_patch.checkpoint_files.manifest import check_coverage, digests
+
+    folder = _iteration_folder(tmp_path)
+    older = digests(folder, ["__0_0.distcp", "common.pt", "train_state.json"], sync=False)
+    write_manifest(folder, "mpatch train, iteration 2", files=older, sync=False)
+    assert ".metadata" not in check_coverage(folder / MANIFEST_NAME)["files"]
+    write_manifest(folder, "mpatch convert hf2mcore", files=older, sync=False)
+    with pytest.raises(IntegrityError, match="does not list .added after mpatch wrote it.: .metadata"):
+        check_coverage(folder / MANIFEST_NAME)
