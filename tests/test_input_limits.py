@@ -2,7 +2,10 @@
 
 - preprocess: a line over the ceiling (``--max-line-mb``) is refused naming its line, without being read whole;
   ``--workers`` has a ceiling; a line that is not UTF-8 is named by its own number;
-- a full disk in hf2mcore, mcore2hf and preprocess is one line and exit 2, the output as it was before.
+- the launcher's token and iteration counts have ceilings, refused before any rank starts;
+- a full disk in hf2mcore, mcore2hf and preprocess is one line and exit 2, the output as it was before;
+- a fuzzed contract (hypothesis) over preprocess's JSONL lines and the launcher's counts and environment
+  extras: a result, or a one-line ``UserError``; never a traceback or a hang.
 
 All in process, through the CLI's ``main`` where a user would type the command.
 """
@@ -12,14 +15,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from tests.convert_helpers import leftovers, run_cli
-from tests.training_helpers import make_texts, make_tokenizer, write_jsonl
+from tests.training_helpers import launcher_args, make_texts, make_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +215,115 @@ def test_an_edquot_is_a_full_disk_too_and_other_errors_are_not():
     with pytest.raises(PermissionError):
         with full_disk_is_bad_input("/x", "--save-dir"):
             raise PermissionError(errno.EACCES, "denied")
+
+
+# --- the launcher's counts ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("over, message", [
+    (dict(TRAIN_TOKENS_OR_ITERS="1e30"), "TRAIN_TOKENS_OR_ITERS=1e30 is more than 1000000000000000 tokens, the most a run takes"),
+    (dict(WARMUP_TOKENS_OR_ITERS="1e16"), "WARMUP_TOKENS_OR_ITERS=1e16 is more than 1000000000000000 tokens"),
+    (dict(TRAIN_TOKENS_OR_ITERS="1e15"), "TRAIN_TOKENS_OR_ITERS=1e15 tokens make 1953125000000 iterations of "
+                                         "GLOBAL_BATCH_SIZE*SEQ_LEN = 512 tokens, and at most 100000000"),
+    (dict(SFT="true", DATASET_PATH="x.jsonl", TRAIN_TOKENS_OR_ITERS="200000000"),
+     "TRAIN_TOKENS_OR_ITERS=200000000 is more than 100000000 iterations, the most a run takes"),
+    (dict(GLOBAL_BATCH_SIZE="10000000000", TRAIN_TOKENS_OR_ITERS="1e15"),
+     "GLOBAL_BATCH_SIZE must be at most 1000000, got 10000000000"),
+])
+def test_token_and_iteration_counts_have_ceilings(over, message):
+    """1e30 tokens used to be accepted: megatron-core then built a dataset index for 1e27 samples and the run
+    hung without a word."""
+    env = {"MP_TOKENIZER": "tok"} if over.get("SFT") else {}
+    with pytest.raises(UserError) as exc:
+        from megatron_patch.training.validation import resolve
+
+        resolve("llama3_1", launcher_args(**over), env=env, check_paths=False)
+    assert message in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_validation_iterations_have_a_ceiling():
+    from megatron_patch.training.validation import resolve
+
+    with pytest.raises(UserError, match="MP_EVAL_ITERS must be at most 100000000"):
+        resolve("llama3_1", launcher_args(), env={"MP_EVAL_ITERS": "1000000000000"}, check_paths=False)
+
+
+def test_a_count_over_the_ceiling_is_refused_before_any_rank_starts(tmp_path, capsys):
+    rc, err = run_cli(capsys, "train", "llama3_1", *launcher_args(TRAIN_TOKENS_OR_ITERS="1e30",
+                                                                  OUTPUT_BASEPATH=str(tmp_path / "out")))
+    _one_line(rc, err, "TRAIN_TOKENS_OR_ITERS=1e30 is more than 1000000000000000 tokens, the most a run takes")
+    assert not (tmp_path / "out").exists()
+
+
+# --- the fuzzed contract ------------------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=8))
+JSON_VALUES = st.recursive(JSON_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)), max_leaves=6)
+LINE = st.one_of(
+    st.builds(lambda t: json.dumps({"text": t}), st.text(max_size=40)),           # a document
+    st.builds(lambda t: json.dumps({"text": t}, ensure_ascii=False), st.text(max_size=40)),
+    st.builds(json.dumps, JSON_VALUES),                                          # any JSON: missing keys, non-objects
+    st.builds(lambda v: json.dumps({"text": v}), JSON_VALUES),                   # a non-string text
+    st.sampled_from(['{"text": "a\\ud800"}', '{"text": 1' + "0" * 5000 + "}", "[" * 5000, "", " ", "\r",
+                     '{"text": "x"', "\x00", '{"text": "' + "w " * 600 + '"}', "\ufeff{}"]),
+    st.text(max_size=20),
+).map(str.encode)
+RAW_LINE = st.one_of(LINE, st.binary(max_size=12))  # bytes that may not be UTF-8
+
+
+@FUZZ
+@given(lines=st.lists(RAW_LINE, min_size=1, max_size=8), workers=st.sampled_from([1, 1, 2]),
+       strict=st.booleans(), ending=st.sampled_from([b"\n", b"\r\n", b""]))
+@example(lines=[b'{"text": "ok"}', b'{"text": "a\\ud800"}'], workers=1, strict=False, ending=b"\n")
+def test_fuzz_preprocess_lines(tok, capsys, lines, workers, strict, ending):
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp, "in.jsonl")
+        data.write_bytes(b"\n".join(lines) + ending)
+        rc, err = _preprocess(capsys, tok, data, Path(tmp, "p"), "--workers", str(workers), "--max-line-mb", "0.001",
+                              *(["--strict"] if strict else []))
+        if rc == 0:
+            from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+            assert len(IndexedDataset(str(Path(tmp, "p_text_document")))) >= 1
+            assert all(": skipped: " in line for line in err.splitlines()), err
+        else:
+            _one_line(rc, err)
+        assert not list(Path(tmp).glob("*partial*"))
+
+
+COUNT_TEXT = st.one_of(st.sampled_from(["1e30", "1e15", "1e16", "1e400", "1e308", "9" * 40, "1T", "1000000T",
+                                        "0.5", "-1", "nan", "inf", "1e-3", "10B", "5M", "", " 7", "²", "0x10"]),
+                       st.integers(0, 10**20).map(str), st.text(max_size=6))
+COUNTED = ["TRAIN_TOKENS_OR_ITERS", "WARMUP_TOKENS_OR_ITERS", "GLOBAL_BATCH_SIZE", "BATCH_SIZE", "SAVE_INTERVAL",
+           "SEQ_LEN"]
+EXTRAS = ["MP_EVAL_ITERS", "MP_EVAL_INTERVAL", "MP_LOG_INTERVAL", "MP_EXIT_INTERVAL", "MP_NPROC", "MP_AC_LAYERS",
+          "MP_DIST_TIMEOUT_MIN", "MP_MAX_RESTARTS", "MP_SEED", "MP_OFFLOAD_CHUNK_MB", "MP_INJECT_FAULT"]
+
+
+@FUZZ
+@given(data=st.data())
+@example(data=None)
+def test_fuzz_launcher_counts_and_extras(data):
+    """Counts anywhere in the launcher's arguments or environment: refused in one line, or a run whose sizes are
+    within the ceilings. (tests/test_bad_input.py fuzzes the other positional arguments.)"""
+    from megatron_patch.training.launcher_args import MAX_GLOBAL_BATCH, MAX_ITERATIONS
+    from megatron_patch.training.validation import resolve
+
+    if data is None:  # the issue's case
+        over, env = {"TRAIN_TOKENS_OR_ITERS": "1e30"}, {}
+    else:
+        over = {name: data.draw(COUNT_TEXT) for name in data.draw(st.lists(st.sampled_from(COUNTED), max_size=3))}
+        if data.draw(st.booleans()):
+            over.update(SFT="true", DATASET_PATH="x.jsonl")
+        env = {name: data.draw(COUNT_TEXT) for name in data.draw(st.lists(st.sampled_from(EXTRAS), max_size=3))}
+    env.setdefault("MP_TOKENIZER", "tok")
+    try:
+        cfg = resolve("llama3_1", launcher_args(**over), env=env, check_paths=False)
+    except UserError as exc:
+        assert "\n" not in str(exc)
+        return
+    assert 1 <= cfg.train_iters <= MAX_ITERATIONS and 0 <= cfg.warmup_iters < cfg.train_iters
+    assert cfg.eval_iters <= MAX_ITERATIONS and cfg.global_batch_size <= MAX_GLOBAL_BATCH

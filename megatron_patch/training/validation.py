@@ -22,6 +22,9 @@ from megatron_patch.training.launcher_args import (
     AC_MODES,
     ENVS,
     FP8_RECIPES,
+    MAX_GLOBAL_BATCH,
+    MAX_ITERATIONS,
+    MAX_TOKENS,
     arg_names,
     env_float,
     env_int,
@@ -74,7 +77,8 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
     do = parse_bool("DO", a["DO"])
     fl = parse_bool("FL", a["FL"])
     ac = parse_choice("AC", a["AC"], AC_MODES)
-    mbs, gbs = parse_int("BATCH_SIZE", a["BATCH_SIZE"]), parse_int("GLOBAL_BATCH_SIZE", a["GLOBAL_BATCH_SIZE"])
+    mbs = parse_int("BATCH_SIZE", a["BATCH_SIZE"], hi=MAX_GLOBAL_BATCH)
+    gbs = parse_int("GLOBAL_BATCH_SIZE", a["GLOBAL_BATCH_SIZE"], hi=MAX_GLOBAL_BATCH)
     lr, min_lr = parse_float("LR", a["LR"]), parse_float("MIN_LR", a["MIN_LR"])
     seq_len, pad_len = parse_int("SEQ_LEN", a["SEQ_LEN"]), parse_int("PAD_LEN", a["PAD_LEN"])
     save_interval = parse_int("SAVE_INTERVAL", a["SAVE_INTERVAL"])
@@ -142,7 +146,7 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         compile_fusions=parse_bool("MP_COMPILE_FUSIONS", env["MP_COMPILE_FUSIONS"]) if env.get("MP_COMPILE_FUSIONS")
         else None,
         log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
-        eval_iters=env_int(env, "MP_EVAL_ITERS", 10), seed=env_int(env, "MP_SEED", 1234, lo=0),
+        eval_iters=env_int(env, "MP_EVAL_ITERS", 10, hi=MAX_ITERATIONS), seed=env_int(env, "MP_SEED", 1234, lo=0),
         save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
         max_restarts=env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
         dist_timeout_min=env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
@@ -169,16 +173,22 @@ def _offload(raw: str) -> tuple[float, str]:
 
 
 def _iterations(a: dict, sft: bool, tokens_per_iter: int) -> tuple[int, int]:
-    """(training, warm-up) iterations: tokens for pretraining, iterations for SFT (the reference's convention)."""
+    """(training, warm-up) iterations: tokens for pretraining, iterations for SFT (the reference's convention);
+    each within its ceiling (``launcher_args.MAX_TOKENS``, ``MAX_ITERATIONS``)."""
     train_raw, warm_raw = a["TRAIN_TOKENS_OR_ITERS"], a["WARMUP_TOKENS_OR_ITERS"]
     if sft:
-        train, warmup = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw), parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw)
+        train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw, MAX_ITERATIONS, "iterations")
+        warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw, MAX_ITERATIONS, "iterations")
     else:
-        train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw) // tokens_per_iter
-        warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw) // tokens_per_iter
+        train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw, MAX_TOKENS, "tokens") // tokens_per_iter
+        warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw, MAX_TOKENS, "tokens") // tokens_per_iter
         if train < 1:
             raise UserError(f"TRAIN_TOKENS_OR_ITERS={train_raw} tokens is less than one iteration "
                             f"(GLOBAL_BATCH_SIZE*SEQ_LEN = {tokens_per_iter} tokens): pretraining takes a token count")
+        if train > MAX_ITERATIONS:
+            raise UserError(f"TRAIN_TOKENS_OR_ITERS={train_raw} tokens make {train} iterations of GLOBAL_BATCH_SIZE*"
+                            f"SEQ_LEN = {tokens_per_iter} tokens, and at most {MAX_ITERATIONS} iterations are taken "
+                            "(docs/training.md): check the number, or raise the global batch")
     if train < 1:
         raise UserError(f"TRAIN_TOKENS_OR_ITERS must give at least one iteration, got '{train_raw}'")
     return train, warmup
