@@ -22,7 +22,8 @@ from megatron_patch.models.registry import families
 from megatron_patch.models.shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import LAUNCHER_PID, JobFailed, die_with_launcher, quiet_cpu_warnings, run_torchrun
+from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, checkpoint_writer_dies_with_rank,
+                                           die_with_launcher, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.launcher_args import arg_names, launched_rank, launchers, usage
 from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
@@ -234,6 +235,7 @@ def _train_here(cfg) -> int:
 
     quiet_cpu_warnings()
     die_with_launcher()
+    checkpoint_writer_dies_with_rank()
     register_rank(Path(cfg.output_basepath).absolute())  # held until this process ends, however it ends
     try:
         train(cfg)

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing.managers import SyncManager
 from typing import Any, Callable
 
 from megatron_patch.errors import UserError
@@ -272,12 +273,14 @@ def die_with_launcher(log=print) -> str:
     """Make this rank end when the process that started it ends, however it ends (a SIGKILL to the launcher's
     process group, a closed terminal, a scheduler without cgroups): torch elastic starts each rank in a
     session of its own, so nothing else would stop it, and it would go on writing the run's checkpoints.
-
-    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, then a check that the parent is still the launcher (it may
-    have died before the call, and then no signal comes). Elsewhere: a thread that watches the parent.
     Returns how, in words."""
+    return die_with_parent(int(os.environ.get(LAUNCHER_PID) or os.getppid()), "its launcher", log)
 
-    expected = int(os.environ.get(LAUNCHER_PID) or os.getppid())
+
+def die_with_parent(expected: int, who: str = "its parent", log=print) -> str:
+    """This process ends when its parent (pid ``expected``) ends. Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
+    then a check that the parent is still ``expected`` (it may have died before the call, and then no signal
+    comes). Elsewhere: a thread that watches the parent. Returns how, in words."""
     how = "prctl(PR_SET_PDEATHSIG)"
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -292,7 +295,33 @@ def die_with_launcher(log=print) -> str:
             os._exit(1)
 
         threading.Thread(target=watch, name="mpatch-parent-watch", daemon=True).start()
-    if os.getppid() != expected:  # the launcher was gone before the signal was armed
-        log(f"rank {os.environ.get('RANK', '?')}: its launcher (pid {expected}) is gone; exiting")
+    if os.getppid() != expected:  # the parent was gone before the signal was armed
+        log(f"rank {os.environ.get('RANK', '?')}: {who} (pid {expected}) is gone; exiting")
         os._exit(1)
     return how
+
+
+_WRITER_MANAGERS: list = []  # the Manager behind megatron-core's results queue, for this process's life
+
+
+def checkpoint_writer_dies_with_rank() -> None:
+    """megatron-core's checkpoint writer (``FileSystemWriterAsync``) gets its write results back through a queue
+    served by a multiprocessing Manager: a spawned process of about 270 MB, started at a rank's first save and
+    kept for the rank's life. The parent-death signal is not inherited, so a rank killed with its launcher
+    left that process running for good (issue 34). Here the queue is made, at the first save as before, by a
+    Manager whose process is armed like the ranks (``die_with_parent``). megatron-core 0.16 and 0.19 both keep
+    the queue in ``filesystem_async._results_queue`` behind a getter (``_get_write_results_queue``; 0.19:
+    ``get_write_results_queue``) that the writer looks up when it saves."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as writer
+
+    def results_queue(*args, **kwargs):
+        if writer._results_queue is None:
+            manager = SyncManager(ctx=mp.get_context("spawn"))
+            manager.start(initializer=die_with_parent, initargs=(os.getpid(), "the rank it writes for"))
+            _WRITER_MANAGERS.append(manager)
+            writer._results_queue = manager.Queue()
+        return writer._results_queue
+
+    for name in ("get_write_results_queue", "_get_write_results_queue"):
+        if hasattr(writer, name):
+            setattr(writer, name, results_queue)
