@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -203,11 +204,13 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> lis
 # --- torchrun -------------------------------------------------------------------------------------
 
 class JobFailed(Exception):
-    """A job started by torchrun failed; the message is one line, ``code`` the exit status to give."""
+    """A job started by torchrun failed; the message is one line, ``code`` the exit status to give, ``kind`` the
+    failing rank's own ('user', 'internal', 'hang', 'lost') where it told one."""
 
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = 1, kind: str | None = None):
         super().__init__(message)
         self.code = code
+        self.kind = kind
 
 
 def run_torchrun(torchrun_args: list[str]) -> None:
@@ -219,6 +222,10 @@ def run_torchrun(torchrun_args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    if os.environ.get("MPATCH_DEBUG") != "1":
+        # The agent logs each failed rank and each rank it stops ("failed (exitcode: 1) local_rank: 0 ..."):
+        # the one line below says it, from the ranks' own reports.
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as exc:
@@ -239,28 +246,29 @@ def _text(failure) -> str:
     return message.get("message", "") if isinstance(message, dict) else str(message or "")
 
 
-def explain_failures(failures: dict) -> tuple[str, int]:
-    """(one line, exit status) for torchrun's failed ranks ({global rank: ProcessFailure}).
+def explain_failures(failures: dict) -> tuple[str, int, str | None]:
+    """(one line, exit status, the rank's kind) for torchrun's failed ranks ({global rank: ProcessFailure}).
 
     The root cause, in this order: a rank's own one-line error (bad input: exit 2; a collective that
     timed out, naming the rank that stopped answering), a rank killed by a signal the agent did not
-    send (SIGKILL from the OOM killer or a person, SIGSEGV...), a lost connection, the first rank
-    that exited non-zero (whose traceback is above)."""
+    send (SIGKILL from the OOM killer or a person, SIGSEGV...), a rank's internal error (its traceback in
+    the run's log), a lost connection, the first rank that exited non-zero."""
     order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     for kind, code in (("user", 2), ("hang", 1)):
         for rank, f in order:
             if _kind(f) == kind:
-                return _text(f), code
+                return _text(f), code, kind
     for rank, f in order:
         if f.exitcode < 0 and f.signal_name() not in ("SIGTERM", "SIGINT"):
             return (f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (by hand, by the scheduler, or by "
-                    "the kernel for want of memory); the other ranks were stopped"), 1
-    for rank, f in order:
-        if _kind(f) == "lost":
-            return _text(f), 1
+                    "the kernel for want of memory); the other ranks were stopped"), 1, None
+    for kind in ("internal", "lost"):
+        for rank, f in order:
+            if _kind(f) == kind:
+                return _text(f), 1, kind
     rank, f = order[0]
     how = f"was stopped by {f.signal_name()}" if f.exitcode < 0 else f"exited with status {f.exitcode}"
-    return f"rank {rank} (pid {f.pid}) {how}: its traceback is above", 1
+    return f"rank {rank} (pid {f.pid}) {how}: its output is above", 1, None
 
 
 # --- ranks end with their launcher ----------------------------------------------------------------

@@ -78,7 +78,8 @@ EXTRAS = {
     "MP_OFFLOAD_PROBE_SCRIPT": "testing: JSON {\"device_fraction\": {\"ITER\": share}} replaces auto's memory readings",
     "MP_OFFLOAD_TIMING": "true: time the offloaded step's phases (adds synchronisations; benchmarks)",
     "MP_LOSS_SCALE_WINDOW": "PR=fp16: good steps before the dynamic loss scale doubles (default 1000)",
-    "MP_INJECT_FAULT": "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), comma-separated",
+    "MP_INJECT_FAULT": "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), error@N (an "
+                       "exception as N starts), comma-separated",
     "MP_EXIT_INTERVAL": "stop after this many iterations (after saving), e.g. to test a resume",
     "MP_LOG_INTERVAL": "log every this many iterations (default 1)",
     "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",

@@ -398,7 +398,41 @@ def tokenizer_exists(cfg: RunConfig) -> None:
         check_tokenizer_path(cfg.tokenizer)
 
 
-PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, data_exists, tokenizer_exists)
+# The folders a run writes inside OUTPUT_BASEPATH (final/, once written, is only read by a rerun).
+RUN_FOLDERS = ("checkpoint", "log", "data_cache", "tensorboard")
+
+
+def output_folder_writable(cfg: RunConfig) -> None:
+    """OUTPUT_BASEPATH, and the folders a run writes in it, are folders this process can write (or can be made
+    so): each rank would otherwise fail at its first write, deep inside megatron-core."""
+    out = Path(cfg.output_basepath).absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if existing != out:  # made by the launcher: its nearest existing folder must take it
+        if not existing.is_dir():
+            raise UserError(f"OUTPUT_BASEPATH {out} cannot be made: {existing} is a file, not a folder; choose another")
+        _check_writable(existing, out)
+        return
+    for folder in (out, *(out / name for name in RUN_FOLDERS)):
+        if folder.exists() or folder == out:
+            if folder == out and not folder.is_dir():
+                raise UserError(f"OUTPUT_BASEPATH {out} is a file, not a folder: choose a folder (it is made if "
+                                "missing)")
+            if not folder.is_dir():
+                raise UserError(f"OUTPUT_BASEPATH {out}: {folder.name} is a file, and the run keeps a folder of that "
+                                "name there: move it away or choose another OUTPUT_BASEPATH")
+            _check_writable(folder, out)
+
+
+def _check_writable(folder: Path, out: Path) -> None:
+    if os.access(folder, os.W_OK | os.X_OK):
+        return
+    why = "on a read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "not writable by this user"
+    raise UserError(f"OUTPUT_BASEPATH {out}: {folder} is {why}, and the run writes there: make it writable or choose "
+                    "another OUTPUT_BASEPATH")
+
+
+PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, data_exists, tokenizer_exists,
+                                                        output_folder_writable)
 
 
 # --- reading what a value names ------------------------------------------------------------------------------
