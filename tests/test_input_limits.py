@@ -115,6 +115,18 @@ def test_lines_no_tokenizer_takes_are_skipped_by_line(tok, tmp_path, capsys):
     assert "in.jsonl:3: skipped: not readable JSON (nested too deeply)" in err
 
 
+def test_bad_lines_are_counted_and_only_the_first_are_kept(tok, tmp_path, capsys):
+    """A file of nothing but bad lines held every one of them (line number and message) in memory."""
+    from megatron_patch.training.preprocess import BAD_LINES_KEPT, preprocess
+
+    write_jsonl(tmp_path / "in.jsonl", [{"text": "good"}] + [{"other": i} for i in range(BAD_LINES_KEPT + 5)])
+    report = preprocess(tmp_path / "in.jsonl", str(tmp_path / "p"), tok, progress=False)
+    assert report.documents == 1 and report.skipped == BAD_LINES_KEPT + 5
+    assert [n for n, _ in report.bad_lines] == list(range(2, BAD_LINES_KEPT + 2))
+    rc, err = _preprocess(capsys, tok, tmp_path / "in.jsonl", tmp_path / "q")
+    assert rc == 0 and err.count(": skipped: no 'text' field") == BAD_LINES_KEPT and "... and 5 more skipped lines" in err
+
+
 def test_workers_write_every_document_in_order(tok, tmp_path, capsys):
     """Batches of bounded size go to the workers (a long line alone), and come back in input order."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -16,12 +16,12 @@ def run(args) -> int:
     report = preprocess(args.input, args.output_prefix, args.tokenizer, json_key=args.json_key, workers=args.workers,
                         append_eod=args.append_eod, strict=args.strict, progress=False if args.quiet else None,
                         max_line_bytes=args.max_line_mb)
-    for lineno, error in report.bad_lines[:20]:
+    for lineno, error in report.bad_lines:
         print(f"{args.input}:{lineno}: skipped: {error}", file=sys.stderr)
-    if len(report.bad_lines) > 20:
-        print(f"... and {len(report.bad_lines) - 20} more skipped lines", file=sys.stderr)
+    if report.skipped > len(report.bad_lines):
+        print(f"... and {report.skipped - len(report.bad_lines)} more skipped lines", file=sys.stderr)
     print(f"wrote {report.output_prefix}.bin/.idx: {report.documents} documents, {report.tokens} tokens"
-          + (f", {len(report.bad_lines)} bad lines skipped" if report.bad_lines else ""))
+          + (f", {report.skipped} bad lines skipped" if report.skipped else ""))
     return 0
 
 

@@ -48,6 +48,8 @@ BATCH_BYTES = 4 * 2**20
 BATCHES_PER_WORKER = 2
 # Workers per CPU core this process may use, at most: tokenizing is CPU-bound, so more only add memory.
 WORKERS_PER_CORE = 4
+# Bad lines named in the report (the rest are counted).
+BAD_LINES_KEPT = 20
 
 _TOKENIZER = None
 _DTYPE = None
@@ -148,7 +150,8 @@ class PreprocessReport:
     documents: int = 0
     tokens: int = 0
     characters: int = 0
-    bad_lines: list[tuple[int, str]] = field(default_factory=list)
+    bad_lines: list[tuple[int, str]] = field(default_factory=list)  # the first BAD_LINES_KEPT of them
+    skipped: int = 0  # bad lines in all
 
 
 def _publish(tmp: str, prefix: str) -> None:
@@ -244,7 +247,9 @@ def _preprocess(input_path: Path, prefix: str, tokenizer, tokenizer_path, json_k
                     continue
                 if strict:
                     raise UserError(f"{input_path} line {lineno}: {error}")
-                report.bad_lines.append((lineno, error))
+                report.skipped += 1
+                if len(report.bad_lines) < BAD_LINES_KEPT:  # a file of nothing else stays within memory too
+                    report.bad_lines.append((lineno, error))
                 continue
             builder.add_document(ids, [len(ids)])
             report.documents += 1
