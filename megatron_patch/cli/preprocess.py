@@ -51,7 +51,7 @@ def register(subparsers) -> None:
                    help=f"tokenizer worker processes (default 1; at most {WORKERS_PER_CORE} per CPU core)")
     p.add_argument("--max-line-mb", type=_mebibytes, default=DEFAULT_MAX_LINE_MB * 2**20, metavar="MB",
                    help=f"refuse a line longer than this many MiB (default {DEFAULT_MAX_LINE_MB}): tokenizing a "
-                        "line takes about 170 MB of memory per MB of it, in each worker")
+                        "line takes about 200 MB of memory per MB of it, in each worker")
     p.add_argument("--append-eod", action="store_true", default=True,
                    help="append the end-of-document token to each document (default)")
     p.add_argument("--no-append-eod", dest="append_eod", action="store_false", help="do not append it")

@@ -38,8 +38,8 @@ from megatron_patch.training.tokenizer import load_tokenizer
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
-# A longer line is refused (``--max-line-mb``): tokenizing a line takes about 170 MB of memory per MB of its text
-# with a HF tokenizer (measured on 1 and 8 MB lines), in whichever worker has it; a 100 MB line took 20 GB.
+# A longer line is refused (``--max-line-mb``): tokenizing a line takes 170-200 MB of memory per MB of its text
+# with a HF tokenizer (scripts/bench_preprocess_memory.py), in whichever worker has it; a 100 MB line took 20 GB.
 DEFAULT_MAX_LINE_MB = 8
 # What one worker is sent at once: this many lines, or fewer that reach this many bytes (a longer line goes alone).
 BATCH_LINES = 64
@@ -216,7 +216,7 @@ def _lines(input_path: Path, max_line_bytes: int, json_key: str, append_eod: boo
                 return
             if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
                 raise UserError(f"{input_path} line {lineno} is longer than {max_line_bytes / 2**20:g} MiB "
-                                "(--max-line-mb; each worker needs about 170 MB of memory per MB of a line it "
+                                "(--max-line-mb; each worker needs about 200 MB of memory per MB of a line it "
                                 "tokenizes): split the document, or raise --max-line-mb if the memory is there")
             try:
                 line = raw.decode("utf-8")
