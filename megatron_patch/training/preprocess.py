@@ -196,14 +196,13 @@ def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str |
     out_dir = Path(prefix).parent
     if not out_dir.is_dir():
         raise UserError(f"output folder {out_dir} does not exist: create it first")
-    with OutputLock(prefix, "--output-prefix"):
+    with full_disk_is_bad_input(f"{prefix}.bin/.idx", "--output-prefix"), OutputLock(prefix, "--output-prefix"):
         # Only the lock holder writes here: any partial file is an earlier run's that did not finish.
         for stale in sorted(glob.glob(f"{glob.escape(prefix)}.partial-*")):
             os.remove(stale)
             print(f"note: removed {stale}, the unfinished output of an earlier run", file=sys.stderr, flush=True)
-        with full_disk_is_bad_input(f"{prefix}.bin/.idx", "--output-prefix"):
-            return _preprocess(input_path, prefix, tokenizer, tokenizer_path, json_key, workers, append_eod, strict,
-                               progress, max_line_bytes)
+        return _preprocess(input_path, prefix, tokenizer, tokenizer_path, json_key, workers, append_eod, strict,
+                           progress, max_line_bytes)
 
 
 def _lines(input_path: Path, max_line_bytes: int, json_key: str, append_eod: bool):
