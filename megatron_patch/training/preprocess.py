@@ -6,9 +6,10 @@ each document. Lines that are not JSON objects with a string under ``json_key`` 
 their line numbers and skipped (``strict`` stops at the first one). A line that is not UTF-8, or
 longer than ``max_line_bytes``, stops the run naming its line: the file is read in bytes, a line at a
 time and never more than the ceiling of one, so memory stays bounded whatever the file holds (the
-workers' too: each is sent a bounded batch of lines, and only a few batches are in flight). Output appears only complete:
-both files are written under temporary names and renamed at the end, under the output's lock (one
-writer per prefix), with ``P_<key>_document.mpatch_manifest.json`` written last (``mpatch verify``).
+workers' too: each is sent a bounded batch of lines, and only a few batches are in flight). Output
+appears only complete: both files are written under temporary names and renamed at the end, under the
+output's lock (one writer per prefix), with ``P_<key>_document.mpatch_manifest.json`` renamed last
+(``mpatch verify``).
 """
 
 from __future__ import annotations
