@@ -27,7 +27,7 @@ from megatron_patch.models.registry import families
 from megatron_patch.models.shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, checkpoint_writer_dies_with_rank,
+from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, helpers_die_with_rank,
                                            die_with_launcher, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.launcher_args import arg_names, launched_rank, launchers, usage
@@ -238,7 +238,7 @@ def _rank(family: str, argv: list[str]) -> int:
     to the run's log, ``OUTPUT_BASEPATH/log/rank<R>-error.log``, not to the terminal N times."""
     quiet_cpu_warnings()
     die_with_launcher()
-    checkpoint_writer_dies_with_rank()
+    helpers_die_with_rank()
     rank, timeout_min = int(os.environ.get("RANK", "0")), 10.0
     out = Path(dict(zip(arg_names(family), argv)).get("OUTPUT_BASEPATH") or ".").absolute()
     try:

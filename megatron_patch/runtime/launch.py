@@ -310,16 +310,22 @@ def die_with_parent(expected: int, who: str = "its parent", log=print) -> str:
 
 
 _WRITER_MANAGERS: list = []  # the Manager behind megatron-core's results queue, for this process's life
+_FORKED_BY: dict = {}  # who forked: read by the child, in its copy of this process's memory
 
 
-def checkpoint_writer_dies_with_rank() -> None:
-    """megatron-core's checkpoint writer (``FileSystemWriterAsync``) gets its write results back through a queue
-    served by a multiprocessing Manager: a spawned process of about 270 MB, started at a rank's first save and
-    kept for the rank's life. The parent-death signal is not inherited, so a rank killed with its launcher
-    left that process running for good (issue 34). Here the queue is made, at the first save as before, by a
-    Manager whose process is armed like the ranks (``die_with_parent``). megatron-core 0.16 and 0.19 both keep
-    the queue in ``filesystem_async._results_queue`` behind a getter (``_get_write_results_queue``; 0.19:
-    ``get_write_results_queue``) that the writer looks up when it saves."""
+def helpers_die_with_rank() -> None:
+    """The processes a rank starts end with it, as the rank ends with its launcher: the parent-death signal is not
+    inherited, and megatron-core's checkpoint writer left processes of a killed run alive for good (issue 34):
+
+    - the queue its write results come back on is served by a multiprocessing Manager, a spawned process of
+      about 270 MB kept from the rank's first save on. Here the queue is made, at the first save as before, by
+      a Manager whose process is armed (``die_with_parent``). megatron-core 0.16 and 0.19 both keep it in
+      ``filesystem_async._results_queue`` behind a getter (``_get_write_results_queue``; 0.19:
+      ``get_write_results_queue``) that the writer looks up when it saves;
+    - megatron-core 0.16 forks a writer per file during each save; one forked while the rank was killed could
+      wait forever on a lock the dead rank held. Every child forked from the rank's main thread is armed
+      (``os.register_at_fork``); a child forked from another thread is not, since the signal follows the
+      thread that forked, not the process."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async as writer
 
     def results_queue(*args, **kwargs):
@@ -333,3 +339,15 @@ def checkpoint_writer_dies_with_rank() -> None:
     for name in ("get_write_results_queue", "_get_write_results_queue"):
         if hasattr(writer, name):
             setattr(writer, name, results_queue)
+    if not _FORKED_BY:
+        _FORKED_BY["pid"] = None
+        os.register_at_fork(before=_note_fork, after_in_child=_arm_forked_child)
+
+
+def _note_fork() -> None:
+    _FORKED_BY["pid"] = os.getpid() if threading.current_thread() is threading.main_thread() else None
+
+
+def _arm_forked_child() -> None:
+    if _FORKED_BY.get("pid") is not None:
+        die_with_parent(_FORKED_BY["pid"], "the rank that forked it")
