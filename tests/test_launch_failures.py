@@ -102,17 +102,21 @@ def test_the_root_cause_is_chosen_in_order(tmp_path):
     hang = _failure(tmp_path, 0, 1, "rank 0 waited ... rank 1 stopped answering", "hang", at=5)
     killed_by_agent = _failure(tmp_path, 1, sigkill)  # the stopped rank, SIGKILLed by torchrun after its grace
     # A hang explained by a rank beats the SIGKILL torchrun gave the silent rank afterwards.
-    assert explain_failures({0: hang, 1: killed_by_agent}) == ("rank 0 waited ... rank 1 stopped answering", 1)
+    assert explain_failures({0: hang, 1: killed_by_agent}) == ("rank 0 waited ... rank 1 stopped answering", 1, "hang")
     # Bad input (or a full disk) on any rank beats everything, with exit status 2.
     user = _failure(tmp_path, 3, 2, "saving iter_0000012 failed on rank 0: [Errno 28] ...", "user", at=9)
-    assert explain_failures({0: hang, 3: user}) == ("saving iter_0000012 failed on rank 0: [Errno 28] ...", 2)
+    assert explain_failures({0: hang, 3: user}) == ("saving iter_0000012 failed on rank 0: [Errno 28] ...", 2, "user")
     # A rank killed by someone else's signal beats the lost connections it caused and the agent's SIGTERMs.
     lost = _failure(tmp_path, 0, 1, "rank 0 lost its connection to another rank ...", "lost")
     terminated = _failure(tmp_path, 2, sigterm)
-    line, code = explain_failures({0: lost, 1: _failure(tmp_path, 1, sigkill), 2: terminated})
+    line, code, _ = explain_failures({0: lost, 1: _failure(tmp_path, 1, sigkill), 2: terminated})
     assert code == 1 and line.startswith("rank 1 (pid 101) was killed by SIGKILL"), line
-    assert explain_failures({0: lost, 2: terminated}) == ("rank 0 lost its connection to another rank ...", 1)
-    # Nothing explained: the earliest failure, pointing at its traceback.
+    assert explain_failures({0: lost, 2: terminated}) == ("rank 0 lost its connection to another rank ...", 1, "lost")
+    # A rank's internal error (a bug, its traceback in the run's log) beats the lost connections it caused.
+    bug = _failure(tmp_path, 5, 1, "internal error: ValueError: x at loop.py:1 on rank 5 (...)", "internal", at=7)
+    assert explain_failures({0: lost, 5: bug, 2: terminated}) == (
+        "internal error: ValueError: x at loop.py:1 on rank 5 (...)", 1, "internal")
+    # Nothing explained: the earliest failure, pointing at what it printed.
     plain = _failure(tmp_path, 4, 1, "ValueError: a bug", at=-1)
-    assert explain_failures({4: plain, 2: terminated}) == ("rank 4 (pid 104) exited with status 1: its traceback is "
-                                                           "above", 1)
+    assert explain_failures({4: plain, 2: terminated}) == ("rank 4 (pid 104) exited with status 1: its output is "
+                                                           "above", 1, None)

@@ -77,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             return _reader_gone()
         raise
     except Exception as exc:  # noqa: BLE001 - the contract: one line, never a traceback unless asked for
-        # A rank started by the training launcher keeps its traceback: the launcher prints the one line.
-        if os.environ.get(DEBUG_VARIABLE) == "1" or "TORCHELASTIC_RUN_ID" in os.environ:
+        if os.environ.get(DEBUG_VARIABLE) == "1":
             traceback.print_exc()
-        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-        at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
-        print(f"mpatch {command}: internal error: {type(exc).__name__}: {_one_line(exc)[:300]}{at} (a bug: "
-              f"please report it; {DEBUG_VARIABLE}=1 prints the traceback)", file=sys.stderr)
+        print(f"mpatch {command}: {internal_error(exc)} (a bug: please report it; {DEBUG_VARIABLE}=1 prints the "
+              "traceback)", file=sys.stderr)
         return EXIT_INTERNAL.get(command, 1)
+
+
+def internal_error(exc: BaseException) -> str:
+    """'internal error: KeyError: 'x' at file.py:12': the exception and where it was raised, on one line."""
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" at {Path(where.filename).name}:{where.lineno}" if where else ""
+    return f"internal error: {type(exc).__name__}: {_one_line(exc)[:300]}{at}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 import warnings
 
@@ -10,6 +11,7 @@ from megatron_patch.cli.common import add_layout_args, layout_from_args
 from megatron_patch.convert.checkpoint import DEFAULT_WORKERS, hf_to_mcore, mcore_to_hf
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families
+from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -29,6 +31,16 @@ def _terminate_cleanly() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _writes_save_dir(run):
+    """A full disk while --save-dir is written is one line and exit 2; the partial output is gone by then."""
+    @functools.wraps(run)
+    def wrapped(args) -> int:
+        with full_disk_is_bad_input(args.save_dir, "--save-dir"):
+            return run(args)
+    return wrapped
+
+
+@_writes_save_dir
 def run_hf2mcore(args) -> int:
     _terminate_cleanly()
     _quiet_imports()
@@ -47,6 +59,7 @@ def run_hf2mcore(args) -> int:
     return 0
 
 
+@_writes_save_dir
 def run_mcore2hf(args) -> int:
     _terminate_cleanly()
     _quiet_imports()

@@ -10,19 +10,25 @@ with one line saying why (``runtime.launch.explain_failures``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shlex
+import socket
 import sys
+import time
+import traceback
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
+from megatron_patch.cli import DEBUG_VARIABLE, internal_error
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families
 from megatron_patch.models.shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import LAUNCHER_PID, JobFailed, die_with_launcher, quiet_cpu_warnings, run_torchrun
+from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, helpers_die_with_rank,
+                                           die_with_launcher, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.launcher_args import arg_names, launched_rank, launchers, usage
 from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
@@ -141,8 +147,10 @@ def run(args) -> int:
     if any(a in ("-h", "--help") for a in argv) or not argv:
         print(usage(family))
         return 0 if argv else 2
-    cfg = resolve(family, argv)
     dry = os.environ.get("MP_DRY_RUN", "")
+    if launched_rank(os.environ) and dry in ("", "0"):
+        return _rank(family, argv)
+    cfg = resolve(family, argv)
     if dry not in ("", "0"):
         report = dry_run_report(cfg, family, argv)
         if dry == "json":
@@ -150,20 +158,7 @@ def run(args) -> int:
         else:
             print_dry_run(report)
         return 0
-    caps = Capabilities.detect()
-    check_machine(cfg, caps)
-
-    problem = plan_memory(cfg, caps=caps).problem()
-    if problem:
-        raise UserError(problem)
-    needed = launch_environment(cfg, caps)
-    if launched_rank(os.environ):
-        wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}
-        if wrong:
-            k, v = next(iter(wrong.items()))
-            raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
-                            f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
-        return _train_here(cfg)
+    needed = _check_machine(cfg)
     command = launch_command(cfg, family, argv)
     with _run_lock(cfg):
         # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
@@ -222,39 +217,106 @@ def _launch(cfg, command: list[str], needed: dict) -> int:
     except JobFailed as exc:
         if exc.code == 2:
             raise UserError(str(exc))
-        print(f"mpatch train: error: {exc}", file=sys.stderr, flush=True)
+        print(f"mpatch train: {'' if exc.kind == 'internal' else 'error: '}{exc}", file=sys.stderr, flush=True)
         return exc.code
     print(f"done: checkpoints in {cfg.checkpoint_dir}" if cfg.save else "done (MP_SAVE=false: no checkpoint written)",
           flush=True)
     return 0
 
 
-def _train_here(cfg) -> int:
-    """One rank of the job. A failure it can explain in one line (bad input, a full disk, a collective
-    that timed out) goes to torchrun's error file for the launcher to print once; anything else keeps
-    its traceback."""
-    from megatron_patch.training.loop import train
+def _check_machine(cfg) -> dict:
+    """What this machine can run, refused in one line; returns the environment the ranks need."""
+    caps = Capabilities.detect()
+    check_machine(cfg, caps)
+    problem = plan_memory(cfg, caps=caps).problem()
+    if problem:
+        raise UserError(problem)
+    return launch_environment(cfg, caps)
 
+
+def _rank(family: str, argv: list[str]) -> int:
+    """One rank of the job. Every failure ends as one line in torchrun's error file, which the launcher prints
+    once: bad input, a full disk or an output folder it cannot write (exit 2); a collective that timed out or
+    a rank that went away (1, naming the rank); anything else is an internal error (1), whose traceback goes
+    to the run's log, ``OUTPUT_BASEPATH/log/rank<R>-error.log``, not to the terminal N times."""
     quiet_cpu_warnings()
     die_with_launcher()
-    register_rank(Path(cfg.output_basepath).absolute())  # held until this process ends, however it ends
+    helpers_die_with_rank()
+    rank, timeout_min = int(os.environ.get("RANK", "0")), 10.0
+    out = Path(dict(zip(arg_names(family), argv)).get("OUTPUT_BASEPATH") or ".").absolute()
     try:
+        cfg = resolve(family, argv)
+        timeout_min = cfg.dist_timeout_min
+        needed = _check_machine(cfg)
+        wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}
+        if wrong:
+            k, v = next(iter(wrong.items()))
+            raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
+                            f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
+        register_rank(out)  # held until this process ends, however it ends
+        from megatron_patch.training.loop import train
+
         train(cfg)
-    except UserError as exc:
-        if watchdog.report_failure(str(exc), "user"):
-            return 2
-        raise
-    except Exception as exc:
-        message = watchdog.explain(exc, int(os.environ.get("RANK", "0")), cfg.dist_timeout_min)
-        if message is None:
-            raise
-        kind = "hang" if watchdog.failure_kind(exc) == "timeout" else "lost"
-        if not watchdog.report_failure(message, kind):
-            print(f"mpatch train: error: {message}", file=sys.stderr, flush=True)
-        return 1
+        return 0
+    except Exception as exc:  # noqa: BLE001 - every failure of a rank becomes one line for the launcher
+        kind, message = _rank_failure(exc, rank, timeout_min, out)
+        if not watchdog.report_failure(message, kind):  # not under torchrun: nobody else will say it
+            print(f"mpatch train: {'' if kind == 'internal' else 'error: '}{message}", file=sys.stderr, flush=True)
+        return 2 if kind == "user" else 1
     finally:
         watchdog.stop()
-    return 0
+
+
+# What an output folder the job cannot write gives (besides a full disk): it is bad input, not a bug.
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.ENOSPC, errno.EDQUOT)
+
+
+def _rank_failure(exc: Exception, rank: int, timeout_min: float, out: Path) -> tuple[str, str]:
+    """(kind, one line) for what stopped this rank; an internal error's traceback is written to the run's log."""
+    if isinstance(exc, UserError):
+        return "user", str(exc)
+    message = watchdog.explain(exc, rank, timeout_min)
+    if message is not None:
+        return ("hang" if watchdog.failure_kind(exc) == "timeout" else "lost"), message
+    unwritable = _output_error(exc, out)
+    if unwritable is not None:
+        return "user", (f"rank {rank} cannot write {unwritable.filename} in OUTPUT_BASEPATH ([Errno {unwritable.errno}] "
+                        f"{unwritable.strerror}): make {out} a folder this job can write to and that has room, or "
+                        "choose another OUTPUT_BASEPATH")
+    where = _write_traceback(exc, out, rank)
+    if os.environ.get(DEBUG_VARIABLE) == "1" or where is None:
+        traceback.print_exception(exc)
+    return "internal", (f"{internal_error(exc)} on rank {rank} (a bug: please report it; the traceback is "
+                        + (f"in {where})" if where else "above)"))
+
+
+def _output_error(exc: BaseException, out: Path) -> OSError | None:
+    """The OSError of writing inside ``out`` that ``exc`` is or was caused by (megatron-core wraps its own), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _UNWRITABLE and isinstance(exc.filename, (str, bytes)):
+            name = Path(os.fsdecode(exc.filename)).absolute()
+            if name == out or out in name.parents:
+                return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _write_traceback(exc: BaseException, out: Path, rank: int) -> Path | None:
+    """``exc``'s traceback appended to ``out/log/rank<R>-error.log`` (never through a symlink), or None where it
+    cannot be written."""
+    path = out / "log" / f"rank{rank}-error.log"
+    head = (f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank}, pid {os.getpid()} on {socket.gethostname()}, "
+            f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "a") as f:
+            f.write(head + "".join(traceback.format_exception(exc)))
+    except OSError:
+        return None
+    return path
 
 
 def register(subparsers) -> None:

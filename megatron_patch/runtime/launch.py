@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -23,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing.managers import SyncManager
 from typing import Any, Callable
 
 from megatron_patch.errors import UserError
@@ -202,11 +204,13 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> lis
 # --- torchrun -------------------------------------------------------------------------------------
 
 class JobFailed(Exception):
-    """A job started by torchrun failed; the message is one line, ``code`` the exit status to give."""
+    """A job started by torchrun failed; the message is one line, ``code`` the exit status to give, ``kind`` the
+    failing rank's own ('user', 'internal', 'hang', 'lost') where it told one."""
 
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = 1, kind: str | None = None):
         super().__init__(message)
         self.code = code
+        self.kind = kind
 
 
 def run_torchrun(torchrun_args: list[str]) -> None:
@@ -218,6 +222,10 @@ def run_torchrun(torchrun_args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    if os.environ.get("MPATCH_DEBUG") != "1":
+        # The agent logs each failed rank and each rank it stops ("failed (exitcode: 1) local_rank: 0 ..."):
+        # the one line below says it, from the ranks' own reports.
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as exc:
@@ -238,28 +246,29 @@ def _text(failure) -> str:
     return message.get("message", "") if isinstance(message, dict) else str(message or "")
 
 
-def explain_failures(failures: dict) -> tuple[str, int]:
-    """(one line, exit status) for torchrun's failed ranks ({global rank: ProcessFailure}).
+def explain_failures(failures: dict) -> tuple[str, int, str | None]:
+    """(one line, exit status, the rank's kind) for torchrun's failed ranks ({global rank: ProcessFailure}).
 
     The root cause, in this order: a rank's own one-line error (bad input: exit 2; a collective that
     timed out, naming the rank that stopped answering), a rank killed by a signal the agent did not
-    send (SIGKILL from the OOM killer or a person, SIGSEGV...), a lost connection, the first rank
-    that exited non-zero (whose traceback is above)."""
+    send (SIGKILL from the OOM killer or a person, SIGSEGV...), a rank's internal error (its traceback in
+    the run's log), a lost connection, the first rank that exited non-zero."""
     order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     for kind, code in (("user", 2), ("hang", 1)):
         for rank, f in order:
             if _kind(f) == kind:
-                return _text(f), code
+                return _text(f), code, kind
     for rank, f in order:
         if f.exitcode < 0 and f.signal_name() not in ("SIGTERM", "SIGINT"):
             return (f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (by hand, by the scheduler, or by "
-                    "the kernel for want of memory); the other ranks were stopped"), 1
-    for rank, f in order:
-        if _kind(f) == "lost":
-            return _text(f), 1
+                    "the kernel for want of memory); the other ranks were stopped"), 1, None
+    for kind in ("internal", "lost"):
+        for rank, f in order:
+            if _kind(f) == kind:
+                return _text(f), 1, kind
     rank, f = order[0]
     how = f"was stopped by {f.signal_name()}" if f.exitcode < 0 else f"exited with status {f.exitcode}"
-    return f"rank {rank} (pid {f.pid}) {how}: its traceback is above", 1
+    return f"rank {rank} (pid {f.pid}) {how}: its output is above", 1, None
 
 
 # --- ranks end with their launcher ----------------------------------------------------------------
@@ -272,12 +281,14 @@ def die_with_launcher(log=print) -> str:
     """Make this rank end when the process that started it ends, however it ends (a SIGKILL to the launcher's
     process group, a closed terminal, a scheduler without cgroups): torch elastic starts each rank in a
     session of its own, so nothing else would stop it, and it would go on writing the run's checkpoints.
-
-    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, then a check that the parent is still the launcher (it may
-    have died before the call, and then no signal comes). Elsewhere: a thread that watches the parent.
     Returns how, in words."""
+    return die_with_parent(int(os.environ.get(LAUNCHER_PID) or os.getppid()), "its launcher", log)
 
-    expected = int(os.environ.get(LAUNCHER_PID) or os.getppid())
+
+def die_with_parent(expected: int, who: str = "its parent", log=print) -> str:
+    """This process ends when its parent (pid ``expected``) ends. Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``,
+    then a check that the parent is still ``expected`` (it may have died before the call, and then no signal
+    comes). Elsewhere: a thread that watches the parent. Returns how, in words."""
     how = "prctl(PR_SET_PDEATHSIG)"
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -292,7 +303,51 @@ def die_with_launcher(log=print) -> str:
             os._exit(1)
 
         threading.Thread(target=watch, name="mpatch-parent-watch", daemon=True).start()
-    if os.getppid() != expected:  # the launcher was gone before the signal was armed
-        log(f"rank {os.environ.get('RANK', '?')}: its launcher (pid {expected}) is gone; exiting")
+    if os.getppid() != expected:  # the parent was gone before the signal was armed
+        log(f"rank {os.environ.get('RANK', '?')}: {who} (pid {expected}) is gone; exiting")
         os._exit(1)
     return how
+
+
+_WRITER_MANAGERS: list = []  # the Manager behind megatron-core's results queue, for this process's life
+_FORKED_BY: dict = {}  # who forked: read by the child, in its copy of this process's memory
+
+
+def helpers_die_with_rank() -> None:
+    """The processes a rank starts end with it, as the rank ends with its launcher: the parent-death signal is not
+    inherited, and megatron-core's checkpoint writer left processes of a killed run alive for good (issue 34):
+
+    - the queue its write results come back on is served by a multiprocessing Manager, a spawned process of
+      about 270 MB kept from the rank's first save on. Here the queue is made, at the first save as before, by
+      a Manager whose process is armed (``die_with_parent``). megatron-core 0.16 and 0.19 both keep it in
+      ``filesystem_async._results_queue`` behind a getter (``_get_write_results_queue``; 0.19:
+      ``get_write_results_queue``) that the writer looks up when it saves;
+    - megatron-core 0.16 forks a writer per file during each save; one forked while the rank was killed could
+      wait forever on a lock the dead rank held. Every child forked from the rank's main thread is armed
+      (``os.register_at_fork``); a child forked from another thread is not, since the signal follows the
+      thread that forked, not the process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as writer
+
+    def results_queue(*args, **kwargs):
+        if writer._results_queue is None:
+            manager = SyncManager(ctx=mp.get_context("spawn"))
+            manager.start(initializer=die_with_parent, initargs=(os.getpid(), "the rank it writes for"))
+            _WRITER_MANAGERS.append(manager)
+            writer._results_queue = manager.Queue()
+        return writer._results_queue
+
+    for name in ("get_write_results_queue", "_get_write_results_queue"):
+        if hasattr(writer, name):
+            setattr(writer, name, results_queue)
+    if not _FORKED_BY:
+        _FORKED_BY["pid"] = None
+        os.register_at_fork(before=_note_fork, after_in_child=_arm_forked_child)
+
+
+def _note_fork() -> None:
+    _FORKED_BY["pid"] = os.getpid() if threading.current_thread() is threading.main_thread() else None
+
+
+def _arm_forked_child() -> None:
+    if _FORKED_BY.get("pid") is not None:
+        die_with_parent(_FORKED_BY["pid"], "the rank that forked it")

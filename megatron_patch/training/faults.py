@@ -8,6 +8,8 @@ A loss scaler that never sees an overflow and a resume that never follows a cras
   loss scale; with bf16/fp32 the step is skipped as well (megatron's check for non-finite grads).
 - ``kill@N``: every rank sends itself SIGKILL as iteration N starts, as a lost node would. No
   checkpoint, log line or exit handler runs; the next launch must resume from the last checkpoint.
+- ``error@N``: every rank raises a Python exception as iteration N starts, as a bug would: the launcher
+  must say so in one line, with each rank's traceback in the run's log.
 
 Nothing else in a run changes: with the variable unset no code path differs.
 """
@@ -23,7 +25,7 @@ import psutil
 from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
 from megatron_patch.errors import UserError
 
-KINDS = ("overflow", "kill")
+KINDS = ("overflow", "kill", "error")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,10 @@ def fill_gradients_with_inf(models: list) -> None:
     for model in models:
         for buffer in [*model.buffers, *model.expert_parallel_buffers]:
             buffer.grad_data.fill_(float("inf"))
+
+
+class InjectedError(RuntimeError):
+    """What ``error@N`` raises: a failure no check foresaw."""
 
 
 def kill_this_process() -> None:

@@ -81,7 +81,8 @@ EXTRAS = {
     "MP_OFFLOAD_PROBE_SCRIPT": "testing: JSON {\"device_fraction\": {\"ITER\": share}} replaces auto's memory readings",
     "MP_OFFLOAD_TIMING": "true: time the offloaded step's phases (adds synchronisations; benchmarks)",
     "MP_LOSS_SCALE_WINDOW": "PR=fp16: good steps before the dynamic loss scale doubles (default 1000)",
-    "MP_INJECT_FAULT": "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), comma-separated",
+    "MP_INJECT_FAULT": "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), error@N (an "
+                       "exception as N starts), comma-separated",
     "MP_EXIT_INTERVAL": "stop after this many iterations (after saving), e.g. to test a resume",
     "MP_LOG_INTERVAL": "log every this many iterations (default 1)",
     "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",
@@ -141,18 +142,27 @@ def usage(family: str) -> str:
 
 # --- reading one value -----------------------------------------------------------------------------
 
-def parse_int(name: str, raw: str, lo: int = 1) -> int:
+# Ceilings of the counts a launch takes, far beyond any published run, so that a slip of the keyboard (1e30
+# tokens) is refused at once: megatron-core would build a dataset index of that many samples, silently, for good.
+MAX_TOKENS = 10**15  # a thousand trillion: dozens of times the largest published pretraining runs (15-36T)
+MAX_ITERATIONS = 10**8  # a hundred times the optimizer steps of the largest published runs
+MAX_GLOBAL_BATCH = 10**6  # samples per step: hundreds of times the largest published global batches
+
+
+def parse_int(name: str, raw: str, lo: int = 1, hi: int | None = None) -> int:
     try:
         value = int(raw)
     except ValueError:
         raise UserError(f"{name} must be an integer, got '{raw}'")
     if value < lo:
         raise UserError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise UserError(f"{name} must be at most {hi}, got {value}")
     return value
 
 
-def parse_count(name: str, raw: str) -> int:
-    """A token or iteration count: integers, also written as 1e9 or 10B/500M/20K."""
+def parse_count(name: str, raw: str, most: int = MAX_TOKENS, unit: str = "tokens") -> int:
+    """A token or iteration count of at most ``most`` ``unit``: integers, also written as 1e9 or 10B/500M/20K."""
     text = raw.strip()
     scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}.get(text[-1:].upper(), 1)
     if scale != 1:
@@ -163,6 +173,9 @@ def parse_count(name: str, raw: str) -> int:
         raise UserError(f"{name} must be a count (e.g. 1000000, 1e9 or 10B), got '{raw}'")
     if not math.isfinite(value) or value < 0 or value != int(value):
         raise UserError(f"{name} must be a whole non-negative count, got '{raw}'")
+    if value > most:
+        raise UserError(f"{name}={raw} is more than {most} {unit}, the most a run takes (docs/training.md): check "
+                        "the number")
     return int(value)
 
 
@@ -224,9 +237,9 @@ def parse_data_paths(name: str, raw: str, names_data: Callable[[str], bool] = la
     return paths, weights
 
 
-def env_int(env: dict, name: str, default, lo: int = 1):
+def env_int(env: dict, name: str, default, lo: int = 1, hi: int | None = None):
     raw = env.get(name, "")
-    return default if raw == "" else parse_int(name, raw, lo)
+    return default if raw == "" else parse_int(name, raw, lo, hi)
 
 
 def env_float(env: dict, name: str, default):

@@ -481,6 +481,8 @@ class Trainer:
             watchdog.set_phase(f"iteration {self.iteration + 1}")
             if faults.due(cfg.faults, "kill", self.iteration + 1):
                 faults.kill_this_process()
+            if faults.due(cfg.faults, "error", self.iteration + 1):
+                raise faults.InjectedError(f"MP_INJECT_FAULT=error@{self.iteration + 1}")
             start = time.time()
             result = self.train_step()
             self.iteration += 1

@@ -3,21 +3,30 @@
 One document per JSON line (the value of ``json_key``), tokenized in parallel, written in input
 order through megatron-core's ``IndexedDatasetBuilder``; the end-of-document id is appended after
 each document. Lines that are not JSON objects with a string under ``json_key`` are reported with
-their line numbers and skipped (``strict`` stops at the first one).
+their line numbers and skipped (``strict`` stops at the first one). A line that is not UTF-8, or
+longer than ``max_line_bytes``, stops the run naming its line: the file is read in bytes, a line at a
+time and never more than the ceiling of one, so memory stays bounded whatever the file holds (the
+workers' too: each is sent a bounded batch of lines, and only a few batches are in flight).
 
 The output follows the rule of every output (docs/outputs.md): under its lock (one writer per prefix), it
 is new, or an earlier output of mpatch preprocess (its manifest lists both files) replaced with ``force``;
 a pair mpatch did not write is never replaced. Both files are built in a partial folder beside them and
-renamed onto their names at the end, with ``P_<key>_document.mpatch_manifest.json`` last (``mpatch verify``).
+renamed onto their names at the end, with ``P_<key>_document.mpatch_manifest.json`` last (``mpatch verify``);
+every byte is written before the first rename, so a full disk leaves the earlier output as it was.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
 import shutil
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,41 +35,117 @@ from tqdm import tqdm
 from megatron_patch.checkpoint_files.manifest import DIGEST, MANIFEST_NAME, digest_file, read_manifest, write_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.outputs.folders import fsync_dir, fsync_file, partial_dir, recover
+from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 from megatron_patch.outputs.lock import OutputLock
 from megatron_patch.training.tokenizer import load_tokenizer
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
+# A longer line is refused (``--max-line-mb``): tokenizing a line takes 170-200 MB of memory per MB of its text
+# with a HF tokenizer (scripts/bench_preprocess_memory.py), in whichever worker has it; a 100 MB line took 20 GB.
+DEFAULT_MAX_LINE_MB = 8
+# What one worker is sent at once: this many lines, or fewer that reach this many bytes (a longer line goes alone).
+BATCH_LINES = 64
+BATCH_BYTES = 4 * 2**20
+# Batches in flight per worker: enough to keep each busy while the results of the one before are written.
+BATCHES_PER_WORKER = 2
+# Workers per CPU core this process may use, at most: tokenizing is CPU-bound, so more only add memory.
+WORKERS_PER_CORE = 4
+# Bad lines named in the report (the rest are counted).
+BAD_LINES_KEPT = 20
+
 _TOKENIZER = None
+_DTYPE = None
 
 
-def _init_worker(tokenizer_path: str) -> None:
-    global _TOKENIZER
+def worker_ceiling() -> int:
+    """The most ``--workers`` this machine takes."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return WORKERS_PER_CORE * cores
+
+
+def _init_worker(tokenizer_path: str, dtype) -> None:
+    global _TOKENIZER, _DTYPE
 
     _TOKENIZER = load_tokenizer(tokenizer_path)
+    _DTYPE = dtype
 
 
-def _encode_line(item: tuple[int, str, str, bool]):
-    """(line number, ids or None, error or None, characters)."""
-    lineno, line, key, append_eod = item
+def _encode_line(item: tuple[int, str, int, str, bool]):
+    """(line number, ids or None, error or None, characters, bytes read)."""
+    import numpy
+
+    lineno, line, size, key, append_eod = item
     if not line.strip():
-        return lineno, None, "empty line", 0
+        return lineno, None, "empty line", 0, size
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        return lineno, None, f"not valid JSON ({exc.msg} at column {exc.colno})", 0
+        return lineno, None, f"not valid JSON ({exc.msg} at column {exc.colno})", 0, size
+    except ValueError as exc:  # a number of more than 4300 digits
+        return lineno, None, f"not readable JSON ({str(exc).split(':')[0]})", 0, size
+    except RecursionError:
+        return lineno, None, "not readable JSON (nested too deeply)", 0, size
     if not isinstance(obj, dict):
-        return lineno, None, f"a JSON {type(obj).__name__}, not an object", 0
+        return lineno, None, f"a JSON {type(obj).__name__}, not an object", 0, size
     if key not in obj:
-        return lineno, None, f"no '{key}' field (fields: {', '.join(list(obj)[:5])})", 0
+        fields = ", ".join(repr(k)[:40] for k in itertools.islice(obj, 5))
+        return lineno, None, f"no '{key}' field (fields: {fields})", 0, size
     text = obj[key]
     if not isinstance(text, str):
-        return lineno, None, f"'{key}' is a {type(text).__name__}, not a string", 0
+        return lineno, None, f"'{key}' is a {type(text).__name__}, not a string", 0, size
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to a lone surrogate, which no tokenizer takes
+        return lineno, None, f"'{key}' holds an unpaired surrogate ({exc.object[exc.start]!r}), not text", 0, size
     ids = _TOKENIZER.encode(text)
     if append_eod:
         ids.append(_TOKENIZER.eod)
-    return lineno, ids, None, len(text)
+    return lineno, numpy.asarray(ids, dtype=_DTYPE), None, len(text), size
+
+
+def _encode_batch(batch: list) -> list:
+    return [_encode_line(item) for item in batch]
+
+
+def _batches(items):
+    """``items`` grouped for the workers: up to BATCH_LINES lines, or fewer that reach BATCH_BYTES."""
+    batch, size = [], 0
+    for item in items:
+        batch.append(item)
+        size += item[2]
+        if len(batch) == BATCH_LINES or size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded(items, workers: int, tokenizer_path, dtype):
+    """``_encode_line`` of each item, in input order, with ``workers`` processes; at most BATCHES_PER_WORKER batches
+    per worker are read ahead of what was written."""
+    if workers == 1:
+        _init_worker(str(tokenizer_path), dtype)
+        yield from map(_encode_line, items)
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                               initargs=(str(tokenizer_path), dtype))
+    pending = collections.deque()
+    try:
+        for batch in _batches(items):
+            pending.append(pool.submit(_encode_batch, batch))
+            if len(pending) >= BATCHES_PER_WORKER * workers:
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+    except BrokenProcessPool:
+        raise UserError(f"a tokenizer worker died (most likely the system ran out of memory for {workers} of them): "
+                        "rerun with fewer --workers or a lower --max-line-mb") from None
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True)
 
 
 @dataclass
@@ -69,7 +154,8 @@ class PreprocessReport:
     documents: int = 0
     tokens: int = 0
     characters: int = 0
-    bad_lines: list[tuple[int, str]] = field(default_factory=list)
+    bad_lines: list[tuple[int, str]] = field(default_factory=list)  # the first BAD_LINES_KEPT of them
+    skipped: int = 0  # bad lines in all
 
 
 def _manifest_path(prefix: str) -> Path:
@@ -123,32 +209,57 @@ def _publish(tmp: Path, prefix: str) -> None:
 
 def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str | Path, *, json_key: str = "text",
                workers: int = 1, append_eod: bool = True, strict: bool = False, progress: bool | None = None,
-               chunksize: int = 64, force: bool = False) -> PreprocessReport:
+               max_line_bytes: int = DEFAULT_MAX_LINE_MB * 2**20, force: bool = False) -> PreprocessReport:
     input_path = Path(input_path)
     if not input_path.is_file():
         raise UserError(f"input {input_path} not found: give a JSONL file (one JSON object per line)")
     if workers < 1:
         raise UserError(f"--workers must be >= 1, got {workers}")
+    if workers > worker_ceiling():
+        raise UserError(f"--workers {workers} is more than this machine takes: at most {worker_ceiling()} "
+                        f"({WORKERS_PER_CORE} per CPU core this process may use; tokenizing is CPU-bound, so more "
+                        "workers only add memory)")
+    if max_line_bytes < 1:
+        raise UserError(f"--max-line-mb must be > 0, got {max_line_bytes / 2**20:g}")
     tokenizer = load_tokenizer(tokenizer_path)  # fail early, in this process, on a bad tokenizer
     prefix = f"{output_prefix}_{json_key}_document"
     out_dir = Path(prefix).parent
     if not out_dir.is_dir():
         raise UserError(f"output folder {out_dir} does not exist: create it first")
-    with OutputLock(prefix, "--output-prefix"):
+    with full_disk_is_bad_input(f"{prefix}.bin/.idx", "--output-prefix"), OutputLock(prefix, "--output-prefix"):
         recover(prefix)  # only the lock holder writes here: a partial folder is an earlier run's that did not finish
         check_output_prefix(prefix, force)
         tmp = partial_dir(prefix)
         tmp.mkdir()  # a new folder, not one found at the name
         try:
             return _preprocess(input_path, prefix, tmp, tokenizer, tokenizer_path, json_key, workers, append_eod,
-                               strict, progress, chunksize)
+                               strict, progress, max_line_bytes)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _lines(input_path: Path, max_line_bytes: int, json_key: str, append_eod: bool):
+    """(line number, text, bytes, key, append_eod) for each line of the file. A line that is not UTF-8, or that
+    is longer than ``max_line_bytes``, stops the run naming its line, before more than the ceiling is read."""
+    with open(input_path, "rb") as f:
+        for lineno in itertools.count(1):
+            raw = f.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                raise UserError(f"{input_path} line {lineno} is longer than {max_line_bytes / 2**20:g} MiB "
+                                "(--max-line-mb; each worker needs about 200 MB of memory per MB of a line it "
+                                "tokenizes): split the document, or raise --max-line-mb if the memory is there")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(f"{input_path} line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start + 1} of "
+                                "the line): re-encode the file") from None
+            yield lineno, line, len(raw), json_key, append_eod
+
+
 def _preprocess(input_path: Path, prefix: str, tmp: Path, tokenizer, tokenizer_path, json_key: str, workers: int,
-                append_eod: bool, strict: bool, progress: bool | None, chunksize: int) -> PreprocessReport:
-    import numpy
+                append_eod: bool, strict: bool, progress: bool | None, max_line_bytes: int) -> PreprocessReport:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     partial = tmp / Path(prefix).name  # the files' own names, in the partial folder
@@ -158,49 +269,30 @@ def _preprocess(input_path: Path, prefix: str, tmp: Path, tokenizer, tokenizer_p
     if progress is None:
         progress = sys.stderr.isatty()
 
-    def lines():
-        with open(input_path, encoding="utf-8", errors="strict") as f:
-            lineno = 0
-            while True:
-                lineno += 1
-                try:
-                    line = f.readline()
-                except UnicodeDecodeError as exc:
-                    raise UserError(f"{input_path} line {lineno} is not UTF-8 ({exc.reason}): re-encode the file")
-                if not line:
-                    return
-                yield lineno, line, json_key, append_eod
-
-
     bar = tqdm(total=input_path.stat().st_size, unit="B", unit_scale=True, desc="preprocess", disable=not progress)
-    pool = None
     try:
-        if workers > 1:
-            pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(str(tokenizer_path),))
-            results = pool.imap(_encode_line, lines(), chunksize=chunksize)
-        else:
-            _init_worker(str(tokenizer_path))
-            results = map(_encode_line, lines())
-        for lineno, ids, error, nchars in results:
+        lines = _lines(input_path, max_line_bytes, json_key, append_eod)
+        for lineno, ids, error, nchars, nbytes in _encoded(lines, workers, tokenizer_path, dtype):
+            bar.update(nbytes)
             if error is not None:
                 if error == "empty line":
                     continue
                 if strict:
                     raise UserError(f"{input_path} line {lineno}: {error}")
-                report.bad_lines.append((lineno, error))
+                report.skipped += 1
+                if len(report.bad_lines) < BAD_LINES_KEPT:  # a file of nothing else stays within memory too
+                    report.bad_lines.append((lineno, error))
                 continue
-            builder.add_document(numpy.asarray(ids, dtype=dtype), [len(ids)])
+            builder.add_document(ids, [len(ids)])
             report.documents += 1
             report.tokens += len(ids)
             report.characters += nchars
-            bar.update(nchars)
         if report.documents == 0:
             raise UserError(f"{input_path} has no usable line (every line lacked a string '{json_key}' field)")
         builder.finalize(f"{partial}.idx")
         _publish(tmp, prefix)
     finally:
         bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+        with contextlib.suppress(OSError):  # its last buffer, on a full disk: the partial folder is removed anyway
+            builder.data_file.close()
     return report

@@ -23,6 +23,9 @@ from megatron_patch.training.launcher_args import (
     AC_MODES,
     ENVS,
     FP8_RECIPES,
+    MAX_GLOBAL_BATCH,
+    MAX_ITERATIONS,
+    MAX_TOKENS,
     arg_names,
     env_float,
     env_int,
@@ -75,7 +78,8 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
     do = parse_bool("DO", a["DO"])
     fl = parse_bool("FL", a["FL"])
     ac = parse_choice("AC", a["AC"], AC_MODES)
-    mbs, gbs = parse_int("BATCH_SIZE", a["BATCH_SIZE"]), parse_int("GLOBAL_BATCH_SIZE", a["GLOBAL_BATCH_SIZE"])
+    mbs = parse_int("BATCH_SIZE", a["BATCH_SIZE"], hi=MAX_GLOBAL_BATCH)
+    gbs = parse_int("GLOBAL_BATCH_SIZE", a["GLOBAL_BATCH_SIZE"], hi=MAX_GLOBAL_BATCH)
     lr, min_lr = parse_float("LR", a["LR"]), parse_float("MIN_LR", a["MIN_LR"])
     seq_len, pad_len = parse_int("SEQ_LEN", a["SEQ_LEN"]), parse_int("PAD_LEN", a["PAD_LEN"])
     save_interval = parse_int("SAVE_INTERVAL", a["SAVE_INTERVAL"])
@@ -144,7 +148,7 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         compile_fusions=parse_bool("MP_COMPILE_FUSIONS", env["MP_COMPILE_FUSIONS"]) if env.get("MP_COMPILE_FUSIONS")
         else None,
         log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
-        eval_iters=env_int(env, "MP_EVAL_ITERS", 10), seed=env_int(env, "MP_SEED", 1234, lo=0),
+        eval_iters=env_int(env, "MP_EVAL_ITERS", 10, hi=MAX_ITERATIONS), seed=env_int(env, "MP_SEED", 1234, lo=0),
         save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
         max_restarts=env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
         dist_timeout_min=env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
@@ -171,16 +175,22 @@ def _offload(raw: str) -> tuple[float, str]:
 
 
 def _iterations(a: dict, sft: bool, tokens_per_iter: int) -> tuple[int, int]:
-    """(training, warm-up) iterations: tokens for pretraining, iterations for SFT (the reference's convention)."""
+    """(training, warm-up) iterations: tokens for pretraining, iterations for SFT (the reference's convention);
+    each within its ceiling (``launcher_args.MAX_TOKENS``, ``MAX_ITERATIONS``)."""
     train_raw, warm_raw = a["TRAIN_TOKENS_OR_ITERS"], a["WARMUP_TOKENS_OR_ITERS"]
     if sft:
-        train, warmup = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw), parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw)
+        train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw, MAX_ITERATIONS, "iterations")
+        warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw, MAX_ITERATIONS, "iterations")
     else:
-        train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw) // tokens_per_iter
-        warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw) // tokens_per_iter
+        train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw, MAX_TOKENS, "tokens") // tokens_per_iter
+        warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw, MAX_TOKENS, "tokens") // tokens_per_iter
         if train < 1:
             raise UserError(f"TRAIN_TOKENS_OR_ITERS={train_raw} tokens is less than one iteration "
                             f"(GLOBAL_BATCH_SIZE*SEQ_LEN = {tokens_per_iter} tokens): pretraining takes a token count")
+        if train > MAX_ITERATIONS:
+            raise UserError(f"TRAIN_TOKENS_OR_ITERS={train_raw} tokens make {train} iterations of GLOBAL_BATCH_SIZE*"
+                            f"SEQ_LEN = {tokens_per_iter} tokens, and at most {MAX_ITERATIONS} iterations are taken "
+                            "(docs/training.md): check the number, or raise the global batch")
     if train < 1:
         raise UserError(f"TRAIN_TOKENS_OR_ITERS must give at least one iteration, got '{train_raw}'")
     return train, warmup
@@ -399,7 +409,41 @@ def tokenizer_exists(cfg: RunConfig) -> None:
         check_tokenizer_path(cfg.tokenizer)
 
 
-PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, data_exists, tokenizer_exists)
+# The folders a run writes inside OUTPUT_BASEPATH (final/, once written, is only read by a rerun).
+RUN_FOLDERS = ("checkpoint", "log", "data_cache", "tensorboard")
+
+
+def output_folder_writable(cfg: RunConfig) -> None:
+    """OUTPUT_BASEPATH, and the folders a run writes in it, are folders this process can write (or can be made
+    so): each rank would otherwise fail at its first write, deep inside megatron-core."""
+    out = Path(cfg.output_basepath).absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if existing != out:  # made by the launcher: its nearest existing folder must take it
+        if not existing.is_dir():
+            raise UserError(f"OUTPUT_BASEPATH {out} cannot be made: {existing} is a file, not a folder; choose another")
+        _check_writable(existing, out)
+        return
+    for folder in (out, *(out / name for name in RUN_FOLDERS)):
+        if folder.exists() or folder == out:
+            if folder == out and not folder.is_dir():
+                raise UserError(f"OUTPUT_BASEPATH {out} is a file, not a folder: choose a folder (it is made if "
+                                "missing)")
+            if not folder.is_dir():
+                raise UserError(f"OUTPUT_BASEPATH {out}: {folder.name} is a file, and the run keeps a folder of that "
+                                "name there: move it away or choose another OUTPUT_BASEPATH")
+            _check_writable(folder, out)
+
+
+def _check_writable(folder: Path, out: Path) -> None:
+    if os.access(folder, os.W_OK | os.X_OK):
+        return
+    why = "on a read-only file system" if os.statvfs(folder).f_flag & os.ST_RDONLY else "not writable by this user"
+    raise UserError(f"OUTPUT_BASEPATH {out}: {folder} is {why}, and the run writes there: make it writable or choose "
+                    "another OUTPUT_BASEPATH")
+
+
+PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, data_exists, tokenizer_exists,
+                                                        output_folder_writable)
 
 
 # --- reading what a value names ------------------------------------------------------------------------------

@@ -1,0 +1,53 @@
+"""A full disk (or a used-up quota) while an output is written is bad input, not a bug: one line naming the output,
+how much room is left, and what to do; exit 2. Every writer leaves its output as it was before the run (the
+partial files go, the earlier output stays), so the line can say so. Training's checkpoints say it their own
+way (``training.checkpointing``), with which earlier checkpoint a rerun resumes from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+from megatron_patch.errors import UserError
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk_error(exc: BaseException) -> OSError | None:
+    """The ENOSPC or EDQUOT ``exc`` is, or was caused by (a writer may wrap it), else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in FULL_DISK:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _free_mib(output: str | Path) -> str:
+    for folder in (Path(output), *Path(output).parents):
+        try:
+            return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free"
+        except OSError:
+            continue
+    return "free space unknown"
+
+
+@contextlib.contextmanager
+def full_disk_is_bad_input(output: str | Path, what: str) -> Iterator[None]:
+    """Inside: writing ``output`` (given by the option ``what``). A full disk becomes one ``UserError``; the
+    block's own cleanup has run by then (it is raised from the writer's ``finally`` blocks outward)."""
+    try:
+        yield
+    except Exception as exc:
+        full = full_disk_error(exc)
+        if full is None:
+            raise
+        where = f" ({full.filename})" if full.filename else ""
+        raise UserError(f"writing {output} failed: [Errno {full.errno}] {full.strerror}{where}, {_free_mib(output)} "
+                        f"there; {output} is as it was before this run and no partial file is left: free space "
+                        f"(or choose another {what}) and rerun") from None
