@@ -1,0 +1,214 @@
+"""A run folder (OUTPUT_BASEPATH) is untrusted input too: what training reads back from it and from its data.
+
+- megatron-core's dataset cache (``data_cache/``) never runs code: a pickle planted in place of an index
+  (even one that does its work and then returns the real array) is removed before megatron-core's
+  ``numpy.load(allow_pickle=True)`` sees it, and the index is built again; a sound cache is kept;
+- the training data is checked before the first step: the manifest, ``.bin`` against ``.idx``, every
+  token id;
+- nothing is written through a symlink that leads outside the folder;
+- resume falls back past an iteration that fails any integrity check;
+- every reader of ``.metadata`` refuses the same impossible shapes;
+- the tracker, train state, sidecars and manifests are read bounded and strictly.
+
+Each payload is first shown to run through an unguarded reader, so the tests can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy
+import pytest
+
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest
+from megatron_patch.errors import UserError
+from megatron_patch.training import data_cache
+from megatron_patch.training.data import build_pretraining_datasets
+from megatron_patch.training.validation import resolve
+from tests.training_helpers import launcher_args
+
+
+class Payload:
+    """Pickles as a call that touches ``marker`` and then, with ``returns``, gives back the array stored at
+    that path: the variant whose training finishes and exits 0."""
+
+    def __init__(self, marker: Path, returns: Path | None = None):
+        self.marker, self.returns = marker, returns
+
+    def __reduce__(self):
+        code = f"__import__('os').system('touch {self.marker}')"
+        if self.returns is not None:
+            code += f" or __import__('numpy').load('{self.returns}')"
+        return eval, (code,)
+
+
+@pytest.fixture
+def marker(tmp_path) -> Path:
+    path = tmp_path / "pwned"
+    yield path
+    assert not path.exists(), "the payload ran"
+
+
+def _cfg(corpus, out: Path):
+    return resolve("llama3_1", launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out)),
+                   env={})
+
+
+def _build(cfg):
+    """The training run's datasets, as each rank builds them (one process here: no process group)."""
+    return build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)[0]
+
+
+def _indices(ds) -> dict[str, numpy.ndarray]:
+    return {name: numpy.array(getattr(ds, name)) for name in ("document_index", "sample_index", "shuffle_index")}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(numpy.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def built(corpus, tmp_path):
+    """A run folder whose dataset cache megatron-core has built, and the indices it built."""
+    cfg = _cfg(corpus, tmp_path / "out")
+    ds = _build(cfg)
+    return cfg, _indices(ds), data_cache.run_cache_folder(cfg.output_basepath)
+
+
+def _cache_file(folder: Path, affix: str) -> Path:
+    return next(folder.glob(f"*-GPTDataset-train-{affix}"))
+
+
+def test_a_pickle_named_npy_runs_through_numpy_load_with_allow_pickle(tmp_path):
+    """What megatron-core does with a cache file (0.16 and 0.19 alike: ``numpy.load(..., allow_pickle=True,
+    mmap_mode="r")``): a pickle in place of a .npy array runs."""
+    ran, kept = tmp_path / "ran", tmp_path / "real.npy"
+    numpy.save(kept, numpy.arange(5, dtype=numpy.uint32))
+    path = tmp_path / "x-shuffle_index.npy"
+    path.write_bytes(pickle.dumps(Payload(ran, returns=kept)))
+    got = numpy.load(path, allow_pickle=True, mmap_mode="r")
+    assert ran.exists() and numpy.array_equal(got, numpy.arange(5))
+    assert data_cache.npy_problem(path).startswith("not a numpy array file")
+
+
+@pytest.mark.parametrize("affix", ["document_index.npy", "sample_index.npy", "shuffle_index.npy"])
+@pytest.mark.parametrize("returns", [False, True], ids=["payload", "payload-then-real-array"])
+def test_a_pickle_planted_in_the_data_cache_never_runs(built, marker, capsys, affix, returns):
+    cfg, want, folder = built
+    path = _cache_file(folder, affix)
+    real = marker.parent / "real.npy"
+    shutil.copy(path, real)
+    path.write_bytes(pickle.dumps(Payload(marker, returns=real if returns else None)))
+    capsys.readouterr()
+    got = _indices(_build(cfg))
+    assert _same(got, want)  # built again, the same order
+    out = capsys.readouterr().out
+    assert f"warning: {path} is not a numpy array file" in out and "megatron-core builds it again" in out, out
+    assert data_cache.npy_problem(path) is None
+
+
+def test_a_sound_cache_from_a_colleague_is_kept(built, corpus, tmp_path, capsys):
+    """Untrusted is not refused: a copied run folder whose cache is sound reads it as it is."""
+    _, want, folder = built
+    theirs = tmp_path / "theirs"
+    shutil.copytree(folder, theirs / "data_cache")
+    stamps = {p.name: p.stat().st_mtime_ns for p in (theirs / "data_cache").iterdir()}
+    capsys.readouterr()
+    assert _same(_indices(_build(_cfg(corpus, theirs))), want)
+    assert "warning" not in capsys.readouterr().out
+    assert all(p.stat().st_mtime_ns == stamps[p.name] for p in (theirs / "data_cache").glob("*.npy"))
+
+
+def _truncate(path: Path) -> str:
+    path.write_bytes(path.read_bytes()[:-4])
+    return "bytes long, where its header says"
+
+
+def _objects(path: Path) -> str:
+    numpy.save(path, numpy.array([1, "two"], dtype=object), allow_pickle=True)
+    return "an array of object, not of integers"
+
+
+def _floats(path: Path) -> str:
+    numpy.save(path, numpy.zeros(4))
+    return "an array of float64, not of integers"
+
+
+def _link_outside(path: Path) -> str:
+    outside = path.parent.parent.parent / "outside.npy"
+    shutil.copy(path, outside)
+    path.unlink()
+    path.symlink_to(outside)
+    return "not a regular file"
+
+
+def _flipped(path: Path) -> str:
+    """Still a valid .npy of the right shape: only the cache's manifest can tell."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    return f"not what {MANIFEST_NAME} records"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _objects, _floats, _link_outside, _flipped])
+def test_a_damaged_cache_file_is_built_again(built, capsys, damage):
+    cfg, want, folder = built
+    path = _cache_file(folder, "shuffle_index.npy")
+    why = damage(path)
+    capsys.readouterr()
+    assert _same(_indices(_build(cfg)), want)
+    out = capsys.readouterr().out
+    assert f"warning: {path} is " in out and why in out, out
+    assert not path.is_symlink() and data_cache.npy_problem(path) is None
+    outside = folder.parent.parent / "outside.npy"
+    if outside.exists():  # the rebuilt index went into the run's folder, not through the link
+        assert not outside.samefile(path)
+
+
+@pytest.mark.parametrize("affix, values, why", [
+    ("shuffle_index.npy", lambda a: a + len(a) + 5, "its shuffle index names samples beyond"),
+    ("document_index.npy", lambda a: a + 10**6, "its document index names documents beyond"),
+    ("sample_index.npy", lambda a: a[::-1].copy(), "its sample index does not run in order"),
+])
+def test_a_well_formed_index_that_does_not_fit_the_data_is_built_again(built, capsys, affix, values, why):
+    """Real .npy arrays of the right type, with the cache's manifest rewritten to match them: only their
+    values give them away (training would read past the corpus, or silently in another order)."""
+    cfg, want, folder = built
+    path = _cache_file(folder, affix)
+    bad = values(numpy.load(path))
+    numpy.save(path, bad.astype(numpy.load(path).dtype))
+    (folder / MANIFEST_NAME).unlink()
+    capsys.readouterr()
+    assert _same(_indices(_build(cfg)), want)
+    out = capsys.readouterr().out
+    assert f"an index that does not fit the data ({why}" in out, out
+
+
+def test_a_blend_whose_index_names_a_missing_dataset_is_unfit():
+    from types import SimpleNamespace
+
+    class Blended(SimpleNamespace):
+        pass
+
+    split = SimpleNamespace(name="train")
+    blend = Blended(datasets=[[0] * 5, [0] * 3], dataset_index=numpy.array([0, 1, 2], dtype=numpy.int16),
+                    dataset_sample_index=numpy.array([0, 0, 0]), unique_description_hash="h", split=split)
+    assert data_cache.unfit_indices([blend]) == [("h-Blended-train", "its dataset index names datasets beyond the "
+                                                                     "blend's 2")]
+    blend.dataset_index = numpy.array([0, 1, 1], dtype=numpy.int16)
+    blend.dataset_sample_index = numpy.array([4, 2, 3])
+    assert data_cache.unfit_indices([blend])[0][1] == "its sample index names samples beyond a dataset of the blend"
+    blend.dataset_sample_index = numpy.array([4, 2, 1])
+    assert data_cache.unfit_indices([blend]) == []
+
+
+def test_a_garbage_cache_manifest_is_removed_and_written_again(built, capsys):
+    cfg, want, folder = built
+    (folder / MANIFEST_NAME).write_text("{")
+    capsys.readouterr()
+    assert _same(_indices(_build(cfg)), want)
+    assert f"warning: {folder / MANIFEST_NAME} is not a readable manifest" in capsys.readouterr().out
+    assert set(read_manifest(folder / MANIFEST_NAME)["files"]) == {p.name for p in folder.glob("*.npy")}
