@@ -212,3 +212,122 @@ def test_a_garbage_cache_manifest_is_removed_and_written_again(built, capsys):
     assert _same(_indices(_build(cfg)), want)
     assert f"warning: {folder / MANIFEST_NAME} is not a readable manifest" in capsys.readouterr().out
     assert set(read_manifest(folder / MANIFEST_NAME)["files"]) == {p.name for p in folder.glob("*.npy")}
+
+
+# --- the training data, checked before the first step ------------------------------------------------------
+
+def _write_pair(prefix: Path, documents: list[list[int]], dtype=numpy.int32) -> str:
+    """A .bin/.idx pair as megatron-core writes it (no manifest)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for doc in documents:
+        builder.add_document(numpy.asarray(doc, dtype=dtype), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def other_corpus(tmp_path_factory):
+    from tests.training_helpers import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("other"), 40, seed=3)
+
+
+def _pair(corpus, tmp: Path, manifest: bool = True) -> str:
+    """A copy of the session corpus's pair (and its manifest)."""
+    src = Path(corpus["prefix"])
+    tmp.mkdir(parents=True, exist_ok=True)
+    for p in src.parent.glob(src.name + ".*"):
+        if manifest or not p.name.endswith(MANIFEST_NAME):
+            shutil.copy(p, tmp / p.name)
+    return str(tmp / src.name)
+
+
+def _mixed(corpus, other, tmp):
+    """mpatch preprocess killed between its two renames: the new corpus's .bin beside the old .idx, and no manifest
+    (the old one goes first)."""
+    prefix = _pair(corpus, tmp, manifest=False)
+    shutil.copy(other["prefix"] + ".bin", prefix + ".bin")
+    return prefix, "or the two files are not one pair"
+
+
+def _other_idx(corpus, other, tmp):
+    prefix = _pair(corpus, tmp, manifest=False)
+    shutil.copy(other["prefix"] + ".idx", prefix + ".idx")
+    return prefix, "or the two files are not one pair"
+
+
+def _other_idx_beside_its_manifest(corpus, other, tmp):
+    prefix = _pair(corpus, tmp)
+    shutil.copy(other["prefix"] + ".idx", prefix + ".idx")
+    return prefix, "but corpus_text_document.mpatch_manifest.json records"
+
+
+def _truncated_bin(corpus, other, tmp):
+    prefix = _pair(corpus, tmp, manifest=False)
+    Path(prefix + ".bin").write_bytes(Path(prefix + ".bin").read_bytes()[:-6])
+    return prefix, "tokens of uint16"
+
+
+def _foreign_bin(corpus, other, tmp):
+    """Another file of the same size: only the token ids give it away."""
+    prefix = _pair(corpus, tmp, manifest=False)
+    size = Path(prefix + ".bin").stat().st_size
+    Path(prefix + ".bin").write_bytes(numpy.random.default_rng(0).integers(0, 256, size, dtype=numpy.uint8).tobytes())
+    return prefix, "outside the model's vocabulary [0, 200)"
+
+
+def _garbage_idx(corpus, other, tmp):
+    prefix = _pair(corpus, tmp, manifest=False)
+    Path(prefix + ".idx").write_bytes(b"garbage" * 10)
+    return prefix, "is not an index written by megatron-core or 'mpatch preprocess' (no MMIDIDX header)"
+
+
+def _empty_bin(corpus, other, tmp):
+    prefix = _pair(corpus, tmp, manifest=False)
+    Path(prefix + ".bin").write_bytes(b"")
+    return prefix, ".bin is 0 bytes"
+
+
+def _no_tokens(corpus, other, tmp):
+    return _write_pair(tmp / "empty", []), "holds no tokens"
+
+
+def _negative_id(corpus, other, tmp):
+    return _write_pair(tmp / "labels", [[5, 6, 7], [8, -100, 9]]), "holds token id -100 (token 4, document 1)"
+
+
+def _id_beyond_the_vocabulary(corpus, other, tmp):
+    return _write_pair(tmp / "big", [[5, 6, 7], [8, 9], [300]]), "holds token id 300 (token 5, document 2)"
+
+
+BAD_DATA = [_mixed, _other_idx, _other_idx_beside_its_manifest, _truncated_bin, _foreign_bin, _garbage_idx, _empty_bin,
+            _no_tokens, _negative_id, _id_beyond_the_vocabulary]
+
+
+def test_sound_data_passes_and_every_token_is_counted(corpus, tmp_path):
+    from megatron_patch.training.data_files import check_mmap_data
+
+    assert check_mmap_data(_pair(corpus, tmp_path / "a"), 256) == Path(corpus["prefix"] + ".bin").stat().st_size // 2
+    assert check_mmap_data(_write_pair(tmp_path / "ids", [[0, 1], [255]]), 256) == 3
+
+
+@pytest.mark.parametrize("damage", BAD_DATA, ids=[f.__name__.strip("_") for f in BAD_DATA])
+def test_training_refuses_data_that_does_not_match_its_index_in_one_line(corpus, other_corpus, tmp_path, capsys,
+                                                                        damage):
+    """Before any rank starts (the launcher's own process): one line, exit 2. Unchecked, these trained and exported
+    with exit 0 (a mixed pair) or ended in rank tracebacks and 'internal error' (exit 1)."""
+    from megatron_patch.cli import main
+
+    prefix, why = damage(corpus, other_corpus, tmp_path / "data")
+    out = tmp_path / "out"
+    args = launcher_args("llama3_1", DATASET_PATH=prefix, OUTPUT_BASEPATH=str(out), TRAIN_TOKENS_OR_ITERS=str(2 * 8 * 64),
+                         WARMUP_TOKENS_OR_ITERS=str(8 * 64))
+    code = main(["train", "llama3_1", *args])
+    captured = capsys.readouterr()
+    assert code == 2 and why in captured.err, captured.err + captured.out[-2000:]
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
+    assert "torch.distributed.run" not in captured.out  # refused before any rank started
+

@@ -24,6 +24,7 @@ from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import LAUNCHER_PID, JobFailed, die_with_launcher, quiet_cpu_warnings, run_torchrun
 from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.training.data_files import check_training_data
 from megatron_patch.training.launcher_args import arg_names, launched_rank, launchers, usage
 from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
 from megatron_patch.training.memory_plan import plan_memory
@@ -178,6 +179,7 @@ def run(args) -> int:
         if done:
             print(done, flush=True)
             return 0
+        check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
         return _launch(cfg, command, needed)
 
 
@@ -236,6 +238,8 @@ def _train_here(cfg) -> int:
     die_with_launcher()
     register_rank(Path(cfg.output_basepath).absolute())  # held until this process ends, however it ends
     try:
+        if LAUNCHER_PID not in os.environ and os.environ.get("RANK", "0") == "0":
+            check_training_data(cfg)  # a torchrun started by hand: no launcher has checked the data
         train(cfg)
     except UserError as exc:
         if watchdog.report_failure(str(exc), "user"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy
 import torch
 import torch.distributed as dist
 
@@ -79,21 +78,6 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     sizes = [num_train_samples, num_valid_samples if valid else None, None]
     train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     return train, valid_ds
-
-
-def check_token_range(dataset, vocab_size: int, path: str) -> None:
-    """Token ids beyond the model's vocabulary would index past the embedding: say so up front."""
-
-    low = getattr(dataset, "datasets", [dataset])
-    for ds in low:
-        index = getattr(ds, "dataset", None)
-        if index is None:
-            continue
-        n = min(len(index), 256)
-        top = max((int(numpy.max(index[i])) for i in range(n) if len(index[i])), default=0)
-        if top >= vocab_size:
-            raise UserError(f"{path} holds token id {top}, beyond the model's vocabulary of {vocab_size}: "
-                            "preprocess with the model's tokenizer")
 
 
 # --- SFT on raw JSON / JSONL -------------------------------------------------------------------------------

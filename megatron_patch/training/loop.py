@@ -327,10 +327,9 @@ class Trainer:
             self.valid_data = (data.SFTDataset(cfg.valid_dataset_path[0], tok, length, packing=cfg.sft_packing)
                                if cfg.valid_dataset_path else None)
         else:
+            # Its files were checked before any rank started (every token id included: training.data_files).
             self.train_data, self.valid_data = data.build_pretraining_datasets(
                 cfg, cfg.train_iters * cfg.global_batch_size, valid_samples)
-            # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
-            data.check_token_range(self.train_data, self.arch.vocab_size, " ".join(cfg.dataset_path))
 
     # --- logging --------------------------------------------------------------------------------------
 
