@@ -331,3 +331,68 @@ def test_training_refuses_data_that_does_not_match_its_index_in_one_line(corpus,
     assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
     assert "torch.distributed.run" not in captured.out  # refused before any rank started
 
+
+# --- nothing is written through a link that leads outside the run folder ------------------------------------
+
+def _train_in_process(corpus, out: Path, capsys) -> tuple[int, str]:
+    from megatron_patch.cli import main
+
+    args = launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out),
+                         TRAIN_TOKENS_OR_ITERS=str(2 * 8 * 64), WARMUP_TOKENS_OR_ITERS=str(8 * 64))
+    code = main(["train", "llama3_1", *args])
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+@pytest.mark.parametrize("name, kind", [("log/metrics.jsonl", "file"), ("log", "folder"), ("data_cache", "folder"),
+                                        ("tensorboard", "folder"), ("checkpoint", "folder"),
+                                        ("log/throughput.json", "file")])
+def test_a_link_leading_outside_the_run_folder_is_refused_where_training_writes(corpus, tmp_path, capsys, name, kind):
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    (out / "log").mkdir(parents=True)
+    if kind == "file":
+        outside.write_text("precious\n")
+    else:
+        outside.mkdir()
+    link = out / name
+    if link.is_dir():
+        link.rmdir()
+    link.symlink_to(outside)
+    code, said = _train_in_process(corpus, out, capsys)
+    assert code == 2 and said.splitlines()[0] == (
+        f"mpatch train: error: {link} leads outside OUTPUT_BASEPATH (to {outside}), and training writes there: remove "
+        "the link (training makes its own), or point OUTPUT_BASEPATH at the folder you want"), said[-2000:]
+    assert "torch.distributed.run" not in said
+    assert (outside.read_text() == "precious\n") if kind == "file" else not any(outside.iterdir())
+
+
+def test_links_inside_the_run_folder_are_followed_and_wrong_kinds_refused(tmp_path):
+    from megatron_patch.training.run_folder import check_run_folder
+
+    out = tmp_path / "out"
+    (out / "cache2").mkdir(parents=True)
+    (out / "data_cache").symlink_to("cache2")
+    check_run_folder(out)
+    (out / "log").mkdir()
+    os.mkfifo(out / "log" / "metrics.jsonl")  # appending to it would hang the run
+    with pytest.raises(UserError, match=r"metrics\.jsonl is not a regular file, and training writes there"):
+        check_run_folder(out)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is not a folder"):
+        check_run_folder(tmp_path / "file")
+
+
+def test_metrics_shared_by_a_hard_link_get_a_file_of_their_own(tmp_path):
+    """``cp -al`` copies a run folder as hard links: appending to the copy's metrics must leave the original's."""
+    from megatron_patch.training.run_folder import METRICS, open_metrics
+
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    (original / "log").mkdir(parents=True)
+    (original / METRICS).write_text('{"iteration": 1}\n')
+    (copy / "log").mkdir(parents=True)
+    os.link(original / METRICS, copy / METRICS)
+    with open_metrics(copy) as f:
+        f.write('{"iteration": 2}\n')
+    assert (original / METRICS).read_text() == '{"iteration": 1}\n'
+    assert (copy / METRICS).read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
+

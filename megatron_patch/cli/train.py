@@ -28,6 +28,7 @@ from megatron_patch.training.data_files import check_training_data
 from megatron_patch.training.launcher_args import arg_names, launched_rank, launchers, usage
 from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
 from megatron_patch.training.memory_plan import plan_memory
+from megatron_patch.training.run_folder import check_run_folder
 from megatron_patch.training.validation import resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -151,6 +152,7 @@ def run(args) -> int:
         else:
             print_dry_run(report)
         return 0
+    check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: it takes a few lstat calls
     caps = Capabilities.detect()
     check_machine(cfg, caps)
 
