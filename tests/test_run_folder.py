@@ -396,3 +396,62 @@ def test_metrics_shared_by_a_hard_link_get_a_file_of_their_own(tmp_path):
     assert (original / METRICS).read_text() == '{"iteration": 1}\n'
     assert (copy / METRICS).read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
 
+
+# --- resume falls back past an iteration that fails any integrity check -------------------------------------
+
+def _training_iteration(root: Path, iteration: int) -> Path:
+    """A training checkpoint folder as the trainer leaves it: torch_dist files, train_state.json, the RNG file."""
+    import json
+
+    import torch
+
+    from megatron_patch.checkpoint_files.layout import iteration_dir, write_tracker
+    from tests.test_checkpoint_layout import _torch_dist
+
+    folder = _torch_dist(iteration_dir(root, iteration), seed=iteration)
+    (folder / "train_state.json").write_text(json.dumps({"iteration": iteration, "world_size": 1}))
+    (folder / "rng").mkdir()
+    torch.save({"torch": torch.get_rng_state()}, folder / "rng" / "rank_00000.pt")
+    write_tracker(root, iteration)
+    return folder
+
+
+def _flip_tensor_byte(folder: Path) -> Path:
+    """One byte of a tensor's data inside a .distcp archive: the archive's CRC-32 no longer matches."""
+    from megatron_patch.checkpoint_files.torch_dist import read_metadata
+    from megatron_patch.checkpoint_files.zipfmt import ZipIndex
+
+    name, start, length, _ = read_metadata(folder / ".metadata").storage[("w", (0, 0))]
+    index = ZipIndex(folder / name, base=start, length=length)
+    record = next(n for n in index.names() if n.endswith("data/0"))
+    offset, size = index.locate(record)
+    data = bytearray((folder / name).read_bytes())
+    data[offset + size // 2] ^= 0x10
+    (folder / name).write_bytes(bytes(data))
+    return folder / name
+
+
+@pytest.mark.parametrize("manifest", ["none", "rewritten"])
+def test_a_newest_iteration_failing_its_crc_is_skipped_for_the_previous_one(tmp_path, manifest):
+    """The docs promise the fallback; a CRC failure used to surface only inside the load, which stopped the resume
+    (a manifest catches a flipped byte by its digest, unless there is none or it was rewritten after the damage)."""
+    import torch
+
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from megatron_patch.checkpoint_files.safe_torch import SafeFileSystemReader, load_refusing
+    from megatron_patch.training.checkpointing import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+    damaged = _flip_tensor_byte(newest)
+    if manifest == "rewritten":
+        write_manifest(newest, "attacker", sync=False)
+    with pytest.raises(UserError, match="is corrupt"):  # what the load does with it
+        load_refusing({"w": torch.empty(256, 64)}, SafeFileSystemReader(newest))
+    latest, notes = latest_iteration(root)
+    assert latest == 2, notes
+    assert len(notes) == 1 and notes[0].startswith(f"{newest} is incomplete or damaged: {damaged.name} is damaged "
+                                                   "(the archive at byte "), notes
+    assert "fails its CRC-32 check" in notes[0] or "CRC" in notes[0], notes
+    assert latest_iteration(root, verify=False) == (4, [])  # the launcher's early look leaves the bytes to the ranks

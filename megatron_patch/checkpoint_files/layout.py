@@ -35,6 +35,7 @@ from megatron_patch.checkpoint_files.torch_dist import (
     metadata_files,
     read_metadata,
 )
+from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex, check_crc
 from megatron_patch.errors import UserError
 from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder helpers, one import for readers
     PARTIAL_TAG,
@@ -121,8 +122,8 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
 
     Checked without reading the tensors (and without torch): megatron's ``metadata.json`` parses;
     torch's ``.metadata`` unpickles (``torch_dist.read_metadata``); every data file it names
-    exists and is long enough for every record it points into (a truncated ``.distcp`` is found, a
-    flipped byte inside one is not: the format has no checksums); with ``common``, megatron's common
+    exists and is long enough for every record it points into (a truncated ``.distcp`` is found; a flipped
+    byte inside one is found by ``archives_problem``, which reads every byte); with ``common``, megatron's common
     state is there: an intact ``common.pt`` archive, or (megatron-core >= 0.19) the ``common_state`` object.
     """
     folder = Path(folder)
@@ -157,6 +158,32 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
             return f"{name} is truncated ({size} bytes; its records end at byte {end})"
     if common:
         return _common_state_problem(folder, metadata)
+    return None
+
+
+def archives_problem(folder: str | Path) -> str | None:
+    """The first stored record of a torch_dist checkpoint that fails what a load checks before torch reads it
+    (``safe_torch.SafeFileSystemReader``): each archive's zip structure and the CRC-32 of every record in it.
+    It reads every byte: the resume's choice of checkpoint runs it, so that a record torch would refuse
+    mid-load makes the checkpoint incomplete here instead, and the one before it is taken."""
+    folder = Path(folder)
+    try:
+        storage = read_metadata(folder / ".metadata").storage
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
+        return f".metadata is unreadable ({type(exc).__name__}: {exc})"
+    for name, start, length, transforms in sorted(set(storage.values())):
+        if transforms:  # decoded by torch's transform, which checks its own framing
+            continue
+        path = folder / name
+        with open(path, "rb") as f:
+            f.seek(start)
+            if f.read(4) != b"PK\x03\x04":  # not an archive: torch reads these bytes as they are
+                continue
+        try:
+            for where, offset, size, crc in ZipIndex(path, base=start, length=length).record_checks():
+                check_crc(where, offset, size, crc, f"a record at byte {offset}")
+        except (ZipFormatError, OSError, ValueError) as exc:
+            return f"{name} is damaged (the archive at byte {start}: {exc})"
     return None
 
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_patch.checkpoint_files.layout import (
     RELEASE,
     TRACKER_NAME,
+    archives_problem,
     fsync_file,
     iteration_dir,
     latest_complete_iteration,
@@ -72,7 +73,9 @@ TRAIN_STATE = "train_state.json"
 def iteration_problem(folder: Path, verify: bool = True) -> str | None:
     """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
     (checkpoint_files.layout.torch_dist_problem), train_state.json, every rank's random state, and (``verify``)
-    every file against the folder's manifest, where it has one."""
+    every file against the folder's manifest, where it has one, and every archive's CRC-32s
+    (``archives_problem``): whatever a load would refuse as damaged is found here, where the previous
+    checkpoint can still be taken."""
     why = torch_dist_problem(folder)
     if why:
         return why
@@ -82,6 +85,10 @@ def iteration_problem(folder: Path, verify: bool = True) -> str | None:
             verify_manifest(manifest)
         except UserError as exc:
             return str(exc)
+    if verify:  # the CRC-32s too: a manifest rewritten after the damage, or none, would leave them to the load
+        why = archives_problem(folder)
+        if why:
+            return why
     try:
         state = json.loads((folder / TRAIN_STATE).read_text())
         iteration, world = int(state["iteration"]), int(state["world_size"])
