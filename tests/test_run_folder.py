@@ -455,3 +455,75 @@ def test_a_newest_iteration_failing_its_crc_is_skipped_for_the_previous_one(tmp_
                                                    "(the archive at byte "), notes
     assert "fails its CRC-32 check" in notes[0] or "CRC" in notes[0], notes
     assert latest_iteration(root, verify=False) == (4, [])  # the launcher's early look leaves the bytes to the ranks
+
+
+# --- every reader of .metadata refuses the same impossible shapes -------------------------------------------
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Path]:
+    from megatron_patch.cli import main
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("shapes")
+    hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=1)
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(root / "mcore"), "--format",
+                 "torch_dist", "--quiet"]) == 0
+    return {"hf": hf, "mcore": root / "mcore"}
+
+
+def _claim(folder: Path, how: str) -> tuple[Path, str]:
+    """Rewrite .metadata (and, as an attacker would, the manifest) so that one tensor claims an impossible shape."""
+    import torch
+
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+
+    path = next(folder.rglob(".metadata"))
+    md = pickle.loads(path.read_bytes())  # our own file: trusted here
+    key = "embedding.word_embeddings.weight"
+    entry = md.state_dict_metadata[key]
+    rows, cols = entry.size
+    if how == "negative":
+        entry.size = torch.Size([-4, cols])
+        why = f"tensor {key} claims the shape [-4, {cols}], which no tensor has"
+    elif how == "chunk outside":
+        entry.chunks[0].sizes = torch.Size([2 * rows, cols])
+        why = f"a chunk of {key} at [0, 0] of [{2 * rows}, {cols}] lies outside its shape [{rows}, {cols}]"
+    elif how == "huge":
+        entry.size = torch.Size([10**12, 10**12])
+        why = f"tensor {key} claims the shape [{10**12}, {10**12}], but its chunks hold {rows * cols} of its"
+    else:
+        entry.size, entry.chunks[0].sizes = torch.Size([2 * rows, cols]), torch.Size([2 * rows, cols])
+        why = f"a chunk of {key} at [0, 0] of [{2 * rows}, {cols}] takes {2 * rows * cols * 4} bytes of float32, but its record holds"
+    path.write_bytes(pickle.dumps(md))
+    write_manifest(folder, "attacker", sync=False)
+    return path, f"{path}: {why}"
+
+
+SHAPES = ["negative", "chunk outside", "huge", "more elements than its bytes"]
+
+
+@pytest.mark.parametrize("how", SHAPES)
+def test_every_reader_of_metadata_refuses_an_impossible_shape_alike(converted, tmp_path, capsys, how):
+    """mcore2hf refused these; inspect, align, PRETRAIN_CHECKPOINT_PATH and resume (torch's reader) took them."""
+    from megatron_patch.checkpoint_files.layout import torch_dist_problem
+    from megatron_patch.checkpoint_files.safe_torch import SafeFileSystemReader
+    from megatron_patch.cli import main
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(converted["mcore"], folder)
+    path, why = _claim(folder, how)
+    for argv in (["inspect", str(folder)],
+                 ["convert", "mcore2hf", "--load-dir", str(folder), "--save-dir", str(tmp_path / "hf")],
+                 ["align", "--hf-dir", str(converted["hf"]), "--mcore-dir", str(folder), "--report-dir",
+                  str(tmp_path / "report")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err, (argv[0], err)
+    with pytest.raises(UserError) as refused:  # every torch load: resume, PRETRAIN_CHECKPOINT_PATH, align's ranks
+        SafeFileSystemReader(path.parent)
+    assert why in str(refused.value)
+    assert why in torch_dist_problem(path.parent)  # the resume's choice of checkpoint: skipped for an older one
+    with pytest.raises(UserError) as refused:  # the launcher, before any rank starts
+        resolve("llama3_1", launcher_args("llama3_1", MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(folder),
+                                          DATASET_PATH="none", SFT="false"), env={}, check_paths=False)
+    assert why in str(refused.value)

@@ -142,6 +142,8 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
 
     try:
         metadata = read_metadata(folder / ".metadata")
+    except UserError as exc:  # a refused pickle, a shape no checkpoint has: the reader's own line
+        return str(exc)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
         return f".metadata is unreadable ({type(exc).__name__}: {exc})"
     ends: dict[str, int] = {}
@@ -169,6 +171,8 @@ def archives_problem(folder: str | Path) -> str | None:
     folder = Path(folder)
     try:
         storage = read_metadata(folder / ".metadata").storage
+    except UserError as exc:
+        return str(exc)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
         return f".metadata is unreadable ({type(exc).__name__}: {exc})"
     for name, start, length, transforms in sorted(set(storage.values())):
