@@ -527,3 +527,89 @@ def test_every_reader_of_metadata_refuses_an_impossible_shape_alike(converted, t
         resolve("llama3_1", launcher_args("llama3_1", MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(folder),
                                           DATASET_PATH="none", SFT="false"), env={}, check_paths=False)
     assert why in str(refused.value)
+
+
+# --- the small files a resume reads back: bounded, strict, one line --------------------------------------------
+
+def _huge(path: Path) -> str:
+    """A sparse file beyond the bound of any such file (64 MiB here; a plain read_text of a terabyte-sized one
+    asks for a terabyte of memory)."""
+    path.unlink(missing_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(2**26)
+    return f"holds {2**26:,} bytes, more than the"
+
+
+def _fifo(path: Path) -> str:
+    """A reader that opens it blocks until someone writes: forever."""
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return "is not a regular file"
+
+
+def _endless(path: Path) -> str:
+    path.unlink(missing_ok=True)
+    path.symlink_to("/dev/zero")
+    return "is not a regular file"
+
+
+@pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
+@pytest.mark.parametrize("name", ["train_state.json", "metadata.json"])
+def test_a_huge_or_endless_small_file_skips_its_iteration_in_one_line(tmp_path, damage, name):
+    from megatron_patch.training.checkpointing import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+    why = damage(newest / name)
+    latest, notes = latest_iteration(root)
+    assert latest == 2 and len(notes) == 1, notes
+    assert notes[0].startswith(f"{newest} is incomplete or damaged: {name} ") and why in notes[0], notes
+
+
+@pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
+def test_a_huge_or_endless_tracker_is_skipped_for_the_newest_complete_iteration(tmp_path, damage):
+    from megatron_patch.checkpoint_files.layout import TRACKER_NAME
+    from megatron_patch.training.checkpointing import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    why = damage(root / TRACKER_NAME)
+    latest, notes = latest_iteration(root)
+    assert latest == 2 and len(notes) == 1 and why in notes[0], notes
+    assert notes[0].startswith(f"{root / TRACKER_NAME} is unreadable"), notes
+
+
+@pytest.mark.parametrize("state, why", [
+    ({"iteration": 4.5, "world_size": 1}, "'iteration' is 4.5"),
+    ({"iteration": "4", "world_size": 1}, "'iteration' is \"4\""),
+    ({"iteration": 4, "world_size": -1}, "'world_size' is -1"),
+    ({"iteration": 4, "world_size": True}, "'world_size' is true"),
+    ({"iteration": 4, "world_size": 10**12}, f"'world_size' is {10**12}"),
+    ({"iteration": 4, "world_size": 1, "consumed_samples": -8}, "'consumed_samples' is -8"),
+    ([4, 1], "holds a JSON list, not an object"),
+])
+def test_train_state_is_parsed_strictly(tmp_path, state, why):
+    """int() took 4.5, '4' and True; a world size of -1 skipped every RNG file's check."""
+    import json
+
+    from megatron_patch.training.checkpointing import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+    (newest / "train_state.json").write_text(json.dumps(state))
+    latest, notes = latest_iteration(root)
+    assert latest == 2 and len(notes) == 1 and why in notes[0], notes
+
+
+@pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
+def test_a_huge_or_endless_sidecar_is_refused_in_one_line(converted, tmp_path, damage):
+    from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(converted["mcore"], folder)
+    why = damage(folder / SIDECAR_NAME)
+    with pytest.raises(UserError, match="the checkpoint's sidecar is damaged") as refused:
+        read_sidecar(folder)
+    assert why.replace("holds", "it holds") in str(refused.value) or why in str(refused.value)

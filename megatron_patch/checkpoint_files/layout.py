@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -66,14 +67,51 @@ def is_iteration_dir(folder: str | Path) -> bool:
     return ITERATION_DIR.fullmatch(Path(folder).name) is not None
 
 
+# The most bytes each small file of a checkpoint holds: a tracker is one number, megatron's metadata.json a few
+# keys, a sidecar or train_state.json a model's config. A file beyond its bound is damaged, not read.
+TRACKER_BYTES = 64
+SMALL_FILE_BYTES = 16 * 2**20
+
+
+def read_small_file(path: str | Path, limit: int = SMALL_FILE_BYTES) -> bytes:
+    """The bytes of a small file of a checkpoint or run folder, read only if it is a regular file of at most
+    ``limit`` bytes (checked on the descriptor that is read, opened without blocking: a FIFO or a device put in
+    its place never stalls or floods the reader). ``OSError`` or one-line ``UserError`` otherwise."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"{path} is not a regular file")
+        if info.st_size > limit:
+            raise UserError(f"{path} holds {info.st_size:,} bytes, more than the {limit:,} such a file has")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise UserError(f"{path} grew past {limit:,} bytes while it was read")
+        return data
+    finally:
+        os.close(fd)
+
+
+def read_small_json(path: str | Path, limit: int = SMALL_FILE_BYTES) -> dict:
+    """A small JSON file holding an object (``read_small_file``); one-line ``UserError`` for anything else."""
+    try:
+        value = json.loads(read_small_file(path, limit))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UserError(f"{path} is unreadable ({' '.join(str(exc).split())[:200]})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def read_tracker(root: str | Path) -> int | str | None:
     """What ``root``'s tracker says: ``"release"``, an iteration number, or None without a tracker."""
     tracker = Path(root) / TRACKER_NAME
-    if not tracker.is_file():
+    if not os.path.lexists(tracker):
         return None
     try:
-        text = tracker.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_small_file(tracker, TRACKER_BYTES).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError, UserError) as exc:
         raise UserError(f"{tracker} is unreadable ({exc}): the checkpoint is damaged")
     if text == RELEASE:
         return RELEASE
@@ -130,12 +168,12 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
     if not folder.is_dir():
         return f"{folder.name} is missing"
     config = folder / "metadata.json"
-    if not config.is_file():
+    if not os.path.lexists(config):
         return "metadata.json is missing"
     try:
-        json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        return f"metadata.json is unreadable ({exc})"
+        read_small_json(config, 2**16)
+    except UserError as exc:
+        return str(exc).replace(str(config), config.name, 1)
 
     if not metadata_files(folder):
         return ".metadata is missing"
