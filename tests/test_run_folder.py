@@ -400,15 +400,25 @@ def test_metrics_shared_by_a_hard_link_get_a_file_of_their_own(tmp_path):
 # --- resume falls back past an iteration that fails any integrity check -------------------------------------
 
 def _training_iteration(root: Path, iteration: int) -> Path:
-    """A training checkpoint folder as the trainer leaves it: torch_dist files, train_state.json, the RNG file."""
+    """A small training checkpoint folder as the trainer leaves it: torch DCP files (tensors of 64 KiB and 256 B),
+    megatron's metadata.json and common.pt, train_state.json, the RNG file."""
     import json
+    import warnings
 
     import torch
+    import torch.distributed.checkpoint as dcp
 
     from megatron_patch.checkpoint_files.layout import iteration_dir, write_tracker
-    from tests.test_checkpoint_layout import _torch_dist
+    from megatron_patch.checkpoint_files.torch_dist import MEGATRON_CONFIG
 
-    folder = _torch_dist(iteration_dir(root, iteration), seed=iteration)
+    folder = iteration_dir(root, iteration)
+    g = torch.Generator().manual_seed(iteration)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}, checkpoint_id=str(folder),
+                 no_dist=True)
+    (folder / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
+    torch.save({"iteration": iteration}, folder / "common.pt")
     (folder / "train_state.json").write_text(json.dumps({"iteration": iteration, "world_size": 1}))
     (folder / "rng").mkdir()
     torch.save({"torch": torch.get_rng_state()}, folder / "rng" / "rank_00000.pt")
@@ -423,7 +433,7 @@ def _flip_tensor_byte(folder: Path) -> Path:
 
     name, start, length, _ = read_metadata(folder / ".metadata").storage[("w", (0, 0))]
     index = ZipIndex(folder / name, base=start, length=length)
-    record = next(n for n in index.names() if n.endswith("data/0"))
+    record = next(n for n in index.names() if n.startswith("data/"))
     offset, size = index.locate(record)
     data = bytearray((folder / name).read_bytes())
     data[offset + size // 2] ^= 0x10
@@ -613,3 +623,102 @@ def test_a_huge_or_endless_sidecar_is_refused_in_one_line(converted, tmp_path, d
     with pytest.raises(UserError, match="the checkpoint's sidecar is damaged") as refused:
         read_sidecar(folder)
     assert why.replace("holds", "it holds") in str(refused.value) or why in str(refused.value)
+
+
+# --- end to end: the launcher resumes a run folder that travelled ---------------------------------------------
+
+RESUME_ITERS, RESUME_SAVE, STOP_AT = 6, 2, 4
+
+
+def _resume_args(corpus, out: Path) -> list[str]:
+    return launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out),
+                         SAVE_INTERVAL=str(RESUME_SAVE), TRAIN_TOKENS_OR_ITERS=str(RESUME_ITERS * 8 * 64),
+                         WARMUP_TOKENS_OR_ITERS=str(8 * 64))
+
+
+@pytest.fixture(scope="module")
+def stopped_run(corpus, tmp_path_factory) -> Path:
+    """A run stopped after its checkpoint at iteration 4 of 6 (checkpoints at 2 and 4): what a colleague hands on."""
+    from tests.training_helpers import launch
+
+    out = tmp_path_factory.mktemp("stopped") / "out"
+    proc = launch(_resume_args(corpus, out), {"MP_EXIT_INTERVAL": str(STOP_AT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _resume(corpus, out: Path):
+    from tests.training_helpers import launch
+
+    return launch(_resume_args(corpus, out))
+
+
+@pytest.mark.slow
+def test_the_training_manifest_covers_what_resume_reads(stopped_run):
+    """Every file of an iteration folder, .metadata included (the resume unpickles it), and the dataset cache."""
+    for folder in (stopped_run / "checkpoint").glob("iter_*"):
+        listed = set(read_manifest(folder / MANIFEST_NAME)["files"])
+        on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST_NAME}
+        assert ".metadata" in listed and listed == on_disk, on_disk - listed
+    cache = stopped_run / "data_cache"
+    assert set(read_manifest(cache / MANIFEST_NAME)["files"]) == {p.name for p in cache.glob("*.npy")}
+
+
+@pytest.mark.slow
+def test_resuming_a_folder_with_a_planted_cache_pickle_never_runs_it(stopped_run, corpus, tmp_path, marker):
+    """The variant that runs its payload and then returns the real array: training used to finish, export and exit
+    0 with the payload run."""
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    path = next((out / "data_cache").glob("*-GPTDataset-train-shuffle_index.npy"))
+    real = tmp_path / "real.npy"
+    shutil.copy(path, real)
+    path.write_bytes(pickle.dumps(Payload(marker, returns=real)))
+    proc = _resume(corpus, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"warning: {path} is not a numpy array file" in proc.stdout, proc.stdout[-3000:]
+    assert "resumed from" in proc.stdout and (out / "final").is_dir()
+    assert data_cache.npy_problem(path) is None
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_a_newest_iteration_failing_its_crc(stopped_run, corpus, tmp_path):
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from megatron_patch.checkpoint_files.torch_dist import read_metadata
+    from megatron_patch.checkpoint_files.zipfmt import ZipIndex
+
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    newest = out / "checkpoint" / f"iter_{STOP_AT:07d}"
+    md = read_metadata(newest / ".metadata")
+    key = next(k for k, (name, start, length, _) in md.storage.items() if k[1] is not None and length > 4096)
+    name, start, length, _ = md.storage[key]
+    index = ZipIndex(newest / name, base=start, length=length)
+    offset, size = index.locate(next(n for n in index.names() if n.startswith("data/")))
+    data = bytearray((newest / name).read_bytes())
+    data[offset + size // 2] ^= 0x10
+    (newest / name).write_bytes(bytes(data))
+    write_manifest(newest, "attacker", sync=False)  # a digest is no signature: only the CRC-32 can tell
+    proc = _resume(corpus, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"warning: {newest} is incomplete or damaged: {name} is damaged (the archive at byte {start}:" in \
+        proc.stdout, proc.stdout[-3000:]
+    assert f"resumed from {out / 'checkpoint' / f'iter_{RESUME_SAVE:07d}'}\n" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_hard_linked_copy_resumes_without_touching_the_original(stopped_run, corpus, tmp_path):
+    """``cp -al`` hands on a run folder as hard links: the copy resumes (untrusted is not refused) and the
+    original's files stay as they were."""
+    import subprocess
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    shutil.copytree(stopped_run, original)
+    subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
+    before = {p: p.read_bytes() for p in original.rglob("*") if p.is_file()}
+    proc = _resume(corpus, copy)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "warning" not in proc.stdout, proc.stdout[-3000:]
+    assert {p: p.read_bytes() for p in original.rglob("*") if p.is_file()} == before
+    assert len((copy / "log" / "metrics.jsonl").read_text().splitlines()) > \
+        len((original / "log" / "metrics.jsonl").read_text().splitlines())
