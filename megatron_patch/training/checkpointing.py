@@ -412,7 +412,7 @@ def _write_shared_manifest(tmp: Path, tool: str) -> None:
     ranks hash a share of the files each (and fsync them), rank 0 writes the whole."""
     dist.barrier()  # every file is written, rank 0's included
     rank, world = dist.get_rank(), dist.get_world_size()
-    names = unlisted_files(tmp)  # .metadata included: the resume reads it as much as any other file
+    names = unlisted_files(tmp)  # every file, torch_dist's hidden .metadata too: the manifest covers the folder
     mine = digests(tmp, names[rank::world])
     shares: list = [None] * world
     dist.all_gather_object(shares, mine)
