@@ -187,6 +187,15 @@ def test_a_well_formed_index_that_does_not_fit_the_data_is_built_again(built, ca
     assert f"an index that does not fit the data ({why}" in out, out
 
 
+def test_a_folder_in_place_of_a_cache_file_is_refused_in_one_line(built):
+    cfg, _, folder = built
+    path = _cache_file(folder, "sample_index.npy")
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(UserError, match="is a folder where megatron-core keeps a file of its dataset cache"):
+        _build(cfg)
+
+
 def test_a_blend_whose_index_names_a_missing_dataset_is_unfit():
     from types import SimpleNamespace
 

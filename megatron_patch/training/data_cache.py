@@ -89,8 +89,6 @@ def _remove(path: Path, why: str, log, then: str = "megatron-core builds it agai
         path.unlink()
     except FileNotFoundError:
         return
-    except IsADirectoryError:
-        raise UserError(f"{path} is a folder where megatron-core keeps a file of its dataset cache: move it away")
     except OSError as exc:
         raise UserError(f"{path} fails its check ({why}) and cannot be removed ({exc.strerror or exc}): remove "
                         f"{path.parent} by hand") from None
@@ -110,7 +108,12 @@ def keep_sound_files(folder: Path, log=print) -> None:
                                  and not (folder / n).is_symlink()], sync=False)
     for name in names:
         path = folder / name
-        if name == MANIFEST_NAME or (path.is_dir() and not path.is_symlink()):
+        if path.is_dir() and not path.is_symlink():
+            if name.endswith((".npy", ".txt")):  # megatron-core would fail to write its file there
+                raise UserError(f"{path} is a folder where megatron-core keeps a file of its dataset cache: move it "
+                                "away")
+            continue
+        if name == MANIFEST_NAME:
             continue
         if not name.endswith(".npy"):
             if not stat.S_ISREG(os.lstat(path).st_mode):  # megatron-core writes its descriptions through it
@@ -145,6 +148,7 @@ def record(folder: Path) -> None:
         return
     names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".npy") and npy_problem(p) is None)
     tmp = f".{MANIFEST_NAME}.tmp.{os.getpid()}"
+    (folder / tmp).unlink(missing_ok=True)  # a link planted at the name is removed, not written through
     write_manifest(folder, "mpatch train, megatron-core's dataset cache", name=tmp,
                    files=digests(folder, names, sync=True))
     os.replace(folder / tmp, folder / MANIFEST_NAME)
