@@ -254,8 +254,9 @@ def test_overlapping_or_missing_chunks_are_refused(tmp_path):
     plan = plan_torch_dist(tmp_path / "m", items[:1], [])
     plan.create_files()
     plan.finish()
-    with pytest.raises(UserError, match="stores only 8 of the 12 elements of t"):
-        TorchDistReader(tmp_path / "m").read_block("t")
+    # A hole is refused as soon as .metadata is read, by every reader (torch's own load would leave it unfilled).
+    with pytest.raises(UserError, match="tensor t claims the shape \\[3, 4\\], but its chunks hold 8 of its 12 elements"):
+        TorchDistReader(tmp_path / "m")
 
 
 # --- CRC-32: written, and checked -------------------------------------------------------------

@@ -35,8 +35,12 @@ def inputs(tmp_path_factory) -> dict:
     hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
     jsonl = root / "d.jsonl"
     jsonl.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
-    for suffix in (".bin", ".idx"):
-        (root / f"corpus_text_document{suffix}").write_bytes(b"")
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(root / "corpus_text_document.bin"), dtype=numpy.uint16)
+    builder.add_document(numpy.arange(1, 9, dtype=numpy.uint16), [8])
+    builder.finalize(str(root / "corpus_text_document.idx"))
     return {"hf": hf, "ckpt": ckpt, "jsonl": jsonl, "tok": make_tiktoken_file(root / "tok.tiktoken", []),
             "corpus": root / "corpus_text_document"}
 

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -35,6 +36,7 @@ from megatron_patch.checkpoint_files.torch_dist import (
     metadata_files,
     read_metadata,
 )
+from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex, check_crc
 from megatron_patch.errors import UserError
 from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder helpers, one import for readers
     PARTIAL_TAG,
@@ -65,14 +67,51 @@ def is_iteration_dir(folder: str | Path) -> bool:
     return ITERATION_DIR.fullmatch(Path(folder).name) is not None
 
 
+# The most bytes each small file of a checkpoint holds: a tracker is one number, megatron's metadata.json a few
+# keys, a sidecar or train_state.json a model's config. A file beyond its bound is damaged, not read.
+TRACKER_BYTES = 64
+SMALL_FILE_BYTES = 16 * 2**20
+
+
+def read_small_file(path: str | Path, limit: int = SMALL_FILE_BYTES) -> bytes:
+    """The bytes of a small file of a checkpoint or run folder, read only if it is a regular file of at most
+    ``limit`` bytes (checked on the descriptor that is read, opened without blocking: a FIFO or a device put in
+    its place never stalls or floods the reader). ``OSError`` or one-line ``UserError`` otherwise."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"{path} is not a regular file")
+        if info.st_size > limit:
+            raise UserError(f"{path} holds {info.st_size:,} bytes, more than the {limit:,} such a file has")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise UserError(f"{path} grew past {limit:,} bytes while it was read")
+        return data
+    finally:
+        os.close(fd)
+
+
+def read_small_json(path: str | Path, limit: int = SMALL_FILE_BYTES) -> dict:
+    """A small JSON file holding an object (``read_small_file``); one-line ``UserError`` for anything else."""
+    try:
+        value = json.loads(read_small_file(path, limit))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UserError(f"{path} is unreadable ({' '.join(str(exc).split())[:200]})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def read_tracker(root: str | Path) -> int | str | None:
     """What ``root``'s tracker says: ``"release"``, an iteration number, or None without a tracker."""
     tracker = Path(root) / TRACKER_NAME
-    if not tracker.is_file():
+    if not os.path.lexists(tracker):
         return None
     try:
-        text = tracker.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_small_file(tracker, TRACKER_BYTES).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError, UserError) as exc:
         raise UserError(f"{tracker} is unreadable ({exc}): the checkpoint is damaged")
     if text == RELEASE:
         return RELEASE
@@ -121,26 +160,28 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
 
     Checked without reading the tensors (and without torch): megatron's ``metadata.json`` parses;
     torch's ``.metadata`` unpickles (``torch_dist.read_metadata``); every data file it names
-    exists and is long enough for every record it points into (a truncated ``.distcp`` is found, a
-    flipped byte inside one is not: the format has no checksums); with ``common``, megatron's common
+    exists and is long enough for every record it points into (a truncated ``.distcp`` is found; a flipped
+    byte inside one is found by ``archives_problem``, which reads every byte); with ``common``, megatron's common
     state is there: an intact ``common.pt`` archive, or (megatron-core >= 0.19) the ``common_state`` object.
     """
     folder = Path(folder)
     if not folder.is_dir():
         return f"{folder.name} is missing"
     config = folder / "metadata.json"
-    if not config.is_file():
+    if not os.path.lexists(config):
         return "metadata.json is missing"
     try:
-        json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        return f"metadata.json is unreadable ({exc})"
+        read_small_json(config, 2**16)
+    except UserError as exc:
+        return str(exc).replace(str(config), config.name, 1)
 
     if not metadata_files(folder):
         return ".metadata is missing"
 
     try:
         metadata = read_metadata(folder / ".metadata")
+    except UserError as exc:  # a refused pickle, a shape no checkpoint has: the reader's own line
+        return str(exc)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
         return f".metadata is unreadable ({type(exc).__name__}: {exc})"
     ends: dict[str, int] = {}
@@ -157,6 +198,34 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
             return f"{name} is truncated ({size} bytes; its records end at byte {end})"
     if common:
         return _common_state_problem(folder, metadata)
+    return None
+
+
+def archives_problem(folder: str | Path) -> str | None:
+    """The first stored record of a torch_dist checkpoint that fails what a load checks before torch reads it
+    (``safe_torch.SafeFileSystemReader``): each archive's zip structure and the CRC-32 of every record in it.
+    It reads every byte: the resume's choice of checkpoint runs it, so that a record torch would refuse
+    mid-load makes the checkpoint incomplete here instead, and the one before it is taken."""
+    folder = Path(folder)
+    try:
+        storage = read_metadata(folder / ".metadata").storage
+    except UserError as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
+        return f".metadata is unreadable ({type(exc).__name__}: {exc})"
+    for name, start, length, transforms in sorted(set(storage.values())):
+        if transforms:  # decoded by torch's transform, which checks its own framing
+            continue
+        path = folder / name
+        with open(path, "rb") as f:
+            f.seek(start)
+            if f.read(4) != b"PK\x03\x04":  # not an archive: torch reads these bytes as they are
+                continue
+        try:
+            for where, offset, size, crc in ZipIndex(path, base=start, length=length).record_checks():
+                check_crc(where, offset, size, crc, f"a record at byte {offset}")
+        except (ZipFormatError, OSError, ValueError) as exc:
+            return f"{name} is damaged (the archive at byte {start}: {exc})"
     return None
 
 

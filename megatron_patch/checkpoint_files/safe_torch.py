@@ -30,12 +30,12 @@ from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorProperties
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta, TensorProperties
 
 from megatron_patch.checkpoint_files.allowlist import ALLOWED, ENUM_BY_NAME, UnsafePickle, canonical, check, enum_by_name, refuse
 from megatron_patch.checkpoint_files.pickles import loads as parse_inert
 from megatron_patch.checkpoint_files.pickles import Record, record_class
-from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT
+from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, DistMetadata, TensorInfo, check_metadata
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex
 from megatron_patch.errors import UserError
 
@@ -75,15 +75,36 @@ class _TensorProperties(TensorProperties):
 
 
 def read_dcp_metadata(path: str | Path):
-    """A torch.distributed.checkpoint ``.metadata`` file as torch's ``Metadata``, read with the allow-list."""
+    """A torch.distributed.checkpoint ``.metadata`` file as torch's ``Metadata``, read with the allow-list and
+    held to the shapes a checkpoint can have (``torch_dist.check_metadata``, the torch-free reader's check)."""
     path = Path(path)
     data = path.read_bytes()
     try:
-        return _AllowListUnpickler(data, str(path)).load()
+        metadata = _AllowListUnpickler(data, str(path)).load()
+        described = _described(metadata)
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise UserError(f"{path} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is damaged") from None
+    check_metadata(described, path)
+    return metadata
+
+
+def _described(metadata) -> DistMetadata:
+    """torch's ``Metadata`` as the torch-free reader describes a ``.metadata`` (tensors, objects, storage)."""
+    tensors, objects, storage = {}, set(), {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            objects.add(key)
+            continue
+        dtype = str(entry.properties.dtype).removeprefix("torch.")
+        tensors[key] = TensorInfo(tuple(entry.size), dtype,
+                                  tuple((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks))
+    for index, info in (metadata.storage_data or {}).items():
+        offset = None if index.offset is None else tuple(index.offset)
+        storage[(index.fqn, offset)] = (info.relative_path, info.offset, info.length,
+                                        tuple(getattr(info, "transform_descriptors", None) or ()))
+    return DistMetadata(tensors, objects, storage)
 
 
 def check_torch_save(data: bytes, where: str) -> None:

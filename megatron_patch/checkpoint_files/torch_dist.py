@@ -42,6 +42,7 @@ from megatron_patch.checkpoint_files.pickles import (
 )
 from megatron_patch.checkpoint_files.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
 from megatron_patch.checkpoint_files.zipfmt import ZipLayout
+from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.errors import UserError
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -196,6 +197,62 @@ class DistMetadata:
     storage: dict[tuple[str, tuple | None], tuple[str, int, int, tuple[str, ...]]]
 
 
+# More dimensions than any tensor a model stores (megatron's stacked expert weights have 4).
+MAX_TENSOR_DIMS = 32
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def metadata_problem(md: DistMetadata) -> str | None:
+    """What in a ``.metadata`` no checkpoint can hold, or None. Every reader of ``.metadata`` applies it (the
+    torch-free ``read_metadata``: mcore2hf, inspect, the resume's choice of checkpoint; and
+    ``safe_torch.read_dcp_metadata``: resume, PRETRAIN_CHECKPOINT_PATH, align), so each refuses the same
+    shapes in the same words, before any size taken from the file is used:
+
+    - a tensor shape of negative, non-integer or too many dimensions;
+    - a chunk of another rank than its tensor, or lying outside it;
+    - chunks that hold fewer elements than the tensor claims (it could never be read whole);
+    - a chunk stored plainly in fewer bytes than its elements take;
+    - a storage entry with a negative place or length, or a file name that is not a plain name in the folder.
+    """
+    for (key, _), (name, start, length, _) in md.storage.items():
+        if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\0" in name:
+            return f"the record of {key} is stored in {str(name)[:80]!r}, which is not a file of the checkpoint's folder"
+        if not (_whole(start) and _whole(length)):
+            return f"the record of {key} is stored at byte {start} for {length} bytes, which no file has"
+    for key, info in md.tensors.items():
+        shape = info.global_shape
+        if len(shape) > MAX_TENSOR_DIMS or not all(_whole(d) for d in shape):
+            return f"tensor {key} claims the shape {list(shape)[:MAX_TENSOR_DIMS]}, which no tensor has"
+        covered = 0
+        for offsets, sizes in info.chunks:
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or \
+                    not all(_whole(x) for x in (*offsets, *sizes)):
+                return f"a chunk of {key} at {list(offsets)[:8]} of {list(sizes)[:8]} does not fit its shape {list(shape)}"
+            if any(o + n > d for o, n, d in zip(offsets, sizes, shape)):
+                return f"a chunk of {key} at {list(offsets)} of {list(sizes)} lies outside its shape {list(shape)}"
+            elements = math.prod(sizes)
+            covered += elements
+            where = md.storage.get((key, tuple(offsets)))
+            itemsize = ITEMSIZE.get(info.dtype)
+            if where is not None and not where[3] and itemsize and where[2] < elements * itemsize:
+                return (f"a chunk of {key} at {list(offsets)} of {list(sizes)} takes {elements * itemsize} bytes of "
+                        f"{info.dtype}, but its record holds {where[2]}")
+        if covered < math.prod(shape):
+            return f"tensor {key} claims the shape {list(shape)}, but its chunks hold {covered} of its {math.prod(shape)} elements"
+    return None
+
+
+def check_metadata(md: DistMetadata, path: str | Path) -> DistMetadata:
+    """``md``, or one line naming ``path`` and what no checkpoint can hold (``metadata_problem``)."""
+    why = metadata_problem(md)
+    if why:
+        raise UserError(f"{path}: {why}: the checkpoint is damaged")
+    return md
+
+
 def metadata_files(folder: Path) -> list[Path]:
     """The metadata of a torch_dist folder: ``.metadata``, or, written by ``dcp.save(use_collectives=False)``
     (torch >= 2.6), one ``__<rank>.metadata`` per rank and no global file; [] when there is none."""
@@ -218,7 +275,7 @@ def read_metadata(path: Path) -> DistMetadata:
     out = DistMetadata({}, set(), {})
     for file in files:
         _merge(out, _parse_metadata(file), file)
-    return out
+    return check_metadata(out, path)
 
 
 def _parse_metadata(path: Path) -> DistMetadata:
@@ -429,9 +486,6 @@ class TorchDistReader:
             hi = tuple(min(a + s, b + t) for a, s, b, t in zip(offset, shape, co, cs))
             if any(x >= y for x, y in zip(lo, hi)):
                 continue
-            if any(not 0 <= o or o + s > g for o, s, g in zip(co, cs, info.global_shape)):
-                raise UserError(f"{self.folder / '.metadata'}: a chunk of {key} at {list(co)} of {list(cs)} lies "
-                                f"outside its shape {list(info.global_shape)}: the checkpoint is damaged")
             size = tuple(y - x for x, y in zip(lo, hi))
             boxes.append((lo, size))
             pieces.append(Piece(self.chunk(key, co), tuple(x - c for x, c in zip(lo, co)),

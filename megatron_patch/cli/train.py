@@ -30,9 +30,11 @@ from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, helpers_die_with_rank,
                                            die_with_launcher, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.training.data_files import check_training_data
 from megatron_patch.training.launcher_args import arg_names, launched_rank, launchers, usage
 from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
 from megatron_patch.training.memory_plan import plan_memory
+from megatron_patch.training.run_folder import check_run_folder
 from megatron_patch.training.validation import resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -158,6 +160,7 @@ def run(args) -> int:
         else:
             print_dry_run(report)
         return 0
+    check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: it takes a few lstat calls
     needed = _check_machine(cfg)
     command = launch_command(cfg, family, argv)
     with _run_lock(cfg):
@@ -173,6 +176,7 @@ def run(args) -> int:
         if done:
             print(done, flush=True)
             return 0
+        check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
         return _launch(cfg, command, needed)
 
 
@@ -247,6 +251,7 @@ def _rank(family: str, argv: list[str]) -> int:
     try:
         cfg = resolve(family, argv)
         timeout_min = cfg.dist_timeout_min
+        check_run_folder(cfg.output_basepath)
         needed = _check_machine(cfg)
         wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}
         if wrong:
@@ -254,6 +259,8 @@ def _rank(family: str, argv: list[str]) -> int:
             raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
                             f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
         register_rank(out)  # held until this process ends, however it ends
+        if LAUNCHER_PID not in os.environ and rank == 0:
+            check_training_data(cfg)  # a torchrun started by hand: no launcher has checked the data
         from megatron_patch.training.loop import train
 
         train(cfg)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_patch import __version__
-from megatron_patch.checkpoint_files.layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_tracker
+from megatron_patch.checkpoint_files.layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_small_json, read_tracker
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
@@ -137,10 +137,11 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
         hint = " (a partial conversion of it exists: rerun hf2mcore)" if partial else ""
         raise UserError(f"{path} not found: {folder} is not a complete checkpoint written by 'mpatch convert hf2mcore'{hint}")
     try:
-        data = json.loads(path.read_text())
+        data = read_small_json(path)
         sidecar = Sidecar(**data)
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
-        raise UserError(f"{path} is malformed ({exc}): the checkpoint's sidecar is damaged")
+    except (UserError, TypeError) as exc:
+        raise UserError(f"{path} is malformed ({str(exc).replace(str(path), 'it', 1)}): the checkpoint's sidecar is "
+                        "damaged")
     why = _field_problem(sidecar)
     if why:
         raise UserError(f"{path} is malformed ({why}): the checkpoint's sidecar is damaged")

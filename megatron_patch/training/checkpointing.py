@@ -35,11 +35,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_patch.checkpoint_files.layout import (
     RELEASE,
     TRACKER_NAME,
+    archives_problem,
     fsync_file,
     iteration_dir,
     latest_complete_iteration,
     partial_dir,
     publish,
+    read_small_json,
     remove_stale_partials,
     torch_dist_problem,
     write_tracker,
@@ -74,7 +76,9 @@ TRAIN_STATE = "train_state.json"
 def iteration_problem(folder: Path, verify: bool = True) -> str | None:
     """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
     (checkpoint_files.layout.torch_dist_problem), train_state.json, every rank's random state, and (``verify``)
-    every file against the folder's manifest, where it has one."""
+    every file against the folder's manifest, where it has one, and every archive's CRC-32s
+    (``archives_problem``): whatever a load would refuse as damaged is found here, where the previous
+    checkpoint can still be taken."""
     why = torch_dist_problem(folder)
     if why:
         return why
@@ -84,13 +88,17 @@ def iteration_problem(folder: Path, verify: bool = True) -> str | None:
             verify_manifest(manifest)
         except UserError as exc:
             return str(exc)
+    if verify:  # the CRC-32s too: a manifest rewritten after the damage, or none, would leave them to the load
+        why = archives_problem(folder)
+        if why:
+            return why
     try:
-        state = json.loads((folder / TRAIN_STATE).read_text())
-        iteration, world = int(state["iteration"]), int(state["world_size"])
+        state = read_train_state(folder)
+        iteration, world = state["iteration"], state["world_size"]
     except FileNotFoundError:
         return f"{TRAIN_STATE} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return f"{TRAIN_STATE} is unreadable ({type(exc).__name__}: {exc})"
+    except UserError as exc:
+        return str(exc).replace(str(folder / TRAIN_STATE), TRAIN_STATE, 1)
     if iteration_dir(folder.parent, iteration).name != folder.name:
         return f"{TRAIN_STATE} says iteration {iteration}"
     for rank in range(world):
@@ -98,6 +106,29 @@ def iteration_problem(folder: Path, verify: bool = True) -> str | None:
         if why:
             return f"rng/{why}"
     return None
+
+
+# The most processes a run can have: a bound before anything loops over train_state.json's world size.
+MAX_WORLD_SIZE = 2**20
+
+
+def read_train_state(folder: Path) -> dict:
+    """An iteration folder's train_state.json, read bounded and held to its types: a whole ``iteration``, a
+    ``world_size`` of 1 to ``MAX_WORLD_SIZE`` processes (one RNG file each is checked), a whole ``consumed_samples``
+    where present. FileNotFoundError when it is missing, one-line UserError for anything else."""
+    path = folder / TRAIN_STATE
+    if not os.path.lexists(path):
+        raise FileNotFoundError(path)
+    state = read_small_json(path)
+    for name in ("iteration", "world_size", "consumed_samples"):
+        if name == "consumed_samples" and name not in state:  # optional: other tools' checkpoints may lack it
+            continue
+        value = state.get(name)
+        whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        if not whole or (name == "world_size" and not 1 <= value <= MAX_WORLD_SIZE):
+            raise UserError(f"{path} is unreadable ('{name}' is {json.dumps(value)[:40]}, not a number of "
+                            f"{'processes' if name == 'world_size' else 'iterations or samples'})")
+    return state
 
 
 def latest_iteration(root: str | Path, verify: bool = True) -> tuple[int | None, list[str]]:
@@ -365,7 +396,7 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
                             "MP_LORA_* settings the run was started with")
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    saved = json.loads((folder / "train_state.json").read_text())
+    saved = read_train_state(folder)
     rng = folder / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if saved.get("world_size") == dist.get_world_size() and rng.is_file():
         _set_rng_state(load_torch_file(rng))

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy
 import torch
+import torch.distributed as dist
 
 from megatron_patch.errors import UserError
+from megatron_patch.training import data_cache
 
 # megatron-core is imported inside the functions that use it, so that in a rank it loads after
 # init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
@@ -31,7 +32,34 @@ class _DatasetTokenizer:
 
 
 def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: int):
-    """(train, valid or None) GPTDatasets built by megatron-core's BlendedMegatronDatasetBuilder."""
+    """(train, valid or None) GPTDatasets built by megatron-core's BlendedMegatronDatasetBuilder, from a cache
+    in OUTPUT_BASEPATH/data_cache that is checked before megatron-core reads it (``training.data_cache``)."""
+    cache = data_cache.run_cache_folder(cfg.output_basepath)
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    for attempt in range(2):
+        if first:  # rank 0 builds first; the others read the cache only after its build (megatron's barrier)
+            data_cache.keep_sound_files(cache)
+        datasets = _build(cfg, cache, num_train_samples, num_valid_samples)
+        unfit = data_cache.unfit_indices(datasets)
+        if not unfit:
+            break
+        if attempt:
+            raise UserError(f"megatron-core built dataset indices in {cache} that do not fit the data ({unfit[0][1]})")
+        _barrier()  # every rank has looked before rank 0 removes them
+        if first:
+            data_cache.remove_unfit(cache, unfit)
+        _barrier()
+    if first:
+        data_cache.record(cache)
+    return datasets
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -42,7 +70,7 @@ def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: i
     config = GPTDatasetConfig(
         random_seed=cfg.seed, sequence_length=cfg.seq_len,
         blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None],
-        path_to_cache=str(Path(cfg.output_basepath) / "data_cache"),
+        path_to_cache=str(cache),
         tokenizer=_DatasetTokenizer(arch.padded_vocab_size(), eod),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         mmap_bin_files=True,
@@ -50,21 +78,6 @@ def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: i
     sizes = [num_train_samples, num_valid_samples if valid else None, None]
     train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     return train, valid_ds
-
-
-def check_token_range(dataset, vocab_size: int, path: str) -> None:
-    """Token ids beyond the model's vocabulary would index past the embedding: say so up front."""
-
-    low = getattr(dataset, "datasets", [dataset])
-    for ds in low:
-        index = getattr(ds, "dataset", None)
-        if index is None:
-            continue
-        n = min(len(index), 256)
-        top = max((int(numpy.max(index[i])) for i in range(n) if len(index[i])), default=0)
-        if top >= vocab_size:
-            raise UserError(f"{path} holds token id {top}, beyond the model's vocabulary of {vocab_size}: "
-                            "preprocess with the model's tokenizer")
 
 
 # --- SFT on raw JSON / JSONL -------------------------------------------------------------------------------

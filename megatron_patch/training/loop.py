@@ -29,7 +29,7 @@ from megatron_patch.models.shape import model_shape
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import destroy, move_to_device
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training import checkpointing, data, faults, packing, sparse_attention_run
+from megatron_patch.training import checkpointing, data, faults, packing, run_folder, sparse_attention_run
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
 from megatron_patch.training.lora_run import describe_trainable, setup_lora
@@ -327,10 +327,9 @@ class Trainer:
             self.valid_data = (data.SFTDataset(cfg.valid_dataset_path[0], tok, length, packing=cfg.sft_packing)
                                if cfg.valid_dataset_path else None)
         else:
+            # Its files were checked before any rank started (every token id included: training.data_files).
             self.train_data, self.valid_data = data.build_pretraining_datasets(
                 cfg, cfg.train_iters * cfg.global_batch_size, valid_samples)
-            # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
-            data.check_token_range(self.train_data, self.arch.vocab_size, " ".join(cfg.dataset_path))
 
     # --- logging --------------------------------------------------------------------------------------
 
@@ -342,8 +341,7 @@ class Trainer:
         if self.rank != self.log_rank:
             return
         out = Path(self.cfg.output_basepath)
-        (out / "log").mkdir(parents=True, exist_ok=True)
-        self.metrics_file = open(out / "log" / "metrics.jsonl", "a")
+        self.metrics_file = run_folder.open_metrics(out)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -561,8 +559,8 @@ class Trainer:
         if self.rank != self.log_rank:
             return
         self._log(describe(summary))
-        out = Path(self.cfg.output_basepath) / "log" / "throughput.json"
-        out.write_text(json.dumps(summary, indent=2) + "\n")
+        run_folder.write_replacing(Path(self.cfg.output_basepath) / run_folder.THROUGHPUT,
+                                   json.dumps(summary, indent=2) + "\n")
 
     def _peak_tflops(self) -> float | None:
         if not torch.cuda.is_available():

@@ -1,0 +1,220 @@
+"""megatron-core's dataset cache in ``OUTPUT_BASEPATH/data_cache``, checked before megatron-core reads it.
+
+megatron-core's GPTDataset and BlendedDataset keep their sample order in ``.npy`` files there
+(``HASH-GPTDataset-train-{document,sample,shuffle}_index.npy``, ``HASH-BlendedDataset-...``) and load
+them with ``numpy.load(allow_pickle=True)``: a file that is not a ``.npy`` array but a pickle runs
+whatever it names. 0.19's ``safe_numpy_load`` narrows the unpickler, but its list keeps
+``torch.storage._load_from_bytes``, which is ``torch.load(weights_only=False)``. A run folder travels
+(colleagues, buckets, shared filesystems), and rerunning it resumes, so the cache is untrusted input.
+
+Here megatron-core is left as it is, on every release: before it looks, rank 0 checks every file of the
+cache, and removes what fails, so that megatron-core builds it again (it builds a missing file,
+deterministically, from the data and the seed; a sound cache is kept and read as before):
+
+- a ``.npy`` must be one: numpy's magic and header (parsed without running anything), an integer
+  array, no Python objects, exactly as long as its header says, and a regular file (a symlink, a FIFO
+  or a device is removed, so the rebuilt file is never written through a link);
+- where the cache's manifest (``data_cache/mpatch_manifest.json``, written after each build) lists a
+  file, its size and digest must match it (a flipped byte in a shuffle index would otherwise reorder
+  the data silently);
+- after megatron-core has built or loaded the datasets, their indices must fit the data
+  (``unfit_indices``): document ids within the corpus, sample boundaries in order, shuffle entries
+  within the samples. An index that does not fit is removed and built again.
+
+The manifest is integrity, not a signature (whoever can change the files can change it): the checks
+above hold without it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy
+from numpy.lib import format as npy_format
+
+from megatron_patch.checkpoint_files.manifest import DIGEST, MANIFEST_NAME, digests, read_manifest, write_manifest
+from megatron_patch.errors import UserError
+
+CACHE_DIR = "data_cache"
+# numpy's own limit on a header (numpy.load's max_header_size); megatron-core's arrays have short ones.
+MAX_HEADER = 10_000
+# The 2-D arrays megatron-core keeps (a sample's start: document position and offset); the rest are 1-D.
+TWO_COLUMNS = ("-sample_index.npy",)
+
+
+def npy_problem(path: Path) -> str | None:
+    """Why ``path`` is not a plain integer ``.npy`` array that ``numpy.load(mmap_mode="r")`` maps without
+    unpickling anything, or None."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file (a link, a FIFO or a device)"
+    try:
+        with open(path, "rb") as f:
+            version = npy_format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = npy_format.read_array_header_1_0(f, max_header_size=MAX_HEADER)
+            elif version == (2, 0):
+                shape, fortran, dtype = npy_format.read_array_header_2_0(f, max_header_size=MAX_HEADER)
+            else:
+                return f"a .npy file of version {version}, which megatron-core does not write"
+            data_start = f.tell()
+    except (OSError, ValueError, SyntaxError) as exc:
+        return f"not a numpy array file ({' '.join(str(exc).split())[:120]})"
+    if dtype.hasobject or dtype.kind not in "iu":
+        return f"an array of {dtype}, not of integers"
+    if fortran:
+        return "a Fortran-ordered array, which megatron-core does not write"
+    two = path.name.endswith(TWO_COLUMNS)
+    if len(shape) != (2 if two else 1) or (two and shape[1] != 2):
+        return f"an array of shape {list(shape)}, where megatron-core keeps {'(n, 2)' if two else 'one dimension'}"
+    expected = data_start + int(numpy.prod(shape, dtype=numpy.int64)) * dtype.itemsize
+    if info.st_size != expected:
+        return f"{info.st_size} bytes long, where its header says {expected}"
+    return None
+
+
+def run_cache_folder(output_basepath: str | Path) -> Path:
+    """``OUTPUT_BASEPATH/data_cache``, which must be a folder of the run (``run_folder.check_run_folder``
+    refuses one that leads outside it)."""
+    return Path(output_basepath) / CACHE_DIR
+
+
+def _remove(path: Path, why: str, log, then: str = "megatron-core builds it again") -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"{path} fails its check ({why}) and cannot be removed ({exc.strerror or exc}): remove "
+                        f"{path.parent} by hand") from None
+    log(f"warning: {path} is {why}: removed; {then}")
+
+
+def keep_sound_files(folder: Path, log=print) -> None:
+    """Remove from the cache ``folder`` every file megatron-core would read that fails its check (module
+    docstring), before megatron-core looks. Run on rank 0 alone, before any rank builds a dataset."""
+    if not folder.is_dir():
+        return
+    manifest = folder / MANIFEST_NAME
+    listed = _listed(manifest, log)
+    names = sorted(p.name for p in folder.iterdir())
+    if listed:
+        found = digests(folder, [n for n in names if n in listed and (folder / n).is_file()
+                                 and not (folder / n).is_symlink()], sync=False)
+    for name in names:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            if name.endswith((".npy", ".txt")):  # megatron-core would fail to write its file there
+                raise UserError(f"{path} is a folder where megatron-core keeps a file of its dataset cache: move it "
+                                "away")
+            continue
+        if name == MANIFEST_NAME:
+            continue
+        if not name.endswith(".npy"):
+            if not stat.S_ISREG(os.lstat(path).st_mode):  # megatron-core writes its descriptions through it
+                _remove(path, "not a regular file (a link, a FIFO or a device)", log)
+            continue
+        why = npy_problem(path)
+        if why is None and name in listed:
+            entry, have = listed[name], found.get(name)
+            if have is None or have["size"] != entry["size"] or have[DIGEST] != entry[DIGEST]:
+                why = f"not what {MANIFEST_NAME} records (changed or damaged since it was built)"
+        if why is not None:
+            _remove(path, why, log)
+
+
+def _listed(manifest: Path, log) -> dict:
+    """The cache manifest's entries; a manifest that does not read is removed (the files are then checked
+    for what they are, and a new manifest is written after the build)."""
+    if not os.path.lexists(manifest):
+        return {}
+    try:
+        if not stat.S_ISREG(os.lstat(manifest).st_mode):
+            raise UserError("not a regular file")
+        return read_manifest(manifest)["files"]
+    except UserError as exc:
+        _remove(manifest, f"not a readable manifest ({exc})", log, then="the cache's files are checked for what they are")
+        return {}
+
+
+def record(folder: Path) -> None:
+    """The cache's manifest, every ``.npy`` file in it, once megatron-core has built what it needed (rank 0)."""
+    if not folder.is_dir():
+        return
+    names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".npy") and npy_problem(p) is None)
+    tmp = f".{MANIFEST_NAME}.tmp.{os.getpid()}"
+    (folder / tmp).unlink(missing_ok=True)  # a link planted at the name is removed, not written through
+    write_manifest(folder, "mpatch train, megatron-core's dataset cache", name=tmp,
+                   files=digests(folder, names, sync=True))
+    os.replace(folder / tmp, folder / MANIFEST_NAME)
+
+
+# --- the indices against the data ----------------------------------------------------------------------------
+
+def _outside(values, low: int, high: int) -> bool:
+    """Whether any of ``values`` (an array, read in pieces) lies outside [low, high)."""
+    values = numpy.asarray(values).reshape(-1)
+    step = 1 << 24
+    return any(len(part) and (int(part.min()) < low or int(part.max()) >= high)
+               for part in (values[i:i + step] for i in range(0, len(values), step)))
+
+
+def _gpt_problem(ds) -> str | None:
+    documents = len(ds.dataset.sequence_lengths)
+    document_index, sample_index, shuffle_index = ds.document_index, ds.sample_index, ds.shuffle_index
+    if document_index is None:  # megatron-core's lazy mode (defer_npy_index_mmap), which this project does not set
+        return None
+    if _outside(document_index, 0, documents):
+        return f"its document index names documents beyond the corpus's {documents}"
+    if len(sample_index) < 1 or _outside(sample_index[:, 0], 0, len(document_index)) or \
+            numpy.any(numpy.diff(sample_index[:, 0].astype(numpy.int64)) < 0):
+        return "its sample index does not run in order over the document index"
+    lengths = numpy.asarray(ds.dataset.sequence_lengths)[numpy.asarray(document_index)[sample_index[:, 0]]]
+    offsets = numpy.asarray(sample_index[:, 1]).astype(numpy.int64)
+    if numpy.any(offsets < 0) or numpy.any(offsets > lengths):
+        return "its sample index points past the end of a document"
+    if _outside(shuffle_index, 0, len(sample_index) - 1):
+        return f"its shuffle index names samples beyond its {len(sample_index) - 1}"
+    return None
+
+
+def _blended_problem(ds) -> str | None:
+    if ds.dataset_index is None:
+        return None
+    if _outside(ds.dataset_index, 0, len(ds.datasets)):
+        return f"its dataset index names datasets beyond the blend's {len(ds.datasets)}"
+    sizes = numpy.array([len(d) for d in ds.datasets], dtype=numpy.int64)
+    if numpy.any(numpy.asarray(ds.dataset_sample_index) < 0) or \
+            numpy.any(numpy.asarray(ds.dataset_sample_index) >= sizes[numpy.asarray(ds.dataset_index)]):
+        return "its sample index names samples beyond a dataset of the blend"
+    return None
+
+
+def _datasets(dataset):
+    """``dataset`` and, for a blend, the datasets in it."""
+    if dataset is None:
+        return []
+    return [dataset, *[d for inner in getattr(dataset, "datasets", []) for d in _datasets(inner)]]
+
+
+def unfit_indices(datasets) -> list[tuple[str, str]]:
+    """(cache file prefix, what is wrong) of each built dataset whose indices do not fit its data."""
+    out = []
+    for ds in [d for top in datasets for d in _datasets(top)]:
+        why = _blended_problem(ds) if hasattr(ds, "dataset_index") else _gpt_problem(ds) \
+            if hasattr(ds, "shuffle_index") else None
+        if why:
+            split = getattr(ds, "index_split", None) or getattr(ds, "split", None)
+            out.append((f"{ds.unique_description_hash}-{type(ds).__name__}-{split.name}", why))
+    return out
+
+
+def remove_unfit(folder: Path, unfit: list[tuple[str, str]], log=print) -> None:
+    for prefix, why in unfit:
+        for path in sorted(folder.glob(f"{prefix}-*")):
+            _remove(path, f"an index that does not fit the data ({why})", log)

@@ -1,0 +1,139 @@
+"""The pretraining data (``PREFIX.bin`` / ``PREFIX.idx``, megatron-core's mmap indexed format), checked before
+the first step.
+
+megatron-core trusts the pair: an ``.idx`` of another corpus, or a ``.bin`` cut short, trains on whatever the
+pointers land on, or stops a rank with an assertion or an IndexError deep in a data loader. Here, once per
+launch and before any rank starts, each prefix is checked for what megatron-core relies on:
+
+- its manifest (``PREFIX.mpatch_manifest.json``, written last by ``mpatch preprocess``), where there is one:
+  both files' sizes and digests. ``mpatch preprocess`` removes the old manifest before it replaces the pair,
+  so a preprocess killed between its two renames leaves no manifest vouching for the mixed pair;
+- the ``.idx`` against itself and the ``.bin``: megatron-core's header, a token dtype, exactly the size its
+  counts give, sequence lengths that are not negative, pointers that tile the ``.bin`` in order, document
+  boundaries that run from 0 to the last sequence, and a ``.bin`` exactly as long as the tokens they add up
+  to (and not empty);
+- every token id against the model's vocabulary, negative ones too (an id outside it would index past the
+  embedding: an IndexError on a CPU, a device-side assert on a GPU).
+
+Each failure is one line. The cost is one read of the ``.idx`` and of the ``.bin`` (and of both again for the
+manifest's digests), in pieces of at most ``PIECE`` elements, so memory stays bounded for any corpus.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy
+
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest, verify_manifest
+from megatron_patch.errors import UserError
+
+# megatron-core's indexed_dataset.py: header, version 1, token dtype code, sequence and document counts, then
+# int32 sequence lengths, int64 byte offsets into the .bin, int64 document boundaries (and, for multimodal
+# data, one int8 mode per sequence).
+IDX_HEADER = b"MMIDIDX\x00\x00"
+_COUNTS = struct.Struct("<QBQQ")
+IDX_PREFIX = len(IDX_HEADER) + _COUNTS.size
+# megatron-core's DType codes that hold token ids (6 and 7 are float64 and float32).
+TOKEN_DTYPES = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32, 5: numpy.int64, 8: numpy.uint16}
+PIECE = 1 << 24
+
+
+def manifest_path(prefix: str) -> Path:
+    """Where ``mpatch preprocess`` writes the manifest of ``prefix``'s pair."""
+    return Path(prefix).parent / f"{Path(prefix).name}.{MANIFEST_NAME}"
+
+
+def check_mmap_data(prefix: str, vocab_size: int) -> int:
+    """Check the pair at ``prefix`` (module docstring); returns its token count. One-line ``UserError``s."""
+    manifest = manifest_path(prefix)
+    if manifest.is_file():
+        listed = set(read_manifest(manifest)["files"])
+        missing = [Path(prefix + s).name for s in (".bin", ".idx") if Path(prefix + s).name not in listed]
+        if missing:
+            raise UserError(f"{manifest} does not list {missing[0]}: it is not the manifest of this data; remove it "
+                            "or preprocess again")
+        verify_manifest(manifest)
+    dtype, lengths, pointers, documents = _read_idx(prefix)
+    total = _check_layout(prefix, dtype, lengths, pointers, documents)
+    _check_token_ids(prefix, dtype, total, vocab_size, pointers, documents)
+    return total
+
+
+def _read_idx(prefix: str):
+    """(token dtype, sequence lengths, pointers, document boundaries) of ``PREFIX.idx``, mapped, not read."""
+    idx = Path(prefix + ".idx")
+    what = f"{idx} is not an index written by megatron-core or 'mpatch preprocess'"
+    size = idx.stat().st_size
+    with open(idx, "rb") as f:
+        head = f.read(IDX_PREFIX)
+    if len(head) < IDX_PREFIX or head[:len(IDX_HEADER)] != IDX_HEADER:
+        raise UserError(f"{what} (no MMIDIDX header): preprocess the corpus again")
+    version, code, sequences, documents = _COUNTS.unpack(head[len(IDX_HEADER):])
+    if version != 1:
+        raise UserError(f"{what} (version {version}; megatron-core reads version 1)")
+    if code not in TOKEN_DTYPES:
+        raise UserError(f"{what} (dtype code {code} is not one of token ids)")
+    base = IDX_PREFIX + 12 * sequences + 8 * documents
+    if size not in (base, base + sequences):  # + one int8 mode per sequence for multimodal data
+        raise UserError(f"{idx} is {size} bytes, but its counts ({sequences} sequences, {documents} documents) need "
+                        f"{base}: it is truncated or damaged; preprocess the corpus again")
+    mapped = numpy.memmap(idx, mode="r") if size > IDX_PREFIX else numpy.zeros(IDX_PREFIX, numpy.uint8)
+    lengths = numpy.frombuffer(mapped, numpy.int32, sequences, IDX_PREFIX)
+    pointers = numpy.frombuffer(mapped, numpy.int64, sequences, IDX_PREFIX + 4 * sequences)
+    bounds = numpy.frombuffer(mapped, numpy.int64, documents, IDX_PREFIX + 12 * sequences)
+    return numpy.dtype(TOKEN_DTYPES[code]), lengths, pointers, bounds
+
+
+def _check_layout(prefix: str, dtype: numpy.dtype, lengths, pointers, documents) -> int:
+    """The .idx's arrays agree with each other and with the .bin's size; returns the token count."""
+    idx, binary = Path(prefix + ".idx"), Path(prefix + ".bin")
+    fix = (f"{binary.name} is cut short, or the two files are not one pair (an interrupted preprocess, or files of two "
+           "corpora): preprocess again")
+    total = 0
+    for start in range(0, len(lengths), PIECE):
+        part = lengths[start:start + PIECE].astype(numpy.int64)
+        if len(part) and part.min() < 0:
+            raise UserError(f"{idx} gives sequence {start + int(part.argmin())} a negative length: {fix}")
+        starts = (total + numpy.concatenate(([0], numpy.cumsum(part)[:-1]))) * dtype.itemsize
+        wrong = numpy.flatnonzero(pointers[start:start + PIECE] != starts)
+        if len(wrong):
+            raise UserError(f"{idx} points sequence {start + int(wrong[0])} at byte "
+                            f"{int(pointers[start + int(wrong[0])])} of {binary.name}, where the lengths before it "
+                            f"end at byte {int(starts[wrong[0]])}: {fix}")
+        total += int(part.sum())
+    if len(documents) < 1 or documents[0] != 0 or documents[-1] != len(lengths) or \
+            any(numpy.any(numpy.diff(documents[i:i + PIECE + 1]) < 0) for i in range(0, len(documents), PIECE)):
+        raise UserError(f"{idx}'s document boundaries do not run from 0 to its {len(lengths)} sequences: {fix}")
+    size = binary.stat().st_size
+    if size != total * dtype.itemsize:
+        raise UserError(f"{binary} is {size} bytes, but {idx.name} describes {total} tokens of {dtype} "
+                        f"({total * dtype.itemsize} bytes): {fix}")
+    if total == 0:
+        raise UserError(f"{binary} holds no tokens: preprocess a corpus with text in it")
+    return total
+
+
+def _check_token_ids(prefix: str, dtype: numpy.dtype, total: int, vocab_size: int, pointers, documents) -> None:
+    """Every token id in [0, vocab_size); the first that is not is named with its document."""
+    binary = Path(prefix + ".bin")
+    tokens = numpy.memmap(binary, dtype=dtype, mode="r", shape=(total,))
+    for start in range(0, total, PIECE):
+        part = tokens[start:start + PIECE]
+        if int(part.min()) >= 0 and int(part.max()) < vocab_size:
+            continue
+        at = start + int(numpy.flatnonzero((part < 0) | (part >= vocab_size))[0])
+        sequence = int(numpy.searchsorted(pointers, at * dtype.itemsize, side="right")) - 1
+        document = int(numpy.searchsorted(documents, sequence, side="right")) - 1
+        raise UserError(f"{binary} holds token id {int(tokens[at])} (token {at}, document {document}), outside the "
+                        f"model's vocabulary [0, {vocab_size}): preprocess the corpus with the model's tokenizer")
+
+
+def check_training_data(cfg) -> None:
+    """Every mmap prefix a run reads (training, validation), before its first step."""
+    if cfg.dataset_type != "mmap":
+        return
+    for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
+        # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
+        check_mmap_data(prefix, cfg.arch.vocab_size)

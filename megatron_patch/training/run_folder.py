@@ -1,0 +1,73 @@
+"""What training writes in OUTPUT_BASEPATH, and the rule that keeps it there: nothing is written through a link
+that leads outside the folder.
+
+A run folder travels (copied to a colleague, synced from a bucket, rerun to resume), and what it holds
+decides where a resumed run writes. A symlink at a path training writes to (``log/metrics.jsonl`` ->
+``~/.bashrc``, ``data_cache`` -> a shared folder) is refused in one line naming it, before anything starts; a
+link that stays inside the folder is followed. A hard link cannot be told from the file it shares, but the
+one file a run appends to, ``log/metrics.jsonl``, is given an inode of its own before the first append
+when another name shares it (``cp -al`` copies a folder that way): the copy keeps its records, the other
+name is left as it was. Everything else is written to new names and renamed into place (checkpoints, the
+tracker, ``log/throughput.json``, the dataset cache's manifest), which replaces a link instead of writing
+through it; megatron-core's dataset cache is checked file by file (``training.data_cache``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+
+LOG_DIR = "log"
+METRICS = f"{LOG_DIR}/metrics.jsonl"
+THROUGHPUT = f"{LOG_DIR}/throughput.json"
+# Every path training writes into, under OUTPUT_BASEPATH, and what it must be.
+WRITTEN = ((LOG_DIR, "folder"), (METRICS, "file"), (THROUGHPUT, "file"), ("tensorboard", "folder"),
+           ("data_cache", "folder"), ("checkpoint", "folder"))
+
+
+def check_run_folder(output_basepath: str | Path) -> None:
+    """Refuse, in one line, a path training writes to that leads outside OUTPUT_BASEPATH or is not what training
+    writes there (a FIFO where the metrics go, a file where a folder goes)."""
+    out = Path(output_basepath)
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise UserError(f"OUTPUT_BASEPATH {out} is not a folder: choose a folder (a new one, or an earlier run's)")
+    root = out.resolve()
+    for name, kind in WRITTEN:
+        path = out / name
+        if not os.path.lexists(path):
+            continue
+        target = path.resolve()
+        if target != root and root not in target.parents:
+            raise UserError(f"{path} leads outside OUTPUT_BASEPATH (to {target}), and training writes there: remove "
+                            "the link (training makes its own), or point OUTPUT_BASEPATH at the folder you want")
+        ok = target.is_dir() if kind == "folder" else stat.S_ISREG(os.stat(target).st_mode)
+        if not ok:
+            raise UserError(f"{path} is not a {'folder' if kind == 'folder' else 'regular file'}, and training writes "
+                            "there: move it away")
+
+
+def open_metrics(output_basepath: str | Path):
+    """``log/metrics.jsonl`` opened for appending, in a file no other name shares."""
+    path = Path(output_basepath) / METRICS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_file() and os.stat(path).st_nlink > 1:
+        write_replacing(path, path.read_bytes())
+    return open(path, "a")
+
+
+def write_replacing(path: str | Path, data: str | bytes) -> None:
+    """``data`` into ``path`` through a new file renamed over it: a link at ``path`` is replaced, never written
+    through (and the new file is created where nothing was: no link at its name is followed either)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with open(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)

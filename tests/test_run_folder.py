@@ -1,0 +1,733 @@
+"""A run folder (OUTPUT_BASEPATH) is untrusted input too: what training reads back from it and from its data.
+
+- megatron-core's dataset cache (``data_cache/``) never runs code: a pickle planted in place of an index
+  (even one that does its work and then returns the real array) is removed before megatron-core's
+  ``numpy.load(allow_pickle=True)`` sees it, and the index is built again; a sound cache is kept;
+- the training data is checked before the first step: the manifest, ``.bin`` against ``.idx``, every
+  token id;
+- nothing is written through a symlink that leads outside the folder;
+- resume falls back past an iteration that fails any integrity check;
+- every reader of ``.metadata`` refuses the same impossible shapes;
+- the tracker, train state, sidecars and manifests are read bounded and strictly.
+
+Each payload is first shown to run through an unguarded reader, so the tests can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy
+import pytest
+
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest
+from megatron_patch.errors import UserError
+from megatron_patch.training import data_cache
+from megatron_patch.training.data import build_pretraining_datasets
+from megatron_patch.training.validation import resolve
+from tests.training_helpers import launcher_args
+
+
+class Payload:
+    """Pickles as a call that touches ``marker`` and then, with ``returns``, gives back the array stored at
+    that path: the variant whose training finishes and exits 0."""
+
+    def __init__(self, marker: Path, returns: Path | None = None):
+        self.marker, self.returns = marker, returns
+
+    def __reduce__(self):
+        code = f"__import__('os').system('touch {self.marker}')"
+        if self.returns is not None:
+            code += f" or __import__('numpy').load('{self.returns}')"
+        return eval, (code,)
+
+
+@pytest.fixture
+def marker(tmp_path) -> Path:
+    path = tmp_path / "pwned"
+    yield path
+    assert not path.exists(), "the payload ran"
+
+
+def _cfg(corpus, out: Path):
+    return resolve("llama3_1", launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out)),
+                   env={})
+
+
+def _build(cfg):
+    """The training run's datasets, as each rank builds them (one process here: no process group)."""
+    return build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)[0]
+
+
+def _indices(ds) -> dict[str, numpy.ndarray]:
+    return {name: numpy.array(getattr(ds, name)) for name in ("document_index", "sample_index", "shuffle_index")}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(numpy.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def built(corpus, tmp_path):
+    """A run folder whose dataset cache megatron-core has built, and the indices it built."""
+    cfg = _cfg(corpus, tmp_path / "out")
+    ds = _build(cfg)
+    return cfg, _indices(ds), data_cache.run_cache_folder(cfg.output_basepath)
+
+
+def _cache_file(folder: Path, affix: str) -> Path:
+    return next(folder.glob(f"*-GPTDataset-train-{affix}"))
+
+
+def test_a_pickle_named_npy_runs_through_numpy_load_with_allow_pickle(tmp_path):
+    """What megatron-core does with a cache file (0.16 and 0.19 alike: ``numpy.load(..., allow_pickle=True,
+    mmap_mode="r")``): a pickle in place of a .npy array runs."""
+    ran, kept = tmp_path / "ran", tmp_path / "real.npy"
+    numpy.save(kept, numpy.arange(5, dtype=numpy.uint32))
+    path = tmp_path / "x-shuffle_index.npy"
+    path.write_bytes(pickle.dumps(Payload(ran, returns=kept)))
+    got = numpy.load(path, allow_pickle=True, mmap_mode="r")
+    assert ran.exists() and numpy.array_equal(got, numpy.arange(5))
+    assert data_cache.npy_problem(path).startswith("not a numpy array file")
+
+
+@pytest.mark.parametrize("affix", ["document_index.npy", "sample_index.npy", "shuffle_index.npy"])
+@pytest.mark.parametrize("returns", [False, True], ids=["payload", "payload-then-real-array"])
+def test_a_pickle_planted_in_the_data_cache_never_runs(built, marker, capsys, affix, returns):
+    cfg, want, folder = built
+    path = _cache_file(folder, affix)
+    real = marker.parent / "real.npy"
+    shutil.copy(path, real)
+    path.write_bytes(pickle.dumps(Payload(marker, returns=real if returns else None)))
+    capsys.readouterr()
+    got = _indices(_build(cfg))
+    assert _same(got, want)  # built again, the same order
+    out = capsys.readouterr().out
+    assert f"warning: {path} is not a numpy array file" in out and "megatron-core builds it again" in out, out
+    assert data_cache.npy_problem(path) is None
+
+
+def test_a_sound_cache_from_a_colleague_is_kept(built, corpus, tmp_path, capsys):
+    """Untrusted is not refused: a copied run folder whose cache is sound reads it as it is."""
+    _, want, folder = built
+    theirs = tmp_path / "theirs"
+    shutil.copytree(folder, theirs / "data_cache")
+    stamps = {p.name: p.stat().st_mtime_ns for p in (theirs / "data_cache").iterdir()}
+    capsys.readouterr()
+    assert _same(_indices(_build(_cfg(corpus, theirs))), want)
+    assert "warning" not in capsys.readouterr().out
+    assert all(p.stat().st_mtime_ns == stamps[p.name] for p in (theirs / "data_cache").glob("*.npy"))
+
+
+def _truncate(path: Path) -> str:
+    path.write_bytes(path.read_bytes()[:-4])
+    return "bytes long, where its header says"
+
+
+def _objects(path: Path) -> str:
+    numpy.save(path, numpy.array([1, "two"], dtype=object), allow_pickle=True)
+    return "an array of object, not of integers"
+
+
+def _floats(path: Path) -> str:
+    numpy.save(path, numpy.zeros(4))
+    return "an array of float64, not of integers"
+
+
+def _link_outside(path: Path) -> str:
+    outside = path.parent.parent.parent / "outside.npy"
+    shutil.copy(path, outside)
+    path.unlink()
+    path.symlink_to(outside)
+    return "not a regular file"
+
+
+def _flipped(path: Path) -> str:
+    """Still a valid .npy of the right shape: only the cache's manifest can tell."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    return f"not what {MANIFEST_NAME} records"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _objects, _floats, _link_outside, _flipped])
+def test_a_damaged_cache_file_is_built_again(built, capsys, damage):
+    cfg, want, folder = built
+    path = _cache_file(folder, "shuffle_index.npy")
+    why = damage(path)
+    capsys.readouterr()
+    assert _same(_indices(_build(cfg)), want)
+    out = capsys.readouterr().out
+    assert f"warning: {path} is " in out and why in out, out
+    assert not path.is_symlink() and data_cache.npy_problem(path) is None
+    outside = folder.parent.parent / "outside.npy"
+    if outside.exists():  # the rebuilt index went into the run's folder, not through the link
+        assert not outside.samefile(path)
+
+
+@pytest.mark.parametrize("affix, values, why", [
+    ("shuffle_index.npy", lambda a: a + len(a) + 5, "its shuffle index names samples beyond"),
+    ("document_index.npy", lambda a: a + 10**6, "its document index names documents beyond"),
+    ("sample_index.npy", lambda a: a[::-1].copy(), "its sample index does not run in order"),
+])
+def test_a_well_formed_index_that_does_not_fit_the_data_is_built_again(built, capsys, affix, values, why):
+    """Real .npy arrays of the right type, with the cache's manifest rewritten to match them: only their
+    values give them away (training would read past the corpus, or silently in another order)."""
+    cfg, want, folder = built
+    path = _cache_file(folder, affix)
+    bad = values(numpy.load(path))
+    numpy.save(path, bad.astype(numpy.load(path).dtype))
+    (folder / MANIFEST_NAME).unlink()
+    capsys.readouterr()
+    assert _same(_indices(_build(cfg)), want)
+    out = capsys.readouterr().out
+    assert f"an index that does not fit the data ({why}" in out, out
+
+
+def test_a_folder_in_place_of_a_cache_file_is_refused_in_one_line(built):
+    cfg, _, folder = built
+    path = _cache_file(folder, "sample_index.npy")
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(UserError, match="is a folder where megatron-core keeps a file of its dataset cache"):
+        _build(cfg)
+
+
+def test_a_blend_whose_index_names_a_missing_dataset_is_unfit():
+    from types import SimpleNamespace
+
+    class Blended(SimpleNamespace):
+        pass
+
+    split = SimpleNamespace(name="train")
+    blend = Blended(datasets=[[0] * 5, [0] * 3], dataset_index=numpy.array([0, 1, 2], dtype=numpy.int16),
+                    dataset_sample_index=numpy.array([0, 0, 0]), unique_description_hash="h", split=split)
+    assert data_cache.unfit_indices([blend]) == [("h-Blended-train", "its dataset index names datasets beyond the "
+                                                                     "blend's 2")]
+    blend.dataset_index = numpy.array([0, 1, 1], dtype=numpy.int16)
+    blend.dataset_sample_index = numpy.array([4, 2, 3])
+    assert data_cache.unfit_indices([blend])[0][1] == "its sample index names samples beyond a dataset of the blend"
+    blend.dataset_sample_index = numpy.array([4, 2, 1])
+    assert data_cache.unfit_indices([blend]) == []
+
+
+def test_a_garbage_cache_manifest_is_removed_and_written_again(built, capsys):
+    cfg, want, folder = built
+    (folder / MANIFEST_NAME).write_text("{")
+    capsys.readouterr()
+    assert _same(_indices(_build(cfg)), want)
+    assert f"warning: {folder / MANIFEST_NAME} is not a readable manifest" in capsys.readouterr().out
+    assert set(read_manifest(folder / MANIFEST_NAME)["files"]) == {p.name for p in folder.glob("*.npy")}
+
+
+# --- the training data, checked before the first step ------------------------------------------------------
+
+def _write_pair(prefix: Path, documents: list[list[int]], dtype=numpy.int32) -> str:
+    """A .bin/.idx pair as megatron-core writes it (no manifest)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for doc in documents:
+        builder.add_document(numpy.asarray(doc, dtype=dtype), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+@pytest.fixture(scope="module")
+def other_corpus(tmp_path_factory):
+    from tests.training_helpers import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("other"), 40, seed=3)
+
+
+def _pair(corpus, tmp: Path, manifest: bool = True) -> str:
+    """A copy of the session corpus's pair (and its manifest)."""
+    src = Path(corpus["prefix"])
+    tmp.mkdir(parents=True, exist_ok=True)
+    for p in src.parent.glob(src.name + ".*"):
+        if manifest or not p.name.endswith(MANIFEST_NAME):
+            shutil.copy(p, tmp / p.name)
+    return str(tmp / src.name)
+
+
+def _mixed(corpus, other, tmp):
+    """mpatch preprocess killed between its two renames: the new corpus's .bin beside the old .idx, and no manifest
+    (the old one goes first)."""
+    prefix = _pair(corpus, tmp, manifest=False)
+    shutil.copy(other["prefix"] + ".bin", prefix + ".bin")
+    return prefix, "or the two files are not one pair"
+
+
+def _other_idx(corpus, other, tmp):
+    prefix = _pair(corpus, tmp, manifest=False)
+    shutil.copy(other["prefix"] + ".idx", prefix + ".idx")
+    return prefix, "or the two files are not one pair"
+
+
+def _other_idx_beside_its_manifest(corpus, other, tmp):
+    prefix = _pair(corpus, tmp)
+    shutil.copy(other["prefix"] + ".idx", prefix + ".idx")
+    return prefix, "but corpus_text_document.mpatch_manifest.json records"
+
+
+def _truncated_bin(corpus, other, tmp):
+    prefix = _pair(corpus, tmp, manifest=False)
+    Path(prefix + ".bin").write_bytes(Path(prefix + ".bin").read_bytes()[:-6])
+    return prefix, "tokens of uint16"
+
+
+def _foreign_bin(corpus, other, tmp):
+    """Another file of the same size: only the token ids give it away."""
+    prefix = _pair(corpus, tmp, manifest=False)
+    size = Path(prefix + ".bin").stat().st_size
+    Path(prefix + ".bin").write_bytes(numpy.random.default_rng(0).integers(0, 256, size, dtype=numpy.uint8).tobytes())
+    return prefix, "outside the model's vocabulary [0, 200)"
+
+
+def _garbage_idx(corpus, other, tmp):
+    prefix = _pair(corpus, tmp, manifest=False)
+    Path(prefix + ".idx").write_bytes(b"garbage" * 10)
+    return prefix, "is not an index written by megatron-core or 'mpatch preprocess' (no MMIDIDX header)"
+
+
+def _empty_bin(corpus, other, tmp):
+    prefix = _pair(corpus, tmp, manifest=False)
+    Path(prefix + ".bin").write_bytes(b"")
+    return prefix, ".bin is 0 bytes"
+
+
+def _no_tokens(corpus, other, tmp):
+    return _write_pair(tmp / "empty", []), "holds no tokens"
+
+
+def _negative_id(corpus, other, tmp):
+    return _write_pair(tmp / "labels", [[5, 6, 7], [8, -100, 9]]), "holds token id -100 (token 4, document 1)"
+
+
+def _id_beyond_the_vocabulary(corpus, other, tmp):
+    return _write_pair(tmp / "big", [[5, 6, 7], [8, 9], [300]]), "holds token id 300 (token 5, document 2)"
+
+
+BAD_DATA = [_mixed, _other_idx, _other_idx_beside_its_manifest, _truncated_bin, _foreign_bin, _garbage_idx, _empty_bin,
+            _no_tokens, _negative_id, _id_beyond_the_vocabulary]
+
+
+def test_sound_data_passes_and_every_token_is_counted(corpus, tmp_path):
+    from megatron_patch.training.data_files import check_mmap_data
+
+    assert check_mmap_data(_pair(corpus, tmp_path / "a"), 256) == Path(corpus["prefix"] + ".bin").stat().st_size // 2
+    assert check_mmap_data(_write_pair(tmp_path / "ids", [[0, 1], [255]]), 256) == 3
+
+
+@pytest.mark.parametrize("damage", BAD_DATA, ids=[f.__name__.strip("_") for f in BAD_DATA])
+def test_training_refuses_data_that_does_not_match_its_index_in_one_line(corpus, other_corpus, tmp_path, capsys,
+                                                                        damage):
+    """Before any rank starts (the launcher's own process): one line, exit 2. Unchecked, these trained and exported
+    with exit 0 (a mixed pair) or ended in rank tracebacks and 'internal error' (exit 1)."""
+    from megatron_patch.cli import main
+
+    prefix, why = damage(corpus, other_corpus, tmp_path / "data")
+    out = tmp_path / "out"
+    args = launcher_args("llama3_1", DATASET_PATH=prefix, OUTPUT_BASEPATH=str(out), TRAIN_TOKENS_OR_ITERS=str(2 * 8 * 64),
+                         WARMUP_TOKENS_OR_ITERS=str(8 * 64))
+    code = main(["train", "llama3_1", *args])
+    captured = capsys.readouterr()
+    assert code == 2 and why in captured.err, captured.err + captured.out[-2000:]
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
+    assert "torch.distributed.run" not in captured.out  # refused before any rank started
+
+
+# --- nothing is written through a link that leads outside the run folder ------------------------------------
+
+def _train_in_process(corpus, out: Path, capsys) -> tuple[int, str]:
+    from megatron_patch.cli import main
+
+    args = launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out),
+                         TRAIN_TOKENS_OR_ITERS=str(2 * 8 * 64), WARMUP_TOKENS_OR_ITERS=str(8 * 64))
+    code = main(["train", "llama3_1", *args])
+    captured = capsys.readouterr()
+    return code, captured.err + captured.out
+
+
+@pytest.mark.parametrize("name, kind", [("log/metrics.jsonl", "file"), ("log", "folder"), ("data_cache", "folder"),
+                                        ("tensorboard", "folder"), ("checkpoint", "folder"),
+                                        ("log/throughput.json", "file")])
+def test_a_link_leading_outside_the_run_folder_is_refused_where_training_writes(corpus, tmp_path, capsys, name, kind):
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    (out / "log").mkdir(parents=True)
+    if kind == "file":
+        outside.write_text("precious\n")
+    else:
+        outside.mkdir()
+    link = out / name
+    if link.is_dir():
+        link.rmdir()
+    link.symlink_to(outside)
+    code, said = _train_in_process(corpus, out, capsys)
+    assert code == 2 and said.splitlines()[0] == (
+        f"mpatch train: error: {link} leads outside OUTPUT_BASEPATH (to {outside}), and training writes there: remove "
+        "the link (training makes its own), or point OUTPUT_BASEPATH at the folder you want"), said[-2000:]
+    assert "torch.distributed.run" not in said
+    assert (outside.read_text() == "precious\n") if kind == "file" else not any(outside.iterdir())
+
+
+def test_links_inside_the_run_folder_are_followed_and_wrong_kinds_refused(tmp_path):
+    from megatron_patch.training.run_folder import check_run_folder
+
+    out = tmp_path / "out"
+    (out / "cache2").mkdir(parents=True)
+    (out / "data_cache").symlink_to("cache2")
+    check_run_folder(out)
+    (out / "log").mkdir()
+    os.mkfifo(out / "log" / "metrics.jsonl")  # appending to it would hang the run
+    with pytest.raises(UserError, match=r"metrics\.jsonl is not a regular file, and training writes there"):
+        check_run_folder(out)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is not a folder"):
+        check_run_folder(tmp_path / "file")
+
+
+def test_metrics_shared_by_a_hard_link_get_a_file_of_their_own(tmp_path):
+    """``cp -al`` copies a run folder as hard links: appending to the copy's metrics must leave the original's."""
+    from megatron_patch.training.run_folder import METRICS, open_metrics
+
+    original, copy = tmp_path / "run", tmp_path / "copy"
+    (original / "log").mkdir(parents=True)
+    (original / METRICS).write_text('{"iteration": 1}\n')
+    (copy / "log").mkdir(parents=True)
+    os.link(original / METRICS, copy / METRICS)
+    with open_metrics(copy) as f:
+        f.write('{"iteration": 2}\n')
+    assert (original / METRICS).read_text() == '{"iteration": 1}\n'
+    assert (copy / METRICS).read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
+
+
+# --- resume falls back past an iteration that fails any integrity check -------------------------------------
+
+def _training_iteration(root: Path, iteration: int) -> Path:
+    """A small training checkpoint folder as the trainer leaves it: torch DCP files (tensors of 64 KiB and 256 B),
+    megatron's metadata.json and common.pt, train_state.json, the RNG file."""
+    import json
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_patch.checkpoint_files.layout import iteration_dir, write_tracker
+    from megatron_patch.checkpoint_files.torch_dist import MEGATRON_CONFIG
+
+    folder = iteration_dir(root, iteration)
+    g = torch.Generator().manual_seed(iteration)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}, checkpoint_id=str(folder),
+                 no_dist=True)
+    (folder / "metadata.json").write_text(json.dumps(MEGATRON_CONFIG))
+    torch.save({"iteration": iteration}, folder / "common.pt")
+    (folder / "train_state.json").write_text(json.dumps({"iteration": iteration, "world_size": 1}))
+    (folder / "rng").mkdir()
+    torch.save({"torch": torch.get_rng_state()}, folder / "rng" / "rank_00000.pt")
+    write_tracker(root, iteration)
+    return folder
+
+
+def _flip_tensor_byte(folder: Path) -> Path:
+    """One byte of a tensor's data inside a .distcp archive: the archive's CRC-32 no longer matches."""
+    from megatron_patch.checkpoint_files.torch_dist import read_metadata
+    from megatron_patch.checkpoint_files.zipfmt import ZipIndex
+
+    name, start, length, _ = read_metadata(folder / ".metadata").storage[("w", (0, 0))]
+    index = ZipIndex(folder / name, base=start, length=length)
+    record = next(n for n in index.names() if n.startswith("data/"))
+    offset, size = index.locate(record)
+    data = bytearray((folder / name).read_bytes())
+    data[offset + size // 2] ^= 0x10
+    (folder / name).write_bytes(bytes(data))
+    return folder / name
+
+
+@pytest.mark.parametrize("manifest", ["none", "rewritten"])
+def test_a_newest_iteration_failing_its_crc_is_skipped_for_the_previous_one(tmp_path, manifest):
+    """The docs promise the fallback; a CRC failure used to surface only inside the load, which stopped the resume
+    (a manifest catches a flipped byte by its digest, unless there is none or it was rewritten after the damage)."""
+    import torch
+
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from megatron_patch.checkpoint_files.safe_torch import SafeFileSystemReader, load_refusing
+    from megatron_patch.training.checkpointing import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+    damaged = _flip_tensor_byte(newest)
+    if manifest == "rewritten":
+        write_manifest(newest, "attacker", sync=False)
+    with pytest.raises(UserError, match="is corrupt"):  # what the load does with it
+        load_refusing({"w": torch.empty(256, 64)}, SafeFileSystemReader(newest))
+    latest, notes = latest_iteration(root)
+    assert latest == 2, notes
+    assert len(notes) == 1 and notes[0].startswith(f"{newest} is incomplete or damaged: {damaged.name} is damaged "
+                                                   "(the archive at byte "), notes
+    assert "fails its CRC-32 check" in notes[0] or "CRC" in notes[0], notes
+    assert latest_iteration(root, verify=False) == (4, [])  # the launcher's early look leaves the bytes to the ranks
+
+
+# --- every reader of .metadata refuses the same impossible shapes -------------------------------------------
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, Path]:
+    from megatron_patch.cli import main
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("shapes")
+    hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=1)
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(root / "mcore"), "--format",
+                 "torch_dist", "--quiet"]) == 0
+    return {"hf": hf, "mcore": root / "mcore"}
+
+
+def _claim(folder: Path, how: str) -> tuple[Path, str]:
+    """Rewrite .metadata (and, as an attacker would, the manifest) so that one tensor claims an impossible shape."""
+    import torch
+
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+
+    path = next(folder.rglob(".metadata"))
+    md = pickle.loads(path.read_bytes())  # our own file: trusted here
+    key = "embedding.word_embeddings.weight"
+    entry = md.state_dict_metadata[key]
+    rows, cols = entry.size
+    if how == "negative":
+        entry.size = torch.Size([-4, cols])
+        why = f"tensor {key} claims the shape [-4, {cols}], which no tensor has"
+    elif how == "chunk outside":
+        entry.chunks[0].sizes = torch.Size([2 * rows, cols])
+        why = f"a chunk of {key} at [0, 0] of [{2 * rows}, {cols}] lies outside its shape [{rows}, {cols}]"
+    elif how == "huge":
+        entry.size = torch.Size([10**12, 10**12])
+        why = f"tensor {key} claims the shape [{10**12}, {10**12}], but its chunks hold {rows * cols} of its"
+    else:
+        entry.size, entry.chunks[0].sizes = torch.Size([2 * rows, cols]), torch.Size([2 * rows, cols])
+        why = f"a chunk of {key} at [0, 0] of [{2 * rows}, {cols}] takes {2 * rows * cols * 4} bytes of float32, but its record holds"
+    path.write_bytes(pickle.dumps(md))
+    write_manifest(folder, "attacker", sync=False)
+    return path, f"{path}: {why}"
+
+
+SHAPES = ["negative", "chunk outside", "huge", "more elements than its bytes"]
+
+
+@pytest.mark.parametrize("how", SHAPES)
+def test_every_reader_of_metadata_refuses_an_impossible_shape_alike(converted, tmp_path, capsys, how):
+    """mcore2hf refused these; inspect, align, PRETRAIN_CHECKPOINT_PATH and resume (torch's reader) took them."""
+    from megatron_patch.checkpoint_files.layout import torch_dist_problem
+    from megatron_patch.checkpoint_files.safe_torch import SafeFileSystemReader
+    from megatron_patch.cli import main
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(converted["mcore"], folder)
+    path, why = _claim(folder, how)
+    for argv in (["inspect", str(folder)],
+                 ["convert", "mcore2hf", "--load-dir", str(folder), "--save-dir", str(tmp_path / "hf")],
+                 ["align", "--hf-dir", str(converted["hf"]), "--mcore-dir", str(folder), "--report-dir",
+                  str(tmp_path / "report")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and why in err, (argv[0], err)
+    with pytest.raises(UserError) as refused:  # every torch load: resume, PRETRAIN_CHECKPOINT_PATH, align's ranks
+        SafeFileSystemReader(path.parent)
+    assert why in str(refused.value)
+    assert why in torch_dist_problem(path.parent)  # the resume's choice of checkpoint: skipped for an older one
+    with pytest.raises(UserError) as refused:  # the launcher, before any rank starts
+        resolve("llama3_1", launcher_args("llama3_1", MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(folder),
+                                          DATASET_PATH="none", SFT="false"), env={}, check_paths=False)
+    assert why in str(refused.value)
+
+
+# --- the small files a resume reads back: bounded, strict, one line --------------------------------------------
+
+def _huge(path: Path) -> str:
+    """A sparse file beyond the bound of any such file (64 MiB here; a plain read_text of a terabyte-sized one
+    asks for a terabyte of memory)."""
+    path.unlink(missing_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(2**26)
+    return f"holds {2**26:,} bytes, more than the"
+
+
+def _fifo(path: Path) -> str:
+    """A reader that opens it blocks until someone writes: forever."""
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return "is not a regular file"
+
+
+def _endless(path: Path) -> str:
+    path.unlink(missing_ok=True)
+    path.symlink_to("/dev/zero")
+    return "is not a regular file"
+
+
+@pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
+@pytest.mark.parametrize("name", ["train_state.json", "metadata.json"])
+def test_a_huge_or_endless_small_file_skips_its_iteration_in_one_line(tmp_path, damage, name):
+    from megatron_patch.training.checkpointing import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+    why = damage(newest / name)
+    latest, notes = latest_iteration(root)
+    assert latest == 2 and len(notes) == 1, notes
+    assert notes[0].startswith(f"{newest} is incomplete or damaged: {name} ") and why in notes[0], notes
+
+
+@pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
+def test_a_huge_or_endless_tracker_is_skipped_for_the_newest_complete_iteration(tmp_path, damage):
+    from megatron_patch.checkpoint_files.layout import TRACKER_NAME
+    from megatron_patch.training.checkpointing import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    why = damage(root / TRACKER_NAME)
+    latest, notes = latest_iteration(root)
+    assert latest == 2 and len(notes) == 1 and why in notes[0], notes
+    assert notes[0].startswith(f"{root / TRACKER_NAME} is unreadable"), notes
+
+
+@pytest.mark.parametrize("state, why", [
+    ({"iteration": 4.5, "world_size": 1}, "'iteration' is 4.5"),
+    ({"iteration": "4", "world_size": 1}, "'iteration' is \"4\""),
+    ({"iteration": 4, "world_size": -1}, "'world_size' is -1"),
+    ({"iteration": 4, "world_size": True}, "'world_size' is true"),
+    ({"iteration": 4, "world_size": 10**12}, f"'world_size' is {10**12}"),
+    ({"iteration": 4, "world_size": 1, "consumed_samples": -8}, "'consumed_samples' is -8"),
+    ([4, 1], "holds a JSON list, not an object"),
+])
+def test_train_state_is_parsed_strictly(tmp_path, state, why):
+    """int() took 4.5, '4' and True; a world size of -1 skipped every RNG file's check."""
+    import json
+
+    from megatron_patch.training.checkpointing import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+    (newest / "train_state.json").write_text(json.dumps(state))
+    latest, notes = latest_iteration(root)
+    assert latest == 2 and len(notes) == 1 and why in notes[0], notes
+
+
+@pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
+def test_a_huge_or_endless_sidecar_is_refused_in_one_line(converted, tmp_path, damage):
+    from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(converted["mcore"], folder)
+    why = damage(folder / SIDECAR_NAME)
+    with pytest.raises(UserError, match="the checkpoint's sidecar is damaged") as refused:
+        read_sidecar(folder)
+    assert why.replace("holds", "it holds") in str(refused.value) or why in str(refused.value)
+
+
+# --- end to end: the launcher resumes a run folder that travelled ---------------------------------------------
+
+RESUME_ITERS, RESUME_SAVE, STOP_AT = 6, 2, 4
+
+
+def _resume_args(corpus, out: Path) -> list[str]:
+    return launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out),
+                         SAVE_INTERVAL=str(RESUME_SAVE), TRAIN_TOKENS_OR_ITERS=str(RESUME_ITERS * 8 * 64),
+                         WARMUP_TOKENS_OR_ITERS=str(8 * 64))
+
+
+@pytest.fixture(scope="module")
+def stopped_run(corpus, tmp_path_factory) -> Path:
+    """A run stopped after its checkpoint at iteration 4 of 6 (checkpoints at 2 and 4): what a colleague hands on."""
+    from tests.training_helpers import launch
+
+    out = tmp_path_factory.mktemp("stopped") / "out"
+    proc = launch(_resume_args(corpus, out), {"MP_EXIT_INTERVAL": str(STOP_AT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _resume(corpus, out: Path):
+    from tests.training_helpers import launch
+
+    return launch(_resume_args(corpus, out))
+
+
+@pytest.mark.slow
+def test_the_training_manifest_covers_what_resume_reads(stopped_run):
+    """Every file of an iteration folder, .metadata included (the resume unpickles it), and the dataset cache."""
+    for folder in (stopped_run / "checkpoint").glob("iter_*"):
+        listed = set(read_manifest(folder / MANIFEST_NAME)["files"])
+        on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST_NAME}
+        assert ".metadata" in listed and listed == on_disk, on_disk - listed
+    cache = stopped_run / "data_cache"
+    assert set(read_manifest(cache / MANIFEST_NAME)["files"]) == {p.name for p in cache.glob("*.npy")}
+
+
+@pytest.mark.slow
+def test_resuming_a_folder_with_a_planted_cache_pickle_never_runs_it(stopped_run, corpus, tmp_path, marker):
+    """The variant that runs its payload and then returns the real array: training used to finish, export and exit
+    0 with the payload run."""
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    path = next((out / "data_cache").glob("*-GPTDataset-train-shuffle_index.npy"))
+    real = tmp_path / "real.npy"
+    shutil.copy(path, real)
+    path.write_bytes(pickle.dumps(Payload(marker, returns=real)))
+    proc = _resume(corpus, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"warning: {path} is not a numpy array file" in proc.stdout, proc.stdout[-3000:]
+    assert "resumed from" in proc.stdout and (out / "final").is_dir()
+    assert data_cache.npy_problem(path) is None
+
+
+@pytest.mark.slow
+def test_resume_falls_back_past_a_newest_iteration_failing_its_crc(stopped_run, corpus, tmp_path):
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from megatron_patch.checkpoint_files.torch_dist import read_metadata
+    from megatron_patch.checkpoint_files.zipfmt import ZipIndex
+
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    newest = out / "checkpoint" / f"iter_{STOP_AT:07d}"
+    md = read_metadata(newest / ".metadata")
+    key = next(k for k, (name, start, length, _) in md.storage.items() if k[1] is not None and length > 4096)
+    name, start, length, _ = md.storage[key]
+    index = ZipIndex(newest / name, base=start, length=length)
+    offset, size = index.locate(next(n for n in index.names() if n.startswith("data/")))
+    data = bytearray((newest / name).read_bytes())
+    data[offset + size // 2] ^= 0x10
+    (newest / name).write_bytes(bytes(data))
+    write_manifest(newest, "attacker", sync=False)  # a digest is no signature: only the CRC-32 can tell
+    proc = _resume(corpus, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"warning: {newest} is incomplete or damaged: {name} is damaged (the archive at byte {start}:" in \
+        proc.stdout, proc.stdout[-3000:]
+    assert f"resumed from {out / 'checkpoint' / f'iter_{RESUME_SAVE:07d}'}\n" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_hard_linked_copy_resumes_without_touching_the_original(stopped_run, corpus, tmp_path):
+    """``cp -al`` hands on a run folder as hard links: the copy resumes (untrusted is not refused) and the
+    original's files stay as they were."""
+    import subprocess
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    shutil.copytree(stopped_run, original)
+    subprocess.run(["cp", "-al", str(original), str(copy)], check=True)
+    before = {p: p.read_bytes() for p in original.rglob("*") if p.is_file()}
+    proc = _resume(corpus, copy)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "warning" not in proc.stdout, proc.stdout[-3000:]
+    assert {p: p.read_bytes() for p in original.rglob("*") if p.is_file()} == before
+    assert len((copy / "log" / "metrics.jsonl").read_text().splitlines()) > \
+        len((original / "log" / "metrics.jsonl").read_text().splitlines())
