@@ -53,7 +53,7 @@ def test_an_output_basepath_the_run_cannot_write_is_refused_before_any_rank_star
     """Before, each rank failed at its first write with a traceback (megatron-core's data cache: "Failed to
     write dataset materials", or the save's PermissionError) and the launcher called it a bug, exit 1."""
     out = tmp_path / "out"
-    expected = {"base-is-a-file": f"OUTPUT_BASEPATH {out} is a file, not a folder",
+    expected = {"base-is-a-file": f"OUTPUT_BASEPATH {out} exists and is not a folder",
                 "parent-is-a-file": f"OUTPUT_BASEPATH {out}/run cannot be made: {out} is a file",
                 "checkpoint-is-a-file": f"OUTPUT_BASEPATH {out}: checkpoint is a file",
                 "checkpoint-read-only": f"OUTPUT_BASEPATH {out}: {out}/checkpoint is "}[case]

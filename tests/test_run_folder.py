@@ -563,13 +563,13 @@ def _fifo(path: Path) -> str:
     """A reader that opens it blocks until someone writes: forever."""
     path.unlink(missing_ok=True)
     os.mkfifo(path)
-    return "is not a regular file"
+    return "is a FIFO, not a regular file"
 
 
 def _endless(path: Path) -> str:
     path.unlink(missing_ok=True)
     path.symlink_to("/dev/zero")
-    return "is not a regular file"
+    return "is a character device, not a regular file"
 
 
 @pytest.mark.parametrize("damage", [_huge, _fifo, _endless])

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import re
-import stat
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -38,6 +37,7 @@ from megatron_patch.checkpoint_files.torch_dist import (
 )
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex, check_crc
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import read_input
 from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder helpers, one import for readers
     PARTIAL_TAG,
     atomic_dir,
@@ -47,6 +47,7 @@ from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder
     partial_dir,
     publish,
     remove_stale_partials,
+    write_file_replacing,
 )
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -75,29 +76,18 @@ SMALL_FILE_BYTES = 16 * 2**20
 
 def read_small_file(path: str | Path, limit: int = SMALL_FILE_BYTES) -> bytes:
     """The bytes of a small file of a checkpoint or run folder, read only if it is a regular file of at most
-    ``limit`` bytes (checked on the descriptor that is read, opened without blocking: a FIFO or a device put in
-    its place never stalls or floods the reader). ``OSError`` or one-line ``UserError`` otherwise."""
-    path = Path(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UserError(f"{path} is not a regular file")
-        if info.st_size > limit:
-            raise UserError(f"{path} holds {info.st_size:,} bytes, more than the {limit:,} such a file has")
-        data = os.read(fd, limit + 1)
-        if len(data) > limit:
-            raise UserError(f"{path} grew past {limit:,} bytes while it was read")
-        return data
-    finally:
-        os.close(fd)
+    ``limit`` bytes: ``input_files.read_input``, the one reader of small files (a FIFO or a device put in its
+    place never stalls or floods the reader). One-line ``UserError`` otherwise."""
+    return read_input(path, limit=limit)
 
 
 def read_small_json(path: str | Path, limit: int = SMALL_FILE_BYTES) -> dict:
     """A small JSON file holding an object (``read_small_file``); one-line ``UserError`` for anything else."""
     try:
         value = json.loads(read_small_file(path, limit))
-    except (OSError, ValueError, RecursionError) as exc:
+    except UserError as exc:
+        raise UserError(f"{path} is unreadable ({exc})") from None
+    except (ValueError, RecursionError) as exc:
         raise UserError(f"{path} is unreadable ({' '.join(str(exc).split())[:200]})") from None
     if not isinstance(value, dict):
         raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object")
@@ -124,19 +114,8 @@ def write_tracker(root: str | Path, value: int | str) -> None:
     """Point ``root``'s tracker at an iteration or at ``"release"``; written aside, then renamed."""
     if value != RELEASE and not isinstance(value, int):
         raise ValueError(f"a tracker holds 'release' or an iteration number, not {value!r}")
-    tracker = Path(root) / TRACKER_NAME
-    tmp = tracker.with_name(f".{TRACKER_NAME}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(str(value))  # as Megatron-LM writes it: no newline
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, tracker)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(tracker.parent)
+    # as Megatron-LM writes it: no newline; never through a link planted at the tracker's name or its temporary's
+    write_file_replacing(Path(root) / TRACKER_NAME, str(value), durable=True)
 
 
 # --- which checkpoint is complete --------------------------------------------------------------------

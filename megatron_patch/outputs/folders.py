@@ -67,6 +67,30 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def write_file_replacing(path: str | Path, data: str | bytes, *, durable: bool = False) -> None:
+    """``data`` into ``path`` through a new file beside it, renamed over it: a link at ``path`` is replaced, never
+    written through, and the new file is created where nothing is (``O_EXCL | O_NOFOLLOW``: no link planted at
+    its name is followed either). ``durable``: fsynced, and the rename too."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
 def fsync_tree(folder: str | Path) -> None:
     """fsync every file under ``folder``, then every folder, deepest first (their entries)."""
     folders = []

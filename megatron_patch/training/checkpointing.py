@@ -60,6 +60,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.lora.state import adapter_sharded_state, base_record
 from megatron_patch.runtime import watchdog
 from megatron_patch.training.lora_run import cfg_base
+from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, require_folder
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the
@@ -450,21 +451,14 @@ def _shared_partial_dir(final: Path, inner: str = "") -> Path:
     return Path(holder[0])
 
 
-FINAL_DIR = "final"
-# What a run writes at the top of OUTPUT_BASEPATH (each a folder), beside the hidden names its publishing
-# uses (``.final.mpatch-partial.PID``): a folder holding anything else is not a run's.
-RUN_FOLDER_ENTRIES = ("checkpoint", FINAL_DIR, "log", "tensorboard", "data_cache")
-
-
 def check_output_basepath(out: Path) -> None:
     """The one output rule for a training run (docs/outputs.md), decided by the launcher under the lock:
     OUTPUT_BASEPATH is new or empty, or an earlier run's folder, which this run resumes. A folder holding
     anything a run does not write is refused, and so is a ``final/`` that mpatch did not export (the run's
     export replaces it)."""
+    require_folder(out)
     if not os.path.lexists(out):
         return
-    if not out.is_dir():
-        raise UserError(f"OUTPUT_BASEPATH {out} exists and is not a folder: choose another OUTPUT_BASEPATH")
     for entry in sorted(out.iterdir()):
         name = entry.name
         if name in RUN_FOLDER_ENTRIES and entry.is_dir():

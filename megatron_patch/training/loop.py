@@ -26,6 +26,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models import compiled_fusions
 from megatron_patch.models.builder import build_model_chunks
 from megatron_patch.models.shape import model_shape
+from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import destroy, move_to_device
 from megatron_patch.runtime.machine import Capabilities
@@ -559,7 +560,7 @@ class Trainer:
         if self.rank != self.log_rank:
             return
         self._log(describe(summary))
-        run_folder.write_replacing(Path(self.cfg.output_basepath) / run_folder.THROUGHPUT,
+        write_file_replacing(Path(self.cfg.output_basepath) / run_folder.THROUGHPUT,
                                    json.dumps(summary, indent=2) + "\n")
 
     def _peak_tflops(self) -> float | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from megatron_patch.dtypes import ITEMSIZE, precision_dtype_name
 from megatron_patch.models.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.training.run_folder import CHECKPOINT_DIR
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -176,7 +177,7 @@ class RunConfig:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return Path(self.output_basepath) / "checkpoint"
+        return Path(self.output_basepath) / CHECKPOINT_DIR
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

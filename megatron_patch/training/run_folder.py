@@ -19,23 +19,37 @@ import stat
 from pathlib import Path
 
 from megatron_patch.errors import UserError
+from megatron_patch.outputs.folders import write_file_replacing
 
 LOG_DIR = "log"
 METRICS = f"{LOG_DIR}/metrics.jsonl"
 THROUGHPUT = f"{LOG_DIR}/throughput.json"
-# Every path training writes into, under OUTPUT_BASEPATH, and what it must be.
+CHECKPOINT_DIR = "checkpoint"
+FINAL_DIR = "final"
+# Every path training writes into while it runs, under OUTPUT_BASEPATH, and what it must be (final/ is published
+# whole, by a rename, never written into).
 WRITTEN = ((LOG_DIR, "folder"), (METRICS, "file"), (THROUGHPUT, "file"), ("tensorboard", "folder"),
-           ("data_cache", "folder"), ("checkpoint", "folder"))
+           ("data_cache", "folder"), (CHECKPOINT_DIR, "folder"))
+WRITTEN_FOLDERS = tuple(name for name, kind in WRITTEN if kind == "folder" and "/" not in name)
+# Everything a run keeps at the top of OUTPUT_BASEPATH, each a folder, beside the hidden names its publishing
+# uses (``.final.mpatch-partial.PID``): a folder holding anything else is not a run's.
+RUN_FOLDER_ENTRIES = (*WRITTEN_FOLDERS, FINAL_DIR)
+
+
+def require_folder(out: Path) -> None:
+    """OUTPUT_BASEPATH, where something is at its name, is a folder: one refusal for every check of it."""
+    if os.path.lexists(out) and not out.is_dir():
+        raise UserError(f"OUTPUT_BASEPATH {out} exists and is not a folder: choose a folder (a new one, which is "
+                        "made, or an earlier run's)")
 
 
 def check_run_folder(output_basepath: str | Path) -> None:
     """Refuse, in one line, a path training writes to that leads outside OUTPUT_BASEPATH or is not what training
     writes there (a FIFO where the metrics go, a file where a folder goes)."""
     out = Path(output_basepath)
+    require_folder(out)
     if not os.path.lexists(out):
         return
-    if not out.is_dir():
-        raise UserError(f"OUTPUT_BASEPATH {out} is not a folder: choose a folder (a new one, or an earlier run's)")
     root = out.resolve()
     for name, kind in WRITTEN:
         path = out / name
@@ -56,18 +70,5 @@ def open_metrics(output_basepath: str | Path):
     path = Path(output_basepath) / METRICS
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_file() and os.stat(path).st_nlink > 1:
-        write_replacing(path, path.read_bytes())
+        write_file_replacing(path, path.read_bytes())
     return open(path, "a")
-
-
-def write_replacing(path: str | Path, data: str | bytes) -> None:
-    """``data`` into ``path`` through a new file renamed over it: a link at ``path`` is replaced, never written
-    through (and the new file is created where nothing was: no link at its name is followed either)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with open(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)

@@ -43,6 +43,7 @@ from megatron_patch.training.launcher_args import (
 from megatron_patch.training.lora_run import check_lora, lora_from_env
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
 from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
+from megatron_patch.training.run_folder import WRITTEN_FOLDERS, require_folder
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -409,10 +410,6 @@ def tokenizer_exists(cfg: RunConfig) -> None:
         check_tokenizer_path(cfg.tokenizer)
 
 
-# The folders a run writes inside OUTPUT_BASEPATH (final/, once written, is only read by a rerun).
-RUN_FOLDERS = ("checkpoint", "log", "data_cache", "tensorboard")
-
-
 def output_folder_writable(cfg: RunConfig) -> None:
     """OUTPUT_BASEPATH, and the folders a run writes in it, are folders this process can write (or can be made
     so): each rank would otherwise fail at its first write, deep inside megatron-core."""
@@ -423,11 +420,9 @@ def output_folder_writable(cfg: RunConfig) -> None:
             raise UserError(f"OUTPUT_BASEPATH {out} cannot be made: {existing} is a file, not a folder; choose another")
         _check_writable(existing, out)
         return
-    for folder in (out, *(out / name for name in RUN_FOLDERS)):
-        if folder.exists() or folder == out:
-            if folder == out and not folder.is_dir():
-                raise UserError(f"OUTPUT_BASEPATH {out} is a file, not a folder: choose a folder (it is made if "
-                                "missing)")
+    require_folder(out)
+    for folder in (out, *(out / name for name in WRITTEN_FOLDERS)):
+        if folder.exists():
             if not folder.is_dir():
                 raise UserError(f"OUTPUT_BASEPATH {out}: {folder.name} is a file, and the run keeps a folder of that "
                                 "name there: move it away or choose another OUTPUT_BASEPATH")
