@@ -252,6 +252,23 @@ def test_token_and_iteration_counts_have_ceilings(over, message):
     assert message in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
 
 
+def test_local_processes_and_copy_workers_have_ceilings(tmp_path, capsys):
+    """MP_NPROC=100000 (ENV=cpu) started that many gloo ranks, and a converter's --workers 100000 that many
+    threads: each is refused in one line before anything starts."""
+    from megatron_patch.training.validation import resolve
+
+    with pytest.raises(UserError, match="MP_NPROC must be at most 256"):
+        resolve("llama3_1", launcher_args(ENV="cpu"), env={"MP_NPROC": "100000"}, check_paths=False)
+    from megatron_patch.cli import main
+
+    with pytest.raises(SystemExit) as exit_:  # argparse's own refusal: usage, then the one line
+        main(["convert", "hf2mcore", "--hf-dir", str(tmp_path), "--save-dir", str(tmp_path / "o"), "--workers",
+              "100000"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--workers: must be a whole number from 1 to 256, not '100000'" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_validation_iterations_have_a_ceiling():
     from megatron_patch.training.validation import resolve
 

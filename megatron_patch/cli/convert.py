@@ -91,13 +91,16 @@ def run_mcore2hf(args) -> int:
     return 0
 
 
+MAX_WORKERS = 256  # copying threads: far past what any disk serves at once, and short of exhausting threads
+
+
 def _workers(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
         n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+    if not 1 <= n <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_WORKERS}, not {text!r}")
     return n
 
 

@@ -147,6 +147,7 @@ def usage(family: str) -> str:
 MAX_TOKENS = 10**15  # a thousand trillion: dozens of times the largest published pretraining runs (15-36T)
 MAX_ITERATIONS = 10**8  # a hundred times the optimizer steps of the largest published runs
 MAX_GLOBAL_BATCH = 10**6  # samples per step: hundreds of times the largest published global batches
+MAX_LOCAL_PROCESSES = 256  # ENV=cpu's MP_NPROC: gloo ranks on one machine; beyond this a typo, not a plan
 
 
 def parse_int(name: str, raw: str, lo: int = 1, hi: int | None = None) -> int:

@@ -25,6 +25,7 @@ from megatron_patch.training.launcher_args import (
     FP8_RECIPES,
     MAX_GLOBAL_BATCH,
     MAX_ITERATIONS,
+    MAX_LOCAL_PROCESSES,
     MAX_TOKENS,
     arg_names,
     env_float,
@@ -509,7 +510,7 @@ def _check_data(path: str, dataset_type: str) -> None:
 def _world(run_env: str, layout: ParallelLayout, env: dict) -> tuple[int, int, int]:
     """(world size, processes per node, nodes)."""
     if run_env == "cpu":
-        nproc = env_int(env, "MP_NPROC", layout.world_size)
+        nproc = env_int(env, "MP_NPROC", layout.world_size, hi=MAX_LOCAL_PROCESSES)
         return nproc, nproc, 1
     if launched_rank(env) and env.get("WORLD_SIZE"):
         world = parse_int("WORLD_SIZE", env["WORLD_SIZE"])
