@@ -38,6 +38,7 @@ from megatron_patch.checkpoint_files.pickles import Record, record_class
 from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, DistMetadata, TensorInfo, check_metadata
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import read_input
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -160,9 +161,10 @@ def load_torch_bytes(data: bytes, where: str) -> Any:
 
 
 def load_torch_file(path: str | Path) -> Any:
-    """A torch.save file (RNG state, common.pt, another tool's train state), read once, allow-listed."""
+    """A torch.save file (RNG state, common.pt, another tool's train state), read once, allow-listed; only a
+    regular file is read (a FIFO or a device planted at its name would stall or flood the reader)."""
     path = Path(path)
-    return load_torch_bytes(path.read_bytes(), str(path))
+    return load_torch_bytes(read_input(path, limit=None), str(path))
 
 
 class _SafeBytesPlanner:
