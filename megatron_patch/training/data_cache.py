@@ -143,10 +143,13 @@ def _listed(manifest: Path, log) -> dict:
 
 
 def record(folder: Path) -> None:
-    """The cache's manifest, every ``.npy`` file in it, once megatron-core has built what it needed (rank 0)."""
+    """The cache's manifest, once megatron-core has built what it needed (rank 0): every sound ``.npy`` file and
+    megatron-core's descriptions beside them, so that ``mpatch verify`` finds no file the manifest leaves out."""
     if not folder.is_dir():
         return
-    names = sorted(p.name for p in folder.iterdir() if p.name.endswith(".npy") and npy_problem(p) is None)
+    names = sorted(p.name for p in folder.iterdir()
+                   if (p.name.endswith(".npy") and npy_problem(p) is None)
+                   or (p.name.endswith(".txt") and stat.S_ISREG(os.lstat(p).st_mode)))
     tmp = f".{MANIFEST_NAME}.tmp.{os.getpid()}"
     (folder / tmp).unlink(missing_ok=True)  # a link planted at the name is removed, not written through
     write_manifest(folder, "mpatch train, megatron-core's dataset cache", name=tmp,
