@@ -75,7 +75,7 @@ def test_every_family_has_its_launcher(family):
 # (family, overrides, environment, a piece of the expected message)
 BAD = [
     ("llama3_1", dict(ENV="local"), {}, "ENV must be one of dsw | dlc | cpu, got 'local'"),
-    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 1B | 3B | 8B | 70B | 405B | tiny | auto"),
+    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 1B | 3B | 8B | 70B | 405B | Mistral-7B | tiny | auto"),
     ("qwen2", dict(MODEL_SIZE="8B"), {}, "MODEL_SIZE for qwen2 must be one of 0.5B | 1.5B"),
     ("llama3_1", dict(BATCH_SIZE="two"), {}, "BATCH_SIZE must be an integer, got 'two'"),
     ("llama3_1", dict(BATCH_SIZE="0"), {}, "BATCH_SIZE must be >= 1"),
@@ -170,7 +170,7 @@ def test_wrong_argument_count_and_usage(data, capsys):
     out = capsys.readouterr().out
     for name in arg_names("llama3_1"):
         assert name in out
-    assert "1B | 3B | 8B | 70B | 405B | tiny | auto" in out
+    assert "1B | 3B | 8B | 70B | 405B | Mistral-7B | tiny | auto" in out
 
 
 # --- what this machine can do ------------------------------------------------------------------------
