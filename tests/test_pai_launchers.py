@@ -403,7 +403,8 @@ def test_dlc_takes_gpus_per_node_from_kubernetes_container_resource_gpu(fixtures
     args = _qwen3_args(fixtures, tmp_path / "out", ENV="dlc", PP="1")
     cfg = resolve("qwen3", args, env={"KUBERNETES_CONTAINER_RESOURCE_GPU": "4", "WORLD_SIZE": "2"})
     assert (cfg.nproc_per_node, cfg.nnodes, cfg.world_size) == (4, 2, 8)
-    ours = resolve("qwen3", args, env={"KUBERNETES_CONTAINER_RESOURCE_GPU": "4", "GPUS_PER_NODE": "2", "WORLD_SIZE": "2"})
+    ours = resolve("qwen3", args, env={"KUBERNETES_CONTAINER_RESOURCE_GPU": "4", "GPUS_PER_NODE": "2",
+                                        "WORLD_SIZE": "2"})
     assert ours.nproc_per_node == 2  # an explicit GPUS_PER_NODE wins
 
 
@@ -482,12 +483,14 @@ def test_known_warnings_are_filtered_and_others_shown():
         warnings.simplefilter("always")
         quiet_known_warnings()
         for message, module in (
-                ("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", "megatron.core.optimizer"),
+                ("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+                 "megatron.core.optimizer"),
                 ("Apex is not installed. Falling back to Torch Norm", "megatron.core.models.backends"),
                 ("the loss scale fell", "megatron.core.optimizer"),
                 ("Transformer Engine and Apex are not installed: mine", "my_module")):
             warnings.warn_explicit(message, UserWarning, "x.py", 1, module=module)
-    assert [str(w.message) for w in seen] == ["the loss scale fell", "Transformer Engine and Apex are not installed: mine"]
+    assert [str(w.message) for w in seen] == ["the loss scale fell",
+                                              "Transformer Engine and Apex are not installed: mine"]
 
 
 def test_mpatch_installs_the_filter(tmp_path):

@@ -77,9 +77,10 @@ def run(args) -> int:
     else:
         from megatron_patch.cli.common import print_table
 
-        rows = [{**r, "model_types": ",".join(r["model_types"]),
-                 "sizes": " ".join(s + "".join(f"/{a}" for a, p in r["size_aliases"].items() if p == s) for s in r["sizes"])}
-                for r in family_rows()]
+        def sizes(r: dict) -> str:  # "30B-A3B/A3B": a preset and Pai's name for it
+            return " ".join(s + "".join(f"/{a}" for a, p in r["size_aliases"].items() if p == s) for s in r["sizes"])
+
+        rows = [{**r, "model_types": ",".join(r["model_types"]), "sizes": sizes(r)} for r in family_rows()]
         print_table(rows, ["family", "model_types", "arguments", "sizes", "summary"])
     return 0
 

@@ -68,7 +68,8 @@ class Launcher:
             detail = (f"{names[-1]} ({count}) is taken as {argv[count - 1]!r} and {len(extra)} more "
                       f"follow{'s' if len(extra) == 1 else ''}: {' '.join(repr(x) for x in extra[:3])}"
                       + (" ..." if len(extra) > 3 else ""))
-        return f"{self.script} takes {expected} arguments, got {got}: {detail}; run it with --help for each one's meaning"
+        return (f"{self.script} takes {expected} arguments, got {got}: {detail}; run it with --help for each one's "
+                "meaning")
 
     def model_size(self, size: str) -> tuple[str, str]:
         """(family, preset) of a MODEL_SIZE other than auto."""
@@ -133,7 +134,8 @@ ARG_HELP = {
     "PAD_LEN": "SFT sample length (samples are padded or packed to it); <= SEQ_LEN",
     "PR": "precision: fp16 | bf16 | fp8 (transformer-engine, hybrid format) | fp32 (CPU development)",
     "TP": "tensor parallel size", "PP": "pipeline parallel size", "CP": "context parallel size",
-    "ETP": "expert tensor parallel size (MoE; ignored for a dense size)", "EP": "expert parallel size (MoE; 1 for dense)",
+    "ETP": "expert tensor parallel size (MoE; ignored for a dense size)",
+    "EP": "expert parallel size (MoE; 1 for dense)",
     "SP": "sequence parallelism: true | false (TP > 1 with SP=true also turns on TP communication overlap; ignored "
           "at TP=1)",
     "DO": "distributed optimizer: true | false (true also overlaps the parameter all-gather)",

@@ -55,8 +55,8 @@ def megatron_settings(cfg: RunConfig) -> dict:
         tc.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     ddp = {"use_distributed_optimizer": cfg.distributed_optimizer, "overlap_grad_reduce": cfg.overlap_grad_reduce,
            "overlap_param_gather": cfg.overlap_param_gather, "grad_reduce_in_fp32": cfg.precision.mixed}
-    optim = {"optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay, "adam_beta1": 0.9,
-             "adam_beta2": 0.95, "adam_eps": 1e-8, "clip_grad": 1.0,
+    optim = {"optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay,
+             "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8, "clip_grad": 1.0,
              "bf16": cfg.precision.bf16, "fp16": cfg.precision.loss_scaled,
              "use_distributed_optimizer": cfg.distributed_optimizer,
              "overlap_param_gather": cfg.overlap_param_gather}

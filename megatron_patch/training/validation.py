@@ -33,6 +33,7 @@ from megatron_patch.training.launcher_args import (
     env_float,
     env_int,
     env_minutes,
+    get_launcher,
     is_none,
     launched_rank,
     parse_bool,
@@ -41,7 +42,6 @@ from megatron_patch.training.launcher_args import (
     parse_data_paths,
     parse_float,
     parse_int,
-    get_launcher,
 )
 from megatron_patch.training.lora_run import check_lora, lora_from_env
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
@@ -130,13 +130,14 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         raise UserError("OUTPUT_BASEPATH is required: checkpoints, logs and TensorBoard go there")
 
     return RunConfig(
-        launcher=launcher.name, family=family, env=run_env, model_size=size, micro_batch_size=mbs, global_batch_size=gbs, lr=lr,
-        min_lr=min_lr, seq_len=seq_len, pad_len=pad_len, precision=precision, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
+        launcher=launcher.name, family=family, env=run_env, model_size=size, micro_batch_size=mbs,
+        global_batch_size=gbs, lr=lr, min_lr=min_lr, seq_len=seq_len, pad_len=pad_len, precision=precision, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
         sequence_parallel=sp, distributed_optimizer=do, flash_attention=fl, sft=sft, activation_checkpointing=ac,
         optimizer_offload_fraction=offload, save_interval=save_interval, dataset_path=paths, dataset_weights=weights,
         valid_dataset_path=valid, valid_dataset_weights=valid_weights, pretrain_checkpoint=ckpt, train_iters=train_iters, warmup_iters=warmup_iters,
         output_basepath=str(a["OUTPUT_BASEPATH"]), dataset_type=dataset_type, ac_layers=env_int(env, "MP_AC_LAYERS", 1),
-        virtual_pipeline=vp, virtual_pipeline_setting=vp_setting, sft_packing=parse_bool("MP_SFT_PACKING", env.get("MP_SFT_PACKING") or "false"),
+        virtual_pipeline=vp, virtual_pipeline_setting=vp_setting,
+        sft_packing=parse_bool("MP_SFT_PACKING", env.get("MP_SFT_PACKING") or "false"),
         pp0_layers=pp0, fp8_recipe=fp8_recipe, tp_comm_overlap=tp_comm_overlap, overlap_param_gather=do,
         world_size=world, nproc_per_node=nproc, nnodes=nnodes, tokenizer=tokenizer,
         nan_policy=parse_choice("MP_NAN_POLICY", env.get("MP_NAN_POLICY") or "stop", ("stop", "skip")),
@@ -151,8 +152,8 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         gpu_memory_gb=env_float(env, "MP_GPU_MEMORY_GB", None),
         compile_fusions=parse_bool("MP_COMPILE_FUSIONS", env["MP_COMPILE_FUSIONS"]) if env.get("MP_COMPILE_FUSIONS")
         else None,
-        # SFT's learning rate decays over the iterations after warm-up (as Pai-Megatron-Patch's launchers), pretraining's
-        # over all of them
+        # SFT's learning rate decays over the iterations after warm-up (as Pai-Megatron-Patch's launchers),
+        # pretraining's over all of them
         lr_decay_iters=train_iters - warmup_iters if sft else train_iters,
         weight_decay=env_float(env, "MP_WEIGHT_DECAY", get_family(family).weight_decay),
         log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 10000, lo=0),
@@ -303,8 +304,8 @@ def pipeline_split(cfg: RunConfig) -> None:
     if pp0 is not None and cfg.pp == 1:
         raise UserError(f"MP_PP0_LAYERS={pp0} (uneven first stage) needs PP > 1")
     if vp is not None and pp0 is not None:
-        raise UserError(f"{cfg.virtual_pipeline_setting.split('=')[0]} and MP_PP0_LAYERS cannot be combined: choose one "
-                        "way to split the pipeline")
+        raise UserError(f"{cfg.virtual_pipeline_setting.split('=')[0]} and MP_PP0_LAYERS cannot be combined: choose "
+                        "one way to split the pipeline")
 
 
 def sample_lengths(cfg: RunConfig) -> None:
@@ -566,7 +567,8 @@ def _world(run_env: str, layout: ParallelLayout, env: dict) -> tuple[int, int, i
             raise UserError(f"WORLD_SIZE={world} processes do not fill nodes of {per_node}: check GPUS_PER_NODE")
         return world, per_node, world // per_node
     # PAI-DLC gives each node's GPUs in KUBERNETES_CONTAINER_RESOURCE_GPU, which Pai-Megatron-Patch's launchers read
-    gpu_variable = "GPUS_PER_NODE" if env.get("GPUS_PER_NODE") or run_env != "dlc" else "KUBERNETES_CONTAINER_RESOURCE_GPU"
+    gpu_variable = ("GPUS_PER_NODE" if env.get("GPUS_PER_NODE") or run_env != "dlc"
+                    else "KUBERNETES_CONTAINER_RESOURCE_GPU")
     gpus = env.get(gpu_variable)
     if gpus:
         per_node = parse_int(gpu_variable, gpus)
