@@ -5,6 +5,8 @@ setup(
     version="0.1.0",
     description="Llama-3.1, Qwen2 and MoE models on Megatron-Core: HF conversion, alignment, training",
     packages=find_packages(include=["megatron_patch", "megatron_patch.*"]),
+    # the console script's entry, outside the package: it names a clash with another megatron_patch (Pai's)
+    py_modules=["mpatch"],
     python_requires=">=3.10",
     install_requires=[
         # The releases whose internals the CPU compatibility layer and the converter were audited against:
@@ -32,5 +34,5 @@ setup(
         # peft: the reference LoRA implementation tests/test_lora.py compares against both ways.
         "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21"],
     },
-    entry_points={"console_scripts": ["mpatch=megatron_patch.cli:main"]},
+    entry_points={"console_scripts": ["mpatch=mpatch:main"]},
 )

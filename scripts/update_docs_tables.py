@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's registry, whatever copy is installed
-FILES = ["README.md", "examples/README.md", "docs/lora.md"]
+FILES = ["README.md", "examples/README.md", "docs/lora.md", "docs/coming-from-pai.md"]
 
 
 def versions_table() -> str:

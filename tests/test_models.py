@@ -165,7 +165,9 @@ def test_family_specifics_are_parsed():
 @pytest.mark.parametrize("raw, fragment", [
     ({**tiny_config("llama3_1"), "hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({**tiny_config("qwen2"), "use_sliding_window": True}, "use_sliding_window"),
-    ({**tiny_config("llama3_1"), "model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+    # transformers' Llama ignores a sliding_window; Mistral attends within it (LLAMA_VARIANTS)
+    ({**tiny_config("llama3_1"), "sliding_window": 4096}, "sliding_window=4096 in a 'llama' config.json"),
+    ({**tiny_config("llama3_1"), "model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive"),
     ({**tiny_config("llama3_1"), "attention_bias": True}, "attention_bias=true with mlp_bias=false"),
     ({**tiny_config("qwen2"), "mlp_bias": True}, "mlp_bias=true is not supported for qwen2"),
     ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "RoPE type 'longrope'"),
@@ -344,13 +346,15 @@ def test_logits_match_transformers(tiny_dirs, layout):
 
 # Llama-architecture checkpoints beyond Llama 3.1 (the family claims any LlamaForCausalLM and
 # MistralForCausalLM): tied embeddings (Llama 3.2), an explicit head_dim, linear and yarn RoPE,
-# linear biases, Mistral without a sliding window.
+# linear biases, Mistral without a sliding window and with one (8 keys, shorter than the 32-token inputs).
 LLAMA_VARIANTS = {
     "llama3.2_tied": {"tie_word_embeddings": True},
     "head_dim_32_yarn": {"head_dim": 32, "rope_scaling": ROPE_CASES["yarn"]},
     "linear_rope_biases": {"rope_scaling": ROPE_CASES["linear"], "attention_bias": True, "mlp_bias": True},
     "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": None,
                 "rope_scaling": None},
+    "mistral_sliding_window": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 8,
+                               "rope_scaling": None},
 }
 
 

@@ -198,7 +198,7 @@ def test_pp2_starts_from_converted_checkpoint(pp2_run, converted, tmp_path):
     assert after < before - 0.05, (after, before)
 
 
-# --- virtual pipeline (MP_VP): PP=2 x 2 chunks is the same computation as PP=2 ------------------------------
+# --- virtual pipeline (MP_VP_CHUNKS): PP=2 x 2 chunks is the same computation as PP=2 ------------------------------
 
 @pytest.mark.slow
 def test_vp2_matches_pp2_and_resumes(pp2_run, corpus, converted, tmp_path):
@@ -210,11 +210,11 @@ def test_vp2_matches_pp2_and_resumes(pp2_run, corpus, converted, tmp_path):
     """
     out = tmp_path / "out"
     args = _from_converted_args(corpus, converted, out, SAVE_INTERVAL="3")
-    first = launch(args, {"MP_VP": "2", "MP_EXIT_INTERVAL": "3"})
+    first = launch(args, {"MP_VP_CHUNKS": "2", "MP_EXIT_INTERVAL": "3"})
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "loaded pretrained weights" in first.stdout and "PP=2 EP=1 VP=2" in first.stdout
     assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    second = launch(args, {"MP_VP": "2"})
+    second = launch(args, {"MP_VP_CHUNKS": "2"})
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout and "iter_0000003" in second.stdout
     vp, ref = read_metrics(out), read_metrics(pp2_run["out"])

@@ -75,7 +75,7 @@ def test_every_family_has_its_launcher(family):
 # (family, overrides, environment, a piece of the expected message)
 BAD = [
     ("llama3_1", dict(ENV="local"), {}, "ENV must be one of dsw | dlc | cpu, got 'local'"),
-    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 1B | 3B | 8B | 70B | 405B | tiny | auto"),
+    ("llama3_1", dict(MODEL_SIZE="13B"), {}, "MODEL_SIZE for llama3_1 must be one of 1B | 3B | 8B | 70B | 405B | Mistral-7B | tiny | auto"),
     ("qwen2", dict(MODEL_SIZE="8B"), {}, "MODEL_SIZE for qwen2 must be one of 0.5B | 1.5B"),
     ("llama3_1", dict(BATCH_SIZE="two"), {}, "BATCH_SIZE must be an integer, got 'two'"),
     ("llama3_1", dict(BATCH_SIZE="0"), {}, "BATCH_SIZE must be >= 1"),
@@ -83,7 +83,6 @@ BAD = [
     ("llama3_1", dict(MIN_LR="1e-2"), {}, "MIN_LR (0.01) must not exceed LR"),
     ("llama3_1", dict(PR="fp4"), {}, "PR must be one of fp16 | bf16 | fp8 | fp32"),
     ("llama3_1", dict(SP="yes please"), {}, "SP must be true or false"),
-    ("llama3_1", dict(SP="true"), {}, "SP=true needs TP > 1"),
     ("llama3_1", dict(TP="2"), {"MP_TP_COMM_OVERLAP": "true"}, "TP communication overlap needs sequence parallelism"),
     ("llama3_1", dict(DO="false"), {"MP_OVERLAP_PARAM_GATHER": "true"}, "param-gather overlap needs the distributed optimizer"),
     ("llama3_1", dict(AC="partial"), {}, "AC must be one of sel | full | offload | none"),
@@ -111,10 +110,10 @@ BAD = [
     ("llama3_1", dict(), {"MP_DATASET_TYPE": "raw"}, "MP_DATASET_TYPE=raw (JSON data) is for SFT"),
     ("llama3_1", dict(SFT="true", DATASET_PATH="SFT"), {}, "SFT needs a tokenizer"),
     ("llama3_1", dict(SFT="true", PAD_LEN="128", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"}, "PAD_LEN (128) must not exceed SEQ_LEN"),
-    ("llama3_1", dict(), {"MP_VP": "2"}, "MP_VP=2 (virtual pipeline) needs PP > 1"),
-    ("llama3_1", dict(PP="2"), {"MP_VP": "4"}, "MP_VP=4 with PP=2 needs the 4 layers to split into PP*VP=8"),
-    ("llama3_1", dict(PP="2", GLOBAL_BATCH_SIZE="6"), {"MP_VP": "2"}, "micro-batches per step, GLOBAL_BATCH_SIZE/(BATCH_SIZE*DP) = 3, to be a multiple of PP=2"),
-    ("llama3_1", dict(PP="2"), {"MP_VP": "2", "MP_PP0_LAYERS": "1"}, "MP_VP and MP_PP0_LAYERS cannot be combined"),
+    ("llama3_1", dict(), {"MP_VP_CHUNKS": "2"}, "MP_VP_CHUNKS=2 (virtual pipeline) needs PP > 1"),
+    ("llama3_1", dict(PP="2"), {"MP_VP_CHUNKS": "4"}, "MP_VP_CHUNKS=4 with PP=2 needs the 4 layers to split into PP*VP=8"),
+    ("llama3_1", dict(PP="2", GLOBAL_BATCH_SIZE="6"), {"MP_VP_CHUNKS": "2"}, "micro-batches per step, GLOBAL_BATCH_SIZE/(BATCH_SIZE*DP) = 3, to be a multiple of PP=2"),
+    ("llama3_1", dict(PP="2"), {"MP_VP_CHUNKS": "2", "MP_PP0_LAYERS": "1"}, "MP_VP_CHUNKS and MP_PP0_LAYERS cannot be combined"),
     ("llama3_1", dict(PP="2"), {"MP_PP0_LAYERS": "4"}, "a first stage of 4 of the 4 layers leaves 0 that PP-1=1 stages cannot share evenly: try MP_PP0_LAYERS=2"),
     ("llama3_1", dict(PR="bf16"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed needs PR=fp8"),
     ("llama3_1", dict(PR="fp8"), {"MP_FP8_RECIPE": "fancy"}, "MP_FP8_RECIPE must be one of delayed"),
@@ -125,7 +124,7 @@ BAD = [
     ("llama3_1", dict(AC="offload", PP="2"), {}, "AC=offload (activation CPU offloading) does not work with pipeline"),
     ("llama3_1", dict(AC="offload"), {"MP_AC_LAYERS": "4"}, "AC=offload can offload at most 3 of the 4 layers"),
     ("llama3_1", dict(AC="full", PP="2"), {"MP_AC_LAYERS": "3"}, "a stage here holds 2: set MP_AC_LAYERS <= 2"),
-    ("llama3_1", dict(AC="full", PP="2"), {"MP_VP": "2", "MP_AC_LAYERS": "2"}, "a stage here holds 1"),
+    ("llama3_1", dict(AC="full", PP="2"), {"MP_VP_CHUNKS": "2", "MP_AC_LAYERS": "2"}, "a stage here holds 1"),
     ("llama3_1", dict(SFT="true", CP="2", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
      "MP_SFT_PACKING=true with CP=2 is not supported"),
     ("llama3_1", dict(CP="2", SEQ_LEN="66"), {}, "CP=2 splits the sequence into 2*CP=4 chunks: SEQ_LEN (66)"),
@@ -170,7 +169,7 @@ def test_wrong_argument_count_and_usage(data, capsys):
     out = capsys.readouterr().out
     for name in arg_names("llama3_1"):
         assert name in out
-    assert "1B | 3B | 8B | 70B | 405B | tiny | auto" in out
+    assert "1B | 3B | 8B | 70B | 405B | Mistral-7B | tiny | auto" in out
 
 
 # --- what this machine can do ------------------------------------------------------------------------
@@ -347,13 +346,13 @@ def test_dry_run_sft_counts_iterations_and_cpu_runs_locally(data):
 
 @pytest.mark.slow
 def test_dry_run_virtual_pipeline_is_accepted_on_cpu(data):
-    r = _dry(data, "llama3_1", {"MP_VP": "2"}, PP="2")
+    r = _dry(data, "llama3_1", {"MP_VP_CHUNKS": "2"}, PP="2")
     tc = r["megatron_core"]["transformer_config"]
     assert tc["virtual_pipeline_model_parallel_size"] == 2
     assert (tc["overlap_p2p_comm"], tc["batch_p2p_comm"]) == (True, False)
     assert r["resolved"]["virtual_pipeline"] == 2 and r["processes"] == 2
     assert r["machine_problems"] == []
-    one = _dry(data, "llama3_1", {"MP_VP": "1"}, PP="2")
+    one = _dry(data, "llama3_1", {"MP_VP_CHUNKS": "1"}, PP="2")
     assert one["resolved"]["virtual_pipeline"] is None
     assert "virtual_pipeline_model_parallel_size" not in one["megatron_core"]["transformer_config"]
 
@@ -376,7 +375,7 @@ SETTINGS_CASES = [
                                                DO="true", FL="true", AC="sel")),
     ("llama3_1", {"GPUS_PER_NODE": "8", "MP_FP8_RECIPE": "blockwise", "MP_AC_LAYERS": "1"},
      dict(ENV="dsw", PR="fp8", TP="2", AC="full")),
-    ("llama3_1", {"MP_VP": "2"}, dict(PP="2")),
+    ("llama3_1", {"MP_VP": "1"}, dict(PP="2")),  # Pai's meaning: 1 layer per virtual stage, 2 chunks per rank
     ("qwen2", {}, dict(PR="fp32", TP="2", SP="true", DO="true")),
     ("qwen2_moe", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="bf16", TP="2", ETP="1", EP="2", SP="true")),
     ("llama3_1", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", PR="fp16", DO="true", GLOBAL_BATCH_SIZE="16")),

@@ -1,8 +1,9 @@
-#!/usr/bin/env bash
+#!/bin/sh
 # Llama-3.1 on megatron.core: 25 positional arguments in the Pai-Megatron-Patch order.
 # `run_mcore_llama3_1.sh --help` lists them; examples/README.md explains each. All validation lives in Python
 # (megatron_patch/training/launcher_args.py, validation.py); MP_DRY_RUN=1 prints the resolved configuration and command.
-set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# POSIX sh, as Pai's READMEs start their launchers with `sh` (dash on Debian and Ubuntu).
+set -eu
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python}" -m megatron_patch train llama3_1 "$@"

@@ -1,8 +1,9 @@
-#!/usr/bin/env bash
+#!/bin/sh
 # Qwen3.5 on megatron.core: 27 positional arguments in the Pai-Megatron-Patch order (ETP, then EP, after CP).
 # `run_mcore_qwen3_5.sh --help` lists them; examples/README.md explains each. All validation lives in Python
 # (megatron_patch/training/launcher_args.py, validation.py); MP_DRY_RUN=1 prints the resolved configuration and command.
-set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# POSIX sh, as Pai's READMEs start their launchers with `sh` (dash on Debian and Ubuntu).
+set -eu
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python}" -m megatron_patch train qwen3_5 "$@"

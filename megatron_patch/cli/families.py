@@ -7,7 +7,7 @@ import json
 from megatron_patch.lora.plan import target_modules
 from megatron_patch.models.registry import families, parse_arch
 from megatron_patch.models.shape import model_shapes
-from megatron_patch.training.launcher_args import arg_names
+from megatron_patch.training.launcher_args import describe_size, get_launcher, launchers
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -22,7 +22,9 @@ def family_rows(*, with_params: bool = False) -> list[dict]:
         rows.append({
             "family": name, "summary": f.summary, "model_types": list(f.hf_model_types),
             "architectures": list(f.hf_architectures), "launcher": f.launcher,
-            "arguments": len(arg_names(name)), "after_cp": extra, "sizes": [*f.presets, "auto"],
+            "arguments": len(get_launcher(name).arg_names()), "after_cp": extra, "sizes": [*f.presets, "auto"],
+            # Pai-Megatron-Patch's names for sizes named otherwise here, and Pai's launchers that train the family
+            "size_aliases": dict(f.size_aliases), "pai_launchers": [p.script for p in f.pai_launchers],
         })
     if with_params:
         presets = [(row, size, parse_arch(config)) for row, f in zip(rows, families().values())
@@ -34,8 +36,9 @@ def family_rows(*, with_params: bool = False) -> list[dict]:
 
 
 def markdown(table: str) -> str:
-    """``models``: what each family is and claims; ``launchers``: each launcher's arguments and sizes;
-    ``lora``: the HF modules each MP_LORA_TARGETS group adapts, per family (its tiny model's)."""
+    """``models``: what each family is and claims; ``launchers``: each launcher's arguments and sizes (Pai-Megatron-
+    Patch's names in brackets); ``pai``: Pai's launchers and what each runs here; ``lora``: the HF modules each
+    MP_LORA_TARGETS group adapts, per family (its tiny model's)."""
     rows = family_rows()
     if table == "models":
         lines = ["| family | Hugging Face `model_type` | architectures | what |", "| --- | --- | --- | --- |"]
@@ -43,8 +46,16 @@ def markdown(table: str) -> str:
                   f"{', '.join(r['architectures'])} | {r['summary']} |" for r in rows]
     elif table == "launchers":
         lines = ["| launcher | arguments | model sizes (MODEL_SIZE) |", "| --- | --- | --- |"]
-        lines += [f"| `{r['launcher']}` | {r['arguments']}" + (f" ({r['after_cp']} after CP)" if r["after_cp"] else "")
-                  + f" | {', '.join(f'`{s}`' for s in r['sizes'])} |" for r in rows]
+        for r in rows:
+            launcher = get_launcher(r["family"])
+            sizes = ", ".join(f"`{describe_size(launcher, s)}`" for s in launcher.sizes)
+            lines.append(f"| `{launcher.script}` | {launcher.counts()} | {sizes}, `auto` |")
+    elif table == "pai":
+        lines = ["| Pai-Megatron-Patch's launcher (the same path here) | arguments | MODEL_SIZE: what it trains here |",
+                 "| --- | --- | --- |"]
+        for launcher in sorted((x for x in launchers().values() if x.pai), key=lambda x: x.script):
+            sizes = ", ".join(f"`{describe_size(launcher, s)}`" for s in launcher.sizes if s != "tiny")
+            lines.append(f"| `{launcher.script}` | {launcher.counts()} | {sizes}, `auto` |")
     elif table == "lora":
         targets = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")
         lines = ["| family | " + " | ".join(f"`{t}`" for t in targets) + " |", "| --- |" + " --- |" * len(targets)]
@@ -66,7 +77,10 @@ def run(args) -> int:
     else:
         from megatron_patch.cli.common import print_table
 
-        rows = [{**r, "model_types": ",".join(r["model_types"]), "sizes": " ".join(r["sizes"])} for r in family_rows()]
+        def sizes(r: dict) -> str:  # "30B-A3B/A3B": a preset and Pai's name for it
+            return " ".join(s + "".join(f"/{a}" for a, p in r["size_aliases"].items() if p == s) for s in r["sizes"])
+
+        rows = [{**r, "model_types": ",".join(r["model_types"]), "sizes": sizes(r)} for r in family_rows()]
         print_table(rows, ["family", "model_types", "arguments", "sizes", "summary"])
     return 0
 
@@ -79,5 +93,5 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true",
                    help="machine-readable output, with each preset's params_total and params_active (from the "
                         "shapes megatron-core builds; the first call per preset takes seconds, later ones are cached)")
-    p.add_argument("--markdown", choices=["models", "launchers"], help="print one of the docs' tables")
+    p.add_argument("--markdown", choices=["models", "launchers", "pai"], help="print one of the docs' tables")
     p.set_defaults(run=run)

@@ -23,7 +23,6 @@ from pathlib import Path
 from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
 from megatron_patch.cli import DEBUG_VARIABLE, internal_error
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import families
 from megatron_patch.models.shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
@@ -31,7 +30,7 @@ from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, helpers_die_
                                            die_with_launcher, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_training_data
-from megatron_patch.training.launcher_args import arg_names, launched_rank, launchers, usage
+from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers, usage
 from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
@@ -43,9 +42,9 @@ from megatron_patch.training.validation import resolve
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, with this interpreter
 
 
-def launch_command(cfg, family: str, argv: list[str]) -> list[str]:
+def launch_command(cfg, argv: list[str]) -> list[str]:
     """The torchrun command line that runs the job (on this node)."""
-    tail = ["-m", "megatron_patch", "train", family, *argv]
+    tail = ["-m", "megatron_patch", "train", cfg.launcher, *argv]
     restarts = [f"--max-restarts={cfg.max_restarts}"] if cfg.max_restarts else []
     if cfg.env in ("cpu", "dsw"):
         # A rendezvous on a free local port: several jobs can share a machine.
@@ -81,7 +80,7 @@ def _jsonable(value):
     return value
 
 
-def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
+def dry_run_report(cfg, argv: list[str]) -> dict:
     from megatron_patch.training.megatron_settings import megatron_settings
 
     caps = Capabilities.detect()
@@ -90,12 +89,14 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
     shape = model_shape(arch)
     problems = machine_problems(cfg, caps) + ([plan.problem()] if plan.problem() else [])
     try:
-        command = launch_command(cfg, family, argv)
+        command = launch_command(cfg, argv)
     except UserError as exc:
         command = [f"<{exc}>"]
+    launcher = get_launcher(cfg.launcher)
     return {
-        "family": family,
-        "arguments": dict(zip(arg_names(family), argv)),
+        "launcher": launcher.script,
+        "family": cfg.family,
+        "arguments": dict(zip(launcher.arg_names(launcher.layout_of(argv)), argv)),
         "resolved": cfg.to_dict(),
         "model": {"hidden_size": arch.hidden_size, "num_layers": arch.num_layers, "num_heads": arch.num_heads,
                   "num_kv_heads": arch.num_kv_heads, "ffn_hidden_size": arch.ffn_hidden_size,
@@ -115,7 +116,7 @@ def dry_run_report(cfg, family: str, argv: list[str]) -> dict:
 
 def print_dry_run(report: dict) -> None:
     cfg = report["resolved"]
-    print(f"dry run of the {report['family']} launcher (MP_DRY_RUN=1): nothing is started")
+    print(f"dry run of {report['launcher']} ({report['family']}; MP_DRY_RUN=1): nothing is started")
     print("arguments:")
     for i, (k, v) in enumerate(report["arguments"].items(), 1):
         print(f"  {i:2d} {k:<25} {v}")
@@ -125,7 +126,8 @@ def print_dry_run(report: dict) -> None:
           + f"DP={cfg['world_size'] // (cfg['tp'] * cfg['pp'] * cfg['cp'])}; {cfg['world_size']} processes "
           f"({cfg['nproc_per_node']} per node x {cfg['nnodes']})")
     print(f"  schedule    {cfg['train_iters']} iterations, {cfg['warmup_iters']} warm-up, cosine {cfg['lr']} -> "
-          f"{cfg['min_lr']}; {report['megatron_core']['num_microbatches']} micro-batches/step")
+          f"{cfg['min_lr']} by iteration {cfg['lr_decay_iters']}; weight decay {cfg['weight_decay']}; "
+          f"{report['megatron_core']['num_microbatches']} micro-batches/step")
     print(f"  model       {json.dumps(report['model'])}")
     print(f"  attention   {report['attention_kernel']}")
     for note in cfg["notes"]:
@@ -143,18 +145,18 @@ def print_dry_run(report: dict) -> None:
 
 
 def run(args) -> int:
-    family, argv = args.family, list(args.args)
-    if family not in launchers():
-        raise UserError(f"no launcher for '{family}': choose one of {', '.join(launchers())}")
+    name, argv = args.launcher, list(args.args)
+    if name not in launchers():
+        raise UserError(f"no launcher '{name}': choose one of {', '.join(launchers())}")
     if any(a in ("-h", "--help") for a in argv) or not argv:
-        print(usage(family))
+        print(usage(name))
         return 0 if argv else 2
     dry = os.environ.get("MP_DRY_RUN", "")
     if launched_rank(os.environ) and dry in ("", "0"):
-        return _rank(family, argv)
-    cfg = resolve(family, argv)
+        return _rank(name, argv)
+    cfg = resolve(name, argv)
     if dry not in ("", "0"):
-        report = dry_run_report(cfg, family, argv)
+        report = dry_run_report(cfg, argv)
         if dry == "json":
             print(json.dumps(report, indent=2, default=str))
         else:
@@ -162,11 +164,11 @@ def run(args) -> int:
         return 0
     check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: it takes a few lstat calls
     needed = _check_machine(cfg)
-    command = launch_command(cfg, family, argv)
+    command = launch_command(cfg, argv)
     with _run_lock(cfg):
         # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
         # has started (the ranks decide again for themselves: a restart comes back to them, not here).
-        from megatron_patch.training.checkpointing import finished_run, latest_iteration
+        from megatron_patch.training.checkpointing import finished_run, iteration_dir, latest_iteration
 
         latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
         from megatron_patch.training.lora_run import check_lora_launch
@@ -176,6 +178,10 @@ def run(args) -> int:
         if done:
             print(done, flush=True)
             return 0
+        if latest is not None:
+            # Pai-Megatron-Patch starts a rerun into the same folder afresh; here it resumes, and says so first.
+            print(f"resuming from iteration {latest} of {cfg.train_iters}: {iteration_dir(cfg.checkpoint_dir, latest)} "
+                  "(OUTPUT_BASEPATH holds this run's checkpoints; another OUTPUT_BASEPATH starts afresh)", flush=True)
         check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
         return _launch(cfg, command, needed)
 
@@ -210,6 +216,8 @@ def _launch(cfg, command: list[str], needed: dict) -> int:
         if os.environ.get(k, v) != v:
             print(f"note: {k}={os.environ[k]} replaced by {v} (needed for TP/CP communication overlap)", flush=True)
     os.environ.update(needed)
+    for note in cfg.notes:
+        print(f"note: {note}", flush=True)
     if cfg.nproc_per_node > 1:
         # torchrun's own default, set here so it does not print a banner about it.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -238,7 +246,7 @@ def _check_machine(cfg) -> dict:
     return launch_environment(cfg, caps)
 
 
-def _rank(family: str, argv: list[str]) -> int:
+def _rank(launcher: str, argv: list[str]) -> int:
     """One rank of the job. Every failure ends as one line in torchrun's error file, which the launcher prints
     once: bad input, a full disk or an output folder it cannot write (exit 2); a collective that timed out or
     a rank that went away (1, naming the rank); anything else is an internal error (1), whose traceback goes
@@ -247,9 +255,9 @@ def _rank(family: str, argv: list[str]) -> int:
     die_with_launcher()
     helpers_die_with_rank()
     rank, timeout_min = int(os.environ.get("RANK", "0")), 10.0
-    out = Path(dict(zip(arg_names(family), argv)).get("OUTPUT_BASEPATH") or ".").absolute()
+    out = Path(argv[-1] or ".").absolute()  # OUTPUT_BASEPATH is the last argument of every launcher
     try:
-        cfg = resolve(family, argv)
+        cfg = resolve(launcher, argv)
         timeout_min = cfg.dist_timeout_min
         check_run_folder(cfg.output_basepath)
         needed = _check_machine(cfg)
@@ -330,9 +338,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train with the positional launcher arguments (run_mcore_<family>.sh)",
         description="Train a model on megatron.core with the Pai-Megatron-Patch positional arguments. "
-                    "'mpatch train FAMILY --help' lists them. MP_DRY_RUN=1 (or =json) prints the resolved "
+                    "'mpatch train LAUNCHER --help' lists them. MP_DRY_RUN=1 (or =json) prints the resolved "
                     "configuration and the command instead of training.",
         add_help=True)
-    p.add_argument("family", help=" | ".join(families()))
+    p.add_argument("launcher", help="a family's launcher, or one of Pai-Megatron-Patch's scripts by its path under "
+                                    "examples/: " + " | ".join(launchers()))
     p.add_argument("args", nargs="...", help="the launcher's positional arguments")
     p.set_defaults(run=run)

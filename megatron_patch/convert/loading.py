@@ -42,7 +42,7 @@ def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_conf
         load_models_torch_dist(chunks, opened.found.folder)
     elif len(chunks) > 1:
         raise UserError(f"{ckpt_dir} is a legacy checkpoint, which loads only at the layout it was written for: "
-                        "convert with --format torch_dist to train with MP_VP")
+                        "convert with --format torch_dist to train with a virtual pipeline (MP_VP, MP_VP_CHUNKS)")
     else:
         load_legacy(chunks[0], opened.found.folder, sidecar, layout)
     return sidecar

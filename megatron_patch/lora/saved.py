@@ -74,7 +74,8 @@ def load_saved(chunks: list, arch: Arch, layout, saved: dict) -> None:
     from megatron_patch.convert.model_io import current_coord
     from megatron_patch.models.builder import model_spec_name
     if len(chunks) > 1:
-        raise UserError("an adapter with modules_to_save cannot start under MP_VP yet: train it without MP_VP")
+        raise UserError("an adapter with modules_to_save cannot start under a virtual pipeline (MP_VP, MP_VP_CHUNKS) "
+                        "yet: train it without one")
     chunk = chunks[0]
     spec_name = model_spec_name(chunk)
     rules = list({id(r): r for r in saved_rules(arch, tuple(_modules_of(saved))).values()}.values())

@@ -7,7 +7,7 @@ their config.json with ``parse_decoder_config`` and assemble their tables from t
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, partial_rotary_factor, require, rope_settings
+from megatron_patch.models.arch import SLIDING_ATTENTION, Arch, partial_rotary_factor, require, rope_settings
 from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, LoraSite, Rule, Scope
 
 
@@ -51,6 +51,16 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias:
         linear_bias=linear_bias,
         hf_config=raw,
     )
+
+
+def sliding_window_kwargs(arch: Arch) -> dict:
+    """megatron-core's sliding-window settings for the layers ``layer_types`` marks "sliding_attention" (none: {}).
+
+    transformers' window of W keys (the query's own among them) is W - 1 keys back, none ahead."""
+    sliding = [int(t == SLIDING_ATTENTION) for t in arch.layer_types]
+    if not any(sliding):
+        return {}
+    return {"window_size": (arch.sliding_window - 1, 0), "window_attn_skip_freq": None if all(sliding) else sliding}
 
 
 HF_LAYER = "model.layers.{layer}"

@@ -8,7 +8,8 @@ its own ``__init__.py`` (``registry.register``):
 - its weight table (``mapping.py``, written in the vocabulary of ``models.mapping``), the HF names it
   ignores (buffers such as rotary ``inv_freq``) and, through the table, the names it ties;
 - presets of the published sizes (the launcher's MODEL_SIZE) and a tiny config for tests and demos;
-- its launcher's parallel arguments (where EP / ETP sit in the positional list);
+- its launcher's parallel arguments (where EP / ETP sit in the positional list), Pai-Megatron-Patch's names
+  for its sizes and the Pai launchers that train it, and the weight decay Pai's script for it passes;
 - the HF module paths the aligner captures;
 - the layouts its tests run;
 - multi-token-prediction layers and the HF tensors that are copies of others, if it has any.
@@ -75,6 +76,17 @@ def _no_stacks(arch: Arch) -> dict[str, tuple[str, ...]]:
 
 
 @dataclass(frozen=True)
+class PaiLauncher:
+    """A launcher script of Pai-Megatron-Patch's that trains this family, run here by a thin alias at the same
+    path under examples/: the parallel sizes it takes after CP, and the MODEL_SIZE names it takes for this family
+    (name -> preset; None: every preset and size alias of the family)."""
+
+    script: str
+    parallel_args: tuple[str, ...]
+    sizes: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     name: str
     summary: str                                   # one line, for docs tables and `mpatch info`
@@ -87,6 +99,13 @@ class ModelFamily:
     transformer_config_kwargs: Callable[[Arch], dict] = _no_extra_config
     # Parallel sizes the launcher takes after CP, in order: () dense, ("EP",), ("ETP", "EP") for MoE.
     launcher_parallel_args: tuple[str, ...] = ()
+    # Pai-Megatron-Patch's MODEL_SIZE names for presets named otherwise here ("A3B" -> "30B-A3B"): every launcher
+    # that takes the family's sizes takes these too.
+    size_aliases: Mapping[str, str] = field(default_factory=dict)
+    # Pai's launcher scripts that train this family (training/launcher_args.py merges those at one path).
+    pai_launchers: tuple[PaiLauncher, ...] = ()
+    # The AdamW weight decay a run defaults to (MP_WEIGHT_DECAY): what Pai's launcher for the family passes.
+    weight_decay: float = 0.1
     hf_modules: HFModules = HFModules()
     # HF tensors that are not weights (regular expressions, matched in full).
     ignored_hf_names: tuple[str, ...] = (r"(.+\.)?rotary_emb\.inv_freq",)

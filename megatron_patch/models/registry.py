@@ -28,6 +28,10 @@ def register(family: ModelFamily) -> ModelFamily:
     clash = [t for t in family.hf_model_types if t in claimed]
     if clash:
         raise RuntimeError(f"model_type {clash[0]!r} is claimed by both {claimed[clash[0]]} and {family.name}")
+    names = {**family.size_aliases, **{k: v for p in family.pai_launchers for k, v in (p.sizes or {}).items()}}
+    wrong = [f"{k} -> {v}" for k, v in names.items() if v not in family.presets or k in family.presets and k != v]
+    if wrong:
+        raise RuntimeError(f"{family.name}: size names that are no preset's or shadow another: {', '.join(wrong)}")
     _FAMILIES[family.name] = family
     return family
 

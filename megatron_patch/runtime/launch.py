@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import free_port
+from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -43,6 +44,7 @@ def quiet_cpu_warnings() -> None:
     deprecation chatter: expected there, and noise times N ranks (MP_SHOW_WARNINGS=1 keeps them)."""
     import torch
 
+    quiet_known_warnings()
     if not torch.cuda.is_available() and os.environ.get("MP_SHOW_WARNINGS") != "1":
         import warnings
 

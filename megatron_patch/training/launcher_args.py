@@ -1,16 +1,25 @@
-"""The positional launcher interface (Pai-Megatron-Patch's order): each argument's name, place and meaning,
-the environment extras, and how one raw value is read (a value wrong on its own is refused here, in one
+"""The positional launcher interface (Pai-Megatron-Patch's order): the launchers, each argument's name, place and
+meaning, the environment extras, and how one raw value is read (a value wrong on its own is refused here, in one
 line naming it; combinations are ``validation.py``'s).
+
+Every family has its launcher, ``examples/<family>/run_mcore_<family>.sh``. Pai-Megatron-Patch's own launcher
+scripts (``ModelFamily.pai_launchers``) are launchers too, at Pai's paths under examples/: one script may train
+several families (Pai's Qwen3 launcher takes the dense and the MoE sizes; its Mistral launcher Mistral-7B and
+Mixtral), and may take several argument counts (this project's and Pai's). The argument count picks the
+layout, MODEL_SIZE the family.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import shlex
+from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Callable
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import families, get_family
+from megatron_patch.models.registry import families
 
 HEAD = ["ENV", "MODEL_SIZE", "BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", "SEQ_LEN", "PAD_LEN", "PR",
         "TP", "PP", "CP"]
@@ -18,15 +27,105 @@ TAIL = ["SP", "DO", "FL", "SFT", "AC", "OPTIMIZER_OFFLOAD", "SAVE_INTERVAL", "DA
         "PRETRAIN_CHECKPOINT_PATH", "TRAIN_TOKENS_OR_ITERS", "WARMUP_TOKENS_OR_ITERS", "OUTPUT_BASEPATH"]
 
 
-def launchers() -> dict[str, list[str]]:
-    """family -> parallel sizes its launcher takes after CP (the reference launchers' order)."""
-    return {name: list(f.launcher_parallel_args) for name, f in families().items()}
+@dataclass(frozen=True)
+class Launcher:
+    """One launcher script: the name ``mpatch train`` takes, its path, the parallel sizes it takes after CP (each
+    layout it accepts, its first the one its --help lists), MODEL_SIZE -> (family, preset), its families, and
+    whether Pai-Megatron-Patch has a launcher at that path."""
+
+    name: str
+    script: str
+    layouts: tuple[tuple[str, ...], ...]
+    sizes: dict[str, tuple[str, str]]
+    families: tuple[str, ...]
+    pai: bool = False
+
+    def arg_names(self, layout: tuple[str, ...] | None = None) -> list[str]:
+        return HEAD + list(self.layouts[0] if layout is None else layout) + TAIL
+
+    def layout_of(self, argv: list[str]) -> tuple[str, ...]:
+        """The layout ``argv``'s count selects; a count no layout has is refused naming the positions it misses or
+        the values it has too many."""
+        for layout in self.layouts:
+            if len(self.arg_names(layout)) == len(argv):
+                return layout
+        raise UserError(self._count_error(argv))
+
+    def _count_error(self, argv: list[str]) -> str:
+        by_count = sorted((len(self.arg_names(layout)), layout) for layout in self.layouts)
+        got = len(argv)
+        count, layout = by_count[0] if got < by_count[0][0] else by_count[-1]
+        names = self.arg_names(layout)
+        expected = self.counts() if len(by_count) > 1 else str(count)
+        if got < count:
+            missing = [f"{name} ({i})" for i, name in enumerate(names[got:], got + 1)]
+            listed = (missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
+                      if len(missing) <= 3 else f"the {len(missing)} from {missing[0]} to {missing[-1]}")
+            detail = (f"the last one given is taken as {names[got - 1]} ({got}); " if got else "") \
+                + listed + (" is missing" if len(missing) == 1 else " are missing")
+        else:
+            extra = argv[count:]
+            detail = (f"{names[-1]} ({count}) is taken as {argv[count - 1]!r} and {len(extra)} more "
+                      f"follow{'s' if len(extra) == 1 else ''}: {' '.join(repr(x) for x in extra[:3])}"
+                      + (" ..." if len(extra) > 3 else ""))
+        return (f"{self.script} takes {expected} arguments, got {got}: {detail}; run it with --help for each one's "
+                "meaning")
+
+    def model_size(self, size: str) -> tuple[str, str]:
+        """(family, preset) of a MODEL_SIZE other than auto."""
+        if size not in self.sizes:
+            raise UserError(f"MODEL_SIZE for {self.name} must be one of {' | '.join(self.size_names())}, got '{size}'")
+        return self.sizes[size]
+
+    def size_names(self) -> list[str]:
+        return [*self.sizes, "auto"]
+
+    def counts(self) -> str:
+        """'26 (EP after CP) or 27 (ETP, EP after CP)'."""
+        return " or ".join(f"{len(self.arg_names(layout))}" + (f" ({', '.join(layout)} after CP)" if layout else "")
+                           for layout in sorted(self.layouts, key=len))
+
+
+def _sizes(family, names=None) -> dict[str, tuple[str, str]]:
+    """MODEL_SIZE -> (family, preset) for ``names`` (name -> preset; None: every preset and alias)."""
+    names = names or {**{p: p for p in family.presets}, **family.size_aliases}
+    return {name: (family.name, preset) for name, preset in names.items()}
+
+
+@functools.cache
+def launchers() -> dict[str, Launcher]:
+    """Every launcher by name: each family's own, then Pai's scripts (merged into a family's where the path is
+    the same, e.g. examples/qwen3/run_mcore_qwen3.sh)."""
+    found = {f.launcher: Launcher(name, f.launcher, (f.launcher_parallel_args,), _sizes(f), (name,))
+             for name, f in families().items()}
+    for name, f in families().items():
+        for pai in f.pai_launchers:
+            known = found.get(pai.script) or Launcher(str(PurePosixPath(pai.script).relative_to("examples")
+                                                          .with_suffix("")), pai.script, (), {}, ())
+            sizes = _sizes(f, pai.sizes)
+            clash = [s for s in sizes if known.sizes.get(s, sizes[s]) != sizes[s]]
+            if clash:
+                raise RuntimeError(f"{pai.script}: MODEL_SIZE {clash[0]} is both {known.sizes[clash[0]]} and "
+                                   f"{sizes[clash[0]]}")
+            found[pai.script] = Launcher(
+                known.name, known.script,
+                known.layouts + (() if pai.parallel_args in known.layouts else (pai.parallel_args,)),
+                {**known.sizes, **sizes}, known.families + (() if name in known.families else (name,)), pai=True)
+    return {launcher.name: launcher for launcher in found.values()}
+
+
+def get_launcher(name: str) -> Launcher:
+    known = launchers()
+    if name not in known:
+        raise UserError(f"no launcher '{name}': launchers exist for {', '.join(known)}")
+    return known[name]
 
 
 ARG_HELP = {
     "ENV": "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT; on "
            "CPU nodes gloo) | cpu (local gloo processes); all start through torchrun",
-    "MODEL_SIZE": "a published size of the family, tiny, or auto (architecture from PRETRAIN_CHECKPOINT_PATH)",
+    "MODEL_SIZE": "a published size (Pai-Megatron-Patch's names too), tiny, or auto (architecture from "
+                  "PRETRAIN_CHECKPOINT_PATH)",
     "BATCH_SIZE": "micro-batch size per data-parallel rank (integer >= 1)",
     "GLOBAL_BATCH_SIZE": "samples per optimizer step; a multiple of BATCH_SIZE * data-parallel size",
     "LR": "peak learning rate (> 0)",
@@ -35,13 +134,15 @@ ARG_HELP = {
     "PAD_LEN": "SFT sample length (samples are padded or packed to it); <= SEQ_LEN",
     "PR": "precision: fp16 | bf16 | fp8 (transformer-engine, hybrid format) | fp32 (CPU development)",
     "TP": "tensor parallel size", "PP": "pipeline parallel size", "CP": "context parallel size",
-    "ETP": "expert tensor parallel size (MoE)", "EP": "expert parallel size (MoE)",
-    "SP": "sequence parallelism: true | false (TP > 1 with SP=true also turns on TP communication overlap)",
+    "ETP": "expert tensor parallel size (MoE; ignored for a dense size)",
+    "EP": "expert parallel size (MoE; 1 for dense)",
+    "SP": "sequence parallelism: true | false (TP > 1 with SP=true also turns on TP communication overlap; ignored "
+          "at TP=1)",
     "DO": "distributed optimizer: true | false (true also overlaps the parameter all-gather)",
     "FL": "flash attention: true | false (with transformer-engine its FlashAttention, FA3 on Hopper when installed; "
           "without it torch SDPA, the default on a GPU, FL=true on CPU)",
     "SFT": "true: fine-tune on SFT data (token counts become iteration counts) | false: pretrain",
-    "AC": "activation checkpointing: sel | full | offload | none (MP_AC_LAYERS layers for full/offload)",
+    "AC": "activation checkpointing: sel | full | offload | none or false (MP_AC_LAYERS layers for full/offload)",
     "OPTIMIZER_OFFLOAD": "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto "
                          "(what the GPU cannot hold, measured each step); forces DO=true",
     "SAVE_INTERVAL": "save a checkpoint every this many iterations",
@@ -58,9 +159,12 @@ ARG_HELP = {
 # Environment extras (name -> meaning); documented in examples/README.md.
 EXTRAS = {
     "MP_DRY_RUN": "1: print the resolved configuration and command, train nothing",
-    "MP_DATASET_TYPE": "mmap (default for pretraining) | raw (JSON/JSONL, the default for SFT)",
+    "MP_DATASET_TYPE": "idxmap or mmap (.bin/.idx data; the default for pretraining) | raw (JSON/JSONL); unset with "
+                       "SFT=true: what DATASET_PATH names",
     "MP_AC_LAYERS": "layers recomputed (AC=full) or offloaded (AC=offload) per stage (default 1)",
-    "MP_VP": "virtual pipeline stages (model chunks) per pipeline rank: interleaved 1F1B; needs PP > 1",
+    "MP_VP": "layers per virtual pipeline stage (Pai-Megatron-Patch's and Megatron-LM's "
+             "--num-layers-per-virtual-pipeline-stage): interleaved 1F1B; needs PP > 1",
+    "MP_VP_CHUNKS": "virtual pipeline stages (model chunks) per pipeline rank, instead of MP_VP",
     "MP_SFT_PACKING": "true: pack several SFT samples into one PAD_LEN sequence",
     "MP_PP0_LAYERS": "layers on the first pipeline stage (the rest split evenly)",
     "MP_FP8_RECIPE": "delayed (default) | tensorwise | mxfp8 | blockwise",
@@ -85,9 +189,11 @@ EXTRAS = {
                        "exception as N starts), comma-separated",
     "MP_EXIT_INTERVAL": "stop after this many iterations (after saving), e.g. to test a resume",
     "MP_LOG_INTERVAL": "log every this many iterations (default 1)",
-    "MP_EVAL_INTERVAL": "validate every this many iterations (default 100, 0: never)",
+    "MP_EVAL_INTERVAL": "validate every this many iterations (default 10000, as Pai-Megatron-Patch; 0: never)",
     "MP_EVAL_ITERS": "validation micro-batch rounds per evaluation (default 10)",
     "MP_SEED": "random seed (default 1234; pipeline stage p initialises with seed + 100*p)",
+    "MP_WEIGHT_DECAY": "AdamW weight decay (default: what Pai-Megatron-Patch's launcher for the family passes, 0.1 or "
+                       "0.01)",
     "MP_HF_CONFIG": "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another tool without saved "
                     "arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
     "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
@@ -107,35 +213,48 @@ EXTRAS = {
                                  "at coefficient S (default 0: off, the indexer frozen as released)",
     "MP_DSA_INDEXER_ONLY": "true: DeepSeek's dense warm-up: dense attention, only the indexers train (their loss "
                            "at MP_DSA_INDEXER_LOSS_SCALE, default 1)",
-    "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; 1 on a dlc node without GPUs)",
+    "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; on dlc KUBERNETES_CONTAINER_RESOURCE_GPU "
+                     "first, else 1 on a node without GPUs)",
+    "KUBERNETES_CONTAINER_RESOURCE_GPU": "dlc: PAI-DLC's GPUs per node, read as GPUS_PER_NODE when that is unset",
 }
 
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 ENVS = ("dsw", "dlc", "cpu")
 AC_MODES = ("sel", "full", "offload", "none")
+# Pai-Megatron-Patch's launchers take AC=false for no recompute (any value but sel/full/offload is none there).
+AC_SYNONYMS = {"false": "none"}
+# MP_DATASET_TYPE: Pai-Megatron-Patch's name for .bin/.idx data is idxmap (any value but raw, there).
+DATASET_TYPES = {"idxmap": "mmap", "mmap": "mmap", "raw": "raw"}
 
 
-def arg_names(family: str) -> list[str]:
-    known = launchers()
-    if family not in known:
-        raise UserError(f"no launcher for family '{family}': launchers exist for {', '.join(known)}")
-    return HEAD + known[family] + TAIL
+def arg_names(launcher: str) -> list[str]:
+    """The positional arguments of ``launcher``'s first layout (the one its --help lists first)."""
+    return get_launcher(launcher).arg_names()
 
 
-def presets(family: str) -> dict[str, dict]:
-    return dict(get_family(family).presets)
+def describe_size(launcher: Launcher, size: str) -> str:
+    """``size`` as --help and the docs list it: a preset's name, an alias with what it stands for, another
+    family's size with its family."""
+    family, preset = launcher.sizes[size]
+    said = [preset] if preset != size else []
+    if family != launcher.families[0]:
+        said.append(family)
+    return size + (f" ({', '.join(said)})" if said else "")
 
 
-def usage(family: str) -> str:
-    names = arg_names(family)
-    script = get_family(family).launcher
-    lines = [f"usage: {script} " + " ".join(names), "",
-             f"{len(names)} positional arguments, in this order:"]
-    sizes = " | ".join([*presets(family), "auto"])
-    for i, name in enumerate(names, 1):
-        text = ARG_HELP[name] + (f" [{sizes}]" if name == "MODEL_SIZE" else "")
-        lines.append(f"  {i:2d} {name:<25} {text}")
-    lines += ["", "environment extras:"] + [f"  {k:<19} {v}" for k, v in EXTRAS.items()]
+def usage(name: str) -> str:
+    launcher = get_launcher(name)
+    lines = [f"usage: {launcher.script} " + " ".join(launcher.arg_names(layout)) for layout in launcher.layouts]
+    names = launcher.arg_names()
+    lines += ["", f"{len(names)} positional arguments, in this order:"]
+    sizes = " | ".join([describe_size(launcher, s) for s in launcher.sizes] + ["auto"])
+    for i, arg in enumerate(names, 1):
+        text = ARG_HELP[arg] + (f" [{sizes}]" if arg == "MODEL_SIZE" else "")
+        lines.append(f"  {i:2d} {arg:<25} {text}")
+    for layout in launcher.layouts[1:]:
+        lines.append(f"  or {len(launcher.arg_names(layout))}, with {', '.join(layout) or 'nothing'} after CP "
+                     "(Pai-Megatron-Patch's order for this script)")
+    lines += ["", "environment extras:"] + [f"  {k:<25} {v}" for k, v in EXTRAS.items()]
     return "\n".join(lines)
 
 

@@ -282,12 +282,7 @@ class Trainer:
         else:
             self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), self.models)
         config.grad_scale_func = self.optimizer.scale_loss
-        s = self.settings["scheduler"]
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=s["init_lr"], max_lr=s["max_lr"], min_lr=s["min_lr"],
-            lr_warmup_steps=s["lr_warmup_steps"], lr_decay_steps=s["lr_decay_steps"],
-            lr_decay_style=s["lr_decay_style"], start_wd=0.1, end_wd=0.1, wd_incr_steps=cfg.train_iters,
-            wd_incr_style="constant")
+        self.scheduler = OptimizerParamScheduler(self.optimizer, **self.settings["scheduler"])
         self.iteration = 0
         if self.resume_iteration is not None:
 

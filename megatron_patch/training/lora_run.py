@@ -115,7 +115,8 @@ def check_lora(cfg) -> None:
 
         saved_rules(cfg.arch, spec.modules_to_save)
         if cfg.virtual_pipeline:
-            raise UserError("an adapter with modules_to_save cannot start under MP_VP yet: train it without MP_VP")
+            raise UserError("an adapter with modules_to_save cannot start under a virtual pipeline (MP_VP, MP_VP_CHUNKS) "
+                            "yet: train it without one")
 
 
 def check_lora_launch(cfg) -> None:

@@ -55,16 +55,18 @@ def megatron_settings(cfg: RunConfig) -> dict:
         tc.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     ddp = {"use_distributed_optimizer": cfg.distributed_optimizer, "overlap_grad_reduce": cfg.overlap_grad_reduce,
            "overlap_param_gather": cfg.overlap_param_gather, "grad_reduce_in_fp32": cfg.precision.mixed}
-    optim = {"optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": 0.1, "adam_beta1": 0.9,
-             "adam_beta2": 0.95, "adam_eps": 1e-8, "clip_grad": 1.0,
+    optim = {"optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay,
+             "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8, "clip_grad": 1.0,
              "bf16": cfg.precision.bf16, "fp16": cfg.precision.loss_scaled,
              "use_distributed_optimizer": cfg.distributed_optimizer,
              "overlap_param_gather": cfg.overlap_param_gather}
     if cfg.precision.loss_scaled:
         optim.update(initial_loss_scale=2.0 ** 16, loss_scale_window=cfg.loss_scale_window, hysteresis=2,
                      min_loss_scale=1.0)
-    sched = {"lr_warmup_steps": cfg.warmup_iters, "lr_decay_steps": cfg.train_iters, "lr_decay_style": "cosine",
-             "init_lr": 0.0, "max_lr": cfg.lr, "min_lr": cfg.min_lr}
+    # OptimizerParamScheduler's keywords. It sets the optimizer's weight decay every step: constant, the same value.
+    sched = {"lr_warmup_steps": cfg.warmup_iters, "lr_decay_steps": cfg.lr_decay_iters, "lr_decay_style": "cosine",
+             "init_lr": 0.0, "max_lr": cfg.lr, "min_lr": cfg.min_lr, "start_wd": cfg.weight_decay,
+             "end_wd": cfg.weight_decay, "wd_incr_steps": cfg.train_iters, "wd_incr_style": "constant"}
     offload = {"policy": cfg.optimizer_offload_policy, "numerics": cfg.offload_numerics}
     if cfg.optimizer_offload_policy == "static":
         offload["host_share"] = cfg.optimizer_offload_fraction

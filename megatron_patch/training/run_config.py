@@ -71,6 +71,7 @@ PRECISIONS = tuple(p.value for p in Precision)
 
 @dataclass
 class RunConfig:
+    launcher: str  # the name `mpatch train` took (each rank resolves the same arguments through it)
     family: str
     env: str
     model_size: str
@@ -104,7 +105,9 @@ class RunConfig:
     valid_dataset_weights: list[float] | None = None
     dataset_type: str = "mmap"
     ac_layers: int = 1
+    # model chunks per pipeline rank, and the setting that asked for them ("MP_VP=2 (4 model chunks ...)")
     virtual_pipeline: int | None = None
+    virtual_pipeline_setting: str | None = None
     sft_packing: bool = False
     pp0_layers: int | None = None
     fp8_recipe: str = "delayed"
@@ -134,9 +137,11 @@ class RunConfig:
     faults: list = field(default_factory=list)
     exit_interval: int | None = None
     log_interval: int = 1
-    eval_interval: int = 100
+    eval_interval: int = 10000
     eval_iters: int = 10
     seed: int = 1234
+    lr_decay_iters: int = 0  # the iteration the learning rate has decayed to MIN_LR by (lr_decay_steps)
+    weight_decay: float = 0.1
     save: bool = True
     hf_config: dict = field(default_factory=dict, repr=False)
     # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).

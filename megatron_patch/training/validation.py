@@ -17,20 +17,24 @@ from typing import Callable
 from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import read_config_json, validate_layout
+from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.training.faults import parse_faults
 from megatron_patch.training.launcher_args import (
     AC_MODES,
+    AC_SYNONYMS,
+    DATASET_TYPES,
     ENVS,
     FP8_RECIPES,
     MAX_GLOBAL_BATCH,
     MAX_ITERATIONS,
     MAX_LOCAL_PROCESSES,
     MAX_TOKENS,
-    arg_names,
+    Launcher,
     env_float,
     env_int,
     env_minutes,
+    get_launcher,
     is_none,
     launched_rank,
     parse_bool,
@@ -39,7 +43,6 @@ from megatron_patch.training.launcher_args import (
     parse_data_paths,
     parse_float,
     parse_int,
-    presets,
 )
 from megatron_patch.training.lora_run import check_lora, lora_from_env
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
@@ -50,11 +53,11 @@ from megatron_patch.training.run_folder import WRITTEN_FOLDERS, require_folder
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
-def resolve(family: str, argv: list[str], env: dict | None = None, *, check_paths: bool = True) -> RunConfig:
-    """Parse and validate the positional arguments (and MP_* extras in ``env``) into a RunConfig;
+def resolve(launcher: str, argv: list[str], env: dict | None = None, *, check_paths: bool = True) -> RunConfig:
+    """Parse and validate ``launcher``'s positional arguments (and MP_* extras in ``env``) into a RunConfig;
     ``check_paths``: also that the data, tokenizer and probe files exist."""
     env = dict(os.environ if env is None else env)
-    cfg = _parse(family, argv, env)
+    cfg = _parse(get_launcher(launcher), argv, env)
     cfg.lora, cfg.lora_init = lora_from_env(env, cfg.arch, cfg.pretrain_checkpoint)
     cfg.dsa = dsa_from_env(env, cfg.arch)
     for check in CHECKS + (PATH_CHECKS if check_paths else ()):
@@ -62,13 +65,9 @@ def resolve(family: str, argv: list[str], env: dict | None = None, *, check_path
     return cfg
 
 
-def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
+def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     """Each value read on its own (and the extras whose mere presence matters checked against what they need)."""
-    names = arg_names(family)
-    if len(argv) != len(names):
-        raise UserError(f"run_mcore_{family}.sh takes {len(names)} arguments ({' '.join(names)}), got {len(argv)}; "
-                        f"run it with --help for each one's meaning")
-    a = dict(zip(names, argv))
+    a = dict(zip(launcher.arg_names(launcher.layout_of(argv)), argv))
 
     run_env = parse_choice("ENV", a["ENV"], ENVS)
     precision = Precision(parse_choice("PR", a["PR"], PRECISIONS))
@@ -79,7 +78,7 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
     sp = parse_bool("SP", a["SP"])
     do = parse_bool("DO", a["DO"])
     fl = parse_bool("FL", a["FL"])
-    ac = parse_choice("AC", a["AC"], AC_MODES)
+    ac = parse_choice("AC", AC_SYNONYMS.get(a["AC"], a["AC"]), AC_MODES)
     mbs = parse_int("BATCH_SIZE", a["BATCH_SIZE"], hi=MAX_GLOBAL_BATCH)
     gbs = parse_int("GLOBAL_BATCH_SIZE", a["GLOBAL_BATCH_SIZE"], hi=MAX_GLOBAL_BATCH)
     lr, min_lr = parse_float("LR", a["LR"]), parse_float("MIN_LR", a["MIN_LR"])
@@ -88,17 +87,15 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
     offload, offload_policy = _offload(a["OPTIMIZER_OFFLOAD"])
     offload_numerics = parse_choice("MP_OFFLOAD_NUMERICS", env.get("MP_OFFLOAD_NUMERICS") or "fast", ("fast", "exact"))
     notes: list[str] = []
+    if sp and tp == 1:
+        sp = False  # as Pai-Megatron-Patch's launchers: sequence parallelism splits over TP ranks, and there is one
+        notes.append("SP=true at TP=1 is ignored: sequence parallelism splits activations over tensor-parallel ranks")
     if (offload_policy != "off" or offload_numerics == "exact") and not do:
         do = True
         notes.append("DO=true: forced by OPTIMIZER_OFFLOAD / MP_OFFLOAD_NUMERICS (the optimizer's chunks are the "
                      "distributed optimizer's bucket shards)")
 
-    dataset_type = parse_choice("MP_DATASET_TYPE", env.get("MP_DATASET_TYPE", "") or ("raw" if sft else "mmap"),
-                                ("mmap", "raw"))
-    vp = env_int(env, "MP_VP", None)
-    if vp == 1:
-        vp = None  # one chunk per rank is the plain pipeline schedule
-        notes.append("MP_VP=1: one model chunk per pipeline rank, i.e. no virtual pipeline")
+    dataset_type = _dataset_type(env.get("MP_DATASET_TYPE", ""), sft, a["DATASET_PATH"])
     pp0 = env_int(env, "MP_PP0_LAYERS", None)
     fp8_recipe = parse_choice("MP_FP8_RECIPE", env.get("MP_FP8_RECIPE") or "delayed", FP8_RECIPES)
     if env.get("MP_FP8_RECIPE") and not precision.fp8:
@@ -114,8 +111,15 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
 
     size = a["MODEL_SIZE"]
     ckpt = None if is_none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
-    hf_config, vocab_padded_to = _model_config(family, size, ckpt, env.get("MP_HF_CONFIG") or None,
-                                               env_int(env, "MP_NUM_LAYERS", None))
+    family, hf_config, vocab_padded_to = _model_config(launcher, size, ckpt, env.get("MP_HF_CONFIG") or None,
+                                                       env_int(env, "MP_NUM_LAYERS", None))
+    arch = parse_arch(hf_config)
+    if etp is not None and not arch.is_moe:
+        # a launcher that takes dense and MoE sizes (Pai's Qwen3): ETP means nothing to a dense model
+        if etp not in (1, tp):
+            notes.append(f"ETP={etp} is ignored: {family} {size} is a dense model")
+        etp = None
+    vp, vp_setting = _virtual_pipeline(env, pp, arch.num_layers, notes)
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vp=vp)
     world, nproc, nnodes = _world(run_env, layout, env)
     train_iters, warmup_iters = _iterations(a, sft, gbs * seq_len)
@@ -128,13 +132,14 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         raise UserError("OUTPUT_BASEPATH is required: checkpoints, logs and TensorBoard go there")
 
     return RunConfig(
-        family=family, env=run_env, model_size=size, micro_batch_size=mbs, global_batch_size=gbs, lr=lr,
-        min_lr=min_lr, seq_len=seq_len, pad_len=pad_len, precision=precision, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
+        launcher=launcher.name, family=family, env=run_env, model_size=size, micro_batch_size=mbs,
+        global_batch_size=gbs, lr=lr, min_lr=min_lr, seq_len=seq_len, pad_len=pad_len, precision=precision, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
         sequence_parallel=sp, distributed_optimizer=do, flash_attention=fl, sft=sft, activation_checkpointing=ac,
         optimizer_offload_fraction=offload, save_interval=save_interval, dataset_path=paths, dataset_weights=weights,
         valid_dataset_path=valid, valid_dataset_weights=valid_weights, pretrain_checkpoint=ckpt, train_iters=train_iters, warmup_iters=warmup_iters,
         output_basepath=str(a["OUTPUT_BASEPATH"]), dataset_type=dataset_type, ac_layers=env_int(env, "MP_AC_LAYERS", 1),
-        virtual_pipeline=vp, sft_packing=parse_bool("MP_SFT_PACKING", env.get("MP_SFT_PACKING") or "false"),
+        virtual_pipeline=vp, virtual_pipeline_setting=vp_setting,
+        sft_packing=parse_bool("MP_SFT_PACKING", env.get("MP_SFT_PACKING") or "false"),
         pp0_layers=pp0, fp8_recipe=fp8_recipe, tp_comm_overlap=tp_comm_overlap, overlap_param_gather=do,
         world_size=world, nproc_per_node=nproc, nnodes=nnodes, tokenizer=tokenizer,
         nan_policy=parse_choice("MP_NAN_POLICY", env.get("MP_NAN_POLICY") or "stop", ("stop", "skip")),
@@ -149,13 +154,52 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         gpu_memory_gb=env_float(env, "MP_GPU_MEMORY_GB", None),
         compile_fusions=parse_bool("MP_COMPILE_FUSIONS", env["MP_COMPILE_FUSIONS"]) if env.get("MP_COMPILE_FUSIONS")
         else None,
-        log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
+        # SFT's learning rate decays over the iterations after warm-up (as Pai-Megatron-Patch's launchers),
+        # pretraining's over all of them
+        lr_decay_iters=train_iters - warmup_iters if sft else train_iters,
+        weight_decay=env_float(env, "MP_WEIGHT_DECAY", get_family(family).weight_decay),
+        log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 10000, lo=0),
         eval_iters=env_int(env, "MP_EVAL_ITERS", 10, hi=MAX_ITERATIONS), seed=env_int(env, "MP_SEED", 1234, lo=0),
         save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
         max_restarts=env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
         dist_timeout_min=env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
         hf_config=hf_config, vocab_padded_to=vocab_padded_to, notes=notes,
     )
+
+
+def _dataset_type(raw: str, sft: bool, dataset_path: str) -> str:
+    """MP_DATASET_TYPE -> "mmap" (.bin/.idx data; Pai-Megatron-Patch calls it idxmap) or "raw" (JSON/JSONL). Unset:
+    mmap for pretraining; for SFT what DATASET_PATH names (an idxmap prefix, as Pai's default, or a JSON file)."""
+    if raw:
+        return DATASET_TYPES[parse_choice("MP_DATASET_TYPE", raw, tuple(DATASET_TYPES))]
+    if not sft:
+        return "mmap"
+    return "mmap" if _data_found(dataset_path.strip(), "mmap") else "raw"
+
+
+def _virtual_pipeline(env: dict, pp: int, num_layers: int, notes: list[str]) -> tuple[int | None, str | None]:
+    """(model chunks per pipeline rank, the setting that asked for them) from MP_VP, layers per virtual stage as
+    Pai-Megatron-Patch and Megatron-LM mean it (--num-layers-per-virtual-pipeline-stage), or MP_VP_CHUNKS."""
+    layers, chunks = env_int(env, "MP_VP", None), env_int(env, "MP_VP_CHUNKS", None)
+    if layers is not None and chunks is not None:
+        raise UserError(f"MP_VP={layers} (layers per virtual pipeline stage) and MP_VP_CHUNKS={chunks} (chunks per "
+                        "pipeline rank) both set the virtual pipeline: give one")
+    if layers is not None:
+        setting = f"MP_VP={layers}"
+        if pp == 1:
+            raise UserError(f"{setting} (layers per virtual pipeline stage) needs PP > 1")
+        if num_layers % (pp * layers):
+            raise UserError(f"{setting} (layers per virtual pipeline stage) with PP={pp} needs the {num_layers} layers "
+                            f"to split into virtual stages of {layers} layers, PP*MP_VP={pp * layers} at a time")
+        chunks = num_layers // (pp * layers)
+    elif chunks is not None:
+        setting = f"MP_VP_CHUNKS={chunks}"
+    else:
+        return None, None
+    if chunks == 1:  # one chunk per rank is the plain pipeline schedule
+        notes.append(f"{setting}: one model chunk per pipeline rank, i.e. no virtual pipeline")
+        return None, None
+    return chunks, f"{setting} ({chunks} model chunks per pipeline rank)" if setting.startswith("MP_VP=") else setting
 
 
 def _offload(raw: str) -> tuple[float, str]:
@@ -236,9 +280,6 @@ def data_kind(cfg: RunConfig) -> None:
 
 
 def sequence_parallelism(cfg: RunConfig) -> None:
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise UserError("SP=true needs TP > 1 (sequence parallelism splits activations over tensor-parallel ranks): "
-                        "set SP=false or TP >= 2")
     if cfg.tp_comm_overlap and not cfg.sequence_parallel:
         raise UserError("TP communication overlap needs sequence parallelism: set SP=true (with TP > 1) "
                         "or MP_TP_COMM_OVERLAP=false")
@@ -261,11 +302,12 @@ def packing_and_context_parallelism(cfg: RunConfig) -> None:
 def pipeline_split(cfg: RunConfig) -> None:
     vp, pp0 = cfg.virtual_pipeline, cfg.pp0_layers
     if vp is not None and cfg.pp == 1:
-        raise UserError(f"MP_VP={vp} (virtual pipeline) needs PP > 1")
+        raise UserError(f"{cfg.virtual_pipeline_setting} (virtual pipeline) needs PP > 1")
     if pp0 is not None and cfg.pp == 1:
         raise UserError(f"MP_PP0_LAYERS={pp0} (uneven first stage) needs PP > 1")
     if vp is not None and pp0 is not None:
-        raise UserError("MP_VP and MP_PP0_LAYERS cannot be combined: choose one way to split the pipeline")
+        raise UserError(f"{cfg.virtual_pipeline_setting.split('=')[0]} and MP_PP0_LAYERS cannot be combined: choose "
+                        "one way to split the pipeline")
 
 
 def sample_lengths(cfg: RunConfig) -> None:
@@ -279,8 +321,8 @@ def model_layout(cfg: RunConfig) -> None:
     validate_layout(arch, cfg.layout, pp_first_stage_layers=cfg.pp0_layers)
     vp, pp = cfg.virtual_pipeline, cfg.pp
     if vp is not None and arch.num_layers % (pp * vp):
-        raise UserError(f"MP_VP={vp} with PP={pp} needs the {arch.num_layers} layers to split into PP*VP={pp * vp} "
-                        "equal chunks")
+        raise UserError(f"{cfg.virtual_pipeline_setting} with PP={pp} needs the {arch.num_layers} layers to split into "
+                        f"PP*VP={pp * vp} equal chunks")
     if arch.is_moe and cfg.tp > 1 and not cfg.sequence_parallel:
         # megatron-core's MoE layer refuses to train under TP without it (deep in the first forward)
         raise UserError("a MoE model trained with TP > 1 needs sequence parallelism: set SP=true")
@@ -359,7 +401,7 @@ def processes(cfg: RunConfig) -> None:
         raise UserError(f"GLOBAL_BATCH_SIZE ({gbs}) must be a multiple of BATCH_SIZE*DP = {mbs}*{dp} = {mbs * dp}")
     if cfg.virtual_pipeline is not None and (gbs // (mbs * dp)) % pp:
         # The interleaved schedule runs micro-batches in groups of PP per virtual stage.
-        raise UserError(f"MP_VP={cfg.virtual_pipeline} (interleaved schedule) needs the micro-batches per step, "
+        raise UserError(f"{cfg.virtual_pipeline_setting} (interleaved schedule) needs the micro-batches per step, "
                         f"GLOBAL_BATCH_SIZE/(BATCH_SIZE*DP) = {gbs // (mbs * dp)}, to be a multiple of PP={pp}")
 
 
@@ -444,33 +486,33 @@ PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, dat
 
 # --- reading what a value names ------------------------------------------------------------------------------
 
-def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str | None,
-                  num_layers: int | None = None) -> tuple[dict, int | None]:
-    """(the model's HF config, the checkpoint's own vocabulary padding when it differs from ours).
+def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_file: str | None,
+                  num_layers: int | None = None) -> tuple[str, dict, int | None]:
+    """(the model's family, its HF config, the checkpoint's own vocabulary padding when it differs from ours).
 
-    With a PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else
-    MP_HF_CONFIG, else the MODEL_SIZE preset, else its saved Megatron-LM arguments (as this
-    launcher's family), each checked against its tensors (``convert.arch_source``)."""
-    table = presets(family)
+    MODEL_SIZE names the family among the launcher's (Pai's Qwen3 launcher takes dense and MoE sizes). With a
+    PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else MP_HF_CONFIG, else the
+    MODEL_SIZE preset, else its saved Megatron-LM arguments (as this launcher's family), each checked against
+    its tensors (``convert.arch_source``)."""
+    if size == "auto":
+        family, preset = (launcher.families[0] if len(launcher.families) == 1 else None), None
+    else:
+        family, name = launcher.model_size(size)
+        preset = dict(get_family(family).presets[name])
     if num_layers is not None:
-        if size == "auto" or ckpt is not None:
+        if preset is None or ckpt is not None:
             raise UserError("MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset and cannot change a checkpoint's: "
                             "drop MP_NUM_LAYERS or PRETRAIN_CHECKPOINT_PATH")
-        if size not in table:
-            raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
-        return {**table[size], "num_hidden_layers": num_layers}, None
+        return family, {**preset, "num_hidden_layers": num_layers}, None
     if size == "auto" and ckpt is None:
         raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
                         "give a converted checkpoint or a model size")
-    if size != "auto" and size not in table:
-        raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
     if hf_config_file is not None and ckpt is None:
         raise UserError("MP_HF_CONFIG describes the model a PRETRAIN_CHECKPOINT_PATH holds, and there is none: drop "
                         "MP_HF_CONFIG (MODEL_SIZE chooses the model)")
     if ckpt is None:
-        return dict(table[size]), None
+        return family, preset, None
 
-    preset = None if size == "auto" else dict(table[size])
     given = None if hf_config_file is None else read_config_json(
         hf_config_file, hint="MP_HF_CONFIG takes the model's HF config.json or the folder that holds it")
     try:
@@ -479,8 +521,10 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
         raise UserError(f"PRETRAIN_CHECKPOINT_PATH: {exc}" + (" (or set MP_HF_CONFIG)" if "--hf-config" in str(exc)
                                                               else ""))
     sidecar = opened.sidecar
-    if sidecar.family != family:
-        raise UserError(f"{ckpt} holds a {sidecar.family} model; this is the {family} launcher")
+    if sidecar.family not in launcher.families:
+        raise UserError(f"{ckpt} holds a {sidecar.family} model; {launcher.script} trains "
+                        f"{' and '.join(launcher.families)}")
+    family = sidecar.family
     if preset is not None and opened.found.sidecar_dir is not None:
         keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
                 "intermediate_size", "num_experts")
@@ -488,7 +532,7 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
         if diff:
             raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff)}): "
                             "use MODEL_SIZE=auto to take the checkpoint's architecture")
-    return sidecar.hf_config, sidecar.arch.vocab_padded_to
+    return family, sidecar.hf_config, sidecar.arch.vocab_padded_to
 
 
 def _data_found(path: str, dataset_type: str) -> bool:
@@ -518,9 +562,12 @@ def _world(run_env: str, layout: ParallelLayout, env: dict) -> tuple[int, int, i
         if world % per_node:
             raise UserError(f"WORLD_SIZE={world} processes do not fill nodes of {per_node}: check GPUS_PER_NODE")
         return world, per_node, world // per_node
-    gpus = env.get("GPUS_PER_NODE")
+    # PAI-DLC gives each node's GPUs in KUBERNETES_CONTAINER_RESOURCE_GPU, which Pai-Megatron-Patch's launchers read
+    gpu_variable = ("GPUS_PER_NODE" if env.get("GPUS_PER_NODE") or run_env != "dlc"
+                    else "KUBERNETES_CONTAINER_RESOURCE_GPU")
+    gpus = env.get(gpu_variable)
     if gpus:
-        per_node = parse_int("GPUS_PER_NODE", gpus)
+        per_node = parse_int(gpu_variable, gpus)
     else:
         import torch
 

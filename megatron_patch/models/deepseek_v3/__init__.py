@@ -3,7 +3,7 @@
 from megatron_patch.models.deepseek_v3.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.deepseek_v3.mapping import weight_rules
 from megatron_patch.models.deepseek_v3.presets import PRESETS
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
 from megatron_patch.models.mtp import mtp_copies, num_mtp_layers
 from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
@@ -15,6 +15,8 @@ FAMILY = register(ModelFamily(
     transformers_model_types={"kimi_k2": "deepseek_v3"},
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
+    size_aliases={"A37B": "671B"},
+    pai_launchers=(PaiLauncher("examples/deepseek_v3/run_mcore_deepseek.sh", ("ETP", "EP")),),
     hf_modules=HFModules(router="mlp.gate"), hf_mtp_layers=num_mtp_layers, hf_copies=mtp_copies,
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2, ep=2), L(pp=3)),

@@ -17,7 +17,7 @@ import dataclasses
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.decoder import parse_decoder_config, sliding_window_kwargs
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -70,12 +70,9 @@ def transformer_config_kwargs(arch: Arch) -> dict:
     # megatron-core is imported here, when a model is built, not when the converter reads the family
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
-    sliding = [int(t == SLIDING_ATTENTION) for t in arch.layer_types]
     return dict(
         softmax_type="learnable",
-        # transformers' window of W keys (the query's own among them) is W - 1 keys back, none ahead
-        window_size=(arch.sliding_window - 1, 0) if any(sliding) else None,
-        window_attn_skip_freq=sliding if any(sliding) else None,
+        **sliding_window_kwargs(arch),
         activation_func=quick_gelu, glu_linear_offset=1.0,
         activation_func_clamp_value=float(arch.hf_config.get("swiglu_limit", 7.0)),
         # megatron-core fuses only the plain SwiGLU / GeGLU with their biases

@@ -1,23 +1,37 @@
 """Llama-architecture config.json -> Arch: Llama 3 / 3.1 / 3.2 and any LlamaForCausalLM or
-MistralForCausalLM (without a sliding window). RoPE (default, linear, llama3, yarn) is read, never
-assumed; tied embeddings, an explicit head_dim and linear biases are taken as given."""
+MistralForCausalLM. RoPE (default, linear, llama3, yarn) is read, never assumed; tied embeddings, an
+explicit head_dim and linear biases are taken as given. Mistral's ``sliding_window`` (Mistral-7B-v0.1: 4096)
+makes every layer a sliding-window layer, as transformers' Mistral attends; megatron-core's ``window_size``
+(the same settings as gpt-oss's windowed layers)."""
+
+import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.arch import SLIDING_ATTENTION, Arch
+from megatron_patch.models.decoder import parse_decoder_config, sliding_window_kwargs
 
 
 def parse_config(raw: dict) -> Arch:
-    window = raw.get("sliding_window")
-    if window is not None and raw.get("use_sliding_window", True):
-        raise UserError(f"sliding_window={window} (attention over the last {window} tokens only) is not supported: "
-                        "megatron-core's attention here is full causal attention, so only checkpoints with "
-                        "sliding_window null convert exactly")
     attention_bias, mlp_bias = bool(raw.get("attention_bias")), bool(raw.get("mlp_bias"))
     if attention_bias != mlp_bias:
         raise UserError(f"attention_bias={str(attention_bias).lower()} with mlp_bias={str(mlp_bias).lower()} cannot be "
                         "built: megatron-core puts a bias on every linear layer or on none (add_bias_linear)")
-    return parse_decoder_config(raw, "llama3_1", qkv_bias=False, linear_bias=attention_bias)
+    arch = parse_decoder_config(raw, "llama3_1", qkv_bias=False, linear_bias=attention_bias)
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", True):
+        return arch
+    if raw.get("model_type") != "mistral":
+        # transformers' Llama has no window and ignores the field: which of the two was meant is not known
+        raise UserError(f"sliding_window={window} in a {raw.get('model_type')!r} config.json: transformers' Llama "
+                        "attends to every earlier token and ignores it; remove the field (full attention) or give "
+                        "model_type mistral (a sliding window)")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise UserError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
+    return dataclasses.replace(arch, layer_types=(SLIDING_ATTENTION,) * arch.num_layers, sliding_window=window)
+
+
+def transformer_config_kwargs(arch: Arch) -> dict:
+    return sliding_window_kwargs(arch)
 
 
 # A tiny Llama-3.1: GQA (4 heads, 2 groups), llama3 RoPE scaling with non-default factors so a

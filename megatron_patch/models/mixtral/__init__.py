@@ -1,6 +1,6 @@
 """Mixtral (8x7B, 8x22B): sparse MoE with top-2 routing, no shared expert."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
 from megatron_patch.models.mixtral.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.mixtral.mapping import weight_rules
 from megatron_patch.models.mixtral.presets import PRESETS
@@ -12,6 +12,8 @@ FAMILY = register(ModelFamily(
     hf_model_types=("mixtral",), hf_architectures=("MixtralForCausalLM",),
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
+    # Pai's Mistral launcher takes Mixtral too (EP only: ETP follows TP)
+    pai_launchers=(PaiLauncher("examples/mistral/run_mcore_mistral.sh", ("EP",), {"8x7B": "8x7B"}),),
     # transformers 4.x calls the MoE block block_sparse_moe
     hf_modules=HFModules(mlp=("mlp", "block_sparse_moe"), router=("mlp.gate", "block_sparse_moe.gate")),
     test_layouts=TestLayouts(

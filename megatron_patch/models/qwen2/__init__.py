@@ -1,6 +1,6 @@
 """Qwen2 and Qwen2.5 (dense, q/k/v bias, tied embeddings on small models)."""
 
-from megatron_patch.models.family import ModelFamily, TestLayouts
+from megatron_patch.models.family import ModelFamily, PaiLauncher, TestLayouts
 from megatron_patch.models.qwen2.config import TINY_CONFIG, parse_config
 from megatron_patch.models.qwen2.mapping import weight_rules
 from megatron_patch.models.qwen2.presets import PRESETS
@@ -12,6 +12,8 @@ FAMILY = register(ModelFamily(
     hf_model_types=("qwen2",), hf_architectures=("Qwen2ForCausalLM",),
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     launcher_parallel_args=("EP",),
+    pai_launchers=(PaiLauncher("examples/qwen2/run_mcore_qwen.sh", ("EP",)),
+                   PaiLauncher("examples/qwen2_5/run_mcore_qwen.sh", ())),
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2), L(pp=2)),
         # Tied embeddings with PP > 1: the last stage keeps a copy.

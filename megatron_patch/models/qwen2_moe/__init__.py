@@ -1,6 +1,6 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): routed experts plus a sigmoid-gated shared expert."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
 from megatron_patch.models.qwen2_moe.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.qwen2_moe.mapping import weight_rules
 from megatron_patch.models.qwen2_moe.presets import PRESETS
@@ -12,6 +12,11 @@ FAMILY = register(ModelFamily(
     hf_model_types=("qwen2_moe",), hf_architectures=("Qwen2MoeForCausalLM",),
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
+    size_aliases={"A14B": "57B-A14B"}, weight_decay=0.01,
+    # Pai's dense Qwen2 launcher takes its MoE size too (EP only: ETP follows TP)
+    pai_launchers=(PaiLauncher("examples/qwen2/run_mcore_qwen.sh", ("EP",),
+                               {"A14B": "57B-A14B", "57B-A14B": "57B-A14B"}),
+                   PaiLauncher("examples/qwen2/run_mcore_qwen2_moe.sh", ("ETP", "EP"))),
     hf_modules=HFModules(router="mlp.gate"),
     test_layouts=TestLayouts(
         parity=(L(), L(pp=2), L(ep=2), L(tp=2, ep=2)),

@@ -1,6 +1,6 @@
 """Qwen3-Next (80B-A3B): Gated DeltaNet interleaved with gated full attention, MoE with a gated shared expert."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
 from megatron_patch.models.qwen3_next.config import (
     TINY_CONFIG, layer_spec, mtp_block_spec, mtp_prefixes, num_mtp_layers, parse_config, transformer_config_kwargs)
 from megatron_patch.models.qwen3_next.mapping import weight_rules
@@ -14,6 +14,8 @@ FAMILY = register(ModelFamily(
     hf_model_types=("qwen3_next",), hf_architectures=("Qwen3NextForCausalLM",),
     parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
+    size_aliases={"A3B": "80B-A3B"}, weight_decay=0.01,
+    pai_launchers=(PaiLauncher("examples/qwen3_next/run_mcore_qwen3.sh", ("ETP", "EP")),),
     hf_modules=HFModules(attention=("self_attn", "linear_attn"), router="mlp.gate"),
     hf_mtp_layers=num_mtp_layers, hf_mtp_prefixes=mtp_prefixes, layer_spec=layer_spec, mtp_block_spec=mtp_block_spec,
     test_layouts=TestLayouts(

@@ -1,0 +1,8 @@
+#!/bin/sh
+# Pai-Megatron-Patch's Qwen2 launcher: 26 arguments (EP after CP), the dense sizes and A14B (Qwen2-MoE).
+# A thin alias at Pai's path (docs/coming-from-pai.md); `run_mcore_qwen.sh --help` lists the arguments.
+# POSIX sh, as Pai's READMEs start their launchers with `sh` (dash on Debian and Ubuntu).
+set -eu
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python}" -m megatron_patch train qwen2/run_mcore_qwen "$@"

@@ -1,0 +1,38 @@
+"""The ``mpatch`` command (setup.py's console script; ``python -m mpatch`` too), outside the ``megatron_patch``
+package on purpose: Pai-Megatron-Patch's repository holds a top-level ``megatron_patch`` of its own, and with it
+first on PYTHONPATH ``from megatron_patch.cli import main`` would end in an ImportError traceback. Here it ends
+in one line that says what to change. (The launchers under examples/ put this project first on PYTHONPATH.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def foreign_package() -> Path | None:
+    """The folder of the ``megatron_patch`` package Python would import, when it is not this project's (found
+    without importing it: another project's ``__init__`` may do anything)."""
+    spec = importlib.util.find_spec("megatron_patch")
+    folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    ours = [f for f in folders if (f / "cli" / "__init__.py").is_file() and (f / "training").is_dir()]
+    return folders[0] if folders and not ours else None
+
+
+def main() -> int:
+    other = foreign_package()
+    if other is not None:
+        print(f"mpatch: error: the megatron_patch package found first, {other}, is not this project's (Pai-Megatron-"
+              f"Patch's repository has one of that name): take {other.parent} off PYTHONPATH to run mpatch (Pai's "
+              "scripts put it there themselves)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from megatron_patch.cli import main as run
+
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
