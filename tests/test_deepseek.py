@@ -171,10 +171,6 @@ def test_fp8_checkpoint_converts_to_what_transformers_dequantizes(fp8_checkpoint
     from megatron_patch.convert.hf_reader import HFCheckpointReader
     from megatron_patch.convert.sidecar import read_sidecar
 
-    # FP8 weights must say which dtype they become.
-    assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(tmp_path / "x"),
-                 "--quiet"]) == 2
-    assert "pass --dtype" in capsys.readouterr().err
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(mcore), "--dtype", "bf16",
                  "--tp", "2", "--ep", "2", "--format", "legacy", "--quiet"]) == 0
@@ -229,6 +225,23 @@ def test_fp8_dequantization_with_partial_blocks():
         got = dequantize(codes, torch.full((1, 1), 0.5), (16, 16))
         want = codes.to(torch.float32) * 0.5
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), fp8
+
+
+def test_fp8_hub_folder_converts_to_the_dtype_its_config_names(fp8_checkpoint, tmp_path, capsys):
+    """DeepSeek-V3 as the hub ships it (FP8 weights with block scales beside bf16 ones) converts without --dtype:
+    into the float dtype its config.json names, which the run says in one line."""
+    import json
+
+    from megatron_patch.cli import main
+    from megatron_patch.convert.sidecar import read_sidecar
+
+    config = json.loads((fp8_checkpoint / "config.json").read_text())
+    named = config.get("dtype") or config["torch_dtype"]
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(mcore), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"writing {named}, the dtype config.json names (--dtype chooses another)" in err
+    assert read_sidecar(mcore).dtype_name == named
 
 
 # --- multi-token-prediction layers --------------------------------------------------------------------

@@ -54,7 +54,7 @@ def run_hf2mcore(args) -> int:
                           workers=args.workers, adapter=adapter)
     if adapter is not None:
         print(f"with the LoRA adapters of {args.peft_dir}: {adapter.spec.describe()}")
-    print(f"wrote {args.save_dir}: {sidecar.family} {sidecar.checkpoint_format} {layout_from_args(args)} "
+    print(f"wrote {args.save_dir}: {sidecar.family} {sidecar.checkpoint_format} {sidecar.parallel_layout} "
           f"{sidecar.dtype}, {sidecar.num_tensors} tensors, {sidecar.num_bytes / 2**30:.2f} GiB")
     return 0
 

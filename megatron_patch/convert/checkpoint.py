@@ -62,8 +62,8 @@ from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import checked_input
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
-from megatron_patch.models.arch import Arch, validate_layout
-from megatron_patch.models.config_checks import check_weights_fit
+from megatron_patch.models.arch import Arch, default_expert_tp, validate_layout
+from megatron_patch.models.config_checks import check_weights_fit, config_dtype
 from megatron_patch.models.mapping import Transfer, split_context
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
@@ -77,9 +77,10 @@ FORMATS = ("torch_dist", "legacy")
 DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
-def _choose_dtype(reader: HFCheckpointReader | None, names, dtype) -> str:
+def _choose_dtype(reader: HFCheckpointReader | None, names, dtype, hf_config: dict | None = None) -> str:
     """The dtype name the output is written in: ``dtype`` (a precision name or torch dtype), or the
-    source's own when it is one of the precisions."""
+    source's own when it is one of the precisions, else (a quantized hub folder: FP8 weights beside bf16 ones,
+    MXFP4 experts) the float dtype its config.json names, which is what its weights dequantize to."""
     if dtype is not None:
         name = dtype_name(dtype)
         if name not in PRECISION_OF_DTYPE_NAME:
@@ -88,7 +89,13 @@ def _choose_dtype(reader: HFCheckpointReader | None, names, dtype) -> str:
     found = {reader.dtype(n) for n in names}
     if len(found) == 1 and next(iter(found)) in PRECISION_OF_DTYPE_NAME:
         return next(iter(found))
-    raise UserError(f"the HF tensors are stored as {sorted(found)}: pass --dtype bf16, fp16 or fp32")
+    named = config_dtype(hf_config or {})
+    if named in PRECISION_OF_DTYPE_NAME:
+        print(f"hf2mcore: the HF tensors are stored as {sorted(found)}: writing {named}, the dtype config.json names "
+              "(--dtype chooses another)", file=sys.stderr, flush=True)
+        return named
+    raise UserError(f"the HF tensors are stored as {sorted(found)} and config.json names no float dtype they share: "
+                    "pass --dtype bf16, fp16 or fp32")
 
 
 def _make_copier(copier: Copier | None, workers: int | None, progress) -> Copier:
@@ -171,6 +178,9 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         raise UserError(f"{hf_dir} is not a folder: point --hf-dir at a Hugging Face model folder")
     arch = parse_arch(hf_dir)
     family = get_family(arch.family)
+    layout, note = default_expert_tp(arch, layout)
+    if note:
+        print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
     validate_layout(arch, layout)
     if fmt == "legacy":
         check_legacy_layout(layout)
@@ -192,7 +202,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     check_hf_names(family, arch, tp1, available)
     reader = StackedView(reader, family.hf_stacked(arch))  # stacked experts read as the table's members
     # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
-    out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype)
+    out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype, arch.hf_config)
     skeleton = describe_model(arch)
     check_hf_shapes(reader, skeleton.hf_shapes)
 
