@@ -7,6 +7,7 @@ import functools
 import signal
 import warnings
 
+from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import add_layout_args, layout_from_args
 from megatron_patch.convert.checkpoint import DEFAULT_WORKERS, hf_to_mcore, mcore_to_hf
 from megatron_patch.errors import UserError
@@ -59,7 +60,19 @@ def run_hf2mcore(args) -> int:
     return 0
 
 
+def _names_no_verify(run):
+    """A checkpoint whose files no longer match its manifest is refused in one line that names --no-verify."""
+    @functools.wraps(run)
+    def wrapped(args) -> int:
+        try:
+            return run(args)
+        except IntegrityError as exc:
+            raise naming_the_switch(exc, "--no-verify") from None
+    return wrapped
+
+
 @_writes_save_dir
+@_names_no_verify
 def run_mcore2hf(args) -> int:
     _terminate_cleanly()
     _quiet_imports()

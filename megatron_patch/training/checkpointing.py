@@ -46,8 +46,10 @@ from megatron_patch.checkpoint_files.layout import (
     zip_problem,
 )
 from megatron_patch.checkpoint_files.manifest import (
+    IntegrityError,
     digests,
     manifest_of,
+    naming_the_switch,
     unlisted_files,
     verify_manifest,
     write_manifest,
@@ -69,6 +71,20 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 TRAIN_STATE = "train_state.json"
+# What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
+# against their manifests: the same switch as the commands' --no-verify, for a checkpoint edited on purpose.
+NO_VERIFY = "MP_NO_VERIFY=true"
+
+
+def load_starting_weights(cfg, chunks: list, folder) -> None:
+    """A checkpoint (PRETRAIN_CHECKPOINT_PATH, a LoRA run's base) into this rank's model chunks, its files checked
+    against its manifest unless MP_NO_VERIFY says otherwise."""
+    from megatron_patch.convert.loading import load_checkpoint_into_model
+
+    try:
+        load_checkpoint_into_model(chunks, folder, cfg.layout, hf_config=cfg.hf_config, verify=not cfg.no_verify)
+    except IntegrityError as exc:
+        raise naming_the_switch(exc, NO_VERIFY) from None
 
 
 def iteration_problem(folder: Path, verify: bool = True) -> str | None:
@@ -82,6 +98,8 @@ def iteration_problem(folder: Path, verify: bool = True) -> str | None:
     if verify and manifest is not None:
         try:
             verify_manifest(manifest)
+        except IntegrityError as exc:
+            return str(naming_the_switch(exc, NO_VERIFY))
         except UserError as exc:
             return str(exc)
     try:
@@ -112,12 +130,12 @@ def latest_iteration(root: str | Path, verify: bool = True) -> tuple[int | None,
         raise
 
 
-def resume_iteration(root: str | Path, log=print) -> int | None:
+def resume_iteration(root: str | Path, log=print, verify: bool = True) -> int | None:
     """``latest_iteration``, decided by rank 0 and the same on every rank (warnings logged once)."""
     holder: list = [None]
     if dist.get_rank() == 0:
         try:
-            holder = [latest_iteration(root)]
+            holder = [latest_iteration(root, verify)]
         except UserError as exc:
             holder = [exc]
     dist.broadcast_object_list(holder, src=0)

@@ -21,7 +21,6 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_patch.convert.loading import load_checkpoint_into_model
 from megatron_patch.errors import UserError
 from megatron_patch.models import compiled_fusions
 from megatron_patch.models.builder import build_model_chunks
@@ -308,11 +307,11 @@ class Trainer:
     def _load_pretrained(self, chunks: list) -> None:
         """A converted checkpoint into this rank's model chunk(s)."""
         cfg = self.cfg
-        load_checkpoint_into_model(chunks, cfg.pretrain_checkpoint, cfg.layout, hf_config=cfg.hf_config)
+        checkpointing.load_starting_weights(cfg, chunks, cfg.pretrain_checkpoint)
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-        return resume_iteration(self.cfg.checkpoint_dir, self._log)
+        return resume_iteration(self.cfg.checkpoint_dir, self._log, verify=not self.cfg.no_verify)
 
     def _build_data(self) -> None:
         cfg = self.cfg

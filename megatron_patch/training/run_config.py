@@ -137,6 +137,8 @@ class RunConfig:
     eval_iters: int = 10
     seed: int = 1234
     save: bool = True
+    # MP_NO_VERIFY: read PRETRAIN_CHECKPOINT_PATH and the run's own checkpoints without checking their manifests
+    no_verify: bool = False
     hf_config: dict = field(default_factory=dict, repr=False)
     # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
     vocab_padded_to: int | None = None

@@ -150,6 +150,7 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 100, lo=0),
         eval_iters=env_int(env, "MP_EVAL_ITERS", 10, hi=MAX_ITERATIONS), seed=env_int(env, "MP_SEED", 1234, lo=0),
         save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
+        no_verify=parse_bool("MP_NO_VERIFY", env.get("MP_NO_VERIFY") or "false"),
         max_restarts=env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
         dist_timeout_min=env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
         hf_config=hf_config, vocab_padded_to=vocab_padded_to, notes=notes,
