@@ -51,7 +51,7 @@ def run_hf2mcore(args) -> int:
 
         adapter = read_peft_import(args.peft_dir, args.hf_dir)
     sidecar = hf_to_mcore(args.hf_dir, args.save_dir, layout_from_args(args), fmt=args.format, dtype=args.dtype,
-                          force=args.force, progress=False if args.quiet else None, mtp=args.mtp,
+                          force=args.force, progress=False if args.quiet else None, mtp={None: False, "keep": True}.get(args.mtp, args.mtp),
                           workers=args.workers, adapter=adapter)
     if adapter is not None:
         print(f"with the LoRA adapters of {args.peft_dir}: {adapter.spec.describe()}")
@@ -149,9 +149,10 @@ def register(subparsers) -> None:
     h.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the MCore weights (default: the HF tensors' own dtype; required for FP8 hub "
                         "checkpoints, whose block-scaled weights are dequantized on the fly)")
-    h.add_argument("--mtp", action="store_true",
-                   help="keep the multi-token-prediction layers (DeepSeek-V3's) in megatron-core's MTP block; without "
-                        "it they are dropped, with a count printed and a note in the sidecar")
+    h.add_argument("--mtp", nargs="?", const="keep", choices=["keep", "auto"], default=None,
+                   help="keep the multi-token-prediction layers (DeepSeek-V3's) in megatron-core's MTP block, for "
+                        "training to train them (refused when config.json declares none; '--mtp auto': where it "
+                        "declares some); without it they are dropped, with a count printed and a note in the sidecar")
     h.add_argument("--peft-dir", default=None,
                    help="a peft LoRA adapter folder of this model: its adapters are stored beside the weights "
                         "(torch_dist), for training to continue them or mcore2hf to export or merge them")
@@ -199,3 +200,7 @@ def register(subparsers) -> None:
     _add_workers(m)
     m.add_argument("--quiet", action="store_true", help="no progress output")
     m.set_defaults(run=run_mcore2hf)
+
+    from megatron_patch.cli.pai_convert import register as register_pai
+
+    register_pai(sub)

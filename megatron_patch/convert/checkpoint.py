@@ -53,7 +53,7 @@ from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
-from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
+from megatron_patch.convert.outputs import TopLevelInput, atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.schedule import WHOLE_FILE
 from megatron_patch.convert.sidecar import Sidecar
@@ -153,7 +153,7 @@ def _restrict(moves: list[Move], region: tuple[slice, ...], target: Stored) -> l
 # --- HF -> MCore -------------------------------------------------------------------------------
 
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
-                dtype=None, force: bool = False, progress: bool | None = None, mtp: bool = False,
+                dtype=None, force: bool = False, progress: bool | None = None, mtp: bool | str = False,
                 workers: int | None = None, copier: Copier | None = None, adapter=None) -> Sidecar:
     """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy).
 
@@ -163,7 +163,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
 
     FP8 block-scaled weights and MXFP4 experts are dequantized on the way (``convert.fp8``,
     ``convert.mxfp4``; through torch, as they are computed, not copied). Multi-token-prediction layers go into megatron-core's MTP block with
-    ``mtp``; without it they are dropped, with a count printed and a note in the sidecar.
+    ``mtp`` (True: refused if config.json declares none; "auto": those it declares, if any); without it they are
+    dropped, with a count printed and a note in the sidecar.
 
     ``adapter``: LoRA adapters to store beside the weights (``convert.lora_io.PeftImport``: their tensors
     under layout-free keys, modules_to_save weights that replace the base's, the sidecar's ``lora``).
@@ -184,7 +185,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     validate_layout(arch, layout)
     if fmt == "legacy":
         check_legacy_layout(layout)
-    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
+    inputs = (TopLevelInput(hf_dir),)  # only its top-level files are read: the output may be a folder inside it
+    check_target(save_dir, force, inputs=inputs)  # fail before the slow part (checked again under the lock)
     side_files = carried_files(hf_dir)
     for name in side_files:  # each inside the folder and a regular file, before the slow part
         checked_input(hf_dir / name, inside=hf_dir, how="has a side file", limit=None)
@@ -210,7 +212,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     carried = _carried_sources(family, reader, available, notes)
     copier = _make_copier(copier, workers, None)
     digested: dict = {}
-    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=(hf_dir,), digested=digested) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=inputs, digested=digested) as tmp:
         release = tmp / RELEASE
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
@@ -262,10 +264,12 @@ def _whole_moves(sources: dict[str, Stored], places: dict[str, Stored]) -> list[
     return [Move(src, 0, 0, places[n], 0, 0, src.rows, src.cols) for n, src in sources.items() if src.nbytes]
 
 
-def _multi_token_prediction(family, arch: Arch, reader, keep: bool, notes: list[str]) -> tuple[set[str], Arch]:
-    """(the HF tensors to convert, the model to build): with ``keep``, the MTP layers join the model;
-    without, their tensors are left out, loudly."""
+def _multi_token_prediction(family, arch: Arch, reader, keep: bool | str, notes: list[str]) -> tuple[set[str], Arch]:
+    """(the HF tensors to convert, the model to build): with ``keep`` ("auto": where config.json declares some), the
+    MTP layers join the model; without, their tensors are left out, loudly."""
     names, count = set(reader.keys()), family.hf_mtp_layers(arch.hf_config)
+    if keep == "auto":
+        keep = count > 0
     if keep:
         if not count:
             raise UserError("--mtp: this checkpoint's config.json declares no multi-token-prediction layers")
@@ -483,7 +487,8 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     ``base_only`` exports the base weights a checkpoint carries beside its adapters (hf2mcore --peft-dir)."""
     # Every folder read is an input the output may not overlap: the one given, the weights' folder, the
     # sidecar's, and the folder --hf-config came from.
-    inputs = (load_dir, _config_folder(hf_config))
+    config_folder = _config_folder(hf_config)
+    inputs = (load_dir, None if config_folder is None else TopLevelInput(config_folder))
     check_target(save_dir, force, inputs=inputs)
     opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
     for note in opened.found.notes + opened.notes:
@@ -498,7 +503,8 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     manifest = manifest_for(opened.found.folder) if verify else None
     check = BackgroundCheck(manifest) if manifest is not None else None
     try:
-        _export_hf(opened, save_dir, dtype, max_shard_size, force, progress, copier, workers, inputs, check)
+        _export_hf(opened, save_dir, dtype, max_shard_size, force, progress, copier, workers, inputs, check,
+                   config_folder)
     except Exception as exc:
         # A damaged input file explains a failed conversion better than the conversion's own error.
         found = check.failure() if check is not None else None
@@ -509,7 +515,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
 
 
 def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, copier, workers, inputs: tuple,
-               check: BackgroundCheck | None) -> None:
+               check: BackgroundCheck | None, config_folder: Path | None = None) -> None:
     load_dir, data_dir, sidecar = opened.sidecar_dir, opened.found.folder, opened.sidecar
     arch = sidecar.arch
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
@@ -569,10 +575,26 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
-        copy_carried(load_dir, tmp, [f for f in sidecar.carried_files if f != CARRIED_TENSORS])
+        _carry_side_files(load_dir, [f for f in sidecar.carried_files if f != CARRIED_TENSORS], config_folder, tmp)
         if check is not None:
             check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)
+
+
+def _carry_side_files(load_dir: Path, listed: list[str], config_folder: Path | None, out: Path) -> None:
+    """The tokenizer and generation files into the export: those the checkpoint carries, else (a checkpoint of
+    another tool, or an iteration saved before runs carried them) those of the HF folder --hf-config names."""
+    if listed:
+        copy_carried(load_dir, out, listed)
+        return
+    found = carried_files(config_folder) if config_folder is not None else []
+    if found:
+        copy_carried(config_folder, out, found)
+        print(f"mcore2hf: the checkpoint carries no tokenizer files: {len(found)} taken from {config_folder} "
+              f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})", file=sys.stderr, flush=True)
+        return
+    print("warning: the export has no tokenizer files, as the checkpoint carries none: --hf-config HF_DIR takes them "
+          "from the model's HF folder", file=sys.stderr, flush=True)
 
 
 def _config_folder(hf_config) -> Path | None:
