@@ -304,3 +304,25 @@ def test_an_output_may_be_a_new_folder_inside_the_hf_folder_it_reads(tmp_path):
     (hf / "mpatch_manifest.json").write_text("{}")
     with pytest.raises(UserError, match="overlaps the input"):
         check_target(hf / "mcore-tp4-pp2", False, inputs=(TopLevelInput(hf),))
+
+
+def test_an_export_takes_the_tokenizer_of_the_hf_folder_when_the_checkpoint_carries_none(tmp_path, capsys):
+    """Pai's HF_CKPT_PATH (mcore2hf's --hf-config): a checkpoint without tokenizer files (another tool's, or an
+    iteration saved before runs carried them) exports with those of the HF folder it came from."""
+    from megatron_patch.cli import main
+
+    bare = make_tiny_hf_checkpoint("llama3_1", tmp_path / "bare", seed=9)
+    (bare / "generation_config.json").unlink(missing_ok=True)
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(bare), "--save-dir", str(mcore), "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(mcore), "--save-dir", str(tmp_path / "a"), "--quiet"]) == 0
+    assert "the export has no tokenizer files, as the checkpoint carries none: --hf-config HF_DIR" in \
+        capsys.readouterr().err
+    hf = tmp_path / "hf"
+    shutil.copytree(bare, hf)
+    for file, text in SIDE_FILES.items():
+        (hf / file).write_text(text)
+    assert main(["convert", "mcore2hf", "--load-dir", str(mcore), "--save-dir", str(tmp_path / "b"), "--hf-config",
+                 str(hf), "--quiet"]) == 0
+    assert f"the checkpoint carries no tokenizer files: 3 taken from {hf}" in capsys.readouterr().err
+    assert all((tmp_path / "b" / file).read_text() == text for file, text in SIDE_FILES.items())

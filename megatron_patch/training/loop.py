@@ -243,6 +243,8 @@ class Trainer:
         if cfg.compile_fusions:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         self.resume_iteration = self._latest()
+        # Read by rank 0 alone, which writes them into each checkpoint.
+        self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
         if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
             setup_lora(cfg, chunks, self.resume_iteration is not None, self._log)
             self._log(describe_trainable(chunks))
@@ -520,12 +522,14 @@ class Trainer:
                 self._log(f"validation at iter {self.iteration}: loss {vloss:.4f} | ppl {math.exp(min(vloss, 50)):.2f}")
                 self._record({"iteration": self.iteration, "valid_loss": vloss})
             if cfg.save and (self.iteration % cfg.save_interval == 0 or self.iteration == stop_at):
-                checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler)
+                checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler,
+                                   side_files=self.side_files)
         if self.iteration < first:  # resumed with nothing left to train: put back what the first step would have
             self._param_gather_after_first_step()
         self._report_throughput(records, peak)
         if cfg.save and self.iteration == cfg.train_iters:
-            checkpointing.export_model(cfg, self.iteration, self.models, cfg.precision.dtype)
+            checkpointing.export_model(cfg, self.iteration, self.models, cfg.precision.dtype,
+                                       side_files=self.side_files)
         if self.writer is not None:
             self.writer.close()
         if self.metrics_file is not None:
