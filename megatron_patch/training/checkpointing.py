@@ -38,6 +38,7 @@ from megatron_patch.checkpoint_files.layout import (
     fsync_file,
     iteration_dir,
     latest_complete_iteration,
+    model_sharded_state,
     partial_dir,
     publish,
     remove_stale_partials,
@@ -189,7 +190,7 @@ def _model_state(chunk) -> dict:
     layout-free keys, any modules_to_save weights): the frozen base stays in the checkpoint it came from."""
     lora = getattr(chunk, "lora", None)
     if lora is None:
-        return chunk.sharded_state_dict()
+        return model_sharded_state(chunk)
 
     return adapter_sharded_state(chunk, lora)
 

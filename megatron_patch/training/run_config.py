@@ -142,6 +142,8 @@ class RunConfig:
     hf_config: dict = field(default_factory=dict, repr=False)
     # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
     vocab_padded_to: int | None = None
+    # The multi-token-prediction layers the starting checkpoint holds (hf2mcore --mtp), which train with the model.
+    mtp_layers: int = 0
     # LoRA (MP_LORA_*): the adapters' spec (lora.spec.LoraSpec as a dict; None: full fine-tuning) and the
     # peft folder they start from (MP_LORA_INIT).
     lora: dict | None = None
@@ -174,7 +176,8 @@ class RunConfig:
 
     @property
     def arch(self):
-        return dataclasses.replace(parse_arch(self.hf_config), vocab_padded_to=self.vocab_padded_to)
+        return dataclasses.replace(parse_arch(self.hf_config), vocab_padded_to=self.vocab_padded_to,
+                                   mtp_layers=self.mtp_layers)
 
     @property
     def checkpoint_dir(self) -> Path:

@@ -112,8 +112,11 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
 
     size = a["MODEL_SIZE"]
     ckpt = None if is_none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
-    hf_config, vocab_padded_to = _model_config(family, size, ckpt, env.get("MP_HF_CONFIG") or None,
-                                               env_int(env, "MP_NUM_LAYERS", None))
+    hf_config, vocab_padded_to, mtp_layers = _model_config(family, size, ckpt, env.get("MP_HF_CONFIG") or None,
+                                                           env_int(env, "MP_NUM_LAYERS", None))
+    if mtp_layers:
+        notes.append(f"{ckpt} holds {mtp_layers} multi-token-prediction layer(s) (converted with --mtp): they train "
+                     "with the model, their loss logged as mtp_N loss")
     layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vp=vp)
     world, nproc, nnodes = _world(run_env, layout, env)
     train_iters, warmup_iters = _iterations(a, sft, gbs * seq_len)
@@ -153,7 +156,7 @@ def _parse(family: str, argv: list[str], env: dict) -> RunConfig:
         no_verify=parse_bool("MP_NO_VERIFY", env.get("MP_NO_VERIFY") or "false"),
         max_restarts=env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
         dist_timeout_min=env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
-        hf_config=hf_config, vocab_padded_to=vocab_padded_to, notes=notes,
+        hf_config=hf_config, vocab_padded_to=vocab_padded_to, mtp_layers=mtp_layers, notes=notes,
     )
 
 
@@ -450,8 +453,9 @@ PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, dat
 # --- reading what a value names ------------------------------------------------------------------------------
 
 def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str | None,
-                  num_layers: int | None = None) -> tuple[dict, int | None]:
-    """(the model's HF config, the checkpoint's own vocabulary padding when it differs from ours).
+                  num_layers: int | None = None) -> tuple[dict, int | None, int]:
+    """(the model's HF config, the checkpoint's own vocabulary padding when it differs from ours, the
+    multi-token-prediction layers it holds: converted with --mtp, they train too, as Pai trains DeepSeek-V3's).
 
     With a PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else
     MP_HF_CONFIG, else the MODEL_SIZE preset, else its saved Megatron-LM arguments (as this
@@ -463,7 +467,7 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
                             "drop MP_NUM_LAYERS or PRETRAIN_CHECKPOINT_PATH")
         if size not in table:
             raise UserError(f"MODEL_SIZE for {family} must be one of {' | '.join([*table, 'auto'])}, got '{size}'")
-        return {**table[size], "num_hidden_layers": num_layers}, None
+        return {**table[size], "num_hidden_layers": num_layers}, None, 0
     if size == "auto" and ckpt is None:
         raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
                         "give a converted checkpoint or a model size")
@@ -473,7 +477,7 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
         raise UserError("MP_HF_CONFIG describes the model a PRETRAIN_CHECKPOINT_PATH holds, and there is none: drop "
                         "MP_HF_CONFIG (MODEL_SIZE chooses the model)")
     if ckpt is None:
-        return dict(table[size]), None
+        return dict(table[size]), None, 0
 
     preset = None if size == "auto" else dict(table[size])
     given = None if hf_config_file is None else read_config_json(
@@ -493,7 +497,7 @@ def _model_config(family: str, size: str, ckpt: str | None, hf_config_file: str 
         if diff:
             raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff)}): "
                             "use MODEL_SIZE=auto to take the checkpoint's architecture")
-    return sidecar.hf_config, sidecar.arch.vocab_padded_to
+    return sidecar.hf_config, sidecar.arch.vocab_padded_to, sidecar.mtp_layers
 
 
 def _data_found(path: str, dataset_type: str) -> bool:
