@@ -87,14 +87,15 @@ LLAMA = "toolkits/model_checkpoints_convertor/llama/hf2mcore_convertor_llama3_1.
 
 @pytest.mark.slow
 def test_llama3_1_readme_lines(mnt):
-    """examples/llama3_1/README.md: the checkpoint inside the HF folder (mcore-tp4-pp2), CHECK=true both ways
-    (`mpatch align`), and back into another folder inside it."""
+    """examples/llama3_1/README.md (TP=4 PP=2 scaled to TP=2, which align runs in two processes): the checkpoint
+    inside the HF folder (mcore-tp4-pp2), CHECK=true both ways (`mpatch align`), and back into another folder
+    inside it."""
     src = hub_model("llama3_1", mnt / "llama3-ckpts" / "Meta-Llama-3.1-8B", torch.bfloat16)
     mcore, back = src / "mcore-tp4-pp2", src / "hf-from-mg"
-    err = assert_ok(run_line("sh", LLAMA, "8B", src, mcore, 2, 2, "false", "true", "false", "bf16"))
+    err = assert_ok(run_line("sh", LLAMA, "8B", src, mcore, 2, 1, "false", "true", "false", "bf16"))
     assert "ignored here: MODEL_SIZE=8B (the model is the one config.json describes)" in err
     assert "mpatch align --hf-dir" in err and (mcore / "tokenizer.json").is_file()
-    err = assert_ok(run_line("bash", LLAMA, "8B", mcore, back, 2, 2, "true", "true", "false", "bf16", src))
+    err = assert_ok(run_line("bash", LLAMA, "8B", mcore, back, 2, 1, "true", "true", "false", "bf16", src))
     assert "mpatch convert mcore2hf" in err and "mpatch align --hf-dir" in err
     assert_bit_exact(src, back)
 
@@ -326,3 +327,18 @@ def test_an_export_takes_the_tokenizer_of_the_hf_folder_when_the_checkpoint_carr
                  str(hf), "--quiet"]) == 0
     assert f"the checkpoint carries no tokenizer files: 3 taken from {hf}" in capsys.readouterr().err
     assert all((tmp_path / "b" / file).read_text() == text for file, text in SIDE_FILES.items())
+
+
+@pytest.mark.slow
+def test_hf2mcore_sh_keeps_the_mtp_layers_config_json_declares(tmp_path):
+    """toolkits/checkpoint/hf2mcore.sh keeps DeepSeek-V3's multi-token-prediction layer (MTP=auto, its default),
+    as Pai's converter does, so that training trains it; MTP=false drops it."""
+    from tests.convert_helpers import with_mtp_layer
+
+    src = with_mtp_layer(make_tiny_hf_checkpoint("deepseek_v3", tmp_path / "plain", seed=10), tmp_path / "hf")
+    script = "toolkits/checkpoint/hf2mcore.sh"
+    for mtp, layers in ((None, 1), ("false", 0)):
+        out = tmp_path / f"mcore-{mtp}"
+        extra = [] if mtp is None else ["1", "none", "torch_dist", "auto", "false", mtp]
+        assert_ok(run_line("bash", script, src, out, 1, 1, *extra))
+        assert json.loads((out / "mpatch_checkpoint.json").read_text())["mtp_layers"] == layers

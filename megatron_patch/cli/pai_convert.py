@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_patch.dtypes import PRECISION_DTYPE_NAMES
 from megatron_patch.errors import UserError
 
 
@@ -112,8 +113,6 @@ ROLE_HELP = {
     "check_only": "true: that comparison alone, no conversion",
 }
 LAYOUT = ("tp", "pp", "ep", "etp")
-PRECISIONS = ("fp32", "bf16", "fp16")
-PR_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def find_script(name: str) -> PaiScript:
@@ -168,6 +167,11 @@ class Plan:
     convert: list[str] | None
     align: list[str] | None
     ignored: list[str]
+    # what the check needs to know of the conversion
+    mg2hf: bool = False
+    source: str = ""
+    hf: str | None = None
+    pr: str | None = None
 
 
 def plan(script: PaiScript, argv: list[str], env: dict) -> Plan:
@@ -182,8 +186,8 @@ def plan(script: PaiScript, argv: list[str], env: dict) -> Plan:
         del role["ep"]
     layout = {k: _size(name_of[k], role[k]) for k in LAYOUT if k in role}
     pr = role.get("pr")
-    if pr is not None and pr not in PRECISIONS:
-        raise UserError(f"PR must be one of {' | '.join(PRECISIONS)}, got '{pr}'")
+    if pr is not None and pr not in PRECISION_DTYPE_NAMES:
+        raise UserError(f"PR must be one of {' | '.join(PRECISION_DTYPE_NAMES)}, got '{pr}'")
     source, target, hf = role["source"], role["target"], role.get("hf")
     if not mg2hf:
         if hf is not None and hf != source:
@@ -204,7 +208,7 @@ def plan(script: PaiScript, argv: list[str], env: dict) -> Plan:
         ignored.append("MODEL_PARALLEL_ARGS (torch_dist loads at any layout)")
     align += [a for k, v in layout.items() for a in (f"--{k}", v)] + ["--dtype", pr or "fp32"]
     return Plan(convert=None if check_only else convert, align=align if check or check_only else None,
-                ignored=ignored)
+                ignored=ignored, mg2hf=mg2hf, source=source, hf=hf, pr=pr)
 
 
 def _layout_args(source: str, layout: dict, env: dict) -> list[str]:
@@ -223,16 +227,23 @@ def _layout_args(source: str, layout: dict, env: dict) -> list[str]:
     return [a for k, v in layout.items() if k != "pp" for a in (f"--{k}", v)]
 
 
-def _judged_in_its_dtype(align: list[str]) -> list[str]:
-    """align's fp32 run certifies a conversion that kept every weight's bits. One into another PR (an fp32 model
-    written in bf16) changed them on purpose: it is judged in PR alone, against HF's own rounding in PR."""
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+def _judged_in_its_dtype(todo: Plan) -> list[str]:
+    """What align adds to judge the conversion fairly. Its fp32 run certifies a conversion that kept every weight's
+    value (PR the source's own dtype, or fp32, which holds any); one that rounded them on purpose (an fp32 model
+    written in PR=bf16) is judged in PR alone, against HF's own rounding in PR (--only-dtype)."""
+    if todo.pr in (None, "fp32"):
+        return []
+    if todo.mg2hf:
+        from megatron_patch.convert.arch_source import open_checkpoint
 
-    dtype = align[align.index("--dtype") + 1]
-    reader = HFCheckpointReader(align[align.index("--hf-dir") + 1])
-    if dtype == "fp32" or {reader.dtype(n) for n in reader.keys()} == {PR_DTYPE[dtype]}:
-        return align
-    return [*align, "--only-dtype"]
+        stored = open_checkpoint(todo.source, hf_config=todo.hf).sidecar.dtype_name
+    else:
+        from megatron_patch.convert.hf_reader import HFCheckpointReader
+
+        reader = HFCheckpointReader(todo.source)
+        dtypes = [reader.dtype(n) for n in reader.keys()]
+        stored = max(set(dtypes), key=dtypes.count)  # the weights', not a router bias kept in fp32
+    return [] if stored == PRECISION_DTYPE_NAMES[todo.pr] else ["--only-dtype"]
 
 
 def describe(script: PaiScript) -> str:
@@ -261,7 +272,7 @@ def run(args) -> int:
         if argv is None:
             continue
         if argv[0] == "align":
-            argv = _judged_in_its_dtype(argv)
+            argv = [*argv, *_judged_in_its_dtype(todo)]
         print(f"{script.name}: mpatch {shlex.join(argv)}", file=sys.stderr, flush=True)
         parsed = build_parser(only=argv[0]).parse_args(argv)
         code = int(parsed.run(parsed) or 0)
