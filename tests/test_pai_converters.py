@@ -180,15 +180,28 @@ DEEPSEEK = "toolkits/model_checkpoints_convertor/deepseek/hf2mcore_deepseek_v3_m
 
 @pytest.mark.slow
 def test_deepseek_v3_readme_lines(mnt):
-    """examples/deepseek_v3/README.md: MP_PP0_LAYERS=5 with TP=8 PP=8 ETP=1 EP=16 (scaled: 1 with 2 2 1 2) on the
-    bf16 model with its multi-token-prediction layer, which is kept; back in fp32, as the README does."""
-    from tests.convert_helpers import with_mtp_layer
+    """examples/deepseek_v3/README.md: `python fp8_cast_bf16.py` on the FP8 hub folder (the same bf16 weights
+    hf2mcore dequantizes itself), then MP_PP0_LAYERS=5 with TP=8 PP=8 ETP=1 EP=16 (scaled: 1 with 2 2 1 2) on
+    the bf16 folder with its multi-token-prediction layer, which is kept; back in fp32, as the README does."""
+    from tests.convert_helpers import with_mtp_layer, write_fp8_checkpoint
 
-    plain = hub_model("deepseek_v3", mnt / "v3-plain", torch.bfloat16, seed=6)
-    src = with_mtp_layer(plain, mnt / "deepseek-ckpts" / "DeepSeek-V3-bf16")
-    tensors = load_file(src / "model.safetensors")  # the MTP layer in bf16 too (the router bias fp32)
-    save_file({n: t if n.endswith("e_score_correction_bias") else t.to(torch.bfloat16) for n, t in tensors.items()},
-              str(src / "model.safetensors"), metadata={"format": "pt"})
+    plain = hub_model("deepseek_v3", mnt / "v3-plain", torch.float32, seed=6)
+    fp8 = write_fp8_checkpoint(with_mtp_layer(plain, mnt / "v3-mtp"), mnt / "deepseek-ckpts" / "DeepSeek-V3",
+                               ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                                "up_proj", "down_proj"), (16, 16))
+    src = mnt / "deepseek-ckpts" / "DeepSeek-V3-bf16"
+    proc = subprocess.run([sys.executable, "fp8_cast_bf16.py", "--input-fp8-hf-path", str(fp8), "--output-bf16-hf-path",
+                           str(src)], cwd=REPO / Path(DEEPSEEK).parent, capture_output=True, text=True, timeout=600)
+    assert "not needed here (hf2mcore dequantizes" in assert_ok(proc)
+    assert "quantization_config" not in json.loads((src / "config.json").read_text())
+    reference, via = mnt / "v3-fp8-mcore", mnt / "v3-fp8-back"  # hf2mcore's own dequantization, exported
+    assert_ok(subprocess.run([sys.executable, "-m", "megatron_patch", "convert", "hf2mcore", "--hf-dir", str(fp8),
+                              "--save-dir", str(reference), "--dtype", "bf16", "--mtp", "--quiet"], capture_output=True,
+                             text=True))
+    assert_ok(subprocess.run([sys.executable, "-m", "megatron_patch", "convert", "mcore2hf", "--load-dir",
+                              str(reference), "--save-dir", str(via), "--quiet"], capture_output=True, text=True))
+    assert_bit_exact(via, src)
+
     mcore = mnt / "deepseek-ckpts" / "DeepSeek-V3-to-mcore-tp8-pp8-etp1-ep16"
     back = mnt / "deepseek-ckpts" / "DeepSeek-V3-mcore-to-hf"
     err = assert_ok(run_line("bash", DEEPSEEK, "A37B", src, mcore, 2, 2, 1, 2, "bf16", "false",

@@ -113,6 +113,8 @@ ROLE_HELP = {
     "check_only": "true: that comparison alone, no conversion",
 }
 LAYOUT = ("tp", "pp", "ep", "etp")
+# DeepSeek-V3's README casts the FP8 hub folder to bf16 first, with this Python script and its own flags.
+FP8_CAST = f"{_MODEL}/deepseek/fp8_cast_bf16.py"
 
 
 def find_script(name: str) -> PaiScript:
@@ -257,9 +259,29 @@ def describe(script: PaiScript) -> str:
     return "\n".join(lines)
 
 
+def cast_fp8(arguments: list[str]) -> int:
+    """Pai's fp8_cast_bf16.py: the FP8 folder written again in bf16 (``convert.checkpoint.dequantize_hf``)."""
+    from megatron_patch.convert.checkpoint import dequantize_hf
+
+    parser = argparse.ArgumentParser(prog="fp8_cast_bf16.py", description="An FP8 hub folder (DeepSeek-V3's) written "
+                                     "again in bf16, as Pai-Megatron-Patch's script of that name does; hf2mcore reads "
+                                     "the FP8 folder itself, so a conversion does not need this step.")
+    parser.add_argument("--input-fp8-hf-path", required=True, help="the FP8 hub folder")
+    parser.add_argument("--output-bf16-hf-path", required=True,
+                        help="the bf16 folder to write (an earlier output of mpatch there is replaced)")
+    given = parser.parse_args(arguments)
+    print(f"fp8_cast_bf16.py: not needed here (hf2mcore dequantizes {given.input_fp8_hf_path} itself); writing the "
+          "bf16 folder all the same", file=sys.stderr, flush=True)
+    dequantize_hf(given.input_fp8_hf_path, given.output_bf16_hf_path, "bf16", force=True)
+    print(f"wrote {given.output_bf16_hf_path}")
+    return 0
+
+
 def run(args) -> int:
     from megatron_patch.cli import build_parser
 
+    if Path(args.script).name == Path(FP8_CAST).name:
+        return cast_fp8(list(args.arguments))
     script = find_script(args.script)
     if args.arguments[:1] in (["-h"], ["--help"]):
         print(describe(script))

@@ -28,6 +28,7 @@ import math
 import os
 import sys
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
@@ -50,7 +51,7 @@ from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
-from megatron_patch.convert.fp8 import open_weights
+from megatron_patch.convert.fp8 import fp8_block_size, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.convert.outputs import TopLevelInput, atomic_output_dir, carried_files, check_target, copy_carried
@@ -58,11 +59,11 @@ from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.schedule import WHOLE_FILE
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
-from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
+from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import checked_input
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
-from megatron_patch.models.arch import Arch, default_expert_tp, validate_layout
+from megatron_patch.models.arch import Arch, default_expert_tp, read_config_json, validate_layout
 from megatron_patch.models.config_checks import check_weights_fit, config_dtype
 from megatron_patch.models.mapping import Transfer, split_context
 from megatron_patch.models.registry import get_family, parse_arch
@@ -241,6 +242,48 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         write_tracker(tmp, RELEASE)
     bar.close(copier.stats)
     return sidecar
+
+
+def dequantize_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16", force: bool = False,
+                  max_shard_size: str | int = "5GB", workers: int | None = None) -> Path:
+    """A block-scaled FP8 hub folder (DeepSeek-V3's) written again as a plain HF folder (what Pai-Megatron-Patch's
+    fp8_cast_bf16.py makes before its converter): each FP8 weight dequantized as hf2mcore dequantizes it (the
+    float32 product, cast to ``dtype``: transformers' own values), every other tensor as stored, config.json
+    without its quantization_config, the tokenizer and generation files carried. hf2mcore reads the FP8 folder
+    itself, so a conversion does not need this step."""
+    import torch
+
+    hf_dir = Path(hf_dir)
+    raw = read_config_json(hf_dir)
+    reader = HFCheckpointReader(hf_dir)
+    weights = open_weights(reader, raw)
+    if fp8_block_size(raw) is None:
+        raise UserError(f"{hf_dir}'s config.json declares no block-scaled FP8 weights (quantization_config "
+                        "quant_method fp8): there is nothing to dequantize, convert it as it is")
+    out_dtype = PRECISION_DTYPE_NAMES[dtype]
+    entries = [(n, weights.shape(n), out_dtype if weights.stored(n) is None else weights.dtype(n))
+               for n in sorted(weights.keys())]
+    inputs = (TopLevelInput(hf_dir),)
+    check_target(save_dir, force, inputs=inputs)
+    with atomic_output_dir(save_dir, force, tool="mpatch convert pai fp8_cast_bf16.py", inputs=inputs) as tmp:
+        plan = plan_safetensors(tmp, entries, parse_size(max_shard_size))
+        plan.write_headers()
+
+        def write(entry) -> None:  # one tensor in memory per worker
+            name, _, name_of_dtype = entry
+            place = plan.stored[name]
+            data = weights.get(name).to(getattr(torch, name_of_dtype)).contiguous().reshape(-1)
+            fd = os.open(place.path, os.O_WRONLY)
+            try:
+                write_all(fd, data.view(torch.uint8).numpy(), place.offset)
+            finally:
+                os.close(fd)
+
+        with ThreadPoolExecutor(DEFAULT_WORKERS if workers is None else workers) as pool:
+            list(pool.map(write, entries))
+        _write_hf_config(tmp, {k: v for k, v in raw.items() if k != "quantization_config"}, out_dtype)
+        copy_carried(hf_dir, tmp)
+    return Path(save_dir)
 
 
 def _carried_sources(family, reader, available: set[str], notes: list[str]) -> dict[str, Stored]:
