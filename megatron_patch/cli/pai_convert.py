@@ -308,7 +308,9 @@ def register(convert_subparsers) -> None:
         "pai", help="run one of Pai-Megatron-Patch's converter scripts' command lines, unchanged",
         description="Pai-Megatron-Patch's converter scripts with their positional arguments: "
                     + "; ".join(usage(s) for s in SCRIPTS.values())
-                    + ". toolkits/ holds each under Pai's path, as a POSIX sh wrapper of this command. "
+                    + "; and fp8_cast_bf16.py --input-fp8-hf-path FP8_DIR --output-bf16-hf-path BF16_DIR"
+                    + ". toolkits/ holds each under Pai's path, a wrapper of this command (POSIX sh, or Python as "
+                      "Pai's fp8_cast_bf16.py). "
                       "docs/coming-from-pai.md says what each position does here.")
     p.add_argument("script", help="the script's path under the repository, or its file name")
     p.add_argument("arguments", nargs=argparse.REMAINDER, help="its positional arguments, as Pai's README gives them")
