@@ -153,6 +153,7 @@ def test_qwen2_5_readme_lines(mnt):
     assert_bit_exact(src, back)
 
 
+@pytest.mark.slow
 def test_qwen3_readme_lines(mnt):
     """examples/qwen3/README.md: A3B both ways through run_8xH20.sh."""
     script = f"{DIST}/scripts/qwen3/run_8xH20.sh"
