@@ -26,8 +26,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.convert.checkpoint import dequantize_hf
+from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES
 from megatron_patch.errors import UserError
+from megatron_patch.models.arch import validate_layout
+from megatron_patch.models.registry import parse_arch
+from megatron_patch.runtime.distributed import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -220,10 +226,6 @@ def _layout_args(source: str, layout: dict, env: dict) -> list[str]:
     pp0 = env.get("MP_PP0_LAYERS")
     if not pp0 or int(layout.get("pp", "1")) == 1:
         return [a for k, v in layout.items() for a in (f"--{k}", v)]
-    from megatron_patch.models.arch import validate_layout
-    from megatron_patch.models.registry import parse_arch
-    from megatron_patch.runtime.distributed import ParallelLayout
-
     sizes = {k: int(v) for k, v in layout.items()}
     validate_layout(parse_arch(source), ParallelLayout(**sizes), pp_first_stage_layers=int(_size("MP_PP0_LAYERS", pp0)))
     return [a for k, v in layout.items() if k != "pp" for a in (f"--{k}", v)]
@@ -236,12 +238,8 @@ def _judged_in_its_dtype(todo: Plan) -> list[str]:
     if todo.pr in (None, "fp32"):
         return []
     if todo.mg2hf:
-        from megatron_patch.convert.arch_source import open_checkpoint
-
         stored = open_checkpoint(todo.source, hf_config=todo.hf).sidecar.dtype_name
     else:
-        from megatron_patch.convert.hf_reader import HFCheckpointReader
-
         reader = HFCheckpointReader(todo.source)
         dtypes = [reader.dtype(n) for n in reader.keys()]
         stored = max(set(dtypes), key=dtypes.count)  # the weights', not a router bias kept in fp32
@@ -261,8 +259,6 @@ def describe(script: PaiScript) -> str:
 
 def cast_fp8(arguments: list[str]) -> int:
     """Pai's fp8_cast_bf16.py: the FP8 folder written again in bf16 (``convert.checkpoint.dequantize_hf``)."""
-    from megatron_patch.convert.checkpoint import dequantize_hf
-
     parser = argparse.ArgumentParser(prog="fp8_cast_bf16.py", description="An FP8 hub folder (DeepSeek-V3's) written "
                                      "again in bf16, as Pai-Megatron-Patch's script of that name does; hf2mcore reads "
                                      "the FP8 folder itself, so a conversion does not need this step.")
@@ -278,7 +274,7 @@ def cast_fp8(arguments: list[str]) -> int:
 
 
 def run(args) -> int:
-    from megatron_patch.cli import build_parser
+    from megatron_patch.cli import build_parser  # the package imports this module while it builds its parser
 
     if Path(args.script).name == Path(FP8_CAST).name:
         return cast_fp8(list(args.arguments))
