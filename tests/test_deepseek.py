@@ -171,10 +171,6 @@ def test_fp8_checkpoint_converts_to_what_transformers_dequantizes(fp8_checkpoint
     from megatron_patch.convert.hf_reader import HFCheckpointReader
     from megatron_patch.convert.sidecar import read_sidecar
 
-    # FP8 weights must say which dtype they become.
-    assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(tmp_path / "x"),
-                 "--quiet"]) == 2
-    assert "pass --dtype" in capsys.readouterr().err
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(mcore), "--dtype", "bf16",
                  "--tp", "2", "--ep", "2", "--format", "legacy", "--quiet"]) == 0
@@ -229,6 +225,23 @@ def test_fp8_dequantization_with_partial_blocks():
         got = dequantize(codes, torch.full((1, 1), 0.5), (16, 16))
         want = codes.to(torch.float32) * 0.5
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), fp8
+
+
+def test_fp8_hub_folder_converts_to_the_dtype_its_config_names(fp8_checkpoint, tmp_path, capsys):
+    """DeepSeek-V3 as the hub ships it (FP8 weights with block scales beside bf16 ones) converts without --dtype:
+    into the float dtype its config.json names, which the run says in one line."""
+    import json
+
+    from megatron_patch.cli import main
+    from megatron_patch.convert.sidecar import read_sidecar
+
+    config = json.loads((fp8_checkpoint / "config.json").read_text())
+    named = config.get("dtype") or config["torch_dtype"]
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(mcore), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"writing {named}, the dtype config.json names (--dtype chooses another)" in err
+    assert read_sidecar(mcore).dtype_name == named
 
 
 # --- multi-token-prediction layers --------------------------------------------------------------------
@@ -315,6 +328,53 @@ def test_mtp_layers_convert_both_ways_bit_exact(mtp_checkpoint, tmp_path, fmt, l
         got = run_local(checkpoint_logits_worker, 1, str(mcore), ParallelLayout(), tokens)[0]
         m = compare_logits(hf_logits(mtp_checkpoint, tokens), got)
         assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m
+
+
+@pytest.mark.slow
+def test_mtp_layers_train_from_a_checkpoint_converted_with_them(mtp_checkpoint, corpus, tmp_path):
+    """As Pai trains DeepSeek-V3 (--mtp-num-layers 1): a checkpoint converted with --mtp trains its MTP layer, here
+    at PP=2 (the layer on the last stage, with its own copy of the embedding), the MTP loss in the log beside the
+    main one, which is transformers' on the first batch; the export holds the trained MTP layer, its copies of the
+    embedding and head equal to the trained ones. Untrained, the checkpoint goes back bit-exact."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from megatron_patch.cli import main
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from tests.training_helpers import REPO, hf_loss_on_first_batch, read_metrics
+
+    mcore, untouched = tmp_path / "mcore", tmp_path / "untouched"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(mtp_checkpoint), "--save-dir", str(mcore), "--mtp",
+                 "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(mcore), "--save-dir", str(untouched), "--quiet"]) == 0
+    src, back = HFCheckpointReader(mtp_checkpoint), HFCheckpointReader(untouched)
+    assert sorted(back.keys()) == sorted(src.keys()) and all(torch.equal(back.get(n), src.get(n)) for n in src.keys())
+
+    out, gbs, seq = tmp_path / "out", 4, 32
+    run = dict(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(mcore), DATASET_PATH=corpus["prefix"],
+               OUTPUT_BASEPATH=str(out), GLOBAL_BATCH_SIZE=str(gbs), SEQ_LEN=str(seq),
+               TRAIN_TOKENS_OR_ITERS=str(3 * gbs * seq), WARMUP_TOKENS_OR_ITERS=str(gbs * seq), LR="3e-3", MIN_LR="3e-4")
+    args = launcher_args("deepseek_v3", PP="2", **run)
+    proc = subprocess.run(["bash", os.path.join(REPO, get_family("deepseek_v3").launcher), *args], capture_output=True,
+                          text=True, timeout=480, env={**os.environ, "PYTHON": sys.executable, "MP_PP0_LAYERS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    metrics = read_metrics(out)
+    assert len(metrics) == 3 and all(0 < m["mtp_1_loss"] < 10 for m in metrics), metrics
+    assert "| mtp_1 loss " in proc.stdout
+    first_batch = hf_loss_on_first_batch(mtp_checkpoint, "deepseek_v3", launcher_args("deepseek_v3", **run))
+    assert abs(metrics[0]["loss"] - first_batch) < 1e-4, (metrics[0]["loss"], first_batch)
+    assert json.loads((out / "final" / "mpatch_checkpoint.json").read_text())["mtp_layers"] == 1
+
+    trained = tmp_path / "trained"
+    assert main(["convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(trained), "--quiet"]) == 0
+    after = HFCheckpointReader(trained)
+    assert sorted(after.keys()) == sorted(src.keys())
+    own = [n for n in src.keys() if n.startswith("model.layers.3.") and "embed_tokens" not in n and "shared_head.head" not in n]
+    assert own and all(not torch.equal(after.get(n), src.get(n)) for n in own)
+    assert torch.equal(after.get("model.layers.3.embed_tokens.weight"), after.get("model.embed_tokens.weight"))
+    assert torch.equal(after.get("model.layers.3.shared_head.head.weight"), after.get("lm_head.weight"))
 
 
 def test_mtp_of_a_model_without_it_is_refused(variants, tmp_path, capsys):

@@ -101,6 +101,7 @@ def mxfp4_checkpoint(src, out, seed=0):
     (out / "model.safetensors").unlink()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
+    config.pop("dtype", None)  # the hub's config.json, written by transformers 4.x, names it torch_dtype
     config.update(torch_dtype="bfloat16", quantization_config={
         "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                             "model.embed_tokens", "lm_head"]})
@@ -119,9 +120,6 @@ def test_mxfp4_checkpoint_converts_to_what_transformers_loads(tiny, tmp_path, ca
 
     src = mxfp4_checkpoint(tiny, tmp_path / "mxfp4")
     mcore, back = tmp_path / "mcore", tmp_path / "back"
-    assert main(["convert", "hf2mcore", "--hf-dir", str(src), "--save-dir", str(mcore), "--ep", "2", "--pp", "2",
-                 "--format", "legacy", "--quiet"]) == 2
-    assert "pass --dtype bf16" in capsys.readouterr().err
     assert main(["convert", "hf2mcore", "--hf-dir", str(src), "--save-dir", str(mcore), "--ep", "2", "--pp", "2",
                  "--format", "legacy", "--dtype", "bf16", "--quiet"]) == 0
     assert any("dequantized from MXFP4" in n for n in read_sidecar(mcore).notes)
@@ -155,6 +153,30 @@ def test_layouts_megatron_core_cannot_run_are_refused(layout, fragment):
     with pytest.raises(UserError) as err:
         validate_layout(parse_arch(tiny_config("gpt_oss")), layout)
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hub_mxfp4_folder_converts_without_dtype_at_tp2_ep2(tiny, tmp_path, capsys):
+    """gpt-oss as the hub ships it (MXFP4 experts, config.json naming bfloat16), converted at TP=2 EP=2 with
+    neither --dtype nor --etp: the dtype config.json names, and the one ETP the family supports, each said in
+    one line."""
+    from megatron_patch.cli import main
+    from megatron_patch.convert.sidecar import read_sidecar
+
+    src = mxfp4_checkpoint(tiny, tmp_path / "mxfp4")
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(src), "--save-dir", str(mcore), "--tp", "2", "--ep", "2",
+                 "--quiet"]) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "writing bfloat16, the dtype config.json names" in err
+    assert "ETP=1, not TP=2: gpt_oss's experts take their biases only unsplit" in err
+    sidecar = read_sidecar(mcore)
+    assert sidecar.dtype == "bf16" and sidecar.layout == {"tp": 2, "pp": 1, "ep": 2, "etp": 1}
+    # without a float dtype in config.json the choice stays the user's
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}))
+    assert main(["convert", "hf2mcore", "--hf-dir", str(src), "--save-dir", str(tmp_path / "x"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json names no float dtype they share: pass --dtype bf16" in err and err.count("\n") == 1
 
 
 def test_mxfp4_without_scales_is_refused(tiny, tmp_path, capsys):

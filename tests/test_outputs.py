@@ -314,10 +314,14 @@ def test_force_replaces_only_what_mpatch_wrote(hf, ckpt, tmp_path, capsys):
 def test_no_output_overlaps_an_input(hf, ckpt, tmp_path, capsys):
     work = tmp_path / "ck"
     shutil.copytree(ckpt, work)
+    # An HF folder written here: a folder added inside it would contradict its manifest (one written elsewhere may
+    # hold a conversion's output, as Pai's READMEs lay them out: tests/test_pai_converters.py).
+    export = tmp_path / "export"
+    assert run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(work), "--save-dir", str(export), "--quiet")[0] == 0
     cases = [
         ["convert", "mcore2hf", "--load-dir", str(work), "--save-dir", str(work / "release"), "--force"],
         ["convert", "mcore2hf", "--load-dir", str(work / "release"), "--save-dir", str(work), "--force"],
-        ["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(hf / "sub"), "--force"],
+        ["convert", "hf2mcore", "--hf-dir", str(export), "--save-dir", str(export / "sub"), "--force"],
         ["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(hf.parent), "--force"],
     ]
     cfg = tmp_path / "cfg"

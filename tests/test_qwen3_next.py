@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import validate_layout
@@ -116,3 +117,26 @@ def test_qwen3_5_dense_language_model_round_trips_and_matches_transformers(tmp_p
 def test_qwen3_5_without_its_text_config_is_refused():
     with pytest.raises(UserError, match="has no text_config: point at Qwen3.5's multimodal hub folder"):
         parse_arch({"model_type": "qwen3_5", "hidden_size": 64})
+
+
+def test_qwen3_5_moe_config_as_transformers_writes_it_converts(tmp_path):
+    """transformers' Qwen3_5MoeTextConfig has no dense intermediate_size (every layer is MoE), so neither has a
+    hub config.json: the tiny model is saved through it, and the field absent or null is no refusal."""
+    import json
+
+    from megatron_patch.cli import main
+    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+    assert "intermediate_size" not in transformers.Qwen3_5MoeTextConfig().to_dict()
+    hf = make_tiny_hf_checkpoint("qwen3_5", tmp_path / "hf", seed=4)
+    config = json.loads((hf / "config.json").read_text())
+    assert "intermediate_size" not in config["text_config"]
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "mcore"), "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back"),
+                 "--quiet"]) == 0
+    src, out = HFCheckpointReader(hf), HFCheckpointReader(tmp_path / "back")
+    assert sorted(out.keys()) == sorted(src.keys()) and all(torch.equal(out.get(n), src.get(n)) for n in src.keys())
+    config["text_config"]["intermediate_size"] = None
+    arch = parse_arch(config)
+    assert arch.is_moe and not arch.has_dense_layers

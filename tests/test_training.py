@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -154,12 +155,15 @@ def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus
 # --- PP=2 from a converted checkpoint --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """A tiny random Llama-3.1 HF model and its hf2mcore conversion at TP=2 (torch_dist)."""
+def converted(corpus, tmp_path_factory):
+    """A tiny random Llama-3.1 HF model with the corpus's tokenizer, and its hf2mcore conversion at TP=2
+    (torch_dist)."""
     from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("converted")
     hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=3)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(corpus["tok"] / name, hf / name)
     mc = root / "mcore"
     assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(mc), "--tp", "2", "--quiet"]) == 0
     return {"hf": hf, "mcore": mc}
@@ -196,6 +200,20 @@ def test_pp2_starts_from_converted_checkpoint(pp2_run, converted, tmp_path):
     assert main(["convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(back), "--quiet"]) == 0
     after = hf_loss_on_first_batch(back, "llama3_1", args)
     assert after < before - 0.05, (after, before)
+
+
+@pytest.mark.slow
+def test_every_checkpoint_of_a_run_exports_with_its_tokenizer(pp2_run, converted, tmp_path, capsys):
+    """Not only final/: each iteration a run saves carries the tokenizer and generation files of the checkpoint it
+    started from, so 'mpatch convert mcore2hf' of the run's checkpoint folder (or an older iteration) is a whole HF
+    folder."""
+    hf, ckpt = converted["hf"], pp2_run["out"] / "checkpoint"
+    side = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    for i, folder in enumerate((ckpt, ckpt / "iter_0000006")):
+        back = tmp_path / f"back{i}"
+        assert main(["convert", "mcore2hf", "--load-dir", str(folder), "--save-dir", str(back), "--quiet"]) == 0
+        assert all((back / n).read_bytes() == (hf / n).read_bytes() for n in side), sorted(p.name for p in back.iterdir())
+    assert "no tokenizer files" not in capsys.readouterr().err
 
 
 # --- virtual pipeline (MP_VP_CHUNKS): PP=2 x 2 chunks is the same computation as PP=2 ------------------------------

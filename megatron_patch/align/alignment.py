@@ -60,6 +60,8 @@ class AlignSettings:
     only_dtype: bool = False
     # A peft LoRA adapter: the reference is peft's model of hf_dir with it, MCore carries the same adapters.
     peft_dir: str | None = None
+    # Check --mcore-dir's files against its manifest before loading them (--no-verify: False).
+    verify: bool = True
 
     @property
     def test_side(self) -> str:
@@ -240,7 +242,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
         tests = {dt: capture_hf_dir(s.hf_dir_2, tokens, dt) for dt in s.runs}
     else:
         source = {"mcore_dir": s.mcore_dir, "hf_dir": s.hf_dir} if s.mcore_dir else {"hf_dir": s.hf_dir}
-        source["peft_dir"] = s.peft_dir
+        source.update(peft_dir=s.peft_dir, verify=s.verify)
         runs = [McoreRun(dt, **source) for dt in s.runs]
         if s.ablate:
             runs += [McoreRun(s.dtype, ablation=a.name, **source)

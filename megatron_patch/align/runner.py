@@ -43,6 +43,8 @@ class McoreRun:
     ablation: str | None = None
     # LoRA adapters on top (a peft folder), unless ``mcore_dir`` carries adapters of its own
     peft_dir: str | None = None
+    # check ``mcore_dir``'s files against its manifest before loading them (align --no-verify: False)
+    verify: bool = True
 
 
 def _arch_of(run: McoreRun):
@@ -63,7 +65,7 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
         from megatron_patch.convert.loading import load_checkpoint_into_model
 
         base = adapters.base if adapters is not None and adapters.base is not None else run.mcore_dir
-        load_checkpoint_into_model(model, base, layout, hf_config=run.hf_dir)
+        load_checkpoint_into_model(model, base, layout, hf_config=run.hf_dir, verify=run.verify)
     else:
         from megatron_patch.convert.hf_reader import HFCheckpointReader
         from megatron_patch.convert.model_io import load_hf_weights

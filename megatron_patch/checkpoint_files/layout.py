@@ -275,6 +275,15 @@ def without_missing_extra_state(sharded: dict, stored_keys: set[str]) -> dict:
     return out
 
 
+def model_sharded_state(model) -> dict:
+    """A model chunk's sharded state dict. megatron-core 0.16's GPTModel reads ``metadata['dp_cp_group']`` for the
+    copy of the embedding that a multi-token-prediction block on a later pipeline stage keeps, without filling it
+    in from parallel_state as its submodules do: it is given here."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+
+
 def load_models_torch_dist(models: list, folder: str | Path) -> None:
     """Fill a rank's model chunks (GPTModels; one without a virtual pipeline) from the torch_dist
     weights in ``folder``, at whatever layout they were saved. All chunks load in one
@@ -283,7 +292,7 @@ def load_models_torch_dist(models: list, folder: str | Path) -> None:
     from megatron_patch.checkpoint_files.safe_torch import safe_dist_load
 
     stored = TorchDistReader(folder).keys()
-    request = {f"model{i}": without_missing_extra_state(m.sharded_state_dict(), stored) for i, m in enumerate(models)}
+    request = {f"model{i}": without_missing_extra_state(model_sharded_state(m), stored) for i, m in enumerate(models)}
     state = safe_dist_load(request, folder)
     for i, model in enumerate(models):
         missing, unexpected = model.load_state_dict(state[f"model{i}"], strict=False)

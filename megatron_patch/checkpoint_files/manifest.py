@@ -258,6 +258,12 @@ def verify_manifest(path: str | Path) -> int:
     return sum(e["size"] for e in entries.values())
 
 
+def naming_the_switch(exc: IntegrityError, switch: str) -> IntegrityError:
+    """``exc`` from a reader of a checkpoint, saying how that reader takes the checkpoint as it is: the files
+    may have been changed on purpose (checkpoint surgery, a debugging session)."""
+    return IntegrityError(f"{exc}; if it was changed on purpose, {switch} reads it as it is")
+
+
 def manifest_of(folder: str | Path) -> Path | None:
     path = Path(folder) / MANIFEST_NAME
     return path if path.is_file() else None

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 from megatron_patch.align.report import PLOT_NAME, print_summary, write_report
+from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import add_layout_args, layout_from_args
 from megatron_patch.convert.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
@@ -31,6 +32,8 @@ def command_line(args) -> str:
               "--tolerance", f"{args.tolerance:g}"]
     if args.only_dtype:
         parts.append("--only-dtype")
+    if args.no_verify:
+        parts.append("--no-verify")
     if args.ablate:
         parts.append("--ablate")
     parts += ["--report-dir", args.report_dir] + (["--force"] if args.force else [])
@@ -43,7 +46,8 @@ def run(args) -> int:
     settings = AlignSettings(
         hf_dir=args.hf_dir, mcore_dir=args.mcore_dir, hf_dir_2=args.hf_dir_2, layout=layout_from_args(args),
         dtype=args.dtype, seq_len=args.seq_len, batch=args.batch, seed=args.seed, text_file=args.text_file,
-        ablate=args.ablate, tolerance=args.tolerance, only_dtype=args.only_dtype, peft_dir=args.peft_dir)
+        ablate=args.ablate, tolerance=args.tolerance, only_dtype=args.only_dtype, peft_dir=args.peft_dir,
+        verify=not args.no_verify)
     if args.report_dir:
         try:
             Path(args.report_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +58,10 @@ def run(args) -> int:
     inputs = (args.hf_dir, args.mcore_dir, args.hf_dir_2, args.peft_dir, args.text_file)
     with atomic_output_dir(args.report_dir, args.force, tool="mpatch align", inputs=inputs, what="--report-dir") \
             if args.report_dir else contextlib.nullcontext() as partial:
-        result = run_alignment(settings, log=None if not args.quiet else (lambda msg: None))
+        try:
+            result = run_alignment(settings, log=None if not args.quiet else (lambda msg: None))
+        except IntegrityError as exc:
+            raise naming_the_switch(exc, "--no-verify") from None
         print_summary(result)
         if partial is not None:
             write_report(result, partial, command_line(args))
@@ -94,6 +101,9 @@ def register(subparsers) -> None:
     p.add_argument("--peft-dir", default=None,
                    help="a peft LoRA adapter of --hf-dir: the reference is peft's model with it, MCore carries the same "
                         "adapters (from --mcore-dir when it holds adapters, else from this folder)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not check --mcore-dir's files against its mpatch_manifest.json (checked by default, where it "
+                        "has one): for a checkpoint edited on purpose")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")

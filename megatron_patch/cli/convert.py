@@ -7,6 +7,7 @@ import functools
 import signal
 import warnings
 
+from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import add_layout_args, layout_from_args
 from megatron_patch.convert.checkpoint import DEFAULT_WORKERS, hf_to_mcore, mcore_to_hf
 from megatron_patch.errors import UserError
@@ -50,16 +51,28 @@ def run_hf2mcore(args) -> int:
 
         adapter = read_peft_import(args.peft_dir, args.hf_dir)
     sidecar = hf_to_mcore(args.hf_dir, args.save_dir, layout_from_args(args), fmt=args.format, dtype=args.dtype,
-                          force=args.force, progress=False if args.quiet else None, mtp=args.mtp,
+                          force=args.force, progress=False if args.quiet else None, mtp={None: False, "keep": True}.get(args.mtp, args.mtp),
                           workers=args.workers, adapter=adapter)
     if adapter is not None:
         print(f"with the LoRA adapters of {args.peft_dir}: {adapter.spec.describe()}")
-    print(f"wrote {args.save_dir}: {sidecar.family} {sidecar.checkpoint_format} {layout_from_args(args)} "
+    print(f"wrote {args.save_dir}: {sidecar.family} {sidecar.checkpoint_format} {sidecar.parallel_layout} "
           f"{sidecar.dtype}, {sidecar.num_tensors} tensors, {sidecar.num_bytes / 2**30:.2f} GiB")
     return 0
 
 
+def _names_no_verify(run):
+    """A checkpoint whose files no longer match its manifest is refused in one line that names --no-verify."""
+    @functools.wraps(run)
+    def wrapped(args) -> int:
+        try:
+            return run(args)
+        except IntegrityError as exc:
+            raise naming_the_switch(exc, "--no-verify") from None
+    return wrapped
+
+
 @_writes_save_dir
+@_names_no_verify
 def run_mcore2hf(args) -> int:
     _terminate_cleanly()
     _quiet_imports()
@@ -139,9 +152,10 @@ def register(subparsers) -> None:
     h.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of the MCore weights (default: the HF tensors' own dtype; required for FP8 hub "
                         "checkpoints, whose block-scaled weights are dequantized on the fly)")
-    h.add_argument("--mtp", action="store_true",
-                   help="keep the multi-token-prediction layers (DeepSeek-V3's) in megatron-core's MTP block; without "
-                        "it they are dropped, with a count printed and a note in the sidecar")
+    h.add_argument("--mtp", nargs="?", const="keep", choices=["keep", "auto"], default=None,
+                   help="keep the multi-token-prediction layers (DeepSeek-V3's) in megatron-core's MTP block, for "
+                        "training to train them (refused when config.json declares none; '--mtp auto': where it "
+                        "declares some); without it they are dropped, with a count printed and a note in the sidecar")
     h.add_argument("--peft-dir", default=None,
                    help="a peft LoRA adapter folder of this model: its adapters are stored beside the weights "
                         "(torch_dist), for training to continue them or mcore2hf to export or merge them")
@@ -189,3 +203,7 @@ def register(subparsers) -> None:
     _add_workers(m)
     m.add_argument("--quiet", action="store_true", help="no progress output")
     m.set_defaults(run=run_mcore2hf)
+
+    from megatron_patch.cli.pai_convert import register as register_pai
+
+    register_pai(sub)

@@ -28,6 +28,7 @@ import math
 import os
 import sys
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
@@ -50,20 +51,20 @@ from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
 from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
 from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
-from megatron_patch.convert.fp8 import open_weights
+from megatron_patch.convert.fp8 import fp8_block_size, open_weights
 from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
-from megatron_patch.convert.outputs import atomic_output_dir, carried_files, check_target, copy_carried
+from megatron_patch.convert.outputs import TopLevelInput, atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.schedule import WHOLE_FILE
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
-from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
+from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import checked_input
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
-from megatron_patch.models.arch import Arch, validate_layout
-from megatron_patch.models.config_checks import check_weights_fit
+from megatron_patch.models.arch import Arch, default_expert_tp, read_config_json, validate_layout
+from megatron_patch.models.config_checks import check_weights_fit, config_dtype
 from megatron_patch.models.mapping import Transfer, split_context
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.models.skeleton import ModelSkeleton, describe_model
@@ -77,9 +78,10 @@ FORMATS = ("torch_dist", "legacy")
 DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
-def _choose_dtype(reader: HFCheckpointReader | None, names, dtype) -> str:
+def _choose_dtype(reader: HFCheckpointReader | None, names, dtype, hf_config: dict | None = None) -> str:
     """The dtype name the output is written in: ``dtype`` (a precision name or torch dtype), or the
-    source's own when it is one of the precisions."""
+    source's own when it is one of the precisions, else (a quantized hub folder: FP8 weights beside bf16 ones,
+    MXFP4 experts) the float dtype its config.json names, which is what its weights dequantize to."""
     if dtype is not None:
         name = dtype_name(dtype)
         if name not in PRECISION_OF_DTYPE_NAME:
@@ -88,7 +90,13 @@ def _choose_dtype(reader: HFCheckpointReader | None, names, dtype) -> str:
     found = {reader.dtype(n) for n in names}
     if len(found) == 1 and next(iter(found)) in PRECISION_OF_DTYPE_NAME:
         return next(iter(found))
-    raise UserError(f"the HF tensors are stored as {sorted(found)}: pass --dtype bf16, fp16 or fp32")
+    named = config_dtype(hf_config or {})
+    if named in PRECISION_OF_DTYPE_NAME:
+        print(f"hf2mcore: the HF tensors are stored as {sorted(found)}: writing {named}, the dtype config.json names "
+              "(--dtype chooses another)", file=sys.stderr, flush=True)
+        return named
+    raise UserError(f"the HF tensors are stored as {sorted(found)} and config.json names no float dtype they share: "
+                    "pass --dtype bf16, fp16 or fp32")
 
 
 def _make_copier(copier: Copier | None, workers: int | None, progress) -> Copier:
@@ -146,7 +154,7 @@ def _restrict(moves: list[Move], region: tuple[slice, ...], target: Stored) -> l
 # --- HF -> MCore -------------------------------------------------------------------------------
 
 def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout, fmt: str = "torch_dist",
-                dtype=None, force: bool = False, progress: bool | None = None, mtp: bool = False,
+                dtype=None, force: bool = False, progress: bool | None = None, mtp: bool | str = False,
                 workers: int | None = None, copier: Copier | None = None, adapter=None) -> Sidecar:
     """Convert an HF model folder into an MCore checkpoint folder (``fmt``: torch_dist or legacy).
 
@@ -156,7 +164,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
 
     FP8 block-scaled weights and MXFP4 experts are dequantized on the way (``convert.fp8``,
     ``convert.mxfp4``; through torch, as they are computed, not copied). Multi-token-prediction layers go into megatron-core's MTP block with
-    ``mtp``; without it they are dropped, with a count printed and a note in the sidecar.
+    ``mtp`` (True: refused if config.json declares none; "auto": those it declares, if any); without it they are
+    dropped, with a count printed and a note in the sidecar.
 
     ``adapter``: LoRA adapters to store beside the weights (``convert.lora_io.PeftImport``: their tensors
     under layout-free keys, modules_to_save weights that replace the base's, the sidecar's ``lora``).
@@ -171,10 +180,14 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         raise UserError(f"{hf_dir} is not a folder: point --hf-dir at a Hugging Face model folder")
     arch = parse_arch(hf_dir)
     family = get_family(arch.family)
+    layout, note = default_expert_tp(arch, layout)
+    if note:
+        print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
     validate_layout(arch, layout)
     if fmt == "legacy":
         check_legacy_layout(layout)
-    check_target(save_dir, force, inputs=(hf_dir,))  # fail before the slow part (checked again under the lock)
+    inputs = (TopLevelInput(hf_dir),)  # only its top-level files are read: the output may be a folder inside it
+    check_target(save_dir, force, inputs=inputs)  # fail before the slow part (checked again under the lock)
     side_files = carried_files(hf_dir)
     for name in side_files:  # each inside the folder and a regular file, before the slow part
         checked_input(hf_dir / name, inside=hf_dir, how="has a side file", limit=None)
@@ -192,7 +205,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     check_hf_names(family, arch, tp1, available)
     reader = StackedView(reader, family.hf_stacked(arch))  # stacked experts read as the table's members
     # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
-    out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype)
+    out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype, arch.hf_config)
     skeleton = describe_model(arch)
     check_hf_shapes(reader, skeleton.hf_shapes)
 
@@ -200,7 +213,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     carried = _carried_sources(family, reader, available, notes)
     copier = _make_copier(copier, workers, None)
     digested: dict = {}
-    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=(hf_dir,), digested=digested) as tmp:
+    with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=inputs, digested=digested) as tmp:
         release = tmp / RELEASE
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
@@ -231,6 +244,48 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     return sidecar
 
 
+def dequantize_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16", force: bool = False,
+                  max_shard_size: str | int = "5GB", workers: int | None = None) -> Path:
+    """A block-scaled FP8 hub folder (DeepSeek-V3's) written again as a plain HF folder (what Pai-Megatron-Patch's
+    fp8_cast_bf16.py makes before its converter): each FP8 weight dequantized as hf2mcore dequantizes it (the
+    float32 product, cast to ``dtype``: transformers' own values), every other tensor as stored, config.json
+    without its quantization_config, the tokenizer and generation files carried. hf2mcore reads the FP8 folder
+    itself, so a conversion does not need this step."""
+    import torch
+
+    hf_dir = Path(hf_dir)
+    raw = read_config_json(hf_dir)
+    reader = HFCheckpointReader(hf_dir)
+    weights = open_weights(reader, raw)
+    if fp8_block_size(raw) is None:
+        raise UserError(f"{hf_dir}'s config.json declares no block-scaled FP8 weights (quantization_config "
+                        "quant_method fp8): there is nothing to dequantize, convert it as it is")
+    out_dtype = PRECISION_DTYPE_NAMES[dtype]
+    entries = [(n, weights.shape(n), out_dtype if weights.stored(n) is None else weights.dtype(n))
+               for n in sorted(weights.keys())]
+    inputs = (TopLevelInput(hf_dir),)
+    check_target(save_dir, force, inputs=inputs)
+    with atomic_output_dir(save_dir, force, tool="mpatch convert pai fp8_cast_bf16.py", inputs=inputs) as tmp:
+        plan = plan_safetensors(tmp, entries, parse_size(max_shard_size))
+        plan.write_headers()
+
+        def write(entry) -> None:  # one tensor in memory per worker
+            name, _, name_of_dtype = entry
+            place = plan.stored[name]
+            data = weights.get(name).to(getattr(torch, name_of_dtype)).contiguous().reshape(-1)
+            fd = os.open(place.path, os.O_WRONLY)
+            try:
+                write_all(fd, data.view(torch.uint8).numpy(), place.offset)
+            finally:
+                os.close(fd)
+
+        with ThreadPoolExecutor(DEFAULT_WORKERS if workers is None else workers) as pool:
+            list(pool.map(write, entries))
+        _write_hf_config(tmp, {k: v for k, v in raw.items() if k != "quantization_config"}, out_dtype)
+        copy_carried(hf_dir, tmp)
+    return Path(save_dir)
+
+
 def _carried_sources(family, reader, available: set[str], notes: list[str]) -> dict[str, Stored]:
     """The HF tensors the family carries beside the MCore model, where their bytes are; said once, loudly."""
     names = sorted(n for n in available if family.is_carried(n))
@@ -252,10 +307,12 @@ def _whole_moves(sources: dict[str, Stored], places: dict[str, Stored]) -> list[
     return [Move(src, 0, 0, places[n], 0, 0, src.rows, src.cols) for n, src in sources.items() if src.nbytes]
 
 
-def _multi_token_prediction(family, arch: Arch, reader, keep: bool, notes: list[str]) -> tuple[set[str], Arch]:
-    """(the HF tensors to convert, the model to build): with ``keep``, the MTP layers join the model;
-    without, their tensors are left out, loudly."""
+def _multi_token_prediction(family, arch: Arch, reader, keep: bool | str, notes: list[str]) -> tuple[set[str], Arch]:
+    """(the HF tensors to convert, the model to build): with ``keep`` ("auto": where config.json declares some), the
+    MTP layers join the model; without, their tensors are left out, loudly."""
     names, count = set(reader.keys()), family.hf_mtp_layers(arch.hf_config)
+    if keep == "auto":
+        keep = count > 0
     if keep:
         if not count:
             raise UserError("--mtp: this checkpoint's config.json declares no multi-token-prediction layers")
@@ -473,7 +530,8 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     ``base_only`` exports the base weights a checkpoint carries beside its adapters (hf2mcore --peft-dir)."""
     # Every folder read is an input the output may not overlap: the one given, the weights' folder, the
     # sidecar's, and the folder --hf-config came from.
-    inputs = (load_dir, _config_folder(hf_config))
+    config_folder = _config_folder(hf_config)
+    inputs = (load_dir, None if config_folder is None else TopLevelInput(config_folder))
     check_target(save_dir, force, inputs=inputs)
     opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
     for note in opened.found.notes + opened.notes:
@@ -488,7 +546,8 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     manifest = manifest_for(opened.found.folder) if verify else None
     check = BackgroundCheck(manifest) if manifest is not None else None
     try:
-        _export_hf(opened, save_dir, dtype, max_shard_size, force, progress, copier, workers, inputs, check)
+        _export_hf(opened, save_dir, dtype, max_shard_size, force, progress, copier, workers, inputs, check,
+                   config_folder)
     except Exception as exc:
         # A damaged input file explains a failed conversion better than the conversion's own error.
         found = check.failure() if check is not None else None
@@ -499,7 +558,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
 
 
 def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, copier, workers, inputs: tuple,
-               check: BackgroundCheck | None) -> None:
+               check: BackgroundCheck | None, config_folder: Path | None = None) -> None:
     load_dir, data_dir, sidecar = opened.sidecar_dir, opened.found.folder, opened.sidecar
     arch = sidecar.arch
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
@@ -559,10 +618,26 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
-        copy_carried(load_dir, tmp, [f for f in sidecar.carried_files if f != CARRIED_TENSORS])
+        _carry_side_files(load_dir, [f for f in sidecar.carried_files if f != CARRIED_TENSORS], config_folder, tmp)
         if check is not None:
             check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)
+
+
+def _carry_side_files(load_dir: Path, listed: list[str], config_folder: Path | None, out: Path) -> None:
+    """The tokenizer and generation files into the export: those the checkpoint carries, else (a checkpoint of
+    another tool, or an iteration saved before runs carried them) those of the HF folder --hf-config names."""
+    if listed:
+        copy_carried(load_dir, out, listed)
+        return
+    found = carried_files(config_folder) if config_folder is not None else []
+    if found:
+        copy_carried(config_folder, out, found)
+        print(f"mcore2hf: the checkpoint carries no tokenizer files: {len(found)} taken from {config_folder} "
+              f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})", file=sys.stderr, flush=True)
+        return
+    print("warning: the export has no tokenizer files, as the checkpoint carries none: --hf-config HF_DIR takes them "
+          "from the model's HF folder", file=sys.stderr, flush=True)
 
 
 def _config_folder(hf_config) -> Path | None:

@@ -27,16 +27,18 @@ from megatron_patch.models.mapping.naming import to_spec
 from megatron_patch.models.registry import get_family
 
 
-def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_config: dict | str | Path | None = None
-                               ) -> Sidecar:
+def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_config: dict | str | Path | None = None,
+                               verify: bool = True) -> Sidecar:
     """Fill ``model`` (built by ``build_model`` on this rank; a list: its virtual-pipeline chunks) from
     ``ckpt_dir``; returns its sidecar.
 
     A checkpoint without this project's sidecar (another tool's) needs ``hf_config``, the model's
-    config the caller built ``model`` from (``convert.arch_source.open_checkpoint``)."""
+    config the caller built ``model`` from (``convert.arch_source.open_checkpoint``). ``verify``: its files are
+    checked against its manifest first (``IntegrityError``: the caller names its switch that skips this)."""
     chunks = model if isinstance(model, list) else [model]
     opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
-    verify_before_load(opened.found.folder)
+    if verify:
+        verify_before_load(opened.found.folder)
     sidecar = opened.sidecar
     if sidecar.checkpoint_format == "torch_dist":
         load_models_torch_dist(chunks, opened.found.folder)

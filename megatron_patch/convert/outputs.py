@@ -8,6 +8,7 @@ import contextlib
 import fnmatch
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -87,11 +88,33 @@ def replace_refusal(folder: Path) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class TopLevelInput:
+    """An input folder of which only the top-level files are read: an HF model folder (config.json, safetensors,
+    tokenizer files). An output may be a new folder inside it, as Pai-Megatron-Patch's READMEs lay conversions out
+    (``Meta-Llama-3.1-8B/mcore-tp4-pp2``), unless the folder is itself an output of mpatch, whose manifest a folder
+    added to it would contradict."""
+
+    path: str | Path
+
+
+def _overlap(target: Path, inputs: tuple) -> Path | None:
+    plain = []
+    for given in inputs:
+        if isinstance(given, TopLevelInput):
+            folder = Path(given.path).resolve()
+            if folder in target.resolve().parents and manifest_of(folder) is None:
+                continue
+            given = given.path
+        plain.append(given)
+    return overlap(target, plain)
+
+
 def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: str = "--save-dir") -> Path:
-    """Refuse an output folder that overlaps an input (``--force`` or not), is a file or under one, is
-    non-empty without ``force``, or (with ``force``) is not an earlier output of this project."""
+    """Refuse an output folder that overlaps an input (``--force`` or not; a ``TopLevelInput`` may hold it), is a
+    file or under one, is non-empty without ``force``, or (with ``force``) is not an earlier output of this project."""
     target = Path(target).absolute()
-    clash = overlap(target, inputs)
+    clash = _overlap(target, inputs)
     if clash is not None:
         raise UserError(f"the output folder {target} overlaps the input {clash} (it is, lies inside, or holds it): "
                         f"choose a {what} outside every input")

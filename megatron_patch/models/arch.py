@@ -6,7 +6,7 @@ from their config.json (``models/<family>/config.py``); everything downstream re
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +288,15 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
         if unsplit:
             raise UserError(f"CP={layout.cp}: megatron-core's context parallelism does not split {unsplit} "
                             f"({arch.family}): set CP=1")
+
+
+def default_expert_tp(arch: Arch, layout: ParallelLayout) -> tuple[ParallelLayout, str | None]:
+    """``layout`` with the expert-tensor-parallel size, where none was given (megatron-core's default: TP), set to
+    what the model supports; and the line that says so (None when that is TP anyway)."""
+    if layout.etp is None and layout.tp > 1 and arch.is_moe and arch.linear_bias:
+        return replace(layout, etp=1), (f"ETP=1, not TP={layout.tp}: {arch.family}'s experts take their biases only "
+                                        "unsplit (--etp sets it)")
+    return layout, None
 
 
 def first_stage_that_fits(num_layers: int, pp: int) -> int | None:

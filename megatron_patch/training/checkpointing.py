@@ -39,6 +39,7 @@ from megatron_patch.checkpoint_files.layout import (
     fsync_file,
     iteration_dir,
     latest_complete_iteration,
+    model_sharded_state,
     partial_dir,
     publish,
     read_small_json,
@@ -48,13 +49,16 @@ from megatron_patch.checkpoint_files.layout import (
     zip_problem,
 )
 from megatron_patch.checkpoint_files.manifest import (
+    IntegrityError,
     digests,
     manifest_of,
+    naming_the_switch,
     unlisted_files,
     verify_manifest,
     write_manifest,
 )
-from megatron_patch.convert.outputs import replace_refusal
+from megatron_patch.convert.foreign import find_checkpoint
+from megatron_patch.convert.outputs import carried_files, copy_carried, replace_refusal
 from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.lora.state import adapter_sharded_state, base_record
@@ -72,6 +76,20 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 TRAIN_STATE = "train_state.json"
+# What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
+# against their manifests: the same switch as the commands' --no-verify, for a checkpoint edited on purpose.
+NO_VERIFY = "MP_NO_VERIFY=true"
+
+
+def load_starting_weights(cfg, chunks: list, folder) -> None:
+    """A checkpoint (PRETRAIN_CHECKPOINT_PATH, a LoRA run's base) into this rank's model chunks, its files checked
+    against its manifest unless MP_NO_VERIFY says otherwise."""
+    from megatron_patch.convert.loading import load_checkpoint_into_model
+
+    try:
+        load_checkpoint_into_model(chunks, folder, cfg.layout, hf_config=cfg.hf_config, verify=not cfg.no_verify)
+    except IntegrityError as exc:
+        raise naming_the_switch(exc, NO_VERIFY) from None
 
 
 def iteration_problem(folder: Path, verify: bool = True) -> str | None:
@@ -87,6 +105,8 @@ def iteration_problem(folder: Path, verify: bool = True) -> str | None:
     if verify and manifest is not None:
         try:
             verify_manifest(manifest)
+        except IntegrityError as exc:
+            return str(naming_the_switch(exc, NO_VERIFY))
         except UserError as exc:
             return str(exc)
     if verify:  # the CRC-32s too: a manifest rewritten after the damage, or none, would leave them to the load
@@ -144,12 +164,12 @@ def latest_iteration(root: str | Path, verify: bool = True) -> tuple[int | None,
         raise
 
 
-def resume_iteration(root: str | Path, log=print) -> int | None:
+def resume_iteration(root: str | Path, log=print, verify: bool = True) -> int | None:
     """``latest_iteration``, decided by rank 0 and the same on every rank (warnings logged once)."""
     holder: list = [None]
     if dist.get_rank() == 0:
         try:
-            holder = [latest_iteration(root)]
+            holder = [latest_iteration(root, verify)]
         except UserError as exc:
             holder = [exc]
     dist.broadcast_object_list(holder, src=0)
@@ -202,7 +222,7 @@ def _model_state(chunk) -> dict:
     layout-free keys, any modules_to_save weights): the frozen base stays in the checkpoint it came from."""
     lora = getattr(chunk, "lora", None)
     if lora is None:
-        return chunk.sharded_state_dict()
+        return model_sharded_state(chunk)
 
     return adapter_sharded_state(chunk, lora)
 
@@ -221,8 +241,30 @@ def _param_gather_hooks(cfg, models: list, enable: bool) -> None:
             m.enable_forward_pre_hook() if enable else m.disable_forward_pre_hook()
 
 
-def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
-    """``models``: this rank's DDP-wrapped model chunks (one without a virtual pipeline)."""
+def side_files_source(cfg, resume_iteration: int | None) -> Path | None:
+    """Where the tokenizer, chat template and generation files that each of the run's checkpoints carries come
+    from (so that 'mpatch convert mcore2hf' of any iteration, not only of final/, is a whole HF folder): the
+    iteration it resumes, which carries them already (the folder the run started from may be gone by now), else
+    PRETRAIN_CHECKPOINT_PATH's (hf2mcore's copies, or an earlier run's), else the MP_TOKENIZER folder. The first
+    of these that holds any; None when none does."""
+    candidates = []
+    if resume_iteration is not None:
+        candidates.append(iteration_dir(cfg.checkpoint_dir, resume_iteration))
+    if cfg.pretrain_checkpoint:
+        found = find_checkpoint(cfg.pretrain_checkpoint)
+        candidates.append(found.sidecar_dir or found.root)
+    if cfg.tokenizer and Path(cfg.tokenizer).is_dir():
+        candidates.append(Path(cfg.tokenizer))
+    return next((folder for folder in candidates if carried_files(folder)), None)
+
+
+def _carry_side_files(source: Path | None, folder: Path) -> list[str]:
+    return copy_carried(source, folder) if source is not None else []
+
+
+def save(cfg, iteration: int, models: list, optimizer, scheduler, side_files: Path | None = None) -> Path:
+    """``models``: this rank's DDP-wrapped model chunks (one without a virtual pipeline); ``side_files``: the folder
+    whose tokenizer and generation files the checkpoint carries (``side_files_source``)."""
     from megatron.core import dist_checkpointing
 
     root = cfg.checkpoint_dir
@@ -250,10 +292,12 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler) -> Path:
                 {"iteration": iteration, "consumed_samples": iteration * cfg.global_batch_size,
                  "world_size": dist.get_world_size(), "family": cfg.family, "hf_config": cfg.hf_config,
                  "config": cfg.to_dict()}, indent=2, default=str) + "\n")
-            # The converter's sidecar too, so 'mpatch convert mcore2hf' reads any iteration folder directly.
+            # The converter's sidecar too, and the tokenizer files, so that 'mpatch convert mcore2hf' of any
+            # iteration folder is a whole HF folder.
             from megatron_patch.convert.sidecar import Sidecar
 
             Sidecar.create("torch_dist", cfg.arch, cfg.layout, cfg.precision.dtype,
+                           carried_files=_carry_side_files(side_files, tmp),
                            source=f"mpatch train, iteration {iteration}", lora=_lora_record(cfg)).write(tmp)
         _write_shared_manifest(tmp, f"mpatch train, iteration {iteration}")
         if rank == 0:
@@ -476,12 +520,12 @@ def check_output_basepath(out: Path) -> None:
                             "OUTPUT_BASEPATH")
 
 
-def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
+def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_files: Path | None = None) -> Path:
     """The trained weights alone, in the layout 'mpatch convert hf2mcore' writes (``OUTPUT_BASEPATH/final``).
 
     'mpatch convert mcore2hf --load-dir OUTPUT_BASEPATH/final' turns it into an HF folder, and it can be
     the PRETRAIN_CHECKPOINT_PATH of the next run (e.g. SFT after pretraining), at any TP/PP.
-    Tokenizer files of the starting checkpoint are carried along.
+    The tokenizer files of ``side_files`` (``side_files_source``) are carried along.
     """
     from megatron.core import dist_checkpointing
 
@@ -502,12 +546,7 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype) -> Path:
     _param_gather_hooks(cfg, models, enable=True)
     dist.barrier()
     if rank == 0:
-        from megatron_patch.convert.outputs import copy_carried
-
-        carried = copy_carried(cfg.pretrain_checkpoint, tmp) if cfg.pretrain_checkpoint else []
-        if not carried and cfg.tokenizer and Path(cfg.tokenizer).is_dir():
-            carried = copy_carried(cfg.tokenizer, tmp)
-        Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, carried_files=carried,
+        Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, carried_files=_carry_side_files(side_files, tmp),
                        source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}",
                        lora=_lora_record(cfg)).write(tmp)
         write_tracker(tmp, RELEASE)

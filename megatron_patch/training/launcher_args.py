@@ -198,6 +198,8 @@ EXTRAS = {
                     "arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
     "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
     "MP_SAVE": "false: write no checkpoints and no final/ export (benchmarks)",
+    "MP_NO_VERIFY": "true: read PRETRAIN_CHECKPOINT_PATH and the run's own checkpoints without checking their files "
+                    "against their manifests (a checkpoint edited on purpose; mcore2hf's and align's --no-verify)",
     "MP_MAX_RESTARTS": "restart the ranks up to N times after a failure (torchrun --max-restarts); each restart "
                        "resumes from the latest complete checkpoint (default 0)",
     "MP_DIST_TIMEOUT_MIN": "minutes a collective may wait for the other ranks before the job fails naming the "

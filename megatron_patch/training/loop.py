@@ -21,7 +21,6 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_patch.convert.loading import load_checkpoint_into_model
 from megatron_patch.errors import UserError
 from megatron_patch.models import compiled_fusions
 from megatron_patch.models.builder import build_model_chunks
@@ -62,8 +61,9 @@ def _memory_gib() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Per-token cross entropy [b, s] from this TP rank's vocabulary slice of the logits [b, s, v/tp].
+def _token_losses(vocab_size: int, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy [b, s] from this TP rank's vocabulary slice of the logits [s, b, v/tp] (megatron-core's
+    layout; the signature of its ``compute_language_model_loss``, which this replaces in a model with MTP layers).
 
     The rows megatron pads the vocabulary with are excluded from the softmax: left in, their logits
     (0 from zero-initialised rows) add probability mass no token can have, and a converted model
@@ -76,17 +76,20 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -
     if first + local > vocab_size:
         padded = torch.arange(first, first + local, device=logits.device) >= vocab_size
         logits = logits.masked_fill(padded, -1e9 if logits.dtype == torch.float32 else -1e4)
-    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous().float(),
-                                                          labels.transpose(0, 1).contiguous())
+    losses = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels.transpose(0, 1).contiguous())
     return losses.transpose(0, 1)
 
 
-def _loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, vocab_size: int, cp_size: int,
+def _loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, vocab_size: int, cp_size: int, token_losses: bool,
                output_tensor: torch.Tensor):
-    """Mean loss over the tokens the mask keeps; also returns (sum, count) for exact logging."""
+    """Mean loss over the tokens the mask keeps; also returns (sum, count) for exact logging. ``output_tensor``: the
+    logits [b, s, v/tp], or (``token_losses``: a model with MTP layers, which takes the labels) the losses [b, s]."""
     from megatron.core import parallel_state
 
-    losses = _token_losses(output_tensor, labels, vocab_size).reshape(-1)
+    if token_losses:
+        losses = output_tensor.reshape(-1)
+    else:
+        losses = _token_losses(vocab_size, labels, output_tensor.transpose(0, 1).contiguous()).reshape(-1)
     mask = loss_mask.reshape(-1).float()
     stats = torch.stack([torch.sum(losses * mask), mask.sum()])
     if cp_size > 1:
@@ -120,6 +123,8 @@ class StepContext:
     device: torch.device
     cp_size: int = 1
     cp_rank: int = 0
+    # A model with multi-token-prediction layers: they compute their loss in the forward, from the labels.
+    mtp: bool = False
 
 
 def prepare_batch(batch: dict, ctx: StepContext) -> tuple[dict, object]:
@@ -140,9 +145,15 @@ def prepare_batch(batch: dict, ctx: StepContext) -> tuple[dict, object]:
 
 def _forward_step(ctx: StepContext, data_iterator, model):
     batch, packed = prepare_batch(next(data_iterator), ctx)
-    # No labels: the model returns logits, and the loss (with the vocabulary padding masked) is ours.
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), packed_seq_params=packed)
-    return output, partial(_loss_func, batch["loss_mask"], batch["labels"], ctx.vocab_size, ctx.cp_size)
+    if ctx.mtp:
+        # megatron-core computes the MTP layers' loss inside the forward, from the labels (and adds its gradient to
+        # the backward), and returns the main head's per-token losses, each through ``_token_losses``.
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                       loss_mask=batch["loss_mask"], packed_seq_params=packed)
+    else:
+        # No labels: the model returns logits, and the loss (with the vocabulary padding masked) is ours.
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), packed_seq_params=packed)
+    return output, partial(_loss_func, batch["loss_mask"], batch["labels"], ctx.vocab_size, ctx.cp_size, ctx.mtp)
 
 
 def cast_parameters(chunks: list, dtype: torch.dtype) -> None:
@@ -240,11 +251,16 @@ class Trainer:
 
             for c in chunks:
                 use_packed_local_attention(c)
+        if self.arch.mtp_layers:  # the heads' losses (the main one and each MTP layer's) mask the vocabulary padding
+            for c in chunks:
+                c.compute_language_model_loss = partial(_token_losses, self.arch.vocab_size)
         move_to_device(chunks, device)
         cast_parameters(chunks, cfg.precision.dtype)
         if cfg.compile_fusions:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         self.resume_iteration = self._latest()
+        # Read by rank 0 alone, which writes them into each checkpoint.
+        self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
         if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
             setup_lora(cfg, chunks, self.resume_iteration is not None, self._log)
             self._log(describe_trainable(chunks))
@@ -293,7 +309,7 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.step_context = StepContext(vocab_size=self.arch.vocab_size, device=device, cp_size=cfg.cp,
-                                        cp_rank=parallel_state.get_context_parallel_rank())
+                                        cp_rank=parallel_state.get_context_parallel_rank(), mtp=self.arch.mtp_layers > 0)
         self._build_data()
         if device.type == "cuda":
             from megatron_patch.training.gpu_setup import warm_up_fused_kernels
@@ -304,11 +320,11 @@ class Trainer:
     def _load_pretrained(self, chunks: list) -> None:
         """A converted checkpoint into this rank's model chunk(s)."""
         cfg = self.cfg
-        load_checkpoint_into_model(chunks, cfg.pretrain_checkpoint, cfg.layout, hf_config=cfg.hf_config)
+        checkpointing.load_starting_weights(cfg, chunks, cfg.pretrain_checkpoint)
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-        return resume_iteration(self.cfg.checkpoint_dir, self._log)
+        return resume_iteration(self.cfg.checkpoint_dir, self._log, verify=not self.cfg.no_verify)
 
     def _build_data(self) -> None:
         cfg = self.cfg
@@ -403,9 +419,24 @@ class Trainer:
             result["offload"] = self.offload.after_update(self.iteration + 1)
         return result
 
+    def _take_mtp_losses(self, num_microbatches: int) -> list[float]:
+        """Each MTP layer's loss of this step (the mean over micro-batches and data-parallel ranks, as Megatron-LM
+        logs it), then cleared; every rank gets the last stage's numbers (a collective)."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        tracker = MTPLossLoggingHelper.tracker
+        values = torch.zeros(self.arch.mtp_layers, dtype=torch.float64, device=self._device())
+        if self.last_stage and "values" in tracker:
+            MTPLossLoggingHelper.reduce_loss_in_tracker()
+            values = (tracker["values"].double() / num_microbatches).to(values.device)
+            MTPLossLoggingHelper.clean_loss_in_tracker()
+        dist.broadcast(values, src=self.world - 1)
+        return values.cpu().tolist()
+
     def _step(self, batches: list[dict]) -> dict:
         cfg = self.cfg
         stats = self._run_schedule(batches, forward_only=False)
+        mtp_losses = self._take_mtp_losses(len(batches)) if self.arch.mtp_layers else []
         if self.offload is not None:
             self.offload.after_backward()
         if faults.due(cfg.faults, "overflow", self.iteration + 1):
@@ -420,7 +451,7 @@ class Trainer:
             for m in self.models:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
-            return {"loss": loss, "skipped": True, "tokens": float(stats[1])}
+            return {"loss": loss, "skipped": True, "tokens": float(stats[1]), "mtp_losses": mtp_losses}
         indexer_loss = sparse_attention_run.take_indexer_loss(self._device()) if cfg.dsa and cfg.dsa["loss_scale"] \
             else None
         scale = self._loss_scale()
@@ -433,7 +464,7 @@ class Trainer:
             self._log(f"iteration {self.iteration + 1}: inf/nan gradients, step skipped"
                       + (f" (loss scale {scale:g} -> {after:g})" if scale is not None else ""))
         return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": float(stats[1]), "loss_scale": scale, "indexer_loss": indexer_loss}
+                "tokens": float(stats[1]), "loss_scale": scale, "indexer_loss": indexer_loss, "mtp_losses": mtp_losses}
 
     def _loss_scale(self) -> float | None:
         """fp16's dynamic loss scale (None without one: bf16 and fp32 train unscaled)."""
@@ -495,6 +526,8 @@ class Trainer:
                 metrics["loss_scale"] = result["loss_scale"]
             if result.get("indexer_loss") is not None:
                 metrics["indexer_loss"] = result["indexer_loss"]
+            for k, value in enumerate(result.get("mtp_losses", [])):  # Megatron-LM's "mtp_1 loss", ...
+                metrics[f"mtp_{k + 1}_loss"] = value
             metrics.update(result.get("offload", {}))
             records.append(metrics)
             if peak:
@@ -504,6 +537,7 @@ class Trainer:
                 gn = metrics["grad_norm"]
                 self._log(f"iter {self.iteration:6d}/{cfg.train_iters} | loss {result['loss']:.4f} | "
                           + (f"indexer loss {metrics['indexer_loss']:.4f} | " if "indexer_loss" in metrics else "")
+                          + "".join(f"mtp_{k + 1} loss {v:.4f} | " for k, v in enumerate(result.get("mtp_losses", [])))
                           + f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
                           f"tokens/s {metrics['tokens_per_s']:.0f} | TFLOP/s/{'GPU' if peak is not None else 'proc'} "
                           f"{tflops:.3f}" + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
@@ -515,12 +549,14 @@ class Trainer:
                 self._log(f"validation at iter {self.iteration}: loss {vloss:.4f} | ppl {math.exp(min(vloss, 50)):.2f}")
                 self._record({"iteration": self.iteration, "valid_loss": vloss})
             if cfg.save and (self.iteration % cfg.save_interval == 0 or self.iteration == stop_at):
-                checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler)
+                checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler,
+                                   side_files=self.side_files)
         if self.iteration < first:  # resumed with nothing left to train: put back what the first step would have
             self._param_gather_after_first_step()
         self._report_throughput(records, peak)
         if cfg.save and self.iteration == cfg.train_iters:
-            checkpointing.export_model(cfg, self.iteration, self.models, cfg.precision.dtype)
+            checkpointing.export_model(cfg, self.iteration, self.models, cfg.precision.dtype,
+                                       side_files=self.side_files)
         if self.writer is not None:
             self.writer.close()
         if self.metrics_file is not None:

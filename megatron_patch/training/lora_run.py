@@ -153,12 +153,12 @@ def cfg_base(cfg) -> Path:
 
 def setup_lora(cfg, chunks: list, resuming: bool, log) -> list:
     """Load and freeze the base, attach the adapters and start them; returns each chunk's container."""
-    from megatron_patch.convert.loading import load_checkpoint_into_model
     from megatron_patch.lora.layers import attach
+    from megatron_patch.training.checkpointing import load_starting_weights
     spec = LoraSpec.from_dict(cfg.lora)
     arch = cfg.arch
     base = cfg_base(cfg)
-    load_checkpoint_into_model(chunks, base, cfg.layout, hf_config=cfg.hf_config)
+    load_starting_weights(cfg, chunks, base)
     starting = None
     if not resuming and cfg.lora_init is not None:
         starting = open_adapters(cfg.lora_init, arch)

@@ -143,9 +143,13 @@ class RunConfig:
     lr_decay_iters: int = 0  # the iteration the learning rate has decayed to MIN_LR by (lr_decay_steps)
     weight_decay: float = 0.1
     save: bool = True
+    # MP_NO_VERIFY: read PRETRAIN_CHECKPOINT_PATH and the run's own checkpoints without checking their manifests
+    no_verify: bool = False
     hf_config: dict = field(default_factory=dict, repr=False)
     # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
     vocab_padded_to: int | None = None
+    # The multi-token-prediction layers the starting checkpoint holds (hf2mcore --mtp), which train with the model.
+    mtp_layers: int = 0
     # LoRA (MP_LORA_*): the adapters' spec (lora.spec.LoraSpec as a dict; None: full fine-tuning) and the
     # peft folder they start from (MP_LORA_INIT).
     lora: dict | None = None
@@ -178,7 +182,8 @@ class RunConfig:
 
     @property
     def arch(self):
-        return dataclasses.replace(parse_arch(self.hf_config), vocab_padded_to=self.vocab_padded_to)
+        return dataclasses.replace(parse_arch(self.hf_config), vocab_padded_to=self.vocab_padded_to,
+                                   mtp_layers=self.mtp_layers)
 
     @property
     def checkpoint_dir(self) -> Path:

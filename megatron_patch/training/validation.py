@@ -111,8 +111,11 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
 
     size = a["MODEL_SIZE"]
     ckpt = None if is_none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
-    family, hf_config, vocab_padded_to = _model_config(launcher, size, ckpt, env.get("MP_HF_CONFIG") or None,
-                                                       env_int(env, "MP_NUM_LAYERS", None))
+    family, hf_config, vocab_padded_to, mtp_layers = _model_config(
+        launcher, size, ckpt, env.get("MP_HF_CONFIG") or None, env_int(env, "MP_NUM_LAYERS", None))
+    if mtp_layers:
+        notes.append(f"{ckpt} holds {mtp_layers} multi-token-prediction layer(s) (converted with --mtp): they train "
+                     "with the model, their loss logged as mtp_N loss")
     arch = parse_arch(hf_config)
     if etp is not None and not arch.is_moe:
         # a launcher that takes dense and MoE sizes (Pai's Qwen3): ETP means nothing to a dense model
@@ -161,9 +164,10 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 10000, lo=0),
         eval_iters=env_int(env, "MP_EVAL_ITERS", 10, hi=MAX_ITERATIONS), seed=env_int(env, "MP_SEED", 1234, lo=0),
         save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
+        no_verify=parse_bool("MP_NO_VERIFY", env.get("MP_NO_VERIFY") or "false"),
         max_restarts=env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
         dist_timeout_min=env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
-        hf_config=hf_config, vocab_padded_to=vocab_padded_to, notes=notes,
+        hf_config=hf_config, vocab_padded_to=vocab_padded_to, mtp_layers=mtp_layers, notes=notes,
     )
 
 
@@ -487,8 +491,9 @@ PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, dat
 # --- reading what a value names ------------------------------------------------------------------------------
 
 def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_file: str | None,
-                  num_layers: int | None = None) -> tuple[str, dict, int | None]:
-    """(the model's family, its HF config, the checkpoint's own vocabulary padding when it differs from ours).
+                  num_layers: int | None = None) -> tuple[str, dict, int | None, int]:
+    """(the model's family, its HF config, the checkpoint's own vocabulary padding when it differs from ours, the
+    multi-token-prediction layers it holds: converted with --mtp, they train too, as Pai trains DeepSeek-V3's).
 
     MODEL_SIZE names the family among the launcher's (Pai's Qwen3 launcher takes dense and MoE sizes). With a
     PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else MP_HF_CONFIG, else the
@@ -503,7 +508,7 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
         if preset is None or ckpt is not None:
             raise UserError("MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset and cannot change a checkpoint's: "
                             "drop MP_NUM_LAYERS or PRETRAIN_CHECKPOINT_PATH")
-        return family, {**preset, "num_hidden_layers": num_layers}, None
+        return family, {**preset, "num_hidden_layers": num_layers}, None, 0
     if size == "auto" and ckpt is None:
         raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
                         "give a converted checkpoint or a model size")
@@ -511,7 +516,7 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
         raise UserError("MP_HF_CONFIG describes the model a PRETRAIN_CHECKPOINT_PATH holds, and there is none: drop "
                         "MP_HF_CONFIG (MODEL_SIZE chooses the model)")
     if ckpt is None:
-        return family, preset, None
+        return family, preset, None, 0
 
     given = None if hf_config_file is None else read_config_json(
         hf_config_file, hint="MP_HF_CONFIG takes the model's HF config.json or the folder that holds it")
@@ -532,7 +537,7 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
         if diff:
             raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff)}): "
                             "use MODEL_SIZE=auto to take the checkpoint's architecture")
-    return family, sidecar.hf_config, sidecar.arch.vocab_padded_to
+    return family, sidecar.hf_config, sidecar.arch.vocab_padded_to, sidecar.mtp_layers
 
 
 def _data_found(path: str, dataset_type: str) -> bool:

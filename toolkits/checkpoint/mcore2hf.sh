@@ -14,4 +14,4 @@ args=(convert mcore2hf --load-dir "$LOAD_DIR" --save-dir "$SAVE_DIR" --max-shard
 [[ "$FORCE" == "true" ]] && args+=(--force)
 [[ "$HF_CONFIG" != "none" ]] && args+=(--hf-config "$HF_CONFIG")
 [[ "$FAMILY" != "none" ]] && args+=(--family "$FAMILY")
-exec python -m megatron_patch "${args[@]}"
+exec "${PYTHON:-python}" -m megatron_patch "${args[@]}"

@@ -29,8 +29,13 @@ def text_config(raw: dict) -> dict:
 
 def parse_config(raw: dict) -> Arch:
     text = text_config(raw)
+    moe = raw.get("model_type") == "qwen3_5_moe"
+    if moe and text.get("intermediate_size") is None:
+        # Every layer is MoE, so the model has no dense MLP, and transformers' Qwen3_5MoeTextConfig (so every hub
+        # config.json) has no dense size; megatron-core's config still wants one, which it never builds.
+        text = {**text, "intermediate_size": text.get("moe_intermediate_size")}
     arch = parse_hybrid(text, "qwen3_5")
-    if raw.get("model_type") == "qwen3_5_moe":  # every layer MoE; transformers renormalises the top-k
+    if moe:  # every layer MoE; transformers renormalises the top-k
         arch = with_moe(arch, {**text, "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1})
     return dataclasses.replace(arch, hf_config=raw)
 
@@ -40,7 +45,7 @@ def num_mtp_layers(raw: dict) -> int:
 
 
 _TEXT = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 32, "layer_types": ["linear_attention", "full_attention"],
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
     "linear_conv_kernel_dim": 4, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu",
@@ -52,7 +57,8 @@ _VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 
            "patch_size": 4, "num_position_embeddings": 16, "spatial_merge_size": 2, "temporal_patch_size": 2}
 
 # A tiny Qwen3.5-MoE (the sizes users fine-tune most): a Gated DeltaNet layer then a gated full-attention one,
-# 4 experts (top-2) with a gated shared expert, and a one-block vision tower that travels beside the model.
+# 4 experts (top-2) with a gated shared expert, and a one-block vision tower that travels beside the model. Its
+# text_config has the fields transformers' Qwen3_5MoeTextConfig writes, so no dense intermediate_size.
 TINY_CONFIG = {
     "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
     "text_config": {**_TEXT, "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
@@ -62,6 +68,6 @@ TINY_CONFIG = {
 # Its dense sibling (Qwen3.5-27B's layout): every layer a dense SwiGLU MLP.
 TINY_DENSE_CONFIG = {
     "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
-    "text_config": {**_TEXT, "model_type": "qwen3_5_text"}, "vision_config": {**_VISION, "model_type": "qwen3_5_vision"},
+    "text_config": {**_TEXT, "model_type": "qwen3_5_text", "intermediate_size": 128}, "vision_config": {**_VISION, "model_type": "qwen3_5_vision"},
     "torch_dtype": "float32",
 }

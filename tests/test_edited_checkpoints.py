@@ -1,0 +1,84 @@
+"""A checkpoint changed on purpose after it was written (checkpoint surgery, a debugging session) no longer matches
+its manifest. Every reader refuses it in one line that names the switch reading it as it is: --no-verify for
+`mpatch convert mcore2hf` and `mpatch align`, MP_NO_VERIFY=true for a launch (PRETRAIN_CHECKPOINT_PATH and
+the run's own checkpoints)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from megatron_patch.cli import main
+from megatron_patch.convert.sidecar import SIDECAR_NAME
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("edited")
+    hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=6)
+    mcore = root / "mcore"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(mcore), "--quiet"]) == 0
+    return {"hf": hf, "mcore": mcore}
+
+
+def edited_copy(mcore, out):
+    """``mcore`` with a note added to its sidecar by hand: the same model, but no longer what its manifest lists."""
+    shutil.copytree(mcore, out)
+    sidecar = json.loads((out / SIDECAR_NAME).read_text())
+    sidecar["notes"].append("reviewed by hand")
+    (out / SIDECAR_NAME).write_text(json.dumps(sidecar))
+    return out
+
+
+def _refused_naming(capsys, argv, switch) -> None:
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if " error: " in line]  # transformers' bars aside
+    assert len(errors) == 1 and "after it was written" in errors[0], errors
+    assert f"if it was changed on purpose, {switch} reads it as it is" in errors[0], errors
+
+
+def test_mcore2hf_of_an_edited_checkpoint_names_no_verify(converted, tmp_path, capsys):
+    edited = edited_copy(converted["mcore"], tmp_path / "edited")
+    argv = ["convert", "mcore2hf", "--load-dir", str(edited), "--save-dir", str(tmp_path / "back"), "--quiet"]
+    _refused_naming(capsys, argv, "--no-verify")
+    assert main(argv + ["--no-verify"]) == 0
+
+
+@pytest.mark.slow
+def test_align_of_an_edited_checkpoint_takes_no_verify(converted, tmp_path, capsys):
+    edited = edited_copy(converted["mcore"], tmp_path / "edited")
+    argv = ["align", "--hf-dir", str(converted["hf"]), "--mcore-dir", str(edited), "--dtype", "fp32", "--seq-len", "16",
+            "--batch", "1", "--quiet"]
+    _refused_naming(capsys, argv, "--no-verify")
+    assert main(argv + ["--no-verify"]) == 0, capsys.readouterr().err
+
+
+def _load_starting_weights_worker(args: list[str], env: dict) -> None:
+    from megatron_patch.models.builder import build_model_chunks
+    from megatron_patch.runtime import init_model_parallel
+    from megatron_patch.training.checkpointing import load_starting_weights
+    from megatron_patch.training.validation import resolve
+
+    cfg = resolve("llama3_1", args, env=env, check_paths=False)
+    init_model_parallel(cfg.layout)
+    chunks = build_model_chunks(cfg.arch, cfg.layout, cfg.precision.dtype)
+    load_starting_weights(cfg, chunks, cfg.pretrain_checkpoint)
+
+
+def test_a_launch_from_an_edited_checkpoint_takes_mp_no_verify(converted, tmp_path):
+    from megatron_patch.errors import UserError
+    from megatron_patch.runtime.launch import run_local
+    from megatron_patch.training.launcher_args import EXTRAS
+    from tests.training_helpers import launcher_args
+
+    assert "MP_NO_VERIFY" in EXTRAS
+    edited = edited_copy(converted["mcore"], tmp_path / "edited")
+    args = launcher_args(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(edited), OUTPUT_BASEPATH=str(tmp_path / "out"))
+    with pytest.raises(UserError) as err:
+        run_local(_load_starting_weights_worker, 1, args, {})
+    assert "after it was written" in str(err.value)
+    assert "if it was changed on purpose, MP_NO_VERIFY=true reads it as it is" in str(err.value)
+    run_local(_load_starting_weights_worker, 1, args, {"MP_NO_VERIFY": "true"})
