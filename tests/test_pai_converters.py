@@ -215,7 +215,6 @@ def test_deepseek_v3_readme_lines(mnt):
 MISTRAL = "toolkits/model_checkpoints_convertor/mistral/hf2mcore_convertor.sh"
 
 
-@pytest.mark.xfail(strict=True, reason="needs llama3_1 to accept Mistral's sliding window (issue 35, launch helper)")
 def test_mistral_7b_readme_lines(mnt):
     """examples/mistral/README.md: Mistral-7B (sliding window 4096, as transformers' MistralConfig writes it) in,
     and back through the Megatron-LM converter's line from the release folder."""
