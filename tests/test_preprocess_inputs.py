@@ -162,3 +162,22 @@ def test_a_folder_holding_anything_else_is_refused(tok, tmp_path, capsys):
         _one_line(rc, err, f"{folder / stray} is not a .jsonl or .json file", "move it away")
         (folder / stray).rmdir() if stray == "sub" else (folder / stray).unlink()
     assert pre.input_files(folder) == [folder / "00.jsonl"]
+
+
+@pytest.mark.slow
+def test_pais_preprocessing_script_runs_unchanged_under_sh(tok, tmp_path):
+    """Pai's README line for its megatron preprocessing script, by its path and positional arguments, under sh."""
+    import os
+    import subprocess
+
+    texts = make_texts(20, seed=12)
+    folder = _folder(tmp_path / "cleaned_zst", texts)
+    script = Path(__file__).resolve().parents[1] / "toolkits" / "pretrain_data_preprocessing" / \
+        "run_make_pretraining_dataset_megatron.sh"
+    proc = subprocess.run(["sh", str(script), str(folder), "Qwen3Tokenizer", "text", str(tmp_path), str(tok)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert _documents(tmp_path / "mmap_qwen3_datasets_text_document", tok) == texts
+    proc = subprocess.run(["sh", str(script), str(folder), "BertTokenizer", "text", str(tmp_path), str(tok)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "TOKENIZER must be one of" in proc.stderr
