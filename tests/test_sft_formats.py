@@ -146,13 +146,23 @@ def test_dry_run_shows_a_rendered_sample_with_its_loss_mask(chat_tok, texts, tmp
     assert "    <|im_start|>user\n    Where does the cat sit?<|im_end|>\n    <|im_start|>assistant\n" \
            "    [[The cat sits on the warm mat.<|im_end|>\n    ]]\n" in out, out
 
-    # Without a template the dry run says the plain format is used, and shows it.
+
+
+def test_dry_run_says_when_there_is_no_template(texts, tmp_path, monkeypatch, capsys):
+    """Without a template the dry run says the plain format is used, and shows it."""
+    write_jsonl(tmp_path / "sft.jsonl", [RECORDS[2][0], RECORDS[0][0]])
     monkeypatch.setenv("MP_TOKENIZER", str(make_tokenizer(tmp_path / "plain", texts)))
     monkeypatch.setenv("MP_DRY_RUN", "json")
     assert main(["train", "llama3_1", *_sft_args(tmp_path, tmp_path / "sft.jsonl")]) == 0
     sample = json.loads(capsys.readouterr().out)["sft_sample"]
     assert sample["format"].startswith(f"plain format: {tmp_path / 'plain'} has no chat template")
     assert sample["text"] == "Where does the cat sit?\n[[The cat sits on the warm mat.</s>]]"
+    # A first record training would stop at is said, and the dry run goes on (as with the machine's problems).
+    write_jsonl(tmp_path / "sft.jsonl", [{"query": "no answer"}])
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    assert main(["train", "llama3_1", *_sft_args(tmp_path, tmp_path / "sft.jsonl")]) == 0
+    assert "SFT data: the first sample cannot be rendered, and training would stop there: " \
+           f"{tmp_path / 'sft.jsonl'} record 1: an SFT record needs string prompt and response" in capsys.readouterr().out
 
 
 # --- Pai's SFT idxmap ------------------------------------------------------------------------------------------
