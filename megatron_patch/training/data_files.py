@@ -107,7 +107,7 @@ def check_sft_idxmap(prefix: str, vocab_size: int, sample_length: int) -> int:
                         f"SEQ_LEN={sample_length}: set SEQ_LEN to {half}, or preprocess with the length you train")
     trained = 0
     for first in range(0, len(rows), max(1, PIECE // rows.shape[1])):
-        part = numpy.asarray(rows[first:first + max(1, PIECE // rows.shape[1])], dtype=numpy.int64)
+        part = numpy.asarray(rows[first:first + max(1, PIECE // rows.shape[1])])  # its own signed dtype: no copy
         tokens, labels = part[:, :half], part[:, half:]
         bad = (tokens < -vocab_size) | (tokens >= vocab_size)
         if bad.any():
