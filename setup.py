@@ -32,7 +32,8 @@ setup(
         # accelerate: transformers dequantizes FP8 hub checkpoints with it (the FP8 conversion test compares).
         # hypothesis: the fuzzed bad-input contract (tests/test_bad_input.py) and chunkings of torch_dist blocks.
         # peft: the reference LoRA implementation tests/test_lora.py compares against both ways.
-        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21"],
+        # zstandard (already required above, for torch_dist chunks): the preprocessing tests' .zst inputs.
+        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21", "zstandard>=0.22"],
     },
     entry_points={"console_scripts": ["mpatch=mpatch:main"]},
 )

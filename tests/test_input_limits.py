@@ -122,7 +122,7 @@ def test_bad_lines_are_counted_and_only_the_first_are_kept(tok, tmp_path, capsys
     write_jsonl(tmp_path / "in.jsonl", [{"text": "good"}] + [{"other": i} for i in range(BAD_LINES_KEPT + 5)])
     report = preprocess(tmp_path / "in.jsonl", str(tmp_path / "p"), tok, progress=False)
     assert report.documents == 1 and report.skipped == BAD_LINES_KEPT + 5
-    assert [n for n, _ in report.bad_lines] == list(range(2, BAD_LINES_KEPT + 2))
+    assert [n for _, n, _ in report.bad_lines] == list(range(2, BAD_LINES_KEPT + 2))
     rc, err = _preprocess(capsys, tok, tmp_path / "in.jsonl", tmp_path / "q")
     assert rc == 0 and err.count(": skipped: no 'text' field") == BAD_LINES_KEPT and "... and 5 more skipped lines" in err
 

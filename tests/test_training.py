@@ -265,7 +265,7 @@ SFT_RECORDS = [
 
 
 def test_sft_loss_only_on_responses(corpus, tmp_path):
-    from megatron_patch.training.data import SFTDataset
+    from megatron_patch.training.sft_data import SFTDataset
     from megatron_patch.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(corpus["tok"])
@@ -298,34 +298,36 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 def test_sft_chat_template_renders_and_masks_assistant_turns(corpus, tmp_path):
-    """A tokenizer folder with a chat template: messages are rendered by it, loss only on the assistant turns."""
+    """A tokenizer folder with a chat template: records are rendered by it, loss only on the assistant turns."""
     from transformers import AutoTokenizer
 
-    from megatron_patch.training.data import SFTDataset, tokenize_record
+    from megatron_patch.training.sft_data import SFTDataset, tokenize_record
     from megatron_patch.training.tokenizer import load_tokenizer
 
     folder = make_chat_tokenizer(tmp_path / "chat_tok", corpus["tok"])
     tok = load_tokenizer(folder)
     assert tok.chat_template is not None
     ids, trained = tokenize_record(tok, {"messages": CHAT}, "r1")
-    # Exactly what transformers' apply_chat_template makes of the same folder, then the EOD.
+    # Exactly what transformers' apply_chat_template makes of the same folder: the template's own ending, no EOD.
     reference = AutoTokenizer.from_pretrained(folder).apply_chat_template(CHAT, tokenize=True)
     reference = reference["input_ids"] if hasattr(reference, "keys") else reference
-    assert ids[:-1] == list(reference) and ids[-1] == tok.eod
+    assert ids == list(reference)
     assert tok.decode(ids).startswith("<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     on = tok.decode([i for i, t in zip(ids, trained) if t])
-    assert on == "A green apple.<|im_end|>\nA blue house.<|im_end|>\n</s>", on
+    assert on == "A green apple.<|im_end|>\nA blue house.<|im_end|>\n", on
     off = tok.decode([i for i, t in zip(ids, trained) if not t])
     assert off == ("<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nName a fruit.<|im_end|>\n"
                    "<|im_start|>assistant\n<|im_start|>user\nAnd a colour?<|im_end|>\n<|im_start|>assistant\n"), off
 
-    # A conversation ending with a user turn trains its assistant turn, not the closing EOD.
+    # A conversation ending with a user turn trains its assistant turn only.
     ids2, trained2 = tokenize_record(tok, {"messages": CHAT[:4]}, "r2")
     assert trained2[-1] == 0 and tok.decode([i for i, t in zip(ids2, trained2) if t]) == "A green apple.<|im_end|>\n"
-    # Prompt/response records keep the plain format; a folder without a template keeps the plain chat format.
+    # Prompt/response records are a user and an assistant turn of the same template; a folder without a
+    # template keeps the plain formats.
     ids3, trained3 = tokenize_record(tok, SFT_RECORDS[0], "r3")
-    assert tok.decode(ids3) == "Where does the cat sit?\nThe cat sits on the warm mat.</s>"
-    assert tok.decode([i for i, t in zip(ids3, trained3) if t]) == "The cat sits on the warm mat.</s>"
+    assert tok.decode(ids3) == "<s><|im_start|>user\nWhere does the cat sit?<|im_end|>\n<|im_start|>assistant\n" \
+                               "The cat sits on the warm mat.<|im_end|>\n"
+    assert tok.decode([i for i, t in zip(ids3, trained3) if t]) == "The cat sits on the warm mat.<|im_end|>\n"
     plain_ids, _ = tokenize_record(load_tokenizer(corpus["tok"]), {"messages": CHAT}, "r4")
     assert "<|user|>" in load_tokenizer(corpus["tok"]).decode(plain_ids) and "<|im_start|>" not in tok.decode(plain_ids)
 
@@ -337,7 +339,7 @@ def test_sft_chat_template_renders_and_masks_assistant_turns(corpus, tmp_path):
 
 def test_sft_chat_template_that_is_not_incremental_is_refused(corpus, tmp_path):
     from megatron_patch.errors import UserError
-    from megatron_patch.training.data import tokenize_record
+    from megatron_patch.training.sft_data import tokenize_record
     from megatron_patch.training.tokenizer import load_tokenizer
 
     # Numbers the conversation's turns up front: an earlier part is not a prefix of the whole.
@@ -351,7 +353,7 @@ def test_sft_chat_template_that_is_not_incremental_is_refused(corpus, tmp_path):
 
 
 def test_sft_packing_keeps_samples_apart(corpus, tmp_path):
-    from megatron_patch.training.data import SFTDataset
+    from megatron_patch.training.sft_data import SFTDataset
     from megatron_patch.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(corpus["tok"])

@@ -106,7 +106,8 @@ BAD = [
     ("llama3_1", dict(SEQ_LEN="512"), {}, "sequence length 512 exceeds the model's 256 positions"),
     ("llama3_1", dict(MODEL_SIZE="auto"), {}, "MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH"),
     ("llama3_1", dict(DATASET_PATH="/nonexistent/corpus"), {}, "mmap data /nonexistent/corpus.bin not found"),
-    ("llama3_1", dict(SFT="true"), {"MP_DATASET_TYPE": "mmap"}, "SFT=true trains on raw JSON/JSONL data"),
+    # With SFT=true an mmap prefix is Pai's SFT idxmap, checked before any rank starts (tests/test_sft_formats.py).
+    ("llama3_1", dict(SFT="true"), {"MP_DATASET_TYPE": "mmap"}, "is not an index written by megatron-core"),
     ("llama3_1", dict(), {"MP_DATASET_TYPE": "raw"}, "MP_DATASET_TYPE=raw (JSON data) is for SFT"),
     ("llama3_1", dict(SFT="true", DATASET_PATH="SFT"), {}, "SFT needs a tokenizer"),
     ("llama3_1", dict(SFT="true", PAD_LEN="128", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"}, "PAD_LEN (128) must not exceed SEQ_LEN"),

@@ -77,7 +77,7 @@ def test_forward_step_gives_packed_samples_to_the_model_as_thd():
 
 
 def test_packed_samples_mark_documents_and_padding():
-    from megatron_patch.training.data import _sample
+    from megatron_patch.training.sft_data import _sample
 
     s = _sample(list(range(1, 12)), [1] * 11, 16, pad=0, doc_starts=[0, 4, 7])
     # documents at 0, 4, 7; 10 real tokens; the padding from 10 is a segment of its own
@@ -254,7 +254,7 @@ def packing_worker(tok_dir: str, sft_path: str) -> dict:
     from megatron_patch.models.qwen2_moe.config import TINY_CONFIG as MOE_CONFIG
     from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
-    from megatron_patch.training.data import SFTDataset
+    from megatron_patch.training.sft_data import SFTDataset
     from megatron_patch.runtime.distributed import move_to_device
     from megatron_patch.training.packing import use_packed_local_attention
     from megatron_patch.training.tokenizer import load_tokenizer

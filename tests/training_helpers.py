@@ -100,8 +100,9 @@ CHATML = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] +
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-def make_chat_tokenizer(folder: str | Path, base: str | Path, template: str = CHATML) -> Path:
-    """``base`` (a make_tokenizer folder) plus ChatML's special tokens and a chat template in tokenizer_config.json.
+def make_chat_tokenizer(folder: str | Path, base: str | Path, template: str = CHATML,
+                        special_tokens: tuple[str, ...] = ("<|im_start|>", "<|im_end|>")) -> Path:
+    """``base`` (a make_tokenizer folder) plus special tokens (ChatML's) and a chat template in tokenizer_config.json.
 
     Pieces are encoded with no leading-space marker (Metaspace prepend_scheme 'never'), so
     encoding a rendered conversation in pieces gives the same ids as encoding it whole.
@@ -113,7 +114,7 @@ def make_chat_tokenizer(folder: str | Path, base: str | Path, template: str = CH
     tok = Tokenizer.from_file(str(Path(base) / "tokenizer.json"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
     tok.decoder = decoders.Metaspace(prepend_scheme="never")
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.add_special_tokens(list(special_tokens))
     tok.save(str(folder / "tokenizer.json"))
     config = json.loads((Path(base) / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))

@@ -111,7 +111,20 @@ def dry_run_report(cfg, argv: list[str]) -> dict:
         "environment": launch_environment(cfg, caps),
         "command": command,
         "processes": cfg.world_size,
+        # What the model trains on: the first sample with its loss mask.
+        "sft_sample": _sft_sample(cfg) if cfg.sft else None,
     }
+
+
+def _sft_sample(cfg) -> dict:
+    """The first SFT sample as the model sees it, or why it cannot be rendered (a dry run lists what a run would
+    refuse, as it lists the machine's problems, and goes on)."""
+    from megatron_patch.training.sft_data import preview  # torch: only an SFT dry run needs it
+
+    try:
+        return preview(cfg)
+    except UserError as exc:
+        return {"error": str(exc)}
 
 
 def print_dry_run(report: dict) -> None:
@@ -138,6 +151,17 @@ def print_dry_run(report: dict) -> None:
         print(f"  {section:<19}{items}")
     for line in report["memory_plan_lines"]:
         print(line)
+    sample = report["sft_sample"]
+    if sample is not None and "error" in sample:
+        print(f"SFT data: the first sample cannot be rendered, and training would stop there: {sample['error']}")
+    elif sample is not None:
+        print(f"SFT data: {sample['format']}")
+        longer = sample["tokens"] > sample["sample_length"] + 1  # a sample's tokens and the label of its last
+        print(f"  sample      {sample['source']}: {sample['tokens']} tokens (samples are {sample['sample_length']}"
+              + ("; training cuts the rest" if longer else "") + f"), the loss on {sample['loss_tokens']} of them, "
+              "between [[ and ]]" + (f" (the first {len(sample['text'])} characters)" if sample["cut"] else "") + ":")
+        for line in sample["text"].split("\n"):
+            print(f"    {line}")
     problems = report["machine_problems"]
     print("machine check: " + ("ok" if not problems else "this machine would refuse: " + "; ".join(problems)))
     env = " ".join(f"{k}={v}" for k, v in report["environment"].items())

@@ -15,6 +15,10 @@ launch and before any rank starts, each prefix is checked for what megatron-core
 - every token id against the model's vocabulary, negative ones too (an id outside it would index past the
   embedding: an IndexError on a CPU, a device-side assert on a GPU).
 
+With SFT=true an mmap prefix is Pai-Megatron-Patch's SFT idxmap (``check_sft_idxmap``): the same pair checks,
+then samples of one length, input ids within the vocabulary once their end marks are restored, and labels that
+are -100 or the next input id.
+
 Each failure is one line. The cost is one read of the ``.idx`` and of the ``.bin`` (and of both again for the
 manifest's digests), in pieces of at most ``PIECE`` elements, so memory stays bounded for any corpus.
 """
@@ -47,6 +51,14 @@ def manifest_path(prefix: str) -> Path:
 
 def check_mmap_data(prefix: str, vocab_size: int) -> int:
     """Check the pair at ``prefix`` (module docstring); returns its token count. One-line ``UserError``s."""
+    dtype, lengths, pointers, documents = _checked_pair(prefix)
+    total = _check_layout(prefix, dtype, lengths, pointers, documents)
+    _check_token_ids(prefix, dtype, total, vocab_size, pointers, documents)
+    return total
+
+
+def _checked_pair(prefix: str):
+    """The .idx's arrays (``_read_idx``), after the manifest's sizes and digests where there is one."""
     manifest = manifest_path(prefix)
     if manifest.is_file():
         listed = set(read_manifest(manifest)["files"])
@@ -55,10 +67,67 @@ def check_mmap_data(prefix: str, vocab_size: int) -> int:
             raise UserError(f"{manifest} does not list {missing[0]}: it is not the manifest of this data; remove it "
                             "or preprocess again")
         verify_manifest(manifest)
+    return _read_idx(prefix)
+
+
+# --- Pai-Megatron-Patch's SFT idxmap ------------------------------------------------------------------------
+# toolkits/sft_data_preprocessing/build_idxmap_sft_dataset.py writes each sample as one sequence of 2*N ids: the N
+# input ids of its records (and padding), the last id of each record stored as -1 - id, then the N labels, already
+# shifted (label t is input id t+1), -100 where there is no loss. Its training reads N = SEQ_LEN.
+
+SFT_IGNORED_LABEL = -100
+
+
+def read_sft_idxmap(prefix: str) -> numpy.ndarray:
+    """The samples of Pai's SFT idxmap at ``prefix`` as one mapped ``[samples, 2*N]`` array (its shape checked,
+    its ids by ``check_sft_idxmap``)."""
     dtype, lengths, pointers, documents = _read_idx(prefix)
     total = _check_layout(prefix, dtype, lengths, pointers, documents)
-    _check_token_ids(prefix, dtype, total, vocab_size, pointers, documents)
-    return total
+    idx = Path(prefix + ".idx").name
+    if dtype.kind == "u":
+        raise UserError(f"{prefix}.bin holds unsigned ids ({dtype}), so it has no -100 labels or end marks: it is not "
+                        "an SFT idxmap of Pai's sft_data_preprocessing (pretraining data takes SFT=false)")
+    if int(lengths.min()) != int(lengths.max()) or int(lengths[0]) % 2:
+        raise UserError(f"{idx} holds sequences of {int(lengths.min())} to {int(lengths.max())} tokens, where an SFT "
+                        "idxmap of Pai's sft_data_preprocessing holds samples of 2*N (ids, then labels): with SFT=true "
+                        "an mmap prefix is read as one; pretraining data takes SFT=false")
+    return numpy.memmap(Path(prefix + ".bin"), dtype=dtype, mode="r", shape=(len(lengths), int(lengths[0])))
+
+
+def check_sft_idxmap(prefix: str, vocab_size: int, sample_length: int) -> int:
+    """Check Pai's SFT idxmap at ``prefix`` before the first step: the pair (manifest, layout), samples of 2*N with
+    N <= ``sample_length``, input ids (end marks restored) in [0, vocab_size), labels -100 or the next input id,
+    and some label to train on. Returns the number of samples."""
+    _checked_pair(prefix)
+    rows = read_sft_idxmap(prefix)
+    half = rows.shape[1] // 2
+    binary = f"{prefix}.bin"
+    if half > sample_length:
+        raise UserError(f"{binary} holds samples of {half} tokens (its sft_data_preprocessing's seq_len), longer than "
+                        f"SEQ_LEN={sample_length}: set SEQ_LEN to {half}, or preprocess with the length you train")
+    trained = 0
+    for first in range(0, len(rows), max(1, PIECE // rows.shape[1])):
+        part = numpy.asarray(rows[first:first + max(1, PIECE // rows.shape[1])])  # its own signed dtype: no copy
+        tokens, labels = part[:, :half], part[:, half:]
+        bad = (tokens < -vocab_size) | (tokens >= vocab_size)
+        if bad.any():
+            r, c = (int(v[0]) for v in numpy.nonzero(bad))
+            raise UserError(f"{binary} holds input id {int(tokens[r, c])} (sample {first + r}, token {c}), outside the "
+                            f"model's vocabulary [0, {vocab_size}) (-1 - id marks a record's end): preprocess the data "
+                            "with the model's tokenizer")
+        restored = numpy.where(tokens < 0, -1 - tokens, tokens)
+        labelled = labels != SFT_IGNORED_LABEL
+        wrong = labelled[:, :-1] & (labels[:, :-1] != restored[:, 1:])
+        wrong = numpy.c_[wrong, labelled[:, -1]]  # the last position has no next id to predict
+        if wrong.any():
+            r, c = (int(v[0]) for v in numpy.nonzero(wrong))
+            raise UserError(f"{binary}: sample {first + r} labels token {c} with {int(labels[r, c])}, which is not the "
+                            "next input id (nor -100): it is not an SFT idxmap of Pai's sft_data_preprocessing, or it "
+                            "is damaged; preprocess the data again")
+        trained += int(labelled.sum())
+    if trained == 0:
+        raise UserError(f"{binary} labels no token (every label is -100): there is nothing to train on")
+    return len(rows)
 
 
 def _read_idx(prefix: str):
@@ -126,14 +195,21 @@ def _check_token_ids(prefix: str, dtype: numpy.dtype, total: int, vocab_size: in
         at = start + int(numpy.flatnonzero((part < 0) | (part >= vocab_size))[0])
         sequence = int(numpy.searchsorted(pointers, at * dtype.itemsize, side="right")) - 1
         document = int(numpy.searchsorted(documents, sequence, side="right")) - 1
+        fix = ("negative ids (-100 labels, -1 - id end marks) are what an SFT idxmap of Pai's sft_data_preprocessing "
+               "holds: train it with SFT=true" if int(tokens[at]) < 0 else
+               "preprocess the corpus with the model's tokenizer")
         raise UserError(f"{binary} holds token id {int(tokens[at])} (token {at}, document {document}), outside the "
-                        f"model's vocabulary [0, {vocab_size}): preprocess the corpus with the model's tokenizer")
+                        f"model's vocabulary [0, {vocab_size}): {fix}")
 
 
 def check_training_data(cfg) -> None:
-    """Every mmap prefix a run reads (training, validation), before its first step."""
+    """Every mmap prefix a run reads (training, validation), before its first step: pretraining data, or with
+    SFT=true Pai's SFT idxmap."""
     if cfg.dataset_type != "mmap":
         return
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
-        check_mmap_data(prefix, cfg.arch.vocab_size)
+        if cfg.sft:
+            check_sft_idxmap(prefix, cfg.arch.vocab_size, cfg.sample_length)
+        else:
+            check_mmap_data(prefix, cfg.arch.vocab_size)

@@ -130,8 +130,8 @@ ARG_HELP = {
     "GLOBAL_BATCH_SIZE": "samples per optimizer step; a multiple of BATCH_SIZE * data-parallel size",
     "LR": "peak learning rate (> 0)",
     "MIN_LR": "final learning rate of the cosine decay (0 <= MIN_LR <= LR)",
-    "SEQ_LEN": "sequence length of pretraining samples",
-    "PAD_LEN": "SFT sample length (samples are padded or packed to it); <= SEQ_LEN",
+    "SEQ_LEN": "sequence length of pretraining samples (and of an SFT idxmap's, as in Pai-Megatron-Patch)",
+    "PAD_LEN": "length of SFT samples from JSON records (padded or packed to it); <= SEQ_LEN",
     "PR": "precision: fp16 | bf16 | fp8 (transformer-engine, hybrid format) | fp32 (CPU development)",
     "TP": "tensor parallel size", "PP": "pipeline parallel size", "CP": "context parallel size",
     "ETP": "expert tensor parallel size (MoE; ignored for a dense size)",
@@ -148,7 +148,7 @@ ARG_HELP = {
     "SAVE_INTERVAL": "save a checkpoint every this many iterations",
     "DATASET_PATH": "pretraining: mmap data prefix(es) (P_text_document, optionally 'W1 P1 W2 P2'; a path "
                     "that exists is one path, spaces and all; quote one with spaces inside a blend); "
-                    "SFT: a JSON/JSONL file",
+                    "SFT: a JSON/JSONL file, or the prefix of Pai's SFT idxmap (sft_data_preprocessing)",
     "VALID_DATASET_PATH": "validation data like DATASET_PATH, or none",
     "PRETRAIN_CHECKPOINT_PATH": "a checkpoint from 'mpatch convert hf2mcore' to start from, or none",
     "TRAIN_TOKENS_OR_ITERS": "pretraining: training tokens; SFT: iterations",
@@ -159,13 +159,14 @@ ARG_HELP = {
 # Environment extras (name -> meaning); documented in examples/README.md.
 EXTRAS = {
     "MP_DRY_RUN": "1: print the resolved configuration and command, train nothing",
-    "MP_DATASET_TYPE": "idxmap or mmap (.bin/.idx data; the default for pretraining) | raw (JSON/JSONL); unset with "
-                       "SFT=true: what DATASET_PATH names",
+    "MP_DATASET_TYPE": "mmap or idxmap (Pai's name): .bin/.idx data (pretraining, or Pai's SFT idxmap) | raw: "
+                       "JSON/JSONL SFT records; default: mmap, for SFT what DATASET_PATH names",
     "MP_AC_LAYERS": "layers recomputed (AC=full) or offloaded (AC=offload) per stage (default 1)",
     "MP_VP": "layers per virtual pipeline stage (Pai-Megatron-Patch's and Megatron-LM's "
              "--num-layers-per-virtual-pipeline-stage): interleaved 1F1B; needs PP > 1",
     "MP_VP_CHUNKS": "virtual pipeline stages (model chunks) per pipeline rank, instead of MP_VP",
-    "MP_SFT_PACKING": "true: pack several SFT samples into one PAD_LEN sequence",
+    "MP_SFT_PACKING": "true: several SFT records per sample, kept apart (JSON records packed in order, Pai's packed "
+                      "lists and idxmap samples as they are); false: each record a sample of its own",
     "MP_PP0_LAYERS": "layers on the first pipeline stage (the rest split evenly)",
     "MP_FP8_RECIPE": "delayed (default) | tensorwise | mxfp8 | blockwise",
     "MP_TP_COMM_OVERLAP": "false: keep SP but turn TP communication overlap off (needed without transformer-engine)",

@@ -29,7 +29,7 @@ from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import destroy, move_to_device
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training import checkpointing, data, faults, packing, run_folder, sparse_attention_run
+from megatron_patch.training import checkpointing, data, faults, packing, run_folder, sft_data, sparse_attention_run
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
 from megatron_patch.training.lora_run import describe_trainable, setup_lora
@@ -329,15 +329,9 @@ class Trainer:
     def _build_data(self) -> None:
         cfg = self.cfg
         valid_samples = cfg.eval_iters * cfg.global_batch_size
-        if cfg.sft:
-            from megatron_patch.training.tokenizer import load_tokenizer
-
-            tok = load_tokenizer(cfg.tokenizer)
-            length = cfg.pad_len
-            self.train_data = data.SFTDataset(cfg.dataset_path[0], tok, length, packing=cfg.sft_packing,
-                                              vocab_size=self.arch.vocab_size)
-            self.valid_data = (data.SFTDataset(cfg.valid_dataset_path[0], tok, length, packing=cfg.sft_packing)
-                               if cfg.valid_dataset_path else None)
+        if cfg.sft:  # JSON records or Pai's SFT idxmap, whose every id was checked before any rank started
+            self.train_data, self.valid_data, how = sft_data.build_sft_datasets(cfg, self.arch.vocab_size)
+            self._log(f"SFT data: {how}")
         else:
             # Its files were checked before any rank started (every token id included: training.data_files).
             self.train_data, self.valid_data = data.build_pretraining_datasets(

@@ -1,12 +1,15 @@
 """JSONL -> Megatron mmap indexed data (``P_<key>_document.bin/.idx``), with worker processes.
 
-One document per JSON line (the value of ``json_key``), tokenized in parallel, written in input
-order through megatron-core's ``IndexedDatasetBuilder``; the end-of-document id is appended after
-each document. Lines that are not JSON objects with a string under ``json_key`` are reported with
-their line numbers and skipped (``strict`` stops at the first one). A line that is not UTF-8, or
-longer than ``max_line_bytes``, stops the run naming its line: the file is read in bytes, a line at a
-time and never more than the ceiling of one, so memory stays bounded whatever the file holds (the
-workers' too: each is sent a bounded batch of lines, and only a few batches are in flight).
+The input is a JSONL file or a folder of them (Pai-Megatron-Patch's README input: ``00.jsonl.zst`` ...), each
+plain, zstd- or gzip-compressed, read in name order and decompressed as a stream. One document per JSON line
+(the value of ``json_key``), tokenized in parallel, written in input order through megatron-core's
+``IndexedDatasetBuilder``; the end-of-document id is appended after each document. Lines that are not JSON
+objects with a string under ``json_key`` are reported with their file and line numbers and skipped (``strict``
+stops at the first one). A line that is not UTF-8, or longer than ``max_line_bytes``, stops the run naming its
+line: each file is read in bytes, a line at a time and never more than the ceiling of one (a compressed file
+is decompressed in pieces of at most ``ZSTD_PIECE`` input bytes), so memory stays bounded whatever the files hold
+(the workers' too: each is sent a bounded batch of lines, and only a few batches are in flight). A compressed
+file that is damaged or cut short is one line too.
 
 The output follows the rule of every output (docs/outputs.md): under its lock (one writer per prefix), it
 is new, or an earlier output of mpatch preprocess (its manifest lists both files) replaced with ``force``;
@@ -19,12 +22,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gzip
+import io
 import itertools
 import json
 import multiprocessing as mp
 import os
 import shutil
 import sys
+import zlib
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -41,6 +47,7 @@ from megatron_patch.training.tokenizer import load_tokenizer
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# zstandard is imported only where a .zst file is read.
 
 # A longer line is refused (``--max-line-mb``): tokenizing a line takes 170-200 MB of memory per MB of its text
 # with a HF tokenizer (scripts/bench_preprocess_memory.py), in whichever worker has it; a 100 MB line took 20 GB.
@@ -54,6 +61,12 @@ BATCHES_PER_WORKER = 2
 WORKERS_PER_CORE = 4
 # Bad lines named in the report (the rest are counted).
 BAD_LINES_KEPT = 20
+# The files an input folder may hold: JSON lines, plain or compressed.
+TEXT_SUFFIXES = (".jsonl", ".json")
+COMPRESSED_SUFFIXES = (".zst", ".gz")
+# Compressed bytes decompressed at a time: zstd expands a piece at most about 32000-fold (4-byte blocks of one
+# repeated byte, 128 KiB each), so a piece's output stays within 8 MiB whatever the file holds.
+ZSTD_PIECE = 256
 
 _TOKENIZER = None
 _DTYPE = None
@@ -154,7 +167,7 @@ class PreprocessReport:
     documents: int = 0
     tokens: int = 0
     characters: int = 0
-    bad_lines: list[tuple[int, str]] = field(default_factory=list)  # the first BAD_LINES_KEPT of them
+    bad_lines: list[tuple[str, int, str]] = field(default_factory=list)  # (file, line, why): the first BAD_LINES_KEPT
     skipped: int = 0  # bad lines in all
 
 
@@ -210,9 +223,7 @@ def _publish(tmp: Path, prefix: str) -> None:
 def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str | Path, *, json_key: str = "text",
                workers: int = 1, append_eod: bool = True, strict: bool = False, progress: bool | None = None,
                max_line_bytes: int = DEFAULT_MAX_LINE_MB * 2**20, force: bool = False) -> PreprocessReport:
-    input_path = Path(input_path)
-    if not input_path.is_file():
-        raise UserError(f"input {input_path} not found: give a JSONL file (one JSON object per line)")
+    files = input_files(Path(input_path))
     if workers < 1:
         raise UserError(f"--workers must be >= 1, got {workers}")
     if workers > worker_ceiling():
@@ -232,33 +243,112 @@ def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str |
         tmp = partial_dir(prefix)
         tmp.mkdir()  # a new folder, not one found at the name
         try:
-            return _preprocess(input_path, prefix, tmp, tokenizer, tokenizer_path, json_key, workers, append_eod,
+            return _preprocess(files, prefix, tmp, tokenizer, tokenizer_path, json_key, workers, append_eod,
                                strict, progress, max_line_bytes)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _lines(input_path: Path, max_line_bytes: int, json_key: str, append_eod: bool):
-    """(line number, text, bytes, key, append_eod) for each line of the file. A line that is not UTF-8, or that
-    is longer than ``max_line_bytes``, stops the run naming its line, before more than the ceiling is read."""
-    with open(input_path, "rb") as f:
-        for lineno in itertools.count(1):
-            raw = f.readline(max_line_bytes + 1)
-            if not raw:
-                return
-            if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-                raise UserError(f"{input_path} line {lineno} is longer than {max_line_bytes / 2**20:g} MiB "
-                                "(--max-line-mb; each worker needs about 200 MB of memory per MB of a line it "
-                                "tokenizes): split the document, or raise --max-line-mb if the memory is there")
+def input_files(input_path: Path) -> list[Path]:
+    """The JSONL files of the input: the file itself, or every file of the folder (hidden ones aside) in name
+    order, each ``.jsonl``/``.json``, plain or ``.zst``/``.gz``; anything else there is refused, not skipped."""
+    hint = "give a JSONL file (one JSON object per line; .zst or .gz compressed too) or a folder of them"
+    if input_path.is_file():
+        return [input_path]
+    if not input_path.is_dir():
+        raise UserError(f"input {input_path} not found: {hint}")
+    files = sorted(p for p in input_path.iterdir() if not p.name.startswith("."))
+    for p in files:
+        name = p.name[:-len(p.suffix)] if p.suffix in COMPRESSED_SUFFIXES else p.name
+        if not p.is_file() or not name.endswith(TEXT_SUFFIXES):
+            raise UserError(f"{p} is not a .jsonl or .json file (plain, .zst or .gz), and every file of the input "
+                            "folder is read: move it away")
+    if not files:
+        raise UserError(f"input folder {input_path} holds no files: {hint}")
+    return files
+
+
+class _ZstdStream(io.RawIOBase):
+    """A zstd file's bytes, decompressed ``ZSTD_PIECE`` input bytes at a time (zstandard's own stream reader ends
+    silently where a file was cut short; here a frame left open at the end is refused)."""
+
+    def __init__(self, path: Path, raw):
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"{path} is zstd-compressed, and reading it needs the zstandard package: pip install "
+                            "zstandard") from None
+        self.path, self.raw, self.zstandard = path, raw, zstandard
+        self.frame, self.fed = zstandard.ZstdDecompressor().decompressobj(), False
+        self.pending, self.taken = b"", 0  # decompressed bytes, and how many of them were read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.taken == len(self.pending):
+            piece = self.raw.read(ZSTD_PIECE)
+            if not piece:
+                if self.fed and not self.frame.eof:
+                    raise UserError(f"{self.path} ends inside a zstd frame: the file was cut short; copy or compress "
+                                    "it again")
+                return 0
+            self.pending, self.taken = b"", 0
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise UserError(f"{input_path} line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start + 1} of "
-                                "the line): re-encode the file") from None
-            yield lineno, line, len(raw), json_key, append_eod
+                while piece:
+                    if self.frame.eof:  # the next of several frames
+                        self.frame = self.zstandard.ZstdDecompressor().decompressobj()
+                    self.pending += self.frame.decompress(piece)
+                    self.fed, piece = True, self.frame.unused_data if self.frame.eof else b""
+            except self.zstandard.ZstdError as exc:
+                raise UserError(f"{self.path} is not a readable zstd file ({exc}): it is damaged or not zstd; "
+                                "compress it again") from None
+        n = min(len(buffer), len(self.pending) - self.taken)
+        buffer[:n] = memoryview(self.pending)[self.taken:self.taken + n]
+        self.taken += n
+        return n
 
 
-def _preprocess(input_path: Path, prefix: str, tmp: Path, tokenizer, tokenizer_path, json_key: str, workers: int,
+@contextlib.contextmanager
+def _open_lines(path: Path):
+    """``path`` opened for bounded ``readline`` of its (decompressed) bytes."""
+    with open(path, "rb") as raw:
+        if path.suffix == ".zst":
+            yield io.BufferedReader(_ZstdStream(path, raw))
+        elif path.suffix == ".gz":
+            with gzip.GzipFile(fileobj=raw) as f:
+                yield f
+        else:
+            yield raw
+
+
+def _lines(files: list[Path], max_line_bytes: int, json_key: str, append_eod: bool):
+    """((file index, line number), text, bytes, key, append_eod) for each line of the files. A line that is not
+    UTF-8, or that is longer than ``max_line_bytes``, stops the run naming its line, before more than the ceiling
+    is read."""
+    for index, path in enumerate(files):
+        with _open_lines(path) as f:
+            for lineno in itertools.count(1):
+                try:
+                    raw = f.readline(max_line_bytes + 1)
+                except (OSError, EOFError, zlib.error) as exc:  # gzip's: damaged, or cut short
+                    raise UserError(f"{path} line {lineno}: cannot be decompressed ({exc}): the file is damaged or cut "
+                                    "short; compress it again") from None
+                if not raw:
+                    break
+                if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                    raise UserError(f"{path} line {lineno} is longer than {max_line_bytes / 2**20:g} MiB "
+                                    "(--max-line-mb; each worker needs about 200 MB of memory per MB of a line it "
+                                    "tokenizes): split the document, or raise --max-line-mb if the memory is there")
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise UserError(f"{path} line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start + 1} of "
+                                    "the line): re-encode the file") from None
+                yield (index, lineno), line, len(raw), json_key, append_eod
+
+
+def _preprocess(files: list[Path], prefix: str, tmp: Path, tokenizer, tokenizer_path, json_key: str, workers: int,
                 append_eod: bool, strict: bool, progress: bool | None, max_line_bytes: int) -> PreprocessReport:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -269,26 +359,30 @@ def _preprocess(input_path: Path, prefix: str, tmp: Path, tokenizer, tokenizer_p
     if progress is None:
         progress = sys.stderr.isatty()
 
-    bar = tqdm(total=input_path.stat().st_size, unit="B", unit_scale=True, desc="preprocess", disable=not progress)
+    # The bytes read, out of the files' sizes where none is compressed (a compressed file's text has no known size).
+    compressed = any(p.suffix in COMPRESSED_SUFFIXES for p in files)
+    bar = tqdm(total=None if compressed else sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
+               desc="preprocess", disable=not progress)
     try:
-        lines = _lines(input_path, max_line_bytes, json_key, append_eod)
-        for lineno, ids, error, nchars, nbytes in _encoded(lines, workers, tokenizer_path, dtype):
+        lines = _lines(files, max_line_bytes, json_key, append_eod)
+        for (index, lineno), ids, error, nchars, nbytes in _encoded(lines, workers, tokenizer_path, dtype):
             bar.update(nbytes)
             if error is not None:
                 if error == "empty line":
                     continue
                 if strict:
-                    raise UserError(f"{input_path} line {lineno}: {error}")
+                    raise UserError(f"{files[index]} line {lineno}: {error}")
                 report.skipped += 1
                 if len(report.bad_lines) < BAD_LINES_KEPT:  # a file of nothing else stays within memory too
-                    report.bad_lines.append((lineno, error))
+                    report.bad_lines.append((str(files[index]), lineno, error))
                 continue
             builder.add_document(ids, [len(ids)])
             report.documents += 1
             report.tokens += len(ids)
             report.characters += nchars
         if report.documents == 0:
-            raise UserError(f"{input_path} has no usable line (every line lacked a string '{json_key}' field)")
+            raise UserError(f"{files[0] if len(files) == 1 else files[0].parent} has no usable line (every line "
+                            f"lacked a string '{json_key}' field)")
         builder.finalize(f"{partial}.idx")
         _publish(tmp, prefix)
     finally:

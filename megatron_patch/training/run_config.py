@@ -173,7 +173,8 @@ class RunConfig:
 
     @property
     def sample_length(self) -> int:
-        return self.pad_len if self.sft else self.seq_len
+        """PAD_LEN for SFT on JSON records; SEQ_LEN for pretraining and for an SFT idxmap (Pai's meaning)."""
+        return self.pad_len if self.sft and self.dataset_type == "raw" else self.seq_len
 
     @property
     def tokens_per_gemm(self) -> int:

@@ -48,12 +48,11 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
 class ChatTemplate:
     """A tokenizer folder's jinja chat template, rendered by transformers' own renderer.
 
-    ``segments`` cuts a conversation into (text, trained) pieces whose concatenation is exactly what
-    ``apply_chat_template`` renders; trained are the spans each assistant message adds: the text
-    between the conversation so far rendered with the generation prompt (which ends with the
-    assistant header) and the conversation including that message (its content and end-of-turn
-    markup). That needs a template under which a conversation's rendering starts with the rendering
-    of any earlier part of it; one that does not is refused, naming the message.
+    ``assistant_spans`` renders a conversation exactly as ``apply_chat_template`` does and finds the
+    characters each assistant message adds: the text between the conversation so far rendered with the
+    generation prompt (which ends with the assistant header) and the conversation including that message
+    (its content and end-of-turn markup). That needs a template under which a conversation's rendering
+    starts with the rendering of any earlier part of it; one that does not is refused, naming the message.
     """
 
     def __init__(self, source: str, special_tokens: dict[str, str], where: str):
@@ -69,7 +68,8 @@ class ChatTemplate:
             raise UserError(f"the chat template of {self.where} failed: {type(exc).__name__}: {exc}")
         return rendered[0]
 
-    def segments(self, messages: list[dict], where: str) -> list[tuple[str, bool]]:
+    def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """(the whole conversation rendered, the [start, end) character spans of its assistant turns)."""
         full = self.render(messages)
         spans, done = [], 0
         for i, m in enumerate(messages):
@@ -80,19 +80,11 @@ class ChatTemplate:
             if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
                 raise UserError(f"{where}: the chat template of {self.where} does not render message {i + 1} as an "
                                 "extension of the conversation before it, so its assistant span cannot be found; "
-                                "use a template that renders turns incrementally, or prompt/response records")
-            spans.append((max(len(start), done), len(end)))
-            done = len(end)
-        out, pos = [], 0
-        for a, b in spans:
-            if a > pos:
-                out.append((full[pos:a], False))
-            if b > a:
-                out.append((full[a:b], True))
-            pos = max(pos, b)
-        if pos < len(full):
-            out.append((full[pos:], False))
-        return out
+                                "use a template that renders turns incrementally")
+            if len(end) > max(len(start), done):
+                spans.append((max(len(start), done), len(end)))
+            done = max(done, len(end))
+        return full, spans
 
 
 def _token_text(value) -> str | None:
@@ -159,6 +151,11 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each one's [start, end) characters in it."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=False)

@@ -130,7 +130,8 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     paths, weights = parse_data_paths("DATASET_PATH", a["DATASET_PATH"], names_data)
     valid, valid_weights = (None, None) if is_none(a["VALID_DATASET_PATH"]) else \
         parse_data_paths("VALID_DATASET_PATH", a["VALID_DATASET_PATH"], names_data)
-    tokenizer = env.get("MP_TOKENIZER") or (ckpt if sft else None)
+    # JSON records are tokenized here, by default with the checkpoint's tokenizer; an idxmap is already ids.
+    tokenizer = env.get("MP_TOKENIZER") or (ckpt if sft and dataset_type == "raw" else None)
     if is_none(a["OUTPUT_BASEPATH"]):
         raise UserError("OUTPUT_BASEPATH is required: checkpoints, logs and TensorBoard go there")
 
@@ -171,14 +172,15 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     )
 
 
-def _dataset_type(raw: str, sft: bool, dataset_path: str) -> str:
-    """MP_DATASET_TYPE -> "mmap" (.bin/.idx data; Pai-Megatron-Patch calls it idxmap) or "raw" (JSON/JSONL). Unset:
-    mmap for pretraining; for SFT what DATASET_PATH names (an idxmap prefix, as Pai's default, or a JSON file)."""
-    if raw:
-        return DATASET_TYPES[parse_choice("MP_DATASET_TYPE", raw, tuple(DATASET_TYPES))]
-    if not sft:
+def _dataset_type(value: str, sft: bool, dataset_path: str) -> str:
+    """MP_DATASET_TYPE, or by default: mmap for pretraining; for SFT what DATASET_PATH names, a JSON/JSONL file
+    (raw) or the prefix of an idxmap's .bin/.idx (Pai's default, idxmap, is what its SFT preprocessing writes)."""
+    if value:
+        return DATASET_TYPES[parse_choice("MP_DATASET_TYPE", value, tuple(DATASET_TYPES))]
+    path = dataset_path.strip()
+    if sft and not Path(path).is_file() and _data_found(path, "mmap"):
         return "mmap"
-    return "mmap" if _data_found(dataset_path.strip(), "mmap") else "raw"
+    return "raw" if sft else "mmap"
 
 
 def _virtual_pipeline(env: dict, pp: int, num_layers: int, notes: list[str]) -> tuple[int | None, str | None]:
@@ -277,8 +279,6 @@ def offload_settings(cfg: RunConfig) -> None:
 def data_kind(cfg: RunConfig) -> None:
     if cfg.dataset_type == "raw" and not cfg.sft:
         raise UserError("MP_DATASET_TYPE=raw (JSON data) is for SFT: set SFT=true, or give mmap data for pretraining")
-    if cfg.dataset_type == "mmap" and cfg.sft:
-        raise UserError("SFT=true trains on raw JSON/JSONL data: leave MP_DATASET_TYPE unset or set it to raw")
     if cfg.sft_packing and not cfg.sft:
         raise UserError("MP_SFT_PACKING=true applies to SFT only: set SFT=true or drop MP_SFT_PACKING")
 
@@ -315,7 +315,7 @@ def pipeline_split(cfg: RunConfig) -> None:
 
 
 def sample_lengths(cfg: RunConfig) -> None:
-    if cfg.sft and cfg.pad_len > cfg.seq_len:
+    if cfg.sft and cfg.dataset_type == "raw" and cfg.pad_len > cfg.seq_len:
         raise UserError(f"PAD_LEN ({cfg.pad_len}) must not exceed SEQ_LEN ({cfg.seq_len})")
 
 
@@ -333,7 +333,7 @@ def model_layout(cfg: RunConfig) -> None:
 
 
 def _length(cfg: RunConfig) -> tuple[str, int]:
-    return ("PAD_LEN", cfg.pad_len) if cfg.sft else ("SEQ_LEN", cfg.seq_len)
+    return ("PAD_LEN" if cfg.sft and cfg.dataset_type == "raw" else "SEQ_LEN"), cfg.sample_length
 
 
 def sequence_splits(cfg: RunConfig) -> None:
@@ -417,10 +417,10 @@ def training_length(cfg: RunConfig) -> None:
 
 def sft_data(cfg: RunConfig) -> None:
     if cfg.sft and (len(cfg.dataset_path) != 1 or cfg.dataset_weights):
-        raise UserError("SFT takes one JSON/JSONL file as DATASET_PATH")
+        raise UserError("SFT takes one JSON/JSONL file or one SFT idxmap prefix as DATASET_PATH")
     if cfg.sft and cfg.valid_dataset_path and (len(cfg.valid_dataset_path) != 1 or cfg.valid_dataset_weights):
-        raise UserError("SFT validates on one JSON/JSONL file as VALID_DATASET_PATH")
-    if cfg.sft and cfg.tokenizer is None:
+        raise UserError("SFT validates on one JSON/JSONL file or one SFT idxmap prefix as VALID_DATASET_PATH")
+    if cfg.sft and cfg.dataset_type == "raw" and cfg.tokenizer is None:
         raise UserError("SFT needs a tokenizer: set MP_TOKENIZER to a tokenizer folder/file, or give a "
                         "PRETRAIN_CHECKPOINT_PATH that carries tokenizer.json")
 
@@ -442,7 +442,7 @@ def data_exists(cfg: RunConfig) -> None:
     for name, paths in (("DATASET_PATH", cfg.dataset_path), ("VALID_DATASET_PATH", cfg.valid_dataset_path or [])):
         for path in paths:
             try:
-                _check_data(path, cfg.dataset_type)
+                _check_data(path, cfg.dataset_type, cfg.sft)
             except UserError as exc:
                 if len(paths) > 1:  # perhaps one path with spaces, read as several
                     raise UserError(f"{exc} ({name} was read as {len(paths)} paths; quote a path that holds spaces "
@@ -545,12 +545,16 @@ def _data_found(path: str, dataset_type: str) -> bool:
     return Path(path).is_file() if dataset_type == "raw" else any(Path(path + s).exists() for s in (".bin", ".idx"))
 
 
-def _check_data(path: str, dataset_type: str) -> None:
+def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
     if dataset_type == "raw":
         if not Path(path).is_file():
-            raise UserError(f"SFT data {path} not found: give a JSON or JSONL file")
+            raise UserError(f"SFT data {path} not found: give a JSON or JSONL file, or the prefix of an SFT idxmap's "
+                            ".bin/.idx (Pai's sft_data_preprocessing)")
         return
     missing = [s for s in (".bin", ".idx") if not Path(path + s).is_file()]
+    if missing and sft:
+        raise UserError(f"SFT idxmap {path}{missing[0]} not found: give the prefix of the .bin/.idx pair written by "
+                        "Pai's sft_data_preprocessing (e.g. data/sft_text_document), or a JSON or JSONL file")
     if missing:
         raise UserError(f"mmap data {path}{missing[0]} not found: give the prefix of the .bin/.idx pair "
                         "written by 'mpatch preprocess' (e.g. data/corpus_text_document)")

@@ -1,0 +1,183 @@
+"""`mpatch preprocess` takes what Pai-Megatron-Patch's pretraining preprocessing takes (issue 35): a folder of
+``.jsonl`` or ``.jsonl.zst`` files (its README's input) and its flag names; the bounds and line checks of issue 34
+hold for compressed files too. All in process, through the CLI's ``main`` as a user types the command.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from megatron_patch.training import preprocess as pre
+from megatron_patch.training.tokenizer import load_tokenizer
+from tests.convert_helpers import run_cli
+from tests.training_helpers import make_texts, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tok") / "tok", make_texts(200, seed=3))
+
+
+def _jsonl(texts: list[str], key: str = "text") -> bytes:
+    return "".join(json.dumps({key: t}) + "\n" for t in texts).encode()
+
+
+def _documents(prefix: Path, tok: Path) -> list[str]:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds, t = IndexedDataset(str(prefix)), load_tokenizer(tok)
+    return [t.decode(ds[i][:-1]) for i in range(len(ds))]
+
+
+def _one_line(rc: int, err: str, *words: str) -> None:
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def _folder(root: Path, texts: list[str]) -> Path:
+    """Pai's README input: the corpus split into numbered pieces, zstd-compressed (one gzip, one plain here)."""
+    root.mkdir()
+    thirds = [texts[:30], texts[30:60], texts[60:]]
+    (root / "00.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(thirds[0])))
+    (root / "01.jsonl").write_bytes(_jsonl(thirds[1]))
+    (root / "02.jsonl.gz").write_bytes(gzip.compress(_jsonl(thirds[2])))
+    (root / ".hidden").write_text("not read")
+    return root
+
+
+def test_a_folder_of_jsonl_and_zst_files_is_one_corpus_in_name_order(tok, tmp_path, capsys):
+    """Before: 'input ... not found: give a JSONL file' for a folder, and 'line 1 is not UTF-8' for a .zst file."""
+    texts = make_texts(90, seed=8)
+    rc, err = run_cli(capsys, "preprocess", "--input", str(_folder(tmp_path / "in", texts)), "--output-prefix",
+                      str(tmp_path / "p"), "--tokenizer", str(tok), "--quiet")
+    assert rc == 0, err
+    assert _documents(tmp_path / "p_text_document", tok) == texts
+    # One .zst file as the input, and several frames in it (zstd -z of concatenated pieces).
+    frames = zstandard.ZstdCompressor().compress(_jsonl(texts[:5])) + zstandard.ZstdCompressor().compress(_jsonl(texts[5:9]))
+    (tmp_path / "one.jsonl.zst").write_bytes(frames)
+    rc, err = run_cli(capsys, "preprocess", "--input", str(tmp_path / "one.jsonl.zst"), "--output-prefix",
+                      str(tmp_path / "q"), "--tokenizer", str(tok), "--quiet")
+    assert rc == 0, err
+    assert _documents(tmp_path / "q_text_document", tok) == texts[:9]
+
+
+def test_pai_flags_are_taken_and_what_is_ignored_is_said(tok, tmp_path, capsys):
+    """Pai's run_make_pretraining_dataset_megatron.sh line, as it types it. Before: 'unrecognized arguments'."""
+    texts = make_texts(40, seed=9)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "00.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": t, "content": t.upper()}) + "\n" for t in texts).encode()))
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "mmap_qwen3_datasets"),
+                      "--patch-tokenizer-type", "Qwen3Tokenizer", "--json-keys", "text", "content", "--load", str(tok),
+                      "--workers", "1", "--partitions", "1", "--keep-sequential-samples", "--append-eod", "--quiet")
+    assert rc == 0, err
+    assert err.splitlines() == ["note: ignored here: --patch-tokenizer-type (the tokenizer is the --load/--tokenizer "
+                                "folder's); --partitions (the workers share the input, no partition files are "
+                                "written); --keep-sequential-samples (documents always keep the input's order)"]
+    assert _documents(tmp_path / "mmap_qwen3_datasets_text_document", tok) == texts
+    assert len(_documents(tmp_path / "mmap_qwen3_datasets_content_document", tok)) == len(texts)  # one pair a key
+    # The older preprocess_data.py's flags.
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "wudao"),
+                      "--dataset-impl", "mmap", "--jsonl-keys", "text", "--load", str(tok), "--quiet")
+    assert rc == 0 and err == "", err
+    for extra, message in ((["--dataset-impl", "lazy"], "--dataset-impl lazy is not written here"),
+                           (["--split-sentences"], "--split-sentences is not supported")):
+        rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "x"),
+                          "--load", str(tok), *extra)
+        _one_line(rc, err, message)
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "x"))
+    _one_line(rc, err, "preprocess needs a tokenizer: --tokenizer (or Pai's --load)")
+
+
+def test_line_checks_and_bounds_hold_inside_compressed_files(tok, tmp_path, capsys):
+    """Issue 34's ceiling on a line, its UTF-8 check naming the line, bad lines named by file and line: the same
+    for a line inside a .zst file, which is decompressed in pieces, never whole."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "00.jsonl").write_bytes(_jsonl(["fine"]))
+    # 64 MiB of one byte on line 2, in 2 kB of zstd: refused after reading past the 8 MiB ceiling, not all of it.
+    huge = b'{"text": "ok"}\n{"text": "' + b"a" * (64 * 2**20) + b'"}\n'
+    (folder / "01.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=1).compress(huge))
+    del huge
+    tracemalloc.start()
+    try:
+        rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "p"),
+                          "--tokenizer", str(tok), "--quiet")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    _one_line(rc, err, f"{folder / '01.jsonl.zst'} line 2 is longer than 8 MiB", "--max-line-mb")
+    assert peak < 40 * 2**20, peak  # the line is 64 MiB
+    (folder / "01.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "a"}\n{"text": "caf\xe9"}\n'))
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "p"),
+                      "--tokenizer", str(tok), "--quiet")
+    _one_line(rc, err, f"{folder / '01.jsonl.zst'} line 2 is not UTF-8 (invalid continuation byte at byte 14")
+    (folder / "01.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b'{"text": "a"}\n{"other": 1}\n'))
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "p"),
+                      "--tokenizer", str(tok), "--quiet")
+    assert rc == 0 and err == f"{folder / '01.jsonl.zst'}:2: skipped: no 'text' field (fields: 'other')\n", err
+
+
+def test_damaged_compressed_files_are_one_line(tok, tmp_path, capsys):
+    whole = zstandard.ZstdCompressor().compress(_jsonl(make_texts(200, seed=4)))
+    for name, data, message in (
+            ("cut.jsonl.zst", whole[:len(whole) // 2], "ends inside a zstd frame: the file was cut short"),
+            ("junk.jsonl.zst", b"not zstd at all" * 10, "is not a readable zstd file"),
+            ("cut.jsonl.gz", gzip.compress(_jsonl(make_texts(200, seed=4)))[:500], "cannot be decompressed")):
+        (tmp_path / name).write_bytes(data)
+        rc, err = run_cli(capsys, "preprocess", "--input", str(tmp_path / name), "--output-prefix",
+                          str(tmp_path / "p"), "--tokenizer", str(tok), "--quiet")
+        _one_line(rc, err, str(tmp_path / name), message)
+        assert not list(tmp_path.glob("p_*")), name
+
+
+def test_without_zstandard_a_zst_input_says_what_to_install(tok, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(["x"])))
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as if it were not installed
+    rc, err = run_cli(capsys, "preprocess", "--input", str(tmp_path / "a.jsonl.zst"), "--output-prefix",
+                      str(tmp_path / "p"), "--tokenizer", str(tok), "--quiet")
+    _one_line(rc, err, "is zstd-compressed, and reading it needs the zstandard package: pip install zstandard")
+
+
+def test_a_folder_holding_anything_else_is_refused(tok, tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "p"),
+                      "--tokenizer", str(tok))
+    _one_line(rc, err, f"input folder {folder} holds no files")
+    (folder / "00.jsonl").write_bytes(_jsonl(["x"]))
+    for stray in ("notes.txt", "sub"):
+        (folder / stray).mkdir() if stray == "sub" else (folder / stray).write_text("x")
+        rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "p"),
+                          "--tokenizer", str(tok))
+        _one_line(rc, err, f"{folder / stray} is not a .jsonl or .json file", "move it away")
+        (folder / stray).rmdir() if stray == "sub" else (folder / stray).unlink()
+    assert pre.input_files(folder) == [folder / "00.jsonl"]
+
+
+@pytest.mark.slow
+def test_pais_preprocessing_script_runs_unchanged_under_sh(tok, tmp_path):
+    """Pai's README line for its megatron preprocessing script, by its path and positional arguments, under sh."""
+    import os
+    import subprocess
+
+    texts = make_texts(20, seed=12)
+    folder = _folder(tmp_path / "cleaned_zst", texts)
+    script = Path(__file__).resolve().parents[1] / "toolkits" / "pretrain_data_preprocessing" / \
+        "run_make_pretraining_dataset_megatron.sh"
+    proc = subprocess.run(["sh", str(script), str(folder), "Qwen3Tokenizer", "text", str(tmp_path), str(tok)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert _documents(tmp_path / "mmap_qwen3_datasets_text_document", tok) == texts
+    proc = subprocess.run(["sh", str(script), str(folder), "BertTokenizer", "text", str(tmp_path), str(tok)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "TOKENIZER must be one of" in proc.stderr

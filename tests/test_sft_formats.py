@@ -1,0 +1,396 @@
+"""SFT data as Pai-Megatron-Patch users bring it (issue 35), each read as Pai reads it, and what the model trains on
+made visible:
+
+- every record kind (instruction/input/output, query/response, query/content, prompt/completion, a system
+  field, messages) goes through the tokenizer's chat template: the ids and the loss mask equal transformers'
+  own ``apply_chat_template(..., return_assistant_tokens_mask=True)``, for a Qwen-style (ChatML) and a
+  Llama-3-style template on a byte-level tokenizer;
+- the dry run shows a rendered sample with its trained spans and their count, and says when there is no template;
+- Pai's SFT idxmap (ids plus -100 labels), plain and packed, and its packed-SFT JSON are read; every id is
+  checked before training, in one line;
+- each format trains, and ``log/metrics.jsonl`` records the tokens the loss was taken over (slow).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+
+from megatron_patch.cli import main
+from megatron_patch.errors import UserError
+from megatron_patch.training.data_files import check_mmap_data, check_sft_idxmap
+from megatron_patch.training.sft_data import IdxmapSFTDataset, SFTDataset, read_records, tokenize_record
+from megatron_patch.training.tokenizer import load_tokenizer
+from megatron_patch.training.validation import resolve
+from tests.convert_helpers import run_cli
+from tests.sft_helpers import (LLAMA3_STYLE, LLAMA3_TOKENS, QWEN_STYLE, QWEN_TOKENS, chat_ids,
+                               make_byte_level_tokenizer, pai_sft_sequences, write_mmap_pair)
+from tests.training_helpers import (launcher_args, make_chat_tokenizer, make_texts, make_tokenizer, read_metrics,
+                                    write_jsonl)
+
+# The sample length of these tests: each record's rendering fits, and two of PAI_RECORDS fit one packed sample.
+SEQ = 192
+
+STYLES = {
+    "qwen": (QWEN_STYLE, QWEN_TOKENS, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    "llama3": (LLAMA3_STYLE, LLAMA3_TOKENS, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+}
+
+# Each record kind, and the conversation Pai makes of it (its SFT code: the user turn is instruction + input,
+# nothing between; ``content`` is a response).
+RECORDS = [
+    ({"instruction": "Describe the river.", "input": " It is cold.", "output": " A quiet river by the sea."},
+     [("user", "Describe the river. It is cold."), ("assistant", " A quiet river by the sea.")]),
+    ({"instruction": "Name a fruit.", "input": "", "output": "A green apple."},
+     [("user", "Name a fruit."), ("assistant", "A green apple.")]),
+    ({"query": "Where does the cat sit?", "response": "The cat sits on the warm mat."},
+     [("user", "Where does the cat sit?"), ("assistant", "The cat sits on the warm mat.")]),
+    ({"query": "And the dog?", "content": "A dog sees the red ball."},
+     [("user", "And the dog?"), ("assistant", "A dog sees the red ball.")]),
+    ({"prompt": "Say it again.", "completion": "The farmer paints the blue house."},
+     [("user", "Say it again."), ("assistant", "The farmer paints the blue house.")]),
+    ({"system": "Be brief.", "instruction": "Name a place.", "output": "By the sea."},
+     [("system", "Be brief."), ("user", "Name a place."), ("assistant", "By the sea.")]),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
+                   {"role": "user", "content": "Leaving?"}, {"role": "assistant", "content": " Bye now."}]},
+     [("user", "Hi"), ("assistant", "Hello there."), ("user", "Leaving?"), ("assistant", " Bye now.")]),
+]
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return make_texts(300, seed=11)
+
+
+@pytest.fixture(scope="module", params=list(STYLES))
+def byte_level(request, texts, tmp_path_factory):
+    """(transformers' tokenizer, ours) of a byte-level BPE folder with the style's chat template."""
+    from transformers import AutoTokenizer
+
+    template, tokens, config = STYLES[request.param]
+    folder = make_byte_level_tokenizer(tmp_path_factory.mktemp(request.param) / "tok", texts, template, tokens, config)
+    return AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def chat_tok(texts, tmp_path_factory):
+    """A ChatML tokenizer small enough for the tiny models (<= 200 ids), with the Qwen-style template."""
+    root = tmp_path_factory.mktemp("chat")
+    base = make_tokenizer(root / "base", texts, vocab_size=190)
+    return make_chat_tokenizer(root / "tok", base, QWEN_STYLE, QWEN_TOKENS)
+
+
+# --- the chat template -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("record,turns", RECORDS, ids=[next(iter(r)) + "/" + list(r)[-1] for r, _ in RECORDS])
+def test_records_render_as_transformers_renders_them(byte_level, record, turns):
+    """Before, every record but ``messages`` trained as plain text ('prompt\\nresponse</s>'), and query/content was
+    refused: a chat model fine-tuned here never saw its chat format."""
+    hf, tok = byte_level
+    ids, trained = tokenize_record(tok, record, "record 1")
+    reference, mask = chat_ids(hf, [{"role": r, "content": c} for r, c in turns], return_assistant_tokens_mask=True)
+    assert ids == reference
+    assert trained == mask, (hf.decode([i for i, t in zip(ids, trained) if t]),
+                             hf.decode([i for i, t in zip(ids, mask) if t]))
+    # The assistant's words and its end of turn carry the loss; nothing of the prompt or the assistant header.
+    on = hf.decode([i for i, t in zip(ids, trained) if t])
+    answers = [c.strip() for r, c in turns if r == "assistant"]
+    assert all(a in on for a in answers) and on.rstrip("\n").endswith(("<|im_end|>", "<|eot_id|>"))
+    assert not any(c.strip() in on for r, c in turns if r != "assistant") and "assistant" not in on
+
+
+def test_records_that_are_not_sft_records_are_one_line(chat_tok):
+    tok = load_tokenizer(chat_tok)
+    for record, message in (({"query": "x"}, "needs string prompt and response fields"),
+                            ({"instruction": "x", "output": "y", "input": 3}, "'input' must be a string"),
+                            ({"instruction": "x", "output": "y", "system": ["s"]}, "'system' must be a string"),
+                            ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+                            (["x"], "must be a JSON object")):
+        with pytest.raises(UserError, match=message):
+            tokenize_record(tok, record, "f.jsonl record 3")
+
+
+def test_without_a_template_records_keep_the_plain_format(texts, tmp_path):
+    tok = load_tokenizer(make_tokenizer(tmp_path / "tok", texts))
+    ids, trained = tokenize_record(tok, RECORDS[0][0], "r")
+    assert tok.decode(ids) == "Describe the river. It is cold.\n A quiet river by the sea.</s>"
+    assert tok.decode([i for i, t in zip(ids, trained) if t]).strip() == "A quiet river by the sea.</s>"
+    ids, trained = tokenize_record(tok, RECORDS[5][0], "r")  # the system turn, on a line before the prompt
+    assert tok.decode(ids).replace("\n ", "\n") == "Be brief.\nName a place.\nBy the sea.</s>"  # (a word's space)
+
+
+# --- the dry run -----------------------------------------------------------------------------------------------
+
+def _sft_args(tmp_path, data, **over):
+    base = dict(SFT="true", DATASET_PATH=str(data), OUTPUT_BASEPATH=str(tmp_path / "out"), SEQ_LEN=str(SEQ),
+                PAD_LEN=str(SEQ))
+    return launcher_args("llama3_1", **{**base, **over})
+
+
+def test_dry_run_shows_a_rendered_sample_with_its_loss_mask(chat_tok, texts, tmp_path, monkeypatch, capsys):
+    from transformers import AutoTokenizer
+
+    write_jsonl(tmp_path / "sft.jsonl", [RECORDS[2][0], RECORDS[0][0]])
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    monkeypatch.setenv("MP_TOKENIZER", str(chat_tok))
+    assert main(["train", "llama3_1", *_sft_args(tmp_path, tmp_path / "sft.jsonl")]) == 0
+    out = capsys.readouterr().out
+    _, mask = chat_ids(AutoTokenizer.from_pretrained(chat_tok), [{"role": "user", "content": "Where does the cat sit?"},
+                       {"role": "assistant", "content": "The cat sits on the warm mat."}], return_assistant_tokens_mask=True)
+    assert f"SFT data: records rendered by the chat template of {chat_tok}, the loss on the assistant turns" in out
+    assert f"record 1: {len(mask)} tokens (samples are {SEQ}), the loss on {sum(mask)} of them, between [[ and ]]" in out
+    assert "    <|im_start|>user\n    Where does the cat sit?<|im_end|>\n    <|im_start|>assistant\n" \
+           "    [[The cat sits on the warm mat.<|im_end|>\n    ]]\n" in out, out
+
+
+
+def test_dry_run_says_when_there_is_no_template(texts, tmp_path, monkeypatch, capsys):
+    """Without a template the dry run says the plain format is used, and shows it."""
+    write_jsonl(tmp_path / "sft.jsonl", [RECORDS[2][0], RECORDS[0][0]])
+    monkeypatch.setenv("MP_TOKENIZER", str(make_tokenizer(tmp_path / "plain", texts)))
+    monkeypatch.setenv("MP_DRY_RUN", "json")
+    assert main(["train", "llama3_1", *_sft_args(tmp_path, tmp_path / "sft.jsonl")]) == 0
+    sample = json.loads(capsys.readouterr().out)["sft_sample"]
+    assert sample["format"].startswith(f"plain format: {tmp_path / 'plain'} has no chat template")
+    assert sample["text"] == "Where does the cat sit?\n[[The cat sits on the warm mat.</s>]]"
+    # A first record training would stop at is said, and the dry run goes on (as with the machine's problems).
+    write_jsonl(tmp_path / "sft.jsonl", [{"query": "no answer"}])
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    assert main(["train", "llama3_1", *_sft_args(tmp_path, tmp_path / "sft.jsonl")]) == 0
+    assert "SFT data: the first sample cannot be rendered, and training would stop there: " \
+           f"{tmp_path / 'sft.jsonl'} record 1: an SFT record needs string prompt and response" in capsys.readouterr().out
+
+
+# --- Pai's SFT idxmap ------------------------------------------------------------------------------------------
+
+PAI_RECORDS = [r for r, _ in RECORDS[:2]] + [
+    {"instruction": "Find the road.", "input": "", "output": "The long road near the school."},
+    {"instruction": "What does the bird see?", "input": " In the morning.", "output": "A small bird sees a green apple."},
+]
+
+
+@pytest.fixture(scope="module")
+def pai_idxmap(chat_tok, tmp_path_factory):
+    """Pai's SFT idxmap of PAI_RECORDS, plain (a sample per record) and packed (--sequence-packing)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(chat_tok)
+    pad = hf.convert_tokens_to_ids("<|endoftext|>")
+    root = tmp_path_factory.mktemp("pai")
+    out = {"hf": hf, "tok": chat_tok}
+    for name, packing in (("plain", False), ("packed", True)):
+        sequences = pai_sft_sequences(hf, PAI_RECORDS, SEQ, pad, packing=packing)
+        out[name] = write_mmap_pair(root / f"{name}_text_document", sequences)
+        out[f"{name}_sequences"] = sequences
+    assert len(out["plain_sequences"]) == 4 and len(out["packed_sequences"]) == 2
+    return out
+
+
+def _records_of(sequences: list[list[int]]):
+    """(input ids, labels) of each record of Pai's samples, cut at its end marks, by the test's own reading."""
+    for seq in sequences:
+        tokens, labels, start = seq[:SEQ], seq[SEQ:], 0
+        for end in [i + 1 for i, t in enumerate(tokens) if t < 0]:
+            yield [t if t >= 0 else -1 - t for t in tokens[start:end]], labels[start:end]
+            start = end
+
+
+def test_pai_sft_idxmap_is_read_as_pai_trains_on_it(pai_idxmap):
+    """Before, an SFT idxmap was refused three ways (MP_DATASET_TYPE=idxmap unknown, SFT=true with mmap data
+    refused, DATASET_PATH not a JSON file)."""
+    expected = list(_records_of(pai_idxmap["plain_sequences"]))
+    assert len(expected) == 4 and expected == list(_records_of(pai_idxmap["packed_sequences"]))
+    for name, packing in (("plain", False), ("packed", False), ("plain", True)):
+        data = IdxmapSFTDataset(pai_idxmap[name], SEQ, packing=packing)
+        assert len(data) == 4  # a record a sample, whichever way the file was packed
+        for sample, (tokens, labels) in zip(data, expected):
+            n = len(tokens)
+            assert sample["tokens"][:n].tolist() == tokens
+            trained = sample["loss_mask"].bool()
+            assert trained[:n].tolist() == [label != -100 for label in labels] and not trained[n:].any()
+            assert sample["labels"][trained].tolist() == [label for label in labels if label != -100]
+            # the labels are the next input ids: Pai's loss starts at the assistant header
+            assert sample["labels"][:n - 1][trained[:n - 1]].tolist() == [t for t, on in zip(tokens[1:], trained) if on]
+    labels = pai_idxmap["hf"].decode([label for label in expected[0][1] if label != -100])
+    assert labels.startswith("<|im_start|>assistant\n")  # the label of the prompt's last token: the header
+    # Packed and read packed: two samples, each record a THD segment whose positions restart.
+    packed = IdxmapSFTDataset(pai_idxmap["packed"], SEQ, packing=True)
+    assert len(packed) == 2
+    lengths = [len(t) for t, _ in expected]
+    first = packed[0]
+    starts = first["doc_start"].nonzero().flatten().tolist()
+    records_in_first = len(starts) - 1  # the padding after the last record is a segment of its own
+    assert starts[:records_in_first] == [sum(lengths[:i]) for i in range(records_in_first)]
+    assert first["position_ids"][starts[1]] == 0 and first["position_ids"][starts[1] - 1] == lengths[0] - 1
+    assert sum(int(packed[i]["loss_mask"].sum()) for i in range(2)) == \
+        sum(label != -100 for _, labels in expected for label in labels)
+
+
+def test_the_launcher_takes_pai_sft_idxmap_as_pai_does(pai_idxmap, tmp_path):
+    """SFT=true with an idxmap prefix, without MP_DATASET_TYPE (Pai's default is idxmap) or with Pai's value for
+    it; SEQ_LEN is its sample length, and no tokenizer is needed."""
+    for env in ({}, {"MP_DATASET_TYPE": "idxmap"}, {"MP_DATASET_TYPE": "mmap"}):
+        cfg = resolve("llama3_1", _sft_args(tmp_path, pai_idxmap["plain"], PAD_LEN="32"), env=env)
+        assert cfg.dataset_type == "mmap" and cfg.sample_length == SEQ and cfg.tokenizer is None
+    cfg = resolve("llama3_1", _sft_args(tmp_path, pai_idxmap["plain"], PAD_LEN="32"), env={})
+    check_sft_idxmap(cfg.dataset_path[0], cfg.arch.vocab_size, cfg.sample_length)
+    # JSON records stay the default for a file, with PAD_LEN as their length.
+    write_jsonl(tmp_path / "sft.jsonl", PAI_RECORDS)
+    cfg = resolve("llama3_1", _sft_args(tmp_path, tmp_path / "sft.jsonl"), env={"MP_TOKENIZER": str(pai_idxmap["tok"])})
+    assert cfg.dataset_type == "raw" and cfg.sample_length == SEQ
+
+
+def test_every_id_of_an_sft_idxmap_is_checked_before_training(pai_idxmap, tmp_path):
+    good = pai_idxmap["plain_sequences"]
+    vocab = 200
+
+    def refused(sequences, message, dtype=numpy.int32, length=SEQ):
+        prefix = write_mmap_pair(tmp_path / "bad", sequences, dtype)
+        with pytest.raises(UserError, match=message) as exc:
+            check_sft_idxmap(prefix, vocab, length)
+        assert "\n" not in str(exc.value)
+
+    def edited(sample: int, position: int, value: int):
+        out = [list(s) for s in good]
+        out[sample][position] = value
+        return out
+
+    assert check_sft_idxmap(pai_idxmap["plain"], vocab, SEQ) == 4
+    refused(edited(1, 3, vocab), r"holds input id 200 \(sample 1, token 3\), outside the model's vocabulary \[0, 200\)")
+    refused(edited(1, 3, -vocab - 1), "holds input id -201")  # an end mark of an id outside it
+    label = next(i for i, v in enumerate(good[2][SEQ:]) if v != -100) + SEQ
+    other = (good[2][label] + 1) % 190
+    refused(edited(2, label, other), f"sample 2 labels token {label - SEQ} with {other}, which is not the next input id")
+    refused(edited(2, label, -5), "with -5, which is not the next input id")
+    refused([s[:SEQ] + [-100] * SEQ for s in good], "labels no token")
+    refused(good, f"holds samples of {SEQ} tokens .* longer than SEQ_LEN=32", length=32)
+    refused([[abs(v) for v in s] for s in good], "holds unsigned ids", dtype=numpy.uint16)
+    refused([good[0], good[1][:100]], f"holds sequences of 100 to {2 * SEQ} tokens")
+
+
+def test_pai_idxmap_given_as_pretraining_data_is_one_line(pai_idxmap, tmp_path, capsys):
+    """Its -100 labels and end marks stopped a rank with IndexError before the ids were checked (issue 34 checks
+    them); the line now says what the data is."""
+    with pytest.raises(UserError, match="an SFT idxmap of Pai's sft_data_preprocessing holds: train it with SFT=true"):
+        check_mmap_data(pai_idxmap["plain"], 200)
+    args = launcher_args("llama3_1", DATASET_PATH=pai_idxmap["plain"], OUTPUT_BASEPATH=str(tmp_path / "out"))
+    rc, err = run_cli(capsys, "train", "llama3_1", *args)
+    assert rc == 2 and err.count("\n") == 1 and "IndexError" not in err and "SFT=true" in err, err
+
+
+def test_dry_run_of_an_sft_idxmap_shows_its_first_record(pai_idxmap, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MP_DRY_RUN", "json")
+    monkeypatch.setenv("MP_TOKENIZER", str(pai_idxmap["tok"]))
+    assert main(["train", "llama3_1", *_sft_args(tmp_path, pai_idxmap["packed"])]) == 0
+    sample = json.loads(capsys.readouterr().out)["sft_sample"]
+    tokens, labels = next(_records_of(pai_idxmap["packed_sequences"]))
+    assert sample["format"].startswith("Pai's SFT idxmap") and sample["tokens"] == len(tokens)
+    assert sample["loss_tokens"] == sum(label != -100 for label in labels)
+    assert sample["text"].endswith("[[<|im_start|>assistant\n A quiet river by the sea.<|im_end|>\n]]"), sample["text"]
+
+
+# --- Pai's packed-SFT JSON -------------------------------------------------------------------------------------
+
+def test_pai_packed_sft_json_is_read(chat_tok, tmp_path):
+    """A line of Pai's packed-SFT JSON lists the records of one sample (its README's format). Before, a list was
+    refused ('an SFT record must be a JSON object')."""
+    tok = load_tokenizer(chat_tok)
+    packs = [PAI_RECORDS[:2], PAI_RECORDS[2:3], PAI_RECORDS[3:]]
+    write_jsonl(tmp_path / "packed.jsonl", packs)
+    (tmp_path / "packed.json").write_text(json.dumps(packs, indent=1))  # one JSON array of them, on many lines
+    assert read_records(tmp_path / "packed.jsonl") == read_records(tmp_path / "packed.json") == packs
+    per_record = [sum(tokenize_record(tok, r, "r")[1]) for r in PAI_RECORDS]
+    packed = SFTDataset(tmp_path / "packed.jsonl", tok, SEQ, packing=True)
+    assert len(packed) == 3  # the lists as they are, not packed further
+    assert [int(s["doc_start"].sum()) for s in packed.samples] == [3, 2, 2]  # records, then the padding
+    assert [int(s["loss_mask"].sum()) for s in packed.samples] == [sum(per_record[:2]), per_record[2], per_record[3]]
+    plain = SFTDataset(tmp_path / "packed.json", tok, SEQ)
+    assert [int(s["loss_mask"].sum()) for s in plain.samples] == per_record and "doc_start" not in plain.samples[0]
+
+
+# --- each format trains, and the log says what the loss was taken over ----------------------------------------
+
+GBS, ITERS = 4, 3
+
+
+def _expected(per_sample: list[int]) -> list[int]:
+    """loss_tokens of each iteration: the samples it reads ([i*GBS, (i+1)*GBS), epochs repeating)."""
+    return [sum(per_sample[(i * GBS + k) % len(per_sample)] for k in range(GBS)) for i in range(ITERS)]
+
+
+@pytest.mark.slow
+def test_each_format_trains_and_logs_the_tokens_its_loss_covers(chat_tok, pai_idxmap, texts, tmp_path):
+    import zstandard
+    from transformers import AutoTokenizer
+
+    from megatron_patch.runtime.launch import run_local
+    from megatron_patch.training.data_files import check_training_data
+    from tests.sft_helpers import train_worker
+
+    hf = AutoTokenizer.from_pretrained(chat_tok)
+
+    def assistant_tokens(record) -> int:
+        turns = next((t for rec, t in RECORDS if rec == record), None) or \
+            [("user", record["instruction"] + record["input"]), ("assistant", record["output"])]
+        return sum(chat_ids(hf, [{"role": r, "content": c} for r, c in turns], return_assistant_tokens_mask=True)[1])
+
+    def per_row(sequences):
+        return [sum(label != -100 for label in s[SEQ:]) for s in sequences]
+
+    # Pretraining from a folder of .jsonl.zst files, through mpatch preprocess.
+    (tmp_path / "zst").mkdir()
+    for i in range(2):
+        lines = "".join(json.dumps({"text": t}) + "\n" for t in texts[i * 100:(i + 1) * 100]).encode()
+        (tmp_path / "zst" / f"0{i}.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    assert main(["preprocess", "--input", str(tmp_path / "zst"), "--output-prefix", str(tmp_path / "corpus"),
+                 "--load", str(chat_tok), "--json-keys", "text", "--quiet"]) == 0
+
+    formats = {}  # name -> (DATASET_PATH, MP_* environment, loss_tokens per iteration)
+    for name, kinds in (("instruction", [0, 1, 5]), ("query_response", [2]), ("query_content", [3]),
+                        ("prompt_completion", [4]), ("messages", [6])):
+        records = [RECORDS[k][0] for k in kinds]
+        records = (records * GBS)[:GBS]
+        write_jsonl(tmp_path / f"{name}.jsonl", records)
+        formats[name] = (tmp_path / f"{name}.jsonl", {}, _expected([assistant_tokens(r) for r in records]))
+    packs = [PAI_RECORDS[:2], PAI_RECORDS[2:3], PAI_RECORDS[3:]]
+    write_jsonl(tmp_path / "packed.jsonl", packs)
+    formats["pai_packed_json"] = (tmp_path / "packed.jsonl", {"MP_SFT_PACKING": "true"},
+                                  _expected([sum(assistant_tokens(r) for r in p) for p in packs]))
+    formats["pai_idxmap"] = (pai_idxmap["plain"], {}, _expected(per_row(pai_idxmap["plain_sequences"])))
+    formats["pai_idxmap_packed"] = (pai_idxmap["packed"], {"MP_SFT_PACKING": "true"},
+                                    _expected(per_row(pai_idxmap["packed_sequences"])))
+    cfgs = []
+    for name, (path, env, _) in formats.items():
+        args = _sft_args(tmp_path / name, path, GLOBAL_BATCH_SIZE=str(GBS), TRAIN_TOKENS_OR_ITERS=str(ITERS),
+                         WARMUP_TOKENS_OR_ITERS="1", LR="3e-3")
+        cfgs.append(resolve("llama3_1", args, env={"MP_TOKENIZER": str(chat_tok), "MP_SAVE": "false", **env}))
+    pretrain = launcher_args("llama3_1", DATASET_PATH=str(tmp_path / "corpus_text_document"), GLOBAL_BATCH_SIZE=str(GBS),
+                             OUTPUT_BASEPATH=str(tmp_path / "pretrain" / "out"), TRAIN_TOKENS_OR_ITERS=str(ITERS * GBS * 64),
+                             WARMUP_TOKENS_OR_ITERS=str(GBS * 64))
+    cfgs.append(resolve("llama3_1", pretrain, env={"MP_SAVE": "false"}))
+    formats["pretraining_zst"] = (None, {}, [GBS * 64] * ITERS)
+    for cfg in cfgs:
+        check_training_data(cfg)  # what the launcher does before any rank starts
+    run_local(train_worker, 1, cfgs, timeout=900)
+    for (name, (_, _, expected)), cfg in zip(formats.items(), cfgs):
+        metrics = read_metrics(cfg.output_basepath)
+        assert [m["loss_tokens"] for m in metrics] == expected, name
+        assert metrics[-1]["loss"] < metrics[0]["loss"], (name, [m["loss"] for m in metrics])  # it learns
+
+
+@pytest.mark.slow
+def test_a_pai_sft_idxmap_trains_through_the_launcher(pai_idxmap, tmp_path):
+    """The launcher as a Pai user runs it: SFT=true, an idxmap prefix, MP_SFT_PACKING=true, no MP_DATASET_TYPE."""
+    from tests.training_helpers import launch
+
+    args = _sft_args(tmp_path, pai_idxmap["packed"], GLOBAL_BATCH_SIZE="2", TRAIN_TOKENS_OR_ITERS="3",
+                     WARMUP_TOKENS_OR_ITERS="1", LR="3e-3", SAVE_INTERVAL="100")
+    proc = launch(args, {"MP_SFT_PACKING": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"SFT data: Pai's SFT idxmap {pai_idxmap['packed']}: 2 samples of {SEQ} tokens" in proc.stdout
+    rows = [sum(label != -100 for label in s[SEQ:]) for s in pai_idxmap["packed_sequences"]]
+    assert [m["loss_tokens"] for m in read_metrics(tmp_path / "out")] == [sum(rows)] * 3
