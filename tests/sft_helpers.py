@@ -92,38 +92,39 @@ def write_mmap_pair(prefix: str | Path, sequences: list[list[int]], dtype=numpy.
 
 
 def pai_sft_sequences(hf_tokenizer, items: list, seq_len: int, pad_id: int, packing: bool = False) -> list[list[int]]:
-    """The samples Pai's SFT preprocessing writes for ``items`` (records, or lists of records: its packed-SFT JSON):
-    each 2*seq_len ids, the input ids (each record's last one stored as -1 - id) padded with ``pad_id``, then the
-    labels (-100 on the prompt and the padding). The prompt is the user turn rendered alone, without a
-    generation prompt, so Pai's labels take in the assistant header. ``packing`` is its ``--sequence-packing``:
-    every record, in order, into as few samples as fit."""
+    """The samples Pai's SFT preprocessing writes for ``items`` (records, or lists of records: its packed-SFT JSON),
+    rendered with ``hf_tokenizer``'s chat template: the prompt is the user turn rendered alone, without a
+    generation prompt, so Pai's labels take in the assistant header (``pai_sft_samples`` lays them out)."""
 
-    def encode(records):
-        out, doc, labels = [], [], []
+    def pair(r):
+        user = {"role": "user", "content": r["instruction"] + r["input"]}
+        prompt, _ = chat_ids(hf_tokenizer, [user])
+        full, _ = chat_ids(hf_tokenizer, [user, {"role": "assistant", "content": r["output"]}])
+        return prompt, full
 
-        def flush():
-            if doc:
-                out.append(doc + [pad_id] * (seq_len - len(doc)) + labels + [-100] * (seq_len - len(labels)))
-            return [], []
+    groups = [[r for item in items for r in (item if isinstance(item, list) else [item])]] if packing else [
+        item if isinstance(item, list) else [item] for item in items]
+    return [s for group in groups for s in pai_sft_samples([pair(r) for r in group], seq_len, pad_id)]
 
-        for r in records:
-            user = {"role": "user", "content": r["instruction"] + r["input"]}
-            prompt, _ = chat_ids(hf_tokenizer, [user])
-            full, _ = chat_ids(hf_tokenizer, [user, {"role": "assistant", "content": r["output"]}])
-            if len(prompt) >= seq_len:
-                continue
-            full = full[:seq_len]
-            label = [-100] * (len(prompt) - 1) + full[len(prompt):] + [-100]
-            full[-1] = -1 - full[-1]
-            if len(doc) + len(full) > seq_len:
-                doc, labels = flush()
-            doc, labels = doc + full, labels + label
-        flush()
-        return out
 
-    if packing:
-        return encode([r for item in items for r in (item if isinstance(item, list) else [item])])
-    return [s for item in items for s in encode(item if isinstance(item, list) else [item])]
+def pai_sft_samples(pairs: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> list[list[int]]:
+    """Pai's SFT idxmap samples of (prompt ids, prompt-and-response ids) pairs, packed in order into as few
+    samples as fit: each 2*seq_len ids, the input ids (each record's last one stored as -1 - id) padded with
+    ``pad_id``, then the labels (-100 on the prompt and the padding)."""
+    out, doc, labels = [], [], []
+    for prompt, full in pairs:
+        if len(prompt) >= seq_len:
+            continue
+        full = list(full[:seq_len])
+        label = [-100] * (len(prompt) - 1) + full[len(prompt):] + [-100]
+        full[-1] = -1 - full[-1]
+        if len(doc) + len(full) > seq_len:
+            out.append(doc + [pad_id] * (seq_len - len(doc)) + labels + [-100] * (seq_len - len(labels)))
+            doc, labels = [], []
+        doc, labels = doc + full, labels + label
+    if doc:
+        out.append(doc + [pad_id] * (seq_len - len(doc)) + labels + [-100] * (seq_len - len(labels)))
+    return out
 
 
 # --- training in this test run's job ----------------------------------------------------------------------------

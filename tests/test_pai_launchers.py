@@ -139,12 +139,20 @@ PAI_SIZES = {
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory, corpus):
-    """Data, an SFT file in Pai's raw-JSON format (instruction/input/output), and the small converted checkpoint
-    of a launcher's lines (made on first use, each carrying the tokenizer)."""
+    """Data: an SFT file in Pai's raw-JSON format (instruction/input/output), the same records as Pai's SFT idxmap
+    (SEQ_LEN 128, as every README line), and the small converted checkpoint of a launcher's lines (made on first
+    use, each carrying the tokenizer)."""
+    from megatron_patch.training.tokenizer import load_tokenizer
+    from tests.sft_helpers import pai_sft_samples, write_mmap_pair
+
     root = tmp_path_factory.mktemp("pai")
+    records = [{"instruction": f"Repeat: {t[:40]}", "input": "", "output": t[:60]} for t in corpus["texts"][:64]]
     alpaca = root / "alpaca_zh-train.json"
-    alpaca.write_text(json.dumps([{"instruction": f"Repeat: {t[:40]}", "input": "", "output": t[:60]}
-                                  for t in corpus["texts"][:64]]))
+    alpaca.write_text(json.dumps(records))
+    tok = load_tokenizer(corpus["tok"])  # the corpus's own ids (a chat template's markup would add ids)
+    pairs = [(tok.encode(r["instruction"]), tok.encode(r["instruction"]) + tok.encode(r["output"])) for r in records]
+    idxmap = write_mmap_pair(root / "sft_text_document",
+                             [s for p in pairs for s in pai_sft_samples([p], 128, tok.eod)])
     made: dict[str, Path] = {}
 
     def checkpoint(key: str) -> Path:
@@ -161,20 +169,19 @@ def fixtures(tmp_path_factory, corpus):
             made[name] = root / name / "mcore"
         return made[name]
 
-    return {"root": root, "corpus": corpus, "alpaca": alpaca, "checkpoint": checkpoint}
+    return {"root": root, "corpus": corpus, "alpaca": alpaca, "idxmap": idxmap, "checkpoint": checkpoint}
 
 
 def unchanged_but_paths(line: PaiLine, fx: dict, out: Path) -> list[str]:
     """The line's arguments with MODEL_SIZE scaled down (auto: the small checkpoint's) and its paths the tests'.
 
-    A raw-JSON line's .json files become the alpaca file; the SFT lines without MP_DATASET_TYPE=raw name Pai's
-    SFT idxmap, which the data helper of issue 35 brings: they take the JSON file too (an SFT DATASET_PATH that
-    names a JSON file is raw data here)."""
+    A raw-JSON line's .json files become the alpaca file; the other SFT lines name Pai's SFT idxmap, and get one."""
     argv = list(line.argv)
     sft = line.value("SFT") == "true"
+    raw = line.exports.get("MP_DATASET_TYPE") == "raw"
     for name in ("DATASET_PATH", "VALID_DATASET_PATH"):
         i = line.names.index(name)
-        argv[i] = str(fx["alpaca"]) if sft else fx["corpus"]["prefix"]
+        argv[i] = (str(fx["alpaca"]) if raw else fx["idxmap"]) if sft else fx["corpus"]["prefix"]
     argv[line.names.index("MODEL_SIZE")] = "auto"
     argv[line.names.index("PRETRAIN_CHECKPOINT_PATH")] = str(fx["checkpoint"](small_key(line)))
     argv[line.names.index("OUTPUT_BASEPATH")] = str(out)
@@ -278,7 +285,8 @@ def test_each_line_dry_runs_with_pai_meanings(line, fixtures, tmp_path, monkeypa
     assert r["family"] == family and r["launcher"] == line.path
     assert r["arguments"] == dict(zip(line.names, argv))
     assert res["sft"] == (line.value("SFT") == "true")
-    assert res["dataset_type"] == ("raw" if res["sft"] else "mmap")
+    # Pai's SFT default is its idxmap (megatron-core's mmap pair here); MP_DATASET_TYPE=raw takes JSON
+    assert res["dataset_type"] == ("raw" if line.exports.get("MP_DATASET_TYPE") == "raw" else "mmap")
     # Pai's AC=false and AC=none are no recompute
     assert ("recompute_granularity" in mc["transformer_config"]) == (line.value("AC") in ("sel", "full"))
     # SP=true at TP=1 is ignored, with a note, as Pai ignores it
