@@ -419,11 +419,16 @@ class Trainer:
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         tracker = MTPLossLoggingHelper.tracker
+        # megatron-core 0.16 keeps the losses under "values"; 0.19 under "loss_values", beside accuracy counts,
+        # with its reduce/clean helpers renamed to match
+        key, reduce, clean = (("loss_values", "reduce_metrics_in_tracker", "clean_metrics_in_tracker")
+                              if hasattr(MTPLossLoggingHelper, "reduce_metrics_in_tracker")
+                              else ("values", "reduce_loss_in_tracker", "clean_loss_in_tracker"))
         values = torch.zeros(self.arch.mtp_layers, dtype=torch.float64, device=self._device())
-        if self.last_stage and "values" in tracker:
-            MTPLossLoggingHelper.reduce_loss_in_tracker()
-            values = (tracker["values"].double() / num_microbatches).to(values.device)
-            MTPLossLoggingHelper.clean_loss_in_tracker()
+        if self.last_stage and key in tracker:
+            getattr(MTPLossLoggingHelper, reduce)()
+            values = (tracker[key].double() / num_microbatches).to(values.device)
+            getattr(MTPLossLoggingHelper, clean)()
         dist.broadcast(values, src=self.world - 1)
         return values.cpu().tolist()
 
