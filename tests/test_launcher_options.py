@@ -1,5 +1,5 @@
-"""Launcher options declared once (training/launcher_options.py): --help, the dry run and the RunConfig are all
-derived from the one table, and no option is read from the environment anywhere else."""
+"""Launcher options declared once (training/launcher_options.py): --help, the dry run, the docs' tables and the
+RunConfig are all derived from the one table, and no option is read from the environment anywhere else."""
 
 from __future__ import annotations
 
@@ -80,12 +80,26 @@ def test_the_table_names_each_positional_argument_once():
     assert len({o.name for o in ENVIRONMENT}) == len(ENVIRONMENT)
 
 
-def test_every_option_is_in_help():
+def test_every_option_is_in_help_and_the_docs():
     from megatron_patch.training.launcher_options import ENVIRONMENT, POSITIONAL, usage
 
     text = usage("qwen3_moe")  # 27 arguments: every positional one
+    readme = (REPO / "examples" / "README.md").read_text()
     for option in POSITIONAL + ENVIRONMENT:
         assert re.search(rf"^\s+(\d+ )?{option.name}\s", text, re.M), f"{option.name} not in --help"
+        row = f"| {option.name} |" if option.positional else f"| `{option.name}` |"
+        assert row in readme, f"{option.name} has no row in examples/README.md"
+
+
+def test_docs_name_only_options_that_exist():
+    """Every MP_* name the docs give is a launcher option (or one of the runtime's own switches)."""
+    from megatron_patch.training.launcher_options import OPTION
+
+    named = set()
+    for path in [REPO / "README.md", REPO / "examples" / "README.md", *(REPO / "docs").glob("*.md")]:
+        named |= {(path.name, m) for m in re.findall(r"\bMP_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
+    unknown = sorted((doc, name) for doc, name in named if name not in OPTION and name not in NOT_LAUNCHER_OPTIONS)
+    assert unknown == []
 
 
 def test_every_environment_option_is_in_the_dry_run():
