@@ -27,6 +27,8 @@ NOT_LAUNCHER_OPTIONS = {
 READ_ELSEWHERE = {
     ("cli/pai_convert.py", "MP_PP0_LAYERS"): "Pai's converter scripts read it for the converter, as Pai's do",
 }
+# RunConfig fields with a default of their own: set after the RunConfig is built, by the part that owns them.
+SET_AFTER = {"lora", "lora_init", "dsa"}
 
 
 def _environment_reads() -> set[tuple[str, str]]:
@@ -56,6 +58,15 @@ def test_the_exceptions_are_no_launcher_options():
     assert not set(NOT_LAUNCHER_OPTIONS) & set(OPTION)
     assert {name for _, name in READ_ELSEWHERE} <= set(OPTION)
     assert set(READ_ELSEWHERE) <= _environment_reads()  # an exception no longer needed goes
+
+
+def test_run_config_holds_no_default_of_an_option():
+    """A RunConfig field takes its value from the table (whose entry holds the default) or from a derivation:
+    a default here would be a second home (RunConfig's weight_decay=0.1 beside each family's)."""
+    own = sorted(f.name for f in dataclasses.fields(RunConfig)
+                 if (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING)
+                 and f.name not in SET_AFTER)
+    assert own == []
 
 
 def test_every_run_config_field_is_filled_by_one_option_or_derived():
