@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""Regenerate the docs' generated tables: the model families (from the registry, `mpatch families`) and
-the tested version combinations (megatron_patch/runtime/versions.py).
+"""Regenerate the docs' generated tables: the model families (from the registry, `mpatch families`), the
+launcher options (megatron_patch/training/launcher_options.py) and the tested version combinations
+(megatron_patch/runtime/versions.py).
 
-Each table sits between `<!-- families:NAME -->` and `<!-- /families:NAME -->` (or `versions:tested`)
-in a docs file.
+Each table sits between `<!-- families:NAME -->` and `<!-- /families:NAME -->` (or `options:NAME`,
+`versions:tested`) in a docs file.
 `--check` exits 1 (naming the file) when a table is out of date; tests/test_docs.py runs it.
 """
 
@@ -28,13 +29,15 @@ def versions_table() -> str:
 
 
 def updated(text: str) -> str:
-    from megatron_patch.cli.families import markdown
+    from megatron_patch.cli import families
+    from megatron_patch.training import launcher_options
+
+    tables = {"families": families.markdown, "options": launcher_options.markdown, "versions": lambda _: versions_table()}
 
     def fill(m: re.Match) -> str:
-        table = versions_table() if m.group(2) == "versions" else markdown(m.group(3))
-        return f"{m.group(1)}\n{table}{m.group(4)}"
+        return f"{m.group(1)}\n{tables[m.group(2)](m.group(3))}{m.group(4)}"
 
-    return re.sub(r"(<!-- (families|versions):(\w+) -->)\n.*?(<!-- /\2:\3 -->)", fill, text, flags=re.S)
+    return re.sub(r"(<!-- (families|options|versions):(\w+) -->)\n.*?(<!-- /\2:\3 -->)", fill, text, flags=re.S)
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.runtime import machine
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training.launcher_args import EXTRAS
+from megatron_patch.training.launcher_options import OPTION
 from megatron_patch.training.machine_checks import machine_problems
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.validation import resolve
@@ -29,7 +29,7 @@ def _cfg(value: str | None, env="cpu", **over):
 
 
 def test_the_extra_is_read_and_becomes_megatrons_fusion_flags():
-    assert "MP_COMPILE_FUSIONS" in EXTRAS
+    assert "MP_COMPILE_FUSIONS" in OPTION
     for value, flags in (("true", True), ("false", False)):
         tc = megatron_settings(_cfg(value))["transformer_config"]
         assert (tc["bias_activation_fusion"], tc["bias_dropout_fusion"]) == (flags, flags)

@@ -71,10 +71,10 @@ def _load_starting_weights_worker(args: list[str], env: dict) -> None:
 def test_a_launch_from_an_edited_checkpoint_takes_mp_no_verify(converted, tmp_path):
     from megatron_patch.errors import UserError
     from megatron_patch.runtime.launch import run_local
-    from megatron_patch.training.launcher_args import EXTRAS
+    from megatron_patch.training.launcher_options import OPTION
     from tests.training_helpers import launcher_args
 
-    assert "MP_NO_VERIFY" in EXTRAS
+    assert "MP_NO_VERIFY" in OPTION
     edited = edited_copy(converted["mcore"], tmp_path / "edited")
     args = launcher_args(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(edited), OUTPUT_BASEPATH=str(tmp_path / "out"))
     with pytest.raises(UserError) as err:

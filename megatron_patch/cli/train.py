@@ -30,7 +30,8 @@ from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, helpers_die_
                                            die_with_launcher, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_training_data
-from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers, usage
+from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers
+from megatron_patch.training.launcher_options import dry_run_options, read_option, usage
 from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
@@ -98,6 +99,7 @@ def dry_run_report(cfg, argv: list[str]) -> dict:
         "family": cfg.family,
         "arguments": dict(zip(launcher.arg_names(launcher.layout_of(argv)), argv)),
         "resolved": cfg.to_dict(),
+        "options": dry_run_options(cfg, os.environ),
         "model": {"hidden_size": arch.hidden_size, "num_layers": arch.num_layers, "num_heads": arch.num_heads,
                   "num_kv_heads": arch.num_kv_heads, "ffn_hidden_size": arch.ffn_hidden_size,
                   "num_experts": arch.num_experts, "padded_vocab_size": arch.padded_vocab_size(),
@@ -145,6 +147,9 @@ def print_dry_run(report: dict) -> None:
     print(f"  attention   {report['attention_kernel']}")
     for note in cfg["notes"]:
         print(f"  note        {note}")
+    print("environment options (* set here):")
+    for name, option in report["options"].items():
+        print(f"  {'*' if option['set'] else ' '} {name:<33} {option['value']}")
     print("megatron-core settings:")
     for section in ("transformer_config", "ddp", "optimizer", "scheduler"):
         items = " ".join(f"{k}={v}" for k, v in report["megatron_core"][section].items())
@@ -175,11 +180,11 @@ def run(args) -> int:
     if any(a in ("-h", "--help") for a in argv) or not argv:
         print(usage(name))
         return 0 if argv else 2
-    dry = os.environ.get("MP_DRY_RUN", "")
-    if launched_rank(os.environ) and dry in ("", "0"):
+    dry = read_option("MP_DRY_RUN", os.environ)
+    if launched_rank(os.environ) and not dry:
         return _rank(name, argv)
     cfg = resolve(name, argv)
-    if dry not in ("", "0"):
+    if dry:
         report = dry_run_report(cfg, argv)
         if dry == "json":
             print(json.dumps(report, indent=2, default=str))

@@ -1,6 +1,6 @@
-"""The positional launcher interface (Pai-Megatron-Patch's order): the launchers, each argument's name, place and
-meaning, the environment extras, and how one raw value is read (a value wrong on its own is refused here, in one
-line naming it; combinations are ``validation.py``'s).
+"""The positional launcher interface (Pai-Megatron-Patch's order): the launchers and each argument's place, and
+the readers of one raw value (a value wrong on its own is refused in one line naming it). Each option's meaning,
+reader and default is its entry in ``launcher_options.py``.
 
 Every family has its launcher, ``examples/<family>/run_mcore_<family>.sh``. Pai-Megatron-Patch's own launcher
 scripts (``ModelFamily.pai_launchers``) are launchers too, at Pai's paths under examples/: one script may train
@@ -15,7 +15,7 @@ import functools
 import math
 import shlex
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from megatron_patch.errors import UserError
@@ -121,115 +121,6 @@ def get_launcher(name: str) -> Launcher:
     return known[name]
 
 
-ARG_HELP = {
-    "ENV": "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT; on "
-           "CPU nodes gloo) | cpu (local gloo processes); all start through torchrun",
-    "MODEL_SIZE": "a published size (Pai-Megatron-Patch's names too), tiny, or auto (architecture from "
-                  "PRETRAIN_CHECKPOINT_PATH)",
-    "BATCH_SIZE": "micro-batch size per data-parallel rank (integer >= 1)",
-    "GLOBAL_BATCH_SIZE": "samples per optimizer step; a multiple of BATCH_SIZE * data-parallel size",
-    "LR": "peak learning rate (> 0)",
-    "MIN_LR": "final learning rate of the cosine decay (0 <= MIN_LR <= LR)",
-    "SEQ_LEN": "sequence length of pretraining samples (and of an SFT idxmap's, as in Pai-Megatron-Patch)",
-    "PAD_LEN": "length of SFT samples from JSON records (padded or packed to it); <= SEQ_LEN",
-    "PR": "precision: fp16 | bf16 | fp8 (transformer-engine, hybrid format) | fp32 (CPU development)",
-    "TP": "tensor parallel size", "PP": "pipeline parallel size", "CP": "context parallel size",
-    "ETP": "expert tensor parallel size (MoE; ignored for a dense size)",
-    "EP": "expert parallel size (MoE; 1 for dense)",
-    "SP": "sequence parallelism: true | false (TP > 1 with SP=true also turns on TP communication overlap; ignored "
-          "at TP=1)",
-    "DO": "distributed optimizer: true | false (true also overlaps the parameter all-gather)",
-    "FL": "flash attention: true | false (with transformer-engine its FlashAttention, FA3 on Hopper when installed; "
-          "without it torch SDPA, the default on a GPU, FL=true on CPU)",
-    "SFT": "true: fine-tune on SFT data (token counts become iteration counts) | false: pretrain",
-    "AC": "activation checkpointing: sel | full | offload | none or false (MP_AC_LAYERS layers for full/offload)",
-    "OPTIMIZER_OFFLOAD": "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto "
-                         "(what the GPU cannot hold, measured each step); forces DO=true",
-    "SAVE_INTERVAL": "save a checkpoint every this many iterations",
-    "DATASET_PATH": "pretraining: mmap data prefix(es) (P_text_document, optionally 'W1 P1 W2 P2'; a path "
-                    "that exists is one path, spaces and all; quote one with spaces inside a blend); "
-                    "SFT: a JSON/JSONL file, or the prefix of Pai's SFT idxmap (sft_data_preprocessing)",
-    "VALID_DATASET_PATH": "validation data like DATASET_PATH, or none",
-    "PRETRAIN_CHECKPOINT_PATH": "a checkpoint from 'mpatch convert hf2mcore' to start from, or none",
-    "TRAIN_TOKENS_OR_ITERS": "pretraining: training tokens; SFT: iterations",
-    "WARMUP_TOKENS_OR_ITERS": "pretraining: warm-up tokens; SFT: warm-up iterations",
-    "OUTPUT_BASEPATH": "where checkpoints, logs and TensorBoard go; a rerun with the same path resumes",
-}
-
-# Environment extras (name -> meaning); documented in examples/README.md.
-EXTRAS = {
-    "MP_DRY_RUN": "1: print the resolved configuration and command, train nothing",
-    "MP_DATASET_TYPE": "mmap or idxmap (Pai's name): .bin/.idx data (pretraining, or Pai's SFT idxmap) | raw: "
-                       "JSON/JSONL SFT records; default: mmap, for SFT what DATASET_PATH names",
-    "MP_AC_LAYERS": "layers recomputed (AC=full) or offloaded (AC=offload) per stage (default 1)",
-    "MP_VP": "layers per virtual pipeline stage (Pai-Megatron-Patch's and Megatron-LM's "
-             "--num-layers-per-virtual-pipeline-stage): interleaved 1F1B; needs PP > 1",
-    "MP_VP_CHUNKS": "virtual pipeline stages (model chunks) per pipeline rank, instead of MP_VP",
-    "MP_SFT_PACKING": "true: several SFT records per sample, kept apart (JSON records packed in order, Pai's packed "
-                      "lists and idxmap samples as they are); false: each record a sample of its own",
-    "MP_PP0_LAYERS": "layers on the first pipeline stage (the rest split evenly)",
-    "MP_FP8_RECIPE": "delayed (default) | tensorwise | mxfp8 | blockwise",
-    "MP_TP_COMM_OVERLAP": "false: keep SP but turn TP communication overlap off (needed without transformer-engine)",
-    "MP_OVERLAP_PARAM_GATHER": "true: insist on param-gather overlap (refused without DO=true); default follows DO",
-    "MP_NPROC": "ENV=cpu: number of local processes (default TP*PP*CP, or what the expert layout needs)",
-    "MP_TOKENIZER": "tokenizer folder (tokenizer.json) or tiktoken file for SFT data (default: the checkpoint's)",
-    "MP_NAN_POLICY": "stop (default) | skip: what a NaN/inf loss does",
-    "MP_COMPILE_FUSIONS": "true: torch.compile the local spec's RMSNorm, RoPE, SwiGLU and bias-dropout-add (no "
-                          "transformer-engine); false: all of them eager (default: megatron-core's own choice)",
-    "MP_GPU_MEMORY_GB": "memory per GPU the memory plan checks against (default: the visible GPU's); ENV=cpu: the "
-                        "'device' budget of OPTIMIZER_OFFLOAD=auto and the plan",
-    "MP_OFFLOAD_NUMERICS": "fast (default) | exact: optimizer updates bit-identical on every tier and schedule",
-    "MP_OFFLOAD_MARGIN_GB": "OPTIMIZER_OFFLOAD=auto: device memory kept free (default 2)",
-    "MP_OFFLOAD_PATIENCE": "OPTIMIZER_OFFLOAD=auto: steps with room before chunks come back to the GPU (default 3)",
-    "MP_OFFLOAD_COOLDOWN": "OPTIMIZER_OFFLOAD=auto: steps after an eviction with no promotion (default 5)",
-    "MP_OFFLOAD_CHUNK_MB": "optimizer offload chunk size in MiB of fp32 elements (default: least fragmentation)",
-    "MP_OFFLOAD_PROBE_SCRIPT": "testing: JSON {\"device_fraction\": {\"ITER\": share}} replaces auto's memory readings",
-    "MP_OFFLOAD_TIMING": "true: time the offloaded step's phases (adds synchronisations; benchmarks)",
-    "MP_LOSS_SCALE_WINDOW": "PR=fp16: good steps before the dynamic loss scale doubles (default 1000)",
-    "MP_INJECT_FAULT": "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), error@N (an "
-                       "exception as N starts), comma-separated",
-    "MP_EXIT_INTERVAL": "stop after this many iterations (after saving), e.g. to test a resume",
-    "MP_LOG_INTERVAL": "log every this many iterations (default 1)",
-    "MP_EVAL_INTERVAL": "validate every this many iterations (default 10000, as Pai-Megatron-Patch; 0: never)",
-    "MP_EVAL_ITERS": "validation micro-batch rounds per evaluation (default 10)",
-    "MP_SEED": "random seed (default 1234; pipeline stage p initialises with seed + 100*p)",
-    "MP_WEIGHT_DECAY": "AdamW weight decay (default: what Pai-Megatron-Patch's launcher for the family passes, 0.1 or "
-                       "0.01)",
-    "MP_HF_CONFIG": "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another tool without saved "
-                    "arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
-    "MP_NUM_LAYERS": "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; not with a checkpoint)",
-    "MP_SAVE": "false: write no checkpoints and no final/ export (benchmarks)",
-    "MP_NO_VERIFY": "true: read PRETRAIN_CHECKPOINT_PATH and the run's own checkpoints without checking their files "
-                    "against their manifests (a checkpoint edited on purpose; mcore2hf's and align's --no-verify)",
-    "MP_MAX_RESTARTS": "restart the ranks up to N times after a failure (torchrun --max-restarts); each restart "
-                       "resumes from the latest complete checkpoint (default 0)",
-    "MP_DIST_TIMEOUT_MIN": "minutes a collective may wait for the other ranks before the job fails naming the "
-                           "rank that stopped answering (default 10)",
-    "MP_LORA_RANK": "R: train LoRA adapters of rank R on the frozen PRETRAIN_CHECKPOINT_PATH (unset or 0: full "
-                    "fine-tuning; docs/lora.md)",
-    "MP_LORA_ALPHA": "LoRA alpha: the adapters' output is scaled by alpha/R (default R)",
-    "MP_LORA_DROPOUT": "dropout on the adapters' input (default 0)",
-    "MP_LORA_TARGETS": "comma list out of qkv,proj,fc1,fc2,experts,shared_experts,indexer (default "
-                       "qkv,proj,fc1,fc2)",
-    "MP_LORA_INIT": "a peft adapter folder to start the adapters from (its config decides rank, alpha, targets)",
-    "MP_DSA_INDEXER_LOSS_SCALE": "S: DeepSeek sparse attention's indexer loss (megatron-core's KL to the attention) "
-                                 "at coefficient S (default 0: off, the indexer frozen as released)",
-    "MP_DSA_INDEXER_ONLY": "true: DeepSeek's dense warm-up: dense attention, only the indexers train (their loss "
-                           "at MP_DSA_INDEXER_LOSS_SCALE, default 1)",
-    "GPUS_PER_NODE": "dsw/dlc: processes per node (default: the GPUs visible; on dlc KUBERNETES_CONTAINER_RESOURCE_GPU "
-                     "first, else 1 on a node without GPUs)",
-    "KUBERNETES_CONTAINER_RESOURCE_GPU": "dlc: PAI-DLC's GPUs per node, read as GPUS_PER_NODE when that is unset",
-}
-
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-ENVS = ("dsw", "dlc", "cpu")
-AC_MODES = ("sel", "full", "offload", "none")
-# Pai-Megatron-Patch's launchers take AC=false for no recompute (any value but sel/full/offload is none there).
-AC_SYNONYMS = {"false": "none"}
-# MP_DATASET_TYPE: Pai-Megatron-Patch's name for .bin/.idx data is idxmap (any value but raw, there).
-DATASET_TYPES = {"idxmap": "mmap", "mmap": "mmap", "raw": "raw"}
-
-
 def arg_names(launcher: str) -> list[str]:
     """The positional arguments of ``launcher``'s first layout (the one its --help lists first)."""
     return get_launcher(launcher).arg_names()
@@ -243,23 +134,6 @@ def describe_size(launcher: Launcher, size: str) -> str:
     if family != launcher.families[0]:
         said.append(family)
     return size + (f" ({', '.join(said)})" if said else "")
-
-
-def usage(name: str) -> str:
-    launcher = get_launcher(name)
-    lines = [f"usage: {launcher.script} " + " ".join(launcher.arg_names(layout)) for layout in launcher.layouts]
-    names = launcher.arg_names()
-    lines += ["", f"{len(names)} positional arguments, in this order:"]
-    sizes = " | ".join([describe_size(launcher, s) for s in launcher.sizes] + ["auto"])
-    for i, arg in enumerate(names, 1):
-        text = ARG_HELP[arg] + (f" [{sizes}]" if arg == "MODEL_SIZE" else "")
-        lines.append(f"  {i:2d} {arg:<25} {text}")
-    for layout in launcher.layouts[1:]:
-        lines.append(f"  or {len(launcher.arg_names(layout))}, with {', '.join(layout) or 'nothing'} after CP "
-                     "(Pai-Megatron-Patch's order for this script)")
-    lines += ["", "environment extras:"] + [f"  {k:<25} {v}" for k, v in EXTRAS.items()]
-    return "\n".join(lines)
-
 
 
 # --- reading one value -----------------------------------------------------------------------------
@@ -360,21 +234,9 @@ def parse_data_paths(name: str, raw: str, names_data: Callable[[str], bool] = la
     return paths, weights
 
 
-def env_int(env: dict, name: str, default, lo: int = 1, hi: int | None = None):
-    raw = env.get(name, "")
-    return default if raw == "" else parse_int(name, raw, lo, hi)
-
-
-def env_float(env: dict, name: str, default):
-    raw = env.get(name, "")
-    return default if raw == "" else parse_float(name, raw)
-
-
-def env_minutes(env: dict, name: str, default: float) -> float:
-    value = env_float(env, name, default)
-    if value <= 0:
-        raise UserError(f"{name} must be a number of minutes > 0, got '{env.get(name)}'")
-    return value
+def names_data(path: str, dataset_type: str) -> bool:
+    """Whether ``path`` names data as a whole: a value that does is one path, whatever spaces it holds."""
+    return Path(path).is_file() if dataset_type == "raw" else any(Path(path + s).exists() for s in (".bin", ".idx"))
 
 
 def launched_rank(env) -> bool:

@@ -1,4 +1,4 @@
-"""LoRA in a training run: the MP_LORA_* extras read into a ``LoraSpec`` (before any process starts), and on
+"""LoRA in a training run: the MP_LORA_* options (launcher_options.py) made a ``LoraSpec`` (before any process starts), and on
 each rank the base loaded and frozen, the adapters attached and started (fresh as peft starts them, from
 a peft folder, or from a checkpoint that carries adapters).
 
@@ -21,41 +21,30 @@ from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import COLUMN, ROW, check_targets, plan_sites, rank_adapter_params, site_split, split_mode
 from megatron_patch.lora.saved import saved_mcore_names
 from megatron_patch.lora.sources import add_adapters, open_adapters
-from megatron_patch.lora.spec import LoraSpec, parse_targets
+from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.lora.state import find_base
 from megatron_patch.models.shape import chunk_layers
-from megatron_patch.training.launcher_args import parse_float, parse_int
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
-LORA_EXTRAS = ("MP_LORA_RANK", "MP_LORA_ALPHA", "MP_LORA_DROPOUT", "MP_LORA_TARGETS", "MP_LORA_INIT")
+def lora_from_options(options, arch, checkpoint: str | None) -> tuple[dict | None, str | None]:
+    """(the LoRA spec as a dict, or None for full fine-tuning; the MP_LORA_INIT folder or None), from the LoRA
+    part's options (``launcher_options.Options``).
 
-
-def lora_from_env(env: dict, arch, checkpoint: str | None) -> tuple[dict | None, str | None]:
-    """(the LoRA spec as a dict, or None for full fine-tuning; the MP_LORA_INIT folder or None).
-
-    MP_LORA_RANK=R turns LoRA on (unset or 0: off), MP_LORA_ALPHA (default R), MP_LORA_DROPOUT (default 0),
-    MP_LORA_TARGETS (default qkv,proj,fc1,fc2). MP_LORA_INIT=PEFT_DIR starts from a peft adapter, whose
-    config then decides rank, alpha, dropout and targets (an MP_LORA_* value that disagrees is refused). A
+    MP_LORA_RANK=R turns LoRA on (0: off), MP_LORA_ALPHA (default R), MP_LORA_DROPOUT (default 0),
+    MP_LORA_TARGETS (default LoraSpec's). MP_LORA_INIT=PEFT_DIR starts from a peft adapter, whose config then
+    decides rank, alpha, dropout and targets (an MP_LORA_* value that disagrees is refused). A
     PRETRAIN_CHECKPOINT_PATH that carries adapters (hf2mcore --peft-dir, a LoRA run's final/) starts from
     those the same way."""
-    init = env.get("MP_LORA_INIT") or None
-    raw_rank = env.get("MP_LORA_RANK", "")
-    rank = 0 if raw_rank == "" else parse_int("MP_LORA_RANK", raw_rank, lo=0)
-    given = [k for k in LORA_EXTRAS[1:4] if env.get(k)]
+    init, rank = options["MP_LORA_INIT"], options["MP_LORA_RANK"]
+    alpha, dropout, targets = options["MP_LORA_ALPHA"], options["MP_LORA_DROPOUT"], options["MP_LORA_TARGETS"]
+    given = [k for k in ("MP_LORA_ALPHA", "MP_LORA_DROPOUT", "MP_LORA_TARGETS") if options.given(k)]
     carried = _checkpoint_lora(checkpoint)
     if rank == 0 and init is None and carried is None:
         if given:
             raise UserError(f"{given[0]} configures LoRA, which is off: set MP_LORA_RANK=R (or MP_LORA_INIT=PEFT_DIR)")
         return None, None
-    alpha = parse_float("MP_LORA_ALPHA", env["MP_LORA_ALPHA"]) if env.get("MP_LORA_ALPHA") else None
-    if alpha is not None and alpha <= 0:
-        raise UserError(f"MP_LORA_ALPHA must be > 0, got '{env['MP_LORA_ALPHA']}'")
-    dropout = parse_float("MP_LORA_DROPOUT", env["MP_LORA_DROPOUT"]) if env.get("MP_LORA_DROPOUT") else None
-    if dropout is not None and not dropout < 1:
-        raise UserError(f"MP_LORA_DROPOUT must be in [0, 1), got '{env['MP_LORA_DROPOUT']}'")
-    targets = parse_targets(env["MP_LORA_TARGETS"]) if env.get("MP_LORA_TARGETS") else None
     if init is not None and carried is not None:
         raise UserError(f"MP_LORA_INIT={init} and PRETRAIN_CHECKPOINT_PATH={checkpoint}, which carries adapters of its "
                         "own: start from one of them")
@@ -68,11 +57,11 @@ def lora_from_env(env: dict, arch, checkpoint: str | None) -> tuple[dict | None,
         else:
             spec, source = carried, f"PRETRAIN_CHECKPOINT_PATH={checkpoint}"
         asked = {"MP_LORA_RANK": (rank or None, spec.rank), "MP_LORA_ALPHA": (alpha, spec.alpha),
-                 "MP_LORA_DROPOUT": (dropout, spec.dropout), "MP_LORA_TARGETS": (targets, spec.targets)}
+                 "MP_LORA_TARGETS": (targets, spec.targets)}
         for name, (value, have) in asked.items():
-            if value is not None and value != have and not (name == "MP_LORA_DROPOUT"):
+            if value is not None and value != have:
                 shown = ",".join(have) if isinstance(have, tuple) else f"{have:g}"
-                raise UserError(f"{name}={env[name]} disagrees with the adapter of {source} ({shown}): leave "
+                raise UserError(f"{name}={options.raw(name)} disagrees with the adapter of {source} ({shown}): leave "
                                 f"{name} unset to continue that adapter")
         if dropout is not None:
             spec = dataclasses.replace(spec, dropout=dropout)  # dropout changes training, not the function

@@ -71,6 +71,10 @@ PRECISIONS = tuple(p.value for p in Precision)
 
 @dataclass
 class RunConfig:
+    """What a launch resolved to. Each field is filled by one launcher option (``launcher_options.OPTIONS``, whose
+    entries hold the defaults) or derived from them (``launcher_options.DERIVED``); it has no default of its own
+    here, so that no value is written twice."""
+
     launcher: str  # the name `mpatch train` took (each rank resolves the same arguments through it)
     family: str
     env: str
@@ -93,71 +97,70 @@ class RunConfig:
     sft: bool
     activation_checkpointing: str
     optimizer_offload_fraction: float  # static: share on the host; 0: off
+    optimizer_offload_policy: str  # off | static | auto
     save_interval: int
     dataset_path: list[str]
     dataset_weights: list[float] | None
     valid_dataset_path: list[str] | None
+    valid_dataset_weights: list[float] | None
     pretrain_checkpoint: str | None
     train_iters: int
     warmup_iters: int
+    lr_decay_iters: int  # the iteration the learning rate has decayed to MIN_LR by (lr_decay_steps)
     output_basepath: str
-    # extras
-    valid_dataset_weights: list[float] | None = None
-    dataset_type: str = "mmap"
-    ac_layers: int = 1
+    dataset_type: str
+    ac_layers: int
     # model chunks per pipeline rank, and the setting that asked for them ("MP_VP=2 (4 model chunks ...)")
-    virtual_pipeline: int | None = None
-    virtual_pipeline_setting: str | None = None
-    sft_packing: bool = False
-    pp0_layers: int | None = None
-    fp8_recipe: str = "delayed"
-    tp_comm_overlap: bool = False
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = False
-    world_size: int = 1
-    nproc_per_node: int = 1
-    nnodes: int = 1
+    virtual_pipeline: int | None
+    virtual_pipeline_setting: str | None
+    sft_packing: bool
+    pp0_layers: int | None
+    fp8_recipe: str
+    tp_comm_overlap: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    world_size: int
+    nproc_per_node: int
+    nnodes: int
     # "cuda", or "cpu" for ENV=cpu and for ENV=dlc on nodes without a GPU (gloo, CPU limits)
-    device: str = "cuda"
-    max_restarts: int = 0
-    dist_timeout_min: float = 10.0
-    tokenizer: str | None = None
-    nan_policy: str = "stop"
-    loss_scale_window: int = 1000
-    optimizer_offload_policy: str = "off"  # off | static | auto
-    offload_numerics: str = "fast"
-    offload_margin_gb: float = 2.0
-    offload_patience: int = 3
-    offload_cooldown: int = 5
-    offload_chunk_mb: float | None = None
-    offload_probe_script: str | None = None
-    offload_timing: bool = False
-    gpu_memory_gb: float | None = None
-    compile_fusions: bool | None = None  # MP_COMPILE_FUSIONS; None: megatron-core's defaults
-    faults: list = field(default_factory=list)
-    exit_interval: int | None = None
-    log_interval: int = 1
-    eval_interval: int = 10000
-    eval_iters: int = 10
-    seed: int = 1234
-    lr_decay_iters: int = 0  # the iteration the learning rate has decayed to MIN_LR by (lr_decay_steps)
-    weight_decay: float = 0.1
-    save: bool = True
+    device: str
+    max_restarts: int
+    dist_timeout_min: float
+    tokenizer: str | None
+    nan_policy: str
+    loss_scale_window: int
+    offload_numerics: str
+    offload_margin_gb: float
+    offload_patience: int
+    offload_cooldown: int
+    offload_chunk_mb: float | None
+    offload_probe_script: str | None
+    offload_timing: bool
+    gpu_memory_gb: float | None
+    compile_fusions: bool | None  # MP_COMPILE_FUSIONS; None: megatron-core's defaults
+    faults: list
+    exit_interval: int | None
+    log_interval: int
+    eval_interval: int
+    eval_iters: int
+    seed: int
+    weight_decay: float
+    save: bool
     # MP_NO_VERIFY: read PRETRAIN_CHECKPOINT_PATH and the run's own checkpoints without checking their manifests
-    no_verify: bool = False
-    hf_config: dict = field(default_factory=dict, repr=False)
+    no_verify: bool
+    hf_config: dict = field(repr=False)
     # The starting checkpoint's vocabulary padding, when another tool padded it otherwise (Arch).
-    vocab_padded_to: int | None = None
+    vocab_padded_to: int | None
     # The multi-token-prediction layers the starting checkpoint holds (hf2mcore --mtp), which train with the model.
-    mtp_layers: int = 0
+    mtp_layers: int
+    notes: list[str]
     # LoRA (MP_LORA_*): the adapters' spec (lora.spec.LoraSpec as a dict; None: full fine-tuning) and the
-    # peft folder they start from (MP_LORA_INIT).
+    # peft folder they start from (MP_LORA_INIT); set by the LoRA part once the model is known.
     lora: dict | None = None
     lora_init: str | None = None
     # DeepSeek sparse attention (MP_DSA_*; training/sparse_attention_run.py): {"loss_scale", "indexer_only"}, None
     # for a model without it.
     dsa: dict | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def layout(self) -> ParallelLayout:

@@ -17,27 +17,25 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.errors import UserError
-from megatron_patch.training.launcher_args import parse_bool, parse_float
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
-# launcher's checks and dry run read this module's extras without building a model.
+# launcher's checks and dry run read this module's options without building a model.
 
-DSA_EXTRAS = ("MP_DSA_INDEXER_LOSS_SCALE", "MP_DSA_INDEXER_ONLY")
 INDEXER_PARAMS = ".core_attention.indexer."
 
 
-def dsa_from_env(env: dict, arch) -> dict | None:
-    """{"loss_scale": float, "indexer_only": bool} for a sparse-attention model (None for any other, which
-    the MP_DSA_* extras are refused for)."""
-    given = [k for k in DSA_EXTRAS if env.get(k)]
+def dsa_from_options(options, arch) -> dict | None:
+    """{"loss_scale": float, "indexer_only": bool} for a sparse-attention model, from the DSA part's options
+    (``launcher_options.Options``); None for any other model, which the MP_DSA_* options are refused for."""
+    given = [k for k in ("MP_DSA_INDEXER_LOSS_SCALE", "MP_DSA_INDEXER_ONLY") if options.given(k)]
     if arch.sparse_attention is None:
         if given:
             raise UserError(f"{given[0]} applies to DeepSeek sparse attention models (deepseek_v32, glm_moe_dsa), "
                             f"not {arch.family}")
         return None
-    only = parse_bool("MP_DSA_INDEXER_ONLY", env.get("MP_DSA_INDEXER_ONLY") or "false")
-    raw = env.get("MP_DSA_INDEXER_LOSS_SCALE")
-    scale = parse_float("MP_DSA_INDEXER_LOSS_SCALE", raw) if raw else (1.0 if only else 0.0)
+    only, scale = options["MP_DSA_INDEXER_ONLY"], options["MP_DSA_INDEXER_LOSS_SCALE"]
+    if scale is None:
+        scale = 1.0 if only else 0.0
     if only and scale == 0:
         raise UserError("MP_DSA_INDEXER_ONLY=true trains the indexers from their loss alone: "
                         "MP_DSA_INDEXER_LOSS_SCALE must be > 0")

@@ -19,34 +19,21 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.arch import read_config_json, validate_layout
 from megatron_patch.models.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
-from megatron_patch.training.faults import parse_faults
 from megatron_patch.training.launcher_args import (
-    AC_MODES,
-    AC_SYNONYMS,
-    DATASET_TYPES,
-    ENVS,
-    FP8_RECIPES,
-    MAX_GLOBAL_BATCH,
     MAX_ITERATIONS,
-    MAX_LOCAL_PROCESSES,
     MAX_TOKENS,
     Launcher,
-    env_float,
-    env_int,
-    env_minutes,
     get_launcher,
-    is_none,
     launched_rank,
-    parse_bool,
-    parse_choice,
+    names_data,
     parse_count,
     parse_data_paths,
-    parse_float,
     parse_int,
 )
-from megatron_patch.training.lora_run import check_lora, lora_from_env
-from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
-from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
+from megatron_patch.training.launcher_options import Options, read_options
+from megatron_patch.training.lora_run import check_lora, lora_from_options
+from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_options
+from megatron_patch.training.run_config import RunConfig
 from megatron_patch.training.run_folder import WRITTEN_FOLDERS, require_folder
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -54,139 +41,82 @@ from megatron_patch.training.run_folder import WRITTEN_FOLDERS, require_folder
 
 
 def resolve(launcher: str, argv: list[str], env: dict | None = None, *, check_paths: bool = True) -> RunConfig:
-    """Parse and validate ``launcher``'s positional arguments (and MP_* extras in ``env``) into a RunConfig;
-    ``check_paths``: also that the data, tokenizer and probe files exist."""
+    """Parse and validate ``launcher``'s positional arguments (and the environment options in ``env``) into a
+    RunConfig; ``check_paths``: also that the data, tokenizer and probe files exist."""
     env = dict(os.environ if env is None else env)
     cfg = _parse(get_launcher(launcher), argv, env)
-    cfg.lora, cfg.lora_init = lora_from_env(env, cfg.arch, cfg.pretrain_checkpoint)
-    cfg.dsa = dsa_from_env(env, cfg.arch)
     for check in CHECKS + (PATH_CHECKS if check_paths else ()):
         check(cfg)
     return cfg
 
 
 def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
-    """Each value read on its own (and the extras whose mere presence matters checked against what they need)."""
-    a = dict(zip(launcher.arg_names(launcher.layout_of(argv)), argv))
-
-    run_env = parse_choice("ENV", a["ENV"], ENVS)
-    precision = Precision(parse_choice("PR", a["PR"], PRECISIONS))
-    sft = parse_bool("SFT", a["SFT"])
-    tp, pp, cp = parse_int("TP", a["TP"]), parse_int("PP", a["PP"]), parse_int("CP", a["CP"])
-    ep = parse_int("EP", a["EP"]) if "EP" in a else 1
-    etp = parse_int("ETP", a["ETP"]) if "ETP" in a else None
-    sp = parse_bool("SP", a["SP"])
-    do = parse_bool("DO", a["DO"])
-    fl = parse_bool("FL", a["FL"])
-    ac = parse_choice("AC", AC_SYNONYMS.get(a["AC"], a["AC"]), AC_MODES)
-    mbs = parse_int("BATCH_SIZE", a["BATCH_SIZE"], hi=MAX_GLOBAL_BATCH)
-    gbs = parse_int("GLOBAL_BATCH_SIZE", a["GLOBAL_BATCH_SIZE"], hi=MAX_GLOBAL_BATCH)
-    lr, min_lr = parse_float("LR", a["LR"]), parse_float("MIN_LR", a["MIN_LR"])
-    seq_len, pad_len = parse_int("SEQ_LEN", a["SEQ_LEN"]), parse_int("PAD_LEN", a["PAD_LEN"])
-    save_interval = parse_int("SAVE_INTERVAL", a["SAVE_INTERVAL"])
-    offload, offload_policy = _offload(a["OPTIMIZER_OFFLOAD"])
-    offload_numerics = parse_choice("MP_OFFLOAD_NUMERICS", env.get("MP_OFFLOAD_NUMERICS") or "fast", ("fast", "exact"))
+    """Each option read (``launcher_options``: its reader and default), then what follows from them, and the
+    options whose mere presence matters checked against what they need."""
+    o = read_options(launcher, argv, env)
     notes: list[str] = []
-    if sp and tp == 1:
-        sp = False  # as Pai-Megatron-Patch's launchers: sequence parallelism splits over TP ranks, and there is one
+    if o["SP"] and o["TP"] == 1:
+        o["SP"] = False  # as Pai-Megatron-Patch's launchers: sequence parallelism splits over TP ranks, and there is one
         notes.append("SP=true at TP=1 is ignored: sequence parallelism splits activations over tensor-parallel ranks")
-    if (offload_policy != "off" or offload_numerics == "exact") and not do:
-        do = True
+    if (o["OPTIMIZER_OFFLOAD"][1] != "off" or o["MP_OFFLOAD_NUMERICS"] == "exact") and not o["DO"]:
+        o["DO"] = True
         notes.append("DO=true: forced by OPTIMIZER_OFFLOAD / MP_OFFLOAD_NUMERICS (the optimizer's chunks are the "
                      "distributed optimizer's bucket shards)")
-
-    dataset_type = _dataset_type(env.get("MP_DATASET_TYPE", ""), sft, a["DATASET_PATH"])
-    pp0 = env_int(env, "MP_PP0_LAYERS", None)
-    fp8_recipe = parse_choice("MP_FP8_RECIPE", env.get("MP_FP8_RECIPE") or "delayed", FP8_RECIPES)
-    if env.get("MP_FP8_RECIPE") and not precision.fp8:
-        raise UserError(f"MP_FP8_RECIPE={env['MP_FP8_RECIPE']} needs PR=fp8, got PR={precision}")
-    loss_scale_window = env_int(env, "MP_LOSS_SCALE_WINDOW", 1000)
-    if env.get("MP_LOSS_SCALE_WINDOW") and not precision.loss_scaled:
+    sft, precision = o["SFT"], o["PR"]
+    dataset_type = o.settle("MP_DATASET_TYPE", sft=sft, dataset_path=o["DATASET_PATH"])
+    if o.given("MP_FP8_RECIPE") and not precision.fp8:
+        raise UserError(f"MP_FP8_RECIPE={o.raw('MP_FP8_RECIPE')} needs PR=fp8, got PR={precision}")
+    if o.given("MP_LOSS_SCALE_WINDOW") and not precision.loss_scaled:
         raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
-    tp_overlap_env = env.get("MP_TP_COMM_OVERLAP", "")
-    tp_comm_overlap = tp > 1 and sp if tp_overlap_env == "" else parse_bool("MP_TP_COMM_OVERLAP", tp_overlap_env)
-    if env.get("MP_OVERLAP_PARAM_GATHER") and parse_bool("MP_OVERLAP_PARAM_GATHER", env["MP_OVERLAP_PARAM_GATHER"]) \
-            and not do:
+    o.settle("MP_TP_COMM_OVERLAP", tp=o["TP"], sp=o["SP"])
+    if o["MP_OVERLAP_PARAM_GATHER"] and not o["DO"]:
         raise UserError("param-gather overlap needs the distributed optimizer: set DO=true")
 
-    size = a["MODEL_SIZE"]
-    ckpt = None if is_none(a["PRETRAIN_CHECKPOINT_PATH"]) else a["PRETRAIN_CHECKPOINT_PATH"]
-    family, hf_config, vocab_padded_to, mtp_layers = _model_config(
-        launcher, size, ckpt, env.get("MP_HF_CONFIG") or None, env_int(env, "MP_NUM_LAYERS", None))
+    size, ckpt = o["MODEL_SIZE"], o["PRETRAIN_CHECKPOINT_PATH"]
+    family, hf_config, vocab_padded_to, mtp_layers = _model_config(launcher, size, ckpt, o["MP_HF_CONFIG"],
+                                                                   o["MP_NUM_LAYERS"])
     if mtp_layers:
         notes.append(f"{ckpt} holds {mtp_layers} multi-token-prediction layer(s) (converted with --mtp): they train "
                      "with the model, their loss logged as mtp_N loss")
     arch = parse_arch(hf_config)
-    if etp is not None and not arch.is_moe:
+    if o["ETP"] is not None and not arch.is_moe:
         # a launcher that takes dense and MoE sizes (Pai's Qwen3): ETP means nothing to a dense model
-        if etp not in (1, tp):
-            notes.append(f"ETP={etp} is ignored: {family} {size} is a dense model")
-        etp = None
-    vp, vp_setting = _virtual_pipeline(env, pp, arch.num_layers, notes)
-    layout = ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, cp=cp, vp=vp)
-    world, nproc, nnodes = _world(run_env, layout, env)
-    train_iters, warmup_iters = _iterations(a, sft, gbs * seq_len)
-    names_data = functools.partial(_data_found, dataset_type=dataset_type)
-    paths, weights = parse_data_paths("DATASET_PATH", a["DATASET_PATH"], names_data)
-    valid, valid_weights = (None, None) if is_none(a["VALID_DATASET_PATH"]) else \
-        parse_data_paths("VALID_DATASET_PATH", a["VALID_DATASET_PATH"], names_data)
+        if o["ETP"] not in (1, o["TP"]):
+            notes.append(f"ETP={o['ETP']} is ignored: {family} {size} is a dense model")
+        o["ETP"] = None
+    vp, vp_setting = _virtual_pipeline(o, o["PP"], arch.num_layers, notes)
+    layout = ParallelLayout(tp=o["TP"], pp=o["PP"], ep=o["EP"], etp=o["ETP"], cp=o["CP"], vp=vp)
+    world, nproc, nnodes = _world(o, layout, env)
+    train_iters, warmup_iters = _iterations(o, sft, o["GLOBAL_BATCH_SIZE"] * o["SEQ_LEN"])
+    found = functools.partial(names_data, dataset_type=dataset_type)
+    paths, weights = parse_data_paths("DATASET_PATH", o["DATASET_PATH"], found)
+    valid, valid_weights = (None, None) if o["VALID_DATASET_PATH"] is None else \
+        parse_data_paths("VALID_DATASET_PATH", o["VALID_DATASET_PATH"], found)
     # JSON records are tokenized here, by default with the checkpoint's tokenizer; an idxmap is already ids.
-    tokenizer = env.get("MP_TOKENIZER") or (ckpt if sft and dataset_type == "raw" else None)
-    if is_none(a["OUTPUT_BASEPATH"]):
-        raise UserError("OUTPUT_BASEPATH is required: checkpoints, logs and TensorBoard go there")
+    o.settle("MP_TOKENIZER", sft=sft, dataset_type=dataset_type, checkpoint=ckpt)
+    o.settle("MP_WEIGHT_DECAY", family=family)
 
-    return RunConfig(
-        launcher=launcher.name, family=family, env=run_env, model_size=size, micro_batch_size=mbs,
-        global_batch_size=gbs, lr=lr, min_lr=min_lr, seq_len=seq_len, pad_len=pad_len, precision=precision, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
-        sequence_parallel=sp, distributed_optimizer=do, flash_attention=fl, sft=sft, activation_checkpointing=ac,
-        optimizer_offload_fraction=offload, save_interval=save_interval, dataset_path=paths, dataset_weights=weights,
-        valid_dataset_path=valid, valid_dataset_weights=valid_weights, pretrain_checkpoint=ckpt, train_iters=train_iters, warmup_iters=warmup_iters,
-        output_basepath=str(a["OUTPUT_BASEPATH"]), dataset_type=dataset_type, ac_layers=env_int(env, "MP_AC_LAYERS", 1),
-        virtual_pipeline=vp, virtual_pipeline_setting=vp_setting,
-        sft_packing=parse_bool("MP_SFT_PACKING", env.get("MP_SFT_PACKING") or "false"),
-        pp0_layers=pp0, fp8_recipe=fp8_recipe, tp_comm_overlap=tp_comm_overlap, overlap_param_gather=do,
-        world_size=world, nproc_per_node=nproc, nnodes=nnodes, tokenizer=tokenizer,
-        nan_policy=parse_choice("MP_NAN_POLICY", env.get("MP_NAN_POLICY") or "stop", ("stop", "skip")),
-        loss_scale_window=loss_scale_window, faults=parse_faults(env.get("MP_INJECT_FAULT")),
-        exit_interval=env_int(env, "MP_EXIT_INTERVAL", None), optimizer_offload_policy=offload_policy,
-        offload_numerics=offload_numerics, offload_margin_gb=env_float(env, "MP_OFFLOAD_MARGIN_GB", 2.0),
-        offload_patience=env_int(env, "MP_OFFLOAD_PATIENCE", 3),
-        offload_cooldown=env_int(env, "MP_OFFLOAD_COOLDOWN", 5, lo=0),
-        offload_chunk_mb=env_float(env, "MP_OFFLOAD_CHUNK_MB", None),
-        offload_probe_script=env.get("MP_OFFLOAD_PROBE_SCRIPT") or None,
-        offload_timing=parse_bool("MP_OFFLOAD_TIMING", env.get("MP_OFFLOAD_TIMING") or "false"),
-        gpu_memory_gb=env_float(env, "MP_GPU_MEMORY_GB", None),
-        compile_fusions=parse_bool("MP_COMPILE_FUSIONS", env["MP_COMPILE_FUSIONS"]) if env.get("MP_COMPILE_FUSIONS")
-        else None,
+    cfg = RunConfig(
+        **o.fields(), launcher=launcher.name, family=family, dataset_path=paths, dataset_weights=weights,
+        valid_dataset_path=valid, valid_dataset_weights=valid_weights, train_iters=train_iters,
+        warmup_iters=warmup_iters,
         # SFT's learning rate decays over the iterations after warm-up (as Pai-Megatron-Patch's launchers),
         # pretraining's over all of them
         lr_decay_iters=train_iters - warmup_iters if sft else train_iters,
-        weight_decay=env_float(env, "MP_WEIGHT_DECAY", get_family(family).weight_decay),
-        log_interval=env_int(env, "MP_LOG_INTERVAL", 1), eval_interval=env_int(env, "MP_EVAL_INTERVAL", 10000, lo=0),
-        eval_iters=env_int(env, "MP_EVAL_ITERS", 10, hi=MAX_ITERATIONS), seed=env_int(env, "MP_SEED", 1234, lo=0),
-        save=parse_bool("MP_SAVE", env.get("MP_SAVE") or "true"), device=_device(run_env),
-        no_verify=parse_bool("MP_NO_VERIFY", env.get("MP_NO_VERIFY") or "false"),
-        max_restarts=env_int(env, "MP_MAX_RESTARTS", 0, lo=0),
-        dist_timeout_min=env_minutes(env, "MP_DIST_TIMEOUT_MIN", 10.0),
-        hf_config=hf_config, vocab_padded_to=vocab_padded_to, mtp_layers=mtp_layers, notes=notes,
+        virtual_pipeline=vp, virtual_pipeline_setting=vp_setting, overlap_grad_reduce=True,
+        overlap_param_gather=o["DO"], world_size=world, nproc_per_node=nproc, nnodes=nnodes,
+        device=_device(o["ENV"]), hf_config=hf_config, vocab_padded_to=vocab_padded_to, mtp_layers=mtp_layers,
+        notes=notes,
     )
+    cfg.lora, cfg.lora_init = lora_from_options(o, cfg.arch, cfg.pretrain_checkpoint)
+    cfg.dsa = dsa_from_options(o, cfg.arch)
+    return cfg
 
 
-def _dataset_type(value: str, sft: bool, dataset_path: str) -> str:
-    """MP_DATASET_TYPE, or by default: mmap for pretraining; for SFT what DATASET_PATH names, a JSON/JSONL file
-    (raw) or the prefix of an idxmap's .bin/.idx (Pai's default, idxmap, is what its SFT preprocessing writes)."""
-    if value:
-        return DATASET_TYPES[parse_choice("MP_DATASET_TYPE", value, tuple(DATASET_TYPES))]
-    path = dataset_path.strip()
-    if sft and not Path(path).is_file() and _data_found(path, "mmap"):
-        return "mmap"
-    return "raw" if sft else "mmap"
-
-
-def _virtual_pipeline(env: dict, pp: int, num_layers: int, notes: list[str]) -> tuple[int | None, str | None]:
+def _virtual_pipeline(o: Options, pp: int, num_layers: int, notes: list[str]) -> tuple[int | None, str | None]:
     """(model chunks per pipeline rank, the setting that asked for them) from MP_VP, layers per virtual stage as
     Pai-Megatron-Patch and Megatron-LM mean it (--num-layers-per-virtual-pipeline-stage), or MP_VP_CHUNKS."""
-    layers, chunks = env_int(env, "MP_VP", None), env_int(env, "MP_VP_CHUNKS", None)
+    layers, chunks = o["MP_VP"], o["MP_VP_CHUNKS"]
     if layers is not None and chunks is not None:
         raise UserError(f"MP_VP={layers} (layers per virtual pipeline stage) and MP_VP_CHUNKS={chunks} (chunks per "
                         "pipeline rank) both set the virtual pipeline: give one")
@@ -208,28 +138,10 @@ def _virtual_pipeline(env: dict, pp: int, num_layers: int, notes: list[str]) -> 
     return chunks, f"{setting} ({chunks} model chunks per pipeline rank)" if setting.startswith("MP_VP=") else setting
 
 
-def _offload(raw: str) -> tuple[float, str]:
-    """OPTIMIZER_OFFLOAD -> (host share, policy)."""
-    value = raw.strip().lower()
-    if value == "false":
-        return 0.0, "off"
-    if value == "static":
-        return 1.0, "static"
-    if value == "auto":
-        return 0.0, "auto"
-    try:
-        share = float(value)
-    except ValueError:
-        share = -1.0
-    if not 0.0 < share <= 1.0:
-        raise UserError(f"OPTIMIZER_OFFLOAD must be false, static, auto or a fraction in (0, 1], got '{raw}'")
-    return share, "static"
-
-
-def _iterations(a: dict, sft: bool, tokens_per_iter: int) -> tuple[int, int]:
+def _iterations(o: Options, sft: bool, tokens_per_iter: int) -> tuple[int, int]:
     """(training, warm-up) iterations: tokens for pretraining, iterations for SFT (the reference's convention);
     each within its ceiling (``launcher_args.MAX_TOKENS``, ``MAX_ITERATIONS``)."""
-    train_raw, warm_raw = a["TRAIN_TOKENS_OR_ITERS"], a["WARMUP_TOKENS_OR_ITERS"]
+    train_raw, warm_raw = o["TRAIN_TOKENS_OR_ITERS"], o["WARMUP_TOKENS_OR_ITERS"]
     if sft:
         train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw, MAX_ITERATIONS, "iterations")
         warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw, MAX_ITERATIONS, "iterations")
@@ -540,11 +452,6 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
     return family, sidecar.hf_config, sidecar.arch.vocab_padded_to, sidecar.mtp_layers
 
 
-def _data_found(path: str, dataset_type: str) -> bool:
-    """Whether ``path`` names data as a whole: a value that does is one path, whatever spaces it holds."""
-    return Path(path).is_file() if dataset_type == "raw" else any(Path(path + s).exists() for s in (".bin", ".idx"))
-
-
 def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
     if dataset_type == "raw":
         if not Path(path).is_file():
@@ -560,24 +467,22 @@ def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
                         "written by 'mpatch preprocess' (e.g. data/corpus_text_document)")
 
 
-def _world(run_env: str, layout: ParallelLayout, env: dict) -> tuple[int, int, int]:
-    """(world size, processes per node, nodes)."""
+def _world(o: Options, layout: ParallelLayout, env: dict) -> tuple[int, int, int]:
+    """(world size, processes per node, nodes); ``env``: what torchrun and PAI-DLC say of the job."""
+    run_env = o["ENV"]
     if run_env == "cpu":
-        nproc = env_int(env, "MP_NPROC", layout.world_size, hi=MAX_LOCAL_PROCESSES)
+        nproc = o["MP_NPROC"] or layout.world_size
         return nproc, nproc, 1
     if launched_rank(env) and env.get("WORLD_SIZE"):
         world = parse_int("WORLD_SIZE", env["WORLD_SIZE"])
-        per_node = parse_int("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE") or env.get("GPUS_PER_NODE") or str(world))
+        per_node = (parse_int("LOCAL_WORLD_SIZE", env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE")
+                    else o["GPUS_PER_NODE"] or world)
         if world % per_node:
             raise UserError(f"WORLD_SIZE={world} processes do not fill nodes of {per_node}: check GPUS_PER_NODE")
         return world, per_node, world // per_node
     # PAI-DLC gives each node's GPUs in KUBERNETES_CONTAINER_RESOURCE_GPU, which Pai-Megatron-Patch's launchers read
-    gpu_variable = ("GPUS_PER_NODE" if env.get("GPUS_PER_NODE") or run_env != "dlc"
-                    else "KUBERNETES_CONTAINER_RESOURCE_GPU")
-    gpus = env.get(gpu_variable)
-    if gpus:
-        per_node = parse_int(gpu_variable, gpus)
-    else:
+    per_node = o["GPUS_PER_NODE"] or (o["KUBERNETES_CONTAINER_RESOURCE_GPU"] if run_env == "dlc" else None)
+    if per_node is None:
         import torch
 
         # Without a GPU: a dlc node trains on its CPU, one process unless GPUS_PER_NODE says more;

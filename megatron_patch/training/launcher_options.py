@@ -1,0 +1,670 @@
+"""Every launcher option, declared once: the positional arguments (Pai-Megatron-Patch's order) and the
+environment options, each one ``Option`` of ``OPTIONS``: its name, how a raw value is read, its default, its
+help, the ``RunConfig`` field it fills and the part of the project that owns it.
+
+One engine works from the table: ``read_options`` is the one place a launch reads its options (a value wrong on
+its own is refused there, in one line naming it; combinations are ``validation.py``'s), ``usage`` is --help,
+``dry_run_options`` the dry run's list, ``markdown`` examples/README.md's tables (scripts/update_docs_tables.py).
+tests/test_launcher_options.py holds them together. An option is added by one entry here (and the
+``RunConfig`` field it fills, if any); its checks against other values go to ``validation.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from megatron_patch.errors import UserError
+from megatron_patch.lora.spec import LoraSpec, parse_targets
+from megatron_patch.models.mapping import LORA_TARGETS
+from megatron_patch.models.registry import families, get_family
+from megatron_patch.training.faults import KINDS, parse_faults
+from megatron_patch.training.launcher_args import (
+    MAX_GLOBAL_BATCH,
+    MAX_ITERATIONS,
+    MAX_LOCAL_PROCESSES,
+    Launcher,
+    describe_size,
+    get_launcher,
+    is_none,
+    launchers,
+    names_data,
+    parse_bool,
+    parse_choice,
+    parse_float,
+    parse_int,
+)
+from megatron_patch.training.run_config import PRECISIONS, Precision
+
+# The parts that own options. Each later part (FP8: MP_FP8_FILTER; evaluation: MP_EVAL_TASKS...) adds its name
+# here and its entries to OPTIONS.
+CORE, LORA, DSA = "core", "LoRA", "DSA"
+PARTS = (CORE, LORA, DSA)
+
+
+# --- how a raw value is read ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reader:
+    """How one raw value is read: ``read(name, raw)`` gives the value or raises a UserError of one line naming
+    the option and what it takes. ``takes``: what it takes, as --help and the docs say it; ``refused``: a value
+    it refuses (tests/test_launcher_options.py gives each option its reader's)."""
+
+    read: Callable[[str, str], Any]
+    takes: str
+    refused: str | None = None
+
+
+def integer(lo: int = 1, hi: int | None = None) -> Reader:
+    return Reader(lambda name, raw: parse_int(name, raw, lo, hi),
+                  f"integer >= {lo}" + (f", at most {hi:,}" if hi is not None else ""), "x")
+
+
+def choice(*allowed: str, aliases: dict | None = None, means: Callable[[str], Any] = str) -> Reader:
+    """One of ``allowed`` (``means`` turns it into the value); ``aliases``: other words taken for one of them
+    (Pai's AC=false), not listed in a refusal."""
+    aliases = aliases or {}
+    return Reader(lambda name, raw: means(parse_choice(name, aliases.get(raw, raw), allowed)),
+                  " | ".join(allowed) + "".join(f" ({a}: {v})" for a, v in aliases.items()), "bogus")
+
+
+def _above_zero(what: str = "") -> Reader:
+    def read(name: str, raw: str) -> float:
+        value = parse_float(name, raw)
+        if value <= 0:
+            raise UserError(f"{name} must be {what}> 0, got '{raw}'")
+        return value
+
+    return Reader(read, f"{what}> 0", "0")
+
+
+def _below_one(name: str, raw: str) -> float:
+    value = parse_float(name, raw)
+    if not value < 1:
+        raise UserError(f"{name} must be in [0, 1), got '{raw}'")
+    return value
+
+
+def _offload(name: str, raw: str) -> tuple[float, str]:
+    """OPTIMIZER_OFFLOAD -> (host share, policy)."""
+    value = raw.strip().lower()
+    if value in ("false", "static", "auto"):
+        return {"false": (0.0, "off"), "static": (1.0, "static"), "auto": (0.0, "auto")}[value]
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 1.0:
+        raise UserError(f"{name} must be false, static, auto or a fraction in (0, 1], got '{raw}'")
+    return share, "static"
+
+
+def _required_folder(name: str, raw: str) -> str:
+    if is_none(raw):
+        raise UserError(f"{name} is required: checkpoints, logs and TensorBoard go there")
+    return str(raw)
+
+
+def _dry_run(name: str, raw: str) -> str | None:
+    return None if raw == "0" else "json" if raw == "json" else "text"
+
+
+INTEGER = integer()
+NUMBER = Reader(parse_float, "number >= 0", "x")
+BOOL = Reader(parse_bool, "true | false", "maybe")
+TEXT = Reader(lambda name, raw: raw, "text")
+FOLDER_OR_NONE = Reader(lambda name, raw: None if is_none(raw) else raw, "folder or none")
+# Read where the run's other values give it its meaning (validation.py): data paths split once the data's
+# kind is known, token or iteration counts once SFT says which.
+WHOLE = Reader(lambda name, raw: raw, "text")
+
+
+# --- the table ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Default:
+    """A default that depends on the run: ``says`` is what --help and the docs say (text, or a function that
+    writes it), ``compute(**run)`` the value, given what it depends on (``Options.settle``); without
+    ``compute`` the value stays None and the derivation that reads the option decides (validation.py)."""
+
+    says: str | Callable[[], str]
+    compute: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One launcher option. ``field``: the RunConfig field it fills (a tuple for a reader that gives several
+    values; None where a derivation reads it, ``DERIVED``). ``doc``: examples/README.md's text where it says more
+    than ``help``; ``takes``: the docs' values where they say more than the reader's. A positional argument's
+    ``default`` is its value on a launcher whose layout lacks it (ETP, EP)."""
+
+    name: str
+    part: str
+    reader: Reader
+    help: str
+    default: Any = None
+    field: str | tuple[str, ...] | None = None
+    doc: str | None = None
+    takes: str | None = None
+
+    @property
+    def positional(self) -> bool:
+        return self.name in POSITIONAL_NAMES
+
+    def default_text(self) -> str:
+        value = self.default
+        if isinstance(value, Default):
+            return value.says() if callable(value.says) else value.says
+        if value is None or value == []:
+            return ""
+        if isinstance(value, bool):
+            return str(value).lower()
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    def help_line(self) -> str:
+        said = self.default_text()
+        return self.help + (f" (default {said})" if said and not self.positional else "")
+
+
+def _weight_decays() -> str:
+    """Each family's weight decay (Pai's launcher's), the most common one as 'the others'."""
+    by_value: dict[float, list[str]] = {}
+    for name, family in families().items():
+        by_value.setdefault(family.weight_decay, []).append(name)
+    common = max(by_value, key=lambda v: len(by_value[v]))
+    rest = [f"{v:g} for {', '.join(sorted(names))}" for v, names in sorted(by_value.items()) if v != common]
+    return "; ".join(rest + [f"{common:g} for the others"])
+
+
+def _dataset_type(sft: bool, dataset_path: str) -> str:
+    """For SFT what DATASET_PATH names: a JSON/JSONL file (raw) or the prefix of an idxmap's .bin/.idx (Pai's
+    default, idxmap, is what its SFT preprocessing writes); mmap for pretraining."""
+    path = dataset_path.strip()
+    if sft and not Path(path).is_file() and names_data(path, "mmap"):
+        return "mmap"
+    return "raw" if sft else "mmap"
+
+
+ENVS = ("dsw", "dlc", "cpu")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+
+POSITIONAL = [
+    Option("ENV", CORE, choice(*ENVS), "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, "
+           "MASTER_ADDR, MASTER_PORT; on CPU nodes gloo) | cpu (local gloo processes); all start through torchrun",
+           field="env",
+           doc="every ENV starts through torchrun, run by the launcher. dsw: `torchrun --standalone` on this node, one "
+               "process per GPU (`GPUS_PER_NODE`, default all visible); dlc: `torchrun --nnodes=$WORLD_SIZE "
+               "--node_rank=$RANK --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT` (PAI-DLC's node-level "
+               "variables), on GPUs, or on CPU with gloo on nodes without one; cpu: `torchrun --standalone` with "
+               "TP\\*PP\\*CP\\*DP local gloo processes (`MP_NPROC`, default the model-parallel size), for development "
+               "and CI. See docs/training.md, \"Multi-node and failures\""),
+    Option("MODEL_SIZE", CORE, WHOLE, "a published size (Pai-Megatron-Patch's names too), tiny, or auto "
+           "(architecture from PRETRAIN_CHECKPOINT_PATH)", field="model_size", takes="see the table above",
+           doc="the published HF config.json of that size (`models/<family>/presets.py`); `tiny` trains on CPU in "
+               "seconds; `auto` takes the architecture from the sidecar of PRETRAIN_CHECKPOINT_PATH. A size that "
+               "disagrees with the checkpoint is refused"),
+    Option("BATCH_SIZE", CORE, integer(hi=MAX_GLOBAL_BATCH), "micro-batch size per data-parallel rank (integer >= 1)",
+           field="micro_batch_size", takes="integer >= 1",
+           doc="micro-batch size per data-parallel rank (at most GLOBAL_BATCH_SIZE)"),
+    Option("GLOBAL_BATCH_SIZE", CORE, integer(hi=MAX_GLOBAL_BATCH),
+           "samples per optimizer step; a multiple of BATCH_SIZE * data-parallel size", field="global_batch_size",
+           takes="multiple of BATCH_SIZE\\*DP, at most 10^6",
+           doc="samples per optimizer step; micro-batches per step = GBS / (BATCH_SIZE\\*DP)"),
+    Option("LR", CORE, NUMBER, "peak learning rate (> 0)", field="lr", takes="> 0",
+           doc="peak learning rate of `OptimizerParamScheduler` (linear warm-up from 0, then cosine decay to MIN_LR: "
+               "pretraining over all training iterations, SFT over the iterations after the warm-up, as "
+               "Pai-Megatron-Patch's launchers)"),
+    Option("MIN_LR", CORE, NUMBER, "final learning rate of the cosine decay (0 <= MIN_LR <= LR)", field="min_lr",
+           takes="0..LR", doc="final learning rate"),
+    Option("SEQ_LEN", CORE, INTEGER, "sequence length of pretraining samples (and of an SFT idxmap's, as in "
+           "Pai-Megatron-Patch)", field="seq_len", takes="<= the model's positions",
+           doc="pretraining sample length (`GPTDatasetConfig.sequence_length`), and an SFT idxmap's (Pai's meaning)"),
+    Option("PAD_LEN", CORE, INTEGER, "length of SFT samples from JSON records (padded or packed to it); <= SEQ_LEN",
+           field="pad_len", takes="<= SEQ_LEN",
+           doc="sample length of SFT on JSON records: they are padded (or packed, `MP_SFT_PACKING`) to it"),
+    Option("PR", CORE, choice(*PRECISIONS, means=Precision), "precision: fp16 | bf16 | fp8 (transformer-engine, "
+           "hybrid format) | fp32 (CPU development)", field="precision",
+           doc="bf16/fp16: every parameter in that dtype (norms included, as Megatron-LM's Float16Module), fp32 "
+               "gradient buffers and master weights, `OptimizerConfig.bf16/fp16` (fp16 with dynamic loss scaling "
+               "from 2^16, hysteresis 2, doubled after `MP_LOSS_SCALE_WINDOW` good steps; a step with inf/nan "
+               "gradients is skipped and logged); fp8: bf16 plus `fp8=\"hybrid\"`, `fp8_recipe=$MP_FP8_RECIPE` "
+               "(delayed: amax history 1024, max), GPU only; fp32: development precision (on GPU it runs with "
+               "`attention_backend=auto`). ENV=cpu takes fp32, bf16 and fp16. FP8 GEMMs need BATCH_SIZE x sample "
+               "length / CP divisible by 8 (mxfp8: 32) and hidden/FFN/attention sizes per TP rank by 16 (32)"),
+    Option("TP", CORE, INTEGER, "tensor parallel size", field="tp",
+           takes="divides heads, query groups, MLP, padded vocabulary", doc="`tensor_model_parallel_size`"),
+    Option("PP", CORE, INTEGER, "pipeline parallel size", field="pp", takes="divides the layers (or see "
+           "`MP_PP0_LAYERS`)", doc="`pipeline_model_parallel_size`; megatron-core's 1F1B schedule (interleaved "
+                                   "with `MP_VP`)"),
+    Option("CP", CORE, INTEGER, "context parallel size", field="cp", takes="sequence length divisible by 2\\*CP",
+           doc="`context_parallel_size` (needs transformer-engine attention, GPU only); each CP rank trains on "
+               "chunks r and 2\\*CP-1-r of every sequence; the launcher sets `CUDA_DEVICE_MAX_CONNECTIONS=1` for "
+               "TP>1 or CP>1 below sm100"),
+    Option("ETP", CORE, INTEGER, "expert tensor parallel size (MoE; ignored for a dense size)", field="etp",
+           takes="divides the expert MLP; MoE launchers", doc="`expert_tensor_parallel_size` (ignored, with a note, "
+                                                               "for a dense size on a launcher that takes both)"),
+    Option("EP", CORE, INTEGER, "expert parallel size (MoE; 1 for dense)", default=1, field="ep",
+           takes="divides the experts; 1 for dense", doc="`expert_model_parallel_size`"),
+    Option("SP", CORE, BOOL, "sequence parallelism: true | false (TP > 1 with SP=true also turns on TP communication "
+           "overlap; ignored at TP=1)", field="sequence_parallel",
+           doc="`sequence_parallel`; at TP=1 ignored with a note (as Pai-Megatron-Patch's launchers); with TP>1 also "
+               "`tp_comm_overlap=True` (transformer-engine userbuffers; `MP_TP_COMM_OVERLAP=false` keeps SP without "
+               "it). MoE with TP>1 and EP>1 requires SP=true"),
+    Option("DO", CORE, BOOL, "distributed optimizer: true | false (true also overlaps the parameter all-gather)",
+           field="distributed_optimizer", doc="`use_distributed_optimizer`; true also turns on `overlap_param_gather` "
+                                              "(grad-reduce overlap is always on)"),
+    Option("FL", CORE, BOOL, "flash attention: true | false (with transformer-engine its FlashAttention, FA3 on "
+           "Hopper when installed; without it torch SDPA, the default on a GPU, FL=true on CPU)",
+           field="flash_attention",
+           doc="with transformer-engine: `attention_backend=flash` (FlashAttention-3 when its Hopper build, "
+               "`flash_attn_interface`, is installed; else FlashAttention-2 from the flash-attn package; refused with "
+               "neither, and with PR=fp32); false: `fused` (cuDNN) (`auto` with PR=fp32). Without transformer-engine "
+               "(megatron-core's local spec): torch SDPA, the default on a GPU whatever FL says; on CPU FL=true "
+               "selects SDPA, false keeps megatron's unfused attention (docs/gpu.md). The dry run says which "
+               "attention runs"),
+    Option("SFT", CORE, BOOL, "true: fine-tune on SFT data (token counts become iteration counts) | false: pretrain",
+           field="sft", doc="true: JSON/JSONL records or Pai's SFT idxmap, loss on responses only, TRAIN/WARMUP are "
+                            "iteration counts"),
+    # Pai-Megatron-Patch's launchers take AC=false for no recompute (any value but sel/full/offload is none there).
+    Option("AC", CORE, choice("sel", "full", "offload", "none", aliases={"false": "none"}),
+           "activation checkpointing: sel | full | offload | none or false (MP_AC_LAYERS layers for full/offload)",
+           field="activation_checkpointing",
+           takes="`sel` \\| `full` \\| `offload` \\| `none` (`false`: none, Pai-Megatron-Patch's word)",
+           doc="sel: `recompute_granularity=\"selective\"`; full: `\"full\"`, `recompute_method=\"uniform\"`, "
+               "`recompute_num_layers=$MP_AC_LAYERS`; offload: `cpu_offloading=True` for `$MP_AC_LAYERS` layers (GPU "
+               "only; PP=1, at most layers-1). full needs MP_AC_LAYERS <= the layers of a pipeline stage"),
+    Option("OPTIMIZER_OFFLOAD", CORE, Reader(_offload, "false | static | fraction in (0,1] | auto", "1.5"),
+           "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto (what the GPU "
+           "cannot hold, measured each step); forces DO=true",
+           field=("optimizer_offload_fraction", "optimizer_offload_policy"),
+           doc="the distributed optimizer's fp32 state in chunks over its bucket shards, the given share (static: "
+               "all) on the host, updated there; `auto`: as much on the GPU as each step's memory readings leave "
+               "room for, with a margin, patience and cooldown (docs/optimizer-offload.md). Forces DO=true (said in "
+               "the resolved notes). ENV=cpu too (the \"device\" tier is host memory there)"),
+    Option("SAVE_INTERVAL", CORE, INTEGER, "save a checkpoint every this many iterations", field="save_interval",
+           doc="a torch_dist checkpoint every this many iterations (and at the end)"),
+    Option("DATASET_PATH", CORE, WHOLE, "pretraining: mmap data prefix(es) (P_text_document, optionally 'W1 P1 W2 "
+           "P2'; a path that exists is one path, spaces and all; quote one with spaces inside a blend); SFT: a "
+           "JSON/JSONL file, or the prefix of Pai's SFT idxmap (sft_data_preprocessing)", takes="",
+           doc="pretraining: prefix of `mpatch preprocess` output (`P_text_document`), several prefixes, or "
+               "Megatron's blend `W1 P1 W2 P2`; SFT: one JSON or JSONL file, or the prefix of Pai's SFT idxmap. A "
+               "value that names existing data as a whole is one path, whatever spaces it holds (`\"my "
+               "data/corpus_text_document\"`); otherwise it is split as a shell splits words, so a path with spaces "
+               "inside a blend is quoted: `'0.3 \"my data/a_text_document\" 0.7 b_text_document'`"),
+    Option("VALID_DATASET_PATH", CORE, Reader(FOLDER_OR_NONE.read, "like DATASET_PATH, or none"),
+           "validation data like DATASET_PATH, or none",
+           takes="like DATASET_PATH (a blend's weights included), or `none`",
+           doc="validation loss every `MP_EVAL_INTERVAL` iterations over `MP_EVAL_ITERS` global batches"),
+    Option("PRETRAIN_CHECKPOINT_PATH", CORE, FOLDER_OR_NONE,
+           "a checkpoint from 'mpatch convert hf2mcore' to start from, or none", field="pretrain_checkpoint",
+           takes="folder or `none`",
+           doc="a checkpoint written by `mpatch convert hf2mcore` (torch_dist: any TP/PP; legacy: its own layout), "
+               "the `final/` folder of an earlier run, or a Megatron-Core checkpoint of another tool (Megatron-LM, "
+               "Megatron-Bridge, Pai-Megatron-Patch: architecture from `MP_HF_CONFIG`, the MODEL_SIZE preset or its "
+               "saved arguments, checked against its tensors; docs/foreign-checkpoints.md); its weights start the run "
+               "(a resumed run takes its own checkpoint instead, at whatever TP/PP/DP it is relaunched with)"),
+    Option("TRAIN_TOKENS_OR_ITERS", CORE, WHOLE, "pretraining: training tokens; SFT: iterations",
+           takes="count (`1000000`, `1e9`, `10B`, `500M`)",
+           doc="pretraining: tokens, iterations = tokens / (GBS\\*SEQ_LEN); SFT: iterations. At most 10^15 tokens and "
+               "10^8 iterations, far beyond any published run: a slip such as `1e30` is refused in one line before "
+               "anything starts (megatron-core would build a dataset index of that many samples, silently, without "
+               "end)"),
+    Option("WARMUP_TOKENS_OR_ITERS", CORE, WHOLE, "pretraining: warm-up tokens; SFT: warm-up iterations",
+           takes="count", doc="warm-up, the same units and ceilings"),
+    Option("OUTPUT_BASEPATH", CORE, Reader(_required_folder, "folder", "none"),
+           "where checkpoints, logs and TensorBoard go; a rerun with the same path resumes", field="output_basepath",
+           doc="`checkpoint/` (torch_dist, resumable), `final/` (trained model, hf2mcore layout), `log/metrics.jsonl`, "
+               "`tensorboard/`, `data_cache/`. Rerunning with the same folder resumes from the latest complete "
+               "checkpoint, and the run's first line says so and from where (Pai-Megatron-Patch starts again)"),
+]
+
+ENVIRONMENT = [
+    Option("MP_DRY_RUN", CORE, Reader(_dry_run, "1 | json"),
+           "1: print the resolved configuration and command, train nothing; json: the same as JSON",
+           doc="`1`: print the resolved configuration and command; `json`: the same as JSON"),
+    Option("MP_DATASET_TYPE", CORE, choice("idxmap", "mmap", "raw", means=lambda v: "mmap" if v == "idxmap" else v),
+           "mmap or idxmap (Pai's name): .bin/.idx data (pretraining, or Pai's SFT idxmap) | raw: JSON/JSONL SFT "
+           "records", field="dataset_type",
+           default=Default("mmap; for SFT what DATASET_PATH names (a file: raw, a prefix: idxmap)", _dataset_type),
+           doc="`mmap` or `idxmap` (Pai's name): a `.bin`/`.idx` prefix, pretraining data or, with SFT=true, Pai's SFT "
+               "idxmap \\| `raw`: JSON/JSONL SFT records (refused for pretraining)"),
+    Option("MP_AC_LAYERS", CORE, INTEGER, "layers recomputed (AC=full) or offloaded (AC=offload) per stage",
+           default=1, field="ac_layers"),
+    Option("MP_VP", CORE, INTEGER, "layers per virtual pipeline stage (Pai-Megatron-Patch's and Megatron-LM's "
+           "--num-layers-per-virtual-pipeline-stage): interleaved 1F1B; needs PP > 1",
+           doc="layers per virtual pipeline stage, as Pai-Megatron-Patch's and Megatron-LM's "
+               "`--num-layers-per-virtual-pipeline-stage`: layers / (PP\\*MP_VP) model chunks per pipeline rank "
+               "(layers divisible by PP\\*MP_VP); a virtual stage of all a stage's layers is no virtual pipeline; "
+               "the rest as `MP_VP_CHUNKS`"),
+    Option("MP_VP_CHUNKS", CORE, INTEGER, "virtual pipeline stages (model chunks) per pipeline rank, instead of MP_VP",
+           doc="instead of `MP_VP` (its meaning here before issue 35): virtual pipeline stages (model chunks) per "
+               "pipeline rank: `virtual_pipeline_model_parallel_size`, megatron-core's interleaved 1F1B schedule with "
+               "Megatron-LM's p2p settings for it (`overlap_p2p_comm=True`, `batch_p2p_comm=False`). Each rank builds "
+               "one GPTModel per chunk (`vp_stage`), each wrapped in DDP; chunk v of pipeline rank r holds the "
+               "(v\\*PP + r)-th block of layers. Needs PP>1, layers divisible by PP\\*VP, micro-batches per step a "
+               "multiple of PP; not with `MP_PP0_LAYERS`; `1` means no virtual pipeline. Checkpoints store the "
+               "chunks as `model0`, `model1`, ... (Megatron-LM's names); a torch_dist PRETRAIN_CHECKPOINT_PATH loads "
+               "into chunks (a legacy one is refused)"),
+    Option("MP_SFT_PACKING", CORE, BOOL, "true: several SFT records per sample, kept apart (JSON records packed in "
+           "order, Pai's packed lists and idxmap samples as they are); false: each record a sample of its own",
+           default=False, field="sft_packing",
+           doc="`true`: several SFT records per sample (JSON records packed in order, a packed-SFT list or an idxmap "
+               "sample as it is), trained as THD packed sequences (`PackedSeqParams`, `cu_seqlens`): attention stays "
+               "within each sample and RoPE restarts, on GPU (transformer-engine) and CPU alike; the loss equals the "
+               "unpacked loss. Not with CP>1"),
+    Option("MP_PP0_LAYERS", CORE, INTEGER, "layers on the first pipeline stage", field="pp0_layers",
+           default=Default("the layers split evenly"),
+           doc="layers of the first pipeline stage (the rest split evenly), `num_layers_in_first_pipeline_stage`"),
+    Option("MP_FP8_RECIPE", CORE, choice(*FP8_RECIPES), f"PR=fp8's scaling recipe: {' | '.join(FP8_RECIPES)}",
+           default="delayed",
+           field="fp8_recipe",
+           doc="needs PR=fp8. delayed/tensorwise: compute capability >= 8.9; blockwise: >= 9.0 with CUDA >= 12.9; "
+               "mxfp8: 10.x (Blackwell)"),
+    Option("MP_TP_COMM_OVERLAP", CORE, BOOL, "false: keep SP but turn TP communication overlap off (needed without "
+           "transformer-engine)", field="tp_comm_overlap",
+           default=Default("true where TP > 1 with SP=true", lambda tp, sp: tp > 1 and sp),
+           doc="`false`: SP without TP communication overlap (what machines without transformer-engine need)"),
+    Option("MP_OVERLAP_PARAM_GATHER", CORE, BOOL, "true: insist on param-gather overlap (refused without DO=true)",
+           default=Default("what DO says"),
+           doc="`true` insists on param-gather overlap, refused unless DO=true"),
+    Option("MP_NPROC", CORE, integer(hi=MAX_LOCAL_PROCESSES), "ENV=cpu: number of local processes",
+           default=Default("TP*PP*CP, or what the expert layout needs"),
+           doc="ENV=cpu: number of local processes (DP = MP_NPROC / (TP\\*PP\\*CP))"),
+    Option("GPUS_PER_NODE", CORE, INTEGER, "dsw/dlc: processes per node",
+           default=Default("the GPUs visible; on dlc KUBERNETES_CONTAINER_RESOURCE_GPU first, else 1 on a node "
+                           "without GPUs")),
+    Option("KUBERNETES_CONTAINER_RESOURCE_GPU", CORE, INTEGER,
+           "dlc: PAI-DLC's GPUs per node, read as GPUS_PER_NODE when that is unset",
+           doc="ENV=dlc: PAI-DLC's GPUs per node, the processes per node where `GPUS_PER_NODE` is unset (as "
+               "Pai-Megatron-Patch's launchers)"),
+    Option("MP_MAX_RESTARTS", CORE, integer(lo=0), "restart the ranks up to N times after a failure (torchrun "
+           "--max-restarts); each restart resumes from the latest complete checkpoint", default=0,
+           field="max_restarts",
+           doc="restart the ranks up to N times after a failure (`torchrun --max-restarts=N`); each restart resumes "
+               "from the latest complete checkpoint by itself (0: the job fails with one line)"),
+    Option("MP_DIST_TIMEOUT_MIN", CORE, _above_zero("a number of minutes "), "minutes a collective may wait for the "
+           "other ranks before the job fails naming the rank that stopped answering", default=10.0,
+           field="dist_timeout_min",
+           doc="minutes a collective may wait for the other ranks; past it the job fails with one line naming the "
+               "rank that stopped answering (its heartbeat), the collective and the iteration"),
+    Option("MP_TOKENIZER", CORE, TEXT, "tokenizer folder (tokenizer.json) or tiktoken file for SFT data",
+           takes="tokenizer folder or tiktoken file",
+           field="tokenizer",
+           default=Default("PRETRAIN_CHECKPOINT_PATH, which carries tokenizer.json",
+                           lambda sft, dataset_type, checkpoint: checkpoint if sft and dataset_type == "raw" else None),
+           doc="SFT tokenizer: HF tokenizer folder or tiktoken file (JSON records are tokenized here; an idxmap is "
+               "already ids)"),
+    Option("MP_NAN_POLICY", CORE, choice("stop", "skip"), "what a NaN/inf loss does: stop | skip (the update)",
+           default="stop", field="nan_policy",
+           doc="`stop`: exit 2 naming the iteration \\| `skip`: skip that step's update"),
+    Option("MP_COMPILE_FUSIONS", CORE, BOOL, "true: torch.compile the local spec's RMSNorm, RoPE, SwiGLU and "
+           "bias-dropout-add (no transformer-engine); false: all of them eager", field="compile_fusions",
+           default=Default("megatron-core's own choice"),
+           doc="`true`: `torch.compile` the local spec's RMSNorm and RoPE and turn on megatron-core's compiled "
+               "SwiGLU and bias-dropout-add (without transformer-engine; refused where torch.compile has no "
+               "compiler, or where TE's spec runs); `false`: all of them eager; unset: megatron-core's choice "
+               "(fused on GPU, eager on CPU). docs/gpu.md"),
+    Option("MP_GPU_MEMORY_GB", CORE, NUMBER, "memory per GPU the memory plan checks against; ENV=cpu: the 'device' "
+           "budget of OPTIMIZER_OFFLOAD=auto and the plan", field="gpu_memory_gb",
+           default=Default("the visible GPU's"),
+           doc="device memory per rank the memory plan checks against; on ENV=cpu also the \"device\" budget of "
+               "OPTIMIZER_OFFLOAD=auto"),
+    Option("MP_OFFLOAD_NUMERICS", CORE, choice("fast", "exact"), "fast | exact: optimizer updates bit-identical on "
+           "every tier and schedule", default="fast", field="offload_numerics",
+           doc="`fast`: torch's AdamW kernels (on CPU bit-identical to megatron's optimizer) \\| `exact`: "
+               "single-rounding IEEE steps: any offload layout, on any device, gives the bits of no offload; with "
+               "OPTIMIZER_OFFLOAD=false it still runs the chunked optimizer"),
+    Option("MP_OFFLOAD_MARGIN_GB", CORE, NUMBER, "OPTIMIZER_OFFLOAD=auto: device memory kept free", default=2.0,
+           field="offload_margin_gb"),
+    Option("MP_OFFLOAD_PATIENCE", CORE, INTEGER, "OPTIMIZER_OFFLOAD=auto: steps with room before chunks come back to "
+           "the GPU", default=3, field="offload_patience"),
+    Option("MP_OFFLOAD_COOLDOWN", CORE, integer(lo=0), "OPTIMIZER_OFFLOAD=auto: steps after an eviction with no "
+           "promotion", default=5, field="offload_cooldown"),
+    Option("MP_OFFLOAD_CHUNK_MB", CORE, NUMBER, "optimizer offload chunk size in MiB of fp32 elements",
+           field="offload_chunk_mb", default=Default("the least fragmentation")),
+    Option("MP_OFFLOAD_PROBE_SCRIPT", CORE, TEXT, "testing: JSON {\"device_fraction\": {\"ITER\": share}} replaces "
+           "auto's memory readings", field="offload_probe_script", takes="JSON file",
+           doc="testing: JSON `{\"device_fraction\": {\"ITERATION\": share}}` replaces auto's memory readings"),
+    Option("MP_OFFLOAD_TIMING", CORE, BOOL, "true: time the offloaded step's phases (adds synchronisations; "
+           "benchmarks)", default=False, field="offload_timing",
+           doc="`true`: time each step's forward/backward, copies, CPU and device Adam (adds synchronisations)"),
+    Option("MP_LOSS_SCALE_WINDOW", CORE, INTEGER, "PR=fp16: good steps before the dynamic loss scale doubles",
+           default=1000, field="loss_scale_window",
+           doc="PR=fp16: good steps before the dynamic loss scale doubles (Megatron-LM's `--loss-scale-window`)"),
+    Option("MP_INJECT_FAULT", CORE,
+           Reader(lambda name, raw: parse_faults(raw), f"KIND@ITERATION, comma-separated ({' | '.join(KINDS)})",
+                  "boom@1"),
+           "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), error@N (an exception "
+           "as N starts), comma-separated", default=[], field="faults",
+           doc="testing the recovery paths: `overflow@N` fills the gradient buffers with inf after iteration N's "
+               "backward (the step must be skipped, fp16's scale lowered), `kill@N` sends SIGKILL to every rank and "
+               "its helper processes as iteration N starts (the next launch must resume), `error@N` raises an "
+               "exception on every rank as iteration N starts (the launcher's one line, the tracebacks in "
+               "`log/rank<R>-error.log`); comma-separated"),
+    Option("MP_EXIT_INTERVAL", CORE, INTEGER, "stop after this many iterations (after saving), e.g. to test a resume",
+           field="exit_interval"),
+    Option("MP_LOG_INTERVAL", CORE, INTEGER, "log every this many iterations", default=1, field="log_interval"),
+    Option("MP_EVAL_INTERVAL", CORE, integer(lo=0), "validate every this many iterations (as Pai-Megatron-Patch; "
+           "0: never)", default=10000, field="eval_interval"),
+    Option("MP_EVAL_ITERS", CORE, integer(hi=MAX_ITERATIONS), "validation micro-batch rounds per evaluation",
+           default=10, field="eval_iters"),
+    Option("MP_SEED", CORE, integer(lo=0), "random seed (pipeline stage p initialises with seed + 100*p)",
+           default=1234, field="seed", doc="random seed (pipeline stage p initialises with seed + 100\\*p)"),
+    Option("MP_WEIGHT_DECAY", CORE, NUMBER, "AdamW weight decay, held constant by the scheduler",
+           default=Default(lambda: "what Pai-Megatron-Patch's launcher for the family passes: " + _weight_decays(),
+                           lambda family: get_family(family).weight_decay),
+           field="weight_decay"),
+    Option("MP_HF_CONFIG", CORE, TEXT, "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another "
+           "tool without saved arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
+           takes="config.json or its folder",
+           doc="HF config.json (or its folder) of a PRETRAIN_CHECKPOINT_PATH written by another tool that saved no "
+               "arguments (Megatron-Bridge); checked against its tensors, every disagreement named "
+               "([docs/foreign-checkpoints.md](../docs/foreign-checkpoints.md))"),
+    Option("MP_NUM_LAYERS", CORE, INTEGER, "override MODEL_SIZE's layer count (a same-shaped proxy for benchmarks; "
+           "not with a checkpoint)",
+           doc="overrides MODEL_SIZE's layer count: the model's shape with fewer layers, for benchmarks "
+               "(`scripts/gpu_suite.sh`); not with a checkpoint"),
+    Option("MP_SAVE", CORE, BOOL, "false: write no checkpoints and no final/ export (benchmarks)", default=True,
+           field="save"),
+    Option("MP_NO_VERIFY", CORE, BOOL, "true: read PRETRAIN_CHECKPOINT_PATH and the run's own checkpoints without "
+           "checking their files against their manifests (a checkpoint edited on purpose; mcore2hf's and align's "
+           "--no-verify)", default=False, field="no_verify",
+           doc="`true`: read PRETRAIN_CHECKPOINT_PATH and the run's own checkpoints without checking their files "
+               "against their `mpatch_manifest.json` (a checkpoint edited on purpose: surgery, debugging); `mpatch "
+               "convert mcore2hf` and `mpatch align` take `--no-verify`"),
+    Option("MP_LORA_RANK", LORA, integer(lo=0), "R: train LoRA adapters of rank R on the frozen "
+           "PRETRAIN_CHECKPOINT_PATH (0: full fine-tuning; docs/lora.md)", default=0,
+           doc="`R`: LoRA adapters of rank R on the frozen PRETRAIN_CHECKPOINT_PATH (0: full fine-tuning); "
+               "checkpoints hold the adapters and their optimizer state and name the base by path and digest "
+               "([docs/lora.md](../docs/lora.md))"),
+    Option("MP_LORA_ALPHA", LORA, _above_zero(), "LoRA alpha: the adapters' output is scaled by alpha/R",
+           default=Default("R")),
+    Option("MP_LORA_DROPOUT", LORA, Reader(_below_one, "number in [0, 1)", "1"), "dropout on the adapters' input",
+           default=Default("0")),
+    Option("MP_LORA_TARGETS", LORA, Reader(lambda name, raw: parse_targets(raw),
+                                           f"comma list out of {','.join(LORA_TARGETS)}", "bogus"),
+           f"the linears that get adapters, a comma list out of {','.join(LORA_TARGETS)}", default=Default(lambda: ",".join(LoraSpec.__dataclass_fields__["targets"]
+                                                                               .default)),
+           doc="the linears that get adapters; a target the family lacks is refused"),
+    Option("MP_LORA_INIT", LORA, TEXT, "a peft adapter folder to start the adapters from (its config decides rank, "
+           "alpha, targets)", takes="peft adapter folder", doc="a peft adapter folder to start from; its config decides rank, alpha, targets and "
+                                  "per-module patterns"),
+    Option("MP_DSA_INDEXER_LOSS_SCALE", DSA, NUMBER, "S: DeepSeek sparse attention's indexer loss (megatron-core's KL "
+           "to the attention) at coefficient S (0: off, the indexer frozen as released)",
+           default=Default("0, with MP_DSA_INDEXER_ONLY=true 1"),
+           doc="DeepSeek-V3.2 / GLM-5: `S` turns megatron-core's indexer loss on at coefficient S (0: off, the "
+               "indexers frozen as released); logged as `indexer loss` "
+               "([docs/sparse-attention.md](../docs/sparse-attention.md))"),
+    Option("MP_DSA_INDEXER_ONLY", DSA, BOOL, "true: DeepSeek's dense warm-up: dense attention, only the indexers "
+           "train (their loss at MP_DSA_INDEXER_LOSS_SCALE)", default=False,
+           doc="DeepSeek-V3.2 / GLM-5: `true` is DeepSeek's dense warm-up: dense attention, only the indexers train "
+               "(their loss at MP_DSA_INDEXER_LOSS_SCALE, default 1)"),
+]
+
+OPTIONS = POSITIONAL + ENVIRONMENT
+OPTION = {option.name: option for option in OPTIONS}
+POSITIONAL_NAMES = frozenset(option.name for option in POSITIONAL)
+
+# The RunConfig fields no option fills on its own: what the run derives from its options, and from what.
+DERIVED = {
+    "launcher": "the launcher `mpatch train` runs",
+    "family": "MODEL_SIZE on the launcher, or the checkpoint's",
+    "hf_config": "MODEL_SIZE's preset, or PRETRAIN_CHECKPOINT_PATH's architecture (MP_HF_CONFIG), MP_NUM_LAYERS",
+    "vocab_padded_to": "PRETRAIN_CHECKPOINT_PATH's vocabulary padding",
+    "mtp_layers": "PRETRAIN_CHECKPOINT_PATH's multi-token-prediction layers",
+    "dataset_path": "DATASET_PATH, split into paths", "dataset_weights": "DATASET_PATH's blend weights",
+    "valid_dataset_path": "VALID_DATASET_PATH, split into paths",
+    "valid_dataset_weights": "VALID_DATASET_PATH's blend weights",
+    "train_iters": "TRAIN_TOKENS_OR_ITERS (tokens / (GLOBAL_BATCH_SIZE*SEQ_LEN) for pretraining)",
+    "warmup_iters": "WARMUP_TOKENS_OR_ITERS, as TRAIN_TOKENS_OR_ITERS",
+    "lr_decay_iters": "the training iterations (SFT: those after the warm-up)",
+    "virtual_pipeline": "MP_VP or MP_VP_CHUNKS", "virtual_pipeline_setting": "MP_VP or MP_VP_CHUNKS",
+    "overlap_grad_reduce": "always on", "overlap_param_gather": "DO (MP_OVERLAP_PARAM_GATHER insists)",
+    "world_size": "ENV: MP_NPROC, GPUS_PER_NODE, KUBERNETES_CONTAINER_RESOURCE_GPU, PAI-DLC's WORLD_SIZE",
+    "nproc_per_node": "as world_size", "nnodes": "ENV=dlc: PAI-DLC's WORLD_SIZE",
+    "device": "ENV (dlc: whether the node has a GPU)",
+    "lora": "the LoRA part's MP_LORA_* (training/lora_run.py)", "lora_init": "MP_LORA_INIT",
+    "dsa": "the DSA part's MP_DSA_* (training/sparse_attention_run.py)",
+    "notes": "what the run adjusted, and why",
+}
+
+
+# --- the engine -----------------------------------------------------------------------------------------------
+
+_UNSETTLED = object()
+
+
+class Options:
+    """A launch's options as read: ``options[NAME]`` is its value (its default where not given); ``given`` and
+    ``raw`` what the launch wrote. A value the run adjusts (SP=true at TP=1, with a note) is set back with
+    ``options[NAME] = value``; a default that depends on the run is computed by ``settle``."""
+
+    def __init__(self, values: dict, raw: dict):
+        self._values, self._raw = values, raw
+
+    def __getitem__(self, name: str):
+        value = self._values[name]
+        if value is _UNSETTLED:
+            raise RuntimeError(f"{name}'s default depends on the run: settle it before reading it")
+        return value
+
+    def __setitem__(self, name: str, value) -> None:
+        self._values[name] = value
+
+    def given(self, name: str) -> bool:
+        return name in self._raw
+
+    def raw(self, name: str) -> str:
+        return self._raw[name]
+
+    def settle(self, name: str, **run):
+        """The value of ``name``: given, or its default computed from ``run`` (what that default depends on)."""
+        if self._values[name] is _UNSETTLED:
+            self._values[name] = OPTION[name].default.compute(**run)
+        return self._values[name]
+
+    def fields(self) -> dict:
+        """The RunConfig fields the options fill."""
+        out = {}
+        for option in OPTIONS:
+            if isinstance(option.field, tuple):
+                out.update(zip(option.field, self[option.name]))
+            elif option.field is not None:
+                out[option.field] = self[option.name]
+        return out
+
+
+def _unset(option: Option):
+    if isinstance(option.default, Default):
+        return None if option.default.compute is None else _UNSETTLED
+    return copy.copy(option.default)
+
+
+def read_options(launcher: Launcher, argv: list[str], env: dict) -> Options:
+    """Every option of a launch read, in the table's order: the positional arguments (the layout their count
+    selects) and the environment options (unset or empty: the default)."""
+    raw = dict(zip(launcher.arg_names(launcher.layout_of(argv)), argv))
+    raw.update({o.name: env[o.name] for o in ENVIRONMENT if env.get(o.name, "") != ""})
+    return Options({o.name: o.reader.read(o.name, raw[o.name]) if o.name in raw else _unset(o) for o in OPTIONS},
+                   raw)
+
+
+def read_option(name: str, env: dict):
+    """One environment option on its own (MP_DRY_RUN, read before the rest decides what this process is)."""
+    option = OPTION[name]
+    raw = env.get(name, "")
+    return _unset(option) if raw == "" else option.reader.read(name, raw)
+
+
+def usage(name: str) -> str:
+    """--help of launcher ``name``."""
+    launcher = get_launcher(name)
+    lines = [f"usage: {launcher.script} " + " ".join(launcher.arg_names(layout)) for layout in launcher.layouts]
+    names = launcher.arg_names()
+    lines += ["", f"{len(names)} positional arguments, in this order:"]
+    sizes = " | ".join([describe_size(launcher, s) for s in launcher.sizes] + ["auto"])
+    for i, arg in enumerate(names, 1):
+        lines.append(f"  {i:2d} {arg:<25} {OPTION[arg].help}" + (f" [{sizes}]" if arg == "MODEL_SIZE" else ""))
+    for layout in launcher.layouts[1:]:
+        lines.append(f"  or {len(launcher.arg_names(layout))}, with {', '.join(layout) or 'nothing'} after CP "
+                     "(Pai-Megatron-Patch's order for this script)")
+    for part in PARTS:
+        lines += ["", f"environment options ({part}):"]
+        lines += [f"  {o.name:<25} {o.help_line()}" for o in ENVIRONMENT if o.part == part]
+    return "\n".join(lines)
+
+
+def dry_run_options(cfg, env: dict) -> dict:
+    """The dry run's list: each environment option's value as given, or as the run resolved it, or what its
+    default says; ``set``: whether the launch gave it."""
+    out = {}
+    for option in ENVIRONMENT:
+        given = env.get(option.name, "") != ""
+        if given:
+            value = env[option.name]
+        elif isinstance(option.field, str) and getattr(cfg, option.field) not in (None, []):
+            value = _shown(getattr(cfg, option.field))
+        else:
+            value = option.default_text() or "unset"
+        out[option.name] = {"value": value, "set": given, "part": option.part}
+    return out
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+# --- the docs' tables -----------------------------------------------------------------------------------------
+
+def _positions(name: str) -> str:
+    """Where ``name`` sits among the arguments, over every launcher's layouts ('13 / 14')."""
+    found = sorted({launcher.arg_names(layout).index(name) + 1 for launcher in launchers().values()
+                    for layout in launcher.layouts if name in launcher.arg_names(layout)})
+    return " / ".join(map(str, found))
+
+
+def _cell(text: str) -> str:
+    """``text`` inside a table cell: its | and * as themselves (a cell written for the docs keeps its escapes)."""
+    return text if "\\" in text else text.replace("|", "\\|").replace("*", "\\*")
+
+
+def markdown(table: str) -> str:
+    """examples/README.md's tables: ``positional`` (the arguments in order) or ``environment``."""
+    if table == "positional":
+        rows = ["| # | name | values | becomes |", "| --- | --- | --- | --- |"]
+        rows += [f"| {_positions(o.name)} | {o.name} | {_cell(o.takes if o.takes is not None else o.reader.takes)} | "
+                 f"{o.doc or o.help} |" for o in POSITIONAL]
+    elif table == "environment":
+        rows = ["| variable | part | values | default | meaning |", "| --- | --- | --- | --- | --- |"]
+        rows += [f"| `{o.name}` | {o.part} | {_cell(o.takes if o.takes is not None else o.reader.takes)} | "
+                 f"{_cell(o.default_text())} | {o.doc or o.help} |" for o in ENVIRONMENT]
+    else:
+        raise ValueError(f"no options table '{table}'")
+    return "\n".join(rows) + "\n"
+
