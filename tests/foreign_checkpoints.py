@@ -82,8 +82,8 @@ def _built_model(hf_dir: str, layout, padded: int | None):
     """This rank's megatron-core GPTModel (local spec) holding the HF model's weights."""
     import dataclasses
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.model_io import load_hf_weights
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
     from megatron_patch.models.builder import build_model
     from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel

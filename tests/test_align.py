@@ -33,8 +33,8 @@ TP2PP2 = ParallelLayout(tp=2, pp=2)
 def multi_rank_layout(family: str) -> ParallelLayout:
     """Where a family's clean conversion is aligned besides TP=1: TP=2 x PP=2, or, for a model that
     cannot split so (DeepSeek's 3 tiny layers), the last layout its own parity tests run."""
-    from megatron_patch.models.arch import validate_layout
     from megatron_patch.errors import UserError
+    from megatron_patch.models.arch import validate_layout
 
     family_ = families()[family]
     try:
@@ -44,8 +44,8 @@ def multi_rank_layout(family: str) -> ParallelLayout:
         return family_.test_layouts.parity[-1]
 def moe_tp2_layout(family: str) -> ParallelLayout:
     """TP=2, with the experts unsplit where megatron-core cannot split them (gpt-oss's biased experts)."""
-    from megatron_patch.models.arch import validate_layout
     from megatron_patch.errors import UserError
+    from megatron_patch.models.arch import validate_layout
 
     try:
         validate_layout(parse_arch(families()[family].tiny_config), ParallelLayout(tp=2))
@@ -336,7 +336,7 @@ def test_bf16_verdict_needs_the_floor_and_uses_it(aligned):
 
 @pytest.mark.slow
 def test_config_differences_name_the_changed_keys(aligned):
-    from megatron_patch.convert.sidecar import read_sidecar
+    from megatron_patch.checkpoint.sidecar import read_sidecar
 
     ckpt = aligned["faulty"]["wrong_rope_scaling_in_config"]
     diff = config_differences(parse_arch(aligned["hf"]["llama3_1"]).hf_config, read_sidecar(ckpt).hf_config)

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader, read_safetensors_header
 from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME, read_tracker
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.convert.hf_reader import HFCheckpointReader, read_safetensors_header
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.config_checks import check_weights_fit, least_weight_elements

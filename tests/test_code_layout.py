@@ -67,3 +67,13 @@ def test_no_test_module_imports_another():
                                                      and any(a.name in tests for a in node.names)):
                     crossing.append(f"{path.name}:{node.lineno}")
     assert not crossing, f"test modules importing other test modules: {crossing}"
+
+
+def test_every_folder_of_modules_is_an_installed_package():
+    """setup.py installs what ``find_packages`` lists, which skips a folder without ``__init__.py``: a wheel
+    would ship without its modules."""
+    from setuptools import find_packages
+
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in _modules()}
+    missing = folders - set(find_packages(str(ROOT), include=["megatron_patch", "megatron_patch.*"]))
+    assert not missing, f"folders of modules without an __init__.py, left out of the installed package: {sorted(missing)}"

@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 
 from megatron_patch.align.metrics import compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, hf_logits, random_tokens
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, read_sidecar
+from megatron_patch.checkpoint_files.layout import PARTIAL_TAG
+from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, TorchDistReader
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from megatron_patch.convert.copier import Copier
-from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.checkpoint_files.layout import PARTIAL_TAG
-from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
-from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
@@ -101,7 +101,7 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     mcore_to_hf(ckpt, back, max_shard_size="100KB", progress=False)
 
     # Tensors the family keeps in a dtype of their own (DeepSeek's fp32 router bias) stay in it.
-    from megatron_patch.convert.engine import plan
+    from megatron_patch.checkpoint.engine import plan
     from megatron_patch.models.registry import get_family, parse_arch
 
     arch = parse_arch(src)
@@ -221,8 +221,8 @@ def megatron_save_worker(hf_dir: str, out: str) -> dict:
     """Runs in a helper process: megatron's own torch_dist save of the model, and its metadata."""
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.models.registry import parse_arch
     from megatron_patch.models.builder import build_model
+    from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())
@@ -288,7 +288,7 @@ def test_checkpoint_loads_at_layout_with_hf_logits(hf_dirs, tmp_path, family, fm
 
 
 def test_legacy_checkpoint_refuses_another_layout(hf_dirs, tmp_path):
-    from megatron_patch.convert.loading import load_legacy
+    from megatron_patch.checkpoint.loading import load_legacy
 
     hf_to_mcore(hf_dirs["llama3_1"], tmp_path / "ck", ParallelLayout(tp=2), fmt="legacy", progress=False)
     with pytest.raises(UserError, match="torch_dist"):
@@ -505,9 +505,9 @@ def _training_checkpoint_worker(hf_dir: str, converted: str, root: str) -> list[
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_patch.convert.loading import load_checkpoint_into_model
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.checkpoint.loading import load_checkpoint_into_model
     from megatron_patch.models.builder import build_model
+    from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training import checkpointing
 

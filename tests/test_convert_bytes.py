@@ -104,7 +104,7 @@ def tiny_hf_dirs(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def hf_shapes(tiny_hf_dirs) -> dict:
     """Every family's tiny checkpoint's tensor shapes, as its safetensors store them."""
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     out = {}
     for family, folder in tiny_hf_dirs.items():
@@ -121,7 +121,7 @@ def hf_dir(tmp_path_factory):
 
     # Four KV heads so TP=4 splits them; bf16 so same-dtype moves go file to file.
     d = make_tiny_hf_checkpoint("qwen2_moe", tmp_path_factory.mktemp("moe") / "hf", seed=5, num_key_value_heads=4)
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.convert.hf_writer import SafetensorsShardWriter
 
     reader = HFCheckpointReader(d)
@@ -165,7 +165,7 @@ def test_zero_copy_output_is_byte_identical_to_copying_through_memory(hf_dir, tm
     # dim-1 slices of the row-parallel weights through memory.
     assert (fast[2].gathered_bytes > 0) == (fast[3].gathered_bytes > 0) == (fmt == "legacy")
     # And the round trip is exact.
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     a, b = HFCheckpointReader(hf_dir), HFCheckpointReader(tmp_path / "fast" / "hf")
     assert a.keys() == b.keys() and all(torch.equal(a.get(n), b.get(n)) for n in a.keys())
@@ -241,7 +241,7 @@ def test_dtype_change_and_splits_without_blocks_go_through_torch(hf_dir, tmp_pat
             got = _convert_both_ways(hf_dir, tmp_path / f"got-{fmt}", fmt, lambda: Copier(2), dtype="fp32")
         assert got[0] == want[0] and got[1] == want[1]
         assert got[2].called_bytes > 0 and got[3].called_bytes > 0 and want[2].called_bytes == want[3].called_bytes == 0
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     a, b = HFCheckpointReader(hf_dir), HFCheckpointReader(tmp_path / "want-legacy" / "hf")
     assert all(b.dtype(n) == "float32" and torch.equal(b.get(n), a.get(n).float()) for n in a.keys())
@@ -455,8 +455,8 @@ def test_torch_dist_metadata_reads_as_torch_writes_it(hf_dir, tmp_path):
     tensors, and torch's reader loads every chunk; our reader reads a torch-written .metadata."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_patch.convert.checkpoint import hf_to_mcore
     from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+    from megatron_patch.convert.checkpoint import hf_to_mcore
 
     hf_to_mcore(hf_dir, tmp_path / "ours", ParallelLayout(), fmt="torch_dist", progress=False)
     ours = dcp.FileSystemReader(str(tmp_path / "ours" / "release")).read_metadata()
@@ -498,11 +498,11 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
     from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
     from megatron_patch.convert.copier import Copier
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
 
     want = HFCheckpointReader(hf_dir)
     # legacy: every matrix saved column-major (a transposed view of a contiguous storage)

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
 from megatron_patch.cli import main
-from megatron_patch.convert.sidecar import SIDECAR_NAME
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
 

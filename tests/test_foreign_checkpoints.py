@@ -15,8 +15,8 @@ import shutil
 import pytest
 import torch
 
-from megatron_patch.convert.arch_source import check_architecture, open_checkpoint
-from megatron_patch.convert.foreign import find_checkpoint
+from megatron_patch.checkpoint.arch_source import check_architecture, open_checkpoint
+from megatron_patch.checkpoint.foreign import find_checkpoint
 from megatron_patch.errors import UserError
 from megatron_patch.models.registry import parse_arch
 from tests import foreign_checkpoints as fc

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity, check_parity_all
-from megatron_patch.convert.engine import MappingError, hf_tensors_from_ranks, rank_state_dict_from_hf
-from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.engine import MappingError, hf_tensors_from_ranks, rank_state_dict_from_hf
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import validate_layout
 from megatron_patch.models.mapping import RankCoord, plan_transfers
 from megatron_patch.models.mapping.naming import from_spec, to_spec
-from megatron_patch.errors import UserError
 from megatron_patch.models.registry import families, get_family, parse_arch
-from megatron_patch.models.arch import validate_layout
 from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 
@@ -292,7 +292,7 @@ def test_tied_embedding_with_pp_puts_a_copy_on_the_last_stage(tiny_dirs):
 
 
 def test_engine_is_strict_about_missing_and_extra_tensors(tiny_dirs):
-    from megatron_patch.convert.engine import check_hf_names, plan
+    from megatron_patch.checkpoint.engine import check_hf_names, plan
 
     arch = parse_arch(tiny_dirs["llama3_1"])
     fam = get_family("llama3_1")

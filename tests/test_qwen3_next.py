@@ -97,8 +97,8 @@ def test_qwen3_5_dense_language_model_round_trips_and_matches_transformers(tmp_p
     """Qwen3.5-27B's layout (a dense MLP in every layer) at a tiny size: converted both ways bit-exact with its
     vision tower, and its MCore twin's logits are transformers'."""
     from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
     from megatron_patch.models.qwen3_5.config import TINY_DENSE_CONFIG
     from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
@@ -124,8 +124,8 @@ def test_qwen3_5_moe_config_as_transformers_writes_it_converts(tmp_path):
     hub config.json: the tiny model is saved through it, and the field absent or null is no refusal."""
     import json
 
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.cli import main
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
     from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
     assert "intermediate_size" not in transformers.Qwen3_5MoeTextConfig().to_dict()

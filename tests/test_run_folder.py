@@ -626,7 +626,7 @@ def test_train_state_is_parsed_strictly(tmp_path, state, why):
 
 @pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
 def test_a_huge_or_endless_sidecar_is_refused_in_one_line(converted, tmp_path, damage):
-    from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
+    from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, read_sidecar
 
     folder = tmp_path / "ckpt"
     shutil.copytree(converted["mcore"], folder)

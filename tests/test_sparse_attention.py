@@ -198,7 +198,7 @@ def test_training_extras_are_refused_where_they_cannot_run(tmp_path, monkeypatch
 def test_indexer_only_warm_up_trains_the_indexers_alone(tmp_path):
     """DeepSeek's dense warm-up through the launcher from a converted checkpoint: the indexer loss falls, the
     exported model's indexers moved and every other tensor is bit for bit the converted one."""
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     data = make_corpus(tmp_path / "data", 300, seed=1)
     hf = make_tiny_hf_checkpoint("deepseek_v32", tmp_path / "hf", seed=11)
@@ -342,7 +342,7 @@ def test_fp8_hub_weights_dequantize_to_what_transformers_loads(tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from tests.convert_helpers import quantize_fp8_blocks
 
     src = make_tiny_hf_checkpoint("deepseek_v32", tmp_path / "src", seed=4)

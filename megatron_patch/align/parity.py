@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from megatron_patch.align.metrics import compare_logits
-from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.convert.model_io import load_hf_weights
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.model_io import load_hf_weights
 from megatron_patch.models.builder import build_model
 from megatron_patch.models.hf_model import load_causal_lm
 from megatron_patch.models.inference import forward_logits, place_on_rank_device

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.cli.common import add_layout_args, layout_from_args
-from megatron_patch.convert.hf_reader import checked_arch
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import validate_layout
 

@@ -31,9 +31,11 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
-from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
-from megatron_patch.checkpoint_files.legacy import (
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.engine import MappingError, check_hf_names, names_list, plan
+from megatron_patch.checkpoint.foreign import TRAINING_STATE_PREFIXES
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader, check_hf_shapes
+from megatron_patch.checkpoint.legacy import (
     CHECKPOINT_VERSION,
     FILE_NAME,
     check_legacy_layout,
@@ -41,23 +43,21 @@ from megatron_patch.checkpoint_files.legacy import (
     rank_coords,
     rank_file,
 )
+from megatron_patch.checkpoint.outputs import TopLevelInput, atomic_output_dir, carried_files, check_target, copy_carried
+from megatron_patch.checkpoint.sidecar import Sidecar
+from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
+from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
 from megatron_patch.checkpoint_files.manifest import DIGEST, BackgroundCheck, digest_file, manifest_for
 from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan_torch_save
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipLayout, check_crc, seal
-from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
 from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_carried_plan
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
-from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
-from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import fp8_block_size, open_weights
-from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
-from megatron_patch.convert.outputs import TopLevelInput, atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.schedule import WHOLE_FILE
-from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
@@ -522,7 +522,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     ``load_dir`` is any torch_dist or legacy checkpoint (its root, or one iteration or release folder):
     one written here (hf2mcore, a training run or its final export: the sidecar says everything) or
     by another tool, whose architecture comes from ``hf_config`` or from its saved Megatron-LM
-    arguments read as ``family`` (``convert.arch_source``). Optimizer state is skipped; ``iteration`` picks
+    arguments read as ``family`` (``checkpoint.arch_source``). Optimizer state is skipped; ``iteration`` picks
     an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``. ``verify``: check
     the input against its manifest where it has one (beside the copy, before the output is published).
 

@@ -14,13 +14,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.byte_io import write_all
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_for, verify_manifest
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
-from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.checkpoint import mcore_to_hf
-from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.convert.outputs import atomic_output_dir
 from megatron_patch.convert.stacked import StackedView
 from megatron_patch.dtypes import dtype_name, precision_dtype
 from megatron_patch.errors import UserError

@@ -71,7 +71,7 @@ def load_saved(chunks: list, arch: Arch, layout, saved: dict) -> None:
         return
     import torch
 
-    from megatron_patch.convert.model_io import current_coord
+    from megatron_patch.checkpoint.model_io import current_coord
     from megatron_patch.models.builder import model_spec_name
     if len(chunks) > 1:
         raise UserError("an adapter with modules_to_save cannot start under a virtual pipeline (MP_VP, MP_VP_CHUNKS) "

@@ -45,7 +45,7 @@ def checkpoint_digest(folder: str | Path) -> str:
 
     Where the checkpoint carries this project's manifest (every output written here does), the digest is of
     the manifest's table (each file's size and XXH3-128): cheap, and every load checks the files against
-    that table (``convert.loading.verify_before_load``). Otherwise sha256 over every file (relative path,
+    that table (``checkpoint.loading.verify_before_load``). Otherwise sha256 over every file (relative path,
     size, content), hidden files aside: reading a 16 GB base takes a minute, so that answer is kept per folder
     (under the skeleton cache's parent) with each file's size and modification time."""
     folder = Path(folder).resolve()

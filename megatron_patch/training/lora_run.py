@@ -14,9 +14,9 @@ import dataclasses
 import re
 from pathlib import Path
 
-from megatron_patch.convert.arch_source import open_checkpoint
-from megatron_patch.convert.foreign import find_checkpoint
-from megatron_patch.convert.sidecar import read_sidecar
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.foreign import find_checkpoint
+from megatron_patch.checkpoint.sidecar import read_sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import COLUMN, ROW, check_targets, plan_sites, rank_adapter_params, site_split, split_mode
 from megatron_patch.lora.saved import saved_mcore_names

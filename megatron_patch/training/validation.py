@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import read_config_json, validate_layout
 from megatron_patch.models.registry import get_family, parse_arch
@@ -45,9 +45,9 @@ from megatron_patch.training.launcher_args import (
     parse_int,
 )
 from megatron_patch.training.lora_run import check_lora, lora_from_env
-from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
 from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
 from megatron_patch.training.run_folder import WRITTEN_FOLDERS, require_folder
+from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -498,7 +498,7 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
     MODEL_SIZE names the family among the launcher's (Pai's Qwen3 launcher takes dense and MoE sizes). With a
     PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else MP_HF_CONFIG, else the
     MODEL_SIZE preset, else its saved Megatron-LM arguments (as this launcher's family), each checked against
-    its tensors (``convert.arch_source``)."""
+    its tensors (``checkpoint.arch_source``)."""
     if size == "auto":
         family, preset = (launcher.families[0] if len(launcher.families) == 1 else None), None
     else:

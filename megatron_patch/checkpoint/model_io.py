@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_patch.convert.engine import (
+from megatron_patch.checkpoint.engine import (
     MappingError, check_hf_names, check_tied_copies, plan, rank_state_dict_from_hf)
 from megatron_patch.models.arch import Arch
 from megatron_patch.models.builder import model_spec_name

@@ -8,7 +8,7 @@ The architecture comes from the first source that exists, never from guesses:
    the HF config of the family named by ``family`` (``models.megatron_args``);
 4. otherwise one line saying which of these to give.
 
-Sources 2 and 3 are checked against the tensors (``convert.foreign``), and every disagreement is
+Sources 2 and 3 are checked against the tensors (``checkpoint.foreign``), and every disagreement is
 named (hidden size, layers, heads, query groups, MLP size, vocabulary, tied output layer, qk norm,
 experts, biases). The vocabulary padding is the checkpoint's own (Megatron-LM pads to a multiple of
 128 x TP): the model is described with exactly its rows (``Arch.vocab_padded_to``) and the padding
@@ -23,10 +23,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_patch.convert.engine import plan
-from megatron_patch.convert.foreign import FoundCheckpoint, find_checkpoint, tensor_facts
-from megatron_patch.convert.outputs import carried_files
-from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar
+from megatron_patch.checkpoint.engine import plan
+from megatron_patch.checkpoint.foreign import FoundCheckpoint, find_checkpoint, tensor_facts
+from megatron_patch.checkpoint.outputs import carried_files
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.models.arch import Arch, read_config_json, validate_layout
 from megatron_patch.models.registry import get_family, parse_arch

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Iterator
 
 from megatron_patch.align.report import REPORT_FILES
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
 from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_files, write_manifest
-from megatron_patch.convert.sidecar import SIDECAR_NAME
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import HF_SIDE_FILES, checked_input
 from megatron_patch.outputs.folders import atomic_dir, overlap
