@@ -77,3 +77,16 @@ def test_every_folder_of_modules_is_an_installed_package():
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in _modules()}
     missing = folders - set(find_packages(str(ROOT), include=["megatron_patch", "megatron_patch.*"]))
     assert not missing, f"folders of modules without an __init__.py, left out of the installed package: {sorted(missing)}"
+
+
+def test_models_sub_packages_are_families_or_shared_kinds():
+    """Every sub-package of models/ is a family folder (it registers at least one family) or one of the shared
+    kinds the registry skips, which registers none: a shared package mistaken for a family would be imported as
+    one, and a family folder in the skipped set would vanish from every list."""
+    from megatron_patch.models.description.registry import NOT_FAMILIES, families
+
+    folders = {p.parent.name for p in (PACKAGE / "models").glob("*/__init__.py")}
+    registering = {f.parse_config.__module__.split(".")[2] for f in families().values()}
+    assert NOT_FAMILIES <= folders, f"skipped names that are no folder: {sorted(NOT_FAMILIES - folders)}"
+    assert not registering & NOT_FAMILIES, f"shared packages that register a family: {sorted(registering & NOT_FAMILIES)}"
+    assert folders - NOT_FAMILIES == registering, f"family folders that register nothing: {sorted(folders - NOT_FAMILIES - registering)}"

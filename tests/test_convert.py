@@ -29,8 +29,8 @@ from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from megatron_patch.convert.copier import Copier
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import families
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.registry import families
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.training.run_config import Precision
 from tests.convert_helpers import leftovers, run_cli
@@ -43,7 +43,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def fresh_skeleton_cache(tmp_path_factory):
     """An empty model-skeleton cache, as on a new machine: each family's skeleton is derived, or, for a
     family the derivation does not describe, asked of megatron-core (in its helper process) once."""
-    from megatron_patch.models import skeleton
+    from megatron_patch.models.shape import skeleton
 
     old = os.environ.get("MPATCH_CACHE_DIR")
     os.environ["MPATCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
@@ -102,7 +102,7 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
 
     # Tensors the family keeps in a dtype of their own (DeepSeek's fp32 router bias) stay in it.
     from megatron_patch.checkpoint.engine import plan
-    from megatron_patch.models.registry import get_family, parse_arch
+    from megatron_patch.models.description.registry import get_family, parse_arch
 
     arch = parse_arch(src)
     fam = get_family(arch.family)
@@ -131,7 +131,7 @@ MTP_FAMILIES = [name for name, f in families().items() if f.has_mtp and name != 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_mtp_layers_convert_both_ways_bit_exact(hf_dirs, tmp_path, family):
-    from megatron_patch.models.registry import get_family
+    from megatron_patch.models.description.registry import get_family
     from tests.convert_helpers import with_mtp_layer
 
     src = with_mtp_layer(hf_dirs[family], tmp_path / "hf")
@@ -221,8 +221,8 @@ def megatron_save_worker(hf_dir: str, out: str) -> dict:
     """Runs in a helper process: megatron's own torch_dist save of the model, and its metadata."""
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())
@@ -506,8 +506,8 @@ def _training_checkpoint_worker(hf_dir: str, converted: str, root: str) -> list[
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_patch.checkpoint.loading import load_checkpoint_into_model
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training import checkpointing
 

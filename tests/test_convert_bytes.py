@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron_patch.errors import UserError
-from megatron_patch.models import derived_skeleton as ds
+from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.models.mapping import plan_transfers, split_context
-from megatron_patch.models.registry import families, parse_arch
+from megatron_patch.models.shape import derived_skeleton as ds
 from megatron_patch.runtime import ParallelLayout
 from tests.convert_helpers import write_torch_dist_chunks
 
@@ -95,7 +95,7 @@ def test_blocks_describe_exactly_what_shards_and_merge_do(family, hf_shapes):
 @pytest.fixture(scope="module")
 def tiny_hf_dirs(tmp_path_factory) -> dict:
     """Every family's tiny HF checkpoint (fp32)."""
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("hf")
     return {family: make_tiny_hf_checkpoint(family, root / family) for family in FAMILIES}
@@ -117,7 +117,7 @@ def hf_shapes(tiny_hf_dirs) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     # Four KV heads so TP=4 splits them; bf16 so same-dtype moves go file to file.
     d = make_tiny_hf_checkpoint("qwen2_moe", tmp_path_factory.mktemp("moe") / "hf", seed=5, num_key_value_heads=4)
@@ -555,7 +555,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
 
 def describe_all_worker(archs: list) -> list:
     """In a helper process: megatron-core's skeleton of each arch (one megatron import for all)."""
-    from megatron_patch.models.skeleton import describe_model_here
+    from megatron_patch.models.shape.skeleton import describe_model_here
 
     return [describe_model_here(a) for a in archs]
 
@@ -633,7 +633,7 @@ def test_cached_skeleton_is_what_megatron_computed(megatron_skeletons, tmp_path,
     config.json, the MTP layers, the vocabulary padding and the code."""
     import json
 
-    from megatron_patch.models import skeleton as sk
+    from megatron_patch.models.shape import skeleton as sk
 
     archs, megatron = megatron_skeletons
     by_key = {sk._key(arch, None): name for name, arch in archs.items()}
@@ -681,7 +681,7 @@ def test_cached_skeleton_is_what_megatron_computed(megatron_skeletons, tmp_path,
 
 
 def _not_derivable(arch):
-    from megatron_patch.models.derived_skeleton import NotDerivable
+    from megatron_patch.models.shape.derived_skeleton import NotDerivable
 
     raise NotDerivable("a test's stand-in for a family the rules do not describe")
 
@@ -690,7 +690,7 @@ def _with_family(monkeypatch, **changes):
     """The derivation sees the Llama family changed as given (a stand-in for a family added later)."""
     import dataclasses
 
-    from megatron_patch.models import derived_skeleton
+    from megatron_patch.models.shape import derived_skeleton
 
     family = dataclasses.replace(families()["llama3_1"], **changes)
     monkeypatch.setattr(derived_skeleton, "get_family", lambda name: family)
@@ -703,8 +703,8 @@ def test_derivation_refuses_what_its_rules_do_not_model(monkeypatch):
     ``describe_model`` then asks megatron-core (the cached path above)."""
     import dataclasses
 
-    from megatron_patch.models import skeleton as sk
     from megatron_patch.models.mapping import REPLICATED, Rule
+    from megatron_patch.models.shape import skeleton as sk
 
     llama = families()["llama3_1"]
     arch = parse_arch(llama.tiny_config)
@@ -737,7 +737,7 @@ def test_derivation_refuses_what_its_rules_do_not_model(monkeypatch):
     sk._derived.cache_clear()
     try:
         assert sk.describe_model(arch).chunks and not asked
-        assert sk.describe_model(arch, layers=(0,)) == "megatron's"          # models/shape.py's question
+        assert sk.describe_model(arch, layers=(0,)) == "megatron's"          # models/shape/model_shape.py's question
         monkeypatch.setattr(sk, "derive_skeleton", _not_derivable)
         sk._derived.cache_clear()
         assert sk.describe_model(arch) == "megatron's" and len(asked) == 2

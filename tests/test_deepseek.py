@@ -15,9 +15,9 @@ from megatron_patch.align.metrics import compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity_all, hf_logits, mcore_logits, random_tokens
 from megatron_patch.checkpoint.engine import hf_tensors_from_ranks, rank_state_dict_from_hf
 from megatron_patch.errors import UserError
+from megatron_patch.models.description.registry import get_family, parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.models.mapping import RankCoord
-from megatron_patch.models.registry import get_family, parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 from tests.convert_helpers import quantize_fp8_blocks, write_fp8_checkpoint
 from tests.training_helpers import launcher_args

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from megatron_patch.cli import main
-from megatron_patch.models.registry import families
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.registry import families
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from tests.training_helpers import launcher_args, make_corpus, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

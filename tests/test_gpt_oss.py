@@ -15,9 +15,9 @@ from megatron_patch.align.parity import hf_logits, random_tokens
 from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 from megatron_patch.convert.mxfp4 import dequantize
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import validate_layout
-from megatron_patch.models.registry import parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 
 
@@ -55,7 +55,7 @@ def test_rope_defaults_are_what_transformers_fills_in():
     """A config.json without RoPE fields gets transformers' YaRN (factor 32) on rope_theta 150000."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_patch.models import rope
+    from megatron_patch.models.blocks import rope
 
     raw = {k: v for k, v in tiny_config("gpt_oss").items() if k not in ("rope_scaling", "rope_theta")}
     arch = parse_arch(raw)

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from tests.convert_helpers import leftovers, run_cli
 from tests.training_helpers import launcher_args, make_texts, make_tokenizer, write_jsonl
 

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, write_manifest
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime.distributed import ParallelLayout
 from tests.convert_helpers import leftovers, run_cli
 

@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import get_family, parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
+from megatron_patch.models.description.registry import get_family, parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.runtime.launch import run_local
 from tests.convert_helpers import write_fp8_checkpoint

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_patch.cli.pai_convert import SCRIPTS, find_script, plan
 from megatron_patch.errors import UserError
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 SIDE_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}\n',

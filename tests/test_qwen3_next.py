@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import validate_layout
-from megatron_patch.models.registry import parse_arch
-from megatron_patch.models.tiny import tiny_config
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.description.tiny import tiny_config
 from megatron_patch.runtime import ParallelLayout
 
 
@@ -83,7 +83,7 @@ def test_layouts_megatron_core_cannot_run_are_refused(over, layout, fragment):
 def test_more_than_one_mtp_layer_is_refused():
     import dataclasses
 
-    from megatron_patch.models.registry import get_family
+    from megatron_patch.models.description.registry import get_family
 
     arch = dataclasses.replace(parse_arch(tiny_config("qwen3_next")), mtp_layers=2)
     with pytest.raises(UserError, match="share one mtp.fc"):
@@ -99,8 +99,8 @@ def test_qwen3_5_dense_language_model_round_trips_and_matches_transformers(tmp_p
     from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
     from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
     from megatron_patch.models.qwen3_5.config import TINY_DENSE_CONFIG
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
     hf = make_tiny_hf_checkpoint("qwen3_5", tmp_path / "hf", seed=5, **TINY_DENSE_CONFIG)
     arch = parse_arch(hf)
@@ -126,7 +126,7 @@ def test_qwen3_5_moe_config_as_transformers_writes_it_converts(tmp_path):
 
     from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.cli import main
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     assert "intermediate_size" not in transformers.Qwen3_5MoeTextConfig().to_dict()
     hf = make_tiny_hf_checkpoint("qwen3_5", tmp_path / "hf", seed=4)

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from megatron_patch.checkpoint_files.layout import partial_dir
-from megatron_patch.cli import main
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+from megatron_patch.cli import main
 from tests.training_helpers import (GBS, ITERS, SEQ, hf_loss_on_first_batch, launch, launcher_args,
                                     make_chat_tokenizer, make_tiktoken_file, read_metrics, write_jsonl)
 from tests.training_helpers import pretrain_args as _pretrain_args
@@ -158,7 +158,7 @@ def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus
 def converted(corpus, tmp_path_factory):
     """A tiny random Llama-3.1 HF model with the corpus's tokenizer, and its hf2mcore conversion at TP=2
     (torch_dist)."""
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("converted")
     hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=3)

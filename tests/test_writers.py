@@ -14,7 +14,7 @@ import pytest
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.outputs.lock import lock_path
 from megatron_patch.outputs.writers import WRITERS
 from megatron_patch.runtime.distributed import ParallelLayout

@@ -25,8 +25,8 @@ from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.dtypes import PRECISIONS
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
-from megatron_patch.models.arch import validate_layout
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.training.tokenizer import load_tokenizer
 

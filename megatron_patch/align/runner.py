@@ -15,10 +15,10 @@ from megatron_patch.align import ablations
 from megatron_patch.align.capture import Captures, capture_hf, capture_mcore, load_hf_model, merge_captures
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.lora.sources import open_adapters
-from megatron_patch.models.arch import read_config_json
-from megatron_patch.models.builder import build_model
-from megatron_patch.models.inference import place_on_rank_device
-from megatron_patch.models.registry import detect_family, parse_arch
+from megatron_patch.models.blocks.builder import build_model
+from megatron_patch.models.blocks.inference import place_on_rank_device
+from megatron_patch.models.description.arch import read_config_json
+from megatron_patch.models.description.registry import detect_family, parse_arch
 from megatron_patch.runtime import init_model_parallel
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.launch import run_local

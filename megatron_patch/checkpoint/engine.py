@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
 from megatron_patch.lazy import LazyModule
-from megatron_patch.models.arch import Arch, validate_layout
-from megatron_patch.models.family import ModelFamily
+from megatron_patch.models.description.arch import Arch, validate_layout
+from megatron_patch.models.description.family import ModelFamily
 from megatron_patch.models.mapping import (  # noqa: F401 (MappingError, names_list: the converter's errors)
     REPLICATED, MappingError, RankCoord, Transfer, names_list, plan_transfers, split_context)
 from megatron_patch.models.mapping.naming import from_spec, to_spec

@@ -21,10 +21,10 @@ from megatron_patch.checkpoint.sidecar import Sidecar
 from megatron_patch.checkpoint_files.layout import load_models_torch_dist
 from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_for, verify_manifest
 from megatron_patch.errors import UserError
-from megatron_patch.models.builder import model_spec_name
+from megatron_patch.models.blocks.builder import model_spec_name
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import RankCoord
 from megatron_patch.models.mapping.naming import to_spec
-from megatron_patch.models.registry import get_family
 
 
 def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_config: dict | str | Path | None = None,

@@ -18,8 +18,8 @@ from megatron_patch import __version__
 from megatron_patch.checkpoint_files.layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_small_json, read_tracker
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions

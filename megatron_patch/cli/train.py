@@ -23,7 +23,7 @@ from pathlib import Path
 from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
 from megatron_patch.cli import DEBUG_VARIABLE, internal_error
 from megatron_patch.errors import UserError
-from megatron_patch.models.shape import model_shape
+from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, helpers_die_with_rank,

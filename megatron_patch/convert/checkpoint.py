@@ -63,11 +63,11 @@ from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import checked_input
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
-from megatron_patch.models.arch import Arch, default_expert_tp, read_config_json, validate_layout
-from megatron_patch.models.config_checks import check_weights_fit, config_dtype
+from megatron_patch.models.description.arch import Arch, default_expert_tp, read_config_json, validate_layout
+from megatron_patch.models.description.config_checks import check_weights_fit, config_dtype
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.models.mapping import Transfer, split_context
-from megatron_patch.models.registry import get_family, parse_arch
-from megatron_patch.models.skeleton import ModelSkeleton, describe_model
+from megatron_patch.models.shape.skeleton import ModelSkeleton, describe_model
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions

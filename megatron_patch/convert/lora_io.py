@@ -29,9 +29,9 @@ from megatron_patch.lora.plan import plan_sites
 from megatron_patch.lora.saved import saved_rules
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.lora.state import check_adapter_keys, find_base, read_adapter_tensors
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.models.mapping import plan_transfers, split_context
-from megatron_patch.models.registry import get_family, parse_arch
-from megatron_patch.models.skeleton import describe_model
+from megatron_patch.models.shape.skeleton import describe_model
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions

@@ -20,7 +20,7 @@ from megatron_patch.checkpoint_files.manifest import manifest_for, read_manifest
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import KEY_PREFIX
-from megatron_patch.models.skeleton import cache_dir
+from megatron_patch.models.shape.skeleton import cache_dir
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).

@@ -20,6 +20,6 @@ try:
     import megatron.core.pipeline_parallel  # noqa: F401
     import transformers  # noqa: F401
 
-    import megatron_patch.models.builder  # noqa: F401
+    import megatron_patch.models.blocks.builder  # noqa: F401
 except Exception:  # noqa: BLE001 - see the module's docstring
     pass

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.errors import UserError
-from megatron_patch.models import compiled_fusions
-from megatron_patch.models.builder import build_model_chunks
-from megatron_patch.models.shape import model_shape
+from megatron_patch.models.blocks import compiled_fusions
+from megatron_patch.models.blocks.builder import build_model_chunks
+from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import destroy, move_to_device
@@ -50,7 +50,7 @@ class TrainingStopped(UserError):
 
 
 def flops_per_iteration(arch, cfg) -> float:
-    """Model FLOPs of one global batch, in Megatron-LM's convention (models/shape.py)."""
+    """Model FLOPs of one global batch, in Megatron-LM's convention (models/shape/model_shape.py)."""
     return model_shape(arch).flops_per_token(cfg.sample_length) * cfg.global_batch_size * cfg.sample_length
 
 

@@ -23,7 +23,7 @@ from megatron_patch.lora.saved import saved_mcore_names
 from megatron_patch.lora.sources import add_adapters, open_adapters
 from megatron_patch.lora.spec import LoraSpec, parse_targets
 from megatron_patch.lora.state import find_base
-from megatron_patch.models.shape import chunk_layers
+from megatron_patch.models.shape.model_shape import chunk_layers
 from megatron_patch.training.launcher_args import parse_float, parse_int
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -104,7 +104,7 @@ def check_lora(cfg) -> None:
 
     check_targets(cfg.arch, tuple(cfg.lora["targets"]))
     if cfg.precision.fp8:
-        from megatron_patch.models.builder import te_available
+        from megatron_patch.models.blocks.builder import te_available
 
         if not te_available():
             raise UserError("PR=fp8 with LoRA needs transformer-engine on a GPU (its FP8 GEMMs run the frozen base), "

@@ -16,8 +16,8 @@ from typing import Callable
 
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import read_config_json, validate_layout
-from megatron_patch.models.registry import get_family, parse_arch
+from megatron_patch.models.description.arch import read_config_json, validate_layout
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.training.faults import parse_faults
 from megatron_patch.training.launcher_args import (

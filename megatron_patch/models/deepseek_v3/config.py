@@ -11,8 +11,8 @@ interleaved pairs, attention biases.
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, MLAShape, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.description.arch import Arch, MLAShape, require
 
 
 # Model types read as DeepSeek-V3: Kimi-K2's config.json says kimi_k2 (with remote code in auto_map, never

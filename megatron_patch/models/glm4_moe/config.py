@@ -7,7 +7,7 @@ q/k RMSNorms (``use_qk_norm``: GLM-4.5 has them, GLM-4.5-Air not) and RoPE on th
 ``first_k_dense_replace`` layers dense, then DeepSeek-V3-style MoE layers: sigmoid scores with a score
 correction bias that only chooses experts, optionally limited to groups, the top-k renormalised and
 scaled by ``routed_scaling_factor``, plus ungated shared experts. Multi-token-prediction layers follow the
-decoder's in the hub checkpoints (DeepSeek-V3's layout, ``models/mtp.py``).
+decoder's in the hub checkpoints (DeepSeek-V3's layout, ``models/blocks/mtp.py``).
 
 What megatron-core would compute otherwise is refused in one line: top-k without renormalisation
 (megatron-core renormalises sigmoid top-k), groups scored other than by their top two experts, an
@@ -17,8 +17,8 @@ activation other than SwiGLU.
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.description.arch import Arch, require
 
 
 def routing_of(raw: dict) -> dict:

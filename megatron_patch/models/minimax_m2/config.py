@@ -16,8 +16,8 @@ shared experts, layers of another attention type (MiniMax-01's lightning attenti
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.description.arch import Arch, require
 
 
 def with_rotary_dim(raw: dict) -> dict:

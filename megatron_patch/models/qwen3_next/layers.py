@@ -35,9 +35,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
 
-from megatron_patch.models.arch import LINEAR_ATTENTION, Arch
-from megatron_patch.models.core_attention import core_attention_class
-from megatron_patch.models.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.blocks.core_attention import core_attention_class
+from megatron_patch.models.blocks.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.description.arch import LINEAR_ATTENTION, Arch
 
 try:  # megatron-core 0.19 moved it; 0.16 keeps it beside its Gated DeltaNet
     from megatron.core.ssm.utils import _split_tensor_factory
