@@ -61,7 +61,7 @@ import json, sys
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
-from megatron_patch.training.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import load_tokenizer
 
 work = Path(sys.argv[1])
 tok = load_tokenizer(work / "hf_trained")

@@ -195,7 +195,7 @@ def test_a_garbage_tiktoken_file_is_one_line_and_exit_2(tmp_path, capsys, conten
 def test_tiktoken_files_are_read_by_their_content_never_from_a_cache_of_their_path(tmp_path, monkeypatch):
     """tiktoken's own loader keeps a file under its path string in its cache folder: another folder's file at the
     same relative path, or the same file edited, would tokenize with the vocabulary read first."""
-    from megatron_patch.training.tokenizer import load_tokenizer
+    from megatron_patch.tokenizer import load_tokenizer
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))

@@ -142,7 +142,7 @@ def fixtures(tmp_path_factory, corpus):
     """Data: an SFT file in Pai's raw-JSON format (instruction/input/output), the same records as Pai's SFT idxmap
     (SEQ_LEN 128, as every README line), and the small converted checkpoint of a launcher's lines (made on first
     use, each carrying the tokenizer)."""
-    from megatron_patch.training.tokenizer import load_tokenizer
+    from megatron_patch.tokenizer import load_tokenizer
     from tests.sft_helpers import pai_sft_samples, write_mmap_pair
 
     root = tmp_path_factory.mktemp("pai")

@@ -255,9 +255,9 @@ def packing_worker(tok_dir: str, sft_path: str) -> dict:
     from megatron_patch.models.qwen2_moe.config import TINY_CONFIG as MOE_CONFIG
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.runtime.distributed import move_to_device
+    from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training.packing import use_packed_local_attention
     from megatron_patch.training.sft_data import SFTDataset
-    from megatron_patch.training.tokenizer import load_tokenizer
 
     layout = ParallelLayout()
     init_model_parallel(layout, seed=5)

@@ -28,7 +28,7 @@ from megatron_patch.input_files import read_input_text
 from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
-from megatron_patch.training.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import load_tokenizer
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the

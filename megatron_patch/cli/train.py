@@ -197,7 +197,8 @@ def run(args) -> int:
         latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
         from megatron_patch.training.lora_run import check_lora_launch
 
-        check_lora_launch(cfg)  # a LoRA run's base, and the one its checkpoints name
+        # a LoRA run's base, and the one its checkpoints name
+        check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
         done = finished_run(cfg, latest)
         if done:
             print(done, flush=True)

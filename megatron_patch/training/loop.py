@@ -32,7 +32,7 @@ from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import checkpointing, data, faults, packing, run_folder, sft_data, sparse_attention_run
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
-from megatron_patch.training.lora_run import describe_trainable, setup_lora
+from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup_lora
 from megatron_patch.training.machine_checks import attention_kernel, core_attention
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
@@ -262,7 +262,9 @@ class Trainer:
         # Read by rank 0 alone, which writes them into each checkpoint.
         self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
         if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
-            setup_lora(cfg, chunks, self.resume_iteration is not None, self._log)
+            base = cfg_base(cfg)
+            checkpointing.load_starting_weights(cfg, chunks, base)
+            setup_lora(cfg, chunks, base, self.resume_iteration is not None, self._log)
             self._log(describe_trainable(chunks))
         elif self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)

@@ -119,20 +119,17 @@ def check_lora(cfg) -> None:
                             "yet: train it without one")
 
 
-def check_lora_launch(cfg) -> None:
+def check_lora_launch(cfg, resumed: Path | None) -> None:
     """Before a LoRA run starts (a dry run plans one without weights): the base checkpoint is given, and a
-    run that resumes trains on the base its checkpoints name."""
+    run that resumes (from the iteration folder ``resumed``) trains on the base its checkpoints name."""
     if cfg.lora is None:
         return
     if cfg.pretrain_checkpoint is None:
         raise UserError("LoRA trains adapters on a base model: give its converted checkpoint as "
                         "PRETRAIN_CHECKPOINT_PATH (mpatch convert hf2mcore)")
-    from megatron_patch.training.checkpointing import iteration_dir, latest_iteration
-
-    latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
-    if latest is None:
+    if resumed is None:
         return
-    folder = iteration_dir(cfg.checkpoint_dir, latest)
+    folder = resumed
     lora = read_sidecar(folder, release=False).lora
     if not lora:
         raise UserError(f"{folder} is a full fine-tuning checkpoint and this is a LoRA run: choose another "
@@ -151,14 +148,12 @@ def cfg_base(cfg) -> Path:
 
 # --- on each rank --------------------------------------------------------------------------------------------
 
-def setup_lora(cfg, chunks: list, resuming: bool, log) -> list:
-    """Load and freeze the base, attach the adapters and start them; returns each chunk's container."""
+def setup_lora(cfg, chunks: list, base: Path, resuming: bool, log) -> list:
+    """Freeze the base (loaded from ``base``, ``cfg_base``), attach the adapters and start them; returns each
+    chunk's container."""
     from megatron_patch.lora.layers import attach
-    from megatron_patch.training.checkpointing import load_starting_weights
     spec = LoraSpec.from_dict(cfg.lora)
     arch = cfg.arch
-    base = cfg_base(cfg)
-    load_starting_weights(cfg, chunks, base)
     starting = None
     if not resuming and cfg.lora_init is not None:
         starting = open_adapters(cfg.lora_init, arch)

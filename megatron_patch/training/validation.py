@@ -452,7 +452,7 @@ def data_exists(cfg: RunConfig) -> None:
 
 def tokenizer_exists(cfg: RunConfig) -> None:
     if cfg.sft and cfg.tokenizer is not None:
-        from megatron_patch.training.tokenizer import check_tokenizer_path  # transformers: only SFT needs it
+        from megatron_patch.tokenizer import check_tokenizer_path  # transformers: only SFT needs it
 
         check_tokenizer_path(cfg.tokenizer)
 
