@@ -140,6 +140,32 @@ def test_no_modules_import_each_other():
     assert not cycles, f"modules that import each other: {cycles}"
 
 
+# A family folder imports another family only where it extends that one on purpose (docs/architecture.md, "What
+# families share"); everything else several families use is a building block in models/blocks/.
+EXTENDS = {
+    "deepseek_v32": "deepseek_v3",  # DeepSeek-V3.2 and GLM-5 are DeepSeek-V3 plus sparse attention
+    "qwen3_5": "qwen3_next",  # Qwen3.5 is Qwen3-Next's hybrid layers under other tensor names
+}
+
+
+def test_families_import_only_the_family_they_extend():
+    from megatron_patch.models.description.registry import NOT_FAMILIES
+
+    folders = {p.parent.name for p in (PACKAGE / "models").glob("*/__init__.py")} - NOT_FAMILIES
+    crossing = []
+    for path in (PACKAGE / "models").rglob("*.py"):
+        own = path.relative_to(PACKAGE / "models").parts[0]
+        if own not in folders:
+            continue
+        for node, names, _ in _imports(ast.parse(path.read_text())):
+            for name in names:
+                parts = name.split(".")
+                other = parts[2] if parts[:2] == ["megatron_patch", "models"] and len(parts) > 2 else None
+                if other in folders and other != own and EXTENDS.get(own) != other:
+                    crossing.append(f"{path.relative_to(ROOT)}:{node.lineno} ({own} -> {other})")
+    assert not crossing, f"families importing another family (move what they share to models/blocks/): {crossing}"
+
+
 def test_no_test_module_imports_another():
     tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
     crossing = []

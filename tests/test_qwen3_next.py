@@ -43,7 +43,8 @@ def test_norms_are_transformers_bit_for_bit():
 
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRMSNormGated
 
-    from megatron_patch.models.qwen3_next.layers import GatedRMSNorm, ZeroCenteredRMSNorm
+    from megatron_patch.models.blocks.norms import ZeroCenteredRMSNorm
+    from megatron_patch.models.qwen3_next.layers import GatedRMSNorm
 
     g = torch.Generator().manual_seed(0)
     x, gate, weight = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g), 0.1 * torch.randn(32, generator=g)
