@@ -166,6 +166,14 @@ def test_families_import_only_the_family_they_extend():
     assert not crossing, f"families importing another family (move what they share to models/blocks/): {crossing}"
 
 
+def test_installed_versions_are_read_in_one_place():
+    """A distribution's installed version (its name spelled two ways, or not installed) is read by
+    ``runtime.machine.installed_version`` alone: four private copies of it had grown."""
+    readers = sorted({str(path.relative_to(ROOT)) for path in _modules()
+                      for _, names, _ in _imports(ast.parse(path.read_text())) if "importlib.metadata" in names})
+    assert readers == ["megatron_patch/runtime/machine.py"], f"modules reading installed versions themselves: {readers}"
+
+
 def test_no_test_module_imports_another():
     tests = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
     crossing = []

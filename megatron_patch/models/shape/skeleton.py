@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
 import io
 import json
 import os
@@ -59,6 +58,7 @@ from megatron_patch.models.shape.skeleton_entries import (  # noqa: F401 - the s
     expected_hf_shapes,
 )
 from megatron_patch.runtime import ParallelLayout, init_model_parallel
+from megatron_patch.runtime.machine import installed_version
 from megatron_patch.runtime.launch import run_local
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -161,13 +161,6 @@ def cache_dir() -> Path:
     return Path(root) / "skeletons"
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
-
-
 @functools.lru_cache(maxsize=1)
 def _code_digest() -> str:
     """Hash of every source file that decides what megatron builds for a config (and of the versions)."""
@@ -175,7 +168,7 @@ def _code_digest() -> str:
     files = sorted(p for sub in ("models", "runtime") for p in (package / sub).rglob("*.py"))
     h = hashlib.sha256()
     for dist in ("megatron-core", "torch"):
-        h.update(f"{dist}={_version(dist)}\n".encode())
+        h.update(f"{dist}={installed_version(dist) or 'none'}\n".encode())
     for p in files:
         h.update(str(p.relative_to(package)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
