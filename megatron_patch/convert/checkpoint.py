@@ -99,11 +99,22 @@ def _choose_dtype(reader: HFCheckpointReader | None, names, dtype, hf_config: di
                     "pass --dtype bf16, fp16 or fp32")
 
 
-def _make_copier(copier: Copier | None, workers: int | None, progress) -> Copier:
-    if copier is None:
-        copier = Copier(DEFAULT_WORKERS if workers is None else workers)
-    copier.progress = progress
-    return copier
+def _make_copier(copier: Copier | None, workers: int | None) -> Copier:
+    return Copier(DEFAULT_WORKERS if workers is None else workers) if copier is None else copier
+
+
+def _copy_with_progress(copier: Copier, tasks: list, desc: str, total_bytes: int, tensors: int, progress) -> Progress:
+    """Run ``tasks`` on ``copier`` (its workers end, whatever happens) under a progress bar of ``tensors`` tensors
+    and ``total_bytes`` bytes (``progress``: as ``Progress``'s ``enabled``). The caller closes the bar, with the
+    copier's stats, once the output is published."""
+    bar = Progress(desc, total_bytes, tensors, progress)
+    copier.progress = bar
+    try:
+        copier.run(tasks)
+    finally:
+        copier.close()
+    bar.update(0, tensors=tensors)
+    return bar
 
 
 def _move_tasks(copier: Copier, moves: list[Move]) -> list:
@@ -211,7 +222,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
     carried = _carried_sources(family, reader, available, notes)
-    copier = _make_copier(copier, workers, None)
+    copier = _make_copier(copier, workers)
     digested: dict = {}
     with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=inputs, digested=digested) as tmp:
         release = tmp / RELEASE
@@ -225,13 +236,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             out_tasks, count, total, finish = _plan_torch_dist(release, arch, transfers, reader, out_dtype, skeleton, copier,
                                                                adapter.tensors if adapter is not None else None)
         tasks += carried_tasks + out_tasks + _digest_tasks(tmp, carried_tasks + out_tasks, digested)
-        bar = Progress(f"hf2mcore {fmt} {layout}", total, count, progress)
-        copier.progress = bar
-        try:
-            copier.run(tasks)
-        finally:
-            copier.close()
-        bar.update(0, tensors=count)
+        bar = _copy_with_progress(copier, tasks, f"hf2mcore {fmt} {layout}", total, count, progress)
         finish()
         kept = copy_carried(hf_dir, tmp, side_files) + ([CARRIED_TENSORS] if carried else [])
         sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=kept,
@@ -595,7 +600,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     # HF tensors carried beside the model (convert/carried.py), back among the exported ones as they were
     carried = read_carried(load_dir) if CARRIED_TENSORS in sidecar.carried_files else {}
     entries += [(n, place.shape, place.dtype) for n, place in carried.items()]
-    copier = _make_copier(copier, workers, None)
+    copier = _make_copier(copier, workers)
     total = sum(nbytes(s, d) for _, s, d in entries)
     digested: dict = {}
     with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf", inputs=inputs, digested=digested) as tmp:
@@ -608,14 +613,11 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         # The stored CRC-32s, checked beside the copies that read them; a file the manifest check reads whole
         # (every file of a checkpoint written here) is checked by its digest instead.
         tasks = crc_tasks(source.crc_checks(), skip=check.files if check is not None else ()) + tasks
-        bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
-        copier.progress = bar
         try:
-            copier.run(tasks)
+            bar = _copy_with_progress(copier, tasks, f"mcore2hf {sidecar.checkpoint_format}", total, len(entries),
+                                      progress)
         finally:
-            copier.close()
             source.close()
-        bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         _carry_side_files(load_dir, [f for f in sidecar.carried_files if f != CARRIED_TENSORS], config_folder, tmp)
