@@ -287,6 +287,27 @@ def test_checkpoint_loads_at_layout_with_hf_logits(hf_dirs, tmp_path, family, fm
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
 
 
+def test_a_conversion_checks_its_layout_once(hf_dirs, tmp_path, monkeypatch):
+    """hf2mcore and mcore2hf check the layout they convert at against the model once, and plan with it: each
+    checked it twice before."""
+    import megatron_patch.checkpoint.engine as engine
+    import megatron_patch.convert.checkpoint as converter
+
+    checked, real = [], engine.validate_layout
+
+    def counting(arch, layout, **kwargs):
+        checked.append(layout)
+        return real(arch, layout, **kwargs)
+
+    for module in (engine, converter):
+        monkeypatch.setattr(module, "validate_layout", counting)
+    hf_to_mcore(hf_dirs["llama3_1"], tmp_path / "ck", ParallelLayout(tp=2, pp=2), fmt="legacy", progress=False)
+    assert [(x.tp, x.pp) for x in checked].count((2, 2)) == 1
+    checked.clear()
+    mcore_to_hf(tmp_path / "ck", tmp_path / "back", progress=False)
+    assert [(x.tp, x.pp) for x in checked].count((2, 2)) == 1
+
+
 def test_legacy_checkpoint_refuses_another_layout(hf_dirs, tmp_path):
     from megatron_patch.checkpoint.loading import load_legacy
 

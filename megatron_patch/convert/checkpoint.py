@@ -194,7 +194,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     layout, note = default_expert_tp(arch, layout)
     if note:
         print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
-    validate_layout(arch, layout)
+    validate_layout(arch, layout)  # once, before anything slow: the plans below take it as checked
     if fmt == "legacy":
         check_legacy_layout(layout)
     inputs = (TopLevelInput(hf_dir),)  # only its top-level files are read: the output may be a folder inside it
@@ -220,7 +220,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     skeleton = describe_model(arch)
     check_hf_shapes(reader, skeleton.hf_shapes)
 
-    transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
+    transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout, checked=True)
     carried = _carried_sources(family, reader, available, notes)
     copier = _make_copier(copier, workers)
     digested: dict = {}
@@ -579,9 +579,8 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     hf_shapes = skeleton.hf_shapes
     if sidecar.checkpoint_format == "legacy":
         layout = sidecar.parallel_layout
-        validate_layout(arch, layout)
         check_legacy_layout(layout)
-        transfers = plan(family, arch, layout)
+        transfers = plan(family, arch, layout)  # which checks the layout against the model
         source = _LegacySource(data_dir, arch, layout, transfers, hf_shapes)
     else:
         transfers = tp1
