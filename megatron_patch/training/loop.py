@@ -36,13 +36,10 @@ from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup
 from megatron_patch.training.machine_checks import attention_kernel, core_attention
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
-from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
+from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, peak_tflops, summarize
 
 # megatron-core is imported inside the functions, after init_model_parallel: on a machine without CUDA the CPU
 # compatibility layer (runtime/cpu_compat.py) must patch torch before megatron binds names at import.
-
-# Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
 
 class TrainingStopped(UserError):
@@ -593,11 +590,7 @@ class Trainer:
     def _peak_tflops(self) -> float | None:
         if not torch.cuda.is_available():
             return None
-        name = torch.cuda.get_device_name()
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value * (2 if self.cfg.precision.fp8 else 1)
-        return None
+        return peak_tflops(torch.cuda.get_device_name(), fp8=self.cfg.precision.fp8)
 
 
 def train(cfg) -> dict:
