@@ -86,7 +86,7 @@ def case_worker(kind: str, seq: int, dtype_name: str, heads: int, kv_heads: int,
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_patch.models.sdpa_attention import SDPAttention
+    from megatron_patch.models.blocks.sdpa_attention import SDPAttention
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())

@@ -184,7 +184,7 @@ def folder_bytes(folder: Path) -> int:
 
 
 def verify(original: Path, copy: Path) -> None:
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     src, back = HFCheckpointReader(original), HFCheckpointReader(copy)
     if back.keys() != src.keys():

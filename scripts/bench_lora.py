@@ -41,7 +41,7 @@ SMOL135M = {  # SmolLM2-135M's config.json values (hub: HuggingFaceTB/SmolLM2-13
 
 
 def make_model(name: str, root: Path) -> Path:
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     hf = root / f"{name}_hf"
     if name == "tiny":
@@ -94,9 +94,9 @@ def train(base: Path, corpus: str, out: Path, iters: int, seq: int, lora_rank: i
 
 
 def memory_plans() -> list[dict]:
+    from megatron_patch.training.launcher_args import arg_names
     from megatron_patch.training.memory_plan import plan_memory
     from megatron_patch.training.validation import resolve
-    from megatron_patch.training.launcher_args import arg_names
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -68,7 +68,7 @@ def synthetic_checkpoint(folder: Path, layers: int) -> int:
     """A gpt-oss-20b-shaped MXFP4 checkpoint of ``layers`` layers; returns the bf16 bytes of its experts."""
     from safetensors.torch import save_file
 
-    from megatron_patch.models.registry import get_family
+    from megatron_patch.models.description.registry import get_family
 
     config = dict(get_family("gpt_oss").presets["20B-A3.6B"])
     config.update(num_hidden_layers=layers, layer_types=config["layer_types"][:layers], vocab_size=1024,

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 ONE_LINE = """
 import json, os, resource, sys
-from megatron_patch.training.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import load_tokenizer
 tok = load_tokenizer(sys.argv[1])
 text = json.loads(open(sys.argv[2]).read())["text"]
 resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20

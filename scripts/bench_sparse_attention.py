@@ -6,7 +6,7 @@ Each case runs in a fresh process (one rank), on random inputs shaped as multi-l
 core attention ([s, b, heads, qk dim] queries and keys, [s, b, heads, v dim] values; for the sparse case also
 the layer input and the query latent its indexer reads), causal:
 
-- ``sparse``: the family's ``SparseMLACoreAttention`` (models/sparse_attention.py) as a model builds it:
+- ``sparse``: the family's ``SparseMLACoreAttention`` (models/blocks/sparse_attention.py) as a model builds it:
   the indexer scores 1024 queries at a time and keeps each one's top-k keys, the attention gathers them;
 - ``unfused``: megatron-core's local ``DotProductAttention`` (what a CPU run of a dense MLA model uses: a
   [b, heads, s, s] score matrix); a case whose score matrix would not fit ``--max-gib`` is skipped, saying so;
@@ -60,8 +60,8 @@ def case_worker(kind: str, seq: int, heads: int, index_heads: int, topk: int, dt
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_patch.models.local_attention import LocalMLACoreAttention
-    from megatron_patch.models.sparse_attention import core_attention_spec
+    from megatron_patch.models.blocks.local_attention import LocalMLACoreAttention
+    from megatron_patch.models.blocks.sparse_attention import core_attention_spec
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())

@@ -94,7 +94,7 @@ WORK="$(cd "$WORK" && pwd)"
 SITE="$WORK/site"
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 read -r GPUS FAMILIES < <("$PYTHON" -c 'import torch
-from megatron_patch.models.registry import families
+from megatron_patch.models.description.registry import families
 print(torch.cuda.device_count(), " ".join(families()))' 2>/dev/null)
 [ -n "${FAMILIES:-}" ] || { echo "gpu_suite.sh: $PYTHON cannot import torch and megatron_patch" >&2; exit 2; }
 if [ "$DRY" = 0 ] && [ "$GPUS" = 0 ]; then

@@ -173,7 +173,7 @@ def needs(args) -> int:
 
 def prepare(args) -> int:
     """The corpus (and, with --checkpoints, a tiny HF checkpoint of every family), once per work folder."""
-    from megatron_patch.models.registry import families
+    from megatron_patch.models.description.registry import families
     from megatron_patch.training.demo_data import make_texts, make_tokenizer
     from megatron_patch.training.preprocess import preprocess
 
@@ -189,7 +189,7 @@ def prepare(args) -> int:
         marker.write_text("corpus\n")
     print(f"corpus: {work / 'data' / 'corpus_text_document'}")
     if args.checkpoints:
-        from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+        from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
         for name in families():
             if not (work / "hf" / name / "config.json").is_file():
@@ -253,7 +253,7 @@ def parity(args) -> int:
     """fp32 logit parity of every family's tiny model with the model this package builds here (one process
     start for all of them)."""
     from megatron_patch.align.parity import check_parity_all
-    from megatron_patch.models.registry import families
+    from megatron_patch.models.description.registry import families
 
     work = Path(args.work)
     names = list(args.families or families())
@@ -274,7 +274,7 @@ def align(args) -> int:
     and one MoE family; parity covers them all in one start."""
     from megatron_patch.align.alignment import AlignSettings, run_alignment
     from megatron_patch.align.report import write_report
-    from megatron_patch.models.registry import families
+    from megatron_patch.models.description.registry import families
 
     work, out = Path(args.work), Path(args.out)
     verdicts = {}

@@ -75,9 +75,9 @@ def prepare(out: Path, writer_python: str) -> None:
 
     from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
     from megatron_patch.convert.checkpoint import hf_to_mcore
-    from megatron_patch.models.registry import parse_arch
-    from megatron_patch.models.skeleton import describe_model
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.shape.skeleton import describe_model
     from megatron_patch.runtime import ParallelLayout
 
     work = Path(tempfile.mkdtemp(prefix="mpatch-fixture-"))

@@ -17,7 +17,7 @@ step "1/7 a tiny Llama-3.1 HF model, a BPE tokenizer and a text corpus in $WORK"
 "$PYTHON" - "$WORK" <<'PY'
 import json, shutil, sys
 from pathlib import Path
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.training.demo_data import make_texts, make_tokenizer
 
 work = Path(sys.argv[1])
@@ -61,7 +61,7 @@ import json, sys
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
-from megatron_patch.training.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import load_tokenizer
 
 work = Path(sys.argv[1])
 tok = load_tokenizer(work / "hf_trained")

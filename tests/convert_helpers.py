@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.loading import load_checkpoint_into_model
 from megatron_patch.checkpoint_files.torch_dist import plan_torch_dist
 from megatron_patch.cli import main
-from megatron_patch.convert.arch_source import open_checkpoint
-from megatron_patch.convert.loading import load_checkpoint_into_model
-from megatron_patch.models.builder import build_model
-from megatron_patch.models.inference import forward_logits, place_on_rank_device
+from megatron_patch.models.blocks.builder import build_model
+from megatron_patch.models.blocks.inference import forward_logits, place_on_rank_device
 from megatron_patch.runtime import init_model_parallel
 
 
@@ -48,10 +48,10 @@ def with_mtp_layer(src: Path, out: Path, seed: int = 9) -> Path:
 
     from safetensors.torch import save_file
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.models.description.registry import get_family, parse_arch
     from megatron_patch.models.mapping import plan_transfers
-    from megatron_patch.models.registry import get_family, parse_arch
-    from megatron_patch.models.skeleton import describe_model
+    from megatron_patch.models.shape.skeleton import describe_model
     from megatron_patch.runtime import ParallelLayout
 
     shutil.copytree(src, out)
@@ -104,7 +104,7 @@ def write_fp8_checkpoint(src: Path, out: Path, linear: tuple[str, ...], block) -
 
     from safetensors.torch import save_file
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     shutil.copytree(src, out)
     reader = HFCheckpointReader(src)

@@ -82,10 +82,10 @@ def _built_model(hf_dir: str, layout, padded: int | None):
     """This rank's megatron-core GPTModel (local spec) holding the HF model's weights."""
     import dataclasses
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.model_io import load_hf_weights
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(layout)
@@ -136,7 +136,7 @@ def _torch_dist_worker(hf_dir: str, folder: str, layout, padded: int, iteration:
 
 def megatron_lm_torch_dist(hf_dir, root, *, tp: int = 2, iteration: int = 20, padded: int | None = None,
                            optimizer: bool = True, te: bool = True, args: bool = True) -> Path:
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import ParallelLayout
     from megatron_patch.runtime.launch import run_local
 
@@ -202,7 +202,7 @@ def _legacy_worker(hf_dir: str, folder: str, layout, padded: int, te_names: bool
 
 def megatron_lm_legacy(hf_dir, root, *, tp: int = 1, pp: int = 2, iteration: int = 10, te_names: bool = False,
                        padded: int | None = None) -> Path:
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import ParallelLayout
     from megatron_patch.runtime.launch import run_local
 
@@ -220,7 +220,7 @@ def megatron_lm_legacy(hf_dir, root, *, tp: int = 1, pp: int = 2, iteration: int
 
 
 def pai_megatron_patch_legacy(hf_dir, root, *, tp: int = 2) -> Path:
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import ParallelLayout
     from megatron_patch.runtime.launch import run_local
 

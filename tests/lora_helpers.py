@@ -83,13 +83,13 @@ def lora_logits_worker(cases: list[tuple], layout, tokens) -> list:
     """On every rank: for each (base, adapters) build the model at ``layout``, load the base (an HF folder through
     the in-memory mapping, or a checkpoint), add the adapters (a peft folder or a LoRA checkpoint, or none) and
     return the logits (last stage; None elsewhere)."""
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.loading import load_checkpoint_into_model
-    from megatron_patch.convert.model_io import load_hf_weights
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.loading import load_checkpoint_into_model
+    from megatron_patch.checkpoint.model_io import load_hf_weights
     from megatron_patch.lora.sources import add_adapters, open_adapters
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.inference import forward_logits
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.inference import forward_logits
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
 
     out = []

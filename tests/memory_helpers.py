@@ -52,7 +52,7 @@ def model_state_bytes(models: list, optimizer) -> dict:
 def measure_rank(cfg) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_patch.models.core_attention import core_attention_of
+    from megatron_patch.models.blocks.core_attention import core_attention_of
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training.loop import Trainer
     from tests.saved_tensors import SavedTensorMeter

@@ -13,10 +13,10 @@ def grads_worker(hf_dir: str, layout: ParallelLayout, sequence_parallel: bool) -
     (TP rank 0; None elsewhere)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.model_io import load_hf_weights
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.registry import parse_arch
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
     from tests.runtime_helpers import forward_backward, full_tensors, make_batches
 

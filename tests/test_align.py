@@ -21,8 +21,8 @@ from megatron_patch.align.verdict import judge
 from megatron_patch.checkpoint_files.manifest import write_manifest
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.models.registry import families, parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.registry import families, parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 
 FAMILY_NAMES = list(families())
@@ -33,8 +33,8 @@ TP2PP2 = ParallelLayout(tp=2, pp=2)
 def multi_rank_layout(family: str) -> ParallelLayout:
     """Where a family's clean conversion is aligned besides TP=1: TP=2 x PP=2, or, for a model that
     cannot split so (DeepSeek's 3 tiny layers), the last layout its own parity tests run."""
-    from megatron_patch.models.arch import validate_layout
     from megatron_patch.errors import UserError
+    from megatron_patch.models.description.arch import validate_layout
 
     family_ = families()[family]
     try:
@@ -44,8 +44,8 @@ def multi_rank_layout(family: str) -> ParallelLayout:
         return family_.test_layouts.parity[-1]
 def moe_tp2_layout(family: str) -> ParallelLayout:
     """TP=2, with the experts unsplit where megatron-core cannot split them (gpt-oss's biased experts)."""
-    from megatron_patch.models.arch import validate_layout
     from megatron_patch.errors import UserError
+    from megatron_patch.models.description.arch import validate_layout
 
     try:
         validate_layout(parse_arch(families()[family].tiny_config), ParallelLayout(tp=2))
@@ -336,7 +336,7 @@ def test_bf16_verdict_needs_the_floor_and_uses_it(aligned):
 
 @pytest.mark.slow
 def test_config_differences_name_the_changed_keys(aligned):
-    from megatron_patch.convert.sidecar import read_sidecar
+    from megatron_patch.checkpoint.sidecar import read_sidecar
 
     ckpt = aligned["faulty"]["wrong_rope_scaling_in_config"]
     diff = config_differences(parse_arch(aligned["hf"]["llama3_1"]).hf_config, read_sidecar(ckpt).hf_config)
@@ -433,7 +433,7 @@ def test_cli_ablate_runs_gpu_variants_on_gpu(tmp_path):
     """One GPU is enough: a fresh tiny model aligned at TP=1 (the module's fixtures also run multi-rank layouts).
     Each variant runs exactly where this GPU has what it needs (TE, Apex's softmax), else is skipped saying why."""
     from megatron_patch.align.ablations import ABLATIONS, describe_baseline_attention, skip_reason
-    from megatron_patch.models.builder import fused_softmax_available, te_available
+    from megatron_patch.models.blocks.builder import fused_softmax_available, te_available
 
     hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf", seed=1)
     assert main(["align", "--hf-dir", str(hf), "--dtype", "bf16", "--seq-len", "64", "--ablate", "--quiet",

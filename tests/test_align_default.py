@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from megatron_patch.cli import main
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="module")

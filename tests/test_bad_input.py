@@ -18,14 +18,14 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader, read_safetensors_header
 from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME, read_tracker
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.convert.hf_reader import HFCheckpointReader, read_safetensors_header
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.config_checks import check_weights_fit, least_weight_elements
-from megatron_patch.models.registry import parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.config_checks import check_weights_fit, least_weight_elements
+from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime.distributed import ParallelLayout
 from tests.convert_helpers import leftovers, run_cli
 
@@ -330,7 +330,7 @@ def _check_arch(arch: Arch) -> None:
 @given(changes=st.dictionaries(st.sampled_from(CONFIG_KEYS), JSON_VALUES, max_size=4), rope=ROPE_FIELDS,
        family=st.sampled_from(["llama3_1", "qwen2_moe", "qwen3", "deepseek_v3"]))
 def test_fuzz_config_fields(family, changes, rope):
-    from megatron_patch.models.registry import get_family
+    from megatron_patch.models.description.registry import get_family
 
     raw = {**get_family(family).tiny_config, **changes}
     if rope:
@@ -349,7 +349,7 @@ def test_fuzz_config_fields(family, changes, rope):
 
 @pytest.mark.parametrize("changes", FOUND_BY_FUZZING)
 def test_inputs_found_by_fuzzing(changes):
-    from megatron_patch.models.registry import get_family
+    from megatron_patch.models.description.registry import get_family
 
     raw = {**get_family("llama3_1").tiny_config, **changes}
     try:

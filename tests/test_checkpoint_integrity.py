@@ -23,16 +23,16 @@ from safetensors.torch import load_file
 
 from megatron_patch.checkpoint_files import zipfmt
 from megatron_patch.checkpoint_files.byte_io import Stored
+from megatron_patch.checkpoint_files.byte_io import create_file
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.checkpoint_files.safe_torch import (
     SafeFileSystemReader, load_refusing, load_torch_bytes, read_dcp_metadata)
 from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.checkpoint_files.torch_files import LazyTorchFile, TensorSpec, plan_torch_save
-from megatron_patch.checkpoint_files.byte_io import create_file
-from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.cli import main
 from megatron_patch.convert.bytemap import box_tiles
 from megatron_patch.errors import UserError
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from tests.convert_helpers import write_torch_dist_chunks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "torch215_tp2pp2"
@@ -235,8 +235,8 @@ def test_mcore2hf_from_whole_stacked_chunks_and_odd_cuts(hf, tmp_path, capsys):
         if objects:
             md = TorchDistReader(release)
             assert md.tensor_keys() == set(full)
-        from megatron_patch.convert.copier import Copier
         from megatron_patch.convert.checkpoint import mcore_to_hf
+        from megatron_patch.convert.copier import Copier
 
         copier = Copier(2)
         mcore_to_hf(tmp_path / "td", tmp_path / f"hf-{name}", progress=False, copier=copier)

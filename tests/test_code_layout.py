@@ -1,6 +1,6 @@
 """The package's import rules (docs/architecture.md): imports at the top of a module unless the module says
-why not; nothing imports upward into the CLI; no test module imports another (shared code lives in
-tests/*_helpers.py)."""
+why not; packages import only the packages below them (``PACKAGE_ORDER``) and no modules import each other; no
+test module imports another (shared code lives in tests/*_helpers.py)."""
 
 from __future__ import annotations
 
@@ -46,15 +46,132 @@ def test_function_level_imports_say_why():
     assert not unexplained, f"imports inside functions without a reason given in the module: {unexplained}"
 
 
-def test_nothing_imports_the_cli_from_below():
+# The packages of megatron_patch (and its top-level modules), from the top down: each imports only those below it,
+# never one beside it or above (docs/architecture.md draws this). The root package itself (``__version__``) is
+# below them all.
+PACKAGE_ORDER = (
+    ("__main__",),
+    ("cli",),  # one entry point, one module per subcommand
+    ("training", "align"),  # the two things a user runs on a model: neither needs the other
+    ("convert",),  # the converter alone
+    ("lora",),  # adapters: planned from the weight tables, read and written through checkpoint/
+    ("checkpoint",),  # checkpoint identity and model I/O, which convert, lora, training and align share
+    ("models",),  # the families and what they share; no checkpoint files beyond the formats below
+    ("checkpoint_files",),  # the formats, model-free
+    ("runtime",),  # process groups, devices, megatron-core's CPU compatibility layer
+    ("outputs",),  # one writer per output, folders published whole
+    ("tokenizer",),  # tokenizer folders and files, read as untrusted input
+    ("input_files", "dtypes", "units", "lazy"),
+    ("errors",),
+)
+
+
+def _package_of(module: str) -> str | None:
+    """The top-level package (or module) of megatron_patch that ``module`` names; None for the root itself."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "megatron_patch" and len(parts) > 1 else None
+
+
+def test_package_order_names_every_package():
+    top_level = {p.stem if p.parent == PACKAGE else p.relative_to(PACKAGE).parts[0] for p in _modules()} - {"__init__"}
+    named = {name for layer in PACKAGE_ORDER for name in layer}
+    assert top_level == named, f"packages missing from PACKAGE_ORDER, or named there but gone: {sorted(top_level ^ named)}"
+
+
+def test_packages_import_only_downward():
+    rank = {name: i for i, layer in enumerate(PACKAGE_ORDER) for name in layer}
     upward = []
     for path in _modules():
-        if path.parent.name == "cli" or path.name == "__main__.py":
+        parts = path.relative_to(PACKAGE).parts
+        own = parts[0] if len(parts) > 1 else path.stem
+        if own == "__init__":
             continue
         for node, names, _ in _imports(ast.parse(path.read_text())):
-            if any(n == "megatron_patch.cli" or n.startswith("megatron_patch.cli.") for n in names):
-                upward.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not upward, f"library modules importing the CLI: {upward}"
+            for name in names:
+                if isinstance(node, ast.ImportFrom) and name == "megatron_patch":
+                    names_imported = [a.name for a in node.names]
+                    targets = [n for n in names_imported if n in rank]  # from megatron_patch import cli
+                else:
+                    targets = [_package_of(name)]
+                for target in targets:
+                    if target in rank and own in rank and target != own and rank[target] <= rank[own]:
+                        upward.append(f"{path.relative_to(ROOT)}:{node.lineno} ({own} -> {target})")
+    assert not upward, f"imports that go up or sideways in PACKAGE_ORDER: {upward}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of megatron_patch and the modules of it that it imports (at the top or inside functions)."""
+    modules = {}
+    for path in _modules():
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in modules.items():
+        graph[module] = set()
+        for node, names, _ in _imports(ast.parse(path.read_text())):
+            for name in names:
+                targets = ([f"{name}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else []) + [name]
+                target = next((t for t in targets if t in modules), None)
+                while target is None and "." in name:  # import megatron_patch.x.y.z as far as it is a module
+                    name = name.rsplit(".", 1)[0]
+                    target = name if name in modules else None
+                if target is not None and target != module:
+                    graph[module].add(target)
+    return graph
+
+
+def test_no_modules_import_each_other():
+    """Not even through others, and not even inside functions (training's checkpointing and lora_run did):
+    a module that needs another's job and is needed by it holds a piece of that job."""
+    graph = _module_graph()
+    cycles, done = [], set()
+
+    def visit(module: str, path: list[str]):
+        for target in sorted(graph[module]):
+            if target in path:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in done:
+                visit(target, path + [target])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not cycles, f"modules that import each other: {cycles}"
+
+
+# A family folder imports another family only where it extends that one on purpose (docs/architecture.md, "What
+# families share"); everything else several families use is a building block in models/blocks/.
+EXTENDS = {
+    "deepseek_v32": "deepseek_v3",  # DeepSeek-V3.2 and GLM-5 are DeepSeek-V3 plus sparse attention
+    "qwen3_5": "qwen3_next",  # Qwen3.5 is Qwen3-Next's hybrid layers under other tensor names
+}
+
+
+def test_families_import_only_the_family_they_extend():
+    from megatron_patch.models.description.registry import NOT_FAMILIES
+
+    folders = {p.parent.name for p in (PACKAGE / "models").glob("*/__init__.py")} - NOT_FAMILIES
+    crossing = []
+    for path in (PACKAGE / "models").rglob("*.py"):
+        own = path.relative_to(PACKAGE / "models").parts[0]
+        if own not in folders:
+            continue
+        for node, names, _ in _imports(ast.parse(path.read_text())):
+            for name in names:
+                parts = name.split(".")
+                other = parts[2] if parts[:2] == ["megatron_patch", "models"] and len(parts) > 2 else None
+                if other in folders and other != own and EXTENDS.get(own) != other:
+                    crossing.append(f"{path.relative_to(ROOT)}:{node.lineno} ({own} -> {other})")
+    assert not crossing, f"families importing another family (move what they share to models/blocks/): {crossing}"
+
+
+def test_installed_versions_are_read_in_one_place():
+    """A distribution's installed version (its name spelled two ways, or not installed) is read by
+    ``runtime.machine.installed_version`` alone: four private copies of it had grown."""
+    readers = sorted({str(path.relative_to(ROOT)) for path in _modules()
+                      for _, names, _ in _imports(ast.parse(path.read_text())) if "importlib.metadata" in names})
+    assert readers == ["megatron_patch/runtime/machine.py"], f"modules reading installed versions themselves: {readers}"
 
 
 def test_no_test_module_imports_another():
@@ -67,3 +184,26 @@ def test_no_test_module_imports_another():
                                                      and any(a.name in tests for a in node.names)):
                     crossing.append(f"{path.name}:{node.lineno}")
     assert not crossing, f"test modules importing other test modules: {crossing}"
+
+
+def test_every_folder_of_modules_is_an_installed_package():
+    """setup.py installs what ``find_packages`` lists, which skips a folder without ``__init__.py``: a wheel
+    would ship without its modules."""
+    from setuptools import find_packages
+
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in _modules()}
+    missing = folders - set(find_packages(str(ROOT), include=["megatron_patch", "megatron_patch.*"]))
+    assert not missing, f"folders of modules without an __init__.py, left out of the installed package: {sorted(missing)}"
+
+
+def test_models_sub_packages_are_families_or_shared_kinds():
+    """Every sub-package of models/ is a family folder (it registers at least one family) or one of the shared
+    kinds the registry skips, which registers none: a shared package mistaken for a family would be imported as
+    one, and a family folder in the skipped set would vanish from every list."""
+    from megatron_patch.models.description.registry import NOT_FAMILIES, families
+
+    folders = {p.parent.name for p in (PACKAGE / "models").glob("*/__init__.py")}
+    registering = {f.parse_config.__module__.split(".")[2] for f in families().values()}
+    assert NOT_FAMILIES <= folders, f"skipped names that are no folder: {sorted(NOT_FAMILIES - folders)}"
+    assert not registering & NOT_FAMILIES, f"shared packages that register a family: {sorted(registering & NOT_FAMILIES)}"
+    assert folders - NOT_FAMILIES == registering, f"family folders that register nothing: {sorted(folders - NOT_FAMILIES - registering)}"

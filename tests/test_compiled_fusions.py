@@ -1,5 +1,5 @@
 """MP_COMPILE_FUSIONS: torch.compile of the local spec's RMSNorm, RoPE, SwiGLU and bias-dropout-add
-(models/compiled_fusions.py), read, checked against the machine, and trained with on CPU: the same losses as
+(models/blocks/compiled_fusions.py), read, checked against the machine, and trained with on CPU: the same losses as
 the eager model, step by step."""
 
 from __future__ import annotations

@@ -21,16 +21,16 @@ from safetensors.torch import load_file, save_file
 
 from megatron_patch.align.metrics import compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, hf_logits, random_tokens
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, read_sidecar
+from megatron_patch.checkpoint_files.layout import PARTIAL_TAG
+from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, TorchDistReader
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from megatron_patch.convert.copier import Copier
-from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.checkpoint_files.layout import PARTIAL_TAG
-from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
-from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, TorchDistReader
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import families
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.registry import families
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.training.run_config import Precision
 from tests.convert_helpers import leftovers, run_cli
@@ -43,7 +43,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def fresh_skeleton_cache(tmp_path_factory):
     """An empty model-skeleton cache, as on a new machine: each family's skeleton is derived, or, for a
     family the derivation does not describe, asked of megatron-core (in its helper process) once."""
-    from megatron_patch.models import skeleton
+    from megatron_patch.models.shape import skeleton
 
     old = os.environ.get("MPATCH_CACHE_DIR")
     os.environ["MPATCH_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
@@ -101,8 +101,8 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     mcore_to_hf(ckpt, back, max_shard_size="100KB", progress=False)
 
     # Tensors the family keeps in a dtype of their own (DeepSeek's fp32 router bias) stay in it.
-    from megatron_patch.convert.engine import plan
-    from megatron_patch.models.registry import get_family, parse_arch
+    from megatron_patch.checkpoint.engine import plan
+    from megatron_patch.models.description.registry import get_family, parse_arch
 
     arch = parse_arch(src)
     fam = get_family(arch.family)
@@ -131,7 +131,7 @@ MTP_FAMILIES = [name for name, f in families().items() if f.has_mtp and name != 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MTP_FAMILIES)
 def test_mtp_layers_convert_both_ways_bit_exact(hf_dirs, tmp_path, family):
-    from megatron_patch.models.registry import get_family
+    from megatron_patch.models.description.registry import get_family
     from tests.convert_helpers import with_mtp_layer
 
     src = with_mtp_layer(hf_dirs[family], tmp_path / "hf")
@@ -221,8 +221,8 @@ def megatron_save_worker(hf_dir: str, out: str) -> dict:
     """Runs in a helper process: megatron's own torch_dist save of the model, and its metadata."""
     from megatron.core import dist_checkpointing
 
-    from megatron_patch.models.registry import parse_arch
-    from megatron_patch.models.builder import build_model
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())
@@ -287,8 +287,29 @@ def test_checkpoint_loads_at_layout_with_hf_logits(hf_dirs, tmp_path, family, fm
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
 
 
+def test_a_conversion_checks_its_layout_once(hf_dirs, tmp_path, monkeypatch):
+    """hf2mcore and mcore2hf check the layout they convert at against the model once, and plan with it: each
+    checked it twice before."""
+    import megatron_patch.checkpoint.engine as engine
+    import megatron_patch.convert.checkpoint as converter
+
+    checked, real = [], engine.validate_layout
+
+    def counting(arch, layout, **kwargs):
+        checked.append(layout)
+        return real(arch, layout, **kwargs)
+
+    for module in (engine, converter):
+        monkeypatch.setattr(module, "validate_layout", counting)
+    hf_to_mcore(hf_dirs["llama3_1"], tmp_path / "ck", ParallelLayout(tp=2, pp=2), fmt="legacy", progress=False)
+    assert [(x.tp, x.pp) for x in checked].count((2, 2)) == 1
+    checked.clear()
+    mcore_to_hf(tmp_path / "ck", tmp_path / "back", progress=False)
+    assert [(x.tp, x.pp) for x in checked].count((2, 2)) == 1
+
+
 def test_legacy_checkpoint_refuses_another_layout(hf_dirs, tmp_path):
-    from megatron_patch.convert.loading import load_legacy
+    from megatron_patch.checkpoint.loading import load_legacy
 
     hf_to_mcore(hf_dirs["llama3_1"], tmp_path / "ck", ParallelLayout(tp=2), fmt="legacy", progress=False)
     with pytest.raises(UserError, match="torch_dist"):
@@ -505,9 +526,9 @@ def _training_checkpoint_worker(hf_dir: str, converted: str, root: str) -> list[
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_patch.convert.loading import load_checkpoint_into_model
-    from megatron_patch.models.registry import parse_arch
-    from megatron_patch.models.builder import build_model
+    from megatron_patch.checkpoint.loading import load_checkpoint_into_model
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training import checkpointing
 

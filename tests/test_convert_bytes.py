@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron_patch.errors import UserError
-from megatron_patch.models import derived_skeleton as ds
+from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.models.mapping import plan_transfers, split_context
-from megatron_patch.models.registry import families, parse_arch
+from megatron_patch.models.shape import derived_skeleton as ds
 from megatron_patch.runtime import ParallelLayout
 from tests.convert_helpers import write_torch_dist_chunks
 
@@ -95,7 +95,7 @@ def test_blocks_describe_exactly_what_shards_and_merge_do(family, hf_shapes):
 @pytest.fixture(scope="module")
 def tiny_hf_dirs(tmp_path_factory) -> dict:
     """Every family's tiny HF checkpoint (fp32)."""
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("hf")
     return {family: make_tiny_hf_checkpoint(family, root / family) for family in FAMILIES}
@@ -104,7 +104,7 @@ def tiny_hf_dirs(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def hf_shapes(tiny_hf_dirs) -> dict:
     """Every family's tiny checkpoint's tensor shapes, as its safetensors store them."""
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     out = {}
     for family, folder in tiny_hf_dirs.items():
@@ -117,11 +117,11 @@ def hf_shapes(tiny_hf_dirs) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     # Four KV heads so TP=4 splits them; bf16 so same-dtype moves go file to file.
     d = make_tiny_hf_checkpoint("qwen2_moe", tmp_path_factory.mktemp("moe") / "hf", seed=5, num_key_value_heads=4)
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.convert.hf_writer import SafetensorsShardWriter
 
     reader = HFCheckpointReader(d)
@@ -165,7 +165,7 @@ def test_zero_copy_output_is_byte_identical_to_copying_through_memory(hf_dir, tm
     # dim-1 slices of the row-parallel weights through memory.
     assert (fast[2].gathered_bytes > 0) == (fast[3].gathered_bytes > 0) == (fmt == "legacy")
     # And the round trip is exact.
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     a, b = HFCheckpointReader(hf_dir), HFCheckpointReader(tmp_path / "fast" / "hf")
     assert a.keys() == b.keys() and all(torch.equal(a.get(n), b.get(n)) for n in a.keys())
@@ -241,7 +241,7 @@ def test_dtype_change_and_splits_without_blocks_go_through_torch(hf_dir, tmp_pat
             got = _convert_both_ways(hf_dir, tmp_path / f"got-{fmt}", fmt, lambda: Copier(2), dtype="fp32")
         assert got[0] == want[0] and got[1] == want[1]
         assert got[2].called_bytes > 0 and got[3].called_bytes > 0 and want[2].called_bytes == want[3].called_bytes == 0
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     a, b = HFCheckpointReader(hf_dir), HFCheckpointReader(tmp_path / "want-legacy" / "hf")
     assert all(b.dtype(n) == "float32" and torch.equal(b.get(n), a.get(n).float()) for n in a.keys())
@@ -455,8 +455,8 @@ def test_torch_dist_metadata_reads_as_torch_writes_it(hf_dir, tmp_path):
     tensors, and torch's reader loads every chunk; our reader reads a torch-written .metadata."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_patch.convert.checkpoint import hf_to_mcore
     from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+    from megatron_patch.convert.checkpoint import hf_to_mcore
 
     hf_to_mcore(hf_dir, tmp_path / "ours", ParallelLayout(), fmt="torch_dist", progress=False)
     ours = dcp.FileSystemReader(str(tmp_path / "ours" / "release")).read_metadata()
@@ -498,11 +498,11 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
     from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
     from megatron_patch.convert.copier import Copier
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
 
     want = HFCheckpointReader(hf_dir)
     # legacy: every matrix saved column-major (a transposed view of a contiguous storage)
@@ -555,7 +555,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
 
 def describe_all_worker(archs: list) -> list:
     """In a helper process: megatron-core's skeleton of each arch (one megatron import for all)."""
-    from megatron_patch.models.skeleton import describe_model_here
+    from megatron_patch.models.shape.skeleton import describe_model_here
 
     return [describe_model_here(a) for a in archs]
 
@@ -633,7 +633,7 @@ def test_cached_skeleton_is_what_megatron_computed(megatron_skeletons, tmp_path,
     config.json, the MTP layers, the vocabulary padding and the code."""
     import json
 
-    from megatron_patch.models import skeleton as sk
+    from megatron_patch.models.shape import skeleton as sk
 
     archs, megatron = megatron_skeletons
     by_key = {sk._key(arch, None): name for name, arch in archs.items()}
@@ -681,7 +681,7 @@ def test_cached_skeleton_is_what_megatron_computed(megatron_skeletons, tmp_path,
 
 
 def _not_derivable(arch):
-    from megatron_patch.models.derived_skeleton import NotDerivable
+    from megatron_patch.models.shape.derived_skeleton import NotDerivable
 
     raise NotDerivable("a test's stand-in for a family the rules do not describe")
 
@@ -690,7 +690,7 @@ def _with_family(monkeypatch, **changes):
     """The derivation sees the Llama family changed as given (a stand-in for a family added later)."""
     import dataclasses
 
-    from megatron_patch.models import derived_skeleton
+    from megatron_patch.models.shape import derived_skeleton
 
     family = dataclasses.replace(families()["llama3_1"], **changes)
     monkeypatch.setattr(derived_skeleton, "get_family", lambda name: family)
@@ -703,8 +703,8 @@ def test_derivation_refuses_what_its_rules_do_not_model(monkeypatch):
     ``describe_model`` then asks megatron-core (the cached path above)."""
     import dataclasses
 
-    from megatron_patch.models import skeleton as sk
     from megatron_patch.models.mapping import REPLICATED, Rule
+    from megatron_patch.models.shape import skeleton as sk
 
     llama = families()["llama3_1"]
     arch = parse_arch(llama.tiny_config)
@@ -737,7 +737,7 @@ def test_derivation_refuses_what_its_rules_do_not_model(monkeypatch):
     sk._derived.cache_clear()
     try:
         assert sk.describe_model(arch).chunks and not asked
-        assert sk.describe_model(arch, layers=(0,)) == "megatron's"          # models/shape.py's question
+        assert sk.describe_model(arch, layers=(0,)) == "megatron's"          # models/shape/model_shape.py's question
         monkeypatch.setattr(sk, "derive_skeleton", _not_derivable)
         sk._derived.cache_clear()
         assert sk.describe_model(arch) == "megatron's" and len(asked) == 2

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_patch.checkpoint_files.layout import iteration_dir, write_tracker
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from tests.training_helpers import hf_loss_on_first_batch, launch, launcher_args, read_metrics
 
 pytestmark = pytest.mark.slow

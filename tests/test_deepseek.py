@@ -11,13 +11,13 @@ import pytest
 import torch
 import transformers
 
-from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity_all, hf_logits, mcore_logits, random_tokens
 from megatron_patch.align.metrics import compare_logits
-from megatron_patch.convert.engine import hf_tensors_from_ranks, rank_state_dict_from_hf
+from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity_all, hf_logits, mcore_logits, random_tokens
+from megatron_patch.checkpoint.engine import hf_tensors_from_ranks, rank_state_dict_from_hf
 from megatron_patch.errors import UserError
+from megatron_patch.models.description.registry import get_family, parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.models.mapping import RankCoord
-from megatron_patch.models.registry import get_family, parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 from tests.convert_helpers import quantize_fp8_blocks, write_fp8_checkpoint
 from tests.training_helpers import launcher_args
@@ -70,7 +70,7 @@ def test_variants_round_trip_at_tp_ep_and_pp(variants):
     fam = get_family("deepseek_v3")
     for name, folder in variants.items():
         arch = parse_arch(folder)
-        from megatron_patch.convert.hf_reader import HFCheckpointReader
+        from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
         reader = HFCheckpointReader(folder)
         hf = {k: reader.get(k) for k in reader.keys()}
@@ -98,7 +98,7 @@ def test_rope_on_interleaved_pairs_is_what_megatron_core_computes(variants, tmp_
     RoPE rows re-ordered to halves, which a converter ignoring the layout would produce, are far off."""
     from safetensors.torch import save_file
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     src, bad = variants["v3"], tmp_path / "halves"
     shutil.copytree(src, bad)
@@ -167,9 +167,9 @@ def fp8_checkpoint(variants, tmp_path_factory):
 def test_fp8_checkpoint_converts_to_what_transformers_dequantizes(fp8_checkpoint, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.sidecar import read_sidecar
     from megatron_patch.cli import main
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.sidecar import read_sidecar
 
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert main(["convert", "hf2mcore", "--hf-dir", str(fp8_checkpoint), "--save-dir", str(mcore), "--dtype", "bf16",
@@ -232,8 +232,8 @@ def test_fp8_hub_folder_converts_to_the_dtype_its_config_names(fp8_checkpoint, t
     into the float dtype its config.json names, which the run says in one line."""
     import json
 
+    from megatron_patch.checkpoint.sidecar import read_sidecar
     from megatron_patch.cli import main
-    from megatron_patch.convert.sidecar import read_sidecar
 
     config = json.loads((fp8_checkpoint / "config.json").read_text())
     named = config.get("dtype") or config["torch_dtype"]
@@ -254,7 +254,7 @@ def mtp_checkpoint(variants, tmp_path_factory):
 
     from safetensors.torch import save_file
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     src = variants["v3"]
     out = tmp_path_factory.mktemp("mtp") / "hf"
@@ -286,9 +286,9 @@ def mtp_checkpoint(variants, tmp_path_factory):
 
 @pytest.mark.slow
 def test_mtp_layers_are_dropped_loudly_without_mtp(mtp_checkpoint, tmp_path, capsys):
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.sidecar import read_sidecar
     from megatron_patch.cli import main
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.sidecar import read_sidecar
 
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert main(["convert", "hf2mcore", "--hf-dir", str(mtp_checkpoint), "--save-dir", str(mcore), "--quiet"]) == 0
@@ -304,9 +304,9 @@ def test_mtp_layers_are_dropped_loudly_without_mtp(mtp_checkpoint, tmp_path, cap
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,layout", [("legacy", ["--tp", "2", "--ep", "2"]), ("torch_dist", ["--pp", "3"])])
 def test_mtp_layers_convert_both_ways_bit_exact(mtp_checkpoint, tmp_path, fmt, layout):
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.sidecar import read_sidecar
     from megatron_patch.cli import main
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.sidecar import read_sidecar
 
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert main(["convert", "hf2mcore", "--hf-dir", str(mtp_checkpoint), "--save-dir", str(mcore), "--mtp",
@@ -341,8 +341,8 @@ def test_mtp_layers_train_from_a_checkpoint_converted_with_them(mtp_checkpoint, 
     import subprocess
     import sys
 
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.cli import main
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
     from tests.training_helpers import REPO, hf_loss_on_first_batch, read_metrics
 
     mcore, untouched = tmp_path / "mcore", tmp_path / "untouched"
@@ -409,8 +409,8 @@ def kimi_checkpoint(variants, tmp_path_factory):
 def test_kimi_k2_converts_and_runs_as_deepseek_v3_without_its_code(kimi_checkpoint, variants, tmp_path):
     import json
 
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.cli import main
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
 
     assert parse_arch(kimi_checkpoint).family == "deepseek_v3"
     assert parse_arch(kimi_checkpoint).to_dict() | {"hf_config": None} == \

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from megatron_patch.models.registry import families
+from megatron_patch.models.description.registry import families
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
 from megatron_patch.cli import main
-from megatron_patch.convert.sidecar import SIDECAR_NAME
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_align_of_an_edited_checkpoint_takes_no_verify(converted, tmp_path, caps
 
 
 def _load_starting_weights_worker(args: list[str], env: dict) -> None:
-    from megatron_patch.models.builder import build_model_chunks
+    from megatron_patch.models.blocks.builder import build_model_chunks
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training.checkpointing import load_starting_weights
     from megatron_patch.training.validation import resolve

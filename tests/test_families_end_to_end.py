@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from megatron_patch.cli import main
-from megatron_patch.models.registry import families
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.registry import families
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from tests.training_helpers import launcher_args, make_corpus, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +65,7 @@ def test_convert_train_export_load(data, tmp_path, family):
     assert main(["convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(back), "--quiet"]) == 0
     assert (back / "tokenizer.json").read_bytes() == (hf / "tokenizer.json").read_bytes()
     # tensors the family carries beside the model (Qwen3.5's vision tower) come out of training as they went in
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     source, exported = HFCheckpointReader(hf), HFCheckpointReader(back)
     carried = [n for n in source.keys() if families()[family].is_carried(n)]

@@ -15,17 +15,17 @@ import shutil
 import pytest
 import torch
 
-from megatron_patch.convert.arch_source import check_architecture, open_checkpoint
-from megatron_patch.convert.foreign import find_checkpoint
+from megatron_patch.checkpoint.arch_source import check_architecture, open_checkpoint
+from megatron_patch.checkpoint.foreign import find_checkpoint
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.description.registry import parse_arch
 from tests import foreign_checkpoints as fc
 from tests.convert_helpers import leftovers, run_cli
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("foreign")
     hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=2)
@@ -109,7 +109,7 @@ def test_each_disagreement_is_named(ckpts, changes, named):
 
 @pytest.mark.slow
 def test_qk_norm_and_experts_disagreements_are_named(ckpts):
-    from megatron_patch.models.tiny import tiny_config
+    from megatron_patch.models.description.tiny import tiny_config
 
     found = find_checkpoint(ckpts["megatron_lm"])
     qwen3 = {**tiny_config("qwen3"), **{k: fc.read_config(ckpts["hf"])[k] for k in (

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from megatron_patch.align.parity import hf_logits, random_tokens
-from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 from megatron_patch.convert.mxfp4 import dequantize
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import validate_layout
-from megatron_patch.models.registry import parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 
 
@@ -55,7 +55,7 @@ def test_rope_defaults_are_what_transformers_fills_in():
     """A config.json without RoPE fields gets transformers' YaRN (factor 32) on rope_theta 150000."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_patch.models import rope
+    from megatron_patch.models.blocks import rope
 
     raw = {k: v for k, v in tiny_config("gpt_oss").items() if k not in ("rope_scaling", "rope_theta")}
     arch = parse_arch(raw)
@@ -115,8 +115,8 @@ def test_mxfp4_checkpoint_converts_to_what_transformers_loads(tiny, tmp_path, ca
     model transformers itself loads from the MXFP4 folder (it dequantizes on a CPU)."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_patch.checkpoint.sidecar import read_sidecar
     from megatron_patch.cli import main
-    from megatron_patch.convert.sidecar import read_sidecar
 
     src = mxfp4_checkpoint(tiny, tmp_path / "mxfp4")
     mcore, back = tmp_path / "mcore", tmp_path / "back"
@@ -159,8 +159,8 @@ def test_hub_mxfp4_folder_converts_without_dtype_at_tp2_ep2(tiny, tmp_path, caps
     """gpt-oss as the hub ships it (MXFP4 experts, config.json naming bfloat16), converted at TP=2 EP=2 with
     neither --dtype nor --etp: the dtype config.json names, and the one ETP the family supports, each said in
     one line."""
+    from megatron_patch.checkpoint.sidecar import read_sidecar
     from megatron_patch.cli import main
-    from megatron_patch.convert.sidecar import read_sidecar
 
     src = mxfp4_checkpoint(tiny, tmp_path / "mxfp4")
     mcore = tmp_path / "mcore"

@@ -191,7 +191,7 @@ def test_the_correctness_steps_read_what_parity_and_align_return(tmp_path):
     """The dry run checks the steps' command lines; this runs the helper's parity and align on CPU for one family,
     as the GPU runs them. On the first lent H100 align stopped at its first family on a key the verdict does not
     have (KeyError: 'passed')."""
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf" / "llama3_1", seed=1)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from megatron_patch.align import ablations
-from megatron_patch.models import builder
-from megatron_patch.models.registry import families, parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.blocks import builder
+from megatron_patch.models.description.registry import families, parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.runtime.launch import run_local
 
@@ -37,8 +37,8 @@ def _fake_gpu_without_te() -> None:
 
 def fake_gpu_build_worker() -> dict:
     """Every family's model in bf16 and the converter's skeleton, built as a GPU without TE builds them."""
-    from megatron_patch.models.core_attention import core_attention_of
-    from megatron_patch.models.skeleton import describe_model_here
+    from megatron_patch.models.blocks.core_attention import core_attention_of
+    from megatron_patch.models.shape.skeleton import describe_model_here
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())  # gloo and megatron's CPU layer, before CUDA "appears"
@@ -152,7 +152,7 @@ def placement_worker(hf_dir: str) -> dict:
     """Where the parity and alignment workers' models are when inference starts, with the meta device as this
     rank's device; and where forward_logits puts the tokens and positions."""
     from megatron_patch.align import capture, parity, runner
-    from megatron_patch.models import inference
+    from megatron_patch.models.blocks import inference
     from megatron_patch.runtime import distributed, init_model_parallel
 
     init_model_parallel(ParallelLayout())

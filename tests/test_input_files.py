@@ -18,7 +18,7 @@ import pytest
 
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import MAX_INPUT_BYTES, check_folder_inputs
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from tests.convert_helpers import run_cli
 from tests.training_helpers import launcher_args, make_tiktoken_file, write_jsonl
 
@@ -149,7 +149,7 @@ def test_transformers_reads_no_file_of_the_folder_that_was_not_checked(hf, tmp_p
     """align and parity's HF side: transformers opens generation_config.json (and the tokenizer files) itself."""
     import torch
 
-    from megatron_patch.models.hf_model import load_causal_lm
+    from megatron_patch.models.description.hf_model import load_causal_lm
 
     folder = _linked_copy(hf, tmp_path / "hf", skip=("generation_config.json",))
     os.mkfifo(folder / "generation_config.json")
@@ -195,7 +195,7 @@ def test_a_garbage_tiktoken_file_is_one_line_and_exit_2(tmp_path, capsys, conten
 def test_tiktoken_files_are_read_by_their_content_never_from_a_cache_of_their_path(tmp_path, monkeypatch):
     """tiktoken's own loader keeps a file under its path string in its cache folder: another folder's file at the
     same relative path, or the same file edited, would tokenize with the vocabulary read first."""
-    from megatron_patch.training.tokenizer import load_tokenizer
+    from megatron_patch.tokenizer import load_tokenizer
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
@@ -290,7 +290,7 @@ def test_a_config_dtype_that_is_not_a_float_is_refused(hf, tmp_path, capsys, key
 
 
 def test_config_dtype_names_the_float_dtype_for_callers_to_default_to():
-    from megatron_patch.models.config_checks import config_dtype
+    from megatron_patch.models.description.config_checks import config_dtype
 
     assert config_dtype({"torch_dtype": "bfloat16"}) == "bfloat16"
     assert config_dtype({"dtype": "float16", "torch_dtype": "float32"}) == "float16"  # 5.x's name wins

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from tests.convert_helpers import leftovers, run_cli
 from tests.training_helpers import launcher_args, make_texts, make_tokenizer, write_jsonl
 
@@ -131,8 +131,8 @@ def test_workers_write_every_document_in_order(tok, tmp_path, capsys):
     """Batches of bounded size go to the workers (a long line alone), and come back in input order."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training import preprocess as pre
-    from megatron_patch.training.tokenizer import load_tokenizer
 
     texts = make_texts(300, seed=5) + ["z" * 5000] + make_texts(20, seed=6)
     write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])

@@ -177,7 +177,7 @@ def test_unset_and_empty_are_the_default():
 def test_the_weight_decay_default_is_the_familys():
     """One home for the per-family default (``ModelFamily.weight_decay``); one for the value used (RunConfig's,
     which megatron_settings gives the optimizer and the scheduler)."""
-    from megatron_patch.models.registry import families
+    from megatron_patch.models.description.registry import families
     from megatron_patch.training.validation import resolve
 
     for name in ("llama3_1", "qwen3_moe"):

@@ -19,9 +19,9 @@ from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.lora.peft_io import peft_tensors, read_peft_adapter, write_peft_adapter
 from megatron_patch.lora.plan import count_params, plan_sites
 from megatron_patch.lora.spec import LoraSpec
+from megatron_patch.models.description.registry import families, parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.models.qwen3_5.config import TINY_DENSE_CONFIG
-from megatron_patch.models.registry import families, parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
 from tests.convert_helpers import run_cli
 from tests.lora_helpers import (
@@ -175,7 +175,7 @@ def test_trainable_parameters_equal_peft_for_the_same_targets_and_rank():
     from megatron_patch.lora.peft_io import peft_reinterpreted
     from tests.lora_helpers import STACKED, peft_modules
 
-    from megatron_patch.models.shape import model_shapes
+    from megatron_patch.models.shape.model_shape import model_shapes
 
     shapes = model_shapes([parse_arch(families()[f].tiny_config) for f in FAMILY_NAMES])  # one megatron-core start
     for family, shape in zip(FAMILY_NAMES, shapes):

@@ -15,7 +15,7 @@ import pytest
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, write_manifest
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime.distributed import ParallelLayout
 from tests.convert_helpers import leftovers, run_cli
 
@@ -115,7 +115,7 @@ def test_mcore2hf_does_not_read_through_a_listed_link(work, tmp_path, capsys):
 
 
 def test_loads_for_training_and_align_apply_the_same_rules(work):
-    from megatron_patch.convert.loading import verify_before_load
+    from megatron_patch.checkpoint.loading import verify_before_load
 
     (work / "release" / "planted.pt").write_bytes(b"x")
     with pytest.raises(IntegrityError, match="does not list .added after mpatch wrote it.: release/planted.pt"):

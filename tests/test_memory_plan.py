@@ -20,8 +20,8 @@ import pytest
 
 from megatron_patch.cli import main
 from megatron_patch.runtime.launch import run_local
-from megatron_patch.training.validation import resolve
 from megatron_patch.training.memory_plan import GiB, auto_share, plan_memory, stage_memory
+from megatron_patch.training.validation import resolve
 from tests.memory_helpers import measure_ranks
 from tests.training_helpers import launcher_args
 
@@ -111,7 +111,7 @@ def test_plan_equals_what_two_processes_allocate(corpus, tmp_path):
 
 def test_every_family_is_planned():
     """Each family's model state is checked against a real run above (the lists name every family)."""
-    from megatron_patch.models.registry import families
+    from megatron_patch.models.description.registry import families
 
     assert {f for f, *_ in ONE_PROCESS + TWO_PROCESSES} == set(families())
 
@@ -149,9 +149,9 @@ def test_llama_8b_model_state_counts_its_parameters(tmp_path):
 @pytest.mark.slow
 def test_every_published_size_is_planned(tmp_path):
     """The large presets (what the suite cannot run) get their plan: one GPU's stage holds every parameter
-    the model has, counted as megatron-core builds it (models/shape.py)."""
-    from megatron_patch.models.registry import families, parse_arch
-    from megatron_patch.models.shape import model_shapes
+    the model has, counted as megatron-core builds it (models/shape/model_shape.py)."""
+    from megatron_patch.models.description.registry import families, parse_arch
+    from megatron_patch.models.shape.model_shape import model_shapes
 
     sizes = [(name, size) for name, f in families().items() for size in f.presets if size != "tiny"]
     counts = [s.params() for s in model_shapes([parse_arch(families()[n].presets[z]) for n, z in sizes])]

@@ -13,8 +13,8 @@ import torch
 import transformers
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import get_family, parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
+from megatron_patch.models.description.registry import get_family, parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.runtime.launch import run_local
 from tests.convert_helpers import write_fp8_checkpoint
@@ -105,8 +105,8 @@ def test_tp2_with_sequence_parallel_trains_as_tp1(hf_dir):
 def test_fp8_checkpoint_converts_to_what_transformers_dequantizes(hf_dir, tmp_path):
     """MiniMax-M2's hub weights are FP8 with 128x128 block scales (16x16 here): converted with --dtype bf16 at
     TP=2, EP=2 and back, every dequantized weight is transformers' bit for bit, every other tensor as stored."""
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.cli import main
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
 
     fp8 = write_fp8_checkpoint(hf_dir, tmp_path / "fp8", FP8_LINEAR, (16, 16))
     mcore, back = tmp_path / "mcore", tmp_path / "back"

@@ -1,4 +1,4 @@
-"""A model's parameters and FLOPs from megatron-core's own shapes (models/shape.py).
+"""A model's parameters and FLOPs from megatron-core's own shapes (models/shape/model_shape.py).
 
 - `mpatch families --json` gives every preset's params_total and params_active; the published sizes
   of four models are checked;
@@ -18,8 +18,8 @@ from unittest import mock
 import pytest
 
 from megatron_patch.cli import main
-from megatron_patch.models.registry import families, parse_arch
-from megatron_patch.models.shape import model_shape, model_shapes
+from megatron_patch.models.description.registry import families, parse_arch
+from megatron_patch.models.shape.model_shape import model_shape, model_shapes
 from megatron_patch.runtime.launch import run_local
 
 B = 1e9
@@ -99,15 +99,15 @@ def _full_meta_build_worker(configs: list[dict]) -> list[int]:
     """Every parameter of each whole model, built by megatron-core on the meta device (no storage)."""
     import torch
 
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.skeleton import _ensure_single_rank_state
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.shape.skeleton import _ensure_single_rank_state
     from megatron_patch.runtime import ParallelLayout
 
     _ensure_single_rank_state()
     out = []
     for config in configs:
         # RoPE's frequencies are buffers, not parameters, and a meta tensor cannot take their values
-        with torch.device("meta"), mock.patch("megatron_patch.models.rope.install"):
+        with torch.device("meta"), mock.patch("megatron_patch.models.blocks.rope.install"):
             model = build_model(parse_arch(config), ParallelLayout(), torch.float32, use_te=False, pre_process=True,
                                 post_process=True, perform_initialization=False, use_cpu_initialization=True)
         out.append(sum(p.numel() for p in model.parameters()))

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity, check_parity_all
-from megatron_patch.convert.engine import MappingError, hf_tensors_from_ranks, rank_state_dict_from_hf
-from megatron_patch.convert.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.engine import MappingError, hf_tensors_from_ranks, rank_state_dict_from_hf
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+from megatron_patch.errors import UserError
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import families, get_family, parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.models.mapping import RankCoord, plan_transfers
 from megatron_patch.models.mapping.naming import from_spec, to_spec
-from megatron_patch.errors import UserError
-from megatron_patch.models.registry import families, get_family, parse_arch
-from megatron_patch.models.arch import validate_layout
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
 from megatron_patch.runtime import ParallelLayout
 
 FAMILY_NAMES = list(families())
@@ -62,7 +62,7 @@ def test_llama31_rope_scaling_is_read_from_config_not_hard_coded():
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from megatron_patch.models import rope
+    from megatron_patch.models.blocks import rope
 
     raw = tiny_config("llama3_1")
     arch = parse_arch(raw)
@@ -98,7 +98,7 @@ def test_every_rope_type_equals_transformers(name):
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from megatron_patch.models import rope
+    from megatron_patch.models.blocks import rope
 
     raw = {**tiny_config("llama3_1"), "rope_scaling": ROPE_CASES[name], "head_dim": 32}
     arch = parse_arch(raw)
@@ -131,7 +131,7 @@ def test_partial_rope_equals_transformers(family, scaling):
     bit as the family's transformers model computes them, and megatron-core builds that many."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_patch.models import rope
+    from megatron_patch.models.blocks import rope
 
     # a dict of its own: transformers writes rope_theta and partial_rotary_factor into the one it is given
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0}
@@ -292,7 +292,7 @@ def test_tied_embedding_with_pp_puts_a_copy_on_the_last_stage(tiny_dirs):
 
 
 def test_engine_is_strict_about_missing_and_extra_tensors(tiny_dirs):
-    from megatron_patch.convert.engine import check_hf_names, plan
+    from megatron_patch.checkpoint.engine import check_hf_names, plan
 
     arch = parse_arch(tiny_dirs["llama3_1"])
     fam = get_family("llama3_1")
@@ -413,7 +413,7 @@ def checkpoint_keys_worker(family: str, overrides: dict) -> tuple[set, set]:
     """(torch_dist keys of the local-spec model, our TE names with the layer/expert index folded)."""
     import re
 
-    from megatron_patch.models.builder import build_model
+    from megatron_patch.models.blocks.builder import build_model
     from megatron_patch.runtime import init_model_parallel
 
     arch = parse_arch(tiny_config(family, **overrides))

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.outputs import renames
 from megatron_patch.outputs.folders import atomic_dir, partial_dir, replaced_dir
 from megatron_patch.outputs.lock import OutputLock, live_ranks, lock_path, register_rank

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_patch.cli.pai_convert import SCRIPTS, find_script, plan
 from megatron_patch.errors import UserError
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 SIDE_FILES = {"tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}\n',
@@ -306,7 +306,7 @@ def test_an_output_may_be_a_new_folder_inside_the_hf_folder_it_reads(tmp_path):
     """Pai's Llama README converts Meta-Llama-3.1-8B into Meta-Llama-3.1-8B/mcore-tp4-pp2: an HF folder is read
     for its top-level files only, so it may hold the output, unless it is an output of mpatch (its manifest would
     no longer list what it holds). The output never holds an input, nor lies inside the checkpoint read."""
-    from megatron_patch.convert.outputs import TopLevelInput, check_target
+    from megatron_patch.checkpoint.outputs import TopLevelInput, check_target
 
     hf = tmp_path / "Meta-Llama-3.1-8B"
     hf.mkdir()

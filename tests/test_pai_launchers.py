@@ -142,7 +142,7 @@ def fixtures(tmp_path_factory, corpus):
     """Data: an SFT file in Pai's raw-JSON format (instruction/input/output), the same records as Pai's SFT idxmap
     (SEQ_LEN 128, as every README line), and the small converted checkpoint of a launcher's lines (made on first
     use, each carrying the tokenizer)."""
-    from megatron_patch.training.tokenizer import load_tokenizer
+    from megatron_patch.tokenizer import load_tokenizer
     from tests.sft_helpers import pai_sft_samples, write_mmap_pair
 
     root = tmp_path_factory.mktemp("pai")
@@ -156,7 +156,7 @@ def fixtures(tmp_path_factory, corpus):
     made: dict[str, Path] = {}
 
     def checkpoint(key: str) -> Path:
-        from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+        from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
         family, over = SMALL[key]
         name = f"{family}-{sorted(SMALL.values(), key=repr).index((family, over))}"
@@ -442,8 +442,8 @@ def test_mistral_sliding_window_is_built_and_matters(tmp_path):
     settings), where it was refused; the tiny window (8 keys, shorter than the parity tests' 32-token inputs) moves
     transformers' own logits, so tests/test_models.py's parity of the variant "mistral_sliding_window" judges it."""
     from megatron_patch.align.parity import hf_logits, random_tokens
-    from megatron_patch.models.registry import get_family, parse_arch
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.registry import get_family, parse_arch
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     mistral = dict(model_type="mistral", architectures=["MistralForCausalLM"], rope_scaling=None, sliding_window=8)
     arch = parse_arch({**get_family("llama3_1").tiny_config, **mistral})

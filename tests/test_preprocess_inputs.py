@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from megatron_patch.tokenizer import load_tokenizer
 from megatron_patch.training import preprocess as pre
-from megatron_patch.training.tokenizer import load_tokenizer
 from tests.convert_helpers import run_cli
 from tests.training_helpers import make_texts, make_tokenizer
 

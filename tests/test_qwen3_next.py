@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import validate_layout
-from megatron_patch.models.registry import parse_arch
-from megatron_patch.models.tiny import tiny_config
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.description.tiny import tiny_config
 from megatron_patch.runtime import ParallelLayout
 
 
@@ -43,7 +43,8 @@ def test_norms_are_transformers_bit_for_bit():
 
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRMSNormGated
 
-    from megatron_patch.models.qwen3_next.layers import GatedRMSNorm, ZeroCenteredRMSNorm
+    from megatron_patch.models.blocks.norms import ZeroCenteredRMSNorm
+    from megatron_patch.models.qwen3_next.layers import GatedRMSNorm
 
     g = torch.Generator().manual_seed(0)
     x, gate, weight = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g), 0.1 * torch.randn(32, generator=g)
@@ -83,7 +84,7 @@ def test_layouts_megatron_core_cannot_run_are_refused(over, layout, fragment):
 def test_more_than_one_mtp_layer_is_refused():
     import dataclasses
 
-    from megatron_patch.models.registry import get_family
+    from megatron_patch.models.description.registry import get_family
 
     arch = dataclasses.replace(parse_arch(tiny_config("qwen3_next")), mtp_layers=2)
     with pytest.raises(UserError, match="share one mtp.fc"):
@@ -97,10 +98,10 @@ def test_qwen3_5_dense_language_model_round_trips_and_matches_transformers(tmp_p
     """Qwen3.5-27B's layout (a dense MLP in every layer) at a tiny size: converted both ways bit-exact with its
     vision tower, and its MCore twin's logits are transformers'."""
     from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
     from megatron_patch.models.qwen3_5.config import TINY_DENSE_CONFIG
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
 
     hf = make_tiny_hf_checkpoint("qwen3_5", tmp_path / "hf", seed=5, **TINY_DENSE_CONFIG)
     arch = parse_arch(hf)
@@ -124,9 +125,9 @@ def test_qwen3_5_moe_config_as_transformers_writes_it_converts(tmp_path):
     hub config.json: the tiny model is saved through it, and the field absent or null is no refusal."""
     import json
 
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.cli import main
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     assert "intermediate_size" not in transformers.Qwen3_5MoeTextConfig().to_dict()
     hf = make_tiny_hf_checkpoint("qwen3_5", tmp_path / "hf", seed=4)

@@ -27,7 +27,7 @@ LOSS_TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def start(tmp_path_factory, corpus):
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("resume")
     hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=4)

@@ -483,7 +483,7 @@ def test_a_newest_iteration_failing_its_crc_is_skipped_for_the_previous_one(tmp_
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict[str, Path]:
     from megatron_patch.cli import main
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("shapes")
     hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=1)
@@ -626,7 +626,7 @@ def test_train_state_is_parsed_strictly(tmp_path, state, why):
 
 @pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
 def test_a_huge_or_endless_sidecar_is_refused_in_one_line(converted, tmp_path, damage):
-    from megatron_patch.convert.sidecar import SIDECAR_NAME, read_sidecar
+    from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, read_sidecar
 
     folder = tmp_path / "ckpt"
     shutil.copytree(converted["mcore"], folder)

@@ -336,7 +336,7 @@ def test_device_contexts_still_work_after_the_layer(tmp_path):
     with our wrappers, an HF model loaded after `enable()` got uninitialised buffers and its logits
     changed from one load to the next.
     """
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     hf = make_tiny_hf_checkpoint("qwen2", tmp_path / "qwen2", seed=0)
     code = f"""

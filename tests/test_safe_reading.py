@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from megatron_patch.checkpoint_files.allowlist import UnsafePickle, is_allowed
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, write_manifest
+from megatron_patch.checkpoint_files.pickles import loads
 from megatron_patch.checkpoint_files.safe_torch import (
     SafeFileSystemReader, _AllowListUnpickler, load_refusing, load_torch_file, read_dcp_metadata, safe_dist_load)
 from megatron_patch.cli import main
-from megatron_patch.checkpoint_files.pickles import loads
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime.launch import run_local
 from tests.training_helpers import launch, launcher_args
 

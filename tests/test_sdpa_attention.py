@@ -1,4 +1,4 @@
-"""The SDPA core attention (models/sdpa_attention.py) against megatron-core's unfused attention, on CPU.
+"""The SDPA core attention (models/blocks/sdpa_attention.py) against megatron-core's unfused attention, on CPU.
 
 Core attention modules side by side on the same q, k, v (forward and gradients): causal with grouped keys
 and values, MLA's wider query/key heads, an explicit mask, packed THD documents, and the layers that keep
@@ -15,8 +15,8 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_patch.models.core_attention import SDPA, UNFUSED
-from megatron_patch.models.registry import families, parse_arch
+from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED
+from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.runtime import ParallelLayout
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.runtime.machine import Capabilities
@@ -36,7 +36,7 @@ def _pair(config, **kwargs):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_patch.models.sdpa_attention import SDPAttention
+    from megatron_patch.models.blocks.sdpa_attention import SDPAttention
 
     args = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", **kwargs)
     return DotProductAttention(config, **args), SDPAttention(config, **args)
@@ -61,7 +61,7 @@ def module_worker() -> dict:
     """Core attention modules on random tensors: relative differences, SDPA vs megatron's unfused."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_patch.models import builder
+    from megatron_patch.models.blocks import builder
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.training.packing import PackedLocalAttention
 
@@ -102,8 +102,8 @@ def module_worker() -> dict:
     mla = parse_arch(families()["deepseek_v3"].tiny_config)
     config = builder.transformer_config(mla, ParallelLayout())
     dk, dv = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
-    from megatron_patch.models.local_attention import LocalMLACoreAttention
-    from megatron_patch.models.sdpa_attention import SDPAttention
+    from megatron_patch.models.blocks.local_attention import LocalMLACoreAttention
+    from megatron_patch.models.blocks.sdpa_attention import SDPAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     mla_args = dict(layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self", softmax_scale=dk ** -0.5,
@@ -158,8 +158,8 @@ def families_worker() -> dict:
     fp32 and bf16, and packed documents (THD) against each document alone."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.core_attention import core_attention_of
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.core_attention import core_attention_of
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())
@@ -288,8 +288,8 @@ def test_gpu_sdpa_matches_unfused_and_varlen_matches_per_document():
 def gpu_worker() -> dict:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_patch.models import builder
-    from megatron_patch.models.sdpa_attention import _varlen
+    from megatron_patch.models.blocks import builder
+    from megatron_patch.models.blocks.sdpa_attention import _varlen
     from megatron_patch.runtime import init_model_parallel
 
     init_model_parallel(ParallelLayout())

@@ -22,9 +22,9 @@ import torch
 
 from megatron_patch.cli import main
 from megatron_patch.errors import UserError
+from megatron_patch.tokenizer import load_tokenizer
 from megatron_patch.training.data_files import check_mmap_data, check_sft_idxmap
 from megatron_patch.training.sft_data import IdxmapSFTDataset, SFTDataset, read_records, tokenize_record
-from megatron_patch.training.tokenizer import load_tokenizer
 from megatron_patch.training.validation import resolve
 from tests.convert_helpers import run_cli
 from tests.sft_helpers import (LLAMA3_STYLE, LLAMA3_TOKENS, QWEN_STYLE, QWEN_TOKENS, chat_ids,

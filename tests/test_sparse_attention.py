@@ -16,8 +16,8 @@ import torch
 from megatron_patch.align.capture import point_names, selection_mask
 from megatron_patch.cli import main
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import parse_arch
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint, tiny_config
+from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint, tiny_config
 from tests.training_helpers import launcher_args, make_corpus, read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,7 @@ def test_both_families_read_one_table_with_their_own_indexer_rope():
     assert (v32.family, glm.family) == ("deepseek_v32", "glm_moe_dsa")
     assert not v32.sparse_attention.rope_interleaved and glm.sparse_attention.rope_interleaved
     assert v32.sparse_attention.topk == 8 < 32  # the tiny models' sequences really select
-    from megatron_patch.models.registry import get_family
+    from megatron_patch.models.description.registry import get_family
 
     names = [r.hf for r in get_family("deepseek_v32").weight_rules(v32)]
     assert names == [r.hf for r in get_family("glm_moe_dsa").weight_rules(glm)]
@@ -67,7 +67,7 @@ def test_hadamard_rotation_runs_only_where_the_extension_can(monkeypatch):
     nothing is quantized before the dot product. With the extension, the rotation needs bf16 on a GPU."""
     from megatron.core.transformer.experimental_attention_variant import dsa as mcore_dsa
 
-    from megatron_patch.models import sparse_attention as sa
+    from megatron_patch.models.blocks import sparse_attention as sa
 
     x = torch.randn(4, 2, 3, 16)
     monkeypatch.setattr(mcore_dsa, "hadamard_transform", None)
@@ -198,7 +198,7 @@ def test_training_extras_are_refused_where_they_cannot_run(tmp_path, monkeypatch
 def test_indexer_only_warm_up_trains_the_indexers_alone(tmp_path):
     """DeepSeek's dense warm-up through the launcher from a converted checkpoint: the indexer loss falls, the
     exported model's indexers moved and every other tensor is bit for bit the converted one."""
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     data = make_corpus(tmp_path / "data", 300, seed=1)
     hf = make_tiny_hf_checkpoint("deepseek_v32", tmp_path / "hf", seed=11)
@@ -282,7 +282,7 @@ def test_memory_plan_counts_what_the_indexer_keeps(tmp_path):
 def test_chunked_attention_equals_the_whole_one():
     """The no-gradient path (a few queries at a time) computes what the training path computes (dense scores masked
     to the same keys), top-k lists that reach past a query included."""
-    from megatron_patch.models.sparse_attention import causal_mask, chunked_sparse_attention, sparse_attention
+    from megatron_patch.models.blocks.sparse_attention import causal_mask, chunked_sparse_attention, sparse_attention
 
     torch.manual_seed(0)
     s, b, h, d, dv, k = 23, 2, 3, 8, 5, 6
@@ -303,9 +303,9 @@ def test_chunked_attention_equals_the_whole_one():
 def _selections_worker() -> tuple:
     """A tiny GLM-5's layer-1 indexer on random inputs: its top-k scored whole and 7 queries at a time (in a
     process of its own: megatron-core's process groups stay out of the test process)."""
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.skeleton import _ensure_single_rank_state
-    from megatron_patch.models.sparse_attention import causal_mask
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.sparse_attention import causal_mask
+    from megatron_patch.models.shape.skeleton import _ensure_single_rank_state
     from megatron_patch.runtime import ParallelLayout
 
     _ensure_single_rank_state()
@@ -342,7 +342,7 @@ def test_fp8_hub_weights_dequantize_to_what_transformers_loads(tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from megatron_patch.convert.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from tests.convert_helpers import quantize_fp8_blocks
 
     src = make_tiny_hf_checkpoint("deepseek_v32", tmp_path / "src", seed=4)

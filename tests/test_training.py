@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from megatron_patch.checkpoint_files.layout import partial_dir
-from megatron_patch.cli import main
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+from megatron_patch.cli import main
 from tests.training_helpers import (GBS, ITERS, SEQ, hf_loss_on_first_batch, launch, launcher_args,
                                     make_chat_tokenizer, make_tiktoken_file, read_metrics, write_jsonl)
 from tests.training_helpers import pretrain_args as _pretrain_args
@@ -41,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_preprocess_round_trip_and_bad_lines(corpus, tmp_path, capsys):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_patch.training.tokenizer import load_tokenizer
+    from megatron_patch.tokenizer import load_tokenizer
 
     texts = corpus["texts"][:50] + ["Unicode too: café, naïve, 東京."]
     lines = [json.dumps({"content": t}) for t in texts[:10]] + ["{not json", '{"text": "wrong key"}', '[1, 2]',
@@ -66,8 +66,8 @@ def test_preprocess_round_trip_and_bad_lines(corpus, tmp_path, capsys):
 def test_preprocess_tiktoken_file_round_trip(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training.preprocess import preprocess
-    from megatron_patch.training.tokenizer import load_tokenizer
 
     bpe = make_tiktoken_file(tmp_path / "tiny.tiktoken", [b"th", b"the", b" the", b"in", b"ing"])
     texts = ["the thing in the east", "Nothing, then \u00e9t\u00e9 \U0001F600 everything"]
@@ -158,7 +158,7 @@ def test_stop_after_checkpoint_and_restart_gives_the_same_losses(tp2_run, corpus
 def converted(corpus, tmp_path_factory):
     """A tiny random Llama-3.1 HF model with the corpus's tokenizer, and its hf2mcore conversion at TP=2
     (torch_dist)."""
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("converted")
     hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=3)
@@ -265,8 +265,8 @@ SFT_RECORDS = [
 
 
 def test_sft_loss_only_on_responses(corpus, tmp_path):
+    from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training.sft_data import SFTDataset
-    from megatron_patch.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(corpus["tok"])
     write_jsonl(tmp_path / "sft.jsonl", SFT_RECORDS)
@@ -301,8 +301,8 @@ def test_sft_chat_template_renders_and_masks_assistant_turns(corpus, tmp_path):
     """A tokenizer folder with a chat template: records are rendered by it, loss only on the assistant turns."""
     from transformers import AutoTokenizer
 
+    from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training.sft_data import SFTDataset, tokenize_record
-    from megatron_patch.training.tokenizer import load_tokenizer
 
     folder = make_chat_tokenizer(tmp_path / "chat_tok", corpus["tok"])
     tok = load_tokenizer(folder)
@@ -339,8 +339,8 @@ def test_sft_chat_template_renders_and_masks_assistant_turns(corpus, tmp_path):
 
 def test_sft_chat_template_that_is_not_incremental_is_refused(corpus, tmp_path):
     from megatron_patch.errors import UserError
+    from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training.sft_data import tokenize_record
-    from megatron_patch.training.tokenizer import load_tokenizer
 
     # Numbers the conversation's turns up front: an earlier part is not a prefix of the whole.
     template = "{{ messages | length }} turns\n{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -353,8 +353,8 @@ def test_sft_chat_template_that_is_not_incremental_is_refused(corpus, tmp_path):
 
 
 def test_sft_packing_keeps_samples_apart(corpus, tmp_path):
+    from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training.sft_data import SFTDataset
-    from megatron_patch.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(corpus["tok"])
     write_jsonl(tmp_path / "sft.jsonl", SFT_RECORDS * 4)

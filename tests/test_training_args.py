@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron_patch.cli import main
-from megatron_patch.models.registry import families, parse_arch
-from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.errors import UserError
+from megatron_patch.models.description.registry import families, parse_arch
+from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.launcher_args import arg_names, parse_count
 from megatron_patch.training.machine_checks import machine_problems
 from megatron_patch.training.validation import resolve
@@ -393,7 +393,7 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_patch.dtypes import precision_dtype
-    from megatron_patch.models.builder import transformer_config
+    from megatron_patch.models.blocks.builder import transformer_config
     from megatron_patch.training.megatron_settings import megatron_settings
 
     for k, v in env.items():

@@ -155,6 +155,14 @@ def test_throughput_leaves_warmup_iterations_out():
     assert summarize(records[:1]) is None
 
 
+def test_mfu_is_measured_against_the_gpus_dense_peak():
+    from megatron_patch.training.throughput import peak_tflops
+
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA H200", fp8=True) == 2 * 989.0
+    assert peak_tflops("NVIDIA GeForce RTX 3090") is None  # unknown: no MFU rather than a wrong one
+
+
 # --- 2. transformer-engine userbuffers for TP communication overlap -------------------------------------------
 
 class _Modes(enum.Enum):
@@ -175,8 +183,8 @@ def _te_base(new_api: bool):
 
 
 def test_userbuffers_get_the_micro_batch_shape_and_the_api_te_has(tmp_path):
-    from megatron_patch.training.validation import resolve
     from megatron_patch.training.gpu_setup import initialize_tp_communicators
+    from megatron_patch.training.validation import resolve
 
     data = tmp_path / "d_text_document"
     for suffix in (".bin", ".idx"):
@@ -205,9 +213,9 @@ def test_userbuffers_get_the_micro_batch_shape_and_the_api_te_has(tmp_path):
 
 def test_gradient_accumulation_fusion_only_with_apex_kernel(monkeypatch):
     """megatron-core's own output layer needs fused_weight_gradient_mlp_cuda; TE alone is not enough."""
-    from megatron_patch.models import builder
+    from megatron_patch.models.blocks import builder
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.models.llama3_1.config import TINY_CONFIG
-    from megatron_patch.models.registry import parse_arch
 
     import importlib.util
 
@@ -249,15 +257,15 @@ def _loss_totals(model, dataset, mbs: int, ctx) -> tuple[float, float]:
 def packing_worker(tok_dir: str, sft_path: str) -> dict:
     """Loss sums of the same records unpacked, packed (1 and 2 samples per micro-batch), and packed without
     document boundaries; and the MoE model moved to another device."""
-    from megatron_patch.models.builder import build_model
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.models.llama3_1.config import TINY_CONFIG
     from megatron_patch.models.qwen2_moe.config import TINY_CONFIG as MOE_CONFIG
-    from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
-    from megatron_patch.training.sft_data import SFTDataset
     from megatron_patch.runtime.distributed import move_to_device
+    from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training.packing import use_packed_local_attention
-    from megatron_patch.training.tokenizer import load_tokenizer
+    from megatron_patch.training.sft_data import SFTDataset
 
     layout = ParallelLayout()
     init_model_parallel(layout, seed=5)
@@ -312,9 +320,9 @@ def test_model_moves_whole_onto_the_device_moe_router_and_gate_included(packing_
 def stage_weights_worker() -> dict:
     from megatron.core import parallel_state
 
-    from megatron_patch.models.builder import build_model
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.models.llama3_1.config import TINY_CONFIG
-    from megatron_patch.models.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
 
     layout = ParallelLayout(pp=4)

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.outputs.lock import lock_path
 from megatron_patch.outputs.writers import WRITERS
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -222,7 +222,7 @@ _LOCKING = {"OutputLock": 1, "locked": 1, "atomic_dir": None, "atomic_output_dir
 def test_every_lock_the_code_takes_is_for_a_listed_writer():
     """A writer added to the code names its output option when it takes the lock (``what``): that option must
     be one of a listed writer, so a new writer cannot skip the list (and so the table and the test above)."""
-    from megatron_patch.convert.outputs import atomic_output_dir
+    from megatron_patch.checkpoint.outputs import atomic_output_dir
     from megatron_patch.outputs.folders import atomic_dir
     from megatron_patch.outputs.lock import OutputLock, locked
 

@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from megatron_patch.models import builder
-from megatron_patch.models.core_attention import SDPA, UNFUSED, default_core_attention, describe
+from megatron_patch.models.blocks import builder
+from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED, default_core_attention, describe
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the

@@ -21,14 +21,14 @@ from megatron_patch.align.capture import point_names
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, judge
-from megatron_patch.convert.hf_reader import checked_arch
+from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.dtypes import PRECISIONS
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
-from megatron_patch.models.arch import validate_layout
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
-from megatron_patch.training.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import load_tokenizer
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the
@@ -95,7 +95,7 @@ def config_differences(a: dict, b: dict) -> list[dict]:
 
 def _test_arch(s: AlignSettings):
     if s.mcore_dir:
-        from megatron_patch.convert.arch_source import open_checkpoint
+        from megatron_patch.checkpoint.arch_source import open_checkpoint
 
         # A checkpoint of another tool is read as the model of --hf-dir, checked against its tensors.
         opened = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir)

@@ -28,9 +28,9 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_patch.models.family import HFModules
-from megatron_patch.models.hf_model import load_causal_lm
-from megatron_patch.models.inference import forward_logits
+from megatron_patch.models.blocks.inference import forward_logits
+from megatron_patch.models.description.family import HFModules
+from megatron_patch.models.description.hf_model import load_causal_lm
 
 Captures = dict[str, torch.Tensor]
 

@@ -7,12 +7,12 @@ from pathlib import Path
 import torch
 
 from megatron_patch.align.metrics import compare_logits
-from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.convert.model_io import load_hf_weights
-from megatron_patch.models.builder import build_model
-from megatron_patch.models.hf_model import load_causal_lm
-from megatron_patch.models.inference import forward_logits, place_on_rank_device
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.model_io import load_hf_weights
+from megatron_patch.models.blocks.builder import build_model
+from megatron_patch.models.blocks.inference import forward_logits, place_on_rank_device
+from megatron_patch.models.description.hf_model import load_causal_lm
+from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime import init_model_parallel
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.launch import run_local

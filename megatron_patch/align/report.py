@@ -15,7 +15,6 @@ from pathlib import Path
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 PLOT_NAME = "error_by_layer.png"
-REPORT_FILES = ("report.json", "report.md", PLOT_NAME)
 
 
 def _fmt(x, spec=".2e") -> str:

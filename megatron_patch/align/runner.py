@@ -15,10 +15,10 @@ from megatron_patch.align import ablations
 from megatron_patch.align.capture import Captures, capture_hf, capture_mcore, load_hf_model, merge_captures
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.lora.sources import open_adapters
-from megatron_patch.models.arch import read_config_json
-from megatron_patch.models.builder import build_model
-from megatron_patch.models.inference import place_on_rank_device
-from megatron_patch.models.registry import detect_family, parse_arch
+from megatron_patch.models.blocks.builder import build_model
+from megatron_patch.models.blocks.inference import place_on_rank_device
+from megatron_patch.models.description.arch import read_config_json
+from megatron_patch.models.description.registry import detect_family, parse_arch
 from megatron_patch.runtime import init_model_parallel
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.launch import run_local
@@ -49,7 +49,7 @@ class McoreRun:
 
 def _arch_of(run: McoreRun):
     if run.mcore_dir is not None:
-        from megatron_patch.convert.arch_source import open_checkpoint
+        from megatron_patch.checkpoint.arch_source import open_checkpoint
 
         return open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).model_arch
     return parse_arch(run.hf_dir)
@@ -62,13 +62,13 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
                         core_attention=ablations.core_attention(run.ablation), **overrides)
     adapters = _adapters_of(run, arch)
     if run.mcore_dir is not None:
-        from megatron_patch.convert.loading import load_checkpoint_into_model
+        from megatron_patch.checkpoint.loading import load_checkpoint_into_model
 
         base = adapters.base if adapters is not None and adapters.base is not None else run.mcore_dir
         load_checkpoint_into_model(model, base, layout, hf_config=run.hf_dir, verify=run.verify)
     else:
-        from megatron_patch.convert.hf_reader import HFCheckpointReader
-        from megatron_patch.convert.model_io import load_hf_weights
+        from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+        from megatron_patch.checkpoint.model_io import load_hf_weights
 
         load_hf_weights(model, arch, layout, HFCheckpointReader(run.hf_dir))
     if adapters is not None:
@@ -81,7 +81,7 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
 def _adapters_of(run: McoreRun, arch):
     """The LoRA adapters of the MCore side: those ``mcore_dir`` carries, else ``peft_dir``'s, else None."""
     if run.mcore_dir is not None:
-        from megatron_patch.convert.arch_source import open_checkpoint
+        from megatron_patch.checkpoint.arch_source import open_checkpoint
 
         if open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).sidecar.lora:
             return open_adapters(run.mcore_dir, arch)

@@ -12,7 +12,7 @@ preprocess`` (beside its two files, as ``PREFIX.mpatch_manifest.json``). What it
   (``check_coverage``: no file it does not list, no listed file that is a link, leaves the folder or is not a
   regular file, and not an empty list), so that nothing is read that the manifest does not vouch for;
 - ``--force``: a folder whose manifest names every file in it is an earlier output of this project, and may
-  be replaced (``convert.outputs``).
+  be replaced (``checkpoint.outputs``).
 
 The digest is xxHash's XXH3-128 (``xxhash``): 13 GiB/s on one core of this machine against 1.3 for SHA-256
 (docs/performance.md), which keeps it inside the conversion's time. It proves a file is the one written

@@ -8,9 +8,9 @@ import warnings
 from pathlib import Path
 
 from megatron_patch.align.report import PLOT_NAME, print_summary, write_report
+from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import add_layout_args, layout_from_args
-from megatron_patch.convert.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are

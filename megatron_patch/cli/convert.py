@@ -11,7 +11,7 @@ from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_
 from megatron_patch.cli.common import add_layout_args, layout_from_args
 from megatron_patch.convert.checkpoint import DEFAULT_WORKERS, hf_to_mcore, mcore_to_hf
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import families
+from megatron_patch.models.description.registry import families
 from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_patch.cli.common import print_table
-from megatron_patch.models.registry import families, parse_arch
+from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -25,7 +25,7 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
-    from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     hf_logging.disable_progress_bar()  # per-model load bars drown the table
     registered = families()

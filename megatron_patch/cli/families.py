@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from megatron_patch.lora.plan import target_modules
-from megatron_patch.models.registry import families, parse_arch
-from megatron_patch.models.shape import model_shapes
+from megatron_patch.models.description.registry import families, parse_arch
+from megatron_patch.models.shape.model_shape import model_shapes
 from megatron_patch.training.launcher_args import describe_size, get_launcher, launchers
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -15,7 +15,7 @@ from megatron_patch.training.launcher_args import describe_size, get_launcher, l
 
 def family_rows(*, with_params: bool = False) -> list[dict]:
     """One row per family; ``with_params`` adds each preset's parameter counts (megatron-core builds one
-    layer of each kind per preset, once: models/shape.py caches it)."""
+    layer of each kind per preset, once: models/shape/model_shape.py caches it)."""
     rows = []
     for name, f in families().items():
         extra = ", ".join(f.launcher_parallel_args)

@@ -6,7 +6,7 @@ import json
 import platform
 
 from megatron_patch import __version__
-from megatron_patch.models.registry import families
+from megatron_patch.models.description.registry import families
 from megatron_patch.runtime.machine import features, gpu_info, installed_version
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are

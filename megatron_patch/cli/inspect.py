@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 
-from megatron_patch.convert.inspect import describe_checkpoint, format_summary
+from megatron_patch.checkpoint.inspect import describe_checkpoint, format_summary
 
 
 def run_inspect(args) -> int:

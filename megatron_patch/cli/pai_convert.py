@@ -26,13 +26,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 from megatron_patch.convert.checkpoint import dequantize_hf
-from megatron_patch.convert.hf_reader import HFCheckpointReader
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import validate_layout
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.cli.common import add_layout_args, layout_from_args
-from megatron_patch.convert.hf_reader import checked_arch
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import validate_layout
+from megatron_patch.models.description.arch import validate_layout
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.

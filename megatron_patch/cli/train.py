@@ -23,7 +23,7 @@ from pathlib import Path
 from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
 from megatron_patch.cli import DEBUG_VARIABLE, internal_error
 from megatron_patch.errors import UserError
-from megatron_patch.models.shape import model_shape
+from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, helpers_die_with_rank,
@@ -202,7 +202,8 @@ def run(args) -> int:
         latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
         from megatron_patch.training.lora_run import check_lora_launch
 
-        check_lora_launch(cfg)  # a LoRA run's base, and the one its checkpoints name
+        # a LoRA run's base, and the one its checkpoints name
+        check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
         done = finished_run(cfg, latest)
         if done:
             print(done, flush=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_patch.checkpoint.hf_reader import read_safetensors_header
 from megatron_patch.checkpoint_files.byte_io import Stored
-from megatron_patch.convert.hf_reader import read_safetensors_header
 from megatron_patch.convert.hf_writer import plan_safetensors
 
 CARRIED_TENSORS = "carried_tensors.safetensors"

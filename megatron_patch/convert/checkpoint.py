@@ -31,9 +31,11 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
-from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
-from megatron_patch.checkpoint_files.legacy import (
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.engine import MappingError, check_hf_names, names_list, plan
+from megatron_patch.checkpoint.foreign import TRAINING_STATE_PREFIXES
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader, check_hf_shapes
+from megatron_patch.checkpoint.legacy import (
     CHECKPOINT_VERSION,
     FILE_NAME,
     check_legacy_layout,
@@ -41,33 +43,31 @@ from megatron_patch.checkpoint_files.legacy import (
     rank_coords,
     rank_file,
 )
+from megatron_patch.checkpoint.outputs import TopLevelInput, atomic_output_dir, carried_files, check_target, copy_carried
+from megatron_patch.checkpoint.sidecar import Sidecar
+from megatron_patch.checkpoint_files.byte_io import Stored, create_file, write_all
+from megatron_patch.checkpoint_files.layout import RELEASE, write_tracker
 from megatron_patch.checkpoint_files.manifest import DIGEST, BackgroundCheck, digest_file, manifest_for
 from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader, plan_torch_dist
 from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan_torch_save
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipLayout, check_crc, seal
-from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
 from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_carried_plan
 from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
-from megatron_patch.convert.engine import MappingError, check_hf_names, names_list, plan
-from megatron_patch.convert.foreign import TRAINING_STATE_PREFIXES
 from megatron_patch.convert.fp8 import fp8_block_size, open_weights
-from megatron_patch.convert.hf_reader import HFCheckpointReader, check_hf_shapes
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
-from megatron_patch.convert.outputs import TopLevelInput, atomic_output_dir, carried_files, check_target, copy_carried
 from megatron_patch.convert.progress import Progress
 from megatron_patch.convert.schedule import WHOLE_FILE
-from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import checked_input
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
-from megatron_patch.models.arch import Arch, default_expert_tp, read_config_json, validate_layout
-from megatron_patch.models.config_checks import check_weights_fit, config_dtype
+from megatron_patch.models.description.arch import Arch, default_expert_tp, read_config_json, validate_layout
+from megatron_patch.models.description.config_checks import check_weights_fit, config_dtype
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.models.mapping import Transfer, split_context
-from megatron_patch.models.registry import get_family, parse_arch
-from megatron_patch.models.skeleton import ModelSkeleton, describe_model
+from megatron_patch.models.shape.skeleton import ModelSkeleton, describe_model
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -99,11 +99,22 @@ def _choose_dtype(reader: HFCheckpointReader | None, names, dtype, hf_config: di
                     "pass --dtype bf16, fp16 or fp32")
 
 
-def _make_copier(copier: Copier | None, workers: int | None, progress) -> Copier:
-    if copier is None:
-        copier = Copier(DEFAULT_WORKERS if workers is None else workers)
-    copier.progress = progress
-    return copier
+def _make_copier(copier: Copier | None, workers: int | None) -> Copier:
+    return Copier(DEFAULT_WORKERS if workers is None else workers) if copier is None else copier
+
+
+def _copy_with_progress(copier: Copier, tasks: list, desc: str, total_bytes: int, tensors: int, progress) -> Progress:
+    """Run ``tasks`` on ``copier`` (its workers end, whatever happens) under a progress bar of ``tensors`` tensors
+    and ``total_bytes`` bytes (``progress``: as ``Progress``'s ``enabled``). The caller closes the bar, with the
+    copier's stats, once the output is published."""
+    bar = Progress(desc, total_bytes, tensors, progress)
+    copier.progress = bar
+    try:
+        copier.run(tasks)
+    finally:
+        copier.close()
+    bar.update(0, tensors=tensors)
+    return bar
 
 
 def _move_tasks(copier: Copier, moves: list[Move]) -> list:
@@ -183,7 +194,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     layout, note = default_expert_tp(arch, layout)
     if note:
         print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
-    validate_layout(arch, layout)
+    validate_layout(arch, layout)  # once, before anything slow: the plans below take it as checked
     if fmt == "legacy":
         check_legacy_layout(layout)
     inputs = (TopLevelInput(hf_dir),)  # only its top-level files are read: the output may be a folder inside it
@@ -209,9 +220,9 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     skeleton = describe_model(arch)
     check_hf_shapes(reader, skeleton.hf_shapes)
 
-    transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout)
+    transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout, checked=True)
     carried = _carried_sources(family, reader, available, notes)
-    copier = _make_copier(copier, workers, None)
+    copier = _make_copier(copier, workers)
     digested: dict = {}
     with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=inputs, digested=digested) as tmp:
         release = tmp / RELEASE
@@ -225,13 +236,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
             out_tasks, count, total, finish = _plan_torch_dist(release, arch, transfers, reader, out_dtype, skeleton, copier,
                                                                adapter.tensors if adapter is not None else None)
         tasks += carried_tasks + out_tasks + _digest_tasks(tmp, carried_tasks + out_tasks, digested)
-        bar = Progress(f"hf2mcore {fmt} {layout}", total, count, progress)
-        copier.progress = bar
-        try:
-            copier.run(tasks)
-        finally:
-            copier.close()
-        bar.update(0, tensors=count)
+        bar = _copy_with_progress(copier, tasks, f"hf2mcore {fmt} {layout}", total, count, progress)
         finish()
         kept = copy_carried(hf_dir, tmp, side_files) + ([CARRIED_TENSORS] if carried else [])
         sidecar = Sidecar.create(fmt, arch, layout, out_dtype, carried_files=kept,
@@ -522,7 +527,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     ``load_dir`` is any torch_dist or legacy checkpoint (its root, or one iteration or release folder):
     one written here (hf2mcore, a training run or its final export: the sidecar says everything) or
     by another tool, whose architecture comes from ``hf_config`` or from its saved Megatron-LM
-    arguments read as ``family`` (``convert.arch_source``). Optimizer state is skipped; ``iteration`` picks
+    arguments read as ``family`` (``checkpoint.arch_source``). Optimizer state is skipped; ``iteration`` picks
     an older iteration than the tracker's. ``workers`` / ``copier``: as for ``hf_to_mcore``. ``verify``: check
     the input against its manifest where it has one (beside the copy, before the output is published).
 
@@ -574,9 +579,8 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     hf_shapes = skeleton.hf_shapes
     if sidecar.checkpoint_format == "legacy":
         layout = sidecar.parallel_layout
-        validate_layout(arch, layout)
         check_legacy_layout(layout)
-        transfers = plan(family, arch, layout)
+        transfers = plan(family, arch, layout)  # which checks the layout against the model
         source = _LegacySource(data_dir, arch, layout, transfers, hf_shapes)
     else:
         transfers = tp1
@@ -595,7 +599,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     # HF tensors carried beside the model (convert/carried.py), back among the exported ones as they were
     carried = read_carried(load_dir) if CARRIED_TENSORS in sidecar.carried_files else {}
     entries += [(n, place.shape, place.dtype) for n, place in carried.items()]
-    copier = _make_copier(copier, workers, None)
+    copier = _make_copier(copier, workers)
     total = sum(nbytes(s, d) for _, s, d in entries)
     digested: dict = {}
     with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf", inputs=inputs, digested=digested) as tmp:
@@ -608,14 +612,11 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         # The stored CRC-32s, checked beside the copies that read them; a file the manifest check reads whole
         # (every file of a checkpoint written here) is checked by its digest instead.
         tasks = crc_tasks(source.crc_checks(), skip=check.files if check is not None else ()) + tasks
-        bar = Progress(f"mcore2hf {sidecar.checkpoint_format}", total, len(entries), progress)
-        copier.progress = bar
         try:
-            copier.run(tasks)
+            bar = _copy_with_progress(copier, tasks, f"mcore2hf {sidecar.checkpoint_format}", total, len(entries),
+                                      progress)
         finally:
-            copier.close()
             source.close()
-        bar.update(0, tensors=len(entries))
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         _carry_side_files(load_dir, [f for f in sidecar.carried_files if f != CARRIED_TENSORS], config_folder, tmp)

@@ -14,13 +14,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.byte_io import write_all
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_for, verify_manifest
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
-from megatron_patch.convert.arch_source import open_checkpoint
 from megatron_patch.convert.checkpoint import mcore_to_hf
-from megatron_patch.convert.hf_reader import HFCheckpointReader
-from megatron_patch.convert.outputs import atomic_output_dir
 from megatron_patch.convert.stacked import StackedView
 from megatron_patch.dtypes import dtype_name, precision_dtype
 from megatron_patch.errors import UserError
@@ -29,9 +29,9 @@ from megatron_patch.lora.plan import plan_sites
 from megatron_patch.lora.saved import saved_rules
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.lora.state import check_adapter_keys, find_base, read_adapter_tensors
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.models.mapping import plan_transfers, split_context
-from megatron_patch.models.registry import get_family, parse_arch
-from megatron_patch.models.skeleton import describe_model
+from megatron_patch.models.shape.skeleton import describe_model
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions

@@ -37,7 +37,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import COLUMN, ROW, WHOLE, Site, b_whole, site_split, split_mode
 from megatron_patch.lora.saved import saved_mcore_names
 from megatron_patch.lora.spec import LoraSpec
-from megatron_patch.models.builder import model_spec_name
+from megatron_patch.models.blocks.builder import model_spec_name
 from megatron_patch.models.mapping import SplitContext, split_context
 from megatron_patch.models.mapping.naming import local_to_te_names, te_to_local_name
 from megatron_patch.models.mapping.splits import RowPieces

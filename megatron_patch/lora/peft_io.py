@@ -33,7 +33,7 @@ from megatron_patch.lora.spec import (
     read_adapter_config,
     spec_from_peft_config,
 )
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import LORA_TARGETS
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions

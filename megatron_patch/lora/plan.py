@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 from megatron_patch.errors import UserError
 from megatron_patch.lora.spec import LoraSpec
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import LayerKind, Rule, Scope, split_context
 from megatron_patch.models.mapping.splits import (
     Column, GateUp, GroupedQKV, InterleavedGateUp, Replicated, Row, RowPieces, TransposedRow)
-from megatron_patch.models.registry import get_family
-from megatron_patch.models.shape import RankParam, chunk_layers, layer_kind
+from megatron_patch.models.shape.model_shape import RankParam, chunk_layers, layer_kind
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -206,9 +206,9 @@ def hf_part_shapes(rule: Rule, arch: Arch, mcore_shape: tuple[int, ...]) -> list
 def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
     """Every site of the model with its adapters, by decoder layer, then in the weight table's order.
 
-    ``shape``: the model's ``models.shape.ModelShape`` (read from megatron-core when not given)."""
+    ``shape``: the model's ``models.shape.model_shape.ModelShape`` (read from megatron-core when not given)."""
     if shape is None:
-        from megatron_patch.models.shape import model_shape
+        from megatron_patch.models.shape.model_shape import model_shape
 
         shape = model_shape(arch)
 
@@ -282,7 +282,7 @@ def stacked_depth(sites: list[Site]) -> dict[str, int]:
 def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_stage: int = 0,
                         pp_first_stage_layers: int | None = None, spec_name: str = "local") -> list:
     """The adapter parameters of model chunk ``vp_stage`` of pipeline rank ``pp_rank`` (TP, EP and expert-TP
-    rank 0) as ``models.shape.RankParam``s, in the order the chunk's ``LoraAdapters`` holds them (A's, then
+    rank 0) as ``models.shape.model_shape.RankParam``s, in the order the chunk's ``LoraAdapters`` holds them (A's, then
     B's, site by site): what the memory plan lays into the DDP buffers."""
     layers = set(chunk_layers(arch, layout, pp_rank, vp_stage, pp_first_stage_layers))
     per_rank = arch.num_experts // layout.ep if arch.is_moe else 0

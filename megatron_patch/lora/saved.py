@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import Rule, Scope, plan_transfers, split_context
 from megatron_patch.models.mapping.naming import te_to_local_name
-from megatron_patch.models.registry import get_family
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -71,8 +71,8 @@ def load_saved(chunks: list, arch: Arch, layout, saved: dict) -> None:
         return
     import torch
 
-    from megatron_patch.convert.model_io import current_coord
-    from megatron_patch.models.builder import model_spec_name
+    from megatron_patch.checkpoint.model_io import current_coord
+    from megatron_patch.models.blocks.builder import model_spec_name
     if len(chunks) > 1:
         raise UserError("an adapter with modules_to_save cannot start under a virtual pipeline (MP_VP, MP_VP_CHUNKS) "
                         "yet: train it without one")

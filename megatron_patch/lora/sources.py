@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import plan_sites
 from megatron_patch.lora.saved import load_saved

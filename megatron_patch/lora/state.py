@@ -20,7 +20,7 @@ from megatron_patch.checkpoint_files.manifest import manifest_for, read_manifest
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import KEY_PREFIX
-from megatron_patch.models.skeleton import cache_dir
+from megatron_patch.models.shape.skeleton import cache_dir
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -45,7 +45,7 @@ def checkpoint_digest(folder: str | Path) -> str:
 
     Where the checkpoint carries this project's manifest (every output written here does), the digest is of
     the manifest's table (each file's size and XXH3-128): cheap, and every load checks the files against
-    that table (``convert.loading.verify_before_load``). Otherwise sha256 over every file (relative path,
+    that table (``checkpoint.loading.verify_before_load``). Otherwise sha256 over every file (relative path,
     size, content), hidden files aside: reading a 16 GB base takes a minute, so that answer is kept per folder
     (under the skeleton cache's parent) with each file's size and modification time."""
     folder = Path(folder).resolve()

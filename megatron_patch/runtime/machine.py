@@ -93,7 +93,7 @@ def features(gpu: dict | None) -> dict:
         "flash_attention_2": bool(fa2 and cuda),
         "flash_attention_3": bool(fa3 and hopper),
         "layer_spec": "transformer_engine" if te else "local",
-        # models/core_attention.py: SDPA on a GPU without transformer-engine, unfused on CPU (FL=true: SDPA)
+        # models/blocks/core_attention.py: SDPA on a GPU without transformer-engine, unfused on CPU (FL=true: SDPA)
         "attention": "flash/fused (TE)" if te else ("sdpa (torch SDPA, local spec)" if cuda
                                                    else "local (unfused softmax; FL=true: torch SDPA)"),
     }

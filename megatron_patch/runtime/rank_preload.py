@@ -16,10 +16,9 @@ try:
 
     cpu_compat.enable()
     import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401 - the model models/blocks/builder.py builds
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
     import transformers  # noqa: F401
-
-    import megatron_patch.models.builder  # noqa: F401
 except Exception:  # noqa: BLE001 - see the module's docstring
     pass

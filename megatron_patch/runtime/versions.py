@@ -6,9 +6,10 @@ line: the Python and torch minor versions, megatron-core's minor and transformer
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import platform
 from dataclasses import dataclass
+
+from megatron_patch.runtime.machine import installed_version
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,9 @@ def _line(version: str | None) -> tuple[str, ...] | None:
     return tuple(version.split("+")[0].split(".")[:2])
 
 
-def _dist_version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
 def installed() -> dict[str, str | None]:
-    return {"python": platform.python_version(), "megatron_core": _dist_version("megatron-core"),
-            "torch": _dist_version("torch"), "transformers": _dist_version("transformers")}
+    return {"python": platform.python_version(), "megatron_core": installed_version("megatron-core"),
+            "torch": installed_version("torch"), "transformers": installed_version("transformers")}
 
 
 def tested_combination(found: dict[str, str | None] | None = None) -> Combination | None:

@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron_patch.checkpoint.foreign import find_checkpoint
+from megatron_patch.checkpoint.outputs import carried_files, copy_carried, replace_refusal
+from megatron_patch.checkpoint.sidecar import Sidecar
 from megatron_patch.checkpoint_files.layout import (
     RELEASE,
     TRACKER_NAME,
@@ -57,9 +60,6 @@ from megatron_patch.checkpoint_files.manifest import (
     verify_manifest,
     write_manifest,
 )
-from megatron_patch.convert.foreign import find_checkpoint
-from megatron_patch.convert.outputs import carried_files, copy_carried, replace_refusal
-from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.lora.state import adapter_sharded_state, base_record
 from megatron_patch.runtime import watchdog
@@ -84,7 +84,7 @@ NO_VERIFY = "MP_NO_VERIFY=true"
 def load_starting_weights(cfg, chunks: list, folder) -> None:
     """A checkpoint (PRETRAIN_CHECKPOINT_PATH, a LoRA run's base) into this rank's model chunks, its files checked
     against its manifest unless MP_NO_VERIFY says otherwise."""
-    from megatron_patch.convert.loading import load_checkpoint_into_model
+    from megatron_patch.checkpoint.loading import load_checkpoint_into_model
 
     try:
         load_checkpoint_into_model(chunks, folder, cfg.layout, hf_config=cfg.hf_config, verify=not cfg.no_verify)
@@ -294,7 +294,7 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler, side_files: Pa
                  "config": cfg.to_dict()}, indent=2, default=str) + "\n")
             # The converter's sidecar too, and the tokenizer files, so that 'mpatch convert mcore2hf' of any
             # iteration folder is a whole HF folder.
-            from megatron_patch.convert.sidecar import Sidecar
+            from megatron_patch.checkpoint.sidecar import Sidecar
 
             Sidecar.create("torch_dist", cfg.arch, cfg.layout, cfg.precision.dtype,
                            carried_files=_carry_side_files(side_files, tmp),

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.registry import families
+from megatron_patch.models.description.registry import families
 
 HEAD = ["ENV", "MODEL_SIZE", "BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", "SEQ_LEN", "PAD_LEN", "PR",
         "TP", "PP", "CP"]

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from megatron_patch.errors import UserError
 from megatron_patch.lora.spec import LoraSpec, parse_targets
 from megatron_patch.models.mapping import LORA_TARGETS
-from megatron_patch.models.registry import families, get_family
+from megatron_patch.models.description.registry import families, get_family
 from megatron_patch.training.faults import KINDS, parse_faults
 from megatron_patch.training.launcher_args import (
     MAX_GLOBAL_BATCH,

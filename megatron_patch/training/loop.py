@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.errors import UserError
-from megatron_patch.models import compiled_fusions
-from megatron_patch.models.builder import build_model_chunks
-from megatron_patch.models.shape import model_shape
+from megatron_patch.models.blocks import compiled_fusions
+from megatron_patch.models.blocks.builder import build_model_chunks
+from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import destroy, move_to_device
@@ -32,17 +32,14 @@ from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import checkpointing, data, faults, packing, run_folder, sft_data, sparse_attention_run
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
-from megatron_patch.training.lora_run import describe_trainable, setup_lora
+from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup_lora
 from megatron_patch.training.machine_checks import attention_kernel, core_attention
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
-from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, summarize
+from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, peak_tflops, summarize
 
 # megatron-core is imported inside the functions, after init_model_parallel: on a machine without CUDA the CPU
 # compatibility layer (runtime/cpu_compat.py) must patch torch before megatron binds names at import.
-
-# Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles).
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
 
 class TrainingStopped(UserError):
@@ -50,7 +47,7 @@ class TrainingStopped(UserError):
 
 
 def flops_per_iteration(arch, cfg) -> float:
-    """Model FLOPs of one global batch, in Megatron-LM's convention (models/shape.py)."""
+    """Model FLOPs of one global batch, in Megatron-LM's convention (models/shape/model_shape.py)."""
     return model_shape(arch).flops_per_token(cfg.sample_length) * cfg.global_batch_size * cfg.sample_length
 
 
@@ -262,7 +259,9 @@ class Trainer:
         # Read by rank 0 alone, which writes them into each checkpoint.
         self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
         if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
-            setup_lora(cfg, chunks, self.resume_iteration is not None, self._log)
+            base = cfg_base(cfg)
+            checkpointing.load_starting_weights(cfg, chunks, base)
+            setup_lora(cfg, chunks, base, self.resume_iteration is not None, self._log)
             self._log(describe_trainable(chunks))
         elif self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
@@ -596,11 +595,7 @@ class Trainer:
     def _peak_tflops(self) -> float | None:
         if not torch.cuda.is_available():
             return None
-        name = torch.cuda.get_device_name()
-        for key, value in PEAK_TFLOPS.items():
-            if key in name:
-                return value * (2 if self.cfg.precision.fp8 else 1)
-        return None
+        return peak_tflops(torch.cuda.get_device_name(), fp8=self.cfg.precision.fp8)
 
 
 def train(cfg) -> dict:

@@ -14,16 +14,16 @@ import dataclasses
 import re
 from pathlib import Path
 
-from megatron_patch.convert.arch_source import open_checkpoint
-from megatron_patch.convert.foreign import find_checkpoint
-from megatron_patch.convert.sidecar import read_sidecar
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.foreign import find_checkpoint
+from megatron_patch.checkpoint.sidecar import read_sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import COLUMN, ROW, check_targets, plan_sites, rank_adapter_params, site_split, split_mode
 from megatron_patch.lora.saved import saved_mcore_names
 from megatron_patch.lora.sources import add_adapters, open_adapters
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.lora.state import find_base
-from megatron_patch.models.shape import chunk_layers
+from megatron_patch.models.shape.model_shape import chunk_layers
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -93,7 +93,7 @@ def check_lora(cfg) -> None:
 
     check_targets(cfg.arch, tuple(cfg.lora["targets"]))
     if cfg.precision.fp8:
-        from megatron_patch.models.builder import te_available
+        from megatron_patch.models.blocks.builder import te_available
 
         if not te_available():
             raise UserError("PR=fp8 with LoRA needs transformer-engine on a GPU (its FP8 GEMMs run the frozen base), "
@@ -108,20 +108,17 @@ def check_lora(cfg) -> None:
                             "yet: train it without one")
 
 
-def check_lora_launch(cfg) -> None:
+def check_lora_launch(cfg, resumed: Path | None) -> None:
     """Before a LoRA run starts (a dry run plans one without weights): the base checkpoint is given, and a
-    run that resumes trains on the base its checkpoints name."""
+    run that resumes (from the iteration folder ``resumed``) trains on the base its checkpoints name."""
     if cfg.lora is None:
         return
     if cfg.pretrain_checkpoint is None:
         raise UserError("LoRA trains adapters on a base model: give its converted checkpoint as "
                         "PRETRAIN_CHECKPOINT_PATH (mpatch convert hf2mcore)")
-    from megatron_patch.training.checkpointing import iteration_dir, latest_iteration
-
-    latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
-    if latest is None:
+    if resumed is None:
         return
-    folder = iteration_dir(cfg.checkpoint_dir, latest)
+    folder = resumed
     lora = read_sidecar(folder, release=False).lora
     if not lora:
         raise UserError(f"{folder} is a full fine-tuning checkpoint and this is a LoRA run: choose another "
@@ -140,14 +137,12 @@ def cfg_base(cfg) -> Path:
 
 # --- on each rank --------------------------------------------------------------------------------------------
 
-def setup_lora(cfg, chunks: list, resuming: bool, log) -> list:
-    """Load and freeze the base, attach the adapters and start them; returns each chunk's container."""
+def setup_lora(cfg, chunks: list, base: Path, resuming: bool, log) -> list:
+    """Freeze the base (loaded from ``base``, ``cfg_base``), attach the adapters and start them; returns each
+    chunk's container."""
     from megatron_patch.lora.layers import attach
-    from megatron_patch.training.checkpointing import load_starting_weights
     spec = LoraSpec.from_dict(cfg.lora)
     arch = cfg.arch
-    base = cfg_base(cfg)
-    load_starting_weights(cfg, chunks, base)
     starting = None
     if not resuming and cfg.lora_init is not None:
         starting = open_adapters(cfg.lora_init, arch)

@@ -6,7 +6,7 @@ first. Which attention runs is decided here too (``core_attention``, ``attention
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.core_attention import SDPA, UNFUSED, describe
+from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED, describe
 from megatron_patch.runtime.machine import Capabilities, version_tuple
 from megatron_patch.training.run_config import RunConfig
 
@@ -87,7 +87,7 @@ def core_attention(cfg: RunConfig, caps: Capabilities) -> str | None:
 def attention_kernel(cfg: RunConfig, caps: Capabilities) -> str:
     """What attention will run, as the log and the dry run report it."""
     if cfg.arch.sparse_attention is not None:
-        from megatron_patch.models import sparse_attention  # imported inside: torch and megatron-core, only for these models
+        from megatron_patch.models.blocks import sparse_attention  # imported inside: torch and megatron-core, only for these models
 
         return sparse_attention.describe(cfg.arch.sparse_attention, caps.cuda)
     local = core_attention(cfg, caps)

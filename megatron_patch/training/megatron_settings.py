@@ -3,7 +3,7 @@ settings, each flag's translation in one place (the dry run prints it; the train
 
 from __future__ import annotations
 
-from megatron_patch.models.compiled_fusions import config_overrides
+from megatron_patch.models.blocks.compiled_fusions import config_overrides
 from megatron_patch.training import sparse_attention_run
 from megatron_patch.training.run_config import RunConfig
 

@@ -1,7 +1,7 @@
 """Per-rank memory of a training run, worked out before launch (``MP_DRY_RUN=1``) and checked against it.
 
 Model state is counted exactly as megatron-core lays it out: each pipeline stage's parameters in
-module order (from the shapes megatron-core builds: ``models/shape.py``), into DDP buffers (with the distributed optimizer: every parameter starting at a multiple
+module order (from the shapes megatron-core builds: ``models/shape/model_shape.py``), into DDP buffers (with the distributed optimizer: every parameter starting at a multiple
 of 64 elements, buckets of ``max(4e7, 1e6*DP)`` elements on the first stage only, each padded to a
 multiple of lcm(DP, 128), tied embeddings in a bucket of their own), fp32 gradient buffers for mixed
 precision, and the optimizer state of this rank's shard of every bucket: fp32 master weights for
@@ -30,9 +30,9 @@ import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from megatron_patch.models.core_attention import SDPA, UNFUSED
-from megatron_patch.models.shape import RankParam as Param
-from megatron_patch.models.shape import model_shape
+from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED
+from megatron_patch.models.shape.model_shape import RankParam as Param
+from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.runtime.machine import installed_version, version_tuple
 from megatron_patch.training.machine_checks import local_core_attention
 from megatron_patch.units import GiB, human_bytes
@@ -43,7 +43,7 @@ from megatron_patch.units import GiB, human_bytes
 PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
 
 
-# --- parameters per rank, in module order: from the model's shape (models/shape.py) ---------------------------
+# --- parameters per rank, in module order: from the model's shape (models/shape/model_shape.py) ---------------------------
 
 def stage_layers(arch, cfg, pp_rank: int) -> list[int]:
     """Layers of each model chunk of pipeline rank ``pp_rank`` (one entry per virtual stage)."""
@@ -286,7 +286,7 @@ class MemoryPlan:
     offload_policy: str
     offload_share: float  # host share of the optimizer state (static: the ratio; auto: where it starts)
     margin: int
-    attention: str | None = None  # the local spec's core attention (models/core_attention.py); None with TE
+    attention: str | None = None  # the local spec's core attention (models/blocks/core_attention.py); None with TE
 
     def stage(self, pp_rank: int) -> StageMemory:
         return self.stages[pp_rank]

@@ -71,7 +71,7 @@ class PackedLocalAttention(torch.nn.Module):
 def use_packed_local_attention(model: torch.nn.Module) -> int:
     """Wrap every local core attention of ``model`` in ``PackedLocalAttention``; returns how many.
 
-    transformer-engine's attention and the SDPA core attention (``models/sdpa_attention.py``) take THD
+    transformer-engine's attention and the SDPA core attention (``models/blocks/sdpa_attention.py``) take THD
     themselves and are left alone.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention

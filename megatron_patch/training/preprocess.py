@@ -43,7 +43,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.outputs.folders import fsync_dir, fsync_file, partial_dir, recover
 from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 from megatron_patch.outputs.lock import OutputLock
-from megatron_patch.training.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import load_tokenizer
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.

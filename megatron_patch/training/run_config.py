@@ -10,7 +10,7 @@ from enum import Enum
 from pathlib import Path
 
 from megatron_patch.dtypes import ITEMSIZE, precision_dtype_name
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.training.run_folder import CHECKPOINT_DIR
 

@@ -33,8 +33,8 @@ import numpy
 import torch
 
 from megatron_patch.errors import UserError
+from megatron_patch.tokenizer import load_tokenizer
 from megatron_patch.training.data_files import PIECE, read_sft_idxmap
-from megatron_patch.training.tokenizer import load_tokenizer
 
 PROMPT_KEYS = ("instruction", "query", "prompt", "question")
 RESPONSE_KEYS = ("output", "content", "response", "completion", "answer")

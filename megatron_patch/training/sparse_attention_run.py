@@ -4,7 +4,7 @@ cannot run with it refused in one line, the indexer-only mode, and the indexer l
 - ``MP_DSA_INDEXER_LOSS_SCALE=S`` turns megatron-core's indexer loss on (``dsa_indexer_loss_coeff`` S): the KL
   divergence between the indexer's distribution over keys and the attention's (summed over heads), whose
   gradient reaches the indexer only (its inputs are detached). Off by default: fine-tuning a released model
-  keeps its indexer as released (frozen, ``models/sparse_attention.py``), and the loss holds a dense
+  keeps its indexer as released (frozen, ``models/blocks/sparse_attention.py``), and the loss holds a dense
   [batch, heads, seq, seq] float32 score matrix per layer.
 - ``MP_DSA_INDEXER_ONLY=true`` is DeepSeek's dense warm-up stage: every layer attends densely (all earlier
   keys), everything but the indexers is frozen, and the indexers learn from their loss alone (scale 1 unless
@@ -96,7 +96,7 @@ def trains(name: str, dsa: dict) -> bool:
 
 
 def split_trainable(cfg, chunks: list[list]) -> tuple[list[list], int]:
-    """For the memory plan: each model chunk's trainable parameters (``models.shape.RankParam``s, in order) and
+    """For the memory plan: each model chunk's trainable parameters (``models.shape.model_shape.RankParam``s, in order) and
     the number of frozen elements."""
     dsa = cfg.dsa or {"loss_scale": 0.0, "indexer_only": False}
     out = [[p for p in params if trains(p.name, dsa)] for params in chunks]
@@ -107,7 +107,7 @@ def split_trainable(cfg, chunks: list[list]) -> tuple[list[list], int]:
 def take_indexer_loss(device) -> float | None:
     """The mean indexer loss of this step over every layer, micro-batch and rank (a collective: every rank
     calls it), then cleared; None when no layer computed one."""
-    from megatron_patch.models.sparse_attention import INDEXER_LOSS
+    from megatron_patch.models.blocks.sparse_attention import INDEXER_LOSS
 
     stats = torch.tensor([float(INDEXER_LOSS["sum"]), float(INDEXER_LOSS["count"])], dtype=torch.float64,
                          device=device)

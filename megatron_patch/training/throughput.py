@@ -10,6 +10,17 @@ its throughput log.
 from __future__ import annotations
 
 WARMUP_ITERATIONS = 1
+# Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles), by a name the device's name contains.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+
+
+def peak_tflops(device_name: str, fp8: bool = False) -> float | None:
+    """The peak MFU is measured against for a GPU named ``device_name`` (``torch.cuda.get_device_name()``); None
+    for a GPU this table does not know (the summary then gives no MFU)."""
+    for key, value in PEAK_TFLOPS.items():
+        if key in device_name:
+            return value * (2 if fp8 else 1)
+    return None
 
 
 def summarize(records: list[dict], peak_tflops: float | None = None) -> dict | None:

@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import read_config_json, validate_layout
-from megatron_patch.models.registry import get_family, parse_arch
+from megatron_patch.models.description.arch import read_config_json, validate_layout
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.training.launcher_args import (
     MAX_ITERATIONS,
@@ -364,7 +364,7 @@ def data_exists(cfg: RunConfig) -> None:
 
 def tokenizer_exists(cfg: RunConfig) -> None:
     if cfg.sft and cfg.tokenizer is not None:
-        from megatron_patch.training.tokenizer import check_tokenizer_path  # transformers: only SFT needs it
+        from megatron_patch.tokenizer import check_tokenizer_path  # transformers: only SFT needs it
 
         check_tokenizer_path(cfg.tokenizer)
 
@@ -410,7 +410,7 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
     MODEL_SIZE names the family among the launcher's (Pai's Qwen3 launcher takes dense and MoE sizes). With a
     PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else MP_HF_CONFIG, else the
     MODEL_SIZE preset, else its saved Megatron-LM arguments (as this launcher's family), each checked against
-    its tensors (``convert.arch_source``)."""
+    its tensors (``checkpoint.arch_source``)."""
     if size == "auto":
         family, preset = (launcher.families[0] if len(launcher.families) == 1 else None), None
     else:

@@ -6,7 +6,7 @@ set -euo pipefail
 OUT=${1:-docs/alignment-sample}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-python -c "from megatron_patch.models.tiny import make_tiny_hf_checkpoint as m; m('llama3_1', '$WORK/hf', seed=1)"
+python -c "from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint as m; m('llama3_1', '$WORK/hf', seed=1)"
 mpatch convert hf2mcore --hf-dir "$WORK/hf" --save-dir "$WORK/mcore" --format torch_dist --quiet
 # Exit 1 (not aligned) still writes the report; keep it.
 mpatch align --hf-dir "$WORK/hf" --mcore-dir "$WORK/mcore" --tp 2 --pp 2 --dtype bf16 --seq-len 128 --batch 2 \

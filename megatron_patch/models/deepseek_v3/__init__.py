@@ -1,11 +1,11 @@
 """DeepSeek-V3 (and V2 / Moonlight, whose layout matches): multi-latent attention, DeepSeekMoE."""
 
+from megatron_patch.models.blocks.mtp import mtp_copies, num_mtp_layers
 from megatron_patch.models.deepseek_v3.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.deepseek_v3.mapping import weight_rules
 from megatron_patch.models.deepseek_v3.presets import PRESETS
-from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
-from megatron_patch.models.mtp import mtp_copies, num_mtp_layers
-from megatron_patch.models.registry import register
+from megatron_patch.models.description.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

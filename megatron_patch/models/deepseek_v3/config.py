@@ -11,8 +11,9 @@ interleaved pairs, attention biases.
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, MLAShape, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.routing import check_renormalised, expert_groups
+from megatron_patch.models.description.arch import Arch, MLAShape, require
 
 
 # Model types read as DeepSeek-V3: Kimi-K2's config.json says kimi_k2 (with remote code in auto_map, never
@@ -25,30 +26,23 @@ def routing_of(raw: dict) -> dict:
     v3 = raw.get("model_type") in V3_TYPES
     method = raw.get("topk_method", "noaux_tc" if v3 else "greedy")
     score = raw.get("scoring_func", "sigmoid" if v3 else "softmax")
-    topk = require(raw, "num_experts_per_tok")
-    groups, group_topk = raw.get("n_group") or 1, raw.get("topk_group") or 1
     norm = bool(raw.get("norm_topk_prob", v3))
     if score not in ("sigmoid", "softmax"):
         raise UserError(f"scoring_func '{score}' is not supported: choose sigmoid or softmax")
-    if score == "sigmoid" and not norm and topk > 1:
-        raise UserError("norm_topk_prob=false with sigmoid routing cannot be built: megatron-core renormalises "
-                        "the top-k sigmoid scores")
+    if score == "sigmoid":
+        check_renormalised(raw, norm)
     if score == "softmax" and norm:
         raise UserError("norm_topk_prob=true with softmax routing is not supported for DeepSeek-V2 models here")
-    grouped = groups > 1 and method in ("noaux_tc", "group_limited_greedy")
-    if grouped:
-        # megatron-core scores a group by the sum of its top (topk // topk_group) experts; transformers by
-        # the sum of the top two (V3) or by the best one (V2's group_limited_greedy).
-        per_group = 2 if method == "noaux_tc" else 1
-        if topk // group_topk != per_group:
-            raise UserError(f"group-limited routing with num_experts_per_tok={topk}, topk_group={group_topk} scores "
-                            f"groups differently in megatron-core (top {topk // group_topk}) than in transformers "
-                            f"(top {per_group}): not supported")
-    elif method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+    if method in ("noaux_tc", "group_limited_greedy"):
+        # transformers scores a group by the sum of its top two experts (V3) or by the best one (V2's
+        # group_limited_greedy)
+        groups, group_topk = expert_groups(raw, top_per_group=2 if method == "noaux_tc" else 1)
+    elif method == "greedy":
+        groups, group_topk = None, None
+    else:
         raise UserError(f"topk_method '{method}' is not supported: choose noaux_tc, greedy or group_limited_greedy")
-    return {"score": score, "expert_bias": method == "noaux_tc", "groups": groups if grouped else None,
-            "group_topk": group_topk if grouped else None, "scale": float(raw.get("routed_scaling_factor", 1.0)),
-            "norm": norm}
+    return {"score": score, "expert_bias": method == "noaux_tc", "groups": groups, "group_topk": group_topk,
+            "scale": float(raw.get("routed_scaling_factor", 1.0)), "norm": norm}
 
 
 def parse_config(raw: dict) -> Arch:

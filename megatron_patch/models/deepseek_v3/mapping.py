@@ -6,12 +6,12 @@ The down projections (q_a_proj, kv_a_proj_with_mqa) are whole on every TP rank w
 split with megatron-core's local spec; q_b_proj, q_proj and kv_b_proj are split by heads.
 """
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.deepseek_v3.config import routing_of
-from megatron_patch.models.decoder import (
+from megatron_patch.models.blocks.decoder import (
     HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules, expert_bias_rule, moe_rules, shared_expert_rules)
+from megatron_patch.models.blocks.mtp import mtp_rules
+from megatron_patch.models.deepseek_v3.config import routing_of
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import COLUMN, REPLICATED, ROW, LoraSite, Rule
-from megatron_patch.models.mtp import mtp_rules
 
 
 def attention_rules(arch: Arch) -> list[Rule]:

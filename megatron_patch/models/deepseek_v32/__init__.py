@@ -2,13 +2,13 @@
 table, one layer spec; their presets and indexer RoPE apart): DeepSeek-V3.2 (``deepseek_v32``) and GLM-5
 (``glm_moe_dsa``). DeepSeek-V3's multi-latent attention and DeepSeekMoE, plus a lightning indexer per layer."""
 
+from megatron_patch.models.blocks.mtp import mtp_copies, num_mtp_layers
 from megatron_patch.models.deepseek_v32.config import (
     GLM_TINY_CONFIG, TINY_CONFIG, layer_spec, parse_config, transformer_config_kwargs)
 from megatron_patch.models.deepseek_v32.mapping import weight_rules
 from megatron_patch.models.deepseek_v32.presets import DEEPSEEK_V32_PRESETS, GLM_MOE_DSA_PRESETS
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
-from megatron_patch.models.mtp import mtp_copies, num_mtp_layers
-from megatron_patch.models.registry import register
+from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 _COMMON = dict(

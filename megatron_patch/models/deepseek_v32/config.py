@@ -21,8 +21,8 @@ import copy
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, SparseAttentionShape, require
 from megatron_patch.models.deepseek_v3 import config as v3
+from megatron_patch.models.description.arch import Arch, SparseAttentionShape, require
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -91,7 +91,7 @@ def transformer_config_kwargs(arch: Arch) -> dict:
         dsa_indexer_head_dim=sparse.head_dim, dsa_indexer_topk=sparse.topk,
         # off unless the launcher asks (MP_DSA_INDEXER_LOSS_COEFF): fine-tuning a released model keeps its indexer
         dsa_indexer_loss_coeff=0.0,
-        # the family's local modules, with or without transformer-engine (models/sparse_attention.py)
+        # the family's local modules, with or without transformer-engine (models/blocks/sparse_attention.py)
         persist_layer_norm=False, apply_rope_fusion=False, moe_grouped_gemm=False, gradient_accumulation_fusion=False,
     )
 
@@ -99,8 +99,8 @@ def transformer_config_kwargs(arch: Arch) -> dict:
 def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
     """megatron-core's local layer specs (dense and MoE layers as config.json places them) with DeepSeek
     sparse attention as MLA's core attention; the same modules with or without transformer-engine."""
-    from megatron_patch.models import builder
-    from megatron_patch.models.sparse_attention import core_attention_spec
+    from megatron_patch.models.blocks import builder
+    from megatron_patch.models.blocks.sparse_attention import core_attention_spec
 
     plain = copy.copy(config)  # megatron-core 0.19's standard block specs refuse an attention variant
     plain.experimental_attention_variant = None
@@ -114,7 +114,7 @@ def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str |
 
 
 def _with_sparse_attention(layer, attention):
-    from megatron_patch.models.spec_edits import submodules_of, with_submodules
+    from megatron_patch.models.blocks.spec_edits import submodules_of, with_submodules
 
     # the latent norms are already transformers' (builder's local MLA layer: LatentRMSNorm)
     self_attention = with_submodules(submodules_of(layer).self_attention, core_attention=attention)

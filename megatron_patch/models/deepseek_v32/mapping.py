@@ -2,12 +2,12 @@
 indexer, whose four tensors are whole on every TP rank (megatron-core's DSA indexer keeps them so), MTP
 layers' included."""
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules
+from megatron_patch.models.blocks.decoder import HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules
+from megatron_patch.models.blocks.mtp import mtp_rules
 from megatron_patch.models.deepseek_v3.mapping import attention_rules, deepseek_moe_rules
 from megatron_patch.models.deepseek_v32.config import v3_view
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import REPLICATED, LoraSite, Rule
-from megatron_patch.models.mtp import mtp_rules
 
 # (MCore, HF, whether it is a linear layer's weight: LoRA's "indexer" target, off unless MP_LORA_TARGETS names it)
 INDEXER_TENSORS = (("linear_wq_b.weight", "wq_b.weight", True), ("linear_wk.weight", "wk.weight", True),

@@ -1,11 +1,11 @@
 """GLM-4.5 / 4.6 / 4.7 and GLM-4.5-Air: partial RoPE, q/k/v biases, DeepSeek-style MoE, MTP layers."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.blocks.mtp import mtp_copies, num_mtp_layers
+from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.glm4_moe.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.glm4_moe.mapping import weight_rules
 from megatron_patch.models.glm4_moe.presets import PRESETS
-from megatron_patch.models.mtp import mtp_copies, num_mtp_layers
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

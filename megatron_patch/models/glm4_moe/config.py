@@ -7,7 +7,7 @@ q/k RMSNorms (``use_qk_norm``: GLM-4.5 has them, GLM-4.5-Air not) and RoPE on th
 ``first_k_dense_replace`` layers dense, then DeepSeek-V3-style MoE layers: sigmoid scores with a score
 correction bias that only chooses experts, optionally limited to groups, the top-k renormalised and
 scaled by ``routed_scaling_factor``, plus ungated shared experts. Multi-token-prediction layers follow the
-decoder's in the hub checkpoints (DeepSeek-V3's layout, ``models/mtp.py``).
+decoder's in the hub checkpoints (DeepSeek-V3's layout, ``models/blocks/mtp.py``).
 
 What megatron-core would compute otherwise is refused in one line: top-k without renormalisation
 (megatron-core renormalises sigmoid top-k), groups scored other than by their top two experts, an
@@ -17,22 +17,15 @@ activation other than SwiGLU.
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.routing import check_renormalised, expert_groups, sigmoid_routing_kwargs
+from megatron_patch.models.description.arch import Arch, require
 
 
 def routing_of(raw: dict) -> dict:
-    """The routing fields, checked against what megatron-core computes exactly."""
-    topk = require(raw, "num_experts_per_tok")
-    groups, group_topk = raw.get("n_group") or 1, raw.get("topk_group") or 1
-    if not raw.get("norm_topk_prob", True) and topk > 1:
-        raise UserError("norm_topk_prob=false is not supported: megatron-core renormalises the top-k sigmoid scores")
-    if groups > 1 and topk // group_topk != 2:
-        raise UserError(f"group-limited routing with num_experts_per_tok={topk}, topk_group={group_topk} scores groups "
-                        f"by their top {topk // group_topk} experts in megatron-core, by their top 2 in transformers: "
-                        "not supported")
-    return {"groups": groups if groups > 1 else None, "group_topk": group_topk if groups > 1 else None,
-            "scale": float(raw.get("routed_scaling_factor", 1.0))}
+    """The routing fields, checked against what megatron-core computes exactly (``blocks/routing.py``)."""
+    check_renormalised(raw, raw.get("norm_topk_prob", True))
+    return {"groups": expert_groups(raw, top_per_group=2), "scale": float(raw.get("routed_scaling_factor", 1.0))}
 
 
 def parse_config(raw: dict) -> Arch:
@@ -56,9 +49,7 @@ def transformer_config_kwargs(arch: Arch) -> dict:
     routing = routing_of(arch.hf_config)
     return dict(
         qk_layernorm=bool(arch.hf_config.get("use_qk_norm", False)),
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
-        moe_router_num_groups=routing["groups"], moe_router_group_topk=routing["group_topk"],
-        moe_router_topk_scaling_factor=routing["scale"] if routing["scale"] != 1.0 else None,
+        **sigmoid_routing_kwargs(routing["groups"], routing["scale"]),
     )
 
 

@@ -2,12 +2,12 @@
 layers, MoE layers (router with its score-correction bias, routed experts, shared experts) and, when
 converted with them, the multi-token-prediction layers."""
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import (
+from megatron_patch.models.blocks.decoder import (
     attention_rules, dense_mlp_rules, embedding_and_head_rules, expert_bias_rule, moe_rules, qk_norm_rules,
     shared_expert_rules)
+from megatron_patch.models.blocks.mtp import mtp_rules
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import Rule
-from megatron_patch.models.mtp import mtp_rules
 
 
 def weight_rules(arch: Arch) -> list[Rule]:

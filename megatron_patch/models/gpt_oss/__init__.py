@@ -1,10 +1,10 @@
 """gpt-oss (20b, 120b): attention sinks, sliding windows, biases, clamped SwiGLU experts, MXFP4 hub weights."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.gpt_oss.config import TINY_CONFIG, layer_spec, parse_config, transformer_config_kwargs
 from megatron_patch.models.gpt_oss.mapping import hf_stacked, weight_rules
 from megatron_patch.models.gpt_oss.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

@@ -16,8 +16,8 @@ puts biases on every linear or none), layer types other than full and sliding at
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch, require
-from megatron_patch.models.decoder import parse_decoder_config, sliding_window_kwargs
+from megatron_patch.models.blocks.decoder import parse_decoder_config, sliding_window_kwargs
+from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch, require
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -98,8 +98,8 @@ TINY_CONFIG = {
 
 def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
     """The standard spec; on the local spec, experts that can train with their biases."""
-    from megatron_patch.models.builder import layer_spec as standard_layer_spec
-    from megatron_patch.models.spec_edits import with_biased_experts
+    from megatron_patch.models.blocks.builder import layer_spec as standard_layer_spec
+    from megatron_patch.models.blocks.spec_edits import with_biased_experts
 
     spec = standard_layer_spec(arch, config, use_te, vp_stage, core_attention, family_spec=False)
     return spec if use_te else with_biased_experts(spec)

@@ -3,8 +3,8 @@ experts, which transformers stores stacked and transposed, gate and up interleav
 (``mlp.experts.gate_up_proj`` [experts, hidden, 2 x ffn], ``down_proj`` [experts, ffn, hidden], their
 biases): each expert's slice is a member of the stacked tensor (``models/mapping/stacks.py``)."""
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import HF_LAYER, MC_LAYER, attention_rules, embedding_and_head_rules
+from megatron_patch.models.blocks.decoder import HF_LAYER, MC_LAYER, attention_rules, embedding_and_head_rules
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import (
     COLUMN, GATE_UP_INTERLEAVED, REPLICATED, ROW_TRANSPOSED, LayerKind, LoraSite, Rule, Scope)
 from megatron_patch.models.mapping.stacks import Stacks, experts_stacks

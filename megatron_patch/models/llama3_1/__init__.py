@@ -1,10 +1,10 @@
 """Llama 3.x and any Llama-architecture checkpoint (LlamaForCausalLM; MistralForCausalLM, its sliding window too)."""
 
-from megatron_patch.models.family import ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.family import ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.llama3_1.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.llama3_1.mapping import weight_rules
 from megatron_patch.models.llama3_1.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

@@ -7,8 +7,8 @@ makes every layer a sliding-window layer, as transformers' Mistral attends; mega
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import SLIDING_ATTENTION, Arch
-from megatron_patch.models.decoder import parse_decoder_config, sliding_window_kwargs
+from megatron_patch.models.blocks.decoder import parse_decoder_config, sliding_window_kwargs
+from megatron_patch.models.description.arch import SLIDING_ATTENTION, Arch
 
 
 def parse_config(raw: dict) -> Arch:

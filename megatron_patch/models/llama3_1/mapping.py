@@ -1,7 +1,7 @@
 """Llama HF <-> MCore weight table (with the linear biases when config.json has them)."""
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import attention_rules, dense_mlp_rules, embedding_and_head_rules
+from megatron_patch.models.blocks.decoder import attention_rules, dense_mlp_rules, embedding_and_head_rules
+from megatron_patch.models.description.arch import Arch
 
 
 def weight_rules(arch: Arch):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, pipeline_layer_ranges
+from megatron_patch.models.description.arch import Arch, pipeline_layer_ranges
 from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope
 from megatron_patch.models.mapping.splits import Split, SplitContext
 from megatron_patch.runtime.distributed import ParallelLayout

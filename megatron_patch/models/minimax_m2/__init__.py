@@ -1,10 +1,10 @@
 """MiniMax-M2 (and its point releases): GQA with whole-width q/k norms, partial RoPE, sigmoid-routed experts."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.minimax_m2.config import TINY_CONFIG, layer_spec, parse_config, transformer_config_kwargs
 from megatron_patch.models.minimax_m2.mapping import weight_rules
 from megatron_patch.models.minimax_m2.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

@@ -16,8 +16,9 @@ shared experts, layers of another attention type (MiniMax-01's lightning attenti
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.routing import sigmoid_routing_kwargs
+from megatron_patch.models.description.arch import Arch, require
 
 
 def with_rotary_dim(raw: dict) -> dict:
@@ -72,7 +73,7 @@ def transformer_config_kwargs(arch: Arch) -> dict:
     return dict(
         # the spec's q/k norms are the family's whole-width ones (layers.py); megatron-core builds them under this
         qk_layernorm=True,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_pre_softmax=False,
+        **sigmoid_routing_kwargs(),
     )
 
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.builder import layer_spec as standard_layer_spec
-from megatron_patch.models.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.blocks.builder import layer_spec as standard_layer_spec
+from megatron_patch.models.blocks.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.description.arch import Arch
 
 
 class _SumOverTP(torch.autograd.Function):

@@ -2,9 +2,9 @@
 every layer the router, its score-correction bias and the experts (w1 = gate, w3 = up, w2 = down), under
 the hub's ``block_sparse_moe`` names."""
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import (
+from megatron_patch.models.blocks.decoder import (
     HF_LAYER, MC_LAYER, attention_rules, embedding_and_head_rules, expert_bias_rule, moe_rules)
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import REPLICATED, Rule
 
 

@@ -1,10 +1,10 @@
 """Mixtral (8x7B, 8x22B): sparse MoE with top-2 routing, no shared expert."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.mixtral.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.mixtral.mapping import weight_rules
 from megatron_patch.models.mixtral.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

@@ -2,8 +2,8 @@
 
 import dataclasses
 
-from megatron_patch.models.arch import Arch, require
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.description.arch import Arch, require
 
 
 def parse_config(raw: dict) -> Arch:

@@ -1,7 +1,7 @@
 """Mixtral HF <-> MCore weight table: w1 = gate, w3 = up, w2 = down for each expert."""
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import attention_rules, embedding_and_head_rules, moe_rules
+from megatron_patch.models.blocks.decoder import attention_rules, embedding_and_head_rules, moe_rules
+from megatron_patch.models.description.arch import Arch
 
 
 def weight_rules(arch: Arch):

@@ -1,10 +1,10 @@
 """Qwen2 and Qwen2.5 (dense, q/k/v bias, tied embeddings on small models)."""
 
-from megatron_patch.models.family import ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.family import ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.qwen2.config import TINY_CONFIG, parse_config
 from megatron_patch.models.qwen2.mapping import weight_rules
 from megatron_patch.models.qwen2.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

@@ -1,8 +1,8 @@
 """Qwen2 / Qwen2.5 config.json -> Arch: q/k/v always carry a bias; small models tie embeddings."""
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.description.arch import Arch
 
 
 def parse_config(raw: dict) -> Arch:

@@ -1,10 +1,10 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): routed experts plus a sigmoid-gated shared expert."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.qwen2_moe.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.qwen2_moe.mapping import weight_rules
 from megatron_patch.models.qwen2_moe.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

@@ -3,8 +3,8 @@
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, require
-from megatron_patch.models.decoder import parse_decoder_config, qwen_dense_layers
+from megatron_patch.models.blocks.decoder import parse_decoder_config, qwen_dense_layers
+from megatron_patch.models.description.arch import Arch, require
 
 
 def parse_config(raw: dict) -> Arch:

@@ -1,8 +1,8 @@
 """Qwen2-MoE HF <-> MCore weight table: attention with bias, router, experts, gated shared expert."""
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import (
+from megatron_patch.models.blocks.decoder import (
     attention_rules, dense_mlp_rules, embedding_and_head_rules, moe_rules, shared_expert_rules)
+from megatron_patch.models.description.arch import Arch
 
 
 def weight_rules(arch: Arch):

@@ -1,10 +1,10 @@
 """Qwen3 (dense): q/k RMSNorm per head, head_dim apart from hidden/heads, tied embeddings up to 4B."""
 
-from megatron_patch.models.family import ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.family import ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.qwen3.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.qwen3.mapping import weight_rules
 from megatron_patch.models.qwen3.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

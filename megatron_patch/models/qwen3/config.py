@@ -1,8 +1,8 @@
 """Qwen3 config.json -> Arch: per-head q/k RMSNorm, an explicit head_dim, no q/k/v bias."""
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.description.arch import Arch
 
 
 def parse_config(raw: dict) -> Arch:

@@ -1,11 +1,11 @@
 """Qwen3.5 (dense and MoE): the language model of the multimodal hub checkpoint, Qwen3-Next's hybrid layers."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.qwen3_5.config import TINY_CONFIG, num_mtp_layers, parse_config
 from megatron_patch.models.qwen3_5.mapping import weight_rules
 from megatron_patch.models.qwen3_5.presets import PRESETS
 from megatron_patch.models.qwen3_next.config import layer_spec, mtp_block_spec, mtp_prefixes, transformer_config_kwargs
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

@@ -14,7 +14,7 @@ model computes. Image and video positions (the vision tower's tokens) are not su
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.qwen3_next.config import parse_hybrid, with_moe
 
 

@@ -5,8 +5,8 @@ megatron-core's [q; k; v; z; beta; alpha] per TP rank. The MTP layer keeps Qwen3
 
 import dataclasses
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import embedding_and_head_rules
+from megatron_patch.models.blocks.decoder import embedding_and_head_rules
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import ConcatPieces, Rule
 from megatron_patch.models.qwen3_next.mapping import full_attention_rules, linear_attention_rules, mlp_rules, mtp_rules
 

@@ -1,10 +1,10 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3 attention, routed experts without a shared one."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.qwen3_moe.config import TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.qwen3_moe.mapping import weight_rules
 from megatron_patch.models.qwen3_moe.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

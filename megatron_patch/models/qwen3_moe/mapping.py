@@ -1,8 +1,8 @@
 """Qwen3-MoE HF <-> MCore weight table: Qwen3 attention, router and experts, dense MLPs where config says."""
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import (
+from megatron_patch.models.blocks.decoder import (
     attention_rules, dense_mlp_rules, embedding_and_head_rules, moe_rules, qk_norm_rules)
+from megatron_patch.models.description.arch import Arch
 
 
 def weight_rules(arch: Arch):

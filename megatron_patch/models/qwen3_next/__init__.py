@@ -1,11 +1,11 @@
 """Qwen3-Next (80B-A3B): Gated DeltaNet interleaved with gated full attention, MoE with a gated shared expert."""
 
-from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
+from megatron_patch.models.description.registry import register
 from megatron_patch.models.qwen3_next.config import (
     TINY_CONFIG, layer_spec, mtp_block_spec, mtp_prefixes, num_mtp_layers, parse_config, transformer_config_kwargs)
 from megatron_patch.models.qwen3_next.mapping import weight_rules
 from megatron_patch.models.qwen3_next.presets import PRESETS
-from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

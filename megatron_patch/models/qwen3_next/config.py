@@ -16,8 +16,8 @@ layer types other than linear and full attention, value heads that are not a mul
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, Arch, LinearAttentionShape, require
-from megatron_patch.models.decoder import parse_decoder_config, qwen_dense_layers
+from megatron_patch.models.blocks.decoder import parse_decoder_config, qwen_dense_layers
+from megatron_patch.models.description.arch import FULL_ATTENTION, LINEAR_ATTENTION, Arch, LinearAttentionShape, require
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).

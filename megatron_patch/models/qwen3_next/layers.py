@@ -10,10 +10,9 @@ kernels); its local backend has no fused norm+linear for the linear-attention in
   q and k L2-normalised in float32, the chunked gated delta rule (flash-linear-attention's kernel where it
   is installed and the tensors are on a GPU, ``chunked_gated_delta_rule`` otherwise), then a gated
   RMSNorm (``GatedRMSNorm``) and the output projection;
-- ``ZeroCenteredRMSNorm``: Qwen3-Next's RMSNorm stores its weight zero-centred and scales by
-  ``1 + weight`` in float32; the weight is kept as stored, so bf16 round trips stay bit-exact;
 - full-attention layers: megatron-core's attention with its output gate (``attention_output_gate``) and
-  q/k norms, MoE or dense MLPs as config.json places them, and the MTP layer's norms, all with that norm.
+  q/k norms, MoE or dense MLPs as config.json places them, and the MTP layer's norms, all with the zero-centred
+  RMSNorm (``models/blocks/norms.py``: the weight stored zero-centred, scaling by ``1 + weight``).
 
 Checkpoints keep transformer-engine's names (``sharded_state_dict_keys_map``): a Gated DeltaNet layer's
 input norm is ``self_attention.in_proj.layer_norm_weight`` there, as megatron-core's TE spec fuses it.
@@ -35,30 +34,15 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint, sharded_state_dict_default
 
-from megatron_patch.models.arch import LINEAR_ATTENTION, Arch
-from megatron_patch.models.core_attention import core_attention_class
-from megatron_patch.models.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.blocks.core_attention import core_attention_class
+from megatron_patch.models.blocks.norms import ZeroCenteredRMSNorm
+from megatron_patch.models.blocks.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.description.arch import LINEAR_ATTENTION, Arch
 
 try:  # megatron-core 0.19 moved it; 0.16 keeps it beside its Gated DeltaNet
     from megatron.core.ssm.utils import _split_tensor_factory
 except ImportError:
     from megatron.core.ssm.gated_delta_net import _split_tensor_factory
-
-
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """RMSNorm with a zero-centred weight, as Qwen3-Next's: ``norm(x) * (1 + weight)`` in float32."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-        if config.sequence_parallel:  # its gradient is summed over the TP group (finalize_model_grads)
-            self.weight.sequence_parallel = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
 
 
 class GatedRMSNorm(torch.nn.Module):

@@ -5,12 +5,12 @@ gated shared expert, and, with --mtp, the multi-token-prediction layer (``mtp.*`
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, Arch
-from megatron_patch.models.decoder import (
+from megatron_patch.models.blocks.decoder import (
     HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules, moe_rules, shared_expert_rules)
+from megatron_patch.models.blocks.mtp import MTP_LAYER
+from megatron_patch.models.description.arch import FULL_ATTENTION, LINEAR_ATTENTION, Arch
 from megatron_patch.models.mapping import (
     COLUMN, QKV_GATED, REPLICATED, ROW, ConcatPieces, GroupedDeltaNetInput, LoraSite, Rule, Split)
-from megatron_patch.models.mtp import MTP_LAYER
 
 ATTN, LINEAR, MC_ATTN = f"{HF_LAYER}.self_attn", f"{HF_LAYER}.linear_attn", f"{MC_LAYER}.self_attention"
 

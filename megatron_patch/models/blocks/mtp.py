@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.decoder import HF_LAYER, MC_LAYER
+from megatron_patch.models.blocks.decoder import HF_LAYER, MC_LAYER
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import COLUMN, REPLICATED, Rule
 
 MTP_LAYER = "mtp.layers.{layer}"

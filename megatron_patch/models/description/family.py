@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import Rule, tied_hf_names
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -126,7 +126,7 @@ class ModelFamily:
     # stores them): stacked name -> member names in order (models/mapping/stacks.py).
     hf_stacked: Callable[[Arch], dict[str, tuple[str, ...]]] = _no_stacks
     # The megatron-core layer spec, for a family whose layers need modules of their own (arch, TransformerConfig,
-    # use_te, vp_stage, core_attention) -> spec; None: the builder's standard spec (models/builder.py: layer_spec).
+    # use_te, vp_stage, core_attention) -> spec; None: the builder's standard spec (models/blocks/builder.py: layer_spec).
     layer_spec: Callable | None = None
     # Its multi-token-prediction block's spec where megatron-core's would not fit its layers (arch, config, the
     # decoder's spec, use_te, vp_stage) -> spec; None: megatron-core's around the last decoder layer.
@@ -135,7 +135,7 @@ class ModelFamily:
     # Qwen3.5's is the multimodal model, of which the family converts and trains the language model.
     hf_auto_class: str = "AutoModelForCausalLM"
     # model_type -> the name transformers knows its code under, for a type that only remote code would
-    # load (Kimi-K2: kimi_k2 -> deepseek_v3); the aligner builds transformers' own class (models/hf_model.py).
+    # load (Kimi-K2: kimi_k2 -> deepseek_v3); the aligner builds transformers' own class (models/description/hf_model.py).
     transformers_model_types: Mapping[str, str] = field(default_factory=dict)
 
     @property

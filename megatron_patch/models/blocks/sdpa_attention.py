@@ -37,7 +37,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from megatron_patch.models.local_attention import LocalMLACoreAttention
+from megatron_patch.models.blocks.local_attention import LocalMLACoreAttention
 
 CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 HALF = (torch.float16, torch.bfloat16)

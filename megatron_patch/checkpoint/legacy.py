@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_patch.models.mapping import RankCoord
-from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.checkpoint_files.pickles import TensorRef
 from megatron_patch.checkpoint_files.torch_files import LazyTorchFile
 from megatron_patch.errors import UserError
+from megatron_patch.models.mapping import RankCoord
+from megatron_patch.models.mapping.naming import local_to_te_names
 from megatron_patch.runtime.distributed import ParallelLayout
 
 FILE_NAME = "model_optim_rng.pt"

@@ -1,6 +1,6 @@
 """A model's parameters and training FLOPs, known in one place: from the shapes megatron-core builds.
 
-megatron-core builds (in the skeleton's helper process, cached on disk: ``models/skeleton.py``) one
+megatron-core builds (in the skeleton's helper process, cached on disk: ``models/shape/skeleton.py``) one
 decoder layer of each kind the model has, with the embedding, the final norm, the output layer and any
 multi-token-prediction layers. A layer's kind is everything that can change its parameters: its MLP
 (dense or MoE) and, where config.json gives per-layer types (``layer_types``), its attention (full,
@@ -31,11 +31,11 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_patch.models.arch import LINEAR_ATTENTION, SLIDING_ATTENTION, Arch, pipeline_layer_ranges
+from megatron_patch.models.description.arch import LINEAR_ATTENTION, SLIDING_ATTENTION, Arch, pipeline_layer_ranges
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import RankCoord, plan_transfers
 from megatron_patch.models.mapping.splits import Replicated
-from megatron_patch.models.registry import get_family
-from megatron_patch.models.skeleton import ModelSkeleton, describe_models, only_layers
+from megatron_patch.models.shape.skeleton import ModelSkeleton, describe_models, only_layers
 from megatron_patch.runtime.distributed import ParallelLayout
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

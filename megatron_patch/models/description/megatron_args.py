@@ -14,7 +14,7 @@ do not record is listed in the returned notes, never silently assumed.
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.family import ModelFamily
+from megatron_patch.models.description.family import ModelFamily
 
 # megatron-core's defaults for --use-rope-scaling (llama3 RoPE): only the factor is an argument.
 _MCORE_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_patch.checkpoint_files.torch_files import torch_save_bytes
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import plan_transfers
-from megatron_patch.models.registry import get_family
-from megatron_patch.models.skeleton_entries import ChunkEntry, ModelSkeleton, ObjectEntry, expected_hf_shapes
+from megatron_patch.models.shape.skeleton_entries import ChunkEntry, ModelSkeleton, ObjectEntry, expected_hf_shapes
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # TransformerConfig settings that change which parameters megatron-core builds or their shapes: read

@@ -5,7 +5,7 @@ Megatron-Bridge or Pai-Megatron-Patch and says which files hold the weights, in 
 (torch_dist or legacy, TE or local-spec names), at which iteration, with what tensors (as torch_dist
 stores them: global, layers stacked), whether optimizer state and saved Megatron-LM arguments are
 there and which tool wrote it; it reads no weights. A folder that is not a checkpoint, a half-written
-one, or one whose layers don't add up is refused in one line. ``convert.arch_source`` adds the model
+one, or one whose layers don't add up is refused in one line. ``checkpoint.arch_source`` adds the model
 those tensors are (docs/foreign-checkpoints.md).
 """
 
@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_patch.checkpoint.legacy import FILE_NAME, open_rank_file
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
 from megatron_patch.checkpoint_files.layout import (
     ITERATION_DIR,
     RELEASE,
@@ -26,11 +28,9 @@ from megatron_patch.checkpoint_files.layout import (
     torch_dist_problem,
     zip_problem,
 )
-from megatron_patch.checkpoint_files.legacy import FILE_NAME, open_rank_file
 from megatron_patch.checkpoint_files.pickles import Record, TensorRef
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.checkpoint_files.torch_files import nbytes
-from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
 

@@ -1,4 +1,4 @@
-"""The registered model families: each folder under ``models/`` registers its ``ModelFamily`` from its
+"""The registered model families: each family folder under ``models/`` registers its ``ModelFamily`` from its
 ``__init__.py``; ``families()`` imports every such folder once, so adding a folder adds a family.
 """
 
@@ -9,14 +9,14 @@ import pkgutil
 from pathlib import Path
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, read_config_json
-from megatron_patch.models.config_checks import check_arch, check_config_values
-from megatron_patch.models.family import ModelFamily
+from megatron_patch.models.description.arch import Arch, read_config_json
+from megatron_patch.models.description.config_checks import check_arch, check_config_values
+from megatron_patch.models.description.family import ModelFamily
 
 _FAMILIES: dict[str, ModelFamily] = {}
 _DISCOVERED = False
-# Sub-packages of models/ that hold shared machinery, not a family.
-_NOT_FAMILIES = {"mapping"}
+# Sub-packages of models/ that hold what families share, by kind (models/__init__.py), not a family.
+NOT_FAMILIES = frozenset({"description", "blocks", "shape", "mapping"})
 
 
 def register(family: ModelFamily) -> ModelFamily:
@@ -42,7 +42,7 @@ def families() -> dict[str, ModelFamily]:
     if not _DISCOVERED:
         package = importlib.import_module("megatron_patch.models")
         for module in pkgutil.iter_modules(package.__path__):
-            if module.ispkg and module.name not in _NOT_FAMILIES:
+            if module.ispkg and module.name not in NOT_FAMILIES:
                 importlib.import_module(f"megatron_patch.models.{module.name}")
         _DISCOVERED = True
     return dict(sorted(_FAMILIES.items()))

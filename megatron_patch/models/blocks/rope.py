@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.description.arch import Arch
 
 
 def _plain(theta: float, dim: int) -> torch.Tensor:

@@ -8,10 +8,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_patch.models import rope
-from megatron_patch.models.core_attention import core_attention_class
-from megatron_patch.models.registry import get_family
-from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.models.blocks import rope
+from megatron_patch.models.blocks.core_attention import core_attention_class
+from megatron_patch.models.description.arch import Arch, validate_layout
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.machine import transformer_engine_usable
 
@@ -144,7 +144,7 @@ def layer_spec(arch: Arch, config, use_te: bool | None = None, vp_stage: int | N
     stage's block of per-layer specs (megatron-core's ``moe_layer_freq`` pattern picks each one).
 
     ``core_attention``: the local spec's core attention, "unfused" or "sdpa" (None: this machine's
-    default, ``models/core_attention.py``); the TE spec brings its own. A family whose layers need modules
+    default, ``models/blocks/core_attention.py``); the TE spec brings its own. A family whose layers need modules
     of their own builds its spec itself (``ModelFamily.layer_spec``, starting from this standard one with
     ``family_spec=False`` where it wants)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -184,7 +184,7 @@ def _local_layer(spec, moe: bool, mla: bool, config, core_attention: str | None)
     submodules = dataclasses.replace(attention.submodules,
                                      core_attention=core_attention_class(core_attention, mla))
     if mla:
-        from megatron_patch.models.local_attention import LatentRMSNorm, LocalMLASelfAttention
+        from megatron_patch.models.blocks.local_attention import LatentRMSNorm, LocalMLASelfAttention
 
         # transformers' latent norms keep epsilon 1e-6 whatever rms_norm_eps says (Moonlight, GLM-5: 1e-5)
         submodules = dataclasses.replace(submodules, q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)

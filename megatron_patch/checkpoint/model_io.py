@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from megatron_patch.convert.engine import (
+from megatron_patch.checkpoint.engine import (
     MappingError, check_hf_names, check_tied_copies, plan, rank_state_dict_from_hf)
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.builder import model_spec_name
+from megatron_patch.models.blocks.builder import model_spec_name
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import RankCoord
 from megatron_patch.models.mapping.naming import checkpoint_name
-from megatron_patch.models.registry import get_family
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_patch.models.registry import get_family
+from megatron_patch.models.description.registry import get_family
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the

@@ -10,10 +10,10 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass
 
-from megatron_patch.models.arch import Arch
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import MappingError, Transfer, names_list, plan_transfers, split_context
 from megatron_patch.models.mapping.splits import Replicated
-from megatron_patch.models.registry import get_family
 from megatron_patch.runtime.distributed import ParallelLayout
 
 SKELETON_FORMAT = 3  # 3: a chunk's place in its parameter when it is a piece stored under a key of its own

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_patch.convert.arch_source import what_to_give
-from megatron_patch.convert.foreign import find_checkpoint, tensor_facts
+from megatron_patch.checkpoint.arch_source import what_to_give
+from megatron_patch.checkpoint.foreign import find_checkpoint, tensor_facts
 from megatron_patch.dtypes import PRECISION_OF_DTYPE_NAME
 from megatron_patch.units import human_bytes
 

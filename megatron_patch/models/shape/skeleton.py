@@ -31,7 +31,7 @@ answer changes the key. A cached skeleton is the helper's own result read back (
 two); a damaged or foreign cache file is ignored and rewritten.
 
 It lives with the models, not the converter: the parameter counts, FLOPs and memory plan
-(``models/shape.py``) read the same shapes, from megatron-core (``describe_models``).
+(``models/shape/model_shape.py``) read the same shapes, from megatron-core (``describe_models``).
 """
 
 from __future__ import annotations
@@ -39,18 +39,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
 import io
 import json
 import os
 from pathlib import Path
 
+import megatron_patch
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.derived_skeleton import NotDerivable, derive_skeleton
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.models.mapping.naming import local_to_te_names
-from megatron_patch.models.registry import parse_arch
-from megatron_patch.models.skeleton_entries import (  # noqa: F401 - the skeleton's types, used from here
+from megatron_patch.models.shape.derived_skeleton import NotDerivable, derive_skeleton
+from megatron_patch.models.shape.skeleton_entries import (  # noqa: F401 - the skeleton's types, used from here
     SKELETON_FORMAT,
     ChunkEntry,
     ModelSkeleton,
@@ -58,6 +58,7 @@ from megatron_patch.models.skeleton_entries import (  # noqa: F401 - the skeleto
     expected_hf_shapes,
 )
 from megatron_patch.runtime import ParallelLayout, init_model_parallel
+from megatron_patch.runtime.machine import installed_version
 from megatron_patch.runtime.launch import run_local
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -86,7 +87,7 @@ def describe_model(arch: Arch, *, use_cache: bool = True, layers: tuple[int, ...
     weight table, or, where that derivation does not describe the model, from the disk cache or computed
     by megatron-core in a helper process (and then cached). ``use_cache=False``: computed by megatron-core.
 
-    ``layers`` builds only those decoder layers of the model, in that order (``models/shape.py`` asks
+    ``layers`` builds only those decoder layers of the model, in that order (``models/shape/model_shape.py`` asks
     for one layer of each kind, so that a 671B model's shapes cost what two of its layers cost)."""
     key = _key(arch, layers)
     if not use_cache:
@@ -160,21 +161,14 @@ def cache_dir() -> Path:
     return Path(root) / "skeletons"
 
 
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
-
-
 @functools.lru_cache(maxsize=1)
 def _code_digest() -> str:
     """Hash of every source file that decides what megatron builds for a config (and of the versions)."""
-    package = Path(__file__).resolve().parents[1]
+    package = Path(megatron_patch.__file__).resolve().parent
     files = sorted(p for sub in ("models", "runtime") for p in (package / sub).rglob("*.py"))
     h = hashlib.sha256()
     for dist in ("megatron-core", "torch"):
-        h.update(f"{dist}={_version(dist)}\n".encode())
+        h.update(f"{dist}={installed_version(dist) or 'none'}\n".encode())
     for p in files:
         h.update(str(p.relative_to(package)).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
@@ -233,7 +227,7 @@ def describe_model_here(arch: Arch) -> ModelSkeleton:
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
-    from megatron_patch.models.builder import build_model
+    from megatron_patch.models.blocks.builder import build_model
 
     _ensure_single_rank_state()
     # Storage is allocated but never touched (no initialisation), so it never becomes resident.

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.engine import reshard_for_local_spec
+from megatron_patch.checkpoint.legacy import open_rank_file, rank_file
+from megatron_patch.checkpoint.model_io import current_coord, load_state_dict_strict
+from megatron_patch.checkpoint.sidecar import Sidecar
 from megatron_patch.checkpoint_files.layout import load_models_torch_dist
-from megatron_patch.checkpoint_files.legacy import open_rank_file, rank_file
 from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_for, verify_manifest
-from megatron_patch.convert.arch_source import open_checkpoint
-from megatron_patch.convert.engine import reshard_for_local_spec
-from megatron_patch.convert.model_io import current_coord, load_state_dict_strict
-from megatron_patch.convert.sidecar import Sidecar
 from megatron_patch.errors import UserError
-from megatron_patch.models.builder import model_spec_name
+from megatron_patch.models.blocks.builder import model_spec_name
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import RankCoord
 from megatron_patch.models.mapping.naming import to_spec
-from megatron_patch.models.registry import get_family
 
 
 def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_config: dict | str | Path | None = None,
@@ -33,7 +33,7 @@ def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_conf
     ``ckpt_dir``; returns its sidecar.
 
     A checkpoint without this project's sidecar (another tool's) needs ``hf_config``, the model's
-    config the caller built ``model`` from (``convert.arch_source.open_checkpoint``). ``verify``: its files are
+    config the caller built ``model`` from (``checkpoint.arch_source.open_checkpoint``). ``verify``: its files are
     checked against its manifest first (``IntegrityError``: the caller names its switch that skips this)."""
     chunks = model if isinstance(model, list) else [model]
     opened = open_checkpoint(ckpt_dir, hf_config=hf_config)

@@ -9,7 +9,6 @@ of from flags that could drift from the weights.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata as md
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +17,10 @@ from megatron_patch import __version__
 from megatron_patch.checkpoint_files.layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_small_json, read_tracker
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch
-from megatron_patch.models.registry import parse_arch
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.runtime.machine import installed_version
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -30,16 +30,10 @@ SIDECAR_VERSION = 3  # 2: mtp_layers and notes; 3: lora
 
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
 def versions() -> dict[str, str | None]:
-    return {"megatron_patch": __version__, "megatron_core": _version("megatron-core") or _version("megatron_core"),
-            "torch": _version("torch"), "transformers": _version("transformers"), "safetensors": _version("safetensors")}
+    return {"megatron_patch": __version__, "megatron_core": installed_version("megatron-core", "megatron_core"),
+            "torch": installed_version("torch"), "transformers": installed_version("transformers"),
+            "safetensors": installed_version("safetensors")}
 
 
 @dataclass

@@ -80,7 +80,7 @@ class Arch:
     # Every linear layer has a bias (q/k/v, output projection, MLP): megatron-core's add_bias_linear.
     linear_bias: bool = False
     # RoPE scaling as config.json gives it ({"rope_type": "linear" | "llama3" | "yarn", ...}, see
-    # ROPE_TYPES); None for plain RoPE. models/rope.py turns it into frequencies.
+    # ROPE_TYPES); None for plain RoPE. models/blocks/rope.py turns it into frequencies.
     rope_scaling: dict | None = None
     # The share of each head's dimensions RoPE rotates (config.json's partial_rotary_factor: the first
     # int(head_dim * it) dimensions, the rest pass through); megatron-core's rotary_percent.

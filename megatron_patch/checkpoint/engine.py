@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
 from megatron_patch.lazy import LazyModule
-from megatron_patch.models.arch import Arch, validate_layout
-from megatron_patch.models.family import ModelFamily
+from megatron_patch.models.description.arch import Arch, validate_layout
+from megatron_patch.models.description.family import ModelFamily
 from megatron_patch.models.mapping import (  # noqa: F401 (MappingError, names_list: the converter's errors)
     REPLICATED, MappingError, RankCoord, Transfer, names_list, plan_transfers, split_context)
 from megatron_patch.models.mapping.naming import from_spec, to_spec
@@ -31,9 +31,11 @@ torch = LazyModule("torch")  # the streaming converter uses the checks here with
 
 
 def plan(family: ModelFamily, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None,
-         spec: str = "te") -> list[Transfer]:
-    """The family's table expanded at ``layout`` (refused, naming why, if the layout cannot hold ``arch``)."""
-    validate_layout(arch, layout, pp_first_stage_layers=pp_first_stage_layers)
+         spec: str = "te", *, checked: bool = False) -> list[Transfer]:
+    """The family's table expanded at ``layout`` (refused, naming why, if the layout cannot hold ``arch``;
+    ``checked``: the caller has refused such a layout already, as a conversion does once, before anything slow)."""
+    if not checked:
+        validate_layout(arch, layout, pp_first_stage_layers=pp_first_stage_layers)
     return plan_transfers(family.weight_rules(arch), arch, layout, pp_first_stage_layers, spec)
 
 

@@ -7,7 +7,7 @@ their config.json with ``parse_decoder_config`` and assemble their tables from t
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import SLIDING_ATTENTION, Arch, partial_rotary_factor, require, rope_settings
+from megatron_patch.models.description.arch import SLIDING_ATTENTION, Arch, partial_rotary_factor, require, rope_settings
 from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, LoraSite, Rule, Scope
 
 

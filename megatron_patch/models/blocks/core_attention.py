@@ -1,5 +1,5 @@
 """Which core attention a model on megatron-core's local layer spec runs (the transformer-engine spec brings
-its own): megatron-core's unfused ``DotProductAttention`` or torch SDPA (``models/sdpa_attention.py``).
+its own): megatron-core's unfused ``DotProductAttention`` or torch SDPA (``models/blocks/sdpa_attention.py``).
 
 - On a GPU without transformer-engine the default is SDPA: torch's flash / memory-efficient / cuDNN kernels,
   where the unfused one keeps a [b, heads, s, s] fp32 score matrix per layer.
@@ -52,11 +52,11 @@ def describe(name: str | None) -> str:
 def core_attention_class(name: str | None, mla: bool) -> type:
     """The class a local layer spec builds for ``name`` (None: this machine's default)."""
     if resolve(name) == SDPA:
-        from megatron_patch.models.sdpa_attention import SDPAttention
+        from megatron_patch.models.blocks.sdpa_attention import SDPAttention
 
         return SDPAttention
     if mla:
-        from megatron_patch.models.local_attention import LocalMLACoreAttention
+        from megatron_patch.models.blocks.local_attention import LocalMLACoreAttention
 
         return LocalMLACoreAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -68,7 +68,7 @@ def core_attention_of(model) -> str | None:
     """What ``model``'s core attention modules are: "sdpa", "unfused", or None for transformer-engine's."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_patch.models.sdpa_attention import SDPAttention
+    from megatron_patch.models.blocks.sdpa_attention import SDPAttention
 
     kinds = set()
     for module in model.modules():

@@ -5,10 +5,10 @@ The architecture comes from the first source that exists, never from guesses:
 1. this project's sidecar ``mpatch_checkpoint.json``;
 2. ``hf_config``: an HF config.json (or its folder, or the dict) giving the architecture to export into;
 3. Megatron-LM's saved ``args`` (legacy: in model_optim_rng.pt; torch_dist: in common.pt), mapped to
-   the HF config of the family named by ``family`` (``models.megatron_args``);
+   the HF config of the family named by ``family`` (``models.description.megatron_args``);
 4. otherwise one line saying which of these to give.
 
-Sources 2 and 3 are checked against the tensors (``convert.foreign``), and every disagreement is
+Sources 2 and 3 are checked against the tensors (``checkpoint.foreign``), and every disagreement is
 named (hidden size, layers, heads, query groups, MLP size, vocabulary, tied output layer, qk norm,
 experts, biases). The vocabulary padding is the checkpoint's own (Megatron-LM pads to a multiple of
 128 x TP): the model is described with exactly its rows (``Arch.vocab_padded_to``) and the padding
@@ -23,13 +23,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_patch.convert.engine import plan
-from megatron_patch.convert.foreign import FoundCheckpoint, find_checkpoint, tensor_facts
-from megatron_patch.convert.outputs import carried_files
-from megatron_patch.convert.sidecar import SIDECAR_NAME, Sidecar
+from megatron_patch.checkpoint.engine import plan
+from megatron_patch.checkpoint.foreign import FoundCheckpoint, find_checkpoint, tensor_facts
+from megatron_patch.checkpoint.outputs import carried_files
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, read_config_json, validate_layout
-from megatron_patch.models.registry import get_family, parse_arch
+from megatron_patch.models.description.arch import Arch, read_config_json, validate_layout
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -90,7 +90,7 @@ def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None
         if family is not None and family != arch.family:
             raise UserError(f"{source} describes a {arch.family} model, not --family {family}")
     elif found.args is not None and family is not None:
-        from megatron_patch.models.megatron_args import hf_config_from_megatron_args
+        from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args
 
         config, notes = hf_config_from_megatron_args(found.args, get_family(family))
         arch = get_family(family).parse_config(config)

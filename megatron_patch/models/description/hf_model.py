@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_patch.input_files import check_folder_inputs
-from megatron_patch.models.arch import read_config_json
-from megatron_patch.models.registry import detect_family
+from megatron_patch.models.description.arch import read_config_json
+from megatron_patch.models.description.registry import detect_family
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from megatron_patch.align.report import REPORT_FILES
+from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
 from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_files, write_manifest
-from megatron_patch.convert.sidecar import SIDECAR_NAME
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import HF_SIDE_FILES, checked_input
 from megatron_patch.outputs.folders import atomic_dir, overlap
@@ -54,6 +53,8 @@ def _first_file_above(path: Path) -> Path | None:
 # What a folder written here before the manifest existed may hold at its top level, by kind.
 _HF_EXPORT = ("config.json", "*.safetensors", "model.safetensors.index.json", *CARRIED_PATTERNS)
 _CHECKPOINT = (TRACKER_NAME, RELEASE, "iter_[0-9]*", SIDECAR_NAME, *CARRIED_PATTERNS)
+# What mpatch align wrote into --report-dir then (a report written since carries a manifest, whatever it holds).
+_ALIGN_REPORT = ("report.json", "report.md", "error_by_layer.png")
 
 
 def replace_refusal(folder: Path) -> str | None:
@@ -78,7 +79,7 @@ def replace_refusal(folder: Path) -> str | None:
     elif "config.json" in names and any(n.endswith(".safetensors") for n in names):
         kind, allowed = "an HF export", _HF_EXPORT
     elif {"report.json", "report.md"} <= set(names):
-        kind, allowed = "an align report", REPORT_FILES
+        kind, allowed = "an align report", _ALIGN_REPORT
     else:
         return ("is neither an output of mpatch (no mpatch_manifest.json) nor an MCore checkpoint, HF export or "
                 f"align report (it holds {names[0]})")
