@@ -3,7 +3,7 @@ table, one layer spec; their presets and indexer RoPE apart): DeepSeek-V3.2 (``d
 (``glm_moe_dsa``). DeepSeek-V3's multi-latent attention and DeepSeekMoE, plus a lightning indexer per layer."""
 
 from megatron_patch.models.deepseek_v32.config import (
-    GLM_TINY_CONFIG, TINY_CONFIG, layer_spec, parse_config, transformer_config_kwargs)
+    CONFIG_KEYS, GLM_TINY_CONFIG, TINY_CONFIG, layer_spec, parse_config, transformer_config_kwargs)
 from megatron_patch.models.deepseek_v32.mapping import weight_rules
 from megatron_patch.models.deepseek_v32.presets import DEEPSEEK_V32_PRESETS, GLM_MOE_DSA_PRESETS
 from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
@@ -12,7 +12,8 @@ from megatron_patch.models.registry import register
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 _COMMON = dict(
-    parse_config=parse_config, weight_rules=weight_rules, transformer_config_kwargs=transformer_config_kwargs,
+    parse_config=parse_config, config_keys=CONFIG_KEYS,
+    weight_rules=weight_rules, transformer_config_kwargs=transformer_config_kwargs,
     layer_spec=layer_spec, launcher_parallel_args=("ETP", "EP"), hf_modules=HFModules(router="mlp.gate", indexer="self_attn.indexer"),
     hf_mtp_layers=num_mtp_layers, hf_copies=mtp_copies,
     test_layouts=TestLayouts(

@@ -1,7 +1,8 @@
 """MiniMax-M2 (and its point releases): GQA with whole-width q/k norms, partial RoPE, sigmoid-routed experts."""
 
 from megatron_patch.models.family import HFModules, ModelFamily, TestLayouts
-from megatron_patch.models.minimax_m2.config import TINY_CONFIG, layer_spec, parse_config, transformer_config_kwargs
+from megatron_patch.models.minimax_m2.config import (
+    CONFIG_KEYS, TINY_CONFIG, layer_spec, parse_config, transformer_config_kwargs)
 from megatron_patch.models.minimax_m2.mapping import weight_rules
 from megatron_patch.models.minimax_m2.presets import PRESETS
 from megatron_patch.models.registry import register
@@ -12,7 +13,8 @@ FAMILY = register(ModelFamily(
                                "partial RoPE (rotary_dim), sigmoid routing with a correction bias, no shared "
                                "expert; FP8 hub weights",
     hf_model_types=("minimax_m2",), hf_architectures=("MiniMaxM2ForCausalLM",),
-    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
+    parse_config=parse_config, config_keys=CONFIG_KEYS,
+    weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
     # transformers 5 names the hub's block_sparse_moe "mlp"
     hf_modules=HFModules(mlp=("mlp", "block_sparse_moe"), router=("mlp.gate", "block_sparse_moe.gate")),

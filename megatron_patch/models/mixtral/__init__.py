@@ -1,7 +1,7 @@
 """Mixtral (8x7B, 8x22B): sparse MoE with top-2 routing, no shared expert."""
 
 from megatron_patch.models.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
-from megatron_patch.models.mixtral.config import TINY_CONFIG, parse_config, transformer_config_kwargs
+from megatron_patch.models.mixtral.config import CONFIG_KEYS, TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.mixtral.mapping import weight_rules
 from megatron_patch.models.mixtral.presets import PRESETS
 from megatron_patch.models.registry import register
@@ -10,7 +10,8 @@ from megatron_patch.runtime.distributed import ParallelLayout as L
 FAMILY = register(ModelFamily(
     name="mixtral", summary="Mixtral: sparse MoE, top-2 routing renormalised, no shared expert",
     hf_model_types=("mixtral",), hf_architectures=("MixtralForCausalLM",),
-    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
+    parse_config=parse_config, config_keys=CONFIG_KEYS,
+    weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
     # Pai's Mistral launcher takes Mixtral too (EP only: ETP follows TP)
     pai_launchers=(PaiLauncher("examples/mistral/run_mcore_mistral.sh", ("EP",), {"8x7B": "8x7B"}),),
