@@ -2,7 +2,10 @@
 
 - every config.json field a family reads is one it declares (``ModelFamily.config_keys``), so each is checked
   before the family reads it: a recording config.json notes every field the family's readers touch, on its tiny
-  config and on every preset, nested tables (Qwen3.5's text_config) and copies (``raw | {...}``) included.
+  config and on every preset, nested tables (Qwen3.5's text_config) and copies (``raw | {...}``) included;
+- a family's conversions derive its model skeleton from the weight table, or the family says why they ask
+  megatron-core (``ModelFamily.skeleton_from_megatron_core``): no family takes the slow path unsaid, and a new
+  ``Arch`` field is either modelled by the derivation or named as not.
 """
 
 from __future__ import annotations
@@ -122,3 +125,34 @@ def test_an_undeclared_field_is_found_and_a_declared_one_checked():
     qwen3_5 = families()["qwen3_5"].tiny_config
     with pytest.raises(UserError, match=r"'text_config.linear_num_key_heads' must be a whole number"):
         parse_arch({**qwen3_5, "text_config": {**qwen3_5["text_config"], "linear_num_key_heads": 2.5}})
+
+
+@pytest.mark.parametrize("name", list(families()))
+def test_a_family_derives_its_skeleton_or_says_why_not(name):
+    from megatron_patch.models import derived_skeleton as ds
+    from megatron_patch.models.registry import parse_arch
+
+    family = families()[name]
+    try:
+        ds.derive_skeleton(parse_arch(family.tiny_config))
+    except ds.NotDerivable as why:
+        assert family.skeleton_from_megatron_core, \
+            f"{name}: conversions would ask megatron-core for the model skeleton (a helper process, 5-10 s) because " \
+            f"{why}: teach models/derived_skeleton.py its modules, or set skeleton_from_megatron_core saying why"
+    else:
+        assert family.skeleton_from_megatron_core is None, \
+            f"{name}'s skeleton derives from its weight table: drop skeleton_from_megatron_core"
+
+
+def test_every_arch_field_is_modelled_by_the_derivation_or_named_as_not():
+    import dataclasses
+
+    from megatron_patch.models import derived_skeleton as ds
+    from megatron_patch.models.arch import Arch
+
+    fields = {f.name for f in dataclasses.fields(Arch)}
+    assert not ds._ARCH_FIELDS & ds.ARCH_FIELDS_NOT_MODELLED
+    assert fields == ds._ARCH_FIELDS | ds.ARCH_FIELDS_NOT_MODELLED, \
+        f"Arch fields {sorted(fields - ds._ARCH_FIELDS - ds.ARCH_FIELDS_NOT_MODELLED)}: add each to " \
+        "derived_skeleton._ARCH_FIELDS (the rules model it) or ARCH_FIELDS_NOT_MODELLED; a family's own settings " \
+        "belong in its FamilyConfig (Arch.family_config), not in a new Arch field"

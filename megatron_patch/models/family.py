@@ -53,6 +53,9 @@ class TestLayouts:
     bit-exact conversion round trips in process, as (format, layout, dtype)."""
 
     parity: tuple[ParallelLayout, ...] = (ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=2))
+    # The memory plan against what a one-process run allocates (tests/test_memory_plan.py): launcher arguments,
+    # environment, and whether its activations are held to the plan (dense models) or only printed (MoE: routing).
+    memory_plan: tuple[tuple[dict, dict, bool], ...] = ((dict(PR="bf16", DO="true"), {}, False),)
     round_trips: tuple[tuple[str, ParallelLayout, str], ...] = (
         ("legacy", ParallelLayout(tp=2, pp=2), "bf16"), ("torch_dist", ParallelLayout(tp=2), "fp32"))
 
@@ -140,6 +143,10 @@ class ModelFamily:
     # layer type, logit soft-capping): (model, arch) -> None, called on every model the builder builds, after
     # megatron-core built it and its RoPE frequencies are in (models/builder.py); None: megatron-core's as built.
     finish_model: Callable | None = None
+    # Why a conversion asks megatron-core for this family's model skeleton (a helper process, 5-10 s, cached on
+    # disk) instead of deriving it from the weight table (models/derived_skeleton.py); None: it derives. A test
+    # holds each family to this (tests/test_family_seams.py), so no family falls back to the slow path unsaid.
+    skeleton_from_megatron_core: str | None = None
     # The transformers auto class whose model its hub checkpoints hold (tiny checkpoints are made with it):
     # Qwen3.5's is the multimodal model, of which the family converts and trains the language model.
     hf_auto_class: str = "AutoModelForCausalLM"

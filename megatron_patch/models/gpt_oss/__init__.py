@@ -16,6 +16,7 @@ FAMILY = register(ModelFamily(
     weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
     hf_modules=HFModules(router="mlp.router"), hf_stacked=hf_stacked, layer_spec=layer_spec,
+    skeleton_from_megatron_core="its sliding-window layers and attention sinks are beyond the derivation's rules",
     test_layouts=TestLayouts(
         # megatron-core's experts take biases only at ETP=1 (and legacy files need ETP = TP)
         parity=(L(), L(tp=2, ep=2, etp=1), L(pp=2)),

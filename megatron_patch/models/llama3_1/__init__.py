@@ -17,6 +17,7 @@ FAMILY = register(ModelFamily(
     pai_launchers=(PaiLauncher("examples/llama3_1/run_mcore_llama3_1.sh", ()),
                    PaiLauncher("examples/mistral/run_mcore_mistral.sh", ("EP",), {"7B": "Mistral-7B"})),
     test_layouts=TestLayouts(
+        memory_plan=(),  # the plan's own variations (AC, offload, SDPA) run on Llama: tests/test_memory_plan.py
         parity=(L(), L(tp=2), L(pp=2)),
         round_trips=(("legacy", L(), "fp32"), ("legacy", L(tp=2, pp=2), "bf16"), ("torch_dist", L(tp=2), "fp32"))),
 ))

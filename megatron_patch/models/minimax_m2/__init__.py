@@ -19,6 +19,7 @@ FAMILY = register(ModelFamily(
     # transformers 5 names the hub's block_sparse_moe "mlp"
     hf_modules=HFModules(mlp=("mlp", "block_sparse_moe"), router=("mlp.gate", "block_sparse_moe.gate")),
     layer_spec=layer_spec,
+    skeleton_from_megatron_core="its whole-width q/k norms are modules of its own",
     test_layouts=TestLayouts(
         # TP=2 splits the q/k norms' heads: its logits equal TP=1's only through the norms' all-reduce
         parity=(L(), L(tp=2, ep=2), L(pp=2)),

@@ -18,6 +18,7 @@ FAMILY = register(ModelFamily(
     # transformers 4.x calls the MoE block block_sparse_moe
     hf_modules=HFModules(mlp=("mlp", "block_sparse_moe"), router=("mlp.gate", "block_sparse_moe.gate")),
     test_layouts=TestLayouts(
+        memory_plan=((dict(PR="bf16"), {}, False),),  # megatron's Float16Optimizer
         parity=(L(), L(pp=2), L(ep=2), L(tp=2, ep=2, etp=1)),
         round_trips=(("legacy", L(tp=2, pp=4, ep=2), "fp32"), ("legacy", L(pp=2, ep=4), "bf16"),
                      ("torch_dist", L(ep=2), "fp32"))),

@@ -16,6 +16,7 @@ FAMILY = register(ModelFamily(
     pai_launchers=(PaiLauncher("examples/qwen2/run_mcore_qwen.sh", ("EP",)),
                    PaiLauncher("examples/qwen2_5/run_mcore_qwen.sh", ())),
     test_layouts=TestLayouts(
+        memory_plan=((dict(PR="bf16", DO="true"), {}, True),),  # tied embeddings, q/k/v bias
         parity=(L(), L(tp=2), L(pp=2)),
         # Tied embeddings with PP > 1: the last stage keeps a copy.
         round_trips=(("legacy", L(tp=2, pp=2), "fp32"), ("legacy", L(pp=4), "bf16"), ("torch_dist", L(pp=2), "fp32"))),

@@ -18,6 +18,7 @@ FAMILY = register(ModelFamily(
     pai_launchers=(PaiLauncher("examples/qwen3/run_mcore_qwen3.sh", ("ETP", "EP")),
                    PaiLauncher("examples/qwen3/run_mcore_qwen3_moe.sh", ("ETP", "EP"))),
     test_layouts=TestLayouts(
+        memory_plan=((dict(PR="bf16", DO="true"), {}, True),),  # q/k norms
         parity=(L(), L(tp=2), L(pp=2)),
         # Tied embeddings with PP > 1: the last stage keeps a copy.
         round_trips=(("legacy", L(tp=2, pp=2), "bf16"), ("torch_dist", L(tp=2, pp=2), "fp32"))),

@@ -19,6 +19,7 @@ FAMILY = register(ModelFamily(
     hf_modules=HFModules(attention=("self_attn", "linear_attn"), router="mlp.gate"),
     hf_carried=(r"model\.visual\..+",), hf_auto_class="AutoModelForImageTextToText",
     hf_mtp_layers=num_mtp_layers, hf_mtp_prefixes=mtp_prefixes, layer_spec=layer_spec, mtp_block_spec=mtp_block_spec,
+    skeleton_from_megatron_core="its Gated DeltaNet layers are modules of its own",
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2, ep=2)),
         round_trips=(("legacy", L(tp=2, pp=2, ep=2), "bf16"), ("torch_dist", L(tp=2, ep=2, etp=1), "fp32"))),
