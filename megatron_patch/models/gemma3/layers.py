@@ -48,12 +48,14 @@ class PostNorm(ZeroCenteredRMSNorm):
     """The norm after the attention or the MLP: replicated over TP, and a module megatron-core's MLP can ask for its
     sharded state dict (it asks every child)."""
 
-    def __init__(self, config):
+    def __init__(self, config, tp_group):
         super().__init__(config, config.hidden_size, eps=config.layernorm_epsilon)
+        self.tp_group = tp_group  # its TP ranks hold replicas: the checkpoint's replica ids say which is the main one
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
-                                                   sharded_offsets, dp_cp_group=(metadata or {}).get("dp_cp_group"))
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
 class Gemma3SelfAttention(RotaryOfLayerType, SelfAttention):
@@ -62,7 +64,7 @@ class Gemma3SelfAttention(RotaryOfLayerType, SelfAttention):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.post_layernorm = PostNorm(config)
+        self.post_layernorm = PostNorm(config, self.tp_group)
 
     def forward(self, *args, **kwargs):
         output, bias = super().forward(*args, **kwargs)
@@ -74,7 +76,7 @@ class Gemma3MLP(MLP):
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.post_layernorm = PostNorm(config)
+        self.post_layernorm = PostNorm(config, self.tp_group)
 
     def forward(self, hidden_states, *args, **kwargs):
         output, bias = super().forward(hidden_states, *args, **kwargs)
