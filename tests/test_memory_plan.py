@@ -19,6 +19,7 @@ import os
 import pytest
 
 from megatron_patch.cli import main
+from megatron_patch.models.description.registry import families
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.training.memory_plan import GiB, auto_share, plan_memory, stage_memory
 from megatron_patch.training.validation import resolve
@@ -27,7 +28,8 @@ from tests.training_helpers import launcher_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (family, launcher arguments, environment, whether the activation estimate is checked)
+# (family, launcher arguments, environment, whether the activation estimate is checked): the plan's own variations on
+# Llama, then each family's cases, which the family declares (TestLayouts.memory_plan)
 ONE_PROCESS = [
     ("llama3_1", dict(PR="bf16"), {}, True),  # megatron's Float16Optimizer (DO=false)
     ("llama3_1", dict(PR="bf16", AC="sel"), {}, True),
@@ -36,21 +38,8 @@ ONE_PROCESS = [
     ("llama3_1", dict(PR="bf16", FL="true"), {}, True),  # SDPA: its output and log-sum-exp, no s^2 scores
     ("llama3_1", dict(PR="fp32", FL="true", AC="full"), {"MP_AC_LAYERS": "2"}, True),
     ("llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.5"), {}, True),  # chunks on both tiers, staging
-    ("qwen2", dict(PR="bf16", DO="true"), {}, True),  # tied embeddings, q/k/v bias
-    ("qwen2_moe", dict(PR="bf16", DO="true"), {}, False),  # router, experts, gated shared expert
-    ("qwen3", dict(PR="bf16", DO="true"), {}, True),  # q/k norms
-    ("qwen3_moe", dict(PR="bf16", DO="true"), {}, False),  # a dense layer among MoE layers
-    ("mixtral", dict(PR="bf16"), {}, False),
-    ("deepseek_v3", dict(PR="bf16", DO="true"), {}, False),  # MLA, dense then MoE layers, router bias buffer
-    ("glm4_moe", dict(PR="bf16", DO="true"), {}, False),  # partial RoPE, q/k/v bias and norms, shared expert
-    ("gpt_oss", dict(PR="bf16", DO="true"), {}, False),  # sinks, sliding window, router and expert biases
-    ("qwen3_next", dict(PR="bf16", DO="true"), {}, False),  # Gated DeltaNet and gated attention, its own spec
-    ("qwen3_5", dict(PR="bf16", DO="true"), {}, False),  # Qwen3.5-MoE's language model
-    ("minimax_m2", dict(PR="bf16", DO="true"), {}, False),  # whole-width q/k norms, router bias, no shared expert
-    # DeepSeek sparse attention: the indexer trained by its loss; frozen without it (outside DDP's buffers)
-    ("deepseek_v32", dict(PR="bf16", DO="true"), {"MP_DSA_INDEXER_LOSS_SCALE": "1"}, False),
-    ("glm_moe_dsa", dict(PR="bf16", DO="true"), {}, False),
-]
+] + [(name, over, env, checked) for name, family in families().items()
+     for over, env, checked in family.test_layouts.memory_plan]
 TWO_PROCESSES = [
     ("llama3_1", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, True),
     ("llama3_1", dict(PR="bf16", TP="2", DO="true"), {}, True),
@@ -110,9 +99,7 @@ def test_plan_equals_what_two_processes_allocate(corpus, tmp_path):
 
 
 def test_every_family_is_planned():
-    """Each family's model state is checked against a real run above (the lists name every family)."""
-    from megatron_patch.models.description.registry import families
-
+    """Each family's model state is checked against a real run above (every family declares a case)."""
     assert {f for f, *_ in ONE_PROCESS + TWO_PROCESSES} == set(families())
 
 

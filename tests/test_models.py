@@ -167,7 +167,7 @@ def test_family_specifics_are_parsed():
     ({**tiny_config("qwen2"), "use_sliding_window": True}, "use_sliding_window"),
     # transformers' Llama ignores a sliding_window; Mistral attends within it (LLAMA_VARIANTS)
     ({**tiny_config("llama3_1"), "sliding_window": 4096}, "sliding_window=4096 in a 'llama' config.json"),
-    ({**tiny_config("llama3_1"), "model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive"),
+    ({**tiny_config("llama3_1"), "model_type": "mistral", "sliding_window": 0}, "'sliding_window' must be between 1 and"),
     ({**tiny_config("llama3_1"), "attention_bias": True}, "attention_bias=true with mlp_bias=false"),
     ({**tiny_config("qwen2"), "mlp_bias": True}, "mlp_bias=true is not supported for qwen2"),
     ({**tiny_config("llama3_1"), "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "RoPE type 'longrope'"),

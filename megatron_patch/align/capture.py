@@ -173,12 +173,12 @@ def _submodule(parent: torch.nn.Module, paths: str | tuple[str, ...]) -> torch.n
 
 def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
     """The HF modules behind each point, at the paths the model's family names."""
-    targets = {"embedding": model.get_submodule(modules.embedding)}
-    for i, layer in enumerate(model.get_submodule(modules.layers)):
+    targets = {"embedding": _submodule(model, modules.embedding)}
+    for i, layer in enumerate(_submodule(model, modules.layers)):
         targets[f"layers.{i}.attention"] = _submodule(layer, modules.attention)
         targets[f"layers.{i}.mlp"] = _submodule(layer, modules.mlp)
         targets[f"layers.{i}.output"] = layer
-    targets["final_norm"] = model.get_submodule(modules.final_norm)
+    targets["final_norm"] = _submodule(model, modules.final_norm)
     return targets
 
 
@@ -187,7 +187,7 @@ def hf_routers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
     if modules.router is None:
         return {}
     out = {}
-    for i, layer in enumerate(model.get_submodule(modules.layers)):
+    for i, layer in enumerate(_submodule(model, modules.layers)):
         try:
             out[i] = _submodule(layer, modules.router)
         except AttributeError:
@@ -199,7 +199,7 @@ def hf_indexers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
     """Each sparse-attention layer's indexer, at the family's path."""
     if modules.indexer is None:
         return {}
-    return {i: layer.get_submodule(modules.indexer) for i, layer in enumerate(model.get_submodule(modules.layers))}
+    return {i: layer.get_submodule(modules.indexer) for i, layer in enumerate(_submodule(model, modules.layers))}
 
 
 def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:

@@ -276,6 +276,9 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         mtp_block_spec=mtp_spec,
     )
     rope.install(model, arch)
+    finish = get_family(arch.family).finish_model
+    if finish is not None:  # the model-level pieces the family owns (family.py)
+        finish(model, arch)
     return model
 
 

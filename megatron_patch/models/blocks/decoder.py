@@ -7,8 +7,25 @@ their config.json with ``parse_decoder_config`` and assemble their tables from t
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.description.arch import SLIDING_ATTENTION, Arch, partial_rotary_factor, require, rope_settings
+from megatron_patch.models.description.arch import (
+    Arch, SLIDING_ATTENTION, partial_rotary_factor, require, rope_settings)
+from megatron_patch.models.description.config_checks import (
+    Flag, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Real, Table, Text, Whole, WholeList)
 from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, LoraSite, Rule, Scope
+
+
+# The config.json fields ``parse_decoder_config`` reads (a family's ``config_keys`` start from them).
+DECODER_KEYS = {
+    "vocab_size": Whole(1, MAX_VOCAB), "hidden_size": Whole(1, MAX_WIDTH), "intermediate_size": Whole(1, MAX_WIDTH),
+    "num_hidden_layers": Whole(1, MAX_LAYERS), "num_attention_heads": Whole(1, MAX_HEADS),
+    "num_key_value_heads": Whole(1, MAX_HEADS), "head_dim": Whole(1, MAX_WIDTH),
+    "max_position_embeddings": Whole(1, MAX_POSITIONS), "rms_norm_eps": Real(0, 1.0), "rope_theta": Real(0),
+    "partial_rotary_factor": Real(0, 1.0), "original_max_position_embeddings": Whole(1, MAX_POSITIONS),
+    "rope_scaling": Table(ROPE_FIELDS), "rope_parameters": Table(ROPE_FIELDS), "tie_word_embeddings": Flag(),
+    "mlp_bias": Flag(), "hidden_act": Text(),
+}
+# Those ``qwen_dense_layers`` reads.
+QWEN_DENSE_LAYER_KEYS = {"decoder_sparse_step": Whole(1, MAX_LAYERS), "mlp_only_layers": WholeList(0, MAX_LAYERS)}
 
 
 def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias: bool = False,

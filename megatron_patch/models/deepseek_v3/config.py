@@ -11,9 +11,10 @@ interleaved pairs, attention biases.
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.blocks.routing import check_renormalised, expert_groups
 from megatron_patch.models.description.arch import Arch, MLAShape, require
+from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Flag, Real, Text, Whole
 
 
 # Model types read as DeepSeek-V3: Kimi-K2's config.json says kimi_k2 (with remote code in auto_map, never
@@ -62,7 +63,7 @@ def parse_config(raw: dict) -> Arch:
                    qk_nope_head_dim=require(raw, "qk_nope_head_dim"), qk_rope_head_dim=require(raw, "qk_rope_head_dim"),
                    v_head_dim=require(raw, "v_head_dim"))
     routing = routing_of(raw)
-    arch = parse_decoder_config({**raw, "head_dim": mla.v_head_dim}, "deepseek_v3", qkv_bias=False)
+    arch = parse_decoder_config(raw | {"head_dim": mla.v_head_dim}, "deepseek_v3", qkv_bias=False)
     experts = require(raw, "n_routed_experts", aliases=("num_local_experts", "num_experts"))
     moe_ffn = require(raw, "moe_intermediate_size")
     return dataclasses.replace(
@@ -120,4 +121,20 @@ TINY_CONFIG = {
                                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
     "rope_interleave": True, "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": 0,
     "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, "attention_bias": Flag(), "q_lora_rank": Whole(1, MAX_WIDTH), "kv_lora_rank": Whole(1, MAX_WIDTH),
+    "qk_nope_head_dim": Whole(1, MAX_WIDTH), "qk_rope_head_dim": Whole(1, MAX_WIDTH),
+    "v_head_dim": Whole(1, MAX_WIDTH), "rope_interleave": Flag(), "n_routed_experts": Whole(0, MAX_EXPERTS),
+    "num_local_experts": Whole(0, MAX_EXPERTS), "num_experts": Whole(0, MAX_EXPERTS),
+    "n_shared_experts": Whole(0, MAX_EXPERTS), "moe_intermediate_size": Whole(1, MAX_WIDTH),
+    "first_k_dense_replace": Whole(0, MAX_LAYERS), "moe_layer_freq": Whole(1, MAX_LAYERS),
+    "n_group": Whole(1, MAX_EXPERTS), "topk_group": Whole(1, MAX_EXPERTS), "norm_topk_prob": Flag(),
+    "routed_scaling_factor": Real(0), "scoring_func": Text(), "topk_method": Text(), "seq_aux": Flag(),
+    "aux_loss_alpha": Real(0, closed=True), "num_nextn_predict_layers": Whole(0, MAX_LAYERS),
+    "num_mtp_layers": Whole(0, MAX_LAYERS), "num_experts_per_tok": Whole(1, MAX_EXPERTS),
+    "router_aux_loss_coef": Real(0, closed=True),
 }

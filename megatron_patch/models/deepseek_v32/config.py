@@ -21,8 +21,10 @@ import copy
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.deepseek_v3 import config as v3
 from megatron_patch.models.description.arch import Arch, SparseAttentionShape, require
+from megatron_patch.models.description.config_checks import (
+    Given, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_WIDTH, Names, Whole)
+from megatron_patch.models.deepseek_v3 import config as v3
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -36,10 +38,9 @@ INDEXED_ATTENTION_NAMES = {INDEXED_ATTENTION, "deepseek_sparse_attention"}
 
 def as_v3(raw: dict) -> dict:
     """config.json as DeepSeek-V3's parsing reads it: V3's routing and interleaved MLA RoPE (transformers' V3.2
-    and GLM-5 models have no other), no layer types of the indexer's."""
-    out = {k: v for k, v in raw.items() if k not in ("layer_types", "indexer_types", "mlp_layer_types")}
-    return {**out, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-            "rope_interleave": True}
+    and GLM-5 models have no other), no layer types of the indexer's (null: not given)."""
+    return raw | {"layer_types": None, "indexer_types": None, "mlp_layer_types": None, "model_type": "deepseek_v3",
+                  "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_interleave": True}
 
 
 def sparse_attention_of(raw: dict) -> SparseAttentionShape:
@@ -136,4 +137,12 @@ GLM_TINY_CONFIG = {
     **{k: v for k, v in TINY_CONFIG.items() if k not in ("rope_scaling", "rope_interleave")},
     "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "rms_norm_eps": 1e-5,
     "rope_theta": 1000000.0,
+}
+
+
+# The config.json fields these families read: DeepSeek-V3's and the indexer's.
+CONFIG_KEYS = {
+    **v3.CONFIG_KEYS, "index_topk": Whole(1, MAX_POSITIONS), "index_n_heads": Whole(1, MAX_HEADS),
+    "index_head_dim": Whole(1, MAX_WIDTH), "index_topk_freq": Whole(1, MAX_LAYERS), "index_topk_pattern": Given(),
+    "layer_types": Names(MAX_LAYERS), "indexer_types": Names(MAX_LAYERS), "mlp_layer_types": Names(MAX_LAYERS),
 }

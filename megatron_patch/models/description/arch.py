@@ -63,6 +63,12 @@ class LinearAttentionShape:
 
 
 @dataclass(frozen=True)
+class FamilyConfig:
+    """A family's own typed settings, which only its model reads (``Arch.family_config``): a family subclasses
+    this (a frozen dataclass) in its folder instead of adding fields here, which every family would carry."""
+
+
+@dataclass(frozen=True)
 class Arch:
     family: str
     vocab_size: int
@@ -115,6 +121,8 @@ class Arch:
     # The embedding's row count when a checkpoint written elsewhere padded the vocabulary otherwise
     # (Megatron-LM pads to a multiple of 128 x TP): the model is built with exactly its rows.
     vocab_padded_to: int | None = None
+    # What only the family's own modules read (Gemma 3's local RoPE base, its softmax scale): its FamilyConfig.
+    family_config: FamilyConfig | None = None
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property

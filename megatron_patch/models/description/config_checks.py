@@ -6,7 +6,8 @@ module runs first (``registry.parse_arch``), so a string where a number belongs,
 zero key/value heads or a billion layers is refused in one line naming the field, instead of a traceback, a
 silently wrong model, or an allocation proportional to the bad number.
 
-- ``check_config_values(raw)``: the fields any supported family reads, by type and range (JSON ``null``
+- ``check_config_values(raw, keys)``: the fields every config has and those its family declares it reads
+  (``ModelFamily.config_keys``, in the family's folder), by type and range, nested tables included (JSON ``null``
   means "not given": the families' defaults apply).
 - Structural sizes have ceilings far beyond any published model (layers 10,000, vocabulary 2**31...): the
   work before a model is built (layer lists, the weight plan) is proportional to them.
@@ -67,12 +68,42 @@ class Flag:
 
 @dataclass(frozen=True)
 class Table:
-    """A JSON object whose own fields follow ``fields``."""
+    """A JSON object whose own fields follow ``fields`` (checked the same way, at any depth)."""
 
     fields: dict
 
     def problem(self, value) -> str | None:
         return None if isinstance(value, dict) else f"must be a JSON object, found {_show(value)}"
+
+
+@dataclass(frozen=True)
+class Given:
+    """Any value: the family reads only whether the field is given (and refuses it then, in one line)."""
+
+    def problem(self, value) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class Text:
+    """A string (a name, a model type, an activation)."""
+
+    def problem(self, value) -> str | None:
+        return None if isinstance(value, str) else f"must be a string, found {_show(value)}"
+
+
+@dataclass(frozen=True)
+class Names:
+    """A list of strings (per-layer types), at most ``longest`` of them."""
+
+    longest: int = 10_000
+
+    def problem(self, value) -> str | None:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return f"must be a list of strings, found {_show(value)}"
+        if len(value) > self.longest:
+            return f"must list at most {self.longest:,} names, found {len(value):,}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -107,72 +138,18 @@ MAX_VOCAB = 2**31 - 1
 MAX_EXPERTS = 2**16
 MAX_POSITIONS = 2**31 - 1
 
-_ROPE = {
-    "rope_theta": Real(0), "factor": Real(0), "low_freq_factor": Real(0), "high_freq_factor": Real(0),
-    "original_max_position_embeddings": Whole(1, MAX_POSITIONS), "beta_fast": Real(0), "beta_slow": Real(0),
-    "mscale": Real(0, closed=True), "mscale_all_dim": Real(0, closed=True), "attention_factor": Real(0),
-    "partial_rotary_factor": Real(0, 1.0), "truncate": Flag(),
+# RoPE's fields, wherever a config.json keeps them (rope_scaling, rope_parameters, per layer type in Gemma's).
+ROPE_FIELDS = {
+    "rope_type": Text(), "type": Text(), "rope_theta": Real(0), "factor": Real(0), "low_freq_factor": Real(0),
+    "high_freq_factor": Real(0), "original_max_position_embeddings": Whole(1, MAX_POSITIONS), "beta_fast": Real(0),
+    "beta_slow": Real(0), "mscale": Real(0, closed=True), "mscale_all_dim": Real(0, closed=True),
+    "attention_factor": Real(0), "partial_rotary_factor": Real(0, 1.0), "truncate": Flag(),
 }
 
-# The fields the supported families read (and a few every config has), by name.
-FIELDS: dict = {
-    "vocab_size": Whole(1, MAX_VOCAB),
-    "hidden_size": Whole(1, MAX_WIDTH),
-    "intermediate_size": Whole(1, MAX_WIDTH),
-    "moe_intermediate_size": Whole(1, MAX_WIDTH),
-    "shared_expert_intermediate_size": Whole(0, MAX_WIDTH),
-    "num_hidden_layers": Whole(1, MAX_LAYERS),
-    "num_attention_heads": Whole(1, MAX_HEADS),
-    "num_key_value_heads": Whole(1, MAX_HEADS),
-    "head_dim": Whole(1, MAX_WIDTH),
-    "max_position_embeddings": Whole(1, MAX_POSITIONS),
-    "rms_norm_eps": Real(0, 1.0),
-    "rope_theta": Real(0),
-    "partial_rotary_factor": Real(0, 1.0),
-    "rope_scaling": Table(_ROPE),
-    "rope_parameters": Table(_ROPE),
-    "tie_word_embeddings": Flag(),
-    "attention_bias": Flag(),
-    "mlp_bias": Flag(),
-    "norm_topk_prob": Flag(),
-    "num_experts": Whole(0, MAX_EXPERTS),
-    "num_local_experts": Whole(0, MAX_EXPERTS),
-    "n_routed_experts": Whole(0, MAX_EXPERTS),
-    "num_experts_per_tok": Whole(1, MAX_EXPERTS),
-    "n_shared_experts": Whole(0, MAX_EXPERTS),
-    "n_group": Whole(1, MAX_EXPERTS),
-    "topk_group": Whole(1, MAX_EXPERTS),
-    "routed_scaling_factor": Real(0),
-    "router_aux_loss_coef": Real(0, closed=True),
-    "aux_loss_alpha": Real(0, closed=True),
-    "decoder_sparse_step": Whole(1, MAX_LAYERS),
-    "mlp_only_layers": WholeList(0, MAX_LAYERS),
-    "first_k_dense_replace": Whole(0, MAX_LAYERS),
-    "moe_layer_freq": Whole(1, MAX_LAYERS),
-    "q_lora_rank": Whole(1, MAX_WIDTH),
-    "kv_lora_rank": Whole(1, MAX_WIDTH),
-    "qk_nope_head_dim": Whole(1, MAX_WIDTH),
-    "qk_rope_head_dim": Whole(1, MAX_WIDTH),
-    "v_head_dim": Whole(1, MAX_WIDTH),
-    "num_nextn_predict_layers": Whole(0, MAX_LAYERS),
-    "num_mtp_layers": Whole(0, MAX_LAYERS),
-    # MiniMax-M2
-    "rotary_dim": Whole(1, MAX_WIDTH),
-    "use_qk_norm": Flag(),
-    "use_routing_bias": Flag(),
-    "shared_intermediate_size": Whole(0, MAX_WIDTH),
-    "attn_type_list": WholeList(0, 1, longest=MAX_LAYERS),
-    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5)
-    "index_topk": Whole(1, MAX_POSITIONS),
-    "index_n_heads": Whole(1, MAX_HEADS),
-    "index_head_dim": Whole(1, MAX_WIDTH),
-    "model_type": None,  # strings: checked below
-    "hidden_act": None,
-    "scoring_func": None,
-    "topk_method": None,
-    "qk_norm_type": None,
-}
-_STRINGS = ("model_type", "hidden_act", "scoring_func", "topk_method", "qk_norm_type")
+# The fields every config.json may have and the code outside the families reads: which family claims it, and the
+# dtype its weights were saved in. Everything else a family reads, the family declares (``ModelFamily.config_keys``,
+# in its folder), and a test holds each family's reads to its declaration (tests/test_family_seams.py).
+COMMON_KEYS: dict = {"model_type": Text(), "architectures": Names(), "dtype": Text(), "torch_dtype": Text()}
 
 
 # What config.json's ``torch_dtype`` (transformers < 5) or ``dtype`` (5.x) may name: the dtype the weights were
@@ -191,31 +168,23 @@ def config_dtype(raw: dict, where: str = "config.json") -> str | None:
     return raw.get("dtype") or raw.get("torch_dtype")
 
 
-def check_config_values(raw: dict, where: str = "config.json") -> None:
-    """Refuse the first field whose type or range is wrong, in one line naming it."""
+def check_config_values(raw: dict, keys: dict | None = None, where: str = "config.json") -> None:
+    """Refuse the first field whose type or range is wrong, in one line naming it: the fields every config has, and
+    ``keys``, the fields a family declares it reads (``ModelFamily.config_keys``)."""
     config_dtype(raw, where)
-    for key in _STRINGS:
-        if raw.get(key) is not None and not isinstance(raw[key], str):
-            raise UserError(f"{where} '{key}' must be a string, found {_show(raw[key])}")
-    archs = raw.get("architectures")
-    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-        raise UserError(f"{where} 'architectures' must be a list of strings, found {_show(archs)}")
-    for key, rule in FIELDS.items():
+    _check_fields(raw, {**COMMON_KEYS, **(keys or {})}, where, "")
+
+
+def _check_fields(raw: dict, rules: dict, where: str, path: str) -> None:
+    for key, rule in rules.items():
         value = raw.get(key)
-        if rule is None or value is None:
+        if value is None:  # JSON null means "not given": the family's default applies
             continue
         why = rule.problem(value)
         if why:
-            raise UserError(f"{where} '{key}' {why}")
+            raise UserError(f"{where} '{path}{key}' {why}")
         if isinstance(rule, Table):
-            for sub, sub_rule in rule.fields.items():
-                if value.get(sub) is not None:
-                    why = sub_rule.problem(value[sub])
-                    if why:
-                        raise UserError(f"{where} '{key}.{sub}' {why}")
-            kind = value.get("rope_type", value.get("type"))
-            if kind is not None and not isinstance(kind, str):
-                raise UserError(f"{where} '{key}.rope_type' must be a string, found {_show(kind)}")
+            _check_fields(value, rule.fields, where, f"{path}{key}.")
 
 
 def check_arch(arch) -> None:

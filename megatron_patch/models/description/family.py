@@ -8,6 +8,8 @@ its own ``__init__.py`` (``registry.register``):
 - its weight table (``mapping.py``, written in the vocabulary of ``models.mapping``), the HF names it
   ignores (buffers such as rotary ``inv_freq``) and, through the table, the names it ties;
 - presets of the published sizes (the launcher's MODEL_SIZE) and a tiny config for tests and demos;
+- its megatron-core layer spec where megatron-core's standard one does not fit, and the model-level pieces around
+  it (``finish_model``: a post-build hook on the GPTModel) with its own typed settings (``Arch.family_config``);
 - its launcher's parallel arguments (where EP / ETP sit in the positional list), Pai-Megatron-Patch's names
   for its sizes and the Pai launchers that train it, and the weight decay Pai's script for it passes;
 - the HF module paths the aligner captures;
@@ -34,11 +36,11 @@ class HFModules:
     """Attribute paths into the transformers model, for the aligner's capture points. A tuple gives
     alternatives, the first the model has is used (transformers 4.x and 5.x name some blocks apart)."""
 
-    embedding: str = "model.embed_tokens"
-    layers: str = "model.layers"
+    embedding: str | tuple[str, ...] = "model.embed_tokens"  # a multimodal class: model.language_model.embed_tokens
+    layers: str | tuple[str, ...] = "model.layers"
     attention: str | tuple[str, ...] = "self_attn"  # within a decoder layer (Qwen3-Next: or linear_attn)
     mlp: str | tuple[str, ...] = "mlp"  # within a decoder layer
-    final_norm: str = "model.norm"
+    final_norm: str | tuple[str, ...] = "model.norm"
     # Within an MoE layer: the router (its output holds the chosen experts, or only logits in 4.x).
     router: str | tuple[str, ...] | None = None
     # Within a decoder layer: a sparse attention's indexer (its output holds each query's top-k keys).
@@ -51,6 +53,9 @@ class TestLayouts:
     bit-exact conversion round trips in process, as (format, layout, dtype)."""
 
     parity: tuple[ParallelLayout, ...] = (ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=2))
+    # The memory plan against what a one-process run allocates (tests/test_memory_plan.py): launcher arguments,
+    # environment, and whether its activations are held to the plan (dense models) or only printed (MoE: routing).
+    memory_plan: tuple[tuple[dict, dict, bool], ...] = ((dict(PR="bf16", DO="true"), {}, False),)
     round_trips: tuple[tuple[str, ParallelLayout, str], ...] = (
         ("legacy", ParallelLayout(tp=2, pp=2), "bf16"), ("torch_dist", ParallelLayout(tp=2), "fp32"))
 
@@ -93,6 +98,9 @@ class ModelFamily:
     hf_model_types: tuple[str, ...]
     hf_architectures: tuple[str, ...]
     parse_config: Callable[[dict], Arch]
+    # The config.json fields parse_config reads (and the family's other readers: MTP layers), each with its check
+    # (models/config_checks.py: name -> rule, a Table for a nested object); checked before the family reads them.
+    config_keys: Mapping[str, object]
     weight_rules: Callable[[Arch], list[Rule]]
     tiny_config: dict
     presets: Mapping[str, dict]                    # MODEL_SIZE -> HF config.json dict
@@ -131,6 +139,14 @@ class ModelFamily:
     # Its multi-token-prediction block's spec where megatron-core's would not fit its layers (arch, config, the
     # decoder's spec, use_te, vp_stage) -> spec; None: megatron-core's around the last decoder layer.
     mtp_block_spec: Callable | None = None
+    # The model-level pieces it owns, around megatron-core's GPTModel (the embedding's scale, a rotary embedding per
+    # layer type, logit soft-capping): (model, arch) -> None, called on every model the builder builds, after
+    # megatron-core built it and its RoPE frequencies are in (models/builder.py); None: megatron-core's as built.
+    finish_model: Callable | None = None
+    # Why a conversion asks megatron-core for this family's model skeleton (a helper process, 5-10 s, cached on
+    # disk) instead of deriving it from the weight table (models/derived_skeleton.py); None: it derives. A test
+    # holds each family to this (tests/test_family_seams.py), so no family falls back to the slow path unsaid.
+    skeleton_from_megatron_core: str | None = None
     # The transformers auto class whose model its hub checkpoints hold (tiny checkpoints are made with it):
     # Qwen3.5's is the multimodal model, of which the family converts and trains the language model.
     hf_auto_class: str = "AutoModelForCausalLM"

@@ -72,11 +72,12 @@ def detect_family(raw: dict) -> ModelFamily:
 
 
 def parse_arch(config: dict | str | Path) -> Arch:
-    """An ``Arch`` from a config.json dict, file, or HF model folder; every value checked before use
-    (``config_checks``)."""
+    """An ``Arch`` from a config.json dict, file, or HF model folder; every value the family reads checked before
+    use (``config_checks``, against the keys the family declares)."""
     raw = config if isinstance(config, dict) else read_config_json(config)
-    check_config_values(raw)
+    check_config_values(raw)  # what every config has: its model_type and architectures name the family
     family = detect_family(raw)
+    check_config_values(raw, family.config_keys)
     try:
         arch = family.parse_config(raw)
     except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError, OverflowError) as exc:

@@ -17,9 +17,10 @@ activation other than SwiGLU.
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.blocks.routing import check_renormalised, expert_groups, sigmoid_routing_kwargs
 from megatron_patch.models.description.arch import Arch, require
+from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Flag, Real, Whole
 
 
 def routing_of(raw: dict) -> dict:
@@ -65,4 +66,15 @@ TINY_CONFIG = {
     "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0,
     "hidden_act": "silu", "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, "attention_bias": Flag(), "first_k_dense_replace": Whole(0, MAX_LAYERS),
+    "moe_intermediate_size": Whole(1, MAX_WIDTH), "n_routed_experts": Whole(0, MAX_EXPERTS),
+    "n_shared_experts": Whole(0, MAX_EXPERTS), "n_group": Whole(1, MAX_EXPERTS), "topk_group": Whole(1, MAX_EXPERTS),
+    "norm_topk_prob": Flag(), "routed_scaling_factor": Real(0), "num_nextn_predict_layers": Whole(0, MAX_LAYERS),
+    "num_mtp_layers": Whole(0, MAX_LAYERS), "num_experts_per_tok": Whole(1, MAX_EXPERTS),
+    "router_aux_loss_coef": Real(0, closed=True),
 }

@@ -16,8 +16,10 @@ puts biases on every linear or none), layer types other than full and sliding at
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config, sliding_window_kwargs
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config, sliding_window_kwargs
 from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch, require
+from megatron_patch.models.description.config_checks import (
+    Flag, MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, Names, Real, Whole)
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -44,11 +46,11 @@ def parse_config(raw: dict) -> Arch:
     if not raw.get("attention_bias", True):
         raise UserError("attention_bias=false is not supported for gpt-oss: megatron-core puts biases on every linear "
                         "layer or on none, and the experts have them")
-    filled = dict(raw)
+    filled = raw
     if not (raw.get("rope_parameters") or raw.get("rope_scaling")):
-        filled["rope_scaling"] = dict(DEFAULT_ROPE)
+        filled = filled | {"rope_scaling": dict(DEFAULT_ROPE)}
     if raw.get("rope_theta") is None and "rope_theta" not in (raw.get("rope_parameters") or {}):
-        filled["rope_theta"] = DEFAULT_THETA
+        filled = filled | {"rope_theta": DEFAULT_THETA}
     arch = parse_decoder_config(filled, "gpt_oss", qkv_bias=True, linear_bias=True)
     types = layer_types_of(raw, arch.num_layers)
     window = raw.get("sliding_window")
@@ -103,3 +105,13 @@ def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str |
 
     spec = standard_layer_spec(arch, config, use_te, vp_stage, core_attention, family_spec=False)
     return spec if use_te else with_biased_experts(spec)
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, "attention_bias": Flag(), "layer_types": Names(MAX_LAYERS),
+    "sliding_window": Whole(1, MAX_POSITIONS), "num_local_experts": Whole(0, MAX_EXPERTS),
+    "num_experts": Whole(0, MAX_EXPERTS), "experts_per_token": Whole(1, MAX_EXPERTS), "swiglu_alpha": Real(0),
+    "swiglu_limit": Real(0), "num_experts_per_tok": Whole(1, MAX_EXPERTS),
+    "router_aux_loss_coef": Real(0, closed=True),
+}

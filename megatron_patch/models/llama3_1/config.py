@@ -7,8 +7,9 @@ makes every layer a sliding-window layer, as transformers' Mistral attends; mega
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config, sliding_window_kwargs
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config, sliding_window_kwargs
 from megatron_patch.models.description.arch import SLIDING_ATTENTION, Arch
+from megatron_patch.models.description.config_checks import MAX_POSITIONS, Flag, Whole
 
 
 def parse_config(raw: dict) -> Arch:
@@ -45,4 +46,10 @@ TINY_CONFIG = {
                      "high_freq_factor": 8.0, "original_max_position_embeddings": 64},
     "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, "attention_bias": Flag(), "sliding_window": Whole(1, MAX_POSITIONS), "use_sliding_window": Flag(),
 }

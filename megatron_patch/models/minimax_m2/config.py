@@ -16,9 +16,11 @@ shared experts, layers of another attention type (MiniMax-01's lightning attenti
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.blocks.routing import sigmoid_routing_kwargs
 from megatron_patch.models.description.arch import Arch, require
+from megatron_patch.models.description.config_checks import (
+    Flag, MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Real, Text, Whole, WholeList)
 
 
 def with_rotary_dim(raw: dict) -> dict:
@@ -31,7 +33,7 @@ def with_rotary_dim(raw: dict) -> dict:
     head_dim = raw.get("head_dim") or require(raw, "hidden_size") // require(raw, "num_attention_heads")
     if rotary_dim > head_dim or rotary_dim % 2:
         raise UserError(f"config.json rotary_dim={rotary_dim} must be an even number of at most head_dim={head_dim}")
-    return {**raw, "partial_rotary_factor": rotary_dim / head_dim}
+    return raw | {"partial_rotary_factor": rotary_dim / head_dim}
 
 
 def check_supported(raw: dict) -> None:
@@ -95,4 +97,14 @@ TINY_CONFIG = {
     "use_qk_norm": True, "qk_norm_type": "per_layer", "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
     "hidden_act": "silu", "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 5000000.0,
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, "attention_bias": Flag(), "attn_type_list": WholeList(0, 1, longest=MAX_LAYERS),
+    "num_local_experts": Whole(0, MAX_EXPERTS), "rotary_dim": Whole(1, MAX_WIDTH), "use_qk_norm": Flag(),
+    "qk_norm_type": Text(), "use_routing_bias": Flag(), "scoring_func": Text(),
+    "shared_intermediate_size": Whole(0, MAX_WIDTH), "router_jitter_noise": Real(0, closed=True),
+    "num_experts_per_tok": Whole(1, MAX_EXPERTS), "router_aux_loss_coef": Real(0, closed=True),
 }

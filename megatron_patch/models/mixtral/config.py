@@ -2,8 +2,9 @@
 
 import dataclasses
 
-from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.description.arch import Arch, require
+from megatron_patch.models.description.config_checks import MAX_EXPERTS, Real, Whole
 
 
 def parse_config(raw: dict) -> Arch:
@@ -30,4 +31,11 @@ TINY_CONFIG = {
     "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0, "sliding_window": None,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, "num_local_experts": Whole(0, MAX_EXPERTS), "num_experts_per_tok": Whole(1, MAX_EXPERTS),
+    "router_aux_loss_coef": Real(0, closed=True),
 }

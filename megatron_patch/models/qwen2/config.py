@@ -1,8 +1,9 @@
 """Qwen2 / Qwen2.5 config.json -> Arch: q/k/v always carry a bias; small models tie embeddings."""
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.config_checks import Flag
 
 
 def parse_config(raw: dict) -> Arch:
@@ -19,4 +20,10 @@ TINY_CONFIG = {
     "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
     "tie_word_embeddings": True, "use_sliding_window": False,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, "use_sliding_window": Flag(),
 }

@@ -2,7 +2,7 @@
 
 from megatron_patch.models.description.family import HFModules, ModelFamily, PaiLauncher, TestLayouts
 from megatron_patch.models.description.registry import register
-from megatron_patch.models.qwen2_moe.config import TINY_CONFIG, parse_config, transformer_config_kwargs
+from megatron_patch.models.qwen2_moe.config import CONFIG_KEYS, TINY_CONFIG, parse_config, transformer_config_kwargs
 from megatron_patch.models.qwen2_moe.mapping import weight_rules
 from megatron_patch.models.qwen2_moe.presets import PRESETS
 from megatron_patch.runtime.distributed import ParallelLayout as L
@@ -10,7 +10,8 @@ from megatron_patch.runtime.distributed import ParallelLayout as L
 FAMILY = register(ModelFamily(
     name="qwen2_moe", summary="Qwen2-MoE: routed experts plus a sigmoid-gated shared expert, q/k/v bias",
     hf_model_types=("qwen2_moe",), hf_architectures=("Qwen2MoeForCausalLM",),
-    parse_config=parse_config, weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
+    parse_config=parse_config, config_keys=CONFIG_KEYS,
+    weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
     size_aliases={"A14B": "57B-A14B"}, weight_decay=0.01,
     # Pai's dense Qwen2 launcher takes its MoE size too (EP only: ETP follows TP)

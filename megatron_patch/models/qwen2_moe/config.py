@@ -3,8 +3,10 @@
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config, qwen_dense_layers
+from megatron_patch.models.blocks.decoder import (
+    DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, parse_decoder_config, qwen_dense_layers)
 from megatron_patch.models.description.arch import Arch, require
+from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_WIDTH, Flag, Real, Whole
 
 
 def parse_config(raw: dict) -> Arch:
@@ -41,4 +43,13 @@ TINY_CONFIG = {
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
     "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
     "router_aux_loss_coef": 0.001, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, **QWEN_DENSE_LAYER_KEYS, "num_experts": Whole(0, MAX_EXPERTS),
+    "moe_intermediate_size": Whole(1, MAX_WIDTH), "shared_expert_intermediate_size": Whole(0, MAX_WIDTH),
+    "norm_topk_prob": Flag(), "qkv_bias": Flag(), "use_sliding_window": Flag(),
+    "num_experts_per_tok": Whole(1, MAX_EXPERTS), "router_aux_loss_coef": Real(0, closed=True),
 }

@@ -1,8 +1,9 @@
 """Qwen3 config.json -> Arch: per-head q/k RMSNorm, an explicit head_dim, no q/k/v bias."""
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.config_checks import MAX_LAYERS, Flag, Names
 
 
 def parse_config(raw: dict) -> Arch:
@@ -30,4 +31,10 @@ TINY_CONFIG = {
     "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
     "tie_word_embeddings": True, "attention_bias": False, "use_sliding_window": False,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, "attention_bias": Flag(), "layer_types": Names(MAX_LAYERS), "use_sliding_window": Flag(),
 }

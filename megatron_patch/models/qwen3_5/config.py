@@ -15,6 +15,8 @@ import dataclasses
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.config_checks import Flag, Table, Text
+from megatron_patch.models.qwen3_next.config import CONFIG_KEYS as TEXT_KEYS
 from megatron_patch.models.qwen3_next.config import parse_hybrid, with_moe
 
 
@@ -24,7 +26,7 @@ def text_config(raw: dict) -> dict:
     if not isinstance(text, dict):
         raise UserError(f"config.json of a {raw.get('model_type')} model has no text_config: point at Qwen3.5's "
                         "multimodal hub folder")
-    return {**text, "tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+    return text | {"tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
 def parse_config(raw: dict) -> Arch:
@@ -33,10 +35,10 @@ def parse_config(raw: dict) -> Arch:
     if moe and text.get("intermediate_size") is None:
         # Every layer is MoE, so the model has no dense MLP, and transformers' Qwen3_5MoeTextConfig (so every hub
         # config.json) has no dense size; megatron-core's config still wants one, which it never builds.
-        text = {**text, "intermediate_size": text.get("moe_intermediate_size")}
+        text = text | {"intermediate_size": text.get("moe_intermediate_size")}
     arch = parse_hybrid(text, "qwen3_5")
     if moe:  # every layer MoE; transformers renormalises the top-k
-        arch = with_moe(arch, {**text, "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1})
+        arch = with_moe(arch, text | {"norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1})
     return dataclasses.replace(arch, hf_config=raw)
 
 
@@ -68,6 +70,13 @@ TINY_CONFIG = {
 # Its dense sibling (Qwen3.5-27B's layout): every layer a dense SwiGLU MLP.
 TINY_DENSE_CONFIG = {
     "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
-    "text_config": {**_TEXT, "model_type": "qwen3_5_text", "intermediate_size": 128}, "vision_config": {**_VISION, "model_type": "qwen3_5_vision"},
+    "text_config": {**_TEXT, "model_type": "qwen3_5_text", "intermediate_size": 128},
+    "vision_config": {**_VISION, "model_type": "qwen3_5_vision"},
     "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads: Qwen3-Next's, in text_config.
+CONFIG_KEYS = {
+    "text_config": Table({**TEXT_KEYS, "model_type": Text()}), "tie_word_embeddings": Flag(),
 }

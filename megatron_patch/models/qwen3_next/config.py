@@ -16,8 +16,12 @@ layer types other than linear and full attention, value heads that are not a mul
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import parse_decoder_config, qwen_dense_layers
-from megatron_patch.models.description.arch import FULL_ATTENTION, LINEAR_ATTENTION, Arch, LinearAttentionShape, require
+from megatron_patch.models.blocks.decoder import (
+    DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, parse_decoder_config, qwen_dense_layers)
+from megatron_patch.models.description.arch import (
+    Arch, FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionShape, require)
+from megatron_patch.models.description.config_checks import (
+    Flag, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, Names, Real, Whole)
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -114,4 +118,18 @@ TINY_CONFIG = {
     "hidden_act": "silu", "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
     "tie_word_embeddings": False, "attention_bias": False, "router_aux_loss_coef": 0.001,
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+# The config.json fields this family reads (checked before it reads them: config_checks).
+CONFIG_KEYS = {
+    **DECODER_KEYS, **QWEN_DENSE_LAYER_KEYS, "attention_bias": Flag(), "use_sliding_window": Flag(),
+    "layer_types": Names(MAX_LAYERS), "full_attention_interval": Whole(1, MAX_LAYERS),
+    "linear_num_key_heads": Whole(1, MAX_HEADS), "linear_num_value_heads": Whole(1, MAX_HEADS),
+    "linear_key_head_dim": Whole(1, MAX_WIDTH), "linear_value_head_dim": Whole(1, MAX_WIDTH),
+    "linear_conv_kernel_dim": Whole(1, MAX_WIDTH), "num_experts": Whole(0, MAX_EXPERTS),
+    "num_local_experts": Whole(0, MAX_EXPERTS), "moe_intermediate_size": Whole(1, MAX_WIDTH),
+    "shared_expert_intermediate_size": Whole(0, MAX_WIDTH), "norm_topk_prob": Flag(),
+    "mtp_num_hidden_layers": Whole(0, MAX_LAYERS), "num_experts_per_tok": Whole(1, MAX_EXPERTS),
+    "router_aux_loss_coef": Real(0, closed=True),
 }

@@ -1,0 +1,10 @@
+#!/bin/sh
+# Gemma 3 on megatron.core (Gemma3ForCausalLM, and the language model of Gemma3ForConditionalGeneration): 25
+# positional arguments in the Pai-Megatron-Patch order.
+# `run_mcore_gemma3.sh --help` lists them; examples/README.md explains each. All validation lives in Python
+# (megatron_patch/training/launcher_args.py, validation.py); MP_DRY_RUN=1 prints the resolved configuration and command.
+# POSIX sh, as Pai's READMEs start their launchers with `sh` (dash on Debian and Ubuntu).
+set -eu
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python}" -m megatron_patch train gemma3 "$@"
