@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import tasks as task_files
-from megatron_patch.evaluation.loading import CheckpointToEvaluate, supports_kv_cache
+from megatron_patch.evaluation.loading import CheckpointToEvaluate, padding_is_neutral, supports_kv_cache
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch, megatron-core and lm-eval are imported inside the functions that use them (on the ranks): the CLI's
@@ -59,15 +59,15 @@ def prepare_tasks(settings: EvalSettings, folder: str | Path) -> list[str]:
     return paths
 
 
-def evaluate_live_model(chunks: list, vocab_size: int, max_positions: int, tokenizer, settings: EvalSettings,
-                        *, kv_cache_supported: bool = True) -> EvalResults | None:
-    """Evaluate this rank's built and loaded model chunks (the training layout's, parallel state initialised)
-    with ``tokenizer`` (transformers'; ``loading.load_tokenizer``). Every rank of the job calls it; global rank 0
-    gets the results, the others None."""
+def evaluate_live_model(chunks: list, arch, tokenizer, settings: EvalSettings) -> EvalResults | None:
+    """Evaluate this rank's built and loaded model chunks of ``arch`` (the training layout's, megatron-core's parallel
+    state initialised) with ``tokenizer`` (transformers'; ``loading.load_hf_tokenizer``). Every rank of the job
+    calls it; global rank 0 gets the results, the others None. Puts the chunks in eval mode: the caller puts them
+    back in train mode."""
     from megatron_patch.evaluation.runner import ModelRunner
 
-    runner = ModelRunner(chunks, vocab_size, max_positions, kv_cache=settings.kv_cache,
-                         supports_kv_cache=kv_cache_supported)
+    runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, kv_cache=settings.kv_cache,
+                         supports_kv_cache=supports_kv_cache(arch), padding_is_neutral=padding_is_neutral(arch))
     with tempfile.TemporaryDirectory(prefix="mpatch-eval-tasks-") as folder:
         return run_harness(runner, tokenizer, settings, prepare_tasks(settings, folder))
 
@@ -110,7 +110,7 @@ def _to_json(results: dict) -> EvalResults:
 def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: str,
                                settings: EvalSettings, include_paths: list[str]) -> EvalResults | None:
     """Runs on every rank of ``evaluate_checkpoint``'s job: build, load, evaluate."""
-    from megatron_patch.evaluation.loading import load_model, load_tokenizer
+    from megatron_patch.evaluation.loading import load_hf_tokenizer, load_model
     from megatron_patch.evaluation.runner import ModelRunner
     from megatron_patch.runtime import init_model_parallel
 
@@ -120,8 +120,10 @@ def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: Paralle
     init_model_parallel(layout)
     chunks = load_model(checkpoint, layout, dtype)
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,
-                         kv_cache=settings.kv_cache, supports_kv_cache=supports_kv_cache(checkpoint.arch))
-    return run_harness(runner, load_tokenizer(checkpoint.tokenizer_dir), settings, include_paths)
+                         kv_cache=settings.kv_cache, supports_kv_cache=supports_kv_cache(checkpoint.arch),
+                         padding_is_neutral=padding_is_neutral(checkpoint.arch))
+    tokenizer = load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
+    return run_harness(runner, tokenizer, settings, include_paths)
 
 
 def evaluate_checkpoint(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, settings: EvalSettings,

@@ -198,7 +198,8 @@ def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1
                             kv_cache: bool | None = None, verify: bool = True):
     """The runner and tokenizer lm-eval's ``--model mpatch --model_args load_dir=...`` asks for, in this process:
     it must be one rank of a job of the layout's size (torchrun), or alone for a layout of one process."""
-    from megatron_patch.evaluation.loading import load_model, load_tokenizer, open_for_evaluation, supports_kv_cache
+    from megatron_patch.evaluation.loading import (
+        load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral, supports_kv_cache)
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -208,8 +209,9 @@ def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1
     chunks = load_model(checkpoint, layout, dtype)
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,
                          kv_cache=None if kv_cache is None else _flag(kv_cache),
-                         supports_kv_cache=supports_kv_cache(checkpoint.arch))
-    return runner, load_tokenizer(checkpoint.tokenizer_dir)
+                         supports_kv_cache=supports_kv_cache(checkpoint.arch),
+                         padding_is_neutral=padding_is_neutral(checkpoint.arch))
+    return runner, load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
 
 
 def _flag(value) -> bool:

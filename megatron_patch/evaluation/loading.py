@@ -33,6 +33,7 @@ class CheckpointToEvaluate:
     tokenizer_dir: str
     hf_config: str | None = None
     verify: bool = True
+    model_config: dict | None = None  # the model's HF config.json, as the checkpoint records it
 
 
 def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer: str | Path | None = None,
@@ -54,7 +55,7 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
                             "--tokenizer DIR, the HF folder of the model")
         tokenizer_dir = found
     return CheckpointToEvaluate(str(load_dir), arch, str(tokenizer_dir),
-                                None if hf_config is None else str(hf_config), verify)
+                                None if hf_config is None else str(hf_config), verify, opened.sidecar.hf_config)
 
 
 def _has_tokenizer(folder: Path) -> bool:
@@ -69,13 +70,22 @@ def _tokenizer_folder(path: Path, flag: str) -> Path:
     return folder
 
 
-def load_tokenizer(folder: str | Path):
-    """transformers' tokenizer of ``folder``, from local files only and without code from the folder (as lm-eval's
-    HF backend loads it, so both tokenize alike)."""
-    from transformers import AutoTokenizer
+def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
+    """transformers' tokenizer of ``folder``, from local files only and without code from the folder, as lm-eval's
+    HF backend loads it from the model's folder, so both tokenize alike. ``model_config``: the model's config.json
+    (the checkpoint's), which picks the tokenizer class where tokenizer_config.json names none (a Qwen2 model's
+    folder gets Qwen2's tokenizer class, with its own special tokens)."""
+    from transformers import AutoConfig, AutoTokenizer
 
+    config = None
+    if model_config is not None and not (Path(folder) / "config.json").is_file():
+        try:
+            config = AutoConfig.for_model(**model_config)
+        except (ValueError, KeyError, TypeError):  # a model type this transformers does not know: by the files alone
+            config = None
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
+                                             **({"config": config} if config is not None else {}))
     except (OSError, ValueError) as exc:
         raise UserError(f"cannot read the tokenizer in {folder}: {exc}")
 
@@ -99,7 +109,13 @@ def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: 
     return [place_on_rank_device(model)]
 
 
+def padding_is_neutral(arch: Arch) -> bool:
+    """Whether padding after a sequence leaves its log-likelihoods alone: not under DeepSeek sparse attention here,
+    whose indexer's choice changes with the padded length (measured: 2e-2 relative on a tiny model)."""
+    return arch.sparse_attention is None
+
+
 def supports_kv_cache(arch: Arch) -> bool:
-    """Whether every layer of the model keeps a KV cache in megatron-core's inference context (Gated DeltaNet's
-    linear attention here runs full sequences only)."""
-    return arch.linear_attention is None
+    """Whether every layer of the model keeps a KV cache in megatron-core's inference context: Gated DeltaNet's
+    linear attention and DeepSeek sparse attention here run causal full sequences only."""
+    return arch.linear_attention is None and arch.sparse_attention is None

@@ -50,7 +50,7 @@ class ModelRunner:
     every layer takes one)."""
 
     def __init__(self, chunks: list, vocab_size: int, max_positions: int, *, kv_cache: bool | None = None,
-                 supports_kv_cache: bool = True):
+                 supports_kv_cache: bool = True, padding_is_neutral: bool = True):
         from megatron.core import parallel_state as ps
 
         if len(chunks) != 1:
@@ -62,6 +62,9 @@ class ModelRunner:
         if kv_cache and not supports_kv_cache:
             raise UserError("this model's layers (linear attention) keep no KV cache: generate without one")
         self.kv_cache = supports_kv_cache if kv_cache is None else kv_cache
+        # False: a request's log-likelihood depends on the padding after it (DeepSeek sparse attention's indexer
+        # here), so a batch holds requests of one length only.
+        self.padding_is_neutral = padding_is_neutral
         self.device = next(self.model.parameters()).device
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
@@ -76,7 +79,16 @@ class ModelRunner:
     def loglikelihoods(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(log P(continuation | context), whether the continuation is the greedy one) for each pair of token
         lists, computed as one right-padded batch: padding follows every real token, so causal attention keeps
-        it out of every log-likelihood."""
+        it out of every log-likelihood (where it does not, one batch per length)."""
+        if not self.padding_is_neutral and len({len(c) + len(x) for c, x in pairs}) > 1:
+            by_length: dict[int, list[int]] = {}
+            for i, (context, continuation) in enumerate(pairs):
+                by_length.setdefault(len(context) + len(continuation), []).append(i)
+            answers: list = [None] * len(pairs)
+            for indices in by_length.values():
+                for i, answer in zip(indices, self.loglikelihoods([pairs[i] for i in indices])):
+                    answers[i] = answer
+            return answers
         inputs, targets = [], []
         for context, continuation in pairs:
             whole = context + continuation
