@@ -33,7 +33,11 @@ setup(
         # hypothesis: the fuzzed bad-input contract (tests/test_bad_input.py) and chunkings of torch_dist blocks.
         # peft: the reference LoRA implementation tests/test_lora.py compares against both ways.
         # zstandard (already required above, for torch_dist chunks): the preprocessing tests' .zst inputs.
-        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21", "zstandard>=0.22"],
+        # lm-eval: `mpatch eval` and the tests that compare it with lm-eval's own HF backend.
+        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21", "zstandard>=0.22", "lm-eval==0.4.13"],
+        # `mpatch eval` (docs/evaluation.md): lm-evaluation-harness, pinned to the release whose model API and
+        # request handling megatron_patch/evaluation/ was written against and checked equal to its HF backend.
+        "eval": ["lm-eval==0.4.13"],
     },
     entry_points={"console_scripts": ["mpatch=mpatch:main"]},
 )

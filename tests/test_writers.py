@@ -90,6 +90,22 @@ class Align(Folder):
         (target / "report.md").write_text("my notes on this model")
 
 
+class Eval(Folder):
+    """The evaluation itself is replaced by a result of lm-eval's shape: what is checked here is how the results
+    are written (tests/test_eval_equality.py runs real evaluations, which take tens of seconds)."""
+
+    def __init__(self, argv, monkeypatch):
+        import megatron_patch.evaluation.evaluate as evaluate
+
+        super().__init__(argv)
+        result = evaluate.EvalResults({"results": {"mpatch_arithmetic": {"exact_match,none": 0.5}}}, {})
+        monkeypatch.setattr(evaluate, "evaluate_checkpoint", lambda *args, **kwargs: result)
+
+    def plant(self, target: Path) -> None:
+        target.mkdir()
+        (target / "results.json").write_text("{}")
+
+
 class Preprocess(Folder):
     def target(self, root: Path) -> Path:
         return root / "p_text_document"  # the name the lock goes beside
@@ -141,6 +157,9 @@ def _drivers(inputs, monkeypatch) -> dict:
         "mpatch train OUTPUT_BASEPATH": lambda: Train(inputs["corpus"], monkeypatch),
         "mpatch align --report-dir": lambda: Align(
             lambda out: ["align", "--hf-dir", str(inputs["hf"]), "--report-dir", str(out)], monkeypatch),
+        "mpatch eval --output-dir": lambda: Eval(
+            lambda out: ["eval", "--load-dir", str(inputs["ckpt"]), "--tasks", "mpatch_arithmetic", "--output-dir",
+                         str(out)], monkeypatch),
     }
 
 

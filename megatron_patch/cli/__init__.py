@@ -18,7 +18,8 @@ from megatron_patch import __version__
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
-SUBCOMMANDS = ["info", "families", "demo", "parity", "convert", "inspect", "verify", "preprocess", "train", "align"]
+SUBCOMMANDS = ["info", "families", "demo", "parity", "convert", "inspect", "verify", "preprocess", "train", "align",
+               "eval"]
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -29,4 +29,5 @@ WRITERS = (
     Writer("mpatch preprocess", "--output-prefix"),
     Writer("mpatch train", "OUTPUT_BASEPATH"),
     Writer("mpatch align", "--report-dir"),
+    Writer("mpatch eval", "--output-dir"),
 )

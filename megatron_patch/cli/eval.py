@@ -1,0 +1,141 @@
+"""`mpatch eval`: lm-evaluation-harness tasks on a checkpoint, with this project's megatron-core model at any layout."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import shlex
+import warnings
+from pathlib import Path
+
+from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
+from megatron_patch.cli.common import add_layout_args, layout_from_args, print_table
+from megatron_patch.convert.outputs import atomic_output_dir
+from megatron_patch.errors import UserError
+
+# torch, megatron-core and lm-eval (an optional extra) are imported inside the functions that use them:
+# `mpatch eval --help` and every other subcommand start without them.
+
+LM_EVAL_VERSION = "0.4.13"
+
+
+def _task_names(text: str) -> tuple[str, ...]:
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise UserError("--tasks names no task: give a comma-separated list, e.g. --tasks mpatch_perplexity")
+    return names
+
+
+def command_line(args) -> str:
+    """The command that reproduces this evaluation (recorded with the results)."""
+    parts = ["mpatch", "eval", "--load-dir", args.load_dir, "--tasks", ",".join(_task_names(args.tasks))]
+    for path in args.include_path or []:
+        parts += ["--include-path", path]
+    for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--tokenizer", args.tokenizer),
+                        ("--hf-config", args.hf_config), ("--output-dir", args.output_dir)):
+        if value is not None:
+            parts += [flag, str(value)]
+    parts += ["--batch-size", str(args.batch_size), "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
+    if args.etp is not None:
+        parts += ["--etp", str(args.etp)]
+    parts += ["--dtype", args.dtype, "--seed", str(args.seed)]
+    for flag in ("log_samples", "apply_chat_template", "fewshot_as_multiturn", "no_kv_cache", "no_verify", "force"):
+        if getattr(args, flag):
+            parts.append("--" + flag.replace("_", "-"))
+    return shlex.join(parts)
+
+
+def run(args) -> int:
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(f"mpatch eval runs lm-evaluation-harness, which is not installed: pip install "
+                        f"'megatron_patch[eval]' (lm-eval=={LM_EVAL_VERSION})")
+    from megatron_patch.evaluation.evaluate import EvalSettings, evaluate_checkpoint, summary_rows, write_results
+    from megatron_patch.evaluation.loading import open_for_evaluation
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    layout = layout_from_args(args)
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.limit is not None and args.limit <= 0:
+        raise UserError(f"--limit must be > 0 (a count, or a fraction below 1), got {args.limit:g}")
+    settings = EvalSettings(
+        tasks=_task_names(args.tasks), include_paths=tuple(str(Path(p).absolute()) for p in args.include_path or ()),
+        limit=None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit),
+        num_fewshot=args.num_fewshot, batch_size=args.batch_size, log_samples=args.log_samples,
+        apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.fewshot_as_multiturn,
+        kv_cache=False if args.no_kv_cache else None, seed=args.seed)
+    try:
+        checkpoint = open_for_evaluation(args.load_dir, layout, args.tokenizer, args.hf_config,
+                                         verify=not args.no_verify)
+    except IntegrityError as exc:
+        raise naming_the_switch(exc, "--no-verify") from None
+    if args.output_dir:
+        try:
+            Path(args.output_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create the folder of --output-dir {args.output_dir} ({exc.strerror or exc})")
+    inputs = (args.load_dir, args.tokenizer, args.hf_config, *(args.include_path or ()))
+    # The results folder follows the one output rule (docs/outputs.md): checked and locked before the run,
+    # published whole, with a manifest, after it.
+    with atomic_output_dir(args.output_dir, args.force, tool="mpatch eval", inputs=inputs, what="--output-dir") \
+            if args.output_dir else contextlib.nullcontext() as partial:
+        if not args.quiet:
+            print(f"mpatch eval: {', '.join(settings.tasks)} on {args.load_dir} ({checkpoint.arch.family}, {layout}, "
+                  f"{args.dtype}), {layout.world_size} rank(s)", flush=True)
+        try:
+            results = evaluate_checkpoint(checkpoint, layout, settings, args.dtype)
+        except IntegrityError as exc:
+            raise naming_the_switch(exc, "--no-verify") from None
+        rows = summary_rows(results.results)
+        if partial is not None:
+            write_results(results, partial, command_line(args))
+    print_table(rows, ["task", "metric", "filter", "value", "n"])
+    if args.output_dir:
+        print(f"results: {Path(args.output_dir) / 'results.json'}"
+              + (f" (+ samples of {len(results.samples)} tasks)" if results.samples else ""))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", help="lm-evaluation-harness tasks on a checkpoint, in place (no HF export)",
+        description="Evaluate a Megatron-Core checkpoint (a conversion, a run's iteration or final, a LoRA run with "
+                    "its adapters applied) with lm-evaluation-harness, on this project's model at the layout asked "
+                    "for, in local rank processes (gloo on CPU, NCCL on GPU). Tasks are lm-eval's own (when their "
+                    "data can be reached), local YAML under --include-path, and the project's offline tasks "
+                    "mpatch_perplexity, mpatch_arithmetic_choice and mpatch_arithmetic (docs/evaluation.md). "
+                    "Exit 0 done, 2 bad input, 1 internal error.")
+    p.add_argument("--load-dir", required=True, help="the checkpoint: its folder, or one iteration's (iter_XXXXXXX)")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
+    p.add_argument("--include-path", action="append", default=None, metavar="DIR",
+                   help="a folder of lm-eval task YAML files (repeatable)")
+    p.add_argument("--limit", type=float, default=None,
+                   help="documents per task: a count, or a fraction below 1 (default: all)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt (default: the task's)")
+    p.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
+    add_layout_args(p)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="the model's dtype (default fp32, in which results equal lm-eval's HF backend's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="an HF tokenizer folder (default: the one the checkpoint carries)")
+    p.add_argument("--hf-config", default=None,
+                   help="the HF config.json (or its folder) of a checkpoint without this project's sidecar")
+    p.add_argument("--output-dir", default=None,
+                   help="write results.json (and samples_TASK.jsonl with --log-samples) into this new folder, with a "
+                        "manifest")
+    p.add_argument("--force", action="store_true",
+                   help="replace the --output-dir of an earlier mpatch eval; folders mpatch did not write are never "
+                        "replaced")
+    p.add_argument("--log-samples", action="store_true", help="keep every request and answer (samples_TASK.jsonl)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="render prompts with the tokenizer's chat template")
+    p.add_argument("--fewshot-as-multiturn", action="store_true",
+                   help="with --apply-chat-template: few-shot examples as conversation turns")
+    p.add_argument("--no-kv-cache", action="store_true",
+                   help="generate without a KV cache (each token runs the whole sequence again)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of few-shot sampling and sampled generation")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not check the checkpoint's files against its mpatch_manifest.json (for a checkpoint "
+                        "edited on purpose)")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.set_defaults(run=run)

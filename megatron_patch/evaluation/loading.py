@@ -1,0 +1,121 @@
+"""The model an evaluation reads from a checkpoint: what it is (before any rank starts) and the loaded model
+(on each rank), through the same loaders as training and the aligner.
+
+A checkpoint is anything ``convert.arch_source.open_checkpoint`` reads: a conversion, a run's iteration or its
+``final``, another tool's checkpoint with ``--hf-config``; a LoRA checkpoint is loaded as its base with the
+adapters applied (``lora.sources``), as the aligner does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.dtypes import precision_dtype
+from megatron_patch.errors import UserError
+from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.runtime.distributed import ParallelLayout
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: `mpatch eval` checks its input (tasks, tokenizer, layout) before any rank starts.
+
+# A tokenizer folder holds one of these (what transformers' AutoTokenizer reads without remote code).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class CheckpointToEvaluate:
+    """A checkpoint, its model and the tokenizer folder that goes with it, checked before any rank starts."""
+
+    load_dir: str
+    arch: Arch
+    tokenizer_dir: str
+    hf_config: str | None = None
+    verify: bool = True
+    model_config: dict | None = None  # the model's HF config.json, as the checkpoint records it
+
+
+def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer: str | Path | None = None,
+                        hf_config: str | Path | None = None, verify: bool = True) -> CheckpointToEvaluate:
+    """The checkpoint at ``load_dir``, refused in one line when the layout does not divide its model or no
+    tokenizer is found (``tokenizer`` wins over the files the checkpoint carries)."""
+    opened = open_checkpoint(load_dir, hf_config=hf_config)
+    arch = opened.model_arch
+    validate_layout(arch, layout)
+    if tokenizer is not None:
+        tokenizer_dir = _tokenizer_folder(Path(tokenizer), "--tokenizer")
+    else:
+        candidates = [opened.sidecar_dir, opened.found.folder]
+        if hf_config is not None:
+            candidates.append(Path(hf_config) if Path(hf_config).is_dir() else Path(hf_config).parent)
+        found = next((c for c in candidates if _has_tokenizer(c)), None)
+        if found is None:
+            raise UserError(f"{load_dir} carries no tokenizer (tokenizer.json, tokenizer.model or vocab.json): give "
+                            "--tokenizer DIR, the HF folder of the model")
+        tokenizer_dir = found
+    return CheckpointToEvaluate(str(load_dir), arch, str(tokenizer_dir),
+                                None if hf_config is None else str(hf_config), verify, opened.sidecar.hf_config)
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES[:3])
+
+
+def _tokenizer_folder(path: Path, flag: str) -> Path:
+    folder = path if path.is_dir() else path.parent
+    if not _has_tokenizer(folder):
+        raise UserError(f"{flag} {path} is not an HF tokenizer folder (no tokenizer.json, tokenizer.model or "
+                        "vocab.json in it)")
+    return folder
+
+
+def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
+    """transformers' tokenizer of ``folder``, from local files only and without code from the folder, as lm-eval's
+    HF backend loads it from the model's folder, so both tokenize alike. ``model_config``: the model's config.json
+    (the checkpoint's), which picks the tokenizer class where tokenizer_config.json names none (a Qwen2 model's
+    folder gets Qwen2's tokenizer class, with its own special tokens)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = None
+    if model_config is not None and not (Path(folder) / "config.json").is_file():
+        try:
+            config = AutoConfig.for_model(**model_config)
+        except (ValueError, KeyError, TypeError):  # a model type this transformers does not know: by the files alone
+            config = None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
+                                             **({"config": config} if config is not None else {}))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read the tokenizer in {folder}: {exc}")
+
+
+def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: str = "fp32") -> list:
+    """This rank's model chunks at ``layout``, filled from the checkpoint (its adapters applied), on this rank's
+    device. Call after ``runtime.init_model_parallel(layout)``."""
+    from megatron_patch.convert.loading import load_checkpoint_into_model
+    from megatron_patch.lora.sources import add_adapters, open_adapters
+    from megatron_patch.models.builder import build_model
+    from megatron_patch.models.inference import place_on_rank_device
+
+    arch, torch_dtype = checkpoint.arch, precision_dtype(dtype)
+    model = build_model(arch, layout, torch_dtype)
+    opened = open_checkpoint(checkpoint.load_dir, hf_config=checkpoint.hf_config)
+    adapters = open_adapters(checkpoint.load_dir, arch) if opened.sidecar.lora else None
+    base = adapters.base if adapters is not None and adapters.base is not None else checkpoint.load_dir
+    load_checkpoint_into_model(model, base, layout, hf_config=checkpoint.hf_config, verify=checkpoint.verify)
+    if adapters is not None:
+        add_adapters([model], arch, adapters, layout, torch_dtype)
+    return [place_on_rank_device(model)]
+
+
+def padding_is_neutral(arch: Arch) -> bool:
+    """Whether padding after a sequence leaves its log-likelihoods alone: not under DeepSeek sparse attention here,
+    whose indexer's choice changes with the padded length (measured: 2e-2 relative on a tiny model)."""
+    return arch.sparse_attention is None
+
+
+def supports_kv_cache(arch: Arch) -> bool:
+    """Whether every layer of the model keeps a KV cache in megatron-core's inference context: Gated DeltaNet's
+    linear attention and DeepSeek sparse attention here run causal full sequences only."""
+    return arch.linear_attention is None and arch.sparse_attention is None

@@ -1,0 +1,274 @@
+"""The model side of an evaluation: token ids in, log-likelihoods and generated tokens out, on every rank.
+
+Every rank of the job runs the same calls with the same requests, in lockstep (as in training, where every
+rank runs the step): the pipeline's first stage embeds the tokens, activations pass between stages through
+megatron-core's own schedule, and the last stage computes the answers. Those answers are then broadcast from
+one rank of the last stage, so every rank returns the same ones and the harness above it sees one model.
+
+Under tensor parallelism the output layer's logits stay split over the vocabulary: the log-softmax and the
+greedy choice are computed from the shards with three all-reduces of a number per token, never the whole
+[batch, sequence, vocabulary] tensor. Vocabulary padding rows (Megatron pads the embedding to a multiple of
+128 x TP) are never a candidate: their logits count as -inf.
+
+Generation keeps megatron-core's ``StaticInferenceContext`` (a KV cache per layer) where the family's layers
+take one: the prompt is run once, then each new token costs one token's forward. Layers that refuse an
+inference context (Gated DeltaNet's linear attention) run the whole sequence again for each token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch.errors import UserError
+
+# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it, as in
+# models/inference.py: `mpatch eval --help` and the harness module's registration start without it.
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a generation picks its tokens: greedy (``temperature`` 0) or sampled with top-k / top-p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 1234
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class ModelRunner:
+    """Log-likelihoods and generations of a built, loaded megatron-core GPT model (this rank's chunks).
+
+    ``max_positions``: the longest sequence the model takes (its config's ``max_position_embeddings``);
+    a longer request is refused in one line. ``kv_cache``: keep a KV cache while generating (None: where
+    every layer takes one)."""
+
+    def __init__(self, chunks: list, vocab_size: int, max_positions: int, *, kv_cache: bool | None = None,
+                 supports_kv_cache: bool = True, padding_is_neutral: bool = True):
+        from megatron.core import parallel_state as ps
+
+        if len(chunks) != 1:
+            raise UserError("evaluation runs a model without a virtual pipeline (one chunk per rank): "
+                            f"this one has {len(chunks)} chunks per rank")
+        self.model = chunks[0]
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        if kv_cache and not supports_kv_cache:
+            raise UserError("this model's layers (linear attention) keep no KV cache: generate without one")
+        self.kv_cache = supports_kv_cache if kv_cache is None else kv_cache
+        # False: a request's log-likelihood depends on the padding after it (DeepSeek sparse attention's indexer
+        # here), so a batch holds requests of one length only.
+        self.padding_is_neutral = padding_is_neutral
+        self.device = next(self.model.parameters()).device
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.last_stage = ps.is_pipeline_last_stage()
+        self.answer_rank = _answering_rank(self.last_stage and self.tp_rank == 0 and ps.get_data_parallel_rank() == 0,
+                                           self.device)
+        self._sample_calls = 0
+
+    # --- log-likelihoods ------------------------------------------------------------------------------
+
+    def loglikelihoods(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(log P(continuation | context), whether the continuation is the greedy one) for each pair of token
+        lists, computed as one right-padded batch: padding follows every real token, so causal attention keeps
+        it out of every log-likelihood (where it does not, one batch per length)."""
+        if not self.padding_is_neutral and len({len(c) + len(x) for c, x in pairs}) > 1:
+            by_length: dict[int, list[int]] = {}
+            for i, (context, continuation) in enumerate(pairs):
+                by_length.setdefault(len(context) + len(continuation), []).append(i)
+            answers: list = [None] * len(pairs)
+            for indices in by_length.values():
+                for i, answer in zip(indices, self.loglikelihoods([pairs[i] for i in indices])):
+                    answers[i] = answer
+            return answers
+        inputs, targets = [], []
+        for context, continuation in pairs:
+            whole = context + continuation
+            if len(whole) - 1 > self.max_positions:
+                raise UserError(f"a request of {len(context)} context + {len(continuation)} continuation tokens is "
+                                f"longer than the model's {self.max_positions} positions: lower --num-fewshot or "
+                                "evaluate a task with shorter documents")
+            inputs.append(whole[:-1])
+            targets.append(whole[1:])
+        width = max(len(x) for x in inputs)
+        tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs], dtype=torch.long)
+        target = torch.tensor([t + [0] * (width - len(t)) for t in targets], dtype=torch.long)
+        answers = None
+        logits = self._forward(tokens)
+        if self.last_stage:
+            logprob, greedy = self._token_logprobs(logits, target.to(logits.device))
+            logprob, greedy = logprob.cpu().double(), greedy.cpu()
+            answers = []
+            for row, (context, continuation) in enumerate(pairs):
+                end = len(context) + len(continuation) - 1
+                span = slice(end - len(continuation), end)
+                answers.append((float(logprob[row, span].sum()), bool(greedy[row, span].all())))
+        return self._share_object(answers)
+
+    def _token_logprobs(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log_softmax(logits)[target] and whether target is the argmax, per token, from this rank's vocabulary
+        shard [batch, seq, vocab / TP] (the first maximum wins a tie, as torch.argmax)."""
+        logits = logits.float()
+        part = logits.shape[-1]
+        start = self.tp_rank * part
+        ids = torch.arange(start, start + part, device=logits.device)
+        logits = logits.masked_fill(ids >= self.vocab_size, float("-inf"))
+        local_max, local_arg = logits.max(dim=-1)
+        top = self._tp_reduce(local_max.clone(), dist.ReduceOp.MAX)
+        sum_exp = self._tp_reduce(torch.exp(logits - top.unsqueeze(-1)).sum(dim=-1), dist.ReduceOp.SUM)
+        mine = (target >= start) & (target < start + part)
+        picked = logits.gather(-1, (target - start).clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
+        picked = self._tp_reduce(torch.where(mine, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM)
+        # the global argmax: the lowest vocabulary id among the shards that hold the maximum
+        first = torch.where(local_max == top, local_arg + start, torch.full_like(local_arg, 2 ** 62))
+        argmax = self._tp_reduce(first, dist.ReduceOp.MIN)
+        return picked - top - torch.log(sum_exp), argmax == target
+
+    # --- generation -----------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+                 stop_ids: frozenset[int] = frozenset(), finished=None) -> list[list[int]]:
+        """The tokens generated after each prompt (all of one length), at most ``max_new_tokens``. A sequence
+        ends at a token of ``stop_ids`` (kept) or when ``finished(i, its tokens)`` says so; the batch ends when
+        every sequence has. ``finished`` must answer alike on every rank (it sees the same tokens)."""
+        lengths = {len(p) for p in prompts}
+        if len(lengths) != 1:
+            raise ValueError("a generation batch holds prompts of one length")
+        length = lengths.pop()
+        if length + max_new_tokens > self.max_positions:
+            raise UserError(f"a prompt of {length} tokens plus max_gen_toks {max_new_tokens} is longer than the "
+                            f"model's {self.max_positions} positions: lower --num-fewshot or the task's max_gen_toks")
+        batch = len(prompts)
+        sequences = torch.tensor(prompts, dtype=torch.long)
+        generated: list[list[int]] = [[] for _ in prompts]
+        done = [False] * batch
+        context = self._inference_context(batch, length + max_new_tokens)
+        step_input, offset = sequences, 0
+        for _ in range(max_new_tokens):
+            logits = self._last_logits(step_input, offset, context)
+            chosen = self._choose(logits, sampling) if self.last_stage else None
+            chosen = self._share_tensor(chosen, batch)
+            for i, token in enumerate(chosen.tolist()):
+                if done[i]:
+                    continue
+                generated[i].append(token)
+                done[i] = token in stop_ids or (finished is not None and finished(i, generated[i]))
+            if all(done):
+                break
+            sequences = torch.cat([sequences, chosen.view(batch, 1)], dim=1)
+            if context is not None:
+                offset += step_input.shape[1]
+                step_input = chosen.view(batch, 1)
+            else:
+                step_input = sequences
+        return generated
+
+    def _inference_context(self, batch: int, max_length: int):
+        if not self.kv_cache:
+            return None
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        return StaticInferenceContext(batch, max_length)
+
+    def _choose(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        """The next token of each sequence from its full-vocabulary logits [batch, vocab] (last stage only)."""
+        logits = logits.float()
+        if sampling.greedy:
+            return logits.argmax(dim=-1)
+        logits = logits / sampling.temperature
+        if sampling.top_k > 0:
+            kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            order = torch.sort(logits, descending=True, dim=-1)
+            cumulative = torch.softmax(order.values, dim=-1).cumsum(dim=-1)
+            drop = cumulative - torch.softmax(order.values, dim=-1) > sampling.top_p  # keep the first token past p
+            logits = logits.scatter(-1, order.indices, order.values.masked_fill(drop, float("-inf")))
+        # One generator per call, seeded from the request's seed and the call count: a rerun draws the same.
+        generator = torch.Generator(device=logits.device).manual_seed(sampling.seed + self._sample_calls)
+        self._sample_calls += 1
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+    # --- the forward pass -----------------------------------------------------------------------------
+
+    def _forward(self, tokens: torch.Tensor, offset: int = 0, context=None):
+        """The last stage's output for ``tokens`` [batch, seq] at positions offset.. (None on other stages):
+        without ``context``, this rank's vocabulary shard of every position's logits [batch, seq, vocab / TP];
+        with one, the gathered logits of the last position [batch, 1, padded vocab]."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        batch, seq = tokens.shape
+        tokens = tokens.to(self.device)
+        positions = torch.arange(offset, offset + seq, device=self.device).unsqueeze(0).expand(batch, seq)
+        captured: list[torch.Tensor] = []
+        extra = {} if context is None else {"inference_context": context, "runtime_gather_output": True}
+
+        def forward_step(data_iterator, model):
+            output = model(tokens, positions, attention_mask=None, **extra)
+
+            def keep(output_tensor, non_loss_data=False):
+                captured.append(output_tensor)
+                return output_tensor
+
+            return output, keep
+
+        self.model.eval()
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter([None]), model=[self.model], num_microbatches=1,
+                seq_length=seq, micro_batch_size=batch, forward_only=True, collect_non_loss_data=True)
+        if context is not None:
+            context.sequence_len_offset += seq
+        return captured[0] if self.last_stage else None
+
+    def _last_logits(self, tokens: torch.Tensor, offset: int, context) -> torch.Tensor | None:
+        """Full-vocabulary logits [batch, vocab] of the last position (last stage; None elsewhere)."""
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        out = self._forward(tokens, offset, context)
+        if out is None:
+            return None
+        last = out[:, -1] if context is not None else gather_from_tensor_model_parallel_region(out[:, -1].contiguous())
+        return last[..., :self.vocab_size]
+
+    # --- collectives ----------------------------------------------------------------------------------
+
+    def _tp_reduce(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(tensor, op=op, group=self.tp_group)
+        return tensor
+
+    def _share_object(self, obj):
+        """``obj`` as the answering rank holds it, on every rank."""
+        if dist.get_world_size() == 1:
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=self.answer_rank, device=self.device)
+        return holder[0]
+
+    def _share_tensor(self, tensor: torch.Tensor | None, batch: int) -> torch.Tensor:
+        """The answering rank's token ids [batch], on every rank (on the host)."""
+        if dist.get_world_size() == 1:
+            return tensor.cpu()
+        buffer = tensor.to(self.device) if dist.get_rank() == self.answer_rank else \
+            torch.empty(batch, dtype=torch.long, device=self.device)
+        dist.broadcast(buffer, src=self.answer_rank)
+        return buffer.cpu()
+
+
+def _answering_rank(mine: bool, device: torch.device) -> int:
+    """The lowest global rank that says ``mine`` (one of the last stage that holds every answer)."""
+    world = dist.get_world_size()
+    if world == 1:
+        return 0
+    rank = torch.tensor([dist.get_rank() if mine else world], device=device)
+    dist.all_reduce(rank, op=dist.ReduceOp.MIN)
+    return int(rank.item())

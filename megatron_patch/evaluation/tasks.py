@@ -1,0 +1,143 @@
+"""The tasks an evaluation runs: lm-eval's own, local YAML under ``--include-path``, and the three this project
+ships for the quick start and the tests, all read without network (``HF_DATASETS_OFFLINE=1``).
+
+The shipped tasks are local YAML tasks like any a user writes (``dataset_path: json`` with ``data_files``), whose
+data is generated here, deterministically, from the demo corpus's grammar and from arithmetic:
+
+- ``mpatch_perplexity``: held-out documents of the demo grammar, scored by ``loglikelihood_rolling`` (word and
+  byte perplexity, bits per byte);
+- ``mpatch_arithmetic_choice``: "What is a + b?" with four numbers to choose from (multiple choice: acc, acc_norm);
+- ``mpatch_arithmetic``: the same questions answered by greedy generation (exact match).
+
+They are written, with absolute ``data_files``, into a folder the evaluation owns (``write_project_tasks``), since
+lm-eval reads a relative ``data_files`` from the current folder, not from the YAML's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+from megatron_patch.training.demo_data import make_texts
+
+# lm-eval (1-2 s to import, an optional extra) and its datasets are imported inside the functions that use them:
+# `mpatch eval --help` and the package's other users start without it.
+
+PERPLEXITY, CHOICE, GENERATION = "mpatch_perplexity", "mpatch_arithmetic_choice", "mpatch_arithmetic"
+PROJECT_TASKS = (PERPLEXITY, CHOICE, GENERATION)
+_HELD_OUT_SEED = 7919  # the demo corpus is make_texts(..., seed=0): these documents are not in it
+_DOCUMENTS = 40
+_QUESTIONS = 40
+
+
+def offline() -> None:
+    """Never reach for the network: every dataset is read from local files (set before `datasets` is imported,
+    which reads it once)."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] = "1"  # a bar per split of every task: lm-eval's own bars show progress
+
+
+def _arithmetic(seed: int, count: int) -> list[dict]:
+    rng = random.Random(seed)
+    questions = []
+    for _ in range(count):
+        a, b = rng.randint(2, 49), rng.randint(2, 49)
+        answer = a + b
+        wrong = rng.sample([answer + d for d in (-11, -10, -2, -1, 1, 2, 10, 11) if answer + d > 0], 3)
+        choices = [str(answer)] + [str(w) for w in wrong]
+        rng.shuffle(choices)
+        questions.append({"question": f"What is {a} + {b}?", "choices": choices, "label": choices.index(str(answer)),
+                          "answer": str(answer)})
+    return questions
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def write_project_tasks(folder: str | Path) -> Path:
+    """The shipped tasks' YAML and data in ``folder`` (made if missing); returns it, for the include path."""
+    import yaml
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = make_texts(2 * _DOCUMENTS, seed=_HELD_OUT_SEED)
+    documents = {"train": _write_jsonl(folder / "perplexity_train.jsonl", [{"text": t} for t in texts[:_DOCUMENTS]]),
+                 "test": _write_jsonl(folder / "perplexity_test.jsonl", [{"text": t} for t in texts[_DOCUMENTS:]])}
+    questions = {"train": _write_jsonl(folder / "arithmetic_train.jsonl", _arithmetic(1, _QUESTIONS)),
+                 "test": _write_jsonl(folder / "arithmetic_test.jsonl", _arithmetic(2, _QUESTIONS))}
+    common = {"dataset_path": "json", "training_split": "train", "test_split": "test", "fewshot_split": "train",
+              "metadata": {"version": 1.0}}
+    configs = {
+        PERPLEXITY: {**common, "dataset_kwargs": {"data_files": documents}, "output_type": "loglikelihood_rolling",
+                     "doc_to_text": "", "doc_to_target": "{{text}}",
+                     "metric_list": [{"metric": m, "aggregation": a, "higher_is_better": False} for m, a in (
+                         ("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
+                         ("bits_per_byte", "bits_per_byte"))]},
+        CHOICE: {**common, "dataset_kwargs": {"data_files": questions}, "output_type": "multiple_choice",
+                 "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_choice": "choices", "doc_to_target": "label",
+                 "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                                 {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]},
+        GENERATION: {**common, "dataset_kwargs": {"data_files": questions}, "output_type": "generate_until",
+                     "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_target": " {{answer}}",
+                     "generation_kwargs": {"until": ["\n", "Question:"], "max_gen_toks": 8, "do_sample": False},
+                     "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                                      "ignore_case": True, "regexes_to_ignore": [" "]}]},
+    }
+    for name, config in configs.items():
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump({"task": name, **config}, sort_keys=False))
+    return folder
+
+
+def task_manager(include_paths: list[str | Path], names: list[str]):
+    """lm-eval's TaskManager over ``include_paths`` (each a folder of YAML that must exist), and lm-eval's own
+    tasks unless those folders hold every task of ``names``: indexing lm-eval's 14,000 tasks takes 10-30 s."""
+    from lm_eval.tasks import TaskManager
+
+    for path in include_paths:
+        if not Path(path).exists():
+            raise UserError(f"--include-path {path} does not exist: give a folder of lm-eval task YAML files")
+    local = TaskManager(include_path=[str(p) for p in include_paths], include_defaults=False)
+    if all(name in local.all_tasks for name in names):
+        return local
+    return TaskManager(include_path=[str(p) for p in include_paths])
+
+
+def check_tasks(names: list[str], manager) -> None:
+    """Refuse, in one line, a task lm-eval does not know or one whose local data file is missing (named)."""
+    known = set(manager.all_tasks)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UserError(f"unknown task {', '.join(unknown)}: lm-eval knows {len(known)} tasks and groups (`lm_eval "
+                        "ls tasks` lists them); local YAML tasks need --include-path DIR")
+    for name in names:
+        entry = manager.task_index.get(name)
+        for path in _data_files((entry.cfg or {}) if entry is not None else {}):
+            if not Path(path).exists():
+                raise UserError(f"task {name}: its data file {path} is missing")
+
+
+def _data_files(config: dict) -> list[str]:
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if isinstance(files, dict):
+        files = [f for v in files.values() for f in (v if isinstance(v, list) else [v])]
+    elif isinstance(files, str):
+        files = [files]
+    return [f for f in files or [] if isinstance(f, str) and not any(c in f for c in "*?[")]
+
+
+def load_tasks(names: list[str], manager) -> dict:
+    """lm-eval's task dict for ``names``, their data read now: a dataset that cannot be read offline is one line."""
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        return get_task_dict(names, manager)
+    except (FileNotFoundError, ConnectionError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"tasks {', '.join(names)}: their data could not be read here, offline ({first}): give the "
+                        "data as local files (dataset_path: json, data_files) under --include-path")

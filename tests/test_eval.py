@@ -1,0 +1,131 @@
+"""`mpatch eval` (issue 38): its input checked in one line before any rank starts, the package's place in the
+import order, and mpatch starting without lm-eval. What the evaluation computes is tests/test_eval_equality.py's."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_patch.convert.checkpoint import hf_to_mcore
+from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.training.demo_data import make_texts, make_tokenizer
+from tests.convert_helpers import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """A tiny Llama with a tokenizer, converted (the tokenizer carried), and converted again without one."""
+    root = tmp_path_factory.mktemp("eval")
+    hf = make_tiny_hf_checkpoint("llama3_1", root / "hf")
+    hf_to_mcore(hf, root / "no_tokenizer", ParallelLayout(), progress=False)
+    make_tokenizer(hf, make_texts(200, seed=0))
+    hf_to_mcore(hf, root / "ckpt", ParallelLayout(), progress=False)
+    return {"root": root, "hf": hf, "ckpt": root / "ckpt", "no_tokenizer": root / "no_tokenizer"}
+
+
+def _one_line(rc: int, err: str, *words: str) -> None:
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_a_checkpoint_without_a_tokenizer_needs_one(checkpoints, capsys):
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["no_tokenizer"]), "--tasks", "mpatch_arithmetic")
+    _one_line(rc, err, "carries no tokenizer", "--tokenizer")
+
+
+def test_a_layout_the_model_does_not_divide_is_refused(checkpoints, capsys):
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_arithmetic",
+                      "--pp", "3")
+    _one_line(rc, err, "PP=3 does not divide")
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_arithmetic",
+                      "--ep", "2")
+    _one_line(rc, err, "dense model", "set EP=1")
+
+
+def test_a_task_whose_data_file_is_missing_is_named(checkpoints, tmp_path, capsys):
+    missing = tmp_path / "gone.jsonl"
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "mine.yaml").write_text(
+        "task: my_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: " + str(missing) + "\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n")
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "my_task",
+                      "--include-path", str(tmp_path / "tasks"), "--output-dir", str(tmp_path / "out"))
+    _one_line(rc, err, "task my_task", str(missing), "missing")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # indexing lm-eval's own 14,000 tasks to look for the name takes 10-30 s
+def test_an_unknown_task_is_refused(checkpoints, capsys):
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_arithmetic,nonesuch")
+    _one_line(rc, err, "unknown task nonesuch")
+
+
+def test_the_project_tasks_are_local_yaml_with_generated_data(tmp_path):
+    """The shipped tasks read their data from local JSON lines (what a user's offline task does too), the same
+    documents every time."""
+    import yaml
+
+    from megatron_patch.evaluation.tasks import PROJECT_TASKS, write_project_tasks
+
+    first = write_project_tasks(tmp_path / "a")
+    again = write_project_tasks(tmp_path / "b")
+    for name in PROJECT_TASKS:
+        config = yaml.safe_load((first / f"{name}.yaml").read_text())
+        assert config["task"] == name and config["dataset_path"] == "json"
+        files = config["dataset_kwargs"]["data_files"]
+        assert all(Path(f).is_file() and Path(f).parent == first for f in files.values())
+    assert sorted(p.read_bytes() for p in first.glob("*.jsonl")) == sorted(p.read_bytes() for p in again.glob("*.jsonl"))
+    questions = [json.loads(line) for line in (first / "arithmetic_test.jsonl").read_text().splitlines()]
+    assert all(q["choices"][q["label"]] == q["answer"] == str(eval(q["question"][8:-1])) for q in questions)
+
+
+@pytest.mark.slow  # a fresh interpreter that imports the CLI and converts: 5-15 s
+def test_mpatch_and_the_converter_start_without_lm_eval(checkpoints):
+    """lm-eval is an optional extra: with it missing, `mpatch --help`, `mpatch eval --help` and a conversion work,
+    and `mpatch eval` says in one line what to install (one process, each command's exit status printed)."""
+    target = checkpoints["root"] / "converted_without_lm_eval"
+    script = f"""
+import contextlib, importlib.util, io, sys
+sys.modules['lm_eval'] = None  # `import lm_eval` fails, as if it were not installed
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *args: None if name == 'lm_eval' else find_spec(name, *args)
+from megatron_patch.cli import main
+def status(*argv):
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return main(list(argv))
+    except SystemExit as exc:
+        return exc.code
+print(status('--help'), status('eval', '--help'),
+      status('convert', 'hf2mcore', '--hf-dir', {str(checkpoints["hf"])!r}, '--save-dir', {str(target)!r}, '--quiet'),
+      status('eval', '--load-dir', {str(checkpoints["ckpt"])!r}, '--tasks', 'mpatch_arithmetic'))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.split() == ["0", "0", "0", "2"], (done.stdout, done.stderr)
+    assert (target / "mpatch_manifest.json").is_file()
+    refusal = [line for line in done.stderr.splitlines() if line.startswith("mpatch eval:")]
+    assert len(refusal) == 1 and "pip install 'megatron_patch[eval]'" in refusal[0] and "lm-eval==0.4.13" in refusal[0]
+
+
+def test_only_the_cli_imports_the_evaluation_package():
+    """evaluation/ sits above models/, the checkpoint loaders and runtime/: nothing there imports it back."""
+    upward = []
+    for path in sorted((REPO / "megatron_patch").rglob("*.py")):
+        if path.parent.name in ("cli", "evaluation"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if any(n == "megatron_patch.evaluation" or n.startswith("megatron_patch.evaluation.") for n in names):
+                upward.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not upward, f"modules below the evaluation package importing it: {upward}"
