@@ -116,7 +116,7 @@ def prepare_corpus(work: Path) -> None:
     if (work / "data" / "corpus_text_document.idx").is_file():
         return
     from megatron_patch.training.preprocess import preprocess
-    from megatron_patch.training.demo_data import make_texts, make_tokenizer
+    from megatron_patch.demo_data import make_texts, make_tokenizer
 
     texts = make_texts(1000, seed=0)
     tok = make_tokenizer(work / "data" / "tokenizer", texts, vocab_size=200)

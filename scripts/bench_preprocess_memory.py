@@ -35,7 +35,7 @@ print(json.dumps({"ids": len(ids), "peak_growth_mb": peak - resident}))
 
 
 def _text(mb: float) -> str:
-    from megatron_patch.training.demo_data import make_texts
+    from megatron_patch.demo_data import make_texts
 
     base = " ".join(make_texts(3000, seed=1))
     size = int(mb * 2**20)
@@ -55,7 +55,7 @@ def main() -> int:
                                                              "(another one, to compare)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from megatron_patch.training.demo_data import make_texts, make_tokenizer
+    from megatron_patch.demo_data import make_texts, make_tokenizer
 
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores, Python {sys.version.split()[0]}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -174,7 +174,7 @@ def needs(args) -> int:
 def prepare(args) -> int:
     """The corpus (and, with --checkpoints, a tiny HF checkpoint of every family), once per work folder."""
     from megatron_patch.models.description.registry import families
-    from megatron_patch.training.demo_data import make_texts, make_tokenizer
+    from megatron_patch.demo_data import make_texts, make_tokenizer
     from megatron_patch.training.preprocess import preprocess
 
     work = Path(args.work)

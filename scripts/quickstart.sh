@@ -18,7 +18,7 @@ step "1/7 a tiny Llama-3.1 HF model, a BPE tokenizer and a text corpus in $WORK"
 import json, shutil, sys
 from pathlib import Path
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
-from megatron_patch.training.demo_data import make_texts, make_tokenizer
+from megatron_patch.demo_data import make_texts, make_tokenizer
 
 work = Path(sys.argv[1])
 texts = make_texts(3000, seed=0)

@@ -450,7 +450,7 @@ def test_cli_ablate_runs_gpu_variants_on_gpu(tmp_path):
 
 @pytest.mark.slow
 def test_cli_text_file_feeds_real_text_through_the_tokenizer(aligned, tmp_path, capsys):
-    from megatron_patch.training.demo_data import make_texts, make_tokenizer
+    from megatron_patch.demo_data import make_texts, make_tokenizer
 
     texts = make_texts(400, seed=2)
     hf = tmp_path / "llama_with_tokenizer"

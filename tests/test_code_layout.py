@@ -53,6 +53,7 @@ PACKAGE_ORDER = (
     ("__main__",),
     ("cli",),  # one entry point, one module per subcommand
     ("training", "align"),  # the two things a user runs on a model: neither needs the other
+    ("evaluation",),  # lm-eval over a model, loaded from a checkpoint or live in training
     ("convert",),  # the converter alone
     ("lora",),  # adapters: planned from the weight tables, read and written through checkpoint/
     ("checkpoint",),  # checkpoint identity and model I/O, which convert, lora, training and align share
@@ -61,7 +62,7 @@ PACKAGE_ORDER = (
     ("runtime",),  # process groups, devices, megatron-core's CPU compatibility layer
     ("outputs",),  # one writer per output, folders published whole
     ("tokenizer",),  # tokenizer folders and files, read as untrusted input
-    ("input_files", "dtypes", "units", "lazy"),
+    ("input_files", "dtypes", "units", "lazy", "demo_data"),
     ("errors",),
 )
 

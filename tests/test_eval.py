@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime.distributed import ParallelLayout
-from megatron_patch.training.demo_data import make_texts, make_tokenizer
+from megatron_patch.demo_data import make_texts, make_tokenizer
 from tests.convert_helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import tempfile
 
 import pytest
 
@@ -17,11 +16,11 @@ from megatron_patch.evaluation.equality import compare, evaluate_hf_backend
 from megatron_patch.evaluation.evaluate import EvalResults, prepare_tasks
 from megatron_patch.evaluation.loading import open_for_evaluation
 from megatron_patch.evaluation.tasks import GENERATION
-from megatron_patch.models.registry import families
-from megatron_patch.models.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.description.registry import families
+from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.launch import run_local
-from megatron_patch.training.demo_data import make_texts, make_tokenizer
+from megatron_patch.demo_data import make_texts, make_tokenizer
 from tests.eval_helpers import SETTINGS, evaluate_worker
 
 pytestmark = pytest.mark.slow  # each rank job imports megatron-core and runs three tasks: 20-60 s

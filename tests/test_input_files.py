@@ -49,7 +49,7 @@ def hf(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory) -> Path:
-    from megatron_patch.training.demo_data import make_texts, make_tokenizer
+    from megatron_patch.demo_data import make_texts, make_tokenizer
 
     return make_tokenizer(tmp_path_factory.mktemp("tok") / "tok", make_texts(200, seed=1), vocab_size=200)
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_patch.training.demo_data import make_texts, make_tokenizer  # noqa: F401 - re-exported
+from megatron_patch.demo_data import make_texts, make_tokenizer  # noqa: F401 - re-exported
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import add_layout_args, layout_from_args, print_table
-from megatron_patch.convert.outputs import atomic_output_dir
+from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
 
 # torch, megatron-core and lm-eval (an optional extra) are imported inside the functions that use them:

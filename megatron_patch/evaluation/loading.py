@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_patch.convert.arch_source import open_checkpoint
+from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
-from megatron_patch.models.arch import Arch, validate_layout
+from megatron_patch.models.description.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -93,10 +93,10 @@ def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
 def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: str = "fp32") -> list:
     """This rank's model chunks at ``layout``, filled from the checkpoint (its adapters applied), on this rank's
     device. Call after ``runtime.init_model_parallel(layout)``."""
-    from megatron_patch.convert.loading import load_checkpoint_into_model
+    from megatron_patch.checkpoint.loading import load_checkpoint_into_model
     from megatron_patch.lora.sources import add_adapters, open_adapters
-    from megatron_patch.models.builder import build_model
-    from megatron_patch.models.inference import place_on_rank_device
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.inference import place_on_rank_device
 
     arch, torch_dtype = checkpoint.arch, precision_dtype(dtype)
     model = build_model(arch, layout, torch_dtype)

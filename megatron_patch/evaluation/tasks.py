@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 
 from megatron_patch.errors import UserError
-from megatron_patch.training.demo_data import make_texts
+from megatron_patch.demo_data import make_texts
 
 # lm-eval (1-2 s to import, an optional extra) and its datasets are imported inside the functions that use them:
 # `mpatch eval --help` and the package's other users start without it.
