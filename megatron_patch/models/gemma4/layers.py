@@ -49,6 +49,11 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
 
 
+def _value_norm(value: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``v_norm``: a weightless RMSNorm over each value head, in float32."""
+    return _rms(value.float(), eps).type_as(value)
+
+
 class Gemma4RMSNorm(torch.nn.Module):
     """RMSNorm in float32 times a plain weight (``norm(x) * weight``)."""
 
@@ -106,7 +111,7 @@ class Gemma4SelfAttention(RotaryOfLayerType, SelfAttention):
         if not isinstance(out, tuple) or len(out) != 3 or isinstance(out[1], list):
             raise NotImplementedError("gemma4's value norm needs the query, key and value split")
         query, key, value = out
-        return query, key, _rms(value.float(), self.config.layernorm_epsilon).type_as(value)
+        return query, key, _value_norm(value, self.config.layernorm_epsilon)
 
     def forward(self, *args, **kwargs):
         output, bias = super().forward(*args, **kwargs)
