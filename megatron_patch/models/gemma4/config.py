@@ -1,0 +1,189 @@
+"""Gemma 4's text model (``gemma4_text``: Gemma4ForCausalLM) config.json -> Arch, as transformers 5.24 builds it:
+
+- the embedding times sqrt(hidden_size), that factor rounded to the embedding's dtype first;
+- RMSNorms computed in float32 with a plain weight (``x * weight``, not Gemma 3's ``1 + weight``), before and
+  after the attention and the MLP, as q/k norms over each head, and a weightless one over each value head;
+- attention without a softmax scale (``scaling = 1``: the q/k norms set the logits' size);
+- sliding-window and full-attention layers from ``layer_types`` (every 6th full by default, the last always
+  full), each type with its own RoPE from ``rope_parameters``: default RoPE on sliding windows; proportional RoPE
+  on full attention, which rotates the first ``partial_rotary_factor`` of each head's frequency pairs and passes
+  the rest through;
+- GeGLU (``gelu_pytorch_tanh``) and a stored scalar on each layer's output (``layer_scalar``);
+- the final logits soft-capped (``tanh(x / c) * c``) where ``final_logit_softcapping`` is set; tied embeddings.
+
+Refused in one line, each what this model does not build yet: a head dim or key/value head count on the
+full-attention layers apart from the sliding ones' (``global_head_dim``, ``num_global_key_value_heads``,
+``per_layer_config``), per-layer input embeddings (``hidden_size_per_layer_input``: set it to 0), KV sharing
+(``num_kv_shared_layers``), ``attention_k_eq_v``, the MoE block (``enable_moe_block``), bidirectional attention,
+attention biases, another activation. The multimodal ``gemma4`` folder is not claimed (the registry refuses
+its model_type).
+"""
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch
+from megatron_patch.models.description.config_checks import (
+    MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Flag, Given, Names, Real, Table, Text,
+    Whole)
+from megatron_patch.models.gemma4.settings import Gemma4Settings, settings
+
+# torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
+# that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+
+# transformers' Gemma4TextConfig defaults, which the hub's configs rely on.
+DEFAULTS = {"vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 30,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "global_head_dim": 512,
+            "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "sliding_window": 512,
+            "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144, "num_kv_shared_layers": 0}
+DEFAULT_ROPE = {SLIDING_ATTENTION: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL_ATTENTION: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+ACTIVATION = "gelu_pytorch_tanh"
+SLIDING_WINDOW_PATTERN = 6
+
+
+def value(raw: dict, key: str):
+    found = raw.get(key)
+    return DEFAULTS.get(key) if found is None else found
+
+
+def layer_types_of(raw: dict, layers: int) -> tuple[str, ...]:
+    types = list(raw.get("layer_types") or [SLIDING_ATTENTION if (i + 1) % SLIDING_WINDOW_PATTERN else FULL_ATTENTION
+                                            for i in range(layers)])
+    if len(types) != layers or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise UserError(f"config.json layer_types must name {layers} layers, each sliding_attention or full_attention: "
+                        f"found {types}")
+    types[-1] = FULL_ATTENTION  # as transformers forces it
+    return tuple(types)
+
+
+def full_layer_overrides(raw: dict, types: tuple[str, ...]) -> dict[int, dict]:
+    """Each full-attention layer's own head dim and key/value heads, from either form: the hub's
+    ``global_head_dim`` / ``num_global_key_value_heads``, or ``per_layer_config`` as transformers 5.24 writes it."""
+    written = raw.get("per_layer_config")
+    if written is not None:
+        if not isinstance(written, dict) or not all(isinstance(v, dict) and str(k).isdigit() for k, v in
+                                                    written.items()):
+            raise UserError("config.json per_layer_config must map layer numbers to tables of their own settings")
+        return {int(k): v for k, v in written.items()}
+    overrides = {"head_dim": value(raw, "global_head_dim")}
+    if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads") is not None:
+        overrides["num_key_value_heads"] = raw["num_global_key_value_heads"]
+    return {i: overrides for i, t in enumerate(types) if t == FULL_ATTENTION}
+
+
+def check_supported(raw: dict, types: tuple[str, ...]) -> None:
+    head_dim, kv_heads = value(raw, "head_dim"), value(raw, "num_key_value_heads")
+    for layer, over in full_layer_overrides(raw, types).items():
+        if set(over) - {"head_dim", "num_key_value_heads"} or over.get("head_dim", head_dim) != head_dim or \
+                over.get("num_key_value_heads", kv_heads) != kv_heads:
+            raise UserError(f"gemma4 layer {layer}'s own attention shape {over} (global_head_dim / per_layer_config) "
+                            f"is not supported yet: every layer must have head_dim {head_dim} and {kv_heads} "
+                            "key/value heads")
+    if value(raw, "hidden_size_per_layer_input"):
+        raise UserError(f"hidden_size_per_layer_input={value(raw, 'hidden_size_per_layer_input')} (per-layer input "
+                        "embeddings) is not supported yet for gemma4: set it to 0")
+    for key, unset in (("num_kv_shared_layers", 0), ("attention_k_eq_v", False), ("enable_moe_block", False),
+                       ("use_bidirectional_attention", None), ("attention_bias", False)):
+        if raw.get(key) not in (unset, None):
+            raise UserError(f"{key}={raw[key]} is not supported yet for gemma4: this model builds none")
+    act = raw.get("hidden_activation") or ACTIVATION
+    if act != ACTIVATION:
+        raise UserError(f"hidden_activation '{act}' is not supported: gemma4's MLP here is GeGLU with {ACTIVATION}")
+
+
+def rope_of(raw: dict) -> dict[str, dict]:
+    """Each layer type's RoPE table: default RoPE on sliding windows, proportional RoPE on full attention."""
+    given = raw.get("rope_parameters") or {}
+    tables = {t: given.get(t) or DEFAULT_ROPE[t] for t in (SLIDING_ATTENTION, FULL_ATTENTION)}
+    wanted = {SLIDING_ATTENTION: ("default",), FULL_ATTENTION: ("proportional", "default")}
+    for layer_type, kinds in wanted.items():
+        kind = tables[layer_type].get("rope_type", "default")
+        if kind not in kinds:
+            raise UserError(f"RoPE type '{kind}' on gemma4's {layer_type} layers is not supported: "
+                            f"supported are {', '.join(kinds)}")
+    return tables
+
+
+def parse_config(raw: dict) -> Arch:
+    layers = value(raw, "num_hidden_layers")
+    types = layer_types_of(raw, layers)
+    check_supported(raw, types)
+    ropes = rope_of(raw)
+    full = ropes[FULL_ATTENTION]
+    partial = float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0
+    tied = raw.get("tie_word_embeddings")
+    return Arch(
+        family="gemma4", vocab_size=value(raw, "vocab_size"), hidden_size=value(raw, "hidden_size"),
+        ffn_hidden_size=value(raw, "intermediate_size"), num_layers=layers,
+        num_heads=value(raw, "num_attention_heads"), num_kv_heads=value(raw, "num_key_value_heads"),
+        head_dim=value(raw, "head_dim"), norm_eps=float(value(raw, "rms_norm_eps")),
+        rope_theta=float(ropes[SLIDING_ATTENTION].get("rope_theta", 10_000.0)), rope_scaling=None,
+        max_position_embeddings=value(raw, "max_position_embeddings"),
+        tie_word_embeddings=True if tied is None else bool(tied), layer_types=types,
+        sliding_window=value(raw, "sliding_window") if SLIDING_ATTENTION in types else None,
+        family_config=Gemma4Settings(
+            full_rope_theta=float(full.get("rope_theta", 1_000_000.0)), full_partial_rotary_factor=partial,
+            full_rope_factor=float(full.get("factor", 1.0)),
+            final_logit_softcapping=raw.get("final_logit_softcapping")),
+        hf_config=raw,
+    )
+
+
+def transformer_config_kwargs(arch: Arch) -> dict:
+    # megatron-core is imported here, when a model is built, not when the converter reads the family
+    from megatron_patch.models.blocks.decoder import sliding_window_kwargs
+    from megatron_patch.models.gemma4.layers import gelu_tanh
+
+    return dict(
+        qk_layernorm=True, activation_func=gelu_tanh, softmax_scale=1.0, **sliding_window_kwargs(arch),
+        # the family's own modules, with or without transformer-engine: no TE-only or SwiGLU-only fusions
+        bias_activation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
+    from megatron_patch.models.gemma4.layers import layer_spec as gemma4_layer_spec
+
+    return gemma4_layer_spec(arch, config, vp_stage, core_attention)
+
+
+def finish_model(model, arch: Arch) -> None:
+    from megatron_patch.models.gemma4.layers import finish_model as finish_gemma4_model
+
+    finish_gemma4_model(model, arch)
+
+
+_ROPE_TABLE = Table(ROPE_FIELDS)
+# The config.json fields this family reads.
+CONFIG_KEYS = {
+    "vocab_size": Whole(1, MAX_VOCAB), "hidden_size": Whole(1, MAX_WIDTH), "intermediate_size": Whole(1, MAX_WIDTH),
+    "num_hidden_layers": Whole(1, MAX_LAYERS), "num_attention_heads": Whole(1, MAX_HEADS),
+    "num_key_value_heads": Whole(1, MAX_HEADS), "head_dim": Whole(1, MAX_WIDTH),
+    "global_head_dim": Whole(1, MAX_WIDTH), "num_global_key_value_heads": Whole(1, MAX_HEADS),
+    "per_layer_config": Given(), "max_position_embeddings": Whole(1, MAX_POSITIONS), "rms_norm_eps": Real(0, 1.0),
+    "model_type": Text(), "sliding_window": Whole(1, MAX_POSITIONS), "layer_types": Names(MAX_LAYERS),
+    "rope_parameters": Table({FULL_ATTENTION: _ROPE_TABLE, SLIDING_ATTENTION: _ROPE_TABLE}),
+    "tie_word_embeddings": Flag(), "attention_bias": Flag(), "hidden_activation": Text(),
+    "final_logit_softcapping": Real(0), "use_bidirectional_attention": Given(),
+    "hidden_size_per_layer_input": Whole(0, MAX_WIDTH), "vocab_size_per_layer_input": Whole(0, MAX_VOCAB),
+    "num_kv_shared_layers": Whole(0, MAX_LAYERS), "attention_k_eq_v": Flag(), "enable_moe_block": Flag(),
+}
+
+# A tiny Gemma 4 (Gemma4ForCausalLM): a sliding-window layer (window 8, shorter than the tests' sequences) then a
+# full-attention one with proportional RoPE on half its pairs, 4 heads of 16 (64 wide, not hidden/heads), 2
+# key/value heads, logits soft-capped at 3 (near their size, so that the cap bites), tied embeddings, a vocabulary
+# that needs padding.
+TINY_CONFIG = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
+    "vocab_size": 200, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16,
+    "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                           "rope_theta": 1000000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    "final_logit_softcapping": 3.0, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+    "attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False,
+    "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+    "torch_dtype": "float32",
+}
