@@ -57,6 +57,7 @@ def measure_rank(cfg) -> dict:
     from megatron_patch.training.loop import Trainer
     from tests.saved_tensors import SavedTensorMeter
 
+    _forget_moe_metrics()
     init_model_parallel(cfg.layout, seed=cfg.seed)
     trainer = Trainer(cfg)
     trainer.build()
@@ -68,6 +69,19 @@ def measure_rank(cfg) -> dict:
             "dp_rank": parallel_state.get_data_parallel_rank(), "activations": meter.peak,
             "attention": core_attention_of(trainer.models[0]),
             "leftover": meter.live, **model_state_bytes(trainer.models, trainer.optimizer)}
+
+
+def _forget_moe_metrics() -> None:
+    """megatron-core sizes its per-layer MoE metrics once per process, on the first model's layer count: a later
+    model with more MoE layers would index past them, so each configuration measured here starts without them."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker  # 0.19: an object
+    except ImportError:  # 0.16: a module-level dict
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
 
 
 def measure_ranks(cfgs: list) -> list[dict]:
