@@ -461,7 +461,7 @@ class Trainer:
 
     def _loss_scale(self) -> float | None:
         """fp16's dynamic loss scale (None without one: bf16 and fp32 train unscaled)."""
-        if not self.cfg.precision.loss_scaled:
+        if not self.cfg.precision.fp16:
             return None
         return float(self.optimizer.get_loss_scale())
 

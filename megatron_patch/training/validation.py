@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.dtypes import Precision
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import read_config_json, validate_layout
 from megatron_patch.models.description.registry import get_family, parse_arch
@@ -45,7 +46,7 @@ from megatron_patch.training.launcher_args import (
     parse_int,
 )
 from megatron_patch.training.lora_run import check_lora, lora_from_env
-from megatron_patch.training.run_config import PRECISIONS, Precision, RunConfig
+from megatron_patch.training.run_config import PRECISIONS, RunConfig
 from megatron_patch.training.run_folder import WRITTEN_FOLDERS, require_folder
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_env
 
@@ -101,7 +102,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     if env.get("MP_FP8_RECIPE") and not precision.fp8:
         raise UserError(f"MP_FP8_RECIPE={env['MP_FP8_RECIPE']} needs PR=fp8, got PR={precision}")
     loss_scale_window = env_int(env, "MP_LOSS_SCALE_WINDOW", 1000)
-    if env.get("MP_LOSS_SCALE_WINDOW") and not precision.loss_scaled:
+    if env.get("MP_LOSS_SCALE_WINDOW") and not precision.fp16:
         raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
     tp_overlap_env = env.get("MP_TP_COMM_OVERLAP", "")
     tp_comm_overlap = tp > 1 and sp if tp_overlap_env == "" else parse_bool("MP_TP_COMM_OVERLAP", tp_overlap_env)
