@@ -21,6 +21,7 @@ from megatron_patch.training.launcher_args import parse_bool, parse_float
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # launcher's checks and dry run read this module's extras without building a model.
+# So is blocks.sparse_attention, which imports megatron-core at its top.
 
 DSA_EXTRAS = ("MP_DSA_INDEXER_LOSS_SCALE", "MP_DSA_INDEXER_ONLY")
 INDEXER_PARAMS = ".core_attention.indexer."

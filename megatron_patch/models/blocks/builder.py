@@ -19,6 +19,7 @@ from megatron_patch.runtime.machine import transformer_engine_usable
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the
 # launcher's dry run and resume checks) do not pay for it.
+# So is blocks.local_attention, which imports megatron-core at its top.
 
 
 @functools.lru_cache(maxsize=1)
