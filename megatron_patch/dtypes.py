@@ -1,5 +1,6 @@
-"""The one table of dtypes: the project's precision names, and each dtype's name in the formats it
-meets (config.json's ``torch_dtype``, safetensors headers, torch pickles).
+"""The one table of dtypes: the project's precision names (and ``Precision``, the training precision with what it
+implies), and each dtype's name in the formats it meets (config.json's ``torch_dtype``, safetensors headers, torch
+pickles).
 
 Every table is kept by dtype *name* (torch's attribute name: ``"bfloat16"``), which needs no torch;
 the tables of ``torch.dtype`` objects (``PRECISIONS``, ``SAFETENSORS_TAGS``, ...) are built from
@@ -7,6 +8,8 @@ them on first use, so a command that never touches a tensor never imports torch.
 """
 
 from __future__ import annotations
+
+from enum import Enum
 
 from megatron_patch.errors import UserError
 
@@ -54,6 +57,60 @@ def precision_dtype(name: str):
 def dtype_name(dtype) -> str:
     """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``."""
     return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+class Precision(str, Enum):
+    """PR: the training precision. A ``str`` so that it prints, compares and serialises as PR's value. megatron-core's
+    ``bf16`` and ``fp16`` flags are read from here alone (the builder's TransformerConfig, training's optimizer)."""
+
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP8 = "fp8"
+    FP32 = "fp32"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def fp8(self) -> bool:
+        """transformer-engine's FP8 GEMMs (parameters stay bf16)."""
+        return self is Precision.FP8
+
+    @property
+    def fp16(self) -> bool:
+        """megatron-core's ``fp16`` flag, and with it the dynamic loss scale."""
+        return self is Precision.FP16
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit parameters with fp32 master weights and fp32 gradient reduction."""
+        return self is not Precision.FP32
+
+    @property
+    def bf16(self) -> bool:
+        """megatron-core's ``bf16`` flag (FP8 keeps bf16 parameters)."""
+        return self in (Precision.BF16, Precision.FP8)
+
+    @property
+    def dtype_name(self) -> str:
+        """The parameters' dtype name ("bfloat16")."""
+        return precision_dtype_name(self.value)
+
+    @property
+    def dtype(self):
+        """The parameters' torch dtype."""
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype_name]
+
+    @classmethod
+    def of_dtype(cls, dtype) -> Precision:
+        """The precision whose parameters are ``dtype`` (fp32, bf16 or fp16: FP8 keeps bf16 parameters)."""
+        return cls(PRECISION_OF_DTYPE_NAME[dtype_name(dtype)])
 
 
 _TORCH_TABLES = ("PRECISIONS", "PRECISION_NAMES", "HF_CONFIG_NAMES", "SAFETENSORS_TAGS", "SAFETENSORS_TAG_OF")

@@ -5,12 +5,14 @@ test module imports another (shared code lives in tests/*_helpers.py)."""
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_patch"
-# How a module says why some of its imports are inside functions (a measured start-up cost, an optional
-# package, the order megatron-core must load in).
+# How a module's top-level comment says why some of its imports are inside functions (a measured start-up cost,
+# an optional package, the order megatron-core must load in); it names the imports it covers.
 REASONS = ("imported inside", "imported here", "imported by the", "imported where", "imported only", "optional")
 
 
@@ -36,14 +38,55 @@ def _modules():
     return sorted(PACKAGE.rglob("*.py"))
 
 
-def test_function_level_imports_say_why():
+def _comments(source: str) -> dict[int, str]:
+    return {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+            if tok.type == tokenize.COMMENT}
+
+
+def _names_in(text: str, module: str, imported: list[str]) -> bool:
+    """Whether ``text`` names what an import brings in: a distribution by its name (torch, megatron-core,
+    transformers, ...), a module of this project by its last two parts (``checkpoint.loading``)."""
+    text = text.replace("-", "_")
+    for name in [module, *(f"{module}.{n}" for n in imported)]:
+        parts = name.split(".")
+        if parts[0] != "megatron_patch" and parts[0] in text:
+            return True
+        if parts[0] == "megatron_patch" and len(parts) > 2 and ".".join(parts[-2:]) in text:
+            return True
+    return False
+
+
+def test_deferred_imports_say_why_where_they_are():
+    """An import inside a function gives its reason next to it: in a comment on it or just above it (above the
+    imports it stands with), or in a comment at the module's top level that gives the reason and names it."""
     unexplained = []
     for path in _modules():
         source = path.read_text()
-        inner = [n for n, _, at_top in _imports(ast.parse(source)) if not at_top]
-        if inner and not any(reason in source for reason in REASONS):
-            unexplained.append(f"{path.relative_to(ROOT)}:{inner[0].lineno}")
-    assert not unexplained, f"imports inside functions without a reason given in the module: {unexplained}"
+        tree, comments, lines = ast.parse(source), _comments(source), source.splitlines()
+        in_functions = {line for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        for line in range(node.lineno, node.end_lineno + 1)}
+        blocks, block = [], []  # the module's top-level comments, a run of comment lines each
+        for line in sorted(set(comments) - in_functions):
+            if block and line != block[-1][0] + 1:
+                blocks.append(" ".join(text for _, text in block))
+                block = []
+            block.append((line, comments[line]))
+        blocks.append(" ".join(text for _, text in block))
+        reasons = [b for b in blocks if any(reason in b for reason in REASONS)]
+        import_lines = {line for node, _, _ in _imports(tree) for line in range(node.lineno, node.end_lineno + 1)}
+        for node, names, at_top in _imports(tree):
+            if at_top:
+                continue
+            line = node.lineno - 1  # up past the imports it stands with (all their lines), to the comment above
+            while line >= 1 and line in import_lines:
+                line -= 1
+            beside = any(n in comments for n in range(node.lineno, node.end_lineno + 1))
+            if beside or (line >= 1 and lines[line - 1].lstrip().startswith("#")):
+                continue
+            imported = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            if not all(any(_names_in(b, name, imported) for b in reasons) for name in names):
+                unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno} ({names[0]})")
+    assert not unexplained, f"imports inside functions whose reason is not beside them: {unexplained}"
 
 
 # The packages of megatron_patch (and its top-level modules), from the top down: each imports only those below it,

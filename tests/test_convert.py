@@ -28,11 +28,11 @@ from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, Torc
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
 from megatron_patch.convert.copier import Copier
+from megatron_patch.dtypes import Precision
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.registry import families
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
-from megatron_patch.training.run_config import Precision
 from tests.convert_helpers import leftovers, run_cli
 
 FAMILIES = list(families())

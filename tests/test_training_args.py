@@ -407,7 +407,7 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
     ddp = DistributedDataParallelConfig(**settings["ddp"])
     opt = OptimizerConfig(**settings["optimizer"])
     assert ddp.use_distributed_optimizer == opt.use_distributed_optimizer == cfg.distributed_optimizer
-    assert (opt.bf16, opt.fp16) == (cfg.precision in ("bf16", "fp8"), cfg.precision == "fp16")
+    assert (opt.bf16, opt.fp16) == (tc.bf16, tc.fp16) == (cfg.precision in ("bf16", "fp8"), cfg.precision == "fp16")
     assert opt.lr == cfg.lr and opt.min_lr == cfg.min_lr
     if settings["offload"]["policy"] != "off" or settings["offload"]["numerics"] == "exact":
         # what build_chunked_optimizer requires of megatron's config

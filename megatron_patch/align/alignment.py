@@ -21,10 +21,13 @@ from megatron_patch.align.capture import point_names
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, judge
+from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.dtypes import PRECISIONS
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
+from megatron_patch.lora.peft_io import read_peft_adapter
+from megatron_patch.lora.sources import is_peft_folder
 from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -95,8 +98,6 @@ def config_differences(a: dict, b: dict) -> list[dict]:
 
 def _test_arch(s: AlignSettings):
     if s.mcore_dir:
-        from megatron_patch.checkpoint.arch_source import open_checkpoint
-
         # A checkpoint of another tool is read as the model of --hf-dir, checked against its tensors.
         opened = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir)
         return opened.model_arch, opened.sidecar
@@ -140,8 +141,6 @@ def validate(s: AlignSettings):
     if s.only_dtype and s.dtype == "fp32":
         raise UserError("--only-dtype skips the fp32 run before another --dtype: with --dtype fp32 there is only one run")
     if s.peft_dir:
-        from megatron_patch.lora.sources import is_peft_folder
-
         if s.hf_dir_2:
             raise UserError("--peft-dir puts the adapter on both sides of HF vs MCore: drop --hf-dir-2")
         if not is_peft_folder(s.peft_dir):
@@ -152,8 +151,6 @@ def validate(s: AlignSettings):
         checked_arch(s.hf_dir_2, shapes=True)
     test_arch, sidecar = _test_arch(s)
     if s.peft_dir:
-        from megatron_patch.lora.peft_io import read_peft_adapter
-
         read_peft_adapter(s.peft_dir, ref_arch)  # refused in one line if it does not fit the model
     diff = [f for f in STRUCTURE if getattr(ref_arch, f) != getattr(test_arch, f)]
     if diff:

@@ -33,10 +33,11 @@ def _short(name: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
+    # matplotlib (0.3 s to import) only where a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): no display is looked for
 
     v = result["verdict"]
     points = v["points"]
@@ -51,6 +52,7 @@ def plot(result: dict, path: Path) -> None:
         ax.semilogy(xs, floor, "s--", color="tab:gray", label=f"noise floor: HF {v['dtype']} vs HF fp32")
         ax.semilogy(xs, [f * v["tolerance"] for f in floor], ":", color="tab:red", label=f"limit: {v['tolerance']:g}x floor")
     else:
+        # align.parity imports torch
         from megatron_patch.align.parity import FP32_REL_L2
 
         ax.axhline(FP32_REL_L2, color="tab:red", linestyle=":", label=f"limit: rel_l2 {FP32_REL_L2:g}")

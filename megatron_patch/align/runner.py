@@ -13,8 +13,10 @@ import torch
 
 from megatron_patch.align import ablations
 from megatron_patch.align.capture import Captures, capture_hf, capture_mcore, load_hf_model, merge_captures
+from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 from megatron_patch.dtypes import precision_dtype
-from megatron_patch.lora.sources import open_adapters
+from megatron_patch.lora.sources import add_adapters, open_adapters
 from megatron_patch.models.blocks.builder import build_model
 from megatron_patch.models.blocks.inference import place_on_rank_device
 from megatron_patch.models.description.arch import read_config_json
@@ -26,6 +28,7 @@ from megatron_patch.runtime.launch import run_local
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the
 # launcher's dry run and resume checks) do not pay for it.
+# So are checkpoint.loading and checkpoint.model_io, which import torch at their top.
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,6 @@ class McoreRun:
 
 def _arch_of(run: McoreRun):
     if run.mcore_dir is not None:
-        from megatron_patch.checkpoint.arch_source import open_checkpoint
-
         return open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).model_arch
     return parse_arch(run.hf_dir)
 
@@ -67,13 +68,10 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
         base = adapters.base if adapters is not None and adapters.base is not None else run.mcore_dir
         load_checkpoint_into_model(model, base, layout, hf_config=run.hf_dir, verify=run.verify)
     else:
-        from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
         from megatron_patch.checkpoint.model_io import load_hf_weights
 
         load_hf_weights(model, arch, layout, HFCheckpointReader(run.hf_dir))
     if adapters is not None:
-        from megatron_patch.lora.sources import add_adapters
-
         add_adapters([model], arch, adapters, layout, precision_dtype(run.dtype))
     return place_on_rank_device(model), arch
 
@@ -81,8 +79,6 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
 def _adapters_of(run: McoreRun, arch):
     """The LoRA adapters of the MCore side: those ``mcore_dir`` carries, else ``peft_dir``'s, else None."""
     if run.mcore_dir is not None:
-        from megatron_patch.checkpoint.arch_source import open_checkpoint
-
         if open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).sidecar.lora:
             return open_adapters(run.mcore_dir, arch)
     return open_adapters(run.peft_dir, arch) if run.peft_dir else None

@@ -29,6 +29,7 @@ from megatron_patch.checkpoint.outputs import carried_files
 from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, read_config_json, validate_layout
+from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args
 from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -90,8 +91,6 @@ def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None
         if family is not None and family != arch.family:
             raise UserError(f"{source} describes a {arch.family} model, not --family {family}")
     elif found.args is not None and family is not None:
-        from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args
-
         config, notes = hf_config_from_megatron_args(found.args, get_family(family))
         arch = get_family(family).parse_config(config)
         source = f"the saved Megatron-LM arguments, as {family}"

@@ -21,6 +21,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.input_files import checked_input, contained, read_input_json
 from megatron_patch.models.description.config_checks import check_weights_fit
 from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.shape.skeleton import describe_model
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -184,8 +185,6 @@ def checked_arch(hf_dir: str | Path, *, shapes: bool = False):
     reader = HFCheckpointReader(hf_dir)
     check_weights_fit(arch, sum(reader.nbytes(n) for n in reader.keys()), f"the safetensors of {hf_dir}")
     if shapes:
-        from megatron_patch.models.shape.skeleton import describe_model
-
         check_hf_shapes(reader, describe_model(arch).hf_shapes)
     return arch
 

@@ -289,6 +289,7 @@ def load_models_torch_dist(models: list, folder: str | Path) -> None:
     weights in ``folder``, at whatever layout they were saved. All chunks load in one
     ``dist_checkpointing.load``: its integrity check wants the request of all ranks together to cover
     every stored shard, which one chunk alone does not."""
+    # safe_torch imports torch and megatron-core: only a load into a live model needs them
     from megatron_patch.checkpoint_files.safe_torch import safe_dist_load
 
     stored = TorchDistReader(folder).keys()

@@ -496,6 +496,7 @@ class TorchDistReader:
     def read_block(self, key: str, offset: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None):
         """The block as a torch tensor (torch imported here), assembled by this reader: for tests, the
         in-memory merges of the converter and benchmarks."""
+        # numpy and torch only for this read into memory
         import numpy as np
         import torch
 

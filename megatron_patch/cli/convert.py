@@ -16,6 +16,7 @@ from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# So are the modules a subcommand runs (cli/__init__.py): convert.lora_io, and cli.pai_convert's converters.
 
 
 def _quiet_imports() -> None:

@@ -49,6 +49,7 @@ def run(args) -> int:
     if importlib.util.find_spec("lm_eval") is None:
         raise UserError(f"mpatch eval runs lm-evaluation-harness, which is not installed: pip install "
                         f"'megatron_patch[eval]' (lm-eval=={LM_EVAL_VERSION})")
+    # lm-eval, torch and megatron-core come with these: imported only once lm-eval is known to be installed
     from megatron_patch.evaluation.evaluate import EvalSettings, evaluate_checkpoint, summary_rows, write_results
     from megatron_patch.evaluation.loading import open_for_evaluation
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from megatron_patch.cli.common import print_table
 from megatron_patch.lora.plan import target_modules
 from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.models.shape.model_shape import model_shapes
@@ -75,8 +76,6 @@ def run(args) -> int:
     elif args.json:
         print(json.dumps(family_rows(with_params=True), indent=2))
     else:
-        from megatron_patch.cli.common import print_table
-
         def sizes(r: dict) -> str:  # "30B-A3B/A3B": a preset and Pai's name for it
             return " ".join(s + "".join(f"/{a}" for a, p in r["size_aliases"].items() if p == s) for s in r["sizes"])
 

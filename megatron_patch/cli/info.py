@@ -16,6 +16,7 @@ from megatron_patch.runtime.machine import features, gpu_info, installed_version
 def collect() -> dict:
     import torch
 
+    # runtime.cpu_compat imports torch
     from megatron_patch.runtime import cpu_compat, versions
 
     gpu = gpu_info()

@@ -11,6 +11,7 @@ from megatron_patch.models.description.arch import validate_layout
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# So are the modules a subcommand runs (cli/__init__.py): align.alignment, align.parity.
 
 
 def run(args) -> int:

@@ -32,6 +32,7 @@ from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_training_data
 from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers
 from megatron_patch.training.launcher_options import dry_run_options, read_option, usage
+from megatron_patch.training.lora_run import check_lora_launch
 from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
@@ -39,6 +40,8 @@ from megatron_patch.training.validation import resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# So are the modules that bring torch in: training.megatron_settings, training.checkpointing,
+# training.loop.
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, with this interpreter
 
@@ -200,7 +203,6 @@ def run(args) -> int:
         from megatron_patch.training.checkpointing import finished_run, iteration_dir, latest_iteration
 
         latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
-        from megatron_patch.training.lora_run import check_lora_launch
 
         # a LoRA run's base, and the one its checkpoints name
         check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))

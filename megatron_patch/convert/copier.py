@@ -410,6 +410,7 @@ class Copier:
 
     def _gather_converting(self, dst: Stored, moves: list[Move], r0: int, r1: int, cache: dict, arena: list) -> int:
         """A destination band whose sources have another dtype: assembled in memory, converted as torch does."""
+        # numpy (0.1 s) only where a dtype changes: a conversion that moves bytes runs without it
         import numpy as np
 
         out = np.zeros((r1 - r0, dst.row_bytes), dtype=np.uint8)
@@ -596,6 +597,7 @@ def _work_of(task) -> Work:
 def convert_rows(piece, src: str, dst: str):
     """Bytes of ``src``-dtype elements (a 2-D uint8 array, rows of whole elements) as ``dst`` elements,
     rounded as torch's ``Tensor.to`` rounds (torch imported here: only dtype changes need it)."""
+    # only dtype changes need numpy and torch
     import numpy as np
     import torch
 

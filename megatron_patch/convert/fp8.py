@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 
+from megatron_patch.convert.mxfp4 import Mxfp4Reader
 from megatron_patch.errors import UserError
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -132,8 +133,6 @@ def open_weights(reader, hf_config: dict):
     MXFP4 experts (``convert/mxfp4.py``); such a view has a ``note`` saying what it did."""
     check_quantization(hf_config)
     if (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-        from megatron_patch.convert.mxfp4 import Mxfp4Reader
-
         return Mxfp4Reader(reader)
     block = fp8_block_size(hf_config)
     return reader if block is None else DequantizingReader(reader, block)

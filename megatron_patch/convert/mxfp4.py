@@ -36,6 +36,7 @@ BAND_ROWS = 1024
 @functools.lru_cache(maxsize=1)
 def _pairs():
     """The two values of each of the 256 bytes of codes, low nibble first [256, 2], float32."""
+    # numpy (0.1 s) only once an MXFP4 tensor is read
     import numpy as np
 
     codes = np.array(FP4_VALUES, dtype=np.float32)
@@ -46,6 +47,7 @@ def dequantize(blocks, scales, band_rows: int = BAND_ROWS):
     """float32 [groups x 32, rows] (a transposed view) of one expert's ``blocks`` [rows, groups, 16] (uint8)
     and ``scales`` [rows, groups] (uint8): transformers' ``convert_moe_packed_tensors`` for one expert. Both
     scale each code's value by an exact ``ldexp`` (scale 255 included: 0.5 x 2^128 is finite, 0 x 2^128 zero)."""
+    # numpy and torch only once an MXFP4 tensor is read
     import numpy as np
     import torch
 

@@ -21,6 +21,7 @@ class Progress:
         self.mode = "silent" if enabled is False else "bar" if (enabled or tty) else "log"
         self._bar = None
         if self.mode == "bar":
+            # tqdm only for a terminal's bar
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,

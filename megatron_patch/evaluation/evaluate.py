@@ -64,6 +64,7 @@ def evaluate_live_model(chunks: list, arch, tokenizer, settings: EvalSettings) -
     state initialised) with ``tokenizer`` (transformers'; ``loading.load_hf_tokenizer``). Every rank of the job
     calls it; global rank 0 gets the results, the others None. Puts the chunks in eval mode: the caller puts them
     back in train mode."""
+    # torch and megatron-core: imported only on the ranks that evaluate
     from megatron_patch.evaluation.runner import ModelRunner
 
     runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, kv_cache=settings.kv_cache,
@@ -77,6 +78,7 @@ def run_harness(runner, tokenizer, settings: EvalSettings, include_paths: list[s
     import torch.distributed as dist
     from lm_eval import evaluator, simple_evaluate
 
+    # imported here, beside lm-eval (an optional package), which it subclasses
     from megatron_patch.evaluation.harness import MpatchLM
 
     # lm-eval records `git describe` of the current folder, whatever it is (and git says "fatal: not a git
@@ -110,6 +112,7 @@ def _to_json(results: dict) -> EvalResults:
 def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: str,
                                settings: EvalSettings, include_paths: list[str]) -> EvalResults | None:
     """Runs on every rank of ``evaluate_checkpoint``'s job: build, load, evaluate."""
+    # torch and megatron-core: imported only in the ranks the job starts
     from megatron_patch.evaluation.loading import load_hf_tokenizer, load_model
     from megatron_patch.evaluation.runner import ModelRunner
     from megatron_patch.runtime import init_model_parallel
@@ -129,6 +132,7 @@ def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: Paralle
 def evaluate_checkpoint(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, settings: EvalSettings,
                         dtype: str = "fp32") -> EvalResults:
     """Evaluate ``checkpoint`` at ``layout`` in ``layout.world_size`` local processes (gloo on CPU)."""
+    # imported here: the launcher's module pulls in torch, which reading the arguments does not need
     from megatron_patch.runtime.launch import run_local
 
     with tempfile.TemporaryDirectory(prefix="mpatch-eval-tasks-") as folder:

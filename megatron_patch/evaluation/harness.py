@@ -198,6 +198,7 @@ def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1
                             kv_cache: bool | None = None, verify: bool = True):
     """The runner and tokenizer lm-eval's ``--model mpatch --model_args load_dir=...`` asks for, in this process:
     it must be one rank of a job of the layout's size (torchrun), or alone for a layout of one process."""
+    # torch and megatron-core: imported only when lm-eval builds the model
     from megatron_patch.evaluation.loading import (
         load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral, supports_kv_cache)
     from megatron_patch.runtime import init_model_parallel

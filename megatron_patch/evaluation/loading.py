@@ -75,6 +75,7 @@ def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
     HF backend loads it from the model's folder, so both tokenize alike. ``model_config``: the model's config.json
     (the checkpoint's), which picks the tokenizer class where tokenizer_config.json names none (a Qwen2 model's
     folder gets Qwen2's tokenizer class, with its own special tokens)."""
+    # transformers (0.6 s): imported only where a tokenizer is loaded
     from transformers import AutoConfig, AutoTokenizer
 
     config = None
@@ -93,6 +94,7 @@ def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
 def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: str = "fp32") -> list:
     """This rank's model chunks at ``layout``, filled from the checkpoint (its adapters applied), on this rank's
     device. Call after ``runtime.init_model_parallel(layout)``."""
+    # torch and megatron-core: imported only on the ranks that build the model
     from megatron_patch.checkpoint.loading import load_checkpoint_into_model
     from megatron_patch.lora.sources import add_adapters, open_adapters
     from megatron_patch.models.blocks.builder import build_model

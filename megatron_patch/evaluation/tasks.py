@@ -62,6 +62,7 @@ def _write_jsonl(path: Path, records: list[dict]) -> str:
 
 def write_project_tasks(folder: str | Path) -> Path:
     """The shipped tasks' YAML and data in ``folder`` (made if missing); returns it, for the include path."""
+    # yaml: imported only when the shipped tasks are written
     import yaml
 
     folder = Path(folder)

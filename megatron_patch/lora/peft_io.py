@@ -50,6 +50,7 @@ def _everything(spec: LoraSpec) -> LoraSpec:
 def read_peft_adapter(folder: str | Path, arch: Arch, shape=None) -> tuple[LoraSpec, dict, dict]:
     """(the spec, adapter tensors by checkpoint key, modules_to_save tensors by HF name) of a peft folder,
     checked against ``arch``'s model. Tensors are float32 or as stored."""
+    # safetensors.torch imports torch
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -341,6 +342,7 @@ def check_peft_loads(sites: list[Site], arch: Arch) -> None:
 def write_peft_adapter(folder: str | Path, sites: list[Site], spec: LoraSpec, arch: Arch, tensors: dict,
                        saved: dict, base: str | None = None, dtype=None) -> None:
     """Write a peft adapter folder (``folder`` exists and is empty); ``dtype``: the tensors' dtype on disk."""
+    # safetensors.torch imports torch
     from safetensors.torch import save_file
 
     check_peft_loads(sites, arch)

@@ -28,7 +28,7 @@ from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import LayerKind, Rule, Scope, split_context
 from megatron_patch.models.mapping.splits import (
     Column, GateUp, GroupedQKV, InterleavedGateUp, Replicated, Row, RowPieces, TransposedRow)
-from megatron_patch.models.shape.model_shape import RankParam, chunk_layers, layer_kind
+from megatron_patch.models.shape.model_shape import RankParam, chunk_layers, layer_kind, model_shape
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -208,8 +208,6 @@ def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
 
     ``shape``: the model's ``models.shape.model_shape.ModelShape`` (read from megatron-core when not given)."""
     if shape is None:
-        from megatron_patch.models.shape.model_shape import model_shape
-
         shape = model_shape(arch)
 
     rules = [r for r in lora_rules(arch) if r.lora.target in spec.targets]

@@ -18,6 +18,7 @@ from megatron_patch.models.mapping.naming import te_to_local_name
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+# So are checkpoint.model_io and blocks.builder, which import torch at their top.
 
 
 def _named(hf_name: str, modules: tuple[str, ...]) -> bool:

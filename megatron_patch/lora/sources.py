@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
+from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.plan import plan_sites
 from megatron_patch.lora.saved import load_saved
 from megatron_patch.lora.spec import ADAPTER_CONFIG, LoraSpec
@@ -18,6 +19,7 @@ from megatron_patch.lora.state import check_adapter_keys, find_base, load_adapte
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+# So is lora.layers, which imports torch at its top.
 
 
 @dataclass
@@ -36,8 +38,6 @@ def is_peft_folder(path: str | Path) -> bool:
 def open_adapters(path: str | Path, arch) -> Adapters:
     """The adapters of a peft folder or of a LoRA checkpoint, checked against ``arch``'s model."""
     if is_peft_folder(path):
-        from megatron_patch.lora.peft_io import read_peft_adapter
-
         spec, tensors, saved = read_peft_adapter(path, arch)
         return Adapters(spec, tensors, saved, None, f"the peft adapter {path}")
     opened = open_checkpoint(path)

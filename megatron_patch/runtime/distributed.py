@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
+from megatron_patch.errors import UserError
 from megatron_patch.lazy import LazyModule
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -117,8 +118,6 @@ def init_model_parallel(layout: ParallelLayout, seed: int = 1234, timeout_minute
     init_process_group(timeout_minutes)
     world = dist.get_world_size()
     if world % (layout.model_parallel_size) != 0:
-        from megatron_patch.errors import UserError
-
         raise UserError(f"{world} processes cannot hold {layout}: the world size must be a multiple of TP*PP*CP")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -24,11 +24,12 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from multiprocessing.managers import SyncManager
 from typing import Any, Callable
 
 from megatron_patch.errors import UserError
-from megatron_patch.runtime.distributed import free_port
+from megatron_patch.runtime.distributed import destroy, free_port
 from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -46,8 +47,6 @@ def quiet_cpu_warnings() -> None:
 
     quiet_known_warnings()
     if not torch.cuda.is_available() and os.environ.get("MP_SHOW_WARNINGS") != "1":
-        import warnings
-
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -81,8 +80,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         try:
-            from megatron_patch.runtime.distributed import destroy
-
             destroy()
         except Exception:
             pass

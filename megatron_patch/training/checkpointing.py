@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_patch.checkpoint.foreign import find_checkpoint
+from megatron_patch.checkpoint.loading import load_checkpoint_into_model
 from megatron_patch.checkpoint.outputs import carried_files, copy_carried, replace_refusal
 from megatron_patch.checkpoint.sidecar import Sidecar
 from megatron_patch.checkpoint_files.layout import (
@@ -84,7 +85,6 @@ NO_VERIFY = "MP_NO_VERIFY=true"
 def load_starting_weights(cfg, chunks: list, folder) -> None:
     """A checkpoint (PRETRAIN_CHECKPOINT_PATH, a LoRA run's base) into this rank's model chunks, its files checked
     against its manifest unless MP_NO_VERIFY says otherwise."""
-    from megatron_patch.checkpoint.loading import load_checkpoint_into_model
 
     try:
         load_checkpoint_into_model(chunks, folder, cfg.layout, hf_config=cfg.hf_config, verify=not cfg.no_verify)

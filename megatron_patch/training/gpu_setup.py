@@ -54,6 +54,7 @@ def initialize_tp_communicators(cfg, hidden_size: int, *, te_base=None, multicas
     """
     env = os.environ if env is None else env
     if te_base is None:
+        # transformer-engine only where TP communication overlap asks for it (a GPU machine that has it)
         from transformer_engine.pytorch.module import base as te_base
     params = inspect.signature(te_base.initialize_ub).parameters
     fp8 = cfg.precision.fp8

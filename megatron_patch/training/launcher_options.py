@@ -36,7 +36,8 @@ from megatron_patch.training.launcher_args import (
     parse_float,
     parse_int,
 )
-from megatron_patch.training.run_config import PRECISIONS, Precision
+from megatron_patch.dtypes import Precision
+from megatron_patch.training.run_config import PRECISIONS
 
 # The parts that own options. Each later part (FP8: MP_FP8_FILTER; evaluation: MP_EVAL_TASKS...) adds its name
 # here and its entries to OPTIONS.

@@ -31,11 +31,12 @@ from megatron_patch.runtime.distributed import destroy, move_to_device
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import checkpointing, data, faults, packing, run_folder, sft_data, sparse_attention_run
 from megatron_patch.training.checkpointing import resume_iteration
-from megatron_patch.training.gpu_setup import initialize_tp_communicators
+from megatron_patch.training.gpu_setup import initialize_tp_communicators, warm_up_fused_kernels
 from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup_lora
 from megatron_patch.training.machine_checks import attention_kernel, core_attention
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
+from megatron_patch.training.packing import use_packed_local_attention
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, peak_tflops, summarize
 
 # megatron-core is imported inside the functions, after init_model_parallel: on a machine without CUDA the CPU
@@ -244,8 +245,6 @@ class Trainer:
                                     core_attention=core_attention(cfg, Capabilities.detect()),
                                     **self.settings["transformer_config"])
         if cfg.sft_packing:
-            from megatron_patch.training.packing import use_packed_local_attention
-
             for c in chunks:
                 use_packed_local_attention(c)
         if self.arch.mtp_layers:  # the heads' losses (the main one and each MTP layer's) mask the vocabulary padding
@@ -311,8 +310,6 @@ class Trainer:
                                         cp_rank=parallel_state.get_context_parallel_rank(), mtp=self.arch.mtp_layers > 0)
         self._build_data()
         if device.type == "cuda":
-            from megatron_patch.training.gpu_setup import warm_up_fused_kernels
-
             if config.bias_activation_fusion:
                 warm_up_fused_kernels(cfg, self.arch, cfg.precision.dtype, device)
 
@@ -466,7 +463,7 @@ class Trainer:
 
     def _loss_scale(self) -> float | None:
         """fp16's dynamic loss scale (None without one: bf16 and fp32 train unscaled)."""
-        if not self.cfg.precision.loss_scaled:
+        if not self.cfg.precision.fp16:
             return None
         return float(self.optimizer.get_loss_scale())
 

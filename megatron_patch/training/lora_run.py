@@ -18,8 +18,9 @@ from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.checkpoint.foreign import find_checkpoint
 from megatron_patch.checkpoint.sidecar import read_sidecar
 from megatron_patch.errors import UserError
+from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.plan import COLUMN, ROW, check_targets, plan_sites, rank_adapter_params, site_split, split_mode
-from megatron_patch.lora.saved import saved_mcore_names
+from megatron_patch.lora.saved import saved_mcore_names, saved_rules
 from megatron_patch.lora.sources import add_adapters, open_adapters
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.lora.state import find_base
@@ -27,6 +28,7 @@ from megatron_patch.models.shape.model_shape import chunk_layers
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# So are blocks.builder and lora.layers, which import torch at their top.
 
 def lora_from_options(options, arch, checkpoint: str | None) -> tuple[dict | None, str | None]:
     """(the LoRA spec as a dict, or None for full fine-tuning; the MP_LORA_INIT folder or None), from the LoRA
@@ -50,8 +52,6 @@ def lora_from_options(options, arch, checkpoint: str | None) -> tuple[dict | Non
                         "own: start from one of them")
     if init is not None or carried is not None:
         if init is not None:
-            from megatron_patch.lora.peft_io import read_peft_adapter
-
             spec = read_peft_adapter(init, arch)[0]
             source = f"MP_LORA_INIT={init}"
         else:
@@ -100,8 +100,6 @@ def check_lora(cfg) -> None:
                             "which this machine lacks: use PR=bf16")
     spec = LoraSpec.from_dict(cfg.lora)
     if spec.modules_to_save:
-        from megatron_patch.lora.saved import saved_rules
-
         saved_rules(cfg.arch, spec.modules_to_save)
         if cfg.virtual_pipeline:
             raise UserError("an adapter with modules_to_save cannot start under a virtual pipeline (MP_VP, MP_VP_CHUNKS) "

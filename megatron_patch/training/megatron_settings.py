@@ -57,10 +57,10 @@ def megatron_settings(cfg: RunConfig) -> dict:
            "overlap_param_gather": cfg.overlap_param_gather, "grad_reduce_in_fp32": cfg.precision.mixed}
     optim = {"optimizer": "adam", "lr": cfg.lr, "min_lr": cfg.min_lr, "weight_decay": cfg.weight_decay,
              "adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8, "clip_grad": 1.0,
-             "bf16": cfg.precision.bf16, "fp16": cfg.precision.loss_scaled,
+             "bf16": cfg.precision.bf16, "fp16": cfg.precision.fp16,
              "use_distributed_optimizer": cfg.distributed_optimizer,
              "overlap_param_gather": cfg.overlap_param_gather}
-    if cfg.precision.loss_scaled:
+    if cfg.precision.fp16:  # its dynamic loss scale
         optim.update(initial_loss_scale=2.0 ** 16, loss_scale_window=cfg.loss_scale_window, hysteresis=2,
                      min_loss_scale=1.0)
     # OptimizerParamScheduler's keywords. It sets the optimizer's weight decay every step: constant, the same value.

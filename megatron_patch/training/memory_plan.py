@@ -33,12 +33,14 @@ from types import SimpleNamespace
 from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED
 from megatron_patch.models.shape.model_shape import RankParam as Param
 from megatron_patch.models.shape.model_shape import model_shape
-from megatron_patch.runtime.machine import installed_version, version_tuple
+from megatron_patch.runtime.machine import Capabilities, installed_version, version_tuple
+from megatron_patch.training.lora_run import layer_adapters
 from megatron_patch.training.machine_checks import local_core_attention
 from megatron_patch.units import GiB, human_bytes
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# So is offload.chunks, which imports torch at its top.
 
 PARAM_ALIGN = 64  # megatron pads each parameter's start with the distributed optimizer
 
@@ -342,8 +344,6 @@ def _spec(cfg, caps=None) -> str:
     if cfg.device == "cpu" or cfg.arch.sparse_attention is not None:
         return "local"  # DeepSeek sparse attention builds its own local modules with or without TE
     if caps is None:
-        from megatron_patch.runtime.machine import Capabilities
-
         caps = Capabilities.detect()
     return "local" if caps.cuda and not caps.transformer_engine else "te"
 
@@ -375,8 +375,6 @@ def _shape(arch, cfg) -> Shape:
     qk_norm = any("self_attention.q_layernorm." in n for layer in model_shape(arch).layers.values() for n in layer)
     lora = None
     if cfg.lora is not None:
-        from megatron_patch.training.lora_run import layer_adapters
-
         lora = layer_adapters(arch, cfg, _spec(cfg))
     sparse = arch.sparse_attention
     indexer = None if sparse is None else (sparse.n_heads, sparse.head_dim, sparse.topk,

@@ -36,6 +36,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 from tqdm import tqdm
 
 from megatron_patch.checkpoint_files.manifest import DIGEST, MANIFEST_NAME, digest_file, read_manifest, write_manifest
@@ -87,8 +88,6 @@ def _init_worker(tokenizer_path: str, dtype) -> None:
 
 def _encode_line(item: tuple[int, str, int, str, bool]):
     """(line number, ids or None, error or None, characters, bytes read)."""
-    import numpy
-
     lineno, line, size, key, append_eod = item
     if not line.strip():
         return lineno, None, "empty line", 0, size

@@ -6,64 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
-from megatron_patch.dtypes import ITEMSIZE, precision_dtype_name
+from megatron_patch.dtypes import Precision
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.training.run_folder import CHECKPOINT_DIR
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
-
-
-class Precision(str, Enum):
-    """PR: the training precision. A ``str`` so that it prints, compares and serialises as PR's value."""
-
-    FP16 = "fp16"
-    BF16 = "bf16"
-    FP8 = "fp8"
-    FP32 = "fp32"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def fp8(self) -> bool:
-        """transformer-engine's FP8 GEMMs (parameters stay bf16)."""
-        return self is Precision.FP8
-
-    @property
-    def loss_scaled(self) -> bool:
-        """fp16's dynamic loss scale."""
-        return self is Precision.FP16
-
-    @property
-    def mixed(self) -> bool:
-        """16-bit parameters with fp32 master weights and fp32 gradient reduction."""
-        return self is not Precision.FP32
-
-    @property
-    def bf16(self) -> bool:
-        """megatron-core's ``bf16`` flag (FP8 keeps bf16 parameters)."""
-        return self in (Precision.BF16, Precision.FP8)
-
-    @property
-    def dtype_name(self) -> str:
-        """The parameters' dtype name ("bfloat16")."""
-        return precision_dtype_name(self.value)
-
-    @property
-    def dtype(self):
-        """The parameters' torch dtype."""
-        import torch
-
-        return getattr(torch, self.dtype_name)
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.dtype_name]
 
 
 PRECISIONS = tuple(p.value for p in Precision)

@@ -20,6 +20,7 @@ from megatron_patch.errors import UserError
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # launcher's checks and dry run read this module's options without building a model.
+# So is blocks.sparse_attention, which imports megatron-core at its top.
 
 INDEXER_PARAMS = ".core_attention.indexer."
 

@@ -66,7 +66,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     dataset_type = o.settle("MP_DATASET_TYPE", sft=sft, dataset_path=o["DATASET_PATH"])
     if o.given("MP_FP8_RECIPE") and not precision.fp8:
         raise UserError(f"MP_FP8_RECIPE={o.raw('MP_FP8_RECIPE')} needs PR=fp8, got PR={precision}")
-    if o.given("MP_LOSS_SCALE_WINDOW") and not precision.loss_scaled:
+    if o.given("MP_LOSS_SCALE_WINDOW") and not precision.fp16:
         raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
     o.settle("MP_TP_COMM_OVERLAP", tp=o["TP"], sp=o["SP"])
     if o["MP_OVERLAP_PARAM_GATHER"] and not o["DO"]:

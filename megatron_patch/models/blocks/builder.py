@@ -8,6 +8,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from megatron_patch.dtypes import Precision
 from megatron_patch.models.blocks import rope
 from megatron_patch.models.blocks.core_attention import core_attention_class
 from megatron_patch.models.description.arch import Arch, validate_layout
@@ -18,6 +19,7 @@ from megatron_patch.runtime.machine import transformer_engine_usable
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the
 # launcher's dry run and resume checks) do not pay for it.
+# So is blocks.local_attention, which imports megatron-core at its top.
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,8 +91,8 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
         virtual_pipeline_model_parallel_size=layout.vp,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
+        bf16=Precision.of_dtype(dtype).bf16,
+        fp16=Precision.of_dtype(dtype).fp16,
         use_cpu_initialization=not gpu,
         # Fused kernels exist only on GPU, and each flag follows the spec being built, not CUDA alone:
         # the local spec's RMSNorm (torch's, WrappedTorchNorm) refuses persist_layer_norm, and the fused

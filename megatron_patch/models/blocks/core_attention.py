@@ -16,6 +16,8 @@ from megatron_patch.errors import UserError
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+# So are blocks.sdpa_attention and blocks.local_attention, which import megatron-core at
+# their top.
 
 UNFUSED = "unfused"
 SDPA = "sdpa"

@@ -28,6 +28,8 @@ from megatron_patch.models.deepseek_v3 import config as v3
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+# So are blocks.builder, blocks.sparse_attention and blocks.spec_edits, which import them at
+# their top: when a model is built.
 
 DSA_TYPES = {"deepseek_v32": False, "glm_moe_dsa": True}  # model_type -> indexer RoPE on interleaved pairs
 INDEXED_ATTENTION = "indexed_attention"

@@ -148,12 +148,14 @@ def transformer_config_kwargs(arch: Arch) -> dict:
 
 
 def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
+    # megatron-core: imported only when a model is built, not when the converter reads the family
     from megatron_patch.models.gemma3.layers import layer_spec as gemma3_layer_spec
 
     return gemma3_layer_spec(arch, config, vp_stage, core_attention)
 
 
 def finish_model(model, arch: Arch) -> None:
+    # megatron-core: imported only when a model is built
     from megatron_patch.models.gemma3.layers import finish_model as finish_gemma3_model
 
     finish_gemma3_model(model, arch)

@@ -23,6 +23,7 @@ from megatron_patch.models.description.config_checks import (
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+# So are blocks.builder and blocks.spec_edits, which import them at their top: when a model is built.
 
 # transformers' GptOssConfig fills these in when config.json leaves them out.
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,

@@ -25,6 +25,7 @@ from megatron_patch.models.description.config_checks import (
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+# So is qwen3_next.layers, which imports them at its top: when a model is built.
 
 
 def layer_types_of(raw: dict, layers: int) -> tuple[str, ...]:

@@ -63,6 +63,7 @@ from megatron_patch.runtime.launch import run_local
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
+# So is blocks.builder, which imports torch at its top: only where megatron-core builds the model.
 
 
 def _ensure_single_rank_state() -> None:

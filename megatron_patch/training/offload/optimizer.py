@@ -26,6 +26,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from megatron_patch.errors import UserError
@@ -327,8 +328,6 @@ class OffloadController:
             elif device.type == "cuda":
                 self.probe = CudaProbe(settings.capacity_bytes)
             else:
-                import psutil
-
                 self.probe = AccountingProbe(settings.capacity_bytes or psutil.virtual_memory().total,
                                              settings.activation_bytes)
         else:
