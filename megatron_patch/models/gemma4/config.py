@@ -24,7 +24,7 @@ from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTEN
 from megatron_patch.models.description.config_checks import (
     MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Flag, Given, Names, Real, Table, Text,
     Whole)
-from megatron_patch.models.gemma4.settings import Gemma4Settings, settings
+from megatron_patch.models.gemma4.settings import Gemma4Settings
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
