@@ -12,11 +12,10 @@ from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_
 from megatron_patch.cli.common import add_layout_args, layout_from_args, print_table
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
+from megatron_patch.evaluation import LM_EVAL_VERSION
 
 # torch, megatron-core and lm-eval (an optional extra) are imported inside the functions that use them:
 # `mpatch eval --help` and every other subcommand start without them.
-
-LM_EVAL_VERSION = "0.4.13"
 
 
 def _task_names(text: str) -> tuple[str, ...]:
