@@ -89,24 +89,57 @@ def load_tokenizer(folder: Path | None, cfg):
 
 def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
     """lm-eval's results of the live model (global rank 0; None on the others). The chunks are put back in train
-    mode."""
+    mode, and every random generator as it was: the harness seeds them, and training goes on as without it."""
     from megatron_patch.evaluation.evaluate import evaluate_live_model
 
+    saved = _random_states()
     try:
         results = evaluate_live_model(chunks, cfg.arch, tokenizer, settings(cfg))
     finally:
         for chunk in chunks:
             chunk.train()
+        _restore_random_states(saved)
     return None if results is None else results.results
 
 
+def _random_states() -> tuple:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda,
+            tensor_parallel.get_cuda_rng_tracker().get_states())
+
+
+def _restore_random_states(saved: tuple) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    python, numpy_state, cpu, cuda, tracker = saved
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+
+
 def metrics(results: dict) -> list[tuple[str, str, float]]:
-    """(task, metric,filter, value) of each number lm-eval reports, stderr aside."""
+    """(task, metric, value) of each number lm-eval reports, stderr aside; the metric named as lm-eval's
+    ``metric,filter`` key, the filter left out where it is lm-eval's "none"."""
     rows = []
     for task, values in sorted(results.get("results", {}).items()):
         for key, value in values.items():
-            if "," in key and "_stderr" not in key and isinstance(value, (int, float)):
-                rows.append((task, key, float(value)))
+            if "," in key and "_stderr" not in key and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool):
+                metric, filter_name = key.split(",", 1)
+                rows.append((task, metric if filter_name == "none" else f"{metric}/{filter_name}", float(value)))
     return rows
 
 
