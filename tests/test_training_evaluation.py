@@ -1,6 +1,7 @@
 """Task evaluation during training (issue 38, MP_EVAL_TASKS): the options checked in one line before any rank
-starts. The end-to-end run (the live model's results in the log, TensorBoard and eval/results.jsonl, equal to
-`mpatch eval` on the checkpoint of the same iteration) is tests/test_training_evaluation_run.py's."""
+starts; `mpatch eval --all-iterations`'s refusals, its reading of the run's loss and its plot. The end-to-end
+runs (the live model's results in the log, TensorBoard and eval/results.jsonl, equal to `mpatch eval` on the
+checkpoint of the same iteration; --all-iterations over a run) are tests/test_training_evaluation_run.py's."""
 
 from __future__ import annotations
 
@@ -81,3 +82,32 @@ def test_the_task_interval_defaults_to_the_validation_interval(data):
     assert resolve("llama3_1", _args(data), env={**env, "MP_EVAL_TASKS_LIMIT": "0.25"},
                    check_paths=False).eval_tasks_limit == 0.25
     assert resolve("llama3_1", _args(data), env={}, check_paths=False).eval_tasks is None
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "--all-iterations writes each iteration's results and the plot into --output-dir: give one"),
+    (["--output-dir", "OUT"], "holds no saved iteration (iter_XXXXXXX): give a training run's checkpoint/ folder"),
+])
+def test_all_iterations_refuses_bad_input_in_one_line(tmp_path, capsys, extra, message):
+    (tmp_path / "checkpoint").mkdir()
+    extra = [str(tmp_path / "out") if value == "OUT" else value for value in extra]
+    code = main(["eval", "--load-dir", str(tmp_path / "checkpoint"), "--all-iterations", "--tasks",
+                 "mpatch_arithmetic", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_training_loss_is_read_from_the_run_log_and_drawn_beside_each_metric(tmp_path):
+    from megatron_patch.evaluation.iterations import plot, training_losses
+
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "metrics.jsonl").write_text(
+        '{"iteration": 1, "loss": 5.0}\n{"iteration": 2, "loss": 4.5}\nnot json\n{"iteration": 2, "valid_loss": 4.0}\n'
+        '{"iteration": 2, "loss": 4.25}\n[1]\n')
+    losses = training_losses(tmp_path / "checkpoint")
+    assert losses == {1: 5.0, 2: 4.25}  # a resumed iteration's later record wins
+    assert training_losses(tmp_path / "elsewhere" / "checkpoint") == {}
+    plot([{"iteration": 1, "metrics": {"t/acc": 0.5, "t/ppl": 9.0}}, {"iteration": 2, "metrics": {"t/acc": 0.75}}],
+         losses, tmp_path / "metrics.png")
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -43,8 +43,8 @@ def _records(out: Path) -> list[dict]:
 def test_the_live_model_is_evaluated_at_the_interval_into_the_log_tensorboard_and_json(run):
     records = _records(run["out"])
     assert [r["iteration"] for r in records] == [2, 4]
-    names = {"mpatch_perplexity/word_perplexity", "mpatch_perplexity/byte_perplexity", "mpatch_perplexity/bits_per_byte",
-             "mpatch_arithmetic_choice/acc", "mpatch_arithmetic_choice/acc_norm", "mpatch_arithmetic/exact_match"}
+    names = {"mpatch_perplexity/word_perplexity", "mpatch_perplexity/byte_perplexity",
+             "mpatch_perplexity/bits_per_byte", "mpatch_arithmetic_choice/acc", "mpatch_arithmetic_choice/acc_norm", "mpatch_arithmetic/exact_match"}
     for record in records:
         assert set(record["metrics"]) == names, record["metrics"]
         assert record["results"]["n-samples"]["mpatch_arithmetic"]["effective"] == LIMIT
@@ -78,3 +78,22 @@ def test_the_live_results_equal_mpatch_eval_on_the_checkpoint_of_the_same_iterat
                 assert saved[task][key] == pytest.approx(value, rel=1e-5), (task, key)
             else:
                 assert saved[task][key] == value, (task, key)
+
+
+def test_all_iterations_evaluates_every_saved_iteration_and_draws_it_next_to_the_loss(run, tmp_path, capsys):
+    out = tmp_path / "all"
+    code = main(["eval", "--load-dir", str(run["out"] / "checkpoint"), "--all-iterations", "--tasks", TASKS,
+                 "--limit", str(LIMIT), "--tp", "2", "--output-dir", str(out), "--quiet"])
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    summary = json.loads((out / "all_iterations.json").read_text())
+    assert [p["iteration"] for p in summary["iterations"]] == [2, 4]
+    assert summary["training_loss"] is not None
+    live = {r["iteration"]: r["metrics"] for r in _records(run["out"])}
+    for point in summary["iterations"]:
+        assert point["metrics"] == pytest.approx(live[point["iteration"]], rel=1e-5)
+        folder = out / f"iter_{point['iteration']:07d}"
+        assert json.loads((folder / "results.json").read_text())["n-samples"]["mpatch_arithmetic"]["effective"] == LIMIT
+    assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "mpatch_manifest.json").is_file()
+    assert "metrics.png" in said.out

@@ -130,21 +130,9 @@ def _restore_random_states(saved: tuple) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
 
 
-def metrics(results: dict) -> list[tuple[str, str, float]]:
-    """(task, metric, value) of each number lm-eval reports, stderr aside; the metric named as lm-eval's
-    ``metric,filter`` key, the filter left out where it is lm-eval's "none"."""
-    rows = []
-    for task, values in sorted(results.get("results", {}).items()):
-        for key, value in values.items():
-            if "," in key and "_stderr" not in key and isinstance(value, (int, float)) \
-                    and not isinstance(value, bool):
-                metric, filter_name = key.split(",", 1)
-                rows.append((task, metric if filter_name == "none" else f"{metric}/{filter_name}", float(value)))
-    return rows
-
-
 def record_line(iteration: int, results: dict) -> str:
     """One line of ``eval/results.jsonl``: the iteration, each task's metrics, and lm-eval's results beside them."""
-    return json.dumps({"iteration": iteration,
-                       "metrics": {f"{task}/{key}": value for task, key, value in metrics(results)},
-                       "results": results}, ensure_ascii=False) + "\n"
+    from megatron_patch.evaluation.evaluate import metric_values
+
+    return json.dumps({"iteration": iteration, "metrics": metric_values(results), "results": results},
+                      ensure_ascii=False) + "\n"

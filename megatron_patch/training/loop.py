@@ -502,13 +502,16 @@ class Trainer:
     def evaluate_tasks(self) -> None:
         """MP_EVAL_TASKS on the live model (every rank): one log line per task metric, TensorBoard's
         eval/TASK/METRIC, a line of eval/results.jsonl."""
+        from megatron_patch.evaluation.evaluate import metric_values
+
         results = evaluation_run.evaluate(self.chunks, self.cfg, self.eval_tokenizer)
         if self.rank != self.log_rank:
             return
-        for task, metric, value in evaluation_run.metrics(results):
+        for name, value in metric_values(results).items():
+            task, metric = name.split("/", 1)
             self._log(f"evaluation at iter {self.iteration}: {task} {metric} {value:.4f}")
             if self.writer is not None:
-                self.writer.add_scalar(f"eval/{task}/{metric}", value, self.iteration)
+                self.writer.add_scalar(f"eval/{name}", value, self.iteration)
         if self.writer is not None:
             self.writer.flush()
         self.eval_file.write(evaluation_run.record_line(self.iteration, results))

@@ -7,9 +7,9 @@ decides where a resumed run writes. A symlink at a path training writes to (``lo
 link that stays inside the folder is followed. A hard link cannot be told from the file it shares, but the
 files a run appends to, ``log/metrics.jsonl`` and ``eval/results.jsonl``, are given an inode of their own
 before the first append when another name shares it (``cp -al`` copies a folder that way): the copy keeps its
-records, the other name is left as it was. Everything else is written to new names and renamed into place (checkpoints, the
-tracker, ``log/throughput.json``, the dataset cache's manifest), which replaces a link instead of writing
-through it; megatron-core's dataset cache is checked file by file (``training.data_cache``).
+records, the other name is left as it was. Everything else is written to new names and renamed into place
+(checkpoints, the tracker, ``log/throughput.json``, the dataset cache's manifest), which replaces a link instead
+of writing through it; megatron-core's dataset cache is checked file by file (``training.data_cache``).
 """
 
 from __future__ import annotations
