@@ -97,3 +97,15 @@ def test_all_iterations_evaluates_every_saved_iteration_and_draws_it_next_to_the
     assert (out / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "mpatch_manifest.json").is_file()
     assert "metrics.png" in said.out
+
+
+def test_training_goes_on_as_without_the_evaluations(run, tmp_path):
+    """The same run without MP_EVAL_TASKS logs the same losses, bit for bit: evaluating took no training data and
+    changed no weight (the tiny model has no dropout, so this does not show the random generators' restore)."""
+    from tests.training_helpers import read_metrics
+
+    args = pretrain_args(run["corpus"], tmp_path / "out", TP="2", TRAIN_TOKENS_OR_ITERS=str(ITERS * GBS * SEQ),
+                         WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ), SAVE_INTERVAL="2")
+    proc = launch(args, {"MP_NPROC": "2", "MP_TOKENIZER": str(run["corpus"]["tok"])})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [m["loss"] for m in read_metrics(tmp_path / "out")] == [m["loss"] for m in read_metrics(run["out"])]
