@@ -357,7 +357,8 @@ def _train_in_process(corpus, out: Path, capsys) -> tuple[int, str]:
 
 @pytest.mark.parametrize("name, kind", [("log/metrics.jsonl", "file"), ("log", "folder"), ("data_cache", "folder"),
                                         ("tensorboard", "folder"), ("checkpoint", "folder"),
-                                        ("log/throughput.json", "file")])
+                                        ("log/throughput.json", "file"), ("eval", "folder"),
+                                        ("eval/results.jsonl", "file")])
 def test_a_link_leading_outside_the_run_folder_is_refused_where_training_writes(corpus, tmp_path, capsys, name, kind):
     out, outside = tmp_path / "out", tmp_path / "outside"
     (out / "log").mkdir(parents=True)
@@ -366,6 +367,7 @@ def test_a_link_leading_outside_the_run_folder_is_refused_where_training_writes(
     else:
         outside.mkdir()
     link = out / name
+    link.parent.mkdir(exist_ok=True)
     if link.is_dir():
         link.rmdir()
     link.symlink_to(outside)

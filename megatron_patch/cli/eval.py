@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import shlex
 import warnings
 from pathlib import Path
@@ -12,11 +13,10 @@ from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_
 from megatron_patch.cli.common import add_layout_args, layout_from_args, print_table
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
+from megatron_patch.evaluation import LM_EVAL_VERSION
 
 # torch, megatron-core and lm-eval (an optional extra) are imported inside the functions that use them:
 # `mpatch eval --help` and every other subcommand start without them.
-
-LM_EVAL_VERSION = "0.4.13"
 
 
 def _task_names(text: str) -> tuple[str, ...]:
@@ -39,7 +39,8 @@ def command_line(args) -> str:
     if args.etp is not None:
         parts += ["--etp", str(args.etp)]
     parts += ["--dtype", args.dtype, "--seed", str(args.seed)]
-    for flag in ("log_samples", "apply_chat_template", "fewshot_as_multiturn", "no_kv_cache", "no_verify", "force"):
+    for flag in ("all_iterations", "log_samples", "apply_chat_template", "fewshot_as_multiturn", "no_kv_cache",
+                 "no_verify", "force"):
         if getattr(args, flag):
             parts.append("--" + flag.replace("_", "-"))
     return shlex.join(parts)
@@ -51,6 +52,7 @@ def run(args) -> int:
                         f"'megatron_patch[eval]' (lm-eval=={LM_EVAL_VERSION})")
     # lm-eval, torch and megatron-core come with these: imported only once lm-eval is known to be installed
     from megatron_patch.evaluation.evaluate import EvalSettings, evaluate_checkpoint, summary_rows, write_results
+    from megatron_patch.evaluation.iterations import saved_iterations
     from megatron_patch.evaluation.loading import open_for_evaluation
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
@@ -65,9 +67,12 @@ def run(args) -> int:
         num_fewshot=args.num_fewshot, batch_size=args.batch_size, log_samples=args.log_samples,
         apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.fewshot_as_multiturn,
         kv_cache=False if args.no_kv_cache else None, seed=args.seed)
+    if args.all_iterations and not args.output_dir:
+        raise UserError("--all-iterations writes each iteration's results and the plot into --output-dir: give one")
+    iterations = saved_iterations(args.load_dir) if args.all_iterations else [(None, Path(args.load_dir))]
     try:
-        checkpoint = open_for_evaluation(args.load_dir, layout, args.tokenizer, args.hf_config,
-                                         verify=not args.no_verify)
+        checkpoints = [(iteration, open_for_evaluation(folder, layout, args.tokenizer, args.hf_config,
+                                                       verify=not args.no_verify)) for iteration, folder in iterations]
     except IntegrityError as exc:
         raise naming_the_switch(exc, "--no-verify") from None
     if args.output_dir:
@@ -75,6 +80,9 @@ def run(args) -> int:
             Path(args.output_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"cannot create the folder of --output-dir {args.output_dir} ({exc.strerror or exc})")
+    if args.all_iterations:
+        return _all_iterations(args, layout, settings, checkpoints)
+    checkpoint = checkpoints[0][1]
     inputs = (args.load_dir, args.tokenizer, args.hf_config, *(args.include_path or ()))
     # The results folder follows the one output rule (docs/outputs.md): checked and locked before the run,
     # published whole, with a manifest, after it.
@@ -97,6 +105,45 @@ def run(args) -> int:
     return 0
 
 
+def _all_iterations(args, layout, settings, checkpoints: list) -> int:
+    """Each saved iteration evaluated in turn into OUT/iter_XXXXXXX/, then OUT/all_iterations.json (each
+    iteration's metrics) and OUT/metrics.png (each metric against the iteration, next to the training loss)."""
+    from megatron_patch.evaluation.evaluate import evaluate_checkpoint, metric_values, write_results
+    from megatron_patch.evaluation.iterations import PLOT, SUMMARY, plot, training_losses
+
+    losses = training_losses(args.load_dir)
+    inputs = (args.load_dir, args.tokenizer, args.hf_config, *(args.include_path or ()))
+    points, rows = [], []
+    with atomic_output_dir(args.output_dir, args.force, tool="mpatch eval", inputs=inputs,
+                           what="--output-dir") as partial:
+        for iteration, checkpoint in checkpoints:
+            if not args.quiet:
+                print(f"mpatch eval: {', '.join(settings.tasks)} on {checkpoint.load_dir} ({checkpoint.arch.family}, "
+                      f"{layout}, {args.dtype}), {layout.world_size} rank(s)", flush=True)
+            try:
+                results = evaluate_checkpoint(checkpoint, layout, settings, args.dtype)
+            except IntegrityError as exc:
+                raise naming_the_switch(exc, "--no-verify") from None
+            values = metric_values(results.results)
+            if not values:
+                raise UserError("the evaluation produced no metric")
+            folder = Path(partial) / Path(checkpoint.load_dir).name
+            folder.mkdir()
+            write_results(results, folder, command_line(args))
+            points.append({"iteration": iteration, "metrics": values})
+            rows += [{"iteration": iteration, "metric": name, "value": f"{value:.4f}"}
+                     for name, value in values.items()]
+        (Path(partial) / SUMMARY).write_text(json.dumps(
+            {"command": command_line(args), "iterations": points,
+             "training_loss": "log/metrics.jsonl beside the checkpoint folder" if losses else None}, indent=2) + "\n")
+        plot(points, losses, Path(partial) / PLOT)
+    print_table(rows, ["iteration", "metric", "value"])
+    print(f"results: {Path(args.output_dir) / SUMMARY}, each iteration's in {Path(args.output_dir)}/iter_XXXXXXX/, "
+          f"the plot {Path(args.output_dir) / PLOT}" + ("" if losses else " (no training loss found beside the "
+                                                        "checkpoint folder)"))
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "eval", help="lm-evaluation-harness tasks on a checkpoint, in place (no HF export)",
@@ -107,6 +154,9 @@ def register(subparsers) -> None:
                     "mpatch_perplexity, mpatch_arithmetic_choice and mpatch_arithmetic (docs/evaluation.md). "
                     "Exit 0 done, 2 bad input, 1 internal error.")
     p.add_argument("--load-dir", required=True, help="the checkpoint: its folder, or one iteration's (iter_XXXXXXX)")
+    p.add_argument("--all-iterations", action="store_true",
+                   help="--load-dir is a run's checkpoint/ folder: evaluate every saved iteration, and draw each "
+                        "metric against the iteration next to the training loss (needs --output-dir)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
     p.add_argument("--include-path", action="append", default=None, metavar="DIR",
                    help="a folder of lm-eval task YAML files (repeatable)")

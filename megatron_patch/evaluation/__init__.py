@@ -10,3 +10,6 @@ below imports it.
 - ``harness.MpatchLM``: the ``LM`` subclass registered in lm-eval as "mpatch";
 - ``runner.ModelRunner``: log-likelihoods and KV-cached generation on the ranks.
 """
+
+# The lm-evaluation-harness release this package is written against (the `[eval]` extra pins it).
+LM_EVAL_VERSION = "0.4.13"

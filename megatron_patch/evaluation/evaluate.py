@@ -160,6 +160,18 @@ def summary_rows(results: dict) -> list[dict]:
     return rows
 
 
+def metric_values(results: dict) -> dict[str, float]:
+    """Each number lm-eval reports, stderr aside, by ``TASK/METRIC`` (``TASK/METRIC/FILTER`` where the filter is
+    not lm-eval's "none"): what training logs and `--all-iterations` plots."""
+    values = {}
+    for task, metrics in sorted(results.get("results", {}).items()):
+        for key, value in metrics.items():
+            if "," in key and "_stderr" not in key and isinstance(value, (int, float)) and not isinstance(value, bool):
+                metric, filter_name = key.split(",", 1)
+                values[f"{task}/{metric}" + ("" if filter_name == "none" else f"/{filter_name}")] = float(value)
+    return values
+
+
 def write_results(results: EvalResults, folder: str | Path, command: str) -> None:
     """lm-eval's results as its CLI writes them (``results.json``, the command that made them added) and each
     task's samples as JSON lines (``samples_TASK.jsonl``), into ``folder`` (the partial output folder)."""

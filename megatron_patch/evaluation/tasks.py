@@ -115,7 +115,8 @@ def check_tasks(names: list[str], manager) -> None:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise UserError(f"unknown task {', '.join(unknown)}: lm-eval knows {len(known)} tasks and groups (`lm_eval "
-                        "ls tasks` lists them); local YAML tasks need --include-path DIR")
+                        "ls tasks` lists them); local YAML tasks need --include-path DIR (in training: "
+                        "MP_EVAL_INCLUDE_PATH)")
     for name in names:
         entry = manager.task_index.get(name)
         for path in _data_files((entry.cfg or {}) if entry is not None else {}):
@@ -141,4 +142,5 @@ def load_tasks(names: list[str], manager) -> dict:
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"tasks {', '.join(names)}: their data could not be read here, offline ({first}): give the "
-                        "data as local files (dataset_path: json, data_files) under --include-path")
+                        "data as local files (dataset_path: json, data_files) under --include-path (in "
+                        "training: MP_EVAL_INCLUDE_PATH)")

@@ -39,10 +39,9 @@ from megatron_patch.training.launcher_args import (
 from megatron_patch.dtypes import Precision
 from megatron_patch.training.run_config import PRECISIONS
 
-# The parts that own options. Each later part (FP8: MP_FP8_FILTER; evaluation: MP_EVAL_TASKS...) adds its name
-# here and its entries to OPTIONS.
-CORE, LORA, DSA = "core", "LoRA", "DSA"
-PARTS = (CORE, LORA, DSA)
+# The parts that own options. Each later part (FP8: MP_FP8_FILTER) adds its name here and its entries to OPTIONS.
+CORE, LORA, DSA, EVALUATION = "core", "LoRA", "DSA", "evaluation"
+PARTS = (CORE, LORA, DSA, EVALUATION)
 
 
 # --- how a raw value is read ----------------------------------------------------------------------------------
@@ -106,6 +105,21 @@ def _required_folder(name: str, raw: str) -> str:
     if is_none(raw):
         raise UserError(f"{name} is required: checkpoints, logs and TensorBoard go there")
     return str(raw)
+
+
+def _task_names(name: str, raw: str) -> list[str]:
+    names = [t.strip() for t in raw.split(",") if t.strip()]
+    if not names:
+        raise UserError(f"{name} names no task: give a comma-separated list, e.g. {name}=mpatch_perplexity")
+    return names
+
+
+def _document_limit(name: str, raw: str) -> float | int:
+    """A count of documents per task, or a fraction below 1 (``mpatch eval --limit``)."""
+    value = parse_float(name, raw)
+    if value <= 0:
+        raise UserError(f"{name} must be > 0 (a count, or a fraction below 1), got '{raw}'")
+    return int(value) if value >= 1 else value
 
 
 def _dry_run(name: str, raw: str) -> str | None:
@@ -502,6 +516,20 @@ ENVIRONMENT = [
            "train (their loss at MP_DSA_INDEXER_LOSS_SCALE)", default=False,
            doc="DeepSeek-V3.2 / GLM-5: `true` is DeepSeek's dense warm-up: dense attention, only the indexers train "
                "(their loss at MP_DSA_INDEXER_LOSS_SCALE, default 1)"),
+    Option("MP_EVAL_TASKS", EVALUATION, Reader(_task_names, "comma list of lm-eval task names", ","),
+           "lm-evaluation-harness tasks run on the live model every MP_EVAL_TASKS_INTERVAL iterations "
+           "(docs/evaluation.md)", field="eval_tasks",
+           doc="lm-evaluation-harness tasks (the shipped offline `mpatch_perplexity`, `mpatch_arithmetic_choice`, "
+               "`mpatch_arithmetic`, or lm-eval's own where their data can be reached) evaluated on the live model "
+               "at the training layout, no save or reload; results in the log, TensorBoard (`eval/TASK/METRIC`) and "
+               "`eval/results.jsonl` ([docs/evaluation.md](../docs/evaluation.md)). Not with a virtual pipeline"),
+    Option("MP_EVAL_INCLUDE_PATH", EVALUATION, TEXT, "a folder of lm-eval task YAML files for MP_EVAL_TASKS "
+           "(mpatch eval's --include-path)", takes="folder", field="eval_include_path"),
+    Option("MP_EVAL_TASKS_INTERVAL", EVALUATION, INTEGER, "evaluate MP_EVAL_TASKS every this many iterations",
+           default=Default("MP_EVAL_INTERVAL", lambda eval_interval: eval_interval), field="eval_tasks_interval"),
+    Option("MP_EVAL_TASKS_LIMIT", EVALUATION, Reader(_document_limit, "count, or a fraction below 1", "0"),
+           "documents per task of MP_EVAL_TASKS (a fraction below 1: that share)", default=Default("all"),
+           field="eval_tasks_limit"),
 ]
 
 OPTIONS = POSITIONAL + ENVIRONMENT

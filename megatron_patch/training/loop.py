@@ -29,7 +29,16 @@ from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import destroy, move_to_device
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training import checkpointing, data, faults, packing, run_folder, sft_data, sparse_attention_run
+from megatron_patch.training import (
+    checkpointing,
+    data,
+    evaluation_run,
+    faults,
+    packing,
+    run_folder,
+    sft_data,
+    sparse_attention_run,
+)
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators, warm_up_fused_kernels
 from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup_lora
@@ -222,6 +231,7 @@ class Trainer:
         self.log_rank = 0
         self.writer = None
         self.metrics_file = None
+        self.eval_file = None
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -264,6 +274,10 @@ class Trainer:
             self._log(describe_trainable(chunks))
         elif self.resume_iteration is None and cfg.pretrain_checkpoint:
             self._load_pretrained(chunks)
+        # MP_EVAL_TASKS evaluates these chunks as they train, with the tokenizer the run's checkpoints carry
+        self.chunks = chunks
+        self.eval_tokenizer = evaluation_run.load_tokenizer(
+            checkpointing.side_files_source(cfg, self.resume_iteration), cfg) if cfg.eval_tasks else None
         if cfg.dsa and cfg.dsa["indexer_only"]:  # before DDP: its buffers hold the trainable parameters only
             self._log(f"indexer-only (dense warm-up): {sparse_attention_run.setup_indexer_only(chunks):,} indexer "
                       "parameters train, the rest is frozen")
@@ -344,6 +358,8 @@ class Trainer:
             return
         out = Path(self.cfg.output_basepath)
         self.metrics_file = run_folder.open_metrics(out)
+        if self.cfg.eval_tasks:
+            self.eval_file = run_folder.open_metrics(out, run_folder.EVAL_RESULTS)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -480,6 +496,24 @@ class Trainer:
             m.train()
         return float(total[0] / max(float(total[1]), 1.0))
 
+    def evaluate_tasks(self) -> None:
+        """MP_EVAL_TASKS on the live model (every rank): one log line per task metric, TensorBoard's
+        eval/TASK/METRIC, a line of eval/results.jsonl."""
+        from megatron_patch.evaluation.evaluate import metric_values
+
+        results = evaluation_run.evaluate(self.chunks, self.cfg, self.eval_tokenizer)
+        if self.rank != self.log_rank:
+            return
+        for name, value in metric_values(results).items():
+            task, metric = name.split("/", 1)
+            self._log(f"evaluation at iter {self.iteration}: {task} {metric} {value:.4f}")
+            if self.writer is not None:
+                self.writer.add_scalar(f"eval/{name}", value, self.iteration)
+        if self.writer is not None:
+            self.writer.flush()
+        self.eval_file.write(evaluation_run.record_line(self.iteration, results))
+        self.eval_file.flush()
+
     # --- the loop -------------------------------------------------------------------------------------
 
     def run(self) -> dict:
@@ -546,6 +580,9 @@ class Trainer:
             if cfg.save and (self.iteration % cfg.save_interval == 0 or self.iteration == stop_at):
                 checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler,
                                    side_files=self.side_files)
+            if evaluation_run.due(cfg, self.iteration):
+                watchdog.set_phase(f"task evaluation after iteration {self.iteration}")
+                self.evaluate_tasks()
         if self.iteration < first:  # resumed with nothing left to train: put back what the first step would have
             self._param_gather_after_first_step()
         self._report_throughput(records, peak)
@@ -556,6 +593,8 @@ class Trainer:
             self.writer.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
+        if self.eval_file is not None:
+            self.eval_file.close()
         return {"rank": self.rank, "iteration": self.iteration, "losses": losses}
 
     def _param_gather_before_first_step(self) -> None:

@@ -94,6 +94,11 @@ class RunConfig:
     log_interval: int
     eval_interval: int
     eval_iters: int
+    # MP_EVAL_TASKS: lm-eval tasks evaluated on the live model every eval_tasks_interval iterations (None: none)
+    eval_tasks: list[str] | None
+    eval_tasks_interval: int
+    eval_tasks_limit: float | int | None
+    eval_include_path: str | None
     seed: int
     weight_decay: float
     save: bool

@@ -5,11 +5,11 @@ A run folder travels (copied to a colleague, synced from a bucket, rerun to resu
 decides where a resumed run writes. A symlink at a path training writes to (``log/metrics.jsonl`` ->
 ``~/.bashrc``, ``data_cache`` -> a shared folder) is refused in one line naming it, before anything starts; a
 link that stays inside the folder is followed. A hard link cannot be told from the file it shares, but the
-one file a run appends to, ``log/metrics.jsonl``, is given an inode of its own before the first append
-when another name shares it (``cp -al`` copies a folder that way): the copy keeps its records, the other
-name is left as it was. Everything else is written to new names and renamed into place (checkpoints, the
-tracker, ``log/throughput.json``, the dataset cache's manifest), which replaces a link instead of writing
-through it; megatron-core's dataset cache is checked file by file (``training.data_cache``).
+files a run appends to, ``log/metrics.jsonl`` and ``eval/results.jsonl``, are given an inode of their own
+before the first append when another name shares it (``cp -al`` copies a folder that way): the copy keeps its
+records, the other name is left as it was. Everything else is written to new names and renamed into place
+(checkpoints, the tracker, ``log/throughput.json``, the dataset cache's manifest), which replaces a link instead
+of writing through it; megatron-core's dataset cache is checked file by file (``training.data_cache``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ LOG_DIR = "log"
 METRICS = f"{LOG_DIR}/metrics.jsonl"
 THROUGHPUT = f"{LOG_DIR}/throughput.json"
 CHECKPOINT_DIR = "checkpoint"
+# MP_EVAL_TASKS: one JSON line per task evaluation of the live model (training/evaluation_run.py)
+EVAL_DIR = "eval"
+EVAL_RESULTS = f"{EVAL_DIR}/results.jsonl"
 FINAL_DIR = "final"
 # Every path training writes into while it runs, under OUTPUT_BASEPATH, and what it must be (final/ is published
 # whole, by a rename, never written into).
 WRITTEN = ((LOG_DIR, "folder"), (METRICS, "file"), (THROUGHPUT, "file"), ("tensorboard", "folder"),
-           ("data_cache", "folder"), (CHECKPOINT_DIR, "folder"))
+           ("data_cache", "folder"), (CHECKPOINT_DIR, "folder"), (EVAL_DIR, "folder"), (EVAL_RESULTS, "file"))
 WRITTEN_FOLDERS = tuple(name for name, kind in WRITTEN if kind == "folder" and "/" not in name)
 # Everything a run keeps at the top of OUTPUT_BASEPATH, each a folder, beside the hidden names its publishing
 # uses (``.final.mpatch-partial.PID``): a folder holding anything else is not a run's.
@@ -65,9 +68,10 @@ def check_run_folder(output_basepath: str | Path) -> None:
                             "there: move it away")
 
 
-def open_metrics(output_basepath: str | Path):
-    """``log/metrics.jsonl`` opened for appending, in a file no other name shares."""
-    path = Path(output_basepath) / METRICS
+def open_metrics(output_basepath: str | Path, name: str = METRICS):
+    """``log/metrics.jsonl`` (or another file the run appends to, ``name``) opened for appending, in a file no
+    other name shares."""
+    path = Path(output_basepath) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_file() and os.stat(path).st_nlink > 1:
         write_file_replacing(path, path.read_bytes())

@@ -30,6 +30,7 @@ from megatron_patch.training.launcher_args import (
     parse_data_paths,
     parse_int,
 )
+from megatron_patch.training import evaluation_run
 from megatron_patch.training.launcher_options import Options, read_options
 from megatron_patch.training.lora_run import check_lora, lora_from_options
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_options
@@ -95,6 +96,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     # JSON records are tokenized here, by default with the checkpoint's tokenizer; an idxmap is already ids.
     o.settle("MP_TOKENIZER", sft=sft, dataset_type=dataset_type, checkpoint=ckpt)
     o.settle("MP_WEIGHT_DECAY", family=family)
+    evaluation_run.settle_options(o)
 
     cfg = RunConfig(
         **o.fields(), launcher=launcher.name, family=family, dataset_path=paths, dataset_weights=weights,
@@ -340,7 +342,8 @@ def sft_data(cfg: RunConfig) -> None:
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
     packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
-    check_lora, check_sparse_attention, sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data)
+    check_lora, check_sparse_attention, sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data,
+    evaluation_run.check_evaluation)
 
 
 # --- files the configuration names (skipped by check_paths=False: a dry run planned elsewhere) ---------------
@@ -397,7 +400,7 @@ def _check_writable(folder: Path, out: Path) -> None:
 
 
 PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, data_exists, tokenizer_exists,
-                                                        output_folder_writable)
+                                                        output_folder_writable, evaluation_run.check_tasks_exist)
 
 
 # --- reading what a value names ------------------------------------------------------------------------------

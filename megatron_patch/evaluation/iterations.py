@@ -1,0 +1,77 @@
+"""`mpatch eval --all-iterations`: every iteration a training run saved, evaluated in turn, and each metric drawn
+against the iteration next to the run's training loss (``log/metrics.jsonl`` beside its ``checkpoint/``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_patch.checkpoint_files.layout import ITERATION_DIR
+from megatron_patch.errors import UserError
+
+# matplotlib (0.5-1 s) is imported inside ``plot``: `mpatch eval` without --all-iterations never draws.
+
+PLOT = "metrics.png"
+SUMMARY = "all_iterations.json"
+
+
+def saved_iterations(load_dir: str | Path) -> list[tuple[int, Path]]:
+    """(iteration, its folder) of every ``iter_XXXXXXX`` under a run's checkpoint folder, in order (partial
+    folders are hidden names, never listed)."""
+    folder = Path(load_dir)
+    found = sorted((int(match.group(1)), entry) for entry in (folder.iterdir() if folder.is_dir() else ())
+                   if entry.is_dir() and (match := ITERATION_DIR.fullmatch(entry.name)))
+    if not found:
+        raise UserError(f"--all-iterations: {load_dir} holds no saved iteration (iter_XXXXXXX): give a training "
+                        "run's checkpoint/ folder")
+    return found
+
+
+def training_losses(load_dir: str | Path) -> dict[int, float]:
+    """The loss of each iteration in the run's ``log/metrics.jsonl`` (the folder above ``load_dir``); the later
+    record of an iteration trained twice (a resume) wins. Lines that do not read are skipped; {} without a log."""
+    path = Path(load_dir).absolute().parent / "log" / "metrics.jsonl"
+    losses: dict[int, float] = {}
+    if not path.is_file():
+        return losses
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("iteration"), int) \
+                    and isinstance(record.get("loss"), (int, float)):
+                losses[record["iteration"]] = float(record["loss"])
+    return losses
+
+
+def plot(points: list[dict], losses: dict[int, float], path: Path) -> None:
+    """One panel per metric: its value at each evaluated iteration, the training loss on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    names = sorted({name for point in points for name in point["metrics"]})
+    columns = max(1, min(3, len(names)))
+    rows = -(-len(names) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
+    loss_steps = sorted(losses)
+    for ax, name in zip(axes.flat, names):
+        shown = [(p["iteration"], p["metrics"][name]) for p in points if name in p["metrics"]]
+        ax.plot([i for i, _ in shown], [v for _, v in shown], "o-", color="tab:blue", label=name)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if loss_steps:
+            loss_ax = ax.twinx()
+            loss_ax.plot(loss_steps, [losses[i] for i in loss_steps], "-", color="tab:gray", linewidth=0.8,
+                         alpha=0.7, label="training loss")
+            loss_ax.set_ylabel("training loss", color="tab:gray", fontsize=8)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

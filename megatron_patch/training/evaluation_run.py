@@ -1,0 +1,138 @@
+"""Task evaluation during training (MP_EVAL_TASKS): lm-evaluation-harness on the live model, at the training
+layout, every MP_EVAL_TASKS_INTERVAL iterations, with no save or reload (``evaluation.evaluate_live_model``).
+
+What it cannot run is refused before any rank starts: a virtual pipeline (evaluation runs one chunk per rank),
+no interval, no HF tokenizer, lm-eval missing, an unknown task (the shipped offline tasks, lm-eval's own and
+those under MP_EVAL_INCLUDE_PATH are known) or one whose data cannot be read offline.
+Results go to the run's log (one line per task metric), TensorBoard (``eval/TASK/METRIC``) and one JSON line per
+evaluation in ``eval/results.jsonl`` (``run_folder.EVAL_RESULTS``), which the run appends to as it does to
+``log/metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tempfile
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+from megatron_patch.evaluation import LM_EVAL_VERSION
+
+# lm-eval, torch and megatron-core are imported inside the functions that use them: the launcher's checks of a run
+# without MP_EVAL_TASKS never import them.
+
+
+def settle_options(options) -> None:
+    """MP_EVAL_TASKS_INTERVAL's default (the validation interval); the part's other options only with tasks."""
+    options.settle("MP_EVAL_TASKS_INTERVAL", eval_interval=options["MP_EVAL_INTERVAL"])
+    if options["MP_EVAL_TASKS"] is None:
+        for name in ("MP_EVAL_TASKS_INTERVAL", "MP_EVAL_TASKS_LIMIT", "MP_EVAL_INCLUDE_PATH"):
+            if options.given(name):
+                raise UserError(f"{name} applies to MP_EVAL_TASKS, which is not set")
+
+
+def check_evaluation(cfg) -> None:
+    """What task evaluation during training cannot run with, in one line each."""
+    if not cfg.eval_tasks:
+        return
+    if cfg.virtual_pipeline is not None:
+        raise UserError(f"MP_EVAL_TASKS with {cfg.virtual_pipeline_setting} is not supported: evaluation runs one "
+                        "model chunk per rank; evaluate the run's checkpoints with `mpatch eval` instead")
+    if not cfg.eval_tasks_interval:
+        raise UserError("MP_EVAL_TASKS needs an interval: MP_EVAL_INTERVAL=0 (no validation) leaves none, so set "
+                        "MP_EVAL_TASKS_INTERVAL")
+    if not cfg.pretrain_checkpoint and not (cfg.tokenizer and Path(cfg.tokenizer).is_dir()):
+        raise UserError("MP_EVAL_TASKS needs the model's HF tokenizer: start from a PRETRAIN_CHECKPOINT_PATH that "
+                        "carries one, or set MP_TOKENIZER to its folder")
+
+
+def check_tasks_exist(cfg) -> None:
+    """lm-eval installed, and every task known with its data readable offline (before any rank starts)."""
+    if not cfg.eval_tasks:
+        return
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(f"MP_EVAL_TASKS runs lm-evaluation-harness, which is not installed: pip install "
+                        f"'megatron_patch[eval]' (lm-eval=={LM_EVAL_VERSION})")
+    from megatron_patch.evaluation.evaluate import prepare_tasks
+
+    if cfg.eval_include_path and not Path(cfg.eval_include_path).is_dir():
+        raise UserError(f"MP_EVAL_INCLUDE_PATH {cfg.eval_include_path} is not a folder: give a folder of lm-eval task "
+                        "YAML files")
+    with tempfile.TemporaryDirectory(prefix="mpatch-eval-tasks-") as folder:
+        try:
+            prepare_tasks(settings(cfg), folder)
+        except UserError as exc:
+            raise UserError(f"MP_EVAL_TASKS: {exc}") from None
+
+
+def settings(cfg):
+    """The run's evaluation settings (``mpatch eval``'s defaults otherwise)."""
+    from megatron_patch.evaluation.evaluate import EvalSettings
+
+    include = (str(Path(cfg.eval_include_path).absolute()),) if cfg.eval_include_path else ()
+    return EvalSettings(tasks=tuple(cfg.eval_tasks), include_paths=include, limit=cfg.eval_tasks_limit, seed=cfg.seed)
+
+
+def due(cfg, iteration: int) -> bool:
+    return bool(cfg.eval_tasks) and iteration % cfg.eval_tasks_interval == 0
+
+
+def load_tokenizer(folder: Path | None, cfg):
+    """transformers' tokenizer from the folder the run's checkpoints carry theirs from (every rank reads it)."""
+    from megatron_patch.evaluation.loading import load_hf_tokenizer
+
+    if folder is None:
+        raise UserError("MP_EVAL_TASKS: no HF tokenizer found in PRETRAIN_CHECKPOINT_PATH or MP_TOKENIZER")
+    return load_hf_tokenizer(folder, cfg.hf_config)
+
+
+def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
+    """lm-eval's results of the live model (global rank 0; None on the others). The chunks are put back in train
+    mode, and every random generator as it was: the harness seeds them, and training goes on as without it."""
+    from megatron_patch.evaluation.evaluate import evaluate_live_model
+
+    saved = _random_states()
+    try:
+        results = evaluate_live_model(chunks, cfg.arch, tokenizer, settings(cfg))
+    finally:
+        for chunk in chunks:
+            chunk.train()
+        _restore_random_states(saved)
+    return None if results is None else results.results
+
+
+def _random_states() -> tuple:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda,
+            tensor_parallel.get_cuda_rng_tracker().get_states())
+
+
+def _restore_random_states(saved: tuple) -> None:
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    python, numpy_state, cpu, cuda, tracker = saved
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+
+
+def record_line(iteration: int, results: dict) -> str:
+    """One line of ``eval/results.jsonl``: the iteration, each task's metrics, and lm-eval's results beside them."""
+    from megatron_patch.evaluation.evaluate import metric_values
+
+    return json.dumps({"iteration": iteration, "metrics": metric_values(results), "results": results},
+                      ensure_ascii=False) + "\n"

@@ -1,0 +1,113 @@
+"""Task evaluation during training (issue 38, MP_EVAL_TASKS): the options checked in one line before any rank
+starts; `mpatch eval --all-iterations`'s refusals, its reading of the run's loss and its plot. The end-to-end
+runs (the live model's results in the log, TensorBoard and eval/results.jsonl, equal to `mpatch eval` on the
+checkpoint of the same iteration; --all-iterations over a run) are tests/test_training_evaluation_run.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_patch.cli import main
+from megatron_patch.training.validation import resolve
+from tests.training_helpers import launcher_args
+
+
+@pytest.fixture()
+def data(tmp_path):
+    """Files the path checks accept (their content is not read by resolve)."""
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{suffix}").write_bytes(b"")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    return {"prefix": str(tmp_path / "corpus_text_document"), "tok": str(tok), "out": str(tmp_path / "out"),
+            "missing": str(tmp_path / "missing")}
+
+
+def _args(data, **over):
+    return launcher_args("llama3_1", DATASET_PATH=data["prefix"], OUTPUT_BASEPATH=data["out"], **over)
+
+
+BAD = [
+    (dict(), {"MP_EVAL_TASKS": " , "}, "MP_EVAL_TASKS names no task"),
+    (dict(), {"MP_EVAL_TASKS_INTERVAL": "5"}, "MP_EVAL_TASKS_INTERVAL applies to MP_EVAL_TASKS, which is not set"),
+    (dict(), {"MP_EVAL_TASKS_LIMIT": "5"}, "MP_EVAL_TASKS_LIMIT applies to MP_EVAL_TASKS"),
+    (dict(), {"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": "TOK", "MP_EVAL_TASKS_LIMIT": "0"},
+     "MP_EVAL_TASKS_LIMIT must be > 0"),
+    (dict(), {"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": "TOK", "MP_EVAL_TASKS_INTERVAL": "0"},
+     "MP_EVAL_TASKS_INTERVAL must be >= 1"),
+    (dict(), {"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": "TOK", "MP_EVAL_INTERVAL": "0"},
+     "MP_EVAL_TASKS needs an interval: MP_EVAL_INTERVAL=0"),
+    (dict(PP="2"), {"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": "TOK", "MP_VP_CHUNKS": "2"},
+     "MP_EVAL_TASKS with MP_VP_CHUNKS=2 is not supported"),
+    (dict(), {"MP_EVAL_TASKS": "mpatch_arithmetic"}, "MP_EVAL_TASKS needs the model's HF tokenizer"),
+    (dict(), {"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": "TOK", "MP_EVAL_INCLUDE_PATH": "MISSING"},
+     "MP_EVAL_INCLUDE_PATH MISSING is not a folder"),
+]
+
+
+@pytest.mark.parametrize("over,env,message", BAD, ids=[m[:40] for *_, m in BAD])
+def test_bad_evaluation_options_are_refused_in_one_line(data, over, env, message, monkeypatch, capsys):
+    named = {"TOK": data["tok"], "MISSING": data["missing"]}
+    for key, value in env.items():
+        monkeypatch.setenv(key, named.get(value, value))
+    code = main(["train", "llama3_1", *_args(data, **over)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message.replace("MISSING", data["missing"]) in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_an_unknown_task_is_refused_before_any_rank_starts(data, monkeypatch, capsys):
+    """lm-eval indexes its 14,000 tasks to say a name is none of them (10-30 s): slow."""
+    monkeypatch.setenv("MP_EVAL_TASKS", "mpatch_arithmetic,no_such_task")
+    monkeypatch.setenv("MP_TOKENIZER", data["tok"])
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    code = main(["train", "llama3_1", *_args(data)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "unknown task no_such_task" in err and "MP_EVAL_INCLUDE_PATH" in err, err
+
+
+def test_the_task_interval_defaults_to_the_validation_interval(data):
+    env = {"MP_EVAL_TASKS": "mpatch_arithmetic, mpatch_perplexity", "MP_TOKENIZER": data["tok"],
+           "MP_EVAL_INTERVAL": "6"}
+    cfg = resolve("llama3_1", _args(data), env=env, check_paths=False)
+    assert (cfg.eval_tasks, cfg.eval_tasks_interval, cfg.eval_tasks_limit) == (
+        ["mpatch_arithmetic", "mpatch_perplexity"], 6, None)
+    cfg = resolve("llama3_1", _args(data), env={**env, "MP_EVAL_TASKS_INTERVAL": "4", "MP_EVAL_TASKS_LIMIT": "3"},
+                  check_paths=False)
+    assert (cfg.eval_interval, cfg.eval_tasks_interval, cfg.eval_tasks_limit) == (6, 4, 3)
+    assert resolve("llama3_1", _args(data), env={**env, "MP_EVAL_TASKS_LIMIT": "0.25"},
+                   check_paths=False).eval_tasks_limit == 0.25
+    assert resolve("llama3_1", _args(data), env={}, check_paths=False).eval_tasks is None
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([], "--all-iterations writes each iteration's results and the plot into --output-dir: give one"),
+    (["--output-dir", "OUT"], "holds no saved iteration (iter_XXXXXXX): give a training run's checkpoint/ folder"),
+])
+def test_all_iterations_refuses_bad_input_in_one_line(tmp_path, capsys, extra, message):
+    (tmp_path / "checkpoint").mkdir()
+    extra = [str(tmp_path / "out") if value == "OUT" else value for value in extra]
+    code = main(["eval", "--load-dir", str(tmp_path / "checkpoint"), "--all-iterations", "--tasks",
+                 "mpatch_arithmetic", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_training_loss_is_read_from_the_run_log_and_drawn_beside_each_metric(tmp_path):
+    from megatron_patch.evaluation.iterations import plot, training_losses
+
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "metrics.jsonl").write_text(
+        '{"iteration": 1, "loss": 5.0}\n{"iteration": 2, "loss": 4.5}\nnot json\n{"iteration": 2, "valid_loss": 4.0}\n'
+        '{"iteration": 2, "loss": 4.25}\n[1]\n')
+    losses = training_losses(tmp_path / "checkpoint")
+    assert losses == {1: 5.0, 2: 4.25}  # a resumed iteration's later record wins
+    assert training_losses(tmp_path / "elsewhere" / "checkpoint") == {}
+    plot([{"iteration": 1, "metrics": {"t/acc": 0.5, "t/ppl": 9.0}}, {"iteration": 2, "metrics": {"t/acc": 0.75}}],
+         losses, tmp_path / "metrics.png")
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
