@@ -108,6 +108,7 @@ def run(args) -> int:
 def _all_iterations(args, layout, settings, checkpoints: list) -> int:
     """Each saved iteration evaluated in turn into OUT/iter_XXXXXXX/, then OUT/all_iterations.json (each
     iteration's metrics) and OUT/metrics.png (each metric against the iteration, next to the training loss)."""
+    # lm-eval, torch and megatron-core come with these: imported only once lm-eval is known to be installed
     from megatron_patch.evaluation.evaluate import evaluate_checkpoint, metric_values, write_results
     from megatron_patch.evaluation.iterations import PLOT, SUMMARY, plot, training_losses
 

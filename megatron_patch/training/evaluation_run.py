@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import LM_EVAL_VERSION
 
-# lm-eval, torch and megatron-core are imported inside the functions that use them: the launcher's checks of a run
-# without MP_EVAL_TASKS never import them.
+# evaluation.evaluate and evaluation.loading (lm-eval, torch and megatron-core come with them) are imported inside the
+# functions that use them: the launcher's checks of a run without MP_EVAL_TASKS never import them.
 
 
 def settle_options(options) -> None:
@@ -103,9 +106,6 @@ def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
 
 
 def _random_states() -> tuple:
-    import random
-
-    import numpy as np
     import torch
     from megatron.core import tensor_parallel
 
@@ -115,9 +115,6 @@ def _random_states() -> tuple:
 
 
 def _restore_random_states(saved: tuple) -> None:
-    import random
-
-    import numpy as np
     import torch
     from megatron.core import tensor_parallel
 

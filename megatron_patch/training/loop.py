@@ -499,6 +499,7 @@ class Trainer:
     def evaluate_tasks(self) -> None:
         """MP_EVAL_TASKS on the live model (every rank): one log line per task metric, TensorBoard's
         eval/TASK/METRIC, a line of eval/results.jsonl."""
+        # lm-eval comes with evaluation.evaluate: imported only by a run with MP_EVAL_TASKS
         from megatron_patch.evaluation.evaluate import metric_values
 
         results = evaluation_run.evaluate(self.chunks, self.cfg, self.eval_tokenizer)
