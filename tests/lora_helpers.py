@@ -118,7 +118,8 @@ def mcore_lora_logits(cases: list[tuple], layout, tokens) -> list[torch.Tensor]:
 
 def peft_training_reference(hf_dir, adapter, cfg, lrs: list[float]) -> tuple[list[float], dict]:
     """What peft plus a plain ``torch.optim.AdamW`` loop does on the launcher's batches with the launcher's
-    optimizer settings (AdamW betas 0.9/0.95, eps 1e-8, weight decay 0.1 on the 2-D adapter weights, gradients
+    optimizer settings (AdamW betas 0.9/0.95, eps 1e-8, the run's weight decay (the family's default: 0.01 for
+    qwen2_moe as in Pai, 0.1 for most) on the 2-D adapter weights, gradients
     clipped to norm 1.0, the step's learning rate ``lrs[i]``; each micro-batch's mean token loss, averaged over
     the micro-batches): the losses of each step and the trained adapter (peft's state dict)."""
     import torch.nn.functional as F
@@ -131,7 +132,7 @@ def peft_training_reference(hf_dir, adapter, cfg, lrs: list[float]) -> tuple[lis
     model = PeftModel.from_pretrained(load_hf(hf_dir), str(adapter), is_trainable=True)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = torch.optim.AdamW(params, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
     losses = []
     for step, lr in enumerate(lrs):
         opt.zero_grad()
