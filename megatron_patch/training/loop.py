@@ -22,14 +22,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks import compiled_fusions
+from megatron_patch.models.blocks import compiled_fusions, compiled_layers
 from megatron_patch.models.blocks.builder import build_model_chunks
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import destroy, move_to_device
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training import checkpointing, data, faults, packing, run_folder, sft_data, sparse_attention_run
+from megatron_patch.training import (checkpointing, data, faults, fp8_run, packing, run_folder, sft_data,
+                                     sparse_attention_run)
 from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators
 from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup_lora
@@ -237,7 +238,7 @@ class Trainer:
 
         cfg = self.cfg
         self.arch = cfg.arch
-        self.settings = megatron_settings(cfg)
+        self.settings = megatron_settings(cfg, fp8_run.implementation(cfg, Capabilities.detect()))
         device = self._device()
         # One GPTModel per virtual pipeline stage (one in all without MP_VP).
         chunks = build_model_chunks(self.arch, cfg.layout, cfg.precision.dtype, pp_first_stage_layers=cfg.pp0_layers,
@@ -253,8 +254,17 @@ class Trainer:
                 c.compute_language_model_loss = partial(_token_losses, self.arch.vocab_size)
         move_to_device(chunks, device)
         cast_parameters(chunks, cfg.precision.dtype)
+        caps = Capabilities.detect()
+        fp8 = fp8_run.implementation(cfg, caps) if cfg.precision.fp8 else None
+        if fp8 == fp8_run.TORCHAO:  # the chosen GEMMs of megatron-core's own linears in float8 (docs/fp8.md)
+            from megatron_patch.models.blocks import float8
+
+            recipe = fp8_run.recipe(cfg, fp8)
+            self._log(float8.describe_gemms(float8.convert_chunks(chunks, recipe, cfg.fp8_filter), recipe))
         if cfg.compile_fusions:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
+        if cfg.compile_layers:
+            self._log(compiled_layers.describe(compiled_layers.compile_layers(chunks)))
         self.resume_iteration = self._latest()
         # Read by rank 0 alone, which writes them into each checkpoint.
         self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
