@@ -213,7 +213,7 @@ class Float8ParallelMatmul(torch.autograd.Function):
         grad_2d = grad_output.reshape(-1, out_shape[-1])
         input_2d = input_hp.reshape(-1, input_hp.shape[-1])
         need_input, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_input, grad_weights, input_gw = None, [], None
+        grad_inputs, grad_weights, input_gw = [], [], None
         for grad_part, weight_part, float8 in zip(parts.split_columns(grad_2d), parts.split_rows(weight_hp),
                                                   parts.float8):
             weight_t = weight_part.t()
@@ -226,7 +226,7 @@ class Float8ParallelMatmul(torch.autograd.Function):
                     piece = torch.mm(grad_gi, weight_gi.t())
                 else:
                     piece = torch.mm(grad_part, weight_part)
-                grad_input = piece if grad_input is None else grad_input + piece
+                grad_inputs.append(piece)
             if need_weight:
                 if float8:
                     if input_gw is None:
@@ -237,6 +237,9 @@ class Float8ParallelMatmul(torch.autograd.Function):
                     grad_weights.append(torch.mm(grad_gw.t(), input_gw))
                 else:
                     grad_weights.append(torch.mm(grad_part.t(), input_2d))
+        grad_input = None
+        for piece in reversed(grad_inputs):  # summed as autograd sums separate linears' (the last one's first)
+            grad_input = piece if grad_input is None else grad_input + piece
         if grad_input is not None:
             grad_input = grad_input.reshape(*out_shape[:-1], grad_input.shape[-1])
         grad_weight = parts.join_rows(grad_weights) if need_weight else None

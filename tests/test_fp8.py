@@ -1,0 +1,153 @@
+"""PR=fp8 without transformer-engine: torchao's float8 GEMMs inside megatron-core's parallel linears
+(models/blocks/float8.py), their options, refusals and dry run (training/fp8_run.py), and training through the
+launcher (docs/fp8.md)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.blocks import float8_plan
+from megatron_patch.runtime.launch import run_local
+from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.training import fp8_run
+from megatron_patch.training.machine_checks import machine_problems
+from megatron_patch.training.megatron_settings import megatron_settings
+from megatron_patch.training.validation import resolve
+from tests.fp8_helpers import gemms_worker
+from tests.training_helpers import REPO, launcher_args
+
+torchao = pytest.importorskip("torchao")
+
+RECIPES = float8_plan.RECIPES
+CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attention_3=False, torchao=True)
+H100_NO_TE = Capabilities(cuda=True, transformer_engine=False, fp8=False, flash_attention_3=False,
+                          compute_capability=(9, 0), cuda_version="13.0", torchao=True)
+H100_TE = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attention_3=False,
+                       compute_capability=(9, 0), cuda_version="13.0", torchao=True)
+
+
+def _cfg(env=None, **over):
+    return resolve("llama3_1", launcher_args(**{"PR": "fp8", **over}), env={"GPUS_PER_NODE": "1", **(env or {})},
+                   check_paths=False)
+
+
+# --- the options, the implementation, the refusals ------------------------------------------------------------
+
+def test_the_filter_and_the_recipe_are_read_and_checked():
+    assert _cfg().fp8_filter == "auto" and _cfg().fp8_recipe is None
+    assert _cfg({"MP_FP8_FILTER": "all"}).fp8_filter == "all"
+    assert _cfg({"MP_FP8_FILTER": "fc2, qkv"}).fp8_filter == ("qkv", "fc2")
+    with pytest.raises(UserError, match="MP_FP8_FILTER takes auto, all or a comma list of qkv,proj,fc1,fc2"):
+        _cfg({"MP_FP8_FILTER": "qkv,lm_head"})
+    with pytest.raises(UserError, match="MP_FP8_FILTER=all needs PR=fp8, got PR=bf16"):
+        _cfg({"MP_FP8_FILTER": "all"}, PR="bf16")
+    with pytest.raises(UserError, match="MP_FP8_RECIPE must be one of delayed . tensorwise . mxfp8 . blockwise . "
+                                        "rowwise . rowwise_with_gw_hp, got 'bogus'"):
+        _cfg({"MP_FP8_RECIPE": "bogus"})
+
+
+def test_each_machine_runs_its_implementation_with_its_recipes():
+    cpu, gpu = _cfg(), _cfg(ENV="dsw")
+    assert (fp8_run.implementation(cpu, CPU), fp8_run.recipe(cpu, "torchao")) == ("torchao", "tensorwise")
+    assert fp8_run.implementation(gpu, H100_NO_TE) == "torchao"
+    assert (fp8_run.implementation(gpu, H100_TE), fp8_run.recipe(gpu, "transformer-engine")) == \
+        ("transformer-engine", "delayed")
+    assert machine_problems(cpu, CPU) == [] and machine_problems(gpu, H100_NO_TE) == []
+    for recipe in RECIPES:
+        assert machine_problems(_cfg({"MP_FP8_RECIPE": recipe}), CPU) == []
+    assert machine_problems(_cfg({"MP_FP8_RECIPE": "delayed"}), CPU) == [
+        "MP_FP8_RECIPE=delayed is transformer-engine's, which this machine runs without: torchao takes tensorwise | "
+        "rowwise | rowwise_with_gw_hp"]
+    assert "is torchao's" in machine_problems(_cfg({"MP_FP8_RECIPE": "rowwise"}, ENV="dsw"), H100_TE)[0]
+    # transformer-engine's FP8 is a TransformerConfig setting; torchao's changes the built model instead
+    assert megatron_settings(gpu, "transformer-engine")["transformer_config"]["fp8"] == "hybrid"
+    assert "fp8" not in megatron_settings(cpu, "torchao")["transformer_config"]
+    a100 = Capabilities(**{**H100_NO_TE.__dict__, "compute_capability": (8, 0)})
+    assert "FP8 tensor cores" in machine_problems(gpu, a100)[0]
+
+
+def test_neither_transformer_engine_nor_torchao_is_refused_in_one_line():
+    bare = Capabilities(**{**CPU.__dict__, "torchao": False})
+    problems = machine_problems(_cfg(), bare)
+    assert problems == ["PR=fp8 needs transformer-engine (on a GPU) or torchao (pip install -e \".[fp8]\", or pip "
+                        "install torchao), and neither is installed here: install torchao, or use PR=bf16"]
+    assert "neither" in machine_problems(_cfg(ENV="dsw"), Capabilities(**{**H100_NO_TE.__dict__, "torchao": False}))[0]
+
+
+def test_mpatch_starts_and_plans_without_torchao(tmp_path):
+    """torchao is optional: with it impossible to import, `mpatch` still starts and the launcher's options, checks
+    and FP8 plan (which read no torchao) load."""
+    blocker = tmp_path / "torchao.py"
+    blocker.write_text("raise ImportError('torchao is blocked for this test')\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    code = ("import megatron_patch.cli.train, megatron_patch.training.fp8_run, megatron_patch.models.blocks.float8; "
+            "from megatron_patch.cli import main; main(['families'])")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "llama3_1" in proc.stdout, proc.stderr
+
+
+def test_the_auto_filter_is_torchaos():
+    from torchao.float8 import _auto_filter_for_recipe
+
+    shapes = [(n, k) for n in (16, 24, 1024, 1040, 2048, 2064, 4096, 4112, 8192) for k in (16, 1024, 1040, 2048,
+                                                                                           2064, 4096, 4112, 14336)]
+    for recipe in ("tensorwise", "rowwise"):
+        theirs = _auto_filter_for_recipe(recipe, filter_fqns=[])
+        for n, k in shapes:
+            linear = torch_linear(k, n)
+            assert float8_plan.torchao_auto_filter(recipe, n, k) == theirs(linear, "layers.0.mlp"), (recipe, n, k)
+
+
+def torch_linear(fan_in: int, fan_out: int):
+    import torch
+
+    with torch.device("meta"):
+        return torch.nn.Linear(fan_in, fan_out, bias=False)
+
+
+@pytest.mark.slow
+def test_the_dry_run_names_the_implementation_recipe_and_the_gemms_left_in_bf16():
+    big = _cfg({"MP_FP8_RECIPE": "rowwise"}, ENV="dsw", MODEL_SIZE="8B", BATCH_SIZE="1", SEQ_LEN="4096",
+               PAD_LEN="4096", GLOBAL_BATCH_SIZE="8", TRAIN_TOKENS_OR_ITERS="1e9", WARMUP_TOKENS_OR_ITERS="1e8")
+    lines = fp8_run.dry_run_lines(big, H100_NO_TE)
+    assert lines[0].startswith("torchao float8, recipe rowwise, filter auto; communication in bf16")
+    # Llama-3.1-8B under torchao's rowwise filter: k and v (1024 rows each) stay in bf16, the rest is float8
+    assert lines[1] == ("dense layers: float8 linear_fc1.gate, linear_fc1.up, linear_fc2, linear_proj, "
+                        "linear_qkv.q; bf16 linear_qkv.k, linear_qkv.v")
+    tiny = fp8_run.summary(_cfg(), CPU)
+    assert tiny["implementation"] == "torchao" and tiny["recipe"] == "tensorwise"
+    assert not any(g["float8"] for g in tiny["gemms"]["dense"])  # every tiny GEMM is too small for torchao's filter
+    assert all(g["float8"] for g in fp8_run.summary(_cfg({"MP_FP8_FILTER": "all"}), CPU)["gemms"]["dense"])
+    assert fp8_run.dry_run_lines(_cfg(ENV="dsw"), H100_TE)[0].startswith("transformer-engine, recipe delayed")
+
+
+# --- the GEMMs against torchao's own ----------------------------------------------------------------------------
+
+def test_each_gemm_is_torchaos_bit_for_bit_at_tp1():
+    """q/k/v fused in linear_qkv, gate/up in linear_fc1, and the row-parallel fc2: output, input gradient and weight
+    gradient equal torchao's Float8Linear on the HF linears, bit for bit, with every recipe."""
+    result = run_local(gemms_worker, 1, 1, RECIPES)[0]
+    for key, diffs in result.items():
+        assert all(d["equal"] for d in diffs.values()), (key, diffs)
+
+
+def test_tp2_scales_are_the_whole_tensors():
+    """At TP=2 every float8 operand is cast as at TP=1: the results equal TP=1's (torchao's), except where
+    megatron-core sums partial results over TP in bf16 (a row-parallel output, a column-parallel input
+    gradient), which differ by a bf16 rounding. Scales from the local shard (the planted fault) do not."""
+    exact = {"self_attention.linear_qkv": ("output", "grad_weight"), "mlp.linear_fc1": ("output", "grad_weight"),
+             "mlp.linear_fc2": ("grad_input", "grad_weight")}
+    result = run_local(gemms_worker, 2, 2, RECIPES)[0]
+    for (recipe, name), diffs in result.items():
+        for what, d in diffs.items():
+            if what in exact[name]:
+                assert d["equal"], (recipe, name, what, d)
+            else:
+                assert d["relative"] <= 1e-2, (recipe, name, what, d)  # bf16 rounding of a sum
+    local = run_local(gemms_worker, 2, 2, ("tensorwise",), False)[0]
+    assert not any(local[("tensorwise", name)][what]["equal"] for name, whats in exact.items() for what in whats)
