@@ -164,3 +164,61 @@ def _gather(tensor: torch.Tensor, name: str, tp: int, group, weight: bool) -> to
     else:
         whole = torch.cat([p.view(GROUPS // tp, -1, rows.shape[1]) for p in pieces]).reshape(-1, rows.shape[1])
     return whole if weight else whole.t().contiguous()
+
+
+# --- the torchao reference loop ----------------------------------------------------------------------------------
+
+def torchao_reference_losses(hf_dir, family: str, args: list[str], recipe: str, steps: int) -> list[float]:
+    """The losses of ``steps`` iterations of a launcher run (``args``, one data-parallel rank), trained instead on
+    the HF model in bf16 with torchao's ``convert_to_float8_training`` on every decoder linear, by a plain
+    master-weight loop with Megatron's settings: fp32 master weights and fp32 gradient accumulation over the
+    micro-batches, the loss averaged per micro-batch and over them, gradient clipping at 1.0, AdamW (betas 0.9 and
+    0.95, eps 1e-8; no weight decay on norms and biases, as megatron's optimizer) and megatron-core's own learning
+    rate scheduler. The same batches, in the same order."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
+    from megatron_patch.training.megatron_settings import megatron_settings
+    from megatron_patch.training.validation import resolve
+
+    cfg = resolve(family, args, env={})
+    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    convert_to_float8_training(model, module_filter_fn=lambda module, fqn: ".layers." in f".{fqn}",
+                               config=Float8LinearConfig.from_recipe_name(recipe))
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    decay = [m for n, m in zip(names, masters) if m.dim() > 1 and not n.endswith(".bias")]
+    no_decay = [m for n, m in zip(names, masters) if not (m.dim() > 1 and not n.endswith(".bias"))]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "wd_mult": 0.0}], betas=(0.9, 0.95),
+                                  eps=1e-8)
+    scheduler = OptimizerParamScheduler(optimizer, **megatron_settings(cfg, "torchao")["scheduler"])
+    losses = []
+    for step in range(steps):
+        batches = micro_batches(train, step, cfg, 0, 1)
+        total, count = 0.0, 0
+        grads = [torch.zeros_like(m) for m in masters]
+        for b in batches:
+            logits = model(input_ids=b["tokens"]).logits.float()
+            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1),
+                                                   reduction="none")
+            mask = b["loss_mask"].reshape(-1).float()
+            ((ce * mask).sum() / mask.sum() / len(batches)).backward()
+            total, count = total + float((ce * mask).sum()), count + int(mask.sum())
+            for g, p in zip(grads, params):
+                g += p.grad.float()
+                p.grad = None
+        losses.append(total / count)
+        norm = torch.sqrt(sum((g * g).sum() for g in grads))
+        scale = min(1.0, 1.0 / (float(norm) + 1e-6))
+        for m, g in zip(masters, grads):
+            m.grad = g * scale
+        optimizer.step()
+        scheduler.step(increment=1)
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return losses

@@ -183,6 +183,10 @@ class Float8ParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, config, mm_config, sharding: Sharding, parts: Parts):
+        if input_hp.numel() == 0:
+            # an expert no token was routed to this step: nothing to scale (every rank of a linear's TP group sees
+            # the same tokens, so all of them skip the scales' reductions together)
+            parts = Parts(parts.groups, parts.widths, (False,) * len(parts.widths))
         ctx.save_for_backward(input_hp, weight_hp)
         ctx.config, ctx.mm_config, ctx.sharding, ctx.parts = config, mm_config, sharding, parts
         tt = _torchao()[1]
