@@ -270,3 +270,31 @@ def test_fp8_resumes_exactly_after_a_kill(corpus, converted, tmp_path_factory, t
     before = {m["iteration"]: m for m in tp2["metrics"]}
     for i in range(1, ITERS + 1):
         assert (after[i]["loss"], after[i]["grad_norm"]) == (before[i]["loss"], before[i]["grad_norm"]), i
+
+
+@pytest.mark.slow
+def test_a_compiled_layer_equals_the_eager_one(tmp_path):
+    """MP_COMPILE=true: every transformer layer compiled (dynamo built graphs for them), and the model's logits within
+    bf16's noise of the eager model's, in bf16 and with torchao float8."""
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from tests.fp8_helpers import compiled_layers_worker
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    for recipe in (None, "tensorwise"):
+        result = run_local(compiled_layers_worker, 1, str(hf), recipe)[0]
+        assert result["layers"] == result["num_layers"] and result["graphs"] >= 1, result
+        assert result["relative"] < 2 ** -7, result  # bf16's rounding: the same arithmetic in another order
+
+
+def test_the_memory_plan_counts_the_float8_casts():
+    """torchao keeps the bf16 tensors a bf16 linear keeps; what float8 adds is the float8 copies of one GEMM's
+    operands while it runs. Tiny Llama at 2 x 64 tokens: gate (128 x 64) or fc2 (64 x 128) with the gradient twice,
+    the weight and the input, in one byte each: 2 * (128*64 + 128*64 + 128*128) bytes."""
+    from megatron_patch.training.memory_plan import plan_memory
+
+    fp8 = plan_memory(_cfg({"MP_FP8_FILTER": "all"}), caps=CPU).stage(0)
+    bf16 = plan_memory(_cfg(PR="bf16"), caps=CPU).stage(0)
+    assert fp8.fp8_casts == 2 * (128 * 64 + 128 * 64 + 128 * 128)
+    assert fp8.device - bf16.device == fp8.fp8_casts
+    assert plan_memory(_cfg(), caps=CPU).stage(0).fp8_casts == 0  # torchao's filter keeps every tiny GEMM in bf16
+    assert "float8 casts 64.00 KiB" in plan_memory(_cfg({"MP_FP8_FILTER": "all"}), caps=CPU).lines()[1]

@@ -87,3 +87,25 @@ def summary(cfg, caps) -> dict | None:
                                                                                             g.in_features],
                                 "float8": g.float8} for g in layer] for kind, layer in gemms.items()}
     return out
+
+
+def cast_bytes(cfg) -> int:
+    """What torchao's float8 adds to a rank's memory: the float8 copies of one GEMM's operands while it runs (its
+    weight and input cast for the forward, the gradient, weight and input cast again for the backward's two GEMMs),
+    transient beside the bf16 tensors autograd keeps (which float8 does not change: torchao saves its inputs in
+    bf16, as a bf16 linear does). The largest float8 GEMM of the model decides, at one byte per element."""
+    if not cfg.precision.fp8:
+        return 0
+    tokens = cfg.micro_batch_size * cfg.sample_length // cfg.cp
+    worst = 0
+    for layer in arch_gemms(cfg.arch, recipe(cfg, TORCHAO), cfg.fp8_filter).values():
+        for g in layer:
+            if not g.float8:
+                continue
+            split = (cfg.etp or cfg.tp) if g.kind == "experts" else cfg.tp
+            if g.module.endswith(("linear_proj", "linear_fc2")):  # row-parallel: the input dimension is split
+                rows, cols = g.out_features, g.in_features // split
+            else:
+                rows, cols = g.out_features // split, g.in_features
+            worst = max(worst, 2 * (rows * cols + tokens * cols + tokens * rows))
+    return worst

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks import compiled_fusions, compiled_layers
+from megatron_patch.models.blocks import attention_kernels, compiled_fusions, compiled_layers
 from megatron_patch.models.blocks.builder import build_model_chunks
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.folders import write_file_replacing
@@ -265,6 +265,9 @@ class Trainer:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         if cfg.compile_layers:
             self._log(compiled_layers.describe(compiled_layers.compile_layers(chunks)))
+        if device.type == "cuda" and core_attention(cfg, caps) == "sdpa":  # FA3/FA4 behind torch SDPA, where installed
+            attention_kernels.activate(attention_kernels.flash_implementation(
+                True, caps.compute_capability, caps.flash_attention_3, caps.flash_attention_4))
         self.resume_iteration = self._latest()
         # Read by rank 0 alone, which writes them into each checkpoint.
         self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None

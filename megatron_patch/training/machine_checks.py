@@ -6,6 +6,7 @@ first. Which attention runs is decided here too (``core_attention``, ``attention
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
+from megatron_patch.models.blocks import attention_kernels
 from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED, describe
 from megatron_patch.runtime.machine import Capabilities, version_tuple
 from megatron_patch.training import fp8_run
@@ -100,6 +101,11 @@ def attention_kernel(cfg: RunConfig, caps: Capabilities) -> str:
 
         return sparse_attention.describe(cfg.arch.sparse_attention, caps.cuda)
     local = core_attention(cfg, caps)
+    if local == SDPA:
+        kernel = attention_kernels.sdpa_kernel(cfg.device == "cuda" and caps.cuda, caps.compute_capability,
+                                               caps.torch_version, cfg.precision.mixed, caps.flash_attention_3,
+                                               caps.flash_attention_4)
+        return f"{describe(local)}: {kernel}{attention_kernels.fallback_note(cfg.arch)}"
     if local is not None:
         return describe(local)
     if cfg.flash_attention:

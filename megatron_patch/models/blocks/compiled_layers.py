@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from megatron_patch.runtime.distributed import ParallelLayout, init_model_parallel
+from megatron_patch.runtime.launch import run_local
+
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # launcher's dry run imports this module before it knows whether it will build a model.
 
@@ -48,3 +51,41 @@ def graph_breaks(layer, *args, **kwargs) -> list[str]:
         out.append(f"{reason.reason.splitlines()[0]}{where}")
     torch._dynamo.reset()
     return out
+
+
+def family_layer_graph_breaks(family: str, dtype_name: str, fp8: tuple[str, object] | None,
+                              core_attention: str | None) -> list[str]:
+    """The graph breaks of the first transformer layer of ``family``'s tiny model (the same layer code as any
+    size), built as a run builds it: ``dtype_name``, torchao float8 with (recipe, filter) ``fp8``, the core
+    attention. Runs in a process of its own (``run_local``): it joins a process group of one."""
+    return run_local(_graph_breaks_worker, 1, family, dtype_name, fp8, core_attention)[0]
+
+
+def _graph_breaks_worker(family: str, dtype_name: str, fp8, core_attention) -> list[str]:
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.models.description.tiny import tiny_config
+
+    init_model_parallel(ParallelLayout())
+    arch = parse_arch(tiny_config(family))
+    dtype = getattr(torch, dtype_name)
+    model = build_model(arch, ParallelLayout(), dtype, core_attention=core_attention)
+    if fp8 is not None:
+        from megatron_patch.models.blocks import float8
+
+        float8.convert_chunks([model], *fp8)
+    layer = next(m for m in model.modules() if isinstance(m, TransformerLayer))
+    seen = {}
+
+    def keep(module, args, kwargs):
+        seen.setdefault("inputs", (args, kwargs))
+
+    handle = layer.register_forward_pre_hook(keep, with_kwargs=True)
+    tokens = torch.zeros(1, 16, dtype=torch.long)
+    with torch.no_grad():
+        model(tokens, torch.arange(16).unsqueeze(0), None)
+    handle.remove()
+    args, kwargs = seen["inputs"]
+    return graph_breaks(layer, *args, **kwargs)
