@@ -173,7 +173,8 @@ def test_an_expert_without_tokens_computes_nothing():
 
 # --- training through the launcher, from converted checkpoints (CPU) ---------------------------------------------
 
-ITERS, GBS, SEQ = 6, 4, 32
+# Small: on CPU a float8 GEMM of the tiny model takes ~40 ms (torch._scaled_mm), and the machine is shared.
+ITERS, GBS, SEQ = 4, 4, 32
 
 
 def _train_args(corpus, converted, family: str, out, **over) -> list[str]:
@@ -182,7 +183,8 @@ def _train_args(corpus, converted, family: str, out, **over) -> list[str]:
                                     "LR": "3e-3", "MIN_LR": "3e-4", "GLOBAL_BATCH_SIZE": str(GBS),
                                     "SEQ_LEN": str(SEQ), "PAD_LEN": str(SEQ),
                                     "TRAIN_TOKENS_OR_ITERS": str(ITERS * GBS * SEQ),
-                                    "WARMUP_TOKENS_OR_ITERS": str(GBS * SEQ), "SAVE_INTERVAL": "3", **over})
+                                    "WARMUP_TOKENS_OR_ITERS": str(GBS * SEQ), "SAVE_INTERVAL": "2",
+                                    "BATCH_SIZE": "4", **over})
 
 
 FP8_ALL = {"MP_FP8_FILTER": "all"}  # the tiny models' GEMMs are all below torchao's auto-filter
@@ -224,19 +226,19 @@ def tp2(corpus, converted, tmp_path_factory):
 
 def _falls(metrics: list[dict]) -> bool:
     losses = [m["loss"] for m in metrics]
-    return len(losses) == ITERS and losses[-1] < losses[0] - 0.2
+    return len(losses) == ITERS and losses[-1] < losses[0] - 0.1
 
 
 @pytest.mark.slow
 def test_fp8_trains_at_tp2_pp2_and_ep2_dense_and_moe(corpus, converted, tmp_path_factory, tp2):
     """The launcher trains PR=fp8 (torchao) from a converted checkpoint at TP=2 and PP=2 (Llama) and EP=2 (Qwen2-MoE,
-    each local expert's GEMMs in float8): the loss falls, and the log says what ran in float8."""
+    each local expert's GEMMs in float8): the loss falls over 4 iterations, and the log says what ran in float8."""
     assert "float8 (torchao, tensorwise): decoder GEMMs in float8 by kind: proj 4/4, qkv 12/12, fc1 8/8, fc2 4/4" \
         in tp2["stdout"], tp2["stdout"][-2000:]
     assert _falls(tp2["metrics"]), [m["loss"] for m in tp2["metrics"]]
     pp2 = _run(corpus, converted, tmp_path_factory, "fp8-pp2", PP="2", env={"MP_FP8_RECIPE": "rowwise"})
     assert _falls(pp2["metrics"]), [m["loss"] for m in pp2["metrics"]]
-    moe = _run(corpus, converted, tmp_path_factory, "fp8-ep2", family="qwen2_moe", EP="2", ETP="1",
+    moe = _run(corpus, converted, tmp_path_factory, "fp8-ep2", family="qwen2_moe", EP="2", ETP="1", BATCH_SIZE="2",
                env={"MP_NPROC": "2"})
     assert "experts " in moe["stdout"] and _falls(moe["metrics"]), [m["loss"] for m in moe["metrics"]]
 
@@ -258,14 +260,16 @@ def test_fp8_losses_follow_the_torchao_reference_loop_closer_than_bf16(corpus, c
 
 @pytest.mark.slow
 def test_fp8_resumes_exactly_after_a_kill(corpus, converted, tmp_path_factory, tp2):
+    """Killed as iteration 4 starts, relaunched: it resumes from iteration 2's checkpoint to the uninterrupted run's
+    losses and gradient norms, exactly."""
     from tests.training_helpers import launch, read_metrics
 
     out = tmp_path_factory.mktemp("fp8-kill") / "out"
     args = _train_args(corpus, converted, "llama3_1", out, TP="2")
-    killed = launch(args, {**FP8_ALL, "MP_INJECT_FAULT": "kill@5"})
+    killed = launch(args, {**FP8_ALL, "MP_INJECT_FAULT": "kill@4"})
     assert killed.returncode != 0
     resumed = launch(args, FP8_ALL)
-    assert resumed.returncode == 0 and "iter_0000003" in resumed.stdout, resumed.stderr[-2000:]
+    assert resumed.returncode == 0 and "iter_0000002" in resumed.stdout, resumed.stderr[-2000:]
     after = {m["iteration"]: m for m in read_metrics(out)}
     before = {m["iteration"]: m for m in tp2["metrics"]}
     for i in range(1, ITERS + 1):
