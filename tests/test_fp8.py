@@ -302,3 +302,24 @@ def test_the_memory_plan_counts_the_float8_casts():
     assert fp8.device - bf16.device == fp8.fp8_casts
     assert plan_memory(_cfg(), caps=CPU).stage(0).fp8_casts == 0  # torchao's filter keeps every tiny GEMM in bf16
     assert "float8 casts 64.00 KiB" in plan_memory(_cfg({"MP_FP8_FILTER": "all"}), caps=CPU).lines()[1]
+
+
+@pytest.mark.slow
+def test_align_fp8_against_torchao_on_the_hf_model(tmp_path):
+    """`mpatch align --dtype fp8`: MCore's float8 model (every decoder GEMM, tensorwise) against the HF model after
+    torchao's convert_to_float8_training with the same recipe and filter, at TP=1 and TP=2: within that floor at
+    every point; a filter it does not know is bad input."""
+    import json
+
+    from megatron_patch.cli import main
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    for tp in ("1", "2"):
+        report = tmp_path / f"report-tp{tp}"
+        code = main(["align", "--hf-dir", str(hf), "--dtype", "fp8", "--fp8-filter", "all", "--tp", tp,
+                     "--seq-len", "32", "--report-dir", str(report), "--quiet"])
+        result = json.loads((report / "report.json").read_text())
+        assert code == 0 and result["verdict"]["aligned"], result["verdict"]["summary"]
+        assert "convert_to_float8_training (tensorwise, filter all)" in result["compared"]["floor"]
+    assert main(["align", "--hf-dir", str(hf), "--dtype", "fp8", "--fp8-filter", "bogus"]) == 2

@@ -351,3 +351,33 @@ def describe_gemms(gemms: list[Gemm], recipe: str) -> str:
 def converted(module) -> bool:
     """Whether ``module`` (a parallel linear) computes any GEMM in float8."""
     return hasattr(module, "_float8_parts")
+
+
+# --- the reference: torchao on the HF model -----------------------------------------------------------------------
+
+_HF_KINDS = ((re.compile(r"\.experts?\.\d+\.|\.experts\."), "experts"), (re.compile(r"\.shared_experts?\."), "shared_experts"),
+             (re.compile(r"\.(q|k|v|qkv|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?$"), "qkv"), (re.compile(r"\.o_proj$"), "proj"),
+             (re.compile(r"\.(gate|up|gate_up)_proj$"), "fc1"), (re.compile(r"\.down_proj$"), "fc2"))
+_HF_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+
+
+def hf_linear_kind(name: str) -> str:
+    """The kind of an HF decoder linear (its full name), as ``float8_plan.linear_kind`` names MCore's."""
+    for pattern, kind in _HF_KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
+
+
+def convert_hf_model(model, recipe: str, fp8_filter) -> None:
+    """torchao's ``convert_to_float8_training`` on ``model``'s decoder linears that ``fp8_filter`` chooses (the same
+    decision as ``convert_chunks`` makes for MCore's GEMMs): the reference ``mpatch align --dtype fp8`` and the
+    tests compare with."""
+    float8 = _torchao()[0]
+
+    def keep(module, name: str) -> bool:
+        if not isinstance(module, torch.nn.Linear) or not _HF_LAYER.search(name):
+            return False
+        return chosen(hf_linear_kind(name), recipe, fp8_filter, module.out_features, module.in_features)
+
+    float8.convert_to_float8_training(model, module_filter_fn=keep, config=torchao_config(recipe))
