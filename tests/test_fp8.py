@@ -279,7 +279,8 @@ def test_fp8_resumes_exactly_after_a_kill(corpus, converted, tmp_path_factory, t
 @pytest.mark.slow
 def test_a_compiled_layer_equals_the_eager_one(tmp_path):
     """MP_COMPILE=true: every transformer layer compiled (dynamo built graphs for them), and the model's logits within
-    bf16's noise of the eager model's, in bf16 and with torchao float8."""
+    bf16's noise of the eager model's (the eager bf16 model's own error against fp32), in bf16 and with torchao
+    float8."""
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
     from tests.fp8_helpers import compiled_layers_worker
 
@@ -287,7 +288,10 @@ def test_a_compiled_layer_equals_the_eager_one(tmp_path):
     for recipe in (None, "tensorwise"):
         result = run_local(compiled_layers_worker, 1, str(hf), recipe)[0]
         assert result["layers"] == result["num_layers"] and result["graphs"] >= 1, result
-        assert result["relative"] < 2 ** -7, result  # bf16's rounding: the same arithmetic in another order
+        # the same arithmetic rounded in another order: the compiled model is as far from fp32 as the eager one
+        # (within 25%), and the two differ by no more than that bf16 noise
+        assert result["compiled_error"] < 1.25 * result["bf16_noise"], result
+        assert result["relative"] < 1.25 * result["bf16_noise"], result
 
 
 def test_the_memory_plan_counts_the_float8_casts():
