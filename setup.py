@@ -29,12 +29,17 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "flash-attn>=2.6"],
+        # PR=fp8 without transformer-engine: torchao's float8 training inside megatron-core's linears (docs/fp8.md);
+        # imported only where a model is converted, so mpatch starts without it.
+        "fp8": ["torchao>=0.18"],
         # accelerate: transformers dequantizes FP8 hub checkpoints with it (the FP8 conversion test compares).
         # hypothesis: the fuzzed bad-input contract (tests/test_bad_input.py) and chunkings of torch_dist blocks.
         # peft: the reference LoRA implementation tests/test_lora.py compares against both ways.
         # zstandard (already required above, for torch_dist chunks): the preprocessing tests' .zst inputs.
-        # lm-eval: `mpatch eval` and the tests that compare it with lm-eval's own HF backend.
-        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21", "zstandard>=0.22", "lm-eval==0.4.13"],
+        # lm-eval: `mpatch eval` and the tests that compare it with lm-eval's own HF backend; torchao: PR=fp8 without
+        # transformer-engine and its reference (tests/test_fp8.py).
+        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21", "zstandard>=0.22", "lm-eval==0.4.13",
+                 "torchao>=0.18"],
         # `mpatch eval` (docs/evaluation.md): lm-evaluation-harness, pinned to the release whose model API and
         # request handling megatron_patch/evaluation/ was written against and checked equal to its HF backend.
         "eval": ["lm-eval==0.4.13"],

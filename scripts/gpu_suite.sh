@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check-up, in phases that each fit one call on the lent GPU machine (docs/gpu.md gives the commands).
 #
-#   scripts/gpu_suite.sh [--phase 1|2|3|4|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...']
+#   scripts/gpu_suite.sh [--phase 1|2|3|4|5|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...']
 #                        [--budget SECONDS] [--dry-run]
 #
 # Phases (each installs and prepares what it needs, so each can start on a bare machine; a phase's step limits
@@ -17,10 +17,15 @@
 #                      machine without it every step is SKIPPED with the reason (do not spend a lent GPU on it)
 #   4 sparse  (150 s)  install, info, bench-sparse-attention (DeepSeek sparse attention against SDPA and unfused
 #                      dense attention at 4k/8k/16k tokens, DeepSeek-V3.2's head counts, forward: time, peak memory)
+#   5 fp8     (450 s)  without transformer-engine (docs/fp8.md): install (torchao's wheel too), info, prepare, then the
+#                      Llama-3.1-8B-shaped training of phase 2 for GPU_SUITE_FP8_ITERS (50) iterations with FL=true: bf16
+#                      eager, bf16 compiled (MP_COMPILE), fp8 tensorwise compiled, fp8 rowwise compiled (torchao):
+#                      tokens/s, TFLOP/s, MFU against 989 (useful FLOPs), peak memory, the attention kernel, the
+#                      losses of every iteration (the summary compares fp8's with bf16's)
 #
 # Install: each wheel in --wheels on its own (--no-deps) into WORK/site; a pinned package with no wheel there is
 # skipped with the reason, and so is every step that needs it. Without --wheels the pins come from the package
-# index. Pins: GPU_SUITE_PINS (default megatron-core==0.19.2, the cp312 wheel the lent machine gets).
+# index. Pins: GPU_SUITE_PINS (default megatron-core==0.19.2, the cp312 wheel the lent machine gets, and torchao==0.18.0).
 #
 # Results: one tar per phase, OUT/gpu-suite-phaseN.tar.gz (summary.md, steps.tsv, logs/, info.json, train/,
 # align/, parity.json, bench_attention.json, gpu-tests.xml; at most 15 MiB), and OUT/gpu-suite-phaseN.md, a copy
@@ -39,24 +44,25 @@
 # arguments validate and fit the memory plan (MP_DRY_RUN), mpatch arguments parse, inputs exist, the gpu tests
 # collect. It prepares the small inputs for real, since the checks read them.
 #
-# Knobs (environment): GPU_SUITE_SEQ_LEN (4096), GPU_SUITE_GBS (4), GPU_SUITE_ITERS (6), GPU_SUITE_LAYERS (default:
+# Knobs (environment): GPU_SUITE_SEQ_LEN (4096), GPU_SUITE_GBS (4), GPU_SUITE_ITERS (6), GPU_SUITE_FP8_ITERS (50), GPU_SUITE_LAYERS (default:
 # what fits), GPU_SUITE_LAYERS_CAP (8), GPU_SUITE_PINS, PYTHON (python3, else python).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HELPER="$ROOT/scripts/gpu_suite_steps.py"
 PYTHON="${PYTHON:-$(command -v python3 || command -v python || echo python3)}"
-PINS="${GPU_SUITE_PINS:-megatron-core==0.19.2}"
+PINS="${GPU_SUITE_PINS:-megatron-core==0.19.2 torchao==0.18.0}"
 OUT="$PWD/gpu-suite-results"
 WORK="${TMPDIR:-/tmp}/gpu-suite"
 WHEELS=""
 DRY=0
-PHASES="1 2 3 4"
+PHASES="1 2 3 4 5"
 ONLY=""
 BUDGET_OVERRIDE=""
 SEQ="${GPU_SUITE_SEQ_LEN:-4096}"
 GBS="${GPU_SUITE_GBS:-4}"
 ITERS="${GPU_SUITE_ITERS:-6}"
+FP8_ITERS="${GPU_SUITE_FP8_ITERS:-50}"
 LAYERS_CAP="${GPU_SUITE_LAYERS_CAP:-8}"
 # One dense and one MoE (multi-latent attention) family: each alignment is a start of its own ranks.
 ALIGN_FAMILIES="${GPU_SUITE_ALIGN_FAMILIES:-llama3_1 deepseek_v3}"
@@ -64,14 +70,16 @@ ALIGN_FAMILIES="${GPU_SUITE_ALIGN_FAMILIES:-llama3_1 deepseek_v3}"
 # Sized from the first run on the lent H100 (2026-11-27, docs/performance.md): a Llama-8B-shaped training step
 # took 31-42 s (launch, spawned skeleton check, model build, 6 iterations), aligning deepseek_v3 50 s with the
 # step's own imports, bench-attention 40 s for its first two cases (each case is a spawned process there).
-PHASE_BUDGET=([1]=330 [2]=375 [3]=360 [4]=150)
+# Phase 5 is sized from phase 2's measurements (a 6-iteration step: 31-42 s) plus compilation and 50 iterations;
+# not yet run on the lent GPU.
+PHASE_BUDGET=([1]=330 [2]=375 [3]=360 [4]=150 [5]=450)
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --phase) case "${2:-}" in 1|2|3|4) PHASES="$2" ;; all) PHASES="1 2 3 4" ;;
-               *) echo "gpu_suite.sh: --phase takes 1, 2, 3, 4 or all, got '${2:-}'" >&2; exit 2 ;; esac; shift ;;
+    --phase) case "${2:-}" in 1|2|3|4|5) PHASES="$2" ;; all) PHASES="1 2 3 4 5" ;;
+               *) echo "gpu_suite.sh: --phase takes 1, 2, 3, 4, 5 or all, got '${2:-}'" >&2; exit 2 ;; esac; shift ;;
     --out|--results) OUT="${2:?}"; shift ;;
     --work) WORK="${2:?}"; shift ;;
     --wheels) WHEELS="${2:?}"; shift ;;
@@ -112,7 +120,7 @@ mpatch() { "$PYTHON" -m megatron_patch "$@"; }
 # usable), local (this machine builds megatron-core's local spec, i.e. no TE).
 # train modes: mode|PR|FL|AC|OPTIMIZER_OFFLOAD|extra environment
 STEPS=()
-for p in 1 2 3 4; do
+for p in 1 2 3 4 5; do
   STEPS+=("install|$p|15|step_install||" "info|$p|10|step_info||")
 done
 STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|60|step_parity||mcore" "align|1|90|step_align||mcore"
@@ -130,7 +138,12 @@ STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|60|step_parity||mcore
         "train-fp8-mxfp8|3|50|step_train|fp8-mxfp8|fp8|false|sel|false|MP_FP8_RECIPE=mxfp8|mcore,te"
         "train-fl-te|3|50|step_train|fl-te|bf16|true|sel|false|NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2|mcore,te"
         "train-ac-offload|3|50|step_train|ac-offload|bf16|false|offload|false|MP_AC_LAYERS=1|mcore,te"
-        "bench-sparse-attention|4|125|step_bench_sparse_attention||mcore")
+        "bench-sparse-attention|4|125|step_bench_sparse_attention||mcore"
+        "prepare|5|30|step_prepare|train|mcore"
+        "train-bf16-eager-50|5|80|step_train|bf16-eager-50|bf16|true|sel|false||mcore,local"
+        "train-bf16-compiled-50|5|105|step_train|bf16-compiled-50|bf16|true|sel|false|MP_COMPILE=true|mcore,local"
+        "train-fp8-tensorwise-compiled|5|105|step_train|fp8-tensorwise-compiled|fp8|true|sel|false|MP_COMPILE=true MP_FP8_RECIPE=tensorwise|mcore,local,torchao"
+        "train-fp8-rowwise-compiled|5|105|step_train|fp8-rowwise-compiled|fp8|true|sel|false|MP_COMPILE=true MP_FP8_RECIPE=rowwise|mcore,local,torchao")
 
 # A step line's fields: name, phase, limit, function, the function's argument (train: the mode's 6 fields), needs.
 parse_step() {
@@ -228,8 +241,9 @@ step_train() {
   local layers; layers=$(cat "$WORK/layers" 2>/dev/null || echo 2)
   local out="$WORK/train/$mode"
   rm -rf "$out" "$RESULTS/train/$mode.json"
+  local iters=$ITERS; [ "$PHASE" = 5 ] && iters=$FP8_ITERS  # phase 5 compares fp8's losses with bf16's over 50
   local args=(dsw 8B 1 "$GBS" 1e-4 1e-5 "$SEQ" "$SEQ" "$pr" 1 1 1 false false "$fl" false "$ac" "$offload" 1000
-              "$WORK/data/corpus_text_document" none none "$((ITERS * GBS * SEQ))" "$((GBS * SEQ))" "$out")
+              "$WORK/data/corpus_text_document" none none "$((iters * GBS * SEQ))" "$((GBS * SEQ))" "$out")
   local env=(GPUS_PER_NODE=1 MP_NUM_LAYERS="$layers" MP_SAVE=false MP_EVAL_INTERVAL=0 PYTHON="$PYTHON" $extra)
   local launcher="$ROOT/examples/llama3_1/run_mcore_llama3_1.sh"
   if [ "$DRY" = 1 ]; then
@@ -238,7 +252,7 @@ step_train() {
     [ "$COLLECT" = 1 ] || [ -x "$launcher" ] || { echo "$launcher is missing or not executable"; return 1; }
     return 0
   fi
-  if [ "$pr" = fp8 ]; then
+  if [ "$pr" = fp8 ] && [ "$PHASE" = 3 ]; then  # transformer-engine's recipes (phase 5's are torchao's)
     local recipe="${extra#MP_FP8_RECIPE=}" why
     why=$("$PYTHON" -c 'import sys
 from megatron_patch.runtime.machine import Capabilities

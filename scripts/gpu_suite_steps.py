@@ -163,6 +163,8 @@ def needs(args) -> int:
         "te": "" if te else "needs transformer-engine, which this machine lacks (its PyTorch extension is built "
                             "from source: docs/gpu.md)",
         "local": "times megatron-core's local spec, and this machine runs transformer-engine's" if te else "",
+        "torchao": "" if importlib.util.find_spec("torchao") else
+        "PR=fp8 without transformer-engine runs torchao, which is not importable here (carry its wheel: docs/fp8.md)",
     }
     for name, reason in reasons.items():
         print(f"{name}\t{reason}")
@@ -345,6 +347,11 @@ def train_summary(args) -> int:
     summary["attention"] = ours[-1].split("; attention ", 1)[1][:120] if ours else None
     compiled = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("torch.compile:")]
     summary["compiled"] = compiled[-1] if compiled else None
+    float8 = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("float8 (torchao")]
+    summary["float8"] = float8[-1] if float8 else None
+    metrics = out / "log" / "metrics.jsonl"
+    records = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
+    summary["losses"] = [r["loss"] for r in records if "loss" in r]  # every iteration's, warm-up included
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
@@ -382,12 +389,34 @@ def summary(results: Path, phase: str, dry_run: bool) -> None:
             result = (f"{t['layers']} layers: {t['tokens_per_s']:.0f} tokens/s, {t['tflops_per_gpu']:.1f} TFLOP/s, "
                       f"MFU {mfu}, peak {t['peak_memory_gib']:.1f} GiB (iterations {t['iterations'][0]}-"
                       f"{t['iterations'][1]})")
-            for key, label in (("attention", "attention"), ("attention_backend_log", "TE"), ("compiled", "")):
+            for key, label in (("attention", "attention"), ("attention_backend_log", "TE"), ("compiled", ""),
+                               ("float8", "")):
                 if t.get(key):
                     result += f"; {label + ': ' if label else ''}{t[key]}"
         lines.append(f"| {r['step']} | {status} | {r['seconds']} | {result} |")
+    lines += _fp8_losses(results)
     lines += ["", "Logs: logs/STEP.log; training throughput excludes the warm-up iteration (train/MODE.json)."]
     (results / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def _fp8_losses(results: Path) -> list[str]:
+    """Phase 5: each fp8 run's losses against the compiled bf16 run's over the same iterations (same data, same
+    start), the difference that says whether float8 trains as bf16 does."""
+    bf16 = results / "train" / "bf16-compiled-50.json"
+    if not bf16.is_file():
+        return []
+    base = json.loads(bf16.read_text()).get("losses") or []
+    out = ["", "| fp8 run | iterations | last loss (bf16's) | largest abs. difference from bf16 | mean abs. difference |",
+           "| --- | ---: | --- | ---: | ---: |"]
+    for mode in ("fp8-tensorwise-compiled", "fp8-rowwise-compiled"):
+        path = results / "train" / f"{mode}.json"
+        losses = json.loads(path.read_text()).get("losses") if path.is_file() else None
+        if not losses or not base:
+            continue
+        diffs = [abs(a - b) for a, b in zip(losses, base)]
+        out.append(f"| {mode} | {len(diffs)} | {losses[len(diffs) - 1]:.4f} ({base[len(diffs) - 1]:.4f}) | "
+                   f"{max(diffs):.4f} | {sum(diffs) / len(diffs):.4f} |")
+    return out
 
 
 def pack(args) -> int:

@@ -31,6 +31,8 @@ PHASE_STEPS = {
     3: ["install", "info", "prepare", "train-fp8-delayed", "train-fp8-tensorwise", "train-fp8-blockwise",
         "train-fp8-mxfp8", "train-fl-te", "train-ac-offload"],
     4: ["install", "info", "bench-sparse-attention"],
+    5: ["install", "info", "prepare", "train-bf16-eager-50", "train-bf16-compiled-50", "train-fp8-tensorwise-compiled",
+        "train-fp8-rowwise-compiled"],
 }
 LENT_DEVICE_SECONDS = 15 * 60  # a session's device time on the lent machine, machine starts included
 MACHINE_START = 120  # a fresh machine's start, at worst (docs/gpu.md; 28 s on 2026-11-27, transfers included)
@@ -101,7 +103,7 @@ def test_dry_run_checks_every_step_as_the_lent_machine_runs_it(dry_run):
 def test_results_come_back_as_two_files_per_phase(dry_run):
     """The device tool brings back at most 8 files of at most 16 MiB."""
     files = sorted(p.name for p in dry_run["out"].iterdir())
-    assert files == [f"gpu-suite-phase{p}.{ext}" for p in (1, 2, 3, 4) for ext in ("md", "tar.gz")]
+    assert files == [f"gpu-suite-phase{p}.{ext}" for p in (1, 2, 3, 4, 5) for ext in ("md", "tar.gz")]
     for p in (1, 2, 3, 4):
         tar = dry_run["out"] / f"gpu-suite-phase{p}.tar.gz"
         assert tar.stat().st_size < 16 * 2**20
@@ -117,12 +119,14 @@ def test_each_phase_fits_one_call_and_the_lent_phases_fit_the_device_time(dry_ru
     sparse-attention benchmark) is a session of its own and fits one with a start."""
     found = {int(p): (int(b), int(w)) for p, b, w in
              re.findall(r"phase (\d): budget (\d+)s, planned worst case (\d+)s", dry_run["proc"].stdout)}
-    assert set(found) == {1, 2, 3, 4}
+    assert set(found) == {1, 2, 3, 4, 5}
     for phase, (budget, planned) in found.items():
         assert planned <= budget <= 9 * 60, (phase, budget, planned)
     # back to back on one warm machine (the second call within its 30 s of idle)
     assert found[1][0] + found[2][0] + MACHINE_START + 2 * CALL_OVERHEAD <= LENT_DEVICE_SECONDS
     assert found[4][0] + MACHINE_START + CALL_OVERHEAD <= LENT_DEVICE_SECONDS
+    # phase 5 (FP8 without transformer-engine) is one call of at most 8 minutes, install included, in a session
+    assert found[5][0] <= 8 * 60 and found[5][0] + MACHINE_START + CALL_OVERHEAD <= LENT_DEVICE_SECONDS
 
 
 @pytest.mark.slow
@@ -143,7 +147,7 @@ def test_a_failing_step_is_marked_and_the_suite_goes_on(dry_run, tmp_path):
 
 
 def test_bad_option_is_refused(tmp_path):
-    for args, message in ((["--fast"], "unknown argument '--fast'"), (["--phase", "5"], "--phase takes 1, 2, 3, 4 or all"),
+    for args, message in ((["--fast"], "unknown argument '--fast'"), (["--phase", "6"], "--phase takes 1, 2, 3, 4, 5 or all"),
                           (["--wheels", str(tmp_path / "none")], "is not a folder")):
         proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)

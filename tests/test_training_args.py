@@ -131,10 +131,13 @@ BAD = [
     ("llama3_1", dict(CP="2", SEQ_LEN="66"), {}, "CP=2 splits the sequence into 2*CP=4 chunks: SEQ_LEN (66)"),
     ("llama3_1", dict(SFT="true", TP="2", SP="true", PAD_LEN="63", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"},
      "PAD_LEN (63) must be a multiple of 2"),
-    ("llama3_1", dict(PR="fp8", BATCH_SIZE="1", SEQ_LEN="60"), {},
+    # transformer-engine's FP8 shape rules: GPU runs with its recipes (torchao's filter keeps such GEMMs in bf16)
+    ("llama3_1", dict(ENV="dsw", PR="fp8", BATCH_SIZE="1", SEQ_LEN="60"), {"GPUS_PER_NODE": "1"},
      "the tokens per GEMM, BATCH_SIZE*SEQ_LEN/CP = 60, must be a multiple of 8"),
-    ("llama3_1", dict(PR="fp8", BATCH_SIZE="1", SEQ_LEN="48"), {"MP_FP8_RECIPE": "mxfp8"}, "= 48, must be a multiple of 32"),
-    ("qwen2_moe", dict(PR="fp8", ETP="4"), {}, "divisible by 16, and this model at TP=1 has expert FFN size per ETP rank 8"),
+    ("llama3_1", dict(ENV="dsw", PR="fp8", BATCH_SIZE="1", SEQ_LEN="48"), {"MP_FP8_RECIPE": "mxfp8", "GPUS_PER_NODE": "1"},
+     "= 48, must be a multiple of 32"),
+    ("qwen2_moe", dict(ENV="dsw", PR="fp8", ETP="4"), {"GPUS_PER_NODE": "4"},
+     "divisible by 16, and this model at TP=1 has expert FFN size per ETP rank 8"),
     ("llama3_1", dict(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH="/x"), {"MP_NUM_LAYERS": "2"},
      "MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset"),
     ("llama3_1", dict(ENV="dsw"), {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"},
@@ -175,13 +178,14 @@ def test_wrong_argument_count_and_usage(data, capsys):
 
 # --- what this machine can do ------------------------------------------------------------------------
 
-CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attention_3=False)
+CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attention_3=False, torchao=True)
 H100 = Capabilities(cuda=True, transformer_engine=True, fp8=True, flash_attention_3=True, flash_attention_2=True,
                     compute_capability=(9, 0), cuda_version="13.0")
 
 
 MACHINE_REFUSALS = [
-    (dict(PR="fp8"), {}, "PR=fp8 needs transformer-engine on a GPU with FP8"),
+    # PR=fp8 runs torchao's float8 on CPU (tests/test_fp8.py); transformer-engine's recipes need transformer-engine
+    (dict(PR="fp8"), {"MP_FP8_RECIPE": "delayed"}, "MP_FP8_RECIPE=delayed is transformer-engine's"),
     (dict(TP="2", SP="true"), {}, "TP communication overlap (TP > 1 with SP=true) needs transformer-engine"),
     (dict(AC="offload"), {}, "AC=offload moves activations from GPU to host memory"),
     (dict(ENV="dsw", PR="bf16"), {"GPUS_PER_NODE": "1"}, "ENV=dsw trains on GPUs and this machine has none"),
@@ -208,7 +212,8 @@ def test_launcher_refuses_what_this_cpu_machine_cannot_do(data, over, env, messa
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_cpu_machine_accepts_mixed_precision(data, precision):
-    """bf16/fp16 train on ENV=cpu (megatron's mixed-precision optimizers, fp32 master weights); fp8 does not."""
+    """bf16/fp16 train on ENV=cpu (megatron's mixed-precision optimizers, fp32 master weights); fp8 too, through
+    torchao (tests/test_fp8.py)."""
     cfg = resolve("llama3_1", _args(data, PR=precision, DO="true"))
     assert machine_problems(cfg, CPU) == []
 
@@ -231,7 +236,7 @@ GPU_NO_TE = Capabilities(cuda=True, transformer_engine=False, fp8=False, flash_a
 TE_ONLY = [
     (dict(AC="offload"), "AC=offload (activation offloading) needs transformer-engine on GPUs"),
     (dict(TP="2", SP="true"), "SP=true needs transformer-engine on GPUs"),
-    (dict(PR="fp8"), "PR=fp8 needs transformer-engine on a GPU with FP8"),
+    (dict(PR="fp8"), "PR=fp8 needs transformer-engine (on a GPU) or torchao"),  # a GPU without either
     (dict(CP="2"), "CP=2 needs transformer-engine attention on GPUs"),
 ]
 
@@ -282,8 +287,11 @@ def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
              TRAIN_TOKENS_OR_ITERS="10B", WARMUP_TOKENS_OR_ITERS="1B")
     tc, ddp, opt = r["megatron_core"]["transformer_config"], r["megatron_core"]["ddp"], r["megatron_core"]["optimizer"]
     assert (tc["sequence_parallel"], tc["tp_comm_overlap"], tc["attention_backend"]) == (True, True, "flash")
-    assert (tc["fp8"], tc["fp8_recipe"], tc["fp8_amax_history_len"], tc["fp8_amax_compute_algo"]) == \
-        ("hybrid", "delayed", 1024, "max")
+    if r["fp8"]["implementation"] == "transformer-engine":
+        assert (tc["fp8"], tc["fp8_recipe"], tc["fp8_amax_history_len"], tc["fp8_amax_compute_algo"]) == \
+            ("hybrid", "delayed", 1024, "max")
+    else:  # without transformer-engine here: torchao's float8 in the built model, nothing in TransformerConfig
+        assert r["fp8"]["implementation"] == "torchao" and r["fp8"]["recipe"] == "tensorwise" and "fp8" not in tc
     assert tc["recompute_granularity"] == "selective"
     assert (ddp["use_distributed_optimizer"], ddp["overlap_grad_reduce"], ddp["overlap_param_gather"],
             ddp["grad_reduce_in_fp32"]) == (True, True, True, True)
@@ -299,8 +307,10 @@ def test_dry_run_llama_8b_fp8_flash_tp_overlap(data):
                                 "--nproc_per_node=8"]
     assert r["environment"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # TP=4 below (or without) sm100
     assert r["command"][-26:-25] == ["llama3_1"]
-    # The dry run reports what this machine would refuse: fp8 exactly when it has no FP8 GPU.
-    assert any("PR=fp8" in p for p in r["machine_problems"]) == (not Capabilities.detect().fp8)
+    # The dry run reports what this machine would refuse: fp8 exactly when it has neither an FP8 GPU with
+    # transformer-engine nor torchao.
+    caps = Capabilities.detect()
+    assert any("PR=fp8" in p for p in r["machine_problems"]) == (not (caps.fp8 or caps.torchao))
 
 
 def test_dry_run_fp8_recipe_and_full_recompute(data):
@@ -308,7 +318,10 @@ def test_dry_run_fp8_recipe_and_full_recompute(data):
              ENV="dsw", MODEL_SIZE="70B", PR="fp8", TP="8", AC="full", SEQ_LEN="8192", GLOBAL_BATCH_SIZE="8",
              BATCH_SIZE="1", TRAIN_TOKENS_OR_ITERS="1e9", WARMUP_TOKENS_OR_ITERS="1e8")
     tc = r["megatron_core"]["transformer_config"]
-    assert tc["fp8_recipe"] == "blockwise" and tc["fp8_amax_history_len"] == 1
+    if r["fp8"]["implementation"] == "transformer-engine":
+        assert tc["fp8_recipe"] == "blockwise" and tc["fp8_amax_history_len"] == 1
+    else:  # torchao runs here, and blockwise is transformer-engine's: refused, said in the dry run
+        assert any("MP_FP8_RECIPE=blockwise is transformer-engine's" in p for p in r["machine_problems"])
     assert (tc["recompute_granularity"], tc["recompute_method"], tc["recompute_num_layers"]) == ("full", "uniform", 2)
     assert tc["attention_backend"] == "fused" and tc["sequence_parallel"] is False and tc["tp_comm_overlap"] is False
 

@@ -28,6 +28,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
 from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.sources import is_peft_folder
+from megatron_patch.models.blocks.float8_plan import filter_text
 from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -65,6 +66,13 @@ class AlignSettings:
     peft_dir: str | None = None
     # Check --mcore-dir's files against its manifest before loading them (--no-verify: False).
     verify: bool = True
+    # --dtype fp8: torchao's float8 recipe and filter, on both sides (docs/fp8.md)
+    fp8_recipe: str = "tensorwise"
+    fp8_filter: str | tuple = "auto"
+
+    @property
+    def fp8(self) -> tuple | None:
+        return (self.fp8_recipe, self.fp8_filter) if self.dtype == "fp8" else None
 
     @property
     def test_side(self) -> str:
@@ -129,8 +137,11 @@ def validate(s: AlignSettings):
         raise UserError("give either --mcore-dir (HF vs MCore) or --hf-dir-2 (HF vs HF), not both")
     if s.hf_dir_2 and not Path(s.hf_dir_2).is_dir():
         raise UserError(f"--hf-dir-2 {s.hf_dir_2} is not a folder: point it at a Hugging Face model folder")
-    if s.dtype not in PRECISIONS:
-        raise UserError(f"--dtype {s.dtype} is not one of {', '.join(PRECISIONS)}")
+    if s.dtype not in PRECISIONS and s.dtype != "fp8":
+        raise UserError(f"--dtype {s.dtype} is not one of {', '.join(PRECISIONS)}, fp8")
+    if s.dtype == "fp8" and (s.hf_dir_2 or s.peft_dir or s.ablate):
+        raise UserError("--dtype fp8 compares MCore's float8 with torchao's on the HF model: without --hf-dir-2, "
+                        "--peft-dir and --ablate")
     if s.seq_len < 2 or s.batch < 1:
         raise UserError(f"--seq-len must be >= 2 and --batch >= 1 (got {s.seq_len}, {s.batch})")
     if not math.isfinite(s.tolerance) or s.tolerance <= 1:
@@ -231,7 +242,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
     log(f"[1/3] HF fp32 reference{peft}{' and HF ' + s.dtype + ' noise floor' if s.dtype != 'fp32' else ''} "
         f"on {token_source}, batch {s.batch} x {s.seq_len}")
     ref = capture_hf_dir(s.hf_dir, tokens, "fp32", s.peft_dir)
-    floor = capture_hf_dir(s.hf_dir, tokens, s.dtype, s.peft_dir) if s.dtype != "fp32" else None
+    floor = capture_hf_dir(s.hf_dir, tokens, s.dtype, s.peft_dir, s.fp8) if s.dtype != "fp32" else None
 
     variants: dict = {}
     if s.hf_dir_2:
@@ -240,7 +251,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
     else:
         source = {"mcore_dir": s.mcore_dir, "hf_dir": s.hf_dir} if s.mcore_dir else {"hf_dir": s.hf_dir}
         source.update(peft_dir=s.peft_dir, verify=s.verify)
-        runs = [McoreRun(dt, **source) for dt in s.runs]
+        runs = [McoreRun(dt, **source, fp8=s.fp8 if dt == "fp8" else None) for dt in s.runs]
         if s.ablate:
             runs += [McoreRun(s.dtype, ablation=a.name, **source)
                      for a in ablations.ABLATIONS if ablations.skip_reason(a) is None]
@@ -262,13 +273,18 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
         "model": {"family": ref_arch.family, "num_layers": ref_arch.num_layers, "hidden_size": ref_arch.hidden_size,
                   "vocab_size": ref_arch.vocab_size, "num_experts": ref_arch.num_experts},
         "compared": {"reference": f"HF fp32 ({s.hf_dir})",
-                     "floor": f"HF {s.dtype} ({s.hf_dir})" if floor is not None else None,
+                     "floor": (f"HF {s.dtype} ({s.hf_dir})" + (f" after torchao's convert_to_float8_training "
+                                                               f"({s.fp8_recipe}, filter {filter_text(s.fp8_filter)})"
+                                                               if s.fp8 else "")) if floor is not None else None,
                      "tested": (f"HF {s.dtype} ({s.hf_dir_2})" if s.hf_dir_2 else
                                 f"MCore {s.dtype} at {s.layout} from "
                                 + (f"checkpoint {s.mcore_dir} ({sidecar.checkpoint_format})" if s.mcore_dir
                                    else f"{s.hf_dir} (in-memory mapping)") + peft)},
         "config_differences": config_differences(ref_arch.hf_config, test_arch.hf_config),
         "ablations": _ablation_rows(s, ref, floor, test, variants, ref_arch.num_layers) if s.ablate else [],
+        # fp8: the points where MCore's float8 model equals torchao's on the HF model bit for bit
+        "fp8_identical_points": [n for n in point_names(ref_arch.num_layers) if n in test and n in floor
+                                 and torch.equal(test[n], floor[n])] if s.fp8 else None,
         # what the tested MCore side's attention was (the runner builds the baseline with exactly this)
         "attention": None if s.hf_dir_2 else ablations.describe_baseline_attention(),
         "device": "cuda" if torch.cuda.is_available() else "cpu",

@@ -48,6 +48,8 @@ class McoreRun:
     peft_dir: str | None = None
     # check ``mcore_dir``'s files against its manifest before loading them (align --no-verify: False)
     verify: bool = True
+    # dtype "fp8": torchao's float8 (recipe, filter) in the bf16 model's decoder GEMMs (models/blocks/float8.py)
+    fp8: tuple | None = None
 
 
 def _arch_of(run: McoreRun):
@@ -73,6 +75,10 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
         load_hf_weights(model, arch, layout, HFCheckpointReader(run.hf_dir))
     if adapters is not None:
         add_adapters([model], arch, adapters, layout, precision_dtype(run.dtype))
+    if run.dtype == "fp8":
+        from megatron_patch.models.blocks import float8  # torchao: only an fp8 alignment needs it
+
+        float8.convert_chunks([model], *run.fp8)
     return place_on_rank_device(model), arch
 
 
@@ -110,10 +116,16 @@ def capture_mcore_runs(layout: ParallelLayout, tokens: torch.Tensor, runs: list[
     return [merge_captures([r[i] if r else None for r in per_rank]) for i in range(len(runs))]
 
 
-def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_dir: str | Path | None = None) -> Captures:
-    """Captures of the HF model in ``hf_dir`` (with ``peft_dir``: peft's model of it with that adapter)."""
+def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_dir: str | Path | None = None,
+                   fp8: tuple | None = None) -> Captures:
+    """Captures of the HF model in ``hf_dir`` (with ``peft_dir``: peft's model of it with that adapter; dtype
+    "fp8": in bf16 after torchao's ``convert_to_float8_training`` with ``fp8`` = (recipe, filter))."""
     modules = detect_family(read_config_json(hf_dir)).hf_modules
     model = load_hf_model(hf_dir, precision_dtype(dtype))
+    if dtype == "fp8":
+        from megatron_patch.models.blocks.float8 import convert_hf_model  # torchao: only an fp8 alignment needs it
+
+        convert_hf_model(model, *fp8)
     if peft_dir is not None:
         model = peft_model(model, peft_dir)
     try:

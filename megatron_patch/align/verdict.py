@@ -58,7 +58,9 @@ FP32_ROUTING_FLIPS = 0.01
 def min_floor(dtype: str) -> float:
     """Smallest floor used as a divisor: a point HF computes exactly in ``dtype`` (an embedding whose
     fp32 weights happen to be representable) must not turn rounding-level error into a huge ratio."""
-    eps = {"bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}[dtype]
+    # fp8 (float8 GEMMs, torchao): its activations are bf16
+    eps = {"bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps,
+           "fp8": torch.finfo(torch.bfloat16).eps}[dtype]
     return eps / 16
 
 

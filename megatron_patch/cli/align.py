@@ -12,6 +12,7 @@ from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import add_layout_args, layout_from_args
 from megatron_patch.errors import UserError
+from megatron_patch.models.blocks.float8_plan import KINDS, RECIPES, parse_filter
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -29,7 +30,10 @@ def command_line(args) -> str:
         parts += ["--etp", str(args.etp)]
     if args.peft_dir:
         parts += ["--peft-dir", args.peft_dir]
-    parts += ["--dtype", args.dtype, "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--seed", str(args.seed),
+    parts += ["--dtype", args.dtype]
+    if args.dtype == "fp8":
+        parts += ["--fp8-recipe", args.fp8_recipe, "--fp8-filter", args.fp8_filter]
+    parts += ["--seq-len", str(args.seq_len), "--batch", str(args.batch), "--seed", str(args.seed),
               "--tolerance", f"{args.tolerance:g}"]
     if args.only_dtype:
         parts.append("--only-dtype")
@@ -48,7 +52,8 @@ def run(args) -> int:
         hf_dir=args.hf_dir, mcore_dir=args.mcore_dir, hf_dir_2=args.hf_dir_2, layout=layout_from_args(args),
         dtype=args.dtype, seq_len=args.seq_len, batch=args.batch, seed=args.seed, text_file=args.text_file,
         ablate=args.ablate, tolerance=args.tolerance, only_dtype=args.only_dtype, peft_dir=args.peft_dir,
-        verify=not args.no_verify)
+        verify=not args.no_verify, fp8_recipe=args.fp8_recipe,
+        fp8_filter=parse_filter("--fp8-filter", args.fp8_filter))
     if args.report_dir:
         try:
             Path(args.report_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -94,8 +99,14 @@ def register(subparsers) -> None:
     p.add_argument("--hf-dir-2", default=None,
                    help="a second HF folder to test instead of MCore (e.g. an mcore2hf round trip)")
     add_layout_args(p)
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="bf16",
-                   help="the training dtype whose precision is judged after the fp32 run (default bf16)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default="bf16",
+                   help="the training dtype whose precision is judged after the fp32 run (default bf16); fp8: "
+                        "torchao's float8 GEMMs in MCore, against the HF model after torchao's "
+                        "convert_to_float8_training (docs/fp8.md)")
+    p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise", help="--dtype fp8: torchao's recipe")
+    p.add_argument("--fp8-filter", default="auto",
+                   help=f"--dtype fp8: the GEMMs in float8 on both sides: auto (torchao's filter), all, or kinds out of "
+                        f"{','.join(KINDS)} (default auto)")
     p.add_argument("--only-dtype", action="store_true",
                    help="run only --dtype, without the fp32 run that certifies the conversion: faster, and its verdict "
                         "says what it cannot resolve")

@@ -32,8 +32,10 @@ from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_training_data
 from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers
 from megatron_patch.training.launcher_options import dry_run_options, read_option, usage
+from megatron_patch.training import fp8_run
 from megatron_patch.training.lora_run import check_lora_launch
-from megatron_patch.training.machine_checks import attention_kernel, check_machine, launch_environment, machine_problems
+from megatron_patch.training.machine_checks import (attention_kernel, check_machine, core_attention, launch_environment,
+                                                    machine_problems)
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
 from megatron_patch.training.validation import resolve
@@ -110,6 +112,8 @@ def dry_run_report(cfg, argv: list[str]) -> dict:
                   "train_flops_per_token": shape.flops_per_token(cfg.sample_length)},
         "megatron_core": _jsonable(megatron_settings(cfg)),
         "attention_kernel": attention_kernel(cfg, caps),
+        "fp8": fp8_run.summary(cfg, caps),
+        "compile": _graph_breaks(cfg, caps) if cfg.compile_layers else None,
         "machine_problems": problems,
         "memory_plan": plan.to_dict(),
         "memory_plan_lines": plan.lines(),
@@ -119,6 +123,21 @@ def dry_run_report(cfg, argv: list[str]) -> dict:
         # What the model trains on: the first sample with its loss mask.
         "sft_sample": _sft_sample(cfg) if cfg.sft else None,
     }
+
+
+def _graph_breaks(cfg, caps) -> dict:
+    """MP_COMPILE's dry-run entry: the graph breaks of one layer of the run's family (its tiny model: the same layer
+    code), built with the run's precision, float8 and attention, or why they could not be measured here."""
+    from megatron_patch.models.blocks.compiled_layers import family_layer_graph_breaks  # torch: MP_COMPILE only
+
+    impl = fp8_run.implementation(cfg, caps) if cfg.precision.fp8 else None
+    fp8 = (fp8_run.recipe(cfg, impl), cfg.fp8_filter) if impl == fp8_run.TORCHAO else None
+    try:
+        breaks = family_layer_graph_breaks(cfg.family, "bfloat16" if cfg.precision.fp8 else cfg.precision.dtype_name,
+                                           fp8, core_attention(cfg, caps) or "sdpa")
+    except Exception as exc:  # noqa: BLE001 - the dry run reports what it could not measure and goes on
+        return {"graph_breaks": None, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    return {"graph_breaks": breaks}
 
 
 def _sft_sample(cfg) -> dict:
@@ -148,6 +167,16 @@ def print_dry_run(report: dict) -> None:
           f"{report['megatron_core']['num_microbatches']} micro-batches/step")
     print(f"  model       {json.dumps(report['model'])}")
     print(f"  attention   {report['attention_kernel']}")
+    for line in (report["fp8"] or {}).get("lines", []):
+        print(f"  fp8         {line}")
+    if report["compile"] is not None:
+        breaks = report["compile"]["graph_breaks"]
+        if breaks is None:
+            print(f"  compile     each transformer layer; its graph breaks could not be measured here: "
+                  f"{report['compile']['error']}")
+        else:
+            print(f"  compile     each transformer layer: {len(breaks)} graph break(s) in one {report['family']} layer"
+                  + "".join(f"\n    break     {b}" for b in breaks))
     for note in cfg["notes"]:
         print(f"  note        {note}")
     print("environment options (* set here):")

@@ -85,11 +85,14 @@ def features(gpu: dict | None) -> dict:
     te = bool(cuda and te_version and transformer_engine_usable())
     fa2 = installed_version("flash-attn", "flash_attn")
     fa3 = installed_version("flash-attn-3", "flash_attn_3")
+    torchao = installed_version("torchao")
     hopper = cuda and gpu["capability"].startswith("9.")
     return {
         "transformer_engine": te,
         "transformer_engine_version": te_version,
         "fp8": te and float(gpu["capability"]) >= 8.9,
+        # PR=fp8 without transformer-engine (training/fp8_run.py): torchao's float8, on a GPU with FP8 or on CPU
+        "fp8_torchao": torchao,
         "flash_attention_2": bool(fa2 and cuda),
         "flash_attention_3": bool(fa3 and hopper),
         "layer_spec": "transformer_engine" if te else "local",
@@ -111,6 +114,9 @@ class Capabilities:
     compute_capability: tuple[int, int] | None = None  # of GPU 0
     cuda_version: str | None = None  # torch's CUDA build
     compile_problem: str | None = None  # why torch.compile cannot build kernels here (None: it can)
+    torchao: bool = False  # torchao's float8 training (PR=fp8 without transformer-engine)
+    flash_attention_4: bool = False  # the flash-attn-4 package (torch SDPA's FA4 implementation)
+    torch_version: str | None = None
 
     @classmethod
     def detect(cls) -> "Capabilities":
@@ -121,4 +127,7 @@ class Capabilities:
         return cls(cuda=gpu is not None, transformer_engine=f["transformer_engine"], fp8=f["fp8"],
                    flash_attention_3=f["flash_attention_3"], flash_attention_2=f["flash_attention_2"],
                    compute_capability=tuple(torch.cuda.get_device_capability(0)) if gpu else None,
-                   cuda_version=torch.version.cuda, compile_problem=compile_problem(gpu is not None))
+                   cuda_version=torch.version.cuda, compile_problem=compile_problem(gpu is not None),
+                   torchao=installed_version("torchao") is not None,
+                   flash_attention_4=bool(gpu) and installed_version("flash-attn-4", "flash_attn_4") is not None,
+                   torch_version=torch.__version__)

@@ -18,9 +18,12 @@ from typing import Any, Callable
 
 from megatron_patch.errors import UserError
 from megatron_patch.lora.spec import LoraSpec, parse_targets
+from megatron_patch.models.blocks.float8_plan import KINDS as FP8_KINDS
+from megatron_patch.models.blocks.float8_plan import parse_filter
 from megatron_patch.models.mapping import LORA_TARGETS
 from megatron_patch.models.description.registry import families, get_family
 from megatron_patch.training.faults import KINDS, parse_faults
+from megatron_patch.training.fp8_run import ALL_RECIPES, TE_RECIPES, TORCHAO_RECIPES
 from megatron_patch.training.launcher_args import (
     MAX_GLOBAL_BATCH,
     MAX_ITERATIONS,
@@ -39,9 +42,9 @@ from megatron_patch.training.launcher_args import (
 from megatron_patch.dtypes import Precision
 from megatron_patch.training.run_config import PRECISIONS
 
-# The parts that own options. Each later part (FP8: MP_FP8_FILTER) adds its name here and its entries to OPTIONS.
-CORE, LORA, DSA, EVALUATION = "core", "LoRA", "DSA", "evaluation"
-PARTS = (CORE, LORA, DSA, EVALUATION)
+# The parts that own options. A later part adds its name here and its entries to OPTIONS.
+CORE, LORA, DSA, FP8, EVALUATION = "core", "LoRA", "DSA", "FP8", "evaluation"
+PARTS = (CORE, LORA, DSA, FP8, EVALUATION)
 
 
 # --- how a raw value is read ----------------------------------------------------------------------------------
@@ -203,7 +206,6 @@ def _dataset_type(sft: bool, dataset_path: str) -> str:
 
 
 ENVS = ("dsw", "dlc", "cpu")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 
 POSITIONAL = [
     Option("ENV", CORE, choice(*ENVS), "dsw (one node, all its GPUs) | dlc (multi-node: WORLD_SIZE, RANK, "
@@ -239,15 +241,17 @@ POSITIONAL = [
     Option("PAD_LEN", CORE, INTEGER, "length of SFT samples from JSON records (padded or packed to it); <= SEQ_LEN",
            field="pad_len", takes="<= SEQ_LEN",
            doc="sample length of SFT on JSON records: they are padded (or packed, `MP_SFT_PACKING`) to it"),
-    Option("PR", CORE, choice(*PRECISIONS, means=Precision), "precision: fp16 | bf16 | fp8 (transformer-engine, "
-           "hybrid format) | fp32 (CPU development)", field="precision",
+    Option("PR", CORE, choice(*PRECISIONS, means=Precision), "precision: fp16 | bf16 | fp8 (transformer-engine's, "
+           "else torchao's float8 GEMMs; docs/fp8.md) | fp32 (CPU development)", field="precision",
            doc="bf16/fp16: every parameter in that dtype (norms included, as Megatron-LM's Float16Module), fp32 "
                "gradient buffers and master weights, `OptimizerConfig.bf16/fp16` (fp16 with dynamic loss scaling "
                "from 2^16, hysteresis 2, doubled after `MP_LOSS_SCALE_WINDOW` good steps; a step with inf/nan "
-               "gradients is skipped and logged); fp8: bf16 plus `fp8=\"hybrid\"`, `fp8_recipe=$MP_FP8_RECIPE` "
-               "(delayed: amax history 1024, max), GPU only; fp32: development precision (on GPU it runs with "
-               "`attention_backend=auto`). ENV=cpu takes fp32, bf16 and fp16. FP8 GEMMs need BATCH_SIZE x sample "
-               "length / CP divisible by 8 (mxfp8: 32) and hidden/FFN/attention sizes per TP rank by 16 (32)"),
+               "gradients is skipped and logged); fp8: bf16 parameters with FP8 GEMMs: with transformer-engine "
+               "`fp8=\"hybrid\"`, `fp8_recipe=$MP_FP8_RECIPE` (delayed: amax history 1024, max), GPU only, needing "
+               "BATCH_SIZE x sample length / CP divisible by 8 (mxfp8: 32) and hidden/FFN/attention sizes per TP "
+               "rank by 16 (32); without it torchao's float8 inside megatron-core's linears (`MP_FP8_FILTER`, GPU "
+               "and CPU; [docs/fp8.md](../docs/fp8.md)); fp32: development precision (on GPU it runs with "
+               "`attention_backend=auto`). ENV=cpu takes fp32, bf16, fp16 and fp8 (torchao)"),
     Option("TP", CORE, INTEGER, "tensor parallel size", field="tp",
            takes="divides heads, query groups, MLP, padded vocabulary", doc="`tensor_model_parallel_size`"),
     Option("PP", CORE, INTEGER, "pipeline parallel size", field="pp", takes="divides the layers (or see "
@@ -372,11 +376,6 @@ ENVIRONMENT = [
     Option("MP_PP0_LAYERS", CORE, INTEGER, "layers on the first pipeline stage", field="pp0_layers",
            default=Default("the layers split evenly"),
            doc="layers of the first pipeline stage (the rest split evenly), `num_layers_in_first_pipeline_stage`"),
-    Option("MP_FP8_RECIPE", CORE, choice(*FP8_RECIPES), f"PR=fp8's scaling recipe: {' | '.join(FP8_RECIPES)}",
-           default="delayed",
-           field="fp8_recipe",
-           doc="needs PR=fp8. delayed/tensorwise: compute capability >= 8.9; blockwise: >= 9.0 with CUDA >= 12.9; "
-               "mxfp8: 10.x (Blackwell)"),
     Option("MP_TP_COMM_OVERLAP", CORE, BOOL, "false: keep SP but turn TP communication overlap off (needed without "
            "transformer-engine)", field="tp_comm_overlap",
            default=Default("true where TP > 1 with SP=true", lambda tp, sp: tp > 1 and sp),
@@ -420,7 +419,15 @@ ENVIRONMENT = [
            doc="`true`: `torch.compile` the local spec's RMSNorm and RoPE and turn on megatron-core's compiled "
                "SwiGLU and bias-dropout-add (without transformer-engine; refused where torch.compile has no "
                "compiler, or where TE's spec runs); `false`: all of them eager; unset: megatron-core's choice "
-               "(fused on GPU, eager on CPU). docs/gpu.md"),
+               "(fused on GPU, eager on CPU). The lighter option beside `MP_COMPILE`, which compiles whole layers "
+               "(not both). docs/gpu.md"),
+    Option("MP_COMPILE", CORE, BOOL, "true: torch.compile each transformer layer (bf16 and fp8; the dry run lists "
+           "the graph breaks)", default=False, field="compile_layers",
+           doc="`true`: each `TransformerLayer` compiled with `torch.compile` (without transformer-engine's spec; "
+               "bf16 and fp8, CPU and GPU): one graph per layer, norms, RoPE, SwiGLU and torchao's float8 casts "
+               "fused into it. The dry run lists the graph breaks of one layer; the first step compiles (tens of "
+               "seconds). Not with `MP_COMPILE_FUSIONS=true`, whose pieces it covers "
+               "([docs/fp8.md](../docs/fp8.md))"),
     Option("MP_GPU_MEMORY_GB", CORE, NUMBER, "memory per GPU the memory plan checks against; ENV=cpu: the 'device' "
            "budget of OPTIMIZER_OFFLOAD=auto and the plan", field="gpu_memory_gb",
            default=Default("the visible GPU's"),
@@ -516,6 +523,20 @@ ENVIRONMENT = [
            "train (their loss at MP_DSA_INDEXER_LOSS_SCALE)", default=False,
            doc="DeepSeek-V3.2 / GLM-5: `true` is DeepSeek's dense warm-up: dense attention, only the indexers train "
                "(their loss at MP_DSA_INDEXER_LOSS_SCALE, default 1)"),
+    Option("MP_FP8_RECIPE", FP8, choice(*ALL_RECIPES), f"PR=fp8's scaling recipe: transformer-engine's "
+           f"{' | '.join(TE_RECIPES)}; torchao's {' | '.join(TORCHAO_RECIPES)}", field="fp8_recipe",
+           default=Default("delayed with transformer-engine, tensorwise with torchao"),
+           doc="needs PR=fp8. transformer-engine: delayed/tensorwise: compute capability >= 8.9; blockwise: >= 9.0 "
+               "with CUDA >= 12.9; mxfp8: 10.x (Blackwell). torchao (no transformer-engine): tensorwise (one "
+               "dynamic scale per tensor), rowwise (per row, scales powers of 2), rowwise_with_gw_hp (rowwise, the "
+               "weight gradient in bf16); a scale that spans a TP split is the whole tensor's "
+               "([docs/fp8.md](../docs/fp8.md))"),
+    Option("MP_FP8_FILTER", FP8, Reader(parse_filter, f"auto | all | comma list of {','.join(FP8_KINDS)}", "bogus"),
+           "PR=fp8 with torchao: which decoder GEMMs run in float8: auto (torchao's filter: large enough, sizes "
+           "multiples of 16) | all | a comma list of kinds", default="auto", field="fp8_filter",
+           doc="PR=fp8 with torchao: `auto`: torchao's auto-filter on each HF linear's shape (small GEMMs stay bf16; "
+               "every tiny test model's do); `all`: every decoder linear; or kinds, e.g. `qkv,fc1,fc2`. The "
+               "embedding, the output layer and routers stay bf16; the dry run lists each GEMM"),
     Option("MP_EVAL_TASKS", EVALUATION, Reader(_task_names, "comma list of lm-eval task names", ","),
            "lm-evaluation-harness tasks run on the live model every MP_EVAL_TASKS_INTERVAL iterations "
            "(docs/evaluation.md)", field="eval_tasks",

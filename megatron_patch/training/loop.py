@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks import compiled_fusions
+from megatron_patch.models.blocks import attention_kernels, compiled_fusions, compiled_layers
 from megatron_patch.models.blocks.builder import build_model_chunks
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.folders import write_file_replacing
@@ -34,6 +34,7 @@ from megatron_patch.training import (
     data,
     evaluation_run,
     faults,
+    fp8_run,
     packing,
     run_folder,
     sft_data,
@@ -248,7 +249,7 @@ class Trainer:
 
         cfg = self.cfg
         self.arch = cfg.arch
-        self.settings = megatron_settings(cfg)
+        self.settings = megatron_settings(cfg, fp8_run.implementation(cfg, Capabilities.detect()))
         device = self._device()
         # One GPTModel per virtual pipeline stage (one in all without MP_VP).
         chunks = build_model_chunks(self.arch, cfg.layout, cfg.precision.dtype, pp_first_stage_layers=cfg.pp0_layers,
@@ -262,8 +263,21 @@ class Trainer:
                 c.compute_language_model_loss = partial(_token_losses, self.arch.vocab_size)
         move_to_device(chunks, device)
         cast_parameters(chunks, cfg.precision.dtype)
+        caps = Capabilities.detect()
+        fp8 = fp8_run.implementation(cfg, caps) if cfg.precision.fp8 else None
+        if fp8 == fp8_run.TORCHAO:  # the chosen GEMMs of megatron-core's own linears in float8 (docs/fp8.md)
+            # torchao comes with float8: imported only when PR=fp8 runs on torchao
+            from megatron_patch.models.blocks import float8
+
+            recipe = fp8_run.recipe(cfg, fp8)
+            self._log(float8.describe_gemms(float8.convert_chunks(chunks, recipe, cfg.fp8_filter), recipe))
         if cfg.compile_fusions:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
+        if cfg.compile_layers:
+            self._log(compiled_layers.describe(compiled_layers.compile_layers(chunks)))
+        if device.type == "cuda" and core_attention(cfg, caps) == "sdpa":  # FA3/FA4 behind torch SDPA, where installed
+            attention_kernels.activate(attention_kernels.flash_implementation(
+                True, caps.compute_capability, caps.flash_attention_3, caps.flash_attention_4))
         self.resume_iteration = self._latest()
         # Read by rank 0 alone, which writes them into each checkpoint.
         self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
@@ -632,7 +646,9 @@ class Trainer:
     def _peak_tflops(self) -> float | None:
         if not torch.cuda.is_available():
             return None
-        return peak_tflops(torch.cuda.get_device_name(), fp8=self.cfg.precision.fp8)
+        # against the dense bf16 peak for fp8 runs too: the useful FLOPs are the same, so MFU reads directly against
+        # bf16's (docs/fp8.md)
+        return peak_tflops(torch.cuda.get_device_name())
 
 
 def train(cfg) -> dict:

@@ -6,8 +6,10 @@ first. Which attention runs is decided here too (``core_attention``, ``attention
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
+from megatron_patch.models.blocks import attention_kernels
 from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED, describe
 from megatron_patch.runtime.machine import Capabilities, version_tuple
+from megatron_patch.training import fp8_run
 from megatron_patch.training.run_config import RunConfig
 
 
@@ -31,10 +33,13 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     if gpu_env and not caps.cuda:
         out.append(f"ENV={cfg.env} trains on GPUs and this machine has none: use ENV=cpu for a CPU run")
     te = caps.transformer_engine and gpu_env
-    if cfg.precision.fp8 and not (te and caps.fp8):
-        out.append("PR=fp8 needs transformer-engine on a GPU with FP8 (compute capability >= 8.9): use PR=bf16")
-    elif cfg.precision.fp8 and fp8_recipe_problem(cfg.fp8_recipe, caps):
-        out.append(fp8_recipe_problem(cfg.fp8_recipe, caps))
+    fp8 = fp8_run.fp8_problem(cfg, caps)
+    if fp8:
+        out.append(fp8)
+    elif cfg.precision.fp8 and te and not caps.fp8:
+        out.append("PR=fp8 needs a GPU with FP8 (compute capability >= 8.9): use PR=bf16")
+    elif cfg.precision.fp8 and te and fp8_recipe_problem(fp8_run.recipe(cfg, fp8_run.TRANSFORMER_ENGINE), caps):
+        out.append(fp8_recipe_problem(fp8_run.recipe(cfg, fp8_run.TRANSFORMER_ENGINE), caps))
     # Without transformer-engine FL=true is torch SDPA on the local spec (core_attention), which every
     # machine and precision has.
     if cfg.flash_attention and te and not cfg.precision.mixed:
@@ -56,6 +61,11 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     elif cfg.activation_checkpointing == "offload" and not te:
         # megatron-core's activation offload context is transformer-engine's; without it TransformerBlock asserts.
         out.append("AC=offload (activation offloading) needs transformer-engine on GPUs: use AC=sel, full or none")
+    if cfg.compile_layers and te:
+        out.append("MP_COMPILE=true compiles megatron-core's local layers, and this GPU runs transformer-engine's "
+                   "spec: drop MP_COMPILE")
+    elif cfg.compile_layers and caps.compile_problem:
+        out.append(f"MP_COMPILE=true: {caps.compile_problem}; or drop MP_COMPILE")
     if cfg.compile_fusions and te:
         out.append("MP_COMPILE_FUSIONS=true compiles the local spec's norms and RoPE, and this GPU runs "
                    "transformer-engine's spec, whose kernels are fused already: drop MP_COMPILE_FUSIONS")
@@ -91,6 +101,11 @@ def attention_kernel(cfg: RunConfig, caps: Capabilities) -> str:
 
         return sparse_attention.describe(cfg.arch.sparse_attention, caps.cuda)
     local = core_attention(cfg, caps)
+    if local == SDPA:
+        kernel = attention_kernels.sdpa_kernel(cfg.device == "cuda" and caps.cuda, caps.compute_capability,
+                                               caps.torch_version, cfg.precision.mixed, caps.flash_attention_3,
+                                               caps.flash_attention_4)
+        return f"{describe(local)}: {kernel}{attention_kernels.fallback_note(cfg.arch)}"
     if local is not None:
         return describe(local)
     if cfg.flash_attention:

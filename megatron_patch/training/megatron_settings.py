@@ -4,7 +4,8 @@ settings, each flag's translation in one place (the dry run prints it; the train
 from __future__ import annotations
 
 from megatron_patch.models.blocks.compiled_fusions import config_overrides
-from megatron_patch.training import sparse_attention_run
+from megatron_patch.runtime.machine import Capabilities
+from megatron_patch.training import fp8_run, sparse_attention_run
 from megatron_patch.training.run_config import RunConfig
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
@@ -12,8 +13,10 @@ from megatron_patch.training.run_config import RunConfig
 # launcher's dry run and resume checks) do not pay for it.
 
 
-def megatron_settings(cfg: RunConfig) -> dict:
-    """TransformerConfig overrides, DDP and optimizer settings: what each flag becomes."""
+def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> dict:
+    """TransformerConfig overrides, DDP and optimizer settings: what each flag becomes. ``fp8_implementation``: who
+    runs PR=fp8 (training/fp8_run.py; None: what this machine would run): transformer-engine's FP8 is a
+    TransformerConfig setting, torchao's a change to the built model (models/blocks/float8.py)."""
     from megatron.core.transformer.enums import AttnBackend
 
     gpu = cfg.device == "cuda"
@@ -34,9 +37,12 @@ def megatron_settings(cfg: RunConfig) -> dict:
         tc["attention_backend"] = AttnBackend.fused
     tc.update(config_overrides(cfg.compile_fusions))
     tc.update(sparse_attention_run.config_overrides(cfg))
-    if cfg.precision.fp8:
-        tc.update(fp8="hybrid", fp8_recipe=cfg.fp8_recipe, fp8_amax_history_len=1024 if cfg.fp8_recipe == "delayed" else 1,
-                  fp8_amax_compute_algo="max" if cfg.fp8_recipe == "delayed" else "most_recent")
+    if cfg.precision.fp8 and fp8_implementation is None:
+        fp8_implementation = fp8_run.implementation(cfg, Capabilities.detect())
+    if cfg.precision.fp8 and fp8_implementation == fp8_run.TRANSFORMER_ENGINE:
+        recipe = fp8_run.recipe(cfg, fp8_implementation)
+        tc.update(fp8="hybrid", fp8_recipe=recipe, fp8_amax_history_len=1024 if recipe == "delayed" else 1,
+                  fp8_amax_compute_algo="max" if recipe == "delayed" else "most_recent")
         if cfg.arch.is_moe:
             # Each expert's token count varies per step; pad it so its FP8 GEMM rows divide.
             tc["moe_router_padding_for_quantization"] = True

@@ -34,6 +34,7 @@ from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED
 from megatron_patch.models.shape.model_shape import RankParam as Param
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.runtime.machine import Capabilities, installed_version, version_tuple
+from megatron_patch.training import fp8_run
 from megatron_patch.training.lora_run import layer_adapters
 from megatron_patch.training.machine_checks import local_core_attention
 from megatron_patch.units import GiB, human_bytes
@@ -265,6 +266,7 @@ class StageMemory:
     per_microbatch: int = 0
     in_flight: int = 0
     transient: int = 0
+    fp8_casts: int = 0  # torchao's float8 copies of one GEMM's operands (training/fp8_run.cast_bytes)
     optimizer_elements: int = 0
     trainable: int = 0  # parameters this rank trains (elements; LoRA: adapters) and holds frozen
     frozen: int = 0
@@ -276,7 +278,7 @@ class StageMemory:
 
     @property
     def device(self) -> int:
-        return self.params + self.grads + self.optimizer_device + self.activations + self.transient
+        return self.params + self.grads + self.optimizer_device + self.activations + self.transient + self.fp8_casts
 
 
 @dataclass
@@ -320,7 +322,9 @@ class MemoryPlan:
                        f"{human_bytes(st.grads)}, optimizer state {human_bytes(st.optimizer_device)} on the device + "
                        f"{human_bytes(st.optimizer_host)} on the host, activations {human_bytes(st.activations)} "
                        f"({st.in_flight} micro-batch(es) x {human_bytes(st.per_microbatch)}), transient "
-                       f"{human_bytes(st.transient)} -> device {human_bytes(st.device)}")
+                       f"{human_bytes(st.transient)}"
+                       + (f", float8 casts {human_bytes(st.fp8_casts)}" if st.fp8_casts else "")
+                       + f" -> device {human_bytes(st.device)}")
         if self.offload_policy == "auto":
             out.append(f"  OPTIMIZER_OFFLOAD=auto starts with {self.offload_share:.0%} of the optimizer state on the "
                        f"host (margin {self.margin / GiB:g} GiB), then follows what each step measures")
@@ -462,6 +466,8 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
         if offload and segments:
             st.chunks += [(c.nbytes, c.state_numel, c.capacity) for c in plan_chunks(segments, capacity).chunks]
     st.per_microbatch, st.transient = _activations(arch, cfg, pp_rank, spec, attention)
+    if spec == "local" and arch.sparse_attention is None:  # PR=fp8 on the local spec is torchao's float8
+        st.fp8_casts = fp8_run.cast_bytes(cfg)
     st.in_flight = in_flight(cfg, pp_rank)
     st.activations = _peak_activations(arch, cfg, pp_rank, spec, attention, st.per_microbatch, st.in_flight)
     return st
@@ -536,7 +542,7 @@ def auto_share(st: StageMemory, capacity: int | None, margin: int) -> float:
     """The host share of the optimizer state that leaves ``margin`` free on this stage."""
     if capacity is None or not st.chunks:
         return 0.0
-    room = capacity - margin - (st.params + st.grads + st.activations + st.transient)
+    room = capacity - margin - (st.params + st.grads + st.activations + st.transient + st.fp8_casts)
     used, k = 0, 0
     for nbytes, _, _ in st.chunks:
         if used + nbytes > room:

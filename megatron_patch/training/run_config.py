@@ -66,7 +66,8 @@ class RunConfig:
     virtual_pipeline_setting: str | None
     sft_packing: bool
     pp0_layers: int | None
-    fp8_recipe: str
+    fp8_recipe: str | None  # MP_FP8_RECIPE; None: the FP8 implementation's default (training/fp8_run.py)
+    fp8_filter: str | tuple  # MP_FP8_FILTER: "auto", "all" or a tuple of kinds (torchao)
     tp_comm_overlap: bool
     overlap_grad_reduce: bool
     overlap_param_gather: bool
@@ -89,6 +90,7 @@ class RunConfig:
     offload_timing: bool
     gpu_memory_gb: float | None
     compile_fusions: bool | None  # MP_COMPILE_FUSIONS; None: megatron-core's defaults
+    compile_layers: bool  # MP_COMPILE: each transformer layer compiled
     faults: list
     exit_interval: int | None
     log_interval: int

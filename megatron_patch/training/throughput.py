@@ -10,7 +10,8 @@ its throughput log.
 from __future__ import annotations
 
 WARMUP_ITERATIONS = 1
-# Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles), by a name the device's name contains.
+# Dense peak TFLOP/s per GPU for MFU (bf16/fp16; fp8 doubles, though training measures fp8 runs against bf16's peak
+# too, so that their MFU compares directly), by a name the device's name contains.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
 

@@ -32,6 +32,7 @@ from megatron_patch.training.launcher_args import (
 )
 from megatron_patch.training import evaluation_run
 from megatron_patch.training.launcher_options import Options, read_options
+from megatron_patch.training.fp8_run import TE_RECIPES
 from megatron_patch.training.lora_run import check_lora, lora_from_options
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_options
 from megatron_patch.training.run_config import RunConfig
@@ -65,8 +66,12 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
                      "distributed optimizer's bucket shards)")
     sft, precision = o["SFT"], o["PR"]
     dataset_type = o.settle("MP_DATASET_TYPE", sft=sft, dataset_path=o["DATASET_PATH"])
-    if o.given("MP_FP8_RECIPE") and not precision.fp8:
-        raise UserError(f"MP_FP8_RECIPE={o.raw('MP_FP8_RECIPE')} needs PR=fp8, got PR={precision}")
+    for name in ("MP_FP8_RECIPE", "MP_FP8_FILTER"):
+        if o.given(name) and not precision.fp8:
+            raise UserError(f"{name}={o.raw(name)} needs PR=fp8, got PR={precision}")
+    if o["MP_COMPILE"] and o["MP_COMPILE_FUSIONS"]:
+        raise UserError("MP_COMPILE=true compiles whole layers, norms, RoPE and SwiGLU included: drop "
+                        "MP_COMPILE_FUSIONS=true (the lighter option, for those pieces alone)")
     if o.given("MP_LOSS_SCALE_WINDOW") and not precision.fp16:
         raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
     o.settle("MP_TP_COMM_OVERLAP", tp=o["TP"], sp=o["SP"])
@@ -278,10 +283,12 @@ def recompute_blocks(cfg: RunConfig) -> None:
 
 
 def fp8_shapes(cfg: RunConfig) -> None:
-    """transformer-engine's FP8 GEMMs need rows divisible by 8 and the inner dimension by 16 (MXFP8: 32 and 32)."""
-    if not cfg.precision.fp8:
+    """transformer-engine's FP8 GEMMs need rows divisible by 8 and the inner dimension by 16 (MXFP8: 32 and 32).
+    torchao's recipes (which transformer-engine does not run) are checked here against nothing: its filter keeps
+    every GEMM whose sizes are not multiples of 16 in bf16 (``models/blocks/float8_plan.py``)."""
+    if not cfg.precision.fp8 or (cfg.fp8_recipe or "delayed") not in TE_RECIPES or cfg.device != "cuda":
         return
-    arch, recipe, tp, etp = cfg.arch, cfg.fp8_recipe, cfg.tp, cfg.layout.expert_tp
+    arch, recipe, tp, etp = cfg.arch, cfg.fp8_recipe or "delayed", cfg.tp, cfg.layout.expert_tp
     length_name, length = _length(cfg)
     tokens, tokens_name = cfg.micro_batch_size * length // cfg.cp, f"BATCH_SIZE*{length_name}/CP"
     rows, inner = (32, 32) if recipe == "mxfp8" else (8, 16)

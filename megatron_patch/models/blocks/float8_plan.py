@@ -1,0 +1,148 @@
+"""Which GEMMs of a model run in float8 under torchao (``PR=fp8`` without transformer-engine), decided from
+shapes alone: the launcher's checks, its dry run and the memory plan read it without torch, and
+``models/blocks/float8.py`` decides each live linear with the same functions.
+
+A GEMM is one HF ``nn.Linear``'s: megatron-core fuses q, k and v into ``linear_qkv`` and gate and up into
+``linear_fc1``, and torchao, which sees the HF model's linears, scales and filters each part on its own, so the
+parts of a fused weight are decided (and scaled) apart.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatron_patch.errors import UserError
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+KINDS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")
+OTHER = "other"  # a parallel linear of a family's own layers (linear attention's projections)
+FILTERS = ("auto", "all")
+
+# Layer-relative module names -> kind. Multi-latent attention's projections count as qkv.
+_KIND_PATTERNS = (
+    (re.compile(r"(^|\.)mlp\.experts\."), "experts"),
+    (re.compile(r"(^|\.)mlp\.shared_experts?\."), "shared_experts"),
+    (re.compile(r"(^|\.)self_attention\.linear_(qkv|q_proj|q_down_proj|q_up_proj|kv_down_proj|kv_up_proj)$"), "qkv"),
+    (re.compile(r"(^|\.)self_attention\.linear_proj$"), "proj"),
+    (re.compile(r"(^|\.)mlp\.linear_fc1$"), "fc1"),
+    (re.compile(r"(^|\.)mlp\.linear_fc2$"), "fc2"),
+)
+_LINEAR = re.compile(r"(^|\.)linear_[a-z0-9_]+$")
+
+
+def linear_kind(module: str) -> str:
+    """The kind of a decoder layer's linear (its module name inside the layer): one of ``KINDS`` or ``OTHER``."""
+    for pattern, kind in _KIND_PATTERNS:
+        if pattern.search(module):
+            return kind
+    return OTHER
+
+
+def parse_filter(name: str, raw: str):
+    """MP_FP8_FILTER / align's --fp8-filter: "auto", "all", or a tuple of kinds."""
+    value = raw.strip().lower()
+    if value in FILTERS:
+        return value
+    kinds = tuple(k.strip() for k in value.split(",") if k.strip())
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise UserError(f"{name} takes auto, all or a comma list of {','.join(KINDS)}, got '{raw}'")
+    return tuple(k for k in KINDS if k in kinds)
+
+
+def filter_text(fp8_filter) -> str:
+    return fp8_filter if isinstance(fp8_filter, str) else ",".join(fp8_filter)
+
+
+def torchao_auto_filter(recipe: str, out_features: int, in_features: int) -> bool:
+    """torchao 0.18's auto-filter (``_auto_filter_for_recipe``) on one HF linear of shape [out, in]: whether its
+    GEMM gains from float8 on an H100 (dimensions multiples of 16, large enough). Written out so that the dry run
+    decides without torch; tests/test_fp8.py holds it to torchao's. rowwise_with_gw_hp, for which torchao has no
+    filter, takes rowwise's."""
+    n, k = out_features, in_features
+    if n % 16 or k % 16:
+        return False
+    if recipe == "tensorwise":
+        return not (k <= 4096 and n <= 1024)
+    return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+
+
+def chosen(kind: str, recipe: str, fp8_filter, out_features: int, in_features: int) -> bool:
+    """Whether one GEMM (an HF linear's, [out, in] of the whole model) of ``kind`` runs in float8."""
+    if fp8_filter == "auto":
+        return torchao_auto_filter(recipe, out_features, in_features)
+    if fp8_filter == "all":
+        return True
+    return kind in fp8_filter
+
+
+def fused_parts(module: str, out_features: int, *, heads: int, groups: int, head_dim: int, gated: bool,
+                mla: bool) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
+    """How the output rows of a decoder linear ``module`` (whole model: ``out_features`` rows) divide into HF
+    tensors: (repeats, rows of each part per repeat, the parts' names). q, k and v interleave per query group
+    in ``linear_qkv``; gate and up are the two halves of a gated ``linear_fc1``."""
+    if module.endswith("self_attention.linear_qkv") and not mla and groups:
+        q = heads // groups * head_dim
+        if groups * (q + 2 * head_dim) == out_features:  # not with a gated query (Qwen3-Next): one part then
+            return groups, (q, head_dim, head_dim), ("q", "k", "v")
+    if module.endswith("linear_fc1") and gated:
+        return 1, (out_features // 2, out_features // 2), ("gate", "up")
+    return 1, (out_features,), ("",)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM of a layer: the module, the HF part it computes ("" for a whole weight), its kind, whole shape and
+    whether it runs in float8."""
+
+    module: str
+    part: str
+    kind: str
+    out_features: int
+    in_features: int
+    float8: bool
+
+
+def layer_gemms(linears: dict[str, tuple[int, int]], recipe: str, fp8_filter, *, heads: int, groups: int,
+                head_dim: int, gated: bool, mla: bool) -> list[Gemm]:
+    """Every GEMM of one layer from its linears' whole shapes (module name -> [out, in])."""
+    out = []
+    for module, (rows, cols) in linears.items():
+        kind = linear_kind(module)
+        repeats, widths, names = fused_parts(module, rows, heads=heads, groups=groups, head_dim=head_dim,
+                                             gated=gated, mla=mla)
+        for width, part in zip(widths, names):
+            out.append(Gemm(module, part, kind, repeats * width, cols,
+                            chosen(kind, recipe, fp8_filter, repeats * width, cols)))
+    return out
+
+
+def arch_gemms(arch, recipe: str, fp8_filter) -> dict[str, list[Gemm]]:
+    """Each layer kind's GEMMs (models/shape/model_shape.py's layer kinds), from the model's shape."""
+    from megatron_patch.models.shape.model_shape import model_shape  # imported here: megatron-core's skeleton, once
+
+    out = {}
+    for kind, params in model_shape(arch).layers.items():
+        linears = {}
+        for name, shape in params.items():
+            module = re.sub(r"\.weight\d*$", "", name)
+            if len(shape) == 2 and name != module and _LINEAR.search(module):
+                linears[module] = tuple(shape)
+        out[kind] = layer_gemms(linears, recipe, fp8_filter, heads=arch.num_heads, groups=arch.num_kv_heads,
+                                head_dim=arch.head_dim, gated=True, mla=arch.mla is not None)
+    return out
+
+
+def describe(gemms: dict[str, list[Gemm]], recipe: str, fp8_filter) -> list[str]:
+    """What the dry run says: the implementation and recipe, and each layer kind's GEMMs in float8 and in bf16."""
+    lines = [f"torchao float8, recipe {recipe}, filter {filter_text(fp8_filter)}; communication in bf16; the "
+             "embedding, the output layer, routers and norms in bf16"]
+    for kind, layer in gemms.items():
+        def names(rows):
+            return ", ".join(sorted({f"{g.module.split('.')[-1]}{'.' + g.part if g.part else ''}" for g in rows}))
+
+        fp8 = [g for g in layer if g.float8]
+        bf16 = [g for g in layer if not g.float8]
+        lines.append(f"{kind} layers: float8 {names(fp8) or 'none'}; bf16 {names(bf16) or 'none'}")
+    return lines
