@@ -308,12 +308,13 @@ def test_launcher_lora_settings_are_checked_in_one_line(lora_models, tmp_path, c
             monkeypatch.setenv(k, v)
         assert main(["train", "llama3_1", *args]) == 2, env
         assert message in _one_line(capsys.readouterr().err), env
-    # LoRA with FP8 needs transformer-engine; a LoRA run needs its base checkpoint (a dry run plans without one)
+    # LoRA with FP8 runs (the frozen base's GEMMs in float8: transformer-engine's or torchao's, docs/fp8.md) and, as any
+    # LoRA run, needs its base checkpoint (a dry run plans without one)
     monkeypatch.delenv("MP_LORA_INIT")
     monkeypatch.setenv("MP_LORA_RANK", "4")
     fp8 = launcher_args("llama3_1", DATASET_PATH=str(prefix), OUTPUT_BASEPATH=str(tmp_path / "out"), PR="fp8")
     assert main(["train", "llama3_1", *fp8]) == 2
-    assert "PR=fp8 with LoRA needs transformer-engine" in _one_line(capsys.readouterr().err)
+    assert "give its converted checkpoint as PRETRAIN_CHECKPOINT_PATH" in _one_line(capsys.readouterr().err)
     assert main(["train", "llama3_1", *args]) == 2
     assert "give its converted checkpoint as PRETRAIN_CHECKPOINT_PATH" in _one_line(capsys.readouterr().err)
     # the dry run plans a LoRA run without its weights: trainable and frozen parameters and memory per rank
