@@ -18,7 +18,8 @@
 #   4 sparse  (150 s)  install, info, bench-sparse-attention (DeepSeek sparse attention against SDPA and unfused
 #                      dense attention at 4k/8k/16k tokens, DeepSeek-V3.2's head counts, forward: time, peak memory)
 #   5 fp8     (450 s)  without transformer-engine (docs/fp8.md): install (torchao's wheel too), info, prepare, then the
-#                      Llama-3.1-8B-shaped training of phase 2 for GPU_SUITE_FP8_ITERS (50) iterations with FL=true: bf16
+#                      Llama-3.1-8B-shaped training of phase 2 (at most 4 layers) for GPU_SUITE_FP8_ITERS (50) iterations
+#                      with FL=true: bf16
 #                      eager, bf16 compiled (MP_COMPILE), fp8 tensorwise compiled, fp8 rowwise compiled (torchao):
 #                      tokens/s, TFLOP/s, MFU against 989 (useful FLOPs), peak memory, the attention kernel, the
 #                      losses of every iteration (the summary compares fp8's with bf16's)
@@ -241,7 +242,9 @@ step_train() {
   local layers; layers=$(cat "$WORK/layers" 2>/dev/null || echo 2)
   local out="$WORK/train/$mode"
   rm -rf "$out" "$RESULTS/train/$mode.json"
-  local iters=$ITERS; [ "$PHASE" = 5 ] && iters=$FP8_ITERS  # phase 5 compares fp8's losses with bf16's over 50
+  # phase 5 compares fp8's losses with bf16's over 50 iterations, on at most 4 layers so that compiling and 50
+  # iterations fit a step's limit
+  local iters=$ITERS; [ "$PHASE" = 5 ] && iters=$FP8_ITERS && layers=$((layers < 4 ? layers : 4))
   local args=(dsw 8B 1 "$GBS" 1e-4 1e-5 "$SEQ" "$SEQ" "$pr" 1 1 1 false false "$fl" false "$ac" "$offload" 1000
               "$WORK/data/corpus_text_document" none none "$((iters * GBS * SEQ))" "$((GBS * SEQ))" "$out")
   local env=(GPUS_PER_NODE=1 MP_NUM_LAYERS="$layers" MP_SAVE=false MP_EVAL_INTERVAL=0 PYTHON="$PYTHON" $extra)
@@ -336,13 +339,13 @@ run_step() {
     local t0; t0=$(date +%s)
     # Each step in its own process, under its time limit; exit 3 means skipped (feature absent here).
     timeout --kill-after=15 "$limit" bash -c "$(declare -f); $(declare -p DRY PYTHON ROOT HELPER RESULTS WORK LOGS \
-      WHEELS SITE PINS FAMILIES ALIGN_FAMILIES SEQ ITERS GBS LAYERS_CAP COLLECT STEPS PHASE PHASES ONLY 2>/dev/null); \
+      WHEELS SITE PINS FAMILIES ALIGN_FAMILIES SEQ ITERS FP8_ITERS GBS LAYERS_CAP COLLECT STEPS PHASE PHASES ONLY 2>/dev/null); \
       export PYTHONPATH PYTHONUNBUFFERED; $fn \"\$1\"" _ "$arg" >"$log" 2>&1
     rc=$?
     # what a step installed can change what later steps have
     [ "$fn" = step_install ] && [ "$DRY" = 0 ] && rm -f "$WORK/needs.tsv"
     secs=$(($(date +%s) - t0))
-    note=$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200 | tr '\t' ' ')
+    note=$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-320 | tr '\t' ' ')
     if [ $rc -eq 0 ]; then status=$([ "$DRY" = 1 ] && echo "OK (dry run)" || echo PASSED)
     elif [ $rc -eq 3 ]; then status=SKIPPED; note=$(grep '^SKIP: ' "$log" | tail -n 1 | cut -c7-200)
     elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status=FAILED; note="timed out after ${limit}s; $note"

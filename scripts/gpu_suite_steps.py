@@ -50,8 +50,10 @@ def capabilities():
     from megatron_patch.runtime.machine import Capabilities
 
     if simulated():
+        # torchao: its wheel is one of the pins the suite installs (docs/fp8.md)
         return Capabilities(cuda=True, transformer_engine=False, fp8=False, flash_attention_3=False,
-                            flash_attention_2=False, compute_capability=(9, 0), cuda_version="13.0")
+                            flash_attention_2=False, compute_capability=(9, 0), cuda_version="13.0", torchao=True,
+                            torch_version="2.11.0+cu130")
     return Capabilities.detect()
 
 

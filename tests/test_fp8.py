@@ -171,6 +171,26 @@ def test_an_expert_without_tokens_computes_nothing():
         assert torch.equal(weight.grad, torch.zeros_like(weight)), recipe
 
 
+def test_a_frozen_weight_gets_no_weight_gradient_gemm():
+    """LoRA with PR=fp8: the frozen base's GEMMs run in float8 and compute the input's gradient only (the adapters
+    beside them stay bf16), the same input gradient as a trainable weight's."""
+    import torch
+
+    from megatron_patch.models.blocks.float8 import Float8ParallelMatmul, Parts, Sharding, _mm_config, torchao_config
+
+    config = torchao_config("tensorwise")
+    grads = {}
+    for trainable in (True, False):
+        weight = torch.randn(8, 16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        weight.requires_grad_(trainable)
+        x = torch.randn(4, 16, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+        Float8ParallelMatmul.apply(x, weight, config, _mm_config(config), Sharding("column"),
+                                   Parts(1, (8,), (True,))).sum().backward()
+        grads[trainable] = (x.grad, weight.grad)
+    assert grads[False][1] is None and grads[True][1] is not None
+    assert torch.equal(grads[False][0], grads[True][0])
+
+
 # --- training through the launcher, from converted checkpoints (CPU) ---------------------------------------------
 
 # Small: on CPU a float8 GEMM of the tiny model takes ~40 ms (torch._scaled_mm), and the machine is shared.

@@ -94,6 +94,11 @@ def test_dry_run_checks_every_step_as_the_lent_machine_runs_it(dry_run):
     for name in PHASE_STEPS[2][4:]:
         assert two[name]["note"].startswith("ok: 8 layers, attention sdpa"), two[name]
         assert "memory plan local/sdpa; on this machine: runnable" in two[name]["note"], two[name]
+    # phase 5: FP8 without transformer-engine (torchao, carried as a wheel), compiled layers, cuDNN SDPA named
+    five = _steps(work, 5)
+    assert {r["status"] for r in five.values()} == {"OK (dry run)"}, five
+    for name in PHASE_STEPS[5][3:]:
+        assert "cuDNN SDPA" in five[name]["note"] and "50 iterations" in five[name]["note"], five[name]
     # transformer-engine's steps are skipped, saying why
     for name in PHASE_STEPS[3][2:]:
         assert three[name]["status"] == "SKIPPED" and "needs transformer-engine" in three[name]["note"], three[name]
