@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -38,6 +39,15 @@ class ExpertOutputLinear(RowParallelLinear):
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
         return (output.clone() if torch.is_grad_enabled() else output), bias
+
+
+def with_module(entry, module: type, **params):
+    """A spec entry (a ModuleSpec in megatron-core 0.16, a partial of the class or of a classmethod in 0.19) that
+    builds ``module`` instead, with ``params`` added to what it is built with."""
+    if isinstance(entry, functools.partial):
+        func = getattr(module, entry.func.__name__) if inspect.ismethod(entry.func) else module
+        return functools.partial(func, *entry.args, **{**entry.keywords, **params})
+    return dataclasses.replace(entry, module=module, params={**entry.params, **params})
 
 
 def with_biased_experts(layer):

@@ -18,8 +18,6 @@ after the attention and the MLP are ``self_attention.post_layernorm`` and ``mlp.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +29,12 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_patch.models.blocks import rope
-from megatron_patch.models.description.arch import SLIDING_ATTENTION, Arch
 from megatron_patch.models.blocks.core_attention import core_attention_class
-from megatron_patch.models.gemma3.settings import settings
 from megatron_patch.models.blocks.layer_rotary import RotaryOfLayerType, install_per_layer_type, layer_type_order
 from megatron_patch.models.blocks.norms import ZeroCenteredRMSNorm
-from megatron_patch.models.blocks.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.blocks.spec_edits import submodules_of, with_module, with_submodules
+from megatron_patch.models.description.arch import SLIDING_ATTENTION, Arch
+from megatron_patch.models.gemma3.settings import settings
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -83,14 +81,6 @@ class Gemma3MLP(MLP):
         return self.post_layernorm(output), bias
 
 
-def _with_module(entry, module: type, **params):
-    """A spec entry (a ModuleSpec in megatron-core 0.16, a partial of the class or of a classmethod in 0.19) that
-    builds ``module`` instead, with ``params`` added to what it is built with."""
-    if isinstance(entry, functools.partial):
-        func = getattr(module, entry.func.__name__) if inspect.ismethod(entry.func) else module
-        return functools.partial(func, *entry.args, **{**entry.keywords, **params})
-    return dataclasses.replace(entry, module=module, params={**entry.params, **params})
-
 
 def _layer(arch: Arch, layer: int, core_attention: str | None):
     spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=True,
@@ -98,12 +88,12 @@ def _layer(arch: Arch, layer: int, core_attention: str | None):
     parts = submodules_of(spec)
     attention = with_submodules(parts.self_attention, q_layernorm=ZeroCenteredRMSNorm, k_layernorm=ZeroCenteredRMSNorm,
                                 core_attention=core_attention_class(core_attention, mla=False))
-    attention = _with_module(attention, Gemma3SelfAttention, layer_type=arch.attention_type(layer),
+    attention = with_module(attention, Gemma3SelfAttention, layer_type=arch.attention_type(layer),
                              layer_types=layer_type_order(arch))
     keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
     return with_submodules(spec, input_layernorm=ZeroCenteredRMSNorm, pre_mlp_layernorm=ZeroCenteredRMSNorm,
-                           self_attention=attention, mlp=_with_module(parts.mlp, Gemma3MLP),
+                           self_attention=attention, mlp=with_module(parts.mlp, Gemma3MLP),
                            sharded_state_dict_keys_map=keys)
 
 

@@ -19,9 +19,6 @@ scalar ``layer_scalar.weight``.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +31,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from megatron_patch.models.blocks.core_attention import core_attention_class
 from megatron_patch.models.blocks.layer_rotary import RotaryOfLayerType, install_per_layer_type, layer_type_order
-from megatron_patch.models.blocks.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.blocks.spec_edits import submodules_of, with_module, with_submodules
 from megatron_patch.models.description.arch import FULL_ATTENTION, Arch
 from megatron_patch.models.gemma4.settings import settings
 
@@ -142,14 +139,6 @@ class Gemma4Layer(TransformerLayer):
         return self.layer_scalar(output), context
 
 
-def _with_module(entry, module: type, **params):
-    """A spec entry (a ModuleSpec in megatron-core 0.16, a partial of the class or of a classmethod in 0.19) that
-    builds ``module`` instead, with ``params`` added to what it is built with."""
-    if isinstance(entry, functools.partial):
-        func = getattr(module, entry.func.__name__) if inspect.ismethod(entry.func) else module
-        return functools.partial(func, *entry.args, **{**entry.keywords, **params})
-    return dataclasses.replace(entry, module=module, params={**entry.params, **params})
-
 
 def _layer(arch: Arch, layer: int, core_attention: str | None):
     spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=True,
@@ -157,13 +146,13 @@ def _layer(arch: Arch, layer: int, core_attention: str | None):
     parts = submodules_of(spec)
     attention = with_submodules(parts.self_attention, q_layernorm=Gemma4RMSNorm, k_layernorm=Gemma4RMSNorm,
                                 core_attention=core_attention_class(core_attention, mla=False))
-    attention = _with_module(attention, Gemma4SelfAttention, layer_type=arch.attention_type(layer),
+    attention = with_module(attention, Gemma4SelfAttention, layer_type=arch.attention_type(layer),
                              layer_types=layer_type_order(arch))
     keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-    spec = _with_module(spec, Gemma4Layer)
+    spec = with_module(spec, Gemma4Layer)
     return with_submodules(spec, input_layernorm=Gemma4RMSNorm, pre_mlp_layernorm=Gemma4RMSNorm,
-                           self_attention=attention, mlp=_with_module(parts.mlp, Gemma4MLP),
+                           self_attention=attention, mlp=with_module(parts.mlp, Gemma4MLP),
                            sharded_state_dict_keys_map=keys)
 
 
