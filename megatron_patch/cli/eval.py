@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import shlex
 import warnings
@@ -13,22 +12,15 @@ from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_
 from megatron_patch.cli.common import add_layout_args, layout_from_args, print_table
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
-from megatron_patch.evaluation import LM_EVAL_VERSION
+from megatron_patch.evaluation import document_limit, require_lm_eval, task_names
 
 # torch, megatron-core and lm-eval (an optional extra) are imported inside the functions that use them:
 # `mpatch eval --help` and every other subcommand start without them.
 
 
-def _task_names(text: str) -> tuple[str, ...]:
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    if not names:
-        raise UserError("--tasks names no task: give a comma-separated list, e.g. --tasks mpatch_perplexity")
-    return names
-
-
 def command_line(args) -> str:
     """The command that reproduces this evaluation (recorded with the results)."""
-    parts = ["mpatch", "eval", "--load-dir", args.load_dir, "--tasks", ",".join(_task_names(args.tasks))]
+    parts = ["mpatch", "eval", "--load-dir", args.load_dir, "--tasks", ",".join(task_names("--tasks", args.tasks))]
     for path in args.include_path or []:
         parts += ["--include-path", path]
     for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--tokenizer", args.tokenizer),
@@ -47,11 +39,9 @@ def command_line(args) -> str:
 
 
 def run(args) -> int:
-    if importlib.util.find_spec("lm_eval") is None:
-        raise UserError(f"mpatch eval runs lm-evaluation-harness, which is not installed: pip install "
-                        f"'megatron_patch[eval]' (lm-eval=={LM_EVAL_VERSION})")
+    require_lm_eval("mpatch eval")
     # lm-eval, torch and megatron-core come with these: imported only once lm-eval is known to be installed
-    from megatron_patch.evaluation.evaluate import EvalSettings, evaluate_checkpoint, summary_rows, write_results
+    from megatron_patch.evaluation.evaluate import EvalSettings, summary_rows, write_results
     from megatron_patch.evaluation.iterations import saved_iterations
     from megatron_patch.evaluation.loading import open_for_evaluation
 
@@ -59,11 +49,10 @@ def run(args) -> int:
     layout = layout_from_args(args)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.limit is not None and args.limit <= 0:
-        raise UserError(f"--limit must be > 0 (a count, or a fraction below 1), got {args.limit:g}")
     settings = EvalSettings(
-        tasks=_task_names(args.tasks), include_paths=tuple(str(Path(p).absolute()) for p in args.include_path or ()),
-        limit=None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit),
+        tasks=task_names("--tasks", args.tasks),
+        include_paths=tuple(str(Path(p).absolute()) for p in args.include_path or ()),
+        limit=None if args.limit is None else document_limit("--limit", args.limit),
         num_fewshot=args.num_fewshot, batch_size=args.batch_size, log_samples=args.log_samples,
         apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.fewshot_as_multiturn,
         kv_cache=False if args.no_kv_cache else None, seed=args.seed)
@@ -82,19 +71,10 @@ def run(args) -> int:
             raise UserError(f"cannot create the folder of --output-dir {args.output_dir} ({exc.strerror or exc})")
     if args.all_iterations:
         return _all_iterations(args, layout, settings, checkpoints)
-    checkpoint = checkpoints[0][1]
-    inputs = (args.load_dir, args.tokenizer, args.hf_config, *(args.include_path or ()))
     # The results folder follows the one output rule (docs/outputs.md): checked and locked before the run,
     # published whole, with a manifest, after it.
-    with atomic_output_dir(args.output_dir, args.force, tool="mpatch eval", inputs=inputs, what="--output-dir") \
-            if args.output_dir else contextlib.nullcontext() as partial:
-        if not args.quiet:
-            print(f"mpatch eval: {', '.join(settings.tasks)} on {args.load_dir} ({checkpoint.arch.family}, {layout}, "
-                  f"{args.dtype}), {layout.world_size} rank(s)", flush=True)
-        try:
-            results = evaluate_checkpoint(checkpoint, layout, settings, args.dtype)
-        except IntegrityError as exc:
-            raise naming_the_switch(exc, "--no-verify") from None
+    with _output_dir(args) if args.output_dir else contextlib.nullcontext() as partial:
+        results = _evaluate(args, layout, settings, checkpoints[0][1])
         rows = summary_rows(results.results)
         if partial is not None:
             write_results(results, partial, command_line(args))
@@ -105,26 +85,38 @@ def run(args) -> int:
     return 0
 
 
+def _output_dir(args):
+    """--output-dir under the one output rule: new, or an earlier mpatch eval's replaced with --force."""
+    inputs = (args.load_dir, args.tokenizer, args.hf_config, *(args.include_path or ()))
+    return atomic_output_dir(args.output_dir, args.force, tool="mpatch eval", inputs=inputs, what="--output-dir")
+
+
+def _evaluate(args, layout, settings, checkpoint):
+    """One checkpoint evaluated in local rank processes, said first unless --quiet."""
+    # lm-eval, torch and megatron-core come with evaluation.evaluate: imported only once lm-eval is installed
+    from megatron_patch.evaluation.evaluate import evaluate_checkpoint
+
+    if not args.quiet:
+        print(f"mpatch eval: {', '.join(settings.tasks)} on {checkpoint.load_dir} ({checkpoint.arch.family}, "
+              f"{layout}, {args.dtype}), {layout.world_size} rank(s)", flush=True)
+    try:
+        return evaluate_checkpoint(checkpoint, layout, settings, args.dtype)
+    except IntegrityError as exc:
+        raise naming_the_switch(exc, "--no-verify") from None
+
+
 def _all_iterations(args, layout, settings, checkpoints: list) -> int:
     """Each saved iteration evaluated in turn into OUT/iter_XXXXXXX/, then OUT/all_iterations.json (each
     iteration's metrics) and OUT/metrics.png (each metric against the iteration, next to the training loss)."""
     # lm-eval, torch and megatron-core come with these: imported only once lm-eval is known to be installed
-    from megatron_patch.evaluation.evaluate import evaluate_checkpoint, metric_values, write_results
+    from megatron_patch.evaluation.evaluate import metric_values, write_results
     from megatron_patch.evaluation.iterations import PLOT, SUMMARY, plot, training_losses
 
     losses = training_losses(args.load_dir)
-    inputs = (args.load_dir, args.tokenizer, args.hf_config, *(args.include_path or ()))
     points, rows = [], []
-    with atomic_output_dir(args.output_dir, args.force, tool="mpatch eval", inputs=inputs,
-                           what="--output-dir") as partial:
+    with _output_dir(args) as partial:
         for iteration, checkpoint in checkpoints:
-            if not args.quiet:
-                print(f"mpatch eval: {', '.join(settings.tasks)} on {checkpoint.load_dir} ({checkpoint.arch.family}, "
-                      f"{layout}, {args.dtype}), {layout.world_size} rank(s)", flush=True)
-            try:
-                results = evaluate_checkpoint(checkpoint, layout, settings, args.dtype)
-            except IntegrityError as exc:
-                raise naming_the_switch(exc, "--no-verify") from None
+            results = _evaluate(args, layout, settings, checkpoint)
             values = metric_values(results.results)
             if not values:
                 raise UserError("the evaluation produced no metric")

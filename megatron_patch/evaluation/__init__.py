@@ -11,5 +11,35 @@ below imports it.
 - ``runner.ModelRunner``: log-likelihoods and KV-cached generation on the ranks.
 """
 
+import importlib.util
+
+from megatron_patch.errors import UserError
+
 # The lm-evaluation-harness release this package is written against (the `[eval]` extra pins it).
 LM_EVAL_VERSION = "0.4.13"
+
+# What `mpatch eval` and a training run's MP_EVAL_TASKS both read, checked alike: here, where neither lm-eval nor
+# torch is imported, so that the launcher's checks stay light.
+
+
+def require_lm_eval(who: str) -> None:
+    """``who`` (e.g. "mpatch eval") runs lm-eval: refused in one line where it is not installed."""
+    if importlib.util.find_spec("lm_eval") is None:
+        raise UserError(f"{who} runs lm-evaluation-harness, which is not installed: pip install "
+                        f"'megatron_patch[eval]' (lm-eval=={LM_EVAL_VERSION})")
+
+
+def task_names(option: str, raw: str) -> tuple[str, ...]:
+    """A comma-separated list of lm-eval task names, given as ``option``."""
+    names = tuple(t.strip() for t in raw.split(",") if t.strip())
+    if not names:
+        raise UserError(f"{option} names no task: give a comma-separated list of lm-eval tasks, e.g. "
+                        "mpatch_perplexity")
+    return names
+
+
+def document_limit(option: str, value: float) -> int | float:
+    """Documents per task: a count, or a fraction below 1 (lm-eval's ``limit``)."""
+    if value <= 0:
+        raise UserError(f"{option} must be > 0 (a count, or a fraction below 1), got {value:g}")
+    return int(value) if value >= 1 else value

@@ -11,7 +11,6 @@ evaluation in ``eval/results.jsonl`` (``run_folder.EVAL_RESULTS``), which the ru
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_patch.errors import UserError
-from megatron_patch.evaluation import LM_EVAL_VERSION
+from megatron_patch.evaluation import require_lm_eval
 
 # evaluation.evaluate and evaluation.loading (lm-eval, torch and megatron-core come with them) are imported inside the
 # functions that use them: the launcher's checks of a run without MP_EVAL_TASKS never import them.
@@ -54,9 +53,7 @@ def check_tasks_exist(cfg) -> None:
     """lm-eval installed, and every task known with its data readable offline (before any rank starts)."""
     if not cfg.eval_tasks:
         return
-    if importlib.util.find_spec("lm_eval") is None:
-        raise UserError(f"MP_EVAL_TASKS runs lm-evaluation-harness, which is not installed: pip install "
-                        f"'megatron_patch[eval]' (lm-eval=={LM_EVAL_VERSION})")
+    require_lm_eval("MP_EVAL_TASKS")
     from megatron_patch.evaluation.evaluate import prepare_tasks
 
     if cfg.eval_include_path and not Path(cfg.eval_include_path).is_dir():

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from megatron_patch.dtypes import Precision
 from megatron_patch.errors import UserError
+from megatron_patch.evaluation import document_limit, task_names
 from megatron_patch.lora.spec import LoraSpec, parse_targets
 from megatron_patch.models.blocks.float8_plan import KINDS as FP8_KINDS
 from megatron_patch.models.blocks.float8_plan import parse_filter
@@ -39,7 +41,6 @@ from megatron_patch.training.launcher_args import (
     parse_float,
     parse_int,
 )
-from megatron_patch.dtypes import Precision
 from megatron_patch.training.run_config import PRECISIONS
 
 # The parts that own options. A later part adds its name here and its entries to OPTIONS.
@@ -110,19 +111,12 @@ def _required_folder(name: str, raw: str) -> str:
     return str(raw)
 
 
-def _task_names(name: str, raw: str) -> list[str]:
-    names = [t.strip() for t in raw.split(",") if t.strip()]
-    if not names:
-        raise UserError(f"{name} names no task: give a comma-separated list, e.g. {name}=mpatch_perplexity")
-    return names
+def _task_list(name: str, raw: str) -> list[str]:
+    return list(task_names(name, raw))
 
 
 def _document_limit(name: str, raw: str) -> float | int:
-    """A count of documents per task, or a fraction below 1 (``mpatch eval --limit``)."""
-    value = parse_float(name, raw)
-    if value <= 0:
-        raise UserError(f"{name} must be > 0 (a count, or a fraction below 1), got '{raw}'")
-    return int(value) if value >= 1 else value
+    return document_limit(name, parse_float(name, raw))
 
 
 def _dry_run(name: str, raw: str) -> str | None:
@@ -537,7 +531,7 @@ ENVIRONMENT = [
            doc="PR=fp8 with torchao: `auto`: torchao's auto-filter on each HF linear's shape (small GEMMs stay bf16; "
                "every tiny test model's do); `all`: every decoder linear; or kinds, e.g. `qkv,fc1,fc2`. The "
                "embedding, the output layer and routers stay bf16; the dry run lists each GEMM"),
-    Option("MP_EVAL_TASKS", EVALUATION, Reader(_task_names, "comma list of lm-eval task names", ","),
+    Option("MP_EVAL_TASKS", EVALUATION, Reader(_task_list, "comma list of lm-eval task names", ","),
            "lm-evaluation-harness tasks run on the live model every MP_EVAL_TASKS_INTERVAL iterations "
            "(docs/evaluation.md)", field="eval_tasks",
            doc="lm-evaluation-harness tasks (the shipped offline `mpatch_perplexity`, `mpatch_arithmetic_choice`, "
