@@ -73,30 +73,12 @@ def test_what_it_does_not_build_is_refused_in_one_line(over, fragment):
 
 def pieces_worker(hf_dir: str, tokens: torch.Tensor) -> dict:
     """The tiny model's logits as built, and with each model-level piece the family owns left out."""
-    from megatron_patch.align.parity import load_hf_weights
-    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
-    from megatron_patch.models.blocks import builder
     from megatron_patch.models.gemma3 import layers
-    from megatron_patch.models.blocks.inference import forward_logits
-    from megatron_patch.runtime import init_model_parallel
+    from tests.family_helpers import logits_with_pieces_left_out
 
-    arch = parse_arch(hf_dir)
-    init_model_parallel(ParallelLayout())
-    out = {}
-    left_out = {"built": {}, "no_scale": {"_scale_embedding": lambda m, i, o: o},
+    left_out = {"built": {}, "no_scale": {"scale_embedding": lambda m, i, o: o},
                 "one_base": {"install_per_layer_type": lambda *a: None}}
-    for name, changes in left_out.items():
-        saved = {k: getattr(layers, k) for k in changes}
-        for k, v in changes.items():
-            setattr(layers, k, v)
-        try:
-            model = builder.build_model(arch, ParallelLayout(), torch.float32)
-            load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(hf_dir))
-            out[name] = forward_logits(model.eval(), tokens, arch.vocab_size)
-        finally:
-            for k, v in saved.items():
-                setattr(layers, k, v)
-    return out
+    return logits_with_pieces_left_out(layers, hf_dir, tokens, left_out)
 
 
 @pytest.mark.slow

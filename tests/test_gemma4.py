@@ -14,7 +14,6 @@ import torch
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.registry import families, parse_arch
-from megatron_patch.runtime import ParallelLayout
 
 GEMMA4 = families()["gemma4"]
 
@@ -78,20 +77,13 @@ def test_a_config_naming_only_transformers_defaults_is_refused_for_its_global_he
 
 def pieces_worker(hf_dir: str, tokens: torch.Tensor) -> dict:
     """The tiny model's logits as built, and with each model-level piece the family owns left out."""
-    from megatron_patch.align.parity import load_hf_weights
-    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
-    from megatron_patch.models.blocks import builder
-    from megatron_patch.models.blocks.inference import forward_logits
     from megatron_patch.models.gemma4 import layers
-    from megatron_patch.runtime import init_model_parallel
+    from tests.family_helpers import logits_with_pieces_left_out
 
-    arch = parse_arch(hf_dir)
     proportional = layers.proportional_inv_freq
-    init_model_parallel(ParallelLayout())
-    out = {}
     left_out = {
         "built": {},
-        "no_scale": {"_scale_embedding": lambda m, i, o: o},
+        "no_scale": {"scale_embedding": lambda m, i, o: o},
         "one_rope": {"install_per_layer_type": lambda *a: None},
         "whole_rotary": {"proportional_inv_freq": lambda theta, dim, share, factor:
                          proportional(theta, dim, 1.0, factor)},
@@ -99,18 +91,7 @@ def pieces_worker(hf_dir: str, tokens: torch.Tensor) -> dict:
         "no_value_norm": {"_value_norm": lambda value, eps: value},
         "no_layer_scalar": {"LayerScalar": type("Ones", (layers.LayerScalar,), {"forward": lambda self, x: x})},
     }
-    for name, changes in left_out.items():
-        saved = {k: getattr(layers, k) for k in changes}
-        for k, v in changes.items():
-            setattr(layers, k, v)
-        try:
-            model = builder.build_model(arch, ParallelLayout(), torch.float32)
-            load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(hf_dir))
-            out[name] = forward_logits(model.eval(), tokens, arch.vocab_size)
-        finally:
-            for k, v in saved.items():
-                setattr(layers, k, v)
-    return out
+    return logits_with_pieces_left_out(layers, hf_dir, tokens, left_out)
 
 
 @pytest.mark.slow

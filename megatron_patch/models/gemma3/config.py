@@ -136,7 +136,7 @@ def parse_config(raw: dict) -> Arch:
 def transformer_config_kwargs(arch: Arch) -> dict:
     # megatron-core is imported here, when a model is built, not when the converter reads the family
     from megatron_patch.models.blocks.decoder import sliding_window_kwargs
-    from megatron_patch.models.gemma3.layers import gelu_tanh
+    from megatron_patch.models.blocks.sandwich_norms import gelu_tanh
 
     return dict(
         qk_layernorm=True, activation_func=gelu_tanh, softmax_scale=settings(arch).query_pre_attn_scalar ** -0.5,

@@ -1,0 +1,35 @@
+"""What the tests of a family's own model-level pieces share: its tiny model's logits as built, and with each piece
+left out (a name in the family's layers module replaced while the model is built)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_patch.runtime import ParallelLayout
+
+
+def logits_with_pieces_left_out(layers, hf_dir: str, tokens: torch.Tensor, left_out: dict[str, dict]) -> dict:
+    """``left_out``: a name per variant (``"built"``: nothing changed) -> the module attributes it replaces. Run in
+    a process of one rank (``run_local``): it joins a process group of its own."""
+    from megatron_patch.align.parity import load_hf_weights
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.models.blocks import builder
+    from megatron_patch.models.blocks.inference import forward_logits
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.runtime import init_model_parallel
+
+    arch = parse_arch(hf_dir)
+    init_model_parallel(ParallelLayout())
+    out = {}
+    for name, changes in left_out.items():
+        saved = {k: getattr(layers, k) for k in changes}
+        for k, v in changes.items():
+            setattr(layers, k, v)
+        try:
+            model = builder.build_model(arch, ParallelLayout(), torch.float32)
+            load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(hf_dir))
+            out[name] = forward_logits(model.eval(), tokens, arch.vocab_size)
+        finally:
+            for k, v in saved.items():
+                setattr(layers, k, v)
+    return out
