@@ -22,7 +22,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_patch.errors import UserError
 from tests.convert_helpers import run_cli
 from tests.training_helpers import REPO, pretrain_args
 

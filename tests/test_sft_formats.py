@@ -14,11 +14,9 @@ made visible:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy
 import pytest
-import torch
 
 from megatron_patch.cli import main
 from megatron_patch.errors import UserError

@@ -82,7 +82,7 @@ def read_sft_idxmap(prefix: str) -> numpy.ndarray:
     """The samples of Pai's SFT idxmap at ``prefix`` as one mapped ``[samples, 2*N]`` array (its shape checked,
     its ids by ``check_sft_idxmap``)."""
     dtype, lengths, pointers, documents = _read_idx(prefix)
-    total = _check_layout(prefix, dtype, lengths, pointers, documents)
+    _check_layout(prefix, dtype, lengths, pointers, documents)
     idx = Path(prefix + ".idx").name
     if dtype.kind == "u":
         raise UserError(f"{prefix}.bin holds unsigned ids ({dtype}), so it has no -100 labels or end marks: it is not "

@@ -175,6 +175,10 @@ class Option:
             return str(value).lower()
         return f"{value:g}" if isinstance(value, float) else str(value)
 
+    def values_text(self) -> str:
+        """What the option takes, as the docs say it."""
+        return self.takes if self.takes is not None else self.reader.takes
+
     def help_line(self) -> str:
         said = self.default_text()
         return self.help + (f" (default {said})" if said and not self.positional else "")
@@ -702,11 +706,11 @@ def markdown(table: str) -> str:
     """examples/README.md's tables: ``positional`` (the arguments in order) or ``environment``."""
     if table == "positional":
         rows = ["| # | name | values | becomes |", "| --- | --- | --- | --- |"]
-        rows += [f"| {_positions(o.name)} | {o.name} | {_cell(o.takes if o.takes is not None else o.reader.takes)} | "
+        rows += [f"| {_positions(o.name)} | {o.name} | {_cell(o.values_text())} | "
                  f"{o.doc or o.help} |" for o in POSITIONAL]
     elif table == "environment":
         rows = ["| variable | part | values | default | meaning |", "| --- | --- | --- | --- | --- |"]
-        rows += [f"| `{o.name}` | {o.part} | {_cell(o.takes if o.takes is not None else o.reader.takes)} | "
+        rows += [f"| `{o.name}` | {o.part} | {_cell(o.values_text())} | "
                  f"{_cell(o.default_text())} | {o.doc or o.help} |" for o in ENVIRONMENT]
     else:
         raise ValueError(f"no options table '{table}'")
