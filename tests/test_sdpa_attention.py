@@ -212,10 +212,11 @@ def test_every_family_builds_and_matches_with_sdpa(every_family):
         sparse = parse_arch(families()[name].tiny_config).sparse_attention is not None
         assert r["built"] == {UNFUSED: UNFUSED, SDPA: UNFUSED if sparse else SDPA}, name
         assert r["fp32"] < 1e-6, (name, r)  # bit-close: the fp32 parity floor holds with either attention
-        # bf16 against fp32: SDPA within the unfused attention's own rounding error
+        # bf16 against fp32: SDPA within the unfused attention's own rounding error, and that error bounded
         # (a sparse-attention model builds the same module both ways; its bf16 key selections flip on near-ties,
-        # which the alignment verdict judges: test_sparse_attention.py)
-        assert (sparse or r["bf16_sdpa"] < 2e-2) and r["bf16_sdpa"] <= 1.25 * r["bf16_unfused"], (name, r)
+        # which the alignment verdict judges: test_sparse_attention.py). The bound is 5e-2, not 2e-2: Gemma 4's tiny
+        # model soft-caps its logits at 3, so that the cap bites, and its own bf16 error is 3e-2 with either attention.
+        assert (sparse or r["bf16_sdpa"] < 5e-2) and r["bf16_sdpa"] <= 1.25 * r["bf16_unfused"], (name, r)
 
 
 @pytest.mark.slow
