@@ -159,7 +159,7 @@ def test_mfu_is_measured_against_the_gpus_dense_peak():
     from megatron_patch.training.throughput import peak_tflops
 
     assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
-    assert peak_tflops("NVIDIA H200", fp8=True) == 2 * 989.0
+    assert peak_tflops("NVIDIA H200") == 989.0  # fp8 runs too: their MFU reads directly against bf16's
     assert peak_tflops("NVIDIA GeForce RTX 3090") is None  # unknown: no MFU rather than a wrong one
 
 

@@ -646,8 +646,6 @@ class Trainer:
     def _peak_tflops(self) -> float | None:
         if not torch.cuda.is_available():
             return None
-        # against the dense bf16 peak for fp8 runs too: the useful FLOPs are the same, so MFU reads directly against
-        # bf16's (docs/fp8.md)
         return peak_tflops(torch.cuda.get_device_name())
 
 

@@ -15,12 +15,13 @@ WARMUP_ITERATIONS = 1
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
 
 
-def peak_tflops(device_name: str, fp8: bool = False) -> float | None:
-    """The peak MFU is measured against for a GPU named ``device_name`` (``torch.cuda.get_device_name()``); None
-    for a GPU this table does not know (the summary then gives no MFU)."""
+def peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak MFU is measured against, fp8 runs included (the useful FLOPs are the same, so an fp8
+    run's MFU reads directly against bf16's: docs/fp8.md), for a GPU named ``device_name``
+    (``torch.cuda.get_device_name()``); None for a GPU this table does not know (the summary then gives no MFU)."""
     for key, value in PEAK_TFLOPS.items():
         if key in device_name:
-            return value * (2 if fp8 else 1)
+            return value
     return None
 
 
