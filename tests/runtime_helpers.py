@@ -415,6 +415,18 @@ def load_checkpoint_worker(layout: ParallelLayout, ref_dir: str, ckpt_dir: str, 
 
 # --- gloo itself ------------------------------------------------------------------------------------
 
+def world_worker() -> tuple[int, int]:
+    """This rank's place in the world it joined, after one collective over it."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_patch.runtime.distributed import init_process_group
+
+    init_process_group(timeout_minutes=1)
+    dist.all_reduce(torch.ones(1))
+    return dist.get_rank(), dist.get_world_size()
+
+
 def gloo_collectives_worker() -> dict:
     """The collectives megatron uses that NCCL has and gloo might not, with known answers."""
     import torch.distributed as dist

@@ -97,6 +97,16 @@ def test_gloo_has_the_collectives_megatron_uses():
         assert r["megatron_uneven_reduce_scatter"].eq(3.0).all()
 
 
+def test_a_local_job_started_inside_a_torchrun_rank_forms_its_own_world(monkeypatch):
+    """A training rank asks run_local for its model's shape: the helper must not take the rank's torchrun agent
+    variables for its own, or it waits for the agent's store at its own address (hung 30 minutes, seen in
+    a run with MP_EVAL_TASKS)."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    res = run_local(rh.world_worker, 2, timeout=90)
+    assert res == [(0, 2), (1, 2)]
+
+
 # --- 1. forward/backward through the pipeline schedules -----------------------------------------
 
 @pytest.mark.slow

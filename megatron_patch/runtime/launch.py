@@ -56,7 +56,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     # A rank forked from the fork server has the server's environment, taken when it started: the
     # caller's current one is what the rank must see, as a spawned rank would.
     os.environ.clear()
-    os.environ.update(env)
+    # A local job started inside a torchrun rank (the memory plan's model shape, say) is a world of its own:
+    # with the agent's variables it would wait for torchrun's store at its own address (30 minutes, then fail).
+    os.environ.update({k: v for k, v in env.items() if not k.startswith("TORCHELASTIC_")})
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
