@@ -12,6 +12,7 @@ evaluation in ``eval/results.jsonl`` (``run_folder.EVAL_RESULTS``), which the ru
 from __future__ import annotations
 
 import json
+import os
 import random
 import tempfile
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import require_lm_eval
+from megatron_patch.training.launcher_args import launched_rank
 
 # evaluation.evaluate and evaluation.loading (lm-eval, torch and megatron-core come with them) are imported inside the
 # functions that use them: the launcher's checks of a run without MP_EVAL_TASKS never import them.
@@ -50,8 +52,9 @@ def check_evaluation(cfg) -> None:
 
 
 def check_tasks_exist(cfg) -> None:
-    """lm-eval installed, and every task known with its data readable offline (before any rank starts)."""
-    if not cfg.eval_tasks:
+    """lm-eval installed, and every task known with its data readable offline, before any rank starts. The ranks,
+    which resolve the same arguments, leave it to the launcher: each evaluation prepares its tasks again."""
+    if not cfg.eval_tasks or launched_rank(os.environ):
         return
     require_lm_eval("MP_EVAL_TASKS")
     from megatron_patch.evaluation.evaluate import prepare_tasks

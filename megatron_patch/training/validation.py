@@ -348,8 +348,8 @@ def sft_data(cfg: RunConfig) -> None:
 
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
-    packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout,
-    check_lora, check_sparse_attention, sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data,
+    packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout, check_lora, check_sparse_attention,
+    sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data,
     evaluation_run.check_evaluation)
 
 
