@@ -37,8 +37,9 @@ setup(
         # peft: the reference LoRA implementation tests/test_lora.py compares against both ways.
         # zstandard (already required above, for torch_dist chunks): the preprocessing tests' .zst inputs.
         # lm-eval: `mpatch eval` and the tests that compare it with lm-eval's own HF backend; torchao: PR=fp8 without
-        # transformer-engine and its reference (tests/test_fp8.py).
-        "test": ["pytest>=7", "accelerate", "hypothesis>=6", "peft>=0.21", "zstandard>=0.22", "lm-eval==0.4.13",
+        # transformer-engine and its reference (tests/test_fp8.py). pytest-xdist: the suite runs one test file per core
+        # (`-n auto --dist loadfile`): most tests are one process with one thread, which left the second core idle.
+        "test": ["pytest>=7", "pytest-xdist>=3.5", "accelerate", "hypothesis>=6", "peft>=0.21", "zstandard>=0.22", "lm-eval==0.4.13",
                  "torchao>=0.18"],
         # `mpatch eval` (docs/evaluation.md): lm-evaluation-harness, pinned to the release whose model API and
         # request handling megatron_patch/evaluation/ was written against and checked equal to its HF backend.
