@@ -21,14 +21,19 @@ from megatron_patch.evaluation.evaluate import EvalResults, EvalSettings, _to_js
 REL_TOL = 1e-5
 
 
-def evaluate_hf_backend(hf_dir: str, settings: EvalSettings, include_paths: list[str]) -> EvalResults:
+def evaluate_hf_backend(hf_dir: str, settings: EvalSettings, include_paths: list[str],
+                        softmax_dtype: str | None = None) -> EvalResults:
     """lm-eval's HF backend (``--model hf``, pretrained=hf_dir, dtype=float32, CPU) on ``settings``'s tasks, in
-    this process."""
+    this process. ``softmax_dtype``: the backend's own option for its log-softmax ("float64": the exact
+    log-likelihoods of its fp32 logits; its fp32 default where None)."""
     from lm_eval import simple_evaluate
 
     task_files.offline()
+    model_args = f"pretrained={hf_dir},dtype=float32,device=cpu"
+    if softmax_dtype:
+        model_args += f",softmax_dtype={softmax_dtype}"
     results = simple_evaluate(
-        model="hf", model_args=f"pretrained={hf_dir},dtype=float32,device=cpu", tasks=list(settings.tasks),
+        model="hf", model_args=model_args, tasks=list(settings.tasks),
         task_manager=task_files.task_manager(include_paths, list(settings.tasks)), limit=settings.limit,
         num_fewshot=settings.num_fewshot, log_samples=True, batch_size=settings.batch_size,
         apply_chat_template=settings.apply_chat_template, fewshot_as_multiturn=settings.fewshot_as_multiturn,
