@@ -347,3 +347,29 @@ def test_align_fp8_against_torchao_on_the_hf_model(tmp_path):
         assert code == 0 and result["verdict"]["aligned"], result["verdict"]["summary"]
         assert "convert_to_float8_training (tensorwise, filter all)" in result["compared"]["floor"]
     assert main(["align", "--hf-dir", str(hf), "--dtype", "fp8", "--fp8-filter", "bogus"]) == 2
+
+
+def test_on_a_gpu_a_gemm_whose_shard_is_no_multiple_of_16_stays_in_bf16_whatever_the_filter():
+    """torch._scaled_mm takes only dimensions in multiples of 16 on a GPU (the CPU's takes any): a GEMM whose TP shard
+    is not one would stop the run at its first step, so it stays in bf16 there, under `all` and a kind list too; on
+    the CPU the filter alone decides. Experts are split by ETP, the rest by TP."""
+    linears = {"self_attention.linear_proj": (64, 64), "mlp.linear_fc1": (96, 64),
+               "mlp.experts.local_experts.0.linear_fc1": (64, 64)}
+
+    def float8(gpu_tp, fp8_filter="all"):
+        gemms = float8_plan.layer_gemms(linears, "tensorwise", fp8_filter, heads=4, groups=2, head_dim=16,
+                                        gated=True, mla=False, gpu_tp=gpu_tp)
+        return {f"{g.module.split('.')[-1] if g.kind != 'experts' else 'experts'}{'.' + g.part if g.part else ''}":
+                g.float8 for g in gemms}
+
+    # fc1's gate and up are 48 rows each: 24 per rank at TP=2
+    assert all(float8(None).values()) and all(float8((1, 1)).values())
+    assert float8((2, 1)) == {"linear_proj": True, "linear_fc1.gate": False, "linear_fc1.up": False,
+                              "experts.gate": True, "experts.up": True}
+    assert float8((8, 1)) == {"linear_proj": False, "linear_fc1.gate": False, "linear_fc1.up": False,
+                              "experts.gate": True, "experts.up": True}
+    assert float8((1, 8))["experts.gate"] is False and float8((1, 8))["linear_proj"] is True
+    assert float8((2, 1), ("fc1", "proj")) == {**float8((2, 1)), "experts.gate": False, "experts.up": False}
+    assert float8(None, ("fc1",))["linear_fc1.gate"] is True
+    # the dry run asks with the run's TP on a GPU, and nothing on the CPU
+    assert fp8_run.gpu_tp(_cfg(ENV="dsw")) == (1, 1) and fp8_run.gpu_tp(_cfg()) is None

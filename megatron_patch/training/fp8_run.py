@@ -57,7 +57,13 @@ def torchao_gemms(cfg, impl: str | None):
     """Each layer kind's GEMMs under torchao (``float8_plan.Gemm``), or None where torchao does not run them."""
     if not cfg.precision.fp8 or impl != TORCHAO:
         return None
-    return arch_gemms(cfg.arch, recipe(cfg, impl), cfg.fp8_filter)
+    return arch_gemms(cfg.arch, recipe(cfg, impl), cfg.fp8_filter, gpu_tp(cfg))
+
+
+def gpu_tp(cfg) -> tuple[int, int] | None:
+    """(TP, ETP) where the run's GEMMs run on a GPU, whose float8 takes only shards in multiples of 16; None on the
+    CPU."""
+    return (cfg.tp, cfg.etp or cfg.tp) if cfg.device == "cuda" else None
 
 
 def dry_run_lines(cfg, caps) -> list[str]:
@@ -98,7 +104,7 @@ def cast_bytes(cfg) -> int:
         return 0
     tokens = cfg.micro_batch_size * cfg.sample_length // cfg.cp
     worst = 0
-    for layer in arch_gemms(cfg.arch, recipe(cfg, TORCHAO), cfg.fp8_filter).values():
+    for layer in arch_gemms(cfg.arch, recipe(cfg, TORCHAO), cfg.fp8_filter, gpu_tp(cfg)).values():
         for g in layer:
             if not g.float8:
                 continue

@@ -263,8 +263,10 @@ def _parts(module, relative: str, recipe: str, fp8_filter, tp: int) -> tuple[Par
                                          groups=config.num_query_groups or config.num_attention_heads,
                                          head_dim=config.kv_channels, gated=config.gated_linear_unit,
                                          mla=bool(config.multi_latent_attention))
+    gpu_split = tp if module.weight.device.type == "cuda" else None
     gemms = [Gemm(relative, name, kind, repeats * width, in_whole,
-                  chosen(kind, recipe, fp8_filter, repeats * width, in_whole)) for width, name in zip(widths, names)]
+                  chosen(kind, recipe, fp8_filter, repeats * width, in_whole, gpu_split))
+             for width, name in zip(widths, names)]
     flags = tuple(g.float8 for g in gemms)
     column = isinstance(module, ColumnParallelLinear)
     if len(widths) > 1 and column and repeats > 1:
@@ -378,6 +380,7 @@ def convert_hf_model(model, recipe: str, fp8_filter) -> None:
     def keep(module, name: str) -> bool:
         if not isinstance(module, torch.nn.Linear) or not _HF_LAYER.search(name):
             return False
-        return chosen(hf_linear_kind(name), recipe, fp8_filter, module.out_features, module.in_features)
+        return chosen(hf_linear_kind(name), recipe, fp8_filter, module.out_features, module.in_features,
+                      1 if module.weight.device.type == "cuda" else None)
 
     float8.convert_to_float8_training(model, module_filter_fn=keep, config=torchao_config(recipe))

@@ -68,8 +68,20 @@ def torchao_auto_filter(recipe: str, out_features: int, in_features: int) -> boo
     return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
 
 
-def chosen(kind: str, recipe: str, fp8_filter, out_features: int, in_features: int) -> bool:
-    """Whether one GEMM (an HF linear's, [out, in] of the whole model) of ``kind`` runs in float8."""
+def fits_gpu_float8(out_features: int, in_features: int, split: int) -> bool:
+    """Whether a GEMM of whole shape [out, in] can run in float8 on a GPU when one of its dimensions is split over
+    ``split`` ranks: torch._scaled_mm takes only dimensions that are multiples of 16 there (the CPU's takes any).
+    Either dimension may be the split one, so both must stay multiples of 16 after the split."""
+    return all(d % split == 0 and (d // split) % 16 == 0 for d in (out_features, in_features))
+
+
+def chosen(kind: str, recipe: str, fp8_filter, out_features: int, in_features: int,
+           gpu_split: int | None = None) -> bool:
+    """Whether one GEMM (an HF linear's, [out, in] of the whole model) of ``kind`` runs in float8. ``gpu_split``:
+    on a GPU, the TP size that splits it (or ETP's, for experts); a GEMM whose shard float8 cannot run there stays
+    in bf16 whatever the filter says. None: on the CPU."""
+    if gpu_split is not None and not fits_gpu_float8(out_features, in_features, gpu_split):
+        return False
     if fp8_filter == "auto":
         return torchao_auto_filter(recipe, out_features, in_features)
     if fp8_filter == "all":
@@ -105,21 +117,24 @@ class Gemm:
 
 
 def layer_gemms(linears: dict[str, tuple[int, int]], recipe: str, fp8_filter, *, heads: int, groups: int,
-                head_dim: int, gated: bool, mla: bool) -> list[Gemm]:
-    """Every GEMM of one layer from its linears' whole shapes (module name -> [out, in])."""
+                head_dim: int, gated: bool, mla: bool, gpu_tp: tuple[int, int] | None = None) -> list[Gemm]:
+    """Every GEMM of one layer from its linears' whole shapes (module name -> [out, in]). ``gpu_tp``: on a GPU, the
+    (TP, ETP) sizes that split its GEMMs (``chosen``'s ``gpu_split``); None on the CPU."""
     out = []
     for module, (rows, cols) in linears.items():
         kind = linear_kind(module)
+        split = None if gpu_tp is None else gpu_tp[1] if kind == "experts" else gpu_tp[0]
         repeats, widths, names = fused_parts(module, rows, heads=heads, groups=groups, head_dim=head_dim,
                                              gated=gated, mla=mla)
         for width, part in zip(widths, names):
             out.append(Gemm(module, part, kind, repeats * width, cols,
-                            chosen(kind, recipe, fp8_filter, repeats * width, cols)))
+                            chosen(kind, recipe, fp8_filter, repeats * width, cols, split)))
     return out
 
 
-def arch_gemms(arch, recipe: str, fp8_filter) -> dict[str, list[Gemm]]:
-    """Each layer kind's GEMMs (models/shape/model_shape.py's layer kinds), from the model's shape."""
+def arch_gemms(arch, recipe: str, fp8_filter, gpu_tp: tuple[int, int] | None = None) -> dict[str, list[Gemm]]:
+    """Each layer kind's GEMMs (models/shape/model_shape.py's layer kinds), from the model's shape (``gpu_tp``:
+    ``layer_gemms``')."""
     from megatron_patch.models.shape.model_shape import model_shape  # imported here: megatron-core's skeleton, once
 
     out = {}
@@ -130,7 +145,7 @@ def arch_gemms(arch, recipe: str, fp8_filter) -> dict[str, list[Gemm]]:
             if len(shape) == 2 and name != module and _LINEAR.search(module):
                 linears[module] = tuple(shape)
         out[kind] = layer_gemms(linears, recipe, fp8_filter, heads=arch.num_heads, groups=arch.num_kv_heads,
-                                head_dim=arch.head_dim, gated=True, mla=arch.mla is not None)
+                                head_dim=arch.head_dim, gated=True, mla=arch.mla is not None, gpu_tp=gpu_tp)
     return out
 
 
