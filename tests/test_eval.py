@@ -150,3 +150,18 @@ def test_token_log_likelihoods_over_a_large_vocabulary_stay_near_the_float64_ans
     exact = torch.log_softmax(logits.double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     assert (ours.double() - exact).abs().max() < 5e-6
     assert torch.equal(greedy, logits.argmax(-1) == target)
+
+
+def test_a_batch_holds_up_to_its_size_of_distinct_model_inputs():
+    """Requests that share their input (a question's one-token choices) count once toward the batch size: the runner
+    runs them as one row. Order is kept and every request is in exactly one batch."""
+    pytest.importorskip("lm_eval")
+    from megatron_patch.evaluation.harness import _batches_of_distinct_inputs
+
+    question = [1, 2, 3]
+    requests = [(None, question, [c]) for c in (7, 8, 9)] + [(None, [4, 5], [6, 7]), (None, [4, 5, 6], [8]),
+                                                             (None, [9], [9])]
+    # [4, 5] + [6, 7] and [4, 5, 6] + [8] both run [4, 5, 6]: one row
+    assert list(_batches_of_distinct_inputs(requests, 2)) == [requests[:5], requests[5:]]
+    assert list(_batches_of_distinct_inputs(requests, 1)) == [requests[:3], requests[3:5], requests[5:]]
+    assert list(_batches_of_distinct_inputs([], 4)) == []

@@ -97,7 +97,7 @@ class MpatchLM(TemplateLM):
         (longest first, as the HF backend orders them)."""
         ordered = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
         answers = []
-        for chunk in ordered.get_batched(n=override_bs or self.batch_size):
+        for chunk in _batches_of_distinct_inputs(next(ordered.get_batched(n=0), []), override_bs or self.batch_size):
             scored = self.runner.loglikelihoods([(context, continuation) for _, context, continuation in chunk])
             for (key, _, _), answer in zip(chunk, scored):
                 answers.append(answer)
@@ -166,6 +166,23 @@ class MpatchLM(TemplateLM):
         args = lm_utils.simple_parse_args_string(arg_string)
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k in ("batch_size",)}
         return cls(**args, **extra)
+
+
+def _batches_of_distinct_inputs(ordered: list, size: int):
+    """``ordered`` (key, context, continuation) requests cut into batches of ``size`` distinct model inputs: the
+    runner runs requests that share their input once, so a batch holds up to ``size`` of them each (the HF backend
+    batches a multiple-choice question's one-token choices as one row too)."""
+    batch: list = []
+    inputs: set = set()
+    for request in ordered:
+        given = tuple(request[1] + request[2])[:-1]
+        if given not in inputs and len(inputs) == size:
+            yield batch
+            batch, inputs = [], set()
+        batch.append(request)
+        inputs.add(given)
+    if batch:
+        yield batch
 
 
 def _same_length_runs(chunk):

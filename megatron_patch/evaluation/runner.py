@@ -98,12 +98,18 @@ class ModelRunner:
                                 "evaluate a task with shorter documents")
             inputs.append(whole[:-1])
             targets.append(whole[1:])
+        # Requests whose inputs are the same tokens (the choices of a multiple-choice question, each one token
+        # long, share their context) run once, as the HF backend groups them: their targets differ, not their logits.
+        unique: dict[tuple[int, ...], int] = {}
+        rows = [unique.setdefault(tuple(x), len(unique)) for x in inputs]
         width = max(len(x) for x in inputs)
-        tokens = torch.tensor([x + [0] * (width - len(x)) for x in inputs], dtype=torch.long)
+        tokens = torch.tensor([list(x) + [0] * (width - len(x)) for x in unique], dtype=torch.long)
         target = torch.tensor([t + [0] * (width - len(t)) for t in targets], dtype=torch.long)
         answers = None
         logits = self._forward(tokens)
         if self.last_stage:
+            if len(unique) < len(inputs):
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             logprob, greedy = self._token_logprobs(logits, target.to(logits.device))
             logprob, greedy = logprob.cpu().double(), greedy.cpu()
             answers = []
