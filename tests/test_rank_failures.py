@@ -174,10 +174,11 @@ def _forked_writer(rank: psutil.Process) -> bool:
 @pytest.mark.slow
 def test_a_sigkill_to_the_launchers_group_leaves_no_process_of_the_run(corpus, tmp_path):
     """The launcher in a session of its own (a terminal's job), SIGKILLed with its process group during a run
-    that saves every 2 iterations. The rank has helpers then: megatron-core's checkpoint writer serves its results
-    queue from a spawned multiprocessing Manager (about 270 MB), and megatron-core 0.16 forks a writer per file
-    during each save; the kill is sent while one is alive where that happens within a minute. The Manager used to
-    live on for good, and a forked writer waiting on a lock its dead rank held (1 run in 6) too."""
+    that saves every 2 iterations. megatron-core's checkpoint writer would serve its results queue from a spawned
+    multiprocessing Manager (about 270 MB), which used to live on for good: the rank keeps that queue in-process,
+    so no such helper is there at all. megatron-core 0.16 forks a writer per file during each save; the kill is
+    sent while one is alive where that happens within a minute (one waiting on a lock its dead rank held lived on,
+    1 run in 6)."""
     out = tmp_path / "out"
     args = pretrain_args(corpus, out, SAVE_INTERVAL="2", TRAIN_TOKENS_OR_ITERS=str(10**6 * 8 * 64))
     with open(tmp_path / "launcher.log", "w") as log:
@@ -191,8 +192,8 @@ def test_a_sigkill_to_the_launchers_group_leaves_no_process_of_the_run(corpus, t
             time.sleep(0.5)
         run = _processes_of(proc.pid)
         ranks = [p for p in run if p.ppid() == proc.pid]
-        helpers = [p for p in run if ranks and p.ppid() == ranks[0].pid and "multiprocessing.spawn" in " ".join(p.cmdline())]
-        assert len(ranks) == 1 and helpers, [(p.pid, p.ppid(), p.cmdline()[:4]) for p in run]
+        spawned = [p for p in run if ranks and p.ppid() == ranks[0].pid and "multiprocessing.spawn" in " ".join(p.cmdline())]
+        assert len(ranks) == 1 and not spawned, [(p.pid, p.ppid(), p.cmdline()[:4]) for p in run]
         deadline = time.monotonic() + 60  # saves come every few seconds; 0.19 writes with threads and forks none
         while not _forked_writer(ranks[0]) and time.monotonic() < deadline:
             time.sleep(0.01)

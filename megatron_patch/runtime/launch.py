@@ -25,7 +25,6 @@ import threading
 import time
 import traceback
 import warnings
-from multiprocessing.managers import SyncManager
 from typing import Any, Callable
 
 from megatron_patch.errors import UserError
@@ -310,7 +309,6 @@ def die_with_parent(expected: int, who: str = "its parent", log=print) -> str:
     return how
 
 
-_WRITER_MANAGERS: list = []  # the Manager behind megatron-core's results queue, for this process's life
 _FORKED_BY: dict = {}  # who forked: read by the child, in its copy of this process's memory
 
 
@@ -318,9 +316,11 @@ def helpers_die_with_rank() -> None:
     """The processes a rank starts end with it, as the rank ends with its launcher: the parent-death signal is not
     inherited, and megatron-core's checkpoint writer left processes of a killed run alive for good (issue 34):
 
-    - the queue its write results come back on is served by a multiprocessing Manager, a spawned process of
-      about 270 MB kept from the rank's first save on. Here the queue is made, at the first save as before, by
-      a Manager whose process is armed (``die_with_parent``). megatron-core 0.16 and 0.19 both keep it in
+    - megatron-core serves the queue its write results come back on from a spawned multiprocessing Manager, a
+      process of about 270 MB kept from the rank's first save on, which outlived a killed rank. The project saves
+      synchronously (the writer runs in the rank, and the queue is put to and read from there alone), so the queue
+      is a plain in-process one and there is no such process: nothing to outlive the rank, and no 2-4 s first save
+      while a fresh interpreter imports torch to unpickle the results. megatron-core 0.16 and 0.19 both keep it in
       ``filesystem_async._results_queue`` behind a getter (``_get_write_results_queue``; 0.19:
       ``get_write_results_queue``) that the writer looks up when it saves;
     - megatron-core 0.16 forks a writer per file during each save; one forked while the rank was killed could
@@ -331,10 +331,7 @@ def helpers_die_with_rank() -> None:
 
     def results_queue(*args, **kwargs):
         if writer._results_queue is None:
-            manager = SyncManager(ctx=mp.get_context("spawn"))
-            manager.start(initializer=die_with_parent, initargs=(os.getpid(), "the rank it writes for"))
-            _WRITER_MANAGERS.append(manager)
-            writer._results_queue = manager.Queue()
+            writer._results_queue = queue.Queue()
         return writer._results_queue
 
     for name in ("get_write_results_queue", "_get_write_results_queue"):
