@@ -16,6 +16,7 @@ from pathlib import Path
 
 from megatron_patch import __version__
 from megatron_patch.errors import UserError
+from megatron_patch.runtime.deferred_compile import defer_megatron_compile
 from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
 SUBCOMMANDS = ["info", "families", "demo", "parity", "convert", "inspect", "verify", "preprocess", "train", "align",
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     MPATCH_DEBUG=1), 130 interrupted; align and parity: 1 is their negative verdict, 3 an internal error."""
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_known_warnings()  # each rank of a launch runs this too
+    defer_megatron_compile()  # before anything imports megatron-core (runtime/deferred_compile.py says why)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else "mpatch"
     try:
         args = build_parser(only=argv[0] if argv else None).parse_args(argv)

@@ -10,9 +10,11 @@ megatron-core release refused in one line, say): the fork server only imports wh
 
 try:
     from megatron_patch.runtime import cpu_compat
+    from megatron_patch.runtime.deferred_compile import defer_megatron_compile
     from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
     quiet_known_warnings()  # the fork server is an entry point of its own: its imports would print them
+    defer_megatron_compile()
 
     cpu_compat.enable()
     import megatron.core.dist_checkpointing  # noqa: F401

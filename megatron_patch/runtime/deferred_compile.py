@@ -1,0 +1,90 @@
+"""megatron-core's ``torch.compile`` decorations, deferred from its import to each function's first call.
+
+megatron-core decorates about 30 functions with ``torch.compile`` when it is imported (``megatron.core.jit``'s
+``jit_fuser``: fused bias-GeLU/SwiGLU, router and dispatcher helpers; 0.19 also ``@torch.compile`` itself).
+Decorating imports torch's compiler stack, dynamo and inductor, in every process that imports megatron-core
+(each rank of a launch, each tool), whether or not it ever calls one of those functions (a CPU run calls none
+unless its fusions are switched on): ``import megatron.core.models.gpt`` takes 4.3 s on an idle 2-core machine,
+2.6 s deferred (scripts/bench_imports.py). A training rank still imports dynamo at its first optimizer step
+(torch.optim does), not inductor's compiler. torch.compile compiles at a
+function's first call anyway; here the decoration waits for that call too, so what runs, and when it is
+compiled, does not change. Only plain functions are deferred, and only while a megatron-core module runs.
+
+Installed by the entry points (``cli.main``, ``rank_preload``) before megatron-core is imported; where it was
+imported already, nothing changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+
+PACKAGE = "megatron.core"
+
+
+def deferred_compile(fn=None, **options):
+    """``torch.compile(fn, **options)`` made at ``fn``'s first call (a module or other callable: at once). Inside a
+    region torch.compile is tracing, the plain function is called: dynamo inlines a compiled function's original
+    there too."""
+    import torch
+
+    if fn is None:  # used as @torch.compile(**options)
+        return functools.partial(deferred_compile, **options)
+    if not isinstance(fn, types.FunctionType):
+        return _real_compile()(fn, **options)
+    compiled = []
+
+    @functools.wraps(fn)
+    def first_call_compiles(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not compiled:
+            compiled.append(_real_compile()(fn, **options))
+        return compiled[0](*args, **kwargs)
+
+    return first_call_compiles
+
+
+_REAL_COMPILE: list = []  # torch.compile itself, kept by the finder before it swaps it
+
+
+def _real_compile():
+    import torch
+
+    return _REAL_COMPILE[0] if _REAL_COMPILE else torch.compile
+
+
+class _DeferMegatronCompile(importlib.abc.MetaPathFinder):
+    """Finds each megatron-core module as Python would, and runs it with ``torch.compile`` deferred (nested imports
+    put back what they found, so the real one returns when the outermost megatron-core module is done)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != PACKAGE and not name.startswith(PACKAGE + "."):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            import torch
+
+            if not _REAL_COMPILE:
+                _REAL_COMPILE.append(torch.compile)
+            found, torch.compile = torch.compile, deferred_compile
+            try:
+                run_module(module)
+            finally:
+                torch.compile = found
+
+        spec.loader.exec_module = exec_module  # this spec's own loader instance
+        return spec
+
+
+def defer_megatron_compile() -> None:
+    """Install the finder (once); a no-op where megatron-core is imported already."""
+    if PACKAGE not in sys.modules and not any(isinstance(f, _DeferMegatronCompile) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeferMegatronCompile())
