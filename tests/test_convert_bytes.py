@@ -16,7 +16,7 @@ import torch
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.registry import families, parse_arch
-from megatron_patch.models.mapping import plan_transfers, split_context
+from megatron_patch.models.mapping import plan_transfers
 from megatron_patch.models.shape import derived_skeleton as ds
 from megatron_patch.runtime import ParallelLayout
 from tests.convert_helpers import write_torch_dist_chunks
@@ -56,7 +56,6 @@ def test_blocks_describe_exactly_what_shards_and_merge_do(family, hf_shapes):
 
     fam = families()[family]
     arch = parse_arch(fam.tiny_config)
-    ctx = split_context(arch)
     gen = torch.Generator().manual_seed(0)
     members = member_index(fam.hf_stacked(arch))
     stored = {**hf_shapes[family], **{m: hf_shapes[family][s][1:] for m, (s, _) in members.items()}}
@@ -65,10 +64,10 @@ def test_blocks_describe_exactly_what_shards_and_merge_do(family, hf_shapes):
         for t in plan_transfers(fam.weight_rules(arch), arch, layout):
             shapes = [stored[n] for n in t.hf_names]
             parts = [torch.randn(s, generator=gen) for s in shapes]
-            blocks = t.split.blocks(shapes, t.num_shards, ctx)
-            want = t.split.shards(parts, t.num_shards, ctx)
+            blocks = t.split.blocks(shapes, t.num_shards, t.context)
+            want = t.split.shards(parts, t.num_shards, t.context)
             if blocks is None:
-                assert all(torch.equal(b, p) for b, p in zip(t.split.merge(want, ctx), parts)), t.split
+                assert all(torch.equal(b, p) for b, p in zip(t.split.merge(want, t.context), parts)), t.split
                 checked += 1
                 continue
             got = _apply_blocks(blocks, parts)
@@ -84,10 +83,10 @@ def test_blocks_describe_exactly_what_shards_and_merge_do(family, hf_shapes):
                         box = box if b.cols is None else box[:, b.cols[0]:b.cols[1]]
                         box.copy_(shard[row:row + b.num_rows])
                     row += b.num_rows
-            merged = t.split.merge(want, ctx)
+            merged = t.split.merge(want, t.context)
             assert all(torch.equal(b, m) for b, m in zip(back, merged)), t.placements[0].mcore_name
             if layout == ParallelLayout():  # the shapes alone say the same
-                assert t.split.merged_shapes(tuple(want[0].shape), ctx) == [tuple(m.shape) for m in merged]
+                assert t.split.merged_shapes(tuple(want[0].shape), t.context) == [tuple(m.shape) for m in merged]
             checked += 1
     assert checked > 20
 

@@ -427,8 +427,9 @@ def checkpoint_keys_worker(family: str, overrides: dict) -> tuple[set, set]:
     names = {p.mcore_name for t in plan_transfers(get_family(family).weight_rules(arch), arch, ParallelLayout())
              for p in t.placements}
     experts = r"mlp\.experts\.(linear_fc[12])\.(weight|bias)\d+"
-    # megatron keys the layers of a mixed model (dense and MoE, linear and full attention) by their number
-    if arch.dense_layers or "linear_attention" in arch.layer_types:  # experts stacked
+    # megatron keys the layers of a mixed model (dense and MoE, linear and full attention, attention shapes of their
+    # own) by their number
+    if arch.dense_layers or "linear_attention" in arch.layer_types or arch.own_attention_shapes:  # experts stacked
         folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", n) for n in names}
     else:  # homogeneous layers are stacked on a leading axis
         folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))

@@ -21,7 +21,7 @@ from megatron_patch.lazy import LazyModule
 from megatron_patch.models.description.arch import Arch, validate_layout
 from megatron_patch.models.description.family import ModelFamily
 from megatron_patch.models.mapping import (  # noqa: F401 (MappingError, names_list: the converter's errors)
-    REPLICATED, MappingError, RankCoord, Transfer, names_list, plan_transfers, split_context)
+    REPLICATED, MappingError, RankCoord, Transfer, names_list, plan_transfers)
 from megatron_patch.models.mapping.naming import from_spec, to_spec
 from megatron_patch.models.mapping.stacks import member_index, stacked_names
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -113,22 +113,22 @@ class HFAssembler:
     """
 
     def __init__(self, arch: Arch, source, pieces: bool = False):
-        self.ctx, self.source, self.pieces = split_context(arch), source, pieces
+        self.source, self.pieces = source, pieces
         self.first_user: dict[str, Transfer] = {}
 
     def merge(self, t: Transfer) -> list:
         """``t``'s HF tensors (or pieces) from its shards, without the tied-copy bookkeeping."""
         shards = self.source.shards(t)
         try:
-            return t.split.merge_pieces(shards, self.ctx) if self.pieces else t.split.merge(shards, self.ctx)
+            return t.split.merge_pieces(shards, t.context) if self.pieces else t.split.merge(shards, t.context)
         except ValueError as exc:  # replicas that disagree
             raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
 
     def assemble(self, t: Transfer) -> list | None:
         if len(t.hf_names) == 1 and t.hf_names[0] in self.first_user:
             again = self.first_user[t.hf_names[0]]
-            copy = t.split.merge(self.source.shards(t), self.ctx)[0]
-            if not torch.equal(copy, again.split.merge(self.source.shards(again), self.ctx)[0]):
+            copy = t.split.merge(self.source.shards(t), t.context)[0]
+            if not torch.equal(copy, again.split.merge(self.source.shards(again), again.context)[0]):
                 raise MappingError("the last stage's output layer differs from the tied embedding: the checkpoint "
                                    "was changed in a way HF cannot represent (untie the embeddings in config.json)")
             return None
@@ -169,14 +169,13 @@ def rank_state_dict_from_hf(family: ModelFamily, arch: Arch, layout: ParallelLay
                             get_hf: Callable[[str], torch.Tensor], spec: str = "te",
                             pp_first_stage_layers: int | None = None) -> dict[str, torch.Tensor]:
     """One rank's MCore state dict (names for ``spec``: "te" or "local") from HF tensors fetched by name."""
-    ctx = split_context(arch)
     get_hf = member_getter(family, arch, get_hf)
     out: dict[str, torch.Tensor] = {}
     for transfer in plan(family, arch, layout, pp_first_stage_layers, spec):
         mine = [p for p in transfer.placements if coord.holds(transfer, p)]
         if not mine:
             continue
-        shards = transfer.split.shards([get_hf(n) for n in transfer.hf_names], transfer.num_shards, ctx)
+        shards = transfer.split.shards([get_hf(n) for n in transfer.hf_names], transfer.num_shards, transfer.context)
         for p in mine:
             out[p.mcore_name] = shards[p.shard]
     return to_spec(out, spec)
@@ -203,7 +202,6 @@ def reshard_for_local_spec(family: ModelFamily, arch: Arch, layout: ParallelLayo
     """One rank's TE-layout state dict (TE names) with the parameters the local spec shards otherwise
     re-cut for it: TE keeps them whole on every rank (MLA's down projections), so this rank's piece of
     the local split is cut from the whole tensor it already holds."""
-    ctx = split_context(arch)
     te, local = plan(family, arch, layout, pp_first_stage_layers), plan(family, arch, layout, pp_first_stage_layers, "local")
     out = dict(state)
     for t_te, t_local in zip(te, local):
@@ -213,5 +211,6 @@ def reshard_for_local_spec(family: ModelFamily, arch: Arch, layout: ParallelLayo
             raise MappingError(f"cannot re-cut {t_te.placements[0].mcore_name} for the local spec from a {t_te.split} split")
         for p in t_local.placements:
             if coord.holds(t_local, p) and p.mcore_name in out:
-                out[p.mcore_name] = t_local.split.shards([out[p.mcore_name]], t_local.num_shards, ctx)[p.shard]
+                out[p.mcore_name] = t_local.split.shards([out[p.mcore_name]], t_local.num_shards,
+                                                         t_local.context)[p.shard]
     return out

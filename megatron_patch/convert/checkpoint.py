@@ -66,7 +66,7 @@ from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
 from megatron_patch.models.description.arch import Arch, default_expert_tp, read_config_json, validate_layout
 from megatron_patch.models.description.config_checks import check_weights_fit, config_dtype
 from megatron_patch.models.description.registry import get_family, parse_arch
-from megatron_patch.models.mapping import Transfer, split_context
+from megatron_patch.models.mapping import Transfer
 from megatron_patch.models.shape.skeleton import ModelSkeleton, describe_model
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -359,19 +359,19 @@ def _copy_checks(family, arch: Arch, reader, available: set[str]) -> list:
     return tasks
 
 
-def _hf_to_shards(t: Transfer, reader: HFCheckpointReader, ctx) -> tuple[list | None, list[tuple[int, ...]]]:
+def _hf_to_shards(t: Transfer, reader: HFCheckpointReader) -> tuple[list | None, list[tuple[int, ...]]]:
     """(blocks per shard or None, shard shapes) of transfer ``t`` from the HF tensors' shapes."""
     shapes = [reader.shape(n) for n in t.hf_names]
-    blocks = t.split.blocks(shapes, t.num_shards, ctx)
+    blocks = t.split.blocks(shapes, t.num_shards, t.context)
     if blocks is not None:
         return blocks, [shard_shape(b, shapes) for b in blocks]
     import torch
 
     meta = [torch.empty(s, device="meta") for s in shapes]
-    return None, [tuple(s.shape) for s in t.split.shards(meta, t.num_shards, ctx)]
+    return None, [tuple(s.shape) for s in t.split.shards(meta, t.num_shards, t.context)]
 
 
-def _transfer_tasks(copier: Copier, t: Transfer, blocks, reader: HFCheckpointReader, ctx,
+def _transfer_tasks(copier: Copier, t: Transfer, blocks, reader: HFCheckpointReader,
                     destinations: dict[int, list[Stored]]) -> list:
     """Tasks that write every shard of ``t`` into its places (``destinations``: shard -> places)."""
     parts = [reader.stored(n) for n in t.hf_names]
@@ -381,7 +381,7 @@ def _transfer_tasks(copier: Copier, t: Transfer, blocks, reader: HFCheckpointRea
         return _move_tasks(copier, moves)
 
     def run(copier: Copier) -> int:  # a split that is not rows and columns: through torch
-        shards = t.split.shards([reader.get(n) for n in t.hf_names], t.num_shards, ctx)
+        shards = t.split.shards([reader.get(n) for n in t.hf_names], t.num_shards, t.context)
         return sum(_write_tensor(copier, place, shards[shard]) for shard, places in destinations.items() for place in places)
 
     return [CallTask(run, writes=tuple({place.path for places in destinations.values() for place in places}))]
@@ -389,12 +389,11 @@ def _transfer_tasks(copier: Copier, t: Transfer, blocks, reader: HFCheckpointRea
 
 def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], reader: HFCheckpointReader,
                  dtype: str, copier: Copier):
-    ctx = split_context(arch)
     coords = rank_coords(layout)
     specs: dict = {c: {} for c in coords}
     shapes_of, blocks_of = [], []
     for t in transfers:
-        blocks, shapes = _hf_to_shards(t, reader, ctx)
+        blocks, shapes = _hf_to_shards(t, reader)
         blocks_of.append(blocks)
         shapes_of.append(shapes)
         for p in t.placements:
@@ -421,14 +420,13 @@ def _plan_legacy(release: Path, arch: Arch, layout: ParallelLayout, transfers: l
                     destinations[p.shard].append(places[(c, p.mcore_name)])
                     count += 1
                     total += places[(c, p.mcore_name)].nbytes
-        tasks += _transfer_tasks(copier, t, blocks, reader, ctx, destinations)
+        tasks += _transfer_tasks(copier, t, blocks, reader, destinations)
     return tasks + _seal_tasks(files), count, total, lambda: None
 
 
 def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reader: HFCheckpointReader, dtype: str,
                      skeleton: ModelSkeleton, copier: Copier, extra: dict | None = None):
     """``extra``: whole tensors (by key, in their own dtype) stored beside the model's (LoRA adapters)."""
-    ctx = split_context(arch)
     by_name = {t.placements[0].mcore_name: t for t in transfers}
     chunks = defaultdict(list)
     for ch in skeleton.chunks:
@@ -443,7 +441,7 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
     td.create_files()
     tasks = []
     for name, t in by_name.items():
-        blocks, (shape,) = _hf_to_shards(t, reader, ctx)
+        blocks, (shape,) = _hf_to_shards(t, reader)
         targets = [(ch, td.stored[(ch.key, tuple(ch.global_offset))]) for ch in chunks[name]]
         parts = [reader.stored(n) for n in t.hf_names]
         if blocks is not None and None not in parts:  # None: computed, not stored (FP8 dequantized)
@@ -462,7 +460,7 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
                 continue
 
         def run(copier: Copier, t=t, targets=targets) -> int:  # through torch
-            full = t.split.shards([reader.get(n) for n in t.hf_names], 1, ctx)[0]
+            full = t.split.shards([reader.get(n) for n in t.hf_names], 1, t.context)[0]
             return sum(_write_tensor(copier, place, full[ch.region()].reshape(place.shape)) for ch, place in targets)
 
         tasks.append(CallTask(run, writes=tuple({place.path for _, place in targets})))
@@ -654,7 +652,6 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
     """Moves from the shards of every transfer into the HF tensors' places; replicas and the last
     stage's copy of a tied embedding are compared with the copy that is written. An HF tensor that
     ``copies`` another (copy -> source) gets the same moves as its source."""
-    ctx = split_context(arch)
     copy_places: dict[Stored, list[Stored]] = defaultdict(list)   # a source's place -> its copies' places
     for copy, src in copies.items():
         copy_places[places[src]].append(places[copy])
@@ -666,15 +663,15 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
         if again:  # the last stage's own copy of a tied embedding
             message = ("the last stage's output layer differs from the tied embedding: the checkpoint was changed "
                        "in a way HF cannot represent (untie the embeddings in config.json)")
-            tasks += _compare_shards(first[t.hf_names[0]], (t, shards), message, source, ctx)
+            tasks += _compare_shards(first[t.hf_names[0]], (t, shards), message, source)
             continue
         for n in t.hf_names:
             first[n] = (t, shards)
         parts = [places[n] for n in t.hf_names]
-        blocks = t.split.blocks([p.shape for p in parts], t.num_shards, ctx)
+        blocks = t.split.blocks([p.shape for p in parts], t.num_shards, t.context)
         if blocks is None or any(s is None for s in shards):  # a strided legacy tensor, or a split not by rows
             tasks.append(CallTask(lambda copier, t=t, parts=parts: _merge_through_torch(copier, t, source, parts,
-                                                                                       copy_places, ctx),
+                                                                                       copy_places),
                                   writes=tuple({p.path for part in parts for p in [part, *copy_places.get(part, ())]})))
             continue
         moves, written = [], {}
@@ -703,7 +700,7 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
     return tasks
 
 
-def _compare_shards(first, second, message: str, source, ctx) -> list:
+def _compare_shards(first, second, message: str, source) -> list:
     (t1, shards1), (t2, shards2) = first, second
     if len(shards1) == len(shards2) and all(a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype
                                             for a, b in zip(shards1, shards2)):
@@ -712,8 +709,8 @@ def _compare_shards(first, second, message: str, source, ctx) -> list:
     def run(_copier) -> int:
         import torch
 
-        a = t1.split.merge(source.load_shards(t1), ctx)[0]
-        b = t2.split.merge(source.load_shards(t2), ctx)[0]
+        a = t1.split.merge(source.load_shards(t1), t1.context)[0]
+        b = t2.split.merge(source.load_shards(t2), t2.context)[0]
         if not torch.equal(a, b):
             raise MappingError(message)
         return 0
@@ -722,9 +719,9 @@ def _compare_shards(first, second, message: str, source, ctx) -> list:
 
 
 def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored],
-                         copy_places: dict[Stored, list[Stored]], ctx) -> int:
+                         copy_places: dict[Stored, list[Stored]]) -> int:
     try:
-        merged = t.split.merge(source.load_shards(t), ctx)
+        merged = t.split.merge(source.load_shards(t), t.context)
     except ValueError as exc:  # replicas that disagree
         raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
     return sum(_write_tensor(copier, place, tensor) for part, tensor in zip(parts, merged)
@@ -753,18 +750,17 @@ class _LegacySource:
         self.used: set[tuple] = set()
         self.checks: dict = {}   # CRC-32s of the records read, checked beside the copies
         # Check names and shapes of every file against the plan before reading any data.
-        ctx = split_context(arch)
         expected: dict = {c: {} for c in self.files}
         for t in transfers:
             shapes = [tuple(hf_shapes[n]) for n in t.hf_names]
-            blocks = t.split.blocks(shapes, t.num_shards, ctx)
+            blocks = t.split.blocks(shapes, t.num_shards, t.context)
             if blocks is not None:
                 shard_shapes = [shard_shape(b, shapes) for b in blocks]
             else:
                 import torch
 
                 shard_shapes = [tuple(s.shape) for s in t.split.shards([torch.empty(s, device="meta") for s in shapes],
-                                                                        t.num_shards, ctx)]
+                                                                        t.num_shards, t.context)]
             for p in t.placements:
                 for c in self.files:
                     if c.holds(t, p):

@@ -30,7 +30,7 @@ from megatron_patch.lora.saved import saved_rules
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.lora.state import check_adapter_keys, find_base, read_adapter_tensors
 from megatron_patch.models.description.registry import get_family, parse_arch
-from megatron_patch.models.mapping import plan_transfers, split_context
+from megatron_patch.models.mapping import plan_transfers
 from megatron_patch.models.shape.skeleton import describe_model
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -136,7 +136,7 @@ def _saved_tensors(opened, arch, spec: LoraSpec) -> dict:
         full = torch.empty(skeleton.shapes[name], dtype=getattr(torch, reader.dtype(chunks[0].key)))
         for c in chunks:
             full[c.region()] = reader.read_block(c.key, c.global_offset, c.local_shape).reshape(full[c.region()].shape)
-        out.update(zip(t.hf_names, t.split.merge([full], split_context(arch))))
+        out.update(zip(t.hf_names, t.split.merge([full], t.context)))
     return out
 
 

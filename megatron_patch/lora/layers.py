@@ -297,7 +297,6 @@ def attach(chunks: list, arch, spec: LoraSpec, sites: list[Site], dtype: torch.d
     ``spec.modules_to_save``'s. Returns each chunk's container."""
     from megatron.core import parallel_state as ps
 
-    ctx = split_context(arch)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     etp, etp_rank = ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
@@ -326,7 +325,8 @@ def attach(chunks: list, arch, spec: LoraSpec, sites: list[Site], dtype: torch.d
                 raise UserError(f"LoRA: the model chunk has no layer {name} for {site.mcore_name}")
             expert = site.expert is not None
             shards, shard = (etp, etp_rank) if expert else (tp, tp_rank)
-            adapters = SiteAdapters(site, spec, site_split(site, spec_name), shard, shards, ctx, dtype, device,
+            adapters = SiteAdapters(site, spec, site_split(site, spec_name), shard, shards,
+                                    split_context(arch, site.layer), dtype, device,
                                     expert=expert, sequence_parallel=chunk.config.sequence_parallel)
             container.sites.append(adapters)
             if group_index is None:

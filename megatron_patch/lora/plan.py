@@ -191,15 +191,17 @@ def _applies(rule: Rule, arch: Arch, layer: int) -> bool:
     return rule.layers is None or (rule.layers is LayerKind.MOE) == arch.is_moe_layer(layer)
 
 
-def hf_part_shapes(rule: Rule, arch: Arch, mcore_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+def hf_part_shapes(rule: Rule, arch: Arch, mcore_shape: tuple[int, ...], layer: int) -> list[tuple[int, ...]]:
     """The HF tensors' shapes a rule's full (TP=1) MCore weight of ``mcore_shape`` stands for, as a linear layer
-    sees them ([out, in]): the split run backwards on a shape-only tensor (as the skeleton derives every HF
-    shape), a weight stored transposed ([in, out]: gpt-oss's experts) read the other way round."""
+    sees them ([out, in]) in decoder layer ``layer``: the split run backwards on a shape-only tensor (as the
+    skeleton derives every HF shape), a weight stored transposed ([in, out]: gpt-oss's experts) read the other
+    way round."""
     import torch
 
     if isinstance(rule.split, Replicated):
         return [tuple(mcore_shape)]
-    shapes = [tuple(t.shape) for t in rule.split.merge([torch.empty(mcore_shape, device="meta")], split_context(arch))]
+    shapes = [tuple(t.shape) for t in rule.split.merge([torch.empty(mcore_shape, device="meta")],
+                                                     split_context(arch, layer))]
     return [s[::-1] for s in shapes] if rule.split.transposed else shapes
 
 
@@ -222,7 +224,7 @@ def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
                 continue
             if (index, kind) not in part_shapes:
                 rel = rule.mcore[len(MC_LAYER):].replace("{expert}", "0")
-                part_shapes[index, kind] = hf_part_shapes(rule, arch, shape.layers[kind][rel])
+                part_shapes[index, kind] = hf_part_shapes(rule, arch, shape.layers[kind][rel], layer)
             parts = part_shapes[index, kind]
             hf = tuple(h.replace("{layer}", str(layer)) for h in rule.hf)
             experts = range(arch.num_experts) if rule.scope is Scope.EXPERT else [None]
@@ -292,7 +294,7 @@ def rank_adapter_params(sites: list[Site], arch: Arch, layout, pp_rank: int, vp_
         split = site_split(s, spec_name)
         mode = split_mode(split)
         n = (layout.expert_tp if expert else layout.tp) if mode in (COLUMN, ROW) else 1
-        b_n = 1 if b_whole(split, s.part_rows, split_context(arch), n) else n
+        b_n = 1 if b_whole(split, s.part_rows, split_context(arch, s.layer), n) else n
         for k, a in enumerate(s.adapters):
             out.append(RankParam(f"lora.sites.{i}.a{k}", a.rank * (a.in_features // n if mode == ROW else a.in_features),
                                  expert))

@@ -13,7 +13,7 @@ import re
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.registry import get_family
-from megatron_patch.models.mapping import Rule, Scope, plan_transfers, split_context
+from megatron_patch.models.mapping import Rule, Scope, plan_transfers
 from megatron_patch.models.mapping.naming import te_to_local_name
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -80,13 +80,13 @@ def load_saved(chunks: list, arch: Arch, layout, saved: dict) -> None:
     chunk = chunks[0]
     spec_name = model_spec_name(chunk)
     rules = list({id(r): r for r in saved_rules(arch, tuple(_modules_of(saved))).values()}.values())
-    coord, ctx = current_coord(), split_context(arch)
+    coord = current_coord()
     params = dict(chunk.named_parameters())
     with torch.no_grad():
         for t in plan_transfers(rules, arch, layout, spec=spec_name):
             if not all(n in saved for n in t.hf_names):
                 continue
-            shards = t.split.shards([saved[n] for n in t.hf_names], t.num_shards, ctx)
+            shards = t.split.shards([saved[n] for n in t.hf_names], t.num_shards, t.context)
             for p in t.placements:
                 if coord.holds(t, p):
                     name = te_to_local_name(p.mcore_name) if spec_name == "local" else p.mcore_name

@@ -186,11 +186,13 @@ def split_trainable(arch, cfg, chunks: list[list], pp_rank: int, spec_name: str)
     return out, frozen
 
 
-def layer_adapters(arch, cfg, spec_name: str) -> tuple:
-    """For the memory plan's activations: the adapted linears of one layer (the first MoE layer of an MoE model,
-    the layer the plan's formula stands for) on rank 0, as ``memory_plan.Shape.lora`` describes them."""
+def layer_adapters(arch, cfg, spec_name: str, layer: int | None = None) -> tuple:
+    """For the memory plan's activations: the adapted linears of decoder layer ``layer`` (None: the first MoE
+    layer of an MoE model, the layer the plan's formula stands for) on rank 0, as ``memory_plan.Shape.lora``
+    describes them."""
     spec = LoraSpec.from_dict(cfg.lora)
-    layer = next((i for i in range(arch.num_layers) if arch.is_moe_layer(i)), 0)
+    if layer is None:
+        layer = next((i for i in range(arch.num_layers) if arch.is_moe_layer(i)), 0)
     per_rank = arch.num_experts // cfg.ep if arch.is_moe else 0
     out = []
     for s in plan_sites(arch, spec):

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED
 from megatron_patch.models.shape.model_shape import RankParam as Param
-from megatron_patch.models.shape.model_shape import model_shape
+from megatron_patch.models.shape.model_shape import chunk_layers, model_shape
 from megatron_patch.runtime.machine import Capabilities, installed_version, version_tuple
 from megatron_patch.training import fp8_run
 from megatron_patch.training.lora_run import layer_adapters
@@ -369,7 +369,9 @@ def _capacity(cfg) -> tuple[int | None, str]:
     return None, "unknown: set MP_GPU_MEMORY_GB"
 
 
-def _shape(arch, cfg) -> Shape:
+def _shape(arch, cfg, layer: int | None = None) -> Shape:
+    """The activations' sizes of decoder layer ``layer`` (its attention type may have a shape of its own; None:
+    the layer the plan's formula stands for, with the model's attention shape)."""
     if arch.is_moe:
         # tokens spread evenly: each token runs top-k experts (per EP rank: its share), plus the shared expert
         f = arch.moe_topk * arch.moe_ffn_hidden_size + arch.shared_expert_ffn_hidden_size
@@ -379,12 +381,14 @@ def _shape(arch, cfg) -> Shape:
     qk_norm = any("self_attention.q_layernorm." in n for layer in model_shape(arch).layers.values() for n in layer)
     lora = None
     if cfg.lora is not None:
-        lora = layer_adapters(arch, cfg, _spec(cfg))
+        lora = layer_adapters(arch, cfg, _spec(cfg), layer)
     sparse = arch.sparse_attention
     indexer = None if sparse is None else (sparse.n_heads, sparse.head_dim, sparse.topk,
                                            bool(cfg.dsa and cfg.dsa["loss_scale"]))
+    attention = arch.attention_shape(layer if layer is not None else 0)
     return Shape(s=cfg.sample_length // cfg.cp, b=cfg.micro_batch_size, h=arch.hidden_size,
-                 a=arch.num_heads * arch.head_dim, kvw=arch.num_kv_heads * arch.head_dim, hn=arch.head_dim,
+                 a=arch.num_heads * attention.head_dim, kvw=attention.num_kv_heads * attention.head_dim,
+                 hn=attention.head_dim,
                  heads=arch.num_heads, f=f, vocab=arch.padded_vocab_size(), tp=cfg.tp, sp=cfg.sequence_parallel, d=d,
                  qk_norm=qk_norm, lora=lora, indexer=indexer)
 
@@ -489,6 +493,22 @@ def _fused_adam_available() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
 
 
+def _layer_shapes(arch, cfg, pp_rank: int) -> list[Shape]:
+    """The activations' sizes of each decoder layer of pipeline rank ``pp_rank`` (its chunks' layers in turn):
+    one per layer, since an attention type may have a shape of its own (``Arch.attention_shape``)."""
+    if not arch.own_attention_shapes:  # every layer alike: the formula's one
+        return [_shape(arch, cfg)] * sum(stage_layers(arch, cfg, pp_rank))
+    of_shape: dict = {}
+    out = []
+    for v in range(len(stage_layers(arch, cfg, pp_rank))):
+        for i in chunk_layers(arch, cfg.layout, pp_rank, v, cfg.pp0_layers):
+            key = arch.attention_shape(i)
+            if key not in of_shape:
+                of_shape[key] = _shape(arch, cfg, i)
+            out.append(of_shape[key])
+    return out
+
+
 def _activations(arch, cfg, pp_rank: int, spec: str, attention: str | None) -> tuple[int, int]:
     """(saved bytes per micro-batch of this stage, transient peak)."""
     sh = _shape(arch, cfg)
@@ -496,15 +516,16 @@ def _activations(arch, cfg, pp_rank: int, spec: str, attention: str | None) -> t
     layers = stage_layers(arch, cfg, pp_rank)
     first, last = pp_rank == 0, pp_rank == cfg.pp - 1
     ac = cfg.activation_checkpointing
-    per_layer = layer_activations(sh, ac, spec, attention)
+    per_layer = [layer_activations(s, ac, spec, attention) for s in _layer_shapes(arch, cfg, pp_rank)]
     if ac == "full":
         blocks = sum(-(-n // cfg.ac_layers) for n in layers)
-        body = full_recompute_block_inputs(sh, blocks, spec)
+        # the RoPE table of the widest heads
+        body = full_recompute_block_inputs(max(_layer_shapes(arch, cfg, pp_rank), key=lambda s: s.hn), blocks, spec)
     else:
-        body = sum(layers) * per_layer
+        body = sum(per_layer)
     head = head_activations(sh, first, last, spec)
     logits = sh.s * sh.b * sh.vocab // sh.tp * (4 + 4 + sh.d) if last else 0
-    transient = max(logits, per_layer * (cfg.ac_layers if ac == "full" else 1), indexer_transient(sh))
+    transient = max(logits, max(per_layer) * (cfg.ac_layers if ac == "full" else 1), indexer_transient(sh))
     return (body + head) // (vp if vp > 1 else 1), transient
 
 
@@ -513,7 +534,8 @@ def _peak_activations(arch, cfg, pp_rank, spec, attention, per_microbatch: int, 
     if cfg.activation_checkpointing == "full":
         # during backward one block of MP_AC_LAYERS layers is rebuilt; the loss's tensors are gone by then
         sh = _shape(arch, cfg)
-        block = cfg.ac_layers * layer_activations(sh, "none", spec, attention)
+        block = cfg.ac_layers * max(layer_activations(s, "none", spec, attention)
+                                    for s in _layer_shapes(arch, cfg, pp_rank))
         head = head_activations(sh, pp_rank == 0, pp_rank == cfg.pp - 1, spec)
         embed_only = head_activations(sh, pp_rank == 0, False, spec)
         peak = max(peak, peak - head + embed_only + block)

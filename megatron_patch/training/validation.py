@@ -295,7 +295,10 @@ def fp8_shapes(cfg: RunConfig) -> None:
     if tokens % rows:
         raise UserError(f"PR=fp8 ({recipe}): the tokens per GEMM, {tokens_name} = {tokens}, must be a multiple of "
                         f"{rows}: change BATCH_SIZE or the sequence length")
-    dims = {"hidden_size": arch.hidden_size, "attention width per TP rank": arch.num_heads * arch.head_dim // tp,
+    # every layer's attention width (a layer type may have heads of its own size): the first that does not fit
+    widths = [arch.num_heads * s.head_dim // tp for s in arch.attention_shapes]
+    dims = {"hidden_size": arch.hidden_size,
+            "attention width per TP rank": next((w for w in widths if w % inner), widths[0]),
             "FFN size per TP rank": arch.ffn_hidden_size // tp}
     if arch.is_moe:
         dims["expert FFN size per ETP rank"] = arch.moe_ffn_hidden_size // etp

@@ -2,7 +2,8 @@
 attention and MLP outputs each pass through a norm of their own before the residual adds them (transformers'
 ``post_attention_layernorm`` and ``post_feedforward_layernorm``), GeGLU with tanh-approximated GELU, and the
 embedding's output times sqrt(hidden_size). Each family brings its own norm class and its attention, MLP and layer
-classes (``OutputNormed`` mixed in); the block of layers is built here.
+classes (``OutputNormed`` mixed in; where the model's layer types have attention shapes of their own, the attention
+takes its layer's as ``attention_shape``: ``OwnAttentionShape``); the block of layers is built here.
 
 Checkpoints keep transformer-engine's names for the fused norms (``sharded_state_dict_keys_map``); the norms after
 the attention and the MLP are ``self_attention.post_layernorm`` and ``mlp.post_layernorm``.
@@ -69,8 +70,10 @@ def _layer(arch: Arch, layer: int, core_attention: str | None, norm: type, atten
     parts = submodules_of(spec)
     self_attention = with_submodules(parts.self_attention, q_layernorm=norm, k_layernorm=norm,
                                      core_attention=core_attention_class(core_attention, mla=False))
+    # a layer's own attention shape, for a model that has one (its attention class is then ``OwnAttentionShape``)
+    shape = {"attention_shape": arch.attention_shape(layer)} if arch.own_attention_shapes else {}
     self_attention = with_module(self_attention, attention, layer_type=arch.attention_type(layer),
-                                 layer_types=layer_type_order(arch))
+                                 layer_types=layer_type_order(arch), **shape)
     keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
     if layer_class is not None:

@@ -63,6 +63,16 @@ class LinearAttentionShape:
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """One attention type's own key/value heads and head size, where its layers differ from the model's
+    ``num_kv_heads`` and ``head_dim`` (Gemma 4's full-attention layers: wider heads, other key/value heads);
+    the query heads are the model's."""
+
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
 class FamilyConfig:
     """A family's own typed settings, which only its model reads (``Arch.family_config``): a family subclasses
     this (a frozen dataclass) in its folder instead of adding fields here, which every family would carry."""
@@ -121,6 +131,9 @@ class Arch:
     # The embedding's row count when a checkpoint written elsewhere padded the vocabulary otherwise
     # (Megatron-LM pads to a multiple of 128 x TP): the model is built with exactly its rows.
     vocab_padded_to: int | None = None
+    # The attention types whose layers have a shape of their own, as (type, AttentionShape) pairs; every other
+    # layer has the model's num_kv_heads and head_dim (``attention_shape``).
+    own_attention_shapes: tuple[tuple[str, AttentionShape], ...] = ()
     # What only the family's own modules read (Gemma 3's local RoPE base, its softmax scale): its FamilyConfig.
     family_config: FamilyConfig | None = None
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
@@ -133,6 +146,17 @@ class Arch:
         """Layer ``layer``'s attention (``layer_types``), "full_attention" when config.json names none; an MTP
         layer after the decoder's has full attention."""
         return self.layer_types[layer] if layer < len(self.layer_types) else FULL_ATTENTION
+
+    def attention_shape(self, layer: int) -> AttentionShape:
+        """Layer ``layer``'s key/value heads and head size: its attention type's own, else the model's."""
+        return dict(self.own_attention_shapes).get(self.attention_type(layer),
+                                                   AttentionShape(self.num_kv_heads, self.head_dim))
+
+    @property
+    def attention_shapes(self) -> tuple[AttentionShape, ...]:
+        """Every distinct attention shape of the model's layers, the model's own first."""
+        return tuple(dict.fromkeys([AttentionShape(self.num_kv_heads, self.head_dim),
+                                    *(s for _, s in self.own_attention_shapes)]))
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
@@ -252,10 +276,11 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
     tp = layout.tp
     if arch.num_heads % tp:
         raise UserError(f"TP={tp} does not divide the {arch.num_heads} attention heads: choose a TP that divides {arch.num_heads}")
-    if arch.num_kv_heads % tp:
-        raise UserError(
-            f"TP={tp} does not divide the {arch.num_kv_heads} query groups (key/value heads): "
-            f"choose a TP that divides {arch.num_kv_heads}")
+    for shape in arch.attention_shapes:
+        if shape.num_kv_heads % tp:
+            raise UserError(
+                f"TP={tp} does not divide the {shape.num_kv_heads} query groups (key/value heads): "
+                f"choose a TP that divides {shape.num_kv_heads}")
     linear = arch.linear_attention
     if linear is not None and (linear.num_key_heads % tp or linear.num_value_heads % tp):
         raise UserError(f"TP={tp} does not divide the linear attention's {linear.num_key_heads} key and "

@@ -198,9 +198,14 @@ def check_arch(arch) -> None:
         value = getattr(arch, name)
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise UserError(f"config.json gives {name}={value!r}, which must be a finite number above 0")
-    if arch.num_heads % arch.num_kv_heads:
-        raise UserError(f"config.json has {arch.num_heads} attention heads, not a multiple of its "
-                        f"{arch.num_kv_heads} key/value heads")
+    for shape in arch.attention_shapes:
+        if isinstance(shape.num_kv_heads, bool) or not isinstance(shape.num_kv_heads, int) or shape.num_kv_heads < 1 \
+                or arch.num_heads % shape.num_kv_heads:
+            raise UserError(f"config.json has {arch.num_heads} attention heads, not a multiple of its "
+                            f"{shape.num_kv_heads} key/value heads")
+        if isinstance(shape.head_dim, bool) or not isinstance(shape.head_dim, int) or shape.head_dim < 1:
+            raise UserError(f"config.json gives a head_dim of {shape.head_dim!r}, which must be a positive whole "
+                            "number")
 
 
 def least_weight_elements(arch) -> int:
@@ -209,8 +214,9 @@ def least_weight_elements(arch) -> int:
     Every supported architecture has at least these."""
     moe_layers = arch.num_layers - len(arch.dense_layers) if arch.is_moe else 0
     dense_layers = arch.num_layers - moe_layers
-    per_layer_attention = arch.num_heads * arch.head_dim * arch.hidden_size
-    return (arch.vocab_size * arch.hidden_size + arch.num_layers * per_layer_attention
+    attention = sum(arch.num_heads * arch.attention_shape(i).head_dim * arch.hidden_size
+                    for i in range(arch.num_layers))
+    return (arch.vocab_size * arch.hidden_size + attention
             + dense_layers * 2 * arch.ffn_hidden_size * arch.hidden_size
             + moe_layers * arch.num_experts * 2 * arch.moe_ffn_hidden_size * arch.hidden_size)
 

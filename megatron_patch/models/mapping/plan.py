@@ -47,6 +47,8 @@ class Transfer:
     expert: bool             # shard index counts expert-tensor-parallel ranks, not TP ranks
     num_shards: int
     placements: tuple[Placement, ...]
+    # the numbers ``split`` cuts by: its layer's own (a layer may have an attention shape of its own)
+    context: SplitContext
     dtype: str | None = None  # a dtype name kept whatever the checkpoint's dtype (Rule.dtype)
 
     def dtype_in(self, checkpoint_dtype: str) -> str:
@@ -71,8 +73,11 @@ class RankCoord:
         return placement.shard == self.tp
 
 
-def split_context(arch: Arch) -> SplitContext:
-    return SplitContext(arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.vocab_size, arch.padded_vocab_size())
+def split_context(arch: Arch, layer: int | None = None) -> SplitContext:
+    """The numbers the splits cut by: decoder layer ``layer``'s own attention shape, else the model's."""
+    shape = arch.attention_shape(layer) if layer is not None else None
+    return SplitContext(arch.num_heads, shape.num_kv_heads if shape else arch.num_kv_heads,
+                        shape.head_dim if shape else arch.head_dim, arch.vocab_size, arch.padded_vocab_size())
 
 
 def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
@@ -82,12 +87,16 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
     ranges = pipeline_layer_ranges(arch.num_layers, layout.pp, pp_first_stage_layers)
     experts_per_rank = arch.num_experts // layout.ep if arch.is_moe else 0
     transfers: list[Transfer] = []
+    contexts = {None: split_context(arch)}
 
-    def add(hf_names, rule, expert, placements_for_shard):
+    def add(hf_names, rule, expert, placements_for_shard, layer=None):
         n = layout.expert_tp if expert else layout.tp
         placements = tuple(p for i in range(n) for p in placements_for_shard(i))
         split = rule.local_split if spec == "local" and rule.local_split is not None else rule.split
-        transfers.append(Transfer(tuple(hf_names), split, expert, n, placements, rule.dtype))
+        shape = arch.attention_shape(layer) if layer is not None else None
+        if shape not in contexts:
+            contexts[shape] = split_context(arch, layer)
+        transfers.append(Transfer(tuple(hf_names), split, expert, n, placements, contexts[shape], rule.dtype))
 
     for rule in rules:
         if rule.scope is Scope.FIRST_STAGE:
@@ -115,11 +124,11 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
                 # an MTP layer's HF name counts on from the decoder's ({layer}) or from 0 ({mtp_layer})
                 hf = [h.replace("{layer}", str(layer)).replace("{mtp_layer}", str(local)) for h in rule.hf]
                 if rule.scope is Scope.LAYER:
-                    add(hf, rule, False, lambda i, m=mcore, s=stage: [Placement(s, None, i, m)])
+                    add(hf, rule, False, lambda i, m=mcore, s=stage: [Placement(s, None, i, m)], layer)
                     continue
                 for expert in range(arch.num_experts):
                     ep_rank, local_expert = divmod(expert, experts_per_rank)
                     add([h.replace("{expert}", str(expert)) for h in hf], rule, True,
                         lambda i, m=mcore.replace("{expert}", str(local_expert)), s=stage, e=ep_rank:
-                        [Placement(s, e, i, m)])
+                        [Placement(s, e, i, m)], layer)
     return transfers

@@ -63,7 +63,7 @@ _ARCH_FIELDS = {"family", "vocab_size", "hidden_size", "ffn_hidden_size", "num_l
 # family says so (ModelFamily.skeleton_from_megatron_core). A new Arch field joins one set or the other
 # (tests/test_family_seams.py), so none goes unnoticed.
 ARCH_FIELDS_NOT_MODELLED = {"layer_types", "sliding_window", "attention_sinks", "linear_attention", "sparse_attention",
-                            "family_config"}
+                            "family_config", "own_attention_shapes"}
 
 
 class NotDerivable(Exception):

@@ -112,9 +112,11 @@ class ModelShape:
         matrices += sum(_matrix(n, s) * self._share(n, True) for n, s in self.ends.items() if n.startswith("mtp."))
         vocab_rows = self.ends[EMBEDDING][0]
         matrices += vocab_rows * arch.hidden_size * (1 + arch.mtp_layers)  # logits, once per prediction head
-        qk, v = (arch.mla.qk_head_dim, arch.mla.v_head_dim) if arch.mla else (arch.head_dim, arch.head_dim)
-        attention = sum(_attention_terms(arch, arch.attention_type(i), seq_len, qk, v)
-                        for i in range(arch.num_layers + arch.mtp_layers))
+        attention = 0.0
+        for i in range(arch.num_layers + arch.mtp_layers):
+            head = arch.attention_shape(i).head_dim  # a layer's own head size where its attention type has one
+            qk, v = (arch.mla.qk_head_dim, arch.mla.v_head_dim) if arch.mla else (head, head)
+            attention += _attention_terms(arch, arch.attention_type(i), seq_len, qk, v)
         return 6.0 * (matrices + attention)
 
     # --- one rank of a layout ------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.registry import get_family
-from megatron_patch.models.mapping import MappingError, Transfer, names_list, plan_transfers, split_context
+from megatron_patch.models.mapping import MappingError, Transfer, names_list, plan_transfers
 from megatron_patch.models.mapping.splits import Replicated
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -85,7 +85,6 @@ def expected_hf_shapes(arch: Arch, shapes: dict[str, tuple[int, ...]], transfers
 
     Also checks that the weight table writes every parameter of the model and nothing else.
     """
-    ctx = split_context(arch)
     planned, out = set(), {}
     if transfers is None:
         transfers = plan_transfers(get_family(arch.family).weight_rules(arch), arch, ParallelLayout())
@@ -95,7 +94,8 @@ def expected_hf_shapes(arch: Arch, shapes: dict[str, tuple[int, ...]], transfers
         if name not in shapes:
             raise MappingError(f"the {arch.family} weight table writes {name}, which the MCore model does not have")
         shape = shapes[name]
-        hf_shapes = [shape] * len(t.hf_names) if isinstance(t.split, Replicated) else t.split.merged_shapes(shape, ctx)
+        hf_shapes = [shape] * len(t.hf_names) if isinstance(t.split, Replicated) else \
+            t.split.merged_shapes(shape, t.context)
         for hf_name, s in zip(t.hf_names, hf_shapes):
             out.setdefault(hf_name, tuple(s))
     unplanned = set(shapes) - planned
