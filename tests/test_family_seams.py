@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_patch.models.description.config_checks import Table
+from megatron_patch.models.description.config_checks import PerLayer, Table
 from megatron_patch.models.description.registry import families
 
 WHOLE = "*"  # the recording's mark for a reader that took every field at once (a plain copy: dict(raw), {**raw})
@@ -81,9 +81,12 @@ def undeclared(declared: dict, read: set[str]) -> list[str]:
     for path in sorted(read):
         rules = {**COMMON_KEYS, **declared}
         *parents, name = path.split(".")
+        rule = None
         for parent in parents:
             rule = rules.get(parent)
             rules = rule.fields if isinstance(rule, Table) else {}
+        if name == WHOLE and isinstance(rule, PerLayer):  # keyed by layer numbers: read whole, checked per layer
+            continue
         if name not in rules:
             out.append(path)
     return out
@@ -94,7 +97,8 @@ def test_a_family_declares_every_config_field_it_reads(name):
     family = families()[name]
     for size, raw in {"tiny": family.tiny_config, **family.presets}.items():
         read = fields_read(family, raw)
-        whole = sorted(p for p in read if p.endswith(WHOLE))
+        per_layer = {k for k, rule in family.config_keys.items() if isinstance(rule, PerLayer)}
+        whole = sorted(p for p in read if p.endswith(WHOLE) and p[:-len(WHOLE) - 1] not in per_layer)
         assert not whole, f"{name} {size}: a reader copies config.json whole ({whole}); write raw | {{...}} instead, " \
                           "so the fields it reads stay known"
         missing = undeclared(family.config_keys, read)
@@ -156,3 +160,20 @@ def test_every_arch_field_is_modelled_by_the_derivation_or_named_as_not():
         f"Arch fields {sorted(fields - ds._ARCH_FIELDS - ds.ARCH_FIELDS_NOT_MODELLED)}: add each to " \
         "derived_skeleton._ARCH_FIELDS (the rules model it) or ARCH_FIELDS_NOT_MODELLED; a family's own settings " \
         "belong in its FamilyConfig (Arch.family_config), not in a new Arch field"
+
+
+def test_a_per_layer_field_is_read_whole_and_checked_layer_by_layer():
+    """transformers 5's per_layer_config (layer numbers to tables) is the one field a reader may take whole: its keys
+    are layer numbers, and each layer's table is checked by its declared fields, named by its path."""
+    from megatron_patch.errors import UserError
+    from megatron_patch.models.description.config_checks import Given, Whole, check_config_values
+
+    rule = PerLayer({"head_dim": Whole(1, 10)})
+    assert undeclared({"per_layer_config": rule}, {"per_layer_config", "per_layer_config.*"}) == []
+    assert undeclared({"per_layer_config": Given()}, {"per_layer_config", "per_layer_config.*"}) == \
+        ["per_layer_config.*"]
+    check_config_values({"per_layer_config": {"05": {"head_dim": 4}}}, {"per_layer_config": rule})
+    with pytest.raises(UserError, match=r"'per_layer_config\.05\.head_dim' must be"):
+        check_config_values({"per_layer_config": {"05": {"head_dim": 0}}}, {"per_layer_config": rule})
+    with pytest.raises(UserError, match="'per_layer_config' must map layer numbers to JSON objects"):
+        check_config_values({"per_layer_config": {"x": 3}}, {"per_layer_config": rule})

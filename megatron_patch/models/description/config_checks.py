@@ -77,6 +77,19 @@ class Table:
 
 
 @dataclass(frozen=True)
+class PerLayer:
+    """A JSON object from layer numbers to tables whose fields follow ``fields`` (transformers 5's
+    ``per_layer_config``: a layer's own settings); its keys being layer numbers, a reader takes them all at once."""
+
+    fields: dict
+
+    def problem(self, value) -> str | None:
+        if not isinstance(value, dict) or not all(str(k).isdigit() and isinstance(v, dict) for k, v in value.items()):
+            return f"must map layer numbers to JSON objects, found {_show(value)}"
+        return None
+
+
+@dataclass(frozen=True)
 class Given:
     """Any value: the family reads only whether the field is given (and refuses it then, in one line)."""
 
@@ -185,6 +198,9 @@ def _check_fields(raw: dict, rules: dict, where: str, path: str) -> None:
             raise UserError(f"{where} '{path}{key}' {why}")
         if isinstance(rule, Table):
             _check_fields(value, rule.fields, where, f"{path}{key}.")
+        if isinstance(rule, PerLayer):
+            for layer, fields in value.items():
+                _check_fields(fields, rule.fields, where, f"{path}{key}.{layer}.")
 
 
 def check_arch(arch) -> None:
