@@ -13,21 +13,29 @@ import pytest
 import torch
 
 from megatron_patch.errors import UserError
+from megatron_patch.models.description.arch import AttentionShape
 from megatron_patch.models.description.registry import families, parse_arch
 
 GEMMA4 = families()["gemma4"]
 
 
 def test_hub_and_transformers5_config_forms_read_the_same():
-    """The tiny config as the hub writes Gemma 4 (global_head_dim) and as transformers 5.24 writes it back
-    (per_layer_config per full-attention layer, every default spelt out) are one model."""
+    """A config as the hub writes Gemma 4 (global_head_dim) and as transformers 5.24 writes it back
+    (per_layer_config per full-attention layer, every default spelt out) are one model, its full-attention layers
+    with heads of their own."""
     from transformers import Gemma4TextConfig
 
-    written = Gemma4TextConfig(**GEMMA4.tiny_config).to_dict()
-    assert "per_layer_config" in written and "global_head_dim" not in written
-    read = [dataclasses.replace(parse_arch(c), hf_config={}) for c in (written, GEMMA4.tiny_config)]
-    assert read[0] == read[1]
-    arch = read[0]
+    hub = {k: v for k, v in GEMMA4.tiny_config.items() if k != "per_layer_config"}
+    for config, full in ((GEMMA4.tiny_config, AttentionShape(num_kv_heads=4, head_dim=32)),
+                         (hub, AttentionShape(num_kv_heads=2, head_dim=32))):
+        written = Gemma4TextConfig(**config).to_dict()
+        assert "per_layer_config" in written and "global_head_dim" not in written
+        read = [dataclasses.replace(parse_arch(c), hf_config={}) for c in (written, config)]
+        assert read[0] == read[1]
+        assert read[0].own_attention_shapes == (("full_attention", full),)
+        assert read[0].attention_shape(0) == AttentionShape(num_kv_heads=2, head_dim=16)
+        assert read[0].attention_shape(1) == full
+    arch = parse_arch(GEMMA4.tiny_config)
     assert arch.layer_types == ("sliding_attention", "full_attention") and arch.sliding_window == 8
     assert (arch.rope_theta, arch.family_config.full_rope_theta, arch.family_config.full_partial_rotary_factor) == \
         (1e4, 1e6, 0.5)
@@ -38,9 +46,14 @@ def test_hub_and_transformers5_config_forms_read_the_same():
 
 
 @pytest.mark.parametrize("over, fragment", [
-    ({"global_head_dim": 32}, "gemma4 layer 1's own attention shape {'head_dim': 32}"),
-    ({"per_layer_config": {"1": {"head_dim": 16, "num_key_value_heads": 1}}}, "every layer must have head_dim 16"),
-    ({"per_layer_config": {"x": 3}}, "per_layer_config must map layer numbers"),
+    ({"per_layer_config": {"x": 3}}, "'per_layer_config' must map layer numbers"),
+    ({"per_layer_config": {"1": {"head_dim": 0}}}, "'per_layer_config.1.head_dim' must be"),
+    ({"per_layer_config": {"2": {"head_dim": 32}}}, "per_layer_config names layer 2, but the model has 2"),
+    ({"per_layer_config": {"1": {"head_dim": 32, "sliding_window": 4}}}, "layer 1's own settings ['sliding_window']"),
+    ({"per_layer_config": {"1": {"num_key_value_heads": 3}}}, "4 attention heads, not a multiple of its 3 key/value"),
+    ({"num_hidden_layers": 3, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+      "per_layer_config": {"0": {"head_dim": 32}, "2": {"head_dim": 64}}},
+     "gemma4's full_attention layers differ in attention shape"),
     ({"hidden_size_per_layer_input": None}, "hidden_size_per_layer_input=256 (per-layer input embeddings)"),
     ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input=8"),
     ({"num_kv_shared_layers": 1}, "num_kv_shared_layers=1 is not supported yet for gemma4"),
@@ -64,15 +77,32 @@ def test_what_it_does_not_build_is_refused_in_one_line(over, fragment):
     assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_a_config_naming_only_transformers_defaults_is_refused_for_its_global_head_dim():
+def test_vision_bidirectional_attention_leaves_the_text_model_causal():
+    """The 31B's use_bidirectional_attention="vision" opens the attention only between the multimodal model's image
+    tokens: transformers' text model stays causal, and so is it read."""
+    from transformers import AutoConfig, Gemma4ForCausalLM
+
+    config = {**GEMMA4.tiny_config, "use_bidirectional_attention": "vision"}
+    hf = Gemma4ForCausalLM(AutoConfig.for_model(**config))
+    assert all(layer.self_attn.is_causal for layer in hf.model.layers)
+    assert dataclasses.replace(parse_arch(config), hf_config={}) == \
+        dataclasses.replace(parse_arch(GEMMA4.tiny_config), hf_config={})
+
+
+def test_a_config_naming_only_transformers_defaults_reads_its_global_head_dim():
     """transformers' own Gemma4TextConfig defaults (those of the published sizes: full-attention heads of 512 beside
-    sliding ones of 256, per-layer inputs of 256) are refused in one line, not built wrong."""
+    sliding ones of 256, per-layer inputs of 256) are refused in one line for their per-layer inputs, not built
+    wrong; without those, the full-attention layers have their heads of 512, in either form."""
     from transformers import Gemma4TextConfig
 
-    with pytest.raises(UserError, match="own attention shape {'head_dim': 512}"):
-        parse_arch({**Gemma4TextConfig().to_dict(), "architectures": ["Gemma4ForCausalLM"]})
     with pytest.raises(UserError, match="hidden_size_per_layer_input=256"):
-        parse_arch({**Gemma4TextConfig(global_head_dim=256).to_dict(), "architectures": ["Gemma4ForCausalLM"]})
+        parse_arch({**Gemma4TextConfig().to_dict(), "architectures": ["Gemma4ForCausalLM"]})
+    hub = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "hidden_size_per_layer_input": 0}
+    for config in (hub, {**Gemma4TextConfig(**hub).to_dict(), "architectures": ["Gemma4ForCausalLM"]}):
+        arch = parse_arch(config)
+        assert (arch.head_dim, arch.num_kv_heads) == (256, 4)
+        assert arch.own_attention_shapes == (("full_attention", AttentionShape(num_kv_heads=4, head_dim=512)),)
+        assert [arch.attention_shape(i).head_dim for i in range(6)] == [256] * 5 + [512]
 
 
 def pieces_worker(hf_dir: str, tokens: torch.Tensor) -> dict:
@@ -110,3 +140,68 @@ def test_the_model_level_pieces_it_owns_are_what_transformers_computes(tmp_path)
     assert compare_logits(want, logits["built"])["rel_l2"] <= FP32_REL_L2
     for name in ("no_scale", "one_rope", "whole_rotary", "no_cap", "no_value_norm", "no_layer_scalar"):
         assert compare_logits(want, logits[name])["rel_l2"] > 100 * FP32_REL_L2, name
+
+
+def test_full_attention_layers_have_their_own_shape_in_megatron_core_and_the_counts():
+    """The tiny model's full-attention layer, 4 heads of 32 and 4 key/value heads beside the sliding layer's 4 of
+    16 and 2, is built so by megatron-core (the shapes model_shape reads from it), and its parameters and attention
+    FLOPs count so: the total is transformers' own (with the vocabulary's padding)."""
+    from transformers import AutoConfig, Gemma4ForCausalLM
+
+    from megatron_patch.models.shape.model_shape import model_shape
+
+    arch = parse_arch(GEMMA4.tiny_config)
+    shape = model_shape(arch)
+    for kind, heads, groups, dim in (("sliding_attention+dense", 4, 2, 16), ("full_attention+dense", 4, 4, 32)):
+        layer = shape.layers[kind]
+        assert layer["self_attention.linear_qkv.weight"] == ((heads + 2 * groups) * dim, 48), kind
+        assert layer["self_attention.linear_proj.weight"] == (48, heads * dim), kind
+        assert layer["self_attention.q_layernorm.weight"] == layer["self_attention.k_layernorm.weight"] == (dim,)
+    hf = Gemma4ForCausalLM(AutoConfig.for_model(**GEMMA4.tiny_config))
+    padding = (arch.padded_vocab_size() - arch.vocab_size) * arch.hidden_size  # the embedding's padded rows
+    assert shape.params() == sum(p.numel() for p in hf.parameters()) + padding
+    # within the window (8) every key counts: s/2 keys per query, times the heads, times q.k and a.v per layer
+    assert shape.flops_per_token(8) - shape.flops_per_token(2) == 6 * 3 * 4 * (2 * 16 + 2 * 32)
+
+
+def test_the_memory_plan_counts_the_full_attention_layers_own_shape(tmp_path):
+    """The plan's activations take each layer's own attention shape: the tiny model's full-attention layer (heads of
+    32) saves more than it would with the sliding layer's heads of 16."""
+    from megatron_patch.training import memory_plan
+    from megatron_patch.training.validation import resolve
+    from tests.training_helpers import launcher_args
+
+    prefix = tmp_path / "c_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    cfg = resolve("gemma4", launcher_args("gemma4", PR="bf16", DATASET_PATH=str(prefix),
+                                          OUTPUT_BASEPATH=str(tmp_path / "out")), env={})
+    shapes = memory_plan._layer_shapes(cfg.arch, cfg, 0)
+    assert [(s.a, s.kvw, s.hn) for s in shapes] == [(64, 32, 16), (128, 128, 32)]
+    own = memory_plan.stage_memory(cfg.arch, cfg, 0, "local").activations
+    alike = dataclasses.replace(cfg.arch, own_attention_shapes=())
+    ac, attention = cfg.activation_checkpointing, memory_plan._attention(cfg, "local")
+    assert own - memory_plan.stage_memory(alike, cfg, 0, "local").activations == \
+        memory_plan.layer_activations(shapes[1], ac, "local", attention) - \
+        memory_plan.layer_activations(shapes[0], ac, "local", attention)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_converted_at_tp2_loads_at_pp2_with_transformers_logits(tmp_path):
+    """The full-attention layer's fused q/k/v, cut by its own heads at TP=2 into torch_dist (one key per layer: the
+    layers differ in shape), loads at PP=2 into a model whose logits are transformers'."""
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, compare_logits, hf_logits, random_tokens
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.runtime.distributed import ParallelLayout
+    from megatron_patch.runtime.launch import run_local
+    from tests.convert_helpers import checkpoint_logits_worker
+
+    src = make_tiny_hf_checkpoint("gemma4", tmp_path / "hf", seed=3)
+    ckpt = tmp_path / "ckpt"
+    hf_to_mcore(src, ckpt, ParallelLayout(tp=2), fmt="torch_dist", progress=False)
+    layout = ParallelLayout(pp=2)
+    tokens = random_tokens(200, batch=2, seq=16)
+    results = run_local(checkpoint_logits_worker, layout.world_size, str(ckpt), layout, tokens)
+    metrics = compare_logits(hf_logits(src, tokens), next(r for r in results if r is not None))
+    assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics

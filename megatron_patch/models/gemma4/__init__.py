@@ -1,5 +1,5 @@
-"""Gemma 4's text model (gemma4_text: Gemma4ForCausalLM), dense, every layer one attention shape; what it does not
-build yet is refused in one line (config.py)."""
+"""Gemma 4's text model (gemma4_text: Gemma4ForCausalLM), dense, its full-attention layers with heads of their own
+size and count; what it does not build yet is refused in one line (config.py)."""
 
 from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.models.description.registry import register
@@ -10,9 +10,10 @@ from megatron_patch.models.gemma4.presets import PRESETS
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(
-    name="gemma4", summary="Gemma 4's text model (dense, one attention shape in every layer): embedding x "
+    name="gemma4", summary="Gemma 4's text model (dense): embedding x "
                            "sqrt(hidden), norms around attention and MLP, q/k/v norms, GeGLU, sliding-window layers "
-                           "with default RoPE and global ones with proportional partial RoPE, a scalar per layer, "
+                           "with default RoPE and global ones with heads of their own size and count and "
+                           "proportional partial RoPE, a scalar per layer, "
                            "soft-capped logits, tied embeddings",
     hf_model_types=("gemma4_text",), hf_architectures=("Gemma4ForCausalLM",),
     parse_config=parse_config, config_keys=CONFIG_KEYS,
@@ -23,6 +24,6 @@ FAMILY = register(ModelFamily(
     skeleton_from_megatron_core="its norms after the attention and the MLP and its layer scalar are modules of its own",
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2), L(pp=2)),
-        round_trips=(("legacy", L(tp=2, pp=2), "bf16"), ("torch_dist", L(tp=2), "fp32")),
+        round_trips=(("legacy", L(tp=2, pp=2), "bf16"), ("torch_dist", L(tp=2, pp=2), "fp32")),
         memory_plan=((dict(PR="bf16", DO="true"), {}, False),)),
 ))

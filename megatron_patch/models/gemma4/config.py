@@ -8,22 +8,25 @@
   full), each type with its own RoPE from ``rope_parameters``: default RoPE on sliding windows; proportional RoPE
   on full attention, which rotates the first ``partial_rotary_factor`` of each head's frequency pairs and passes
   the rest through;
+- the full-attention layers with a head size and key/value heads of their own (``global_head_dim``, or
+  ``per_layer_config`` as transformers 5.24 writes it back; ``Arch.own_attention_shapes``);
 - GeGLU (``gelu_pytorch_tanh``) and a stored scalar on each layer's output (``layer_scalar``);
 - the final logits soft-capped (``tanh(x / c) * c``) where ``final_logit_softcapping`` is set; tied embeddings.
 
-Refused in one line, each what this model does not build yet: a head dim or key/value head count on the
-full-attention layers apart from the sliding ones' (``global_head_dim``, ``num_global_key_value_heads``,
-``per_layer_config``), per-layer input embeddings (``hidden_size_per_layer_input``: set it to 0), KV sharing
-(``num_kv_shared_layers``), ``attention_k_eq_v``, the MoE block (``enable_moe_block``), bidirectional attention,
-attention biases, another activation. The multimodal ``gemma4`` folder is not claimed (the registry refuses
-its model_type).
+Refused in one line, each what this model does not build yet: layers of one type with different attention shapes
+(transformers itself computes one RoPE per type), per-layer input embeddings (``hidden_size_per_layer_input``: set
+it to 0), KV sharing (``num_kv_shared_layers``), ``attention_k_eq_v`` (keys that double as values on the
+full-attention layers, which also gates ``num_global_key_value_heads``), the MoE block (``enable_moe_block``),
+bidirectional attention over text (``use_bidirectional_attention="all"``; "vision" touches only the multimodal
+model's image tokens), attention biases, another activation. The multimodal ``gemma4`` folder is not claimed (the
+registry refuses its model_type).
 """
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch
+from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch, AttentionShape
 from megatron_patch.models.description.config_checks import (
-    MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Flag, Given, Names, Real, Table, Text,
-    Whole)
+    MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Flag, Given, Names, PerLayer, Real, Table,
+    Text, Whole)
 from megatron_patch.models.gemma4.settings import Gemma4Settings
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -63,26 +66,49 @@ def full_layer_overrides(raw: dict, types: tuple[str, ...]) -> dict[int, dict]:
         if not isinstance(written, dict) or not all(isinstance(v, dict) and str(k).isdigit() for k, v in
                                                     written.items()):
             raise UserError("config.json per_layer_config must map layer numbers to tables of their own settings")
-        return {int(k): v for k, v in written.items()}
+        found = {int(k): v for k, v in written.items()}
+        if found and max(found) >= len(types):
+            raise UserError(f"config.json per_layer_config names layer {max(found)}, but the model has {len(types)}")
+        return found
     overrides = {"head_dim": value(raw, "global_head_dim")}
     if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads") is not None:
         overrides["num_key_value_heads"] = raw["num_global_key_value_heads"]
     return {i: overrides for i, t in enumerate(types) if t == FULL_ATTENTION}
 
 
-def check_supported(raw: dict, types: tuple[str, ...]) -> None:
-    head_dim, kv_heads = value(raw, "head_dim"), value(raw, "num_key_value_heads")
-    for layer, over in full_layer_overrides(raw, types).items():
-        if set(over) - {"head_dim", "num_key_value_heads"} or over.get("head_dim", head_dim) != head_dim or \
-                over.get("num_key_value_heads", kv_heads) != kv_heads:
-            raise UserError(f"gemma4 layer {layer}'s own attention shape {over} (global_head_dim / per_layer_config) "
-                            f"is not supported yet: every layer must have head_dim {head_dim} and {kv_heads} "
-                            "key/value heads")
+def own_attention_shapes(raw: dict, types: tuple[str, ...]) -> tuple[tuple[str, AttentionShape], ...]:
+    """The layer types whose layers have an attention shape of their own (the full-attention ones, in the published
+    sizes), each one shape for all its layers."""
+    model = AttentionShape(value(raw, "num_key_value_heads"), value(raw, "head_dim"))
+    overrides = full_layer_overrides(raw, types)
+    of_type: dict[str, dict[int, AttentionShape]] = {}
+    for layer, layer_type in enumerate(types):
+        over = overrides.get(layer, {})
+        if set(over) - {"head_dim", "num_key_value_heads"}:
+            other = sorted(set(over) - {"head_dim", "num_key_value_heads"})
+            raise UserError(f"gemma4 layer {layer}'s own settings {other} (per_layer_config) are not supported: only "
+                            "head_dim and num_key_value_heads")
+        of_type.setdefault(layer_type, {})[layer] = AttentionShape(
+            over.get("num_key_value_heads", model.num_kv_heads), over.get("head_dim", model.head_dim))
+    out = []
+    for layer_type, shapes in sorted(of_type.items()):
+        if len(set(shapes.values())) > 1:
+            raise UserError(f"gemma4's {layer_type} layers differ in attention shape (per_layer_config: "
+                            f"{ {i: (s.head_dim, s.num_kv_heads) for i, s in shapes.items()} } as (head_dim, "
+                            "key/value heads)): each layer type must have one, as transformers' RoPE per type needs")
+        shape = next(iter(shapes.values()))
+        if shape != model:
+            out.append((layer_type, shape))
+    return tuple(out)
+
+
+def check_supported(raw: dict) -> None:
     if value(raw, "hidden_size_per_layer_input"):
         raise UserError(f"hidden_size_per_layer_input={value(raw, 'hidden_size_per_layer_input')} (per-layer input "
                         "embeddings) is not supported yet for gemma4: set it to 0")
+    # "vision" (the 31B's) makes only the multimodal model's image tokens see each other: the text model is causal
     for key, unset in (("num_kv_shared_layers", 0), ("attention_k_eq_v", False), ("enable_moe_block", False),
-                       ("use_bidirectional_attention", None), ("attention_bias", False)):
+                       ("use_bidirectional_attention", "vision"), ("attention_bias", False)):
         if raw.get(key) not in (unset, None):
             raise UserError(f"{key}={raw[key]} is not supported yet for gemma4: this model builds none")
     act = raw.get("hidden_activation") or ACTIVATION
@@ -106,7 +132,7 @@ def rope_of(raw: dict) -> dict[str, dict]:
 def parse_config(raw: dict) -> Arch:
     layers = value(raw, "num_hidden_layers")
     types = layer_types_of(raw, layers)
-    check_supported(raw, types)
+    check_supported(raw)
     ropes = rope_of(raw)
     full = ropes[FULL_ATTENTION]
     partial = float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0
@@ -120,6 +146,7 @@ def parse_config(raw: dict) -> Arch:
         max_position_embeddings=value(raw, "max_position_embeddings"),
         tie_word_embeddings=True if tied is None else bool(tied), layer_types=types,
         sliding_window=value(raw, "sliding_window") if SLIDING_ATTENTION in types else None,
+        own_attention_shapes=own_attention_shapes(raw, types),
         family_config=Gemma4Settings(
             full_rope_theta=float(full.get("rope_theta", 1_000_000.0)), full_partial_rotary_factor=partial,
             full_rope_factor=float(full.get("factor", 1.0)),
@@ -135,6 +162,8 @@ def transformer_config_kwargs(arch: Arch) -> dict:
 
     return dict(
         qk_layernorm=True, activation_func=gelu_tanh, softmax_scale=1.0, **sliding_window_kwargs(arch),
+        # layers of another attention shape cannot share a torch_dist key stacked over the layers: one key each
+        hetereogenous_dist_checkpoint=bool(arch.own_attention_shapes),
         # the family's own modules, with or without transformer-engine: no TE-only or SwiGLU-only fusions
         bias_activation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
@@ -162,7 +191,8 @@ CONFIG_KEYS = {
     "num_hidden_layers": Whole(1, MAX_LAYERS), "num_attention_heads": Whole(1, MAX_HEADS),
     "num_key_value_heads": Whole(1, MAX_HEADS), "head_dim": Whole(1, MAX_WIDTH),
     "global_head_dim": Whole(1, MAX_WIDTH), "num_global_key_value_heads": Whole(1, MAX_HEADS),
-    "per_layer_config": Given(), "max_position_embeddings": Whole(1, MAX_POSITIONS), "rms_norm_eps": Real(0, 1.0),
+    "per_layer_config": PerLayer({"head_dim": Whole(1, MAX_WIDTH), "num_key_value_heads": Whole(1, MAX_HEADS)}),
+    "max_position_embeddings": Whole(1, MAX_POSITIONS), "rms_norm_eps": Real(0, 1.0),
     "model_type": Text(), "sliding_window": Whole(1, MAX_POSITIONS), "layer_types": Names(MAX_LAYERS),
     "rope_parameters": Table({FULL_ATTENTION: _ROPE_TABLE, SLIDING_ATTENTION: _ROPE_TABLE}),
     "tie_word_embeddings": Flag(), "attention_bias": Flag(), "hidden_activation": Text(),
@@ -171,14 +201,16 @@ CONFIG_KEYS = {
     "num_kv_shared_layers": Whole(0, MAX_LAYERS), "attention_k_eq_v": Flag(), "enable_moe_block": Flag(),
 }
 
-# A tiny Gemma 4 (Gemma4ForCausalLM): a sliding-window layer (window 8, shorter than the tests' sequences) then a
-# full-attention one with proportional RoPE on half its pairs, 4 heads of 16 (64 wide, not hidden/heads), 2
-# key/value heads, logits soft-capped at 3 (near their size, so that the cap bites), tied embeddings, a vocabulary
-# that needs padding.
+# A tiny Gemma 4 (Gemma4ForCausalLM): a sliding-window layer (window 8, shorter than the tests' sequences), 4 heads
+# of 16 (64 wide, not hidden/heads) and 2 key/value heads, then a full-attention one with heads of its own, 4 of 32
+# and 4 key/value heads (per_layer_config as transformers writes it; global_head_dim says the same), proportional
+# RoPE on half its pairs; logits soft-capped at 3 (near their size, so that the cap bites), tied embeddings, a
+# vocabulary that needs padding.
 TINY_CONFIG = {
     "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
     "vocab_size": 200, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+    "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 4}},
     "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
     "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
     "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,

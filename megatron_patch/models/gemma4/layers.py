@@ -3,13 +3,15 @@
 
 - each decoder layer (``Gemma4Layer``) is a sandwich-norm layer (``models/blocks/sandwich_norms.py``) with float32
   RMSNorms of a plain weight (``Gemma4RMSNorm``) before the attention and the MLP, as q/k norms, and after the
-  attention (``Gemma4SelfAttention``: its layer type's rotary embedding, a weightless norm over each value head)
+  attention (``Gemma4SelfAttention``: its layer type's rotary embedding and attention shape, the full-attention
+  layers' heads of their own size and count, a weightless norm over each value head)
   and the MLP (``Gemma4MLP``: GeGLU), and the layer's output times its stored scalar (``layer_scalar``);
 - ``finish_model`` scales the embedding's output by sqrt(hidden_size) rounded to its dtype, soft-caps the
   logits, and installs a rotary embedding per layer type (``models/blocks/layer_rotary.py``): the sliding-window
   layers keep the default RoPE the builder installed, the full-attention layers get proportional RoPE's
-  frequencies (the pairs past ``partial_rotary_factor`` at frequency 0: they pass through unrotated, as in
-  transformers, whose rotation pairs dimension i with i + head_dim / 2 exactly as megatron-core's does).
+  frequencies over their own head size (the pairs past ``partial_rotary_factor`` at frequency 0: they pass through
+  unrotated, as in transformers, whose rotation pairs dimension i with i + head_dim / 2 exactly as megatron-core's
+  does).
 
 The layer's scalar is checkpointed as ``layer_scalar.weight``.
 """
@@ -21,7 +23,8 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_patch.models.blocks.layer_rotary import RotaryOfLayerType, install_per_layer_type, layer_type_order
+from megatron_patch.models.blocks.layer_rotary import (
+    OwnAttentionShape, RotaryOfLayerType, install_per_layer_type, layer_type_order)
 from megatron_patch.models.blocks.sandwich_norms import OutputNormed, ReplicatedOverTP, sandwich_block, scale_embedding
 from megatron_patch.models.description.arch import FULL_ATTENTION, Arch
 from megatron_patch.models.gemma4.settings import settings
@@ -67,9 +70,9 @@ class LayerScalar(ReplicatedOverTP, torch.nn.Module):
         return x * self.weight
 
 
-class Gemma4SelfAttention(OutputNormed, RotaryOfLayerType, SelfAttention):
-    """megatron-core's self-attention with its layer type's rotary embedding and a weightless RMSNorm over each
-    value head, its output normalised."""
+class Gemma4SelfAttention(OutputNormed, RotaryOfLayerType, OwnAttentionShape, SelfAttention):
+    """megatron-core's self-attention with its layer type's rotary embedding and attention shape and a weightless
+    RMSNorm over each value head, its output normalised."""
 
     output_norm = PostNorm
 
@@ -132,6 +135,7 @@ def finish_model(model, arch: Arch) -> None:
         return
     freqs = {t: model.rotary_pos_emb.inv_freq for t in layer_type_order(arch)}
     if FULL_ATTENTION in freqs:
-        freqs[FULL_ATTENTION] = proportional_inv_freq(own.full_rope_theta, arch.head_dim,
+        full = next(i for i, t in enumerate(arch.layer_types) if t == FULL_ATTENTION)
+        freqs[FULL_ATTENTION] = proportional_inv_freq(own.full_rope_theta, arch.attention_shape(full).head_dim,
                                                       own.full_partial_rotary_factor, own.full_rope_factor)
     install_per_layer_type(model, arch, freqs)
