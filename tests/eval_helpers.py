@@ -9,6 +9,7 @@ from megatron_patch.evaluation.loading import load_hf_tokenizer, load_model, pad
 from megatron_patch.evaluation.runner import ModelRunner
 from megatron_patch.evaluation.tasks import PROJECT_TASKS, offline
 from megatron_patch.runtime import init_model_parallel
+from megatron_patch.runtime.distributed import ParallelLayout
 
 # Every shipped task (rolling perplexity, multiple choice, greedy generation), a few documents each.
 SETTINGS = EvalSettings(tasks=PROJECT_TASKS, limit=4, batch_size=3, log_samples=True)
@@ -44,3 +45,25 @@ def evaluate_worker(checkpoints: list, layout, include_paths: list[str], setting
         out.append({"results": results, "cache": tokens, "too_long": too_long})
         del chunks, runner
     return out
+
+
+def shared_scoring_worker(checkpoint, pairs: list) -> dict:
+    """Runs on every rank of a world of TP=1 PP=1 (its ranks are data-parallel replicas): the answers to ``pairs``,
+    and the rows this rank's model forwarded."""
+    init_model_parallel(ParallelLayout())
+    arch = checkpoint.arch
+    runner = ModelRunner(load_model(checkpoint, ParallelLayout()), arch.vocab_size, arch.max_position_embeddings)
+    rows, forward = [], runner._forward
+
+    def counting_forward(tokens, *args, **kwargs):
+        rows.append(int(tokens.shape[0]))
+        return forward(tokens, *args, **kwargs)
+
+    runner._forward = counting_forward
+    answers = runner.loglikelihoods(pairs)
+    try:
+        runner.loglikelihoods([pairs[0], ([1] * arch.max_position_embeddings, [2, 3])])
+        too_long = None
+    except UserError as exc:
+        too_long = str(exc)
+    return {"answers": answers, "rows": rows, "too_long": too_long}

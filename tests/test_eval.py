@@ -165,3 +165,24 @@ def test_a_batch_holds_up_to_its_size_of_distinct_model_inputs():
     assert list(_batches_of_distinct_inputs(requests, 2)) == [requests[:5], requests[5:]]
     assert list(_batches_of_distinct_inputs(requests, 1)) == [requests[:3], requests[3:5], requests[5:]]
     assert list(_batches_of_distinct_inputs([], 4)) == []
+
+
+def test_data_parallel_replicas_share_the_scoring_and_give_every_rank_the_same_answers(checkpoints):
+    """Two ranks at TP=1 PP=1 are two replicas of the model: each forwards its share of the requests (2 and 3 of
+    5 distinct inputs), and both return the answers one process gives for all five. A request too long for the
+    model is refused on every rank, whichever share holds it."""
+    from megatron_patch.evaluation.loading import open_for_evaluation
+    from megatron_patch.runtime.launch import run_local
+    from tests.eval_helpers import shared_scoring_worker
+
+    checkpoint = open_for_evaluation(checkpoints["ckpt"], ParallelLayout())
+    pairs = [([5, 17, 33, 8], [90]), ([44, 3], [150, 27]), ([7, 7, 120], [3]), ([9, 12, 40, 41, 2], [6, 6]),
+             ([11], [12, 13, 14])]
+    (alone,) = run_local(shared_scoring_worker, 1, checkpoint, pairs)
+    shared = run_local(shared_scoring_worker, 2, checkpoint, pairs)
+    assert alone["rows"] == [5] and [r["rows"] for r in shared] == [[2], [3]]
+    for rank in shared:
+        assert len(rank["answers"]) == 5
+        for (ours, greedy), (theirs, their_greedy) in zip(rank["answers"], alone["answers"]):
+            assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)) and greedy == their_greedy
+        assert rank["too_long"] and "longer than the model's" in rank["too_long"]

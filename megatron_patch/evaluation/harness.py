@@ -97,7 +97,9 @@ class MpatchLM(TemplateLM):
         (longest first, as the HF backend orders them)."""
         ordered = Collator(requests, sort_fn=lambda r: (-len(r[1] + r[2]), tuple(r[1] + r[2])))
         answers = []
-        for chunk in _batches_of_distinct_inputs(next(ordered.get_batched(n=0), []), override_bs or self.batch_size):
+        # A batch per data-parallel replica: the runner gives each its share of the chunk.
+        size = (override_bs or self.batch_size) * self.runner.data_parallel_size
+        for chunk in _batches_of_distinct_inputs(next(ordered.get_batched(n=0), []), size):
             scored = self.runner.loglikelihoods([(context, continuation) for _, context, continuation in chunk])
             for (key, _, _), answer in zip(chunk, scored):
                 answers.append(answer)

@@ -4,6 +4,8 @@ Every rank of the job runs the same calls with the same requests, in lockstep (a
 rank runs the step): the pipeline's first stage embeds the tokens, activations pass between stages through
 megatron-core's own schedule, and the last stage computes the answers. Those answers are then broadcast from
 one rank of the last stage, so every rank returns the same ones and the harness above it sees one model.
+Data-parallel replicas split each batch of log-likelihood requests between them and gather the answers;
+generation runs whole on every replica.
 
 Under tensor parallelism the output layer's logits stay split over the vocabulary: the log-softmax and the
 greedy choice are computed from the shards with three all-reduces of a number per token, never the whole
@@ -73,13 +75,23 @@ class ModelRunner:
         self.answer_rank = _answering_rank(self.last_stage and self.tp_rank == 0 and ps.get_data_parallel_rank() == 0,
                                            self.device)
         self._sample_calls = 0
+        # Data-parallel replicas (extra ranks that EP makes in `mpatch eval`; training's DP) share the scoring.
+        self.data_parallel_size = ps.get_data_parallel_world_size()
+        self.data_parallel_rank = ps.get_data_parallel_rank()
+        self.answers_here = self.last_stage and self.tp_rank == 0  # this replica's answers are held here
 
     # --- log-likelihoods ------------------------------------------------------------------------------
 
     def loglikelihoods(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """(log P(continuation | context), whether the continuation is the greedy one) for each pair of token
         lists, computed as one right-padded batch: padding follows every real token, so causal attention keeps
-        it out of every log-likelihood (where it does not, one batch per length)."""
+        it out of every log-likelihood (where it does not, one batch per length). Data-parallel replicas each
+        score a contiguous share of the pairs, and every rank gets all the answers."""
+        for context, continuation in pairs:  # every rank refuses, before replicas go their own ways
+            if len(context) + len(continuation) - 1 > self.max_positions:
+                raise UserError(f"a request of {len(context)} context + {len(continuation)} continuation tokens is "
+                                f"longer than the model's {self.max_positions} positions: lower --num-fewshot or "
+                                "evaluate a task with shorter documents")
         if not self.padding_is_neutral and len({len(c) + len(x) for c, x in pairs}) > 1:
             by_length: dict[int, list[int]] = {}
             for i, (context, continuation) in enumerate(pairs):
@@ -89,13 +101,27 @@ class ModelRunner:
                 for i, answer in zip(indices, self.loglikelihoods([pairs[i] for i in indices])):
                     answers[i] = answer
             return answers
+        if self.data_parallel_size > 1:
+            return self._shared_over_replicas(pairs)
+        return self._share_object(self._loglikelihoods_here(pairs))
+
+    def _shared_over_replicas(self, pairs: list) -> list[tuple[float, bool]]:
+        """Replica r scores pairs[len * r // DP : len * (r + 1) // DP]. A replica whose share is empty still runs
+        one forward (of the first pair), since expert parallelism's all-to-alls need every rank of a step."""
+        bounds = [len(pairs) * r // self.data_parallel_size for r in range(self.data_parallel_size + 1)]
+        share = pairs[bounds[self.data_parallel_rank]:bounds[self.data_parallel_rank + 1]]
+        answers = self._loglikelihoods_here(share or pairs[:1])
+        mine = (self.data_parallel_rank, answers[:len(share)] if self.answers_here else None)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        by_replica = {replica: part for replica, part in gathered if part is not None}
+        return [answer for replica in range(self.data_parallel_size) for answer in by_replica[replica]]
+
+    def _loglikelihoods_here(self, pairs: list) -> list[tuple[float, bool]] | None:
+        """This replica's answers to ``pairs`` on its last stage (None on the other stages)."""
         inputs, targets = [], []
         for context, continuation in pairs:
             whole = context + continuation
-            if len(whole) - 1 > self.max_positions:
-                raise UserError(f"a request of {len(context)} context + {len(continuation)} continuation tokens is "
-                                f"longer than the model's {self.max_positions} positions: lower --num-fewshot or "
-                                "evaluate a task with shorter documents")
             inputs.append(whole[:-1])
             targets.append(whole[1:])
         # Requests whose inputs are the same tokens (the choices of a multiple-choice question, each one token
@@ -117,7 +143,7 @@ class ModelRunner:
                 end = len(context) + len(continuation) - 1
                 span = slice(end - len(continuation), end)
                 answers.append((float(logprob[row, span].sum()), bool(greedy[row, span].all())))
-        return self._share_object(answers)
+        return answers
 
     def _token_logprobs(self, logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """log_softmax(logits)[target] and whether target is the argmax, per token, from this rank's vocabulary
