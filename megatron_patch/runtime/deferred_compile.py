@@ -22,6 +22,9 @@ import importlib.machinery
 import sys
 import types
 
+# torch is imported inside the functions: `mpatch` installs the finder at start-up, and `mpatch convert` runs
+# without torch.
+
 PACKAGE = "megatron.core"
 
 
