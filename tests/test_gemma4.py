@@ -2,7 +2,8 @@
 logit parity, `mpatch align` in fp32 and bf16 with its window of 8 inside the aligned sequence, LoRA against peft,
 the launcher end to end, the memory plan): the model-level pieces it owns (the embedding's scale, proportional
 RoPE on the full-attention layers, the value norm, the layer scalar, the logits' soft cap) shown to matter, both
-config.json forms, and what it does not build yet refused in one line.
+config.json forms, the full-attention layers' keys doubling as values (attention_k_eq_v, on in the tiny model), and
+what it does not build yet refused in one line.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def test_hub_and_transformers5_config_forms_read_the_same():
     from transformers import Gemma4TextConfig
 
     hub = {k: v for k, v in GEMMA4.tiny_config.items() if k != "per_layer_config"}
+    # num_global_key_value_heads counts only with attention_k_eq_v, as transformers reads it
+    apart = {**hub, "attention_k_eq_v": False}
     for config, full in ((GEMMA4.tiny_config, AttentionShape(num_kv_heads=4, head_dim=32)),
-                         (hub, AttentionShape(num_kv_heads=2, head_dim=32))):
+                         (hub, AttentionShape(num_kv_heads=4, head_dim=32)),
+                         (apart, AttentionShape(num_kv_heads=2, head_dim=32))):
         written = Gemma4TextConfig(**config).to_dict()
         assert "per_layer_config" in written and "global_head_dim" not in written
         read = [dataclasses.replace(parse_arch(c), hf_config={}) for c in (written, config)]
@@ -40,6 +44,7 @@ def test_hub_and_transformers5_config_forms_read_the_same():
     assert (arch.rope_theta, arch.family_config.full_rope_theta, arch.family_config.full_partial_rotary_factor) == \
         (1e4, 1e6, 0.5)
     assert arch.family_config.final_logit_softcapping == 3.0 and arch.tie_word_embeddings
+    assert arch.family_config.full_keys_are_values and not parse_arch(apart).family_config.full_keys_are_values
     # transformers makes the last layer full attention whatever layer_types says; so does the reader
     assert parse_arch({**GEMMA4.tiny_config, "layer_types": ["sliding_attention"] * 2}).layer_types[-1] == \
         "full_attention"
@@ -57,7 +62,6 @@ def test_hub_and_transformers5_config_forms_read_the_same():
     ({"hidden_size_per_layer_input": None}, "hidden_size_per_layer_input=256 (per-layer input embeddings)"),
     ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input=8"),
     ({"num_kv_shared_layers": 1}, "num_kv_shared_layers=1 is not supported yet for gemma4"),
-    ({"attention_k_eq_v": True}, "attention_k_eq_v=True is not supported yet"),
     ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
      "enable_moe_block=True is not supported yet"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported yet"),
@@ -111,6 +115,12 @@ def pieces_worker(hf_dir: str, tokens: torch.Tensor) -> dict:
     from tests.family_helpers import logits_with_pieces_left_out
 
     proportional = layers.proportional_inv_freq
+    keys_as_values = layers.Gemma4KeysAsValuesAttention
+
+    def normed_keys_as_values(self, *args, **kwargs):  # the values taken after the key norm
+        query, key, _ = keys_as_values._keys_as_values(self, *args, **kwargs)
+        return query, key, key
+
     left_out = {
         "built": {},
         "no_scale": {"scale_embedding": lambda m, i, o: o},
@@ -120,6 +130,8 @@ def pieces_worker(hf_dir: str, tokens: torch.Tensor) -> dict:
         "no_cap": {"_soft_cap": lambda cap: (lambda m, i, o: o)},
         "no_value_norm": {"_value_norm": lambda value, eps: value},
         "no_layer_scalar": {"LayerScalar": type("Ones", (layers.LayerScalar,), {"forward": lambda self, x: x})},
+        "values_after_k_norm": {"Gemma4KeysAsValuesAttention": type(
+            "NormedValues", (keys_as_values,), {"_keys_as_values": normed_keys_as_values})},
     }
     return logits_with_pieces_left_out(layers, hf_dir, tokens, left_out)
 
@@ -128,7 +140,8 @@ def pieces_worker(hf_dir: str, tokens: torch.Tensor) -> dict:
 def test_the_model_level_pieces_it_owns_are_what_transformers_computes(tmp_path):
     """Gemma 4's embedding scale, its full-attention layers' proportional RoPE (on part of each head), the value norm, the layer scalar
     and the logits' soft cap live in models/gemma4/: with all of them, the MCore twin's logits are transformers';
-    leaving any one out is far off."""
+    leaving any one out is far off. So is taking the full-attention layer's values (attention_k_eq_v: its keys) after
+    the key norm rather than before it, as transformers does."""
     from megatron_patch.align.parity import FP32_REL_L2, compare_logits, hf_logits, random_tokens
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
     from megatron_patch.runtime.launch import run_local
@@ -138,23 +151,26 @@ def test_the_model_level_pieces_it_owns_are_what_transformers_computes(tmp_path)
     logits = run_local(pieces_worker, 1, str(hf), tokens)[0]
     want = hf_logits(hf, tokens)
     assert compare_logits(want, logits["built"])["rel_l2"] <= FP32_REL_L2
-    for name in ("no_scale", "one_rope", "whole_rotary", "no_cap", "no_value_norm", "no_layer_scalar"):
+    for name in ("no_scale", "one_rope", "whole_rotary", "no_cap", "no_value_norm", "no_layer_scalar",
+                 "values_after_k_norm"):
         assert compare_logits(want, logits[name])["rel_l2"] > 100 * FP32_REL_L2, name
 
 
 def test_full_attention_layers_have_their_own_shape_in_megatron_core_and_the_counts():
     """The tiny model's full-attention layer, 4 heads of 32 and 4 key/value heads beside the sliding layer's 4 of
-    16 and 2, is built so by megatron-core (the shapes model_shape reads from it), and its parameters and attention
-    FLOPs count so: the total is transformers' own (with the vocabulary's padding)."""
+    16 and 2, its keys doubling as values (no value rows), is built so by megatron-core (the shapes model_shape reads
+    from it), and its parameters and FLOPs count so: the total is transformers' own (with the vocabulary's padding),
+    and the same model with a v_proj there has that projection's parameters and FLOPs more."""
     from transformers import AutoConfig, Gemma4ForCausalLM
 
     from megatron_patch.models.shape.model_shape import model_shape
 
     arch = parse_arch(GEMMA4.tiny_config)
     shape = model_shape(arch)
-    for kind, heads, groups, dim in (("sliding_attention+dense", 4, 2, 16), ("full_attention+dense", 4, 4, 32)):
+    for kind, heads, groups, dim, kv in (("sliding_attention+dense", 4, 2, 16, 2),
+                                         ("full_attention+dense", 4, 4, 32, 1)):  # kv: k and v rows, or k alone
         layer = shape.layers[kind]
-        assert layer["self_attention.linear_qkv.weight"] == ((heads + 2 * groups) * dim, 48), kind
+        assert layer["self_attention.linear_qkv.weight"] == ((heads + kv * groups) * dim, 48), kind
         assert layer["self_attention.linear_proj.weight"] == (48, heads * dim), kind
         assert layer["self_attention.q_layernorm.weight"] == layer["self_attention.k_layernorm.weight"] == (dim,)
     hf = Gemma4ForCausalLM(AutoConfig.for_model(**GEMMA4.tiny_config))
@@ -162,6 +178,10 @@ def test_full_attention_layers_have_their_own_shape_in_megatron_core_and_the_cou
     assert shape.params() == sum(p.numel() for p in hf.parameters()) + padding
     # within the window (8) every key counts: s/2 keys per query, times the heads, times q.k and a.v per layer
     assert shape.flops_per_token(8) - shape.flops_per_token(2) == 6 * 3 * 4 * (2 * 16 + 2 * 32)
+    with_values = model_shape(parse_arch({**GEMMA4.tiny_config, "attention_k_eq_v": False}))
+    v_proj = 4 * 32 * 48  # the full-attention layer's: 4 key/value heads of 32
+    assert with_values.params() - shape.params() == v_proj
+    assert with_values.flops_per_token(8) - shape.flops_per_token(8) == 6 * v_proj
 
 
 def test_the_memory_plan_counts_the_full_attention_layers_own_shape(tmp_path):
@@ -184,6 +204,53 @@ def test_the_memory_plan_counts_the_full_attention_layers_own_shape(tmp_path):
     assert own - memory_plan.stage_memory(alike, cfg, 0, "local").activations == \
         memory_plan.layer_activations(shapes[1], ac, "local", attention) - \
         memory_plan.layer_activations(shapes[0], ac, "local", attention)
+
+
+@pytest.mark.slow
+def test_keys_as_values_convert_from_q_and_k_alone_and_back_bit_exact(tmp_path):
+    """With attention_k_eq_v the full-attention layer has no v_proj: its linear_qkv is [q heads; k] per query group
+    from q_proj and k_proj alone (the sliding layer's keeps its v), and every layout and format gives the HF tensors
+    back bit for bit, no v_proj invented."""
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    hf = make_tiny_hf_checkpoint("gemma4", tmp_path / "hf", seed=5)
+    src = HFCheckpointReader(hf)
+    attn = "model.layers.{}.self_attn.{}_proj.weight"
+    assert attn.format(0, "v") in src.keys() and attn.format(1, "v") not in src.keys()
+    for fmt, layout in (("legacy", ParallelLayout()), ("legacy", ParallelLayout(tp=2)),
+                        ("torch_dist", ParallelLayout(pp=2)), ("torch_dist", ParallelLayout(tp=2))):
+        ckpt, back = tmp_path / f"{fmt}-{layout.tp}-{layout.pp}", tmp_path / f"back-{fmt}-{layout.tp}-{layout.pp}"
+        hf_to_mcore(hf, ckpt, layout, fmt=fmt, dtype="fp32", progress=False)
+        if fmt == "legacy" and layout.tp == 1:
+            (state,) = [torch.load(f, weights_only=True)["model"] for f in ckpt.glob("release/*/model_optim_rng.pt")]
+            q, k = (src.get(attn.format(1, p)).reshape(4, -1, 48) for p in "qk")  # 4 groups of 1 head of 32
+            assert torch.equal(state["decoder.layers.1.self_attention.linear_qkv.weight"],
+                               torch.cat([q, k], 1).reshape(-1, 48))
+        mcore_to_hf(ckpt, back, progress=False)
+        got = HFCheckpointReader(back)
+        assert sorted(got.keys()) == sorted(src.keys()), (fmt, layout)
+        assert all(torch.equal(got.get(n), src.get(n)) for n in src.keys()), (fmt, layout)
+
+
+def test_the_memory_plan_holds_no_value_weights_where_keys_are_values(tmp_path):
+    """The plan's weights, gradients and optimizer state are the model's parameters as megatron-core builds them:
+    with attention_k_eq_v, the full-attention layer's v_proj (4 key/value heads of 32) is not among them."""
+    from megatron_patch.training import memory_plan
+    from megatron_patch.training.validation import resolve
+    from tests.training_helpers import launcher_args
+
+    prefix = tmp_path / "c_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    cfg = resolve("gemma4", launcher_args("gemma4", PR="bf16", DATASET_PATH=str(prefix),
+                                          OUTPUT_BASEPATH=str(tmp_path / "out")), env={})
+    apart = parse_arch({**cfg.arch.hf_config, "attention_k_eq_v": False})  # per_layer_config: 4 key/value heads
+    shared, own = (memory_plan.stage_memory(a, cfg, 0, "local") for a in (cfg.arch, apart))
+    assert own.trainable - shared.trainable == 4 * 32 * 48
+    assert own.params - shared.params == 4 * 32 * 48 * 2  # bf16
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Gemma 4's text model (gemma4_text: Gemma4ForCausalLM), dense, its full-attention layers with heads of their own
-size and count; what it does not build yet is refused in one line (config.py)."""
+size and count and, with attention_k_eq_v, keys that double as values; what it does not build yet is refused in one
+line (config.py)."""
 
 from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.models.description.registry import register
@@ -12,8 +13,8 @@ from megatron_patch.runtime.distributed import ParallelLayout as L
 FAMILY = register(ModelFamily(
     name="gemma4", summary="Gemma 4's text model (dense): embedding x "
                            "sqrt(hidden), norms around attention and MLP, q/k/v norms, GeGLU, sliding-window layers "
-                           "with default RoPE and global ones with heads of their own size and count and "
-                           "proportional partial RoPE, a scalar per layer, "
+                           "with default RoPE and global ones with heads of their own size and count, "
+                           "proportional partial RoPE and keys that may double as values, a scalar per layer, "
                            "soft-capped logits, tied embeddings",
     hf_model_types=("gemma4_text",), hf_architectures=("Gemma4ForCausalLM",),
     parse_config=parse_config, config_keys=CONFIG_KEYS,

@@ -10,13 +10,15 @@
   the rest through;
 - the full-attention layers with a head size and key/value heads of their own (``global_head_dim``, or
   ``per_layer_config`` as transformers 5.24 writes it back; ``Arch.own_attention_shapes``);
+- ``attention_k_eq_v``: the full-attention layers' key projection doubles as their values (no ``v_proj``: the
+  values are its output before k_norm and RoPE, then v_norm), and only then do those layers take
+  ``num_global_key_value_heads`` key/value heads (the 31B's 4 beside its sliding layers' 16);
 - GeGLU (``gelu_pytorch_tanh``) and a stored scalar on each layer's output (``layer_scalar``);
 - the final logits soft-capped (``tanh(x / c) * c``) where ``final_logit_softcapping`` is set; tied embeddings.
 
 Refused in one line, each what this model does not build yet: layers of one type with different attention shapes
 (transformers itself computes one RoPE per type), per-layer input embeddings (``hidden_size_per_layer_input``: set
-it to 0), KV sharing (``num_kv_shared_layers``), ``attention_k_eq_v`` (keys that double as values on the
-full-attention layers, which also gates ``num_global_key_value_heads``), the MoE block (``enable_moe_block``),
+it to 0), KV sharing (``num_kv_shared_layers``), the MoE block (``enable_moe_block``),
 bidirectional attention over text (``use_bidirectional_attention="all"``; "vision" touches only the multimodal
 model's image tokens), attention biases, another activation. The multimodal ``gemma4`` folder is not claimed (the
 registry refuses its model_type).
@@ -107,7 +109,7 @@ def check_supported(raw: dict) -> None:
         raise UserError(f"hidden_size_per_layer_input={value(raw, 'hidden_size_per_layer_input')} (per-layer input "
                         "embeddings) is not supported yet for gemma4: set it to 0")
     # "vision" (the 31B's) makes only the multimodal model's image tokens see each other: the text model is causal
-    for key, unset in (("num_kv_shared_layers", 0), ("attention_k_eq_v", False), ("enable_moe_block", False),
+    for key, unset in (("num_kv_shared_layers", 0), ("enable_moe_block", False),
                        ("use_bidirectional_attention", "vision"), ("attention_bias", False)):
         if raw.get(key) not in (unset, None):
             raise UserError(f"{key}={raw[key]} is not supported yet for gemma4: this model builds none")
@@ -150,7 +152,8 @@ def parse_config(raw: dict) -> Arch:
         family_config=Gemma4Settings(
             full_rope_theta=float(full.get("rope_theta", 1_000_000.0)), full_partial_rotary_factor=partial,
             full_rope_factor=float(full.get("factor", 1.0)),
-            final_logit_softcapping=raw.get("final_logit_softcapping")),
+            final_logit_softcapping=raw.get("final_logit_softcapping"),
+            full_keys_are_values=bool(raw.get("attention_k_eq_v"))),
         hf_config=raw,
     )
 
@@ -203,21 +206,22 @@ CONFIG_KEYS = {
 
 # A tiny Gemma 4 (Gemma4ForCausalLM): a sliding-window layer (window 8, shorter than the tests' sequences), 4 heads
 # of 16 (64 wide, not hidden/heads) and 2 key/value heads, then a full-attention one with heads of its own, 4 of 32
-# and 4 key/value heads (per_layer_config as transformers writes it; global_head_dim says the same), proportional
-# RoPE on half its pairs; logits soft-capped at 3 (near their size, so that the cap bites), tied embeddings, a
-# vocabulary that needs padding.
+# and 4 key/value heads (per_layer_config as transformers writes it; global_head_dim and num_global_key_value_heads
+# say the same), proportional RoPE on half its pairs, and its keys doubling as values (attention_k_eq_v, as the 31B:
+# no v_proj there, while the sliding layer keeps its own); logits soft-capped at 3 (near their size, so that the cap
+# bites), tied embeddings, a vocabulary that needs padding.
 TINY_CONFIG = {
     "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text",
     "vocab_size": 200, "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
-    "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 4}},
+    "num_global_key_value_heads": 4, "per_layer_config": {"1": {"head_dim": 32, "num_key_value_heads": 4}},
     "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8,
     "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
     "rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                            "rope_theta": 1000000.0},
                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     "final_logit_softcapping": 3.0, "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
-    "attention_k_eq_v": False, "enable_moe_block": False, "use_double_wide_mlp": False,
+    "attention_k_eq_v": True, "enable_moe_block": False, "use_double_wide_mlp": False,
     "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
     "torch_dtype": "float32",
 }

@@ -4,7 +4,8 @@
 - each decoder layer (``Gemma4Layer``) is a sandwich-norm layer (``models/blocks/sandwich_norms.py``) with float32
   RMSNorms of a plain weight (``Gemma4RMSNorm``) before the attention and the MLP, as q/k norms, and after the
   attention (``Gemma4SelfAttention``: its layer type's rotary embedding and attention shape, the full-attention
-  layers' heads of their own size and count, a weightless norm over each value head)
+  layers' heads of their own size and count, a weightless norm over each value head; with ``attention_k_eq_v``,
+  ``Gemma4KeysAsValuesAttention``, whose full-attention layers take their values from the key projection)
   and the MLP (``Gemma4MLP``: GeGLU), and the layer's output times its stored scalar (``layer_scalar``);
 - ``finish_model`` scales the embedding's output by sqrt(hidden_size) rounded to its dtype, soft-caps the
   logits, and installs a rotary embedding per layer type (``models/blocks/layer_rotary.py``): the sliding-window
@@ -17,6 +18,8 @@ The layer's scalar is checkpointed as ``layer_scalar.weight``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
@@ -76,12 +79,46 @@ class Gemma4SelfAttention(OutputNormed, RotaryOfLayerType, OwnAttentionShape, Se
 
     output_norm = PostNorm
 
+    keys_are_values = False  # Gemma4KeysAsValuesAttention's full-attention layers
+
     def get_query_key_value_tensors(self, *args, **kwargs):
-        out = super().get_query_key_value_tensors(*args, **kwargs)
+        get = self._keys_as_values if self.keys_are_values else super().get_query_key_value_tensors
+        out = get(*args, **kwargs)
         if not isinstance(out, tuple) or len(out) != 3 or isinstance(out[1], list):
             raise NotImplementedError("gemma4's value norm needs the query, key and value split")
         query, key, value = out
         return query, key, _value_norm(value, self.config.layernorm_epsilon)
+
+    def _keys_as_values(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        """megatron-core's split of ``linear_qkv``'s output for a layer without value rows ([q heads; k] per query
+        group): the values are the keys before their norm (and before RoPE, which the attention applies later)."""
+        if output_gate or not split_qkv:
+            raise NotImplementedError("gemma4's keys-as-values attention has no output gate and splits q and k")
+        mixed, _ = self.linear_qkv(hidden_states)
+        hn, groups = self.hidden_size_per_attention_head, self.num_query_groups_per_partition
+        per_group = self.num_attention_heads_per_partition // groups
+        # validate_layout: TP divides the key/value heads, so each rank holds whole query groups
+        mixed = mixed.view(*mixed.shape[:-1], groups, (per_group + 1) * hn)
+        query, key = torch.split(mixed, [per_group * hn, hn], dim=3)
+        query = query.reshape(*query.shape[:2], -1, hn)
+        return self.q_layernorm(query), self.k_layernorm(key), key
+
+
+class Gemma4KeysAsValuesAttention(Gemma4SelfAttention):
+    """Gemma 4's attention with ``attention_k_eq_v``: on a full-attention layer ``linear_qkv`` has no value rows
+    (megatron-core sizes it for q, k and v: the builder it is given drops them) and the key projection's output
+    doubles as the values; a sliding-window layer is ``Gemma4SelfAttention``'s."""
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        keys_are_values = kwargs["layer_type"] == FULL_ATTENTION
+        if keys_are_values:
+            shape = kwargs.get("attention_shape")  # the layer's own, else the model's
+            values = shape.num_kv_heads * shape.head_dim if shape else config.num_query_groups * config.kv_channels
+            linear = submodules.linear_qkv
+            submodules = dataclasses.replace(
+                submodules, linear_qkv=lambda size, rows, **kw: linear(size, rows - values, **kw))
+        super().__init__(config, submodules, *args, **kwargs)
+        self.keys_are_values = keys_are_values
 
 
 class Gemma4MLP(OutputNormed, MLP):
@@ -104,7 +141,8 @@ class Gemma4Layer(TransformerLayer):
 
 def layer_spec(arch: Arch, config, vp_stage, core_attention: str | None = None):
     """This pipeline stage's block of Gemma 4 layers."""
-    return sandwich_block(arch, config, vp_stage, core_attention, norm=Gemma4RMSNorm, attention=Gemma4SelfAttention,
+    attention = Gemma4KeysAsValuesAttention if settings(arch).full_keys_are_values else Gemma4SelfAttention
+    return sandwich_block(arch, config, vp_stage, core_attention, norm=Gemma4RMSNorm, attention=attention,
                           mlp=Gemma4MLP, layer_class=Gemma4Layer)
 
 

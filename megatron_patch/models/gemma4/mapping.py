@@ -1,12 +1,45 @@
 """Gemma 4 HF <-> MCore weight table: q/k/v fused with the input norm, q/k norms, the output projection and the
 norm after it, the pre-MLP norm fused into GeGLU's [gate; up], the down projection and the norm after it, and the
-layer's stored scalar; the tensors under ``model.`` (Gemma4ForCausalLM)."""
+layer's stored scalar; the tensors under ``model.`` (Gemma4ForCausalLM). With ``attention_k_eq_v`` the
+full-attention layers have no ``v_proj``: their ``linear_qkv`` fuses q and k alone (``GroupedQK``)."""
 
-from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch
+from megatron_patch.models.gemma4.settings import settings
 from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope
+from megatron_patch.models.mapping.splits import RowPieces
 
 MC = "decoder.layers.{layer}"
 HF = "model.layers.{layer}"
+
+
+class GroupedQK(RowPieces):
+    """q and k fused per query group, ``[q heads of group g; k_g]`` for each g, split by groups: ``GroupedQKV``
+    without the values, for a layer whose keys double as them (the layer reads its values from the k rows)."""
+
+    name = "qk"
+
+    def part_rows(self, ctx):
+        return [ctx.num_heads * ctx.head_dim, ctx.num_kv_heads * ctx.head_dim]
+
+    def pieces(self, ctx, n):
+        hd, per = ctx.head_dim, ctx.num_kv_heads // n  # validate_layout: TP divides every layer's key/value heads
+        q = ctx.num_heads // ctx.num_kv_heads * hd
+        return [[piece for g in range(k * per, (k + 1) * per)
+                 for piece in ((0, g * q, (g + 1) * q), (1, g * hd, (g + 1) * hd))] for k in range(n)]
+
+
+QK = GroupedQK()
+
+
+def qkv_rules(arch: Arch, attn: str) -> list[Rule]:
+    """``linear_qkv``'s weight: from q, k and v; with ``attention_k_eq_v``, from q and k alone on the
+    full-attention layers (transformers builds no v_proj there)."""
+    mcore, lora = f"{MC}.self_attention.linear_qkv.weight", LoraSite("qkv")
+    qkv = (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight")
+    if not settings(arch).full_keys_are_values:
+        return [Rule(mcore, qkv, QKV, lora=lora)]
+    return [Rule(mcore, qkv, QKV, attention=SLIDING_ATTENTION, lora=lora),
+            Rule(mcore, qkv[:2], QK, attention=FULL_ATTENTION, lora=lora)]
 
 
 def weight_rules(arch: Arch) -> list[Rule]:
@@ -15,8 +48,7 @@ def weight_rules(arch: Arch) -> list[Rule]:
     return [
         Rule("embedding.word_embeddings.weight", embedding, VOCAB, Scope.FIRST_STAGE),
         Rule(f"{MC}.self_attention.linear_qkv.layer_norm_weight", f"{HF}.input_layernorm.weight", REPLICATED),
-        Rule(f"{MC}.self_attention.linear_qkv.weight",
-             (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), QKV, lora=LoraSite("qkv")),
+        *qkv_rules(arch, attn),
         Rule(f"{MC}.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight", REPLICATED),
         Rule(f"{MC}.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight", REPLICATED),
         Rule(f"{MC}.self_attention.linear_proj.weight", f"{attn}.o_proj.weight", ROW, lora=LoraSite("proj")),
