@@ -2,8 +2,8 @@
 logit parity, `mpatch align` in fp32 and bf16 with its window of 8 inside the aligned sequence, LoRA against peft,
 the launcher end to end, the memory plan): the model-level pieces it owns (the embedding's scale, proportional
 RoPE on the full-attention layers, the value norm, the layer scalar, the logits' soft cap) shown to matter, both
-config.json forms, the full-attention layers' keys doubling as values (attention_k_eq_v, on in the tiny model), and
-what it does not build yet refused in one line.
+config.json forms, the full-attention layers' keys doubling as values (attention_k_eq_v, on in the tiny model), the
+31B preset's published size, and what it does not build yet refused in one line.
 """
 
 from __future__ import annotations
@@ -233,6 +233,27 @@ def test_keys_as_values_convert_from_q_and_k_alone_and_back_bit_exact(tmp_path):
         got = HFCheckpointReader(back)
         assert sorted(got.keys()) == sorted(src.keys()), (fmt, layout)
         assert all(torch.equal(got.get(n), src.get(n)) for n in src.keys()), (fmt, layout)
+
+
+@pytest.mark.slow
+def test_the_31b_preset_has_the_published_size():
+    """The 31B preset's language model, as megatron-core builds it (its full-attention layers: 32 heads and 4
+    key/value heads of 512, no value rows), has transformers' parameter count, which Google gives as 30.7B (beside
+    its vision encoder of about 550M)."""
+    import transformers
+
+    from megatron_patch.models.shape.model_shape import model_shape
+
+    config = GEMMA4.presets["31B"]
+    arch = parse_arch(config)
+    shape = model_shape(arch)
+    assert shape.layers["full_attention+dense"]["self_attention.linear_qkv.weight"] == ((32 + 4) * 512, 5376)
+    assert shape.layers["sliding_attention+dense"]["self_attention.linear_qkv.weight"] == ((32 + 2 * 16) * 256, 5376)
+    with torch.device("meta"):
+        hf = transformers.Gemma4ForCausalLM(transformers.AutoConfig.for_model(**config))
+    assert arch.padded_vocab_size() == arch.vocab_size
+    assert shape.params() == sum(p.numel() for p in hf.parameters()) == 30_697_345_280
+    assert round(shape.params() / 1e9, 1) == 30.7 and shape.params(active=True) == shape.params()
 
 
 def test_the_memory_plan_holds_no_value_weights_where_keys_are_values(tmp_path):
