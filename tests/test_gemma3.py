@@ -99,15 +99,9 @@ def test_the_model_level_pieces_it_owns_are_what_transformers_computes(tmp_path)
 
 
 @pytest.mark.slow
-def test_multimodal_language_model_round_trips_with_its_vision_tower_and_matches_transformers(tmp_path):
-    """The language model of a tiny Gemma3ForConditionalGeneration (tensors under language_model.model., as the hub
-    and transformers 5.24 write them): converted both ways bit-exact at sharded layouts with its vision tower and
-    projector carried byte for byte, and its MCore twin's logits are the multimodal model's on text."""
+def _tiny_multimodal(folder):
+    """A tiny Gemma3ForConditionalGeneration saved by transformers (norms near 1, other weights random)."""
     import transformers
-
-    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
-    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
-    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 
     config = transformers.AutoConfig.for_model(**multimodal_config())
     torch.manual_seed(3)
@@ -115,8 +109,19 @@ def test_multimodal_language_model_round_trips_with_its_vision_tower_and_matches
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p)) if name.endswith("norm.weight") else p.normal_(0.0, 0.08)
-    hf = tmp_path / "hf"
-    model.save_pretrained(hf)
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_multimodal_language_model_round_trips_with_its_vision_tower_and_matches_transformers(tmp_path):
+    """The language model of a tiny Gemma3ForConditionalGeneration (tensors under language_model.model., as the hub
+    and transformers 5.24 write them): converted both ways bit-exact at sharded layouts with its vision tower and
+    projector carried byte for byte, and its MCore twin's logits are the multimodal model's on text."""
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+
+    hf = _tiny_multimodal(tmp_path / "hf")
     arch = parse_arch(hf)
     assert arch.family_config.multimodal and arch.tie_word_embeddings
     src = HFCheckpointReader(hf)
@@ -161,3 +166,63 @@ def test_parameter_counts_are_the_published_sizes():
         value, digits = PUBLISHED[size]
         assert round(total / 1e9, digits) == value, (size, total)
         assert shape.params(active=True) == shape.params()
+
+
+LANGUAGE_MODEL_LINEARS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def _random_peft_adapter(hf, out, target_modules):
+    from peft import LoraConfig, get_peft_model
+
+    from tests.lora_helpers import load_hf
+
+    model = get_peft_model(load_hf(hf), LoraConfig(r=3, lora_alpha=5, target_modules=target_modules))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_peft_adapter_of_the_multimodal_checkpoint_converts_both_ways_and_merges_as_peft(tmp_path, capsys):
+    """LoRA on Gemma3ForConditionalGeneration as peft trains it (its modules under model.language_model.): the
+    adapter imports with hf2mcore --peft-dir, exports back bit for bit under peft's names (--lora-adapter), and
+    --merge-lora gives peft's merge_and_unload logits on text. An adapter on the vision tower too is refused in one
+    line: the vision tower is carried, not built."""
+    from safetensors.torch import load_file
+
+    from megatron_patch.cli import main
+    from megatron_patch.align.parity import random_tokens
+    from tests.lora_helpers import hf_logits, load_hf, peft_logits, rel
+
+    hf = _tiny_multimodal(tmp_path / "hf")
+    adapter = _random_peft_adapter(hf, tmp_path / "peft", LANGUAGE_MODEL_LINEARS)
+    names = list(load_file(adapter / "adapter_model.safetensors"))
+    assert names and all(".language_model." in n for n in names), names[:3]
+    ckpt, out, merged = tmp_path / "ckpt", tmp_path / "out", tmp_path / "merged"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--peft-dir", str(adapter),
+                 "--tp", "2", "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(out), "--lora-adapter"]) == 0
+    a, b = load_file(adapter / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # peft loads the export onto the same modules alone: its target_modules match no vision-tower module
+    from peft import PeftModel
+
+    exported = PeftModel.from_pretrained(load_hf(hf), str(out))
+    adapted = {n.rsplit(".lora_", 1)[0] for n, _ in exported.named_parameters() if ".lora_" in n}
+    assert adapted and not any("vision_tower" in n for n in adapted), sorted(adapted)[:3]
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(merged), "--merge-lora",
+                 "--quiet"]) == 0
+    tokens = random_tokens(200, batch=2, seq=16, seed=3)
+    ours, theirs = hf_logits(merged, tokens), peft_logits(hf, adapter, tokens, merged=True)
+    assert rel(ours, theirs) <= 1e-6 and rel(theirs, hf_logits(hf, tokens)) > 1e-2
+
+    everywhere = _random_peft_adapter(hf, tmp_path / "peft-all", ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert any("vision_tower" in n for n in load_file(everywhere / "adapter_model.safetensors"))
+    capsys.readouterr()
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "refused"),
+                 "--peft-dir", str(everywhere), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "vision_tower" in err, err

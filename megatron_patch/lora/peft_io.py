@@ -33,6 +33,7 @@ from megatron_patch.lora.spec import (
     read_adapter_config,
     spec_from_peft_config,
 )
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.mapping import LORA_TARGETS
 
@@ -291,12 +292,16 @@ def peft_config(sites: list[Site], spec: LoraSpec, arch: Arch, base: str | None)
     alpha = Counter(a.alpha for a in adapters.values()).most_common(1)[0][0]
     universe = {a.name for s in plan_sites(arch, _everything(spec)) for a in s.adapters}
     plain = sorted(n for n, a in adapters.items() if a.expert is None)
+    # A checkpoint that carries modules the model here does not build (a vision tower) may hold some of the same
+    # names relative to a layer (Gemma 3's SigLIP has self_attn.q_proj): peft would adapt those too.
+    whole_names = bool(get_family(arch.family).hf_carried)
     stacked = sorted(n for n, a in adapters.items() if a.expert is not None)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
         "lora_alpha": alpha, "lora_dropout": spec.dropout, "bias": "none", "use_rslora": spec.use_rslora,
         "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True,
-        "target_modules": _names(plain, {n for n in universe if adapters.get(n) is None or adapters[n].expert is None}),
+        "target_modules": (plain if whole_names else
+                           _names(plain, {n for n in universe if adapters.get(n) is None or adapters[n].expert is None})),
         "target_parameters": _names(stacked, {n for n in universe if n in stacked or "." in n}) or None,
         "rank_pattern": {re.escape(n): a.rank for n, a in adapters.items() if a.rank != rank},
         "alpha_pattern": {re.escape(n): a.alpha for n, a in adapters.items() if a.alpha != alpha},

@@ -18,6 +18,7 @@ load at any TP / PP / EP: a rank's shard is a box of the whole tensor.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -213,6 +214,7 @@ def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
         shape = model_shape(arch)
 
     rules = [r for r in lora_rules(arch) if r.lora.target in spec.targets]
+    loaded = functools.partial(loaded_name, get_family(arch.family).hf_loaded_prefixes)
     part_shapes: dict = {}  # (rule index, layer kind) -> (HF part shapes)
     sites: list[Site] = []
     wanted = None if spec.modules is None else set(spec.modules)
@@ -230,11 +232,20 @@ def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
             experts = range(arch.num_experts) if rule.scope is Scope.EXPERT else [None]
             for expert in experts:
                 names = hf if expert is None else tuple(h.replace("{expert}", str(expert)) for h in hf)
-                adapters = _adapters(rule, spec, layer, expert, names, parts, wanted, saved)
+                adapters = _adapters(rule, spec, layer, expert, tuple(map(loaded, names)), parts, wanted, saved)
                 if adapters:
                     sites.append(Site(rule, layer, expert, names, tuple(p[0] for p in parts), parts[0][1],
                                       tuple(adapters)))
     return sites
+
+
+def loaded_name(prefixes: tuple[tuple[str, str], ...], name: str) -> str:
+    """A checkpoint tensor's name in the model transformers loads from it (``ModelFamily.hf_loaded_prefixes``):
+    what peft names its adapters by."""
+    for on_disk, in_model in prefixes:
+        if name.startswith(on_disk):
+            return in_model + name[len(on_disk):]
+    return name
 
 
 def _saved(name: str, saved: tuple[str, ...]) -> bool:

@@ -120,6 +120,10 @@ class ModelFamily:
     # HF tensors the MCore model does not hold but that travel with it, unchanged (Qwen3.5's vision tower;
     # regular expressions, matched in full): convert/carried.py.
     hf_carried: tuple[str, ...] = ()
+    # Where transformers renames a checkpoint's tensors as it loads them, as (prefix on disk, prefix in the loaded
+    # model): peft names an adapter by the loaded model's module (Gemma 3's multimodal language model is stored
+    # under language_model.model. and loaded at model.language_model.).
+    hf_loaded_prefixes: tuple[tuple[str, str], ...] = ()
     test_layouts: TestLayouts = field(default_factory=TestLayouts)
     # Multi-token-prediction layers an HF checkpoint carries after the decoder's (DeepSeek-V3: 1); the
     # converter keeps them only when asked, and otherwise drops them saying so.

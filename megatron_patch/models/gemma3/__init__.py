@@ -23,6 +23,7 @@ FAMILY = register(ModelFamily(
                          final_norm=("model.norm", "model.language_model.norm"),
                          attention="post_attention_layernorm", mlp="post_feedforward_layernorm"),
     hf_carried=(r"(vision_tower|multi_modal_projector)\..+",),
+    hf_loaded_prefixes=(("language_model.model.", "model.language_model."),),
     skeleton_from_megatron_core="its norms after the attention and the MLP are modules of its own",
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2), L(pp=2)),
