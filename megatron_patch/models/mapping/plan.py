@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.description.arch import Arch, pipeline_layer_ranges
+from megatron_patch.models.description.arch import Arch, AttentionShape, pipeline_layer_ranges
 from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope
 from megatron_patch.models.mapping.splits import Split, SplitContext
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -75,9 +75,8 @@ class RankCoord:
 
 def split_context(arch: Arch, layer: int | None = None) -> SplitContext:
     """The numbers the splits cut by: decoder layer ``layer``'s own attention shape, else the model's."""
-    shape = arch.attention_shape(layer) if layer is not None else None
-    return SplitContext(arch.num_heads, shape.num_kv_heads if shape else arch.num_kv_heads,
-                        shape.head_dim if shape else arch.head_dim, arch.vocab_size, arch.padded_vocab_size())
+    shape = arch.attention_shape(layer) if layer is not None else AttentionShape(arch.num_kv_heads, arch.head_dim)
+    return SplitContext(arch.num_heads, shape.num_kv_heads, shape.head_dim, arch.vocab_size, arch.padded_vocab_size())
 
 
 def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
