@@ -26,7 +26,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.registry import get_family
-from megatron_patch.models.mapping import LayerKind, Rule, Scope, split_context
+from megatron_patch.models.mapping import Rule, Scope, split_context
 from megatron_patch.models.mapping.splits import (
     Column, GateUp, GroupedQKV, InterleavedGateUp, Replicated, Row, RowPieces, TransposedRow)
 from megatron_patch.models.shape.model_shape import RankParam, chunk_layers, layer_kind, model_shape
@@ -187,9 +187,7 @@ def check_targets(arch: Arch, targets: tuple[str, ...]) -> None:
 
 
 def _applies(rule: Rule, arch: Arch, layer: int) -> bool:
-    if rule.attention is not None and rule.attention != arch.attention_type(layer):
-        return False  # a layer of another attention type (Qwen3-Next's full vs linear attention)
-    return rule.layers is None or (rule.layers is LayerKind.MOE) == arch.is_moe_layer(layer)
+    return rule.covers(arch, layer)  # e.g. not a layer of another attention type (Qwen3-Next's full vs linear)
 
 
 def hf_part_shapes(rule: Rule, arch: Arch, mcore_shape: tuple[int, ...], layer: int) -> list[tuple[int, ...]]:

@@ -50,6 +50,13 @@ def with_module(entry, module: type, **params):
     return dataclasses.replace(entry, module=module, params={**entry.params, **params})
 
 
+def with_params(entry, **params):
+    """``entry`` (a ModuleSpec or a partial) built with ``params`` added (a layer's own settings)."""
+    if isinstance(entry, functools.partial):
+        return functools.partial(entry.func, *entry.args, **{**entry.keywords, **params})
+    return dataclasses.replace(entry, params={**entry.params, **params})
+
+
 def with_biased_experts(layer):
     """A local layer spec whose routed experts can carry biases while training (``ExpertOutputLinear``)."""
     moe = submodules_of(layer).mlp

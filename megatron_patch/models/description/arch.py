@@ -75,7 +75,21 @@ class AttentionShape:
 @dataclass(frozen=True)
 class FamilyConfig:
     """A family's own typed settings, which only its model reads (``Arch.family_config``): a family subclasses
-    this (a frozen dataclass) in its folder instead of adding fields here, which every family would carry."""
+    this (a frozen dataclass) in its folder instead of adding fields here, which every family would carry.
+
+    Where the settings make some layers differ from others (Gemma 4's KV-shared last layers), they say how
+    (``layer_kind``: the shape probe builds one layer of each kind), follow a renumbering of the layers
+    (``only_layers``: the probe's model of a few layers), and refuse the layouts the model cannot run
+    (``check_layout``, called by ``validate_layout``)."""
+
+    def layer_kind(self, layer: int) -> str:
+        return ""
+
+    def only_layers(self, layers: tuple[int, ...]) -> "FamilyConfig":
+        return self
+
+    def check_layout(self, arch: "Arch", layout: ParallelLayout, pp_first_stage_layers: int | None) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -321,6 +335,8 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
         if unsplit:
             raise UserError(f"CP={layout.cp}: megatron-core's context parallelism does not split {unsplit} "
                             f"({arch.family}): set CP=1")
+    if arch.family_config is not None:
+        arch.family_config.check_layout(arch, layout, pp_first_stage_layers)
 
 
 def default_expert_tp(arch: Arch, layout: ParallelLayout) -> tuple[ParallelLayout, str | None]:

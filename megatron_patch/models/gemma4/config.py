@@ -104,12 +104,33 @@ def own_attention_shapes(raw: dict, types: tuple[str, ...]) -> tuple[tuple[str, 
     return tuple(out)
 
 
+def kv_sharing_modes(raw: dict, types: tuple[str, ...]) -> tuple[str | None, ...]:
+    """transformers' ``kv_sharing_modes``: the last ``num_kv_shared_layers`` layers "reuse" the keys and values of
+    the last earlier layer of their attention type, which "store"s them; () without KV sharing."""
+    shared = value(raw, "num_kv_shared_layers")
+    if not shared:
+        return ()
+    first = len(types) - shared
+    producers = {t: i for i, t in enumerate(types[:first])}  # the last layer of each type before the shared ones
+    if first <= 0 or set(producers) != set(types):
+        raise UserError(f"num_kv_shared_layers={shared}: every attention type of the shared layers needs an earlier "
+                        f"layer of its type to take its keys and values from (layer_types: {list(types)})")
+    return tuple("reuse" if i >= first else "store" if producers[t] == i else None for i, t in enumerate(types))
+
+
+def per_layer_input_size(raw: dict) -> int:
+    """hidden_size_per_layer_input, its embedding's vocabulary checked (the main one's: one vocab-parallel split)."""
+    size = value(raw, "hidden_size_per_layer_input")
+    if size and value(raw, "vocab_size_per_layer_input") != value(raw, "vocab_size"):
+        raise UserError(f"gemma4's vocab_size_per_layer_input={value(raw, 'vocab_size_per_layer_input')} differs from "
+                        f"vocab_size={value(raw, 'vocab_size')}: only per-layer embeddings of the main vocabulary "
+                        "are supported")
+    return size
+
+
 def check_supported(raw: dict) -> None:
-    if value(raw, "hidden_size_per_layer_input"):
-        raise UserError(f"hidden_size_per_layer_input={value(raw, 'hidden_size_per_layer_input')} (per-layer input "
-                        "embeddings) is not supported yet for gemma4: set it to 0")
     # "vision" (the 31B's) makes only the multimodal model's image tokens see each other: the text model is causal
-    for key, unset in (("num_kv_shared_layers", 0), ("enable_moe_block", False),
+    for key, unset in (("enable_moe_block", False),
                        ("use_bidirectional_attention", "vision"), ("attention_bias", False)):
         if raw.get(key) not in (unset, None):
             raise UserError(f"{key}={raw[key]} is not supported yet for gemma4: this model builds none")
@@ -153,7 +174,9 @@ def parse_config(raw: dict) -> Arch:
             full_rope_theta=float(full.get("rope_theta", 1_000_000.0)), full_partial_rotary_factor=partial,
             full_rope_factor=float(full.get("factor", 1.0)),
             final_logit_softcapping=raw.get("final_logit_softcapping"),
-            full_keys_are_values=bool(raw.get("attention_k_eq_v"))),
+            full_keys_are_values=bool(raw.get("attention_k_eq_v")),
+            per_layer_input_size=per_layer_input_size(raw), per_layer_input_layers=layers,
+            kv_sharing=kv_sharing_modes(raw, types), double_wide_mlp=bool(raw.get("use_double_wide_mlp"))),
         hf_config=raw,
     )
 
@@ -202,6 +225,7 @@ CONFIG_KEYS = {
     "final_logit_softcapping": Real(0), "use_bidirectional_attention": Given(),
     "hidden_size_per_layer_input": Whole(0, MAX_WIDTH), "vocab_size_per_layer_input": Whole(0, MAX_VOCAB),
     "num_kv_shared_layers": Whole(0, MAX_LAYERS), "attention_k_eq_v": Flag(), "enable_moe_block": Flag(),
+    "use_double_wide_mlp": Flag(),
 }
 
 # A tiny Gemma 4 (Gemma4ForCausalLM): a sliding-window layer (window 8, shorter than the tests' sequences), 4 heads

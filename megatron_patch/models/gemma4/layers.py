@@ -19,17 +19,22 @@ The layer's scalar is checkpointed as ``layer_scalar.weight``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from megatron_patch.models.blocks.layer_rotary import (
     OwnAttentionShape, RotaryOfLayerType, install_per_layer_type, layer_type_order)
 from megatron_patch.models.blocks.sandwich_norms import OutputNormed, ReplicatedOverTP, sandwich_block, scale_embedding
+from megatron_patch.models.blocks.spec_edits import submodules_of, with_params, with_submodules
 from megatron_patch.models.description.arch import FULL_ATTENTION, Arch
+from megatron_patch.models.gemma4 import per_layer_inputs
+from megatron_patch.models.gemma4.kv_sharing import SharesKeysValues, share_store
+from megatron_patch.models.gemma4.per_layer_inputs import PerLayerInput
 from megatron_patch.models.gemma4.settings import settings
 
 
@@ -121,29 +126,71 @@ class Gemma4KeysAsValuesAttention(Gemma4SelfAttention):
         self.keys_are_values = keys_are_values
 
 
+class Gemma4SharingKVAttention(SharesKeysValues, Gemma4SelfAttention):
+    """``Gemma4SelfAttention`` in a model with KV sharing (kv_sharing.py)."""
+
+
+class Gemma4SharingKVKeysAsValuesAttention(SharesKeysValues, Gemma4KeysAsValuesAttention):
+    """``Gemma4KeysAsValuesAttention`` in a model with KV sharing (kv_sharing.py)."""
+
+
 class Gemma4MLP(OutputNormed, MLP):
-    """megatron-core's MLP (GeGLU), its output normalised."""
+    """megatron-core's MLP (GeGLU), its output normalised; ``width`` (a spec parameter) its own intermediate size
+    (the double-wide MLP of a KV-shared layer), in a copy of the config, whose ffn_hidden_size sizes fc2."""
 
     output_norm = PostNorm
+
+    def __init__(self, config, *args, width: int | None = None, **kwargs):
+        if width is not None and width != config.ffn_hidden_size:
+            config = copy.copy(config)
+            config.ffn_hidden_size = width
+            kwargs["ffn_hidden_size"] = width
+        super().__init__(config, *args, **kwargs)
 
 
 class Gemma4Layer(TransformerLayer):
     """megatron-core's layer, its output times the stored ``layer_scalar``."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, per_layer_input_size: int = 0, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.layer_scalar = LayerScalar(config, self.self_attention.tp_group)
+        tp_group = self.self_attention.tp_group
+        # per-layer input embeddings (per_layer_inputs.py): this layer's, from the block's context
+        self.per_layer_input = PerLayerInput(config, per_layer_input_size, PostNorm, tp_group) \
+            if per_layer_input_size else None
+        self.layer_scalar = LayerScalar(config, tp_group)
 
     def forward(self, *args, **kwargs):
         output, context = super().forward(*args, **kwargs)
+        if self.per_layer_input is not None:
+            output = self.per_layer_input(output, context, self.layer_number - 1)
         return self.layer_scalar(output), context
 
 
 def layer_spec(arch: Arch, config, vp_stage, core_attention: str | None = None):
-    """This pipeline stage's block of Gemma 4 layers."""
-    attention = Gemma4KeysAsValuesAttention if settings(arch).full_keys_are_values else Gemma4SelfAttention
-    return sandwich_block(arch, config, vp_stage, core_attention, norm=Gemma4RMSNorm, attention=attention,
-                          mlp=Gemma4MLP, layer_class=Gemma4Layer)
+    """This pipeline stage's block of Gemma 4 layers, each with its part in KV sharing (its MLP twice as wide where
+    it reuses keys and values, with ``use_double_wide_mlp``) and its per-layer input."""
+    own = settings(arch)
+    attention = Gemma4KeysAsValuesAttention if own.full_keys_are_values else Gemma4SelfAttention
+    if own.kv_sharing:
+        attention = {Gemma4SelfAttention: Gemma4SharingKVAttention,
+                     Gemma4KeysAsValuesAttention: Gemma4SharingKVKeysAsValuesAttention}[attention]
+    block = sandwich_block(arch, config, vp_stage, core_attention, norm=Gemma4RMSNorm, attention=attention,
+                           mlp=Gemma4MLP, layer_class=Gemma4Layer)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    block.layer_specs = [_own_layer(spec, own, first + i, config) for i, spec in enumerate(block.layer_specs)]
+    return block
+
+
+def _own_layer(spec, own, layer: int, config):
+    """A layer's spec with what Gemma 4's E models give each layer of its own."""
+    parts = submodules_of(spec)
+    changes = {}
+    if own.kv_sharing:
+        changes["self_attention"] = with_params(parts.self_attention, kv_sharing=own.kv_sharing[layer])
+        if own.double_wide_mlp and own.reuses_kv(layer):
+            changes["mlp"] = with_params(parts.mlp, width=2 * config.ffn_hidden_size)
+    spec = with_submodules(spec, **changes) if changes else spec
+    return with_params(spec, per_layer_input_size=own.per_layer_input_size) if own.per_layer_input_size else spec
 
 
 def _soft_cap(cap: float):
@@ -167,6 +214,9 @@ def finish_model(model, arch: Arch) -> None:
     own = settings(arch)
     if getattr(model, "pre_process", False):
         model.embedding.register_forward_hook(scale_embedding)
+    if own.per_layer_input_size:
+        per_layer_inputs.install(model, arch, PostNorm)
+    share_store(model)
     if getattr(model, "post_process", False) and own.final_logit_softcapping is not None:
         model.output_layer.register_forward_hook(_soft_cap(float(own.final_logit_softcapping)))
     if getattr(model, "rotary_pos_emb", None) is None:

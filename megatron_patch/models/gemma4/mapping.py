@@ -5,7 +5,7 @@ full-attention layers have no ``v_proj``: their ``linear_qkv`` fuses q and k alo
 
 from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch
 from megatron_patch.models.gemma4.settings import settings
-from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope
+from megatron_patch.models.mapping import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope
 from megatron_patch.models.mapping.splits import RowPieces
 
 MC = "decoder.layers.{layer}"
@@ -32,14 +32,36 @@ QK = GroupedQK()
 
 
 def qkv_rules(arch: Arch, attn: str) -> list[Rule]:
-    """``linear_qkv``'s weight: from q, k and v; with ``attention_k_eq_v``, from q and k alone on the
-    full-attention layers (transformers builds no v_proj there)."""
+    """``linear_qkv``'s weight and the key norm: from q, k and v; with ``attention_k_eq_v``, from q and k alone on
+    the full-attention layers (transformers builds no v_proj there); on a layer that reuses another's keys and
+    values (KV sharing), from q alone, without a key norm."""
+    own = settings(arch)
     mcore, lora = f"{MC}.self_attention.linear_qkv.weight", LoraSite("qkv")
     qkv = (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight")
-    if not settings(arch).full_keys_are_values:
-        return [Rule(mcore, qkv, QKV, lora=lora)]
-    return [Rule(mcore, qkv, QKV, attention=SLIDING_ATTENTION, lora=lora),
-            Rule(mcore, qkv[:2], QK, attention=FULL_ATTENTION, lora=lora)]
+    reuse = frozenset(i for i in range(arch.num_layers) if own.reuses_kv(i))
+    own_kv = frozenset(range(arch.num_layers)) - reuse if reuse else None
+    key_norm = Rule(f"{MC}.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight", REPLICATED, only=own_kv)
+    shared = [Rule(mcore, qkv[0], COLUMN, only=reuse, lora=lora)] if reuse else []
+    if not own.full_keys_are_values:
+        return [Rule(mcore, qkv, QKV, only=own_kv, lora=lora), key_norm, *shared]
+    return [Rule(mcore, qkv, QKV, attention=SLIDING_ATTENTION, only=own_kv, lora=lora),
+            Rule(mcore, qkv[:2], QK, attention=FULL_ATTENTION, only=own_kv, lora=lora), key_norm, *shared]
+
+
+def per_layer_input_rules(arch: Arch) -> list[Rule]:
+    """The per-layer input embeddings' weights (per_layer_inputs.py): the model-level ones on the first stage
+    (the embedding split by vocabulary, the rest replicated), each layer's replicated."""
+    if not settings(arch).per_layer_input_size:
+        return []
+    mc, first = f"{MC}.per_layer_input", Scope.FIRST_STAGE
+    return [
+        Rule("per_layer_inputs.embed_tokens.weight", "model.embed_tokens_per_layer.weight", VOCAB, first),
+        Rule("per_layer_inputs.model_projection.weight", "model.per_layer_model_projection.weight", REPLICATED, first),
+        Rule("per_layer_inputs.projection_norm.weight", "model.per_layer_projection_norm.weight", REPLICATED, first),
+        Rule(f"{mc}.gate.weight", f"{HF}.per_layer_input_gate.weight", REPLICATED),
+        Rule(f"{mc}.projection.weight", f"{HF}.per_layer_projection.weight", REPLICATED),
+        Rule(f"{mc}.norm.weight", f"{HF}.post_per_layer_input_norm.weight", REPLICATED),
+    ]
 
 
 def weight_rules(arch: Arch) -> list[Rule]:
@@ -50,7 +72,6 @@ def weight_rules(arch: Arch) -> list[Rule]:
         Rule(f"{MC}.self_attention.linear_qkv.layer_norm_weight", f"{HF}.input_layernorm.weight", REPLICATED),
         *qkv_rules(arch, attn),
         Rule(f"{MC}.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight", REPLICATED),
-        Rule(f"{MC}.self_attention.k_layernorm.weight", f"{attn}.k_norm.weight", REPLICATED),
         Rule(f"{MC}.self_attention.linear_proj.weight", f"{attn}.o_proj.weight", ROW, lora=LoraSite("proj")),
         Rule(f"{MC}.self_attention.post_layernorm.weight", f"{HF}.post_attention_layernorm.weight", REPLICATED),
         Rule(f"{MC}.mlp.linear_fc1.layer_norm_weight", f"{HF}.pre_feedforward_layernorm.weight", REPLICATED),
@@ -59,6 +80,7 @@ def weight_rules(arch: Arch) -> list[Rule]:
         Rule(f"{MC}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW, lora=LoraSite("fc2")),
         Rule(f"{MC}.mlp.post_layernorm.weight", f"{HF}.post_feedforward_layernorm.weight", REPLICATED),
         Rule(f"{MC}.layer_scalar.weight", f"{HF}.layer_scalar", REPLICATED),
+        *per_layer_input_rules(arch),
         Rule("decoder.final_layernorm.weight", "model.norm.weight", REPLICATED, Scope.LAST_STAGE),
         Rule("output_layer.weight", "lm_head.weight", VOCAB, Scope.LAST_STAGE, tied_to=embedding),
     ]

@@ -14,7 +14,7 @@ from typing import Iterable
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, AttentionShape, pipeline_layer_ranges
-from megatron_patch.models.mapping.rules import LayerKind, Rule, Scope
+from megatron_patch.models.mapping.rules import Rule, Scope
 from megatron_patch.models.mapping.splits import Split, SplitContext
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -115,9 +115,7 @@ def plan_transfers(rules: list[Rule], arch: Arch, layout: ParallelLayout,
             else:
                 spots = [(stage, local, layer) for stage, layers in enumerate(ranges) for local, layer in enumerate(layers)]
             for stage, local, layer in spots:
-                if rule.layers is not None and (rule.layers is LayerKind.MOE) != arch.is_moe_layer(layer):
-                    continue
-                if rule.attention is not None and rule.attention != arch.attention_type(layer):
+                if not rule.covers(arch, layer):
                     continue
                 mcore = rule.mcore.replace("{layer}", str(local))
                 # an MTP layer's HF name counts on from the decoder's ({layer}) or from 0 ({mtp_layer})

@@ -69,6 +69,9 @@ class Rule:
     # Only layers whose attention is of this type (Arch.attention_type: "linear_attention", ...; None: every
     # layer), for models that mix attention types with different weights (Qwen3-Next).
     attention: str | None = None
+    # Only these decoder layers (their numbers in the model; None: every layer), for a model whose layers differ
+    # by position (Gemma 4's KV-shared last layers have no key/value weights).
+    only: frozenset[int] | None = None
     # How the local spec shards it, where that differs from the TE spec's ``split`` (MLA's down
     # projections: TE keeps them whole on every rank, megatron-core's local spec splits their rows).
     local_split: Split | None = None
@@ -82,6 +85,14 @@ class Rule:
     dtype: str | None = None
     # The linear layer this rule's weight belongs to takes LoRA adapters (None: it does not).
     lora: LoraSite | None = None
+
+    def covers(self, arch, layer: int) -> bool:
+        """Whether this LAYER/EXPERT rule has a tensor in decoder layer ``layer`` of ``arch``."""
+        if self.layers is not None and (self.layers is LayerKind.MOE) != arch.is_moe_layer(layer):
+            return False
+        if self.attention is not None and self.attention != arch.attention_type(layer):
+            return False
+        return self.only is None or layer in self.only
 
     def __post_init__(self):
         if isinstance(self.hf, str):

@@ -45,10 +45,12 @@ OUTPUT = "output_layer.weight"
 
 
 def layer_kind(arch: Arch, layer: int) -> str:
-    """What decides a decoder layer's parameters: its MLP (dense or MoE) and, for a model with per-layer
-    types, its attention."""
+    """What decides a decoder layer's parameters: its MLP (dense or MoE), for a model with per-layer types its
+    attention, and what the family's settings make differ (``FamilyConfig.layer_kind``)."""
     mlp = "moe" if arch.is_moe_layer(layer) else "dense"
-    return f"{arch.attention_type(layer)}+{mlp}" if arch.layer_types else mlp
+    kind = f"{arch.attention_type(layer)}+{mlp}" if arch.layer_types else mlp
+    own = arch.family_config.layer_kind(layer) if arch.family_config is not None else ""
+    return f"{kind}+{own}" if own else kind
 
 
 def representative_layers(arch: Arch) -> tuple[int, ...]:

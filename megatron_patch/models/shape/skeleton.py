@@ -220,7 +220,8 @@ def only_layers(arch: Arch, layers: tuple[int, ...]) -> Arch:
         raise ValueError(f"layers {layers} are not layers of a {arch.num_layers}-layer model")
     return dataclasses.replace(arch, num_layers=len(layers),
                                dense_layers=tuple(j for j, i in enumerate(layers) if i in arch.dense_layers),
-                               layer_types=tuple(arch.layer_types[i] for i in layers) if arch.layer_types else ())
+                               layer_types=tuple(arch.layer_types[i] for i in layers) if arch.layer_types else (),
+                               family_config=arch.family_config and arch.family_config.only_layers(layers))
 
 
 def describe_model_here(arch: Arch) -> ModelSkeleton:
