@@ -1,0 +1,229 @@
+"""Gemma 4's on-device pieces (E2B, E4B) on a tiny model of five layers, [sliding, sliding, full, sliding, full]:
+per-layer input embeddings (8 per layer), the last two layers reusing the keys and values of layers 1 and 2 (KV
+sharing; layer 0 neither stores nor reuses), and the reusing layers' double-wide MLP. Config reading in both forms,
+logits equal to transformers' (within float32's noise) at TP=1 and TP=2, each piece shown to matter, a bit-exact round trip at TP=2, the
+layouts refused in one line, the counts and the memory plan, the presets' sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_patch.errors import UserError
+from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.registry import families, parse_arch
+from megatron_patch.runtime.distributed import ParallelLayout
+
+GEMMA4 = families()["gemma4"]
+_FULL = {"head_dim": 32, "num_key_value_heads": 4}
+E_OVERRIDES = {
+    "num_hidden_layers": 5, "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                                            "sliding_attention", "full_attention"],
+    "per_layer_config": {"2": _FULL, "4": _FULL}, "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 200, "use_double_wide_mlp": True,
+}
+E_CONFIG = {**GEMMA4.tiny_config, **E_OVERRIDES}
+
+
+def assert_within_fp32_noise(hf_dir, tokens, logits) -> None:
+    """``logits`` are transformers' as far as float32 tells: no farther from transformers' own float64 logits than
+    1.5 times its float32 ones are (this five-layer model's float32 noise, 2e-5 of rel_l2, is twice the two-layer
+    one's on which FP32_REL_L2 was set, so the two float32 runs differ by about as much), that noise itself small."""
+    import transformers
+
+    from megatron_patch.align.parity import FP32_REL_L2, compare_logits, hf_logits
+
+    model = transformers.Gemma4ForCausalLM.from_pretrained(hf_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        exact = model(tokens).logits.float()
+    want = hf_logits(hf_dir, tokens)
+    noise = compare_logits(exact, want)["rel_l2"]
+    assert noise <= 5 * FP32_REL_L2 and compare_logits(exact, logits)["rel_l2"] <= 1.5 * noise, \
+        (compare_logits(exact, logits), noise)
+
+
+@pytest.fixture(scope="module")
+def e_checkpoint(tmp_path_factory):
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    return make_tiny_hf_checkpoint("gemma4", tmp_path_factory.mktemp("gemma4_e") / "hf", seed=7, **E_OVERRIDES)
+
+
+def test_both_config_forms_read_the_e_pieces_as_transformers_does():
+    """The hub's form and transformers' written-back one (per_layer_config) read the same: per-layer inputs of 8
+    packed over 5 layers, transformers' own kv_sharing_modes, the double-wide MLP."""
+    from transformers import Gemma4TextConfig
+
+    hub = {k: v for k, v in E_CONFIG.items() if k != "per_layer_config"}
+    written = Gemma4TextConfig(**E_CONFIG).to_dict()
+    assert "per_layer_config" in written and "global_head_dim" not in written
+    read = [dataclasses.replace(parse_arch(c), hf_config={}) for c in (E_CONFIG, hub, written)]
+    assert read[0] == read[1] == read[2]
+    own = read[0].family_config
+    assert tuple(Gemma4TextConfig(**E_CONFIG).kv_sharing_modes) == own.kv_sharing == \
+        (None, "store", "store", "reuse", "reuse")
+    assert (own.per_layer_input_size, own.per_layer_input_layers, own.double_wide_mlp) == (8, 5, True)
+    assert [own.store_of(read[0], i) for i in (3, 4)] == [1, 2]
+
+
+@pytest.mark.parametrize("over, fragment", [
+    ({"vocab_size_per_layer_input": 100}, "vocab_size_per_layer_input=100 differs from vocab_size=200"),
+    ({"num_kv_shared_layers": 4}, "num_kv_shared_layers=4: every attention type of the shared layers needs"),
+])
+def test_what_the_e_pieces_do_not_build_is_refused_in_one_line(over, fragment):
+    with pytest.raises(UserError) as err:
+        parse_arch({**E_CONFIG, **over})
+    assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_layouts_it_cannot_run_are_refused_in_one_line():
+    """Per-layer inputs run at PP=1 only; KV sharing alone runs where each reusing layer shares its stage with its
+    store layer, and is refused in one line where a stage boundary parts them."""
+    for arch, layout, first, fragment in (
+            (parse_arch(E_CONFIG), ParallelLayout(pp=5), None, "PP=5: gemma4's per-layer input embeddings"),
+            (parse_arch({**E_CONFIG, "hidden_size_per_layer_input": 0}), ParallelLayout(pp=2), 2,
+             "layer 3 reuses the keys and values of layer 1, which is on another pipeline stage")):
+        with pytest.raises(UserError) as err:
+            validate_layout(arch, layout, pp_first_stage_layers=first)
+        assert fragment in str(err.value) and "\n" not in str(err.value), str(err.value)
+    validate_layout(parse_arch(E_CONFIG), ParallelLayout(tp=2))
+    # layers 0 | 1-4: every reusing layer beside its store layer
+    validate_layout(parse_arch({**E_CONFIG, "hidden_size_per_layer_input": 0}), ParallelLayout(pp=2),
+                    pp_first_stage_layers=1)
+
+
+def variants_worker(hf_dir: str, tokens: torch.Tensor) -> dict:
+    """The E model's logits as built, and with each of its pieces left out or wrong."""
+    from megatron_patch.align.parity import load_hf_weights
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.inference import forward_logits
+    from megatron_patch.runtime import init_model_parallel
+
+    arch = parse_arch(hf_dir)
+    layout = ParallelLayout()
+    init_model_parallel(layout)
+
+    def no_per_layer_inputs(model):
+        for layer in model.decoder.layers:
+            layer.per_layer_input = None
+
+    def zeroed(name):
+        return lambda model: model.get_parameter(name).data.zero_()
+
+    # layer 0 storing in place of layer 1: the reusing sliding layer takes the wrong layer's keys and values
+    wrong_store = dataclasses.replace(arch, family_config=dataclasses.replace(
+        arch.family_config, kv_sharing=("store", None, "store", "reuse", "reuse")))
+    variants = {"built": (arch, None), "no_per_layer_inputs": (arch, no_per_layer_inputs),
+                "no_token_part": (arch, zeroed("per_layer_inputs.embed_tokens.weight")),
+                "no_model_projection": (arch, zeroed("per_layer_inputs.model_projection.weight")),
+                "kv_of_another_layer": (wrong_store, None)}
+    out = {}
+    for name, (variant, edit) in variants.items():
+        model = build_model(variant, layout, torch.float32)
+        load_hf_weights(model, variant, layout, HFCheckpointReader(hf_dir))
+        if edit is not None:
+            edit(model)
+        out[name] = forward_logits(model.eval(), tokens, arch.vocab_size)
+    return out
+
+
+@pytest.mark.slow
+def test_the_e_pieces_are_what_transformers_computes(e_checkpoint):
+    """With per-layer inputs and KV sharing, the MCore twin's logits are transformers' in fp32; leaving out the
+    per-layer inputs, either of their parts, or taking a reusing layer's keys and values from another layer than
+    its store layer is far off."""
+    from megatron_patch.align.parity import FP32_REL_L2, compare_logits, hf_logits, random_tokens
+    from megatron_patch.runtime.launch import run_local
+
+    tokens = random_tokens(200, 2, 16, 1)  # 16 tokens: the window of 8 bites
+    logits = run_local(variants_worker, 1, str(e_checkpoint), tokens)[0]
+    assert_within_fp32_noise(e_checkpoint, tokens, logits["built"])
+    want = hf_logits(e_checkpoint, tokens)
+    for name in ("no_per_layer_inputs", "no_token_part", "no_model_projection", "kv_of_another_layer"):
+        assert compare_logits(want, logits[name])["rel_l2"] > 100 * FP32_REL_L2, name
+
+
+@pytest.mark.slow
+def test_converted_at_tp2_its_logits_are_transformers_and_it_converts_back_bit_exact(e_checkpoint, tmp_path):
+    """At TP=2 (the per-layer embedding split by vocabulary, the reusing layers' linear_qkv by query heads, their
+    double-wide MLP by its width), the checkpoint's logits are transformers', and it converts back bit for bit, no
+    k_proj, v_proj or k_norm invented on the reusing layers."""
+    from megatron_patch.align.parity import random_tokens
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.runtime.launch import run_local
+    from tests.convert_helpers import checkpoint_logits_worker
+
+    src = HFCheckpointReader(e_checkpoint)
+    assert "model.layers.3.self_attn.k_proj.weight" not in src.keys()
+    assert src.get("model.layers.3.mlp.down_proj.weight").shape == (48, 192)
+    layout, tokens = ParallelLayout(tp=2), random_tokens(200, batch=2, seq=16)
+    for fmt in ("torch_dist", "legacy"):
+        ckpt, back = tmp_path / fmt, tmp_path / f"back-{fmt}"
+        hf_to_mcore(e_checkpoint, ckpt, layout, fmt=fmt, dtype="fp32", progress=False)
+        if fmt == "torch_dist":
+            results = run_local(checkpoint_logits_worker, layout.world_size, str(ckpt), layout, tokens)
+            assert_within_fp32_noise(e_checkpoint, tokens, next(r for r in results if r is not None))
+        mcore_to_hf(ckpt, back, progress=False)
+        got = HFCheckpointReader(back)
+        assert sorted(got.keys()) == sorted(src.keys()), fmt
+        assert all(torch.equal(got.get(n), src.get(n)) for n in src.keys()), fmt
+
+
+def test_the_counts_and_the_memory_plan_hold_the_e_weights(tmp_path):
+    """megatron-core builds the reusing layers without key/value rows or k_norm and with the double-wide MLP, the
+    model's parameters are transformers' (with the vocabulary's padding, in both embeddings), and the memory plan's
+    weights are those: the per-layer inputs' weights on top of the same model without them."""
+    from transformers import AutoConfig, Gemma4ForCausalLM
+
+    from megatron_patch.models.shape.model_shape import model_shape
+    from megatron_patch.training import memory_plan
+    from megatron_patch.training.validation import resolve
+    from tests.training_helpers import launcher_args
+
+    arch = parse_arch(E_CONFIG)
+    shape = model_shape(arch)
+    shared = shape.layers["sliding_attention+dense+kv-shared"]
+    assert shared["self_attention.linear_qkv.weight"] == (4 * 16, 48) and "self_attention.k_layernorm.weight" \
+        not in shared
+    assert shared["mlp.linear_fc2.weight"] == (48, 192)
+    assert shape.layers["full_attention+dense+kv-shared"]["self_attention.linear_qkv.weight"] == (4 * 32, 48)
+    hf = Gemma4ForCausalLM(AutoConfig.for_model(**E_CONFIG))
+    padding = (arch.padded_vocab_size() - arch.vocab_size) * (48 + 5 * 8)
+    assert shape.params() == sum(p.numel() for p in hf.parameters()) + padding
+
+    prefix = tmp_path / "c_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    cfg = resolve("gemma4", launcher_args("gemma4", PR="bf16", DATASET_PATH=str(prefix),
+                                          OUTPUT_BASEPATH=str(tmp_path / "out")), env={})
+    without = parse_arch({**E_CONFIG, "hidden_size_per_layer_input": 0})
+    with_inputs, plain = (memory_plan.stage_memory(a, cfg, 0, "local") for a in (arch, without))
+    per_layer = arch.padded_vocab_size() * 5 * 8 + 48 * 5 * 8 + 8 + 5 * (2 * 48 * 8 + 48)
+    assert with_inputs.trainable - plain.trainable == per_layer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size, total, without_per_layer_embedding", [
+    ("E2B", 4_628_569_344, 2.3), ("E4B", 7_463_013_376, 4.6)])
+def test_the_e_presets_have_transformers_size(size, total, without_per_layer_embedding):
+    """The E2B and E4B presets' language models, as megatron-core builds them, have transformers' parameter count;
+    without the per-layer embedding (which Google leaves out of the "effective" sizes), E2B's is the published
+    2.3B (Google gives E4B's as 4.5B: here 4.64B, the text model of transformers' own config)."""
+    import transformers
+
+    from megatron_patch.models.shape.model_shape import model_shape
+
+    config = GEMMA4.presets[size]
+    arch = parse_arch(config)
+    with torch.device("meta"):
+        hf = transformers.Gemma4ForCausalLM(transformers.AutoConfig.for_model(**config))
+    shape = model_shape(arch)
+    assert arch.padded_vocab_size() == arch.vocab_size
+    assert shape.params() == sum(p.numel() for p in hf.parameters()) == total
+    per_layer_embedding = hf.model.embed_tokens_per_layer.weight.numel()
+    assert round((total - per_layer_embedding) / 1e9, 1) == without_per_layer_embedding
