@@ -3,7 +3,7 @@ logit parity, `mpatch align` in fp32 and bf16 with its window of 8 inside the al
 the launcher end to end, the memory plan): the model-level pieces it owns (the embedding's scale, proportional
 RoPE on the full-attention layers, the value norm, the layer scalar, the logits' soft cap) shown to matter, both
 config.json forms, the full-attention layers' keys doubling as values (attention_k_eq_v, on in the tiny model), the
-31B preset's published size, and what it does not build yet refused in one line.
+31B preset's published size, and what it does not build yet refused in one line (the E pieces: test_gemma4_e.py).
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def test_hub_and_transformers5_config_forms_read_the_same():
     ({"num_hidden_layers": 3, "layer_types": ["full_attention", "sliding_attention", "full_attention"],
       "per_layer_config": {"0": {"head_dim": 32}, "2": {"head_dim": 64}}},
      "gemma4's full_attention layers differ in attention shape"),
-    ({"hidden_size_per_layer_input": None}, "hidden_size_per_layer_input=256 (per-layer input embeddings)"),
-    ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input=8"),
-    ({"num_kv_shared_layers": 1}, "num_kv_shared_layers=1 is not supported yet for gemma4"),
+    # transformers' defaults for the per-layer inputs: a per-layer vocabulary of 262144 beside the tiny one's 200
+    ({"hidden_size_per_layer_input": None}, "vocab_size_per_layer_input=262144 differs from vocab_size=200"),
+    ({"num_kv_shared_layers": 1}, "num_kv_shared_layers=1: every attention type of the shared layers needs"),
     ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
      "enable_moe_block=True is not supported yet"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported yet"),
@@ -95,12 +95,12 @@ def test_vision_bidirectional_attention_leaves_the_text_model_causal():
 
 def test_a_config_naming_only_transformers_defaults_reads_its_global_head_dim():
     """transformers' own Gemma4TextConfig defaults (those of the published sizes: full-attention heads of 512 beside
-    sliding ones of 256, per-layer inputs of 256) are refused in one line for their per-layer inputs, not built
-    wrong; without those, the full-attention layers have their heads of 512, in either form."""
+    sliding ones of 256, per-layer inputs of 256) read so; without the per-layer inputs too, the full-attention
+    layers have their heads of 512, in either form."""
     from transformers import Gemma4TextConfig
 
-    with pytest.raises(UserError, match="hidden_size_per_layer_input=256"):
-        parse_arch({**Gemma4TextConfig().to_dict(), "architectures": ["Gemma4ForCausalLM"]})
+    defaults = parse_arch({**Gemma4TextConfig().to_dict(), "architectures": ["Gemma4ForCausalLM"]})
+    assert defaults.family_config.per_layer_input_size == 256
     hub = {"model_type": "gemma4_text", "architectures": ["Gemma4ForCausalLM"], "hidden_size_per_layer_input": 0}
     for config in (hub, {**Gemma4TextConfig(**hub).to_dict(), "architectures": ["Gemma4ForCausalLM"]}):
         arch = parse_arch(config)

@@ -1,5 +1,5 @@
-"""Gemma 4's on-device pieces (E2B, E4B) on a tiny model of five layers, [sliding, sliding, full, sliding, full]:
-per-layer input embeddings (8 per layer), the last two layers reusing the keys and values of layers 1 and 2 (KV
+"""Gemma 4's on-device pieces (E2B, E4B) on a tiny model of five layers,
+[sliding, sliding, full, sliding, full]: per-layer input embeddings (8 per layer), the last two layers reusing the keys and values of layers 1 and 2 (KV
 sharing; layer 0 neither stores nor reuses), and the reusing layers' double-wide MLP. Config reading in both forms,
 logits equal to transformers' (within float32's noise) at TP=1 and TP=2, each piece shown to matter, a bit-exact round trip at TP=2, the
 layouts refused in one line, the counts and the memory plan, the presets' sizes.
