@@ -19,6 +19,14 @@ import dataclasses
 from megatron_patch.errors import UserError
 
 
+class NoKeyNorm:
+    """A spec entry that builds no key norm: megatron-core 0.16 builds none for ``None``, 0.19 its default
+    (TENorm) instead; both build this class, which gives None."""
+
+    def __new__(cls, *args, **kwargs):
+        return None
+
+
 class SharesKeysValues:
     """Mixed into Gemma 4's self-attention ahead of it: ``kv_sharing`` (a spec parameter) None, "store" (its keys
     and values kept for the reusing layers) or "reuse" (the stored ones taken, no key/value weights)."""
@@ -33,7 +41,7 @@ class SharesKeysValues:
             shape = kwargs.get("attention_shape")  # the layer's own, else the model's
             rows = config.num_attention_heads * (shape.head_dim if shape else config.kv_channels)
             linear = submodules.linear_qkv
-            submodules = dataclasses.replace(submodules, k_layernorm=None,
+            submodules = dataclasses.replace(submodules, k_layernorm=NoKeyNorm,
                                              linear_qkv=lambda size, _rows, **kw: linear(size, rows, **kw))
         super().__init__(config, submodules, *args, **kwargs)
         self.kv_sharing = kv_sharing

@@ -135,17 +135,16 @@ class Gemma4SharingKVKeysAsValuesAttention(SharesKeysValues, Gemma4KeysAsValuesA
 
 
 class Gemma4MLP(OutputNormed, MLP):
-    """megatron-core's MLP (GeGLU), its output normalised; ``width`` (a spec parameter) its own intermediate size
-    (the double-wide MLP of a KV-shared layer), in a copy of the config, whose ffn_hidden_size sizes fc2."""
+    """megatron-core's MLP (GeGLU), its output normalised; ``ffn_hidden_size`` (a spec parameter: the double-wide
+    MLP of a KV-shared layer) also in a copy of the config, whose ffn_hidden_size sizes fc2."""
 
     output_norm = PostNorm
 
-    def __init__(self, config, *args, width: int | None = None, **kwargs):
-        if width is not None and width != config.ffn_hidden_size:
+    def __init__(self, config, *args, ffn_hidden_size: int | None = None, **kwargs):
+        if ffn_hidden_size is not None and ffn_hidden_size != config.ffn_hidden_size:
             config = copy.copy(config)
-            config.ffn_hidden_size = width
-            kwargs["ffn_hidden_size"] = width
-        super().__init__(config, *args, **kwargs)
+            config.ffn_hidden_size = ffn_hidden_size
+        super().__init__(config, *args, ffn_hidden_size=ffn_hidden_size or config.ffn_hidden_size, **kwargs)
 
 
 class Gemma4Layer(TransformerLayer):
@@ -188,7 +187,7 @@ def _own_layer(spec, own, layer: int, config):
     if own.kv_sharing:
         changes["self_attention"] = with_params(parts.self_attention, kv_sharing=own.kv_sharing[layer])
         if own.double_wide_mlp and own.reuses_kv(layer):
-            changes["mlp"] = with_params(parts.mlp, width=2 * config.ffn_hidden_size)
+            changes["mlp"] = with_params(parts.mlp, ffn_hidden_size=2 * config.ffn_hidden_size)
     spec = with_submodules(spec, **changes) if changes else spec
     return with_params(spec, per_layer_input_size=own.per_layer_input_size) if own.per_layer_input_size else spec
 
