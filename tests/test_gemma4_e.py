@@ -227,3 +227,29 @@ def test_the_e_presets_have_transformers_size(size, total, without_per_layer_emb
     assert shape.params() == sum(p.numel() for p in hf.parameters()) == total
     per_layer_embedding = hf.model.embed_tokens_per_layer.weight.numel()
     assert round((total - per_layer_embedding) / 1e9, 1) == without_per_layer_embedding
+
+
+def sequence_parallel_worker(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    from megatron_patch.align.parity import load_hf_weights
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.inference import forward_logits
+    from megatron_patch.runtime import init_model_parallel
+
+    arch, layout = parse_arch(hf_dir), ParallelLayout(tp=2)
+    init_model_parallel(layout)
+    model = build_model(arch, layout, torch.float32, sequence_parallel=True)
+    assert model.per_layer_inputs.embed_tokens.reduce_scatter_embeddings
+    load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir))
+    return forward_logits(model.eval(), tokens, arch.vocab_size)
+
+
+@pytest.mark.slow
+def test_with_sequence_parallelism_the_per_layer_inputs_follow_the_sequence_split(e_checkpoint):
+    """Under sequence parallelism each rank's per-layer inputs are its share of the sequence, as its hidden states
+    are (the per-layer embedding reduce-scattered like the main one): the logits are still transformers'."""
+    from megatron_patch.align.parity import random_tokens
+    from megatron_patch.runtime.launch import run_local
+
+    tokens = random_tokens(200, 2, 16, 1)
+    assert_within_fp32_noise(e_checkpoint, tokens, run_local(sequence_parallel_worker, 2, str(e_checkpoint), tokens)[0])
