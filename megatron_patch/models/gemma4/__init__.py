@@ -1,6 +1,7 @@
 """Gemma 4's text model (gemma4_text: Gemma4ForCausalLM), dense, its full-attention layers with heads of their own
-size and count and, with attention_k_eq_v, keys that double as values; what it does not build yet is refused in one
-line (config.py)."""
+size and count and, with attention_k_eq_v, keys that double as values; the on-device sizes' (E2B, E4B) per-layer
+input embeddings (per_layer_inputs.py, PP=1 only), KV sharing (kv_sharing.py) and double-wide MLP; what it does not
+build yet is refused in one line (config.py)."""
 
 from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.models.description.registry import register
@@ -15,7 +16,8 @@ FAMILY = register(ModelFamily(
                            "sqrt(hidden), norms around attention and MLP, q/k/v norms, GeGLU, sliding-window layers "
                            "with default RoPE and global ones with heads of their own size and count, "
                            "proportional partial RoPE and keys that may double as values, a scalar per layer, "
-                           "soft-capped logits, tied embeddings",
+                           "soft-capped logits, tied embeddings; E2B/E4B's per-layer input embeddings (PP=1), KV "
+                           "sharing and double-wide MLP",
     hf_model_types=("gemma4_text",), hf_architectures=("Gemma4ForCausalLM",),
     parse_config=parse_config, config_keys=CONFIG_KEYS,
     weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,

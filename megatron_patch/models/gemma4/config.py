@@ -14,11 +14,13 @@
   values are its output before k_norm and RoPE, then v_norm), and only then do those layers take
   ``num_global_key_value_heads`` key/value heads (the 31B's 4 beside its sliding layers' 16);
 - GeGLU (``gelu_pytorch_tanh``) and a stored scalar on each layer's output (``layer_scalar``);
-- the final logits soft-capped (``tanh(x / c) * c``) where ``final_logit_softcapping`` is set; tied embeddings.
+- the final logits soft-capped (``tanh(x / c) * c``) where ``final_logit_softcapping`` is set; tied embeddings;
+- E2B and E4B's per-layer input embeddings (``hidden_size_per_layer_input``; ``vocab_size_per_layer_input`` must be
+  ``vocab_size``: per_layer_inputs.py), KV sharing (``num_kv_shared_layers``: transformers' ``kv_sharing_modes``,
+  kv_sharing.py) and the KV-shared layers' double-wide MLP (``use_double_wide_mlp``), in ``Gemma4Settings``.
 
 Refused in one line, each what this model does not build yet: layers of one type with different attention shapes
-(transformers itself computes one RoPE per type), per-layer input embeddings (``hidden_size_per_layer_input``: set
-it to 0), KV sharing (``num_kv_shared_layers``), the MoE block (``enable_moe_block``),
+(transformers itself computes one RoPE per type), the MoE block (``enable_moe_block``),
 bidirectional attention over text (``use_bidirectional_attention="all"``; "vision" touches only the multimodal
 model's image tokens), attention biases, another activation. The multimodal ``gemma4`` folder is not claimed (the
 registry refuses its model_type).
