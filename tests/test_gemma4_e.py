@@ -253,3 +253,25 @@ def test_with_sequence_parallelism_the_per_layer_inputs_follow_the_sequence_spli
 
     tokens = random_tokens(200, 2, 16, 1)
     assert_within_fp32_noise(e_checkpoint, tokens, run_local(sequence_parallel_worker, 2, str(e_checkpoint), tokens)[0])
+
+
+def full_recompute_worker(config: dict) -> str:
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.runtime import init_model_parallel
+
+    init_model_parallel(ParallelLayout())
+    try:
+        build_model(parse_arch(config), ParallelLayout(), torch.float32, recompute_granularity="full",
+                    recompute_method="uniform", recompute_num_layers=1)
+    except UserError as err:
+        return str(err)
+    return ""
+
+
+def test_kv_sharing_refuses_full_activation_recomputation_in_one_line():
+    """Full recomputation would recompute a reusing layer from keys and values stored without a graph (its
+    gradient lost): refused in one line when the model is built."""
+    from megatron_patch.runtime.launch import run_local
+
+    message = run_local(full_recompute_worker, 1, E_CONFIG)[0]
+    assert "KV-shared layers run without full activation recomputation" in message and "\n" not in message, message
