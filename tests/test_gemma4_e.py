@@ -275,3 +275,38 @@ def test_kv_sharing_refuses_full_activation_recomputation_in_one_line():
 
     message = run_local(full_recompute_worker, 1, E_CONFIG)[0]
     assert "KV-shared layers run without full activation recomputation" in message and "\n" not in message, message
+
+
+@pytest.mark.slow
+def test_a_peft_adapter_of_the_e_model_exports_and_merges_as_peft(e_checkpoint, tmp_path):
+    """LoRA on every module the E model adapts, the reusing layers' q_proj alone among their attention's (they have
+    no k_proj or v_proj): hf2mcore --peft-dir, then --lora-adapter gives peft's tensors back bit for bit, and
+    --merge-lora gives peft's merge_and_unload weights (to float32's rounding) and logits (within 5e-5: this model's
+    float32 noise, twice FP32_REL_L2, amplifies that rounding)."""
+    from safetensors.torch import load_file
+
+    from megatron_patch.align.parity import hf_logits, random_tokens
+    from megatron_patch.cli import main
+    from tests.lora_helpers import make_peft_adapter, peft_logits, rel
+
+    src = make_peft_adapter(e_checkpoint, tmp_path / "peft")
+    assert "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight" in load_file(src / "adapter_model.safetensors")
+    ckpt, out, merged = tmp_path / "ckpt", tmp_path / "out", tmp_path / "merged"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(e_checkpoint), "--save-dir", str(ckpt), "--peft-dir",
+                 str(src), "--tp", "2", "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(out), "--lora-adapter"]) == 0
+    a, b = load_file(src / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(merged), "--merge-lora",
+                 "--quiet"]) == 0
+    from peft import PeftModel
+
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from tests.lora_helpers import load_hf
+
+    theirs = PeftModel.from_pretrained(load_hf(e_checkpoint), str(src)).merge_and_unload().state_dict()
+    got = HFCheckpointReader(merged)
+    assert set(got.keys()) <= set(theirs) and all(rel(got.get(n), theirs[n]) <= 1e-6 for n in got.keys())
+    tokens = random_tokens(200, batch=2, seq=16, seed=3)
+    ours, peft_merged = hf_logits(merged, tokens), peft_logits(e_checkpoint, src, tokens, merged=True)
+    assert rel(ours, peft_merged) <= 5e-5 and rel(peft_merged, hf_logits(e_checkpoint, tokens)) > 1e-2
