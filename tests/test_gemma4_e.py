@@ -310,3 +310,57 @@ def test_a_peft_adapter_of_the_e_model_exports_and_merges_as_peft(e_checkpoint, 
     tokens = random_tokens(200, batch=2, seq=16, seed=3)
     ours, peft_merged = hf_logits(merged, tokens), peft_logits(e_checkpoint, src, tokens, merged=True)
     assert rel(ours, peft_merged) <= 5e-5 and rel(peft_merged, hf_logits(e_checkpoint, tokens)) > 1e-2
+
+
+class _Tensors:
+    """A reader of HF-named tensors held in memory (``load_hf_weights`` reads ``keys()`` and ``get``)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def keys(self):
+        return list(self.tensors)
+
+    def get(self, name):
+        return self.tensors[name]
+
+
+def gradients_worker(hf_dir: str, tokens: torch.Tensor, hf_grads: dict) -> dict:
+    """The MCore model's gradients of the next-token loss, and transformers' mapped onto the same parameters."""
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.runtime import init_model_parallel
+
+    arch, layout = parse_arch(hf_dir), ParallelLayout()
+    init_model_parallel(layout)
+    model, mapped = (build_model(arch, layout, torch.float32) for _ in range(2))
+    load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir))
+    load_hf_weights(mapped, arch, layout, _Tensors(hf_grads))
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    logits = model(tokens, positions, attention_mask=None)[..., :arch.vocab_size]
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return {name: (p.grad, mapped.get_parameter(name).detach()) for name, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_the_gradients_are_transformers_through_the_shared_keys_and_the_per_layer_inputs(e_checkpoint):
+    """Training takes transformers' gradients: those of the store layers' key/value projections (which the reusing
+    layers' attention reaches), of the per-layer embedding and projections, of every weight, are transformers'."""
+    import transformers
+
+    from megatron_patch.align.parity import random_tokens
+    from megatron_patch.runtime.launch import run_local
+
+    tokens = random_tokens(200, 2, 16, 1)
+    hf = transformers.Gemma4ForCausalLM.from_pretrained(e_checkpoint, dtype=torch.float32)
+    logits = hf(tokens).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    grads = {name: p.grad for name, p in hf.named_parameters()}
+    grads.update({name: torch.zeros_like(b) for name, b in hf.named_buffers() if name.endswith("layer_scalar")})
+    pairs = run_local(gradients_worker, 1, str(e_checkpoint), tokens, grads)[0]
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in pairs and "per_layer_inputs.embed_tokens.weight" \
+        in pairs
+    for name, (ours, theirs) in pairs.items():
+        assert ours is not None and theirs.norm() > 0, name
+        assert float((ours - theirs).norm() / theirs.norm()) <= 1e-4, name
