@@ -62,8 +62,6 @@ def test_hub_and_transformers5_config_forms_read_the_same():
     ({"hidden_size_per_layer_input": None}, "hidden_size_per_layer_input=256 (per-layer input embeddings)"),
     ({"hidden_size_per_layer_input": 8}, "hidden_size_per_layer_input=8"),
     ({"num_kv_shared_layers": 1}, "num_kv_shared_layers=1 is not supported yet for gemma4"),
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
-     "enable_moe_block=True is not supported yet"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported yet"),
     ({"attention_bias": True}, "attention_bias=True is not supported yet"),
     ({"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),

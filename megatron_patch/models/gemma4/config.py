@@ -197,9 +197,9 @@ def transformer_config_kwargs(arch: Arch) -> dict:
 def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
     # megatron-core: imported only when a model is built, not when the converter reads the family
     if arch.is_moe:
-        from megatron_patch.models.gemma4.moe import layer_spec as gemma4_layer_spec
+        from megatron_patch.models.gemma4.moe import layer_spec as gemma4_layer_spec  # megatron-core: as above
     else:
-        from megatron_patch.models.gemma4.layers import layer_spec as gemma4_layer_spec
+        from megatron_patch.models.gemma4.layers import layer_spec as gemma4_layer_spec  # megatron-core: as above
 
     return gemma4_layer_spec(arch, config, vp_stage, core_attention)
 
