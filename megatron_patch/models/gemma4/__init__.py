@@ -18,6 +18,8 @@ FAMILY = register(ModelFamily(
                            "proportional partial RoPE and keys that may double as values, a scalar per layer, "
                            "soft-capped logits, tied embeddings",
     hf_model_types=("gemma4_text",), hf_architectures=("Gemma4ForCausalLM",),
+    # dense command lines as before; the MoE block (26B-A4B) takes ETP and EP after CP
+    launcher_more_parallel_args=(("ETP", "EP"),),
     parse_config=parse_config, config_keys=CONFIG_KEYS,
     weight_rules=weight_rules, hf_stacked=hf_stacked, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, layer_spec=layer_spec, finish_model=finish_model,
