@@ -67,3 +67,24 @@ def shared_scoring_worker(checkpoint, pairs: list) -> dict:
     except UserError as exc:
         too_long = str(exc)
     return {"answers": answers, "rows": rows, "too_long": too_long}
+
+
+def shared_generation_worker(checkpoint, prompts: list, max_new: int) -> dict:
+    """Runs on every rank of a world of TP=1 PP=1 (data-parallel replicas): greedy and sampled generations of
+    ``prompts``, the first prompt's stopped after two tokens by ``finished``, and the batch sizes this rank's
+    model forwarded."""
+    from megatron_patch.evaluation.runner import Sampling
+
+    init_model_parallel(ParallelLayout())
+    arch = checkpoint.arch
+    runner = ModelRunner(load_model(checkpoint, ParallelLayout()), arch.vocab_size, arch.max_position_embeddings)
+    rows, forward = [], runner._forward
+
+    def counting_forward(tokens, *args, **kwargs):
+        rows.append(int(tokens.shape[0]))
+        return forward(tokens, *args, **kwargs)
+
+    runner._forward = counting_forward
+    greedy = runner.generate(prompts, max_new, finished=lambda i, tokens: i == 0 and len(tokens) == 2)
+    sampled = [runner.generate(prompts, max_new, Sampling(temperature=1.5, top_k=50, seed=seed)) for seed in (1, 2)]
+    return {"greedy": greedy, "sampled": sampled, "rows": rows}

@@ -602,7 +602,7 @@ def test_mcore2hf_reads_the_weights_of_a_training_checkpoint(training_ckpt, hf_d
         config = json.loads((tmp_path / name / "config.json").read_text())
         assert {config.get(k) for k in ("dtype", "torch_dtype")} - {None} == {"bfloat16"}
     # Only the known training-state prefixes are skipped: any other stored tensor is still refused.
-    monkeypatch.setattr(ckpt_mod, "TRAINING_STATE_PREFIXES", ())
+    monkeypatch.setattr(ckpt_mod, "is_training_state", lambda key: False)
     rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "strict"))
     assert rc == 2 and "the model does not" in err and "optimizer.state" in err, err
     assert not (tmp_path / "strict").exists()
@@ -620,3 +620,17 @@ def test_mcore2hf_reads_the_weights_of_a_training_checkpoint(training_ckpt, hf_d
     assert rc == 2 and err.count("\n") == 1 and f"no complete checkpoint in {root}" in err, err
     assert "metadata.json is missing" in err and not (tmp_path / "none").exists()
 
+
+
+def test_training_state_is_known_by_megatron_cores_prefixes_chained_optimizers_included():
+    """An MoE run's optimizer is a ChainedOptimizer (dense and expert parameters apart), whose torch_dist keys start
+    "chained_N.optimizer.": mcore2hf of an EP-trained Gemma 4 refused them as tensors the model lacks."""
+    from megatron_patch.checkpoint.foreign import is_training_state
+
+    for key in ("optimizer.state.exp_avg.decoder.final_layernorm.weight", "optimizer.distributed.dp_group_idx_0",
+                "chained_0.optimizer.state.exp_avg.decoder.layers.0.mlp.router.weight",
+                "chained_12.optimizer.state.fp32_param.embedding.word_embeddings.weight"):
+        assert is_training_state(key), key
+    for key in ("decoder.layers.0.mlp.router.weight", "chained_0.decoder.final_layernorm.weight",
+                "xoptimizer.state", "decoder.optimizer.weight"):
+        assert not is_training_state(key), key

@@ -186,3 +186,24 @@ def test_data_parallel_replicas_share_the_scoring_and_give_every_rank_the_same_a
         for (ours, greedy), (theirs, their_greedy) in zip(rank["answers"], alone["answers"]):
             assert abs(ours - theirs) <= 1e-5 * max(1.0, abs(theirs)) and greedy == their_greedy
         assert rank["too_long"] and "longer than the model's" in rank["too_long"]
+
+
+
+def test_data_parallel_replicas_share_the_generations_and_give_every_rank_the_same_tokens(checkpoints):
+    """Two replicas generate 1 and 2 of 3 prompts (one stopped after two tokens by the caller's ``finished``, so
+    the replicas' shares end at different steps) and both return what one process generates for all three:
+    greedy, and sampled (each prompt draws from its own generator, so the share does not change a draw; another
+    seed draws otherwise)."""
+    from megatron_patch.evaluation.loading import open_for_evaluation
+    from megatron_patch.runtime.launch import run_local
+    from tests.eval_helpers import shared_generation_worker
+
+    checkpoint = open_for_evaluation(checkpoints["ckpt"], ParallelLayout())
+    prompts = [[5, 17, 33, 8, 90], [44, 3, 150, 27, 9], [7, 7, 120, 3, 66]]
+    (alone,) = run_local(shared_generation_worker, 1, checkpoint, prompts, 6)
+    shared = run_local(shared_generation_worker, 2, checkpoint, prompts, 6)
+    assert set(alone["rows"]) == {3} and [set(r["rows"]) for r in shared] == [{1}, {2}]
+    assert len(alone["greedy"][0]) == 2 and [len(t) for t in alone["greedy"][1:]] == [6, 6]
+    assert alone["sampled"][0] != alone["sampled"][1]
+    for rank in shared:
+        assert rank["greedy"] == alone["greedy"] and rank["sampled"] == alone["sampled"]

@@ -160,12 +160,12 @@ def test_an_expert_without_tokens_computes_nothing():
 
     from megatron_patch.models.blocks.float8 import Float8ParallelMatmul, Parts, Sharding, _mm_config, torchao_config
 
-    for recipe in RECIPES:
+    # one weight, and gate and up fused in one (two GEMMs, joined: at ETP=2 that join met the empty batch first)
+    for recipe, parts in [(r, p) for r in RECIPES for p in (Parts(1, (8,), (True,)), Parts(1, (4, 4), (True, True)))]:
         config = torchao_config(recipe)
         weight = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)
         empty = torch.randn(0, 16, dtype=torch.bfloat16, requires_grad=True)
-        out = Float8ParallelMatmul.apply(empty, weight, config, _mm_config(config), Sharding("column"),
-                                         Parts(1, (8,), (True,)))
+        out = Float8ParallelMatmul.apply(empty, weight, config, _mm_config(config), Sharding("column"), parts)
         out.sum().backward()
         assert out.shape == (0, 8) and empty.grad.shape == (0, 16)
         assert torch.equal(weight.grad, torch.zeros_like(weight)), recipe
@@ -251,8 +251,9 @@ def _falls(metrics: list[dict]) -> bool:
 
 @pytest.mark.slow
 def test_fp8_trains_at_tp2_pp2_and_ep2_dense_and_moe(corpus, converted, tmp_path_factory, tp2):
-    """The launcher trains PR=fp8 (torchao) from a converted checkpoint at TP=2 and PP=2 (Llama) and EP=2 (Qwen2-MoE,
-    each local expert's GEMMs in float8): the loss falls over 4 iterations, and the log says what ran in float8."""
+    """The launcher trains PR=fp8 (torchao) from a converted checkpoint at TP=2 and PP=2 (Llama), and EP=2 and
+    TP=2 x ETP=2 (Qwen2-MoE, each local expert's GEMMs in float8): the loss falls over 4 iterations, and the log says
+    what ran in float8."""
     assert "float8 (torchao, tensorwise): decoder GEMMs in float8 by kind: proj 4/4, qkv 12/12, fc1 8/8, fc2 4/4" \
         in tp2["stdout"], tp2["stdout"][-2000:]
     assert _falls(tp2["metrics"]), [m["loss"] for m in tp2["metrics"]]
@@ -261,6 +262,10 @@ def test_fp8_trains_at_tp2_pp2_and_ep2_dense_and_moe(corpus, converted, tmp_path
     moe = _run(corpus, converted, tmp_path_factory, "fp8-ep2", family="qwen2_moe", EP="2", ETP="1", BATCH_SIZE="2",
                env={"MP_NPROC": "2"})
     assert "experts " in moe["stdout"] and _falls(moe["metrics"]), [m["loss"] for m in moe["metrics"]]
+    # experts split by ETP=2 (the rest by TP=2, sequence-parallel as MoE at TP>1 must be): each expert GEMM in float8
+    etp = _run(corpus, converted, tmp_path_factory, "fp8-etp2", family="qwen2_moe", TP="2", ETP="2", SP="true",
+               BATCH_SIZE="2", env={"MP_TP_COMM_OVERLAP": "false"})
+    assert "experts 48/48, shared_experts 12/12" in etp["stdout"] and _falls(etp["metrics"]), [m["loss"] for m in etp["metrics"]]
 
 
 @pytest.mark.slow

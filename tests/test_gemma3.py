@@ -171,26 +171,29 @@ def test_parameter_counts_are_the_published_sizes():
 LANGUAGE_MODEL_LINEARS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-def _random_peft_adapter(hf, out, target_modules):
+def _random_peft_adapter(hf, out, target_modules, **config):
     from peft import LoraConfig, get_peft_model
 
     from tests.lora_helpers import load_hf
 
-    model = get_peft_model(load_hf(hf), LoraConfig(r=3, lora_alpha=5, target_modules=target_modules))
+    model = get_peft_model(load_hf(hf), LoraConfig(r=3, lora_alpha=5, target_modules=target_modules, **config))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     model.save_pretrained(out)
     return out
 
 
 def test_a_peft_adapter_of_the_multimodal_checkpoint_converts_both_ways_and_merges_as_peft(tmp_path, capsys):
-    """LoRA on Gemma3ForConditionalGeneration as peft trains it (its modules under model.language_model.): the
-    adapter imports with hf2mcore --peft-dir, exports back bit for bit under peft's names (--lora-adapter), and
-    --merge-lora gives peft's merge_and_unload logits on text. An adapter on the vision tower too is refused in one
-    line: the vision tower is carried, not built."""
+    """LoRA on Gemma3ForConditionalGeneration as peft trains it (its modules under model.language_model.), with the
+    final norm trained whole (modules_to_save, named as peft names it: language_model.norm, stored as
+    language_model.model.norm): the adapter imports with hf2mcore --peft-dir, exports back bit for bit under peft's
+    names (--lora-adapter), and --merge-lora gives peft's merge_and_unload logits on text. An adapter on the vision
+    tower too is refused in one line: the vision tower is carried, not built."""
     from safetensors.torch import load_file
 
     from megatron_patch.cli import main
@@ -198,9 +201,11 @@ def test_a_peft_adapter_of_the_multimodal_checkpoint_converts_both_ways_and_merg
     from tests.lora_helpers import hf_logits, load_hf, peft_logits, rel
 
     hf = _tiny_multimodal(tmp_path / "hf")
-    adapter = _random_peft_adapter(hf, tmp_path / "peft", LANGUAGE_MODEL_LINEARS)
+    adapter = _random_peft_adapter(hf, tmp_path / "peft", LANGUAGE_MODEL_LINEARS,
+                                   modules_to_save=["language_model.norm"])
     names = list(load_file(adapter / "adapter_model.safetensors"))
     assert names and all(".language_model." in n for n in names), names[:3]
+    assert "base_model.model.model.language_model.norm.weight" in names
     ckpt, out, merged = tmp_path / "ckpt", tmp_path / "out", tmp_path / "merged"
     assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--peft-dir", str(adapter),
                  "--tp", "2", "--quiet"]) == 0

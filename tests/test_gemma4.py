@@ -62,8 +62,8 @@ def test_hub_and_transformers5_config_forms_read_the_same():
     # transformers' defaults for the per-layer inputs: a per-layer vocabulary of 262144 beside the tiny one's 200
     ({"hidden_size_per_layer_input": None}, "vocab_size_per_layer_input=262144 differs from vocab_size=200"),
     ({"num_kv_shared_layers": 1}, "num_kv_shared_layers=1: every attention type of the shared layers needs"),
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
-     "enable_moe_block=True is not supported yet"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32,
+      "hidden_size_per_layer_input": 8}, "MoE block (enable_moe_block) with per-layer inputs or KV sharing"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention=all is not supported yet"),
     ({"attention_bias": True}, "attention_bias=True is not supported yet"),
     ({"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),

@@ -21,6 +21,7 @@ from megatron_patch.lora.plan import count_params, plan_sites
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+from megatron_patch.models.gemma4.config import TINY_MOE_CONFIG as TINY_GEMMA4_MOE
 from megatron_patch.models.qwen3_5.config import TINY_DENSE_CONFIG
 from megatron_patch.runtime import ParallelLayout
 from tests.convert_helpers import run_cli
@@ -60,7 +61,13 @@ def lora_models(tmp_path_factory):
     hf = _Lazy(lambda f: make_tiny_hf_checkpoint(f, root / "hf" / f, seed=1))
     adapters = _Lazy(lambda f: make_peft_adapter(hf[f], root / "peft" / f))
     variants = _Lazy(lambda v: make_peft_adapter(hf[VARIANTS[v][0]], root / v, **VARIANTS[v][1]))
-    return {"root": root, "hf": hf, "adapters": adapters, "variants": variants}
+    # Gemma 4 with its MoE block: adapters on its attention and on the dense MLP beside the experts (the experts
+    # take none here)
+    moe_hf = _Lazy(lambda _: make_tiny_hf_checkpoint("gemma4", root / "hf" / "gemma4_moe", seed=1,
+                                                     **TINY_GEMMA4_MOE))
+    moe_adapter = _Lazy(lambda _: make_peft_adapter(moe_hf[0], root / "peft" / "gemma4_moe", experts=False))
+    return {"root": root, "hf": hf, "adapters": adapters, "variants": variants,
+            "gemma4_moe": lambda: (moe_hf[0], moe_adapter[0], moe_hf[0])}
 
 
 # --- quick: the adapter's layout and peft's rules -------------------------------------------------------------
@@ -371,10 +378,11 @@ def lora_parity(lora_models):
     cases = {f: (hf[f], adapters[f], hf[f]) for f in FAMILY_NAMES}
     extra = {"partial": (hf["llama3_1"], variants["partial"], hf["llama3_1"]),
              "patterns": (hf["qwen2"], variants["patterns"], hf["qwen2"]),
-             "saved": (hf["llama3_1"], variants["saved"], hf["llama3_1"])}
-    layouts = {"tp1": (ParallelLayout(), list(cases) + list(extra)), "ep2": (ParallelLayout(ep=2), MOE)}
+             "saved": (hf["llama3_1"], variants["saved"], hf["llama3_1"]), "gemma4_moe": lora_models["gemma4_moe"]()}
+    layouts = {"tp1": (ParallelLayout(), list(cases) + list(extra)),
+               "ep2": (ParallelLayout(ep=2), MOE + ["gemma4_moe"])}
     for f in list(cases) + list(extra):
-        tp2 = ParallelLayout(tp=2, etp=_etp(VARIANTS[f][0] if f in VARIANTS else f))
+        tp2 = ParallelLayout(tp=2, etp=_etp(VARIANTS[f][0] if f in VARIANTS else f if f in families() else "gemma4"))
         layouts.setdefault(f"tp2:{tp2}", (tp2, []))[1].append(f)
     for f in FAMILY_NAMES:
         layouts.setdefault(f"pp:{_pp_layout(f)}", (_pp_layout(f), []))[1].append(f)
@@ -389,7 +397,8 @@ def lora_parity(lora_models):
 
 
 PARITY_CASES = ([(f, layout) for f in FAMILY_NAMES for layout in ("tp1", "tp2", "pp")] + [(f, "ep2") for f in MOE]
-                + [(v, layout) for v in ("partial", "patterns", "saved") for layout in ("tp1", "tp2")])
+                + [(v, layout) for v in ("partial", "patterns", "saved") for layout in ("tp1", "tp2")]
+                + [("gemma4_moe", layout) for layout in ("tp1", "tp2", "ep2")])
 
 
 @pytest.mark.slow

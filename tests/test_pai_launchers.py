@@ -501,6 +501,28 @@ def test_known_warnings_are_filtered_and_others_shown():
                                               "Transformer Engine and Apex are not installed: mine"]
 
 
+def test_known_log_warnings_are_filtered_and_others_shown(caplog):
+    """megatron-core logs 'Unknown MLP type ... Using default kwargs' for every layer whose MLP is a family's own
+    subclass (Gemma 3 and 4): the entry points drop that record, once installed however often, and keep the
+    logger's other records."""
+    import logging
+
+    from megatron_patch.runtime.known_warnings import quiet_known_warnings
+
+    logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    before = list(logger.filters)
+    try:
+        quiet_known_warnings()
+        quiet_known_warnings()
+        assert sum(type(f).__name__ == "_DropKnown" for f in logger.filters) == 1
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            logger.warning("Unknown MLP type: <class 'ModuleSpec'>. Using default kwargs.")
+            logger.warning("something else")
+        assert [r.getMessage() for r in caplog.records if r.name == logger.name] == ["something else"]
+    finally:
+        logger.filters[:] = before
+
+
 def test_mpatch_installs_the_filter(tmp_path):
     """Through `mpatch` (each rank of a launch starts there too): megatron-core's notices, as its modules warn them,
     print nothing afterwards, and an unrelated warning still shows. (The CPU training runs below show the same

@@ -82,9 +82,10 @@ def write_jsonl(path: str | Path, records: list) -> Path:
     return Path(path)
 
 
-def launcher_args(family: str = "llama3_1", **over) -> list[str]:
-    """A valid argument list for ``family``'s launcher; keyword arguments override by name."""
-    from megatron_patch.training.launcher_args import arg_names
+def launcher_args(family: str = "llama3_1", layout: tuple[str, ...] | None = None, **over) -> list[str]:
+    """A valid argument list for ``family``'s launcher (``layout``: the parallel sizes after CP, where it takes more
+    than one set; None its first); keyword arguments override by name."""
+    from megatron_patch.training.launcher_args import get_launcher
 
     base = dict(ENV="cpu", MODEL_SIZE="tiny", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="8", LR="1e-3", MIN_LR="1e-4",
                 SEQ_LEN="64", PAD_LEN="64", PR="fp32", TP="1", PP="1", CP="1", EP="1", ETP="1", SP="false",
@@ -93,7 +94,7 @@ def launcher_args(family: str = "llama3_1", **over) -> list[str]:
                 TRAIN_TOKENS_OR_ITERS=str(20 * 8 * 64), WARMUP_TOKENS_OR_ITERS=str(2 * 8 * 64),
                 OUTPUT_BASEPATH="/tmp/mpatch-out")
     base.update(over)
-    return [str(base[n]) for n in arg_names(family)]
+    return [str(base[n]) for n in get_launcher(family).arg_names(layout)]
 
 
 CHATML = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

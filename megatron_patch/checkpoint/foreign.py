@@ -34,9 +34,15 @@ from megatron_patch.checkpoint_files.torch_files import nbytes
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
 
-# Tensors of a checkpoint that are training state, not weights, by megatron-core's key prefix
-# (Adam moments and main parameters: "optimizer.state.exp_avg.<param>", "optimizer.distributed....").
-TRAINING_STATE_PREFIXES = ("optimizer.",)
+# Tensors of a checkpoint that are training state, not weights, by megatron-core's key prefix (Adam moments and
+# main parameters: "optimizer.state.exp_avg.<param>", "optimizer.distributed...."); a ChainedOptimizer (MoE: the
+# dense and the expert parameters' optimizers apart) prefixes each one's keys with "chained_N.".
+_TRAINING_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
+def is_training_state(key: str) -> bool:
+    return _TRAINING_STATE.match(key) is not None
+
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
@@ -177,7 +183,7 @@ def find_checkpoint(path: str | Path, iteration: int | None = None) -> FoundChec
 def _read_torch_dist(folder: Path) -> dict:
     reader = TorchDistReader(folder)
     keys = reader.tensor_keys()
-    model = sorted(k for k in keys if not k.startswith(TRAINING_STATE_PREFIXES))
+    model = sorted(k for k in keys if not is_training_state(k))
     shapes = {k: reader.global_shape(k) for k in model}
     common = reader.common_state()
     args = None if common is None else _saved_args(common)

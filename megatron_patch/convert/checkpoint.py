@@ -33,7 +33,7 @@ from pathlib import Path
 
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.checkpoint.engine import MappingError, check_hf_names, names_list, plan
-from megatron_patch.checkpoint.foreign import TRAINING_STATE_PREFIXES
+from megatron_patch.checkpoint.foreign import is_training_state
 from megatron_patch.checkpoint.hf_reader import HFCheckpointReader, check_hf_shapes
 from megatron_patch.checkpoint.legacy import (
     CHECKPOINT_VERSION,
@@ -583,7 +583,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     else:
         transfers = tp1
         adapters = (LORA_KEY_PREFIX,) if sidecar.lora else ()  # stored beside the base weights (--peft-dir)
-        source = _TorchDistSource(data_dir, skeleton, ignore_prefixes=TRAINING_STATE_PREFIXES + adapters)
+        source = _TorchDistSource(data_dir, skeleton, ignore=lambda k: is_training_state(k) or k.startswith(adapters))
     entries, made_by = [], {}
     for t in transfers:
         for n in t.hf_names:
@@ -815,7 +815,7 @@ class _LegacySource:
 class _TorchDistSource:
     """Full (TP=1) parameters from the chunks of a torch_dist checkpoint, whatever chunks were stored."""
 
-    def __init__(self, release: Path, skeleton: ModelSkeleton, ignore_prefixes: tuple[str, ...] = ()):
+    def __init__(self, release: Path, skeleton: ModelSkeleton, ignore=lambda key: False):
         self.reader = TorchDistReader(release)
         self.skeleton = skeleton
         self.chunks = defaultdict(list)
@@ -823,7 +823,7 @@ class _TorchDistSource:
             self.chunks[ch.name].append(ch)
         want = {ch.key: ch.global_shape for ch in skeleton.chunks}
         # Training state stored beside the weights (optimizer moments, main parameters) is skipped by name.
-        have = {k for k in self.reader.tensor_keys() if not k.startswith(ignore_prefixes) or k in want}
+        have = {k for k in self.reader.tensor_keys() if not ignore(k) or k in want}
         if set(want) - have:
             raise MappingError(f"the torch_dist checkpoint lacks {len(set(want) - have)} tensor(s): {names_list(set(want) - have)}")
         if have - set(want):

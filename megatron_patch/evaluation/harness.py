@@ -135,7 +135,8 @@ class MpatchLM(TemplateLM):
         ordered = Collator(encoded, sort_fn=lambda r: (-len(r[0]), r[1]), group_by="gen_kwargs",
                            group_fn=lambda r: r[2])
         answers = []
-        for chunk in ordered.get_batched(n=self.batch_size):
+        # a batch per data-parallel replica, as for log-likelihoods: the runner gives each its share
+        for chunk in ordered.get_batched(n=self.batch_size * self.runner.data_parallel_size):
             for batch in _same_length_runs(chunk):
                 answers.extend(self._generate_batch(batch, eos))
         return ordered.get_original(answers)

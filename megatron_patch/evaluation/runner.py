@@ -4,8 +4,8 @@ Every rank of the job runs the same calls with the same requests, in lockstep (a
 rank runs the step): the pipeline's first stage embeds the tokens, activations pass between stages through
 megatron-core's own schedule, and the last stage computes the answers. Those answers are then broadcast from
 one rank of the last stage, so every rank returns the same ones and the harness above it sees one model.
-Data-parallel replicas split each batch of log-likelihood requests between them and gather the answers;
-generation runs whole on every replica.
+Data-parallel replicas split each batch of requests between them (log-likelihoods and generations alike) and
+gather the answers.
 
 Under tensor parallelism the output layer's logits stay split over the vocabulary: the log-softmax and the
 greedy choice are computed from the shards with three all-reduces of a number per token, never the whole
@@ -79,6 +79,8 @@ class ModelRunner:
         self.data_parallel_size = ps.get_data_parallel_world_size()
         self.data_parallel_rank = ps.get_data_parallel_rank()
         self.answers_here = self.last_stage and self.tp_rank == 0  # this replica's answers are held here
+        self.replica_answer_ranks = _replica_answer_ranks(self.answers_here, self.data_parallel_rank,
+                                                          self.data_parallel_size)
 
     # --- log-likelihoods ------------------------------------------------------------------------------
 
@@ -170,7 +172,12 @@ class ModelRunner:
                  stop_ids: frozenset[int] = frozenset(), finished=None) -> list[list[int]]:
         """The tokens generated after each prompt (all of one length), at most ``max_new_tokens``. A sequence
         ends at a token of ``stop_ids`` (kept) or when ``finished(i, its tokens)`` says so; the batch ends when
-        every sequence has. ``finished`` must answer alike on every rank (it sees the same tokens)."""
+        every sequence has. ``finished`` must answer alike on every rank (it sees the same tokens).
+
+        Data-parallel replicas each generate a contiguous share of the prompts and every rank gets all the
+        tokens. All replicas step together until the last of them is done (expert parallelism's all-to-alls
+        need every rank in each forward). A sampled token is drawn per prompt, from a generator seeded by the
+        prompt's place in the batch, so how the prompts are shared changes no draw."""
         lengths = {len(p) for p in prompts}
         if len(lengths) != 1:
             raise ValueError("a generation batch holds prompts of one length")
@@ -178,22 +185,37 @@ class ModelRunner:
         if length + max_new_tokens > self.max_positions:
             raise UserError(f"a prompt of {length} tokens plus max_gen_toks {max_new_tokens} is longer than the "
                             f"model's {self.max_positions} positions: lower --num-fewshot or the task's max_gen_toks")
+        bounds = [len(prompts) * r // self.data_parallel_size for r in range(self.data_parallel_size + 1)]
+        first = bounds[self.data_parallel_rank]
+        share = prompts[first:bounds[self.data_parallel_rank + 1]]
+        # a replica with no prompt runs the first one, unseen, to keep every forward's collectives whole
+        mine = self._generate_share(share or prompts[:1], first, max_new_tokens, sampling, stop_ids,
+                                    finished if share else None, counted=bool(share),
+                                    widest=max(1, *(b - a for a, b in zip(bounds, bounds[1:]))))
+        if self.data_parallel_size == 1:
+            return mine
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (self.data_parallel_rank, mine[:len(share)] if self.answers_here else None))
+        by_replica = {replica: part for replica, part in gathered if part is not None}
+        return [tokens for replica in range(self.data_parallel_size) for tokens in by_replica[replica]]
+
+    def _generate_share(self, prompts: list[list[int]], first_row: int, max_new_tokens: int, sampling: Sampling,
+                        stop_ids: frozenset[int], finished, counted: bool, widest: int) -> list[list[int]]:
+        """This replica's generations for ``prompts`` (rows ``first_row``.. of the whole batch). ``counted``
+        False: a stand-in share, done from the start, that only keeps the replica stepping with the others.
+        ``widest``: the most prompts any replica's share holds."""
         batch = len(prompts)
         sequences = torch.tensor(prompts, dtype=torch.long)
         generated: list[list[int]] = [[] for _ in prompts]
-        done = [False] * batch
-        context = self._inference_context(batch, length + max_new_tokens)
+        done = [not counted] * batch
+        context = self._inference_context(batch, sequences.shape[1] + max_new_tokens)
         step_input, offset = sequences, 0
         for _ in range(max_new_tokens):
             logits = self._last_logits(step_input, offset, context)
-            chosen = self._choose(logits, sampling) if self.last_stage else None
-            chosen = self._share_tensor(chosen, batch)
-            for i, token in enumerate(chosen.tolist()):
-                if done[i]:
-                    continue
-                generated[i].append(token)
-                done[i] = token in stop_ids or (finished is not None and finished(i, generated[i]))
-            if all(done):
+            chosen = self._choose(logits, sampling, first_row) if self.last_stage else None
+            chosen, everyone_done = self._step_answers(chosen, batch, widest, generated, done, stop_ids, finished,
+                                                       first_row)
+            if everyone_done:
                 break
             sequences = torch.cat([sequences, chosen.view(batch, 1)], dim=1)
             if context is not None:
@@ -203,6 +225,37 @@ class ModelRunner:
                 step_input = sequences
         return generated
 
+    def _step_answers(self, chosen: torch.Tensor | None, batch: int, widest: int, generated: list, done: list,
+                      stop_ids, finished, first_row: int) -> tuple[torch.Tensor, bool]:
+        """This replica's chosen tokens on every one of its ranks, each sequence's tokens and ``done`` updated
+        with them, and whether every replica is done. One collective a step: each replica's answering rank
+        (its last stage's TP rank 0) sends its tokens and whether its replica is done; the others send nothing."""
+
+        def take(tokens: list[int]) -> bool:
+            for i, token in enumerate(tokens):
+                if not done[i]:
+                    generated[i].append(token)
+                    done[i] = token in stop_ids or (finished is not None and finished(first_row + i, generated[i]))
+            return all(done)
+
+        if dist.get_world_size() == 1:
+            return chosen.cpu(), take(chosen.tolist())
+        if self.data_parallel_size == 1:  # one replica: the answering rank's tokens to every rank
+            chosen = self._share_tensor(chosen, batch)
+            return chosen, take(chosen.tolist())
+        # [replica done, tokens...] from each answering rank, padded to the widest share; -1 from the others
+        row = torch.full((1 + widest,), -1, dtype=torch.long)
+        if self.answers_here:
+            tokens = chosen.cpu().tolist()
+            row[0], row[1:1 + batch] = int(take(tokens)), torch.tensor(tokens)
+        rows = [torch.empty_like(row, device=self.device) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row.to(self.device))
+        rows = [r.cpu() for r in rows]
+        tokens = rows[self.replica_answer_ranks[self.data_parallel_rank]][1:1 + batch]
+        if not self.answers_here:
+            take(tokens.tolist())
+        return tokens, all(int(rows[rank][0]) == 1 for rank in self.replica_answer_ranks)
+
     def _inference_context(self, batch: int, max_length: int):
         if not self.kv_cache:
             return None
@@ -210,8 +263,9 @@ class ModelRunner:
 
         return StaticInferenceContext(batch, max_length)
 
-    def _choose(self, logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-        """The next token of each sequence from its full-vocabulary logits [batch, vocab] (last stage only)."""
+    def _choose(self, logits: torch.Tensor, sampling: Sampling, first_row: int = 0) -> torch.Tensor:
+        """The next token of each sequence from its full-vocabulary logits [batch, vocab] (last stage only);
+        row i is the batch's row ``first_row + i``."""
         logits = logits.float()
         if sampling.greedy:
             return logits.argmax(dim=-1)
@@ -224,10 +278,12 @@ class ModelRunner:
             cumulative = torch.softmax(order.values, dim=-1).cumsum(dim=-1)
             drop = cumulative - torch.softmax(order.values, dim=-1) > sampling.top_p  # keep the first token past p
             logits = logits.scatter(-1, order.indices, order.values.masked_fill(drop, float("-inf")))
-        # One generator per call, seeded from the request's seed and the call count: a rerun draws the same.
-        generator = torch.Generator(device=logits.device).manual_seed(sampling.seed + self._sample_calls)
-        self._sample_calls += 1
-        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+        # One generator per row and call, seeded from the request's seed, the call count and the row's place in
+        # the whole batch: a rerun draws the same, and so does another share of the batch between replicas.
+        probs = torch.softmax(logits, dim=-1)
+        calls, self._sample_calls = self._sample_calls, self._sample_calls + 1
+        return torch.cat([torch.multinomial(probs[i], 1, generator=torch.Generator(device=logits.device).manual_seed(
+            hash((sampling.seed, calls, first_row + i)) & (2 ** 63 - 1))) for i in range(probs.shape[0])])
 
     # --- the forward pass -----------------------------------------------------------------------------
 
@@ -294,6 +350,15 @@ class ModelRunner:
             torch.empty(batch, dtype=torch.long, device=self.device)
         dist.broadcast(buffer, src=self.answer_rank)
         return buffer.cpu()
+
+
+def _replica_answer_ranks(answers_here: bool, replica: int, replicas: int) -> list[int]:
+    """The global rank that holds each data-parallel replica's answers (its last stage's TP rank 0)."""
+    if replicas == 1:
+        return [0]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, replica if answers_here else None)
+    return [gathered.index(r) for r in range(replicas)]
 
 
 def _answering_rank(mine: bool, device: torch.device) -> int:

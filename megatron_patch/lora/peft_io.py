@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_patch.errors import UserError
-from megatron_patch.lora.plan import PEFT_PREFIX, Site, plan_sites, stacked_depth
+from megatron_patch.lora.plan import PEFT_PREFIX, Site, loaded_name, plan_sites, stacked_depth, stored_name
 from megatron_patch.lora.saved import saved_rules
 from megatron_patch.lora.spec import (
     ADAPTER_CONFIG,
@@ -77,6 +77,9 @@ def read_peft_adapter(folder: str | Path, arch: Arch, shape=None) -> tuple[LoraS
         else:
             saved[key] = tensor
     lora, saved = _language_model_names(lora, every), _language_model_names(saved, every)
+    # modules_to_save tensors go on under the names they are stored by (peft has the loaded model's)
+    prefixes = get_family(arch.family).hf_loaded_prefixes
+    saved = {stored_name(prefixes, k): v for k, v in saved.items()}
     config_params = read_adapter_config(folder).get("target_parameters") or []
     adapters, modules = _match_adapters(lora, every, arch, str(weights), spec, config_params)
     targets = tuple(t for t in LORA_TARGETS
@@ -352,7 +355,8 @@ def write_peft_adapter(folder: str | Path, sites: list[Site], spec: LoraSpec, ar
 
     check_peft_loads(sites, arch)
     out = peft_tensors(sites, tensors)
-    out.update({f"{PEFT_PREFIX}{name}": t.contiguous() for name, t in saved.items()})
+    prefixes = get_family(arch.family).hf_loaded_prefixes
+    out.update({f"{PEFT_PREFIX}{loaded_name(prefixes, name)}": t.contiguous() for name, t in saved.items()})
     if dtype is not None:
         out = {k: v.to(dtype) for k, v in out.items()}
     save_file(out, str(Path(folder) / ADAPTER_WEIGHTS), metadata={"format": "pt"})

@@ -246,6 +246,14 @@ def loaded_name(prefixes: tuple[tuple[str, str], ...], name: str) -> str:
     return name
 
 
+def stored_name(prefixes: tuple[tuple[str, str], ...], name: str) -> str:
+    """The inverse of ``loaded_name``: a loaded model's tensor name as the checkpoint stores it."""
+    for on_disk, in_model in prefixes:
+        if name.startswith(in_model):
+            return on_disk + name[len(in_model):]
+    return name
+
+
 def _saved(name: str, saved: tuple[str, ...]) -> bool:
     """peft leaves a module that modules_to_save names (or one inside it) without an adapter."""
     return any(re.match(rf"(^|.*\.){m}($|\..*)", name) for m in saved)

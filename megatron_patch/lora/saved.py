@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 from megatron_patch.errors import UserError
+from megatron_patch.lora.plan import loaded_name
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import Rule, Scope, plan_transfers
@@ -27,11 +28,18 @@ def _named(hf_name: str, modules: tuple[str, ...]) -> bool:
 
 
 def saved_rules(arch: Arch, modules: tuple[str, ...]) -> dict[str, Rule]:
-    """HF tensor name -> its rule, for every HF tensor under ``modules`` (decoder layers expanded)."""
+    """HF tensor name (as stored) -> its rule, for every HF tensor under ``modules`` (decoder layers expanded).
+    ``modules`` name them as stored or as transformers loads them (``ModelFamily.hf_loaded_prefixes``: peft's names
+    on Gemma 3's multimodal checkpoint, model.language_model.norm for the stored language_model.model.norm)."""
     if not modules:
         return {}
+    family = get_family(arch.family)
+
+    def named(hf_name: str, names: tuple[str, ...]) -> bool:
+        return _named(hf_name, names) or _named(loaded_name(family.hf_loaded_prefixes, hf_name), names)
+
     out: dict[str, Rule] = {}
-    for rule in get_family(arch.family).weight_rules(arch):
+    for rule in family.weight_rules(arch):
         if rule.mtp:
             continue
         layers = range(arch.num_layers) if rule.scope in (Scope.LAYER, Scope.EXPERT) else [None]
@@ -39,7 +47,7 @@ def saved_rules(arch: Arch, modules: tuple[str, ...]) -> dict[str, Rule]:
         for layer in layers:
             for expert in experts:
                 names = [h.replace("{layer}", str(layer)).replace("{expert}", str(expert)) for h in rule.hf]
-                hits = [n for n in names if _named(n, modules)]
+                hits = [n for n in names if named(n, modules)]
                 if not hits:
                     continue
                 if len(names) > 1:
@@ -50,7 +58,7 @@ def saved_rules(arch: Arch, modules: tuple[str, ...]) -> dict[str, Rule]:
                     raise UserError(f"modules_to_save names {hits[0].rpartition('.')[0]}, which this model ties to "
                                     f"{rule.tied_to}: name the embedding instead")
                 out[names[0]] = rule
-    missing = [m for m in modules if not any(_named(n, (m,)) for n in out)]
+    missing = [m for m in modules if not any(named(n, (m,)) for n in out)]
     if missing:
         raise UserError(f"modules_to_save names {missing[0]}, which is no module of a {arch.family} model")
     return out

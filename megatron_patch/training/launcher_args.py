@@ -96,7 +96,8 @@ def _sizes(family, names=None) -> dict[str, tuple[str, str]]:
 def launchers() -> dict[str, Launcher]:
     """Every launcher by name: each family's own, then Pai's scripts (merged into a family's where the path is
     the same, e.g. examples/qwen3/run_mcore_qwen3.sh)."""
-    found = {f.launcher: Launcher(name, f.launcher, (f.launcher_parallel_args,), _sizes(f), (name,))
+    found = {f.launcher: Launcher(name, f.launcher, (f.launcher_parallel_args, *f.launcher_more_parallel_args),
+                                  _sizes(f), (name,))
              for name, f in families().items()}
     for name, f in families().items():
         for pai in f.pai_launchers:

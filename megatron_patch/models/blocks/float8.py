@@ -117,7 +117,7 @@ class Parts:
             return pieces[0]
         lead = pieces[0].shape[:-1]
         return torch.cat([p.reshape(*lead, self.groups, w) for p, w in zip(pieces, self.widths)],
-                         dim=-1).reshape(*lead, -1)
+                         dim=-1).reshape(*lead, self.groups * sum(self.widths))  # lead may hold a 0
 
     def join_rows(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """The inverse of ``split_rows``."""

@@ -107,6 +107,9 @@ class ModelFamily:
     transformer_config_kwargs: Callable[[Arch], dict] = _no_extra_config
     # Parallel sizes the launcher takes after CP, in order: () dense, ("EP",), ("ETP", "EP") for MoE.
     launcher_parallel_args: tuple[str, ...] = ()
+    # Further sets of those the family's launcher also takes, told apart by the argument count: a family that grew
+    # experts keeps its dense command lines working (Gemma 4: (), and ("ETP", "EP") for its MoE block).
+    launcher_more_parallel_args: tuple[tuple[str, ...], ...] = ()
     # Pai-Megatron-Patch's MODEL_SIZE names for presets named otherwise here ("A3B" -> "30B-A3B"): every launcher
     # that takes the family's sizes takes these too.
     size_aliases: Mapping[str, str] = field(default_factory=dict)

@@ -14,13 +14,16 @@
   values are its output before k_norm and RoPE, then v_norm), and only then do those layers take
   ``num_global_key_value_heads`` key/value heads (the 31B's 4 beside its sliding layers' 16);
 - GeGLU (``gelu_pytorch_tanh``) and a stored scalar on each layer's output (``layer_scalar``);
+- with ``enable_moe_block`` (the 26B-A4B), in every layer a MoE block beside the dense MLP on the same residual:
+  ``num_experts`` GeGLU experts of ``moe_intermediate_size``, ``top_k_experts`` of them chosen per token by
+  Gemma 4's router (moe.py); each of the three fields is needed then;
 - the final logits soft-capped (``tanh(x / c) * c``) where ``final_logit_softcapping`` is set; tied embeddings;
 - E2B and E4B's per-layer input embeddings (``hidden_size_per_layer_input``; ``vocab_size_per_layer_input`` must be
   ``vocab_size``: per_layer_inputs.py), KV sharing (``num_kv_shared_layers``: transformers' ``kv_sharing_modes``,
   kv_sharing.py) and the KV-shared layers' double-wide MLP (``use_double_wide_mlp``), in ``Gemma4Settings``.
 
 Refused in one line, each what this model does not build yet: layers of one type with different attention shapes
-(transformers itself computes one RoPE per type), the MoE block (``enable_moe_block``),
+(transformers itself computes one RoPE per type), the MoE block together with per-layer inputs or KV sharing,
 bidirectional attention over text (``use_bidirectional_attention="all"``; "vision" touches only the multimodal
 model's image tokens), attention biases, another activation. The multimodal ``gemma4`` folder is not claimed (the
 registry refuses its model_type).
@@ -29,8 +32,8 @@ registry refuses its model_type).
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch, AttentionShape
 from megatron_patch.models.description.config_checks import (
-    MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Flag, Given, Names, PerLayer, Real, Table,
-    Text, Whole)
+    MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Flag, Given, Names, PerLayer,
+    Real, Table, Text, Whole)
 from megatron_patch.models.gemma4.settings import Gemma4Settings
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -132,13 +135,30 @@ def per_layer_input_size(raw: dict) -> int:
 
 def check_supported(raw: dict) -> None:
     # "vision" (the 31B's) makes only the multimodal model's image tokens see each other: the text model is causal
-    for key, unset in (("enable_moe_block", False),
-                       ("use_bidirectional_attention", "vision"), ("attention_bias", False)):
+    if raw.get("enable_moe_block") and (value(raw, "hidden_size_per_layer_input") or value(raw, "num_kv_shared_layers")):
+        raise UserError("gemma4's MoE block (enable_moe_block) with per-layer inputs or KV sharing is not supported "
+                        "yet: no published size has both")
+    for key, unset in (("use_bidirectional_attention", "vision"), ("attention_bias", False)):
         if raw.get(key) not in (unset, None):
             raise UserError(f"{key}={raw[key]} is not supported yet for gemma4: this model builds none")
     act = raw.get("hidden_activation") or ACTIVATION
     if act != ACTIVATION:
         raise UserError(f"hidden_activation '{act}' is not supported: gemma4's MLP here is GeGLU with {ACTIVATION}")
+
+
+def moe_fields(raw: dict) -> dict:
+    """The Arch's MoE fields with ``enable_moe_block`` (every layer: the dense MLP as megatron-core's shared expert,
+    models/gemma4/moe.py), else none."""
+    if not raw.get("enable_moe_block"):
+        return {}
+    missing = [k for k in MOE_KEYS if raw.get(k) is None]
+    if missing:
+        raise UserError(f"config.json has enable_moe_block=true but no {', '.join(missing)}: gemma4's MoE block needs them")
+    if raw["top_k_experts"] > raw["num_experts"]:
+        raise UserError(f"top_k_experts={raw['top_k_experts']} is more than the {raw['num_experts']} experts")
+    return dict(num_experts=raw["num_experts"], moe_topk=raw["top_k_experts"],
+                moe_ffn_hidden_size=raw["moe_intermediate_size"],
+                shared_expert_ffn_hidden_size=value(raw, "intermediate_size"), norm_topk_prob=True)
 
 
 def rope_of(raw: dict) -> dict[str, dict]:
@@ -179,7 +199,7 @@ def parse_config(raw: dict) -> Arch:
             full_keys_are_values=bool(raw.get("attention_k_eq_v")),
             per_layer_input_size=per_layer_input_size(raw), per_layer_input_layers=layers,
             kv_sharing=kv_sharing_modes(raw, types), double_wide_mlp=bool(raw.get("use_double_wide_mlp"))),
-        hf_config=raw,
+        hf_config=raw, **moe_fields(raw),
     )
 
 
@@ -195,12 +215,19 @@ def transformer_config_kwargs(arch: Arch) -> dict:
         # the family's own modules, with or without transformer-engine: no TE-only or SwiGLU-only fusions
         bias_activation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # the MoE block: softmax over the top-k logits is the renormalised top-k of transformers' softmax; no
+        # auxiliary loss (transformers trains none); the local experts its own layers are built of
+        **(dict(moe_router_pre_softmax=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_grouped_gemm=False) if arch.is_moe else {}),
     )
 
 
 def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
     # megatron-core: imported only when a model is built, not when the converter reads the family
-    from megatron_patch.models.gemma4.layers import layer_spec as gemma4_layer_spec
+    if arch.is_moe:
+        from megatron_patch.models.gemma4.moe import layer_spec as gemma4_layer_spec  # megatron-core: as above
+    else:
+        from megatron_patch.models.gemma4.layers import layer_spec as gemma4_layer_spec  # megatron-core: as above
 
     return gemma4_layer_spec(arch, config, vp_stage, core_attention)
 
@@ -213,6 +240,9 @@ def finish_model(model, arch: Arch) -> None:
 
 
 _ROPE_TABLE = Table(ROPE_FIELDS)
+# What the MoE block reads (enable_moe_block): each needed then.
+MOE_KEYS = {"num_experts": Whole(1, MAX_EXPERTS), "top_k_experts": Whole(1, MAX_EXPERTS),
+            "moe_intermediate_size": Whole(1, MAX_WIDTH)}
 # The config.json fields this family reads.
 CONFIG_KEYS = {
     "vocab_size": Whole(1, MAX_VOCAB), "hidden_size": Whole(1, MAX_WIDTH), "intermediate_size": Whole(1, MAX_WIDTH),
@@ -227,7 +257,7 @@ CONFIG_KEYS = {
     "final_logit_softcapping": Real(0), "use_bidirectional_attention": Given(),
     "hidden_size_per_layer_input": Whole(0, MAX_WIDTH), "vocab_size_per_layer_input": Whole(0, MAX_VOCAB),
     "num_kv_shared_layers": Whole(0, MAX_LAYERS), "attention_k_eq_v": Flag(), "enable_moe_block": Flag(),
-    "use_double_wide_mlp": Flag(),
+    "use_double_wide_mlp": Flag(), **MOE_KEYS,
 }
 
 # A tiny Gemma 4 (Gemma4ForCausalLM): a sliding-window layer (window 8, shorter than the tests' sequences), 4 heads
@@ -251,3 +281,8 @@ TINY_CONFIG = {
     "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
     "torch_dtype": "float32",
 }
+
+# The tiny model with the MoE block (enable_moe_block, as the 26B-A4B): 4 experts of 32, top-2, beside the dense MLP
+# of 96 in every layer.
+TINY_MOE_CONFIG = {**TINY_CONFIG, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+                   "moe_intermediate_size": 32}

@@ -1,12 +1,15 @@
 """Gemma 4 HF <-> MCore weight table: q/k/v fused with the input norm, q/k norms, the output projection and the
 norm after it, the pre-MLP norm fused into GeGLU's [gate; up], the down projection and the norm after it, and the
-layer's stored scalar; the tensors under ``model.`` (Gemma4ForCausalLM). With ``attention_k_eq_v`` the
+layer's stored scalar; the tensors under ``model.`` (Gemma4ForCausalLM). With ``enable_moe_block`` the MLP's rules
+are the MoE block's (``moe_rules``). With ``attention_k_eq_v`` the
 full-attention layers have no ``v_proj``: their ``linear_qkv`` fuses q and k alone (``GroupedQK``)."""
 
 from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch
 from megatron_patch.models.gemma4.settings import settings
-from megatron_patch.models.mapping import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope
+from megatron_patch.models.mapping import (
+    COLUMN, GATE_UP, GATE_UP_FUSED, QKV, REPLICATED, ROW, VOCAB, LayerKind, LoraSite, Rule, Scope)
 from megatron_patch.models.mapping.splits import RowPieces
+from megatron_patch.models.mapping.stacks import Stacks, experts_stacks
 
 MC = "decoder.layers.{layer}"
 HF = "model.layers.{layer}"
@@ -64,8 +67,51 @@ def per_layer_input_rules(arch: Arch) -> list[Rule]:
     ]
 
 
+EXPERTS = f"{HF}.experts"
+EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+
+
+def moe_rules() -> list[Rule]:
+    """The MoE block (``enable_moe_block``): the dense MLP as the shared expert with its norms, the router, the
+    experts (transformers stores them stacked: ``experts.gate_up_proj`` [experts, 2 x ffn, hidden], [gate; up]
+    halves, and ``down_proj`` [experts, hidden, ffn]; each expert's slice a member, ``hf_stacked``), and the norms
+    around the experts and after the sum."""
+    moe, mc, mlp, expert = LayerKind.MOE, f"{MC}.mlp", f"{HF}.mlp", f"{EXPERTS}.{{expert}}"
+    return [
+        Rule(f"{mc}.shared_experts.pre_layernorm.weight", f"{HF}.pre_feedforward_layernorm.weight", REPLICATED),
+        Rule(f"{mc}.shared_experts.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP,
+             lora=LoraSite("fc1")),
+        Rule(f"{mc}.shared_experts.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW, lora=LoraSite("fc2")),
+        Rule(f"{mc}.shared_experts.post_layernorm.weight", f"{HF}.post_feedforward_layernorm_1.weight", REPLICATED),
+        Rule(f"{mc}.router.weight", f"{HF}.router.proj.weight", REPLICATED, layers=moe),
+        Rule(f"{mc}.router.scale", f"{HF}.router.scale", REPLICATED, layers=moe),
+        Rule(f"{mc}.router.per_expert_scale", f"{HF}.router.per_expert_scale", REPLICATED, layers=moe),
+        Rule(f"{mc}.pre_experts_layernorm.weight", f"{HF}.pre_feedforward_layernorm_2.weight", REPLICATED),
+        Rule(f"{mc}.experts.linear_fc1.weight{{expert}}", f"{expert}.gate_up_proj", GATE_UP_FUSED, Scope.EXPERT,
+             layers=moe),
+        Rule(f"{mc}.experts.linear_fc2.weight{{expert}}", f"{expert}.down_proj", ROW, Scope.EXPERT, layers=moe),
+        Rule(f"{mc}.post_experts_layernorm.weight", f"{HF}.post_feedforward_layernorm_2.weight", REPLICATED),
+        Rule(f"{mc}.post_layernorm.weight", f"{HF}.post_feedforward_layernorm.weight", REPLICATED),
+    ]
+
+
+def dense_mlp_rules() -> list[Rule]:
+    mlp = f"{HF}.mlp"
+    return [
+        Rule(f"{MC}.mlp.linear_fc1.layer_norm_weight", f"{HF}.pre_feedforward_layernorm.weight", REPLICATED),
+        Rule(f"{MC}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP,
+             lora=LoraSite("fc1")),
+        Rule(f"{MC}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW, lora=LoraSite("fc2")),
+        Rule(f"{MC}.mlp.post_layernorm.weight", f"{HF}.post_feedforward_layernorm.weight", REPLICATED),
+    ]
+
+
+def hf_stacked(arch: Arch) -> Stacks:
+    return experts_stacks(arch, EXPERTS, EXPERT_TENSORS, EXPERTS + ".{expert}.{tensor}")
+
+
 def weight_rules(arch: Arch) -> list[Rule]:
-    attn, mlp = f"{HF}.self_attn", f"{HF}.mlp"
+    attn = f"{HF}.self_attn"
     embedding = "model.embed_tokens.weight"
     return [
         Rule("embedding.word_embeddings.weight", embedding, VOCAB, Scope.FIRST_STAGE),
@@ -74,11 +120,7 @@ def weight_rules(arch: Arch) -> list[Rule]:
         Rule(f"{MC}.self_attention.q_layernorm.weight", f"{attn}.q_norm.weight", REPLICATED),
         Rule(f"{MC}.self_attention.linear_proj.weight", f"{attn}.o_proj.weight", ROW, lora=LoraSite("proj")),
         Rule(f"{MC}.self_attention.post_layernorm.weight", f"{HF}.post_attention_layernorm.weight", REPLICATED),
-        Rule(f"{MC}.mlp.linear_fc1.layer_norm_weight", f"{HF}.pre_feedforward_layernorm.weight", REPLICATED),
-        Rule(f"{MC}.mlp.linear_fc1.weight", (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight"), GATE_UP,
-             lora=LoraSite("fc1")),
-        Rule(f"{MC}.mlp.linear_fc2.weight", f"{mlp}.down_proj.weight", ROW, lora=LoraSite("fc2")),
-        Rule(f"{MC}.mlp.post_layernorm.weight", f"{HF}.post_feedforward_layernorm.weight", REPLICATED),
+        *(moe_rules() if arch.is_moe else dense_mlp_rules()),
         Rule(f"{MC}.layer_scalar.weight", f"{HF}.layer_scalar", REPLICATED),
         *per_layer_input_rules(arch),
         Rule("decoder.final_layernorm.weight", "model.norm.weight", REPLICATED, Scope.LAST_STAGE),

@@ -293,6 +293,31 @@ class GateUp(Split):
         return [[h[0] for h in halves], [h[1] for h in halves]]
 
 
+class FusedGateUp(GateUp):
+    """A GeGLU / SwiGLU input projection stored fused as one tensor, [gate; up] on dim 0 (Gemma 4's experts:
+    ``gate_up_proj`` [experts, 2 x ffn, hidden], each expert's slice [2 x ffn, hidden]): split as ``GateUp``."""
+
+    name = "gate_up_fused"
+
+    def blocks(self, shapes, n, ctx):
+        half = _even(shapes[0][0], 2)
+        per = _even(half, n)
+        return [[Block(0, (k * per, (k + 1) * per)), Block(0, (half + k * per, half + (k + 1) * per))]
+                for k in range(n)]
+
+    def merged_shapes(self, shape, ctx):
+        return [tuple(shape)]
+
+    def shards(self, parts, n, ctx):
+        return GATE_UP.shards(list(_chunk(parts[0], 2, 0)), n, ctx)
+
+    def merge(self, shards, ctx):
+        return [torch.cat(GATE_UP.merge(shards, ctx), 0)]
+
+    def merge_pieces(self, shards, ctx):
+        return [[p for half in GATE_UP.merge_pieces(shards, ctx) for p in half]]
+
+
 class InterleavedGateUp(Split):
     """A fused SwiGLU input projection stored transposed with gate and up in alternating columns (gpt-oss's
     experts: HF ``gate_up_proj`` [hidden, 2 x ffn], gate = columns 0, 2, ..., up = 1, 3, ...; its bias
@@ -452,3 +477,4 @@ def _contiguous_rows(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
 
 REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP = Replicated(), Column(), Row(), VocabParallel(), GroupedQKV(), GateUp()
 GATE_UP_INTERLEAVED, ROW_TRANSPOSED, QKV_GATED = InterleavedGateUp(), TransposedRow(), GatedQKV()
+GATE_UP_FUSED = FusedGateUp()
