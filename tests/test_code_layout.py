@@ -240,6 +240,11 @@ def test_every_folder_of_modules_is_an_installed_package():
     assert not missing, f"folders of modules without an __init__.py, left out of the installed package: {sorted(missing)}"
 
 
+# Family folders whose modules are being built, which register no family until their layer, weight table and launcher
+# join them (the registry imports them and finds nothing to register).
+BEING_BUILT = {"deepseek_v4"}
+
+
 def test_models_sub_packages_are_families_or_shared_kinds():
     """Every sub-package of models/ is a family folder (it registers at least one family) or one of the shared
     kinds the registry skips, which registers none: a shared package mistaken for a family would be imported as
@@ -250,4 +255,6 @@ def test_models_sub_packages_are_families_or_shared_kinds():
     registering = {f.parse_config.__module__.split(".")[2] for f in families().values()}
     assert NOT_FAMILIES <= folders, f"skipped names that are no folder: {sorted(NOT_FAMILIES - folders)}"
     assert not registering & NOT_FAMILIES, f"shared packages that register a family: {sorted(registering & NOT_FAMILIES)}"
-    assert folders - NOT_FAMILIES == registering, f"family folders that register nothing: {sorted(folders - NOT_FAMILIES - registering)}"
+    assert folders - NOT_FAMILIES - BEING_BUILT == registering, \
+        f"family folders that register nothing: {sorted(folders - NOT_FAMILIES - BEING_BUILT - registering)}"
+    assert not BEING_BUILT & registering, f"families still marked as being built: {sorted(BEING_BUILT & registering)}"
