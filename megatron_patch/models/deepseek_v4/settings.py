@@ -1,0 +1,63 @@
+"""DeepSeek-V4's own settings, typed: what only its modules read (kept in ``Arch.family_config``). A module of its own,
+so that the config reader, the layers and the weight table all read it without importing each other."""
+
+import dataclasses
+
+from megatron_patch.models.description.arch import Arch, FamilyConfig
+
+# config.json's names for the attention of each layer (``layer_types``) and for its MoE block (``mlp_layer_types``)
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"  # compressed sparse attention: every 4 tokens one entry, a top-k indexer
+HCA = "heavily_compressed_attention"  # heavily compressed attention: every 128 tokens one entry, no indexer
+LAYER_TYPES = (SLIDING, CSA, HCA)
+HASH_MOE, MOE = "hash_moe", "moe"
+MLP_LAYER_TYPES = (HASH_MOE, MOE)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV4Settings(FamilyConfig):
+    """What only DeepSeek-V4's own modules read. The MoE sizes, the heads and the main RoPE are the Arch's.
+
+    The attention of every layer is a sliding window (``sliding_window`` keys) over one shared key/value head
+    (``num_kv_heads=1``: multi-query), with queries through a low-rank latent (``q_lora_rank``), a learnt sink
+    per head, RoPE on the last ``qk_rope_head_dim`` of each head, and a grouped output projection (``o_groups``
+    groups of heads each through ``o_lora_rank``); CSA and HCA layers add compressed entries (one per
+    ``compress_rates[type]`` tokens) with RoPE of their own (``compress_rope_theta``, ``compress_rope_scaling``),
+    CSA layers picking ``index_topk`` of them with a lightning indexer (``index_n_heads`` heads of
+    ``index_head_dim``)."""
+
+    # per layer (``Arch.layer_types`` holds the attention's too)
+    mlp_layer_types: tuple[str, ...]
+    # manifold-constrained hyper-connections: hc_mult residual streams, the comb mix projected onto the doubly
+    # stochastic matrices by hc_sinkhorn_iters Sinkhorn-Knopp steps, hc_eps the floor of every normalisation
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    # attention
+    q_lora_rank: int
+    qk_rope_head_dim: int
+    o_groups: int
+    o_lora_rank: int
+    compress_rates: tuple[tuple[str, int], ...]  # (layer type, tokens per compressed entry) for CSA and HCA
+    compress_rope_theta: float
+    compress_rope_scaling: dict | None  # YaRN on the compressed branches (attention_factor 1.0), None: plain RoPE
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    # MoE (experts, top-k, sizes and the shared expert are the Arch's)
+    scoring_func: str  # "sqrtsoftplus", "softmax" or "sigmoid"
+    routed_scaling_factor: float
+    swiglu_limit: float  # the experts' (and the shared expert's) gate clamped at most, up into [-limit, limit]
+    num_nextn_predict_layers: int  # MTP layers in the hub checkpoint (transformers builds none)
+
+    def compress_rate(self, layer_type: str) -> int:
+        """Tokens per compressed entry of a CSA or HCA layer (0: a sliding-window layer compresses nothing)."""
+        return dict(self.compress_rates).get(layer_type, 0)
+
+    def is_hash_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s experts are chosen by the token id (``tid2eid``), not by the router."""
+        return self.mlp_layer_types[layer] == HASH_MOE
+
+
+def settings(arch: Arch) -> DeepseekV4Settings:
+    return arch.family_config
