@@ -177,3 +177,22 @@ def test_a_per_layer_field_is_read_whole_and_checked_layer_by_layer():
         check_config_values({"per_layer_config": {"05": {"head_dim": 0}}}, {"per_layer_config": rule})
     with pytest.raises(UserError, match="'per_layer_config' must map layer numbers to JSON objects"):
         check_config_values({"per_layer_config": {"x": 3}}, {"per_layer_config": rule})
+
+
+def test_a_model_says_how_many_rows_per_sample_its_stages_send():
+    """megatron-core sizes the tensor between pipeline stages from micro_batch_size: a family whose stages send
+    more rows per sample (DeepSeek-V4's hyper-connection streams folded into the batch) sets
+    ``pipeline_batch_factor`` on its model, found through megatron-core's wrappers (``.module``); 1 otherwise."""
+    import torch
+
+    from megatron_patch.models.blocks.builder import pipeline_batch_factor
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = torch.nn.Linear(2, 2)
+    assert pipeline_batch_factor(Wrapper(Wrapper(model))) == 1
+    model.pipeline_batch_factor = 4
+    assert pipeline_batch_factor(model) == 4 and pipeline_batch_factor(Wrapper(Wrapper(model))) == 4

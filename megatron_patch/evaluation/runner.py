@@ -293,6 +293,8 @@ class ModelRunner:
         with one, the gathered logits of the last position [batch, 1, padded vocab]."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megatron_patch.models.blocks.builder import pipeline_batch_factor
+
         batch, seq = tokens.shape
         tokens = tokens.to(self.device)
         positions = torch.arange(offset, offset + seq, device=self.device).unsqueeze(0).expand(batch, seq)
@@ -312,7 +314,8 @@ class ModelRunner:
         with torch.no_grad():
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter([None]), model=[self.model], num_microbatches=1,
-                seq_length=seq, micro_batch_size=batch, forward_only=True, collect_non_loss_data=True)
+                seq_length=seq, micro_batch_size=batch * pipeline_batch_factor(self.model), forward_only=True,
+                collect_non_loss_data=True)
         if context is not None:
             context.sequence_len_offset += seq
         return captured[0] if self.last_stage else None

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks import attention_kernels, compiled_fusions, compiled_layers
-from megatron_patch.models.blocks.builder import build_model_chunks
+from megatron_patch.models.blocks.builder import build_model_chunks, pipeline_batch_factor
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
@@ -406,6 +406,7 @@ class Trainer:
         # Packed micro-batches travel between stages as one THD row of all their tokens.
         seq, mbs = ((cfg.micro_batch_size * cfg.sample_length, 1) if cfg.sft_packing
                     else (cfg.sample_length, cfg.micro_batch_size))
+        mbs *= pipeline_batch_factor(self.models[0])
         out = get_forward_backward_func()(
             forward_step_func=partial(_forward_step, self.step_context), data_iterator=iterators,
             model=self.models, num_microbatches=len(batches), seq_length=seq,

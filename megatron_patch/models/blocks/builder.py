@@ -291,6 +291,18 @@ def build_model_chunks(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
     return [build_model(arch, layout, dtype, vp_stage=v, **kwargs) for v in range(layout.vp)]
 
 
+def pipeline_batch_factor(model) -> int:
+    """How many rows per sample the tensor a pipeline stage sends holds in its batch dimension: 1, or what the
+    family's ``finish_model`` set on the model (DeepSeek-V4 folds its hyper-connection streams into the batch:
+    [s, b * hc_mult, h]). megatron-core sizes its stage-to-stage buffers from micro_batch_size alone, so the
+    schedule is given micro_batch_size times this. ``model``: a chunk, wrapped (DDP, Float16Module) or not."""
+    while model is not None:
+        if "pipeline_batch_factor" in vars(model):
+            return int(vars(model)["pipeline_batch_factor"])
+        model = getattr(model, "module", None)
+    return 1
+
+
 def model_spec_name(model) -> str:
     """"te" or "local": which naming this model's state dict uses."""
     return "te" if any("layer_norm_weight" in k for k in model.state_dict()) else "local"

@@ -33,6 +33,8 @@ def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    from megatron_patch.models.blocks.builder import pipeline_batch_factor
+
     device = next(model.parameters()).device
     batch, seq = tokens.shape
     tokens = tokens.to(device)
@@ -52,7 +54,8 @@ def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor
     with torch.no_grad():
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-            seq_length=seq, micro_batch_size=batch, forward_only=True, collect_non_loss_data=True)
+            seq_length=seq, micro_batch_size=batch * pipeline_batch_factor(model), forward_only=True,
+            collect_non_loss_data=True)
     if not parallel_state.is_pipeline_last_stage():
         return None
     logits = gather_from_tensor_model_parallel_region(captured[0])
