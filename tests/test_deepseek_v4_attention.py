@@ -106,8 +106,12 @@ def compare_worker(tp: int, ablations: bool) -> dict:
             module.load_state_dict(shard_from_transformers(state, layer_type, rank, tp), strict=True)
             return module
 
-        out, x_grad = _run(build(), x, grad)
+        module = build()
+        out, x_grad = _run(module, x, grad)
         result = {"out": out, "grad": x_grad, "out_error": _rel(out, want), "grad_error": _rel(x_grad, want_grad)}
+        # what torch_dist checkpoints record: each weight's whole shape and this rank's offset in it
+        result["sharded"] = {k: (tuple(v.global_shape), tuple(v.global_offset))
+                             for k, v in module.sharded_state_dict().items() if hasattr(v, "global_shape")}
         if ablations:
             moved = {}
             module = build()
@@ -176,6 +180,14 @@ def test_tp2_is_tp1(tp1):
             assert _rel(result[layer_type]["out"], tp1[layer_type]["out"]) <= TOLERANCE, (layer_type, rank)
             assert _rel(result[layer_type]["grad"], tp1[layer_type]["grad"]) <= TOLERANCE, (layer_type, rank)
             assert result[layer_type]["out_error"] <= TOLERANCE, (layer_type, rank)
+        heads, groups = RAW["num_attention_heads"], RAW["o_groups"] * RAW["o_lora_rank"]
+        for rank, result in enumerate(ranks):
+            sharded = result[layer_type]["sharded"]
+            assert sharded["sinks"] == ((heads,), (rank * heads // 2,))
+            assert sharded["linear_o_group_proj.weight"][1] == (rank * groups // 2, 0)
+            assert sharded["linear_proj.weight"][1] == (0, rank * groups // 2)
+            assert sharded["linear_kv_proj.weight"] == tp1[layer_type]["sharded"]["linear_kv_proj.weight"]
+        assert ranks[0][layer_type]["sharded"].keys() == tp1[layer_type]["sharded"].keys()
 
 
 HUB_STYLE = {  # DeepSeek's own config.json names, which transformers folds into its fields

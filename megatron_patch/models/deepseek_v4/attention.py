@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_patch.models.blocks import rope as rope_formulas
 from megatron_patch.models.blocks.sparse_attention import IndexerLinear
@@ -337,6 +338,13 @@ class DeepseekV4Attention(MegatronModule):
             self.compressor = Compressor(config, s.hidden_size, s.head_dim, rate, layer_type == CSA, s.rms_norm_eps)
             if layer_type == CSA:
                 self.indexer = Indexer(config, s, rate)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """megatron-core's, with the sinks split by heads (a bare parameter would be saved as whole on every rank)."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        key = f"{prefix}sinks"
+        state[key] = make_tp_sharded_tensor_for_checkpoint(self.sinks, key, 0, prepend_offsets=sharded_offsets)
+        return state
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
         s = self.settings
