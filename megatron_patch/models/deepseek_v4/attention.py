@@ -35,7 +35,6 @@ without its loss (models/blocks/sparse_attention.py), so that megatron's DDP exp
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 
 import torch
