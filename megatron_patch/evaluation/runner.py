@@ -293,7 +293,7 @@ class ModelRunner:
         with one, the gathered logits of the last position [batch, 1, padded vocab]."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_patch.models.blocks.builder import pipeline_batch_factor
+        from megatron_patch.models.blocks.builder import pipeline_batch_factor  # deferred as megatron-core is
 
         batch, seq = tokens.shape
         tokens = tokens.to(self.device)

@@ -33,7 +33,7 @@ def forward_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_patch.models.blocks.builder import pipeline_batch_factor
+    from megatron_patch.models.blocks.builder import pipeline_batch_factor  # deferred as megatron-core is
 
     device = next(model.parameters()).device
     batch, seq = tokens.shape
