@@ -1,0 +1,196 @@
+"""DeepSeek-V4's MoE block (models/deepseek_v4/moe.py) against transformers' DeepseekV4SparseMoeBlock: a ``moe``
+layer (sqrtsoftplus top-k with the expert bias) and a ``hash_moe`` layer (experts looked up in ``tid2eid`` by token
+id, weighted by the gate), clamped SwiGLU experts and the shared expert, forward and input gradients within fp32
+noise; at EP=2 as at EP=1; ``tid2eid`` a buffer; each piece shown to matter; a hash layer without token ids refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_patch.align.parity import FP32_REL_L2
+from megatron_patch.runtime.launch import run_local
+
+# A tiny V4: 4 experts of 16 (top-2) and a shared one, hidden 32, a hash layer then a top-k one. The weights are
+# drawn larger than transformers' init (std 0.02) so that the SwiGLU clamp (0.4) bites on most activations.
+HF = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+          n_shared_experts=1, num_hidden_layers=2, mlp_layer_types=["hash_moe", "moe"], swiglu_limit=0.4,
+          routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", num_attention_heads=4, head_dim=32,
+          num_key_value_heads=1, q_lora_rank=16, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16)
+BATCH, SEQ = 2, 8
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def hf_block(layer: int, seed: int):
+    """transformers' block of ``layer`` with seeded weights, expert bias and hash table."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+
+    config = DeepseekV4Config(**HF)
+    config._experts_implementation = "eager"
+    block = DeepseekV4SparseMoeBlock(config, layer).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if "gate." in name else 0.5))
+        if block.is_hash:  # k distinct experts per token, as the hub's tables have
+            block.gate.tid2eid.copy_(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(64)]))
+        else:
+            block.gate.e_score_correction_bias.copy_(torch.randn(4, generator=g) * 0.3)
+    return block
+
+
+def hf_run(block, x: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    out = block(x, input_ids=ids)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def moe_layer(mlp_layer_type: str, state: dict, ep: int = 1, **changes):
+    """Our block with transformers' weights (``state``); ``changes``: settings of the variant (``scoring`` the
+    router's, the rest the TransformerConfig's)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_patch.models.deepseek_v4 import moe
+
+    scoring = changes.pop("scoring", "sqrtsoftplus")
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, add_bias_linear=False, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, expert_model_parallel_size=ep,
+        gradient_accumulation_fusion=False, moe_token_dispatcher_type="alltoall",
+        **{**moe.moe_config_kwargs(HF), **changes})
+    layer = build_module(moe.moe_spec(mlp_layer_type, scoring, HF["vocab_size"]), config=config, layer_number=1)
+    own = layer.state_dict()
+    first = layer.local_expert_indices[0]
+    with torch.no_grad():
+        for w in moe.weight_names(mlp_layer_type, HF["n_routed_experts"]):
+            name, _, rest = w.mcore.partition("local_experts.")
+            if rest:  # this EP rank holds experts first.. under local numbers
+                e, _, tail = rest.partition(".")
+                if not 0 <= int(e) - first < layer.num_local_experts:
+                    continue
+                name = f"{name}local_experts.{int(e) - first}.{tail}"
+            own[name].copy_(moe.transformers_tensor(state, w))
+    return layer
+
+
+def mcore_run(layer, x: torch.Tensor, ids: torch.Tensor | None, grad: torch.Tensor):
+    from megatron_patch.models.deepseek_v4 import moe
+
+    x = x.transpose(0, 1).contiguous().requires_grad_(True)  # [s, b, h]
+    with moe.routing_token_ids(ids):
+        out, _ = layer(x)
+    out.backward(grad.transpose(0, 1))
+    return out.detach().transpose(0, 1), x.grad.transpose(0, 1)
+
+
+def block_worker(ep: int, runs: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each run: a variant of our block on this rank's input (by its rank) -> its output and input gradient."""
+    import torch.distributed as dist
+
+    from megatron_patch.runtime import ParallelLayout, init_model_parallel
+
+    init_model_parallel(ParallelLayout(ep=ep))
+    rank = dist.get_rank()
+    out = []
+    for run in runs:
+        layer = moe_layer(run["type"], run["state"], ep, **run.get("changes", {}))
+        out.append(mcore_run(layer, run["x"][rank], run["ids"][rank], run["grad"][rank]))
+    return out
+
+
+def inputs(seed: int, ranks: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return ([torch.randn(BATCH, SEQ, 32, generator=g) for _ in range(ranks)],
+            [torch.randint(0, 64, (BATCH, SEQ), generator=g) for _ in range(ranks)],
+            [torch.randn(BATCH, SEQ, 32, generator=g) for _ in range(ranks)])
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    return {"hash_moe": hf_block(0, seed=1), "moe": hf_block(1, seed=2)}
+
+
+def test_the_block_is_transformers_and_each_piece_matters(blocks):
+    """Forward and input gradients within fp32 noise for a hash and a top-k layer; without the clamp, with softmax
+    scores or with a permuted hash table, far off."""
+    xs, ids, grads = inputs(3)
+    want = {t: hf_run(b, xs[0], ids[0], grads[0]) for t, b in blocks.items()}
+    hidden = blocks["moe"].experts.gate_up_proj.detach()
+    pre = torch.einsum("bsh,eih->bsei", xs[0], hidden)
+    assert (pre.abs() > HF["swiglu_limit"]).float().mean() > 0.3  # the clamp bites
+
+    state = {t: b.state_dict() for t, b in blocks.items()}
+    permuted = {**state["hash_moe"], "gate.tid2eid": state["hash_moe"]["gate.tid2eid"].roll(1, dims=0)}
+    runs = {
+        "hash_moe": dict(type="hash_moe", state=state["hash_moe"]),
+        "moe": dict(type="moe", state=state["moe"]),
+        "hash_moe, no clamp": dict(type="hash_moe", state=state["hash_moe"],
+                                   changes=dict(activation_func_clamp_value=None)),
+        "moe, no clamp": dict(type="moe", state=state["moe"], changes=dict(activation_func_clamp_value=None)),
+        "moe, softmax": dict(type="moe", state=state["moe"], changes=dict(scoring="softmax")),
+        "hash_moe, softmax": dict(type="hash_moe", state=state["hash_moe"], changes=dict(scoring="softmax")),
+        "hash_moe, permuted table": dict(type="hash_moe", state=permuted),
+    }
+    for run in runs.values():
+        run.update(x=xs, ids=ids, grad=grads)
+    got = dict(zip(runs, run_local(block_worker, 1, 1, list(runs.values()))[0]))
+    for kind in ("hash_moe", "moe"):
+        (out, dx), (want_out, want_dx) = got[kind], want[kind]
+        assert _rel(out, want_out) <= FP32_REL_L2 and _rel(dx, want_dx) <= FP32_REL_L2, kind
+    for name in runs.keys() - {"hash_moe", "moe"}:
+        assert _rel(got[name][0], want[name.split(",")[0]][0]) > 100 * FP32_REL_L2, name
+
+
+def buffer_worker() -> dict:
+    """tid2eid as the block holds it, before and after an optimizer step; a hash layer run without ids."""
+    from megatron_patch.runtime import ParallelLayout, init_model_parallel
+
+    init_model_parallel(ParallelLayout())
+    hashed = moe_layer("hash_moe", hf_block(0, seed=1).state_dict())
+    table = hashed.router.tid2eid.clone()
+    optimizer = torch.optim.SGD(hashed.parameters(), lr=1.0)
+    xs, ids, grads = inputs(4)
+    mcore_run(hashed, xs[0], ids[0], grads[0])
+    optimizer.step()
+    try:
+        hashed(xs[0].transpose(0, 1).contiguous())
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    topk = moe_layer("moe", hf_block(1, seed=2).state_dict())
+    return dict(
+        params=[n for n, _ in hashed.named_parameters()], state={k: v.dtype for k, v in hashed.state_dict().items() if torch.is_tensor(v)},
+        in_optimizer=any(p is hashed.router.tid2eid for g in optimizer.param_groups for p in g["params"]),
+        unchanged=torch.equal(table, hashed.router.tid2eid), gate_moved=hashed.router.weight.grad is not None,
+        refused=refused, topk_state=sorted(k for k in topk.state_dict() if k.startswith("router.")),
+        bf16_dtype=hashed.bfloat16().router.tid2eid.dtype, hash_has_bias=hasattr(hashed.router, "expert_bias"))
+
+
+def test_tid2eid_is_a_buffer_kept_in_the_checkpoint_that_no_optimizer_sees():
+    got = run_local(buffer_worker, 1)[0]
+    assert "router.tid2eid" not in got["params"] and "router.weight" in got["params"]
+    assert got["state"]["router.tid2eid"] == torch.int32 and got["bf16_dtype"] == torch.int32
+    assert not got["in_optimizer"] and got["unchanged"] and got["gate_moved"]
+    assert "routes by token id (hash_moe) but no token ids are bound" in got["refused"]
+    # the top-k layer keeps transformers' e_score_correction_bias as megatron-core's expert bias; a hash layer has none
+    assert got["topk_state"] == ["router.expert_bias", "router.weight"] and not got["hash_has_bias"]
+
+
+@pytest.mark.slow
+def test_expert_parallel_2_is_transformers_on_each_ranks_tokens(blocks):
+    """At EP=2 (each rank 2 of the 4 experts, alltoall dispatch) each rank's own tokens come out as transformers
+    computes them: as at EP=1."""
+    xs, ids, grads = inputs(5, ranks=2)
+    runs = [dict(type=t, state=b.state_dict(), x=xs, ids=ids, grad=grads) for t, b in blocks.items()]
+    got = run_local(block_worker, 2, 2, runs)
+    for rank in range(2):
+        for run, (out, dx) in zip(runs, got[rank]):
+            want_out, want_dx = hf_run(blocks[run["type"]], xs[rank], ids[rank], grads[rank])
+            assert _rel(out, want_out) <= FP32_REL_L2 and _rel(dx, want_dx) <= FP32_REL_L2, (rank, run["type"])
