@@ -6,6 +6,8 @@ noise; at EP=2 as at EP=1; ``tid2eid`` a buffer; each piece shown to matter; a h
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -65,7 +67,10 @@ def moe_layer(mlp_layer_type: str, state: dict, ep: int = 1, **changes):
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, expert_model_parallel_size=ep,
         gradient_accumulation_fusion=False, moe_token_dispatcher_type="alltoall",
         **{**moe.moe_config_kwargs(HF), **changes})
-    layer = build_module(moe.moe_spec(mlp_layer_type, scoring, HF["vocab_size"]), config=config, layer_number=1)
+    spec = moe.moe_spec(mlp_layer_type, scoring, HF["vocab_size"])
+    # megatron-core 0.19's specs are partials of the class, 0.16's ModuleSpecs
+    build = spec if isinstance(spec, functools.partial) else functools.partial(build_module, spec)
+    layer = build(config=config, layer_number=1)
     own = layer.state_dict()
     first = layer.local_expert_indices[0]
     with torch.no_grad():
