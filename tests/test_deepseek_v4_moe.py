@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_patch.align.parity import FP32_REL_L2
+from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.launch import run_local
 
 # A tiny V4: 4 experts of 16 (top-2) and a shared one, hidden 32, a hash layer then a top-k one. The weights are
@@ -21,6 +22,7 @@ HF = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, n_routed_expe
           routed_scaling_factor=1.5, scoring_func="sqrtsoftplus", num_attention_heads=4, head_dim=32,
           num_key_value_heads=1, q_lora_rank=16, o_groups=2, o_lora_rank=16, index_n_heads=2, index_head_dim=16)
 BATCH, SEQ = 2, 8
+RECOMPUTE = dict(recompute_granularity="selective", recompute_modules=["moe"])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,19 +55,22 @@ def hf_run(block, x: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor):
     return out.detach(), x.grad
 
 
-def moe_layer(mlp_layer_type: str, state: dict, ep: int = 1, **changes):
-    """Our block with transformers' weights (``state``); ``changes``: settings of the variant (``scoring`` the
-    router's, the rest the TransformerConfig's)."""
+def moe_layer(mlp_layer_type: str, state: dict, layout=None, **changes):
+    """Our block with transformers' weights (``state``), this rank's part of them under ``layout``; ``changes``:
+    settings of the variant (``scoring`` the router's, the rest the TransformerConfig's)."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_patch.models.deepseek_v4 import moe
+    from megatron_patch.runtime import ParallelLayout
 
+    layout = layout or ParallelLayout()
     scoring = changes.pop("scoring", "sqrtsoftplus")
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, add_bias_linear=False, use_cpu_initialization=True,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, expert_model_parallel_size=ep,
-        gradient_accumulation_fusion=False, moe_token_dispatcher_type="alltoall",
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=layout.tp, sequence_parallel=layout.tp > 1, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp, moe_token_dispatcher_type="alltoall",
         **{**moe.moe_config_kwargs(HF), **changes})
     spec = moe.moe_spec(mlp_layer_type, scoring, HF["vocab_size"])
     # megatron-core 0.19's specs are partials of the class, 0.16's ModuleSpecs
@@ -73,40 +78,50 @@ def moe_layer(mlp_layer_type: str, state: dict, ep: int = 1, **changes):
     layer = build(config=config, layer_number=1)
     own = layer.state_dict()
     first = layer.local_expert_indices[0]
+    tp, rank = layer.tp_group.size(), layer.tp_group.rank()
     with torch.no_grad():
         for w in moe.weight_names(mlp_layer_type, HF["n_routed_experts"]):
             name, _, rest = w.mcore.partition("local_experts.")
-            if rest:  # this EP rank holds experts first.. under local numbers
+            tensor = moe.transformers_tensor(state, w)
+            if rest:  # this EP rank holds experts first.. under local numbers (whole: ETP is 1)
                 e, _, tail = rest.partition(".")
                 if not 0 <= int(e) - first < layer.num_local_experts:
                     continue
                 name = f"{name}local_experts.{int(e) - first}.{tail}"
-            own[name].copy_(moe.transformers_tensor(state, w))
+            elif name.startswith("shared_experts.linear_fc1"):  # column-parallel, each half its rows
+                tensor = torch.cat([half.chunk(tp)[rank] for half in tensor.chunk(2)])
+            elif name.startswith("shared_experts.linear_fc2"):  # row-parallel
+                tensor = tensor.chunk(tp, dim=1)[rank]
+            own[name].copy_(tensor)
     return layer
 
 
 def mcore_run(layer, x: torch.Tensor, ids: torch.Tensor | None, grad: torch.Tensor):
+    """Output and input gradient [b, s, h] of this rank's tokens: under sequence parallelism its part of the
+    sequence, the token ids bound whole. The backward runs after the ids are unbound."""
     from megatron_patch.models.deepseek_v4 import moe
 
-    x = x.transpose(0, 1).contiguous().requires_grad_(True)  # [s, b, h]
+    tp, rank = layer.tp_group.size(), layer.tp_group.rank()
+    x = x.transpose(0, 1).chunk(tp)[rank].contiguous().requires_grad_(True)  # [s, b, h]
     with moe.routing_token_ids(ids):
         out, _ = layer(x)
-    out.backward(grad.transpose(0, 1))
+    out.backward(grad.transpose(0, 1).chunk(tp)[rank])
     return out.detach().transpose(0, 1), x.grad.transpose(0, 1)
 
 
-def block_worker(ep: int, runs: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each run: a variant of our block on this rank's input (by its rank) -> its output and input gradient."""
-    import torch.distributed as dist
+def block_worker(layout, runs: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each run: a variant of our block on this rank's micro-batch (by its data-parallel rank) -> its output and
+    input gradient."""
+    from megatron.core import parallel_state
 
-    from megatron_patch.runtime import ParallelLayout, init_model_parallel
+    from megatron_patch.runtime import init_model_parallel
 
-    init_model_parallel(ParallelLayout(ep=ep))
-    rank = dist.get_rank()
+    init_model_parallel(layout)
+    batch = parallel_state.get_data_parallel_rank()
     out = []
     for run in runs:
-        layer = moe_layer(run["type"], run["state"], ep, **run.get("changes", {}))
-        out.append(mcore_run(layer, run["x"][rank], run["ids"][rank], run["grad"][rank]))
+        layer = moe_layer(run["type"], run["state"], layout, **run.get("changes", {}))
+        out.append(mcore_run(layer, run["x"][batch], run["ids"][batch], run["grad"][batch]))
     return out
 
 
@@ -136,6 +151,9 @@ def test_the_block_is_transformers_and_each_piece_matters(blocks):
     runs = {
         "hash_moe": dict(type="hash_moe", state=state["hash_moe"]),
         "moe": dict(type="moe", state=state["moe"]),
+        # megatron-core's activation recompute of the block: the backward runs after the ids are unbound
+        "hash_moe, recomputed": dict(type="hash_moe", state=state["hash_moe"], changes=RECOMPUTE),
+        "moe, recomputed": dict(type="moe", state=state["moe"], changes=RECOMPUTE),
         "hash_moe, no clamp": dict(type="hash_moe", state=state["hash_moe"],
                                    changes=dict(activation_func_clamp_value=None)),
         "moe, no clamp": dict(type="moe", state=state["moe"], changes=dict(activation_func_clamp_value=None)),
@@ -145,11 +163,12 @@ def test_the_block_is_transformers_and_each_piece_matters(blocks):
     }
     for run in runs.values():
         run.update(x=xs, ids=ids, grad=grads)
-    got = dict(zip(runs, run_local(block_worker, 1, 1, list(runs.values()))[0]))
-    for kind in ("hash_moe", "moe"):
-        (out, dx), (want_out, want_dx) = got[kind], want[kind]
-        assert _rel(out, want_out) <= FP32_REL_L2 and _rel(dx, want_dx) <= FP32_REL_L2, kind
-    for name in runs.keys() - {"hash_moe", "moe"}:
+    got = dict(zip(runs, run_local(block_worker, 1, ParallelLayout(), list(runs.values()))[0]))
+    exact = ("hash_moe", "moe", "hash_moe, recomputed", "moe, recomputed")
+    for name in exact:
+        (out, dx), (want_out, want_dx) = got[name], want[name.split(",")[0]]
+        assert _rel(out, want_out) <= FP32_REL_L2 and _rel(dx, want_dx) <= FP32_REL_L2, name
+    for name in runs.keys() - set(exact):
         assert _rel(got[name][0], want[name.split(",")[0]][0]) > 100 * FP32_REL_L2, name
 
 
@@ -189,13 +208,18 @@ def test_tid2eid_is_a_buffer_kept_in_the_checkpoint_that_no_optimizer_sees():
 
 
 @pytest.mark.slow
-def test_expert_parallel_2_is_transformers_on_each_ranks_tokens(blocks):
-    """At EP=2 (each rank 2 of the 4 experts, alltoall dispatch) each rank's own tokens come out as transformers
-    computes them: as at EP=1."""
-    xs, ids, grads = inputs(5, ranks=2)
+@pytest.mark.parametrize("layout", [ParallelLayout(ep=2), ParallelLayout(tp=2, ep=2, etp=1)], ids=str)
+def test_expert_parallel_2_is_transformers_on_each_ranks_tokens(blocks, layout):
+    """At EP=2 (each rank 2 of the 4 experts, alltoall dispatch) each rank's own micro-batch comes out as
+    transformers computes it, as at EP=1; with TP=2 and sequence parallelism too, each rank routing its half of
+    the sequence by its half of the token ids."""
+    ranks = 2 // layout.tp  # micro-batches: one per data-parallel rank
+    xs, ids, grads = inputs(5, ranks=ranks)
     runs = [dict(type=t, state=b.state_dict(), x=xs, ids=ids, grad=grads) for t, b in blocks.items()]
-    got = run_local(block_worker, 2, 2, runs)
+    got = run_local(block_worker, 2, layout, runs)
     for rank in range(2):
+        batch, part = rank // layout.tp, rank % layout.tp
         for run, (out, dx) in zip(runs, got[rank]):
-            want_out, want_dx = hf_run(blocks[run["type"]], xs[rank], ids[rank], grads[rank])
+            want = hf_run(blocks[run["type"]], xs[batch], ids[batch], grads[batch])
+            want_out, want_dx = (t.chunk(layout.tp, dim=1)[part] for t in want)
             assert _rel(out, want_out) <= FP32_REL_L2 and _rel(dx, want_dx) <= FP32_REL_L2, (rank, run["type"])

@@ -157,11 +157,10 @@ class DeepseekV4HashRouter(DeepseekV4Router):
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         if self.token_ids is None:
-            raise RuntimeError(f"MoE layer {self.layer_number} routes by token id (hash_moe) but was given none: "
-                               "run it inside DeepseekV4MoELayer with routing_token_ids(input_ids) bound")
+            raise RuntimeError("a hash_moe router ran without token ids: run it inside DeepseekV4MoELayer, under "
+                               "routing_token_ids(input_ids)")
         if self.token_ids.numel() != scores.shape[0]:
-            raise RuntimeError(f"MoE layer {self.layer_number} has {scores.shape[0]} tokens but "
-                               f"{self.token_ids.numel()} token ids")
+            raise RuntimeError(f"a hash_moe router has {scores.shape[0]} tokens but {self.token_ids.numel()} token ids")
         return self.tid2eid[self.token_ids.reshape(-1)].long()
 
 
