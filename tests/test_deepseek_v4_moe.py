@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_patch.align.parity import FP32_REL_L2
+from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.launch import run_local
 
@@ -137,6 +138,29 @@ def blocks():
     return {"hash_moe": hf_block(0, seed=1), "moe": hf_block(1, seed=2)}
 
 
+def test_the_config_is_read_as_transformers_fills_it_in_and_what_cannot_be_built_is_refused():
+    from transformers import DeepseekV4Config
+
+    from megatron_patch.models.deepseek_v4.moe import mlp_layer_types_of, moe_config_kwargs
+
+    for over in ({}, {"num_hash_layers": 1}, {"num_hash_layers": 0}, {"num_hidden_layers": 2},
+                 {"mlp_layer_types": ["moe", "hash_moe", "moe", "moe"]}):
+        raw = {"num_hidden_layers": 4, **over}
+        assert list(mlp_layer_types_of(raw)) == DeepseekV4Config(**raw).mlp_layer_types, over
+    kwargs = moe_config_kwargs(HF)
+    assert (kwargs["num_moe_experts"], kwargs["moe_router_topk"], kwargs["moe_ffn_hidden_size"],
+            kwargs["moe_shared_expert_intermediate_size"], kwargs["activation_func_clamp_value"],
+            kwargs["moe_router_topk_scaling_factor"]) == (4, 2, 16, 16, 0.4, 1.5)
+    for over, message in (({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
+                          ({"mlp_bias": True}, "mlp_bias=true is not supported"),
+                          ({"scoring_func": "tanh"}, "scoring_func='tanh' is not supported"),
+                          ({"n_routed_experts": None}, "lacks 'n_routed_experts'")):
+        with pytest.raises(UserError, match=message):
+            moe_config_kwargs({**HF, **over})
+    with pytest.raises(UserError, match="each hash_moe or moe"):
+        mlp_layer_types_of({"num_hidden_layers": 2, "mlp_layer_types": ["dense", "moe"]})
+
+
 def test_the_block_is_transformers_and_each_piece_matters(blocks):
     """Forward and input gradients within fp32 noise for a hash and a top-k layer; without the clamp, with softmax
     scores or with a permuted hash table, far off."""
@@ -188,12 +212,17 @@ def buffer_worker() -> dict:
         refused = ""
     except RuntimeError as exc:
         refused = str(exc)
+    try:
+        moe_layer("moe", {}, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3)
+        aux_refused = ""
+    except UserError as exc:
+        aux_refused = str(exc)
     topk = moe_layer("moe", hf_block(1, seed=2).state_dict())
     return dict(
         params=[n for n, _ in hashed.named_parameters()], state={k: v.dtype for k, v in hashed.state_dict().items() if torch.is_tensor(v)},
         in_optimizer=any(p is hashed.router.tid2eid for g in optimizer.param_groups for p in g["params"]),
         unchanged=torch.equal(table, hashed.router.tid2eid), gate_moved=hashed.router.weight.grad is not None,
-        refused=refused, topk_state=sorted(k for k in topk.state_dict() if k.startswith("router.")),
+        refused=refused, aux_refused=aux_refused, topk_state=sorted(k for k in topk.state_dict() if k.startswith("router.")),
         bf16_dtype=hashed.bfloat16().router.tid2eid.dtype, hash_has_bias=hasattr(hashed.router, "expert_bias"))
 
 
@@ -203,6 +232,7 @@ def test_tid2eid_is_a_buffer_kept_in_the_checkpoint_that_no_optimizer_sees():
     assert got["state"]["router.tid2eid"] == torch.int32 and got["bf16_dtype"] == torch.int32
     assert not got["in_optimizer"] and got["unchanged"] and got["gate_moved"]
     assert "routes by token id (hash_moe) but no token ids are bound" in got["refused"]
+    assert got["aux_refused"].startswith("DeepSeek-V4's router does not support an auxiliary loss")
     # the top-k layer keeps transformers' e_score_correction_bias as megatron-core's expert bias; a hash layer has none
     assert got["topk_state"] == ["router.expert_bias", "router.weight"] and not got["hash_has_bias"]
 
