@@ -203,6 +203,7 @@ def buffer_worker() -> dict:
     init_model_parallel(ParallelLayout())
     hashed = moe_layer("hash_moe", hf_block(0, seed=1).state_dict())
     table = hashed.router.tid2eid.clone()
+    sharded = {k: v.dtype for k, v in hashed.sharded_state_dict(prefix="mlp.").items() if k.startswith("mlp.router.")}
     optimizer = torch.optim.SGD(hashed.parameters(), lr=1.0)
     xs, ids, grads = inputs(4)
     mcore_run(hashed, xs[0], ids[0], grads[0])
@@ -222,7 +223,7 @@ def buffer_worker() -> dict:
         params=[n for n, _ in hashed.named_parameters()], state={k: v.dtype for k, v in hashed.state_dict().items() if torch.is_tensor(v)},
         in_optimizer=any(p is hashed.router.tid2eid for g in optimizer.param_groups for p in g["params"]),
         unchanged=torch.equal(table, hashed.router.tid2eid), gate_moved=hashed.router.weight.grad is not None,
-        refused=refused, aux_refused=aux_refused, topk_state=sorted(k for k in topk.state_dict() if k.startswith("router.")),
+        refused=refused, aux_refused=aux_refused, sharded=sharded, topk_state=sorted(k for k in topk.state_dict() if k.startswith("router.")),
         bf16_dtype=hashed.bfloat16().router.tid2eid.dtype, hash_has_bias=hasattr(hashed.router, "expert_bias"))
 
 
@@ -231,6 +232,8 @@ def test_tid2eid_is_a_buffer_kept_in_the_checkpoint_that_no_optimizer_sees():
     assert "router.tid2eid" not in got["params"] and "router.weight" in got["params"]
     assert got["state"]["router.tid2eid"] == torch.int32 and got["bf16_dtype"] == torch.int32
     assert not got["in_optimizer"] and got["unchanged"] and got["gate_moved"]
+    # megatron-core's distributed checkpoint (torch_dist) keeps it too, as it is
+    assert got["sharded"] == {"mlp.router.weight": torch.float32, "mlp.router.tid2eid": torch.int32}
     assert "routes by token id (hash_moe) but no token ids are bound" in got["refused"]
     assert got["aux_refused"].startswith("DeepSeek-V4's router does not support an auxiliary loss")
     # the top-k layer keeps transformers' e_score_correction_bias as megatron-core's expert bias; a hash layer has none
