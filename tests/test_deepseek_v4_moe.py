@@ -162,8 +162,9 @@ def test_the_config_is_read_as_transformers_fills_it_in_and_what_cannot_be_built
 
 
 def test_the_block_is_transformers_and_each_piece_matters(blocks):
-    """Forward and input gradients within fp32 noise for a hash and a top-k layer; without the clamp, with softmax
-    scores or with a permuted hash table, far off."""
+    """Forward and input gradients within fp32 noise for a hash and a top-k layer, with megatron-core's activation
+    recompute too; without the clamp, with softmax scores, with a permuted hash table or without the expert bias,
+    far off."""
     xs, ids, grads = inputs(3)
     want = {t: hf_run(b, xs[0], ids[0], grads[0]) for t, b in blocks.items()}
     hidden = blocks["moe"].experts.gate_up_proj.detach()
@@ -172,6 +173,7 @@ def test_the_block_is_transformers_and_each_piece_matters(blocks):
 
     state = {t: b.state_dict() for t, b in blocks.items()}
     permuted = {**state["hash_moe"], "gate.tid2eid": state["hash_moe"]["gate.tid2eid"].roll(1, dims=0)}
+    unbiased = {**state["moe"], "gate.e_score_correction_bias": torch.zeros(4)}
     runs = {
         "hash_moe": dict(type="hash_moe", state=state["hash_moe"]),
         "moe": dict(type="moe", state=state["moe"]),
@@ -184,6 +186,7 @@ def test_the_block_is_transformers_and_each_piece_matters(blocks):
         "moe, softmax": dict(type="moe", state=state["moe"], changes=dict(scoring="softmax")),
         "hash_moe, softmax": dict(type="hash_moe", state=state["hash_moe"], changes=dict(scoring="softmax")),
         "hash_moe, permuted table": dict(type="hash_moe", state=permuted),
+        "moe, no expert bias": dict(type="moe", state=unbiased),
     }
     for run in runs.values():
         run.update(x=xs, ids=ids, grad=grads)

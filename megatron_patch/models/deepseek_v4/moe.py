@@ -106,6 +106,8 @@ class DeepseekV4Router(TopKRouter):
 
     def __init__(self, config, *args, scoring: str = "sqrtsoftplus", **kwargs):
         super().__init__(config, *args, **kwargs)
+        if scoring not in SCORES:
+            raise UserError(f"DeepSeek-V4's router scores with one of {', '.join(SCORES)}, not {scoring!r}")
         self.scoring = scoring
         unsupported = [name for name, on in (
             ("an auxiliary loss", self.is_aux_loss_enabled()), ("sinkhorn routing", self.routing_type == "sinkhorn"),
