@@ -141,7 +141,7 @@ class DeepseekV4Router(TopKRouter):
 
 class DeepseekV4HashRouter(DeepseekV4Router):
     """transformers' DeepseekV4HashRouter: the experts of a token are ``tid2eid[token_id]`` (a frozen
-    [vocab_size, k] integer buffer, the hub's int32), weighted by the learned gate; no expert bias.
+    [vocab_size, k] int32 buffer: expert numbers fit, and ports of the hub checkpoint hold it so), weighted by the learned gate; no expert bias.
     ``token_ids`` (sequence-first, flattened as the router flattens its tokens) is bound by
     ``DeepseekV4MoELayer`` for the length of its forward."""
 
