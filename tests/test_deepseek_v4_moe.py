@@ -223,10 +223,12 @@ def buffer_worker() -> dict:
         aux_refused = str(exc)
     topk = moe_layer("moe", hf_block(1, seed=2).state_dict())
     return dict(
-        params=[n for n, _ in hashed.named_parameters()], state={k: v.dtype for k, v in hashed.state_dict().items() if torch.is_tensor(v)},
+        params=[n for n, _ in hashed.named_parameters()],
+        state={k: v.dtype for k, v in hashed.state_dict().items() if torch.is_tensor(v)},
         in_optimizer=any(p is hashed.router.tid2eid for g in optimizer.param_groups for p in g["params"]),
         unchanged=torch.equal(table, hashed.router.tid2eid), gate_moved=hashed.router.weight.grad is not None,
-        refused=refused, aux_refused=aux_refused, sharded=sharded, topk_state=sorted(k for k in topk.state_dict() if k.startswith("router.")),
+        refused=refused, aux_refused=aux_refused, sharded=sharded,
+        topk_state=sorted(k for k in topk.state_dict() if k.startswith("router.")),
         bf16_dtype=hashed.bfloat16().router.tid2eid.dtype, hash_has_bias=hasattr(hashed.router, "expert_bias"))
 
 

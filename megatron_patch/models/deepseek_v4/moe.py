@@ -35,7 +35,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.spec_edits import submodules_of, with_module, with_submodules
+from megatron_patch.models.blocks.spec_edits import with_module, with_submodules
 from megatron_patch.models.description.arch import require
 
 HASH_MOE, MOE = "hash_moe", "moe"
@@ -141,9 +141,9 @@ class DeepseekV4Router(TopKRouter):
 
 class DeepseekV4HashRouter(DeepseekV4Router):
     """transformers' DeepseekV4HashRouter: the experts of a token are ``tid2eid[token_id]`` (a frozen
-    [vocab_size, k] int32 buffer: expert numbers fit, and ports of the hub checkpoint hold it so), weighted by the learned gate; no expert bias.
-    ``token_ids`` (sequence-first, flattened as the router flattens its tokens) is bound by
-    ``DeepseekV4MoELayer`` for the length of its forward."""
+    [vocab_size, k] int32 buffer: expert numbers fit, and ports of the hub checkpoint hold it so), weighted by the
+    learned gate; no expert bias. ``token_ids`` (sequence-first, flattened as the router flattens its tokens) is
+    bound by ``DeepseekV4MoELayer`` for the length of its forward."""
 
     def __init__(self, config, *args, vocab_size: int, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -259,10 +259,11 @@ def weight_names(mlp_layer_type: str, num_experts: int) -> list[MoEWeight]:
             MoEWeight(f"experts.local_experts.{e}.linear_fc2.weight", (f"experts.down_proj[{e}]",),
                       (f"experts.{e}.w2.weight",)),
         ]
+    shared = "shared_experts"
     return names + [
-        MoEWeight("shared_experts.linear_fc1.weight", ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"),
-                  ("shared_experts.w1.weight", "shared_experts.w3.weight")),
-        MoEWeight("shared_experts.linear_fc2.weight", ("shared_experts.down_proj.weight",), ("shared_experts.w2.weight",)),
+        MoEWeight(f"{shared}.linear_fc1.weight", (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight"),
+                  (f"{shared}.w1.weight", f"{shared}.w3.weight")),
+        MoEWeight(f"{shared}.linear_fc2.weight", (f"{shared}.down_proj.weight",), (f"{shared}.w2.weight",)),
     ]
 
 
