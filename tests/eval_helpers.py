@@ -47,9 +47,9 @@ def evaluate_worker(checkpoints: list, layout, include_paths: list[str], setting
     return out
 
 
-def shared_scoring_worker(checkpoint, pairs: list) -> dict:
-    """Runs on every rank of a world of TP=1 PP=1 (its ranks are data-parallel replicas): the answers to ``pairs``,
-    and the rows this rank's model forwarded."""
+def _counting_replica(checkpoint) -> tuple[ModelRunner, list[int]]:
+    """A runner of ``checkpoint`` on this rank of a world of TP=1 PP=1 (its ranks are data-parallel replicas), and
+    the batch sizes its model forwards, appended as it runs."""
     init_model_parallel(ParallelLayout())
     arch = checkpoint.arch
     runner = ModelRunner(load_model(checkpoint, ParallelLayout()), arch.vocab_size, arch.max_position_embeddings)
@@ -60,9 +60,16 @@ def shared_scoring_worker(checkpoint, pairs: list) -> dict:
         return forward(tokens, *args, **kwargs)
 
     runner._forward = counting_forward
+    return runner, rows
+
+
+def shared_scoring_worker(checkpoint, pairs: list) -> dict:
+    """Runs on every rank of a world of data-parallel replicas: the answers to ``pairs``, and the rows this rank's
+    model forwarded."""
+    runner, rows = _counting_replica(checkpoint)
     answers = runner.loglikelihoods(pairs)
     try:
-        runner.loglikelihoods([pairs[0], ([1] * arch.max_position_embeddings, [2, 3])])
+        runner.loglikelihoods([pairs[0], ([1] * checkpoint.arch.max_position_embeddings, [2, 3])])
         too_long = None
     except UserError as exc:
         too_long = str(exc)
@@ -70,21 +77,11 @@ def shared_scoring_worker(checkpoint, pairs: list) -> dict:
 
 
 def shared_generation_worker(checkpoint, prompts: list, max_new: int) -> dict:
-    """Runs on every rank of a world of TP=1 PP=1 (data-parallel replicas): greedy and sampled generations of
-    ``prompts``, the first prompt's stopped after two tokens by ``finished``, and the batch sizes this rank's
-    model forwarded."""
+    """Runs on every rank of a world of data-parallel replicas: greedy and sampled generations of ``prompts``, the
+    first prompt's stopped after two tokens by ``finished``, and the batch sizes this rank's model forwarded."""
     from megatron_patch.evaluation.runner import Sampling
 
-    init_model_parallel(ParallelLayout())
-    arch = checkpoint.arch
-    runner = ModelRunner(load_model(checkpoint, ParallelLayout()), arch.vocab_size, arch.max_position_embeddings)
-    rows, forward = [], runner._forward
-
-    def counting_forward(tokens, *args, **kwargs):
-        rows.append(int(tokens.shape[0]))
-        return forward(tokens, *args, **kwargs)
-
-    runner._forward = counting_forward
+    runner, rows = _counting_replica(checkpoint)
     greedy = runner.generate(prompts, max_new, finished=lambda i, tokens: i == 0 and len(tokens) == 2)
     sampled = [runner.generate(prompts, max_new, Sampling(temperature=1.5, top_k=50, seed=seed)) for seed in (1, 2)]
     return {"greedy": greedy, "sampled": sampled, "rows": rows}
