@@ -390,3 +390,12 @@ def test_kv_sharing_runs_at_pp2_where_each_reusing_layer_is_beside_its_store_lay
     hf_to_mcore(src, tmp_path / "ckpt", layout, fmt="torch_dist", progress=False)
     results = run_local(checkpoint_logits_worker, layout.world_size, str(tmp_path / "ckpt"), layout, tokens)
     assert_within_fp32_noise(src, tokens, next(r for r in results if r is not None))
+
+
+@pytest.mark.slow
+def test_align_says_aligned_in_fp32_and_bf16(e_checkpoint):
+    """`mpatch align --dtype bf16` on the E model (per-layer inputs, KV sharing, the double-wide MLP): fp32 certifies
+    the mapping, and bf16 stays within transformers' own bf16 rounding at every layer."""
+    from megatron_patch.cli import main
+
+    assert main(["align", "--hf-dir", str(e_checkpoint), "--dtype", "bf16", "--quiet"]) == 0

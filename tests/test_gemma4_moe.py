@@ -198,3 +198,13 @@ def test_the_launcher_trains_the_moe_block_at_ep2_from_a_converted_checkpoint(ti
     assert len(losses) == iters and losses[-1] < losses[0] - 0.1, losses
     assert main(["convert", "mcore2hf", "--load-dir", str(out / "checkpoint"), "--save-dir", str(tmp_path / "back"),
                  "--quiet"]) == 0
+
+
+@pytest.mark.slow
+def test_align_says_aligned_in_fp32_and_bf16(tiny_moe):
+    """`mpatch align --dtype bf16` on the MoE model (the HF folder mapped in memory): fp32 certifies the mapping,
+    and bf16 stays within transformers' own bf16 rounding at every layer (the router's projection runs in fp32 in
+    megatron-core, in the model's dtype in transformers: within that rounding here)."""
+    from megatron_patch.cli import main
+
+    assert main(["align", "--hf-dir", str(tiny_moe), "--dtype", "bf16", "--quiet"]) == 0
