@@ -399,3 +399,19 @@ def test_align_says_aligned_in_fp32_and_bf16(e_checkpoint):
     from megatron_patch.cli import main
 
     assert main(["align", "--hf-dir", str(e_checkpoint), "--dtype", "bf16", "--quiet"]) == 0
+
+
+@pytest.mark.slow
+def test_the_launcher_trains_the_e_model_from_a_converted_checkpoint(e_checkpoint, corpus, tmp_path):
+    """The E model (per-layer inputs, KV sharing, the double-wide MLP), converted, trains through the Gemma 4
+    launcher and the loss falls; full activation recomputation, which would lose the KV-shared layers' gradients,
+    is refused in one line."""
+    from tests.training_helpers import train_converted
+
+    proc, losses = train_converted("gemma4", e_checkpoint, corpus, tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    proc, _ = train_converted("gemma4", e_checkpoint, corpus, tmp_path / "full", AC="full")
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and err.count("\n") == 0, err[-3000:]
+    assert "without full activation recomputation" in err and "Traceback" not in err, err

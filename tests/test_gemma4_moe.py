@@ -174,28 +174,15 @@ def test_the_launcher_trains_the_moe_block_at_ep2_from_a_converted_checkpoint(ti
     """The Gemma 4 launcher takes ETP and EP after CP where the model has experts (its dense command lines keep
     their 25 arguments): the tiny MoE model, converted, trains at EP=2 (each rank 2 of the 4 experts) and the loss
     falls; the checkpoint it saves converts back to an HF folder."""
-    import shutil
-
     from megatron_patch.cli import main
     from megatron_patch.training.launcher_args import get_launcher
-    from tests.training_helpers import launch, launcher_args, read_metrics
+    from tests.training_helpers import train_converted
 
     assert [len(get_launcher("gemma4").arg_names(layout)) for layout in get_launcher("gemma4").layouts] == [25, 27]
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(corpus["tok"] / name, tiny_moe / name)
-    mcore, out = tmp_path / "mcore", tmp_path / "out"
-    assert main(["convert", "hf2mcore", "--hf-dir", str(tiny_moe), "--save-dir", str(mcore), "--quiet"]) == 0
-    iters, gbs, seq = 6, 4, 32
-    args = launcher_args("gemma4", ("ETP", "EP"), MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(mcore),
-                         DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), LR="3e-3", MIN_LR="3e-4",
-                         GLOBAL_BATCH_SIZE=str(gbs), BATCH_SIZE="2", SEQ_LEN=str(seq), PAD_LEN=str(seq), EP="2",
-                         ETP="1", TRAIN_TOKENS_OR_ITERS=str(iters * gbs * seq), WARMUP_TOKENS_OR_ITERS=str(gbs * seq),
-                         SAVE_INTERVAL=str(iters))
-    assert len(args) == 27
-    proc = launch(args, {"MP_NPROC": "2"}, family="gemma4")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    losses = [m["loss"] for m in read_metrics(out)]
-    assert len(losses) == iters and losses[-1] < losses[0] - 0.1, losses
+    proc, losses = train_converted("gemma4", tiny_moe, corpus, tmp_path, ("ETP", "EP"), {"MP_NPROC": "2"}, EP="2")
+    assert proc.returncode == 0 and len(proc.args) == 2 + 27, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    out = tmp_path / "out"
     assert main(["convert", "mcore2hf", "--load-dir", str(out / "checkpoint"), "--save-dir", str(tmp_path / "back"),
                  "--quiet"]) == 0
 

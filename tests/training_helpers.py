@@ -140,3 +140,27 @@ def read_tensors(folder) -> dict:
     from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 
     return TorchDistReader(folder).read_all()
+
+
+def train_converted(family: str, hf_dir: Path, corpus: dict, root: Path, layout: tuple[str, ...] | None = None,
+                    env: dict | None = None, iters: int = 6, **over) -> tuple[subprocess.CompletedProcess, list]:
+    """``hf_dir`` (a tiny model, given the corpus's tokenizer) converted by hf2mcore into ``root``/mcore and trained
+    ``iters`` iterations of 4 x 32 tokens from it by ``family``'s launcher into ``root``/out, saving at the end:
+    the launcher's process and the losses it logged."""
+    import shutil
+
+    from megatron_patch.cli import main
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(corpus["tok"] / name, Path(hf_dir) / name)
+    mcore, out = Path(root) / "mcore", Path(root) / "out"
+    Path(root).mkdir(parents=True, exist_ok=True)
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf_dir), "--save-dir", str(mcore), "--quiet"]) == 0
+    gbs, seq = 4, 32
+    args = launcher_args(family, layout, **{
+        "MODEL_SIZE": "auto", "PRETRAIN_CHECKPOINT_PATH": str(mcore), "DATASET_PATH": corpus["prefix"],
+        "OUTPUT_BASEPATH": str(out), "LR": "3e-3", "MIN_LR": "3e-4", "GLOBAL_BATCH_SIZE": str(gbs),
+        "BATCH_SIZE": "2", "SEQ_LEN": str(seq), "PAD_LEN": str(seq), "TRAIN_TOKENS_OR_ITERS": str(iters * gbs * seq),
+        "WARMUP_TOKENS_OR_ITERS": str(gbs * seq), "SAVE_INTERVAL": str(iters), **over})
+    proc = launch(args, env, family=family)
+    return proc, [m["loss"] for m in read_metrics(out)] if proc.returncode == 0 else []
