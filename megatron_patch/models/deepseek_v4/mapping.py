@@ -1,0 +1,65 @@
+"""DeepSeek-V4 HF <-> MCore weight table, by the names on disk: DeepSeek's own (``attn.wq_a``,
+``attn.compressor.wkv``, ``ffn.gate.tid2eid``, ``hc_attn_fn``, ...), which transformers 5.24 renames as it loads
+them and writes back as it saves (its ``conversion_mapping``, "deepseek_v4"), under ``model.`` with the output
+layer as ``head.weight``. The attention's rows come from ``attention.weights_of`` (the layer types' own weights:
+the compressor on CSA and HCA layers, the indexer on CSA ones), the hash tables (``tid2eid``) on ``hash_moe``
+layers and the expert bias on ``moe`` ones. LoRA sites are not declared yet."""
+
+from megatron_patch.models.deepseek_v4.attention import COMPRESSOR_WEIGHTS, INDEXER_WEIGHTS, WEIGHTS
+from megatron_patch.models.deepseek_v4.settings import CSA, HCA, settings
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.mapping import GATE_UP, REPLICATED, ROW, VOCAB, Rule, Scope
+
+MC = "decoder.layers.{layer}"
+HF = "model.layers.{layer}"
+HC_PARTS = ("fn", "base", "scale")
+# transformers writes the key/value norms back as the hub's ``norm`` (its ``.norm.`` -> ``.kv_norm.`` renaming)
+ON_DISK = {"kv_norm.weight": "norm.weight"}
+# the hash tables are integers: kept in the integer dtype transformers writes (int64), whatever the checkpoint's
+# float dtype; the model's buffer is int32 and takes them by value
+TID2EID_DTYPE = "int64"
+
+
+def attention_rules() -> list[Rule]:
+    def rules(rows, **only):
+        return [Rule(f"{MC}.self_attention.{mine}", f"{HF}.attn.{ON_DISK.get(hub, hub)}", split, **only)
+                for mine, _, hub, split in rows]
+    return (rules(WEIGHTS) + rules(COMPRESSOR_WEIGHTS, attention=CSA) + rules(COMPRESSOR_WEIGHTS, attention=HCA)
+            + rules(INDEXER_WEIGHTS, attention=CSA))
+
+
+def hyper_connection_rules() -> list[Rule]:
+    return [Rule(f"{MC}.{norm}.weight", f"{HF}.{hub}.weight", REPLICATED)
+            for norm, hub in (("input_layernorm", "attn_norm"), ("pre_mlp_layernorm", "ffn_norm"))] + [
+        Rule(f"{MC}.{site}_hc.{part}", f"{HF}.hc_{site}_{part}", REPLICATED, dtype="float32")
+        for site in ("attn", "ffn") for part in HC_PARTS]
+
+
+def moe_rules(arch: Arch) -> list[Rule]:
+    own = settings(arch)
+    hashed = frozenset(i for i in range(arch.num_layers) if own.is_hash_layer(i))
+    mc, ffn, expert = f"{MC}.mlp", f"{HF}.ffn", f"{HF}.ffn.experts.{{expert}}"
+    shared = f"{ffn}.shared_experts"
+    return [
+        Rule(f"{mc}.router.weight", f"{ffn}.gate.weight", REPLICATED),
+        Rule(f"{mc}.router.tid2eid", f"{ffn}.gate.tid2eid", REPLICATED, only=hashed, dtype=TID2EID_DTYPE),
+        Rule(f"{mc}.router.expert_bias", f"{ffn}.gate.bias", REPLICATED,
+             only=frozenset(range(arch.num_layers)) - hashed, dtype="float32"),
+        Rule(f"{mc}.experts.linear_fc1.weight{{expert}}", (f"{expert}.w1.weight", f"{expert}.w3.weight"), GATE_UP,
+             Scope.EXPERT),
+        Rule(f"{mc}.experts.linear_fc2.weight{{expert}}", f"{expert}.w2.weight", ROW, Scope.EXPERT),
+        Rule(f"{mc}.shared_experts.linear_fc1.weight", (f"{shared}.w1.weight", f"{shared}.w3.weight"), GATE_UP),
+        Rule(f"{mc}.shared_experts.linear_fc2.weight", f"{shared}.w2.weight", ROW),
+    ]
+
+
+def weight_rules(arch: Arch) -> list[Rule]:
+    embedding, last = "model.embed_tokens.weight", Scope.LAST_STAGE
+    return [
+        Rule("embedding.word_embeddings.weight", embedding, VOCAB, Scope.FIRST_STAGE),
+        *hyper_connection_rules(), *attention_rules(), *moe_rules(arch),
+        *[Rule(f"decoder.final_layernorm.hc_head.{part}", f"model.hc_head.hc_{part}", REPLICATED, last,
+               dtype="float32") for part in HC_PARTS],
+        Rule("decoder.final_layernorm.weight", "model.norm.weight", REPLICATED, last),
+        Rule("output_layer.weight", "head.weight", VOCAB, last, tied_to=embedding),
+    ]

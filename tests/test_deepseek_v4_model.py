@@ -1,0 +1,80 @@
+"""DeepSeek-V4's model on megatron-core's GPTModel (models/deepseek_v4/layers.py) and its weight table
+(mapping.py): the tiny model (sliding, CSA and HCA attention, hash-routed and top-k MoE layers, 4 streams) with
+transformers' random weights, saved by save_pretrained, loaded by the table; its logits equal transformers' in fp32.
+The family is not registered yet: each test (and each rank process) registers it for its length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_patch.runtime.distributed import ParallelLayout
+
+SEQ = 32  # past the sliding window (8), four CSA windows' worth of compressed entries, four HCA ones
+
+
+@pytest.fixture
+def v4():
+    from megatron_patch.models.deepseek_v4.family import registered
+
+    with registered() as family:
+        yield family
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    with registered():
+        hf = make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
+    return with_distinct_hash_tables(hf, seed=3)
+
+
+def with_distinct_hash_tables(hf_dir, seed: int):
+    """transformers initialises ``tid2eid`` to zeros (every token to expert 0, twice), which megatron-core's routing
+    map cannot hold (one entry per expert and token): drawn here as the hub's tables are, k distinct experts per
+    token, in the integer dtype transformers wrote."""
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    for name, table in tensors.items():
+        if name.endswith("tid2eid"):
+            experts, k = 8, table.shape[1]
+            rows = [torch.randperm(experts, generator=g)[:k] for _ in range(table.shape[0])]
+            tensors[name] = torch.stack(rows).to(table.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return hf_dir
+
+
+def logits_worker(source: str, layout: ParallelLayout, tokens: torch.Tensor, from_mcore: bool = False):
+    """This rank's logits (last stage; None elsewhere) of the model built at ``layout`` with the weights of an HF
+    folder, or of a converted MCore checkpoint (``from_mcore``)."""
+    from megatron_patch.models.deepseek_v4.family import registered
+
+    with registered():
+        from megatron_patch.align.parity import mcore_logits_worker
+        from tests.convert_helpers import checkpoint_logits_worker
+
+        if from_mcore:
+            return checkpoint_logits_worker(source, layout, tokens)
+        return mcore_logits_worker([source], layout, [tokens])[0]
+
+
+def transformers_and_ours(hf_dir, layout: ParallelLayout, source=None, from_mcore=False):
+    from megatron_patch.align.parity import compare_logits, hf_logits, random_tokens
+    from megatron_patch.runtime.launch import run_local
+
+    tokens = random_tokens(300, batch=2, seq=SEQ, seed=1)
+    results = run_local(logits_worker, layout.world_size, str(source or hf_dir), layout, tokens, from_mcore)
+    ours = next(r for r in results if r is not None)
+    return compare_logits(hf_logits(hf_dir, tokens), ours)
+
+
+def test_the_tiny_model_has_transformers_logits(v4, hf_dir):
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
+
+    metrics = transformers_and_ours(hf_dir, ParallelLayout())
+    assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
