@@ -78,3 +78,15 @@ def test_the_tiny_model_has_transformers_logits(v4, hf_dir):
 
     metrics = transformers_and_ours(hf_dir, ParallelLayout())
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [ParallelLayout(tp=2), ParallelLayout(ep=2), ParallelLayout(pp=2)], ids=str)
+def test_the_tiny_model_has_transformers_logits_across_ranks(v4, hf_dir, layout):
+    """TP=2 (the heads and the output groups split, the rest whole), EP=2 (four experts a rank), PP=2 (the streams
+    cross the stage folded into the batch, [s, b * 4, h], and the second stage's hash layers route by the token ids
+    its own forward binds)."""
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
+
+    metrics = transformers_and_ours(hf_dir, layout)
+    assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics

@@ -11,6 +11,7 @@ from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, p
 from megatron_patch.models.deepseek_v4.layers import finish_model, layer_spec, transformer_config_kwargs
 from megatron_patch.models.deepseek_v4.mapping import weight_rules
 from megatron_patch.models.deepseek_v4.presets import PRESETS
+from megatron_patch.models.description import registry
 from megatron_patch.models.description.family import ModelFamily, TestLayouts
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
@@ -30,8 +31,6 @@ FAMILY = ModelFamily(
 @contextlib.contextmanager
 def registered():
     """The family in the registry for the length of the block (tests; it is not registered for good yet)."""
-    from megatron_patch.models.description import registry
-
     registry.families()
     known = registry._FAMILIES.get(FAMILY.name)
     registry.register(FAMILY)

@@ -97,7 +97,10 @@ def layer_spec(arch: Arch, config, use_te=None, vp_stage=None, core_attention=No
 def transformer_config_kwargs(arch: Arch) -> dict:
     """V4's MoE block settings; ``moe_layer_freq`` as a list so that megatron-core checkpoints each layer under its
     own keys (the layers differ in their attention and router: they cannot stack on one layer axis)."""
-    return {**moe_config_kwargs(arch.hf_config), "moe_layer_freq": [1] * arch.num_layers}
+    # num_query_groups is nominal (the attention has one key/value head, whole on every TP rank): megatron-core
+    # asks TP to divide it
+    return {**moe_config_kwargs(arch.hf_config), "moe_layer_freq": [1] * arch.num_layers,
+            "num_query_groups": arch.num_heads}
 
 
 def _expand_into_streams(hc_mult: int):

@@ -3,6 +3,7 @@ so that the config reader, the layers and the weight table all read it without i
 
 import dataclasses
 
+from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, FamilyConfig
 
 # config.json's names for the attention of each layer (``layer_types``) and for its MoE block (``mlp_layer_types``)
@@ -49,6 +50,14 @@ class DeepseekV4Settings(FamilyConfig):
     routed_scaling_factor: float
     swiglu_limit: float  # the experts' (and the shared expert's) gate clamped at most, up into [-limit, limit]
     num_nextn_predict_layers: int  # MTP layers in the hub checkpoint (transformers builds none)
+
+    # the one key/value head is whole on every TP rank; the heads and the output groups split (attention.py)
+    replicated_kv_heads = True
+
+    def check_layout(self, arch, layout, pp_first_stage_layers) -> None:
+        if self.o_groups % layout.tp:
+            raise UserError(f"TP={layout.tp} does not divide DeepSeek-V4's {self.o_groups} output groups "
+                            "(o_groups): choose a TP that divides it")
 
     def compress_rate(self, layer_type: str) -> int:
         """Tokens per compressed entry of a CSA or HCA layer (0: a sliding-window layer compresses nothing)."""

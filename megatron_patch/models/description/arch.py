@@ -80,7 +80,12 @@ class FamilyConfig:
     Where the settings make some layers differ from others (Gemma 4's KV-shared last layers), they say how
     (``layer_kind``: the shape probe builds one layer of each kind), follow a renumbering of the layers
     (``only_layers``: the probe's model of a few layers), and refuse the layouts the model cannot run
-    (``check_layout``, called by ``validate_layout``)."""
+    (``check_layout``, called by ``validate_layout``).
+
+    ``replicated_kv_heads``: the family's attention keeps its key/value heads whole on every TP rank (DeepSeek-V4's
+    one shared head), so TP need not divide them."""
+
+    replicated_kv_heads = False
 
     def layer_kind(self, layer: int) -> str:
         return ""
@@ -290,7 +295,8 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
     tp = layout.tp
     if arch.num_heads % tp:
         raise UserError(f"TP={tp} does not divide the {arch.num_heads} attention heads: choose a TP that divides {arch.num_heads}")
-    for shape in arch.attention_shapes:
+    replicated_kv = arch.family_config is not None and arch.family_config.replicated_kv_heads
+    for shape in () if replicated_kv else arch.attention_shapes:
         if shape.num_kv_heads % tp:
             raise UserError(
                 f"TP={tp} does not divide the {shape.num_kv_heads} query groups (key/value heads): "
