@@ -130,4 +130,7 @@ def finish_model(model, arch: Arch) -> None:
     if getattr(model, "pre_process", False):
         model.embedding.register_forward_hook(_expand_into_streams(own.hc_mult))
     model.pipeline_batch_factor = own.hc_mult
+    head = getattr(model.decoder, "final_layernorm", None)
+    if head is not None:  # built by the block, which does not hand it its TP group
+        _replicated_over(head, model.decoder.tp_group)
     bind_token_ids(model)

@@ -15,6 +15,9 @@ HF = "model.layers.{layer}"
 HC_PARTS = ("fn", "base", "scale")
 # transformers writes the key/value norms back as the hub's ``norm`` (its ``.norm.`` -> ``.kv_norm.`` renaming)
 ON_DISK = {"kv_norm.weight": "norm.weight"}
+# checkpoints spell a norm before a linear by the transformer-engine name of the fused pair (models/mapping/naming.py):
+# the query latent's norm precedes linear_q_up_proj, as in multi-latent attention
+CHECKPOINT_NAMES = {"q_layernorm.weight": "linear_q_up_proj.layer_norm_weight"}
 # the hash tables are integers: kept in the integer dtype transformers writes (int64), whatever the checkpoint's
 # float dtype; the model's buffer is int32 and takes them by value
 TID2EID_DTYPE = "int64"
@@ -22,7 +25,8 @@ TID2EID_DTYPE = "int64"
 
 def attention_rules() -> list[Rule]:
     def rules(rows, **only):
-        return [Rule(f"{MC}.self_attention.{mine}", f"{HF}.attn.{ON_DISK.get(hub, hub)}", split, **only)
+        return [Rule(f"{MC}.self_attention.{CHECKPOINT_NAMES.get(mine, mine)}", f"{HF}.attn.{ON_DISK.get(hub, hub)}",
+                     split, **only)
                 for mine, _, hub, split in rows]
     return (rules(WEIGHTS) + rules(COMPRESSOR_WEIGHTS, attention=CSA) + rules(COMPRESSOR_WEIGHTS, attention=HCA)
             + rules(INDEXER_WEIGHTS, attention=CSA))
