@@ -1,14 +1,14 @@
 """DeepSeek-V4's ``ModelFamily``, not registered yet: the family is being built (tests/test_code_layout.py's
 ``BEING_BUILT``). Tests that run it through the builder or the converter register it for their length
-(``registered()``, which names it in ``MPATCH_FAMILIES_BEING_BUILT`` for the processes they start); registering it for good also puts it through every registry-driven test (LoRA, the launcher,
-align), which it is not ready for."""
+(``registered()``, which names it in the registry's ``BEING_BUILT_VARIABLE`` for the processes they start).
+Registering it for good also puts it through every registry-driven test (LoRA, the launcher, align), which it is
+not ready for."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 
-from megatron_patch.models.deepseek_v4 import BEING_BUILT_VARIABLE
 from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, parse_config
 from megatron_patch.models.deepseek_v4.layers import finish_model, layer_spec, transformer_config_kwargs
 from megatron_patch.models.deepseek_v4.mapping import weight_rules
@@ -34,15 +34,15 @@ FAMILY = ModelFamily(
 def registered():
     """The family in the registry for the length of the block (tests; it is not registered for good yet)."""
     registry.families()
-    known, variable = registry._FAMILIES.get(FAMILY.name), os.environ.get(BEING_BUILT_VARIABLE)
+    known, variable = registry._FAMILIES.get(FAMILY.name), os.environ.get(registry.BEING_BUILT_VARIABLE)
     registry.register(FAMILY)
-    os.environ[BEING_BUILT_VARIABLE] = ",".join(filter(None, (variable, FAMILY.name)))
+    os.environ[registry.BEING_BUILT_VARIABLE] = ",".join(filter(None, (variable, FAMILY.name)))
     try:
         yield FAMILY
     finally:
         if known is None:
             registry._FAMILIES.pop(FAMILY.name, None)
         if variable is None:
-            os.environ.pop(BEING_BUILT_VARIABLE, None)
+            os.environ.pop(registry.BEING_BUILT_VARIABLE, None)
         else:
-            os.environ[BEING_BUILT_VARIABLE] = variable
+            os.environ[registry.BEING_BUILT_VARIABLE] = variable

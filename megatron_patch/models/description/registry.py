@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from megatron_patch.models.description.config_checks import check_arch, check_co
 from megatron_patch.models.description.family import ModelFamily
 
 _FAMILIES: dict[str, ModelFamily] = {}
+# Family folders that are being built register nothing (tests/test_code_layout.py's BEING_BUILT), but where this
+# variable names them (comma-separated): their tests set it, so that the processes they start register them too.
+BEING_BUILT_VARIABLE = "MPATCH_FAMILIES_BEING_BUILT"
 _DISCOVERED = False
 # Sub-packages of models/ that hold what families share, by kind (models/__init__.py), not a family.
 NOT_FAMILIES = frozenset({"description", "blocks", "shape", "mapping"})
@@ -34,6 +38,11 @@ def register(family: ModelFamily) -> ModelFamily:
         raise RuntimeError(f"{family.name}: size names that are no preset's or shadow another: {', '.join(wrong)}")
     _FAMILIES[family.name] = family
     return family
+
+
+def being_built_and_asked_for(name: str) -> bool:
+    """Whether a family folder that is being built should register itself in this process."""
+    return name in os.environ.get(BEING_BUILT_VARIABLE, "").split(",")
 
 
 def families() -> dict[str, ModelFamily]:
