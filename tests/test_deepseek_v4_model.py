@@ -31,6 +31,18 @@ def hf_dir(tmp_path_factory):
     return with_distinct_hash_tables(hf, seed=3)
 
 
+@pytest.fixture(scope="module")
+def hf_dir_hash_on_both_stages(tmp_path_factory):
+    """The tiny model with a hash-routed layer on each of two pipeline stages (layers 1 and 3)."""
+    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    with registered():
+        hf = make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=4,
+                                     mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"])
+    return with_distinct_hash_tables(hf, seed=4)
+
+
 def with_distinct_hash_tables(hf_dir, seed: int):
     """transformers initialises ``tid2eid`` to zeros (every token to expert 0, twice), which megatron-core's routing
     map cannot hold (one entry per expert and token): drawn here as the hub's tables are, k distinct experts per
@@ -82,13 +94,13 @@ def test_the_tiny_model_has_transformers_logits(v4, hf_dir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [ParallelLayout(tp=2), ParallelLayout(ep=2), ParallelLayout(pp=2)], ids=str)
-def test_the_tiny_model_has_transformers_logits_across_ranks(v4, hf_dir, layout):
+def test_the_tiny_model_has_transformers_logits_across_ranks(v4, hf_dir, hf_dir_hash_on_both_stages, layout):
     """TP=2 (the heads and the output groups split, the rest whole), EP=2 (four experts a rank), PP=2 (the streams
-    cross the stage folded into the batch, [s, b * 4, h], and the second stage's hash layers route by the token ids
-    its own forward binds)."""
+    cross the stage folded into the batch, [s, b * 4, h], and each stage's hash layer routes by the token ids its
+    own forward binds)."""
     from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
 
-    metrics = transformers_and_ours(hf_dir, layout)
+    metrics = transformers_and_ours(hf_dir_hash_on_both_stages if layout.pp > 1 else hf_dir, layout)
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
 
 
