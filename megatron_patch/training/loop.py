@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks import attention_kernels, compiled_fusions, compiled_layers
 from megatron_patch.models.blocks.builder import build_model_chunks, pipeline_batch_factor
+from megatron_patch.models.blocks.precision import kept_in_float32
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
@@ -170,11 +171,13 @@ def cast_parameters(chunks: list, dtype: torch.dtype) -> None:
     megatron-core's local layer spec builds its norms with torch's RMSNorm, which ignores
     ``params_dtype``: a bf16 model kept fp32 norm weights, so final/ held mixed dtypes and megatron's
     non-distributed fp16/bf16 optimizer failed to save (its checkpoint code maps only the 16-bit
-    parameters). transformer-engine's norms already take ``params_dtype``. Buffers are left as built.
+    parameters). transformer-engine's norms already take ``params_dtype``. Buffers are left as built, and so are
+    the parameters a family declares float32 (``models/blocks/precision.py``: DeepSeek-V4's hyper-connections
+    and norms, as transformers keeps them).
     """
     for chunk in chunks:
         for param in chunk.parameters():
-            if param.is_floating_point() and param.dtype != dtype:
+            if param.is_floating_point() and param.dtype != dtype and not kept_in_float32(param):
                 param.data = param.data.to(dtype)
 
 
