@@ -26,12 +26,19 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_patch.models.blocks.precision import keep_in_float32
 from megatron_patch.models.deepseek_v4.attention import DeepseekV4Attention, V4AttentionSettings
 from megatron_patch.models.deepseek_v4.hyper_connections import (
     HyperConnectedLayer, HyperHead, RMSNorm, expand_streams, stage_input_to_streams, streams_to_stage_output)
 from megatron_patch.models.deepseek_v4.moe import moe_config_kwargs, moe_spec, routing_token_ids
 from megatron_patch.models.deepseek_v4.settings import settings
 from megatron_patch.models.description.arch import Arch
+
+
+# transformers' ``_keep_in_fp32_modules_strict`` under megatron-core's names: the hyper-connections, the attention's
+# sinks and compressor position biases, and every norm (the router's expert bias is a float32 buffer already)
+FLOAT32_MODULES = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "q_layernorm", "kv_layernorm",
+                   "input_layernorm", "pre_mlp_layernorm", "final_layernorm")
 
 
 def _replicated_over(module: torch.nn.Module, tp_group) -> None:
@@ -125,7 +132,7 @@ def bind_token_ids(model) -> None:
 
 def finish_model(model, arch: Arch) -> None:
     """The streams expanded after the embedding (first stage), folded into the batch between stages, and the token
-    ids bound for hash routing (every stage)."""
+    ids bound for hash routing (every stage); the float32 parameters declared so (``FLOAT32_MODULES``)."""
     own = settings(arch)
     if getattr(model, "pre_process", False):
         model.embedding.register_forward_hook(_expand_into_streams(own.hc_mult))
@@ -134,3 +141,4 @@ def finish_model(model, arch: Arch) -> None:
     if head is not None:  # built by the block, which does not hand it its TP group
         _replicated_over(head, model.decoder.tp_group)
     bind_token_ids(model)
+    keep_in_float32(model, FLOAT32_MODULES)
