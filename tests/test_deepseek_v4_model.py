@@ -151,3 +151,37 @@ def test_the_weight_table_round_trips_across_ranks_and_loads_with_transformers_l
     assert_same_tensors(back, hf_dir)
     metrics = transformers_and_ours(hf_dir, layout, source=ckpt, from_mcore=True)
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
+
+
+def sequence_parallel_logits_worker(source: str, tokens: torch.Tensor):
+    """This rank's logits of the model at TP=2 with sequence parallelism, with the weights of an HF folder."""
+    from megatron_patch.models.deepseek_v4.family import registered
+
+    with registered():
+        from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+        from megatron_patch.checkpoint.model_io import load_hf_weights
+        from megatron_patch.models.blocks.builder import build_model
+        from megatron_patch.models.blocks.inference import forward_logits
+        from megatron_patch.models.description.registry import parse_arch
+        from megatron_patch.runtime import init_model_parallel
+
+        layout = ParallelLayout(tp=2)
+        arch = parse_arch(source)
+        init_model_parallel(layout)
+        model = build_model(arch, layout, sequence_parallel=True)
+        assert model.config.sequence_parallel
+        load_hf_weights(model, arch, layout, HFCheckpointReader(source))
+        return forward_logits(model, tokens, arch.vocab_size)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_gives_transformers_logits(v4, hf_dir):
+    """TP=2 with sequence parallelism: the attention gathers the sequence and its output projection scatters it, the
+    hyper-connections and the MoE run on each rank's part; TP=1's logits (transformers' in fp32)."""
+    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, compare_logits, hf_logits, random_tokens
+    from megatron_patch.runtime.launch import run_local
+
+    tokens = random_tokens(300, batch=2, seq=SEQ, seed=1)
+    ours = run_local(sequence_parallel_logits_worker, 2, str(hf_dir), tokens)[0]
+    metrics = compare_logits(hf_logits(hf_dir, tokens), ours)
+    assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics

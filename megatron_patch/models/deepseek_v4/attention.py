@@ -34,13 +34,15 @@ without its loss (models/blocks/sparse_attention.py), so that megatron's DDP exp
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
@@ -300,14 +302,17 @@ class DeepseekV4Attention(MegatronModule):
         super().__init__(config=config)
         if layer_type not in LAYER_TYPES:
             raise ValueError(f"unknown DeepSeek-V4 attention type {layer_type!r}; known: {', '.join(LAYER_TYPES)}")
-        if config.sequence_parallel:
-            raise NotImplementedError("DeepSeek-V4 attention runs without sequence parallelism")
         tp = config.tensor_model_parallel_size
         if settings.num_heads % tp or settings.o_groups % tp or settings.num_heads % settings.o_groups:
             raise ValueError(f"{settings.num_heads} heads in {settings.o_groups} output groups do not split over "
                              f"TP={tp}: both must divide by it, the heads by the groups")
         self.settings, self.layer_type, self.layer_number = settings, layer_type, layer_number
         s = settings
+        # With sequence parallelism the attention gathers the whole sequence once (forward) and its output
+        # projection reduce-scatters it back; everything in between runs as without it (whole sequence, heads
+        # split), so the modules inside are built with a config that has it off. ``linear_proj`` keeps the model's.
+        own_config, config = config, copy.copy(config)
+        config.sequence_parallel = False
         self.local_heads, self.local_groups = s.num_heads // tp, s.o_groups // tp
         self.softmax_scale = s.head_dim ** -0.5
         self.rope = InterleavedRope(s.rope(layer_type), s.rope_head_dim)
@@ -325,7 +330,7 @@ class DeepseekV4Attention(MegatronModule):
         self.linear_o_group_proj = ColumnParallelLinear(s.num_heads * s.head_dim // s.o_groups,
                                                         s.o_groups * s.o_lora_rank, config=config,
                                                         init_method=config.init_method, bias=False, gather_output=False)
-        self.linear_proj = RowParallelLinear(s.o_groups * s.o_lora_rank, s.hidden_size, config=config,
+        self.linear_proj = RowParallelLinear(s.o_groups * s.o_lora_rank, s.hidden_size, config=own_config,
                                              init_method=config.output_layer_init_method, bias=False,
                                              input_is_parallel=True, skip_bias_add=True)
         self.sinks = torch.nn.Parameter(torch.zeros(self.local_heads, dtype=torch.float32))
@@ -347,6 +352,11 @@ class DeepseekV4Attention(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
         s = self.settings
+        if self.config.sequence_parallel:
+            # [s / tp, b, h] -> [s, b, h]. The gradient each rank computes for the whole sequence is already whole
+            # (the heads' shares are summed where they meet: the query latent, the key/value), so the backward
+            # keeps this rank's part instead of reduce-scattering.
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         x = hidden_states.transpose(0, 1)  # [b, s, h]: the layout of the attention arithmetic
         batch, seq, _ = x.shape
         positions = torch.arange(seq, device=x.device)
@@ -391,8 +401,9 @@ class DeepseekV4Attention(MegatronModule):
         weight = self.linear_o_group_proj.weight
         weight = weight.view(self.local_groups, -1, weight.shape[-1]).transpose(1, 2)
         grouped = torch.bmm(grouped, weight).transpose(0, 1).reshape(batch, seq, -1)
-        output, _ = self.linear_proj(grouped)
-        return output.transpose(0, 1).contiguous(), None
+        # sequence first: with sequence parallelism linear_proj reduce-scatters along the first dimension
+        output, _ = self.linear_proj(grouped.transpose(0, 1))
+        return output.contiguous(), None
 
 
 # The attention's weights: (this module's name, transformers' name under ``self_attn``, the hub's name under
