@@ -185,3 +185,40 @@ def test_sequence_parallel_gives_transformers_logits(v4, hf_dir):
     ours = run_local(sequence_parallel_logits_worker, 2, str(hf_dir), tokens)[0]
     metrics = compare_logits(hf_logits(hf_dir, tokens), ours)
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
+
+
+def gradients_worker(source: str, tokens: torch.Tensor, recompute: dict):
+    """Every parameter's gradient of the tiny model's summed logits, trained with ``recompute`` (config overrides)."""
+    from megatron_patch.models.deepseek_v4.family import registered
+
+    with registered():
+        from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+        from megatron_patch.checkpoint.model_io import load_hf_weights
+        from megatron_patch.models.blocks.builder import build_model
+        from megatron_patch.models.description.registry import parse_arch
+        from megatron_patch.runtime import init_model_parallel
+
+        arch = parse_arch(source)
+        init_model_parallel(ParallelLayout())
+        model = build_model(arch, ParallelLayout(), **recompute)
+        load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(source))
+        model.train()
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        logits = model(tokens, positions, None)
+        (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_full_recompute_gives_the_same_gradients_with_hash_routed_layers(v4, hf_dir):
+    """recompute_granularity="full": megatron-core re-runs the layers (two at a time here, a hash-routed layer in
+    each chunk) in the backward, after the forward unbound the token ids; the layers get them back through the
+    checkpoint and the gradients are those of the run without recompute."""
+    from megatron_patch.align.parity import random_tokens
+    from megatron_patch.runtime.launch import run_local
+
+    tokens = random_tokens(300, batch=2, seq=SEQ, seed=1)
+    full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    plain, recomputed = (run_local(gradients_worker, 1, str(hf_dir), tokens, r)[0] for r in ({}, full))
+    assert plain.keys() == recomputed.keys() and any("router" in k for k in plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -17,6 +17,7 @@ block, its schedules and their stage-to-stage buffers carry them unchanged (the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -30,7 +31,7 @@ from megatron_patch.models.blocks.precision import keep_in_float32
 from megatron_patch.models.deepseek_v4.attention import DeepseekV4Attention, V4AttentionSettings
 from megatron_patch.models.deepseek_v4.hyper_connections import (
     HyperConnectedLayer, HyperHead, RMSNorm, expand_streams, stage_input_to_streams, streams_to_stage_output)
-from megatron_patch.models.deepseek_v4.moe import moe_config_kwargs, moe_spec, routing_token_ids
+from megatron_patch.models.deepseek_v4.moe import bound_token_ids, moe_config_kwargs, moe_spec, routing_token_ids
 from megatron_patch.models.deepseek_v4.settings import settings
 from megatron_patch.models.description.arch import Arch
 
@@ -72,9 +73,12 @@ class DeepseekV4Layer(MegatronModule):
         _replicated_over(self, self.self_attention.linear_q_up_proj.tp_group)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, context=None, **kwargs):
-        streams = stage_input_to_streams(hidden_states, self.hc_mult)
-        streams = HyperConnectedLayer.forward(self, streams, lambda x: self.self_attention(x)[0],
-                                              lambda x: self.mlp(x)[0])
+        # ``context`` (no cross-attention here) carries the token ids under full recompute, a checkpointed argument
+        # the recompute hands back (keep_token_ids_through_full_recompute); bound again for the hash layers
+        with routing_token_ids(context) if context is not None else contextlib.nullcontext():
+            streams = stage_input_to_streams(hidden_states, self.hc_mult)
+            streams = HyperConnectedLayer.forward(self, streams, lambda x: self.self_attention(x)[0],
+                                                  lambda x: self.mlp(x)[0])
         output = streams_to_stage_output(streams)
         return make_viewless_tensor(output, requires_grad=output.requires_grad, keep_graph=True), context
 
@@ -130,9 +134,24 @@ def bind_token_ids(model) -> None:
     model.forward = bound
 
 
+def keep_token_ids_through_full_recompute(block) -> None:
+    """Full-layer recompute (``recompute_granularity="full"``) re-runs the block's layers in the backward, after the
+    forward unbound the token ids: megatron-core's checkpoint saves the block's ``context`` argument with the hidden
+    states and hands it to every layer it recomputes, so the bound ids go in as ``context`` (the layer binds them)."""
+    checkpointed = block._checkpointed_forward
+
+    @functools.wraps(checkpointed)
+    def with_token_ids(*args, **kwargs):
+        if kwargs.get("context") is None:  # megatron-core calls it with keywords
+            kwargs["context"] = bound_token_ids()
+        return checkpointed(*args, **kwargs)
+
+    block._checkpointed_forward = with_token_ids
+
+
 def finish_model(model, arch: Arch) -> None:
     """The streams expanded after the embedding (first stage), folded into the batch between stages, and the token
-    ids bound for hash routing (every stage); the float32 parameters declared so (``FLOAT32_MODULES``)."""
+    ids bound for hash routing (every stage, and through full recompute); the float32 parameters declared so (``FLOAT32_MODULES``)."""
     own = settings(arch)
     if getattr(model, "pre_process", False):
         model.embedding.register_forward_hook(_expand_into_streams(own.hc_mult))
@@ -141,4 +160,5 @@ def finish_model(model, arch: Arch) -> None:
     if head is not None:  # built by the block, which does not hand it its TP group
         _replicated_over(head, model.decoder.tp_group)
     bind_token_ids(model)
+    keep_token_ids_through_full_recompute(model.decoder)
     keep_in_float32(model, FLOAT32_MODULES)

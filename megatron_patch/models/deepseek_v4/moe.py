@@ -175,13 +175,18 @@ _BOUND_TOKEN_IDS: list[torch.Tensor | None] = [None]
 def routing_token_ids(input_ids: torch.Tensor | None):
     """Binds this micro-batch's token ids for the hash layers of a forward: ``input_ids`` [b, s] as the model
     takes them (after context-parallel slicing, as the data gives every stage its batch). Unbound on exit, so a
-    layer run outside it (or recomputed after it, but for its own recompute) fails instead of routing by
-    another micro-batch's tokens."""
+    layer run outside it (or recomputed after it, but for its own recompute and the block's full recompute:
+    layers.py) fails instead of routing by another micro-batch's tokens."""
     previous, _BOUND_TOKEN_IDS[0] = _BOUND_TOKEN_IDS[0], input_ids
     try:
         yield
     finally:
         _BOUND_TOKEN_IDS[0] = previous
+
+
+def bound_token_ids() -> torch.Tensor | None:
+    """The token ids ``routing_token_ids`` bound (None outside it)."""
+    return _BOUND_TOKEN_IDS[0]
 
 
 class DeepseekV4MoELayer(MoELayer):
