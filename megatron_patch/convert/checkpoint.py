@@ -221,6 +221,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     check_hf_shapes(reader, skeleton.hf_shapes)
 
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout, checked=True)
+    # tensors kept in the dtype they are stored in (an integer table) take the HF file's
+    transfers = [t.as_stored(lambda t: reader.dtype(t.hf_names[0])) for t in transfers]
     carried = _carried_sources(family, reader, available, notes)
     copier = _make_copier(copier, workers)
     digested: dict = {}
@@ -584,6 +586,8 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         transfers = tp1
         adapters = (LORA_KEY_PREFIX,) if sidecar.lora else ()  # stored beside the base weights (--peft-dir)
         source = _TorchDistSource(data_dir, skeleton, ignore=lambda k: is_training_state(k) or k.startswith(adapters))
+    # tensors kept in the dtype they are stored in (an integer table) are written back in the MCore checkpoint's
+    transfers = [t.as_stored(lambda t: source.shards(t)[0].dtype) for t in transfers]
     entries, made_by = [], {}
     for t in transfers:
         for n in t.hf_names:

@@ -26,6 +26,10 @@ class LayerKind(Enum):
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts", "indexer")
 
 
+# Rule.dtype of a tensor kept in the dtype it is stored in, whatever that is (resolved by the converter per file)
+AS_STORED = "as stored"
+
+
 @dataclass(frozen=True)
 class LoraSite:
     """A rule whose MCore parameter is the weight of a linear layer that takes LoRA adapters, as peft puts
@@ -81,7 +85,9 @@ class Rule:
     mtp: bool = False
     # A dtype it keeps whatever the checkpoint's dtype (DeepSeek's router bias: float32 in the hub's
     # checkpoints and in megatron-core, where routing decisions depend on its exact values), by name
-    # ("float32"): the converter plans bytes by dtype name, without importing torch.
+    # ("float32"): the converter plans bytes by dtype name, without importing torch. ``AS_STORED``: the dtype
+    # the tensor has where it is read from (the HF file on hf2mcore, the MCore checkpoint on mcore2hf), as an
+    # integer table is kept in whichever integer dtype its checkpoint chose.
     dtype: str | None = None
     # The linear layer this rule's weight belongs to takes LoRA adapters (None: it does not).
     lora: LoraSite | None = None
