@@ -8,7 +8,7 @@ layers and the expert bias on ``moe`` ones. LoRA sites are not declared yet."""
 from megatron_patch.models.deepseek_v4.attention import COMPRESSOR_WEIGHTS, INDEXER_WEIGHTS, WEIGHTS
 from megatron_patch.models.deepseek_v4.settings import CSA, HCA, settings
 from megatron_patch.models.description.arch import Arch
-from megatron_patch.models.mapping import GATE_UP, REPLICATED, ROW, VOCAB, Rule, Scope
+from megatron_patch.models.mapping import AS_STORED, GATE_UP, REPLICATED, ROW, VOCAB, Rule, Scope
 
 MC = "decoder.layers.{layer}"
 HF = "model.layers.{layer}"
@@ -18,9 +18,10 @@ ON_DISK = {"kv_norm.weight": "norm.weight"}
 # checkpoints spell a norm before a linear by the transformer-engine name of the fused pair (models/mapping/naming.py):
 # the query latent's norm precedes linear_q_up_proj, as in multi-latent attention
 CHECKPOINT_NAMES = {"q_layernorm.weight": "linear_q_up_proj.layer_norm_weight"}
-# the hash tables are integers: kept in the integer dtype transformers writes (int64), whatever the checkpoint's
-# float dtype; the model's buffer is int32 and takes them by value
-TID2EID_DTYPE = "int64"
+# the hash tables are integers: kept in the integer dtype their file holds (int64 as transformers writes them, int32
+# in ports of the hub's checkpoint), whatever the checkpoint's float dtype, and written back in it; the model's buffer
+# is int32 and takes them by value
+TID2EID_DTYPE = AS_STORED
 
 
 def attention_rules() -> list[Rule]:
