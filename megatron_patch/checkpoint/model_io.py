@@ -48,6 +48,7 @@ def load_hf_weights(model, arch: Arch, layout: ParallelLayout, reader, pp_first_
     """Fill this rank's model from an HF checkpoint (``reader``: ``keys()`` and ``get(name)``, e.g.
     ``HFCheckpointReader``), each tensor cast to the model's own dtype. As strict as the converter."""
     family = get_family(arch.family)
+    reader = family.hf_reader(reader)
     check_hf_names(family, arch, plan(family, arch, ParallelLayout()), reader.keys())
     check_tied_copies(family, arch, reader.get, set(reader.keys()))
     sd = rank_state_dict_from_hf(family, arch, layout, current_coord(), reader.get, model_spec_name(model),

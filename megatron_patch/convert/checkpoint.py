@@ -204,7 +204,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         checked_input(hf_dir / name, inside=hf_dir, how="has a side file", limit=None)
     hf_reader = HFCheckpointReader(hf_dir)
     check_weights_fit(arch, sum(hf_reader.nbytes(n) for n in hf_reader.keys()), f"the safetensors of {hf_dir}")
-    reader = open_weights(hf_reader, arch.hf_config)
+    reader = open_weights(family.hf_reader(hf_reader), arch.hf_config)
     if adapter is not None and adapter.saved:
         reader = adapter.reader(reader)
     notes = []

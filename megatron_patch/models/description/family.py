@@ -128,6 +128,10 @@ class ModelFamily:
     # under language_model.model. and loaded at model.language_model.).
     hf_loaded_prefixes: tuple[tuple[str, str], ...] = ()
     test_layouts: TestLayouts = field(default_factory=TestLayouts)
+    # A view of an HF folder's reader that shows its tensors under the names the weight table reads, for a family
+    # whose hub files are named otherwise than transformers saves them (DeepSeek-V4's): reader -> reader, applied
+    # before any dequantization; None: the names on disk are the table's.
+    hf_names_view: Callable | None = None
     # Multi-token-prediction layers an HF checkpoint carries after the decoder's (DeepSeek-V3: 1); the
     # converter keeps them only when asked, and otherwise drops them saying so.
     hf_mtp_layers: Callable[[dict], int] = _no_mtp_layers
@@ -169,6 +173,10 @@ class ModelFamily:
     @property
     def launcher(self) -> str:
         return f"examples/{self.name}/run_mcore_{self.name}.sh"
+
+    def hf_reader(self, reader):
+        """``reader`` as the weight table reads it (``hf_names_view``)."""
+        return reader if self.hf_names_view is None else self.hf_names_view(reader)
 
     def is_ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored_hf_names)
