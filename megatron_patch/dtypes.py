@@ -25,13 +25,14 @@ SAFETENSORS_TAG_NAMES: dict[str, str] = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
     "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",  # power-of-two block scales (DeepSeek-V4's ue8m0)
 }
 SAFETENSORS_TAG_OF_NAME: dict[str, str] = {v: k for k, v in SAFETENSORS_TAG_NAMES.items()}
 
 # Bytes per element.
 ITEMSIZE: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e8m0fnu": 1,
 }
 
 # config.json's torch_dtype / dtype field is the dtype's name ("bfloat16").

@@ -6,7 +6,8 @@ the FP8 value times its block's scale. ``DequantizingReader`` wraps an ``HFCheck
 the converter plain weights: the scales disappear from its names, and reading ``X.weight`` returns
 the product computed in float32, which the converter then casts to its ``--dtype``, exactly as
 transformers' own dequantization does (``Fp8Dequantize``: float32 product, cast to the model's
-dtype). Memory holds one weight at a time. Writing FP8 back is not done: ``mcore2hf`` writes the
+dtype). DeepSeek-V4's hub files scale by powers of two (ue8m0, ``float8_e8m0fnu``) and store their routed
+experts in FP4, two values a byte with a scale per 32 (``dequantize``). Memory holds one weight at a time. Writing FP8 back is not done: ``mcore2hf`` writes the
 checkpoint's dtype (bf16).
 """
 
@@ -40,11 +41,27 @@ def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
+# FP4 (e2m1) weights: two values a byte, the even one in the low nibble, packed as int8 beside one power-of-two
+# (ue8m0) scale per row and 32 values (DeepSeek-V4's routed experts): transformers 5.24's ``Fp8Dequantize``
+# (``_unpack_fp4``, ``_FP4_E2M1_LUT``) and its FP4 expert layout (``sf_gran_n=1, sf_gran_k=32``).
+FP4_PACKED_DTYPE = "int8"
+FP4_BLOCK = (1, 32)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unpacked_shape(shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
+    """The shape of a stored quantized weight once dequantized: FP4's last dimension holds two values a byte."""
+    return (*shape[:-1], 2 * shape[-1]) if dtype == FP4_PACKED_DTYPE else tuple(shape)
+
+
 def dequantize(weight, scale, block: tuple[int, int]):
-    """float32 weight of an FP8 ``weight`` [rows, cols] with per-block ``scale`` [ceil(rows/b0), ceil(cols/b1)];
-    the last block of a dimension may be partial."""
+    """float32 weight of an FP8 ``weight`` [rows, cols] with per-block ``scale`` [ceil(rows/b0), ceil(cols/b1)]
+    (float32, or ue8m0: a power of two a byte); the last block of a dimension may be partial. An int8 ``weight``
+    is FP4, two values a byte ([rows, cols / 2]), with ``FP4_BLOCK`` scales whatever ``block``."""
     import torch
 
+    if str(weight.dtype) == f"torch.{FP4_PACKED_DTYPE}":
+        return _dequantize_fp4(weight, scale)
     rows, cols = weight.shape
     want = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
     if tuple(scale.shape) != want:
@@ -59,6 +76,29 @@ def dequantize(weight, scale, block: tuple[int, int]):
     for i in range(want[0]):  # in place, one row block at a time: no second weight-sized tensor
         out[i * block[0]:(i + 1) * block[0]].mul_(col_scale[i])
     return out
+
+
+def _dequantize_fp4(weight, scale):
+    import torch
+
+    rows, cols = unpacked_shape(tuple(weight.shape), FP4_PACKED_DTYPE)
+    want = (rows // FP4_BLOCK[0], math.ceil(cols / FP4_BLOCK[1]))
+    if tuple(scale.shape) != want:
+        raise UserError(f"an FP4 weight of shape {(rows, cols)} ({rows} x {cols // 2} bytes) needs one scale per row "
+                        f"and {FP4_BLOCK[1]} values, {want}, found {tuple(scale.shape)}")
+    codes = weight.contiguous().view(torch.uint8).numpy()
+    out = torch.from_numpy(_fp4_pairs()[codes].reshape(rows, cols))
+    return out.mul_(scale.to(torch.float32).repeat_interleave(FP4_BLOCK[1], dim=1)[:, :cols])
+
+
+@functools.lru_cache(maxsize=None)
+def _fp4_pairs():
+    """The two float32 values of each of the 256 bytes of packed FP4: [256, 2], the low nibble's first."""
+    import numpy as np
+
+    values = np.array(E2M1_VALUES, dtype=np.float32)
+    byte = np.arange(256)
+    return np.stack([values[byte & 0xF], values[byte >> 4]], axis=-1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,7 +130,9 @@ class DequantizingReader:
         if stray:
             raise UserError(f"{stray[0]} is stored in FP8 without a {stray[0]}{SCALE_SUFFIX}: cannot dequantize it")
         self.folder = reader.folder
-        self.note = (f"weights dequantized from FP8 ({block[0]}x{block[1]} block scales); "
+        fp4 = any(reader.dtype(n) == FP4_PACKED_DTYPE for n in self.scales)
+        self.note = (f"weights dequantized from FP8 ({block[0]}x{block[1]} block scales)"
+                     f"{f' and FP4 ({FP4_BLOCK[0]}x{FP4_BLOCK[1]} block scales)' if fp4 else ''}; "
                      "quantization_config removed from the config")
 
     def keys(self) -> list[str]:
@@ -111,7 +153,8 @@ class DequantizingReader:
         return "float32" if name in self.scales else self.reader.dtype(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.reader.shape(name)
+        shape = self.reader.shape(name)
+        return unpacked_shape(shape, self.reader.dtype(name)) if name in self.scales else shape
 
     def nbytes(self, name: str) -> int:
         """Bytes read from disk for ``name`` (the FP8 weight and its scales)."""
