@@ -4,6 +4,8 @@ bit. The family is not registered yet: each test registers it for its length."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import pytest
@@ -97,3 +99,64 @@ def test_a_folder_mixing_the_two_namings_is_refused(v4, hf_dir, tmp_path):
                                                              for n, v in t.items()})
     with pytest.raises(UserError, match="mixes DeepSeek's own tensor names .norm.weight. with transformers'"):
         hf_to_mcore(mixed, tmp_path / "out", ParallelLayout(), dtype="fp32", progress=False)
+
+
+FP8_WEIGHTS = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight")
+FP4_WEIGHTS = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                "weight_block_size": [128, 128]}
+
+
+def quantized_as_the_hub(hf_dir, hub_dir, want_dir):
+    """The tiny model in DeepSeek's names and formats (hub_dir): attention and shared-expert weights FP8 (e4m3, a
+    ue8m0 scale per 128 x 128), routed experts FP4 (int8, two e2m1 values a byte, a ue8m0 scale per row and 32),
+    the rest as saved, config.json's quantization_config as the hub's; its codes drawn at random. want_dir: the same
+    weights in transformers' names as transformers 5.24 dequantizes them (``Fp8Dequantize``), in float32."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    g = torch.Generator().manual_seed(5)
+    saved = load_file(hf_dir / "model.safetensors")
+    hub, want = {}, {}
+    for name, tensor in saved.items():
+        hub_name = saved_to_hub(name)
+        rows, cols = tensor.shape if tensor.dim() == 2 else (0, 0)
+        if FP8_WEIGHTS.fullmatch(hub_name):
+            codes = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8)
+            codes[(codes & 0x7F) == 0x7F] = 0x7E  # not e4m3's NaN
+            weight = codes.view(torch.float8_e4m3fn)
+            scale = torch.randint(120, 134, (-(-rows // 128), -(-cols // 128)), generator=g, dtype=torch.uint8)
+        elif FP4_WEIGHTS.fullmatch(hub_name):
+            weight = torch.randint(-128, 128, (rows, cols // 2), generator=g, dtype=torch.int8)
+            scale = torch.randint(120, 134, (rows, cols // 32), generator=g, dtype=torch.uint8)
+        else:
+            hub[hub_name], want[name] = tensor, tensor
+            continue
+        scale = scale.view(torch.float8_e8m0fnu)
+        hub[hub_name], hub[hub_name.removesuffix(".weight") + ".scale"] = weight, scale
+        want[name] = Fp8Dequantize(None)._dequantize_one(weight, scale, torch.float32)
+    for folder, tensors in ((hub_dir, hub), (want_dir, want)):
+        shutil.copytree(hf_dir, folder)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hub_dir / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION}))
+    return hub_dir, want_dir
+
+
+def test_the_hubs_fp8_and_fp4_weights_dequantize_as_transformers_dequantizes_them(v4, hf_dir, tmp_path):
+    """The hub's quantized files convert to the same MCore checkpoint, byte for byte, as the weights transformers
+    dequantizes from them, and come back as those weights."""
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+
+    hub, want = quantized_as_the_hub(hf_dir, tmp_path / "hub", tmp_path / "want")
+    reader = HFCheckpointReader(hub)
+    assert reader.dtype("layers.0.ffn.experts.3.w2.weight") == "int8"
+    assert reader.dtype("layers.0.ffn.experts.3.w2.scale") == "float8_e8m0fnu"
+    assert reader.dtype("layers.1.attn.wq_b.weight") == "float8_e4m3fn"
+    for fmt in ("legacy", "torch_dist"):
+        hf_to_mcore(want, tmp_path / f"want-{fmt}", ParallelLayout(), fmt=fmt, dtype="fp32", progress=False)
+        hf_to_mcore(hub, tmp_path / f"got-{fmt}", ParallelLayout(), fmt=fmt, dtype="fp32", progress=False)
+        assert release_files(tmp_path / f"want-{fmt}") == release_files(tmp_path / f"got-{fmt}")
+    _, back = round_trip(hub, tmp_path, "torch_dist", ParallelLayout(ep=2))
+    assert_same_tensors(back, want)
