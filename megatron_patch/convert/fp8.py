@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 
-from megatron_patch.convert.mxfp4 import Mxfp4Reader
+from megatron_patch.convert.mxfp4 import Mxfp4Reader, _pairs
 from megatron_patch.errors import UserError
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -43,10 +43,10 @@ def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
 
 # FP4 (e2m1) weights: two values a byte, the even one in the low nibble, packed as int8 beside one power-of-two
 # (ue8m0) scale per row and 32 values (DeepSeek-V4's routed experts): transformers 5.24's ``Fp8Dequantize``
-# (``_unpack_fp4``, ``_FP4_E2M1_LUT``) and its FP4 expert layout (``sf_gran_n=1, sf_gran_k=32``).
+# (``_unpack_fp4``, ``_FP4_E2M1_LUT``: the E2M1 values of MXFP4's table, ``mxfp4._pairs``) and its FP4 expert
+# layout (``sf_gran_n=1, sf_gran_k=32``).
 FP4_PACKED_DTYPE = "int8"
 FP4_BLOCK = (1, 32)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def unpacked_shape(shape: tuple[int, ...], dtype: str) -> tuple[int, ...]:
@@ -87,18 +87,8 @@ def _dequantize_fp4(weight, scale):
         raise UserError(f"an FP4 weight of shape {(rows, cols)} ({rows} x {cols // 2} bytes) needs one scale per row "
                         f"and {FP4_BLOCK[1]} values, {want}, found {tuple(scale.shape)}")
     codes = weight.contiguous().view(torch.uint8).numpy()
-    out = torch.from_numpy(_fp4_pairs()[codes].reshape(rows, cols))
+    out = torch.from_numpy(_pairs()[codes].reshape(rows, cols))
     return out.mul_(scale.to(torch.float32).repeat_interleave(FP4_BLOCK[1], dim=1)[:, :cols])
-
-
-@functools.lru_cache(maxsize=None)
-def _fp4_pairs():
-    """The two float32 values of each of the 256 bytes of packed FP4: [256, 2], the low nibble's first."""
-    import numpy as np
-
-    values = np.array(E2M1_VALUES, dtype=np.float32)
-    byte = np.arange(256)
-    return np.stack([values[byte & 0xF], values[byte >> 4]], axis=-1)
 
 
 @functools.lru_cache(maxsize=None)
