@@ -223,7 +223,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     transfers = tp1 if fmt == "torch_dist" else plan(family, arch, layout, checked=True)
     # tensors kept in the dtype they are stored in (an integer table) take the HF file's
     transfers = [t.as_stored(lambda t: reader.dtype(t.hf_names[0])) for t in transfers]
-    carried = _carried_sources(family, reader, available, notes)
+    carried = _carried_sources(family, arch, reader, available, notes, out_dtype)
     copier = _make_copier(copier, workers)
     digested: dict = {}
     with atomic_output_dir(save_dir, force, tool="mpatch convert hf2mcore", inputs=inputs, digested=digested) as tmp:
@@ -231,7 +231,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
         release.mkdir()
         tasks = _copy_checks(family, arch, reader, available)
         # tensors carried byte for byte beside the checkpoint's weights
-        carried_tasks = _move_tasks(copier, _whole_moves(carried, write_carried_plan(tmp, carried))) if carried else []
+        carried_tasks = _carried_tasks(copier, reader, carried, write_carried_plan(tmp, carried)) if carried else []
         if fmt == "legacy":
             out_tasks, count, total, finish = _plan_legacy(release, arch, layout, transfers, reader, out_dtype, copier)
         else:
@@ -293,20 +293,42 @@ def dequantize_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16",
     return Path(save_dir)
 
 
-def _carried_sources(family, reader, available: set[str], notes: list[str]) -> dict[str, Stored]:
-    """The HF tensors the family carries beside the MCore model, where their bytes are; said once, loudly."""
-    names = sorted(n for n in available if family.is_carried(n))
+def _carried_sources(family, arch: Arch, reader, available: set[str], notes: list[str],
+                     out_dtype: str) -> dict[str, Stored]:
+    """The HF tensors the family carries beside the MCore model, where their bytes are; said once, loudly. A
+    family's multi-token-prediction layers kept but not built (``hf_mtp_carried``) are among them; a dequantized
+    one of those (its place None) is written in ``out_dtype``, as the model's weights are."""
+    mtp = family.hf_mtp_names(arch, available) if family.hf_mtp_carried else set()
+    names = sorted(n for n in available if family.is_carried(n) or n in mtp)
     if not names:
         return {}
     sources = {n: reader.stored(n) for n in names}
     computed = [n for n, place in sources.items() if place is None]
-    if computed:
+    if any(n not in mtp for n in computed):
         raise UserError(f"{computed[0]} is quantized: tensors carried beside the model are copied as stored")
-    note = (f"the MCore model holds the language model only: {len(names)} other tensors ({names[0]}, ...) travel "
-            f"beside it unchanged in {CARRIED_TENSORS}, are written back on export and are not trained")
-    print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
-    notes.append(note)
+    sources.update({n: Stored("", 0, tuple(reader.shape(n)), out_dtype) for n in computed})
+    if mtp:
+        note = (f"{len(mtp)} tensors of {family.hf_mtp_layers(arch.hf_config)} multi-token-prediction layer(s) "
+                f"travel beside the MCore model in {CARRIED_TENSORS}{' (dequantized)' if computed else ', unchanged'}, "
+                "are written back on export and are not built or trained")
+        print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
+        notes.append(note)
+    if len(names) > len(mtp):
+        others = [n for n in names if n not in mtp]
+        note = (f"the MCore model holds the language model only: {len(others)} other tensors ({others[0]}, ...) "
+                f"travel beside it unchanged in {CARRIED_TENSORS}, are written back on export and are not trained")
+        print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
+        notes.append(note)
     return sources
+
+
+def _carried_tasks(copier: Copier, reader, sources: dict[str, Stored], places: dict[str, Stored]) -> list:
+    """Copies of the carried tensors into their places: bytes where they are stored, through torch where they are
+    computed (dequantized: their source has no path)."""
+    computed = [n for n, src in sources.items() if not src.path]
+    tasks = _move_tasks(copier, _whole_moves({n: s for n, s in sources.items() if s.path}, places))
+    return tasks + [CallTask(lambda copier, n=n: _write_tensor(copier, places[n], reader.get(n)),
+                             writes=(places[n].path,)) for n in computed]
 
 
 def _whole_moves(sources: dict[str, Stored], places: dict[str, Stored]) -> list[Move]:
@@ -318,11 +340,17 @@ def _multi_token_prediction(family, arch: Arch, reader, keep: bool | str, notes:
     """(the HF tensors to convert, the model to build): with ``keep`` ("auto": where config.json declares some), the
     MTP layers join the model; without, their tensors are left out, loudly."""
     names, count = set(reader.keys()), family.hf_mtp_layers(arch.hf_config)
+    asked = keep is True
     if keep == "auto":
         keep = count > 0
     if keep:
         if not count:
             raise UserError("--mtp: this checkpoint's config.json declares no multi-token-prediction layers")
+        if family.hf_mtp_carried:  # kept beside the model (_carried_sources), not built into it
+            if asked and not family.hf_mtp_names(arch, names):
+                raise UserError(f"--mtp: config.json declares {count} multi-token-prediction layer(s) but the checkpoint "
+                                "holds none of their tensors (transformers' save_pretrained does not write them)")
+            return names, arch
         return names, dataclasses.replace(arch, mtp_layers=count)
     dropped = family.hf_mtp_names(arch, names)
     if dropped:

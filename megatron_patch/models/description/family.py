@@ -138,6 +138,10 @@ class ModelFamily:
     # Where those layers' HF tensors are (name prefixes, for ``count`` layers): after the decoder's layers in
     # DeepSeek-V3's layout, under ``mtp.`` in Qwen3-Next's.
     hf_mtp_prefixes: Callable[[Arch, int], tuple[str, ...]] = _layers_after_decoder
+    # Whether those layers are carried, not built: kept (``--mtp``), their tensors travel beside the MCore model
+    # unchanged (convert/carried.py) and are written back on export, but no MTP block is built or trained
+    # (DeepSeek-V4's, whose MTP layer megatron-core's block does not express yet).
+    hf_mtp_carried: bool = False
     # HF tensors that are copies of others (an MTP layer's embedding and head): checked equal on the way
     # in, written again on the way out.
     hf_copies: Callable[[Arch], dict[str, str]] = _no_copies
