@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_patch.runtime.distributed import ParallelLayout
-from tests.test_deepseek_v4_model import assert_same_tensors, hf_dir, round_trip, transformers_and_ours, v4  # noqa: F401
+from tests.deepseek_v4_helpers import assert_same_tensors, checkpoint_against_transformers, hf_dir, round_trip, v4  # noqa: F401
 
 
 def rewritten(src, dst, change):
@@ -45,7 +45,7 @@ def test_an_int32_tid2eid_checkpoint_loads_with_transformers_logits(v4, hf_dir, 
 
     src = rewritten(hf_dir, tmp_path / "hf", with_tables_in(torch.int32))
     ckpt, _ = round_trip(src, tmp_path, "torch_dist", ParallelLayout())
-    metrics = transformers_and_ours(hf_dir, ParallelLayout(), source=ckpt, from_mcore=True)
+    metrics = checkpoint_against_transformers(hf_dir, ckpt)
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
 
 
@@ -101,25 +101,28 @@ def test_a_folder_mixing_the_two_namings_is_refused(v4, hf_dir, tmp_path):
         hf_to_mcore(mixed, tmp_path / "out", ParallelLayout(), dtype="fp32", progress=False)
 
 
-FP8_WEIGHTS = re.compile(r"layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])\.weight")
-FP4_WEIGHTS = re.compile(r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
+FP8_WEIGHTS = re.compile(r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]"
+                         r"|e_proj|h_proj)\.weight")
+FP4_WEIGHTS = re.compile(r"(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight")
 QUANTIZATION = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "ue8m0",
                 "weight_block_size": [128, 128]}
 
 
 def quantized_as_the_hub(hf_dir, hub_dir, want_dir):
-    """The tiny model in DeepSeek's names and formats (hub_dir): attention and shared-expert weights FP8 (e4m3, a
-    ue8m0 scale per 128 x 128), routed experts FP4 (int8, two e2m1 values a byte, a ue8m0 scale per row and 32),
-    the rest as saved, config.json's quantization_config as the hub's; its codes drawn at random. want_dir: the same
-    weights in transformers' names as transformers 5.24 dequantizes them (``Fp8Dequantize``), in float32."""
+    """The tiny model with an MTP layer in DeepSeek's names and formats (hub_dir): attention, shared-expert and MTP
+    projection weights FP8 (e4m3, a ue8m0 scale per 128 x 128), routed experts FP4 (int8, two e2m1 values a byte, a
+    ue8m0 scale per row and 32), the rest as saved, config.json's quantization_config as the hub's; its codes drawn
+    at random. want_dir: the same weights in transformers' names as transformers 5.24 dequantizes them
+    (``Fp8Dequantize``), in float32."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
+    from megatron_patch.models.deepseek_v4.hub_names import hub_to_saved
+
     g = torch.Generator().manual_seed(5)
-    saved = load_file(hf_dir / "model.safetensors")
     hub, want = {}, {}
-    for name, tensor in saved.items():
-        hub_name = saved_to_hub(name)
+    for hub_name, tensor in with_an_mtp_layer()(load_file(hf_dir / "model.safetensors")).items():
+        name = hub_to_saved(hub_name)
         rows, cols = tensor.shape if tensor.dim() == 2 else (0, 0)
         if FP8_WEIGHTS.fullmatch(hub_name):
             codes = torch.randint(0, 256, (rows, cols), generator=g, dtype=torch.uint8)
@@ -138,25 +141,99 @@ def quantized_as_the_hub(hf_dir, hub_dir, want_dir):
     for folder, tensors in ((hub_dir, hub), (want_dir, want)):
         shutil.copytree(hf_dir, folder)
         save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((hf_dir / "config.json").read_text())
+        declaring_mtp(folder)
+    config = json.loads((hub_dir / "config.json").read_text())
     (hub_dir / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION}))
     return hub_dir, want_dir
 
 
 def test_the_hubs_fp8_and_fp4_weights_dequantize_as_transformers_dequantizes_them(v4, hf_dir, tmp_path):
-    """The hub's quantized files convert to the same MCore checkpoint, byte for byte, as the weights transformers
-    dequantizes from them, and come back as those weights."""
+    """The hub's quantized files convert to the same MCore checkpoint, byte for byte (its MTP layer, carried, too),
+    as the weights transformers dequantizes from them, and come back as those weights."""
     from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
-    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.convert.carried import CARRIED_TENSORS
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
 
     hub, want = quantized_as_the_hub(hf_dir, tmp_path / "hub", tmp_path / "want")
     reader = HFCheckpointReader(hub)
     assert reader.dtype("layers.0.ffn.experts.3.w2.weight") == "int8"
     assert reader.dtype("layers.0.ffn.experts.3.w2.scale") == "float8_e8m0fnu"
     assert reader.dtype("layers.1.attn.wq_b.weight") == "float8_e4m3fn"
+    assert reader.dtype("mtp.0.e_proj.weight") == "float8_e4m3fn" and "mtp.0.ffn.experts.0.w1.scale" in reader
     for fmt in ("legacy", "torch_dist"):
-        hf_to_mcore(want, tmp_path / f"want-{fmt}", ParallelLayout(), fmt=fmt, dtype="fp32", progress=False)
-        hf_to_mcore(hub, tmp_path / f"got-{fmt}", ParallelLayout(), fmt=fmt, dtype="fp32", progress=False)
-        assert release_files(tmp_path / f"want-{fmt}") == release_files(tmp_path / f"got-{fmt}")
-    _, back = round_trip(hub, tmp_path, "torch_dist", ParallelLayout(ep=2))
+        got, expected = tmp_path / f"got-{fmt}", tmp_path / f"want-{fmt}"
+        hf_to_mcore(want, expected, ParallelLayout(), fmt=fmt, dtype="fp32", progress=False, mtp=True)
+        hf_to_mcore(hub, got, ParallelLayout(), fmt=fmt, dtype="fp32", progress=False, mtp=True)
+        assert release_files(expected) == release_files(got)
+        assert (got / CARRIED_TENSORS).read_bytes() == (expected / CARRIED_TENSORS).read_bytes()
+    ckpt, back = tmp_path / "ep2", tmp_path / "back"
+    hf_to_mcore(hub, ckpt, ParallelLayout(ep=2), dtype="fp32", progress=False, mtp=True)
+    mcore_to_hf(ckpt, back, progress=False)
     assert_same_tensors(back, want)
+
+
+def with_an_mtp_layer(hidden: int = 64, hc: int = 4):
+    """The tensors in DeepSeek's names with one multi-token-prediction layer as the hub lays it out (``mtp.0.``: a
+    sliding-attention, top-k MoE block, e_proj, h_proj, enorm, hnorm, norm and an hc_head of its own), drawn at
+    random; config.json then declares it."""
+    def change(tensors):
+        tensors = hub_named(tensors)
+        g = torch.Generator().manual_seed(7)
+        block = {n.removeprefix("layers.0."): t for n, t in tensors.items()
+                 if n.startswith("layers.0.") and ".ffn." not in n}
+        block |= {n.removeprefix("layers.2."): t for n, t in tensors.items() if n.startswith("layers.2.ffn.")}
+        block |= {"e_proj.weight": torch.empty(hidden, hidden), "h_proj.weight": torch.empty(hidden, hidden),
+                  "enorm.weight": torch.empty(hidden), "hnorm.weight": torch.empty(hidden),
+                  "norm.weight": torch.empty(hidden), "hc_head_fn": torch.empty(hc, hc * hidden),
+                  "hc_head_base": torch.empty(hc), "hc_head_scale": torch.empty(1)}
+        mtp = {f"mtp.0.{n}": (torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t)
+               for n, t in block.items()}
+        return tensors | mtp
+    return change
+
+
+def declaring_mtp(folder, count: int = 1):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": count}))
+    return folder
+
+
+def test_the_mtp_layer_travels_beside_the_checkpoint_and_comes_back_bit_exact(v4, hf_dir, tmp_path):
+    """--mtp on the hub's files: the MCore model is the one without MTP (its weights byte-identical), the mtp.0.*
+    tensors are carried beside it and written back unchanged; without --mtp they are left out, saying so; --mtp on
+    transformers' save (which holds no MTP tensors) is refused."""
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.carried import CARRIED_TENSORS
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.errors import UserError
+
+    hub = declaring_mtp(rewritten(hf_dir, tmp_path / "hub", with_an_mtp_layer()))
+    mtp = sorted(n for n in HFCheckpointReader(hub).keys() if n.startswith("mtp.0."))
+    assert {"mtp.0.e_proj.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.weight", "mtp.0.ffn.gate.bias",
+            "mtp.0.ffn.experts.7.w2.weight"} <= set(mtp)
+    want = tmp_path / "want"
+    hf_to_mcore(hf_dir, want, ParallelLayout(), dtype="fp32", progress=False)
+    for fmt, layout in (("torch_dist", ParallelLayout()), ("legacy", ParallelLayout(ep=2))):
+        ckpt, back = tmp_path / f"mtp-{fmt}", tmp_path / f"back-{fmt}"
+        hf_to_mcore(hub, ckpt, layout, fmt=fmt, dtype="fp32", progress=False, mtp=True)
+        assert _carried_names(ckpt / CARRIED_TENSORS) == mtp
+        if fmt == "torch_dist":
+            assert release_files(ckpt) == release_files(want)
+        mcore_to_hf(ckpt, back, progress=False)
+        got, source = HFCheckpointReader(back), HFCheckpointReader(hub)
+        assert sorted(n for n in got.keys() if n.startswith("mtp.")) == mtp
+        for n in mtp:
+            assert got.dtype(n) == source.dtype(n) and got.read_bytes(n) == source.read_bytes(n), n
+        assert_same_tensors(back, hf_dir, mtp)
+    dropped = tmp_path / "dropped"
+    hf_to_mcore(hub, dropped, ParallelLayout(), dtype="fp32", progress=False)
+    assert not (dropped / CARRIED_TENSORS).exists() and release_files(dropped) == release_files(want)
+    with pytest.raises(UserError, match="holds none of their tensors"):
+        hf_to_mcore(declaring_mtp(rewritten(hf_dir, tmp_path / "saved", dict)), tmp_path / "out", ParallelLayout(),
+                    dtype="fp32", progress=False, mtp=True)
+
+
+def _carried_names(path):
+    from megatron_patch.checkpoint.hf_reader import read_safetensors_header
+
+    return sorted(read_safetensors_header(path))

@@ -11,7 +11,8 @@ import os
 
 from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, parse_config
 from megatron_patch.models.deepseek_v4.layers import finish_model, layer_spec, transformer_config_kwargs
-from megatron_patch.models.deepseek_v4.hub_names import hf_names_view
+from megatron_patch.models.blocks.mtp import num_mtp_layers
+from megatron_patch.models.deepseek_v4.hub_names import hf_names_view, mtp_prefixes
 from megatron_patch.models.deepseek_v4.mapping import weight_rules
 from megatron_patch.models.deepseek_v4.presets import PRESETS
 from megatron_patch.models.description import registry
@@ -29,6 +30,8 @@ FAMILY = ModelFamily(
     skeleton_from_megatron_core="its layers (hyper-connections, V4 attention, hash routing) are modules of its own",
     test_layouts=TestLayouts(parity=(L(), L(tp=2), L(pp=2))),
     hf_names_view=hf_names_view,  # the hub's own names (hub_names.py) read as transformers' save names
+    # its MTP layers (mtp.{k}.*) convert-only: carried beside the model with --mtp, not built
+    hf_mtp_layers=num_mtp_layers, hf_mtp_prefixes=mtp_prefixes, hf_mtp_carried=True,
 )
 
 

@@ -22,6 +22,9 @@ TOP_LEVEL = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.
 # a decoder layer's tensor named differently by the two (the hub's -> transformers' save name, within the layer)
 IN_LAYER = {"attn.kv_norm.weight": "attn.norm.weight"}
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+# the multi-token-prediction layers (a decoder layer with e_proj, h_proj, enorm, hnorm, norm and hc_head_* of its
+# own, under ``mtp.{k}.``): transformers builds none and ignores them on load; carried under the hub's names
+MTP = re.compile(r"mtp\.\d+\..+")
 SCALE = re.compile(r"(.+)\.scale")  # a quantized weight's scales (not hc_*_scale: those end in _scale)
 
 
@@ -33,6 +36,8 @@ def hub_to_saved(name: str) -> str | None:
         return None if weight is None else weight.removesuffix(".weight") + ".weight_scale_inv"
     if name in TOP_LEVEL:
         return TOP_LEVEL[name]
+    if MTP.fullmatch(name):
+        return name
     layer = LAYER.fullmatch(name)
     if layer:
         return f"model.layers.{layer.group(1)}.{IN_LAYER.get(layer.group(2), layer.group(2))}"
@@ -40,7 +45,8 @@ def hub_to_saved(name: str) -> str | None:
 
 
 def is_hub_named(names) -> bool:
-    """Whether a folder's tensor names are the hub's (False: transformers' save names); a mixture is refused."""
+    """Whether a folder's tensor names are the hub's (False: transformers' save names); a mixture is refused. The
+    MTP layers' names (``mtp.{k}.``) are the same in both: an export carries them under the hub's names."""
     names = list(names)
     hub = [n for n in names if n in TOP_LEVEL and n != "head.weight" or n.startswith("layers.")]
     saved = [n for n in names if n.startswith("model.")]
@@ -90,6 +96,11 @@ class HubNamedReader:
 
     def read_bytes(self, name: str) -> bytearray:
         return self.reader.read_bytes(self.hub[name])
+
+
+def mtp_prefixes(arch, count: int) -> tuple[str, ...]:
+    """Where the hub's ``count`` multi-token-prediction layers are (``ModelFamily.hf_mtp_prefixes``)."""
+    return tuple(f"mtp.{k}." for k in range(count))
 
 
 def hf_names_view(reader):

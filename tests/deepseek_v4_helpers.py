@@ -1,0 +1,89 @@
+"""What DeepSeek-V4's converter tests share (tests/test_deepseek_v4_hub.py): the family registered for a test's
+length, the tiny model as transformers saves it with distinct hash tables, a round trip through megatron-core, and
+its logits against transformers'. The family is not registered yet: each test (and each rank process) registers it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_patch.runtime.distributed import ParallelLayout
+
+SEQ = 32  # past the sliding window (8), four CSA windows' worth of compressed entries, four HCA ones
+
+
+@pytest.fixture
+def v4():
+    from megatron_patch.models.deepseek_v4.family import registered
+
+    with registered() as family:
+        yield family
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    with registered():
+        hf = make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
+    return with_distinct_hash_tables(hf, seed=3)
+
+
+def with_distinct_hash_tables(hf_dir, seed: int):
+    """transformers initialises ``tid2eid`` to zeros, which megatron-core's routing map cannot hold: drawn here as
+    the hub's tables are, k distinct experts per token, in the integer dtype transformers wrote."""
+    from safetensors.torch import load_file, save_file
+
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    for name, table in tensors.items():
+        if name.endswith("tid2eid"):
+            experts, k = 8, table.shape[1]
+            tensors[name] = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(table.shape[0])]
+                                        ).to(table.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return hf_dir
+
+
+def round_trip(hf_dir, out, fmt: str, layout: ParallelLayout):
+    """hf2mcore at ``layout`` then mcore2hf; the converted checkpoint folder and the HF folder it came back to."""
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+
+    name = f"{fmt}-{layout.tp}-{layout.pp}-{layout.ep}"
+    ckpt, back = out / name, out / f"back-{name}"
+    hf_to_mcore(hf_dir, ckpt, layout, fmt=fmt, dtype="fp32", progress=False)
+    mcore_to_hf(ckpt, back, progress=False)
+    return ckpt, back
+
+
+def assert_same_tensors(got_dir, want_dir, extra=()):
+    """``got_dir`` holds ``want_dir``'s tensors bit for bit (dtype included), and ``extra`` beside them."""
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+
+    got, want = HFCheckpointReader(got_dir), HFCheckpointReader(want_dir)
+    assert sorted(got.keys()) == sorted([*want.keys(), *extra])
+    for name in want.keys():
+        a, b = got.get(name), want.get(name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def checkpoint_logits_worker(source: str, layout: ParallelLayout, tokens: torch.Tensor):
+    """This rank's logits (last stage; None elsewhere) of the model built at ``layout`` from an MCore checkpoint."""
+    from megatron_patch.models.deepseek_v4.family import registered
+
+    with registered():
+        from tests.convert_helpers import checkpoint_logits_worker as worker
+
+        return worker(source, layout, tokens)
+
+
+def checkpoint_against_transformers(hf_dir, ckpt, layout: ParallelLayout = ParallelLayout()):
+    """rel_l2 and kl of the MCore checkpoint's logits against transformers' of ``hf_dir``."""
+    from megatron_patch.align.parity import compare_logits, hf_logits, random_tokens
+    from megatron_patch.runtime.launch import run_local
+
+    tokens = random_tokens(300, batch=2, seq=SEQ, seed=1)
+    results = run_local(checkpoint_logits_worker, layout.world_size, str(ckpt), layout, tokens)
+    return compare_logits(hf_logits(hf_dir, tokens), next(r for r in results if r is not None))
