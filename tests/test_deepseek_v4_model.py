@@ -1,6 +1,6 @@
 """DeepSeek-V4's model on megatron-core's GPTModel (models/deepseek_v4/layers.py) and its weight table
 (mapping.py): the tiny model (sliding, CSA and HCA attention, hash-routed and top-k MoE layers, 4 streams) with
-transformers' random weights, saved by save_pretrained, loaded by the table; its logits equal transformers' in fp32.
+transformers' random weights (the hash tables drawn as the hub's), saved by save_pretrained, loaded by the table; its logits equal transformers' in fp32.
 The family is not registered yet: each test (and each rank process) registers it for its length."""
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ def hf_dir(tmp_path_factory):
     from megatron_patch.models.deepseek_v4.family import registered
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
-    with registered():
-        hf = make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
-    return with_distinct_hash_tables(hf, seed=3)
+    with registered():  # the hash tables drawn k distinct experts per token, as the hub's (the family's tiny_buffer)
+        return make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -38,27 +37,8 @@ def hf_dir_hash_on_both_stages(tmp_path_factory):
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     with registered():
-        hf = make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=4,
-                                     mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"])
-    return with_distinct_hash_tables(hf, seed=4)
-
-
-def with_distinct_hash_tables(hf_dir, seed: int):
-    """transformers initialises ``tid2eid`` to zeros (every token to expert 0, twice), which megatron-core's routing
-    map cannot hold (one entry per expert and token): drawn here as the hub's tables are, k distinct experts per
-    token, in the integer dtype transformers wrote."""
-    from safetensors.torch import load_file, save_file
-
-    path = hf_dir / "model.safetensors"
-    tensors = load_file(path)
-    g = torch.Generator().manual_seed(seed)
-    for name, table in tensors.items():
-        if name.endswith("tid2eid"):
-            experts, k = 8, table.shape[1]
-            rows = [torch.randperm(experts, generator=g)[:k] for _ in range(table.shape[0])]
-            tensors[name] = torch.stack(rows).to(table.dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return hf_dir
+        return make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=4,
+                                       mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"])
 
 
 def logits_worker(source: str, layout: ParallelLayout, tokens: torch.Tensor, from_mcore: bool = False):

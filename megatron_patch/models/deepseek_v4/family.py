@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+
 from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, parse_config
 from megatron_patch.models.deepseek_v4.layers import finish_model, layer_spec, transformer_config_kwargs
 from megatron_patch.models.blocks.mtp import num_mtp_layers
@@ -19,6 +21,17 @@ from megatron_patch.models.description import registry
 from megatron_patch.models.description.family import ModelFamily, TestLayouts
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
+
+def tiny_hash_tables(raw: dict, name: str, buffer: torch.Tensor) -> torch.Tensor | None:
+    """A tiny model's ``tid2eid`` drawn as the hub's tables are, k distinct experts per token: transformers
+    initialises them to zeros (every token to expert 0, k times), which megatron-core's routing map cannot hold (one
+    entry per expert and token)."""
+    if not name.endswith("tid2eid"):
+        return None
+    rows, k = buffer.shape
+    return torch.stack([torch.randperm(raw["n_routed_experts"])[:k] for _ in range(rows)]).to(buffer.dtype)
+
+
 FAMILY = ModelFamily(
     name="deepseek_v4", summary="DeepSeek-V4: hyper-connection streams, sliding/CSA/HCA attention with a shared "
                                 "key/value head and sinks, hash-routed and top-k MoE with clamped SwiGLU",
@@ -26,7 +39,7 @@ FAMILY = ModelFamily(
     launcher_more_parallel_args=(("ETP", "EP"),),
     parse_config=parse_config, config_keys=CONFIG_KEYS, weight_rules=weight_rules, tiny_config=TINY_CONFIG,
     presets=PRESETS, transformer_config_kwargs=transformer_config_kwargs, layer_spec=layer_spec,
-    finish_model=finish_model,
+    finish_model=finish_model, tiny_buffer=tiny_hash_tables,
     skeleton_from_megatron_core="its layers (hyper-connections, V4 attention, hash routing) are modules of its own",
     test_layouts=TestLayouts(parity=(L(), L(tp=2), L(pp=2))),
     hf_names_view=hf_names_view,  # the hub's own names (hub_names.py) read as transformers' save names

@@ -162,6 +162,10 @@ class ModelFamily:
     # disk) instead of deriving it from the weight table (models/derived_skeleton.py); None: it derives. A test
     # holds each family to this (tests/test_family_seams.py), so no family falls back to the slow path unsaid.
     skeleton_from_megatron_core: str | None = None
+    # A tiny model's stored buffer that random numbers would not make valid (DeepSeek-V4's hash tables: k distinct
+    # experts per token), drawn by the family: (config.json, name, buffer) -> its value, or None (drawn as the
+    # others: floats at random, integers as transformers initialises them); models/description/tiny.py.
+    tiny_buffer: Callable | None = None
     # The transformers auto class whose model its hub checkpoints hold (tiny checkpoints are made with it):
     # Qwen3.5's is the multimodal model, of which the family converts and trains the language model.
     hf_auto_class: str = "AutoModelForCausalLM"

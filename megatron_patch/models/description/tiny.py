@@ -22,7 +22,8 @@ def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **o
 
     Every parameter is drawn at random, norms and biases included, and so is every stored buffer
     (DeepSeek's router score correction bias), so a mapping that drops or swaps any of them changes
-    the logits.
+    the logits; a buffer that must hold valid values (DeepSeek-V4's hash tables) is drawn by its family
+    (``ModelFamily.tiny_buffer``).
     """
     # transformers (0.6 s to import on 2 cores) only where a tiny model is made
     import transformers
@@ -38,8 +39,12 @@ def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **o
             else:
                 p.normal_(0.0, 0.08)
         stored = set(model.state_dict())
+        own = get_family(family).tiny_buffer
         for name, b in model.named_buffers():
-            if name in stored and b.is_floating_point():
+            drawn = own(raw, name, b) if own is not None and name in stored else None
+            if drawn is not None:
+                b.copy_(drawn)
+            elif name in stored and b.is_floating_point():
                 b.normal_(0.0, 0.05)
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
