@@ -105,6 +105,37 @@ def assert_same_tensors(got_dir, want_dir):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+def checkpoint_keys_worker():
+    """The torch_dist keys of the tiny model on the local spec (CPU), and the MCore names its weight table plans."""
+    import re
+
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.models.description.registry import get_family, parse_arch
+    from megatron_patch.models.description.tiny import tiny_config
+    from megatron_patch.models.mapping import plan_transfers
+    from megatron_patch.runtime import init_model_parallel
+
+    with registered():
+        arch = parse_arch(tiny_config("deepseek_v4"))
+        init_model_parallel(ParallelLayout())
+        model = build_model(arch, ParallelLayout(), use_te=False)
+        keys = {entry.key for name, entry in model.sharded_state_dict().items() if not name.endswith("_extra_state")}
+        names = {p.mcore_name for t in plan_transfers(get_family("deepseek_v4").weight_rules(arch), arch, ParallelLayout())
+                 for p in t.placements}
+    # each layer under its own keys (moe_layer_freq a list), the experts stacked
+    return keys, {re.sub(r"mlp\.experts\.(linear_fc[12])\.weight\d+", r"mlp.experts.experts.\1.weight", n) for n in names}
+
+
+def test_local_spec_checkpoint_keys_are_the_weight_tables_names(v4):
+    """A checkpoint the local spec writes (training on CPU) has the names the converter reads: the query latent's
+    norm under its transformer-engine name (``linear_q_up_proj.layer_norm_weight``), not ``q_layernorm.weight``."""
+    from megatron_patch.runtime.launch import run_local
+
+    keys, planned = run_local(checkpoint_keys_worker, 1)[0]
+    assert keys == planned, (sorted(keys - planned)[:4], sorted(planned - keys)[:4])
+
+
 def test_the_weight_table_round_trips_bit_exact_at_tp1(v4, hf_dir, tmp_path):
     """Every tensor transformers wrote (the hub's names: attn.wq_a, attn.compressor.wkv, ffn.gate.tid2eid in its
     int64, hc_attn_fn, model.hc_head.hc_fn, head.weight) to megatron-core and back, bit for bit."""

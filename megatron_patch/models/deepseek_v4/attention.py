@@ -344,10 +344,14 @@ class DeepseekV4Attention(MegatronModule):
                 self.indexer = Indexer(config, s, rate)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-        """megatron-core's, with the sinks split by heads (a bare parameter would be saved as whole on every rank)."""
+        """megatron-core's, with the sinks split by heads (a bare parameter would be saved as whole on every rank),
+        and the query latent's norm under the transformer-engine name the weight table uses (mapping.py's
+        CHECKPOINT_NAMES), as megatron-core's layer renames multi-latent attention's (its sharded_state_dict_keys_map)."""
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         key = f"{prefix}sinks"
         state[key] = make_tp_sharded_tensor_for_checkpoint(self.sinks, key, 0, prepend_offsets=sharded_offsets)
+        norm = state[f"{prefix}q_layernorm.weight"]
+        norm.key = norm.key.replace("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight")
         return state
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
