@@ -125,3 +125,18 @@ def test_longer_lists_are_cut_to_the_layers_as_transformers_cuts_them():
            "mlp_layer_types": [*TINY_CONFIG["mlp_layer_types"], MOE]}
     assert read(raw) == read(TINY_CONFIG)
     assert transformers.DeepseekV4Config(**raw).layer_types == list(read(raw).layer_types)
+
+
+@pytest.mark.parametrize("name", ["Flash", "Pro"])
+def test_the_least_weight_bound_fits_the_hubs_files(name):
+    """The bound a conversion checks the files against (config_checks.check_weights_fit) stays under what the hub's
+    files hold at the least (every weight one byte, FP8, the routed experts half a byte, FP4), where the common bound
+    (the output projection as heads x head_dim x hidden, every expert weight a byte) would not."""
+    from megatron_patch.models.description.config_checks import least_weight_elements
+
+    arch = read(PRESETS[name])
+    h, width, experts = arch.hidden_size, arch.moe_ffn_hidden_size, arch.num_experts
+    routed = arch.num_layers * experts * 3 * h * width
+    smallest_files = parameter_count(arch) - routed + routed // 2
+    common = (arch.vocab_size * h + arch.num_layers * (arch.num_heads * arch.head_dim * h + experts * 2 * width * h))
+    assert least_weight_elements(arch) < smallest_files < common

@@ -59,6 +59,15 @@ class DeepseekV4Settings(FamilyConfig):
             raise UserError(f"TP={layout.tp} does not divide DeepSeek-V4's {self.o_groups} output groups "
                             "(o_groups): choose a TP that divides it")
 
+    def least_weight_elements(self, arch) -> int:
+        """The embedding, each layer's grouped output projection (heads -> o_groups x o_lora_rank -> hidden, a
+        fraction of the common bound's heads x head_dim x hidden) and its experts' up and down projections at half
+        a byte per weight (the hub stores them in FP4, two to a byte)."""
+        h = arch.hidden_size
+        output = arch.num_heads * arch.head_dim * self.o_lora_rank + self.o_groups * self.o_lora_rank * h
+        experts = arch.num_experts * 2 * arch.moe_ffn_hidden_size * h // 2
+        return arch.vocab_size * h + arch.num_layers * (output + experts)
+
     def compress_rate(self, layer_type: str) -> int:
         """Tokens per compressed entry of a CSA or HCA layer (0: a sliding-window layer compresses nothing)."""
         return dict(self.compress_rates).get(layer_type, 0)

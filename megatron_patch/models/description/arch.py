@@ -96,6 +96,12 @@ class FamilyConfig:
     def check_layout(self, arch: "Arch", layout: ParallelLayout, pp_first_stage_layers: int | None) -> None:
         return None
 
+    def least_weight_elements(self, arch: "Arch") -> int | None:
+        """The family's own lower bound of its checkpoint files' bytes (config_checks.least_weight_elements),
+        where the common one, the weights it counts at one byte each, would exceed what the family's published
+        files hold; None: the common one."""
+        return None
+
 
 @dataclass(frozen=True)
 class Arch:

@@ -227,7 +227,11 @@ def check_arch(arch) -> None:
 def least_weight_elements(arch) -> int:
     """A lower bound of the weights' element count from the config alone: the embedding, and in every layer
     the attention's output projection and the MLP's up and down projections (each expert's, in MoE layers).
-    Every supported architecture has at least these."""
+    Every supported architecture has at least these; a family whose files hold less (DeepSeek-V4) gives its own
+    (``FamilyConfig.least_weight_elements``)."""
+    own = arch.family_config.least_weight_elements(arch) if arch.family_config is not None else None
+    if own is not None:
+        return own
     moe_layers = arch.num_layers - len(arch.dense_layers) if arch.is_moe else 0
     dense_layers = arch.num_layers - moe_layers
     attention = sum(arch.num_heads * arch.attention_shape(i).head_dim * arch.hidden_size
