@@ -36,7 +36,8 @@ FAMILY = ModelFamily(
     name="deepseek_v4", summary="DeepSeek-V4: hyper-connection streams, sliding/CSA/HCA attention with a shared "
                                 "key/value head and sinks, hash-routed and top-k MoE with clamped SwiGLU",
     hf_model_types=("deepseek_v4",), hf_architectures=("DeepseekV4ForCausalLM",),
-    launcher_more_parallel_args=(("ETP", "EP"),),
+    # every V4 model has experts: ETP and EP after CP, as DeepSeek-V3's launcher
+    launcher_parallel_args=("ETP", "EP"),
     parse_config=parse_config, config_keys=CONFIG_KEYS, weight_rules=weight_rules, tiny_config=TINY_CONFIG,
     presets=PRESETS, transformer_config_kwargs=transformer_config_kwargs, layer_spec=layer_spec,
     finish_model=finish_model, tiny_buffer=tiny_hash_tables,
