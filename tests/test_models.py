@@ -140,8 +140,11 @@ def test_partial_rope_equals_transformers(family, scaling):
     hf_rotary = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).model.rotary_emb
     ours, factor = rope.inv_freq_and_attention_factor(arch)
     assert ours.numel() * 2 == rope.rotary_dim(arch) < arch.head_dim
-    torch.testing.assert_close(ours, hf_rotary.inv_freq.float(), rtol=0, atol=0)
-    assert factor == pytest.approx(hf_rotary.attention_scaling, rel=1e-12)
+    # a rotary embedding per RoPE type in transformers 5 (DeepSeek-V4's "main" and "compress") holds
+    # ``<type>_inv_freq``: the first type's is the model's RoPE, the others the family's own layers rotate with
+    kind = f"{hf_rotary.layer_types[0]}_" if not hasattr(hf_rotary, "inv_freq") else ""
+    torch.testing.assert_close(ours, getattr(hf_rotary, f"{kind}inv_freq").float(), rtol=0, atol=0)
+    assert factor == pytest.approx(getattr(hf_rotary, f"{kind}attention_scaling"), rel=1e-12)
 
 
 def test_rope_scaling_in_transformers5_form_is_read():
@@ -428,8 +431,9 @@ def checkpoint_keys_worker(family: str, overrides: dict) -> tuple[set, set]:
              for p in t.placements}
     experts = r"mlp\.experts\.(linear_fc[12])\.(weight|bias)\d+"
     # megatron keys the layers of a mixed model (dense and MoE, linear and full attention, attention shapes of their
-    # own) by their number
-    if arch.dense_layers or "linear_attention" in arch.layer_types or arch.own_attention_shapes:  # experts stacked
+    # own, a family's moe_layer_freq list: DeepSeek-V4) by their number
+    per_layer = isinstance(get_family(family).transformer_config_kwargs(arch).get("moe_layer_freq"), list)
+    if arch.dense_layers or "linear_attention" in arch.layer_types or arch.own_attention_shapes or per_layer:
         folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", n) for n in names}
     else:  # homogeneous layers are stacked on a leading axis
         folded = {re.sub(experts, r"mlp.experts.experts.\1.\2", re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", n))
