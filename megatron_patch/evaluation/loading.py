@@ -113,11 +113,14 @@ def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: 
 
 def padding_is_neutral(arch: Arch) -> bool:
     """Whether padding after a sequence leaves its log-likelihoods alone: not under DeepSeek sparse attention here,
-    whose indexer's choice changes with the padded length (measured: 2e-2 relative on a tiny model)."""
-    return arch.sparse_attention is None
+    whose indexer's choice changes with the padded length (measured: 2e-2 relative on a tiny model), nor where the
+    family says so (``FamilyConfig.padding_is_neutral``: DeepSeek-V4's compressed attention)."""
+    return arch.sparse_attention is None and (arch.family_config is None or arch.family_config.padding_is_neutral)
 
 
 def supports_kv_cache(arch: Arch) -> bool:
     """Whether every layer of the model keeps a KV cache in megatron-core's inference context: Gated DeltaNet's
-    linear attention and DeepSeek sparse attention here run causal full sequences only."""
-    return arch.linear_attention is None and arch.sparse_attention is None
+    linear attention and DeepSeek sparse attention here run causal full sequences only, and so does a family's own
+    attention that says so (``FamilyConfig.keeps_kv_cache``: DeepSeek-V4's)."""
+    return (arch.linear_attention is None and arch.sparse_attention is None
+            and (arch.family_config is None or arch.family_config.keeps_kv_cache))

@@ -53,6 +53,10 @@ class DeepseekV4Settings(FamilyConfig):
 
     # the one key/value head is whole on every TP rank; the heads and the output groups split (attention.py)
     replicated_kv_heads = True
+    # evaluation: the attention has no KV-cache inference path (it runs causal full sequences), and the CSA
+    # indexer's choice among compressed entries is not held to the unpadded one
+    keeps_kv_cache = False
+    padding_is_neutral = False
 
     def check_layout(self, arch, layout, pp_first_stage_layers) -> None:
         if self.o_groups % layout.tp:

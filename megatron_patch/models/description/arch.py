@@ -83,9 +83,15 @@ class FamilyConfig:
     (``check_layout``, called by ``validate_layout``).
 
     ``replicated_kv_heads``: the family's attention keeps its key/value heads whole on every TP rank (DeepSeek-V4's
-    one shared head), so TP need not divide them."""
+    one shared head), so TP need not divide them. ``keeps_kv_cache`` and ``padding_is_neutral``: what evaluation
+    may do with its layers."""
 
     replicated_kv_heads = False
+    # Whether the family's layers keep a KV cache in megatron-core's inference context (evaluation generates
+    # without one where not), and whether padding after a sequence leaves its log-likelihoods alone
+    # (evaluation/loading.py).
+    keeps_kv_cache = True
+    padding_is_neutral = True
 
     def layer_kind(self, layer: int) -> str:
         return ""
