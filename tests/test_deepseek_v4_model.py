@@ -300,3 +300,29 @@ def test_bf16_keeps_transformers_float32_parameters_and_its_rounding(v4, hf_dir)
     points.append(("logits", compare_logits(ref_logits, logits)["rel_l2"], compare_logits(ref_logits, floor_logits)["rel_l2"]))
     ratios = {name: ours / max(floor, min_floor("bf16")) for name, ours, floor in points}
     assert all(r <= TOLERANCE for r in ratios.values()), ratios
+
+
+@pytest.mark.slow
+def test_the_memory_plan_holds_the_model_state_a_run_allocates(corpus, tmp_path):
+    """The launcher's memory plan of the tiny model (its frozen indexer outside the gradient buffers and the
+    optimizer, no core-attention kernel to name) is the parameters, gradients and optimizer state a one-process run
+    allocates, in fp32 and in bf16 (the case tests/test_memory_plan.py runs for every registered family)."""
+    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.runtime.launch import run_local
+    from megatron_patch.training.memory_plan import plan_memory, stage_memory
+    from megatron_patch.training.validation import resolve
+    from tests.memory_helpers import measure_ranks
+    from tests.training_helpers import launcher_args
+
+    with registered():
+        cfgs = [resolve("deepseek_v4", launcher_args("deepseek_v4", DATASET_PATH=corpus["prefix"], PR=precision,
+                                                     OUTPUT_BASEPATH=str(tmp_path / precision), SAVE_INTERVAL="100",
+                                                     DO="true"), env={})
+                for precision in ("fp32", "bf16")]
+        measured = run_local(measure_ranks, 1, cfgs, timeout=900)[0]
+        for cfg, r in zip(cfgs, measured):
+            st = stage_memory(cfg.arch, cfg, 0, "local", 0)
+            planned = {k: getattr(st, k) for k in ("params", "grads", "optimizer_device", "optimizer_host")}
+            assert planned == {k: r[k] for k in planned}, cfg.precision
+            assert st.frozen > 0 and r["leftover"] == 0
+            assert r["attention"] is None and plan_memory(cfg, "local").attention is None

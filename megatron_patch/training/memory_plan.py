@@ -355,6 +355,8 @@ def _spec(cfg, caps=None) -> str:
 def _attention(cfg, spec: str) -> str | None:
     if cfg.arch.sparse_attention is not None:
         return UNFUSED  # DeepSeek sparse attention: dense scores masked to the kept keys, an fp32 softmax
+    if cfg.arch.family_config is not None and not cfg.arch.family_config.core_attention:
+        return None  # a family's own attention (DeepSeek-V4's): no core-attention kernel to name
     return local_core_attention(cfg) if spec == "local" else None
 
 
@@ -428,6 +430,14 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
         from megatron_patch.training.sparse_attention_run import split_trainable as dsa_split
 
         chunks, frozen = dsa_split(cfg, chunks)
+        st.params += frozen * param_bytes
+        st.frozen = frozen
+    elif arch.family_config is not None and arch.family_config.frozen_parameters:
+        # a family's own frozen weights (DeepSeek-V4's indexer), held outside the DDP buffers as well
+        pieces = arch.family_config.frozen_parameters
+        trained = [[p for p in params if not any(piece in p.name for piece in pieces)] for params in chunks]
+        frozen = sum(p.numel for params in chunks for p in params) - sum(p.numel for params in trained for p in params)
+        chunks = trained
         st.params += frozen * param_bytes
         st.frozen = frozen
     st.trainable = sum(p.numel for params in chunks for p in params)

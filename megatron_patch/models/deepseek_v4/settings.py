@@ -57,6 +57,9 @@ class DeepseekV4Settings(FamilyConfig):
     # indexer's choice among compressed entries is not held to the unpadded one
     keeps_kv_cache = False
     padding_is_neutral = False
+    # the CSA indexer is frozen, as DeepSeek-V3.2's without its loss (attention.py)
+    frozen_parameters = (".indexer.",)
+    core_attention = False  # its attention computes its own scores (attention.py)
 
     def check_layout(self, arch, layout, pp_first_stage_layers) -> None:
         if self.o_groups % layout.tp:

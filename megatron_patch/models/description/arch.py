@@ -92,6 +92,12 @@ class FamilyConfig:
     # (evaluation/loading.py).
     keeps_kv_cache = True
     padding_is_neutral = True
+    # Pieces of the names of parameters its model keeps frozen (requires_grad False), which the memory plan holds
+    # outside the gradient buffers and the optimizer (DeepSeek-V4's indexer: ".indexer.").
+    frozen_parameters = ()  # tuple[str, ...]
+    # Whether its layers run megatron-core's core attention, whose kernel the memory plan names (DeepSeek-V4's
+    # attention computes its own scores).
+    core_attention = True
 
     def layer_kind(self, layer: int) -> str:
         return ""
