@@ -150,8 +150,11 @@ class DeepseekV4HashRouter(DeepseekV4Router):
         # no expert bias on a hash layer: without the attribute megatron-core's end-of-step update skips it
         self.enable_expert_bias = False
         del self.expert_bias, self.local_tokens_per_expert
-        self.register_buffer("tid2eid", torch.zeros(vocab_size, self.topk, dtype=torch.int32,
-                                                    device=self.weight.device), persistent=True)
+        # a model trained from scratch draws its table as the hub's are, k distinct experts per token (megatron's
+        # seeded generator); zeros would send every token to expert 0 k times, which megatron-core's routing map
+        # cannot hold (0.19 fails splitting the tokens). A checkpoint's table replaces it.
+        order = torch.rand(vocab_size, self.config.num_moe_experts, device=self.weight.device).argsort(dim=1)
+        self.register_buffer("tid2eid", order[:, :self.topk].to(torch.int32).contiguous(), persistent=True)
         self.token_ids: torch.Tensor | None = None
 
     def _maintain_float32_expert_bias(self):
