@@ -1,6 +1,6 @@
-"""What DeepSeek-V4's converter tests share (tests/test_deepseek_v4_hub.py): the family registered for a test's
-length, the tiny model as transformers saves it with distinct hash tables, a round trip through megatron-core, and
-its logits against transformers'. The family is not registered yet: each test (and each rank process) registers it."""
+"""What DeepSeek-V4's model and converter tests share (tests/test_deepseek_v4_model.py, test_deepseek_v4_hub.py):
+the family registered for a test's length, the tiny model as transformers saves it, a round trip through
+megatron-core, and its logits against transformers'. The family is not registered yet: each test (and each rank process) registers it."""
 
 from __future__ import annotations
 
@@ -25,26 +25,8 @@ def hf_dir(tmp_path_factory):
     from megatron_patch.models.deepseek_v4.family import registered
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
-    with registered():
-        hf = make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
-    return with_distinct_hash_tables(hf, seed=3)
-
-
-def with_distinct_hash_tables(hf_dir, seed: int):
-    """transformers initialises ``tid2eid`` to zeros, which megatron-core's routing map cannot hold: drawn here as
-    the hub's tables are, k distinct experts per token, in the integer dtype transformers wrote."""
-    from safetensors.torch import load_file, save_file
-
-    path = hf_dir / "model.safetensors"
-    tensors = load_file(path)
-    g = torch.Generator().manual_seed(seed)
-    for name, table in tensors.items():
-        if name.endswith("tid2eid"):
-            experts, k = 8, table.shape[1]
-            tensors[name] = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(table.shape[0])]
-                                        ).to(table.dtype)
-    save_file(tensors, path, metadata={"format": "pt"})
-    return hf_dir
+    with registered():  # the hash tables drawn k distinct experts per token, as the hub's (the family's tiny_buffer)
+        return make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
 
 
 def round_trip(hf_dir, out, fmt: str, layout: ParallelLayout):

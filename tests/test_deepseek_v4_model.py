@@ -9,26 +9,7 @@ import pytest
 import torch
 
 from megatron_patch.runtime.distributed import ParallelLayout
-
-SEQ = 32  # past the sliding window (8), four CSA windows' worth of compressed entries, four HCA ones
-
-
-@pytest.fixture
-def v4():
-    from megatron_patch.models.deepseek_v4.family import registered
-
-    with registered() as family:
-        yield family
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    from megatron_patch.models.deepseek_v4.family import registered
-    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
-
-    with registered():  # the hash tables drawn k distinct experts per token, as the hub's (the family's tiny_buffer)
-        return make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
-
+from tests.deepseek_v4_helpers import SEQ, assert_same_tensors, hf_dir, round_trip, v4  # noqa: F401
 
 @pytest.fixture(scope="module")
 def hf_dir_hash_on_both_stages(tmp_path_factory):
@@ -82,27 +63,6 @@ def test_the_tiny_model_has_transformers_logits_across_ranks(v4, hf_dir, hf_dir_
 
     metrics = transformers_and_ours(hf_dir_hash_on_both_stages if layout.pp > 1 else hf_dir, layout)
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
-
-
-def round_trip(hf_dir, out, fmt: str, layout: ParallelLayout):
-    """hf2mcore at ``layout`` then mcore2hf; the converted checkpoint folder and the HF folder it came back to."""
-    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
-
-    name = f"{fmt}-{layout.tp}-{layout.pp}-{layout.ep}"
-    ckpt, back = out / name, out / f"back-{name}"
-    hf_to_mcore(hf_dir, ckpt, layout, fmt=fmt, dtype="fp32", progress=False)
-    mcore_to_hf(ckpt, back, progress=False)
-    return ckpt, back
-
-
-def assert_same_tensors(got_dir, want_dir):
-    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
-
-    got, want = HFCheckpointReader(got_dir), HFCheckpointReader(want_dir)
-    assert sorted(got.keys()) == sorted(want.keys())
-    for name in want.keys():
-        a, b = got.get(name), want.get(name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 def checkpoint_keys_worker():

@@ -416,6 +416,13 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
     expert_dp = cfg.world_size // (cfg.pp * cfg.ep * (cfg.etp or cfg.tp))
     bucket_size = max(40_000_000, 1_000_000 * dense_dp)
     chunks = [chunk_params(arch, cfg, pp_rank, v, spec) for v in range(vp)]
+    # A family's float32 parameters in a 16-bit run (FamilyConfig.float32_parameters): 4 bytes each, their own master
+    # copy, and a DDP buffer of their own (DDP keeps one per parameter dtype)
+    kept = arch.family_config.float32_parameters if arch.family_config is not None and param_bytes != 4 else ()
+
+    def float32(p) -> bool:
+        return any(part in kept for part in p.name.split("."))
+
     st = StageMemory(pp_rank, sum(stage_layers(arch, cfg, pp_rank)))
     if cfg.lora is not None:
         # LoRA: the frozen base is held as it is, outside the DDP buffers (no gradient, no optimizer state)
@@ -435,36 +442,36 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
     elif arch.family_config is not None and arch.family_config.frozen_parameters:
         # a family's own frozen weights (DeepSeek-V4's indexer), held outside the DDP buffers as well
         pieces = arch.family_config.frozen_parameters
-        trained = [[p for p in params if not any(piece in p.name for piece in pieces)] for params in chunks]
-        frozen = sum(p.numel for params in chunks for p in params) - sum(p.numel for params in trained for p in params)
-        chunks = trained
-        st.params += frozen * param_bytes
-        st.frozen = frozen
+        held = [p for params in chunks for p in params if any(piece in p.name for piece in pieces)]
+        chunks = [[p for p in params if not any(piece in p.name for piece in pieces)] for params in chunks]
+        st.params += sum(p.numel * (4 if float32(p) else param_bytes) for p in held)
+        st.frozen = sum(p.numel for p in held)
     st.trainable = sum(p.numel for params in chunks for p in params)
     dense_buffers, expert_buffers = [], []
     for v, params in enumerate(chunks):
         bucketed = bucket_size if (pp_rank == 0 and v == 0) else None
         own_groups = expert_process_groups(cfg)
-        dense = [p for p in params if not (p.expert and own_groups)]
-        experts = [p for p in params if p.expert and own_groups]
-        if dense:
-            dense_buffers.append(buffer_layout(dense, dense_dp, bucketed, do))
-        if experts:
-            expert_buffers.append(buffer_layout(experts, expert_dp, bucketed, do))
+        for buffers, group, dp_size in ((dense_buffers, [p for p in params if not (p.expert and own_groups)],
+                                         dense_dp),
+                                        (expert_buffers, [p for p in params if p.expert and own_groups], expert_dp)):
+            for wide in (False, True):
+                members = [p for p in group if float32(p) == wide]
+                if members:
+                    buffers.append((buffer_layout(members, dp_size, bucketed, do), 4 if wide else param_bytes))
     # torch's Adam keeps a scalar step per parameter where neither transformer-engine nor Apex is installed
     step_bytes = 0 if _fused_adam_available() else 4
     offload = cfg.optimizer_offload_policy != "off" or cfg.offload_numerics == "exact"
     from megatron_patch.training.offload.chunks import Span, plan_chunks
 
-    master = 4 if param_bytes != 4 else 0  # fp32 parameters are their own master weights
     capacity = None if cfg.offload_chunk_mb is None else max(1, int(cfg.offload_chunk_mb * 2**20 / 4))
     # one distributed optimizer for the dense buffers, one for the expert buffers (EP > 1)
     for buffers, group_dp in ((dense_buffers, dense_dp), (expert_buffers, expert_dp)):
         segments = []
-        for index, buf in enumerate(buffers):
+        for index, (buf, buf_bytes) in enumerate(buffers):
             st.grads += buf.numel * grad_bytes
+            master = 4 if buf_bytes != 4 else 0  # fp32 parameters are their own master weights
             if do:
-                st.params += buf.numel * param_bytes
+                st.params += buf.numel * buf_bytes
                 for _, spans in shard_spans(buf, dp_rank % group_dp):
                     n = sum(e - s for _, s, e in spans)
                     st.optimizer_elements += n
@@ -474,7 +481,7 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
                         st.optimizer_device += n * (master + 8) + len(spans) * step_bytes
             else:
                 n = sum(p.numel for p, _, _ in buf.params)
-                st.params += n * param_bytes
+                st.params += n * buf_bytes
                 st.optimizer_elements += n
                 st.optimizer_device += n * (master + 8) + len(buf.params) * step_bytes
         if offload and segments:

@@ -32,14 +32,13 @@ from megatron_patch.models.deepseek_v4.attention import DeepseekV4Attention, V4A
 from megatron_patch.models.deepseek_v4.hyper_connections import (
     HyperConnectedLayer, HyperHead, RMSNorm, expand_streams, stage_input_to_streams, streams_to_stage_output)
 from megatron_patch.models.deepseek_v4.moe import bound_token_ids, moe_config_kwargs, moe_spec, routing_token_ids
-from megatron_patch.models.deepseek_v4.settings import settings
+from megatron_patch.models.deepseek_v4.settings import DeepseekV4Settings, settings
 from megatron_patch.models.description.arch import Arch
 
 
 # transformers' ``_keep_in_fp32_modules_strict`` under megatron-core's names: the hyper-connections, the attention's
 # sinks and compressor position biases, and every norm (the router's expert bias is a float32 buffer already)
-FLOAT32_MODULES = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "q_layernorm", "kv_layernorm",
-                   "input_layernorm", "pre_mlp_layernorm", "final_layernorm")
+FLOAT32_MODULES = DeepseekV4Settings.float32_parameters
 
 
 def _replicated_over(module: torch.nn.Module, tp_group) -> None:

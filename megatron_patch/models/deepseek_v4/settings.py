@@ -59,6 +59,10 @@ class DeepseekV4Settings(FamilyConfig):
     padding_is_neutral = False
     # the CSA indexer is frozen, as DeepSeek-V3.2's without its loss (attention.py)
     frozen_parameters = (".indexer.",)
+    # transformers' _keep_in_fp32_modules_strict under megatron-core's names (layers.py marks them on the model);
+    # the query latent's norm, q_layernorm, is linear_q_up_proj.layer_norm_weight in the checkpoint the shape reads
+    float32_parameters = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "q_layernorm", "kv_layernorm",
+                          "input_layernorm", "pre_mlp_layernorm", "final_layernorm", "layer_norm_weight")
     core_attention = False  # its attention computes its own scores (attention.py)
 
     def check_layout(self, arch, layout, pp_first_stage_layers) -> None:

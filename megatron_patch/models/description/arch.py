@@ -95,6 +95,10 @@ class FamilyConfig:
     # Pieces of the names of parameters its model keeps frozen (requires_grad False), which the memory plan holds
     # outside the gradient buffers and the optimizer (DeepSeek-V4's indexer: ".indexer.").
     frozen_parameters = ()  # tuple[str, ...]
+    # Names of the modules whose parameters its model keeps in float32 in a 16-bit run (each a whole component of
+    # the parameter's name, as models/blocks/precision.py marks them: DeepSeek-V4's hyper-connections, norms,
+    # sinks), which the memory plan counts at 4 bytes, their own master copy.
+    float32_parameters = ()  # tuple[str, ...]
     # Whether its layers run megatron-core's core attention, whose kernel the memory plan names (DeepSeek-V4's
     # attention computes its own scores).
     core_attention = True
