@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_patch.models.blocks.precision import keep_in_float32
+from megatron_patch.errors import UserError
 from megatron_patch.models.deepseek_v4.attention import DeepseekV4Attention, V4AttentionSettings
 from megatron_patch.models.deepseek_v4.hyper_connections import (
     HyperConnectedLayer, HyperHead, RMSNorm, expand_streams, stage_input_to_streams, streams_to_stage_output)
@@ -136,16 +137,22 @@ def bind_token_ids(model) -> None:
 def keep_token_ids_through_full_recompute(block) -> None:
     """Full-layer recompute (``recompute_granularity="full"``) re-runs the block's layers in the backward, after the
     forward unbound the token ids: megatron-core's checkpoint saves the block's ``context`` argument with the hidden
-    states and hands it to every layer it recomputes, so the bound ids go in as ``context`` (the layer binds them)."""
-    checkpointed = block._checkpointed_forward
+    states and hands it to every layer it recomputes (0.16's ``_checkpointed_forward``, 0.19's
+    ``recompute.checkpointed_forward`` alike), so the block is given the bound ids as ``context`` (the layer binds
+    them)."""
+    if block.config.recompute_granularity == "full" and not hasattr(block, "_checkpointed_forward"):
+        # 0.19's recompute.checkpointed_forward hands context only to TransformerLayer instances, not to this layer
+        raise UserError("full activation recomputation of DeepSeek-V4's layers needs megatron-core 0.16 here (0.19's "
+                        "recompute drops the token ids its hash routers need): use selective recomputation or none")
+    forward = block.forward
 
-    @functools.wraps(checkpointed)
+    @functools.wraps(forward)
     def with_token_ids(*args, **kwargs):
-        if kwargs.get("context") is None:  # megatron-core calls it with keywords
+        if kwargs.get("context") is None:  # GPTModel calls its decoder with keywords and no context
             kwargs["context"] = bound_token_ids()
-        return checkpointed(*args, **kwargs)
+        return forward(*args, **kwargs)
 
-    block._checkpointed_forward = with_token_ids
+    block.forward = with_token_ids
 
 
 def finish_model(model, arch: Arch) -> None:
