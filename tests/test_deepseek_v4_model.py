@@ -294,3 +294,15 @@ def test_the_memory_plan_holds_the_model_state_a_run_allocates(corpus, tmp_path)
             assert planned == {k: r[k] for k in planned}, cfg.precision
             assert st.frozen > 0 and r["leftover"] == 0
             assert r["attention"] is None and plan_memory(cfg, "local").attention is None
+
+
+def test_the_launchers_follow_the_registry():
+    """The launcher table is kept while the registry holds the same families: one read before the family being
+    built is registered does not hide its launcher while it is (the whole suite's order did), nor after."""
+    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.training.launcher_args import launchers
+
+    assert "deepseek_v4" not in launchers()
+    with registered():
+        assert launchers()["deepseek_v4"].arg_names()[12:14] == ["ETP", "EP"]
+    assert "deepseek_v4" not in launchers()

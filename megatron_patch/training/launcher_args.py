@@ -92,14 +92,21 @@ def _sizes(family, names=None) -> dict[str, tuple[str, str]]:
     return {name: (family.name, preset) for name, preset in names.items()}
 
 
-@functools.cache
 def launchers() -> dict[str, Launcher]:
     """Every launcher by name: each family's own, then Pai's scripts (merged into a family's where the path is
-    the same, e.g. examples/qwen3/run_mcore_qwen3.sh)."""
-    found = {f.launcher: Launcher(name, f.launcher, (f.launcher_parallel_args, *f.launcher_more_parallel_args),
-                                  _sizes(f), (name,))
-             for name, f in families().items()}
-    for name, f in families().items():
+    the same, e.g. examples/qwen3/run_mcore_qwen3.sh). Kept for as long as the registry holds the same families
+    (a family being built is registered for a test's length)."""
+    return _launchers(tuple(families()))
+
+
+@functools.cache
+def _launchers(names: tuple[str, ...]) -> dict[str, Launcher]:
+    registered = [families()[name] for name in names]
+    found = {f.launcher: Launcher(f.name, f.launcher, (f.launcher_parallel_args, *f.launcher_more_parallel_args),
+                                  _sizes(f), (f.name,))
+             for f in registered}
+    for f in registered:
+        name = f.name
         for pai in f.pai_launchers:
             known = found.get(pai.script) or Launcher(str(PurePosixPath(pai.script).relative_to("examples")
                                                           .with_suffix("")), pai.script, (), {}, ())
