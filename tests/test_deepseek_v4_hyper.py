@@ -73,13 +73,18 @@ def sf(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)
 
 
-def test_the_mixes_are_transformers_forward_and_backward():
+def _twins(theirs_class, ours_class, names: dict, seed: int):
+    """transformers' module with random weights (``seed``), ours with the same, and one input to each."""
     hf = hf_config()
-    theirs = modeling.DeepseekV4HyperConnection(hf)
-    randomise(theirs, seed=0)
-    ours = HyperConnection(*ours_config(hf))
-    copy_into(ours, theirs, HC_NAMES)
-    x_hf, x = streams(hf)
+    theirs = theirs_class(hf)
+    randomise(theirs, seed=seed)
+    ours = ours_class(*ours_config(hf))
+    copy_into(ours, theirs, names)
+    return theirs, ours, *streams(hf, seed=seed + 1)
+
+
+def test_the_mixes_are_transformers_forward_and_backward():
+    theirs, ours, x_hf, x = _twins(modeling.DeepseekV4HyperConnection, HyperConnection, HC_NAMES, seed=0)
     post_hf, comb_hf, collapsed_hf = theirs(x_hf)
     post, comb, collapsed = ours(x)
     for mine, their in ((post, post_hf), (comb, comb_hf), (collapsed, collapsed_hf)):
@@ -95,12 +100,7 @@ def test_the_mixes_are_transformers_forward_and_backward():
 
 
 def test_the_head_is_transformers_forward_and_backward():
-    hf = hf_config()
-    theirs = modeling.DeepseekV4HyperHead(hf)
-    randomise(theirs, seed=2)
-    ours = HyperHead(*ours_config(hf))
-    copy_into(ours, theirs, HEAD_NAMES)
-    x_hf, x = streams(hf, seed=3)
+    theirs, ours, x_hf, x = _twins(modeling.DeepseekV4HyperHead, HyperHead, HEAD_NAMES, seed=2)
     out_hf, out = theirs(x_hf), ours(x)
     assert rel(sf(out), out_hf) <= TOLERANCE
     backward_of([out_hf])

@@ -7,8 +7,8 @@ the converter plain weights: the scales disappear from its names, and reading ``
 the product computed in float32, which the converter then casts to its ``--dtype``, exactly as
 transformers' own dequantization does (``Fp8Dequantize``: float32 product, cast to the model's
 dtype). DeepSeek-V4's hub files scale by powers of two (ue8m0, ``float8_e8m0fnu``) and store their routed
-experts in FP4, two values a byte with a scale per 32 (``dequantize``). Memory holds one weight at a time. Writing FP8 back is not done: ``mcore2hf`` writes the
-checkpoint's dtype (bf16).
+experts in FP4, two values a byte with a scale per 32 (``dequantize``). Memory holds one weight at a time.
+Writing FP8 back is not done: ``mcore2hf`` writes the checkpoint's dtype (bf16).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 
-from megatron_patch.convert.mxfp4 import Mxfp4Reader, _pairs
+from megatron_patch.convert.mxfp4 import Mxfp4Reader, fp4_byte_values
 from megatron_patch.errors import UserError
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -43,7 +43,7 @@ def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
 
 # FP4 (e2m1) weights: two values a byte, the even one in the low nibble, packed as int8 beside one power-of-two
 # (ue8m0) scale per row and 32 values (DeepSeek-V4's routed experts): transformers 5.24's ``Fp8Dequantize``
-# (``_unpack_fp4``, ``_FP4_E2M1_LUT``: the E2M1 values of MXFP4's table, ``mxfp4._pairs``) and its FP4 expert
+# (``_unpack_fp4``, ``_FP4_E2M1_LUT``: the E2M1 values of MXFP4's table, ``mxfp4.fp4_byte_values``) and its FP4 expert
 # layout (``sf_gran_n=1, sf_gran_k=32``).
 FP4_PACKED_DTYPE = "int8"
 FP4_BLOCK = (1, 32)
@@ -87,7 +87,7 @@ def _dequantize_fp4(weight, scale):
         raise UserError(f"an FP4 weight of shape {(rows, cols)} ({rows} x {cols // 2} bytes) needs one scale per row "
                         f"and {FP4_BLOCK[1]} values, {want}, found {tuple(scale.shape)}")
     codes = weight.contiguous().view(torch.uint8).numpy()
-    out = torch.from_numpy(_pairs()[codes].reshape(rows, cols))
+    out = torch.from_numpy(fp4_byte_values()[codes].reshape(rows, cols))
     return out.mul_(scale.to(torch.float32).repeat_interleave(FP4_BLOCK[1], dim=1)[:, :cols])
 
 

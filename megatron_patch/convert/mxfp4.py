@@ -34,7 +34,7 @@ BAND_ROWS = 1024
 
 
 @functools.lru_cache(maxsize=1)
-def _pairs():
+def fp4_byte_values():
     """The two values of each of the 256 bytes of codes, low nibble first [256, 2], float32."""
     # numpy (0.1 s) only once an MXFP4 tensor is read
     import numpy as np
@@ -55,7 +55,7 @@ def dequantize(blocks, scales, band_rows: int = BAND_ROWS):
     if width != 16 or tuple(scales.shape) != (rows, groups):
         raise UserError(f"MXFP4 blocks of shape {tuple(blocks.shape)} need scales of shape {(rows, groups)} and 16 "
                         f"bytes a group, found scales {tuple(scales.shape)}")
-    pairs, codes, exps = _pairs(), blocks.numpy(), scales.numpy()
+    pairs, codes, exps = fp4_byte_values(), blocks.numpy(), scales.numpy()
     out = np.empty((rows, groups, 32), dtype=np.float32)
     with np.errstate(over="ignore"):  # a value past float32's range is inf, as in transformers
         for r0 in range(0, rows, band_rows):  # a band of rows at a time: bounded temporaries

@@ -6,9 +6,6 @@ not ready for."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
 from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, parse_config
@@ -49,19 +46,6 @@ FAMILY = ModelFamily(
 )
 
 
-@contextlib.contextmanager
 def registered():
-    """The family in the registry for the length of the block (tests; it is not registered for good yet)."""
-    registry.families()
-    known, variable = registry._FAMILIES.get(FAMILY.name), os.environ.get(registry.BEING_BUILT_VARIABLE)
-    registry.register(FAMILY)
-    os.environ[registry.BEING_BUILT_VARIABLE] = ",".join(filter(None, (variable, FAMILY.name)))
-    try:
-        yield FAMILY
-    finally:
-        if known is None:
-            registry._FAMILIES.pop(FAMILY.name, None)
-        if variable is None:
-            os.environ.pop(registry.BEING_BUILT_VARIABLE, None)
-        else:
-            os.environ[registry.BEING_BUILT_VARIABLE] = variable
+    """The family in the registry for the length of a ``with`` block (tests; it is not registered for good yet)."""
+    return registry.registered_while_built(FAMILY)

@@ -8,7 +8,7 @@ block, its schedules and their stage-to-stage buffers carry them unchanged (the 
 - ``finish_model`` expands the embedding's output into the streams on the first stage, sets the factor, and binds
   the forward's ``input_ids`` for the hash-routed layers (``moe.routing_token_ids``) on every stage: every
   schedule call in the project gives the model its tokens on every stage;
-- each decoder layer (``DeepseekV4Layer``) unfolds the streams, runs ``HyperConnectedLayer`` around its attention
+- each decoder layer (``DeepseekV4Layer``) unfolds the streams, runs the hyper-connections around its attention
   (``DeepseekV4Attention`` of its ``layer_types`` entry) and its MoE block (``moe_spec`` of its
   ``mlp_layer_types`` entry), and folds them back;
 - the block's final norm is ``CollapseAndNorm``: ``hc_head`` collapses the streams ([s, b * n, h] -> [s, b, h]),
@@ -31,7 +31,8 @@ from megatron_patch.models.blocks.precision import keep_in_float32
 from megatron_patch.errors import UserError
 from megatron_patch.models.deepseek_v4.attention import DeepseekV4Attention, V4AttentionSettings
 from megatron_patch.models.deepseek_v4.hyper_connections import (
-    HyperConnectedLayer, HyperHead, RMSNorm, expand_streams, stage_input_to_streams, streams_to_stage_output)
+    HyperConnection, HyperHead, RMSNorm, expand_streams, hyper_connected, stage_input_to_streams,
+    streams_to_stage_output)
 from megatron_patch.models.deepseek_v4.moe import bound_token_ids, moe_config_kwargs, moe_spec, routing_token_ids
 from megatron_patch.models.deepseek_v4.settings import DeepseekV4Settings, settings
 from megatron_patch.models.description.arch import Arch
@@ -62,11 +63,13 @@ class DeepseekV4Layer(MegatronModule):
         self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage=vp_stage)
         index = self.layer_number - 1
         self.hc_mult = own.hc_mult
-        hyper = HyperConnectedLayer(config, own)
-        self.input_layernorm, self.attn_hc = hyper.input_layernorm, hyper.attn_hc
+        # HyperConnectedLayer's pieces, made in its order, held here under its names
+        input_layernorm, attn_hc = RMSNorm(config), HyperConnection(config, own)
+        pre_mlp_layernorm, ffn_hc = RMSNorm(config), HyperConnection(config, own)
+        self.input_layernorm, self.attn_hc = input_layernorm, attn_hc
         self.self_attention = DeepseekV4Attention(config, V4AttentionSettings.from_hf(arch.hf_config),
                                                   arch.layer_types[index], self.layer_number)
-        self.pre_mlp_layernorm, self.ffn_hc = hyper.pre_mlp_layernorm, hyper.ffn_hc
+        self.pre_mlp_layernorm, self.ffn_hc = pre_mlp_layernorm, ffn_hc
         spec = moe_spec(own.mlp_layer_types[index], own.scoring_func, arch.vocab_size)
         build = spec if isinstance(spec, functools.partial) else functools.partial(build_module, spec)
         self.mlp = build(config=config, layer_number=self.layer_number)
@@ -77,8 +80,9 @@ class DeepseekV4Layer(MegatronModule):
         # the recompute hands back (keep_token_ids_through_full_recompute); bound again for the hash layers
         with routing_token_ids(context) if context is not None else contextlib.nullcontext():
             streams = stage_input_to_streams(hidden_states, self.hc_mult)
-            streams = HyperConnectedLayer.forward(self, streams, lambda x: self.self_attention(x)[0],
-                                                  lambda x: self.mlp(x)[0])
+            streams = hyper_connected(self.attn_hc, self.input_layernorm, lambda x: self.self_attention(x)[0],
+                                      streams)
+            streams = hyper_connected(self.ffn_hc, self.pre_mlp_layernorm, lambda x: self.mlp(x)[0], streams)
         output = streams_to_stage_output(streams)
         return make_viewless_tensor(output, requires_grad=output.requires_grad, keep_graph=True), context
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pkgutil
@@ -43,6 +44,26 @@ def register(family: ModelFamily) -> ModelFamily:
 def being_built_and_asked_for(name: str) -> bool:
     """Whether a family folder that is being built should register itself in this process."""
     return name in os.environ.get(BEING_BUILT_VARIABLE, "").split(",")
+
+
+@contextlib.contextmanager
+def registered_while_built(family: ModelFamily):
+    """``family`` (one being built, which registers nothing yet) in the registry for the length of the block, and
+    named in ``BEING_BUILT_VARIABLE`` so that the processes started meanwhile (ranks, the converter's helpers)
+    register it too; both as before afterwards. For its tests."""
+    families()
+    known, variable = _FAMILIES.get(family.name), os.environ.get(BEING_BUILT_VARIABLE)
+    register(family)
+    os.environ[BEING_BUILT_VARIABLE] = ",".join(filter(None, (variable, family.name)))
+    try:
+        yield family
+    finally:
+        if known is None:
+            _FAMILIES.pop(family.name, None)
+        if variable is None:
+            os.environ.pop(BEING_BUILT_VARIABLE, None)
+        else:
+            os.environ[BEING_BUILT_VARIABLE] = variable
 
 
 def families() -> dict[str, ModelFamily]:
