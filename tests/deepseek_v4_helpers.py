@@ -1,6 +1,6 @@
 """What DeepSeek-V4's model and converter tests share (tests/test_deepseek_v4_model.py, test_deepseek_v4_hub.py):
-the family registered for a test's length, the tiny model as transformers saves it, a round trip through
-megatron-core, and its logits against transformers'. The family is not registered yet: each test (and each rank process) registers it."""
+the tiny model as transformers saves it, a round trip through megatron-core, and its logits against
+transformers'."""
 
 from __future__ import annotations
 
@@ -8,25 +8,23 @@ import pytest
 import torch
 
 from megatron_patch.runtime.distributed import ParallelLayout
+from tests.convert_helpers import checkpoint_logits_worker
 
 SEQ = 32  # past the sliding window (8), four CSA windows' worth of compressed entries, four HCA ones
 
 
 @pytest.fixture
 def v4():
-    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.models.description.registry import get_family
 
-    with registered() as family:
-        yield family
+    return get_family("deepseek_v4")
 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from megatron_patch.models.deepseek_v4.family import registered
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
-    with registered():  # the hash tables drawn k distinct experts per token, as the hub's (the family's tiny_buffer)
-        return make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
+    return make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=3)
 
 
 def round_trip(hf_dir, out, fmt: str, layout: ParallelLayout):
@@ -49,16 +47,6 @@ def assert_same_tensors(got_dir, want_dir, extra=()):
     for name in want.keys():
         a, b = got.get(name), want.get(name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
-
-
-def checkpoint_logits_worker(source: str, layout: ParallelLayout, tokens: torch.Tensor):
-    """This rank's logits (last stage; None elsewhere) of the model built at ``layout`` from an MCore checkpoint."""
-    from megatron_patch.models.deepseek_v4.family import registered
-
-    with registered():
-        from tests.convert_helpers import checkpoint_logits_worker as worker
-
-        return worker(source, layout, tokens)
 
 
 def checkpoint_against_transformers(hf_dir, ckpt, layout: ParallelLayout = ParallelLayout()):

@@ -1,6 +1,6 @@
 """DeepSeek-V4's weight table on the files as they come: ``tid2eid`` in whichever integer dtype the file holds
 (int64 as transformers writes it, int32 in ports of the hub's checkpoint), converted and written back in it, bit for
-bit. The family is not registered yet: each test registers it for its length."""
+bit."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """DeepSeek-V4's model on megatron-core's GPTModel (models/deepseek_v4/layers.py) and its weight table
 (mapping.py): the tiny model (sliding, CSA and HCA attention, hash-routed and top-k MoE layers, 4 streams) with
 transformers' random weights (the hash tables drawn as the hub's), saved by save_pretrained, loaded by the table; its logits equal transformers' in fp32.
-The family is not registered yet: each test (and each rank process) registers it for its length."""
+"""
 
 from __future__ import annotations
 
@@ -14,26 +14,21 @@ from tests.deepseek_v4_helpers import SEQ, assert_same_tensors, hf_dir, round_tr
 @pytest.fixture(scope="module")
 def hf_dir_hash_on_both_stages(tmp_path_factory):
     """The tiny model with a hash-routed layer on each of two pipeline stages (layers 1 and 3)."""
-    from megatron_patch.models.deepseek_v4.family import registered
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
-    with registered():
-        return make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=4,
-                                       mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"])
+    return make_tiny_hf_checkpoint("deepseek_v4", tmp_path_factory.mktemp("v4") / "hf", seed=4,
+                                   mlp_layer_types=["moe", "hash_moe", "moe", "hash_moe"])
 
 
 def logits_worker(source: str, layout: ParallelLayout, tokens: torch.Tensor, from_mcore: bool = False):
     """This rank's logits (last stage; None elsewhere) of the model built at ``layout`` with the weights of an HF
     folder, or of a converted MCore checkpoint (``from_mcore``)."""
-    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.align.parity import mcore_logits_worker
+    from tests.convert_helpers import checkpoint_logits_worker
 
-    with registered():
-        from megatron_patch.align.parity import mcore_logits_worker
-        from tests.convert_helpers import checkpoint_logits_worker
-
-        if from_mcore:
-            return checkpoint_logits_worker(source, layout, tokens)
-        return mcore_logits_worker([source], layout, [tokens])[0]
+    if from_mcore:
+        return checkpoint_logits_worker(source, layout, tokens)
+    return mcore_logits_worker([source], layout, [tokens])[0]
 
 
 def transformers_and_ours(hf_dir, layout: ParallelLayout, source=None, from_mcore=False):
@@ -70,19 +65,17 @@ def checkpoint_keys_worker():
     import re
 
     from megatron_patch.models.blocks.builder import build_model
-    from megatron_patch.models.deepseek_v4.family import registered
     from megatron_patch.models.description.registry import get_family, parse_arch
     from megatron_patch.models.description.tiny import tiny_config
     from megatron_patch.models.mapping import plan_transfers
     from megatron_patch.runtime import init_model_parallel
 
-    with registered():
-        arch = parse_arch(tiny_config("deepseek_v4"))
-        init_model_parallel(ParallelLayout())
-        model = build_model(arch, ParallelLayout(), use_te=False)
-        keys = {entry.key for name, entry in model.sharded_state_dict().items() if not name.endswith("_extra_state")}
-        names = {p.mcore_name for t in plan_transfers(get_family("deepseek_v4").weight_rules(arch), arch, ParallelLayout())
-                 for p in t.placements}
+    arch = parse_arch(tiny_config("deepseek_v4"))
+    init_model_parallel(ParallelLayout())
+    model = build_model(arch, ParallelLayout(), use_te=False)
+    keys = {entry.key for name, entry in model.sharded_state_dict().items() if not name.endswith("_extra_state")}
+    names = {p.mcore_name for t in plan_transfers(get_family("deepseek_v4").weight_rules(arch), arch, ParallelLayout())
+             for p in t.placements}
     # each layer under its own keys (moe_layer_freq a list), the experts stacked
     return keys, {re.sub(r"mlp\.experts\.(linear_fc[12])\.weight\d+", r"mlp.experts.experts.\1.weight", n) for n in names}
 
@@ -126,23 +119,20 @@ def test_the_weight_table_round_trips_across_ranks_and_loads_with_transformers_l
 
 def sequence_parallel_logits_worker(source: str, tokens: torch.Tensor):
     """This rank's logits of the model at TP=2 with sequence parallelism, with the weights of an HF folder."""
-    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.inference import forward_logits
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.runtime import init_model_parallel
 
-    with registered():
-        from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
-        from megatron_patch.checkpoint.model_io import load_hf_weights
-        from megatron_patch.models.blocks.builder import build_model
-        from megatron_patch.models.blocks.inference import forward_logits
-        from megatron_patch.models.description.registry import parse_arch
-        from megatron_patch.runtime import init_model_parallel
-
-        layout = ParallelLayout(tp=2)
-        arch = parse_arch(source)
-        init_model_parallel(layout)
-        model = build_model(arch, layout, sequence_parallel=True)
-        assert model.config.sequence_parallel
-        load_hf_weights(model, arch, layout, HFCheckpointReader(source))
-        return forward_logits(model, tokens, arch.vocab_size)
+    layout = ParallelLayout(tp=2)
+    arch = parse_arch(source)
+    init_model_parallel(layout)
+    model = build_model(arch, layout, sequence_parallel=True)
+    assert model.config.sequence_parallel
+    load_hf_weights(model, arch, layout, HFCheckpointReader(source))
+    return forward_logits(model, tokens, arch.vocab_size)
 
 
 @pytest.mark.slow
@@ -160,24 +150,21 @@ def test_sequence_parallel_gives_transformers_logits(v4, hf_dir):
 
 def gradients_worker(source: str, tokens: torch.Tensor, recompute: dict):
     """Every parameter's gradient of the tiny model's summed logits, trained with ``recompute`` (config overrides)."""
-    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.runtime import init_model_parallel
 
-    with registered():
-        from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
-        from megatron_patch.checkpoint.model_io import load_hf_weights
-        from megatron_patch.models.blocks.builder import build_model
-        from megatron_patch.models.description.registry import parse_arch
-        from megatron_patch.runtime import init_model_parallel
-
-        arch = parse_arch(source)
-        init_model_parallel(ParallelLayout())
-        model = build_model(arch, ParallelLayout(), **recompute)
-        load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(source))
-        model.train()
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        logits = model(tokens, positions, None)
-        (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    arch = parse_arch(source)
+    init_model_parallel(ParallelLayout())
+    model = build_model(arch, ParallelLayout(), **recompute)
+    load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(source))
+    model.train()
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    logits = model(tokens, positions, None)
+    (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def test_full_recompute_gives_the_same_gradients_with_hash_routed_layers(v4, hf_dir):
@@ -215,29 +202,26 @@ def _float32_shapes(named_parameters) -> list[tuple]:
 def bf16_worker(hf: str, tokens: torch.Tensor):
     """The bf16 model's float32 parameter shapes after ``cast_parameters``, its layers' outputs ([b, s, n, h] streams)
     and its logits."""
-    from megatron_patch.models.deepseek_v4.family import registered
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.inference import forward_logits
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.runtime import init_model_parallel
+    from megatron_patch.training.loop import cast_parameters
 
-    with registered():
-        from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
-        from megatron_patch.checkpoint.model_io import load_hf_weights
-        from megatron_patch.models.blocks.builder import build_model
-        from megatron_patch.models.blocks.inference import forward_logits
-        from megatron_patch.models.description.registry import parse_arch
-        from megatron_patch.runtime import init_model_parallel
-        from megatron_patch.training.loop import cast_parameters
-
-        arch = parse_arch(hf)
-        init_model_parallel(ParallelLayout())
-        model = build_model(arch, ParallelLayout(), torch.bfloat16)
-        cast_parameters([model], torch.bfloat16)
-        load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(hf))
-        layers = []
-        for layer in model.decoder.layers:
-            layer.register_forward_hook(lambda m, i, o: layers.append(o[0].detach()))
-        logits = forward_logits(model, tokens, arch.vocab_size)
-        b, s = tokens.shape
-        streams = [x.float().view(s, b, -1, x.shape[-1]).transpose(0, 1) for x in layers]
-        return _float32_shapes(model.named_parameters()), streams, logits
+    arch = parse_arch(hf)
+    init_model_parallel(ParallelLayout())
+    model = build_model(arch, ParallelLayout(), torch.bfloat16)
+    cast_parameters([model], torch.bfloat16)
+    load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(hf))
+    layers = []
+    for layer in model.decoder.layers:
+        layer.register_forward_hook(lambda m, i, o: layers.append(o[0].detach()))
+    logits = forward_logits(model, tokens, arch.vocab_size)
+    b, s = tokens.shape
+    streams = [x.float().view(s, b, -1, x.shape[-1]).transpose(0, 1) for x in layers]
+    return _float32_shapes(model.named_parameters()), streams, logits
 
 
 def hf_run(hf_dir, tokens, dtype):
@@ -270,39 +254,16 @@ def test_bf16_keeps_transformers_float32_parameters_and_its_rounding(v4, hf_dir)
     assert all(r <= TOLERANCE for r in ratios.values()), ratios
 
 
-@pytest.mark.slow
-def test_the_memory_plan_holds_the_model_state_a_run_allocates(corpus, tmp_path):
-    """The launcher's memory plan of the tiny model (its frozen indexer outside the gradient buffers and the
-    optimizer, no core-attention kernel to name) is the parameters, gradients and optimizer state a one-process run
-    allocates, in fp32 and in bf16 (the case tests/test_memory_plan.py runs for every registered family)."""
-    from megatron_patch.models.deepseek_v4.family import registered
-    from megatron_patch.runtime.launch import run_local
-    from megatron_patch.training.memory_plan import plan_memory, stage_memory
-    from megatron_patch.training.validation import resolve
-    from tests.memory_helpers import measure_ranks
-    from tests.training_helpers import launcher_args
-
-    with registered():
-        cfgs = [resolve("deepseek_v4", launcher_args("deepseek_v4", DATASET_PATH=corpus["prefix"], PR=precision,
-                                                     OUTPUT_BASEPATH=str(tmp_path / precision), SAVE_INTERVAL="100",
-                                                     DO="true"), env={})
-                for precision in ("fp32", "bf16")]
-        measured = run_local(measure_ranks, 1, cfgs, timeout=900)[0]
-        for cfg, r in zip(cfgs, measured):
-            st = stage_memory(cfg.arch, cfg, 0, "local", 0)
-            planned = {k: getattr(st, k) for k in ("params", "grads", "optimizer_device", "optimizer_host")}
-            assert planned == {k: r[k] for k in planned}, cfg.precision
-            assert st.frozen > 0 and r["leftover"] == 0
-            assert r["attention"] is None and plan_memory(cfg, "local").attention is None
-
-
 def test_the_launchers_follow_the_registry():
-    """The launcher table is kept while the registry holds the same families: one read before the family being
-    built is registered does not hide its launcher while it is (the whole suite's order did), nor after."""
-    from megatron_patch.models.deepseek_v4.family import registered
+    """The launcher table is kept while the registry holds the same families: one read before a family being built
+    is registered does not hide its launcher while it is (the whole suite's order did), nor after."""
+    import dataclasses
+
+    from megatron_patch.models.description.registry import get_family, registered_while_built
     from megatron_patch.training.launcher_args import launchers
 
-    assert "deepseek_v4" not in launchers()
-    with registered():
-        assert launchers()["deepseek_v4"].arg_names()[12:14] == ["ETP", "EP"]
-    assert "deepseek_v4" not in launchers()
+    probe = dataclasses.replace(get_family("deepseek_v4"), name="probe_v4", hf_model_types=("probe_v4",))
+    assert "probe_v4" not in launchers()
+    with registered_while_built(probe):
+        assert launchers()["probe_v4"].arg_names()[12:14] == ["ETP", "EP"]
+    assert "probe_v4" not in launchers()

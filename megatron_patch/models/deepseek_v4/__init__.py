@@ -1,11 +1,9 @@
-"""DeepSeek-V4 (deepseek_v4): being built, not a registered family yet (docs/deepseek.md). Its ``ModelFamily`` is in
-family.py; tests register it for their length (``family.registered()``), and the processes they start (rank
-workers, the converter's skeleton helper) register it too, as ``registered()`` names it in the registry's
-``BEING_BUILT_VARIABLE``, which they inherit."""
+"""DeepSeek-V4 (deepseek_v4): hyper-connection streams (hyper_connections.py), sliding, compressed sparse and
+heavily compressed attention (attention.py), hash-routed and top-k MoE (moe.py), as the family's own modules on
+megatron-core's GPTModel (layers.py); the hub's own tensor names (hub_names.py) and weight table (mapping.py);
+docs/deepseek.md."""
 
-from megatron_patch.models.description.registry import being_built_and_asked_for, register
+from megatron_patch.models.deepseek_v4.family import FAMILY
+from megatron_patch.models.description.registry import register
 
-if being_built_and_asked_for("deepseek_v4"):
-    from megatron_patch.models.deepseek_v4.family import FAMILY
-
-    register(FAMILY)
+register(FAMILY)

@@ -48,12 +48,8 @@ from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_patch.models.blocks import rope as rope_formulas
 from megatron_patch.models.blocks.sparse_attention import IndexerLinear
-from megatron_patch.models.mapping import COLUMN, REPLICATED, ROW
 
-SLIDING = "sliding_attention"
-CSA = "compressed_sparse_attention"
-HCA = "heavily_compressed_attention"
-LAYER_TYPES = (SLIDING, CSA, HCA)
+from megatron_patch.models.deepseek_v4.settings import CSA, HCA, LAYER_TYPES, SLIDING  # noqa: F401 (re-exported)
 
 # transformers' DeepseekV4Config defaults: what a config.json that leaves a field out gets there.
 HF_DEFAULTS = {
@@ -410,43 +406,8 @@ class DeepseekV4Attention(MegatronModule):
         return output.contiguous(), None
 
 
-# The attention's weights: (this module's name, transformers' name under ``self_attn``, the hub's name under
-# ``attn``, how TP splits it). The compressor's rows are CSA's and HCA's, the indexer's CSA's only.
-WEIGHTS = (
-    ("linear_q_down_proj.weight", "q_a_proj.weight", "wq_a.weight", REPLICATED),
-    ("q_layernorm.weight", "q_a_norm.weight", "q_norm.weight", REPLICATED),
-    ("linear_q_up_proj.weight", "q_b_proj.weight", "wq_b.weight", COLUMN),
-    ("linear_kv_proj.weight", "kv_proj.weight", "wkv.weight", REPLICATED),
-    ("kv_layernorm.weight", "kv_norm.weight", "kv_norm.weight", REPLICATED),
-    ("linear_o_group_proj.weight", "o_a_proj.weight", "wo_a.weight", COLUMN),
-    ("linear_proj.weight", "o_b_proj.weight", "wo_b.weight", ROW),
-    ("sinks", "sinks", "attn_sink", COLUMN),
-)
-COMPRESSOR_WEIGHTS = (
-    ("compressor.linear_kv.weight", "compressor.kv_proj.weight", "compressor.wkv.weight", REPLICATED),
-    ("compressor.linear_gate.weight", "compressor.gate_proj.weight", "compressor.wgate.weight", REPLICATED),
-    ("compressor.position_bias", "compressor.position_bias", "compressor.ape", REPLICATED),
-    ("compressor.kv_layernorm.weight", "compressor.kv_norm.weight", "compressor.norm.weight", REPLICATED),
-)
-INDEXER_WEIGHTS = (
-    ("indexer.compressor.linear_kv.weight", "compressor.indexer.kv_proj.weight", "indexer.compressor.wkv.weight",
-     REPLICATED),
-    ("indexer.compressor.linear_gate.weight", "compressor.indexer.gate_proj.weight",
-     "indexer.compressor.wgate.weight", REPLICATED),
-    ("indexer.compressor.position_bias", "compressor.indexer.position_bias", "indexer.compressor.ape", REPLICATED),
-    ("indexer.compressor.kv_layernorm.weight", "compressor.indexer.kv_norm.weight", "indexer.compressor.norm.weight",
-     REPLICATED),
-    ("indexer.linear_q_up_proj.weight", "compressor.indexer.q_b_proj.weight", "indexer.wq_b.weight", REPLICATED),
-    ("indexer.linear_weights_proj.weight", "compressor.indexer.scorer.weights_proj.weight",
-     "indexer.weights_proj.weight", REPLICATED),
-)
-
-
-def weights_of(layer_type: str) -> tuple:
-    """The ``WEIGHTS`` rows of a layer type's attention."""
-    return WEIGHTS + (COMPRESSOR_WEIGHTS if layer_type != SLIDING else ()) + (INDEXER_WEIGHTS if layer_type == CSA else ())
-
-
 def shard_from_transformers(hf: dict, layer_type: str, tp_rank: int = 0, tp_size: int = 1) -> dict:
     """This module's state dict at ``tp_rank`` of ``tp_size`` from a transformers ``DeepseekV4Attention``'s."""
+    from megatron_patch.models.deepseek_v4.mapping import weights_of
+
     return {mine: split.shards([hf[theirs]], tp_size, None)[tp_rank] for mine, theirs, _, split in weights_of(layer_type)}

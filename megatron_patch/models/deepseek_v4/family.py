@@ -1,30 +1,43 @@
-"""DeepSeek-V4's ``ModelFamily``, not registered yet: the family is being built (tests/test_code_layout.py's
-``BEING_BUILT``). Tests that run it through the builder or the converter register it for their length
-(``registered()``, which names it in the registry's ``BEING_BUILT_VARIABLE`` for the processes they start).
-Registering it for good also puts it through every registry-driven test (LoRA, the launcher, align), which it is
-not ready for."""
+"""DeepSeek-V4's ``ModelFamily``: what the registry, the converter and the launcher read of it."""
 
 from __future__ import annotations
 
-import torch
-
 from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, parse_config
-from megatron_patch.models.deepseek_v4.layers import finish_model, layer_spec, transformer_config_kwargs
 from megatron_patch.models.blocks.mtp import num_mtp_layers
 from megatron_patch.models.deepseek_v4.hub_names import hf_names_view, mtp_prefixes
 from megatron_patch.models.deepseek_v4.mapping import weight_rules
 from megatron_patch.models.deepseek_v4.presets import PRESETS
-from megatron_patch.models.description import registry
 from megatron_patch.models.description.family import ModelFamily, TestLayouts
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 
-def tiny_hash_tables(raw: dict, name: str, buffer: torch.Tensor) -> torch.Tensor | None:
+# megatron-core and torch are imported when a model is built, not when the converter or the CLI reads the family
+def transformer_config_kwargs(arch) -> dict:
+    from megatron_patch.models.deepseek_v4.layers import transformer_config_kwargs as kwargs
+
+    return kwargs(arch)
+
+
+def layer_spec(arch, config, use_te=None, vp_stage=None, core_attention=None):
+    from megatron_patch.models.deepseek_v4.layers import layer_spec as spec
+
+    return spec(arch, config, use_te, vp_stage, core_attention)
+
+
+def finish_model(model, arch) -> None:
+    from megatron_patch.models.deepseek_v4.layers import finish_model as finish
+
+    finish(model, arch)
+
+
+def tiny_hash_tables(raw: dict, name: str, buffer):
     """A tiny model's ``tid2eid`` drawn as the hub's tables are, k distinct experts per token: transformers
     initialises them to zeros (every token to expert 0, k times), which megatron-core's routing map cannot hold (one
     entry per expert and token)."""
     if not name.endswith("tid2eid"):
         return None
+    import torch
+
     rows, k = buffer.shape
     return torch.stack([torch.randperm(raw["n_routed_experts"])[:k] for _ in range(rows)]).to(buffer.dtype)
 
@@ -45,7 +58,3 @@ FAMILY = ModelFamily(
     hf_mtp_layers=num_mtp_layers, hf_mtp_prefixes=mtp_prefixes, hf_mtp_carried=True,
 )
 
-
-def registered():
-    """The family in the registry for the length of a ``with`` block (tests; it is not registered for good yet)."""
-    return registry.registered_while_built(FAMILY)

@@ -1,14 +1,13 @@
 """DeepSeek-V4 HF <-> MCore weight table, by the names on disk: DeepSeek's own (``attn.wq_a``,
 ``attn.compressor.wkv``, ``ffn.gate.tid2eid``, ``hc_attn_fn``, ...), which transformers 5.24 renames as it loads
 them and writes back as it saves (its ``conversion_mapping``, "deepseek_v4"), under ``model.`` with the output
-layer as ``head.weight``. The attention's rows come from ``attention.weights_of`` (the layer types' own weights:
+layer as ``head.weight``. The attention's rows come from ``weights_of`` (the layer types' own weights:
 the compressor on CSA and HCA layers, the indexer on CSA ones), the hash tables (``tid2eid``) on ``hash_moe``
 layers and the expert bias on ``moe`` ones. LoRA sites are not declared yet."""
 
-from megatron_patch.models.deepseek_v4.attention import COMPRESSOR_WEIGHTS, INDEXER_WEIGHTS, WEIGHTS
-from megatron_patch.models.deepseek_v4.settings import CSA, HCA, settings
+from megatron_patch.models.deepseek_v4.settings import CSA, HCA, SLIDING, settings
 from megatron_patch.models.description.arch import Arch
-from megatron_patch.models.mapping import AS_STORED, GATE_UP, REPLICATED, ROW, VOCAB, Rule, Scope
+from megatron_patch.models.mapping import AS_STORED, COLUMN, GATE_UP, REPLICATED, ROW, VOCAB, Rule, Scope
 
 MC = "decoder.layers.{layer}"
 HF = "model.layers.{layer}"
@@ -22,6 +21,43 @@ CHECKPOINT_NAMES = {"q_layernorm.weight": "linear_q_up_proj.layer_norm_weight"}
 # in ports of the hub's checkpoint), whatever the checkpoint's float dtype, and written back in it; the model's buffer
 # is int32 and takes them by value
 TID2EID_DTYPE = AS_STORED
+
+
+# The attention's weights: (this module's name, transformers' name under ``self_attn``, the hub's name under
+# ``attn``, how TP splits it). The compressor's rows are CSA's and HCA's, the indexer's CSA's only.
+WEIGHTS = (
+    ("linear_q_down_proj.weight", "q_a_proj.weight", "wq_a.weight", REPLICATED),
+    ("q_layernorm.weight", "q_a_norm.weight", "q_norm.weight", REPLICATED),
+    ("linear_q_up_proj.weight", "q_b_proj.weight", "wq_b.weight", COLUMN),
+    ("linear_kv_proj.weight", "kv_proj.weight", "wkv.weight", REPLICATED),
+    ("kv_layernorm.weight", "kv_norm.weight", "kv_norm.weight", REPLICATED),
+    ("linear_o_group_proj.weight", "o_a_proj.weight", "wo_a.weight", COLUMN),
+    ("linear_proj.weight", "o_b_proj.weight", "wo_b.weight", ROW),
+    ("sinks", "sinks", "attn_sink", COLUMN),
+)
+COMPRESSOR_WEIGHTS = (
+    ("compressor.linear_kv.weight", "compressor.kv_proj.weight", "compressor.wkv.weight", REPLICATED),
+    ("compressor.linear_gate.weight", "compressor.gate_proj.weight", "compressor.wgate.weight", REPLICATED),
+    ("compressor.position_bias", "compressor.position_bias", "compressor.ape", REPLICATED),
+    ("compressor.kv_layernorm.weight", "compressor.kv_norm.weight", "compressor.norm.weight", REPLICATED),
+)
+INDEXER_WEIGHTS = (
+    ("indexer.compressor.linear_kv.weight", "compressor.indexer.kv_proj.weight", "indexer.compressor.wkv.weight",
+     REPLICATED),
+    ("indexer.compressor.linear_gate.weight", "compressor.indexer.gate_proj.weight",
+     "indexer.compressor.wgate.weight", REPLICATED),
+    ("indexer.compressor.position_bias", "compressor.indexer.position_bias", "indexer.compressor.ape", REPLICATED),
+    ("indexer.compressor.kv_layernorm.weight", "compressor.indexer.kv_norm.weight", "indexer.compressor.norm.weight",
+     REPLICATED),
+    ("indexer.linear_q_up_proj.weight", "compressor.indexer.q_b_proj.weight", "indexer.wq_b.weight", REPLICATED),
+    ("indexer.linear_weights_proj.weight", "compressor.indexer.scorer.weights_proj.weight",
+     "indexer.weights_proj.weight", REPLICATED),
+)
+
+
+def weights_of(layer_type: str) -> tuple:
+    """The ``WEIGHTS`` rows of a layer type's attention."""
+    return WEIGHTS + (COMPRESSOR_WEIGHTS if layer_type != SLIDING else ()) + (INDEXER_WEIGHTS if layer_type == CSA else ())
 
 
 def attention_rules() -> list[Rule]:
