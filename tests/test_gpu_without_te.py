@@ -54,7 +54,7 @@ def fake_gpu_build_worker() -> dict:
             out["models"][name]["core_attention"] = core_attention_of(model)
         except Exception as exc:  # reported per family, asserted in the test
             out["models"][name] = f"{type(exc).__name__}: {exc}"[:300]
-        archs = [arch] + ([dataclasses.replace(arch, mtp_layers=1)] if family.has_mtp else [])
+        archs = [arch] + ([dataclasses.replace(arch, mtp_layers=1)] if family.builds_mtp else [])
         for a in archs:
             key = f"{name}+mtp" if a.mtp_layers else name
             try:
@@ -81,15 +81,18 @@ def test_every_family_builds_on_a_gpu_without_te(fake_gpu_builds):
         # no fused softmax without Apex's kernel; no TE grouped GEMM or fused RoPE on the local spec; torch SDPA
         # is the core attention there (MLA's included)
         # (DeepSeek sparse attention is its own core attention: megatron's arithmetic, masked to its keys)
-        sparse = parse_arch(families()[name].tiny_config).sparse_attention is not None
+        # (DeepSeek-V4's attention computes its own scores: no core attention module)
+        arch = parse_arch(families()[name].tiny_config)
+        own = arch.family_config is not None and not arch.family_config.core_attention
+        kernel = None if own else "unfused" if arch.sparse_attention is not None else "sdpa"
         assert flags == {"persist_layer_norm": False, "masked_softmax_fusion": False, "moe_grouped_gemm": False,
-                         "apply_rope_fusion": False, "core_attention": "unfused" if sparse else "sdpa"}, name
+                         "apply_rope_fusion": False, "core_attention": kernel}, name
 
 
 def test_converter_skeleton_builds_on_a_gpu_without_te(fake_gpu_builds):
     """The skeleton helper forces the local spec, so it broke on every GPU machine, TE or not."""
     skeletons = fake_gpu_builds["skeletons"]
-    assert set(skeletons) == set(families()) | {f"{n}+mtp" for n, f in families().items() if f.has_mtp}
+    assert set(skeletons) == set(families()) | {f"{n}+mtp" for n, f in families().items() if f.builds_mtp}
     for name, chunks in skeletons.items():
         assert isinstance(chunks, int) and chunks > 10, (name, chunks)
 

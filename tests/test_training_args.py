@@ -129,6 +129,10 @@ BAD = [
     ("llama3_1", dict(SFT="true", CP="2", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
      "MP_SFT_PACKING=true with CP=2 is not supported"),
     ("llama3_1", dict(CP="2", SEQ_LEN="66"), {}, "CP=2 splits the sequence into 2*CP=4 chunks: SEQ_LEN (66)"),
+    # DeepSeek-V4's attention is its own: no context parallelism, no packed documents
+    ("deepseek_v4", dict(CP="2"), {}, "context parallelism does not split attention sinks (deepseek_v4): set CP=1"),
+    ("deepseek_v4", dict(SFT="true", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
+     "MP_SFT_PACKING=true: deepseek_v4's attention computes its own scores"),
     ("llama3_1", dict(SFT="true", TP="2", SP="true", PAD_LEN="63", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"},
      "PAD_LEN (63) must be a multiple of 2"),
     # transformer-engine's FP8 shape rules: GPU runs with its recipes (torchao's filter keeps such GEMMs in bf16)

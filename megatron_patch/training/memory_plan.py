@@ -270,6 +270,7 @@ class StageMemory:
     optimizer_elements: int = 0
     trainable: int = 0  # parameters this rank trains (elements; LoRA: adapters) and holds frozen
     frozen: int = 0
+    float32_elements: int = 0  # parameters held in float32 in a 16-bit run (FamilyConfig.float32_parameters)
     chunks: list = field(default_factory=list, repr=False)  # (nbytes, state elements) per chunk, device first
 
     @property
@@ -424,6 +425,7 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
         return any(part in kept for part in p.name.split("."))
 
     st = StageMemory(pp_rank, sum(stage_layers(arch, cfg, pp_rank)))
+    st.float32_elements = sum(p.numel for params in chunks for p in params if float32(p))
     if cfg.lora is not None:
         # LoRA: the frozen base is held as it is, outside the DDP buffers (no gradient, no optimizer state)
         from megatron_patch.training.lora_run import split_trainable

@@ -217,6 +217,11 @@ def activation_checkpointing_mode(cfg: RunConfig) -> None:
 
 
 def packing_and_context_parallelism(cfg: RunConfig) -> None:
+    own = cfg.arch.family_config is not None and not cfg.arch.family_config.core_attention
+    if cfg.sft_packing and own:
+        # packed documents are kept apart by megatron-core's core attention (training/packing.py), which it has none of
+        raise UserError(f"MP_SFT_PACKING=true: {cfg.arch.family}'s attention computes its own scores and does not "
+                        "keep packed documents apart: drop MP_SFT_PACKING")
     if cfg.sft_packing and cfg.cp > 1:
         raise UserError(f"MP_SFT_PACKING=true with CP={cfg.cp} is not supported (packed sequences would need "
                         "per-document context-parallel partitioning): set CP=1 or drop MP_SFT_PACKING")

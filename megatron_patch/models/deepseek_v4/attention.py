@@ -49,6 +49,7 @@ from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 from megatron_patch.models.blocks import rope as rope_formulas
 from megatron_patch.models.blocks.sparse_attention import IndexerLinear
 
+from megatron_patch.models.deepseek_v4.mapping import weights_of
 from megatron_patch.models.deepseek_v4.settings import CSA, HCA, LAYER_TYPES, SLIDING  # noqa: F401 (re-exported)
 
 # transformers' DeepseekV4Config defaults: what a config.json that leaves a field out gets there.
@@ -351,6 +352,9 @@ class DeepseekV4Attention(MegatronModule):
         return state
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
+        if kwargs.get("packed_seq_params") is not None or kwargs.get("inference_context") is not None:
+            # launches refuse both first (training/validation.py); never attend across packed documents unsaid
+            raise NotImplementedError("DeepSeek-V4's attention runs whole unpacked sequences, without a KV cache")
         s = self.settings
         if self.config.sequence_parallel:
             # [s / tp, b, h] -> [s, b, h]. The gradient each rank computes for the whole sequence is already whole
@@ -408,6 +412,4 @@ class DeepseekV4Attention(MegatronModule):
 
 def shard_from_transformers(hf: dict, layer_type: str, tp_rank: int = 0, tp_size: int = 1) -> dict:
     """This module's state dict at ``tp_rank`` of ``tp_size`` from a transformers ``DeepseekV4Attention``'s."""
-    from megatron_patch.models.deepseek_v4.mapping import weights_of
-
     return {mine: split.shards([hf[theirs]], tp_size, None)[tp_rank] for mine, theirs, _, split in weights_of(layer_type)}

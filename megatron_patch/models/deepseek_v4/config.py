@@ -250,7 +250,7 @@ CONFIG_KEYS = {
     "n_routed_experts": Whole(1, MAX_EXPERTS), "num_experts_per_tok": Whole(1, MAX_EXPERTS),
     "n_shared_experts": Whole(0, MAX_EXPERTS), "scoring_func": Text(), "norm_topk_prob": Flag(),
     "routed_scaling_factor": Real(0), "swiglu_limit": Real(0), "router_aux_loss_coef": Real(0, closed=True),
-    "num_nextn_predict_layers": Whole(0, MAX_LAYERS), "hidden_act": Text(), "tie_word_embeddings": Flag(),
+    "num_nextn_predict_layers": Whole(0, MAX_LAYERS), "num_mtp_layers": Whole(0, MAX_LAYERS), "hidden_act": Text(), "tie_word_embeddings": Flag(),
     "attention_bias": Flag(), "mlp_bias": Flag(),
 }
 

@@ -11,20 +11,22 @@ from megatron_patch.models.description.family import ModelFamily, TestLayouts
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 
-# megatron-core and torch are imported when a model is built, not when the converter or the CLI reads the family
 def transformer_config_kwargs(arch) -> dict:
+    # megatron-core: imported when a model is built, not when the converter or the CLI reads the family
     from megatron_patch.models.deepseek_v4.layers import transformer_config_kwargs as kwargs
 
     return kwargs(arch)
 
 
 def layer_spec(arch, config, use_te=None, vp_stage=None, core_attention=None):
+    # megatron-core: imported when a model is built, not when the converter or the CLI reads the family
     from megatron_patch.models.deepseek_v4.layers import layer_spec as spec
 
     return spec(arch, config, use_te, vp_stage, core_attention)
 
 
 def finish_model(model, arch) -> None:
+    # megatron-core: imported when a model is built, not when the converter or the CLI reads the family
     from megatron_patch.models.deepseek_v4.layers import finish_model as finish
 
     finish(model, arch)
@@ -36,7 +38,7 @@ def tiny_hash_tables(raw: dict, name: str, buffer):
     entry per expert and token)."""
     if not name.endswith("tid2eid"):
         return None
-    import torch
+    import torch  # only when a tiny checkpoint is drawn: the family is read without torch
 
     rows, k = buffer.shape
     return torch.stack([torch.randperm(raw["n_routed_experts"])[:k] for _ in range(rows)]).to(buffer.dtype)

@@ -66,6 +66,9 @@ class DeepseekV4Settings(FamilyConfig):
     core_attention = False  # its attention computes its own scores (attention.py)
 
     def check_layout(self, arch, layout, pp_first_stage_layers) -> None:
+        if layout.cp > 1:
+            raise UserError(f"CP={layout.cp}: DeepSeek-V4's sliding and compressed attention sees the whole sequence on "
+                            "one rank (its compressor's windows and the indexer's top-k are not split): set CP=1")
         if self.o_groups % layout.tp:
             raise UserError(f"TP={layout.tp} does not divide DeepSeek-V4's {self.o_groups} output groups "
                             "(o_groups): choose a TP that divides it")

@@ -179,6 +179,11 @@ class ModelFamily:
         return self.hf_mtp_layers is not _no_mtp_layers
 
     @property
+    def builds_mtp(self) -> bool:
+        """Whether the MTP layers it converts with --mtp are built into the MCore model (not only carried)."""
+        return self.has_mtp and not self.hf_mtp_carried
+
+    @property
     def launcher(self) -> str:
         return f"examples/{self.name}/run_mcore_{self.name}.sh"
 
