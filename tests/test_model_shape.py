@@ -43,6 +43,7 @@ def rows():
     ("llama3_1", "8B", 8.03, 8.03, 2, False),
     ("deepseek_v3", "671B", 671, 37, 0, True),      # without the multi-token-prediction layer
     ("deepseek_v3", "Kimi-K2-1T-A32B", 1026, 32, 0, True),  # Moonshot: "1T total (1.026T), 32B activated"
+    ("deepseek_v4", "Flash", 284, 13, 0, True),  # DeepSeek: "284B parameters, 13B activated", MTP aside
     ("qwen3_moe", "30B-A3B", 30.5, 3.3, 1, True),
     ("mixtral", "8x7B", 46.7, 12.9, 1, False),
 ])
@@ -52,6 +53,12 @@ def test_families_json_gives_the_published_sizes(rows, family, size, total, acti
     scale = 10 ** digits
     shown = math.floor(counts["params_active"] / B * scale) / scale if cut else round(counts["params_active"] / B, digits)
     assert shown == active, counts
+
+
+def test_deepseek_v4_pro_has_its_published_size(rows):
+    """DeepSeek: "1.6T parameters, 49B activated" (the MTP layer aside), as its card rounds them."""
+    counts = rows["deepseek_v4"]["presets"]["Pro"]
+    assert round(counts["params_total"] / 1e12, 1) == 1.6 and math.floor(counts["params_active"] / B) == 49, counts
 
 
 # Published sizes within 1%, and active ones as the publisher counts them: Zhipu and Qwen (for Qwen3-Next) leave
