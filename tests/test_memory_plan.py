@@ -17,9 +17,10 @@ import json
 import os
 
 import pytest
+import torch
 
 from megatron_patch.cli import main
-from megatron_patch.models.description.registry import families
+from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.training.memory_plan import GiB, auto_share, plan_memory, stage_memory
 from megatron_patch.training.validation import resolve
@@ -181,3 +182,35 @@ def test_dry_run_prints_the_plan_and_a_config_that_cannot_fit_is_refused(corpus,
     err = capsys.readouterr().err
     assert "the memory plan needs" in err and "on pipeline stage 0 and the device has 2.00 MiB" in err
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,streams,hidden,iterations", [((8, 2), 4, 64, 20), ((16, 1), 2, 32, 3)])
+def test_hyper_connections_plan_what_autograd_keeps(dtype, tokens, streams, hidden, iterations):
+    """DeepSeek-V4's hyper-connected step and its head, planned (memory_plan.hyper_connection_activations,
+    hyper_head_activations) as the bytes autograd saves, exactly; and the tiny V4's plan counts them."""
+    from types import SimpleNamespace
+
+    from megatron_patch.models.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hyper_connected
+    from megatron_patch.training.memory_plan import (Shape, _shape, hyper_connection_activations,
+                                                     hyper_head_activations)
+    from tests.saved_tensors import SavedTensorMeter
+
+    s, b = tokens
+    config = SimpleNamespace(hidden_size=hidden, layernorm_epsilon=1e-6, init_method_std=0.02, sequence_parallel=False)
+    hc_settings = SimpleNamespace(hc_mult=streams, hc_sinkhorn_iters=iterations, hc_eps=1e-6)
+    step, head = HyperConnection(config, hc_settings), HyperHead(config, hc_settings)
+    x = torch.randn(s, b, streams, hidden, dtype=dtype, requires_grad=True) * 1  # a layer's input: not a leaf
+    with SavedTensorMeter(exclude=[*step.parameters()]) as kept_by_step:
+        hyper_connected(step, lambda t: t, lambda t: t * 1, x)  # the sublayer's own tensors are the layer's
+    with SavedTensorMeter(exclude=[*head.parameters()]) as kept_by_head:
+        head(x)
+    sh = Shape(s=s, b=b, h=hidden, a=hidden, kvw=hidden, hn=hidden, heads=1, f=hidden, vocab=1, tp=1, sp=False,
+               d=dtype.itemsize, streams=(streams, iterations))
+    assert hyper_connection_activations(sh) == kept_by_step.peak
+    assert hyper_head_activations(sh) == kept_by_head.peak
+
+    arch = parse_arch(families()["deepseek_v4"].tiny_config)
+    cfg = SimpleNamespace(sample_length=s, cp=1, micro_batch_size=b, precision=SimpleNamespace(itemsize=dtype.itemsize),
+                          lora=None, dsa=None, tp=1, sequence_parallel=False)
+    assert _shape(arch, cfg).streams == (4, 20)

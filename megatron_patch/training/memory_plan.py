@@ -147,6 +147,8 @@ class Shape:
     lora: tuple | None = None
     # DeepSeek sparse attention's indexer (None: none): (heads, head dim, top-k, whether it trains: its loss is on)
     indexer: tuple | None = None
+    # hyper-connections (None: one residual stream): (streams, Sinkhorn-Knopp iterations of the stream mix)
+    streams: tuple | None = None
 
     @property
     def s_sp(self) -> int:
@@ -184,7 +186,8 @@ def layer_activations(sh: Shape, ac: str, spec: str, attention: str = UNFUSED) -
             norms = 2 * (ssp * b * h * 4 + ssp * b * 4)
             qk_norms -= s * b * (a + kvw) // tp * 4 if sh.qk_norm else 0
             linear_inputs = lora_activations(sh)
-        return norms + linear_inputs + rope + attention + swiglu + qk_norms + indexer_activations(sh)
+        return (norms + linear_inputs + rope + attention + swiglu + qk_norms + indexer_activations(sh)
+                + 2 * hyper_connection_activations(sh))
     # transformer-engine: norm fused into the next linear (its input, the normalised output, 1/rms),
     # fused attention keeps q, k, v, the output and fp32 softmax statistics, fused SwiGLU keeps its input
     norm_linear = 2 * (2 * ssp * b * h * d + ssp * b * 4)
@@ -193,7 +196,35 @@ def layer_activations(sh: Shape, ac: str, spec: str, attention: str = UNFUSED) -
     qk_norms = (s * b * (a + kvw) // tp * d + s * b * (a + kvw) // hn // tp * 4) if sh.qk_norm else 0
     # LoRA: the adapters' tensors on top (transformer-engine's savings from a frozen base are not counted)
     extra = lora_activations(sh, inputs=False) if sh.lora is not None else 0
-    return norm_linear + attention + mlp + qk_norms + extra
+    return norm_linear + attention + mlp + qk_norms + extra + 2 * hyper_connection_activations(sh)
+
+
+def hyper_connection_activations(sh: Shape) -> int:
+    """What one hyper-connected step (DeepSeek-V4's attn_hc or ffn_hc, models/deepseek_v4/hyper_connections.py)
+    keeps for backward around its sublayer, over the streams [s, b, n, h] of this rank's tokens: the streams (and
+    their float32 copy below fp32), 1/rms and the normalised float32 streams the mix projection reads, the mix
+    logits, the pre and post sigmoids, the pre mix, the softmax of the comb logits, each Sinkhorn-Knopp division's
+    input and divisor (2 * iterations - 1 of them), the sublayer's output, post and comb cast for the final mix.
+    The sublayer's own tensors are the layer's (the norm before it is the layer formula's too). Measured equal to
+    autograd's saved tensors (tests/test_memory_plan.py)."""
+    if sh.streams is None:
+        return 0
+    n, iterations = sh.streams
+    t, h, d = sh.s_sp * sh.b, sh.h, sh.d
+    streams = t * n * h * (d + (4 if d != 4 else 0) + 4)  # the streams, their float32 copy, the normalised ones
+    mixes = t * 4 + t * (2 + n) * n * 4 + 3 * t * n * 4 + t * n * n * 4  # 1/rms, logits, sigmoids and pre, softmax
+    sinkhorn = (2 * iterations - 1) * t * (n * n + n) * 4
+    return streams + mixes + sinkhorn + t * h * d + t * n * d + t * n * n * d
+
+
+def hyper_head_activations(sh: Shape) -> int:
+    """What the streams' collapse before the final norm (V4's hc_head) keeps for backward: the streams, their float32
+    copy below fp32, 1/rms, the normalised streams, the mix logits, its sigmoid and the pre mix."""
+    if sh.streams is None:
+        return 0
+    n = sh.streams[0]
+    t, h, d = sh.s_sp * sh.b, sh.h, sh.d
+    return t * n * h * (d + (4 if d != 4 else 0) + 4) + t * 4 + 3 * t * n * 4
 
 
 def indexer_activations(sh: Shape) -> int:
@@ -244,12 +275,14 @@ def head_activations(sh: Shape, first: bool, last: bool, spec: str) -> int:
         ssp = sh.s_sp
         norm = 2 * ssp * sh.b * sh.h * 4 + ssp * sh.b * 4 if spec == "local" else 2 * ssp * sh.b * sh.h * sh.d + ssp * sh.b * 4
         out += norm - (ssp * sh.b * sh.h * 4 if frozen else 0) + ssp * sh.b * sh.h * sh.d + sh.s * sh.b * sh.vocab // sh.tp * 4 + sh.s * sh.b + sh.s * sh.b * 8
+        out += hyper_head_activations(sh)
     return out
 
 
 def full_recompute_block_inputs(sh: Shape, blocks: int, spec: str) -> int:
     """What uniform full recompute keeps per micro-batch: each block's input, and the fp32 RoPE table."""
-    return blocks * sh.s_sp * sh.b * sh.h * sh.d + (sh.s * sh.hn * 4 if spec == "local" else 0)
+    streams = sh.streams[0] if sh.streams is not None else 1  # a block's input is every residual stream
+    return blocks * sh.s_sp * sh.b * sh.h * sh.d * streams + (sh.s * sh.hn * 4 if spec == "local" else 0)
 
 
 # --- the plan ---------------------------------------------------------------------------------------------
@@ -389,11 +422,12 @@ def _shape(arch, cfg, layer: int | None = None) -> Shape:
     indexer = None if sparse is None else (sparse.n_heads, sparse.head_dim, sparse.topk,
                                            bool(cfg.dsa and cfg.dsa["loss_scale"]))
     attention = arch.attention_shape(layer if layer is not None else 0)
+    streams = arch.family_config.hyper_connections if arch.family_config is not None else None
     return Shape(s=cfg.sample_length // cfg.cp, b=cfg.micro_batch_size, h=arch.hidden_size,
                  a=arch.num_heads * attention.head_dim, kvw=attention.num_kv_heads * attention.head_dim,
                  hn=attention.head_dim,
                  heads=arch.num_heads, f=f, vocab=arch.padded_vocab_size(), tp=cfg.tp, sp=cfg.sequence_parallel, d=d,
-                 qk_norm=qk_norm, lora=lora, indexer=indexer)
+                 qk_norm=qk_norm, lora=lora, indexer=indexer, streams=streams)
 
 
 def in_flight(cfg, pp_rank: int) -> int:

@@ -65,6 +65,10 @@ class DeepseekV4Settings(FamilyConfig):
                           "input_layernorm", "pre_mlp_layernorm", "final_layernorm", "layer_norm_weight")
     core_attention = False  # its attention computes its own scores (attention.py)
 
+    @property
+    def hyper_connections(self) -> tuple[int, int]:
+        return self.hc_mult, self.hc_sinkhorn_iters
+
     def check_layout(self, arch, layout, pp_first_stage_layers) -> None:
         if layout.cp > 1:
             raise UserError(f"CP={layout.cp}: DeepSeek-V4's sliding and compressed attention sees the whole sequence on "

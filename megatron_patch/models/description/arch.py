@@ -102,6 +102,9 @@ class FamilyConfig:
     # Whether its layers run megatron-core's core attention, whose kernel the memory plan names (DeepSeek-V4's
     # attention computes its own scores).
     core_attention = True
+    # Hyper-connections (DeepSeek-V4): (residual streams, Sinkhorn-Knopp iterations of the stream mix), which the
+    # memory plan counts; None: one residual stream, as every other family.
+    hyper_connections = None  # tuple[int, int] | None
 
     def layer_kind(self, layer: int) -> str:
         return ""
