@@ -106,7 +106,8 @@ def test_the_weight_table_round_trips_bit_exact_at_tp1(v4, hf_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,layout", [("legacy", ParallelLayout(tp=2)), ("torch_dist", ParallelLayout(tp=2)),
                                         ("legacy", ParallelLayout(ep=2)), ("torch_dist", ParallelLayout(ep=2)),
-                                        ("torch_dist", ParallelLayout(pp=2))], ids=str)
+                                        ("torch_dist", ParallelLayout(pp=2)),
+                                        ("torch_dist", ParallelLayout(tp=2, ep=2, etp=1))], ids=str)
 def test_the_weight_table_round_trips_across_ranks_and_loads_with_transformers_logits(v4, hf_dir, tmp_path, fmt,
                                                                                        layout):
     from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
