@@ -20,7 +20,7 @@ from megatron_patch.align import ablations
 from megatron_patch.align.capture import point_names
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
-from megatron_patch.align.verdict import DEFAULT_TOLERANCE, judge
+from megatron_patch.align.verdict import DEFAULT_TOLERANCE, exact_routing_layers, judge
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.dtypes import PRECISIONS
@@ -264,7 +264,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
 
     log("[3/3] verdict")
     verdicts = {dt: judge(ref, tests[dt], dt, ref_arch.num_layers, floor if dt != "fp32" else None, s.tolerance,
-                          what=s.test_side) for dt in s.runs}
+                          what=s.test_side, exact_routing=exact_routing_layers(ref_arch)) for dt in s.runs}
     result = {
         "verdict": combined_verdict(verdicts, s),
         "settings": {**asdict(s), "layout": {"tp": s.layout.tp, "pp": s.layout.pp, "ep": s.layout.ep,

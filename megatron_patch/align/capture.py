@@ -9,6 +9,12 @@ Points, in the order data flows through the model (``point_names``)::
 the decoder layer's output. Every capture is float32 on CPU, shaped [batch, seq, ...] (MCore's
 [seq, batch, ...] is transposed), so captures from either side compare directly.
 
+A model whose residual is several streams (DeepSeek-V4's hyper-connections) holds a layer's output as
+[batch, seq, streams, hidden] in transformers; megatron-core's block carries them folded into the batch,
+[seq, batch * streams, hidden] (the model's ``pipeline_batch_factor``), and is unfolded here to the reference's
+layout. The embedding is one hidden state in the reference, copied into the streams after it
+(``streams_like``).
+
 On the MCore side each pipeline stage captures its own layers (global numbers from
 ``TransformerLayer.layer_number``); ``merge_captures`` joins the stages' pieces.
 
@@ -19,7 +25,9 @@ family names the router's path (``HFModules.router``). MCore's router returns it
 Sparse-attention layers (DeepSeek-V3.2, GLM-5) report which keys each query attends to, ``selection.{i}``:
 [batch, seq, seq] True at the keys the indexer kept that the query may see (a query with fewer earlier
 tokens than the top-k keeps them all, whatever else fills its top-k). HF's indexer returns its top-k
-indices; MCore's sparse core attention keeps its latest ones (``last_topk``).
+indices; MCore's module that selects keeps its latest ones (``last_topk``: DeepSeek-V3.2's sparse core
+attention, DeepSeek-V4's indexer). DeepSeek-V4's CSA indexer selects among compressed blocks of keys, the
+same way (an index is a block, -1 where a query sees fewer blocks than the top-k).
 """
 
 from __future__ import annotations
@@ -56,10 +64,13 @@ def selection_layers(captures: Captures) -> list[int]:
 
 
 def selection_mask(topk: torch.Tensor) -> torch.Tensor:
-    """[batch, seq, seq] bool of the top-k key indices [batch, seq, k] a query may see (causal)."""
+    """[batch, seq, seq] bool of the top-k key indices [batch, seq, k] a query may see (causal); a negative
+    index marks no choice (DeepSeek-V4's indexer, for a query that sees fewer blocks than the top-k)."""
     batch, seq = topk.shape[:2]
-    chosen = torch.zeros(batch, seq, seq, dtype=torch.bool).scatter_(-1, topk.long().cpu(), True)
-    return chosen & torch.ones(seq, seq, dtype=torch.bool).tril()
+    topk = topk.long().cpu()
+    none = seq  # one column past the keys, dropped
+    chosen = torch.zeros(batch, seq, seq + 1, dtype=torch.bool).scatter_(-1, topk.where(topk >= 0, none), True)
+    return chosen[..., :seq] & torch.ones(seq, seq, dtype=torch.bool).tril()
 
 
 @contextmanager
@@ -94,9 +105,32 @@ def _first(output):
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def unfold_streams(t: torch.Tensor, batch: int, streams: int) -> torch.Tensor:
+    """A batch-first capture [batch * streams, seq, h] of streams folded into the batch, as the reference holds
+    them: [batch, seq, streams, h]. Other tensors (a sub-block's [batch, seq, h]) as they are."""
+    if streams == 1 or t.shape[0] != batch * streams:
+        return t
+    return t.unflatten(0, (batch, streams)).transpose(1, 2)
+
+
+def stream_count(t: torch.Tensor) -> int:
+    """The residual streams a capture holds ([batch, seq, streams, hidden]; 0 for [batch, seq, hidden])."""
+    return t.shape[-2] if t.dim() == 4 else 0
+
+
+def streams_like(ref: torch.Tensor, test: torch.Tensor) -> torch.Tensor:
+    """``ref`` as ``test`` holds the point: a hidden state [batch, seq, h] copied into each of ``test``'s streams
+    [batch, seq, streams, h] where only ``test`` holds them (the embedding: the reference expands it into the
+    streams after its embedding module, megatron-core in a hook on it)."""
+    if test.dim() == ref.dim() + 1 and test.shape[:-2] == ref.shape[:-1] and test.shape[-1] == ref.shape[-1]:
+        return ref.unsqueeze(-2).expand_as(test)
+    return ref
+
+
 @contextmanager
-def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool):
-    """Forward hooks that copy each module's (first) output into ``store`` under its point name."""
+def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool, batch: int = 0, streams: int = 1):
+    """Forward hooks that copy each module's (first) output into ``store`` under its point name; a sequence-first
+    output with ``streams`` residual streams folded into its ``batch`` is unfolded (``unfold_streams``)."""
 
     def make(name):
         def hook(module, args, output):
@@ -105,7 +139,7 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
                 # megatron-core's sub-blocks return (output, bias) and add the bias later, with the residual
                 t = t + output[-1].detach()
             if seq_first:
-                t = t.transpose(0, 1)
+                t = unfold_streams(t.transpose(0, 1), batch, streams)
             # Always a copy: with batch 1 the transposed output is already contiguous, and MCore adds the
             # residual into its sub-block outputs in place, which would change an aliased capture.
             store[name] = t.to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format)
@@ -196,10 +230,17 @@ def hf_routers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
 
 
 def hf_indexers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
-    """Each sparse-attention layer's indexer, at the family's path."""
+    """Each sparse-attention layer's indexer, at the family's path (layers of other attention types have none:
+    DeepSeek-V4's sliding and HCA layers)."""
     if modules.indexer is None:
         return {}
-    return {i: layer.get_submodule(modules.indexer) for i, layer in enumerate(_submodule(model, modules.layers))}
+    out = {}
+    for i, layer in enumerate(_submodule(model, modules.layers)):
+        try:
+            out[i] = _submodule(layer, modules.indexer)
+        except AttributeError:
+            continue
+    return out
 
 
 def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
@@ -240,16 +281,24 @@ def mcore_routers(model) -> dict[int, torch.nn.Module]:
 
 
 def mcore_indexers(model) -> dict[int, torch.nn.Module]:
-    """Each sparse-attention layer's core attention (it keeps its latest top-k)."""
-    return {layer.layer_number - 1: layer.self_attention.core_attention for layer in model.decoder.layers
-            if hasattr(getattr(layer.self_attention, "core_attention", None), "last_topk")}
+    """Each sparse-attention layer's module that selects keys and keeps its latest top-k (``last_topk``):
+    DeepSeek-V3.2's sparse core attention, DeepSeek-V4's CSA indexer."""
+    out = {}
+    for layer in model.decoder.layers:
+        keeper = next((m for m in layer.self_attention.modules() if hasattr(m, "last_topk")), None)
+        if keeper is not None:
+            out[layer.layer_number - 1] = keeper
+    return out
 
 
 def capture_mcore(model, tokens: torch.Tensor, vocab_size: int) -> Captures:
     """This rank's points of an MCore GPTModel (its stage only), run through megatron's schedule."""
+    from megatron_patch.models.blocks.builder import pipeline_batch_factor  # megatron-core, as the model
+
     store: Captures = {}
     batch, seq = tokens.shape
-    with _hooks(mcore_capture_targets(model), store, seq_first=True), \
+    streams = pipeline_batch_factor(model)  # residual streams folded into the batch (DeepSeek-V4's)
+    with _hooks(mcore_capture_targets(model), store, seq_first=True, batch=batch, streams=streams), \
             _routing_hooks(mcore_routers(model), store, batch, seq, mcore=True), \
             _selection_hooks(mcore_indexers(model), store, mcore=True):
         logits = forward_logits(model, tokens, vocab_size)

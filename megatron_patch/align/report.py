@@ -116,11 +116,12 @@ def markdown(result: dict, command: str | None = None) -> str:
                             "Tokens whose top-k expert set differs from HF fp32's. A near tie between two experts' "
                             "scores can flip either way under rounding; HF's own flips in the same dtype are the "
                             "floor. The points below are compared on the tokens no flip reached (the 'tokens' "
-                            "column).", v["routing"], v["dtype"], floor_on, agreement=False)
+                            "column). A layer routed by token id (a table: DeepSeek-V4's hash layers) has no tie "
+                            "to flip and must agree exactly.", v["routing"], v["dtype"], floor_on, agreement=False)
     if v.get("selection"):
         out += _flips_table("## Key selection (sparse-attention layers)",
-                            "Tokens whose indexer kept other keys (among those they may see) than HF fp32's "
-                            "indexer; agreement is the share that kept the same ones. A near tie between two keys' "
+                            "Tokens whose indexer kept other keys, or blocks of keys (among those they may see), "
+                            "than HF fp32's indexer; agreement is the share that kept the same ones. A near tie between two keys' "
                             "index scores can flip under rounding; HF's own flips in the same dtype are the floor. "
                             "Tokens a flip reached are left out of the points below from that layer's attention "
                             "output on.", v["selection"], v["dtype"], floor_on, agreement=True)
@@ -134,11 +135,11 @@ def markdown(result: dict, command: str | None = None) -> str:
         if not m:
             out.append(f"| {p['name']} | 0 |" + " - |" * (5 if floor_on else 3) + f" {p['limit']} | - |")
             continue
-        row = f"| {p['name']} | {tokens} | {_fmt(m['rel_l2'])} | {_fmt(m['max_abs'])} | {_fmt(m['cosine'], '.6f')} |"
-        if floor_on:
-            row += f" {_fmt(p['floor']['rel_l2'])} | {_fmt(p['ratio'], '.2f')}x |"
-        row += f" {p['limit']} | {'yes' if p['passed'] else '**NO**'} |"
-        out.append(row)
+        streams = p.get("streams") or []
+        out.append(_point_row(p["name"] + (" (all streams)" if streams else ""), tokens, p, floor_on))
+        # a layer's residual streams (hyper-connections), each judged as the point is: the point passes with all
+        out += [_point_row(f"{p['name']} stream {r['stream']}", tokens, {**r, "limit": p["limit"]}, floor_on)
+                for r in streams]
     lg = v["points"][-1]
     if lg["metrics"]:
         out += ["", "## Logits", "", "| | tested vs HF fp32 |" + (" floor (HF dtype vs fp32) |" if floor_on else ""),
@@ -164,6 +165,14 @@ def markdown(result: dict, command: str | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def _point_row(label: str, tokens: str, p: dict, floor_on: bool) -> str:
+    m = p["metrics"]
+    row = f"| {label} | {tokens} | {_fmt(m['rel_l2'])} | {_fmt(m['max_abs'])} | {_fmt(m['cosine'], '.6f')} |"
+    if floor_on:
+        row += f" {_fmt(p['floor']['rel_l2'])} | {_fmt(p['ratio'], '.2f')}x |"
+    return row + f" {p['limit']} | {'yes' if p['passed'] else '**NO**'} |"
+
+
 def _flips_table(title: str, text: str, rows: list[dict], dtype: str, floor_on: bool, agreement: bool) -> list[str]:
     """A routing or key-selection section: per layer, the tokens that flipped (and HF's own, in bf16/fp16)."""
     head = "| layer | tokens |" + (" agreement |" if agreement else "") + " flipped (tested) |" \
@@ -171,8 +180,8 @@ def _flips_table(title: str, text: str, rows: list[dict], dtype: str, floor_on: 
     out = [title, "", text, "", head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         row = f"| {r['layer']} | {r['tokens']} |" + (f" {r['agreement']:.1%} |" if agreement else "") + f" {r['flipped']} |"
-        if floor_on:
-            row += f" {r['floor_flipped']} | {_fmt(r['ratio'], '.2f')}x |"
+        if floor_on:  # a choice held exact (routed by token id) has no ratio
+            row += f" {r['floor_flipped']} | {_fmt(r['ratio'], '.2f')}{'x' if r['ratio'] is not None else ''} |"
         out.append(row + f" {r['limit']} | {'yes' if r['passed'] else '**NO**'} |")
     return out + [""]
 
@@ -215,5 +224,8 @@ def print_summary(result: dict, file=None) -> None:
         if sel is not None:
             flips += f"  selection agreement {sel['agreement']:.1%}" + (
                 f" (HF {1 - sel['floor_flipped'] / max(sel['tokens'], 1):.1%})" if sel["floor_flipped"] is not None else "")
+        streams = [f"{r['stream']}" for p in ps for r in p.get("streams") or [] if not r["passed"]]
+        if streams:
+            flips += f"  streams over the line: {', '.join(streams)}"
         print(f"{label:<11} {errs:<32} {ratio:>13}  {ok}{flips}", file=file)
     print(("ALIGNED: " if v["aligned"] else "") + v["summary"], file=file)

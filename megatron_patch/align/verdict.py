@@ -33,17 +33,28 @@ from HF fp32's must stay within ``tolerance`` x HF's own such tokens in that dty
 ``MIN_FLOOR_FLIPS``; in fp32 at most ``FP32_ROUTING_FLIPS`` of the tokens); a near-tie that flips in bf16 is
 noise, a selection that differs systematically fails there. A token whose selection flipped is left out from
 its layer's attention output on, and the positions after it from the next layer on. Each layer's selection
-agreement (the share of tokens that keep HF fp32's keys) is reported.
+agreement (the share of tokens that keep HF fp32's keys) is reported. DeepSeek-V4's CSA indexer, which keeps
+the top-k compressed blocks of keys per query, is judged the same way.
+
+An MoE layer whose experts are a table of the token id (DeepSeek-V4's hash layers: ``tid2eid[token_id]``,
+``Arch.routes_by_token_id``) has no score to tie: rounding cannot change its choice, so its routing must be HF
+fp32's exactly, in every dtype, and a single token routed otherwise is a fault (a wrong table row).
+
+A point held as several residual streams (DeepSeek-V4's hyper-connections: a layer's output [batch, seq, streams,
+hidden]) is judged as a whole and each stream on its own, by the same bound: it passes when every stream does,
+and a failure names the streams over the line (a fault in one stream's mix shows in that stream alone).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Collection
 
 import torch
 
 from megatron_patch.align.capture import (
-    ROUTING, SELECTION, Captures, point_layer, point_names, routing_layers, selection_layers)
+    ROUTING, SELECTION, Captures, point_layer, point_names, routing_layers, selection_layers, stream_count,
+    streams_like)
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
 
@@ -65,6 +76,17 @@ def min_floor(dtype: str) -> float:
 
 
 @dataclass
+class StreamResult:
+    """One residual stream of a point held as streams, judged as the point is."""
+
+    stream: int
+    metrics: dict
+    floor: dict | None
+    ratio: float | None
+    passed: bool
+
+
+@dataclass
 class PointResult:
     name: str
     layer: int | None
@@ -74,6 +96,11 @@ class PointResult:
     limit: str               # the bound, in words
     passed: bool
     tokens: int | None = None  # tokens judged (those no routing flip reached); None: all
+    streams: list[StreamResult] = field(default_factory=list)  # per residual stream, where the point holds them
+
+    @property
+    def failed_streams(self) -> list[StreamResult]:
+        return [r for r in self.streams if not r.passed]
 
 
 @dataclass
@@ -89,6 +116,7 @@ class RoutingResult:
     limit: str
     passed: bool
     kind: str = "routing"
+    exact: bool = False        # experts from a table of the token id: held to HF fp32 exactly
 
     @property
     def agreement(self) -> float:
@@ -150,14 +178,17 @@ def _reach(flips: torch.Tensor) -> torch.Tensor:
 
 
 def _judge_routing(ref: Captures, test: Captures, floor: Captures | None, dtype: str, tolerance: float,
-                   layer: int, prefix: str = ROUTING) -> tuple[RoutingResult, torch.Tensor]:
+                   layer: int, prefix: str = ROUTING, exact: bool = False) -> tuple[RoutingResult, torch.Tensor]:
     """The routing (or, ``prefix`` SELECTION, key selection) result of ``layer`` and the tokens that flipped
-    on either side."""
+    on either side; ``exact``: a choice no rounding can change (routed by token id), any flip fails."""
     test_flips = _flips(ref, test, layer, prefix)
     floor_flips = _flips(ref, floor, layer, prefix) if floor is not None else torch.zeros_like(test_flips)
     n, flipped = test_flips.numel(), int(test_flips.sum())
     kind = "selection" if prefix == SELECTION else "routing"
-    if floor is None:
+    if exact:
+        result = RoutingResult(layer, n, flipped, None if floor is None else int(floor_flips.sum()), None,
+                               "none (routed by token id)", flipped == 0, kind, exact=True)
+    elif floor is None:
         allowed = int(FP32_ROUTING_FLIPS * n)
         result = RoutingResult(layer, n, flipped, None, None, f"<= {FP32_ROUTING_FLIPS:.0%} of tokens", flipped <= allowed,
                                kind)
@@ -171,7 +202,8 @@ def _judge_routing(ref: Captures, test: Captures, floor: Captures | None, dtype:
 
 
 def _clean_tokens(ref: Captures, test: Captures, floor: Captures | None, dtype: str, tolerance: float,
-                  num_layers: int) -> tuple[list[RoutingResult], list[RoutingResult], dict[str, torch.Tensor | None]]:
+                  num_layers: int, exact_routing: Collection[int] = ()
+                  ) -> tuple[list[RoutingResult], list[RoutingResult], dict[str, torch.Tensor | None]]:
     """Routing and key-selection results, and for each point the tokens to judge it on (None: all of them)."""
     moe, sparse = routing_layers(ref), selection_layers(ref)
     if not moe and not sparse:
@@ -188,7 +220,7 @@ def _clean_tokens(ref: Captures, test: Captures, floor: Captures | None, dtype: 
                 selection.append(result)
                 excluded = flips if excluded is None else excluded | flips
         elif layer is not None and name.endswith(".mlp") and layer in moe:
-            result, flips = _judge_routing(ref, test, floor, dtype, tolerance, layer)
+            result, flips = _judge_routing(ref, test, floor, dtype, tolerance, layer, exact=layer in exact_routing)
             routing.append(result)
             excluded = flips if excluded is None else excluded | flips
         elif layer is None:
@@ -200,13 +232,15 @@ def _clean_tokens(ref: Captures, test: Captures, floor: Captures | None, dtype: 
 
 
 def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Captures | None = None,
-          tolerance: float = DEFAULT_TOLERANCE, what: str = "MCore") -> Verdict:
+          tolerance: float = DEFAULT_TOLERANCE, what: str = "MCore", exact_routing: Collection[int] = ()) -> Verdict:
     """Compare ``test`` with the fp32 reference ``ref`` at every point; ``floor`` holds HF's own
     captures in ``dtype`` (required unless dtype is fp32). MoE layers' routing is judged on its own
-    and the other points on the tokens no routing flip reached (see the module docstring)."""
+    and the other points on the tokens no routing flip reached (see the module docstring);
+    ``exact_routing``: the MoE layers routed by token id (``exact_routing_layers``), whose routing must agree
+    exactly."""
     if dtype != "fp32" and floor is None:
         raise ValueError("a bf16/fp16 verdict needs HF's own captures in that dtype (the noise floor)")
-    routing, selection, masks = _clean_tokens(ref, test, floor, dtype, tolerance, num_layers)
+    routing, selection, masks = _clean_tokens(ref, test, floor, dtype, tolerance, num_layers, exact_routing)
     results: list[PointResult] = []
     for name in point_names(num_layers):
         if name not in ref or name not in test:
@@ -222,18 +256,44 @@ def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Cap
         def pick(t, mask=mask):
             return t if mask is None else t[mask]
 
-        m = cmp(pick(ref[name]), pick(test[name]))
-        if dtype == "fp32":
-            ok, limit = _judge_fp32(name, m)
-            results.append(PointResult(name, point_layer(name), m, None, None, limit, ok, tokens))
-        else:
-            f = cmp(pick(ref[name]), pick(floor[name]))
-            ok, ratio, limit = _judge_floor(name, m, f, dtype, tolerance)
-            results.append(PointResult(name, point_layer(name), m, f, ratio, limit, ok, tokens))
+        r, t = pick(streams_like(ref[name], test[name])), pick(test[name])
+        f = None if dtype == "fp32" else pick(streams_like(floor[name], test[name]))
+        point = _judge_point(name, r, t, f, dtype, tolerance, cmp)
+        point.tokens = tokens
+        # per stream where the reference itself holds streams (not the embedding it copies into them)
+        point.streams = [_judge_stream(name, k, r, t, f, dtype, tolerance) for k in range(stream_count(ref[name]))]
+        point.passed = point.passed and not point.failed_streams
+        results.append(point)
     return _verdict(results, routing, dtype, tolerance, what, selection)
 
 
+def _judge_point(name: str, r: torch.Tensor, t: torch.Tensor, f: torch.Tensor | None, dtype: str, tolerance: float,
+                 cmp=compare) -> PointResult:
+    m = cmp(r, t)
+    if f is None:
+        ok, limit = _judge_fp32(name, m)
+        return PointResult(name, point_layer(name), m, None, None, limit, ok)
+    floor = cmp(r, f)
+    ok, ratio, limit = _judge_floor(name, m, floor, dtype, tolerance)
+    return PointResult(name, point_layer(name), m, floor, ratio, limit, ok)
+
+
+def _judge_stream(name: str, k: int, r: torch.Tensor, t: torch.Tensor, f: torch.Tensor | None, dtype: str,
+                  tolerance: float) -> StreamResult:
+    one = _judge_point(name, r[..., k, :], t[..., k, :], None if f is None else f[..., k, :], dtype, tolerance)
+    return StreamResult(k, one.metrics, one.floor, one.ratio, one.passed)
+
+
+def exact_routing_layers(arch) -> list[int]:
+    """The MoE layers of ``arch`` whose experts are a table of the token id: their routing is judged exactly."""
+    return [i for i in range(arch.num_layers) if arch.routes_by_token_id(i)]
+
+
 def _where(p: PointResult) -> str:
+    streams = p.failed_streams
+    if streams:  # the streams over the line, after the point
+        what = f"{p.name}, stream{'s' if len(streams) > 1 else ''} {', '.join(str(r.stream) for r in streams)}"
+        return f"layer {p.layer} ({what})" if p.layer is not None else f"{p.name} ({what})"
     return f"layer {p.layer} ({p.name})" if p.layer is not None else p.name
 
 
@@ -258,16 +318,22 @@ def _why(first, dtype: str, tol: float) -> tuple[str, str]:
     if isinstance(first, RoutingResult):
         where = f"layer {first.layer} ({first.kind})"
         choice = "attend to other keys" if first.kind == "selection" else "choose other experts"
+        if first.exact:
+            return where, (f"{first.flipped} of {first.tokens} tokens {choice} than HF fp32, where their token id "
+                           "alone decides them (a table, tid2eid: no rounding can flip it)")
         if first.floor_flipped is None:
             return where, f"{first.flipped} of {first.tokens} tokens {choice} than HF fp32 (limit {first.limit})"
         return where, (f"{first.flipped} of {first.tokens} tokens {choice} than HF fp32, "
                        f"{first.ratio:.1f}x HF's own {dtype} flips ({first.floor_flipped}) > {tol:g}x")
+    # a point held as streams: the numbers of its worst stream over the line
+    worst = max(first.failed_streams, key=lambda r: r.ratio if dtype != "fp32" else r.metrics["rel_l2"],
+                default=first)
     if dtype == "fp32":
-        why = f"rel_l2 {first.metrics['rel_l2']:.1e} > {FP32_REL_L2:g}"
+        why = f"rel_l2 {worst.metrics['rel_l2']:.1e} > {FP32_REL_L2:g}"
         if first.name == "logits" and first.metrics["rel_l2"] <= FP32_REL_L2:
             why = f"KL {first.metrics['kl']:.1e} > {FP32_KL:g}"
     else:
-        why = f"error {first.ratio:.1f}x HF's own {dtype} rounding > {tol:g}x"
+        why = f"error {worst.ratio:.1f}x HF's own {dtype} rounding > {tol:g}x"
     if first.tokens is not None:
         why += f" (on the {first.tokens} tokens no routing or selection flip reached)"
     return _where(first), why
@@ -294,8 +360,10 @@ def _verdict(results: list[PointResult], routing: list[RoutingResult], dtype: st
     if routing:
         flipped = sum(r.flipped for r in routing)
         floor = sum(r.floor_flipped or 0 for r in routing)
+        exact = sum(r.exact for r in routing)
         head += (f"; routing: {flipped} token-layer flips against HF fp32 over {len(routing)} MoE layers"
-                 + (f" (HF {dtype}'s own: {floor})" if dtype != "fp32" else ""))
+                 + (f" (HF {dtype}'s own: {floor})" if dtype != "fp32" else "")
+                 + (f", {exact} of them routed by token id and held exact" if exact else ""))
     if selection:
         flipped = sum(r.flipped for r in selection)
         floor = sum(r.floor_flipped or 0 for r in selection)

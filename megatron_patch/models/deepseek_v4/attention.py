@@ -271,6 +271,7 @@ class Indexer(torch.nn.Module):
                                                  init_method=config.init_method)
         _whole_on_every_rank(self)
         self.requires_grad_(False)  # module doc: top-k indices carry no gradient
+        self.last_topk: torch.Tensor | None = None  # what the alignment report compares with transformers' choice
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope):
@@ -285,10 +286,13 @@ class Indexer(torch.nn.Module):
         scores = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [b, s, n]
         entries = keys.shape[1]
         if entries == 0:
-            return scores.topk(0, dim=-1).indices
-        visible = visible_entries(positions, entries, self.rate)
-        top = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, entries), dim=-1).indices
-        return torch.where(top >= ((positions + 1) // self.rate)[:, None], torch.full_like(top, -1), top)
+            top = scores.topk(0, dim=-1).indices
+        else:
+            visible = visible_entries(positions, entries, self.rate)
+            top = scores.masked_fill(~visible, float("-inf")).topk(min(self.topk, entries), dim=-1).indices
+            top = torch.where(top >= ((positions + 1) // self.rate)[:, None], torch.full_like(top, -1), top)
+        self.last_topk = top
+        return top
 
 
 class DeepseekV4Attention(MegatronModule):

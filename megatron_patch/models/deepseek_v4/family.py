@@ -7,7 +7,7 @@ from megatron_patch.models.blocks.mtp import num_mtp_layers
 from megatron_patch.models.deepseek_v4.hub_names import hf_names_view, mtp_prefixes
 from megatron_patch.models.deepseek_v4.mapping import weight_rules
 from megatron_patch.models.deepseek_v4.presets import PRESETS
-from megatron_patch.models.description.family import ModelFamily, TestLayouts
+from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 
@@ -55,6 +55,8 @@ FAMILY = ModelFamily(
     finish_model=finish_model, tiny_buffer=tiny_hash_tables,
     skeleton_from_megatron_core="its layers (hyper-connections, V4 attention, hash routing) are modules of its own",
     test_layouts=TestLayouts(parity=(L(), L(tp=2), L(pp=2))),
+    # the aligner's routers (hash and top-k layers alike) and the CSA layers' block selection
+    hf_modules=HFModules(router="mlp.gate", indexer="self_attn.compressor.indexer"),
     hf_names_view=hf_names_view,  # the hub's own names (hub_names.py) read as transformers' save names
     # its MTP layers (mtp.{k}.*) convert-only: carried beside the model with --mtp, not built
     hf_mtp_layers=num_mtp_layers, hf_mtp_prefixes=mtp_prefixes, hf_mtp_carried=True,

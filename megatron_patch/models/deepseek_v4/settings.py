@@ -94,6 +94,9 @@ class DeepseekV4Settings(FamilyConfig):
         """Whether layer ``layer``'s experts are chosen by the token id (``tid2eid``), not by the router."""
         return self.mlp_layer_types[layer] == HASH_MOE
 
+    def routes_by_token_id(self, layer: int) -> bool:
+        return self.is_hash_layer(layer)  # FamilyConfig's question: the aligner holds these layers' routing exact
+
 
 def settings(arch: Arch) -> DeepseekV4Settings:
     return arch.family_config

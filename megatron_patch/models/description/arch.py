@@ -115,6 +115,12 @@ class FamilyConfig:
     def check_layout(self, arch: "Arch", layout: ParallelLayout, pp_first_stage_layers: int | None) -> None:
         return None
 
+    def routes_by_token_id(self, layer: int) -> bool:
+        """Whether MoE layer ``layer`` picks its experts from a fixed table of the token id (DeepSeek-V4's hash
+        layers: ``tid2eid[token_id]``), not from router scores: no rounding can change that choice, so the aligner
+        holds it to the reference exactly."""
+        return False
+
     def least_weight_elements(self, arch: "Arch") -> int | None:
         """The family's own lower bound of its checkpoint files' bytes (config_checks.least_weight_elements),
         where the common one, the weights it counts at one byte each, would exceed what the family's published
@@ -204,6 +210,11 @@ class Arch:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer not in self.dense_layers
+
+    def routes_by_token_id(self, layer: int) -> bool:
+        """Whether MoE layer ``layer``'s experts are a table of the token id (``FamilyConfig.routes_by_token_id``)."""
+        own = self.family_config
+        return self.is_moe_layer(layer) and own is not None and own.routes_by_token_id(layer)
 
     @property
     def has_dense_layers(self) -> bool:

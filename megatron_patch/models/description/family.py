@@ -43,8 +43,9 @@ class HFModules:
     final_norm: str | tuple[str, ...] = "model.norm"
     # Within an MoE layer: the router (its output holds the chosen experts, or only logits in 4.x).
     router: str | tuple[str, ...] | None = None
-    # Within a decoder layer: a sparse attention's indexer (its output holds each query's top-k keys).
-    indexer: str | None = None
+    # Within a decoder layer: a sparse attention's indexer (its output holds each query's top-k keys, or blocks of
+    # keys: DeepSeek-V4's CSA indexer); layers without one (V4's sliding and HCA layers) are skipped.
+    indexer: str | tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
