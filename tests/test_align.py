@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from megatron_patch.align.alignment import config_differences
-from megatron_patch.align.capture import _hooks, point_names
+from megatron_patch.align.capture import _hooks, point_names, selection_layers
 from megatron_patch.align.parity import random_tokens
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
-from megatron_patch.align.verdict import judge
+from megatron_patch.align.verdict import DEFAULT_TOLERANCE, MIN_FLOOR_FLIPS, exact_routing_layers, judge
 from megatron_patch.checkpoint_files.manifest import write_manifest
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore
@@ -55,6 +55,11 @@ def moe_tp2_layout(family: str) -> ParallelLayout:
 
 
 FAULT_LAYER = 2
+
+
+def align_tokens() -> torch.Tensor:
+    """The tokens every alignment here runs: ids below 200, the smallest tiny vocabulary."""
+    return random_tokens(200, batch=2, seq=128, seed=0)
 
 
 # --- planting faults in a converted (legacy, TP=1) checkpoint ----------------------------------
@@ -143,6 +148,50 @@ def plant_router_rows_swapped(arch):
     return edit
 
 
+# DeepSeek-V4 (hyper-connection streams, CSA block selection, hash routing)
+V4_STREAM = 3
+
+
+def plant_v4_sinks_dropped(arch):
+    """Layer 2's attention sinks left at the model's zeros, as a converter that dropped them would leave them."""
+    def edit(sd):
+        sd[f"decoder.layers.{FAULT_LAYER}.self_attention.sinks"].zero_()
+    return edit
+
+
+def plant_v4_sinkhorn_eps(hf_config):
+    """A wrong Sinkhorn epsilon (1e-4 for 1e-6): every comb mix off by ~1e-4. At layer 0 the streams are equal
+    copies, so the attention's input only scales (its norm undoes that): the first point off is the MLP's."""
+    hf_config["hc_eps"] = 1e-4
+
+
+def plant_v4_one_stream_post_mix(arch):
+    """Layer 2's MLP output spread into stream 3 with another weight (its post-mix bias moved): only that stream
+    of the layer's output changes."""
+    def edit(sd):
+        sd[f"decoder.layers.{FAULT_LAYER}.ffn_hc.base"][arch.family_config.hc_mult + V4_STREAM] += 1.0
+    return edit
+
+
+def plant_v4_tid2eid_row_replaced(arch):
+    """Layer 1's hash table row of the first input token replaced by the row of a token the input never has: the
+    few tokens of that id go to other experts, fewer than routing's noise rule would notice."""
+    def edit(sd):
+        table = sd["decoder.layers.1.mlp.router.tid2eid"]
+        token = int(align_tokens()[0, 0])
+        other = next(t for t in range(200, arch.vocab_size) if set(table[t].tolist()) != set(table[token].tolist()))
+        table[token] = table[other].clone()
+    return edit
+
+
+def plant_v4_indexer_rows_swapped(arch):
+    """Two rows of layer 1's CSA indexer query projection swapped: only the blocks its queries pick change."""
+    def edit(sd):
+        w = sd["decoder.layers.1.self_attention.indexer.linear_q_up_proj.weight"]
+        swap_rows(w, slice(0, 1), slice(1, 2))
+    return edit
+
+
 def plant_megatron_default_rope_scaling(hf_config):
     """The fault users hit: llama3 scaling factors hard-coded to megatron's defaults (1, 4, 8192)."""
     rope = hf_config.get("rope_parameters") or hf_config["rope_scaling"]
@@ -158,10 +207,16 @@ FAULTS = {
     "wrong_rope_scaling_in_config": ("llama3_1", None, plant_megatron_default_rope_scaling, "layers.0.attention"),
     "expert_0_and_1_swapped": ("qwen2_moe", plant_expert_swap, None, "layers.1.mlp"),
     "router_rows_0_and_1_swapped": ("mixtral", plant_router_rows_swapped, None, "layers.1.routing"),
+    "v4_sinks_dropped": ("deepseek_v4", plant_v4_sinks_dropped, None, f"layers.{FAULT_LAYER}.attention"),
+    "v4_wrong_sinkhorn_eps": ("deepseek_v4", None, plant_v4_sinkhorn_eps, "layers.0.mlp"),
+    "v4_one_stream_post_mix": ("deepseek_v4", plant_v4_one_stream_post_mix, None, f"layers.{FAULT_LAYER}.output"),
+    "v4_tid2eid_row_replaced": ("deepseek_v4", plant_v4_tid2eid_row_replaced, None, "layers.1.routing"),
+    "v4_indexer_rows_swapped": ("deepseek_v4", plant_v4_indexer_rows_swapped, None, "layers.1.selection"),
 }
 MOE_FAMILIES = [f for f in FAMILY_NAMES if parse_arch(families()[f].tiny_config).is_moe]
 # Faults also judged in bf16 against the noise floor.
-BF16_FAULTS = ("k_and_v_swapped", "expert_0_and_1_swapped", "router_rows_0_and_1_swapped")
+BF16_FAULTS = ("k_and_v_swapped", "expert_0_and_1_swapped", "router_rows_0_and_1_swapped", "v4_tid2eid_row_replaced",
+               "v4_indexer_rows_swapped", "v4_one_stream_post_mix")
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +224,7 @@ def aligned(tmp_path_factory):
     """Every capture the tests judge: HF fp32/bf16 per family, MCore runs at TP=1 and TP=2/PP=2."""
     root = tmp_path_factory.mktemp("align")
     hf = {f: make_tiny_hf_checkpoint(f, root / "hf" / f, seed=1) for f in FAMILY_NAMES}
-    tokens = random_tokens(200, batch=2, seq=128, seed=0)  # 200: the smallest tiny vocabulary
+    tokens = align_tokens()
     ref = {f: capture_hf_dir(hf[f], tokens, "fp32") for f in FAMILY_NAMES}
     floor = {f: capture_hf_dir(hf[f], tokens, "bf16") for f in FAMILY_NAMES}
 
@@ -223,8 +278,9 @@ def aligned(tmp_path_factory):
 
 
 def _judge(aligned, family, dtype, test):
-    return judge(aligned["ref"][family], test, dtype, parse_arch(aligned["hf"][family]).num_layers,
-                 aligned["floor"][family] if dtype != "fp32" else None)
+    arch = parse_arch(aligned["hf"][family])
+    return judge(aligned["ref"][family], test, dtype, arch.num_layers,
+                 aligned["floor"][family] if dtype != "fp32" else None, exact_routing=exact_routing_layers(arch))
 
 
 @pytest.mark.slow
@@ -236,8 +292,9 @@ def test_planted_fault_fails_at_its_first_layer(aligned, fault):
     assert v.first_failure == expected, v.summary
     assert f"layer {int(expected.split('.')[1])}" in v.summary
     # Everything upstream of the fault agrees to fp32 precision: the localisation is not luck (a
-    # routing fault sits just before its layer's MLP output).
-    upstream = [p for p in v.points[: [p.name for p in v.points].index(expected.replace(".routing", ".mlp"))]]
+    # routing fault sits just before its layer's MLP output, a key-selection fault before its attention output).
+    at = expected.replace(".routing", ".mlp").replace(".selection", ".attention")
+    upstream = [p for p in v.points[: [p.name for p in v.points].index(at)]]
     assert upstream and all(p.metrics["rel_l2"] <= 1e-5 for p in upstream)
 
 
@@ -247,13 +304,23 @@ def test_fault_in_bf16_fails_against_the_noise_floor(aligned, fault):
     family, _, _, expected = FAULTS[fault]
     v = _judge(aligned, family, "bf16", aligned["bf16_faults"][fault])
     assert not v.aligned and v.first_failure == expected, v.summary
-    if expected.endswith(".routing"):
+    if expected.endswith(".routing") and FAULTS[fault][0] == "deepseek_v4":
+        # a hash table row: a handful of tokens, which the noise rule for routing would have let pass
+        r = next(r for r in v.routing if not r.passed)
+        assert r.exact and r.floor_flipped == 0 and 0 < r.flipped <= DEFAULT_TOLERANCE * MIN_FLOOR_FLIPS, v.summary
+        assert "token id alone decides them" in v.summary
+    elif expected.endswith(".routing"):
         r = next(r for r in v.routing if not r.passed)
         assert r.flipped > 10 * max(r.floor_flipped, 1) and "choose other experts" in v.summary
+    elif expected.endswith(".selection"):
+        r = next(r for r in v.selection if not r.passed)
+        assert r.flipped > DEFAULT_TOLERANCE * max(r.floor_flipped, MIN_FLOOR_FLIPS) and "attend to other keys" in v.summary
     else:
         # An expert swap keeps the routing: the tokens it judges on are the ones with HF's expert choice.
         failing = next(p for p in v.points if not p.passed)
-        assert failing.ratio > 10 and "HF's own bf16 rounding" in v.summary
+        # a fault in one residual stream stands out most in that stream (V4: 11x there, 6x over all four)
+        ratio = max([failing.ratio] + [r.ratio for r in failing.failed_streams])
+        assert ratio > 10 and "HF's own bf16 rounding" in v.summary
 
 
 def _check_clean(v, family, dtype, aligned):
@@ -261,8 +328,14 @@ def _check_clean(v, family, dtype, aligned):
     arch = parse_arch(aligned["hf"][family])
     assert v.first_failure is None and [p.name for p in v.points] == point_names(arch.num_layers)
     assert [r.layer for r in v.routing] == [i for i in range(arch.num_layers) if arch.is_moe_layer(i)]
-    # sparse attention (DeepSeek-V3.2, GLM-5): every layer's key selection judged, exact in fp32
-    assert [r.layer for r in v.selection] == (list(range(arch.num_layers)) if arch.sparse_attention else [])
+    assert [r.layer for r in v.routing if r.exact] == exact_routing_layers(arch)
+    # sparse attention (DeepSeek-V3.2, GLM-5: every layer; DeepSeek-V4: its CSA layers): each layer whose HF
+    # indexer the family names has its key selection judged, exact in fp32
+    selected = selection_layers(aligned["ref"][family])
+    assert bool(selected) == (families()[family].hf_modules.indexer is not None)
+    if arch.sparse_attention:
+        assert selected == list(range(arch.num_layers))
+    assert [r.layer for r in v.selection] == selected
     if dtype == "fp32":
         assert all(r.flipped == 0 for r in v.selection)
     logits = v.points[-1]
@@ -288,6 +361,70 @@ def test_clean_conversion_is_aligned(aligned, family, dtype, layout):
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_clean_moe_conversion_is_aligned_in_bf16_at_tp_and_ep(aligned, family, layout):
     _check_clean(_judge(aligned, family, "bf16", aligned["clean"][layout][(family, "bf16")]), family, "bf16", aligned)
+
+
+# --- DeepSeek-V4: residual streams, CSA block selection, hash routing --------------------------------
+
+@pytest.mark.slow
+def test_deepseek_v4_aligned_sequence_makes_every_sparsity_bite(aligned):
+    """The clean V4 runs above are aligned at a length where the sliding window, both compression rates and the
+    index top-k all cut something (a sequence that leaves them whole would not test them), and every CSA layer's
+    block selection is judged."""
+    from megatron_patch.models.deepseek_v4.attention import V4AttentionSettings
+    from megatron_patch.models.deepseek_v4.settings import CSA, HCA, SLIDING
+
+    arch = parse_arch(aligned["hf"]["deepseek_v4"])
+    own = V4AttentionSettings.from_hf(arch.hf_config)
+    seq = align_tokens().shape[1]
+    assert set(own.layer_types) == {SLIDING, CSA, HCA} and own.sliding_window < seq
+    assert all(seq // own.compress_rate(t) > own.sliding_window // own.compress_rate(t) for t in (CSA, HCA))
+    ref = aligned["ref"]["deepseek_v4"]
+    csa = [i for i, t in enumerate(own.layer_types) if t == CSA]
+    assert selection_layers(ref) == csa
+    for i in csa:  # late queries see more blocks than they keep: the top-k chose
+        kept = ref[f"selection.{i}"].sum(-1)
+        assert int(kept.max()) == own.index_topk < seq // own.compress_rate(CSA)
+    assert exact_routing_layers(arch) == [i for i, t in enumerate(arch.family_config.mlp_layer_types) if t == "hash_moe"]
+
+
+@pytest.mark.slow
+def test_deepseek_v4_layer_outputs_are_judged_per_stream(aligned):
+    """Each layer's output is compared per residual stream, as transformers holds them ([b, s, hc, h]); the
+    embedding, one hidden state there, against each stream it is copied into. A fault in one stream's mix fails
+    at its layer's output naming that stream, the others exact."""
+    arch = parse_arch(aligned["hf"]["deepseek_v4"])
+    streams = arch.family_config.hc_mult
+    for dtype in DTYPES:
+        v = _judge(aligned, "deepseek_v4", dtype, aligned["clean"]["tp1"][("deepseek_v4", dtype)])
+        outputs = [p for p in v.points if p.name.endswith(".output")]
+        assert [len(p.streams) for p in outputs] == [streams] * arch.num_layers
+        assert all(r.passed for p in outputs for r in p.streams)
+        assert not next(p for p in v.points if p.name == "embedding").streams
+    v = _judge(aligned, "deepseek_v4", "fp32", aligned["faults"]["v4_one_stream_post_mix"])
+    point = next(p for p in v.points if p.name == f"layers.{FAULT_LAYER}.output")
+    assert [r.stream for r in point.failed_streams] == [V4_STREAM], v.summary
+    assert all(r.metrics["rel_l2"] <= 1e-5 for r in point.streams if r.stream != V4_STREAM)
+    assert f"layer {FAULT_LAYER} (layers.{FAULT_LAYER}.output, stream {V4_STREAM})" in v.summary
+
+
+@pytest.mark.slow
+def test_cli_deepseek_v4_aligned_and_a_hash_table_fault_not(aligned, tmp_path):
+    """`mpatch align` on V4: the clean conversion ALIGNED by both runs, its report showing the streams, the hash
+    layers held exact and the CSA selection; one wrong hash-table row NOT aligned (exit 1) at its routing."""
+    hf = str(aligned["hf"]["deepseek_v4"])
+    clean = aligned["faulty"]["v4_sinks_dropped"].parent.parent / "clean" / "deepseek_v4"
+    report = tmp_path / "clean"
+    assert main(["align", "--hf-dir", hf, "--mcore-dir", str(clean), "--dtype", "bf16", "--quiet",
+                 "--report-dir", str(report)]) == 0
+    verdict = json.loads((report / "report.json").read_text())["verdict"]
+    assert verdict["aligned"] and "decided by both runs" in verdict["summary"]
+    md = (report / "report.md").read_text()
+    assert "| layers.3.output (all streams) |" in md and "| layers.3.output stream 3 |" in md
+    assert "none (routed by token id)" in md and "## Key selection" in md
+    report = tmp_path / "fault"
+    assert main(["align", "--hf-dir", hf, "--mcore-dir", str(aligned["faulty"]["v4_tid2eid_row_replaced"]),
+                 "--dtype", "fp32", "--quiet", "--report-dir", str(report)]) == 1
+    assert json.loads((report / "report.json").read_text())["verdict"]["first_failure"] == "layers.1.routing"
 
 
 def test_routing_flips_are_judged_on_their_own_floor():
@@ -491,6 +628,54 @@ def test_cli_moe_checkpoint_aligned_at_expert_parallel_2(aligned, tmp_path):
                  "--dtype", "fp32", "--quiet", "--report-dir", str(report)]) == 0
     data = json.loads((report / "report.json").read_text())
     assert "EP=2" in json.dumps(data) and data["verdict"]["aligned"]
+
+
+def test_routing_by_token_id_is_held_exact_and_streams_are_judged_each():
+    """The verdict on made-up captures: a flip that routing's noise rule lets pass fails at a layer routed by token
+    id; a layer output held as streams fails when one stream is off, naming it, though the whole is within the
+    bound; the embedding (one hidden state in the reference) is compared against each stream it is copied into."""
+    torch.manual_seed(0)
+    layers, b, s, n, h = 2, 2, 16, 4, 8
+
+    def captures():
+        out = {name: torch.randn(b, s, n, h) if name.endswith(".output") else torch.randn(b, s, h)
+               for name in point_names(layers)}
+        out["logits"] = torch.randn(b, s, 32)
+        out.update({f"routing.{i}": torch.sort(torch.randint(0, 8, (b, s, 2)), -1).values for i in range(layers)})
+        return out
+
+    ref = captures()
+    floor = {k: t + 0.01 * torch.randn_like(t) if t.is_floating_point() else t.clone() for k, t in ref.items()}
+    test = {k: t + 0.01 * torch.randn_like(t) if t.is_floating_point() else t.clone() for k, t in ref.items()}
+    test["embedding"] = ref["embedding"].unsqueeze(-2).expand(b, s, n, h) + 0.01 * torch.randn(b, s, n, h)
+    test["routing.1"][0, 3] += 8  # one token to other experts
+    assert judge(ref, test, "bf16", layers, floor).aligned
+    v = judge(ref, test, "bf16", layers, floor, exact_routing=[1])
+    assert not v.aligned and v.first_failure == "layers.1.routing" and v.routing[1].exact, v.summary
+    assert "token id alone decides them" in v.summary
+
+    test["routing.1"] = ref["routing.1"].clone()
+    test["layers.0.output"][..., 2, :] += 0.03 * torch.randn(b, s, h)  # stream 2 about 3x the floor's error, the whole 1.7x
+    v = judge(ref, test, "bf16", layers, floor, exact_routing=[1])
+    point = next(p for p in v.points if p.name == "layers.0.output")
+    assert point.ratio < DEFAULT_TOLERANCE and [r.stream for r in point.failed_streams] == [2], v.summary
+    assert not v.aligned and "layer 0 (layers.0.output, stream 2)" in v.summary
+    assert not v.points[0].streams and v.points[0].passed  # the embedding, copied into the streams
+
+
+def test_streams_folded_into_the_batch_unfold_as_the_reference_holds_them():
+    """megatron-core's [s, b * n, h] (a view of [s, b, n, h]) is captured as transformers' [b, s, n, h]; V4's CSA
+    indexer marks 'no block' with -1, which keeps nothing."""
+    from megatron_patch.align.capture import selection_mask
+
+    streams = torch.randn(5, 2, 4, 3)  # [s, b, n, h]
+    store = {}
+    module = torch.nn.Identity()
+    with torch.no_grad(), _hooks({"layers.0.output": module}, store, seq_first=True, batch=2, streams=4):
+        module(streams.view(5, 8, 3))
+    assert torch.equal(store["layers.0.output"], streams.permute(1, 0, 2, 3))
+    topk = torch.tensor([[[-1, -1], [0, -1], [1, 0]]])  # [b=1, s=3, k=2]
+    assert selection_mask(topk).tolist() == [[[False] * 3, [True, False, False], [True, True, False]]]
 
 
 def test_a_capture_is_a_copy_even_when_the_output_is_changed_in_place_later():
