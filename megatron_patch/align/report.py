@@ -219,8 +219,9 @@ def print_summary(result: dict, file=None) -> None:
         r = routing.get(layer)
         sel = selection.get(layer)
         ok = "yes" if all(p["passed"] for p in ps) and all(c is None or c["passed"] for c in (r, sel)) else "NO"
+        by_token = " (by token id, held exact)" if r is not None and r.get("exact") else ""
         flips = f"  routing flips {r['flipped']}" + (f" (HF {r['floor_flipped']})" if r["floor_flipped"] is not None else "") \
-            if r is not None else ""
+            + by_token if r is not None else ""
         if sel is not None:
             flips += f"  selection agreement {sel['agreement']:.1%}" + (
                 f" (HF {1 - sel['floor_flipped'] / max(sel['tokens'], 1):.1%})" if sel["floor_flipped"] is not None else "")
