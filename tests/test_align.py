@@ -661,6 +661,10 @@ def test_routing_by_token_id_is_held_exact_and_streams_are_judged_each():
     assert point.ratio < DEFAULT_TOLERANCE and [r.stream for r in point.failed_streams] == [2], v.summary
     assert not v.aligned and "layer 0 (layers.0.output, stream 2)" in v.summary
     assert not v.points[0].streams and v.points[0].passed  # the embedding, copied into the streams
+    # --ablate's error series reads the two layouts alike
+    from megatron_patch.align.alignment import _point_series
+
+    assert _point_series(ref, test, layers)[0] == pytest.approx(v.points[0].metrics["rel_l2"])
 
 
 def test_streams_folded_into_the_batch_unfold_as_the_reference_holds_them():

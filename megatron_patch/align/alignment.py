@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from megatron_patch.align import ablations
-from megatron_patch.align.capture import point_names
+from megatron_patch.align.capture import point_names, streams_like
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, exact_routing_layers, judge
@@ -204,7 +204,7 @@ def make_tokens(s: AlignSettings, vocab_size: int) -> tuple[torch.Tensor, str]:
 
 
 def _point_series(ref, test, num_layers) -> list[float]:
-    return [compare(ref[n], test[n])["rel_l2"] for n in point_names(num_layers)]
+    return [compare(streams_like(ref[n], test[n]), test[n])["rel_l2"] for n in point_names(num_layers)]
 
 
 def _ablation_rows(s, ref, floor, baseline, variants, num_layers) -> list[dict]:
