@@ -205,6 +205,10 @@ def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec:
     for module in sorted(modules):
         if module in plain or module in {m for m, _ in depth_of}:
             continue
+        refused = next((why for leaf, why in get_family(arch.family).lora_refused.items()
+                        if module == leaf or module.endswith("." + leaf)), None)
+        if refused is not None:
+            raise UserError(f"{where}: has an adapter on {module}: {refused}")
         if module not in per_expert:
             raise UserError(f"{where}: has an adapter on {module}, which this {arch.family} model does not have as a "
                             f"LoRA target: the adapter was made for another base model (targets here: "

@@ -167,12 +167,13 @@ def target_modules(arch: Arch) -> dict[str, list[str]]:
     """For each MP_LORA_TARGETS group of the model, the HF modules (relative to a decoder layer) that take its
     adapters, as peft names them: ``target_modules``, or the stacked parameters peft reaches through
     ``target_parameters`` (marked so). The docs' table of targets per family is made of it."""
+    loaded = functools.partial(loaded_name, get_family(arch.family).hf_loaded_prefixes)
     out: dict[str, list[str]] = {}
     for rule in lora_rules(arch):
         if rule.lora.hf_param is not None:
             names = [rule.lora.hf_param.rpartition(".layers.{layer}.")[2] + " (parameter)"]
         else:
-            names = [h.rpartition(".layers.{layer}.")[2].removesuffix(".weight") for h in rule.hf]
+            names = [loaded(h).rpartition(".layers.{layer}.")[2].removesuffix(".weight") for h in rule.hf]
         group = out.setdefault(rule.lora.target, [])
         group += [n for n in names if n not in group]
     return out
@@ -240,18 +241,28 @@ def plan_sites(arch: Arch, spec: LoraSpec, shape=None) -> list[Site]:
 def loaded_name(prefixes: tuple[tuple[str, str], ...], name: str) -> str:
     """A checkpoint tensor's name in the model transformers loads from it (``ModelFamily.hf_loaded_prefixes``):
     what peft names its adapters by."""
-    for on_disk, in_model in prefixes:
-        if name.startswith(on_disk):
-            return in_model + name[len(on_disk):]
-    return name
+    return _renamed(prefixes, name, 0)
 
 
 def stored_name(prefixes: tuple[tuple[str, str], ...], name: str) -> str:
     """The inverse of ``loaded_name``: a loaded model's tensor name as the checkpoint stores it."""
-    for on_disk, in_model in prefixes:
-        if name.startswith(in_model):
-            return on_disk + name[len(in_model):]
+    return _renamed(prefixes, name, 1)
+
+
+def _renamed(prefixes: tuple[tuple[str, str], ...], name: str, side: int) -> str:
+    """``name`` with the first of ``prefixes``' side ``side`` that starts it replaced by the other side; a
+    ``{layer}`` in a prefix stands for one name part (a layer's number, or ``{layer}`` itself in a table's pattern)."""
+    for pair in prefixes:
+        found = _prefix_pattern(pair[side]).match(name)
+        if found:
+            other = pair[1 - side].replace("{layer}", found.group("layer")) if "{layer}" in pair[side] else pair[1 - side]
+            return other + name[found.end():]
     return name
+
+
+@functools.lru_cache(maxsize=None)
+def _prefix_pattern(prefix: str) -> re.Pattern:
+    return re.compile(re.escape(prefix).replace(re.escape("{layer}"), r"(?P<layer>[^.]+)", 1))
 
 
 def _saved(name: str, saved: tuple[str, ...]) -> bool:

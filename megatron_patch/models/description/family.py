@@ -125,9 +125,13 @@ class ModelFamily:
     # regular expressions, matched in full): convert/carried.py.
     hf_carried: tuple[str, ...] = ()
     # Where transformers renames a checkpoint's tensors as it loads them, as (prefix on disk, prefix in the loaded
-    # model): peft names an adapter by the loaded model's module (Gemma 3's multimodal language model is stored
-    # under language_model.model. and loaded at model.language_model.).
+    # model), ``{layer}`` standing for a layer's number: peft names an adapter by the loaded model's module (Gemma 3's
+    # multimodal language model is stored under language_model.model. and loaded at model.language_model.;
+    # DeepSeek-V4's model.layers.N.attn.wq_a.weight is loaded as model.layers.N.self_attn.q_a_proj.weight).
     hf_loaded_prefixes: tuple[tuple[str, str], ...] = ()
+    # HF modules a peft adapter may name but whose LoRA this family cannot reproduce, as peft names them relative to
+    # a decoder layer -> why, the one line that refuses such an adapter (DeepSeek-V4's grouped o_a_proj).
+    lora_refused: Mapping[str, str] = field(default_factory=dict)
     test_layouts: TestLayouts = field(default_factory=TestLayouts)
     # A view of an HF folder's reader that shows its tensors under the names the weight table reads, for a family
     # whose hub files are named otherwise than transformers saves them (DeepSeek-V4's): reader -> reader, applied
