@@ -5,7 +5,7 @@ from __future__ import annotations
 from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, parse_config
 from megatron_patch.models.blocks.mtp import num_mtp_layers
 from megatron_patch.models.deepseek_v4.hub_names import hf_names_view, mtp_prefixes
-from megatron_patch.models.deepseek_v4.mapping import weight_rules
+from megatron_patch.models.deepseek_v4.mapping import LOADED_NAMES, LORA_REFUSED, weight_rules
 from megatron_patch.models.deepseek_v4.presets import PRESETS
 from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.runtime.distributed import ParallelLayout as L
@@ -58,6 +58,7 @@ FAMILY = ModelFamily(
     # the aligner's routers (hash and top-k layers alike) and the CSA layers' block selection
     hf_modules=HFModules(router="mlp.gate", indexer="self_attn.compressor.indexer"),
     hf_names_view=hf_names_view,  # the hub's own names (hub_names.py) read as transformers' save names
+    hf_loaded_prefixes=LOADED_NAMES, lora_refused=LORA_REFUSED,  # peft's names are the loaded model's (mapping.py)
     # its MTP layers (mtp.{k}.*) convert-only: carried beside the model with --mtp, not built
     hf_mtp_layers=num_mtp_layers, hf_mtp_prefixes=mtp_prefixes, hf_mtp_carried=True,
 )

@@ -3,11 +3,17 @@
 them and writes back as it saves (its ``conversion_mapping``, "deepseek_v4"), under ``model.`` with the output
 layer as ``head.weight``. The attention's rows come from ``weights_of`` (the layer types' own weights:
 the compressor on CSA and HCA layers, the indexer on CSA ones), the hash tables (``tid2eid``) on ``hash_moe``
-layers and the expert bias on ``moe`` ones. LoRA sites are not declared yet."""
+layers and the expert bias on ``moe`` ones.
+
+LoRA: peft names adapters by the modules transformers loads (``self_attn.q_a_proj``), so the family declares
+``LOADED_NAMES``, the table's names as loaded. The sites are the attention's projections and the routed and shared
+experts, as DeepSeek-V3's. The grouped output projection ``o_a_proj`` takes none: peft wraps it as a plain linear
+whose adapter adds all groups' rows to each group's output, which fails in peft's forward, so no peft adapter on it
+has a meaning to convert (``LORA_REFUSED``)."""
 
 from megatron_patch.models.deepseek_v4.settings import CSA, HCA, SLIDING, settings
 from megatron_patch.models.description.arch import Arch
-from megatron_patch.models.mapping import AS_STORED, COLUMN, GATE_UP, REPLICATED, ROW, VOCAB, Rule, Scope
+from megatron_patch.models.mapping import AS_STORED, COLUMN, GATE_UP, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope
 
 MC = "decoder.layers.{layer}"
 HF = "model.layers.{layer}"
@@ -21,6 +27,13 @@ CHECKPOINT_NAMES = {"q_layernorm.weight": "linear_q_up_proj.layer_norm_weight"}
 # in ports of the hub's checkpoint), whatever the checkpoint's float dtype, and written back in it; the model's buffer
 # is int32 and takes them by value
 TID2EID_DTYPE = AS_STORED
+# LoRA on the attention: the query's down and up projections and the key/value projection are its input side
+# ("qkv"), o_b its output ("proj"); the grouped o_a has none (module doc)
+ATTENTION_LORA = {"linear_q_down_proj.weight": LoraSite("qkv"), "linear_q_up_proj.weight": LoraSite("qkv"),
+                  "linear_kv_proj.weight": LoraSite("qkv"), "linear_proj.weight": LoraSite("proj")}
+# peft's name of a module -> why an adapter on it is refused (ModelFamily.lora_refused)
+LORA_REFUSED = {"self_attn.o_a_proj": "DeepSeek-V4's grouped output projection, on which peft's LoRA is one linear over "
+                                     "every group (its forward fails), takes no LoRA: adapt o_b_proj (target proj)"}
 
 
 # The attention's weights: (this module's name, transformers' name under ``self_attn``, the hub's name under
@@ -63,7 +76,7 @@ def weights_of(layer_type: str) -> tuple:
 def attention_rules() -> list[Rule]:
     def rules(rows, **only):
         return [Rule(f"{MC}.self_attention.{CHECKPOINT_NAMES.get(mine, mine)}", f"{HF}.attn.{ON_DISK.get(hub, hub)}",
-                     split, **only)
+                     split, lora=ATTENTION_LORA.get(mine), **only)
                 for mine, _, hub, split in rows]
     return (rules(WEIGHTS) + rules(COMPRESSOR_WEIGHTS, attention=CSA) + rules(COMPRESSOR_WEIGHTS, attention=HCA)
             + rules(INDEXER_WEIGHTS, attention=CSA))
@@ -86,12 +99,36 @@ def moe_rules(arch: Arch) -> list[Rule]:
         Rule(f"{mc}.router.tid2eid", f"{ffn}.gate.tid2eid", REPLICATED, only=hashed, dtype=TID2EID_DTYPE),
         Rule(f"{mc}.router.expert_bias", f"{ffn}.gate.bias", REPLICATED,
              only=frozenset(range(arch.num_layers)) - hashed, dtype="float32"),
+        # transformers stacks the routed experts as DeepSeek-V3's (gate_up_proj [E, 2I, H], down_proj [E, H, I]):
+        # peft's target_parameters, named as loaded
         Rule(f"{mc}.experts.linear_fc1.weight{{expert}}", (f"{expert}.w1.weight", f"{expert}.w3.weight"), GATE_UP,
-             Scope.EXPERT),
-        Rule(f"{mc}.experts.linear_fc2.weight{{expert}}", f"{expert}.w2.weight", ROW, Scope.EXPERT),
-        Rule(f"{mc}.shared_experts.linear_fc1.weight", (f"{shared}.w1.weight", f"{shared}.w3.weight"), GATE_UP),
-        Rule(f"{mc}.shared_experts.linear_fc2.weight", f"{shared}.w2.weight", ROW),
+             Scope.EXPERT, lora=LoraSite("experts", hf_param=f"{HF}.mlp.experts.gate_up_proj")),
+        Rule(f"{mc}.experts.linear_fc2.weight{{expert}}", f"{expert}.w2.weight", ROW, Scope.EXPERT,
+             lora=LoraSite("experts", hf_param=f"{HF}.mlp.experts.down_proj")),
+        Rule(f"{mc}.shared_experts.linear_fc1.weight", (f"{shared}.w1.weight", f"{shared}.w3.weight"), GATE_UP,
+             lora=LoraSite("shared_experts")),
+        Rule(f"{mc}.shared_experts.linear_fc2.weight", f"{shared}.w2.weight", ROW, lora=LoraSite("shared_experts")),
     ]
+
+
+# A decoder layer's tensors that transformers loads under other names (its conversion_mapping, "deepseek_v4"),
+# besides the attention's rows: (the table's name, the loaded one), relative to the layer
+LAYER_LOADED = (
+    ("attn_norm.weight", "input_layernorm.weight"), ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    *[(f"hc_{site}_{part}", f"{site}_hc.{part}") for site in ("attn", "ffn") for part in HC_PARTS],
+    ("ffn.gate.weight", "mlp.gate.weight"), ("ffn.gate.bias", "mlp.gate.e_score_correction_bias"),
+    ("ffn.gate.tid2eid", "mlp.gate.tid2eid"),
+    *[(f"ffn.shared_experts.{hub}.weight", f"mlp.shared_experts.{loaded}.weight")
+      for hub, loaded in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))],
+)
+# the table's names -> the loaded model's (ModelFamily.hf_loaded_prefixes): peft names adapters and
+# modules_to_save by these; the routed experts' are their stacked parameters (the LoraSites' hf_param)
+LOADED_NAMES = (
+    ("head.weight", "lm_head.weight"),
+    *[(f"{HF}.attn.{ON_DISK.get(hub, hub)}", f"{HF}.self_attn.{loaded}")
+      for _, loaded, hub, _ in WEIGHTS + COMPRESSOR_WEIGHTS + INDEXER_WEIGHTS],
+    *[(f"{HF}.{table}", f"{HF}.{loaded}") for table, loaded in LAYER_LOADED],
+)
 
 
 def weight_rules(arch: Arch) -> list[Rule]:
