@@ -7,13 +7,6 @@ from pathlib import Path
 
 import torch
 
-# Leaf names of every module the families adapt (attention, MLA's projections, the Gated DeltaNet's projections
-# of Qwen3-Next and Qwen3.5, dense and shared-expert MLPs).
-PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
-                "kv_a_proj_with_mqa", "kv_b_proj", "wq_b", "wk", "weights_proj", "in_proj_qkvz", "in_proj_ba",
-                "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
 
 def load_hf(hf_dir, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
@@ -23,15 +16,18 @@ def load_hf(hf_dir, dtype=torch.float32):
 
 def make_peft_adapter(hf_dir, out, *, modules=None, experts: bool = True, seed: int = 1, r: int = 3,
                       lora_alpha: float = 5, **config) -> Path:
-    """A peft adapter of ``hf_dir`` whose every A and B is random (peft starts B at zero), saved by peft."""
+    """A peft adapter of ``hf_dir`` whose every A and B is random (peft starts B at zero), saved by peft: on the
+    modules its family declares LoRA sites (``peft_targets``), or on those of ``modules`` (leaf names) it has."""
     from peft import LoraConfig, get_peft_model
 
+    from megatron_patch.models.description.registry import parse_arch
+
     model = load_hf(hf_dir)
-    targets = peft_modules(model, modules)
-    stacked = experts and any(n.endswith("experts.gate_up_proj") for n, _ in model.named_parameters())
-    cfg = LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=targets, target_parameters=STACKED if stacked else None,
-                     **config)
-    peft_model = get_peft_model(model, cfg)
+    targets = peft_targets(parse_arch(hf_dir), experts=experts)
+    if modules is not None:
+        leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        targets["target_modules"] = [m for m in modules if m in leaves]
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, **targets, **config))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -43,14 +39,19 @@ def make_peft_adapter(hf_dir, out, *, modules=None, experts: bool = True, seed: 
     return Path(out)
 
 
-def peft_modules(model, modules=None) -> list[str]:
-    """The module names of ``modules`` (default: all the families adapt) this model has and peft can adapt as
-    modules (peft reads gate/up/down on some MoE model types as the experts: ``peft_io.peft_reinterpreted``)."""
+def peft_targets(arch, experts: bool = True) -> dict:
+    """peft's ``target_modules`` and ``target_parameters`` for every module the family's weight table gives a LoRA
+    site (``lora.plan.target_modules``: names relative to a layer, as peft names them; the routed experts' stacked
+    parameters unless ``experts`` is False), less those peft reads as the routed experts on some MoE model types
+    (``peft_io.peft_reinterpreted``)."""
     from megatron_patch.lora.peft_io import peft_reinterpreted
+    from megatron_patch.lora.plan import target_modules
 
-    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    skip = peft_reinterpreted(model.config.model_type)
-    return [m for m in (modules or PEFT_MODULES) if m in leaves and m not in skip]
+    skip = peft_reinterpreted(arch.hf_config.get("model_type"))
+    names = [n for group in target_modules(arch).values() for n in group]
+    stacked = [n.removesuffix(" (parameter)") for n in names if n.endswith(" (parameter)")]
+    return {"target_modules": [n for n in names if not n.endswith(" (parameter)") and n.rsplit(".", 1)[-1] not in skip],
+            "target_parameters": stacked if experts and stacked else None}
 
 
 def as_text_class(tensors: dict) -> dict:

@@ -72,7 +72,8 @@ def lora_models(tmp_path_factory):
 
 # --- quick: the adapter's layout and peft's rules -------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama3_1", "qwen2_moe", "deepseek_v3", "minimax_m2", "qwen3_next", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama3_1", "qwen2_moe", "deepseek_v3", "minimax_m2", "qwen3_next", "gpt_oss",
+                                    "deepseek_v4"])
 def test_peft_folder_round_trips_byte_for_byte(lora_models, family, tmp_path):
     """Reading a peft folder and writing it back gives peft's own tensors bit for bit, and a config peft reads
     into the same adapter (the stacked experts' A/B layout and nesting included)."""
@@ -180,7 +181,7 @@ def test_trainable_parameters_equal_peft_for_the_same_targets_and_rank():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_patch.lora.peft_io import peft_reinterpreted
-    from tests.lora_helpers import STACKED, peft_modules
+    from tests.lora_helpers import peft_targets
 
     from megatron_patch.models.shape.model_shape import model_shapes
 
@@ -191,8 +192,7 @@ def test_trainable_parameters_equal_peft_for_the_same_targets_and_rank():
         mlp = () if peft_reinterpreted(raw["model_type"]) else ("fc1", "fc2", "shared_experts")
         targets = tuple(t for t in ("qkv", "proj", "experts", "indexer") + mlp if t in _groups(arch))
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw))
-        peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=peft_modules(model),
-                                                target_parameters=STACKED if arch.is_moe else None))
+        peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **peft_targets(arch)))
         ours = count_params(plan_sites(arch, LoraSpec(rank=4, alpha=8, targets=targets), shape))
         assert ours == peft.get_nb_trainable_parameters()[0], family
 
@@ -221,12 +221,13 @@ def test_peft_dir_checkpoint_exports_the_same_adapter(lora_models, adapter, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "gpt_oss", "deepseek_v4"])
 def test_new_family_adapters_export_and_merge_as_peft(lora_models, family, tmp_path):
-    """Issue 23's families through the converter: hf2mcore --peft-dir, then --lora-adapter gives peft's tensors
-    back bit for bit (Qwen3.5's under the hub class's model.language_model. names), and --merge-lora gives
-    peft's merge_and_unload logits (gpt-oss: the transposed, interleaved experts; Qwen3-Next: the gated q rows
-    and the Gated DeltaNet's fused input projections)."""
+    """Issue 23's families, and DeepSeek-V4, through the converter: hf2mcore --peft-dir, then --lora-adapter gives
+    peft's tensors back bit for bit (Qwen3.5's under the hub class's model.language_model. names, DeepSeek-V4's
+    under the names transformers loads the hub's as), and --merge-lora gives peft's merge_and_unload logits (gpt-oss:
+    the transposed, interleaved experts; Qwen3-Next: the gated q rows and the Gated DeltaNet's fused input
+    projections; DeepSeek-V4: merged into the hub's names)."""
     from megatron_patch.cli import main
     from safetensors.torch import load_file
 
@@ -277,6 +278,17 @@ def test_adapter_for_another_base_is_refused(lora_models, tmp_path, capsys):
     rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(lora_models["hf"]["llama3_1"]), "--save-dir",
                       str(tmp_path / "out"), "--peft-dir", str(lora_models["adapters"]["deepseek_v3"]))
     assert rc == 2 and "made for another base model" in _one_line(err)
+
+
+def test_adapter_on_deepseek_v4_grouped_output_projection_is_refused(lora_models, tmp_path, capsys):
+    """peft wraps DeepSeek-V4's grouped o_a_proj as a plain linear (its forward then fails): such an adapter is
+    refused in one line that says why, before anything is written."""
+    hf = lora_models["hf"]["deepseek_v4"]
+    adapter = make_peft_adapter(hf, tmp_path / "o_a", modules=["q_a_proj", "o_a_proj"])
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "out"),
+                      "--peft-dir", str(adapter))
+    assert rc == 2 and "self_attn.o_a_proj: DeepSeek-V4's grouped output projection" in _one_line(err)
+    assert not (tmp_path / "out").exists()
 
 
 def test_merge_lora_of_a_checkpoint_without_adapters_is_refused(lora_models, tmp_path, capsys):
