@@ -151,3 +151,36 @@ def peft_training_reference(hf_dir, adapter, cfg, lrs: list[float]) -> tuple[lis
             group["lr"] = lr
         opt.step()
     return losses, {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def lora_gradients_worker(hf_dir: str, adapter: str, layout, sequence_parallel: bool, tokens) -> tuple:
+    """(logits, {adapter parameter: gradient}) of an HF base with a peft adapter at ``layout``, the gradient of the
+    logits weighted by fixed random numbers, for the adapter factors every TP rank holds whole (those megatron's
+    finalize_model_grads sums over TP under sequence parallelism summed here too). Rank 0's; None elsewhere."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
+    from megatron_patch.lora.sources import add_adapters, open_adapters
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.runtime import init_model_parallel
+
+    arch = parse_arch(hf_dir)
+    init_model_parallel(layout)
+    model = build_model(arch, layout, torch.float32, sequence_parallel=sequence_parallel)
+    load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir))
+    add_adapters([model], arch, open_adapters(adapter, arch), layout, torch.float32)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))[..., :arch.vocab_size]
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+    (logits * weights).sum().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if ".lora." in f".{name}" and p.grad is not None and not getattr(p, "tensor_model_parallel", False):
+            grad = p.grad.clone()
+            if getattr(p, "sequence_parallel", False):
+                torch.distributed.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
+            grads[name] = grad
+    return (logits.detach(), grads) if torch.distributed.get_rank() == 0 else None

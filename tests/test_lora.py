@@ -421,6 +421,24 @@ def test_imported_peft_adapter_gives_peft_logits(lora_parity, case, layout):
     assert rel(peft, lora_parity["base"][case]) > 1e-2  # the adapter changes the function: the check can fail
 
 
+@pytest.mark.slow
+def test_deepseek_v4_adapters_under_sequence_parallelism(lora_models):
+    """DeepSeek-V4's attention gathers the sequence once and runs its projections on all of it: at TP=2 with
+    sequence parallelism its adapters give peft's logits, and the factors every rank holds whole get TP=1's
+    gradients (neither gathered again nor summed over TP)."""
+    from megatron_patch.runtime.launch import run_local
+    from tests.lora_helpers import lora_gradients_worker
+
+    hf, adapter = str(lora_models["hf"]["deepseek_v4"]), str(lora_models["adapters"]["deepseek_v4"])
+    tokens = random_tokens(200, batch=2, seq=24, seed=5)
+    (one, grads_one), = run_local(lora_gradients_worker, 1, hf, adapter, ParallelLayout(), False, tokens)
+    two, grads_two = run_local(lora_gradients_worker, 2, hf, adapter, ParallelLayout(tp=2), True, tokens)[0]
+    assert rel(two, peft_logits(hf, adapter, tokens)) <= FP32_FLOOR
+    assert grads_two.keys() <= grads_one.keys() and any(".a0" in n for n in grads_two)
+    for name, grad in grads_two.items():
+        assert rel(grad, grads_one[name]) <= 1e-5, name
+
+
 # --- slow: training through the launcher -----------------------------------------------------------------------
 
 ITERS = 6

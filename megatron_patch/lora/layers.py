@@ -325,9 +325,10 @@ def attach(chunks: list, arch, spec: LoraSpec, sites: list[Site], dtype: torch.d
                 raise UserError(f"LoRA: the model chunk has no layer {name} for {site.mcore_name}")
             expert = site.expert is not None
             shards, shard = (etp, etp_rank) if expert else (tp, tp_rank)
-            adapters = SiteAdapters(site, spec, site_split(site, spec_name), shard, shards,
-                                    split_context(arch, site.layer), dtype, device,
-                                    expert=expert, sequence_parallel=chunk.config.sequence_parallel)
+            split = site_split(site, spec_name)
+            adapters = SiteAdapters(site, spec, split, shard, shards, split_context(arch, site.layer), dtype, device,
+                                    expert=expert, sequence_parallel=_sequence_split(module, split_mode(split),
+                                                                                     chunk.config.sequence_parallel))
             container.sites.append(adapters)
             if group_index is None:
                 container._hooks.append(module.register_forward_hook(_hook(adapters, module), with_kwargs=True))
@@ -342,6 +343,17 @@ def attach(chunks: list, arch, spec: LoraSpec, sites: list[Site], dtype: torch.d
         chunk.add_module("lora", container)
         containers.append(container)
     return containers
+
+
+def _sequence_split(module, mode: str, model_sequence_parallel: bool) -> bool:
+    """Whether sequence parallelism cuts the layer's input (or a row-parallel layer's output) along the sequence, as
+    the layer itself has it: megatron's linears keep their own flag (DeepSeek-V4's attention builds the projections
+    inside it without, having gathered the sequence once), transformer-engine's duplicated linears mark their weight
+    (whose gradient megatron then sums over TP); a layer that says neither follows the model."""
+    marked = getattr(getattr(module, "weight", None), "sequence_parallel", None)
+    if mode == WHOLE and marked is not None:
+        return marked
+    return getattr(module, "sequence_parallel", model_sequence_parallel)
 
 
 def _input_requires_grad(module, args, output):

@@ -89,6 +89,8 @@ class IndexerLinear(torch.nn.Module):
         super().__init__()
         if bias:
             raise ValueError("the indexer's projections have no bias")
+        # as megatron's linears keep it: whether its input is cut along the sequence (LoRA's adapters follow it)
+        self.sequence_parallel = config.sequence_parallel
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
         if config.perform_initialization:
