@@ -280,6 +280,17 @@ def test_adapter_for_another_base_is_refused(lora_models, tmp_path, capsys):
     assert rc == 2 and "made for another base model" in _one_line(err)
 
 
+def test_deepseek_v4_adapts_its_projections_and_experts_by_peft_names():
+    """The issue's sites, named as transformers loads the hub's tensors (the test adapters are made on exactly
+    these, so a site dropped here would leave the parity tests passing on a smaller adapter)."""
+    from megatron_patch.lora.plan import target_modules
+
+    assert target_modules(parse_arch(families()["deepseek_v4"].tiny_config)) == {
+        "qkv": ["self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj"], "proj": ["self_attn.o_b_proj"],
+        "experts": ["mlp.experts.gate_up_proj (parameter)", "mlp.experts.down_proj (parameter)"],
+        "shared_experts": ["mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"]}
+
+
 def test_adapter_on_deepseek_v4_grouped_output_projection_is_refused(lora_models, tmp_path, capsys):
     """peft wraps DeepSeek-V4's grouped o_a_proj as a plain linear (its forward then fails): such an adapter is
     refused in one line that says why, before anything is written."""
