@@ -33,7 +33,54 @@ def test_gated_delta_rule_is_transformers_bit_for_bit(length):
         q_rep, k_rep = (t.repeat_interleave(2, dim=2) for t in args[:2])
         theirs = torch_chunk_gated_delta_rule(q_rep, k_rep, args[2], g=args[3], beta=args[4],
                                               use_qk_l2norm_in_kernel=True)[0]
-        assert torch.equal(chunked_gated_delta_rule(*args), theirs), dtype
+        assert torch.equal(chunked_gated_delta_rule(*args)[0], theirs), dtype
+
+
+def _rule_inputs(length: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, length, 2, 16, generator=g) for _ in range(2))  # 2 key heads serve 4 value heads
+    v = torch.randn(2, length, 4, 8, generator=g)
+    return q, k, v, -torch.rand(2, length, 4, generator=g), torch.rand(2, length, 4, generator=g)
+
+
+def test_the_recurrent_and_continued_rules_are_transformers_bit_for_bit():
+    """The two forms a generation runs: one token at a time from a state, and the chunks of a continuation
+    from a state; each as transformers computes it, the final state included."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gated_delta_rule,
+                                                                    torch_recurrent_gated_delta_rule)
+
+    from megatron_patch.models.qwen3_next.layers import chunked_gated_delta_rule, recurrent_gated_delta_rule
+
+    q, k, v, decay, beta = _rule_inputs(70)
+    state = torch.randn(2, 4, 16, 8, generator=torch.Generator().manual_seed(1))
+    q_rep, k_rep = (t.repeat_interleave(2, dim=2) for t in (q, k))
+    for ours, theirs in ((recurrent_gated_delta_rule, torch_recurrent_gated_delta_rule),
+                         (lambda *a: chunked_gated_delta_rule(*a[:5], initial_state=a[5], output_final_state=True),
+                          torch_chunk_gated_delta_rule)):
+        out, last = ours(q, k, v, decay, beta, state)
+        their_out, their_last = theirs(q_rep, k_rep, v, g=decay, beta=beta, initial_state=state,
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert torch.equal(out, their_out) and torch.equal(last, their_last)
+
+
+@pytest.mark.parametrize("prompt", [1, 64, 70])  # a token; exactly a chunk; a chunk and part of one
+def test_a_sequence_continued_from_its_state_is_the_whole_sequence(prompt):
+    """A prompt's chunked rule with its final state, then the rest one token at a time and as one continuation,
+    gives the whole sequence's output and final state within float32 noise."""
+    from megatron_patch.models.qwen3_next.layers import chunked_gated_delta_rule, recurrent_gated_delta_rule
+
+    inputs = _rule_inputs(prompt + 9, seed=prompt)
+    head, tail = ([t[:, :prompt] for t in inputs], [t[:, prompt:] for t in inputs])
+    whole, whole_state = chunked_gated_delta_rule(*inputs, output_final_state=True)
+    first, state = chunked_gated_delta_rule(*head, output_final_state=True)
+    steps, step_state = [], state
+    for i in range(tail[0].shape[1]):
+        out, step_state = recurrent_gated_delta_rule(*[t[:, i:i + 1] for t in tail], step_state)
+        steps.append(out)
+    continued, continued_state = chunked_gated_delta_rule(*tail, initial_state=state, output_final_state=True)
+    for rest, last in ((torch.cat(steps, 1), step_state), (continued, continued_state)):
+        torch.testing.assert_close(torch.cat([first, rest], 1), whole, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(last, whole_state, rtol=1e-5, atol=1e-5)
 
 
 def test_norms_are_transformers_bit_for_bit():

@@ -66,21 +66,32 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def chunked_gated_delta_rule(query, key, value, g, beta, chunk: int = 64) -> torch.Tensor:
-    """The gated delta rule over a whole sequence, chunk by chunk: transformers' torch algorithm (q and k
-    L2-normalised in float32, each key head serving value_heads // key_heads value heads, the within-chunk
-    system solved as a unit lower-triangular one), float32 throughout. Shapes [batch, seq, heads, dim]
-    (g, beta: [batch, seq, value heads]); returns [batch, seq, value heads, value dim] in value's dtype.
-
-    The recurrent state after the last chunk is not computed: nothing here continues a sequence, and a
-    graph branch backward never reaches would only hold memory."""
-    dtype, length = value.dtype, query.shape[1]
+def _heads_first(query, key, value, g, beta):
+    """What both forms of the rule compute from: float32 [batch, value heads, seq, dim] (g, beta: [batch, value
+    heads, seq]), each key head repeated for its value heads, q and k L2-normalised, q scaled by 1/sqrt(dim)."""
     if value.shape[2] != query.shape[2]:
         query = query.repeat_interleave(value.shape[2] // query.shape[2], dim=2)
         key = key.repeat_interleave(value.shape[2] // key.shape[2], dim=2)
-    q, k, v, beta, g = (x.transpose(1, 2).float() for x in (query, key, value, beta, g))
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (query, key, value, g, beta))
     q, k = _l2norm(q), _l2norm(k)
-    q = q * q.shape[-1] ** -0.5
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+def chunked_gated_delta_rule(query, key, value, g, beta, chunk: int = 64, initial_state=None,
+                             output_final_state: bool = False):
+    """The gated delta rule over a whole sequence, chunk by chunk: transformers' torch algorithm (q and k
+    L2-normalised in float32, each key head serving value_heads // key_heads value heads, the within-chunk
+    system solved as a unit lower-triangular one), float32 throughout. Shapes [batch, seq, heads, dim]
+    (g, beta: [batch, seq, value heads]); returns (output [batch, seq, value heads, value dim] in value's dtype,
+    the recurrent state [batch, value heads, key dim, value dim] in float32 or None), as transformers' and
+    flash-linear-attention's functions do.
+
+    ``initial_state``: the state a generation continues from (None: zeros). The state after the last chunk is
+    computed only where ``output_final_state`` asks: a training forward continues nothing, and a graph branch
+    backward never reaches would only hold memory."""
+    dtype, length = value.dtype, query.shape[1]
+    q, k, v, g, beta = _heads_first(query, key, value, g, beta)
+    # the padding (k = 0, beta = 0, g = 0) adds nothing to the state and decays it by exp(0)
     pad = (chunk - length % chunk) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
@@ -96,30 +107,66 @@ def chunked_gated_delta_rule(query, key, value, g, beta, chunk: int = 64) -> tor
     k_cumdecay = torch.linalg.solve_triangular(system, k_beta * decay.exp().unsqueeze(-1), upper=False,
                                                unitriangular=True)
     q = q * decay.exp().unsqueeze(-1)
-    if n > 1:  # what carries the state from one chunk to the next
+    carried = n if output_final_state else n - 1  # the chunks whose state a later token reads
+    if carried:
         k = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
         chunk_decay = decay[..., -1].exp()[..., None, None]
-    state = q.new_zeros(b, h, k.shape[-1], v.shape[-1])
+    state = q.new_zeros(b, h, k.shape[-1], v.shape[-1]) if initial_state is None else initial_state.float()
     out = []
     for i in range(n):
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
         out.append(q[:, :, i] @ state + intra[:, :, i] @ v_new)
-        if i + 1 < n:
+        if i < carried:
             state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(out, 2).reshape(b, h, -1, v.shape[-1])[:, :, :length]
-    return out.transpose(1, 2).contiguous().to(dtype)
+    return out.transpose(1, 2).contiguous().to(dtype), state if output_final_state else None
 
 
-def _gated_delta_rule(query, key, value, g, beta):
-    """flash-linear-attention's kernel on a GPU where it is installed, ``chunked_gated_delta_rule`` otherwise."""
+def recurrent_gated_delta_rule(query, key, value, g, beta, state):
+    """The gated delta rule token by token from ``state`` [batch, value heads, key dim, value dim] (float32):
+    each token decays the state by exp(g), writes beta * (v - state^T k) at k, and reads it at q. A generated
+    token's cost, where the chunked form would pad it to a whole chunk. Shapes as ``chunked_gated_delta_rule``;
+    returns (output, the state after the last token)."""
+    dtype = value.dtype
+    q, k, v, g, beta = _heads_first(query, key, value, g, beta)
+    state = state.float()
+    out = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t].exp().unsqueeze(-1).unsqueeze(-1)
+        remembered = (state * k[:, :, t].unsqueeze(-1)).sum(dim=-2)
+        written = (v[:, :, t] - remembered) * beta[:, :, t].unsqueeze(-1)
+        state = state + k[:, :, t].unsqueeze(-1) * written.unsqueeze(-2)
+        out.append((state * q[:, :, t].unsqueeze(-1)).sum(dim=-2))
+    return torch.stack(out, 2).transpose(1, 2).contiguous().to(dtype), state
+
+
+def _gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state: bool = False):
+    """(output, final state or None): the recurrent form for one token continuing a state (a generation step);
+    otherwise flash-linear-attention's chunked kernel on a GPU where it is installed, ``chunked_gated_delta_rule``
+    elsewhere."""
+    if initial_state is not None and query.shape[1] == 1:
+        return recurrent_gated_delta_rule(query, key, value, g, beta, initial_state)
     if query.is_cuda:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-            return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
+            return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
         except ImportError:
             pass
-    return chunked_gated_delta_rule(query, key, value, g, beta)
+    return chunked_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                    output_final_state=output_final_state)
+
+
+@dataclasses.dataclass
+class GenerationCache:
+    """A Gated DeltaNet layer's rows of a generation's state (views into the inference context's buffers, written
+    in place once the forward has read them): ``initial_state`` is what this forward continues from (None on a
+    prompt: zeros)."""
+
+    conv_inputs: torch.Tensor
+    recurrent_state: torch.Tensor
+    initial_state: torch.Tensor | None
 
 
 @dataclasses.dataclass
@@ -170,23 +217,57 @@ class LocalGatedDeltaNet(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, inference_context=None,
                 packed_seq_params=None, **kwargs):
-        if inference_context is not None or packed_seq_params is not None:
-            raise NotImplementedError("Gated DeltaNet here runs training and full-sequence forwards only")
+        if packed_seq_params is not None:
+            raise NotImplementedError("Gated DeltaNet here runs unpacked sequences only")
         seq_len, batch = hidden_states.shape[0] * self.sp_size, hidden_states.shape[1]
         qk, v, heads = self.qk_dim // self.tp_size, self.v_dim // self.tp_size, self.value_heads // self.tp_size
         projected, _ = self.in_proj(hidden_states)
         qkv, z, b, a = torch.split(projected.transpose(0, 1), [2 * qk + v, v, heads, heads], dim=-1)
-        qkv = F.silu(self.conv1d(qkv.transpose(1, 2).contiguous())[..., :seq_len]).transpose(1, 2)
-        query, key, value = torch.split(qkv, [qk, qk, v], dim=-1)
+        qkv = qkv.transpose(1, 2).contiguous()
+        cache = None if inference_context is None else self._generation_cache(inference_context, batch)
+        if cache is None:
+            qkv = self.conv1d(qkv)[..., :seq_len]
+        else:  # the convolution reads the kernel - 1 inputs before this step's (zeros before a prompt)
+            qkv = torch.cat([cache.conv_inputs.to(qkv.dtype), qkv], dim=-1)
+            cache.conv_inputs.copy_(qkv[..., qkv.shape[-1] - cache.conv_inputs.shape[-1]:])
+            qkv = F.conv1d(qkv, self.conv1d.weight, groups=self.conv_dim_local)
+        query, key, value = torch.split(F.silu(qkv).transpose(1, 2), [qk, qk, v], dim=-1)
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
         key = key.reshape(batch, seq_len, -1, self.key_head_dim)
         value = value.reshape(batch, seq_len, -1, self.value_head_dim)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        out = _gated_delta_rule(query.contiguous(), key.contiguous(), value.contiguous(), g, beta)
+        out, state = _gated_delta_rule(query.contiguous(), key.contiguous(), value.contiguous(), g, beta,
+                                       initial_state=None if cache is None else cache.initial_state,
+                                       output_final_state=cache is not None)
+        if cache is not None:
+            cache.recurrent_state.copy_(state)
         out = self.out_norm(out.reshape(-1, self.value_head_dim), z.reshape(-1, self.value_head_dim))
         out = out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
         return self.out_proj(out)
+
+    def _generation_cache(self, context, batch: int) -> GenerationCache:
+        """This layer's state for the ``batch`` rows of a generation in megatron-core's static inference context,
+        kept where its attention keeps a layer's KV cache (``key_value_memory_dict[layer_number]``, buffers of
+        the context's max batch, rows from ``batch_size_offset``): the convolution's last kernel - 1 inputs
+        [batch, channels, kernel - 1] and the recurrent state [batch, value heads, key dim, value dim] in float32,
+        this rank's channels and heads. A prompt (``sequence_len_offset`` 0) starts from zeros; every later
+        forward continues from what the one before it left."""
+        if not context.is_static_batching():
+            raise NotImplementedError("Gated DeltaNet keeps its generation state in megatron-core's static "
+                                      "inference context only")
+        if self.layer_number not in context.key_value_memory_dict:
+            weight = self.conv1d.weight
+            context.key_value_memory_dict[self.layer_number] = (
+                weight.new_zeros(context.max_batch_size, self.conv_dim_local, self.conv1d.kernel_size[0] - 1),
+                torch.zeros(context.max_batch_size, self.value_heads // self.tp_size, self.key_head_dim,
+                            self.value_head_dim, dtype=torch.float32, device=weight.device))
+        conv_inputs, recurrent_state = (t[context.batch_size_offset:context.batch_size_offset + batch]
+                                        for t in context.key_value_memory_dict[self.layer_number])
+        prompt = context.sequence_len_offset == 0
+        if prompt:
+            conv_inputs.zero_()
+        return GenerationCache(conv_inputs, recurrent_state, None if prompt else recurrent_state)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """As megatron-core's Gated DeltaNet: dt_bias, A_log and the convolution split over TP, and the input
