@@ -85,3 +85,35 @@ def shared_generation_worker(checkpoint, prompts: list, max_new: int) -> dict:
     greedy = runner.generate(prompts, max_new, finished=lambda i, tokens: i == 0 and len(tokens) == 2)
     sampled = [runner.generate(prompts, max_new, Sampling(temperature=1.5, top_k=50, seed=seed)) for seed in (1, 2)]
     return {"greedy": greedy, "sampled": sampled, "rows": rows}
+
+
+def generation_state_worker(arch, layout, tokens: list[list[int]], prompt: int, max_new: int) -> dict:
+    """Runs on every rank: ``arch``'s model, initialised at random, at ``layout``. Returns the logits of every
+    position of ``tokens`` from one whole forward ("whole"), and the last position's logits of each forward of a
+    generation that keeps the runner's inference context ("cached"): the first ``prompt`` tokens, then one at a
+    time (megatron-core's attention continues one token at a time only). Then the tokens each layer's attention saw in each forward of the runner's
+    generation of ``max_new`` tokens after the first prompt ("seen": layer number -> lengths)."""
+    import torch
+
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.inference import forward_logits, place_on_rank_device
+
+    init_model_parallel(layout)
+    model = place_on_rank_device(build_model(arch, layout, torch.float32))
+    runner = ModelRunner([model], arch.vocab_size, arch.max_position_embeddings)
+    ids = torch.tensor(tokens)
+    whole = forward_logits(model, ids, arch.vocab_size)
+    context = runner._inference_context(ids.shape[0], ids.shape[1])
+    ends = range(prompt, ids.shape[1] + 1)
+    cached = []
+    for start, end in zip([0, *ends], ends):
+        last = runner._last_logits(ids[:, start:end], start, context)
+        cached.append((end, None if last is None else last.cpu()))
+    seen: dict[int, list[int]] = {}
+    for layer in model.decoder.layers:
+        def record(module, args, kwargs, number=layer.layer_number):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            seen.setdefault(number, []).append(int(hidden.shape[0]))
+        layer.self_attention.register_forward_pre_hook(record, with_kwargs=True)
+    runner.generate([tokens[0][:prompt]], max_new)
+    return {"whole": whole, "cached": cached, "seen": seen}
