@@ -119,8 +119,8 @@ def padding_is_neutral(arch: Arch) -> bool:
 
 
 def supports_kv_cache(arch: Arch) -> bool:
-    """Whether every layer of the model keeps a KV cache in megatron-core's inference context: Gated DeltaNet's
-    linear attention and DeepSeek sparse attention here run causal full sequences only, and so does a family's own
-    attention that says so (``FamilyConfig.keeps_kv_cache``: DeepSeek-V4's)."""
-    return (arch.linear_attention is None and arch.sparse_attention is None
-            and (arch.family_config is None or arch.family_config.keeps_kv_cache))
+    """Whether every layer of the model keeps its generation state in megatron-core's inference context: attention
+    its KV cache, Gated DeltaNet's linear attention its convolution inputs and recurrent state. DeepSeek sparse
+    attention here runs causal full sequences only, and so does a family's own attention that says so
+    (``FamilyConfig.keeps_kv_cache``: DeepSeek-V4's)."""
+    return arch.sparse_attention is None and (arch.family_config is None or arch.family_config.keeps_kv_cache)

@@ -12,9 +12,10 @@ greedy choice are computed from the shards with three all-reduces of a number pe
 [batch, sequence, vocabulary] tensor. Vocabulary padding rows (Megatron pads the embedding to a multiple of
 128 x TP) are never a candidate: their logits count as -inf.
 
-Generation keeps megatron-core's ``StaticInferenceContext`` (a KV cache per layer) where the family's layers
-take one: the prompt is run once, then each new token costs one token's forward. Layers that refuse an
-inference context (Gated DeltaNet's linear attention) run the whole sequence again for each token.
+Generation keeps megatron-core's ``StaticInferenceContext`` where the family's layers take one (an attention
+layer keeps its KV cache there, a Gated DeltaNet layer its convolution inputs and recurrent state): the prompt is
+run once, then each new token costs one token's forward. Layers that refuse an inference context (DeepSeek
+sparse attention, DeepSeek-V4's) run the whole sequence again for each token.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         if kv_cache and not supports_kv_cache:
-            raise UserError("this model's layers (linear attention) keep no KV cache: generate without one")
+            raise UserError("this model's layers keep no KV cache: generate without one (--no-kv-cache)")
         self.kv_cache = supports_kv_cache if kv_cache is None else kv_cache
         # False: a request's log-likelihood depends on the padding after it (DeepSeek sparse attention's indexer
         # here), so a batch holds requests of one length only.

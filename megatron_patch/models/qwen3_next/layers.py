@@ -9,7 +9,10 @@ kernels); its local backend has no fused norm+linear for the linear-attention in
   convolution as q, k, v), computed as transformers computes it: a causal depthwise convolution with SiLU,
   q and k L2-normalised in float32, the chunked gated delta rule (flash-linear-attention's kernel where it
   is installed and the tensors are on a GPU, ``chunked_gated_delta_rule`` otherwise), then a gated
-  RMSNorm (``GatedRMSNorm``) and the output projection;
+  RMSNorm (``GatedRMSNorm``) and the output projection. Given megatron-core's static inference context (a
+  generation), it keeps there, under its layer number as attention keeps its KV cache, the convolution's last
+  kernel - 1 inputs and the recurrent state, and each later forward continues from them: a generated token
+  costs one token (``recurrent_gated_delta_rule``);
 - full-attention layers: megatron-core's attention with its output gate (``attention_output_gate``) and
   q/k norms, MoE or dense MLPs as config.json places them, and the MTP layer's norms, all with the zero-centred
   RMSNorm (``models/blocks/norms.py``: the weight stored zero-centred, scaling by ``1 + weight``).
