@@ -100,6 +100,9 @@ def attention_kernel(cfg: RunConfig, caps: Capabilities) -> str:
         from megatron_patch.models.blocks import sparse_attention  # imported inside: torch and megatron-core, only for these models
 
         return sparse_attention.describe(cfg.arch.sparse_attention, caps.cuda)
+    if cfg.arch.family_config is not None and not cfg.arch.family_config.core_attention:
+        # DeepSeek-V4's: it computes its own scores, so no core-attention kernel runs (memory_plan._attention)
+        return f"{cfg.family}'s own attention module (its scores in torch; no core-attention kernel)"
     local = core_attention(cfg, caps)
     if local == SDPA:
         kernel = attention_kernels.sdpa_kernel(cfg.device == "cuda" and caps.cuda, caps.compute_capability,

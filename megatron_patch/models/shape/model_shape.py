@@ -31,7 +31,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_patch.models.description.arch import LINEAR_ATTENTION, SLIDING_ATTENTION, Arch, pipeline_layer_ranges
+from megatron_patch.models.description.arch import (
+    FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, Arch, pipeline_layer_ranges)
 from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import RankCoord, plan_transfers
 from megatron_patch.models.mapping.splits import Replicated
@@ -180,6 +181,21 @@ def chunk_layers(arch: Arch, layout: ParallelLayout, pp_rank: int, vp_stage: int
     if pp_first_stage_layers is not None:
         return pipeline_layer_ranges(arch.num_layers, layout.pp, pp_first_stage_layers)[pp_rank]
     return pipeline_layer_ranges(arch.num_layers, layout.pp * (layout.vp or 1), None)[vp_stage * layout.pp + pp_rank]
+
+
+# The attention types whose FLOPs ``_attention_terms`` knows; any other is counted as full causal attention.
+COUNTED_ATTENTION = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
+
+
+def flops_uncounted(arch: Arch) -> str | None:
+    """Why ``flops_per_token`` does not count this model's attention (None: it does). A layer type it does not know
+    (DeepSeek-V4's compressed attention: a sliding window plus compressed or top-k entries, an indexer) would be
+    counted as full causal attention, s/2 keys per query, far more than such a layer's useful work."""
+    other = sorted({arch.attention_type(i) for i in range(arch.num_layers)} - set(COUNTED_ATTENTION))
+    if not other:
+        return None
+    return (f"the FLOPs formula (models/shape/model_shape.py) counts {', '.join(COUNTED_ATTENTION)} layers; "
+            f"{', '.join(other)} would be counted as full causal attention")
 
 
 def _attention_terms(arch: Arch, kind: str, seq_len: int, qk: int, v: int) -> float:
