@@ -15,8 +15,11 @@
 #                      TFLOP/s, MFU, peak memory
 #   3 te      (360 s)  transformer-engine only: fp8 with each recipe, TE's FlashAttention, AC=offload; on a
 #                      machine without it every step is SKIPPED with the reason (do not spend a lent GPU on it)
-#   4 sparse  (150 s)  install, info, bench-sparse-attention (DeepSeek sparse attention against SDPA and unfused
-#                      dense attention at 4k/8k/16k tokens, DeepSeek-V3.2's head counts, forward: time, peak memory)
+#   4 sparse  (315 s)  install, info, prepare-v4 (a small DeepSeek-V4 with random weights: an HF checkpoint made here,
+#                      converted with mpatch convert hf2mcore), train-v4 (trained from it through its launcher: tokens/s,
+#                      peak memory; no TFLOP/s or MFU, which the FLOPs formula cannot count for V4's compressed
+#                      attention), bench-sparse-attention (DeepSeek sparse attention against SDPA and unfused dense
+#                      attention at 4k/8k/16k tokens, DeepSeek-V3.2's head counts, forward: time, peak memory)
 #   5 fp8     (450 s)  without transformer-engine (docs/fp8.md): install (torchao's wheel too), info, prepare, then the
 #                      Llama-3.1-8B-shaped training of phase 2 (at most 4 layers) for GPU_SUITE_FP8_ITERS (50) iterations
 #                      with FL=true: bf16
@@ -72,8 +75,16 @@ ALIGN_FAMILIES="${GPU_SUITE_ALIGN_FAMILIES:-llama3_1 deepseek_v3}"
 # took 31-42 s (launch, spawned skeleton check, model build, 6 iterations), aligning deepseek_v3 50 s with the
 # step's own imports, bench-attention 40 s for its first two cases (each case is a spawned process there).
 # Phase 5 is sized from phase 2's measurements (a 6-iteration step: 31-42 s) plus compilation and 50 iterations;
-# not yet run on the lent GPU.
-PHASE_BUDGET=([1]=330 [2]=375 [3]=360 [4]=150 [5]=450)
+# not yet run on the lent GPU. Phase 4's V4 steps (not yet run on a GPU either) are sized from CPU timings on the
+# development machine (2 cores): prepare-v4 75 s: the whole step took 40 s there for the 440M-parameter model (the HF
+# checkpoint 17 s: transformers' initialisation and the suite's redraw of the fp32 weights, which torch spreads over
+# the lent machine's 16 cores, and writing 1.7 GB; the conversion to bf16 13 s; imports and the corpus the rest);
+# train-v4 90 s: a 6-iteration training step of an 8-layer Llama-8B shape took 31-42 s on the H100 with launch and
+# model build, and this model has a fifth of its parameters, though unfused attention (16 heads x 4096 x 5120 scores,
+# a few TFLOP per iteration) and many small kernels (32 experts one by one without transformer-engine's grouped GEMM,
+# the Sinkhorn steps): about 2x headroom. Phase 4 stays one call of under 6 minutes with its start-up and packing,
+# so that a rerun fits in a session's 15 minutes of device time.
+PHASE_BUDGET=([1]=330 [2]=375 [3]=360 [4]=315 [5]=450)
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
@@ -139,6 +150,7 @@ STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|60|step_parity||mcore
         "train-fp8-mxfp8|3|50|step_train|fp8-mxfp8|fp8|false|sel|false|MP_FP8_RECIPE=mxfp8|mcore,te"
         "train-fl-te|3|50|step_train|fl-te|bf16|true|sel|false|NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2|mcore,te"
         "train-ac-offload|3|50|step_train|ac-offload|bf16|false|offload|false|MP_AC_LAYERS=1|mcore,te"
+        "prepare-v4|4|75|step_prepare_v4||mcore" "train-v4|4|90|step_train_v4||mcore"
         "bench-sparse-attention|4|125|step_bench_sparse_attention||mcore"
         "prepare|5|30|step_prepare|train|mcore"
         "train-bf16-eager-50|5|80|step_train|bf16-eager-50|bf16|true|sel|false||mcore,local"
@@ -236,6 +248,37 @@ step_bench_sparse_attention() {
     --json "$RESULTS/bench_sparse_attention.json"
 }
 
+# The small DeepSeek-V4 of issue 39 (gpu_suite_steps.py's V4_CONFIG: Flash's layers at a quarter of its width, 440M
+# parameters): an HF checkpoint with random weights made on this machine, converted with mpatch convert hf2mcore, then
+# trained from it through its launcher (MODEL_SIZE=auto: the checkpoint's architecture). A dry run makes and converts
+# a narrow stand-in of it (V4_REDUCED) for real, and checks the memory plan of the GPU's size.
+step_prepare_v4() {
+  helper v4-checkpoint --work "$WORK" --seq "$SEQ" $([ "$DRY" = 1 ] && echo --reduced)
+}
+
+step_train_v4() {
+  local out="$WORK/train/v4" ckpt="$WORK/v4/mcore"
+  rm -rf "$out" "$RESULTS/train/v4.json"
+  [ -f "$ckpt/mpatch_checkpoint.json" ] || { echo "missing $ckpt (the prepare-v4 step makes it)"; return 1; }
+  # ETP and EP after CP (27 arguments); no recompute: V4's attention is its own module, which AC=sel's selective
+  # recompute of megatron-core's core attention does not reach, and the memory plan then counts its s x s scores
+  local args=(dsw auto 1 "$GBS" 1e-4 1e-5 "$SEQ" "$SEQ" bf16 1 1 1 1 1 false false false false false false 1000
+              "$WORK/data/corpus_text_document" none "$ckpt" "$((ITERS * GBS * SEQ))" "$((GBS * SEQ))" "$out")
+  local env=(GPUS_PER_NODE=1 MP_SAVE=false MP_EVAL_INTERVAL=0 PYTHON="$PYTHON")
+  local launcher="$ROOT/examples/deepseek_v4/run_mcore_deepseek_v4.sh"
+  if [ "$DRY" = 1 ]; then
+    CHECK_ENV="${env[*]} MP_DRY_RUN=json GPU_SUITE_FULL_CONFIG=$WORK/v4/gpu-config.json" \
+      dry_check train-v4 train deepseek_v4 "${args[@]}" || return 1
+    [ "$COLLECT" = 1 ] || [ -x "$launcher" ] || { echo "$launcher is missing or not executable"; return 1; }
+    return 0
+  fi
+  env "${env[@]}" bash "$launcher" "${args[@]}" || return 1
+  [ -f "$out/log/throughput.json" ] || { echo "no $out/log/throughput.json: the run did not report throughput"; return 1; }
+  helper train-summary "$out" "$RESULTS/train/v4.json" "$LOGS/train-v4.log" \
+    "$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["num_hidden_layers"])' "$WORK/v4/hf/config.json")" \
+    --model-config "$WORK/v4/hf/config.json"
+}
+
 step_train() {
   local mode pr fl ac offload extra
   IFS='|' read -r mode pr fl ac offload extra <<<"$1"
@@ -286,7 +329,7 @@ dry_check() {
     for s in "${STEPS[@]}"; do
       parse_step "$s"
       [ "$S_PHASE" = "$PHASE" ] && selected "$S_NAME" || continue
-      case "$S_FN" in step_align|step_train) missing_need "$S_NEEDS" >/dev/null && "$S_FN" "$S_ARG" >/dev/null ;; esac
+      case "$S_FN" in step_align|step_train|step_train_v4) missing_need "$S_NEEDS" >/dev/null && "$S_FN" "$S_ARG" >/dev/null ;; esac
     done
     COLLECT=0
     helper dry-check --queue "$WORK/dry/queue.tsv" --results "$WORK/dry/results.tsv" || return 1

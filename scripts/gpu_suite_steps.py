@@ -9,7 +9,12 @@
     parity   --work DIR --json FILE              fp32 logit parity of every family's tiny model
     align    --work DIR --out DIR [--ablate F]   bf16 alignment of every family (ablations for family F)
     dry-check --queue FILE --results FILE        every queued mpatch command checked in one process
-    train-summary OUT DEST LOG LAYERS            a training step's throughput.json, with its layer count
+    v4-checkpoint --work DIR --seq N [--reduced] the corpus and the small DeepSeek-V4 (random weights, V4_CONFIG;
+                                                 --reduced: V4_REDUCED's widths, for a dry run on CPU), converted
+                                                 with mpatch convert hf2mcore (bf16) into WORK/v4/mcore
+    train-summary OUT DEST LOG LAYERS [--model-config FILE]
+                                                 a training step's throughput.json, with its layer count (and, for a
+                                                 model whose FLOPs the formula cannot count, no TFLOP/s or MFU)
     pack     --work DIR --out DIR --phases N.. [--dry-run]
                                                  each phase's summary.md from its steps.tsv, then one tar.gz
                                                  (<= 15 MiB) and a copy of the summary per phase
@@ -22,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import csv
 import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -294,6 +301,100 @@ def align(args) -> int:
     return 1 if failed else 0
 
 
+# --- a small DeepSeek-V4 (issue 39) ----------------------------------------------------------------------
+
+_S, _CSA, _HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+# DeepSeek-V4-Flash's structure at a quarter of its width, small enough for one GPU and for transformers to build on
+# the lent machine's CPU in seconds: 6 layers, two sliding-window ones and then CSA and HCA alternating, the first
+# three hash-routed and the rest top-k, as Flash begins; Flash's heads of 512 (16 of them, 4 output groups), its
+# window (128), compression rates (CSA 4, HCA 128), RoPE and 4 hyper-connection streams; 32 experts of 512, top 4,
+# and the shared one; a vocabulary of 32768. At 4096 tokens a CSA layer has 1024 compressed entries and its indexer
+# keeps 512 of them, an HCA layer 32: both compress and select (v4_config checks it for the sequence given).
+# 440M parameters (176M active), 0.85 GiB in bf16; the memory plan puts a GPU's share at 12 GiB of 78, and the
+# attention's score matrices (16 heads x s x (s + entries), bf16, about 0.7 GiB each) add a few GiB per layer in flight.
+V4_CONFIG = {
+    "vocab_size": 32768, "hidden_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 16, "head_dim": 512,
+    "partial_rotary_factor": 64 / 512, "q_lora_rank": 512, "o_groups": 4, "o_lora_rank": 256, "sliding_window": 128,
+    "layer_types": [_S, _S, _CSA, _HCA, _CSA, _HCA], "compress_rates": {_CSA: 4, _HCA: 128},
+    "index_n_heads": 16, "index_head_dim": 128, "index_topk": 512,
+    "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * 3, "n_routed_experts": 32, "num_experts_per_tok": 4,
+    "moe_intermediate_size": 512,
+    "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                        "beta_fast": 32.0, "beta_slow": 1.0},
+    "max_position_embeddings": 1_048_576,
+}
+# The dry run's stand-in (CPU, seconds): the same layers, heads, window, compression, indexer top-k and sequence, at
+# narrow widths, so that its launcher check reads a real converted V4 checkpoint; the memory plan is checked for
+# V4_CONFIG itself (dry-check's GPU_SUITE_FULL_CONFIG).
+V4_REDUCED = {"vocab_size": 1024, "hidden_size": 64, "head_dim": 64, "q_lora_rank": 32, "o_lora_rank": 16,
+              "index_n_heads": 4, "index_head_dim": 16, "n_routed_experts": 8, "moe_intermediate_size": 32}
+
+
+def v4_config(seq: int, reduced: bool = False) -> dict:
+    """The small V4's config.json (the family's tiny config under V4_CONFIG), refused in one line where ``seq`` would
+    leave its compression or index top-k idle."""
+    from megatron_patch.models.description.tiny import tiny_config
+
+    raw = copy.deepcopy(tiny_config("deepseek_v4", **{**V4_CONFIG, **(V4_REDUCED if reduced else {})}))
+    rates = raw["compress_rates"]
+    if seq // rates[_CSA] <= raw["index_topk"]:
+        raise SystemExit(f"v4: at {seq} tokens a CSA layer has {seq // rates[_CSA]} compressed entries, not more than "
+                         f"the index top-k {raw['index_topk']}: GPU_SUITE_SEQ_LEN must be over "
+                         f"{raw['index_topk'] * rates[_CSA]}")
+    if seq <= max(rates[_HCA], raw["sliding_window"]):
+        raise SystemExit(f"v4: {seq} tokens fit one HCA window or the sliding window: nothing would be compressed")
+    return raw
+
+
+def v4_checkpoint(args) -> int:
+    """The corpus, then the small V4's HF checkpoint (random weights) converted with mpatch convert hf2mcore into
+    WORK/v4/mcore, each timed; kept for a rerun on the same machine when the config is the same."""
+    from megatron_patch.models.deepseek_v4.config import parameter_count
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    if prepare(argparse.Namespace(work=args.work, checkpoints=False, layers=False)):
+        return 1
+    work = Path(args.work) / "v4"
+    made = work / "made.json"
+    try:
+        raw = v4_config(args.seq, args.reduced)
+        full = parse_arch(v4_config(args.seq))  # the GPU's model: its config checked in a dry run too
+    except BaseException:
+        # no earlier run's checkpoint left for train-v4 to train as if this step had made it
+        made.unlink(missing_ok=True)
+        shutil.rmtree(work / "mcore", ignore_errors=True)
+        raise
+    arch = parse_arch(raw)
+    short = {_S: "sliding", _CSA: "CSA", _HCA: "HCA", "hash_moe": "hash", "moe": "top-k"}
+    what = (f"{arch.num_layers} layers of {arch.hidden_size} (attention {' '.join(short[t] for t in arch.layer_types)}; "
+            f"MoE {' '.join(short[t] for t in arch.family_config.mlp_layer_types)}), {arch.num_experts} experts top "
+            f"{arch.moe_topk}, {parameter_count(arch) / 1e6:.1f}M parameters")
+    if args.reduced:
+        what += (f" (the dry run's narrow stand-in for {full.num_layers} layers of {full.hidden_size}, "
+                 f"{parameter_count(full) / 1e6:.1f}M parameters)")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "gpu-config.json").write_text(json.dumps(v4_config(args.seq), indent=1) + "\n")  # dry-check's
+    if made.is_file() and json.loads(made.read_text()) == raw and (work / "mcore" / "mpatch_checkpoint.json").is_file():
+        print(f"small DeepSeek-V4: {what}: the checkpoint of an earlier run, kept")
+        return 0
+    made.unlink(missing_ok=True)
+    for name in ("hf", "mcore"):
+        shutil.rmtree(work / name, ignore_errors=True)
+    t0 = time.time()
+    make_tiny_hf_checkpoint("deepseek_v4", work / "hf", seed=0, **copy.deepcopy(raw))  # transformers fills in dicts
+    built = time.time() - t0
+    t0 = time.time()
+    if subprocess.call([sys.executable, "-m", "megatron_patch", "convert", "hf2mcore", "--hf-dir", str(work / "hf"),
+                        "--save-dir", str(work / "mcore"), "--dtype", "bf16", "--quiet"]):
+        print("v4: mpatch convert hf2mcore failed (above)")
+        return 1
+    converted = time.time() - t0
+    made.write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"small DeepSeek-V4: {what}: HF checkpoint made in {built:.1f} s, converted (bf16) in {converted:.1f} s")
+    return 0
+
+
 # --- dry-run checks of mpatch command lines -------------------------------------------------------------
 
 def dry_check(args) -> int:
@@ -305,19 +406,26 @@ def dry_check(args) -> int:
     for line in Path(args.queue).read_text().splitlines():
         step, env, joined = line.split("\t")  # written by gpu_suite.sh's dry_check
         check = {"step": step, "env": dict(a.split("=", 1) for a in env.split())}
+        # the model the GPU trains, where the dry run's checkpoint is a narrow stand-in (the small V4's)
+        full_config = check["env"].pop("GPU_SUITE_FULL_CONFIG", None)
         saved = dict(os.environ)
         os.environ.update(check["env"])
         out, err = io.StringIO(), io.StringIO()
         argv = joined.split("\x1f")
+        full_plan = None
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), as_this_machine():
                 if argv[0] == "train":
                     code = main(argv)
+                    full_plan = _full_size_plan(argv, full_config) if code == 0 and full_config else None
                 else:
                     build_parser().parse_args(argv)
                     code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 2
+        except Exception as exc:  # noqa: BLE001 (the full-size plan's: a step's verdict, not the whole check's end)
+            code = 2
+            err.write(f"{type(exc).__name__}: {exc}\n")
         finally:
             os.environ.clear()
             os.environ.update(saved)
@@ -331,10 +439,28 @@ def dry_check(args) -> int:
                                       f"{r['resolved']['train_iters']} iterations, memory plan "
                                       f"{r['memory_plan']['spec']}/{r['memory_plan']['attention']}; on this machine: "
                                       + ("; ".join(problems) or "runnable"))
+            if full_plan is not None:
+                fits = full_plan.problem() is None
+                results[check["step"]] = ("ok" if fits and not problems else "error") + (
+                    f": at the GPU run's size {full_plan.stages[0].device / 2**30:.1f} GiB planned of "
+                    f"{full_plan.capacity / 2**30:.0f} ({'fits' if fits else full_plan.problem()}); the dry run's "
+                    "narrow stand-in:" + results[check["step"]].split(":", 1)[1])
         else:
             results[check["step"]] = "ok: mpatch " + " ".join(argv)
     Path(args.results).write_text("".join(f"{k}\t{v.replace(chr(9), ' ')}\n" for k, v in results.items()))
     return 0
+
+
+def _full_size_plan(argv: list[str], config_file: str):
+    """The memory plan of ``argv``'s launch for the model ``config_file`` describes instead of its checkpoint's."""
+    import dataclasses
+
+    from megatron_patch.training.memory_plan import plan_memory
+    from megatron_patch.training.validation import resolve
+
+    cfg = resolve(argv[1], argv[2:], env=dict(os.environ), check_paths=False)
+    full = dataclasses.replace(cfg, hf_config=json.loads(Path(config_file).read_text()))
+    return plan_memory(full, caps=capabilities())
 
 
 def train_summary(args) -> int:
@@ -351,6 +477,14 @@ def train_summary(args) -> int:
     summary["compiled"] = compiled[-1] if compiled else None
     float8 = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("float8 (torchao")]
     summary["float8"] = float8[-1] if float8 else None
+    if args.model_config:
+        # a model whose attention the FLOPs formula cannot count: its TFLOP/s and MFU would be wrong, so none
+        from megatron_patch.models.description.registry import parse_arch
+        from megatron_patch.models.shape.model_shape import flops_uncounted
+
+        why = flops_uncounted(parse_arch(args.model_config))
+        if why:
+            summary.update(tflops_per_gpu=None, mfu=None, flops_not_counted=why)
     metrics = out / "log" / "metrics.jsonl"
     records = [json.loads(ln) for ln in metrics.read_text().splitlines()] if metrics.is_file() else []
     summary["losses"] = [r["loss"] for r in records if "loss" in r]  # every iteration's, warm-up included
@@ -388,9 +522,10 @@ def summary(results: Path, phase: str, dry_run: bool) -> None:
         if r["step"].startswith("train-") and train.is_file():
             t = json.loads(train.read_text())
             mfu = f"{t['mfu']:.1%}" if t.get("mfu") is not None else "n/a"
-            result = (f"{t['layers']} layers: {t['tokens_per_s']:.0f} tokens/s, {t['tflops_per_gpu']:.1f} TFLOP/s, "
-                      f"MFU {mfu}, peak {t['peak_memory_gib']:.1f} GiB (iterations {t['iterations'][0]}-"
-                      f"{t['iterations'][1]})")
+            flops = (f"TFLOP/s and MFU not counted ({t['flops_not_counted']})" if t.get("flops_not_counted") else
+                     f"{t['tflops_per_gpu']:.1f} TFLOP/s, MFU {mfu}")
+            result = (f"{t['layers']} layers: {t['tokens_per_s']:.0f} tokens/s, {flops}, peak "
+                      f"{t['peak_memory_gib']:.1f} GiB (iterations {t['iterations'][0]}-{t['iterations'][1]})")
             for key, label in (("attention", "attention"), ("attention_backend_log", "TE"), ("compiled", ""),
                                ("float8", "")):
                 if t.get(key):
@@ -495,7 +630,14 @@ def main() -> int:
     p = sub.add_parser("train-summary")
     for name in ("out", "dest", "log", "layers"):
         p.add_argument(name)
+    p.add_argument("--model-config", default=None, help="the trained model's config.json: no TFLOP/s or MFU where "
+                                                       "the FLOPs formula cannot count its attention")
     p.set_defaults(run=train_summary)
+    p = sub.add_parser("v4-checkpoint")
+    p.add_argument("--work", required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--reduced", action="store_true")
+    p.set_defaults(run=v4_checkpoint)
     p = sub.add_parser("pack")
     p.add_argument("--work", required=True)
     p.add_argument("--out", required=True)
