@@ -155,6 +155,25 @@ def test_throughput_leaves_warmup_iterations_out():
     assert summarize(records[:1]) is None
 
 
+def test_a_model_whose_flops_are_not_counted_reports_no_tflops():
+    """DeepSeek-V4's compressed attention is no layer type the FLOPs formula knows: counted as full attention its
+    TFLOP/s and MFU would be wrong, so the loop records none and the summary says so."""
+    from types import SimpleNamespace
+
+    from megatron_patch.models.description.registry import families, parse_arch
+    from megatron_patch.training.loop import flops_per_iteration
+    from megatron_patch.training.throughput import describe, summarize
+
+    cfg = SimpleNamespace(sample_length=64, global_batch_size=8)
+    assert flops_per_iteration(parse_arch(families()["deepseek_v4"].tiny_config), cfg) is None
+    assert flops_per_iteration(parse_arch(families()["deepseek_v3"].tiny_config), cfg) > 0
+    records = [dict(iteration=i, loss=4.0, iteration_s=1.0, tokens=1000, tflops_per_gpu=None, memory_gib=5.0,
+                    warmup=i == 1) for i in (1, 2, 3)]
+    s = summarize(records, peak_tflops=989.0)
+    assert s["tflops_per_gpu"] is None and s["mfu"] is None and s["tokens_per_s"] == 1000.0
+    assert "TFLOP/s not counted" in describe(s)
+
+
 def test_mfu_is_measured_against_the_gpus_dense_peak():
     from megatron_patch.training.throughput import peak_tflops
 

@@ -25,7 +25,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.blocks import attention_kernels, compiled_fusions, compiled_layers
 from megatron_patch.models.blocks.builder import build_model_chunks, pipeline_batch_factor
 from megatron_patch.models.blocks.precision import kept_in_float32
-from megatron_patch.models.shape.model_shape import model_shape
+from megatron_patch.models.shape.model_shape import flops_uncounted, model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.distributed import destroy, move_to_device
@@ -58,8 +58,11 @@ class TrainingStopped(UserError):
     """A NaN/inf loss (with MP_NAN_POLICY=stop)."""
 
 
-def flops_per_iteration(arch, cfg) -> float:
-    """Model FLOPs of one global batch, in Megatron-LM's convention (models/shape/model_shape.py)."""
+def flops_per_iteration(arch, cfg) -> float | None:
+    """Model FLOPs of one global batch, in Megatron-LM's convention (models/shape/model_shape.py); None where the
+    formula cannot count the model's attention (``flops_uncounted``: DeepSeek-V4's), rather than a wrong number."""
+    if flops_uncounted(arch):
+        return None
     return model_shape(arch).flops_per_token(cfg.sample_length) * cfg.global_batch_size * cfg.sample_length
 
 
@@ -539,8 +542,10 @@ class Trainer:
         cfg = self.cfg
         self._open_logs()
         flops = flops_per_iteration(self.arch, cfg)
-        peak = self._peak_tflops()
+        peak = self._peak_tflops() if flops is not None else None
         losses = {}
+        if flops is None:
+            self._log(f"TFLOP/s and MFU are not counted: {flops_uncounted(self.arch)}")
 
         self._log(f"training {cfg.family} {cfg.model_size} {cfg.layout} DP={self.dp_size} on {self.world} "
                   f"{'GPU' if torch.cuda.is_available() else 'CPU process'}(es): iterations {self.iteration + 1}.."
@@ -564,7 +569,7 @@ class Trainer:
                 self._param_gather_after_first_step()
             losses[self.iteration] = result["loss"]
             tokens = cfg.global_batch_size * cfg.sample_length
-            tflops = flops / elapsed / self.world / 1e12
+            tflops = flops / elapsed / self.world / 1e12 if flops is not None else None
             metrics = {"iteration": self.iteration, "loss": result["loss"],
                        "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": result.get("grad_norm"),
                        "tokens_per_s": tokens / elapsed, "tflops_per_gpu": tflops, "memory_gib": _memory_gib(),
@@ -587,8 +592,10 @@ class Trainer:
                           + (f"indexer loss {metrics['indexer_loss']:.4f} | " if "indexer_loss" in metrics else "")
                           + "".join(f"mtp_{k + 1} loss {v:.4f} | " for k, v in enumerate(result.get("mtp_losses", [])))
                           + f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
-                          f"tokens/s {metrics['tokens_per_s']:.0f} | TFLOP/s/{'GPU' if peak is not None else 'proc'} "
-                          f"{tflops:.3f}" + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
+                          f"tokens/s {metrics['tokens_per_s']:.0f}"
+                          + (f" | TFLOP/s/{'GPU' if peak is not None else 'proc'} {tflops:.3f}" if tflops is not None
+                             else "")
+                          + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
                           + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms"
                           + (f" | offload {metrics['offload_share']:.0%}" if "offload_share" in metrics else ""))
             if self.valid_data is not None and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:

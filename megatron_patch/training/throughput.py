@@ -32,12 +32,14 @@ def summarize(records: list[dict], peak_tflops: float | None = None) -> dict | N
         return None
     seconds = sum(r["iteration_s"] for r in steady)
     tokens = sum(r["tokens"] for r in steady)
-    tflops = sum(r["tflops_per_gpu"] * r["iteration_s"] for r in steady) / seconds
+    # None: the model's FLOPs are not counted (loop.flops_per_iteration)
+    counted = all(r["tflops_per_gpu"] is not None for r in steady)
+    tflops = sum(r["tflops_per_gpu"] * r["iteration_s"] for r in steady) / seconds if counted else None
     out = {"iterations": [steady[0]["iteration"], steady[-1]["iteration"]], "count": len(steady),
            "warmup_excluded": sum(1 for r in records if r.get("warmup")), "seconds": seconds,
            "tokens_per_s": tokens / seconds, "tflops_per_gpu": tflops,
            "peak_memory_gib": max(r["memory_gib"] for r in steady), "peak_tflops": peak_tflops,
-           "mfu": tflops / peak_tflops if peak_tflops else None}
+           "mfu": tflops / peak_tflops if peak_tflops and tflops is not None else None}
     return out
 
 
@@ -47,5 +49,7 @@ def describe(summary: dict | None) -> str:
     first, last = summary["iterations"]
     mfu = f", MFU {summary['mfu']:.1%} of {summary['peak_tflops']:.0f}" if summary["mfu"] is not None else ""
     return (f"throughput over iterations {first}..{last} ({summary['warmup_excluded']} warm-up iteration(s) left out): "
-            f"{summary['tokens_per_s']:.0f} tokens/s, {summary['tflops_per_gpu']:.2f} TFLOP/s per GPU{mfu}, "
-            f"peak memory {summary['peak_memory_gib']:.2f} GiB")
+            f"{summary['tokens_per_s']:.0f} tokens/s, "
+            + (f"{summary['tflops_per_gpu']:.2f} TFLOP/s per GPU{mfu}, " if summary["tflops_per_gpu"] is not None
+               else "TFLOP/s not counted, ")
+            + f"peak memory {summary['peak_memory_gib']:.2f} GiB")
