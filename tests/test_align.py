@@ -161,7 +161,8 @@ def plant_v4_sinks_dropped(arch):
 
 def plant_v4_sinkhorn_eps(hf_config):
     """A wrong Sinkhorn epsilon (1e-4 for 1e-6): every comb mix off by ~1e-4. At layer 0 the streams are equal
-    copies, so the attention's input only scales (its norm undoes that): the first point off is the MLP's."""
+    copies, so the attention's input only scales (its norm undoes that): the first point off is the streams after
+    the attention's comb mix (layers.0.residual)."""
     hf_config["hc_eps"] = 1e-4
 
 
@@ -170,6 +171,14 @@ def plant_v4_one_stream_post_mix(arch):
     of the layer's output changes."""
     def edit(sd):
         sd[f"decoder.layers.{FAULT_LAYER}.ffn_hc.base"][arch.family_config.hc_mult + V4_STREAM] += 1.0
+    return edit
+
+
+def plant_v4_attention_step_post_mix(arch):
+    """Layer 2's attention output spread into stream 3 with another weight (attn_hc's post-mix bias moved): the
+    streams after the attention's hyper-connection are off, before the MLP sees them."""
+    def edit(sd):
+        sd[f"decoder.layers.{FAULT_LAYER}.attn_hc.base"][arch.family_config.hc_mult + V4_STREAM] += 1.0
     return edit
 
 
@@ -208,8 +217,10 @@ FAULTS = {
     "expert_0_and_1_swapped": ("qwen2_moe", plant_expert_swap, None, "layers.1.mlp"),
     "router_rows_0_and_1_swapped": ("mixtral", plant_router_rows_swapped, None, "layers.1.routing"),
     "v4_sinks_dropped": ("deepseek_v4", plant_v4_sinks_dropped, None, f"layers.{FAULT_LAYER}.attention"),
-    "v4_wrong_sinkhorn_eps": ("deepseek_v4", None, plant_v4_sinkhorn_eps, "layers.0.mlp"),
+    "v4_wrong_sinkhorn_eps": ("deepseek_v4", None, plant_v4_sinkhorn_eps, "layers.0.residual"),
     "v4_one_stream_post_mix": ("deepseek_v4", plant_v4_one_stream_post_mix, None, f"layers.{FAULT_LAYER}.output"),
+    "v4_attention_step_post_mix": ("deepseek_v4", plant_v4_attention_step_post_mix, None,
+                                   f"layers.{FAULT_LAYER}.residual"),
     "v4_tid2eid_row_replaced": ("deepseek_v4", plant_v4_tid2eid_row_replaced, None, "layers.1.routing"),
     "v4_indexer_rows_swapped": ("deepseek_v4", plant_v4_indexer_rows_swapped, None, "layers.1.selection"),
 }
@@ -326,7 +337,9 @@ def test_fault_in_bf16_fails_against_the_noise_floor(aligned, fault):
 def _check_clean(v, family, dtype, aligned):
     assert v.aligned, v.summary
     arch = parse_arch(aligned["hf"][family])
-    assert v.first_failure is None and [p.name for p in v.points] == point_names(arch.num_layers)
+    # with the streams after the attention's step where the family names that point (DeepSeek-V4)
+    residual = families()[family].hf_modules.attention_residual is not None
+    assert v.first_failure is None and [p.name for p in v.points] == point_names(arch.num_layers, residual)
     assert [r.layer for r in v.routing] == [i for i in range(arch.num_layers) if arch.is_moe_layer(i)]
     assert [r.layer for r in v.routing if r.exact] == exact_routing_layers(arch)
     # sparse attention (DeepSeek-V3.2, GLM-5: every layer; DeepSeek-V4: its CSA layers): each layer whose HF
@@ -396,9 +409,11 @@ def test_deepseek_v4_layer_outputs_are_judged_per_stream(aligned):
     streams = arch.family_config.hc_mult
     for dtype in DTYPES:
         v = _judge(aligned, "deepseek_v4", dtype, aligned["clean"]["tp1"][("deepseek_v4", dtype)])
-        outputs = [p for p in v.points if p.name.endswith(".output")]
-        assert [len(p.streams) for p in outputs] == [streams] * arch.num_layers
-        assert all(r.passed for p in outputs for r in p.streams)
+        # each layer's output, and its streams after the attention's hyper-connection (the residual point)
+        for kind in (".output", ".residual"):
+            held = [p for p in v.points if p.name.endswith(kind)]
+            assert [len(p.streams) for p in held] == [streams] * arch.num_layers, kind
+            assert all(r.passed for p in held for r in p.streams), kind
         assert not next(p for p in v.points if p.name == "embedding").streams
     v = _judge(aligned, "deepseek_v4", "fp32", aligned["faults"]["v4_one_stream_post_mix"])
     point = next(p for p in v.points if p.name == f"layers.{FAULT_LAYER}.output")

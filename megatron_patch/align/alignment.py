@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from megatron_patch.align import ablations
-from megatron_patch.align.capture import point_names, streams_like
+from megatron_patch.align.capture import captured_point_names, streams_like
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, exact_routing_layers, judge
@@ -204,7 +204,7 @@ def make_tokens(s: AlignSettings, vocab_size: int) -> tuple[torch.Tensor, str]:
 
 
 def _point_series(ref, test, num_layers) -> list[float]:
-    return [compare(streams_like(ref[n], test[n]), test[n])["rel_l2"] for n in point_names(num_layers)]
+    return [compare(streams_like(ref[n], test[n]), test[n])["rel_l2"] for n in captured_point_names(ref, num_layers)]
 
 
 def _ablation_rows(s, ref, floor, baseline, variants, num_layers) -> list[dict]:
@@ -283,7 +283,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
         "config_differences": config_differences(ref_arch.hf_config, test_arch.hf_config),
         "ablations": _ablation_rows(s, ref, floor, test, variants, ref_arch.num_layers) if s.ablate else [],
         # fp8: the points where MCore's float8 model equals torchao's on the HF model bit for bit
-        "fp8_identical_points": [n for n in point_names(ref_arch.num_layers) if n in test and n in floor
+        "fp8_identical_points": [n for n in captured_point_names(test, ref_arch.num_layers) if n in test and n in floor
                                  and torch.equal(test[n], floor[n])] if s.fp8 else None,
         # what the tested MCore side's attention was (the runner builds the baseline with exactly this)
         "attention": None if s.hf_dir_2 else ablations.describe_baseline_attention(),

@@ -2,11 +2,12 @@
 
 Points, in the order data flows through the model (``point_names``)::
 
-    embedding, layers.{i}.attention, layers.{i}.mlp, layers.{i}.output, ..., final_norm, logits
+    embedding, layers.{i}.attention, [layers.{i}.residual,] layers.{i}.mlp, layers.{i}.output, ..., final_norm, logits
 
 ``attention`` and ``mlp`` are the sub-block outputs before the residual add (HF ``self_attn`` /
 ``mlp``; MCore ``self_attention`` / ``mlp``, both after their row-parallel reduction), ``output`` is
-the decoder layer's output. Every capture is float32 on CPU, shaped [batch, seq, ...] (MCore's
+the decoder layer's output; ``residual``, where the family names it (``HFModules.attention_residual``), the
+residual between the two (DeepSeek-V4: the streams after the attention's hyper-connection). Every capture is float32 on CPU, shaped [batch, seq, ...] (MCore's
 [seq, batch, ...] is transposed), so captures from either side compare directly.
 
 A model whose residual is several streams (DeepSeek-V4's hyper-connections) holds a layer's output as
@@ -45,11 +46,21 @@ Captures = dict[str, torch.Tensor]
 SUBLAYER_POINTS = ("attention", "mlp", "output")
 
 
-def point_names(num_layers: int) -> list[str]:
+RESIDUAL = "residual"
+
+
+def point_names(num_layers: int, residual: bool = False) -> list[str]:
+    """The points in data-flow order; ``residual``: with each layer's residual after its attention step."""
+    sublayer = ("attention", RESIDUAL, "mlp", "output") if residual else SUBLAYER_POINTS
     names = ["embedding"]
     for i in range(num_layers):
-        names += [f"layers.{i}.{p}" for p in SUBLAYER_POINTS]
+        names += [f"layers.{i}.{p}" for p in sublayer]
     return names + ["final_norm", "logits"]
+
+
+def captured_point_names(captures: Captures, num_layers: int) -> list[str]:
+    """``point_names`` of what ``captures`` holds: with the residual points where the family's layers have them."""
+    return point_names(num_layers, residual=any(n.endswith(f".{RESIDUAL}") for n in captures))
 
 
 ROUTING = "routing."
@@ -145,7 +156,13 @@ def _hooks(targets: dict[str, torch.nn.Module], store: Captures, seq_first: bool
             store[name] = t.to("cpu", torch.float32, copy=True, memory_format=torch.contiguous_format)
         return hook
 
-    handles = [m.register_forward_hook(make(n)) for n, m in targets.items()]
+    def make_before(name):  # a residual point: the module's input
+        def hook(module, args):
+            make(name)(module, args, args[0])
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_before(n)) if n.endswith(f".{RESIDUAL}") else
+               m.register_forward_hook(make(n)) for n, m in targets.items()]
     try:
         yield
     finally:
@@ -212,6 +229,8 @@ def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
         targets[f"layers.{i}.attention"] = _submodule(layer, modules.attention)
         targets[f"layers.{i}.mlp"] = _submodule(layer, modules.mlp)
         targets[f"layers.{i}.output"] = layer
+        if modules.attention_residual is not None:
+            targets[f"layers.{i}.{RESIDUAL}"] = _submodule(layer, modules.attention_residual)
     targets["final_norm"] = _submodule(model, modules.final_norm)
     return targets
 
@@ -261,7 +280,7 @@ def load_hf_model(hf_dir, dtype: torch.dtype):
     return load_causal_lm(hf_dir, dtype, attn_implementation="eager")
 
 
-def mcore_capture_targets(model) -> dict[str, torch.nn.Module]:
+def mcore_capture_targets(model, modules: HFModules = HFModules()) -> dict[str, torch.nn.Module]:
     targets = {}
     if getattr(model, "pre_process", False):
         targets["embedding"] = model.embedding
@@ -270,6 +289,8 @@ def mcore_capture_targets(model) -> dict[str, torch.nn.Module]:
         targets[f"layers.{i}.attention"] = layer.self_attention
         targets[f"layers.{i}.mlp"] = layer.mlp
         targets[f"layers.{i}.output"] = layer
+        if modules.attention_residual is not None:
+            targets[f"layers.{i}.{RESIDUAL}"] = layer.get_submodule(modules.attention_residual)
     if getattr(model, "post_process", False) and getattr(model.decoder, "final_layernorm", None) is not None:
         targets["final_norm"] = model.decoder.final_layernorm
     return targets
@@ -291,14 +312,15 @@ def mcore_indexers(model) -> dict[int, torch.nn.Module]:
     return out
 
 
-def capture_mcore(model, tokens: torch.Tensor, vocab_size: int) -> Captures:
-    """This rank's points of an MCore GPTModel (its stage only), run through megatron's schedule."""
+def capture_mcore(model, tokens: torch.Tensor, vocab_size: int, modules: HFModules = HFModules()) -> Captures:
+    """This rank's points of an MCore GPTModel (its stage only), run through megatron's schedule; ``modules``: the
+    family's (for its residual point)."""
     from megatron_patch.models.blocks.builder import pipeline_batch_factor  # megatron-core, as the model
 
     store: Captures = {}
     batch, seq = tokens.shape
     streams = pipeline_batch_factor(model)  # residual streams folded into the batch (DeepSeek-V4's)
-    with _hooks(mcore_capture_targets(model), store, seq_first=True, batch=batch, streams=streams), \
+    with _hooks(mcore_capture_targets(model, modules), store, seq_first=True, batch=batch, streams=streams), \
             _routing_hooks(mcore_routers(model), store, batch, seq, mcore=True), \
             _selection_hooks(mcore_indexers(model), store, mcore=True):
         logits = forward_logits(model, tokens, vocab_size)

@@ -20,7 +20,7 @@ from megatron_patch.lora.sources import add_adapters, open_adapters
 from megatron_patch.models.blocks.builder import build_model
 from megatron_patch.models.blocks.inference import place_on_rank_device
 from megatron_patch.models.description.arch import read_config_json
-from megatron_patch.models.description.registry import detect_family, parse_arch
+from megatron_patch.models.description.registry import detect_family, get_family, parse_arch
 from megatron_patch.runtime import init_model_parallel
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.launch import run_local
@@ -104,7 +104,7 @@ def mcore_capture_worker(layout: ParallelLayout, tokens: torch.Tensor, runs: lis
     for run in runs:
         model, arch = _build_and_load(run, layout)
         with ablations.patched(run.ablation, model):
-            captured = capture_mcore(model, tokens, arch.vocab_size)
+            captured = capture_mcore(model, tokens, arch.vocab_size, get_family(arch.family).hf_modules)
         out.append(captured if reporter else None)
         del model
     return out

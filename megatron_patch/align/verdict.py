@@ -53,7 +53,7 @@ from typing import Collection
 import torch
 
 from megatron_patch.align.capture import (
-    ROUTING, SELECTION, Captures, point_layer, point_names, routing_layers, selection_layers, stream_count,
+    ROUTING, SELECTION, Captures, captured_point_names, point_layer, routing_layers, selection_layers, stream_count,
     streams_like)
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
@@ -211,7 +211,7 @@ def _clean_tokens(ref: Captures, test: Captures, floor: Captures | None, dtype: 
     routing, selection, masks = [], [], {}
     reached = None  # tokens a flip in an earlier layer reaches
     excluded = None  # tokens left out at the current point
-    for name in point_names(num_layers):
+    for name in captured_point_names(ref, num_layers):
         layer = point_layer(name)
         if layer is not None and name.endswith(".attention"):
             excluded = reached
@@ -242,7 +242,7 @@ def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Cap
         raise ValueError("a bf16/fp16 verdict needs HF's own captures in that dtype (the noise floor)")
     routing, selection, masks = _clean_tokens(ref, test, floor, dtype, tolerance, num_layers, exact_routing)
     results: list[PointResult] = []
-    for name in point_names(num_layers):
+    for name in captured_point_names(ref, num_layers):
         if name not in ref or name not in test:
             missing = "reference" if name not in ref else what
             raise RuntimeError(f"point {name} was not captured on the {missing} side")

@@ -56,7 +56,8 @@ FAMILY = ModelFamily(
     skeleton_from_megatron_core="its layers (hyper-connections, V4 attention, hash routing) are modules of its own",
     test_layouts=TestLayouts(parity=(L(), L(tp=2), L(pp=2))),
     # the aligner's routers (hash and top-k layers alike) and the CSA layers' block selection
-    hf_modules=HFModules(router="mlp.gate", indexer="self_attn.compressor.indexer"),
+    # the streams also after the attention's hyper-connection: ffn_hc's input on both sides
+    hf_modules=HFModules(router="mlp.gate", indexer="self_attn.compressor.indexer", attention_residual="ffn_hc"),
     hf_names_view=hf_names_view,  # the hub's own names (hub_names.py) read as transformers' save names
     hf_loaded_prefixes=LOADED_NAMES, lora_refused=LORA_REFUSED,  # peft's names are the loaded model's (mapping.py)
     # its MTP layers (mtp.{k}.*) convert-only: carried beside the model with --mtp, not built

@@ -46,6 +46,10 @@ class HFModules:
     # Within a decoder layer: a sparse attention's indexer (its output holds each query's top-k keys, or blocks of
     # keys: DeepSeek-V4's CSA indexer); layers without one (V4's sliding and HCA layers) are skipped.
     indexer: str | tuple[str, ...] | None = None
+    # Within a decoder layer, on both sides (the family names its MCore layer's module alike): a module whose input is
+    # the residual after the attention's step, captured as ``layers.{i}.residual`` (DeepSeek-V4's ffn_hc: the
+    # streams after the attention's hyper-connection); None: no such point, the layer's output speaks for it.
+    attention_residual: str | None = None
 
 
 @dataclass(frozen=True)
