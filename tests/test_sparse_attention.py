@@ -1,7 +1,8 @@
 """DeepSeek sparse attention (deepseek_v32, glm_moe_dsa) beyond what the registry-driven tests run for every
 family (round trips, parity, alignment, the launcher): config.json's refusals, the key-selection verdict,
 the indexer's Hadamard path, a planted indexer fault found at its layer, the training extras (refusals, the
-indexer loss, the indexer-only dense warm-up with everything else bit-identical).
+indexer loss, the indexer-only dense warm-up with everything else bit-identical), generation with the indexer's
+keys cached.
 """
 
 from __future__ import annotations
@@ -300,11 +301,14 @@ def test_chunked_attention_equals_the_whole_one():
         assert torch.allclose(chunked, dense, atol=1e-6, rtol=1e-5), chunk
 
 
-def _selections_worker() -> tuple:
-    """A tiny GLM-5's layer-1 indexer on random inputs: its top-k scored whole and 7 queries at a time (in a
-    process of its own: megatron-core's process groups stay out of the test process)."""
+def _selections_worker(prompt: int) -> dict:
+    """A tiny GLM-5's layer-1 indexer on 40 random tokens: its top-k scored whole, 7 queries at a time, and as a
+    generation keeping its keys in an inference context (the first ``prompt`` tokens, then one at a time), in a
+    process of its own: megatron-core's process groups stay out of the test process."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
     from megatron_patch.models.blocks.builder import build_model
-    from megatron_patch.models.blocks.sparse_attention import causal_mask
+    from megatron_patch.models.blocks.sparse_attention import causal_mask, indexer_key_cache
     from megatron_patch.models.shape.skeleton import _ensure_single_rank_state
     from megatron_patch.runtime import ParallelLayout
 
@@ -313,22 +317,74 @@ def _selections_worker() -> tuple:
     model = build_model(parse_arch(tiny_config("glm_moe_dsa")), ParallelLayout(), torch.float32)
     indexer = model.decoder.layers[1].self_attention.core_attention.indexer
     x, qr = torch.randn(40, 2, 64), torch.randn(40, 2, 48)
-    _, whole = indexer.forward_with_scores(x, qr, mask=causal_mask(40, 40, x.device))
-    return whole, indexer.select(x, qr, chunk=7)
+    scores, whole = indexer.forward_with_scores(x, qr, mask=causal_mask(40, 40, x.device))
+    context, cached = StaticInferenceContext(2, 40), []
+    for start, end in zip([0, *range(prompt, 40)], range(prompt, 41)):
+        cache = indexer_key_cache(context, 2, 2, indexer.index_head_dim, x.device)
+        cached.append(indexer.select(x[start:end], qr[start:end], cache=cache))
+        context.sequence_len_offset = end
+    return {"scores": scores, "whole": whole, "chunked": indexer.select(x, qr, chunk=7), "cached": cached}
+
+
+@pytest.fixture(scope="module")
+def selections() -> dict:
+    from megatron_patch.runtime.launch import run_local
+
+    return run_local(_selections_worker, 1, 30, timeout=300)[0]
+
+
+def _selected_scores(scores: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    """The index scores [b, s, k] of the keys each query selects, highest first, from the whole sequence's
+    ``scores`` (causal mask added): equal for two selections of the same keys up to ties, as a ReLU scores many keys
+    0 and top-k breaks a tie by the length of its row."""
+    return scores.gather(-1, topk).sort(dim=-1, descending=True).values
 
 
 @pytest.mark.slow
-def test_indexer_chunked_selection_equals_the_whole_one():
+def test_indexer_chunked_selection_equals_the_whole_one(selections):
     """Without a gradient the indexer scores a chunk of queries at a time under their slice of the causal mask: the
-    same keys as scoring the whole sequence (sets compared: ties among masked keys may order otherwise)."""
-    from megatron_patch.runtime.launch import run_local
+    same keys as scoring the whole sequence."""
+    scores, whole, chunked = selections["scores"], selections["whole"], selections["chunked"]
+    assert whole.shape == chunked.shape == (2, 40, 8)
+    assert torch.equal(_selected_scores(scores, chunked), _selected_scores(scores, whole))
 
-    whole, chunked = run_local(_selections_worker, 1, timeout=300)[0]
-    b, s = whole.shape[:2]
-    assert whole.shape == chunked.shape == (b, s, 8)
-    visible = torch.ones(s, s, dtype=torch.bool).tril()
-    keep = [torch.zeros(b, s, s, dtype=torch.bool).scatter_(-1, t, True) & visible for t in (whole, chunked)]
-    assert torch.equal(keep[0], keep[1])
+
+@pytest.mark.slow
+def test_indexer_selection_from_cached_keys_equals_the_whole_one(selections):
+    """A generation's indexer scores each new query against the keys it cached for the earlier tokens and its own,
+    under the causal mask shifted to the query's position: the keys scoring the whole sequence selects, where the
+    top 8 keep fewer than the visible keys (a prompt of 30, then 10 tokens one at a time)."""
+    scores, whole, (prompt, *steps) = selections["scores"], selections["whole"], selections["cached"]
+    assert prompt.shape == (2, 30, 8) and [t.shape for t in steps] == [(2, 1, 8)] * 10
+    expected = _selected_scores(scores, whole)
+    assert torch.equal(_selected_scores(scores[:, :30], prompt), expected[:, :30])
+    for position, step in enumerate(steps, start=30):
+        assert torch.equal(_selected_scores(scores[:, position:position + 1], step), expected[:, position:position + 1]), \
+            position
+
+
+@pytest.mark.parametrize("family, tp", [("deepseek_v32", 1), ("deepseek_v32", 2), ("glm_moe_dsa", 2)])
+def test_generation_continues_the_indexer_keys_one_token_per_step(family, tp):
+    """A generation with the runner's inference context gives the logits one whole forward gives, within float32
+    noise: each layer's indexer scores the new token against the keys it cached for the earlier ones, under the
+    causal mask shifted to the token's position, and the attention reads MLA's cached keys and values. A prompt of
+    10 and 16 tokens in all, past the tiny indexer's top 8, so a wrong key set changes the selection. And a
+    generated token costs one token's forward: every layer sees the prompt once and then one token per step."""
+    from megatron_patch.runtime.distributed import ParallelLayout
+    from megatron_patch.runtime.launch import run_local
+    from tests.eval_helpers import generation_state_worker
+
+    arch = parse_arch(tiny_config(family))
+    assert arch.sparse_attention.topk < 10
+    tokens = [[5, 17, 33, 8, 90, 61, 12, 4, 9, 100, 11, 3, 44, 150, 21, 77],
+              [44, 3, 150, 27, 9, 71, 18, 100, 7, 7, 120, 3, 66, 1, 56, 2]]
+    for rank in run_local(generation_state_worker, tp, arch, ParallelLayout(tp=tp), tokens, 10, 5):
+        whole = rank["whole"]
+        assert [end for end, _ in rank["cached"]] == list(range(10, 17))
+        for end, last in rank["cached"]:
+            expected = whole[:, end - 1]
+            assert (last - expected).abs().max() <= 1e-5 * expected.abs().max(), end
+        assert rank["seen"] == {1: [10, 1, 1, 1, 1], 2: [10, 1, 1, 1, 1], 3: [10, 1, 1, 1, 1]}
 
 
 # --- FP8 hub weights ---------------------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ epsilon of 1e-6 (transformers' value). So:
   scores whole when its loss needs them. Without one (inference, alignment, the frozen indexer of a training
   step): the indexer and the attention a chunk of queries at a time (``chunked_sparse_attention``): O(chunk * s)
   memory for both, the same arithmetic row by row; the work stays O(s^2) (see there why on a CPU).
+- Generation with megatron-core's static inference context (``SparseMLASelfAttention`` lends it to the core
+  attention): MLA caches its keys and values there and hands the core attention all of them; the indexer keeps its
+  own keys (after its norm and RoPE) beside them (``indexer_key_cache``), so a new token is scored against every
+  earlier one under the causal mask shifted to its position, and costs one token's forward.
 
 The indexer reads the layer's input and the query latent detached, as megatron-core's does: the language
 model loss never trains it, the indexer loss trains nothing else.
@@ -32,6 +36,7 @@ model loss never trains it, the indexer loss trains nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -44,6 +49,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant import dsa as mcore_dsa
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 # transformers' DeepseekV32Indexer / GlmMoeDsaIndexer: nn.LayerNorm(head_dim, eps=1e-6), whatever rms_norm_eps is
@@ -127,16 +133,16 @@ class SparseAttentionIndexer(mcore_dsa.DSAIndexer):
         for p in self.parameters():  # whole on every TP rank: identical gradients, averaged (0.19) or not
             p.average_gradients_across_tp_domain = True
 
-    def _cos_sin(self, seq_len: int, dtype: torch.dtype):
-        out = self.rotary_pos_emb(seq_len, packed_seq=False)
+    def _cos_sin(self, first: int, seq_len: int, dtype: torch.dtype):
+        out = self.rotary_pos_emb(first + seq_len, packed_seq=False)
         emb, mscale = out if isinstance(out, tuple) else (out, 1.0)
-        emb = emb.view(seq_len, 1, 1, -1)  # [s, 1, 1, rope dim]: the angles, twice
+        emb = emb[first:].view(seq_len, 1, 1, -1)  # [s, 1, 1, rope dim]: the angles, twice
         return (emb.cos() * mscale).to(dtype), (emb.sin() * mscale).to(dtype)
 
-    def project(self, x: torch.Tensor, qr: torch.Tensor):
+    def project(self, x: torch.Tensor, qr: torch.Tensor, first: int = 0):
         """(q [b, s * heads, d], k [b, d, s], weights [b, s, heads]) in float32, RoPE applied (and rotated where
         the extension runs). ``x`` [s, b, hidden], ``qr`` [s, b, q_lora_rank] (sequence-parallel shards are
-        gathered)."""
+        gathered) of the tokens at positions ``first``.. ."""
         if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:
             x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
             qr = gather_from_sequence_parallel_region(qr, group=self.pg_collection.tp)
@@ -146,7 +152,7 @@ class SparseAttentionIndexer(mcore_dsa.DSAIndexer):
         q = q.view(seq, batch, heads, dim)
         k, _ = self.linear_wk(x)
         k = self.k_norm(k).view(seq, batch, 1, dim)
-        cos, sin = self._cos_sin(seq, q.dtype)
+        cos, sin = self._cos_sin(first, seq, q.dtype)
         q = torch.cat([_rope(q[..., :rope_dim], cos, sin, self.rope_interleaved), q[..., rope_dim:]], dim=-1)
         k = torch.cat([_rope(k[..., :rope_dim], cos, sin, self.rope_interleaved), k[..., rope_dim:]], dim=-1)
         q, k = maybe_rotate(q), maybe_rotate(k)
@@ -165,30 +171,76 @@ class SparseAttentionIndexer(mcore_dsa.DSAIndexer):
         index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
         return index_scores if mask is None else index_scores + mask
 
+    def _queries_and_keys(self, x: torch.Tensor, qr: torch.Tensor, cache: IndexerKeyCache | None):
+        """``project``'s queries, keys and weights of these tokens, the keys extended to every earlier token's
+        where a generation's ``cache`` keeps them."""
+        if cache is None:
+            return self.project(x, qr)
+        q_b, k_b, weights = self.project(x, qr, first=cache.first)
+        return q_b, cache.extend(k_b), weights
+
     def forward_with_scores(self, x: torch.Tensor, qr: torch.Tensor, mask: torch.Tensor | None = None,
-                            packed_seq_params=None):
+                            packed_seq_params=None, cache: IndexerKeyCache | None = None):
         """Index scores [b, sq, sk] (float32, ``mask`` added) and the top-k keys of each query [b, sq, k]."""
         if packed_seq_params is not None:
             raise NotImplementedError("DeepSeek sparse attention here runs unpacked sequences only")
-        index_scores = self.score(*self.project(x, qr), mask)
+        index_scores = self.score(*self._queries_and_keys(x, qr, cache), mask)
         topk = index_scores.topk(min(self.index_topk, index_scores.shape[-1]), dim=-1).indices
         return index_scores, topk
 
     @torch.no_grad()
-    def select(self, x: torch.Tensor, qr: torch.Tensor, chunk: int = QUERY_CHUNK):
+    def select(self, x: torch.Tensor, qr: torch.Tensor, chunk: int = QUERY_CHUNK,
+               cache: IndexerKeyCache | None = None):
         """The top-k keys of each query [b, sq, k] under the causal mask, without a gradient, ``chunk`` queries at a
         time: the per-head scores held are [b, chunk, heads, s], not [b, s, heads, s]. A sequence of at most
-        ``chunk`` tokens is scored as ``forward_with_scores`` scores it."""
-        q_b, k_b, weights = self.project(x, qr)
+        ``chunk`` tokens is scored as ``forward_with_scores`` scores it. With a generation's ``cache`` the queries
+        are the tokens after the cached ones, scored against all of them."""
+        q_b, k_b, weights = self._queries_and_keys(x, qr, cache)
         seq, heads, skv = weights.shape[1], self.index_n_heads, k_b.shape[-1]
+        first = skv - seq
         k = min(self.index_topk, skv)
         pieces = []
         for s0 in range(0, seq, chunk):
             s1 = min(seq, s0 + chunk)
-            mask = causal_mask(s1 - s0, skv, q_b.device, first=s0)
+            mask = causal_mask(s1 - s0, skv, q_b.device, first=first + s0)
             pieces.append(self.score(q_b[:, s0 * heads:s1 * heads], k_b, weights[:, s0:s1], mask)
                           .topk(k, dim=-1).indices)
         return torch.cat(pieces, dim=1)
+
+
+@dataclasses.dataclass
+class IndexerKeyCache:
+    """A generation's indexer keys, for the rows of this forward: ``keys`` [max sequence, batch, d] float32, a view
+    of the buffer the layer keeps in megatron-core's static inference context (``indexer_key_cache``), filled up to
+    ``first``, the position of this forward's first token."""
+
+    keys: torch.Tensor
+    first: int
+
+    def extend(self, k_b: torch.Tensor) -> torch.Tensor:
+        """Every key [b, d, first + s] once this forward's ``k_b`` [b, d, s] is written after the cached ones."""
+        end = self.first + k_b.shape[-1]
+        if end > self.keys.shape[0]:
+            raise ValueError(f"a generation of {end} tokens is longer than its inference context's "
+                             f"{self.keys.shape[0]}")
+        self.keys[self.first:end] = k_b.permute(2, 0, 1)
+        return self.keys[:end].permute(1, 2, 0)
+
+
+def indexer_key_cache(context, layer_number: int, batch: int, head_dim: int, device) -> IndexerKeyCache:
+    """The indexer keys of layer ``layer_number`` for a generation in megatron-core's static inference context,
+    kept beside the layer's KV cache (which holds MLA's keys and values, not the indexer's): a buffer of the
+    context's max sequence and batch, under its own key in ``key_value_memory_dict``, rows from
+    ``batch_size_offset``, filled up to ``sequence_len_offset``, as megatron-core's attention keeps its KV cache."""
+    if not context.is_static_batching():
+        raise NotImplementedError("DeepSeek sparse attention keeps its indexer keys in megatron-core's static "
+                                  "inference context only")
+    name = (layer_number, "indexer keys")
+    if name not in context.key_value_memory_dict:
+        context.key_value_memory_dict[name] = torch.zeros(context.max_sequence_length, context.max_batch_size,
+                                                          head_dim, dtype=torch.float32, device=device)
+    rows = context.key_value_memory_dict[name][:, context.batch_size_offset:context.batch_size_offset + batch]
+    return IndexerKeyCache(rows, context.sequence_len_offset)
 
 
 def causal_mask(sq: int, skv: int, device, first: int = 0) -> torch.Tensor:
@@ -214,17 +266,19 @@ def sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float
 @torch.no_grad()
 def chunked_sparse_attention(query, key, value, topk: torch.Tensor, softmax_scale: float,
                              chunk: int | None = None) -> torch.Tensor:
-    """``sparse_attention`` without a gradient, ``chunk`` queries at a time: each chunk's scores against every key
-    masked to its top-k (the same arithmetic row by row), so the scores held are [b, heads, chunk, s], not
-    [b, heads, s, s]. The work stays O(s^2): gathering each query's top-k keys instead (O(s * k) work) moves
+    """``sparse_attention`` without a gradient, ``chunk`` queries at a time, the queries the last ``sq`` of the
+    ``skv`` keys (all of them but in a generation's later forwards, which attend the cached keys too): each chunk's
+    scores against every key masked to its top-k (the same arithmetic row by row), so the scores held are
+    [b, heads, chunk, s], not [b, heads, s, s]. The work stays O(s^2): gathering each query's top-k keys instead (O(s * k) work) moves
     k * heads * (qk + v dims) values per query, which on a CPU costs more than the matrix products it saves;
     that is for sparse kernels on a GPU (FlashMLA's, megatron-core 0.19's tilelang ones)."""
     sq, b, heads, _ = query.shape
     skv = key.shape[0]
+    first = skv - sq
     if chunk is None:  # about 64 MiB of float32 scores per chunk
         chunk = max(1, min(sq, 2**24 // max(1, b * heads * skv)))
     pieces = [sparse_attention(query[s0:s0 + chunk], key, value, topk[:, s0:s0 + chunk], softmax_scale,
-                               causal_mask(min(chunk, sq - s0), skv, query.device, first=s0))
+                               causal_mask(min(chunk, sq - s0), skv, query.device, first=first + s0))
               for s0 in range(0, sq, chunk)]
     return torch.cat(pieces, dim=0)
 
@@ -272,6 +326,8 @@ class SparseMLACoreAttention(MegatronModule):
         super().__init__(config=config)
         self.layer_number = layer_number
         self.last_topk: torch.Tensor | None = None
+        # a generation's megatron-core inference context, lent for each forward by ``SparseMLASelfAttention``
+        self.inference_context = None
         # DeepSeek's dense warm-up (MP_DSA_INDEXER_ONLY): attend to every earlier key, train the indexer alone
         self.dense_warmup = False
         self.indexer = build_module(submodules.indexer, config=config, pg_collection=pg_collection)
@@ -293,17 +349,23 @@ class SparseMLACoreAttention(MegatronModule):
                                "variant='dsa' and a q_lora_rank)")
         if packed_seq_params is not None:
             raise NotImplementedError("DeepSeek sparse attention here runs unpacked sequences only")
-        if attn_mask_type not in (None, AttnMaskType.causal):
+        context = self.inference_context
+        # after a generation's prompt megatron-core asks for no mask, its keys being the cache's: still causal here
+        continued = context is not None and attn_mask_type == AttnMaskType.no_mask
+        if attn_mask_type not in (None, AttnMaskType.causal) and not continued:
             raise NotImplementedError(f"DeepSeek sparse attention here is causal only, not {attn_mask_type}")
+        # In a generation MLA hands the cached keys and values too: the queries are the last sq positions.
         sq, skv = query.shape[0], key.shape[0]
+        cache = None if context is None else indexer_key_cache(context, self.layer_number, query.shape[1],
+                                                               self.indexer.index_head_dim, query.device)
         coeff = self.loss_coeff
         with_loss = self.training and torch.is_grad_enabled() and coeff > 0
         dense = torch.is_grad_enabled() and query.requires_grad  # training: the whole score matrix anyway
-        mask = causal_mask(sq, skv, query.device) if with_loss or dense or self.dense_warmup else None
+        mask = causal_mask(sq, skv, query.device, first=skv - sq) if with_loss or dense or self.dense_warmup else None
         if with_loss:  # the loss needs every index score, with its gradient
-            index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask)
+            index_scores, topk = self.indexer.forward_with_scores(x.detach(), qr.detach(), mask=mask, cache=cache)
         else:
-            topk = self.indexer.select(x.detach(), qr.detach())
+            topk = self.indexer.select(x.detach(), qr.detach(), cache=cache)
         if self.dense_warmup:
             every = torch.arange(skv, device=query.device).expand(query.shape[1], sq, skv)
             output = sparse_attention(query, key, value, every, self.softmax_scale, mask)
@@ -321,6 +383,19 @@ class SparseMLACoreAttention(MegatronModule):
             INDEXER_LOSS["count"] += 1
             output = IndexerLossScaler.apply(output, loss)
         return output
+
+
+class SparseMLASelfAttention(MLASelfAttention):
+    """megatron-core's MLA, lending a generation's inference context to its sparse core attention for the forward:
+    MLA caches its own keys and values there but calls its core attention without the context, and the indexer
+    keeps the keys of earlier tokens there too."""
+
+    def forward(self, hidden_states, attention_mask, **kwargs):
+        self.core_attention.inference_context = kwargs.get("inference_context")
+        try:
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        finally:
+            self.core_attention.inference_context = None
 
 
 def core_attention_spec(rope_interleaved: bool) -> ModuleSpec:

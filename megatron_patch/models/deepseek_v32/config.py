@@ -117,10 +117,13 @@ def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str |
 
 
 def _with_sparse_attention(layer, attention):
-    from megatron_patch.models.blocks.spec_edits import submodules_of, with_submodules
+    from megatron_patch.models.blocks.sparse_attention import SparseMLASelfAttention
+    from megatron_patch.models.blocks.spec_edits import submodules_of, with_module, with_submodules
 
-    # the latent norms are already transformers' (builder's local MLA layer: LatentRMSNorm)
-    self_attention = with_submodules(submodules_of(layer).self_attention, core_attention=attention)
+    # the latent norms are already transformers' (builder's local MLA layer: LatentRMSNorm); the MLA module lends
+    # a generation's inference context to the core attention, whose indexer keeps its keys there
+    self_attention = with_module(submodules_of(layer).self_attention, SparseMLASelfAttention)
+    self_attention = with_submodules(self_attention, core_attention=attention)
     return with_submodules(layer, self_attention=self_attention)
 
 
