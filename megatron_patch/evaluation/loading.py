@@ -114,13 +114,14 @@ def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: 
 def padding_is_neutral(arch: Arch) -> bool:
     """Whether padding after a sequence leaves its log-likelihoods alone: not under DeepSeek sparse attention here,
     whose indexer's choice changes with the padded length (measured: 2e-2 relative on a tiny model), nor where the
-    family says so (``FamilyConfig.padding_is_neutral``: DeepSeek-V4's compressed attention)."""
+    family says so (``FamilyConfig.padding_is_neutral``: DeepSeek-V4's compressed attention). Generation pads
+    nothing (a batch's prompts are of one length), with a cache or without."""
     return arch.sparse_attention is None and (arch.family_config is None or arch.family_config.padding_is_neutral)
 
 
 def supports_kv_cache(arch: Arch) -> bool:
     """Whether every layer of the model keeps its generation state in megatron-core's inference context: attention
-    its KV cache, Gated DeltaNet's linear attention its convolution inputs and recurrent state. DeepSeek sparse
-    attention here runs causal full sequences only, and so does a family's own attention that says so
-    (``FamilyConfig.keeps_kv_cache``: DeepSeek-V4's)."""
-    return arch.sparse_attention is None and (arch.family_config is None or arch.family_config.keeps_kv_cache)
+    its KV cache, Gated DeltaNet's linear attention its convolution inputs and recurrent state, DeepSeek sparse
+    attention its indexer's keys besides MLA's KV cache. Not a family's own attention that runs causal full
+    sequences only (``FamilyConfig.keeps_kv_cache``: DeepSeek-V4's)."""
+    return arch.family_config is None or arch.family_config.keeps_kv_cache

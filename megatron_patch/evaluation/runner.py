@@ -13,9 +13,9 @@ greedy choice are computed from the shards with three all-reduces of a number pe
 128 x TP) are never a candidate: their logits count as -inf.
 
 Generation keeps megatron-core's ``StaticInferenceContext`` where the family's layers take one (an attention
-layer keeps its KV cache there, a Gated DeltaNet layer its convolution inputs and recurrent state): the prompt is
-run once, then each new token costs one token's forward. Layers that refuse an inference context (DeepSeek
-sparse attention, DeepSeek-V4's) run the whole sequence again for each token.
+layer keeps its KV cache there, a Gated DeltaNet layer its convolution inputs and recurrent state, DeepSeek sparse
+attention its indexer's keys too): the prompt is run once, then each new token costs one token's forward. Layers
+that refuse an inference context (DeepSeek-V4's) run the whole sequence again for each token.
 """
 
 from __future__ import annotations
