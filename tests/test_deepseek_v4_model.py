@@ -268,3 +268,27 @@ def test_the_launchers_follow_the_registry():
     with registered_while_built(probe):
         assert launchers()["probe_v4"].arg_names()[12:14] == ["ETP", "EP"]
     assert "probe_v4" not in launchers()
+
+
+@pytest.mark.slow
+def test_the_launcher_trains_the_converted_model_across_pipeline_and_expert_ranks(hf_dir_hash_on_both_stages, corpus,
+                                                                                    tmp_path):
+    """The issue's check: the converted tiny V4 (a hash-routed layer on each stage) trains through
+    run_mcore_deepseek_v4.sh at PP=2 x EP=2, the streams crossing the stages forward and backward and the token ids
+    reaching both stages' hash layers; the loss falls, and the checkpoint it saves converts back to an HF folder
+    that holds the hash tables the run left alone."""
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.cli import main
+    from tests.training_helpers import train_converted
+
+    proc, losses = train_converted("deepseek_v4", hf_dir_hash_on_both_stages, corpus, tmp_path, None,
+                                   {"MP_NPROC": "4"}, PP="2", EP="2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+    back = tmp_path / "back"
+    assert main(["convert", "mcore2hf", "--load-dir", str(tmp_path / "out" / "checkpoint"), "--save-dir", str(back),
+                 "--quiet"]) == 0
+    trained, start = HFCheckpointReader(back), HFCheckpointReader(hf_dir_hash_on_both_stages)
+    for name in ("model.layers.1.ffn.gate.tid2eid", "model.layers.3.ffn.gate.tid2eid"):
+        assert torch.equal(trained.get(name), start.get(name)), name
+    assert not torch.equal(trained.get("model.layers.0.hc_attn_fn"), start.get("model.layers.0.hc_attn_fn"))
