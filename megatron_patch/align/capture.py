@@ -235,31 +235,28 @@ def hf_capture_targets(model, modules: HFModules) -> dict[str, torch.nn.Module]:
     return targets
 
 
-def hf_routers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
-    """Each MoE layer's router, at the family's path (dense layers of a mixed model have none)."""
-    if modules.router is None:
+def _in_layers(model, modules: HFModules, path) -> dict[int, torch.nn.Module]:
+    """The module at ``path`` in each decoder layer that has one (none where ``path`` is None)."""
+    if path is None:
         return {}
     out = {}
     for i, layer in enumerate(_submodule(model, modules.layers)):
         try:
-            out[i] = _submodule(layer, modules.router)
+            out[i] = _submodule(layer, path)
         except AttributeError:
             continue
     return out
+
+
+def hf_routers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
+    """Each MoE layer's router, at the family's path (dense layers of a mixed model have none)."""
+    return _in_layers(model, modules, modules.router)
 
 
 def hf_indexers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
     """Each sparse-attention layer's indexer, at the family's path (layers of other attention types have none:
     DeepSeek-V4's sliding and HCA layers)."""
-    if modules.indexer is None:
-        return {}
-    out = {}
-    for i, layer in enumerate(_submodule(model, modules.layers)):
-        try:
-            out[i] = _submodule(layer, modules.indexer)
-        except AttributeError:
-            continue
-    return out
+    return _in_layers(model, modules, modules.indexer)
 
 
 def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
