@@ -117,3 +117,18 @@ def generation_state_worker(arch, layout, tokens: list[list[int]], prompt: int, 
         layer.self_attention.register_forward_pre_hook(record, with_kwargs=True)
     runner.generate([tokens[0][:prompt]], max_new)
     return {"whole": whole, "cached": cached, "seen": seen}
+
+
+def check_generation_continues(arch, tp: int, tokens: list[list[int]], prompt: int, max_new: int = 5) -> None:
+    """``generation_state_worker`` at TP=``tp``: each forward of a cached generation gives the last position's logits
+    of one whole forward within float32 noise, and every layer sees the prompt once, then one token per step."""
+    from megatron_patch.runtime.distributed import ParallelLayout
+    from megatron_patch.runtime.launch import run_local
+
+    for rank in run_local(generation_state_worker, tp, arch, ParallelLayout(tp=tp), tokens, prompt, max_new):
+        whole = rank["whole"]
+        assert [end for end, _ in rank["cached"]] == list(range(prompt, len(tokens[0]) + 1))
+        for end, last in rank["cached"]:
+            expected = whole[:, end - 1]
+            assert (last - expected).abs().max() <= 1e-5 * expected.abs().max(), end
+        assert rank["seen"] == {n: [prompt] + [1] * (max_new - 1) for n in range(1, arch.num_layers + 1)}

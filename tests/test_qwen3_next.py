@@ -196,16 +196,10 @@ def test_generation_continues_the_gated_deltanet_state_one_token_per_step(tp):
     noise: each Gated DeltaNet layer continues its convolution and recurrent state, each row of the batch its own,
     each TP rank its heads. And a generated token costs one token's forward: every layer, linear and full
     attention, sees the prompt once and then one token per step."""
-    from megatron_patch.runtime.launch import run_local
-    from tests.eval_helpers import generation_state_worker
+    from tests.eval_helpers import check_generation_continues
 
     arch = parse_arch(tiny_config("qwen3_next"))
+    assert arch.num_layers == 2
     tokens = [[5, 17, 33, 8, 90, 61, 12, 4, 9, 100, 11, 3, 44, 150],
               [44, 3, 150, 27, 9, 71, 18, 100, 7, 7, 120, 3, 66, 1]]
-    for rank in run_local(generation_state_worker, tp, arch, ParallelLayout(tp=tp), tokens, 6, 5):
-        whole = rank["whole"]
-        assert [end for end, _ in rank["cached"]] == list(range(6, 15))
-        for end, last in rank["cached"]:
-            expected = whole[:, end - 1]
-            assert (last - expected).abs().max() <= 1e-5 * expected.abs().max(), end
-        assert rank["seen"] == {1: [6, 1, 1, 1, 1], 2: [6, 1, 1, 1, 1]}
+    check_generation_continues(arch, tp, tokens, prompt=6)

@@ -370,21 +370,13 @@ def test_generation_continues_the_indexer_keys_one_token_per_step(family, tp):
     causal mask shifted to the token's position, and the attention reads MLA's cached keys and values. A prompt of
     10 and 16 tokens in all, past the tiny indexer's top 8, so a wrong key set changes the selection. And a
     generated token costs one token's forward: every layer sees the prompt once and then one token per step."""
-    from megatron_patch.runtime.distributed import ParallelLayout
-    from megatron_patch.runtime.launch import run_local
-    from tests.eval_helpers import generation_state_worker
+    from tests.eval_helpers import check_generation_continues
 
     arch = parse_arch(tiny_config(family))
-    assert arch.sparse_attention.topk < 10
+    assert arch.sparse_attention.topk < 10 and arch.num_layers == 3
     tokens = [[5, 17, 33, 8, 90, 61, 12, 4, 9, 100, 11, 3, 44, 150, 21, 77],
               [44, 3, 150, 27, 9, 71, 18, 100, 7, 7, 120, 3, 66, 1, 56, 2]]
-    for rank in run_local(generation_state_worker, tp, arch, ParallelLayout(tp=tp), tokens, 10, 5):
-        whole = rank["whole"]
-        assert [end for end, _ in rank["cached"]] == list(range(10, 17))
-        for end, last in rank["cached"]:
-            expected = whole[:, end - 1]
-            assert (last - expected).abs().max() <= 1e-5 * expected.abs().max(), end
-        assert rank["seen"] == {1: [10, 1, 1, 1, 1], 2: [10, 1, 1, 1, 1], 3: [10, 1, 1, 1, 1]}
+    check_generation_continues(arch, tp, tokens, prompt=10)
 
 
 # --- FP8 hub weights ---------------------------------------------------------------------------------------------
