@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation.evaluate import EvalSettings, run_harness
-from megatron_patch.evaluation.loading import load_hf_tokenizer, load_model, padding_is_neutral, supports_kv_cache
+from megatron_patch.evaluation.loading import load_hf_tokenizer, load_model, padding_is_neutral
 from megatron_patch.evaluation.runner import ModelRunner
 from megatron_patch.evaluation.tasks import PROJECT_TASKS, offline
 from megatron_patch.runtime import init_model_parallel
@@ -19,7 +19,7 @@ CACHE_PROMPTS = ([[5, 17, 33, 8, 90, 61, 12, 4], [44, 3, 150, 27, 9, 71, 18, 100
 
 def evaluate_worker(checkpoints: list, layout, include_paths: list[str], settings: EvalSettings = SETTINGS) -> list:
     """Runs on every rank: for each checkpoint, the harness's results (rank 0; None elsewhere), the greedy tokens
-    generated with and without the KV cache (None where the model keeps none), and the refusal of a request
+    generated with and without the KV cache, and the refusal of a request
     longer than the model's positions."""
     offline()
     init_model_parallel(layout)
@@ -27,16 +27,13 @@ def evaluate_worker(checkpoints: list, layout, include_paths: list[str], setting
     for checkpoint in checkpoints:
         chunks = load_model(checkpoint, layout)
         arch = checkpoint.arch
-        cached = supports_kv_cache(arch)
-        runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, supports_kv_cache=cached,
+        runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings,
                              padding_is_neutral=padding_is_neutral(arch))
         tokenizer = load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
         results = run_harness(runner, tokenizer, settings, include_paths)
-        tokens = None
-        if cached:
-            without = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, kv_cache=False,
-                                  padding_is_neutral=padding_is_neutral(arch))
-            tokens = [(runner.generate(p, 12), without.generate(p, 12)) for p in CACHE_PROMPTS]
+        without = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, kv_cache=False,
+                              padding_is_neutral=padding_is_neutral(arch))
+        tokens = [(runner.generate(p, 12), without.generate(p, 12)) for p in CACHE_PROMPTS]
         try:
             runner.loglikelihoods([([1] * arch.max_position_embeddings, [2, 3])])
             too_long = None

@@ -292,3 +292,25 @@ def test_the_launcher_trains_the_converted_model_across_pipeline_and_expert_rank
     for name in ("model.layers.1.ffn.gate.tid2eid", "model.layers.3.ffn.gate.tid2eid"):
         assert torch.equal(trained.get(name), start.get(name)), name
     assert not torch.equal(trained.get("model.layers.0.hc_attn_fn"), start.get("model.layers.0.hc_attn_fn"))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generation_continues_the_window_and_the_compressed_entries_one_token_per_step(tp):
+    """A generation with the runner's inference context gives the logits one whole forward gives, within float32
+    noise: each layer keeps its last sliding_window - 1 keys/values, the entries (and the indexer's keys) of the
+    windows that closed, and the inputs of the windows still open, and closes a window when its last token comes.
+    A prompt of 10 tokens and 40 in all: the window of 8 slides, CSA's windows of 4 close on the prompt and on
+    generated tokens past the indexer's top 4, HCA's of 8 too. And a generated token costs one token's forward:
+    every layer sees the prompt once and then one token per step. The indexer has 8 heads here, not the tiny 2:
+    with 2, ReLU leaves many entries' scores at exactly 0, and top-k breaks such ties by the row's length, which
+    a cached step (the entries so far) and the whole forward (every entry, masked) do not share."""
+    from megatron_patch.models.deepseek_v4.settings import CSA, HCA
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.models.description.tiny import tiny_config
+    from tests.eval_helpers import check_generation_continues
+
+    raw = tiny_config("deepseek_v4", index_n_heads=8)
+    assert raw["sliding_window"] == 8 and raw["index_topk"] == 4 and raw["compress_rates"] == {CSA: 4, HCA: 8}
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, raw["vocab_size"], (2, 40), generator=generator).tolist()
+    check_generation_continues(parse_arch(raw), tp, tokens, prompt=10)

@@ -106,11 +106,7 @@ def test_every_family_at_tp1_equals_the_hf_backend(family, at_tp1, hf_backend):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generation_with_the_kv_cache_is_the_generation_without(family, at_tp1):
-    tokens = at_tp1[family]["cache"]
-    if tokens is None:  # V4's attention keeps no cache: the whole sequence each time
-        assert family == "deepseek_v4"
-        return
-    for cached, uncached in tokens:
+    for cached, uncached in at_tp1[family]["cache"]:
         assert cached == uncached and all(len(t) == 12 for t in cached)
 
 

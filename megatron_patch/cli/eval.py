@@ -55,7 +55,7 @@ def run(args) -> int:
         limit=None if args.limit is None else document_limit("--limit", args.limit),
         num_fewshot=args.num_fewshot, batch_size=args.batch_size, log_samples=args.log_samples,
         apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.fewshot_as_multiturn,
-        kv_cache=False if args.no_kv_cache else None, seed=args.seed)
+        kv_cache=not args.no_kv_cache, seed=args.seed)
     if args.all_iterations and not args.output_dir:
         raise UserError("--all-iterations writes each iteration's results and the plot into --output-dir: give one")
     iterations = saved_iterations(args.load_dir) if args.all_iterations else [(None, Path(args.load_dir))]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import tasks as task_files
-from megatron_patch.evaluation.loading import CheckpointToEvaluate, padding_is_neutral, supports_kv_cache
+from megatron_patch.evaluation.loading import CheckpointToEvaluate, padding_is_neutral
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch, megatron-core and lm-eval are imported inside the functions that use them (on the ranks): the CLI's
@@ -35,7 +35,7 @@ class EvalSettings:
     apply_chat_template: bool = False
     fewshot_as_multiturn: bool = False
     max_gen_toks: int = 256
-    kv_cache: bool | None = None  # None: wherever the model's layers keep one
+    kv_cache: bool = True  # False: generation runs the whole sequence again for each token
     seed: int = 1234
     extra: dict = field(default_factory=dict)  # further keyword arguments of simple_evaluate
 
@@ -68,7 +68,7 @@ def evaluate_live_model(chunks: list, arch, tokenizer, settings: EvalSettings) -
     from megatron_patch.evaluation.runner import ModelRunner
 
     runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, kv_cache=settings.kv_cache,
-                         supports_kv_cache=supports_kv_cache(arch), padding_is_neutral=padding_is_neutral(arch))
+                         padding_is_neutral=padding_is_neutral(arch))
     with tempfile.TemporaryDirectory(prefix="mpatch-eval-tasks-") as folder:
         return run_harness(runner, tokenizer, settings, prepare_tasks(settings, folder))
 
@@ -123,8 +123,7 @@ def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: Paralle
     init_model_parallel(layout)
     chunks = load_model(checkpoint, layout, dtype)
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,
-                         kv_cache=settings.kv_cache, supports_kv_cache=supports_kv_cache(checkpoint.arch),
-                         padding_is_neutral=padding_is_neutral(checkpoint.arch))
+                         kv_cache=settings.kv_cache, padding_is_neutral=padding_is_neutral(checkpoint.arch))
     tokenizer = load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
     return run_harness(runner, tokenizer, settings, include_paths)
 

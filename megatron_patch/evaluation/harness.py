@@ -215,12 +215,12 @@ def _eos_ids(tokenizer) -> set[int]:
 
 def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
                             dtype: str = "fp32", tokenizer: str | None = None, hf_config: str | None = None,
-                            kv_cache: bool | None = None, verify: bool = True):
+                            kv_cache: bool = True, verify: bool = True):
     """The runner and tokenizer lm-eval's ``--model mpatch --model_args load_dir=...`` asks for, in this process:
     it must be one rank of a job of the layout's size (torchrun), or alone for a layout of one process."""
     # torch and megatron-core: imported only when lm-eval builds the model
     from megatron_patch.evaluation.loading import (
-        load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral, supports_kv_cache)
+        load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral)
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -229,8 +229,7 @@ def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1
     init_model_parallel(layout)
     chunks = load_model(checkpoint, layout, dtype)
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,
-                         kv_cache=None if kv_cache is None else _flag(kv_cache),
-                         supports_kv_cache=supports_kv_cache(checkpoint.arch),
+                         kv_cache=_flag(kv_cache),
                          padding_is_neutral=padding_is_neutral(checkpoint.arch))
     return runner, load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
 

@@ -118,10 +118,3 @@ def padding_is_neutral(arch: Arch) -> bool:
     nothing (a batch's prompts are of one length), with a cache or without."""
     return arch.sparse_attention is None and (arch.family_config is None or arch.family_config.padding_is_neutral)
 
-
-def supports_kv_cache(arch: Arch) -> bool:
-    """Whether every layer of the model keeps its generation state in megatron-core's inference context: attention
-    its KV cache, Gated DeltaNet's linear attention its convolution inputs and recurrent state, DeepSeek sparse
-    attention its indexer's keys besides MLA's KV cache. Not a family's own attention that runs causal full
-    sequences only (``FamilyConfig.keeps_kv_cache``: DeepSeek-V4's)."""
-    return arch.family_config is None or arch.family_config.keeps_kv_cache

@@ -12,10 +12,10 @@ greedy choice are computed from the shards with three all-reduces of a number pe
 [batch, sequence, vocabulary] tensor. Vocabulary padding rows (Megatron pads the embedding to a multiple of
 128 x TP) are never a candidate: their logits count as -inf.
 
-Generation keeps megatron-core's ``StaticInferenceContext`` where the family's layers take one (an attention
-layer keeps its KV cache there, a Gated DeltaNet layer its convolution inputs and recurrent state, DeepSeek sparse
-attention its indexer's keys too): the prompt is run once, then each new token costs one token's forward. Layers
-that refuse an inference context (DeepSeek-V4's) run the whole sequence again for each token.
+Generation keeps megatron-core's ``StaticInferenceContext``, where every family's layers keep their state (an
+attention layer its KV cache, a Gated DeltaNet layer its convolution inputs and recurrent state, DeepSeek sparse
+attention its indexer's keys too, DeepSeek-V4's attention its window and compressed entries): the prompt is run
+once, then each new token costs one token's forward.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ class ModelRunner:
     """Log-likelihoods and generations of a built, loaded megatron-core GPT model (this rank's chunks).
 
     ``max_positions``: the longest sequence the model takes (its config's ``max_position_embeddings``);
-    a longer request is refused in one line. ``kv_cache``: keep a KV cache while generating (None: where
-    every layer takes one)."""
+    a longer request is refused in one line. ``kv_cache``: keep a KV cache while generating (False: run the
+    whole sequence again for each token)."""
 
-    def __init__(self, chunks: list, vocab_size: int, max_positions: int, *, kv_cache: bool | None = None,
-                 supports_kv_cache: bool = True, padding_is_neutral: bool = True):
+    def __init__(self, chunks: list, vocab_size: int, max_positions: int, *, kv_cache: bool = True,
+                 padding_is_neutral: bool = True):
         from megatron.core import parallel_state as ps
 
         if len(chunks) != 1:
@@ -62,9 +62,7 @@ class ModelRunner:
         self.model = chunks[0]
         self.vocab_size = vocab_size
         self.max_positions = max_positions
-        if kv_cache and not supports_kv_cache:
-            raise UserError("this model's layers keep no KV cache: generate without one (--no-kv-cache)")
-        self.kv_cache = supports_kv_cache if kv_cache is None else kv_cache
+        self.kv_cache = kv_cache
         # False: a request's log-likelihood depends on the padding after it (DeepSeek sparse attention's indexer
         # here), so a batch holds requests of one length only.
         self.padding_is_neutral = padding_is_neutral

@@ -1,5 +1,5 @@
-"""DeepSeek-V4's attention as a megatron-core module: what transformers' ``DeepseekV4Attention`` computes in a
-training or prefill forward (no KV cache), for each of its three layer types.
+"""DeepSeek-V4's attention as a megatron-core module: what transformers' ``DeepseekV4Attention`` computes, for each
+of its three layer types, over a whole sequence or, in a generation, continuing a cache (``GenerationState``).
 
 Every layer type is shared-KV multi-query attention over a sliding window of ``sliding_window`` tokens:
 - queries through a low-rank path (``q_lora_rank``, RMSNorm on the latent, an unweighted RMSNorm per head), one
@@ -26,6 +26,12 @@ top-k is a per-query choice all heads share: summing its heads across ranks befo
 all-reduce of [b, s, entries] scores per layer and make the choice depend on the reduction order. The shared
 keys/values go through ``copy_to_tensor_model_parallel_region`` before the heads read them, so the whole
 parameters get the gradient of every head on every rank.
+
+Generation: under megatron-core's static inference context each layer keeps what a later token reads, so a new
+token costs one token's forward: the last ``sliding_window - 1`` keys/values, the compressed entries (and the
+indexer's keys) of every window that closed, and the hidden inputs of the tokens an entry still to close pools
+(its window's, and for CSA's overlapping windows the window before it). A window closes when its last token
+arrives, and its entry is computed then from those inputs, as the whole sequence's forward computes it.
 
 The indexer runs without a gradient: its output is the top-k indices, so nothing reaches its weights (as in
 transformers, which has no indexer loss). They are frozen (``requires_grad=False``), as DeepSeek-V3.2's indexer is
@@ -227,8 +233,9 @@ class Compressor(torch.nn.Module):
         self.kv_layernorm = Float32RMSNorm(dim, eps)
         _whole_on_every_rank(self)
 
-    def forward(self, x: torch.Tensor, rope: InterleavedRope) -> torch.Tensor:
-        """``x`` [b, s, hidden] -> compressed entries [b, s // rate, dim]."""
+    def forward(self, x: torch.Tensor, rope: InterleavedRope, start: int = 0) -> torch.Tensor:
+        """``x`` [b, s, hidden], tokens ``start`` .. (a multiple of ``rate``) -> the entries of the whole windows
+        it holds [b, s // rate, dim]; with ``overlap`` its first window pools no window before it."""
         batch, seq, _ = x.shape
         windows, rate, dim = seq // self.rate, self.rate, self.dim
         if windows == 0:
@@ -245,7 +252,7 @@ class Compressor(torch.nn.Module):
             pooled_gate[:, 1:, :rate] = gate[:, :-1, :, :dim]
             kv, gate = pooled_kv, pooled_gate
         compressed = self.kv_layernorm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
-        cos, sin = rope(torch.arange(windows, device=x.device) * rate, compressed.dtype)
+        cos, sin = rope(torch.arange(windows, device=x.device) * rate + start, compressed.dtype)
         return apply_rope(compressed, cos, sin)
 
 
@@ -274,10 +281,13 @@ class Indexer(torch.nn.Module):
         self.last_topk: torch.Tensor | None = None  # what the alignment report compares with transformers' choice
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope):
-        """``x`` [b, s, hidden], ``q_latent`` [b, s, q_lora_rank] -> [b, s, k] entry indices (-1: none)."""
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, rope: InterleavedRope,
+                keys: torch.Tensor | None = None):
+        """``x`` [b, s, hidden], ``q_latent`` [b, s, q_lora_rank] at ``positions`` -> [b, s, k] entry indices
+        (-1: none), among ``keys`` [b, n, dim] (a generation's, every entry so far) or the entries of ``x``."""
         batch, seq, _ = x.shape
-        keys = self.compressor(x, rope)  # [b, n, dim]
+        if keys is None:
+            keys = self.compressor(x, rope)
         cos, sin = rope(positions, x.dtype)
         q = self.linear_q_up_proj(q_latent)[0].view(batch, seq, self.heads, self.dim).transpose(1, 2)
         q = apply_rope(q, cos, sin).transpose(1, 2)  # [b, s, heads, dim]
@@ -293,6 +303,45 @@ class Indexer(torch.nn.Module):
             top = torch.where(top >= ((positions + 1) // self.rate)[:, None], torch.full_like(top, -1), top)
         self.last_topk = top
         return top
+
+
+@dataclasses.dataclass
+class GenerationState:
+    """What one layer's attention keeps between the forwards of a generation (module doc), for its rows of the
+    batch: ``seen`` tokens so far; ``window_kv`` [b, <= sliding_window - 1, d] the last tokens' keys/values;
+    ``entries`` [b, n, d] and ``index_keys`` [b, n, index dim] of the n windows that closed; ``pending``
+    [b, m, hidden] the inputs from token ``pending_start`` on, which the entries still to close pool."""
+
+    seen: int = 0
+    window_kv: torch.Tensor | None = None
+    entries: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
+    pending_start: int = 0
+
+    def close_windows(self, x: torch.Tensor, first: int, compressor: Compressor, indexer: "Indexer | None",
+                      rope: InterleavedRope) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every entry (and indexer key) once ``x`` [b, s, hidden], tokens ``first`` .., joins the tokens seen:
+        the kept ones, then those of the windows that ``x`` closes, pooled from the pending inputs as the whole
+        sequence pools them."""
+        rate, closed = compressor.rate, first // compressor.rate
+        inputs = x if self.pending is None else torch.cat([self.pending, x], dim=1)
+        skip = closed - self.pending_start // rate  # CSA: the window before the first to close, pooled again
+        entries = compressor(inputs, rope, self.pending_start)[:, skip:]
+        self.entries = entries if self.entries is None else torch.cat([self.entries, entries], dim=1)
+        if indexer is not None:
+            keys = indexer.compressor(inputs, rope, self.pending_start)[:, skip:]
+            self.index_keys = keys if self.index_keys is None else torch.cat([self.index_keys, keys], dim=1)
+        closed = (first + x.shape[1]) // rate
+        start = max(closed - 1, 0) * rate if compressor.overlap else closed * rate
+        self.pending, self.pending_start = inputs[:, start - self.pending_start:], start
+        return self.entries, self.index_keys
+
+    def keep_window(self, kv: torch.Tensor, sliding_window: int, new_tokens: int) -> None:
+        """Keep those of the keys/values [b, L, d] (the last L tokens) that a later query can still see, and count
+        the ``new_tokens``."""
+        self.window_kv = kv[:, max(kv.shape[1] - (sliding_window - 1), 0):]
+        self.seen += new_tokens
 
 
 class DeepseekV4Attention(MegatronModule):
@@ -355,10 +404,26 @@ class DeepseekV4Attention(MegatronModule):
         norm.key = norm.key.replace("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight")
         return state
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
-        if kwargs.get("packed_seq_params") is not None or kwargs.get("inference_context") is not None:
-            # launches refuse both first (training/validation.py); never attend across packed documents unsaid
-            raise NotImplementedError("DeepSeek-V4's attention runs whole unpacked sequences, without a KV cache")
+    def _generation_state(self, context, batch: int) -> "GenerationState":
+        """This layer's ``GenerationState`` for the ``batch`` rows from ``batch_size_offset`` of a generation in
+        megatron-core's static inference context, kept under the layer's number in ``key_value_memory_dict`` (as
+        an attention layer keeps its KV cache there); a prompt (``sequence_len_offset`` 0) starts a new one."""
+        if not context.is_static_batching():
+            raise NotImplementedError("DeepSeek-V4's attention keeps its generation state in megatron-core's static "
+                                      "inference context only")
+        key = (self.layer_number, "deepseek_v4 attention", context.batch_size_offset)
+        state = context.key_value_memory_dict.get(key)
+        if context.sequence_len_offset == 0 or state is None:
+            state = context.key_value_memory_dict[key] = GenerationState()
+        if state.seen != context.sequence_len_offset:
+            raise RuntimeError(f"layer {self.layer_number} has seen {state.seen} tokens of this generation, the "
+                               f"context {context.sequence_len_offset}")
+        return state
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, inference_context=None, **kwargs):
+        if kwargs.get("packed_seq_params") is not None:
+            # launches refuse it first (training/validation.py); never attend across packed documents unsaid
+            raise NotImplementedError("DeepSeek-V4's attention runs whole unpacked sequences")
         s = self.settings
         if self.config.sequence_parallel:
             # [s / tp, b, h] -> [s, b, h]. The gradient each rank computes for the whole sequence is already whole
@@ -367,7 +432,9 @@ class DeepseekV4Attention(MegatronModule):
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         x = hidden_states.transpose(0, 1)  # [b, s, h]: the layout of the attention arithmetic
         batch, seq, _ = x.shape
-        positions = torch.arange(seq, device=x.device)
+        state = None if inference_context is None else self._generation_state(inference_context, batch)
+        first = 0 if state is None else state.seen
+        positions = torch.arange(first, first + seq, device=x.device)
         cos, sin = self.rope(positions, x.dtype)
 
         q_latent = self.q_layernorm(self.linear_q_down_proj(x)[0])
@@ -376,16 +443,23 @@ class DeepseekV4Attention(MegatronModule):
         q = apply_rope(q, cos, sin)  # [b, heads, s, d]
         kv = apply_rope(self.kv_layernorm(self.linear_kv_proj(x)[0]), cos, sin)  # [b, s, d]
 
-        window = torch.arange(seq, device=x.device)
-        near = window[None, :] <= window[:, None]
-        near &= window[None, :] > window[:, None] - s.sliding_window
-        mask = torch.zeros(seq, seq, dtype=q.dtype, device=x.device).masked_fill(~near, float("-inf"))
-        mask = mask.expand(batch, seq, seq)
+        if state is not None and state.window_kv is not None:
+            kv = torch.cat([state.window_kv, kv], dim=1)
+        if state is not None:
+            state.keep_window(kv, s.sliding_window, seq)
+        keys_at = torch.arange(first + seq - kv.shape[1], first + seq, device=x.device)
+        near = (keys_at[None, :] <= positions[:, None]) & (keys_at[None, :] > positions[:, None] - s.sliding_window)
+        mask = torch.zeros(near.shape, dtype=q.dtype, device=x.device).masked_fill(~near, float("-inf"))
+        mask = mask.expand(batch, *near.shape)
         if self.compressor is not None:
-            entries = self.compressor(x, self.rope)  # [b, n, d]
+            if state is None:
+                entries = self.compressor(x, self.rope)  # [b, n, d]
+                index_keys = None
+            else:
+                entries, index_keys = state.close_windows(x, first, self.compressor, self.indexer, self.rope)
             n = entries.shape[1]
             if self.indexer is not None:
-                top = self.indexer(x, q_latent, positions, self.rope)  # [b, s, k]
+                top = self.indexer(x, q_latent, positions, self.rope, index_keys)  # [b, s, k]
                 keep = torch.full((batch, seq, n + 1), float("-inf"), dtype=q.dtype, device=x.device)
                 keep.scatter_(-1, torch.where(top >= 0, top, n), 0.0)
                 entry_mask = keep[..., :n]

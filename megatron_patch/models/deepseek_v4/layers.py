@@ -80,8 +80,8 @@ class DeepseekV4Layer(MegatronModule):
         # the recompute hands back (keep_token_ids_through_full_recompute); bound again for the hash layers
         with routing_token_ids(context) if context is not None else contextlib.nullcontext():
             streams = stage_input_to_streams(hidden_states, self.hc_mult)
-            streams = hyper_connected(self.attn_hc, self.input_layernorm, lambda x: self.self_attention(x)[0],
-                                      streams)
+            attention = functools.partial(self.self_attention, inference_context=kwargs.get("inference_context"))
+            streams = hyper_connected(self.attn_hc, self.input_layernorm, lambda x: attention(x)[0], streams)
             streams = hyper_connected(self.ffn_hc, self.pre_mlp_layernorm, lambda x: self.mlp(x)[0], streams)
         output = streams_to_stage_output(streams)
         return make_viewless_tensor(output, requires_grad=output.requires_grad, keep_graph=True), context

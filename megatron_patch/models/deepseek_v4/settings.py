@@ -53,9 +53,8 @@ class DeepseekV4Settings(FamilyConfig):
 
     # the one key/value head is whole on every TP rank; the heads and the output groups split (attention.py)
     replicated_kv_heads = True
-    # evaluation: the attention has no KV-cache inference path (it runs causal full sequences), and the CSA
-    # indexer's choice among compressed entries is not held to the unpadded one
-    keeps_kv_cache = False
+    # evaluation: the CSA indexer's choice among compressed entries is not held to the unpadded one (a generation
+    # continues its attention's own state in the inference context: attention.py's GenerationState)
     padding_is_neutral = False
     # the CSA indexer is frozen, as DeepSeek-V3.2's without its loss (attention.py)
     frozen_parameters = (".indexer.",)

@@ -83,14 +83,11 @@ class FamilyConfig:
     (``check_layout``, called by ``validate_layout``).
 
     ``replicated_kv_heads``: the family's attention keeps its key/value heads whole on every TP rank (DeepSeek-V4's
-    one shared head), so TP need not divide them. ``keeps_kv_cache`` and ``padding_is_neutral``: what evaluation
-    may do with its layers."""
+    one shared head), so TP need not divide them. ``padding_is_neutral``: what evaluation may do with its
+    layers."""
 
     replicated_kv_heads = False
-    # Whether the family's layers keep a KV cache in megatron-core's inference context (evaluation generates
-    # without one where not), and whether padding after a sequence leaves its log-likelihoods alone
-    # (evaluation/loading.py).
-    keeps_kv_cache = True
+    # Whether padding after a sequence leaves its log-likelihoods alone (evaluation/loading.py).
     padding_is_neutral = True
     # Pieces of the names of parameters its model keeps frozen (requires_grad False), which the memory plan holds
     # outside the gradient buffers and the optimizer (DeepSeek-V4's indexer: ".indexer.").
