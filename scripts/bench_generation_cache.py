@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Generation with and without the cache for the layers that gained one (docs/performance.md, "Evaluation"):
-Gated DeltaNet (qwen3_next) and DeepSeek sparse attention (deepseek_v32), each a small model with random weights
-(the family's tiny config at hidden 256), fp32, TP=1, one process with every core.
+Gated DeltaNet (qwen3_next), DeepSeek sparse attention (deepseek_v32) and DeepSeek-V4's windowed and compressed
+attention (deepseek_v4), each a small model with random weights (the family's tiny config at hidden 256), fp32,
+TP=1, one process with every core.
 
-    PYTHONPATH=. python scripts/bench_generation_cache.py [--families qwen3_next,deepseek_v32] [--new-tokens 32]
-                                                           [--contexts 128,1024] [--work DIR]
+    PYTHONPATH=. python scripts/bench_generation_cache.py [--families qwen3_next,deepseek_v32,deepseek_v4]
+                                                           [--new-tokens 32] [--contexts 128,1024] [--work DIR]
 
 For each family and prompt length: generated tokens per second, greedy, a batch of one, with the cache (the prompt
 once, then one token per step) and without (the whole sequence again per token). Random weights make the tokens
@@ -65,7 +66,7 @@ def generation_worker(hf_dir: str, contexts: list[int], new_tokens: int) -> dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default="qwen3_next,deepseek_v32")
+    parser.add_argument("--families", default="qwen3_next,deepseek_v32,deepseek_v4")
     parser.add_argument("--contexts", default="128,1024", help="prompt lengths, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--work", default="/tmp/mpatch-bench-generation-cache")
