@@ -31,11 +31,8 @@ WIDER = {"hidden_size": 256, "max_position_embeddings": 2048}
 
 def generation_worker(hf_dir: str, contexts: list[int], new_tokens: int) -> dict:
     """In the rank process: tokens/s with and without the cache after each prompt length."""
-    import torch
-
     from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.checkpoint.model_io import load_hf_weights
-    from megatron_patch.evaluation.runner import ModelRunner
     from megatron_patch.models.blocks.builder import build_model
     from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
@@ -45,12 +42,23 @@ def generation_worker(hf_dir: str, contexts: list[int], new_tokens: int) -> dict
     arch = parse_arch(hf_dir)
     model = build_model(arch, ParallelLayout()).eval()
     load_hf_weights(model, arch, ParallelLayout(), HFCheckpointReader(hf_dir))
+    return time_generation(model, arch.vocab_size, arch.max_position_embeddings, contexts, new_tokens)
+
+
+def time_generation(model, vocab_size: int, max_positions: int, contexts: list[int], new_tokens: int) -> dict:
+    """Tokens/s of a built, loaded model with and without the cache after a random prompt of each length:
+    {(context, True/False): tokens/s, (context, "same"): how many of the first tokens agree}. Also what
+    scripts/bench_eval_1b.py times on a GPU."""
+    import torch
+
+    from megatron_patch.evaluation.runner import ModelRunner
+
     out, generator = {}, torch.Generator().manual_seed(0)
     for context in contexts:
-        prompt = torch.randint(2, arch.vocab_size, (context,), generator=generator).tolist()
+        prompt = torch.randint(2, vocab_size, (context,), generator=generator).tolist()
         generated = {}
         for cached in (True, False):
-            runner = ModelRunner([model], arch.vocab_size, arch.max_position_embeddings, kv_cache=cached)
+            runner = ModelRunner([model], vocab_size, max_positions, kv_cache=cached)
             # warm-up on this prompt: megatron-core's torch.compile'd inference pieces compile per shape (prefill and
             # one-token steps), a one-off cost left out
             runner.generate([prompt], 2)
