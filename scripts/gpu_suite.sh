@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check-up, in phases that each fit one call on the lent GPU machine (docs/gpu.md gives the commands).
 #
-#   scripts/gpu_suite.sh [--phase 1|2|3|4|5|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...']
+#   scripts/gpu_suite.sh [--phase 1|2|3|4|5|6|all] [--out DIR] [--wheels DIR] [--work DIR] [--only 'GLOB ...']
 #                        [--budget SECONDS] [--dry-run]
 #
 # Phases (each installs and prepares what it needs, so each can start on a bare machine; a phase's step limits
@@ -26,14 +26,25 @@
 #                      eager, bf16 compiled (MP_COMPILE), fp8 tensorwise compiled, fp8 rowwise compiled (torchao):
 #                      tokens/s, TFLOP/s, MFU against 989 (useful FLOPs), peak memory, the attention kernel, the
 #                      losses of every iteration (the summary compares fp8's with bf16's)
+#   6 eval    (360 s)  issue 38's evaluation speed on a 1B-class model (scripts/bench_eval_1b.py): install (lm-eval's
+#                      wheel too), info, prepare-1b (Llama-3.2-1B's shape with random weights, made on the GPU in bf16,
+#                      converted with mpatch convert hf2mcore), eval-loglikelihood (the same hand-built requests
+#                      through lm-eval's HF backend and through mpatch's lm-eval model, bf16, batch 8: requests/s
+#                      and the ratio of the times), eval-generation (tokens/s, greedy, batch 1, with and without the
+#                      KV cache after 128 and 1024 tokens)
 #
 # Install: each wheel in --wheels on its own (--no-deps) into WORK/site; a pinned package with no wheel there is
 # skipped with the reason, and so is every step that needs it. Without --wheels the pins come from the package
 # index. Pins: GPU_SUITE_PINS (default megatron-core==0.19.2, the cp312 wheel the lent machine gets, and torchao==0.18.0).
+# Phase 6 also installs the wheels in WHEELS/eval and pins GPU_SUITE_EVAL_PINS (default lm-eval==0.4.13): lm-eval's
+# wheel alone (9 MB, --no-deps) is enough for its HF backend and mpatch's model to score hand-built requests, since
+# what it imports beyond itself (requests, jinja2, transformers, accelerate, ...) is on the lent machine; its declared
+# dependencies (datasets, evaluate, scikit-learn, ...) serve tasks, which phase 6 does not read (docs/gpu.md). They
+# live in a folder of their own so that the other phases neither install them nor spend time on them.
 #
 # Results: one tar per phase, OUT/gpu-suite-phaseN.tar.gz (summary.md, steps.tsv, logs/, info.json, train/,
-# align/, parity.json, bench_attention.json, gpu-tests.xml; at most 15 MiB), and OUT/gpu-suite-phaseN.md, a copy
-# of its summary: two files per phase. OUT defaults to ./gpu-suite-results (ignored by git); WORK (inputs,
+# align/, parity.json, bench_attention.json, gpu-tests.xml, eval_*.json; at most 15 MiB), and
+# OUT/gpu-suite-phaseN.md, a copy of its summary: two files per phase. OUT defaults to ./gpu-suite-results (ignored by git); WORK (inputs,
 # installs, per-phase results before packing) to ${TMPDIR:-/tmp}/gpu-suite. A failing step is marked FAILED,
 # loudly, and the suite goes on; it exits 1 if any step failed. A step whose need this machine lacks is SKIPPED
 # with the reason and does not fail the suite.
@@ -56,11 +67,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HELPER="$ROOT/scripts/gpu_suite_steps.py"
 PYTHON="${PYTHON:-$(command -v python3 || command -v python || echo python3)}"
 PINS="${GPU_SUITE_PINS:-megatron-core==0.19.2 torchao==0.18.0}"
+EVAL_PINS="${GPU_SUITE_EVAL_PINS:-lm-eval==0.4.13}"
 OUT="$PWD/gpu-suite-results"
 WORK="${TMPDIR:-/tmp}/gpu-suite"
 WHEELS=""
 DRY=0
-PHASES="1 2 3 4 5"
+PHASES="1 2 3 4 5 6"
 ONLY=""
 BUDGET_OVERRIDE=""
 SEQ="${GPU_SUITE_SEQ_LEN:-4096}"
@@ -84,14 +96,21 @@ ALIGN_FAMILIES="${GPU_SUITE_ALIGN_FAMILIES:-llama3_1 deepseek_v3}"
 # a few TFLOP per iteration) and many small kernels (32 experts one by one without transformer-engine's grouped GEMM,
 # the Sinkhorn steps): about 2x headroom. Phase 4 stays one call of under 6 minutes with its start-up and packing,
 # so that a rerun fits in a session's 15 minutes of device time.
-PHASE_BUDGET=([1]=330 [2]=375 [3]=360 [4]=315 [5]=450)
+# Phase 6 is a phase of its own, since no other phase has 3 minutes to spare, and is sized to be one call of under
+# 7 minutes with start-up and packing, so that a rerun fits (not yet run on a GPU): install 30 s (lm-eval's wheel
+# unpacks 16,000 files: 4.5 s on the development machine's 2 cores); prepare-1b 90 s: the whole step took 103 s on
+# the loaded 2-core development machine, 85 of them drawing 1.24B random weights on its CPU and writing 2.3 GB (the
+# GPU draws them in under a second), the conversion 5.5 s; eval-loglikelihood 140 s: imports, each side's load of
+# 2.3 GB, and about 550 requests a side at batch 8 (some 60 forwards of up to 8 x 1040 tokens, 20 TFLOP each at
+# most: seconds on an H100); eval-generation 90 s: a load, then 4 x 66 generated tokens at some 10-30 ms each.
+PHASE_BUDGET=([1]=330 [2]=375 [3]=360 [4]=315 [5]=450 [6]=360)
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
-    --phase) case "${2:-}" in 1|2|3|4|5) PHASES="$2" ;; all) PHASES="1 2 3 4 5" ;;
-               *) echo "gpu_suite.sh: --phase takes 1, 2, 3, 4, 5 or all, got '${2:-}'" >&2; exit 2 ;; esac; shift ;;
+    --phase) case "${2:-}" in 1|2|3|4|5|6) PHASES="$2" ;; all) PHASES="1 2 3 4 5 6" ;;
+               *) echo "gpu_suite.sh: --phase takes 1, 2, 3, 4, 5, 6 or all, got '${2:-}'" >&2; exit 2 ;; esac; shift ;;
     --out|--results) OUT="${2:?}"; shift ;;
     --work) WORK="${2:?}"; shift ;;
     --wheels) WHEELS="${2:?}"; shift ;;
@@ -129,12 +148,13 @@ mpatch() { "$PYTHON" -m megatron_patch "$@"; }
 # --- the steps ---------------------------------------------------------------------------------------------
 # "name|phase|time limit in seconds|function|argument|needs": the function runs the step (or, with --dry-run,
 # checks it); needs (comma-separated) are checked first: mcore (megatron-core importable), te (transformer-engine
-# usable), local (this machine builds megatron-core's local spec, i.e. no TE).
+# usable), local (this machine builds megatron-core's local spec, i.e. no TE), torchao, lmeval (lm-eval importable).
 # train modes: mode|PR|FL|AC|OPTIMIZER_OFFLOAD|extra environment
 STEPS=()
 for p in 1 2 3 4 5; do
   STEPS+=("install|$p|15|step_install||" "info|$p|10|step_info||")
 done
+STEPS+=("install|6|30|step_install||" "info|6|10|step_info||")  # lm-eval's wheel: 16,000 files to unpack
 STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|60|step_parity||mcore" "align|1|90|step_align||mcore"
         "gpu-tests|1|125|step_gpu_tests||mcore"
         "prepare|2|30|step_prepare|train|mcore" "bench-attention|2|60|step_bench_attention||mcore"
@@ -156,7 +176,9 @@ STEPS+=("prepare|1|30|step_prepare|checks|mcore" "parity|1|60|step_parity||mcore
         "train-bf16-eager-50|5|80|step_train|bf16-eager-50|bf16|true|sel|false||mcore,local"
         "train-bf16-compiled-50|5|105|step_train|bf16-compiled-50|bf16|true|sel|false|MP_COMPILE=true|mcore,local"
         "train-fp8-tensorwise-compiled|5|105|step_train|fp8-tensorwise-compiled|fp8|true|sel|false|MP_COMPILE=true MP_FP8_RECIPE=tensorwise|mcore,local,torchao"
-        "train-fp8-rowwise-compiled|5|105|step_train|fp8-rowwise-compiled|fp8|true|sel|false|MP_COMPILE=true MP_FP8_RECIPE=rowwise|mcore,local,torchao")
+        "train-fp8-rowwise-compiled|5|105|step_train|fp8-rowwise-compiled|fp8|true|sel|false|MP_COMPILE=true MP_FP8_RECIPE=rowwise|mcore,local,torchao"
+        "prepare-1b|6|90|step_prepare_1b||mcore" "eval-loglikelihood|6|140|step_eval_loglikelihood||mcore,lmeval"
+        "eval-generation|6|90|step_eval_generation||mcore")
 
 # A step line's fields: name, phase, limit, function, the function's argument (train: the mode's 6 fields), needs.
 parse_step() {
@@ -166,11 +188,15 @@ parse_step() {
 }
 
 step_install() {
-  if [ "$DRY" = 1 ] && [ "$PHASE" != "${PHASES%% *}" ]; then
+  local pins="$PINS" also=()
+  if [ "$PHASE" = 6 ]; then  # lm-eval: its own folder of wheels, which the other phases leave alone
+    pins="$PINS $EVAL_PINS"
+    [ -n "$WHEELS" ] && also=(--also "$WHEELS/eval")
+  elif [ "$DRY" = 1 ] && [ "$PHASE" != "${PHASES%% *}" ]; then
     echo "ok: as in phase ${PHASES%% *} (dry run)"
     return
   fi
-  helper install --wheels "$WHEELS" --site "$SITE" --pins "$PINS" $([ "$DRY" = 1 ] && echo --dry-run)
+  helper install --wheels "$WHEELS" ${also[@]+"${also[@]}"} --site "$SITE" --pins "$pins" $([ "$DRY" = 1 ] && echo --dry-run)
 }
 
 step_info() {
@@ -279,6 +305,14 @@ step_train_v4() {
     --model-config "$WORK/v4/hf/config.json"
 }
 
+# Issue 38's evaluation speed (scripts/bench_eval_1b.py): Llama-3.2-1B's shape with random weights, made on this GPU
+# and converted with mpatch convert hf2mcore; lm-eval's HF backend and mpatch's lm-eval model on the same requests;
+# generation with and without the KV cache. A dry run runs the same commands for real on a narrow stand-in, on CPU.
+bench_eval_1b() { "$PYTHON" "$ROOT/scripts/bench_eval_1b.py" "$@" --work "$WORK/eval" $([ "$DRY" = 1 ] && echo --reduced); }
+step_prepare_1b() { bench_eval_1b prepare; }
+step_eval_loglikelihood() { bench_eval_1b loglikelihood --json "$RESULTS/eval_loglikelihood.json"; }
+step_eval_generation() { bench_eval_1b generation --json "$RESULTS/eval_generation.json"; }
+
 step_train() {
   local mode pr fl ac offload extra
   IFS='|' read -r mode pr fl ac offload extra <<<"$1"
@@ -382,7 +416,7 @@ run_step() {
     local t0; t0=$(date +%s)
     # Each step in its own process, under its time limit; exit 3 means skipped (feature absent here).
     timeout --kill-after=15 "$limit" bash -c "$(declare -f); $(declare -p DRY PYTHON ROOT HELPER RESULTS WORK LOGS \
-      WHEELS SITE PINS FAMILIES ALIGN_FAMILIES SEQ ITERS FP8_ITERS GBS LAYERS_CAP COLLECT STEPS PHASE PHASES ONLY 2>/dev/null); \
+      WHEELS SITE PINS EVAL_PINS FAMILIES ALIGN_FAMILIES SEQ ITERS FP8_ITERS GBS LAYERS_CAP COLLECT STEPS PHASE PHASES ONLY 2>/dev/null); \
       export PYTHONPATH PYTHONUNBUFFERED; $fn \"\$1\"" _ "$arg" >"$log" 2>&1
     rc=$?
     # what a step installed can change what later steps have

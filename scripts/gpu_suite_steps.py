@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The Python side of scripts/gpu_suite.sh: each subcommand is one step's work (or its dry-run check).
 
-    install  --wheels DIR --site DIR --pins "NAME==V ..." [--dry-run]
+    install  --wheels DIR [--also DIR] --site DIR --pins "NAME==V ..." [--dry-run]
     needs                                        why this machine lacks each need a step can have
     prepare  --work DIR [--checkpoints] [--layers --seq N --gbs N --cap N]
                                                  the corpus, tiny HF checkpoints of every family, and the layers
@@ -98,9 +98,9 @@ def _normalise(name: str) -> str:
 
 
 def install(args) -> int:
-    """Each wheel of --wheels on its own, --no-deps, into --site; each pinned package without a wheel there is
-    skipped with the reason (the steps that need it are skipped later, saying so). Without --wheels, the pins
-    missing here come from the package index."""
+    """Each wheel of --wheels (and of --also: a phase's own folder) on its own, --no-deps, into --site; each pinned
+    package without a wheel there is skipped with the reason (the steps that need it are skipped later, saying so).
+    Without --wheels, the pins missing here come from the package index."""
     from megatron_patch.runtime.machine import installed_version
 
     bad = [p for p in args.pins.split() if "==" not in p]
@@ -123,11 +123,13 @@ def install(args) -> int:
     if not folder.is_dir():
         print(f"--wheels {folder} is not a folder")
         return 1
-    wheels = sorted(folder.glob("*.whl"))
+    searched = [folder, *map(Path, args.also)]
+    wheels = [w for f in searched if f.is_dir() for w in sorted(f.glob("*.whl"))]  # a phase's folder may be absent
     found = {_wheel_name(w)[0]: w for w in wheels}
     for name, version in pins.items():
         if _normalise(name) not in found and installed_version(_normalise(name)) != version:
-            print(f"skipped: {name}=={version}: no wheel in {folder} (steps that need it are skipped; docs/gpu.md)")
+            print(f"skipped: {name}=={version}: no wheel in {' or '.join(map(str, searched))} (steps that need it "
+                  "are skipped; docs/gpu.md)")
     failed = 0
     for wheel in wheels:
         name, version = _wheel_name(wheel)
@@ -174,6 +176,8 @@ def needs(args) -> int:
         "local": "times megatron-core's local spec, and this machine runs transformer-engine's" if te else "",
         "torchao": "" if importlib.util.find_spec("torchao") else
         "PR=fp8 without transformer-engine runs torchao, which is not importable here (carry its wheel: docs/fp8.md)",
+        "lmeval": "" if importlib.util.find_spec("lm_eval") else
+        "lm-eval is not importable here (carry its wheel in WHEELS/eval: docs/gpu.md)",
     }
     for name, reason in reasons.items():
         print(f"{name}\t{reason}")
@@ -532,6 +536,7 @@ def summary(results: Path, phase: str, dry_run: bool) -> None:
                     result += f"; {label + ': ' if label else ''}{t[key]}"
         lines.append(f"| {r['step']} | {status} | {r['seconds']} | {result} |")
     lines += _fp8_losses(results)
+    lines += _eval_speed(results)
     lines += ["", "Logs: logs/STEP.log; training throughput excludes the warm-up iteration (train/MODE.json)."]
     (results / "summary.md").write_text("\n".join(lines) + "\n")
 
@@ -553,6 +558,38 @@ def _fp8_losses(results: Path) -> list[str]:
         diffs = [abs(a - b) for a, b in zip(losses, base)]
         out.append(f"| {mode} | {len(diffs)} | {losses[len(diffs) - 1]:.4f} ({base[len(diffs) - 1]:.4f}) | "
                    f"{max(diffs):.4f} | {sum(diffs) / len(diffs):.4f} |")
+    return out
+
+
+def _eval_speed(results: Path) -> list[str]:
+    """Phase 6: scripts/bench_eval_1b.py's numbers (its JSON files), as tables."""
+    out = []
+    path = results / "eval_loglikelihood.json"
+    if path.is_file():
+        r = json.loads(path.read_text())
+        out += ["", f"Log-likelihoods: {r['model']}; {r['device']}, {r['dtype']}, batch {r['batch_size']}; lm-eval "
+                    f"{r.get('lm_eval')} HF backend (attention {r.get('hf_attention')}) against mpatch's lm-eval model "
+                    f"(attention {r.get('mpatch_attention')}).", "",
+                "| requests | tokens each (mean) | mpatch req/s | HF backend req/s | mpatch's time / HF's | relative "
+                "difference (median, max) | same is_greedy |", "| --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+        for name, row in r["sets"].items():
+            if "mpatch_s" not in row:  # the HF side done, then stopped
+                out.append(f"| {name}: {row['requests']} | {row['mean_tokens']} | not run | "
+                           f"{row['hf_requests_per_s']} | | | |")
+                continue
+            out.append(f"| {name}: {row['requests']} | {row['mean_tokens']} | {row['mpatch_requests_per_s']} | "
+                       f"{row['hf_requests_per_s']} | {row['ratio']:.2f}x | {row['relative_difference_median']:.1e}, "
+                       f"{row['relative_difference_max']:.1e} | {row['same_is_greedy']}/{row['requests']} |")
+    path = results / "eval_generation.json"
+    if path.is_file():
+        r = json.loads(path.read_text())
+        out += ["", f"Generation: {r['model']}; {r['device']}, {r['dtype']}, batch {r['batch']}, greedy, "
+                    f"{r['new_tokens']} new tokens.", "",
+                "| prompt tokens | tokens/s with the KV cache | without | speed-up | first tokens alike |",
+                "| ---: | ---: | ---: | ---: | ---: |"]
+        out += [f"| {c['prompt']} | {c['with_cache']} | {c['without_cache']} | "
+                f"{c['with_cache'] / c['without_cache']:.1f}x | {c['first_tokens_alike']}/{r['new_tokens']} |"
+                for c in r["contexts"]]
     return out
 
 
@@ -599,6 +636,7 @@ def main() -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("install")
     p.add_argument("--wheels", default="")
+    p.add_argument("--also", action="append", default=[], help="another folder of wheels (a phase's own)")
     p.add_argument("--site", required=True)
     p.add_argument("--pins", required=True)
     p.add_argument("--dry-run", action="store_true")

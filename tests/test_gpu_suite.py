@@ -33,6 +33,7 @@ PHASE_STEPS = {
     4: ["install", "info", "prepare-v4", "train-v4", "bench-sparse-attention"],
     5: ["install", "info", "prepare", "train-bf16-eager-50", "train-bf16-compiled-50", "train-fp8-tensorwise-compiled",
         "train-fp8-rowwise-compiled"],
+    6: ["install", "info", "prepare-1b", "eval-loglikelihood", "eval-generation"],
 }
 LENT_DEVICE_SECONDS = 15 * 60  # a session's device time on the lent machine, machine starts included
 MACHINE_START = 120  # a fresh machine's start, at worst (docs/gpu.md; 28 s on 2026-11-27, transfers included)
@@ -67,9 +68,10 @@ def _wheel(folder: Path, name: str, version: str, module: str | None = None) -> 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("suite")
-    wheels = root / "wheels"  # what the lent machine gets: the megatron-core wheel, nothing else
-    wheels.mkdir()
+    wheels = root / "wheels"  # what the lent machine gets: the megatron-core wheel, and lm-eval's for phase 6
+    (wheels / "eval").mkdir(parents=True)
     _wheel(wheels, "megatron-core", "0.19.2")
+    _wheel(wheels / "eval", "lm-eval", "0.4.13")
     proc = _suite(root / "out", root / "work", "--wheels", str(wheels))
     return {"out": root / "out", "work": root / "work", "proc": proc}
 
@@ -109,19 +111,40 @@ def test_dry_run_checks_every_step_as_the_lent_machine_runs_it(dry_run):
     # transformer-engine's steps are skipped, saying why
     for name in PHASE_STEPS[3][2:]:
         assert three[name]["status"] == "SKIPPED" and "needs transformer-engine" in three[name]["note"], three[name]
+    # phase 6: issue 38's evaluation speed, run for real on a narrow stand-in of the 1B model (CPU)
+    six = _steps(work, 6)
+    assert {r["status"] for r in six.values()} == {"OK (dry run)"}, six
+    assert re.search(r"would install lm_eval-0.4.13-\S+\.whl \(--no-deps\)|present: lm-eval 0.4.13",
+                     (work / "phase6" / "logs" / "install.log").read_text())
+    assert "the dry run's narrow stand-in for 16 layers of 2048, vocabulary 128256" in six["prepare-1b"]["note"]
+    assert re.match(r"short \(\d+ requests of \d+ tokens, batch 8\): mpatch [\d.]+ req/s, HF [\d.]+ req/s, [\d.]+x HF's "
+                    r"time; long \(", six["eval-loglikelihood"]["note"]), six["eval-loglikelihood"]
+    scored = json.loads((work / "phase6" / "eval_loglikelihood.json").read_text())
+    assert scored["dtype"] == "bf16" and scored["batch_size"] == 8 and list(scored["sets"]) == ["short", "long"]
+    for row in scored["sets"].values():  # the same requests on both sides: the same answers, within bf16
+        assert row["mpatch_s"] > 0 and row["hf_s"] > 0 and row["same_is_greedy"] == row["requests"], row
+        assert row["relative_difference_max"] < 0.05, row
+    generated = json.loads((work / "phase6" / "eval_generation.json").read_text())
+    assert [c["prompt"] for c in generated["contexts"]] == [16, 48] and generated["dtype"] == "bf16"
+    assert all(c["with_cache"] > 0 and c["without_cache"] > 0 for c in generated["contexts"])
 
 
 @pytest.mark.slow
 def test_results_come_back_as_two_files_per_phase(dry_run):
     """The device tool brings back at most 8 files of at most 16 MiB."""
     files = sorted(p.name for p in dry_run["out"].iterdir())
-    assert files == [f"gpu-suite-phase{p}.{ext}" for p in (1, 2, 3, 4, 5) for ext in ("md", "tar.gz")]
-    for p in (1, 2, 3, 4):
+    assert files == [f"gpu-suite-phase{p}.{ext}" for p in (1, 2, 3, 4, 5, 6) for ext in ("md", "tar.gz")]
+    for p in (1, 2, 3, 4, 6):
         tar = dry_run["out"] / f"gpu-suite-phase{p}.tar.gz"
         assert tar.stat().st_size < 16 * 2**20
         names = tarfile.open(tar).getnames()
         assert {f"gpu-suite-phase{p}/summary.md", f"gpu-suite-phase{p}/steps.tsv", f"gpu-suite-phase{p}/info.json"} <= set(names)
     assert "| train-fp8-mxfp8 | SKIPPED |" in (dry_run["out"] / "gpu-suite-phase3.md").read_text()
+    assert {"gpu-suite-phase6/eval_loglikelihood.json", "gpu-suite-phase6/eval_generation.json"} <= set(
+        tarfile.open(dry_run["out"] / "gpu-suite-phase6.tar.gz").getnames())
+    six = (dry_run["out"] / "gpu-suite-phase6.md").read_text()
+    assert re.search(r"^\| short: \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", six, re.M), six
+    assert re.search(r"^\| 48 \| [\d.]+ \| [\d.]+ \| [\d.]+x \| \d/4 \|$", six, re.M), six
 
 
 @pytest.mark.slow
@@ -129,10 +152,10 @@ def test_each_phase_fits_one_call_and_the_lent_phases_fit_the_device_time(dry_ru
     """A phase is one call (at most 10 minutes; 9 planned). Phases 1 and 2 are what the lent machine runs: two
     calls back to back after one machine start fit a session's 15 minutes of device time (docs/gpu.md); phase 4 (the
     small DeepSeek-V4's training, the sparse-attention benchmark) is a session of its own, one call of at most 8
-    minutes that fits twice, a rerun included, with a start."""
+    minutes that fits twice, a rerun included, with a start; so is phase 6 (issue 38's evaluation speed)."""
     found = {int(p): (int(b), int(w)) for p, b, w in
              re.findall(r"phase (\d): budget (\d+)s, planned worst case (\d+)s", dry_run["proc"].stdout)}
-    assert set(found) == {1, 2, 3, 4, 5}
+    assert set(found) == {1, 2, 3, 4, 5, 6}
     for phase, (budget, planned) in found.items():
         assert planned <= budget <= 9 * 60, (phase, budget, planned)
     # back to back on one warm machine (the second call within its 30 s of idle)
@@ -140,6 +163,7 @@ def test_each_phase_fits_one_call_and_the_lent_phases_fit_the_device_time(dry_ru
     assert found[4][0] <= 8 * 60 and 2 * (found[4][0] + CALL_OVERHEAD) + MACHINE_START <= LENT_DEVICE_SECONDS
     # phase 5 (FP8 without transformer-engine) is one call of at most 8 minutes, install included, in a session
     assert found[5][0] <= 8 * 60 and found[5][0] + MACHINE_START + CALL_OVERHEAD <= LENT_DEVICE_SECONDS
+    assert found[6][0] <= 8 * 60 and 2 * (found[6][0] + CALL_OVERHEAD) + MACHINE_START <= LENT_DEVICE_SECONDS
 
 
 @pytest.mark.slow
@@ -160,7 +184,7 @@ def test_a_failing_step_is_marked_and_the_suite_goes_on(dry_run, tmp_path):
 
 
 def test_bad_option_is_refused(tmp_path):
-    for args, message in ((["--fast"], "unknown argument '--fast'"), (["--phase", "6"], "--phase takes 1, 2, 3, 4, 5 or all"),
+    for args, message in ((["--fast"], "unknown argument '--fast'"), (["--phase", "7"], "--phase takes 1, 2, 3, 4, 5, 6 or all"),
                           (["--wheels", str(tmp_path / "none")], "is not a folder")):
         proc = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
@@ -169,20 +193,24 @@ def test_bad_option_is_refused(tmp_path):
 
 
 def test_install_takes_each_wheel_on_its_own(tmp_path):
-    """--no-deps, one wheel at a time: a broken wheel fails alone, the others install; a pinned package with no
-    wheel is skipped with the reason."""
+    """--no-deps, one wheel at a time: a broken wheel fails alone, the others install, a phase's own folder
+    (--also) too; a pinned package with no wheel is skipped with the reason."""
     wheels = tmp_path / "wheels"
-    wheels.mkdir()
+    (wheels / "eval").mkdir(parents=True)
     _wheel(wheels, "mpatch-probe", "1.0", module="mpatch_probe")
+    _wheel(wheels / "eval", "mpatch-probe-eval", "1.0", module="mpatch_probe_eval")
     (wheels / "broken_pkg-1.0-py3-none-any.whl").write_bytes(b"not a zip")
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, str(HELPER), "install", "--wheels", str(wheels), "--site", str(site),
-                           "--pins", "megatron-core==9.9.9"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(HELPER), "install", "--wheels", str(wheels), "--also",
+                           str(wheels / "eval"), "--also", str(wheels / "absent"), "--site", str(site), "--pins",
+                           "megatron-core==9.9.9 mpatch-probe-eval==1.0"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # the broken wheel
-    assert "skipped: megatron-core==9.9.9: no wheel in" in proc.stdout
+    assert f"skipped: megatron-core==9.9.9: no wheel in {wheels} or {wheels / 'eval'} or {wheels / 'absent'}" in proc.stdout
     assert "installed mpatch_probe-1.0-py3-none-any.whl" in proc.stdout
+    assert "installed mpatch_probe_eval-1.0-py3-none-any.whl" in proc.stdout and "skipped: mpatch-probe-eval" not in proc.stdout
     assert "FAILED: pip could not install broken_pkg-1.0-py3-none-any.whl" in proc.stdout
     assert (site / "mpatch_probe" / "__init__.py").read_text() == "VALUE = 42\n"
+    assert (site / "mpatch_probe_eval" / "__init__.py").is_file()
 
 
 @pytest.mark.slow
