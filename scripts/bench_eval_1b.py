@@ -161,8 +161,8 @@ def loglikelihood_requests(tokenizer, reduced: bool, warm: int) -> dict[str, tup
                       for i, c in enumerate(choices)])
     sentences = [s.strip() + "." for t in make_texts(400, seed=3) for s in t.split(".") if s.strip()]
     long = []
-    for r in range(warm + long_count):
-        start, ids, parts = rng.randrange(len(sentences)), 0, []
+    for start in rng.sample(range(len(sentences)), warm + long_count):  # distinct requests, as above
+        ids, parts = 0, []
         while ids < context_tokens:
             parts.append(sentences[(start + len(parts)) % len(sentences)])
             ids += len(tokenizer.encode(" " + parts[-1], add_special_tokens=False))
