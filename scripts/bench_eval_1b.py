@@ -36,6 +36,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -90,7 +91,6 @@ def prepare(args) -> int:
     import transformers
 
     from megatron_patch.demo_data import make_texts, make_tokenizer
-
     from megatron_patch.models.description.registry import parse_arch
 
     work = Path(args.work)
@@ -102,7 +102,7 @@ def prepare(args) -> int:
         return 0
     made.unlink(missing_ok=True)
     for name in ("hf", "mcore"):
-        subprocess.call(["rm", "-rf", str(work / name)])
+        shutil.rmtree(work / name, ignore_errors=True)
     t0 = time.time()
     make_tokenizer(work / "hf", make_texts(200, seed=0), vocab_size=300)
     torch.manual_seed(0)
@@ -219,6 +219,7 @@ def loglikelihood(args) -> int:
     write_json(args.json, record)
 
     from megatron_patch.evaluation.harness import MpatchLM
+    from megatron_patch.runtime.distributed import destroy
 
     ours = MpatchLM(load_dir=str(mcore), dtype="bf16", batch_size=args.batch_size)
     record["mpatch_attention"] = _attention_of(ours.runner.model)
@@ -234,6 +235,7 @@ def loglikelihood(args) -> int:
                    relative_difference_max=float(f"{diffs[-1]:.2e}"),
                    same_is_greedy=sum(a[1] == b[1] for a, b in zip(answers, reference)))
     write_json(args.json, record)
+    destroy()  # the process group this process joined as a world of one (NCCL warns at exit otherwise)
     print("; ".join(f"{name} ({row['requests']} requests of {row['mean_tokens']:.0f} tokens, batch {args.batch_size}): "
                     f"mpatch {row['mpatch_requests_per_s']:.1f} req/s, HF {row['hf_requests_per_s']:.1f} req/s, "
                     f"{row['ratio']:.2f}x HF's time" for name, row in record["sets"].items())
@@ -255,7 +257,7 @@ def generation(args) -> int:
 
     from megatron_patch.evaluation.loading import load_model, open_for_evaluation
     from megatron_patch.runtime import init_model_parallel
-    from megatron_patch.runtime.distributed import ParallelLayout
+    from megatron_patch.runtime.distributed import ParallelLayout, destroy
 
     contexts = REDUCED_SIZES[3] if args.reduced else FULL_SIZES[3]
     args.new_tokens = args.new_tokens or (4 if args.reduced else 64)
@@ -273,6 +275,7 @@ def generation(args) -> int:
                                    "without_cache": round(speeds[(context, False)], 2),
                                    "first_tokens_alike": speeds[(context, "same")]})
         write_json(args.json, record)
+    destroy()  # the process group this process joined as a world of one (NCCL warns at exit otherwise)
     print("; ".join(f"after {c['prompt']} tokens: {c['with_cache']:.1f} tokens/s with the KV cache, "
                     f"{c['without_cache']:.1f} without ({c['with_cache'] / c['without_cache']:.1f}x)"
                     for c in record["contexts"]) + f" (batch 1, {args.new_tokens} new tokens, {record['device']}, bf16)")
