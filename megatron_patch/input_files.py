@@ -37,6 +37,8 @@ def contained(folder: str | Path, name: str | Path, how: str = "found") -> Path:
     elsewhere). The one exception is the Hugging Face hub cache, whose snapshot folders hold symlinks into
     the model's ``blobs/`` (``models--X/snapshots/REV/f -> ../../blobs/HASH``): those stay in the model."""
     folder = Path(folder)
+    if "\0" in str(name):  # no file has one: the OS refuses it, and resolve() raises ValueError on it
+        raise UserError(f"{folder} {how} {str(name)!r}, which no file can be named (a NUL byte): refused")
     path = folder / name
     real, home = path.resolve(), folder.resolve()
     allowed = [home]
