@@ -25,7 +25,6 @@ megatron-core's, around the float8 GEMM. torchao is imported only when a model i
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 import warnings
@@ -44,10 +43,20 @@ _DECODER_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.\d+\.(.+)$")
 
 # --- torchao ------------------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
+_TORCHAO: list = []  # _torchao()'s modules, once imported
+
+
 def _torchao():
     """torchao's float8 modules, imported once, without the notices its import prints about CUDA extensions
-    this machine cannot load (they are not the float8 training path)."""
+    this machine cannot load (they are not the float8 training path). Kept in a module list, not an lru_cache:
+    dynamo, tracing a compiled layer's GEMMs (MP_COMPILE), reads the list as it is and would trace into the
+    cache's function, whose logging calls break the graph."""
+    if not _TORCHAO:
+        _TORCHAO.append(_import_torchao())
+    return _TORCHAO[0]
+
+
+def _import_torchao():
     quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
