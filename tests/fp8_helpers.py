@@ -223,34 +223,3 @@ def torchao_reference_losses(hf_dir, family: str, args: list[str], recipe: str, 
                 p.copy_(m)
     return losses
 
-
-# --- MP_COMPILE ---------------------------------------------------------------------------------------------------
-
-def compiled_layers_worker(hf_dir: str, fp8_recipe: str | None) -> dict:
-    """The logits of a tiny Llama model (bf16; with ``fp8_recipe`` every decoder GEMM in torchao float8) eager, then
-    with every transformer layer compiled (``compiled_layers.compile_layers``): their relative difference, each one's
-    error against the same model in fp32 (eager's is the noise a bf16 result carries), the layers compiled and the
-    graphs dynamo built."""
-    from torch._dynamo.utils import counters
-
-    from megatron_patch.align.runner import McoreRun, _build_and_load
-    from megatron_patch.models.blocks import compiled_layers, float8
-
-    init_model_parallel(ParallelLayout())
-    reference, arch = _build_and_load(McoreRun("fp32", hf_dir=hf_dir), ParallelLayout())
-    model, _ = _build_and_load(McoreRun("bf16", hf_dir=hf_dir), ParallelLayout())
-    if fp8_recipe is not None:
-        float8.convert_chunks([model], fp8_recipe, "all")
-    tokens = torch.randint(0, arch.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(32).unsqueeze(0).expand(2, -1)
-    with torch.no_grad():
-        exact = reference(tokens, positions, None).float()
-        eager = model(tokens, positions, None).float()
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = compiled_layers.compile_layers([model])
-        out = model(tokens, positions, None).float()
-    return {"relative": float((out - eager).norm() / eager.norm()),
-            "bf16_noise": float((eager - exact).norm() / exact.norm()),
-            "compiled_error": float((out - exact).norm() / exact.norm()), "layers": compiled["layers"],
-            "num_layers": arch.num_layers, "graphs": int(counters["stats"]["unique_graphs"])}

@@ -302,17 +302,21 @@ def test_fp8_resumes_exactly_after_a_kill(corpus, converted, tmp_path_factory, t
 
 
 @pytest.mark.slow
-def test_a_compiled_layer_equals_the_eager_one(tmp_path):
-    """MP_COMPILE=true: every transformer layer compiled (dynamo built graphs for them), and the model's logits within
-    bf16's noise of the eager model's (the eager bf16 model's own error against fp32), in bf16 and with torchao
-    float8."""
+@pytest.mark.parametrize("family, recipes, ablation, decision", [
+    ("llama3_1", (None, "tensorwise"), "attention_sdpa", "whole"), ("gemma4", (None,), None, "apart")])
+def test_a_compiled_layer_equals_the_eager_one(tmp_path, family, recipes, ablation, decision):
+    """MP_COMPILE=true: every layer compiled (dynamo built graphs for it), whole where it traces to one graph (Llama's
+    with torch SDPA, FL=true's attention, in bf16 and with torchao float8), else its parts apart (Gemma 4's own layer
+    class, whose unfused attention forks the RNG tracker around its dropout), and the model's logits within bf16's
+    noise of the eager model's (the eager bf16 model's own error against fp32), on two batches."""
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
-    from tests.fp8_helpers import compiled_layers_worker
+    from tests.compile_helpers import compiled_layers_worker
 
-    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
-    for recipe in (None, "tensorwise"):
-        result = run_local(compiled_layers_worker, 1, str(hf), recipe)[0]
+    hf = make_tiny_hf_checkpoint(family, tmp_path / "hf")
+    for recipe in recipes:
+        result = run_local(compiled_layers_worker, 1, str(hf), recipe, ablation)[0]
         assert result["layers"] == result["num_layers"] and result["graphs"] >= 1, result
+        assert set(result["decisions"]) == {decision}, result["lines"]
         # the same arithmetic rounded in another order: the compiled model is as far from fp32 as the eager one
         # (within 25%), and the two differ by no more than that bf16 noise
         assert result["compiled_error"] < 1.25 * result["bf16_noise"], result

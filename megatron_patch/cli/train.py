@@ -94,6 +94,9 @@ def dry_run_report(cfg, argv: list[str]) -> dict:
     plan = plan_memory(cfg, caps=caps)
     shape = model_shape(arch)
     problems = machine_problems(cfg, caps) + ([plan.problem()] if plan.problem() else [])
+    compiled = _compile_report(cfg, caps) if cfg.compile_layers else None
+    if compiled is not None and "refused" in compiled:
+        problems.append(compiled["refused"])
     try:
         command = launch_command(cfg, argv)
     except UserError as exc:
@@ -113,7 +116,7 @@ def dry_run_report(cfg, argv: list[str]) -> dict:
         "megatron_core": _jsonable(megatron_settings(cfg)),
         "attention_kernel": attention_kernel(cfg, caps),
         "fp8": fp8_run.summary(cfg, caps),
-        "compile": _graph_breaks(cfg, caps) if cfg.compile_layers else None,
+        "compile": compiled,
         "machine_problems": problems,
         "memory_plan": plan.to_dict(),
         "memory_plan_lines": plan.lines(),
@@ -125,19 +128,21 @@ def dry_run_report(cfg, argv: list[str]) -> dict:
     }
 
 
-def _graph_breaks(cfg, caps) -> dict:
-    """MP_COMPILE's dry-run entry: the graph breaks of one layer of the run's family (its tiny model: the same layer
-    code), built with the run's precision, float8 and attention, or why they could not be measured here."""
-    from megatron_patch.models.blocks.compiled_layers import family_layer_graph_breaks  # torch: MP_COMPILE only
+def _compile_report(cfg, caps) -> dict:
+    """MP_COMPILE's dry-run entry: what is compiled of each kind of layer of the run's family, whole or apart and
+    why (its tiny model: the same layer code), built with the run's precision, float8 and attention; or why that
+    could not be found out here, or the one line that refuses the family."""
+    from megatron_patch.models.blocks.compiled_layers import family_compile_report  # torch: MP_COMPILE only
 
     impl = fp8_run.implementation(cfg, caps) if cfg.precision.fp8 else None
     fp8 = (fp8_run.recipe(cfg, impl), cfg.fp8_filter) if impl == fp8_run.TORCHAO else None
     try:
-        breaks = family_layer_graph_breaks(cfg.family, "bfloat16" if cfg.precision.fp8 else cfg.precision.dtype_name,
-                                           fp8, core_attention(cfg, caps) or "sdpa")
+        return family_compile_report(cfg.family, "bfloat16" if cfg.precision.fp8 else cfg.precision.dtype_name,
+                                     fp8, core_attention(cfg, caps) or "sdpa")
+    except UserError as exc:
+        return {"refused": str(exc)}
     except Exception as exc:  # noqa: BLE001 - the dry run reports what it could not measure and goes on
-        return {"graph_breaks": None, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-    return {"graph_breaks": breaks}
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
 
 
 def _sft_sample(cfg) -> dict:
@@ -169,14 +174,13 @@ def print_dry_run(report: dict) -> None:
     print(f"  attention   {report['attention_kernel']}")
     for line in (report["fp8"] or {}).get("lines", []):
         print(f"  fp8         {line}")
-    if report["compile"] is not None:
-        breaks = report["compile"]["graph_breaks"]
-        if breaks is None:
-            print(f"  compile     each transformer layer; its graph breaks could not be measured here: "
-                  f"{report['compile']['error']}")
-        else:
-            print(f"  compile     each transformer layer: {len(breaks)} graph break(s) in one {report['family']} layer"
-                  + "".join(f"\n    break     {b}" for b in breaks))
+    compiled = report["compile"]
+    if compiled is not None and "lines" in compiled:
+        print(f"  compile     per kind of layer, as the tiny {report['family']} model's first step decides it (a run "
+              "decides on its own layers, at its first step):" + "".join(f"\n    {line}" for line in compiled["lines"]))
+    elif compiled is not None:
+        print(f"  compile     each decoder layer, whole or apart; what compiles could not be found out here: "
+              f"{compiled.get('refused') or compiled['error']}")
     for note in cfg["notes"]:
         print(f"  note        {note}")
     print("environment options (* set here):")

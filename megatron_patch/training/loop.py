@@ -280,7 +280,7 @@ class Trainer:
         if cfg.compile_fusions:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         if cfg.compile_layers:
-            self._log(compiled_layers.describe(compiled_layers.compile_layers(chunks)))
+            self._log(compiled_layers.describe(compiled_layers.compile_layers(chunks, on_decided=self._log_compiled)))
         if device.type == "cuda" and core_attention(cfg, caps) == "sdpa":  # FA3/FA4 behind torch SDPA, where installed
             attention_kernels.activate(attention_kernels.flash_implementation(
                 True, caps.compute_capability, caps.flash_attention_3, caps.flash_attention_4))
@@ -372,6 +372,10 @@ class Trainer:
     def _log(self, text: str) -> None:
         if self.rank == self.log_rank:
             print(text, flush=True)
+
+    def _log_compiled(self, kind) -> None:
+        """MP_COMPILE: what was compiled of a kind of layer, once its first layer has run (the first step)."""
+        self._log("\n".join(f"torch.compile: {line}" for line in kind.lines()))
 
     def _open_logs(self) -> None:
         if self.rank != self.log_rank:
