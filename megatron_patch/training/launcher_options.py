@@ -417,15 +417,19 @@ ENVIRONMENT = [
            doc="`true`: `torch.compile` the local spec's RMSNorm and RoPE and turn on megatron-core's compiled "
                "SwiGLU and bias-dropout-add (without transformer-engine; refused where torch.compile has no "
                "compiler, or where TE's spec runs); `false`: all of them eager; unset: megatron-core's choice "
-               "(fused on GPU, eager on CPU). The lighter option beside `MP_COMPILE`, which compiles whole layers "
+               "(fused on GPU, eager on CPU). The lighter option beside `MP_COMPILE`, which compiles the layers "
                "(not both). docs/gpu.md"),
-    Option("MP_COMPILE", CORE, BOOL, "true: torch.compile each transformer layer (bf16 and fp8; the dry run lists "
-           "the graph breaks)", default=False, field="compile_layers",
-           doc="`true`: each `TransformerLayer` compiled with `torch.compile` (without transformer-engine's spec; "
-               "bf16 and fp8, CPU and GPU): one graph per layer, norms, RoPE, SwiGLU and torchao's float8 casts "
-               "fused into it. The dry run lists the graph breaks of one layer; the first step compiles (tens of "
-               "seconds). Not with `MP_COMPILE_FUSIONS=true`, whose pieces it covers "
-               "([docs/fp8.md](../docs/fp8.md))"),
+    Option("MP_COMPILE", CORE, BOOL, "true: torch.compile each decoder layer, whole where it traces to one graph, "
+           "else its attention, norms and MLP apart (bf16 and fp8; the dry run says which, per kind of layer, and why)",
+           default=False, field="compile_layers",
+           doc="`true`: each decoder layer (megatron-core's `TransformerLayer` or a family's own, DeepSeek-V4's "
+               "included) compiled in place with `torch.compile` (without transformer-engine's spec; bf16 and fp8, "
+               "CPU and GPU), decided per kind of layer at its first call: whole where it traces to one graph "
+               "(norms, RoPE, SwiGLU and torchao's float8 casts fused around the GEMMs), else its parts apart "
+               "(attention, norms, MLP or the MoE block's router and experts; what does not trace stays eager). The "
+               "dry run (on the family's tiny model) and the training log say per kind what was compiled and the "
+               "first break's reason; a kind of which nothing compiles is refused. The first step compiles (tens of "
+               "seconds). Not with `MP_COMPILE_FUSIONS=true`, whose pieces it covers ([docs/fp8.md](../docs/fp8.md))"),
     Option("MP_GPU_MEMORY_GB", CORE, NUMBER, "memory per GPU the memory plan checks against; ENV=cpu: the 'device' "
            "budget of OPTIMIZER_OFFLOAD=auto and the plan", field="gpu_memory_gb",
            default=Default("the visible GPU's"),

@@ -90,7 +90,7 @@ class RunConfig:
     offload_timing: bool
     gpu_memory_gb: float | None
     compile_fusions: bool | None  # MP_COMPILE_FUSIONS; None: megatron-core's defaults
-    compile_layers: bool  # MP_COMPILE: each transformer layer compiled
+    compile_layers: bool  # MP_COMPILE: each decoder layer compiled, whole or its parts apart
     faults: list
     exit_interval: int | None
     log_interval: int

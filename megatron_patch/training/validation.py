@@ -70,7 +70,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         if o.given(name) and not precision.fp8:
             raise UserError(f"{name}={o.raw(name)} needs PR=fp8, got PR={precision}")
     if o["MP_COMPILE"] and o["MP_COMPILE_FUSIONS"]:
-        raise UserError("MP_COMPILE=true compiles whole layers, norms, RoPE and SwiGLU included: drop "
+        raise UserError("MP_COMPILE=true compiles the layers, norms, RoPE and SwiGLU included: drop "
                         "MP_COMPILE_FUSIONS=true (the lighter option, for those pieces alone)")
     if o.given("MP_LOSS_SCALE_WINDOW") and not precision.fp16:
         raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
