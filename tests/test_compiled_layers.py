@@ -123,6 +123,14 @@ def test_a_kind_of_which_nothing_compiles_is_refused_in_one_line(traced):
         layer(torch.randn(2, 8))
 
 
+def test_a_torch_without_error_on_graph_break_is_refused_in_one_line(monkeypatch):
+    monkeypatch.delattr(torch._dynamo, "error_on_graph_break")
+    with pytest.raises(UserError, match=r"^MP_COMPILE=true tries each kind of layer whole under torch._dynamo.error_on_"
+                                        r"graph_break, which torch .* lacks \(2.9 and later have it\): upgrade torch "
+                                        r"or drop MP_COMPILE$"):
+        compiled_layers.compile_layers([Layer()])
+
+
 def test_every_family_has_its_layers_compiled():
     """Every registered family's decoder layers (and MTP layers, where it builds them) are taken, whatever their
     class: DeepSeek-V4's own layer was left eager when only megatron-core's TransformerLayer was."""

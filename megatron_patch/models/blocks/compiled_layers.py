@@ -145,6 +145,10 @@ def compile_layers(models, backend: str | Callable | None = None, on_decided: Ca
     (None: inductor; "eager": dynamo's graphs run as they are, what the dry run needs to see the breaks);
     ``on_decided(kind)`` is called when a kind's first layer has run (the training log's lines). Refuses (one
     line) a model in which it finds no layer."""
+    if not hasattr(torch._dynamo, "error_on_graph_break"):
+        raise UserError(f"MP_COMPILE=true tries each kind of layer whole under torch._dynamo.error_on_graph_break, "
+                        f"which torch {torch.__version__} lacks (2.9 and later have it): upgrade torch or drop "
+                        "MP_COMPILE")
     _quiet_tp_group_warning()
     found = [(name, layer) for model in models for name, layer in _layers(model)]
     if not found:
