@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -96,13 +95,11 @@ def prepare(args) -> int:
     work = Path(args.work)
     raw = model_config(args.reduced)
     parse_arch(model_config(False))  # the GPU's model: its config checked by the family in a dry run too
-    made = work / "made.json"
-    if made.is_file() and json.loads(made.read_text()) == raw and (work / "mcore" / "mpatch_manifest.json").is_file():
+    from gpu_suite_steps import earlier_checkpoint_kept
+
+    if earlier_checkpoint_kept(work, raw):
         print(f"{_what(raw, args.reduced)}: the checkpoint of an earlier run, kept")
         return 0
-    made.unlink(missing_ok=True)
-    for name in ("hf", "mcore"):
-        shutil.rmtree(work / name, ignore_errors=True)
     t0 = time.time()
     make_tokenizer(work / "hf", make_texts(200, seed=0), vocab_size=300)
     torch.manual_seed(0)
@@ -119,7 +116,7 @@ def prepare(args) -> int:
         print("mpatch convert hf2mcore failed (above)")
         return 1
     converted = time.time() - t0
-    made.write_text(json.dumps(raw, indent=1) + "\n")
+    (work / "made.json").write_text(json.dumps(raw, indent=1) + "\n")
     print(f"{_what(raw, args.reduced)}, {parameters / 1e6:.1f}M parameters: HF checkpoint (bf16, random weights, made "
           f"on {device()}) in {built:.1f} s, converted (bf16) in {converted:.1f} s")
     return 0

@@ -48,6 +48,19 @@ TAR_LIMIT = 15 * 2**20  # the device tool brings back files of at most 16 MiB
 LENT_GPU_GIB = 78  # what torch reports of an 80 GB H100, less a margin
 
 
+def earlier_checkpoint_kept(work: Path, raw: dict) -> bool:
+    """Whether ``work`` holds what an earlier run of a prepare step made of the config ``raw``: its ``made.json``
+    (written after the conversion) equal to ``raw``, and the conversion's manifest (written last). If not, whatever
+    is there of ``hf`` and ``mcore`` is cleared for this run to make."""
+    made = work / "made.json"
+    if made.is_file() and json.loads(made.read_text()) == raw and (work / "mcore" / "mpatch_manifest.json").is_file():
+        return True
+    made.unlink(missing_ok=True)
+    for name in ("hf", "mcore"):
+        shutil.rmtree(work / name, ignore_errors=True)
+    return False
+
+
 def simulated() -> bool:
     return os.environ.get("GPU_SUITE_SIMULATE") == "lent"
 
@@ -379,12 +392,9 @@ def v4_checkpoint(args) -> int:
                  f"{parameter_count(full) / 1e6:.1f}M parameters)")
     work.mkdir(parents=True, exist_ok=True)
     (work / "gpu-config.json").write_text(json.dumps(v4_config(args.seq), indent=1) + "\n")  # dry-check's
-    if made.is_file() and json.loads(made.read_text()) == raw and (work / "mcore" / "mpatch_checkpoint.json").is_file():
+    if earlier_checkpoint_kept(work, raw):
         print(f"small DeepSeek-V4: {what}: the checkpoint of an earlier run, kept")
         return 0
-    made.unlink(missing_ok=True)
-    for name in ("hf", "mcore"):
-        shutil.rmtree(work / name, ignore_errors=True)
     t0 = time.time()
     make_tiny_hf_checkpoint("deepseek_v4", work / "hf", seed=0, **copy.deepcopy(raw))  # transformers fills in dicts
     built = time.time() - t0

@@ -308,11 +308,10 @@ class Indexer(torch.nn.Module):
 @dataclasses.dataclass
 class GenerationState:
     """What one layer's attention keeps between the forwards of a generation (module doc), for its rows of the
-    batch: ``seen`` tokens so far; ``window_kv`` [b, <= sliding_window - 1, d] the last tokens' keys/values;
+    batch: ``window_kv`` [b, <= sliding_window - 1, d] the last tokens' keys/values;
     ``entries`` [b, n, d] and ``index_keys`` [b, n, index dim] of the n windows that closed; ``pending``
     [b, m, hidden] the inputs from token ``pending_start`` on, which the entries still to close pool."""
 
-    seen: int = 0
     window_kv: torch.Tensor | None = None
     entries: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
@@ -337,16 +336,15 @@ class GenerationState:
         self.pending, self.pending_start = inputs[:, start - self.pending_start:], start
         return self.entries, self.index_keys
 
-    def keep_window(self, kv: torch.Tensor, sliding_window: int, new_tokens: int) -> None:
-        """Keep those of the keys/values [b, L, d] (the last L tokens) that a later query can still see, and count
-        the ``new_tokens``."""
+    def keep_window(self, kv: torch.Tensor, sliding_window: int) -> None:
+        """Keep those of the keys/values [b, L, d] (the last L tokens) that a later query can still see."""
         self.window_kv = kv[:, max(kv.shape[1] - (sliding_window - 1), 0):]
-        self.seen += new_tokens
 
 
 class DeepseekV4Attention(MegatronModule):
-    """One decoder layer's attention (module doc). ``forward(hidden_states [s, b, h])`` -> (output [s, b, h],
-    None), positions 0 .. s-1."""
+    """One decoder layer's attention (module doc). ``forward(hidden_states [s, b, h], inference_context=None)`` ->
+    (output [s, b, h], None), positions 0 .. s-1, or in a generation those after the context's
+    ``sequence_len_offset``."""
 
     def __init__(self, config, settings: V4AttentionSettings, layer_type: str, layer_number: int = 1):
         super().__init__(config=config)
@@ -404,21 +402,17 @@ class DeepseekV4Attention(MegatronModule):
         norm.key = norm.key.replace("q_layernorm.weight", "linear_q_up_proj.layer_norm_weight")
         return state
 
-    def _generation_state(self, context, batch: int) -> "GenerationState":
-        """This layer's ``GenerationState`` for the ``batch`` rows from ``batch_size_offset`` of a generation in
+    def _generation_state(self, context) -> "GenerationState":
+        """This layer's ``GenerationState`` for the rows from ``batch_size_offset`` of a generation in
         megatron-core's static inference context, kept under the layer's number in ``key_value_memory_dict`` (as
         an attention layer keeps its KV cache there); a prompt (``sequence_len_offset`` 0) starts a new one."""
         if not context.is_static_batching():
             raise NotImplementedError("DeepSeek-V4's attention keeps its generation state in megatron-core's static "
                                       "inference context only")
         key = (self.layer_number, "deepseek_v4 attention", context.batch_size_offset)
-        state = context.key_value_memory_dict.get(key)
-        if context.sequence_len_offset == 0 or state is None:
-            state = context.key_value_memory_dict[key] = GenerationState()
-        if state.seen != context.sequence_len_offset:
-            raise RuntimeError(f"layer {self.layer_number} has seen {state.seen} tokens of this generation, the "
-                               f"context {context.sequence_len_offset}")
-        return state
+        if context.sequence_len_offset == 0:
+            context.key_value_memory_dict[key] = GenerationState()
+        return context.key_value_memory_dict[key]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, inference_context=None, **kwargs):
         if kwargs.get("packed_seq_params") is not None:
@@ -432,8 +426,8 @@ class DeepseekV4Attention(MegatronModule):
             hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         x = hidden_states.transpose(0, 1)  # [b, s, h]: the layout of the attention arithmetic
         batch, seq, _ = x.shape
-        state = None if inference_context is None else self._generation_state(inference_context, batch)
-        first = 0 if state is None else state.seen
+        state = None if inference_context is None else self._generation_state(inference_context)
+        first = 0 if state is None else inference_context.sequence_len_offset
         positions = torch.arange(first, first + seq, device=x.device)
         cos, sin = self.rope(positions, x.dtype)
 
@@ -446,7 +440,7 @@ class DeepseekV4Attention(MegatronModule):
         if state is not None and state.window_kv is not None:
             kv = torch.cat([state.window_kv, kv], dim=1)
         if state is not None:
-            state.keep_window(kv, s.sliding_window, seq)
+            state.keep_window(kv, s.sliding_window)
         keys_at = torch.arange(first + seq - kv.shape[1], first + seq, device=x.device)
         near = (keys_at[None, :] <= positions[:, None]) & (keys_at[None, :] > positions[:, None] - s.sliding_window)
         mask = torch.zeros(near.shape, dtype=q.dtype, device=x.device).masked_fill(~near, float("-inf"))
