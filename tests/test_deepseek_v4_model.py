@@ -294,7 +294,7 @@ def test_the_launcher_trains_the_converted_model_across_pipeline_and_expert_rank
     assert not torch.equal(trained.get("model.layers.0.hc_attn_fn"), start.get("model.layers.0.hc_attn_fn"))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # TP=2: a multi-process parity check
 def test_generation_continues_the_window_and_the_compressed_entries_one_token_per_step(tp):
     """A generation with the runner's inference context gives the logits one whole forward gives, within float32
     noise: each layer keeps its last sliding_window - 1 keys/values, the entries (and the indexer's keys) of the

@@ -190,7 +190,7 @@ def test_qwen3_5_moe_config_as_transformers_writes_it_converts(tmp_path):
     assert arch.is_moe and not arch.has_dense_layers
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])  # TP=2: a multi-process parity check
 def test_generation_continues_the_gated_deltanet_state_one_token_per_step(tp):
     """A generation with the runner's inference context gives the logits one whole forward gives, within float32
     noise: each Gated DeltaNet layer continues its convolution and recurrent state, each row of the batch its own,

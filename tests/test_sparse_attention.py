@@ -363,7 +363,9 @@ def test_indexer_selection_from_cached_keys_equals_the_whole_one(selections):
             position
 
 
-@pytest.mark.parametrize("family, tp", [("deepseek_v32", 1), ("deepseek_v32", 2), ("glm_moe_dsa", 2)])
+@pytest.mark.parametrize("family, tp", [("deepseek_v32", 1),  # TP=2: multi-process parity checks, in the whole suite
+                                        pytest.param("deepseek_v32", 2, marks=pytest.mark.slow),
+                                        pytest.param("glm_moe_dsa", 2, marks=pytest.mark.slow)])
 def test_generation_continues_the_indexer_keys_one_token_per_step(family, tp):
     """A generation with the runner's inference context gives the logits one whole forward gives, within float32
     noise: each layer's indexer scores the new token against the keys it cached for the earlier ones, under the
