@@ -238,7 +238,7 @@ def test_tracker_that_is_not_a_number_is_one_line_everywhere(hf, tmp_path, capsy
                  ["inspect", str(ckpt)]):
         rc, err = run_cli(capsys, *argv)
         assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    from megatron_patch.training.checkpointing import latest_iteration  # resume's own reading
+    from megatron_patch.training.run_state import latest_iteration  # resume's own reading
 
     try:
         latest_iteration(ckpt)

@@ -462,7 +462,7 @@ def test_a_newest_iteration_failing_its_crc_is_skipped_for_the_previous_one(tmp_
 
     from megatron_patch.checkpoint_files.manifest import write_manifest
     from megatron_patch.checkpoint_files.safe_torch import SafeFileSystemReader, load_refusing
-    from megatron_patch.training.checkpointing import latest_iteration
+    from megatron_patch.training.run_state import latest_iteration
 
     root = tmp_path / "checkpoint"
     _training_iteration(root, 2)
@@ -579,7 +579,7 @@ def _endless(path: Path) -> str:
 @pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
 @pytest.mark.parametrize("name", ["train_state.json", "metadata.json"])
 def test_a_huge_or_endless_small_file_skips_its_iteration_in_one_line(tmp_path, damage, name):
-    from megatron_patch.training.checkpointing import latest_iteration
+    from megatron_patch.training.run_state import latest_iteration
 
     root = tmp_path / "checkpoint"
     _training_iteration(root, 2)
@@ -593,7 +593,7 @@ def test_a_huge_or_endless_small_file_skips_its_iteration_in_one_line(tmp_path, 
 @pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
 def test_a_huge_or_endless_tracker_is_skipped_for_the_newest_complete_iteration(tmp_path, damage):
     from megatron_patch.checkpoint_files.layout import TRACKER_NAME
-    from megatron_patch.training.checkpointing import latest_iteration
+    from megatron_patch.training.run_state import latest_iteration
 
     root = tmp_path / "checkpoint"
     _training_iteration(root, 2)
@@ -616,7 +616,7 @@ def test_train_state_is_parsed_strictly(tmp_path, state, why):
     """int() took 4.5, '4' and True; a world size of -1 skipped every RNG file's check."""
     import json
 
-    from megatron_patch.training.checkpointing import latest_iteration
+    from megatron_patch.training.run_state import latest_iteration
 
     root = tmp_path / "checkpoint"
     _training_iteration(root, 2)

@@ -474,7 +474,7 @@ def _run_nodes(args, env: dict, tmp_path: Path, nodes: int = 2) -> list[tuple[in
 def test_two_nodes_train_one_model_with_dp_across_them(dp2_run, corpus, tmp_path):
     """ENV=dlc on a machine without GPUs (gloo): node 0 and node 1 hold one data-parallel rank each, and
     train the one-node run's model: the same losses, and a checkpoint written from both nodes."""
-    from megatron_patch.training.checkpointing import iteration_problem
+    from megatron_patch.training.run_state import iteration_problem
 
     out = tmp_path / "out"
     results = _run_nodes(_dp2_args(corpus, out, ENV="dlc"), {"MP_EXIT_INTERVAL": str(DP_SAVE)}, tmp_path)
@@ -614,7 +614,7 @@ def _copy_checkpoints(src: Path, out: Path) -> Path:
 def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, corpus, tmp_path):
     """The latest checkpoint with a truncated .distcp and the one before without metadata.json: the run warns
     about each, resumes from the newest complete one (12), and repeats the uninterrupted run's losses."""
-    from megatron_patch.training.checkpointing import iteration_problem
+    from megatron_patch.training.run_state import iteration_problem
 
     out = tmp_path / "out"
     ckpt = _copy_checkpoints(dp2_run["out"], out)
@@ -678,7 +678,7 @@ def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(dp2_run, corp
 
     Without permission to mount a tmpfs, the same full disk is simulated: a sitecustomize (on PYTHONPATH of
     the ranks) makes every file opened for writing in the save of iteration 12 fail with ENOSPC."""
-    from megatron_patch.training.checkpointing import iteration_problem
+    from megatron_patch.training.run_state import iteration_problem
 
     out = tmp_path / "out"
     ckpt = out / "checkpoint"

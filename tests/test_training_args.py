@@ -180,6 +180,33 @@ def test_wrong_argument_count_and_usage(data, capsys):
     assert "1B | 3B | 8B | 70B | 405B | Mistral-7B | tiny | auto" in out
 
 
+def test_refusals_and_the_resume_checks_start_without_torch(data, tmp_path):
+    """A launch refused for its arguments, and the launcher's look at the run folder before any rank starts (which
+    checkpoint it resumes from, whether the run is complete, whether OUTPUT_BASEPATH is a run's), take no torch:
+    every launch and every refused one would pay its import (1-3 s of CPU on 2 cores)."""
+    run = tmp_path / "run"
+    (run / "checkpoint" / "iter_0000010").mkdir(parents=True)  # a checkpoint with nothing in it: refused, unresumable
+    code = f"""
+import sys
+from megatron_patch.cli import main
+from megatron_patch.errors import UserError
+from megatron_patch.training.run_state import check_output_basepath, latest_iteration
+print(main(["train", "llama3_1", *{_args(data, "llama3_1", TP="3")!r}]))
+check_output_basepath(__import__("pathlib").Path({str(run)!r}))
+try:
+    latest_iteration({str(run / "checkpoint")!r})
+except UserError as exc:
+    print("refused:", str(exc)[:60])
+print(sorted(m for m in ("torch", "megatron") if m in sys.modules))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "2" and "TP=3" in proc.stderr, proc.stderr  # refused, in one line
+    assert lines[1].startswith("refused:"), lines
+    assert lines[-1] == "[]", lines
+
+
 # --- what this machine can do ------------------------------------------------------------------------
 
 CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attention_3=False, torchao=True)

@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER
+from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER, iteration_dir
 from megatron_patch.cli import DEBUG_VARIABLE, internal_error
 from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
@@ -38,12 +38,13 @@ from megatron_patch.training.machine_checks import (attention_kernel, check_mach
                                                     machine_problems)
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
+from megatron_patch.training.run_state import check_output_basepath, finished_run, latest_iteration
 from megatron_patch.training.validation import resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 # So are the modules that bring torch in: training.megatron_settings, training.checkpointing,
-# training.loop.
+# training.loop (the resume checks read training.run_state, which needs neither).
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, with this interpreter
 
@@ -233,8 +234,6 @@ def run(args) -> int:
     with _run_lock(cfg):
         # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
         # has started (the ranks decide again for themselves: a restart comes back to them, not here).
-        from megatron_patch.training.checkpointing import finished_run, iteration_dir, latest_iteration
-
         latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
 
         # a LoRA run's base, and the one its checkpoints name
@@ -269,8 +268,6 @@ def _run_lock(cfg):
         if alive:
             raise UserError(f"ranks of an earlier run still write {out}: {', '.join(alive)}; wait for them to end or "
                             "stop them (kill PID), then rerun")
-        from megatron_patch.training.checkpointing import check_output_basepath
-
         check_output_basepath(out)
         yield
 

@@ -11,8 +11,8 @@ A save writes into a partial folder (``checkpoint_files.layout``), renamed to ``
 every rank has finished and everything in it is fsynced, and only then is the latest marker replaced.
 A run killed mid-save leaves the previous checkpoint as the latest. A save that fails (a full disk,
 any OSError) stops the run with one line and removes its partial folder; the previous checkpoint is
-untouched. At resume, the newest complete checkpoint is taken (``iteration_problem`` says what makes
-one incomplete), with a warning for each newer one skipped.
+untouched. At resume, the newest complete checkpoint is taken (``run_state.iteration_problem`` says what
+makes one incomplete), with a warning for each newer one skipped.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -34,52 +33,42 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_patch.checkpoint.foreign import find_checkpoint
 from megatron_patch.checkpoint.loading import load_checkpoint_into_model
-from megatron_patch.checkpoint.outputs import carried_files, copy_carried, replace_refusal
+from megatron_patch.checkpoint.outputs import carried_files, copy_carried
 from megatron_patch.checkpoint.sidecar import Sidecar
 from megatron_patch.checkpoint_files.layout import (
     RELEASE,
-    TRACKER_NAME,
-    archives_problem,
     fsync_file,
     iteration_dir,
     latest_complete_iteration,
     model_sharded_state,
     partial_dir,
     publish,
-    read_small_json,
     remove_stale_partials,
-    torch_dist_problem,
     write_tracker,
-    zip_problem,
 )
 from megatron_patch.checkpoint_files.manifest import (
     IntegrityError,
     digests,
-    manifest_of,
     naming_the_switch,
     unlisted_files,
-    verify_manifest,
     write_manifest,
 )
 from megatron_patch.errors import UserError
 from megatron_patch.lora.state import adapter_sharded_state, base_record
 from megatron_patch.runtime import watchdog
 from megatron_patch.training.lora_run import cfg_base
-from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, require_folder
+from megatron_patch.training.run_folder import FINAL_DIR
+from megatron_patch.training.run_state import (NO_VERIFY, TRAIN_STATE, iteration_problem, latest_iteration,
+                                              read_train_state)
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
-# processes that import this module without building a megatron-core model (align's main process, the
-# launcher's dry run and resume checks) do not pay for it.
+# processes that import this module without building a megatron-core model (align's main process) do not pay for
+# it. The launcher's resume checks, before any rank starts, need neither torch nor this module
+# (``training.run_state``).
 
 # megatron-core 0.16's default distributed-optimizer format is rejected by its own dist_checkpointing;
 # fully_reshardable also reloads at another TP/PP/DP (see docs/cpu-runtime.md).
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-TRAIN_STATE = "train_state.json"
-# What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
-# against their manifests: the same switch as the commands' --no-verify, for a checkpoint edited on purpose.
-NO_VERIFY = "MP_NO_VERIFY=true"
 
 
 def load_starting_weights(cfg, chunks: list, folder) -> None:
@@ -90,78 +79,6 @@ def load_starting_weights(cfg, chunks: list, folder) -> None:
         load_checkpoint_into_model(chunks, folder, cfg.layout, hf_config=cfg.hf_config, verify=not cfg.no_verify)
     except IntegrityError as exc:
         raise naming_the_switch(exc, NO_VERIFY) from None
-
-
-def iteration_problem(folder: Path, verify: bool = True) -> str | None:
-    """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
-    (checkpoint_files.layout.torch_dist_problem), train_state.json, every rank's random state, and (``verify``)
-    every file against the folder's manifest, where it has one, and every archive's CRC-32s
-    (``archives_problem``): whatever a load would refuse as damaged is found here, where the previous
-    checkpoint can still be taken."""
-    why = torch_dist_problem(folder)
-    if why:
-        return why
-    manifest = manifest_of(folder)
-    if verify and manifest is not None:
-        try:
-            verify_manifest(manifest)
-        except IntegrityError as exc:
-            return str(naming_the_switch(exc, NO_VERIFY))
-        except UserError as exc:
-            return str(exc)
-    if verify:  # the CRC-32s too: a manifest rewritten after the damage, or none, would leave them to the load
-        why = archives_problem(folder)
-        if why:
-            return why
-    try:
-        state = read_train_state(folder)
-        iteration, world = state["iteration"], state["world_size"]
-    except FileNotFoundError:
-        return f"{TRAIN_STATE} is missing"
-    except UserError as exc:
-        return str(exc).replace(str(folder / TRAIN_STATE), TRAIN_STATE, 1)
-    if iteration_dir(folder.parent, iteration).name != folder.name:
-        return f"{TRAIN_STATE} says iteration {iteration}"
-    for rank in range(world):
-        why = zip_problem(folder / "rng" / f"rank_{rank:05d}.pt")
-        if why:
-            return f"rng/{why}"
-    return None
-
-
-# The most processes a run can have: a bound before anything loops over train_state.json's world size.
-MAX_WORLD_SIZE = 2**20
-
-
-def read_train_state(folder: Path) -> dict:
-    """An iteration folder's train_state.json, read bounded and held to its types: a whole ``iteration``, a
-    ``world_size`` of 1 to ``MAX_WORLD_SIZE`` processes (one RNG file each is checked), a whole ``consumed_samples``
-    where present. FileNotFoundError when it is missing, one-line UserError for anything else."""
-    path = folder / TRAIN_STATE
-    if not os.path.lexists(path):
-        raise FileNotFoundError(path)
-    state = read_small_json(path)
-    for name in ("iteration", "world_size", "consumed_samples"):
-        if name == "consumed_samples" and name not in state:  # optional: other tools' checkpoints may lack it
-            continue
-        value = state.get(name)
-        whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        if not whole or (name == "world_size" and not 1 <= value <= MAX_WORLD_SIZE):
-            raise UserError(f"{path} is unreadable ('{name}' is {json.dumps(value)[:40]}, not a number of "
-                            f"{'processes' if name == 'world_size' else 'iterations or samples'})")
-    return state
-
-
-def latest_iteration(root: str | Path, verify: bool = True) -> tuple[int | None, list[str]]:
-    """The newest complete checkpoint under ``root`` (None: nothing saved yet) and a warning for each
-    newer one skipped. UserError when checkpoints exist and none is complete. ``verify``: check the files'
-    digests too (the ranks do; the launcher's early look leaves that to them)."""
-    try:
-        return latest_complete_iteration(root, lambda folder: iteration_problem(folder, verify))
-    except UserError as exc:
-        if f"'{RELEASE}'" in str(exc):
-            raise UserError(f"{exc}; give it as PRETRAIN_CHECKPOINT_PATH and choose another OUTPUT_BASEPATH")
-        raise
 
 
 def resume_iteration(root: str | Path, log=print, verify: bool = True) -> int | None:
@@ -466,18 +383,6 @@ def _write_shared_manifest(tmp: Path, tool: str) -> None:
         write_manifest(tmp, tool, files={k: v for share in shares for k, v in share.items()})
 
 
-def finished_run(cfg, latest: int | None) -> str | None:
-    """What to say, instead of training, when OUTPUT_BASEPATH holds a run that is already complete (nothing left
-    to train and, with saving on, its model exported); None otherwise."""
-    final = Path(cfg.output_basepath) / FINAL_DIR
-    if latest is None or latest < cfg.train_iters or (cfg.save and not (final / TRACKER_NAME).is_file()):
-        return None
-    where = f"its model is in {final} (mpatch convert mcore2hf --load-dir {final} --save-dir HF_OUT)" if cfg.save \
-        else f"its checkpoints are in {cfg.checkpoint_dir}"
-    return (f"the run in {cfg.output_basepath} is complete (iteration {latest} of {cfg.train_iters}): {where}; "
-            "nothing to train (choose another OUTPUT_BASEPATH or more iterations to train further)")
-
-
 def _shared_partial_dir(final: Path, inner: str = "") -> Path:
     """Rank 0 makes a fresh partial folder for ``final`` (and its sub-folder ``inner``) and tells every
     rank its name."""
@@ -493,31 +398,6 @@ def _shared_partial_dir(final: Path, inner: str = "") -> Path:
         holder = [str(tmp)]
     dist.broadcast_object_list(holder, src=0)
     return Path(holder[0])
-
-
-def check_output_basepath(out: Path) -> None:
-    """The one output rule for a training run (docs/outputs.md), decided by the launcher under the lock:
-    OUTPUT_BASEPATH is new or empty, or an earlier run's folder, which this run resumes. A folder holding
-    anything a run does not write is refused, and so is a ``final/`` that mpatch did not export (the run's
-    export replaces it)."""
-    require_folder(out)
-    if not os.path.lexists(out):
-        return
-    for entry in sorted(out.iterdir()):
-        name = entry.name
-        if name in RUN_FOLDER_ENTRIES and entry.is_dir():
-            continue
-        if any(name.startswith(f".{ours}.mpatch-") for ours in RUN_FOLDER_ENTRIES):
-            continue
-        raise UserError(f"OUTPUT_BASEPATH {out} holds {name}, which a training run does not write there: it is "
-                        f"neither new nor an earlier run's folder (which a rerun resumes); move {name} away or "
-                        "choose a new or empty OUTPUT_BASEPATH")
-    final = out / FINAL_DIR
-    if final.is_dir() and any(final.iterdir()):
-        why = replace_refusal(final)
-        if why is not None:
-            raise UserError(f"{final} {why}; the run's export would replace it: move it away or choose another "
-                            "OUTPUT_BASEPATH")
 
 
 def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_files: Path | None = None) -> Path:

@@ -13,14 +13,11 @@ cannot run with it refused in one line, the indexer-only mode, and the indexer l
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from megatron_patch.errors import UserError
 
-# megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
-# launcher's checks and dry run read this module's options without building a model.
-# So is blocks.sparse_attention, which imports megatron-core at its top.
+# torch and megatron-core are imported inside the functions that use them: the launcher's checks and dry run read
+# this module's options without building a model. So is blocks.sparse_attention, which imports megatron-core at
+# its top.
 
 INDEXER_PARAMS = ".core_attention.indexer."
 
@@ -108,6 +105,9 @@ def split_trainable(cfg, chunks: list[list]) -> tuple[list[list], int]:
 def take_indexer_loss(device) -> float | None:
     """The mean indexer loss of this step over every layer, micro-batch and rank (a collective: every rank
     calls it), then cleared; None when no layer computed one."""
+    import torch
+    import torch.distributed as dist
+
     from megatron_patch.models.blocks.sparse_attention import INDEXER_LOSS
 
     stats = torch.tensor([float(INDEXER_LOSS["sum"]), float(INDEXER_LOSS["count"])], dtype=torch.float64,

@@ -1,0 +1,143 @@
+"""A run folder's checkpoints as the launcher reads them before it starts any rank, without torch: the newest
+complete checkpoint a run resumes from (``latest_iteration``, ``iteration_problem``), whether the run is complete
+already (``finished_run``), and whether OUTPUT_BASEPATH is a folder a run may write (``check_output_basepath``).
+
+The ranks read the same through ``training.checkpointing``, which saves and loads. Kept apart from it because that
+module imports torch's distributed checkpointing (1 s of a launcher's start on 2 cores, paid by every launch and
+every test that launches), which nothing here needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megatron_patch.checkpoint.outputs import replace_refusal
+from megatron_patch.checkpoint_files.layout import (
+    RELEASE,
+    TRACKER_NAME,
+    archives_problem,
+    iteration_dir,
+    latest_complete_iteration,
+    read_small_json,
+    torch_dist_problem,
+    zip_problem,
+)
+from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_of, naming_the_switch, verify_manifest
+from megatron_patch.errors import UserError
+from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, require_folder
+
+TRAIN_STATE = "train_state.json"
+# What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
+# against their manifests: the same switch as the commands' --no-verify, for a checkpoint edited on purpose.
+NO_VERIFY = "MP_NO_VERIFY=true"
+
+
+def iteration_problem(folder: Path, verify: bool = True) -> str | None:
+    """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
+    (checkpoint_files.layout.torch_dist_problem), train_state.json, every rank's random state, and (``verify``)
+    every file against the folder's manifest, where it has one, and every archive's CRC-32s
+    (``archives_problem``): whatever a load would refuse as damaged is found here, where the previous
+    checkpoint can still be taken."""
+    why = torch_dist_problem(folder)
+    if why:
+        return why
+    manifest = manifest_of(folder)
+    if verify and manifest is not None:
+        try:
+            verify_manifest(manifest)
+        except IntegrityError as exc:
+            return str(naming_the_switch(exc, NO_VERIFY))
+        except UserError as exc:
+            return str(exc)
+    if verify:  # the CRC-32s too: a manifest rewritten after the damage, or none, would leave them to the load
+        why = archives_problem(folder)
+        if why:
+            return why
+    try:
+        state = read_train_state(folder)
+        iteration, world = state["iteration"], state["world_size"]
+    except FileNotFoundError:
+        return f"{TRAIN_STATE} is missing"
+    except UserError as exc:
+        return str(exc).replace(str(folder / TRAIN_STATE), TRAIN_STATE, 1)
+    if iteration_dir(folder.parent, iteration).name != folder.name:
+        return f"{TRAIN_STATE} says iteration {iteration}"
+    for rank in range(world):
+        why = zip_problem(folder / "rng" / f"rank_{rank:05d}.pt")
+        if why:
+            return f"rng/{why}"
+    return None
+
+
+# The most processes a run can have: a bound before anything loops over train_state.json's world size.
+MAX_WORLD_SIZE = 2**20
+
+
+def read_train_state(folder: Path) -> dict:
+    """An iteration folder's train_state.json, read bounded and held to its types: a whole ``iteration``, a
+    ``world_size`` of 1 to ``MAX_WORLD_SIZE`` processes (one RNG file each is checked), a whole ``consumed_samples``
+    where present. FileNotFoundError when it is missing, one-line UserError for anything else."""
+    path = folder / TRAIN_STATE
+    if not os.path.lexists(path):
+        raise FileNotFoundError(path)
+    state = read_small_json(path)
+    for name in ("iteration", "world_size", "consumed_samples"):
+        if name == "consumed_samples" and name not in state:  # optional: other tools' checkpoints may lack it
+            continue
+        value = state.get(name)
+        whole = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        if not whole or (name == "world_size" and not 1 <= value <= MAX_WORLD_SIZE):
+            raise UserError(f"{path} is unreadable ('{name}' is {json.dumps(value)[:40]}, not a number of "
+                            f"{'processes' if name == 'world_size' else 'iterations or samples'})")
+    return state
+
+
+def latest_iteration(root: str | Path, verify: bool = True) -> tuple[int | None, list[str]]:
+    """The newest complete checkpoint under ``root`` (None: nothing saved yet) and a warning for each
+    newer one skipped. UserError when checkpoints exist and none is complete. ``verify``: check the files'
+    digests too (the ranks do; the launcher's early look leaves that to them)."""
+    try:
+        return latest_complete_iteration(root, lambda folder: iteration_problem(folder, verify))
+    except UserError as exc:
+        if f"'{RELEASE}'" in str(exc):
+            raise UserError(f"{exc}; give it as PRETRAIN_CHECKPOINT_PATH and choose another OUTPUT_BASEPATH")
+        raise
+
+
+def finished_run(cfg, latest: int | None) -> str | None:
+    """What to say, instead of training, when OUTPUT_BASEPATH holds a run that is already complete (nothing left
+    to train and, with saving on, its model exported); None otherwise."""
+    final = Path(cfg.output_basepath) / FINAL_DIR
+    if latest is None or latest < cfg.train_iters or (cfg.save and not (final / TRACKER_NAME).is_file()):
+        return None
+    where = f"its model is in {final} (mpatch convert mcore2hf --load-dir {final} --save-dir HF_OUT)" if cfg.save \
+        else f"its checkpoints are in {cfg.checkpoint_dir}"
+    return (f"the run in {cfg.output_basepath} is complete (iteration {latest} of {cfg.train_iters}): {where}; "
+            "nothing to train (choose another OUTPUT_BASEPATH or more iterations to train further)")
+
+
+def check_output_basepath(out: Path) -> None:
+    """The one output rule for a training run (docs/outputs.md), decided by the launcher under the lock:
+    OUTPUT_BASEPATH is new or empty, or an earlier run's folder, which this run resumes. A folder holding
+    anything a run does not write is refused, and so is a ``final/`` that mpatch did not export (the run's
+    export replaces it)."""
+    require_folder(out)
+    if not os.path.lexists(out):
+        return
+    for entry in sorted(out.iterdir()):
+        name = entry.name
+        if name in RUN_FOLDER_ENTRIES and entry.is_dir():
+            continue
+        if any(name.startswith(f".{ours}.mpatch-") for ours in RUN_FOLDER_ENTRIES):
+            continue
+        raise UserError(f"OUTPUT_BASEPATH {out} holds {name}, which a training run does not write there: it is "
+                        f"neither new nor an earlier run's folder (which a rerun resumes); move {name} away or "
+                        "choose a new or empty OUTPUT_BASEPATH")
+    final = out / FINAL_DIR
+    if final.is_dir() and any(final.iterdir()):
+        why = replace_refusal(final)
+        if why is not None:
+            raise UserError(f"{final} {why}; the run's export would replace it: move it away or choose another "
+                            "OUTPUT_BASEPATH")
