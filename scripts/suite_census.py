@@ -43,20 +43,28 @@ if _log:
 
 def kind_of(entry: dict) -> str:
     argv = entry.get("argv") or []
+    while len(argv) > 1 and argv[1] in ("-B", "-u", "-E", "-s", "-O", "-I"):  # the interpreter's own switches
+        argv = argv[:1] + argv[2:]
     if entry.get("rank") is not None:
         return "training rank (torchrun)"
     if argv[1:2] == ["-c"]:
         if len(argv) > 2 and "multiprocessing" in argv[2].split("\n")[0]:
             return "multiprocessing (fork server, spawned ranks)"
+        if len(argv) > 2 and argv[2].startswith("import sys;exec(eval(sys.stdin.readline()))"):
+            return "pytest and its workers"  # xdist's workers (execnet)
         return "python -c (tests' helper processes)"
     if argv[1:2] == ["-m"] and len(argv) > 2:
         module = argv[2]
         if module.split(".")[0] in ("pytest", "xdist", "execnet"):
             return "pytest and its workers"
+        if module == "pip":
+            return "pip"
         if module in ("megatron_patch", "mpatch") and len(argv) > 3:  # python -m megatron_patch COMMAND
             return _mpatch(argv[3], entry)
     if len(argv) > 2 and Path(argv[1]).name == "mpatch":  # the console script
         return _mpatch(argv[2], entry)
+    if len(argv) > 1 and argv[1].startswith("-mpip"):
+        return "pip"
     script = next((a for a in argv[1:3] if a.endswith(".py")), None)
     if script is not None and "scripts" in Path(script).parts:
         return f"scripts/{Path(script).name}"
