@@ -15,7 +15,8 @@ import subprocess
 import sys
 import time
 
-MODULES = ("megatron_patch.cli", "numpy", "transformers", "torch", "megatron.core.models.gpt")
+MODULES = ("megatron_patch.cli", "megatron_patch.training.run_state", "numpy", "transformers", "torch",
+           "megatron_patch.training.checkpointing", "megatron.core.models.gpt")
 # What every mpatch process (each rank of a launch) pays for megatron-core: its torch.compile decorations deferred
 # to their first call (megatron_patch/runtime/deferred_compile.py).
 DEFERRED = ("megatron.core.models.gpt, compile deferred",

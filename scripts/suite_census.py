@@ -73,7 +73,7 @@ def kind_of(entry: dict) -> str:
 
 def _mpatch(command: str, entry: dict) -> str:
     if command == "train":
-        return "launcher dry run" if entry.get("dry_run") else "launcher"
+        return "launcher dry run" if entry.get("dry_run") not in (None, "", "0", "false") else "launcher"
     return f"mpatch {command}"
 
 

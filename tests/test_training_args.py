@@ -183,7 +183,7 @@ def test_wrong_argument_count_and_usage(data, capsys):
 def test_refusals_and_the_resume_checks_start_without_torch(data, tmp_path):
     """A launch refused for its arguments, and the launcher's look at the run folder before any rank starts (which
     checkpoint it resumes from, whether the run is complete, whether OUTPUT_BASEPATH is a run's), take no torch:
-    every launch and every refused one would pay its import (1-3 s of CPU on 2 cores)."""
+    every launch and every refused one would pay its import (scripts/bench_imports.py)."""
     run = tmp_path / "run"
     (run / "checkpoint" / "iter_0000010").mkdir(parents=True)  # a checkpoint with nothing in it: refused, unresumable
     code = f"""

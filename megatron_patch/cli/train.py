@@ -42,7 +42,8 @@ from megatron_patch.training.run_state import check_output_basepath, finished_ru
 from megatron_patch.training.validation import resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
-# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# imported inside the functions that use them: `mpatch` and the launcher's checks start without them (the dry run
+# imports megatron-core to build the settings it prints).
 # So are the modules that bring torch in: training.megatron_settings, training.checkpointing,
 # training.loop (the resume checks read training.run_state, which needs neither).
 

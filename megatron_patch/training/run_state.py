@@ -3,8 +3,8 @@ complete checkpoint a run resumes from (``latest_iteration``, ``iteration_proble
 already (``finished_run``), and whether OUTPUT_BASEPATH is a folder a run may write (``check_output_basepath``).
 
 The ranks read the same through ``training.checkpointing``, which saves and loads. Kept apart from it because that
-module imports torch's distributed checkpointing (1 s of a launcher's start on 2 cores, paid by every launch and
-every test that launches), which nothing here needs.
+module imports torch and its distributed checkpointing (``PYTHONPATH=. python scripts/bench_imports.py``: about a
+second beyond torch on 2 cores, paid by every launch and every test that launches), which nothing here needs.
 """
 
 from __future__ import annotations

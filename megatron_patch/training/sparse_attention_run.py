@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from megatron_patch.errors import UserError
 
-# torch and megatron-core are imported inside the functions that use them: the launcher's checks and dry run read
-# this module's options without building a model. So is blocks.sparse_attention, which imports megatron-core at
-# its top.
+# torch and megatron-core are imported inside the functions that use them: the launcher's checks read this module's
+# options before anything imports torch (a refused launch never does). So is blocks.sparse_attention, which imports
+# megatron-core at its top.
 
 INDEXER_PARAMS = ".core_attention.indexer."
 
