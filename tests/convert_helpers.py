@@ -135,3 +135,22 @@ def write_torch_dist_chunks(folder, items, objects, values) -> None:
             f.seek(stored.offset)
             f.write(v.contiguous().view(torch.uint8).numpy().tobytes())
     plan.finish()
+
+
+def read_torch_dist_release(release: Path):
+    """(reader, every tensor whole, the stored objects' (key, bytes)) of a torch_dist folder: what a test rewrites
+    as another tool would (``write_torch_dist_chunks``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
+
+    reader = TorchDistReader(release)
+    full = {k: torch.empty(reader.global_shape(k), dtype=getattr(torch, reader.dtype(k))) for k in reader.tensor_keys()}
+    dcp.load(full, storage_reader=dcp.FileSystemReader(str(release)), no_dist=True)
+    objects = []
+    for key in sorted(reader.objects):
+        where, offset, length, _ = reader.storage[(key, None)]
+        with open(release / where, "rb") as f:
+            f.seek(offset)
+            objects.append((key, f.read(length)))
+    return reader, full, objects

@@ -215,7 +215,9 @@ def test_exported_folder_loads_in_transformers(hf_dirs, tmp_path):
     src = hf_dirs["qwen2"]  # tied embeddings: lm_head must come back as HF expects
     hf_to_mcore(src, tmp_path / "ck", ParallelLayout(pp=2), fmt="legacy", progress=False)
     mcore_to_hf(tmp_path / "ck", tmp_path / "hf", progress=False)
-    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    # eager attention, as the reference hf_logits loads it (sdpa's kernel differs in the last bits on some machines)
+    model, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True,
+                                                       attn_implementation="eager")
     assert not any(info.values()), info
     assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
     tokens = random_tokens(250)
@@ -360,12 +362,18 @@ def _break_weights(d: Path, how: str) -> None:
         sd = load_file(path)
         sd["model.layers.9.mlp.down_proj.weight"] = torch.zeros(2, 2)
         save_file(sd, path, metadata={"format": "pt"})
+    elif how == "integer_weight":  # would be cast by value into the float checkpoint
+        sd = load_file(path)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        sd[name] = (sd[name] * 100).to(torch.int32)
+        save_file(sd, path, metadata={"format": "pt"})
 
 
 BAD_INPUTS = [
     ("missing", "not found"), ("malformed", "not valid JSON"), ("unsupported", "gpt2"),
     ("truncated", "truncated or corrupt"), ("corrupt_header", "corrupt"), ("shape", "o_proj.weight has shape"),
     ("missing_tensor", "lacks 1 tensor"), ("extra_tensor", "no llama3_1 mapping rule consumes"),
+    ("integer_weight", "q_proj.weight in "),
 ]
 
 
@@ -379,6 +387,8 @@ def test_bad_input_fails_in_one_line_leaving_nothing(hf_dirs, tmp_path, capsys, 
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("mpatch convert: error:") and message in err, err
     assert not target.exists() and not leftovers(target)
+    if how == "integer_weight":
+        assert f"{bad / 'model.safetensors'} is stored as int32, not a floating-point dtype" in err, err
 
 
 @pytest.mark.parametrize("args,message", [
@@ -416,6 +426,27 @@ def test_non_empty_target_needs_force(hf_dirs, tmp_path, capsys):
     assert rc == 2 and "overlaps the input" in err
 
 
+def test_a_symlinked_save_dir_is_refused_before_any_work(hf_dirs, tmp_path, capsys, monkeypatch):
+    """A --save-dir that was a link to an empty folder: without --force the whole conversion ran and then failed
+    ('exists: nothing was replaced'); with --force the link was replaced by a folder, though no output of mpatch."""
+    ckpt = tmp_path / "ckpt"
+    hf_to_mcore(hf_dirs["llama3_1"], ckpt, ParallelLayout(), progress=False)
+    pointed = tmp_path / "pointed"
+    pointed.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(pointed)
+
+    def started(*args, **kwargs):
+        raise AssertionError("the conversion started")
+
+    monkeypatch.setattr("megatron_patch.convert.checkpoint.atomic_output_dir", started)
+    for argv in (["hf2mcore", "--hf-dir", str(hf_dirs["llama3_1"])], ["mcore2hf", "--load-dir", str(ckpt)]):
+        for force in ([], ["--force"]):
+            rc, err = run_cli(capsys, "convert", *argv, "--save-dir", str(link), "--quiet", *force)
+            assert rc == 2 and err.count("\n") == 1 and f"{link} is a symbolic link (to {pointed})" in err, err
+            assert link.is_symlink() and list(pointed.iterdir()) == [] and not leftovers(link)
+
+
 def test_damaged_mcore_checkpoint_fails_cleanly(hf_dirs, tmp_path, capsys):
     for fmt, victim in (("legacy", "release/mp_rank_01/model_optim_rng.pt"), ("torch_dist", "release/__0_0.distcp")):
         ckpt = tmp_path / fmt
@@ -431,6 +462,80 @@ def test_damaged_mcore_checkpoint_fails_cleanly(hf_dirs, tmp_path, capsys):
     (tmp_path / "intact" / SIDECAR_NAME).unlink()
     rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(tmp_path / "intact"), "--save-dir", str(tmp_path / "x"))
     assert rc == 2 and SIDECAR_NAME in err and "--hf-config" in err and not (tmp_path / "x").exists()
+
+
+def _with_integer_weight(ckpt: Path, fmt: str, name: str) -> str:
+    """``ckpt`` rewritten (as another tool would: no manifest of ours) with the MCore weight ``name`` of its second
+    TP rank (legacy) or its only copy (torch_dist) stored as int32: the file that then holds it."""
+    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
+    from megatron_patch.checkpoint_files.torch_dist import ChunkItem
+    from tests.convert_helpers import read_torch_dist_release, write_torch_dist_chunks
+
+    (ckpt / MANIFEST_NAME).unlink()
+    release = ckpt / "release"
+    if fmt == "legacy":
+        path = release / "mp_rank_01" / "model_optim_rng.pt"
+        state = torch.load(path, weights_only=True)
+        state["model"][name] = state["model"][name].to(torch.int32)
+        torch.save(state, path)
+        return str(path)
+    _, full, objects = read_torch_dist_release(release)
+    full[name] = full[name].to(torch.int32)
+    items = [ChunkItem(k, tuple(v.shape), (0,) * v.dim(), tuple(v.shape), str(v.dtype).removeprefix("torch."))
+             for k, v in full.items()]
+    shutil.rmtree(release)
+    write_torch_dist_chunks(release, items, objects, {(k, (0,) * v.dim()): v for k, v in full.items()})
+    return str(release)
+
+
+@pytest.mark.parametrize("fmt,name", [("legacy", "decoder.layers.0.self_attention.linear_proj.weight"),
+                                      ("torch_dist", "decoder.layers.mlp.linear_fc2.weight")])
+def test_a_checkpoint_weight_stored_as_integers_is_refused_not_cast(hf_dirs, tmp_path, capsys, fmt, name):
+    """One rank's shard (or a torch_dist tensor) of a float weight stored as integers: its values would be cast
+    into the export (zeros, where the fractions were truncated), so the file and tensor are named instead."""
+    ckpt = tmp_path / fmt
+    hf_to_mcore(hf_dirs["llama3_1"], ckpt, ParallelLayout(tp=2), fmt=fmt, progress=False)
+    where = _with_integer_weight(ckpt, fmt, name)
+    target = tmp_path / "hf"
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(target), "--quiet")
+    assert rc == 2 and err.count("\n") == 1 and f"{name} is stored as int32" in err and where in err, err
+    assert ("TP=1" in err) == (fmt == "legacy"), err
+    assert not target.exists() and not leftovers(target)
+
+
+def test_fp16_refuses_values_past_its_range_instead_of_making_them_inf(hf_dirs, tmp_path, capsys, monkeypatch):
+    """--dtype fp16 from a wider dtype: a finite value fp16 cannot hold is named with its magnitude, both ways, on
+    the byte path and through torch; an inf stored stays inf; nothing is left behind."""
+    from megatron_patch.models.mapping.splits import Row
+
+    hf = _copy(hf_dirs["llama3_1"], tmp_path / "big")
+    sd = load_file(hf / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"  # a Row split: dim-1 slices, converted a band at a time
+    sd[name][3, 5] = -70000.0
+    sd["model.layers.0.mlp.down_proj.weight"][0, 0] = float("inf")
+    save_file(sd, hf / "model.safetensors", metadata={"format": "pt"})
+    hf2mcore = ["convert", "hf2mcore", "--hf-dir", str(hf), "--tp", "2", "--quiet"]
+    want = f"{name} holds a value of magnitude 70000, past fp16's largest (65504)"
+    for through_torch in (False, True):
+        with monkeypatch.context() as m:
+            if through_torch:
+                m.setattr(Row, "blocks", lambda self, *a: None)
+            for fmt in ("legacy", "torch_dist"):
+                target = tmp_path / f"{fmt}-{through_torch}"
+                rc, err = run_cli(capsys, *hf2mcore, "--save-dir", str(target), "--format", fmt, "--dtype", "fp16")
+                assert rc == 2 and err.count("\n") == 1 and want in err and "--dtype bf16 or fp32" in err, err
+                assert not target.exists() and not leftovers(target)
+    ckpt = tmp_path / "fp32"
+    rc, _ = run_cli(capsys, *hf2mcore, "--save-dir", str(ckpt), "--dtype", "fp32")
+    assert rc == 0
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "out"),
+                      "--dtype", "fp16", "--quiet")
+    assert rc == 2 and err.count("\n") == 1 and want in err, err
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path / "out")
+    sd[name][3, 5] = 0.0
+    save_file(sd, hf / "model.safetensors", metadata={"format": "pt"})
+    rc, err = run_cli(capsys, *hf2mcore, "--save-dir", str(tmp_path / "ok"), "--dtype", "fp16")
+    assert rc == 0, err
 
 
 _SLOW_CONVERT = """

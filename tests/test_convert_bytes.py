@@ -19,7 +19,7 @@ from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.models.mapping import plan_transfers
 from megatron_patch.models.shape import derived_skeleton as ds
 from megatron_patch.runtime import ParallelLayout
-from tests.convert_helpers import write_torch_dist_chunks
+from tests.convert_helpers import read_torch_dist_release, write_torch_dist_chunks
 
 FAMILIES = sorted(families())
 
@@ -292,6 +292,36 @@ def test_gather_from_a_source_that_ends_early_is_an_error_not_a_crash(tmp_path):
         copier.close()
 
 
+_CONVERT_MAPPED_ROWS = """
+import sys, torch
+from megatron_patch.checkpoint_files.byte_io import Stored, create_file
+from megatron_patch.convert.bytemap import Move
+from megatron_patch.convert.copier import Copier
+src, dst = sys.argv[1:]
+values = torch.randn(64, 32)
+open(src, "wb").write(values.numpy().tobytes())
+create_file(dst, values.numel() * 2, [])
+copier = Copier(1)
+copier.run(copier.gather_tasks([Move(Stored(src, 0, (64, 32), "float32"), 0, 0, Stored(dst, 0, (64, 32), "bfloat16"),
+                                     0, 0, 64, 32)]))
+copier.close()
+got = torch.frombuffer(bytearray(open(dst, "rb").read()), dtype=torch.bfloat16).reshape(64, 32)
+assert torch.equal(got, values.to(torch.bfloat16))
+"""
+
+
+def test_a_dtype_change_from_mapped_rows_warns_nothing(tmp_path):
+    """The rows a dtype change converts are read-only views of the mapped input, which torch only reads: torch's
+    warning about such views (shown even with --quiet) is not printed. In a fresh process: torch warns once."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", _CONVERT_MAPPED_ROWS, str(tmp_path / "src"), str(tmp_path / "dst")],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Warning" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("workers", [1, 4])
 def test_output_does_not_depend_on_the_number_of_workers(hf_dir, tmp_path, workers):
     from megatron_patch.convert.copier import Copier
@@ -495,8 +525,6 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
     TP > 1) are gathered from the chunks' bytes, never through torch's reader; the same result."""
     import shutil
 
-    import torch.distributed.checkpoint as dcp
-
     from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
     from megatron_patch.checkpoint_files.torch_dist import ChunkItem, TorchDistReader
@@ -516,15 +544,7 @@ def test_mcore2hf_reads_what_it_cannot_copy_file_to_file(hf_dir, tmp_path):
     td = tmp_path / "td"
     hf_to_mcore(hf_dir, td, ParallelLayout(), fmt="torch_dist", progress=False)
     release = td / "release"
-    reader = TorchDistReader(release)
-    full = {k: torch.empty(reader.global_shape(k), dtype=getattr(torch, reader.dtype(k))) for k in reader.tensor_keys()}
-    dcp.load(full, storage_reader=dcp.FileSystemReader(str(release)), no_dist=True)
-    objects = []
-    for key in sorted(reader.objects):
-        path, offset, length, _ = reader.storage[(key, None)]
-        with open(release / path, "rb") as f:
-            f.seek(offset)
-            objects.append((key, f.read(length)))
+    reader, full, objects = read_torch_dist_release(release)
     chunks, values = [], {}
     for key, info in reader.tensors.items():
         for offset, sizes in info.chunks:

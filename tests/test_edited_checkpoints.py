@@ -11,6 +11,7 @@ import shutil
 import pytest
 
 from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.cli import main
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
@@ -44,6 +45,21 @@ def test_mcore2hf_of_an_edited_checkpoint_names_no_verify(converted, tmp_path, c
     edited = edited_copy(converted["mcore"], tmp_path / "edited")
     argv = ["convert", "mcore2hf", "--load-dir", str(edited), "--save-dir", str(tmp_path / "back"), "--quiet"]
     _refused_naming(capsys, argv, "--no-verify")
+    assert main(argv + ["--no-verify"]) == 0
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"files": {"/etc/passwd": {}}, "manifest_version": 1, '
+                                                 '"digest": "xxh3_128"}'], ids=["not JSON", "a malformed entry"])
+def test_mcore2hf_of_a_checkpoint_whose_manifest_is_damaged_names_no_verify(converted, tmp_path, capsys, damage):
+    """A damaged manifest said 'fix or re-download it' without the switch that reads the checkpoint as it is."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(converted["mcore"], damaged)
+    (damaged / MANIFEST_NAME).write_text(damage)
+    argv = ["convert", "mcore2hf", "--load-dir", str(damaged), "--save-dir", str(tmp_path / "back"), "--quiet"]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if " error: " in line]
+    assert len(errors) == 1 and "the output's manifest is damaged" in errors[0], errors
+    assert "if it was changed on purpose, --no-verify reads it as it is" in errors[0], errors
     assert main(argv + ["--no-verify"]) == 0
 
 

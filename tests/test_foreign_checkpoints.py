@@ -4,7 +4,9 @@ The fixtures (tests/foreign_checkpoints.py) are written with megatron-core's own
 and torch.save in the layouts of Megatron-LM (torch_dist with TP=2 and a vocabulary padded to 512
 rows, legacy with TE names at PP=2), Pai-Megatron-Patch (legacy release at TP=2, local names) and
 Megatron-Bridge (torch_dist without Megatron-LM args or common.pt), each from one tiny random Llama: an
-export must give back its HF tensors bit for bit.
+export must give back its HF tensors bit for bit. So must this project's own checkpoints of models whose
+layers megatron-core stores one key each (dense first layers, mlp_only_layers, hybrid or gated attention)
+with their sidecar deleted.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import torch
 
 from megatron_patch.checkpoint.arch_source import check_architecture, open_checkpoint
 from megatron_patch.checkpoint.foreign import find_checkpoint
+from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.runtime.distributed import ParallelLayout
 from tests import foreign_checkpoints as fc
 from tests.convert_helpers import leftovers, run_cli
 
@@ -122,6 +126,48 @@ def test_qk_norm_and_experts_disagreements_are_named(ckpts):
         check_architecture(parse_arch(moe), found, "x")
 
 
+# 8 heads of 8 with 4 query groups: the widths of the fixture's 4 heads of 16 with 2 groups, split otherwise.
+OTHER_HEAD_SPLIT = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["megatron_lm", "legacy"])
+def test_a_config_splitting_the_heads_otherwise_than_the_saved_arguments_is_refused(ckpts, name, tmp_path, capsys):
+    """The widths alone let 8 heads of 8 pass for the 4 heads of 16 the saved arguments record: q/k/v were exported
+    permuted, exit 0."""
+    other = tmp_path / "other" / "config.json"
+    other.parent.mkdir()
+    other.write_text(json.dumps(_config(ckpts, **OTHER_HEAD_SPLIT)))
+    rc, err = _export(capsys, ckpts[name], tmp_path / "out", "--hf-config", str(other))
+    assert rc == 2 and err.count("\n") == 1, err
+    for named in ("attention heads: config 8, saved arguments 4", "query groups: config 4, saved arguments 2",
+                  "head dim: config 8, saved arguments 16"):
+        assert named in err, err
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_without_saved_arguments_a_note_says_the_head_split_is_the_configs(ckpts):
+    """Megatron-Bridge records no heads: the widths are all that is checked, and one note says so."""
+    opened = open_checkpoint(ckpts["bridge"], hf_config=_config(ckpts, **OTHER_HEAD_SPLIT))
+    assert len(opened.notes) == 1 and "only the attention widths were checked" in opened.notes[0], opened.notes
+    assert "8 heads of 8 with 4 query groups is taken from" in opened.notes[0]
+    assert open_checkpoint(ckpts["megatron_lm"], hf_config=ckpts["hf"]).notes == []  # its arguments say them
+
+
+@pytest.mark.slow
+def test_a_config_contradicting_the_sidecar_is_said_to_be_ignored(ckpts, tmp_path):
+    """A checkpoint with a sidecar is read as the sidecar says; a config describing another model was ignored
+    without a word."""
+    ours = tmp_path / "ours"
+    hf_to_mcore(ckpts["hf"], ours, ParallelLayout(), progress=False)
+    opened = open_checkpoint(ours, hf_config=_config(ckpts, **OTHER_HEAD_SPLIT))
+    assert opened.sidecar.hf_config["num_attention_heads"] == 4
+    assert len(opened.notes) == 1 and "is ignored" in opened.notes[0], opened.notes
+    assert "num_heads: config 8, sidecar 4" in opened.notes[0] and "head_dim: config 8, sidecar 16" in opened.notes[0]
+    assert open_checkpoint(ours, hf_config=ckpts["hf"]).notes == []  # the same model: nothing to say
+
+
 @pytest.mark.slow
 def test_padding_rows_are_the_checkpoints_own(ckpts):
     opened = open_checkpoint(ckpts["megatron_lm"], hf_config=ckpts["hf"])
@@ -214,3 +260,99 @@ def test_align_reads_a_megatron_lm_checkpoint(ckpts, tmp_path, capsys):
     # logits) is HF's own, bit for bit.
     points = report["verdict"]["points"]
     assert len(points) == 4 * 3 + 3 and all(p["metrics"]["rel_l2"] == 0 for p in points), points
+
+
+
+# --- this project's checkpoints without their sidecar: layers megatron-core stores one key each ---------
+
+# megatron-core stores a stack whose layers differ one key per layer (decoder.layers.N.*): DeepSeek-V3's and
+# GLM-4.5's dense first layers, Qwen3-MoE's mlp_only_layers, Qwen3-Next's hybrid attention, Gemma 4's two head
+# sizes. The facts were read from stacked keys only ("experts: config 8, tensors 0", "qk norm: config yes, tensors
+# no"), and Qwen3-Next's gated linear_qkv, which holds a gate row per q row, gave "query groups: config 2 (key/value
+# rows 128), tensors 256 rows" in either format.
+SIDECARLESS = {
+    "deepseek_v3": ("torch_dist", ParallelLayout(tp=2, pp=3, ep=2)),  # MLA, 1 dense layer, then MoE
+    "glm4_moe": ("torch_dist", ParallelLayout(tp=2, ep=2)),  # q/k norms and q/k/v biases, 1 dense layer
+    "qwen3_moe": ("torch_dist", ParallelLayout(tp=2, pp=2, ep=2)),  # mlp_only_layers [0]
+    "qwen3_next": ("torch_dist", ParallelLayout(tp=2, ep=2)),
+    "qwen3_next/legacy": ("legacy", ParallelLayout(pp=2, ep=2)),  # stacked on reading: the gate rows alone
+    "gemma4": ("torch_dist", ParallelLayout(tp=2)),  # a sliding layer of 64/64 attention rows, a full one of 128/128
+    "deepseek_v3/mtp": ("torch_dist", ParallelLayout(tp=2, ep=2)),  # converted with --mtp: mtp.layers.0.* (refused)
+}
+
+
+@pytest.fixture(scope="module")
+def sidecarless(tmp_path_factory):
+    """case -> (a tiny random HF model, its hf2mcore checkpoint with the sidecar and manifest deleted), made once."""
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from tests.convert_helpers import with_mtp_layer
+
+    root, made = tmp_path_factory.mktemp("sidecarless"), {}
+    (root / "mcore").mkdir()
+
+    def get(case: str):
+        if case not in made:
+            family, (fmt, layout) = case.split("/")[0], SIDECARLESS[case]
+            hf = root / "hf" / family
+            if not hf.exists():
+                make_tiny_hf_checkpoint(family, hf, seed=3)
+            if case.endswith("/mtp"):
+                hf = with_mtp_layer(hf, root / "hf" / case.replace("/", "_"))
+            ckpt = root / "mcore" / case.replace("/", "_")
+            hf_to_mcore(hf, ckpt, layout, fmt=fmt, progress=False, mtp=case.endswith("/mtp"))
+            for name in ("mpatch_checkpoint.json", "mpatch_manifest.json"):
+                (ckpt / name).unlink()
+            made[case] = hf, ckpt
+        return made[case]
+    return get
+
+
+def _byte_differences(folder, want) -> list[str]:
+    got = fc.hf_tensors(folder)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    return [k for k in want if got[k].dtype != want[k].dtype or got[k].shape != want[k].shape
+            or not torch.equal(got[k].contiguous().view(torch.uint8), want[k].contiguous().view(torch.uint8))]
+
+
+@pytest.mark.parametrize("case", list(SIDECARLESS))
+def test_own_checkpoint_without_its_sidecar_exports_from_hf_config(case, sidecarless, tmp_path, capsys):
+    from megatron_patch.checkpoint.arch_source import _arch_facts
+    from megatron_patch.checkpoint.foreign import tensor_facts
+
+    hf, ckpt = sidecarless(case)
+    capsys.readouterr()  # hf2mcore's progress
+    rc, err = _export(capsys, ckpt, tmp_path / "hf", "--hf-config", str(hf))
+    assert rc == 0, err
+    assert _byte_differences(tmp_path / "hf", fc.hf_tensors(hf)) == []
+    # What the tensors say (mpatch inspect's "tensor shapes only") is every fact the config is checked for.
+    have = tensor_facts(find_checkpoint(ckpt).shapes)
+    assert {k: (v, have.get(k)) for k, v in _arch_facts(parse_arch(hf)).items() if have.get(k) != v} == {}, have
+
+
+@pytest.mark.parametrize("case,changes,named", [
+    ("glm4_moe", {"n_routed_experts": 8}, "experts: config 8, tensors 4"),
+    ("qwen3_moe", {"num_hidden_layers": 6, "mlp_only_layers": [0]}, "layers: config 6, tensors 4"),
+    ("qwen3_next", {"num_key_value_heads": 1},
+     "query groups: config 1 (key/value rows 64), tensors 128 rows (2 groups)"),
+    ("qwen3_next/legacy", {"num_key_value_heads": 4}, "query groups: config 4 (key/value rows 256), tensors 128 rows"),
+])
+def test_per_layer_disagreements_are_named(case, changes, named, sidecarless):
+    hf, ckpt = sidecarless(case)
+    with pytest.raises(UserError) as info:
+        check_architecture(parse_arch({**fc.read_config(hf), **changes}), find_checkpoint(ckpt), "x")
+    assert named in str(info.value), str(info.value)
+
+
+def test_stored_mtp_layers_the_config_does_not_declare_are_refused(sidecarless, tmp_path):
+    """Without a sidecar the tensors count the MTP layers (megatron-core's mtp.layers.N.*); a config declaring
+    fewer is refused, naming both (a checkpoint converted with --mtp was refused whatever the config said)."""
+    import json
+
+    from megatron_patch.checkpoint.arch_source import open_checkpoint
+
+    hf, ckpt = sidecarless("deepseek_v3/mtp")
+    assert open_checkpoint(ckpt, hf_config=hf).sidecar.mtp_layers == 1
+    config = {**fc.read_config(hf), "num_nextn_predict_layers": 0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="holds 1 multi-token-prediction layer.s., and --hf-config .* declares 0"):
+        open_checkpoint(ckpt, hf_config=tmp_path / "config.json")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -285,6 +286,15 @@ def test_a_missing_or_extra_position_is_named(tmp_path):
         plan(script, ["A3B", "a", "b"], {})
     with pytest.raises(UserError, match="MG2HF must be true or false, got 'True'"):
         plan(script, ["A3B", "a", "b", "True", "true", "bf16"], {})
+
+
+def test_a_size_that_is_not_ascii_digits_is_refused_in_one_line():
+    """'²' is a digit to str.isdigit but not to int(): refused as any other bad size, not an internal error."""
+    args = ["8B", "hf", "mc", "4", "2", "false", "true", "false", "bf16"]
+    for position, name in ((3, "TP"), (4, "PP")):
+        for bad in ("²", "٣", "0", "-1", "+2", " 2"):
+            with pytest.raises(UserError, match=re.escape(f"{name} must be a whole number of at least 1, got '{bad}'")):
+                plan(find_script(LLAMA), args[:position] + [bad] + args[position + 1:], {})
 
 
 def test_what_each_line_runs():

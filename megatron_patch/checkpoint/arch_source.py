@@ -10,16 +10,20 @@ The architecture comes from the first source that exists, never from guesses:
 
 Sources 2 and 3 are checked against the tensors (``checkpoint.foreign``), and every disagreement is
 named (hidden size, layers, heads, query groups, MLP size, vocabulary, tied output layer, qk norm,
-experts, biases). The vocabulary padding is the checkpoint's own (Megatron-LM pads to a multiple of
-128 x TP): the model is described with exactly its rows (``Arch.vocab_padded_to``) and the padding
-rows are dropped on export, the true vocabulary being the config's. The result is a ``Sidecar`` like
-the one this project writes, so everything downstream (mcore2hf, align, the launcher) reads any
-checkpoint alike.
+experts, biases). The tensors give only the attention widths, which 4 heads of 16 and 8 heads of 8
+share (q/k/v would be exported permuted): the heads, query groups and head dim are held to the saved
+arguments where the checkpoint has them, and a note says the split is the config's where it has none. A
+config given for a checkpoint with a sidecar is not used; one that describes another model is noted.
+The vocabulary padding is the checkpoint's own (Megatron-LM pads to a multiple of 128 x TP): the model
+is described with exactly its rows (``Arch.vocab_padded_to``) and the padding rows are dropped on
+export, the true vocabulary being the config's. The result is a ``Sidecar`` like the one this project
+writes, so everything downstream (mcore2hf, align, the launcher) reads any checkpoint alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,20 +87,23 @@ def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None
     if found.sidecar_dir is not None:  # this project's own record wins over any other source
         sidecar = found.sidecar
         if family is not None and family != sidecar.family:
-            raise UserError(f"{found.sidecar_dir / SIDECAR_NAME} says {sidecar.family}, not --family {family}")
-        return OpenedCheckpoint(found, sidecar, f"{found.sidecar_dir / SIDECAR_NAME}")
+            raise UserError(f"{found.sidecar_dir / SIDECAR_NAME} says {sidecar.family}, not {family}, the family asked for")
+        notes = [] if hf_config is None else _unused_config_notes(hf_config, sidecar, source,
+                                                                  found.sidecar_dir / SIDECAR_NAME)
+        return OpenedCheckpoint(found, sidecar, f"{found.sidecar_dir / SIDECAR_NAME}", notes)
     notes: list[str] = []
     if hf_config is not None:
         arch = parse_arch(hf_config)
         if family is not None and family != arch.family:
-            raise UserError(f"{source} describes a {arch.family} model, not --family {family}")
+            raise UserError(f"{source} describes a {arch.family} model, not {family}, the family asked for")
     elif found.args is not None and family is not None:
         config, notes = hf_config_from_megatron_args(found.args, get_family(family))
         arch = get_family(family).parse_config(config)
         source = f"the saved Megatron-LM arguments, as {family}"
     else:
         raise UserError(f"{found.folder} has no {SIDECAR_NAME} to say what model it holds: give {what_to_give(found)}")
-    arch = check_architecture(arch, found, source)
+    arch = _with_stored_mtp_layers(check_architecture(arch, found, source), found, source)
+    notes += _unchecked_head_split_notes(arch, found, source)
     fmt_layout = found.layout or ParallelLayout()
     if found.fmt == "legacy":
         _check_legacy_fits(arch, found)
@@ -105,6 +112,23 @@ def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None
                              num_tensors=found.num_tensors, num_bytes=found.num_bytes,
                              source=f"{found.writer}: {found.folder}", notes=notes)
     return OpenedCheckpoint(found, sidecar, source, notes)
+
+
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.")
+
+
+def _with_stored_mtp_layers(arch: Arch, found: FoundCheckpoint, source: str) -> Arch:
+    """``arch`` with the multi-token-prediction layers the checkpoint stores (megatron-core's ``mtp.layers.N.*``),
+    which a sidecar would count: at most the ones the config declares, for a family that builds them."""
+    stored = {int(m.group(1)) for key in found.shapes if (m := _MTP_LAYER.match(key))}
+    if not stored:
+        return arch
+    family = get_family(arch.family)
+    declared = family.hf_mtp_layers(arch.hf_config) if family.builds_mtp else 0
+    if len(stored) > declared:
+        raise UserError(f"{found.folder} holds {len(stored)} multi-token-prediction layer(s), and {source} declares "
+                        f"{declared}: give the config.json of the model it holds")
+    return dataclasses.replace(arch, mtp_layers=len(stored))
 
 
 def _check_legacy_fits(arch: Arch, found: FoundCheckpoint) -> None:
@@ -122,12 +146,18 @@ def check_architecture(arch: Arch, found: FoundCheckpoint, source: str) -> Arch:
     if found.layout is not None and found.layout.pp > 1:
         # A legacy last stage holds output_layer.weight whether or not it is tied to the embedding.
         have.pop("tied output layer")
-    wrong = []
+    wrong, differ = [], []
     for name, expected in want.items():
         got = have.get(name)
         if got is None or got == expected:
             continue
+        differ.append(name)
         wrong.append(_describe(name, expected, got, arch))
+    if not {"attention width", "key/value width"} & set(differ):
+        # Widths that fit still split otherwise (8 heads of 8 for 4 of 16): the saved arguments say how.
+        saved = _saved_head_split(found.args)
+        wrong += [f"{name}: config {expected}, saved arguments {saved[name]}"
+                  for name, expected in _head_split(arch).items() if saved.get(name, expected) != expected]
     rows = have.get("embedding rows")
     if rows is not None and rows < arch.vocab_size:
         wrong.append(f"vocabulary: {source} has {arch.vocab_size} tokens, the embedding only {rows} rows")
@@ -162,3 +192,60 @@ def _arch_facts(arch: Arch) -> dict:
     if not arch.is_moe:
         facts["MLP size"] = arch.ffn_hidden_size
     return facts
+
+
+# --- how the attention width splits into heads -------------------------------------------------------
+
+def _head_split(arch: Arch) -> dict:
+    """The heads, query groups and head dim the config splits the attention widths into (none for
+    multi-latent attention, whose widths are not checked either)."""
+    if arch.mla is not None:
+        return {}
+    return {"attention heads": arch.num_heads, "query groups": arch.num_kv_heads, "head dim": arch.head_dim}
+
+
+def _saved_head_split(args: dict | None) -> dict:
+    """What Megatron-LM's saved arguments (Pai-Megatron-Patch's too) say of the split, as ``_head_split``
+    names it; a value that is not a positive whole number says nothing (the arguments are untrusted input)."""
+    def whole(key: str) -> int | None:
+        value = (args or {}).get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    heads, hidden = whole("num_attention_heads"), whole("hidden_size")
+    if heads is None:
+        return {}
+    # Megatron-LM's own defaults: one group per head without --group-query-attention, kv_channels = hidden / heads.
+    groups = whole("num_query_groups") if (args or {}).get("group_query_attention") else heads
+    head_dim = whole("kv_channels") or (hidden // heads if hidden else None)
+    split = {"attention heads": heads, "query groups": groups, "head dim": head_dim}
+    return {name: value for name, value in split.items() if value is not None}
+
+
+def _unchecked_head_split_notes(arch: Arch, found: FoundCheckpoint, source: str) -> list[str]:
+    """One note where nothing in the checkpoint says how its checked widths split into heads."""
+    split = _head_split(arch)
+    if not split or "attention heads" in _saved_head_split(found.args):
+        return []
+    return [f"nothing in {found.folder} records its attention heads (no saved Megatron-LM arguments say them): only "
+            f"the attention widths were checked against its tensors, and their split into {arch.num_heads} heads of "
+            f"{arch.head_dim} with {arch.num_kv_heads} query groups is taken from {source}"]
+
+
+def _unused_config_notes(config: dict, sidecar: Sidecar, source: str, sidecar_path: Path) -> list[str]:
+    """One note where a config given for a checkpoint that describes itself describes another model: the
+    sidecar, written from and checked against these weights, is what is used."""
+    try:
+        given = parse_arch(config)
+    except UserError as exc:
+        differs = f"it does not read as a model: {exc}"
+    else:
+        own = sidecar.arch
+        fields = [f.name for f in dataclasses.fields(Arch)
+                  if f.compare and f.name not in ("mtp_layers", "vocab_padded_to")
+                  and getattr(given, f.name) != getattr(own, f.name)]
+        if not fields:
+            return []
+        differs = "; ".join(f"{name}: config {getattr(given, name)}, sidecar {getattr(own, name)}"
+                            for name in fields[:4]) + ("; ..." if len(fields) > 4 else "")
+    return [f"{source} is ignored: {sidecar_path} describes the model this checkpoint holds, and the config "
+            f"describes another ({differs})"]

@@ -3,15 +3,16 @@
 ``find_checkpoint(path)`` looks at a folder written by this project, Megatron-LM, NeMo /
 Megatron-Bridge or Pai-Megatron-Patch and says which files hold the weights, in which format
 (torch_dist or legacy, TE or local-spec names), at which iteration, with what tensors (as torch_dist
-stores them: global, layers stacked), whether optimizer state and saved Megatron-LM arguments are
-there and which tool wrote it; it reads no weights. A folder that is not a checkpoint, a half-written
-one, or one whose layers don't add up is refused in one line. ``checkpoint.arch_source`` adds the model
-those tensors are (docs/foreign-checkpoints.md).
+stores them: global, layers stacked or one key per layer), whether optimizer state and saved
+Megatron-LM arguments are there and which tool wrote it; it reads no weights. A folder that is not a
+checkpoint, a half-written one, or one whose layers don't add up is refused in one line.
+``checkpoint.arch_source`` adds the model those tensors are (docs/foreign-checkpoints.md).
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +61,7 @@ class FoundCheckpoint:
     fmt: str                            # "torch_dist" | "legacy"
     iteration: int | str                # an iteration number or "release"
     iterations: list[int]               # every complete-looking iteration folder under root
-    shapes: dict[str, tuple[int, ...]]  # model tensors as torch_dist stores them: global, layers stacked
+    shapes: dict[str, tuple[int, ...]]  # model tensors as torch_dist stores them: global, layers stacked or apart
     dtype: str                          # the weights' dtype name (an fp32 router beside bf16 weights does not count)
     num_tensors: int                    # stored model tensors (legacy: over every rank file)
     num_bytes: int
@@ -300,24 +301,62 @@ def _add_global_shapes(shapes: dict, sd: dict[str, TensorRef], layout: ParallelL
         shapes[f"decoder.layers.{rest}"] = (num_layers, *shape)
 
 
+# Tensors of megatron-core's Gated DeltaNet layers: the hybrid stacks that have them (Qwen3-Next, Qwen3.5) give
+# their full-attention layers an output gate (megatron-core's attention_output_gate), whose rows linear_qkv holds
+# beside q's (models/qwen3_next/mapping.py, QKV_GATED: [q heads; gate heads; k; v] per query group).
+_GATED_ATTENTION_COMPANIONS = ("self_attention.in_proj.", "self_attention.conv1d.")
+
+
+def _decoder_layers(shapes: dict[str, tuple[int, ...]]) -> tuple[int, list[dict[str, tuple[int, ...]]]]:
+    """(the decoder's layer count, its tensors in groups of name within a layer -> one layer's shape).
+
+    megatron-core stores the tensors of a stack whose layers are alike stacked, ``decoder.layers.<name>`` with
+    the layers on dim 0 (one group for all of them; legacy files are read so too), and those of a stack whose
+    layers differ (dense first layers of DeepSeek-V3 or GLM-4.5, Qwen3-MoE's mlp_only_layers, hybrid attention)
+    one key per layer, ``decoder.layers.<N>.<name>`` (a group each), as Megatron-LM does too."""
+    stacked: dict[str, tuple[int, ...]] = {}
+    numbered: dict[int, dict[str, tuple[int, ...]]] = {}
+    count = 0
+    for key, shape in shapes.items():
+        if not key.startswith("decoder.layers."):
+            continue
+        m = _LAYER.match(key)
+        if m:
+            numbered.setdefault(int(m.group(1)), {})[m.group(2)] = shape
+            count = max(count, int(m.group(1)) + 1)
+        elif shape:
+            stacked[key[len("decoder.layers."):]] = shape[1:]
+            count = max(count, shape[0])
+    return count, ([stacked] if stacked else []) + [numbered[n] for n in sorted(numbered)]
+
+
 def tensor_facts(shapes: dict[str, tuple[int, ...]]) -> dict:
-    """What the stored tensors say about the model (torch_dist key names, global shapes)."""
+    """What the stored tensors say about the model (torch_dist key names, global shapes; layers stacked or one
+    key per layer, ``_decoder_layers``)."""
     facts: dict = {}
     emb = shapes.get("embedding.word_embeddings.weight")
     if emb:
         facts["hidden size"], facts["embedding rows"] = emb[1], emb[0]
-    proj = shapes.get("decoder.layers.self_attention.linear_proj.weight")
-    if proj:
-        facts["layers"] = proj[0]
-    qkv = shapes.get("decoder.layers.self_attention.linear_qkv.weight")
-    if qkv and proj:
-        facts["attention width"], facts["key/value width"] = proj[-1], qkv[1] - proj[-1]
-    fc1 = shapes.get("decoder.layers.mlp.linear_fc1.weight")
+    count, layers = _decoder_layers(shapes)
+    if count:
+        facts["layers"] = count
+
+    def first(name: str) -> tuple[int, ...] | None:
+        return next((layer[name] for layer in layers if name in layer), None)
+
+    gated = any(name.startswith(_GATED_ATTENTION_COMPANIONS) for layer in layers for name in layer)
+    widths = Counter((proj[-1], qkv[0] - proj[-1] * (2 if gated else 1)) for layer in layers
+                     if (qkv := layer.get("self_attention.linear_qkv.weight"))
+                     and (proj := layer.get("self_attention.linear_proj.weight")))
+    if widths:
+        # Layers whose attention has a shape of its own (Gemma 4's full attention) are the fewer.
+        facts["attention width"], facts["key/value width"] = widths.most_common(1)[0][0]
+    fc1 = first("mlp.linear_fc1.weight")
     if fc1:
-        facts["MLP size"] = fc1[1] // 2
-    router = shapes.get("decoder.layers.mlp.router.weight")
-    facts["experts"] = router[1] if router else 0
+        facts["MLP size"] = fc1[0] // 2
+    experts = first("mlp.router.weight") or first("mlp.experts.experts.linear_fc1.weight")
+    facts["experts"] = experts[0] if experts else 0
     facts["tied output layer"] = "output_layer.weight" not in shapes
-    facts["qk norm"] = "decoder.layers.self_attention.q_layernorm.weight" in shapes
-    facts["linear biases"] = "decoder.layers.self_attention.linear_qkv.bias" in shapes
+    facts["qk norm"] = first("self_attention.q_layernorm.weight") is not None
+    facts["linear biases"] = first("self_attention.linear_qkv.bias") is not None
     return facts

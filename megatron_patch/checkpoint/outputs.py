@@ -113,7 +113,8 @@ def _overlap(target: Path, inputs: tuple) -> Path | None:
 
 def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: str = "--save-dir") -> Path:
     """Refuse an output folder that overlaps an input (``--force`` or not; a ``TopLevelInput`` may hold it), is a
-    file or under one, is non-empty without ``force``, or (with ``force``) is not an earlier output of this project."""
+    file or under one, is a symlink, is non-empty without ``force``, or (with ``force``) is not an earlier output
+    of this project."""
     target = Path(target).absolute()
     clash = _overlap(target, inputs)
     if clash is not None:
@@ -122,7 +123,12 @@ def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: s
     above = _first_file_above(target)
     if above is not None:
         raise UserError(f"{target} would be under {above}, which is a file: choose another {what}")
-    if (target.exists() or target.is_symlink()) and not target.is_dir():
+    if target.is_symlink():
+        # The output is published by renaming a new folder onto this name: that would replace the link, not
+        # write where it points, and --force would delete a link that was no output of mpatch.
+        raise UserError(f"{target} is a symbolic link (to {os.readlink(target)}): mpatch writes a new folder in its "
+                        f"place and does not write through links; give the folder it points to, or another {what}")
+    if target.exists() and not target.is_dir():
         raise UserError(f"{target} exists and is not a folder: choose another {what}")
     if not target.parent.exists():
         raise UserError(f"the parent folder of {target} does not exist: create it first")

@@ -52,7 +52,8 @@ HASH_THREADS = min(4, os.cpu_count() or 1)
 
 
 class IntegrityError(UserError):
-    """A file differs from what its manifest recorded when it was written."""
+    """A file differs from what its manifest recorded when it was written, or the manifest itself is damaged
+    (either way, a reader's switch that skips the check reads the output as it is: ``naming_the_switch``)."""
 
 
 def digest_file(path: str | Path) -> tuple[int, str]:
@@ -143,10 +144,10 @@ def read_manifest(path: str | Path) -> dict:
     try:
         data = read_input_json(path, inside=path.parent)
     except UserError as exc:
-        raise UserError(f"{exc}: the output's manifest is damaged")
+        raise IntegrityError(f"{exc}: the output's manifest is damaged") from None
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict) or not isinstance(data.get("manifest_version"), int):
-        raise UserError(f"{path} is not a manifest written by mpatch (no 'files' table)")
+        raise IntegrityError(f"{path} is not a manifest written by mpatch (no 'files' table)")
     if data["manifest_version"] > MANIFEST_VERSION:
         raise UserError(f"{path} has manifest version {data['manifest_version']}; this megatron_patch reads up to "
                         f"{MANIFEST_VERSION}: upgrade megatron_patch")
@@ -155,7 +156,7 @@ def read_manifest(path: str | Path) -> dict:
     for name, entry in files.items():
         if (not isinstance(name, str) or not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
                 or not isinstance(entry.get(DIGEST), str) or name.startswith("/") or ".." in Path(name).parts):
-            raise UserError(f"{path} has a malformed entry {str(name)[:80]!r}: the output's manifest is damaged")
+            raise IntegrityError(f"{path} has a malformed entry {str(name)[:80]!r}: the output's manifest is damaged")
     return data
 
 

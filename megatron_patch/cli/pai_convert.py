@@ -162,7 +162,8 @@ def _flag(name: str, raw: str) -> bool:
 
 
 def _size(name: str, raw: str) -> str:
-    if not raw.isdigit() or int(raw) < 1:
+    # str.isdigit accepts digits int() refuses ('²'): ASCII digits only
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         raise UserError(f"{name} must be a whole number of at least 1, got '{raw}'")
     return raw
 

@@ -53,7 +53,7 @@ from megatron_patch.checkpoint_files.torch_files import TensorSpec, nbytes, plan
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipLayout, check_crc, seal
 from megatron_patch.convert.bytemap import Move, Tiled, block_moves, box_tiles, shard_shape
 from megatron_patch.convert.carried import CARRIED_TENSORS, read_carried, write_carried_plan
-from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask
+from megatron_patch.convert.copier import CallTask, CompareTask, Copier, CopyTask, GatherTask, cast
 from megatron_patch.convert.fp8 import fp8_block_size, open_weights
 from megatron_patch.convert.hf_writer import parse_size, plan_safetensors
 from megatron_patch.convert.progress import Progress
@@ -117,27 +117,40 @@ def _copy_with_progress(copier: Copier, tasks: list, desc: str, total_bytes: int
     return bar
 
 
-def _move_tasks(copier: Copier, moves: list[Move]) -> list:
+def _move_tasks(copier: Copier, moves: list[Move], what: str = "a tensor") -> list:
     """Copy tasks when every move is one contiguous range on both sides, else gather tasks for all of
-    them (a gather writes whole rows of its outputs, so no other task may write there)."""
+    them (a gather writes whole rows of its outputs, so no other task may write there); ``what``: the
+    tensor moved, for messages."""
     if not moves:
         return []
     if all(m.contiguous for m in moves):
         return [task for m in moves for task in copier.copy_tasks(m.src.path, m.src_range[0], m.dst.path,
                                                                    m.dst_range[0], m.src_range[1])]
-    return copier.gather_tasks(moves)
+    return copier.gather_tasks(moves, what)
 
 
-def _write_tensor(copier: Copier, dst: Stored, tensor) -> int:
-    """A torch tensor's bytes into its place (the paths the byte plan cannot express)."""
+def _write_tensor(copier: Copier, dst: Stored, tensor, what: str) -> int:
+    """A torch tensor (``what``, for messages) into its place (the paths the byte plan cannot express)."""
     import torch
 
-    data = tensor.detach().to(getattr(torch, dst.dtype)).contiguous().reshape(-1)
+    data = cast(tensor.detach(), dst.dtype, what).contiguous().reshape(-1)
     if tuple(tensor.shape) != tuple(dst.shape):
         raise MappingError(f"internal error: a tensor of shape {tuple(tensor.shape)} for a place of shape {dst.shape}")
     if data.numel():
         write_all(copier.fd(dst.path, True), data.view(torch.uint8).numpy(), dst.offset)
     return data.numel() * data.element_size()
+
+
+def _label(t: Transfer) -> str:
+    """The tensor a transfer moves, for messages: its HF name, or the MCore name of several fused."""
+    return t.hf_names[0] if len(t.hf_names) == 1 else t.placements[0].mcore_name
+
+
+def _check_floating(dtype: str, what: str) -> None:
+    """A weight stored as integers or booleans would be cast by value into the float checkpoint: refused."""
+    if not dtype.startswith(("float", "bfloat")):
+        raise UserError(f"{what} is stored as {dtype}, not a floating-point dtype: a weight cannot be converted from "
+                        "it (the file is damaged or holds something else)")
 
 
 def _restrict(moves: list[Move], region: tuple[slice, ...], target: Stored) -> list[Move] | None:
@@ -215,8 +228,12 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     tp1 = plan(family, arch, ParallelLayout())
     check_hf_names(family, arch, tp1, available)
     reader = StackedView(reader, family.hf_stacked(arch))  # stacked experts read as the table's members
-    # Tensors with a dtype of their own (Rule.dtype) do not decide the checkpoint's.
-    out_dtype = _choose_dtype(reader, [n for t in tp1 if t.dtype is None for n in t.hf_names], dtype, arch.hf_config)
+    # Tensors with a dtype of their own (Rule.dtype: an integer table, say) do not decide the checkpoint's.
+    weights = [n for t in tp1 if t.dtype is None for n in t.hf_names]
+    for n in weights:
+        place = reader.stored(n)  # None: dequantized (float32)
+        _check_floating(reader.dtype(n), f"{n} in {place.path}" if place is not None else n)
+    out_dtype = _choose_dtype(reader, weights, dtype, arch.hf_config)
     skeleton = describe_model(arch)
     check_hf_shapes(reader, skeleton.hf_shapes)
 
@@ -279,7 +296,7 @@ def dequantize_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16",
         def write(entry) -> None:  # one tensor in memory per worker
             name, _, name_of_dtype = entry
             place = plan.stored[name]
-            data = weights.get(name).to(getattr(torch, name_of_dtype)).contiguous().reshape(-1)
+            data = cast(weights.get(name), name_of_dtype, name).contiguous().reshape(-1)
             fd = os.open(place.path, os.O_WRONLY)
             try:
                 write_all(fd, data.view(torch.uint8).numpy(), place.offset)
@@ -327,7 +344,7 @@ def _carried_tasks(copier: Copier, reader, sources: dict[str, Stored], places: d
     computed (dequantized: their source has no path)."""
     computed = [n for n, src in sources.items() if not src.path]
     tasks = _move_tasks(copier, _whole_moves({n: s for n, s in sources.items() if s.path}, places))
-    return tasks + [CallTask(lambda copier, n=n: _write_tensor(copier, places[n], reader.get(n)),
+    return tasks + [CallTask(lambda copier, n=n: _write_tensor(copier, places[n], reader.get(n), n),
                              writes=(places[n].path,)) for n in computed]
 
 
@@ -408,11 +425,12 @@ def _transfer_tasks(copier: Copier, t: Transfer, blocks, reader: HFCheckpointRea
     if blocks is not None and None not in parts:  # None: computed, not stored (FP8 dequantized)
         moves = [m for shard, places in destinations.items() for place in places
                  for m in block_moves(blocks[shard], parts, place)]
-        return _move_tasks(copier, moves)
+        return _move_tasks(copier, moves, _label(t))
 
     def run(copier: Copier) -> int:  # a split that is not rows and columns: through torch
         shards = t.split.shards([reader.get(n) for n in t.hf_names], t.num_shards, t.context)
-        return sum(_write_tensor(copier, place, shards[shard]) for shard, places in destinations.items() for place in places)
+        return sum(_write_tensor(copier, place, shards[shard], _label(t)) for shard, places in destinations.items()
+                   for place in places)
 
     return [CallTask(run, writes=tuple({place.path for places in destinations.values() for place in places}))]
 
@@ -486,15 +504,16 @@ def _plan_torch_dist(release: Path, arch: Arch, transfers: list[Transfer], reade
                     break
                 pieces.append(cut)
             else:
-                tasks += _move_tasks(copier, [m for cut in pieces for m in cut])
+                tasks += _move_tasks(copier, [m for cut in pieces for m in cut], _label(t))
                 continue
 
         def run(copier: Copier, t=t, targets=targets) -> int:  # through torch
             full = t.split.shards([reader.get(n) for n in t.hf_names], 1, t.context)[0]
-            return sum(_write_tensor(copier, place, full[ch.region()].reshape(place.shape)) for ch, place in targets)
+            return sum(_write_tensor(copier, place, full[ch.region()].reshape(place.shape), _label(t))
+                       for ch, place in targets)
 
         tasks.append(CallTask(run, writes=tuple({place.path for _, place in targets})))
-    tasks += [CallTask(lambda copier, k=k, v=v: _write_tensor(copier, td.stored[(k, (0,) * v.dim())], v),
+    tasks += [CallTask(lambda copier, k=k, v=v: _write_tensor(copier, td.stored[(k, (0,) * v.dim())], v, k),
                        writes=(td.stored[(k, (0,) * v.dim())].path,)) for k, v in extra.items()]
     total = sum(nbytes(ch.local_shape, by_name[ch.name].dtype_in(dtype)) for ch in skeleton.chunks)
     tasks += _seal_tasks([(release / name, layout) for name, layout in td.archives])
@@ -613,7 +632,9 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     else:
         transfers = tp1
         adapters = (LORA_KEY_PREFIX,) if sidecar.lora else ()  # stored beside the base weights (--peft-dir)
-        source = _TorchDistSource(data_dir, skeleton, ignore=lambda k: is_training_state(k) or k.startswith(adapters))
+        weights = {t.placements[0].mcore_name for t in transfers if t.dtype is None}
+        source = _TorchDistSource(data_dir, skeleton, weights,
+                                  ignore=lambda k: is_training_state(k) or k.startswith(adapters))
     # tensors kept in the dtype they are stored in (an integer table) are written back in the MCore checkpoint's
     transfers = [t.as_stored(lambda t: source.shards(t)[0].dtype) for t in transfers]
     entries, made_by = [], {}
@@ -728,7 +749,7 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
                 raise MappingError(f"internal error: the shards of {t.placements[0].mcore_name} do not cover "
                                    f"{Path(part.path).name}'s {part.shape}")
         moves += [dataclasses.replace(m, dst=extra) for m in moves for extra in copy_places.get(m.dst, ())]
-        tasks += _move_tasks(copier, moves)
+        tasks += _move_tasks(copier, moves, _label(t))
     return tasks
 
 
@@ -756,7 +777,7 @@ def _merge_through_torch(copier: Copier, t: Transfer, source, parts: list[Stored
         merged = t.split.merge(source.load_shards(t), t.context)
     except ValueError as exc:  # replicas that disagree
         raise MappingError(f"{t.placements[0].mcore_name}: {exc}")
-    return sum(_write_tensor(copier, place, tensor) for part, tensor in zip(parts, merged)
+    return sum(_write_tensor(copier, place, tensor, name) for name, part, tensor in zip(t.hf_names, parts, merged)
                for place in [part, *copy_places.get(part, ())])
 
 
@@ -783,6 +804,7 @@ class _LegacySource:
         self.checks: dict = {}   # CRC-32s of the records read, checked beside the copies
         # Check names and shapes of every file against the plan before reading any data.
         expected: dict = {c: {} for c in self.files}
+        weights = {p.mcore_name for t in transfers if t.dtype is None for p in t.placements}  # Rule.dtype: its own
         for t in transfers:
             shapes = [tuple(hf_shapes[n]) for n in t.hf_names]
             blocks = t.split.blocks(shapes, t.num_shards, t.context)
@@ -807,6 +829,8 @@ class _LegacySource:
             for name, shape in expected[c].items():
                 if tuple(sd[name].shape) != shape:
                     raise MappingError(f"{where}: {name} has shape {tuple(sd[name].shape)}, expected {shape}")
+                if name in weights:
+                    _check_floating(sd[name].storage.dtype, f"{where} ({self.files[c][0].path}): {name}")
 
     def _find(self, t: Transfer, index: int):
         placements = [p for p in t.placements if p.shard == index]
@@ -847,7 +871,8 @@ class _LegacySource:
 class _TorchDistSource:
     """Full (TP=1) parameters from the chunks of a torch_dist checkpoint, whatever chunks were stored."""
 
-    def __init__(self, release: Path, skeleton: ModelSkeleton, ignore=lambda key: False):
+    def __init__(self, release: Path, skeleton: ModelSkeleton, weights: set[str], ignore=lambda key: False):
+        """``weights``: the MCore names of the parameters stored in the checkpoint's float dtype."""
         self.reader = TorchDistReader(release)
         self.skeleton = skeleton
         self.chunks = defaultdict(list)
@@ -864,6 +889,9 @@ class _TorchDistSource:
         for key, shape in want.items():
             if self.reader.global_shape(key) != shape:
                 raise MappingError(f"torch_dist tensor {key} has shape {self.reader.global_shape(key)}, the model needs {shape}")
+        for ch in skeleton.chunks:
+            if ch.name in weights:
+                _check_floating(self.reader.dtype(ch.key), f"the torch_dist checkpoint {release}: {ch.key}")
         self.read: set = set()
 
     def shards(self, t: Transfer) -> list[Stored | Tiled]:

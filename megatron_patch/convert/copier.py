@@ -30,8 +30,10 @@ import functools
 import mmap
 import os
 import queue
+import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -57,6 +59,13 @@ GATHER_COPY_MIN = 4096
 FALLBACK_BUFFER = 8 * 2**20
 # copy_file_range errors that mean "not here", not "broken": fall back to reading and writing.
 _NO_ZERO_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM, errno.ETXTBSY, errno.EBADF}
+# fp16's largest finite value: a wider dtype's values past it become inf when cast.
+FP16_MAX = 65504.0
+
+# convert_rows hands torch read-only views of the mapped input files (no copy) and only reads them: torch's
+# warning about such views says nothing to a user, so it is silenced for this module's calls alone.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning,
+                        module=re.escape(__name__))
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,7 @@ class GatherTask:
     moves: tuple[Move, ...]
     band_rows: int
     bands: tuple[int, int]          # band indices [first, stop) this task fills
+    what: str = "a tensor"          # the tensor moved, for messages
 
 
 @dataclass(frozen=True)
@@ -260,8 +270,9 @@ class Copier:
         return [CopyTask(src, src_offset + k, dst, dst_offset + k, min(COPY_PIECE, nbytes - k))
                 for k in range(0, nbytes, COPY_PIECE)]
 
-    def gather_tasks(self, moves: list[Move]) -> list[GatherTask]:
-        """Tasks for one group of moves that share destinations (all moves into any of its outputs)."""
+    def gather_tasks(self, moves: list[Move], what: str = "a tensor") -> list[GatherTask]:
+        """Tasks for one group of moves that share destinations (all moves into any of its outputs); ``what``:
+        the tensor they move, for messages."""
         srcs = list(dict.fromkeys(m.src for m in moves))
         dsts = list(dict.fromkeys(m.dst for m in moves))
         per_row = sum(s.row_bytes for s in srcs) + max(d.row_bytes for d in dsts)
@@ -269,7 +280,8 @@ class Copier:
         bands = -(-max(d.rows for d in dsts) // band_rows)
         # Several bands per task keep the number of tasks small; a task stays well under a second.
         per_task = max(1, (4 * self.band_bytes) // max(band_rows * per_row, 1))
-        return [GatherTask(tuple(moves), band_rows, (b, min(bands, b + per_task))) for b in range(0, bands, per_task)]
+        return [GatherTask(tuple(moves), band_rows, (b, min(bands, b + per_task)), what)
+                for b in range(0, bands, per_task)]
 
     def _copy(self, t: CopyTask) -> int:
         self.note_read(t.src, t.src_offset, t.nbytes)
@@ -349,7 +361,7 @@ class Copier:
                 if r0 >= r1:
                     continue
                 if any(m.src.dtype != dst.dtype for m in moves):
-                    written += self._gather_converting(dst, moves, r0, r1, cache, arena)
+                    written += self._gather_converting(dst, moves, r0, r1, cache, arena, t.what)
                     continue
                 if self.zero_copy and all(m.cols * dst.itemsize >= GATHER_COPY_MIN for m in moves):
                     written += self._gather_copying(dst, moves, r0, r1)
@@ -408,7 +420,8 @@ class Copier:
         self.written(dst.path, dst.offset + r0 * dst.row_bytes, (r1 - r0) * dst.row_bytes)
         return (r1 - r0) * dst.row_bytes
 
-    def _gather_converting(self, dst: Stored, moves: list[Move], r0: int, r1: int, cache: dict, arena: list) -> int:
+    def _gather_converting(self, dst: Stored, moves: list[Move], r0: int, r1: int, cache: dict, arena: list,
+                           what: str) -> int:
         """A destination band whose sources have another dtype: assembled in memory, converted as torch does."""
         # numpy (0.1 s) only where a dtype changes: a conversion that moves bytes runs without it
         import numpy as np
@@ -423,7 +436,7 @@ class Copier:
             band = np.frombuffer(rows, dtype=np.uint8).reshape(i1 - i0, m.src.row_bytes)
             piece = band[:, m.src_col * si:(m.src_col + m.cols) * si]
             if m.src.dtype != dst.dtype:
-                piece = convert_rows(piece, m.src.dtype, dst.dtype)
+                piece = convert_rows(piece, m.src.dtype, dst.dtype, what)
             out[i0 - r0:i1 - r0, m.dst_col * di:(m.dst_col + m.cols) * di] = piece
         write_all(self.fd(dst.path, True), out, dst.offset + r0 * dst.row_bytes)
         self.written(dst.path, dst.offset + r0 * dst.row_bytes, out.nbytes)
@@ -594,13 +607,31 @@ def _work_of(task) -> Work:
     return Work()
 
 
-def convert_rows(piece, src: str, dst: str):
+def convert_rows(piece, src: str, dst: str, what: str = "a tensor"):
     """Bytes of ``src``-dtype elements (a 2-D uint8 array, rows of whole elements) as ``dst`` elements,
-    rounded as torch's ``Tensor.to`` rounds (torch imported here: only dtype changes need it)."""
+    rounded as torch's ``Tensor.to`` rounds (torch imported here: only dtype changes need it); ``what``: the
+    tensor they belong to, for ``cast``'s message."""
     # only dtype changes need numpy and torch
     import numpy as np
     import torch
 
     rows = piece.shape[0]
     src_t = torch.from_numpy(np.ascontiguousarray(piece)).view(getattr(torch, src))
-    return src_t.to(getattr(torch, dst)).view(torch.uint8).numpy().reshape(rows, -1)
+    return cast(src_t, dst, what).view(torch.uint8).numpy().reshape(rows, -1)
+
+
+def cast(tensor, dtype: str, what: str):
+    """``tensor`` as ``dtype`` (a name), as ``Tensor.to`` converts it. Into fp16 from a dtype of wider range, a
+    finite value past fp16's would become inf: UserError naming ``what`` (the check reads the values just cast)."""
+    import torch
+
+    out = tensor.to(getattr(torch, dtype))
+    if out.dtype == torch.float16 and tensor.dtype in (torch.float32, torch.float64, torch.bfloat16):
+        overflow = out.isinf()
+        if overflow.any():
+            overflow &= ~tensor.isinf()  # an inf stored is kept, not made
+            if overflow.any():
+                largest = tensor[overflow].abs().max().item()
+                raise UserError(f"{what} holds a value of magnitude {largest:g}, past fp16's largest ({FP16_MAX:g}): "
+                                "it would become inf; convert with --dtype bf16 or fp32")
+    return out

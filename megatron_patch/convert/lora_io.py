@@ -21,6 +21,7 @@ from megatron_patch.checkpoint_files.byte_io import write_all
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_for, verify_manifest
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.convert.checkpoint import mcore_to_hf
+from megatron_patch.convert.copier import cast
 from megatron_patch.convert.stacked import StackedView
 from megatron_patch.dtypes import dtype_name, precision_dtype
 from megatron_patch.errors import UserError
@@ -192,7 +193,7 @@ def _merge_in_place(folder: Path, arch, sites, spec: LoraSpec, tensors: dict, sa
 
     def rewrite(name: str, tensor) -> None:
         place = reader.stored(name)
-        data = tensor.to(getattr(torch, place.dtype)).contiguous().reshape(-1)
+        data = cast(tensor, place.dtype, name).contiguous().reshape(-1)
         fd = os.open(place.path, os.O_WRONLY)
         try:
             write_all(fd, data.view(torch.uint8).numpy(), place.offset)
