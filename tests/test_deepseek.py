@@ -123,13 +123,26 @@ def test_rope_on_interleaved_pairs_is_what_megatron_core_computes(variants, tmp_
     (dict(num_experts_per_tok=6, topk_group=2), "scores groups differently"),
     (dict(rope_interleave=False), "rope_interleave=false"),
     (dict(num_key_value_heads=2), "num_key_value_heads must equal num_attention_heads"),
-    (dict(scoring_func="sqrtsoftplus"), "scoring_func 'sqrtsoftplus'"),
+    (dict(model_type="deepseek_v2", scoring_func="sqrtsoftplus"), "scoring_func 'sqrtsoftplus'"),
     (dict(attention_bias=True), "attention_bias=true"),
 ])
 def test_what_megatron_core_computes_otherwise_is_refused(over, fragment):
     with pytest.raises(UserError) as err:
         parse_arch({**tiny_config("deepseek_v3"), **over})
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("over", [dict(scoring_func="softmax"), dict(topk_method="greedy", scoring_func="softmax"),
+                                  dict(model_type="kimi_k2", topk_method="group_limited_greedy")], ids=str)
+def test_v3_routes_as_transformers_whatever_scoring_func_and_topk_method_say(over):
+    """transformers' DeepseekV3TopkRouter reads neither field (sigmoid, score bias, groups), nor does the
+    conversion: the routing settings and the weight table's score bias are the plain V3's."""
+    fam, plain = get_family("deepseek_v3"), parse_arch(tiny_config("deepseek_v3"))
+    arch = parse_arch(tiny_config("deepseek_v3", **over))
+    routing = [k for k in fam.transformer_config_kwargs(plain) if k.startswith("moe_router")]
+    assert {k: fam.transformer_config_kwargs(arch)[k] for k in routing} == \
+        {k: fam.transformer_config_kwargs(plain)[k] for k in routing}
+    assert [r.hf for r in fam.weight_rules(arch)] == [r.hf for r in fam.weight_rules(plain)]
 
 
 @pytest.mark.parametrize("over, fragment", [

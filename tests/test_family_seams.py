@@ -28,6 +28,8 @@ class RecordingConfig(dict):
 
     def _noted(self, key, value):
         self.log.add(self.path + str(key))
+        if isinstance(value, RecordingConfig):  # a nested one put back into a copy (``raw | {"text_config": ...}``)
+            return value
         return RecordingConfig(value, self.log, f"{self.path}{key}.") if isinstance(value, dict) else value
 
     def __getitem__(self, key):

@@ -273,8 +273,7 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
 
 
 def load_hf_model(hf_dir, dtype: torch.dtype):
-    # eager attention: the same math on every machine, no backend-dependent kernel choice.
-    return load_causal_lm(hf_dir, dtype, attn_implementation="eager")
+    return load_causal_lm(hf_dir, dtype)  # eager attention, as parity's
 
 
 def mcore_capture_targets(model, modules: HFModules = HFModules()) -> dict[str, torch.nn.Module]:

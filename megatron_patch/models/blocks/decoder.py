@@ -6,6 +6,8 @@ their config.json with ``parse_decoder_config`` and assemble their tables from t
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import (
     Arch, SLIDING_ATTENTION, partial_rotary_factor, require, rope_settings)
@@ -68,6 +70,16 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias:
         linear_bias=linear_bias,
         hf_config=raw,
     )
+
+
+def sliding_every_layer(arch: Arch, window) -> Arch:
+    """Every layer a sliding-window layer of ``window`` keys, as transformers' Mistral and Mixtral attend
+    whenever config.json gives a ``sliding_window`` (None: full attention, ``arch`` unchanged)."""
+    if window is None:
+        return arch
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise UserError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
+    return dataclasses.replace(arch, layer_types=(SLIDING_ATTENTION,) * arch.num_layers, sliding_window=window)
 
 
 def sliding_window_kwargs(arch: Arch) -> dict:

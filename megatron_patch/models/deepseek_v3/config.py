@@ -15,18 +15,34 @@ from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_con
 from megatron_patch.models.blocks.routing import check_renormalised, expert_groups
 from megatron_patch.models.description.arch import Arch, MLAShape, require
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Flag, Real, Text, Whole
+from megatron_patch.models.description.hf_defaults import config_as_transformers_reads, reads_hf_defaults
 
 
 # Model types read as DeepSeek-V3: Kimi-K2's config.json says kimi_k2 (with remote code in auto_map, never
 # run), its architecture is DeepseekV3ForCausalLM with its own values (384 experts, 64 heads).
 V3_TYPES = ("deepseek_v3", "kimi_k2")
 
+# transformers' DeepseekV3Config (Kimi-K2's too) and DeepseekV2Config defaults where the family's fallbacks differ
+# (hf_defaults.py): a V3 config.json without q_lora_rank has a query LoRA of 1536, one shared expert, 8 groups of
+# experts (top 4), the first 3 layers dense. deepseek_v32's tables name every field of these too, as its configs are
+# read as V3's.
+_V3_DEFAULTS = {"q_lora_rank": 1536, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+                "first_k_dense_replace": 3, "num_key_value_heads": 128}
+HF_DEFAULTS = {
+    "deepseek_v3": _V3_DEFAULTS, "kimi_k2": _V3_DEFAULTS,
+    "deepseek_v2": {"q_lora_rank": 1536, "n_shared_experts": 2, "max_position_embeddings": 2048},
+}
+
 
 def routing_of(raw: dict) -> dict:
     """The routing fields, checked against what megatron-core can compute exactly."""
     v3 = raw.get("model_type") in V3_TYPES
-    method = raw.get("topk_method", "noaux_tc" if v3 else "greedy")
-    score = raw.get("scoring_func", "sigmoid" if v3 else "softmax")
+    if v3:
+        # transformers (5.24) builds V3 and Kimi-K2 with DeepseekV3TopkRouter, which reads neither field: always
+        # sigmoid scores, the e_score_correction_bias, groups scored by their top two experts (as deepseek_v32's as_v3)
+        raw = raw | {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    method = raw.get("topk_method", "greedy")
+    score = raw.get("scoring_func", "softmax")
     norm = bool(raw.get("norm_topk_prob", v3))
     if score not in ("sigmoid", "softmax"):
         raise UserError(f"scoring_func '{score}' is not supported: choose sigmoid or softmax")
@@ -46,6 +62,7 @@ def routing_of(raw: dict) -> dict:
             "scale": float(raw.get("routed_scaling_factor", 1.0)), "norm": norm}
 
 
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     heads = require(raw, "num_attention_heads")
     if (raw.get("num_key_value_heads") or heads) != heads:
@@ -76,7 +93,7 @@ def parse_config(raw: dict) -> Arch:
 
 
 def transformer_config_kwargs(arch: Arch) -> dict:
-    raw, mla = arch.hf_config, arch.mla
+    raw, mla = config_as_transformers_reads(arch.hf_config, HF_DEFAULTS), arch.mla
     routing = routing_of(raw)
     rope = arch.rope_scaling or {}
     kwargs = dict(

@@ -9,8 +9,9 @@ split with megatron-core's local spec; q_b_proj, q_proj and kv_b_proj are split 
 from megatron_patch.models.blocks.decoder import (
     HF_LAYER, MC_LAYER, dense_mlp_rules, embedding_and_head_rules, expert_bias_rule, moe_rules, shared_expert_rules)
 from megatron_patch.models.blocks.mtp import mtp_rules
-from megatron_patch.models.deepseek_v3.config import routing_of
+from megatron_patch.models.deepseek_v3.config import HF_DEFAULTS, routing_of
 from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.hf_defaults import config_as_transformers_reads
 from megatron_patch.models.mapping import COLUMN, REPLICATED, ROW, LoraSite, Rule
 
 
@@ -39,7 +40,7 @@ def attention_rules(arch: Arch) -> list[Rule]:
 def deepseek_moe_rules(arch: Arch) -> list[Rule]:
     rules = moe_rules(router="mlp.gate.weight", expert="mlp.experts.{expert}",
                       gate="gate_proj.weight", up="up_proj.weight", down="down_proj.weight")
-    if routing_of(arch.hf_config)["expert_bias"]:
+    if routing_of(config_as_transformers_reads(arch.hf_config, HF_DEFAULTS))["expert_bias"]:
         rules.append(expert_bias_rule())
     return rules + (shared_expert_rules() if arch.shared_expert_ffn_hidden_size else [])
 

@@ -24,6 +24,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, SparseAttentionShape, require
 from megatron_patch.models.description.config_checks import (
     Given, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_WIDTH, Names, Whole)
+from megatron_patch.models.description.hf_defaults import config_as_transformers_reads, reads_hf_defaults
 from megatron_patch.models.deepseek_v3 import config as v3
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
@@ -36,6 +37,18 @@ INDEXED_ATTENTION = "indexed_attention"
 # What each transformers release writes into layer_types for a layer with the indexer: 5.24 "indexed_attention",
 # 5.17 (the lent GPU machine's) "deepseek_sparse_attention". Both mean the same layer.
 INDEXED_ATTENTION_NAMES = {INDEXED_ATTENTION, "deepseek_sparse_attention"}
+
+# transformers' DeepseekV32Config and GlmMoeDsaConfig defaults where the families' fallbacks differ (hf_defaults.py).
+# Each names every field DeepSeek-V3's table names (with its own value), so that reading the config as V3's
+# (``as_v3``) never takes a V3 default in its place: GLM-5's experts have no groups.
+HF_DEFAULTS = {
+    "deepseek_v32": {"q_lora_rank": 1536, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+                     "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "num_key_value_heads": 128,
+                     "max_position_embeddings": 163840},
+    "glm_moe_dsa": {"q_lora_rank": 2048, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+                    "routed_scaling_factor": 2.5, "first_k_dense_replace": 3, "num_key_value_heads": 64,
+                    "max_position_embeddings": 202752, "rms_norm_eps": 1e-5},
+}
 
 
 def as_v3(raw: dict) -> dict:
@@ -74,6 +87,7 @@ def sparse_attention_of(raw: dict) -> SparseAttentionShape:
     return shape
 
 
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     if raw.get("model_type") not in DSA_TYPES:
         raise UserError(f"model_type '{raw.get('model_type')}' is not a DeepSeek sparse attention model")
@@ -83,7 +97,7 @@ def parse_config(raw: dict) -> Arch:
 
 
 def v3_view(arch: Arch) -> Arch:
-    return dataclasses.replace(arch, hf_config=as_v3(arch.hf_config))
+    return dataclasses.replace(arch, hf_config=as_v3(config_as_transformers_reads(arch.hf_config, HF_DEFAULTS)))
 
 
 def transformer_config_kwargs(arch: Arch) -> dict:

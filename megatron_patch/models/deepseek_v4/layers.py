@@ -30,12 +30,14 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_patch.models.blocks.precision import keep_in_float32
 from megatron_patch.errors import UserError
 from megatron_patch.models.deepseek_v4.attention import DeepseekV4Attention, V4AttentionSettings
+from megatron_patch.models.deepseek_v4.config import DEFAULTS
 from megatron_patch.models.deepseek_v4.hyper_connections import (
     HyperConnection, HyperHead, RMSNorm, expand_streams, hyper_connected, stage_input_to_streams,
     streams_to_stage_output)
 from megatron_patch.models.deepseek_v4.moe import bound_token_ids, moe_config_kwargs, moe_spec, routing_token_ids
 from megatron_patch.models.deepseek_v4.settings import DeepseekV4Settings, settings
 from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.hf_defaults import hf_values
 
 
 # transformers' ``_keep_in_fp32_modules_strict`` under megatron-core's names: the hyper-connections, the attention's
@@ -114,7 +116,8 @@ def transformer_config_kwargs(arch: Arch) -> dict:
     own keys (the layers differ in their attention and router: they cannot stack on one layer axis)."""
     # num_query_groups is nominal (the attention has one key/value head, whole on every TP rank): megatron-core
     # asks TP to divide it
-    return {**moe_config_kwargs(arch.hf_config), "moe_layer_freq": [1] * arch.num_layers,
+    # the MoE fields config.json leaves out at transformers' defaults, as parse_config read them
+    return {**moe_config_kwargs(hf_values(arch.hf_config, DEFAULTS)), "moe_layer_freq": [1] * arch.num_layers,
             "num_query_groups": arch.num_heads}
 
 

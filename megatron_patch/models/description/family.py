@@ -183,6 +183,17 @@ class ModelFamily:
     transformers_model_types: Mapping[str, str] = field(default_factory=dict)
 
     @property
+    def hf_defaults(self) -> Mapping[str, Mapping[str, object]]:
+        """transformers' class defaults its ``parse_config`` fills in where config.json leaves a field out, by
+        model_type (models/description/hf_defaults.py); {}: none differ from the family's own fallbacks."""
+        return getattr(self.parse_config, "hf_defaults", {})
+
+    @property
+    def hf_defaults_within(self) -> str | None:
+        """The nested table those defaults go into (Qwen3.5's text_config), None: config.json's top level."""
+        return getattr(self.parse_config, "hf_defaults_within", None)
+
+    @property
     def has_mtp(self) -> bool:
         """Whether its hub checkpoints may carry multi-token-prediction layers (converted with --mtp)."""
         return self.hf_mtp_layers is not _no_mtp_layers

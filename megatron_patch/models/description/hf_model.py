@@ -21,6 +21,10 @@ from megatron_patch.models.description.registry import detect_family
 
 
 def load_causal_lm(hf_dir: str | Path, dtype, **kwargs):
+    """The reference model of ``hf_dir`` (parity and align both run it), as its folder's own architecture computes.
+
+    Eager attention: the same math on every machine, no backend-dependent kernel choice (transformers' default,
+    sdpa, differs from it by more than parity's fp32 bound on some models: Gemma 4's 512-wide heads)."""
     # transformers (0.6 s to import on 2 cores) only where a model is loaded
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -30,4 +34,11 @@ def load_causal_lm(hf_dir: str | Path, dtype, **kwargs):
     if as_type is not None:
         values = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
         kwargs["config"] = AutoConfig.for_model(as_type, **values)
-    return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, trust_remote_code=False, **kwargs)
+    kwargs.setdefault("attn_implementation", "eager")
+    model, loading = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, trust_remote_code=False,
+                                                          output_loading_info=True, **kwargs)
+    if raw.get("tie_word_embeddings") and "lm_head.weight" in loading["missing_keys"]:
+        # A multimodal folder (Qwen3.5) says tie at the top level, where its ForConditionalGeneration reads it; the
+        # causal LM is built from its text_config, which says otherwise, and would keep a random lm_head.
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return model

@@ -17,8 +17,12 @@ def tiny_config(family: str, **overrides) -> dict:
     return {**get_family(family).tiny_config, **overrides}
 
 
-def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, *, transformers_defaults: bool = False,
+                            **overrides) -> Path:
     """Save a randomly initialised HF model of ``family`` (fp32) to ``out_dir``; return the folder.
+
+    ``transformers_defaults``: the fields ``overrides`` leaves out take the defaults of transformers' config class
+    (config.json as transformers writes it), not the family's tiny config's values.
 
     Every parameter is drawn at random, norms and biases included, and so is every stored buffer
     (DeepSeek's router score correction bias), so a mapping that drops or swaps any of them changes
@@ -28,7 +32,9 @@ def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **o
     # transformers (0.6 s to import on 2 cores) only where a tiny model is made
     import transformers
 
-    raw = tiny_config(family, **overrides)
+    tiny = tiny_config(family)
+    raw = {"model_type": tiny["model_type"], "architectures": tiny["architectures"], **overrides} \
+        if transformers_defaults else tiny_config(family, **overrides)
     config = transformers.AutoConfig.for_model(**raw)
     torch.manual_seed(seed)
     model = getattr(transformers, get_family(family).hf_auto_class).from_config(config, dtype=torch.float32)

@@ -21,6 +21,12 @@ from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_con
 from megatron_patch.models.blocks.routing import check_renormalised, expert_groups, sigmoid_routing_kwargs
 from megatron_patch.models.description.arch import Arch, require
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Flag, Real, Whole
+from megatron_patch.models.description.hf_defaults import config_as_transformers_reads, reads_hf_defaults
+
+# transformers' Glm4MoeConfig defaults where the family's fallbacks differ (hf_defaults.py): a config.json without
+# them has a shared expert and its first layer dense.
+HF_DEFAULTS = {"glm4_moe": {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+                            "n_shared_experts": 1, "first_k_dense_replace": 1}}
 
 
 def routing_of(raw: dict) -> dict:
@@ -29,6 +35,7 @@ def routing_of(raw: dict) -> dict:
     return {"groups": expert_groups(raw, top_per_group=2), "scale": float(raw.get("routed_scaling_factor", 1.0))}
 
 
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     routing_of(raw)
     if raw.get("mlp_bias"):
@@ -47,9 +54,10 @@ def parse_config(raw: dict) -> Arch:
 
 
 def transformer_config_kwargs(arch: Arch) -> dict:
-    routing = routing_of(arch.hf_config)
+    raw = config_as_transformers_reads(arch.hf_config, HF_DEFAULTS)
+    routing = routing_of(raw)
     return dict(
-        qk_layernorm=bool(arch.hf_config.get("use_qk_norm", False)),
+        qk_layernorm=bool(raw.get("use_qk_norm", False)),
         **sigmoid_routing_kwargs(routing["groups"], routing["scale"]),
     )
 

@@ -20,6 +20,7 @@ from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_con
 from megatron_patch.models.description.arch import FULL_ATTENTION, SLIDING_ATTENTION, Arch, require
 from megatron_patch.models.description.config_checks import (
     Flag, MAX_EXPERTS, MAX_LAYERS, MAX_POSITIONS, Names, Real, Whole)
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -30,6 +31,9 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "original_max_position_embeddings": 4096}
 DEFAULT_THETA = 150000.0
 QUICK_GELU_GAIN = 1.702
+# And these, where the shared parser's fallbacks differ (hf_defaults.py).
+HF_DEFAULTS = {"gpt_oss": {"head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                           "num_key_value_heads": 8, "sliding_window": 128}}
 
 
 def layer_types_of(raw: dict, layers: int) -> tuple[str, ...]:
@@ -40,6 +44,7 @@ def layer_types_of(raw: dict, layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     if float(raw.get("swiglu_alpha", QUICK_GELU_GAIN)) != QUICK_GELU_GAIN:
         raise UserError(f"swiglu_alpha={raw['swiglu_alpha']} is not supported: megatron-core's clamped SwiGLU "

@@ -4,14 +4,22 @@ explicit head_dim and linear biases are taken as given. Mistral's ``sliding_wind
 makes every layer a sliding-window layer, as transformers' Mistral attends; megatron-core's ``window_size``
 (the same settings as gpt-oss's windowed layers)."""
 
-import dataclasses
-
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config, sliding_window_kwargs
-from megatron_patch.models.description.arch import SLIDING_ATTENTION, Arch
+from megatron_patch.models.blocks.decoder import (
+    DECODER_KEYS, parse_decoder_config, sliding_every_layer, sliding_window_kwargs)
+from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import MAX_POSITIONS, Flag, Whole
 
 
+# transformers' LlamaConfig and MistralConfig defaults where the shared parser's fallbacks differ (hf_defaults.py).
+HF_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+}
+
+
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     attention_bias, mlp_bias = bool(raw.get("attention_bias")), bool(raw.get("mlp_bias"))
     if attention_bias != mlp_bias:
@@ -26,9 +34,7 @@ def parse_config(raw: dict) -> Arch:
         raise UserError(f"sliding_window={window} in a {raw.get('model_type')!r} config.json: transformers' Llama "
                         "attends to every earlier token and ignores it; remove the field (full attention) or give "
                         "model_type mistral (a sliding window)")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise UserError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
-    return dataclasses.replace(arch, layer_types=(SLIDING_ATTENTION,) * arch.num_layers, sliding_window=window)
+    return sliding_every_layer(arch, window)
 
 
 def transformer_config_kwargs(arch: Arch) -> dict:

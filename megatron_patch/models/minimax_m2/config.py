@@ -21,6 +21,12 @@ from megatron_patch.models.blocks.routing import sigmoid_routing_kwargs
 from megatron_patch.models.description.arch import Arch, require
 from megatron_patch.models.description.config_checks import (
     Flag, MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Real, Text, Whole, WholeList)
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
+
+# transformers' MiniMaxM2Config defaults where the shared parser's fallbacks differ (hf_defaults.py): its head_dim is
+# 128 whatever hidden_size / num_attention_heads is.
+HF_DEFAULTS = {"minimax_m2": {"head_dim": 128, "max_position_embeddings": 196608, "rope_theta": 5e6,
+                              "num_key_value_heads": 8}}
 
 
 def with_rotary_dim(raw: dict) -> dict:
@@ -58,6 +64,7 @@ def check_supported(raw: dict) -> None:
         raise UserError("attention or MLP biases are not supported for MiniMax-M2: its layers have none")
 
 
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     check_supported(raw)
     # the hub's config.json gives top-level rope_theta and rotary_dim; transformers 5 writes rope_parameters

@@ -1,26 +1,34 @@
-"""Mixtral config.json -> Arch: top-k experts, probabilities renormalised over the chosen k."""
+"""Mixtral config.json -> Arch: top-k experts, probabilities renormalised over the chosen k. A
+``sliding_window`` makes every layer a sliding-window layer, as transformers' Mixtral attends (as Mistral's)."""
 
 import dataclasses
 
-from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
+from megatron_patch.models.blocks.decoder import (
+    DECODER_KEYS, parse_decoder_config, sliding_every_layer, sliding_window_kwargs)
 from megatron_patch.models.description.arch import Arch, require
-from megatron_patch.models.description.config_checks import MAX_EXPERTS, Real, Whole
+from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_POSITIONS, Real, Whole
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
+
+# transformers' MixtralConfig defaults where the shared parser's fallbacks differ (hf_defaults.py).
+HF_DEFAULTS = {"mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001,
+                           "max_position_embeddings": 4096 * 32, "num_key_value_heads": 8}}
 
 
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     arch = parse_decoder_config(raw, "mixtral", qkv_bias=False)
     return dataclasses.replace(
-        arch,
+        sliding_every_layer(arch, raw.get("sliding_window")),
         num_experts=require(raw, "num_local_experts"),
         moe_topk=require(raw, "num_experts_per_tok"),
         moe_ffn_hidden_size=require(raw, "intermediate_size"),
         norm_topk_prob=True,
-        router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.02)),
+        router_aux_loss_coef=float(raw.get("router_aux_loss_coef") or 0.0),
     )
 
 
 def transformer_config_kwargs(arch: Arch) -> dict:
-    return {"moe_router_pre_softmax": False}
+    return {"moe_router_pre_softmax": False, **sliding_window_kwargs(arch)}
 
 
 TINY_CONFIG = {
@@ -37,5 +45,5 @@ TINY_CONFIG = {
 # The config.json fields this family reads (checked before it reads them: config_checks).
 CONFIG_KEYS = {
     **DECODER_KEYS, "num_local_experts": Whole(0, MAX_EXPERTS), "num_experts_per_tok": Whole(1, MAX_EXPERTS),
-    "router_aux_loss_coef": Real(0, closed=True),
+    "router_aux_loss_coef": Real(0, closed=True), "sliding_window": Whole(1, MAX_POSITIONS),
 }

@@ -3,9 +3,15 @@
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import Flag
 
 
+# transformers' Qwen2Config defaults where the shared parser's fallbacks differ (hf_defaults.py).
+HF_DEFAULTS = {"qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32}}
+
+
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     if raw.get("use_sliding_window"):
         raise UserError("use_sliding_window=true is not supported: Qwen2 models here use full attention")

@@ -6,9 +6,17 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import (
     DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, parse_decoder_config, qwen_dense_layers)
 from megatron_patch.models.description.arch import Arch, require
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_WIDTH, Flag, Real, Whole
 
 
+# transformers' Qwen2MoeConfig defaults where the family's fallbacks differ (hf_defaults.py): a config.json without
+# shared_expert_intermediate_size has a gated shared expert of 5632.
+HF_DEFAULTS = {"qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 16,
+                             "shared_expert_intermediate_size": 5632}}
+
+
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     if raw.get("use_sliding_window"):
         raise UserError("use_sliding_window=true is not supported: Qwen2-MoE models here use full attention")

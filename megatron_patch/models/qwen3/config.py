@@ -3,9 +3,16 @@
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import MAX_LAYERS, Flag, Names
 
 
+# transformers' Qwen3Config defaults where the shared parser's fallbacks differ (hf_defaults.py): its head_dim is
+# 128 whatever hidden_size / num_attention_heads is.
+HF_DEFAULTS = {"qwen3": {"head_dim": 128, "max_position_embeddings": 32768, "num_key_value_heads": 32}}
+
+
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     sliding = [t for t in raw.get("layer_types") or [] if t != "full_attention"]
     if raw.get("use_sliding_window") or sliding:

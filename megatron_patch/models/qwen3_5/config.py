@@ -16,8 +16,18 @@ import dataclasses
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.config_checks import Flag, Table, Text
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.qwen3_next.config import CONFIG_KEYS as TEXT_KEYS
 from megatron_patch.models.qwen3_next.config import parse_hybrid, with_moe
+
+
+# transformers' Qwen3_5TextConfig and Qwen3_5MoeTextConfig defaults, for text_config's fields, where Qwen3-Next's
+# fallbacks differ (hf_defaults.py).
+HF_DEFAULTS = {
+    "qwen3_5": {"head_dim": 256, "max_position_embeddings": 32768, "num_key_value_heads": 4},
+    "qwen3_5_moe": {"head_dim": 256, "max_position_embeddings": 32768, "num_key_value_heads": 2,
+                    "shared_expert_intermediate_size": 512},
+}
 
 
 def text_config(raw: dict) -> dict:
@@ -29,6 +39,7 @@ def text_config(raw: dict) -> dict:
     return text | {"tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
+@reads_hf_defaults(HF_DEFAULTS, within="text_config")
 def parse_config(raw: dict) -> Arch:
     text = text_config(raw)
     moe = raw.get("model_type") == "qwen3_5_moe"

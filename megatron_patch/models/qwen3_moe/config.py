@@ -7,9 +7,15 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import (
     DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, parse_decoder_config, qwen_dense_layers)
 from megatron_patch.models.description.arch import Arch, require
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_WIDTH, Flag, Real, Whole
 
 
+# transformers' Qwen3MoeConfig defaults where the family's fallbacks differ (hf_defaults.py).
+HF_DEFAULTS = {"qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4}}
+
+
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     if raw.get("use_sliding_window"):
         raise UserError("use_sliding_window=true is not supported: Qwen3-MoE models here use full attention")

@@ -22,10 +22,16 @@ from megatron_patch.models.description.arch import (
     Arch, FULL_ATTENTION, LINEAR_ATTENTION, LinearAttentionShape, require)
 from megatron_patch.models.description.config_checks import (
     Flag, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, Names, Real, Whole)
+from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 # So is qwen3_next.layers, which imports them at its top: when a model is built.
+
+# transformers' Qwen3NextConfig defaults where the family's fallbacks differ (hf_defaults.py): a config.json without
+# num_experts has 512 of them (every layer but mlp_only_layers MoE) and a gated shared expert of 512.
+HF_DEFAULTS = {"qwen3_next": {"head_dim": 256, "max_position_embeddings": 32768, "num_key_value_heads": 2,
+                              "num_experts": 512, "shared_expert_intermediate_size": 512}}
 
 
 def layer_types_of(raw: dict, layers: int) -> tuple[str, ...]:
@@ -72,6 +78,7 @@ def with_moe(arch: Arch, raw: dict) -> Arch:
         router_aux_loss_coef=float(raw.get("router_aux_loss_coef", 0.001)), dense_layers=qwen_dense_layers(raw))
 
 
+@reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     arch = parse_hybrid(raw, "qwen3_next")
     return with_moe(arch, raw) if (raw.get("num_experts") or 0) > 0 else arch
