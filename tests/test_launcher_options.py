@@ -53,9 +53,10 @@ def test_no_option_is_read_from_the_environment_but_by_the_table():
 
 
 def test_the_exceptions_are_no_launcher_options():
-    from megatron_patch.training.launcher_options import OPTION
+    from megatron_patch.training.launcher_options import OPTION, RUNTIME_VARIABLES
 
     assert not set(NOT_LAUNCHER_OPTIONS) & set(OPTION)
+    assert RUNTIME_VARIABLES == set(NOT_LAUNCHER_OPTIONS)  # a launch names any other MP_ variable as unread
     assert {name for _, name in READ_ELSEWHERE} <= set(OPTION)
     assert set(READ_ELSEWHERE) <= _environment_reads()  # an exception no longer needed goes
 

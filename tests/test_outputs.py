@@ -473,7 +473,9 @@ def test_training_run_outputs_one_run_per_folder_and_ranks_die_with_their_launch
     """One short run, several checks on its folder: every iteration and final/ carry a manifest (mpatch verify
     passes); rerunning the finished run says so and exits 0 (it died in export_model before); a rank of an
     earlier run that is still alive blocks a restart, named by PID; and ranks end when their launcher is
-    SIGKILLed (torch elastic gives them sessions of their own)."""
+    SIGKILLed (torch elastic gives them sessions of their own); a second launch reaching the running run's
+    folder through a symlink is refused as the same folder would be; a finished run leaves no marks beside it; and
+    a Ctrl-C ends the job in one line."""
     import time
 
     from tests.training_helpers import GBS, SEQ, launch, pretrain_args
@@ -483,6 +485,7 @@ def test_training_run_outputs_one_run_per_folder_and_ranks_die_with_their_launch
                          WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))
     first = launch(args)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert not (tmp_path / ".out.mpatch-lock.ranks").exists()  # the ranks' marks go with the run
     for folder in (out / "checkpoint" / "iter_0000002", out / "checkpoint" / "iter_0000004", out / "final"):
         assert (folder / MANIFEST_NAME).is_file(), folder
     rc, err = run_cli(capsys, "verify", str(out))
@@ -504,6 +507,19 @@ def test_training_run_outputs_one_run_per_folder_and_ranks_die_with_their_launch
         rank.wait()
 
     script = REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"
+    # Ctrl-C: the job ends with one line, the launcher's (the agent's log line and each rank's own were printed too)
+    launcher = subprocess.Popen(["bash", str(script), *longer], env={**_env(), "PYTHON": sys.executable},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while len(live_ranks(out)) < 1:
+        assert launcher.poll() is None and time.time() < deadline
+        time.sleep(0.5)
+    os.killpg(launcher.pid, signal.SIGINT)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130 and err == "mpatch train: error: the launcher got SIGINT: every rank was " \
+        "stopped\n", err[-2000:]
+    assert not live_ranks(out)
+
     launcher = subprocess.Popen(["bash", str(script), *longer], env={**_env(), "PYTHON": sys.executable},
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
@@ -511,6 +527,10 @@ def test_training_run_outputs_one_run_per_folder_and_ranks_die_with_their_launch
         assert launcher.poll() is None and time.time() < deadline
         time.sleep(0.5)
     alive = live_ranks(out)
+    link = tmp_path / "link"  # the same folder by another name is the same run folder: one writer
+    link.symlink_to(out)
+    beside = launch(pretrain_args(corpus, link, DO="true", TRAIN_TOKENS_OR_ITERS=str(400 * GBS * SEQ)))
+    assert beside.returncode == 2 and f"{out} is being written by pid" in beside.stderr, beside.stderr[-2000:]
     os.killpg(launcher.pid, signal.SIGKILL)  # bash and the launcher; the rank is in a session of its own
     launcher.wait()
     deadline = time.time() + 60

@@ -548,7 +548,7 @@ def run_line(line: PaiLine, argv: list[str], env: dict) -> subprocess.CompletedP
                           env=full, capture_output=True, text=True, timeout=900)
 
 
-CPU = {"MP_TP_COMM_OVERLAP": "false", "MP_CPU_TIMEOUT": "800"}
+CPU = {"MP_TP_COMM_OVERLAP": "false"}
 
 
 @pytest.mark.slow

@@ -310,6 +310,28 @@ def test_pai_packed_sft_json_is_read(chat_tok, tmp_path):
     assert [int(s["loss_mask"].sum()) for s in plain.samples] == per_record and "doc_start" not in plain.samples[0]
 
 
+def test_records_whose_responses_lie_past_the_cut_are_named_and_all_of_them_refused(chat_tok, tmp_path, monkeypatch,
+                                                                                     capsys):
+    """A record whose prompt fills the sample trains nothing (loss 0, grad 0, exit 0 before): the dry run says so,
+    a dataset of only such records is refused, and one with some of them counts them in the line the log prints."""
+    long_prompt = {"instruction": " ".join(["word"] * 300), "output": "The cat sits on the warm mat."}
+    short = {"instruction": "Where does the cat sit?", "output": "On the mat."}
+    write_jsonl(tmp_path / "long.jsonl", [long_prompt, long_prompt])
+    write_jsonl(tmp_path / "mixed.jsonl", [short, long_prompt])
+    tok = load_tokenizer(chat_tok)
+    with pytest.raises(UserError, match=f"no sample of .*long.jsonl keeps a trained token within its {SEQ} tokens"):
+        SFTDataset(tmp_path / "long.jsonl", tok, SEQ)
+    mixed = SFTDataset(tmp_path / "mixed.jsonl", tok, SEQ)
+    assert mixed.untrained == 1 and [bool(s["loss_mask"].any()) for s in mixed.samples] == [True, False]
+
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    monkeypatch.setenv("MP_TOKENIZER", str(chat_tok))
+    assert main(["train", "llama3_1", *_sft_args(tmp_path, tmp_path / "long.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "; training cuts the rest), the loss on " in out and (
+        " of them; 0 within the sample: it trains nothing, raise SEQ_LEN/PAD_LEN or shorten the prompt") in out, out
+
+
 # --- each format trains, and the log says what the loss was taken over ----------------------------------------
 
 GBS, ITERS = 4, 3

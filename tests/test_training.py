@@ -611,6 +611,37 @@ def _copy_checkpoints(src: Path, out: Path) -> Path:
 
 
 @pytest.mark.slow
+def test_a_resume_the_checkpoint_cannot_follow_is_refused_and_a_new_schedule_is_followed(dp2_run, corpus, tmp_path):
+    """Resumed with another precision, optimizer sharding, global batch or model, the launcher refuses in one line
+    before any rank starts (a rank failed on each with a traceback, or read other samples than the run's next ones);
+    resumed with another learning rate and more iterations, the run says so and follows this launch's schedule
+    (megatron-core kept the checkpoint's, whatever the dry run said)."""
+    out = tmp_path / "out"
+    ckpt = _copy_checkpoints(dp2_run["out"], out)
+    refusals = [(dict(PR="bf16"), {}, "was trained with PR=fp32, and this launch asks PR=bf16"),
+                (dict(DO="true"), {}, "was trained with DO=false, and this launch asks DO=true"),
+                (dict(GLOBAL_BATCH_SIZE=str(2 * GBS)), {}, f"GLOBAL_BATCH_SIZE={GBS}, and this launch asks "
+                                                         f"GLOBAL_BATCH_SIZE={2 * GBS}"),
+                ({}, {"MP_NUM_LAYERS": "1"}, "holds another model than this launch builds (num_hidden_layers 4 -> 1)")]
+    for over, env, message in refusals:
+        proc = launch(_dp2_args(corpus, out, **over), {"MP_NPROC": "2", **env})
+        assert proc.returncode == 2 and message in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert proc.stderr.count("\n") == 1 and "+ " not in proc.stdout, proc.stdout[-2000:]  # no rank started
+    longer = _pretrain_args(corpus, out, LR="1e-2", TRAIN_TOKENS_OR_ITERS=str((DP_ITERS + 4) * GBS * SEQ),
+                            SAVE_INTERVAL=str(DP_SAVE))
+    proc = launch(longer, {"MP_NPROC": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("note: the learning-rate schedule follows this launch, not the checkpoint's: LR 0.003 -> 0.01, "
+            f"decay iterations {DP_ITERS} -> {DP_ITERS + 4}") in proc.stdout, proc.stdout[:2000]
+    saved = json.loads((ckpt / f"iter_{DP_ITERS + 4:07d}" / "train_state.json").read_text())["config"]
+    warmup, decay, top, low = saved["warmup_iters"], saved["lr_decay_iters"], saved["lr"], saved["min_lr"]
+    for i, record in _last_records(out).items():
+        if i > DP_ITERS:  # megatron-core's cosine after warm-up, at the step the record is logged after
+            want = low + 0.5 * (math.cos(math.pi * (i - warmup) / (decay - warmup)) + 1) * (top - low)
+            assert record["lr"] == pytest.approx(want, rel=1e-9), (i, record["lr"], want)
+
+
+@pytest.mark.slow
 def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, corpus, tmp_path):
     """The latest checkpoint with a truncated .distcp and the one before without metadata.json: the run warns
     about each, resumes from the newest complete one (12), and repeats the uninterrupted run's losses."""

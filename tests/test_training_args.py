@@ -153,6 +153,9 @@ BAD = [
                                    "GPUS_PER_NODE": "1"}, "RANK=2 is this node's rank among WORLD_SIZE=2 nodes"),
     ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "GPUS_PER_NODE": "1"},
      "ENV=dlc reads MASTER_PORT"),
+    # a near-miss of an option's name would train without the option
+    ("llama3_1", {}, {"MP_LORA_RANKS": "8"}, "MP_LORA_RANKS is not a launcher option: did you mean MP_LORA_RANK?"),
+    ("llama3_1", {}, {"MP_DRYRUN": "1"}, "MP_DRYRUN is not a launcher option: did you mean MP_DRY_RUN?"),
 ]
 
 
@@ -167,6 +170,25 @@ def test_bad_input_is_refused_with_a_message(data, family, over, env, message, m
     assert code == 2, err
     assert message in err, err
     assert err.count("\n") == 1, f"not one line: {err!r}"
+
+
+def test_token_counts_that_are_not_whole_iterations_are_noted(data):
+    """Pretraining takes tokens, rounded down to whole iterations (as the reference): 100 warm-up tokens were 0
+    warm-up iterations without a word."""
+    cfg = resolve("llama3_1", _args(data, GLOBAL_BATCH_SIZE="8", SEQ_LEN="64", TRAIN_TOKENS_OR_ITERS="2100",
+                                    WARMUP_TOKENS_OR_ITERS="100"), env={})  # CI's MP_ variables would add notes
+    assert (cfg.train_iters, cfg.warmup_iters) == (4, 0)
+    assert cfg.notes == [
+        "TRAIN_TOKENS_OR_ITERS=2100 tokens is not a whole number of iterations of GLOBAL_BATCH_SIZE*SEQ_LEN = 512 "
+        "tokens: 4 iteration(s), 2048 tokens",
+        "WARMUP_TOKENS_OR_ITERS=100 tokens is not a whole number of iterations of GLOBAL_BATCH_SIZE*SEQ_LEN = 512 "
+        "tokens: 0 iteration(s), 0 tokens"]
+
+
+def test_an_mp_variable_no_option_reads_is_named_in_the_notes(data):
+    cfg = resolve("llama3_1", _args(data), env={"MP_SOMETHING_ELSE": "1", "MP_LAUNCHER_PID": "1"})
+    assert cfg.notes == ["MP_SOMETHING_ELSE is set but is not a launcher option: it is ignored (examples/README.md "
+                         "lists them)"]
 
 
 def test_wrong_argument_count_and_usage(data, capsys):

@@ -38,7 +38,7 @@ from megatron_patch.training.machine_checks import (attention_kernel, check_mach
                                                     machine_problems)
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
-from megatron_patch.training.run_state import check_output_basepath, finished_run, latest_iteration
+from megatron_patch.training.run_state import check_output_basepath, finished_run, latest_iteration, resume_notes
 from megatron_patch.training.validation import resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -200,9 +200,12 @@ def print_dry_run(report: dict) -> None:
     elif sample is not None:
         print(f"SFT data: {sample['format']}")
         longer = sample["tokens"] > sample["sample_length"] + 1  # a sample's tokens and the label of its last
+        kept = "" if not longer else f"; {sample['kept_loss_tokens']} within the sample" + (
+            ": it trains nothing, raise SEQ_LEN/PAD_LEN or shorten the prompt" if not sample["kept_loss_tokens"] else "")
         print(f"  sample      {sample['source']}: {sample['tokens']} tokens (samples are {sample['sample_length']}"
-              + ("; training cuts the rest" if longer else "") + f"), the loss on {sample['loss_tokens']} of them, "
-              "between [[ and ]]" + (f" (the first {len(sample['text'])} characters)" if sample["cut"] else "") + ":")
+              + ("; training cuts the rest" if longer else "") + f"), the loss on {sample['loss_tokens']} of them"
+              + kept + ", between [[ and ]]" + (f" (the first {len(sample['text'])} characters)" if sample["cut"] else "")
+              + ":")
         for line in sample["text"].split("\n"):
             print(f"    {line}")
     problems = report["machine_problems"]
@@ -244,9 +247,12 @@ def run(args) -> int:
             print(done, flush=True)
             return 0
         if latest is not None:
+            changes = resume_notes(cfg, iteration_dir(cfg.checkpoint_dir, latest))
             # Pai-Megatron-Patch starts a rerun into the same folder afresh; here it resumes, and says so first.
             print(f"resuming from iteration {latest} of {cfg.train_iters}: {iteration_dir(cfg.checkpoint_dir, latest)} "
                   "(OUTPUT_BASEPATH holds this run's checkpoints; another OUTPUT_BASEPATH starts afresh)", flush=True)
+            for note in changes:
+                print(f"note: {note}", flush=True)
         check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
         return _launch(cfg, command, needed)
 
@@ -259,7 +265,7 @@ def _run_lock(cfg):
     if cfg.env == "dlc" and os.environ.get("RANK", "0") != "0":
         yield
         return
-    out = Path(cfg.output_basepath).absolute()
+    out = run_folder_identity(cfg.output_basepath)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -270,7 +276,16 @@ def _run_lock(cfg):
             raise UserError(f"ranks of an earlier run still write {out}: {', '.join(alive)}; wait for them to end or "
                             "stop them (kill PID), then rerun")
         check_output_basepath(out)
-        yield
+        try:
+            yield
+        finally:
+            live_ranks(out)  # the ranks are gone: their marks go too, so nothing of the run is left beside it
+
+
+def run_folder_identity(output_basepath: str | Path) -> Path:
+    """The path the run folder's lock and rank marks are kept by: symlinks resolved, since a run writes through
+    them, so that two launches reaching one folder by different names are one writer, not two."""
+    return Path(output_basepath).resolve()
 
 
 def _launch(cfg, command: list[str], needed: dict) -> int:
@@ -329,13 +344,15 @@ def _rank(launcher: str, argv: list[str]) -> int:
             k, v = next(iter(wrong.items()))
             raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
                             f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
-        register_rank(out)  # held until this process ends, however it ends
+        register_rank(run_folder_identity(out))  # held until this process ends, however it ends
         if LAUNCHER_PID not in os.environ and rank == 0:
             check_training_data(cfg)  # a torchrun started by hand: no launcher has checked the data
         from megatron_patch.training.loop import train
 
         train(cfg)
         return 0
+    except KeyboardInterrupt:  # the agent passes a SIGINT on to its ranks; the launcher says it once for the job
+        return 130
     except Exception as exc:  # noqa: BLE001 - every failure of a rank becomes one line for the launcher
         kind, message = _rank_failure(exc, rank, timeout_min, out)
         if not watchdog.report_failure(message, kind):  # not under torchrun: nobody else will say it

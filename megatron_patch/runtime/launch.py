@@ -226,6 +226,9 @@ def run_torchrun(torchrun_args: list[str]) -> None:
         # The agent logs each failed rank and each rank it stops ("failed (exitcode: 1) local_rank: 0 ..."):
         # the one line below says it, from the ranks' own reports.
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+        # and the signal it got ("Received 2 death signal, shutting down workers"): said below too
+        logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+            lambda record: "death signal" not in record.getMessage())
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as exc:

@@ -12,6 +12,7 @@ tests/test_launcher_options.py holds them together. An option is added by one en
 from __future__ import annotations
 
 import copy
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -648,6 +649,24 @@ def read_option(name: str, env: dict):
     option = OPTION[name]
     raw = env.get(name, "")
     return _unset(option) if raw == "" else option.reader.read(name, raw)
+
+
+# MP_ variables of the project's runtime, not launcher options: the launcher leaves them alone.
+RUNTIME_VARIABLES = frozenset({"MP_LAUNCHER_PID", "MP_LOCAL_START", "MP_CPU_COMPAT_ANY_MCORE", "MP_SHOW_WARNINGS"})
+
+
+def unread_variables(env: dict) -> list[str]:
+    """Notes for the MP_ variables in ``env`` that no option reads. One that nearly spells an option's name is
+    refused: a launch with MP_LORA_RANKS=8 would otherwise train every weight, with no word about it."""
+    names = [o.name for o in ENVIRONMENT]
+    notes = []
+    for name in sorted(k for k in env if k.startswith("MP_") and k not in OPTION and k not in RUNTIME_VARIABLES):
+        near = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
+        if near:
+            raise UserError(f"{name} is not a launcher option: did you mean {near[0]}? (unset {name}; "
+                            "examples/README.md lists the options)")
+        notes.append(f"{name} is set but is not a launcher option: it is ignored (examples/README.md lists them)")
+    return notes
 
 
 def usage(name: str) -> str:

@@ -72,7 +72,10 @@ def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> 
     # OptimizerParamScheduler's keywords. It sets the optimizer's weight decay every step: constant, the same value.
     sched = {"lr_warmup_steps": cfg.warmup_iters, "lr_decay_steps": cfg.lr_decay_iters, "lr_decay_style": "cosine",
              "init_lr": 0.0, "max_lr": cfg.lr, "min_lr": cfg.min_lr, "start_wd": cfg.weight_decay,
-             "end_wd": cfg.weight_decay, "wd_incr_steps": cfg.train_iters, "wd_incr_style": "constant"}
+             "end_wd": cfg.weight_decay, "wd_incr_steps": cfg.train_iters, "wd_incr_style": "constant",
+             # on resume, these settings rule and the checkpoint gives the step (the launcher notes a change):
+             # megatron-core's default kept the checkpoint's silently, whatever the launch and its dry run said
+             "use_checkpoint_opt_param_scheduler": False, "override_opt_param_scheduler": True}
     offload = {"policy": cfg.optimizer_offload_policy, "numerics": cfg.offload_numerics}
     if cfg.optimizer_offload_policy == "static":
         offload["host_share"] = cfg.optimizer_offload_fraction

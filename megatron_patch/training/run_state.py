@@ -118,6 +118,54 @@ def finished_run(cfg, latest: int | None) -> str | None:
             "nothing to train (choose another OUTPUT_BASEPATH or more iterations to train further)")
 
 
+# What a resumed run must share with the run that saved the checkpoint: (RunConfig field, the launch's name for it,
+# why). The checkpoint's optimizer state and data position are shaped by them; the model's shape is checked apart.
+MUST_MATCH = (
+    ("precision", "PR", "the optimizer's state (master weights, loss scale) is kept per precision"),
+    ("distributed_optimizer", "DO", "the optimizer's state is saved sharded with it and whole without"),
+    ("global_batch_size", "GLOBAL_BATCH_SIZE", "the data's position is counted in its batches"),
+)
+# The learning-rate schedule: this launch's rules, as Megatron-LM's --override-opt_param-scheduler (a run extended
+# to more iterations decays over them), and what changed is said.
+SCHEDULE = (("lr", "LR"), ("min_lr", "MIN_LR"), ("warmup_iters", "warm-up iterations"),
+            ("lr_decay_iters", "decay iterations"), ("weight_decay", "MP_WEIGHT_DECAY"))
+
+
+def resume_notes(cfg, folder: Path) -> list[str]:
+    """Checks a launch against the checkpoint it resumes (``folder``, an iteration folder of its own run): a change
+    the checkpoint cannot follow is refused in one line, before any rank starts (a rank would fail on it with a
+    traceback); a change of the learning-rate schedule is returned as a note."""
+    try:
+        saved = read_train_state(folder)
+    except FileNotFoundError:
+        return []
+    then, now = saved.get("config"), json.loads(json.dumps(cfg.to_dict(), default=str))
+    if not isinstance(then, dict):
+        return []
+    start_afresh = "or start afresh in another OUTPUT_BASEPATH"
+    for field, name, why in MUST_MATCH:
+        if field in then and then[field] != now[field]:
+            raise UserError(f"{folder} was trained with {name}={_shown(then[field])}, and this launch asks "
+                            f"{name}={_shown(now[field])}: {why}. Resume with {name}={_shown(then[field])}, "
+                            f"{start_afresh}")
+    # compared as saved: through JSON, where a preset's tuples became lists
+    model, building = saved.get("hf_config"), json.loads(json.dumps(cfg.hf_config, default=str))
+    if isinstance(model, dict) and model != building:
+        changed = sorted(k for k in set(model) | set(building) if model.get(k) != building.get(k))
+        shown = ", ".join(f"{k} {_shown(model.get(k))} -> {_shown(building.get(k))}" for k in changed[:3])
+        raise UserError(f"{folder} holds another model than this launch builds ({shown}"
+                        f"{', ...' if len(changed) > 3 else ''}): resume with the MODEL_SIZE and MP_NUM_LAYERS it "
+                        f"was started with, {start_afresh}")
+    changed = [f"{name} {_shown(then[field])} -> {_shown(now[field])}" for field, name in SCHEDULE
+               if field in then and then[field] != now[field]]
+    return [f"the learning-rate schedule follows this launch, not the checkpoint's: {', '.join(changed)}"] \
+        if changed else []
+
+
+def _shown(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def check_output_basepath(out: Path) -> None:
     """The one output rule for a training run (docs/outputs.md), decided by the launcher under the lock:
     OUTPUT_BASEPATH is new or empty, or an earlier run's folder, which this run resumes. A folder holding

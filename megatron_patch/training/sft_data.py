@@ -190,6 +190,12 @@ class SFTDataset(torch.utils.data.Dataset):
             self.samples = self._pack(groups)
         else:
             self.samples = [_sample(ids, tr, length, self.pad) for _, group in groups for ids, tr in group]
+        # A record whose trained tokens all lie past the cut to `length` trains nothing (its loss and gradient are
+        # 0, while weight decay still moves the weights): all of them is refused, some are counted for the log.
+        self.untrained = sum(1 for sample in self.samples if not sample["loss_mask"].any())
+        if self.untrained == len(self.samples):
+            raise UserError(f"no sample of {path} keeps a trained token within its {length} tokens (the responses lie "
+                            "past the cut): raise SEQ_LEN/PAD_LEN, or shorten the prompts")
 
     def _pack(self, groups) -> list[dict]:
         """Single records packed in order while they fit; a packed-SFT list is a sample of its own (more when its
@@ -287,6 +293,9 @@ def build_sft_datasets(cfg, vocab_size: int):
         tok = load_tokenizer(cfg.tokenizer)
         datasets = [SFTDataset(p, tok, cfg.sample_length, packing=cfg.sft_packing, vocab_size=vocab_size) for p in paths]
         how = describe_format(tok)
+        if datasets[0].untrained:
+            how += (f"; {datasets[0].untrained} of its {len(datasets[0])} samples keep no trained token within "
+                    f"{cfg.sample_length} tokens (the responses lie past the cut) and train nothing")
     return datasets[0], (datasets[1] if len(datasets) > 1 else None), how
 
 
@@ -338,7 +347,9 @@ def preview(cfg) -> dict:
                "applied there), the loss where a label is not -100" + ("" if tok else "; ids shown, set MP_TOKENIZER "
                                                                        "to see the text"))
     text = marked_text(tok, ids, trained)
-    return {"source": source, "format": how, "tokens": len(ids), "loss_tokens": int(sum(trained)),
+    # what a sample keeps: its first sample_length tokens and the label of the last (_sample)
+    kept = int(sum(trained[1:cfg.sample_length + 1]))
+    return {"source": source, "format": how, "tokens": len(ids), "loss_tokens": int(sum(trained)), "kept_loss_tokens": kept,
             "sample_length": cfg.sample_length, "text": text[:PREVIEW_CHARS], "cut": len(text) > PREVIEW_CHARS}
 
 

@@ -31,7 +31,7 @@ from megatron_patch.training.launcher_args import (
     parse_int,
 )
 from megatron_patch.training import evaluation_run
-from megatron_patch.training.launcher_options import Options, read_options
+from megatron_patch.training.launcher_options import Options, read_options, unread_variables
 from megatron_patch.training.fp8_run import TE_RECIPES
 from megatron_patch.training.lora_run import check_lora, lora_from_options
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_options
@@ -56,7 +56,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     """Each option read (``launcher_options``: its reader and default), then what follows from them, and the
     options whose mere presence matters checked against what they need."""
     o = read_options(launcher, argv, env)
-    notes: list[str] = []
+    notes: list[str] = unread_variables(env)
     if o["SP"] and o["TP"] == 1:
         o["SP"] = False  # as Pai-Megatron-Patch's launchers: sequence parallelism splits over TP ranks, and there is one
         notes.append("SP=true at TP=1 is ignored: sequence parallelism splits activations over tensor-parallel ranks")
@@ -93,7 +93,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     vp, vp_setting = _virtual_pipeline(o, o["PP"], arch.num_layers, notes)
     layout = ParallelLayout(tp=o["TP"], pp=o["PP"], ep=o["EP"], etp=o["ETP"], cp=o["CP"], vp=vp)
     world, nproc, nnodes = _world(o, layout, env)
-    train_iters, warmup_iters = _iterations(o, sft, o["GLOBAL_BATCH_SIZE"] * o["SEQ_LEN"])
+    train_iters, warmup_iters = _iterations(o, sft, o["GLOBAL_BATCH_SIZE"] * o["SEQ_LEN"], notes)
     found = functools.partial(names_data, dataset_type=dataset_type)
     paths, weights = parse_data_paths("DATASET_PATH", o["DATASET_PATH"], found)
     valid, valid_weights = (None, None) if o["VALID_DATASET_PATH"] is None else \
@@ -145,16 +145,18 @@ def _virtual_pipeline(o: Options, pp: int, num_layers: int, notes: list[str]) ->
     return chunks, f"{setting} ({chunks} model chunks per pipeline rank)" if setting.startswith("MP_VP=") else setting
 
 
-def _iterations(o: Options, sft: bool, tokens_per_iter: int) -> tuple[int, int]:
+def _iterations(o: Options, sft: bool, tokens_per_iter: int, notes: list[str]) -> tuple[int, int]:
     """(training, warm-up) iterations: tokens for pretraining, iterations for SFT (the reference's convention);
-    each within its ceiling (``launcher_args.MAX_TOKENS``, ``MAX_ITERATIONS``)."""
+    each within its ceiling (``launcher_args.MAX_TOKENS``, ``MAX_ITERATIONS``). A token count that is not whole
+    iterations is rounded down, as the reference does, with a note."""
     train_raw, warm_raw = o["TRAIN_TOKENS_OR_ITERS"], o["WARMUP_TOKENS_OR_ITERS"]
     if sft:
         train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw, MAX_ITERATIONS, "iterations")
         warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw, MAX_ITERATIONS, "iterations")
     else:
-        train = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw, MAX_TOKENS, "tokens") // tokens_per_iter
-        warmup = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw, MAX_TOKENS, "tokens") // tokens_per_iter
+        train_tokens = parse_count("TRAIN_TOKENS_OR_ITERS", train_raw, MAX_TOKENS, "tokens")
+        warmup_tokens = parse_count("WARMUP_TOKENS_OR_ITERS", warm_raw, MAX_TOKENS, "tokens")
+        train, warmup = train_tokens // tokens_per_iter, warmup_tokens // tokens_per_iter
         if train < 1:
             raise UserError(f"TRAIN_TOKENS_OR_ITERS={train_raw} tokens is less than one iteration "
                             f"(GLOBAL_BATCH_SIZE*SEQ_LEN = {tokens_per_iter} tokens): pretraining takes a token count")
@@ -162,6 +164,11 @@ def _iterations(o: Options, sft: bool, tokens_per_iter: int) -> tuple[int, int]:
             raise UserError(f"TRAIN_TOKENS_OR_ITERS={train_raw} tokens make {train} iterations of GLOBAL_BATCH_SIZE*"
                             f"SEQ_LEN = {tokens_per_iter} tokens, and at most {MAX_ITERATIONS} iterations are taken "
                             "(docs/training.md): check the number, or raise the global batch")
+        for name, raw, tokens, whole in (("TRAIN_TOKENS_OR_ITERS", train_raw, train_tokens, train),
+                                         ("WARMUP_TOKENS_OR_ITERS", warm_raw, warmup_tokens, warmup)):
+            if tokens != whole * tokens_per_iter:
+                notes.append(f"{name}={raw} tokens is not a whole number of iterations of GLOBAL_BATCH_SIZE*SEQ_LEN "
+                             f"= {tokens_per_iter} tokens: {whole} iteration(s), {whole * tokens_per_iter} tokens")
     if train < 1:
         raise UserError(f"TRAIN_TOKENS_OR_ITERS must give at least one iteration, got '{train_raw}'")
     return train, warmup
