@@ -163,6 +163,35 @@ def test_dry_run_says_when_there_is_no_template(texts, tmp_path, monkeypatch, ca
            f"{tmp_path / 'sft.jsonl'} record 1: an SFT record needs string prompt and response" in capsys.readouterr().out
 
 
+def test_a_bad_record_anywhere_is_refused_at_launch_before_any_rank(chat_tok, tmp_path, monkeypatch, capsys):
+    """Every record's shape is checked by the launcher (sft_records.record_groups): before, only the ranks read the
+    records, so a bad one deep in the file stopped every rank after its imports, once per rank."""
+    import megatron_patch.cli.train as train_cli
+
+    def no_rank(*_):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(train_cli, "_launch", no_rank)
+    monkeypatch.setenv("MP_TOKENIZER", str(chat_tok))
+    good = [r for r, _ in RECORDS]
+    for name, records, valid, message in (
+            ("deep.jsonl", good[:2] + [{"query": "no answer"}] + good[2:], None,
+             "deep.jsonl record 3: an SFT record needs string prompt and response fields"),
+            ("packed.jsonl", [good[:2], [good[2], {"messages": [{"role": "user", "content": "x"}]}]], None,
+             "packed.jsonl record 2 item 2: the conversation has no assistant message to train on"),
+            ("empty_pack.jsonl", [good[:2], []], None, "empty_pack.jsonl record 2: an empty list"),
+            ("train.jsonl", good, [good[0], {"instruction": "x", "output": "y", "input": 3}],
+             "valid.jsonl record 2: 'input' must be a string")):
+        write_jsonl(tmp_path / name, records)
+        over = {}
+        if valid is not None:
+            write_jsonl(tmp_path / "valid.jsonl", valid)
+            over["VALID_DATASET_PATH"] = str(tmp_path / "valid.jsonl")
+        assert main(["train", "llama3_1", *_sft_args(tmp_path / name[:-6], tmp_path / name, **over)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
 # --- Pai's SFT idxmap ------------------------------------------------------------------------------------------
 
 PAI_RECORDS = [r for r, _ in RECORDS[:2]] + [

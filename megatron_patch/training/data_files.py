@@ -32,6 +32,7 @@ import numpy
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest, verify_manifest
 from megatron_patch.errors import UserError
+from megatron_patch.training.sft_records import record_groups
 
 # megatron-core's indexed_dataset.py: header, version 1, token dtype code, sequence and document counts, then
 # int32 sequence lengths, int64 byte offsets into the .bin, int64 document boundaries (and, for multimodal
@@ -204,8 +205,11 @@ def _check_token_ids(prefix: str, dtype: numpy.dtype, total: int, vocab_size: in
 
 def check_training_data(cfg) -> None:
     """Every mmap prefix a run reads (training, validation), before its first step: pretraining data, or with
-    SFT=true Pai's SFT idxmap."""
-    if cfg.dataset_type != "mmap":
+    SFT=true Pai's SFT idxmap; or each SFT JSON/JSONL file's records, for their shape."""
+    if cfg.dataset_type == "raw":
+        # the files build_sft_datasets reads
+        for path in dict.fromkeys([cfg.dataset_path[0], *(cfg.valid_dataset_path or [])[:1]]):
+            record_groups(path)
         return
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.

@@ -35,75 +35,12 @@ import torch
 from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import load_tokenizer
 from megatron_patch.training.data_files import PIECE, read_sft_idxmap
+from megatron_patch.training.sft_records import conversation, read_records, record_groups
 
-PROMPT_KEYS = ("instruction", "query", "prompt", "question")
-RESPONSE_KEYS = ("output", "content", "response", "completion", "answer")
 # Pai's labels where there is no loss (torch's cross-entropy ignore_index).
 IGNORED_LABEL = -100
 # What the dry run shows of a sample's text, at most.
 PREVIEW_CHARS = 3000
-
-
-def read_records(path: str | Path) -> list:
-    """The SFT records of a JSON array or a JSONL file (objects, or lists of them), as Pai reads them: the file as
-    one JSON value if it is one, else a value a line. A bad line names its line number."""
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    records = None
-    if text.lstrip().startswith("["):
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as exc:
-            if not _starts_with_a_json_line(text):  # a JSON array with an error, not lines of packed-SFT lists
-                raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})")
-    if records is None:
-        records = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path} line {lineno} is not valid JSON ({exc.msg})")
-    if not records:
-        raise UserError(f"{path} holds no SFT records")
-    return records
-
-
-def _starts_with_a_json_line(text: str) -> bool:
-    try:
-        json.loads(next(line for line in text.splitlines() if line.strip()))
-    except json.JSONDecodeError:
-        return False
-    return True
-
-
-def conversation(record, where: str) -> list[dict]:
-    """The record as chat messages: its own ``messages``, or system (if any), user and assistant turns."""
-    if not isinstance(record, dict):
-        raise UserError(f"{where}: an SFT record must be a JSON object, found {type(record).__name__}")
-    if "messages" in record:
-        msgs = record["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
-        for m in msgs:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-                raise UserError(f"{where}: each message needs a 'role' and a string 'content'")
-        if not any(m["role"] == "assistant" for m in msgs):
-            raise UserError(f"{where}: the conversation has no assistant message to train on")
-        return msgs
-    prompt = next((record[k] for k in PROMPT_KEYS if k in record), None)
-    response = next((record[k] for k in RESPONSE_KEYS if k in record), None)
-    if not isinstance(prompt, str) or not isinstance(response, str):
-        raise UserError(f"{where}: an SFT record needs string prompt and response fields "
-                        f"({'/'.join(PROMPT_KEYS)} and {'/'.join(RESPONSE_KEYS)}) or a 'messages' list")
-    for key in ("input", "system"):
-        if record.get(key) is not None and not isinstance(record[key], str):
-            raise UserError(f"{where}: '{key}' must be a string, found {type(record[key]).__name__}")
-    system = record.get("system") or ""
-    return ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": prompt + (record.get("input") or "")},
-        {"role": "assistant", "content": response}]
 
 
 def _plain_segments(record: dict, messages: list[dict]) -> list[tuple[str, bool]]:
@@ -177,15 +114,9 @@ class SFTDataset(torch.utils.data.Dataset):
         if vocab_size is not None and tokenizer.vocab_size > vocab_size:
             raise UserError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's {vocab_size}")
         self.length, self.pad = length, tokenizer.eod
-        groups = []  # (whether a packed-SFT list, its records tokenized) for each line
-        for i, item in enumerate(read_records(path)):
-            where = f"{path} record {i + 1}"
-            if isinstance(item, list):
-                if not item:
-                    raise UserError(f"{where}: an empty list (a packed-SFT line lists the records of one sample)")
-                groups.append((True, [tokenize_record(tokenizer, r, f"{where} item {j + 1}") for j, r in enumerate(item)]))
-            else:
-                groups.append((False, [tokenize_record(tokenizer, item, where)]))
+        # (whether a packed-SFT list, its records tokenized) for each line
+        groups = [(packed, [tokenize_record(tokenizer, record, where) for record, where in group])
+                  for packed, group in record_groups(path)]
         if packing:
             self.samples = self._pack(groups)
         else:

@@ -1,0 +1,94 @@
+"""SFT records as Pai-Megatron-Patch's SFT JSON holds them (``sft_data`` says which forms), read and checked
+without torch or a tokenizer: the launcher checks every record's shape here before any rank starts, so a bad
+record is one line at launch, not a failure of each rank after minutes of imports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_patch.errors import UserError
+
+PROMPT_KEYS = ("instruction", "query", "prompt", "question")
+RESPONSE_KEYS = ("output", "content", "response", "completion", "answer")
+
+
+def read_records(path: str | Path) -> list:
+    """The SFT records of a JSON array or a JSONL file (objects, or lists of them), as Pai reads them: the file as
+    one JSON value if it is one, else a value a line. A bad line names its line number."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    records = None
+    if text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            if not _starts_with_a_json_line(text):  # a JSON array with an error, not lines of packed-SFT lists
+                raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})")
+    if records is None:
+        records = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path} line {lineno} is not valid JSON ({exc.msg})")
+    if not records:
+        raise UserError(f"{path} holds no SFT records")
+    return records
+
+
+def _starts_with_a_json_line(text: str) -> bool:
+    try:
+        json.loads(next(line for line in text.splitlines() if line.strip()))
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def conversation(record, where: str) -> list[dict]:
+    """The record as chat messages: its own ``messages``, or system (if any), user and assistant turns."""
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: an SFT record must be a JSON object, found {type(record).__name__}")
+    if "messages" in record:
+        msgs = record["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+                raise UserError(f"{where}: each message needs a 'role' and a string 'content'")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise UserError(f"{where}: the conversation has no assistant message to train on")
+        return msgs
+    prompt = next((record[k] for k in PROMPT_KEYS if k in record), None)
+    response = next((record[k] for k in RESPONSE_KEYS if k in record), None)
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        raise UserError(f"{where}: an SFT record needs string prompt and response fields "
+                        f"({'/'.join(PROMPT_KEYS)} and {'/'.join(RESPONSE_KEYS)}) or a 'messages' list")
+    for key in ("input", "system"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            raise UserError(f"{where}: '{key}' must be a string, found {type(record[key]).__name__}")
+    system = record.get("system") or ""
+    return ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt + (record.get("input") or "")},
+        {"role": "assistant", "content": response}]
+
+
+def record_groups(path: str | Path) -> list[tuple[bool, list[tuple[dict, str]]]]:
+    """Each line's records with where they are ("PATH record 3 item 2"), and whether the line is a packed-SFT list;
+    every record's shape is checked (``conversation``). What only the tokenizer can tell (a template's rendering,
+    the lengths) the ranks check as they tokenize."""
+    groups = []
+    for i, item in enumerate(read_records(path)):
+        where = f"{path} record {i + 1}"
+        if isinstance(item, list):
+            if not item:
+                raise UserError(f"{where}: an empty list (a packed-SFT line lists the records of one sample)")
+            group = [(record, f"{where} item {j + 1}") for j, record in enumerate(item)]
+        else:
+            group = [(item, where)]
+        for record, place in group:
+            conversation(record, place)
+        groups.append((isinstance(item, list), group))
+    return groups
