@@ -343,6 +343,24 @@ def test_a_checkpoint_with_a_manifest_is_read_whole_once(written, tmp_path, caps
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("at", [10, 0.5], ids=["pickle-name", "middle"])
+def test_a_flipped_byte_in_the_metadata_is_named_by_the_manifest(written, tmp_path, capsys, at):
+    """A flipped byte in .metadata breaks its pickle in any way at all (a UnicodeDecodeError, an AttributeError, a
+    refused class): where a manifest covers the folder, the file it says changed is named, not the reader's error,
+    with --no-verify too (no switch reads a file that cannot be read), by every reader."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(written["torch_dist"], ckpt)
+    path = ckpt / "release" / ".metadata"
+    _flip(path, at if isinstance(at, int) else int(path.stat().st_size * at))
+    named = f"{path} does not match its digest in {MANIFEST_NAME}"
+    export = ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "out"), "--quiet"]
+    for argv in (export, export + ["--no-verify"], ["inspect", str(ckpt)]):
+        assert "--no-verify reads it" not in _one_line_exit_2(capsys, argv, named, "restore it from a good copy")
+    (ckpt / MANIFEST_NAME).unlink()  # another tool's checkpoint: the reader's own diagnosis
+    _one_line_exit_2(capsys, export, "is not a complete checkpoint")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_flipped_byte_in_a_distcp_chunk_is_refused(written, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(written["torch_dist"], ckpt)

@@ -29,6 +29,7 @@ from megatron_patch.checkpoint_files.layout import (
     torch_dist_problem,
     zip_problem,
 )
+from megatron_patch.checkpoint_files.manifest import damage_against_manifest
 from megatron_patch.checkpoint_files.pickles import Record, TensorRef
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.checkpoint_files.torch_files import nbytes
@@ -170,6 +171,10 @@ def find_checkpoint(path: str | Path, iteration: int | None = None) -> FoundChec
     root, folder, label, notes = _locate(Path(path), iteration)
     problem = checkpoint_problem(folder)
     if problem:
+        damage = damage_against_manifest(folder)
+        if damage is not None:
+            # a UserError, not an IntegrityError: no switch reads a file that cannot be read
+            raise UserError(f"{folder} cannot be read: {damage}; restore it from a good copy")
         raise UserError(f"{folder} is not a complete checkpoint ({problem}): it is half-written, truncated or "
                         "corrupt; point at a finished one (or --iteration N for an older one)")
     fmt = _format(folder)

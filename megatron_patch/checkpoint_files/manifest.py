@@ -242,21 +242,51 @@ def verify_manifest(path: str | Path) -> int:
     """Check an output against its manifest: what it holds (``check_coverage``), then every listed file's size
     and digest; returns the bytes checked. Raises ``IntegrityError`` naming what differs."""
     path = Path(path)
+    entries = check_coverage(path)["files"]
+    difference = _first_difference(path, entries)
+    if difference is not None:
+        raise difference
+    return sum(e["size"] for e in entries.values())
+
+
+def _first_difference(path: Path, entries: dict[str, dict], digest_limit: int | None = None) -> IntegrityError | None:
+    """The first of ``entries`` (a manifest's, at ``path``) whose file differs from its record: sizes first (cheap,
+    and they name a truncated copy before any hashing), then digests (of the files up to ``digest_limit`` bytes)."""
     folder = path.parent
-    data = check_coverage(path)
-    entries = data["files"]
-    for name, entry in entries.items():  # sizes first: cheap, and names a truncated copy before any hashing
+    for name, entry in entries.items():
         file = folder / name
         size = file.stat().st_size
         if size != entry["size"]:
-            raise IntegrityError(f"{file} is {size} bytes, but {path.name} records {entry['size']}: the file was "
-                                 "truncated or changed after it was written")
-    found = digests(folder, entries, sync=False)
-    for name, entry in entries.items():
+            return IntegrityError(f"{file} is {size} bytes, but {path.name} records {entry['size']}: the file was "
+                                  "truncated or changed after it was written")
+    hashed = {name: e for name, e in entries.items() if digest_limit is None or e["size"] <= digest_limit}
+    found = digests(folder, hashed, sync=False)
+    for name, entry in hashed.items():
         if found[name][DIGEST] != entry[DIGEST]:
-            raise IntegrityError(f"{folder / name} does not match its digest in {path.name}: the file was changed "
-                                 "or damaged after it was written (a flipped byte, a bad copy)")
-    return sum(e["size"] for e in entries.values())
+            return IntegrityError(f"{folder / name} does not match its digest in {path.name}: the file was changed "
+                                  "or damaged after it was written (a flipped byte, a bad copy)")
+    return None
+
+
+# On a folder that cannot be read, the files hashed to say which one was changed: its metadata, not its weights.
+_DIAGNOSIS_DIGEST_LIMIT = 64 << 20
+
+
+def damage_against_manifest(folder: str | Path) -> IntegrityError | None:
+    """Which file of a checkpoint folder that cannot be read differs from its manifest, where one covers it: a
+    truer diagnosis than the reader's own error (a flipped byte in a pickle reads as any exception at all). Files
+    that are gone are the reader's to name."""
+    folder = Path(folder)
+    try:
+        path = manifest_for(folder)
+        if path is None:
+            return None
+        prefix = "" if path.parent == folder else f"{folder.name}/"
+        entries = {name: e for name, e in read_manifest(path)["files"].items()
+                   if name.startswith(prefix) and (path.parent / name).is_file()}
+        return _first_difference(path, entries, _DIAGNOSIS_DIGEST_LIMIT)
+    except (UserError, OSError):  # a manifest of its own trouble: the reader's error stands
+        return None
 
 
 def naming_the_switch(exc: IntegrityError, switch: str) -> IntegrityError:
