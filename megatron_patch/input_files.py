@@ -54,9 +54,26 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, 
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+def _not_regular(mode: int) -> str:
+    return next((f"{kind}, not a regular file" for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def file_problem(path: str | Path) -> str | None:
+    """Why ``path`` is no file to read, named by its last part ("common.pt is missing", "common.pt is a FIFO, not a
+    regular file"), or None for a regular file (through links: the reader checks where they lead)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return f"{path.name} is missing" if not os.path.lexists(path) else f"{path.name} is a dangling link"
+    except OSError as exc:
+        return f"{path.name} cannot be read ({exc.strerror})"
+    return None if stat.S_ISREG(mode) else f"{path.name} is {_not_regular(mode)}"
+
+
 def _check_regular(shown: Path, st: os.stat_result, limit: int | None) -> None:
     if not stat.S_ISREG(st.st_mode):
-        what = next((f"{kind}, not a regular file" for test, kind in _KINDS if test(st.st_mode)), "not a regular file")
+        what = _not_regular(st.st_mode)
         raise UserError(f"{shown} is {what}: refused (a FIFO would block its reader, a device never ends); give "
                         "the file itself")
     if limit is not None and st.st_size > limit:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pickle
 import shutil
 import struct
@@ -358,6 +359,29 @@ def test_a_flipped_byte_in_the_metadata_is_named_by_the_manifest(written, tmp_pa
         assert "--no-verify reads it" not in _one_line_exit_2(capsys, argv, named, "restore it from a good copy")
     (ckpt / MANIFEST_NAME).unlink()  # another tool's checkpoint: the reader's own diagnosis
     _one_line_exit_2(capsys, export, "is not a complete checkpoint")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt,name", [("torch_dist", "mpatch_checkpoint.json"), ("torch_dist", "release/common.pt"),
+                                      ("torch_dist", "release/__0_0.distcp"),
+                                      ("legacy", "release/mp_rank_00_000/model_optim_rng.pt")])
+def test_a_checkpoint_file_that_is_no_file_is_named_as_what_it_is(written, tmp_path, capsys, fmt, name):
+    """A FIFO (or a dangling link) where a checkpoint file belongs was read as a missing file: a sidecar as none
+    at all ("give --hf-config"), a common.pt or data file as "missing". Each is named as what it is, and nothing
+    opens it (a FIFO would block its reader)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(written[fmt], ckpt)
+    path = ckpt / name
+    path.unlink()
+    os.mkfifo(path)
+    export = ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "out"), "--quiet"]
+    err = _one_line_exit_2(capsys, export, f"{path.name} is a FIFO, not a regular file")
+    assert "missing" not in err and "--hf-config" not in err
+    _one_line_exit_2(capsys, ["inspect", str(ckpt)], f"{path.name} is a FIFO, not a regular file")
+    path.unlink()
+    path.symlink_to(tmp_path / "nowhere")
+    (ckpt / MANIFEST_NAME).unlink()  # which would name the link first, as leading outside
+    _one_line_exit_2(capsys, export, f"{path.name} is a dangling link")
     assert not (tmp_path / "out").exists()
 
 

@@ -455,7 +455,8 @@ def test_damaged_mcore_checkpoint_fails_cleanly(hf_dirs, tmp_path, capsys):
         (ckpt / victim).write_bytes(data[: len(data) // 2])
         rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / f"{fmt}-hf"),
                           "--quiet")
-        assert rc == 2 and err.count("\n") == 1 and "corrupt" in err, err
+        # the manifest names the file cut short (without one, the reader: "half-written, truncated or corrupt")
+        assert rc == 2 and err.count("\n") == 1 and f"{ckpt / victim} is " in err and "truncated" in err, err
         assert not (tmp_path / f"{fmt}-hf").exists() and not leftovers(tmp_path / f"{fmt}-hf")
     # An intact checkpoint without its sidecar: what to give instead is named (docs/foreign-checkpoints.md).
     hf_to_mcore(hf_dirs["llama3_1"], tmp_path / "intact", ParallelLayout(tp=2), fmt="legacy", progress=False)

@@ -11,6 +11,7 @@ checkpoint, a half-written one, or one whose layers don't add up is refused in o
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from megatron_patch.checkpoint_files.pickles import Record, TensorRef
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.checkpoint_files.torch_files import nbytes
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import file_problem
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # Tensors of a checkpoint that are training state, not weights, by megatron-core's key prefix (Adam moments and
@@ -123,10 +125,10 @@ def checkpoint_problem(folder: Path) -> str | None:
     if fmt == "torch_dist":
         # common.pt is optional: Megatron-Bridge keeps its common state inside the .distcp files.
         return torch_dist_problem(folder, common=False) or (
-            zip_problem(folder / "common.pt") if (folder / "common.pt").exists() else None)
+            zip_problem(folder / "common.pt") if os.path.lexists(folder / "common.pt") else None)
     for rank_dir in sorted(p for p in folder.iterdir() if _RANK_DIR.fullmatch(p.name)):
-        if not (rank_dir / FILE_NAME).is_file():
-            return f"{rank_dir.name}/{FILE_NAME} is missing"
+        if (problem := file_problem(rank_dir / FILE_NAME)) is not None:
+            return f"{rank_dir.name}/{problem}"
     return None
 
 
@@ -180,8 +182,13 @@ def find_checkpoint(path: str | Path, iteration: int | None = None) -> FoundChec
     fmt = _format(folder)
     found = _read_torch_dist(folder) if fmt == "torch_dist" else _read_legacy(folder)
     iterations = sorted(int(m.group(1)) for p in root.iterdir() if (m := ITERATION_DIR.fullmatch(p.name)))
-    sidecar_dir = next((d for d in ((root, folder) if label == RELEASE else (folder,)) if (d / SIDECAR_NAME).is_file()),
-                       None)
+    places = (root, folder) if label == RELEASE else (folder,)
+    sidecar_dir = next((d for d in places if file_problem(d / SIDECAR_NAME) is None), None)
+    if sidecar_dir is None:  # one there but no file to read is not "none": refused, not read around
+        odd = next((f"{d}/{p}" for d in places if os.path.lexists(d / SIDECAR_NAME)
+                    and (p := file_problem(d / SIDECAR_NAME)) is not None), None)
+        if odd is not None:
+            raise UserError(f"{odd}: the checkpoint's sidecar must be a file")
     return FoundCheckpoint(root=root, folder=folder, fmt=fmt, iteration=label, iterations=iterations,
                            sidecar_dir=sidecar_dir, notes=notes, **found)
 

@@ -37,7 +37,7 @@ from megatron_patch.checkpoint_files.torch_dist import (
 )
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex, check_crc
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import read_input
+from megatron_patch.input_files import file_problem, read_input
 from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder helpers, one import for readers
     PARTIAL_TAG,
     atomic_dir,
@@ -124,8 +124,8 @@ def zip_problem(path: str | Path) -> str | None:
     """Why the torch.save file ``path`` is unusable, or None. torch.save writes a zip archive whose
     members carry CRC-32s: reading them all finds truncation and flipped bytes, not only a short file."""
     path = Path(path)
-    if not path.is_file():
-        return f"{path.name} is missing"
+    if (problem := file_problem(path)) is not None:
+        return problem
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
@@ -170,8 +170,8 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
         return ".metadata lists tensors but no data files"
     for name, end in sorted(ends.items()):
         path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
+        if (problem := file_problem(path)) is not None:
+            return problem
         size = path.stat().st_size
         if size < end:
             return f"{name} is truncated ({size} bytes; its records end at byte {end})"
