@@ -311,6 +311,33 @@ def test_force_replaces_only_what_mpatch_wrote(hf, ckpt, tmp_path, capsys):
     assert (pre_manifest / MANIFEST_NAME).exists() and not leftovers(pre_manifest)
 
 
+def test_force_never_replaces_a_training_runs_checkpoints_or_export(hf, ckpt, tmp_path, capsys):
+    """A run's checkpoint/ (a tracker beside iter_* folders) and its final/ (a manifest listing every file) both
+    passed as an earlier converter output, so one mistyped --save-dir with --force (which every Pai converter line
+    adds) deleted the run's checkpoints. Made here as a run lays them out: an iteration holds train_state.json
+    (checkpointing.py), final/'s manifest names 'mpatch train' (as checkpointing.py writes it)."""
+    run = tmp_path / "run"
+    iteration = run / "checkpoint" / "iter_0000004"
+    shutil.copytree(ckpt / "release", iteration)
+    (iteration / "train_state.json").write_text(json.dumps({"iteration": 4}))
+    (run / "checkpoint" / "latest_checkpointed_iteration.txt").write_text("4")
+    shutil.copytree(ckpt, run / "final")
+    manifest = json.loads((run / "final" / MANIFEST_NAME).read_text())
+    (run / "final" / MANIFEST_NAME).write_text(json.dumps({**manifest, "tool": "mpatch train, final export of iteration 4"}))
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    for target, words in ((run / "checkpoint", "iter_0000004 holds its training state"),
+                          (run / "final", "is a training run's export (mpatch train, final export of iteration 4)")):
+        for argv in (["hf2mcore", "--hf-dir", str(hf)], ["mcore2hf", "--load-dir", str(ckpt)]):
+            rc, err = run_cli(capsys, "convert", *argv, "--save-dir", str(target), "--force", "--quiet")
+            _one_line_error(rc, err, words, "--force never replaces a training run's files")
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    # a conversion's own output is still replaced
+    assert run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "again"),
+                   "--quiet")[0] == 0
+    assert run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "again"),
+                   "--quiet", "--force")[0] == 0
+
+
 def test_no_output_overlaps_an_input(hf, ckpt, tmp_path, capsys):
     work = tmp_path / "ck"
     shutil.copytree(ckpt, work)

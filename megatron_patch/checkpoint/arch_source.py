@@ -31,6 +31,7 @@ from megatron_patch.checkpoint.engine import plan
 from megatron_patch.checkpoint.foreign import FoundCheckpoint, find_checkpoint, tensor_facts
 from megatron_patch.checkpoint.outputs import carried_files
 from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar
+from megatron_patch.checkpoint_files.layout import TRAIN_STATE
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, read_config_json, validate_layout
 from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args
@@ -66,7 +67,7 @@ def what_to_give(found: FoundCheckpoint) -> str:
         return ""
     beside = found.hf_config_beside
     hint = f" ({beside} lies beside the weights)" if beside else ""
-    if (found.folder / "train_state.json").is_file():  # a run of this project: its export describes itself
+    if (found.folder / TRAIN_STATE).is_file():  # a run of this project: its export describes itself
         hint += "; or convert the run's final export (OUTPUT_BASEPATH/final), which has one"
     if found.args is not None:
         return ("--family NAME, to read its saved Megatron-LM arguments as that family's model (plus --hf-config "

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
-from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME
+from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME, TRAIN_STATE
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_files, write_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import HF_SIDE_FILES, checked_input
@@ -89,6 +89,25 @@ def replace_refusal(folder: Path) -> str | None:
     return None
 
 
+def training_run_part(folder: Path) -> str | None:
+    """Why ``folder`` is part of a training run, which no ``--force`` replaces (a run has none: a rerun resumes
+    it), or None: a run's ``final/`` export, or its ``checkpoint/`` folder, whose iterations hold the training
+    state. Either would pass as a converter's output (a manifest, a tracker beside iter_* folders), and one
+    mistyped --save-dir would delete the run's checkpoints."""
+    manifest = manifest_of(folder)
+    if manifest is not None:
+        try:
+            tool = str(read_manifest(manifest).get("tool", ""))
+        except UserError:
+            return None  # replace_refusal names the damaged manifest
+        if tool.startswith("mpatch train"):
+            return f"is a training run's export ({tool})"
+    trained = next((p.name for p in sorted(folder.glob("iter_[0-9]*")) if (p / TRAIN_STATE).is_file()), None)
+    if trained is not None:
+        return f"is a training run's checkpoint folder ({trained} holds its training state)"
+    return None
+
+
 @dataclass(frozen=True)
 class TopLevelInput:
     """An input folder of which only the top-level files are read: an HF model folder (config.json, safetensors,
@@ -138,6 +157,10 @@ def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: s
         if not force:
             raise UserError(f"{target} is not empty: choose an empty or new {what}, or pass --force to replace an "
                             "earlier output of mpatch")
+        part = training_run_part(target)
+        if part is not None:
+            raise UserError(f"{target} {part}, and --force never replaces a training run's files (rerunning the run "
+                            f"resumes it): move it away or choose another {what}")
         why = replace_refusal(target)
         if why is not None:
             raise UserError(f"--force replaces only an earlier output of mpatch, and {target} {why}: move it away or "

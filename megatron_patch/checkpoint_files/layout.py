@@ -55,6 +55,8 @@ from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder
 
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
+# What a training run of this project saves in each iteration beside megatron's files (training/run_state.py).
+TRAIN_STATE = "train_state.json"
 ITERATION_DIR = re.compile(r"iter_([0-9]{7})")
 # An iteration number as a tracker or the environment gives it: ASCII digits, at most 12 of them.
 WHOLE_NUMBER = re.compile(r"[0-9]{1,12}")

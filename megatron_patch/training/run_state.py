@@ -17,6 +17,7 @@ from megatron_patch.checkpoint.outputs import replace_refusal
 from megatron_patch.checkpoint_files.layout import (
     RELEASE,
     TRACKER_NAME,
+    TRAIN_STATE,
     archives_problem,
     iteration_dir,
     latest_complete_iteration,
@@ -28,7 +29,6 @@ from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_of
 from megatron_patch.errors import UserError
 from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, require_folder
 
-TRAIN_STATE = "train_state.json"
 # What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
 # against their manifests: the same switch as the commands' --no-verify, for a checkpoint edited on purpose.
 NO_VERIFY = "MP_NO_VERIFY=true"
