@@ -269,6 +269,32 @@ def test_unsupported_peft_configs_are_refused(lora_models, tmp_path, capsys, edi
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"r": 8}, "adapter has rank 3, but its adapter_config.json gives it rank 8"),
+    ({"rank_pattern": {"k_proj": 2}}, "k_proj's adapter has rank 3, but its adapter_config.json gives it rank 2"),
+    ({"layers_to_transform": [0]}, "outside its adapter_config.json's layers_to_transform [0]"),
+    ({"target_modules": ["q_proj"]}, "which its adapter_config.json does not target (target_modules ['q_proj'])"),
+    ({"target_modules": r".*\.self_attn\..*"}, "mlp."),
+], ids=["r", "rank_pattern", "layers_to_transform", "target_modules", "target_regex"])
+def test_an_adapter_its_config_contradicts_is_refused(lora_models, tmp_path, capsys, edit, message):
+    """peft builds the adapters its config describes, then loads the file: another rank is a size mismatch it
+    refuses, and a module the config does not target is left out. Before, the tensors decided alone (a merge
+    that was not peft's, a rank read as the config's scaling denominator, a checkpoint its own export refused)."""
+    adapter = tmp_path / "a"
+    shutil.copytree(lora_models["adapters"]["llama3_1"], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 3 and not config.get("rank_pattern"), config  # what the edits contradict
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(lora_models["hf"]["llama3_1"]), "--save-dir",
+                      str(tmp_path / "out"), "--peft-dir", str(adapter))
+    assert rc == 2 and message in _one_line(err), err
+    assert not (tmp_path / "out").exists()
+    # the config as written still reads
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    assert run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(lora_models["hf"]["llama3_1"]), "--save-dir",
+                   str(tmp_path / "out"), "--peft-dir", str(adapter))[0] == 0
+
+
 def test_adapter_for_another_base_is_refused(lora_models, tmp_path, capsys):
     """A qwen2 adapter on a llama model: the shapes (or the modules) are not the model's."""
     other = make_tiny_hf_checkpoint("llama3_1", tmp_path / "wide", hidden_size=128, intermediate_size=192)

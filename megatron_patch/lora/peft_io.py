@@ -80,8 +80,7 @@ def read_peft_adapter(folder: str | Path, arch: Arch, shape=None) -> tuple[LoraS
     # modules_to_save tensors go on under the names they are stored by (peft has the loaded model's)
     prefixes = get_family(arch.family).hf_loaded_prefixes
     saved = {stored_name(prefixes, k): v for k, v in saved.items()}
-    config_params = read_adapter_config(folder).get("target_parameters") or []
-    adapters, modules = _match_adapters(lora, every, arch, str(weights), spec, config_params)
+    adapters, modules = _match_adapters(lora, every, arch, str(weights), spec, read_adapter_config(folder))
     targets = tuple(t for t in LORA_TARGETS
                     if any(s.target == t and any(a.name in modules for a in s.adapters) for s in every))
     spec = _final_spec(spec, modules, targets)
@@ -122,10 +121,14 @@ def _final_spec(spec: LoraSpec, modules: dict, targets: tuple[str, ...]) -> Lora
                                alpha_pattern=alpha_pattern)
 
 
-def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec: LoraSpec, config_params: list):
+def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec: LoraSpec, config: dict):
     """Place each (module, depth, A/B) tensor of the file on the model's plan; returns (tensors by checkpoint
-    key, {adapter name: (rank, alpha)})."""
+    key, {adapter name: (rank, alpha)}). An adapter on a module its config does not target, or of another rank
+    than its config gives, is refused: peft would not load it (``_as_configured``)."""
     import torch
+
+    config_params = config.get("target_parameters") or []
+    as_configured = _as_configured(config, spec, where)
 
     plain: dict[str, tuple] = {}      # HF module -> (site, adapter)
     stacked: dict[tuple, list] = {}   # (module of a stacked parameter, parameter) -> [(site, adapter)] by expert
@@ -183,6 +186,7 @@ def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec:
             s, ad = plain[module]
             a, b = pair(module)
             check(module, a, b, ad.in_features, sum(ad.rows), module)
+            as_configured(module, a.shape[0])
             out[ad.key_a], out[ad.key_b] = a, b
             ranks[module] = (a.shape[0], spec.rank_alpha(module)[1])
     for (module, depth), name in depth_of.items():
@@ -227,6 +231,7 @@ def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec:
         for p in range(len(s.hf_names)):
             a, b = entry[p]
             check(s.hf_names[p].removesuffix(".weight"), a, b, ad.in_features, ad.rows[p], s.hf_names[p])
+            as_configured(s.hf_names[p].removesuffix(".weight"), a.shape[0])
             blocks_a.append(a)
             blocks_b.append(b)
             rank += a.shape[0]
@@ -251,6 +256,39 @@ def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec:
     if not out:
         raise UserError(f"{where} holds no LoRA weights")
     return out, ranks
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _as_configured(config: dict, spec: LoraSpec, where: str):
+    """A check that an adapter found on the module ``name`` (not a stacked parameter: target_parameters reach
+    those) is one its config makes, with the rank it gives: peft builds the adapters from the config and then
+    loads the file, so it ignores tensors of modules the config does not target (target_modules,
+    layers_to_transform) and refuses another rank (a size mismatch). Merging them would not be peft's model."""
+    targets = config.get("target_modules")
+
+    def targeted(name: str) -> bool:
+        # under either class's names (_language_model_names): the config names modules as the file does
+        names = {name, "model." + name[len(LANGUAGE_MODEL):] if name.startswith(LANGUAGE_MODEL) else name}
+        if isinstance(targets, str):  # a regular expression over the whole name, or peft's shorthand
+            return targets == "all-linear" or any(re.fullmatch(targets, n) for n in names)
+        return any(n == t or n.endswith("." + t) for n in names for t in targets or ())
+
+    def check(name: str, rank: int) -> None:
+        if not targeted(name):
+            raise UserError(f"{where}: holds an adapter on {name}, which its adapter_config.json does not target "
+                            f"(target_modules {targets!r}): peft would not load it; fix the config or the file")
+        layer = _LAYER.search(name)
+        if spec.layers is not None and layer is not None and int(layer.group(1)) not in spec.layers:
+            raise UserError(f"{where}: holds an adapter on {name}, outside its adapter_config.json's "
+                            f"layers_to_transform {list(spec.layers)}: peft would not load it; fix the config or the file")
+        configured = spec.rank_alpha(name)[0]
+        if rank != configured:
+            raise UserError(f"{where}: {name}'s adapter has rank {rank}, but its adapter_config.json gives it rank "
+                            f"{configured} (r, rank_pattern): peft refuses it (a size mismatch); fix the config or "
+                            "the file")
+    return check
 
 
 def _check_saved(spec: LoraSpec, saved: dict, arch: Arch, where: str) -> None:
