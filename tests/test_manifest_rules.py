@@ -76,6 +76,31 @@ def test_verify_names_listed_files_that_are_links_or_not_regular_files(work, cap
     _verify(capsys, work, f"lists release/{distcp}, which is a symlink (to {work / 'release' / 'saved'})")
 
 
+def test_verify_of_a_run_names_every_iteration_no_manifest_vouches_for(work, tmp_path, capsys):
+    """verify of a run (or checkpoint) folder checked the manifests it found and said 'every file is as written',
+    while an iteration without one (the newest, damaged) went unchecked. A partial folder (a save that did not
+    finish, which nothing reads) is not an iteration; a conversion's release/ is its parent's manifest's."""
+    run = tmp_path / "run"
+    for i in (2, 4):
+        iteration = run / "checkpoint" / f"iter_{i:07d}"
+        shutil.copytree(work / "release", iteration)
+        write_manifest(iteration, "mpatch train", sync=False)
+    partial = run / "checkpoint" / ".iter_0000006.mpatch-partial.1234"
+    partial.mkdir()
+    (partial / "common.pt").write_bytes(b"half")
+    assert run_cli(capsys, "verify", str(run))[0] == 0
+    (run / "checkpoint" / "iter_0000004" / MANIFEST_NAME).unlink()
+    for path in (run, run / "checkpoint"):
+        _verify(capsys, path, f"{run / 'checkpoint' / 'iter_0000004'} has no {MANIFEST_NAME}", "nothing vouches")
+    shutil.rmtree(run / "checkpoint" / "iter_0000004")
+    (run / "checkpoint" / "iter_0000008").mkdir()  # a folder begun by hand or by another tool
+    (run / "checkpoint" / "iter_0000008" / "common.pt").write_bytes(b"x")
+    _verify(capsys, run, "iter_0000008 has no")
+    models = tmp_path / "models"
+    shutil.copytree(work, models / "ck")
+    assert run_cli(capsys, "verify", str(models))[0] == 0
+
+
 def test_verify_refuses_a_listed_folder_reached_through_a_link(work, capsys):
     _link_out(work, "release")
     _verify(capsys, work, "lists release/", "which leads outside")

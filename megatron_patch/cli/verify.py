@@ -2,32 +2,50 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from megatron_patch.checkpoint_files.layout import ITERATION_DIR, RELEASE
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, verify_manifest
 from megatron_patch.errors import UserError
+from megatron_patch.outputs.folders import PARTIAL_TAG
 
 
-def manifests_under(path: Path) -> list[Path]:
-    """The manifests that ``path`` names: a manifest file itself, a folder's own, or (a training run's
-    OUTPUT_BASEPATH or checkpoint folder) those of the folders in it, two levels down."""
+# The folders of a training run or checkpoint folder that each carry a manifest: iterations, a conversion's
+# release/, a run's final/ (training/run_folder.FINAL_DIR).
+_VOUCHED = re.compile(rf"{ITERATION_DIR.pattern}|{RELEASE}|final")
+
+
+def manifests_under(path: Path) -> tuple[list[Path], list[Path]]:
+    """(the manifests that ``path`` names, the folders that should carry one and do not). ``path``: a manifest
+    file itself, a folder's own, or (a training run's OUTPUT_BASEPATH or checkpoint folder) those of the folders
+    in it, two levels down. A partial folder (a save that did not finish, which nothing reads) is neither."""
     if path.is_file():
-        return [path]
+        return [path], []
     own = path / MANIFEST_NAME
     if own.is_file():
-        return [own]
-    found = sorted(path.glob(f"*/{MANIFEST_NAME}")) + sorted(path.glob(f"*/*/{MANIFEST_NAME}"))
-    return found + sorted(path.glob(f"*.{MANIFEST_NAME}"))
+        return [own], []
+    folders = [p for p in sorted(path.iterdir()) + sorted(path.glob("*/*"))
+               if p.is_dir() and PARTIAL_TAG not in p.name and (p.parent == path or PARTIAL_TAG not in p.parent.name)]
+    found = [p / MANIFEST_NAME for p in folders if (p / MANIFEST_NAME).is_file()]
+    # a converted checkpoint's release/ is its parent's manifest's
+    unvouched = [p for p in folders if _VOUCHED.fullmatch(p.name)
+                 and not (p / MANIFEST_NAME).is_file() and not (p.parent / MANIFEST_NAME).is_file()]
+    return found + sorted(path.glob(f"*.{MANIFEST_NAME}")), unvouched
 
 
 def run(args) -> int:
     path = Path(args.path)
     if not path.exists():
         raise UserError(f"{path} does not exist")
-    manifests = manifests_under(path)
-    if not manifests:
+    manifests, unvouched = manifests_under(path)
+    if not manifests and not unvouched:
         raise UserError(f"{path} has no mpatch_manifest.json: it was not written by this version of mpatch (or its "
                         "manifest was removed), so there is nothing to check it against")
+    if unvouched:
+        more = f" (and {len(unvouched) - 1} more)" if len(unvouched) > 1 else ""
+        raise IntegrityError(f"{unvouched[0]} has no {MANIFEST_NAME}{more}, so nothing vouches for its files: it was "
+                             "not written by this version of mpatch, or its manifest was removed")
     total = 0
     for manifest in manifests:
         root, here = path.resolve(), manifest.parent.resolve()
