@@ -145,6 +145,12 @@ class HFTokenizer:
         if isinstance(eos_id, list) and eos_id:
             eos_id = eos_id[0]
         if isinstance(eos_id, int) and not isinstance(eos_id, bool):
+            # a folder is untrusted input: an id outside the vocabulary would end every document with a token
+            # the model has no row for (or not fit the data's dtype)
+            if not 0 <= eos_id < self.vocab_size:
+                raise UserError(f"{folder / 'config.json'}: eos_token_id {eos_id} is outside the tokenizer's "
+                                f"{self.vocab_size} ids: fix it, or name the end-of-document token in "
+                                "tokenizer_config.json's eos_token")
             return eos_id
         raise UserError(f"{folder}: cannot tell the end-of-document token (no eos_token in tokenizer_config.json, "
                         f"none of {', '.join(EOD_CANDIDATES)} in the vocabulary)")

@@ -177,6 +177,34 @@ def test_a_garbage_tokenizer_file_is_one_line_and_exit_2(tokenizer, tmp_path, ca
     _one_line(rc, err, name, words)
 
 
+@pytest.mark.parametrize("eos_id", [500, -1, 70000, 5])
+def test_an_eos_token_id_outside_the_vocabulary_is_one_line_and_exit_2(tokenizer, tmp_path, capsys, eos_id):
+    """A folder whose tokenizer names no end-of-document token falls back to config.json's eos_token_id, which
+    is untrusted: 500 ended every document with an id the 200-token model has no row for (exit 0), -1 and 70000
+    stopped preprocess with an OverflowError. An id inside the vocabulary is taken."""
+    spec = json.loads((tokenizer / "tokenizer.json").read_text())
+    renamed = {t["content"]: f"[{i}]" for i, t in enumerate(spec["added_tokens"])}  # no EOD_CANDIDATES name left
+    for token in spec["added_tokens"]:
+        token["content"] = renamed[token["content"]]
+    vocab = spec["model"]["vocab"]
+    spec["model"]["vocab"] = {renamed.get(k, k): v for k, v in vocab.items()}
+    if spec["model"].get("unk_token") in renamed:
+        spec["model"]["unk_token"] = renamed[spec["model"]["unk_token"]]
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": eos_id}))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c"}])
+    argv = ["preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "p"), "--tokenizer", str(folder),
+            "--quiet"]
+    if eos_id == 5:
+        assert run_cli(capsys, *argv)[0] == 0
+        return
+    rc, err = run_cli(capsys, *argv)
+    _one_line(rc, err, "config.json", f"eos_token_id {eos_id} is outside the tokenizer's 200 ids")
+    assert not (tmp_path / "p_text_document.bin").exists()
+
+
 @pytest.mark.parametrize("content, words", [
     (b"YQ== 0\nnot-base64! 1\n", "line 2 is not 'base64-token rank'"),
     (b"YQ== 0\nYg== 0\n", "two tokens the same rank"),
