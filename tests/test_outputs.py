@@ -338,6 +338,39 @@ def test_force_never_replaces_a_training_runs_checkpoints_or_export(hf, ckpt, tm
                    "--quiet", "--force")[0] == 0
 
 
+def test_force_replaces_only_an_earlier_output_of_the_same_command(hf, ckpt, tmp_path, capsys):
+    """align --report-dir X --force (and eval --output-dir) replaced any output of mpatch, a converted checkpoint
+    included: one mistyped path deleted a conversion. Each command's --force now replaces its own outputs only;
+    the converters' outputs stay interchangeable (checkpoints and exports are both mpatch convert's)."""
+    from megatron_patch.checkpoint.outputs import check_target
+    from megatron_patch.errors import UserError
+
+    work = tmp_path / "ck"
+    shutil.copytree(ckpt, work)
+    rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--dtype", "fp32", "--seq-len", "16", "--quiet",
+                      "--report-dir", str(work), "--force")
+    _one_line_error(rc, err, "--force replaces only an earlier output of mpatch align",
+                    "was written by mpatch convert hf2mcore, not by mpatch align")
+    assert sorted(p.name for p in work.iterdir()) == sorted(p.name for p in ckpt.iterdir())
+    with pytest.raises(UserError, match="not by mpatch eval"):
+        check_target(work, True, what="--output-dir", writer="mpatch eval")
+    report = tmp_path / "report"
+    assert run_cli(capsys, "align", "--hf-dir", str(hf), "--dtype", "fp32", "--seq-len", "16", "--quiet",
+                   "--report-dir", str(report))[0] in (0, 1)
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(report), "--force",
+                      "--quiet")
+    _one_line_error(rc, err, "was written by mpatch align, not by mpatch convert")
+    # pre-manifest outputs are told apart by what they hold
+    (report / MANIFEST_NAME).unlink()
+    with pytest.raises(UserError, match="looks like an align report, which mpatch align writes, not mpatch convert"):
+        check_target(report, True, writer="mpatch convert")
+    # one converter's output is another's to replace
+    export = tmp_path / "export"
+    assert run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(work), "--save-dir", str(export), "--quiet")[0] == 0
+    assert run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(export), "--force",
+                   "--quiet")[0] == 0
+
+
 def test_no_output_overlaps_an_input(hf, ckpt, tmp_path, capsys):
     work = tmp_path / "ck"
     shutil.copytree(ckpt, work)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,8 +58,17 @@ _CHECKPOINT = (TRACKER_NAME, RELEASE, "iter_[0-9]*", SIDECAR_NAME, *CARRIED_PATT
 _ALIGN_REPORT = ("report.json", "report.md", "error_by_layer.png")
 
 
-def replace_refusal(folder: Path) -> str | None:
-    """Why ``--force`` must not replace ``folder`` (None: it is an earlier output of this project).
+def command_of(tool: str) -> str:
+    """The command a manifest's ``tool`` names ("mpatch convert mcore2hf --merge-lora" -> "mpatch convert"): an
+    output may replace the earlier outputs of its own command only."""
+    match = re.match(r"mpatch \w+", tool)
+    return match.group(0) if match else tool
+
+
+def replace_refusal(folder: Path, writer: str | None = None) -> str | None:
+    """Why ``--force`` must not replace ``folder`` (None: it is an earlier output of this project, and with
+    ``writer`` (a manifest's tool) one of the same command: align's --force replaces an align report, never a
+    converted checkpoint).
 
     Recognised: a folder whose manifest lists every file in it; or, from before the manifest existed, an
     MCore checkpoint (its tracker file), an HF export (config.json and safetensors) or an align report
@@ -66,26 +76,31 @@ def replace_refusal(folder: Path) -> str | None:
     manifest = manifest_of(folder)
     if manifest is not None:
         try:
-            listed = set(read_manifest(manifest)["files"])
+            data = read_manifest(manifest)
         except UserError as exc:
             return f"has a damaged manifest ({exc})"
-        extra = [f for f in unlisted_files(folder) if f not in listed]
+        extra = [f for f in unlisted_files(folder) if f not in set(data["files"])]
         if extra:
             return f"holds {extra[0]}, which its {MANIFEST_NAME} does not list (added after mpatch wrote the folder)"
+        written_by = str(data.get("tool", ""))
+        if writer is not None and command_of(written_by) != command_of(writer):
+            return f"was written by {written_by}, not by {command_of(writer)}"
         return None
     names = sorted(p.name for p in folder.iterdir())
     if TRACKER_NAME in names:
-        kind, allowed = "an MCore checkpoint", _CHECKPOINT
+        kind, allowed, command = "an MCore checkpoint", _CHECKPOINT, "mpatch convert"
     elif "config.json" in names and any(n.endswith(".safetensors") for n in names):
-        kind, allowed = "an HF export", _HF_EXPORT
+        kind, allowed, command = "an HF export", _HF_EXPORT, "mpatch convert"
     elif {"report.json", "report.md"} <= set(names):
-        kind, allowed = "an align report", _ALIGN_REPORT
+        kind, allowed, command = "an align report", _ALIGN_REPORT, "mpatch align"
     else:
         return ("is neither an output of mpatch (no mpatch_manifest.json) nor an MCore checkpoint, HF export or "
                 f"align report (it holds {names[0]})")
     extra = [n for n in names if not any(fnmatch.fnmatch(n, pattern) for pattern in allowed)]
     if extra:
         return f"looks like {kind} but also holds {extra[0]}, which mpatch does not write"
+    if writer is not None and command != command_of(writer):
+        return f"looks like {kind}, which {command} writes, not {command_of(writer)}"
     return None
 
 
@@ -130,10 +145,11 @@ def _overlap(target: Path, inputs: tuple) -> Path | None:
     return overlap(target, plain)
 
 
-def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: str = "--save-dir") -> Path:
+def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: str = "--save-dir",
+                 writer: str | None = None) -> Path:
     """Refuse an output folder that overlaps an input (``--force`` or not; a ``TopLevelInput`` may hold it), is a
     file or under one, is a symlink, is non-empty without ``force``, or (with ``force``) is not an earlier output
-    of this project."""
+    of this project's command ``writer`` (a manifest's tool, e.g. "mpatch align")."""
     target = Path(target).absolute()
     clash = _overlap(target, inputs)
     if clash is not None:
@@ -161,9 +177,10 @@ def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: s
         if part is not None:
             raise UserError(f"{target} {part}, and --force never replaces a training run's files (rerunning the run "
                             f"resumes it): move it away or choose another {what}")
-        why = replace_refusal(target)
+        why = replace_refusal(target, writer)
         if why is not None:
-            raise UserError(f"--force replaces only an earlier output of mpatch, and {target} {why}: move it away or "
+            mine = command_of(writer) if writer else "mpatch"
+            raise UserError(f"--force replaces only an earlier output of {mine}, and {target} {why}: move it away or "
                             f"choose another {what}")
     return target
 
@@ -176,6 +193,6 @@ def atomic_output_dir(target: str | Path, force: bool, *, tool: str, inputs: tup
     (naming ``tool``) is written last, before the folder is published; ``digested``: the manifest entries
     of files the block hashed itself once they were complete (filled in by the block)."""
     with atomic_dir(target, replace=force, what=what,
-                    check=lambda t: check_target(t, force, inputs=inputs, what=what)) as tmp:
+                    check=lambda t: check_target(t, force, inputs=inputs, what=what, writer=tool)) as tmp:
         yield tmp
         write_manifest(tmp, tool, known=digested)

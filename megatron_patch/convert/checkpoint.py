@@ -211,7 +211,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     if fmt == "legacy":
         check_legacy_layout(layout)
     inputs = (TopLevelInput(hf_dir),)  # only its top-level files are read: the output may be a folder inside it
-    check_target(save_dir, force, inputs=inputs)  # fail before the slow part (checked again under the lock)
+    check_target(save_dir, force, inputs=inputs, writer="mpatch convert")  # fail before the slow part (checked again under the lock)
     side_files = carried_files(hf_dir)
     for name in side_files:  # each inside the folder and a regular file, before the slow part
         checked_input(hf_dir / name, inside=hf_dir, how="has a side file", limit=None)
@@ -288,7 +288,7 @@ def dequantize_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16",
     entries = [(n, weights.shape(n), out_dtype if weights.stored(n) is None else weights.dtype(n))
                for n in sorted(weights.keys())]
     inputs = (TopLevelInput(hf_dir),)
-    check_target(save_dir, force, inputs=inputs)
+    check_target(save_dir, force, inputs=inputs, writer="mpatch convert")
     with atomic_output_dir(save_dir, force, tool="mpatch convert pai fp8_cast_bf16.py", inputs=inputs) as tmp:
         plan = plan_safetensors(tmp, entries, parse_size(max_shard_size))
         plan.write_headers()
@@ -584,7 +584,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     # sidecar's, and the folder --hf-config came from.
     config_folder = _config_folder(hf_config)
     inputs = (load_dir, None if config_folder is None else TopLevelInput(config_folder))
-    check_target(save_dir, force, inputs=inputs)
+    check_target(save_dir, force, inputs=inputs, writer="mpatch convert")
     opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
     for note in opened.found.notes + opened.notes:
         print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -620,7 +620,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     family = get_family(arch.family)
     out_dtype = sidecar.dtype_name if dtype is None else _choose_dtype(None, [], dtype)
     max_bytes = parse_size(max_shard_size)
-    check_target(save_dir, force, inputs=inputs)
+    check_target(save_dir, force, inputs=inputs, writer="mpatch convert")
     skeleton = describe_model(arch)
     tp1 = plan(family, arch, ParallelLayout())
     hf_shapes = skeleton.hf_shapes
