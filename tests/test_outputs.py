@@ -464,8 +464,13 @@ def test_preprocess_takes_the_lock_and_leaves_a_manifest(tmp_path, capsys):
     manifest = tmp_path / f"p_text_document.{MANIFEST_NAME}"
     assert set(json.loads(manifest.read_text())["files"]) == {"p_text_document.bin", "p_text_document.idx"}
     assert run_cli(capsys, "verify", str(manifest))[0] == 0
+    # either file of the pair names its manifest (before: read as a manifest, "is not valid JSON")
+    for suffix in (".bin", ".idx"):
+        assert run_cli(capsys, "verify", f"{prefix}_text_document{suffix}")[0] == 0
+    _one_line_error(*run_cli(capsys, "verify", str(data)), "is neither a folder nor a manifest")
     Path(f"{prefix}_text_document.idx").write_bytes(b"\0" * 10)
     _one_line_error(*run_cli(capsys, "verify", str(tmp_path)), "p_text_document.idx")
+    _one_line_error(*run_cli(capsys, "verify", f"{prefix}_text_document.bin"), "p_text_document.idx")
 
 
 def test_align_report_dir_has_one_writer(hf, tmp_path, capsys):

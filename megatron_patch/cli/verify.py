@@ -21,6 +21,13 @@ def manifests_under(path: Path) -> tuple[list[Path], list[Path]]:
     file itself, a folder's own, or (a training run's OUTPUT_BASEPATH or checkpoint folder) those of the folders
     in it, two levels down. A partial folder (a save that did not finish, which nothing reads) is neither."""
     if path.is_file():
+        if path.suffix in (".bin", ".idx"):  # preprocessed data: the pair's manifest beside it
+            pair = path.with_name(f"{path.stem}.{MANIFEST_NAME}")
+            if pair.is_file():
+                return [pair], []
+        if not path.name.endswith(MANIFEST_NAME):
+            raise UserError(f"{path} is neither a folder nor a manifest: give an output folder, a training run's "
+                            f"folder, or a {MANIFEST_NAME} (preprocessed data: PREFIX.{MANIFEST_NAME})")
         return [path], []
     own = path / MANIFEST_NAME
     if own.is_file():
