@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
+import signal
+import subprocess
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
 import pytest
 import zstandard
 
+from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import load_tokenizer
 from megatron_patch.training import preprocess as pre
 from tests.convert_helpers import run_cli
@@ -164,12 +170,141 @@ def test_a_folder_holding_anything_else_is_refused(tok, tmp_path, capsys):
     assert pre.input_files(folder) == [folder / "00.jsonl"]
 
 
+def test_a_byte_order_mark_opening_a_file_is_not_part_of_its_first_line(tok, tmp_path, capsys):
+    """Before: a file saved with a UTF-8 BOM (Windows editors) lost its first document, 'not valid JSON
+    (Unexpected UTF-8 BOM)', plain, .gz or .zst alike."""
+    texts = make_texts(9, seed=13)
+    bom = b"\xef\xbb\xbf"
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "00.jsonl").write_bytes(bom + _jsonl(texts[:3]))
+    (folder / "01.jsonl.gz").write_bytes(gzip.compress(bom + _jsonl(texts[3:6])))
+    (folder / "02.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(bom + _jsonl(texts[6:])))
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "p"),
+                      "--tokenizer", str(tok), "--quiet")
+    assert rc == 0 and err == "", err
+    assert _documents(tmp_path / "p_text_document", tok) == texts
+
+
+def test_several_json_keys_are_one_set_published_together_or_not_at_all(tok, tmp_path, capsys):
+    """Before: with --json-keys text meta nosuch, the text and meta pairs were published, then the missing key
+    failed (exit 2, a half-done set); --json-keys text text wrote the pair and then failed on its own output."""
+    data = tmp_path / "in.jsonl"
+    texts = make_texts(20, seed=14)
+    data.write_bytes("".join(json.dumps({"text": t, "meta": t.upper()}) + "\n" for t in texts).encode())
+
+    def preprocess(*keys: str) -> tuple[int, str]:
+        return run_cli(capsys, "preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "p"),
+                       "--tokenizer", str(tok), "--quiet", "--json-keys", *keys)
+
+    _one_line(*preprocess("text", "meta", "nosuch"), "has no usable line", "'nosuch'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # no pair, partial folder or lock
+    _one_line(*preprocess("text", "meta", "text"), "--json-keys names 'text' more than once")
+    # Every key's prefix is checked before any is written.
+    (tmp_path / "p_meta_document.bin").write_bytes(b"someone's")
+    _one_line(*preprocess("text", "meta"), "p_meta_document.bin exists and mpatch did not write it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "p_meta_document.bin"]
+    (tmp_path / "p_meta_document.bin").unlink()
+    rc, err = preprocess("text", "meta")
+    assert rc == 0, err
+    assert _documents(tmp_path / "p_text_document", tok) == texts
+    assert len(_documents(tmp_path / "p_meta_document", tok)) == len(texts)
+
+
+def test_the_line_ceiling_option_has_a_ceiling_of_its_own(tok, tmp_path, capsys):
+    """Before: --max-line-mb 1e13 was taken, and the reader stopped with an internal OverflowError (exit 1)."""
+    (tmp_path / "in.jsonl").write_bytes(_jsonl(["a document"]))
+    argv = ["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "p"),
+            "--tokenizer", str(tok), "--quiet", "--max-line-mb"]
+    for too_much in ("1e13", str(pre.MAX_LINE_MB + 1)):
+        with pytest.raises(SystemExit) as exc:  # argparse: usage and one error line
+            run_cli(capsys, *argv, too_much)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2, err
+        assert f"--max-line-mb: must be a number of MiB > 0 and at most {pre.MAX_LINE_MB}, not '{too_much}'" in err
+    with pytest.raises(UserError, match=f"--max-line-mb must be > 0 and at most {pre.MAX_LINE_MB}"):
+        pre.preprocess(tmp_path / "in.jsonl", str(tmp_path / "p"), tok, progress=False, max_line_bytes=10**19)
+    assert run_cli(capsys, *argv, str(pre.MAX_LINE_MB))[0] == 0
+
+
+def test_without_a_terminal_progress_is_a_plain_line_now_and_then(tok, tmp_path, capsys, monkeypatch):
+    """Before: progress was a bar on a terminal and nothing otherwise, so a batch job logging to a file said
+    nothing until the end. capsys's stderr is no terminal."""
+    (tmp_path / "in.jsonl").write_bytes(_jsonl(make_texts(50, seed=15)))
+    monkeypatch.setattr(pre, "PROGRESS_LOG_SECONDS", 0.0)  # 30 s by default: every line here
+    argv = ["preprocess", "--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(tok)]
+    rc, err = run_cli(capsys, *argv, "--output-prefix", str(tmp_path / "p"))
+    assert rc == 0, err
+    line = re.compile(r"preprocess text: [\d,]+ documents, [\d.,]+ MB read \(\d+%\); [\d,]+ documents/s, [\d.,]+ MB/s")
+    assert err and all(line.fullmatch(x) for x in err.splitlines()), err
+    rc, err = run_cli(capsys, *argv, "--output-prefix", str(tmp_path / "q"), "--quiet")
+    assert rc == 0 and err == "", err
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state_and_parent = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError):
+            continue
+        if int(state_and_parent[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_a_stopped_run_takes_its_workers_with_it(tok, tmp_path, sig):
+    """Before: SIGTERM ended a --workers 2 run with -15, its spawned workers and multiprocessing's resource tracker
+    ran on for good holding the caller's stdout/stderr, and the partial folder and the lock stayed. SIGTERM now
+    unwinds as Ctrl-C does (exit 130, nothing left); SIGKILL cannot be unwound, but the workers end with it."""
+    data = tmp_path / "big.jsonl"
+    data.write_bytes(_jsonl([f"document number {i} of a long corpus" for i in range(400_000)]))  # minutes to tokenize
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_patch", "preprocess", "--input", str(data),
+                             "--output-prefix", str(tmp_path / "p"), "--tokenizer", str(tok), "--workers", "2",
+                             "--quiet"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    children = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(children) < 3:  # both workers and the resource tracker
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.2)
+            children = _children(proc.pid)
+        time.sleep(1)  # into the tokenizing
+        assert proc.poll() is None, "the run ended before it was stopped: give it more input"
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)  # before, no end of file came while a worker held the pipes
+        deadline = time.monotonic() + 30
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in children if _alive(pid)], "processes outlived the run"
+    finally:
+        proc.kill()
+        for pid in children:  # only on failure: nothing to leave running
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 130 and err.decode() == "mpatch preprocess: interrupted\n", (proc.returncode, err)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+    else:
+        assert proc.returncode == -signal.SIGKILL
+
+
 @pytest.mark.slow
 def test_pais_preprocessing_script_runs_unchanged_under_sh(tok, tmp_path):
     """Pai's README line for its megatron preprocessing script, by its path and positional arguments, under sh."""
-    import os
-    import subprocess
-
     texts = make_texts(20, seed=12)
     folder = _folder(tmp_path / "cleaned_zst", texts)
     script = Path(__file__).resolve().parents[1] / "toolkits" / "pretrain_data_preprocessing" / \

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 import warnings
 
 from megatron_patch.errors import UserError
-from megatron_patch.training.preprocess import DEFAULT_MAX_LINE_MB, WORKERS_PER_CORE, preprocess
+from megatron_patch.training.preprocess import (DEFAULT_MAX_LINE_MB, MAX_LINE_MB, PROGRESS_LOG_SECONDS,
+                                                 WORKERS_PER_CORE, preprocess_keys)
 
 # Pai's flags that have no effect here, and why (said in one line when given).
 PAI_IGNORED = {
@@ -22,7 +24,8 @@ PAI_IGNORED = {
     "tokenizer_type": ("--tokenizer-type", "the tokenizer is the --load/--tokenizer folder's"),
     "partitions": ("--partitions", "the workers share the input, no partition files are written"),
     "keep_sequential_samples": ("--keep-sequential-samples", "documents always keep the input's order"),
-    "log_interval": ("--log-interval", "progress is a bar"),
+    "log_interval": ("--log-interval", f"progress is a bar, or a line every {PROGRESS_LOG_SECONDS:g} s where "
+                                       "stderr is not a terminal"),
     "seq_length": ("--seq-length", "documents are written whole"),
     "extra_vocab_size": ("--extra-vocab-size", "the tokenizer's vocabulary is used"),
     "padded_vocab_size": ("--padded-vocab-size", "the tokenizer's vocabulary is used"),
@@ -38,6 +41,20 @@ PAI_IGNORED = {
 
 
 def run(args) -> int:
+    # SIGTERM (a scheduler cancelling the job) unwinds like Ctrl-C, as in cli/convert.py: the workers end, the
+    # partial files and the lock go, exit 130. The caller's own handler is back afterwards (tests run in process).
+    earlier = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, earlier)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _run(args) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     if args.tokenizer is None:
         raise UserError("preprocess needs a tokenizer: --tokenizer (or Pai's --load) naming an HF tokenizer folder "
@@ -50,10 +67,11 @@ def run(args) -> int:
     ignored = [f"{flag} ({why})" for dest, (flag, why) in PAI_IGNORED.items() if getattr(args, dest) not in (None, False)]
     if ignored:
         print(f"note: ignored here: {'; '.join(ignored)}", file=sys.stderr)
-    for key in args.json_keys or [args.json_key]:
-        report = preprocess(args.input, args.output_prefix, args.tokenizer, json_key=key, workers=args.workers,
-                            append_eod=args.append_eod, strict=args.strict, progress=False if args.quiet else None,
-                            force=args.force, max_line_bytes=args.max_line_mb)
+    reports = preprocess_keys(args.input, args.output_prefix, args.tokenizer,
+                              json_keys=args.json_keys or [args.json_key], workers=args.workers,
+                              append_eod=args.append_eod, strict=args.strict, progress=False if args.quiet else None,
+                              force=args.force, max_line_bytes=args.max_line_mb)
+    for report in reports:
         for where, lineno, error in report.bad_lines:
             print(f"{where}:{lineno}: skipped: {error}", file=sys.stderr)
         if report.skipped > len(report.bad_lines):
@@ -64,13 +82,13 @@ def run(args) -> int:
 
 
 def _mebibytes(text: str) -> int:
-    """A size in MiB (a fraction too) -> bytes, at least one."""
+    """A size in MiB (a fraction too) -> bytes, at least one and at most MAX_LINE_MB MiB."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or value * 2**20 < 1:
-        raise argparse.ArgumentTypeError(f"must be a number of MiB > 0, not {text!r}")
+    if not math.isfinite(value) or value * 2**20 < 1 or value > MAX_LINE_MB:
+        raise argparse.ArgumentTypeError(f"must be a number of MiB > 0 and at most {MAX_LINE_MB}, not {text!r}")
     return int(value * 2**20)
 
 
@@ -102,7 +120,8 @@ def register(subparsers) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace an earlier output of mpatch preprocess at this prefix (its manifest lists both "
                         "files); files mpatch did not write are never replaced")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help=f"no progress (a bar on a terminal, otherwise a line every {PROGRESS_LOG_SECONDS:g} s)")
     pai = p.add_argument_group("Pai-Megatron-Patch's flags with no effect here (accepted, and named in one line)")
     for dest, (flag, why) in PAI_IGNORED.items():
         if dest in ("keep_sequential_samples", "keep_newlines", "ftfy"):

@@ -9,13 +9,19 @@ stops at the first one). A line that is not UTF-8, or longer than ``max_line_byt
 line: each file is read in bytes, a line at a time and never more than the ceiling of one (a compressed file
 is decompressed in pieces of at most ``ZSTD_PIECE`` input bytes), so memory stays bounded whatever the files hold
 (the workers' too: each is sent a bounded batch of lines, and only a few batches are in flight). A compressed
-file that is damaged or cut short is one line too.
+file that is damaged or cut short is one line too. A UTF-8 byte-order mark opening a file is not part of its
+first line.
 
 The output follows the rule of every output (docs/outputs.md): under its lock (one writer per prefix), it
 is new, or an earlier output of mpatch preprocess (its manifest lists both files) replaced with ``force``;
 a pair mpatch did not write is never replaced. Both files are built in a partial folder beside them and
 renamed onto their names at the end, with ``P_<key>_document.mpatch_manifest.json`` last (``mpatch verify``);
-every byte is written before the first rename, so a full disk leaves the earlier output as it was.
+every byte is written before the first rename, so a full disk leaves the earlier output as it was. Several
+keys (``preprocess_keys``) are one output set: every prefix is checked and locked before any key is read, and
+the pairs are published together at the end, so a key that fails leaves none of them published.
+
+Stopped early (an error, Ctrl-C, SIGTERM through the CLI), the worker processes are ended, not waited for; and
+each ends with this process however it ends (``die_with_parent``), since they hold the caller's stdout/stderr.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
+import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -44,6 +52,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.outputs.folders import fsync_dir, fsync_file, partial_dir, recover
 from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 from megatron_patch.outputs.lock import OutputLock
+from megatron_patch.runtime.launch import die_with_parent
 from megatron_patch.tokenizer import load_tokenizer
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -53,6 +62,8 @@ from megatron_patch.tokenizer import load_tokenizer
 # A longer line is refused (``--max-line-mb``): tokenizing a line takes 170-200 MB of memory per MB of its text
 # with a HF tokenizer (scripts/bench_preprocess_memory.py), in whichever worker has it; a 100 MB line took 20 GB.
 DEFAULT_MAX_LINE_MB = 8
+# ... and at most this: a longer line would need over 200 GB in one worker (and 1e13 overflowed the reader).
+MAX_LINE_MB = 1024
 # What one worker is sent at once: this many lines, or fewer that reach this many bytes (a longer line goes alone).
 BATCH_LINES = 64
 BATCH_BYTES = 4 * 2**20
@@ -68,6 +79,9 @@ COMPRESSED_SUFFIXES = (".zst", ".gz")
 # Compressed bytes decompressed at a time: zstd expands a piece at most about 32000-fold (4-byte blocks of one
 # repeated byte, 128 KiB each), so a piece's output stays within 8 MiB whatever the file holds.
 ZSTD_PIECE = 256
+# Where stderr is not a terminal (a batch job's log file), a progress line this often instead of a bar.
+PROGRESS_LOG_SECONDS = 30.0
+UTF8_BOM = b"\xef\xbb\xbf"
 
 _TOKENIZER = None
 _DTYPE = None
@@ -84,6 +98,13 @@ def _init_worker(tokenizer_path: str, dtype) -> None:
 
     _TOKENIZER = load_tokenizer(tokenizer_path)
     _DTYPE = dtype
+
+
+def _init_pool_worker(parent_pid: int, tokenizer_path: str, dtype) -> None:
+    # Ctrl-C reaches the whole process group: the parent alone handles it and ends the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid, "mpatch preprocess", log=lambda line: None)  # nobody is left to read it
+    _init_worker(tokenizer_path, dtype)
 
 
 def _encode_line(item: tuple[int, str, int, str, bool]):
@@ -141,9 +162,10 @@ def _encoded(items, workers: int, tokenizer_path, dtype):
         _init_worker(str(tokenizer_path), dtype)
         yield from map(_encode_line, items)
         return
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                               initargs=(str(tokenizer_path), dtype))
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_pool_worker,
+                               initargs=(os.getpid(), str(tokenizer_path), dtype))
     pending = collections.deque()
+    finished = False
     try:
         for batch in _batches(items):
             pending.append(pool.submit(_encode_batch, batch))
@@ -151,13 +173,36 @@ def _encoded(items, workers: int, tokenizer_path, dtype):
                 yield from pending.popleft().result()
         while pending:
             yield from pending.popleft().result()
+        finished = True
     except BrokenProcessPool:
         raise UserError(f"a tokenizer worker died (most likely the system ran out of memory for {workers} of them): "
                         "rerun with fewer --workers or a lower --max-line-mb") from None
     finally:
-        for future in pending:
-            future.cancel()
-        pool.shutdown(wait=True)
+        if not finished:
+            # A batch in a worker may take minutes (one line of --max-line-mb): end them instead of waiting
+            # (ProcessPoolExecutor has no public call for it before Python 3.14's terminate_workers).
+            for process in list((pool._processes or {}).values()):
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _ProgressLog:
+    """Progress where no terminal shows a bar (a batch job's log file): a plain line on stderr every
+    PROGRESS_LOG_SECONDS, with the documents and bytes so far and their rates. It costs a clock read a line."""
+
+    def __init__(self, label: str, total_bytes: int | None):
+        self.label, self.total_bytes = label, total_bytes
+        self.start = self.last = time.monotonic()
+
+    def update(self, bytes_read: int, documents: int) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_LOG_SECONDS:
+            return
+        self.last, elapsed = now, max(now - self.start, 1e-9)
+        share = f" ({100 * bytes_read / self.total_bytes:.0f}%)" if self.total_bytes else ""
+        print(f"{self.label}: {documents:,} documents, {bytes_read / 1e6:,.1f} MB read{share}; "
+              f"{documents / elapsed:,.0f} documents/s, {bytes_read / 1e6 / elapsed:,.1f} MB/s",
+              file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -202,19 +247,23 @@ def check_output_prefix(prefix: str, force: bool) -> None:
                         "choose another --output-prefix")
 
 
-def _publish(tmp: Path, prefix: str) -> None:
-    """The two finished files in ``tmp`` onto their names, durable, with the manifest last. The old manifest
-    stays until the new one replaces it: a replace interrupted between the renames leaves a pair its
-    manifest does not match (mpatch verify names the file), still known as mpatch's for the --force that
-    repairs it."""
-    manifest = _manifest_path(prefix)
+def _seal(tmp: Path, prefix: str) -> None:
+    """The two finished files in ``tmp`` made durable, and their manifest written beside them: every byte of the
+    output, so that only renames are left (``_rename_into_place``)."""
     files = {}
     for name in (Path(prefix + suffix).name for suffix in (".bin", ".idx")):
         size, digest = digest_file(tmp / name)
         fsync_file(tmp / name)
         files[name] = {"size": size, DIGEST: digest}
-    write_manifest(tmp, "mpatch preprocess", name=manifest.name, files=files)
-    for name in (*files, manifest.name):
+    write_manifest(tmp, "mpatch preprocess", name=_manifest_path(prefix).name, files=files)
+
+
+def _rename_into_place(tmp: Path, prefix: str) -> None:
+    """The sealed files onto their names, with the manifest last. The old manifest stays until the new one
+    replaces it: a replace interrupted between the renames leaves a pair its manifest does not match (mpatch
+    verify names the file), still known as mpatch's for the --force that repairs it."""
+    manifest = _manifest_path(prefix)
+    for name in (Path(prefix + ".bin").name, Path(prefix + ".idx").name, manifest.name):
         os.replace(tmp / name, manifest.parent / name)
     fsync_dir(manifest.parent)
 
@@ -222,6 +271,16 @@ def _publish(tmp: Path, prefix: str) -> None:
 def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str | Path, *, json_key: str = "text",
                workers: int = 1, append_eod: bool = True, strict: bool = False, progress: bool | None = None,
                max_line_bytes: int = DEFAULT_MAX_LINE_MB * 2**20, force: bool = False) -> PreprocessReport:
+    """``OUTPUT_PREFIX_<json_key>_document.bin/.idx``: ``preprocess_keys`` with one key."""
+    return preprocess_keys(input_path, output_prefix, tokenizer_path, json_keys=[json_key], workers=workers,
+                           append_eod=append_eod, strict=strict, progress=progress, max_line_bytes=max_line_bytes,
+                           force=force)[0]
+
+
+def preprocess_keys(input_path: str | Path, output_prefix: str, tokenizer_path: str | Path, *, json_keys: list[str],
+                    workers: int = 1, append_eod: bool = True, strict: bool = False, progress: bool | None = None,
+                    max_line_bytes: int = DEFAULT_MAX_LINE_MB * 2**20, force: bool = False) -> list[PreprocessReport]:
+    """One ``OUTPUT_PREFIX_<key>_document`` pair per key, one report each, published together or not at all."""
     files = input_files(Path(input_path))
     if workers < 1:
         raise UserError(f"--workers must be >= 1, got {workers}")
@@ -229,23 +288,39 @@ def preprocess(input_path: str | Path, output_prefix: str, tokenizer_path: str |
         raise UserError(f"--workers {workers} is more than this machine takes: at most {worker_ceiling()} "
                         f"({WORKERS_PER_CORE} per CPU core this process may use; tokenizing is CPU-bound, so more "
                         "workers only add memory)")
-    if max_line_bytes < 1:
-        raise UserError(f"--max-line-mb must be > 0, got {max_line_bytes / 2**20:g}")
+    if not 1 <= max_line_bytes <= MAX_LINE_MB * 2**20:
+        raise UserError(f"--max-line-mb must be > 0 and at most {MAX_LINE_MB}, got {max_line_bytes / 2**20:g}")
+    if not json_keys:
+        raise UserError("--json-keys names no key: give the field(s) holding the document text")
+    repeated = sorted({key for key in json_keys if json_keys.count(key) > 1})
+    if repeated:
+        raise UserError(f"--json-keys names {', '.join(map(repr, repeated))} more than once: each key is written to "
+                        "one pair of its own; name it once")
     tokenizer = load_tokenizer(tokenizer_path)  # fail early, in this process, on a bad tokenizer
-    prefix = f"{output_prefix}_{json_key}_document"
-    out_dir = Path(prefix).parent
-    if not out_dir.is_dir():
-        raise UserError(f"output folder {out_dir} does not exist: create it first")
-    with full_disk_is_bad_input(f"{prefix}.bin/.idx", "--output-prefix"), OutputLock(prefix, "--output-prefix"):
-        recover(prefix)  # only the lock holder writes here: a partial folder is an earlier run's that did not finish
-        check_output_prefix(prefix, force)
-        tmp = partial_dir(prefix)
-        tmp.mkdir()  # a new folder, not one found at the name
-        try:
-            return _preprocess(files, prefix, tmp, tokenizer, tokenizer_path, json_key, workers, append_eod,
-                               strict, progress, max_line_bytes)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    prefixes = [f"{output_prefix}_{key}_document" for key in json_keys]
+    for prefix in prefixes:
+        if not Path(prefix).parent.is_dir():
+            raise UserError(f"output folder {Path(prefix).parent} does not exist: create it first")
+    with contextlib.ExitStack() as held:  # every key's lock and partial folder, until all are published
+        partials = []
+        for prefix in prefixes:
+            with full_disk_is_bad_input(f"{prefix}.bin/.idx", "--output-prefix"):
+                held.enter_context(OutputLock(prefix, "--output-prefix"))
+                recover(prefix)  # only the lock holder writes here: a partial folder is an earlier run's
+                check_output_prefix(prefix, force)
+                tmp = partial_dir(prefix)
+                tmp.mkdir()  # a new folder, not one found at the name
+                held.callback(shutil.rmtree, tmp, ignore_errors=True)
+                partials.append(tmp)
+        reports = []
+        for key, prefix, tmp in zip(json_keys, prefixes, partials):
+            with full_disk_is_bad_input(f"{prefix}.bin/.idx", "--output-prefix"):
+                reports.append(_preprocess(files, prefix, tmp, tokenizer, tokenizer_path, key, workers, append_eod,
+                                           strict, progress, max_line_bytes))
+                _seal(tmp, prefix)
+        for prefix, tmp in zip(prefixes, partials):  # renames only: every byte is written by now
+            _rename_into_place(tmp, prefix)
+        return reports
 
 
 def input_files(input_path: Path) -> list[Path]:
@@ -339,11 +414,13 @@ def _lines(files: list[Path], max_line_bytes: int, json_key: str, append_eod: bo
                     raise UserError(f"{path} line {lineno} is longer than {max_line_bytes / 2**20:g} MiB "
                                     "(--max-line-mb; each worker needs about 200 MB of memory per MB of a line it "
                                     "tokenizes): split the document, or raise --max-line-mb if the memory is there")
+                # Editors on Windows open a UTF-8 file with a byte-order mark, which JSON does not take.
+                bom = len(UTF8_BOM) if lineno == 1 and raw.startswith(UTF8_BOM) else 0
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw[bom:].decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise UserError(f"{path} line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start + 1} of "
-                                    "the line): re-encode the file") from None
+                    raise UserError(f"{path} line {lineno} is not UTF-8 ({exc.reason} at byte {bom + exc.start + 1} "
+                                    "of the line): re-encode the file") from None
                 yield (index, lineno), line, len(raw), json_key, append_eod
 
 
@@ -355,17 +432,22 @@ def _preprocess(files: list[Path], prefix: str, tmp: Path, tokenizer, tokenizer_
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builder = IndexedDatasetBuilder(f"{partial}.bin", dtype=dtype)
     report = PreprocessReport(output_prefix=prefix)
-    if progress is None:
-        progress = sys.stderr.isatty()
-
     # The bytes read, out of the files' sizes where none is compressed (a compressed file's text has no known size).
     compressed = any(p.suffix in COMPRESSED_SUFFIXES for p in files)
-    bar = tqdm(total=None if compressed else sum(p.stat().st_size for p in files), unit="B", unit_scale=True,
-               desc="preprocess", disable=not progress)
+    total = None if compressed else sum(p.stat().st_size for p in files)
+    terminal = sys.stderr.isatty()
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"preprocess {json_key}",
+               disable=not (terminal if progress is None else progress))
+    log = _ProgressLog(f"preprocess {json_key}", total) if progress is None and not terminal else None
+    bytes_read = 0
+    lines = _lines(files, max_line_bytes, json_key, append_eod)
+    encoded = _encoded(lines, workers, tokenizer_path, dtype)
     try:
-        lines = _lines(files, max_line_bytes, json_key, append_eod)
-        for (index, lineno), ids, error, nchars, nbytes in _encoded(lines, workers, tokenizer_path, dtype):
+        for (index, lineno), ids, error, nchars, nbytes in encoded:
             bar.update(nbytes)
+            bytes_read += nbytes
+            if log is not None:
+                log.update(bytes_read, report.documents)
             if error is not None:
                 if error == "empty line":
                     continue
@@ -383,8 +465,8 @@ def _preprocess(files: list[Path], prefix: str, tmp: Path, tokenizer, tokenizer_
             raise UserError(f"{files[0] if len(files) == 1 else files[0].parent} has no usable line (every line "
                             f"lacked a string '{json_key}' field)")
         builder.finalize(f"{partial}.idx")
-        _publish(tmp, prefix)
     finally:
+        encoded.close()  # now, not when collected: the workers end before the partial folder is removed
         bar.close()
         with contextlib.suppress(OSError):  # its last buffer, on a full disk: the partial folder is removed anyway
             builder.data_file.close()
