@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +208,162 @@ def test_data_parallel_replicas_share_the_generations_and_give_every_rank_the_sa
     assert alone["sampled"][0] != alone["sampled"][1]
     for rank in shared:
         assert rank["greedy"] == alone["greedy"] and rank["sampled"] == alone["sampled"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(checkpoints) -> dict:
+    """Tokenizer folders other than the tiny model's own (200 ids): a larger vocabulary; its tokenizer.json alone
+    (no bos/eos named, "</s>" in its vocabulary); and a tokenizer.json without any end-of-document token."""
+    from tokenizers import Tokenizer, models, trainers
+
+    root = checkpoints["root"] / "tokenizers"
+    larger = make_tokenizer(root / "larger", make_texts(400, seed=3), vocab_size=240)
+    bare = root / "bare"
+    bare.mkdir()
+    (bare / "tokenizer.json").write_bytes((checkpoints["ckpt"] / "tokenizer.json").read_bytes())
+    no_end = root / "no_end"
+    no_end.mkdir()
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.train_from_iterator(make_texts(50, seed=1), trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>"]))
+    tok.save(str(no_end / "tokenizer.json"))
+    return {"larger": larger, "bare": bare, "no_end": no_end}
+
+
+def test_a_tokenizer_beyond_the_models_vocabulary_is_refused(checkpoints, tokenizers, capsys):
+    """Ids 200-239 would be scored on megatron's padding rows (perplexity inf, exit 0), ids past them crash a rank."""
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_perplexity",
+                      "--tokenizer", str(tokenizers["larger"]))
+    _one_line(rc, err, "yields ids beyond the model's vocabulary (200)", "240 ids", "--tokenizer")
+
+
+def test_a_tokenizer_naming_no_eos_ends_texts_with_its_end_of_document_token(tokenizers):
+    """tokenizer.json alone names no bos or eos: the harness's prefix and end of text are the end-of-document token
+    the project's tokenizer finds ("</s>"), not None (a TypeError in every rank)."""
+    pytest.importorskip("lm_eval")
+    from megatron_patch.evaluation.harness import MpatchLM
+    from megatron_patch.evaluation.loading import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(tokenizers["bare"])
+    assert tokenizer.bos_token_id is None and tokenizer.eos_token_id is None
+    lm = MpatchLM(object(), tokenizer)
+    end = tokenizer.convert_tokens_to_ids("</s>")
+    assert lm.prefix_token_id == lm.eot_token_id == end and end in lm.stop_ids
+
+
+def test_a_tokenizer_without_an_end_of_text_token_is_refused(checkpoints, tokenizers, capsys):
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_perplexity",
+                      "--tokenizer", str(tokenizers["no_end"]))
+    _one_line(rc, err, "names no end-of-text token", "eos_token")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--limit", "nan"], "--limit must be > 0"),
+    (["--limit", "inf"], "--limit must be a whole number of documents, or a fraction below 1"),
+    (["--limit", "1.5"], "--limit must be a whole number of documents, or a fraction below 1"),
+    (["--seed", "-1"], "--seed must be in 0..4294967295"),
+    (["--seed", str(2 ** 32)], "--seed must be in 0..4294967295"),
+    (["--num-fewshot", "-1"], "--num-fewshot must be >= 0"),
+    (["--fewshot-as-multiturn"], "it needs --apply-chat-template"),
+    (["--include-path", "FILE"], "is not a folder"),
+    (["--apply-chat-template"], "has no chat template"),
+    (["--num-fewshot", "100000"], "task mpatch_arithmetic_choice: --num-fewshot 100000, but it has 40 few-shot"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_arguments_lm_eval_cannot_run_are_refused_in_one_line(checkpoints, tmp_path, capsys, flags, message):
+    """Each crashed after the model loaded (or ran something else than asked: --limit 1.5 ran 1 document,
+    --fewshot-as-multiturn without a chat did nothing) instead of exit 2 before any rank starts."""
+    (tmp_path / "tasks.yaml").write_text("")
+    flags = [str(tmp_path / "tasks.yaml") if f == "FILE" else f for f in flags]
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_arithmetic_choice",
+                      "--output-dir", str(tmp_path / "out"), *flags)
+    _one_line(rc, err, message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_few_shot_examples_are_drawn_from_what_a_task_has(tmp_path):
+    """The shipped tasks hold 40 training documents: 40 shots are drawn, 41 are refused before any rank starts."""
+    pytest.importorskip("lm_eval")
+    from megatron_patch.errors import UserError
+    from megatron_patch.evaluation.evaluate import EvalSettings, prepare_tasks
+    from megatron_patch.evaluation.tasks import CHOICE
+
+    prepare_tasks(EvalSettings(tasks=(CHOICE,), num_fewshot=40), tmp_path / "a")
+    with pytest.raises(UserError, match="--num-fewshot 41, but it has 40 few-shot examples"):
+        prepare_tasks(EvalSettings(tasks=(CHOICE,), num_fewshot=41), tmp_path / "b")
+
+
+def test_an_hf_config_the_checkpoint_ignores_is_said(checkpoints, tmp_path, capsys):
+    """--hf-config describing another model than the checkpoint's sidecar is ignored: said as a warning, as `mpatch
+    convert` says it (here before the refusal of an --output-dir mpatch did not write, which ends the run early)."""
+    config = json.loads((checkpoints["hf"] / "config.json").read_text())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps(
+        {**config, "num_attention_heads": 8, "head_dim": 8, "num_key_value_heads": 4}))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("not mpatch's")
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_arithmetic_choice",
+                      "--hf-config", str(tmp_path / "other" / "config.json"), "--output-dir", str(tmp_path / "out"))
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert rc == 2 and len(warnings) == 1 and "--output-dir" in err.splitlines()[-1], err
+    assert "is ignored" in warnings[0] and "num_heads: config 8, sidecar 4" in warnings[0], err
+
+
+@pytest.mark.slow  # two evaluations in a fresh interpreter (the datasets cache is read once, at import): 20-40 s
+def test_the_project_tasks_leave_nothing_in_the_datasets_cache(checkpoints, tmp_path):
+    """Each evaluation writes the shipped tasks into a new folder, so their data's cache key was new every time: the
+    user's datasets cache grew an entry per run, never read again. Two runs leave it as it was."""
+    cache = tmp_path / "hf" / "datasets"
+    script = f"""
+from megatron_patch.cli import main
+for _ in range(2):
+    print(main(['eval', '--load-dir', {str(checkpoints["ckpt"])!r}, '--tasks', 'mpatch_arithmetic_choice',
+                '--limit', '1', '--quiet']))
+"""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(cache)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=env)
+    assert [line for line in done.stdout.splitlines() if line in ("0", "1", "2")] == ["0", "0"], done.stderr
+    assert not cache.exists() or not any(cache.iterdir()), sorted(p.name for p in cache.iterdir())
+
+
+def _fake_results(iteration: int):
+    from megatron_patch.evaluation.evaluate import EvalResults
+
+    return EvalResults({"results": {"t": {"alias": "t", "acc,none": 0.25 * iteration}}}, {})
+
+
+@pytest.mark.parametrize("log,said", [
+    # the only losses matplotlib would draw: its ticks fail ("arange: cannot compute length")
+    ('{"iteration": 15, "loss": 1e308}\n{"iteration": 20, "loss": Infinity}\n',
+     "note: the plot leaves out the training loss at iteration 15, 20"),
+    (None, "warning: no plot: drawing metrics.png failed (RuntimeError: drawn badly)"),
+])
+def test_all_iterations_publishes_the_results_whatever_the_plot_meets(tmp_path, capsys, monkeypatch, log, said):
+    """The run's log/metrics.jsonl is untrusted: losses matplotlib cannot draw are left out of the plot, said in
+    a note; and a plot that fails all the same is one warning, never the loss of every iteration's results."""
+    pytest.importorskip("lm_eval")
+    import types
+
+    from megatron_patch.cli import eval as eval_cli
+    from megatron_patch.evaluation import iterations, loading
+
+    run = tmp_path / "run"
+    for name in ("iter_0000001", "iter_0000002"):
+        (run / "checkpoint" / name).mkdir(parents=True)
+    (run / "log").mkdir()
+    (run / "log" / "metrics.jsonl").write_text(log or '{"iteration": 1, "loss": 5.0}\n')
+    # the rank jobs are not what is under test: each iteration "evaluates" to a number of its own
+    monkeypatch.setattr(loading, "open_for_evaluation", lambda folder, *a, **k: types.SimpleNamespace(
+        load_dir=str(folder), notes=()))
+    monkeypatch.setattr(eval_cli, "_evaluate", lambda args, layout, settings, checkpoint: _fake_results(
+        int(Path(checkpoint.load_dir).name[5:])))
+    if log is None:
+        def failing(*args):
+            raise RuntimeError("drawn badly")
+        monkeypatch.setattr(iterations, "plot", failing)
+    out = tmp_path / "out"
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(run / "checkpoint"), "--all-iterations", "--tasks", "t",
+                      "--output-dir", str(out), "--quiet")
+    assert rc == 0 and said in err, err
+    summary = json.loads((out / "all_iterations.json").read_text())
+    assert [p["metrics"] for p in summary["iterations"]] == [{"t/acc": 0.25}, {"t/acc": 0.5}]
+    assert (out / "iter_0000002" / "results.json").is_file() and (out / "metrics.png").exists() == bool(log)

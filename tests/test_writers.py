@@ -29,8 +29,10 @@ def inputs(tmp_path_factory) -> dict:
     """What the writers read, in a folder of its own: a tiny HF model, its MCore checkpoint, a JSONL file with
     a tokenizer, and data files the launcher's checks accept."""
     root = tmp_path_factory.mktemp("inputs")
+    from megatron_patch.demo_data import make_texts, make_tokenizer
+
     hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=1)
-    (hf / "tokenizer.json").write_text("{}")
+    make_tokenizer(hf, make_texts(100, seed=1))  # a real one: eval loads it before any rank starts
     ckpt = root / "ckpt"
     hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
     jsonl = root / "d.jsonl"

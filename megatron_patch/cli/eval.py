@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+import sys
 import warnings
 from pathlib import Path
 
@@ -44,11 +45,21 @@ def run(args) -> int:
     from megatron_patch.evaluation.evaluate import EvalSettings, summary_rows, write_results
     from megatron_patch.evaluation.iterations import saved_iterations
     from megatron_patch.evaluation.loading import open_for_evaluation
+    from megatron_patch.evaluation.tasks import check_include_path
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     layout = layout_from_args(args)
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    if not 0 <= args.seed < 2 ** 32:  # lm-eval seeds numpy with it, which takes these only
+        raise UserError(f"--seed must be in 0..{2 ** 32 - 1}, got {args.seed}")
+    if args.fewshot_as_multiturn and not args.apply_chat_template:
+        raise UserError("--fewshot-as-multiturn makes the few-shot examples turns of a chat: it needs "
+                        "--apply-chat-template")
+    for path in args.include_path or ():
+        check_include_path(path)
     settings = EvalSettings(
         tasks=task_names("--tasks", args.tasks),
         include_paths=tuple(str(Path(p).absolute()) for p in args.include_path or ()),
@@ -61,9 +72,14 @@ def run(args) -> int:
     iterations = saved_iterations(args.load_dir) if args.all_iterations else [(None, Path(args.load_dir))]
     try:
         checkpoints = [(iteration, open_for_evaluation(folder, layout, args.tokenizer, args.hf_config,
-                                                       verify=not args.no_verify)) for iteration, folder in iterations]
+                                                       verify=not args.no_verify,
+                                                       chat_template=args.apply_chat_template))
+                       for iteration, folder in iterations]
     except IntegrityError as exc:
         raise naming_the_switch(exc, "--no-verify") from None
+    # what reading the checkpoints found worth saying (an --hf-config they ignore), once, as `mpatch convert` does
+    for note in dict.fromkeys(note for _, checkpoint in checkpoints for note in checkpoint.notes):
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     if args.output_dir:
         try:
             Path(args.output_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +126,7 @@ def _all_iterations(args, layout, settings, checkpoints: list) -> int:
     iteration's metrics) and OUT/metrics.png (each metric against the iteration, next to the training loss)."""
     # lm-eval, torch and megatron-core come with these: imported only once lm-eval is known to be installed
     from megatron_patch.evaluation.evaluate import metric_values, write_results
-    from megatron_patch.evaluation.iterations import PLOT, SUMMARY, plot, training_losses
+    from megatron_patch.evaluation.iterations import PLOT, SUMMARY, training_losses
 
     losses = training_losses(args.load_dir)
     points, rows = [], []
@@ -129,12 +145,30 @@ def _all_iterations(args, layout, settings, checkpoints: list) -> int:
         (Path(partial) / SUMMARY).write_text(json.dumps(
             {"command": command_line(args), "iterations": points,
              "training_loss": "log/metrics.jsonl beside the checkpoint folder" if losses else None}, indent=2) + "\n")
-        plot(points, losses, Path(partial) / PLOT)
+        drawn = _plot(points, losses, Path(partial) / PLOT)
     print_table(rows, ["iteration", "metric", "value"])
-    print(f"results: {Path(args.output_dir) / SUMMARY}, each iteration's in {Path(args.output_dir)}/iter_XXXXXXX/, "
-          f"the plot {Path(args.output_dir) / PLOT}" + ("" if losses else " (no training loss found beside the "
-                                                        "checkpoint folder)"))
+    print(f"results: {Path(args.output_dir) / SUMMARY}, each iteration's in {Path(args.output_dir)}/iter_XXXXXXX/"
+          + (f", the plot {Path(args.output_dir) / PLOT}" if drawn else ", no plot")
+          + ("" if losses else " (no training loss found beside the checkpoint folder)"))
     return 0
+
+
+def _plot(points: list[dict], losses: dict[int, float], path: Path) -> bool:
+    """The plot, its notes said; whether it was drawn. The run's log is untrusted input, and a picture of the
+    results is not worth the results: whatever fails in drawing it is one warning, and they are published."""
+    # as the rest of evaluation/: imported only once lm-eval is known to be installed
+    from megatron_patch.evaluation.iterations import plot
+
+    try:
+        notes = plot(points, losses, path)
+    except Exception as exc:  # noqa: BLE001 - matplotlib's errors on odd data are of many kinds
+        path.unlink(missing_ok=True)
+        print(f"warning: no plot: drawing {path.name} failed ({type(exc).__name__}: {exc})", file=sys.stderr,
+              flush=True)
+        return False
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr, flush=True)
+    return True
 
 
 def register(subparsers) -> None:

@@ -40,6 +40,10 @@ def task_names(option: str, raw: str) -> tuple[str, ...]:
 
 def document_limit(option: str, value: float) -> int | float:
     """Documents per task: a count, or a fraction below 1 (lm-eval's ``limit``)."""
-    if value <= 0:
+    if not value > 0:  # NaN too
         raise UserError(f"{option} must be > 0 (a count, or a fraction below 1), got {value:g}")
+    # lm-eval reads 1.5 as 1 document: a fraction above 1 is meant, or a count is mistyped; either way not that
+    if value >= 1 and not float(value).is_integer():  # inf too
+        raise UserError(f"{option} must be a whole number of documents, or a fraction below 1 (0.5: half of each "
+                        f"task's), got {value:g}")
     return int(value) if value >= 1 else value

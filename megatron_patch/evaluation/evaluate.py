@@ -50,12 +50,13 @@ class EvalResults:
 
 def prepare_tasks(settings: EvalSettings, folder: str | Path) -> list[str]:
     """The include paths an evaluation reads: the project's tasks written into ``folder``, then the user's. The
-    task names are checked against them (unknown, or a data file missing: one line)."""
+    task names are checked against them (unknown, a data file missing, too few few-shot examples: one line)."""
     paths = [str(task_files.write_project_tasks(folder)), *settings.include_paths]
     task_files.offline()
     manager = task_files.task_manager(paths, list(settings.tasks))
     task_files.check_tasks(list(settings.tasks), manager)
-    task_files.load_tasks(list(settings.tasks), manager)  # a dataset that cannot be read offline: one line, now
+    # a dataset that cannot be read offline, or too few few-shot examples: one line, now
+    task_files.check_fewshot(task_files.load_tasks(list(settings.tasks), manager), settings.num_fewshot)
     return paths
 
 

@@ -13,6 +13,8 @@ and the CLI, so ``mpatch`` and the converter start without it.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 from lm_eval import utils as lm_utils
@@ -22,6 +24,8 @@ from lm_eval.models.utils import (
     Collator, _add_special_kwargs, handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
     postprocess_generated_text)
 
+from megatron_patch.evaluation.loading import (
+    end_of_text_id, load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral)
 from megatron_patch.evaluation.runner import ModelRunner, Sampling
 
 # megatron-core and the checkpoint loaders are imported inside the function that loads a checkpoint for lm-eval's
@@ -46,18 +50,19 @@ class MpatchLM(TemplateLM):
         self.runner, self.tokenizer = runner, tokenizer
         self._batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_gen_toks = int(max_gen_toks)
-        self.stop_ids = frozenset(_eos_ids(tokenizer))
+        self._end_of_text = end_of_text_id(tokenizer)
+        self.stop_ids = frozenset(_eos_ids(tokenizer) | {self._end_of_text})
 
     # --- what the harness asks of a model ---------------------------------------------------------------
 
     @property
     def eot_token_id(self) -> int:
-        return self.tokenizer.eos_token_id
+        return self._end_of_text
 
     @property
     def prefix_token_id(self) -> int:
         bos = self.tokenizer.bos_token_id
-        return bos if bos is not None else self.tokenizer.eos_token_id
+        return bos if bos is not None else self._end_of_text
 
     @property
     def max_length(self) -> int:
@@ -218,14 +223,15 @@ def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1
                             kv_cache: bool = True, verify: bool = True):
     """The runner and tokenizer lm-eval's ``--model mpatch --model_args load_dir=...`` asks for, in this process:
     it must be one rank of a job of the layout's size (torchrun), or alone for a layout of one process."""
-    # torch and megatron-core: imported only when lm-eval builds the model
-    from megatron_patch.evaluation.loading import (
-        load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral)
+    # megatron-core: imported only when lm-eval builds the model
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.runtime.distributed import ParallelLayout
 
     layout = ParallelLayout(tp=int(tp), pp=int(pp), ep=int(ep), etp=None if etp is None else int(etp))
     checkpoint = open_for_evaluation(load_dir, layout, tokenizer, hf_config, verify=_flag(verify))
+    if os.environ.get("RANK", "0") == "0":  # one rank says it, as `mpatch eval` does
+        for note in checkpoint.notes:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
     init_model_parallel(layout)
     chunks = load_model(checkpoint, layout, dtype)
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,

@@ -4,6 +4,7 @@ against the iteration next to the run's training loss (``log/metrics.jsonl`` bes
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import ITERATION_DIR
@@ -13,6 +14,9 @@ from megatron_patch.errors import UserError
 
 PLOT = "metrics.png"
 SUMMARY = "all_iterations.json"
+# The largest value drawn: matplotlib's axis ticks fail on values near float's maximum (a log's loss of 1e308:
+# "arange: cannot compute length"), and no loss or metric worth drawing comes near it.
+DRAWABLE = 1e300
 
 
 def saved_iterations(load_dir: str | Path) -> list[tuple[int, Path]]:
@@ -46,8 +50,18 @@ def training_losses(load_dir: str | Path) -> dict[int, float]:
     return losses
 
 
-def plot(points: list[dict], losses: dict[int, float], path: Path) -> None:
-    """One panel per metric: its value at each evaluated iteration, the training loss on a second axis."""
+def plot(points: list[dict], losses: dict[int, float], path: Path) -> list[str]:
+    """One panel per metric: its value at each evaluated iteration, the training loss on a second axis. Values it
+    cannot draw (not finite, or beyond ``DRAWABLE``) are left out; returns a note for each series that lost any."""
+    notes = []
+
+    def drawable(what: str, series: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        left = [i for i, v in series if not (math.isfinite(v) and abs(v) <= DRAWABLE)]
+        if left:
+            notes.append(f"the plot leaves out {what} at iteration {', '.join(map(str, left))}: not finite, or "
+                         f"beyond {DRAWABLE:g}")
+        return [(i, v) for i, v in series if i not in left]
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,16 +72,16 @@ def plot(points: list[dict], losses: dict[int, float], path: Path) -> None:
     columns = max(1, min(3, len(names)))
     rows = -(-len(names) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
-    loss_steps = sorted(losses)
+    loss = drawable("the training loss", sorted(losses.items()))
     for ax, name in zip(axes.flat, names):
-        shown = [(p["iteration"], p["metrics"][name]) for p in points if name in p["metrics"]]
+        shown = drawable(name, [(p["iteration"], p["metrics"][name]) for p in points if name in p["metrics"]])
         ax.plot([i for i, _ in shown], [v for _, v in shown], "o-", color="tab:blue", label=name)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("iteration")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if loss_steps:
+        if loss:
             loss_ax = ax.twinx()
-            loss_ax.plot(loss_steps, [losses[i] for i in loss_steps], "-", color="tab:gray", linewidth=0.8,
+            loss_ax.plot([i for i, _ in loss], [v for _, v in loss], "-", color="tab:gray", linewidth=0.8,
                          alpha=0.7, label="training loss")
             loss_ax.set_ylabel("training loss", color="tab:gray", fontsize=8)
     for ax in list(axes.flat)[len(names):]:
@@ -75,3 +89,4 @@ def plot(points: list[dict], losses: dict[int, float], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return notes

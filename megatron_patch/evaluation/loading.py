@@ -8,6 +8,7 @@ adapters applied (``lora.sources``), as the aligner does.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.tokenizer import load_tokenizer
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: `mpatch eval` checks its input (tasks, tokenizer, layout) before any rank starts.
@@ -34,12 +36,15 @@ class CheckpointToEvaluate:
     hf_config: str | None = None
     verify: bool = True
     model_config: dict | None = None  # the model's HF config.json, as the checkpoint records it
+    notes: tuple[str, ...] = ()  # what reading it found worth a warning (an --hf-config it ignores)
 
 
 def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer: str | Path | None = None,
-                        hf_config: str | Path | None = None, verify: bool = True) -> CheckpointToEvaluate:
-    """The checkpoint at ``load_dir``, refused in one line when the layout does not divide its model or no
-    tokenizer is found (``tokenizer`` wins over the files the checkpoint carries)."""
+                        hf_config: str | Path | None = None, verify: bool = True,
+                        chat_template: bool = False) -> CheckpointToEvaluate:
+    """The checkpoint at ``load_dir``, refused in one line when the layout does not divide its model, or no
+    tokenizer is found (``tokenizer`` wins over the files the checkpoint carries), or the tokenizer does not fit
+    the model (``check_tokenizer``; ``chat_template``: prompts are rendered with its chat template)."""
     opened = open_checkpoint(load_dir, hf_config=hf_config)
     arch = opened.model_arch
     validate_layout(arch, layout)
@@ -54,8 +59,39 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
             raise UserError(f"{load_dir} carries no tokenizer (tokenizer.json, tokenizer.model or vocab.json): give "
                             "--tokenizer DIR, the HF folder of the model")
         tokenizer_dir = found
+    check_tokenizer(load_hf_tokenizer(tokenizer_dir, opened.sidecar.hf_config), arch.vocab_size, chat_template)
     return CheckpointToEvaluate(str(load_dir), arch, str(tokenizer_dir),
-                                None if hf_config is None else str(hf_config), verify, opened.sidecar.hf_config)
+                                None if hf_config is None else str(hf_config), verify, opened.sidecar.hf_config,
+                                tuple(opened.found.notes + opened.notes))
+
+
+def check_tokenizer(tokenizer, vocab_size: int, chat_template: bool = False) -> None:
+    """Refuse, in one line, a tokenizer (transformers') the harness cannot use with a model of ``vocab_size`` ids:
+    one with ids the model has no row for (megatron's padding rows would score them: perplexity inf; or an index
+    error past them), one without an end-of-text token (``end_of_text_id``), or, with ``chat_template``, one without
+    a chat template."""
+    ids = max(tokenizer.get_vocab().values(), default=-1) + 1
+    if ids > vocab_size:
+        raise UserError(f"the tokenizer in {tokenizer.name_or_path} yields ids beyond the model's vocabulary "
+                        f"({vocab_size}): it has {ids} ids; give the model's own tokenizer (--tokenizer DIR)")
+    end_of_text_id(tokenizer)
+    if chat_template and not tokenizer.chat_template:
+        raise UserError(f"--apply-chat-template: the tokenizer in {tokenizer.name_or_path} has no chat template "
+                        "(chat_template in tokenizer_config.json, or chat_template.jinja)")
+
+
+def end_of_text_id(tokenizer) -> int:
+    """The id that ends a text for the harness (its ``eot_token_id``, and the prefix of a text without context where
+    the tokenizer has no bos): the tokenizer's eos; where it names none (a folder with tokenizer.json alone), the
+    end-of-document token this project's tokenizer finds there, the one preprocessing ends each document with."""
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    folder = Path(tokenizer.name_or_path)
+    if (folder / "tokenizer.json").is_file():
+        with contextlib.suppress(UserError):  # no end-of-document token found there either: refused below
+            return load_tokenizer(folder).eod
+    raise UserError(f"the tokenizer in {folder} names no end-of-text token: add eos_token to its "
+                    "tokenizer_config.json")
 
 
 def _has_tokenizer(folder: Path) -> bool:
@@ -87,8 +123,8 @@ def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
                                              **({"config": config} if config is not None else {}))
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot read the tokenizer in {folder}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - a garbage tokenizer file fails in transformers in any way at all
+        raise UserError(f"cannot read the tokenizer in {folder}: {type(exc).__name__}: {exc}")
 
 
 def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: str = "fp32") -> list:

@@ -74,17 +74,21 @@ def write_project_tasks(folder: str | Path) -> Path:
                  "test": _write_jsonl(folder / "arithmetic_test.jsonl", _arithmetic(2, _QUESTIONS))}
     common = {"dataset_path": "json", "training_split": "train", "test_split": "test", "fewshot_split": "train",
               "metadata": {"version": 1.0}}
+    # The data files' paths are the cache's key, and they change with every folder: an entry in the user's cache
+    # (HF_DATASETS_CACHE) would never be read again, so the cache goes away with the folder.
+    cache = {"cache_dir": str(folder.absolute() / "datasets_cache")}
     configs = {
-        PERPLEXITY: {**common, "dataset_kwargs": {"data_files": documents}, "output_type": "loglikelihood_rolling",
+        PERPLEXITY: {**common, "dataset_kwargs": {"data_files": documents, **cache},
+                     "output_type": "loglikelihood_rolling",
                      "doc_to_text": "", "doc_to_target": "{{text}}",
                      "metric_list": [{"metric": m, "aggregation": a, "higher_is_better": False} for m, a in (
                          ("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
                          ("bits_per_byte", "bits_per_byte"))]},
-        CHOICE: {**common, "dataset_kwargs": {"data_files": questions}, "output_type": "multiple_choice",
+        CHOICE: {**common, "dataset_kwargs": {"data_files": questions, **cache}, "output_type": "multiple_choice",
                  "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_choice": "choices", "doc_to_target": "label",
                  "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
                                  {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]},
-        GENERATION: {**common, "dataset_kwargs": {"data_files": questions}, "output_type": "generate_until",
+        GENERATION: {**common, "dataset_kwargs": {"data_files": questions, **cache}, "output_type": "generate_until",
                      "doc_to_text": "Question: {{question}}\nAnswer:", "doc_to_target": " {{answer}}",
                      "generation_kwargs": {"until": ["\n", "Question:"], "max_gen_toks": 8, "do_sample": False},
                      "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
@@ -101,12 +105,18 @@ def task_manager(include_paths: list[str | Path], names: list[str]):
     from lm_eval.tasks import TaskManager
 
     for path in include_paths:
-        if not Path(path).exists():
-            raise UserError(f"--include-path {path} does not exist: give a folder of lm-eval task YAML files")
+        check_include_path(path)
     local = TaskManager(include_path=[str(p) for p in include_paths], include_defaults=False)
     if all(name in local.all_tasks for name in names):
         return local
     return TaskManager(include_path=[str(p) for p in include_paths])
+
+
+def check_include_path(path: str | Path) -> None:
+    """An include path is a folder: lm-eval walks a file given there as an empty folder, without a word."""
+    if not Path(path).is_dir():
+        what = "is not a folder" if Path(path).exists() else "does not exist"
+        raise UserError(f"--include-path {path} {what}: give a folder of lm-eval task YAML files")
 
 
 def check_tasks(names: list[str], manager) -> None:
@@ -144,3 +154,31 @@ def load_tasks(names: list[str], manager) -> dict:
         raise UserError(f"tasks {', '.join(names)}: their data could not be read here, offline ({first}): give the "
                         "data as local files (dataset_path: json, data_files) under --include-path (in "
                         "training: MP_EVAL_INCLUDE_PATH)")
+
+
+def check_fewshot(task_dict: dict, num_fewshot: int | None) -> None:
+    """Refuse, in one line, a task of lm-eval's ``task_dict`` (``load_tasks``) asked for more few-shot examples than
+    it has to draw from (lm-eval's sampler would fail on every rank: "Sample larger than population").
+    ``num_fewshot``: --num-fewshot, which overrides a task's own number unless the task sets 0."""
+    for name, task in _leaf_tasks(task_dict):
+        own = task.get_config("num_fewshot")
+        wanted = num_fewshot if num_fewshot is not None and own != 0 else own or 0
+        if wanted == 0:
+            continue
+        sampler = getattr(task, "sampler", None)  # lm-eval makes none for a task without few-shot documents
+        pool = len(sampler.fewshot_docs()) if sampler is not None else 0
+        # examples drawn from the test split leave out the document they are for: one fewer to draw from
+        most = max(0, pool - 1) if task.fewshot_cfg.split == task.config.test_split else pool
+        if wanted > most:
+            asked = f"--num-fewshot {wanted}" if num_fewshot is not None else f"its num_fewshot {wanted}"
+            raise UserError(f"task {name}: {asked}, but it has {most} few-shot examples to draw from: give "
+                            f"--num-fewshot {most}" + (" or fewer" if most else ""))
+
+
+def _leaf_tasks(task_dict: dict):
+    """(name, task) of every task in lm-eval's task dict, whose groups hold dicts of their tasks."""
+    for key, value in task_dict.items():
+        if isinstance(value, dict):
+            yield from _leaf_tasks(value)
+        else:
+            yield str(key), value
