@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+import signal
+
 from megatron_patch.runtime.distributed import ParallelLayout
+
+
+def sigterm_as_interrupt(run):
+    """``run`` with SIGTERM (a scheduler cancelling the job) unwinding like Ctrl-C, so its partial output and lock
+    go; the caller's own handler is back afterwards (tests run the commands in process)."""
+    @functools.wraps(run)
+    def wrapped(*args, **kwargs):
+        earlier = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, earlier)
+    return wrapped
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def add_layout_args(parser, *, etp: bool = True) -> None:

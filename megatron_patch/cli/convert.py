@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import signal
 import warnings
 
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
-from megatron_patch.cli.common import add_layout_args, layout_from_args
+from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
 from megatron_patch.convert.checkpoint import DEFAULT_WORKERS, hf_to_mcore, mcore_to_hf
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.registry import families
@@ -25,14 +24,6 @@ def _quiet_imports() -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 
-def _terminate_cleanly() -> None:
-    # SIGTERM (a scheduler cancelling the job) unwinds like Ctrl-C, so the partial output is removed.
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, handler)
-
-
 def _writes_save_dir(run):
     """A full disk while --save-dir is written is one line and exit 2; the partial output is gone by then."""
     @functools.wraps(run)
@@ -43,8 +34,8 @@ def _writes_save_dir(run):
 
 
 @_writes_save_dir
+@sigterm_as_interrupt
 def run_hf2mcore(args) -> int:
-    _terminate_cleanly()
     _quiet_imports()
     adapter = None
     if args.peft_dir:
@@ -74,8 +65,8 @@ def _names_no_verify(run):
 
 @_writes_save_dir
 @_names_no_verify
+@sigterm_as_interrupt
 def run_mcore2hf(args) -> int:
-    _terminate_cleanly()
     _quiet_imports()
     if args.lora_adapter and args.merge_lora:
         raise UserError("--lora-adapter and --merge-lora write different things: choose one")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import signal
 import sys
 import warnings
 
+from megatron_patch.cli.common import sigterm_as_interrupt
 from megatron_patch.errors import UserError
 from megatron_patch.training.preprocess import (DEFAULT_MAX_LINE_MB, MAX_LINE_MB, PROGRESS_LOG_SECONDS,
                                                  WORKERS_PER_CORE, preprocess_keys)
@@ -40,21 +40,8 @@ PAI_IGNORED = {
 }
 
 
+@sigterm_as_interrupt  # the workers end, the partial files and the lock go, exit 130
 def run(args) -> int:
-    # SIGTERM (a scheduler cancelling the job) unwinds like Ctrl-C, as in cli/convert.py: the workers end, the
-    # partial files and the lock go, exit 130. The caller's own handler is back afterwards (tests run in process).
-    earlier = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return _run(args)
-    finally:
-        signal.signal(signal.SIGTERM, earlier)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def _run(args) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     if args.tokenizer is None:
         raise UserError("preprocess needs a tokenizer: --tokenizer (or Pai's --load) naming an HF tokenizer folder "

@@ -9,11 +9,12 @@ from megatron_patch.checkpoint_files.layout import ITERATION_DIR, RELEASE
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, verify_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.outputs.folders import PARTIAL_TAG
+from megatron_patch.training.run_folder import FINAL_DIR
 
 
 # The folders of a training run or checkpoint folder that each carry a manifest: iterations, a conversion's
-# release/, a run's final/ (training/run_folder.FINAL_DIR).
-_VOUCHED = re.compile(rf"{ITERATION_DIR.pattern}|{RELEASE}|final")
+# release/, a run's final/.
+_VOUCHED = re.compile(rf"{ITERATION_DIR.pattern}|{RELEASE}|{FINAL_DIR}")
 
 
 def manifests_under(path: Path) -> tuple[list[Path], list[Path]]:
