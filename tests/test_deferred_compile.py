@@ -1,6 +1,6 @@
 """megatron-core's torch.compile decorations wait for each function's first call (runtime/deferred_compile.py):
-importing megatron-core no longer imports torch's compiler stack, and what the functions compute, and that they
-are compiled when called, is unchanged."""
+importing megatron-core no longer imports torch's compiler stack, and what the functions compute is unchanged;
+they are compiled when called where the run's fusions are (MP_COMPILE_FUSIONS, else a GPU), and run eager on CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import sys
 
 import torch
 
-from megatron_patch.runtime.deferred_compile import deferred_compile
+import pytest
+
+from megatron_patch.runtime.deferred_compile import compiled_megatron_fusions, deferred_compile, fusions_compiled
 
 IMPORT_MEGATRON = """
 import sys
@@ -57,21 +59,46 @@ def _scaled(x, y):  # a second function: dynamo caches compiled code by function
     return x * 2 + y
 
 
-def test_a_deferred_function_compiles_at_its_first_call_and_computes_the_same():
-    calls = []
+def _shifted(x, y):  # the eager test's own
+    return x - y
 
+
+def _recording_backend(calls: list):
     def backend(graph, example_inputs):  # a torch.compile backend that records what it was given
         calls.append(len(example_inputs))
         return graph.forward
+    return backend
 
+
+def test_a_deferred_function_compiles_at_its_first_call_and_computes_the_same():
+    calls = []
+    backend = _recording_backend(calls)
     fn = deferred_compile(_gated, backend=backend)
     assert fn.__name__ == "_gated" and calls == []
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    assert torch.equal(fn(x, y), _gated(x, y)) and calls == [2]
-    fn(x, y)
-    assert calls == [2]  # compiled once
-    decorated = deferred_compile(backend=backend)(_scaled)  # the @decorator(**options) form
-    assert calls == [2] and torch.equal(decorated(x, y), _scaled(x, y)) and calls == [2, 2]
+    with compiled_megatron_fusions(True):  # MP_COMPILE_FUSIONS=true
+        assert torch.equal(fn(x, y), _gated(x, y)) and calls == [2]
+        fn(x, y)
+        assert calls == [2]  # compiled once
+        decorated = deferred_compile(backend=backend)(_scaled)  # the @decorator(**options) form
+        assert calls == [2] and torch.equal(decorated(x, y), _scaled(x, y)) and calls == [2, 2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU an unset MP_COMPILE_FUSIONS compiles")
+def test_on_cpu_the_functions_run_eager_unless_the_run_compiles_fusions():
+    """The router's expert-bias update, gated attention's output gate and such are called by every MoE or gated
+    model whatever its fusion settings: traced and compiled on CPU, their first call cost each process seconds and
+    needed a C++ compiler. Eager where MP_COMPILE_FUSIONS is unset or false; compiled where it is true, and back to
+    eager after."""
+    calls = []
+    fn = deferred_compile(_shifted, backend=_recording_backend(calls))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    assert not fusions_compiled() and torch.equal(fn(x, y), _shifted(x, y)) and calls == []
+    with compiled_megatron_fusions(False):
+        assert torch.equal(fn(x, y), _shifted(x, y)) and calls == []
+    with compiled_megatron_fusions(True):
+        assert fusions_compiled() and torch.equal(fn(x, y), _shifted(x, y)) and calls == [2]
+    assert not fusions_compiled() and torch.equal(fn(x, y), _shifted(x, y)) and calls == [2]
 
 
 def test_inside_a_compiled_region_the_function_is_traced_without_a_graph_break():

@@ -126,6 +126,16 @@ def _fp32_residual(model):
         fused_bias_dropout._bias_dropout_add_func = original
 
 
+@contextmanager
+def _megatron_fusions_compiled(model):
+    """megatron-core's jit-fused functions compiled, as on a GPU (on CPU they run eager unless a run asks:
+    runtime/deferred_compile.py)."""
+    from megatron_patch.runtime.deferred_compile import compiled_megatron_fusions
+
+    with compiled_megatron_fusions(True):
+        yield
+
+
 ABLATIONS: list[Ablation] = [
     Ablation("rope_fp32", "RoPE implementation", "q/k rotated in fp32, rounded once (baseline: in the model dtype)",
              patch=_rope_in_fp32),
@@ -152,7 +162,7 @@ ABLATIONS: list[Ablation] = [
     Ablation("residual_fp32", "residual precision", "residual stream kept in fp32 (fp32_residual_connection)",
              overrides={"fp32_residual_connection": True, "pipeline_dtype": torch.float32}, patch=_fp32_residual),
     Ablation("bias_swiglu_fused", "bias-SwiGLU fusion", "megatron's jit-fused bias-SwiGLU (torch.compile)",
-             overrides={"bias_activation_fusion": True}),
+             overrides={"bias_activation_fusion": True}, patch=_megatron_fusions_compiled),
 ]
 BY_NAME = {a.name: a for a in ABLATIONS}
 

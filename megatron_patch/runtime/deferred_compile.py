@@ -1,14 +1,20 @@
-"""megatron-core's ``torch.compile`` decorations, deferred from its import to each function's first call.
+"""megatron-core's ``torch.compile`` decorations, deferred from its import to each function's first call, and on
+CPU not compiled at all unless a run asks for compiled fusions.
 
 megatron-core decorates about 30 functions with ``torch.compile`` when it is imported (``megatron.core.jit``'s
 ``jit_fuser``: fused bias-GeLU/SwiGLU, router and dispatcher helpers; 0.19 also ``@torch.compile`` itself).
 Decorating imports torch's compiler stack, dynamo and inductor, in every process that imports megatron-core
-(each rank of a launch, each tool), whether or not it ever calls one of those functions (a CPU run calls none
-unless its fusions are switched on): ``import megatron.core.models.gpt`` takes 4.3 s on an idle 2-core machine,
-2.6 s deferred (scripts/bench_imports.py). A training rank still imports dynamo at its first optimizer step
-(torch.optim does), not inductor's compiler. torch.compile compiles at a
-function's first call anyway; here the decoration waits for that call too, so what runs, and when it is
-compiled, does not change. Only plain functions are deferred, and only while a megatron-core module runs.
+(each rank of a launch, each tool), whether or not it ever calls one of those functions: ``import
+megatron.core.models.gpt`` takes 4.3 s on an idle 2-core machine, 2.6 s deferred (scripts/bench_imports.py).
+torch.compile compiles at a function's first call anyway; here the decoration waits for that call too.
+
+Some of them are called whatever the run's fusion settings: every MoE router's ``_apply_expert_bias`` (a no-op
+unless the model has expert bias), gated attention's output gate, gpt-oss's activation. On CPU their first call
+cost each process 3 s (a no-op traced) to 7 s (DeepSeek-V3's expert bias: a C++ kernel built) and needed a C++
+compiler (scripts/bench_imports.py, the "first call" lines). So the decision is the run's fusion setting
+(MP_COMPILE_FUSIONS, ``compiled_megatron_fusions``): compiled where it is true, eager where it is false, and unset
+as megatron-core's other fusions are by default here, compiled on a GPU and eager on CPU. Eager and compiled compute
+the same function (the tests hold the compiled fusions to eager's losses).
 
 Installed by the entry points (``cli.main``, ``rank_preload``) before megatron-core is imported; where it was
 imported already, nothing changes.
@@ -16,6 +22,7 @@ imported already, nothing changes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
@@ -29,9 +36,9 @@ PACKAGE = "megatron.core"
 
 
 def deferred_compile(fn=None, **options):
-    """``torch.compile(fn, **options)`` made at ``fn``'s first call (a module or other callable: at once). Inside a
-    region torch.compile is tracing, the plain function is called: dynamo inlines a compiled function's original
-    there too."""
+    """``torch.compile(fn, **options)`` made at ``fn``'s first call where fusions are compiled (a module or other
+    callable: at once), else ``fn`` itself. Inside a region torch.compile is tracing, the plain function is called:
+    dynamo inlines a compiled function's original there too."""
     import torch
 
     if fn is None:  # used as @torch.compile(**options)
@@ -42,13 +49,45 @@ def deferred_compile(fn=None, **options):
 
     @functools.wraps(fn)
     def first_call_compiles(*args, **kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not fusions_compiled():
             return fn(*args, **kwargs)
         if not compiled:
             compiled.append(_real_compile()(fn, **options))
         return compiled[0](*args, **kwargs)
 
     return first_call_compiles
+
+
+_COMPILE_FUSIONS: list = [None]  # the run's MP_COMPILE_FUSIONS: True, False, or None (unset)
+_ON_GPU: list = []  # whether this process has a CUDA device, asked once
+
+
+def fusions_compiled() -> bool:
+    """Whether megatron-core's jit-fused functions run compiled in this process (the module's docstring says why)."""
+    if _COMPILE_FUSIONS[0] is not None:
+        return _COMPILE_FUSIONS[0]
+    if not _ON_GPU:
+        import torch
+
+        _ON_GPU.append(torch.cuda.is_available())
+    return _ON_GPU[0]
+
+
+def set_megatron_fusions(compiled: bool | None) -> None:
+    """A run's MP_COMPILE_FUSIONS: True compiles megatron-core's jit-fused functions, False runs them eager, None
+    leaves it to the device (compiled on a GPU, eager on CPU)."""
+    _COMPILE_FUSIONS[0] = compiled
+
+
+@contextlib.contextmanager
+def compiled_megatron_fusions(compiled: bool | None = True):
+    """``set_megatron_fusions(compiled)`` for the ``with`` block, the setting before it restored after."""
+    before = _COMPILE_FUSIONS[0]
+    set_megatron_fusions(compiled)
+    try:
+        yield
+    finally:
+        set_megatron_fusions(before)
 
 
 _REAL_COMPILE: list = []  # torch.compile itself, kept by the finder before it swaps it

@@ -28,6 +28,7 @@ from megatron_patch.models.blocks.precision import kept_in_float32
 from megatron_patch.models.shape.model_shape import flops_uncounted, model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
+from megatron_patch.runtime.deferred_compile import set_megatron_fusions
 from megatron_patch.runtime.distributed import destroy, move_to_device
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import (
@@ -673,6 +674,7 @@ class Trainer:
 def train(cfg) -> dict:
     """Run on every rank (process group from RANK/WORLD_SIZE/MASTER_*)."""
 
+    set_megatron_fusions(cfg.compile_fusions)  # megatron-core's jit-fused helpers: compiled or eager, as the run says
     watchdog.set_phase("joining the job")
     init_model_parallel(cfg.layout, seed=cfg.seed, timeout_minutes=cfg.dist_timeout_min)
     watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.dist_timeout_min)
