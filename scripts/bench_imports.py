@@ -9,6 +9,11 @@ pay for other processes on the machine), with the load average before the runs.
 The last two lines: what a rank imports of the project itself, compiled from source (no bytecode cache, as where
 PYTHONDONTWRITEBYTECODE=1 and nothing wrote one) and from the caches compileall writes (tests/conftest.py does that
 once per test session). Both from a copy of the package in a temporary folder, so the checkout is left as it is.
+
+The "first call" lines: what the first call of one of megatron-core's jit-fused functions costs a process on CPU
+where it is compiled (MP_COMPILE_FUSIONS=true; before, always): the router's expert-bias update, as a no-op (no
+expert bias: traced, nothing to build) and as DeepSeek-V3 runs it (a C++ kernel built); against eager, the default
+on CPU (runtime/deferred_compile.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,34 @@ MODULES = ("megatron_patch.cli", "megatron_patch.training.run_state", "numpy", "
 DEFERRED = ("megatron.core.models.gpt, compile deferred",
             "from megatron_patch.runtime.deferred_compile import defer_megatron_compile\n"
             "defer_megatron_compile()\nimport megatron.core.models.gpt")
+
+
+# megatron-core's router's _apply_expert_bias, deferred as in a rank; argv: expert bias 0/1, compiled 0/1.
+FIRST_CALL = """
+import sys, time, torch
+from megatron_patch.runtime.deferred_compile import deferred_compile, set_megatron_fusions
+set_megatron_fusions(sys.argv[2] == "1")
+class Router(torch.nn.Module):
+    def __init__(self, enable):
+        super().__init__()
+        self.enable_expert_bias = enable
+        self.register_buffer("local_tokens_per_expert", torch.zeros(8))
+    @deferred_compile
+    def _apply_expert_bias(self, routing_map):
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+router, routing_map = Router(sys.argv[1] == "1"), torch.rand(16, 8) > 0.5
+t = time.perf_counter()
+router._apply_expert_bias(routing_map)
+print(time.perf_counter() - t)
+"""
+
+
+def best_first_call_seconds(expert_bias: bool, compiled: bool, repeat: int) -> float:
+    return min(float(subprocess.run([sys.executable, "-c", FIRST_CALL, str(int(expert_bias)), str(int(compiled))],
+                                    check=True, capture_output=True, text=True).stdout.split()[-1])
+               for _ in range(repeat))
 
 
 # What a training rank imports of the project (after megatron-core, which the first import below brings in).
@@ -74,6 +107,11 @@ def main() -> int:
         cached = best_project_import_seconds(package, args.repeat)
     print(f"{'the project (a rank), compiled from source':42s} {source:6.2f} s")
     print(f"{'the project (a rank), from bytecode caches':42s} {cached:6.2f} s")
+    for bias in (False, True):
+        what = "DeepSeek-V3's expert bias" if bias else "no expert bias"
+        for compiled in (True, False):
+            seconds = best_first_call_seconds(bias, compiled, args.repeat)
+            print(f"{f'first call, {what}, ' + ('compiled' if compiled else 'eager'):42s} {seconds:6.2f} s")
     return 0
 
 

@@ -22,6 +22,7 @@ import torch
 
 from megatron_patch.models.blocks import builder
 from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED, default_core_attention, describe
+from megatron_patch.runtime.deferred_compile import compiled_megatron_fusions
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process, the
@@ -130,8 +131,6 @@ def _fp32_residual(model):
 def _megatron_fusions_compiled(model):
     """megatron-core's jit-fused functions compiled, as on a GPU (on CPU they run eager unless a run asks:
     runtime/deferred_compile.py)."""
-    from megatron_patch.runtime.deferred_compile import compiled_megatron_fusions
-
     with compiled_megatron_fusions(True):
         yield
 
