@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.training_helpers import make_corpus
+from megatron_patch.runtime.deferred_compile import defer_megatron_compile
+
+# The tests run the project's code in this process too: with megatron-core imported as every `mpatch` process and
+# rank imports it (runtime/deferred_compile.py), so that they run what those processes run. First, before any
+# import of megatron-core.
+defer_megatron_compile()
+
+from tests.training_helpers import make_corpus  # noqa: E402 - after the line above
 
 REPO = Path(__file__).resolve().parents[1]
 
