@@ -111,7 +111,7 @@ def main() -> int:
         what = "DeepSeek-V3's expert bias" if bias else "no expert bias"
         for compiled in (True, False):
             seconds = best_first_call_seconds(bias, compiled, args.repeat)
-            print(f"{f'first call, {what}, ' + ('compiled' if compiled else 'eager'):42s} {seconds:6.2f} s")
+            print(f"{f'first call, {what}, ' + ('compiled' if compiled else 'eager'):50s} {seconds:6.2f} s")
     return 0
 
 
