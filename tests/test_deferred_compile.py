@@ -106,3 +106,17 @@ def test_inside_a_compiled_region_the_function_is_traced_without_a_graph_break()
     outer = torch.compile(lambda x, y: fn(x, y) + 1, fullgraph=True, backend="eager")  # fullgraph: a break raises
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     assert torch.allclose(outer(x, y), _gated(x, y) + 1)
+
+
+def test_unset_the_device_decides_and_the_option_overrides_it(monkeypatch):
+    """Unset: compiled where this process has a CUDA device (megatron-core's own fusions on a GPU), eager where not;
+    MP_COMPILE_FUSIONS=true or false decides on either."""
+    from megatron_patch.runtime import deferred_compile
+
+    for gpu in (True, False):
+        monkeypatch.setattr(deferred_compile, "_ON_GPU", [gpu])
+        assert fusions_compiled() is gpu
+        for asked in (True, False):
+            with compiled_megatron_fusions(asked):
+                assert fusions_compiled() is asked
+        assert fusions_compiled() is gpu
