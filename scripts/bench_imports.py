@@ -6,9 +6,10 @@ pay for other processes on the machine), with the load average before the runs.
 
     python scripts/bench_imports.py --repeat 5
 
-The last two lines: what a rank imports of the project itself, compiled from source (no bytecode cache, as where
-PYTHONDONTWRITEBYTECODE=1 and nothing wrote one) and from the caches compileall writes (tests/conftest.py does that
-once per test session). Both from a copy of the package in a temporary folder, so the checkout is left as it is.
+The two "the project" lines: what a rank imports of the project itself, compiled from source (no bytecode
+cache, as where PYTHONDONTWRITEBYTECODE=1 and nothing wrote one) and from the caches compileall writes
+(tests/conftest.py does that once per test session). Both from a copy of the package in a temporary folder, so the
+checkout is left as it is.
 
 The "first call" lines: what the first call of one of megatron-core's jit-fused functions costs a process on CPU
 where it is compiled (MP_COMPILE_FUSIONS=true; before, always): the router's expert-bias update, as a no-op (no

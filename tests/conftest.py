@@ -24,8 +24,8 @@ def pytest_sessionstart(session):
     """Byte-compile the project once, before any test starts a process. The suite starts several hundred Python
     processes (each rank of a launch, each `mpatch` command), and each imports much of the project; where nothing
     writes bytecode caches (PYTHONDONTWRITEBYTECODE=1, as on this project's development machines) each compiled it
-    from source again: 0.27 s for a rank's imports against 0.10 s from the caches (scripts/bench_imports.py, the
-    last two lines). compileall writes the caches whatever that variable says; a process reads them as usual, and
+    from source again: 0.25 s for a rank's imports against 0.09 s from the caches (scripts/bench_imports.py, "the
+    project" lines). compileall writes the caches whatever that variable says; a process reads them as usual, and
     a module edited since is compiled anew."""
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller has done it
         return

@@ -7,10 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
-import pytest
-
+from megatron_patch.runtime import deferred_compile as deferred_compile_module
 from megatron_patch.runtime.deferred_compile import compiled_megatron_fusions, deferred_compile, fusions_compiled
 
 IMPORT_MEGATRON = """
@@ -111,10 +111,8 @@ def test_inside_a_compiled_region_the_function_is_traced_without_a_graph_break()
 def test_unset_the_device_decides_and_the_option_overrides_it(monkeypatch):
     """Unset: compiled where this process has a CUDA device (megatron-core's own fusions on a GPU), eager where not;
     MP_COMPILE_FUSIONS=true or false decides on either."""
-    from megatron_patch.runtime import deferred_compile
-
     for gpu in (True, False):
-        monkeypatch.setattr(deferred_compile, "_ON_GPU", [gpu])
+        monkeypatch.setattr(deferred_compile_module, "_ON_GPU", [gpu])
         assert fusions_compiled() is gpu
         for asked in (True, False):
             with compiled_megatron_fusions(asked):

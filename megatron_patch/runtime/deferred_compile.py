@@ -10,11 +10,11 @@ torch.compile compiles at a function's first call anyway; here the decoration wa
 
 Some of them are called whatever the run's fusion settings: every MoE router's ``_apply_expert_bias`` (a no-op
 unless the model has expert bias), gated attention's output gate, gpt-oss's activation. On CPU their first call
-cost each process 2.0 s (a no-op traced) to 3.6 s (DeepSeek-V3's expert bias: a C++ kernel built) on an idle 2-core
-machine, more under load, and needed a C++ compiler (scripts/bench_imports.py, the "first call" lines). So the decision is the run's fusion setting
-(MP_COMPILE_FUSIONS, ``compiled_megatron_fusions``): compiled where it is true, eager where it is false, and unset
-as megatron-core's other fusions are by default here, compiled on a GPU and eager on CPU. Eager and compiled compute
-the same function (the tests hold the compiled fusions to eager's losses).
+cost each process 2.0 s (a no-op traced) to 3.6 s (DeepSeek-V3's expert bias: a C++ kernel built) on an idle
+2-core machine, more under load, and needed a C++ compiler (scripts/bench_imports.py, the "first call" lines). So
+the run's fusion setting decides (MP_COMPILE_FUSIONS, ``set_megatron_fusions``): compiled where it is true, eager
+where it is false, and unset as megatron-core's other fusions are by default here, compiled on a GPU and eager on
+CPU. Eager and compiled compute the same function (the tests hold the compiled fusions to eager's losses).
 
 Installed by the entry points (``cli.main``, ``rank_preload``) before megatron-core is imported; where it was
 imported already, nothing changes.
