@@ -17,11 +17,13 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import psutil
 import pytest
 
+from megatron_patch.cli.train import _interrupted
 from tests.convert_helpers import run_cli
 from tests.training_helpers import REPO, pretrain_args
 
@@ -214,3 +216,17 @@ def test_a_sigkill_to_the_launchers_group_leaves_no_process_of_the_run(corpus, t
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_ctrl_c_during_a_checkpoint_s_save_or_load_is_an_interruption():
+    """torch's checkpointing reports a rank's KeyboardInterrupt during a save or load as a CheckpointException, a
+    BaseException: the rank takes it as the Ctrl-C it is (status 130, the launcher's one line), where it once
+    escaped with a traceback; a checkpoint failure of another cause stays a failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def failure(exc: BaseException):
+        return exc, traceback.StackSummary()
+
+    assert _interrupted(CheckpointException("load", {0: failure(KeyboardInterrupt()), 1: failure(ValueError())}))
+    assert not _interrupted(CheckpointException("load", {0: failure(ValueError("bad shard"))}))
+    assert not _interrupted(KeyboardInterrupt()) and not _interrupted(ValueError())

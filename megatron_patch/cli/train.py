@@ -329,6 +329,10 @@ def _rank(launcher: str, argv: list[str]) -> int:
     once: bad input, a full disk or an output folder it cannot write (exit 2); a collective that timed out or
     a rank that went away (1, naming the rank); anything else is an internal error (1), whose traceback goes
     to the run's log, ``OUTPUT_BASEPATH/log/rank<R>-error.log``, not to the terminal N times."""
+    # torch's checkpointing reports any rank's failure in a save or load, a Ctrl-C's KeyboardInterrupt included, as
+    # this, a BaseException: without it here, it left the rank with a traceback on the terminal.
+    from torch.distributed.checkpoint.api import CheckpointException
+
     quiet_cpu_warnings()
     die_with_launcher()
     helpers_die_with_rank()
@@ -353,13 +357,23 @@ def _rank(launcher: str, argv: list[str]) -> int:
         return 0
     except KeyboardInterrupt:  # the agent passes a SIGINT on to its ranks; the launcher says it once for the job
         return 130
-    except Exception as exc:  # noqa: BLE001 - every failure of a rank becomes one line for the launcher
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every failure becomes one line for the launcher
+        if _interrupted(exc):  # the SIGINT came during a checkpoint's save or load
+            return 130
         kind, message = _rank_failure(exc, rank, timeout_min, out)
         if not watchdog.report_failure(message, kind):  # not under torchrun: nobody else will say it
             print(f"mpatch train: {'' if kind == 'internal' else 'error: '}{message}", file=sys.stderr, flush=True)
         return 2 if kind == "user" else 1
     finally:
         watchdog.stop()
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's checkpoint failure that a KeyboardInterrupt on some rank caused."""
+    failures = getattr(exc, "failures", None)
+    return isinstance(failures, dict) and any(
+        isinstance(failure[0] if isinstance(failure, tuple) else failure, KeyboardInterrupt)
+        for failure in failures.values())
 
 
 # What an output folder the job cannot write gives (besides a full disk): it is bad input, not a bug.
