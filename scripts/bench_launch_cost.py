@@ -1,10 +1,13 @@
 """What one launch costs before and around its training: the Llama launcher (ENV=cpu, the tiny model, no checkpoint
-written) run for 1 and for 20 iterations at TP=1 and TP=2, as the tests run it. The 1-iteration launch is mostly
-fixed cost (each rank's interpreter importing torch and megatron-core: scripts/bench_imports.py), which is what the
-test suite pays per launch (README, "the suite's time").
+written) run for 1 and for 20 iterations at TP=1 and TP=2, as the tests run it, with its ranks forked from the
+launcher's preloaded fork server (the default on CPU) and as fresh interpreters (``MP_LOCAL_START=spawn``, what a
+GPU machine runs). The 1-iteration launch is mostly fixed cost: importing torch and megatron-core
+(scripts/bench_imports.py), once per fork server or once per fresh rank, which is what the test suite pays per
+launch (README, "the suite's time").
 
-Each case runs ``--repeat`` times; the best wall time and the CPU seconds of that run (user + system of the launcher
-and its ranks) are printed, with the load average before the runs.
+Each case runs ``--repeat`` times; the best wall time is printed with the CPU the whole machine spent during that
+run (``/proc/stat``: a forked rank's CPU is its fork server's child's, which no ``os.times`` of the launcher
+counts, so run it on an otherwise idle machine), after the load average before the runs.
 
     PYTHONPATH=. python scripts/bench_launch_cost.py --repeat 2
 """
@@ -17,6 +20,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds every core has spent busy since boot (Linux's /proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -32,20 +42,21 @@ def main() -> int:
         corpus = make_corpus(root / "corpus", 200)
         for tp in (1, 2):
             for iters in (1, 20):
-                runs = []
-                for attempt in range(args.repeat):
-                    out = root / f"out-{tp}-{iters}-{attempt}"
-                    before, start = os.times(), time.perf_counter()
-                    proc = launch(pretrain_args(corpus, out, TP=str(tp), TRAIN_TOKENS_OR_ITERS=str(iters * GBS * SEQ),
-                                                WARMUP_TOKENS_OR_ITERS="0"), env={"MP_SAVE": "false"})
-                    wall, after = time.perf_counter() - start, os.times()
-                    if proc.returncode != 0:
-                        print(proc.stderr[-2000:], file=sys.stderr)
-                        return 1
-                    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
-                    runs.append((wall, cpu))
-                wall, cpu = min(runs)
-                print(f"TP={tp} {iters:2d} iteration(s): {wall:5.1f} s wall, {cpu:5.1f} s CPU (best of {args.repeat})")
+                for ranks, start in (("forked", {}), ("fresh", {"MP_LOCAL_START": "spawn"})):
+                    runs = []
+                    for attempt in range(args.repeat):
+                        out = root / f"out-{tp}-{iters}-{ranks}-{attempt}"
+                        cpu, start_time = machine_cpu_seconds(), time.perf_counter()
+                        run_args = pretrain_args(corpus, out, TP=str(tp), TRAIN_TOKENS_OR_ITERS=str(iters * GBS * SEQ),
+                                                 WARMUP_TOKENS_OR_ITERS="0")
+                        proc = launch(run_args, env={"MP_SAVE": "false", **start})
+                        runs.append((time.perf_counter() - start_time, machine_cpu_seconds() - cpu))
+                        if proc.returncode != 0:
+                            print(proc.stderr[-2000:], file=sys.stderr)
+                            return 1
+                    wall, cpu = min(runs)
+                    print(f"TP={tp} {iters:2d} iteration(s), {ranks:6} ranks: {wall:5.1f} s wall, {cpu:5.1f} s CPU "
+                          f"(best of {args.repeat})")
     return 0
 
 

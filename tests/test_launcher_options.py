@@ -19,7 +19,7 @@ PACKAGE = REPO / "megatron_patch"
 # MP_* switches that are no launcher option, each read by the one module that owns it, and why.
 NOT_LAUNCHER_OPTIONS = {
     "MP_SHOW_WARNINGS": "runtime/launch.py: keeps megatron-core's CPU warnings in every rank (debugging)",
-    "MP_LOCAL_START": "runtime/launch.py: how torchrun's local ranks start (tests)",
+    "MP_LOCAL_START": "runtime/launch.py: spawn starts local ranks as fresh interpreters, not forked (CPU)",
     "MP_CPU_COMPAT_ANY_MCORE": "runtime/cpu_compat.py: the CPU patches on an unaudited megatron-core, for every command",
     "MP_LAUNCHER_PID": "runtime/launch.py: set by the launcher for its own ranks",
 }

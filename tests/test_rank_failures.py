@@ -193,7 +193,7 @@ def test_a_sigkill_to_the_launchers_group_leaves_no_process_of_the_run(corpus, t
             assert time.monotonic() < deadline, "no checkpoint after 300 s"
             time.sleep(0.5)
         run = _processes_of(proc.pid)
-        ranks = [p for p in run if p.ppid() == proc.pid]
+        ranks = [p for p in run if p.name() == "mpatch-rank0" and p.parent().name() != "mpatch-rank0"]
         spawned = [p for p in run if ranks and p.ppid() == ranks[0].pid and "multiprocessing.spawn" in " ".join(p.cmdline())]
         assert len(ranks) == 1 and not spawned, [(p.pid, p.ppid(), p.cmdline()[:4]) for p in run]
         deadline = time.monotonic() + 60  # saves come every few seconds; 0.19 writes with threads and forks none

@@ -505,20 +505,20 @@ def test_two_nodes_train_one_model_with_tp_across_them(tp2_run, corpus, tmp_path
 
 
 def _rank_process(launcher: subprocess.Popen, rank: int, log: Path):
-    """The process torchrun started as ``rank`` (a direct child of the launcher, which runs torchrun's
-    agent in-process; the rank's own helper processes have the same environment but another parent)."""
+    """The process that runs ``rank``: a descendant of the launcher (its child, or the child of the launcher's fork
+    server) that names itself ``mpatch-rank<R>``; the rank's own forked helpers carry its name too, under it."""
     import time
 
     import psutil
 
+    name = f"mpatch-rank{rank}"
     while launcher.poll() is None:
-        for child in psutil.Process(launcher.pid).children():
+        for child in psutil.Process(launcher.pid).children(recursive=True):
             try:
-                env = child.environ()
+                if child.name() == name and child.parent().name() != name:
+                    return child
             except psutil.Error:
                 continue
-            if env.get("RANK") == str(rank) and env.get("TORCHELASTIC_RUN_ID"):
-                return child
         time.sleep(0.05)
     pytest.fail("the launcher exited before its ranks started:\n" + "\n".join(_output(log))[-3000:])
 

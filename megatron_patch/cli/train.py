@@ -26,8 +26,8 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, helpers_die_with_rank,
-                                           die_with_launcher, quiet_cpu_warnings, run_torchrun)
+from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, die_with_launcher, forked_ranks,
+                                           helpers_die_with_rank, name_this_process, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_training_data
 from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers
@@ -254,7 +254,7 @@ def run(args) -> int:
             for note in changes:
                 print(f"note: {note}", flush=True)
         check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
-        return _launch(cfg, command, needed)
+        return _launch(cfg, command, argv, needed)
 
 
 @contextlib.contextmanager
@@ -288,7 +288,7 @@ def run_folder_identity(output_basepath: str | Path) -> Path:
     return Path(output_basepath).resolve()
 
 
-def _launch(cfg, command: list[str], needed: dict) -> int:
+def _launch(cfg, command: list[str], argv: list[str], needed: dict) -> int:
     os.environ[LAUNCHER_PID] = str(os.getpid())
     for k, v in needed.items():
         if os.environ.get(k, v) != v:
@@ -302,8 +302,10 @@ def _launch(cfg, command: list[str], needed: dict) -> int:
     print("+ " + " ".join(f"{k}={v}" for k, v in needed.items()) + (" " if needed else "")
           + " ".join(shlex.quote(c) for c in command), flush=True)
 
+    # One node on CPU: each rank forked with torch and megatron-core imported, running the command's own call
+    forked = (_forked_rank_main, (cfg.launcher, argv)) if cfg.env == "cpu" and forked_ranks() else None
     try:
-        run_torchrun(command[len(TORCHRUN):])
+        run_torchrun(command[len(TORCHRUN):], forked)
     except JobFailed as exc:
         if exc.code == 2:
             raise UserError(str(exc))
@@ -312,6 +314,13 @@ def _launch(cfg, command: list[str], needed: dict) -> int:
     print(f"done: checkpoints in {cfg.checkpoint_dir}" if cfg.save else "done (MP_SAVE=false: no checkpoint written)",
           flush=True)
     return 0
+
+
+def _forked_rank_main(launcher: str, argv: list[str]) -> int:
+    """A forked rank's whole life: what ``python -m megatron_patch train LAUNCHER ARGV...`` runs."""
+    from megatron_patch.cli import main  # imported here: megatron_patch.cli imports this module
+
+    return main(["train", launcher, *argv])
 
 
 def _check_machine(cfg) -> dict:
@@ -337,6 +346,7 @@ def _rank(launcher: str, argv: list[str]) -> int:
     die_with_launcher()
     helpers_die_with_rank()
     rank, timeout_min = int(os.environ.get("RANK", "0")), 10.0
+    name_this_process(f"mpatch-rank{rank}")
     out = Path(argv[-1] or ".").absolute()  # OUTPUT_BASEPATH is the last argument of every launcher
     try:
         cfg = resolve(launcher, argv)

@@ -1,7 +1,9 @@
 """Starting the ranks of a job.
 
 ``run_torchrun``: training's one launch path, on a laptop (ENV=cpu) as on a cluster (dsw, dlc):
-torch's own torchrun, run in this process, and its failures turned into one line.
+torch's own torchrun, run in this process, and its failures turned into one line. Its ranks are fresh
+interpreters (``python -u -m megatron_patch train ...``), or, for a one-node CPU job, processes forked from the
+fork server below with torch and megatron-core already imported (``forked_ranks``: about 4 s of CPU less per rank).
 
 ``run_local``: a function in N local processes that form one torch.distributed job (gloo on CPU),
 for commands that need ranks for themselves (a parity check or an alignment at TP=2 from a single
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import logging
 import multiprocessing as mp
 import os
@@ -24,7 +27,9 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 import warnings
+from multiprocessing import forkserver, reduction
 from typing import Any, Callable
 
 from megatron_patch.errors import UserError
@@ -135,10 +140,14 @@ def _cuda_present() -> bool:
     return torch.cuda.device_count() > 0
 
 
-def _start_context():
-    """The fork server (started on first use, kept for this process's life, ranks forked from it with
-    ``rank_preload`` imported), or "spawn" where asked for, where there is no fork server, or where a CUDA
-    device is. On the lent H100 every rank forked from the fork server failed at ``torch.cuda.set_device``
+LOCAL_JOB_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_patch.runtime.local_job_preload"]
+TRAINING_RANK_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_patch.runtime.rank_preload"]
+
+
+def _start_context(preload: list[str] = LOCAL_JOB_PRELOAD):
+    """The fork server (started on first use, kept for this process's life, ranks forked from it with the
+    ``preload`` of the first use imported), or "spawn" where asked for, where there is no fork server, or where a
+    CUDA device is. On the lent H100 every rank forked from the fork server failed at ``torch.cuda.set_device``
     ("Cannot re-initialize CUDA in forked subprocess"): the server's preload touched CUDA (most likely
     ``cpu_compat``'s ``torch.cuda.is_available()``, whose device count arms torch's fork guard), and a child
     forked after that cannot use CUDA. A spawned rank starts clean."""
@@ -146,7 +155,7 @@ def _start_context():
             or _cuda_present()):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["megatron_patch.runtime.rank_preload"])
+    ctx.set_forkserver_preload(preload)
     return ctx
 
 
@@ -213,10 +222,12 @@ class JobFailed(Exception):
         self.kind = kind
 
 
-def run_torchrun(torchrun_args: list[str]) -> None:
+def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None = None) -> None:
     """``torchrun torchrun_args...`` in this process: torch.distributed.run's own parser and agent,
-    so it behaves exactly as the command does (rendezvous, --max-restarts, signals). Raises
-    ``JobFailed`` with one line saying why the job failed."""
+    so it behaves exactly as the command does (rendezvous, --max-restarts, signals). With ``forked``
+    (``(entry, args)``, a module-level function and its arguments: the rank's own command as a call), the job
+    must be ``--standalone`` and each rank is forked from the fork server and runs ``entry(*args)``
+    (``forked_ranks``). Raises ``JobFailed`` with one line saying why the job failed."""
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -226,16 +237,108 @@ def run_torchrun(torchrun_args: list[str]) -> None:
         # The agent logs each failed rank and each rank it stops ("failed (exitcode: 1) local_rank: 0 ..."):
         # the one line below says it, from the ranks' own reports.
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+        # forked ranks: the others stopped after one failed ("Terminating process N via signal SIGTERM")
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)
         # and the signal it got ("Received 2 death signal, shutting down workers"): said below too
         logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
             lambda record: "death signal" not in record.getMessage())
     try:
-        run(parse_args(torchrun_args))
+        if forked is None:
+            run(parse_args(torchrun_args))
+        else:
+            _run_forked(parse_args(torchrun_args), *forked)
     except ChildFailedError as exc:
         raise JobFailed(*explain_failures(exc.failures)) from None
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
         raise JobFailed(f"the launcher got {name}: every rank was stopped", 128 + int(exc.sigval)) from None
+
+
+# --- forked ranks ---------------------------------------------------------------------------------
+
+def forked_ranks() -> bool:
+    """Whether torchrun's ranks on this machine are forked from the fork server: yes unless ``_start_context``
+    starts fresh interpreters (MP_LOCAL_START=spawn, no fork server, or a CUDA device: CUDA does not survive a
+    fork). Starts the server now: its imports run while the agent sets up the rendezvous."""
+    if _start_context(TRAINING_RANK_PRELOAD).get_start_method() != "forkserver":
+        return False
+    forkserver.ensure_running()
+    return True
+
+
+def _run_forked(args, entry: Callable, entry_args: tuple) -> None:
+    """torch.distributed.run.run for a standalone job, with ``entry`` as the agent's function entrypoint and the
+    fork server as its start method: the same agent, rendezvous, restarts and failure reports."""
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    if not args.standalone:
+        raise ValueError("forked ranks are for a --standalone job")
+    # what torch.distributed.run.run sets for --standalone: a c10d rendezvous on a free local port
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    with _main_importable():
+        elastic_launch(config, entrypoint=_forked_rank)(entry, entry_args, dict(os.environ),
+                                                        _InheritedFd(1), _InheritedFd(2))
+
+
+class _InheritedFd:
+    """A descriptor of this process that a child started by the fork server receives as its own (multiprocessing
+    passes it over the server's socket when the child's arguments are pickled); an int there."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+# What the agent sets for each rank (torch's LocalElasticAgent): kept over the launcher's environment. OMP_NUM_THREADS
+# is not among them: the agent copies the launcher's, which the launcher's environment already holds.
+_AGENT_VARIABLES = frozenset({"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                              "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                              "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+_FORK_SERVER: list[int] = []  # in a forked rank: the pid of the fork server it came from, its parent
+_REPLACED_STREAMS: list = []  # the fork server's stdout/stderr objects: kept, never flushed into the launcher's
+
+
+def _forked_rank(entry: Callable, entry_args: tuple, env: dict, stdout: int, stderr: int) -> None:
+    """A forked rank made what the agent's fresh ``python -u`` rank is, then ``entry(*entry_args)``, whose non-zero
+    status becomes the process's exit status. The fork server's state is not the launcher's: the rank takes a
+    session of its own (a terminal's Ctrl-C reaches the launcher, which stops the ranks), the launcher's
+    output unbuffered, and the launcher's environment with the agent's variables over it."""
+    _FORK_SERVER.append(os.getppid())
+    os.setsid()
+    for fd, target in ((stdout, 1), (stderr, 2)):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+    _REPLACED_STREAMS.extend((sys.stdout, sys.stderr))
+    sys.stdout, sys.stderr = _unbuffered_text(1, sys.stdout), _unbuffered_text(2, sys.stderr)
+    agent = {k: v for k, v in os.environ.items() if k in _AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(agent)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch read the fork server's at its import
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    code = entry(*entry_args)
+    if code:
+        sys.exit(code)
+
+
+def _unbuffered_text(fd: int, like):
+    """A text stream on ``fd`` as ``python -u`` makes it: each write goes straight to the descriptor."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(raw, encoding=like.encoding, errors=like.errors, write_through=True)
 
 
 def _kind(failure) -> str | None:
@@ -285,7 +388,21 @@ def die_with_launcher(log=print) -> str:
     process group, a closed terminal, a scheduler without cgroups): torch elastic starts each rank in a
     session of its own, so nothing else would stop it, and it would go on writing the run's checkpoints.
     Returns how, in words."""
+    if _FORK_SERVER:  # forked: the fork server is the parent, and it ends when the launcher does
+        return die_with_parent(_FORK_SERVER[0], "its launcher's fork server", log)
     return die_with_parent(int(os.environ.get(LAUNCHER_PID) or os.getppid()), "its launcher", log)
+
+
+PR_SET_NAME = 15
+
+
+def name_this_process(name: str) -> None:
+    """The name ps, top and /proc/PID/comm show for this process (Linux; at most 15 bytes): a forked rank would
+    otherwise show the fork server's command line, and a fresh one ``python``."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def die_with_parent(expected: int, who: str = "its parent", log=print) -> str:

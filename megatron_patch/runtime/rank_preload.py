@@ -1,7 +1,8 @@
-"""Imported once by ``run_local``'s fork server, so that each local rank forks with torch, megatron-core and
-transformers already imported instead of importing them itself: about 3 s of CPU per rank on 2 cores
-(megatron-core pulls in torch's compiler stack), which a parity check at TP=2 or a test suite of
-multi-process checks pays over and over.
+"""Imported once by a fork server, so that each local rank forks with torch and megatron-core already imported
+instead of importing them itself: about 4 s of CPU per rank on 2 cores (megatron-core pulls in torch's
+distributed-tensor and symbolic-shape stacks), which a training launch at TP=2, a parity check at TP=2 or a test
+suite of multi-process checks pays over and over. ``local_job_preload`` adds transformers for ``run_local``'s
+jobs (the HF side of a parity check or an alignment); a training rank does not import it.
 
 The CPU compatibility layer is enabled first, because it must patch torch before megatron-core binds
 names at import. Any failure here is left for the rank to meet again and report itself (an unsupported
@@ -21,6 +22,7 @@ try:
     import megatron.core.models.gpt  # noqa: F401 - the model models/blocks/builder.py builds
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
-    import transformers  # noqa: F401
+    # torch's optimizers import dynamo when the first is built (Optimizer.__init__ is dynamo-disabled): 0.5 s a rank
+    import torch._dynamo  # noqa: F401
 except Exception:  # noqa: BLE001 - see the module's docstring
     pass

@@ -1,0 +1,128 @@
+"""A one-node CPU job's ranks are forked from a fork server that imported torch and megatron-core once
+(runtime/launch.py, ``forked_ranks``), under torchrun's own agent. Each must be what the agent's fresh
+``python -u -m megatron_patch train ...`` rank is: the launcher's environment and working folder as they are now
+(not the fork server's, taken when it started), its output on the launcher's descriptors, unbuffered, a session of
+its own, and no life beyond its launcher's. ``MP_LOCAL_START=spawn`` keeps the fresh interpreters (a GPU always
+does), and both give the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_patch.outputs.lock import live_ranks
+from megatron_patch.runtime.launch import JobFailed, forked_ranks, run_torchrun
+from tests.training_helpers import GBS, SEQ, launch, make_corpus, pretrain_args, read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+TWO_RANKS = ["--standalone", "--nnodes=1", "--nproc_per_node=2", "-m", "unused"]  # the module is not run: the call is
+
+
+def report_rank(folder: str) -> int:
+    """A rank's view of itself, written to ``folder``; a line on stdout with no flush (``-u`` needs none)."""
+    me = psutil.Process()
+    facts = {"rank": os.environ["RANK"], "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "cwd": os.getcwd(),
+             "probe": os.environ.get("MP_PROBE_SET_AFTER_THE_SERVER"), "pid": me.pid, "sid": os.getsid(0),
+             "parent": me.ppid(), "parent_cmdline": " ".join(me.parent().cmdline())}
+    Path(folder, f"rank{facts['rank']}.json").write_text(json.dumps(facts))
+    sys.stdout.write(f"rank {facts['rank']} was here\n")
+    return 0
+
+
+def fail_on_rank_one() -> int:
+    return 3 if os.environ["RANK"] == "1" else 0
+
+
+@pytest.fixture(scope="module")
+def fork_server():
+    """The fork server, started before any test of this module captures this process's output or changes its
+    environment: what a forked rank finds in it is stale by the time a test runs."""
+    assert forked_ranks(), "this machine has a fork server and no CUDA device: ranks are forked here"
+
+
+def test_a_forked_rank_sees_the_launcher_as_it_is_now_and_has_a_session_of_its_own(fork_server, tmp_path, capfd,
+                                                                                      monkeypatch):
+    # after the fork server started: a forked rank must see these, as a fresh one would
+    monkeypatch.setenv("MP_PROBE_SET_AFTER_THE_SERVER", "yes")
+    monkeypatch.chdir(tmp_path)
+    run_torchrun(TWO_RANKS, (report_rank, (str(tmp_path),)))
+    facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [f["rank"] for f in facts] == ["0", "1"] and facts[0]["run_id"] and facts[0]["run_id"] == facts[1]["run_id"]
+    for f in facts:
+        assert f["probe"] == "yes" and f["cwd"] == str(tmp_path), f
+        assert f["sid"] == f["pid"], f  # a session of its own: a terminal's Ctrl-C reaches only the launcher
+        assert f["parent"] != os.getpid() and "multiprocessing.forkserver" in f["parent_cmdline"], f
+    out = capfd.readouterr().out  # this test's descriptor 1, not the one the fork server started with
+    assert "rank 0 was here" in out and "rank 1 was here" in out, out
+
+
+def test_a_forked_rank_s_status_fails_the_job_naming_it(fork_server):
+    with pytest.raises(JobFailed) as failed:
+        run_torchrun(TWO_RANKS, (fail_on_rank_one, ()))
+    assert failed.value.code == 1
+    assert str(failed.value).startswith("rank 1 (pid ") and "exited with status 3" in str(failed.value)
+
+
+def test_mp_local_start_spawn_keeps_fresh_interpreters(monkeypatch):
+    monkeypatch.setenv("MP_LOCAL_START", "spawn")
+    assert not forked_ranks()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_corpus(tmp_path_factory.mktemp("corpus"), 200)
+
+
+@pytest.mark.slow
+def test_forked_and_fresh_ranks_train_the_same_run(corpus, tmp_path):
+    """TP=2 for three iterations, forked and as fresh interpreters: the same losses, bit for bit; the fresh ranks'
+    command line is the one the launcher prints."""
+    args = {"TP": "2", "TRAIN_TOKENS_OR_ITERS": str(3 * GBS * SEQ), "WARMUP_TOKENS_OR_ITERS": "0"}
+    forked = launch(pretrain_args(corpus, tmp_path / "forked", **args), env={"MP_SAVE": "false"})
+    fresh = launch(pretrain_args(corpus, tmp_path / "fresh", **args),
+                   env={"MP_SAVE": "false", "MP_LOCAL_START": "spawn"})
+    for proc in (forked, fresh):
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "-m torch.distributed.run --standalone --nnodes=1 --nproc_per_node=2 -m megatron_patch train" \
+            in proc.stdout
+    losses = [[(r["iteration"], r["loss"]) for r in read_metrics(tmp_path / name)] for name in ("forked", "fresh")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1], losses
+
+
+@pytest.mark.slow
+def test_forked_ranks_end_when_the_launcher_alone_is_killed(corpus, tmp_path):
+    """A SIGKILL to the launcher's process alone (the kernel's OOM killer picks one process): its fork server sees
+    the launcher gone and exits, and the ranks, armed against the fork server, go with it."""
+    out = tmp_path / "out"
+    args = pretrain_args(corpus, out, TP="2", TRAIN_TOKENS_OR_ITERS=str(10**6 * GBS * SEQ))
+    script = REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"
+    env = {**os.environ, "PYTHON": sys.executable, "MP_SAVE": "false"}
+    launcher = subprocess.Popen(["bash", str(script), *args], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)  # bash execs the launcher
+    try:
+        deadline = time.monotonic() + 240
+        while len(live_ranks(out)) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        server = [p for p in psutil.Process(launcher.pid).children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(server) == 1, [p.cmdline() for p in psutil.Process(launcher.pid).children()]
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 60  # within moments; this is the limit
+        while (live_ranks(out) or server[0].is_running()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not live_ranks(out), "ranks outlived their launcher"
+        assert not server[0].is_running() or server[0].status() == psutil.STATUS_ZOMBIE
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
