@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_patch.cli import main
+from megatron_patch.errors import UserError
+from megatron_patch.training import evaluation_run
 from megatron_patch.training.validation import resolve
-from tests.training_helpers import launcher_args
+from tests.training_helpers import launcher_args, make_texts, make_tokenizer
 
 
 @pytest.fixture()
@@ -111,3 +113,20 @@ def test_the_training_loss_is_read_from_the_run_log_and_drawn_beside_each_metric
     plot([{"iteration": 1, "metrics": {"t/acc": 0.5, "t/ppl": 9.0}}, {"iteration": 2, "metrics": {"t/acc": 0.75}}],
          losses, tmp_path / "metrics.png")
     assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_rank_refuses_a_tokenizer_the_model_cannot_score(data, tmp_path):
+    """What `mpatch eval` refuses, a run's ranks refuse as they start, before training: a tokenizer with ids beyond
+    the model's vocabulary (the tiny model has 200; their scores would come from padding rows, or an index error at
+    the first evaluation, hours in). The model's own tokenizer passes."""
+    texts = make_texts(300)
+    env = {"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": data["tok"]}
+    cfg = resolve("llama3_1", _args(data), env=env, check_paths=False)
+    assert cfg.arch.vocab_size == 200
+    wide = make_tokenizer(tmp_path / "wide", texts, vocab_size=320)
+    with pytest.raises(UserError, match=r"MP_EVAL_TASKS: the tokenizer in .*wide yields ids beyond the model's "
+                                        r"vocabulary \(200\): it has 2\d\d ids; give the model's own tokenizer "
+                                        r"\(MP_TOKENIZER, or a PRETRAIN_CHECKPOINT_PATH that carries it\)"):
+        evaluation_run.load_tokenizer(wide, cfg)
+    own = make_tokenizer(tmp_path / "own", texts)
+    assert evaluation_run.load_tokenizer(own, cfg).get_vocab()

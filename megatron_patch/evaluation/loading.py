@@ -65,7 +65,7 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
                                 tuple(opened.found.notes + opened.notes))
 
 
-def check_tokenizer(tokenizer, vocab_size: int, chat_template: bool = False) -> None:
+def check_tokenizer(tokenizer, vocab_size: int, chat_template: bool = False, give: str = "--tokenizer DIR") -> None:
     """Refuse, in one line, a tokenizer (transformers') the harness cannot use with a model of ``vocab_size`` ids:
     one with ids the model has no row for (megatron's padding rows would score them: perplexity inf; or an index
     error past them), one without an end-of-text token (``end_of_text_id``), or, with ``chat_template``, one without
@@ -73,7 +73,7 @@ def check_tokenizer(tokenizer, vocab_size: int, chat_template: bool = False) -> 
     ids = max(tokenizer.get_vocab().values(), default=-1) + 1
     if ids > vocab_size:
         raise UserError(f"the tokenizer in {tokenizer.name_or_path} yields ids beyond the model's vocabulary "
-                        f"({vocab_size}): it has {ids} ids; give the model's own tokenizer (--tokenizer DIR)")
+                        f"({vocab_size}): it has {ids} ids; give the model's own tokenizer ({give})")
     end_of_text_id(tokenizer)
     if chat_template and not tokenizer.chat_template:
         raise UserError(f"--apply-chat-template: the tokenizer in {tokenizer.name_or_path} has no chat template "

@@ -82,12 +82,20 @@ def due(cfg, iteration: int) -> bool:
 
 
 def load_tokenizer(folder: Path | None, cfg):
-    """transformers' tokenizer from the folder the run's checkpoints carry theirs from (every rank reads it)."""
-    from megatron_patch.evaluation.loading import load_hf_tokenizer
+    """transformers' tokenizer from the folder the run's checkpoints carry theirs from (every rank reads it, as it
+    starts), refused in one line where ``mpatch eval`` would refuse it: ids beyond the model's vocabulary (scored
+    on padding rows, or an index error at the first evaluation, hours in) or no end-of-text token."""
+    from megatron_patch.evaluation.loading import check_tokenizer, load_hf_tokenizer
 
     if folder is None:
         raise UserError("MP_EVAL_TASKS: no HF tokenizer found in PRETRAIN_CHECKPOINT_PATH or MP_TOKENIZER")
-    return load_hf_tokenizer(folder, cfg.hf_config)
+    tokenizer = load_hf_tokenizer(folder, cfg.hf_config)
+    try:
+        check_tokenizer(tokenizer, cfg.arch.vocab_size,
+                        give="MP_TOKENIZER, or a PRETRAIN_CHECKPOINT_PATH that carries it")
+    except UserError as exc:
+        raise UserError(f"MP_EVAL_TASKS: {exc}") from None
+    return tokenizer
 
 
 def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
