@@ -149,6 +149,7 @@ BAD = [
     ("llama3_1", {}, {"MP_DIST_TIMEOUT_MIN": "0"}, "MP_DIST_TIMEOUT_MIN must be a number of minutes > 0, got '0'"),
     ("llama3_1", {}, {"MP_DIST_TIMEOUT_MIN": "soon"}, "MP_DIST_TIMEOUT_MIN must be a number, got 'soon'"),
     ("llama3_1", {}, {"MP_MAX_RESTARTS": "-1"}, "MP_MAX_RESTARTS must be >= 0, got -1"),
+    ("llama3_1", {}, {"MP_SEED": str(2**32)}, "MP_SEED must be at most 4294967295, got 4294967296"),
     ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                                    "GPUS_PER_NODE": "1"}, "RANK=2 is this node's rank among WORLD_SIZE=2 nodes"),
     ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "GPUS_PER_NODE": "1"},

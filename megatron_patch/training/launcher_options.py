@@ -477,7 +477,8 @@ ENVIRONMENT = [
            "0: never)", default=10000, field="eval_interval"),
     Option("MP_EVAL_ITERS", CORE, integer(hi=MAX_ITERATIONS), "validation micro-batch rounds per evaluation",
            default=10, field="eval_iters"),
-    Option("MP_SEED", CORE, integer(lo=0), "random seed (pipeline stage p initialises with seed + 100*p)",
+    # at most 2**32 - 1: megatron-core's datasets and lm-eval (MP_EVAL_TASKS) seed numpy with it, which takes no more
+    Option("MP_SEED", CORE, integer(lo=0, hi=2**32 - 1), "random seed (pipeline stage p initialises with seed + 100*p)",
            default=1234, field="seed", doc="random seed (pipeline stage p initialises with seed + 100\\*p)"),
     Option("MP_WEIGHT_DECAY", CORE, NUMBER, "AdamW weight decay, held constant by the scheduler",
            default=Default(lambda: "what Pai-Megatron-Patch's launcher for the family passes: " + _weight_decays(),
