@@ -100,8 +100,9 @@ def test_forked_and_fresh_ranks_train_the_same_run(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_forked_ranks_end_when_the_launcher_alone_is_killed(corpus, tmp_path):
-    """A SIGKILL to the launcher's process alone (the kernel's OOM killer picks one process): its fork server sees
-    the launcher gone and exits, and the ranks, armed against the fork server, go with it."""
+    """A SIGKILL to the launcher's process alone (the kernel's OOM killer picks one process): the fork server, armed
+    against the launcher (fork_server_guard), ends, and the ranks, armed against the server, with it. Without the
+    guard, multiprocessing's "alive" pipe, which every rank holds, kept the server and its ranks up for good."""
     out = tmp_path / "out"
     args = pretrain_args(corpus, out, TP="2", TRAIN_TOKENS_OR_ITERS=str(10**6 * GBS * SEQ))
     script = REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"
