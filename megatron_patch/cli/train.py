@@ -379,11 +379,11 @@ def _rank(launcher: str, argv: list[str]) -> int:
 
 
 def _interrupted(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's checkpoint failure that a KeyboardInterrupt on some rank caused."""
+    """Whether ``exc`` is torch's checkpoint failure that a KeyboardInterrupt on some rank caused (its ``failures``:
+    rank -> (exception, traceback summary))."""
     failures = getattr(exc, "failures", None)
-    return isinstance(failures, dict) and any(
-        isinstance(failure[0] if isinstance(failure, tuple) else failure, KeyboardInterrupt)
-        for failure in failures.values())
+    return isinstance(failures, dict) and any(isinstance(exception, KeyboardInterrupt)
+                                              for exception, _ in failures.values())
 
 
 # What an output folder the job cannot write gives (besides a full disk): it is bad input, not a bug.
