@@ -33,3 +33,22 @@ def logits_with_pieces_left_out(layers, hf_dir: str, tokens: torch.Tensor, left_
             for k, v in saved.items():
                 setattr(layers, k, v)
     return out
+
+
+def parameter_dtypes_worker(family_names: list[str], dtype_name: str) -> dict[str, dict[str, list[str]]]:
+    """Per family, the parameters of its tiny model as ``build_model`` makes it in ``dtype_name`` (the model training,
+    ``mpatch align`` and ``mpatch eval`` run) that are not in that dtype: ``declared`` (a family's float32
+    parameters, as transformers keeps them) and ``other``. Run in a process of one rank (``run_local``)."""
+    from megatron_patch.models.blocks import builder
+    from megatron_patch.models.blocks.precision import kept_in_float32
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.models.description.tiny import tiny_config
+    from megatron_patch.runtime import init_model_parallel
+
+    init_model_parallel(ParallelLayout())
+    dtype, out = getattr(torch, dtype_name), {}
+    for family in family_names:
+        model = builder.build_model(parse_arch(tiny_config(family)), ParallelLayout(), dtype)
+        odd = [(name, kept_in_float32(p)) for name, p in model.named_parameters() if p.dtype != dtype]
+        out[family] = {"declared": [n for n, kept in odd if kept], "other": [n for n, kept in odd if not kept]}
+    return out

@@ -209,7 +209,7 @@ def bf16_worker(hf: str, tokens: torch.Tensor):
     from megatron_patch.models.blocks.inference import forward_logits
     from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime import init_model_parallel
-    from megatron_patch.training.loop import cast_parameters
+    from megatron_patch.models.blocks.precision import cast_parameters
 
     arch = parse_arch(hf)
     init_model_parallel(ParallelLayout())

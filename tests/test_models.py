@@ -486,3 +486,17 @@ def test_dense_layers_of_an_moe_model_are_read_from_config(mixed_moe):
 def test_moe_model_with_dense_layers_matches_transformers(mixed_moe, layout):
     m = check_parity(mixed_moe, layout, seed=5)
     assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m
+
+
+def test_a_bf16_model_is_bf16_where_the_family_does_not_declare_float32():
+    """``build_model`` in bf16 is the model that trains, for align and eval too: megatron-core's local spec builds
+    torch's norms in float32 whatever ``params_dtype`` says, which left align's and eval's bf16 norms more precise than
+    the trained model's (and outside torch's fused kernel, which refuses two dtypes). Only what a family declares
+    float32 stays so (DeepSeek-V4's hyper-connections, sinks and norms, as transformers keeps them)."""
+    from megatron_patch.runtime.launch import run_local
+    from tests.family_helpers import parameter_dtypes_worker
+
+    (found,) = run_local(parameter_dtypes_worker, 1, FAMILY_NAMES, "bfloat16")
+    assert {f: v["other"] for f, v in found.items() if v["other"]} == {}
+    assert {f for f, v in found.items() if v["declared"]} == {"deepseek_v4"}
+    assert any(n.endswith("attn_hc.fn") for n in found["deepseek_v4"]["declared"]), found["deepseek_v4"]

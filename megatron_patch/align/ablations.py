@@ -104,7 +104,8 @@ def _fp32_residual(model):
     megatron-core 0.16's bias-dropout-add casts the residual to the sub-block output's dtype, so
     ``fp32_residual_connection`` alone only changes the embedding; here the add also happens in fp32.
     The norms then feed the model-dtype linears in that dtype, as the fused GPU norms do (torch's
-    RMSNorm would return fp32; megatron's local spec keeps norm weights in fp32).
+    RMSNorm would return fp32), and take their model-dtype weights in fp32, as those norms do (torch refuses
+    its fused kernel to an fp32 input with a bf16 weight, and says so).
     """
     from megatron.core.fusions import fused_bias_dropout
 
@@ -117,7 +118,7 @@ def _fp32_residual(model):
         return residual.float() + torch.nn.functional.dropout(x, p=prob, training=training)
 
     def norm_forward(self, x):
-        return torch.nn.RMSNorm.forward(self, x).to(dtype)
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps).to(dtype)
 
     fused_bias_dropout._bias_dropout_add_func = add_in_fp32
     try:

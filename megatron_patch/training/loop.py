@@ -24,7 +24,6 @@ import torch.distributed as dist
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks import attention_kernels, compiled_fusions, compiled_layers
 from megatron_patch.models.blocks.builder import build_model_chunks, pipeline_batch_factor
-from megatron_patch.models.blocks.precision import kept_in_float32
 from megatron_patch.models.shape.model_shape import flops_uncounted, model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
@@ -169,22 +168,6 @@ def _forward_step(ctx: StepContext, data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"], batch["labels"], ctx.vocab_size, ctx.cp_size, ctx.mtp)
 
 
-def cast_parameters(chunks: list, dtype: torch.dtype) -> None:
-    """Every floating-point parameter in the training dtype (what Megatron-LM's Float16Module does).
-
-    megatron-core's local layer spec builds its norms with torch's RMSNorm, which ignores
-    ``params_dtype``: a bf16 model kept fp32 norm weights, so final/ held mixed dtypes and megatron's
-    non-distributed fp16/bf16 optimizer failed to save (its checkpoint code maps only the 16-bit
-    parameters). transformer-engine's norms already take ``params_dtype``. Buffers are left as built, and so are
-    the parameters a family declares float32 (``models/blocks/precision.py``: DeepSeek-V4's hyper-connections
-    and norms, as transformers keeps them).
-    """
-    for chunk in chunks:
-        for param in chunk.parameters():
-            if param.is_floating_point() and param.dtype != dtype and not kept_in_float32(param):
-                param.data = param.data.to(dtype)
-
-
 def ddp_buffer_layout(config, ddp_config, chunk, disable_bucketing: bool) -> dict:
     """``DistributedDataParallel``'s ``full_param_layout`` argument, where megatron-core has one (0.19).
 
@@ -269,7 +252,6 @@ class Trainer:
             for c in chunks:
                 c.compute_language_model_loss = partial(_token_losses, self.arch.vocab_size)
         move_to_device(chunks, device)
-        cast_parameters(chunks, cfg.precision.dtype)
         caps = Capabilities.detect()
         fp8 = fp8_run.implementation(cfg, caps) if cfg.precision.fp8 else None
         if fp8 == fp8_run.TORCHAO:  # the chosen GEMMs of megatron-core's own linears in float8 (docs/fp8.md)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megatron_patch.dtypes import Precision
 from megatron_patch.models.blocks import rope
 from megatron_patch.models.blocks.core_attention import core_attention_class
+from megatron_patch.models.blocks.precision import cast_parameters
 from megatron_patch.models.description.arch import Arch, validate_layout
 from megatron_patch.models.description.registry import get_family
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -281,6 +282,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
     finish = get_family(arch.family).finish_model
     if finish is not None:  # the model-level pieces the family owns (family.py)
         finish(model, arch)
+    cast_parameters([model], dtype)  # torch's norms and megatron-core's router ignore params_dtype
     return model
 
 
