@@ -43,7 +43,7 @@ def make_tokenizer(folder: str | Path, texts: list[str], vocab_size: int = 200) 
     tok.decoder = decoders.Metaspace()
     # Every printable ASCII character is in the alphabet, so prompts and chat markup have no <unk>.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=list(string.printable.strip()) + ["\n"])
+                                  initial_alphabet=list(string.printable.strip()) + ["\n"], show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))

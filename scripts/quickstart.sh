@@ -17,6 +17,8 @@ step "1/7 a tiny Llama-3.1 HF model, a BPE tokenizer and a text corpus in $WORK"
 "$PYTHON" - "$WORK" <<'PY'
 import json, shutil, sys
 from pathlib import Path
+from megatron_patch.runtime.known_warnings import quiet_known_warnings
+quiet_known_warnings()  # as mpatch does: torchao's import notices, where it is installed, say nothing here
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.demo_data import make_texts, make_tokenizer
 
@@ -59,6 +61,8 @@ step "7/7 load it in transformers and generate"
 "$PYTHON" - "$WORK" <<'PY'
 import json, sys
 from pathlib import Path
+from megatron_patch.runtime.known_warnings import quiet_known_warnings
+quiet_known_warnings()
 import torch
 from transformers import AutoModelForCausalLM
 from megatron_patch.tokenizer import load_tokenizer

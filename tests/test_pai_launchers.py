@@ -539,6 +539,26 @@ def test_mpatch_installs_the_filter(tmp_path):
     assert "UserWarning: an unrelated warning" in proc.stderr, proc.stderr
 
 
+def test_mpatch_quiets_torchao_s_import_notices(tmp_path):
+    """transformers (5.25) imports torchao whenever it loads a model, where torchao is installed (the test extras,
+    PR=fp8): its import logged each CUDA extension this machine cannot load and torch's notice about its enums, in
+    every align, eval and local job. Through `mpatch`, none of them prints; other records of the same loggers do."""
+    pytest.importorskip("torchao", reason="torchao is in the test extras; without it there is nothing to quiet")
+    code = ("import logging, sys; sys.argv = ['mpatch', 'families', '--markdown', 'models']; import mpatch; "
+            "mpatch.main(); import transformers.quantizers.auto, torchao; "
+            "logging.getLogger('torchao').warning('Failed to load /x/_C_mxfp8.so: Could not load this library'); "
+            "logging.getLogger('torch.utils._pytree').warning('%s is an Enum subclass and is now natively supported "
+            "by torch.compile as an opaque value type.', 'KernelPreference'); "
+            "logging.getLogger('torchao').warning('a torchao notice of another kind'); "
+            "logging.getLogger('torch.utils._pytree').warning('a pytree notice of another kind')")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr
+    assert "a torchao notice of another kind" in proc.stderr, proc.stderr
+    assert "a pytree notice of another kind" in proc.stderr, proc.stderr
+
+
 # --- two lines train on CPU -----------------------------------------------------------------------------------
 
 def run_line(line: PaiLine, argv: list[str], env: dict) -> subprocess.CompletedProcess:

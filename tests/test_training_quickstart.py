@@ -43,3 +43,8 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert text.startswith("The cat") and len(text.split()) >= 5, text
     assert (work / "hf_trained" / "model.safetensors").is_file() and (work / "hf_trained" / "tokenizer.json").is_file()
     assert f"quick start done: everything is in {work}" in out
+    # What a newcomer reads is the flow, not notices: megatron-core's fallbacks, torchao's import (transformers 5.25
+    # imports it where it is installed), torch's refusal of a fused norm over mixed dtypes, blank progress lines.
+    for text in (out, proc.stderr):
+        for notice in ("not installed", "Failed to load", "Enum subclass", "Mismatch dtype", "\n\n\n"):
+            assert notice not in text, (notice, text[-4000:])

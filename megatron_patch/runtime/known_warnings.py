@@ -1,6 +1,7 @@
 """Warnings every run on a machine without transformer-engine or Apex would print, several times per rank, and
-that say nothing the dry run and ``mpatch info`` do not (what is installed, what runs instead). The project's
-entry points (``mpatch``, and through it each rank of a launch) filter exactly these; every other warning shows.
+the notices torchao's import prints wherever it is installed, that say nothing the dry run and ``mpatch info`` do
+not (what is installed, what runs instead). The project's entry points (``mpatch``, and through it each rank of a
+launch) filter exactly these; every other warning shows.
 """
 
 from __future__ import annotations
@@ -19,22 +20,30 @@ KNOWN = (
 # knows an MLP by identity (MLP, MoELayer, ...): a family's subclass of one (Gemma's MLP with its norm after it,
 # Gemma 4's MoE block) gets megatron-core's default process groups, which are the ones this project initialises,
 # and a warning per layer and rank.
-KNOWN_LOGS = (("megatron.core.transformer.transformer_layer", "Unknown MLP type"),)
+KNOWN_LOGS = (("megatron.core.transformer.transformer_layer", "Unknown MLP type"),
+              # torchao's import, wherever torchao is installed (PR=fp8, the test extras): transformers imports it
+              # whenever it loads a model (from 5.25: quantizers/auto.py), so align, eval and a local job printed
+              # these each time. Its CUDA extensions that cannot load here are not the float8 training path, and
+              # torch's notice is about torchao's own calls; ``models/blocks/float8.py`` quiets the same for its
+              # own import.
+              ("torchao", "Failed to load "),
+              ("torchao", "Skipping import of cpp extensions"),
+              ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by torch.compile"))
 
 
 class _DropKnown(logging.Filter):
-    def __init__(self, start: str):
+    def __init__(self, starts: tuple[str, ...]):
         super().__init__()
-        self.start = start
+        self.starts = starts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.start)
+        return not str(record.msg).startswith(self.starts)
 
 
 def quiet_known_warnings() -> None:
     for message, module in KNOWN:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
-    for name, start in KNOWN_LOGS:
+    for name in dict.fromkeys(name for name, _ in KNOWN_LOGS):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropKnown) and f.start == start for f in logger.filters):
-            logger.addFilter(_DropKnown(start))
+        logger.filters[:] = [f for f in logger.filters if not isinstance(f, _DropKnown)]  # once, however often called
+        logger.addFilter(_DropKnown(tuple(start for n, start in KNOWN_LOGS if n == name)))
