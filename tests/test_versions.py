@@ -20,8 +20,9 @@ def _requirement(name: str) -> Requirement:
 
 
 def test_combinations_match_by_release_line():
-    found = {"python": "3.11.9", "megatron_core": "0.16.1", "torch": "2.13.0+cpu", "transformers": "5.24.1"}
+    found = {"python": "3.11.9", "megatron_core": "0.16.1", "torch": "2.13.0+cpu", "transformers": "5.25.1"}
     assert versions.tested_combination(found) is TESTED[0]
+    assert versions.tested_combination({**found, "transformers": "5.24.0"}).transformers == "5.24.0"
     assert versions.tested_combination({**found, "python": "3.12.1", "megatron_core": "0.19.0"}) is TESTED[1]
     assert versions.tested_combination({**found, "megatron_core": "0.17.0"}) is None
     assert versions.tested_combination({**found, "transformers": "5.23.0"}) is None

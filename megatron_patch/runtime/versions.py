@@ -27,16 +27,18 @@ class Combination:
 
 # What pip resolves today from the README's commands, and the 4.x line checked by hand.
 TESTED = (
-    Combination("3.11", "0.16.1", "2.13.0", "5.24.0", "CI: the whole suite (.ci/run, fresh venv)"),
-    Combination("3.12", "0.19.2", "2.13.0", "5.24.0",
+    Combination("3.11", "0.16.1", "2.13.0", "5.25.0", "CI: the whole suite (.ci/run, fresh venv)"),
+    Combination("3.12", "0.19.2", "2.13.0", "5.25.0",
                 "CI: the quick subset, every conversion and checkpoint test, and checkpoints across releases; "
-                "by hand (2026-11-25): the whole suite, 972 passed, 8 GPU-only skips"),
-    Combination("3.13", "0.19.2", "2.13.0", "5.24.0",
-                "CI: the quick subset (where pyenv has 3.13); by hand (2026-11-26): the whole suite, 976 passed, "
-                "8 GPU-only skips"),
+                "by hand (2026-11-25, transformers 5.24): the whole suite, 972 passed, 8 GPU-only skips"),
+    Combination("3.13", "0.19.2", "2.13.0", "5.25.0",
+                "CI: the quick subset (where pyenv has 3.13); by hand (2026-11-26, transformers 5.24): the whole "
+                "suite, 976 passed, 8 GPU-only skips"),
     Combination("3.10", "0.16.1", "2.13.0", "5.20.2",
                 "CI: the quick subset (where pyenv has 3.10); by hand (2026-11-26): the whole suite, 976 passed, "
                 "8 GPU-only skips"),
+    Combination("3.11", "0.16.1", "2.13.0", "5.24.0",
+                "CI until 2026-12-02, what pip resolved then: the whole suite"),
     Combination("3.11", "0.16.1", "2.13.0", "4.57.6",
                 "by hand: the tests that read transformers (models, deepseek, convert, align, families, foreign)"),
 )
