@@ -200,7 +200,7 @@ def parse_bool(name: str, raw: str) -> bool:
         return True
     if low in ("false", "0", "no"):
         return False
-    raise UserError(f"{name} must be true or false, got '{raw}'")
+    raise UserError(f"{name} must be true or false (yes/no and 1/0 are taken too), got '{raw}'")
 
 
 def parse_choice(name: str, raw: str, allowed) -> str:
