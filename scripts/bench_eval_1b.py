@@ -280,6 +280,9 @@ def generation(args) -> int:
 
 
 def main() -> int:
+    from megatron_patch.runtime.known_warnings import quiet_known_warnings
+
+    quiet_known_warnings()  # as mpatch does (torchao's import notices, megatron-core's fallbacks)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, run in (("prepare", prepare), ("loglikelihood", loglikelihood), ("generation", generation)):

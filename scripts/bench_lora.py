@@ -129,6 +129,9 @@ def gib(n: float) -> str:
 
 
 def main() -> None:
+    from megatron_patch.runtime.known_warnings import quiet_known_warnings
+
+    quiet_known_warnings()  # as mpatch does (torchao's import notices, megatron-core's fallbacks)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="tiny,smol135m")
     p.add_argument("--iters", type=int, default=20)

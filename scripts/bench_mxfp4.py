@@ -115,6 +115,9 @@ def convert(hf: Path, out: Path, workers: int) -> dict:
 
 
 def main() -> None:
+    from megatron_patch.runtime.known_warnings import quiet_known_warnings
+
+    quiet_known_warnings()  # as mpatch does (torchao's import notices, megatron-core's fallbacks)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--workers", default="1,2")

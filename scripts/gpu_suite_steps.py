@@ -693,6 +693,9 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(run=pack)
     args = ap.parse_args()
+    from megatron_patch.runtime.known_warnings import quiet_known_warnings  # neither torch nor megatron-core
+
+    quiet_known_warnings()  # as mpatch does: each step's log holds what the step says, not torchao's import notices
     return args.run(args)
 
 
