@@ -523,17 +523,23 @@ def test_known_log_warnings_are_filtered_and_others_shown(caplog):
         logger.filters[:] = before
 
 
+def _after_mpatch(cwd, code: str) -> subprocess.CompletedProcess:
+    """``code`` run in a fresh interpreter after `mpatch` has run there (a quick command), which installs the entry
+    point's filters as it does for every command and rank; the process must succeed."""
+    start = "import sys; sys.argv = ['mpatch', 'families', '--markdown', 'models']; import mpatch; mpatch.main(); "
+    proc = subprocess.run([sys.executable, "-c", start + code], env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 def test_mpatch_installs_the_filter(tmp_path):
     """Through `mpatch` (each rank of a launch starts there too): megatron-core's notices, as its modules warn them,
     print nothing afterwards, and an unrelated warning still shows. (The CPU training runs below show the same
     of a whole launch.)"""
-    code = ("import sys, warnings; sys.argv = ['mpatch', 'families', '--markdown', 'models']; import mpatch; "
-            "mpatch.main(); warnings.warn_explicit('Transformer Engine and Apex are not installed. Falling back to "
-            "Torch optimizers.', UserWarning, 'optimizer.py', 24, module='megatron.core.optimizer'); "
-            "warnings.warn('an unrelated warning')")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    proc = _after_mpatch(tmp_path, "import warnings; warnings.warn_explicit('Transformer Engine and Apex are not "
+                         "installed. Falling back to Torch optimizers.', UserWarning, 'optimizer.py', 24, "
+                         "module='megatron.core.optimizer'); warnings.warn('an unrelated warning')")
     # The warning line itself, not "not installed": Python 3.13 prints the `-c` source under each warning it shows.
     assert "UserWarning: Transformer Engine" not in proc.stderr, proc.stderr
     assert "UserWarning: an unrelated warning" in proc.stderr, proc.stderr
@@ -544,16 +550,12 @@ def test_mpatch_quiets_torchao_s_import_notices(tmp_path):
     PR=fp8): its import logged each CUDA extension this machine cannot load and torch's notice about its enums, in
     every align, eval and local job. Through `mpatch`, none of them prints; other records of the same loggers do."""
     pytest.importorskip("torchao", reason="torchao is in the test extras; without it there is nothing to quiet")
-    code = ("import logging, sys; sys.argv = ['mpatch', 'families', '--markdown', 'models']; import mpatch; "
-            "mpatch.main(); import transformers.quantizers.auto, torchao; "
-            "logging.getLogger('torchao').warning('Failed to load /x/_C_mxfp8.so: Could not load this library'); "
-            "logging.getLogger('torch.utils._pytree').warning('%s is an Enum subclass and is now natively supported "
-            "by torch.compile as an opaque value type.', 'KernelPreference'); "
-            "logging.getLogger('torchao').warning('a torchao notice of another kind'); "
-            "logging.getLogger('torch.utils._pytree').warning('a pytree notice of another kind')")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    proc = _after_mpatch(tmp_path, "import logging, transformers.quantizers.auto, torchao; "
+                         "logging.getLogger('torchao').warning('Failed to load /x/_C_mxfp8.so: Could not load this "
+                         "library'); logging.getLogger('torch.utils._pytree').warning('%s is an Enum subclass and is "
+                         "now natively supported by torch.compile as an opaque value type.', 'KernelPreference'); "
+                         "logging.getLogger('torchao').warning('a torchao notice of another kind'); "
+                         "logging.getLogger('torch.utils._pytree').warning('a pytree notice of another kind')")
     assert "Failed to load" not in proc.stderr and "Enum subclass" not in proc.stderr, proc.stderr
     assert "a torchao notice of another kind" in proc.stderr, proc.stderr
     assert "a pytree notice of another kind" in proc.stderr, proc.stderr
