@@ -282,7 +282,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
     finish = get_family(arch.family).finish_model
     if finish is not None:  # the model-level pieces the family owns (family.py)
         finish(model, arch)
-    cast_parameters([model], dtype)  # torch's norms and megatron-core's router ignore params_dtype
+    cast_parameters([model], dtype)  # the local spec's torch norms ignore params_dtype
     return model
 
 

@@ -35,12 +35,11 @@ def cast_parameters(chunks: list, dtype: torch.dtype) -> None:
     """Every floating-point parameter in the model's dtype (what Megatron-LM's Float16Module does, for training and
     inference alike). ``build_model`` runs it, so that training, ``mpatch align`` and ``mpatch eval`` run one model.
 
-    megatron-core's local layer spec builds its norms with torch's RMSNorm, which ignores ``params_dtype``, and its
-    router in float32: a bf16 model kept fp32 norm and router weights, so final/ held mixed dtypes and megatron's
-    non-distributed fp16/bf16 optimizer failed to save (its checkpoint code maps only the 16-bit parameters), and
-    align and eval ran norms and routers more precise than the model that trains (and than transformers' bf16 model),
-    each norm outside torch's fused kernel (input and weight of two dtypes). transformer-engine's norms already take
-    ``params_dtype``. Buffers are left as built, and so are the parameters a family declares float32 (above:
+    megatron-core's local layer spec builds its norms with torch's RMSNorm, which ignores ``params_dtype``: a bf16
+    model kept fp32 norm weights, so final/ held mixed dtypes and megatron's non-distributed fp16/bf16 optimizer
+    failed to save (its checkpoint code maps only the 16-bit parameters), and align and eval ran norms more precise
+    than the model that trains (and than transformers' bf16 model), each outside torch's fused kernel (input and
+    weight of two dtypes). transformer-engine's norms already take ``params_dtype``. Buffers are left as built, and so are the parameters a family declares float32 (above:
     DeepSeek-V4's hyper-connections and norms, as transformers keeps them).
     """
     for chunk in chunks:
