@@ -24,8 +24,8 @@ KNOWN_LOGS = (("megatron.core.transformer.transformer_layer", "Unknown MLP type"
               # torchao's import, wherever torchao is installed (PR=fp8, the test extras): transformers imports it
               # whenever it loads a model (from 5.25: quantizers/auto.py), so align, eval and a local job printed
               # these each time. Its CUDA extensions that cannot load here are not the float8 training path, and
-              # torch's notice is about torchao's own calls; ``models/blocks/float8.py`` quiets the same for its
-              # own import.
+              # torch's notice is about torchao's own calls. ``models/blocks/float8.py`` installs this filter before
+              # its own import of torchao, for callers that came in through no entry point.
               ("torchao", "Failed to load "),
               ("torchao", "Skipping import of cpp extensions"),
               ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by torch.compile"))

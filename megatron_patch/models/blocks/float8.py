@@ -25,9 +25,7 @@ megatron-core's, around the float8 GEMM. torchao is imported only when a model i
 
 from __future__ import annotations
 
-import logging
 import re
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +35,7 @@ import torch
 # so that in a rank it loads after runtime/cpu_compat has patched torch.
 
 from megatron_patch.models.blocks.float8_plan import RECIPES, Gemm, chosen, fused_parts, linear_kind
+from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
 _DECODER_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.\d+\.(.+)$")
 
@@ -57,18 +56,10 @@ def _torchao():
 
 
 def _import_torchao():
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in quiet]
-    for logger in quiet:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import torchao.float8 as float8
-            from torchao.float8 import float8_training_tensor, float8_utils
-    finally:
-        for logger, level in zip(quiet, levels):
-            logger.setLevel(level)
+    quiet_known_warnings()  # its import notices, as at the entry points: a test or library caller passes none
+    import torchao.float8 as float8
+    from torchao.float8 import float8_training_tensor, float8_utils
+
     return float8, float8_training_tensor, float8_utils
 
 
