@@ -561,6 +561,18 @@ def test_mpatch_quiets_torchao_s_import_notices(tmp_path):
     assert "a pytree notice of another kind" in proc.stderr, proc.stderr
 
 
+def test_mpatch_quiets_torch_s_no_cuda_notice(tmp_path):
+    """Under a CUDA build of torch (what pip gives on Python 3.12+, and for torch 2.14 and newer) on a machine with a
+    CUDA toolkit and no GPU, megatron-core's import of torch's cpp_extension logged "No CUDA runtime is found" once
+    per process: a line in every launcher run's stderr. Through `mpatch`, that record, as torch emits it, prints
+    nothing; another record of the same logger does."""
+    proc = _after_mpatch(tmp_path, "import logging; log = logging.getLogger('torch.utils.cpp_extension'); "
+                         "log.warning(\"No CUDA runtime is found, using CUDA_HOME='%s'\", '/usr/local'); "
+                         "log.warning('a cpp_extension notice of another kind')")
+    assert "No CUDA runtime" not in proc.stderr, proc.stderr
+    assert "a cpp_extension notice of another kind" in proc.stderr, proc.stderr
+
+
 # --- two lines train on CPU -----------------------------------------------------------------------------------
 
 def run_line(line: PaiLine, argv: list[str], env: dict) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """Warnings every run on a machine without transformer-engine or Apex would print, several times per rank, and
-the notices torchao's import prints wherever it is installed, that say nothing the dry run and ``mpatch info`` do
-not (what is installed, what runs instead). The project's entry points (``mpatch``, and through it each rank of a
-launch) filter exactly these; every other warning shows.
+the notices that torchao's and torch's imports print, that say nothing the dry run and ``mpatch info`` do not
+(what is installed, what runs instead, which device). The project's entry points (``mpatch``, and through it
+each rank of a launch) filter exactly these; every other warning shows.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ KNOWN_LOGS = (("megatron.core.transformer.transformer_layer", "Unknown MLP type"
               # its own import of torchao, for callers that came in through no entry point.
               ("torchao", "Failed to load "),
               ("torchao", "Skipping import of cpp extensions"),
-              ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by torch.compile"))
+              ("torch.utils._pytree", "%s is an Enum subclass and is now natively supported by torch.compile"),
+              # megatron-core imports torch's cpp_extension as it loads (nccl_allocator.py); under a CUDA build of
+              # torch (what pip gives on Python 3.12+, or for torch > 2.13) on a machine with a CUDA toolkit and no
+              # GPU, that import logs this once per process. A GPU run never sees it; on CPU, the dry run and
+              # `mpatch info` say the device.
+              ("torch.utils.cpp_extension", "No CUDA runtime is found"))
 
 
 class _DropKnown(logging.Filter):

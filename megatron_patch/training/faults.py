@@ -9,7 +9,8 @@ A loss scaler that never sees an overflow and a resume that never follows a cras
 - ``kill@N``: every rank sends itself SIGKILL as iteration N starts, as a lost node would. No
   checkpoint, log line or exit handler runs; the next launch must resume from the last checkpoint.
 - ``error@N``: every rank raises a Python exception as iteration N starts, as a bug would: the launcher
-  must say so in one line, with each rank's traceback in the run's log.
+  must say so in one line, naming the log that holds the first failing rank's traceback (each rank that
+  gets there before the launcher stops the job writes its own).
 
 Nothing else in a run changes: with the variable unset no code path differs.
 """
