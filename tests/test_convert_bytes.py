@@ -497,8 +497,8 @@ def test_torch_dist_metadata_reads_as_torch_writes_it(hf_dir, tmp_path):
     assert all(t.abs().sum() > 0 for t in tensors.values())  # every chunk was found and read
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp_path / "torch")), no_dist=True)
     theirs = dcp.FileSystemReader(str(tmp_path / "torch")).read_metadata()
-    # torch saves whole tensors; compare each key's properties and size, and that our chunks tile it. torch 2.14+
-    # adds the saved tensor's strides, a sixth field that torch before 2.14 cannot unpickle and no reader uses: ours
+    # torch saves whole tensors; compare each key's properties and size, and that our chunks tile it. torch 2.15
+    # adds the saved tensor's strides, a sixth field that older torch cannot unpickle and no reader uses: ours
     # are the five fields every torch reads, so a checkpoint converted here loads under any torch.
     for key, md in theirs.state_dict_metadata.items():
         mine = ours.state_dict_metadata[key]
