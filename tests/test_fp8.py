@@ -79,6 +79,48 @@ def test_neither_transformer_engine_nor_torchao_is_refused_in_one_line():
     assert "neither" in machine_problems(_cfg(ENV="dsw"), Capabilities(**{**H100_NO_TE.__dict__, "torchao": False}))[0]
 
 
+def test_a_cpu_whose_float8_gemm_takes_no_row_scales_refuses_the_rowwise_recipes(tmp_path, monkeypatch, capsys):
+    """torch 2.11's CPU torch._scaled_mm takes one scale per tensor: torchao's rowwise recipes died there in torch's
+    internal assert ("please report a bug to PyTorch") on every rank. The launcher and `mpatch align` refuse them in
+    one line on such a CPU; tensorwise still runs, and a GPU is not asked."""
+    from megatron_patch.cli import main
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    old_cpu = Capabilities(**{**CPU.__dict__, "cpu_float8_rowwise": False, "torch_version": "2.11.0+cu130"})
+    for recipe in float8_plan.ROWWISE:
+        assert machine_problems(_cfg({"MP_FP8_RECIPE": recipe}), old_cpu) == [
+            f"MP_FP8_RECIPE={recipe} scales float8 per row, and torch 2.11.0+cu130's CPU float8 GEMM takes one scale "
+            "per tensor only (torch 2.13 takes both): use the tensorwise recipe on this CPU, or a newer torch"]
+    assert machine_problems(_cfg({"MP_FP8_RECIPE": "tensorwise"}), old_cpu) == machine_problems(_cfg(), old_cpu) == []
+    h100_with_that_torch = Capabilities(**{**H100_NO_TE.__dict__, "cpu_float8_rowwise": False})
+    assert machine_problems(_cfg({"MP_FP8_RECIPE": "rowwise"}, ENV="dsw"), h100_with_that_torch) == []
+
+    import megatron_patch.align.alignment as alignment
+
+    monkeypatch.setattr(alignment, "cpu_float8_rowwise", lambda: False)
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    assert main(["align", "--hf-dir", str(hf), "--dtype", "fp8", "--fp8-recipe", "rowwise_with_gw_hp"]) == 2
+    assert "--fp8-recipe rowwise_with_gw_hp scales float8 per row" in capsys.readouterr().err
+
+
+def test_the_row_scale_probe_answers_what_torchaos_rowwise_linear_does():
+    """`cpu_float8_rowwise()` asks torch one small GEMM; torchao's rowwise Float8Linear on the CPU runs exactly where
+    it says yes (torch 2.13 and 2.15 here; 2.11 fails both)."""
+    import torch
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from megatron_patch.runtime.machine import cpu_float8_rowwise
+
+    model = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(32, 16, dtype=torch.bfloat16)),
+                                       config=Float8LinearConfig.from_recipe_name("rowwise"))
+    try:
+        model(torch.ones(16, 32, dtype=torch.bfloat16)).sum().backward()
+        ran = True
+    except RuntimeError:
+        ran = False
+    assert cpu_float8_rowwise() == ran
+
+
 def test_mpatch_starts_and_plans_without_torchao(tmp_path):
     """torchao is optional: with it impossible to import, `mpatch` still starts and the launcher's options, checks
     and FP8 plan (which read no torchao) load."""

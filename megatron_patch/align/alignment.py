@@ -28,10 +28,11 @@ from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
 from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.sources import is_peft_folder
-from megatron_patch.models.blocks.float8_plan import filter_text
+from megatron_patch.models.blocks.float8_plan import cpu_recipe_problem, filter_text
 from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.runtime.machine import cpu_float8_rowwise
 from megatron_patch.tokenizer import load_tokenizer
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
@@ -142,6 +143,11 @@ def validate(s: AlignSettings):
     if s.dtype == "fp8" and (s.hf_dir_2 or s.peft_dir or s.ablate):
         raise UserError("--dtype fp8 compares MCore's float8 with torchao's on the HF model: without --hf-dir-2, "
                         "--peft-dir and --ablate")
+    if s.dtype == "fp8" and not torch.cuda.is_available():
+        problem = cpu_recipe_problem(s.fp8_recipe, cpu_float8_rowwise(), torch.__version__,
+                                     f"--fp8-recipe {s.fp8_recipe}")
+        if problem:
+            raise UserError(problem)
     if s.seq_len < 2 or s.batch < 1:
         raise UserError(f"--seq-len must be >= 2 and --batch >= 1 (got {s.seq_len}, {s.batch})")
     if not math.isfinite(s.tolerance) or s.tolerance <= 1:

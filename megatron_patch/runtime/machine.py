@@ -6,6 +6,7 @@ torch is imported inside the functions: the launcher and the converter start wit
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as md
 import importlib.util
 import os
@@ -78,6 +79,21 @@ def transformer_engine_usable() -> bool:
     return True
 
 
+@functools.cache
+def cpu_float8_rowwise() -> bool:
+    """Whether torch's CPU float8 GEMM (``torch._scaled_mm``) takes row-wise scales, which torchao's rowwise recipes
+    need. Asked of torch itself, one 16x32 GEMM: torch 2.11's CPU kernel takes per-tensor scales only (an internal
+    assert), 2.13's and 2.15's take both."""
+    import torch
+
+    a = torch.ones(16, 32).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except (RuntimeError, AttributeError, TypeError):
+        return False
+    return True
+
+
 def features(gpu: dict | None) -> dict:
     """Which of transformer-engine, FP8 and FlashAttention are usable with ``gpu`` (``gpu_info()``)."""
     cuda = gpu is not None
@@ -117,6 +133,7 @@ class Capabilities:
     torchao: bool = False  # torchao's float8 training (PR=fp8 without transformer-engine)
     flash_attention_4: bool = False  # the flash-attn-4 package (torch SDPA's FA4 implementation)
     torch_version: str | None = None
+    cpu_float8_rowwise: bool = True  # torch's CPU float8 GEMM takes row-wise scales (``cpu_float8_rowwise()``)
 
     @classmethod
     def detect(cls) -> "Capabilities":
@@ -130,4 +147,4 @@ class Capabilities:
                    cuda_version=torch.version.cuda, compile_problem=compile_problem(gpu is not None),
                    torchao=installed_version("torchao") is not None,
                    flash_attention_4=bool(gpu) and installed_version("flash-attn-4", "flash_attn_4") is not None,
-                   torch_version=torch.__version__)
+                   torch_version=torch.__version__, cpu_float8_rowwise=cpu_float8_rowwise())

@@ -11,7 +11,7 @@ machine cannot run refused in one line, and what the dry run says. docs/fp8.md.
 from __future__ import annotations
 
 from megatron_patch.models.blocks.float8_plan import RECIPES as TORCHAO_RECIPES
-from megatron_patch.models.blocks.float8_plan import arch_gemms, describe, filter_text
+from megatron_patch.models.blocks.float8_plan import arch_gemms, cpu_recipe_problem, describe, filter_text
 
 TE_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 ALL_RECIPES = tuple(dict.fromkeys(TE_RECIPES + TORCHAO_RECIPES))
@@ -44,6 +44,11 @@ def fp8_problem(cfg, caps) -> str | None:
     if impl == TORCHAO and recipe(cfg, impl) not in TORCHAO_RECIPES:
         return (f"MP_FP8_RECIPE={cfg.fp8_recipe} is transformer-engine's, which this machine runs without: torchao "
                 f"takes {' | '.join(TORCHAO_RECIPES)}")
+    if impl == TORCHAO and cfg.device == "cpu":
+        problem = cpu_recipe_problem(recipe(cfg, impl), caps.cpu_float8_rowwise, caps.torch_version,
+                                     f"MP_FP8_RECIPE={recipe(cfg, impl)}")
+        if problem:
+            return problem
     if impl == TORCHAO and cfg.device == "cuda" and caps.compute_capability and caps.compute_capability < (8, 9):
         cc = caps.compute_capability
         return f"PR=fp8 needs FP8 tensor cores (compute capability >= 8.9), and this GPU is sm{cc[0]}{cc[1]}: use PR=bf16"

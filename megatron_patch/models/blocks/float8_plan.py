@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from megatron_patch.errors import UserError
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+ROWWISE = ("rowwise", "rowwise_with_gw_hp")  # scales per row: torch's CPU float8 GEMM takes them from 2.13 on
 KINDS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")
 OTHER = "other"  # a parallel linear of a family's own layers (linear attention's projections)
 FILTERS = ("auto", "all")
@@ -161,3 +162,12 @@ def describe(gemms: dict[str, list[Gemm]], recipe: str, fp8_filter) -> list[str]
         bf16 = [g for g in layer if not g.float8]
         lines.append(f"{kind} layers: float8 {names(fp8) or 'none'}; bf16 {names(bf16) or 'none'}")
     return lines
+
+
+def cpu_recipe_problem(recipe: str, rowwise_ok: bool, torch_version: str | None, asked: str) -> str | None:
+    """Why ``recipe`` cannot run on this CPU (``rowwise_ok``: ``runtime.machine.cpu_float8_rowwise()``), or None;
+    ``asked`` is how the user chose it (MP_FP8_RECIPE=..., --fp8-recipe ...)."""
+    if recipe in ROWWISE and not rowwise_ok:
+        return (f"{asked} scales float8 per row, and torch {torch_version}'s CPU float8 GEMM takes one scale per "
+                "tensor only (torch 2.13 takes both): use the tensorwise recipe on this CPU, or a newer torch")
+    return None
