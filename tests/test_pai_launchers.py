@@ -561,16 +561,21 @@ def test_mpatch_quiets_torchao_s_import_notices(tmp_path):
     assert "a pytree notice of another kind" in proc.stderr, proc.stderr
 
 
-def test_mpatch_quiets_torch_s_no_cuda_notice(tmp_path):
+def test_mpatch_quiets_torch_s_no_cuda_notice_and_megatron_core_s_deprecation(tmp_path):
     """Under a CUDA build of torch (what pip gives on Python 3.12+, and for torch 2.14 and newer) on a machine with a
     CUDA toolkit and no GPU, megatron-core's import of torch's cpp_extension logged "No CUDA runtime is found" once
-    per process: a line in every launcher run's stderr. Through `mpatch`, that record, as torch emits it, prints
-    nothing; another record of the same logger does."""
+    per process; megatron-core 0.19 logs that GPTModel is deprecated each time one is built: lines in every launcher
+    run's stderr. Through `mpatch`, those records, as they are emitted, print nothing; other records of the same
+    loggers do."""
     proc = _after_mpatch(tmp_path, "import logging; log = logging.getLogger('torch.utils.cpp_extension'); "
                          "log.warning(\"No CUDA runtime is found, using CUDA_HOME='%s'\", '/usr/local'); "
-                         "log.warning('a cpp_extension notice of another kind')")
-    assert "No CUDA runtime" not in proc.stderr, proc.stderr
+                         "log.warning('a cpp_extension notice of another kind'); "
+                         "gpt = logging.getLogger('megatron.core.models.gpt.gpt_model'); "
+                         "gpt.warning('GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes'); "
+                         "gpt.warning('a gpt_model notice of another kind')")
+    assert "No CUDA runtime" not in proc.stderr and "DEPRECATED" not in proc.stderr, proc.stderr
     assert "a cpp_extension notice of another kind" in proc.stderr, proc.stderr
+    assert "a gpt_model notice of another kind" in proc.stderr, proc.stderr
 
 
 # --- two lines train on CPU -----------------------------------------------------------------------------------

@@ -33,7 +33,10 @@ KNOWN_LOGS = (("megatron.core.transformer.transformer_layer", "Unknown MLP type"
               # torch (what pip gives on Python 3.12+, or for torch > 2.13) on a machine with a CUDA toolkit and no
               # GPU, that import logs this once per process. A GPU run never sees it; on CPU, the dry run and
               # `mpatch info` say the device.
-              ("torch.utils.cpp_extension", "No CUDA runtime is found"))
+              ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+              # megatron-core 0.19 (Python 3.12+) logs this on rank 0 each time a GPTModel is built (every launch,
+              # align and eval): its advice is for code that builds the model, which here is this project's.
+              ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"))
 
 
 class _DropKnown(logging.Filter):
