@@ -38,9 +38,9 @@ TESTED = (
                 "CI: the quick subset (where pyenv has 3.10); by hand (2026-11-26): the whole suite, 976 passed, "
                 "8 GPU-only skips"),
     Combination("3.11", "0.16.1", "2.15.0", "5.25.0",
-                "by hand (2026-12-03, pip's CUDA build, on the CPU): the whole suite, 1928 passed, 8 GPU-only skips"),
+                "by hand (2026-12-03, pip's CUDA build, on the CPU): the whole suite, 1931 passed, 8 GPU-only skips"),
     Combination("3.11", "0.16.1", "2.14.1", "5.25.0",
-                "by hand (2026-12-03, pip's CUDA build, on the CPU): the whole suite, 1924 passed, 8 GPU-only skips"),
+                "by hand (2026-12-03, pip's CUDA build, on the CPU): the whole suite, 1931 passed, 8 GPU-only skips"),
     Combination("3.11", "0.16.1", "2.13.0", "5.24.0",
                 "CI until 2026-12-02, what pip resolved then: the whole suite"),
     Combination("3.11", "0.16.1", "2.13.0", "4.57.6",
