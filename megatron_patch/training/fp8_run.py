@@ -45,8 +45,9 @@ def fp8_problem(cfg, caps) -> str | None:
         return (f"MP_FP8_RECIPE={cfg.fp8_recipe} is transformer-engine's, which this machine runs without: torchao "
                 f"takes {' | '.join(TORCHAO_RECIPES)}")
     if impl == TORCHAO and cfg.device == "cpu":
-        problem = cpu_recipe_problem(recipe(cfg, impl), caps.cpu_float8_rowwise, caps.torch_version,
-                                     f"MP_FP8_RECIPE={recipe(cfg, impl)}")
+        chosen_recipe = recipe(cfg, impl)
+        problem = cpu_recipe_problem(chosen_recipe, caps.cpu_float8_rowwise, caps.torch_version,
+                                     f"MP_FP8_RECIPE={chosen_recipe}")
         if problem:
             return problem
     if impl == TORCHAO and cfg.device == "cuda" and caps.compute_capability and caps.compute_capability < (8, 9):

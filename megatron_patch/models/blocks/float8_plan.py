@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from megatron_patch.errors import UserError
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-ROWWISE = ("rowwise", "rowwise_with_gw_hp")  # scales per row: torch's CPU float8 GEMM takes them from 2.13 on
+ROWWISE = ("rowwise", "rowwise_with_gw_hp")  # scales per row, which torch 2.11's CPU float8 GEMM cannot take
 KINDS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts")
 OTHER = "other"  # a parallel linear of a family's own layers (linear attention's projections)
 FILTERS = ("auto", "all")
