@@ -287,7 +287,7 @@ def test_force_replaces_only_what_mpatch_wrote(hf, ckpt, tmp_path, capsys):
     notes.mkdir()
     (notes / "precious.txt").write_text("keep me")
     rc, err = hf2mcore(notes)
-    _one_line_error(rc, err, "neither an output of mpatch", "precious.txt")
+    _one_line_error(rc, err, f"has no {MANIFEST_NAME}, so mpatch did not write it", "precious.txt")
     assert (notes / "precious.txt").read_text() == "keep me"
     # an earlier output with a file added after it was written
     added = tmp_path / "added"
@@ -295,20 +295,41 @@ def test_force_replaces_only_what_mpatch_wrote(hf, ckpt, tmp_path, capsys):
     (added / "notes.md").write_text("mine")
     rc, err = hf2mcore(added)
     _one_line_error(rc, err, "notes.md", "does not list")
-    # an HF export from before the manifest existed, plus something else
-    old_hf = tmp_path / "old_hf"
-    shutil.copytree(hf, old_hf)
-    (old_hf / "train.py").write_text("")
-    rc, err = hf2mcore(old_hf)
-    _one_line_error(rc, err, "looks like an HF export", "train.py")
-    # recognised: this project's outputs, with or without a manifest
-    (old_hf / "train.py").unlink()
-    assert hf2mcore(old_hf)[0] == 0
+    # a folder without a manifest, whatever it holds: an HF model folder (which passed as an export of mpatch
+    # from before manifests, and was replaced by another model's export), another tool's checkpoint
+    user_hf = tmp_path / "user_hf"
+    shutil.copytree(hf, user_hf)
+    before = _tree_bytes(user_hf)
+    for argv in (["hf2mcore", "--hf-dir", str(hf)], ["mcore2hf", "--load-dir", str(ckpt)]):
+        rc, err = run_cli(capsys, "convert", *argv, "--save-dir", str(user_hf), "--force", "--quiet")
+        _one_line_error(rc, err, f"has no {MANIFEST_NAME}, so mpatch did not write it", "config.json")
+    assert _tree_bytes(user_hf) == before
     pre_manifest = tmp_path / "pre_manifest"
     shutil.copytree(ckpt, pre_manifest)
     (pre_manifest / MANIFEST_NAME).unlink()
-    assert hf2mcore(pre_manifest, "--format", "legacy")[0] == 0
-    assert (pre_manifest / MANIFEST_NAME).exists() and not leftovers(pre_manifest)
+    rc, err = hf2mcore(pre_manifest, "--format", "legacy")
+    _one_line_error(rc, err, f"has no {MANIFEST_NAME}, so mpatch did not write it")
+    # what the manifest does not list and --force would delete: links (to a folder outside too), an empty folder
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep me")
+    for name, plant in (("link_to_a_folder", lambda p: p.symlink_to(outside)),
+                        ("link_to_a_file", lambda p: p.symlink_to(outside / "keep.txt")),
+                        ("empty_folder/", lambda p: p.mkdir())):
+        work = tmp_path / f"planted_{name.strip('/')}"
+        shutil.copytree(ckpt, work)
+        plant(work / name.strip("/"))
+        rc, err = hf2mcore(work)
+        _one_line_error(rc, err, name, "does not list")
+        assert os.path.lexists(work / name.strip("/")) and (outside / "keep.txt").read_text() == "keep me"
+    # recognised: this project's outputs
+    assert hf2mcore(added.parent / "planted_again")[0] == 0
+    assert hf2mcore(added.parent / "planted_again", "--format", "legacy")[0] == 0
+    assert not leftovers(added.parent / "planted_again")
+
+
+def _tree_bytes(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_force_never_replaces_a_training_runs_checkpoints_or_export(hf, ckpt, tmp_path, capsys):
@@ -360,10 +381,11 @@ def test_force_replaces_only_an_earlier_output_of_the_same_command(hf, ckpt, tmp
     rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(report), "--force",
                       "--quiet")
     _one_line_error(rc, err, "was written by mpatch align, not by mpatch convert")
-    # pre-manifest outputs are told apart by what they hold
+    # without its manifest, a report is no longer known as mpatch's, to any command
     (report / MANIFEST_NAME).unlink()
-    with pytest.raises(UserError, match="looks like an align report, which mpatch align writes, not mpatch convert"):
-        check_target(report, True, writer="mpatch convert")
+    for writer in ("mpatch convert", "mpatch align"):
+        with pytest.raises(UserError, match=f"has no {MANIFEST_NAME}, so mpatch did not write it"):
+            check_target(report, True, writer=writer)
     # one converter's output is another's to replace
     export = tmp_path / "export"
     assert run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(work), "--save-dir", str(export), "--quiet")[0] == 0

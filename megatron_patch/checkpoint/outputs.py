@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import os
 import re
 import shutil
@@ -13,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
-from megatron_patch.checkpoint_files.layout import RELEASE, TRACKER_NAME, TRAIN_STATE
-from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_files, write_manifest
+from megatron_patch.checkpoint_files.layout import TRAIN_STATE
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_entries, write_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import HF_SIDE_FILES, checked_input
 from megatron_patch.outputs.folders import atomic_dir, overlap
@@ -51,13 +49,6 @@ def _first_file_above(path: Path) -> Path | None:
     return None
 
 
-# What a folder written here before the manifest existed may hold at its top level, by kind.
-_HF_EXPORT = ("config.json", "*.safetensors", "model.safetensors.index.json", *CARRIED_PATTERNS)
-_CHECKPOINT = (TRACKER_NAME, RELEASE, "iter_[0-9]*", SIDECAR_NAME, *CARRIED_PATTERNS)
-# What mpatch align wrote into --report-dir then (a report written since carries a manifest, whatever it holds).
-_ALIGN_REPORT = ("report.json", "report.md", "error_by_layer.png")
-
-
 def command_of(tool: str) -> str:
     """The command a manifest's ``tool`` names ("mpatch convert mcore2hf --merge-lora" -> "mpatch convert"): an
     output may replace the earlier outputs of its own command only."""
@@ -70,37 +61,25 @@ def replace_refusal(folder: Path, writer: str | None = None) -> str | None:
     ``writer`` (a manifest's tool) one of the same command: align's --force replaces an align report, never a
     converted checkpoint).
 
-    Recognised: a folder whose manifest lists every file in it; or, from before the manifest existed, an
-    MCore checkpoint (its tracker file), an HF export (config.json and safetensors) or an align report
-    (report.json and report.md) holding nothing else at its top level."""
+    Recognised: a folder whose manifest lists everything in it, links and empty folders included. A folder
+    without a manifest is refused whatever it holds: a downloaded HF model, a Megatron-LM or Pai checkpoint and
+    an output of mpatch from before manifests look alike, and every Pai converter line passes --force."""
     manifest = manifest_of(folder)
-    if manifest is not None:
-        try:
-            data = read_manifest(manifest)
-        except UserError as exc:
-            return f"has a damaged manifest ({exc})"
-        extra = [f for f in unlisted_files(folder) if f not in set(data["files"])]
-        if extra:
-            return f"holds {extra[0]}, which its {MANIFEST_NAME} does not list (added after mpatch wrote the folder)"
-        written_by = str(data.get("tool", ""))
-        if writer is not None and command_of(written_by) != command_of(writer):
-            return f"was written by {written_by}, not by {command_of(writer)}"
-        return None
-    names = sorted(p.name for p in folder.iterdir())
-    if TRACKER_NAME in names:
-        kind, allowed, command = "an MCore checkpoint", _CHECKPOINT, "mpatch convert"
-    elif "config.json" in names and any(n.endswith(".safetensors") for n in names):
-        kind, allowed, command = "an HF export", _HF_EXPORT, "mpatch convert"
-    elif {"report.json", "report.md"} <= set(names):
-        kind, allowed, command = "an align report", _ALIGN_REPORT, "mpatch align"
-    else:
-        return ("is neither an output of mpatch (no mpatch_manifest.json) nor an MCore checkpoint, HF export or "
-                f"align report (it holds {names[0]})")
-    extra = [n for n in names if not any(fnmatch.fnmatch(n, pattern) for pattern in allowed)]
+    if manifest is None:
+        names = sorted(p.name for p in folder.iterdir())
+        return (f"has no {MANIFEST_NAME}, so mpatch did not write it (it holds {names[0]}: a model you downloaded "
+                "or another tool's checkpoint would be lost)")
+    try:
+        data = read_manifest(manifest)
+    except UserError as exc:
+        return f"has a damaged manifest ({exc})"
+    listed = set(data["files"])
+    extra = [f for f in unlisted_entries(folder) if f not in listed]
     if extra:
-        return f"looks like {kind} but also holds {extra[0]}, which mpatch does not write"
-    if writer is not None and command != command_of(writer):
-        return f"looks like {kind}, which {command} writes, not {command_of(writer)}"
+        return f"holds {extra[0]}, which its {MANIFEST_NAME} does not list (added after mpatch wrote the folder)"
+    written_by = str(data.get("tool", ""))
+    if writer is not None and command_of(written_by) != command_of(writer):
+        return f"was written by {written_by}, not by {command_of(writer)}"
     return None
 
 

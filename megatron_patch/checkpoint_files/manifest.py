@@ -180,6 +180,15 @@ def output_files(path: str | Path) -> list[str]:
     return sorted(n for n in out if n != path.name)
 
 
+def unlisted_entries(folder: str | Path) -> list[str]:
+    """Everything under ``folder`` but its manifest, as ``--force`` would delete it: files of any kind, links
+    (to folders too, never entered) and empty folders (``NAME/``)."""
+    folder = Path(folder)
+    empty = [Path(d).relative_to(folder).as_posix() + "/" for d, dirnames, filenames in os.walk(folder)
+             if not dirnames and not filenames and Path(d) != folder]
+    return sorted(output_files(folder / MANIFEST_NAME) + empty)
+
+
 def _legacy_unlisted(data: dict) -> bool:
     """A training iteration saved before its manifest listed the folder's hidden files (``.metadata``): those
     are not counted as unlisted (docs/outputs.md)."""
