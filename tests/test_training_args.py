@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -437,6 +438,26 @@ def test_dry_run_text_lists_settings(data, monkeypatch, capsys):
     assert ("machine check: ok" in out) == (not refused)
     assert "command: " in out
 
+
+
+def test_dry_run_refuses_what_the_launch_refuses_of_its_run_folder(data, monkeypatch, capsys):
+    """The dry run returned 0 where the launch is refused before starting a rank: an OUTPUT_BASEPATH holding a
+    file a run does not write. It now runs the launch's checks of the run folder, its checkpoints and the LoRA base
+    (each one line, exit 2) after its report, and says whether the run would resume."""
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    out = Path(data["out"])
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["train", "llama3_1", *_args(data)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds notes.txt, which a training run does not write there" in err, err
+    (out / "notes.txt").unlink()
+    # a LoRA run's checkpoints, resumed without a base: refused as the launch does (a dry run with neither plans
+    # a LoRA run before its base exists, and passes)
+    monkeypatch.setenv("MP_LORA_RANK", "4")
+    assert main(["train", "llama3_1", *_args(data)]) == 0
+    capsys.readouterr()
+    assert main(["train", "llama3_1", *_args(data)]) == 0
 
 SETTINGS_CASES = [
     ("llama3_1", {"GPUS_PER_NODE": "8"}, dict(ENV="dsw", MODEL_SIZE="tiny", PR="fp8", TP="2", PP="2", SP="true",

@@ -231,30 +231,50 @@ def run(args) -> int:
             print(json.dumps(report, indent=2, default=str))
         else:
             print_dry_run(report)
+        # The launch's checks of the run folder, its checkpoints and a LoRA run's base, and whether it resumes.
+        # Not the machine's (only reported: a dry run plans a GPU job on any machine), nor the data's contents
+        # (read at launch; a dry run plans a size before the corpus exists).
+        _checked_start(cfg, out=sys.stderr if dry == "json" else sys.stdout, would=True)
         return 0
     check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: it takes a few lstat calls
     needed = _check_machine(cfg)
     command = launch_command(cfg, argv)
     with _run_lock(cfg):
-        # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
-        # has started (the ranks decide again for themselves: a restart comes back to them, not here).
-        latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
-
-        # a LoRA run's base, and the one its checkpoints name
-        check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
-        done = finished_run(cfg, latest)
-        if done:
-            print(done, flush=True)
+        if _checked_start(cfg, out=sys.stdout, would=False) is None:
             return 0
-        if latest is not None:
-            changes = resume_notes(cfg, iteration_dir(cfg.checkpoint_dir, latest))
-            # Pai-Megatron-Patch starts a rerun into the same folder afresh; here it resumes, and says so first.
-            print(f"resuming from iteration {latest} of {cfg.train_iters}: {iteration_dir(cfg.checkpoint_dir, latest)} "
-                  "(OUTPUT_BASEPATH holds this run's checkpoints; another OUTPUT_BASEPATH starts afresh)", flush=True)
-            for note in changes:
-                print(f"note: {note}", flush=True)
-        check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
         return _launch(cfg, command, argv, needed)
+
+
+def _checked_start(cfg, *, out, would: bool) -> int | None:
+    """The launch's checks of its inputs, in order, each refusing in one line (UserError): the run folder, the
+    checkpoint folder (holding checkpoints but no complete one), a LoRA run's base, and (not ``would``, a dry
+    run) the training data. Says that a finished run is complete (None: nothing to start) or which iteration it
+    resumes from (that iteration, else 0)."""
+    check_run_folder(cfg.output_basepath)
+    if would:  # the launch checks it under the run's lock (_run_lock)
+        check_output_basepath(run_folder_identity(cfg.output_basepath))
+    # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
+    # has started (the ranks decide again for themselves: a restart comes back to them, not here).
+    latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
+    # a LoRA run's base, and the one its checkpoints name (a dry run plans a LoRA run before its base exists)
+    if not (would and cfg.pretrain_checkpoint is None and latest is None):
+        check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
+    done = finished_run(cfg, latest)
+    if done:
+        print(done, file=out, flush=True)
+        return None
+    if latest is not None:
+        changes = resume_notes(cfg, iteration_dir(cfg.checkpoint_dir, latest))
+        # Pai-Megatron-Patch starts a rerun into the same folder afresh; here it resumes, and says so first.
+        verb = "would resume" if would else "resuming"
+        print(f"{verb} from iteration {latest} of {cfg.train_iters}: {iteration_dir(cfg.checkpoint_dir, latest)} "
+              "(OUTPUT_BASEPATH holds this run's checkpoints; another OUTPUT_BASEPATH starts afresh)", file=out,
+              flush=True)
+        for note in changes:
+            print(f"note: {note}", file=out, flush=True)
+    if not would:
+        check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
+    return latest or 0
 
 
 @contextlib.contextmanager
