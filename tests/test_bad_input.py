@@ -261,6 +261,25 @@ def test_internal_errors_are_one_line_and_debug_shows_the_traceback(monkeypatch,
     assert rc == 1 and "Traceback" in err
 
 
+
+def test_a_missing_dependency_says_what_to_install_in_one_line(monkeypatch, capsys):
+    """The launchers put the repository on PYTHONPATH, so a Python without the project installed imported
+    megatron_patch and stopped at its first dependency as "internal error: ModuleNotFoundError ... (a bug)". A
+    missing package is now one line naming it and this Python (exit 2); a missing module of the project itself is
+    still a bug."""
+    from megatron_patch.cli import families
+
+    def lacks(name):
+        def run(args):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+        return run
+
+    for name, code, words in (("xxhash", 2, ("the Python package 'xxhash' is not installed in", "pip install -e .")),
+                              ("megatron_patch.gone", 1, ("internal error: ModuleNotFoundError", "a bug"))):
+        monkeypatch.setattr("megatron_patch.cli.families.register", _register_with(lacks(name)))
+        rc, err = run_cli(capsys, "families")
+        _one_line(rc, err, *words, code=code)
+
 def _register_with(fn):
     def register(subparsers):
         p = subparsers.add_parser("families")

@@ -81,12 +81,34 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:
             return _reader_gone()
         raise
+    except ModuleNotFoundError as exc:
+        missing = missing_dependency(exc)
+        if missing is None:
+            return _internal(command, exc)
+        print(f"mpatch {command}: error: {missing}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001 - the contract: one line, never a traceback unless asked for
-        if os.environ.get(DEBUG_VARIABLE) == "1":
-            traceback.print_exc()
-        print(f"mpatch {command}: {internal_error(exc)} (a bug: please report it; {DEBUG_VARIABLE}=1 prints the "
-              "traceback)", file=sys.stderr)
-        return EXIT_INTERNAL.get(command, 1)
+        return _internal(command, exc)
+
+
+def missing_dependency(exc: ModuleNotFoundError) -> str | None:
+    """What to do about a dependency this Python lacks (the launchers put the repository on PYTHONPATH, so a
+    Python without the project's installation imports megatron_patch and stops at its first dependency), or
+    None: a module of this project itself is missing, which is a bug."""
+    name = (exc.name or "").split(".")[0]
+    if not name or name == "megatron_patch":
+        return None
+    return (f"the Python package '{name}' is not installed in {sys.executable}, which runs mpatch: install "
+            "megatron_patch there (pip install -e . in its repository), or set PYTHON to the Python that has it")
+
+
+def _internal(command: str, exc: BaseException) -> int:
+    """One line for a bug (its traceback with MPATCH_DEBUG=1)."""
+    if os.environ.get(DEBUG_VARIABLE) == "1":
+        traceback.print_exc()
+    print(f"mpatch {command}: {internal_error(exc)} (a bug: please report it; {DEBUG_VARIABLE}=1 prints the "
+          "traceback)", file=sys.stderr)
+    return EXIT_INTERNAL.get(command, 1)
 
 
 def internal_error(exc: BaseException) -> str:
