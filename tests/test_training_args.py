@@ -158,6 +158,11 @@ BAD = [
     # a near-miss of an option's name would train without the option
     ("llama3_1", {}, {"MP_LORA_RANKS": "8"}, "MP_LORA_RANKS is not a launcher option: did you mean MP_LORA_RANK?"),
     ("llama3_1", {}, {"MP_DRYRUN": "1"}, "MP_DRYRUN is not a launcher option: did you mean MP_DRY_RUN?"),
+    ("llama3_1", {}, {"MP_LOCAL_STRAT": "spawn"}, "MP_LOCAL_STRAT is not a launcher option: did you mean MP_LOCAL_START?"),
+    # a value an option does not take (MP_DRY_RUN=false started a dry run; MP_LOCAL_START any word was taken)
+    ("llama3_1", {}, {"MP_DRY_RUN": "json2"}, "MP_DRY_RUN takes 1 (the report), json (the report as JSON) or 0"),
+    ("llama3_1", {}, {"MP_DRY_RUN": "no"}, "MP_DRY_RUN takes 1 (the report), json (the report as JSON) or 0"),
+    ("llama3_1", {}, {"MP_LOCAL_START": "spwn"}, "MP_LOCAL_START takes spawn"),
 ]
 
 

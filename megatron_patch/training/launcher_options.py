@@ -121,7 +121,13 @@ def _document_limit(name: str, raw: str) -> float | int:
 
 
 def _dry_run(name: str, raw: str) -> str | None:
-    return None if raw == "0" else "json" if raw == "json" else "text"
+    # MP_DRY_RUN=false started a dry run, as did any word but 0: a value it does not take is refused
+    value = raw.strip().lower()
+    if value in ("0", "false"):
+        return None
+    if value in ("1", "true", "json"):
+        return "json" if value == "json" else "text"
+    raise UserError(f"MP_DRY_RUN takes 1 (the report), json (the report as JSON) or 0 (a launch), got {raw!r}")
 
 
 INTEGER = integer()
@@ -661,7 +667,10 @@ RUNTIME_VARIABLES = frozenset({"MP_LAUNCHER_PID", "MP_LOCAL_START", "MP_CPU_COMP
 def unread_variables(env: dict) -> list[str]:
     """Notes for the MP_ variables in ``env`` that no option reads. One that nearly spells an option's name is
     refused: a launch with MP_LORA_RANKS=8 would otherwise train every weight, with no word about it."""
-    names = [o.name for o in ENVIRONMENT]
+    names = [o.name for o in ENVIRONMENT] + sorted(RUNTIME_VARIABLES)
+    if env.get("MP_LOCAL_START", "") not in ("", "spawn"):
+        raise UserError(f"MP_LOCAL_START takes spawn (a fresh interpreter per rank; unset: forked from a preloaded "
+                        f"fork server), got {env['MP_LOCAL_START']!r}")
     notes = []
     for name in sorted(k for k in env if k.startswith("MP_") and k not in OPTION and k not in RUNTIME_VARIABLES):
         near = difflib.get_close_matches(name, names, n=1, cutoff=0.85)
