@@ -107,6 +107,7 @@ BAD = [
     ("llama3_1", dict(SEQ_LEN="512"), {}, "sequence length 512 exceeds the model's 256 positions"),
     ("llama3_1", dict(MODEL_SIZE="auto"), {}, "MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH"),
     ("llama3_1", dict(DATASET_PATH="/nonexistent/corpus"), {}, "mmap data /nonexistent/corpus.bin not found"),
+    ("llama3_1", dict(DATASET_PATH="PREFIX.bin"), {}, "names one file of a .bin/.idx pair: give the pair's prefix, "),
     # With SFT=true an mmap prefix is Pai's SFT idxmap, checked before any rank starts (tests/test_sft_formats.py).
     ("llama3_1", dict(SFT="true"), {"MP_DATASET_TYPE": "mmap"}, "is not an index written by megatron-core"),
     ("llama3_1", dict(), {"MP_DATASET_TYPE": "raw"}, "MP_DATASET_TYPE=raw (JSON data) is for SFT"),
@@ -168,7 +169,8 @@ BAD = [
 
 @pytest.mark.parametrize("family,over,env,message", BAD, ids=[m[:40] for *_, m in BAD])
 def test_bad_input_is_refused_with_a_message(data, family, over, env, message, monkeypatch, capsys):
-    over = {k: data["sft"] if v == "SFT" else v for k, v in over.items()}
+    over = {k: data["sft"] if v == "SFT" else data["prefix"] + ".bin" if v == "PREFIX.bin" else v
+            for k, v in over.items()}
     env = {k: data["tok"] if v == "TOK" else v for k, v in env.items()}
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -484,6 +484,8 @@ def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
                             ".bin/.idx (Pai's sft_data_preprocessing)")
         return
     missing = [s for s in (".bin", ".idx") if not Path(path + s).is_file()]
+    if missing and path.endswith((".bin", ".idx")):  # Megatron names data by its prefix; "X.bin.bin not found" misled
+        raise UserError(f"{path} names one file of a .bin/.idx pair: give the pair's prefix, {path[:-4]}")
     if missing and sft:
         raise UserError(f"SFT idxmap {path}{missing[0]} not found: give the prefix of the .bin/.idx pair written by "
                         "Pai's sft_data_preprocessing (e.g. data/sft_text_document), or a JSON or JSONL file")
