@@ -316,6 +316,25 @@ def test_pais_preprocessing_script_runs_unchanged_under_sh(tok, tmp_path):
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert _documents(tmp_path / "mmap_qwen3_datasets_text_document", tok) == texts
+    # a rerun replaces the pair it wrote, as Pai's script does (it was refused: 'pass --force', which the
+    # wrapper takes no way to pass); a pair no manifest lists is still refused
+    fewer = _folder(tmp_path / "fewer", texts[:5])
+    proc = subprocess.run(["sh", str(script), str(fewer), "Qwen3Tokenizer", "text", str(tmp_path), str(tok)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert _documents(tmp_path / "mmap_qwen3_datasets_text_document", tok) == texts[:5]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for suffix in (".bin", ".idx"):
+        (foreign / f"mmap_qwen3_datasets_text_document{suffix}").write_bytes(b"theirs")
+    proc = subprocess.run(["sh", str(script), str(fewer), "Qwen3Tokenizer", "text", str(foreign), str(tok)],
+                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert (foreign / "mmap_qwen3_datasets_text_document.bin").read_bytes() == b"theirs"
     proc = subprocess.run(["sh", str(script), str(folder), "BertTokenizer", "text", str(tmp_path), str(tok)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "TOKENIZER must be one of" in proc.stderr
+    proc = subprocess.run(["sh", str(script), str(folder), "Qwen3Tokenizer"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "got 2 argument(s)" in proc.stderr and proc.stderr.count("\n") == 1
+    proc = subprocess.run(["sh", str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("Pai-Megatron-Patch's run_make_pretraining_dataset_megatron.sh")

@@ -5,9 +5,15 @@
 #   INPUT: a JSONL file or a folder of .jsonl/.jsonl.zst files; TOKENIZER: Pai's name (Qwen2Tokenizer, Qwen3Tokenizer,
 #   DeepSeekV2Tokenizer, LLamaTokenizer, LLama2Tokenizer, LLama3Tokenizer), which names the output as Pai does
 #   (OUTPUT_DIR/mmap_qwen3_datasets_<key>_document); the tokenizer itself is LOAD_DIR's (tokenizer.json).
+#   A rerun replaces the pair it wrote before, as Pai's does (--force: only a pair mpatch's manifest lists).
 set -eu
-if [ $# -lt 5 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-  sed -n '2,7p' "$0" | sed 's/^# //'
+if [ $# -ge 1 ] && { [ "$1" = "-h" ] || [ "$1" = "--help" ]; }; then
+  sed -n '2,8p' "$0" | sed 's/^# //'
+  exit 0
+fi
+if [ $# -lt 5 ]; then
+  echo "run_make_pretraining_dataset_megatron.sh: takes INPUT TOKENIZER JSON_KEYS OUTPUT_DIR LOAD_DIR [DATASET_NAME]," \
+       "got $# argument(s) (--help says more)" >&2
   exit 2
 fi
 INPUT=$1; TOKENIZER=$2; JSON_KEYS=$3; OUTPUT_DIR=$4; LOAD_DIR=$5
@@ -33,4 +39,4 @@ export PYTHONPATH
 # JSON_KEYS unquoted on purpose: Pai's script passes it as it is, several keys split by spaces.
 # shellcheck disable=SC2086
 exec "${PYTHON:-python}" -m megatron_patch preprocess --input "$INPUT" --output-prefix "$OUTPUT_DIR/mmap_${NAME}_datasets" \
-  --json-keys $JSON_KEYS --tokenizer "$LOAD_DIR" --workers "$WORKERS" --append-eod
+  --json-keys $JSON_KEYS --tokenizer "$LOAD_DIR" --workers "$WORKERS" --append-eod --force
