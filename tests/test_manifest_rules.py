@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_patch.cli import main
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, write_manifest
 from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
@@ -155,11 +156,15 @@ def test_a_data_prefix_manifest_covers_its_bin_and_idx(tmp_path, capsys):
     assert run_cli(capsys, "preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "p"),
                    "--tokenizer", str(tok), "--quiet")[0] == 0
     manifest = tmp_path / f"p_text_document.{MANIFEST_NAME}"
+    # named by its prefix, as DATASET_PATH and every other command name it ("does not exist" before)
+    assert main(["verify", str(tmp_path / "p_text_document")]) == 0
+    assert "verified 1 manifest(s)" in capsys.readouterr().out
     raw = json.loads(manifest.read_text())
     del raw["files"]["p_text_document.idx"]
     manifest.write_text(json.dumps(raw))
-    _verify(capsys, manifest, "1 file(s) that p_text_document.mpatch_manifest.json does not list",
-            "p_text_document.idx")
+    for named in (manifest, tmp_path / "p_text_document"):
+        _verify(capsys, named, "1 file(s) that p_text_document.mpatch_manifest.json does not list",
+                "p_text_document.idx")
 
 
 def _iteration_folder(tmp_path: Path) -> Path:

@@ -44,6 +44,9 @@ def manifests_under(path: Path) -> tuple[list[Path], list[Path]]:
 
 def run(args) -> int:
     path = Path(args.path)
+    prefix_manifest = path.with_name(f"{path.name}.{MANIFEST_NAME}")
+    if not path.exists() and prefix_manifest.is_file():  # preprocessed data, named by its prefix as elsewhere
+        path = prefix_manifest
     if not path.exists():
         raise UserError(f"{path} does not exist")
     manifests, unvouched = manifests_under(path)
@@ -77,6 +80,6 @@ def register(subparsers) -> None:
                     "one line naming every file added, linked or missing, or the first that differs.")
     p.add_argument("path", metavar="PATH",
                    help="an output folder, a training run's OUTPUT_BASEPATH or checkpoint folder (every iteration is "
-                        "checked), or a manifest file")
+                        "checked), a preprocessed data prefix, or a manifest file")
     p.add_argument("--quiet", action="store_true", help="only the final line")
     p.set_defaults(run=run)
