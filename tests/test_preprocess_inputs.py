@@ -95,6 +95,9 @@ def test_pai_flags_are_taken_and_what_is_ignored_is_said(tok, tmp_path, capsys):
     rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "wudao"),
                       "--dataset-impl", "mmap", "--jsonl-keys", "text", "--load", str(tok), "--quiet")
     assert rc == 0 and err == "", err
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", f"{tmp_path}/", "--load", str(tok))
+    assert rc == 2 and "is a folder: give a prefix of file names in it" in err and err.count("\n") == 1, err
+    assert not list(tmp_path.glob("_*_document*"))
     for extra, message in ((["--dataset-impl", "lazy"], "--dataset-impl lazy is not written here"),
                            (["--split-sentences"], "--split-sentences is not supported")):
         rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "x"),

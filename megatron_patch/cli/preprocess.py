@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import warnings
 
@@ -51,6 +52,10 @@ def run(args) -> int:
     if args.dataset_impl != "mmap":
         raise UserError(f"--dataset-impl {args.dataset_impl} is not written here: the output is megatron-core's mmap "
                         "indexed format (--dataset-impl mmap)")
+    if args.output_prefix.endswith(("/", os.sep)):
+        # 'pp/' wrote pp/_text_document.bin, a file named by its key alone
+        raise UserError(f"--output-prefix {args.output_prefix} is a folder: give a prefix of file names in it, "
+                        f"e.g. {os.path.join(args.output_prefix, 'corpus')} (writes corpus_text_document.bin/.idx)")
     ignored = [f"{flag} ({why})" for dest, (flag, why) in PAI_IGNORED.items() if getattr(args, dest) not in (None, False)]
     if ignored:
         print(f"note: ignored here: {'; '.join(ignored)}", file=sys.stderr)
