@@ -14,6 +14,7 @@ made visible:
 from __future__ import annotations
 
 import json
+import re
 
 import numpy
 import pytest
@@ -188,6 +189,40 @@ def test_a_bad_record_anywhere_is_refused_at_launch_before_any_rank(chat_tok, tm
             write_jsonl(tmp_path / "valid.jsonl", valid)
             over["VALID_DATASET_PATH"] = str(tmp_path / "valid.jsonl")
         assert main(["train", "llama3_1", *_sft_args(tmp_path / name[:-6], tmp_path / name, **over)]) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_sft_files_in_another_encoding_are_one_line_and_a_bom_is_taken(chat_tok, tmp_path, monkeypatch, capsys):
+    """A byte that is not UTF-8, or a UTF-16 file, is refused naming the file and line, as ``mpatch preprocess``
+    refuses it (it was an internal error, exit 1); a UTF-8 file with a byte-order mark (Windows editors) is read,
+    as preprocess reads it (it was 'line 1 is not valid JSON (Unexpected UTF-8 BOM)')."""
+    import megatron_patch.cli.train as train_cli
+
+    good = [json.dumps(r) for r, _ in RECORDS[:2]]
+    text = "\n".join(good) + "\n"
+    (tmp_path / "bom.jsonl").write_text(text, encoding="utf-8-sig")
+    (tmp_path / "bom.json").write_text(json.dumps([r for r, _ in RECORDS[:2]]), encoding="utf-8-sig")
+    for name in ("bom.jsonl", "bom.json"):
+        assert read_records(tmp_path / name) == [r for r, _ in RECORDS[:2]], name
+    (tmp_path / "latin1.jsonl").write_bytes(
+        (good[0] + "\n" + '{"instruction": "caf\u00e9", "output": "x"}\n').encode("latin-1"))
+    (tmp_path / "utf16.jsonl").write_text(text, encoding="utf-16")
+    cases = (("latin1.jsonl", "latin1.jsonl line 2 is not UTF-8 (invalid continuation byte at byte 21 of the line): "
+                              "re-encode the file as UTF-8"),
+             ("utf16.jsonl", "utf16.jsonl line 1 is not UTF-8 (invalid start byte at byte 1 of the line) (it is "
+                             "UTF-16, by its byte-order mark): re-encode the file as UTF-8"))
+    for name, message in cases:
+        with pytest.raises(UserError, match=re.escape(message)):
+            read_records(tmp_path / name)
+
+    def no_rank(*_):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(train_cli, "_launch", no_rank)
+    monkeypatch.setenv("MP_TOKENIZER", str(chat_tok))
+    for name, message in cases:
+        assert main(["train", "llama3_1", *_sft_args(tmp_path / name[:-6], tmp_path / name)]) == 2, name
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
 

@@ -15,9 +15,11 @@ RESPONSE_KEYS = ("output", "content", "response", "completion", "answer")
 
 def read_records(path: str | Path) -> list:
     """The SFT records of a JSON array or a JSONL file (objects, or lists of them), as Pai reads them: the file as
-    one JSON value if it is one, else a value a line. A bad line names its line number."""
+    one JSON value if it is one, else a value a line. A bad line names its line number. UTF-8, with or without the
+    byte-order mark that editors on Windows write (as ``mpatch preprocess`` reads it); other encodings are refused
+    naming the line."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    text = _utf8_text(path, path.read_bytes())
     records = None
     if text.lstrip().startswith("["):
         try:
@@ -37,6 +39,25 @@ def read_records(path: str | Path) -> list:
     if not records:
         raise UserError(f"{path} holds no SFT records")
     return records
+
+
+UTF8_BOM = b"\xef\xbb\xbf"
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def _utf8_text(path: Path, data: bytes) -> str:
+    """The file's text: UTF-8 less a leading byte-order mark; UserError naming the line (and the byte within it)
+    that is not UTF-8, as ``mpatch preprocess`` refuses it."""
+    bom = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        lineno = data.count(b"\n", 0, at) + 1
+        column = at - (data.rfind(b"\n", 0, at) + 1) + 1
+        utf16 = " (it is UTF-16, by its byte-order mark)" if data.startswith(UTF16_BOMS) else ""
+        raise UserError(f"{path} line {lineno} is not UTF-8 ({exc.reason} at byte {column} of the line){utf16}: "
+                        "re-encode the file as UTF-8") from None
 
 
 def _starts_with_a_json_line(text: str) -> bool:
