@@ -113,6 +113,9 @@ BAD = [
     ("llama3_1", dict(), {"MP_DATASET_TYPE": "raw"}, "MP_DATASET_TYPE=raw (JSON data) is for SFT"),
     ("llama3_1", dict(SFT="true", DATASET_PATH="SFT"), {}, "SFT needs a tokenizer"),
     ("llama3_1", dict(SFT="true", PAD_LEN="128", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"}, "PAD_LEN (128) must not exceed SEQ_LEN"),
+    # pretraining reads MP_TOKENIZER only for the files its export carries: a mistyped one left the export without
+    ("llama3_1", dict(), {"MP_TOKENIZER": "/nonexistent/tok"}, "MP_TOKENIZER /nonexistent/tok not found: give the "
+     "tokenizer folder whose files the run's checkpoints and export carry, or leave MP_TOKENIZER unset"),
     ("llama3_1", dict(), {"MP_VP_CHUNKS": "2"}, "MP_VP_CHUNKS=2 (virtual pipeline) needs PP > 1"),
     ("llama3_1", dict(PP="2"), {"MP_VP_CHUNKS": "4"}, "MP_VP_CHUNKS=4 with PP=2 needs the 4 layers to split into PP*VP=8"),
     ("llama3_1", dict(PP="2", GLOBAL_BATCH_SIZE="6"), {"MP_VP_CHUNKS": "2"}, "micro-batches per step, GLOBAL_BATCH_SIZE/(BATCH_SIZE*DP) = 3, to be a multiple of PP=2"),

@@ -388,10 +388,16 @@ def data_exists(cfg: RunConfig) -> None:
 
 
 def tokenizer_exists(cfg: RunConfig) -> None:
+    """SFT reads MP_TOKENIZER (or the checkpoint's), which must hold a tokenizer. Pretraining reads it only for the
+    files its checkpoints and export carry (``checkpointing.side_files_source``), but a path that is not there was
+    passed over without a word and the export had no tokenizer: refused too."""
     if cfg.sft and cfg.tokenizer is not None:
         from megatron_patch.tokenizer import check_tokenizer_path  # transformers: only SFT needs it
 
         check_tokenizer_path(cfg.tokenizer)
+    elif cfg.tokenizer is not None and not os.path.lexists(cfg.tokenizer):
+        raise UserError(f"MP_TOKENIZER {cfg.tokenizer} not found: give the tokenizer folder whose files the run's "
+                        "checkpoints and export carry, or leave MP_TOKENIZER unset")
 
 
 def output_folder_writable(cfg: RunConfig) -> None:
