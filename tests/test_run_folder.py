@@ -7,6 +7,8 @@
   token id;
 - nothing is written through a symlink that leads outside the folder;
 - resume falls back past an iteration that fails any integrity check;
+- a launch of another job (SFT after pretraining, other data, another sample length) into a run's folder is
+  refused before any rank starts, where it resumed that run;
 - every reader of ``.metadata`` refuses the same impossible shapes;
 - the tracker, train state, sidecars and manifests are read bounded and strictly.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -452,6 +455,114 @@ def _flip_tensor_byte(folder: Path) -> Path:
     data[offset + size // 2] ^= 0x10
     (folder / name).write_bytes(bytes(data))
     return folder / name
+
+
+# --- another job into a run's folder: refused, where it resumed the run it found there --------------------------
+
+def _saved_run(out: Path, args: list[str], iteration: int = 4, data: bool = True, env: dict | None = None) -> Path:
+    """A checkpoint of ``args``'s run in ``out``, its train_state.json as the trainer writes it; ``data=False``: as
+    checkpoints saved before they recorded their data (``run_state.training_data``)."""
+    import json
+
+    from megatron_patch.training.run_state import training_data
+
+    cfg = resolve("llama3_1", args, env=env or {})
+    folder = _training_iteration(out / "checkpoint", iteration)
+    state = {"iteration": iteration, "world_size": 1, "family": cfg.family, "hf_config": cfg.hf_config,
+             "config": cfg.to_dict()}
+    if data:
+        state["data"] = training_data(cfg)
+    (folder / "train_state.json").write_text(json.dumps(state, default=str))
+    return folder
+
+
+def test_another_job_into_a_run_folder_is_refused_naming_what_changed(tmp_path, monkeypatch):
+    """SFT on or off, other training data (its real path, or the same files' sizes where it moved), another blend
+    or sample length: each made a rerun go on from the old run's iteration, optimizer state and place in its data.
+    Another schedule, and the same data by another name, resume; an older folder (no data recorded) resumes on
+    other data as before."""
+    from megatron_patch.training.run_state import check_same_job
+
+    for name, sizes in (("a", (40, 8)), ("b", (60, 8))):
+        for suffix, size in zip((".bin", ".idx"), sizes):
+            (tmp_path / f"{name}_text_document{suffix}").write_bytes(b"x" * size)
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    out = tmp_path / "out"
+
+    def args(**over):
+        return launcher_args("llama3_1", **{"DATASET_PATH": a, "OUTPUT_BASEPATH": str(out), **over})
+
+    def check(folder, **over):
+        return check_same_job(resolve("llama3_1", args(**over), env={"MP_TOKENIZER": str(tmp_path / "tok")}), folder)
+
+    folder = _saved_run(out, args())
+    sft = dict(SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"))
+    with pytest.raises(UserError) as refused:
+        check(folder, **sft)
+    assert str(refused.value) == (
+        f"OUTPUT_BASEPATH {out} holds another job's run (SFT false -> true; DATASET_PATH {a} -> {sft['DATASET_PATH']})"
+        ", and a launch into it resumes that run "
+        "(from iter_0000004, with its optimizer state and its place in its data): give this job a new "
+        f"OUTPUT_BASEPATH, with PRETRAIN_CHECKPOINT_PATH={out / 'checkpoint'} to start from that run's weights; or "
+        "relaunch that run as it was to resume it")
+    for over, changed in ((dict(DATASET_PATH=b), f"(DATASET_PATH {a} -> {b})"),
+                          (dict(SEQ_LEN="128"), "(SEQ_LEN 64 -> 128)"),
+                          (dict(DATASET_PATH=f"1 {a} 1 {b}"), f"(DATASET_PATH {a} -> {a} {b}; DATASET_PATH's blend "
+                                                              "weights None -> [1.0, 1.0])")):
+        with pytest.raises(UserError, match=re.escape(changed)):
+            check(folder, **over)
+    # what resumes: another schedule, the same files by another name (relative, through a link), a moved copy
+    assert check(folder, LR="1e-2", TRAIN_TOKENS_OR_ITERS=str(40 * 8 * 64), TP="2") == []
+    monkeypatch.chdir(tmp_path)
+    assert check(folder, DATASET_PATH="a_text_document") == []
+    (tmp_path / "link").symlink_to(tmp_path)
+    assert check(folder, DATASET_PATH=str(tmp_path / "link" / "a_text_document")) == []
+    (tmp_path / "moved").mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(a + suffix, tmp_path / "moved" / f"a_text_document{suffix}")
+    moved = str(tmp_path / "moved" / "a_text_document")
+    assert check(folder, DATASET_PATH=moved) == [
+        f"DATASET_PATH {moved} is taken as the data the run trained on at {a} (its files have the same sizes)"]
+    # an older run folder, whose checkpoints do not record their data: other data resumes as it did; SFT does not
+    old = _saved_run(tmp_path / "old", args(OUTPUT_BASEPATH=str(tmp_path / "old")), data=False)
+    assert check(old, DATASET_PATH=b) == []
+    with pytest.raises(UserError, match=re.escape("(SFT false -> true)")):  # nor, here, the data
+        check(old, **sft)
+    # an SFT run on JSON records: its sample is PAD_LEN long (SEQ_LEN bounds it), and the run's own data resumes
+    sft_folder = _saved_run(tmp_path / "sft_out", args(**sft, OUTPUT_BASEPATH=str(tmp_path / "sft_out")),
+                            env={"MP_TOKENIZER": str(tmp_path / "tok")})
+    assert check(sft_folder, **sft, SEQ_LEN="128") == []
+    with pytest.raises(UserError, match=re.escape("(PAD_LEN 64 -> 32)")):
+        check(sft_folder, **sft, PAD_LEN="32")
+    with pytest.raises(UserError, match=re.escape("(SFT true -> false; DATASET_PATH ")):
+        check(sft_folder)
+
+
+def test_a_launch_of_another_job_into_a_run_folder_stops_before_any_rank(corpus, tmp_path, monkeypatch, capsys):
+    """The launcher refuses in one line (exit 2) before any rank starts; the run's own relaunch resumes, the
+    resume its first line."""
+    import megatron_patch.cli.train as train_cli
+    from megatron_patch.cli import main
+
+    launched = []
+    monkeypatch.setattr(train_cli, "_launch", lambda *a: launched.append(a) or 0)
+    out = tmp_path / "out"
+    pretraining = launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out))
+    _saved_run(out, pretraining)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    monkeypatch.setenv("MP_TOKENIZER", str(corpus["tok"]))
+    code = main(["train", "llama3_1", *launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"),
+                                                    OUTPUT_BASEPATH=str(out))])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.err.count("\n") == 1, captured.err + captured.out
+    assert f"OUTPUT_BASEPATH {out} holds another job's run (SFT false -> true; DATASET_PATH " in captured.err
+    assert not launched and "resuming" not in captured.out
+    monkeypatch.delenv("MP_TOKENIZER")
+    assert main(["train", "llama3_1", *pretraining]) == 0 and len(launched) == 1
+    assert capsys.readouterr().out.startswith(f"resuming from iteration 4 of 20: {out / 'checkpoint' / 'iter_0000004'}")
 
 
 @pytest.mark.parametrize("manifest", ["none", "rewritten"])

@@ -38,7 +38,8 @@ from megatron_patch.training.machine_checks import (attention_kernel, check_mach
                                                     machine_problems)
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
-from megatron_patch.training.run_state import check_output_basepath, finished_run, latest_iteration, resume_notes
+from megatron_patch.training.run_state import (check_output_basepath, check_same_job, finished_run, latest_iteration,
+                                               resume_notes)
 from megatron_patch.training.validation import resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -259,6 +260,8 @@ def _checked_start(cfg, *, out, would: bool) -> int | None:
     # a LoRA run's base, and the one its checkpoints name (a dry run plans a LoRA run before its base exists)
     if not (would and cfg.pretrain_checkpoint is None and latest is None):
         check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
+    # another job (SFT, other data) into a run's folder is refused before a finished run is said to be complete
+    same_data = [] if latest is None else check_same_job(cfg, iteration_dir(cfg.checkpoint_dir, latest))
     done = finished_run(cfg, latest)
     if done:
         print(done, file=out, flush=True)
@@ -270,7 +273,7 @@ def _checked_start(cfg, *, out, would: bool) -> int | None:
         print(f"{verb} from iteration {latest} of {cfg.train_iters}: {iteration_dir(cfg.checkpoint_dir, latest)} "
               "(OUTPUT_BASEPATH holds this run's checkpoints; another OUTPUT_BASEPATH starts afresh)", file=out,
               flush=True)
-        for note in changes:
+        for note in same_data + changes:
             print(f"note: {note}", file=out, flush=True)
     if not would:
         check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again

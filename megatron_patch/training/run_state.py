@@ -162,6 +162,84 @@ def resume_notes(cfg, folder: Path) -> list[str]:
         if changed else []
 
 
+def training_data(cfg) -> dict:
+    """What the run trains on, as each checkpoint's train_state.json records it (``data``) for a later launch into
+    the same OUTPUT_BASEPATH to compare (``check_same_job``): each DATASET_PATH entry's real path (symlinks and
+    the working folder resolved) with the sizes of its files (a JSON file; an idxmap's .bin and .idx), and the
+    blend's weights."""
+    files = []
+    for path in cfg.dataset_path:
+        names = [path] if cfg.dataset_type == "raw" else [path + ".bin", path + ".idx"]
+        files.append({"path": os.path.realpath(path), "bytes": [_size(name) for name in names]})
+    return {"files": files, "weights": cfg.dataset_weights}
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
+def _sample_length(config: dict) -> tuple[str, object]:
+    """(the launch's name, value) of what one sample holds, from a RunConfig's dict: PAD_LEN for SFT on JSON
+    records, else SEQ_LEN (``RunConfig.sample_length``)."""
+    if config.get("sft") and config.get("dataset_type") == "raw":
+        return "PAD_LEN", config.get("pad_len")
+    return "SEQ_LEN", config.get("seq_len")
+
+
+def check_same_job(cfg, folder: Path) -> list[str]:
+    """A launch into an OUTPUT_BASEPATH that holds a run resumes it (docs/coming-from-pai.md), so a launch of
+    another job there (SFT after pretraining, other data, another sample length) would go on from that run's
+    iteration, optimizer state and place in its data. Refused in one line, before any rank starts, naming what
+    changed and what to do instead. Checked against the checkpoint ``folder`` resumed from; a run folder saved
+    before its checkpoints recorded their data (``training_data``) is compared on the rest alone. Returns notes:
+    the same data found at another path (its files' sizes unchanged) or changed in place."""
+    try:
+        saved = read_train_state(folder)
+    except FileNotFoundError:
+        return []
+    then, now = saved.get("config"), json.loads(json.dumps(cfg.to_dict(), default=str))
+    if not isinstance(then, dict):
+        return []
+    changed, notes = [], []
+    if "sft" in then and then["sft"] != now["sft"]:
+        changed.append(f"SFT {_shown(then['sft'])} -> {_shown(now['sft'])}")
+    else:
+        (old_name, old), (name, new) = _sample_length(then), _sample_length(now)
+        if old is not None and old_name == name and old != new:
+            changed.append(f"{name} {old} -> {new}")
+        if now["sft"] and "sft_packing" in then and then["sft_packing"] != now["sft_packing"]:
+            changed.append(f"MP_SFT_PACKING {_shown(then['sft_packing'])} -> {_shown(now['sft_packing'])}")
+    data = saved.get("data")
+    if isinstance(data, dict) and isinstance(data.get("files"), list):
+        here = training_data(cfg)
+        old_paths = [f.get("path") if isinstance(f, dict) else None for f in data["files"]]
+        new_paths = [f["path"] for f in here["files"]]
+        old_sizes = [f.get("bytes") if isinstance(f, dict) else None for f in data["files"]]
+        new_sizes = [f["bytes"] for f in here["files"]]
+        sized = None not in old_sizes and all(None not in sizes for sizes in new_sizes)
+        if old_paths != new_paths and not (sized and old_sizes == new_sizes):
+            changed.append(f"DATASET_PATH {' '.join(map(str, old_paths))} -> {' '.join(new_paths)}")
+        elif old_paths != new_paths:
+            notes.append(f"DATASET_PATH {' '.join(new_paths)} is taken as the data the run trained on at "
+                         f"{' '.join(map(str, old_paths))} (its files have the same sizes)")
+        elif sized and old_sizes != new_sizes:
+            notes.append(f"DATASET_PATH's files changed size since {folder.name} was saved: the run goes on over "
+                         "them as they are now")
+        if data.get("weights") != here["weights"] and (data.get("weights") or here["weights"]):
+            changed.append(f"DATASET_PATH's blend weights {data.get('weights')} -> {here['weights']}")
+    if changed:
+        out = Path(cfg.output_basepath)
+        start = out / FINAL_DIR if (out / FINAL_DIR / TRACKER_NAME).is_file() else cfg.checkpoint_dir
+        raise UserError(f"OUTPUT_BASEPATH {out} holds another job's run ({'; '.join(changed)}), and a launch into it "
+                        f"resumes that run (from {folder.name}, with its optimizer state and its place in its data): "
+                        f"give this job a new OUTPUT_BASEPATH, with PRETRAIN_CHECKPOINT_PATH={start} to start from "
+                        "that run's weights; or relaunch that run as it was to resume it")
+    return notes
+
+
 def _shown(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
