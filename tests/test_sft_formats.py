@@ -225,6 +225,14 @@ def test_sft_files_in_another_encoding_are_one_line_and_a_bom_is_taken(chat_tok,
         assert main(["train", "llama3_1", *_sft_args(tmp_path / name[:-6], tmp_path / name)]) == 2, name
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+    # the dry run reads the first record alone: it says the same, and goes on (as for a record it cannot render)
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    for name, message in cases:
+        assert main(["train", "llama3_1", *_sft_args(tmp_path / name[:-6], tmp_path / name)]) == 0, name
+        assert f"SFT data: the first sample cannot be rendered, and training would stop there: {tmp_path}/{message}" \
+            in capsys.readouterr().out
+    assert main(["train", "llama3_1", *_sft_args(tmp_path / "bom", tmp_path / "bom.jsonl")]) == 0
+    assert "SFT data: records rendered by the chat template" in capsys.readouterr().out
 
 
 # --- Pai's SFT idxmap ------------------------------------------------------------------------------------------

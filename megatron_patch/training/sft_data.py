@@ -235,11 +235,11 @@ def build_sft_datasets(cfg, vocab_size: int):
 def _first_record(path: Path):
     """The first record of a JSONL file, read without the rest (else of the whole file). A first line that is a
     list is a packed-SFT line or a one-line JSON array: either way its first item is the first record."""
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), "")
     try:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is taken, as read_records takes it
+            first = next((line for line in f if line.strip()), "")
         item = json.loads(first)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):  # read_records names the line that is not UTF-8
         item = read_records(path)[0]
     return item[0] if isinstance(item, list) and item else item
 
