@@ -833,6 +833,28 @@ def test_resume_falls_back_past_a_newest_iteration_failing_its_crc(stopped_run, 
 
 
 @pytest.mark.slow
+def test_a_real_run_records_its_data_and_refuses_another_job(stopped_run, corpus, other_corpus, tmp_path):
+    """The trainer's train_state.json records the data (``run_state.training_data``), and the launch of another
+    job into a copy of the run's folder is refused from it in one line, before any rank starts."""
+    import json
+
+    from tests.training_helpers import launch
+
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    state = json.loads((out / "checkpoint" / f"iter_{STOP_AT:07d}" / "train_state.json").read_text())
+    assert state["data"]["files"][0]["path"] == os.path.realpath(corpus["prefix"]), state.get("data")
+    args = launcher_args("llama3_1", DATASET_PATH=other_corpus["prefix"], OUTPUT_BASEPATH=str(out),
+                         SAVE_INTERVAL=str(RESUME_SAVE), TRAIN_TOKENS_OR_ITERS=str(RESUME_ITERS * 8 * 64),
+                         WARMUP_TOKENS_OR_ITERS=str(8 * 64))
+    proc = launch(args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"holds another job's run (DATASET_PATH {os.path.realpath(corpus['prefix'])} -> " \
+           f"{os.path.realpath(other_corpus['prefix'])})" in proc.stderr, proc.stderr
+    assert "torch.distributed.run" not in proc.stdout and "resuming" not in proc.stdout
+
+
+@pytest.mark.slow
 def test_a_hard_linked_copy_resumes_without_touching_the_original(stopped_run, corpus, tmp_path):
     """``cp -al`` hands on a run folder as hard links: the copy resumes (untrusted is not refused) and the
     original's files stay as they were."""
