@@ -35,7 +35,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 from megatron_patch.checkpoint_files.allowlist import ALLOWED, ENUM_BY_NAME, UnsafePickle, canonical, check, enum_by_name, refuse
 from megatron_patch.checkpoint_files.pickles import loads as parse_inert
 from megatron_patch.checkpoint_files.pickles import Record, record_class
-from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, DistMetadata, TensorInfo, check_metadata
+from megatron_patch.checkpoint_files.torch_dist import (
+    COMMON_STATE_OBJECT, DistMetadata, TensorInfo, check_chunk_record, check_metadata, check_transforms, undo_transforms)
+from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input
@@ -78,8 +80,13 @@ class _TensorProperties(TensorProperties):
 def read_dcp_metadata(path: str | Path):
     """A torch.distributed.checkpoint ``.metadata`` file as torch's ``Metadata``, read with the allow-list and
     held to the shapes a checkpoint can have (``torch_dist.check_metadata``, the torch-free reader's check)."""
+    return _read_dcp_metadata(path)[0]
+
+
+def _read_dcp_metadata(path: str | Path):
+    """``read_dcp_metadata``, and the checked description of it (``torch_dist.DistMetadata``)."""
     path = Path(path)
-    data = path.read_bytes()
+    data = read_input(path, limit=None)  # a regular file: a FIFO or a device at its name would stall or flood
     try:
         metadata = _AllowListUnpickler(data, str(path)).load()
         described = _described(metadata)
@@ -88,7 +95,7 @@ def read_dcp_metadata(path: str | Path):
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise UserError(f"{path} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is damaged") from None
     check_metadata(described, path)
-    return metadata
+    return metadata, described
 
 
 def _described(metadata) -> DistMetadata:
@@ -192,11 +199,27 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str | Path, *args, **kwargs):
         super().__init__(str(path), *args, **kwargs)
-        # Read now, not inside torch's load steps, which would bury a refusal in a CheckpointException.
-        self._safe_metadata = read_dcp_metadata(Path(self.path) / ".metadata")
+        # Read now, not inside torch's load steps, which would bury a refusal in a CheckpointException;
+        # held to the torch-free reader's checks (torch_dist.metadata_problem, check_transforms).
+        where = Path(self.path) / ".metadata"
+        self._safe_metadata, described = _read_dcp_metadata(where)
         if getattr(self._safe_metadata, "storage_meta", None) is None:
             self._safe_metadata.storage_meta = StorageMeta()
         self._safe_metadata.storage_meta.load_id = self.load_id
+        # What each tensor chunk's record must hold, by its storage entry (the very objects torch hands
+        # _slice_file: no two entries share bytes, metadata_problem refuses that).
+        self._declared: dict[int, tuple[str, str, tuple]] = {}
+        for index, info in (self._safe_metadata.storage_data or {}).items():
+            transforms = tuple(getattr(info, "transform_descriptors", None) or ())
+            offset = None if index.offset is None else tuple(index.offset)
+            what = f"{index.fqn}" if offset is None else f"{index.fqn} at {offset}"
+            check_transforms(Path(self.path) / str(info.relative_path), transforms, what)
+            tensor = described.tensors.get(index.fqn)
+            if tensor is not None and offset is not None:
+                sizes = dict(tensor.chunks).get(offset)
+                if sizes is not None:
+                    self._declared[id(info)] = (f"{info.relative_path}: chunk of {index.fqn} at {list(offset)}",
+                                                tensor.dtype, sizes)
 
     def read_metadata(self, *args, **kwargs):
         return self._safe_metadata
@@ -209,8 +232,39 @@ class SafeFileSystemReader(FileSystemReader):
         CRC-32s) before torch loads it from those bytes."""
         file.seek(sinfo.offset)
         data = file.read(sinfo.length)
-        if not getattr(sinfo, "transform_descriptors", None) and data[:4] == b"PK\x03\x04":
-            where = f"{Path(self.path) / sinfo.relative_path} (the archive at byte {sinfo.offset})"
+        transforms = tuple(getattr(sinfo, "transform_descriptors", None) or ())
+        declared = self._declared.get(id(sinfo))
+        where = f"{Path(self.path) / sinfo.relative_path} (the archive at byte {sinfo.offset})"
+        if declared is not None:  # a tensor chunk: its record holds what .metadata declares, as mcore2hf checks
+            what, dtype, sizes = declared
+            if len(data) < sinfo.length:
+                raise UserError(f"{where} ends {sinfo.length - len(data)} bytes early: the checkpoint is truncated")
+            archive = undo_transforms(data, transforms, Path(self.path) / sinfo.relative_path, what) \
+                if transforms else data
+            try:
+                index = ZipIndex(where, data=archive)
+                index.verify()
+                if "data.pkl" not in index:
+                    raise ZipFormatError("no data.pkl record")
+                pkl = index.read("data.pkl")
+            except ZipFormatError as exc:
+                raise UserError(f"{where} is corrupt ({exc})") from None
+            try:
+                ref = parse_inert(pkl, where=where)
+            except UserError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
+                raise UserError(f"{where}: cannot unpickle its contents ({exc}): the checkpoint is damaged") from None
+            check_chunk_record(ref, dtype, sizes, f"{Path(str(sinfo.relative_path)).name}: {what.partition(': ')[2]}")
+            try:
+                _, length = index.locate(f"data/{ref.storage.key}")
+            except ZipFormatError as exc:
+                raise UserError(f"{where}: cannot read tensor storage {ref.storage.key} ({exc}): "
+                                "the checkpoint is damaged") from None
+            if length != ref.storage.numel * ITEMSIZE.get(ref.storage.dtype, 0):
+                raise UserError(f"{where}: record data/{ref.storage.key} holds {length} bytes, the pickle says "
+                                f"{ref.storage.numel} x {ref.storage.dtype}: the checkpoint is damaged")
+        elif not transforms and data[:4] == b"PK\x03\x04":
             try:
                 ZipIndex(where, data=data).verify()
             except ZipFormatError as exc:
@@ -218,12 +272,34 @@ class SafeFileSystemReader(FileSystemReader):
         return io.BytesIO(data)
 
 
-def _raise_refusal(exc: CheckpointException) -> None:
-    """torch reports a rank's failure inside a CheckpointException: a refusal is raised as itself."""
+# How torch's and megatron-core's load planners say that the model asks for what the checkpoint lacks.
+_MISSING = (re.compile(r"^(?P<key>\S+) from model not in state dict:"),             # megatron-core
+            re.compile(r"^Missing key in checkpoint state_dict: (?P<key>.+)\.$"))   # torch's default planner
+_SHAPE = re.compile(r"^Global shape mismatch for loaded \((?P<loaded>.*)\) and expected \((?P<expected>.*)\) "
+                    r"tensor for key (?P<key>\S+)$")
+
+
+def _raise_refusal(exc: CheckpointException, folder=None) -> None:
+    """torch reports a rank's failure inside a CheckpointException: a refusal is raised as itself, and a
+    tensor the model asks for that the checkpoint lacks (or holds at another shape) in one line naming it."""
     for failure in exc.failures.values():
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, UserError):  # a refused pickle, a corrupt archive
             raise inner from None
+    where = f" in {folder}" if folder is not None else ""
+    for failure in exc.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        text = str(inner.args[0]) if isinstance(inner, Exception) and inner.args else ""
+        for pattern in _MISSING:
+            found = pattern.match(text)
+            if found:
+                raise UserError(f"the torch_dist checkpoint{where} has no tensor '{found['key'][:200]}': "
+                                "it was not written for this model") from None
+        found = _SHAPE.match(text)
+        if found:
+            loaded, expected = (tuple(int(n) for n in re.findall(r"\d+", found[g])[:40]) for g in ("loaded", "expected"))
+            raise UserError(f"torch_dist tensor '{found['key'][:200]}'{where} has shape {loaded}, "
+                            f"which does not fit the model (it needs {expected})") from None
 
 
 def load_refusing(state_dict: dict, reader: SafeFileSystemReader, planner=None) -> None:
@@ -231,7 +307,7 @@ def load_refusing(state_dict: dict, reader: SafeFileSystemReader, planner=None) 
     try:
         dcp.load(state_dict, storage_reader=reader, planner=planner, no_dist=True)
     except CheckpointException as exc:
-        _raise_refusal(exc)
+        _raise_refusal(exc, reader.path)
         raise
 
 
@@ -297,5 +373,5 @@ def safe_dist_load(sharded_state_dict: dict, folder: str | Path, **kwargs) -> di
         with _megatron_reads_safely():
             return dist_checkpointing.load(sharded_state_dict, str(folder), **_common_strategy_argument(), **kwargs)
     except CheckpointException as exc:
-        _raise_refusal(exc)
+        _raise_refusal(exc, folder)
         raise

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from megatron_patch.checkpoint_files.torch_files import LazyTorchFile, TensorSpe
 from megatron_patch.checkpoint_files.zipfmt import ZipLayout
 from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import file_problem, read_input
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -215,13 +217,27 @@ def metadata_problem(md: DistMetadata) -> str | None:
     - a chunk of another rank than its tensor, or lying outside it;
     - chunks that hold fewer elements than the tensor claims (it could never be read whole);
     - a chunk stored plainly in fewer bytes than its elements take;
-    - a storage entry with a negative place or length, or a file name that is not a plain name in the folder.
+    - chunks of one tensor that overlap (an exact duplicate among them): torch never saves them, and a reader
+      would take the overlapped elements from either;
+    - a chunk or byte object listed without a storage entry;
+    - a storage entry with a negative place or length, or a file name that is not a plain name in the folder;
+    - two storage entries that share bytes of a file (torch writes every item to bytes of its own): one
+      tensor's chunk pointed at another's record.
+
+    What only the stored records say (their dtype and shape, against the chunk's) is checked as each is read:
+    ``check_chunk_record``, by the torch-free reader and by ``safe_torch.SafeFileSystemReader``.
     """
     for (key, _), (name, start, length, _) in md.storage.items():
         if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\0" in name:
             return f"the record of {key} is stored in {str(name)[:80]!r}, which is not a file of the checkpoint's folder"
         if not (_whole(start) and _whole(length)):
             return f"the record of {key} is stored at byte {start} for {length} bytes, which no file has"
+    shared = _shared_bytes(md.storage)
+    if shared:
+        return shared
+    for key in sorted(md.objects):
+        if (key, None) not in md.storage:
+            return f"it lists the object {key} but not where it is stored"
     for key, info in md.tensors.items():
         shape = info.global_shape
         if len(shape) > MAX_TENSOR_DIMS or not all(_whole(d) for d in shape):
@@ -236,13 +252,94 @@ def metadata_problem(md: DistMetadata) -> str | None:
             elements = math.prod(sizes)
             covered += elements
             where = md.storage.get((key, tuple(offsets)))
+            if where is None:
+                return f"it lists a chunk of {key} at {list(offsets)} but not where it is stored"
             itemsize = ITEMSIZE.get(info.dtype)
             if where is not None and not where[3] and itemsize and where[2] < elements * itemsize:
                 return (f"a chunk of {key} at {list(offsets)} of {list(sizes)} takes {elements * itemsize} bytes of "
                         f"{info.dtype}, but its record holds {where[2]}")
+        pair = _overlapping_pair(info.chunks)
+        if pair is not None:
+            (ao, asz), (bo, bsz) = pair
+            return (f"it stores overlapping chunks of {key} (at {list(ao)} of {list(asz)} and at {list(bo)} of "
+                    f"{list(bsz)})")
         if covered < math.prod(shape):
             return f"tensor {key} claims the shape {list(shape)}, but its chunks hold {covered} of its {math.prod(shape)} elements"
     return None
+
+
+def _item_name(key: tuple) -> str:
+    fqn, offset = key
+    return str(fqn) if offset is None else f"{fqn} at {list(offset)}"
+
+
+def _shared_bytes(storage: dict) -> str | None:
+    """Two storage entries whose bytes overlap in one file (or that name the same empty range), or None."""
+    by_file: dict = {}
+    for key, (name, start, length, _) in storage.items():
+        by_file.setdefault(name, []).append((start, length, key))
+    for name, items in by_file.items():
+        items.sort(key=lambda x: (x[0], x[1]))
+        end, last = -1, None
+        for start, length, key in items:
+            if last is not None and (start < end or (start, length) == last[:2]):
+                return (f"the records of {_item_name(last[2])} and {_item_name(key)} share bytes of {name} "
+                        f"(at byte {start})")
+            if last is None or start + length >= end:
+                end, last = start + length, (start, length, key)
+    return None
+
+
+def _overlapping_pair(chunks) -> tuple | None:
+    """Two chunks (offsets, sizes) that hold a common element, or None. Chunks that differ on an axis where
+    every chunk has size 1 (megatron's layer and expert axes) never overlap, so only chunks that agree there are
+    compared, by a sweep along the axis on which they are most spread."""
+    chunks = [c for c in chunks if all(n > 0 for n in c[1])]
+    if len(chunks) < 2:
+        return None
+    ndim = len(chunks[0][0])
+    if ndim == 0:
+        return chunks[0], chunks[1]
+    unit = [d for d in range(ndim) if all(s[d] == 1 for _, s in chunks)]
+    groups: dict = {}
+    for c in chunks:
+        groups.setdefault(tuple(c[0][d] for d in unit), []).append(c)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        axis = max(range(ndim), key=lambda d: len({o[d] for o, _ in group}))
+        active: list = []
+        for c in sorted(group, key=lambda c: c[0][axis]):
+            active = [a for a in active if a[0][axis] + a[1][axis] > c[0][axis]]
+            for a in active:
+                if _overlap(a, c):
+                    return a, c
+            active.append(c)
+    return None
+
+
+def check_transforms(path, transforms, what: str) -> None:
+    """Refuse a transform descriptor no reader here decodes (the torch-free reader decodes ``stream.zstd/1``,
+    as torch's own reader does)."""
+    for desc in transforms:
+        name, _, version = str(desc).partition("/")
+        if name != ZSTD or version.partition(".")[0] != "1":
+            raise UserError(f"{path}: {what} is stored with the transform '{str(desc)[:60]}', which this reader "
+                            f"does not decode (it decodes {ZSTD}/1): the checkpoint cannot be read")
+
+
+def check_chunk_record(ref, dtype: str, sizes: tuple, what: str) -> None:
+    """The stored record of a chunk holds the tensor ``.metadata`` declares for it: a tensor (not another
+    object), of the chunk's dtype and shape, whose elements lie within its storage."""
+    if not isinstance(ref, TensorRef):
+        raise UserError(f"{what} holds no tensor: the checkpoint is damaged")
+    if ref.storage.dtype != dtype or tuple(ref.shape) != tuple(sizes):
+        raise UserError(f"{what} holds a {ref.storage.dtype} tensor of shape {list(ref.shape)} where .metadata "
+                        f"says {dtype} of {list(sizes)}: the checkpoint is damaged")
+    if len(ref.stride) != len(ref.shape) or ref.offset < 0 or any(st < 0 for st in ref.stride) or (
+            math.prod(ref.shape) and ref.offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride))
+            >= ref.storage.numel):
+        raise UserError(f"{what} holds a tensor that lies outside its storage: the checkpoint is damaged")
 
 
 def check_metadata(md: DistMetadata, path: str | Path) -> DistMetadata:
@@ -279,7 +376,7 @@ def read_metadata(path: Path) -> DistMetadata:
 
 
 def _parse_metadata(path: Path) -> DistMetadata:
-    md = loads(path.read_bytes(), where=str(path))
+    md = loads(read_input(path, limit=None), where=str(path))
     tensors: dict[str, TensorInfo] = {}
     objects: set[str] = set()
     for key, entry in _state(md, "state_dict_metadata").items():
@@ -328,6 +425,8 @@ class TorchDistReader:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
+        if os.path.lexists(self.folder / ".metadata") and (problem := file_problem(self.folder / ".metadata")):
+            raise UserError(f"{self.folder}: {problem}: it is not a readable torch_dist checkpoint")
         if not metadata_files(self.folder):
             raise UserError(f"{self.folder} has no .metadata: it is not a complete torch_dist checkpoint")
         try:
@@ -403,11 +502,7 @@ class TorchDistReader:
         blob = LazyTorchFile(path, window=(start, length))
         ref = blob.obj
         what = f"{Path(relative).name}: chunk of {key} at {list(offset)}"
-        if not isinstance(ref, TensorRef):
-            raise UserError(f"{what} holds no tensor: the checkpoint is damaged")
-        if ref.storage.dtype != info.dtype or tuple(ref.shape) != tuple(sizes):
-            raise UserError(f"{what} holds a {ref.storage.dtype} tensor of shape {list(ref.shape)} where .metadata "
-                            f"says {info.dtype} of {list(sizes)}: the checkpoint is damaged")
+        check_chunk_record(ref, info.dtype, sizes, what)
         stored = blob.stored(ref)
         record = blob.record_check(ref)
         if record is not None:
@@ -432,22 +527,8 @@ class TorchDistReader:
         order when saving, so undone in reverse)."""
         if not transforms:
             return path, start, length
-        for desc in transforms:
-            name, _, version = str(desc).partition("/")
-            if name != ZSTD or version.partition(".")[0] != "1":
-                raise UserError(f"{path}: {what} is stored with the transform '{str(desc)[:60]}', which this reader "
-                                f"does not decode (it decodes {ZSTD}/1): the checkpoint cannot be read")
-        try:
-            import zstandard
-        except ImportError:
-            raise UserError(f"{path}: {what} is zstd-compressed (torch's {ZSTD} extension): pip install zstandard "
-                            "to read it") from None
-        data = bytes(read_range(path, start, length))
-        try:
-            for _ in transforms:
-                data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
-        except zstandard.ZstdError as exc:
-            raise UserError(f"{path}: {what} does not decompress ({exc}): the checkpoint is damaged") from None
+        check_transforms(path, transforms, what)
+        data = undo_transforms(bytes(read_range(path, start, length)), transforms, path, what)
         stored = self._scratch_file(data, (len(data),), "uint8")
         return Path(stored.path), 0, len(data)
 
@@ -519,6 +600,21 @@ class TorchDistReader:
     def read_all(self) -> dict:
         """Every tensor whole, in its stored dtype: for tests and benchmarks."""
         return {k: self.read_block(k) for k in self.tensor_keys()}
+
+
+def undo_transforms(data: bytes, transforms, path, what: str) -> bytes:
+    """An item's stored bytes with its (``check_transforms``-ed) zstd transforms undone, in reverse order."""
+    try:
+        import zstandard
+    except ImportError:
+        raise UserError(f"{path}: {what} is zstd-compressed (torch's {ZSTD} extension): pip install zstandard "
+                        "to read it") from None
+    try:
+        for _ in transforms:
+            data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+    except zstandard.ZstdError as exc:
+        raise UserError(f"{path}: {what} does not decompress ({exc}): the checkpoint is damaged") from None
+    return data
 
 
 def _check_cover(key: str, offset: tuple, shape: tuple, boxes: list) -> None:
