@@ -156,6 +156,8 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
     except UserError as exc:
         return str(exc).replace(str(config), config.name, 1)
 
+    if os.path.lexists(folder / ".metadata") and (problem := file_problem(folder / ".metadata")) is not None:
+        return problem  # a FIFO, a device, a dangling link: named as such, never read
     if not metadata_files(folder):
         return ".metadata is missing"
 
