@@ -4,6 +4,7 @@ refused in one line naming the file, with exit status 2."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -258,6 +259,85 @@ def test_overlapping_or_missing_chunks_are_refused(tmp_path):
     # A hole is refused as soon as .metadata is read, by every reader (torch's own load would leave it unfilled).
     with pytest.raises(UserError, match="tensor t claims the shape \\[3, 4\\], but its chunks hold 8 of its 12 elements"):
         TorchDistReader(tmp_path / "m")
+
+
+
+def _two_chunk_checkpoint(folder: Path, edit) -> Path:
+    """``t`` [4, 4] float32 as two [2, 4] chunks (written here), ``.metadata`` then edited by ``edit(metadata)`` as a
+    forger would (with torch's own classes)."""
+    items = [ChunkItem("t", (4, 4), (0, 0), (2, 4), "float32"), ChunkItem("t", (4, 4), (2, 0), (2, 4), "float32")]
+    plan = plan_torch_dist(folder, items, [])
+    plan.create_files()
+    plan.finish()
+    md = pickle.loads((folder / ".metadata").read_bytes())
+    edit(md)
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    return folder
+
+
+def _index(md, offset):
+    return next(k for k in md.storage_data if k.fqn == "t" and list(k.offset) == offset)
+
+
+def _overlap_own_bytes(md):
+    """A third chunk over both, with a storage entry of its own (bytes no other entry names)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    md.state_dict_metadata["t"].chunks.append(ChunkStorageMetadata(offsets=torch.Size([1, 0]), sizes=torch.Size([2, 4])))
+    first = md.storage_data[_index(md, [0, 0])]
+    md.storage_data[MetadataIndex("t", torch.Size([1, 0]), 2)] = dataclasses.replace(first, offset=first.offset + 10**6)
+
+
+def _duplicate(md):
+    md.state_dict_metadata["t"].chunks.append(md.state_dict_metadata["t"].chunks[0])
+
+
+def _pointed_at_another_record(md):
+    md.storage_data[_index(md, [2, 0])] = md.storage_data[_index(md, [0, 0])]
+
+
+def _without_storage(md):
+    del md.storage_data[_index(md, [2, 0])]
+
+
+def _declared_float16(md):
+    md.state_dict_metadata["t"].properties.dtype = torch.float16
+
+
+def _unknown_transform(md):
+    index = _index(md, [2, 0])
+    md.storage_data[index] = dataclasses.replace(md.storage_data[index], transform_descriptors=["evil/1"])
+
+
+@pytest.mark.parametrize("edit, words", [
+    (_overlap_own_bytes, "stores overlapping chunks of t (at [0, 0] of [2, 4] and at [1, 0] of [2, 4])"),
+    (_duplicate, "stores overlapping chunks of t (at [0, 0] of [2, 4] and at [0, 0] of [2, 4])"),
+    (_pointed_at_another_record, "the records of t at [0, 0] and t at [2, 0] share bytes of __0_0.distcp"),
+    (_without_storage, "lists a chunk of t at [2, 0] but not where it is stored"),
+    (_declared_float16, "chunk of t at [0, 0] holds a float32 tensor of shape [2, 4] where .metadata says float16"),
+    (_unknown_transform, "is stored with the transform 'evil/1', which this reader does not decode"),
+], ids=["overlap", "duplicate", "alias", "no storage entry", "dtype", "transform"])
+def test_every_reader_refuses_a_forged_metadata_alike(tmp_path, edit, words):
+    """The torch-free reader (mcore2hf, inspect) and SafeFileSystemReader (align --mcore-dir,
+    PRETRAIN_CHECKPOINT_PATH, resume) refuse the same forged .metadata in the same words, before torch reads a
+    byte; the torch-based path loaded the overlap, the alias and the dtype edit and trained on them."""
+    folder = _two_chunk_checkpoint(tmp_path / "ck", edit)
+    with pytest.raises(UserError) as torch_free:
+        TorchDistReader(folder).read_block("t")
+    with pytest.raises(UserError) as safe:
+        load_refusing({"t": torch.zeros(4, 4)}, SafeFileSystemReader(folder))
+    for err in (torch_free.value, safe.value):
+        assert words in str(err) and "\n" not in str(err), str(err)
+
+
+def test_a_tensor_the_checkpoint_lacks_is_named_in_one_line(tmp_path):
+    """torch's planner raised its CheckpointException (an 'internal error'); the model's tensor is named."""
+    folder = _two_chunk_checkpoint(tmp_path / "ck", lambda md: None)
+    with pytest.raises(UserError, match=r"^the torch_dist checkpoint in .*ck has no tensor 'absent': it was not "
+                                        r"written for this model$"):
+        load_refusing({"absent": torch.zeros(4, 4)}, SafeFileSystemReader(folder))
+    target = {"t": torch.full((4, 4), -1.0)}
+    load_refusing(target, SafeFileSystemReader(folder))  # the sound checkpoint loads
 
 
 # --- CRC-32: written, and checked -------------------------------------------------------------
