@@ -98,3 +98,76 @@ def test_a_launch_from_an_edited_checkpoint_takes_mp_no_verify(converted, tmp_pa
     assert "after it was written" in str(err.value)
     assert "if it was changed on purpose, MP_NO_VERIFY=true reads it as it is" in str(err.value)
     run_local(_load_starting_weights_worker, 1, args, {"MP_NO_VERIFY": "true"})
+
+
+# --- a forged .metadata (no manifest: another tool's checkpoint) ----------------------------------------------
+
+_LN = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+_FINAL = "decoder.final_layernorm.weight"
+
+
+def _forge(md, case: str) -> None:
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    sd, st = md.state_dict_metadata, md.storage_data
+    if case == "overlap":  # a second chunk of layer 0's norm whose storage entry is layer 3's record (the audit's D1)
+        sd[_LN].chunks = list(sd[_LN].chunks) + [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 64]))]
+        layer3 = next(k for k in st if k.fqn == _LN and list(k.offset) == [3, 0])
+        st[MetadataIndex(fqn=_LN, offset=torch.Size([0, 0]), index=1)] = st[layer3]
+    elif case == "alias":  # the final norm's entry points at a [1, 64] record
+        source = next(k for k in st if k.fqn == _LN)
+        for k in [k for k in st if k.fqn == _FINAL]:
+            st[k] = st[source]
+    elif case == "missing":  # the final norm is not in the checkpoint at all
+        del sd[_FINAL]
+        for k in [k for k in st if k.fqn == _FINAL]:
+            del st[k]
+    elif case == "dtype":  # declared float16, stored float32
+        sd[_FINAL].properties.dtype = torch.float16
+
+
+_FORGED = {"overlap": "share bytes of", "alias": "share bytes of",
+           "missing": f"has no tensor '{_FINAL}': it was not written for this model",
+           "dtype": f"chunk of {_FINAL} at [0] holds a float32 tensor of shape [64] where .metadata says float16"}
+
+
+def forged_copy(mcore, out, case: str):
+    """``mcore`` as another tool's checkpoint (no manifest) whose ``.metadata`` was edited as a forger would."""
+    import pickle
+
+    shutil.copytree(mcore, out)
+    (out / MANIFEST_NAME).unlink()
+    path = out / "release" / ".metadata"
+    md = pickle.loads(path.read_bytes())
+    _forge(md, case)
+    path.write_bytes(pickle.dumps(md))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(_FORGED))
+def test_a_launch_from_a_forged_metadata_is_refused_in_one_line(converted, tmp_path, case):
+    """PRETRAIN_CHECKPOINT_PATH (the load a launch and resume share, safe_dist_load): the overlap and the dtype
+    edit were loaded and trained on silently; the alias and the missing tensor stopped as torch's
+    CheckpointException, an 'internal error'."""
+    from megatron_patch.errors import UserError
+    from megatron_patch.runtime.launch import run_local
+    from tests.training_helpers import launcher_args
+
+    forged = forged_copy(converted["mcore"], tmp_path / "forged", case)
+    args = launcher_args(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(forged), OUTPUT_BASEPATH=str(tmp_path / "out"))
+    with pytest.raises(UserError) as err:
+        run_local(_load_starting_weights_worker, 1, args, {})
+    assert _FORGED[case] in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("case", sorted(_FORGED))
+def test_align_of_a_forged_metadata_is_refused_in_one_line(converted, tmp_path, capsys, case):
+    """align --mcore-dir loads in worker ranks: a refusal there is exit 2 and one line, not exit 3 with torch's
+    traceback (alias, missing), nor a 'NOT aligned' report from wrong weights (overlap, exit 1)."""
+    forged = forged_copy(converted["mcore"], tmp_path / "forged", case)
+    argv = ["align", "--hf-dir", str(converted["hf"]), "--mcore-dir", str(forged), "--dtype", "fp32", "--seq-len", "16",
+            "--batch", "1", "--quiet"]
+    assert main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if " error: " in line]
+    assert len(errors) == 1 and _FORGED[case] in errors[0], errors
