@@ -443,7 +443,7 @@ def test_a_flipped_byte_in_the_metadata_is_named_by_the_manifest(written, tmp_pa
 
 
 @pytest.mark.parametrize("fmt,name", [("torch_dist", "mpatch_checkpoint.json"), ("torch_dist", "release/common.pt"),
-                                      ("torch_dist", "release/__0_0.distcp"),
+                                      ("torch_dist", "release/__0_0.distcp"), ("torch_dist", "release/.metadata"),
                                       ("legacy", "release/mp_rank_00_000/model_optim_rng.pt")])
 def test_a_checkpoint_file_that_is_no_file_is_named_as_what_it_is(written, tmp_path, capsys, fmt, name):
     """A FIFO (or a dangling link) where a checkpoint file belongs was read as a missing file: a sidecar as none
@@ -463,6 +463,23 @@ def test_a_checkpoint_file_that_is_no_file_is_named_as_what_it_is(written, tmp_p
     (ckpt / MANIFEST_NAME).unlink()  # which would name the link first, as leading outside
     _one_line_exit_2(capsys, export, f"{path.name} is a dangling link")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_metadata_linked_to_a_device_is_named_as_one(written, tmp_path, capsys):
+    """release/.metadata -> /dev/zero was reported as ".metadata is missing" (the audit's D4)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(written["torch_dist"], ckpt)
+    (ckpt / MANIFEST_NAME).unlink()  # another tool's checkpoint: the reader's own diagnosis
+    (ckpt / "release" / ".metadata").unlink()
+    (ckpt / "release" / ".metadata").symlink_to("/dev/zero")
+    for argv in (["inspect", str(ckpt)],
+                 ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "out"), "--quiet"]):
+        err = _one_line_exit_2(capsys, argv, ".metadata is a character device, not a regular file")
+        assert "missing" not in err, err
+    with pytest.raises(UserError, match="is a character device, not a regular file"):
+        TorchDistReader(ckpt / "release")
+    with pytest.raises(UserError, match="character device"):
+        SafeFileSystemReader(ckpt / "release")
 
 
 def test_a_flipped_byte_in_a_distcp_chunk_is_refused(written, tmp_path, capsys):
