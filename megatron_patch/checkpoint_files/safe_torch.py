@@ -206,9 +206,9 @@ class SafeFileSystemReader(FileSystemReader):
         if getattr(self._safe_metadata, "storage_meta", None) is None:
             self._safe_metadata.storage_meta = StorageMeta()
         self._safe_metadata.storage_meta.load_id = self.load_id
-        # What each tensor chunk's record must hold, by its storage entry (the very objects torch hands
-        # _slice_file: no two entries share bytes, metadata_problem refuses that).
-        self._declared: dict[int, tuple[str, str, tuple]] = {}
+        # What each tensor chunk's record must hold, by where it is stored (no two entries share bytes:
+        # metadata_problem refuses that, so the place names one chunk).
+        self._declared: dict[tuple, tuple[str, str, tuple]] = {}
         for index, info in (self._safe_metadata.storage_data or {}).items():
             transforms = tuple(getattr(info, "transform_descriptors", None) or ())
             offset = None if index.offset is None else tuple(index.offset)
@@ -218,8 +218,8 @@ class SafeFileSystemReader(FileSystemReader):
             if tensor is not None and offset is not None:
                 sizes = dict(tensor.chunks).get(offset)
                 if sizes is not None:
-                    self._declared[id(info)] = (f"{info.relative_path}: chunk of {index.fqn} at {list(offset)}",
-                                                tensor.dtype, sizes)
+                    place = (str(info.relative_path), info.offset, info.length)
+                    self._declared[place] = (f"chunk of {index.fqn} at {list(offset)}", tensor.dtype, sizes)
 
     def read_metadata(self, *args, **kwargs):
         return self._safe_metadata
@@ -229,11 +229,12 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _slice_file(self, file, sinfo):
         """Each stored item read once into memory; a tensor chunk's archive is checked (zip structure and
-        CRC-32s) before torch loads it from those bytes."""
+        CRC-32s, and its record against the chunk's declared dtype and shape: ``torch_dist.check_chunk_record``,
+        the torch-free reader's check) before torch loads it from those bytes."""
         file.seek(sinfo.offset)
         data = file.read(sinfo.length)
         transforms = tuple(getattr(sinfo, "transform_descriptors", None) or ())
-        declared = self._declared.get(id(sinfo))
+        declared = self._declared.get((str(sinfo.relative_path), sinfo.offset, sinfo.length))
         where = f"{Path(self.path) / sinfo.relative_path} (the archive at byte {sinfo.offset})"
         if declared is not None:  # a tensor chunk: its record holds what .metadata declares, as mcore2hf checks
             what, dtype, sizes = declared
@@ -255,7 +256,7 @@ class SafeFileSystemReader(FileSystemReader):
                 raise
             except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
                 raise UserError(f"{where}: cannot unpickle its contents ({exc}): the checkpoint is damaged") from None
-            check_chunk_record(ref, dtype, sizes, f"{Path(str(sinfo.relative_path)).name}: {what.partition(': ')[2]}")
+            check_chunk_record(ref, dtype, sizes, f"{Path(str(sinfo.relative_path)).name}: {what}")
             try:
                 _, length = index.locate(f"data/{ref.storage.key}")
             except ZipFormatError as exc:
