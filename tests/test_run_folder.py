@@ -563,6 +563,14 @@ def test_a_launch_of_another_job_into_a_run_folder_stops_before_any_rank(corpus,
     monkeypatch.delenv("MP_TOKENIZER")
     assert main(["train", "llama3_1", *pretraining]) == 0 and len(launched) == 1
     assert capsys.readouterr().out.startswith(f"resuming from iteration 4 of 20: {out / 'checkpoint' / 'iter_0000004'}")
+    # a GLOBAL_BATCH_SIZE the checkpoint cannot follow, which also counts fewer iterations than it holds, is that
+    # refusal, not "complete (iteration 4 of 2)"
+    monkeypatch.setenv("MP_SAVE", "false")
+    bigger = launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), GLOBAL_BATCH_SIZE="64")
+    assert main(["train", "llama3_1", *bigger]) == 2 and len(launched) == 1
+    captured = capsys.readouterr()
+    assert "trained with GLOBAL_BATCH_SIZE=8, and this launch asks GLOBAL_BATCH_SIZE=64" in captured.err, captured
+    assert "complete" not in captured.out
 
 
 @pytest.mark.parametrize("manifest", ["none", "rewritten"])

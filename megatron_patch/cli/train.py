@@ -262,12 +262,13 @@ def _checked_start(cfg, *, out, would: bool) -> int | None:
         check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
     # another job (SFT, other data) into a run's folder is refused before a finished run is said to be complete
     same_data = [] if latest is None else check_same_job(cfg, iteration_dir(cfg.checkpoint_dir, latest))
+    # and a change it cannot follow (GLOBAL_BATCH_SIZE's fewer iterations read as "complete, iteration 6 of 3")
+    changes = [] if latest is None else resume_notes(cfg, iteration_dir(cfg.checkpoint_dir, latest))
     done = finished_run(cfg, latest)
     if done:
         print(done, file=out, flush=True)
         return None
     if latest is not None:
-        changes = resume_notes(cfg, iteration_dir(cfg.checkpoint_dir, latest))
         # Pai-Megatron-Patch starts a rerun into the same folder afresh; here it resumes, and says so first.
         verb = "would resume" if would else "resuming"
         print(f"{verb} from iteration {latest} of {cfg.train_iters}: {iteration_dir(cfg.checkpoint_dir, latest)} "
