@@ -258,8 +258,10 @@ def latest_complete_iteration(root: str | Path, problem: Callable[[Path], str | 
         if why is None:
             return iteration, notes
         notes.append(f"{folder} is incomplete or damaged: {why}")
+    # read by the converter and inspect as by resume: the advice fits each
     raise UserError(f"no complete checkpoint in {root} (" + "; ".join(notes) + "): move the damaged folders away to "
-                    "resume from an older copy, or choose another OUTPUT_BASEPATH to start afresh")
+                    "read an older copy (mcore2hf and inspect: or --iteration N; a training run: or another "
+                    "OUTPUT_BASEPATH, to start afresh)")
 
 
 # --- torch_dist model weights ----------------------------------------------------------------------
