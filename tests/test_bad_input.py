@@ -504,3 +504,13 @@ def test_fuzz_launcher_arguments(data):
         resolve(family, argv, env={}, check_paths=False)
     except UserError as exc:
         assert "\n" not in str(exc)
+
+
+def test_an_unknown_option_of_a_command_is_one_line_naming_the_command(capsys):
+    """argparse named an unknown option under the top-level usage ('usage: mpatch [-h] [--version] COMMAND ...'),
+    which lists no option of the command: two lines pointing at the wrong help."""
+    for argv, words in ((["convert", "hf2mcore", "--hf-dir", "x", "--save-dir", "y", "--bogus"],
+                         ("mpatch convert: error: unrecognized arguments: --bogus", "'mpatch convert hf2mcore --help'")),
+                        (["verify", "a", "b"], ("mpatch verify: error: unrecognized arguments: b", "'mpatch verify --help'"))):
+        rc, err = run_cli(capsys, *argv)
+        _one_line(rc, err, *words)

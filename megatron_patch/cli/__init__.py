@@ -61,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     defer_megatron_compile()  # before anything imports megatron-core (runtime/deferred_compile.py says why)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else "mpatch"
     try:
-        args = build_parser(only=argv[0] if argv else None).parse_args(argv)
+        args, extra = build_parser(only=argv[0] if argv else None).parse_known_args(argv)
+        if extra:  # argparse names them under the top-level usage, which lists no option of the command
+            path = " ".join(str(p) for p in (args.command, getattr(args, "direction", None)) if p)
+            raise UserError(f"unrecognized arguments: {' '.join(extra)} ('mpatch {path} --help' lists the options)")
         command = args.command
         code = int(args.run(args) or 0)
         # Output to a pipe is buffered: a reader gone by now fails this flush, caught here, not at exit.
