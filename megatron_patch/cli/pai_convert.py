@@ -304,7 +304,7 @@ def register(convert_subparsers) -> None:
     p = convert_subparsers.add_parser(
         "pai", help="run one of Pai-Megatron-Patch's converter scripts' command lines, unchanged",
         description="Pai-Megatron-Patch's converter scripts with their positional arguments: "
-                    + "; ".join(usage(s) for s in SCRIPTS.values())
+                    + "; ".join(dict.fromkeys(usage(s) for s in SCRIPTS.values()))  # one line per form
                     + "; and fp8_cast_bf16.py --input-fp8-hf-path FP8_DIR --output-bf16-hf-path BF16_DIR"
                     + ". toolkits/ holds each under Pai's path, a wrapper of this command (POSIX sh, or Python as "
                       "Pai's fp8_cast_bf16.py). "
