@@ -878,3 +878,33 @@ def test_a_hard_linked_copy_resumes_without_touching_the_original(stopped_run, c
     assert {p: p.read_bytes() for p in original.rglob("*") if p.is_file()} == before
     assert len((copy / "log" / "metrics.jsonl").read_text().splitlines()) > \
         len((original / "log" / "metrics.jsonl").read_text().splitlines())
+
+
+def test_a_legacy_starting_checkpoint_at_another_layout_is_refused_before_any_rank(corpus, tmp_path, monkeypatch, capsys):
+    """A legacy checkpoint loads only at the layout it was written at. The refusal came from each rank, after
+    torchrun had started them and they had built the model; the launcher now says it before starting any."""
+    import megatron_patch.cli.train as train_cli
+    from megatron_patch.cli import main
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    launched = []
+    monkeypatch.setattr(train_cli, "_launch", lambda *a: launched.append(a) or 0)
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf", seed=4)
+    legacy = tmp_path / "legacy_tp2"
+    hf_to_mcore(hf, legacy, ParallelLayout(tp=2), fmt="legacy", progress=False)
+    capsys.readouterr()
+
+    def launch(tp: str, dry: bool = False) -> int:
+        monkeypatch.setenv("MP_DRY_RUN", "1" if dry else "0")
+        return main(["train", "llama3_1", *launcher_args("llama3_1", MODEL_SIZE="auto", TP=tp, DATASET_PATH=corpus["prefix"],
+                                                         PRETRAIN_CHECKPOINT_PATH=str(legacy),
+                                                         OUTPUT_BASEPATH=str(tmp_path / f"out{tp}"))])
+
+    for dry in (False, True):
+        assert launch("1", dry) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"PRETRAIN_CHECKPOINT_PATH {legacy}: this legacy checkpoint is for TP=2" in err, err
+    assert not launched
+    assert launch("2") == 0 and len(launched) == 1

@@ -17,7 +17,7 @@ from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.checkpoint.engine import reshard_for_local_spec
 from megatron_patch.checkpoint.legacy import open_rank_file, rank_file
 from megatron_patch.checkpoint.model_io import current_coord, load_state_dict_strict
-from megatron_patch.checkpoint.sidecar import Sidecar
+from megatron_patch.checkpoint.sidecar import Sidecar, legacy_layout_problem
 from megatron_patch.checkpoint_files.layout import load_models_torch_dist
 from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_for, verify_manifest
 from megatron_patch.errors import UserError
@@ -74,10 +74,9 @@ def verify_before_load(folder: Path) -> None:
 def load_legacy(model, folder: str | Path, sidecar: Sidecar, layout=None) -> None:
     """This rank's legacy rank file from the weights folder ``folder`` (``release/`` or ``iter_XXXXXXX/``)."""
     ckpt_layout = sidecar.parallel_layout
-    if layout is not None and (layout.tp, layout.pp, layout.ep, layout.expert_tp) != \
-            (ckpt_layout.tp, ckpt_layout.pp, ckpt_layout.ep, ckpt_layout.expert_tp):
-        raise UserError(f"this legacy checkpoint is for {ckpt_layout}, not {layout}: convert again at that layout "
-                        "or use --format torch_dist, which loads at any layout")
+    problem = None if layout is None else legacy_layout_problem(sidecar, layout)
+    if problem is not None:
+        raise UserError(problem)
     coord = current_coord()
     path = rank_file(folder, RankCoord(coord.tp, coord.pp, coord.ep, coord.tp), ckpt_layout)
     # Read without unpickling anything but tensors: rank files of other tools also hold their args.

@@ -97,6 +97,21 @@ class Sidecar:
         (Path(folder) / SIDECAR_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+
+def legacy_layout_problem(sidecar: Sidecar, layout) -> str | None:
+    """Why a legacy checkpoint cannot load at ``layout`` (a ParallelLayout; None: it can). Its rank files are
+    one per rank of the layout it was written at, so it loads at that layout only, without a virtual pipeline."""
+    if sidecar.checkpoint_format != "legacy":
+        return None
+    written = sidecar.parallel_layout
+    if (layout.tp, layout.pp, layout.ep, layout.expert_tp) != (written.tp, written.pp, written.ep, written.expert_tp):
+        return (f"this legacy checkpoint is for {written}, not {layout}: convert again at that layout or use --format "
+                "torch_dist, which loads at any layout")
+    if layout.vp:
+        return ("this legacy checkpoint loads only at the layout it was written for: convert with --format torch_dist "
+                "to train with a virtual pipeline (MP_VP, MP_VP_CHUNKS)")
+    return None
+
 def _field_problem(sidecar: Sidecar) -> str | None:
     """The first field of a sidecar read from disk whose type is wrong (it is untrusted input like the rest)."""
     def whole(v) -> bool:

@@ -40,7 +40,7 @@ from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
 from megatron_patch.training.run_state import (check_output_basepath, check_same_job, finished_run, latest_iteration,
                                                resume_notes)
-from megatron_patch.training.validation import resolve
+from megatron_patch.training.validation import check_starting_checkpoint_layout, resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch` and the launcher's checks start without them (the dry run
@@ -276,6 +276,8 @@ def _checked_start(cfg, *, out, would: bool) -> int | None:
               flush=True)
         for note in same_data + changes:
             print(f"note: {note}", file=out, flush=True)
+    if latest is None:
+        check_starting_checkpoint_layout(cfg)
     if not would:
         check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
     return latest or 0

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.sidecar import legacy_layout_problem
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import read_config_json, validate_layout
 from megatron_patch.models.description.registry import get_family, parse_arch
@@ -430,6 +431,18 @@ def _check_writable(folder: Path, out: Path) -> None:
 PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, data_exists, tokenizer_exists,
                                                         output_folder_writable, evaluation_run.check_tasks_exist)
 
+
+
+def check_starting_checkpoint_layout(cfg: RunConfig) -> None:
+    """A legacy PRETRAIN_CHECKPOINT_PATH loads only at the layout it was written for: refused in one line before
+    the ranks start (each rank refused it after loading megatron-core and building its model). Asked only of a run
+    that starts from it, not of one that resumes."""
+    if cfg.pretrain_checkpoint is None:
+        return
+    sidecar = open_checkpoint(cfg.pretrain_checkpoint, hf_config=cfg.hf_config, family=cfg.family).sidecar
+    problem = legacy_layout_problem(sidecar, cfg.layout)
+    if problem is not None:
+        raise UserError(f"PRETRAIN_CHECKPOINT_PATH {cfg.pretrain_checkpoint}: {problem}")
 
 # --- reading what a value names ------------------------------------------------------------------------------
 
