@@ -131,16 +131,23 @@ SCHEDULE = (("lr", "LR"), ("min_lr", "MIN_LR"), ("warmup_iters", "warm-up iterat
             ("lr_decay_iters", "decay iterations"), ("weight_decay", "MP_WEIGHT_DECAY"))
 
 
+def _saved_and_now(cfg, folder: Path) -> tuple[dict, dict | None, dict]:
+    """(the train state saved in ``folder``, its run's config or None where it records none, this launch's config
+    as it would be saved: through JSON)."""
+    try:
+        saved = read_train_state(folder)
+    except FileNotFoundError:
+        return {}, None, {}
+    then = saved.get("config")
+    return saved, then if isinstance(then, dict) else None, json.loads(json.dumps(cfg.to_dict(), default=str))
+
+
 def resume_notes(cfg, folder: Path) -> list[str]:
     """Checks a launch against the checkpoint it resumes (``folder``, an iteration folder of its own run): a change
     the checkpoint cannot follow is refused in one line, before any rank starts (a rank would fail on it with a
     traceback); a change of the learning-rate schedule is returned as a note."""
-    try:
-        saved = read_train_state(folder)
-    except FileNotFoundError:
-        return []
-    then, now = saved.get("config"), json.loads(json.dumps(cfg.to_dict(), default=str))
-    if not isinstance(then, dict):
+    saved, then, now = _saved_and_now(cfg, folder)
+    if then is None:
         return []
     start_afresh = "or start afresh in another OUTPUT_BASEPATH"
     for field, name, why in MUST_MATCH:
@@ -196,12 +203,8 @@ def check_same_job(cfg, folder: Path) -> list[str]:
     changed and what to do instead. Checked against the checkpoint ``folder`` resumed from; a run folder saved
     before its checkpoints recorded their data (``training_data``) is compared on the rest alone. Returns notes:
     the same data found at another path (its files' sizes unchanged) or changed in place."""
-    try:
-        saved = read_train_state(folder)
-    except FileNotFoundError:
-        return []
-    then, now = saved.get("config"), json.loads(json.dumps(cfg.to_dict(), default=str))
-    if not isinstance(then, dict):
+    saved, then, now = _saved_and_now(cfg, folder)
+    if then is None:
         return []
     changed, notes = [], []
     if "sft" in then and then["sft"] != now["sft"]:
