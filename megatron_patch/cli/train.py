@@ -241,16 +241,16 @@ def run(args) -> int:
     needed = _check_machine(cfg)
     command = launch_command(cfg, argv)
     with _run_lock(cfg):
-        if _checked_start(cfg, out=sys.stdout, would=False) is None:
+        if not _checked_start(cfg, out=sys.stdout, would=False):
             return 0
         return _launch(cfg, command, argv, needed)
 
 
-def _checked_start(cfg, *, out, would: bool) -> int | None:
+def _checked_start(cfg, *, out, would: bool) -> bool:
     """The launch's checks of its inputs, in order, each refusing in one line (UserError): the run folder, the
     checkpoint folder (holding checkpoints but no complete one), a LoRA run's base, and (not ``would``, a dry
-    run) the training data. Says that a finished run is complete (None: nothing to start) or which iteration it
-    resumes from (that iteration, else 0)."""
+    run) the training data. Says that a finished run is complete (False: nothing to start) or which iteration it
+    resumes from (True: a run to start or resume)."""
     check_run_folder(cfg.output_basepath)
     if would:  # the launch checks it under the run's lock (_run_lock)
         check_output_basepath(run_folder_identity(cfg.output_basepath))
@@ -267,7 +267,7 @@ def _checked_start(cfg, *, out, would: bool) -> int | None:
     done = finished_run(cfg, latest)
     if done:
         print(done, file=out, flush=True)
-        return None
+        return False
     if latest is not None:
         # Pai-Megatron-Patch starts a rerun into the same folder afresh; here it resumes, and says so first.
         verb = "would resume" if would else "resuming"
@@ -280,7 +280,7 @@ def _checked_start(cfg, *, out, would: bool) -> int | None:
         check_starting_checkpoint_layout(cfg)
     if not would:
         check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
-    return latest or 0
+    return True
 
 
 @contextlib.contextmanager
