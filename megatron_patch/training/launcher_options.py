@@ -410,13 +410,15 @@ ENVIRONMENT = [
            field="dist_timeout_min",
            doc="minutes a collective may wait for the other ranks; past it the job fails with one line naming the "
                "rank that stopped answering (its heartbeat), the collective and the iteration"),
-    Option("MP_TOKENIZER", CORE, TEXT, "tokenizer folder (tokenizer.json) or tiktoken file for SFT data",
+    Option("MP_TOKENIZER", CORE, TEXT, "tokenizer folder (tokenizer.json) or tiktoken file: tokenizes SFT "
+           "records, and its files go into checkpoints and the export",
            takes="tokenizer folder or tiktoken file",
            field="tokenizer",
            default=Default("PRETRAIN_CHECKPOINT_PATH, which carries tokenizer.json",
                            lambda sft, dataset_type, checkpoint: checkpoint if sft and dataset_type == "raw" else None),
-           doc="SFT tokenizer: HF tokenizer folder or tiktoken file (JSON records are tokenized here; an idxmap is "
-               "already ids)"),
+           doc="HF tokenizer folder or tiktoken file: SFT's JSON records are tokenized with it (an idxmap is "
+               "already ids); where PRETRAIN_CHECKPOINT_PATH carries no tokenizer, its files go into "
+               "every checkpoint and the HF export, and MP_EVAL_TASKS and the SFT preview read it"),
     Option("MP_NAN_POLICY", CORE, choice("stop", "skip"), "what a NaN/inf loss does: stop | skip (the update)",
            default="stop", field="nan_policy",
            doc="`stop`: exit 2 naming the iteration \\| `skip`: skip that step's update"),
