@@ -908,3 +908,23 @@ def test_a_legacy_starting_checkpoint_at_another_layout_is_refused_before_any_ra
         assert err.count("\n") == 1 and f"PRETRAIN_CHECKPOINT_PATH {legacy}: this legacy checkpoint is for TP=2" in err, err
     assert not launched
     assert launch("2") == 0 and len(launched) == 1
+
+
+def test_the_export_command_a_finished_run_suggests_pastes_into_a_shell(tmp_path):
+    """A finished run names the command that converts its model; OUTPUT_BASEPATH may hold spaces and quotes, and
+    the command is meant to be pasted: shlex reads back the very folder."""
+    import shlex
+    from types import SimpleNamespace
+
+    from megatron_patch.checkpoint_files.layout import TRACKER_NAME
+    from megatron_patch.training.run_state import finished_run
+
+    out = tmp_path / "my run's out"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / TRACKER_NAME).write_text("release")
+    cfg = SimpleNamespace(output_basepath=str(out), train_iters=4, save=True, checkpoint_dir=str(out / "checkpoint"))
+    said = finished_run(cfg, 4)
+    command = re.search(r"\((mpatch convert mcore2hf .*?HF_OUT)\)", said).group(1)
+    argv = shlex.split(command)
+    assert argv[argv.index("--load-dir") + 1] == str(out / "final")
+    assert finished_run(cfg, 3) is None

@@ -57,7 +57,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.lora.state import adapter_sharded_state, base_record
 from megatron_patch.runtime import watchdog
 from megatron_patch.training.lora_run import cfg_base
-from megatron_patch.training.run_folder import FINAL_DIR
+from megatron_patch.training.run_folder import FINAL_DIR, export_command
 from megatron_patch.training.run_state import (NO_VERIFY, TRAIN_STATE, iteration_problem, latest_iteration,
                                               read_train_state, training_data)
 
@@ -435,6 +435,6 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_fil
         publish(tmp, final)
         how = " --lora-adapter (or --merge-lora)" if cfg.lora is not None else " ..."
         print(f"exported the trained {'adapters' if cfg.lora is not None else 'model'} to {final} "
-              f"(mpatch convert mcore2hf --load-dir {final} --save-dir OUT{how})", flush=True)
+              f"({export_command(final, '--save-dir OUT' + how)})", flush=True)
     dist.barrier()
     return final

@@ -15,6 +15,7 @@ of writing through it; megatron-core's dataset cache is checked file by file (``
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 from pathlib import Path
 
@@ -37,6 +38,12 @@ WRITTEN_FOLDERS = tuple(name for name, kind in WRITTEN if kind == "folder" and "
 # Everything a run keeps at the top of OUTPUT_BASEPATH, each a folder, beside the hidden names its publishing
 # uses (``.final.mpatch-partial.PID``): a folder holding anything else is not a run's.
 RUN_FOLDER_ENTRIES = (*WRITTEN_FOLDERS, FINAL_DIR)
+
+
+def export_command(final: Path, flags: str = "--save-dir HF_OUT") -> str:
+    """The command that turns a run's exported model into an HF folder, its path quoted for a shell: what the
+    run prints is meant to be pasted, and OUTPUT_BASEPATH may hold spaces."""
+    return f"mpatch convert mcore2hf --load-dir {shlex.quote(str(final))} {flags}"
 
 
 def require_folder(out: Path) -> None:

@@ -27,7 +27,7 @@ from megatron_patch.checkpoint_files.layout import (
 )
 from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_of, naming_the_switch, verify_manifest
 from megatron_patch.errors import UserError
-from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, require_folder
+from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, require_folder
 
 # What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
 # against their manifests: the same switch as the commands' --no-verify, for a checkpoint edited on purpose.
@@ -112,8 +112,8 @@ def finished_run(cfg, latest: int | None) -> str | None:
     final = Path(cfg.output_basepath) / FINAL_DIR
     if latest is None or latest < cfg.train_iters or (cfg.save and not (final / TRACKER_NAME).is_file()):
         return None
-    where = f"its model is in {final} (mpatch convert mcore2hf --load-dir {final} --save-dir HF_OUT)" if cfg.save \
-        else f"its checkpoints are in {cfg.checkpoint_dir}"
+    where = (f"its model is in {final} ({export_command(final)})" if cfg.save
+             else f"its checkpoints are in {cfg.checkpoint_dir}")
     return (f"the run in {cfg.output_basepath} is complete (iteration {latest} of {cfg.train_iters}): {where}; "
             "nothing to train (choose another OUTPUT_BASEPATH or more iterations to train further)")
 
