@@ -275,6 +275,20 @@ def test_launcher_refuses_what_this_cpu_machine_cannot_do(data, over, env, messa
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals of a machine without a GPU")
+def test_env_dsw_without_a_gpu_says_so_before_the_batch_sizes_it_would_fault(data, monkeypatch, capsys):
+    """ENV=dsw plans a GPU node's 8 processes where it sees no GPU: the dry run keeps planning them, and a launch
+    names the missing GPU, not a GLOBAL_BATCH_SIZE that 8 GPUs would not divide (what it said before)."""
+    args = _args(data, ENV="dsw", PR="bf16", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="4")
+    assert main(["train", "llama3_1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err == "mpatch train: error: ENV=dsw trains on GPUs and this machine has none: use ENV=cpu for a CPU run\n"
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    with pytest.raises(UserError, match=r"BATCH_SIZE\*DP = 2\*8 = 16"):
+        resolve("llama3_1", args)
+    assert resolve("llama3_1", _args(data, ENV="dsw", PR="bf16", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="16")).world_size == 8
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_cpu_machine_accepts_mixed_precision(data, precision):
     """bf16/fp16 train on ENV=cpu (megatron's mixed-precision optimizers, fp32 master weights); fp8 too, through

@@ -10,7 +10,7 @@ from megatron_patch.models.blocks import attention_kernels
 from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED, describe
 from megatron_patch.runtime.machine import Capabilities, version_tuple
 from megatron_patch.training import fp8_run
-from megatron_patch.training.run_config import RunConfig
+from megatron_patch.training.run_config import RunConfig, no_gpu_problem
 
 
 def fp8_recipe_problem(recipe: str, caps: Capabilities) -> str | None:
@@ -31,7 +31,7 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     out = []
     gpu_env = cfg.device == "cuda"
     if gpu_env and not caps.cuda:
-        out.append(f"ENV={cfg.env} trains on GPUs and this machine has none: use ENV=cpu for a CPU run")
+        out.append(no_gpu_problem(cfg.env))
     te = caps.transformer_engine and gpu_env
     fp8 = fp8_run.fp8_problem(cfg, caps)
     if fp8:

@@ -20,6 +20,11 @@ from megatron_patch.training.run_folder import CHECKPOINT_DIR
 PRECISIONS = tuple(p.value for p in Precision)
 
 
+def no_gpu_problem(run_env: str) -> str:
+    """What a GPU environment (ENV=dsw, or dlc on a GPU node) says on a machine without one."""
+    return f"ENV={run_env} trains on GPUs and this machine has none: use ENV=cpu for a CPU run"
+
+
 @dataclass
 class RunConfig:
     """What a launch resolved to. Each field is filled by one launcher option (``launcher_options.OPTIONS``, whose

@@ -36,7 +36,7 @@ from megatron_patch.training.launcher_options import Options, read_options, unre
 from megatron_patch.training.fp8_run import TE_RECIPES
 from megatron_patch.training.lora_run import check_lora, lora_from_options
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_options
-from megatron_patch.training.run_config import RunConfig
+from megatron_patch.training.run_config import RunConfig, no_gpu_problem
 from megatron_patch.training.run_folder import WRITTEN_FOLDERS, require_folder
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -531,8 +531,10 @@ def _world(o: Options, layout: ParallelLayout, env: dict) -> tuple[int, int, int
     if per_node is None:
         import torch
 
-        # Without a GPU: a dlc node trains on its CPU, one process unless GPUS_PER_NODE says more;
-        # dsw (refused there) keeps a GPU node's 8 for dry runs that plan one.
+        # Without a GPU: a dlc node trains on its CPU, one process unless GPUS_PER_NODE says more; dsw keeps a GPU
+        # node's 8 for dry runs that plan one, and a launch is refused here, before the batch sizes it would fault.
         per_node = torch.cuda.device_count() or (1 if run_env == "dlc" else 8)
+        if not torch.cuda.device_count() and run_env != "dlc" and not o["MP_DRY_RUN"]:
+            raise UserError(no_gpu_problem(run_env))
     nnodes = parse_int("WORLD_SIZE", env.get("WORLD_SIZE", "1")) if run_env == "dlc" else 1
     return per_node * nnodes, per_node, nnodes
