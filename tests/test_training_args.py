@@ -89,7 +89,12 @@ BAD = [
     ("llama3_1", dict(AC="partial"), {}, "AC must be one of sel | full | offload | none"),
     ("llama3_1", dict(OPTIMIZER_OFFLOAD="1.5"), {}, "OPTIMIZER_OFFLOAD must be false, static, auto or a fraction"),
     ("llama3_1", dict(OPTIMIZER_OFFLOAD="0.5"), {"MP_OFFLOAD_PROBE_SCRIPT": "/x.json"},
-     "MP_OFFLOAD_PROBE_SCRIPT drives OPTIMIZER_OFFLOAD=auto's decisions"),
+     "MP_OFFLOAD_PROBE_SCRIPT tunes OPTIMIZER_OFFLOAD=auto's decisions, and OPTIMIZER_OFFLOAD is 0.5: set "
+     "OPTIMIZER_OFFLOAD=auto or drop MP_OFFLOAD_PROBE_SCRIPT"),
+    ("llama3_1", dict(OPTIMIZER_OFFLOAD="false"), {"MP_OFFLOAD_MARGIN_GB": "4"},
+     "MP_OFFLOAD_MARGIN_GB tunes OPTIMIZER_OFFLOAD=auto's decisions, and OPTIMIZER_OFFLOAD is false"),
+    ("llama3_1", dict(OPTIMIZER_OFFLOAD="static"), {"MP_OFFLOAD_PATIENCE": "4"},
+     "MP_OFFLOAD_PATIENCE tunes OPTIMIZER_OFFLOAD=auto's decisions, and OPTIMIZER_OFFLOAD is static"),
     ("llama3_1", dict(OPTIMIZER_OFFLOAD="auto"), {"MP_OFFLOAD_PROBE_SCRIPT": "/nonexistent.json"},
      "MP_OFFLOAD_PROBE_SCRIPT /nonexistent.json not found"),
     ("llama3_1", dict(), {"MP_OFFLOAD_NUMERICS": "precise"}, "MP_OFFLOAD_NUMERICS must be one of fast | exact"),
@@ -195,6 +200,17 @@ def test_token_counts_that_are_not_whole_iterations_are_noted(data):
         "tokens: 4 iteration(s), 2048 tokens",
         "WARMUP_TOKENS_OR_ITERS=100 tokens is not a whole number of iterations of GLOBAL_BATCH_SIZE*SEQ_LEN = 512 "
         "tokens: 0 iteration(s), 0 tokens"]
+
+
+@pytest.mark.parametrize("ac,noted", [("sel", True), ("false", True), ("full", False)])
+def test_mp_ac_layers_under_an_ac_that_counts_no_layers_is_noted(data, ac, noted):
+    """Pai's launchers read MP_AC_LAYERS under AC=full/offload only: with AC=sel or none it is noted as ignored
+    (not refused: an environment may export it for every run), and under AC=full it is used, with no note."""
+    cfg = resolve("llama3_1", _args(data, AC=ac), env={"MP_AC_LAYERS": "2"})
+    said = [n for n in cfg.notes if n.startswith("MP_AC_LAYERS=2 is ignored")]
+    assert said == ([f"MP_AC_LAYERS=2 is ignored: it counts the layers of AC=full or AC=offload, and "
+                     f"AC={'none' if ac == 'false' else ac}"] if noted else []), cfg.notes
+    assert cfg.ac_layers == 2
 
 
 def test_an_mp_variable_no_option_reads_is_named_in_the_notes(data):

@@ -43,6 +43,10 @@ from megatron_patch.training.run_folder import WRITTEN_FOLDERS, require_folder
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
+# The options that tune only OPTIMIZER_OFFLOAD=auto's policy: given with another policy, they would do nothing.
+AUTO_OFFLOAD_OPTIONS = ("MP_OFFLOAD_MARGIN_GB", "MP_OFFLOAD_PATIENCE", "MP_OFFLOAD_COOLDOWN", "MP_OFFLOAD_PROBE_SCRIPT")
+
+
 def resolve(launcher: str, argv: list[str], env: dict | None = None, *, check_paths: bool = True) -> RunConfig:
     """Parse and validate ``launcher``'s positional arguments (and the environment options in ``env``) into a
     RunConfig; ``check_paths``: also that the data, tokenizer and probe files exist."""
@@ -75,6 +79,16 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
                         "MP_COMPILE_FUSIONS=true (the lighter option, for those pieces alone)")
     if o.given("MP_LOSS_SCALE_WINDOW") and not precision.fp16:
         raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
+    for name in AUTO_OFFLOAD_OPTIONS:
+        if o.given(name) and o["OPTIMIZER_OFFLOAD"][1] != "auto":
+            raise UserError(f"{name} tunes OPTIMIZER_OFFLOAD=auto's decisions, and OPTIMIZER_OFFLOAD is "
+                            f"{o.raw('OPTIMIZER_OFFLOAD') if o.given('OPTIMIZER_OFFLOAD') else 'off'}: set "
+                            f"OPTIMIZER_OFFLOAD=auto or drop {name}")
+    if o.given("MP_AC_LAYERS") and o["AC"] in ("sel", "none"):
+        # a note, not a refusal: Pai-Megatron-Patch's launchers read MP_AC_LAYERS under AC=full/offload only, and an
+        # environment that exports it for every run is theirs
+        notes.append(f"MP_AC_LAYERS={o.raw('MP_AC_LAYERS')} is ignored: it counts the layers of AC=full or "
+                     f"AC=offload, and AC={o['AC']}")
     o.settle("MP_TP_COMM_OVERLAP", tp=o["TP"], sp=o["SP"])
     if o["MP_OVERLAP_PARAM_GATHER"] and not o["DO"]:
         raise UserError("param-gather overlap needs the distributed optimizer: set DO=true")
@@ -199,8 +213,6 @@ def offload_settings(cfg: RunConfig) -> None:
         raise UserError("MP_OFFLOAD_CHUNK_MB must be > 0")
     if cfg.gpu_memory_gb is not None and cfg.gpu_memory_gb <= 0:
         raise UserError("MP_GPU_MEMORY_GB must be > 0")
-    if cfg.offload_probe_script and cfg.optimizer_offload_policy != "auto":
-        raise UserError("MP_OFFLOAD_PROBE_SCRIPT drives OPTIMIZER_OFFLOAD=auto's decisions: set OPTIMIZER_OFFLOAD=auto")
 
 
 def data_kind(cfg: RunConfig) -> None:
