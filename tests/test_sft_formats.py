@@ -403,6 +403,20 @@ def test_records_whose_responses_lie_past_the_cut_are_named_and_all_of_them_refu
     assert "; training cuts the rest), the loss on " in out and (
         " of them; 0 within the sample: it trains nothing, raise SEQ_LEN/PAD_LEN or shorten the prompt") in out, out
 
+    # The launch refuses it in one line before any rank starts (the ranks' dataset refused it, after their imports).
+    from megatron_patch.training.sft_records import record_groups
+    from megatron_patch.training.sft_tokens import refuse_untrainable
+
+    monkeypatch.delenv("MP_DRY_RUN")
+    assert main(["train", "llama3_1", *_sft_args(tmp_path / "run", tmp_path / "long.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "long.jsonl keeps a trained token within its" in err, err
+    assert not (tmp_path / "run" / "out" / "log").exists()  # no rank wrote a log
+    for packing in (False, True):
+        refuse_untrainable(tmp_path / "mixed.jsonl", record_groups(tmp_path / "mixed.jsonl"), tok, SEQ, packing)
+        with pytest.raises(UserError, match="long.jsonl keeps a trained token"):
+            refuse_untrainable(tmp_path / "long.jsonl", record_groups(tmp_path / "long.jsonl"), tok, SEQ, packing)
+
 
 # --- each format trains, and the log says what the loss was taken over ----------------------------------------
 

@@ -32,7 +32,9 @@ import numpy
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest, verify_manifest
 from megatron_patch.errors import UserError
+from megatron_patch.tokenizer import load_tokenizer
 from megatron_patch.training.sft_records import record_groups
+from megatron_patch.training.sft_tokens import refuse_untrainable
 
 # megatron-core's indexed_dataset.py: header, version 1, token dtype code, sequence and document counts, then
 # int32 sequence lengths, int64 byte offsets into the .bin, int64 document boundaries (and, for multimodal
@@ -207,9 +209,11 @@ def check_training_data(cfg) -> None:
     """Every mmap prefix a run reads (training, validation), before its first step: pretraining data, or with
     SFT=true Pai's SFT idxmap; or each SFT JSON/JSONL file's records, for their shape."""
     if cfg.dataset_type == "raw":
-        # the files build_sft_datasets reads
+        # the files build_sft_datasets reads, and whether any of their records trains a token (the ranks' own
+        # refusal came after minutes of imports on each)
         for path in dict.fromkeys([cfg.dataset_path[0], *(cfg.valid_dataset_path or [])[:1]]):
-            record_groups(path)
+            refuse_untrainable(path, record_groups(path), load_tokenizer(cfg.tokenizer), cfg.sample_length,
+                               cfg.sft_packing)
         return
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.

@@ -35,51 +35,13 @@ import torch
 from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import load_tokenizer
 from megatron_patch.training.data_files import PIECE, read_sft_idxmap
-from megatron_patch.training.sft_records import conversation, read_records, record_groups
+from megatron_patch.training.sft_records import read_records, record_groups
+from megatron_patch.training.sft_tokens import describe_format, tokenize_record, untrainable
 
 # Pai's labels where there is no loss (torch's cross-entropy ignore_index).
 IGNORED_LABEL = -100
 # What the dry run shows of a sample's text, at most.
 PREVIEW_CHARS = 3000
-
-
-def _plain_segments(record: dict, messages: list[dict]) -> list[tuple[str, bool]]:
-    """(text, trained) pieces of the plain format, for a tokenizer without a chat template."""
-    if "messages" in record:
-        return [piece for m in messages for piece in
-                ((f"<|{m['role']}|>\n", False), (m["content"] + "\n", m["role"] == "assistant"))]
-    *prompt, answer = messages
-    return [(m["content"] + "\n", False) for m in prompt] + [(answer["content"], True)]
-
-
-def tokenize_record(tokenizer, record, where: str) -> tuple[list[int], list[int]]:
-    """(token ids, 1 for each token the loss is taken on) of one record.
-
-    With a chat template: the rendered conversation tokenized whole (the ids ``apply_chat_template`` gives),
-    a token trained where its characters fall in an assistant span (transformers' own rule for
-    ``return_assistant_tokens_mask``). Without: the plain pieces, then the end-of-document token, trained
-    (the model learns to stop after the response).
-    """
-    messages = conversation(record, where)
-    template = getattr(tokenizer, "chat_template", None)
-    if template is not None:
-        text, spans = template.assistant_spans(messages, where)
-        ids, offsets = tokenizer.encode_with_offsets(text)
-        return ids, [int(any(start < b and max(end, start + 1) > a for a, b in spans)) for start, end in offsets]
-    ids, trained = [], []
-    for text, on in _plain_segments(record, messages):
-        piece = tokenizer.encode(text)
-        ids += piece
-        trained += [int(on)] * len(piece)
-    return ids + [tokenizer.eod], trained + [1]
-
-
-def describe_format(tokenizer) -> str:
-    """How records become text, in one line (the dry run's and the training log's)."""
-    if getattr(tokenizer, "chat_template", None) is not None:
-        return f"records rendered by the chat template of {tokenizer.path}, the loss on the assistant turns"
-    return (f"plain format: {tokenizer.path} has no chat template, so records are rendered as 'prompt\\nresponse' "
-            "and '<|role|>\\ncontent' turns, the loss on the responses and the closing end-of-document token")
 
 
 def _fixed(tokens, labels, loss_mask, length: int, pad: int, doc_starts: list[int] | None = None) -> dict:
@@ -122,11 +84,11 @@ class SFTDataset(torch.utils.data.Dataset):
         else:
             self.samples = [_sample(ids, tr, length, self.pad) for _, group in groups for ids, tr in group]
         # A record whose trained tokens all lie past the cut to `length` trains nothing (its loss and gradient are
-        # 0, while weight decay still moves the weights): all of them is refused, some are counted for the log.
+        # 0, while weight decay still moves the weights): all of them is refused (by the launcher already:
+        # sft_tokens.refuse_untrainable), some are counted for the log.
         self.untrained = sum(1 for sample in self.samples if not sample["loss_mask"].any())
         if self.untrained == len(self.samples):
-            raise UserError(f"no sample of {path} keeps a trained token within its {length} tokens (the responses lie "
-                            "past the cut): raise SEQ_LEN/PAD_LEN, or shorten the prompts")
+            raise untrainable(path, length)
 
     def _pack(self, groups) -> list[dict]:
         """Single records packed in order while they fit; a packed-SFT list is a sample of its own (more when its
