@@ -82,6 +82,9 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
 
 # --- batches -------------------------------------------------------------------------------------------------
 
+BLEND_SOURCE = "dataset_id"
+
+
 def micro_batches(dataset, iteration: int, cfg, dp_rank: int, dp_size: int) -> list[dict]:
     """This data-parallel rank's micro-batches of global step ``iteration`` (0-based)."""
     per_rank = cfg.global_batch_size // dp_size
@@ -90,5 +93,7 @@ def micro_batches(dataset, iteration: int, cfg, dp_rank: int, dp_size: int) -> l
     for m in range(per_rank // cfg.micro_batch_size):
         start = first + m * cfg.micro_batch_size
         items = [dataset[(start + k) % len(dataset)] for k in range(cfg.micro_batch_size)]
-        out.append({key: torch.stack([it[key] for it in items]) for key in items[0]})
+        # a blend's samples also say which dataset they came from (megatron's BlendedDataset: a numpy scalar,
+        # "dataset_id"), which the step does not read
+        out.append({key: torch.stack([it[key] for it in items]) for key in items[0] if key != BLEND_SOURCE})
     return out
