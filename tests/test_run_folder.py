@@ -539,6 +539,46 @@ def test_another_job_into_a_run_folder_is_refused_naming_what_changed(tmp_path, 
         check(sft_folder, **sft, PAD_LEN="32")
     with pytest.raises(UserError, match=re.escape("(SFT true -> false; DATASET_PATH ")):
         check(sft_folder)
+    # the records tokenize by MP_TOKENIZER: another vocabulary refused, the same files in another folder resume
+    (tmp_path / "tok2").mkdir()
+    (tmp_path / "tok2" / "tokenizer.json").write_text('{"model": "other"}')
+    with pytest.raises(UserError, match=re.escape(f"(MP_TOKENIZER: {tmp_path / 'tok2'} is another tokenizer than")):
+        check_same_job(resolve("llama3_1", args(**sft), env={"MP_TOKENIZER": str(tmp_path / "tok2")}), sft_folder)
+    shutil.copytree(tmp_path / "tok", tmp_path / "tok_copy")
+    assert check_same_job(resolve("llama3_1", args(**sft), env={"MP_TOKENIZER": str(tmp_path / "tok_copy")}),
+                          sft_folder) == []
+
+
+def test_a_resume_with_another_seed_or_lora_is_refused_and_another_dropout_resumes(tmp_path):
+    """MP_SEED orders the data (megatron-core's shuffle) and MP_LORA_* shape the saved adapters: a resume with
+    another seed trained the rest on other samples than the run's, another LoRA rank or full fine-tuning failed
+    in a rank (an internal error), other targets or alpha trained on silently (adapters dropped, or scaled 4x)."""
+    from megatron_patch.training.run_state import resume_notes
+
+    (tmp_path / "a_text_document.bin").write_bytes(b"x" * 40)
+    (tmp_path / "a_text_document.idx").write_bytes(b"x" * 8)
+    out = tmp_path / "out"
+    args = launcher_args("llama3_1", DATASET_PATH=str(tmp_path / "a_text_document"), OUTPUT_BASEPATH=str(out))
+    folder = _saved_run(out, args, env={"MP_LORA_RANK": "4"})
+
+    def notes(**env):
+        return resume_notes(resolve("llama3_1", args, env={"MP_LORA_RANK": "4", **env}), folder)
+
+    assert notes() == [] and notes(MP_LORA_DROPOUT="0.1") == []
+    lora = "MP_LORA_RANK=4 MP_LORA_ALPHA=4.0 MP_LORA_TARGETS=qkv,proj,fc1,fc2"
+    for env, asked in ((dict(MP_LORA_TARGETS="qkv,proj"), "MP_LORA_RANK=4 MP_LORA_ALPHA=4.0 MP_LORA_TARGETS=qkv,proj"),
+                       (dict(MP_LORA_ALPHA="16"), "MP_LORA_RANK=4 MP_LORA_ALPHA=16.0 MP_LORA_TARGETS=qkv,proj,fc1,fc2"),
+                       (dict(MP_LORA_RANK="8"), "MP_LORA_RANK=8 MP_LORA_ALPHA=8.0 MP_LORA_TARGETS=qkv,proj,fc1,fc2"),
+                       (dict(MP_LORA_RANK="0"), "off (MP_LORA_RANK=0: every weight trains)")):
+        with pytest.raises(UserError) as refused:
+            notes(**env)
+        assert str(refused.value) == (
+            f"{folder} was trained with LoRA {lora}, and this launch asks {asked}: the weights and optimizer state "
+            "saved there are that run's. Resume with its MP_LORA_* settings, or start afresh in another "
+            "OUTPUT_BASEPATH"), env
+    with pytest.raises(UserError, match=re.escape("was trained with MP_SEED=1234, and this launch asks MP_SEED=7: the "
+                                                  "data's order follows it")):
+        notes(MP_SEED="7")
 
 
 def test_a_launch_of_another_job_into_a_run_folder_stops_before_any_rank(corpus, tmp_path, monkeypatch, capsys):

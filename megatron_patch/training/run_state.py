@@ -9,6 +9,7 @@ second beyond torch on 2 cores, paid by every launch and every test that launche
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,6 +28,7 @@ from megatron_patch.checkpoint_files.layout import (
 )
 from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_of, naming_the_switch, verify_manifest
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import read_input
 from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, require_folder
 
 # What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
@@ -124,6 +126,7 @@ MUST_MATCH = (
     ("precision", "PR", "the optimizer's state (master weights, loss scale) is kept per precision"),
     ("distributed_optimizer", "DO", "the optimizer's state is saved sharded with it and whole without"),
     ("global_batch_size", "GLOBAL_BATCH_SIZE", "the data's position is counted in its batches"),
+    ("seed", "MP_SEED", "the data's order follows it (megatron-core shuffles the samples with it)"),
 )
 # The learning-rate schedule: this launch's rules, as Megatron-LM's --override-opt_param-scheduler (a run extended
 # to more iterations decays over them), and what changed is said.
@@ -155,6 +158,11 @@ def resume_notes(cfg, folder: Path) -> list[str]:
             raise UserError(f"{folder} was trained with {name}={_shown(then[field])}, and this launch asks "
                             f"{name}={_shown(now[field])}: {why}. Resume with {name}={_shown(then[field])}, "
                             f"{start_afresh}")
+    lora = _lora_change(then, now)
+    if lora:
+        raise UserError(f"{folder} was trained with LoRA {lora[0]}, and this launch asks {lora[1]}: the weights and "
+                        f"optimizer state saved there are that run's. Resume with its MP_LORA_* settings, "
+                        f"{start_afresh}")
     # compared as saved: through JSON, where a preset's tuples became lists
     model, building = saved.get("hf_config"), json.loads(json.dumps(cfg.hf_config, default=str))
     if isinstance(model, dict) and model != building:
@@ -169,6 +177,29 @@ def resume_notes(cfg, folder: Path) -> list[str]:
         if changed else []
 
 
+def _lora_change(then: dict, now: dict) -> tuple[str, str] | None:
+    """(the saved run's LoRA, this launch's), as the launch names them, where they differ in what the saved
+    adapters are (anything but their dropout, which a resumed run may change); None where they agree."""
+    if "lora" not in then:
+        return None
+    old, new = ({k: v for k, v in spec.items() if k != "dropout"} if isinstance(spec, dict) else spec
+                for spec in (then["lora"], now["lora"]))
+    if old == new:
+        return None
+    return _lora_shown(then["lora"]), _lora_shown(now["lora"])
+
+
+def _lora_shown(spec) -> str:
+    if not isinstance(spec, dict):
+        return "off (MP_LORA_RANK=0: every weight trains)"
+    targets = spec.get("targets")
+    shown = [f"MP_LORA_RANK={spec.get('rank')}", f"MP_LORA_ALPHA={spec.get('alpha')}",
+             f"MP_LORA_TARGETS={','.join(map(str, targets)) if isinstance(targets, list) else targets}"]
+    rest = sorted(k for k in spec if k not in ("rank", "alpha", "targets", "dropout") and spec[k] not in (None, {}, [],
+                                                                                                      False))
+    return " ".join(shown) + (f" ({', '.join(f'{k} {spec[k]}' for k in rest)})" if rest else "")
+
+
 def training_data(cfg) -> dict:
     """What the run trains on, as each checkpoint's train_state.json records it (``data``) for a later launch into
     the same OUTPUT_BASEPATH to compare (``check_same_job``): each DATASET_PATH entry's real path (symlinks and
@@ -178,7 +209,31 @@ def training_data(cfg) -> dict:
     for path in cfg.dataset_path:
         names = [path] if cfg.dataset_type == "raw" else [path + ".bin", path + ".idx"]
         files.append({"path": os.path.realpath(path), "bytes": [_size(name) for name in names]})
-    return {"files": files, "weights": cfg.dataset_weights}
+    out = {"files": files, "weights": cfg.dataset_weights}
+    if cfg.sft and cfg.dataset_type == "raw" and cfg.tokenizer:
+        out["tokenizer"] = tokenizer_digest(cfg.tokenizer)  # JSON records become other ids with another tokenizer
+    return out
+
+
+# What of a tokenizer folder decides the ids and loss mask of SFT records: the vocabulary, the end-of-document
+# token (tokenizer_config.json, config.json) and the chat template (tokenizer_config.json, or a file of its own).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def tokenizer_digest(path: str) -> str | None:
+    """sha256 over the files of ``path`` (a tokenizer folder's ``TOKENIZER_FILES``, or a tiktoken file) that
+    decide how records tokenize; None where none can be read."""
+    p = Path(path)
+    files = [p / name for name in TOKENIZER_FILES] if p.is_dir() else [p]
+    digest, found = hashlib.sha256(), False
+    for file in files:
+        if not os.path.lexists(file):
+            continue
+        data = read_input(file, inside=p if p.is_dir() else None)  # a FIFO or a link out is refused, not read
+        digest.update(f"{file.name}:{len(data)}:".encode() + data)
+        found = True
+    return digest.hexdigest() if found else None
 
 
 def _size(path: str) -> int | None:
@@ -233,6 +288,9 @@ def check_same_job(cfg, folder: Path) -> list[str]:
                          "them as they are now")
         if data.get("weights") != here["weights"] and (data.get("weights") or here["weights"]):
             changed.append(f"DATASET_PATH's blend weights {data.get('weights')} -> {here['weights']}")
+        if data.get("tokenizer") and here.get("tokenizer") and data["tokenizer"] != here["tokenizer"]:
+            changed.append(f"MP_TOKENIZER: {cfg.tokenizer} is another tokenizer than the one the run's records were "
+                           "tokenized with")
     if changed:
         out = Path(cfg.output_basepath)
         start = out / FINAL_DIR if (out / FINAL_DIR / TRACKER_NAME).is_file() else cfg.checkpoint_dir
