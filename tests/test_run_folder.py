@@ -407,10 +407,36 @@ def test_metrics_shared_by_a_hard_link_get_a_file_of_their_own(tmp_path):
     (original / METRICS).write_text('{"iteration": 1}\n')
     (copy / "log").mkdir(parents=True)
     os.link(original / METRICS, copy / METRICS)
-    with open_metrics(copy) as f:
+    f, note = open_metrics(copy, resumed=1)
+    with f:
         f.write('{"iteration": 2}\n')
+    assert note is None
     assert (original / METRICS).read_text() == '{"iteration": 1}\n'
     assert (copy / METRICS).read_text() == '{"iteration": 1}\n{"iteration": 2}\n'
+
+
+def test_a_resumed_run_drops_the_records_it_trains_again_and_a_cut_line(tmp_path):
+    """A run that logged iterations 5 and 6 past its checkpoint at 4 and was cut mid-write: resumed from 4, it
+    logged 5 and 6 again (each iteration twice in metrics.jsonl), and its first record ran on from the cut line
+    (no longer JSON). What it trains again is dropped, as TensorBoard's purge_step drops it; records without an
+    iteration stay."""
+    import json
+
+    from megatron_patch.training.run_folder import METRICS, open_metrics
+
+    records = [{"iteration": i, "loss": 1.0 / i} for i in range(1, 7)]
+    path = tmp_path / METRICS
+    path.parent.mkdir(parents=True)
+    text = "".join(json.dumps(r) + "\n" for r in records[:4]) + '{"note": "kept"}\n'
+    path.write_text(text + "".join(json.dumps(r) + "\n" for r in records[4:]) + '{"iteration": 7, "lo')
+    f, note = open_metrics(tmp_path, resumed=4)
+    with f:
+        f.write(json.dumps(records[4]) + "\n")
+    assert note == f"{METRICS}: dropped 2 record(s) of iterations after 4, trained again now and a line cut short"
+    assert path.read_text() == text + json.dumps(records[4]) + "\n"
+    f, note = open_metrics(tmp_path, resumed=5)  # a sound log: appended to as it is
+    f.close()
+    assert note is None and path.read_text() == text + json.dumps(records[4]) + "\n"
 
 
 # --- resume falls back past an iteration that fails any integrity check -------------------------------------

@@ -370,13 +370,18 @@ class Trainer:
         if self.rank != self.log_rank:
             return
         out = Path(self.cfg.output_basepath)
-        self.metrics_file = run_folder.open_metrics(out)
+        self.metrics_file, note = run_folder.open_metrics(out, resumed=self.iteration)
+        if note:
+            self._log(f"note: {note}")
         if self.cfg.eval_tasks:
-            self.eval_file = run_folder.open_metrics(out, run_folder.EVAL_RESULTS)
+            self.eval_file, note = run_folder.open_metrics(out, run_folder.EVAL_RESULTS, resumed=self.iteration)
+            if note:
+                self._log(f"note: {note}")
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(str(out / "tensorboard"))
+            # its events past the checkpoint resumed from are dropped, as metrics.jsonl's records are
+            self.writer = SummaryWriter(str(out / "tensorboard"), purge_step=self.iteration + 1)
         except ImportError:
             print("note: tensorboard is not installed; metrics go to the console and log/metrics.jsonl only", flush=True)
 

@@ -14,6 +14,7 @@ of writing through it; megatron-core's dataset cache is checked file by file (``
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import stat
@@ -75,11 +76,38 @@ def check_run_folder(output_basepath: str | Path) -> None:
                             "there: move it away")
 
 
-def open_metrics(output_basepath: str | Path, name: str = METRICS):
-    """``log/metrics.jsonl`` (or another file the run appends to, ``name``) opened for appending, in a file no
-    other name shares."""
+def open_metrics(output_basepath: str | Path, name: str = METRICS, resumed: int = 0):
+    """``log/metrics.jsonl`` (or another file the run appends to, ``name``) opened for appending by a run that
+    starts after iteration ``resumed``, in a file no other name shares; and a note of what was dropped, or None.
+    What a run logged past its last checkpoint before it stopped is trained again now, so those records go, as
+    TensorBoard's purge_step drops its events; so does a line cut short (a crash or a full disk mid-write), which
+    the next record would have run on from."""
     path = Path(output_basepath) / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_file() and os.stat(path).st_nlink > 1:
-        write_file_replacing(path, path.read_bytes())
-    return open(path, "a")
+    note = None
+    if path.is_file():
+        kept, past, cut = _kept_records(path.read_bytes(), resumed)
+        if past or cut:
+            write_file_replacing(path, b"".join(kept))
+            dropped = [f"{past} record(s) of iterations after {resumed}, trained again now"] if past else []
+            note = f"{name}: dropped " + " and ".join(dropped + (["a line cut short"] if cut else []))
+        elif os.stat(path).st_nlink > 1:
+            write_file_replacing(path, path.read_bytes())
+    return open(path, "a"), note
+
+
+def _kept_records(data: bytes, resumed: int) -> tuple[list[bytes], int, int]:
+    """(the lines to keep, how many records of iterations after ``resumed``, how many lines are no record)."""
+    kept, past, cut = [], 0, 0
+    for line in data.splitlines(keepends=True):
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            cut += 1
+        elif isinstance(record.get("iteration"), int) and record["iteration"] > resumed:
+            past += 1
+        else:
+            kept.append(line)
+    return kept, past, cut
