@@ -118,6 +118,9 @@ def test_rope_on_interleaved_pairs_is_what_megatron_core_computes(variants, tmp_
     assert m["rel_l2"] > 1e-3, m
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
 @pytest.mark.parametrize("over, fragment", [
     (dict(norm_topk_prob=False), "norm_topk_prob=false with sigmoid routing"),
     (dict(num_experts_per_tok=6, topk_group=2), "scores groups differently"),
@@ -125,11 +128,26 @@ def test_rope_on_interleaved_pairs_is_what_megatron_core_computes(variants, tmp_
     (dict(num_key_value_heads=2), "num_key_value_heads must equal num_attention_heads"),
     (dict(model_type="deepseek_v2", scoring_func="sqrtsoftplus"), "scoring_func 'sqrtsoftplus'"),
     (dict(attention_bias=True), "attention_bias=true"),
+    # RoPE that megatron-core's MLA does not compute: they converted and aligned NOT (audit reproducers)
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "RoPE type 'linear' is not supported for multi-latent"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                        "original_max_position_embeddings": 64}), "RoPE type 'llama3' is not supported for multi"),
+    (dict(rope_scaling={**YARN, "attention_factor": 0.5}), "YaRN attention_factor=0.5 is not supported for multi"),
+    (dict(rope_scaling={**YARN, "truncate": False}), "YaRN truncate=false is not supported for multi-latent"),
 ])
 def test_what_megatron_core_computes_otherwise_is_refused(over, fragment):
     with pytest.raises(UserError) as err:
         parse_arch({**tiny_config("deepseek_v3"), **over})
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_yarn_s_attention_factor_as_transformers_derives_it_is_accepted():
+    """The factor megatron-core derives (mscale over mscale_all_dim), written out as some configs do."""
+    import math
+
+    derived = (0.1 * math.log(4.0) + 1) / (0.1 * 0.8 * math.log(4.0) + 1)
+    arch = parse_arch({**tiny_config("deepseek_v3"), "rope_scaling": {**YARN, "attention_factor": derived}})
+    assert arch.rope_scaling["attention_factor"] == derived
 
 
 @pytest.mark.parametrize("over", [dict(scoring_func="softmax"), dict(topk_method="greedy", scoring_func="softmax"),

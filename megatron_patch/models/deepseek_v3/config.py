@@ -9,6 +9,7 @@ interleaved pairs, attention biases.
 """
 
 import dataclasses
+import math
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
@@ -62,6 +63,35 @@ def routing_of(raw: dict) -> dict:
             "scale": float(raw.get("routed_scaling_factor", 1.0)), "norm": norm}
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def check_mla_rope(rope: dict | None) -> None:
+    """megatron-core's multi-latent attention rotates with plain RoPE or its YaRN, which rounds the correction
+    range and scales cos/sin by the ratio of the two mscales (``transformer_config_kwargs``): any other RoPE, an
+    ``attention_factor`` other than the one transformers derives the same way, or ``truncate=false`` would
+    convert into a model that computes otherwise, so each is refused."""
+    kind = (rope or {}).get("rope_type", "default")
+    if kind not in ("default", "yarn"):
+        raise UserError(f"RoPE type '{kind}' is not supported for multi-latent attention: megatron-core's MLA takes "
+                        "default RoPE or YaRN")
+    if kind != "yarn":
+        return
+    if rope.get("truncate") is False:
+        raise UserError("YaRN truncate=false is not supported for multi-latent attention: megatron-core rounds the "
+                        "correction range, as transformers does with truncate=true (the default)")
+    given = rope.get("attention_factor")
+    if given is not None:
+        factor, both = rope["factor"], bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+        derived = (_yarn_mscale(factor, rope["mscale"]) / _yarn_mscale(factor, rope["mscale_all_dim"]) if both
+                   else _yarn_mscale(factor))
+        if not math.isclose(given, derived, rel_tol=1e-6):
+            raise UserError(f"YaRN attention_factor={given:g} is not supported for multi-latent attention: "
+                            f"megatron-core scales cos/sin by {derived:g}, the factor it derives from factor, mscale "
+                            "and mscale_all_dim (drop attention_factor, or set it to that)")
+
+
 @reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     heads = require(raw, "num_attention_heads")
@@ -81,6 +111,7 @@ def parse_config(raw: dict) -> Arch:
                    v_head_dim=require(raw, "v_head_dim"))
     routing = routing_of(raw)
     arch = parse_decoder_config(raw | {"head_dim": mla.v_head_dim}, "deepseek_v3", qkv_bias=False)
+    check_mla_rope(arch.rope_scaling)
     experts = require(raw, "n_routed_experts", aliases=("num_local_experts", "num_experts"))
     moe_ffn = require(raw, "moe_intermediate_size")
     return dataclasses.replace(
