@@ -376,6 +376,15 @@ def test_llama_architecture_variants_match_transformers(llama_variants, layout):
         assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, (name, m)
 
 
+def test_mistral_attends_within_its_window_whatever_use_sliding_window_says():
+    """use_sliding_window is Qwen2's switch, no field of transformers' Mistral, which attends within the window
+    anyway: a Mistral config.json carrying use_sliding_window=false converted without the window (aligned NOT).
+    A Llama config.json with it false keeps full attention, as transformers' Llama does."""
+    mistral = {**tiny_config("llama3_1"), "model_type": "mistral", "sliding_window": 8, "use_sliding_window": False}
+    assert parse_arch(mistral).sliding_window == 8
+    assert parse_arch({**mistral, "model_type": "llama"}).sliding_window is None
+
+
 def test_llama_architecture_variants_round_trip(llama_variants):
     layout = ParallelLayout(tp=2, pp=2)
     fam = get_family("llama3_1")

@@ -27,7 +27,9 @@ def parse_config(raw: dict) -> Arch:
                         "built: megatron-core puts a bias on every linear layer or on none (add_bias_linear)")
     arch = parse_decoder_config(raw, "llama3_1", qkv_bias=False, linear_bias=attention_bias)
     window = raw.get("sliding_window")
-    if window is None or not raw.get("use_sliding_window", True):
+    # use_sliding_window is Qwen2's switch: transformers' Mistral has no such field and attends within any
+    # sliding_window it is given; for a Llama config, false says the window it ignores is not meant either
+    if window is None or (raw.get("model_type") != "mistral" and not raw.get("use_sliding_window", True)):
         return arch
     if raw.get("model_type") != "mistral":
         # transformers' Llama has no window and ignores the field: which of the two was meant is not known
