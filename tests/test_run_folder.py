@@ -637,6 +637,15 @@ def test_a_launch_of_another_job_into_a_run_folder_stops_before_any_rank(corpus,
     captured = capsys.readouterr()
     assert "trained with GLOBAL_BATCH_SIZE=8, and this launch asks GLOBAL_BATCH_SIZE=64" in captured.err, captured
     assert "complete" not in captured.out
+    # fewer iterations than the run has trained: it said "resuming from iteration 4 of 3", trained nothing,
+    # exported nothing and exited 0, at every rerun
+    fewer = launcher_args("llama3_1", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out),
+                          TRAIN_TOKENS_OR_ITERS=str(3 * 8 * 64))
+    assert main(["train", "llama3_1", *fewer]) == 2 and len(launched) == 1
+    captured = capsys.readouterr()
+    assert captured.err == (f"mpatch train: error: the run in {out} has trained 4 iterations, more than the 3 this "
+                            "launch asks for (TRAIN_TOKENS_OR_ITERS): relaunch with at least 4 to resume it, or choose "
+                            "another OUTPUT_BASEPATH to start afresh\n"), captured
 
 
 @pytest.mark.parametrize("manifest", ["none", "rewritten"])

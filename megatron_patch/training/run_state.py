@@ -108,6 +108,15 @@ def latest_iteration(root: str | Path, verify: bool = True) -> tuple[int | None,
         raise
 
 
+def check_iterations_left(cfg, latest: int | None) -> None:
+    """A launch of fewer iterations than its run folder's run has trained cannot resume it: it said "resuming from
+    iteration 4 of 3", trained nothing, exported nothing and exited 0, at every rerun."""
+    if latest is not None and latest > cfg.train_iters:
+        raise UserError(f"the run in {cfg.output_basepath} has trained {latest} iterations, more than the "
+                        f"{cfg.train_iters} this launch asks for (TRAIN_TOKENS_OR_ITERS): relaunch with at least "
+                        f"{latest} to resume it, or choose another OUTPUT_BASEPATH to start afresh")
+
+
 def finished_run(cfg, latest: int | None) -> str | None:
     """What to say, instead of training, when OUTPUT_BASEPATH holds a run that is already complete (nothing left
     to train and, with saving on, its model exported); None otherwise."""
