@@ -674,6 +674,30 @@ def test_a_newest_iteration_failing_its_crc_is_skipped_for_the_previous_one(tmp_
     assert latest_iteration(root, verify=False) == (4, [])  # the launcher's early look leaves the bytes to the ranks
 
 
+def test_the_launcher_skips_a_newest_iteration_whose_small_files_were_edited(tmp_path):
+    """The launcher's first line named iteration 4, whose edited train_state.json its ranks then skipped for 2 (two
+    lines that disagree, and the resume checks made against the skipped one). Its look checks every size and the
+    digests of the small files; the big files' bytes stay the ranks' to check."""
+    import json
+
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from megatron_patch.training.run_state import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+    (newest / "train_state.json").write_text(json.dumps({"iteration": 4, "world_size": 1, "consumed_samples": 64}))
+    write_manifest(newest, "mpatch train", sync=False)
+    assert latest_iteration(root, verify="small") == (4, [])
+    edited = (newest / "train_state.json").read_text().replace('"consumed_samples": 64', '"consumed_samples": 40')
+    (newest / "train_state.json").write_text(edited)  # the same size: only its digest tells
+    latest, notes = latest_iteration(root, verify="small")
+    assert latest == 2 and len(notes) == 1, notes
+    assert notes[0].startswith(f"{newest} is incomplete or damaged: {newest / 'train_state.json'} does not match its "
+                               "digest"), notes
+    assert latest_iteration(root, verify=False) == (4, [])
+
+
 # --- every reader of .metadata refuses the same impossible shapes -------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -658,6 +658,9 @@ def test_damaged_checkpoints_are_skipped_for_the_previous_complete_one(dp2_run, 
     assert re.search(rf"warning: \S+/iter_0000024 is incomplete or damaged: {re.escape(distcp.name)} is truncated "
                      rf"\({truncated} bytes; its records end at byte \d+\)", proc.stdout), proc.stdout[-3000:]
     assert re.search(r"warning: \S+/iter_0000018 is incomplete or damaged: metadata\.json is missing", proc.stdout)
+    # said once, by the launcher before its first line, which names the iteration the ranks resume (they said it too)
+    assert proc.stdout.count("is incomplete or damaged") == 2, proc.stdout[-3000:]
+    assert proc.stdout.index("iter_0000018 is incomplete") < proc.stdout.index("resuming from iteration 12 of")
     assert re.search(r"resumed from \S+/iter_0000012\n", proc.stdout)
     got = _last_records(out)
     assert sorted(got) == list(range(13, DP_ITERS + 1))

@@ -247,12 +247,13 @@ def check_coverage(path: str | Path) -> dict:
     return data
 
 
-def verify_manifest(path: str | Path) -> int:
+def verify_manifest(path: str | Path, digest_limit: int | None = None) -> int:
     """Check an output against its manifest: what it holds (``check_coverage``), then every listed file's size
-    and digest; returns the bytes checked. Raises ``IntegrityError`` naming what differs."""
+    and digest (``digest_limit``: of the files up to that many bytes only); returns the bytes checked. Raises
+    ``IntegrityError`` naming what differs."""
     path = Path(path)
     entries = check_coverage(path)["files"]
-    difference = _first_difference(path, entries)
+    difference = _first_difference(path, entries, digest_limit)
     if difference is not None:
         raise difference
     return sum(e["size"] for e in entries.values())

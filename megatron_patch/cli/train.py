@@ -26,7 +26,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import (LAUNCHER_PID, JobFailed, die_with_launcher, forked_ranks,
+from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_WARNED, JobFailed, die_with_launcher, forked_ranks,
                                            helpers_die_with_rank, name_this_process, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_training_data
@@ -256,7 +256,7 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
         check_output_basepath(run_folder_identity(cfg.output_basepath))
     # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
     # has started (the ranks decide again for themselves: a restart comes back to them, not here).
-    latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False)
+    latest, skipped = latest_iteration(cfg.checkpoint_dir, verify="small")
     # a LoRA run's base, and the one its checkpoints name (a dry run plans a LoRA run before its base exists)
     if not (would and cfg.pretrain_checkpoint is None and latest is None):
         check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
@@ -269,6 +269,10 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
     if done:
         print(done, file=out, flush=True)
         return False
+    for note in skipped:  # said once: the ranks leave out what the launcher said (LAUNCHER_WARNED)
+        print(f"warning: {note}", file=out, flush=True)
+    if not would:
+        os.environ[LAUNCHER_WARNED] = json.dumps(skipped)
     if latest is not None:
         # Pai-Megatron-Patch starts a rerun into the same folder afresh; here it resumes, and says so first.
         verb = "would resume" if would else "resuming"

@@ -381,6 +381,8 @@ def explain_failures(failures: dict) -> tuple[str, int, str | None]:
 
 PR_SET_PDEATHSIG = 1
 LAUNCHER_PID = "MP_LAUNCHER_PID"  # set by the launcher for its ranks
+# the warnings the launcher printed of the checkpoints it skipped (JSON), which its ranks then leave out
+LAUNCHER_WARNED = "MP_LAUNCHER_WARNED"
 
 
 def die_with_launcher(log=print) -> str:

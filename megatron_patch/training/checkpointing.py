@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -56,6 +57,7 @@ from megatron_patch.checkpoint_files.manifest import (
 from megatron_patch.errors import UserError
 from megatron_patch.lora.state import adapter_sharded_state, base_record
 from megatron_patch.runtime import watchdog
+from megatron_patch.runtime.launch import LAUNCHER_WARNED
 from megatron_patch.training.lora_run import cfg_base
 from megatron_patch.training.run_folder import FINAL_DIR, export_command
 from megatron_patch.training.run_state import (NO_VERIFY, TRAIN_STATE, iteration_problem, latest_iteration,
@@ -94,9 +96,19 @@ def resume_iteration(root: str | Path, log=print, verify: bool = True) -> int | 
         raise UserError(str(holder[0]))
     iteration, notes = holder[0]
     if dist.get_rank() == 0:
+        said = _launcher_warned()
         for note in notes:
-            log(f"warning: {note}")
+            if note not in said:
+                log(f"warning: {note}")
     return iteration
+
+
+def _launcher_warned() -> list:
+    try:
+        said = json.loads(os.environ.get(LAUNCHER_WARNED) or "[]")
+    except ValueError:
+        return []
+    return said if isinstance(said, list) else []
 
 
 def _rng_state() -> dict:

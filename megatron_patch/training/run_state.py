@@ -36,24 +36,31 @@ from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, ex
 NO_VERIFY = "MP_NO_VERIFY=true"
 
 
-def iteration_problem(folder: Path, verify: bool = True) -> str | None:
+# The launcher's look at the checkpoint it will resume: every size, and the digests of the files up to this many
+# bytes (train_state.json, the metadata, the random states: an edit there is found before the first line names
+# the iteration); the ranks verify the rest.
+LAUNCHER_DIGEST_LIMIT = 64 << 20
+
+
+def iteration_problem(folder: Path, verify: bool | str = True) -> str | None:
     """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
     (checkpoint_files.layout.torch_dist_problem), train_state.json, every rank's random state, and (``verify``)
     every file against the folder's manifest, where it has one, and every archive's CRC-32s
     (``archives_problem``): whatever a load would refuse as damaged is found here, where the previous
-    checkpoint can still be taken."""
+    checkpoint can still be taken. ``verify="small"``: the launcher's look, the manifest's sizes and the digests
+    of its small files (``LAUNCHER_DIGEST_LIMIT``), no CRC-32s."""
     why = torch_dist_problem(folder)
     if why:
         return why
     manifest = manifest_of(folder)
     if verify and manifest is not None:
         try:
-            verify_manifest(manifest)
+            verify_manifest(manifest, LAUNCHER_DIGEST_LIMIT if verify == "small" else None)
         except IntegrityError as exc:
             return str(naming_the_switch(exc, NO_VERIFY))
         except UserError as exc:
             return str(exc)
-    if verify:  # the CRC-32s too: a manifest rewritten after the damage, or none, would leave them to the load
+    if verify is True:  # the CRC-32s too: a manifest rewritten after the damage, or none, would leave them to the load
         why = archives_problem(folder)
         if why:
             return why
@@ -96,10 +103,10 @@ def read_train_state(folder: Path) -> dict:
     return state
 
 
-def latest_iteration(root: str | Path, verify: bool = True) -> tuple[int | None, list[str]]:
+def latest_iteration(root: str | Path, verify: bool | str = True) -> tuple[int | None, list[str]]:
     """The newest complete checkpoint under ``root`` (None: nothing saved yet) and a warning for each
     newer one skipped. UserError when checkpoints exist and none is complete. ``verify``: check the files'
-    digests too (the ranks do; the launcher's early look leaves that to them)."""
+    digests too (the ranks do), or ``"small"`` only those of its small files (the launcher's early look)."""
     try:
         return latest_complete_iteration(root, lambda folder: iteration_problem(folder, verify))
     except UserError as exc:
