@@ -189,8 +189,12 @@ def resume_notes(cfg, folder: Path) -> list[str]:
                         f"was started with, {start_afresh}")
     changed = [f"{name} {_shown(then[field])} -> {_shown(now[field])}" for field, name in SCHEDULE
                if field in then and then[field] != now[field]]
-    return [f"the learning-rate schedule follows this launch, not the checkpoint's: {', '.join(changed)}"] \
+    notes = [f"the learning-rate schedule follows this launch, not the checkpoint's: {', '.join(changed)}"] \
         if changed else []
+    if "micro_batch_size" in then and then["micro_batch_size"] != now["micro_batch_size"]:
+        notes.append(f"BATCH_SIZE {then['micro_batch_size']} -> {now['micro_batch_size']}: the same samples in other "
+                     "micro-batches, so the losses differ from an uninterrupted run's in their last digits")
+    return notes
 
 
 def _lora_change(then: dict, now: dict) -> tuple[str, str] | None:
