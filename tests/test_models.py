@@ -133,8 +133,11 @@ def test_partial_rope_equals_transformers(family, scaling):
 
     from megatron_patch.models.blocks import rope
 
-    # a dict of its own: transformers writes rope_theta and partial_rotary_factor into the one it is given
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0}
+    # a dict of its own: transformers writes rope_theta and partial_rotary_factor into the one it is given; an
+    # attention factor of 1, as YaRN's other factors are refused on part of a head
+    # (test_yarn_s_attention_factor_on_part_of_a_head_is_refused)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16.0,
+            "attention_factor": 1.0}
     raw = tiny_config(family, **({"rope_scaling": yarn} if scaling == "yarn" else {}))
     arch = parse_arch(raw)
     hf_rotary = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).model.rotary_emb
@@ -145,6 +148,28 @@ def test_partial_rope_equals_transformers(family, scaling):
     kind = f"{hf_rotary.layer_types[0]}_" if not hasattr(hf_rotary, "inv_freq") else ""
     torch.testing.assert_close(ours, getattr(hf_rotary, f"{kind}inv_freq").float(), rtol=0, atol=0)
     assert factor == pytest.approx(getattr(hf_rotary, f"{kind}attention_scaling"), rel=1e-12)
+
+
+# DeepSeek-V4's attention is its own and scales cos and sin itself (models/deepseek_v4/attention.py); Qwen3.5's text
+# RoPE is Qwen3-Next's
+@pytest.mark.parametrize("family", sorted({f for f, scaling in PARTIAL_ROPE_CASES if scaling == "yarn"} - {"deepseek_v4"}))
+def test_yarn_s_attention_factor_on_part_of_a_head_is_refused(family):
+    """transformers scales cos and sin by YaRN's factor, so the rotated part of each head alone; the fold into the
+    softmax scale scales the whole score: GLM-4.5, MiniMax-M2 and Qwen3-Next with YaRN converted and aligned NOT."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(UserError, match=r"YaRN on part of each head \(partial rotary factor [0-9.]+\) is not "
+                                        r"supported: transformers scales the rotated part alone by its attention "
+                                        r"factor 1\.13863"):
+        parse_arch(tiny_config(family, rope_scaling=yarn))
+
+
+def test_a_rope_theta_inside_rope_scaling_wins_as_in_transformers():
+    """A 4.x-form config.json (rope_theta beside rope_scaling) whose rope_scaling carries a rope_theta of its own:
+    transformers 5 takes the inner one (standardize_rope_params only sets the top one where the dict has none)."""
+    raw = {**tiny_config("llama3_1"), "rope_theta": 500000.0,
+           "rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+    assert parse_arch(raw).rope_theta == 10000.0
+    assert parse_arch({**raw, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}).rope_theta == 500000.0
 
 
 def test_rope_scaling_in_transformers5_form_is_read():

@@ -10,7 +10,7 @@ import dataclasses
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import (
-    Arch, SLIDING_ATTENTION, partial_rotary_factor, require, rope_settings)
+    Arch, SLIDING_ATTENTION, check_partial_yarn, partial_rotary_factor, require, rope_settings)
 from megatron_patch.models.description.config_checks import (
     Flag, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Real, Table, Text, Whole, WholeList)
 from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, LoraSite, Rule, Scope
@@ -51,6 +51,8 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias:
         raise UserError(f"config.json has {heads} attention heads, not a multiple of its {kv_heads} key/value heads")
     head_dim = raw.get("head_dim") or hidden // heads
     theta, scaling = rope_settings(raw, partial=partial_rope is not None)
+    rotary_percent = partial_rotary_factor(raw, default=1.0 if partial_rope is None else partial_rope)
+    check_partial_yarn(scaling, rotary_percent)
     return Arch(
         family=family,
         vocab_size=require(raw, "vocab_size"),
@@ -63,7 +65,7 @@ def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias:
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        rotary_percent=partial_rotary_factor(raw, default=1.0 if partial_rope is None else partial_rope),
+        rotary_percent=rotary_percent,
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias or linear_bias,

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from megatron_patch.models.description.arch import Arch
+from megatron_patch.models.description.arch import Arch, yarn_attention_factor
 
 
 def _plain(theta: float, dim: int) -> torch.Tensor:
@@ -39,10 +39,6 @@ def _llama3(freqs: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
 def rotary_dim(arch: Arch) -> int:
     """The leading dimensions of each head that RoPE rotates."""
     return int(arch.head_dim * arch.rotary_percent)
@@ -51,12 +47,7 @@ def rotary_dim(arch: Arch) -> int:
 def _yarn(arch: Arch, s: dict) -> tuple[torch.Tensor, float]:
     dim, base = rotary_dim(arch), arch.rope_theta
     factor, old_len = s["factor"], s["original_max_position_embeddings"]
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        if s.get("mscale") and s.get("mscale_all_dim"):
-            attention_factor = yarn_mscale(factor, s["mscale"]) / yarn_mscale(factor, s["mscale_all_dim"])
-        else:
-            attention_factor = yarn_mscale(factor)
+    attention_factor = yarn_attention_factor(s)
     beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:

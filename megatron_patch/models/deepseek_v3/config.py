@@ -14,7 +14,7 @@ import math
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.blocks.routing import check_renormalised, expert_groups
-from megatron_patch.models.description.arch import Arch, MLAShape, require
+from megatron_patch.models.description.arch import Arch, MLAShape, require, yarn_attention_factor
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Flag, Real, Text, Whole
 from megatron_patch.models.description.hf_defaults import config_as_transformers_reads, reads_hf_defaults
 
@@ -63,10 +63,6 @@ def routing_of(raw: dict) -> dict:
             "scale": float(raw.get("routed_scaling_factor", 1.0)), "norm": norm}
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 def check_mla_rope(rope: dict | None) -> None:
     """megatron-core's multi-latent attention rotates with plain RoPE or its YaRN, which rounds the correction
     range and scales cos/sin by the ratio of the two mscales (``transformer_config_kwargs``): any other RoPE, an
@@ -83,9 +79,7 @@ def check_mla_rope(rope: dict | None) -> None:
                         "correction range, as transformers does with truncate=true (the default)")
     given = rope.get("attention_factor")
     if given is not None:
-        factor, both = rope["factor"], bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
-        derived = (_yarn_mscale(factor, rope["mscale"]) / _yarn_mscale(factor, rope["mscale_all_dim"]) if both
-                   else _yarn_mscale(factor))
+        derived = yarn_attention_factor({k: v for k, v in rope.items() if k != "attention_factor"})
         if not math.isclose(given, derived, rel_tol=1e-6):
             raise UserError(f"YaRN attention_factor={given:g} is not supported for multi-latent attention: "
                             f"megatron-core scales cos/sin by {derived:g}, the factor it derives from factor, mscale "

@@ -6,6 +6,8 @@ from their config.json (``models/<family>/config.py``); everything downstream re
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -272,10 +274,45 @@ ROPE_TYPES: dict[str, dict[str, bool]] = {
 }
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """The factor transformers' YaRN scales cos and sin by: config.json's ``attention_factor``, else the ratio
+    of the two mscales where both are given, else the plain YaRN one."""
+    given = scaling.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = scaling["factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return yarn_mscale(factor, scaling["mscale"]) / yarn_mscale(factor, scaling["mscale_all_dim"])
+    return yarn_mscale(factor)
+
+
+def check_partial_yarn(scaling: dict | None, rotary_percent: float) -> None:
+    """YaRN's factor scales cos and sin, so only the rotated part of each head: the models here fold it into the
+    softmax scale, which scales the whole score, and that is the same only where RoPE covers the head."""
+    if not scaling or scaling.get("rope_type") != "yarn" or rotary_percent >= 1:
+        return
+    factor = yarn_attention_factor(scaling)
+    if factor != 1.0:
+        raise UserError(f"YaRN on part of each head (partial rotary factor {rotary_percent:g}) is not supported: "
+                        f"transformers scales the rotated part alone by its attention factor {factor:.6g}, which "
+                        "megatron-core here would apply to the whole score")
+
+
+def rope_source(raw: dict) -> dict:
+    """The dict of RoPE settings transformers 5 reads: ``rope_scaling`` (4.x's name) where given, else
+    ``rope_parameters``; a ``rope_theta`` or ``partial_rotary_factor`` inside it wins over the top-level one
+    (``standardize_rope_params`` only sets them where the dict lacks them)."""
+    return raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+
+
 def partial_rotary_factor(raw: dict, default: float | None = 1.0) -> float | None:
     """config.json's ``partial_rotary_factor`` (5.x keeps it in ``rope_parameters``, 4.x at the top),
     ``default`` when absent."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    params = rope_source(raw)
     value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if value is None:
         return default
@@ -292,10 +329,8 @@ def rope_settings(raw: dict, *, partial: bool = False) -> tuple[float, dict | No
     A RoPE megatron-core cannot be given (any other type) is refused, and so is a partial rotary
     dimension unless the family's model has one (``partial``: ``partial_rotary_factor`` then gives it).
     """
-    params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or None
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    source = scaling or params
+    source = rope_source(raw)
+    theta = source.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = source.get("rope_type", source.get("type", "default")) or "default"
     if rope_type not in ROPE_TYPES:
         raise UserError(f"RoPE type '{rope_type}' is not supported: supported are {', '.join(ROPE_TYPES)}")

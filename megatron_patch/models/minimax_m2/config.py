@@ -18,7 +18,7 @@ import dataclasses
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.blocks.routing import sigmoid_routing_kwargs
-from megatron_patch.models.description.arch import Arch, require
+from megatron_patch.models.description.arch import Arch, require, rope_source
 from megatron_patch.models.description.config_checks import (
     Flag, MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Real, Text, Whole, WholeList)
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
@@ -33,7 +33,7 @@ def with_rotary_dim(raw: dict) -> dict:
     """config.json with ``rotary_dim`` read as transformers reads it: ``partial_rotary_factor`` (in
     ``rope_parameters`` or at the top) wins, else rotary_dim / head_dim."""
     rotary_dim = raw.get("rotary_dim")
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    params = rope_source(raw)
     if rotary_dim is None or "partial_rotary_factor" in params or raw.get("partial_rotary_factor") is not None:
         return raw
     head_dim = raw.get("head_dim") or require(raw, "hidden_size") // require(raw, "num_attention_heads")
