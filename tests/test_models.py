@@ -163,6 +163,25 @@ def test_yarn_s_attention_factor_on_part_of_a_head_is_refused(family):
         parse_arch(tiny_config(family, rope_scaling=yarn))
 
 
+@pytest.mark.parametrize("family,over", [
+    ("llama3_1", {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "attention_bias": True,
+                  "mlp_bias": True}),
+    ("gpt_oss", {"hidden_act": "gelu"}),
+    ("gemma3", {"hidden_act": "gelu"}),
+], ids=["mistral_biases", "gpt_oss_hidden_act", "gemma3_hidden_act"])
+def test_fields_transformers_does_not_read_change_nothing(family, over):
+    """Each was refused, though transformers builds the same model with or without it: Mistral has no biases and
+    reads neither flag, gpt-oss's experts are the clamped SwiGLU whatever hidden_act says, Gemma 3 reads
+    hidden_activation alone (here absent: its default). config.json is kept as given."""
+    plain = tiny_config(family)
+    raw = {k: v for k, v in {**plain, **over}.items() if k != "hidden_activation"}
+    arch = parse_arch(raw)
+    assert arch.hf_config == raw
+    base = parse_arch({**plain, **{k: v for k, v in over.items() if k in ("model_type", "architectures")}})
+    assert (arch.linear_bias, arch.qkv_bias, arch.ffn_hidden_size) == (base.linear_bias, base.qkv_bias,
+                                                                       base.ffn_hidden_size)
+
+
 def test_a_rope_theta_inside_rope_scaling_wins_as_in_transformers():
     """A 4.x-form config.json (rope_theta beside rope_scaling) whose rope_scaling carries a rope_theta of its own:
     transformers 5 takes the inner one (standardize_rope_params only sets the top one where the dict has none)."""

@@ -101,7 +101,8 @@ def check_supported(text: dict) -> None:
     if text.get("use_bidirectional_attention"):
         raise UserError("use_bidirectional_attention=true is not supported for gemma3: its text layers here attend "
                         "causally")
-    act = text.get("hidden_activation") or text.get("hidden_act") or ACTIVATION
+    # transformers' Gemma3 reads hidden_activation alone (a hidden_act beside it, or instead of it, is ignored)
+    act = text.get("hidden_activation") or ACTIVATION
     if act != ACTIVATION:
         raise UserError(f"hidden_activation '{act}' is not supported: gemma3's MLP here is GeGLU with {ACTIVATION}")
     if text.get("attention_bias"):

@@ -52,7 +52,8 @@ def parse_config(raw: dict) -> Arch:
     if not raw.get("attention_bias", True):
         raise UserError("attention_bias=false is not supported for gpt-oss: megatron-core puts biases on every linear "
                         "layer or on none, and the experts have them")
-    filled = raw
+    # transformers' GptOss never reads hidden_act: its experts are the clamped SwiGLU whatever the field says
+    filled = raw | {"hidden_act": "silu"}
     if not (raw.get("rope_parameters") or raw.get("rope_scaling")):
         filled = filled | {"rope_scaling": dict(DEFAULT_ROPE)}
     if raw.get("rope_theta") is None and "rope_theta" not in (raw.get("rope_parameters") or {}):

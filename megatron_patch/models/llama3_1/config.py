@@ -4,6 +4,8 @@ explicit head_dim and linear biases are taken as given. Mistral's ``sliding_wind
 makes every layer a sliding-window layer, as transformers' Mistral attends; megatron-core's ``window_size``
 (the same settings as gpt-oss's windowed layers)."""
 
+import dataclasses
+
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import (
     DECODER_KEYS, parse_decoder_config, sliding_every_layer, sliding_window_kwargs)
@@ -21,11 +23,15 @@ HF_DEFAULTS = {
 
 @reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
-    attention_bias, mlp_bias = bool(raw.get("attention_bias")), bool(raw.get("mlp_bias"))
+    # transformers' Mistral has no biases and reads neither flag: a config.json that carries them builds none
+    read = {k: v for k, v in raw.items() if k not in ("attention_bias", "mlp_bias")} \
+        if raw.get("model_type") == "mistral" else raw
+    attention_bias, mlp_bias = bool(read.get("attention_bias")), bool(read.get("mlp_bias"))
     if attention_bias != mlp_bias:
         raise UserError(f"attention_bias={str(attention_bias).lower()} with mlp_bias={str(mlp_bias).lower()} cannot be "
                         "built: megatron-core puts a bias on every linear layer or on none (add_bias_linear)")
-    arch = parse_decoder_config(raw, "llama3_1", qkv_bias=False, linear_bias=attention_bias)
+    arch = dataclasses.replace(parse_decoder_config(read, "llama3_1", qkv_bias=False, linear_bias=attention_bias),
+                               hf_config=raw)
     window = raw.get("sliding_window")
     # use_sliding_window is Qwen2's switch: transformers' Mistral has no such field and attends within any
     # sliding_window it is given; for a Llama config, false says the window it ignores is not meant either
