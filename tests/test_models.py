@@ -182,6 +182,19 @@ def test_fields_transformers_does_not_read_change_nothing(family, over):
                                                                        base.ffn_hidden_size)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_s_use_sliding_window_is_refused_only_where_a_layer_slides(family):
+    """transformers' Qwen2 and Qwen3 slide the layers from max_window_layers on, and none without a
+    sliding_window: use_sliding_window=true with max_window_layers at the layer count (every layer full, logits
+    identical) was refused."""
+    layers = tiny_config(family)["num_hidden_layers"]
+    on = {"use_sliding_window": True, "sliding_window": 8}
+    for over in ({**on, "max_window_layers": layers}, {**on, "sliding_window": None, "max_window_layers": 0}):
+        assert parse_arch(tiny_config(family, **over)).sliding_window is None
+    with pytest.raises(UserError, match="use_sliding_window=true"):
+        parse_arch(tiny_config(family, **on, max_window_layers=layers - 1))
+
+
 def test_a_rope_theta_inside_rope_scaling_wins_as_in_transformers():
     """A 4.x-form config.json (rope_theta beside rope_scaling) whose rope_scaling carries a rope_theta of its own:
     transformers 5 takes the inner one (standardize_rope_params only sets the top one where the dict has none)."""
@@ -211,7 +224,8 @@ def test_family_specifics_are_parsed():
 
 @pytest.mark.parametrize("raw, fragment", [
     ({**tiny_config("llama3_1"), "hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ({**tiny_config("qwen2"), "use_sliding_window": True}, "use_sliding_window"),
+    ({**tiny_config("qwen2"), "use_sliding_window": True, "max_window_layers": 2}, "use_sliding_window"),
+    ({**tiny_config("qwen2"), "use_sliding_window": True, "num_hidden_layers": 30}, "(2 from layer 28"),
     # transformers' Llama ignores a sliding_window; Mistral attends within it (LLAMA_VARIANTS)
     ({**tiny_config("llama3_1"), "sliding_window": 4096}, "sliding_window=4096 in a 'llama' config.json"),
     ({**tiny_config("llama3_1"), "model_type": "mistral", "sliding_window": 0}, "'sliding_window' must be between 1 and"),

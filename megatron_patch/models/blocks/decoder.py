@@ -30,6 +30,20 @@ DECODER_KEYS = {
 QWEN_DENSE_LAYER_KEYS = {"decoder_sparse_step": Whole(1, MAX_LAYERS), "mlp_only_layers": WholeList(0, MAX_LAYERS)}
 
 
+def qwen_windowed_layers(raw: dict, default_max_window_layers: int = 28) -> list[int]:
+    """The layers transformers' Qwen2 and Qwen3 attend within a window: none without use_sliding_window and a
+    sliding_window; else those ``layer_types`` calls sliding_attention, by default the layers from
+    ``max_window_layers`` on (a config.json with it at the layer count slides in none)."""
+    # transformers' defaults where config.json gives no such key: a window of 4096, sliding from layer 28 on
+    if not raw.get("use_sliding_window") or raw.get("sliding_window", 4096) is None:
+        return []
+    layers = require(raw, "num_hidden_layers")
+    types = raw.get("layer_types") or ["sliding_attention" if i >= raw.get("max_window_layers",
+                                                                          default_max_window_layers)
+                                       else "full_attention" for i in range(layers)]
+    return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+
+
 def parse_decoder_config(raw: dict, family: str, *, qkv_bias: bool, linear_bias: bool = False,
                          ffn_key: str = "intermediate_size", partial_rope: float | None = None) -> Arch:
     """The fields every Llama-style decoder shares (attention, norms, RoPE, embeddings).

@@ -1,10 +1,10 @@
 """Qwen2 / Qwen2.5 config.json -> Arch: q/k/v always carry a bias; small models tie embeddings."""
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config, qwen_windowed_layers
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
-from megatron_patch.models.description.config_checks import Flag
+from megatron_patch.models.description.config_checks import MAX_LAYERS, Flag, Whole
 
 
 # transformers' Qwen2Config defaults where the shared parser's fallbacks differ (hf_defaults.py).
@@ -13,8 +13,10 @@ HF_DEFAULTS = {"qwen2": {"max_position_embeddings": 32768, "num_key_value_heads"
 
 @reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
-    if raw.get("use_sliding_window"):
-        raise UserError("use_sliding_window=true is not supported: Qwen2 models here use full attention")
+    windowed = qwen_windowed_layers(raw)
+    if windowed:
+        raise UserError(f"use_sliding_window=true with sliding-window layers ({len(windowed)} from layer {windowed[0]}, "
+                        "max_window_layers) is not supported: Qwen2 models here use full attention")
     return parse_decoder_config(raw, "qwen2", qkv_bias=True)
 
 
@@ -31,5 +33,5 @@ TINY_CONFIG = {
 
 # The config.json fields this family reads (checked before it reads them: config_checks).
 CONFIG_KEYS = {
-    **DECODER_KEYS, "use_sliding_window": Flag(),
+    **DECODER_KEYS, "use_sliding_window": Flag(), "max_window_layers": Whole(0, MAX_LAYERS),
 }

@@ -1,10 +1,10 @@
 """Qwen3 config.json -> Arch: per-head q/k RMSNorm, an explicit head_dim, no q/k/v bias."""
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
+from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config, qwen_windowed_layers
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
-from megatron_patch.models.description.config_checks import MAX_LAYERS, Flag, Names
+from megatron_patch.models.description.config_checks import MAX_LAYERS, Flag, Names, Whole
 
 
 # transformers' Qwen3Config defaults where the shared parser's fallbacks differ (hf_defaults.py): its head_dim is
@@ -14,8 +14,10 @@ HF_DEFAULTS = {"qwen3": {"head_dim": 128, "max_position_embeddings": 32768, "num
 
 @reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
+    # layer_types' sliding entries are refused whatever use_sliding_window says (without it transformers' masks
+    # would be asked for a window of None)
     sliding = [t for t in raw.get("layer_types") or [] if t != "full_attention"]
-    if raw.get("use_sliding_window") or sliding:
+    if qwen_windowed_layers(raw) or sliding:
         raise UserError("use_sliding_window=true (sliding-window layers) is not supported: Qwen3 models here use full "
                         "attention in every layer")
     if raw.get("attention_bias"):
@@ -44,4 +46,5 @@ TINY_CONFIG = {
 # The config.json fields this family reads (checked before it reads them: config_checks).
 CONFIG_KEYS = {
     **DECODER_KEYS, "attention_bias": Flag(), "layer_types": Names(MAX_LAYERS), "use_sliding_window": Flag(),
+    "max_window_layers": Whole(0, MAX_LAYERS),
 }
