@@ -258,7 +258,9 @@ def test_the_newest_complete_checkpoint_is_taken_with_a_warning_for_each_skipped
 
 def test_the_tracker_bounds_the_choice_and_a_bad_tracker_is_skipped(tmp_path):
     root = _run_root(tmp_path, tracker=4)
-    assert latest_complete_iteration(root) == (4, [])  # a tracker moved back by hand is respected
+    # a tracker moved back by hand is respected, and said
+    assert latest_complete_iteration(root) == (4, [f"{root / TRACKER_NAME} names iteration 4, and 1 newer iteration "
+                                                   "folder(s) (iter_0000006) are left as they are"])
     write_tracker(root, 8)
     latest, notes = latest_complete_iteration(root)
     assert latest == 6 and notes == [f"{root / TRACKER_NAME} names iteration 8, but iter_0000008 is missing"]

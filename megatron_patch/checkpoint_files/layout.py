@@ -251,6 +251,10 @@ def latest_complete_iteration(root: str | Path, problem: Callable[[Path], str | 
     if isinstance(latest, int):
         if latest not in found:
             notes.append(f"{tracker} names iteration {latest}, but {iteration_dir(root, latest).name} is missing")
+        newer = [i for i in found if i > latest]
+        if newer:  # a tracker moved back by hand is respected, and said: a newer folder is not taken silently
+            notes.append(f"{tracker} names iteration {latest}, and {len(newer)} newer iteration folder(s) "
+                         f"({iteration_dir(root, newer[0]).name}) are left as they are")
         found = [i for i in found if i <= latest]
     for iteration in found:
         folder = iteration_dir(root, iteration)
