@@ -22,6 +22,7 @@ NOT_LAUNCHER_OPTIONS = {
     "MP_LOCAL_START": "runtime/launch.py: spawn starts local ranks as fresh interpreters, not forked (CPU)",
     "MP_CPU_COMPAT_ANY_MCORE": "runtime/cpu_compat.py: the CPU patches on an unaudited megatron-core, for every command",
     "MP_LAUNCHER_PID": "runtime/launch.py: set by the launcher for its own ranks",
+    "MP_LAUNCHER_WARNED": "runtime/launch.py: set by the launcher for its own ranks (the warnings it printed)",
 }
 # Where a launcher option's name is read by another program, and why.
 READ_ELSEWHERE = {

@@ -24,8 +24,7 @@ HF_DEFAULTS = {
 @reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
     # transformers' Mistral has no biases and reads neither flag: a config.json that carries them builds none
-    read = {k: v for k, v in raw.items() if k not in ("attention_bias", "mlp_bias")} \
-        if raw.get("model_type") == "mistral" else raw
+    read = raw | {"attention_bias": False, "mlp_bias": False} if raw.get("model_type") == "mistral" else raw
     attention_bias, mlp_bias = bool(read.get("attention_bias")), bool(read.get("mlp_bias"))
     if attention_bias != mlp_bias:
         raise UserError(f"attention_bias={str(attention_bias).lower()} with mlp_bias={str(mlp_bias).lower()} cannot be "
