@@ -50,6 +50,52 @@ def test_hub_and_transformers5_config_forms_read_the_same():
     assert arch.tie_word_embeddings
 
 
+GEMMA3_ROPE_FORMS = {
+    # a flat rope_parameters: transformers builds each layer type's RoPE from its defaults
+    "flat_rope_parameters": {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}},
+    # 4.x's rope_scaling beside 5.x's tables: merged into the full-attention one
+    "rope_scaling_beside_tables": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                       "sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": 1e4}},
+                                   "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    # 4.x's old key: the default table's rope_type wins over it, in transformers as here
+    "old_type_key": {"rope_scaling": {"type": "linear", "factor": 2.0}, "rope_local_base_freq": 2e4},
+    "llama3_on_full": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+}
+
+
+@pytest.mark.parametrize("form", list(GEMMA3_ROPE_FORMS))
+def test_each_layer_type_s_rope_is_read_as_transformers_reads_it(form):
+    """Each config.json form's RoPE per layer type, against transformers' own Gemma3TextConfig. The flat table was
+    applied to the full-attention layers, and a rope_scaling beside the tables was dropped (aligned NOT)."""
+    from transformers import Gemma3TextConfig
+
+    from megatron_patch.models.gemma3.config import rope_of
+
+    base = {k: v for k, v in families()["gemma3"].tiny_config.items()
+            if k not in ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")}
+    text = {**base, **GEMMA3_ROPE_FORMS[form]}
+    hf = Gemma3TextConfig(**json.loads(json.dumps(text))).rope_parameters
+    for layer_type in ("full_attention", "sliding_attention"):
+        theta, scaling = rope_of(text, layer_type)
+        want = hf[layer_type]
+        assert theta == want["rope_theta"], (layer_type, want)
+        assert (scaling or {"rope_type": "default"})["rope_type"] == want["rope_type"], (layer_type, scaling, want)
+        assert all(v == want[k] for k, v in (scaling or {}).items() if k != "rope_type"), (layer_type, scaling, want)
+
+
+def test_a_private_sliding_window_pattern_is_not_read():
+    """transformers reads sliding_window_pattern alone; a saved _sliding_window_pattern made layers alternate here
+    while transformers kept every sixth layer full."""
+    from transformers import Gemma3TextConfig
+
+    raw = {k: v for k, v in families()["gemma3"].tiny_config.items() if k not in ("layer_types",
+                                                                                   "sliding_window_pattern")}
+    raw = {**raw, "num_hidden_layers": 7, "_sliding_window_pattern": 2}
+    assert list(parse_arch(raw).layer_types) == Gemma3TextConfig(**raw).layer_types
+
+
 @pytest.mark.parametrize("over, fragment", [
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0 is not supported for gemma3"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0 is not supported"),

@@ -61,16 +61,15 @@ def _rope_params(params) -> dict:
 
 
 def rope_of(text: dict, layer_type: str) -> tuple[float, dict | None]:
-    """(theta, scaling or None) of ``layer_type``'s layers, from either config.json convention: 5.x's
-    ``rope_parameters`` per layer type, or 4.x's ``rope_theta`` / ``rope_scaling`` (full attention) and
-    ``rope_local_base_freq`` (sliding windows)."""
-    nested = text.get("rope_parameters")
-    if nested is not None and (nested.get(FULL_ATTENTION) is not None or nested.get(SLIDING_ATTENTION) is not None):
-        params = _rope_params(nested.get(layer_type) or {})
-    elif layer_type == FULL_ATTENTION:
-        params = _rope_params(nested or text.get("rope_scaling") or {})
-    else:
-        params = {}
+    """(theta, scaling or None) of ``layer_type``'s layers, as transformers 5's Gemma3TextConfig reads
+    config.json: ``rope_parameters``' table for that layer type (a flat table, or none, gives each type the
+    default), 4.x's ``rope_scaling`` merged into the full-attention one, and the theta where the table has none:
+    ``rope_theta`` (full attention) or ``rope_local_base_freq`` (sliding windows)."""
+    tables = text.get("rope_parameters")
+    table = tables.get(layer_type) if isinstance(tables, dict) else None
+    params = _rope_params(table) if isinstance(table, dict) else {"rope_type": "default"}
+    if layer_type == FULL_ATTENTION and isinstance(text.get("rope_scaling"), dict):
+        params.update(_rope_params(text["rope_scaling"]))
     if "rope_theta" not in params:
         params["rope_theta"] = value(text, "rope_theta" if layer_type == FULL_ATTENTION else "rope_local_base_freq")
     view = {"model_type": text.get("model_type", "gemma3_text"), "rope_parameters": params,
@@ -83,8 +82,9 @@ def rope_of(text: dict, layer_type: str) -> tuple[float, dict | None]:
 
 
 def layer_types_of(text: dict, layers: int) -> tuple[str, ...]:
-    pattern = text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or \
-        DEFAULTS["sliding_window_pattern"]
+    # transformers reads sliding_window_pattern alone (a saved _sliding_window_pattern is its own attribute,
+    # overwritten as the config is built)
+    pattern = text.get("sliding_window_pattern") or DEFAULTS["sliding_window_pattern"]
     types = text.get("layer_types") or [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
                                         for i in range(layers)]
     if len(types) != layers or set(types) - {FULL_ATTENTION, SLIDING_ATTENTION}:
