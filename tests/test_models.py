@@ -182,15 +182,18 @@ def test_fields_transformers_does_not_read_change_nothing(family, over):
                                                                        base.ffn_hidden_size)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
 def test_qwen_s_use_sliding_window_is_refused_only_where_a_layer_slides(family):
     """transformers' Qwen2 and Qwen3 slide the layers from max_window_layers on, and none without a
     sliding_window: use_sliding_window=true with max_window_layers at the layer count (every layer full, logits
     identical) was refused."""
     layers = tiny_config(family)["num_hidden_layers"]
     on = {"use_sliding_window": True, "sliding_window": 8}
-    for over in ({**on, "max_window_layers": layers}, {**on, "sliding_window": None, "max_window_layers": 0}):
-        assert parse_arch(tiny_config(family, **over)).sliding_window is None
+    # Qwen2 and Qwen3 slide from max_window_layers on, Qwen2-MoE every other layer below it, Qwen3-MoE every layer
+    full = {"qwen2": layers, "qwen3": layers, "qwen2_moe": 0, "qwen3_moe": None}[family]
+    for over in ({**on, "max_window_layers": full}, {**on, "sliding_window": None, "max_window_layers": 0}):
+        if over["max_window_layers"] is not None:
+            assert parse_arch(tiny_config(family, **over)).sliding_window is None
     with pytest.raises(UserError, match="use_sliding_window=true"):
         parse_arch(tiny_config(family, **on, max_window_layers=layers - 1))
 

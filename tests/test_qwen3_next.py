@@ -110,12 +110,19 @@ def test_norms_are_transformers_bit_for_bit():
     ({"attention_bias": True}, "attention_bias=true is not supported for qwen3_next"),
     ({"layer_types": ["linear_attention", "sliding_attention"]}, "each linear_attention or full_attention"),
     ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple"),
-    ({"use_sliding_window": True}, "use_sliding_window=true"),
 ])
 def test_what_megatron_core_computes_otherwise_is_refused(over, fragment):
     with pytest.raises(UserError) as err:
         parse_arch(tiny_config("qwen3_next", **over))
     assert fragment in str(err.value) and "\n" not in str(err.value)
+
+
+def test_use_sliding_window_is_no_field_of_qwen3_next():
+    """transformers' Qwen3NextConfig has no use_sliding_window (and drops sliding_window): its full-attention layers
+    never slide, so a config.json carrying them builds the same model (it was refused)."""
+    plain = parse_arch(tiny_config("qwen3_next"))
+    carrying = parse_arch(tiny_config("qwen3_next", use_sliding_window=True, sliding_window=4))
+    assert (carrying.layer_types, carrying.sliding_window) == (plain.layer_types, plain.sliding_window)
 
 
 @pytest.mark.parametrize("over, layout, fragment", [

@@ -12,7 +12,8 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import (
     Arch, SLIDING_ATTENTION, check_partial_yarn, partial_rotary_factor, require, rope_settings)
 from megatron_patch.models.description.config_checks import (
-    Flag, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Real, Table, Text, Whole, WholeList)
+    Flag, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, ROPE_FIELDS, Names, Real, Table, Text, Whole,
+    WholeList)
 from megatron_patch.models.mapping import GATE_UP, QKV, REPLICATED, ROW, VOCAB, LayerKind, LoraSite, Rule, Scope
 
 
@@ -26,21 +27,26 @@ DECODER_KEYS = {
     "rope_scaling": Table(ROPE_FIELDS), "rope_parameters": Table(ROPE_FIELDS), "tie_word_embeddings": Flag(),
     "mlp_bias": Flag(), "hidden_act": Text(),
 }
+# Those ``qwen_windowed_layers`` reads.
+QWEN_WINDOW_KEYS = {"use_sliding_window": Flag(), "sliding_window": Whole(0, MAX_POSITIONS),
+                    "max_window_layers": Whole(0, MAX_LAYERS), "layer_types": Names(MAX_LAYERS)}
 # Those ``qwen_dense_layers`` reads.
 QWEN_DENSE_LAYER_KEYS = {"decoder_sparse_step": Whole(1, MAX_LAYERS), "mlp_only_layers": WholeList(0, MAX_LAYERS)}
 
 
-def qwen_windowed_layers(raw: dict, default_max_window_layers: int = 28) -> list[int]:
-    """The layers transformers' Qwen2 and Qwen3 attend within a window: none without use_sliding_window and a
-    sliding_window; else those ``layer_types`` calls sliding_attention, by default the layers from
-    ``max_window_layers`` on (a config.json with it at the layer count slides in none)."""
-    # transformers' defaults where config.json gives no such key: a window of 4096, sliding from layer 28 on
-    if not raw.get("use_sliding_window") or raw.get("sliding_window", 4096) is None:
+def qwen_windowed_layers(raw: dict, slides=lambda i, max_window_layers: i >= max_window_layers,
+                         read_layer_types: bool = True) -> list[int]:
+    """The layers transformers' Qwen models attend within a window: none without use_sliding_window and a
+    sliding_window; else those ``layer_types`` calls sliding_attention (where the model reads it), by default the
+    layers ``slides(i, max_window_layers)`` picks: Qwen2 and Qwen3 from max_window_layers on (a config.json with it
+    at the layer count slides in none), Qwen2-MoE every other one below it, Qwen3-MoE every layer."""
+    # transformers' defaults where config.json gives no such key: a window of 4096, max_window_layers 28
+    if not raw.get("use_sliding_window") or raw.get("sliding_window", 4096) in (None, 0):
         return []
     layers = require(raw, "num_hidden_layers")
-    types = raw.get("layer_types") or ["sliding_attention" if i >= raw.get("max_window_layers",
-                                                                          default_max_window_layers)
-                                       else "full_attention" for i in range(layers)]
+    given = raw.get("layer_types") if read_layer_types else None
+    types = given or ["sliding_attention" if slides(i, raw.get("max_window_layers", 28)) else "full_attention"
+                      for i in range(layers)]
     return [i for i, kind in enumerate(types) if kind == "sliding_attention"]
 
 

@@ -1,10 +1,10 @@
 """Qwen2 / Qwen2.5 config.json -> Arch: q/k/v always carry a bias; small models tie embeddings."""
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config, qwen_windowed_layers
+from megatron_patch.models.blocks.decoder import (
+    DECODER_KEYS, QWEN_WINDOW_KEYS, parse_decoder_config, qwen_windowed_layers)
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
-from megatron_patch.models.description.config_checks import MAX_LAYERS, Flag, Whole
 
 
 # transformers' Qwen2Config defaults where the shared parser's fallbacks differ (hf_defaults.py).
@@ -32,6 +32,4 @@ TINY_CONFIG = {
 
 
 # The config.json fields this family reads (checked before it reads them: config_checks).
-CONFIG_KEYS = {
-    **DECODER_KEYS, "use_sliding_window": Flag(), "max_window_layers": Whole(0, MAX_LAYERS),
-}
+CONFIG_KEYS = {**DECODER_KEYS, **QWEN_WINDOW_KEYS}

@@ -4,7 +4,8 @@ import dataclasses
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import (
-    DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, parse_decoder_config, qwen_dense_layers)
+    DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, QWEN_WINDOW_KEYS, parse_decoder_config, qwen_dense_layers,
+    qwen_windowed_layers)
 from megatron_patch.models.description.arch import Arch, require
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_WIDTH, Flag, Real, Whole
@@ -18,8 +19,10 @@ HF_DEFAULTS = {"qwen2_moe": {"max_position_embeddings": 32768, "num_key_value_he
 
 @reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
-    if raw.get("use_sliding_window"):
-        raise UserError("use_sliding_window=true is not supported: Qwen2-MoE models here use full attention")
+    windowed = qwen_windowed_layers(raw, slides=lambda i, max_window_layers: i % 2 == 0 and i < max_window_layers)
+    if windowed:
+        raise UserError(f"use_sliding_window=true with sliding-window layers ({len(windowed)}, from layer {windowed[0]}: "
+                        "max_window_layers, layer_types) is not supported: Qwen2-MoE models here use full attention")
     arch = parse_decoder_config(raw, "qwen2_moe", qkv_bias=bool(raw.get("qkv_bias", True)))
     shared = raw.get("shared_expert_intermediate_size") or 0
     return dataclasses.replace(
@@ -56,8 +59,8 @@ TINY_CONFIG = {
 
 # The config.json fields this family reads (checked before it reads them: config_checks).
 CONFIG_KEYS = {
-    **DECODER_KEYS, **QWEN_DENSE_LAYER_KEYS, "num_experts": Whole(0, MAX_EXPERTS),
+    **DECODER_KEYS, **QWEN_DENSE_LAYER_KEYS, **QWEN_WINDOW_KEYS, "num_experts": Whole(0, MAX_EXPERTS),
     "moe_intermediate_size": Whole(1, MAX_WIDTH), "shared_expert_intermediate_size": Whole(0, MAX_WIDTH),
-    "norm_topk_prob": Flag(), "qkv_bias": Flag(), "use_sliding_window": Flag(),
+    "norm_topk_prob": Flag(), "qkv_bias": Flag(),
     "num_experts_per_tok": Whole(1, MAX_EXPERTS), "router_aux_loss_coef": Real(0, closed=True),
 }

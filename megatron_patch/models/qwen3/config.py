@@ -1,10 +1,11 @@
 """Qwen3 config.json -> Arch: per-head q/k RMSNorm, an explicit head_dim, no q/k/v bias."""
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config, qwen_windowed_layers
+from megatron_patch.models.blocks.decoder import (
+    DECODER_KEYS, QWEN_WINDOW_KEYS, parse_decoder_config, qwen_windowed_layers)
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
-from megatron_patch.models.description.config_checks import MAX_LAYERS, Flag, Names, Whole
+from megatron_patch.models.description.config_checks import Flag
 
 
 # transformers' Qwen3Config defaults where the shared parser's fallbacks differ (hf_defaults.py): its head_dim is
@@ -44,7 +45,4 @@ TINY_CONFIG = {
 
 
 # The config.json fields this family reads (checked before it reads them: config_checks).
-CONFIG_KEYS = {
-    **DECODER_KEYS, "attention_bias": Flag(), "layer_types": Names(MAX_LAYERS), "use_sliding_window": Flag(),
-    "max_window_layers": Whole(0, MAX_LAYERS),
-}
+CONFIG_KEYS = {**DECODER_KEYS, **QWEN_WINDOW_KEYS, "attention_bias": Flag()}

@@ -5,7 +5,8 @@ import dataclasses
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import (
-    DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, parse_decoder_config, qwen_dense_layers)
+    DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, QWEN_WINDOW_KEYS, parse_decoder_config, qwen_dense_layers,
+    qwen_windowed_layers)
 from megatron_patch.models.description.arch import Arch, require
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_WIDTH, Flag, Real, Whole
@@ -17,8 +18,10 @@ HF_DEFAULTS = {"qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_he
 
 @reads_hf_defaults(HF_DEFAULTS)
 def parse_config(raw: dict) -> Arch:
-    if raw.get("use_sliding_window"):
-        raise UserError("use_sliding_window=true is not supported: Qwen3-MoE models here use full attention")
+    # transformers' Qwen3-MoE slides every layer with a window, and reads no layer_types
+    if qwen_windowed_layers(raw, slides=lambda i, _: True, read_layer_types=False):
+        raise UserError("use_sliding_window=true with a sliding_window is not supported: Qwen3-MoE models here use "
+                        "full attention")
     if raw.get("attention_bias"):
         raise UserError("attention_bias=true is not supported for Qwen3-MoE: megatron-core would put biases on the "
                         "MLPs too")
@@ -56,7 +59,7 @@ TINY_CONFIG = {
 
 # The config.json fields this family reads (checked before it reads them: config_checks).
 CONFIG_KEYS = {
-    **DECODER_KEYS, **QWEN_DENSE_LAYER_KEYS, "attention_bias": Flag(), "num_experts": Whole(0, MAX_EXPERTS),
-    "moe_intermediate_size": Whole(1, MAX_WIDTH), "norm_topk_prob": Flag(), "use_sliding_window": Flag(),
+    **DECODER_KEYS, **QWEN_DENSE_LAYER_KEYS, **QWEN_WINDOW_KEYS, "attention_bias": Flag(),
+    "num_experts": Whole(0, MAX_EXPERTS), "moe_intermediate_size": Whole(1, MAX_WIDTH), "norm_topk_prob": Flag(),
     "num_experts_per_tok": Whole(1, MAX_EXPERTS), "router_aux_loss_coef": Real(0, closed=True),
 }

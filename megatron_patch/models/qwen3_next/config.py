@@ -59,9 +59,7 @@ def parse_hybrid(raw: dict, family: str) -> Arch:
     if raw.get("attention_bias"):
         raise UserError(f"attention_bias=true is not supported for {family}: megatron-core would put biases on the "
                         "MLPs too")
-    if raw.get("use_sliding_window"):
-        raise UserError(f"use_sliding_window=true is not supported for {family}: its full-attention layers here "
-                        "attend to the whole sequence")
+    # use_sliding_window is no field of transformers' Qwen3-Next or Qwen3.5, whose full-attention layers never slide
     arch = parse_decoder_config(raw, family, qkv_bias=False, partial_rope=0.25)
     return dataclasses.replace(arch, layer_types=layer_types_of(raw, arch.num_layers),
                                linear_attention=linear_attention_of(raw))
