@@ -61,6 +61,31 @@ def test_what_cannot_run_is_refused_in_one_line(over, fragment):
         parse_arch(raw)
 
 
+@pytest.mark.parametrize("over", [{"index_topk_pattern": "FFF", "indexer_types": ["full"] * 3},
+                                  {"index_topk_pattern": "FSF"}, {"index_topk_freq": 2, "index_skip_topk_offset": 5},
+                                  {"index_topk_freq": 2}, {}], ids=str)
+def test_glm5_s_shared_top_k_layers_are_those_transformers_derives(over):
+    """GLM-5's indexer_types win over index_topk_pattern, which wins over index_topk_freq / index_skip_topk_offset
+    (a pattern beside saved all-full indexer_types was refused); DeepSeek-V3.2 reads none of them."""
+    from transformers import GlmMoeDsaConfig
+
+    from megatron_patch.models.deepseek_v32.config import shared_topk_layers
+
+    raw = {**tiny_config("glm_moe_dsa"), **over}
+    hf = GlmMoeDsaConfig(**raw).indexer_types
+    assert shared_topk_layers(raw, 3) == [i for i, kind in enumerate(hf) if kind != "full"]
+    assert shared_topk_layers({**tiny_config("deepseek_v32"), **over}, 3) == []
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_fields_neither_model_reads_are_not_refused(family):
+    """mlp_bias (neither model reads it) and moe_layer_freq (DeepSeek-V2/V3's remote code's field, no field of
+    theirs) were refused, as DeepSeek-V3's reading of them does, naming deepseek_v3."""
+    plain = parse_arch(tiny_config(family))
+    carrying = parse_arch({**tiny_config(family), "mlp_bias": True, "moe_layer_freq": 2})
+    assert (carrying.linear_bias, carrying.num_experts) == (plain.linear_bias, plain.num_experts)
+
+
 # --- the Hadamard rotation --------------------------------------------------------------------------------------
 
 def test_hadamard_rotation_runs_only_where_the_extension_can(monkeypatch):

@@ -54,8 +54,26 @@ HF_DEFAULTS = {
 def as_v3(raw: dict) -> dict:
     """config.json as DeepSeek-V3's parsing reads it: V3's routing and interleaved MLA RoPE (transformers' V3.2
     and GLM-5 models have no other), no layer types of the indexer's (null: not given)."""
+    # neither model reads mlp_bias or has moe_layer_freq (V3's remote code's): as V3 they would be refused
     return raw | {"layer_types": None, "indexer_types": None, "mlp_layer_types": None, "model_type": "deepseek_v3",
-                  "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_interleave": True}
+                  "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_interleave": True, "mlp_bias": None,
+                  "moe_layer_freq": None}
+
+
+def shared_topk_layers(raw: dict, layers: int) -> list[int]:
+    """The layers that reuse an earlier layer's top-k, as transformers' GLM-5 config decides them: indexer_types
+    where given, else index_topk_pattern ("F"ull / "S"hared per layer), else every index_topk_freq-th layer from
+    index_skip_topk_offset on runs its own. DeepSeek-V3.2 has none of these fields: every layer runs its own."""
+    if raw.get("model_type") != "glm_moe_dsa":
+        return []
+    types = raw.get("indexer_types")
+    if types is None and raw.get("index_topk_pattern") is not None:
+        pattern = raw["index_topk_pattern"]
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if types is None:
+        freq, offset = max(raw.get("index_topk_freq") or 1, 1), raw.get("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    return [i for i, kind in enumerate(types) if kind != "full"]
 
 
 def sparse_attention_of(raw: dict) -> SparseAttentionShape:
@@ -64,13 +82,11 @@ def sparse_attention_of(raw: dict) -> SparseAttentionShape:
     if types is not None and (len(types) != layers or not set(types) <= INDEXED_ATTENTION_NAMES):
         raise UserError(f"config.json layer_types must be {INDEXED_ATTENTION} for each of the {layers} layers: "
                         f"found {types}")
-    shared = [i for i, t in enumerate(raw.get("indexer_types") or []) if t != "full"]
+    shared = shared_topk_layers(raw, layers)
     if shared:
-        raise UserError(f"indexer_types gives layers {shared[:4]} a shared top-k (reusing an earlier layer's "
-                        "selection): not supported, every layer here runs its own indexer")
-    if raw.get("index_topk_freq", 1) not in (1, None) or raw.get("index_topk_pattern") is not None:
-        raise UserError("index_topk_freq / index_topk_pattern (layers sharing a top-k) are not supported: every "
-                        "layer here runs its own indexer")
+        raise UserError(f"indexer_types (or index_topk_pattern / index_topk_freq) gives layers {shared[:4]} a shared "
+                        "top-k (reusing an earlier layer's selection): not supported, every layer here runs its own "
+                        "indexer")
     mlp_types = raw.get("mlp_layer_types")
     dense = min(raw.get("first_k_dense_replace") or 0, layers)
     if mlp_types is not None and list(mlp_types) != ["dense"] * dense + ["sparse"] * (layers - dense):
@@ -163,5 +179,6 @@ GLM_TINY_CONFIG = {
 CONFIG_KEYS = {
     **v3.CONFIG_KEYS, "index_topk": Whole(1, MAX_POSITIONS), "index_n_heads": Whole(1, MAX_HEADS),
     "index_head_dim": Whole(1, MAX_WIDTH), "index_topk_freq": Whole(1, MAX_LAYERS), "index_topk_pattern": Given(),
+    "index_skip_topk_offset": Whole(0, MAX_LAYERS),
     "layer_types": Names(MAX_LAYERS), "indexer_types": Names(MAX_LAYERS), "mlp_layer_types": Names(MAX_LAYERS),
 }
