@@ -661,7 +661,8 @@ def _training_checkpoint_worker(hf_dir: str, converted: str, root: str) -> list[
     cfg = types.SimpleNamespace(checkpoint_dir=Path(root), overlap_param_gather=False, global_batch_size=8,
                                 family=arch.family, hf_config=arch.hf_config, to_dict=lambda: {},
                                 arch=arch, layout=layout, precision=Precision.BF16, lora=None,
-                                dataset_path=[], dataset_type="mmap", dataset_weights=None)
+                                dataset_path=[], dataset_type="mmap", dataset_weights=None, sft=False,
+                                tokenizer=None)
     checkpointing.save(cfg, 5, [ddp], optimizer, scheduler)
     return sorted(p.name for p in Path(root).iterdir())
 
