@@ -118,7 +118,8 @@ def test_rope_on_interleaved_pairs_is_what_megatron_core_computes(variants, tmp_
     assert m["rel_l2"] > 1e-3, m
 
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+        "mscale_all_dim": 0.8}
 
 
 @pytest.mark.parametrize("over, fragment", [

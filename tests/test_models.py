@@ -152,7 +152,8 @@ def test_partial_rope_equals_transformers(family, scaling):
 
 # DeepSeek-V4's attention is its own and scales cos and sin itself (models/deepseek_v4/attention.py); Qwen3.5's text
 # RoPE is Qwen3-Next's
-@pytest.mark.parametrize("family", sorted({f for f, scaling in PARTIAL_ROPE_CASES if scaling == "yarn"} - {"deepseek_v4"}))
+@pytest.mark.parametrize("family", sorted({f for f, scaling in PARTIAL_ROPE_CASES if scaling == "yarn"}
+                                           - {"deepseek_v4"}))
 def test_yarn_s_attention_factor_on_part_of_a_head_is_refused(family):
     """transformers scales cos and sin by YaRN's factor, so the rotated part of each head alone; the fold into the
     softmax scale scales the whole score: GLM-4.5, MiniMax-M2 and Qwen3-Next with YaRN converted and aligned NOT."""

@@ -302,7 +302,8 @@ def test_env_dsw_without_a_gpu_says_so_before_the_batch_sizes_it_would_fault(dat
     monkeypatch.setenv("MP_DRY_RUN", "1")
     with pytest.raises(UserError, match=r"BATCH_SIZE\*DP = 2\*8 = 16"):
         resolve("llama3_1", args)
-    assert resolve("llama3_1", _args(data, ENV="dsw", PR="bf16", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="16")).world_size == 8
+    planned = resolve("llama3_1", _args(data, ENV="dsw", PR="bf16", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="16"))
+    assert planned.world_size == 8
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
