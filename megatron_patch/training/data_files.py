@@ -211,9 +211,9 @@ def check_training_data(cfg) -> None:
     if cfg.dataset_type == "raw":
         # the files build_sft_datasets reads, and whether any of their records trains a token (the ranks' own
         # refusal came after minutes of imports on each)
+        tokenizer = load_tokenizer(cfg.tokenizer)
         for path in dict.fromkeys([cfg.dataset_path[0], *(cfg.valid_dataset_path or [])[:1]]):
-            refuse_untrainable(path, record_groups(path), load_tokenizer(cfg.tokenizer), cfg.sample_length,
-                               cfg.sft_packing)
+            refuse_untrainable(path, record_groups(path), tokenizer, cfg.sample_length, cfg.sft_packing)
         return
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.

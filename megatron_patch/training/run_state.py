@@ -9,6 +9,7 @@ second beyond torch on 2 cores, paid by every launch and every test that launche
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -60,7 +61,7 @@ def iteration_problem(folder: Path, verify: bool | str = True) -> str | None:
             return str(naming_the_switch(exc, NO_VERIFY))
         except UserError as exc:
             return str(exc)
-    if verify is True:  # the CRC-32s too: a manifest rewritten after the damage, or none, would leave them to the load
+    if verify is True:  # the CRC-32s too: a manifest rewritten after the damage, or none, leaves them to the load
         why = archives_problem(folder)
         if why:
             return why
@@ -215,8 +216,8 @@ def _lora_shown(spec) -> str:
     targets = spec.get("targets")
     shown = [f"MP_LORA_RANK={spec.get('rank')}", f"MP_LORA_ALPHA={spec.get('alpha')}",
              f"MP_LORA_TARGETS={','.join(map(str, targets)) if isinstance(targets, list) else targets}"]
-    rest = sorted(k for k in spec if k not in ("rank", "alpha", "targets", "dropout") and spec[k] not in (None, {}, [],
-                                                                                                      False))
+    shown_apart = ("rank", "alpha", "targets", "dropout")
+    rest = sorted(k for k in spec if k not in shown_apart and spec[k] not in (None, {}, [], False))
     return " ".join(shown) + (f" ({', '.join(f'{k} {spec[k]}' for k in rest)})" if rest else "")
 
 
@@ -241,9 +242,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "ch
                    "chat_template.json")
 
 
+@functools.lru_cache(maxsize=4)
 def tokenizer_digest(path: str) -> str | None:
     """sha256 over the files of ``path`` (a tokenizer folder's ``TOKENIZER_FILES``, or a tiktoken file) that
-    decide how records tokenize; None where none can be read."""
+    decide how records tokenize; None where none can be read. Once per process: every checkpoint of a run records
+    the tokenizer its records were tokenized with as it started."""
     p = Path(path)
     files = [p / name for name in TOKENIZER_FILES] if p.is_dir() else [p]
     digest, found = hashlib.sha256(), False

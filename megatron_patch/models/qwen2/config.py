@@ -16,8 +16,7 @@ def parse_config(raw: dict) -> Arch:
     windowed = qwen_windowed_layers(raw)
     if windowed:
         raise UserError(f"use_sliding_window=true with sliding-window layers ({len(windowed)} from layer "
-                        f"{windowed[0]}, "
-                        "max_window_layers) is not supported: Qwen2 models here use full attention")
+                        f"{windowed[0]}, max_window_layers) is not supported: Qwen2 models here use full attention")
     return parse_decoder_config(raw, "qwen2", qkv_bias=True)
 
 

@@ -22,8 +22,8 @@ def parse_config(raw: dict) -> Arch:
     windowed = qwen_windowed_layers(raw, slides=lambda i, max_window_layers: i % 2 == 0 and i < max_window_layers)
     if windowed:
         raise UserError(f"use_sliding_window=true with sliding-window layers ({len(windowed)}, from layer "
-                        f"{windowed[0]}: "
-                        "max_window_layers, layer_types) is not supported: Qwen2-MoE models here use full attention")
+                        f"{windowed[0]}: max_window_layers, layer_types) is not supported: Qwen2-MoE models here use "
+                        "full attention")
     arch = parse_decoder_config(raw, "qwen2_moe", qkv_bias=bool(raw.get("qkv_bias", True)))
     shared = raw.get("shared_expert_intermediate_size") or 0
     return dataclasses.replace(
