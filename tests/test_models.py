@@ -447,6 +447,34 @@ def test_mistral_attends_within_its_window_whatever_use_sliding_window_says():
     assert parse_arch({**mistral, "model_type": "llama"}).sliding_window is None
 
 
+@pytest.fixture(scope="module")
+def expertless_qwen_moe(tmp_path_factory):
+    """Qwen-MoE config.json files with no experts, which transformers builds as dense models (MoE only where
+    num_experts > 0): refused as 'num_experts must be a positive integer' before."""
+    root = tmp_path_factory.mktemp("expertless")
+    return {family: make_tiny_hf_checkpoint(family, root / family, seed=5, num_experts=0)
+            for family in ("qwen2_moe", "qwen3_moe")}
+
+
+def test_a_qwen_moe_without_experts_is_dense_and_round_trips(expertless_qwen_moe):
+    layout = ParallelLayout(tp=2, pp=2)
+    for family, folder in expertless_qwen_moe.items():
+        arch, hf = parse_arch(folder), hf_tensors(folder)
+        assert (arch.family, arch.is_moe, arch.shared_expert_ffn_hidden_size) == (family, False, 0)
+        assert any(".mlp.gate_proj." in name for name in hf)
+        fam = get_family(family)
+        ranks = {c: rank_state_dict_from_hf(fam, arch, layout, c, hf.__getitem__) for c in all_coords(layout)}
+        back = hf_tensors_from_ranks(fam, arch, layout, ranks)
+        assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf), family
+
+
+@pytest.mark.slow
+def test_a_qwen_moe_without_experts_matches_transformers(expertless_qwen_moe):
+    folders = list(expertless_qwen_moe.values())
+    for family, m in zip(expertless_qwen_moe, check_parity_all(folders, ParallelLayout(tp=2), seed=4)):
+        assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, (family, m)
+
+
 def test_llama_architecture_variants_round_trip(llama_variants):
     layout = ParallelLayout(tp=2, pp=2)
     fam = get_family("llama3_1")

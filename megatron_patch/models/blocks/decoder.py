@@ -210,6 +210,13 @@ def expert_bias_rule(hf: str = "mlp.gate.e_score_correction_bias") -> Rule:
                 dtype="float32")
 
 
+def qwen_expert_count(raw: dict) -> int:
+    """A Qwen-MoE config.json's expert count (transformers 5 writes the hub's num_experts as num_local_experts);
+    0 is valid there: transformers then gives every layer a dense MLP of intermediate_size."""
+    count = next((raw[k] for k in ("num_experts", "num_local_experts") if raw.get(k) is not None), None)
+    return 0 if count == 0 else require(raw, "num_experts", aliases=("num_local_experts",))
+
+
 def qwen_dense_layers(raw: dict) -> tuple[int, ...]:
     """Layers a Qwen-MoE config.json gives a dense MLP: those in ``mlp_only_layers``, and those
     ``decoder_sparse_step`` skips (transformers: MoE where (i + 1) % step == 0)."""

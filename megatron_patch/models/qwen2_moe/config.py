@@ -5,7 +5,7 @@ import dataclasses
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import (
     DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, QWEN_WINDOW_KEYS, parse_decoder_config, qwen_dense_layers,
-    qwen_windowed_layers)
+    qwen_expert_count, qwen_windowed_layers)
 from megatron_patch.models.description.arch import Arch, require
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_WIDTH, Flag, Real, Whole
@@ -25,10 +25,12 @@ def parse_config(raw: dict) -> Arch:
                         f"{windowed[0]}: max_window_layers, layer_types) is not supported: Qwen2-MoE models here use "
                         "full attention")
     arch = parse_decoder_config(raw, "qwen2_moe", qkv_bias=bool(raw.get("qkv_bias", True)))
+    if not qwen_expert_count(raw):
+        return arch  # every layer dense, without a shared expert, as transformers builds it
     shared = raw.get("shared_expert_intermediate_size") or 0
     return dataclasses.replace(
         arch,
-        num_experts=require(raw, "num_experts"),
+        num_experts=qwen_expert_count(raw),
         moe_topk=require(raw, "num_experts_per_tok"),
         moe_ffn_hidden_size=require(raw, "moe_intermediate_size"),
         shared_expert_ffn_hidden_size=shared,

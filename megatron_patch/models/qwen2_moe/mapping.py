@@ -9,7 +9,7 @@ def weight_rules(arch: Arch):
     rules = embedding_and_head_rules() + attention_rules(arch.qkv_bias) + moe_rules(
         router="mlp.gate.weight", expert="mlp.experts.{expert}",
         gate="gate_proj.weight", up="up_proj.weight", down="down_proj.weight")
-    if arch.dense_layers:
+    if arch.has_dense_layers:
         rules += dense_mlp_rules()
     if arch.shared_expert_ffn_hidden_size:
         rules += shared_expert_rules("mlp.shared_expert", gate="mlp.shared_expert_gate.weight")

@@ -6,7 +6,7 @@ import dataclasses
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import (
     DECODER_KEYS, QWEN_DENSE_LAYER_KEYS, QWEN_WINDOW_KEYS, parse_decoder_config, qwen_dense_layers,
-    qwen_windowed_layers)
+    qwen_expert_count, qwen_windowed_layers)
 from megatron_patch.models.description.arch import Arch, require
 from megatron_patch.models.description.hf_defaults import reads_hf_defaults
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_WIDTH, Flag, Real, Whole
@@ -26,10 +26,11 @@ def parse_config(raw: dict) -> Arch:
         raise UserError("attention_bias=true is not supported for Qwen3-MoE: megatron-core would put biases on the "
                         "MLPs too")
     arch = parse_decoder_config(raw, "qwen3_moe", qkv_bias=False)
+    if not qwen_expert_count(raw):
+        return arch  # every layer dense, as transformers builds it
     return dataclasses.replace(
         arch,
-        # transformers 5 saves the hub's num_experts as num_local_experts
-        num_experts=require(raw, "num_experts", aliases=("num_local_experts",)),
+        num_experts=qwen_expert_count(raw),
         moe_topk=require(raw, "num_experts_per_tok"),
         moe_ffn_hidden_size=require(raw, "moe_intermediate_size"),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),

@@ -9,4 +9,4 @@ def weight_rules(arch: Arch):
     rules = embedding_and_head_rules() + attention_rules(qkv_bias=False) + qk_norm_rules() + moe_rules(
         router="mlp.gate.weight", expert="mlp.experts.{expert}",
         gate="gate_proj.weight", up="up_proj.weight", down="down_proj.weight")
-    return rules + (dense_mlp_rules() if arch.dense_layers else [])
+    return rules + (dense_mlp_rules() if arch.has_dense_layers else [])
