@@ -222,6 +222,10 @@ def check_arch(arch) -> None:
         if isinstance(shape.head_dim, bool) or not isinstance(shape.head_dim, int) or shape.head_dim < 1:
             raise UserError(f"config.json gives a head_dim of {shape.head_dim!r}, which must be a positive whole "
                             "number")
+    if arch.is_moe and arch.moe_topk > arch.num_experts:
+        # transformers' router fails on it (torch.topk out of range), megatron-core's too
+        raise UserError(f"config.json routes each token to {arch.moe_topk} of its {arch.num_experts} experts: at most "
+                        f"{arch.num_experts} can be chosen")
 
 
 def least_weight_elements(arch) -> int:
