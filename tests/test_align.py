@@ -510,6 +510,19 @@ def test_cli_bad_input_exits_2(aligned, tmp_path, capsys):
     assert "legacy checkpoint for TP=1" in err and "different models" in err
 
 
+def test_a_reference_transformers_cannot_build_is_bad_input(tmp_path):
+    """A pad_token_id beyond the vocabulary converts (the weights are whole) but transformers cannot build the
+    model align compares against: that was an internal error (exit 3)."""
+    from megatron_patch.errors import UserError
+    from megatron_patch.models.description.hf_model import load_causal_lm
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "pad_token_id": config["vocab_size"] + 10}))
+    with pytest.raises(UserError, match="cannot load the model in .*Padding_idx must be within num_embeddings"):
+        load_causal_lm(hf, torch.float32)
+
+
 @pytest.mark.slow
 def test_cli_hf_vs_hf_round_trip_verdicts_and_report(aligned, tmp_path):
     from safetensors.torch import load_file, save_file

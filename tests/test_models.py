@@ -246,6 +246,12 @@ def test_family_specifics_are_parsed():
     # more experts per token than there are: transformers' router fails (torch.topk), conversion let it through
     *[({**tiny_config(family), "num_experts_per_tok": 5}, "routes each token to 5 of its 4 experts")
       for family in ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "minimax_m2", "qwen3_next")],
+    # an odd head RoPE rotates whole fails in transformers and megatron-core alike (Gemma 4's sliding layers were
+    # not checked beside its global ones); Gemma 3 sized its RoPE by partial_rotary_factor and rotated whole heads
+    *[({**tiny_config(family), "head_dim": 15}, "head_dim=15, which RoPE rotates whole")
+      for family in ("llama3_1", "qwen3", "gpt_oss", "gemma3", "gemma4")],
+    ({**tiny_config("deepseek_v3"), "qk_rope_head_dim": 7}, "qk_rope_head_dim=7"),
+    ({**tiny_config("gemma3"), "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported for gemma3"),
 ])
 def test_unsupported_configs_fail_with_one_line(raw, fragment):
     with pytest.raises(UserError) as err:

@@ -222,6 +222,15 @@ def check_arch(arch) -> None:
         if isinstance(shape.head_dim, bool) or not isinstance(shape.head_dim, int) or shape.head_dim < 1:
             raise UserError(f"config.json gives a head_dim of {shape.head_dim!r}, which must be a positive whole "
                             "number")
+    # RoPE rotates pairs of dimensions: an odd rotated width fails in megatron-core's and transformers' RoPE alike
+    # (an odd partial width is rounded, in both)
+    rotated = [("qk_rope_head_dim", arch.mla.qk_rope_head_dim)] if arch.mla else [
+        ("head_dim", shape.head_dim) for shape in arch.attention_shapes if arch.rotary_percent >= 1]
+    if arch.sparse_attention:
+        rotated.append(("index_head_dim's RoPE part", arch.sparse_attention.rope_head_dim))
+    for name, width in rotated:
+        if width % 2:
+            raise UserError(f"config.json gives {name}={width}, which RoPE rotates whole: it must be even")
     if arch.is_moe and arch.moe_topk > arch.num_experts:
         # transformers' router fails on it (torch.topk out of range), megatron-core's too
         raise UserError(f"config.json routes each token to {arch.moe_topk} of its {arch.num_experts} experts: at most "

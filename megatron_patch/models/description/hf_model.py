@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_patch.errors import UserError
 from megatron_patch.input_files import check_folder_inputs
 from megatron_patch.models.description.arch import read_config_json
 from megatron_patch.models.description.registry import detect_family
@@ -35,8 +36,17 @@ def load_causal_lm(hf_dir: str | Path, dtype, **kwargs):
         values = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
         kwargs["config"] = AutoConfig.for_model(as_type, **values)
     kwargs.setdefault("attn_implementation", "eager")
-    model, loading = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, trust_remote_code=False,
-                                                          output_loading_info=True, **kwargs)
+    try:
+        model, loading = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, trust_remote_code=False,
+                                                              output_loading_info=True, **kwargs)
+    except (AssertionError, ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
+        # The folder is the reference: one transformers cannot build (a pad_token_id beyond the vocabulary,
+        # values its config class refuses) is bad input, named, not an internal error
+        import transformers
+
+        detail = " ".join(str(exc).split())[:300]
+        raise UserError(f"transformers {transformers.__version__} cannot load the model in {hf_dir} "
+                        f"({type(exc).__name__}: {detail}): fix what it names in the folder") from None
     if raw.get("tie_word_embeddings") and "lm_head.weight" in loading["missing_keys"]:
         # A multimodal folder (Qwen3.5) says tie at the top level, where its ForConditionalGeneration reads it; the
         # causal LM is built from its text_config, which says otherwise, and would keep a random lm_head.

@@ -107,6 +107,12 @@ def check_supported(text: dict) -> None:
         raise UserError(f"hidden_activation '{act}' is not supported: gemma3's MLP here is GeGLU with {ACTIVATION}")
     if text.get("attention_bias"):
         raise UserError("attention_bias=true is not supported for gemma3: Gemma 3's attention has no biases")
+    # transformers' Gemma 3 sizes its RoPE tables by it but rotates whole heads (its forward fails); never set
+    tables = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
+    for table in (text, tables, *(t for t in tables.values() if isinstance(t, dict))):
+        if table.get("partial_rotary_factor") not in (None, 1, 1.0):
+            raise UserError(f"partial_rotary_factor={table['partial_rotary_factor']} is not supported for gemma3: "
+                            "Gemma 3 rotates whole heads")
 
 
 def parse_config(raw: dict) -> Arch:
