@@ -252,6 +252,11 @@ def test_family_specifics_are_parsed():
       for family in ("llama3_1", "qwen3", "gpt_oss", "gemma3", "gemma4")],
     ({**tiny_config("deepseek_v3"), "qk_rope_head_dim": 7}, "qk_rope_head_dim=7"),
     ({**tiny_config("gemma3"), "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported for gemma3"),
+    # expert groups transformers' router cannot form or choose among (a reshape, a top-k that fail)
+    ({**tiny_config("deepseek_v3"), "n_group": 3}, "n_group=3 does not split the 8 routed experts"),
+    ({**tiny_config("glm_moe_dsa"), "n_group": 3}, "n_group=3 does not split the 8 routed experts"),
+    ({**tiny_config("deepseek_v3"), "topk_group": 5}, "topk_group=5 chooses more groups than n_group=4"),
+    ({**tiny_config("glm4_moe"), "topk_group": 5}, "topk_group=5 chooses more groups than n_group=1"),
 ])
 def test_unsupported_configs_fail_with_one_line(raw, fragment):
     with pytest.raises(UserError) as err:

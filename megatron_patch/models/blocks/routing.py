@@ -26,6 +26,12 @@ def expert_groups(raw: dict, top_per_group: int) -> tuple[int | None, int | None
     differ, the config is refused."""
     topk = require(raw, "num_experts_per_tok")
     groups, group_topk = raw.get("n_group") or 1, raw.get("topk_group") or 1
+    # transformers fails on either (a reshape into groups, a top-k over them), megatron-core too
+    experts = require(raw, "n_routed_experts")
+    if experts % groups:
+        raise UserError(f"n_group={groups} does not split the {experts} routed experts (n_routed_experts) evenly")
+    if group_topk > groups:
+        raise UserError(f"topk_group={group_topk} chooses more groups than n_group={groups} makes")
     if groups <= 1:
         return None, None
     if topk // group_topk != top_per_group:
