@@ -109,7 +109,10 @@ def check_supported(text: dict) -> None:
         raise UserError("attention_bias=true is not supported for gemma3: Gemma 3's attention has no biases")
     # transformers' Gemma 3 sizes its RoPE tables by it but rotates whole heads (its forward fails); never set
     tables = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
-    for table in (text, tables, *(t for t in tables.values() if isinstance(t, dict))):
+    for table in (text, text.get("rope_scaling"), tables, *(tables.get(kind) for kind in (FULL_ATTENTION,
+                                                                                           SLIDING_ATTENTION))):
+        if not isinstance(table, dict):
+            continue
         if table.get("partial_rotary_factor") not in (None, 1, 1.0):
             raise UserError(f"partial_rotary_factor={table['partial_rotary_factor']} is not supported for gemma3: "
                             "Gemma 3 rotates whole heads")
@@ -176,7 +179,7 @@ _TEXT_KEYS = {
     "query_pre_attn_scalar": Real(0), "sliding_window": Whole(1, MAX_POSITIONS), "layer_types": Names(MAX_LAYERS),
     "sliding_window_pattern": Whole(1, MAX_LAYERS), "_sliding_window_pattern": Whole(1, MAX_LAYERS),
     "rope_theta": Real(0), "rope_local_base_freq": Real(0), "rope_scaling": Table(ROPE_FIELDS),
-    "rope_parameters": Table({**ROPE_FIELDS, FULL_ATTENTION: Table(ROPE_FIELDS),
+    "partial_rotary_factor": Real(0, 1.0), "rope_parameters": Table({**ROPE_FIELDS, FULL_ATTENTION: Table(ROPE_FIELDS),
                               SLIDING_ATTENTION: Table(ROPE_FIELDS)}),
     "tie_word_embeddings": Flag(), "attention_bias": Flag(), "hidden_activation": Text(), "hidden_act": Text(),
     "attn_logit_softcapping": Given(), "final_logit_softcapping": Given(), "use_bidirectional_attention": Flag(),
