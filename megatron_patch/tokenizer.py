@@ -34,6 +34,11 @@ TIKTOKEN_EOD = "<|endoftext|>"
 
 def check_tokenizer_path(path: str | Path) -> Path:
     p = Path(path)
+    if p.is_dir() and not (p / "tokenizer.json").exists():
+        # Kimi-K2's folder holds a tiktoken file and no tokenizer.json
+        tiktoken_files = sorted(f for f in p.iterdir() if f.name == "tiktoken.model" or f.suffix == ".tiktoken")
+        if len(tiktoken_files) == 1:
+            return check_tokenizer_path(tiktoken_files[0])
     if p.is_dir():
         checked_input(p / "tokenizer.json", inside=p,
                       hint="give an HF tokenizer folder (with tokenizer.json) or a tiktoken BPE file")
@@ -55,28 +60,36 @@ class ChatTemplate:
     starts with the rendering of any earlier part of it; one that does not is refused, naming the message.
     """
 
-    def __init__(self, source: str, special_tokens: dict[str, str], where: str):
-        self.source, self.special_tokens, self.where = source, special_tokens, where
+    def __init__(self, source: str | None, special_tokens: dict[str, str], where: str, names: tuple[str, ...] = ()):
+        # source None: named templates (``names``) without a default, refused when a record is rendered
+        self.source, self.special_tokens, self.where, self.names = source, special_tokens, where, names
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, record: str = "") -> str:
+        """``messages`` as ``apply_chat_template`` renders them; ``record``: where they come from, for errors."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
+        if self.source is None:
+            # transformers' apply_chat_template refuses to pick among named templates without a default
+            raise UserError(f"{self.where} has chat templates named {', '.join(self.names)} and none named "
+                            "'default', so the one records are rendered with is not known: name one 'default'")
         try:
             rendered, _ = render_jinja_template([messages], chat_template=self.source,
                                                 add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except Exception as exc:  # noqa: BLE001 - jinja syntax errors, raise_exception(...) in the template
-            raise UserError(f"the chat template of {self.where} failed: {type(exc).__name__}: {exc}")
+            raise UserError(f"{record + ': ' if record else ''}the chat template of {self.where} failed: "
+                            f"{type(exc).__name__}: {exc}") from None
         return rendered[0]
 
     def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """(the whole conversation rendered, the [start, end) character spans of its assistant turns)."""
-        full = self.render(messages)
+        full = self.render(messages, record=where)
         spans, done = [], 0
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = self.render(messages[:i], add_generation_prompt=True) if i else ""
-            end = self.render(messages[:i + 1])
+            start = self.render(messages[:i], add_generation_prompt=True, record=where) if i else \
+                self._before_opening_answer(messages[0], full, where)
+            end = self.render(messages[:i + 1], record=where)
             if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
                 raise UserError(f"{where}: the chat template of {self.where} does not render message {i + 1} as an "
                                 "extension of the conversation before it, so its assistant span cannot be found; "
@@ -85,6 +98,26 @@ class ChatTemplate:
                 spans.append((max(len(start), done), len(end)))
             done = max(done, len(end))
         return full, spans
+
+
+    def _before_opening_answer(self, message: dict, full: str, where: str) -> str:
+        """What the template renders before an assistant message that opens the conversation (a default system
+        prompt, the assistant header), which transformers' assistant mask leaves untrained: the empty
+        conversation with the generation prompt, or, for a template that cannot render that, the message
+        rendered alone up to its content."""
+        try:
+            before = self.render([], add_generation_prompt=True, record=where)
+            if full.startswith(before):
+                return before
+        except UserError:
+            pass
+        alone, content = self.render([message], record=where), message.get("content")
+        at = alone.rfind(content) if isinstance(content, str) and content else -1
+        if at < 0 or not full.startswith(alone[:at]):
+            raise UserError(f"{where}: the conversation opens with an assistant message, and the chat template of "
+                            f"{self.where} renders it so that its start cannot be found; open it with a user or "
+                            "system message")
+        return alone[:at]
 
 
 def _token_text(value) -> str | None:
@@ -98,21 +131,24 @@ def _folder_json(folder: Path, name: str) -> dict:
 
 
 def load_chat_template(folder: Path) -> ChatTemplate | None:
-    """tokenizer_config.json's ``chat_template`` (a string, or named templates: 'default'), or chat_template.jinja."""
+    """The template ``apply_chat_template`` renders with, chosen as transformers chooses it: chat_template.jinja
+    over tokenizer_config.json's ``chat_template`` (a string, or named templates, of which 'default')."""
     cfg_file = folder / "tokenizer_config.json"
     cfg = _folder_json(folder, cfg_file.name)
+    special = {k: _token_text(cfg[k]) for k in SPECIAL_TOKEN_KEYS if _token_text(cfg.get(k))}
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists() or jinja.is_symlink():
+        return ChatTemplate(read_input_text(jinja, inside=folder), special, str(folder))
     source = cfg.get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if named and "default" not in named:
+            return ChatTemplate(None, special, str(folder), names=tuple(sorted(map(str, named))))
         source = named.get("default")
-    jinja = folder / "chat_template.jinja"
-    if not source and (jinja.exists() or jinja.is_symlink()):
-        source = read_input_text(jinja, inside=folder)
     if not source:
         return None
     if not isinstance(source, str):
         raise UserError(f"{cfg_file}: chat_template must be a jinja string (or a list of named templates with 'default')")
-    special = {k: _token_text(cfg[k]) for k in SPECIAL_TOKEN_KEYS if _token_text(cfg.get(k))}
     return ChatTemplate(source, special, str(folder))
 
 
@@ -127,6 +163,10 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception for any bad file
             raise UserError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads "
                             f"({str(exc)[:200]}): fix or re-download it")
+        # a tokenizer.json saved after a call with truncation or padding keeps them; transformers' tokenizer
+        # applies neither unless asked, and a document is written whole
+        self._tok.no_truncation()
+        self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eod(folder)
         self.chat_template = load_chat_template(folder)
@@ -168,7 +208,9 @@ class HFTokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken BPE ranks file (base64 token, rank per line); EOD is ``<|endoftext|>`` after the ranks."""
+    """A tiktoken BPE ranks file (base64 token, rank per line). Its special tokens and EOD are those the
+    tokenizer_config.json beside it names (``added_tokens_decoder``, ``eos_token``; Kimi-K2's folder puts [BOS]
+    right after the ranks and [EOS] after it), else ``<|endoftext|>`` after the ranks."""
 
     def __init__(self, path: Path):
         try:
@@ -178,19 +220,48 @@ class TiktokenTokenizer:
         ranks = read_tiktoken_ranks(path)
         self.path = path
         self.chat_template = None
-        self.eod = max(ranks.values()) + 1
+        special, self.eod = _tiktoken_specials(path, len(ranks), max(ranks.values()) + 1)
         try:
             self._enc = tiktoken.Encoding(name=path.name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
-                                          special_tokens={TIKTOKEN_EOD: self.eod})
+                                          special_tokens=special)
         except Exception as exc:  # noqa: BLE001 - tiktoken's core refuses ranks it cannot build, in its own words
             raise UserError(f"{path} is not a usable tiktoken BPE file ({str(exc)[:200]})")
-        self.vocab_size = self.eod + 1
+        self.vocab_size = max(special.values()) + 1
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode(text, disallowed_special=())
 
     def decode(self, ids) -> str:
         return self._enc.decode(list(map(int, ids)))
+
+
+def _tiktoken_specials(path: Path, ranks: int, after: int) -> tuple[dict[str, int], int]:
+    """({special token: id}, the end-of-document id) of a tiktoken file: the added tokens and eos_token of the
+    tokenizer_config.json beside it (the eos_token_id of config.json where it names none), else
+    ``<|endoftext|>`` at ``after``, the first id past the ranks."""
+    folder = path.parent
+    cfg = _folder_json(folder, "tokenizer_config.json")
+    added = cfg.get("added_tokens_decoder") if isinstance(cfg.get("added_tokens_decoder"), dict) else {}
+    special = {}
+    for key, token in added.items():
+        name = _token_text(token)
+        if not (isinstance(name, str) and str(key).isdigit()):
+            raise UserError(f"{folder / 'tokenizer_config.json'}: added_tokens_decoder entry {str(key)[:40]!r} is not "
+                            "an id with a token's content")
+        if int(key) < ranks:
+            raise UserError(f"{folder / 'tokenizer_config.json'}: added token {name!r} takes id {key}, which "
+                            f"{path.name}'s {ranks} ranks use: it is not this file's configuration")
+        special[name] = int(key)
+    if not special:
+        return {TIKTOKEN_EOD: after}, after
+    eos = _token_text(cfg.get("eos_token"))
+    if isinstance(eos, str) and eos in special:
+        return special, special[eos]
+    eos_id = _folder_json(folder, "config.json").get("eos_token_id")
+    if isinstance(eos_id, int) and not isinstance(eos_id, bool) and eos_id in special.values():
+        return special, eos_id
+    raise UserError(f"{folder}: cannot tell the end-of-document token of {path.name} (tokenizer_config.json names "
+                    "added tokens but no eos_token among them, nor config.json's eos_token_id)")
 
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:

@@ -102,6 +102,68 @@ def test_records_render_as_transformers_renders_them(byte_level, record, turns):
     assert not any(c.strip() in on for r, c in turns if r != "assistant") and "assistant" not in on
 
 
+def test_a_conversation_the_assistant_opens_trains_only_its_answers(byte_level):
+    """The opening assistant message's span started at character 0: the bos, the template's default system
+    prompt and the assistant header carried loss (66 tokens against transformers' 24), and a packed sample
+    trained the record before it to predict its first token."""
+    hf, tok = byte_level
+    messages = [{"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "A fruit?"},
+                {"role": "assistant", "content": "A green apple."}]
+    ids, trained = tokenize_record(tok, {"messages": messages}, "record 1")
+    reference, mask = chat_ids(hf, messages, return_assistant_tokens_mask=True)
+    assert (ids, trained) == (reference, mask), hf.decode([i for i, t in zip(ids, trained) if t])
+    assert not trained[0]
+
+
+def _template_folder(chat_tok, tmp_path, **files):
+    """A copy of ``chat_tok`` whose tokenizer_config.json takes ``config`` and beside which ``files`` are written."""
+    import shutil
+
+    folder = tmp_path / "tok"
+    shutil.copytree(chat_tok, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **files.pop("config", {})}))
+    for name, text in files.items():
+        (folder / ".".join(name.rsplit("_", 1))).write_text(text)  # chat_template_jinja: chat_template.jinja
+    return folder
+
+
+def test_the_chat_template_is_the_one_transformers_picks(chat_tok, tmp_path):
+    """chat_template.jinja wins over tokenizer_config.json's chat_template in transformers: records were rendered
+    with the other one; named templates without a 'default' trained the plain format, saying there was none."""
+    from transformers import AutoTokenizer
+
+    plain = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    folder = _template_folder(chat_tok, tmp_path, chat_template_jinja=plain)
+    record = {"prompt": "Hi", "completion": "Hello."}
+    ids, _ = tokenize_record(load_tokenizer(folder), record, "record 1")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    assert ids == chat_ids(AutoTokenizer.from_pretrained(folder), messages)[0]
+    assert load_tokenizer(folder).decode(ids) == "<|im_start|>Hi<|im_end|><|im_start|>Hello.<|im_end|>"
+    (folder / "chat_template.jinja").unlink()
+    named = [{"name": "chatml", "template": plain}, {"name": "tool_use", "template": plain}]
+    folder = _template_folder(folder, tmp_path / "named", config={"chat_template": named})
+    with pytest.raises(UserError, match="chat templates named chatml, tool_use and none named 'default'"):
+        tokenize_record(load_tokenizer(folder), record, "record 1")
+
+
+def test_a_template_that_raises_names_the_record(chat_tok, tmp_path):
+    failing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    folder = _template_folder(chat_tok, tmp_path, config={"chat_template": failing + "{{ messages[0]['content'] }}"})
+    with pytest.raises(UserError, match="^data.jsonl record 6: the chat template of .* System role not supported"):
+        tokenize_record(load_tokenizer(folder), {"system": "S", "prompt": "P", "completion": "C"},
+                        "data.jsonl record 6")
+
+
+def test_jsonl_records_may_hold_unicode_line_separators(tmp_path):
+    """json.dumps(..., ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw inside strings; str.splitlines cut the
+    line there, and the file was refused as not JSON."""
+    records = [{"prompt": f"a{c}b", "completion": "c"} for c in ("\u2028", "\u2029", "\x85")]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert read_records(path) == records
+
+
 def test_records_that_are_not_sft_records_are_one_line(chat_tok):
     tok = load_tokenizer(chat_tok)
     for record, message in (({"query": "x"}, "needs string prompt and response fields"),

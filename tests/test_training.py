@@ -29,8 +29,10 @@ import torch
 from megatron_patch.checkpoint_files.layout import partial_dir
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.cli import main
+from megatron_patch.errors import UserError
 from tests.training_helpers import (GBS, ITERS, SEQ, hf_loss_on_first_batch, launch, launcher_args,
-                                    make_chat_tokenizer, make_tiktoken_file, read_metrics, write_jsonl)
+                                    make_chat_tokenizer, make_texts, make_tiktoken_file, make_tokenizer, read_metrics,
+                                    write_jsonl)
 from tests.training_helpers import pretrain_args as _pretrain_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +81,64 @@ def test_preprocess_tiktoken_file_round_trip(tmp_path):
     assert [tok.decode(ds[i][:-1]) for i in range(2)] == texts
     assert 258 in ds[0].tolist()  # the merges were used, " the"
     assert report.tokens < sum(len(t.encode()) for t in texts) + 2
+
+
+def test_a_tiktoken_file_ends_documents_with_the_eos_its_folder_names(tmp_path):
+    """Kimi-K2's folder has no tokenizer.json: a tiktoken file whose tokenizer_config.json puts [BOS] right after the
+    ranks and [EOS] after it. Every document ended with the id past the ranks, [BOS], called <|endoftext|>."""
+    from megatron_patch.tokenizer import load_tokenizer
+
+    folder = tmp_path / "kimi_like"
+    folder.mkdir()
+    make_tiktoken_file(folder / "tiktoken.model", [b"th", b"he", b"the"])
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "[BOS]", "eos_token": "[EOS]",
+        "added_tokens_decoder": {"259": {"content": "[BOS]", "special": True},
+                                 "260": {"content": "[EOS]", "special": True}}}))
+    for given in (folder, folder / "tiktoken.model"):  # the folder itself is taken too
+        tok = load_tokenizer(given)
+        assert (tok.eod, tok.vocab_size, tok.decode([tok.eod])) == (260, 261, "[EOS]")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {
+        "12": {"content": "[BOS]"}}}))
+    with pytest.raises(UserError, match="takes id 12, which tiktoken.model's 259 ranks use"):
+        load_tokenizer(folder)
+
+
+def test_a_tokenizer_saved_with_truncation_or_padding_writes_documents_whole(tmp_path):
+    """tokenizer.json keeps the truncation and padding of the call it was saved after; transformers applies
+    neither unless asked. Every document was cut to max_length (or padded to a fixed length), without a word."""
+    from megatron_patch.tokenizer import load_tokenizer
+
+    texts = make_texts(40, seed=3)
+    base = make_tokenizer(tmp_path / "base", texts, vocab_size=190)
+    whole = load_tokenizer(base)
+    saved = json.loads((base / "tokenizer.json").read_text())
+    for setting in ({"truncation": {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}},
+                    {"padding": {"strategy": {"Fixed": 300}, "direction": "Right", "pad_to_multiple_of": None,
+                                 "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}}):
+        (base / "tokenizer.json").write_text(json.dumps({**saved, **setting}))
+        tok = load_tokenizer(base)
+        assert [tok.encode(t) for t in texts[:5]] == [whole.encode(t) for t in texts[:5]], setting
+        assert max(len(tok.encode(t)) for t in texts[:5]) > 8
+
+
+def test_preprocess_takes_a_list_of_sentences_as_one_document(tmp_path):
+    """Pai's and Megatron-LM's preprocessing take {"text": ["s1", "s2"]} (their --split-sentences output) as one
+    document of the sentences tokenized one by one; every such line was skipped as 'not a string'."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_patch.tokenizer import load_tokenizer
+    from megatron_patch.training.preprocess import preprocess
+
+    texts = make_texts(30, seed=5)
+    tok_dir = make_tokenizer(tmp_path / "tok", texts, vocab_size=190)
+    tok = load_tokenizer(tok_dir)
+    write_jsonl(tmp_path / "in.jsonl", [{"text": texts[:3]}, {"text": texts[3]}, {"text": [1, 2]}])
+    report = preprocess(tmp_path / "in.jsonl", str(tmp_path / "t"), tok_dir, progress=False)
+    ds = IndexedDataset(report.output_prefix)
+    assert len(ds) == 2
+    assert ds[0].tolist() == [i for t in texts[:3] for i in tok.encode(t)] + [tok.eod]
+    assert ds[1].tolist() == tok.encode(texts[3]) + [tok.eod]
 
 
 # --- pretraining at TP=2: the loss falls, and a resumed run is the same run ----------------------------

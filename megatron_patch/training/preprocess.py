@@ -126,16 +126,20 @@ def _encode_line(item: tuple[int, str, int, str, bool]):
         fields = ", ".join(repr(k)[:40] for k in itertools.islice(obj, 5))
         return lineno, None, f"no '{key}' field (fields: {fields})", 0, size
     text = obj[key]
-    if not isinstance(text, str):
-        return lineno, None, f"'{key}' is a {type(text).__name__}, not a string", 0, size
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to a lone surrogate, which no tokenizer takes
-        return lineno, None, f"'{key}' holds an unpaired surrogate ({exc.object[exc.start]!r}), not text", 0, size
-    ids = _TOKENIZER.encode(text)
+    # a list of strings is a document's sentences (Megatron-LM's and Pai's preprocessing: each tokenized, one document)
+    sentences = text if isinstance(text, list) and all(isinstance(t, str) for t in text) else [text]
+    if not all(isinstance(t, str) for t in sentences):
+        return lineno, None, f"'{key}' is a {type(text).__name__}, not a string or a list of strings", 0, size
+    ids = []
+    for sentence in sentences:
+        try:
+            sentence.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to a lone surrogate: no tokenizer takes it
+            return lineno, None, f"'{key}' holds an unpaired surrogate ({exc.object[exc.start]!r}), not text", 0, size
+        ids += _TOKENIZER.encode(sentence)
     if append_eod:
         ids.append(_TOKENIZER.eod)
-    return lineno, numpy.asarray(ids, dtype=_DTYPE), None, len(text), size
+    return lineno, numpy.asarray(ids, dtype=_DTYPE), None, sum(map(len, sentences)), size
 
 
 def _encode_batch(batch: list) -> list:

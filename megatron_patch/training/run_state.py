@@ -239,7 +239,7 @@ def training_data(cfg) -> dict:
 # What of a tokenizer folder decides the ids and loss mask of SFT records: the vocabulary, the end-of-document
 # token (tokenizer_config.json, config.json) and the chat template (tokenizer_config.json, or a file of its own).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja",
-                   "chat_template.json")
+                   "chat_template.json", "tiktoken.model")
 
 
 @functools.lru_cache(maxsize=4)
@@ -248,12 +248,15 @@ def tokenizer_digest(path: str) -> str | None:
     decide how records tokenize; None where none can be read. Once per process: every checkpoint of a run records
     the tokenizer its records were tokenized with as it started."""
     p = Path(path)
-    files = [p / name for name in TOKENIZER_FILES] if p.is_dir() else [p]
+    # a tiktoken file's special tokens and end-of-document token come from the folder's files beside it
+    files = [p / name for name in TOKENIZER_FILES] if p.is_dir() else [p, p.parent / "tokenizer_config.json",
+                                                                       p.parent / "config.json"]
     digest, found = hashlib.sha256(), False
     for file in files:
         if not os.path.lexists(file):
             continue
-        data = read_input(file, inside=p if p.is_dir() else None)  # a FIFO or a link out is refused, not read
+        # a FIFO or a link out of the folder is refused, not read
+        data = read_input(file, inside=p if p.is_dir() else None if file == p else p.parent)
         digest.update(f"{file.name}:{len(data)}:".encode() + data)
         found = True
     return digest.hexdigest() if found else None

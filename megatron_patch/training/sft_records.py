@@ -29,7 +29,7 @@ def read_records(path: str | Path) -> list:
                 raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})")
     if records is None:
         records = []
-        for lineno, line in enumerate(text.splitlines(), 1):
+        for lineno, line in enumerate(_json_lines(text), 1):
             if not line.strip():
                 continue
             try:
@@ -60,9 +60,15 @@ def _utf8_text(path: Path, data: bytes) -> str:
                         "re-encode the file as UTF-8") from None
 
 
+def _json_lines(text: str) -> list[str]:
+    """The file's lines as JSON Lines has them: split at newlines only. str.splitlines also splits at U+2028,
+    U+2029 and U+0085, which json.dumps(..., ensure_ascii=False) leaves raw inside strings."""
+    return text.split("\n")
+
+
 def _starts_with_a_json_line(text: str) -> bool:
     try:
-        json.loads(next(line for line in text.splitlines() if line.strip()))
+        json.loads(next(line for line in _json_lines(text) if line.strip()))
     except json.JSONDecodeError:
         return False
     return True
