@@ -457,6 +457,11 @@ def test_records_whose_responses_lie_past_the_cut_are_named_and_all_of_them_refu
         SFTDataset(tmp_path / "long.jsonl", tok, SEQ)
     mixed = SFTDataset(tmp_path / "mixed.jsonl", tok, SEQ)
     assert mixed.untrained == 1 and [bool(s["loss_mask"].any()) for s in mixed.samples] == [True, False]
+    # an answer that runs past the sample is cut: counted for the log line (it was cut without a word)
+    write_jsonl(tmp_path / "long_answer.jsonl", [short, {"instruction": "Say it.", "output": " ".join(["word"] * 300)}])
+    assert (mixed.cut, SFTDataset(tmp_path / "long_answer.jsonl", tok, SEQ).cut) == (1, 1)
+    whole = len(tokenize_record(tok, read_records(tmp_path / "long_answer.jsonl")[1], "r")[0])
+    assert [SFTDataset(tmp_path / "long_answer.jsonl", tok, n).cut for n in (whole - 2, whole - 1)] == [1, 0]
 
     monkeypatch.setenv("MP_DRY_RUN", "1")
     monkeypatch.setenv("MP_TOKENIZER", str(chat_tok))

@@ -89,6 +89,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.untrained = sum(1 for sample in self.samples if not sample["loss_mask"].any())
         if self.untrained == len(self.samples):
             raise untrainable(path, length)
+        # records whose answers go on past the sample (the first token predicts the second: length + 1 ids fit)
+        self.cut = sum(1 for _, group in groups for _, trained in group if any(trained[length + 1:]))
 
     def _pack(self, groups) -> list[dict]:
         """Single records packed in order while they fit; a packed-SFT list is a sample of its own (more when its
@@ -189,6 +191,9 @@ def build_sft_datasets(cfg, vocab_size: int):
         if datasets[0].untrained:
             how += (f"; {datasets[0].untrained} of its {len(datasets[0])} samples keep no trained token within "
                     f"{cfg.sample_length} tokens (the responses lie past the cut) and train nothing")
+        if datasets[0].cut:
+            how += (f"; {datasets[0].cut} records are cut at {cfg.sample_length} tokens with trained tokens past it, "
+                    "which are not trained")
     return datasets[0], (datasets[1] if len(datasets) > 1 else None), how
 
 
