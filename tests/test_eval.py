@@ -250,6 +250,21 @@ def test_a_tokenizer_naming_no_eos_ends_texts_with_its_end_of_document_token(tok
     assert lm.prefix_token_id == lm.eot_token_id == end and end in lm.stop_ids
 
 
+def test_loading_a_tokenizer_leaves_the_models_config_as_it_was(tokenizers):
+    """transformers wrote rope_theta into the rope_scaling table it was given: a run with MP_EVAL_TASKS then saved
+    that record of its model with each checkpoint, and its resume was refused as 'another model'."""
+    import copy
+
+    from megatron_patch.evaluation.loading import load_hf_tokenizer
+    from megatron_patch.models.description.tiny import tiny_config
+
+    config = tiny_config("llama3_1")
+    assert "rope_theta" not in config["rope_scaling"]
+    before = copy.deepcopy(config)
+    load_hf_tokenizer(tokenizers["bare"], config)
+    assert config == before
+
+
 def test_a_tokenizer_without_an_end_of_text_token_is_refused(checkpoints, tokenizers, capsys):
     rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_perplexity",
                       "--tokenizer", str(tokenizers["no_end"]))

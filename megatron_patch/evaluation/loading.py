@@ -9,6 +9,7 @@ adapters applied (``lora.sources``), as the aligner does.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +118,9 @@ def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
     config = None
     if model_config is not None and not (Path(folder) / "config.json").is_file():
         try:
-            config = AutoConfig.for_model(**model_config)
+            # a copy: transformers writes into the nested tables it is given (rope_theta into rope_scaling), and the
+            # run's record of its model, saved with each checkpoint, would no longer match the launch that resumes
+            config = AutoConfig.for_model(**copy.deepcopy(model_config))
         except (ValueError, KeyError, TypeError):  # a model type this transformers does not know: by the files alone
             config = None
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -14,7 +15,8 @@ from megatron_patch.models.description.registry import get_family
 
 
 def tiny_config(family: str, **overrides) -> dict:
-    return {**get_family(family).tiny_config, **overrides}
+    # a deep copy: transformers writes into the nested tables it is given (rope_theta into rope_scaling)
+    return copy.deepcopy({**get_family(family).tiny_config, **overrides})
 
 
 def make_tiny_hf_checkpoint(family: str, out_dir: str | Path, seed: int = 0, *, transformers_defaults: bool = False,
