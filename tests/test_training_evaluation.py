@@ -72,6 +72,24 @@ def test_an_unknown_task_is_refused_before_any_rank_starts(data, monkeypatch, ca
     assert "unknown task no_such_task" in err and "MP_EVAL_INCLUDE_PATH" in err, err
 
 
+def test_what_the_live_evaluation_cannot_split_is_refused(data):
+    """Context parallelism would give each CP rank whole requests; sequence parallelism pads each request to a
+    multiple of TP, which moves DeepSeek sparse attention's scores. Before, neither was checked."""
+    import dataclasses
+
+    from megatron_patch.models.description.tiny import tiny_config
+
+    cfg = resolve("llama3_1", _args(data), env={"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": data["tok"]},
+                  check_paths=False)
+    evaluation_run.check_evaluation(dataclasses.replace(cfg, tp=2, sequence_parallel=True))  # padded, evaluated
+    with pytest.raises(UserError, match="MP_EVAL_TASKS with CP=2 is not supported"):
+        evaluation_run.check_evaluation(dataclasses.replace(cfg, cp=2))
+    sparse = dataclasses.replace(cfg, tp=2, sequence_parallel=True, hf_config=tiny_config("deepseek_v32"))
+    with pytest.raises(UserError, match="MP_EVAL_TASKS with SP=true is not supported for deepseek_v32"):
+        evaluation_run.check_evaluation(sparse)
+    evaluation_run.check_evaluation(dataclasses.replace(sparse, sequence_parallel=False))
+
+
 def test_the_task_interval_defaults_to_the_validation_interval(data):
     env = {"MP_EVAL_TASKS": "mpatch_arithmetic, mpatch_perplexity", "MP_TOKENIZER": data["tok"],
            "MP_EVAL_INTERVAL": "6"}

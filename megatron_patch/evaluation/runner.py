@@ -59,10 +59,17 @@ class ModelRunner:
         if len(chunks) != 1:
             raise UserError("evaluation runs a model without a virtual pipeline (one chunk per rank): "
                             f"this one has {len(chunks)} chunks per rank")
+        from megatron.core.utils import get_attr_wrapped_model
+
         self.model = chunks[0]
         self.vocab_size = vocab_size
         self.max_positions = max_positions
-        self.kv_cache = kv_cache
+        # A model trained with sequence parallelism (the live model of MP_EVAL_TASKS) splits each sequence over
+        # TP: a forward's length is padded to a multiple of TP (after the tokens: causal attention keeps it out),
+        # and generation recomputes whole sequences, as a KV cache's one-token steps cannot be split.
+        sequence_parallel = get_attr_wrapped_model(self.model, "config").sequence_parallel
+        self.sequence_multiple = ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+        self.kv_cache = kv_cache and self.sequence_multiple == 1
         # False: a request's log-likelihood depends on the padding after it (DeepSeek sparse attention's indexer
         # here), so a batch holds requests of one length only.
         self.padding_is_neutral = padding_is_neutral
@@ -296,7 +303,9 @@ class ModelRunner:
 
         batch, seq = tokens.shape
         tokens = tokens.to(self.device)
-        positions = torch.arange(offset, offset + seq, device=self.device).unsqueeze(0).expand(batch, seq)
+        if seq % self.sequence_multiple:
+            tokens = torch.nn.functional.pad(tokens, (0, self.sequence_multiple - seq % self.sequence_multiple))
+        positions = torch.arange(offset, offset + tokens.shape[1], device=self.device).unsqueeze(0).expand_as(tokens)
         captured: list[torch.Tensor] = []
         extra = {} if context is None else {"inference_context": context, "runtime_gather_output": True}
 
@@ -313,11 +322,11 @@ class ModelRunner:
         with torch.no_grad():
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter([None]), model=[self.model], num_microbatches=1,
-                seq_length=seq, micro_batch_size=batch * pipeline_batch_factor(self.model), forward_only=True,
-                collect_non_loss_data=True)
+                seq_length=tokens.shape[1], micro_batch_size=batch * pipeline_batch_factor(self.model),
+                forward_only=True, collect_non_loss_data=True)
         if context is not None:
             context.sequence_len_offset += seq
-        return captured[0] if self.last_stage else None
+        return captured[0][:, :seq] if self.last_stage else None
 
     def _last_logits(self, tokens: torch.Tensor, offset: int, context) -> torch.Tensor | None:
         """Full-vocabulary logits [batch, vocab] of the last position (last stage; None elsewhere)."""

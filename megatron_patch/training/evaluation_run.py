@@ -2,6 +2,7 @@
 layout, every MP_EVAL_TASKS_INTERVAL iterations, with no save or reload (``evaluation.evaluate_live_model``).
 
 What it cannot run is refused before any rank starts: a virtual pipeline (evaluation runs one chunk per rank),
+context parallelism, sequence parallelism on a model whose scores depend on padding (DeepSeek sparse attention),
 no interval, no HF tokenizer, lm-eval missing, an unknown task (the shipped offline tasks, lm-eval's own and
 those under MP_EVAL_INCLUDE_PATH are known) or one whose data cannot be read offline.
 Results go to the run's log (one line per task metric), TensorBoard (``eval/TASK/METRIC``) and one JSON line per
@@ -43,6 +44,16 @@ def check_evaluation(cfg) -> None:
     if cfg.virtual_pipeline is not None:
         raise UserError(f"MP_EVAL_TASKS with {cfg.virtual_pipeline_setting} is not supported: evaluation runs one "
                         "model chunk per rank; evaluate the run's checkpoints with `mpatch eval` instead")
+    if cfg.cp > 1:
+        raise UserError(f"MP_EVAL_TASKS with CP={cfg.cp} is not supported: the evaluation's requests are not split "
+                        "over context-parallel ranks; evaluate the run's checkpoints with `mpatch eval` instead")
+    if cfg.sequence_parallel and cfg.tp > 1:
+        from megatron_patch.evaluation.loading import padding_is_neutral  # lm-eval free; only with MP_EVAL_TASKS
+
+        if not padding_is_neutral(cfg.arch):
+            raise UserError(f"MP_EVAL_TASKS with SP=true is not supported for {cfg.arch.family}: sequence parallelism "
+                            "pads each request to a multiple of TP, which changes this model's scores; set SP=false "
+                            "or evaluate the run's checkpoints with `mpatch eval`")
     if not cfg.eval_tasks_interval:
         raise UserError("MP_EVAL_TASKS needs an interval: MP_EVAL_INTERVAL=0 (no validation) leaves none, so set "
                         "MP_EVAL_TASKS_INTERVAL")
