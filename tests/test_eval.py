@@ -278,6 +278,7 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused(checkpoints, tokeni
     (["--seed", "-1"], "--seed must be in 0..4294967295"),
     (["--seed", str(2 ** 32)], "--seed must be in 0..4294967295"),
     (["--num-fewshot", "-1"], "--num-fewshot must be >= 0"),
+    (["--bootstrap-iters", "-1"], "--bootstrap-iters must be >= 0"),
     (["--fewshot-as-multiturn"], "it needs --apply-chat-template"),
     (["--include-path", "FILE"], "is not a folder"),
     (["--apply-chat-template"], "has no chat template"),
@@ -292,6 +293,51 @@ def test_arguments_lm_eval_cannot_run_are_refused_in_one_line(checkpoints, tmp_p
                       "--output-dir", str(tmp_path / "out"), *flags)
     _one_line(rc, err, message)
     assert not (tmp_path / "out").exists()
+
+
+BROKEN_TASKS = {
+    # name: (data lines, doc_to_target, metric, what the refusal says); each was an internal error, exit 1
+    "t_empty": ([], "{{cont}}", "acc", "is empty"),
+    "t_unknown_metric": ([{"ctx": "a ", "cont": "b"}] * 3, "{{cont}}", "acc_typo", "cannot build it"),
+    "t_missing_field": ([{"ctx": "a ", "cont": "b"}] * 3, "{{answer}}", "acc", "'answer' is undefined"),
+    "t_third_document": ([{"ctx": "a ", "cont": "b"}] * 2 + [{"ctx": "a "}], "{{cont.upper()}}", "acc",
+                         "document 3 cannot be rendered"),  # (the datasets library gives it cont: None)
+}
+
+
+@pytest.mark.parametrize("task", list(BROKEN_TASKS))
+def test_a_broken_task_of_the_users_is_bad_input_named_before_any_rank(checkpoints, tmp_path, capsys, task):
+    import json
+
+    lines, target, metric, message = BROKEN_TASKS[task]
+    (tmp_path / "tasks").mkdir()
+    data = tmp_path / "tasks" / "data.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "tasks" / f"{task}.yaml").write_text(
+        f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        f"output_type: loglikelihood\ndoc_to_text: '{{{{ctx}}}}'\ndoc_to_target: '{target}'\n"
+        f"metric_list:\n  - metric: {metric}\n")
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", task,
+                      "--include-path", str(tmp_path / "tasks"))
+    _one_line(rc, err, f"task {task}", message)
+
+
+def test_generation_stops_where_the_models_own_generation_config_says(tmp_path, tokenizers):
+    """lm-eval's HF backend stops at the eos ids of the model's generation_config.json, else of its config.json:
+    mpatch eval read generation_config.json from the tokenizer's folder alone, and went on past the model's eos
+    where its ids were in config.json only, or where --tokenizer named a folder of the tokenizer alone."""
+    import json
+
+    pytest.importorskip("lm_eval")
+    from megatron_patch.evaluation.harness import MpatchLM
+    from megatron_patch.evaluation.loading import generation_stop_ids, load_hf_tokenizer
+
+    assert generation_stop_ids({"eos_token_id": [5, 6]}, tmp_path) == {5, 6}
+    assert generation_stop_ids({"text_config": {"eos_token_id": 7}}, None) == {7}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert generation_stop_ids({"eos_token_id": [5, 6]}, tmp_path) == {9}
+    lm = MpatchLM(object(), load_hf_tokenizer(tokenizers["bare"]), model_stop_ids=frozenset({9}))
+    assert 9 in lm.stop_ids and lm.eot_token_id in lm.stop_ids
 
 
 def test_few_shot_examples_are_drawn_from_what_a_task_has(tmp_path):

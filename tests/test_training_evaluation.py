@@ -90,6 +90,15 @@ def test_what_the_live_evaluation_cannot_split_is_refused(data):
     evaluation_run.check_evaluation(dataclasses.replace(sparse, sequence_parallel=False))
 
 
+def test_the_live_evaluation_draws_as_mpatch_eval_whatever_mp_seed_says(data):
+    """The few-shot examples were drawn with MP_SEED: the logged numbers were not mpatch eval's of the checkpoint."""
+    from megatron_patch.evaluation.evaluate import EvalSettings
+
+    cfg = resolve("llama3_1", _args(data), env={"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": data["tok"],
+                                                 "MP_SEED": "7"}, check_paths=False)
+    assert cfg.seed == 7 and evaluation_run.settings(cfg).seed == EvalSettings(tasks=()).seed == 1234
+
+
 def test_the_task_interval_defaults_to_the_validation_interval(data):
     env = {"MP_EVAL_TASKS": "mpatch_arithmetic, mpatch_perplexity", "MP_TOKENIZER": data["tok"],
            "MP_EVAL_INTERVAL": "6"}

@@ -74,6 +74,8 @@ def test_the_live_results_equal_mpatch_eval_on_the_checkpoint_of_the_same_iterat
                  "--limit", str(LIMIT), "--tp", "2", "--output-dir", str(tmp_path / "eval"), "--quiet"])
     assert code == 0, capsys.readouterr().err
     saved = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]
+    # standard errors, as lm-eval's own command line gives them (they were all "N/A": no bootstrap at all)
+    assert isinstance(saved["mpatch_arithmetic_choice"]["acc_stderr,none"], float)
     for task, values in live["results"]["results"].items():
         for key, value in values.items():
             if isinstance(value, float):

@@ -53,6 +53,8 @@ def run(args) -> int:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    if args.bootstrap_iters < 0:
+        raise UserError(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
     if not 0 <= args.seed < 2 ** 32:  # lm-eval seeds numpy with it, which takes these only
         raise UserError(f"--seed must be in 0..{2 ** 32 - 1}, got {args.seed}")
     if args.fewshot_as_multiturn and not args.apply_chat_template:
@@ -66,7 +68,7 @@ def run(args) -> int:
         limit=None if args.limit is None else document_limit("--limit", args.limit),
         num_fewshot=args.num_fewshot, batch_size=args.batch_size, log_samples=args.log_samples,
         apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.fewshot_as_multiturn,
-        kv_cache=not args.no_kv_cache, seed=args.seed)
+        kv_cache=not args.no_kv_cache, seed=args.seed, bootstrap_iters=args.bootstrap_iters)
     if args.all_iterations and not args.output_dir:
         raise UserError("--all-iterations writes each iteration's results and the plot into --output-dir: give one")
     iterations = saved_iterations(args.load_dir) if args.all_iterations else [(None, Path(args.load_dir))]
@@ -212,6 +214,9 @@ def register(subparsers) -> None:
     p.add_argument("--no-kv-cache", action="store_true",
                    help="generate without a KV cache (each token runs the whole sequence again)")
     p.add_argument("--seed", type=int, default=1234, help="seed of few-shot sampling and sampled generation")
+    p.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
+                   help="resamples for the standard errors of metrics without a closed form (median, f1, bleu...; "
+                        "lm-eval's default 100000); 0: no standard errors at all")
     p.add_argument("--no-verify", action="store_true",
                    help="do not check the checkpoint's files against its mpatch_manifest.json (for a checkpoint "
                         "edited on purpose)")

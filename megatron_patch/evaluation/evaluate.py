@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import tasks as task_files
-from megatron_patch.evaluation.loading import CheckpointToEvaluate, padding_is_neutral
+from megatron_patch.evaluation.loading import CheckpointToEvaluate, generation_stop_ids, padding_is_neutral
 from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch, megatron-core and lm-eval are imported inside the functions that use them (on the ranks): the CLI's
@@ -37,6 +37,7 @@ class EvalSettings:
     max_gen_toks: int = 256
     kv_cache: bool = True  # False: generation runs the whole sequence again for each token
     seed: int = 1234
+    bootstrap_iters: int = 100000  # lm-eval's default; closed-form standard errors (acc's) need only one > 0
     extra: dict = field(default_factory=dict)  # further keyword arguments of simple_evaluate
 
 
@@ -56,11 +57,14 @@ def prepare_tasks(settings: EvalSettings, folder: str | Path) -> list[str]:
     manager = task_files.task_manager(paths, list(settings.tasks))
     task_files.check_tasks(list(settings.tasks), manager)
     # a dataset that cannot be read offline, or too few few-shot examples: one line, now
-    task_files.check_fewshot(task_files.load_tasks(list(settings.tasks), manager), settings.num_fewshot)
+    task_dict = task_files.load_tasks(list(settings.tasks), manager)
+    task_files.check_documents(task_dict)
+    task_files.check_fewshot(task_dict, settings.num_fewshot)
     return paths
 
 
-def evaluate_live_model(chunks: list, arch, tokenizer, settings: EvalSettings) -> EvalResults | None:
+def evaluate_live_model(chunks: list, arch, tokenizer, settings: EvalSettings,
+                        stop_ids: frozenset[int] = frozenset()) -> EvalResults | None:
     """Evaluate this rank's built and loaded model chunks of ``arch`` (the training layout's, megatron-core's parallel
     state initialised) with ``tokenizer`` (transformers'; ``loading.load_hf_tokenizer``). Every rank of the job
     calls it; global rank 0 gets the results, the others None. Puts the chunks in eval mode: the caller puts them
@@ -71,10 +75,11 @@ def evaluate_live_model(chunks: list, arch, tokenizer, settings: EvalSettings) -
     runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, kv_cache=settings.kv_cache,
                          padding_is_neutral=padding_is_neutral(arch))
     with tempfile.TemporaryDirectory(prefix="mpatch-eval-tasks-") as folder:
-        return run_harness(runner, tokenizer, settings, prepare_tasks(settings, folder))
+        return run_harness(runner, tokenizer, settings, prepare_tasks(settings, folder), stop_ids)
 
 
-def run_harness(runner, tokenizer, settings: EvalSettings, include_paths: list[str]) -> EvalResults | None:
+def run_harness(runner, tokenizer, settings: EvalSettings, include_paths: list[str],
+                stop_ids: frozenset[int] = frozenset()) -> EvalResults | None:
     """``lm_eval.simple_evaluate`` over ``runner``; results on global rank 0, None elsewhere."""
     import torch.distributed as dist
     from lm_eval import evaluator, simple_evaluate
@@ -85,13 +90,17 @@ def run_harness(runner, tokenizer, settings: EvalSettings, include_paths: list[s
     # lm-eval records `git describe` of the current folder, whatever it is (and git says "fatal: not a git
     # repository" on stderr elsewhere): the model's provenance is the checkpoint's manifest, not the cwd.
     evaluator.get_git_commit_hash = lambda: None
-    lm = MpatchLM(runner, tokenizer, batch_size=settings.batch_size, max_gen_toks=settings.max_gen_toks)
+    # lm-eval bootstraps in a multiprocessing pool of every CPU unless told not to: not from a rank of this job
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    lm = MpatchLM(runner, tokenizer, batch_size=settings.batch_size, max_gen_toks=settings.max_gen_toks,
+                  model_stop_ids=stop_ids)
     results = simple_evaluate(
         model=lm, tasks=list(settings.tasks), task_manager=task_files.task_manager(include_paths, list(settings.tasks)),
         limit=settings.limit, num_fewshot=settings.num_fewshot, log_samples=settings.log_samples,
         apply_chat_template=settings.apply_chat_template, fewshot_as_multiturn=settings.fewshot_as_multiturn,
         random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
-        fewshot_random_seed=settings.seed, verbosity="WARNING", bootstrap_iters=0, **settings.extra)
+        fewshot_random_seed=settings.seed, verbosity="WARNING", bootstrap_iters=settings.bootstrap_iters,
+        **settings.extra)
     if results is None or (dist.is_initialized() and dist.get_rank() != 0):
         return None
     return _to_json(results)
@@ -126,7 +135,8 @@ def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: Paralle
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,
                          kv_cache=settings.kv_cache, padding_is_neutral=padding_is_neutral(checkpoint.arch))
     tokenizer = load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
-    return run_harness(runner, tokenizer, settings, include_paths)
+    return run_harness(runner, tokenizer, settings, include_paths,
+                       generation_stop_ids(checkpoint.model_config, checkpoint.model_dir))
 
 
 def evaluate_checkpoint(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, settings: EvalSettings,

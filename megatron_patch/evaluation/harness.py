@@ -25,7 +25,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text)
 
 from megatron_patch.evaluation.loading import (
-    end_of_text_id, load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral)
+    end_of_text_id, generation_stop_ids, load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral)
 from megatron_patch.evaluation.runner import ModelRunner, Sampling
 
 # megatron-core and the checkpoint loaders are imported inside the function that loads a checkpoint for lm-eval's
@@ -41,17 +41,19 @@ class MpatchLM(TemplateLM):
     this process (``create_from_arg_string``)."""
 
     def __init__(self, runner: ModelRunner | None = None, tokenizer=None, batch_size: int | str = 1,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, **model_args):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, model_stop_ids: frozenset[int] = frozenset(),
+                 **model_args):
         super().__init__()
         if runner is None:
-            runner, tokenizer = _runner_from_model_args(**model_args)
+            runner, tokenizer, model_stop_ids = _runner_from_model_args(**model_args)
         elif model_args:
             raise TypeError(f"unexpected arguments beside a runner: {sorted(model_args)}")
         self.runner, self.tokenizer = runner, tokenizer
         self._batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_gen_toks = int(max_gen_toks)
         self._end_of_text = end_of_text_id(tokenizer)
-        self.stop_ids = frozenset(_eos_ids(tokenizer) | {self._end_of_text})
+        # model_stop_ids: the model's own (``loading.generation_stop_ids``), what the HF backend stops at
+        self.stop_ids = frozenset(_eos_ids(tokenizer) | {self._end_of_text} | set(model_stop_ids))
 
     # --- what the harness asks of a model ---------------------------------------------------------------
 
@@ -221,7 +223,8 @@ def _eos_ids(tokenizer) -> set[int]:
 def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
                             dtype: str = "fp32", tokenizer: str | None = None, hf_config: str | None = None,
                             kv_cache: bool = True, verify: bool = True):
-    """The runner and tokenizer lm-eval's ``--model mpatch --model_args load_dir=...`` asks for, in this process:
+    """The runner, tokenizer and model's stop ids lm-eval's ``--model mpatch --model_args load_dir=...`` asks for, in
+    this process:
     it must be one rank of a job of the layout's size (torchrun), or alone for a layout of one process."""
     # megatron-core: imported only when lm-eval builds the model
     from megatron_patch.runtime import init_model_parallel
@@ -237,7 +240,8 @@ def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,
                          kv_cache=_flag(kv_cache),
                          padding_is_neutral=padding_is_neutral(checkpoint.arch))
-    return runner, load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
+    return (runner, load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config),
+            generation_stop_ids(checkpoint.model_config, checkpoint.model_dir))
 
 
 def _flag(value) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import read_json_object
 from megatron_patch.models.description.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.tokenizer import load_tokenizer
@@ -38,6 +39,7 @@ class CheckpointToEvaluate:
     verify: bool = True
     model_config: dict | None = None  # the model's HF config.json, as the checkpoint records it
     notes: tuple[str, ...] = ()  # what reading it found worth a warning (an --hf-config it ignores)
+    model_dir: str | None = None  # the folder of the files the checkpoint carries (generation_config.json)
 
 
 def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer: str | Path | None = None,
@@ -63,7 +65,21 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
     check_tokenizer(load_hf_tokenizer(tokenizer_dir, opened.sidecar.hf_config), arch.vocab_size, chat_template)
     return CheckpointToEvaluate(str(load_dir), arch, str(tokenizer_dir),
                                 None if hf_config is None else str(hf_config), verify, opened.sidecar.hf_config,
-                                tuple(opened.found.notes + opened.notes))
+                                tuple(opened.found.notes + opened.notes), str(opened.sidecar_dir))
+
+
+def generation_stop_ids(model_config: dict | None, folder: str | Path | None) -> frozenset[int]:
+    """The ids transformers' generate stops at for lm-eval's HF backend, whatever tokenizer folder is given: the
+    eos_token_id of the model's generation_config.json (``folder``'s), else of its config.json."""
+    generation = Path(folder) / "generation_config.json" if folder is not None else None
+    if generation is not None and generation.is_file():
+        named = read_json_object(generation, inside=Path(folder)).get("eos_token_id")
+    else:
+        config = model_config or {}
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        named = config.get("eos_token_id", text.get("eos_token_id"))
+    named = named if isinstance(named, list) else [named]
+    return frozenset(i for i in named if isinstance(i, int) and not isinstance(i, bool))
 
 
 def check_tokenizer(tokenizer, vocab_size: int, chat_template: bool = False, give: str = "--tokenizer DIR") -> None:

@@ -132,6 +132,8 @@ def check_tasks(names: list[str], manager) -> None:
         for path in _data_files((entry.cfg or {}) if entry is not None else {}):
             if not Path(path).exists():
                 raise UserError(f"task {name}: its data file {path} is missing")
+            if Path(path).is_file() and Path(path).stat().st_size == 0:  # the datasets library fails on it
+                raise UserError(f"task {name}: its data file {path} is empty")
 
 
 def _data_files(config: dict) -> list[str]:
@@ -154,6 +156,50 @@ def load_tasks(names: list[str], manager) -> dict:
         raise UserError(f"tasks {', '.join(names)}: their data could not be read here, offline ({first}): give the "
                         "data as local files (dataset_path: json, data_files) under --include-path (in "
                         "training: MP_EVAL_INCLUDE_PATH)")
+    except Exception as exc:  # noqa: BLE001 - lm-eval builds a task from its YAML and fails on a wrong one any way
+        failing = next((n for n in names if _fails_to_load(n, manager)), ", ".join(names))
+        raise UserError(f"task {failing}: lm-eval cannot build it from its definition ({type(exc).__name__}: "
+                        f"{_first_line(exc)}): check its metric_list and fields against lm-eval's task guide") from None
+
+
+def _fails_to_load(name: str, manager) -> bool:
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict([name], manager)
+    except Exception:  # noqa: BLE001 - as above
+        return True
+    return False
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+# A task's documents rendered before any rank starts, at most this many: a field a template names and a document
+# lacks fails there in one line, not in every rank as an internal error.
+DOCUMENTS_CHECKED = 1000
+
+
+def check_documents(task_dict: dict) -> None:
+    """Refuse, in one line, a task (of ``load_tasks``' dict) without documents to evaluate, or whose templates
+    (doc_to_text, doc_to_target, doc_to_choice) fail on one of its first ``DOCUMENTS_CHECKED`` documents."""
+    import itertools
+
+    for name, task in _leaf_tasks(task_dict):
+        docs = list(itertools.islice(task.eval_docs, DOCUMENTS_CHECKED))
+        if not docs:
+            raise UserError(f"task {name}: it has no documents to evaluate")
+        for number, doc in enumerate(docs, 1):
+            try:
+                task.doc_to_text(doc)
+                task.doc_to_target(doc)
+                if task.OUTPUT_TYPE == "multiple_choice":
+                    task.doc_to_choice(doc)
+            except Exception as exc:  # noqa: BLE001 - jinja, a user's Python function: anything at all
+                raise UserError(f"task {name}: document {number} cannot be rendered ({type(exc).__name__}: "
+                                f"{_first_line(exc)}): fix the task's doc_to_text/doc_to_target/doc_to_choice or "
+                                "its data") from None
 
 
 def check_fewshot(task_dict: dict, num_fewshot: int | None) -> None:

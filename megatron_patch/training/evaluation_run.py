@@ -81,11 +81,12 @@ def check_tasks_exist(cfg) -> None:
 
 
 def settings(cfg):
-    """The run's evaluation settings (``mpatch eval``'s defaults otherwise)."""
+    """The run's evaluation settings, ``mpatch eval``'s defaults otherwise: its seed too, not MP_SEED, so that the
+    few-shot examples, and the numbers, are those ``mpatch eval`` of the saved checkpoint gives."""
     from megatron_patch.evaluation.evaluate import EvalSettings
 
     include = (str(Path(cfg.eval_include_path).absolute()),) if cfg.eval_include_path else ()
-    return EvalSettings(tasks=tuple(cfg.eval_tasks), include_paths=include, limit=cfg.eval_tasks_limit, seed=cfg.seed)
+    return EvalSettings(tasks=tuple(cfg.eval_tasks), include_paths=include, limit=cfg.eval_tasks_limit)
 
 
 def due(cfg, iteration: int) -> bool:
@@ -113,10 +114,13 @@ def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
     """lm-eval's results of the live model (global rank 0; None on the others). The chunks are put back in train
     mode, and every random generator as it was: the harness seeds them, and training goes on as without it."""
     from megatron_patch.evaluation.evaluate import evaluate_live_model
+    from megatron_patch.evaluation.loading import generation_stop_ids
 
     saved = _random_states()
     try:
-        results = evaluate_live_model(chunks, cfg.arch, tokenizer, settings(cfg))
+        # the tokenizer's folder is the one the run's checkpoints carry their files from (generation_config.json)
+        stop_ids = generation_stop_ids(cfg.hf_config, tokenizer.name_or_path)
+        results = evaluate_live_model(chunks, cfg.arch, tokenizer, settings(cfg), stop_ids)
     finally:
         for chunk in chunks:
             chunk.train()
