@@ -23,12 +23,15 @@ from megatron_patch.errors import UserError
 
 MAX_INPUT_BYTES = 256 * 2**20
 
-# The side files of an HF model folder that a tokenizer, transformers or a chat template read: what the
-# converters carry along with the weights, and what is checked before transformers reads a folder.
+# The side files of an HF model folder that a tokenizer, transformers, a processor or a chat template read: what
+# the converters carry along with the weights, and what is checked before transformers reads a folder. The
+# folder's remote code (the *.py its auto_map names: Kimi-K2's model and tokenizer) travels as bytes, so that an
+# export loads as the original did with trust_remote_code; nothing here imports it.
 HF_SIDE_FILES = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
-    "*.tiktoken", "tokenizer.model", "spiece.model", "sentencepiece*.model", "generation_config.json",
-    "chat_template.*", "preprocessor_config.json",
+    "*.tiktoken", "tiktoken.model", "tokenizer.model", "spiece.model", "sentencepiece*.model",
+    "generation_config.json", "chat_template.*", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json", "*.py",
 )
 
 

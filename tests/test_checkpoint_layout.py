@@ -251,9 +251,11 @@ def test_the_newest_complete_checkpoint_is_taken_with_a_warning_for_each_skipped
     why6 = _damage(iteration_dir(root, 6), "truncated .distcp")
     why4 = _damage(iteration_dir(root, 4), "missing common.pt")
     latest, notes = latest_complete_iteration(root)
-    assert latest == 2 and len(notes) == 2
+    assert latest == 2 and len(notes) == 3
     assert notes[0].startswith(f"{iteration_dir(root, 6)} is incomplete or damaged: {why6}")
     assert notes[1] == f"{iteration_dir(root, 4)} is incomplete or damaged: {why4}"
+    # what reads it says which iteration it holds (an export of iteration 2 said nothing of it)
+    assert notes[2] == "iteration 2 (iter_0000002) is read instead"
 
 
 def test_the_tracker_bounds_the_choice_and_a_bad_tracker_is_skipped(tmp_path):

@@ -127,6 +127,25 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     assert not leftovers(ckpt) and not leftovers(back)
 
 
+def test_processor_files_and_remote_code_travel_both_ways(hf_dirs, tmp_path):
+    """An export is the HF folder again: a multimodal model's processor files (AutoProcessor failed on the export)
+    and Kimi-K2's remote code and tiktoken file, which its config.json's auto_map names (the export kept auto_map,
+    dropped the files, and loaded neither with nor without trust_remote_code)."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dirs["llama3_1"], src)
+    side = {"processor_config.json": '{"image_seq_length": 4}', "video_preprocessor_config.json": "{}",
+            "tiktoken.model": "IQ== 0\n", "configuration_deepseek.py": "# remote code, carried as bytes\n",
+            "tokenization_kimi.py": "# remote code\n"}
+    for name, text in side.items():
+        (src / name).write_text(text)
+    hf_to_mcore(src, tmp_path / "mcore", ParallelLayout(), progress=False)
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
+    for name, text in side.items():
+        assert (tmp_path / "back" / name).read_text() == text, name
+
+
 # Families whose hub checkpoints carry multi-token-prediction layers (DeepSeek's own tests,
 # tests/test_deepseek.py, also check their logits).
 # (DeepSeek-V4 carries its MTP layers unbuilt, in the hub's names: tests/test_deepseek_v4_hub.py)

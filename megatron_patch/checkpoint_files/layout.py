@@ -256,12 +256,16 @@ def latest_complete_iteration(root: str | Path, problem: Callable[[Path], str | 
             notes.append(f"{tracker} names iteration {latest}, and {len(newer)} newer iteration folder(s) "
                          f"({iteration_dir(root, newer[0]).name}) are left as they are")
         found = [i for i in found if i <= latest]
+    skipped = False
     for iteration in found:
         folder = iteration_dir(root, iteration)
         why = problem(folder)
         if why is None:
+            if skipped:  # whatever reads it (an export, an evaluation, a resume) says which iteration it holds
+                notes.append(f"iteration {iteration} ({folder.name}) is read instead")
             return iteration, notes
         notes.append(f"{folder} is incomplete or damaged: {why}")
+        skipped = True
     # read by the converter and inspect as by resume: the advice fits each
     raise UserError(f"no complete checkpoint in {root} (" + "; ".join(notes) + "): move the damaged folders away to "
                     "read an older copy (mcore2hf and inspect: or --iteration N; a training run: or another "
