@@ -218,6 +218,8 @@ def test_peft_dir_checkpoint_exports_the_same_adapter(lora_models, adapter, tmp_
     assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(out), "--lora-adapter"]) == 0
     a, b = load_file(src / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # peft's AutoPeftModel loads the base this names: the HF folder, not the MCore checkpoint (no config.json)
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(hf.resolve())
 
 
 @pytest.mark.slow
@@ -293,6 +295,19 @@ def test_an_adapter_its_config_contradicts_is_refused(lora_models, tmp_path, cap
     (adapter / "adapter_config.json").write_text(json.dumps(config))
     assert run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(lora_models["hf"]["llama3_1"]), "--save-dir",
                    str(tmp_path / "out"), "--peft-dir", str(adapter))[0] == 0
+
+
+@pytest.mark.parametrize("module", ["embed_tokens", "lm_head"])
+def test_either_end_of_a_tied_embedding_in_modules_to_save_is_refused(lora_models, tmp_path, capsys, module):
+    """peft trains a copy of the module named and keeps the other end of the tied pair as it was. embed_tokens was
+    accepted, and the model and --merge-lora export used the trained embedding for the output layer too (logits
+    1.55 from peft's merge); lm_head was refused with advice to name the embedding instead."""
+    adapter = make_peft_adapter(lora_models["hf"]["qwen2"], tmp_path / "peft", modules=["q_proj"],
+                                modules_to_save=[module])
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(lora_models["hf"]["qwen2"]), "--save-dir",
+                      str(tmp_path / "out"), "--peft-dir", str(adapter))
+    assert rc == 2 and "one end of this model's tied embedding and output layer" in _one_line(err), err
+    assert not (tmp_path / "out").exists()
 
 
 def test_adapter_for_another_base_is_refused(lora_models, tmp_path, capsys):
@@ -663,6 +678,8 @@ def test_lora_sft_run_exports_an_adapter_peft_loads(corpus, lora_bases, tmp_path
 
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
     assert _cli("convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(adapter), "--lora-adapter") == 0
+    # the HF folder the run's base was converted from, which peft's AutoPeftModel loads
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(hf.resolve())
     assert _cli("convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(merged), "--merge-lora",
                 "--quiet") == 0
     tokens = random_tokens(200, batch=2, seq=24, seed=7)

@@ -149,10 +149,21 @@ def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, fo
     arch, spec, sites, tensors, saved = _adapters(opened, verify)
     base = opened.sidecar.lora.get("base")
     with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf --lora-adapter", inputs=(load_dir,)) as tmp:
-        write_peft_adapter(tmp, sites, spec, arch, tensors, saved,
-                           base=base["path"] if base else str(opened.sidecar_dir),
+        write_peft_adapter(tmp, sites, spec, arch, tensors, saved, base=_hf_base(opened, base),
                            dtype=None if dtype is None else precision_dtype(dtype))
     return Path(save_dir)
+
+
+def _hf_base(opened, base: dict | None) -> str | None:
+    """peft's base_model_name_or_path: the HF folder the adapters' base was converted from, as its conversion
+    recorded it (None where none is: a megatron-core checkpoint is no model peft's AutoPeftModel can load)."""
+    source = opened.sidecar.source
+    if base is not None:
+        try:
+            source = open_checkpoint(base["path"]).sidecar.source
+        except (UserError, OSError):
+            source = ""
+    return source if source and Path(source).is_absolute() else None
 
 
 def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str | Path | None = None, dtype=None,

@@ -2,8 +2,8 @@
 
 Here they are the MCore parameters the weight table maps one to one from those modules' HF tensors (the
 output layer from ``lm_head``, a norm, a router): they stay trainable while every other base weight is
-frozen. A module fused with others into one MCore parameter (q_proj of ``linear_qkv``) cannot train alone,
-and a tied embedding would train both ends: both are refused in one line.
+frozen. A module fused with others into one MCore parameter (q_proj of ``linear_qkv``) cannot train alone, and
+either end of a tied embedding (peft trains it apart from the other end): both are refused in one line.
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ def saved_rules(arch: Arch, modules: tuple[str, ...]) -> dict[str, Rule]:
         return _named(hf_name, names) or _named(loaded_name(family.hf_loaded_prefixes, hf_name), names)
 
     out: dict[str, Rule] = {}
-    for rule in family.weight_rules(arch):
+    rules = family.weight_rules(arch)
+    # peft trains a copy of the one module it is told, and keeps the other end of a tied pair as it was: a tied
+    # megatron-core model, one weight for both, cannot hold that
+    tied = {r.tied_to for r in rules if r.tied_to is not None} if arch.tie_word_embeddings else set()
+    for rule in rules:
         if rule.mtp:
             continue
         layers = range(arch.num_layers) if rule.scope in (Scope.LAYER, Scope.EXPERT) else [None]
@@ -54,9 +58,11 @@ def saved_rules(arch: Arch, modules: tuple[str, ...]) -> dict[str, Rule]:
                     raise UserError(f"modules_to_save names {hits[0].rpartition('.')[0]}, which megatron-core fuses "
                                     f"with {', '.join(n for n in names if n not in hits) or 'others'} into one weight: it "
                                     "cannot be trained whole alone")
-                if rule.tied_to is not None and arch.tie_word_embeddings:
-                    raise UserError(f"modules_to_save names {hits[0].rpartition('.')[0]}, which this model ties to "
-                                    f"{rule.tied_to}: name the embedding instead")
+                if (rule.tied_to is not None and arch.tie_word_embeddings) or names[0] in tied:
+                    raise UserError(f"modules_to_save names {hits[0].rpartition('.')[0]}, one end of this model's tied "
+                                    "embedding and output layer: peft would train it apart from the other end, which "
+                                    "a tied model cannot hold; train the pair with LoRA targets instead, or untie "
+                                    "them (tie_word_embeddings: false)")
                 out[names[0]] = rule
     missing = [m for m in modules if not any(named(n, (m,)) for n in out)]
     if missing:
