@@ -606,8 +606,8 @@ def test_a_resume_with_another_seed_or_lora_is_refused_and_another_dropout_resum
                                                   "data's order follows it")):
         notes(MP_SEED="7")
     assert resume_notes(resolve("llama3_1", [*args[:2], "4", *args[3:]], env={"MP_LORA_RANK": "4"}), folder) == [
-        "BATCH_SIZE 2 -> 4: the same samples in other micro-batches, so the losses differ from an uninterrupted run's "
-        "in their last digits"]
+        "BATCH_SIZE 2 -> 4: the same samples in other micro-batches, which adds them in another order, so the losses "
+        "differ from an uninterrupted run's in their last digits"]
 
 
 def test_a_launch_of_another_job_into_a_run_folder_stops_before_any_rank(corpus, tmp_path, monkeypatch, capsys):

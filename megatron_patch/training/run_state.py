@@ -193,8 +193,13 @@ def resume_notes(cfg, folder: Path) -> list[str]:
     notes = [f"the learning-rate schedule follows this launch, not the checkpoint's: {', '.join(changed)}"] \
         if changed else []
     if "micro_batch_size" in then and then["micro_batch_size"] != now["micro_batch_size"]:
+        # the loss is the mean of each micro-batch's token mean (Megatron-LM's default): SFT's micro-batches hold
+        # uneven numbers of trained tokens, so regrouping them reweights the tokens
+        how = ("reweights the trained tokens (each micro-batch's mean counts alike), so the steps differ from an "
+               "uninterrupted run's" if now.get("sft") else
+               "adds them in another order, so the losses differ from an uninterrupted run's in their last digits")
         notes.append(f"BATCH_SIZE {then['micro_batch_size']} -> {now['micro_batch_size']}: the same samples in other "
-                     "micro-batches, so the losses differ from an uninterrupted run's in their last digits")
+                     f"micro-batches, which {how}")
     return notes
 
 
