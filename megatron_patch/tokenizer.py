@@ -192,8 +192,10 @@ class HFTokenizer:
                                 f"{self.vocab_size} ids: fix it, or name the end-of-document token in "
                                 "tokenizer_config.json's eos_token")
             return eos_id
-        raise UserError(f"{folder}: cannot tell the end-of-document token (no eos_token in tokenizer_config.json, "
-                        f"none of {', '.join(EOD_CANDIDATES)} in the vocabulary)")
+        named = (f"tokenizer_config.json's eos_token {eos!r} is not in tokenizer.json" if isinstance(eos, str) and eos
+                 else "no eos_token in tokenizer_config.json")
+        raise UserError(f"{folder}: cannot tell the end-of-document token ({named}, none of "
+                        f"{', '.join(EOD_CANDIDATES)} in the vocabulary)")
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -177,22 +178,37 @@ def test_a_garbage_tokenizer_file_is_one_line_and_exit_2(tokenizer, tmp_path, ca
     _one_line(rc, err, name, words)
 
 
+def _without_end_of_document_names(tokenizer, folder):
+    """A copy of ``tokenizer``'s tokenizer.json in ``folder``, its special tokens named none of EOD_CANDIDATES."""
+    spec = json.loads((tokenizer / "tokenizer.json").read_text())
+    renamed = {t["content"]: f"[{i}]" for i, t in enumerate(spec["added_tokens"])}
+    for token in spec["added_tokens"]:
+        token["content"] = renamed[token["content"]]
+    spec["model"]["vocab"] = {renamed.get(k, k): v for k, v in spec["model"]["vocab"].items()}
+    if spec["model"].get("unk_token") in renamed:
+        spec["model"]["unk_token"] = renamed[spec["model"]["unk_token"]]
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def test_an_eos_token_the_vocabulary_lacks_is_named(tokenizer, tmp_path):
+    """The refusal said 'no eos_token in tokenizer_config.json' of a folder that names one tokenizer.json lacks."""
+    from megatron_patch.tokenizer import load_tokenizer
+
+    folder = _without_end_of_document_names(tokenizer, tmp_path / "tok")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot|>"}))
+    named = re.escape("tokenizer_config.json's eos_token '<|eot|>' is not in tokenizer.json")
+    with pytest.raises(UserError, match=named):
+        load_tokenizer(folder)
+
+
 @pytest.mark.parametrize("eos_id", [500, -1, 70000, 5])
 def test_an_eos_token_id_outside_the_vocabulary_is_one_line_and_exit_2(tokenizer, tmp_path, capsys, eos_id):
     """A folder whose tokenizer names no end-of-document token falls back to config.json's eos_token_id, which
     is untrusted: 500 ended every document with an id the 200-token model has no row for (exit 0), -1 and 70000
     stopped preprocess with an OverflowError. An id inside the vocabulary is taken."""
-    spec = json.loads((tokenizer / "tokenizer.json").read_text())
-    renamed = {t["content"]: f"[{i}]" for i, t in enumerate(spec["added_tokens"])}  # no EOD_CANDIDATES name left
-    for token in spec["added_tokens"]:
-        token["content"] = renamed[token["content"]]
-    vocab = spec["model"]["vocab"]
-    spec["model"]["vocab"] = {renamed.get(k, k): v for k, v in vocab.items()}
-    if spec["model"].get("unk_token") in renamed:
-        spec["model"]["unk_token"] = renamed[spec["model"]["unk_token"]]
-    folder = tmp_path / "tok"
-    folder.mkdir()
-    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    folder = _without_end_of_document_names(tokenizer, tmp_path / "tok")
     (folder / "config.json").write_text(json.dumps({"eos_token_id": eos_id}))
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c"}])
     argv = ["preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "p"), "--tokenizer", str(folder),
