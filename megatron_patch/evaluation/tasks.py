@@ -15,6 +15,7 @@ lm-eval reads a relative ``data_files`` from the current folder, not from the YA
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -184,8 +185,6 @@ DOCUMENTS_CHECKED = 1000
 def check_documents(task_dict: dict) -> None:
     """Refuse, in one line, a task (of ``load_tasks``' dict) without documents to evaluate, or whose templates
     (doc_to_text, doc_to_target, doc_to_choice) fail on one of its first ``DOCUMENTS_CHECKED`` documents."""
-    import itertools
-
     for name, task in _leaf_tasks(task_dict):
         docs = list(itertools.islice(task.eval_docs, DOCUMENTS_CHECKED))
         if not docs:

@@ -13,6 +13,8 @@ do not record is listed in the returned notes, never silently assumed.
 
 from __future__ import annotations
 
+import copy
+
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.family import ModelFamily
 
@@ -52,7 +54,8 @@ def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict,
                         + (f" ({padded} rows)" if padded else "")
                         + ", not the tokenizer's: give --hf-config (the model's HF config.json has the true vocab_size)")
     heads = args["num_attention_heads"]
-    config = {k: v for k, v in family.tiny_config.items() if k not in _NOT_ARCHITECTURE}
+    # a deep copy: the derived config is the checkpoint's own, and its nested tables must not be the family's
+    config = copy.deepcopy({k: v for k, v in family.tiny_config.items() if k not in _NOT_ARCHITECTURE})
     config.update(
         hidden_size=args["hidden_size"], num_hidden_layers=args["num_layers"], num_attention_heads=heads,
         num_key_value_heads=args.get("num_query_groups") if args.get("group_query_attention") else heads,
