@@ -113,6 +113,27 @@ def test_a_pickle_planted_in_the_data_cache_never_runs(built, marker, capsys, af
     assert data_cache.npy_problem(path) is None
 
 
+def test_a_corpus_rewritten_at_its_path_gets_indices_of_its_own(tmp_path):
+    """megatron-core keys its cache by the data's path: a corpus written again there with shorter documents (a run
+    without a checkpoint yet, relaunched) read the old indices and trained padded samples without a word; longer
+    ones stopped in an IndexError."""
+    from tests.sft_helpers import write_mmap_pair
+
+    prefix = str(tmp_path / "corpus_text_document")
+    documents = [numpy.random.default_rng(i).integers(0, 200, 40).tolist() for i in range(400)]
+    write_mmap_pair(prefix, documents)
+    cfg = _cfg({"prefix": prefix}, tmp_path / "out")
+    first = _build(cfg)
+    assert all(bool(first[i]["loss_mask"].all()) for i in range(len(first)))
+    # the documents no sample starts in lose half their tokens: the old indices' offsets all still lie within
+    # their documents (the fit check passes), and samples run short
+    starts = {int(d) for d in numpy.asarray(first.document_index)[numpy.asarray(first.sample_index)[:, 0]]}
+    write_mmap_pair(prefix, [d if i in starts else d[:20] for i, d in enumerate(documents)])
+    again = _build(cfg)
+    assert again.unique_description_hash != first.unique_description_hash
+    assert all(bool(again[i]["loss_mask"].all()) for i in range(len(again)))  # no padded sample
+
+
 def test_a_sound_cache_from_a_colleague_is_kept(built, corpus, tmp_path, capsys):
     """Untrusted is not refused: a copied run folder whose cache is sound reads it as it is."""
     _, want, folder = built

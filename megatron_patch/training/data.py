@@ -9,6 +9,7 @@ uninterrupted run read.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -24,11 +25,18 @@ from megatron_patch.training import data_cache
 class _DatasetTokenizer:
     """What GPTDatasetConfig reads from a tokenizer: vocabulary size and end-of-document id."""
 
-    def __init__(self, vocab_size: int, eod: int):
+    def __init__(self, vocab_size: int, eod: int, data: dict | None = None):
         self.vocab_size = vocab_size
         self.eod = eod
-        # Part of the dataset's cache key (megatron hashes the config, tokenizer included).
-        self.unique_identifiers = {"class": "mpatch", "vocab_size": vocab_size, "eod": eod}
+        # Part of the dataset's cache key (megatron hashes the config, tokenizer included). ``data``: the files'
+        # sizes, as megatron-core keys its cache by the data's path alone (a corpus rewritten there with other
+        # document lengths read the old indices: padded samples trained silently, or an IndexError)
+        self.unique_identifiers = {"class": "mpatch", "vocab_size": vocab_size, "eod": eod, "data": data or {}}
+
+
+def data_identity(prefixes: list[str]) -> dict[str, list[int]]:
+    """Each mmap prefix's .bin and .idx sizes: the same on every node (a copy's modification time is not)."""
+    return {prefix: [os.path.getsize(prefix + suffix) for suffix in (".bin", ".idx")] for prefix in prefixes}
 
 
 def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: int):
@@ -71,7 +79,8 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
         random_seed=cfg.seed, sequence_length=cfg.seq_len,
         blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None],
         path_to_cache=str(cache),
-        tokenizer=_DatasetTokenizer(arch.padded_vocab_size(), eod),
+        tokenizer=_DatasetTokenizer(arch.padded_vocab_size(), eod,
+                                    data_identity([*cfg.dataset_path, *(cfg.valid_dataset_path or [])])),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         mmap_bin_files=True,
     )
