@@ -141,6 +141,20 @@ def test_preprocess_takes_a_list_of_sentences_as_one_document(tmp_path):
     assert ds[1].tolist() == tok.encode(texts[3]) + [tok.eod]
 
 
+@pytest.mark.slow
+def test_validation_runs_at_its_interval_and_after_the_last_iteration(corpus, tmp_path):
+    """Megatron-LM's pretrain(), which Pai runs, validates once more after its loop: a 3-iteration run with
+    MP_EVAL_INTERVAL=2 validated after iteration 2 only (and with the default 10000, never)."""
+    out = tmp_path / "out"
+    args = _pretrain_args(corpus, out, TRAIN_TOKENS_OR_ITERS=str(3 * GBS * SEQ), WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ),
+                          VALID_DATASET_PATH=corpus["prefix"])
+    proc = launch(args, {"MP_EVAL_INTERVAL": "2", "MP_EVAL_ITERS": "1", "MP_SAVE": "false"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "valid_loss" in r] == [2, 3]
+    assert "the validation loss is not held out" in proc.stdout + proc.stderr
+
+
 # --- pretraining at TP=2: the loss falls, and a resumed run is the same run ----------------------------
 
 @pytest.fixture(scope="module")

@@ -213,6 +213,23 @@ def test_mp_ac_layers_under_an_ac_that_counts_no_layers_is_noted(data, ac, noted
     assert cfg.ac_layers == 2
 
 
+def test_validation_on_training_data_or_on_nothing_is_noted(data, tmp_path):
+    """Pai's README line gives one prefix for DATASET_PATH and VALID_DATASET_PATH (Pai's launcher holds out 1% of it):
+    the validation loss here was on training samples, without a word; VALID_DATASET_PATH=none with an
+    MP_EVAL_INTERVAL validated nothing, silently."""
+    same = resolve("llama3_1", _args(data, VALID_DATASET_PATH=data["prefix"]), env={})
+    assert [n for n in same.notes if "not held out" in n] == [
+        "VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not held out, where "
+        "Pai's launcher would hold out 1% of the data; give a held-out set"]
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"held_out{suffix}").write_bytes(b"")
+    apart = resolve("llama3_1", _args(data, VALID_DATASET_PATH=str(tmp_path / "held_out")), env={})
+    assert not [n for n in apart.notes if "not held out" in n]
+    nothing = resolve("llama3_1", _args(data, VALID_DATASET_PATH="none"), env={"MP_EVAL_INTERVAL": "5"})
+    assert nothing.notes == ["MP_EVAL_INTERVAL=5 validates nothing: VALID_DATASET_PATH is none"]
+    assert resolve("llama3_1", _args(data, VALID_DATASET_PATH="none"), env={}).notes == []
+
+
 def test_an_mp_variable_no_option_reads_is_named_in_the_notes(data):
     cfg = resolve("llama3_1", _args(data), env={"MP_SOMETHING_ELSE": "1", "MP_LAUNCHER_PID": "1"})
     assert cfg.notes == ["MP_SOMETHING_ELSE is set but is not a launcher option: it is ignored (examples/README.md "

@@ -481,9 +481,9 @@ ENVIRONMENT = [
     Option("MP_EXIT_INTERVAL", CORE, INTEGER, "stop after this many iterations (after saving), e.g. to test a resume",
            field="exit_interval"),
     Option("MP_LOG_INTERVAL", CORE, INTEGER, "log every this many iterations", default=1, field="log_interval"),
-    Option("MP_EVAL_INTERVAL", CORE, integer(lo=0), "validate every this many iterations (as Pai-Megatron-Patch; "
-           "0: never)", default=10000, field="eval_interval"),
-    Option("MP_EVAL_ITERS", CORE, integer(hi=MAX_ITERATIONS), "validation micro-batch rounds per evaluation",
+    Option("MP_EVAL_INTERVAL", CORE, integer(lo=0), "validate every this many iterations and after the last one (as "
+           "Pai-Megatron-Patch; 0: never)", default=10000, field="eval_interval"),
+    Option("MP_EVAL_ITERS", CORE, integer(hi=MAX_ITERATIONS), "validation global batches per evaluation",
            default=10, field="eval_iters"),
     # at most 2**32 - 1: megatron-core's datasets and lm-eval (MP_EVAL_TASKS) seed numpy with it, which takes no more
     Option("MP_SEED", CORE, integer(lo=0, hi=2**32 - 1), "random seed (pipeline stage p initialises with seed + 100*p)",

@@ -596,7 +596,9 @@ class Trainer:
                           + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
                           + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms"
                           + (f" | offload {metrics['offload_share']:.0%}" if "offload_share" in metrics else ""))
-            if self.valid_data is not None and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
+            # every MP_EVAL_INTERVAL iterations, and after the last one (Megatron-LM's pretrain() validates at its end)
+            if self.valid_data is not None and cfg.eval_interval and (
+                    self.iteration % cfg.eval_interval == 0 or self.iteration == cfg.train_iters):
                 watchdog.set_phase(f"validation after iteration {self.iteration}")
                 vloss = self.evaluate()
                 self._log(f"validation at iter {self.iteration}: loss {vloss:.4f} | ppl {math.exp(min(vloss, 50)):.2f}")

@@ -113,6 +113,12 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     paths, weights = parse_data_paths("DATASET_PATH", o["DATASET_PATH"], found)
     valid, valid_weights = (None, None) if o["VALID_DATASET_PATH"] is None else \
         parse_data_paths("VALID_DATASET_PATH", o["VALID_DATASET_PATH"], found)
+    if valid is None and o.given("MP_EVAL_INTERVAL") and o["MP_EVAL_INTERVAL"]:
+        notes.append(f"MP_EVAL_INTERVAL={o.raw('MP_EVAL_INTERVAL')} validates nothing: VALID_DATASET_PATH is none")
+    elif valid is not None and set(valid) <= set(paths):
+        # Pai's README line gives one prefix for both, and Pai's launcher holds out 1% of it (--split 99,1,0)
+        notes.append("VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not "
+                     "held out, where Pai's launcher would hold out 1% of the data; give a held-out set")
     # JSON records are tokenized here, by default with the checkpoint's tokenizer; an idxmap is already ids.
     o.settle("MP_TOKENIZER", sft=sft, dataset_type=dataset_type, checkpoint=ckpt)
     o.settle("MP_WEIGHT_DECAY", family=family)
