@@ -474,6 +474,19 @@ def test_routing_flips_are_judged_on_their_own_floor():
     assert v.routing[0].flipped == b * s and v.routing[0].ratio == b * s / MIN_FLOOR_FLIPS
 
 
+def test_a_nan_is_the_worst_point_of_the_verdict():
+    """With a NaN from layer 1 on, the verdict named 'worst point embedding at 0.0e+00': max() over a NaN keeps
+    what it met first."""
+    layers, b, s, h = 2, 2, 8, 8
+    ref = {n: torch.randn(b, s, h) for n in point_names(layers)}
+    ref["logits"] = torch.randn(b, s, 32)
+    test = {n: t.clone() for n, t in ref.items()}
+    for name in [n for n in test if n.startswith("layers.1.") or n in ("final_norm", "logits")]:
+        test[name] = torch.full_like(test[name], float("nan"))
+    v = judge(ref, test, "fp32", layers)
+    assert not v.aligned and v.worst_point != "embedding" and "worst point embedding" not in v.summary, v.summary
+
+
 @pytest.mark.slow
 def test_bf16_verdict_needs_the_floor_and_uses_it(aligned):
     ref, floor = aligned["ref"]["llama3_1"], aligned["floor"]["llama3_1"]

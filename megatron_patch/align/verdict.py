@@ -339,20 +339,25 @@ def _why(first, dtype: str, tol: float) -> tuple[str, str]:
     return _where(first), why
 
 
+def _nan_worst(value: float) -> float:
+    """``value`` for max(), NaN counting as the worst (max() over a NaN keeps whatever it met first)."""
+    return float("inf") if value != value else value
+
+
 def _verdict(results: list[PointResult], routing: list[RoutingResult], dtype: str, tol: float, what: str,
              selection: list[RoutingResult] = ()) -> Verdict:
     first = next((p for p in _in_flow_order(results, routing, selection) if not p.passed), None)
     judged = [p for p in results if p.metrics]
     logits = results[-1]
     if dtype == "fp32":
-        worst = max(judged, key=lambda p: p.metrics["rel_l2"])
+        worst = max(judged, key=lambda p: _nan_worst(p.metrics["rel_l2"]))
         worst_ratio = None
         head = (f"fp32 logits agree to rel_l2 {logits.metrics['rel_l2']:.1e} (limit {FP32_REL_L2:g}), "
                 f"KL {logits.metrics['kl']:.1e} (limit {FP32_KL:g}); worst point {worst.name} at "
                 f"{worst.metrics['rel_l2']:.1e}" if logits.metrics else
                 f"fp32: worst point {worst.name} at {worst.metrics['rel_l2']:.1e}")
     else:
-        worst = max(judged, key=lambda p: p.ratio)
+        worst = max(judged, key=lambda p: _nan_worst(p.ratio))
         worst_ratio = worst.ratio
         head = (f"{what}'s {dtype} error is {logits.ratio:.2f}x HF's own {dtype} rounding at the logits "
                 f"(worst {worst.ratio:.2f}x at {worst.name}; limit {tol:g}x)" if logits.metrics else
