@@ -45,6 +45,8 @@ def test_default_run_certifies_in_fp32_what_bf16_alone_calls_aligned(llama, tmp_
     assert "decided by the fp32 run" in v["summary"] and v["runs"]["bf16"]["aligned"], v["summary"]
     md = (report / "report.md").read_text()
     assert "fp32 run (certifies the conversion): NOT aligned" in md and "bf16 run: aligned" in md
+    # the header names the run whose tables follow (it said "tested: HF bf16", a bf16 floor, over fp32 numbers)
+    assert f"- tested: HF fp32 ({bad})" in md and "noise floor" not in md, md
     only = tmp_path / "only"
     assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(bad), "--only-dtype", "--quiet", "--report-dir",
                  str(only)]) == 0

@@ -271,19 +271,22 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
     log("[3/3] verdict")
     verdicts = {dt: judge(ref, tests[dt], dt, ref_arch.num_layers, floor if dt != "fp32" else None, s.tolerance,
                           what=s.test_side, exact_routing=exact_routing_layers(ref_arch)) for dt in s.runs}
+    verdict = combined_verdict(verdicts, s)
+    shown = verdict["dtype"]  # the run whose numbers the report's tables hold: the one that decided
     result = {
-        "verdict": combined_verdict(verdicts, s),
+        "verdict": verdict,
         "settings": {**asdict(s), "layout": {"tp": s.layout.tp, "pp": s.layout.pp, "ep": s.layout.ep,
                                              "etp": s.layout.etp}},
         "inputs": {"tokens": token_source, "batch": s.batch, "seq_len": s.seq_len},
         "model": {"family": ref_arch.family, "num_layers": ref_arch.num_layers, "hidden_size": ref_arch.hidden_size,
                   "vocab_size": ref_arch.vocab_size, "num_experts": ref_arch.num_experts},
         "compared": {"reference": f"HF fp32 ({s.hf_dir})",
-                     "floor": (f"HF {s.dtype} ({s.hf_dir})" + (f" after torchao's convert_to_float8_training "
-                                                               f"({s.fp8_recipe}, filter {filter_text(s.fp8_filter)})"
-                                                               if s.fp8 else "")) if floor is not None else None,
-                     "tested": (f"HF {s.dtype} ({s.hf_dir_2})" if s.hf_dir_2 else
-                                f"MCore {s.dtype} at {s.layout} from "
+                     "floor": (f"HF {shown} ({s.hf_dir})" + (f" after torchao's convert_to_float8_training "
+                                                              f"({s.fp8_recipe}, filter {filter_text(s.fp8_filter)})"
+                                                              if s.fp8 else ""))
+                     if floor is not None and shown != "fp32" else None,
+                     "tested": (f"HF {shown} ({s.hf_dir_2})" if s.hf_dir_2 else
+                                f"MCore {shown} at {s.layout} from "
                                 + (f"checkpoint {s.mcore_dir} ({sidecar.checkpoint_format})" if s.mcore_dir
                                    else f"{s.hf_dir} (in-memory mapping)") + peft)},
         "config_differences": config_differences(ref_arch.hf_config, test_arch.hf_config),
