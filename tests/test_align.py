@@ -474,6 +474,21 @@ def test_routing_flips_are_judged_on_their_own_floor():
     assert v.routing[0].flipped == b * s and v.routing[0].ratio == b * s / MIN_FLOOR_FLIPS
 
 
+def test_the_verdict_says_what_the_inputs_leave_unexercised():
+    """Two embedding rows of tokens the inputs never use, or two experts no token is routed to, swapped: ALIGNED,
+    'fp32 certifies the conversion', without a word of what was not exercised."""
+    from megatron_patch.align.alignment import input_coverage
+
+    untied = parse_arch({**families()["qwen3_moe"].tiny_config, "tie_word_embeddings": False})
+    tokens = torch.arange(50).view(2, 25)
+    routing = {"routing.0": torch.tensor([[[0, 1], [1, 2]]]), "routing.1": torch.tensor([[[0, 1], [2, 3]]])}
+    said = input_coverage(tokens, routing, untied)
+    assert said.startswith(f"the inputs reach 50 of the {untied.vocab_size} embedding rows and as few as 3 of the "
+                           f"{untied.num_experts} experts in an MoE layer (layer 0; 1 of 2 layers"), said
+    tied = parse_arch({**families()["qwen3_moe"].tiny_config, "tie_word_embeddings": True})
+    assert input_coverage(tokens, {"routing.0": torch.arange(tied.num_experts).view(1, -1, 2)}, tied) is None
+
+
 def test_a_nan_is_the_worst_point_of_the_verdict():
     """With a NaN from layer 1 on, the verdict named 'worst point embedding at 0.0e+00': max() over a NaN keeps
     what it met first."""

@@ -17,7 +17,7 @@ import psutil
 import torch
 
 from megatron_patch.align import ablations
-from megatron_patch.align.capture import captured_point_names, streams_like
+from megatron_patch.align.capture import ROUTING, captured_point_names, streams_like
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, exact_routing_layers, judge
@@ -272,6 +272,10 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
     verdicts = {dt: judge(ref, tests[dt], dt, ref_arch.num_layers, floor if dt != "fp32" else None, s.tolerance,
                           what=s.test_side, exact_routing=exact_routing_layers(ref_arch)) for dt in s.runs}
     verdict = combined_verdict(verdicts, s)
+    unreached = input_coverage(tokens, ref, ref_arch)
+    if unreached and verdict["aligned"]:
+        verdict["summary"] += f" [{unreached}]"
+    verdict["coverage"] = unreached
     shown = verdict["dtype"]  # the run whose numbers the report's tables hold: the one that decided
     result = {
         "verdict": verdict,
@@ -307,6 +311,28 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
 UNRESOLVED = ("faults smaller than {dtype} rounding (a 0.1% norm scale, one weight element off by a standard "
               "deviation, two swapped vocabulary rows) pass unseen; run without --only-dtype to certify the "
               "conversion in fp32 first")
+
+
+def input_coverage(tokens: torch.Tensor, ref: dict, arch) -> str | None:
+    """What of the model the inputs leave unexercised, in words (None: nothing). A verdict holds for what they
+    reach: an embedding row of a token they never use (untied: the logits cover a tied one's every row) and an
+    expert no token is routed to compute nothing here, so a fault in them passes unseen (two such rows or experts
+    swapped was ALIGNED, 'fp32 certifies')."""
+    said = []
+    used = int(torch.unique(tokens).numel())
+    if not arch.tie_word_embeddings and used < arch.vocab_size:
+        said.append(f"{used} of the {arch.vocab_size} embedding rows")
+    experts = [(int(name[len(ROUTING):]), int(torch.unique(ids).numel())) for name, ids in ref.items()
+               if name.startswith(ROUTING)]
+    short = [(layer, n) for layer, n in experts if n < arch.num_experts]
+    if short:
+        layer, fewest = min(short, key=lambda item: item[1])
+        said.append(f"as few as {fewest} of the {arch.num_experts} experts in an MoE layer (layer {layer}; "
+                    f"{len(short)} of {len(experts)} layers leave experts unused)")
+    if not said:
+        return None
+    return ("the inputs reach " + " and ".join(said) + ": a fault in the rest is not seen here; more or other "
+            "tokens (--batch, --seq-len, --seed, --text-file) reach more")
 
 
 def combined_verdict(verdicts: dict, s: AlignSettings) -> dict:
