@@ -489,6 +489,22 @@ def test_the_verdict_says_what_the_inputs_leave_unexercised():
     assert input_coverage(tokens, {"routing.0": torch.arange(tied.num_experts).view(1, -1, 2)}, tied) is None
 
 
+def test_fp32_certifies_only_the_tokens_its_allowed_routing_flips_did_not_reach():
+    """A router bias off by 0.03 moved 2 of 256 tokens in fp32, within the 1% allowed for near-ties: the verdict
+    said 'fp32 certifies the conversion' while the whole logits differed 2600x over the fp32 bound."""
+    from types import SimpleNamespace
+
+    from megatron_patch.align.alignment import _certifies
+    from megatron_patch.align.verdict import RoutingResult
+
+    def run(flipped):
+        return SimpleNamespace(routing=[RoutingResult(2, 256, flipped, None, None, "<= 1% of tokens", True)])
+
+    assert _certifies(run(0)) == "fp32 certifies the conversion"
+    assert _certifies(run(2)).startswith("fp32 certifies the conversion on the tokens its 2 routing flip(s) did not "
+                                         "reach"), _certifies(run(2))
+
+
 def test_a_nan_is_the_worst_point_of_the_verdict():
     """With a NaN from layer 1 on, the verdict named 'worst point embedding at 0.0e+00': max() over a NaN keeps
     what it met first."""
