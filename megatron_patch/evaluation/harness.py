@@ -12,10 +12,8 @@ and the CLI, so ``mpatch`` and the converter start without it.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from pathlib import Path
 
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -207,17 +205,9 @@ def _same_length_runs(chunk):
 
 
 def _eos_ids(tokenizer) -> set[int]:
-    """The ids that end a generation: the tokenizer's end of sequence, and those generation_config.json names
-    (what transformers' generate stops at for the HF backend)."""
-    ids = {tokenizer.eos_token_id} - {None}
-    config = Path(tokenizer.name_or_path) / "generation_config.json"
-    if config.is_file():
-        try:
-            named = json.loads(config.read_text()).get("eos_token_id")
-        except (OSError, ValueError):
-            named = None
-        ids |= set(named if isinstance(named, list) else [named] if isinstance(named, int) else [])
-    return ids
+    """The ids that end a generation: the tokenizer's end of sequence, and those the generation_config.json of its
+    folder names (what transformers' generate stops at for the HF backend), read as the model's are."""
+    return ({tokenizer.eos_token_id} - {None}) | generation_stop_ids(None, tokenizer.name_or_path)
 
 
 def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,

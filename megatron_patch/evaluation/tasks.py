@@ -153,7 +153,7 @@ def load_tasks(names: list[str], manager) -> dict:
     try:
         return get_task_dict(names, manager)
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _first_line(exc) or type(exc).__name__
         raise UserError(f"tasks {', '.join(names)}: their data could not be read here, offline ({first}): give the "
                         "data as local files (dataset_path: json, data_files) under --include-path (in "
                         "training: MP_EVAL_INCLUDE_PATH)")

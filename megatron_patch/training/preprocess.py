@@ -127,7 +127,7 @@ def _encode_line(item: tuple[int, str, int, str, bool]):
         return lineno, None, f"no '{key}' field (fields: {fields})", 0, size
     text = obj[key]
     # a list of strings is a document's sentences (Megatron-LM's and Pai's preprocessing: each tokenized, one document)
-    sentences = text if isinstance(text, list) and all(isinstance(t, str) for t in text) else [text]
+    sentences = text if isinstance(text, list) else [text]
     if not all(isinstance(t, str) for t in sentences):
         return lineno, None, f"'{key}' is a {type(text).__name__}, not a string or a list of strings", 0, size
     ids = []
