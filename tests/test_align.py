@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron_patch.align.alignment import config_differences
-from megatron_patch.align.capture import _hooks, point_names, selection_layers
+from megatron_patch.align.capture import (EVERY_ID, _hooks, every_expert_point, point_layer, point_names,
+                                          router_point, selection_layers)
 from megatron_patch.align.parity import random_tokens
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, MIN_FLOOR_FLIPS, exact_routing_layers, judge
@@ -148,6 +149,22 @@ def plant_router_rows_swapped(arch):
     return edit
 
 
+def plant_router_row_nudged(arch):
+    """Expert 0's router row 0.3% larger: the scores move a little, a token or two (within the 1% of near-ties fp32
+    allows) changes experts, and the routing check alone let it through ('fp32 certifies the conversion')."""
+    def edit(sd):
+        sd["decoder.layers.1.mlp.router.weight"][0] *= 1.003
+    return edit
+
+
+def plant_correction_bias_nudged(arch):
+    """Layer 1's score-correction bias of expert 0 off by 0.01: the bias only moves choices, a few tokens' here
+    (fp32's 1% of near-ties), and no output was compared to it."""
+    def edit(sd):
+        sd["decoder.layers.1.mlp.router.expert_bias"][0] += 0.01
+    return edit
+
+
 # DeepSeek-V4 (hyper-connection streams, CSA block selection, hash routing)
 V4_STREAM = 3
 
@@ -201,6 +218,17 @@ def plant_v4_indexer_rows_swapped(arch):
     return edit
 
 
+def plant_unused_embedding_rows_swapped(arch):
+    """The embedding rows of two ids the inputs never use swapped (untied: the output layer keeps its rows), as a
+    converter that misplaced a vocabulary shard's rows would leave them: ALIGNED while only the inputs' rows were
+    compared."""
+    def edit(sd):
+        used = set(align_tokens().flatten().tolist())
+        a, b = [i for i in range(arch.vocab_size) if i not in used][:2]
+        swap_rows(sd["embedding.word_embeddings.weight"], slice(a, a + 1), slice(b, b + 1))
+    return edit
+
+
 def plant_megatron_default_rope_scaling(hf_config):
     """The fault users hit: llama3 scaling factors hard-coded to megatron's defaults (1, 4, 8192)."""
     rope = hf_config.get("rope_parameters") or hf_config["rope_scaling"]
@@ -213,9 +241,12 @@ FAULTS = {
     "k_and_v_swapped": ("llama3_1", plant_k_v_swapped, None, f"layers.{FAULT_LAYER}.attention"),
     "interleaved_rope_layout": ("llama3_1", plant_interleaved_rope_layout, None, "layers.0.attention"),
     "qwen2_qkv_bias_dropped": ("qwen2", plant_qkv_bias_dropped, None, "layers.0.attention"),
+    "unused_embedding_rows_swapped": ("llama3_1", plant_unused_embedding_rows_swapped, None, EVERY_ID),
     "wrong_rope_scaling_in_config": ("llama3_1", None, plant_megatron_default_rope_scaling, "layers.0.attention"),
     "expert_0_and_1_swapped": ("qwen2_moe", plant_expert_swap, None, "layers.1.mlp"),
-    "router_rows_0_and_1_swapped": ("mixtral", plant_router_rows_swapped, None, "layers.1.routing"),
+    "router_rows_0_and_1_swapped": ("mixtral", plant_router_rows_swapped, None, "layers.1.router"),
+    "router_row_nudged": ("mixtral", plant_router_row_nudged, None, "layers.1.router"),
+    "correction_bias_nudged": ("deepseek_v3", plant_correction_bias_nudged, None, "layers.1.router"),
     "v4_sinks_dropped": ("deepseek_v4", plant_v4_sinks_dropped, None, f"layers.{FAULT_LAYER}.attention"),
     "v4_wrong_sinkhorn_eps": ("deepseek_v4", None, plant_v4_sinkhorn_eps, "layers.0.residual"),
     "v4_one_stream_post_mix": ("deepseek_v4", plant_v4_one_stream_post_mix, None, f"layers.{FAULT_LAYER}.output"),
@@ -226,7 +257,8 @@ FAULTS = {
 }
 MOE_FAMILIES = [f for f in FAMILY_NAMES if parse_arch(families()[f].tiny_config).is_moe]
 # Faults also judged in bf16 against the noise floor.
-BF16_FAULTS = ("k_and_v_swapped", "expert_0_and_1_swapped", "router_rows_0_and_1_swapped", "v4_tid2eid_row_replaced",
+BF16_FAULTS = ("k_and_v_swapped", "unused_embedding_rows_swapped", "expert_0_and_1_swapped",
+               "router_rows_0_and_1_swapped", "v4_tid2eid_row_replaced",
                "v4_indexer_rows_swapped", "v4_one_stream_post_mix")
 
 
@@ -301,6 +333,12 @@ def test_planted_fault_fails_at_its_first_layer(aligned, fault):
     v = _judge(aligned, family, "fp32", aligned["faults"][fault])
     assert not v.aligned, v.summary
     assert v.first_failure == expected, v.summary
+    if expected == EVERY_ID:  # the first point: the summary names the id
+        used = set(align_tokens().flatten().tolist())
+        assert v.points[0].metrics["worst_id"] not in used, v.summary
+        assert f"the embedding of token id {v.points[0].metrics['worst_id']}" in v.summary
+        assert all(p.metrics["rel_l2"] <= 1e-5 for p in v.points[1:])  # the inputs' own rows are right
+        return
     assert f"layer {int(expected.split('.')[1])}" in v.summary
     # Everything upstream of the fault agrees to fp32 precision: the localisation is not luck (a
     # routing fault sits just before its layer's MLP output, a key-selection fault before its attention output).
@@ -339,7 +377,13 @@ def _check_clean(v, family, dtype, aligned):
     arch = parse_arch(aligned["hf"][family])
     # with the streams after the attention's step where the family names that point (DeepSeek-V4)
     residual = families()[family].hf_modules.attention_residual is not None
-    assert v.first_failure is None and [p.name for p in v.points] == point_names(arch.num_layers, residual)
+    # every id's embedding first; each MoE layer's router logits before its MLP output, its every-expert output after
+    expected = [EVERY_ID]
+    for name in point_names(arch.num_layers, residual):
+        moe = name.endswith(".mlp") and arch.is_moe_layer(point_layer(name))
+        expected += [router_point(point_layer(name))] * moe + [name] + [every_expert_point(point_layer(name))] * moe
+    assert v.first_failure is None and [p.name for p in v.points] == expected
+    assert v.points[0].metrics["ids"] == arch.vocab_size
     assert [r.layer for r in v.routing] == [i for i in range(arch.num_layers) if arch.is_moe_layer(i)]
     assert [r.layer for r in v.routing if r.exact] == exact_routing_layers(arch)
     # sparse attention (DeepSeek-V3.2, GLM-5: every layer; DeepSeek-V4: its CSA layers): each layer whose HF
@@ -474,24 +518,83 @@ def test_routing_flips_are_judged_on_their_own_floor():
     assert v.routing[0].flipped == b * s and v.routing[0].ratio == b * s / MIN_FLOOR_FLIPS
 
 
-def test_the_verdict_says_what_the_inputs_leave_unexercised():
-    """Two embedding rows of tokens the inputs never use, or two experts no token is routed to, swapped: ALIGNED,
-    'fp32 certifies the conversion', without a word of what was not exercised."""
+def test_the_verdict_says_which_experts_the_forced_routing_leaves_unexercised():
+    """Fewer token slots (batch x seq x top-k) than experts: the forced routing cannot reach them all, and an
+    ALIGNED verdict must not read as if it had."""
     from megatron_patch.align.alignment import input_coverage
 
-    untied = parse_arch({**families()["qwen3_moe"].tiny_config, "tie_word_embeddings": False})
-    tokens = torch.arange(50).view(2, 25)
-    routing = {"routing.0": torch.tensor([[[0, 1], [1, 2]]]), "routing.1": torch.tensor([[[0, 1], [2, 3]]])}
-    said = input_coverage(tokens, routing, untied)
-    assert said.startswith(f"the inputs reach 50 of the {untied.vocab_size} embedding rows and as few as 3 of the "
-                           f"{untied.num_experts} experts in an MoE layer (layer 0; 1 of 2 layers"), said
-    tied = parse_arch({**families()["qwen3_moe"].tiny_config, "tie_word_embeddings": True})
-    assert input_coverage(tokens, {"routing.0": torch.arange(tied.num_experts).view(1, -1, 2)}, tied) is None
+    arch = parse_arch(families()["deepseek_v3"].tiny_config)  # 8 experts, top-4
+    two_tokens = {"routing.1": torch.zeros(1, 1, 4, dtype=torch.long), "routing.2": torch.zeros(1, 1, 4)}
+    said = input_coverage(two_tokens, arch)
+    assert said.startswith(f"the forced routing reaches 4 of the {arch.num_experts} experts of each MoE layer"), said
+    assert input_coverage({"routing.1": torch.zeros(1, 2, 4, dtype=torch.long)}, arch) is None
+    assert input_coverage({}, parse_arch(families()["llama3_1"].tiny_config)) is None
 
 
-def test_fp32_certifies_only_the_tokens_its_allowed_routing_flips_did_not_reach():
+@pytest.mark.slow
+def test_a_fault_in_an_expert_no_input_token_reaches_fails_at_every_expert(tmp_path):
+    """Two tokens reach at most 4 of an MoE layer's expert slots: a fault in an expert none of them chose was
+    ALIGNED ('fp32 certifies the conversion'). The forced-routing forward sends tokens to every expert."""
+    hf = make_tiny_hf_checkpoint("qwen3_moe", tmp_path / "hf", seed=1)
+    arch = parse_arch(hf)
+    tokens = random_tokens(arch.vocab_size, batch=1, seq=2, seed=0)
+    ref = capture_hf_dir(hf, tokens, "fp32")
+    unused = sorted(set(range(arch.num_experts)) - set(ref["routing.1"].flatten().tolist()))
+    assert unused, ref["routing.1"]
+    ckpt = tmp_path / "mcore"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), fmt="legacy", progress=False)
+
+    def scale_unused_expert(sd):
+        sd[f"decoder.layers.1.mlp.experts.linear_fc2.weight{unused[0]}"] *= 2
+
+    edit_weights(ckpt, scale_unused_expert)
+    write_manifest(ckpt, "tests: planted fault", sync=False)
+    test, = capture_mcore_runs(ParallelLayout(), tokens, [McoreRun("fp32", mcore_dir=str(ckpt))])
+    v = judge(ref, test, "fp32", arch.num_layers)
+    assert not v.aligned and v.first_failure == every_expert_point(1), v.summary
+    assert "every expert" in v.summary
+    # what the inputs' own routing computes is right: only the forced outputs from layer 1 on differ
+    assert {p.name for p in v.points if not p.passed} == {every_expert_point(i) for i in range(1, arch.num_layers)}
+
+
+def test_forced_routes_send_tokens_to_every_expert_in_either_token_order():
+    from megatron_patch.align.capture import forced_routes
+
+    batch_first, weights = forced_routes(2, 3, num_experts=8, top_k=2, seq_first=False)
+    assert batch_first.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [0, 1], [2, 3]]
+    assert weights[0].tolist() == pytest.approx([1 / 3, 2 / 3])
+    seq_first, _ = forced_routes(2, 3, num_experts=8, top_k=2, seq_first=True)
+    # MCore's router sees (s, b): token (b, s) gets the same experts as in HF's (b, s) order
+    assert torch.equal(seq_first.view(3, 2, 2).transpose(0, 1), batch_first.view(2, 3, 2))
+
+
+def test_every_id_is_judged_row_by_row_and_names_the_worst():
+    """One row in a vocabulary of 50,000 off by 1%: a whole-tensor error of 4e-5, within bf16's floor, but that
+    id's own row is 1e-2 off: the point fails and names it."""
+    from megatron_patch.align.verdict import _judge_every_id
+
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(50_000, 1, 16, generator=gen)
+    test = ref.clone()
+    test[31_337] *= 1.01
+    floor = ref.to(torch.bfloat16).float()
+    point = _judge_every_id({EVERY_ID: ref}, {EVERY_ID: test}, None, "fp32", DEFAULT_TOLERANCE)
+    assert not point.passed and point.metrics["worst_id"] == 31_337 and point.metrics["ids"] == 50_000
+    point = _judge_every_id({EVERY_ID: ref}, {EVERY_ID: test}, {EVERY_ID: floor}, "bf16", DEFAULT_TOLERANCE)
+    assert not point.passed and point.metrics["worst_id"] == 31_337 and point.ratio > 2, point
+    # the same rounding as HF's own in bf16 passes
+    point = _judge_every_id({EVERY_ID: ref}, {EVERY_ID: floor.clone()}, {EVERY_ID: floor}, "bf16", DEFAULT_TOLERANCE)
+    assert point.passed and point.ratio == 1.0
+    test[7] = float("nan")
+    point = _judge_every_id({EVERY_ID: ref}, {EVERY_ID: test}, None, "fp32", DEFAULT_TOLERANCE)
+    assert not point.passed and point.metrics["worst_id"] == 7
+
+
+def test_fp32_certifies_the_conversion_saying_how_many_routing_flips_it_allowed():
     """A router bias off by 0.03 moved 2 of 256 tokens in fp32, within the 1% allowed for near-ties: the verdict
-    said 'fp32 certifies the conversion' while the whole logits differed 2600x over the fp32 bound."""
+    said 'fp32 certifies the conversion' while the whole logits differed 2600x over the fp32 bound. The router
+    logits are now a point of their own (the planted fault ``router_row_nudged`` fails there); the flips allowed
+    are still said."""
     from types import SimpleNamespace
 
     from megatron_patch.align.alignment import _certifies
@@ -501,8 +604,8 @@ def test_fp32_certifies_only_the_tokens_its_allowed_routing_flips_did_not_reach(
         return SimpleNamespace(routing=[RoutingResult(2, 256, flipped, None, None, "<= 1% of tokens", True)])
 
     assert _certifies(run(0)) == "fp32 certifies the conversion"
-    assert _certifies(run(2)).startswith("fp32 certifies the conversion on the tokens its 2 routing flip(s) did not "
-                                         "reach"), _certifies(run(2))
+    assert _certifies(run(2)).startswith("fp32 certifies the conversion (2 routing flip(s) at fp32 near-ties, with "
+                                         "router logits that agree"), _certifies(run(2))
 
 
 def test_a_nan_is_the_worst_point_of_the_verdict():
@@ -526,8 +629,8 @@ def test_bf16_verdict_needs_the_floor_and_uses_it(aligned):
     # HF's own bf16 run judged against itself as floor is exactly 1x everywhere.
     v = judge(ref, floor, "bf16", 4, floor)
     assert v.aligned and all(abs(p.ratio - 1) < 1e-12 for p in v.points if p.floor["rel_l2"] > 1e-3)
-    # The fp32 rule would call that same bf16 run misaligned at the embedding.
-    assert judge(ref, floor, "fp32", 4).first_failure == "embedding"
+    # The fp32 rule would call that same bf16 run misaligned at its first point, the embedding of every id.
+    assert judge(ref, floor, "fp32", 4).first_failure == EVERY_ID
 
 
 @pytest.mark.slow

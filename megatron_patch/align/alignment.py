@@ -20,7 +20,7 @@ from megatron_patch.align import ablations
 from megatron_patch.align.capture import ROUTING, captured_point_names, streams_like
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
-from megatron_patch.align.verdict import DEFAULT_TOLERANCE, exact_routing_layers, judge
+from megatron_patch.align.verdict import DEFAULT_TOLERANCE, exact_routing_layers, judge, judged_point_names
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.dtypes import PRECISIONS
@@ -122,8 +122,9 @@ def check_run_fits(arch, batch: int, seq_len: int, command: str) -> None:
         raise UserError(f"--seq-len {seq_len:,} is beyond the model's {arch.max_position_embeddings:,} positions "
                         "(max_position_embeddings): choose a shorter --seq-len")
     tokens = batch * seq_len
+    # + the embedding of every id ([vocab, hidden]) each of the four captures holds
     need = 4 * (4 * tokens * arch.vocab_size + 8 * tokens * arch.hidden_size * (arch.num_layers + 2)
-                + batch * arch.num_heads * seq_len * seq_len)
+                + batch * arch.num_heads * seq_len * seq_len + 4 * arch.vocab_size * arch.hidden_size)
     free = psutil.virtual_memory().available
     if need > free:
         raise UserError(f"{command} of --batch {batch:,} x --seq-len {seq_len:,} needs about {need / 2**30:,.1f} GiB "
@@ -210,7 +211,8 @@ def make_tokens(s: AlignSettings, vocab_size: int) -> tuple[torch.Tensor, str]:
 
 
 def _point_series(ref, test, num_layers) -> list[float]:
-    return [compare(streams_like(ref[n], test[n]), test[n])["rel_l2"] for n in captured_point_names(ref, num_layers)]
+    """rel_l2 at each point the verdict judges (the report plots them on its axis)."""
+    return [compare(streams_like(ref[n], test[n]), test[n])["rel_l2"] for n in judged_point_names(ref, num_layers)]
 
 
 def _ablation_rows(s, ref, floor, baseline, variants, num_layers) -> list[dict]:
@@ -272,7 +274,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
     verdicts = {dt: judge(ref, tests[dt], dt, ref_arch.num_layers, floor if dt != "fp32" else None, s.tolerance,
                           what=s.test_side, exact_routing=exact_routing_layers(ref_arch)) for dt in s.runs}
     verdict = combined_verdict(verdicts, s)
-    unreached = input_coverage(tokens, ref, ref_arch)
+    unreached = input_coverage(ref, ref_arch)
     if unreached and verdict["aligned"]:
         verdict["summary"] += f" [{unreached}]"
     verdict["coverage"] = unreached
@@ -313,26 +315,15 @@ UNRESOLVED = ("faults smaller than {dtype} rounding (a 0.1% norm scale, one weig
               "conversion in fp32 first")
 
 
-def input_coverage(tokens: torch.Tensor, ref: dict, arch) -> str | None:
-    """What of the model the inputs leave unexercised, in words (None: nothing). A verdict holds for what they
-    reach: an embedding row of a token they never use (untied: the logits cover a tied one's every row) and an
-    expert no token is routed to compute nothing here, so a fault in them passes unseen (two such rows or experts
-    swapped was ALIGNED, 'fp32 certifies')."""
-    said = []
-    used = int(torch.unique(tokens).numel())
-    if not arch.tie_word_embeddings and used < arch.vocab_size:
-        said.append(f"{used} of the {arch.vocab_size} embedding rows")
-    experts = [(int(name[len(ROUTING):]), int(torch.unique(ids).numel())) for name, ids in ref.items()
-               if name.startswith(ROUTING)]
-    short = [(layer, n) for layer, n in experts if n < arch.num_experts]
-    if short:
-        layer, fewest = min(short, key=lambda item: item[1])
-        said.append(f"as few as {fewest} of the {arch.num_experts} experts in an MoE layer (layer {layer}; "
-                    f"{len(short)} of {len(experts)} layers leave experts unused)")
-    if not said:
+def input_coverage(ref: dict, arch) -> str | None:
+    """What of the model the run leaves unexercised, in words (None: nothing). The embedding's every row is compared
+    (``EVERY_ID``), and every expert through the forced routing (``EVERY_EXPERT``), which sends batch x seq x top-k
+    token slots to the experts in turn: fewer slots than experts leave the rest unseen."""
+    slots = next((ids.numel() for name, ids in ref.items() if name.startswith(ROUTING)), None)
+    if slots is None or slots >= arch.num_experts:
         return None
-    return ("the inputs reach " + " and ".join(said) + ": a fault in the rest is not seen here; more or other "
-            "tokens (--batch, --seq-len, --seed, --text-file) reach more")
+    return (f"the forced routing reaches {slots} of the {arch.num_experts} experts of each MoE layer (batch x seq-len "
+            "x top-k): a fault in the rest is not seen here; a larger --batch or --seq-len reaches them all")
 
 
 def combined_verdict(verdicts: dict, s: AlignSettings) -> dict:
@@ -363,11 +354,10 @@ def combined_verdict(verdicts: dict, s: AlignSettings) -> dict:
 
 
 def _certifies(fp32) -> str:
-    """What the fp32 run certifies: the conversion, or, where it allowed routing flips as fp32 near-ties, the
-    tokens they did not reach (a router fault that moves a few tokens hides among them: their later points
-    are not compared)."""
+    """What the fp32 run certifies: the conversion, saying how many routing flips it allowed as fp32 near-ties (the
+    router logits are compared themselves, ``layers.N.router``: a router fault fails there, whatever it moves)."""
     flips = sum(r.flipped for r in fp32.routing if r.kind == "routing")
     if not flips:
         return "fp32 certifies the conversion"
-    return (f"fp32 certifies the conversion on the tokens its {flips} routing flip(s) did not reach (allowed as "
-            "fp32 near-ties: a router fault that moves as few tokens would pass)")
+    return (f"fp32 certifies the conversion ({flips} routing flip(s) at fp32 near-ties, with router logits that agree; "
+            "the tokens they reach are judged up to the flip)")

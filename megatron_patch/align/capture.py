@@ -69,6 +69,117 @@ ROUTING = "routing."
 SELECTION = "selection."
 
 
+# The embedding module run on every token id (one id per sequence), [vocab, 1, hidden]: the inputs reach only the
+# rows of their own ids, and an untied embedding's other rows would go unseen (two rows swapped was ALIGNED).
+EVERY_ID = "embedding.every_id"
+# ids per call: [4096, 1, hidden] fp32 is 64 MiB at hidden 4096
+ID_CHUNK = 4096
+
+# A second forward of an MoE model with every router's choice replaced, on both sides alike, by a fixed one that
+# sends the tokens to every expert in turn (``forced_routes``); each MoE layer's MLP output there is the point
+# ``layers.{i}.every_expert``. The inputs' own routing leaves experts no token chose unseen (two of them swapped
+# was ALIGNED); these outputs compare every expert of every MoE layer, and with no routing flip to allow for.
+EVERY_EXPERT = "every_expert"
+
+
+def every_expert_point(layer: int) -> str:
+    return f"layers.{layer}.{EVERY_EXPERT}"
+
+
+def forced_routes(batch: int, seq: int, num_experts: int, top_k: int, seq_first: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert indices [tokens, k], weights [tokens, k]) of the forced routing: the token at (b, s), number
+    n = b * seq + s, goes to experts n*k ... n*k + k-1 (mod the experts), weighted 1:2:...:k (a weight per slot, so
+    two experts' weights swapped still show), in the order the router sees the tokens (``seq_first``: MCore's)."""
+    grid = torch.arange(batch * seq).view(batch, seq)
+    order = (grid.t() if seq_first else grid).reshape(-1)
+    indices = (order[:, None] * top_k + torch.arange(top_k)) % num_experts
+    weights = (torch.arange(top_k) + 1.0) / (top_k * (top_k + 1) / 2)
+    return indices, weights.expand(len(order), top_k)
+
+
+# Each MoE layer's router logits [batch, seq, experts] and, beside them, its score-correction bias (DeepSeek's
+# e_score_correction_bias, megatron-core's expert_bias; zeros where the router has none), broadcast to
+# [batch, seq, experts]: ``layers.{i}.router``. The routing judged alone lets a router fault through where it moves
+# few tokens (fp32 allows 1% of them as near-ties); its logits and bias show any.
+ROUTER = "router"
+
+
+def router_point(layer: int) -> str:
+    return f"layers.{layer}.{ROUTER}"
+
+
+def _hf_correction_bias(router: torch.nn.Module, args: tuple) -> torch.Tensor | None:
+    """An HF router's score-correction bias: its own buffer, or (MiniMax-M2) the MoE block's, passed in."""
+    bias = getattr(router, "e_score_correction_bias", None)
+    if bias is None and len(args) > 1 and torch.is_tensor(args[1]) and args[1].dim() == 1:
+        bias = args[1]
+    return bias
+
+
+@contextmanager
+def _router_logit_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: int, seq: int, mcore: bool):
+    """Record each router's logits and bias: HF's routers return the logits first; MCore's are what its ``gating``
+    returns (wrapped on the instance for the duration), tokens sequence-first."""
+
+    def keep(layer, logits, bias, seq_first):
+        t = logits.detach().float()
+        t = t.view(seq, batch, -1).transpose(0, 1) if seq_first else t.reshape(batch, seq, -1)
+        bias = torch.zeros(t.shape[-1]) if bias is None else bias.detach().float().cpu()
+        store[router_point(layer)] = torch.cat([t.cpu(), bias.expand_as(t)], dim=-1)
+
+    def gating_of(layer, router, gating):
+        def recorded(*args, **kwargs):
+            logits = gating(*args, **kwargs)
+            keep(layer, logits, getattr(router, "expert_bias", None), seq_first=True)
+            return logits
+        return recorded
+
+    handles = []
+    for layer, router in routers.items():
+        if mcore:
+            router.gating = gating_of(layer, router, router.gating)
+        else:
+            handles.append(router.register_forward_hook(
+                lambda m, args, out, layer=layer: keep(layer, out[0], _hf_correction_bias(m, args), False)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        if mcore:
+            for router in routers.values():
+                del router.gating  # the class's method again
+
+
+@contextmanager
+def _forced_routing(routers: dict[int, torch.nn.Module], batch: int, seq: int, mcore: bool):
+    """Hooks that replace each router's choice by ``forced_routes``: HF's (logits, weights, indices) keep their
+    logits; MCore's (probs [tokens, experts], routing_map) become the same choice, densely."""
+
+    def hook(module, args, output):
+        if mcore:
+            probs, routing_map = output
+            top_k = int(routing_map.sum(-1).max())
+            indices, weights = forced_routes(batch, seq, probs.shape[-1], top_k, seq_first=True)
+            indices = indices.to(probs.device)
+            return (torch.zeros_like(probs).scatter_(1, indices, weights.to(probs)),
+                    torch.zeros_like(routing_map).scatter_(1, indices, True))
+        if not (isinstance(output, tuple) and len(output) == 3):
+            raise TypeError(f"{type(module).__name__} returned no (logits, weights, indices): the forced routing "
+                            "needs a transformers 5 router")
+        logits, weights, _ = output
+        indices, forced = forced_routes(batch, seq, logits.shape[-1], weights.shape[-1], seq_first=False)
+        return logits, forced.to(weights), indices.to(weights.device)
+
+    handles = [m.register_forward_hook(hook) for m in routers.values()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def selection_layers(captures: Captures) -> list[int]:
     """The sparse-attention layers whose key selections ``captures`` holds."""
     return sorted(int(n[len(SELECTION):]) for n in captures if n.startswith(SELECTION))
@@ -212,6 +323,20 @@ def _routing_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: 
             h.remove()
 
 
+def _embed_every_id(module: torch.nn.Module, call, vocab_size: int, store: Captures, seq_first: bool,
+                    streams: int = 1) -> None:
+    """``store[EVERY_ID]``: the embedding ``module`` on every id below ``vocab_size``, ``call(ids [n, 1])`` running
+    it, captured by the same hook as the embedding point (so both sides' rows compare as that point does)."""
+    pieces = []
+    for start in range(0, vocab_size, ID_CHUNK):
+        ids = torch.arange(start, min(start + ID_CHUNK, vocab_size)).view(-1, 1)
+        one: Captures = {}
+        with _hooks({EVERY_ID: module}, one, seq_first, batch=len(ids), streams=streams):
+            call(ids)
+        pieces.append(one[EVERY_ID])
+    store[EVERY_ID] = torch.cat(pieces)
+
+
 def _submodule(parent: torch.nn.Module, paths: str | tuple[str, ...]) -> torch.nn.Module:
     """The first of ``paths`` that ``parent`` has (AttributeError naming them all when none)."""
     for path in (paths,) if isinstance(paths, str) else paths:
@@ -259,16 +384,27 @@ def hf_indexers(model, modules: HFModules) -> dict[int, torch.nn.Module]:
     return _in_layers(model, modules, modules.indexer)
 
 
-def capture_hf(model, tokens: torch.Tensor, modules: HFModules) -> Captures:
-    """Run an HF causal LM on ``tokens`` and capture every point (``modules``: its family's paths)."""
+def capture_hf(model, tokens: torch.Tensor, modules: HFModules, vocab_size: int) -> Captures:
+    """Run an HF causal LM on ``tokens`` and capture every point (``modules``: its family's paths), and its
+    embedding on every id below ``vocab_size`` (the model's, unpadded)."""
     store: Captures = {}
     model.eval()
     batch, seq = tokens.shape
     with torch.no_grad(), _hooks(hf_capture_targets(model, modules), store, seq_first=False), \
             _routing_hooks(hf_routers(model, modules), store, batch, seq, mcore=False,
                            top_k=getattr(model.config, "num_experts_per_tok", None)), \
+            _router_logit_hooks(hf_routers(model, modules), store, batch, seq, mcore=False), \
             _selection_hooks(hf_indexers(model, modules), store, mcore=False):
         store["logits"] = model(tokens).logits.float()
+    routers = hf_routers(model, modules)
+    if routers:
+        layers = _submodule(model, modules.layers)
+        mlps = {every_expert_point(i): _submodule(layers[i], modules.mlp) for i in routers}
+        with torch.no_grad(), _hooks(mlps, store, seq_first=False), _forced_routing(routers, batch, seq, mcore=False):
+            model(tokens)
+    embedding = _submodule(model, modules.embedding)
+    with torch.no_grad():
+        _embed_every_id(embedding, lambda ids: embedding(ids.to(tokens.device)), vocab_size, store, seq_first=False)
     return store
 
 
@@ -308,9 +444,11 @@ def mcore_indexers(model) -> dict[int, torch.nn.Module]:
     return out
 
 
-def capture_mcore(model, tokens: torch.Tensor, vocab_size: int, modules: HFModules = HFModules()) -> Captures:
+def capture_mcore(model, tokens: torch.Tensor, vocab_size: int, modules: HFModules = HFModules(),
+                  moe: bool = False) -> Captures:
     """This rank's points of an MCore GPTModel (its stage only), run through megatron's schedule; ``modules``: the
-    family's (for its residual point)."""
+    family's (for its residual point); ``moe``: the model has MoE layers (on some stage: every stage runs the
+    forced-routing forward with them)."""
     from megatron_patch.models.blocks.builder import pipeline_batch_factor  # megatron-core, as the model
 
     store: Captures = {}
@@ -318,8 +456,26 @@ def capture_mcore(model, tokens: torch.Tensor, vocab_size: int, modules: HFModul
     streams = pipeline_batch_factor(model)  # residual streams folded into the batch (DeepSeek-V4's)
     with _hooks(mcore_capture_targets(model, modules), store, seq_first=True, batch=batch, streams=streams), \
             _routing_hooks(mcore_routers(model), store, batch, seq, mcore=True), \
+            _router_logit_hooks(mcore_routers(model), store, batch, seq, mcore=True), \
             _selection_hooks(mcore_indexers(model), store, mcore=True):
         logits = forward_logits(model, tokens, vocab_size)
+    if moe:
+        routers = mcore_routers(model)
+        mlps = {every_expert_point(i): layer.mlp for layer in model.decoder.layers
+                if (i := layer.layer_number - 1) in routers}
+        with _hooks(mlps, store, seq_first=True, batch=batch, streams=streams), \
+                _forced_routing(routers, batch, seq, mcore=True):
+            forward_logits(model, tokens, vocab_size)
+    if getattr(model, "pre_process", False):  # every TP rank of the first stage: the lookup reduces over them
+        embedding = model.embedding
+        device = next(model.parameters()).device
+
+        def call(ids):
+            ids = ids.to(device)
+            return embedding(input_ids=ids, position_ids=torch.zeros_like(ids))
+
+        with torch.no_grad():
+            _embed_every_id(embedding, call, vocab_size, store, seq_first=True, streams=streams)
     if logits is not None:
         store["logits"] = logits.float().cpu()
     return store

@@ -11,6 +11,8 @@ import math
 import sys
 from pathlib import Path
 
+from megatron_patch.align.capture import EVERY_EXPERT, EVERY_ID, every_expert_point, router_point
+
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
@@ -28,8 +30,8 @@ def _fmt(x, spec=".2e") -> str:
 def _short(name: str) -> str:
     if name.startswith("layers."):
         _, i, p = name.split(".")
-        return f"L{i} {p[:4]}"
-    return {"embedding": "embed", "final_norm": "norm", "logits": "logits"}[name]
+        return f"L{i} {'all-E' if p == EVERY_EXPERT else p[:4]}"
+    return {"embedding": "embed", EVERY_ID: "all ids", "final_norm": "norm", "logits": "logits"}[name]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -205,8 +207,12 @@ def print_summary(result: dict, file=None) -> None:
     floor_on = v["dtype"] != "fp32"
     by_name = {p["name"]: p for p in v["points"]}
     n = result["model"]["num_layers"]
-    rows = [("embedding", [by_name["embedding"]])]
-    rows += [(f"layer {i}", [by_name[f"layers.{i}.{k}"] for k in ("attention", "mlp", "output")]) for i in range(n)]
+    rows = [("all ids", [by_name[EVERY_ID]])] if EVERY_ID in by_name else []
+    rows += [("embedding", [by_name["embedding"]])]
+    for i in range(n):
+        rows.append((f"layer {i}", [by_name[f"layers.{i}.{k}"] for k in ("attention", "mlp", "output")]))
+        if every_expert_point(i) in by_name:  # its router's logits, its MoE block with tokens sent to every expert
+            rows.append(("router+allE", [by_name[router_point(i)], by_name[every_expert_point(i)]]))
     rows += [("final_norm", [by_name["final_norm"]]), ("logits", [by_name["logits"]])]
     print(f"{'point':<11} {'rel_l2 (attn/mlp/out)':<32} " + ("worst x floor" if floor_on else "") + "  ok", file=file)
     routing = {r["layer"]: r for r in v.get("routing", [])}
@@ -215,7 +221,7 @@ def print_summary(result: dict, file=None) -> None:
         errs = "/".join(_fmt(p["metrics"].get("rel_l2"), ".1e") for p in ps)
         ratios = [p["ratio"] for p in ps if p["ratio"] is not None]
         ratio = f"{max(ratios):>8.2f}x" if floor_on and ratios else ""
-        layer = ps[0]["layer"]
+        layer = None if label == "router+allE" else ps[0]["layer"]  # the layer's own row carries its flips
         r = routing.get(layer)
         sel = selection.get(layer)
         ok = "yes" if all(p["passed"] for p in ps) and all(c is None or c["passed"] for c in (r, sel)) else "NO"

@@ -104,7 +104,7 @@ def mcore_capture_worker(layout: ParallelLayout, tokens: torch.Tensor, runs: lis
     for run in runs:
         model, arch = _build_and_load(run, layout)
         with ablations.patched(run.ablation, model):
-            captured = capture_mcore(model, tokens, arch.vocab_size, get_family(arch.family).hf_modules)
+            captured = capture_mcore(model, tokens, arch.vocab_size, get_family(arch.family).hf_modules, arch.is_moe)
         out.append(captured if reporter else None)
         del model
     return out
@@ -120,7 +120,8 @@ def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_di
                    fp8: tuple | None = None) -> Captures:
     """Captures of the HF model in ``hf_dir`` (with ``peft_dir``: peft's model of it with that adapter; dtype
     "fp8": in bf16 after torchao's ``convert_to_float8_training`` with ``fp8`` = (recipe, filter))."""
-    modules = detect_family(read_config_json(hf_dir)).hf_modules
+    config = read_config_json(hf_dir)
+    modules = detect_family(config).hf_modules
     model = load_hf_model(hf_dir, precision_dtype(dtype))
     if dtype == "fp8":
         from megatron_patch.models.blocks.float8 import convert_hf_model  # torchao: only an fp8 alignment needs it
@@ -129,7 +130,7 @@ def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_di
     if peft_dir is not None:
         model = peft_model(model, peft_dir)
     try:
-        return capture_hf(model, tokens, modules)
+        return capture_hf(model, tokens, modules, parse_arch(config).vocab_size)
     finally:
         del model
 

@@ -53,8 +53,8 @@ from typing import Collection
 import torch
 
 from megatron_patch.align.capture import (
-    ROUTING, SELECTION, Captures, captured_point_names, point_layer, routing_layers, selection_layers, stream_count,
-    streams_like)
+    EVERY_EXPERT, EVERY_ID, ROUTER, ROUTING, SELECTION, Captures, captured_point_names, every_expert_point,
+    point_layer, router_point, routing_layers, selection_layers, stream_count, streams_like)
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
 
@@ -242,12 +242,16 @@ def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Cap
         raise ValueError("a bf16/fp16 verdict needs HF's own captures in that dtype (the noise floor)")
     routing, selection, masks = _clean_tokens(ref, test, floor, dtype, tolerance, num_layers, exact_routing)
     results: list[PointResult] = []
-    for name in captured_point_names(ref, num_layers):
+    for name in judged_point_names(ref, num_layers):
+        if name == EVERY_ID:
+            results.append(_judge_every_id(ref, test, floor, dtype, tolerance))
+            continue
         if name not in ref or name not in test:
             missing = "reference" if name not in ref else what
             raise RuntimeError(f"point {name} was not captured on the {missing} side")
         cmp = compare_logits if name == "logits" else compare
-        mask = masks.get(name)
+        # a router's logits: on the tokens its layer's attention output is judged on (its input comes after it)
+        mask = masks.get(f"layers.{point_layer(name)}.attention" if name.endswith(f".{ROUTER}") else name)
         tokens = None if mask is None else int(mask.sum())
         if tokens == 0:  # every token's routing diverged before this point: the routing check speaks for it
             results.append(PointResult(name, point_layer(name), {}, None, None, "no token left to judge", True, 0))
@@ -265,6 +269,54 @@ def judge(ref: Captures, test: Captures, dtype: str, num_layers: int, floor: Cap
         point.passed = point.passed and not point.failed_streams
         results.append(point)
     return _verdict(results, routing, dtype, tolerance, what, selection)
+
+
+def judged_point_names(ref: Captures, num_layers: int) -> list[str]:
+    """The points a verdict judges, in data-flow order: the embedding of every id first, each MoE layer's
+    forced-routing MLP output (``every_expert_point``) after its own MLP output."""
+    names = [EVERY_ID] if EVERY_ID in ref else []
+    for name in captured_point_names(ref, num_layers):
+        layer = point_layer(name)
+        if name.endswith(".mlp") and router_point(layer) in ref:
+            names.append(router_point(layer))
+        names.append(name)
+        if name.endswith(".mlp") and every_expert_point(layer) in ref:
+            names.append(every_expert_point(layer))
+    return names
+
+
+def _row_errors(r: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Each row's relative L2 error (a NaN counting as infinite)."""
+    r, t = r.flatten(1).double(), t.flatten(1).double()
+    err = (t - r).norm(dim=1) / r.norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(err, nan=float("inf"))
+
+
+def _judge_every_id(ref: Captures, test: Captures, floor: Captures | None, dtype: str, tolerance: float
+                    ) -> PointResult:
+    """The embedding on every token id, judged row by row (one id's row among a vocabulary's would vanish in a
+    whole-tensor error): the worst id's error against the bound a point has, its id named."""
+    if EVERY_ID not in test:
+        raise RuntimeError(f"point {EVERY_ID} was not captured on the tested side")
+    r, t = streams_like(ref[EVERY_ID], test[EVERY_ID]), test[EVERY_ID]
+    err = _row_errors(r, t)
+    # the whole table's metrics, with rel_l2 the worst id's
+    def worst_of(other, worst):
+        whole = compare(r, other)
+        return {**whole, "whole_rel_l2": whole["rel_l2"], "rel_l2": float(err[worst])}
+
+    if floor is None:
+        worst = int(err.argmax())
+        metrics = {**worst_of(t, worst), "worst_id": worst, "ids": len(err)}
+        return PointResult(EVERY_ID, None, metrics, None, None, f"every id's rel_l2 <= {FP32_REL_L2:g}",
+                           bool(err[worst] <= FP32_REL_L2))
+    f = streams_like(floor[EVERY_ID], t)
+    own = _row_errors(r, f)
+    ratios = err / own.clamp_min(min_floor(dtype))
+    worst = int(ratios.argmax())
+    metrics = {**worst_of(t, worst), "worst_id": worst, "ids": len(err)}
+    return PointResult(EVERY_ID, None, metrics, {**compare(r, f), "rel_l2": float(own[worst])}, float(ratios[worst]),
+                       f"every id's rel_l2 <= {tolerance:g}x its floor", bool(ratios[worst] <= tolerance))
 
 
 def _judge_point(name: str, r: torch.Tensor, t: torch.Tensor, f: torch.Tensor | None, dtype: str, tolerance: float,
@@ -336,6 +388,10 @@ def _why(first, dtype: str, tol: float) -> tuple[str, str]:
         why = f"error {worst.ratio:.1f}x HF's own {dtype} rounding > {tol:g}x"
     if first.tokens is not None:
         why += f" (on the {first.tokens} tokens no routing or selection flip reached)"
+    if first.name.endswith(f".{EVERY_EXPERT}"):
+        why += " (every expert: the tokens sent to each in turn, on both sides alike)"
+    if first.name == EVERY_ID:
+        return f"the embedding of token id {first.metrics['worst_id']} (every id's row compared)", why
     return _where(first), why
 
 
