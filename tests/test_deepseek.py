@@ -479,3 +479,54 @@ def test_int4_hub_weights_are_refused_in_one_line(kimi_checkpoint, tmp_path, cap
     err = capsys.readouterr().err
     assert "quant_method 'compressed-tensors' (INT4 weights, as Kimi-K2-Thinking ships them) is not supported" in err
     assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def parameter_gradient_norms(hf_dir: str, layout: ParallelLayout, tokens: torch.Tensor) -> dict[str, float]:
+    """Runs on every rank: each parameter's gradient norm after one backward of sum(logits x fixed weights), as the
+    optimizer sees it (a TP-split one over all its shards, a sequence-parallel one summed over TP as megatron's
+    finalize step sums it)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint.model_io import load_hf_weights
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.runtime import init_model_parallel
+
+    arch = parse_arch(hf_dir)
+    init_model_parallel(layout)
+    model = build_model(arch, layout, torch.float32, sequence_parallel=layout.tp > 1)
+    load_hf_weights(model, arch, layout, HFCheckpointReader(hf_dir))
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))[..., :arch.vocab_size]
+    (logits * torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
+    group = parallel_state.get_tensor_model_parallel_group()
+    norms = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:  # the sparse-attention indexer's, which this loss does not train
+            continue
+        grad = p.grad.detach().clone()
+        if getattr(p, "sequence_parallel", False) and layout.tp > 1:
+            torch.distributed.all_reduce(grad, group=group)
+        square = (grad.double() ** 2).sum()
+        if getattr(p, "tensor_model_parallel", False) and layout.tp > 1:
+            torch.distributed.all_reduce(square, group=group)
+        norms[name] = square.sqrt().item()
+    return norms
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_mla_gradients_at_tp2_with_sequence_parallelism_are_tp1s(family, tmp_path):
+    """The forward at TP=2 was TP=1's, the gradients not: the RoPE key's gradient stayed per TP rank (its heads'
+    part), so the key/value down projection's RoPE rows came out 10-50% off and everything before them wrong
+    (RopeKeyGradsSummed)."""
+    from megatron_patch.runtime.launch import run_local
+
+    hf = make_tiny_hf_checkpoint(family, tmp_path / "hf", seed=1)
+    tokens = random_tokens(200, batch=2, seq=24, seed=5)
+    tp1 = run_local(parameter_gradient_norms, 1, str(hf), ParallelLayout(), tokens)[0]
+    tp2 = run_local(parameter_gradient_norms, 2, str(hf), ParallelLayout(tp=2), tokens)[0]
+    assert tp1.keys() == tp2.keys()
+    off = {n: (tp1[n], tp2[n]) for n in tp1 if abs(tp1[n] - tp2[n]) > 1e-5 * max(tp1[n], 1e-6)}
+    assert not off, off

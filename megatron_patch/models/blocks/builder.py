@@ -191,8 +191,9 @@ def _local_layer(spec, moe: bool, mla: bool, config, core_attention: str | None)
 
         # transformers' latent norms keep epsilon 1e-6 whatever rms_norm_eps says (Moonlight, GLM-5: 1e-5)
         submodules = dataclasses.replace(submodules, q_layernorm=LatentRMSNorm, kv_layernorm=LatentRMSNorm)
-    if mla and config.q_lora_rank is None:
+    if mla:  # the RoPE key's gradients summed over TP (RopeKeyGradsSummed)
         attention = dataclasses.replace(attention, module=LocalMLASelfAttention)
+    if mla and config.q_lora_rank is None:
         submodules = dataclasses.replace(submodules, q_layernorm=None)
     attention = dataclasses.replace(attention, submodules=submodules)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))

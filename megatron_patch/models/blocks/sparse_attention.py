@@ -52,6 +52,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron_patch.models.blocks.local_attention import RopeKeyGradsSummed
+
 # transformers' DeepseekV32Indexer / GlmMoeDsaIndexer: nn.LayerNorm(head_dim, eps=1e-6), whatever rms_norm_eps is
 INDEXER_K_NORM_EPS = 1e-6
 # Queries scored (and, without a gradient, attended) at a time: what bounds the no-gradient paths' memory.
@@ -385,7 +387,7 @@ class SparseMLACoreAttention(MegatronModule):
         return output
 
 
-class SparseMLASelfAttention(MLASelfAttention):
+class SparseMLASelfAttention(RopeKeyGradsSummed, MLASelfAttention):
     """megatron-core's MLA, lending a generation's inference context to its sparse core attention for the forward:
     MLA caches its own keys and values there but calls its core attention without the context, and the indexer
     keeps the keys of earlier tokens there too."""
