@@ -134,7 +134,12 @@ BAD = [
     # Checked up front since issue 14; megatron-core refused these only after every rank had started.
     ("llama3_1", dict(AC="offload", PP="2"), {}, "AC=offload (activation CPU offloading) does not work with pipeline"),
     ("llama3_1", dict(AC="offload"), {"MP_AC_LAYERS": "4"}, "AC=offload can offload at most 3 of the 4 layers"),
-    ("llama3_1", dict(AC="full", PP="2"), {"MP_AC_LAYERS": "3"}, "a stage here holds 2: set MP_AC_LAYERS <= 2"),
+    ("llama3_1", dict(AC="full", PP="2"), {"MP_AC_LAYERS": "3"}, "a stage here holds 2: set MP_AC_LAYERS to 1 or 2 (<= 2)"),
+    # blocks that do not divide a stage: megatron-core indexed past its last layer (IndexError on the rank)
+    ("llama3_1", dict(AC="full"), {"MP_AC_LAYERS": "3"}, "a stage here holds 4: set MP_AC_LAYERS to 1 or 2 or 4"),
+    # SFT decays over the iterations after the warm-up: megatron-core asserted it longer, on the rank
+    ("llama3_1", dict(SFT="true", DATASET_PATH="SFT", TRAIN_TOKENS_OR_ITERS="20", WARMUP_TOKENS_OR_ITERS="12"),
+     {"MP_TOKENIZER": "TOK"}, "SFT decays the learning rate over the 8 iterations after the warm-up"),
     ("llama3_1", dict(AC="full", PP="2"), {"MP_VP_CHUNKS": "2", "MP_AC_LAYERS": "2"}, "a stage here holds 1"),
     ("llama3_1", dict(SFT="true", CP="2", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
      "MP_SFT_PACKING=true with CP=2 is not supported"),
@@ -674,3 +679,21 @@ def test_counts_that_are_not_whole_finite_numbers_are_refused_in_one_line(raw):
     with pytest.raises(UserError, match="TRAIN_TOKENS_OR_ITERS must be a whole non-negative count"):
         parse_count("TRAIN_TOKENS_OR_ITERS", raw)
     assert parse_count("TRAIN_TOKENS_OR_ITERS", "10K") == 10_000 and parse_count("X", "1e9") == 10**9
+
+
+@pytest.mark.parametrize("layout", [dict(TP="2", SP="true", ETP="1"), dict(ETP="2")], ids=["tp2-etp1", "tp1-etp2"])
+def test_experts_split_otherwise_than_tp_at_ep1_train_only_where_megatron_core_groups_them(data, layout, monkeypatch,
+                                                                                            capsys):
+    """megatron-core 0.16 reduced the experts' gradients as a dense parameter's at EP=1: TP=2 with ETP=1 kept each
+    rank's own tokens' part (54-69% off), ETP=2 added the other rank's shard in (100% off), and the run went on.
+    Refused there in one line; 0.19 groups them and trains both as TP=1 does (checked by hand under 0.19.2)."""
+    from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs
+
+    monkeypatch.setenv("MP_NPROC", "2")
+    if experts_grouped_whenever_etp_differs():
+        _dry(data, "qwen2_moe", {"MP_NPROC": "2"}, **layout)
+        return
+    assert main(["train", "qwen2_moe", *_args(data, "qwen2_moe", **layout)]) == 2
+    err = capsys.readouterr().err
+    assert "at EP=1: megatron-core 0.16" in err and "reduces the experts' gradients over the wrong ranks" in err, err
+    assert err.count("\n") == 1

@@ -37,6 +37,16 @@ def version_tuple(text: str | None) -> tuple[int, ...]:
         return ()
 
 
+def megatron_core_version() -> str | None:
+    return installed_version("megatron-core", "megatron_core")
+
+
+def experts_grouped_whenever_etp_differs() -> bool:
+    """Whether megatron-core puts the experts in its expert process groups (their gradients reduced over expert data
+    parallelism) whenever ETP differs from TP, as 0.19 does; 0.16 does only with EP > 1."""
+    return version_tuple(megatron_core_version()) >= (0, 19)
+
+
 def compile_problem(cuda: bool) -> str | None:
     """Why ``torch.compile`` cannot generate kernels here, or None. Inductor writes Triton on a GPU and C++
     on CPU, which it builds with the system's compiler against Python's headers."""

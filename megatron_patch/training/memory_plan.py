@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED
 from megatron_patch.models.shape.model_shape import RankParam as Param
 from megatron_patch.models.shape.model_shape import chunk_layers, model_shape
-from megatron_patch.runtime.machine import Capabilities, installed_version, version_tuple
+from megatron_patch.runtime.machine import Capabilities, experts_grouped_whenever_etp_differs
 from megatron_patch.training import fp8_run
 from megatron_patch.training.lora_run import layer_adapters
 from megatron_patch.training.machine_checks import local_core_attention
@@ -536,7 +536,7 @@ def expert_process_groups(cfg) -> bool:
     ETP differs from TP. Otherwise they are dense parameters like any other."""
     if cfg.ep > 1:
         return True
-    return cfg.layout.expert_tp != cfg.tp and version_tuple(installed_version("megatron-core", "megatron_core")) >= (0, 19)
+    return cfg.layout.expert_tp != cfg.tp and experts_grouped_whenever_etp_differs()
 
 
 def _fused_adam_available() -> bool:

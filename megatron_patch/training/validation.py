@@ -20,6 +20,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import read_config_json, validate_layout
 from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs, megatron_core_version
 from megatron_patch.training.launcher_args import (
     MAX_ITERATIONS,
     MAX_TOKENS,
@@ -306,11 +307,15 @@ def recompute_blocks(cfg: RunConfig) -> None:
         raise UserError(f"MP_AC_LAYERS={ac_layers}: AC=offload can offload at most {num_layers - 1} of the "
                         f"{num_layers} layers (the last layer's activations are needed at once)")
     if ac == "full":
-        # Uniform recompute walks each model chunk in blocks of MP_AC_LAYERS layers.
-        fewest = min(pp0, (num_layers - pp0) // (pp - 1)) if pp0 is not None else num_layers // (pp * (vp or 1))
-        if ac_layers > fewest:
+        # Uniform recompute walks each model chunk in blocks of MP_AC_LAYERS layers, and indexes past a chunk's last
+        # layer where they do not divide it (an IndexError on the rank; Pai's launcher refuses it so too)
+        chunks = sorted({pp0, (num_layers - pp0) // (pp - 1)} if pp0 is not None else {num_layers // (pp * (vp or 1))})
+        if any(n % ac_layers for n in chunks):
+            fewest, divisors = chunks[0], [d for d in range(1, chunks[0] + 1) if all(n % d == 0 for n in chunks)]
             raise UserError(f"MP_AC_LAYERS={ac_layers}: AC=full recomputes blocks of MP_AC_LAYERS layers within a "
-                            f"pipeline stage, and a stage here holds {fewest}: set MP_AC_LAYERS <= {fewest}")
+                            f"pipeline stage, and a stage here holds {' or '.join(map(str, chunks))}: set "
+                            f"MP_AC_LAYERS to {' or '.join(map(str, divisors))}"
+                            + (f" (<= {fewest})" if ac_layers > fewest else ""))
 
 
 def fp8_shapes(cfg: RunConfig) -> None:
@@ -347,6 +352,20 @@ def positions(cfg: RunConfig) -> None:
         raise UserError(f"sequence length {length} exceeds the model's {cfg.arch.max_position_embeddings} positions")
 
 
+def expert_gradient_groups(cfg: RunConfig) -> None:
+    """megatron-core 0.16 reduces the experts' gradients over its expert groups only with EP > 1: at EP=1 with ETP
+    other than TP it reduced them as a dense parameter's, over the wrong ranks, silently (ETP=2: the other rank's
+    shard added in, expert gradients 100% off; TP=2 with ETP=1: each rank's own tokens only, 54-69% off). 0.19 groups
+    them whenever ETP differs from TP, and trains these layouts as TP=1 does."""
+    if not cfg.arch.is_moe or cfg.ep > 1 or cfg.layout.expert_tp == cfg.tp or experts_grouped_whenever_etp_differs():
+        return
+    etp, tp = cfg.layout.expert_tp, cfg.tp
+    fix = f"set ETP={tp}, or " if not (cfg.arch.linear_bias and tp > 1) else ""  # biased experts split only at ETP=1
+    raise UserError(f"ETP={etp} with TP={tp} at EP=1: megatron-core {megatron_core_version()} reduces the experts' "
+                    f"gradients over the wrong ranks unless EP > 1 (0.19 does not): {fix}use EP > 1, or megatron-core "
+                    ">= 0.19 (Python >= 3.12)")
+
+
 def processes(cfg: RunConfig) -> None:
     """The processes hold the layout, and the global batch splits over data parallelism."""
     world, tp, pp, cp, ep, etp = cfg.world_size, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.layout.expert_tp
@@ -368,6 +387,13 @@ def training_length(cfg: RunConfig) -> None:
     if cfg.warmup_iters >= cfg.train_iters:
         raise UserError(f"warm-up ({cfg.warmup_iters} iterations) must be shorter than training "
                         f"({cfg.train_iters} iterations)")
+    if cfg.warmup_iters and cfg.warmup_iters >= cfg.lr_decay_iters:
+        # SFT decays over the iterations after the warm-up (Pai's --lr-decay-iters), and megatron-core's scheduler
+        # asserts the warm-up shorter than the decay (on the rank, as an internal error)
+        raise UserError(f"WARMUP_TOKENS_OR_ITERS: SFT decays the learning rate over the {cfg.lr_decay_iters} "
+                        f"iterations after the warm-up, which must be longer than the warm-up ({cfg.warmup_iters}): "
+                        f"warm up for fewer than half the training ({cfg.train_iters} iterations), as Pai-Megatron-"
+                        "Patch needs too")
 
 
 def sft_data(cfg: RunConfig) -> None:
@@ -383,7 +409,8 @@ def sft_data(cfg: RunConfig) -> None:
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
     packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout, check_lora, check_sparse_attention,
-    sequence_splits, recompute_blocks, fp8_shapes, positions, processes, training_length, sft_data,
+    sequence_splits, recompute_blocks, fp8_shapes, positions, expert_gradient_groups, processes, training_length,
+    sft_data,
     evaluation_run.check_evaluation)
 
 
