@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 
 import pytest
 import torch
@@ -197,3 +198,26 @@ def test_the_dry_run_refuses_a_family_that_does_not_compile(monkeypatch, capsys,
     assert report["compile"] == {"refused": "MP_COMPILE=true: no part of X compiles as one graph (first break: y): "
                                             "drop MP_COMPILE"}
     assert report["compile"]["refused"] in report["machine_problems"]
+
+
+def test_lazy_modules_are_bound_in_their_owners_before_layers_compile(monkeypatch):
+    """LoRA's adapters reach torch through the weight splits' ``LazyModule``, whose import at first use broke a
+    compiled layer's graph: the dry run said 'whole (one graph)', the run compiled 7 parts. ``compile_layers``
+    resolves every lazy module into its owner's globals first."""
+    import types
+
+    from megatron_patch.lazy import LazyModule, resolve_all
+
+    owner = types.ModuleType("mp_lazy_owner")
+    monkeypatch.setitem(sys.modules, "mp_lazy_owner", owner)
+    owner.torch = LazyModule("torch", "mp_lazy_owner")
+    exec("def twice(x):\n    return torch.cat([x, x])", owner.__dict__)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="import_module|graph break|Unsupported"):
+        with torch._dynamo.error_on_graph_break(True):
+            torch.compile(owner.twice, backend="eager")(torch.ones(2))
+    resolve_all()
+    assert owner.torch is torch
+    torch._dynamo.reset()
+    with torch._dynamo.error_on_graph_break(True):
+        assert torch.compile(owner.twice, backend="eager")(torch.ones(2)).tolist() == [1.0] * 4

@@ -371,6 +371,9 @@ def test_launcher_lora_settings_are_checked_in_one_line(lora_models, tmp_path, c
         ({"MP_LORA_INIT": str(lora_models["adapters"]["llama3_1"]), "MP_LORA_RANK": "8"},
          "MP_LORA_RANK=8 disagrees with the adapter"),
         ({"MP_LORA_INIT": str(tmp_path)}, "adapter_config.json not found"),
+        # an explicit 0 asks for full fine-tuning: it trained the adapter's rank
+        ({"MP_LORA_INIT": str(lora_models["adapters"]["llama3_1"]), "MP_LORA_RANK": "0"},
+         "MP_LORA_RANK=0 asks for full fine-tuning, and MP_LORA_INIT="),
     ]
     for env, message in cases:
         for k in ("MP_LORA_RANK", "MP_LORA_ALPHA", "MP_LORA_TARGETS", "MP_LORA_INIT", "MP_LORA_DROPOUT"):
@@ -393,6 +396,25 @@ def test_launcher_lora_settings_are_checked_in_one_line(lora_models, tmp_path, c
     assert main(["train", "llama3_1", *args]) == 0
     out = capsys.readouterr().out
     assert "(16,384 trainable, 180,800 frozen)" in out and "memory plan per rank" in out
+
+
+def test_the_default_targets_are_those_the_family_has(tmp_path, monkeypatch, capsys):
+    """MP_LORA_RANK alone on an MoE family without dense MLPs was refused: 'MP_LORA_TARGETS names fc1,fc2, which a
+    qwen2_moe model does not have', a variable the user never set. The default is the attention there."""
+    from megatron_patch.cli import main
+    from megatron_patch.training.lora_run import default_targets
+    from tests.training_helpers import launcher_args
+
+    assert default_targets(parse_arch(families()["qwen2_moe"].tiny_config)) == ("qkv", "proj")
+    assert default_targets(parse_arch(families()["llama3_1"].tiny_config)) == ("qkv", "proj", "fc1", "fc2")
+    prefix = tmp_path / "c_text_document"
+    for suffix in (".bin", ".idx"):
+        prefix.with_name(prefix.name + suffix).write_bytes(b"")
+    args = launcher_args("qwen2_moe", DATASET_PATH=str(prefix), OUTPUT_BASEPATH=str(tmp_path / "out"))
+    monkeypatch.setenv("MP_LORA_RANK", "4")
+    monkeypatch.setenv("MP_DRY_RUN", "json")
+    assert main(["train", "qwen2_moe", *args]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["resolved"]["lora"]["targets"] == ["qkv", "proj"]
 
 
 def test_memory_plan_of_lora_on_llama_8b_and_70b(tmp_path):

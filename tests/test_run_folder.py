@@ -506,14 +506,15 @@ def _flip_tensor_byte(folder: Path) -> Path:
 
 # --- another job into a run's folder: refused, where it resumed the run it found there --------------------------
 
-def _saved_run(out: Path, args: list[str], iteration: int = 4, data: bool = True, env: dict | None = None) -> Path:
+def _saved_run(out: Path, args: list[str], iteration: int = 4, data: bool = True, env: dict | None = None,
+               family: str = "llama3_1") -> Path:
     """A checkpoint of ``args``'s run in ``out``, its train_state.json as the trainer writes it; ``data=False``: as
     checkpoints saved before they recorded their data (``run_state.training_data``)."""
     import json
 
     from megatron_patch.training.run_state import training_data
 
-    cfg = resolve("llama3_1", args, env=env or {})
+    cfg = resolve(family, args, env=env or {})
     folder = _training_iteration(out / "checkpoint", iteration)
     state = {"iteration": iteration, "world_size": 1, "family": cfg.family, "hf_config": cfg.hf_config,
              "config": cfg.to_dict()}
@@ -629,6 +630,35 @@ def test_a_resume_with_another_seed_or_lora_is_refused_and_another_dropout_resum
     assert resume_notes(resolve("llama3_1", [*args[:2], "4", *args[3:]], env={"MP_LORA_RANK": "4"}), folder) == [
         "BATCH_SIZE 2 -> 4: the same samples in other micro-batches, which adds them in another order, so the losses "
         "differ from an uninterrupted run's in their last digits"]
+
+
+def test_a_resume_across_the_experts_own_optimizer_is_refused_before_any_rank(tmp_path):
+    """An MoE run at EP=2 keeps its experts' optimizer state in an optimizer of their own (megatron-core's chained
+    one), at EP=1 not: a relaunch at the other said 'resuming from iteration 4', then every rank failed on "has no
+    tensor 'optimizer.state...': it was not written for this model". Another EP above 1 resumes."""
+    from megatron_patch.training.run_state import resume_notes
+
+    (tmp_path / "a_text_document.bin").write_bytes(b"x" * 40)
+    (tmp_path / "a_text_document.idx").write_bytes(b"x" * 8)
+    out = tmp_path / "out"
+
+    def args(ep):
+        return launcher_args("qwen2_moe", DATASET_PATH=str(tmp_path / "a_text_document"), OUTPUT_BASEPATH=str(out),
+                             EP=str(ep), GLOBAL_BATCH_SIZE="8")
+
+    two = {"MP_NPROC": "2"}
+    at_ep2 = _saved_run(out, args(2), env=two, family="qwen2_moe")
+    with pytest.raises(UserError) as refused:
+        resume_notes(resolve("qwen2_moe", args(1), env=two), at_ep2)
+    assert str(refused.value).startswith(
+        f"{at_ep2} was trained at EP=2, this launch asks EP=1: megatron-core keeps the experts' optimizer state apart "
+        "from the rest's there and not here (its chained optimizer)"), refused.value
+    assert f"Resume with EP>1, or start from its weights: a new OUTPUT_BASEPATH with PRETRAIN_CHECKPOINT_PATH={out}" \
+        in str(refused.value)
+    assert resume_notes(resolve("qwen2_moe", args(4), env={"MP_NPROC": "4"}), at_ep2) == []
+    at_ep1 = _saved_run(tmp_path / "out1", args(1), env=two, family="qwen2_moe")
+    with pytest.raises(UserError, match="was trained at EP=1, this launch asks EP=2"):
+        resume_notes(resolve("qwen2_moe", args(2), env=two), at_ep1)
 
 
 def test_a_launch_of_another_job_into_a_run_folder_stops_before_any_rank(corpus, tmp_path, monkeypatch, capsys):

@@ -27,7 +27,7 @@ from megatron_patch.models.mapping.stacks import member_index, stacked_names
 from megatron_patch.runtime.distributed import ParallelLayout
 
 T = TypeVar("T")
-torch = LazyModule("torch")  # the streaming converter uses the checks here without tensors
+torch = LazyModule("torch", __name__)  # the streaming converter uses the checks here without tensors
 
 
 def plan(family: ModelFamily, arch: Arch, layout: ParallelLayout, pp_first_stage_layers: int | None = None,

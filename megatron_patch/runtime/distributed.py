@@ -17,9 +17,9 @@ from megatron_patch.lazy import LazyModule
 
 # Imported on first use: ParallelLayout is needed by commands (conversion, --help) that never touch
 # a process group, and importing torch costs seconds.
-torch = LazyModule("torch")
-dist = LazyModule("torch.distributed")
-cpu_compat = LazyModule("megatron_patch.runtime.cpu_compat")
+torch = LazyModule("torch", __name__)
+dist = LazyModule("torch.distributed", __name__)
+cpu_compat = LazyModule("megatron_patch.runtime.cpu_compat", __name__)
 
 
 @dataclass(frozen=True)

@@ -521,9 +521,11 @@ ENVIRONMENT = [
            default=Default("0")),
     Option("MP_LORA_TARGETS", LORA, Reader(lambda name, raw: parse_targets(raw),
                                            f"comma list out of {','.join(LORA_TARGETS)}", "bogus"),
-           f"the linears that get adapters, a comma list out of {','.join(LORA_TARGETS)}", default=Default(lambda: ",".join(LoraSpec.__dataclass_fields__["targets"]
-                                                                               .default)),
-           doc="the linears that get adapters; a target the family lacks is refused"),
+           f"the linears that get adapters, a comma list out of {','.join(LORA_TARGETS)}",
+           default=Default(lambda: "those of " + ",".join(LoraSpec.__dataclass_fields__["targets"].default)
+                           + " the family has"),
+           doc="the linears that get adapters (an MoE family without dense MLPs: qkv,proj by default); a target named "
+               "that the family lacks is refused"),
     Option("MP_LORA_INIT", LORA, TEXT, "a peft adapter folder to start the adapters from (its config decides rank, "
            "alpha, targets)", takes="peft adapter folder", doc="a peft adapter folder to start from; its config decides rank, alpha, targets and "
                                   "per-module patterns"),

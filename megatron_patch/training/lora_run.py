@@ -19,10 +19,11 @@ from megatron_patch.checkpoint.foreign import find_checkpoint
 from megatron_patch.checkpoint.sidecar import read_sidecar
 from megatron_patch.errors import UserError
 from megatron_patch.lora.peft_io import read_peft_adapter
-from megatron_patch.lora.plan import COLUMN, ROW, check_targets, plan_sites, rank_adapter_params, site_split, split_mode
+from megatron_patch.lora.plan import (COLUMN, ROW, check_targets, family_targets, plan_sites, rank_adapter_params,
+                                     site_split, split_mode)
 from megatron_patch.lora.saved import saved_mcore_names, saved_rules
 from megatron_patch.lora.sources import add_adapters, open_adapters
-from megatron_patch.lora.spec import LoraSpec
+from megatron_patch.lora.spec import DEFAULT_TARGETS, LoraSpec
 from megatron_patch.lora.state import find_base
 from megatron_patch.models.shape.model_shape import chunk_layers
 
@@ -50,6 +51,10 @@ def lora_from_options(options, arch, checkpoint: str | None) -> tuple[dict | Non
     if init is not None and carried is not None:
         raise UserError(f"MP_LORA_INIT={init} and PRETRAIN_CHECKPOINT_PATH={checkpoint}, which carries adapters of its "
                         "own: start from one of them")
+    if rank == 0 and options.given("MP_LORA_RANK"):  # an explicit 0 asks for full fine-tuning: not the adapter's
+        source = f"MP_LORA_INIT={init}" if init is not None else f"PRETRAIN_CHECKPOINT_PATH={checkpoint}"
+        raise UserError(f"MP_LORA_RANK=0 asks for full fine-tuning, and {source} starts from a LoRA adapter: leave "
+                        "MP_LORA_RANK unset to continue the adapter" + (", or unset MP_LORA_INIT" if init else ""))
     if init is not None or carried is not None:
         if init is not None:
             spec = read_peft_adapter(init, arch)[0]
@@ -67,8 +72,16 @@ def lora_from_options(options, arch, checkpoint: str | None) -> tuple[dict | Non
             spec = dataclasses.replace(spec, dropout=dropout)  # dropout changes training, not the function
         return spec.to_dict(), init
     spec = LoraSpec(rank=rank, alpha=float(rank) if alpha is None else alpha, dropout=dropout or 0.0,
-                    targets=targets or LoraSpec.__dataclass_fields__["targets"].default)
+                    targets=targets or default_targets(arch))
     return spec.to_dict(), None
+
+
+def default_targets(arch) -> tuple[str, ...]:
+    """What LoRA adapts where MP_LORA_TARGETS is unset: the default targets (attention and dense MLP) the family has;
+    an MoE family without dense MLPs gets its attention's (its experts only where asked for). The default was taken
+    as asked, and refused as targets the model lacks."""
+    have = family_targets(arch)
+    return tuple(t for t in DEFAULT_TARGETS if t in have)
 
 
 def _checkpoint_lora(checkpoint: str | None) -> LoraSpec | None:

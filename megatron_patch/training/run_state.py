@@ -29,6 +29,7 @@ from megatron_patch.checkpoint_files.layout import (
 )
 from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_of, naming_the_switch, verify_manifest
 from megatron_patch.errors import UserError
+from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs
 from megatron_patch.input_files import read_input
 from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, require_folder
 
@@ -175,6 +176,14 @@ def resume_notes(cfg, folder: Path) -> list[str]:
             raise UserError(f"{folder} was trained with {name}={_shown(then[field])}, and this launch asks "
                             f"{name}={_shown(now[field])}: {why}. Resume with {name}={_shown(then[field])}, "
                             f"{start_afresh}")
+    grouped = _experts_apart(cfg, then), _experts_apart(cfg, now)
+    if grouped[0] != grouped[1]:
+        raise UserError(f"{folder} was trained at EP={then.get('ep')}, this launch asks EP={now.get('ep')}: "
+                        f"megatron-core keeps the experts' optimizer state apart from the rest's "
+                        f"{'there and not here' if grouped[0] else 'here and not there'} (its chained optimizer), and "
+                        f"the saved state does not load across that. Resume with EP"
+                        f"{'>1' if grouped[0] else '=1'}, or start from its weights: a new OUTPUT_BASEPATH with "
+                        f"PRETRAIN_CHECKPOINT_PATH={cfg.checkpoint_dir}")
     lora = _lora_change(then, now)
     if lora:
         raise UserError(f"{folder} was trained with LoRA {lora[0]}, and this launch asks {lora[1]}: the weights and "
@@ -201,6 +210,15 @@ def resume_notes(cfg, folder: Path) -> list[str]:
         notes.append(f"BATCH_SIZE {then['micro_batch_size']} -> {now['micro_batch_size']}: the same samples in other "
                      f"micro-batches, which {how}")
     return notes
+
+
+def _experts_apart(cfg, config: dict) -> bool:
+    """Whether a run of ``config`` (a saved RunConfig, as JSON) keeps its experts' optimizer state in an optimizer of
+    their own: an MoE model at EP > 1, or with ETP other than TP where megatron-core groups those (0.19)."""
+    if not cfg.arch.is_moe:
+        return False
+    tp, etp = config.get("tp", 1), config.get("etp")
+    return config.get("ep", 1) > 1 or (etp not in (None, tp) and experts_grouped_whenever_etp_differs())
 
 
 def _lora_change(then: dict, now: dict) -> tuple[str, str] | None:

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from megatron_patch.errors import UserError
+from megatron_patch.lazy import resolve_all
 from megatron_patch.runtime.distributed import ParallelLayout, init_model_parallel
 from megatron_patch.runtime.launch import run_local
 
@@ -150,6 +151,7 @@ def compile_layers(models, backend: str | Callable | None = None, on_decided: Ca
                         f"which torch {torch.__version__} lacks (2.9 and later have it): upgrade torch or drop "
                         "MP_COMPILE")
     _quiet_tp_group_warning()
+    resolve_all()  # a lazy module's import on first use would break a layer's graph
     found = [(name, layer) for model in models for name, layer in _layers(model)]
     if not found:
         raise UserError("MP_COMPILE=true found no decoder layer to compile in this model (neither megatron-core's "

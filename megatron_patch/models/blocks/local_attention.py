@@ -19,7 +19,9 @@ projection; this class builds exactly that. 0.16 has no resolver and builds the 
 
 from __future__ import annotations
 
+import megatron.core.transformer.multi_latent_attention as mla_module
 import torch
+from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
@@ -47,8 +49,6 @@ class SumOverTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from megatron.core import parallel_state
-
         group = parallel_state.get_tensor_model_parallel_group()
         grad = grad.contiguous()
         if group.size() > 1:
@@ -68,8 +68,6 @@ class RopeKeyGradsSummed:
     gather, through an identity whose backward all-reduces over TP (``SumOverTP``)."""
 
     def get_query_key_value_tensors(self, *args, **kwargs):
-        import megatron.core.transformer.multi_latent_attention as mla_module
-
         gather = mla_module.gather_from_tensor_model_parallel_region
         kv_lora, rope = self.config.kv_lora_rank, self.config.qk_pos_emb_head_dim
         # the query latent's gather comes first where there is one (q_lora_rank): only the key/value one is changed

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from megatron_patch.errors import UserError
 from megatron_patch.lazy import LazyModule
 
-torch = LazyModule("torch")  # only the tensor methods need it; the block descriptions do not
+torch = LazyModule("torch", __name__)  # only the tensor methods need it; the block descriptions do not
 
 
 @dataclass(frozen=True)
