@@ -294,7 +294,8 @@ def test_each_line_dry_runs_with_pai_meanings(line, fixtures, tmp_path, monkeypa
     assert res["sequence_parallel"] == (line.value("SP") == "true" and not sp_ignored)
     assert any("SP=true at TP=1 is ignored" in n for n in res["notes"]) == sp_ignored
     # Pai's per-family weight decay, validation every 10000 iterations, SFT decaying after the warm-up
-    wd = 0.01 if family in ("qwen2_moe", "qwen3_moe", "qwen3_next") else 0.1
+    # (Pai's dense Qwen2 script passes 0.1 for its MoE size too; its MoE script 0.01)
+    wd = 0.01 if family in ("qwen2_moe", "qwen3_moe", "qwen3_next") and line.path != QWEN2_SCRIPT else 0.1
     assert mc["optimizer"]["weight_decay"] == mc["scheduler"]["start_wd"] == mc["scheduler"]["end_wd"] == wd
     assert res["eval_interval"] == 10000
     decay = res["train_iters"] - res["warmup_iters"] if res["sft"] else res["train_iters"]
@@ -303,6 +304,21 @@ def test_each_line_dry_runs_with_pai_meanings(line, fixtures, tmp_path, monkeypa
     if line.value("ENV") == "dlc":
         assert res["nproc_per_node"] == 8 and res["world_size"] == 8 * int(machine_env(line)["WORLD_SIZE"])
     assert res["pp0_layers"] == (int(line.exports["MP_PP0_LAYERS"]) if "MP_PP0_LAYERS" in line.exports else None)
+
+
+QWEN2_SCRIPT = "examples/qwen2/run_mcore_qwen.sh"
+
+
+def test_the_weight_decay_is_the_scripts_that_trains_the_size():
+    """Pai's dense Qwen2 script trains its A14B size with --weight-decay 0.1, its Qwen2-MoE script with 0.01; the
+    dense script's A14B trained with 0.01, without a word."""
+    from megatron_patch.training.launcher_args import get_launcher, launchers
+
+    dense = next(launcher for launcher in launchers().values() if launcher.script == QWEN2_SCRIPT)
+    moe = next(launcher for launcher in launchers().values() if launcher.script == "examples/qwen2/run_mcore_qwen2_moe.sh")
+    assert dense.sizes["A14B"][0] == "qwen2_moe" and dense.weight_decay("qwen2_moe") == 0.1
+    assert moe.weight_decay("qwen2_moe") == 0.01
+    assert get_launcher("qwen2_moe").weight_decay("qwen2_moe") == 0.01
 
 
 @pytest.mark.parametrize("path,size", list(PAI_SIZES), ids=[f"{p}:{s}" for p, s in PAI_SIZES])

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from megatron_patch.cli import main
 from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import load_tokenizer
 from megatron_patch.training import preprocess as pre
@@ -341,3 +342,26 @@ def test_pais_preprocessing_script_runs_unchanged_under_sh(tok, tmp_path):
     assert proc.returncode == 2 and "got 2 argument(s)" in proc.stderr and proc.stderr.count("\n") == 1
     proc = subprocess.run(["sh", str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("Pai-Megatron-Patch's run_make_pretraining_dataset_megatron.sh")
+
+
+def test_an_empty_document_adds_no_token_and_no_eod(tok, tmp_path, capsys):
+    """A record whose text is "" (or a list of empty sentences) was written as a document of one EOD: runs of lone
+    EOD tokens in training and an inflated token count. Megatron-LM's and Pai's preprocessing append the EOD only
+    to a document that has tokens; the summary says how many were left out."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    texts = make_texts(3, seed=4)
+    lines = [{"text": texts[0]}, {"text": ""}, {"text": texts[1]}, {"text": ["", ""]}, {"text": ["", texts[2]]}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rc = main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "p"),
+               "--tokenizer", str(tok), "--quiet"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    t = load_tokenizer(tok)
+    tokens = sum(len(t.encode(x)) + 1 for x in texts)
+    assert f"3 documents, {tokens} tokens, 2 empty documents left out" in out.out, out
+    assert _documents(tmp_path / "p_text_document", tok) == texts
+    assert len(IndexedDataset(str(tmp_path / "p_text_document")).index.sequence_lengths) == 3
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": [""]}\n')
+    _one_line(*run_cli(capsys, "preprocess", "--input", str(tmp_path / "empty.jsonl"), "--output-prefix",
+                       str(tmp_path / "q"), "--tokenizer", str(tok)), "has no usable line (every 'text' is empty)")

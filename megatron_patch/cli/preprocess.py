@@ -69,7 +69,9 @@ def run(args) -> int:
         if report.skipped > len(report.bad_lines):
             print(f"... and {report.skipped - len(report.bad_lines)} more skipped lines", file=sys.stderr)
         print(f"wrote {report.output_prefix}.bin/.idx: {report.documents} documents, {report.tokens} tokens"
-              + (f", {report.skipped} bad lines skipped" if report.skipped else ""))
+              + (f", {report.skipped} bad lines skipped" if report.skipped else "")
+              + (f", {report.empty_documents} empty documents left out (no tokens, no EOD: as Megatron-LM's and Pai's "
+                 "preprocessing)" if report.empty_documents else ""))
     return 0
 
 

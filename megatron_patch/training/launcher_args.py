@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.description.registry import families
+from megatron_patch.models.description.registry import families, get_family
 
 HEAD = ["ENV", "MODEL_SIZE", "BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", "SEQ_LEN", "PAD_LEN", "PR",
         "TP", "PP", "CP"]
@@ -39,6 +39,11 @@ class Launcher:
     sizes: dict[str, tuple[str, str]]
     families: tuple[str, ...]
     pai: bool = False
+    # family -> the weight decay this script passes for it, where not the family's own
+    weight_decays: tuple[tuple[str, float], ...] = ()
+
+    def weight_decay(self, family: str) -> float:
+        return dict(self.weight_decays).get(family, get_family(family).weight_decay)
 
     def arg_names(self, layout: tuple[str, ...] | None = None) -> list[str]:
         return HEAD + list(self.layouts[0] if layout is None else layout) + TAIL
@@ -118,7 +123,8 @@ def _launchers(names: tuple[str, ...]) -> dict[str, Launcher]:
             found[pai.script] = Launcher(
                 known.name, known.script,
                 known.layouts + (() if pai.parallel_args in known.layouts else (pai.parallel_args,)),
-                {**known.sizes, **sizes}, known.families + (() if name in known.families else (name,)), pai=True)
+                {**known.sizes, **sizes}, known.families + (() if name in known.families else (name,)), pai=True,
+                weight_decays=known.weight_decays + (((name, pai.weight_decay),) if pai.weight_decay is not None else ()))
     return {launcher.name: launcher for launcher in found.values()}
 
 

@@ -24,7 +24,7 @@ from megatron_patch.lora.spec import LoraSpec, parse_targets
 from megatron_patch.models.blocks.float8_plan import KINDS as FP8_KINDS
 from megatron_patch.models.blocks.float8_plan import parse_filter
 from megatron_patch.models.mapping import LORA_TARGETS
-from megatron_patch.models.description.registry import families, get_family
+from megatron_patch.models.description.registry import families
 from megatron_patch.training.faults import KINDS, parse_faults
 from megatron_patch.training.fp8_run import ALL_RECIPES, TE_RECIPES, TORCHAO_RECIPES
 from megatron_patch.training.launcher_args import (
@@ -198,7 +198,10 @@ def _weight_decays() -> str:
         by_value.setdefault(family.weight_decay, []).append(name)
     common = max(by_value, key=lambda v: len(by_value[v]))
     rest = [f"{v:g} for {', '.join(sorted(names))}" for v, names in sorted(by_value.items()) if v != common]
-    return "; ".join(rest + [f"{common:g} for the others"])
+    # a Pai script that passes another value for a family it also takes (Qwen2's for its MoE size)
+    scripts = [f"{pai.weight_decay:g} for {name} through {pai.script}" for name, family in families().items()
+               for pai in family.pai_launchers if pai.weight_decay is not None]
+    return "; ".join(rest + [f"{common:g} for the others"] + scripts)
 
 
 def _dataset_type(sft: bool, dataset_path: str) -> str:
@@ -490,7 +493,7 @@ ENVIRONMENT = [
            default=1234, field="seed", doc="random seed (pipeline stage p initialises with seed + 100\\*p)"),
     Option("MP_WEIGHT_DECAY", CORE, NUMBER, "AdamW weight decay, held constant by the scheduler",
            default=Default(lambda: "what Pai-Megatron-Patch's launcher for the family passes: " + _weight_decays(),
-                           lambda family: get_family(family).weight_decay),
+                           lambda family, launcher: launcher.weight_decay(family)),
            field="weight_decay"),
     Option("MP_HF_CONFIG", CORE, TEXT, "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another "
            "tool without saved arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",

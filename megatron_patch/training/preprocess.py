@@ -107,6 +107,9 @@ def _init_pool_worker(parent_pid: int, tokenizer_path: str, dtype) -> None:
     _init_worker(tokenizer_path, dtype)
 
 
+EMPTY_DOCUMENT = "a document of no tokens"
+
+
 def _encode_line(item: tuple[int, str, int, str, bool]):
     """(line number, ids or None, error or None, characters, bytes read)."""
     lineno, line, size, key, append_eod = item
@@ -137,6 +140,8 @@ def _encode_line(item: tuple[int, str, int, str, bool]):
         except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to a lone surrogate: no tokenizer takes it
             return lineno, None, f"'{key}' holds an unpaired surrogate ({exc.object[exc.start]!r}), not text", 0, size
         ids += _TOKENIZER.encode(sentence)
+    if not ids:  # no token: no document and no EOD, as Megatron-LM's and Pai's preprocessing (a lone EOD was written)
+        return lineno, None, EMPTY_DOCUMENT, 0, size
     if append_eod:
         ids.append(_TOKENIZER.eod)
     return lineno, numpy.asarray(ids, dtype=_DTYPE), None, sum(map(len, sentences)), size
@@ -217,6 +222,7 @@ class PreprocessReport:
     characters: int = 0
     bad_lines: list[tuple[str, int, str]] = field(default_factory=list)  # (file, line, why): the first BAD_LINES_KEPT
     skipped: int = 0  # bad lines in all
+    empty_documents: int = 0  # records whose text has no token: left out, as Megatron-LM and Pai leave them
 
 
 def _manifest_path(prefix: str) -> Path:
@@ -455,6 +461,9 @@ def _preprocess(files: list[Path], prefix: str, tmp: Path, tokenizer, tokenizer_
             if error is not None:
                 if error == "empty line":
                     continue
+                if error == EMPTY_DOCUMENT:
+                    report.empty_documents += 1
+                    continue
                 if strict:
                     raise UserError(f"{files[index]} line {lineno}: {error}")
                 report.skipped += 1
@@ -466,8 +475,9 @@ def _preprocess(files: list[Path], prefix: str, tmp: Path, tokenizer, tokenizer_
             report.tokens += len(ids)
             report.characters += nchars
         if report.documents == 0:
-            raise UserError(f"{files[0] if len(files) == 1 else files[0].parent} has no usable line (every line "
-                            f"lacked a string '{json_key}' field)")
+            why = (f"every '{json_key}' is empty" if report.empty_documents and not report.skipped else
+                   f"every line lacked a string '{json_key}' field or was empty")
+            raise UserError(f"{files[0] if len(files) == 1 else files[0].parent} has no usable line ({why})")
         builder.finalize(f"{partial}.idx")
     finally:
         encoded.close()  # now, not when collected: the workers end before the partial folder is removed

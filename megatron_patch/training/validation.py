@@ -122,7 +122,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
                      "held out, where Pai's launcher would hold out 1% of the data; give a held-out set")
     # JSON records are tokenized here, by default with the checkpoint's tokenizer; an idxmap is already ids.
     o.settle("MP_TOKENIZER", sft=sft, dataset_type=dataset_type, checkpoint=ckpt)
-    o.settle("MP_WEIGHT_DECAY", family=family)
+    o.settle("MP_WEIGHT_DECAY", family=family, launcher=launcher)
     evaluation_run.settle_options(o)
 
     cfg = RunConfig(

@@ -94,6 +94,8 @@ class PaiLauncher:
     script: str
     parallel_args: tuple[str, ...]
     sizes: Mapping[str, str] | None = None
+    # the AdamW weight decay that script passes for this family, where it is not the family's (``weight_decay``)
+    weight_decay: float | None = None
 
 
 @dataclass(frozen=True)

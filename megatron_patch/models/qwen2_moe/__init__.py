@@ -14,9 +14,9 @@ FAMILY = register(ModelFamily(
     weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
     size_aliases={"A14B": "57B-A14B"}, weight_decay=0.01,
-    # Pai's dense Qwen2 launcher takes its MoE size too (EP only: ETP follows TP)
+    # Pai's dense Qwen2 launcher takes its MoE size too (EP only: ETP follows TP), with that script's weight decay
     pai_launchers=(PaiLauncher("examples/qwen2/run_mcore_qwen.sh", ("EP",),
-                               {"A14B": "57B-A14B", "57B-A14B": "57B-A14B"}),
+                               {"A14B": "57B-A14B", "57B-A14B": "57B-A14B"}, weight_decay=0.1),
                    PaiLauncher("examples/qwen2/run_mcore_qwen2_moe.sh", ("ETP", "EP"))),
     hf_modules=HFModules(router="mlp.gate"),
     test_layouts=TestLayouts(
