@@ -46,9 +46,30 @@ def test_the_filter_and_the_recipe_are_read_and_checked():
         _cfg({"MP_FP8_FILTER": "qkv,lm_head"})
     with pytest.raises(UserError, match="MP_FP8_FILTER=all needs PR=fp8, got PR=bf16"):
         _cfg({"MP_FP8_FILTER": "all"}, PR="bf16")
+    # a kind the family lacks: every GEMM of Llama stayed in bf16, without a word (as MP_LORA_TARGETS refuses it)
+    with pytest.raises(UserError, match="MP_FP8_FILTER names experts, which a llama3_1 model does not have: its "
+                                        "kinds are qkv,proj,fc1,fc2"):
+        _cfg({"MP_FP8_FILTER": "qkv,experts"})
     with pytest.raises(UserError, match="MP_FP8_RECIPE must be one of delayed . tensorwise . mxfp8 . blockwise . "
                                         "rowwise . rowwise_with_gw_hp, got 'bogus'"):
         _cfg({"MP_FP8_RECIPE": "bogus"})
+
+
+def test_the_dry_run_names_routed_and_shared_experts_apart():
+    """Qwen2-MoE with MP_FP8_FILTER=experts and with =shared_experts printed the same line: both kinds' GEMMs are
+    linear_fc1/linear_fc2, so the float8 and bf16 lists held the same names."""
+    def moe_line(kinds):
+        cfg = resolve("qwen2_moe", launcher_args("qwen2_moe", PR="fp8"), env={"GPUS_PER_NODE": "1",
+                                                                            "MP_FP8_FILTER": kinds}, check_paths=False)
+        return next(line for line in fp8_run.dry_run_lines(cfg, CPU) if line.startswith("moe layers"))
+
+    assert moe_line("experts").startswith("moe layers: float8 experts.linear_fc1.gate, experts.linear_fc1.up, "
+                                          "experts.linear_fc2; bf16 linear_proj,"), moe_line("experts")
+    assert moe_line("shared_experts").startswith("moe layers: float8 shared_experts.linear_fc1.gate, "
+                                                 "shared_experts.linear_fc1.up, shared_experts.linear_fc2; bf16 "
+                                                 "experts.linear_fc1.gate"), moe_line("shared_experts")
+    with pytest.raises(UserError, match="MP_FP8_FILTER names fc1, which a qwen2_moe model does not have"):
+        resolve("qwen2_moe", launcher_args("qwen2_moe", PR="fp8"), env={"MP_FP8_FILTER": "fc1"}, check_paths=False)
 
 
 def test_each_machine_runs_its_implementation_with_its_recipes():

@@ -28,7 +28,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
 from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.sources import is_peft_folder
-from megatron_patch.models.blocks.float8_plan import cpu_recipe_problem, filter_text
+from megatron_patch.models.blocks.float8_plan import check_filter_kinds, cpu_recipe_problem, filter_text
 from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -165,6 +165,8 @@ def validate(s: AlignSettings):
             raise UserError(f"--peft-dir {s.peft_dir} is not a peft adapter folder (it has no adapter_config.json)")
     ref_arch = checked_arch(s.hf_dir, shapes=True)
     check_run_fits(ref_arch, s.batch, s.seq_len, "align")
+    if s.dtype == "fp8":
+        check_filter_kinds(ref_arch, s.fp8_filter, "--fp8-filter")
     if s.hf_dir_2:
         checked_arch(s.hf_dir_2, shapes=True)
     test_arch, sidecar = _test_arch(s)

@@ -554,8 +554,9 @@ ENVIRONMENT = [
            "PR=fp8 with torchao: which decoder GEMMs run in float8: auto (torchao's filter: large enough, sizes "
            "multiples of 16) | all | a comma list of kinds", default="auto", field="fp8_filter",
            doc="PR=fp8 with torchao: `auto`: torchao's auto-filter on each HF linear's shape (small GEMMs stay bf16; "
-               "every tiny test model's do); `all`: every decoder linear; or kinds, e.g. `qkv,fc1,fc2`. The "
-               "embedding, the output layer and routers stay bf16; the dry run lists each GEMM"),
+               "every tiny test model's do); `all`: every decoder linear; or kinds, e.g. `qkv,fc1,fc2` (a kind the "
+               "family lacks is refused). The embedding, the output layer and routers stay bf16; the dry run lists "
+               "each GEMM"),
     Option("MP_EVAL_TASKS", EVALUATION, Reader(_task_list, "comma list of lm-eval task names", ","),
            "lm-evaluation-harness tasks run on the live model every MP_EVAL_TASKS_INTERVAL iterations "
            "(docs/evaluation.md)", field="eval_tasks",

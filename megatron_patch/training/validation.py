@@ -18,6 +18,7 @@ from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.checkpoint.sidecar import legacy_layout_problem
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import read_config_json, validate_layout
+from megatron_patch.models.blocks.float8_plan import check_filter_kinds
 from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs, megatron_core_version
@@ -318,6 +319,11 @@ def recompute_blocks(cfg: RunConfig) -> None:
                             + (f" (<= {fewest})" if ac_layers > fewest else ""))
 
 
+def fp8_filter_kinds(cfg: RunConfig) -> None:
+    if cfg.precision.fp8:
+        check_filter_kinds(cfg.arch, cfg.fp8_filter, "MP_FP8_FILTER")
+
+
 def fp8_shapes(cfg: RunConfig) -> None:
     """transformer-engine's FP8 GEMMs need rows divisible by 8 and the inner dimension by 16 (MXFP8: 32 and 32).
     torchao's recipes (which transformer-engine does not run) are checked here against nothing: its filter keeps
@@ -409,8 +415,8 @@ def sft_data(cfg: RunConfig) -> None:
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
     packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout, check_lora, check_sparse_attention,
-    sequence_splits, recompute_blocks, fp8_shapes, positions, expert_gradient_groups, processes, training_length,
-    sft_data,
+    sequence_splits, recompute_blocks, fp8_filter_kinds, fp8_shapes, positions, expert_gradient_groups, processes,
+    training_length, sft_data,
     evaluation_run.check_evaluation)
 
 

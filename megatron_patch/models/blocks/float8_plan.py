@@ -52,6 +52,30 @@ def parse_filter(name: str, raw: str):
     return tuple(k for k in KINDS if k in kinds)
 
 
+def family_kinds(arch) -> tuple[str, ...]:
+    """The kinds of GEMM ``arch``'s decoder layers have (``KINDS`` order), from its description alone (no model)."""
+    have = {"qkv", "proj"}
+    if arch.has_dense_layers:
+        have |= {"fc1", "fc2"}
+    if arch.is_moe:
+        have.add("experts")
+    if arch.is_moe and arch.shared_expert_ffn_hidden_size:
+        have.add("shared_experts")
+    return tuple(k for k in KINDS if k in have)
+
+
+def check_filter_kinds(arch, fp8_filter, asked: str) -> None:
+    """A filter of kinds that names one ``arch`` lacks: refused, as MP_LORA_TARGETS is (it ran every GEMM of a kind
+    list of only such kinds in bf16, without a word)."""
+    if isinstance(fp8_filter, str):
+        return
+    have = family_kinds(arch)
+    missing = [k for k in fp8_filter if k not in have]
+    if missing:
+        raise UserError(f"{asked} names {','.join(missing)}, which a {arch.family} model does not have: its kinds are "
+                        f"{','.join(have)}")
+
+
 def filter_text(fp8_filter) -> str:
     return fp8_filter if isinstance(fp8_filter, str) else ",".join(fp8_filter)
 
@@ -155,8 +179,9 @@ def describe(gemms: dict[str, list[Gemm]], recipe: str, fp8_filter) -> list[str]
     lines = [f"torchao float8, recipe {recipe}, filter {filter_text(fp8_filter)}; communication in bf16; the "
              "embedding, the output layer, routers and norms in bf16"]
     for kind, layer in gemms.items():
-        def names(rows):
-            return ", ".join(sorted({f"{g.module.split('.')[-1]}{'.' + g.part if g.part else ''}" for g in rows}))
+        def names(rows):  # an expert's GEMMs named with their kind: routed and shared experts share module names
+            return ", ".join(sorted({f"{g.kind + '.' if g.kind in ('experts', 'shared_experts') else ''}"
+                                     f"{g.module.split('.')[-1]}{'.' + g.part if g.part else ''}" for g in rows}))
 
         fp8 = [g for g in layer if g.float8]
         bf16 = [g for g in layer if not g.float8]
