@@ -280,11 +280,24 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
         mtp_block_spec=mtp_spec,
     )
     rope.install(model, arch)
+    _mark_head_split_sinks(model)
     finish = get_family(arch.family).finish_model
     if finish is not None:  # the model-level pieces the family owns (family.py)
         finish(model, arch)
     cast_parameters([model], dtype)  # the local spec's torch norms ignore params_dtype
     return model
+
+
+def _mark_head_split_sinks(model) -> None:
+    """megatron-core's learnable attention sinks (``softmax_offset``, gpt-oss) hold each TP rank's own heads' but
+    are not marked TP-split: the gradient norm that clipping uses counted rank 0's only (at TP=2 the logged grad
+    norm and the clip differed from TP=1's)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for module in model.modules():
+        sinks = getattr(module, "softmax_offset", None)
+        if isinstance(sinks, torch.nn.Parameter) and not getattr(sinks, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(sinks, is_parallel=True, dim=0, stride=1)
 
 
 def build_model_chunks(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32, **kwargs) -> list:

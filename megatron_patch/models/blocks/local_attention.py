@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import megatron.core.transformer.multi_latent_attention as mla_module
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from megatron_patch.models.blocks.tp_gradients import SumOverTP
 
 
 class LocalMLACoreAttention(DotProductAttention):
@@ -38,24 +39,6 @@ class LocalMLACoreAttention(DotProductAttention):
                          softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
 
 
-class SumOverTP(torch.autograd.Function):
-    """Identity forward; the gradient all-reduced over the TP group. (megatron's own such op,
-    ``copy_to_tensor_model_parallel_region``, all-reduces ``grad.contiguous()`` and returns ``grad``: a gradient
-    that arrives as a strided slice, as a split's does, comes back unreduced.)"""
-
-    @staticmethod
-    def forward(ctx, tensor):
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        group = parallel_state.get_tensor_model_parallel_group()
-        grad = grad.contiguous()
-        if group.size() > 1:
-            torch.distributed.all_reduce(grad, group=group)
-        return grad
-
-
 class RopeKeyGradsSummed:
     """MLA on the local spec at TP > 1, with its key/value down projection split over TP: the gradient of the
     shared RoPE key (``k_pos_emb``) summed over the TP ranks.
@@ -65,7 +48,7 @@ class RopeKeyGradsSummed:
     rank's own part only (transformer-engine's duplicated projection takes the other branch, which sums them).
     So the down projection's gradient, and everything before it, was wrong at TP=2 (1.4% in the gradient norm of
     DeepSeek-V3's tiny model; the forward equal), in every MLA family. Here the RoPE key's columns pass, after the
-    gather, through an identity whose backward all-reduces over TP (``SumOverTP``)."""
+    gather, through an identity whose backward all-reduces over TP (``tp_gradients.SumOverTP``)."""
 
     def get_query_key_value_tensors(self, *args, **kwargs):
         gather = mla_module.gather_from_tensor_model_parallel_region

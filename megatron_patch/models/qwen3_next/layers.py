@@ -40,6 +40,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint,
 from megatron_patch.models.blocks.core_attention import core_attention_class
 from megatron_patch.models.blocks.norms import ZeroCenteredRMSNorm
 from megatron_patch.models.blocks.spec_edits import submodules_of, with_submodules
+from megatron_patch.models.blocks.tp_gradients import summed_over_tp
 from megatron_patch.models.description.arch import LINEAR_ATTENTION, Arch
 
 try:  # megatron-core 0.19 moved it; 0.16 keeps it beside its Gated DeltaNet
@@ -50,7 +51,9 @@ except ImportError:
 
 class GatedRMSNorm(torch.nn.Module):
     """The Gated DeltaNet's output norm: RMSNorm (a plain weight) times SiLU of the gate, as transformers'
-    ``Qwen3NextRMSNormGated`` computes it."""
+    ``Qwen3NextRMSNormGated`` computes it. One weight of a value head's width serves every head, and a TP rank runs
+    its own heads: its gradient is summed over TP (``summed_over_tp``; it was each rank's heads' part at TP=2,
+    which megatron's finalize step does not sum)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **kwargs):
         super().__init__()
@@ -61,7 +64,7 @@ class GatedRMSNorm(torch.nn.Module):
         dtype = x.dtype
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(dtype)
+        y = summed_over_tp(self.weight) * y.to(dtype)
         return (y * F.silu(gate.float())).to(dtype)
 
 
