@@ -192,3 +192,23 @@ def test_mxfp4_without_scales_is_refused(tiny, tmp_path, capsys):
                  "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "down_proj_blocks but no model.layers.1.mlp.experts.down_proj_scales" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_tp2_with_its_experts_spread_over_ep2_trains_as_tp1(corpus, tmp_path):
+    """gpt-oss's one TP>1 layout (its biased experts split only at ETP=1, and ETP=1 at EP=1 is refused): TP=2 SP EP=2.
+    megatron-core marked each expert's output bias sequence-parallel, so the finalize step summed it with the other
+    TP rank's (another expert's) bias gradient, 100% off; unmarked, the gradient norm then counted TP rank 0's only.
+    The iteration-1 grad norm was 3.0260 (then 2.9822) against TP=1's 3.0065; now the losses and grad norms agree."""
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from tests.training_helpers import read_metrics, train_converted
+
+    runs = {}
+    for name, over, env in (("tp1", {}, {}), ("tp2ep2", dict(TP="2", SP="true", EP="2", ETP="1"),
+                                              {"MP_TP_COMM_OVERLAP": "false"})):
+        hf = make_tiny_hf_checkpoint("gpt_oss", tmp_path / name / "hf", seed=1)
+        proc, _ = train_converted("gpt_oss", hf, corpus, tmp_path / name, None, env=env, iters=4, **over)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[name] = [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / name / "out")]
+    for (loss, norm), (loss_tp1, norm_tp1) in zip(runs["tp2ep2"], runs["tp1"]):
+        assert abs(norm - norm_tp1) <= 1e-5 * norm_tp1 and abs(loss - loss_tp1) <= 1e-5 * loss_tp1, runs

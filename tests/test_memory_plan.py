@@ -48,10 +48,11 @@ TWO_PROCESSES = [
     ("llama3_1", dict(PR="fp32", PP="2", AC="full"), {}, True),
     ("qwen2", dict(PR="bf16", PP="2", DO="true"), {}, True),  # tied embeddings across stages: own bucket
     ("qwen2_moe", dict(PR="bf16", EP="2", DO="true"), {}, False),  # expert buffers, expert DP
-    ("deepseek_v3", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, False),  # MLA's local-spec TP splits
+    ("deepseek_v3", dict(PR="bf16", TP="2", ETP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"},
+     False),  # MLA's local-spec TP splits
     ("qwen3_moe", dict(PR="bf16", PP="2", DO="true"), {"MP_PP0_LAYERS": "1"}, False),  # its dense layer alone
     # q/k norms whole on each TP rank (their heads' slices used), experts split over TP
-    ("minimax_m2", dict(PR="bf16", TP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, False),
+    ("minimax_m2", dict(PR="bf16", TP="2", ETP="2", SP="true", DO="true"), {"MP_TP_COMM_OVERLAP": "false"}, False),
     ("llama3_1", dict(PR="bf16", OPTIMIZER_OFFLOAD="0.3"), {"MP_NPROC": "2"}, True),  # DP=2 bucket shards
 ]
 

@@ -281,6 +281,7 @@ def build_model(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.f
     )
     rope.install(model, arch)
     _mark_head_split_sinks(model)
+    _unmark_expert_biases(model, layout)
     finish = get_family(arch.family).finish_model
     if finish is not None:  # the model-level pieces the family owns (family.py)
         finish(model, arch)
@@ -292,12 +293,31 @@ def _mark_head_split_sinks(model) -> None:
     """megatron-core's learnable attention sinks (``softmax_offset``, gpt-oss) hold each TP rank's own heads' but
     are not marked TP-split: the gradient norm that clipping uses counted rank 0's only (at TP=2 the logged grad
     norm and the clip differed from TP=1's)."""
-    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes  # as GPTModel is
 
     for module in model.modules():
         sinks = getattr(module, "softmax_offset", None)
         if isinstance(sinks, torch.nn.Parameter) and not getattr(sinks, "tensor_model_parallel", False):
             set_tensor_model_parallel_attributes(sinks, is_parallel=True, dim=0, stride=1)
+
+
+def _unmark_expert_biases(model, layout: ParallelLayout) -> None:
+    """megatron-core's row-parallel linear marks its bias sequence-parallel whatever it belongs to, so an expert's
+    output bias (gpt-oss, whose biased experts split only at ETP=1) was summed over the TP group by the finalize
+    step: at TP=2 the two ranks hold other experts, and each expert's bias gradient got the other rank's expert's
+    added (100% off); an expert's gradient is complete on its rank (its tokens come to it), or DDP's to sum over
+    expert data parallelism. Unmarked, the bias was then a TP duplicate to the gradient norm, counted on TP rank 0
+    only: at ETP=1 no expert tensor has a copy within its expert-TP group, so it is marked TP-split (never
+    gathered: megatron-core's expert checkpoints name each expert's axes themselves)."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes  # as GPTModel is
+
+    for name, param in model.named_parameters():
+        if ".mlp.experts." not in f".{name}":
+            continue
+        if getattr(param, "sequence_parallel", False):
+            param.sequence_parallel = False
+        if layout.expert_tp == 1 and not getattr(param, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
 
 
 def build_model_chunks(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32, **kwargs) -> list:
