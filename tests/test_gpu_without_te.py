@@ -175,12 +175,15 @@ def placement_worker(hf_dir: str) -> dict:
     users = (parity, capture)  # the modules that call forward_logits
     for module in users:
         module.forward_logits = record
+    # align's embedding of every id calls the module itself: nothing a meta device could compute
+    real_every_id, capture._embed_every_id = capture._embed_every_id, lambda *args, **kwargs: None
     try:
         parity.mcore_logits_worker([hf_dir], ParallelLayout(), [tokens])
         runner.mcore_capture_worker(ParallelLayout(), tokens, [runner.McoreRun("fp32", hf_dir=hf_dir)])
     finally:
         for module in users:
             module.forward_logits = real_forward
+        capture._embed_every_id = real_every_id
     return out
 
 
