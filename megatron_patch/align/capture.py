@@ -390,19 +390,19 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules, vocab_size: int)
     store: Captures = {}
     model.eval()
     batch, seq = tokens.shape
-    with torch.no_grad(), _hooks(hf_capture_targets(model, modules), store, seq_first=False), \
-            _routing_hooks(hf_routers(model, modules), store, batch, seq, mcore=False,
+    targets, routers = hf_capture_targets(model, modules), hf_routers(model, modules)
+    with torch.no_grad(), _hooks(targets, store, seq_first=False), \
+            _routing_hooks(routers, store, batch, seq, mcore=False,
                            top_k=getattr(model.config, "num_experts_per_tok", None)), \
-            _router_logit_hooks(hf_routers(model, modules), store, batch, seq, mcore=False), \
+            _router_logit_hooks(routers, store, batch, seq, mcore=False), \
             _selection_hooks(hf_indexers(model, modules), store, mcore=False):
         store["logits"] = model(tokens).logits.float()
-    routers = hf_routers(model, modules)
     if routers:
         layers = _submodule(model, modules.layers)
         mlps = {every_expert_point(i): _submodule(layers[i], modules.mlp) for i in routers}
         with torch.no_grad(), _hooks(mlps, store, seq_first=False), _forced_routing(routers, batch, seq, mcore=False):
             model(tokens)
-    embedding = _submodule(model, modules.embedding)
+    embedding = targets["embedding"]
     with torch.no_grad():
         _embed_every_id(embedding, lambda ids: embedding(ids.to(tokens.device)), vocab_size, store, seq_first=False)
     return store
@@ -454,13 +454,13 @@ def capture_mcore(model, tokens: torch.Tensor, vocab_size: int, modules: HFModul
     store: Captures = {}
     batch, seq = tokens.shape
     streams = pipeline_batch_factor(model)  # residual streams folded into the batch (DeepSeek-V4's)
+    routers = mcore_routers(model)
     with _hooks(mcore_capture_targets(model, modules), store, seq_first=True, batch=batch, streams=streams), \
-            _routing_hooks(mcore_routers(model), store, batch, seq, mcore=True), \
-            _router_logit_hooks(mcore_routers(model), store, batch, seq, mcore=True), \
+            _routing_hooks(routers, store, batch, seq, mcore=True), \
+            _router_logit_hooks(routers, store, batch, seq, mcore=True), \
             _selection_hooks(mcore_indexers(model), store, mcore=True):
         logits = forward_logits(model, tokens, vocab_size)
     if moe:
-        routers = mcore_routers(model)
         mlps = {every_expert_point(i): layer.mlp for layer in model.decoder.layers
                 if (i := layer.layer_number - 1) in routers}
         with _hooks(mlps, store, seq_first=True, batch=batch, streams=streams), \
