@@ -277,6 +277,26 @@ def test_pp2_starts_from_converted_checkpoint(pp2_run, converted, tmp_path):
 
 
 @pytest.mark.slow
+def test_pretraining_with_documents_kept_apart_trains_each_document_alone(corpus, converted, tmp_path):
+    """Pai's pretraining launcher with MP_SFT_PACKING=true (``--reset-position-ids``, THD): each document of a sample
+    attends within itself. At PP=2 the first loss is transformers' on each document of the first batch run alone."""
+    from megatron_patch.tokenizer import load_tokenizer
+
+    out = tmp_path / "out"
+    args = _from_converted_args(corpus, converted, out)
+    proc = launch(args, {"MP_SFT_PACKING": "true"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    eod = load_tokenizer(converted["hf"]).eod
+    assert f"positions restarting after each end-of-document token (id {eod}," in proc.stdout
+    losses = [x["loss"] for x in read_metrics(out)]
+    apart = hf_loss_on_first_batch(converted["hf"], "llama3_1", args, documents_apart_at=eod)
+    together = hf_loss_on_first_batch(converted["hf"], "llama3_1", args)
+    assert abs(losses[0] - apart) < 1e-4, (losses[0], apart)
+    assert abs(together - apart) > 1e-3, (together, apart)  # the first batch holds documents that were cut
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
 def test_every_checkpoint_of_a_run_exports_with_its_tokenizer(pp2_run, converted, tmp_path, capsys):
     """Not only final/: each iteration a run saves carries the tokenizer and generation files of the checkpoint it
     started from, so 'mpatch convert mcore2hf' of the run's checkpoint folder (or an older iteration) is a whole HF

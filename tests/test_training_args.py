@@ -117,6 +117,9 @@ BAD = [
     ("llama3_1", dict(SFT="true"), {"MP_DATASET_TYPE": "mmap"}, "is not an index written by megatron-core"),
     ("llama3_1", dict(), {"MP_DATASET_TYPE": "raw"}, "MP_DATASET_TYPE=raw (JSON data) is for SFT"),
     ("llama3_1", dict(SFT="true", DATASET_PATH="SFT"), {}, "SFT needs a tokenizer"),
+    # documents are cut at the tokenizer's end-of-document id, which pretraining data does not record
+    ("llama3_1", dict(), {"MP_SFT_PACKING": "true"}, "MP_SFT_PACKING=true in pretraining keeps documents apart at "
+     "the tokenizer's end-of-document token: set MP_TOKENIZER"),
     ("llama3_1", dict(SFT="true", PAD_LEN="128", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"}, "PAD_LEN (128) must not exceed SEQ_LEN"),
     # pretraining reads MP_TOKENIZER only for the files its export carries: a mistyped one left the export without
     ("llama3_1", dict(), {"MP_TOKENIZER": "/nonexistent/tok"}, "MP_TOKENIZER /nonexistent/tok not found: give the "

@@ -300,6 +300,7 @@ def packing_worker(tok_dir: str, sft_path: str) -> dict:
            "docs_per_sample": [int(s["doc_start"].sum()) for s in packed.samples]}
     unmarked = [{k: v for k, v in s.items() if k != "doc_start"} for s in packed.samples]
     out["no_boundaries"] = _loss_totals(model, unmarked, 1, ctx)
+    out.update(_pretraining_documents_apart(model, arch.vocab_size, ctx))
 
     moe = build_model(parse_arch(MOE_CONFIG), layout, torch.float32)
     move_to_device([moe], META)
@@ -307,6 +308,32 @@ def packing_worker(tok_dir: str, sft_path: str) -> dict:
     gates = [p for n, p in moe.named_parameters() if n.endswith("shared_experts.gate_weight")]
     out["moe_moved"] = bool(router and gates) and all(p.device == META for p in router + gates)
     return out
+
+
+def _pretraining_documents_apart(model, vocab_size: int, ctx) -> dict:
+    """Pretraining samples with MP_SFT_PACKING=true (their documents cut after each end-of-document id), against
+    each document run as a sample of its own, and against the samples as they are (documents attending across)."""
+    from megatron_patch.training.packing import DocumentsApart
+
+    eod, length = 2, 64
+    gen = torch.Generator().manual_seed(3)
+    samples, alone = [], []
+    # end-of-document positions: inside, first (a one-token document), last (no document after it), none
+    for ends in ([10, 30], [0, 40], [length - 1], []):
+        ids = torch.randint(3, vocab_size, (length + 1,), generator=gen)
+        ids[ends] = eod
+        sample = {"tokens": ids[:-1], "labels": ids[1:], "loss_mask": torch.ones(length),
+                  "position_ids": torch.arange(length)}
+        samples.append(sample)
+        bounds = [0] + [e + 1 for e in ends if e + 1 < length] + [length]
+        alone += [{k: (v[a:b] if k != "position_ids" else torch.arange(b - a)) for k, v in sample.items()}
+                  for a, b in zip(bounds[:-1], bounds[1:])]
+    apart = DocumentsApart(samples, eod)
+    return {"docs_apart": _loss_totals(model, apart, 1, ctx), "docs_apart_mbs2": _loss_totals(model, apart, 2, ctx),
+            "docs_alone": tuple(map(sum, zip(*(_loss_totals(model, [d], 1, ctx) for d in alone)))),
+            "docs_together": _loss_totals(model, samples, 1, ctx), "docs_alone_count": len(alone),
+            "docs_apart_starts": [apart[i]["doc_start"].nonzero().flatten().tolist() for i in range(len(apart))],
+            "docs_apart_positions": apart[1]["position_ids"][:3].tolist() + apart[1]["position_ids"][40:42].tolist()}
 
 
 @pytest.fixture(scope="module")
@@ -332,6 +359,20 @@ def test_packed_sft_loss_equals_unpacked_loss(packing_results):
     assert abs(r["no_boundaries"][0] - plain) > 1e-4 * abs(plain), (r["no_boundaries"], plain)
 
 
+def test_pretraining_documents_kept_apart_compute_each_document_alone(packing_results):
+    """MP_SFT_PACKING=true in pretraining: a sample's loss is the sum of its documents' losses, each run alone."""
+    r = packing_results
+    assert r["docs_apart_starts"] == [[0, 11, 31], [0, 1, 41], [0], [0]]
+    assert r["docs_apart_positions"] == [0, 0, 1, 40 - 1, 0]  # restarting after each end-of-document token
+    (apart, n), (apart2, n2), (alone, n_alone), (together, n_together) = (
+        r["docs_apart"], r["docs_apart_mbs2"], r["docs_alone"], r["docs_together"])
+    assert n == n2 == n_alone == n_together == 4 * 64 and r["docs_alone_count"] == 8
+    assert abs(apart - alone) <= 1e-5 * abs(alone), (apart, alone)
+    assert abs(apart2 - alone) <= 1e-5 * abs(alone), (apart2, alone)
+    assert abs(together - alone) > 1e-4 * abs(alone), (together, alone)  # documents attending across differ
+
+
+@pytest.mark.slow
 def test_model_moves_whole_onto_the_device_moe_router_and_gate_included(packing_results):
     assert packing_results["moe_moved"]
 

@@ -52,9 +52,11 @@ def make_corpus(root: str | Path, documents: int, seed: int = 0) -> dict:
     return {"root": root, "texts": texts, "tok": tok, "prefix": report.output_prefix}
 
 
-def hf_loss_on_first_batch(hf_dir: str | Path, family: str, args: list[str]) -> float:
+def hf_loss_on_first_batch(hf_dir: str | Path, family: str, args: list[str], documents_apart_at: int | None = None
+                           ) -> float:
     """transformers' loss on the first global batch of a launcher run, read the way training reads it:
-    a run that starts from a checkpoint of that model must log this as its first loss."""
+    a run that starts from a checkpoint of that model must log this as its first loss. ``documents_apart_at``: an
+    end-of-document id after which each sample is cut, each piece run alone (pretraining with MP_SFT_PACKING)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -67,11 +69,14 @@ def hf_loss_on_first_batch(hf_dir: str | Path, family: str, args: list[str]) -> 
     total, count = 0.0, 0
     with torch.no_grad():
         for b in micro_batches(train, 0, cfg, 0, 1):
-            logits = model(input_ids=b["tokens"]).logits
-            ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1),
-                                                   reduction="none")
-            total += float((ce * b["loss_mask"].reshape(-1)).sum())
-            count += int(b["loss_mask"].sum())
+            for tokens, labels, mask in zip(b["tokens"], b["labels"], b["loss_mask"]):
+                ends = [] if documents_apart_at is None else (tokens[:-1] == documents_apart_at).nonzero().flatten()
+                bounds = [0, *(int(e) + 1 for e in ends), len(tokens)]
+                for a, z in zip(bounds[:-1], bounds[1:]):
+                    logits = model(input_ids=tokens[None, a:z]).logits[0]
+                    ce = torch.nn.functional.cross_entropy(logits, labels[a:z], reduction="none")
+                    total += float((ce * mask[a:z]).sum())
+                    count += int(mask[a:z].sum())
     return total / count
 
 

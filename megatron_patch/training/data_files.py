@@ -205,6 +205,25 @@ def _check_token_ids(prefix: str, dtype: numpy.dtype, total: int, vocab_size: in
                         f"model's vocabulary [0, {vocab_size}): {fix}")
 
 
+def run_tokenizer(cfg):
+    """MP_TOKENIZER, else the checkpoint's tokenizer where it carries one, else None."""
+    for source in (cfg.tokenizer, cfg.pretrain_checkpoint):
+        if source and (Path(source).is_file() or (Path(source) / "tokenizer.json").is_file()):
+            return load_tokenizer(source)
+    return None
+
+
+def end_of_document(cfg) -> tuple[int, str]:
+    """The id pretraining documents end with (what ``mpatch preprocess`` appends: the tokenizer's end-of-document
+    token) and its text, for MP_SFT_PACKING=true in pretraining, which keeps documents apart there."""
+    tokenizer = run_tokenizer(cfg)
+    if tokenizer is None:
+        raise UserError("MP_SFT_PACKING=true in pretraining keeps documents apart at the tokenizer's end-of-document "
+                        "token: set MP_TOKENIZER to the tokenizer the data was preprocessed with, or give a "
+                        "PRETRAIN_CHECKPOINT_PATH that carries tokenizer.json")
+    return tokenizer.eod, tokenizer.decode([tokenizer.eod])
+
+
 def check_training_data(cfg) -> None:
     """Every mmap prefix a run reads (training, validation), before its first step: pretraining data, or with
     SFT=true Pai's SFT idxmap; or each SFT JSON/JSONL file's records, for their shape."""
@@ -215,6 +234,8 @@ def check_training_data(cfg) -> None:
         for path in dict.fromkeys([cfg.dataset_path[0], *(cfg.valid_dataset_path or [])[:1]]):
             refuse_untrainable(path, record_groups(path), tokenizer, cfg.sample_length, cfg.sft_packing)
         return
+    if cfg.sft_packing and not cfg.sft:
+        end_of_document(cfg)
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
         if cfg.sft:

@@ -377,12 +377,15 @@ ENVIRONMENT = [
                "chunks as `model0`, `model1`, ... (Megatron-LM's names); a torch_dist PRETRAIN_CHECKPOINT_PATH loads "
                "into chunks (a legacy one is refused)"),
     Option("MP_SFT_PACKING", CORE, BOOL, "true: several SFT records per sample, kept apart (JSON records packed in "
-           "order, Pai's packed lists and idxmap samples as they are); false: each record a sample of its own",
+           "order, Pai's packed lists and idxmap samples as they are), or in pretraining each sample's documents kept "
+           "apart; false: each record a sample of its own, documents attending across their ends",
            default=False, field="sft_packing",
            doc="`true`: several SFT records per sample (JSON records packed in order, a packed-SFT list or an idxmap "
                "sample as it is), trained as THD packed sequences (`PackedSeqParams`, `cu_seqlens`): attention stays "
                "within each sample and RoPE restarts, on GPU (transformer-engine) and CPU alike; the loss equals the "
-               "unpacked loss. Not with CP>1"),
+               "unpacked loss. In pretraining (Pai's `--reset-position-ids` with it): a document starts after each "
+               "end-of-document token of the tokenizer (MP_TOKENIZER or the checkpoint's), attends within itself "
+               "and its positions restart; the loss is each document's alone. Not with CP>1"),
     Option("MP_PP0_LAYERS", CORE, INTEGER, "layers on the first pipeline stage", field="pp0_layers",
            default=Default("the layers split evenly"),
            doc="layers of the first pipeline stage (the rest split evenly), `num_layers_in_first_pipeline_stage`"),

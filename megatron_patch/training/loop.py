@@ -33,6 +33,7 @@ from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import (
     checkpointing,
     data,
+    data_files,
     evaluation_run,
     faults,
     fp8_run,
@@ -355,6 +356,12 @@ class Trainer:
             # Its files were checked before any rank started (every token id included: training.data_files).
             self.train_data, self.valid_data = data.build_pretraining_datasets(
                 cfg, cfg.train_iters * cfg.global_batch_size, valid_samples)
+            if cfg.sft_packing:  # documents kept apart at the tokenizer's end-of-document id, as Pai's packing
+                eod, name = data_files.end_of_document(cfg)
+                self.train_data, self.valid_data = (packing.DocumentsApart(d, eod) if d is not None else None
+                                                    for d in (self.train_data, self.valid_data))
+                self._log(f"MP_SFT_PACKING=true: each sample's documents attend only within themselves, positions "
+                          f"restarting after each end-of-document token (id {eod}, {name})")
 
     # --- logging --------------------------------------------------------------------------------------
 

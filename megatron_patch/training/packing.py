@@ -83,3 +83,32 @@ def use_packed_local_attention(model: torch.nn.Module) -> int:
             module.core_attention = PackedLocalAttention(inner)
             wrapped += 1
     return wrapped
+
+
+def documents_apart(sample: dict, eod: int) -> dict:
+    """A pretraining sample with its documents kept apart (MP_SFT_PACKING=true in pretraining, as Pai's
+    ``--reset-position-ids``): a document starts at the sample's first token and after each end-of-document token,
+    so the end-of-document token closes its own document. Positions restart there, as megatron-core's
+    ``reset_position_ids`` restarts them, and ``doc_start`` makes the step train the sample as THD packed
+    sequences. Labels and loss mask are untouched: the end-of-document token still predicts the next document's
+    first token, as in Megatron-LM and Pai."""
+    tokens = sample["tokens"]
+    doc_start = torch.zeros_like(tokens, dtype=torch.bool)
+    doc_start[0] = True
+    doc_start[1:] = tokens[:-1] == eod
+    starts = torch.nonzero(doc_start).flatten()
+    segment = torch.cumsum(doc_start.long(), 0) - 1
+    return {**sample, "doc_start": doc_start, "position_ids": torch.arange(tokens.numel()) - starts[segment]}
+
+
+class DocumentsApart(torch.utils.data.Dataset):
+    """``documents_apart`` over every sample of a pretraining dataset (a blend's too)."""
+
+    def __init__(self, inner, eod: int):
+        self.inner, self.eod = inner, eod
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> dict:
+        return documents_apart(self.inner[index], self.eod)

@@ -317,7 +317,7 @@ def check_same_job(cfg, folder: Path) -> list[str]:
         (old_name, old), (name, new) = _sample_length(then), _sample_length(now)
         if old is not None and old_name == name and old != new:
             changed.append(f"{name} {old} -> {new}")
-        if now["sft"] and "sft_packing" in then and then["sft_packing"] != now["sft_packing"]:
+        if "sft_packing" in then and then["sft_packing"] != now["sft_packing"]:
             changed.append(f"MP_SFT_PACKING {_shown(then['sft_packing'])} -> {_shown(now['sft_packing'])}")
     data = saved.get("data")
     if isinstance(data, dict) and isinstance(data.get("files"), list):

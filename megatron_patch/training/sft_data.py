@@ -34,7 +34,7 @@ import torch
 
 from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import load_tokenizer
-from megatron_patch.training.data_files import PIECE, read_sft_idxmap
+from megatron_patch.training.data_files import PIECE, read_sft_idxmap, run_tokenizer
 from megatron_patch.training.sft_records import read_records, record_groups
 from megatron_patch.training.sft_tokens import describe_format, tokenize_record, untrainable
 
@@ -235,7 +235,7 @@ def preview(cfg) -> dict:
         ids, trained = tokenize_record(tok, _first_record(Path(path)), where)
         source, how = where, describe_format(tok)
     else:
-        tok = _optional_tokenizer(cfg)
+        tok = run_tokenizer(cfg)
         rows = read_sft_idxmap(path)
         marks = numpy.flatnonzero(numpy.asarray(rows[0, :rows.shape[1] // 2]) < 0)
         ids, _, loss_mask, _ = _idxmap_piece(rows, 0, 0, int(marks[0]) + 1 if len(marks) else rows.shape[1] // 2)
@@ -249,11 +249,3 @@ def preview(cfg) -> dict:
     kept = int(sum(trained[1:cfg.sample_length + 1]))
     return {"source": source, "format": how, "tokens": len(ids), "loss_tokens": int(sum(trained)), "kept_loss_tokens": kept,
             "sample_length": cfg.sample_length, "text": text[:PREVIEW_CHARS], "cut": len(text) > PREVIEW_CHARS}
-
-
-def _optional_tokenizer(cfg):
-    """MP_TOKENIZER, else the checkpoint's tokenizer where it carries one, else None (the preview shows ids)."""
-    for source in (cfg.tokenizer, cfg.pretrain_checkpoint):
-        if source and (Path(source).is_file() or (Path(source) / "tokenizer.json").is_file()):
-            return load_tokenizer(source)
-    return None

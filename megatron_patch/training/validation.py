@@ -226,8 +226,6 @@ def offload_settings(cfg: RunConfig) -> None:
 def data_kind(cfg: RunConfig) -> None:
     if cfg.dataset_type == "raw" and not cfg.sft:
         raise UserError("MP_DATASET_TYPE=raw (JSON data) is for SFT: set SFT=true, or give mmap data for pretraining")
-    if cfg.sft_packing and not cfg.sft:
-        raise UserError("MP_SFT_PACKING=true applies to SFT only: set SFT=true or drop MP_SFT_PACKING")
 
 
 def sequence_parallelism(cfg: RunConfig) -> None:
