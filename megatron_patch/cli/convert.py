@@ -18,6 +18,8 @@ from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 # So are the modules a subcommand runs (cli/__init__.py): convert.lora_io, and cli.pai_convert's converters.
 
 
+QUIET_HELP = "no progress output (a note on what was chosen for you still goes to stderr)"
+
 def _quiet_imports() -> None:
 
     # megatron-core warns at import about optional GPU packages; conversion never needs them.
@@ -153,7 +155,7 @@ def register(subparsers) -> None:
                         "(torch_dist), for training to continue them or mcore2hf to export or merge them")
     h.add_argument("--force", action="store_true", help=FORCE_HELP)
     _add_workers(h)
-    h.add_argument("--quiet", action="store_true", help="no progress output")
+    h.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     h.set_defaults(run=run_hf2mcore)
 
     m = sub.add_parser(
@@ -193,7 +195,7 @@ def register(subparsers) -> None:
                    help="do not check the checkpoint's files against its mpatch_manifest.json (checked by default, "
                         "beside the copy, where the checkpoint has one)")
     _add_workers(m)
-    m.add_argument("--quiet", action="store_true", help="no progress output")
+    m.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     m.set_defaults(run=run_mcore2hf)
 
     from megatron_patch.cli.pai_convert import register as register_pai
