@@ -20,6 +20,7 @@ from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 
 QUIET_HELP = "no progress output (a note on what was chosen for you still goes to stderr)"
 
+
 def _quiet_imports() -> None:
 
     # megatron-core warns at import about optional GPU packages; conversion never needs them.
