@@ -155,6 +155,51 @@ def test_validation_runs_at_its_interval_and_after_the_last_iteration(corpus, tm
     assert "the validation loss is not held out" in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
+def test_mp_split_validates_on_documents_training_never_reads(corpus, tmp_path):
+    """Pai's pretraining launcher holds 1% of DATASET_PATH out for validation (--split 99,1,0), and ignores
+    VALID_DATASET_PATH (its README gives the same prefix): MP_SPLIT does so here."""
+    from megatron_patch.training.data import build_pretraining_datasets
+    from megatron_patch.training.validation import resolve
+
+    out = tmp_path / "out"
+    args = _pretrain_args(corpus, out, TRAIN_TOKENS_OR_ITERS=str(3 * GBS * SEQ), WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ),
+                          VALID_DATASET_PATH=corpus["prefix"])
+    env = {"MP_SPLIT": "98,2,0", "MP_EVAL_INTERVAL": "2", "MP_EVAL_ITERS": "1", "MP_SAVE": "false"}
+    cfg = resolve("llama3_1", args, env=env)
+    train, valid = build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size,
+                                              cfg.eval_iters * cfg.global_batch_size)
+    held, trained = set(valid.indices.tolist()), set(train.indices.tolist())
+    assert len(held) == 40 and not held & trained and len(held | trained) == 2000
+    assert set(valid.document_index.tolist()) <= held and set(train.document_index.tolist()) <= trained
+
+    proc = launch(args, env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not held out" not in proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "valid_loss" in r] == [2, 3]
+
+
+def test_mp_split_takes_shares_and_refuses_other_validation_data(corpus, tmp_path):
+    from megatron_patch.training.validation import resolve
+
+    def refusal(env, **over):
+        with pytest.raises(UserError) as err:
+            resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", **over), env=env)
+        return str(err.value)
+
+    cfg = resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out"), env={"MP_SPLIT": "99/1"})
+    assert cfg.split == "99,1,0" and cfg.valid_dataset_path is None
+    assert "holds nothing out for validation" in refusal({"MP_SPLIT": "100,0,0"})
+    assert "takes train,valid,test shares" in refusal({"MP_SPLIT": "99,1,0,0"})
+    assert "takes train,valid,test shares" in refusal({"MP_SPLIT": "a,b"})
+    other = refusal({"MP_SPLIT": "99,1,0"}, VALID_DATASET_PATH=f"1 {corpus['prefix']} 1 {corpus['prefix']}")
+    assert "VALID_DATASET_PATH names other data" in other
+    sft = refusal({"MP_SPLIT": "99,1,0", "MP_TOKENIZER": str(corpus["tok"])}, SFT="true",
+                  DATASET_PATH=str(write_jsonl(tmp_path / "r.jsonl", [{"prompt": "a", "response": "b"}])))
+    assert "with SFT=true give the validation records as VALID_DATASET_PATH" in sft
+
+
 # --- pretraining at TP=2: the loss falls, and a resumed run is the same run ----------------------------
 
 @pytest.fixture(scope="module")

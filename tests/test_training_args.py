@@ -228,7 +228,10 @@ def test_validation_on_training_data_or_on_nothing_is_noted(data, tmp_path):
     same = resolve("llama3_1", _args(data, VALID_DATASET_PATH=data["prefix"]), env={})
     assert [n for n in same.notes if "not held out" in n] == [
         "VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not held out, where "
-        "Pai's launcher would hold out 1% of the data; give a held-out set"]
+        "Pai's launcher would hold out 1% of the data; give a held-out set, or set MP_SPLIT=99,1,0 to hold it out of "
+        "DATASET_PATH as Pai does"]
+    split = resolve("llama3_1", _args(data, VALID_DATASET_PATH=data["prefix"]), env={"MP_SPLIT": "99,1,0"})
+    assert not [n for n in split.notes if "not held out" in n] and split.valid_dataset_path is None
     for suffix in (".bin", ".idx"):
         (tmp_path / f"held_out{suffix}").write_bytes(b"")
     apart = resolve("llama3_1", _args(data, VALID_DATASET_PATH=str(tmp_path / "held_out")), env={})

@@ -75,17 +75,22 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     eos = arch.hf_config.get("eos_token_id", 0)
     eod = eos[0] if isinstance(eos, list) else int(eos or 0)
     valid = (cfg.valid_dataset_path, cfg.valid_dataset_weights) if cfg.valid_dataset_path else None
+    # MP_SPLIT: megatron-core cuts each prefix's documents into train, validation and test shares (Pai's --split)
+    blend = (dict(blend=(cfg.dataset_path, cfg.dataset_weights), split=cfg.split) if cfg.split else
+             dict(blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None]))
     config = GPTDatasetConfig(
-        random_seed=cfg.seed, sequence_length=cfg.seq_len,
-        blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None],
+        random_seed=cfg.seed, sequence_length=cfg.seq_len, **blend,
         path_to_cache=str(cache),
         tokenizer=_DatasetTokenizer(arch.padded_vocab_size(), eod,
                                     data_identity([*cfg.dataset_path, *(cfg.valid_dataset_path or [])])),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         mmap_bin_files=True,
     )
-    sizes = [num_train_samples, num_valid_samples if valid else None, None]
+    sizes = [num_train_samples, num_valid_samples if valid or cfg.split else None, None]
     train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    if cfg.split and valid_ds is None:
+        raise UserError(f"MP_SPLIT={cfg.split} leaves no document of DATASET_PATH for validation (each share is "
+                        "counted in whole documents): give validation a larger share")
     return train, valid_ds
 
 

@@ -120,6 +120,26 @@ def _document_limit(name: str, raw: str) -> float | int:
     return document_limit(name, parse_float(name, raw))
 
 
+def _split(name: str, raw: str) -> str | None:
+    """Megatron-LM's ``--split`` (Pai's 99,1,0): train, validation and test shares of DATASET_PATH's documents,
+    given as 1 to 3 numbers; the validation share must hold something."""
+    if is_none(raw):
+        return None
+    parts = raw.replace("/", ",").split(",")
+    try:
+        shares = [parse_float(name, p) for p in parts] if len(parts) <= 3 else []
+    except UserError:
+        shares = []
+    if not shares or sum(shares) <= 0:
+        raise UserError(f"{name} takes train,valid,test shares of DATASET_PATH, e.g. 99,1,0 (Pai's --split), "
+                        f"got '{raw}'")
+    shares += [0.0] * (3 - len(shares))
+    if shares[1] <= 0:
+        raise UserError(f"{name}={raw} holds nothing out for validation: give it a validation share, e.g. 99,1,0, "
+                        "or leave it unset to validate on VALID_DATASET_PATH")
+    return ",".join(f"{x:g}" for x in shares)
+
+
 def _dry_run(name: str, raw: str) -> str | None:
     # MP_DRY_RUN=false started a dry run, as did any word but 0: a value it does not take is refused
     value = raw.strip().lower()
@@ -491,6 +511,15 @@ ENVIRONMENT = [
            "Pai-Megatron-Patch; 0: never)", default=10000, field="eval_interval"),
     Option("MP_EVAL_ITERS", CORE, integer(hi=MAX_ITERATIONS), "validation global batches per evaluation",
            default=10, field="eval_iters"),
+    Option("MP_SPLIT", CORE, Reader(_split, "train,valid,test shares, e.g. 99,1,0", "99,0,1"),
+           "pretraining: hold validation out of DATASET_PATH by these shares of its documents, as Pai's launcher "
+           "does (--split 99,1,0); VALID_DATASET_PATH is then none or DATASET_PATH", default=Default(
+               "unset: validation reads VALID_DATASET_PATH"), field="split",
+           doc="pretraining: Megatron-LM's `--split`, which Pai's pretraining launcher passes as `99,1,0`: "
+               "megatron-core cuts DATASET_PATH's documents (each prefix's of a blend) into train, validation and "
+               "test shares, trains on the first and validates on the second, which training never reads. "
+               "VALID_DATASET_PATH is then none or DATASET_PATH itself (Pai's README gives one prefix for both, "
+               "and Pai's launcher ignores it); other data there is refused. Not with SFT=true"),
     # at most 2**32 - 1: megatron-core's datasets and lm-eval (MP_EVAL_TASKS) seed numpy with it, which takes no more
     Option("MP_SEED", CORE, integer(lo=0, hi=2**32 - 1), "random seed (pipeline stage p initialises with seed + 100*p)",
            default=1234, field="seed", doc="random seed (pipeline stage p initialises with seed + 100\\*p)"),

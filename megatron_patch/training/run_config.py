@@ -59,6 +59,7 @@ class RunConfig:
     dataset_weights: list[float] | None
     valid_dataset_path: list[str] | None
     valid_dataset_weights: list[float] | None
+    split: str | None  # MP_SPLIT: train,valid,test shares of DATASET_PATH (validation held out of it)
     pretrain_checkpoint: str | None
     train_iters: int
     warmup_iters: int

@@ -254,6 +254,8 @@ def training_data(cfg) -> dict:
         names = [path] if cfg.dataset_type == "raw" else [path + ".bin", path + ".idx"]
         files.append({"path": os.path.realpath(path), "bytes": [_size(name) for name in names]})
     out = {"files": files, "weights": cfg.dataset_weights}
+    if cfg.split:  # MP_SPLIT: another split trains on other documents
+        out["split"] = cfg.split
     if cfg.sft and cfg.dataset_type == "raw" and cfg.tokenizer:
         out["tokenizer"] = tokenizer_digest(cfg.tokenizer)  # JSON records become other ids with another tokenizer
     return out
@@ -335,6 +337,8 @@ def check_same_job(cfg, folder: Path) -> list[str]:
         elif sized and old_sizes != new_sizes:
             notes.append(f"DATASET_PATH's files changed size since {folder.name} was saved: the run goes on over "
                          "them as they are now")
+        if data.get("split") != here.get("split"):
+            changed.append(f"MP_SPLIT {data.get('split') or 'unset'} -> {here.get('split') or 'unset'}")
         if data.get("weights") != here["weights"] and (data.get("weights") or here["weights"]):
             changed.append(f"DATASET_PATH's blend weights {data.get('weights')} -> {here['weights']}")
         if data.get("tokenizer") and here.get("tokenizer") and data["tokenizer"] != here["tokenizer"]:

@@ -115,12 +115,23 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     paths, weights = parse_data_paths("DATASET_PATH", o["DATASET_PATH"], found)
     valid, valid_weights = (None, None) if o["VALID_DATASET_PATH"] is None else \
         parse_data_paths("VALID_DATASET_PATH", o["VALID_DATASET_PATH"], found)
-    if valid is None and o.given("MP_EVAL_INTERVAL") and o["MP_EVAL_INTERVAL"]:
+    if o["MP_SPLIT"] is not None:
+        # validation is DATASET_PATH's held-out share; Pai's launcher ignores VALID_DATASET_PATH with --split
+        if sft:
+            raise UserError("MP_SPLIT holds validation out of pretraining data: with SFT=true give the validation "
+                            "records as VALID_DATASET_PATH and leave MP_SPLIT unset")
+        if valid is not None and (valid != paths or valid_weights != weights):
+            raise UserError(f"MP_SPLIT={o.raw('MP_SPLIT')} validates on a held-out share of DATASET_PATH, and "
+                            "VALID_DATASET_PATH names other data: set VALID_DATASET_PATH to none (or to DATASET_PATH, "
+                            "as Pai's README does), or leave MP_SPLIT unset to validate on it")
+        valid, valid_weights = None, None
+    elif valid is None and o.given("MP_EVAL_INTERVAL") and o["MP_EVAL_INTERVAL"]:
         notes.append(f"MP_EVAL_INTERVAL={o.raw('MP_EVAL_INTERVAL')} validates nothing: VALID_DATASET_PATH is none")
     elif valid is not None and set(valid) <= set(paths):
         # Pai's README line gives one prefix for both, and Pai's launcher holds out 1% of it (--split 99,1,0)
         notes.append("VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not "
-                     "held out, where Pai's launcher would hold out 1% of the data; give a held-out set")
+                     "held out, where Pai's launcher would hold out 1% of the data; give a held-out set, or set "
+                     "MP_SPLIT=99,1,0 to hold it out of DATASET_PATH as Pai does")
     # JSON records are tokenized here, by default with the checkpoint's tokenizer; an idxmap is already ids.
     o.settle("MP_TOKENIZER", sft=sft, dataset_type=dataset_type, checkpoint=ckpt)
     o.settle("MP_WEIGHT_DECAY", family=family, launcher=launcher)
