@@ -543,8 +543,9 @@ def test_another_job_into_a_run_folder_is_refused_naming_what_changed(tmp_path, 
     def args(**over):
         return launcher_args("llama3_1", **{"DATASET_PATH": a, "OUTPUT_BASEPATH": str(out), **over})
 
-    def check(folder, **over):
-        return check_same_job(resolve("llama3_1", args(**over), env={"MP_TOKENIZER": str(tmp_path / "tok")}), folder)
+    def check(folder, env=None, **over):
+        env = {"MP_TOKENIZER": str(tmp_path / "tok"), **(env or {})}
+        return check_same_job(resolve("llama3_1", args(**over), env=env), folder)
 
     folder = _saved_run(out, args())
     sft = dict(SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"))
@@ -562,6 +563,11 @@ def test_another_job_into_a_run_folder_is_refused_naming_what_changed(tmp_path, 
                                                               "weights None -> [1.0, 1.0])")):
         with pytest.raises(UserError, match=re.escape(changed)):
             check(folder, **over)
+    # validation held out of the data (other documents train), or the documents of a sample kept apart
+    for env, changed in (({"MP_SPLIT": "99,1,0"}, "(MP_SPLIT unset -> 99,1,0)"),
+                         ({"MP_SFT_PACKING": "true"}, "(MP_SFT_PACKING false -> true)")):
+        with pytest.raises(UserError, match=re.escape(changed)):
+            check(folder, env)
     # what resumes: another schedule, the same files by another name (relative, through a link), a moved copy
     assert check(folder, LR="1e-2", TRAIN_TOKENS_OR_ITERS=str(40 * 8 * 64), TP="2") == []
     monkeypatch.chdir(tmp_path)
