@@ -110,6 +110,48 @@ def test_forward_step_splits_for_this_cp_rank():
     assert model.calls[0]["tokens"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
 
 
+def test_context_parallel_ranks_gradients_add_up_to_the_whole_sequences(monkeypatch):
+    """CP=2: megatron-core's schedule multiplies each rank's (loss, report) by the CP size and DDP averages the
+    gradients over DP x CP; the loss function returned the rank's share already multiplied by the CP size, so a
+    CP=2 run trained with twice the gradient of CP=1 (its clipping and logged norm too). Each rank here computes its
+    share as the schedule and DDP then treat it; their gradients must add up to CP=1's."""
+    import inspect
+
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_patch.training import loop
+    from megatron_patch.training.loop import _loss_func
+
+    # the token losses without a tensor-parallel group (megatron-core's vocab-parallel cross-entropy needs one)
+    monkeypatch.setattr(loop, "_token_losses", lambda vocab, labels, logits: torch.nn.functional.cross_entropy(
+        logits.transpose(1, 2), labels, reduction="none"))
+    # the schedule's factor this test stands in for (a megatron-core that drops it changes the arithmetic)
+    assert "output_tensor *= cp_group_size" in inspect.getsource(schedules)
+    vocab, cp = 11, 2
+    gen = torch.Generator().manual_seed(0)
+    batch = {"labels": torch.randint(0, vocab, (2, 8), generator=gen),
+             "loss_mask": (torch.rand(2, 8, generator=gen) > 0.3).float()}
+    logits = torch.randn(8, 2, vocab, generator=gen, requires_grad=True)  # [s, b, v], as the model returns them
+
+    whole, _ = _loss_func(batch["loss_mask"], batch["labels"], vocab, 1, False, logits)
+    (want,) = torch.autograd.grad(whole, logits)
+
+    rows = split_for_context_parallel({"pos": torch.arange(8).repeat(2, 1)}, cp, 0)["pos"][0], \
+        split_for_context_parallel({"pos": torch.arange(8).repeat(2, 1)}, cp, 1)["pos"][0]
+    parts = [{k: v[:, r] for k, v in batch.items()} for r in rows]
+    monkeypatch.setattr(parallel_state, "get_context_parallel_group", lambda: None)
+    got = torch.zeros_like(logits)
+    for rank, r in enumerate(rows):
+        # the CP all-reduce of the (loss sum, token count) pair: the other ranks' count added (their sum is reported)
+        others = torch.stack([torch.tensor(0.0), sum(p["loss_mask"].sum() for p in parts if p is not parts[rank])])
+        monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, group=None, o=others: t.add_(o))
+        share, _ = _loss_func(parts[rank]["loss_mask"], parts[rank]["labels"], vocab, cp, False, logits[r])
+        (grad,) = torch.autograd.grad(share * cp / cp, logits)  # the schedule's x CP, DDP's average over CP
+        got += grad
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), float((got - want).abs().max() / want.abs().max())
+
+
 # --- 13. overlap hooks for the pipeline schedules ------------------------------------------------------------
 
 class _FakeDDP:

@@ -108,7 +108,10 @@ def _loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, vocab_size: int, c
     if cp_size > 1:
         stats_all = stats.detach().clone()
         dist.all_reduce(stats_all, group=parallel_state.get_context_parallel_group())
-        loss = stats[0] * cp_size / stats_all[1].clamp(min=1)
+        # This rank's share of the sequence's mean: megatron-core's schedule multiplies a (loss, report) pair by the
+        # CP size and DDP averages the gradients over DP x CP, so the shares' gradients add up to the mean's.
+        # (Megatron-LM's older loss functions multiplied by the CP size themselves; here that doubled it.)
+        loss = stats[0] / stats_all[1].clamp(min=1)
         return loss, {"lm loss": stats_all}
     loss = stats[0] / stats[1].clamp(min=1)
     return loss, {"lm loss": stats.detach()}
