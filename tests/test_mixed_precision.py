@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import json
+import math
+
 import pytest
 import torch
 
@@ -146,6 +148,32 @@ def test_fp16_loss_scale_grows_and_backs_off_on_overflow(fp16_run):
     assert "iteration 8: inf/nan gradients, step skipped (loss scale 262144 -> 131072)" in stdout
     losses = [x["loss"] for x in m]
     assert losses[5] < losses[0] - 0.5, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_inf_gradients_without_a_loss_scaler_skip_or_stop_before_the_update(corpus, tmp_path, precision):
+    """bf16 and fp32 have no loss scaler to find inf gradients: the step was taken (clipping an infinite norm
+    multiplies by 0), every weight became NaN, MP_NAN_POLICY=skip then exported them with status 0, and the stop
+    policy stopped one iteration later, after a checkpoint of NaN weights."""
+    out = tmp_path / "skip"
+    args = _args(corpus, out, PR=precision, DO="false", TRAIN_TOKENS_OR_ITERS=str(5 * GBS * SEQ), SAVE_INTERVAL="2")
+    proc = launch(args, {"MP_INJECT_FAULT": "overflow@2", "MP_NAN_POLICY": "skip"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = read_metrics(out)
+    assert [x["skipped"] for x in m] == [False, True, False, False, False]
+    assert all(math.isfinite(x["loss"]) for x in m) and m[1]["lr"] == m[0]["lr"]
+    assert "iteration 2: the gradients hold inf/nan (loss " in proc.stdout
+    assert all(torch.isfinite(t).all() for t in read_tensors(out / "final" / "release").values())
+
+    stopped = tmp_path / "stop"
+    proc = launch(_args(corpus, stopped, PR=precision, DO="false", TRAIN_TOKENS_OR_ITERS=str(5 * GBS * SEQ),
+                        SAVE_INTERVAL="2"), {"MP_INJECT_FAULT": "overflow@3"})
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "the gradients hold inf/nan" in err and "at iteration 3: training stopped before its update (the last " \
+           f"checkpoint is {stopped / 'checkpoint' / 'iter_0000002'})" in err, err
+    assert all(torch.isfinite(t).all() for t in read_tensors(stopped / "checkpoint" / "iter_0000002").values())
 
 
 @pytest.mark.slow

@@ -536,6 +536,8 @@ def test_nan_loss_stops_the_run(corpus, tmp_path):
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()[-1]
     assert "loss is" in err and "at iteration" in err and "training stopped" in err, err
+    # before its first checkpoint: nothing to name but where a rerun starts
+    assert "no checkpoint was saved yet: a rerun starts again from the random initialisation" in err, err
     assert not math.isnan(read_metrics(out)[0]["loss"])
 
 

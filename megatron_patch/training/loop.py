@@ -272,6 +272,7 @@ class Trainer:
             attention_kernels.activate(attention_kernels.flash_implementation(
                 True, caps.compute_capability, caps.flash_attention_3, caps.flash_attention_4))
         self.resume_iteration = self._latest()
+        self.last_checkpoint = self.resume_iteration  # where a rerun would go on from
         # Read by rank 0 alone, which writes them into each checkpoint.
         self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
         if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
@@ -482,12 +483,17 @@ class Trainer:
         if faults.due(cfg.faults, "overflow", self.iteration + 1):
             faults.fill_gradients_with_inf(self.models)
         loss = float(stats[0] / max(float(stats[1]), 1.0))
-        if not math.isfinite(loss):
+        # fp16's loss scaler finds inf/nan gradients itself (the optimizer skips the step and lowers the scale); in
+        # bf16 and fp32 nothing does, and clipping an infinite norm multiplies by 0: every weight became NaN
+        problem = (f"loss is {loss}" if not math.isfinite(loss) else
+                   None if cfg.precision.fp16 or self._gradients_finite() else
+                   f"the gradients hold inf/nan (loss {loss:.4f})")
+        if problem is not None:
             if cfg.nan_policy == "stop":
-                raise TrainingStopped(
-                    f"loss is {loss} at iteration {self.iteration + 1}: training stopped (the last checkpoint is "
-                    f"in {cfg.checkpoint_dir}); lower LR, check the data, or set MP_NAN_POLICY=skip")
-            self._log(f"iteration {self.iteration + 1}: loss is {loss}, step skipped (MP_NAN_POLICY=skip)")
+                raise TrainingStopped(f"{problem} at iteration {self.iteration + 1}: training stopped before its "
+                                      f"update ({self._resume_point()}); lower LR, check the data, or set "
+                                      "MP_NAN_POLICY=skip")
+            self._log(f"iteration {self.iteration + 1}: {problem}, step skipped (MP_NAN_POLICY=skip)")
             for m in self.models:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -505,6 +511,24 @@ class Trainer:
                       + (f" (loss scale {scale:g} -> {after:g})" if scale is not None else ""))
         return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens": float(stats[1]), "loss_scale": scale, "indexer_loss": indexer_loss, "mtp_losses": mtp_losses}
+
+    def _gradients_finite(self) -> bool:
+        """Every gradient of every rank finite, as megatron-core's clipping will need its norm: each DDP buffer's
+        norm (an overflow of the sum of squares counts too), one flag all-reduced."""
+        bad = torch.zeros(1, device=self._device())
+        for m in self.models:
+            for buffer in [*m.buffers, *m.expert_parallel_buffers]:
+                norm = torch.linalg.vector_norm(buffer.grad_data, dtype=torch.float32)
+                bad += (~torch.isfinite(norm)).float()
+        dist.all_reduce(bad)
+        return not bool(bad.item())
+
+    def _resume_point(self) -> str:
+        """Where a rerun goes on from, for a message that stops the run."""
+        if self.last_checkpoint is not None:
+            return f"the last checkpoint is {checkpointing.iteration_dir(self.cfg.checkpoint_dir, self.last_checkpoint)}"
+        start = self.cfg.pretrain_checkpoint or "the random initialisation"
+        return f"no checkpoint was saved yet: a rerun starts again from {start}"
 
     def _loss_scale(self) -> float | None:
         """fp16's dynamic loss scale (None without one: bf16 and fp32 train unscaled)."""
@@ -616,6 +640,7 @@ class Trainer:
             if cfg.save and (self.iteration % cfg.save_interval == 0 or self.iteration == stop_at):
                 checkpointing.save(cfg, self.iteration, self.models, self.optimizer, self.scheduler,
                                    side_files=self.side_files)
+                self.last_checkpoint = self.iteration
             if evaluation_run.due(cfg, self.iteration):
                 watchdog.set_phase(f"task evaluation after iteration {self.iteration}")
                 self.evaluate_tasks()
