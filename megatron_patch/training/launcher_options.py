@@ -445,9 +445,11 @@ ENVIRONMENT = [
            doc="HF tokenizer folder or tiktoken file: SFT's JSON records are tokenized with it (an idxmap is "
                "already ids); where PRETRAIN_CHECKPOINT_PATH carries no tokenizer, its files go into "
                "every checkpoint and the HF export, and MP_EVAL_TASKS and the SFT preview read it"),
-    Option("MP_NAN_POLICY", CORE, choice("stop", "skip"), "what a NaN/inf loss does: stop | skip (the update)",
-           default="stop", field="nan_policy",
-           doc="`stop`: exit 2 naming the iteration \\| `skip`: skip that step's update"),
+    Option("MP_NAN_POLICY", CORE, choice("stop", "skip"), "what a NaN/inf loss, or in bf16/fp32 inf/nan gradients, "
+           "do: stop | skip (the update)", default="stop", field="nan_policy",
+           doc="`stop`: exit 2 naming the iteration, before its update \\| `skip`: skip that step's update. In "
+               "bf16 and fp32 the gradients are checked too (every DDP buffer's norm, as clipping needs it); fp16's "
+               "loss scaler skips inf/nan gradients and lowers its scale whatever the policy"),
     Option("MP_COMPILE_FUSIONS", CORE, BOOL, "true: torch.compile the local spec's RMSNorm, RoPE, SwiGLU and "
            "bias-dropout-add (no transformer-engine); false: all of them eager", field="compile_fusions",
            default=Default("megatron-core's own choice"),
