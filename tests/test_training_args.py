@@ -142,7 +142,7 @@ BAD = [
     ("llama3_1", dict(AC="full"), {"MP_AC_LAYERS": "3"}, "a stage here holds 4: set MP_AC_LAYERS to 1 or 2 or 4"),
     # SFT decays over the iterations after the warm-up: megatron-core asserted it longer, on the rank
     ("llama3_1", dict(SFT="true", DATASET_PATH="SFT", TRAIN_TOKENS_OR_ITERS="20", WARMUP_TOKENS_OR_ITERS="12"),
-     {"MP_TOKENIZER": "TOK"}, "SFT decays the learning rate over the 8 iterations after the warm-up"),
+     {"MP_TOKENIZER": "TOK"}, "SFT decays the learning rate until iteration 8 (training minus warm-up), which must come after the warm-up (12)"),
     ("llama3_1", dict(AC="full", PP="2"), {"MP_VP_CHUNKS": "2", "MP_AC_LAYERS": "2"}, "a stage here holds 1"),
     ("llama3_1", dict(SFT="true", CP="2", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
      "MP_SFT_PACKING=true with CP=2 is not supported"),

@@ -261,7 +261,8 @@ POSITIONAL = [
            doc="samples per optimizer step; micro-batches per step = GBS / (BATCH_SIZE\\*DP)"),
     Option("LR", CORE, NUMBER, "peak learning rate (> 0)", field="lr", takes="> 0",
            doc="peak learning rate of `OptimizerParamScheduler` (linear warm-up from 0, then cosine decay to MIN_LR: "
-               "pretraining over all training iterations, SFT over the iterations after the warm-up, as "
+               "pretraining by the last iteration; SFT by iteration TRAIN-WARMUP, Pai's `--lr-decay-iters`, which "
+               "megatron-core counts from iteration 0, so SFT's last WARMUP iterations run at MIN_LR; as "
                "Pai-Megatron-Patch's launchers)"),
     Option("MIN_LR", CORE, NUMBER, "final learning rate of the cosine decay (0 <= MIN_LR <= LR)", field="min_lr",
            takes="0..LR", doc="final learning rate"),
@@ -623,7 +624,7 @@ DERIVED = {
     "valid_dataset_weights": "VALID_DATASET_PATH's blend weights",
     "train_iters": "TRAIN_TOKENS_OR_ITERS (tokens / (GLOBAL_BATCH_SIZE*SEQ_LEN) for pretraining)",
     "warmup_iters": "WARMUP_TOKENS_OR_ITERS, as TRAIN_TOKENS_OR_ITERS",
-    "lr_decay_iters": "the training iterations (SFT: those after the warm-up)",
+    "lr_decay_iters": "the training iterations (SFT: training minus warm-up, Pai's --lr-decay-iters)",
     "virtual_pipeline": "MP_VP or MP_VP_CHUNKS", "virtual_pipeline_setting": "MP_VP or MP_VP_CHUNKS",
     "overlap_grad_reduce": "always on", "overlap_param_gather": "DO (MP_OVERLAP_PARAM_GATHER insists)",
     "world_size": "ENV: MP_NPROC, GPUS_PER_NODE, KUBERNETES_CONTAINER_RESOURCE_GPU, PAI-DLC's WORLD_SIZE",

@@ -403,10 +403,10 @@ def training_length(cfg: RunConfig) -> None:
         raise UserError(f"warm-up ({cfg.warmup_iters} iterations) must be shorter than training "
                         f"({cfg.train_iters} iterations)")
     if cfg.warmup_iters and cfg.warmup_iters >= cfg.lr_decay_iters:
-        # SFT decays over the iterations after the warm-up (Pai's --lr-decay-iters), and megatron-core's scheduler
+        # SFT's decay ends at iteration TRAIN-WARMUP (Pai's --lr-decay-iters), and megatron-core's scheduler
         # asserts the warm-up shorter than the decay (on the rank, as an internal error)
-        raise UserError(f"WARMUP_TOKENS_OR_ITERS: SFT decays the learning rate over the {cfg.lr_decay_iters} "
-                        f"iterations after the warm-up, which must be longer than the warm-up ({cfg.warmup_iters}): "
+        raise UserError(f"WARMUP_TOKENS_OR_ITERS: SFT decays the learning rate until iteration {cfg.lr_decay_iters} "
+                        f"(training minus warm-up), which must come after the warm-up ({cfg.warmup_iters}): "
                         f"warm up for fewer than half the training ({cfg.train_iters} iterations), as Pai-Megatron-"
                         "Patch needs too")
 
