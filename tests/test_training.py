@@ -527,6 +527,19 @@ def test_sft_training_run(corpus, tmp_path):
     m = read_metrics(out)
     assert len(m) == 6 and m[-1]["loss"] < m[0]["loss"]
     assert all(x["loss_tokens"] < 4 * 48 for x in m)  # only response tokens count
+    samples = int(re.search(r"SFT data: (\d+) samples, 24 trained in 6 steps: ", proc.stdout).group(1))
+    assert f"{24 / samples:.2f} epochs" in proc.stdout and "fewer than one global batch" not in proc.stdout
+
+    # three records and a global batch of 8: each step repeats records, which is said
+    write_jsonl(tmp_path / "three.jsonl", SFT_RECORDS[:3])
+    small = launch(launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "three.jsonl"),
+                                 OUTPUT_BASEPATH=str(tmp_path / "small"), PAD_LEN="48", TRAIN_TOKENS_OR_ITERS="2",
+                                 WARMUP_TOKENS_OR_ITERS="0", SAVE_INTERVAL="100", GLOBAL_BATCH_SIZE="8"),
+                   {"MP_TOKENIZER": str(corpus["tok"]), "MP_SAVE": "false"})
+    assert small.returncode == 0, small.stdout[-3000:] + small.stderr[-3000:]
+    assert "SFT data: 3 samples, 16 trained in 2 steps: 5.33 epochs" in small.stdout
+    assert "note: the 3 SFT samples are fewer than one global batch (8): each step trains some of them more than " \
+           "once" in small.stdout
 
 
 @pytest.mark.slow

@@ -356,6 +356,12 @@ class Trainer:
         if cfg.sft:  # JSON records or Pai's SFT idxmap, whose every id was checked before any rank started
             self.train_data, self.valid_data, how = sft_data.build_sft_datasets(cfg, self.arch.vocab_size)
             self._log(f"SFT data: {how}")
+            samples, trained = len(self.train_data), cfg.train_iters * cfg.global_batch_size
+            self._log(f"SFT data: {samples} samples, {trained} trained in {cfg.train_iters} steps: "
+                      f"{trained / samples:.2f} epochs")
+            if samples < cfg.global_batch_size:  # samples repeat, in order, within one optimizer step
+                self._log(f"note: the {samples} SFT samples are fewer than one global batch ({cfg.global_batch_size}):"
+                          " each step trains some of them more than once, and some more often than others")
         else:
             # Its files were checked before any rank started (every token id included: training.data_files).
             self.train_data, self.valid_data = data.build_pretraining_datasets(
