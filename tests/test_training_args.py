@@ -571,6 +571,29 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
         assert opt.use_distributed_optimizer and not opt.optimizer_cpu_offload and not opt.use_precision_aware_optimizer
 
 
+def test_the_moe_load_balancing_loss_is_pais_unless_transformers_trains_with_the_configs(data, monkeypatch):
+    """gpt-oss publishes router_aux_loss_coef 0.9 with output_router_logits false, and that 0.9 was added to every
+    gpt-oss run's loss, which transformers never adds (the first gradient norm 3.07 against transformers' 2.06)."""
+    import dataclasses
+
+    from megatron_patch.training.megatron_settings import megatron_settings
+
+    def coeff(family, env=None, hf=None):
+        cfg = resolve(family, _args(data, family), env=env or {})
+        if hf is not None:
+            cfg = dataclasses.replace(cfg, hf_config={**cfg.hf_config, **hf})
+        return megatron_settings(cfg)["transformer_config"].get("moe_aux_loss_coeff")
+
+    assert coeff("gpt_oss") == 0.001 and coeff("qwen3_moe") == 0.001
+    assert coeff("gpt_oss", hf={"output_router_logits": True, "router_aux_loss_coef": 0.9}) == 0.9
+    assert coeff("gpt_oss", {"MP_MOE_AUX_LOSS": "0"}) == 0.0 and coeff("mixtral", {"MP_MOE_AUX_LOSS": "0.02"}) == 0.02
+    assert coeff("llama3_1") is None
+    for family, what in (("llama3_1", "is a dense model"),
+                         ("deepseek_v4", "is an MoE model whose router has no load-balancing loss")):
+        with pytest.raises(UserError, match=f"MP_MOE_AUX_LOSS applies to MoE models .*{what}: drop MP_MOE_AUX_LOSS"):
+            resolve(family, _args(data, family), env={"MP_MOE_AUX_LOSS": "0.01"})
+
+
 # --- issue 14: what a GPU run needs, checked on CPU ------------------------------------------------------
 
 def _cfg(data, env=None, **over):

@@ -530,6 +530,16 @@ ENVIRONMENT = [
            default=Default(lambda: "what Pai-Megatron-Patch's launcher for the family passes: " + _weight_decays(),
                            lambda family, launcher: launcher.weight_decay(family)),
            field="weight_decay"),
+    Option("MP_MOE_AUX_LOSS", CORE, NUMBER, "MoE: coefficient of megatron-core's load-balancing loss "
+           "(--moe-aux-loss-coeff)", field="moe_aux_loss",
+           default=Default("0.001, what Pai-Megatron-Patch's MoE launchers pass; config.json's router_aux_loss_coef "
+                           "where its output_router_logits is true, as transformers trains with it then"),
+           doc="MoE: coefficient of megatron-core's load-balancing loss (Megatron-LM's `--moe-aux-loss-coeff`), "
+               "added to the loss the log shows. Default 0.001, what Pai-Megatron-Patch's launchers pass for Qwen's "
+               "and DeepSeek's MoE; where config.json's `output_router_logits` is true, its `router_aux_loss_coef`, "
+               "as transformers trains then (transformers adds none otherwise: gpt-oss publishes 0.9 with "
+               "`output_router_logits` false). `0`: none. Refused for a dense model and a router without one "
+               "(Gemma 4, DeepSeek-V4); the dry run's megatron-core settings show it as `moe_aux_loss_coeff`"),
     Option("MP_HF_CONFIG", CORE, TEXT, "HF config.json (or folder) of a PRETRAIN_CHECKPOINT_PATH written by another "
            "tool without saved arguments (Megatron-Bridge); checked against its tensors (docs/foreign-checkpoints.md)",
            takes="config.json or its folder",

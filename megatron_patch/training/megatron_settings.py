@@ -4,6 +4,7 @@ settings, each flag's translation in one place (the dry run prints it; the train
 from __future__ import annotations
 
 from megatron_patch.models.blocks.compiled_fusions import config_overrides
+from megatron_patch.models.description.registry import has_load_balancing_loss
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import fp8_run, sparse_attention_run
 from megatron_patch.training.run_config import RunConfig
@@ -46,6 +47,8 @@ def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> 
         if cfg.arch.is_moe:
             # Each expert's token count varies per step; pad it so its FP8 GEMM rows divide.
             tc["moe_router_padding_for_quantization"] = True
+    if has_load_balancing_loss(cfg.arch):
+        tc["moe_aux_loss_coeff"] = moe_aux_loss_coeff(cfg)
     if cfg.activation_checkpointing == "sel":
         tc.update(recompute_granularity="selective")
     elif cfg.activation_checkpointing == "full":
@@ -84,3 +87,16 @@ def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> 
     return {"transformer_config": tc, "ddp": ddp, "optimizer": optim, "scheduler": sched, "offload": offload,
             "num_microbatches": cfg.num_microbatches, "data_parallel_size": cfg.data_parallel_size,
             "pp_first_stage_layers": cfg.pp0_layers}
+
+
+# What Pai-Megatron-Patch's launchers pass as --moe-aux-loss-coeff for Qwen's and DeepSeek's MoE models.
+PAI_MOE_AUX_LOSS = 0.001
+
+
+def moe_aux_loss_coeff(cfg: RunConfig) -> float:
+    """MP_MOE_AUX_LOSS, else config.json's router_aux_loss_coef where transformers trains with it (its
+    output_router_logits is true), else Pai's. config.json's coefficient alone was used: gpt-oss trained with 0.9,
+    which transformers never adds (output_router_logits false)."""
+    if cfg.moe_aux_loss is not None:
+        return cfg.moe_aux_loss
+    return cfg.arch.router_aux_loss_coef if cfg.arch.hf_config.get("output_router_logits") else PAI_MOE_AUX_LOSS

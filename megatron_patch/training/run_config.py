@@ -85,6 +85,7 @@ class RunConfig:
     max_restarts: int
     dist_timeout_min: float
     tokenizer: str | None
+    moe_aux_loss: float | None  # MP_MOE_AUX_LOSS; None: megatron_settings.moe_aux_loss_coeff's default
     nan_policy: str
     loss_scale_window: int
     offload_numerics: str

@@ -19,7 +19,7 @@ from megatron_patch.checkpoint.sidecar import legacy_layout_problem
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import read_config_json, validate_layout
 from megatron_patch.models.blocks.float8_plan import check_filter_kinds
-from megatron_patch.models.description.registry import get_family, parse_arch
+from megatron_patch.models.description.registry import get_family, has_load_balancing_loss, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs, megatron_core_version
 from megatron_patch.training.launcher_args import (
@@ -411,6 +411,13 @@ def training_length(cfg: RunConfig) -> None:
                         "Patch needs too")
 
 
+def moe_aux_loss(cfg: RunConfig) -> None:
+    if cfg.moe_aux_loss is not None and not has_load_balancing_loss(cfg.arch):
+        what = "a dense model" if not cfg.arch.is_moe else "an MoE model whose router has no load-balancing loss"
+        raise UserError(f"MP_MOE_AUX_LOSS applies to MoE models with a load-balancing loss, and {cfg.arch.family} "
+                        f"here is {what}: drop MP_MOE_AUX_LOSS")
+
+
 def sft_data(cfg: RunConfig) -> None:
     if cfg.sft and (len(cfg.dataset_path) != 1 or cfg.dataset_weights):
         raise UserError("SFT takes one JSON/JSONL file or one SFT idxmap prefix as DATASET_PATH")
@@ -425,7 +432,7 @@ CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
     packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout, check_lora, check_sparse_attention,
     sequence_splits, recompute_blocks, fp8_filter_kinds, fp8_shapes, positions, expert_gradient_groups, processes,
-    training_length, sft_data,
+    training_length, sft_data, moe_aux_loss,
     evaluation_run.check_evaluation)
 
 

@@ -116,3 +116,9 @@ def parse_arch(config: dict | str | Path) -> Arch:
                         "fix the field it names") from None
     check_arch(arch)
     return arch
+
+
+def has_load_balancing_loss(arch) -> bool:
+    """An MoE model whose router megatron-core gives a load-balancing loss (Gemma 4's and DeepSeek-V4's have none)."""
+    return arch.is_moe and get_family(arch.family).transformer_config_kwargs(arch).get(
+        "moe_router_load_balancing_type") != "none"
