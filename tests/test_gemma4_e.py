@@ -279,8 +279,14 @@ def test_kv_sharing_refuses_full_activation_recomputation_in_one_line():
     gradient lost): refused in one line when the model is built."""
     from megatron_patch.runtime.launch import run_local
 
+    from megatron_patch.models.gemma4.config import KV_SHARING_FULL_RECOMPUTE
+
     message = run_local(full_recompute_worker, 1, E_CONFIG)[0]
-    assert "KV-shared layers run without full activation recomputation" in message and "\n" not in message, message
+    assert KV_SHARING_FULL_RECOMPUTE in message and "\n" not in message, message
+    # the launcher refuses it before any rank starts (validation.recompute_blocks), selective recompute is fine
+    assert GEMMA4.recompute_refused(parse_arch(E_CONFIG), "full", (0, 16)) == KV_SHARING_FULL_RECOMPUTE
+    assert GEMMA4.recompute_refused(parse_arch(E_CONFIG), "sel", (0, 16)) is None
+    assert GEMMA4.recompute_refused(parse_arch(GEMMA4.tiny_config), "full", (0, 16)) is None
 
 
 @pytest.mark.slow

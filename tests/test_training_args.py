@@ -100,7 +100,8 @@ BAD = [
     ("llama3_1", dict(), {"MP_OFFLOAD_NUMERICS": "precise"}, "MP_OFFLOAD_NUMERICS must be one of fast | exact"),
     ("llama3_1", dict(), {"MP_GPU_MEMORY_GB": "-3"}, "MP_GPU_MEMORY_GB must be a finite number >= 0"),
     ("llama3_1", dict(TP="3"), {}, "TP=3 does not divide the 4 attention heads"),
-    ("llama3_1", dict(PP="3"), {}, "PP=3 does not divide the 4 layers"),
+    ("llama3_1", dict(PP="3"), {}, "PP=3 does not divide the 4 layers: choose a PP that divides 4, or "
+     "MP_PP0_LAYERS=2 (the first stage 2 layers, the 2 others 1 layer each)"),
     ("qwen2_moe", dict(EP="3"), {}, "EP=3 does not divide the 4 experts"),
     ("qwen2_moe", dict(TP="2", EP="2", ETP="1", GLOBAL_BATCH_SIZE="8"), {}, "needs sequence parallelism: set SP=true"),
     ("deepseek_v3", dict(TP="2"), {}, "a MoE model trained with TP > 1 needs sequence parallelism: set SP=true"),
@@ -569,6 +570,36 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
     if settings["offload"]["policy"] != "off" or settings["offload"]["numerics"] == "exact":
         # what build_chunked_optimizer requires of megatron's config
         assert opt.use_distributed_optimizer and not opt.optimizer_cpu_offload and not opt.use_precision_aware_optimizer
+
+
+def test_recompute_a_family_cannot_run_is_refused_before_launch(data, monkeypatch):
+    """Each was refused (or crashed) only on the rank, after the dry run had passed it: Gemma 4's KV-shared layers
+    under AC=full (with megatron-core's "when instantiating ..." glued on), DeepSeek-V4's AC=full on megatron-core
+    0.19, and DeepSeek sparse attention under AC=sel on 0.16 (an internal error at the first forward)."""
+    import dataclasses
+
+    from megatron_patch.training import sparse_attention_run, validation
+    from tests.test_gemma4_e import E_CONFIG
+
+    def refusal(family, ac, version, hf=None):
+        monkeypatch.setattr(validation, "megatron_core_version", lambda: version)
+        monkeypatch.setattr(sparse_attention_run, "megatron_core_version", lambda: version)
+        cfg = resolve(family, _args(data, family), env={})
+        cfg = dataclasses.replace(cfg, activation_checkpointing=ac, **({"hf_config": hf} if hf else {}))
+        try:
+            for check in validation.CHECKS:
+                check(cfg)
+        except UserError as err:
+            return str(err)
+        return None
+
+    assert refusal("gemma4", "full", "0.16.1", E_CONFIG).startswith("AC=full: gemma4's KV-shared layers")
+    assert refusal("gemma4", "sel", "0.16.1", E_CONFIG) is None and refusal("gemma4", "full", "0.16.1") is None
+    assert "DeepSeek-V4's layers needs megatron-core 0.16" in refusal("deepseek_v4", "full", "0.19.2")
+    assert refusal("deepseek_v4", "full", "0.16.1") is None
+    assert refusal("deepseek_v32", "sel", "0.16.1").startswith("AC=sel with DeepSeek sparse attention needs "
+                                                              "megatron-core 0.19")
+    assert refusal("deepseek_v32", "sel", "0.19.2") is None and refusal("deepseek_v32", "full", "0.16.1") is None
 
 
 def test_the_moe_load_balancing_loss_is_pais_unless_transformers_trains_with_the_configs(data, monkeypatch):

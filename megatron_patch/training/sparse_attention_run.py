@@ -14,6 +14,7 @@ cannot run with it refused in one line, the indexer-only mode, and the indexer l
 from __future__ import annotations
 
 from megatron_patch.errors import UserError
+from megatron_patch.runtime.machine import megatron_core_version, version_tuple
 
 # torch and megatron-core are imported inside the functions that use them: the launcher's checks read this module's
 # options before anything imports torch (a refused launch never does). So is blocks.sparse_attention, which imports
@@ -51,6 +52,11 @@ def check_sparse_attention(cfg) -> None:
     if cfg.sft_packing:
         raise UserError("MP_SFT_PACKING=true with DeepSeek sparse attention is not supported: its indexer selects "
                         "keys over one unpacked sequence")
+    if cfg.activation_checkpointing == "sel" and version_tuple(megatron_core_version()) < (0, 19):
+        # 0.16's selective recompute calls the core attention without the layer input and query latent the
+        # indexer needs (an internal error at the first forward); 0.19 passes them
+        raise UserError("AC=sel with DeepSeek sparse attention needs megatron-core 0.19 (0.16's selective recompute "
+                        "leaves out the inputs its indexer reads): use AC=full or AC=none, or megatron-core 0.19")
     if cfg.lora is not None and "indexer" in cfg.lora["targets"]:
         if not cfg.dsa["loss_scale"]:
             raise UserError("MP_LORA_TARGETS=...indexer: the indexer learns from its loss alone (its inputs are "

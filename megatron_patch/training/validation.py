@@ -21,7 +21,7 @@ from megatron_patch.models.description.arch import read_config_json, validate_la
 from megatron_patch.models.blocks.float8_plan import check_filter_kinds
 from megatron_patch.models.description.registry import get_family, has_load_balancing_loss, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
-from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs, megatron_core_version
+from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs, megatron_core_version, version_tuple
 from megatron_patch.training.launcher_args import (
     MAX_ITERATIONS,
     MAX_TOKENS,
@@ -312,6 +312,10 @@ def sequence_splits(cfg: RunConfig) -> None:
 def recompute_blocks(cfg: RunConfig) -> None:
     """What megatron-core would reject (or crash on) only after every rank has started."""
     ac, ac_layers, num_layers = cfg.activation_checkpointing, cfg.ac_layers, cfg.arch.num_layers
+    if ac in ("sel", "full"):
+        why = get_family(cfg.arch.family).recompute_refused(cfg.arch, ac, version_tuple(megatron_core_version()))
+        if why is not None:
+            raise UserError(f"AC={ac}: {why}")
     pp, vp, pp0 = cfg.pp, cfg.virtual_pipeline, cfg.pp0_layers
     if ac == "offload" and ac_layers >= num_layers:
         raise UserError(f"MP_AC_LAYERS={ac_layers}: AC=offload can offload at most {num_layers - 1} of the "

@@ -169,6 +169,14 @@ def check_supported(raw: dict) -> None:
                         "output projection takes whole heads")
 
 
+
+FULL_RECOMPUTE_NEEDS_0_16 = ("full activation recomputation of DeepSeek-V4's layers needs megatron-core 0.16 here "
+                             "(0.19's recompute drops the token ids its hash routers need): use AC=sel or AC=none")
+
+
+def recompute_refused(arch, mode: str, megatron_core: tuple[int, ...]) -> str | None:
+    return FULL_RECOMPUTE_NEEDS_0_16 if mode == "full" and megatron_core >= (0, 19) else None
+
 def parse_config(raw: dict) -> Arch:
     check_supported(raw)
     layers, head_dim = value(raw, "num_hidden_layers"), value(raw, "head_dim")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, parse_config
+from megatron_patch.models.deepseek_v4.config import CONFIG_KEYS, TINY_CONFIG, parse_config, recompute_refused
 from megatron_patch.models.blocks.mtp import num_mtp_layers
 from megatron_patch.models.deepseek_v4.hub_names import hf_names_view, mtp_prefixes
 from megatron_patch.models.deepseek_v4.mapping import LOADED_NAMES, LORA_REFUSED, weight_rules
@@ -52,7 +52,7 @@ FAMILY = ModelFamily(
     launcher_parallel_args=("ETP", "EP"),
     parse_config=parse_config, config_keys=CONFIG_KEYS, weight_rules=weight_rules, tiny_config=TINY_CONFIG,
     presets=PRESETS, transformer_config_kwargs=transformer_config_kwargs, layer_spec=layer_spec,
-    finish_model=finish_model, tiny_buffer=tiny_hash_tables,
+    finish_model=finish_model, tiny_buffer=tiny_hash_tables, recompute_refused=recompute_refused,
     skeleton_from_megatron_core="its layers (hyper-connections, V4 attention, hash routing) are modules of its own",
     test_layouts=TestLayouts(parity=(L(), L(tp=2), L(pp=2))),
     # the aligner's routers (hash and top-k layers alike) and the CSA layers' block selection

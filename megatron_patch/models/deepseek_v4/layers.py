@@ -30,7 +30,7 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_patch.models.blocks.precision import keep_in_float32
 from megatron_patch.errors import UserError
 from megatron_patch.models.deepseek_v4.attention import DeepseekV4Attention, V4AttentionSettings
-from megatron_patch.models.deepseek_v4.config import DEFAULTS
+from megatron_patch.models.deepseek_v4.config import DEFAULTS, FULL_RECOMPUTE_NEEDS_0_16
 from megatron_patch.models.deepseek_v4.hyper_connections import (
     HyperConnection, HyperHead, RMSNorm, expand_streams, hyper_connected, stage_input_to_streams,
     streams_to_stage_output)
@@ -149,8 +149,7 @@ def keep_token_ids_through_full_recompute(block) -> None:
     them)."""
     if block.config.recompute_granularity == "full" and not hasattr(block, "_checkpointed_forward"):
         # 0.19's recompute.checkpointed_forward hands context only to TransformerLayer instances, not to this layer
-        raise UserError("full activation recomputation of DeepSeek-V4's layers needs megatron-core 0.16 here (0.19's "
-                        "recompute drops the token ids its hash routers need): use selective recomputation or none")
+        raise UserError(FULL_RECOMPUTE_NEEDS_0_16)  # refused before launch too (config.recompute_refused)
     forward = block.forward
 
     @functools.wraps(forward)

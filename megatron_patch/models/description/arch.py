@@ -381,8 +381,7 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
     if pp_first_stage_layers is None:
         if arch.num_layers % layout.pp:
             first = first_stage_that_fits(arch.num_layers, layout.pp)
-            hint = (f", or MP_PP0_LAYERS={first} (the first stage {first} layers, the other {layout.pp - 1} "
-                    f"{(arch.num_layers - first) // (layout.pp - 1)} each)") if first else ""
+            hint = f", or MP_PP0_LAYERS={first} ({stage_split(arch.num_layers, layout.pp, first)})" if first else ""
             raise UserError(f"PP={layout.pp} does not divide the {layers}: choose a PP that divides "
                             f"{arch.num_layers}{hint}")
     elif not (0 < pp_first_stage_layers < arch.num_layers) or (arch.num_layers - pp_first_stage_layers) % max(layout.pp - 1, 1):
@@ -420,6 +419,17 @@ def default_expert_tp(arch: Arch, layout: ParallelLayout) -> tuple[ParallelLayou
         return replace(layout, etp=1), (f"ETP=1, not TP={layout.tp}: {arch.family}'s experts take their biases only "
                                         "unsplit (--etp sets it)")
     return layout, None
+
+
+def stage_split(num_layers: int, pp: int, first: int) -> str:
+    """'the first stage 1 layer, the other 2' / 'the first stage 2 layers, the 3 others 3 each'."""
+    rest, others = num_layers - first, pp - 1
+
+    def n(count: int) -> str:
+        return f"{count} layer" + ("s" if count != 1 else "")
+
+    return (f"the first stage {n(first)}, " +
+            (f"the other {n(rest)}" if others == 1 else f"the {others} others {n(rest // others)} each"))
 
 
 def first_stage_that_fits(num_layers: int, pp: int) -> int | None:

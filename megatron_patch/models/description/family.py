@@ -73,6 +73,10 @@ def _no_mtp_layers(raw: dict) -> int:
     return 0
 
 
+def _no_recompute_limits(arch: Arch, mode: str, megatron_core: tuple[int, ...]) -> str | None:
+    return None
+
+
 def _no_copies(arch: Arch) -> dict[str, str]:
     return {}
 
@@ -139,6 +143,9 @@ class ModelFamily:
     # a decoder layer -> why, the one line that refuses such an adapter (DeepSeek-V4's grouped o_a_proj).
     lora_refused: Mapping[str, str] = field(default_factory=dict)
     test_layouts: TestLayouts = field(default_factory=TestLayouts)
+    # Why its layers cannot run activation recompute ``mode`` ("sel", "full") on this megatron-core release line, the
+    # one line the launcher refuses it with before any rank starts; None: they can.
+    recompute_refused: Callable[[Arch, str, tuple[int, ...]], str | None] = _no_recompute_limits
     # A view of an HF folder's reader that shows its tensors under the names the weight table reads, for a family
     # whose hub files are named otherwise than transformers saves them (DeepSeek-V4's): reader -> reader, applied
     # before any dequantization; None: the names on disk are the table's.

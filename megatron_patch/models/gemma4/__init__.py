@@ -7,7 +7,7 @@ refused in one line (config.py)."""
 from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.models.description.registry import register
 from megatron_patch.models.gemma4.config import (
-    CONFIG_KEYS, TINY_CONFIG, finish_model, layer_spec, parse_config, transformer_config_kwargs)
+    CONFIG_KEYS, TINY_CONFIG, finish_model, layer_spec, parse_config, recompute_refused, transformer_config_kwargs)
 from megatron_patch.models.gemma4.mapping import hf_stacked, weight_rules
 from megatron_patch.models.gemma4.presets import PRESETS
 from megatron_patch.runtime.distributed import ParallelLayout as L
@@ -22,7 +22,7 @@ FAMILY = register(ModelFamily(
     hf_model_types=("gemma4_text",), hf_architectures=("Gemma4ForCausalLM",),
     # dense command lines as before; the MoE block (26B-A4B) takes ETP and EP after CP
     launcher_more_parallel_args=(("ETP", "EP"),),
-    parse_config=parse_config, config_keys=CONFIG_KEYS,
+    parse_config=parse_config, config_keys=CONFIG_KEYS, recompute_refused=recompute_refused,
     weight_rules=weight_rules, hf_stacked=hf_stacked, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, layer_spec=layer_spec, finish_model=finish_model,
     # the attention and MLP outputs as the residual adds them: after the norms that follow each
