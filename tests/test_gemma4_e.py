@@ -279,7 +279,7 @@ def test_kv_sharing_refuses_full_activation_recomputation_in_one_line():
     gradient lost): refused in one line when the model is built."""
     from megatron_patch.runtime.launch import run_local
 
-    from megatron_patch.models.gemma4.config import KV_SHARING_FULL_RECOMPUTE
+    from megatron_patch.models.gemma4.settings import KV_SHARING_FULL_RECOMPUTE
 
     message = run_local(full_recompute_worker, 1, E_CONFIG)[0]
     assert KV_SHARING_FULL_RECOMPUTE in message and "\n" not in message, message

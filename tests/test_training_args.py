@@ -578,8 +578,13 @@ def test_recompute_a_family_cannot_run_is_refused_before_launch(data, monkeypatc
     0.19, and DeepSeek sparse attention under AC=sel on 0.16 (an internal error at the first forward)."""
     import dataclasses
 
+    from megatron_patch.models.gemma4.config import TINY_CONFIG as GEMMA4_TINY
     from megatron_patch.training import sparse_attention_run, validation
-    from tests.test_gemma4_e import E_CONFIG
+
+    # the tiny Gemma 4 with its last two layers reusing the first two's keys and values
+    kv_shared = {**GEMMA4_TINY, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
+                 "layer_types": ["sliding_attention", "full_attention"] * 2,
+                 "per_layer_config": {str(i): GEMMA4_TINY["per_layer_config"]["1"] for i in (1, 3)}}
 
     def refusal(family, ac, version, hf=None):
         monkeypatch.setattr(validation, "megatron_core_version", lambda: version)
@@ -593,8 +598,8 @@ def test_recompute_a_family_cannot_run_is_refused_before_launch(data, monkeypatc
             return str(err)
         return None
 
-    assert refusal("gemma4", "full", "0.16.1", E_CONFIG).startswith("AC=full: gemma4's KV-shared layers")
-    assert refusal("gemma4", "sel", "0.16.1", E_CONFIG) is None and refusal("gemma4", "full", "0.16.1") is None
+    assert refusal("gemma4", "full", "0.16.1", kv_shared).startswith("AC=full: gemma4's KV-shared layers")
+    assert refusal("gemma4", "sel", "0.16.1", kv_shared) is None and refusal("gemma4", "full", "0.16.1") is None
     assert "DeepSeek-V4's layers needs megatron-core 0.16" in refusal("deepseek_v4", "full", "0.19.2")
     assert refusal("deepseek_v4", "full", "0.16.1") is None
     assert refusal("deepseek_v32", "sel", "0.16.1").startswith("AC=sel with DeepSeek sparse attention needs "

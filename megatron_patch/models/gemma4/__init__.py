@@ -7,9 +7,10 @@ refused in one line (config.py)."""
 from megatron_patch.models.description.family import HFModules, ModelFamily, TestLayouts
 from megatron_patch.models.description.registry import register
 from megatron_patch.models.gemma4.config import (
-    CONFIG_KEYS, TINY_CONFIG, finish_model, layer_spec, parse_config, recompute_refused, transformer_config_kwargs)
+    CONFIG_KEYS, TINY_CONFIG, finish_model, layer_spec, parse_config, transformer_config_kwargs)
 from megatron_patch.models.gemma4.mapping import hf_stacked, weight_rules
 from megatron_patch.models.gemma4.presets import PRESETS
+from megatron_patch.models.gemma4.settings import recompute_refused
 from megatron_patch.runtime.distributed import ParallelLayout as L
 
 FAMILY = register(ModelFamily(

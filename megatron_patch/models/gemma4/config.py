@@ -109,15 +109,6 @@ def own_attention_shapes(raw: dict, types: tuple[str, ...]) -> tuple[tuple[str, 
     return tuple(out)
 
 
-KV_SHARING_FULL_RECOMPUTE = ("gemma4's KV-shared layers (num_kv_shared_layers) take an earlier layer's keys and "
-                             "values from its forward, which full activation recomputation does not re-run for them: "
-                             "use AC=sel or AC=none")
-
-
-def recompute_refused(arch, mode: str, megatron_core: tuple[int, ...]) -> str | None:
-    return KV_SHARING_FULL_RECOMPUTE if mode == "full" and "reuse" in arch.family_config.kv_sharing else None
-
-
 def kv_sharing_modes(raw: dict, types: tuple[str, ...]) -> tuple[str | None, ...]:
     """transformers' ``kv_sharing_modes``: the last ``num_kv_shared_layers`` layers "reuse" the keys and values of
     the last earlier layer of their attention type, which "store"s them; () without KV sharing."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.gemma4.config import KV_SHARING_FULL_RECOMPUTE
+from megatron_patch.models.gemma4.settings import KV_SHARING_FULL_RECOMPUTE
 
 
 class NoKeyNorm:
@@ -37,7 +37,7 @@ class SharesKeysValues:
     def __init__(self, config, submodules, *args, kv_sharing: str | None = None, **kwargs):
         if kv_sharing == "reuse":
             if config.recompute_granularity == "full":
-                raise UserError(KV_SHARING_FULL_RECOMPUTE)  # refused before launch too (config.recompute_refused)
+                raise UserError(KV_SHARING_FULL_RECOMPUTE)  # refused before launch too (settings.recompute_refused)
             shape = kwargs.get("attention_shape")  # the layer's own, else the model's
             rows = config.num_attention_heads * (shape.head_dim if shape else config.kv_channels)
             linear = submodules.linear_qkv

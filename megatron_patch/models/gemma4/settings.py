@@ -65,3 +65,12 @@ class Gemma4Settings(FamilyConfig):
 
 def settings(arch: Arch) -> Gemma4Settings:
     return arch.family_config
+
+
+KV_SHARING_FULL_RECOMPUTE = ("gemma4's KV-shared layers (num_kv_shared_layers) take an earlier layer's keys and "
+                             "values from its forward, which full activation recomputation does not re-run for them: "
+                             "use AC=sel or AC=none")
+
+
+def recompute_refused(arch, mode: str, megatron_core: tuple[int, ...]) -> str | None:
+    return KV_SHARING_FULL_RECOMPUTE if mode == "full" and "reuse" in arch.family_config.kv_sharing else None
