@@ -271,6 +271,29 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused(checkpoints, tokeni
     _one_line(rc, err, "names no end-of-text token", "eos_token")
 
 
+def test_a_tokenizer_file_linking_outside_its_folder_is_refused(checkpoints, tmp_path, capsys):
+    """transformers' AutoTokenizer followed the link and read the outside file (exit 0), whether the folder was
+    --tokenizer DIR or the checkpoint's own (another tool's: no manifest to refuse the link)."""
+    import shutil
+
+    outside = tmp_path / "elsewhere" / "tokenizer.json"
+    outside.parent.mkdir()
+    outside.write_bytes((checkpoints["ckpt"] / "tokenizer.json").read_bytes())
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(checkpoints["ckpt"] / "tokenizer_config.json", folder)
+    (folder / "tokenizer.json").symlink_to(outside)
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_perplexity",
+                      "--tokenizer", str(folder))
+    _one_line(rc, err, "'tokenizer.json', which leads outside the folder")
+    ckpt = shutil.copytree(checkpoints["ckpt"], tmp_path / "ckpt")
+    (ckpt / "mpatch_manifest.json").unlink()
+    (ckpt / "tokenizer.json").unlink()
+    (ckpt / "tokenizer.json").symlink_to(outside)
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(ckpt), "--tasks", "mpatch_perplexity")
+    _one_line(rc, err, "'tokenizer.json', which leads outside the folder")
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--limit", "nan"], "--limit must be > 0"),
     (["--limit", "inf"], "--limit must be a whole number of documents, or a fraction below 1"),

@@ -16,7 +16,7 @@ from pathlib import Path
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import read_json_object
+from megatron_patch.input_files import check_folder_inputs, read_json_object
 from megatron_patch.models.description.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.tokenizer import load_tokenizer
@@ -131,6 +131,9 @@ def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
     # transformers (0.6 s): imported only where a tokenizer is loaded
     from transformers import AutoConfig, AutoTokenizer
 
+    # transformers opens the folder's files itself: each must stay inside the folder (a tokenizer.json that links
+    # to /etc/... is refused), be a regular file and bounded, as --hf-dir's are, before it reads one
+    check_folder_inputs(folder)
     config = None
     if model_config is not None and not (Path(folder) / "config.json").is_file():
         try:
