@@ -44,6 +44,17 @@ def test_iteration_folders(tmp_path):
     assert is_iteration_dir(tmp_path / "iter_0000010") and not is_iteration_dir(tmp_path / "iter_10")
 
 
+def test_iterations_past_seven_digits_are_found(tmp_path):
+    """Megatron-LM names iteration 12345678's folder iter_12345678 (iter_{:07d}), as iteration_dir() does: a
+    pattern of exactly 7 digits called it missing, and a resume past iteration 10**7 never found its checkpoint."""
+    assert iteration_dir(tmp_path, 12345678) == tmp_path / "iter_12345678"
+    assert is_iteration_dir(tmp_path / "iter_12345678") and is_iteration_dir(tmp_path / "iter_999999999999")
+    for name in ("iter_00000010", "iter_1000000000000", "iter_+0000010", "iter_000001"):
+        assert not is_iteration_dir(tmp_path / name), name  # one name per iteration, no sign, no fewer digits
+    root = _run_root(tmp_path, iterations=(9999999, 12345678), tracker=12345678)
+    assert latest_complete_iteration(root) == (12345678, [])
+
+
 def test_atomic_dir_appears_complete_or_not_at_all(tmp_path):
     target = tmp_path / "out"
     with atomic_dir(target) as tmp:

@@ -57,7 +57,9 @@ TRACKER_NAME = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 # What a training run of this project saves in each iteration beside megatron's files (training/run_state.py).
 TRAIN_STATE = "train_state.json"
-ITERATION_DIR = re.compile(r"iter_([0-9]{7})")
+# The folder iteration_dir() and Megatron-LM (iter_{:07d}) name: 7 digits, more from iteration 10**7 on (without a
+# leading zero, so that one iteration has one name), up to the tracker's 12.
+ITERATION_DIR = re.compile(r"iter_([0-9]{7}|[1-9][0-9]{7,11})")
 # An iteration number as a tracker or the environment gives it: ASCII digits, at most 12 of them.
 WHOLE_NUMBER = re.compile(r"[0-9]{1,12}")
 
