@@ -132,6 +132,20 @@ def test_a_config_that_outgrows_its_weights_is_refused_by_mcore2hf(hf, tmp_path,
     _one_line(rc, err, "embedding only")
 
 
+@pytest.mark.parametrize("layers", [1, 10**9])
+def test_a_sidecar_naming_more_mtp_layers_than_its_config_is_refused(hf, tmp_path, capsys, layers):
+    """mtp_layers was only checked to be a whole number: 10**9 made mcore2hf plan that many layers (minutes,
+    gigabytes) and inspect show the checkpoint as sound. This Llama's config declares none."""
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
+    sidecar = ckpt / "mpatch_checkpoint.json"
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "mtp_layers": layers}))
+    for argv in (["inspect", str(ckpt)],
+                 ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"), "--no-verify"]):
+        rc, err = run_cli(capsys, *argv)
+        _one_line(rc, err, f"'mtp_layers' is {layers}, and the model's config declares 0")
+
+
 def test_align_and_parity_say_a_mismatched_vocabulary_in_one_line(hf, tmp_path, capsys):
     folder = _variant(hf, tmp_path, "vocab", vocab_size=json.loads((hf / "config.json").read_text())["vocab_size"] - 3)
     for argv in (["align", "--hf-dir", str(folder), "--quiet"], ["parity", "--hf-dir", str(folder)]):

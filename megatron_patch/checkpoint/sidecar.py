@@ -18,7 +18,7 @@ from megatron_patch.checkpoint_files.layout import PARTIAL_TAG, RELEASE, TRACKER
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch
-from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.machine import installed_version
 
@@ -133,6 +133,17 @@ def _field_problem(sidecar: Sidecar) -> str | None:
     return f"'{bad}' has the wrong type or value" if bad else None
 
 
+def _check_mtp_layers(sidecar: Sidecar, path: Path) -> None:
+    """Refuse more multi-token-prediction layers than the checkpoint's config declares (what hf2mcore --mtp
+    records), before a model of that many is planned: 10**9 made mcore2hf run for minutes through gigabytes. The
+    config's own count is bounded by its checks (``config_checks.MAX_LAYERS``)."""
+    family = get_family(parse_arch(sidecar.hf_config).family)
+    declared = family.hf_mtp_layers(sidecar.hf_config) if family.builds_mtp else 0
+    if sidecar.mtp_layers > declared:
+        raise UserError(f"{path} is malformed ('mtp_layers' is {sidecar.mtp_layers}, and the model's config declares "
+                        f"{declared} multi-token-prediction layer(s)): the checkpoint's sidecar is damaged")
+
+
 def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
     """The sidecar of a checkpoint folder. ``release``: a converted / exported checkpoint, whose
     tracker file must say 'release'; ``False`` for a training iteration folder (``iter_XXXXXXX``),
@@ -159,6 +170,8 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
                         f"{SIDECAR_VERSION}: upgrade megatron_patch")
     if sidecar.checkpoint_format not in ("legacy", "torch_dist") or sidecar.dtype not in PRECISION_DTYPE_NAMES:
         raise UserError(f"{path} names format {sidecar.checkpoint_format!r} / dtype {sidecar.dtype!r}, which are unknown")
+    if sidecar.mtp_layers:
+        _check_mtp_layers(sidecar, path)
     if not release:
         return sidecar
     if read_tracker(folder) != RELEASE:
