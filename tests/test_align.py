@@ -643,6 +643,47 @@ def test_config_differences_name_the_changed_keys(aligned):
     assert keys == {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 
 
+def _with_weight(hf, out, name, value):
+    """A copy of the HF folder ``hf`` whose tensor ``name`` holds ``value`` at one element."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors[name][3, 5] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_hf_weight_is_bad_input_not_a_divergence(tmp_path, capsys, value):
+    """The conversion carries a NaN exactly, so align said "NOT aligned: first divergence at layer 1" and parity
+    "FAIL" (exit 1, the verdict on the conversion) where the input was at fault."""
+    from megatron_patch.errors import UserError
+    from megatron_patch.models.description.hf_model import load_causal_lm
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "clean")
+    bad = _with_weight(hf, tmp_path / "bad", "model.layers.1.mlp.down_proj.weight", value)
+    message = "the weight model.layers.1.mlp.down_proj.weight is not finite"
+    with pytest.raises(UserError, match=message):
+        load_causal_lm(bad, torch.float32)
+    assert main(["align", "--hf-dir", str(bad), "--report-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "NOT aligned" not in err, err
+
+
+@pytest.mark.slow
+def test_a_nan_only_the_mcore_side_holds_is_still_a_divergence(tmp_path, capsys):
+    """The finiteness check is on the reference alone: a NaN the conversion puts there is the conversion's fault."""
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), fmt="legacy", progress=False)
+    edit_weights(ckpt, lambda sd: sd["decoder.layers.1.mlp.linear_fc2.weight"].__setitem__((3, 5), float("nan")))
+    write_manifest(ckpt, "tests: planted fault", sync=False)
+    assert main(["align", "--hf-dir", str(hf), "--mcore-dir", str(ckpt), "--report-dir", str(tmp_path / "out")]) == 1
+    out = capsys.readouterr().out
+    assert "NOT aligned: first divergence at layer 1" in out, out
+
+
 # --- the command line ---------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -51,4 +51,18 @@ def load_causal_lm(hf_dir: str | Path, dtype, **kwargs):
         # A multimodal folder (Qwen3.5) says tie at the top level, where its ForConditionalGeneration reads it; the
         # causal LM is built from its text_config, which says otherwise, and would keep a random lm_head.
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    check_finite_weights(model, hf_dir)
     return model
+
+
+def check_finite_weights(model, hf_dir: str | Path) -> None:
+    """Refuse, in one line, a reference model with a NaN or Inf weight: its activations are NaN from there on, the
+    conversion carries the value exactly, and align and parity judged that as the conversion diverging (exit 1).
+    Checked as loaded (``dtype``): a weight beyond float16's range is Inf in an fp16 run."""
+    import torch  # torch: only where a model was loaded
+
+    for name, weight in model.named_parameters():
+        if weight.is_floating_point() and not bool(torch.isfinite(weight).all()):
+            raise UserError(f"{hf_dir}: the weight {name} is not finite (it holds NaN or Inf as loaded in "
+                            f"{str(weight.dtype).removeprefix('torch.')}): no conversion can be compared against it; "
+                            "fix or re-download the model's weights")
