@@ -294,6 +294,24 @@ def test_a_tokenizer_file_linking_outside_its_folder_is_refused(checkpoints, tmp
     _one_line(rc, err, "'tokenizer.json', which leads outside the folder")
 
 
+
+def test_lm_evals_hf_backend_gets_no_folder_whose_files_lead_outside(checkpoints, tmp_path):
+    """scripts/eval_vs_hf.py's reference run handed the folder to lm-eval, whose transformers followed the link."""
+    import shutil
+
+    pytest.importorskip("lm_eval")
+    from megatron_patch.errors import UserError
+    from megatron_patch.evaluation.equality import evaluate_hf_backend
+    from megatron_patch.evaluation.evaluate import EvalSettings
+
+    hf = shutil.copytree(checkpoints["hf"], tmp_path / "hf")
+    (tmp_path / "tokenizer.json").write_bytes((hf / "tokenizer.json").read_bytes())
+    (hf / "tokenizer.json").unlink()
+    (hf / "tokenizer.json").symlink_to(tmp_path / "tokenizer.json")
+    with pytest.raises(UserError, match="'tokenizer.json', which leads outside the folder"):
+        evaluate_hf_backend(str(hf), EvalSettings(tasks=("mpatch_perplexity",), limit=1), [])
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--limit", "nan"], "--limit must be > 0"),
     (["--limit", "inf"], "--limit must be a whole number of documents, or a fraction below 1"),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from megatron_patch.evaluation import tasks as task_files
 from megatron_patch.evaluation.evaluate import EvalResults, EvalSettings, _to_json
+from megatron_patch.input_files import check_folder_inputs
 
 # lm-eval, torch and transformers are imported inside the functions that use them, like the rest of the package.
 
@@ -28,6 +29,7 @@ def evaluate_hf_backend(hf_dir: str, settings: EvalSettings, include_paths: list
     log-likelihoods of its fp32 logits; its fp32 default where None)."""
     from lm_eval import simple_evaluate
 
+    check_folder_inputs(hf_dir)  # lm-eval's backend opens the folder's files itself, through transformers
     task_files.offline()
     model_args = f"pretrained={hf_dir},dtype=float32,device=cpu"
     if softmax_dtype:
