@@ -671,6 +671,25 @@ def test_a_non_finite_hf_weight_is_bad_input_not_a_divergence(tmp_path, capsys, 
     assert message in err and "Traceback" not in err and "NOT aligned" not in err, err
 
 
+def test_a_non_finite_peft_weight_is_bad_input_not_a_divergence(tmp_path, capsys):
+    """--peft-dir puts the adapter on both sides, so its NaN made the same false divergence as the base's."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file, save_file
+
+    from tests.lora_helpers import make_peft_adapter
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    adapter = make_peft_adapter(hf, tmp_path / "adapter")
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(path)
+    name = next(n for n in sorted(tensors) if "lora_B" in n)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert main(["align", "--hf-dir", str(hf), "--peft-dir", str(adapter), "--report-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{adapter}: the weight " in err and "lora_B" in err and "is not finite" in err, err
+
+
 @pytest.mark.slow
 def test_a_nan_only_the_mcore_side_holds_is_still_a_divergence(tmp_path, capsys):
     """The finiteness check is on the reference alone: a NaN the conversion puts there is the conversion's fault."""

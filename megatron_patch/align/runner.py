@@ -20,6 +20,7 @@ from megatron_patch.lora.sources import add_adapters, open_adapters
 from megatron_patch.models.blocks.builder import build_model
 from megatron_patch.models.blocks.inference import place_on_rank_device
 from megatron_patch.models.description.arch import read_config_json
+from megatron_patch.models.description.hf_model import check_finite_weights
 from megatron_patch.models.description.registry import detect_family, get_family, parse_arch
 from megatron_patch.runtime import init_model_parallel
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -129,6 +130,7 @@ def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_di
         convert_hf_model(model, *fp8)
     if peft_dir is not None:
         model = peft_model(model, peft_dir)
+        check_finite_weights(model, peft_dir)  # the adapter's NaN would reach both sides too, as the base's would
     try:
         return capture_hf(model, tokens, modules, parse_arch(config).vocab_size)
     finally:

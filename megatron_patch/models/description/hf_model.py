@@ -65,4 +65,4 @@ def check_finite_weights(model, hf_dir: str | Path) -> None:
         if weight.is_floating_point() and not bool(torch.isfinite(weight).all()):
             raise UserError(f"{hf_dir}: the weight {name} is not finite (it holds NaN or Inf as loaded in "
                             f"{str(weight.dtype).removeprefix('torch.')}): no conversion can be compared against it; "
-                            "fix or re-download the model's weights")
+                            "fix or re-download them")
