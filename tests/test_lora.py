@@ -259,6 +259,14 @@ def _one_line(err: str) -> str:
     ({"bias": "lora_only"}, "only bias=\"none\" adapters"),
     ({"peft_type": "IA3"}, "only LoRA adapters are supported"),
     ({"layers_pattern": "blocks"}, "layers_pattern 'blocks' is not supported"),
+    # Python's json (and peft) reads NaN/Infinity: int() of them was an internal error, and an alpha of them
+    # merged into NaN weights without a word.
+    ({"r": float("inf")}, "r must be an integer, found inf"),
+    ({"r": float("nan")}, "r must be an integer, found nan"),
+    ({"rank_pattern": {"q_proj": float("nan")}}, "rank_pattern['q_proj'] must be a positive integer, found nan"),
+    ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number, found nan"),
+    ({"lora_alpha": float("inf")}, "lora_alpha must be a finite number, found inf"),
+    ({"alpha_pattern": {"q_proj": float("inf")}}, "alpha_pattern['q_proj'] must be a positive finite number, found inf"),
 ])
 def test_unsupported_peft_configs_are_refused(lora_models, tmp_path, capsys, edit, message):
     adapter = tmp_path / "a"

@@ -127,8 +127,9 @@ def spec_from_peft_config(data: dict, where: str) -> LoraSpec:
 
     def number(key, kind, default=None):
         value = data.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise UserError(f"{where}: {key} must be a{'n integer' if kind is int else ' number'}, found {value!r}")
+        if not _finite(value) or (kind is int and value != int(value)):
+            raise UserError(f"{where}: {key} must be a{'n integer' if kind is int else ' finite number'}, "
+                            f"found {value!r}")
         return kind(value)
 
     rank = number("r", int, 8)
@@ -166,8 +167,13 @@ def spec_from_peft_config(data: dict, where: str) -> LoraSpec:
                     modules_to_save=tuple(saved))
 
 
+def _finite(value) -> bool:
+    # Python's json (and so peft) reads NaN and Infinity: int() of them raises, and an alpha of them merges
+    # into NaN weights, so they are refused with the other non-numbers before anything converts them.
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def number_of(value, kind, what: str):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)) \
-            or value <= 0:
-        raise UserError(f"{what} must be a positive {'integer' if kind is int else 'number'}, found {value!r}")
+    if not _finite(value) or (kind is int and value != int(value)) or value <= 0:
+        raise UserError(f"{what} must be a positive {'integer' if kind is int else 'finite number'}, found {value!r}")
     return kind(value)
