@@ -318,6 +318,22 @@ def test_either_end_of_a_tied_embedding_in_modules_to_save_is_refused(lora_model
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["hf2mcore", "align"])
+def test_adapter_weights_linked_outside_the_folder_are_refused(lora_models, tmp_path, capsys, command):
+    """adapter_model.safetensors that links outside the peft folder was read (adapter_config.json so linked was
+    refused): a file found in a folder the user names must stay inside it (docs/security.md)."""
+    hf, adapter, elsewhere = lora_models["hf"]["llama3_1"], tmp_path / "a", tmp_path / "elsewhere"
+    shutil.copytree(lora_models["adapters"]["llama3_1"], adapter)
+    elsewhere.mkdir()
+    (adapter / "adapter_model.safetensors").rename(elsewhere / "adapter_model.safetensors")
+    (adapter / "adapter_model.safetensors").symlink_to(elsewhere / "adapter_model.safetensors")
+    args = (["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "out"), "--peft-dir", str(adapter)]
+            if command == "hf2mcore" else ["align", "--hf-dir", str(hf), "--peft-dir", str(adapter)])
+    rc, err = run_cli(capsys, *args)
+    assert rc == 2 and "'adapter_model.safetensors', which leads outside the folder" in _one_line(err), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_adapter_for_another_base_is_refused(lora_models, tmp_path, capsys):
     """A qwen2 adapter on a llama model: the shapes (or the modules) are not the model's."""
     other = make_tiny_hf_checkpoint("llama3_1", tmp_path / "wide", hidden_size=128, intermediate_size=192)

@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import checked_input
 from megatron_patch.lora.plan import PEFT_PREFIX, Site, loaded_name, plan_sites, stacked_depth, stored_name
 from megatron_patch.lora.saved import saved_rules
 from megatron_patch.lora.spec import (
@@ -58,10 +59,10 @@ def read_peft_adapter(folder: str | Path, arch: Arch, shape=None) -> tuple[LoraS
     where = str(folder / ADAPTER_CONFIG)
     spec = spec_from_peft_config(read_adapter_config(folder), where)
     weights = folder / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise UserError(f"{weights} not found: the peft adapter folder is incomplete")
+    # the same checks as adapter_config.json's: inside the folder (not a link to elsewhere) and a regular file
+    real = checked_input(weights, inside=folder, limit=None, hint="the peft adapter folder is incomplete")
     try:
-        stored = load_file(str(weights))
+        stored = load_file(str(real))
     except Exception as exc:  # noqa: BLE001 - any unreadable file is bad input
         raise UserError(f"{weights} is not a readable safetensors file ({type(exc).__name__}: {exc})")
     stored = {k.removeprefix(PEFT_PREFIX): v for k, v in stored.items()}
