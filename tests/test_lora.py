@@ -682,6 +682,32 @@ def test_lora_kill_and_restart_equals_the_uninterrupted_run(peft_runs, corpus, l
     assert proc.returncode == 2 and "is not the base model" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_lora_on_an_expert_bias_model_resumes_bit_for_bit(corpus, lora_models, tmp_path):
+    """DeepSeek-V3's routers carry megatron-core's expert bias, which it moved by the experts' load after every step
+    even under LoRA; LoRA checkpoints hold only the adapters, so a run stopped at iteration 2 and launched again
+    went back to the base's bias and logged other losses (1e-3) than the uninterrupted run. Under LoRA the bias is
+    frozen with the base, and the launch says so."""
+    from tests.training_helpers import launch, read_metrics
+
+    base = tmp_path / "base"
+    hf_to_mcore(lora_models["hf"]["deepseek_v3"], base, ParallelLayout(), progress=False)
+    env = {"MP_LORA_RANK": "2"}
+    runs = {}
+    for name, first in (("uninterrupted", {}), ("resumed", {"MP_EXIT_INTERVAL": "2"})):
+        family, args = _lora_args(corpus, tmp_path / name, base, family="deepseek_v3", LR="1e-2", MIN_LR="1e-2",
+                                  TRAIN_TOKENS_OR_ITERS=str(4 * 8 * 64), WARMUP_TOKENS_OR_ITERS="0")
+        proc = launch(args, {**env, **first}, family=family)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "frozen, the routers' expert bias too" in proc.stdout
+        if first:
+            proc = launch(args, env, family=family)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+            assert "adapters from the checkpoint being resumed" in proc.stdout
+        runs[name] = {m["iteration"]: m["loss"] for m in read_metrics(tmp_path / name)}
+    assert len(runs["uninterrupted"]) == 4 and runs["resumed"] == runs["uninterrupted"]
+
+
 SFT_RECORDS = [
     {"prompt": "Where does the cat sit?", "response": "The cat sits on the warm mat."},
     {"instruction": "Describe the river.", "output": "A quiet river by the sea."},

@@ -99,6 +99,15 @@ def _checkpoint_lora(checkpoint: str | None) -> LoraSpec | None:
     return LoraSpec.from_dict(sidecar.lora["spec"])
 
 
+def config_overrides(cfg) -> dict:
+    """TransformerConfig fields of a LoRA run. The base is frozen, and so are the routers' expert biases (DeepSeek-V3's
+    e_score_correction_bias: buffers megatron-core moves by the experts' load after every step): a run's checkpoints
+    hold only the adapters, so a moved bias was lost at each resume and export, and the adapters were trained under
+    another routing than the one they ship with. peft leaves the bias as it is too. Rate 0: sign(load) * 0 leaves
+    each bit."""
+    return {"moe_router_bias_update_rate": 0.0} if cfg.lora is not None and cfg.arch.is_moe else {}
+
+
 def check_lora(cfg) -> None:
     """What a LoRA run needs besides its spec: targets the family has. With PR=fp8 the frozen base's GEMMs run in
     FP8 (transformer-engine's, or torchao's inside megatron-core's linears, whose frozen weights get no gradient
@@ -166,7 +175,9 @@ def setup_lora(cfg, chunks: list, base: Path, resuming: bool, log) -> list:
                 for sa in container.sites:
                     sa.init_fresh(cfg.seed)
         source = "the checkpoint being resumed" if resuming else "peft's initialisation (A kaiming-uniform, B zero)"
-    log(f"LoRA ({spec.describe()}): base weights from {base}, frozen; adapters from {source}")
+    biased = any(c.config.moe_router_enable_expert_bias for c in chunks)  # held still by config_overrides
+    frozen = "frozen, the routers' expert bias too" if biased else "frozen"
+    log(f"LoRA ({spec.describe()}): base weights from {base}, {frozen}; adapters from {source}")
     return containers
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from megatron_patch.models.blocks.compiled_fusions import config_overrides
 from megatron_patch.models.description.registry import has_load_balancing_loss
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training import fp8_run, sparse_attention_run
+from megatron_patch.training import fp8_run, lora_run, sparse_attention_run
 from megatron_patch.training.run_config import RunConfig
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
@@ -38,6 +38,7 @@ def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> 
         tc["attention_backend"] = AttnBackend.fused
     tc.update(config_overrides(cfg.compile_fusions))
     tc.update(sparse_attention_run.config_overrides(cfg))
+    tc.update(lora_run.config_overrides(cfg))
     if cfg.precision.fp8 and fp8_implementation is None:
         fp8_implementation = fp8_run.implementation(cfg, Capabilities.detect())
     if cfg.precision.fp8 and fp8_implementation == fp8_run.TRANSFORMER_ENGINE:
