@@ -318,6 +318,54 @@ def test_either_end_of_a_tied_embedding_in_modules_to_save_is_refused(lora_model
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture
+def foreign_base(lora_models, tmp_path, monkeypatch):
+    """A torch_dist base without this project's manifest (as another tool's), its record, and the digest cache."""
+    from megatron_patch.lora.state import base_record
+
+    monkeypatch.setenv("MPATCH_CACHE_DIR", str(tmp_path / "cache"))
+    base = tmp_path / "base"
+    hf_to_mcore(lora_models["hf"]["llama3_1"], base, ParallelLayout(), progress=False)
+    (base / "mpatch_manifest.json").unlink()
+    return base, base_record(base), tmp_path / "cache" / "digests"
+
+
+def _find_base(record, given=None):
+    from megatron_patch.errors import UserError
+    from megatron_patch.lora.state import find_base
+
+    with pytest.raises(UserError) as caught:
+        find_base(record, given, "CK", "--base-dir")
+    return str(caught.value)
+
+
+def test_a_base_whose_metadata_was_edited_is_not_the_base(foreign_base):
+    """The digest of a base without a manifest left out hidden files, torch_dist's .metadata among them, which says
+    which bytes are which tensor: a .metadata whose layers 0 and 1 swapped their o_proj bytes passed the check, and
+    --merge-lora exported other weights."""
+    import pickle
+
+    from megatron_patch.lora.state import find_base
+
+    base, record, _ = foreign_base
+    assert find_base(record, None, "CK", "--base-dir") == base
+    path = base / "release" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())
+    keys = [k for k in metadata.storage_data if k.fqn == "decoder.layers.self_attention.linear_proj.weight"]
+    first, second = (next(k for k in keys if k.offset[0] == i) for i in (0, 1))
+    metadata.storage_data[first], metadata.storage_data[second] = (metadata.storage_data[second],
+                                                                   metadata.storage_data[first])
+    path.write_bytes(pickle.dumps(metadata))
+    assert f"{base} is not the base model CK was trained on" in _find_base(record)
+
+
+def test_a_digest_of_the_older_format_is_refused_with_the_way_on(foreign_base):
+    """A record of the older format (hidden files left out) cannot vouch for the .metadata: said, with what to do."""
+    base, record, _ = foreign_base
+    message = _find_base({**record, "digest": "sha256-files-1:" + "0" * 64})
+    assert "older megatron_patch (sha256-files-1)" in message and "--lora-adapter" in message
+
+
 @pytest.mark.parametrize("command", ["hf2mcore", "align"])
 def test_adapter_weights_linked_outside_the_folder_are_refused(lora_models, tmp_path, capsys, command):
     """adapter_model.safetensors that links outside the peft folder was read (adapter_config.json so linked was

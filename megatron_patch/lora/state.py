@@ -25,15 +25,17 @@ from megatron_patch.models.shape.skeleton import cache_dir
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
-DIGEST_FORMAT = "sha256-files-1"
+# -2 hashes hidden files too: -1 left them out, and with them torch_dist's .metadata, which says which bytes are
+# which tensor (a base whose .metadata was edited passed the check).
+DIGEST_FORMAT = "sha256-files-2"
+OLD_DIGEST_FORMATS = ("sha256-files-1",)
 MANIFEST_DIGEST = "sha256-manifest-1"
 
 
 # --- the base model's record ------------------------------------------------------------------------------------
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
-                                                                           p.relative_to(folder).parts))
+    return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
 def _digest_cache() -> Path:
@@ -46,7 +48,7 @@ def checkpoint_digest(folder: str | Path) -> str:
     Where the checkpoint carries this project's manifest (every output written here does), the digest is of
     the manifest's table (each file's size and XXH3-128): cheap, and every load checks the files against
     that table (``checkpoint.loading.verify_before_load``). Otherwise sha256 over every file (relative path,
-    size, content), hidden files aside: reading a 16 GB base takes a minute, so that answer is kept per folder
+    size, content), hidden ones included: reading a 16 GB base takes a minute, so that answer is kept per folder
     (under the skeleton cache's parent) with each file's size and modification time."""
     folder = Path(folder).resolve()
     if not folder.is_dir():
@@ -95,6 +97,12 @@ def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> P
         raise UserError(f"{what} was trained on the base model {record['path']} (digest {short}), which is not "
                         f"there{' (' + str(path) + ' is not a folder)' if given is not None else ''}: give that "
                         f"checkpoint with {flag}")
+    kind = record["digest"].split(":")[0]
+    if kind in OLD_DIGEST_FORMATS:
+        raise UserError(f"{what} names its base model by a digest of an older megatron_patch ({kind}), which left "
+                        "out hidden files such as torch_dist's .metadata (which bytes are which tensor), so it cannot "
+                        f"vouch for {path}: export its adapters with `mpatch convert mcore2hf --lora-adapter` (no "
+                        "base needed) and use that peft folder with the base (hf2mcore --peft-dir, MP_LORA_INIT)")
     found = checkpoint_digest(path)
     if found != record["digest"]:
         raise UserError(f"{path} is not the base model {what} was trained on (digest {found.split(':')[-1][:12]}, "
