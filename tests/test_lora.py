@@ -8,6 +8,7 @@ The quick tests need no rank processes; the multi-process parity and the launche
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -364,6 +365,26 @@ def test_a_digest_of_the_older_format_is_refused_with_the_way_on(foreign_base):
     base, record, _ = foreign_base
     message = _find_base({**record, "digest": "sha256-files-1:" + "0" * 64})
     assert "older megatron_patch (sha256-files-1)" in message and "--lora-adapter" in message
+
+
+def test_a_recorded_base_that_is_no_checkpoint_is_not_read(foreign_base, tmp_path):
+    """A LoRA checkpoint's sidecar names its base by path, and a checkpoint may come from anyone: a base path that
+    is a private folder was hashed whole and its file list written to the user's cache; /proc/self was an internal
+    error; a FIFO in a base blocked the hash."""
+    base, record, cache = foreign_base
+    shutil.rmtree(cache)
+    private = tmp_path / "private"
+    (private / "secrets").mkdir(parents=True)
+    (private / "secrets" / "key.pem").write_text("secret")
+    for folder in (private, Path("/proc/self"), Path("/")):
+        message = _find_base({**record, "path": str(folder)})
+        assert f"CK names its base model {folder}, which is not a checkpoint" in message, message
+    assert not cache.exists()
+    os.mkfifo(base / "release" / "queue")
+    assert "queue is a FIFO, not a regular file" in _find_base(record)
+    (base / "release" / "queue").unlink()
+    (base / "release" / "key.pem").symlink_to(private / "secrets" / "key.pem")
+    assert "which leads outside the folder" in _find_base(record)
 
 
 @pytest.mark.parametrize("command", ["hf2mcore", "align"])

@@ -14,11 +14,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 
+from megatron_patch.checkpoint.foreign import find_checkpoint
 from megatron_patch.checkpoint_files.manifest import manifest_for, read_manifest
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import checked_input
 from megatron_patch.lora.plan import KEY_PREFIX
 from megatron_patch.models.shape.skeleton import cache_dir
 
@@ -35,7 +38,20 @@ MANIFEST_DIGEST = "sha256-manifest-1"
 # --- the base model's record ------------------------------------------------------------------------------------
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file())
+    """Every file under ``folder``, hidden ones too; refused in one line: a link that leads outside it, anything
+    but a regular file (a FIFO would block the hash, a device never ends)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder, onerror=_walk_error):  # never into linked folders
+        dirnames.sort()
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            checked_input(path, inside=folder, how="holds", limit=None)
+            out.append(path)
+    return out
+
+
+def _walk_error(exc: OSError) -> None:
+    raise UserError(f"cannot read {exc.filename} ({exc.strerror})")
 
 
 def _digest_cache() -> Path:
@@ -43,7 +59,7 @@ def _digest_cache() -> Path:
 
 
 def checkpoint_digest(folder: str | Path) -> str:
-    """A digest of a base checkpoint's contents.
+    """A digest of a base checkpoint's contents (a checkpoint folder: ``find_base`` checks that first).
 
     Where the checkpoint carries this project's manifest (every output written here does), the digest is of
     the manifest's table (each file's size and XXH3-128): cheap, and every load checks the files against
@@ -58,6 +74,13 @@ def checkpoint_digest(folder: str | Path) -> str:
         table = json.dumps(read_manifest(manifest)["files"], sort_keys=True).encode()
         return f"{MANIFEST_DIGEST}:{hashlib.sha256(table).hexdigest()}"
     files = _files(folder)
+    try:
+        return _hashed(folder, files)
+    except OSError as exc:  # a file removed or unreadable since it was listed
+        raise UserError(f"cannot read {exc.filename or folder} ({exc.strerror}) to check that it is the base model")
+
+
+def _hashed(folder: Path, files: list[Path]) -> str:
     stamp = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     cache = _digest_cache() / (hashlib.sha256(str(folder).encode()).hexdigest() + ".json")
     try:
@@ -69,7 +92,10 @@ def checkpoint_digest(folder: str | Path) -> str:
     total = hashlib.sha256()
     for p, (rel, size, _) in zip(files, stamp):
         h = hashlib.sha256()
-        with open(p, "rb") as f:
+        # without blocking: a file swapped for a FIFO since it was checked
+        with os.fdopen(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise UserError(f"{p} is not a regular file: refused")
             for block in iter(lambda: f.read(8 << 20), b""):
                 h.update(block)
         total.update(f"{rel}\0{size}\0{h.hexdigest()}\n".encode())
@@ -90,7 +116,11 @@ def base_record(path: str | Path) -> dict:
 
 def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> Path:
     """The base checkpoint a LoRA checkpoint needs: ``given`` (an override) or the one ``record`` names;
-    its digest must match the record's, or one line says what to give (``flag``)."""
+    it must be a checkpoint folder and its digest the record's, or one line says what to give (``flag``).
+
+    The record comes from a checkpoint, which may come from anyone: its path is looked at as a checkpoint
+    (``find_checkpoint``: a tracker, iteration folders, small files read through the checks) before any file
+    under it is hashed, so a record naming / or a private folder makes no reader walk it."""
     path = Path(given) if given is not None else Path(record["path"])
     short = record["digest"].split(":")[-1][:12]
     if not path.is_dir():
@@ -103,6 +133,11 @@ def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> P
                         "out hidden files such as torch_dist's .metadata (which bytes are which tensor), so it cannot "
                         f"vouch for {path}: export its adapters with `mpatch convert mcore2hf --lora-adapter` (no "
                         "base needed) and use that peft folder with the base (hf2mcore --peft-dir, MP_LORA_INIT)")
+    try:
+        find_checkpoint(path)
+    except UserError as exc:
+        raise UserError(f"{what} names its base model {path}, which is not a checkpoint ({exc}): give the base it "
+                        f"was trained on with {flag}")
     found = checkpoint_digest(path)
     if found != record["digest"]:
         raise UserError(f"{path} is not the base model {what} was trained on (digest {found.split(':')[-1][:12]}, "
