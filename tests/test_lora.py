@@ -360,11 +360,18 @@ def test_a_base_whose_metadata_was_edited_is_not_the_base(foreign_base):
     assert f"{base} is not the base model CK was trained on" in _find_base(record)
 
 
-def test_a_digest_of_the_older_format_is_refused_with_the_way_on(foreign_base):
-    """A record of the older format (hidden files left out) cannot vouch for the .metadata: said, with what to do."""
+def test_a_digest_of_the_older_format_still_finds_its_base_saying_what_it_leaves_unchecked(foreign_base, capsys):
+    """A record of the older format (hidden files left out) is checked as it was made, so runs of an older version
+    resume; that it cannot vouch for the .metadata is said. A wrong base is still refused."""
+    from megatron_patch.lora.state import HIDDEN_FILES_LEFT_OUT, checkpoint_digest, find_base
+
     base, record, _ = foreign_base
-    message = _find_base({**record, "digest": "sha256-files-1:" + "0" * 64})
-    assert "older megatron_patch (sha256-files-1)" in message and "--lora-adapter" in message
+    old = {**record, "digest": checkpoint_digest(base, HIDDEN_FILES_LEFT_OUT)}
+    assert old["digest"].startswith("sha256-files-1:") and old["digest"] != record["digest"]
+    assert find_base(old, None, "CK", "--base-dir") == base
+    assert "an older digest (sha256-files-1) that leaves out hidden files" in capsys.readouterr().err
+    wrong = {**record, "digest": "sha256-files-1:" + "0" * 64}
+    assert f"{base} is not the base model CK was trained on" in _find_base(wrong)
 
 
 def test_a_recorded_base_that_is_no_checkpoint_is_not_read(foreign_base, tmp_path):

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 from megatron_patch.checkpoint.foreign import find_checkpoint
@@ -31,7 +32,7 @@ from megatron_patch.models.shape.skeleton import cache_dir
 # -2 hashes hidden files too: -1 left them out, and with them torch_dist's .metadata, which says which bytes are
 # which tensor (a base whose .metadata was edited passed the check).
 DIGEST_FORMAT = "sha256-files-2"
-OLD_DIGEST_FORMATS = ("sha256-files-1",)
+HIDDEN_FILES_LEFT_OUT = "sha256-files-1"
 MANIFEST_DIGEST = "sha256-manifest-1"
 
 
@@ -58,7 +59,7 @@ def _digest_cache() -> Path:
     return cache_dir().parent / "digests"
 
 
-def checkpoint_digest(folder: str | Path) -> str:
+def checkpoint_digest(folder: str | Path, fmt: str = DIGEST_FORMAT) -> str:
     """A digest of a base checkpoint's contents (a checkpoint folder: ``find_base`` checks that first).
 
     Where the checkpoint carries this project's manifest (every output written here does), the digest is of
@@ -74,18 +75,20 @@ def checkpoint_digest(folder: str | Path) -> str:
         table = json.dumps(read_manifest(manifest)["files"], sort_keys=True).encode()
         return f"{MANIFEST_DIGEST}:{hashlib.sha256(table).hexdigest()}"
     files = _files(folder)
+    if fmt == HIDDEN_FILES_LEFT_OUT:  # a record of an older run: checked as it was made
+        files = [p for p in files if not any(part.startswith(".") for part in p.relative_to(folder).parts)]
     try:
-        return _hashed(folder, files)
+        return _hashed(folder, files, fmt)
     except OSError as exc:  # a file removed or unreadable since it was listed
         raise UserError(f"cannot read {exc.filename or folder} ({exc.strerror}) to check that it is the base model")
 
 
-def _hashed(folder: Path, files: list[Path]) -> str:
+def _hashed(folder: Path, files: list[Path], fmt: str) -> str:
     stamp = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     cache = _digest_cache() / (hashlib.sha256(str(folder).encode()).hexdigest() + ".json")
     try:
         saved = json.loads(cache.read_text())
-        if saved.get("stamp") == [list(s) for s in stamp] and saved.get("format") == DIGEST_FORMAT:
+        if saved.get("stamp") == [list(s) for s in stamp] and saved.get("format") == fmt:
             return saved["digest"]
     except (OSError, ValueError):
         pass
@@ -99,11 +102,11 @@ def _hashed(folder: Path, files: list[Path]) -> str:
             for block in iter(lambda: f.read(8 << 20), b""):
                 h.update(block)
         total.update(f"{rel}\0{size}\0{h.hexdigest()}\n".encode())
-    digest = f"{DIGEST_FORMAT}:{total.hexdigest()}"
+    digest = f"{fmt}:{total.hexdigest()}"
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
-        tmp.write_text(json.dumps({"format": DIGEST_FORMAT, "stamp": stamp, "digest": digest}))
+        tmp.write_text(json.dumps({"format": fmt, "stamp": stamp, "digest": digest}))
         os.replace(tmp, cache)
     except OSError:
         pass
@@ -128,20 +131,19 @@ def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> P
                         f"there{' (' + str(path) + ' is not a folder)' if given is not None else ''}: give that "
                         f"checkpoint with {flag}")
     kind = record["digest"].split(":")[0]
-    if kind in OLD_DIGEST_FORMATS:
-        raise UserError(f"{what} names its base model by a digest of an older megatron_patch ({kind}), which left "
-                        "out hidden files such as torch_dist's .metadata (which bytes are which tensor), so it cannot "
-                        f"vouch for {path}: export its adapters with `mpatch convert mcore2hf --lora-adapter` (no "
-                        "base needed) and use that peft folder with the base (hf2mcore --peft-dir, MP_LORA_INIT)")
     try:
         find_checkpoint(path)
     except UserError as exc:
         raise UserError(f"{what} names its base model {path}, which is not a checkpoint ({exc}): give the base it "
                         f"was trained on with {flag}")
-    found = checkpoint_digest(path)
+    found = checkpoint_digest(path, HIDDEN_FILES_LEFT_OUT if kind == HIDDEN_FILES_LEFT_OUT else DIGEST_FORMAT)
     if found != record["digest"]:
         raise UserError(f"{path} is not the base model {what} was trained on (digest {found.split(':')[-1][:12]}, "
                         f"expected {short}): give the base it was trained on with {flag}")
+    if kind == HIDDEN_FILES_LEFT_OUT:  # a run of an older megatron_patch goes on; what it cannot vouch for is said
+        print(f"note: {what} names its base by an older digest ({kind}) that leaves out hidden files, torch_dist's "
+              ".metadata among them: that file of the base is not checked (a LoRA run's next checkpoint records the "
+              "whole digest)", file=sys.stderr, flush=True)
     return path
 
 
