@@ -681,7 +681,7 @@ def _training_checkpoint_worker(hf_dir: str, converted: str, root: str) -> list[
                                 family=arch.family, hf_config=arch.hf_config, to_dict=lambda: {},
                                 arch=arch, layout=layout, precision=Precision.BF16, lora=None,
                                 dataset_path=[], dataset_type="mmap", dataset_weights=None, sft=False,
-                                tokenizer=None)
+                                tokenizer=None, split=None)
     checkpointing.save(cfg, 5, [ddp], optimizer, scheduler)
     return sorted(p.name for p in Path(root).iterdir())
 
