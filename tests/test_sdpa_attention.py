@@ -63,7 +63,7 @@ def module_worker() -> dict:
 
     from megatron_patch.models.blocks import builder
     from megatron_patch.runtime import init_model_parallel
-    from megatron_patch.training.packing import PackedLocalAttention
+    from megatron_patch.training.packing import accept_packed_sequences
 
     init_model_parallel(ParallelLayout())
     arch = parse_arch(families()["llama3_1"].tiny_config)  # 4 heads, 2 key/value groups, head size 16
@@ -84,12 +84,13 @@ def module_worker() -> dict:
             mask = torch.rand(2, 1, 48, 48, generator=gen) < 0.3
             mask &= ~torch.eye(48, dtype=torch.bool)
             out["mask_fp32"] = _compare(unfused, sdpa, q, k, v, {"mask": mask}, {"mask": mask})
-            # packed documents: megatron's per-document loop (PackedLocalAttention) against SDPA's THD path
+            # packed documents: megatron's per-document loop (accept_packed_sequences) against SDPA's THD path
             cu = torch.tensor([0, 10, 31, 48], dtype=torch.int32)
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=21,
                                      max_seqlen_kv=21)
             flat = [t[:, 0] for t in (q, k, v)]
-            out["thd_fp32"] = _compare(PackedLocalAttention(unfused), sdpa, *flat, {"packed_seq_params": params},
+            packed = accept_packed_sequences(_pair(config)[0])
+            out["thd_fp32"] = _compare(packed, sdpa, *flat, {"packed_seq_params": params},
                                        {"packed_seq_params": params})
             out["thd_shape"] = list(sdpa(*flat, None, packed_seq_params=params).shape)
         else:

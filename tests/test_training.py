@@ -341,6 +341,32 @@ def test_pretraining_with_documents_kept_apart_trains_each_document_alone(corpus
     assert losses[-1] < losses[0]
 
 
+def test_pretraining_documents_kept_apart_need_data_that_marks_their_ends(corpus, tmp_path):
+    """MP_SFT_PACKING=true in pretraining cuts documents after each end-of-document token: data preprocessed without
+    it (--no-append-eod) had none kept apart, while the run said each sample's documents were. Refused before launch
+    now; the tokenizer may be a tiktoken folder (Kimi-K2's), which was refused as missing."""
+    from megatron_patch.training.data_files import check_training_data, end_of_document
+    from megatron_patch.training.preprocess import preprocess
+    from megatron_patch.training.validation import resolve
+
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in corpus["texts"][:40]])
+    without = preprocess(tmp_path / "docs.jsonl", str(tmp_path / "bare"), corpus["tok"], append_eod=False,
+                         progress=False).output_prefix
+    env = {"MP_SFT_PACKING": "true", "MP_TOKENIZER": str(corpus["tok"])}
+    check_training_data(resolve("llama3_1", _pretrain_args(corpus, tmp_path / "a"), env=env))
+    with pytest.raises(UserError, match=r"40 of the 40 documents of .*bare_text_document do not end with the "
+                                        r"end-of-document token \d+ .*preprocess them with it appended"):
+        check_training_data(resolve("llama3_1", _pretrain_args(corpus, tmp_path / "b", DATASET_PATH=without), env=env))
+
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    make_tiktoken_file(kimi / "tiktoken.model", [b"th", b"he"])
+    (kimi / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "[EOS]", "added_tokens_decoder": {"258": {"content": "[EOS]", "special": True}}}))
+    cfg = resolve("llama3_1", _pretrain_args(corpus, tmp_path / "c"), env={**env, "MP_TOKENIZER": str(kimi)})
+    assert end_of_document(cfg) == (258, "[EOS]")
+
+
 @pytest.mark.slow
 def test_every_checkpoint_of_a_run_exports_with_its_tokenizer(pp2_run, converted, tmp_path, capsys):
     """Not only final/: each iteration a run saves carries the tokenizer and generation files of the checkpoint it

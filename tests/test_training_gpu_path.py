@@ -378,6 +378,31 @@ def _pretraining_documents_apart(model, vocab_size: int, ctx) -> dict:
             "docs_apart_positions": apart[1]["position_ids"][:3].tolist() + apart[1]["position_ids"][40:42].tolist()}
 
 
+def packed_names_worker(family: str) -> dict:
+    """A model's parameter and checkpoint names before and after its attention takes packed sequences."""
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.description.registry import families, parse_arch
+    from megatron_patch.runtime import init_model_parallel
+    from megatron_patch.training.packing import use_packed_local_attention
+
+    init_model_parallel(ParallelLayout())
+    model = build_model(parse_arch(families()[family].tiny_config), ParallelLayout(), torch.float32)
+    names = (sorted(model.state_dict()), sorted(model.sharded_state_dict()))
+    taken = use_packed_local_attention(model)
+    return {"taken": taken, "before": names, "after": (sorted(model.state_dict()), sorted(model.sharded_state_dict()))}
+
+
+def test_packed_attention_keeps_the_names_of_what_the_attention_holds():
+    """gpt-oss's core attention holds its sinks (softmax_offset): wrapped for packing, they became
+    core_attention.inner.softmax_offset, so a converted checkpoint was refused ("not written for this model") and
+    the run's own checkpoints could not be exported."""
+    from megatron_patch.runtime.launch import run_local
+
+    r = run_local(packed_names_worker, 1, "gpt_oss")[0]
+    assert r["taken"] > 0 and any("softmax_offset" in n for n in r["before"][0])
+    assert r["after"] == r["before"]
+
+
 @pytest.fixture(scope="module")
 def packing_results(tmp_path_factory):
     from megatron_patch.runtime.launch import run_local

@@ -32,7 +32,7 @@ import numpy
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest, verify_manifest
 from megatron_patch.errors import UserError
-from megatron_patch.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import check_tokenizer_path, load_tokenizer
 from megatron_patch.training.sft_records import record_groups
 from megatron_patch.training.sft_tokens import refuse_untrainable
 
@@ -58,6 +58,21 @@ def check_mmap_data(prefix: str, vocab_size: int) -> int:
     total = _check_layout(prefix, dtype, lengths, pointers, documents)
     _check_token_ids(prefix, dtype, total, vocab_size, pointers, documents)
     return total
+
+
+def check_documents_end_with(prefix: str, eod: int, text: str) -> None:
+    """Every document of ``prefix`` ends with the end-of-document token ``eod``, where pretraining keeps documents
+    apart at it (MP_SFT_PACKING): data preprocessed without it (--no-append-eod) had none kept apart, silently."""
+    dtype, lengths, pointers, documents = _read_idx(prefix)
+    last = documents[1:][documents[1:] > documents[:-1]] - 1  # each document's last sequence (Pai writes empty ones)
+    last = last[lengths[last] > 0]
+    tokens = numpy.memmap(Path(prefix + ".bin"), dtype=dtype, mode="r")
+    missing = int((tokens[pointers[last] // dtype.itemsize + lengths[last] - 1] != eod).sum())
+    if missing:
+        raise UserError(f"{missing} of the {len(last)} documents of {prefix} do not end with the end-of-document "
+                        f"token {eod} ({text!r}), at which MP_SFT_PACKING=true keeps pretraining documents apart: "
+                        "preprocess them with it appended (mpatch preprocess does by default; Pai's --append-eod), "
+                        "or drop MP_SFT_PACKING")
 
 
 def _checked_pair(prefix: str):
@@ -206,10 +221,16 @@ def _check_token_ids(prefix: str, dtype: numpy.dtype, total: int, vocab_size: in
 
 
 def run_tokenizer(cfg):
-    """MP_TOKENIZER, else the checkpoint's tokenizer where it carries one, else None."""
-    for source in (cfg.tokenizer, cfg.pretrain_checkpoint):
-        if source and (Path(source).is_file() or (Path(source) / "tokenizer.json").is_file()):
-            return load_tokenizer(source)
+    """MP_TOKENIZER (an HF folder, a tiktoken file or a folder holding one), else the checkpoint's tokenizer where it
+    carries one, else None."""
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer)
+    if cfg.pretrain_checkpoint:
+        try:
+            check_tokenizer_path(cfg.pretrain_checkpoint)
+        except UserError:  # the checkpoint carries no tokenizer
+            return None
+        return load_tokenizer(cfg.pretrain_checkpoint)
     return None
 
 
@@ -234,11 +255,12 @@ def check_training_data(cfg) -> None:
         for path in dict.fromkeys([cfg.dataset_path[0], *(cfg.valid_dataset_path or [])[:1]]):
             refuse_untrainable(path, record_groups(path), tokenizer, cfg.sample_length, cfg.sft_packing)
         return
-    if cfg.sft_packing and not cfg.sft:
-        end_of_document(cfg)
+    eod = end_of_document(cfg) if cfg.sft_packing and not cfg.sft else None
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
         if cfg.sft:
             check_sft_idxmap(prefix, cfg.arch.vocab_size, cfg.sample_length)
         else:
             check_mmap_data(prefix, cfg.arch.vocab_size)
+            if eod is not None:
+                check_documents_end_with(prefix, *eod)

@@ -6,7 +6,7 @@ handed to the model as ``PackedSeqParams(qkv_format="thd")``. Then
 
 - attention stays inside each document: transformer-engine's attention and the SDPA core attention
   take the boundaries (TE ignores an explicit mask when the mask type is causal), and for megatron-core's
-  unfused local attention ``PackedLocalAttention`` runs it once per document;
+  unfused local attention ``accept_packed_sequences`` runs it once per document;
 - RoPE positions restart at each document (megatron-core ignores ``position_ids`` for RoPE, and in
   THD rotates each segment from position 0).
 
@@ -43,33 +43,36 @@ def packed_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int):
                            max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
 
 
-class PackedLocalAttention(torch.nn.Module):
-    """megatron-core's local ``DotProductAttention`` made to accept THD packed sequences.
+def accept_packed_sequences(attention: torch.nn.Module) -> torch.nn.Module:
+    """megatron-core's local ``DotProductAttention`` made to accept THD packed sequences, in place.
 
     The local attention refuses ``packed_seq_params``; this runs it causally on each document's slice
-    ``[s_i, 1, heads, dim]`` and concatenates the results, the same arithmetic as one document per
-    sample. Unpacked calls go straight through.
+    ``[s_i, 1, heads, dim]`` and concatenates the results, the same arithmetic as one document per sample.
+    Unpacked calls go straight through. Its forward is replaced rather than the module wrapped: a wrapper renamed
+    what the attention holds (gpt-oss's learnable ``softmax_offset`` became ``core_attention.inner.softmax_offset``,
+    which no checkpoint has, so a converted checkpoint was refused and a run's own could not be exported).
     """
+    unpacked = attention.forward
 
-    def __init__(self, inner: torch.nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is None:
-            return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                              attention_bias=attention_bias)
+            return unpacked(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias)
         bounds = packed_seq_params.cu_seqlens_q.tolist()
         pieces = []
         for start, end in zip(bounds[:-1], bounds[1:]):
             q, k, v = (t[start:end].unsqueeze(1) for t in (query, key, value))
-            pieces.append(self.inner(q, k, v, None, attn_mask_type=attn_mask_type))
+            pieces.append(unpacked(q, k, v, None, attn_mask_type=attn_mask_type))
         return torch.cat(pieces, dim=0)
+
+    attention.forward = forward
+    attention.handles_packed_sequences = True
+    return attention
 
 
 def use_packed_local_attention(model: torch.nn.Module) -> int:
-    """Wrap every local core attention of ``model`` in ``PackedLocalAttention``; returns how many.
+    """Make every local core attention of ``model`` accept packed sequences (``accept_packed_sequences``); returns
+    how many.
 
     transformer-engine's attention and the SDPA core attention (``models/blocks/sdpa_attention.py``) take THD
     themselves and are left alone.
@@ -80,7 +83,7 @@ def use_packed_local_attention(model: torch.nn.Module) -> int:
     for module in list(model.modules()):
         inner = getattr(module, "core_attention", None)
         if isinstance(inner, DotProductAttention) and not getattr(inner, "handles_packed_sequences", False):
-            module.core_attention = PackedLocalAttention(inner)
+            accept_packed_sequences(inner)
             wrapped += 1
     return wrapped
 

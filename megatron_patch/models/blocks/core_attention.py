@@ -75,7 +75,6 @@ def core_attention_of(model) -> str | None:
     kinds = set()
     for module in model.modules():
         inner = getattr(module, "core_attention", None)
-        inner = getattr(inner, "inner", inner)  # training/packing.PackedLocalAttention wraps the unfused one
         if isinstance(inner, SDPAttention):
             kinds.add(SDPA)
         elif isinstance(inner, DotProductAttention) or getattr(inner, "requires_dsa_inputs", False):
