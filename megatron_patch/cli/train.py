@@ -29,7 +29,7 @@ from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_WARNED, JobFailed, die_with_launcher, forked_ranks,
                                            helpers_die_with_rank, name_this_process, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
-from megatron_patch.training.data_files import check_training_data
+from megatron_patch.training.data_files import check_data_settings, check_training_data
 from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers
 from megatron_patch.training.launcher_options import dry_run_options, read_option, usage
 from megatron_patch.training import fp8_run
@@ -285,6 +285,8 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
         check_starting_checkpoint_layout(cfg)
     if not would:
         check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
+    else:
+        check_data_settings(cfg)  # the dry run reads the index, not every token
     return True
 
 

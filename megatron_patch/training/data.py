@@ -86,7 +86,8 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         mmap_bin_files=True,
     )
-    sizes = [num_train_samples, num_valid_samples if valid or cfg.split else None, None]
+    # a split's unused test share is asked for no samples: None (as many as there are) is refused for a weighted blend
+    sizes = [num_train_samples, num_valid_samples if valid or cfg.split else None, 0 if cfg.split else None]
     train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     if cfg.split and valid_ds is None:
         raise UserError(f"MP_SPLIT={cfg.split} leaves no document of DATASET_PATH for validation (each share is "

@@ -60,6 +60,29 @@ def check_mmap_data(prefix: str, vocab_size: int) -> int:
     return total
 
 
+def split_documents(split: str, documents: int) -> list[int]:
+    """How many of ``documents`` megatron-core's ``split`` ("99,1,0") gives training, validation and test: each
+    share's bookends rounded, as its builder cuts a prefix's documents."""
+    shares = [float(x) for x in split.split(",")]
+    ends = [0.0]
+    for share in shares:
+        ends.append(ends[-1] + share / sum(shares))
+    cuts = [int(round(e * float(documents))) for e in ends]
+    return [b - a for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def check_split(prefix: str, split: str) -> None:
+    """MP_SPLIT leaves each prefix documents to train on and to validate on: megatron-core looped forever building
+    an empty validation set (a few dozen documents at 99,1,0)."""
+    documents = len(_read_idx(prefix)[3]) - 1
+    train, valid, _ = split_documents(split, documents)
+    for count, what in ((train, "training"), (valid, "validation")):
+        if count == 0:
+            raise UserError(f"MP_SPLIT={split} leaves none of the {documents} documents of {prefix} for {what} (each "
+                            f"share is counted in whole documents): give {what} a larger share, or validate on "
+                            "VALID_DATASET_PATH without MP_SPLIT")
+
+
 def check_documents_end_with(prefix: str, eod: int, text: str) -> None:
     """Every document of ``prefix`` ends with the end-of-document token ``eod``, where pretraining keeps documents
     apart at it (MP_SFT_PACKING): data preprocessed without it (--no-append-eod) had none kept apart, silently."""
@@ -255,12 +278,24 @@ def check_training_data(cfg) -> None:
         for path in dict.fromkeys([cfg.dataset_path[0], *(cfg.valid_dataset_path or [])[:1]]):
             refuse_untrainable(path, record_groups(path), tokenizer, cfg.sample_length, cfg.sft_packing)
         return
-    eod = end_of_document(cfg) if cfg.sft_packing and not cfg.sft else None
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
         if cfg.sft:
             check_sft_idxmap(prefix, cfg.arch.vocab_size, cfg.sample_length)
         else:
             check_mmap_data(prefix, cfg.arch.vocab_size)
-            if eod is not None:
-                check_documents_end_with(prefix, *eod)
+    check_data_settings(cfg)
+
+
+def check_data_settings(cfg) -> None:
+    """What the run's settings need of pretraining data, from its index and one token per document (the dry run
+    checks it too; the whole check reads every token): documents that end with the end-of-document token where
+    MP_SFT_PACKING keeps them apart, and documents for each MP_SPLIT share."""
+    if cfg.sft or cfg.dataset_type == "raw":
+        return
+    eod = end_of_document(cfg) if cfg.sft_packing else None
+    for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
+        if eod is not None:
+            check_documents_end_with(prefix, *eod)
+        if cfg.split:
+            check_split(prefix, cfg.split)

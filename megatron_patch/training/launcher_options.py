@@ -134,10 +134,13 @@ def _split(name: str, raw: str) -> str | None:
         raise UserError(f"{name} takes train,valid,test shares of DATASET_PATH, e.g. 99,1,0 (Pai's --split), "
                         f"got '{raw}'")
     shares += [0.0] * (3 - len(shares))
+    if shares[0] <= 0:
+        raise UserError(f"{name}={raw} leaves nothing to train on: give training the first share, e.g. 99,1,0")
     if shares[1] <= 0:
         raise UserError(f"{name}={raw} holds nothing out for validation: give it a validation share, e.g. 99,1,0, "
                         "or leave it unset to validate on VALID_DATASET_PATH")
-    return ",".join(f"{x:g}" for x in shares)
+    # plain decimals: megatron-core reads the string's digits and dots alone (1e-05 would read as 1 and 05)
+    return ",".join(f"{x:f}".rstrip("0").rstrip(".") for x in shares)
 
 
 def _dry_run(name: str, raw: str) -> str | None:
