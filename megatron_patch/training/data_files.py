@@ -278,22 +278,24 @@ def check_training_data(cfg) -> None:
         for path in dict.fromkeys([cfg.dataset_path[0], *(cfg.valid_dataset_path or [])[:1]]):
             refuse_untrainable(path, record_groups(path), tokenizer, cfg.sample_length, cfg.sft_packing)
         return
+    eod = end_of_document(cfg) if cfg.sft_packing and not cfg.sft else None  # the setting's own refusal first
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
         if cfg.sft:
             check_sft_idxmap(prefix, cfg.arch.vocab_size, cfg.sample_length)
         else:
             check_mmap_data(prefix, cfg.arch.vocab_size)
-    check_data_settings(cfg)
+    check_data_settings(cfg, eod)
 
 
-def check_data_settings(cfg) -> None:
+def check_data_settings(cfg, eod: tuple[int, str] | None = None) -> None:
     """What the run's settings need of pretraining data, from its index and one token per document (the dry run
-    checks it too; the whole check reads every token): documents that end with the end-of-document token where
-    MP_SFT_PACKING keeps them apart, and documents for each MP_SPLIT share."""
+    checks it too; the whole check reads every token): documents that end with the end-of-document token ``eod``
+    (found here when not given) where MP_SFT_PACKING keeps them apart, and documents for each MP_SPLIT share."""
     if cfg.sft or cfg.dataset_type == "raw":
         return
-    eod = end_of_document(cfg) if cfg.sft_packing else None
+    if cfg.sft_packing and eod is None:
+        eod = end_of_document(cfg)
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         if eod is not None:
             check_documents_end_with(prefix, *eod)
