@@ -76,6 +76,7 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     eod = eos[0] if isinstance(eos, list) else int(eos or 0)
     valid = (cfg.valid_dataset_path, cfg.valid_dataset_weights) if cfg.valid_dataset_path else None
     # MP_SPLIT: megatron-core cuts each prefix's documents into train, validation and test shares (Pai's --split)
+    # (each share holds documents: data_files.check_split, before any rank started)
     blend = (dict(blend=(cfg.dataset_path, cfg.dataset_weights), split=cfg.split) if cfg.split else
              dict(blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None]))
     config = GPTDatasetConfig(
@@ -89,9 +90,6 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     # a split's unused test share is asked for no samples: None (as many as there are) is refused for a weighted blend
     sizes = [num_train_samples, num_valid_samples if valid or cfg.split else None, 0 if cfg.split else None]
     train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
-    if cfg.split and valid_ds is None:
-        raise UserError(f"MP_SPLIT={cfg.split} leaves no document of DATASET_PATH for validation (each share is "
-                        "counted in whole documents): give validation a larger share")
     return train, valid_ds
 
 

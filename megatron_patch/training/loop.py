@@ -532,7 +532,8 @@ class Trainer:
     def _resume_point(self) -> str:
         """Where a rerun goes on from, for a message that stops the run."""
         if self.last_checkpoint is not None:
-            return f"the last checkpoint is {checkpointing.iteration_dir(self.cfg.checkpoint_dir, self.last_checkpoint)}"
+            folder = checkpointing.iteration_dir(self.cfg.checkpoint_dir, self.last_checkpoint)
+            return f"the last checkpoint is {folder}"
         start = self.cfg.pretrain_checkpoint or "the random initialisation"
         return f"no checkpoint was saved yet: a rerun starts again from {start}"
 

@@ -422,7 +422,7 @@ def default_expert_tp(arch: Arch, layout: ParallelLayout) -> tuple[ParallelLayou
 
 
 def stage_split(num_layers: int, pp: int, first: int) -> str:
-    """'the first stage 1 layer, the other 2' / 'the first stage 2 layers, the 3 others 3 each'."""
+    """'the first stage 1 layer, the other 2 layers' / 'the first stage 2 layers, the 3 others 3 layers each'."""
     rest, others = num_layers - first, pp - 1
 
     def n(count: int) -> str:
