@@ -414,6 +414,55 @@ def test_every_checkpoint_of_a_run_exports_with_its_tokenizer(pp2_run, converted
     assert "no tokenizer files" not in capsys.readouterr().err
 
 
+def _load_balancing_loss_of_first_batch(hf_dir: Path, args: list[str]) -> float:
+    """Megatron-LM's load-balancing loss (Switch Transformer's E * sum_i f_i * P_i, from a softmax router's top-k),
+    computed from transformers' router logits on the first global batch: the mean over MoE layers and
+    micro-batches."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.training.data import build_pretraining_datasets, micro_batches
+    from megatron_patch.training.validation import resolve
+
+    cfg = resolve("qwen3_moe", args, env={})
+    train, _ = build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    experts, top = model.config.num_experts, model.config.num_experts_per_tok
+    per_batch = []
+    with torch.no_grad():
+        for batch in micro_batches(train, 0, cfg, 0, 1):
+            layers = model(input_ids=batch["tokens"], output_router_logits=True).router_logits
+            losses = []
+            for logits in layers:
+                scores = torch.softmax(logits.float(), -1)
+                routed = torch.zeros_like(scores).scatter(1, scores.topk(top, -1).indices, 1.0)
+                losses.append(float(experts * (routed.mean(0) / top * scores.mean(0)).sum()))
+            per_batch.append(sum(losses) / len(losses))
+    return sum(per_batch) / len(per_batch)
+
+
+@pytest.mark.slow
+def test_the_load_balancing_loss_is_logged_as_megatron_lm_computes_it(corpus, tmp_path):
+    """An MoE run's log/metrics.jsonl and console carry the routers' load-balancing loss (without its coefficient,
+    the mean over MoE layers, as Megatron-LM logs it): at PP=2 with the first stage all dense, the first iteration's
+    is the one transformers' router logits give."""
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from tests.training_helpers import train_converted
+
+    hf = make_tiny_hf_checkpoint("qwen3_moe", tmp_path / "hf", seed=3, mlp_only_layers=[0, 1])
+    proc, _ = train_converted("qwen3_moe", hf, corpus, tmp_path, None, {"MP_NPROC": "2"}, iters=3, PP="2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = read_metrics(tmp_path / "out")
+    assert re.search(r"iter +1/3 \| loss [\d.]+ \| load balancing loss [\d.]+ \|", proc.stdout), proc.stdout[-2000:]
+    args = launcher_args("qwen3_moe", **{
+        "MODEL_SIZE": "auto", "PRETRAIN_CHECKPOINT_PATH": str(tmp_path / "mcore"), "DATASET_PATH": corpus["prefix"],
+        "OUTPUT_BASEPATH": str(tmp_path / "unused"), "GLOBAL_BATCH_SIZE": "4", "BATCH_SIZE": "2", "SEQ_LEN": "32",
+        "PAD_LEN": "32", "TRAIN_TOKENS_OR_ITERS": str(3 * 4 * 32), "WARMUP_TOKENS_OR_ITERS": str(4 * 32), "PP": "2"})
+    expected = _load_balancing_loss_of_first_batch(hf, args)
+    assert abs(records[0]["load_balancing_loss"] - expected) < 1e-5, (records[0]["load_balancing_loss"], expected)
+    # each step's own, where megatron-core's tracker would sum the steps (1 for balanced routing, E at worst)
+    assert all(0.9 < r["load_balancing_loss"] < 1.5 for r in records), [r["load_balancing_loss"] for r in records]
+
+
 # --- virtual pipeline (MP_VP_CHUNKS): PP=2 x 2 chunks is the same computation as PP=2 ------------------------------
 
 @pytest.mark.slow

@@ -630,6 +630,28 @@ def test_the_moe_load_balancing_loss_is_pais_unless_transformers_trains_with_the
             resolve(family, _args(data, family), env={"MP_MOE_AUX_LOSS": "0.01"})
 
 
+def test_the_balancing_losses_logged_are_those_the_routers_add():
+    """The losses read from megatron-core's tracker: one per load-balancing type of a nonzero coefficient (0.19
+    takes lists), none for a dense model; averaged over MoE and MTP layers as Megatron-LM averages them."""
+    from types import SimpleNamespace
+
+    from megatron_patch.training.moe_losses import moe_layer_count, tracked_losses
+
+    def config(types, coeffs, experts=4, freq=1, layers=4, mtp=None):
+        return SimpleNamespace(num_moe_experts=experts, moe_router_load_balancing_type=types,
+                               moe_aux_loss_coeff=coeffs, moe_layer_freq=freq, num_layers=layers, mtp_num_layers=mtp)
+
+    assert tracked_losses(config("aux_loss", 0.001)) == ["load_balancing_loss"]
+    assert tracked_losses(config("seq_aux_loss", 0.001)) == ["seq_load_balancing_loss"]
+    assert tracked_losses(config("aux_loss", 0.0)) == [] and tracked_losses(config("none", 0.0)) == []
+    assert tracked_losses(config("aux_loss", 0.001, experts=None)) == []
+    assert tracked_losses(config(["global_aux_loss", "aux_loss"], [0.01, 0.0])) == ["global_load_balancing_loss"]
+    assert tracked_losses(config(["seq_aux_loss", "aux_loss"], 0.01)) == ["load_balancing_loss",
+                                                                         "seq_load_balancing_loss"]
+    assert moe_layer_count(config("aux_loss", 0.001, freq=[0, 1, 1, 1], mtp=1)) == 4
+    assert moe_layer_count(config("aux_loss", 0.001, freq=2, layers=6)) == 3
+
+
 # --- issue 14: what a GPU run needs, checked on CPU ------------------------------------------------------
 
 def _cfg(data, env=None, **over):

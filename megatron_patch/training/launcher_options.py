@@ -538,7 +538,9 @@ ENVIRONMENT = [
            default=Default("0.001, what Pai-Megatron-Patch's MoE launchers pass; config.json's router_aux_loss_coef "
                            "where its output_router_logits is true, as transformers trains with it then"),
            doc="MoE: coefficient of megatron-core's load-balancing loss (Megatron-LM's `--moe-aux-loss-coeff`), "
-               "added to the loss the log shows. Default 0.001, what Pai-Megatron-Patch's launchers pass for Qwen's "
+               "whose gradient is added to the language-model loss's (the logged `loss` is that loss alone; the "
+               "balancing loss itself, without its coefficient, is logged as `load_balancing_loss`, the mean over MoE "
+               "layers as Megatron-LM logs it, `seq_load_balancing_loss` for DeepSeek's `seq_aux`). Default 0.001, what Pai-Megatron-Patch's launchers pass for Qwen's "
                "and DeepSeek's MoE; where config.json's `output_router_logits` is true, its `router_aux_loss_coef`, "
                "as transformers trains then (transformers adds none otherwise: gpt-oss publishes 0.9 with "
                "`output_router_logits` false). `0`: none. Refused for a dense model and a router without one "

@@ -37,6 +37,7 @@ from megatron_patch.training import (
     evaluation_run,
     faults,
     fp8_run,
+    moe_losses,
     packing,
     run_folder,
     sft_data,
@@ -484,6 +485,8 @@ class Trainer:
         cfg = self.cfg
         stats = self._run_schedule(batches, forward_only=False)
         mtp_losses = self._take_mtp_losses(len(batches)) if self.arch.mtp_layers else []
+        balancing = moe_losses.take_load_balancing_losses(self.models[0].config, len(batches), self.dp_size,
+                                                          self._device())
         if self.offload is not None:
             self.offload.after_backward()
         if faults.due(cfg.faults, "overflow", self.iteration + 1):
@@ -503,7 +506,8 @@ class Trainer:
             for m in self.models:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
-            return {"loss": loss, "skipped": True, "tokens": float(stats[1]), "mtp_losses": mtp_losses}
+            return {"loss": loss, "skipped": True, "tokens": float(stats[1]), "mtp_losses": mtp_losses,
+                    "balancing_losses": balancing}
         indexer_loss = sparse_attention_run.take_indexer_loss(self._device()) if cfg.dsa and cfg.dsa["loss_scale"] \
             else None
         scale = self._loss_scale()
@@ -516,7 +520,8 @@ class Trainer:
             self._log(f"iteration {self.iteration + 1}: inf/nan gradients, step skipped"
                       + (f" (loss scale {scale:g} -> {after:g})" if scale is not None else ""))
         return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": float(stats[1]), "loss_scale": scale, "indexer_loss": indexer_loss, "mtp_losses": mtp_losses}
+                "tokens": float(stats[1]), "loss_scale": scale, "indexer_loss": indexer_loss, "mtp_losses": mtp_losses,
+                "balancing_losses": balancing}
 
     def _gradients_finite(self) -> bool:
         """Every gradient of every rank finite, as megatron-core's clipping will need its norm: each DDP buffer's
@@ -620,6 +625,7 @@ class Trainer:
                 metrics["indexer_loss"] = result["indexer_loss"]
             for k, value in enumerate(result.get("mtp_losses", [])):  # Megatron-LM's "mtp_1 loss", ...
                 metrics[f"mtp_{k + 1}_loss"] = value
+            metrics.update(result.get("balancing_losses", {}))  # Megatron-LM's names: "load_balancing_loss", ...
             metrics.update(result.get("offload", {}))
             records.append(metrics)
             if peak:
@@ -630,6 +636,8 @@ class Trainer:
                 self._log(f"iter {self.iteration:6d}/{cfg.train_iters} | loss {result['loss']:.4f} | "
                           + (f"indexer loss {metrics['indexer_loss']:.4f} | " if "indexer_loss" in metrics else "")
                           + "".join(f"mtp_{k + 1} loss {v:.4f} | " for k, v in enumerate(result.get("mtp_losses", [])))
+                          + "".join(f"{name.replace('_', ' ')} {v:.4f} | "
+                                    for name, v in result.get("balancing_losses", {}).items())
                           + f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
                           f"tokens/s {metrics['tokens_per_s']:.0f}"
                           + (f" | TFLOP/s/{'GPU' if peak is not None else 'proc'} {tflops:.3f}" if tflops is not None
