@@ -256,7 +256,7 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
         check_output_basepath(run_folder_identity(cfg.output_basepath))
     # Refuse a checkpoint folder that holds checkpoints but no complete one now, not after every rank
     # has started (the ranks decide again for themselves: a restart comes back to them, not here).
-    latest, skipped = latest_iteration(cfg.checkpoint_dir, verify="small")
+    latest, skipped = latest_iteration(cfg.checkpoint_dir, verify=False if cfg.no_verify else "small")
     # a LoRA run's base, and the one its checkpoints name (a dry run plans a LoRA run before its base exists)
     if not (would and cfg.pretrain_checkpoint is None and latest is None):
         check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
