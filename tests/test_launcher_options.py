@@ -27,6 +27,8 @@ NOT_LAUNCHER_OPTIONS = {
 # Where a launcher option's name is read by another program, and why.
 READ_ELSEWHERE = {
     ("cli/pai_convert.py", "MP_PP0_LAYERS"): "Pai's converter scripts read it for the converter, as Pai's do",
+    ("cli/train.py", "MP_SFT_LOSS"): "a resumed SFT run keeps the weighting it trained with: where the launch does "
+                                     "not set it, the launcher sets it for its ranks",
 }
 # RunConfig fields with a default of their own: set after the RunConfig is built, by the part that owns them.
 SET_AFTER = {"lora", "lora_init", "dsa"}

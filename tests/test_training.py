@@ -650,6 +650,113 @@ def test_sft_training_run(corpus, tmp_path):
            "once" in small.stdout
 
 
+# SFT records whose answers train 2 to 29 tokens: the two weightings of MP_SFT_LOSS differ on them
+UNEVEN_SFT = [{"prompt": f"Say {n}.", "response": " ".join(["the cat sits"] * (1 + 4 * (n % 3)))} for n in range(16)]
+
+
+def _sft_first_step_reference(hf_dir: Path, args: list[str], env: dict) -> dict[str, tuple[float, float]]:
+    """transformers' first SFT step, computed apart from the project's loss: {weighting: (the loss the run logs,
+    the gradient norm)}. ``record``: each record's mean over its trained tokens, averaged over the global batch's
+    records (Pai's); ``token``: each micro-batch's token mean, averaged over micro-batches (Megatron-LM's), logged
+    as the global batch's token mean. Packed records run each alone, as their attention keeps them."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.training.data import micro_batches
+    from megatron_patch.training.sft_data import build_sft_datasets
+    from megatron_patch.training.validation import resolve
+
+    cfg = resolve("llama3_1", args, env=env)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    train, _, _ = build_sft_datasets(cfg, model.config.vocab_size)
+    batches = micro_batches(train, 0, cfg, 0, 1)  # the whole global batch, the data-parallel ranks' in order
+    records, micro = [], []  # each record's (loss sum, trained tokens); each micro-batch's
+    for batch in batches:
+        sums = []
+        for row in range(batch["tokens"].shape[0]):
+            starts = batch["doc_start"][row].nonzero().flatten().tolist() if "doc_start" in batch else []
+            bounds = sorted({0, *starts, batch["tokens"].shape[1]})
+            for a, z in zip(bounds[:-1], bounds[1:]):
+                logits = model(input_ids=batch["tokens"][row:row + 1, a:z]).logits[0]
+                ce = torch.nn.functional.cross_entropy(logits, batch["labels"][row, a:z], reduction="none")
+                mask = batch["loss_mask"][row, a:z].float()
+                if mask.sum() > 0:
+                    sums.append(((ce * mask).sum(), mask.sum()))
+        records += sums
+        micro.append((sum(x for x, _ in sums), sum(n for _, n in sums)))
+    out = {}
+    for weighting, loss, logged in (
+            ("record", sum(x / n for x, n in records) / len(records), None),
+            ("token", sum(x / n for x, n in micro) / len(micro), sum(x for x, _ in micro) / sum(n for _, n in micro))):
+        model.zero_grad()
+        loss.backward(retain_graph=True)
+        norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
+        out[weighting] = (float(loss if logged is None else logged), float(norm))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", [False, True], ids=["one-record-a-sample", "packed"])
+def test_sft_weighs_each_record_alike_as_pai_does(corpus, converted, tmp_path, packing):
+    """MP_SFT_LOSS=record (the default): a step's loss is the mean over the global batch's records of each record's
+    mean over its trained tokens, as Pai-Megatron-Patch's SFT weighs them; MP_SFT_LOSS=token keeps Megatron-LM's
+    token means. At DP=2 from a converted checkpoint, each run's first logged loss and gradient norm are
+    transformers' under that weighting, and the two weightings' gradients differ on records of uneven lengths."""
+    write_jsonl(tmp_path / "sft.jsonl", UNEVEN_SFT)
+    env = {"MP_TOKENIZER": str(corpus["tok"]), "MP_SFT_PACKING": str(packing).lower(), "MP_SAVE": "false",
+           "MP_NPROC": "2"}
+    runs = {}
+    for weighting in ("record", "token"):
+        out = tmp_path / weighting
+        args = launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), OUTPUT_BASEPATH=str(out),
+                             MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(converted["mcore"]), PAD_LEN="64",
+                             TRAIN_TOKENS_OR_ITERS="2", WARMUP_TOKENS_OR_ITERS="0", GLOBAL_BATCH_SIZE="8")
+        proc = launch(args, env if weighting == "record" else {**env, "MP_SFT_LOSS": "token"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"(MP_SFT_LOSS={weighting}" in proc.stdout
+        first = read_metrics(out)[0]
+        runs[weighting] = (first["loss"], first["grad_norm"])
+    reference = _sft_first_step_reference(converted["hf"], args, env)
+    for weighting, (loss, norm) in runs.items():
+        want_loss, want_norm = reference[weighting]
+        assert abs(loss - want_loss) < 1e-4 and abs(norm - want_norm) < 1e-4 * want_norm, (weighting, runs, reference)
+    # 100 times the tolerance above: each run is told apart from the other weighting
+    assert abs(reference["record"][1] - reference["token"][1]) > 0.01 * reference["token"][1], reference
+
+
+@pytest.mark.slow
+def test_a_run_saved_before_mp_sft_loss_resumes_with_the_token_weighting_it_trained_with(corpus, tmp_path):
+    """MP_SFT_LOSS=record became SFT's default; a run saved before (its checkpoints record no weighting) trained
+    token means, and resuming it under the new default would change its loss midway. It keeps its weighting, says
+    so, and MP_SFT_LOSS given on the relaunch changes it."""
+    from megatron_patch.checkpoint_files.layout import TRAIN_STATE
+
+    write_jsonl(tmp_path / "sft.jsonl", UNEVEN_SFT)
+    env = {"MP_TOKENIZER": str(corpus["tok"])}
+    out = tmp_path / "out"
+
+    def args(iterations):
+        return launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), OUTPUT_BASEPATH=str(out),
+                             PAD_LEN="64", TRAIN_TOKENS_OR_ITERS=str(iterations), WARMUP_TOKENS_OR_ITERS="0",
+                             GLOBAL_BATCH_SIZE="4", SAVE_INTERVAL="1")
+
+    first = launch(args(1), env)
+    assert first.returncode == 0 and "(MP_SFT_LOSS=record" in first.stdout, first.stdout[-2000:] + first.stderr[-2000:]
+    state = out / "checkpoint" / "iter_0000001" / TRAIN_STATE
+    saved = json.loads(state.read_text())
+    del saved["config"]["sft_loss"]  # as an earlier version saved it
+    state.write_text(json.dumps(saved))
+    env["MP_NO_VERIFY"] = "true"  # the file no longer matches the checkpoint's manifest
+    resumed = launch(args(2), env)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "note: MP_SFT_LOSS=token: the loss weighting this run trained with (MP_SFT_LOSS=record changes it from " \
+           "here)" in resumed.stdout
+    weighting = re.compile(r"SFT data: \d+ samples, .* epochs; the loss is .*\(MP_SFT_LOSS=(\w+)")
+    assert weighting.findall(resumed.stdout) == ["token"], resumed.stdout[-2000:]
+    changed = launch(args(3), {**env, "MP_SFT_LOSS": "record"})
+    assert changed.returncode == 0 and weighting.findall(changed.stdout) == ["record"], changed.stdout[-2000:]
+    assert "note: MP_SFT_LOSS" not in changed.stdout
+
+
 @pytest.mark.slow
 def test_nan_loss_stops_the_run(corpus, tmp_path):
     out = tmp_path / "out"

@@ -110,11 +110,13 @@ def test_forward_step_splits_for_this_cp_rank():
     assert model.calls[0]["tokens"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
 
 
-def test_context_parallel_ranks_gradients_add_up_to_the_whole_sequences(monkeypatch):
+@pytest.mark.parametrize("weighting", ["token", "record"])
+def test_context_parallel_ranks_gradients_add_up_to_the_whole_sequences(monkeypatch, weighting):
     """CP=2: megatron-core's schedule multiplies each rank's (loss, report) by the CP size and DDP averages the
     gradients over DP x CP; the loss function returned the rank's share already multiplied by the CP size, so a
     CP=2 run trained with twice the gradient of CP=1 (its clipping and logged norm too). Each rank here computes its
-    share as the schedule and DDP then treat it; their gradients must add up to CP=1's."""
+    share as the schedule and DDP then treat it; their gradients must add up to CP=1's. With SFT's per-record loss
+    (MP_SFT_LOSS=record) too: each token's weight travels with its token."""
     import inspect
 
     from megatron.core import parallel_state
@@ -132,9 +134,15 @@ def test_context_parallel_ranks_gradients_add_up_to_the_whole_sequences(monkeypa
     gen = torch.Generator().manual_seed(0)
     batch = {"labels": torch.randint(0, vocab, (2, 8), generator=gen),
              "loss_mask": (torch.rand(2, 8, generator=gen) > 0.3).float()}
+    batch["loss_mask"][1, :4] = 0  # the second record trains fewer tokens
     logits = torch.randn(8, 2, vocab, generator=gen, requires_grad=True)  # [s, b, v], as the model returns them
+    if weighting == "record":
+        from megatron_patch.training.record_loss import LOSS_WEIGHT, weigh_records
 
-    whole, _ = _loss_func(batch["loss_mask"], batch["labels"], vocab, 1, False, logits)
+        (batch,) = weigh_records([batch])
+        assert len(set(batch[LOSS_WEIGHT][batch["loss_mask"] > 0].tolist())) == 2  # two records, unequal lengths
+
+    whole, _ = _loss_func(batch["loss_mask"], batch["labels"], vocab, 1, False, batch.get("loss_weight"), logits)
     (want,) = torch.autograd.grad(whole, logits)
 
     rows = split_for_context_parallel({"pos": torch.arange(8).repeat(2, 1)}, cp, 0)["pos"][0], \
@@ -144,9 +152,11 @@ def test_context_parallel_ranks_gradients_add_up_to_the_whole_sequences(monkeypa
     got = torch.zeros_like(logits)
     for rank, r in enumerate(rows):
         # the CP all-reduce of the (loss sum, token count) pair: the other ranks' count added (their sum is reported)
-        others = torch.stack([torch.tensor(0.0), sum(p["loss_mask"].sum() for p in parts if p is not parts[rank])])
+        count = sum(p["loss_mask"].sum() for p in parts if p is not parts[rank])
+        others = torch.stack([torch.tensor(0.0), count, count])
         monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, group=None, o=others: t.add_(o))
-        share, _ = _loss_func(parts[rank]["loss_mask"], parts[rank]["labels"], vocab, cp, False, logits[r])
+        share, _ = _loss_func(parts[rank]["loss_mask"], parts[rank]["labels"], vocab, cp, False,
+                              parts[rank].get("loss_weight"), logits[r])
         (grad,) = torch.autograd.grad(share * cp / cp, logits)  # the schedule's x CP, DDP's average over CP
         got += grad
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-7), float((got - want).abs().max() / want.abs().max())

@@ -39,7 +39,7 @@ from megatron_patch.training.machine_checks import (attention_kernel, check_mach
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
 from megatron_patch.training.run_state import (check_iterations_left, check_output_basepath, check_same_job,
-                                               finished_run, latest_iteration, resume_notes)
+                                               finished_run, kept_sft_loss, latest_iteration, resume_notes)
 from megatron_patch.training.validation import check_starting_checkpoint_layout, resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -264,6 +264,13 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
     same_data = [] if latest is None else check_same_job(cfg, iteration_dir(cfg.checkpoint_dir, latest))
     # and a change it cannot follow (GLOBAL_BATCH_SIZE's fewer iterations read as "complete, iteration 6 of 3")
     changes = [] if latest is None else resume_notes(cfg, iteration_dir(cfg.checkpoint_dir, latest))
+    if latest is not None and "MP_SFT_LOSS" not in os.environ:
+        kept = kept_sft_loss(cfg, iteration_dir(cfg.checkpoint_dir, latest))
+        if kept is not None:
+            changes.append(f"MP_SFT_LOSS={kept}: the loss weighting this run trained with (MP_SFT_LOSS={cfg.sft_loss} "
+                           "changes it from here)")
+            if not would:
+                os.environ["MP_SFT_LOSS"] = kept  # the ranks read the settings from the environment
     check_iterations_left(cfg, latest)
     done = finished_run(cfg, latest)
     if done:

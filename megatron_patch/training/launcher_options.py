@@ -410,6 +410,18 @@ ENVIRONMENT = [
                "unpacked loss. In pretraining (Pai's `--reset-position-ids` with it): a document starts after each "
                "end-of-document token of the tokenizer (MP_TOKENIZER or the checkpoint's), attends within itself "
                "and its positions restart; the loss is each document's alone. Not with CP>1"),
+    Option("MP_SFT_LOSS", CORE, choice("record", "token"), "SFT's loss: record (each record's mean over its trained "
+           "tokens, averaged over the global batch's records, as Pai-Megatron-Patch) | token (each micro-batch's "
+           "token mean, Megatron-LM's)", field="sft_loss",
+           default=Default("record for SFT; a resumed run keeps what it started with", lambda sft: "record" if sft
+                           else None),
+           doc="`record`: each record's loss is the mean over its own trained tokens, and a step's loss the mean over "
+               "the global batch's records, so a short answer weighs as much as a long one: Pai-Megatron-Patch's SFT "
+               "(`per_seq_average` with `--calculate-per-token-loss`), packed or not; the logged `loss` and "
+               "validation loss are that mean too. `token`: the mean of each micro-batch's token mean, Megatron-LM's "
+               "default (this project's SFT before it took Pai's). The two agree where every record trains as many "
+               "tokens. A run resumed without MP_SFT_LOSS keeps the weighting its checkpoint records (`token` for "
+               "one saved before this option). Multi-token-prediction layers' losses stay token means. SFT only"),
     Option("MP_PP0_LAYERS", CORE, INTEGER, "layers on the first pipeline stage", field="pp0_layers",
            default=Default("the layers split evenly"),
            doc="layers of the first pipeline stage (the rest split evenly), `num_layers_in_first_pipeline_stage`"),

@@ -39,6 +39,7 @@ from megatron_patch.training import (
     fp8_run,
     moe_losses,
     packing,
+    record_loss,
     run_folder,
     sft_data,
     sparse_attention_run,
@@ -95,9 +96,12 @@ def _token_losses(vocab_size: int, labels: torch.Tensor, logits: torch.Tensor) -
 
 
 def _loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, vocab_size: int, cp_size: int, token_losses: bool,
-               output_tensor: torch.Tensor):
-    """Mean loss over the tokens the mask keeps; also returns (sum, count) for exact logging. ``output_tensor``: the
-    logits [b, s, v/tp], or (``token_losses``: a model with MTP layers, which takes the labels) the losses [b, s]."""
+               loss_weight: torch.Tensor | None, output_tensor: torch.Tensor):
+    """The micro-batch's loss: the mean over the tokens the mask keeps, or (``loss_weight``, MP_SFT_LOSS=record) the
+    weighted sum, each record's mean scaled to its share of the step (training/record_loss.py). Also returns
+    (weighted sum, weight, trained tokens) for exact logging: the logged loss is the first over the second, summed
+    over the step. ``output_tensor``: the logits [b, s, v/tp], or (``token_losses``: a model with MTP layers, which
+    takes the labels) the losses [b, s]."""
     from megatron.core import parallel_state
 
     if token_losses:
@@ -105,17 +109,18 @@ def _loss_func(loss_mask: torch.Tensor, labels: torch.Tensor, vocab_size: int, c
     else:
         losses = _token_losses(vocab_size, labels, output_tensor.transpose(0, 1).contiguous()).reshape(-1)
     mask = loss_mask.reshape(-1).float()
-    stats = torch.stack([torch.sum(losses * mask), mask.sum()])
+    weight = mask if loss_weight is None else loss_weight.reshape(-1).float()
+    total = torch.sum(losses * weight)
+    # the report is a tensor of its own: megatron-core's schedule scales the loss it is given in place
+    stats = torch.stack([total.detach(), weight.sum(), mask.sum()])
     if cp_size > 1:
-        stats_all = stats.detach().clone()
-        dist.all_reduce(stats_all, group=parallel_state.get_context_parallel_group())
-        # This rank's share of the sequence's mean: megatron-core's schedule multiplies a (loss, report) pair by the
-        # CP size and DDP averages the gradients over DP x CP, so the shares' gradients add up to the mean's.
-        # (Megatron-LM's older loss functions multiplied by the CP size themselves; here that doubled it.)
-        loss = stats[0] / stats_all[1].clamp(min=1)
-        return loss, {"lm loss": stats_all}
-    loss = stats[0] / stats[1].clamp(min=1)
-    return loss, {"lm loss": stats.detach()}
+        dist.all_reduce(stats, group=parallel_state.get_context_parallel_group())
+    # (``loss_weight`` holds each token's whole share of the step.) This CP rank's share of the sequence's mean:
+    # megatron-core's schedule multiplies a (loss, report) pair by the CP size and DDP averages the gradients over
+    # DP x CP, so the shares' gradients add up to the mean's. (Megatron-LM's older loss functions multiplied by the
+    # CP size themselves; here that doubled it.)
+    loss = total if loss_weight is not None else total / stats[1].clamp(min=1)
+    return loss, {"lm loss": stats}
 
 
 def split_for_context_parallel(batch: dict, cp_size: int, cp_rank: int) -> dict:
@@ -170,7 +175,8 @@ def _forward_step(ctx: StepContext, data_iterator, model):
     else:
         # No labels: the model returns logits, and the loss (with the vocabulary padding masked) is ours.
         output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), packed_seq_params=packed)
-    return output, partial(_loss_func, batch["loss_mask"], batch["labels"], ctx.vocab_size, ctx.cp_size, ctx.mtp)
+    return output, partial(_loss_func, batch["loss_mask"], batch["labels"], ctx.vocab_size, ctx.cp_size, ctx.mtp,
+                           batch.get(record_loss.LOSS_WEIGHT))
 
 
 def ddp_buffer_layout(config, ddp_config, chunk, disable_bucketing: bool) -> dict:
@@ -359,7 +365,10 @@ class Trainer:
             self._log(f"SFT data: {how}")
             samples, trained = len(self.train_data), cfg.train_iters * cfg.global_batch_size
             self._log(f"SFT data: {samples} samples, {trained} trained in {cfg.train_iters} steps: "
-                      f"{trained / samples:.2f} epochs")
+                      f"{trained / samples:.2f} epochs; "
+                      + ("the loss is the mean of each record's mean over its trained tokens (MP_SFT_LOSS=record, "
+                         "Pai's)" if cfg.sft_loss == "record" else
+                         "the loss is each micro-batch's mean over its trained tokens (MP_SFT_LOSS=token)"))
             if samples < cfg.global_batch_size:  # samples repeat, in order, within one optimizer step
                 self._log(f"note: the {samples} SFT samples are fewer than one global batch ({cfg.global_batch_size}):"
                           " each step trains some of them more than once, and some more often than others")
@@ -417,13 +426,16 @@ class Trainer:
     # --- steps ----------------------------------------------------------------------------------------
 
     def _run_schedule(self, batches: list[dict], forward_only: bool) -> torch.Tensor:
-        """(sum of losses, token count) over this global batch, the same on every rank."""
+        """(the loss's weighted sum, its weight, the trained tokens) over this global batch, the same on every rank."""
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cfg = self.cfg
         # The interleaved schedule takes one iterator per chunk; each chunk reads every micro-batch
         # in order (the first chunk its tokens, the last its labels and loss mask).
+        if cfg.sft_loss == "record":  # Pai's per-record mean: each record's tokens weigh 1/its trained tokens
+            batches = record_loss.weigh_records(
+                batches, None if forward_only else parallel_state.get_data_parallel_group(), self._device())
         iterators = [iter(batches) for _ in self.models] if len(self.models) > 1 else iter(batches)
         # Packed micro-batches travel between stages as one THD row of all their tokens.
         seq, mbs = ((cfg.micro_batch_size * cfg.sample_length, 1) if cfg.sft_packing
@@ -433,7 +445,7 @@ class Trainer:
             forward_step_func=partial(_forward_step, self.step_context), data_iterator=iterators,
             model=self.models, num_microbatches=len(batches), seq_length=seq,
             micro_batch_size=mbs, forward_only=forward_only)
-        stats = torch.zeros(2, dtype=torch.float64)
+        stats = torch.zeros(3, dtype=torch.float64)  # the loss's weighted sum, its weight, the trained tokens
         if self.last_stage:
             for d in out:
                 stats += d["lm loss"].double().cpu()
@@ -506,7 +518,7 @@ class Trainer:
             for m in self.models:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
-            return {"loss": loss, "skipped": True, "tokens": float(stats[1]), "mtp_losses": mtp_losses,
+            return {"loss": loss, "skipped": True, "tokens": float(stats[2]), "mtp_losses": mtp_losses,
                     "balancing_losses": balancing}
         indexer_loss = sparse_attention_run.take_indexer_loss(self._device()) if cfg.dsa and cfg.dsa["loss_scale"] \
             else None
@@ -520,7 +532,7 @@ class Trainer:
             self._log(f"iteration {self.iteration + 1}: inf/nan gradients, step skipped"
                       + (f" (loss scale {scale:g} -> {after:g})" if scale is not None else ""))
         return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": float(stats[1]), "loss_scale": scale, "indexer_loss": indexer_loss, "mtp_losses": mtp_losses,
+                "tokens": float(stats[2]), "loss_scale": scale, "indexer_loss": indexer_loss, "mtp_losses": mtp_losses,
                 "balancing_losses": balancing}
 
     def _gradients_finite(self) -> bool:
@@ -552,7 +564,7 @@ class Trainer:
         cfg = self.cfg
         for m in self.models:
             m.eval()
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(3, dtype=torch.float64)
         with torch.no_grad():
             for i in range(cfg.eval_iters):
                 batches = data.micro_batches(self.valid_data, i, cfg, self.dp_rank, self.dp_size)

@@ -40,6 +40,7 @@ def moe_layer_count(config) -> int:
 
 def take_load_balancing_losses(config, num_microbatches: int, dp_size: int, device) -> dict[str, float]:
     """This step's load-balancing losses by name (a collective: every rank calls it), then the tracker cleared."""
+    # megatron-core after init_model_parallel, as in loop.py: on CPU its CUDA-only spots are patched first
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     names = tracked_losses(config)

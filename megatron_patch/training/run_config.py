@@ -71,6 +71,7 @@ class RunConfig:
     virtual_pipeline: int | None
     virtual_pipeline_setting: str | None
     sft_packing: bool
+    sft_loss: str | None  # MP_SFT_LOSS: "record" (Pai's per-record mean) or "token"; None outside SFT
     pp0_layers: int | None
     fp8_recipe: str | None  # MP_FP8_RECIPE; None: the FP8 implementation's default (training/fp8_run.py)
     fp8_filter: str | tuple  # MP_FP8_FILTER: "auto", "all" or a tuple of kinds (torchao)

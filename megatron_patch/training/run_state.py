@@ -354,6 +354,17 @@ def check_same_job(cfg, folder: Path) -> list[str]:
     return notes
 
 
+def kept_sft_loss(cfg, folder: Path) -> str | None:
+    """The SFT loss weighting (MP_SFT_LOSS) the run resumed from ``folder`` trained with, where this launch's
+    differs: a run saved before the option existed weighed tokens. The launch keeps it unless MP_SFT_LOSS is given,
+    so that a resumed run does not change its loss midway."""
+    saved, then, now = _saved_and_now(cfg, folder)
+    if not cfg.sft or then is None or not then.get("sft"):
+        return None
+    before = then.get("sft_loss") or "token"
+    return before if before != cfg.sft_loss else None
+
+
 def _shown(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 

@@ -73,12 +73,16 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
                      "distributed optimizer's bucket shards)")
     sft, precision = o["SFT"], o["PR"]
     dataset_type = o.settle("MP_DATASET_TYPE", sft=sft, dataset_path=o["DATASET_PATH"])
+    o.settle("MP_SFT_LOSS", sft=sft)
     for name in ("MP_FP8_RECIPE", "MP_FP8_FILTER"):
         if o.given(name) and not precision.fp8:
             raise UserError(f"{name}={o.raw(name)} needs PR=fp8, got PR={precision}")
     if o["MP_COMPILE"] and o["MP_COMPILE_FUSIONS"]:
         raise UserError("MP_COMPILE=true compiles the layers, norms, RoPE and SwiGLU included: drop "
                         "MP_COMPILE_FUSIONS=true (the lighter option, for those pieces alone)")
+    if o.given("MP_SFT_LOSS") and not sft:
+        raise UserError(f"MP_SFT_LOSS={o.raw('MP_SFT_LOSS')} weighs SFT records, and this run is pretraining (SFT=false):"
+                        " drop MP_SFT_LOSS (pretraining's loss is the token mean, as Pai's and Megatron-LM's)")
     if o.given("MP_LOSS_SCALE_WINDOW") and not precision.fp16:
         raise UserError(f"MP_LOSS_SCALE_WINDOW applies to PR=fp16's dynamic loss scale, and PR={precision}")
     for name in AUTO_OFFLOAD_OPTIONS:
