@@ -4,6 +4,7 @@ input, and the manifest every output carries (mpatch verify, mcore2hf's check)."
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -436,6 +437,56 @@ def test_force_onto_an_immutable_folder_is_one_line(hf, ckpt, tmp_path, capsys):
         subprocess.run(["chattr", "-i", str(target)], check=True)
     _one_line_error(rc, err, "cannot replace", "left as it was")
     assert run_cli(capsys, "verify", str(target))[0] == 0 and not leftovers(target)
+
+
+def test_an_empty_folder_that_cannot_be_replaced_is_refused_before_the_work(hf, tmp_path, capsys, monkeypatch):
+    """An empty folder is a valid output, which the finished output takes the place of; an empty mount point (a
+    container's volume) or an immutable folder cannot be removed, and the conversion ended in an internal error after
+    all its work. Refused under the lock before the work now; an empty folder that can go is put back where the
+    run fails."""
+    from megatron_patch.outputs import folders
+
+    busy = tmp_path / "volume"
+    busy.mkdir()
+    removable = Path.rmdir
+
+    def rmdir(self):
+        if self == busy:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(self))
+        removable(self)
+
+    monkeypatch.setattr(Path, "rmdir", rmdir)
+    worked = []
+    monkeypatch.setattr(folders, "partial_dir", lambda target, pid=None: worked.append(target) or
+                        target.parent / f".{target.name}.partial")
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(busy), "--quiet")
+    _one_line_error(rc, err, f"{busy} is an empty folder that cannot be replaced (Device or resource busy",
+                    f"give a --save-dir inside it, such as {busy / 'out'}")
+    assert worked == [] and busy.is_dir() and not any(busy.iterdir())
+
+    empty = tmp_path / "empty"
+    empty.mkdir(mode=0o750)
+    os.chmod(empty, 0o750)
+    with pytest.raises(RuntimeError, match="the work failed"):
+        with atomic_dir(empty):
+            assert not empty.exists()  # taken at the start: the finished output takes its place
+            raise RuntimeError("the work failed")
+    assert empty.is_dir() and oct(empty.stat().st_mode & 0o777) == oct(0o750) and not any(empty.iterdir())
+
+
+def test_a_file_size_limit_while_converting_is_one_line_naming_it(hf, tmp_path):
+    """A job's `ulimit -f` (or a filesystem's largest file) stops a write with EFBIG: an internal error before,
+    now the full disk's one line, saying what limits and that the output is as it was."""
+    import resource
+
+    target = tmp_path / "ck"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_patch", "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir",
+         str(target), "--quiet"], env=_env(), capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000)))
+    _one_line_error(proc.returncode, proc.stderr, "File too large", "a file reached the largest size allowed "
+                    "(`ulimit -f`, or the filesystem's limit)", f"{target} is as it was before this run")
+    assert not target.exists() and not leftovers(target)
 
 
 # --- the manifest ------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -231,17 +232,41 @@ def atomic_dir(target: str | Path, *, replace: bool = True, check: Callable[[Pat
         recover(target, log)
         if check is not None:
             check(target)
+        emptied = _take_empty_target(target, what)
         tmp = partial_dir(target)
         try:
-            tmp.mkdir()
-        except OSError as exc:
-            raise UserError(f"cannot create {tmp} ({exc.strerror or exc}): choose a {what} you can write to")
-        try:
-            yield tmp
-            publish(tmp, target, replace=replace, log=log)
+            try:
+                tmp.mkdir()
+            except OSError as exc:
+                raise UserError(f"cannot create {tmp} ({exc.strerror or exc}): choose a {what} you can write to")
+            try:
+                yield tmp
+                publish(tmp, target, replace=replace, log=log)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if emptied is not None and not os.path.lexists(target):
+                with contextlib.suppress(OSError):  # the empty folder given, back as it was
+                    target.mkdir()
+                    os.chmod(target, emptied)
             raise
+
+
+def _take_empty_target(target: Path, what: str) -> int | None:
+    """An empty folder given as the output is removed now, under the lock and before the work (the finished output
+    takes its place), and its mode returned so that a failed run puts it back; None where there is none. One that
+    cannot be removed (a mount point, an immutable folder) is refused now: the output could never take its place,
+    and finding that out at the end threw the work away."""
+    if not target.is_dir() or target.is_symlink() or any(target.iterdir()):
+        return None
+    mode = stat.S_IMODE(target.stat().st_mode)
+    try:
+        target.rmdir()
+    except OSError as exc:
+        raise UserError(f"{target} is an empty folder that cannot be replaced ({exc.strerror or exc}: a mount point "
+                        f"or an immutable folder): give a {what} inside it, such as {target / 'out'}") from None
+    return mode
 
 
 def overlap(target: str | Path, inputs) -> Path | None:
