@@ -14,11 +14,12 @@ from typing import Iterator
 
 from megatron_patch.errors import UserError
 
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+# EFBIG: a file reached the largest size allowed (a job's `ulimit -f`, or the filesystem's own limit)
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def full_disk_error(exc: BaseException) -> OSError | None:
-    """The ENOSPC or EDQUOT ``exc`` is, or was caused by (a writer may wrap it), else None."""
+    """The ENOSPC, EDQUOT or EFBIG ``exc`` is, or was caused by (a writer may wrap it), else None."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -48,6 +49,9 @@ def full_disk_is_bad_input(output: str | Path, what: str) -> Iterator[None]:
         if full is None:
             raise
         where = f" ({full.filename})" if full.filename else ""
-        raise UserError(f"writing {output} failed: [Errno {full.errno}] {full.strerror}{where}, {_free_mib(output)} "
-                        f"there; {output} is as it was before this run and no partial file is left: free space "
-                        f"(or choose another {what}) and rerun") from None
+        room, remedy = (("a file reached the largest size allowed (`ulimit -f`, or the filesystem's limit)",
+                         f"raise the limit (or choose another {what} on a filesystem without it)")
+                        if full.errno == errno.EFBIG else
+                        (f"{_free_mib(output)} there", f"free space (or choose another {what})"))
+        raise UserError(f"writing {output} failed: [Errno {full.errno}] {full.strerror}{where}, {room}; {output} is "
+                        f"as it was before this run and no partial file is left: {remedy} and rerun") from None
