@@ -427,6 +427,29 @@ for _ in range(2):
     assert not cache.exists() or not any(cache.iterdir()), sorted(p.name for p in cache.iterdir())
 
 
+def test_sigterm_stops_an_evaluation_as_ctrl_c_does_leaving_nothing(checkpoints, tmp_path):
+    """SIGTERM (a time limit, a cancelled job) killed `mpatch eval` by the signal, without a word, leaving its
+    generated task data in TMPDIR each time; it now unwinds as Ctrl-C does: 130, one line, nothing left."""
+    import signal
+    import time
+
+    tmp, out = tmp_path / "tmp", tmp_path / "results"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_patch", "eval", "--load-dir", str(checkpoints["ckpt"]),
+                             "--tasks", "mpatch_perplexity,mpatch_arithmetic_choice", "--limit", "200",
+                             "--output-dir", str(out)], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not any(p.name.startswith("mpatch-eval-tasks-") for p in tmp.iterdir()) and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)  # into the evaluation
+    os.killpg(proc.pid, signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "mpatch eval: interrupted", err[-2000:]
+    assert not any(p.name.startswith("mpatch-eval-tasks-") for p in tmp.iterdir()), sorted(tmp.iterdir())
+    assert not out.exists()
+
+
 def _fake_results(iteration: int):
     from megatron_patch.evaluation.evaluate import EvalResults
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from megatron_patch.align.report import PLOT_NAME, print_summary, write_report
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
-from megatron_patch.cli.common import add_layout_args, layout_from_args
+from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.float8_plan import KINDS, RECIPES, parse_filter
 
@@ -45,6 +45,7 @@ def command_line(args) -> str:
     return shlex.join(parts)
 
 
+@sigterm_as_interrupt
 def run(args) -> int:
     from megatron_patch.align.alignment import AlignSettings, run_alignment
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")

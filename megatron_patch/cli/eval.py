@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
-from megatron_patch.cli.common import add_layout_args, layout_from_args, print_table
+from megatron_patch.cli.common import add_layout_args, layout_from_args, print_table, sigterm_as_interrupt
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import document_limit, require_lm_eval, task_names
@@ -39,6 +39,7 @@ def command_line(args) -> str:
     return shlex.join(parts)
 
 
+@sigterm_as_interrupt
 def run(args) -> int:
     require_lm_eval("mpatch eval")
     # lm-eval, torch and megatron-core come with these: imported only once lm-eval is known to be installed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from megatron_patch.checkpoint.hf_reader import checked_arch
-from megatron_patch.cli.common import add_layout_args, layout_from_args
+from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import validate_layout
 
@@ -14,6 +14,7 @@ from megatron_patch.models.description.arch import validate_layout
 # So are the modules a subcommand runs (cli/__init__.py): align.alignment, align.parity.
 
 
+@sigterm_as_interrupt
 def run(args) -> int:
     from megatron_patch.align.alignment import check_run_fits
     from megatron_patch.align.parity import check_parity
