@@ -98,6 +98,37 @@ def test_forked_and_fresh_ranks_train_the_same_run(corpus, tmp_path):
     assert len(losses[0]) == 3 and losses[0] == losses[1], losses
 
 
+def _sigint_handler_name() -> str:
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    return getattr(handler, "__name__", str(handler))
+
+
+def test_ctrl_c_while_the_fork_server_imports_leaves_it_quiet_and_its_children_interruptible():
+    """Ctrl-C reaches the fork server too; landing while it imported torch, it printed a page of KeyboardInterrupt
+    traceback around the command's one line ("interrupted"). The server ignores it while it imports, and what it
+    forks still handles Ctrl-C as Python does."""
+    import multiprocessing as mp
+
+    from megatron_patch.runtime.launch import LOCAL_JOB_PRELOAD
+
+    script = f"""
+import multiprocessing as mp, sys
+sys.path.insert(0, {str(REPO)!r})
+from tests.test_forked_ranks import _sigint_handler_name
+if __name__ == "__main__":
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload({LOCAL_JOB_PRELOAD[:1] + ["tests.ctrl_c_during_preload"] + LOCAL_JOB_PRELOAD[1:]!r})
+    with ctx.Pool(1) as pool:
+        print(pool.apply(_sigint_handler_name))
+"""
+    assert "forkserver" in mp.get_all_start_methods()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert done.returncode == 0 and done.stdout.split() == ["default_int_handler"], (done.stdout, done.stderr[-3000:])
+    assert "KeyboardInterrupt" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_forked_ranks_end_when_the_launcher_alone_is_killed(corpus, tmp_path):
     """A SIGKILL to the launcher's process alone (the kernel's OOM killer picks one process): the fork server, armed

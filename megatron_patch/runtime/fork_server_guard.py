@@ -5,6 +5,13 @@ launcher killed alone (the kernel's OOM killer picks one process) left its serve
 for good. A launcher gone before this runs is caught by that pipe: nothing forked holds it yet."""
 
 import os
+import signal
+
+# Ctrl-C reaches the whole process group, this server too, and the process that started it handles it (ending the
+# server). Ignored while the preload imports torch and megatron-core, which printed a page of KeyboardInterrupt
+# traceback around that process's one line; ``fork_server_ready``, imported last, puts it back before multiprocessing
+# saves the handlers the processes it forks get.
+SIGINT_BEFORE = signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 try:
     from megatron_patch.runtime.launch import die_with_parent

@@ -57,6 +57,15 @@ def quiet_cpu_warnings() -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, env: dict) -> None:
+    try:
+        _work(rank, world_size, port, fn, args, results, env)
+    except KeyboardInterrupt:
+        # Ctrl-C reaches the whole process group, and the caller says "interrupted": multiprocessing printed this
+        # process's traceback around that line
+        sys.exit(130)
+
+
+def _work(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, env: dict) -> None:
     # A rank forked from the fork server has the server's environment, taken when it started: the
     # caller's current one is what the rank must see, as a spawned rank would.
     os.environ.clear()
@@ -118,6 +127,24 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -
 
 
 @contextlib.contextmanager
+def _sigint_deferred():
+    """Ctrl-C while the ranks start is taken once they have: a rank whose start it cut short was forked but not
+    known here, so nothing waited for it, and it printed multiprocessing's traceback failing to read what this
+    process had left behind (its queue's semaphore)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = []
+    earlier = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, earlier)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def _main_importable():
     """Spawned children re-run the parent's main script by its path; a script read from stdin or given with
     -c has none to re-run ("<stdin>"), and the children died at start. Without a path they skip it."""
@@ -140,8 +167,10 @@ def _cuda_present() -> bool:
     return torch.cuda.device_count() > 0
 
 
-LOCAL_JOB_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_patch.runtime.local_job_preload"]
-TRAINING_RANK_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_patch.runtime.rank_preload"]
+LOCAL_JOB_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_patch.runtime.local_job_preload",
+                     "megatron_patch.runtime.fork_server_ready"]
+TRAINING_RANK_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_patch.runtime.rank_preload",
+                         "megatron_patch.runtime.fork_server_ready"]
 
 
 def _start_context(preload: list[str] = LOCAL_JOB_PRELOAD):
@@ -166,13 +195,14 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> lis
     env = dict(os.environ)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, env), daemon=False)
              for r in range(world_size)]
-    with _main_importable():
-        for p in procs:
-            p.start()
     outputs: dict[int, Any] = {}
     errors: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    interrupted = False
     try:
+        with _main_importable(), _sigint_deferred():
+            for p in procs:
+                p.start()
         while len(outputs) + len(errors) < world_size:
             try:
                 rank, ok, payload = results.get(timeout=1.0)
@@ -196,9 +226,14 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> lis
             if errors:
                 # One failed rank usually leaves the others blocked in a collective.
                 break
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
         for p in procs:
-            p.join(timeout=5 if errors else 60)
+            if p.pid is None:  # never started
+                continue
+            p.join(timeout=5 if errors or interrupted else 60)
             if p.is_alive():
                 p.kill()
                 p.join()
