@@ -465,7 +465,8 @@ ENVIRONMENT = [
            "do: stop | skip (the update)", default="stop", field="nan_policy",
            doc="`stop`: exit 2 naming the iteration, before its update \\| `skip`: skip that step's update. In "
                "bf16 and fp32 the gradients are checked too (every DDP buffer's norm, as clipping needs it); fp16's "
-               "loss scaler skips inf/nan gradients and lowers its scale whatever the policy"),
+               "loss scaler skips inf/nan gradients whatever the policy, and lowers its scale once they have come "
+               "`hysteresis` (2) times"),
     Option("MP_COMPILE_FUSIONS", CORE, BOOL, "true: torch.compile the local spec's RMSNorm, RoPE, SwiGLU and "
            "bias-dropout-add (no transformer-engine); false: all of them eager", field="compile_fusions",
            default=Default("megatron-core's own choice"),
@@ -518,8 +519,8 @@ ENVIRONMENT = [
            "testing: overflow@N (inf gradients at iteration N), kill@N (SIGKILL as N starts), error@N (an exception "
            "as N starts), comma-separated", default=[], field="faults",
            doc="testing the recovery paths: `overflow@N` fills the gradient buffers with inf after iteration N's "
-               "backward (the step must be skipped, fp16's scale lowered), `kill@N` sends SIGKILL to every rank and "
-               "its helper processes as iteration N starts (the next launch must resume), `error@N` raises an "
+               "backward (the step must be skipped; fp16's scale is lowered at the second, its hysteresis), "
+               "`kill@N` sends SIGKILL to every rank and its helper processes as iteration N starts (the next launch must resume), `error@N` raises an "
                "exception on every rank as iteration N starts (the launcher's one line, the tracebacks in "
                "`log/rank<R>-error.log`); comma-separated"),
     Option("MP_EXIT_INTERVAL", CORE, INTEGER, "stop after this many iterations (after saving), e.g. to test a resume",
