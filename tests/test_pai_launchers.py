@@ -485,12 +485,14 @@ def test_pai_megatron_patch_first_on_pythonpath_is_one_line(tmp_path):
     (pai / "megatron_patch" / "__init__.py").write_text("# Copyright (c) 2023 Alibaba PAI team.\n")
     (pai / "megatron_patch" / "arguments.py").write_text("")
     env = {**os.environ, "PYTHONPATH": f"{pai}:{REPO}"}
-    # not from the checkout's folder, whose megatron_patch `python -m` would put first
-    proc = subprocess.run([sys.executable, "-m", "mpatch", "families"], env=env, capture_output=True, text=True,
-                          timeout=60, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert f"take {pai} off PYTHONPATH" in proc.stderr
+    # not from the checkout's folder, whose megatron_patch `python -m` would put first; `python -m megatron_patch`
+    # too, which the editable install runs from this checkout while Python imports Pai's package (a traceback before)
+    for entry in ("mpatch", "megatron_patch"):
+        proc = subprocess.run([sys.executable, "-m", entry, "families"], env=env, capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path)
+        assert proc.returncode == 2, (entry, proc.stderr)
+        assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, (entry, proc.stderr)
+        assert f"take {pai} off PYTHONPATH" in proc.stderr
     # setup.py's console script is that entry
     assert '"mpatch=mpatch:main"' in (REPO / "setup.py").read_text()
     ours = subprocess.run([sys.executable, "-m", "mpatch", "families"], env={**os.environ, "PYTHONPATH": str(REPO)},
