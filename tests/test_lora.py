@@ -698,6 +698,26 @@ def peft_runs(corpus, lora_bases, tmp_path_factory):
 
 
 @pytest.mark.slow
+def test_inspect_of_a_lora_run_says_it_holds_adapters_and_what_mcore2hf_needs(peft_runs, lora_bases, capsys):
+    """`mpatch inspect` of a LoRA run's final/ said "mcore2hf needs nothing: the checkpoint describes itself", and
+    mcore2hf then refused it asking for --lora-adapter or --merge-lora; inspect says so now, with the base."""
+    from megatron_patch.cli import main
+
+    final = peft_runs("tp1_offload")["out"] / "final"
+    capsys.readouterr()
+    assert main(["inspect", str(final)]) == 0
+    shown = capsys.readouterr().out
+    base = lora_bases["bases"]["llama3_1"]
+    assert "LoRA           adapters of rank 3, alpha 5.0, on qkv,proj,fc1,fc2" in shown, shown
+    assert f"; base model {base}" in shown, shown
+    assert ("mcore2hf needs --lora-adapter (the adapters as a peft folder) or --merge-lora (the model with them "
+            f"merged in); --merge-lora reads the base weights from {base}") in shown, shown
+    assert main(["inspect", str(final), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["lora"]["base"] == str(base) and info["mcore2hf_needs"].startswith("--lora-adapter"), info
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PEFT_RUNS))
 def test_lora_training_is_peft_training(peft_runs, lora_bases, name, tmp_path):
     """A short fp32 run from an imported peft adapter trains as peft with a plain AdamW loop does on the same

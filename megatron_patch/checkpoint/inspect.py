@@ -50,6 +50,10 @@ def describe_checkpoint(path: str | Path, iteration: int | None = None) -> dict:
                                "vocabulary": arch.vocab_size, "padded vocabulary": arch.padded_vocab_size(),
                                "experts": arch.num_experts, "tied output layer": arch.tie_word_embeddings}
         out["architecture_source"] = str(found.sidecar_dir / "mpatch_checkpoint.json")
+        if sidecar.lora:
+            spec, base = sidecar.lora.get("spec") or {}, sidecar.lora.get("base")
+            out["lora"] = {"rank": spec.get("rank"), "alpha": spec.get("alpha"), "targets": spec.get("targets"),
+                           "base": base.get("path") if isinstance(base, dict) else None}
     elif found.args is not None:
         out["family"] = None
         out["architecture"] = {name: found.args.get(key) for key, name in _ARG_FIELDS if key in found.args}
@@ -58,10 +62,19 @@ def describe_checkpoint(path: str | Path, iteration: int | None = None) -> dict:
         out["family"] = None
         out["architecture"] = {k: v for k, v in tensor_facts(found.shapes).items()}
         out["architecture_source"] = "tensor shapes only"
-    out["mcore2hf_needs"] = what_to_give(found) or "nothing: the checkpoint describes itself"
+    out["mcore2hf_needs"] = (_lora_needs(out["lora"]) if "lora" in out
+                             else what_to_give(found) or "nothing: the checkpoint describes itself")
     if found.notes:
         out["warnings"] = found.notes
     return out
+
+
+def _lora_needs(lora: dict) -> str:
+    """What mcore2hf of a LoRA checkpoint needs (``convert.lora_io``): the adapters alone or merged in."""
+    where = (f"; --merge-lora reads the base weights from {lora['base']}" if lora["base"]
+             else "; the base weights are in the checkpoint beside them")
+    return ("--lora-adapter (the adapters as a peft folder) or --merge-lora (the model with them merged in)"
+            + where)
 
 
 def format_summary(info: dict) -> str:
@@ -83,6 +96,11 @@ def format_summary(info: dict) -> str:
     family = f"{info['family']}: " if info.get("family") else ""
     lines.append(f"model          {family}{arch}")
     lines.append(f"               (from {info['architecture_source']})")
+    if "lora" in info:
+        lora = info["lora"]
+        targets = lora["targets"] if isinstance(lora["targets"], str) else ",".join(map(str, lora["targets"] or []))
+        lines.append(f"LoRA           adapters of rank {lora['rank']}, alpha {lora['alpha']}, on {targets}"
+                     + (f"; base model {lora['base']}" if lora["base"] else "; base weights included"))
     lines.append(f"mcore2hf needs {info['mcore2hf_needs']}")
     for w in info.get("warnings", []):
         lines.append(f"warning        {w}")
