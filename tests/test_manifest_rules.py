@@ -65,6 +65,13 @@ def test_verify_names_every_file_the_manifest_does_not_list(work, capsys):
             "notes.txt", "passwd", "pipe", "release/extra.distcp")
 
 
+def test_verify_counts_an_empty_folder_as_added_as_force_does(work, capsys):
+    """verify said "every file is as written" of an output holding an empty folder its manifest does not list, which
+    --force then refused as added after mpatch wrote it: the two agree now (docs/outputs.md)."""
+    (work / "added_folder" / "deeper").mkdir(parents=True)
+    _verify(capsys, work, "1 file(s) that mpatch_manifest.json does not list", "added_folder/deeper/")
+
+
 def test_verify_names_listed_files_that_are_links_or_not_regular_files(work, capsys):
     sidecar, distcp = "mpatch_checkpoint.json", sorted(p.name for p in (work / "release").glob("*.distcp"))[0]
     _link_out(work, sidecar)

@@ -184,9 +184,13 @@ def unlisted_entries(folder: str | Path) -> list[str]:
     """Everything under ``folder`` but its manifest, as ``--force`` would delete it: files of any kind, links
     (to folders too, never entered) and empty folders (``NAME/``)."""
     folder = Path(folder)
-    empty = [Path(d).relative_to(folder).as_posix() + "/" for d, dirnames, filenames in os.walk(folder)
-             if not dirnames and not filenames and Path(d) != folder]
-    return sorted(output_files(folder / MANIFEST_NAME) + empty)
+    return sorted(output_files(folder / MANIFEST_NAME) + _empty_folders(folder))
+
+
+def _empty_folders(folder: Path) -> list[str]:
+    """The empty folders under ``folder`` (``NAME/``), which no manifest lists: something added."""
+    return [Path(d).relative_to(folder).as_posix() + "/" for d, dirnames, filenames in os.walk(folder)
+            if not dirnames and not filenames and Path(d) != folder]
 
 
 def _legacy_unlisted(data: dict) -> bool:
@@ -238,7 +242,9 @@ def check_coverage(path: str | Path) -> dict:
         elif why:
             problems.append(f"{path.name} lists {name}, which {why}")
     skip_hidden = _legacy_unlisted(data)
-    unlisted = [n for n in output_files(path) if n not in listed and not (skip_hidden and n.startswith("."))]
+    # an empty folder too, as --force counts it (``unlisted_entries``); a data prefix's manifest covers two files
+    empty = _empty_folders(folder) if path.name == MANIFEST_NAME else []
+    unlisted = [n for n in output_files(path) + empty if n not in listed and not (skip_hidden and n.startswith("."))]
     if unlisted:
         problems.append(f"{folder} holds {len(unlisted)} file(s) that {path.name} does not list (added after mpatch "
                         f"wrote it): {', '.join(unlisted)}")
