@@ -496,6 +496,9 @@ def test_launcher_lora_settings_are_checked_in_one_line(lora_models, tmp_path, c
     assert main(["train", "llama3_1", *args]) == 0
     out = capsys.readouterr().out
     assert "(16,384 trainable, 180,800 frozen)" in out and "memory plan per rank" in out
+    # and says what the launch would say of it (it said "machine check: ok" and nothing else)
+    assert ("launch check: a launch would refuse this line: LoRA trains adapters on a base model: give its converted "
+            "checkpoint as PRETRAIN_CHECKPOINT_PATH") in out
 
 
 def test_the_default_targets_are_those_the_family_has(tmp_path, monkeypatch, capsys):

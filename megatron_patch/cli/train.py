@@ -260,6 +260,11 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
     # a LoRA run's base, and the one its checkpoints name (a dry run plans a LoRA run before its base exists)
     if not (would and cfg.pretrain_checkpoint is None and latest is None):
         check_lora_launch(cfg, None if latest is None else iteration_dir(cfg.checkpoint_dir, latest))
+    else:
+        try:  # planned; said as the machine check says what this machine would refuse
+            check_lora_launch(cfg, None)
+        except UserError as exc:
+            print(f"launch check: a launch would refuse this line: {exc}", file=out, flush=True)
     # another job (SFT, other data) into a run's folder is refused before a finished run is said to be complete
     same_data = [] if latest is None else check_same_job(cfg, iteration_dir(cfg.checkpoint_dir, latest))
     # and a change it cannot follow (GLOBAL_BATCH_SIZE's fewer iterations read as "complete, iteration 6 of 3")
