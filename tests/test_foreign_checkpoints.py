@@ -12,6 +12,7 @@ with their sidecar deleted.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -109,6 +110,45 @@ def test_each_disagreement_is_named(ckpts, changes, named):
     with pytest.raises(UserError) as info:
         check_architecture(parse_arch(_config(ckpts, **changes)), found, "the model's HF config")
     assert named in str(info.value), str(info.value)
+
+
+@pytest.mark.slow
+def test_a_config_whose_rope_or_norm_contradicts_the_saved_arguments_is_refused(ckpts):
+    """The saved arguments record the RoPE base, llama3 scaling, share of each head and the norm's epsilon; a config
+    saying otherwise (the base model's config.json for a run trained without --use-rope-scaling) was used without a
+    word, its every logit off by up to 5.7."""
+    found = find_checkpoint(ckpts["megatron_lm"])
+    theta, eps = found.args["rotary_base"], found.args["norm_epsilon"]
+    assert found.args["use_rope_scaling"] is True  # the tiny Llama-3.1's llama3 RoPE
+    rope = fc.read_config(ckpts["hf"])["rope_parameters"]  # transformers 5 keeps the base in there
+    for changes, named in (
+            ({"rope_parameters": {**rope, "rope_theta": 2.0 * theta}},
+             f"RoPE base: config {2.0 * theta:g}, saved arguments {theta:g}"),
+            ({"rms_norm_eps": eps * 10}, f"norm epsilon: config {eps * 10:g}, saved arguments {eps:g}"),
+            ({"rope_parameters": {"rope_type": "default", "rope_theta": theta}},
+             "llama3 RoPE scaling: config no, saved arguments yes (--use-rope-scaling)")):
+        with pytest.raises(UserError) as info:
+            check_architecture(parse_arch(_config(ckpts, **changes)), found, "the model's HF config")
+        assert named in str(info.value), str(info.value)
+    check_architecture(parse_arch(_config(ckpts)), found, "the model's HF config")  # its own: nothing to say
+
+
+def test_rope_variants_the_saved_arguments_record_are_not_dropped_from_a_rebuilt_config():
+    """Megatron-LM's --rotary-percent, --rotary-interleaved and --rotary-seq-len-interpolation-factor each change
+    every logit; `--family` rebuilt a plain Llama from such arguments, exit 0 (logits off by 5 to 6.7)."""
+    from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args
+    from megatron_patch.models.description.registry import families
+    from megatron_patch.models.description.tiny import tiny_config
+
+    arch = parse_arch(tiny_config("llama3_1"))
+    base = vars(fc.megatron_lm_args(arch, 1, 1, 256, "torch_dist"))
+    hf_config_from_megatron_args(base, families()["llama3_1"])  # without them: rebuilt
+    for extra, named in (({"rotary_percent": 0.5}, "RoPE on part of each head (rotary_percent 0.5)"),
+                         ({"rotary_interleaved": True}, "interleaved RoPE (rotary_interleaved)"),
+                         ({"rotary_seq_len_interpolation_factor": 4},
+                          "RoPE position interpolation (rotary_seq_len_interpolation_factor 4)")):
+        with pytest.raises(UserError, match=r"the saved arguments describe a model with " + re.escape(named)):
+            hf_config_from_megatron_args({**base, **extra}, families()["llama3_1"])
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ writes, so everything downstream (mcore2hf, align, the launcher) reads any check
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar
 from megatron_patch.checkpoint_files.layout import TRAIN_STATE
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, read_config_json, validate_layout
-from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args
+from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args, rope_variants
 from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -159,6 +160,7 @@ def check_architecture(arch: Arch, found: FoundCheckpoint, source: str) -> Arch:
         saved = _saved_head_split(found.args)
         wrong += [f"{name}: config {expected}, saved arguments {saved[name]}"
                   for name, expected in _head_split(arch).items() if saved.get(name, expected) != expected]
+    wrong += _position_and_norm_disagreements(arch, found.args)
     rows = have.get("embedding rows")
     if rows is not None and rows < arch.vocab_size:
         wrong.append(f"vocabulary: {source} has {arch.vocab_size} tokens, the embedding only {rows} rows")
@@ -220,6 +222,38 @@ def _saved_head_split(args: dict | None) -> dict:
     head_dim = whole("kv_channels") or (hidden // heads if hidden else None)
     split = {"attention heads": heads, "query groups": groups, "head dim": head_dim}
     return {name: value for name, value in split.items() if value is not None}
+
+
+def _position_and_norm_disagreements(arch: Arch, args: dict | None) -> list[str]:
+    """What the saved Megatron-LM arguments say of the model's math beside its shapes (its RoPE base, scaling and
+    share of each head, its norm's epsilon) where a config says otherwise: a config of the base model given for a
+    run trained without --use-rope-scaling changed every logit without a word. A value that is not a number says
+    nothing (the arguments are untrusted input)."""
+    if not args:
+        return []
+
+    def number(key: str) -> float | None:
+        value = args.get(key)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return float(value) if ok else None
+
+    wrong = [f"{variant} in the saved arguments, which no family here builds"
+             for variant in rope_variants(args, partial=False)]
+    theta, eps, percent = number("rotary_base"), number("norm_epsilon"), number("rotary_percent")
+    if theta is not None and theta != arch.rope_theta:
+        wrong.append(f"RoPE base: config {arch.rope_theta:g}, saved arguments {theta:g}")
+    if eps is not None and not math.isclose(eps, arch.norm_eps, rel_tol=1e-6):
+        wrong.append(f"norm epsilon: config {arch.norm_eps:g}, saved arguments {eps:g}")
+    if percent is not None and not math.isclose(percent, arch.rotary_percent):
+        wrong.append(f"RoPE share of each head: config {arch.rotary_percent:g}, saved arguments {percent:g} "
+                     "(--rotary-percent)")
+    rope_type = (arch.rope_scaling or {}).get("rope_type", "default")
+    if isinstance(args.get("use_rope_scaling"), bool) and rope_type in ("default", "llama3"):
+        said, configured = args["use_rope_scaling"], rope_type == "llama3"
+        if said != configured:
+            wrong.append(f"llama3 RoPE scaling: config {'yes' if configured else 'no'}, saved arguments "
+                         f"{'yes' if said else 'no'} (--use-rope-scaling)")
+    return wrong
 
 
 def _unchecked_head_split_notes(arch: Arch, found: FoundCheckpoint, source: str) -> list[str]:

@@ -33,6 +33,22 @@ def _get(args: dict, key: str, default=None):
     return default if value is None else value
 
 
+def rope_variants(args: dict, partial: bool = True) -> list[str]:
+    """The RoPE variants the saved arguments record that a config rebuilt from them would lose, in words (none: an
+    empty list): each changes every logit. ``partial``: RoPE on part of each head counts (a config given says its
+    own share, which is compared instead); interleaved RoPE and position interpolation no family here builds."""
+    found = []
+    percent = args.get("rotary_percent")
+    if partial and isinstance(percent, (int, float)) and not isinstance(percent, bool) and percent != 1:
+        found.append(f"RoPE on part of each head (rotary_percent {percent:g})")
+    if args.get("rotary_interleaved") is True:
+        found.append("interleaved RoPE (rotary_interleaved)")
+    factor = args.get("rotary_seq_len_interpolation_factor")
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor != 1:
+        found.append(f"RoPE position interpolation (rotary_seq_len_interpolation_factor {factor:g})")
+    return found
+
+
 def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict, list[str]]:
     """(HF config.json dict for ``family``, notes on what the arguments could not say)."""
     if "kv_lora_rank" in family.tiny_config:
@@ -45,8 +61,11 @@ def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict,
         problems.append("an MLP without SwiGLU")
     if _get(args, "position_embedding_type", "rope") != "rope":
         problems.append(f"{args['position_embedding_type']} position embeddings")
+    problems += rope_variants(args)
     if problems:
-        raise UserError(f"the saved arguments describe a model with {', '.join(problems)}, which {family.name} is not")
+        raise UserError(f"the saved arguments describe a model with {', '.join(problems)}, which {family.name} is not "
+                        "as rebuilt from them: give --hf-config (the model's HF config.json), if a family here "
+                        "builds it")
     vocab = args.get("vocab_size")
     if not vocab:
         padded = args.get("padded_vocab_size")
