@@ -151,6 +151,24 @@ def test_rope_variants_the_saved_arguments_record_are_not_dropped_from_a_rebuilt
             hf_config_from_megatron_args({**base, **extra}, families()["llama3_1"])
 
 
+@pytest.mark.parametrize("family,beyond", [
+    ("deepseek_v3", "multi-latent attention"), ("glm_moe_dsa", "multi-latent attention"),
+    ("qwen3_5", "text model nested in a multimodal config"), ("gemma3", "per-layer kinds of attention"),
+    ("gemma4", "per-layer kinds of attention"), ("gpt_oss", "per-layer kinds of attention"),
+    ("qwen3_next", "per-layer kinds of attention"), ("deepseek_v4", "per-layer kinds of attention")])
+def test_a_family_the_saved_arguments_cannot_describe_asks_for_its_config(family, beyond):
+    """--family qwen3_5 / gemma3 / gemma4 with saved arguments was refused describing the family's tiny template
+    ("layers: config 2" of a 4-layer checkpoint) or a config.json nobody gave; one true line now."""
+    from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args
+    from megatron_patch.models.description.registry import families
+    from megatron_patch.models.description.tiny import tiny_config
+
+    args = vars(fc.megatron_lm_args(parse_arch(tiny_config("llama3_1")), 1, 1, 256, "torch_dist"))
+    with pytest.raises(UserError, match=f"^{family}'s {beyond}.* cannot be rebuilt from Megatron-LM's arguments: give "
+                                        r"--hf-config \(the model's HF config.json\)$"):
+        hf_config_from_megatron_args(args, families()[family])
+
+
 @pytest.mark.slow
 def test_qk_norm_and_experts_disagreements_are_named(ckpts):
     from megatron_patch.models.description.tiny import tiny_config

@@ -51,9 +51,13 @@ def rope_variants(args: dict, partial: bool = True) -> list[str]:
 
 def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict, list[str]]:
     """(HF config.json dict for ``family``, notes on what the arguments could not say)."""
-    if "kv_lora_rank" in family.tiny_config:
-        raise UserError(f"{family.name}'s multi-latent attention cannot be rebuilt from Megatron-LM's arguments: "
-                        "give --hf-config (the model's HF config.json)")
+    # what Megatron-LM's arguments have no words for: the family's template would stand in for the checkpoint's own
+    beyond = ("multi-latent attention" if "kv_lora_rank" in family.tiny_config else
+              "text model nested in a multimodal config" if "text_config" in family.tiny_config else
+              "per-layer kinds of attention (layer_types)" if "layer_types" in family.tiny_config else None)
+    if beyond is not None:
+        raise UserError(f"{family.name}'s {beyond} cannot be rebuilt from Megatron-LM's arguments: give --hf-config "
+                        "(the model's HF config.json)")
     problems = []
     if _get(args, "normalization", "RMSNorm") != "RMSNorm":
         problems.append(f"normalization {args['normalization']}")
