@@ -170,6 +170,25 @@ def test_a_family_the_saved_arguments_cannot_describe_asks_for_its_config(family
 
 
 @pytest.mark.slow
+def test_each_command_asks_for_what_it_takes(ckpts, tmp_path, capsys):
+    """A Megatron-LM checkpoint without a sidecar: `mpatch eval` asked for `--family NAME`, which it does not take
+    (following it: "unrecognized arguments"), and align named `--hf-config`, which is mcore2hf's."""
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(ckpts["megatron_lm"]), "--tasks", "mpatch_perplexity")
+    assert rc == 2 and "give --hf-config PATH: the HF config.json of the model it holds; or `mpatch convert mcore2hf " \
+        "--family NAME` reads its saved Megatron-LM arguments" in err, err
+    with pytest.raises(UserError) as info:
+        open_checkpoint(ckpts["megatron_lm"], hf_config=tmp_path, config_option="--hf-dir", family_option=None)
+    assert "config.json not found: --hf-dir takes the model's HF config.json" in str(info.value), str(info.value)
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "config.json").write_text(json.dumps(_config(ckpts, num_hidden_layers=6)))
+    with pytest.raises(UserError, match=f"does not hold the model --hf-dir {wrong} describes: layers: config 6"):
+        open_checkpoint(ckpts["megatron_lm"], hf_config=wrong, config_option="--hf-dir", family_option=None)
+    rc, err = _export(capsys, ckpts["megatron_lm"], tmp_path / "out")  # mcore2hf takes both
+    assert rc == 2 and "give --family NAME, to read its saved Megatron-LM arguments" in err, err
+
+
+@pytest.mark.slow
 def test_qk_norm_and_experts_disagreements_are_named(ckpts):
     from megatron_patch.models.description.tiny import tiny_config
 

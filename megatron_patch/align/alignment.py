@@ -108,7 +108,7 @@ def config_differences(a: dict, b: dict) -> list[dict]:
 def _test_arch(s: AlignSettings):
     if s.mcore_dir:
         # A checkpoint of another tool is read as the model of --hf-dir, checked against its tensors.
-        opened = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir)
+        opened = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir, config_option="--hf-dir", family_option=None)
         return opened.model_arch, opened.sidecar
     return parse_arch(s.hf_dir_2 or s.hf_dir), None
 

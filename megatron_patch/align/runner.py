@@ -55,7 +55,8 @@ class McoreRun:
 
 def _arch_of(run: McoreRun):
     if run.mcore_dir is not None:
-        return open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).model_arch
+        return open_checkpoint(run.mcore_dir, hf_config=run.hf_dir, config_option="--hf-dir",
+                               family_option=None).model_arch
     return parse_arch(run.hf_dir)
 
 
@@ -86,7 +87,8 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
 def _adapters_of(run: McoreRun, arch):
     """The LoRA adapters of the MCore side: those ``mcore_dir`` carries, else ``peft_dir``'s, else None."""
     if run.mcore_dir is not None:
-        if open_checkpoint(run.mcore_dir, hf_config=run.hf_dir).sidecar.lora:
+        if open_checkpoint(run.mcore_dir, hf_config=run.hf_dir, config_option="--hf-dir",
+                           family_option=None).sidecar.lora:
             return open_adapters(run.mcore_dir, arch)
     return open_adapters(run.peft_dir, arch) if run.peft_dir else None
 

@@ -62,28 +62,36 @@ class OpenedCheckpoint:
         return dataclasses.replace(self.sidecar.arch, mtp_layers=0)
 
 
-def what_to_give(found: FoundCheckpoint) -> str:
-    """What ``open_checkpoint`` still needs for this folder, in words ('' when nothing)."""
+def what_to_give(found: FoundCheckpoint, config_option: str = "--hf-config", family_option: str | None = "--family"
+                 ) -> str:
+    """What ``open_checkpoint`` still needs for this folder, in words ('' when nothing), in the options of the
+    command that asks (``family_option`` None: it takes none; mcore2hf reads saved arguments as a family's)."""
     if found.sidecar_dir is not None:
         return ""
     beside = found.hf_config_beside
     hint = f" ({beside} lies beside the weights)" if beside else ""
     if (found.folder / TRAIN_STATE).is_file():  # a run of this project: its export describes itself
         hint += "; or convert the run's final export (OUTPUT_BASEPATH/final), which has one"
+    if found.args is not None and family_option is not None:
+        return (f"{family_option} NAME, to read its saved Megatron-LM arguments as that family's model (plus "
+                f"{config_option} if they lack the true vocab_size), or {config_option} PATH" + hint)
     if found.args is not None:
-        return ("--family NAME, to read its saved Megatron-LM arguments as that family's model (plus --hf-config "
-                "if they lack the true vocab_size), or --hf-config PATH" + hint)
-    return f"--hf-config PATH: the HF config.json of the model it holds{hint}"
+        hint += ("; or `mpatch convert mcore2hf --family NAME` reads its saved Megatron-LM arguments as that family's "
+                 "model, into an HF folder that describes itself")
+    return f"{config_option} PATH: the HF config.json of the model it holds{hint}"
 
 
 def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None, family: str | None = None,
-                    iteration: int | None = None) -> OpenedCheckpoint:
-    """The checkpoint at ``path`` with its architecture (see the module docstring for the order)."""
+                    iteration: int | None = None, config_option: str = "--hf-config",
+                    family_option: str | None = "--family") -> OpenedCheckpoint:
+    """The checkpoint at ``path`` with its architecture (see the module docstring for the order). ``config_option``
+    and ``family_option``: what the asking command calls ``hf_config`` and ``family`` (None: it takes no family),
+    for its messages."""
     source = "the model's HF config"
     if hf_config is not None and not isinstance(hf_config, dict):
         # Read whether or not it is needed: a --hf-config that names nothing usable is refused, never ignored.
-        source = f"--hf-config {hf_config}"
-        hf_config = read_config_json(hf_config, hint="--hf-config takes the model's HF config.json or the folder "
+        source = f"{config_option} {hf_config}"
+        hf_config = read_config_json(hf_config, hint=f"{config_option} takes the model's HF config.json or the folder "
                                                       "that holds it")
     found = find_checkpoint(path, iteration)
     if found.sidecar_dir is not None:  # this project's own record wins over any other source
@@ -103,7 +111,8 @@ def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None
         arch = get_family(family).parse_config(config)
         source = f"the saved Megatron-LM arguments, as {family}"
     else:
-        raise UserError(f"{found.folder} has no {SIDECAR_NAME} to say what model it holds: give {what_to_give(found)}")
+        raise UserError(f"{found.folder} has no {SIDECAR_NAME} to say what model it holds: give "
+                        f"{what_to_give(found, config_option, family_option)}")
     arch = _with_stored_mtp_layers(check_architecture(arch, found, source), found, source)
     notes += _unchecked_head_split_notes(arch, found, source)
     fmt_layout = found.layout or ParallelLayout()

@@ -48,7 +48,7 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
     """The checkpoint at ``load_dir``, refused in one line when the layout does not divide its model, or no
     tokenizer is found (``tokenizer`` wins over the files the checkpoint carries), or the tokenizer does not fit
     the model (``check_tokenizer``; ``chat_template``: prompts are rendered with its chat template)."""
-    opened = open_checkpoint(load_dir, hf_config=hf_config)
+    opened = open_checkpoint(load_dir, hf_config=hf_config, family_option=None)
     arch = opened.model_arch
     validate_layout(arch, layout)
     if tokenizer is not None:
