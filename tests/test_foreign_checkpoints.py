@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +187,37 @@ def test_each_command_asks_for_what_it_takes(ckpts, tmp_path, capsys):
         open_checkpoint(ckpts["megatron_lm"], hf_config=wrong, config_option="--hf-dir", family_option=None)
     rc, err = _export(capsys, ckpts["megatron_lm"], tmp_path / "out")  # mcore2hf takes both
     assert rc == 2 and "give --family NAME, to read its saved Megatron-LM arguments" in err, err
+
+
+@pytest.mark.slow
+def test_weights_of_two_dtypes_are_exported_in_one_saying_so(ckpts, tmp_path, capsys):
+    """bf16 matrices beside fp32 norms (a GPTModel saved without Float16Module's cast): the default export rounded
+    the norms to bf16 without a word. It says so, and --dtype fp32 writes every tensor exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(shutil.copytree(ckpts["megatron_lm"], tmp_path / "mixed")) / "iter_0000020"
+    reader = dcp.FileSystemReader(str(folder))
+    stored = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
+             if hasattr(m, "size") and not k.startswith("optimizer")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    for name in list(state):
+        if "norm" not in name:
+            state[name] = state[name].to(torch.bfloat16)
+    for old in folder.glob("*.distcp"):
+        old.unlink()
+    (folder / ".metadata").unlink()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    norms = sorted(k for k in state if "norm" in k)
+
+    rc, err = _export(capsys, folder.parent, tmp_path / "out", "--family", "llama3_1")
+    assert rc == 0, err
+    assert (f"stores {len(norms)} of its tensors in float32 (such as {norms[0]}) beside its bfloat16 weights: they are "
+            "read, and exported, as bfloat16 (mcore2hf --dtype fp32 writes every tensor exactly)") in err, err
+    rc, err = _export(capsys, folder.parent, tmp_path / "exact", "--family", "llama3_1", "--dtype", "fp32")
+    assert rc == 0, err
+    exact = fc.hf_tensors(tmp_path / "exact")
+    assert torch.equal(exact["model.norm.weight"], state["decoder.final_layernorm.weight"])
 
 
 @pytest.mark.slow

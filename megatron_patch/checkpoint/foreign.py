@@ -74,6 +74,8 @@ class FoundCheckpoint:
     layers_per_stage: list[int] = field(default_factory=list)
     sidecar_dir: Path | None = None     # where this project's sidecar lies, if there is one
     notes: list[str] = field(default_factory=list)
+    # the model tensors stored in another dtype than ``dtype``: name -> dtype name
+    other_dtypes: dict[str, str] = field(default_factory=dict)
 
     @property
     def sidecar(self) -> Sidecar | None:
@@ -189,8 +191,20 @@ def find_checkpoint(path: str | Path, iteration: int | None = None) -> FoundChec
                     and (p := file_problem(d / SIDECAR_NAME)) is not None), None)
         if odd is not None:
             raise UserError(f"{odd}: the checkpoint's sidecar must be a file")
+    if sidecar_dir is None and found["other_dtypes"]:
+        notes.append(_mixed_dtypes_note(folder, found["dtype"], found["other_dtypes"]))
     return FoundCheckpoint(root=root, folder=folder, fmt=fmt, iteration=label, iterations=iterations,
                            sidecar_dir=sidecar_dir, notes=notes, **found)
+
+
+def _mixed_dtypes_note(folder: Path, dtype: str, others: dict[str, str]) -> str:
+    """Another tool's checkpoint whose weights are not all of one dtype (bf16 matrices beside fp32 norms, say):
+    its model is described, and exported, in the weights' dtype, so the others are cast; said, not done silently."""
+    kinds = sorted(set(others.values()))
+    example = sorted(others)[0]
+    keep = " (mcore2hf --dtype fp32 writes every tensor exactly)" if "float32" in kinds and dtype != "float32" else ""
+    return (f"{folder} stores {len(others)} of its tensors in {'/'.join(kinds)} (such as {example}) beside its "
+            f"{dtype} weights: they are read, and exported, as {dtype}{keep}")
 
 
 def _read_torch_dist(folder: Path) -> dict:
@@ -200,17 +214,21 @@ def _read_torch_dist(folder: Path) -> dict:
     shapes = {k: reader.global_shape(k) for k in model}
     common = reader.common_state()
     args = None if common is None else _saved_args(common)
-    return dict(shapes=shapes, dtype=_weights_dtype({k: reader.dtype(k) for k in model}), num_tensors=len(model),
+    dtypes = {k: reader.dtype(k) for k in model}
+    return dict(shapes=shapes, **_weights_dtype(dtypes), num_tensors=len(model),
                 num_bytes=sum(nbytes(s, reader.dtype(k)) for k, s in shapes.items()),
                 has_optimizer=len(model) < len(keys), args=args, layout=None)
 
 
-def _weights_dtype(dtypes: dict[str, str]) -> str:
-    """The embedding's dtype, else the most common one (an fp32 router beside bf16 weights is not it)."""
+def _weights_dtype(dtypes: dict[str, str]) -> dict:
+    """{"dtype": the embedding's dtype, else the most common one (an fp32 router beside bf16 weights is not it),
+    "other_dtypes": the tensors stored otherwise}."""
     if "embedding.word_embeddings.weight" in dtypes:
-        return dtypes["embedding.word_embeddings.weight"]
-    values = list(dtypes.values()) or ["float32"]
-    return max(set(values), key=values.count)
+        dtype = dtypes["embedding.word_embeddings.weight"]
+    else:
+        values = list(dtypes.values()) or ["float32"]
+        dtype = max(set(values), key=values.count)
+    return {"dtype": dtype, "other_dtypes": {k: v for k, v in dtypes.items() if v != dtype}}
 
 
 def _legacy_layout(folder: Path, files: dict[str, dict], args: dict | None) -> tuple[ParallelLayout, dict]:
@@ -280,7 +298,7 @@ def _read_legacy(folder: Path) -> dict:
             dtypes.update((k, v.storage.dtype) for k, v in sd.items())
             if t == 0 and e == 0:
                 _add_global_shapes(shapes, sd, layout, sum(layers_per_stage))
-    return dict(shapes=shapes, dtype=_weights_dtype(dtypes), num_tensors=count, num_bytes=total,
+    return dict(shapes=shapes, **_weights_dtype(dtypes), num_tensors=count, num_bytes=total,
                 has_optimizer=has_optimizer, args=args, layout=layout, layers_per_stage=layers_per_stage)
 
 
