@@ -220,6 +220,37 @@ def test_weights_of_two_dtypes_are_exported_in_one_saying_so(ckpts, tmp_path, ca
     assert torch.equal(exact["model.norm.weight"], state["decoder.final_layernorm.weight"])
 
 
+def test_an_moe_checkpoint_of_megatron_cores_local_spec_reads_its_pre_mlp_norms(tmp_path, capsys):
+    """megatron-core's local spec stores an MoE layer's pre-MLP norm under the dense layer's fused name
+    (``mlp.linear_fc1.layer_norm_weight``), where transformer-engine's spec, and this project, keep
+    ``pre_mlp_layernorm.weight``: such a checkpoint (Megatron-LM's --transformer-impl local) was refused as lacking
+    that norm. It reads, and exports bit-exact."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
+    from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("mixtral", tmp_path / "hf", seed=4)
+    hf_to_mcore(hf, tmp_path / "ours", ParallelLayout(), progress=False)
+    folder = tmp_path / "ours" / "release"
+    reader = dcp.FileSystemReader(str(folder))
+    stored = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items() if hasattr(m, "size")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    norm = state.pop("decoder.layers.pre_mlp_layernorm.weight")
+    state["decoder.layers.mlp.linear_fc1.layer_norm_weight"] = norm  # as the local spec names it
+    for old in [*folder.glob("*.distcp"), folder / ".metadata", *tmp_path.glob(f"ours/**/{SIDECAR_NAME}"),
+                *tmp_path.glob(f"ours/**/{MANIFEST_NAME}")]:
+        old.unlink()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+
+    rc, err = _export(capsys, tmp_path / "ours", tmp_path / "back", "--hf-config", str(hf))
+    assert rc == 0, err
+    want, got = fc.hf_tensors(hf), fc.hf_tensors(tmp_path / "back")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.slow
 def test_qk_norm_and_experts_disagreements_are_named(ckpts):
     from megatron_patch.models.description.tiny import tiny_config

@@ -413,6 +413,22 @@ def _overlap(a: tuple, b: tuple) -> bool:
     return all(x < y + ys and y < x + xs for x, xs, y, ys in zip(ao, asz, bo, bsz))
 
 
+def _moe_norms_under_local_names(tensors: dict) -> dict[str, str]:
+    """stored name -> the name read, for the pre-MLP norms of MoE layers that megatron-core's local spec stores
+    under a dense layer's fused name (``mlp.linear_fc1.layer_norm_weight``: it maps that norm so for every layer,
+    where transformer-engine's spec keeps ``pre_mlp_layernorm.weight`` in an MoE layer, as this project writes it).
+    Only where nothing else can be meant: the same layers hold a router and no first linear of their own."""
+    suffix = ".mlp.linear_fc1.layer_norm_weight"
+    out = {}
+    for key in tensors:
+        prefix = key[:-len(suffix)] if key.endswith(suffix) else None
+        if (prefix is not None and f"{prefix}.mlp.router.weight" in tensors
+                and f"{prefix}.mlp.linear_fc1.weight" not in tensors
+                and f"{prefix}.pre_mlp_layernorm.weight" not in tensors):
+            out[key] = f"{prefix}.pre_mlp_layernorm.weight"
+    return out
+
+
 class TorchDistReader:
     """A torch_dist checkpoint read without torch's reader: ``.metadata`` through the allow-list, each stored
     chunk located in its ``.distcp`` file (``chunk``), and any block of any tensor assembled from whatever
@@ -437,6 +453,10 @@ class TorchDistReader:
             raise UserError(f"{self.folder / '.metadata'} is unreadable ({type(exc).__name__}: {exc}): "
                             "the checkpoint is damaged")
         self.tensors, self.objects, self.storage = md.tensors, md.objects, md.storage
+        for stored_as, name in _moe_norms_under_local_names(self.tensors).items():
+            self.tensors[name] = self.tensors.pop(stored_as)
+            self.storage = {(name if key == stored_as else key, offset): where
+                            for (key, offset), where in self.storage.items()}
         self.integrity: dict[tuple[str, int, int], tuple[int, str]] = {}   # (path, offset, length) -> (crc, what)
         self._chunks: dict[tuple[str, tuple], Stored] = {}
         self._index: dict[str, tuple[int, dict]] = {}
