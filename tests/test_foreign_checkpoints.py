@@ -252,6 +252,29 @@ def test_an_moe_checkpoint_of_megatron_cores_local_spec_reads_its_pre_mlp_norms(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prefix", ["model.", "module."])
+def test_a_wrappers_prefix_on_every_name_is_read_past(ckpts, tmp_path, capsys, prefix):
+    """NeMo writes megatron-core's names under ``model.`` (and a wrapped module's state under ``module.``): such a
+    checkpoint was refused with a false reason ("tied output layer: config no, tensors yes" of an untied one).
+    The prefix is read past, and the export is bit-exact."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(shutil.copytree(ckpts["megatron_lm"], tmp_path / "nemo")) / "iter_0000020"
+    reader = dcp.FileSystemReader(str(folder))
+    stored = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
+             if hasattr(m, "size") and not k.startswith("optimizer")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    for old in [*folder.glob("*.distcp"), folder / ".metadata"]:
+        old.unlink()
+    dcp.save({prefix + k: v for k, v in state.items()}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+
+    rc, err = _export(capsys, folder.parent, tmp_path / "out", "--hf-config", str(ckpts["hf"]))
+    assert rc == 0, err
+    assert _same_tensors(tmp_path / "out", ckpts["want"]) == []
+
+
+@pytest.mark.slow
 def test_qk_norm_and_experts_disagreements_are_named(ckpts):
     from megatron_patch.models.description.tiny import tiny_config
 

@@ -413,6 +413,23 @@ def _overlap(a: tuple, b: tuple) -> bool:
     return all(x < y + ys and y < x + xs for x, xs, y, ys in zip(ao, asz, bo, bsz))
 
 
+# What NeMo (``model.``) and Megatron-Bridge's wrapped modules (``module.``) put before megatron-core's own names.
+WRAPPER_PREFIXES = ("model.", "module.")
+_MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
+
+
+def _wrapper_prefix_dropped(tensors: dict) -> dict[str, str]:
+    """stored name -> the name read, where every model tensor carries a wrapper's prefix (NeMo's ``model.``,
+    ``module.``) and none is named as megatron-core names it: the prefix is dropped."""
+    if any(key.startswith(_MODEL_ROOTS) for key in tensors):
+        return {}
+    for prefix in WRAPPER_PREFIXES:
+        named = {key: key[len(prefix):] for key in tensors if key.startswith(prefix)}
+        if any(name.startswith(_MODEL_ROOTS) for name in named.values()):
+            return {key: name for key, name in named.items() if name not in tensors}
+    return {}
+
+
 def _moe_norms_under_local_names(tensors: dict) -> dict[str, str]:
     """stored name -> the name read, for the pre-MLP norms of MoE layers that megatron-core's local spec stores
     under a dense layer's fused name (``mlp.linear_fc1.layer_norm_weight``: it maps that norm so for every layer,
@@ -453,14 +470,20 @@ class TorchDistReader:
             raise UserError(f"{self.folder / '.metadata'} is unreadable ({type(exc).__name__}: {exc}): "
                             "the checkpoint is damaged")
         self.tensors, self.objects, self.storage = md.tensors, md.objects, md.storage
-        for stored_as, name in _moe_norms_under_local_names(self.tensors).items():
-            self.tensors[name] = self.tensors.pop(stored_as)
-            self.storage = {(name if key == stored_as else key, offset): where
-                            for (key, offset), where in self.storage.items()}
+        # other tools' spellings of megatron-core's names, read as this project reads its own
+        self._read_as(_wrapper_prefix_dropped(self.tensors))
+        self._read_as(_moe_norms_under_local_names(self.tensors))
         self.integrity: dict[tuple[str, int, int], tuple[int, str]] = {}   # (path, offset, length) -> (crc, what)
         self._chunks: dict[tuple[str, tuple], Stored] = {}
         self._index: dict[str, tuple[int, dict]] = {}
         self._scratch: list = []
+
+    def _read_as(self, names: dict[str, str]) -> None:
+        """Each stored tensor of ``names`` read under the name it maps to."""
+        if not names:
+            return
+        self.tensors = {names.get(key, key): info for key, info in self.tensors.items()}
+        self.storage = {(names.get(key, key), offset): where for (key, offset), where in self.storage.items()}
 
     def keys(self) -> set[str]:
         return set(self.tensors) | self.objects
