@@ -189,25 +189,29 @@ def test_each_command_asks_for_what_it_takes(ckpts, tmp_path, capsys):
     assert rc == 2 and "give --family NAME, to read its saved Megatron-LM arguments" in err, err
 
 
-@pytest.mark.slow
-def test_weights_of_two_dtypes_are_exported_in_one_saying_so(ckpts, tmp_path, capsys):
-    """bf16 matrices beside fp32 norms (a GPTModel saved without Float16Module's cast): the default export rounded
-    the norms to bf16 without a word. It says so, and --dtype fp32 writes every tensor exactly."""
+def _rewritten(folder: Path, edit) -> dict:
+    """The torch_dist ``folder`` written again by torch's own checkpointing with ``edit(model tensors)``'s tensors
+    (optimizer state left out): another tool's spelling or dtypes of the same model. Returns what was written."""
     import torch.distributed.checkpoint as dcp
 
-    folder = Path(shutil.copytree(ckpts["megatron_lm"], tmp_path / "mixed")) / "iter_0000020"
     reader = dcp.FileSystemReader(str(folder))
     stored = reader.read_metadata().state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
              if hasattr(m, "size") and not k.startswith("optimizer")}
     dcp.load(state, storage_reader=reader, no_dist=True)
-    for name in list(state):
-        if "norm" not in name:
-            state[name] = state[name].to(torch.bfloat16)
-    for old in folder.glob("*.distcp"):
+    state = edit(state)
+    for old in [*folder.glob("*.distcp"), folder / ".metadata"]:
         old.unlink()
-    (folder / ".metadata").unlink()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    return state
+
+
+@pytest.mark.slow
+def test_weights_of_two_dtypes_are_exported_in_one_saying_so(ckpts, tmp_path, capsys):
+    """bf16 matrices beside fp32 norms (a GPTModel saved without Float16Module's cast): the default export rounded
+    the norms to bf16 without a word. It says so, and --dtype fp32 writes every tensor exactly."""
+    folder = Path(shutil.copytree(ckpts["megatron_lm"], tmp_path / "mixed")) / "iter_0000020"
+    state = _rewritten(folder, lambda state: {k: v if "norm" in k else v.to(torch.bfloat16) for k, v in state.items()})
     norms = sorted(k for k in state if "norm" in k)
 
     rc, err = _export(capsys, folder.parent, tmp_path / "out", "--family", "llama3_1")
@@ -225,25 +229,16 @@ def test_an_moe_checkpoint_of_megatron_cores_local_spec_reads_its_pre_mlp_norms(
     (``mlp.linear_fc1.layer_norm_weight``), where transformer-engine's spec, and this project, keep
     ``pre_mlp_layernorm.weight``: such a checkpoint (Megatron-LM's --transformer-impl local) was refused as lacking
     that norm. It reads, and exports bit-exact."""
-    import torch.distributed.checkpoint as dcp
-
     from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
     from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
     hf = make_tiny_hf_checkpoint("mixtral", tmp_path / "hf", seed=4)
     hf_to_mcore(hf, tmp_path / "ours", ParallelLayout(), progress=False)
-    folder = tmp_path / "ours" / "release"
-    reader = dcp.FileSystemReader(str(folder))
-    stored = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items() if hasattr(m, "size")}
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    norm = state.pop("decoder.layers.pre_mlp_layernorm.weight")
-    state["decoder.layers.mlp.linear_fc1.layer_norm_weight"] = norm  # as the local spec names it
-    for old in [*folder.glob("*.distcp"), folder / ".metadata", *tmp_path.glob(f"ours/**/{SIDECAR_NAME}"),
-                *tmp_path.glob(f"ours/**/{MANIFEST_NAME}")]:
-        old.unlink()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    for own in [*tmp_path.glob(f"ours/**/{SIDECAR_NAME}"), *tmp_path.glob(f"ours/**/{MANIFEST_NAME}")]:
+        own.unlink()  # another tool's, as far as anything can tell
+    local = {"decoder.layers.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight"}
+    _rewritten(tmp_path / "ours" / "release", lambda state: {local.get(k, k): v for k, v in state.items()})
 
     rc, err = _export(capsys, tmp_path / "ours", tmp_path / "back", "--hf-config", str(hf))
     assert rc == 0, err
@@ -257,17 +252,8 @@ def test_a_wrappers_prefix_on_every_name_is_read_past(ckpts, tmp_path, capsys, p
     """NeMo writes megatron-core's names under ``model.`` (and a wrapped module's state under ``module.``): such a
     checkpoint was refused with a false reason ("tied output layer: config no, tensors yes" of an untied one).
     The prefix is read past, and the export is bit-exact."""
-    import torch.distributed.checkpoint as dcp
-
     folder = Path(shutil.copytree(ckpts["megatron_lm"], tmp_path / "nemo")) / "iter_0000020"
-    reader = dcp.FileSystemReader(str(folder))
-    stored = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in stored.items()
-             if hasattr(m, "size") and not k.startswith("optimizer")}
-    dcp.load(state, storage_reader=reader, no_dist=True)
-    for old in [*folder.glob("*.distcp"), folder / ".metadata"]:
-        old.unlink()
-    dcp.save({prefix + k: v for k, v in state.items()}, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    _rewritten(folder, lambda state: {prefix + k: v for k, v in state.items()})
 
     rc, err = _export(capsys, folder.parent, tmp_path / "out", "--hf-config", str(ckpts["hf"]))
     assert rc == 0, err
