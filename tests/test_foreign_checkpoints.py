@@ -191,7 +191,8 @@ def test_each_command_asks_for_what_it_takes(ckpts, tmp_path, capsys):
 
 def _rewritten(folder: Path, edit) -> dict:
     """The torch_dist ``folder`` written again by torch's own checkpointing with ``edit(model tensors)``'s tensors
-    (optimizer state left out): another tool's spelling or dtypes of the same model. Returns what was written."""
+    (optimizer state and the objects left out, megatron-core 0.19's saved arguments among them): another tool's
+    spelling or dtypes of the same model. Returns what was written."""
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(str(folder))
@@ -214,11 +215,11 @@ def test_weights_of_two_dtypes_are_exported_in_one_saying_so(ckpts, tmp_path, ca
     state = _rewritten(folder, lambda state: {k: v if "norm" in k else v.to(torch.bfloat16) for k, v in state.items()})
     norms = sorted(k for k in state if "norm" in k)
 
-    rc, err = _export(capsys, folder.parent, tmp_path / "out", "--family", "llama3_1")
+    rc, err = _export(capsys, folder.parent, tmp_path / "out", "--hf-config", str(ckpts["hf"]))
     assert rc == 0, err
     assert (f"stores {len(norms)} of its tensors in float32 (such as {norms[0]}) beside its bfloat16 weights: they are "
             "read, and exported, as bfloat16 (mcore2hf --dtype fp32 writes every tensor exactly)") in err, err
-    rc, err = _export(capsys, folder.parent, tmp_path / "exact", "--family", "llama3_1", "--dtype", "fp32")
+    rc, err = _export(capsys, folder.parent, tmp_path / "exact", "--hf-config", str(ckpts["hf"]), "--dtype", "fp32")
     assert rc == 0, err
     exact = fc.hf_tensors(tmp_path / "exact")
     assert torch.equal(exact["model.norm.weight"], state["decoder.final_layernorm.weight"])
