@@ -528,3 +528,18 @@ def test_an_unknown_option_of_a_command_is_one_line_naming_the_command(capsys):
                         (["verify", "a", "b"], ("mpatch verify: error: unrecognized arguments: b", "'mpatch verify --help'"))):
         rc, err = run_cli(capsys, *argv)
         _one_line(rc, err, *words)
+
+
+def test_an_uneven_pipeline_is_pointed_to_where_it_is_taken(tmp_path, capsys):
+    """hf2mcore --pp 4 of a 30-layer model was told "or MP_PP0_LAYERS=6", which hf2mcore never reads: the same
+    refusal came back with it set. The commands without an uneven first stage point to the launcher, which takes
+    it, and to a torch_dist conversion at any PP."""
+    from megatron_patch.models.description.arch import validate_layout
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf", num_hidden_layers=5)
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "ck"),
+                      "--pp", "2", "--quiet")
+    assert rc == 2 and "PP=2 does not divide the 5 layers: choose a PP that divides 5 (the training launcher takes " \
+        "PP=2 with MP_PP0_LAYERS=" in err and ", or MP_PP0_LAYERS" not in err, err
+    with pytest.raises(UserError, match=r"choose a PP that divides 5, or MP_PP0_LAYERS=\d"):  # the launcher's words
+        validate_layout(parse_arch(hf), ParallelLayout(pp=2))

@@ -177,7 +177,7 @@ def validate(s: AlignSettings):
         what = ", ".join(f"{f} {getattr(ref_arch, f)} vs {getattr(test_arch, f)}" for f in diff)
         raise UserError(f"the two sides are different models ({what}): compare a checkpoint with the HF folder it came from")
     if not s.hf_dir_2:
-        validate_layout(test_arch, s.layout)
+        validate_layout(test_arch, s.layout, uneven_pipelines=False)
         if sidecar is not None and sidecar.checkpoint_format == "legacy":
             ck = sidecar.parallel_layout
             if (ck.tp, ck.pp, ck.ep, ck.expert_tp) != (s.layout.tp, s.layout.pp, s.layout.ep, s.layout.expert_tp):

@@ -22,7 +22,7 @@ def run(args) -> int:
     if args.seq_len < 1 or args.batch < 1:
         raise UserError(f"--seq-len and --batch must be at least 1 (got {args.seq_len}, {args.batch})")
     arch = checked_arch(args.hf_dir, shapes=True)
-    validate_layout(arch, layout)  # refuse before starting any process
+    validate_layout(arch, layout, uneven_pipelines=False)  # refuse before starting any process
     check_run_fits(arch, args.batch, args.seq_len, "parity")
     metrics = check_parity(args.hf_dir, layout, seed=args.seed, batch=args.batch, seq=args.seq_len)
     if args.json:

@@ -207,7 +207,8 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     layout, note = default_expert_tp(arch, layout)
     if note:
         print(f"hf2mcore: {note}", file=sys.stderr, flush=True)
-    validate_layout(arch, layout)  # once, before anything slow: the plans below take it as checked
+    # once, before anything slow: the plans below take it as checked
+    validate_layout(arch, layout, uneven_pipelines=False)
     if fmt == "legacy":
         check_legacy_layout(layout)
     inputs = (TopLevelInput(hf_dir),)  # only its top-level files are read: the output may be a folder inside it

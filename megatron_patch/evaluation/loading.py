@@ -50,7 +50,7 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
     the model (``check_tokenizer``; ``chat_template``: prompts are rendered with its chat template)."""
     opened = open_checkpoint(load_dir, hf_config=hf_config, family_option=None)
     arch = opened.model_arch
-    validate_layout(arch, layout)
+    validate_layout(arch, layout, uneven_pipelines=False)
     if tokenizer is not None:
         tokenizer_dir = _tokenizer_folder(Path(tokenizer), "--tokenizer")
     else:

@@ -355,8 +355,11 @@ def rope_settings(raw: dict, *, partial: bool = False) -> tuple[float, dict | No
     return float(theta), out
 
 
-def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers: int | None = None) -> None:
-    """Refuse a layout that cannot split this model, before any work, saying what to change."""
+def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers: int | None = None,
+                    uneven_pipelines: bool = True) -> None:
+    """Refuse a layout that cannot split this model, before any work, saying what to change. ``uneven_pipelines``:
+    the asking command takes MP_PP0_LAYERS (the launcher, Pai's converter scripts); the others are told where an
+    uneven first stage is taken instead."""
     for name, value in (("TP", layout.tp), ("PP", layout.pp), ("EP", layout.ep), ("ETP", layout.expert_tp), ("CP", layout.cp)):
         if value < 1:
             raise UserError(f"{name} must be >= 1, got {value}")
@@ -381,7 +384,10 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
     if pp_first_stage_layers is None:
         if arch.num_layers % layout.pp:
             first = first_stage_that_fits(arch.num_layers, layout.pp)
-            hint = f", or MP_PP0_LAYERS={first} ({stage_split(arch.num_layers, layout.pp, first)})" if first else ""
+            hint = "" if not first else (
+                f", or MP_PP0_LAYERS={first} ({stage_split(arch.num_layers, layout.pp, first)})" if uneven_pipelines
+                else f" (the training launcher takes PP={layout.pp} with MP_PP0_LAYERS={first}, and loads a torch_dist "
+                     "checkpoint converted at any PP)")
             raise UserError(f"PP={layout.pp} does not divide the {layers}: choose a PP that divides "
                             f"{arch.num_layers}{hint}")
     elif not (0 < pp_first_stage_layers < arch.num_layers) or (arch.num_layers - pp_first_stage_layers) % max(layout.pp - 1, 1):
