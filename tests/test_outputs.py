@@ -489,6 +489,24 @@ def test_a_file_size_limit_while_converting_is_one_line_naming_it(hf, tmp_path):
     assert not target.exists() and not leftovers(target)
 
 
+def test_a_full_disk_anywhere_is_bad_input_in_one_line(monkeypatch, capsys):
+    """align's report and eval's task data met a file-size limit as an internal error (exit 3 and 1): a full disk,
+    quota or file-size limit is bad input in whatever command meets it, a writer's wrapping of it too."""
+    from megatron_patch.cli import families, main
+
+    for code, words in ((errno.EFBIG, "a file reached the largest size allowed"), (errno.ENOSPC, "MiB free there")):
+        def full(args, code=code):
+            try:
+                raise OSError(code, os.strerror(code), "/tmp/report/plot.png")
+            except OSError as exc:
+                raise RuntimeError("the writer failed") from exc
+
+        monkeypatch.setattr(families, "run", full)
+        assert main(["families"]) == 2
+        _one_line_error(2, capsys.readouterr().err, f"mpatch families: error: writing failed: [Errno {code}]",
+                        "(/tmp/report/plot.png)", words)
+
+
 # --- the manifest ------------------------------------------------------------------------------------------------
 
 def test_every_conversion_carries_a_manifest_that_finds_a_flipped_byte(ckpt, tmp_path, capsys):

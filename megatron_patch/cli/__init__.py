@@ -16,6 +16,7 @@ from pathlib import Path
 
 from megatron_patch import __version__
 from megatron_patch.errors import UserError
+from megatron_patch.outputs.full_disk import full_disk_error, unwritten_line
 from megatron_patch.runtime.deferred_compile import defer_megatron_compile
 from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpatch {command}: error: {missing}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Exception as exc:  # noqa: BLE001 - the contract: one line, never a traceback unless asked for
+        full = full_disk_error(exc)
+        if full is not None:  # a full disk or a file-size limit is bad input, wherever a command met it
+            print(f"mpatch {command}: error: {unwritten_line(full)}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         return _internal(command, exc)
 
 

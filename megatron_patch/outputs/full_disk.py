@@ -38,6 +38,23 @@ def _free_mib(output: str | Path) -> str:
     return "free space unknown"
 
 
+def _room_and_remedy(full: OSError, where: str | Path, what: str) -> tuple[str, str]:
+    if full.errno == errno.EFBIG:
+        return ("a file reached the largest size allowed (`ulimit -f`, or the filesystem's limit)",
+                f"raise the limit (or choose another {what} on a filesystem without it)")
+    return f"{_free_mib(where)} there", f"free space (or choose another {what})"
+
+
+def unwritten_line(full: OSError) -> str:
+    """The one line for a full disk, quota or file-size limit met by a command that names no output of its own
+    here (align's report, eval's task data and results: each written whole or not at all)."""
+    where = Path(full.filename).parent if full.filename else Path.cwd()
+    room, remedy = _room_and_remedy(full, where, "output")
+    named = f" ({full.filename})" if full.filename else ""
+    return (f"writing failed: [Errno {full.errno}] {full.strerror}{named}, {room}; what it was writing is left out "
+            f"(an output appears only complete): {remedy} and rerun")
+
+
 @contextlib.contextmanager
 def full_disk_is_bad_input(output: str | Path, what: str) -> Iterator[None]:
     """Inside: writing ``output`` (given by the option ``what``). A full disk becomes one ``UserError``; the
@@ -49,9 +66,6 @@ def full_disk_is_bad_input(output: str | Path, what: str) -> Iterator[None]:
         if full is None:
             raise
         where = f" ({full.filename})" if full.filename else ""
-        room, remedy = (("a file reached the largest size allowed (`ulimit -f`, or the filesystem's limit)",
-                         f"raise the limit (or choose another {what} on a filesystem without it)")
-                        if full.errno == errno.EFBIG else
-                        (f"{_free_mib(output)} there", f"free space (or choose another {what})"))
+        room, remedy = _room_and_remedy(full, output, what)
         raise UserError(f"writing {output} failed: [Errno {full.errno}] {full.strerror}{where}, {room}; {output} is "
                         f"as it was before this run and no partial file is left: {remedy} and rerun") from None
