@@ -53,6 +53,7 @@ def megatron_lm_args(arch, tp: int, pp: int, padded: int, ckpt_format: str, *, t
         num_attention_heads=arch.num_heads, group_query_attention=arch.num_kv_heads != arch.num_heads,
         num_query_groups=arch.num_kv_heads, kv_channels=arch.head_dim, max_position_embeddings=arch.max_position_embeddings,
         seq_length=64, position_embedding_type="rope", rotary_base=int(arch.rope_theta), use_rope_scaling=llama3,
+        rotary_percent=arch.rotary_percent,
         rope_scaling_factor=(arch.rope_scaling or {}).get("factor", 8.0), normalization="RMSNorm",
         norm_epsilon=arch.norm_eps, swiglu=True, untie_embeddings_and_output_weights=not arch.tie_word_embeddings,
         add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=False, num_experts=arch.num_experts or None,

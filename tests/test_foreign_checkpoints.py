@@ -122,7 +122,10 @@ def test_a_config_whose_rope_or_norm_contradicts_the_saved_arguments_is_refused(
     theta, eps = found.args["rotary_base"], found.args["norm_epsilon"]
     assert found.args["use_rope_scaling"] is True  # the tiny Llama-3.1's llama3 RoPE
     rope = fc.read_config(ckpts["hf"])["rope_parameters"]  # transformers 5 keeps the base in there
+    factor = found.args["rope_scaling_factor"]
     for changes, named in (
+            ({"rope_parameters": {**rope, "factor": 2 * factor}},
+             f"llama3 RoPE scaling factor: config {2 * factor:g}, saved arguments {factor:g} (--rope-scaling-factor)"),
             ({"rope_parameters": {**rope, "rope_theta": 2.0 * theta}},
              f"RoPE base: config {2.0 * theta:g}, saved arguments {theta:g}"),
             ({"rms_norm_eps": eps * 10}, f"norm epsilon: config {eps * 10:g}, saved arguments {eps:g}"),
@@ -144,12 +147,22 @@ def test_rope_variants_the_saved_arguments_record_are_not_dropped_from_a_rebuilt
     arch = parse_arch(tiny_config("llama3_1"))
     base = vars(fc.megatron_lm_args(arch, 1, 1, 256, "torch_dist"))
     hf_config_from_megatron_args(base, families()["llama3_1"])  # without them: rebuilt
-    for extra, named in (({"rotary_percent": 0.5}, "RoPE on part of each head (rotary_percent 0.5)"),
-                         ({"rotary_interleaved": True}, "interleaved RoPE (rotary_interleaved)"),
+    for extra, named in (({"rotary_interleaved": True}, "interleaved RoPE (rotary_interleaved)"),
                          ({"rotary_seq_len_interpolation_factor": 4},
                           "RoPE position interpolation (rotary_seq_len_interpolation_factor 4)")):
         with pytest.raises(UserError, match=r"the saved arguments describe a model with " + re.escape(named)):
             hf_config_from_megatron_args({**base, **extra}, families()["llama3_1"])
+    # --rotary-percent: the share of each head a family's config says (GLM-4.5's partial_rotary_factor, MiniMax-M2's
+    # rotary_dim), from the arguments, not the family's template; a family without one is refused by the
+    # comparison with the arguments (test_a_config_whose_rope_or_norm_contradicts_the_saved_arguments_is_refused)
+    for family in ("glm4_moe", "minimax_m2"):
+        arch = parse_arch(tiny_config(family))
+        args = vars(fc.megatron_lm_args(arch, 1, 1, 256, "torch_dist"))
+        for percent in (0.5, 1.0):
+            config, _ = hf_config_from_megatron_args({**args, "rotary_percent": percent}, families()[family])
+            assert families()[family].parse_config(config).rotary_percent == percent, (family, percent)
+    llama = hf_config_from_megatron_args({**base, "rotary_percent": 0.5}, families()["llama3_1"])[0]
+    assert parse_arch(llama).rotary_percent == 1.0  # which the comparison then refuses
 
 
 @pytest.mark.parametrize("family,beyond", [

@@ -262,6 +262,10 @@ def _position_and_norm_disagreements(arch: Arch, args: dict | None) -> list[str]
         if said != configured:
             wrong.append(f"llama3 RoPE scaling: config {'yes' if configured else 'no'}, saved arguments "
                          f"{'yes' if said else 'no'} (--use-rope-scaling)")
+        factor, ours = number("rope_scaling_factor"), (arch.rope_scaling or {}).get("factor")
+        if said and configured and factor is not None and isinstance(ours, (int, float)) and factor != ours:
+            wrong.append(f"llama3 RoPE scaling factor: config {ours:g}, saved arguments {factor:g} "
+                         "(--rope-scaling-factor)")
     return wrong
 
 

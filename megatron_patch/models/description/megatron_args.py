@@ -65,7 +65,7 @@ def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict,
         problems.append("an MLP without SwiGLU")
     if _get(args, "position_embedding_type", "rope") != "rope":
         problems.append(f"{args['position_embedding_type']} position embeddings")
-    problems += rope_variants(args)
+    problems += rope_variants(args, partial=False)
     if problems:
         raise UserError(f"the saved arguments describe a model with {', '.join(problems)}, which {family.name} is not "
                         "as rebuilt from them: give --hf-config (the model's HF config.json), if a family here "
@@ -88,6 +88,14 @@ def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict,
         max_position_embeddings=_get(args, "max_position_embeddings", _get(args, "seq_length")),
         tie_word_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
         torch_dtype="bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32")
+    # RoPE on part of each head, where the family's config says it (the comparison with the arguments refuses
+    # the others: open_checkpoint's check_architecture)
+    percent = args.get("rotary_percent")
+    percent = float(percent) if isinstance(percent, (int, float)) and not isinstance(percent, bool) else 1.0
+    if "partial_rotary_factor" in config:
+        config["partial_rotary_factor"] = percent
+    if "rotary_dim" in config:
+        config["rotary_dim"] = int(config["head_dim"] * percent)
     if args.get("use_rope_scaling"):
         config["rope_scaling"] = {"rope_type": "llama3", "factor": float(_get(args, "rope_scaling_factor", 8.0)),
                                   **_MCORE_LLAMA3_ROPE}
