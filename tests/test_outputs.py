@@ -463,6 +463,14 @@ def test_an_empty_folder_that_cannot_be_replaced_is_refused_before_the_work(hf, 
     _one_line_error(rc, err, f"{busy} is an empty folder that cannot be replaced (Device or resource busy",
                     f"give a --save-dir inside it, such as {busy / 'out'}")
     assert worked == [] and busy.is_dir() and not any(busy.iterdir())
+    fixed = tmp_path / "immutable"  # chattr +i: nothing can be created inside it either
+    fixed.mkdir()
+    monkeypatch.setattr(Path, "rmdir", lambda self: (_ for _ in ()).throw(
+        OSError(errno.EPERM, os.strerror(errno.EPERM), str(self))) if self == fixed else removable(self))
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(fixed), "--quiet")
+    _one_line_error(rc, err, f"{fixed} is an empty folder that cannot be replaced (Operation not permitted",
+                    "choose another --save-dir")
+    monkeypatch.setattr(Path, "rmdir", removable)
 
     empty = tmp_path / "empty"
     empty.mkdir(mode=0o750)

@@ -264,8 +264,11 @@ def _take_empty_target(target: Path, what: str) -> int | None:
     try:
         target.rmdir()
     except OSError as exc:
+        # a mount point (busy) takes a folder inside it; an immutable or undeletable one takes nothing new
+        instead = (f"give a {what} inside it, such as {target / 'out'}" if exc.errno == errno.EBUSY
+                   else f"choose another {what}")
         raise UserError(f"{target} is an empty folder that cannot be replaced ({exc.strerror or exc}: a mount point "
-                        f"or an immutable folder): give a {what} inside it, such as {target / 'out'}") from None
+                        f"or an immutable folder): {instead}") from None
     return mode
 
 
