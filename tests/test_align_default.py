@@ -89,3 +89,30 @@ def test_align_peft_dir_against_peft_in_memory_and_from_a_converted_checkpoint(l
                  "--report-dir", str(tmp_path / "r3")]) == 1
     v = json.loads((tmp_path / "r3" / "report.json").read_text())["verdict"]
     assert v["decided_by"] == "fp32" and v["first_failure"] == "layers.0.attention"
+
+
+def test_the_bf16_floor_of_a_peft_adapter_rounds_it_as_the_mcore_side_does(llama, tmp_path, monkeypatch):
+    """--peft-dir in bf16: peft keeps the adapters in fp32 on a bf16 base by default, a rounding floor finer than the
+    MCore run it judges, whose adapters are bf16; a sound LoRA checkpoint of SmolLM2 read 2.03x (limit 2x) there.
+    The floor's adapters are in the base's dtype, the fp32 reference's in fp32."""
+    import torch
+
+    from megatron_patch.align import runner
+    from tests.lora_helpers import make_peft_adapter
+
+    pytest.importorskip("peft")
+    adapter = make_peft_adapter(llama, tmp_path / "adapter")
+    seen = {}
+    real = runner.peft_model
+
+    def recorded(model, peft_dir, adapters_in_fp32=True):
+        adapted = real(model, peft_dir, adapters_in_fp32)
+        seen[next(p.dtype for n, p in adapted.named_parameters() if "lora_A" not in n)] = {
+            p.dtype for n, p in adapted.named_parameters() if "lora_" in n}
+        return adapted
+
+    monkeypatch.setattr(runner, "peft_model", recorded)
+    tokens = torch.randint(0, 100, (1, 8))
+    for dtype in ("fp32", "bf16"):
+        runner.capture_hf_dir(llama, tokens, dtype, adapter)
+    assert seen == {torch.float32: {torch.float32}, torch.bfloat16: {torch.bfloat16}}, seen

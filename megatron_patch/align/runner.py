@@ -131,7 +131,9 @@ def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_di
 
         convert_hf_model(model, *fp8)
     if peft_dir is not None:
-        model = peft_model(model, peft_dir)
+        # the adapters in the base's dtype, as the MCore side computes them: peft's default keeps them in fp32 on a
+        # bf16 base, a rounding floor finer than the run being judged (a sound LoRA checkpoint read 2.03x there)
+        model = peft_model(model, peft_dir, adapters_in_fp32=dtype == "fp32")
         check_finite_weights(model, peft_dir)  # the adapter's NaN would reach both sides too, as the base's would
     try:
         return capture_hf(model, tokens, modules, parse_arch(config).vocab_size)
@@ -139,13 +141,14 @@ def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_di
         del model
 
 
-def peft_model(model, peft_dir: str | Path):
+def peft_model(model, peft_dir: str | Path, adapters_in_fp32: bool = True):
     """``peft.PeftModel.from_pretrained(model, peft_dir)``, as the transformers model it adapts (the module paths
-    the capture points name)."""
+    the capture points name); ``adapters_in_fp32``: peft's ``autocast_adapter_dtype`` (False: the base's dtype)."""
     try:
         from peft import PeftModel
     except ImportError:
         from megatron_patch.errors import UserError
 
         raise UserError("--peft-dir compares against peft's own model of the adapter: pip install peft")
-    return PeftModel.from_pretrained(model, str(peft_dir)).eval().get_base_model()
+    return PeftModel.from_pretrained(model, str(peft_dir), autocast_adapter_dtype=adapters_in_fp32
+                                     ).eval().get_base_model()
