@@ -35,7 +35,8 @@ from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar
 from megatron_patch.checkpoint_files.layout import TRAIN_STATE
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, read_config_json, validate_layout
-from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args, rope_variants
+from megatron_patch.models.description.megatron_args import (hf_config_from_megatron_args, rope_variants,
+                                                               saved_number)
 from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -241,14 +242,8 @@ def _position_and_norm_disagreements(arch: Arch, args: dict | None) -> list[str]
     if not args:
         return []
 
-    def number(key: str) -> float | None:
-        value = args.get(key)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return float(value) if ok else None
-
-    wrong = [f"{variant} in the saved arguments, which no family here builds"
-             for variant in rope_variants(args, partial=False)]
-    theta, eps, percent = number("rotary_base"), number("norm_epsilon"), number("rotary_percent")
+    wrong = [f"{variant} in the saved arguments, which no family here builds" for variant in rope_variants(args)]
+    theta, eps, percent = (saved_number(args, key) for key in ("rotary_base", "norm_epsilon", "rotary_percent"))
     if theta is not None and theta != arch.rope_theta:
         wrong.append(f"RoPE base: config {arch.rope_theta:g}, saved arguments {theta:g}")
     if eps is not None and not math.isclose(eps, arch.norm_eps, rel_tol=1e-6):
@@ -262,7 +257,7 @@ def _position_and_norm_disagreements(arch: Arch, args: dict | None) -> list[str]
         if said != configured:
             wrong.append(f"llama3 RoPE scaling: config {'yes' if configured else 'no'}, saved arguments "
                          f"{'yes' if said else 'no'} (--use-rope-scaling)")
-        factor, ours = number("rope_scaling_factor"), (arch.rope_scaling or {}).get("factor")
+        factor, ours = saved_number(args, "rope_scaling_factor"), (arch.rope_scaling or {}).get("factor")
         if said and configured and factor is not None and isinstance(ours, (int, float)) and factor != ours:
             wrong.append(f"llama3 RoPE scaling factor: config {ours:g}, saved arguments {factor:g} "
                          "(--rope-scaling-factor)")

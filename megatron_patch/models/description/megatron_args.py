@@ -14,6 +14,7 @@ do not record is listed in the returned notes, never silently assumed.
 from __future__ import annotations
 
 import copy
+import math
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.family import ModelFamily
@@ -33,18 +34,23 @@ def _get(args: dict, key: str, default=None):
     return default if value is None else value
 
 
-def rope_variants(args: dict, partial: bool = True) -> list[str]:
-    """The RoPE variants the saved arguments record that a config rebuilt from them would lose, in words (none: an
-    empty list): each changes every logit. ``partial``: RoPE on part of each head counts (a config given says its
-    own share, which is compared instead); interleaved RoPE and position interpolation no family here builds."""
+def saved_number(args: dict, key: str) -> float | None:
+    """A finite number the saved arguments hold under ``key``, else None (the arguments are untrusted input: a
+    string, a bool or a NaN says nothing)."""
+    value = args.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
+
+
+def rope_variants(args: dict) -> list[str]:
+    """The RoPE variants the saved arguments record that no family here builds, in words (none: an empty list):
+    interleaved RoPE and position interpolation each change every logit. (RoPE on part of each head is a share a
+    family's config says: set from the arguments, and compared with a config given.)"""
     found = []
-    percent = args.get("rotary_percent")
-    if partial and isinstance(percent, (int, float)) and not isinstance(percent, bool) and percent != 1:
-        found.append(f"RoPE on part of each head (rotary_percent {percent:g})")
     if args.get("rotary_interleaved") is True:
         found.append("interleaved RoPE (rotary_interleaved)")
-    factor = args.get("rotary_seq_len_interpolation_factor")
-    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor != 1:
+    factor = saved_number(args, "rotary_seq_len_interpolation_factor")
+    if factor is not None and factor != 1:
         found.append(f"RoPE position interpolation (rotary_seq_len_interpolation_factor {factor:g})")
     return found
 
@@ -65,7 +71,7 @@ def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict,
         problems.append("an MLP without SwiGLU")
     if _get(args, "position_embedding_type", "rope") != "rope":
         problems.append(f"{args['position_embedding_type']} position embeddings")
-    problems += rope_variants(args, partial=False)
+    problems += rope_variants(args)
     if problems:
         raise UserError(f"the saved arguments describe a model with {', '.join(problems)}, which {family.name} is not "
                         "as rebuilt from them: give --hf-config (the model's HF config.json), if a family here "
@@ -90,8 +96,7 @@ def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict,
         torch_dtype="bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32")
     # RoPE on part of each head, where the family's config says it (the comparison with the arguments refuses
     # the others: open_checkpoint's check_architecture)
-    percent = args.get("rotary_percent")
-    percent = float(percent) if isinstance(percent, (int, float)) and not isinstance(percent, bool) else 1.0
+    percent = saved_number(args, "rotary_percent") or 1.0
     if "partial_rotary_factor" in config:
         config["partial_rotary_factor"] = percent
     if "rotary_dim" in config:
