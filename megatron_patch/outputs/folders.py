@@ -239,13 +239,10 @@ def atomic_dir(target: str | Path, *, replace: bool = True, check: Callable[[Pat
                 tmp.mkdir()
             except OSError as exc:
                 raise UserError(f"cannot create {tmp} ({exc.strerror or exc}): choose a {what} you can write to")
-            try:
-                yield tmp
-                publish(tmp, target, replace=replace, log=log)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
+            yield tmp
+            publish(tmp, target, replace=replace, log=log)
         except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # this process's own partial folder (its name holds the PID)
             if emptied is not None and not os.path.lexists(target):
                 with contextlib.suppress(OSError):  # the empty folder given, back as it was
                     target.mkdir()
