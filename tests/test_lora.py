@@ -247,6 +247,67 @@ def test_new_family_adapters_export_and_merge_as_peft(lora_models, family, tmp_p
     assert rel(ours, peft_merged) <= 1e-6 and rel(peft_merged, hf_logits(hf, tokens)) > 1e-2
 
 
+@pytest.mark.slow
+def test_merge_lora_into_a_narrower_dtype_rounds_once_as_the_cast_of_an_fp32_merge(lora_models, tmp_path):
+    """--merge-lora --dtype bf16 of an fp32 base equals the bf16 cast of peft's fp32 merge bit for bit: the base
+    weights are read in their own dtype, not from the bf16 export (which rounded them before the sum, one bf16 step
+    off on about one element in seven)."""
+    from megatron_patch.cli import main
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    hf, src = lora_models["hf"]["llama3_1"], lora_models["adapters"]["llama3_1"]
+    ckpt, merged = tmp_path / "ckpt", tmp_path / "merged"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--peft-dir", str(src), "--quiet"]) == 0
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(merged), "--merge-lora",
+                 "--dtype", "bf16", "--quiet"]) == 0
+    base = load_hf(hf)
+    assert next(base.parameters()).dtype == torch.float32
+    reference = PeftModel.from_pretrained(base, str(src)).merge_and_unload().state_dict()
+    ours = load_file(merged / "model.safetensors")
+    assert set(ours) <= set(reference) and len(ours) > 10
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, reference[name].to(torch.bfloat16)), name
+    # the check can tell: rounding the base first lands elsewhere on some elements of an adapted weight
+    weight, w_fp32 = "model.layers.0.self_attn.q_proj.weight", load_file(hf / "model.safetensors")
+    delta = reference[weight] - w_fp32[weight]
+    rounded_first = (w_fp32[weight].to(torch.bfloat16).float() + delta).to(torch.bfloat16)
+    assert not torch.equal(rounded_first, ours[weight])
+
+
+@pytest.mark.slow
+def test_merge_lora_onto_a_legacy_base_in_a_narrower_dtype_says_it_rounds_the_base_first(lora_models, tmp_path,
+                                                                                       capsys):
+    """A legacy base (a LoRA run may start from one) is merged as exported, W rounded to --dtype before the sum:
+    said in one note naming the exact merge's --dtype, and the merged weight is that sum."""
+    from megatron_patch.cli import main
+    from megatron_patch.lora.state import base_record
+    from safetensors.torch import load_file
+
+    hf, src = lora_models["hf"]["llama3_1"], lora_models["adapters"]["llama3_1"]
+    ckpt, legacy, merged = tmp_path / "ckpt", tmp_path / "legacy", tmp_path / "merged"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(ckpt), "--peft-dir", str(src), "--quiet"]) == 0
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(legacy), "--format", "legacy",
+                 "--quiet"]) == 0
+    # the adapters' checkpoint made to name the legacy conversion as its base, as a run trained from it records
+    sidecar = ckpt / "mpatch_checkpoint.json"
+    record = json.loads(sidecar.read_text())
+    record["lora"]["base"] = base_record(legacy)
+    sidecar.write_text(json.dumps(record))
+    capsys.readouterr()
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(merged), "--merge-lora",
+                 "--dtype", "bf16", "--no-verify", "--quiet"]) == 0
+    assert (f"note: the base {legacy} is a legacy checkpoint, whose weights are merged as exported in bf16: rounded "
+            "before the adapters' product is added (--dtype fp32 is the exact merge)") in capsys.readouterr().err
+    weight = "model.layers.0.self_attn.q_proj.weight"
+    w_fp32 = load_file(hf / "model.safetensors")[weight]
+    spec, tensors, _ = read_peft_adapter(src, parse_arch(hf))
+    a, b = (tensors[f"lora.model.layers.0.self_attn.q_proj.lora_{x}"].float() for x in "AB")
+    delta = spec.scaling(spec.rank, spec.alpha) * (b @ a)
+    expected = (w_fp32.to(torch.bfloat16).float() + delta).to(torch.bfloat16)
+    assert torch.equal(load_file(merged / "model.safetensors")[weight], expected)
+
+
 # --- quick: bad input, one line, exit 2 -----------------------------------------------------------------------
 
 def _one_line(err: str) -> str:

@@ -3,8 +3,9 @@ checkpoint's adapters out as a peft folder (``mcore2hf --lora-adapter``) or merg
 (``mcore2hf --merge-lora``).
 
 The merge exports the base as ``mcore_to_hf`` does (byte moves), then rewrites each adapted HF tensor in
-place, one at a time: read it, add scaling * B @ A in float32, cast back to the output dtype. Peak memory
-is one weight in float32 and the adapters. modules_to_save weights replace the base's.
+place, one at a time: W read from the base in its stored dtype, plus scaling * B @ A in float32, cast once to
+the exported dtype. Peak memory is one fused weight in float32 and the adapters. modules_to_save weights
+replace the base's.
 """
 
 from __future__ import annotations
@@ -125,20 +126,24 @@ def _saved_tensors(opened, arch, spec: LoraSpec) -> dict:
     """The modules_to_save weights a LoRA checkpoint stores (under megatron-core's keys), as HF tensors."""
     if not spec.modules_to_save:
         return {}
+    rules = list({id(r): r for r in saved_rules(arch, spec.modules_to_save).values()}.values())
+    return {name: t for tensors in _stored_hf_tensors(opened.found.folder, arch, rules) for name, t in tensors.items()}
+
+
+def _stored_hf_tensors(folder: Path, arch, rules: list):
+    """For each transfer of ``rules``, its HF tensors read whole from the torch_dist checkpoint at ``folder``, in
+    the dtype they are stored in (one transfer's tensors in memory at a time)."""
     import torch
 
     skeleton = describe_model(arch)
-    reader = TorchDistReader(opened.found.folder)
-    rules = list({id(r): r for r in saved_rules(arch, spec.modules_to_save).values()}.values())
-    out = {}
+    reader = TorchDistReader(folder)
     for t in plan_transfers(rules, arch, ParallelLayout()):
         name = t.placements[0].mcore_name
         chunks = [c for c in skeleton.chunks if c.name == name]
         full = torch.empty(skeleton.shapes[name], dtype=getattr(torch, reader.dtype(chunks[0].key)))
         for c in chunks:
             full[c.region()] = reader.read_block(c.key, c.global_offset, c.local_shape).reshape(full[c.region()].shape)
-        out.update(zip(t.hf_names, t.split.merge([full], t.context)))
-    return out
+        yield dict(zip(t.hf_names, t.split.merge([full], t.context)))
 
 
 def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, force: bool = False,
@@ -179,6 +184,15 @@ def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str |
         base = opened.found.root
     else:
         base = find_base(record, base_dir, str(load_dir), "--base-dir")
+    base_opened = opened if record is None else open_checkpoint(base)
+    # The adapted weights are read from the base in the dtype it stores them in, so a --dtype narrower than
+    # that rounds the merged sum once, as the cast of a float32 merge does; a legacy base is read through its
+    # export instead (W already in --dtype).
+    exact_from = base_opened.found.folder if base_opened.sidecar.checkpoint_format == "torch_dist" else None
+    if exact_from is None and dtype is not None and dtype not in ("fp32", base_opened.sidecar.dtype):
+        print(f"note: the base {base} is a legacy checkpoint, whose weights are merged as exported in {dtype}: "
+              f"rounded before the adapters' product is added (--dtype {base_opened.sidecar.dtype} is the exact "
+              "merge)", file=sys.stderr, flush=True)
     with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf --merge-lora", inputs=(load_dir, base)) as tmp:
         # the base exported as plain mcore2hf does it, then moved up (its manifest is written again at the end)
         staged = tmp / "base"
@@ -190,17 +204,20 @@ def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str |
             else:
                 path.rename(tmp / path.name)
         staged.rmdir()
-        merged = _merge_in_place(tmp, arch, sites, spec, tensors, saved)
+        merged = _merge_in_place(tmp, arch, sites, spec, tensors, saved, exact_from)
         print(f"merged {merged} adapted weight(s) in float32", file=sys.stderr, flush=True)
     return Path(save_dir)
 
 
-def _merge_in_place(folder: Path, arch, sites, spec: LoraSpec, tensors: dict, saved: dict) -> int:
+def _merge_in_place(folder: Path, arch, sites, spec: LoraSpec, tensors: dict, saved: dict,
+                    base_folder: Path | None) -> int:
+    """Each adapted HF tensor of the export in ``folder`` rewritten as W + scaling * B @ A (float32, then cast to
+    the exported tensor's dtype), W read from the torch_dist checkpoint ``base_folder`` in its stored dtype
+    (None: from the export itself), and the modules_to_save weights written over the base's."""
     import torch
 
     # stacked experts (gpt-oss) read and written as the table's members: each one's bytes within its stack
     reader = StackedView(HFCheckpointReader(folder), get_family(arch.family).hf_stacked(arch))
-    count = 0
 
     def rewrite(name: str, tensor) -> None:
         place = reader.stored(name)
@@ -211,20 +228,30 @@ def _merge_in_place(folder: Path, arch, sites, spec: LoraSpec, tensors: dict, sa
         finally:
             os.close(fd)
 
+    pending = {}  # HF name -> (site, the adapter covering it, its first row in B)
     for site in sites:
         for part, hf_name in enumerate(site.hf_names):
             cover = site.covering(part)
-            if cover is None:
-                continue
-            i, first = cover
-            a = site.adapters[i]
-            rows = site.part_rows[part]
-            b = tensors[a.key_b][first:first + rows].float()
-            weight = reader.get(hf_name).float()
-            delta = spec.scaling(a.rank, a.alpha) * (b @ tensors[a.key_a].float())
-            weight += delta.t() if site.rule.split.transposed else delta  # gpt-oss's experts: stored [in, out]
-            rewrite(hf_name, weight)
-            count += 1
+            if cover is not None:
+                pending[hf_name] = (site, part, *cover)
+
+    def merge(hf_name: str, weight) -> None:
+        site, part, i, first = pending.pop(hf_name)
+        a = site.adapters[i]
+        b = tensors[a.key_b][first:first + site.part_rows[part]].float()
+        weight = weight.float()
+        delta = spec.scaling(a.rank, a.alpha) * (b @ tensors[a.key_a].float())
+        weight += delta.t() if site.rule.split.transposed else delta  # gpt-oss's experts: stored [in, out]
+        rewrite(hf_name, weight)
+
+    count = len(pending)
+    if base_folder is not None:
+        for weights in _stored_hf_tensors(base_folder, arch, list({id(s.rule): s.rule for s in sites}.values())):
+            for hf_name, weight in weights.items():
+                if hf_name in pending:
+                    merge(hf_name, weight)
+    for hf_name in list(pending):  # none left from a torch_dist base; each of a legacy one's
+        merge(hf_name, reader.get(hf_name))
     for name, tensor in saved.items():
         rewrite(name, tensor.float())
     return count
