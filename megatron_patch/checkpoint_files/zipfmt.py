@@ -160,6 +160,9 @@ def _pread(fd: int, length: int, offset: int) -> bytes:
 # Records up to this size are read and CRC-checked when an archive is opened; larger ones (tensor
 # storages) are left to ``record_checks``.
 SMALL_RECORD = 1 << 20
+# The checked bytes kept for ``read``, per archive; other records are read (and checked) again when asked for,
+# so an archive of many small tensors (an MoE's experts) costs no memory in proportion to them.
+KEPT_BYTES = 64 << 10
 _DESCRIPTOR = 0x08074B50
 
 
@@ -263,7 +266,7 @@ class ZipIndex:
     def _check_records(self, fd: int, directory_at: int) -> None:
         """Each local header against its directory entry, the records tiling the archive in order up to
         the directory, and the CRC-32 of every small record."""
-        at = 0
+        at = kept = 0
         for key, e in sorted(self._entries.items(), key=lambda kv: kv[1].local):
             name = e.name.decode("utf-8", "replace")
             if e.local != at:
@@ -291,7 +294,9 @@ class ZipIndex:
                 data = self._read(e.size, self.base + start)
                 if e.crc and crc32(data) != e.crc:
                     raise ZipFormatError(f"record {name} fails its CRC-32 check")
-                self._small[key] = data
+                if kept + e.size <= KEPT_BYTES:
+                    self._small[key] = data
+                    kept += e.size
             at = end
         if at != directory_at:
             raise ZipFormatError("bytes the zip directory does not account for lie before it")
