@@ -17,6 +17,7 @@ Each payload is first shown to run through an unguarded reader, so the tests can
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import numpy
 import pytest
+import torch
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest
 from megatron_patch.errors import UserError
@@ -218,6 +220,32 @@ def test_a_folder_in_place_of_a_cache_file_is_refused_in_one_line(built):
     path.mkdir()
     with pytest.raises(UserError, match="is a folder where megatron-core keeps a file of its dataset cache"):
         _build(cfg)
+
+
+@pytest.mark.parametrize("failure", [OSError("8192 requested and 1008 written"),  # numpy's write on a full disk
+                                     OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))])
+def test_a_full_disk_while_the_data_cache_is_written_is_bad_input_in_one_line(corpus, tmp_path, monkeypatch, failure):
+    """megatron-core wraps the failed write of its dataset indices in a bare Exception advising path_to_cache: that was
+    an internal error with megatron's traceback at start-up (the resource audit); it is one line naming the cache."""
+    cfg = _cfg(corpus, tmp_path / "out")
+
+    def full(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(numpy, "save", full)
+    with pytest.raises(UserError) as raised:
+        _build(cfg)
+    cache = data_cache.run_cache_folder(cfg.output_basepath)
+    # under a process group (every training run), megatron-core wraps the error
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(UserError) as wrapped:
+            _build(cfg)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert str(wrapped.value) == str(raised.value)
+    assert str(raised.value).startswith(f"writing the data cache in {cache} failed ({failure}), ")
+    assert str(raised.value).endswith("MiB free there: free space (or choose another OUTPUT_BASEPATH) and rerun")
 
 
 def test_a_blend_whose_index_names_a_missing_dataset_is_unfit():

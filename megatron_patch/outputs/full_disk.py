@@ -29,7 +29,8 @@ def full_disk_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def _free_mib(output: str | Path) -> str:
+def free_space(output: str | Path) -> str:
+    """"N MiB free" on the filesystem of ``output`` (or of its nearest existing parent)."""
     for folder in (Path(output), *Path(output).parents):
         try:
             return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free"
@@ -42,7 +43,7 @@ def _room_and_remedy(full: OSError, where: str | Path, what: str) -> tuple[str, 
     if full.errno == errno.EFBIG:
         return ("a file reached the largest size allowed (`ulimit -f`, or the filesystem's limit)",
                 f"raise the limit (or choose another {what} on a filesystem without it)")
-    return f"{_free_mib(where)} there", f"free space (or choose another {what})"
+    return f"{free_space(where)} there", f"free space (or choose another {what})"
 
 
 def unwritten_line(full: OSError) -> str:

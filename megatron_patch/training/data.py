@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.errors import UserError
+from megatron_patch.outputs.full_disk import free_space, full_disk_error
 from megatron_patch.training import data_cache
 
 # megatron-core is imported inside the functions that use it, so that in a rank it loads after
@@ -89,8 +90,28 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     )
     # a split's unused test share is asked for no samples: None (as many as there are) is refused for a weighted blend
     sizes = [num_train_samples, num_valid_samples if valid or cfg.split else None, 0 if cfg.split else None]
-    train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    try:
+        train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    except Exception as exc:
+        failed = _cache_write_error(exc)
+        if failed is None:
+            raise
+        raise UserError(f"writing the data cache in {cache} failed ({failed}), {free_space(cache)} there: free space "
+                        "(or choose another OUTPUT_BASEPATH) and rerun") from None
     return train, valid_ds
+
+
+def _cache_write_error(exc: BaseException) -> OSError | None:
+    """The OSError that stopped megatron-core writing its dataset indices, which a full disk raises without an errno
+    (numpy's "N requested and M written"); under a process group megatron-core wraps it ("Failed to write dataset
+    materials ...", raised from it)."""
+    if isinstance(exc, OSError) and exc.errno is None:
+        return exc
+    full = full_disk_error(exc)
+    if full is not None:
+        return full
+    cause = exc.__cause__
+    return cause if isinstance(cause, OSError) and "Failed to write dataset materials" in str(exc) else None
 
 
 # --- batches -------------------------------------------------------------------------------------------------
