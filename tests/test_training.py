@@ -1074,6 +1074,44 @@ def _small_disk(folder: Path, size: int) -> bool:
     return proc.returncode == 0
 
 
+
+@pytest.mark.slow
+def test_a_full_disk_in_the_final_export_and_a_file_size_limit_in_a_save_are_one_line_each(corpus, tmp_path):
+    """The final export met a full disk as an internal error (exit 1, its partial folder left on the full disk), and
+    a save under `ulimit -f` said to free space (the resource audit). The export's failure is one line keeping the
+    last checkpoint, and a rerun exports; a save's file-size limit names the limit."""
+    import resource
+
+    out = tmp_path / "out"
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(FAIL_WRITES)
+    env = {"PYTHONPATH": f"{tmp_path / 'inject'}:{os.environ.get('PYTHONPATH', '')}",
+           "MP_TEST_FULL_DISK": ".final.mpatch-partial"}
+    args = _pretrain_args(corpus, out, TRAIN_TOKENS_OR_ITERS=str(3 * GBS * SEQ), SAVE_INTERVAL="3")
+    proc = launch(args, env)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = out / "checkpoint"
+    assert re.fullmatch(rf"mpatch train: error: exporting {out}/final failed on rank 0: \[Errno 28\] No space left on "
+                        rf"device \(\S+\); the export stopped, {ckpt}/iter_0000003 is intact and a rerun resumes from "
+                        rf"it: free space in {out} \(or choose another OUTPUT_BASEPATH\) and rerun",
+                        proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir() if "final" in p.name) == []
+    again = launch(args, {"PYTHONPATH": env["PYTHONPATH"]})
+    assert again.returncode == 0 and (out / "final" / "release").is_dir(), again.stderr[-3000:]
+
+    limited = subprocess.run(["bash", "-c", 'ulimit -f 1000 && exec bash "$@"', "-",
+                              str(Path(__file__).parents[1] / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"),
+                              *_pretrain_args(corpus, tmp_path / "limited", TRAIN_TOKENS_OR_ITERS=str(3 * GBS * SEQ),
+                                              SAVE_INTERVAL="2", WARMUP_TOKENS_OR_ITERS="1")],
+                             env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=480)
+    assert limited.returncode == 2, limited.stdout[-3000:] + limited.stderr[-3000:]
+    last = limited.stderr.strip().splitlines()[-1]
+    assert last.startswith("mpatch train: error: saving iter_0000002 failed on rank 0: "), last
+    assert last.endswith("a file reached the largest size allowed (`ulimit -f`: 1024000 bytes here, or the "
+                         "filesystem's limit): raise the limit (or choose another OUTPUT_BASEPATH on a filesystem "
+                         "without it) and rerun"), last
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY  # this process: no limit
+
 @pytest.mark.slow
 def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(dp2_run, corpus, tmp_path):
     """The checkpoint folder on a disk with room for one and a half checkpoints: the save at 12 fails, the run

@@ -18,11 +18,13 @@ makes one incomplete), with a warning for each newer one skipped.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import random
 import re
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -306,10 +308,23 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
+def _write_remedy(what: str, folder: Path) -> str:
+    """What to do about a failed write: a file-size limit (EFBIG, or torch.save's errno-less short write under a
+    finite `ulimit -f`) is raised, not freed."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if what.startswith(f"[Errno {errno.EFBIG}]") or (
+            limit != resource.RLIM_INFINITY and what.startswith("a file could not be written")):
+        shown = "" if limit == resource.RLIM_INFINITY else f": {limit} bytes here"
+        return (f"a file reached the largest size allowed (`ulimit -f`{shown}, or the filesystem's limit): raise the "
+                "limit (or choose another OUTPUT_BASEPATH on a filesystem without it)")
+    return f"free space in {folder} (or choose another OUTPUT_BASEPATH)"
+
+
 @contextlib.contextmanager
-def _stop_on_write_error(final: Path, tmp: Path, rank: int):
+def _stop_on_write_error(final: Path, tmp: Path, rank: int, checkpoints: Path | None = None):
     """A save that fails to write (a full disk, any OSError) stops the run with one line; its partial
     folder goes (it may hold most of the free space) and the previous checkpoint is left as it was.
+    ``checkpoints``: the run's checkpoint folder, where ``final`` is the export outside it (OUTPUT_BASEPATH/final).
 
     torch's CheckpointException (a BaseException) is raised on every rank after one broadcast, with the
     details on the coordinator only: the ranks share them here (a collective every rank is ready
@@ -332,7 +347,7 @@ def _stop_on_write_error(final: Path, tmp: Path, rank: int):
         if what is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        root = final.parent
+        root = final.parent if checkpoints is None else checkpoints
         try:
             previous = latest_complete_iteration(root, iteration_problem)[0]
         except UserError:
@@ -344,9 +359,10 @@ def _stop_on_write_error(final: Path, tmp: Path, rank: int):
             free, size = shutil.disk_usage(root).free, _folder_bytes(iteration_dir(root, previous))
             room = (f" (the disk is full: {free / 2**20:.1f} MiB free, a checkpoint takes {size / 2**20:.1f} MiB)"
                     if free < size else "")
-        raise CheckpointWriteError(
-            f"saving {final.name} failed on rank {where}: {what}{room}; training stopped, {kept}: free space in "
-            f"{root} (or choose another OUTPUT_BASEPATH) and rerun") from None
+        doing, stopped = ((f"saving {final.name}", "training stopped, ") if checkpoints is None else
+                          (f"exporting {final}", "the export stopped, "))
+        raise CheckpointWriteError(f"{doing} failed on rank {where}: {what}{room}; {stopped}{kept}: "
+                                   f"{_write_remedy(what, final.parent)} and rerun") from None
     finally:
         logger.removeHandler(writer_log)
 
@@ -426,25 +442,26 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_fil
     watchdog.set_phase(f"exporting {final}")
     rank = dist.get_rank()
     tmp = _shared_partial_dir(final, inner=RELEASE)
-    _param_gather_hooks(cfg, models, enable=False)
-    # One state dict, as hf2mcore writes it. What is stored is named by each sharded tensor's global
-    # key; the dict keys only need to be distinct, and chunks reuse local module names
-    # ("decoder.layers.0..."), hence the chunk prefix.
-    if len(models) == 1:
-        state = _model_state(models[0].module)
-    else:
-        state = {f"chunk{i}.{k}": v for i, m in enumerate(models) for k, v in _model_state(m.module).items()}
-    dist_checkpointing.save(state, str(tmp / RELEASE))
-    _param_gather_hooks(cfg, models, enable=True)
-    dist.barrier()
-    if rank == 0:
-        Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, carried_files=_carry_side_files(side_files, tmp),
-                       source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}",
-                       lora=_lora_record(cfg)).write(tmp)
-        write_tracker(tmp, RELEASE)
-    _write_shared_manifest(tmp, f"mpatch train, final export of iteration {iteration}")
-    if rank == 0:
-        publish(tmp, final)
+    with _stop_on_write_error(final, tmp, rank, checkpoints=cfg.checkpoint_dir):
+        _param_gather_hooks(cfg, models, enable=False)
+        # One state dict, as hf2mcore writes it. What is stored is named by each sharded tensor's global
+        # key; the dict keys only need to be distinct, and chunks reuse local module names
+        # ("decoder.layers.0..."), hence the chunk prefix.
+        if len(models) == 1:
+            state = _model_state(models[0].module)
+        else:
+            state = {f"chunk{i}.{k}": v for i, m in enumerate(models) for k, v in _model_state(m.module).items()}
+        dist_checkpointing.save(state, str(tmp / RELEASE))
+        _param_gather_hooks(cfg, models, enable=True)
+        dist.barrier()
+        if rank == 0:
+            Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, carried_files=_carry_side_files(side_files, tmp),
+                           source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}",
+                           lora=_lora_record(cfg)).write(tmp)
+            write_tracker(tmp, RELEASE)
+        _write_shared_manifest(tmp, f"mpatch train, final export of iteration {iteration}")
+        if rank == 0:
+            publish(tmp, final)
         how = " --lora-adapter (or --merge-lora)" if cfg.lora is not None else " ..."
         print(f"exported the trained {'adapters' if cfg.lora is not None else 'model'} to {final} "
               f"({export_command(final, '--save-dir OUT' + how)})", flush=True)
