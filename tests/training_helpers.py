@@ -169,3 +169,30 @@ def train_converted(family: str, hf_dir: Path, corpus: dict, root: Path, layout:
         "WARMUP_TOKENS_OR_ITERS": str(gbs * seq), "SAVE_INTERVAL": str(iters), **over})
     proc = launch(args, env, family=family)
     return proc, [m["loss"] for m in read_metrics(out)] if proc.returncode == 0 else []
+
+
+def node_settings_worker(args_by_rank: list[list[str]]):
+    """On each rank (a "node"): resolve its own launcher line, as every rank of a job does, then agree with the others
+    (training.node_agreement); returns the data paths it goes on with."""
+    import torch.distributed as dist
+
+    from megatron_patch.runtime.distributed import init_process_group
+    from megatron_patch.training.node_agreement import agree_on_launch
+    from megatron_patch.training.validation import resolve
+
+    init_process_group()
+    cfg = resolve("llama3_1", args_by_rank[dist.get_rank()], env={})
+    return agree_on_launch(cfg).dataset_path
+
+
+def node_data_worker(args_by_rank: list[list[str]]):
+    """On each rank: build the training data from its own line's OUTPUT_BASEPATH (rank 0 builds the cache first)."""
+    import torch.distributed as dist
+
+    from megatron_patch.runtime.distributed import init_process_group
+    from megatron_patch.training.data import build_pretraining_datasets
+    from megatron_patch.training.validation import resolve
+
+    init_process_group()
+    cfg = resolve("llama3_1", args_by_rank[dist.get_rank()], env={})
+    return len(build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)[0])

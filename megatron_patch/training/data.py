@@ -93,12 +93,23 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     try:
         train, valid_ds, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     except Exception as exc:
+        _refuse_a_cache_not_seen(exc, cache)
         failed = _cache_write_error(exc)
         if failed is None:
             raise
         raise UserError(f"writing the data cache in {cache} failed ({failed}), {free_space(cache)} there: free space "
                         "(or choose another OUTPUT_BASEPATH) and rerun") from None
     return train, valid_ds
+
+
+def _refuse_a_cache_not_seen(exc: BaseException, cache: Path) -> None:
+    """A rank that does not find the cache rank 0 built (after megatron-core's barrier) sees another folder: its
+    node does not share OUTPUT_BASEPATH's filesystem."""
+    if (dist.is_initialized() and dist.get_rank() != 0 and isinstance(exc, FileNotFoundError) and exc.filename
+            and Path(os.fsdecode(exc.filename)).parent == cache):
+        raise UserError(f"rank {dist.get_rank()} does not find the data cache rank 0 built in {cache} "
+                        f"({Path(os.fsdecode(exc.filename)).name}): every node must see OUTPUT_BASEPATH on one shared "
+                        "filesystem") from None
 
 
 def _cache_write_error(exc: BaseException) -> OSError | None:

@@ -28,7 +28,7 @@ from megatron_patch.models.shape.model_shape import flops_uncounted, model_shape
 from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.runtime import device, init_model_parallel, watchdog
 from megatron_patch.runtime.deferred_compile import set_megatron_fusions
-from megatron_patch.runtime.distributed import destroy, move_to_device
+from megatron_patch.runtime.distributed import destroy, init_process_group, move_to_device
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import (
     checkpointing,
@@ -50,6 +50,7 @@ from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup
 from megatron_patch.training.machine_checks import attention_kernel, core_attention
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
+from megatron_patch.training.node_agreement import agree_on_launch
 from megatron_patch.training.packing import use_packed_local_attention
 from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, peak_tflops, summarize
 
@@ -727,6 +728,8 @@ def train(cfg) -> dict:
 
     set_megatron_fusions(cfg.compile_fusions)  # megatron-core's jit-fused helpers: compiled or eager, as the run says
     watchdog.set_phase("joining the job")
+    init_process_group(cfg.dist_timeout_min)
+    cfg = agree_on_launch(cfg)  # before any group a node's other TP would split
     init_model_parallel(cfg.layout, seed=cfg.seed, timeout_minutes=cfg.dist_timeout_min)
     watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.dist_timeout_min)
     watchdog.set_phase("building the model, optimizer and data")

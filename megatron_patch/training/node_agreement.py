@@ -1,0 +1,75 @@
+"""Every node of a job runs the same launcher line: each rank resolves its own (a node's job script may be another
+copy), so right after the ranks join, before any group or collective that a difference would hang or split, they
+compare what they resolved. A difference (another LR on one node, another TP, another data set or checkpoint) is
+refused on every rank in one line naming the option and both nodes; a path spelled otherwise that names the same
+files (a link, a relative path) is taken as rank 0 spells it, since megatron-core names its data cache after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+
+import torch.distributed as dist
+
+from megatron_patch.errors import UserError
+from megatron_patch.training.launcher_options import OPTIONS
+
+# What may differ between nodes: injected faults (a test's, on one node) and the notes each launcher printed.
+PER_NODE = ("faults", "notes")
+# Fields naming files: compared by what they resolve to, used as rank 0 spells them.
+PATHS = ("dataset_path", "valid_dataset_path", "pretrain_checkpoint", "output_basepath", "tokenizer",
+         "eval_include_path", "offload_probe_script")
+# The option a differing field comes from (fields read from several options, or derived, by their main one).
+_OPTION_OF_FIELD = {
+    **{f: o.name for o in OPTIONS for f in ((o.field,) if isinstance(o.field, str) else o.field or ())},
+    "dataset_path": "DATASET_PATH", "dataset_weights": "DATASET_PATH", "valid_dataset_path": "VALID_DATASET_PATH",
+    "valid_dataset_weights": "VALID_DATASET_PATH", "train_iters": "TRAIN_TOKENS_OR_ITERS",
+    "warmup_iters": "WARMUP_TOKENS_OR_ITERS", "lr_decay_iters": "TRAIN_TOKENS_OR_ITERS", "launcher": "the launcher",
+    "nproc_per_node": "GPUS_PER_NODE", "nnodes": "WORLD_SIZE", "world_size": "the world size"}
+
+
+def agree_on_launch(cfg):
+    """``cfg`` once every rank resolved the same settings (their paths spelled as rank 0's), else a UserError."""
+    if dist.get_world_size() == 1:
+        return cfg
+    mine = (socket.gethostname(), _comparable(cfg), {f: getattr(cfg, f) for f in PATHS})
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    host0, reference, spelled = everyone[0]
+    for rank, (host, theirs, _) in enumerate(everyone):
+        differs = next((k for k in reference if theirs.get(k) != reference[k]), None)
+        if differs is None:
+            continue
+        what = ("the model's config.json (of MODEL_SIZE or PRETRAIN_CHECKPOINT_PATH) differs between rank 0 "
+                f"({host0}) and rank {rank} ({host})" if differs == "hf_config" else
+                f"{_OPTION_OF_FIELD.get(differs, differs)} is {_shown(reference[differs])} on rank 0 ({host0}) and "
+                f"{_shown(theirs[differs])} on rank {rank} ({host})")
+        raise UserError(f"the nodes were not given the same launcher line: {what}: run the same line, with the same "
+                        "environment options, on every node")
+    return dataclasses.replace(cfg, **spelled)
+
+
+def _comparable(cfg) -> dict:
+    settings = {k: v for k, v in cfg.to_dict().items() if k not in PER_NODE}
+    for field in PATHS:
+        value = settings.get(field)
+        if isinstance(value, list):
+            settings[field] = [_resolved(v) for v in value]
+        elif isinstance(value, str):
+            settings[field] = _resolved(value)
+    settings["hf_config"] = hashlib.sha256(json.dumps(cfg.hf_config, sort_keys=True, default=str).encode()).hexdigest()
+    return settings
+
+
+def _resolved(path: str) -> str:
+    """The file a path names, through links; a data prefix by its .bin file where it has one."""
+    data = path + ".bin"
+    return os.path.realpath(data)[:-4] if os.path.exists(data) else os.path.realpath(path)
+
+
+def _shown(value) -> str:
+    return repr(value) if isinstance(value, str) else json.dumps(value, default=str)

@@ -1,0 +1,55 @@
+"""Every node of a job runs the same launcher line (training/node_agreement.py; docs/training.md, "Multi-node and
+failures"): the multi-node audit found a node given another LR or PR trained silently (each data-parallel replica
+with its own), another TP waited out MP_DIST_TIMEOUT_MIN blaming the network, and the same data reached through a
+link, or a node whose OUTPUT_BASEPATH is not the shared one, died in an internal error. Two ranks of one machine stand
+for two nodes here (each resolves its own line)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_patch.errors import UserError
+from megatron_patch.runtime.launch import run_local
+from tests.training_helpers import launcher_args, node_data_worker, node_settings_worker
+
+pytestmark = pytest.mark.slow  # two rank processes each
+
+
+def _line(corpus, out, **over) -> list[str]:
+    return launcher_args("llama3_1", **{"DATASET_PATH": corpus["prefix"], "OUTPUT_BASEPATH": str(out), **over})
+
+
+@pytest.mark.parametrize("option, given, said", [
+    ("LR", "1e-3", "LR is 0.003 on rank 0"),
+    ("TP", "2", "TP is 1 on rank 0"),
+    ("PR", "bf16", "PR is 'fp32' on rank 0"),
+])
+def test_nodes_given_different_lines_are_refused_naming_the_option(corpus, tmp_path, option, given, said):
+    line = _line(corpus, tmp_path / "out", LR="3e-3")
+    other = _line(corpus, tmp_path / "out", **{"LR": "3e-3", option: given})
+    with pytest.raises(UserError) as refused:
+        run_local(node_settings_worker, 2, [line, other])
+    assert str(refused.value).startswith(f"the nodes were not given the same launcher line: {said}"), refused.value
+    assert str(refused.value).endswith("on rank 1 (" + os.uname().nodename + "): run the same line, with the same "
+                                       "environment options, on every node")
+
+
+def test_the_same_data_through_a_link_is_taken_as_rank_0_spells_it(corpus, tmp_path):
+    """megatron-core names its data cache after the path's spelling: a node reaching the data through a link looked for
+    a cache rank 0 never built."""
+    link = tmp_path / "linked"
+    link.symlink_to(os.path.dirname(corpus["prefix"]))
+    linked = str(link / os.path.basename(corpus["prefix"]))
+    spelled = run_local(node_settings_worker, 2, [_line(corpus, tmp_path / "out"),
+                                                 _line(corpus, tmp_path / "out", DATASET_PATH=linked)])
+    assert spelled == [[str(corpus["prefix"])]] * 2
+
+
+def test_a_node_that_does_not_see_the_shared_output_folder_is_told_so(corpus, tmp_path):
+    """A node whose OUTPUT_BASEPATH is another folder (its own disk) does not find the data cache rank 0 built."""
+    with pytest.raises(UserError) as refused:
+        run_local(node_data_worker, 2, [_line(corpus, tmp_path / "shared"), _line(corpus, tmp_path / "own")])
+    assert str(refused.value).startswith(f"rank 1 does not find the data cache rank 0 built in {tmp_path / 'own'}")
+    assert str(refused.value).endswith("every node must see OUTPUT_BASEPATH on one shared filesystem")
