@@ -173,6 +173,16 @@ BAD = [
                                    "GPUS_PER_NODE": "1"}, "RANK=2 is this node's rank among WORLD_SIZE=2 nodes"),
     ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "GPUS_PER_NODE": "1"},
      "ENV=dlc reads MASTER_PORT"),
+    # torchrun's rendezvous met these as internal errors or waited (the multi-node audit)
+    ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "70000",
+                                   "GPUS_PER_NODE": "1"}, "ENV=dlc: MASTER_PORT must be a port from 1 to 65535, got 70000"),
+    ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+                                   "GPUS_PER_NODE": "1"}, "ENV=dlc: MASTER_PORT must be a port from 1 to 65535, got 0"),
+    ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "", "MASTER_PORT": "29500",
+                                   "GPUS_PER_NODE": "1"}, "ENV=dlc: MASTER_ADDR is empty: set it to node 0's address"),
+    ("llama3_1", dict(ENV="dlc"), {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "no-such-host.invalid",
+                                   "MASTER_PORT": "29500", "GPUS_PER_NODE": "1"},
+     "ENV=dlc: MASTER_ADDR no-such-host.invalid does not resolve on this node"),
     # a near-miss of an option's name would train without the option
     ("llama3_1", {}, {"MP_LORA_RANKS": "8"}, "MP_LORA_RANKS is not a launcher option: did you mean MP_LORA_RANK?"),
     ("llama3_1", {}, {"MP_DRYRUN": "1"}, "MP_DRYRUN is not a launcher option: did you mean MP_DRY_RUN?"),
@@ -397,6 +407,39 @@ def test_gpu_machine_accepts_fp8_flash_and_tp_overlap(data, monkeypatch):
 
 
 # --- dry runs -------------------------------------------------------------------------------------------
+
+
+def test_node_0s_master_port_in_use_is_refused_in_one_line(data, monkeypatch, capsys):
+    """torchrun's rendezvous server failing to listen was an internal error (EADDRINUSE) on node 0."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for k, v in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                     "GPUS_PER_NODE": "1"}.items():
+            monkeypatch.setenv(k, v)
+        code = main(["train", "llama3_1", *_args(data, "llama3_1", ENV="dlc")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == (f"mpatch train: error: ENV=dlc: MASTER_PORT {port} is in use on this node (node 0 "
+                                 "serves the rendezvous there): choose another port, the same on every node\n"), err
+
+
+@pytest.mark.parametrize("env, refusal", [
+    ({"RANK": "5"}, "RANK=5 is this node's rank among WORLD_SIZE=2 nodes: it must be below 2"),
+    ({"MASTER_PORT": "70000"}, "ENV=dlc: MASTER_PORT must be a port from 1 to 65535, got 70000"),
+])
+def test_the_dry_run_refuses_a_node_line_the_launch_refuses(data, env, refusal):
+    """The dry run printed the refusal as its command and exited 0; an unresolvable MASTER_ADDR is this node's
+    matter, not the line's, and is planned (the dry run plans a job on any machine)."""
+    cmd = ["bash", os.path.join(REPO, "examples", "llama3_1", "run_mcore_llama3_1.sh"), *_args(data, "llama3_1", ENV="dlc")]
+    base = {**os.environ, "MP_DRY_RUN": "1", "PYTHON": sys.executable, "WORLD_SIZE": "2", "RANK": "1",
+            "MASTER_ADDR": "no-such-host.invalid", "MASTER_PORT": "29500", "GPUS_PER_NODE": "1"}
+    planned = subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=120)
+    assert planned.returncode == 0, planned.stderr
+    proc = subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"mpatch train: error: {refusal}", proc.stderr
 
 def _dry(data, family, env, **over) -> dict:
     cmd = ["bash", os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh"), *_args(data, family, **over)]

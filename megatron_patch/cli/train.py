@@ -51,8 +51,9 @@ from megatron_patch.training.validation import check_starting_checkpoint_layout,
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, with this interpreter
 
 
-def launch_command(cfg, argv: list[str]) -> list[str]:
-    """The torchrun command line that runs the job (on this node)."""
+def launch_command(cfg, argv: list[str], here: bool = True) -> list[str]:
+    """The torchrun command line that runs the job (on this node). ``here``: also check what only this node can
+    (MASTER_ADDR resolves, node 0's MASTER_PORT is free); a dry run plans the line on any machine."""
     tail = ["-m", "megatron_patch", "train", cfg.launcher, *argv]
     restarts = [f"--max-restarts={cfg.max_restarts}"] if cfg.max_restarts else []
     if cfg.env in ("cpu", "dsw"):
@@ -66,10 +67,38 @@ def launch_command(cfg, argv: list[str]) -> list[str]:
     if node >= cfg.nnodes:
         raise UserError(f"RANK={node} is this node's rank among WORLD_SIZE={cfg.nnodes} nodes: it must be below "
                         f"{cfg.nnodes}")
-    _int_env("MASTER_PORT")
+    _check_rendezvous(os.environ["MASTER_ADDR"], _int_env("MASTER_PORT"), node, here)
     return [*TORCHRUN, f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}", f"--node_rank={node}",
             f"--master_addr={os.environ['MASTER_ADDR']}", f"--master_port={os.environ['MASTER_PORT']}", *restarts,
             *tail]
+
+
+def _check_rendezvous(address: str, port: int, node: int, here: bool) -> None:
+    """MASTER_ADDR and MASTER_PORT as torchrun's rendezvous needs them: a port it can use, an address this node
+    resolves, and on node 0 (which serves the rendezvous) a port nothing else listens on. torchrun itself reports
+    these as tracebacks, or waits (an unresolvable address, port 0)."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"ENV=dlc: MASTER_PORT must be a port from 1 to 65535, got {port}")
+    if not address.strip():
+        raise UserError("ENV=dlc: MASTER_ADDR is empty: set it to node 0's address")
+    if not here:
+        return
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise UserError(f"ENV=dlc: MASTER_ADDR {address} does not resolve on this node ({exc}): set it to node 0's "
+                        "address") from None
+    if node != 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT does not count
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UserError(f"ENV=dlc: MASTER_PORT {port} is in use on this node (node 0 serves the rendezvous "
+                                "there): choose another port, the same on every node") from None
+            raise
 
 
 def _int_env(name: str) -> int:
@@ -101,7 +130,7 @@ def dry_run_report(cfg, argv: list[str]) -> dict:
     if compiled is not None and "refused" in compiled:
         problems.append(compiled["refused"])
     try:
-        command = launch_command(cfg, argv)
+        command = launch_command(cfg, argv, here=False)
     except UserError as exc:
         command = [f"<{exc}>"]
     launcher = get_launcher(cfg.launcher)
@@ -236,6 +265,7 @@ def run(args) -> int:
         # Not the machine's (only reported: a dry run plans a GPU job on any machine), nor the data's contents
         # (read at launch; a dry run plans a size before the corpus exists).
         _checked_start(cfg, out=sys.stderr if dry == "json" else sys.stdout, would=True)
+        launch_command(cfg, argv, here=False)  # a line the launch refuses is refused here too, exit 2
         return 0
     check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: it takes a few lstat calls
     needed = _check_machine(cfg)
