@@ -441,6 +441,27 @@ def test_the_dry_run_refuses_a_node_line_the_launch_refuses(data, env, refusal):
     proc = subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == f"mpatch train: error: {refusal}", proc.stderr
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("node, said", [("0", "waiting for clients. 1/2 clients joined"),
+                                        ("1", "while trying to connect to (127.0.0.1, ")])
+def test_a_node_that_never_joins_fails_the_rendezvous_within_mp_dist_timeout_min(corpus, tmp_path, node, said):
+    """torchrun's static rendezvous waited 10 minutes, then went on waiting, for a node that never came (the
+    multi-node audit: nothing said after 15 minutes); node 0 alone, or node 1 alone, fails within the timeout."""
+    from megatron_patch.runtime.distributed import free_port
+
+    port = free_port()
+    env = {**os.environ, "PYTHON": sys.executable, "WORLD_SIZE": "2", "RANK": node, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "GPUS_PER_NODE": "1", "MP_DIST_TIMEOUT_MIN": "0.05"}
+    cmd = ["bash", os.path.join(REPO, "examples", "llama3_1", "run_mcore_llama3_1.sh"),
+           *launcher_args("llama3_1", ENV="dlc", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(tmp_path / "out"))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith(
+        f"mpatch train: error: the nodes did not all join the rendezvous at 127.0.0.1:{port} within "
+        "MP_DIST_TIMEOUT_MIN (") and said in last, proc.stderr[-2000:]
+    assert last.endswith("): start the same launcher line on every node, RANK 0 to 1, or raise MP_DIST_TIMEOUT_MIN")
+
 def _dry(data, family, env, **over) -> dict:
     cmd = ["bash", os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh"), *_args(data, family, **over)]
     full_env = {**os.environ, "MP_DRY_RUN": "json", "PYTHON": sys.executable, **env}
@@ -772,9 +793,9 @@ def test_dlc_on_a_cpu_node_trains_on_gloo_with_restarts_and_a_timeout(data):
     assert (res["max_restarts"], res["dist_timeout_min"]) == (3, 0.5)
     assert r["machine_problems"] == []
     assert tc["attention_backend"] == "local" and "deallocate_pipeline_outputs" not in tc
-    assert r["command"][3:9] == ["--nproc_per_node=1", "--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3",
-                                 "--master_port=29555", "--max-restarts=3"]
-    assert r["command"][9:13] == ["-m", "megatron_patch", "train", "llama3_1"]
+    assert r["command"][3:10] == ["--nproc_per_node=1", "--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3",
+                                 "--master_port=29555", "--rdzv_conf=timeout=30", "--max-restarts=3"]
+    assert r["command"][10:14] == ["-m", "megatron_patch", "train", "llama3_1"]
     # Without PAI-DLC's GPUS_PER_NODE a CPU node runs one process.
     one = _dry(data, "llama3_1", {k: v for k, v in env.items() if k != "GPUS_PER_NODE"}, ENV="dlc")
     assert one["resolved"]["nproc_per_node"] == 1 and one["processes"] == 2

@@ -68,9 +68,12 @@ def launch_command(cfg, argv: list[str], here: bool = True) -> list[str]:
         raise UserError(f"RANK={node} is this node's rank among WORLD_SIZE={cfg.nnodes} nodes: it must be below "
                         f"{cfg.nnodes}")
     _check_rendezvous(os.environ["MASTER_ADDR"], _int_env("MASTER_PORT"), node, here)
+    # a node that never joins fails the rendezvous within MP_DIST_TIMEOUT_MIN (torchrun's default waits 10 min,
+    # then retries), as a rank that goes silent later fails its collective
+    joining = f"--rdzv_conf=timeout={max(1, round(cfg.dist_timeout_min * 60))}"
     return [*TORCHRUN, f"--nproc_per_node={cfg.nproc_per_node}", f"--nnodes={cfg.nnodes}", f"--node_rank={node}",
-            f"--master_addr={os.environ['MASTER_ADDR']}", f"--master_port={os.environ['MASTER_PORT']}", *restarts,
-            *tail]
+            f"--master_addr={os.environ['MASTER_ADDR']}", f"--master_port={os.environ['MASTER_PORT']}", joining,
+            *restarts, *tail]
 
 
 def _check_rendezvous(address: str, port: int, node: int, here: bool) -> None:

@@ -266,6 +266,7 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.run import parse_args, run
 
     if os.environ.get("MPATCH_DEBUG") != "1":
@@ -277,11 +278,18 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
         # and the signal it got ("Received 2 death signal, shutting down workers"): said below too
         logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
             lambda record: "death signal" not in record.getMessage())
+    parsed = parse_args(torchrun_args)
     try:
         if forked is None:
-            run(parse_args(torchrun_args))
+            run(parsed)
         else:
-            _run_forked(parse_args(torchrun_args), *forked)
+            _run_forked(parsed, *forked)
+    except (DistStoreError, DistNetworkError) as exc:
+        # the nodes' rendezvous, before any rank started: a node that never came (or node 0 never reached)
+        said = " ".join(str(exc).split())[:300]
+        raise JobFailed(f"the nodes did not all join the rendezvous at {parsed.master_addr}:{parsed.master_port} "
+                        f"within MP_DIST_TIMEOUT_MIN ({said}): start the same launcher line on every node, RANK 0 "
+                        f"to {int(parsed.nnodes.split(':')[-1]) - 1}, or raise MP_DIST_TIMEOUT_MIN", 1) from None
     except ChildFailedError as exc:
         raise JobFailed(*explain_failures(exc.failures)) from None
     except SignalException as exc:
