@@ -92,6 +92,17 @@ def test_each_machine_runs_its_implementation_with_its_recipes():
     assert "FP8 tensor cores" in machine_problems(gpu, a100)[0]
 
 
+def test_a_gemm_filter_is_refused_where_transformer_engine_runs_fp8():
+    """transformer-engine puts every linear of its spec in FP8: MP_FP8_FILTER (torchao's) was accepted there and
+    ignored. It is refused as torchao's recipes are; torchao's machines still take it."""
+    for kinds in ("qkv", "all"):
+        assert machine_problems(_cfg({"MP_FP8_FILTER": kinds}, ENV="dsw"), H100_TE) == [
+            f"MP_FP8_FILTER={kinds} is torchao's, and this GPU runs transformer-engine's FP8, which puts every linear "
+            "of its layer spec in FP8: drop MP_FP8_FILTER"]
+        assert machine_problems(_cfg({"MP_FP8_FILTER": kinds}, ENV="dsw"), H100_NO_TE) == []
+    assert machine_problems(_cfg(ENV="dsw"), H100_TE) == []
+
+
 def test_neither_transformer_engine_nor_torchao_is_refused_in_one_line():
     bare = Capabilities(**{**CPU.__dict__, "torchao": False})
     problems = machine_problems(_cfg(), bare)
