@@ -103,6 +103,25 @@ def test_a_gemm_filter_is_refused_where_transformer_engine_runs_fp8():
     assert machine_problems(_cfg(ENV="dsw"), H100_TE) == []
 
 
+def test_a_torchao_that_does_not_import_is_refused_before_launch(monkeypatch):
+    """torchao installed (its metadata) but its import failing (built for another torch, say): the machine check
+    said ok, and every rank then stopped with an internal error. A PR=fp8 launch tries the import once and refuses."""
+    import sys
+
+    from megatron_patch.runtime import machine
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # its import now raises ImportError
+    machine.torchao_import_error.cache_clear()
+    try:
+        caps = Capabilities.detect(import_torchao=True)
+    finally:
+        machine.torchao_import_error.cache_clear()
+    assert caps.torchao and "import of torchao.float8 halted" in caps.torchao_import_error
+    assert machine_problems(_cfg(), caps) == [
+        f"PR=fp8 runs torchao's float8 here, and torchao is installed but does not import ({caps.torchao_import_error})"
+        ": reinstall it for this torch (pip install -e \".[fp8]\"), or use PR=bf16"]
+
+
 def test_neither_transformer_engine_nor_torchao_is_refused_in_one_line():
     bare = Capabilities(**{**CPU.__dict__, "torchao": False})
     problems = machine_problems(_cfg(), bare)

@@ -381,7 +381,7 @@ def test_gpu_without_te_refuses_te_only_choices_before_launch(data, over, messag
     """Each would start every rank and then fail inside megatron-core (AC=offload: TransformerBlock's
     assertion; SP: WrappedTorchNorm's): refused in one line, exit 2, nothing started."""
     monkeypatch.setenv("GPUS_PER_NODE", "2")
-    monkeypatch.setattr(Capabilities, "detect", classmethod(lambda cls: GPU_NO_TE))
+    monkeypatch.setattr(Capabilities, "detect", classmethod(lambda cls, import_torchao=False: GPU_NO_TE))
     argv = _args(data, ENV="dsw", **{"PR": "bf16", **over})
     assert any(message in p for p in machine_problems(resolve("llama3_1", argv), GPU_NO_TE))
     assert main(["train", "llama3_1", *argv]) == 2

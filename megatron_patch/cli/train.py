@@ -124,7 +124,7 @@ def _jsonable(value):
 def dry_run_report(cfg, argv: list[str]) -> dict:
     from megatron_patch.training.megatron_settings import megatron_settings
 
-    caps = Capabilities.detect()
+    caps = Capabilities.detect(import_torchao=cfg.precision.fp8)
     arch = cfg.arch
     plan = plan_memory(cfg, caps=caps)
     shape = model_shape(arch)
@@ -403,7 +403,7 @@ def _forked_rank_main(launcher: str, argv: list[str]) -> int:
 
 def _check_machine(cfg) -> dict:
     """What this machine can run, refused in one line; returns the environment the ranks need."""
-    caps = Capabilities.detect()
+    caps = Capabilities.detect(import_torchao=cfg.precision.fp8)
     check_machine(cfg, caps)
     problem = plan_memory(cfg, caps=caps).problem()
     if problem:

@@ -15,6 +15,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_patch.runtime.known_warnings import quiet_known_warnings
+
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
@@ -104,6 +106,19 @@ def cpu_float8_rowwise() -> bool:
     return True
 
 
+@functools.cache
+def torchao_import_error() -> str | None:
+    """Why torchao's float8 training modules fail to import although its distribution is installed (a torchao built
+    for another torch, say), or None. Tried once per process, and only for a PR=fp8 launch or dry run (the import
+    takes about a second): otherwise the ranks would start and stop with an internal error."""
+    quiet_known_warnings()  # the notices torchao's import prints about CUDA extensions it cannot load
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure to import means: not usable here
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    return None
+
+
 def features(gpu: dict | None) -> dict:
     """Which of transformer-engine, FP8 and FlashAttention are usable with ``gpu`` (``gpu_info()``)."""
     cuda = gpu is not None
@@ -144,17 +159,20 @@ class Capabilities:
     flash_attention_4: bool = False  # the flash-attn-4 package (torch SDPA's FA4 implementation)
     torch_version: str | None = None
     cpu_float8_rowwise: bool = True  # torch's CPU float8 GEMM takes row-wise scales (``cpu_float8_rowwise()``)
+    torchao_import_error: str | None = None  # installed, but ``import torchao.float8`` fails (None: not asked)
 
     @classmethod
-    def detect(cls) -> "Capabilities":
+    def detect(cls, import_torchao: bool = False) -> "Capabilities":
+        """This machine; ``import_torchao``: try torchao's import too (``torchao_import_error``)."""
         import torch
 
         gpu = gpu_info()
         f = features(gpu)
+        torchao = installed_version("torchao") is not None
         return cls(cuda=gpu is not None, transformer_engine=f["transformer_engine"], fp8=f["fp8"],
                    flash_attention_3=f["flash_attention_3"], flash_attention_2=f["flash_attention_2"],
                    compute_capability=tuple(torch.cuda.get_device_capability(0)) if gpu else None,
                    cuda_version=torch.version.cuda, compile_problem=compile_problem(gpu is not None),
-                   torchao=installed_version("torchao") is not None,
+                   torchao=torchao, torchao_import_error=torchao_import_error() if torchao and import_torchao else None,
                    flash_attention_4=bool(gpu) and installed_version("flash-attn-4", "flash_attn_4") is not None,
                    torch_version=torch.__version__, cpu_float8_rowwise=cpu_float8_rowwise())
