@@ -264,6 +264,47 @@ def test_an_expert_without_tokens_computes_nothing():
         assert torch.equal(weight.grad, torch.zeros_like(weight)), recipe
 
 
+def test_the_weight_gradient_gemm_gets_its_tokens_in_multiples_of_16(monkeypatch):
+    """The weight-gradient GEMM's inner dimension is the token count (an expert's routed tokens), which a GPU's
+    torch._scaled_mm takes only in multiples of 16 (and a compiled one-token expert's backward broke on CPU too):
+    its operands get zero rows up to 16 tokens, and the gradients stay torchao's (unpadded here) bit for bit. The GPU
+    kernel's check is simulated on the CPU's."""
+    import torch
+    from torchao.float8 import convert_to_float8_training
+
+    from megatron_patch.models.blocks.float8 import Float8ParallelMatmul, Parts, Sharding, _mm_config, torchao_config
+
+    def inputs():
+        gen = torch.Generator().manual_seed(3)
+        weight = torch.randn(32, 16, dtype=torch.bfloat16, generator=gen)
+        return weight, torch.randn(5, 16, dtype=torch.bfloat16, generator=gen), torch.randn(5, 32, generator=gen)
+
+    references = {}
+    for recipe in RECIPES:
+        weight, x, grad = inputs()
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False, dtype=torch.bfloat16))  # torchao swaps children
+        with torch.no_grad():
+            model[0].weight.copy_(weight)
+        convert_to_float8_training(model, config=torchao_config(recipe))
+        model(x.requires_grad_(True)).backward(grad.to(torch.bfloat16))
+        references[recipe] = (model[0].weight.grad, x.grad)
+    scaled_mm = torch._scaled_mm
+
+    def gpu_scaled_mm(a, b, *args, **kwargs):
+        if a.shape[1] % 16 or b.shape[0] % 16 or b.shape[1] % 16:
+            raise RuntimeError(f"Expected trailing dimension of mat1 to be divisible by 16: {tuple(a.shape)}")
+        return scaled_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", gpu_scaled_mm)
+    for recipe in RECIPES:
+        config = torchao_config(recipe)
+        weight, x, grad = inputs()
+        weight.requires_grad_(True), x.requires_grad_(True)
+        Float8ParallelMatmul.apply(x, weight, config, _mm_config(config), Sharding("column"),
+                                   Parts(1, (32,), (True,))).backward(grad.to(torch.bfloat16))
+        assert torch.equal(weight.grad, references[recipe][0]) and torch.equal(x.grad, references[recipe][1]), recipe
+
+
 def test_a_frozen_weight_gets_no_weight_gradient_gemm():
     """LoRA with PR=fp8: the frozen base's GEMMs run in float8 and compute the input's gradient only (the adapters
     beside them stay bf16), the same input gradient as a trainable weight's."""

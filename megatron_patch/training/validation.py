@@ -344,7 +344,8 @@ def fp8_filter_kinds(cfg: RunConfig) -> None:
 def fp8_shapes(cfg: RunConfig) -> None:
     """transformer-engine's FP8 GEMMs need rows divisible by 8 and the inner dimension by 16 (MXFP8: 32 and 32).
     torchao's recipes (which transformer-engine does not run) are checked here against nothing: its filter keeps
-    every GEMM whose sizes are not multiples of 16 in bf16 (``models/blocks/float8_plan.py``)."""
+    every GEMM whose weight sizes are not multiples of 16 in bf16 (``models/blocks/float8_plan.py``), and the tokens
+    are padded to a multiple of 16 where they are a GEMM's inner dimension (``models/blocks/float8.py``)."""
     if not cfg.precision.fp8 or (cfg.fp8_recipe or "delayed") not in TE_RECIPES or cfg.device != "cuda":
         return
     arch, recipe, tp, etp = cfg.arch, cfg.fp8_recipe or "delayed", cfg.tp, cfg.layout.expert_tp

@@ -176,6 +176,18 @@ def _max_over(amax: torch.Tensor, group) -> torch.Tensor:
     return reduced
 
 
+_SCALED_MM_MULTIPLE = 16  # torch._scaled_mm's CUDA kernel takes inner dimensions in multiples of 16 only
+
+
+def _pad_tokens(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` [tokens, n] with zero rows up to a multiple of 16 tokens, for the weight-gradient GEMM, whose inner
+    dimension is the token count (an expert's routed tokens; any micro-batch's): torch._scaled_mm's CUDA kernel takes
+    no other, and under torch.compile a one-token operand's ambiguous strides broke the CPU kernel's lowering too.
+    Zero rows change neither an amax (so neither scale) nor the GEMM's sums: the result is exact."""
+    missing = -tensor.shape[0] % _SCALED_MM_MULTIPLE
+    return torch.nn.functional.pad(tensor, (0, 0, 0, missing)) if missing else tensor
+
+
 class Float8ParallelMatmul(torch.autograd.Function):
     """``input @ weight.T`` with each operand of each of the three GEMMs cast to float8 as ``config`` (torchao's
     ``Float8LinearConfig``) says: torchao's ``matmul_with_hp_or_float8_args``, with the scales of ``sharding`` and
@@ -234,9 +246,9 @@ class Float8ParallelMatmul(torch.autograd.Function):
             if need_weight:
                 if float8:
                     if input_gw is None:
-                        input_gw = _cast(input_2d, c.cast_config_input_for_grad_weight, mm, tt.GemmInputRole.INPUT,
-                                         0, sharding.input_split(), group, pow2)
-                    grad_gw = _cast(grad_part, c.cast_config_grad_output_for_grad_weight, mm,
+                        input_gw = _cast(_pad_tokens(input_2d), c.cast_config_input_for_grad_weight, mm,
+                                         tt.GemmInputRole.INPUT, 0, sharding.input_split(), group, pow2)
+                    grad_gw = _cast(_pad_tokens(grad_part), c.cast_config_grad_output_for_grad_weight, mm,
                                     tt.GemmInputRole.GRAD_OUTPUT, 0, sharding.grad_output_split(), group, pow2)
                     grad_weights.append(torch.mm(grad_gw.t(), input_gw))
                 else:
