@@ -154,13 +154,6 @@ BAD = [
      "MP_SFT_PACKING=true: deepseek_v4's attention computes its own scores"),
     ("llama3_1", dict(SFT="true", TP="2", SP="true", PAD_LEN="63", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"},
      "PAD_LEN (63) must be a multiple of 2"),
-    # transformer-engine's FP8 shape rules: GPU runs with its recipes (torchao's filter keeps such GEMMs in bf16)
-    ("llama3_1", dict(ENV="dsw", PR="fp8", BATCH_SIZE="1", SEQ_LEN="60"), {"GPUS_PER_NODE": "1"},
-     "the tokens per GEMM, BATCH_SIZE*SEQ_LEN/CP = 60, must be a multiple of 8"),
-    ("llama3_1", dict(ENV="dsw", PR="fp8", BATCH_SIZE="1", SEQ_LEN="48"), {"MP_FP8_RECIPE": "mxfp8", "GPUS_PER_NODE": "1"},
-     "= 48, must be a multiple of 32"),
-    ("qwen2_moe", dict(ENV="dsw", PR="fp8", ETP="4"), {"GPUS_PER_NODE": "4"},
-     "divisible by 16, and this model at TP=1 has expert FFN size per ETP rank 8"),
     ("llama3_1", dict(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH="/x"), {"MP_NUM_LAYERS": "2"},
      "MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset"),
     ("llama3_1", dict(ENV="dsw"), {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"},
@@ -388,6 +381,30 @@ def test_gpu_without_te_refuses_te_only_choices_before_launch(data, over, messag
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err, err
     assert machine_problems(resolve("llama3_1", argv), H100) == []
+
+
+TE_FP8_SHAPES = [
+    ("llama3_1", dict(BATCH_SIZE="1", SEQ_LEN="60"), {"GPUS_PER_NODE": "1"},
+     "PR=fp8 with transformer-engine (recipe delayed): the tokens per GEMM, BATCH_SIZE*SEQ_LEN/CP = 60, must be a "
+     "multiple of 8"),
+    ("llama3_1", dict(BATCH_SIZE="1", SEQ_LEN="48"), {"MP_FP8_RECIPE": "mxfp8", "GPUS_PER_NODE": "1"},
+     "= 48, must be a multiple of 32"),
+    ("qwen2_moe", dict(EP="2", ETP="4", GLOBAL_BATCH_SIZE="16"), {"GPUS_PER_NODE": "8"},
+     "divisible by 16, and this model at TP=1 has expert FFN size per ETP rank 8"),
+]
+
+
+@pytest.mark.parametrize("family,over,env,message", TE_FP8_SHAPES, ids=[m[:40] for *_, m in TE_FP8_SHAPES])
+def test_transformer_engines_fp8_shape_rules_bind_where_it_runs_only(data, family, over, env, message, monkeypatch):
+    """transformer-engine's FP8 shape rules (rows by 8, inner dimensions by 16) refused a GPU without it too, naming
+    TE's recipe: torchao's float8 there pads its tokens and keeps GEMMs of other sizes in bf16."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = resolve(family, _args(data, family, ENV="dsw", PR="fp8", **over))
+    b200 = Capabilities(**{**H100.__dict__, "compute_capability": (10, 0)})  # every TE recipe runs there
+    assert any(message in p for p in machine_problems(cfg, b200)), machine_problems(cfg, b200)
+    torchao_gpu = Capabilities(**{**GPU_NO_TE.__dict__, "torchao": True})
+    assert not any(message in p for p in machine_problems(cfg, torchao_gpu)), machine_problems(cfg, torchao_gpu)
 
 
 def test_gpu_without_te_accepts_the_local_spec_choices(data, monkeypatch):

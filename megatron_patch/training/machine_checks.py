@@ -26,6 +26,32 @@ def fp8_recipe_problem(recipe: str, caps: Capabilities) -> str | None:
     return None
 
 
+def te_fp8_shape_problem(cfg: RunConfig, recipe: str) -> str | None:
+    """Why transformer-engine's FP8 GEMMs cannot take ``cfg``'s shapes (rows divisible by 8 and the inner dimension
+    by 16; MXFP8: 32 and 32), or None. A machine question: torchao's float8 (a GPU without TE) pads its tokens and
+    keeps GEMMs of other sizes in bf16 (``models/blocks/float8.py``, ``float8_plan.py``)."""
+    arch, tp, etp = cfg.arch, cfg.tp, cfg.layout.expert_tp
+    tokens, tokens_name = cfg.tokens_per_gemm, f"BATCH_SIZE*{cfg.sample_length_name}/CP"
+    rows, inner = (32, 32) if recipe == "mxfp8" else (8, 16)
+    if tokens % rows:
+        return (f"PR=fp8 with transformer-engine (recipe {recipe}): the tokens per GEMM, {tokens_name} = {tokens}, "
+                f"must be a multiple of {rows}: change BATCH_SIZE or the sequence length")
+    # every layer's attention width (a layer type may have heads of its own size): the first that does not fit
+    widths = [arch.num_heads * s.head_dim // tp for s in arch.attention_shapes]
+    dims = {"hidden_size": arch.hidden_size,
+            "attention width per TP rank": next((w for w in widths if w % inner), widths[0]),
+            "FFN size per TP rank": arch.ffn_hidden_size // tp}
+    if arch.is_moe:
+        dims["expert FFN size per ETP rank"] = arch.moe_ffn_hidden_size // etp
+        if arch.shared_expert_ffn_hidden_size:
+            dims["shared-expert FFN size per TP rank"] = arch.shared_expert_ffn_hidden_size // tp
+    bad = [f"{name} {value}" for name, value in dims.items() if value % inner]
+    if bad:
+        return (f"PR=fp8 with transformer-engine (recipe {recipe}) needs GEMM inner dimensions divisible by {inner}, "
+                f"and this model at TP={tp} has {', '.join(bad)}: use PR=bf16 or another TP")
+    return None
+
+
 def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
     """Every reason this machine cannot run ``cfg``, each saying what to change."""
     out = []
@@ -38,8 +64,11 @@ def machine_problems(cfg: RunConfig, caps: Capabilities) -> list[str]:
         out.append(fp8)
     elif cfg.precision.fp8 and te and not caps.fp8:
         out.append("PR=fp8 needs a GPU with FP8 (compute capability >= 8.9): use PR=bf16")
-    elif cfg.precision.fp8 and te and fp8_recipe_problem(fp8_run.recipe(cfg, fp8_run.TRANSFORMER_ENGINE), caps):
-        out.append(fp8_recipe_problem(fp8_run.recipe(cfg, fp8_run.TRANSFORMER_ENGINE), caps))
+    elif cfg.precision.fp8 and te:
+        te_recipe = fp8_run.recipe(cfg, fp8_run.TRANSFORMER_ENGINE)
+        problem = fp8_recipe_problem(te_recipe, caps) or te_fp8_shape_problem(cfg, te_recipe)
+        if problem:
+            out.append(problem)
     # Without transformer-engine FL=true is torch SDPA on the local spec (core_attention), which every
     # machine and precision has.
     if cfg.flash_attention and te and not cfg.precision.mixed:

@@ -143,7 +143,12 @@ class RunConfig:
     @property
     def sample_length(self) -> int:
         """PAD_LEN for SFT on JSON records; SEQ_LEN for pretraining and for an SFT idxmap (Pai's meaning)."""
-        return self.pad_len if self.sft and self.dataset_type == "raw" else self.seq_len
+        return self.pad_len if self.sample_length_name == "PAD_LEN" else self.seq_len
+
+    @property
+    def sample_length_name(self) -> str:
+        """The launcher argument ``sample_length`` comes from, for messages."""
+        return "PAD_LEN" if self.sft and self.dataset_type == "raw" else "SEQ_LEN"
 
     @property
     def tokens_per_gemm(self) -> int:

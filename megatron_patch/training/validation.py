@@ -35,7 +35,6 @@ from megatron_patch.training.launcher_args import (
 )
 from megatron_patch.training import evaluation_run
 from megatron_patch.training.launcher_options import Options, read_options, unread_variables
-from megatron_patch.training.fp8_run import TE_RECIPES
 from megatron_patch.training.lora_run import check_lora, lora_from_options
 from megatron_patch.training.sparse_attention_run import check_sparse_attention, dsa_from_options
 from megatron_patch.training.run_config import RunConfig, no_gpu_problem
@@ -298,7 +297,7 @@ def model_layout(cfg: RunConfig) -> None:
 
 
 def _length(cfg: RunConfig) -> tuple[str, int]:
-    return ("PAD_LEN" if cfg.sft and cfg.dataset_type == "raw" else "SEQ_LEN"), cfg.sample_length
+    return cfg.sample_length_name, cfg.sample_length
 
 
 def sequence_splits(cfg: RunConfig) -> None:
@@ -339,35 +338,6 @@ def recompute_blocks(cfg: RunConfig) -> None:
 def fp8_filter_kinds(cfg: RunConfig) -> None:
     if cfg.precision.fp8:
         check_filter_kinds(cfg.arch, cfg.fp8_filter, "MP_FP8_FILTER")
-
-
-def fp8_shapes(cfg: RunConfig) -> None:
-    """transformer-engine's FP8 GEMMs need rows divisible by 8 and the inner dimension by 16 (MXFP8: 32 and 32).
-    torchao's recipes (which transformer-engine does not run) are checked here against nothing: its filter keeps
-    every GEMM whose weight sizes are not multiples of 16 in bf16 (``models/blocks/float8_plan.py``), and the tokens
-    are padded to a multiple of 16 where they are a GEMM's inner dimension (``models/blocks/float8.py``)."""
-    if not cfg.precision.fp8 or (cfg.fp8_recipe or "delayed") not in TE_RECIPES or cfg.device != "cuda":
-        return
-    arch, recipe, tp, etp = cfg.arch, cfg.fp8_recipe or "delayed", cfg.tp, cfg.layout.expert_tp
-    length_name, length = _length(cfg)
-    tokens, tokens_name = cfg.micro_batch_size * length // cfg.cp, f"BATCH_SIZE*{length_name}/CP"
-    rows, inner = (32, 32) if recipe == "mxfp8" else (8, 16)
-    if tokens % rows:
-        raise UserError(f"PR=fp8 ({recipe}): the tokens per GEMM, {tokens_name} = {tokens}, must be a multiple of "
-                        f"{rows}: change BATCH_SIZE or the sequence length")
-    # every layer's attention width (a layer type may have heads of its own size): the first that does not fit
-    widths = [arch.num_heads * s.head_dim // tp for s in arch.attention_shapes]
-    dims = {"hidden_size": arch.hidden_size,
-            "attention width per TP rank": next((w for w in widths if w % inner), widths[0]),
-            "FFN size per TP rank": arch.ffn_hidden_size // tp}
-    if arch.is_moe:
-        dims["expert FFN size per ETP rank"] = arch.moe_ffn_hidden_size // etp
-        if arch.shared_expert_ffn_hidden_size:
-            dims["shared-expert FFN size per TP rank"] = arch.shared_expert_ffn_hidden_size // tp
-    bad = [f"{name} {value}" for name, value in dims.items() if value % inner]
-    if bad:
-        raise UserError(f"PR=fp8 ({recipe}) needs GEMM inner dimensions divisible by {inner}, and this model at "
-                        f"TP={tp} has {', '.join(bad)}: use PR=bf16 or another TP")
 
 
 def positions(cfg: RunConfig) -> None:
@@ -440,7 +410,7 @@ def sft_data(cfg: RunConfig) -> None:
 CHECKS: tuple[Callable[[RunConfig], None], ...] = (
     learning_rates, offload_settings, data_kind, sequence_parallelism, activation_checkpointing_mode,
     packing_and_context_parallelism, pipeline_split, sample_lengths, model_layout, check_lora, check_sparse_attention,
-    sequence_splits, recompute_blocks, fp8_filter_kinds, fp8_shapes, positions, expert_gradient_groups, processes,
+    sequence_splits, recompute_blocks, fp8_filter_kinds, positions, expert_gradient_groups, processes,
     training_length, sft_data, moe_aux_loss,
     evaluation_run.check_evaluation)
 
