@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks import float8_plan
+from megatron_patch.models.blocks import float8, float8_plan
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import fp8_run
@@ -516,3 +517,82 @@ def test_on_a_gpu_a_gemm_whose_shard_is_no_multiple_of_16_stays_in_bf16_whatever
     assert float8(None, ("fc1",))["linear_fc1.gate"] is True
     # the dry run asks with the run's TP on a GPU, and nothing on the CPU
     assert fp8_run.gpu_tp(_cfg(ENV="dsw")) == (1, 1) and fp8_run.gpu_tp(_cfg()) is None
+
+
+# --- the HF floor of `mpatch align --dtype fp8`: the same GEMMs in float8 as on MCore's side ---------------------
+
+def _tiny_hf(family: str, folder, **config):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    return AutoModelForCausalLM.from_pretrained(make_tiny_hf_checkpoint(family, folder, seed=7, **config),
+                                                dtype=torch.bfloat16)
+
+
+def _routed(experts, tokens: int = 24, top_k: int = 2):
+    """Inputs of a fused experts module: hidden states, each token's top_k experts and their weights."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = experts.down_proj.shape[2] if experts.is_transposed else experts.down_proj.shape[1]
+    x = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(experts.num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    return x, index, torch.rand(tokens, top_k, generator=generator).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_the_hf_floors_experts_forward_is_transformers_own(tmp_path, family):
+    """The floor's forward of a fused experts module (one GEMM per expert's gate, up and down) computes what
+    transformers' does, in each layout it records (Mixtral's [gate; up]; gpt-oss' transposed, interleaved, biased)."""
+    experts = _tiny_hf(family, tmp_path / family).model.layers[0].mlp.experts
+    inputs = _routed(experts)
+    expected = experts(*inputs)
+    float8._float8_experts(experts, float8.torchao_config("tensorwise"), lambda out, in_: False)
+    torch.testing.assert_close(experts(*inputs), expected, rtol=1e-2, atol=1e-3)
+
+
+def test_the_hf_floors_routed_experts_run_torchaos_float8(tmp_path):
+    """transformers 5 fuses the routed experts into one module of 3-D weights that torchao's
+    convert_to_float8_training skips (it takes nn.Linear only), while MCore's run in float8: the floor's experts
+    compute each expert's gate, up and down as torchao's Float8Linear does on that weight (audit fp8 #1)."""
+    from torchao.float8 import convert_to_float8_training
+
+    model = _tiny_hf("mixtral", tmp_path / "mixtral")
+    experts = model.model.layers[0].mlp.experts
+    x, index, weights = _routed(experts)
+    inner = experts.down_proj.shape[2]
+    reference = torch.zeros_like(x)
+    for e in range(experts.num_experts):
+        linears = torch.nn.ModuleDict({name: torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+                                       for name, w in (("gate", experts.gate_up_proj[e, :inner]),
+                                                       ("up", experts.gate_up_proj[e, inner:]),
+                                                       ("down", experts.down_proj[e]))})
+        with torch.no_grad():
+            for name, w in (("gate", experts.gate_up_proj[e, :inner]), ("up", experts.gate_up_proj[e, inner:]),
+                            ("down", experts.down_proj[e])):
+                linears[name].weight.copy_(w)
+        convert_to_float8_training(linears, config=float8.torchao_config("tensorwise"))
+        rows, k = torch.where(index == e)
+        y = linears["down"](experts.act_fn(linears["gate"](x[rows])) * linears["up"](x[rows]))
+        reference.index_add_(0, rows, y * weights[rows, k, None])
+    float8.convert_hf_model(model, "tensorwise", ("experts",))
+    with torch.no_grad():
+        assert torch.equal(experts(x, index, weights), reference)
+
+
+def test_the_hf_floor_keeps_routers_in_bf16_and_names_gemma4s_dense_mlp_shared_experts(tmp_path):
+    """Under `all`, MCore keeps routers and the shared experts' gate outside its parallel linears, in bf16: so does
+    the floor (Qwen2-MoE's mlp.shared_expert_gate, Gemma 4's router.proj). Gemma 4's dense MLP beside the experts is
+    MCore's shared_experts: the floor's mlp.gate_proj/up_proj/down_proj are of that kind (audit fp8 #1, #8)."""
+    from megatron_patch.models.gemma4.config import TINY_MOE_CONFIG
+
+    def float8_linears(model, fp8_filter):
+        float8.convert_hf_model(model, "tensorwise", fp8_filter)
+        return {n.split(".layers.0.")[1] for n, m in model.named_modules()
+                if ".layers.0." in n and type(m).__name__ == "Float8Linear"}
+
+    qwen = float8_linears(_tiny_hf("qwen2_moe", tmp_path / "qwen2_moe"), "all")
+    assert "mlp.shared_expert.gate_proj" in qwen and "mlp.shared_expert_gate" not in qwen
+    gemma = float8_linears(_tiny_hf("gemma4", tmp_path / "gemma4", **TINY_MOE_CONFIG), "all")
+    assert "self_attn.q_proj" in gemma and "router.proj" not in gemma
+    assert float8_linears(_tiny_hf("gemma4", tmp_path / "gemma4", **TINY_MOE_CONFIG), ("shared_experts",)) == {
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}

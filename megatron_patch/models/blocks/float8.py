@@ -25,6 +25,7 @@ megatron-core's, around the float8 GEMM. torchao is imported only when a model i
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ import torch
 # it costs a second and prints notices about its CUDA extensions. megatron-core is imported inside functions too,
 # so that in a rank it loads after runtime/cpu_compat has patched torch.
 
+from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.float8_plan import RECIPES, Gemm, chosen, fused_parts, linear_kind
 from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
@@ -373,26 +375,94 @@ _HF_KINDS = ((re.compile(r"\.experts?\.\d+\.|\.experts\."), "experts"), (re.comp
              (re.compile(r"\.(q|k|v|qkv|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?$"), "qkv"), (re.compile(r"\.o_proj$"), "proj"),
              (re.compile(r"\.(gate|up|gate_up)_proj$"), "fc1"), (re.compile(r"\.down_proj$"), "fc2"))
 _HF_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
+# HF linears that megatron-core computes outside its parallel linears, in bf16 (docs/fp8.md: routers stay bf16):
+# routers (Gemma 4's router.proj) and the shared experts' sigmoid gate (Qwen2-MoE's, Qwen3-Next's)
+_HF_BF16 = re.compile(r"\.router\.|\.mlp\.gate$|\.shared_experts?_gate$")
 
 
-def hf_linear_kind(name: str) -> str:
-    """The kind of an HF decoder linear (its full name), as ``float8_plan.linear_kind`` names MCore's."""
+def hf_linear_kind(name: str, moe_layer: bool = False) -> str:
+    """The kind of an HF decoder linear (its full name), as ``float8_plan.linear_kind`` names MCore's;
+    ``moe_layer``: its layer has routed experts, beside which megatron-core holds a dense MLP as its shared experts
+    (Gemma 4's mlp.gate_proj/up_proj/down_proj)."""
     for pattern, kind in _HF_KINDS:
         if pattern.search(name):
-            return kind
+            return "shared_experts" if moe_layer and kind in ("fc1", "fc2") else kind
     return "other"
+
+
+def _float8_experts(experts, config, choose) -> None:
+    """transformers 5's fused experts module (3-D ``gate_up_proj`` and ``down_proj``, not ``nn.Linear``, so
+    torchao's ``convert_to_float8_training`` never sees them) with a forward that computes what transformers' eager
+    one does, each expert's gate, up and down GEMMs through torchao's ``matmul_with_hp_or_float8_args`` (what
+    ``Float8Linear`` runs) where ``choose(out, in)`` says so: gate and up scaled apart, as megatron-core's
+    ``linear_fc1`` parts are. The layout comes from the flags transformers' ``use_experts_implementation`` records
+    (transposed, interleaved, biases); ``_apply_gate`` is the module's own."""
+    if not experts.has_gate or experts.has_post_expert_norm:
+        raise UserError(f"mpatch align --dtype fp8 cannot put {type(experts).__name__}'s experts in float8 (no gate, "
+                        "or a norm after each expert): choose an --fp8-filter without experts")
+    matmul = _torchao()[0].float8_linear.matmul_with_hp_or_float8_args
+    mm_config = _mm_config(config)
+    shape = experts.down_proj.shape  # [E, H, I] (transposed: [E, I, H])
+    hidden, inner = (shape[2], shape[1]) if experts.is_transposed else (shape[1], shape[2])
+    gate_up_in_float8, down_in_float8 = choose(inner, hidden), choose(hidden, inner)
+    signature = inspect.signature(type(experts).forward)
+
+    def linear(x, weight, in_float8: bool):  # weight [out, in]
+        return matmul.apply(x, weight.contiguous().t(), mm_config, config) if in_float8 else x @ weight.t()
+
+    def forward(*args, **kwargs):
+        hidden_states, top_k_index, top_k_weights = signature.bind(experts, *args, **kwargs).args[1:4]
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if experts.is_transposed:  # [E, in, out]
+            gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        out = torch.zeros_like(hidden_states)
+        for e in range(gate_up.shape[0]):
+            top_k_pos, token_idx = torch.where((top_k_index == e).t())  # transformers' order: by k, then token
+            if token_idx.numel() == 0:
+                continue
+            x = hidden_states[token_idx]
+            gate, up = ((gate_up[e, :inner], gate_up[e, inner:]) if experts.is_concatenated
+                        else (gate_up[e, 0::2], gate_up[e, 1::2]))
+            gate, up = linear(x, gate, gate_up_in_float8), linear(x, up, gate_up_in_float8)
+            gate_up_out = (torch.cat([gate, up], dim=-1) if experts.is_concatenated
+                           else torch.stack([gate, up], dim=-1).flatten(-2))
+            if experts.has_bias:
+                gate_up_out = gate_up_out + experts.gate_up_proj_bias[e]
+            y = linear(experts._apply_gate(gate_up_out), down[e], down_in_float8)
+            if experts.has_bias:
+                y = y + experts.down_proj_bias[e]
+            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, top_k_pos, None]).to(out.dtype))
+        return out
+
+    experts.forward = forward
+
+
+def _fused_experts(model) -> list:
+    return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)
+            and m.gate_up_proj.dim() == 3]
 
 
 def convert_hf_model(model, recipe: str, fp8_filter) -> None:
     """torchao's ``convert_to_float8_training`` on ``model``'s decoder linears that ``fp8_filter`` chooses (the same
-    decision as ``convert_chunks`` makes for MCore's GEMMs): the reference ``mpatch align --dtype fp8`` and the
-    tests compare with."""
-    float8 = _torchao()[0]
+    decision as ``convert_chunks`` makes for MCore's GEMMs: routed experts included, routers and shared-expert gates
+    left out): the reference ``mpatch align --dtype fp8`` and the tests compare with."""
+    float8, config = _torchao()[0], torchao_config(recipe)
+    for experts in _fused_experts(model):
+        gpu_split = 1 if experts.down_proj.device.type == "cuda" else None
+        def choose(out_features, in_features):
+            return chosen("experts", recipe, fp8_filter, out_features, in_features, gpu_split)
+
+        if choose(*experts.down_proj.shape[1:]) or choose(*reversed(experts.down_proj.shape[1:])):
+            _float8_experts(experts, config, choose)
+    moe_layers = {match.group(0) for name, _ in model.named_modules() if (match := _HF_LAYER.search(name))
+                  and hf_linear_kind(name + ".") == "experts"}
 
     def keep(module, name: str) -> bool:
-        if not isinstance(module, torch.nn.Linear) or not _HF_LAYER.search(name):
+        layer = _HF_LAYER.search(name)
+        if not isinstance(module, torch.nn.Linear) or not layer or _HF_BF16.search(name):
             return False
-        return chosen(hf_linear_kind(name), recipe, fp8_filter, module.out_features, module.in_features,
+        kind = hf_linear_kind(name, layer.group(0) in moe_layers)
+        return chosen(kind, recipe, fp8_filter, module.out_features, module.in_features,
                       1 if module.weight.device.type == "cuda" else None)
 
-    float8.convert_to_float8_training(model, module_filter_fn=keep, config=torchao_config(recipe))
+    float8.convert_to_float8_training(model, module_filter_fn=keep, config=config)
