@@ -45,9 +45,25 @@ def command_line(args) -> str:
     return shlex.join(parts)
 
 
+DEFAULT_FP8_RECIPE, DEFAULT_FP8_FILTER = "tensorwise", "auto"
+
+
+def resolve_fp8_options(args) -> None:
+    """--fp8-recipe and --fp8-filter choose what --dtype fp8 runs: with another --dtype they would be ignored, so
+    they are refused there; with --dtype fp8 their defaults are filled in."""
+    given = [flag for flag, value in (("--fp8-recipe", args.fp8_recipe), ("--fp8-filter", args.fp8_filter))
+             if value is not None]
+    if given and args.dtype != "fp8":
+        raise UserError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --dtype fp8, got --dtype "
+                        f"{args.dtype}: add --dtype fp8, or drop {' and '.join(given)}")
+    args.fp8_recipe = args.fp8_recipe or DEFAULT_FP8_RECIPE
+    args.fp8_filter = args.fp8_filter or DEFAULT_FP8_FILTER
+
+
 @sigterm_as_interrupt
 def run(args) -> int:
     from megatron_patch.align.alignment import AlignSettings, run_alignment
+    resolve_fp8_options(args)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     settings = AlignSettings(
         hf_dir=args.hf_dir, mcore_dir=args.mcore_dir, hf_dir_2=args.hf_dir_2, layout=layout_from_args(args),
@@ -104,10 +120,11 @@ def register(subparsers) -> None:
                    help="the training dtype whose precision is judged after the fp32 run (default bf16); fp8: "
                         "torchao's float8 GEMMs in MCore, against the HF model after torchao's "
                         "convert_to_float8_training (docs/fp8.md)")
-    p.add_argument("--fp8-recipe", choices=RECIPES, default="tensorwise", help="--dtype fp8: torchao's recipe")
-    p.add_argument("--fp8-filter", default="auto",
+    p.add_argument("--fp8-recipe", choices=RECIPES, default=None,
+                   help=f"--dtype fp8: torchao's recipe (default {DEFAULT_FP8_RECIPE})")
+    p.add_argument("--fp8-filter", default=None,
                    help=f"--dtype fp8: the GEMMs in float8 on both sides: auto (torchao's filter), all, or kinds out of "
-                        f"{','.join(KINDS)} (default auto)")
+                        f"{','.join(KINDS)} (default {DEFAULT_FP8_FILTER})")
     p.add_argument("--only-dtype", action="store_true",
                    help="run only --dtype, without the fp32 run that certifies the conversion: faster, and its verdict "
                         "says what it cannot resolve")
