@@ -609,3 +609,14 @@ def test_align_refuses_fp8_options_without_fp8_dtype(tmp_path, capsys):
     assert main(["align", "--hf-dir", str(tmp_path), "--dtype", "fp32", "--fp8-filter", "all"]) == 2
     assert "--fp8-filter needs --dtype fp8" in capsys.readouterr().err
 
+
+def test_align_fp8_without_torchao_names_the_fp8_extra(tmp_path, monkeypatch, capsys):
+    """--dtype fp8 without torchao advised `pip install -e .`, which does not install it (audit fp8b #1): one line
+    naming the [fp8] extra, before anything runs."""
+    from megatron_patch.align import alignment
+    from megatron_patch.cli import main
+
+    monkeypatch.setattr(alignment, "installed_version", lambda *dists: None, raising=False)
+    assert main(["align", "--hf-dir", str(tmp_path), "--dtype", "fp8"]) == 2
+    error = capsys.readouterr().err
+    assert 'pip install -e ".[fp8]"' in error and len(error.strip().splitlines()) == 1

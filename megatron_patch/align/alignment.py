@@ -32,7 +32,7 @@ from megatron_patch.models.blocks.float8_plan import check_filter_kinds, cpu_rec
 from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
-from megatron_patch.runtime.machine import cpu_float8_rowwise
+from megatron_patch.runtime.machine import cpu_float8_rowwise, installed_version
 from megatron_patch.tokenizer import load_tokenizer
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
@@ -144,6 +144,10 @@ def validate(s: AlignSettings):
     if s.dtype == "fp8" and (s.hf_dir_2 or s.peft_dir or s.ablate):
         raise UserError("--dtype fp8 compares MCore's float8 with torchao's on the HF model: without --hf-dir-2, "
                         "--peft-dir and --ablate")
+    if s.dtype == "fp8" and installed_version("torchao") is None:  # the [fp8] extra, not in a plain install
+        raise UserError(f"--dtype fp8 runs torchao's float8, and torchao is not installed in {sys.executable}: "
+                        "pip install -e \".[fp8]\" in megatron_patch's repository (or pip install torchao), or "
+                        "choose another --dtype")
     if s.dtype == "fp8" and not torch.cuda.is_available():
         problem = cpu_recipe_problem(s.fp8_recipe, cpu_float8_rowwise(), torch.__version__,
                                      f"--fp8-recipe {s.fp8_recipe}")
