@@ -620,3 +620,15 @@ def test_align_fp8_without_torchao_names_the_fp8_extra(tmp_path, monkeypatch, ca
     assert main(["align", "--hf-dir", str(tmp_path), "--dtype", "fp8"]) == 2
     error = capsys.readouterr().err
     assert 'pip install -e ".[fp8]"' in error and len(error.strip().splitlines()) == 1
+
+
+def test_align_fp8_refuses_a_filter_that_leaves_every_gemm_in_bf16(tmp_path, capsys):
+    """torchao's auto filter (the default) keeps every GEMM of a small model in bf16: align judged that bf16 run and
+    called it ALIGNED in fp8 (audit fp8b #8). Refused in one line naming --fp8-filter all."""
+    from megatron_patch.cli import main
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    assert main(["align", "--hf-dir", str(hf), "--dtype", "fp8", "--seq-len", "16", "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert "leaves every decoder GEMM of this model in bf16" in error and "--fp8-filter all" in error

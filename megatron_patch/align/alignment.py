@@ -28,7 +28,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
 from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.sources import is_peft_folder
-from megatron_patch.models.blocks.float8_plan import check_filter_kinds, cpu_recipe_problem, filter_text
+from megatron_patch.models.blocks.float8_plan import arch_gemms, check_filter_kinds, cpu_recipe_problem, filter_text
 from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -131,6 +131,19 @@ def check_run_fits(arch, batch: int, seq_len: int, command: str) -> None:
                         f"for its activations; {free / 2**30:.1f} GiB are free: lower --batch or --seq-len")
 
 
+def _check_some_gemm_in_float8(s: AlignSettings, arch) -> None:
+    """An fp8 verdict where the filter left every GEMM in bf16 would certify bf16 under fp8's name (torchao's auto
+    filter keeps every GEMM of a small model in bf16; on a GPU, shards that are no multiple of 16 stay in bf16)."""
+    cuda = torch.cuda.is_available()
+    if s.fp8_filter != "auto" and not cuda:  # a kind list the model has (checked) or all: float8 GEMMs on a CPU
+        return
+    gemms = arch_gemms(arch, s.fp8_recipe, s.fp8_filter, (s.layout.tp, s.layout.expert_tp) if cuda else None)
+    if not any(g.float8 for layer in gemms.values() for g in layer):
+        raise UserError(f"--fp8-filter {filter_text(s.fp8_filter)} ({s.fp8_recipe}) leaves every decoder GEMM of "
+                        "this model in bf16, so nothing would be compared in float8: use --fp8-filter all (or a "
+                        "list of kinds), or --dtype bf16")
+
+
 def validate(s: AlignSettings):
     """Every check that needs no model run; returns (reference arch, tested arch, sidecar or None)."""
     if not Path(s.hf_dir).is_dir():
@@ -171,6 +184,7 @@ def validate(s: AlignSettings):
     check_run_fits(ref_arch, s.batch, s.seq_len, "align")
     if s.dtype == "fp8":
         check_filter_kinds(ref_arch, s.fp8_filter, "--fp8-filter")
+        _check_some_gemm_in_float8(s, ref_arch)
     if s.hf_dir_2:
         checked_arch(s.hf_dir_2, shapes=True)
     test_arch, sidecar = _test_arch(s)
