@@ -632,3 +632,52 @@ def test_align_fp8_refuses_a_filter_that_leaves_every_gemm_in_bf16(tmp_path, cap
     assert main(["align", "--hf-dir", str(hf), "--dtype", "fp8", "--seq-len", "16", "--quiet"]) == 2
     error = capsys.readouterr().err
     assert "leaves every decoder GEMM of this model in bf16" in error and "--fp8-filter all" in error
+
+
+def test_every_fused_qkv_layout_is_split_into_its_hf_linears():
+    """Audit (fp8 A#2, B#3): linear_qkv was split into q, k and v only for [q; k; v] per query group; Qwen3-Next's
+    gated query and Gemma 4's global layers (their own head size and key/value heads) were one float8 GEMM with one
+    scale and one filter decision, so k and v ran in float8 where torchao keeps HF's k_proj and v_proj in bf16."""
+    def parts(rows, heads, groups, head_dim, hidden=2048):
+        gemms = float8_plan.layer_gemms({"self_attention.linear_qkv": (rows, hidden)}, "tensorwise", "auto",
+                                        heads=heads, groups=groups, head_dim=head_dim, gated=True, mla=False)
+        return [(g.part, g.out_features, g.float8) for g in gemms]
+
+    # Qwen3-Next-80B-A3B: 16 heads of 256 with their output gates (HF's q_proj holds both), 2 key/value heads
+    assert parts(2 * 16 * 256 + 2 * 2 * 256, 16, 2, 256) == [("q", 8192, True), ("k", 512, False), ("v", 512, False)]
+    # Gemma-4-E2B's global layer: 8 heads of 512, one key/value head of 512
+    assert parts(8 * 512 + 2 * 512, 8, 1, 512, 1536) == [("q", 4096, True), ("k", 512, False), ("v", 512, False)]
+    # keys doubling as values (Gemma 4's attention_k_eq_v): no v_proj; a KV-sharing layer: q_proj alone
+    assert parts(16 * 256 + 4 * 256, 16, 4, 256) == [("q", 4096, True), ("k", 1024, False)]
+    assert parts(16 * 256, 16, 4, 256) == [("q", 4096, True)]
+    with pytest.raises(ValueError, match="no layout"):
+        parts(100, 16, 4, 256)
+
+
+def test_the_dry_run_and_the_memory_plan_count_linear_attentions_gemms():
+    """Audit (fp8 A#5, B#4): the dry run listed only linear_* modules, so the Gated DeltaNet's in_proj and out_proj,
+    which the run converts, were in neither list, and the memory plan's float8 casts left them out."""
+    cfg = resolve("qwen3_next", launcher_args("qwen3_next", PR="fp8"), env={"GPUS_PER_NODE": "1",
+                                                                        "MP_FP8_FILTER": "all"}, check_paths=False)
+    gemms = fp8_run.summary(cfg, CPU)["gemms"]["linear_attention+moe"]
+    assert {(g["module"], g["kind"], g["float8"]) for g in gemms if g["kind"] == "other"} == {
+        ("self_attention.in_proj", "other", True), ("self_attention.out_proj", "other", True)}
+    in_proj = next(g["shape"] for g in gemms if g["module"] == "self_attention.in_proj")
+    tokens = cfg.micro_batch_size * cfg.sample_length
+    assert fp8_run.cast_bytes(cfg) >= 2 * (in_proj[0] * in_proj[1] + tokens * (in_proj[0] + in_proj[1]))
+
+
+def test_the_mtp_layer_is_converted_and_listed_like_a_decoder_layer():
+    """Audit (fp8 A#3): MP_FP8_FILTER=all left the trained MTP layer's linears in bf16, and the dry run did not
+    mention it: its transformer layer's linears are converted and listed as the decoder layers' are."""
+    import dataclasses
+
+    from megatron_patch.models.blocks import float8
+
+    assert float8._DECODER_LAYER.match("mtp.layers.0.transformer_layer.mlp.linear_fc1").group(1) == "mlp.linear_fc1"
+    assert not float8._DECODER_LAYER.match("mtp.layers.0.eh_proj")  # the MTP block's own projection stays bf16
+    cfg = resolve("deepseek_v3", launcher_args("deepseek_v3", PR="fp8"), env={"GPUS_PER_NODE": "1",
+                                                                          "MP_FP8_FILTER": "all"}, check_paths=False)
+    gemms = float8_plan.arch_gemms(dataclasses.replace(cfg.arch, mtp_layers=1), "tensorwise", "all")
+    lines = float8_plan.describe(gemms, "tensorwise", "all")
+    assert any(line.startswith("mtp layers: float8 ") and "experts.linear_fc1.gate" in line for line in lines), lines

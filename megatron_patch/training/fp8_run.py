@@ -11,7 +11,7 @@ machine cannot run refused in one line, and what the dry run says. docs/fp8.md.
 from __future__ import annotations
 
 from megatron_patch.models.blocks.float8_plan import RECIPES as TORCHAO_RECIPES
-from megatron_patch.models.blocks.float8_plan import arch_gemms, cpu_recipe_problem, describe, filter_text
+from megatron_patch.models.blocks.float8_plan import arch_gemms, cpu_recipe_problem, describe, filter_text, row_parallel
 
 TE_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 ALL_RECIPES = tuple(dict.fromkeys(TE_RECIPES + TORCHAO_RECIPES))
@@ -122,7 +122,7 @@ def cast_bytes(cfg) -> int:
             if not g.float8:
                 continue
             split = (cfg.etp or cfg.tp) if g.kind == "experts" else cfg.tp
-            if g.module.endswith(("linear_proj", "linear_fc2")):  # row-parallel: the input dimension is split
+            if row_parallel(g.module):  # the input dimension is split
                 rows, cols = g.out_features, g.in_features // split
             else:
                 rows, cols = g.out_features // split, g.in_features

@@ -39,7 +39,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.float8_plan import RECIPES, Gemm, chosen, fused_parts, linear_kind
 from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
-_DECODER_LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.\d+\.(.+)$")
+_DECODER_LAYER = re.compile(r"^(?:module\.)*(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
 
 
 # --- torchao ------------------------------------------------------------------------------------------------------
@@ -315,7 +315,8 @@ def _float8_forward_impl(module, config, mm_config, parts: Parts):
 
 def decoder_linears(chunk):
     """(layer-relative name, full name, module) of every column- and row-parallel linear in ``chunk``'s decoder
-    layers (the output layer and the embedding are not among them)."""
+    layers and its MTP layers' transformer layers (the output layer, the embedding and MTP's eh_proj are not among
+    them)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     for name, module in chunk.named_modules():

@@ -29,7 +29,11 @@ _KIND_PATTERNS = (
     (re.compile(r"(^|\.)mlp\.linear_fc1$"), "fc1"),
     (re.compile(r"(^|\.)mlp\.linear_fc2$"), "fc2"),
 )
-_LINEAR = re.compile(r"(^|\.)linear_[a-z0-9_]+$")
+# The modules of a layer that are megatron-core parallel linears (what float8.decoder_linears converts): its own
+# linear_* names and linear attention's in_proj/out_proj; not the router, nor Gemma 4's replicated per-layer-input
+# linears (plain torch linears, bf16 like the embedding).
+_PARALLEL_LINEAR = re.compile(r"(^|\.)(linear_[a-z0-9_]+|in_proj|out_proj)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.0\.transformer_layer\.(.+)$")
 
 
 def linear_kind(module: str) -> str:
@@ -114,15 +118,33 @@ def chosen(kind: str, recipe: str, fp8_filter, out_features: int, in_features: i
     return kind in fp8_filter
 
 
+def qkv_layout(rows: int, *, heads: int, groups: int, head_dim: int) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
+    """How ``linear_qkv``'s rows (whole model) divide into HF's q_proj, k_proj and v_proj, given the layer's own
+    query heads, key/value heads (query groups) and head size: (groups, rows of each part per group, names).
+    The layouts megatron-core and this project's layers build differ in their row count, so it tells them apart:
+
+    - per query group [q heads; k; v]: ``GroupedQKV``;
+    - with an output gate (Qwen3-Next, Qwen3.5: ``GatedQKV``), [q heads; gate heads; k; v]: HF's q_proj holds the
+      queries and their gates, so its part is both (the same rows in another order, scaled and filtered alike);
+    - keys doubling as values (Gemma 4's global layers with ``attention_k_eq_v``), [q heads; k]: no v_proj;
+    - queries only (Gemma 4's KV-sharing layers, which reuse an earlier layer's keys and values): q_proj alone."""
+    q = heads // groups * head_dim
+    for widths, names in (((q, head_dim, head_dim), ("q", "k", "v")), ((2 * q, head_dim, head_dim), ("q", "k", "v")),
+                          ((q, head_dim), ("q", "k")), ((q,), ("q",))):
+        if groups * sum(widths) == rows:
+            return groups, widths, names
+    raise ValueError(f"linear_qkv of {rows} rows is no layout of {heads} heads, {groups} query groups of {head_dim}")
+
+
 def fused_parts(module: str, out_features: int, *, heads: int, groups: int, head_dim: int, gated: bool,
                 mla: bool) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
     """How the output rows of a decoder linear ``module`` (whole model: ``out_features`` rows) divide into HF
     tensors: (repeats, rows of each part per repeat, the parts' names). q, k and v interleave per query group
-    in ``linear_qkv``; gate and up are the two halves of a gated ``linear_fc1``."""
+    in ``linear_qkv`` (``qkv_layout``; ``heads``, ``groups`` and ``head_dim`` are the layer's own); gate and up
+    are the two halves of a gated ``linear_fc1``."""
     if module.endswith("self_attention.linear_qkv") and not mla and groups:
-        q = heads // groups * head_dim
-        if groups * (q + 2 * head_dim) == out_features:  # not with a gated query (Qwen3-Next): one part then
-            return groups, (q, head_dim, head_dim), ("q", "k", "v")
+        repeats, widths, names = qkv_layout(out_features, heads=heads, groups=groups, head_dim=head_dim)
+        return (1, (out_features,), names) if len(names) == 1 else (repeats, widths, names)
     if module.endswith("linear_fc1") and gated:
         return 1, (out_features // 2, out_features // 2), ("gate", "up")
     return 1, (out_features,), ("",)
@@ -158,20 +180,33 @@ def layer_gemms(linears: dict[str, tuple[int, int]], recipe: str, fp8_filter, *,
 
 
 def arch_gemms(arch, recipe: str, fp8_filter, gpu_tp: tuple[int, int] | None = None) -> dict[str, list[Gemm]]:
-    """Each layer kind's GEMMs (models/shape/model_shape.py's layer kinds), from the model's shape (``gpu_tp``:
-    ``layer_gemms``')."""
-    from megatron_patch.models.shape.model_shape import model_shape  # imported here: megatron-core's skeleton, once
+    """Each layer kind's GEMMs (models/shape/model_shape.py's layer kinds, and "mtp" for the multi-token-prediction
+    layers' transformer layer where the model carries them), from the model's shape (``gpu_tp``: ``layer_gemms``')."""
+    from megatron_patch.models.shape.model_shape import (  # imported here: megatron-core's skeleton, once
+        layer_kind, model_shape, representative_layers)
 
+    shape = model_shape(arch)
+    layers = {}  # kind -> (its parameters' shapes, its attention's own heads and head size)
+    for i in representative_layers(arch):
+        layers[layer_kind(arch, i)] = shape.layers[layer_kind(arch, i)], arch.attention_shape(i)
+    mtp = {m.group(1): s for name, s in shape.ends.items() if (m := _MTP_LAYER.match(name))}
+    if mtp:  # an MTP layer has full attention with the model's own heads (Arch.attention_type)
+        layers["mtp"] = (mtp, arch.attention_shape(arch.num_layers))
     out = {}
-    for kind, params in model_shape(arch).layers.items():
+    for kind, (params, attention) in layers.items():
         linears = {}
-        for name, shape in params.items():
+        for name, dims in params.items():
             module = re.sub(r"\.weight\d*$", "", name)
-            if len(shape) == 2 and name != module and _LINEAR.search(module):
-                linears[module] = tuple(shape)
-        out[kind] = layer_gemms(linears, recipe, fp8_filter, heads=arch.num_heads, groups=arch.num_kv_heads,
-                                head_dim=arch.head_dim, gated=True, mla=arch.mla is not None, gpu_tp=gpu_tp)
+            if len(dims) == 2 and name != module and _PARALLEL_LINEAR.search(module):
+                linears[module] = tuple(dims)
+        out[kind] = layer_gemms(linears, recipe, fp8_filter, heads=arch.num_heads, groups=attention.num_kv_heads,
+                                head_dim=attention.head_dim, gated=True, mla=arch.mla is not None, gpu_tp=gpu_tp)
     return out
+
+
+def row_parallel(module: str) -> bool:
+    """Whether a decoder linear (its layer-relative name) is row-parallel: TP splits its input dimension."""
+    return module.endswith(("linear_proj", "linear_fc2", "out_proj"))
 
 
 def describe(gemms: dict[str, list[Gemm]], recipe: str, fp8_filter) -> list[str]:
