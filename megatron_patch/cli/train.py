@@ -172,12 +172,28 @@ def _compile_report(cfg, caps) -> dict:
     impl = fp8_run.implementation(cfg, caps) if cfg.precision.fp8 else None
     fp8 = (fp8_run.recipe(cfg, impl), cfg.fp8_filter) if impl == fp8_run.TORCHAO else None
     try:
-        return family_compile_report(cfg.family, "bfloat16" if cfg.precision.fp8 else cfg.precision.dtype_name,
-                                     fp8, core_attention(cfg, caps) or "sdpa")
+        report = family_compile_report(cfg.family, "bfloat16" if cfg.precision.fp8 else cfg.precision.dtype_name,
+                                       fp8, core_attention(cfg, caps) or "sdpa")
+        return {**report, "unlike_the_run": _compile_caveats(cfg, fp8 is not None)}
     except UserError as exc:
         return {"refused": str(exc)}
     except Exception as exc:  # noqa: BLE001 - the dry run reports what it could not measure and goes on
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+
+
+def _compile_caveats(cfg, float8: bool) -> list[str]:
+    """What of the run the tiny model (TP=1, no recompute) does not show: where the run's layers break apart
+    (measured on CPU: the fp8 audit, tiny Llama)."""
+    caveats = []
+    if cfg.tp > 1:
+        caveats.append(f"at TP={cfg.tp} megatron-core's tensor-parallel linears break a layer's graph (the column-parallel "
+                       "linears' asynchronous all-reduce" + (", and torchao's float8 GEMM of the row-parallel ones, "
+                                                             "which then run eagerly" if float8 else "")
+                       + "), so whole layers compile apart there")
+    if cfg.activation_checkpointing == "sel":
+        caveats.append("AC=sel's recompute of core attention breaks the graph (torch.get_rng_state), so whole layers "
+                       "compile apart there")
+    return caveats
 
 
 def _sft_sample(cfg) -> dict:
@@ -212,7 +228,8 @@ def print_dry_run(report: dict) -> None:
     compiled = report["compile"]
     if compiled is not None and "lines" in compiled:
         print(f"  compile     per kind of layer, as the tiny {report['family']} model's first step decides it (a run "
-              "decides on its own layers, at its first step):" + "".join(f"\n    {line}" for line in compiled["lines"]))
+              "decides on its own layers, at its first step):" + "".join(f"\n    {line}" for line in compiled["lines"])
+              + "".join(f"\n    unlike this run's layers: {line}" for line in compiled.get("unlike_the_run", [])))
     elif compiled is not None:
         print(f"  compile     each decoder layer, whole or apart; what compiles could not be found out here: "
               f"{compiled.get('refused') or compiled['error']}")
