@@ -8,6 +8,7 @@ SIGKILLed one, a full disk) through the launchers.
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import torch
@@ -57,6 +58,38 @@ def test_a_timeout_with_every_rank_alive_says_they_wait_in_different_collectives
     assert unreachable.endswith("the job's store did not answer either, so which rank stopped is not known (its host, "
                                 "MASTER_ADDR, may be the one that is frozen)")
 
+
+
+def _lost_connection() -> RuntimeError:
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as exc:  # noqa: BLE001
+        tb = exc.__traceback__
+    return RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234").with_traceback(tb)
+
+
+def test_a_lost_connection_names_the_rank_that_exited_or_its_node(monkeypatch):
+    """A rank of another node that died left this node's line pointing to "the launcher's report of which rank
+    exited", which only that node's launcher prints (the multi-node audit): the heartbeats name it, by a pid of
+    this host that is gone, else by the other node's host."""
+    import socket
+    import subprocess
+    import sys
+
+    monkeypatch.setitem(watchdog._state, "beat", watchdog.Heartbeat(0, 2, 12.0))
+    watchdog.set_phase("iteration 7")
+    exc = _lost_connection()
+    assert watchdog.failure_kind(exc) == "lost"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    here, now = socket.gethostname(), 100.0
+    beats = {0: {"time": now, "phase": "iteration 7", "host": here, "pid": os.getpid()},
+             1: {"time": now - 1, "phase": "iteration 7", "host": here, "pid": int(gone.stdout)}}
+    line = watchdog.explain(exc, 0, 0.2, now=now, beats=beats)
+    assert line.endswith(f"that rank died or its node went away; rank 1 exited (pid {gone.stdout.strip()} on {here}; its "
+                         "last heartbeat 1 s ago, during iteration 7)"), line
+    beats[1].update(host="node1", pid=os.getpid())
+    assert watchdog.explain(exc, 0, 0.2, now=now, beats=beats).endswith(
+        "; a rank of another node exited (ranks 1 run on node1): that node's launcher names it")
 
 def test_before_the_heartbeats_start_the_line_says_the_job_was_still_forming(monkeypatch):
     monkeypatch.setitem(watchdog._state, "beat", None)

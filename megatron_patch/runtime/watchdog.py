@@ -194,6 +194,38 @@ def explain(exc: BaseException, rank: int, timeout_minutes: float, now: float | 
     return head + "; " + _judge(beats, now, timeout_minutes * 60 / 2)
 
 
+def _who_exited(beats: dict[int, dict], now: float) -> str:
+    """The rank a lost connection lost, by its heartbeat: a process of this host that is gone, else the other
+    hosts' ranks, whose own launchers say which exited (a multi-node job: this node's launcher never hears of it)."""
+    here = socket.gethostname()
+    gone = {r: b for r, b in beats.items() if b["host"] == here and not _alive(b["pid"])}
+    if gone:
+        return "; ".join(f"rank {r} exited (pid {b['pid']} on {here}; its last heartbeat {now - b['time']:.0f} s ago, "
+                         f"during {b['phase']})" for r, b in sorted(gone.items()))
+    away = {r: b["host"] for r, b in beats.items() if b["host"] != here}
+    if away:
+        hosts = ", ".join(sorted(set(away.values())))
+        return (f"a rank of another node exited (ranks {', '.join(str(r) for r in sorted(away))} run on {hosts}): "
+                "that node's launcher names it")
+    return "see the launcher's report of which rank exited"
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a killed rank stays a zombie until its launcher reaps it, which the lost connection
+    can come before."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
 def _judge(beats: dict[int, dict] | None, now: float, stale_after: float, lost: bool = False) -> str:
     if beats is None:
         return ("the job's store did not answer either, so which rank stopped is not known (its host, MASTER_ADDR, "
@@ -208,7 +240,7 @@ def _judge(beats: dict[int, dict] | None, now: float, stale_after: float, lost: 
         verb = "stopped answering" if not lost else "went silent"
         return f"rank{'s' if len(silent) > 1 else ''} {names} {verb} ({detail})"
     if lost:
-        return "see the launcher's report of which rank exited"
+        return _who_exited(beats, now)
     phases = "; ".join(f"rank {r}: {b['phase']}" for r, b in sorted(beats.items()))
     return (f"every rank's heartbeat is recent, so none is frozen: the ranks are waiting in different "
             f"collectives ({phases})")
