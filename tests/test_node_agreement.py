@@ -30,21 +30,44 @@ def test_nodes_given_different_lines_are_refused_naming_the_option(corpus, tmp_p
     line = _line(corpus, tmp_path / "out", LR="3e-3")
     other = _line(corpus, tmp_path / "out", **{"LR": "3e-3", option: given})
     with pytest.raises(UserError) as refused:
-        run_local(node_settings_worker, 2, [line, other])
+        run_local(node_settings_worker, 2, [(line, {}, tmp_path), (other, {}, tmp_path)])
     assert str(refused.value).startswith(f"the nodes were not given the same launcher line: {said}"), refused.value
     assert str(refused.value).endswith("on rank 1 (" + os.uname().nodename + "): run the same line, with the same "
                                        "environment options, on every node")
 
 
-def test_the_same_data_through_a_link_is_taken_as_rank_0_spells_it(corpus, tmp_path):
+def test_the_same_data_through_a_link_or_a_relative_path_is_taken_as_rank_0_spells_it(corpus, tmp_path):
     """megatron-core names its data cache after the path's spelling: a node reaching the data through a link looked for
-    a cache rank 0 never built."""
+    a cache rank 0 never built. A relative spelling is rank 0's folder's, so every rank takes it made absolute (the
+    audit of this change: rank 1 took rank 0's relative path in its own folder)."""
+    data = os.path.dirname(corpus["prefix"])
     link = tmp_path / "linked"
-    link.symlink_to(os.path.dirname(corpus["prefix"]))
+    link.symlink_to(data)
     linked = str(link / os.path.basename(corpus["prefix"]))
-    spelled = run_local(node_settings_worker, 2, [_line(corpus, tmp_path / "out"),
-                                                 _line(corpus, tmp_path / "out", DATASET_PATH=linked)])
-    assert spelled == [[str(corpus["prefix"])]] * 2
+    spelled = run_local(node_settings_worker, 2, [(_line(corpus, tmp_path / "out"), {}, tmp_path),
+                                                 (_line(corpus, tmp_path / "out", DATASET_PATH=linked), {}, tmp_path)])
+    assert [s["dataset_path"] for s in spelled] == [[str(corpus["prefix"])]] * 2
+    relative = _line(corpus, "out", DATASET_PATH=os.path.basename(corpus["prefix"]))
+    spelled = run_local(node_settings_worker, 2, [(relative, {}, data),
+                                                 (_line(corpus, os.path.join(data, "out")), {}, tmp_path)])
+    assert [(s["dataset_path"], s["output_basepath"]) for s in spelled] == \
+        [([str(corpus["prefix"])], os.path.join(data, "out"))] * 2
+
+
+def test_a_lora_start_through_a_link_agrees(corpus, tmp_path):
+    """MP_LORA_INIT (a peft folder) was compared as text, and named by its field."""
+    from megatron_patch.cli import main
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from tests.lora_helpers import make_peft_adapter
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf", seed=1)
+    make_peft_adapter(hf, tmp_path / "peft")
+    (tmp_path / "link").symlink_to(tmp_path / "peft")
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "ckpt"), "--quiet"]) == 0
+    line = _line(corpus, tmp_path / "out", PRETRAIN_CHECKPOINT_PATH=str(tmp_path / "ckpt"), MODEL_SIZE="auto")
+    spelled = run_local(node_settings_worker, 2, [(line, {"MP_LORA_INIT": str(tmp_path / "peft")}, tmp_path),
+                                                 (line, {"MP_LORA_INIT": str(tmp_path / "link")}, tmp_path)])
+    assert [s["lora_init"] for s in spelled] == [str(tmp_path / "peft")] * 2
 
 
 def test_a_node_that_does_not_see_the_shared_output_folder_is_told_so(corpus, tmp_path):

@@ -443,6 +443,25 @@ def test_node_0s_master_port_in_use_is_refused_in_one_line(data, monkeypatch, ca
                                  "serves the rendezvous there): choose another port, the same on every node\n"), err
 
 
+
+def test_node_0s_master_port_it_may_not_listen_on_is_refused_in_one_line(data, monkeypatch, capsys):
+    """A port below 1024 for a user without the privilege (EACCES) was an internal error (this change's audit)."""
+    import errno
+    import socket
+
+    def refused(self, address):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "bind", refused)
+    for k, v in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "80",
+                 "GPUS_PER_NODE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    code = main(["train", "llama3_1", *_args(data, "llama3_1", ENV="dlc")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("mpatch train: error: ENV=dlc: node 0 serves the rendezvous on MASTER_PORT 80 and "
+                                 "cannot listen there ([Errno 13] Permission denied): choose another port (above 1023 "
+                                 "without privileges), the same on every node\n"), err
+
 @pytest.mark.parametrize("env, refusal", [
     ({"RANK": "5"}, "RANK=5 is this node's rank among WORLD_SIZE=2 nodes: it must be below 2"),
     ({"MASTER_PORT": "70000"}, "ENV=dlc: MASTER_PORT must be a port from 1 to 65535, got 70000"),

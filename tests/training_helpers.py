@@ -171,9 +171,9 @@ def train_converted(family: str, hf_dir: Path, corpus: dict, root: Path, layout:
     return proc, [m["loss"] for m in read_metrics(out)] if proc.returncode == 0 else []
 
 
-def node_settings_worker(args_by_rank: list[list[str]]):
-    """On each rank (a "node"): resolve its own launcher line, as every rank of a job does, then agree with the others
-    (training.node_agreement); returns the data paths it goes on with."""
+def node_settings_worker(lines_by_rank: list[tuple]):
+    """On each rank (a "node"): resolve its own launcher line (args, environment options, working folder), as every
+    rank of a job does, then agree with the others (training.node_agreement); returns the paths it goes on with."""
     import torch.distributed as dist
 
     from megatron_patch.runtime.distributed import init_process_group
@@ -181,8 +181,10 @@ def node_settings_worker(args_by_rank: list[list[str]]):
     from megatron_patch.training.validation import resolve
 
     init_process_group()
-    cfg = resolve("llama3_1", args_by_rank[dist.get_rank()], env={})
-    return agree_on_launch(cfg).dataset_path
+    args, env, cwd = lines_by_rank[dist.get_rank()]
+    os.chdir(cwd)
+    cfg = agree_on_launch(resolve("llama3_1", args, env=env))
+    return {"dataset_path": cfg.dataset_path, "output_basepath": cfg.output_basepath, "lora_init": cfg.lora_init}
 
 
 def node_data_worker(args_by_rank: list[list[str]]):

@@ -101,7 +101,9 @@ def _check_rendezvous(address: str, port: int, node: int, here: bool) -> None:
             if exc.errno == errno.EADDRINUSE:
                 raise UserError(f"ENV=dlc: MASTER_PORT {port} is in use on this node (node 0 serves the rendezvous "
                                 "there): choose another port, the same on every node") from None
-            raise
+            raise UserError(f"ENV=dlc: node 0 serves the rendezvous on MASTER_PORT {port} and cannot listen there "
+                            f"([Errno {exc.errno}] {exc.strerror}): choose another port (above 1023 without "
+                            "privileges), the same on every node") from None
 
 
 def _int_env(name: str) -> int:

@@ -2,7 +2,8 @@
 copy), so right after the ranks join, before any group or collective that a difference would hang or split, they
 compare what they resolved. A difference (another LR on one node, another TP, another data set or checkpoint) is
 refused on every rank in one line naming the option and both nodes; a path spelled otherwise that names the same
-files (a link, a relative path) is taken as rank 0 spells it, since megatron-core names its data cache after it.
+files (a link, a relative path) is taken on every rank as rank 0 spells it, made absolute, since megatron-core names
+its data cache after the spelling.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from megatron_patch.training.launcher_options import OPTIONS
 PER_NODE = ("faults", "notes")
 # Fields naming files: compared by what they resolve to, used as rank 0 spells them.
 PATHS = ("dataset_path", "valid_dataset_path", "pretrain_checkpoint", "output_basepath", "tokenizer",
-         "eval_include_path", "offload_probe_script")
+         "eval_include_path", "offload_probe_script", "lora_init")
 # The option a differing field comes from (fields read from several options, or derived, by their main one).
 _OPTION_OF_FIELD = {
     **{f: o.name for o in OPTIONS for f in ((o.field,) if isinstance(o.field, str) else o.field or ())},
     "dataset_path": "DATASET_PATH", "dataset_weights": "DATASET_PATH", "valid_dataset_path": "VALID_DATASET_PATH",
     "valid_dataset_weights": "VALID_DATASET_PATH", "train_iters": "TRAIN_TOKENS_OR_ITERS",
     "warmup_iters": "WARMUP_TOKENS_OR_ITERS", "lr_decay_iters": "TRAIN_TOKENS_OR_ITERS", "launcher": "the launcher",
-    "nproc_per_node": "GPUS_PER_NODE", "nnodes": "WORLD_SIZE", "world_size": "the world size"}
+    "nproc_per_node": "GPUS_PER_NODE", "nnodes": "WORLD_SIZE", "world_size": "the world size",
+    "lora": "MP_LORA_RANK/ALPHA/DROPOUT/TARGETS", "lora_init": "MP_LORA_INIT", "dsa": "MP_DSA_*"}
 
 
 def agree_on_launch(cfg):
@@ -37,10 +39,11 @@ def agree_on_launch(cfg):
     if dist.get_world_size() == 1:
         return cfg
     mine = (socket.gethostname(), _comparable(cfg), {f: getattr(cfg, f) for f in PATHS})
+    absolute = {f: _absolute(f, getattr(cfg, f)) for f in PATHS}
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    host0, reference, spelled = everyone[0]
-    for rank, (host, theirs, _) in enumerate(everyone):
+    dist.all_gather_object(everyone, (*mine, absolute))
+    host0, reference, spelled, spelled_absolute = everyone[0]
+    for rank, (host, theirs, _, _) in enumerate(everyone):
         differs = next((k for k in reference if theirs.get(k) != reference[k]), None)
         if differs is None:
             continue
@@ -50,23 +53,57 @@ def agree_on_launch(cfg):
                 f"{_shown(theirs[differs])} on rank {rank} ({host})")
         raise UserError(f"the nodes were not given the same launcher line: {what}: run the same line, with the same "
                         "environment options, on every node")
-    return dataclasses.replace(cfg, **spelled)
+    if all(theirs == spelled for _, _, theirs, _ in everyone):
+        return cfg
+    # spelled otherwise somewhere: every rank takes rank 0's spelling, absolute (a relative one is rank 0's folder's),
+    # where it names the same files here
+    elsewhere = next((f for f, value in spelled_absolute.items() if _comparable(dataclasses.replace(cfg, **{f: value}))
+                      != _comparable(cfg)), None)
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, elsewhere and (socket.gethostname(), elsewhere))
+    rank, problem = next(((r, p) for r, p in enumerate(problems) if p), (None, None))
+    if problem is not None:
+        host, field = problem
+        raise UserError(f"the nodes name {_OPTION_OF_FIELD.get(field, field)} alike, but rank 0's path "
+                        f"{_shown(spelled_absolute[field])} names other files on rank {rank} ({host}): give every node "
+                        "the same absolute path")
+    return dataclasses.replace(cfg, **spelled_absolute)
 
 
 def _comparable(cfg) -> dict:
     settings = {k: v for k, v in cfg.to_dict().items() if k not in PER_NODE}
     for field in PATHS:
-        value = settings.get(field)
-        if isinstance(value, list):
-            settings[field] = [_resolved(v) for v in value]
-        elif isinstance(value, str):
-            settings[field] = _resolved(value)
+        settings[field] = _comparable_path(getattr(cfg, field))
+    # the run's folder, which a rank may not see made yet: by where it would be
+    settings["output_basepath"] = os.path.realpath(cfg.output_basepath)
     settings["hf_config"] = hashlib.sha256(json.dumps(cfg.hf_config, sort_keys=True, default=str).encode()).hexdigest()
     return settings
 
 
+def _comparable_path(value):
+    """A path field (a path, a list of them, or None) by the files it names."""
+    if isinstance(value, list):
+        return [_resolved(v) for v in value]
+    return _resolved(value) if isinstance(value, str) else value
+
+
+def _absolute(field: str, value):
+    """A path field with its paths made absolute: those that exist, and the run's folder (a value that names
+    nothing here, such as a tokenizer's hub name, as it is)."""
+    if isinstance(value, list):
+        return [_absolute(field, v) for v in value]
+    return os.path.abspath(value) if isinstance(value, str) and (_exists(value) or field == "output_basepath") else value
+
+
+def _exists(path: str) -> bool:
+    return os.path.exists(path) or os.path.exists(path + ".bin")  # a data prefix by its .bin file
+
+
 def _resolved(path: str) -> str:
-    """The file a path names, through links; a data prefix by its .bin file where it has one."""
+    """The file a path names, through links; a data prefix by its .bin file where it has one; a value that names
+    nothing here as it is."""
+    if not _exists(path):
+        return path
     data = path + ".bin"
     return os.path.realpath(data)[:-4] if os.path.exists(data) else os.path.realpath(path)
 
