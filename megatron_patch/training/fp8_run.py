@@ -60,9 +60,11 @@ def fp8_problem(cfg, caps) -> str | None:
     if impl == TRANSFORMER_ENGINE and recipe(cfg, impl) not in TE_RECIPES:
         return (f"MP_FP8_RECIPE={cfg.fp8_recipe} is torchao's, and this GPU runs transformer-engine's FP8: use "
                 f"{' | '.join(TE_RECIPES)}")
-    if impl == TRANSFORMER_ENGINE and cfg.fp8_filter != "auto":  # auto: the default, also what an unset one reads
+    # auto: the default (what an unset one reads); all: what transformer-engine does, so a line from a torchao machine
+    # means the same here
+    if impl == TRANSFORMER_ENGINE and cfg.fp8_filter not in ("auto", "all"):
         return (f"MP_FP8_FILTER={filter_text(cfg.fp8_filter)} is torchao's, and this GPU runs transformer-engine's "
-                "FP8, which puts every linear of its layer spec in FP8: drop MP_FP8_FILTER")
+                "FP8, which puts every linear of its layer spec in FP8: drop MP_FP8_FILTER (or give all)")
     return None
 
 
