@@ -33,7 +33,7 @@ def compiled_layers_worker(hf_dir: str, fp8_recipe: str | None, ablation: str | 
     reference, arch = _build_and_load(McoreRun("fp32", hf_dir=hf_dir, ablation=ablation), ParallelLayout())
     model, _ = _build_and_load(McoreRun("bf16", hf_dir=hf_dir, ablation=ablation), ParallelLayout())
     if fp8_recipe is not None:
-        float8.convert_chunks([model], fp8_recipe, "all")
+        float8.convert_chunks([model], fp8_recipe, "all", arch.linear_attention)
     batches, positions = _batches(arch.vocab_size)
     with torch.no_grad():
         exact = [reference(tokens, positions, None).float() for tokens in batches]

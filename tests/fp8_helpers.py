@@ -10,6 +10,13 @@ from megatron_patch.runtime.distributed import ParallelLayout, init_model_parall
 IN, HEADS, GROUPS, HEAD_DIM, FFN, TOKENS = 64, 4, 2, 16, 96, 24
 
 
+def _linear_attention():
+    """A Gated DeltaNet's shape (Qwen3-Next's grouping: in_proj_qkvz of 96 rows, in_proj_ba of 8)."""
+    from megatron_patch.models.description.arch import LinearAttentionShape
+
+    return LinearAttentionShape(num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=8, conv_kernel=4)
+
+
 def _config(tp: int):
     from megatron.core.transformer import TransformerConfig
 
@@ -33,13 +40,16 @@ def _linears(config, tp: int, rank: int):
     kw = dict(config=config, init_method=lambda w: None, bias=False)
     specs = {"self_attention.linear_qkv": (ColumnParallelLinear, IN, q + 2 * kv, 1),
              "mlp.linear_fc1": (ColumnParallelLinear, IN, 2 * FFN, 2),
-             "mlp.linear_fc2": (RowParallelLinear, FFN, IN, 3)}
+             "mlp.linear_fc2": (RowParallelLinear, FFN, IN, 3),
+             "self_attention.in_proj": (ColumnParallelLinear, IN, sum(_linear_attention().in_proj_rows()), 4)}
     out = {}
     for name, (cls, fan_in, fan_out, seed) in specs.items():
         extra = dict(gather_output=False) if cls is ColumnParallelLinear else dict(input_is_parallel=True,
                                                                                   skip_bias_add=True)
         module = cls(fan_in, fan_out, **kw, **extra)
         whole = _whole(seed, (fan_out, fan_in))
+        if name.endswith("in_proj"):  # b and a far smaller than q, k, v and z: one scale for both would show
+            whole[-_linear_attention().in_proj_rows()[-1]:] *= 0.01
         with torch.no_grad():
             module.weight.copy_(_shard(name, whole, tp, rank))
         out[name] = (module, whole)
@@ -50,9 +60,8 @@ def _shard(name: str, whole: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """This TP rank's rows (qkv: whole query groups; fc1: its part of gate and of up) or columns (fc2)."""
     if name.endswith("linear_fc2"):
         return whole.chunk(tp, dim=1)[rank]
-    if name.endswith("linear_fc1"):
-        gate, up = whole.chunk(2)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    if name.endswith(("linear_fc1", "in_proj")):  # each HF part's rows split over TP, a rank's parts in order
+        return torch.cat([part.chunk(tp)[rank] for part in _hf_parts(name, whole)])
     return whole.view(GROUPS, -1, whole.shape[1]).chunk(tp)[rank].reshape(-1, whole.shape[1])
 
 
@@ -66,6 +75,8 @@ def _hf_parts(name: str, whole: torch.Tensor) -> list[torch.Tensor]:
                 grouped[:, q + HEAD_DIM:].reshape(-1, cols)]
     if name.endswith("linear_fc1"):
         return list(whole.chunk(2))
+    if name.endswith("in_proj"):
+        return list(whole.split(_linear_attention().in_proj_rows()))
     return [whole]
 
 
@@ -111,7 +122,7 @@ def gemms_worker(tp: int, recipes: tuple[str, ...], reduce_amax: bool = True) ->
             holder, *path = name.split(".")
             setattr(chunk.decoder.layers[0], holder, torch.nn.Module())
             setattr(getattr(chunk.decoder.layers[0], holder), path[0], module)
-            float8.convert_chunks([chunk], recipe, "all")
+            float8.convert_chunks([chunk], recipe, "all", _linear_attention())
             x = _whole(10, (TOKENS, whole.shape[1]))
             grad = _whole(11, (TOKENS, whole.shape[0]))
             row = name.endswith("linear_fc2")
@@ -158,9 +169,10 @@ def _gather(tensor: torch.Tensor, name: str, tp: int, group, weight: bool) -> to
         return torch.cat(_all_gather(tensor, group), dim=1) if weight else tensor
     rows = tensor if weight else tensor.t().contiguous()
     pieces = _all_gather(rows, group)
-    if name.endswith("linear_fc1"):
-        gates, ups = zip(*(p.chunk(2) for p in pieces))
-        whole = torch.cat([*gates, *ups])
+    if name.endswith(("linear_fc1", "in_proj")):  # each rank's piece of each HF part, the parts in order
+        widths = [w // tp for w in (_linear_attention().in_proj_rows() if name.endswith("in_proj") else (FFN, FFN))]
+        by_part = zip(*(p.split(widths) for p in pieces))
+        whole = torch.cat([t for part in by_part for t in part])
     else:
         whole = torch.cat([p.view(GROUPS // tp, -1, rows.shape[1]) for p in pieces]).reshape(-1, rows.shape[1])
     return whole if weight else whole.t().contiguous()

@@ -225,8 +225,9 @@ def test_the_dry_run_names_the_implementation_recipe_and_the_gemms_left_in_bf16(
 # --- the GEMMs against torchao's own ----------------------------------------------------------------------------
 
 def test_each_gemm_is_torchaos_bit_for_bit_at_tp1():
-    """q/k/v fused in linear_qkv, gate/up in linear_fc1, and the row-parallel fc2: output, input gradient and weight
-    gradient equal torchao's Float8Linear on the HF linears, bit for bit, with every recipe."""
+    """q/k/v fused in linear_qkv, gate/up in linear_fc1, the row-parallel fc2, and a Gated DeltaNet's in_proj (HF's
+    in_proj_qkvz and in_proj_ba, which were one GEMM with one scale): output, input gradient and weight gradient equal
+    torchao's Float8Linear on the HF linears, bit for bit, with every recipe."""
     result = run_local(gemms_worker, 1, 1, RECIPES)[0]
     for key, diffs in result.items():
         assert all(d["equal"] for d in diffs.values()), (key, diffs)
@@ -237,7 +238,7 @@ def test_tp2_scales_are_the_whole_tensors():
     megatron-core sums partial results over TP in bf16 (a row-parallel output, a column-parallel input
     gradient), which differ by a bf16 rounding. Scales from the local shard (the planted fault) do not."""
     exact = {"self_attention.linear_qkv": ("output", "grad_weight"), "mlp.linear_fc1": ("output", "grad_weight"),
-             "mlp.linear_fc2": ("grad_input", "grad_weight")}
+             "mlp.linear_fc2": ("grad_input", "grad_weight"), "self_attention.in_proj": ("output", "grad_weight")}
     result = run_local(gemms_worker, 2, 2, RECIPES)[0]
     for (recipe, name), diffs in result.items():
         for what, d in diffs.items():
@@ -667,6 +668,15 @@ def test_the_dry_run_and_the_memory_plan_count_linear_attentions_gemms():
     in_proj = next(g["shape"] for g in gemms if g["module"] == "self_attention.in_proj")
     tokens = cfg.micro_batch_size * cfg.sample_length
     assert fp8_run.cast_bytes(cfg) >= 2 * (in_proj[0] * in_proj[1] + tokens * (in_proj[0] + in_proj[1]))
+    # in_proj is HF's linears apart (each its own scale and filter decision): Qwen3-Next's two, Qwen3.5's four
+    assert [g["part"] for g in gemms if g["module"] == "self_attention.in_proj"] == ["qkvz", "ba"]
+    qwen3_5 = resolve("qwen3_5", launcher_args("qwen3_5", PR="fp8"), env={"GPUS_PER_NODE": "1", "MP_FP8_FILTER": "all"},
+                      check_paths=False)
+    parts = [(g["part"], g["shape"][0]) for layer in fp8_run.summary(qwen3_5, CPU)["gemms"].values() for g in layer
+             if g["module"] == "self_attention.in_proj"]
+    linear = qwen3_5.arch.linear_attention
+    qk, v = linear.num_key_heads * linear.key_head_dim, linear.num_value_heads * linear.value_head_dim
+    assert parts == [("qkv", 2 * qk + v), ("z", v), ("b", linear.num_value_heads), ("a", linear.num_value_heads)]
 
 
 def test_the_mtp_layer_is_converted_and_listed_like_a_decoder_layer():

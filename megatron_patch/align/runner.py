@@ -80,7 +80,7 @@ def _build_and_load(run: McoreRun, layout: ParallelLayout):
     if run.dtype == "fp8":
         from megatron_patch.models.blocks import float8  # torchao: only an fp8 alignment needs it
 
-        float8.convert_chunks([model], *run.fp8)
+        float8.convert_chunks([model], *run.fp8, arch.linear_attention)
     return place_on_rank_device(model), arch
 
 

@@ -271,7 +271,8 @@ class Trainer:
             from megatron_patch.models.blocks import float8
 
             recipe = fp8_run.recipe(cfg, fp8)
-            self._log(float8.describe_gemms(float8.convert_chunks(chunks, recipe, cfg.fp8_filter), recipe))
+            gemms = float8.convert_chunks(chunks, recipe, cfg.fp8_filter, self.arch.linear_attention)
+            self._log(float8.describe_gemms(gemms, recipe))
         if cfg.compile_fusions:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         if cfg.compile_layers:

@@ -412,7 +412,7 @@ def _compile_report_worker(family: str, dtype_name: str, fp8, core_attention) ->
         # torchao comes with float8: imported only for an fp8 model
         from megatron_patch.models.blocks import float8
 
-        float8.convert_chunks([model], *fp8)
+        float8.convert_chunks([model], *fp8, arch.linear_attention)
     compilation = compile_layers([model], backend="eager")
     model(torch.zeros(1, 16, dtype=torch.long), torch.arange(16).unsqueeze(0), None)
     return compilation.report()

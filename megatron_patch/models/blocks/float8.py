@@ -266,7 +266,7 @@ class Float8ParallelMatmul(torch.autograd.Function):
 
 # --- megatron-core's linears ----------------------------------------------------------------------------------------
 
-def _parts(module, relative: str, recipe: str, fp8_filter, tp: int) -> tuple[Parts, list[Gemm]]:
+def _parts(module, relative: str, recipe: str, fp8_filter, tp: int, linear_attention) -> tuple[Parts, list[Gemm]]:
     """How ``module``'s local output rows (``relative``: its name in the layer) divide into HF tensors, and which
     of those GEMMs run in float8 (decided on the whole model's shapes, as at TP=1)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -276,7 +276,7 @@ def _parts(module, relative: str, recipe: str, fp8_filter, tp: int) -> tuple[Par
     repeats, widths, names = fused_parts(relative, out_whole, heads=config.num_attention_heads,
                                          groups=config.num_query_groups or config.num_attention_heads,
                                          head_dim=config.kv_channels, gated=config.gated_linear_unit,
-                                         mla=bool(config.multi_latent_attention))
+                                         mla=bool(config.multi_latent_attention), linear_attention=linear_attention)
     gpu_split = tp if module.weight.device.type == "cuda" else None
     gemms = [Gemm(relative, name, kind, repeats * width, in_whole,
                   chosen(kind, recipe, fp8_filter, repeats * width, in_whole, gpu_split))
@@ -335,9 +335,10 @@ def whole_shape(module) -> tuple[int, int]:
     return out_local, module.input_size
 
 
-def convert_chunks(chunks: list, recipe: str, fp8_filter) -> list[Gemm]:
+def convert_chunks(chunks: list, recipe: str, fp8_filter, linear_attention) -> list[Gemm]:
     """Every decoder linear of ``chunks`` with a GEMM that ``fp8_filter`` chooses computes in float8 with
-    ``recipe`` (its other GEMMs in bf16); returns every decoder GEMM with what it runs."""
+    ``recipe`` (its other GEMMs in bf16); returns every decoder GEMM with what it runs. ``linear_attention``: the
+    model's ``Arch.linear_attention`` (its in_proj's HF parts), None for a model without."""
     if recipe not in RECIPES:
         raise ValueError(f"torchao float8 recipe '{recipe}' is not one of {RECIPES}")
     config = torchao_config(recipe)
@@ -346,7 +347,7 @@ def convert_chunks(chunks: list, recipe: str, fp8_filter) -> list[Gemm]:
     for chunk in chunks:
         for relative, name, module in decoder_linears(chunk):
             tp = module.tp_group.size() if module.tp_group is not None else 1
-            parts, found = _parts(module, relative, recipe, fp8_filter, tp)
+            parts, found = _parts(module, relative, recipe, fp8_filter, tp, linear_attention)
             gemms += found
             if any(parts.float8):
                 module._float8_parts = parts

@@ -137,11 +137,18 @@ def qkv_layout(rows: int, *, heads: int, groups: int, head_dim: int) -> tuple[in
 
 
 def fused_parts(module: str, out_features: int, *, heads: int, groups: int, head_dim: int, gated: bool,
-                mla: bool) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
+                mla: bool, linear_attention=None) -> tuple[int, tuple[int, ...], tuple[str, ...]]:
     """How the output rows of a decoder linear ``module`` (whole model: ``out_features`` rows) divide into HF
     tensors: (repeats, rows of each part per repeat, the parts' names). q, k and v interleave per query group
     in ``linear_qkv`` (``qkv_layout``; ``heads``, ``groups`` and ``head_dim`` are the layer's own); gate and up
-    are the two halves of a gated ``linear_fc1``."""
+    are the two halves of a gated ``linear_fc1``; a Gated DeltaNet's ``in_proj`` ([q; k; v; z; b; a] on each TP
+    rank) holds its HF tensors' pieces in that order (``linear_attention``: the model's ``LinearAttentionShape``),
+    each HF tensor's rows a part, split over TP as gate and up are."""
+    if module.endswith("self_attention.in_proj") and linear_attention is not None:
+        rows = linear_attention.in_proj_rows()
+        if sum(rows) != out_features:
+            raise ValueError(f"in_proj of {out_features} rows is not {linear_attention.in_proj}'s {rows}")
+        return 1, rows, linear_attention.in_proj
     if module.endswith("self_attention.linear_qkv") and not mla and groups:
         repeats, widths, names = qkv_layout(out_features, heads=heads, groups=groups, head_dim=head_dim)
         return (1, (out_features,), names) if len(names) == 1 else (repeats, widths, names)
@@ -164,7 +171,8 @@ class Gemm:
 
 
 def layer_gemms(linears: dict[str, tuple[int, int]], recipe: str, fp8_filter, *, heads: int, groups: int,
-                head_dim: int, gated: bool, mla: bool, gpu_tp: tuple[int, int] | None = None) -> list[Gemm]:
+                head_dim: int, gated: bool, mla: bool, gpu_tp: tuple[int, int] | None = None,
+                linear_attention=None) -> list[Gemm]:
     """Every GEMM of one layer from its linears' whole shapes (module name -> [out, in]). ``gpu_tp``: on a GPU, the
     (TP, ETP) sizes that split its GEMMs (``chosen``'s ``gpu_split``); None on the CPU."""
     out = []
@@ -172,7 +180,7 @@ def layer_gemms(linears: dict[str, tuple[int, int]], recipe: str, fp8_filter, *,
         kind = linear_kind(module)
         split = None if gpu_tp is None else gpu_tp[1] if kind == "experts" else gpu_tp[0]
         repeats, widths, names = fused_parts(module, rows, heads=heads, groups=groups, head_dim=head_dim,
-                                             gated=gated, mla=mla)
+                                             gated=gated, mla=mla, linear_attention=linear_attention)
         for width, part in zip(widths, names):
             out.append(Gemm(module, part, kind, repeats * width, cols,
                             chosen(kind, recipe, fp8_filter, repeats * width, cols, split)))
@@ -200,7 +208,8 @@ def arch_gemms(arch, recipe: str, fp8_filter, gpu_tp: tuple[int, int] | None = N
             if len(dims) == 2 and name != module and _PARALLEL_LINEAR.search(module):
                 linears[module] = tuple(dims)
         out[kind] = layer_gemms(linears, recipe, fp8_filter, heads=arch.num_heads, groups=attention.num_kv_heads,
-                                head_dim=attention.head_dim, gated=True, mla=arch.mla is not None, gpu_tp=gpu_tp)
+                                head_dim=attention.head_dim, gated=True, mla=arch.mla is not None, gpu_tp=gpu_tp,
+                                linear_attention=arch.linear_attention)
     return out
 
 

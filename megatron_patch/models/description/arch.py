@@ -55,13 +55,23 @@ class SparseAttentionShape:
 @dataclass(frozen=True)
 class LinearAttentionShape:
     """Gated DeltaNet (Qwen3-Next's linear attention): key and value heads, their sizes, and the causal
-    convolution's kernel over the q/k/v channels."""
+    convolution's kernel over the q/k/v channels. ``in_proj``: the HF tensors its input projection is made of,
+    each named by the pieces it holds (q, k: a key head's size each; v, z: a value head's; b, a: one per value
+    head): Qwen3-Next's in_proj_qkvz and in_proj_ba, Qwen3.5's in_proj_qkv, _z, _b and _a."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    in_proj: tuple[str, ...] = ("qkvz", "ba")
+
+    def in_proj_rows(self) -> tuple[int, ...]:
+        """The rows of each of ``in_proj``'s HF tensors."""
+        rows = {"q": self.num_key_heads * self.key_head_dim, "k": self.num_key_heads * self.key_head_dim,
+                "v": self.num_value_heads * self.value_head_dim, "z": self.num_value_heads * self.value_head_dim,
+                "b": self.num_value_heads, "a": self.num_value_heads}
+        return tuple(sum(rows[piece] for piece in name) for name in self.in_proj)
 
 
 @dataclass(frozen=True)

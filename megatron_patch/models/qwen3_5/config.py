@@ -48,6 +48,9 @@ def parse_config(raw: dict) -> Arch:
         # config.json) has no dense size; megatron-core's config still wants one, which it never builds.
         text = text | {"intermediate_size": text.get("moe_intermediate_size")}
     arch = parse_hybrid(text, "qwen3_5")
+    # Qwen3.5 keeps the Gated DeltaNet's input projection as four HF tensors (mapping.py), Qwen3-Next as two
+    arch = dataclasses.replace(arch, linear_attention=dataclasses.replace(arch.linear_attention,
+                                                                          in_proj=("qkv", "z", "b", "a")))
     if moe:  # every layer MoE; transformers renormalises the top-k
         arch = with_moe(arch, text | {"norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1})
     return dataclasses.replace(arch, hf_config=raw)
