@@ -156,15 +156,15 @@ def test_deepseek_v4_layers_compiled_apart_train_as_eager():
     assert result["graphs_run"] > 0
 
 
-def _dry_run(monkeypatch, capsys, tmp_path, **over) -> dict:
+def _dry_run(monkeypatch, capsys, tmp_path, family="mixtral", **over) -> dict:
     prefix = tmp_path / "corpus_text_document"
     for suffix in (".bin", ".idx"):
         (tmp_path / f"corpus_text_document{suffix}").write_bytes(b"")
     monkeypatch.setenv("MP_COMPILE", "true")
     monkeypatch.setenv("MP_DRY_RUN", "json")
-    args = launcher_args("mixtral", **{"PR": "bf16", "FL": "true", "DATASET_PATH": str(prefix),
-                                       "OUTPUT_BASEPATH": str(tmp_path / "out"), **over})
-    assert main(["train", "mixtral", *args]) == 0
+    args = launcher_args(family, **{"PR": "bf16", "FL": "true", "DATASET_PATH": str(prefix),
+                                    "OUTPUT_BASEPATH": str(tmp_path / "out"), **over})
+    assert main(["train", family, *args]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -190,17 +190,21 @@ def test_the_dry_run_says_what_is_compiled_of_each_kind(monkeypatch, capsys, tmp
 
 
 def test_the_dry_run_says_where_the_runs_layers_break_unlike_the_tiny_model(monkeypatch, capsys, tmp_path):
-    """The tiny model is measured at TP=1 without recompute: at TP=2 (the tensor-parallel linears) and with AC=sel
-    (get_rng_state) the run's layers compile apart where the dry run said whole (the fp8 audit, fp8b #6 and #9)."""
+    """The tiny model is measured at TP=1 without recompute: at TP=2 without SP (the tensor-parallel linears) and with
+    AC=sel (get_rng_state) the run's layers compile apart where the dry run said whole (the fp8 audit, fp8b #6 and
+    #9); at TP=2 with SP they trace whole, as the tiny model does (the second fp8 audit)."""
     from megatron_patch.cli.train import print_dry_run
 
     monkeypatch.setenv("MP_NPROC", "2")
-    report = _dry_run(monkeypatch, capsys, tmp_path, TP="2", ETP="2", SP="true", AC="sel")
+    report = _dry_run(monkeypatch, capsys, tmp_path, "llama3_1", TP="2", AC="sel")
     caveats = report["compile"]["unlike_the_run"]
-    assert len(caveats) == 2 and caveats[0].startswith("at TP=2 megatron-core's tensor-parallel linears break"), caveats
+    assert len(caveats) == 2 and caveats[0].startswith("at TP=2 without SP megatron-core's tensor-parallel linears "
+                                                       "break a layer's graph (the column-parallel linears' "
+                                                       "asynchronous all-reduce), so"), caveats
     assert caveats[1].startswith("AC=sel's recompute of core attention breaks the graph (torch.get_rng_state)")
     print_dry_run(report)
     assert f"    unlike this run's layers: {caveats[0]}\n" in capsys.readouterr().out
+    assert _dry_run(monkeypatch, capsys, tmp_path, "llama3_1", TP="2", SP="true")["compile"]["unlike_the_run"] == []
     assert _dry_run(monkeypatch, capsys, tmp_path)["compile"]["unlike_the_run"] == []
 
 

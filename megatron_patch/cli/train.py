@@ -187,11 +187,12 @@ def _compile_caveats(cfg, float8: bool) -> list[str]:
     """What of the run the tiny model (TP=1, no recompute) does not show: where the run's layers break apart
     (measured on CPU: the fp8 audit, tiny Llama)."""
     caveats = []
-    if cfg.tp > 1:
-        caveats.append(f"at TP={cfg.tp} megatron-core's tensor-parallel linears break a layer's graph (the column-parallel "
-                       "linears' asynchronous all-reduce" + (", and torchao's float8 GEMM of the row-parallel ones, "
-                                                             "which then run eagerly" if float8 else "")
-                       + "), so whole layers compile apart there")
+    row_float8 = float8 and (cfg.fp8_filter in ("auto", "all") or {"proj", "fc2"} & set(cfg.fp8_filter))
+    if cfg.tp > 1 and not cfg.sequence_parallel:  # with SP the all-reduce is a reduce-scatter, and layers trace whole
+        caveats.append(f"at TP={cfg.tp} without SP megatron-core's tensor-parallel linears break a layer's graph (the "
+                       "column-parallel linears' asynchronous all-reduce" + (
+                           ", and torchao's float8 GEMM of the row-parallel ones, which then run eagerly"
+                           if row_float8 else "") + "), so whole layers compile apart there")
     if cfg.activation_checkpointing == "sel":
         caveats.append("AC=sel's recompute of core attention breaks the graph (torch.get_rng_state), so whole layers "
                        "compile apart there")

@@ -378,8 +378,9 @@ _HF_KINDS = ((re.compile(r"\.experts?\.\d+\.|\.experts\."), "experts"), (re.comp
              (re.compile(r"\.(gate|up|gate_up)_proj$"), "fc1"), (re.compile(r"\.down_proj$"), "fc2"))
 _HF_LAYER = re.compile(r"(^|\.)layers\.\d+\.")
 # HF linears that megatron-core computes outside its parallel linears, in bf16 (docs/fp8.md: routers stay bf16):
-# routers (Gemma 4's router.proj) and the shared experts' sigmoid gate (Qwen2-MoE's, Qwen3-Next's)
-_HF_BF16 = re.compile(r"\.router\.|\.mlp\.gate$|\.shared_experts?_gate$")
+# routers (Gemma 4's router.proj), the shared experts' sigmoid gate (Qwen2-MoE's, Qwen3-Next's) and Gemma 4's
+# per-layer-input linears (replicated torch linears, bf16 like the embedding)
+_HF_BF16 = re.compile(r"\.router\.|\.mlp\.gate$|\.shared_experts?_gate$|\.per_layer_(input_gate|projection)$")
 
 
 def hf_linear_kind(name: str, moe_layer: bool = False) -> str:
