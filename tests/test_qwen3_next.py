@@ -210,3 +210,19 @@ def test_generation_continues_the_gated_deltanet_state_one_token_per_step(tp):
     tokens = [[5, 17, 33, 8, 90, 61, 12, 4, 9, 100, 11, 3, 44, 150],
               [44, 3, 150, 27, 9, 71, 18, 100, 7, 7, 120, 3, 66, 1]]
     check_generation_continues(arch, tp, tokens, prompt=6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_a_legacy_checkpoint_loads_into_the_local_spec(family, tmp_path):
+    """A legacy checkpoint (TE's layout) is re-cut for the local spec where the two cut alike: the Gated DeltaNet's
+    in_proj split, built anew by each plan, was taken for another and `mpatch align` (and CPU training) refused
+    the project's own legacy conversion (the second fp8 audit)."""
+    from megatron_patch.cli import main
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint(family, tmp_path / "hf", seed=3)
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "legacy"), "--format",
+                 "legacy", "--quiet"]) == 0
+    assert main(["align", "--hf-dir", str(hf), "--mcore-dir", str(tmp_path / "legacy"), "--dtype", "fp32",
+                 "--seq-len", "16", "--report-dir", str(tmp_path / "report"), "--quiet"]) == 0

@@ -15,6 +15,8 @@ from the embedding, or replicas that disagree, are errors).
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
 from megatron_patch.lazy import LazyModule
@@ -197,6 +199,13 @@ def hf_tensors_from_ranks(family: ModelFamily, arch: Arch, layout: ParallelLayou
     return stack_members(family, arch, hf)
 
 
+def _same_split(a, b) -> bool:
+    """Whether two splits cut alike: each plan builds its family's rules anew, so a split without a local variant
+    is an equal object of its own in each (splits compare by identity)."""
+    return a is b or (type(a) is type(b) and dataclasses.is_dataclass(a)
+                      and dataclasses.astuple(a) == dataclasses.astuple(b))
+
+
 def reshard_for_local_spec(family: ModelFamily, arch: Arch, layout: ParallelLayout, coord: RankCoord,
                            state: dict[str, torch.Tensor], pp_first_stage_layers: int | None = None) -> dict:
     """One rank's TE-layout state dict (TE names) with the parameters the local spec shards otherwise
@@ -205,7 +214,7 @@ def reshard_for_local_spec(family: ModelFamily, arch: Arch, layout: ParallelLayo
     te, local = plan(family, arch, layout, pp_first_stage_layers), plan(family, arch, layout, pp_first_stage_layers, "local")
     out = dict(state)
     for t_te, t_local in zip(te, local):
-        if t_te.split is t_local.split:
+        if _same_split(t_te.split, t_local.split):
             continue
         if not isinstance(t_te.split, type(REPLICATED)):
             raise MappingError(f"cannot re-cut {t_te.placements[0].mcore_name} for the local spec from a {t_te.split} split")
