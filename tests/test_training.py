@@ -788,6 +788,8 @@ def dp2_run(corpus, tmp_path_factory):
     proc = launch(_dp2_args(corpus, out), {"MP_NPROC": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DP=2 on 2 CPU process(es)" in proc.stdout
+    # said once, by rank 0, once it has published final/ (every rank said it, the others before it was there)
+    assert proc.stdout.count("exported the trained model to") == 1, proc.stdout
     return {"out": out}
 
 

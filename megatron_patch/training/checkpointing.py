@@ -462,8 +462,8 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_fil
         _write_shared_manifest(tmp, f"mpatch train, final export of iteration {iteration}")
         if rank == 0:
             publish(tmp, final)
-        how = " --lora-adapter (or --merge-lora)" if cfg.lora is not None else " ..."
-        print(f"exported the trained {'adapters' if cfg.lora is not None else 'model'} to {final} "
-              f"({export_command(final, '--save-dir OUT' + how)})", flush=True)
+            how = " --lora-adapter (or --merge-lora)" if cfg.lora is not None else " ..."
+            print(f"exported the trained {'adapters' if cfg.lora is not None else 'model'} to {final} "
+                  f"({export_command(final, '--save-dir OUT' + how)})", flush=True)
     dist.barrier()
     return final
