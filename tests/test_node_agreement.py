@@ -12,7 +12,7 @@ import pytest
 
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.launch import run_local
-from tests.training_helpers import launcher_args, node_data_worker, node_settings_worker
+from tests.training_helpers import launcher_args, node_data_worker, node_refusing_worker, node_settings_worker
 
 pytestmark = pytest.mark.slow  # two rank processes each
 
@@ -76,3 +76,13 @@ def test_a_node_that_does_not_see_the_shared_output_folder_is_told_so(corpus, tm
         run_local(node_data_worker, 2, [_line(corpus, tmp_path / "shared"), _line(corpus, tmp_path / "own")])
     assert str(refused.value).startswith(f"rank 1 does not find the data cache rank 0 built in {tmp_path / 'own'}")
     assert str(refused.value).endswith("every node must see OUTPUT_BASEPATH on one shared filesystem")
+
+
+def test_a_node_that_refuses_its_line_makes_every_node_refuse(corpus, tmp_path):
+    """A node refusing its own line before the job forms (another GPUS_PER_NODE: WORLD_SIZE=3 does not fill its nodes
+    of 2) left the others waiting until MP_DIST_TIMEOUT_MIN, then blaming the network (the audit on Python 3.12): it
+    joins for the comparison and says why, and every rank refuses with its line."""
+    refusal = "WORLD_SIZE=3 processes do not fill nodes of 2: check GPUS_PER_NODE"
+    with pytest.raises(UserError) as refused:
+        run_local(node_refusing_worker, 2, _line(corpus, tmp_path / "out"), refusal)
+    assert str(refused.value) == f"rank 1 ({os.uname().nodename}) refused its node's launcher line: {refusal}"

@@ -198,3 +198,19 @@ def node_data_worker(args_by_rank: list[list[str]]):
     init_process_group()
     cfg = resolve("llama3_1", args_by_rank[dist.get_rank()], env={})
     return len(build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)[0])
+
+
+def node_refusing_worker(line: list[str], refusal: str):
+    """Rank 1 refuses its node's line before the job forms (training.node_agreement.refuse_with_the_others); rank 0,
+    whose line is sound, agrees with the others as training does."""
+    import torch.distributed as dist
+
+    from megatron_patch.runtime.distributed import init_process_group
+    from megatron_patch.training.node_agreement import agree_on_launch, refuse_with_the_others
+    from megatron_patch.training.validation import resolve
+
+    if int(os.environ["RANK"]) == 1:
+        refuse_with_the_others(refusal, 1.0)
+        return "refused"
+    init_process_group(1.0)
+    return agree_on_launch(resolve("llama3_1", line, env={})).lr if dist.get_rank() == 0 else None

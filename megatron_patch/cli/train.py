@@ -447,18 +447,25 @@ def _rank(launcher: str, argv: list[str]) -> int:
     name_this_process(f"mpatch-rank{rank}")
     out = Path(argv[-1] or ".").absolute()  # OUTPUT_BASEPATH is the last argument of every launcher
     try:
-        cfg = resolve(launcher, argv)
-        timeout_min = cfg.dist_timeout_min
-        check_run_folder(cfg.output_basepath)
-        needed = _check_machine(cfg)
-        wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}
-        if wrong:
-            k, v = next(iter(wrong.items()))
-            raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
-                            f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
-        register_rank(run_folder_identity(out))  # held until this process ends, however it ends
-        if LAUNCHER_PID not in os.environ and rank == 0:
-            check_training_data(cfg)  # a torchrun started by hand: no launcher has checked the data
+        try:
+            cfg = resolve(launcher, argv)
+            timeout_min = cfg.dist_timeout_min
+            check_run_folder(cfg.output_basepath)
+            needed = _check_machine(cfg)
+            wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}
+            if wrong:
+                k, v = next(iter(wrong.items()))
+                raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
+                                f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
+            register_rank(run_folder_identity(out))  # held until this process ends, however it ends
+            if LAUNCHER_PID not in os.environ and rank == 0:
+                check_training_data(cfg)  # a torchrun started by hand: no launcher has checked the data
+        except UserError as exc:
+            # torch: a rank has it already; the launcher's own checks start without it
+            from megatron_patch.training.node_agreement import refuse_with_the_others
+
+            refuse_with_the_others(str(exc), _timeout_of(timeout_min))  # the other nodes would wait for this rank
+            raise
         from megatron_patch.training.loop import train
 
         train(cfg)
@@ -474,6 +481,14 @@ def _rank(launcher: str, argv: list[str]) -> int:
         return 2 if kind == "user" else 1
     finally:
         watchdog.stop()
+
+
+def _timeout_of(resolved: float) -> float:
+    """MP_DIST_TIMEOUT_MIN where the line failed before its settings were all read."""
+    try:
+        return read_option("MP_DIST_TIMEOUT_MIN", os.environ) or resolved
+    except UserError:
+        return resolved
 
 
 def _interrupted(exc: BaseException) -> bool:

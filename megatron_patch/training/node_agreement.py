@@ -17,6 +17,7 @@ import socket
 import torch.distributed as dist
 
 from megatron_patch.errors import UserError
+from megatron_patch.runtime.distributed import init_process_group
 from megatron_patch.training.launcher_options import OPTIONS
 
 # What may differ between nodes: injected faults (a test's, on one node) and the notes each launcher printed.
@@ -42,6 +43,10 @@ def agree_on_launch(cfg):
     absolute = {f: _absolute(f, getattr(cfg, f)) for f in PATHS}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (*mine, absolute))
+    refused = next(((r, e) for r, e in enumerate(everyone) if isinstance(e, dict)), None)
+    if refused is not None:
+        rank, said = refused
+        raise UserError(f"rank {rank} ({said['host']}) refused its node's launcher line: {said['refused']}")
     host0, reference, spelled, spelled_absolute = everyone[0]
     for rank, (host, theirs, _, _) in enumerate(everyone):
         differs = next((k for k in reference if theirs.get(k) != reference[k]), None)
@@ -110,3 +115,15 @@ def _resolved(path: str) -> str:
 
 def _shown(value) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def refuse_with_the_others(message: str, timeout_minutes: float) -> None:
+    """A rank that refuses its node's line before the job forms (another GPUS_PER_NODE, a path missing there) joins
+    the job anyway for ``agree_on_launch``'s one collective, saying why, so that every rank refuses in that line
+    instead of waiting for it until MP_DIST_TIMEOUT_MIN. Whatever fails here leaves the refusal as it was."""
+    try:
+        init_process_group(timeout_minutes)
+        if dist.get_world_size() > 1:
+            dist.all_gather_object([None] * dist.get_world_size(), {"refused": message, "host": socket.gethostname()})
+    except Exception:  # noqa: BLE001 - the others then time out as before; this rank's own line stands
+        pass
