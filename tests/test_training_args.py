@@ -426,6 +426,18 @@ def test_gpu_machine_accepts_fp8_flash_and_tp_overlap(data, monkeypatch):
 # --- dry runs -------------------------------------------------------------------------------------------
 
 
+def test_a_rank_refusing_its_line_outside_a_job_of_several_joins_nothing(data, monkeypatch, capsys):
+    """A refusing rank joins its job for the settings comparison only where torchrun set the job up (RANK, MASTER_*,
+    WORLD_SIZE > 1): otherwise joining made the process a world of one and left RANK, LOCAL_RANK and MASTER_ADDR in
+    its environment, which made every later launch in it a rank (this stop's CI rehearsal: 26 tests failed after it)."""
+    import torch.distributed as dist
+
+    for k, v in {"TORCHELASTIC_RUN_ID": "1", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["train", "llama3_1", *_args(data, "llama3_1", ENV="dsw")]) == 2
+    assert "WORLD_SIZE=12 processes do not fill nodes of 8" in capsys.readouterr().err
+    assert not dist.is_initialized() and not {"RANK", "LOCAL_RANK", "MASTER_ADDR"} & set(os.environ)
+
 def test_node_0s_master_port_in_use_is_refused_in_one_line(data, monkeypatch, capsys):
     """torchrun's rendezvous server failing to listen was an internal error (EADDRINUSE) on node 0."""
     import socket

@@ -461,10 +461,11 @@ def _rank(launcher: str, argv: list[str]) -> int:
             if LAUNCHER_PID not in os.environ and rank == 0:
                 check_training_data(cfg)  # a torchrun started by hand: no launcher has checked the data
         except UserError as exc:
-            # torch: a rank has it already; the launcher's own checks start without it
-            from megatron_patch.training.node_agreement import refuse_with_the_others
+            if _one_of_several_ranks(os.environ):  # the other ranks would wait for this one
+                # torch: a rank has it already; the launcher's own checks start without it
+                from megatron_patch.training.node_agreement import refuse_with_the_others
 
-            refuse_with_the_others(str(exc), _timeout_of(timeout_min))  # the other nodes would wait for this rank
+                refuse_with_the_others(str(exc), _timeout_of(timeout_min))
             raise
         from megatron_patch.training.loop import train
 
@@ -481,6 +482,11 @@ def _rank(launcher: str, argv: list[str]) -> int:
         return 2 if kind == "user" else 1
     finally:
         watchdog.stop()
+
+
+def _one_of_several_ranks(env) -> bool:
+    """Whether this process is a rank of a job of several that torchrun started: its rendezvous is all set."""
+    return all(env.get(k) for k in ("RANK", "MASTER_ADDR", "MASTER_PORT")) and env.get("WORLD_SIZE", "1") not in ("", "1")
 
 
 def _timeout_of(resolved: float) -> float:

@@ -121,6 +121,8 @@ def refuse_with_the_others(message: str, timeout_minutes: float) -> None:
     """A rank that refuses its node's line before the job forms (another GPUS_PER_NODE, a path missing there) joins
     the job anyway for ``agree_on_launch``'s one collective, saying why, so that every rank refuses in that line
     instead of waiting for it until MP_DIST_TIMEOUT_MIN. Whatever fails here leaves the refusal as it was."""
+    if "RANK" not in os.environ:  # no job to join (init_process_group would make this process a world of one)
+        return
     try:
         init_process_group(timeout_minutes)
         if dist.get_world_size() > 1:
