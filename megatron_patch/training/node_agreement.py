@@ -62,8 +62,8 @@ def agree_on_launch(cfg):
         return cfg
     # spelled otherwise somewhere: every rank takes rank 0's spelling, absolute (a relative one is rank 0's folder's),
     # where it names the same files here
-    elsewhere = next((f for f, value in spelled_absolute.items() if _comparable(dataclasses.replace(cfg, **{f: value}))
-                      != _comparable(cfg)), None)
+    elsewhere = next((f for f, value in spelled_absolute.items()
+                      if _comparable_path(f, value) != _comparable_path(f, getattr(cfg, f))), None)
     problems: list = [None] * dist.get_world_size()
     dist.all_gather_object(problems, elsewhere and (socket.gethostname(), elsewhere))
     rank, problem = next(((r, p) for r, p in enumerate(problems) if p), (None, None))
@@ -78,18 +78,19 @@ def agree_on_launch(cfg):
 def _comparable(cfg) -> dict:
     settings = {k: v for k, v in cfg.to_dict().items() if k not in PER_NODE}
     for field in PATHS:
-        settings[field] = _comparable_path(getattr(cfg, field))
-    # the run's folder, which a rank may not see made yet: by where it would be
-    settings["output_basepath"] = os.path.realpath(cfg.output_basepath)
+        settings[field] = _comparable_path(field, getattr(cfg, field))
     settings["hf_config"] = hashlib.sha256(json.dumps(cfg.hf_config, sort_keys=True, default=str).encode()).hexdigest()
     return settings
 
 
-def _comparable_path(value):
-    """A path field (a path, a list of them, or None) by the files it names."""
+def _comparable_path(field: str, value):
+    """A path field (a path, a list of them, or None) by the files it names; the run's folder, which a rank may not
+    see made yet, by where it would be."""
     if isinstance(value, list):
-        return [_resolved(v) for v in value]
-    return _resolved(value) if isinstance(value, str) else value
+        return [_comparable_path(field, v) for v in value]
+    if not isinstance(value, str):
+        return value
+    return os.path.realpath(value) if field == "output_basepath" else _resolved(value)
 
 
 def _absolute(field: str, value):
@@ -120,9 +121,9 @@ def _shown(value) -> str:
 def refuse_with_the_others(message: str, timeout_minutes: float) -> None:
     """A rank that refuses its node's line before the job forms (another GPUS_PER_NODE, a path missing there) joins
     the job anyway for ``agree_on_launch``'s one collective, saying why, so that every rank refuses in that line
-    instead of waiting for it until MP_DIST_TIMEOUT_MIN. Whatever fails here leaves the refusal as it was."""
-    if "RANK" not in os.environ:  # no job to join (init_process_group would make this process a world of one)
-        return
+    instead of waiting for it until MP_DIST_TIMEOUT_MIN. Called in a rank of a job of several only
+    (``cli.train._one_of_several_ranks``: elsewhere joining would make this process a world of one). Whatever fails
+    here leaves the refusal as it was."""
     try:
         init_process_group(timeout_minutes)
         if dist.get_world_size() > 1:
