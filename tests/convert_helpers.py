@@ -15,6 +15,15 @@ from megatron_patch.models.blocks.inference import forward_logits, place_on_rank
 from megatron_patch.runtime import init_model_parallel
 
 
+def edit_weights(ckpt: Path, edit) -> None:
+    """Plant a fault: ``edit`` the state dict of a legacy TP=1 checkpoint written by ``hf_to_mcore`` in place (then
+    write its manifest again, or it is refused as a damaged file before anything judges it)."""
+    path = ckpt / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    edit(state["model"])
+    torch.save(state, path)
+
+
 def leftovers(target: Path) -> list[str]:
     """Temporary siblings a conversion into ``target`` left behind."""
     return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}."))

@@ -25,6 +25,7 @@ from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime import ParallelLayout
+from tests.convert_helpers import edit_weights
 
 FAMILY_NAMES = list(families())
 DTYPES = ("fp32", "bf16")
@@ -64,17 +65,6 @@ def align_tokens() -> torch.Tensor:
 
 
 # --- planting faults in a converted (legacy, TP=1) checkpoint ----------------------------------
-
-def _model_file(ckpt):
-    return ckpt / "release" / "mp_rank_00" / "model_optim_rng.pt"
-
-
-def edit_weights(ckpt, edit) -> None:
-    path = _model_file(ckpt)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    edit(state["model"])
-    torch.save(state, path)
-
 
 def edit_config(ckpt, edit) -> None:
     path = ckpt / "mpatch_checkpoint.json"

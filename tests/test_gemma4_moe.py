@@ -195,3 +195,53 @@ def test_align_says_aligned_in_fp32_and_bf16(tiny_moe):
     from megatron_patch.cli import main
 
     assert main(["align", "--hf-dir", str(tiny_moe), "--dtype", "bf16", "--quiet"]) == 0
+
+
+@pytest.mark.slow
+def test_align_compares_the_router_and_every_expert_and_a_fault_no_token_reaches_fails(tiny_moe, tmp_path):
+    """Gemma 4's MoE layers have align's router logits (its projection's: the router returns probabilities first)
+    and every-expert points as every MoE family's: a clean conversion is aligned with them, an expert no input token
+    chose scaled by 2 fails at that layer's every-expert point (it was ALIGNED: the MoE block had neither point), and
+    a router row 0.3% off fails at the router's logits."""
+    from megatron_patch.align.capture import every_expert_point, router_point
+    from megatron_patch.align.parity import random_tokens
+    from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
+    from megatron_patch.align.verdict import judge
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.runtime import ParallelLayout
+    from tests.convert_helpers import edit_weights
+
+    arch = parse_arch(tiny_moe)
+    # two tokens (4 expert slots of 4 experts): the first seed whose routing leaves an expert of layer 1 unchosen
+    for seed in range(20):
+        tokens = random_tokens(arch.vocab_size, batch=1, seq=2, seed=seed)
+        ref = capture_hf_dir(tiny_moe, tokens, "fp32")
+        unused = sorted(set(range(arch.num_experts)) - set(ref["routing.1"].flatten().tolist()))
+        if unused:
+            break
+    assert unused, "no seed left an expert unchosen"
+
+    def planted(name, edit):
+        ckpt = tmp_path / name
+        hf_to_mcore(tiny_moe, ckpt, ParallelLayout(), fmt="legacy", progress=False)
+        if edit is not None:
+            edit_weights(ckpt, edit)
+            write_manifest(ckpt, "tests: planted fault", sync=False)
+        return McoreRun("fp32", mcore_dir=str(ckpt))
+
+    def scale_unused_expert(sd):
+        sd[f"decoder.layers.1.mlp.experts.linear_fc2.weight{unused[0]}"] *= 2
+
+    def nudge_router_row(sd):
+        sd["decoder.layers.1.mlp.router.weight"][0] *= 1.003
+
+    runs = [planted("clean", None), planted("expert", scale_unused_expert), planted("router", nudge_router_row)]
+    clean, expert, router = (judge(ref, c, "fp32", arch.num_layers)
+                             for c in capture_mcore_runs(ParallelLayout(), tokens, runs))
+    names = [p.name for p in clean.points]
+    for i in range(arch.num_layers):
+        assert names.index(router_point(i)) < names.index(f"layers.{i}.mlp") < names.index(every_expert_point(i))
+    assert clean.aligned and [r.layer for r in clean.routing] == list(range(arch.num_layers)), clean.summary
+    assert not expert.aligned and expert.first_failure == every_expert_point(1), expert.summary
+    assert not router.aligned and router.first_failure == router_point(1), router.summary

@@ -118,9 +118,11 @@ def _hf_correction_bias(router: torch.nn.Module, args: tuple) -> torch.Tensor | 
 
 
 @contextmanager
-def _router_logit_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: int, seq: int, mcore: bool):
-    """Record each router's logits and bias: HF's routers return the logits first; MCore's are what its ``gating``
-    returns (wrapped on the instance for the duration), tokens sequence-first."""
+def _router_logit_hooks(routers: dict[int, torch.nn.Module], store: Captures, batch: int, seq: int, mcore: bool,
+                        logits_path: str | None = None):
+    """Record each router's logits and bias: HF's routers return the logits first, or (``logits_path``) a module
+    of theirs does; MCore's are what its ``gating`` returns (wrapped on the instance for the duration), tokens
+    sequence-first."""
 
     def keep(layer, logits, bias, seq_first):
         t = logits.detach().float()
@@ -139,6 +141,9 @@ def _router_logit_hooks(routers: dict[int, torch.nn.Module], store: Captures, ba
     for layer, router in routers.items():
         if mcore:
             router.gating = gating_of(layer, router, router.gating)
+        elif logits_path is not None:
+            handles.append(_submodule(router, logits_path).register_forward_hook(
+                lambda m, args, out, layer=layer: keep(layer, _first(out), None, False)))
         else:
             handles.append(router.register_forward_hook(
                 lambda m, args, out, layer=layer: keep(layer, out[0], _hf_correction_bias(m, args), False)))
@@ -394,7 +399,7 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules, vocab_size: int)
     with torch.no_grad(), _hooks(targets, store, seq_first=False), \
             _routing_hooks(routers, store, batch, seq, mcore=False,
                            top_k=getattr(model.config, "num_experts_per_tok", None)), \
-            _router_logit_hooks(routers, store, batch, seq, mcore=False), \
+            _router_logit_hooks(routers, store, batch, seq, mcore=False, logits_path=modules.router_logits), \
             _selection_hooks(hf_indexers(model, modules), store, mcore=False):
         store["logits"] = model(tokens).logits.float()
     if routers:

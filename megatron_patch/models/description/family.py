@@ -43,6 +43,9 @@ class HFModules:
     final_norm: str | tuple[str, ...] = "model.norm"
     # Within an MoE layer: the router (its output holds the chosen experts, or only logits in 4.x).
     router: str | tuple[str, ...] | None = None
+    # Within the router: the module whose output is its logits, where the router returns probabilities first
+    # (Gemma 4's ``router.proj``); None: the router's own first output.
+    router_logits: str | None = None
     # Within a decoder layer: a sparse attention's indexer (its output holds each query's top-k keys, or blocks of
     # keys: DeepSeek-V4's CSA indexer); layers without one (V4's sliding and HCA layers) are skipped.
     indexer: str | tuple[str, ...] | None = None

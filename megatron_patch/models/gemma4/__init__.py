@@ -27,7 +27,9 @@ FAMILY = register(ModelFamily(
     weight_rules=weight_rules, hf_stacked=hf_stacked, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, layer_spec=layer_spec, finish_model=finish_model,
     # the attention and MLP outputs as the residual adds them: after the norms that follow each
-    hf_modules=HFModules(attention="post_attention_layernorm", mlp="post_feedforward_layernorm"),
+    # (the MoE block's router returns probabilities first: its logits are its projection's)
+    hf_modules=HFModules(attention="post_attention_layernorm", mlp="post_feedforward_layernorm", router="router",
+                         router_logits="proj"),
     skeleton_from_megatron_core="its norms after the attention and the MLP and its layer scalar are modules of its own",
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2), L(pp=2)),
