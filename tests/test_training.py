@@ -940,6 +940,22 @@ def test_killed_rank_is_restarted_and_the_run_resumes(dp2_run, corpus, tmp_path)
 
 
 @pytest.mark.slow
+def test_an_injected_kill_is_not_injected_again_in_the_restarted_group(dp2_run, corpus, tmp_path):
+    """MP_INJECT_FAULT=kill@N with MP_MAX_RESTARTS=1: the restarted group resumed before N and was killed at N
+    again, until the restarts ran out. It fires in the first attempt only: the job ends with status 0 and the
+    uninterrupted run's losses."""
+    out = tmp_path / "out"
+    proc = launch(_dp2_args(corpus, out), {"MP_NPROC": "2", "MP_MAX_RESTARTS": "1",
+                                           "MP_INJECT_FAULT": f"kill@{DP_SAVE + 2}"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "restart 1 of 1 (MP_MAX_RESTARTS)" in proc.stdout
+    assert f"resumed from {out}/checkpoint/iter_{DP_SAVE:07d}" in proc.stdout, proc.stdout[-3000:]
+    got = _last_records(out)
+    assert sorted(got) == list(range(1, DP_ITERS + 1))
+    _assert_same_losses(got, _last_records(dp2_run["out"]), range(1, DP_ITERS + 1))
+
+
+@pytest.mark.slow
 def test_stopped_rank_fails_the_job_naming_it(corpus, tmp_path):
     """SIGSTOP rank 1 after the first checkpoint: rank 0's next collective gives up after MP_DIST_TIMEOUT_MIN,
     and the job ends (no restart asked for) with one line naming rank 1, its pid, the collective and the

@@ -12,6 +12,9 @@ A loss scaler that never sees an overflow and a resume that never follows a cras
   must say so in one line, naming the log that holds the first failing rank's traceback (each rank that
   gets there before the launcher stops the job writes its own).
 
+A group torchrun restarts (``MP_MAX_RESTARTS``) is not killed or failed again: the restart is what those test, and
+it would reach N again and again until the restarts ran out. ``overflow@N`` fires again, as the uninterrupted run's.
+
 Nothing else in a run changes: with the variable unset no code path differs.
 """
 
@@ -48,6 +51,11 @@ def parse_faults(raw: str | None) -> list[Fault]:
                             f"{' | '.join(KINDS)} and ITERATION >= 1, e.g. overflow@7,kill@12")
         faults.append(Fault(kind, int(when)))
     return faults
+
+
+def of_attempt(faults: list[Fault], restart: int) -> list[Fault]:
+    """The faults a group started ``restart`` times before fires: a restarted group no kill or error."""
+    return faults if not restart else [f for f in faults if f.kind == "overflow"]
 
 
 def due(faults: list[Fault], kind: str, iteration: int) -> bool:

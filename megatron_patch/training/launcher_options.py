@@ -522,7 +522,8 @@ ENVIRONMENT = [
                "backward (the step must be skipped; fp16's scale is lowered at the second, its hysteresis), "
                "`kill@N` sends SIGKILL to every rank and its helper processes as iteration N starts (the next launch must resume), `error@N` raises an "
                "exception on every rank as iteration N starts (the launcher's one line, the tracebacks in "
-               "`log/rank<R>-error.log`); comma-separated"),
+               "`log/rank<R>-error.log`); comma-separated. A group `MP_MAX_RESTARTS` restarts is not killed or "
+               "failed again"),
     Option("MP_EXIT_INTERVAL", CORE, INTEGER, "stop after this many iterations (after saving), e.g. to test a resume",
            field="exit_interval"),
     Option("MP_LOG_INTERVAL", CORE, INTEGER, "log every this many iterations", default=1, field="log_interval"),

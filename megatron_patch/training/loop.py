@@ -13,7 +13,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -738,6 +738,7 @@ def train(cfg) -> dict:
     if restart and dist.get_rank() == 0:
         print(f"restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (MP_MAX_RESTARTS): "
               "resuming from the latest complete checkpoint", flush=True)
+    cfg = replace(cfg, faults=faults.of_attempt(cfg.faults, restart))
     if cfg.tp_comm_overlap:
 
         initialize_tp_communicators(cfg, cfg.arch.hidden_size)
