@@ -213,6 +213,51 @@ def test_a_well_formed_index_that_does_not_fit_the_data_is_built_again(built, ca
     assert f"an index that does not fit the data ({why}" in out, out
 
 
+def test_a_corpus_rewritten_with_other_document_lengths_and_the_same_sizes_is_indexed_again(tmp_path, capsys):
+    """The cache is keyed by the data's path and file sizes: 12 tokens moved from document 0 to document 1 keep both
+    sizes, and the relaunch read the old sample boundaries against the new documents (other samples than a fresh
+    build, silently; an IndexError later). Each sample must span the sequence length of the documents as they are."""
+    from tests.sft_helpers import write_mmap_pair
+
+    prefix = str(tmp_path / "corpus")
+    lengths = [int(n) for n in numpy.random.default_rng(0).integers(60, 140, size=40)]
+
+    def write(lengths):  # document i holds token 10 + i
+        write_mmap_pair(prefix, [[10 + i] * n for i, n in enumerate(lengths)], dtype=numpy.uint16)
+
+    def cfg_of(out):  # 48 samples, within one epoch: each old boundary stays inside its document
+        return resolve("llama3_1", launcher_args("llama3_1", DATASET_PATH=prefix, OUTPUT_BASEPATH=str(out),
+                                                 TRAIN_TOKENS_OR_ITERS=str(6 * 8 * 64)), env={})
+
+    write(lengths)
+    cfg = cfg_of(tmp_path / "out")
+    before = _indices(_build(cfg))
+    sizes = [os.path.getsize(prefix + suffix) for suffix in (".bin", ".idx")]
+    write([lengths[0] - 12, lengths[1] + 12, *lengths[2:]])
+    assert [os.path.getsize(prefix + suffix) for suffix in (".bin", ".idx")] == sizes
+    capsys.readouterr()
+    again = _indices(_build(cfg))
+    out = capsys.readouterr().out
+    assert "an index that does not fit the data (its samples do not span 64 tokens of the documents as they are now" \
+        in out, out
+    fresh = _indices(_build(cfg_of(tmp_path / "fresh")))
+    assert _same(again, fresh) and not _same(before, fresh)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 1 << 24])
+def test_the_span_check_reads_the_document_index_in_pieces_alike(built, monkeypatch, piece):
+    """Megatron-core's own index passes in pieces of any size; one boundary moved by a token fails in all."""
+    cfg, want, _ = built
+    ds = _build(cfg)
+    lengths, seq = ds.dataset.sequence_lengths, cfg.seq_len
+    monkeypatch.setattr(data_cache, "SPAN_PIECE", piece)
+    assert data_cache._span_problem(lengths, want["document_index"], want["sample_index"], seq) is None
+    for at in (1, len(want["sample_index"]) // 2, len(want["sample_index"]) - 1):
+        moved = want["sample_index"].copy()
+        moved[at, 1] += 1 if moved[at, 1] == 0 else -1
+        assert "do not span" in data_cache._span_problem(lengths, want["document_index"], moved, seq), at
+
+
 def test_a_folder_in_place_of_a_cache_file_is_refused_in_one_line(built):
     cfg, _, folder = built
     path = _cache_file(folder, "sample_index.npy")

@@ -18,8 +18,11 @@ deterministically, from the data and the seed; a sound cache is kept and read as
   file, its size and digest must match it (a flipped byte in a shuffle index would otherwise reorder
   the data silently);
 - after megatron-core has built or loaded the datasets, their indices must fit the data
-  (``unfit_indices``): document ids within the corpus, sample boundaries in order, shuffle entries
-  within the samples. An index that does not fit is removed and built again.
+  (``unfit_indices``): document ids within the corpus, sample boundaries in order, each sample spanning
+  exactly its sequence length of the documents as they are now, shuffle entries within the samples. An index
+  that does not fit is removed and built again. The spans catch a corpus rewritten in place with other
+  document lengths but the same file sizes (megatron-core keys its cache by the data's path, this project adds
+  the sizes): documents reordered or re-cut read the old boundaries, silently.
 
 The manifest is integrity, not a signature (whoever can change the files can change it): the checks
 above hold without it.
@@ -42,6 +45,8 @@ CACHE_DIR = "data_cache"
 MAX_HEADER = 10_000
 # The 2-D arrays megatron-core keeps (a sample's start: document position and offset); the rest are 1-D.
 TWO_COLUMNS = ("-sample_index.npy",)
+# Entries of the document index read at a time by the span check (16 Mi: 128 MiB of token counts).
+SPAN_PIECE = 1 << 24
 
 
 def npy_problem(path: Path) -> str | None:
@@ -183,6 +188,38 @@ def _gpt_problem(ds) -> str | None:
         return "its sample index points past the end of a document"
     if _outside(shuffle_index, 0, len(sample_index) - 1):
         return f"its shuffle index names samples beyond its {len(sample_index) - 1}"
+    # megatron-core keeps a partial last sample only in a validation split told to (this project never does)
+    partial = getattr(getattr(ds, "index_split", None), "name", "") == "valid" and \
+        not getattr(ds.config, "drop_last_partial_validation_sequence", True)
+    return _span_problem(ds.dataset.sequence_lengths, document_index, sample_index, ds.config.sequence_length,
+                         partial_last=partial)
+
+
+def _span_problem(lengths, document_index, sample_index, sequence_length: int, partial_last: bool = False
+                  ) -> str | None:
+    """Whether consecutive sample boundaries (position in the document index, offset in that document) lie
+    ``sequence_length`` tokens apart over the documents' ``lengths``, as megatron-core's build_sample_idx sets them
+    (with ``partial_last``, the last sample may be shorter). Read in pieces of the document index, so no array as
+    long as the epochs' documents is made."""
+    starts = numpy.asarray(sample_index[:, 0]).astype(numpy.int64)
+    offsets = numpy.asarray(sample_index[:, 1]).astype(numpy.int64)
+    step, done, tokens_before, previous = SPAN_PIECE, 0, 0, None
+    for low in range(0, len(document_index), step):
+        block = numpy.asarray(lengths)[numpy.asarray(document_index[low:low + step])].astype(numpy.int64)
+        cumulative = numpy.concatenate(([0], numpy.cumsum(block))) + tokens_before
+        end = int(numpy.searchsorted(starts, low + len(block), side="left"))  # the boundaries in this piece
+        positions = cumulative[starts[done:end] - low] + offsets[done:end]
+        if previous is not None:
+            positions = numpy.concatenate(([previous], positions))
+        spans = numpy.diff(positions)
+        last = partial_last and end == len(starts)
+        if numpy.any(spans[:-1 if last else None] != sequence_length) or (last and len(spans) and
+                                                                            not 0 < spans[-1] <= sequence_length):
+            return (f"its samples do not span {sequence_length} tokens of the documents as they are now (the data "
+                    "was rewritten since the cache was built)")
+        if len(positions):
+            previous = int(positions[-1])
+        done, tokens_before = end, int(cumulative[-1])
     return None
 
 
