@@ -343,6 +343,9 @@ BROKEN_TASKS = {
     "t_missing_field": ([{"ctx": "a ", "cont": "b"}] * 3, "{{answer}}", "acc", "'answer' is undefined"),
     "t_third_document": ([{"ctx": "a ", "cont": "b"}] * 2 + [{"ctx": "a "}], "{{cont.upper()}}", "acc",
                          "document 3 cannot be rendered"),  # (the datasets library gives it cont: None)
+    # with target_delimiter '' (below), an empty answer scored log-likelihood 0 over no tokens: acc 1.0, exit 0
+    "t_empty_continuation": ([{"ctx": "a ", "cont": "b"}, {"ctx": "a ", "cont": ""}], "{{cont}}", "acc",
+                             "document 2's continuation is empty"),
 }
 
 
@@ -357,10 +360,36 @@ def test_a_broken_task_of_the_users_is_bad_input_named_before_any_rank(checkpoin
     (tmp_path / "tasks" / f"{task}.yaml").write_text(
         f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
         f"output_type: loglikelihood\ndoc_to_text: '{{{{ctx}}}}'\ndoc_to_target: '{target}'\n"
-        f"metric_list:\n  - metric: {metric}\n")
+        f"target_delimiter: ''\nmetric_list:\n  - metric: {metric}\n")
     rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", task,
                       "--include-path", str(tmp_path / "tasks"))
     _one_line(rc, err, f"task {task}", message)
+
+
+def test_seed_draws_the_sampled_generations(checkpoints, tmp_path, capsys):
+    """A sampled task (do_sample, temperature 1) drew from a generator seeded by the task's own seed or 1234, not
+    by --seed: --seed 1 and --seed 2 gave the same texts. Now they differ, and --seed 1 again gives --seed 1's."""
+    pytest.importorskip("lm_eval")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "data.jsonl").write_text("".join(json.dumps({"q": q}) + "\n" for q in
+                                              ("Her brother paints a quiet", "The old man", "A small dog", "They sing")))
+    (tasks / "t_sampled.yaml").write_text(
+        f"task: t_sampled\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'data.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: 'x'\n"
+        "generation_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 8\n  do_sample: true\n  temperature: 1.0\n"
+        "metric_list:\n  - metric: exact_match\n")
+
+    def generations(seed: int, out: str) -> list[str]:
+        rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "t_sampled",
+                          "--include-path", str(tasks), "--seed", str(seed), "--output-dir", str(tmp_path / out),
+                          "--log-samples", "--quiet")
+        assert rc == 0, err
+        samples = (tmp_path / out / "samples_t_sampled.jsonl").read_text().splitlines()
+        return [json.loads(line)["resps"][0][0] for line in samples]
+
+    first, second, again = generations(1, "a"), generations(2, "b"), generations(1, "c")
+    assert first != second and first == again, (first, second)
 
 
 def test_generation_stops_where_the_models_own_generation_config_says(tmp_path, tokenizers):

@@ -93,7 +93,7 @@ def run_harness(runner, tokenizer, settings: EvalSettings, include_paths: list[s
     # lm-eval bootstraps in a multiprocessing pool of every CPU unless told not to: not from a rank of this job
     os.environ["DISABLE_MULTIPROC"] = "1"
     lm = MpatchLM(runner, tokenizer, batch_size=settings.batch_size, max_gen_toks=settings.max_gen_toks,
-                  model_stop_ids=stop_ids)
+                  model_stop_ids=stop_ids, seed=settings.seed)
     results = simple_evaluate(
         model=lm, tasks=list(settings.tasks), task_manager=task_files.task_manager(include_paths, list(settings.tasks)),
         limit=settings.limit, num_fewshot=settings.num_fewshot, log_samples=settings.log_samples,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -40,7 +41,7 @@ class MpatchLM(TemplateLM):
 
     def __init__(self, runner: ModelRunner | None = None, tokenizer=None, batch_size: int | str = 1,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, model_stop_ids: frozenset[int] = frozenset(),
-                 **model_args):
+                 seed: int | None = None, **model_args):
         super().__init__()
         if runner is None:
             runner, tokenizer, model_stop_ids = _runner_from_model_args(**model_args)
@@ -49,6 +50,9 @@ class MpatchLM(TemplateLM):
         self.runner, self.tokenizer = runner, tokenizer
         self._batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_gen_toks = int(max_gen_toks)
+        # sampled generation's seed: `mpatch eval --seed`; built by lm-eval from --model_args, the seed lm-eval gave
+        # torch before building the model (its --seed), as the HF backend's sampling draws from torch's generator
+        self._seed = int(seed) if seed is not None else torch.initial_seed() % 2 ** 63
         self._end_of_text = end_of_text_id(tokenizer)
         # model_stop_ids: the model's own (``loading.generation_stop_ids``), what the HF backend stops at
         self.stop_ids = frozenset(_eos_ids(tokenizer) | {self._end_of_text} | set(model_stop_ids))
@@ -152,7 +156,7 @@ class MpatchLM(TemplateLM):
         max_new = int(kwargs.pop("max_gen_toks"))
         sampling = Sampling(temperature=float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0,
                             top_k=int(kwargs.get("top_k") or 0), top_p=float(kwargs.get("top_p") or 1.0),
-                            seed=int(kwargs.get("seed", 1234)))
+                            seed=int(kwargs.get("seed", self._seed)))
         stops = [s for s in until if s]
 
         def finished(_, tokens) -> bool:

@@ -192,13 +192,19 @@ def check_documents(task_dict: dict) -> None:
         for number, doc in enumerate(docs, 1):
             try:
                 task.doc_to_text(doc)
-                task.doc_to_target(doc)
-                if task.OUTPUT_TYPE == "multiple_choice":
-                    task.doc_to_choice(doc)
+                target = task.doc_to_target(doc)
+                continuations = [target] if task.OUTPUT_TYPE == "loglikelihood" else \
+                    task.doc_to_choice(doc) if task.OUTPUT_TYPE == "multiple_choice" else []
             except Exception as exc:  # noqa: BLE001 - jinja, a user's Python function: anything at all
                 raise UserError(f"task {name}: document {number} cannot be rendered ({type(exc).__name__}: "
                                 f"{_first_line(exc)}): fix the task's doc_to_text/doc_to_target/doc_to_choice or "
                                 "its data") from None
+            # lm-eval scores target_delimiter + each continuation: an empty one has no tokens, log-likelihood 0 and
+            # a perfect score (the HF backend fails an assertion on it)
+            if any(isinstance(c, str) and not task.config.target_delimiter + c for c in continuations):
+                raise UserError(f"task {name}: document {number}'s continuation is empty (its target or a choice "
+                                "renders to '' and target_delimiter is ''): nothing to score; fix the task's "
+                                "doc_to_target/doc_to_choice or its data")
 
 
 def check_fewshot(task_dict: dict, num_fewshot: int | None) -> None:
