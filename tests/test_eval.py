@@ -521,3 +521,24 @@ def test_all_iterations_publishes_the_results_whatever_the_plot_meets(tmp_path, 
     summary = json.loads((out / "all_iterations.json").read_text())
     assert [p["metrics"] for p in summary["iterations"]] == [{"t/acc": 0.25}, {"t/acc": 0.5}]
     assert (out / "iter_0000002" / "results.json").is_file() and (out / "metrics.png").exists() == bool(log)
+
+
+@pytest.mark.parametrize("target", ["outside", "sibling"])
+def test_all_iterations_refuses_an_iteration_that_is_a_symlink(tmp_path, capsys, monkeypatch, target):
+    """A run folder is untrusted: checkpoint/iter_0000006 linking to a folder outside the run (or to another of its
+    iterations) was evaluated and plotted as the run's iteration 6, where `mpatch verify` refuses the link. Refused
+    in one line before any checkpoint is opened."""
+    pytest.importorskip("lm_eval")
+    from megatron_patch.evaluation import loading
+
+    run = tmp_path / "run" / "checkpoint"
+    (run / "iter_0000002").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere" / "iter"
+    elsewhere.mkdir(parents=True)
+    (run / "iter_0000006").symlink_to(elsewhere if target == "outside" else run / "iter_0000002")
+    opened = []
+    monkeypatch.setattr(loading, "open_for_evaluation", lambda folder, *a, **k: opened.append(folder))
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(run), "--all-iterations", "--tasks", "t",
+                      "--output-dir", str(tmp_path / "out"), "--quiet")
+    _one_line(rc, err, f"{run / 'iter_0000006'} is a symlink")
+    assert not opened and not (tmp_path / "out").exists()

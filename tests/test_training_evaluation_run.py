@@ -113,3 +113,25 @@ def test_training_goes_on_as_without_the_evaluations(run, tmp_path):
     proc = launch(args, {"MP_NPROC": "2", "MP_TOKENIZER": str(run["corpus"]["tok"])})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [m["loss"] for m in read_metrics(tmp_path / "out")] == [m["loss"] for m in read_metrics(run["out"])]
+
+
+def test_a_pr_fp8_runs_live_results_are_its_bf16_models_as_mpatch_eval_computes_them(tmp_path, capsys):
+    """PR=fp8 with every decoder GEMM in float8 (MP_FP8_FILTER=all): the live evaluation ran the float8 GEMMs, numbers
+    no `mpatch eval` of the saved checkpoint gives. It evaluates the bf16 model the run saves and exports: equal to
+    `mpatch eval --dtype bf16` of that iteration."""
+    pytest.importorskip("torchao")
+    corpus = make_corpus(tmp_path / "corpus", 300)
+    out = tmp_path / "out"
+    args = pretrain_args(corpus, out, PR="fp8", TRAIN_TOKENS_OR_ITERS=str(2 * GBS * SEQ),
+                         WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ), SAVE_INTERVAL="2")
+    proc = launch(args, {"MP_TOKENIZER": str(corpus["tok"]), "MP_EVAL_TASKS": "mpatch_perplexity",
+                         "MP_EVAL_TASKS_INTERVAL": "2", "MP_EVAL_TASKS_LIMIT": str(LIMIT), "MP_FP8_FILTER": "all"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "decoder GEMMs in float8 by kind: proj 4/4, qkv 12/12, fc1 8/8, fc2 4/4" in proc.stdout, proc.stdout[-3000:]
+    live = _records(out)[0]["results"]["results"]["mpatch_perplexity"]
+    code = main(["eval", "--load-dir", str(out / "checkpoint" / "iter_0000002"), "--tasks", "mpatch_perplexity",
+                 "--limit", str(LIMIT), "--dtype", "bf16", "--output-dir", str(tmp_path / "eval"), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    saved = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]["mpatch_perplexity"]
+    for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert saved[key] == pytest.approx(live[key], rel=1e-6), key

@@ -25,6 +25,12 @@ def saved_iterations(load_dir: str | Path) -> list[tuple[int, Path]]:
     folder = Path(load_dir)
     found = sorted((int(match.group(1)), entry) for entry in (folder.iterdir() if folder.is_dir() else ())
                    if entry.is_dir() and (match := ITERATION_DIR.fullmatch(entry.name)))
+    # a run folder is untrusted: an iteration that is a link is another folder's weights under this run's number
+    # (`mpatch verify` refuses one leading outside as well)
+    linked = next((entry for _, entry in found if entry.is_symlink()), None)
+    if linked is not None:
+        raise UserError(f"--all-iterations: {linked} is a symlink (to {linked.resolve()}): a run's iterations are "
+                        "folders of its own; evaluate that folder alone with --load-dir, or copy it in")
     if not found:
         raise UserError(f"--all-iterations: {load_dir} holds no saved iteration (iter_XXXXXXX): give a training "
                         "run's checkpoint/ folder")
@@ -33,7 +39,8 @@ def saved_iterations(load_dir: str | Path) -> list[tuple[int, Path]]:
 
 def training_losses(load_dir: str | Path) -> dict[int, float]:
     """The loss of each iteration in the run's ``log/metrics.jsonl`` (the folder above ``load_dir``); the later
-    record of an iteration trained twice (a resume) wins. Lines that do not read are skipped; {} without a log."""
+    record of an iteration written twice wins (a resumed run drops the records it trains again, but a log copied
+    together from two runs may hold both). Lines that do not read are skipped; {} without a log."""
     path = Path(load_dir).absolute().parent / "log" / "metrics.jsonl"
     losses: dict[int, float] = {}
     if not path.is_file():

@@ -115,12 +115,15 @@ def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
     mode, and every random generator as it was: the harness seeds them, and training goes on as without it."""
     from megatron_patch.evaluation.evaluate import evaluate_live_model
     from megatron_patch.evaluation.loading import generation_stop_ids
+    from megatron_patch.models.blocks.float8 import in_bf16
 
     saved = _random_states()
     try:
         # the tokenizer's folder is the one the run's checkpoints carry their files from (generation_config.json)
         stop_ids = generation_stop_ids(cfg.hf_config, tokenizer.name_or_path)
-        results = evaluate_live_model(chunks, cfg.arch, tokenizer, settings(cfg), stop_ids)
+        # a PR=fp8 run's float8 GEMMs are a training step's: the model evaluated is the bf16 one it saves
+        with in_bf16(chunks):
+            results = evaluate_live_model(chunks, cfg.arch, tokenizer, settings(cfg), stop_ids)
     finally:
         for chunk in chunks:
             chunk.train()

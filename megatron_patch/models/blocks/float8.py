@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -351,8 +352,24 @@ def convert_chunks(chunks: list, recipe: str, fp8_filter, linear_attention) -> l
             gemms += found
             if any(parts.float8):
                 module._float8_parts = parts
+                module._bf16_forward_impl = module._forward_impl
                 module._forward_impl = _float8_forward_impl(module, config, mm_config, parts)
     return gemms
+
+
+@contextmanager
+def in_bf16(chunks: list):
+    """Every float8 GEMM of ``chunks`` computed by megatron-core's own bf16 linear for the duration: the model a
+    training run exports and ``mpatch eval --dtype bf16`` computes (the live task evaluation of a PR=fp8 run)."""
+    modules = [m for chunk in chunks for _, _, m in decoder_linears(chunk) if converted(m)]
+    float8 = [m._forward_impl for m in modules]
+    for module in modules:
+        module._forward_impl = module._bf16_forward_impl
+    try:
+        yield
+    finally:
+        for module, impl in zip(modules, float8):
+            module._forward_impl = impl
 
 
 def describe_gemms(gemms: list[Gemm], recipe: str) -> str:
