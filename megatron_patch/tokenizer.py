@@ -64,8 +64,10 @@ class ChatTemplate:
         # source None: named templates (``names``) without a default, refused when a record is rendered
         self.source, self.special_tokens, self.where, self.names = source, special_tokens, where, names
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False, record: str = "") -> str:
-        """``messages`` as ``apply_chat_template`` renders them; ``record``: where they come from, for errors."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = False, record: str = "",
+               tools: list[dict] | None = None) -> str:
+        """``messages`` (with the function definitions ``tools``) as ``apply_chat_template`` renders them;
+        ``record``: where they come from, for errors."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if self.source is None:
@@ -73,23 +75,25 @@ class ChatTemplate:
             raise UserError(f"{self.where} has chat templates named {', '.join(self.names)} and none named "
                             "'default', so the one records are rendered with is not known: name one 'default'")
         try:
-            rendered, _ = render_jinja_template([messages], chat_template=self.source,
+            rendered, _ = render_jinja_template([messages], tools=tools, chat_template=self.source,
                                                 add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except Exception as exc:  # noqa: BLE001 - jinja syntax errors, raise_exception(...) in the template
             raise UserError(f"{record + ': ' if record else ''}the chat template of {self.where} failed: "
                             f"{type(exc).__name__}: {exc}") from None
         return rendered[0]
 
-    def assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """(the whole conversation rendered, the [start, end) character spans of its assistant turns)."""
-        full = self.render(messages, record=where)
+    def assistant_spans(self, messages: list[dict], where: str, tools: list[dict] | None = None
+                        ) -> tuple[str, list[tuple[int, int]]]:
+        """(the whole conversation rendered with ``tools``, the [start, end) character spans of its assistant
+        turns)."""
+        full = self.render(messages, record=where, tools=tools)
         spans, done = [], 0
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = self.render(messages[:i], add_generation_prompt=True, record=where) if i else \
-                self._before_opening_answer(messages[0], full, where)
-            end = self.render(messages[:i + 1], record=where)
+            start = self.render(messages[:i], add_generation_prompt=True, record=where, tools=tools) if i else \
+                self._before_opening_answer(messages[0], full, where, tools)
+            end = self.render(messages[:i + 1], record=where, tools=tools)
             if not (full.startswith(start) and full.startswith(end) and len(start) <= len(end)):
                 raise UserError(f"{where}: the chat template of {self.where} does not render message {i + 1} as an "
                                 "extension of the conversation before it, so its assistant span cannot be found; "
@@ -100,18 +104,18 @@ class ChatTemplate:
         return full, spans
 
 
-    def _before_opening_answer(self, message: dict, full: str, where: str) -> str:
+    def _before_opening_answer(self, message: dict, full: str, where: str, tools: list[dict] | None) -> str:
         """What the template renders before an assistant message that opens the conversation (a default system
         prompt, the assistant header), which transformers' assistant mask leaves untrained: the empty
         conversation with the generation prompt, or, for a template that cannot render that, the message
         rendered alone up to its content."""
         try:
-            before = self.render([], add_generation_prompt=True, record=where)
+            before = self.render([], add_generation_prompt=True, record=where, tools=tools)
             if full.startswith(before):
                 return before
         except UserError:
             pass
-        alone, content = self.render([message], record=where), message.get("content")
+        alone, content = self.render([message], record=where, tools=tools), message.get("content")
         at = alone.rfind(content) if isinstance(content, str) and content else -1
         if at < 0 or not full.startswith(alone[:at]):
             raise UserError(f"{where}: the conversation opens with an assistant message, and the chat template of "

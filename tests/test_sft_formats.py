@@ -57,6 +57,10 @@ RECORDS = [
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
                    {"role": "user", "content": "Leaving?"}, {"role": "assistant", "content": " Bye now."}]},
      [("user", "Hi"), ("assistant", "Hello there."), ("user", "Leaving?"), ("assistant", " Bye now.")]),
+    # LLaMA-Factory's system column beside messages (it was dropped: the template's default system prompt trained)
+    ({"system": "Answer in French.", "messages": [{"role": "user", "content": "Name a fruit."},
+                                                  {"role": "assistant", "content": "Une pomme."}]},
+     [("system", "Answer in French."), ("user", "Name a fruit."), ("assistant", "Une pomme.")]),
 ]
 
 
@@ -115,6 +119,34 @@ def test_a_conversation_the_assistant_opens_trains_only_its_answers(byte_level):
     assert not trained[0]
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}}}]
+# Qwen2.5's way of showing the tools: in a system turn of their own, before the conversation
+TOOLS_STYLE = ("{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{- t | tojson + '\\n' }}"
+               "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}" + QWEN_STYLE)
+
+
+def test_a_records_tools_are_rendered_as_apply_chat_template_renders_them(texts, tmp_path):
+    """A function-calling record's ``tools`` were dropped: its tool calls trained on a prompt that never showed the
+    functions (229 tokens against transformers' 494 in the audit). Rendered as ``apply_chat_template(messages,
+    tools=...)``; without a template to render them they are refused, not dropped."""
+    from transformers import AutoTokenizer
+
+    _, tokens, config = STYLES["qwen"]
+    folder = make_byte_level_tokenizer(tmp_path / "tok", texts, TOOLS_STYLE, tokens, config)
+    hf, tok = AutoTokenizer.from_pretrained(folder), load_tokenizer(folder)
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'},
+                {"role": "tool", "content": "Sunny, 21 C"}, {"role": "assistant", "content": "Sunny and warm."}]
+    ids, trained = tokenize_record(tok, {"messages": messages, "tools": TOOLS}, "record 1")
+    assert (ids, trained) == chat_ids(hf, messages, tools=TOOLS, return_assistant_tokens_mask=True)
+    assert "get_weather" in hf.decode([i for i, t in zip(ids, trained) if not t]).split("Weather in Paris")[0]
+    plain = load_tokenizer(make_tokenizer(tmp_path / "plain", texts))
+    with pytest.raises(UserError, match="defines 'tools', and .* has no chat template to render them"):
+        tokenize_record(plain, {"messages": messages, "tools": TOOLS}, "record 1")
+
+
 def _template_folder(chat_tok, tmp_path, **files):
     """A copy of ``chat_tok`` whose tokenizer_config.json takes ``config`` and beside which ``files`` are written."""
     import shutil
@@ -170,6 +202,11 @@ def test_records_that_are_not_sft_records_are_one_line(chat_tok):
                             ({"instruction": "x", "output": "y", "input": 3}, "'input' must be a string"),
                             ({"instruction": "x", "output": "y", "system": ["s"]}, "'system' must be a string"),
                             ({"messages": [{"role": "user", "content": "x"}]}, "no assistant message"),
+                            ({"system": "s", "messages": [{"role": "system", "content": "t"},
+                                                          {"role": "assistant", "content": "y"}]},
+                             "both a 'system' field and a system message"),
+                            ({"messages": [{"role": "assistant", "content": "y"}], "tools": {"name": "f"}},
+                             "'tools' must be a list of JSON objects"),
                             (["x"], "must be a JSON object")):
         with pytest.raises(UserError, match=message):
             tokenize_record(tok, record, "f.jsonl record 3")

@@ -87,7 +87,7 @@ def conversation(record, where: str) -> list[dict]:
                 raise UserError(f"{where}: each message needs a 'role' and a string 'content'")
         if not any(m["role"] == "assistant" for m in msgs):
             raise UserError(f"{where}: the conversation has no assistant message to train on")
-        return msgs
+        return _with_system_field(record, msgs, where)
     prompt = next((record[k] for k in PROMPT_KEYS if k in record), None)
     response = next((record[k] for k in RESPONSE_KEYS if k in record), None)
     if not isinstance(prompt, str) or not isinstance(response, str):
@@ -100,6 +100,31 @@ def conversation(record, where: str) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt + (record.get("input") or "")},
         {"role": "assistant", "content": response}]
+
+
+def _with_system_field(record: dict, messages: list[dict], where: str) -> list[dict]:
+    """``messages`` opened by the record's ``system`` field as a system turn (LLaMA-Factory's system column beside
+    its messages), which the template's default system prompt would otherwise stand in for; refused beside a
+    system message of the conversation's own."""
+    system = record.get("system")
+    if system is None or system == "":
+        return messages
+    if not isinstance(system, str):
+        raise UserError(f"{where}: 'system' must be a string, found {type(system).__name__}")
+    if messages[0].get("role") == "system":
+        raise UserError(f"{where}: both a 'system' field and a system message open the conversation: keep one")
+    return [{"role": "system", "content": system}, *messages]
+
+
+def record_tools(record: dict, where: str) -> list[dict] | None:
+    """The record's function definitions (``tools``, transformers' and OpenAI's form), which the chat template
+    renders as ``apply_chat_template(messages, tools=...)`` does; None without."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise UserError(f"{where}: 'tools' must be a list of JSON objects (function definitions)")
+    return tools
 
 
 def record_groups(path: str | Path) -> list[tuple[bool, list[tuple[dict, str]]]]:
@@ -117,5 +142,6 @@ def record_groups(path: str | Path) -> list[tuple[bool, list[tuple[dict, str]]]]
             group = [(item, where)]
         for record, place in group:
             conversation(record, place)
+            record_tools(record, place)
         groups.append((isinstance(item, list), group))
     return groups

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megatron_patch.errors import UserError
-from megatron_patch.training.sft_records import conversation
+from megatron_patch.training.sft_records import conversation, record_tools
 
 
 def _plain_segments(record: dict, messages: list[dict]) -> list[tuple[str, bool]]:
@@ -27,12 +27,15 @@ def tokenize_record(tokenizer, record, where: str) -> tuple[list[int], list[int]
     ``return_assistant_tokens_mask``). Without: the plain pieces, then the end-of-document token, trained
     (the model learns to stop after the response).
     """
-    messages = conversation(record, where)
+    messages, tools = conversation(record, where), record_tools(record, where)
     template = getattr(tokenizer, "chat_template", None)
     if template is not None:
-        text, spans = template.assistant_spans(messages, where)
+        text, spans = template.assistant_spans(messages, where, tools)
         ids, offsets = tokenizer.encode_with_offsets(text)
         return ids, [int(any(start < b and max(end, start + 1) > a for a, b in spans)) for start, end in offsets]
+    if tools:
+        raise UserError(f"{where}: the record defines 'tools', and {tokenizer.path} has no chat template to render "
+                        "them: give a tokenizer folder with one (MP_TOKENIZER)")
     ids, trained = [], []
     for text, on in _plain_segments(record, messages):
         piece = tokenizer.encode(text)
