@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import checked_input, read_input, read_input_text, read_json_object
+from megatron_patch.input_files import (check_folder_inputs, checked_input, read_input, read_input_text,
+                                        read_json_object)
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -156,6 +158,32 @@ def load_chat_template(folder: Path) -> ChatTemplate | None:
     return ChatTemplate(source, special, str(folder))
 
 
+def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
+    """transformers' tokenizer of ``folder``, from local files only and without code from the folder, as lm-eval's
+    HF backend loads it from the model's folder, so both tokenize alike. ``model_config``: the model's config.json
+    (the checkpoint's), which picks the tokenizer class where tokenizer_config.json names none (a Qwen2 model's
+    folder gets Qwen2's tokenizer class, with its own special tokens)."""
+    # transformers (0.6 s): imported only where a tokenizer is loaded
+    from transformers import AutoConfig, AutoTokenizer
+
+    # transformers opens the folder's files itself: each must stay inside the folder (a tokenizer.json that links
+    # to /etc/... is refused), be a regular file and bounded, as --hf-dir's are, before it reads one
+    check_folder_inputs(folder)
+    config = None
+    if model_config is not None and not (Path(folder) / "config.json").is_file():
+        try:
+            # a copy: transformers writes into the nested tables it is given (rope_theta into rope_scaling), and the
+            # run's record of its model, saved with each checkpoint, would no longer match the launch that resumes
+            config = AutoConfig.for_model(**copy.deepcopy(model_config))
+        except (ValueError, KeyError, TypeError):  # a model type this transformers does not know: by the files alone
+            config = None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
+                                             **({"config": config} if config is not None else {}))
+    except Exception as exc:  # noqa: BLE001 - a garbage tokenizer file fails in transformers in any way at all
+        raise UserError(f"cannot read the tokenizer in {folder}: {type(exc).__name__}: {exc}")
+
+
 class HFTokenizer:
     """``tokenizers.Tokenizer`` from a folder's tokenizer.json; EOD and chat template from its config files."""
 
@@ -167,22 +195,33 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception for any bad file
             raise UserError(f"{folder / 'tokenizer.json'} is not a tokenizer the tokenizers library reads "
                             f"({str(exc)[:200]}): fix or re-download it")
+        # The pipeline transformers builds for the folder's tokenizer class, which apply_chat_template and lm-eval
+        # encode with: some classes rebuild tokenizer.json's (transformers 5's LlamaTokenizer sets its Metaspace
+        # from `legacy`: no '▁' after a special token), so the file's own pipeline gave other ids after each
+        # special token of a Llama-2/Mistral chat. A folder transformers reads only with its own code keeps the file's.
+        # The vocabulary and the end-of-document token are the file's (transformers adds a special token the
+        # config names and the file lacks, an id no model has a row for: that is refused by name below).
+        self._file = self._tok
+        try:
+            self._tok = load_hf_tokenizer(folder).backend_tokenizer
+        except (UserError, AttributeError):  # no code of the folder's runs; a slow tokenizer has no backend
+            pass
         # a tokenizer.json saved after a call with truncation or padding keeps them; transformers' tokenizer
         # applies neither unless asked, and a document is written whole
         self._tok.no_truncation()
         self._tok.no_padding()
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = self._file.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eod(folder)
         self.chat_template = load_chat_template(folder)
 
     def _find_eod(self, folder: Path) -> int:
         eos = _token_text(_folder_json(folder, "tokenizer_config.json").get("eos_token"))
         for name in [eos] if isinstance(eos, str) and eos else []:
-            tid = self._tok.token_to_id(name)
+            tid = self._file.token_to_id(name)
             if tid is not None:
                 return tid
         for name in EOD_CANDIDATES:
-            tid = self._tok.token_to_id(name)
+            tid = self._file.token_to_id(name)
             if tid is not None:
                 return tid
         eos_id = _folder_json(folder, "config.json").get("eos_token_id")

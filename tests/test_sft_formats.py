@@ -147,6 +147,39 @@ def test_a_records_tools_are_rendered_as_apply_chat_template_renders_them(texts,
         tokenize_record(plain, {"messages": messages, "tools": TOOLS}, "record 1")
 
 
+# Llama-2's / Mistral-v0.1's template, the assistant part marked for transformers' reference mask
+LLAMA2_STYLE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                "{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}{% generation %}{{ m['content'] + eos_token }}"
+                "{% endgeneration %}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("legacy", [False, None, True])
+def test_a_sentencepiece_folder_encodes_as_the_tokenizer_class_transformers_builds(texts, tmp_path, legacy):
+    """Llama-2/Mistral-v0.1 folders (tokenizer.json's normalizer Prepend + Replace '▁', tokenizer_class LlamaTokenizer):
+    transformers 5 builds that class's own pipeline (no '▁' after a special token unless `legacy`), and the file's
+    pipeline gave other ids after every [INST] and other masks than apply_chat_template."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import AutoTokenizer
+
+    spm = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    spm.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    spm.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    spm.train_from_iterator(texts + ["[INST] hello [/INST]"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    spm.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "add_bos_token": True, "chat_template": LLAMA2_STYLE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config if legacy is None else {**config, "legacy": legacy}))
+    messages = [{"role": "user", "content": "The cat"}, {"role": "assistant", "content": "sat on the mat"},
+                {"role": "user", "content": "And?"}, {"role": "assistant", "content": "the dog ran"}]
+    hf = AutoTokenizer.from_pretrained(folder)
+    ids, trained = tokenize_record(load_tokenizer(folder), {"messages": messages}, "record 1")
+    assert (ids, trained) == chat_ids(hf, messages, return_assistant_tokens_mask=True), hf.convert_ids_to_tokens(ids)
+
+
 def _template_folder(chat_tok, tmp_path, **files):
     """A copy of ``chat_tok`` whose tokenizer_config.json takes ``config`` and beside which ``files`` are written."""
     import shutil

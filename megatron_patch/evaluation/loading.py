@@ -9,17 +9,16 @@ adapters applied (``lora.sources``), as the aligner does.
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import check_folder_inputs, read_json_object
+from megatron_patch.input_files import read_json_object
 from megatron_patch.models.description.arch import Arch, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
-from megatron_patch.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import load_hf_tokenizer, load_tokenizer
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: `mpatch eval` checks its input (tasks, tokenizer, layout) before any rank starts.
@@ -121,32 +120,6 @@ def _tokenizer_folder(path: Path, flag: str) -> Path:
         raise UserError(f"{flag} {path} is not an HF tokenizer folder (no tokenizer.json, tokenizer.model or "
                         "vocab.json in it)")
     return folder
-
-
-def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
-    """transformers' tokenizer of ``folder``, from local files only and without code from the folder, as lm-eval's
-    HF backend loads it from the model's folder, so both tokenize alike. ``model_config``: the model's config.json
-    (the checkpoint's), which picks the tokenizer class where tokenizer_config.json names none (a Qwen2 model's
-    folder gets Qwen2's tokenizer class, with its own special tokens)."""
-    # transformers (0.6 s): imported only where a tokenizer is loaded
-    from transformers import AutoConfig, AutoTokenizer
-
-    # transformers opens the folder's files itself: each must stay inside the folder (a tokenizer.json that links
-    # to /etc/... is refused), be a regular file and bounded, as --hf-dir's are, before it reads one
-    check_folder_inputs(folder)
-    config = None
-    if model_config is not None and not (Path(folder) / "config.json").is_file():
-        try:
-            # a copy: transformers writes into the nested tables it is given (rope_theta into rope_scaling), and the
-            # run's record of its model, saved with each checkpoint, would no longer match the launch that resumes
-            config = AutoConfig.for_model(**copy.deepcopy(model_config))
-        except (ValueError, KeyError, TypeError):  # a model type this transformers does not know: by the files alone
-            config = None
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
-                                             **({"config": config} if config is not None else {}))
-    except Exception as exc:  # noqa: BLE001 - a garbage tokenizer file fails in transformers in any way at all
-        raise UserError(f"cannot read the tokenizer in {folder}: {type(exc).__name__}: {exc}")
 
 
 def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: str = "fp32") -> list:
