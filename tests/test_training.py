@@ -1021,6 +1021,9 @@ def test_a_resume_the_checkpoint_cannot_follow_is_refused_and_a_new_schedule_is_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("note: the learning-rate schedule follows this launch, not the checkpoint's: LR 0.003 -> 0.01, "
             f"decay iterations {DP_ITERS} -> {DP_ITERS + 4}") in proc.stdout, proc.stdout[:2000]
+    # megatron-core's order for the longer run is another one past the first epoch (the data2 audit: 0 of 48 kept)
+    assert f"note: iterations {DP_ITERS} -> {DP_ITERS + 4}: the data's sample order is built for the new length" \
+        in proc.stdout, proc.stdout[:2000]
     saved = json.loads((ckpt / f"iter_{DP_ITERS + 4:07d}" / "train_state.json").read_text())["config"]
     warmup, decay, top, low = saved["warmup_iters"], saved["lr_decay_iters"], saved["lr"], saved["min_lr"]
     for i, record in _last_records(out).items():

@@ -201,6 +201,13 @@ def resume_notes(cfg, folder: Path) -> list[str]:
                if field in then and then[field] != now[field]]
     notes = [f"the learning-rate schedule follows this launch, not the checkpoint's: {', '.join(changed)}"] \
         if changed else []
+    if "train_iters" in then and then["train_iters"] != now["train_iters"]:
+        # megatron-core (as Megatron-LM) builds the sample order for the run's whole length: another number of
+        # epochs shuffles the documents and samples anew, and the data position counts into that new order
+        notes.append(f"iterations {then['train_iters']} -> {now['train_iters']}: the data's sample order is built "
+                     "for the new length, so where the data now runs to another number of epochs the coming "
+                     "iterations are not the continuation of the first launch's order (some samples seen again, "
+                     "some not at all); within one epoch it is the same order")
     if "micro_batch_size" in then and then["micro_batch_size"] != now["micro_batch_size"]:
         # the loss is the mean of each micro-batch's token mean (Megatron-LM's default): SFT's micro-batches hold
         # uneven numbers of trained tokens, so regrouping them reweights the tokens
