@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 import tempfile
 from pathlib import Path
@@ -543,3 +544,27 @@ def test_an_uneven_pipeline_is_pointed_to_where_it_is_taken(tmp_path, capsys):
         "PP=2 with MP_PP0_LAYERS=" in err and ", or MP_PP0_LAYERS" not in err, err
     with pytest.raises(UserError, match=r"choose a PP that divides 5, or MP_PP0_LAYERS=\d"):  # the launcher's words
         validate_layout(parse_arch(hf), ParallelLayout(pp=2))
+
+
+@pytest.mark.parametrize("family, over, refused", [
+    ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True}, "(softmax over the chosen expert)"),
+    ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": False}, None),  # the chosen expert's probability
+    ("mixtral", {"num_experts_per_tok": 1}, "(softmax over the chosen expert)"),
+    ("deepseek_v3", {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True},
+     "(norm_topk_prob)"),
+    ("deepseek_v3", {"num_experts_per_tok": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": False}, None),
+])
+def test_top1_routing_megatron_core_cannot_weigh_is_one_line(family, over, refused):
+    """Top-1 routing whose one weight transformers normalises to 1: megatron-core's post-softmax router raised its
+    own ValueError (an internal error in hf2mcore and align), and its sigmoid router kept the sigmoid score as the
+    weight (a silently other model: NOT aligned at rel_l2 0.3). The chosen expert's probability is supported."""
+    from megatron_patch.models.blocks.builder import transformer_config
+    from megatron_patch.models.description.registry import families, parse_arch
+    from megatron_patch.runtime import ParallelLayout
+
+    arch = parse_arch({**families()[family].tiny_config, **over})
+    if refused is None:
+        assert transformer_config(arch, ParallelLayout()).moe_router_topk == 1
+    else:
+        with pytest.raises(UserError, match=re.escape(refused) + ", which megatron-core's router does not compute"):
+            transformer_config(arch, ParallelLayout())

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_patch.dtypes import Precision
+from megatron_patch.errors import UserError
 from megatron_patch.models.blocks import rope
 from megatron_patch.models.blocks.core_attention import core_attention_class
 from megatron_patch.models.blocks.precision import cast_parameters
@@ -125,11 +126,27 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
     kwargs.update(_cuda_graph_default(TransformerConfig))
     kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))
     kwargs.update(overrides)
+    _refuse_a_top1_weight_megatron_core_lacks(arch, kwargs)
     if kwargs.get("multi_latent_attention"):
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _refuse_a_top1_weight_megatron_core_lacks(arch: Arch, kwargs: dict) -> None:
+    """Top-1 routing whose one weight transformers normalises to 1 (softmax over the chosen experts, or
+    norm_topk_prob under sigmoid scores): megatron-core's post-softmax router refuses top-1 (its ValueError was an
+    internal error), and its sigmoid router renormalises only for top-k > 1 (a silently other model: align NOT
+    aligned at rel_l2 0.3)."""
+    if not arch.is_moe or kwargs.get("moe_router_topk") != 1:
+        return
+    score = kwargs.get("moe_router_score_function", "softmax")
+    if (score == "softmax" and not kwargs.get("moe_router_pre_softmax")) or (score == "sigmoid" and arch.norm_topk_prob):
+        raise UserError(f"config.json routes each token to 1 expert whose weight {arch.family} normalises to 1 "
+                        f"({'softmax over the chosen expert' if score == 'softmax' else 'norm_topk_prob'}), which "
+                        "megatron-core's router does not compute: top-1 routing is supported with the chosen "
+                        "expert's probability as its weight (norm_topk_prob false) only")
 
 
 def _cuda_graph_default(config_cls) -> dict:
