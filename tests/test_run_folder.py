@@ -293,7 +293,9 @@ def test_a_full_disk_while_the_data_cache_is_written_is_bad_input_in_one_line(co
     finally:
         if ours:
             torch.distributed.destroy_process_group()
-    assert str(wrapped.value) == str(raised.value)
+    # the same line, but for the free space measured twice (other writers on this disk move it between the calls)
+    free = re.compile(r"[0-9.]+ MiB free")
+    assert free.sub("N MiB free", str(wrapped.value)) == free.sub("N MiB free", str(raised.value))
     assert str(raised.value).startswith(f"writing the data cache in {cache} failed ({failure}), ")
     assert str(raised.value).endswith("MiB free there: free space (or choose another OUTPUT_BASEPATH) and rerun")
 

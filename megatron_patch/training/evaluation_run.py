@@ -113,6 +113,7 @@ def load_tokenizer(folder: Path | None, cfg):
 def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
     """lm-eval's results of the live model (global rank 0; None on the others). The chunks are put back in train
     mode, and every random generator as it was: the harness seeds them, and training goes on as without it."""
+    # lm-eval, and torch with the model's blocks: a rank that evaluates has them, the launcher never imports them
     from megatron_patch.evaluation.evaluate import evaluate_live_model
     from megatron_patch.evaluation.loading import generation_stop_ids
     from megatron_patch.models.blocks.float8 import in_bf16
