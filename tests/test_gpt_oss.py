@@ -179,6 +179,20 @@ def test_hub_mxfp4_folder_converts_without_dtype_at_tp2_ep2(tiny, tmp_path, caps
     assert "config.json names no float dtype they share: pass --dtype bf16" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
+def test_align_at_tp2_takes_the_expert_layout_hf2mcore_takes(tiny, tmp_path, capsys):
+    """hf2mcore --tp 2 chose ETP=1 by itself; align --tp 2 of what it wrote refused ETP=2 for the same default.
+    Both take ETP=1 now, and say so."""
+    from megatron_patch.cli import main
+
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(tiny), "--save-dir", str(mcore), "--tp", "2", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["align", "--hf-dir", str(tiny), "--mcore-dir", str(mcore), "--tp", "2", "--dtype", "fp32",
+                 "--quiet"]) == 0, capsys.readouterr().err
+    assert "align: ETP=1, not TP=2: gpt_oss's experts take their biases only unsplit" in capsys.readouterr().err
+
+
 def test_mxfp4_without_scales_is_refused(tiny, tmp_path, capsys):
     from safetensors.torch import save_file
 

@@ -29,7 +29,7 @@ from megatron_patch.input_files import read_input_text
 from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.sources import is_peft_folder
 from megatron_patch.models.blocks.float8_plan import arch_gemms, check_filter_kinds, cpu_recipe_problem, filter_text
-from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.models.description.arch import default_expert_tp, validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.machine import cpu_float8_rowwise, installed_version
@@ -205,6 +205,10 @@ def validate(s: AlignSettings):
         what = ", ".join(f"{f} {getattr(ref_arch, f)} vs {getattr(test_arch, f)}" for f in diff)
         raise UserError(f"the two sides are different models ({what}): compare a checkpoint with the HF folder it came from")
     if not s.hf_dir_2:
+        # the expert-tensor-parallel size hf2mcore takes where none is given (gpt_oss's biased experts: ETP=1)
+        s.layout, note = default_expert_tp(test_arch, s.layout)
+        if note:  # said under --quiet too, as hf2mcore says it: the layout run is not the one asked for
+            print(f"align: {note}", file=sys.stderr, flush=True)
         validate_layout(test_arch, s.layout, uneven_pipelines=False)
         if sidecar is not None and sidecar.checkpoint_format == "legacy":
             ck = sidecar.parallel_layout
