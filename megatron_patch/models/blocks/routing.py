@@ -34,6 +34,9 @@ def expert_groups(raw: dict, top_per_group: int) -> tuple[int | None, int | None
         raise UserError(f"topk_group={group_topk} chooses more groups than n_group={groups} makes")
     if groups <= 1:
         return None, None
+    if topk > group_topk * (experts // groups):  # transformers' top-k over the groups' experts fails, megatron's too
+        raise UserError(f"num_experts_per_tok={topk} experts cannot be chosen from the {group_topk * (experts // groups)} "
+                        f"in topk_group={group_topk} of the n_group={groups} groups of {experts // groups} experts")
     if topk // group_topk != top_per_group:
         raise UserError(f"group-limited routing with num_experts_per_tok={topk}, topk_group={group_topk} scores "
                         f"groups differently in megatron-core (top {topk // group_topk}) than in transformers "
