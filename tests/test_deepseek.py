@@ -124,7 +124,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 @pytest.mark.parametrize("over, fragment", [
     (dict(norm_topk_prob=False), "norm_topk_prob=false with sigmoid routing"),
-    (dict(num_experts_per_tok=6, topk_group=2), "scores groups differently"),
+    (dict(n_routed_experts=16, num_experts_per_tok=6, topk_group=2), "scores groups differently"),
     # 1 expert reachable in the one group chosen: transformers' forward failed on it, align with an internal error
     (dict(n_routed_experts=4, n_group=4, topk_group=1, num_experts_per_tok=2), "cannot be chosen from the 1 in"),
     (dict(rope_interleave=False), "rope_interleave=false"),
