@@ -180,6 +180,40 @@ def test_a_sentencepiece_folder_encodes_as_the_tokenizer_class_transformers_buil
     assert (ids, trained) == chat_ids(hf, messages, return_assistant_tokens_mask=True), hf.convert_ids_to_tokens(ids)
 
 
+# Qwen2.5's rendering of tool calls (trimmed): an assistant turn tests ``m.content`` and lists its tool_calls.
+TOOL_CALLING_STYLE = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{% generation %}{%- if m.content %}{{- m.content }}{%- endif %}{%- for tc in m.tool_calls or [] %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' + (tc.function.arguments | tojson)"
+    " + '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}{% endgeneration %}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_a_tool_call_with_null_content_renders_as_transformers_renders_it(texts, tmp_path):
+    """OpenAI's form of a tool call, ``"content": null`` beside ``tool_calls``, was refused ("needs a string
+    'content'") though apply_chat_template renders it: the usual function-calling export could not be trained."""
+    from transformers import AutoTokenizer
+
+    folder = make_byte_level_tokenizer(tmp_path / "tok", texts, TOOL_CALLING_STYLE, QWEN_TOKENS,
+                                       {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]
+    hf = AutoTokenizer.from_pretrained(folder)
+    ids, trained = tokenize_record(load_tokenizer(folder), {"messages": messages}, "record 1")
+    assert (ids, trained) == chat_ids(hf, messages, return_assistant_tokens_mask=True)
+    assert "get_weather" in hf.decode([i for i, t in zip(ids, trained) if t])
+    # Without a template, the null content is an empty turn; a null content that calls no tool is still refused.
+    plain = load_tokenizer(make_tokenizer(tmp_path / "plain", texts))
+    assert plain.decode(tokenize_record(plain, {"messages": messages}, "r")[0]).count("<|assistant|>") == 2
+    with pytest.raises(UserError, match="string 'content' \\(null only beside 'tool_calls'\\)"):
+        tokenize_record(plain, {"messages": [{"role": "assistant", "content": None}]}, "r")
+
+
 def _template_folder(chat_tok, tmp_path, **files):
     """A copy of ``chat_tok`` whose tokenizer_config.json takes ``config`` and beside which ``files`` are written."""
     import shutil

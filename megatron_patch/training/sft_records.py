@@ -83,8 +83,9 @@ def conversation(record, where: str) -> list[dict]:
         if not isinstance(msgs, list) or not msgs:
             raise UserError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
         for m in msgs:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-                raise UserError(f"{where}: each message needs a 'role' and a string 'content'")
+            if not isinstance(m, dict) or "role" not in m or not _has_content(m):
+                raise UserError(f"{where}: each message needs a 'role' and a string 'content' (null only beside "
+                                "'tool_calls')")
         if not any(m["role"] == "assistant" for m in msgs):
             raise UserError(f"{where}: the conversation has no assistant message to train on")
         return _with_system_field(record, msgs, where)
@@ -125,6 +126,13 @@ def record_tools(record: dict, where: str) -> list[dict] | None:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise UserError(f"{where}: 'tools' must be a list of JSON objects (function definitions)")
     return tools
+
+
+def _has_content(message: dict) -> bool:
+    """A string content, or the OpenAI form of a tool call: ``"content": null`` beside ``tool_calls``, which
+    templates test with ``{% if message.content %}`` and ``apply_chat_template`` renders as it stands."""
+    content = message.get("content")
+    return isinstance(content, str) or (content is None and bool(message.get("tool_calls")))
 
 
 def record_groups(path: str | Path) -> list[tuple[bool, list[tuple[dict, str]]]]:

@@ -14,7 +14,7 @@ def _plain_segments(record: dict, messages: list[dict]) -> list[tuple[str, bool]
     """(text, trained) pieces of the plain format, for a tokenizer without a chat template."""
     if "messages" in record:
         return [piece for m in messages for piece in
-                ((f"<|{m['role']}|>\n", False), (m["content"] + "\n", m["role"] == "assistant"))]
+                ((f"<|{m['role']}|>\n", False), ((m["content"] or "") + "\n", m["role"] == "assistant"))]
     *prompt, answer = messages
     return [(m["content"] + "\n", False) for m in prompt] + [(answer["content"], True)]
 
