@@ -871,13 +871,23 @@ def test_num_layers_and_no_save_extras(data):
     assert _cfg(data).save is True
 
 
-@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "1e400", "infB", "2.5", "-1"])
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "infB", "2.5", "-1", "2.0000005M", "1e-999999999"])
 def test_counts_that_are_not_whole_finite_numbers_are_refused_in_one_line(raw):
     """float() reads these; a count of tokens or iterations must still be a whole, finite, non-negative number
     (the fuzzed launcher found 'inf' and 'nan' crashing int())."""
     with pytest.raises(UserError, match="TRAIN_TOKENS_OR_ITERS must be a whole non-negative count"):
         parse_count("TRAIN_TOKENS_OR_ITERS", raw)
     assert parse_count("TRAIN_TOKENS_OR_ITERS", "10K") == 10_000 and parse_count("X", "1e9") == 10**9
+    with pytest.raises(UserError, match="TRAIN_TOKENS_OR_ITERS=1e400 is more than"):  # whole, but no run's size
+        parse_count("TRAIN_TOKENS_OR_ITERS", "1e400")
+
+
+@pytest.mark.parametrize("raw,count", [("2.05M", 2_050_000), ("1.001K", 1_001), ("4.097B", 4_097_000_000),
+                                       ("1.15T", 1_150_000_000_000), ("2.0500M", 2_050_000), ("0.000001M", 1)])
+def test_whole_counts_written_with_a_decimal_and_a_suffix_are_read_exactly(raw, count):
+    """float('2.05') * 10**6 is 2049999.9999999998: whole counts such as 2.05M and 1.001K were refused as not
+    whole (1736 of the x.yyyK/M/B/T values)."""
+    assert parse_count("TRAIN_TOKENS_OR_ITERS", raw) == count
 
 
 @pytest.mark.parametrize("layout", [dict(TP="2", SP="true", ETP="1"), dict(ETP="2")], ids=["tp2-etp1", "tp1-etp2"])

@@ -11,6 +11,8 @@ layout, MODEL_SIZE the family.
 
 from __future__ import annotations
 
+import decimal
+import fractions
 import functools
 import math
 import shlex
@@ -173,21 +175,31 @@ def parse_int(name: str, raw: str, lo: int = 1, hi: int | None = None) -> int:
 
 
 def parse_count(name: str, raw: str, most: int = MAX_TOKENS, unit: str = "tokens") -> int:
-    """A token or iteration count of at most ``most`` ``unit``: integers, also written as 1e9 or 10B/500M/20K."""
+    """A token or iteration count of at most ``most`` ``unit``: integers, also written as 1e9 or 10B/500M/2.05K.
+    Read as an exact decimal: in binary floating point 2.05M is 2049999.9999999998, not whole."""
     text = raw.strip()
     scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}.get(text[-1:].upper(), 1)
     if scale != 1:
         text = text[:-1]
     try:
-        value = float(text) * scale
-    except ValueError:
-        raise UserError(f"{name} must be a count (e.g. 1000000, 1e9 or 10B), got '{raw}'")
-    if not math.isfinite(value) or value < 0 or value != int(value):
+        number = decimal.Decimal(text)
+    except decimal.InvalidOperation:
+        raise UserError(f"{name} must be a count (e.g. 1000000, 1e9 or 10B), got '{raw}'") from None
+    if number.is_finite() and number > most:  # before the exact product below, which 1e999999 would make huge
+        raise _more_than(name, raw, most, unit)
+    # A non-zero number below 10**-(digits + 12) is no whole count at any scale (and 1e-999999 a huge fraction)
+    tiny = number.is_finite() and number and number.as_tuple().exponent < -(len(text) + 12)
+    value = fractions.Fraction(number) * scale if number.is_finite() and not tiny else None
+    if value is None or value < 0 or value.denominator != 1:
         raise UserError(f"{name} must be a whole non-negative count, got '{raw}'")
     if value > most:
-        raise UserError(f"{name}={raw} is more than {most} {unit}, the most a run takes (docs/training.md): check "
-                        "the number")
+        raise _more_than(name, raw, most, unit)
     return int(value)
+
+
+def _more_than(name: str, raw: str, most: int, unit: str) -> UserError:
+    return UserError(f"{name}={raw} is more than {most} {unit}, the most a run takes (docs/training.md): check "
+                     "the number")
 
 
 def parse_float(name: str, raw: str) -> float:

@@ -359,7 +359,7 @@ POSITIONAL = [
                "saved arguments, checked against its tensors; docs/foreign-checkpoints.md); its weights start the run "
                "(a resumed run takes its own checkpoint instead, at whatever TP/PP/DP it is relaunched with)"),
     Option("TRAIN_TOKENS_OR_ITERS", CORE, WHOLE, "pretraining: training tokens; SFT: iterations",
-           takes="count (`1000000`, `1e9`, `10B`, `500M`)",
+           takes="count (`1000000`, `1e9`, `10B`, `500M`, `2.05M`: an exact decimal, any whole count)",
            doc="pretraining: tokens, iterations = tokens / (GBS\\*SEQ_LEN); SFT: iterations. At most 10^15 tokens and "
                "10^8 iterations, far beyond any published run: a slip such as `1e30` is refused in one line before "
                "anything starts (megatron-core would build a dataset index of that many samples, silently, without "
