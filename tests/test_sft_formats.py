@@ -518,6 +518,24 @@ def test_pai_idxmap_given_as_pretraining_data_is_one_line(pai_idxmap, tmp_path, 
     assert rc == 2 and err.count("\n") == 1 and "IndexError" not in err and "SFT=true" in err, err
 
 
+def test_sft_data_of_the_other_kind_or_a_folder_is_named_for_what_it_is(pai_idxmap, tmp_path, monkeypatch, capsys):
+    """A JSONL DATASET_PATH with an idxmap prefix as VALID_DATASET_PATH (and the reverse), or a folder of .jsonl
+    shards, were refused as "not found", though they exist and the prefix is what the hint asked for."""
+    monkeypatch.setenv("MP_TOKENIZER", str(pai_idxmap["tok"]))
+    records = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "Name a fruit.", "response": "An apple."}])
+    (tmp_path / "shards").mkdir()
+    write_jsonl(tmp_path / "shards" / "part-0.jsonl", [{"prompt": "Name a fruit.", "response": "An apple."}])
+    for data, valid, message in (
+            (records, pai_idxmap["plain"], f"SFT data {pai_idxmap['plain']} is the prefix of a .bin/.idx pair, and "
+                                           "this run reads JSON/JSONL records: training and validation data must be "
+                                           "of one kind"),
+            (pai_idxmap["plain"], records, f"SFT data {records} is a file (JSON/JSONL records), and this run reads "
+                                           "an SFT idxmap's .bin/.idx: training and validation data must be of one"),
+            (str(tmp_path / "shards"), "none", f"SFT data {tmp_path / 'shards'} is a folder: give one JSON or JSONL")):
+        rc, err = run_cli(capsys, "train", "llama3_1", *_sft_args(tmp_path, data, VALID_DATASET_PATH=valid))
+        assert rc == 2 and message in err and "not found" not in err and err.count("\n") == 1, err
+
+
 def test_dry_run_of_an_sft_idxmap_shows_its_first_record(pai_idxmap, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MP_DRY_RUN", "json")
     monkeypatch.setenv("MP_TOKENIZER", str(pai_idxmap["tok"]))

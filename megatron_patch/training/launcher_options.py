@@ -342,14 +342,15 @@ POSITIONAL = [
            "P2'; a path that exists is one path, spaces and all; quote one with spaces inside a blend); SFT: a "
            "JSON/JSONL file, or the prefix of Pai's SFT idxmap (sft_data_preprocessing)", takes="",
            doc="pretraining: prefix of `mpatch preprocess` output (`P_text_document`), several prefixes, or "
-               "Megatron's blend `W1 P1 W2 P2`; SFT: one JSON or JSONL file, or the prefix of Pai's SFT idxmap. A "
+               "Megatron's blend `W1 P1 W2 P2`; SFT: one JSON or JSONL file (not a folder of shards), or the prefix of Pai's SFT idxmap. A "
                "value that names existing data as a whole is one path, whatever spaces it holds (`\"my "
                "data/corpus_text_document\"`); otherwise it is split as a shell splits words, so a path with spaces "
                "inside a blend is quoted: `'0.3 \"my data/a_text_document\" 0.7 b_text_document'`"),
     Option("VALID_DATASET_PATH", CORE, Reader(FOLDER_OR_NONE.read, "like DATASET_PATH, or none"),
            "validation data like DATASET_PATH, or none",
            takes="like DATASET_PATH (a blend's weights included), or `none`",
-           doc="validation loss every `MP_EVAL_INTERVAL` iterations over `MP_EVAL_ITERS` global batches"),
+           doc="validation loss every `MP_EVAL_INTERVAL` iterations over `MP_EVAL_ITERS` global batches; SFT data of "
+               "DATASET_PATH's kind (a JSON/JSONL file beside a file, an idxmap prefix beside a prefix)"),
     Option("PRETRAIN_CHECKPOINT_PATH", CORE, FOLDER_OR_NONE,
            "a checkpoint from 'mpatch convert hf2mcore' to start from, or none", field="pretrain_checkpoint",
            takes="folder or `none`",

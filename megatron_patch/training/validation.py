@@ -542,15 +542,31 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
     return family, sidecar.hf_config, sidecar.arch.vocab_padded_to, sidecar.mtp_layers
 
 
+# One run reads one kind of SFT data, the kind DATASET_PATH names (MP_DATASET_TYPE's default)
+_ONE_KIND = ("training and validation data must be of one kind (MP_DATASET_TYPE, by default what DATASET_PATH names):"
+             " both JSON/JSONL files, or both SFT idxmap prefixes")
+
+
 def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
+    """``path`` names data of the run's kind; else one line that says what it is instead ("not found" only where
+    nothing is there)."""
     if dataset_type == "raw":
-        if not Path(path).is_file():
-            raise UserError(f"SFT data {path} not found: give a JSON or JSONL file, or the prefix of an SFT idxmap's "
-                            ".bin/.idx (Pai's sft_data_preprocessing)")
-        return
+        if Path(path).is_file():
+            return
+        if names_data(path, "mmap"):
+            raise UserError(f"SFT data {path} is the prefix of a .bin/.idx pair, and this run reads JSON/JSONL "
+                            f"records: {_ONE_KIND}")
+        if Path(path).is_dir():
+            raise UserError(f"SFT data {path} is a folder: give one JSON or JSONL file (shards concatenated into "
+                            "one: cat part-*.jsonl > train.jsonl)")
+        raise UserError(f"SFT data {path} not found: give a JSON or JSONL file, or the prefix of an SFT idxmap's "
+                        ".bin/.idx (Pai's sft_data_preprocessing)")
     missing = [s for s in (".bin", ".idx") if not Path(path + s).is_file()]
     if missing and path.endswith((".bin", ".idx")):  # Megatron names data by its prefix; "X.bin.bin not found" misled
         raise UserError(f"{path} names one file of a .bin/.idx pair: give the pair's prefix, {path[:-4]}")
+    if missing and sft and Path(path).is_file():
+        raise UserError(f"SFT data {path} is a file (JSON/JSONL records), and this run reads an SFT idxmap's "
+                        f".bin/.idx: {_ONE_KIND}")
     if missing and sft:
         raise UserError(f"SFT idxmap {path}{missing[0]} not found: give the prefix of the .bin/.idx pair written by "
                         "Pai's sft_data_preprocessing (e.g. data/sft_text_document), or a JSON or JSONL file")
