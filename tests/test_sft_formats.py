@@ -401,6 +401,34 @@ def test_sft_files_in_another_encoding_are_one_line_and_a_bom_is_taken(chat_tok,
     assert "SFT data: records rendered by the chat template" in capsys.readouterr().out
 
 
+def test_compressed_sft_files_are_read_as_preprocess_reads_them(chat_tok, tmp_path, monkeypatch, capsys):
+    """A .jsonl.gz (HF datasets ship them so; ``mpatch preprocess`` reads .gz and .zst) was refused as "not UTF-8
+    ... re-encode the file as UTF-8", which sent the user the wrong way."""
+    import gzip
+
+    import zstandard
+
+    records = [r for r, _ in RECORDS[:2]]
+    text = "".join(json.dumps(r) + "\n" for r in records).encode()
+    (tmp_path / "sft.jsonl.gz").write_bytes(gzip.compress(text))
+    (tmp_path / "sft.json.zst").write_bytes(zstandard.ZstdCompressor().compress(json.dumps(records).encode()))
+    for name in ("sft.jsonl.gz", "sft.json.zst"):
+        assert read_records(tmp_path / name) == records, name
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(text)[:-12])
+    (tmp_path / "unnamed.jsonl").write_bytes(gzip.compress(text))
+    for name, message in (("cut.jsonl.gz", "cut.jsonl.gz cannot be decompressed (Compressed file ended before"),
+                          ("unnamed.jsonl", "unnamed.jsonl is gzip-compressed (by its first bytes), and its name does "
+                                            "not end in .gz: rename it so, or decompress it")):
+        with pytest.raises(UserError, match=re.escape(message)):
+            read_records(tmp_path / name)
+    # the launch and the dry run's first record read it too
+    monkeypatch.setenv("MP_TOKENIZER", str(chat_tok))
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    assert main(["train", "llama3_1", *_sft_args(tmp_path / "gz", tmp_path / "sft.jsonl.gz")]) == 0
+    out = capsys.readouterr().out
+    assert "SFT data: records rendered by the chat template" in out and "Describe the river" in out, out
+
+
 # --- Pai's SFT idxmap ------------------------------------------------------------------------------------------
 
 PAI_RECORDS = [r for r, _ in RECORDS[:2]] + [

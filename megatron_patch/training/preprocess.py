@@ -7,7 +7,7 @@ plain, zstd- or gzip-compressed, read in name order and decompressed as a stream
 objects with a string under ``json_key`` are reported with their file and line numbers and skipped (``strict``
 stops at the first one). A line that is not UTF-8, or longer than ``max_line_bytes``, stops the run naming its
 line: each file is read in bytes, a line at a time and never more than the ceiling of one (a compressed file
-is decompressed in pieces of at most ``ZSTD_PIECE`` input bytes), so memory stays bounded whatever the files hold
+is decompressed in pieces: ``compressed_files``), so memory stays bounded whatever the files hold
 (the workers' too: each is sent a bounded batch of lines, and only a few batches are in flight). A compressed
 file that is damaged or cut short is one line too. A UTF-8 byte-order mark opening a file is not part of its
 first line.
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gzip
-import io
 import itertools
 import json
 import multiprocessing as mp
@@ -38,7 +36,6 @@ import shutil
 import signal
 import sys
 import time
-import zlib
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -53,11 +50,11 @@ from megatron_patch.outputs.folders import fsync_dir, fsync_file, partial_dir, r
 from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 from megatron_patch.outputs.lock import OutputLock
 from megatron_patch.runtime.launch import die_with_parent
+from megatron_patch.training.compressed_files import COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, open_decompressed
 from megatron_patch.tokenizer import load_tokenizer
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
-# zstandard is imported only where a .zst file is read.
 
 # A longer line is refused (``--max-line-mb``): tokenizing a line takes 170-200 MB of memory per MB of its text
 # with a HF tokenizer (scripts/bench_preprocess_memory.py), in whichever worker has it; a 100 MB line took 20 GB.
@@ -75,10 +72,6 @@ WORKERS_PER_CORE = 4
 BAD_LINES_KEPT = 20
 # The files an input folder may hold: JSON lines, plain or compressed.
 TEXT_SUFFIXES = (".jsonl", ".json")
-COMPRESSED_SUFFIXES = (".zst", ".gz")
-# Compressed bytes decompressed at a time: zstd expands a piece at most about 32000-fold (4-byte blocks of one
-# repeated byte, 128 KiB each), so a piece's output stays within 8 MiB whatever the file holds.
-ZSTD_PIECE = 256
 # Where stderr is not a terminal (a batch job's log file), a progress line this often instead of a bar.
 PROGRESS_LOG_SECONDS = 30.0
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -352,70 +345,16 @@ def input_files(input_path: Path) -> list[Path]:
     return files
 
 
-class _ZstdStream(io.RawIOBase):
-    """A zstd file's bytes, decompressed ``ZSTD_PIECE`` input bytes at a time (zstandard's own stream reader ends
-    silently where a file was cut short; here a frame left open at the end is refused)."""
-
-    def __init__(self, path: Path, raw):
-        try:
-            import zstandard
-        except ImportError:
-            raise UserError(f"{path} is zstd-compressed, and reading it needs the zstandard package: pip install "
-                            "zstandard") from None
-        self.path, self.raw, self.zstandard = path, raw, zstandard
-        self.frame, self.fed = zstandard.ZstdDecompressor().decompressobj(), False
-        self.pending, self.taken = b"", 0  # decompressed bytes, and how many of them were read
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while self.taken == len(self.pending):
-            piece = self.raw.read(ZSTD_PIECE)
-            if not piece:
-                if self.fed and not self.frame.eof:
-                    raise UserError(f"{self.path} ends inside a zstd frame: the file was cut short; copy or compress "
-                                    "it again")
-                return 0
-            self.pending, self.taken = b"", 0
-            try:
-                while piece:
-                    if self.frame.eof:  # the next of several frames
-                        self.frame = self.zstandard.ZstdDecompressor().decompressobj()
-                    self.pending += self.frame.decompress(piece)
-                    self.fed, piece = True, self.frame.unused_data if self.frame.eof else b""
-            except self.zstandard.ZstdError as exc:
-                raise UserError(f"{self.path} is not a readable zstd file ({exc}): it is damaged or not zstd; "
-                                "compress it again") from None
-        n = min(len(buffer), len(self.pending) - self.taken)
-        buffer[:n] = memoryview(self.pending)[self.taken:self.taken + n]
-        self.taken += n
-        return n
-
-
-@contextlib.contextmanager
-def _open_lines(path: Path):
-    """``path`` opened for bounded ``readline`` of its (decompressed) bytes."""
-    with open(path, "rb") as raw:
-        if path.suffix == ".zst":
-            yield io.BufferedReader(_ZstdStream(path, raw))
-        elif path.suffix == ".gz":
-            with gzip.GzipFile(fileobj=raw) as f:
-                yield f
-        else:
-            yield raw
-
-
 def _lines(files: list[Path], max_line_bytes: int, json_key: str, append_eod: bool):
     """((file index, line number), text, bytes, key, append_eod) for each line of the files. A line that is not
     UTF-8, or that is longer than ``max_line_bytes``, stops the run naming its line, before more than the ceiling
     is read."""
     for index, path in enumerate(files):
-        with _open_lines(path) as f:
+        with open_decompressed(path) as f:
             for lineno in itertools.count(1):
                 try:
                     raw = f.readline(max_line_bytes + 1)
-                except (OSError, EOFError, zlib.error) as exc:  # gzip's: damaged, or cut short
+                except DECOMPRESSION_ERRORS as exc:
                     raise UserError(f"{path} line {lineno}: cannot be decompressed ({exc}): the file is damaged or cut "
                                     "short; compress it again") from None
                 if not raw:

@@ -26,6 +26,7 @@ as ``-1 - id`` (Pai's end-of-record mark), then N labels, already shifted, -100 
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 
 from megatron_patch.errors import UserError
 from megatron_patch.tokenizer import load_tokenizer
+from megatron_patch.training.compressed_files import DECOMPRESSION_ERRORS, open_decompressed
 from megatron_patch.training.data_files import PIECE, read_sft_idxmap, run_tokenizer
 from megatron_patch.training.sft_records import read_records, record_groups
 from megatron_patch.training.sft_tokens import describe_format, tokenize_record, untrainable
@@ -203,10 +205,11 @@ def _first_record(path: Path):
     """The first record of a JSONL file, read without the rest (else of the whole file). A first line that is a
     list is a packed-SFT line or a one-line JSON array: either way its first item is the first record."""
     try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is taken, as read_records takes it
+        # a byte-order mark is taken, and a .gz/.zst file decompressed, as read_records does
+        with open_decompressed(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig") as f:
             first = next((line for line in f if line.strip()), "")
         item = json.loads(first)
-    except (json.JSONDecodeError, UnicodeDecodeError):  # read_records names the line that is not UTF-8
+    except (json.JSONDecodeError, UnicodeDecodeError, *DECOMPRESSION_ERRORS):  # read_records names the problem
         item = read_records(path)[0]
     return item[0] if isinstance(item, list) and item else item
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from megatron_patch.errors import UserError
+from megatron_patch.training.compressed_files import DECOMPRESSION_ERRORS, open_decompressed
 
 PROMPT_KEYS = ("instruction", "query", "prompt", "question")
 RESPONSE_KEYS = ("output", "content", "response", "completion", "answer")
@@ -16,10 +17,16 @@ RESPONSE_KEYS = ("output", "content", "response", "completion", "answer")
 def read_records(path: str | Path) -> list:
     """The SFT records of a JSON array or a JSONL file (objects, or lists of them), as Pai reads them: the file as
     one JSON value if it is one, else a value a line. A bad line names its line number. UTF-8, with or without the
-    byte-order mark that editors on Windows write (as ``mpatch preprocess`` reads it); other encodings are refused
-    naming the line."""
+    byte-order mark that editors on Windows write, plain or ``.gz``/``.zst`` compressed (as ``mpatch preprocess``
+    reads it); other encodings are refused naming the line."""
     path = Path(path)
-    text = _utf8_text(path, path.read_bytes())
+    with open_decompressed(path) as f:
+        try:
+            data = f.read()
+        except DECOMPRESSION_ERRORS as exc:
+            raise UserError(f"{path} cannot be decompressed ({exc}): the file is damaged or cut short; compress it "
+                            "again") from None
+    text = _utf8_text(path, data)
     records = None
     if text.lstrip().startswith("["):
         try:
@@ -43,6 +50,8 @@ def read_records(path: str | Path) -> list:
 
 UTF8_BOM = b"\xef\xbb\xbf"
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+# The first bytes of a compressed file whose name does not say so
+COMPRESSION_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
 
 
 def _utf8_text(path: Path, data: bytes) -> str:
@@ -55,6 +64,10 @@ def _utf8_text(path: Path, data: bytes) -> str:
         at = bom + exc.start
         lineno = data.count(b"\n", 0, at) + 1
         column = at - (data.rfind(b"\n", 0, at) + 1) + 1
+        compression = next((kind for magic, kind in COMPRESSION_MAGIC.items() if data.startswith(magic)), None)
+        if compression:
+            raise UserError(f"{path} is {compression}-compressed (by its first bytes), and its name does not end in "
+                            f".{'gz' if compression == 'gzip' else 'zst'}: rename it so, or decompress it") from None
         utf16 = " (it is UTF-16, by its byte-order mark)" if data.startswith(UTF16_BOMS) else ""
         raise UserError(f"{path} line {lineno} is not UTF-8 ({exc.reason} at byte {column} of the line){utf16}: "
                         "re-encode the file as UTF-8") from None
