@@ -190,6 +190,30 @@ def test_a_byte_order_mark_opening_a_file_is_not_part_of_its_first_line(tok, tmp
     assert _documents(tmp_path / "p_text_document", tok) == texts
 
 
+def test_a_json_array_file_is_refused_in_one_line_and_nothing_is_written(tok, tmp_path, capsys):
+    """Before: a .json holding a JSON array, one element a line, skipped every element but the last (each ends in a
+    comma) and wrote 1 document of 100, exit 0; indented, it said only that every line lacked a 'text' field."""
+    texts = make_texts(20, seed=14)
+    elements = [json.dumps({"text": t}) for t in texts]
+    layouts = {"lines.json": "[\n" + ",\n".join(elements) + "\n]\n",
+               "indented.json": "\n" + json.dumps([{"text": t} for t in texts], indent=1),
+               "one_line.json": json.dumps([{"text": t} for t in texts]) + "\n"}
+    for name, text in layouts.items():
+        (tmp_path / name).write_text(text)
+        rc, err = run_cli(capsys, "preprocess", "--input", str(tmp_path / name), "--output-prefix",
+                          str(tmp_path / name[:-5]), "--tokenizer", str(tok), "--quiet")
+        _one_line(rc, err, f"{tmp_path / name} holds a JSON array, not JSON Lines", f"jq -c '.[]' {name} >")
+        assert not list(tmp_path.glob(f"{name[:-5]}_*")), name
+    # In a folder, compressed: the same line; a JSON line of an object list further down is a bad line, skipped.
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "00.jsonl").write_bytes(_jsonl(texts[:2]) + b'[{"text": "a list"}]\n')
+    (folder / "01.json.gz").write_bytes(gzip.compress(layouts["lines.json"].encode()))
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "p"),
+                      "--tokenizer", str(tok), "--quiet")
+    _one_line(rc, err, f"{folder / '01.json.gz'} holds a JSON array, not JSON Lines")
+
+
 def test_several_json_keys_are_one_set_published_together_or_not_at_all(tok, tmp_path, capsys):
     """Before: with --json-keys text meta nosuch, the text and meta pairs were published, then the missing key
     failed (exit 2, a half-done set); --json-keys text text wrote the pair and then failed on its own output."""

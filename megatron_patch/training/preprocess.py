@@ -348,9 +348,11 @@ def input_files(input_path: Path) -> list[Path]:
 def _lines(files: list[Path], max_line_bytes: int, json_key: str, append_eod: bool):
     """((file index, line number), text, bytes, key, append_eod) for each line of the files. A line that is not
     UTF-8, or that is longer than ``max_line_bytes``, stops the run naming its line, before more than the ceiling
-    is read."""
+    is read; so does a file that opens a JSON array (``[``), whose elements, one a line, would each be skipped for
+    the comma after it, all but the last."""
     for index, path in enumerate(files):
         with open_decompressed(path) as f:
+            opened = False  # whether a line that is not blank was read
             for lineno in itertools.count(1):
                 try:
                     raw = f.readline(max_line_bytes + 1)
@@ -370,6 +372,11 @@ def _lines(files: list[Path], max_line_bytes: int, json_key: str, append_eod: bo
                 except UnicodeDecodeError as exc:
                     raise UserError(f"{path} line {lineno} is not UTF-8 ({exc.reason} at byte {bom + exc.start + 1} "
                                     "of the line): re-encode the file") from None
+                if not opened and line.lstrip().startswith("["):
+                    raise UserError(f"{path} holds a JSON array, not JSON Lines (one object a line, as Megatron's "
+                                    f"and Pai's preprocessing read): write one object a line, e.g. jq -c '.[]' {path.name} > "
+                                    f"{Path(path.name).stem}.jsonl")
+                opened = opened or bool(line.strip())
                 yield (index, lineno), line, len(raw), json_key, append_eod
 
 
