@@ -198,7 +198,7 @@ def test_mp_split_takes_shares_and_refuses_other_validation_data(corpus, tmp_pat
     from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
                                                                          parse_and_normalize_split)
 
-    from megatron_patch.training.data_files import check_training_data, split_documents
+    from megatron_patch.training.data_files import check_training_data, split_counts
     from megatron_patch.training.preprocess import preprocess
 
     cfg = resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out"), env={"MP_SPLIT": "99/1"})
@@ -208,12 +208,12 @@ def test_mp_split_takes_shares_and_refuses_other_validation_data(corpus, tmp_pat
         "1,0.00001,0"
     assert "holds nothing out for validation" in refusal({"MP_SPLIT": "100,0,0"})
     assert "leaves nothing to train on" in refusal({"MP_SPLIT": "0,1,0"})
-    # documents per share as megatron-core's builder cuts them
+    # elements per share as megatron-core's builder cuts them
     for split in ("99,1,0", "98,1,1", "1,1,1", "7,2,1"):
         matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
         for n in (1, 10, 49, 50, 51, 2000):
             want = [0 if b is None else int(round(b[1] * n)) - int(round(b[0] * n)) for b in matrix]
-            assert split_documents(split, n) == want, (split, n)
+            assert split_counts(split, n) == want, (split, n)
     # a corpus too small for a validation document: refused before launch (megatron-core looped forever)
     write_jsonl(tmp_path / "ten.jsonl", [{"text": t} for t in corpus["texts"][:10]])
     ten = preprocess(tmp_path / "ten.jsonl", str(tmp_path / "ten"), corpus["tok"], progress=False).output_prefix
@@ -231,6 +231,40 @@ def test_mp_split_takes_shares_and_refuses_other_validation_data(corpus, tmp_pat
     sft = refusal({"MP_SPLIT": "99,1,0", "MP_TOKENIZER": str(corpus["tok"])}, SFT="true",
                   DATASET_PATH=str(write_jsonl(tmp_path / "r.jsonl", [{"prompt": "a", "response": "b"}])))
     assert "with SFT=true give the validation records as VALID_DATASET_PATH" in sft
+
+
+def test_mp_split_counts_sequences_as_megatron_core_splits_gpt_data(corpus, tmp_path):
+    """megatron-core's GPTDataset splits a prefix by sequence (``numel_low_level_dataset``): on Megatron-LM's and
+    Pai's sentence-split data (here 50 documents of 10 sequences) MP_SPLIT=99,1,0 holds out 5 sequences, and the
+    check, counting 50 documents, refused it as leaving none for validation."""
+    import numpy
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    from megatron_patch.training.data_files import check_training_data, split_counts
+    from megatron_patch.training.validation import resolve
+
+    def sentences(name: str, documents: int) -> str:
+        prefix = str(tmp_path / name)
+        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+        for d in range(documents):
+            for s in range(10):
+                builder.add_item(torch.full((20,), 10 + (10 * d + s) % 150, dtype=torch.int32))
+            builder.end_document()
+        builder.finalize(prefix + ".idx")
+        return prefix
+
+    def checked(prefix: str):
+        return check_training_data(resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", DATASET_PATH=prefix),
+                                           env={"MP_SPLIT": "99,1,0"}))
+
+    fifty = sentences("fifty", 50)
+    elements = GPTDataset.numel_low_level_dataset(IndexedDataset(fifty))
+    assert elements == 500 and split_counts("99,1,0", elements)[1] == 5
+    checked(fifty)
+    with pytest.raises(UserError, match=r"MP_SPLIT=99,1,0 leaves none of the 50 sequences \(5 documents\) of .*five "
+                                        "for validation"):
+        checked(sentences("five", 5))
 
 
 # --- pretraining at TP=2: the loss falls, and a resumed run is the same run ----------------------------

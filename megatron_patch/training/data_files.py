@@ -60,27 +60,31 @@ def check_mmap_data(prefix: str, vocab_size: int) -> int:
     return total
 
 
-def split_documents(split: str, documents: int) -> list[int]:
-    """How many of ``documents`` megatron-core's ``split`` ("99,1,0") gives training, validation and test: each
-    share's bookends rounded, as its builder cuts a prefix's documents."""
+def split_counts(split: str, elements: int) -> list[int]:
+    """How many of ``elements`` megatron-core's ``split`` ("99,1,0") gives training, validation and test: each
+    share's bookends rounded, as its builder cuts a prefix's elements."""
     shares = [float(x) for x in split.split(",")]
     ends = [0.0]
     for share in shares:
         ends.append(ends[-1] + share / sum(shares))
-    cuts = [int(round(e * float(documents))) for e in ends]
+    cuts = [int(round(e * float(elements))) for e in ends]
     return [b - a for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def check_split(prefix: str, split: str) -> None:
-    """MP_SPLIT leaves each prefix documents to train on and to validate on: megatron-core looped forever building
-    an empty validation set (a few dozen documents at 99,1,0)."""
-    documents = len(_read_idx(prefix)[3]) - 1
-    train, valid, _ = split_documents(split, documents)
+    """MP_SPLIT leaves each prefix sequences to train on and to validate on: megatron-core looped forever building
+    an empty validation set (a few dozen documents at 99,1,0). Its GPTDataset splits by sequence
+    (``numel_low_level_dataset``), not by document: ``mpatch preprocess`` writes one sequence a document, and
+    Megatron-LM's and Pai's sentence-split data several."""
+    _, lengths, _, boundaries = _read_idx(prefix)
+    sequences, documents = len(lengths), len(boundaries) - 1
+    counted = f"{sequences} documents" if sequences == documents else f"{sequences} sequences ({documents} documents)"
+    train, valid, _ = split_counts(split, sequences)
     for count, what in ((train, "training"), (valid, "validation")):
         if count == 0:
-            raise UserError(f"MP_SPLIT={split} leaves none of the {documents} documents of {prefix} for {what} (each "
-                            f"share is counted in whole documents): give {what} a larger share, or validate on "
-                            "VALID_DATASET_PATH without MP_SPLIT")
+            raise UserError(f"MP_SPLIT={split} leaves none of the {counted} of {prefix} for {what} (each share is "
+                            f"counted in whole sequences, as megatron-core splits GPT data): give {what} a larger "
+                            "share, or validate on VALID_DATASET_PATH without MP_SPLIT")
 
 
 def check_documents_end_with(prefix: str, eod: int, text: str) -> None:

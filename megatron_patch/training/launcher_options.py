@@ -533,12 +533,14 @@ ENVIRONMENT = [
     Option("MP_EVAL_ITERS", CORE, integer(hi=MAX_ITERATIONS), "validation global batches per evaluation",
            default=10, field="eval_iters"),
     Option("MP_SPLIT", CORE, Reader(_split, "train,valid,test shares, e.g. 99,1,0", "99,0,1"),
-           "pretraining: hold validation out of DATASET_PATH by these shares of its documents, as Pai's launcher "
-           "does (--split 99,1,0); VALID_DATASET_PATH is then none or DATASET_PATH", default=Default(
+           "pretraining: hold validation out of DATASET_PATH by these shares of its sequences (documents), as Pai's "
+           "launcher does (--split 99,1,0); VALID_DATASET_PATH is then none or DATASET_PATH", default=Default(
                "unset: validation reads VALID_DATASET_PATH"), field="split",
            doc="pretraining: Megatron-LM's `--split`, which Pai's pretraining launcher passes as `99,1,0`: "
-               "megatron-core cuts DATASET_PATH's documents (each prefix's of a blend) into train, validation and "
-               "test shares, trains on the first and validates on the second, which training never reads. "
+               "megatron-core cuts DATASET_PATH's sequences (each prefix's of a blend) into train, validation and "
+               "test shares, trains on the first and validates on the second, which training never reads. A sequence "
+               "is a document of `mpatch preprocess`'s data; in Megatron-LM's and Pai's sentence-split data it is a "
+               "sentence, and the cut may fall inside a document. "
                "VALID_DATASET_PATH is then none or DATASET_PATH itself (Pai's README gives one prefix for both, "
                "and Pai's launcher ignores it); other data there is refused. Not with SFT=true"),
     # at most 2**32 - 1: megatron-core's datasets and lm-eval (MP_EVAL_TASKS) seed numpy with it, which takes no more
