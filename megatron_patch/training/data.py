@@ -77,7 +77,7 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     eod = eos[0] if isinstance(eos, list) else int(eos or 0)
     valid = (cfg.valid_dataset_path, cfg.valid_dataset_weights) if cfg.valid_dataset_path else None
     # MP_SPLIT: megatron-core cuts each prefix's documents into train, validation and test shares (Pai's --split)
-    # (each share holds documents: data_files.check_split, before any rank started)
+    # (each share holds sequences: data_files.check_split, before any rank started)
     blend = (dict(blend=(cfg.dataset_path, cfg.dataset_weights), split=cfg.split) if cfg.split else
              dict(blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None]))
     config = GPTDatasetConfig(
