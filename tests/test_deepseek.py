@@ -128,6 +128,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     # 1 expert reachable in the one group chosen: transformers' forward failed on it, align with an internal error
     (dict(n_routed_experts=4, n_group=4, topk_group=1, num_experts_per_tok=2), "cannot be chosen from the 1 in"),
     (dict(rope_interleave=False), "rope_interleave=false"),
+    # transformers keeps an empty shared expert: the refusal blamed (0, 64) tensors no mapping rule consumes
+    (dict(n_shared_experts=0), "n_shared_experts=0 (an MoE layer without a shared expert) is not supported"),
     (dict(num_key_value_heads=2), "num_key_value_heads must equal num_attention_heads"),
     (dict(model_type="deepseek_v2", scoring_func="sqrtsoftplus"), "scoring_func 'sqrtsoftplus'"),
     (dict(attention_bias=True), "attention_bias=true"),

@@ -108,6 +108,10 @@ def parse_config(raw: dict) -> Arch:
     check_mla_rope(arch.rope_scaling)
     experts = require(raw, "n_routed_experts", aliases=("num_local_experts", "num_experts"))
     moe_ffn = require(raw, "moe_intermediate_size")
+    if raw.get("n_shared_experts") == 0:
+        # transformers builds the shared expert all the same, of width 0, and saves its (0, hidden) tensors
+        raise UserError("n_shared_experts=0 (an MoE layer without a shared expert) is not supported for this family: "
+                        "every DeepSeek-V3-style model released has one")
     return dataclasses.replace(
         arch, mla=mla,
         num_experts=experts, moe_topk=require(raw, "num_experts_per_tok"), moe_ffn_hidden_size=moe_ffn,
