@@ -207,24 +207,27 @@ def test_the_memory_plan_counts_the_full_attention_layers_own_shape(tmp_path):
 
 
 @pytest.mark.slow
-def test_keys_as_values_convert_from_q_and_k_alone_and_back_bit_exact(tmp_path):
+@pytest.mark.parametrize("own_shape", [True, False], ids=["full-layers-own-shape", "one-shape"])
+def test_keys_as_values_convert_from_q_and_k_alone_and_back_bit_exact(tmp_path, own_shape):
     """With attention_k_eq_v the full-attention layer has no v_proj: its linear_qkv is [q heads; k] per query group
     from q_proj and k_proj alone (the sliding layer's keeps its v), and every layout and format gives the HF tensors
-    back bit for bit, no v_proj invented."""
+    back bit for bit, no v_proj invented. Also where the full layers have the model's head size and key/value
+    heads (per_layer_config {}): torch_dist stacked both kinds of linear_qkv under one key, an internal error."""
     from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
     from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
     from megatron_patch.runtime.distributed import ParallelLayout
 
-    hf = make_tiny_hf_checkpoint("gemma4", tmp_path / "hf", seed=5)
+    hf = make_tiny_hf_checkpoint("gemma4", tmp_path / "hf", seed=5, **({} if own_shape else {"per_layer_config": {}}))
     src = HFCheckpointReader(hf)
     attn = "model.layers.{}.self_attn.{}_proj.weight"
     assert attn.format(0, "v") in src.keys() and attn.format(1, "v") not in src.keys()
-    for fmt, layout in (("legacy", ParallelLayout()), ("legacy", ParallelLayout(tp=2)),
-                        ("torch_dist", ParallelLayout(pp=2)), ("torch_dist", ParallelLayout(tp=2))):
+    layouts = (("legacy", ParallelLayout()), ("legacy", ParallelLayout(tp=2)),
+               ("torch_dist", ParallelLayout(pp=2)), ("torch_dist", ParallelLayout(tp=2)))
+    for fmt, layout in layouts if own_shape else layouts[2:]:
         ckpt, back = tmp_path / f"{fmt}-{layout.tp}-{layout.pp}", tmp_path / f"back-{fmt}-{layout.tp}-{layout.pp}"
         hf_to_mcore(hf, ckpt, layout, fmt=fmt, dtype="fp32", progress=False)
-        if fmt == "legacy" and layout.tp == 1:
+        if fmt == "legacy" and layout.tp == 1 and own_shape:
             (state,) = [torch.load(f, weights_only=True)["model"] for f in ckpt.glob("release/*/model_optim_rng.pt")]
             q, k = (src.get(attn.format(1, p)).reshape(4, -1, 48) for p in "qk")  # 4 groups of 1 head of 32
             assert torch.equal(state["decoder.layers.1.self_attention.linear_qkv.weight"],

@@ -211,7 +211,8 @@ def transformer_config_kwargs(arch: Arch) -> dict:
     return dict(
         qk_layernorm=True, activation_func=gelu_tanh, softmax_scale=1.0, **sliding_window_kwargs(arch),
         # layers of another attention shape cannot share a torch_dist key stacked over the layers: one key each
-        hetereogenous_dist_checkpoint=bool(arch.own_attention_shapes),
+        # (keys doubling as values leave the full layers' linear_qkv without value rows: another shape too)
+        hetereogenous_dist_checkpoint=bool(arch.own_attention_shapes) or _keys_as_values_beside_sliding(arch),
         # the family's own modules, with or without transformer-engine: no TE-only or SwiGLU-only fusions
         bias_activation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
@@ -220,6 +221,11 @@ def transformer_config_kwargs(arch: Arch) -> dict:
         **(dict(moe_router_pre_softmax=False, moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                 moe_grouped_gemm=False) if arch.is_moe else {}),
     )
+
+
+def _keys_as_values_beside_sliding(arch: Arch) -> bool:
+    """Whether full-attention layers whose keys double as values sit beside sliding ones in one model."""
+    return bool(arch.family_config.full_keys_are_values) and len(set(arch.layer_types)) > 1
 
 
 def layer_spec(arch: Arch, config, use_te: bool, vp_stage, core_attention: str | None):
