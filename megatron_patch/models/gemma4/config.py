@@ -104,6 +104,12 @@ def own_attention_shapes(raw: dict, types: tuple[str, ...]) -> tuple[tuple[str, 
                             f"{ {i: (s.head_dim, s.num_kv_heads) for i, s in shapes.items()} } as (head_dim, "
                             "key/value heads)): each layer type must have one, as transformers' RoPE per type needs")
         shape = next(iter(shapes.values()))
+        if shape != model and layer_type == SLIDING_ATTENTION:
+            # the sliding layers' RoPE is built for the model's head size (the published sizes give the full ones
+            # theirs): a conversion failed inside the model build
+            raise UserError(f"gemma4's sliding_attention layers with a shape of their own (per_layer_config: head_dim "
+                            f"{shape.head_dim}, {shape.num_kv_heads} key/value heads) are not supported: only the "
+                            "full-attention layers take their own")
         if shape != model:
             out.append((layer_type, shape))
     return tuple(out)
