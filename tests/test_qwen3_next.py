@@ -226,3 +226,18 @@ def test_a_legacy_checkpoint_loads_into_the_local_spec(family, tmp_path):
                  "legacy", "--quiet"]) == 0
     assert main(["align", "--hf-dir", str(hf), "--mcore-dir", str(tmp_path / "legacy"), "--dtype", "fp32",
                  "--seq-len", "16", "--report-dir", str(tmp_path / "report"), "--quiet"]) == 0
+
+
+@pytest.mark.slow
+def test_align_runs_a_model_of_gated_deltanet_layers_alone(tmp_path, capsys):
+    """A Qwen3-Next whose every layer is Gated DeltaNet converts and runs in transformers; align's HF forward made
+    transformers' KV cache, which cannot size a mask without an attention layer: an internal error. One forward
+    needs no cache."""
+    from megatron_patch.cli import main
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("qwen3_next", tmp_path / "hf", seed=5, num_hidden_layers=1,
+                                 layer_types=["linear_attention"])
+    assert parse_arch(hf).layer_types == ("linear_attention",)
+    assert main(["align", "--hf-dir", str(hf), "--dtype", "fp32", "--seq-len", "16", "--batch", "1", "--quiet"]) == 0, \
+        capsys.readouterr().err

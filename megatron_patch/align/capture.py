@@ -401,12 +401,13 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules, vocab_size: int)
                            top_k=getattr(model.config, "num_experts_per_tok", None)), \
             _router_logit_hooks(routers, store, batch, seq, mcore=False, logits_path=modules.router_logits), \
             _selection_hooks(hf_indexers(model, modules), store, mcore=False):
-        store["logits"] = model(tokens).logits.float()
+        # one forward: no KV cache (transformers' cache of a model without attention layers fails to size a mask)
+        store["logits"] = model(tokens, use_cache=False).logits.float()
     if routers:
         layers = _submodule(model, modules.layers)
         mlps = {every_expert_point(i): _submodule(layers[i], modules.mlp) for i in routers}
         with torch.no_grad(), _hooks(mlps, store, seq_first=False), _forced_routing(routers, batch, seq, mcore=False):
-            model(tokens)
+            model(tokens, use_cache=False)
     embedding = targets["embedding"]
     with torch.no_grad():
         _embed_every_id(embedding, lambda ids: embedding(ids.to(tokens.device)), vocab_size, store, seq_first=False)

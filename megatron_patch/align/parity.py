@@ -31,7 +31,7 @@ def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype=torch.float32) -> 
     model = load_causal_lm(hf_dir, dtype)
     model.eval()
     with torch.no_grad():
-        return model(tokens).logits.float()
+        return model(tokens, use_cache=False).logits.float()  # one forward (see capture_hf)
 
 
 def mcore_logits_worker(hf_dirs: list[str], layout: ParallelLayout, tokens: list[torch.Tensor], dtype=torch.float32):
