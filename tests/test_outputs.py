@@ -572,6 +572,37 @@ def test_preprocess_takes_the_lock_and_leaves_a_manifest(tmp_path, capsys):
     _one_line_error(*run_cli(capsys, "verify", f"{prefix}_text_document.bin"), "p_text_document.idx")
 
 
+def test_the_working_directory_is_never_an_output(hf, ckpt, tmp_path, capsys, monkeypatch):
+    """`cd ck && mpatch convert hf2mcore --save-dir .` published by putting a new folder in the place of the empty
+    one the shell stood in: "wrote .", the shell left in a deleted folder, and its next command an internal error.
+    align --report-dir . ran the whole alignment first. Refused in one line now, before any work, and so is a
+    --force onto an output that holds the working directory; a deleted working directory is one line, exit 2."""
+    import megatron_patch.align.alignment as alignment
+
+    monkeypatch.setattr(alignment, "run_alignment", lambda *a, **k: pytest.fail("the alignment ran"))
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    for argv in (["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", "."],
+                 ["align", "--hf-dir", str(hf), "--report-dir", "."],
+                 ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(here)]):
+        rc, err = run_cli(capsys, *argv, "--quiet")
+        _one_line_error(rc, err, f"{here} is the working directory", f"such as {here / 'out'}")
+        assert os.path.samefile(".", here) and not any(here.iterdir()) and not leftovers(here)
+    earlier = tmp_path / "earlier"
+    shutil.copytree(ckpt, earlier)
+    monkeypatch.chdir(earlier / "release")
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(earlier), "--force",
+                      "--quiet")
+    _one_line_error(rc, err, f"{earlier} is the working directory or holds it")
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", "", "--quiet")
+    _one_line_error(rc, err, "--save-dir is an empty path")
+    monkeypatch.chdir(here)
+    here.rmdir()
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", "sub", "--quiet")
+    _one_line_error(rc, err, "the working directory no longer exists")
+
+
 def test_align_report_dir_has_one_writer(hf, tmp_path, capsys):
     report = tmp_path / "report"
     with OutputLock(report, "--report-dir"):

@@ -128,12 +128,22 @@ def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: s
                  writer: str | None = None) -> Path:
     """Refuse an output folder that overlaps an input (``--force`` or not; a ``TopLevelInput`` may hold it), is a
     file or under one, is a symlink, is non-empty without ``force``, or (with ``force``) is not an earlier output
-    of this project's command ``writer`` (a manifest's tool, e.g. "mpatch align")."""
+    of this project's command ``writer`` (a manifest's tool, e.g. "mpatch align"), or is or holds the working
+    directory."""
+    if str(target) == "":
+        raise UserError(f"{what} is an empty path: give the output folder")
     target = Path(target).absolute()
     clash = _overlap(target, inputs)
     if clash is not None:
         raise UserError(f"the output folder {target} overlaps the input {clash} (it is, lies inside, or holds it): "
                         f"choose a {what} outside every input")
+    cwd = Path.cwd()
+    if target.resolve() in (cwd, *cwd.parents):
+        # The output is published by putting a new folder in the place of this one (an empty one is removed
+        # first): the shell standing in it would be left in a deleted folder.
+        raise UserError(f"{target} is the working directory{'' if target.resolve() == cwd else ' or holds it'}, which "
+                        "mpatch would replace with a new folder, leaving your shell in a deleted one: give a new "
+                        f"folder inside it, such as {target / 'out'}, or run from another folder")
     above = _first_file_above(target)
     if above is not None:
         raise UserError(f"{target} would be under {above}, which is a file: choose another {what}")

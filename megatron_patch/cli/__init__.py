@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             path = " ".join(str(p) for p in (args.command, getattr(args, "direction", None)) if p)
             raise UserError(f"unrecognized arguments: {' '.join(extra)} ('mpatch {path} --help' lists the options)")
         command = args.command
+        _check_working_directory()
         code = int(args.run(args) or 0)
         # Output to a pipe is buffered: a reader gone by now fails this flush, caught here, not at exit.
         sys.stdout.flush()
@@ -97,6 +98,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mpatch {command}: error: {unwritten_line(full)}", file=sys.stderr)
             return EXIT_BAD_INPUT
         return _internal(command, exc)
+
+
+def _check_working_directory() -> None:
+    """A working directory deleted under the shell (``rm -rf`` of the folder it stands in) is the environment's
+    problem, not a bug: said here, before any relative path or library fails on it."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise UserError("the working directory no longer exists (it was deleted or replaced after this shell went "
+                        "into it): cd to an existing folder and rerun") from None
 
 
 def missing_dependency(exc: ModuleNotFoundError) -> str | None:
