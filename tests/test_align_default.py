@@ -65,6 +65,17 @@ def test_a_clean_model_is_aligned_by_both_runs(llama, tmp_path, capsys):
     assert "with --dtype fp32 there is only one run" in capsys.readouterr().err
 
 
+def test_a_log_gets_no_progress_bars_quiet_or_not(llama, tmp_path, capfd):
+    """transformers' "Loading weights" bars (tqdm frames joined by carriage returns) went to stderr under --quiet
+    ("no progress messages") and into every batch log: a bar is drawn on a terminal only (README, "Data")."""
+    same = tmp_path / "same"
+    shutil.copytree(llama, same)
+    for quiet in (["--quiet"], []):
+        assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(same), "--only-dtype", *quiet]) == 0
+        err = capfd.readouterr().err
+        assert "\r" not in err and "it/s" not in err, (quiet, err)
+
+
 @pytest.mark.slow
 def test_align_peft_dir_against_peft_in_memory_and_from_a_converted_checkpoint(llama, tmp_path):
     """The default (fp32, then bf16) aligns MCore with peft's model of the adapter, with the adapter mapped in

@@ -16,6 +16,7 @@ from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.demo_data import make_texts, make_tokenizer
+from megatron_patch.cli import main
 from tests.convert_helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -390,6 +391,17 @@ def test_seed_draws_the_sampled_generations(checkpoints, tmp_path, capsys):
 
     first, second, again = generations(1, "a"), generations(2, "b"), generations(1, "c")
     assert first != second and first == again, (first, second)
+
+
+def test_a_log_gets_no_progress_bars_quiet_or_not(checkpoints, capfd):
+    """lm-eval's bars (a request bar per task, "Tokenizing inputs"; tqdm frames joined by carriage returns) went to
+    stderr under --quiet ("no progress messages") and into every batch log: a bar is drawn on a terminal only."""
+    pytest.importorskip("lm_eval")
+    for quiet in (["--quiet"], []):
+        assert main(["eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_arithmetic_choice",
+                     "--limit", "4", *quiet]) == 0
+        err = capfd.readouterr().err  # the ranks' stderr too: they write to the file descriptor they inherit
+        assert "\r" not in err and "it/s" not in err, (quiet, err)
 
 
 def test_generation_stops_where_the_models_own_generation_config_says(tmp_path, tokenizers):

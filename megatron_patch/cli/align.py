@@ -13,6 +13,7 @@ from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_
 from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.float8_plan import KINDS, RECIPES, parse_filter
+from megatron_patch.runtime.progress_bars import bars_wanted, hide_transformers_bars
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -65,6 +66,8 @@ def run(args) -> int:
     from megatron_patch.align.alignment import AlignSettings, run_alignment
     resolve_fp8_options(args)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    if not bars_wanted(args.quiet):
+        hide_transformers_bars()
     settings = AlignSettings(
         hf_dir=args.hf_dir, mcore_dir=args.mcore_dir, hf_dir_2=args.hf_dir_2, layout=layout_from_args(args),
         dtype=args.dtype, seq_len=args.seq_len, batch=args.batch, seed=args.seed, text_file=args.text_file,

@@ -14,6 +14,7 @@ from megatron_patch.cli.common import add_layout_args, layout_from_args, print_t
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import document_limit, require_lm_eval, task_names
+from megatron_patch.runtime.progress_bars import bars_wanted
 
 # torch, megatron-core and lm-eval (an optional extra) are imported inside the functions that use them:
 # `mpatch eval --help` and every other subcommand start without them.
@@ -69,7 +70,8 @@ def run(args) -> int:
         limit=None if args.limit is None else document_limit("--limit", args.limit),
         num_fewshot=args.num_fewshot, batch_size=args.batch_size, log_samples=args.log_samples,
         apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.fewshot_as_multiturn,
-        kv_cache=not args.no_kv_cache, seed=args.seed, bootstrap_iters=args.bootstrap_iters)
+        kv_cache=not args.no_kv_cache, seed=args.seed, bootstrap_iters=args.bootstrap_iters,
+        progress_bars=bars_wanted(args.quiet))
     if args.all_iterations and not args.output_dir:
         raise UserError("--all-iterations writes each iteration's results and the plot into --output-dir: give one")
     iterations = saved_iterations(args.load_dir) if args.all_iterations else [(None, Path(args.load_dir))]

@@ -8,6 +8,7 @@ from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import validate_layout
+from megatron_patch.runtime.progress_bars import bars_wanted, hide_transformers_bars
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -19,6 +20,8 @@ def run(args) -> int:
     from megatron_patch.align.alignment import check_run_fits
     from megatron_patch.align.parity import check_parity
     layout = layout_from_args(args)
+    if not bars_wanted(quiet=False):
+        hide_transformers_bars()
     if args.seq_len < 1 or args.batch < 1:
         raise UserError(f"--seq-len and --batch must be at least 1 (got {args.seq_len}, {args.batch})")
     arch = checked_arch(args.hf_dir, shapes=True)

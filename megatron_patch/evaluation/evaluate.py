@@ -7,6 +7,7 @@ from global rank 0 as JSON text (lm-eval's own serialisation), with each task's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -38,6 +39,7 @@ class EvalSettings:
     kv_cache: bool = True  # False: generation runs the whole sequence again for each token
     seed: int = 1234
     bootstrap_iters: int = 100000  # lm-eval's default; closed-form standard errors (acc's) need only one > 0
+    progress_bars: bool = False  # lm-eval's bars, on rank 0 (runtime/progress_bars.py): a terminal's, never a log's
     extra: dict = field(default_factory=dict)  # further keyword arguments of simple_evaluate
 
 
@@ -86,6 +88,7 @@ def run_harness(runner, tokenizer, settings: EvalSettings, include_paths: list[s
 
     # imported here, beside lm-eval (an optional package), which it subclasses
     from megatron_patch.evaluation.harness import MpatchLM
+    from megatron_patch.runtime.progress_bars import lm_eval_task_bars
 
     # lm-eval records `git describe` of the current folder, whatever it is (and git says "fatal: not a git
     # repository" on stderr elsewhere): the model's provenance is the checkpoint's manifest, not the cwd.
@@ -93,14 +96,16 @@ def run_harness(runner, tokenizer, settings: EvalSettings, include_paths: list[s
     # lm-eval bootstraps in a multiprocessing pool of every CPU unless told not to: not from a rank of this job
     os.environ["DISABLE_MULTIPROC"] = "1"
     lm = MpatchLM(runner, tokenizer, batch_size=settings.batch_size, max_gen_toks=settings.max_gen_toks,
-                  model_stop_ids=stop_ids, seed=settings.seed)
-    results = simple_evaluate(
-        model=lm, tasks=list(settings.tasks), task_manager=task_files.task_manager(include_paths, list(settings.tasks)),
-        limit=settings.limit, num_fewshot=settings.num_fewshot, log_samples=settings.log_samples,
-        apply_chat_template=settings.apply_chat_template, fewshot_as_multiturn=settings.fewshot_as_multiturn,
-        random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
-        fewshot_random_seed=settings.seed, verbosity="WARNING", bootstrap_iters=settings.bootstrap_iters,
-        **settings.extra)
+                  model_stop_ids=stop_ids, seed=settings.seed, progress_bars=settings.progress_bars)
+    with lm_eval_task_bars(settings.progress_bars):
+        results = simple_evaluate(
+            model=lm, tasks=list(settings.tasks),
+            task_manager=task_files.task_manager(include_paths, list(settings.tasks)),
+            limit=settings.limit, num_fewshot=settings.num_fewshot, log_samples=settings.log_samples,
+            apply_chat_template=settings.apply_chat_template, fewshot_as_multiturn=settings.fewshot_as_multiturn,
+            random_seed=settings.seed, numpy_random_seed=settings.seed, torch_random_seed=settings.seed,
+            fewshot_random_seed=settings.seed, verbosity="WARNING", bootstrap_iters=settings.bootstrap_iters,
+            **settings.extra)
     if results is None or (dist.is_initialized() and dist.get_rank() != 0):
         return None
     return _to_json(results)
@@ -129,7 +134,7 @@ def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: Paralle
 
     task_files.offline()
     if os.environ.get("RANK", "0") != "0":
-        os.environ["TQDM_DISABLE"] = "1"  # the harness's progress bars: rank 0's, not one per rank
+        settings = dataclasses.replace(settings, progress_bars=False)  # rank 0's bars, not one per rank
     init_model_parallel(layout)
     chunks = load_model(checkpoint, layout, dtype)
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,

@@ -41,13 +41,14 @@ class MpatchLM(TemplateLM):
 
     def __init__(self, runner: ModelRunner | None = None, tokenizer=None, batch_size: int | str = 1,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, model_stop_ids: frozenset[int] = frozenset(),
-                 seed: int | None = None, **model_args):
+                 seed: int | None = None, progress_bars: bool = True, **model_args):
         super().__init__()
         if runner is None:
             runner, tokenizer, model_stop_ids = _runner_from_model_args(**model_args)
         elif model_args:
             raise TypeError(f"unexpected arguments beside a runner: {sorted(model_args)}")
         self.runner, self.tokenizer = runner, tokenizer
+        self.progress_bars = progress_bars  # False: lm-eval's "Tokenizing inputs" bar is not drawn
         self._batch_size = int(batch_size) if str(batch_size) != "auto" else 8
         self._max_gen_toks = int(max_gen_toks)
         # sampled generation's seed: `mpatch eval --seed`; built by lm-eval from --model_args, the seed lm-eval gave
@@ -100,6 +101,9 @@ class MpatchLM(TemplateLM):
                                                   continue_final_message=not add_generation_prompt)
 
     # --- scoring ----------------------------------------------------------------------------------------
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress_bars)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
         """(log-likelihood, is_greedy) per (key, context ids, continuation ids), in batches of similar length
