@@ -10,7 +10,7 @@ from pathlib import Path
 from megatron_patch.align.report import PLOT_NAME, print_summary, write_report
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
-from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
+from megatron_patch.cli.common import SEED_RANGE, add_layout_args, check_seed, layout_from_args, sigterm_as_interrupt
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.float8_plan import KINDS, RECIPES, parse_filter
 from megatron_patch.runtime.progress_bars import bars_wanted, hide_transformers_bars
@@ -64,6 +64,7 @@ def resolve_fp8_options(args) -> None:
 @sigterm_as_interrupt
 def run(args) -> int:
     from megatron_patch.align.alignment import AlignSettings, run_alignment
+    check_seed(args.seed)
     resolve_fp8_options(args)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     if not bars_wanted(args.quiet):
@@ -139,7 +140,7 @@ def register(subparsers) -> None:
                         "has one): for a checkpoint edited on purpose")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
+    p.add_argument("--seed", type=int, default=0, help=f"seed of the random tokens ({SEED_RANGE}, default 0)")
     p.add_argument("--text-file", default=None, help="real text, tokenized with the tokenizer in --hf-dir")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
                    help=f"bf16/fp16: allowed multiple of HF's own rounding error per point (default {DEFAULT_TOLERANCE:g})")

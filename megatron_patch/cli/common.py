@@ -5,7 +5,17 @@ from __future__ import annotations
 import functools
 import signal
 
+from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
+
+# Every command's --seed: numpy takes 0..2^32-1 only (lm-eval seeds it with eval's), torch's generator up to 2^64-1
+# and wraps a negative one; a value beyond them failed deep inside as an internal error. One range for all.
+SEED_RANGE = f"0..{2 ** 32 - 1}"
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < 2 ** 32:
+        raise UserError(f"--seed must be in {SEED_RANGE}, got {seed}")
 
 
 def sigterm_as_interrupt(run):

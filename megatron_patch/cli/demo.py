@@ -5,7 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from megatron_patch.cli.common import print_table
+from megatron_patch.cli.common import SEED_RANGE, check_seed, print_table
 from megatron_patch.models.description.registry import families, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -28,6 +28,7 @@ def run(args) -> int:
     from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, check_parity
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 
+    check_seed(args.seed)
     hf_logging.disable_progress_bar()  # per-model load bars drown the table
     registered = families()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="mpatch-demo-"))
@@ -62,5 +63,6 @@ def register(subparsers) -> None:
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=None,
                    help="layouts to check instead of each family's own (ep2 applies to MoE families only)")
     p.add_argument("--work-dir", help="where to write the tiny checkpoints (default: a new temporary folder)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help=f"seed of the tiny models' weights and of the random tokens ({SEED_RANGE}, default 0)")
     p.set_defaults(run=run)

@@ -10,7 +10,8 @@ import warnings
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
-from megatron_patch.cli.common import add_layout_args, layout_from_args, print_table, sigterm_as_interrupt
+from megatron_patch.cli.common import (SEED_RANGE, add_layout_args, check_seed, layout_from_args, print_table,
+                                       sigterm_as_interrupt)
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import document_limit, require_lm_eval, task_names
@@ -57,8 +58,7 @@ def run(args) -> int:
         raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     if args.bootstrap_iters < 0:
         raise UserError(f"--bootstrap-iters must be >= 0, got {args.bootstrap_iters}")
-    if not 0 <= args.seed < 2 ** 32:  # lm-eval seeds numpy with it, which takes these only
-        raise UserError(f"--seed must be in 0..{2 ** 32 - 1}, got {args.seed}")
+    check_seed(args.seed)
     if args.fewshot_as_multiturn and not args.apply_chat_template:
         raise UserError("--fewshot-as-multiturn makes the few-shot examples turns of a chat: it needs "
                         "--apply-chat-template")
@@ -216,7 +216,7 @@ def register(subparsers) -> None:
                    help="with --apply-chat-template: few-shot examples as conversation turns")
     p.add_argument("--no-kv-cache", action="store_true",
                    help="generate without a KV cache (each token runs the whole sequence again)")
-    p.add_argument("--seed", type=int, default=1234, help="seed of few-shot sampling and sampled generation")
+    p.add_argument("--seed", type=int, default=1234, help=f"seed of few-shot sampling and sampled generation ({SEED_RANGE}, default 1234)")
     p.add_argument("--bootstrap-iters", type=int, default=100000, metavar="N",
                    help="resamples for the standard errors of metrics without a closed form (median, f1, bleu...; "
                         "lm-eval's default 100000); 0: no standard errors at all")

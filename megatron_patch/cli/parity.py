@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from megatron_patch.checkpoint.hf_reader import checked_arch
-from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
+from megatron_patch.cli.common import SEED_RANGE, add_layout_args, check_seed, layout_from_args, sigterm_as_interrupt
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.runtime.progress_bars import bars_wanted, hide_transformers_bars
@@ -20,6 +20,7 @@ def run(args) -> int:
     from megatron_patch.align.alignment import check_run_fits
     from megatron_patch.align.parity import check_parity
     layout = layout_from_args(args)
+    check_seed(args.seed)
     if not bars_wanted(quiet=False):
         hide_transformers_bars()
     if args.seq_len < 1 or args.batch < 1:
@@ -49,6 +50,6 @@ def register(subparsers) -> None:
     add_layout_args(p)
     p.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
     p.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
+    p.add_argument("--seed", type=int, default=0, help=f"seed of the random tokens ({SEED_RANGE}, default 0)")
     p.add_argument("--json", action="store_true", help="print every metric as JSON")
     p.set_defaults(run=run)
