@@ -551,6 +551,25 @@ def _after_mpatch(cwd, code: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def test_a_home_matplotlib_cannot_write_prints_nothing(tmp_path):
+    """`mpatch align --quiet --report-dir R` under a read-only HOME (a cluster node's) printed matplotlib's two
+    warnings about its cache folder, whose fallback (a temporary folder, removed at exit) is all a plot needs."""
+    try:  # sysfs takes no new folder, root's included (os.access says it may)
+        os.mkdir("/sys/.config")
+    except OSError:
+        pass
+    else:
+        os.rmdir("/sys/.config")
+        pytest.skip("needs a folder nobody can write, /sys on Linux")
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLCONFIGDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME")}
+    start = "import sys; sys.argv = ['mpatch', 'families', '--markdown', 'models']; import mpatch; mpatch.main(); "
+    proc = subprocess.run([sys.executable, "-c", start + "import os, matplotlib; print(os.environ['MPLCONFIGDIR'])"],
+                          env={**env, "HOME": "/sys", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0 and "matplotlib-" in proc.stdout, proc.stderr  # its fallback was taken
+    assert "matplotlib" not in proc.stderr.lower() and "MPLCONFIGDIR" not in proc.stderr, proc.stderr
+
+
 def test_mpatch_installs_the_filter(tmp_path):
     """Through `mpatch` (each rank of a launch starts there too): megatron-core's notices, as its modules warn them,
     print nothing afterwards, and an unrelated warning still shows. (The CPU training runs below show the same

@@ -36,7 +36,15 @@ KNOWN_LOGS = (("megatron.core.transformer.transformer_layer", "Unknown MLP type"
               ("torch.utils.cpp_extension", "No CUDA runtime is found"),
               # megatron-core 0.19 (Python 3.12+) logs this on rank 0 each time a GPTModel is built (every launch,
               # align and eval): its advice is for code that builds the model, which here is this project's.
-              ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"))
+              ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+              # matplotlib (align's and eval's plots) under a HOME it cannot write (a read-only home on a cluster
+              # node): it takes a temporary folder for its config and font cache itself, removes it at exit, and
+              # says so in two lines whose advice (set MPLCONFIGDIR) is for a program that plots often; a plot or
+              # two a run needs no cache. Its font cache, rebuilt there, adds one more after 5 s.
+              ("matplotlib", "mkdir -p failed for path "),
+              ("matplotlib", "%s is not a writable directory"),
+              ("matplotlib", "Matplotlib created a temporary cache directory"),
+              ("matplotlib.font_manager", "Matplotlib is building the font cache"))
 
 
 class _DropKnown(logging.Filter):
