@@ -58,9 +58,15 @@ def test_default_run_certifies_in_fp32_what_bf16_alone_calls_aligned(llama, tmp_
 def test_a_clean_model_is_aligned_by_both_runs(llama, tmp_path, capsys):
     same = tmp_path / "same"
     shutil.copytree(llama, same)
-    assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(same), "--quiet"]) == 0
+    assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(same), "--quiet", "--report-dir",
+                 str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert "ALIGNED" in out and "decided by both runs: fp32 certifies the conversion" in out
+    # report.json said "decided_by": "bf16" and report.md that the bf16 run "decided the verdict", beside that line
+    v = json.loads((tmp_path / "r" / "report.json").read_text())["verdict"]
+    assert v["decided_by"] == "both" and v["dtype"] == "bf16" and "decided by both runs" in v["summary"]
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "decided the verdict" not in md and "- bf16 run: aligned (the tables below are this run's)" in md, md
     assert main(["align", "--hf-dir", str(llama), "--hf-dir-2", str(same), "--dtype", "fp32", "--only-dtype"]) == 2
     assert "with --dtype fp32 there is only one run" in capsys.readouterr().err
 
@@ -87,7 +93,7 @@ def test_align_peft_dir_against_peft_in_memory_and_from_a_converted_checkpoint(l
     assert main(["align", "--hf-dir", str(llama), "--peft-dir", str(adapter), "--tp", "2", "--quiet",
                  "--report-dir", str(report)]) == 0
     data = json.loads((report / "report.json").read_text())
-    assert data["verdict"]["decided_by"] == "bf16" and data["verdict"]["runs"]["fp32"]["aligned"]
+    assert data["verdict"]["decided_by"] == "both" and data["verdict"]["runs"]["fp32"]["aligned"]
     assert "with the LoRA adapter" in data["compared"]["tested"]
     ckpt = tmp_path / "ckpt"
     assert main(["convert", "hf2mcore", "--hf-dir", str(llama), "--save-dir", str(ckpt), "--peft-dir", str(adapter),

@@ -312,7 +312,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
     if unreached and verdict["aligned"]:
         verdict["summary"] += f" [{unreached}]"
     verdict["coverage"] = unreached
-    shown = verdict["dtype"]  # the run whose numbers the report's tables hold: the one that decided
+    shown = verdict["dtype"]  # the run whose numbers the report's tables hold (combined_verdict)
     result = {
         "verdict": verdict,
         "settings": {**asdict(s), "layout": {"tp": s.layout.tp, "pp": s.layout.pp, "ep": s.layout.ep,
@@ -361,14 +361,15 @@ def input_coverage(ref: dict, arch) -> str | None:
 
 
 def combined_verdict(verdicts: dict, s: AlignSettings) -> dict:
-    """One verdict over the runs, saying which decided it. The deciding run's points are the report's: the
-    first that failed (fp32 before the training dtype), else the training dtype's precision picture."""
+    """One verdict over the runs, saying which decided it (``decided_by``: a dtype, or "both" where every run is
+    aligned, as the summary says). The report's points (``dtype``) are the first failed run's (fp32 before the
+    training dtype), else the training dtype's precision picture."""
     failed = [dt for dt in verdicts if not verdicts[dt].aligned]
-    decided = failed[0] if failed else s.dtype
-    out = verdicts[decided].to_dict()
+    shown = failed[0] if failed else s.dtype
+    out = verdicts[shown].to_dict()
     runs = {dt: {"aligned": v.aligned, "summary": v.summary, "first_failure": v.first_failure}
             for dt, v in verdicts.items()}
-    out.update(decided_by=decided, runs=runs)
+    out.update(decided_by="both" if len(verdicts) > 1 and not failed else shown, runs=runs)
     if len(verdicts) == 1:
         if s.only_dtype:
             out["summary"] += f" [{s.dtype} only (--only-dtype): {UNRESOLVED.format(dtype=s.dtype)}]"
@@ -377,7 +378,7 @@ def combined_verdict(verdicts: dict, s: AlignSettings) -> dict:
         out["summary"] = (f"{verdicts[s.dtype].summary} [decided by both runs: {_certifies(verdicts['fp32'])} "
                           f"({verdicts['fp32'].summary.removesuffix(': aligned')}), and {s.dtype} is within its "
                           "rounding]")
-    elif decided == "fp32":
+    elif shown == "fp32":
         other = "aligned" if verdicts[s.dtype].aligned else "not aligned either"
         out["summary"] = (f"{verdicts['fp32'].summary} [decided by the fp32 run, which resolves what {s.dtype} rounding "
                           f"hides; the {s.dtype} run alone says {other}]")

@@ -88,10 +88,11 @@ def markdown(result: dict, command: str | None = None) -> str:
     out = [f"# Alignment report: {result['model']['family']} ({v['dtype']})", ""]
     out += [f"**Verdict: {'ALIGNED' if v['aligned'] else 'NOT ALIGNED'}.** {v['summary']}", ""]
     runs = v.get("runs") or {}
-    if len(runs) > 1:  # fp32 first, then the training dtype: which one decided, and what each said
+    if len(runs) > 1:  # fp32 first, then the training dtype: what each said, which one decided, whose tables follow
         out += [f"- {dt} run{' (certifies the conversion)' if dt == 'fp32' else ''}: "
                 f"{'aligned' if r['aligned'] else 'NOT aligned at ' + str(r['first_failure'])}"
-                + (" (decided the verdict; the tables below are this run's)" if dt == v.get("decided_by") else "")
+                + (" (decided the verdict; the tables below are this run's)" if dt == v.get("decided_by") else
+                   " (the tables below are this run's)" if dt == v["dtype"] else "")
                 for dt, r in runs.items()] + [""]
     c = result["compared"]
     out += [f"- reference: {c['reference']}"]
