@@ -661,6 +661,32 @@ def test_preprocess_replaces_only_a_pair_its_manifest_lists(tmp_path, capsys):
         "p_text_document.bin", "p_text_document.idx", f"p_text_document.{MANIFEST_NAME}"]
 
 
+def test_preprocess_never_writes_into_its_input_folder(tmp_path, capsys):
+    """`--input data/ --output-prefix data/corpus` wrote the pair and its manifest among the shards, and the same
+    command again was refused (the .bin is not JSONL); moving the pair away, the manifest was read as corpus, 18
+    bad lines skipped. Refused first now, in one line, and nothing is written; a file input beside its output is
+    fine."""
+    from tests.training_helpers import make_tiktoken_file  # as the tests above take it
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "00.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    tok = make_tiktoken_file(tmp_path / "tok.tiktoken", [])
+    for force in ([], ["--force"]):
+        _one_line_error(*run_cli(capsys, "preprocess", "--input", str(data), "--tokenizer", str(tok), "--output-prefix",
+                                 str(data / "corpus"), "--quiet", *force),
+                        f"--output-prefix {data / 'corpus'} is inside the input folder", f"such as {tmp_path / 'corpus'}")
+    assert sorted(p.name for p in data.iterdir()) == ["00.jsonl"]
+    # a folder under the input is refused too (as a folder in the input, before the output is looked at)
+    (data / "sub").mkdir()
+    _one_line_error(*run_cli(capsys, "preprocess", "--input", str(data), "--tokenizer", str(tok), "--output-prefix",
+                             str(data / "sub" / "corpus"), "--quiet"), "is not a .jsonl or .json file")
+    assert sorted(p.name for p in data.rglob("*")) == ["00.jsonl", "sub"]
+    argv = ["preprocess", "--input", str(data / "00.jsonl"), "--tokenizer", str(tok), "--output-prefix",
+            str(data / "sub" / "corpus"), "--quiet"]
+    assert run_cli(capsys, *argv)[0] == 0
+
+
 # --- a training run's OUTPUT_BASEPATH ----------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -250,6 +250,16 @@ def check_output_prefix(prefix: str, force: bool) -> None:
                         "choose another --output-prefix")
 
 
+def check_output_outside_input(input_path: str | Path, output_prefix: str) -> None:
+    """An output never overlaps an input (docs/outputs.md): a folder input is every file in it, so a pair written
+    there (or in a folder under it) would be read back by the next run as corpus, and refused as not JSONL."""
+    folder = Path(input_path).resolve()
+    where = Path(output_prefix).parent.resolve()
+    if folder.is_dir() and (where == folder or folder in where.parents):
+        raise UserError(f"--output-prefix {output_prefix} is inside the input folder {input_path}, every file of which "
+                        f"is read as corpus: choose a prefix outside it, such as {folder.parent / Path(output_prefix).name}")
+
+
 def _seal(tmp: Path, prefix: str) -> None:
     """The two finished files in ``tmp`` made durable, and their manifest written beside them: every byte of the
     output, so that only renames are left (``_rename_into_place``)."""
@@ -304,6 +314,7 @@ def preprocess_keys(input_path: str | Path, output_prefix: str, tokenizer_path: 
     for prefix in prefixes:
         if not Path(prefix).parent.is_dir():
             raise UserError(f"output folder {Path(prefix).parent} does not exist: create it first")
+    check_output_outside_input(input_path, output_prefix)
     with contextlib.ExitStack() as held:  # every key's lock and partial folder, until all are published
         partials = []
         for prefix in prefixes:
