@@ -476,6 +476,24 @@ def gloo_collectives_worker() -> dict:
 
 # --- run_local's error paths ----------------------------------------------------------------------
 
+def stuck_after_a_bar(ready_dir: str) -> None:
+    """A rank that drew a tqdm bar (lm-eval's are drawn with ``disable`` too) and then does not end on Ctrl-C, as one
+    blocked in a collective: run_local kills it. Says it is ready with a file in ``ready_dir``."""
+    import time
+
+    from tqdm import tqdm
+
+    for _ in tqdm(range(2), disable=True):
+        pass
+    open(os.path.join(ready_dir, os.environ["RANK"]), "w").close()
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.1)
+        except KeyboardInterrupt:
+            pass
+
+
 def raise_user_error_on_rank_1(message: str):
     from megatron_patch.errors import UserError
 

@@ -12,8 +12,10 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -397,6 +399,24 @@ def test_run_local_spawns_its_ranks_where_a_cuda_device_is(monkeypatch):
     assert launch._start_context().get_start_method() == "spawn"
     pids = launch.run_local(os.getpid, 2, timeout=120)
     assert len(set(pids)) == 2 and os.getpid() not in pids
+
+
+def test_ctrl_c_with_a_rank_that_must_be_killed_says_nothing_more(tmp_path):
+    """Ctrl-C during `mpatch eval --tp 2`: "interrupted", then multiprocessing's resource tracker warned of a leaked
+    semaphore, tqdm's write lock in a rank that was still blocked 5 s later and killed. A rank's bars take a thread
+    lock now, which leaves nothing to clean up."""
+    code = ("import sys\nfrom megatron_patch.runtime.launch import run_local\n"
+            "from tests.runtime_helpers import stuck_after_a_bar\n"
+            f"try:\n    run_local(stuck_after_a_bar, 2, {str(tmp_path)!r}, timeout=120)\n"
+            "except KeyboardInterrupt:\n    sys.exit(130)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.iterdir())) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "leaked" not in err and "Traceback" not in err, err
 
 
 def test_run_local_reraises_a_ranks_user_error_as_itself():

@@ -82,6 +82,7 @@ def _work(rank: int, world_size: int, port: int, fn: Callable, args: tuple, resu
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     quiet_cpu_warnings()
+    _thread_lock_for_tqdm()
     try:
         # Plain pickle, not the queue's own: torch registers shared-memory reductions with
         # multiprocessing, and a tensor sent that way is gone once this worker exits, before the
@@ -98,6 +99,17 @@ def _work(rank: int, world_size: int, port: int, fn: Callable, args: tuple, resu
             destroy()
         except Exception:
             pass
+
+
+def _thread_lock_for_tqdm() -> None:
+    """tqdm makes its write lock on a process's first bar, by default a multiprocessing RLock of the process's start
+    method, here the fork server's: a named semaphore that the caller's resource tracker must unlink when the rank
+    is killed (one still blocked in a collective 5 s after Ctrl-C is), and then reports under the command's one
+    line ("There appear to be 1 leaked semaphore objects"). A rank's bars are its own: a thread lock leaves nothing
+    behind."""
+    from tqdm import tqdm  # imported by torch already (torch.hub); lm-eval and transformers draw with it
+
+    tqdm.set_lock(threading.RLock())
 
 
 def _pickled_user_error(exc: UserError) -> bytes:
