@@ -7,10 +7,12 @@ in one line that says what to change. (The launchers under examples/ put this pr
 from __future__ import annotations
 
 import importlib.util
+import signal
 import sys
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 
 
 def foreign_package() -> Path | None:
@@ -31,7 +33,14 @@ def main() -> int:
         return EXIT_BAD_INPUT
     from megatron_patch.cli import main as run
 
-    return run()
+    code = run()
+    if code == EXIT_INTERRUPTED:
+        # It has said "interrupted" and left nothing behind: a second signal while the interpreter shuts down (a
+        # scheduler's SIGTERM to the whole group reaches the ranks too) must not turn the 130 a script reads into a
+        # death by that signal (seen under load: -2 after the line).
+        for number in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(number, signal.SIG_IGN)
+    return code
 
 
 if __name__ == "__main__":

@@ -477,13 +477,16 @@ def test_sigterm_stops_an_evaluation_as_ctrl_c_does_leaving_nothing(checkpoints,
     tmp, out = tmp_path / "tmp", tmp_path / "results"
     tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "megatron_patch", "eval", "--load-dir", str(checkpoints["ckpt"]),
-                             "--tasks", "mpatch_perplexity,mpatch_arithmetic_choice", "--limit", "200",
-                             "--output-dir", str(out)], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)},
+                             # generation too: the whole run long enough (10 s without it, idle) that the signal
+                             # lands inside it, not after the results are out (then the default SIGTERM ends it)
+                             "--tasks", "mpatch_perplexity,mpatch_arithmetic_choice,mpatch_arithmetic",
+                             "--limit", "200", "--output-dir", str(out)], cwd=REPO,
+                            env={**os.environ, "TMPDIR": str(tmp)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while not any(p.name.startswith("mpatch-eval-tasks-") for p in tmp.iterdir()) and time.time() < deadline:
         time.sleep(0.2)
-    time.sleep(1.0)  # into the evaluation
+    time.sleep(0.5)  # into the evaluation
     os.killpg(proc.pid, signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "mpatch eval: interrupted", err[-2000:]
