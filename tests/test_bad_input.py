@@ -173,6 +173,16 @@ def test_a_seed_out_of_range_is_one_line_in_every_command(hf, tmp_path, capsys, 
     assert not (tmp_path / "demo").exists()
 
 
+def test_an_empty_output_folder_is_one_line_in_align_and_eval(hf, tmp_path, capsys):
+    """`--report-dir ""` / `--output-dir ""` (an unset shell variable) were taken as not given: the run went whole and
+    wrote no report, without a word. Refused in one line, before any work, as `--save-dir ""` is."""
+    pytest.importorskip("lm_eval")
+    _one_line(*run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", "", "--quiet"),
+              "--report-dir is an empty path")
+    _one_line(*run_cli(capsys, "eval", "--load-dir", str(tmp_path / "none"), "--tasks", "t", "--output-dir", ""),
+              "--output-dir is an empty path")
+
+
 def test_duplicate_tensors_across_files_name_both_files(hf, tmp_path, capsys):
     folder = _linked_copy(hf, tmp_path / "dup", skip=("model.safetensors.index.json",))
     weights = sorted(folder.glob("*.safetensors"))

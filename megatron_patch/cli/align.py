@@ -10,7 +10,8 @@ from pathlib import Path
 from megatron_patch.align.report import PLOT_NAME, print_summary, write_report
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
-from megatron_patch.cli.common import SEED_RANGE, add_layout_args, check_seed, layout_from_args, sigterm_as_interrupt
+from megatron_patch.cli.common import (SEED_RANGE, add_layout_args, check_not_empty, check_seed, layout_from_args,
+                                       sigterm_as_interrupt)
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.float8_plan import KINDS, RECIPES, parse_filter
 from megatron_patch.runtime.progress_bars import bars_wanted, hide_transformers_bars
@@ -65,6 +66,7 @@ def resolve_fp8_options(args) -> None:
 def run(args) -> int:
     from megatron_patch.align.alignment import AlignSettings, run_alignment
     check_seed(args.seed)
+    check_not_empty(args.report_dir, "--report-dir")
     resolve_fp8_options(args)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     if not bars_wanted(args.quiet):

@@ -18,6 +18,12 @@ def check_seed(seed: int) -> None:
         raise UserError(f"--seed must be in {SEED_RANGE}, got {seed}")
 
 
+def check_not_empty(path: str | None, flag: str) -> None:
+    """An output folder given as '' (an unset shell variable) is said, not taken as none given (no report written)."""
+    if path == "":
+        raise UserError(f"{flag} is an empty path: give the output folder")
+
+
 def sigterm_as_interrupt(run):
     """``run`` with SIGTERM (a scheduler cancelling the job) unwinding like Ctrl-C, so its partial output and lock
     go; the caller's own handler is back afterwards (tests run the commands in process)."""

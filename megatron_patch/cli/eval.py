@@ -10,8 +10,8 @@ import warnings
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
-from megatron_patch.cli.common import (SEED_RANGE, add_layout_args, check_seed, layout_from_args, print_table,
-                                       sigterm_as_interrupt)
+from megatron_patch.cli.common import (SEED_RANGE, add_layout_args, check_not_empty, check_seed, layout_from_args,
+                                       print_table, sigterm_as_interrupt)
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import document_limit, require_lm_eval, task_names
@@ -52,6 +52,7 @@ def run(args) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     layout = layout_from_args(args)
+    check_not_empty(args.output_dir, "--output-dir")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.num_fewshot is not None and args.num_fewshot < 0:
