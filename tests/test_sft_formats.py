@@ -414,6 +414,10 @@ def test_compressed_sft_files_are_read_as_preprocess_reads_them(chat_tok, tmp_pa
     (tmp_path / "sft.json.zst").write_bytes(zstandard.ZstdCompressor().compress(json.dumps(records).encode()))
     for name in ("sft.jsonl.gz", "sft.json.zst"):
         assert read_records(tmp_path / name) == records, name
+    # a decompression bomb (64 MiB of spaces in a few KiB) is refused, not read whole into memory
+    (tmp_path / "bomb.jsonl.zst").write_bytes(zstandard.ZstdCompressor(level=19).compress(b" " * (64 << 20)))
+    with pytest.raises(UserError, match="bomb.jsonl.zst expands more than 1000-fold when decompressed"):
+        read_records(tmp_path / "bomb.jsonl.zst")
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(text)[:-12])
     (tmp_path / "unnamed.jsonl").write_bytes(gzip.compress(text))
     for name, message in (("cut.jsonl.gz", "cut.jsonl.gz cannot be decompressed (Compressed file ended before"),
@@ -421,6 +425,12 @@ def test_compressed_sft_files_are_read_as_preprocess_reads_them(chat_tok, tmp_pa
                                             "not end in .gz: rename it so, or decompress it")):
         with pytest.raises(UserError, match=re.escape(message)):
             read_records(tmp_path / name)
+    # the dry run reads its first record from a bounded line; a longer one is read through read_records' bound
+    from megatron_patch.training import sft_data
+
+    monkeypatch.setattr(sft_data, "FIRST_LINE_CHARS", 10)
+    assert sft_data._first_record(tmp_path / "sft.jsonl.gz") == records[0]
+    monkeypatch.undo()
     # the launch and the dry run's first record read it too
     monkeypatch.setenv("MP_TOKENIZER", str(chat_tok))
     monkeypatch.setenv("MP_DRY_RUN", "1")

@@ -201,13 +201,19 @@ def build_sft_datasets(cfg, vocab_size: int):
 
 # --- the dry run's sample -----------------------------------------------------------------------------------
 
+FIRST_LINE_CHARS = 1 << 24  # the dry run's first record is read from a line of at most this many characters
+
+
 def _first_record(path: Path):
     """The first record of a JSONL file, read without the rest (else of the whole file). A first line that is a
     list is a packed-SFT line or a one-line JSON array: either way its first item is the first record."""
     try:
         # a byte-order mark is taken, and a .gz/.zst file decompressed, as read_records does
         with open_decompressed(path) as raw, io.TextIOWrapper(raw, encoding="utf-8-sig") as f:
-            first = next((line for line in f if line.strip()), "")
+            # a bounded line: one longer is cut, fails to parse and goes to read_records, which bounds the whole
+            first = f.readline(FIRST_LINE_CHARS)
+            while first and not first.strip():
+                first = f.readline(FIRST_LINE_CHARS)
         item = json.loads(first)
     except (json.JSONDecodeError, UnicodeDecodeError, *DECOMPRESSION_ERRORS):  # read_records names the problem
         item = read_records(path)[0]

@@ -8,10 +8,12 @@ import json
 from pathlib import Path
 
 from megatron_patch.errors import UserError
-from megatron_patch.training.compressed_files import DECOMPRESSION_ERRORS, open_decompressed
+from megatron_patch.training.compressed_files import COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, open_decompressed
 
 PROMPT_KEYS = ("instruction", "query", "prompt", "question")
 RESPONSE_KEYS = ("output", "content", "response", "completion", "answer")
+# The most a compressed SFT file's text may outgrow the file (JSON lines compress some 5-50-fold)
+MAX_EXPANSION = 1000
 
 
 def read_records(path: str | Path) -> list:
@@ -20,12 +22,18 @@ def read_records(path: str | Path) -> list:
     byte-order mark that editors on Windows write, plain or ``.gz``/``.zst`` compressed (as ``mpatch preprocess``
     reads it); other encodings are refused naming the line."""
     path = Path(path)
+    # The text is held whole, as a plain file's is: a compressed one's bounded by what its size on disk can honestly
+    # hold, so that a small decompression bomb (untrusted data) is refused instead of filling the memory
+    limit = MAX_EXPANSION * path.stat().st_size + (1 << 20) if path.suffix in COMPRESSED_SUFFIXES else -1
     with open_decompressed(path) as f:
         try:
-            data = f.read()
+            data = f.read(limit + 1 if limit >= 0 else -1)
         except DECOMPRESSION_ERRORS as exc:
             raise UserError(f"{path} cannot be decompressed ({exc}): the file is damaged or cut short; compress it "
                             "again") from None
+    if 0 <= limit < len(data):
+        raise UserError(f"{path} expands more than {MAX_EXPANSION}-fold when decompressed, which no text data does: "
+                        "it is not an SFT file (or decompress it yourself and give the plain file)")
     text = _utf8_text(path, data)
     records = None
     if text.lstrip().startswith("["):
