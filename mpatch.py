@@ -37,7 +37,7 @@ def main() -> int:
     if code == EXIT_INTERRUPTED:
         # It has said "interrupted" and left nothing behind: a second signal while the interpreter shuts down (a
         # scheduler's SIGTERM to the whole group reaches the ranks too) must not turn the 130 a script reads into a
-        # death by that signal. (It does not cure the rc -2 the SIGTERM test sometimes sees: that comes earlier.)
+        # death by that signal.
         for number in (signal.SIGINT, signal.SIGTERM):
             signal.signal(number, signal.SIG_IGN)
     return code

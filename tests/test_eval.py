@@ -494,6 +494,30 @@ def test_sigterm_stops_an_evaluation_as_ctrl_c_does_leaving_nothing(checkpoints,
     assert not out.exists()
 
 
+def test_sigterm_inside_code_run_from_a_string_still_exits_130(tmp_path):
+    """The test above sometimes saw the process die by SIGINT (rc -2) after its "interrupted" line: when the
+    signal's KeyboardInterrupt passed through code run from a string (a dataclass made by a late import), CPython
+    remembered it as unhandled and, under ``python -m``, re-raised SIGINT at exit. Here the signal lands there
+    every time."""
+    (tmp_path / "sigterm_in_exec.py").write_text("""
+import os, signal, sys
+from megatron_patch.cli.common import sigterm_as_interrupt
+
+@sigterm_as_interrupt
+def run():
+    exec("os.kill(os.getpid(), signal.SIGTERM)\\nwhile True: pass")
+
+try:
+    run()
+except KeyboardInterrupt:  # as megatron_patch.cli.main takes it
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+""")
+    done = subprocess.run([sys.executable, "-m", "sigterm_in_exec"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted", (done.returncode, done.stderr[-2000:])
+
+
 def _fake_results(iteration: int):
     from megatron_patch.evaluation.evaluate import EvalResults
 

@@ -37,8 +37,15 @@ def sigterm_as_interrupt(run):
     return wrapped
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM's KeyboardInterrupt, a class of its own because CPython remembers a KeyboardInterrupt itself that
+    passes through code run from a string (``exec``/``eval``: a dataclass or namedtuple made by a late import) and,
+    under ``python -m``, ends the process by SIGINT at exit though the CLI caught it and returned 130. It checks
+    for that exact class, so a subclass unwinds as Ctrl-C does and the 130 stands."""
+
+
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def add_layout_args(parser, *, etp: bool = True) -> None:
