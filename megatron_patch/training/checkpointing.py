@@ -367,6 +367,26 @@ def _stop_on_write_error(final: Path, tmp: Path, rank: int, checkpoints: Path | 
         logger.removeHandler(writer_log)
 
 
+def _take_the_launch_schedule(state, cfg) -> None:
+    """The saved param groups' peak and floor learning rates made this launch's, in place: a resumed run follows
+    the launch's schedule (run_state's SCHEDULE says so), and megatron-core 0.19 pairs saved groups with the
+    current ones by a key holding ``max_lr`` and ``min_lr``, so another LR failed the load as an internal error.
+    Every group of this project's optimizers has the run's LR (no per-group overrides), so they all take it."""
+    if isinstance(state, dict):
+        groups = state.get("param_groups")
+        for group in groups if isinstance(groups, list) else ():
+            if isinstance(group, dict):
+                for key, value in (("max_lr", cfg.lr), ("min_lr", cfg.min_lr)):
+                    if key in group:
+                        group[key] = value
+        children = state.values()
+    else:
+        children = state if isinstance(state, (list, tuple)) else ()
+    for child in children:
+        if isinstance(child, (dict, list, tuple)):
+            _take_the_launch_schedule(child, cfg)
+
+
 def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     """Restore everything saved at ``iteration``; returns the consumed samples."""
     # megatron-core is imported here, not at the top: the launcher reads this module's tracker helpers
@@ -384,6 +404,7 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
         if unexpected:
             raise UserError(f"{folder} holds {unexpected[0]}, which this LoRA model does not train: resume with the "
                             "MP_LORA_* settings the run was started with")
+    _take_the_launch_schedule(state["optimizer"], cfg)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     saved = read_train_state(folder)

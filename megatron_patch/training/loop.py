@@ -331,12 +331,10 @@ class Trainer:
         self.iteration = 0
         if self.resume_iteration is not None:
 
+            # The launch's schedule rules a resumed run (megatron_settings): the loaded param groups take the
+            # launch's peak and floor (checkpointing.load), which megatron-core's scheduler reads before its own,
+            # and the rate of the next step is the new schedule's, not the one the checkpoint's last step set.
             checkpointing.load(cfg, self.resume_iteration, self.models, self.optimizer, self.scheduler)
-            # The launch's schedule rules a resumed run (megatron_settings): the loaded param groups carry the
-            # checkpoint's peak and floor, which megatron-core's scheduler reads before its own, and the rate of
-            # the next step is the new schedule's, not the one the checkpoint's last step set.
-            for group in self.optimizer.param_groups:
-                group["max_lr"], group["min_lr"] = cfg.lr, cfg.min_lr
             self.scheduler.step(increment=0)
             self.iteration = self.resume_iteration
             self._log(f"resumed from {checkpointing.iteration_dir(cfg.checkpoint_dir, self.iteration)}")
