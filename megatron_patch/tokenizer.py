@@ -158,22 +158,38 @@ def load_chat_template(folder: Path) -> ChatTemplate | None:
     return ChatTemplate(source, special, str(folder))
 
 
-def load_hf_tokenizer(folder: str | Path, model_config: dict | None = None):
+# A converted checkpoint's folder carries the tokenizer files but no config.json: its record (checkpoint/sidecar.py's
+# SIDECAR_NAME, not imported: that package sits above this one) keeps the model's config.json as "hf_config".
+CHECKPOINT_RECORD = "mpatch_checkpoint.json"
+
+
+def folder_model_config(folder: str | Path) -> dict | None:
+    """The model config.json that goes with a tokenizer folder where transformers would not find one itself: a
+    converted checkpoint's record of it. None for a folder with a config.json (transformers reads it) or with
+    neither (a tokenizer folder of its own: its files alone decide, wherever it is used)."""
+    folder = Path(folder)
+    if (folder / "config.json").is_file() or not (folder / CHECKPOINT_RECORD).is_file():
+        return None
+    config = _folder_json(folder, CHECKPOINT_RECORD).get("hf_config")
+    return config if isinstance(config, dict) else None
+
+
+def load_hf_tokenizer(folder: str | Path):
     """transformers' tokenizer of ``folder``, from local files only and without code from the folder, as lm-eval's
-    HF backend loads it from the model's folder, so both tokenize alike. ``model_config``: the model's config.json
-    (the checkpoint's), which picks the tokenizer class where tokenizer_config.json names none (a Qwen2 model's
-    folder gets Qwen2's tokenizer class, with its own special tokens)."""
+    HF backend loads it from the model's folder, so both tokenize alike. The model's config picks the tokenizer
+    class where tokenizer_config.json names none (a Qwen2 model's folder gets Qwen2's tokenizer class, with its own
+    special tokens): the folder's config.json, or a converted checkpoint's record of it (``folder_model_config``),
+    so preprocessing, training and evaluation of one folder build one pipeline."""
     # transformers (0.6 s): imported only where a tokenizer is loaded
     from transformers import AutoConfig, AutoTokenizer
 
     # transformers opens the folder's files itself: each must stay inside the folder (a tokenizer.json that links
     # to /etc/... is refused), be a regular file and bounded, as --hf-dir's are, before it reads one
     check_folder_inputs(folder)
-    config = None
-    if model_config is not None and not (Path(folder) / "config.json").is_file():
+    model_config, config = folder_model_config(folder), None
+    if model_config is not None:
         try:
-            # a copy: transformers writes into the nested tables it is given (rope_theta into rope_scaling), and the
-            # run's record of its model, saved with each checkpoint, would no longer match the launch that resumes
+            # a copy: transformers writes into the nested tables it is given (rope_theta into rope_scaling)
             config = AutoConfig.for_model(**copy.deepcopy(model_config))
         except (ValueError, KeyError, TypeError):  # a model type this transformers does not know: by the files alone
             config = None
@@ -201,9 +217,10 @@ class HFTokenizer:
         # special token of a Llama-2/Mistral chat. A folder transformers reads only with its own code keeps the file's.
         # The vocabulary and the end-of-document token are the file's (transformers adds a special token the
         # config names and the file lacks, an id no model has a row for: that is refused by name below).
-        self._file = self._tok
+        self._file, self._built_by = self._tok, "tokenizers' own"
         try:
-            self._tok = load_hf_tokenizer(folder).backend_tokenizer
+            built = load_hf_tokenizer(folder)
+            self._tok, self._built_by = built.backend_tokenizer, f"the {type(built).__name__} transformers builds"
         except (UserError, AttributeError):  # no code of the folder's runs; a slow tokenizer has no backend
             pass
         # a tokenizer.json saved after a call with truncation or padding keeps them; transformers' tokenizer
@@ -213,6 +230,23 @@ class HFTokenizer:
         self.vocab_size = self._file.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eod(folder)
         self.chat_template = load_chat_template(folder)
+
+    def _encoded(self, text: str):
+        """The encoding of ``text``, refused in one line where the pipeline fails on it or gives an id past the
+        file's vocabulary: transformers adds a special token that tokenizer_config.json (or the class) names and
+        tokenizer.json lacks, at an id no model has a row for, and a text that holds it would carry that id."""
+        try:
+            encoding = self._tok.encode(text, add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception from its pipeline
+            raise UserError(f"{self.path}: {self._built_by} cannot encode this text ({str(exc)[:200]}): the folder's "
+                            "tokenizer.json does not suit the tokenizer class its config names") from None
+        past = sorted({self._tok.id_to_token(i) for i in encoding.ids if i >= self.vocab_size})
+        if past:
+            raise UserError(f"{self.path}: a text holds {', '.join(map(repr, past[:3]))}, which {self._built_by} "
+                            f"adds past tokenizer.json's {self.vocab_size} ids (tokenizer.json lacks it; "
+                            "tokenizer_config.json or the class names it), where no model has a row: add it to "
+                            "tokenizer.json's added_tokens, or take it out of tokenizer_config.json")
+        return encoding
 
     def _find_eod(self, folder: Path) -> int:
         eos = _token_text(_folder_json(folder, "tokenizer_config.json").get("eos_token"))
@@ -241,11 +275,11 @@ class HFTokenizer:
                         f"{', '.join(EOD_CANDIDATES)} in the vocabulary)")
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._encoded(text).ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids of ``text`` and each one's [start, end) characters in it."""
-        encoding = self._tok.encode(text, add_special_tokens=False)
+        encoding = self._encoded(text)
         return encoding.ids, encoding.offsets
 
     def decode(self, ids) -> str:

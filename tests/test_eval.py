@@ -251,19 +251,28 @@ def test_a_tokenizer_naming_no_eos_ends_texts_with_its_end_of_document_token(tok
     assert lm.prefix_token_id == lm.eot_token_id == end and end in lm.stop_ids
 
 
-def test_loading_a_tokenizer_leaves_the_models_config_as_it_was(tokenizers):
-    """transformers wrote rope_theta into the rope_scaling table it was given: a run with MP_EVAL_TASKS then saved
-    that record of its model with each checkpoint, and its resume was refused as 'another model'."""
-    import copy
+def test_one_tokenizer_folder_encodes_alike_in_preprocessing_training_and_evaluation(tmp_path):
+    """A Qwen3 model's config picks transformers' Qwen2Tokenizer, whose pipeline is not a bare tokenizer.json's:
+    evaluation applied the checkpoint's model config to a --tokenizer folder of its own, which preprocessing reads by
+    its files alone (other ids for the same text); and training from a converted checkpoint's carried tokenizer read
+    it without the model config its HF folder had. Each folder now gives one pipeline wherever it is used."""
+    from megatron_patch.evaluation.loading import open_for_evaluation
+    from megatron_patch.tokenizer import load_tokenizer
 
-    from megatron_patch.evaluation.loading import load_hf_tokenizer
-    from megatron_patch.models.description.tiny import tiny_config
-
-    config = tiny_config("llama3_1")
-    config["rope_scaling"].pop("rope_theta", None)  # config.json's 4.x form, which transformers completes
-    before = copy.deepcopy(config)
-    load_hf_tokenizer(tokenizers["bare"], config)
-    assert config == before
+    hf = make_tiny_hf_checkpoint("qwen3", tmp_path / "hf")
+    # 190 ids: Qwen2Tokenizer adds <|endoftext|>, which the file lacks, at 190, inside the model's 200
+    make_tokenizer(hf, make_texts(200, seed=0), vocab_size=190)
+    hf_to_mcore(hf, tmp_path / "ckpt", ParallelLayout(), progress=False)
+    own = tmp_path / "tok"
+    own.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (own / name).write_bytes((hf / name).read_bytes())
+    text = "The cat sat on the mat. A dog ran."
+    for folder in (own, tmp_path / "ckpt"):
+        evaluated = open_for_evaluation(tmp_path / "ckpt", ParallelLayout(), tokenizer=folder).load_tokenizer()
+        assert load_tokenizer(folder).encode(text) == evaluated.encode(text, add_special_tokens=False), folder
+    assert load_tokenizer(tmp_path / "ckpt").encode(text) == load_tokenizer(hf).encode(text)
+    assert load_tokenizer(own).encode(text) != load_tokenizer(hf).encode(text)  # the two pipelines differ here
 
 
 def test_a_tokenizer_without_an_end_of_text_token_is_refused(checkpoints, tokenizers, capsys):

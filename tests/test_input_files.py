@@ -203,6 +203,46 @@ def test_an_eos_token_the_vocabulary_lacks_is_named(tokenizer, tmp_path):
         load_tokenizer(folder)
 
 
+def test_a_special_token_only_transformers_adds_is_refused_in_a_text_that_holds_it(tokenizer, tmp_path, capsys):
+    """tokenizer_config.json naming a pad token tokenizer.json lacks: transformers adds it past the file's ids, and
+    preprocessing wrote that id (400 of a 400-id file, which no model has a row for), exit 0."""
+    from megatron_patch.tokenizer import load_tokenizer
+
+    folder = _linked_copy(tokenizer, tmp_path / "tok", skip=("tokenizer_config.json",))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<|pad|>"}))
+    tok = load_tokenizer(folder)
+    assert max(tok.encode("The cat sat.")) < tok.vocab_size == 200  # a text without it encodes as before
+    with pytest.raises(UserError, match=re.escape("a text holds '<|pad|>', which") + ".*past tokenizer.json's 200 ids"):
+        tok.encode("The cat <|pad|> sat.")
+    write_jsonl(tmp_path / "in.jsonl", [{"text": "The cat <|pad|> sat."}])
+    rc, err = run_cli(capsys, "preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                      str(tmp_path / "p"), "--tokenizer", str(folder), "--workers", "1", "--quiet")
+    assert rc == 2 and err.count("\n") == 1 and "'<|pad|>'" in err, err
+    assert not list(tmp_path.glob("p_*"))
+
+
+def test_a_pipeline_the_folders_class_cannot_run_is_one_line(tmp_path):
+    """A byte-level tokenizer.json beside a Gemma config.json: transformers' GemmaTokenizer wants an <unk> the file
+    lacks and fails on the text, which preprocessing reported as an internal error ('a bug: please report it')."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from megatron_patch.demo_data import make_texts
+    from megatron_patch.tokenizer import load_tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(make_texts(100, seed=0), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    bpe.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3_text", "vocab_size": 400}))
+    with pytest.raises(UserError, match="the GemmaTokenizer transformers builds cannot encode this text"):
+        load_tokenizer(folder).encode("hello there")
+
+
 @pytest.mark.parametrize("eos_id", [500, -1, 70000, 5])
 def test_an_eos_token_id_outside_the_vocabulary_is_one_line_and_exit_2(tokenizer, tmp_path, capsys, eos_id):
     """A folder whose tokenizer names no end-of-document token falls back to config.json's eos_token_id, which

@@ -128,7 +128,7 @@ def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: Paralle
                                settings: EvalSettings, include_paths: list[str]) -> EvalResults | None:
     """Runs on every rank of ``evaluate_checkpoint``'s job: build, load, evaluate."""
     # torch and megatron-core: imported only in the ranks the job starts
-    from megatron_patch.evaluation.loading import load_hf_tokenizer, load_model
+    from megatron_patch.evaluation.loading import load_model
     from megatron_patch.evaluation.runner import ModelRunner
     from megatron_patch.runtime import init_model_parallel
 
@@ -139,7 +139,7 @@ def evaluate_checkpoint_worker(checkpoint: CheckpointToEvaluate, layout: Paralle
     chunks = load_model(checkpoint, layout, dtype)
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,
                          kv_cache=settings.kv_cache, padding_is_neutral=padding_is_neutral(checkpoint.arch))
-    tokenizer = load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
+    tokenizer = checkpoint.load_tokenizer()
     return run_harness(runner, tokenizer, settings, include_paths,
                        generation_stop_ids(checkpoint.model_config, checkpoint.model_dir))
 

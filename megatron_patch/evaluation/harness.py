@@ -24,7 +24,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text)
 
 from megatron_patch.evaluation.loading import (
-    end_of_text_id, generation_stop_ids, load_hf_tokenizer, load_model, open_for_evaluation, padding_is_neutral)
+    end_of_text_id, generation_stop_ids, load_model, open_for_evaluation, padding_is_neutral)
 from megatron_patch.evaluation.runner import ModelRunner, Sampling
 
 # megatron-core and the checkpoint loaders are imported inside the function that loads a checkpoint for lm-eval's
@@ -238,7 +238,7 @@ def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1
     runner = ModelRunner(chunks, checkpoint.arch.vocab_size, checkpoint.arch.max_position_embeddings,
                          kv_cache=_flag(kv_cache),
                          padding_is_neutral=padding_is_neutral(checkpoint.arch))
-    return (runner, load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config),
+    return (runner, checkpoint.load_tokenizer(),
             generation_stop_ids(checkpoint.model_config, checkpoint.model_dir))
 
 

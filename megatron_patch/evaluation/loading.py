@@ -40,6 +40,10 @@ class CheckpointToEvaluate:
     notes: tuple[str, ...] = ()  # what reading it found worth a warning (an --hf-config it ignores)
     model_dir: str | None = None  # the folder of the files the checkpoint carries (generation_config.json)
 
+    def load_tokenizer(self):
+        """transformers' tokenizer of ``tokenizer_dir``, built as preprocessing and training build that folder's."""
+        return load_hf_tokenizer(self.tokenizer_dir)
+
 
 def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer: str | Path | None = None,
                         hf_config: str | Path | None = None, verify: bool = True,
@@ -61,7 +65,7 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
             raise UserError(f"{load_dir} carries no tokenizer (tokenizer.json, tokenizer.model or vocab.json): give "
                             "--tokenizer DIR, the HF folder of the model")
         tokenizer_dir = found
-    check_tokenizer(load_hf_tokenizer(tokenizer_dir, opened.sidecar.hf_config), arch.vocab_size, chat_template)
+    check_tokenizer(load_hf_tokenizer(tokenizer_dir), arch.vocab_size, chat_template)
     return CheckpointToEvaluate(str(load_dir), arch, str(tokenizer_dir),
                                 None if hf_config is None else str(hf_config), verify, opened.sidecar.hf_config,
                                 tuple(opened.found.notes + opened.notes), str(opened.sidecar_dir))

@@ -101,7 +101,7 @@ def load_tokenizer(folder: Path | None, cfg):
 
     if folder is None:
         raise UserError("MP_EVAL_TASKS: no HF tokenizer found in PRETRAIN_CHECKPOINT_PATH or MP_TOKENIZER")
-    tokenizer = load_hf_tokenizer(folder, cfg.hf_config)
+    tokenizer = load_hf_tokenizer(folder)
     try:
         check_tokenizer(tokenizer, cfg.arch.vocab_size,
                         give="MP_TOKENIZER, or a PRETRAIN_CHECKPOINT_PATH that carries it")
