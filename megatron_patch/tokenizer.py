@@ -228,6 +228,8 @@ class HFTokenizer:
         self._tok.no_truncation()
         self._tok.no_padding()
         self.vocab_size = self._file.get_vocab_size(with_added_tokens=True)
+        # past the file's highest id (not its count: a file's added tokens may leave a gap below them)
+        self._file_ids_end = max(self._file.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.eod = self._find_eod(folder)
         self.chat_template = load_chat_template(folder)
 
@@ -240,10 +242,10 @@ class HFTokenizer:
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises a bare Exception from its pipeline
             raise UserError(f"{self.path}: {self._built_by} cannot encode this text ({str(exc)[:200]}): the folder's "
                             "tokenizer.json does not suit the tokenizer class its config names") from None
-        past = sorted({self._tok.id_to_token(i) for i in encoding.ids if i >= self.vocab_size})
-        if past:
+        if encoding.ids and max(encoding.ids) >= self._file_ids_end:  # max in C: preprocessing's every document
+            past = sorted({self._tok.id_to_token(i) for i in encoding.ids if i >= self._file_ids_end})
             raise UserError(f"{self.path}: a text holds {', '.join(map(repr, past[:3]))}, which {self._built_by} "
-                            f"adds past tokenizer.json's {self.vocab_size} ids (tokenizer.json lacks it; "
+                            f"adds past tokenizer.json's {self._file_ids_end} ids (tokenizer.json lacks it; "
                             "tokenizer_config.json or the class names it), where no model has a row: add it to "
                             "tokenizer.json's added_tokens, or take it out of tokenizer_config.json")
         return encoding
