@@ -76,7 +76,7 @@ def test_a_folder_of_jsonl_and_zst_files_is_one_corpus_in_name_order(tok, tmp_pa
     assert _documents(tmp_path / "q_text_document", tok) == texts[:9]
 
 
-def test_pai_flags_are_taken_and_what_is_ignored_is_said(tok, tmp_path, capsys):
+def test_pai_flags_are_taken_and_what_is_ignored_is_said(tok, tmp_path, capsys, monkeypatch):
     """Pai's run_make_pretraining_dataset_megatron.sh line, as it types it. Before: 'unrecognized arguments'."""
     texts = make_texts(40, seed=9)
     folder = tmp_path / "in"
@@ -99,6 +99,15 @@ def test_pai_flags_are_taken_and_what_is_ignored_is_said(tok, tmp_path, capsys):
     rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", f"{tmp_path}/", "--load", str(tok))
     assert rc == 2 and "is a folder: give a prefix of file names in it" in err and err.count("\n") == 1, err
     assert not list(tmp_path.glob("_*_document*"))
+    # '.' wrote hidden ._text_document.bin/.idx into the folder, '' (an unset shell variable) into the working one
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", f"{tmp_path}/.", "--load", str(tok))
+    assert rc == 2 and "is a folder: give a prefix of file names in it" in err and err.count("\n") == 1, err
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", "", "--load", str(tok))
+    assert rc == 2 and "--output-prefix is an empty path" in err and err.count("\n") == 1, err
+    assert not list(tmp_path.glob("._*")) and not any((tmp_path / "cwd").iterdir())
+    monkeypatch.undo()
     for extra, message in ((["--dataset-impl", "lazy"], "--dataset-impl lazy is not written here"),
                            (["--split-sentences"], "--split-sentences is not supported")):
         rc, err = run_cli(capsys, "preprocess", "--input", str(folder), "--output-prefix", str(tmp_path / "x"),

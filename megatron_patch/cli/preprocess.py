@@ -52,8 +52,12 @@ def run(args) -> int:
     if args.dataset_impl != "mmap":
         raise UserError(f"--dataset-impl {args.dataset_impl} is not written here: the output is megatron-core's mmap "
                         "indexed format (--dataset-impl mmap)")
-    if args.output_prefix.endswith(("/", os.sep)):
-        # 'pp/' wrote pp/_text_document.bin, a file named by its key alone
+    if args.output_prefix == "":
+        # an unset shell variable: the pair was written into the working directory as _text_document.bin/.idx
+        raise UserError("--output-prefix is an empty path: give a folder and a prefix of file names in it, e.g. "
+                        "data/corpus (writes data/corpus_text_document.bin/.idx)")
+    if args.output_prefix.endswith(("/", os.sep)) or os.path.basename(args.output_prefix) in (".", ".."):
+        # 'pp/' wrote pp/_text_document.bin, a file named by its key alone ('.', hidden ._text_document.bin)
         raise UserError(f"--output-prefix {args.output_prefix} is a folder: give a prefix of file names in it, "
                         f"e.g. {os.path.join(args.output_prefix, 'corpus')} (writes corpus_text_document.bin/.idx)")
     ignored = [f"{flag} ({why})" for dest, (flag, why) in PAI_IGNORED.items() if getattr(args, dest) not in (None, False)]
