@@ -164,8 +164,7 @@ def _encoded(items, workers: int, tokenizer_path, dtype):
         _init_worker(str(tokenizer_path), dtype)
         yield from map(_encode_line, items)
         return
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_pool_worker,
-                               initargs=(os.getpid(), str(tokenizer_path), dtype))
+    pool = _start_workers(workers, tokenizer_path, dtype)
     pending = collections.deque()
     finished = False
     try:
@@ -180,12 +179,30 @@ def _encoded(items, workers: int, tokenizer_path, dtype):
         raise UserError(f"a tokenizer worker died (most likely the system ran out of memory for {workers} of them): "
                         "rerun with fewer --workers or a lower --max-line-mb") from None
     finally:
-        if not finished:
-            # A batch in a worker may take minutes (one line of --max-line-mb): end them instead of waiting
-            # (ProcessPoolExecutor has no public call for it before Python 3.14's terminate_workers).
-            for process in list((pool._processes or {}).values()):
-                process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
+        if finished:
+            pool.shutdown(wait=True)
+        else:
+            _stop_workers(pool)
+
+
+def _start_workers(workers: int, tokenizer_path, dtype) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_pool_worker,
+                               initargs=(os.getpid(), str(tokenizer_path), dtype))
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Ends a pool whose results are no longer wanted (an error, Ctrl-C, SIGTERM). A batch in a worker may take
+    minutes (one line of --max-line-mb): the workers are ended, not waited for (ProcessPoolExecutor has no public
+    call for it before Python 3.14's terminate_workers). One ended while it wrote a result leaves half a message in
+    the result pipe, on which the pool's manager thread, and so the shutdown joining it, waited forever (a stopped
+    run hung in about one try in six); without this process's own write end, the pipe ends with the workers, and the
+    thread reads its end and takes the pool as broken."""
+    for process in list((pool._processes or {}).values()):
+        process.terminate()
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _ProgressLog:
