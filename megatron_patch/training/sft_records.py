@@ -27,7 +27,7 @@ def read_records(path: str | Path) -> list:
     limit = MAX_EXPANSION * path.stat().st_size + (1 << 20) if path.suffix in COMPRESSED_SUFFIXES else -1
     with open_decompressed(path) as f:
         try:
-            data = f.read(limit + 1 if limit >= 0 else -1)
+            data = f.read() if limit < 0 else _read_at_most(f, limit + 1)
         except DECOMPRESSION_ERRORS as exc:
             raise UserError(f"{path} cannot be decompressed ({exc}): the file is damaged or cut short; compress it "
                             "again") from None
@@ -54,6 +54,22 @@ def read_records(path: str | Path) -> list:
     if not records:
         raise UserError(f"{path} holds no SFT records")
     return records
+
+
+READ_PIECE = 1 << 23  # decompressed bytes read at a time
+
+
+def _read_at_most(f, most: int) -> bytes:
+    """Up to ``most`` bytes of ``f``, read a piece at a time: ``f.read(most)`` of a gzip or zstd stream sets aside
+    ``most`` bytes first, and a bound of 1000 times a 31 MiB file failed as a MemoryError, whatever the text."""
+    pieces, size = [], 0
+    while size < most:
+        piece = f.read(min(READ_PIECE, most - size))
+        if not piece:
+            break
+        pieces.append(piece)
+        size += len(piece)
+    return b"".join(pieces)
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
