@@ -17,6 +17,30 @@ from megatron_patch.errors import UserError
 COMPRESSED_SUFFIXES = (".zst", ".gz")
 # What reading a damaged or cut-short gzip stream raises (a zstd one raises UserError itself)
 DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error)
+# The first bytes of a compressed file whose name does not say so
+COMPRESSION_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
+def unnamed_compression(path: Path, first_bytes: bytes) -> UserError | None:
+    """The error for a file that is not UTF-8 because it is compressed and its name does not say so (re-encoding,
+    the advice for other bytes, would send the user the wrong way); None for any other file."""
+    kind = next((kind for magic, kind in COMPRESSION_MAGIC.items() if first_bytes.startswith(magic)), None)
+    if kind is None:
+        return None
+    return UserError(f"{path} is {kind}-compressed (by its first bytes), and its name does not end in "
+                     f".{'gz' if kind == 'gzip' else 'zst'}: rename it so, or decompress it")
+
+
+def plain_name(path: Path) -> str:
+    """``path``'s name less a compression suffix (data.json.gz -> data.json)."""
+    return path.stem if path.suffix in COMPRESSED_SUFFIXES else path.name
+
+
+def decompressing_command(path: Path) -> str:
+    """A shell command writing the decompressed bytes of ``path`` (a .gz or .zst file) to stdout."""
+    return {".gz": "zcat", ".zst": "zstdcat"}[path.suffix] + f" {path.name}"
+
+
 # Compressed bytes decompressed at a time: zstd expands a piece at most about 32000-fold (4-byte blocks of one
 # repeated byte, 128 KiB each), so a piece's output stays within 8 MiB whatever the file holds.
 ZSTD_PIECE = 256

@@ -50,7 +50,8 @@ from megatron_patch.outputs.folders import fsync_dir, fsync_file, partial_dir, r
 from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 from megatron_patch.outputs.lock import OutputLock
 from megatron_patch.runtime.launch import die_with_parent
-from megatron_patch.training.compressed_files import COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, open_decompressed
+from megatron_patch.training.compressed_files import (COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, decompressing_command,
+                                                       open_decompressed, plain_name, unnamed_compression)
 from megatron_patch.tokenizer import load_tokenizer
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -398,12 +399,18 @@ def _lines(files: list[Path], max_line_bytes: int, json_key: str, append_eod: bo
                 try:
                     line = raw[bom:].decode("utf-8")
                 except UnicodeDecodeError as exc:
+                    compressed = unnamed_compression(path, raw) if lineno == 1 else None
+                    if compressed is not None:
+                        raise compressed from None
                     raise UserError(f"{path} line {lineno} is not UTF-8 ({exc.reason} at byte {bom + exc.start + 1} "
                                     "of the line): re-encode the file") from None
                 if not opened and line.lstrip().startswith("["):
+                    # jq reads no compressed file: the hint decompresses one first
+                    source = (f"{decompressing_command(path)} | jq -c '.[]'" if path.suffix in COMPRESSED_SUFFIXES
+                              else f"jq -c '.[]' {path.name}")
                     raise UserError(f"{path} holds a JSON array, not JSON Lines (one object a line, as Megatron's "
-                                    f"and Pai's preprocessing read): write one object a line, e.g. jq -c '.[]' {path.name} > "
-                                    f"{Path(path.name).stem}.jsonl")
+                                    f"and Pai's preprocessing read): write one object a line, e.g. {source} > "
+                                    f"{Path(plain_name(path)).stem}.jsonl")
                 opened = opened or bool(line.strip())
                 yield (index, lineno), line, len(raw), json_key, append_eod
 

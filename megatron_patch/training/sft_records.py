@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from megatron_patch.errors import UserError
-from megatron_patch.training.compressed_files import COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, open_decompressed
+from megatron_patch.training.compressed_files import (COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, open_decompressed,
+                                                       unnamed_compression)
 
 PROMPT_KEYS = ("instruction", "query", "prompt", "question")
 RESPONSE_KEYS = ("output", "content", "response", "completion", "answer")
@@ -74,8 +75,6 @@ def _read_at_most(f, most: int) -> bytes:
 
 UTF8_BOM = b"\xef\xbb\xbf"
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
-# The first bytes of a compressed file whose name does not say so
-COMPRESSION_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd"}
 
 
 def _utf8_text(path: Path, data: bytes) -> str:
@@ -88,10 +87,9 @@ def _utf8_text(path: Path, data: bytes) -> str:
         at = bom + exc.start
         lineno = data.count(b"\n", 0, at) + 1
         column = at - (data.rfind(b"\n", 0, at) + 1) + 1
-        compression = next((kind for magic, kind in COMPRESSION_MAGIC.items() if data.startswith(magic)), None)
-        if compression:
-            raise UserError(f"{path} is {compression}-compressed (by its first bytes), and its name does not end in "
-                            f".{'gz' if compression == 'gzip' else 'zst'}: rename it so, or decompress it") from None
+        compressed = unnamed_compression(path, data)
+        if compressed is not None:
+            raise compressed from None
         utf16 = " (it is UTF-16, by its byte-order mark)" if data.startswith(UTF16_BOMS) else ""
         raise UserError(f"{path} line {lineno} is not UTF-8 ({exc.reason} at byte {column} of the line){utf16}: "
                         "re-encode the file as UTF-8") from None
