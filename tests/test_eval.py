@@ -554,8 +554,8 @@ def test_all_iterations_publishes_the_results_whatever_the_plot_meets(tmp_path, 
     (run / "log").mkdir()
     (run / "log" / "metrics.jsonl").write_text(log or '{"iteration": 1, "loss": 5.0}\n')
     # the rank jobs are not what is under test: each iteration "evaluates" to a number of its own
-    monkeypatch.setattr(loading, "open_for_evaluation", lambda folder, *a, **k: types.SimpleNamespace(
-        load_dir=str(folder), notes=()))
+    monkeypatch.setattr(loading, "open_for_evaluation", lambda folder, layout, *a, **k: types.SimpleNamespace(
+        load_dir=str(folder), notes=(), layout=layout, layout_note=None))
     monkeypatch.setattr(eval_cli, "_evaluate", lambda args, layout, settings, checkpoint: _fake_results(
         int(Path(checkpoint.load_dir).name[5:])))
     if log is None:

@@ -179,6 +179,29 @@ def test_hub_mxfp4_folder_converts_without_dtype_at_tp2_ep2(tiny, tmp_path, caps
     assert "config.json names no float dtype they share: pass --dtype bf16" in err and err.count("\n") == 1
 
 
+def test_eval_at_tp2_takes_the_expert_layout_hf2mcore_takes(tiny, tmp_path):
+    """hf2mcore --tp 2 chose ETP=1 by itself, and align took it too; mpatch eval --tp 2 of what it wrote still
+    refused ETP=2 ('experts take biases only unsplit: set ETP=1'). It takes ETP=1 now, and says so."""
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.evaluation.loading import open_for_evaluation
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    mcore = tmp_path / "mcore"
+    hf_to_mcore(tiny, mcore, ParallelLayout(tp=2), progress=False)
+    checkpoint = open_for_evaluation(mcore, ParallelLayout(tp=2), tokenizer=None if (mcore / "tokenizer.json").is_file()
+                                     else _tokenizer_folder(tmp_path))
+    assert checkpoint.layout == ParallelLayout(tp=2, etp=1)
+    assert checkpoint.layout_note == "ETP=1, not TP=2: gpt_oss's experts take their biases only unsplit (--etp sets it)"
+    with pytest.raises(UserError, match="ETP=2"):  # asked for, it is still refused
+        open_for_evaluation(mcore, ParallelLayout(tp=2, etp=2), tokenizer=checkpoint.tokenizer_dir)
+
+
+def _tokenizer_folder(tmp_path):
+    from megatron_patch.demo_data import make_texts, make_tokenizer
+
+    return make_tokenizer(tmp_path / "tok", make_texts(50, seed=0), vocab_size=100)
+
+
 @pytest.mark.slow
 def test_align_at_tp2_takes_the_expert_layout_hf2mcore_takes(tiny, tmp_path, capsys):
     """hf2mcore --tp 2 chose ETP=1 by itself; align --tp 2 of what it wrote refused ETP=2 for the same default.

@@ -54,7 +54,8 @@ def add_layout_args(parser, *, etp: bool = True) -> None:
     g.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
     g.add_argument("--ep", type=int, default=1, help="expert parallel size, MoE only (default 1)")
     if etp:
-        g.add_argument("--etp", type=int, default=None, help="expert tensor parallel size, MoE only (default: TP)")
+        g.add_argument("--etp", type=int, default=None,
+                       help="expert tensor parallel size, MoE only (default: TP; 1 for experts with biases, as gpt_oss's)")
 
 
 def layout_from_args(args) -> ParallelLayout:

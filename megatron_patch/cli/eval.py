@@ -86,6 +86,10 @@ def run(args) -> int:
     # what reading the checkpoints found worth saying (an --hf-config they ignore), once, as `mpatch convert` does
     for note in dict.fromkeys(note for _, checkpoint in checkpoints for note in checkpoint.notes):
         print(f"warning: {note}", file=sys.stderr, flush=True)
+    # the layout run, with hf2mcore's default ETP (said under --quiet too: it is not the layout asked for)
+    layout, layout_note = checkpoints[0][1].layout, checkpoints[0][1].layout_note
+    if layout_note:
+        print(f"eval: {layout_note}", file=sys.stderr, flush=True)
     if args.output_dir:
         try:
             Path(args.output_dir).absolute().parent.mkdir(parents=True, exist_ok=True)

@@ -230,6 +230,7 @@ def _runner_from_model_args(load_dir: str, tp: int = 1, pp: int = 1, ep: int = 1
 
     layout = ParallelLayout(tp=int(tp), pp=int(pp), ep=int(ep), etp=None if etp is None else int(etp))
     checkpoint = open_for_evaluation(load_dir, layout, tokenizer, hf_config, verify=_flag(verify))
+    layout = checkpoint.layout  # hf2mcore's default ETP where none was given
     if os.environ.get("RANK", "0") == "0":  # one rank says it, as `mpatch eval` does
         for note in checkpoint.notes:
             print(f"warning: {note}", file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_json_object
-from megatron_patch.models.description.arch import Arch, validate_layout
+from megatron_patch.models.description.arch import Arch, default_expert_tp, validate_layout
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.tokenizer import load_hf_tokenizer, load_tokenizer
 
@@ -39,6 +39,8 @@ class CheckpointToEvaluate:
     model_config: dict | None = None  # the model's HF config.json, as the checkpoint records it
     notes: tuple[str, ...] = ()  # what reading it found worth a warning (an --hf-config it ignores)
     model_dir: str | None = None  # the folder of the files the checkpoint carries (generation_config.json)
+    layout: ParallelLayout | None = None  # the layout asked, with hf2mcore's default ETP where none was given
+    layout_note: str | None = None  # the line that says that default, where it is not TP
 
     def load_tokenizer(self):
         """transformers' tokenizer of ``tokenizer_dir``, built as preprocessing and training build that folder's."""
@@ -53,6 +55,8 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
     the model (``check_tokenizer``; ``chat_template``: prompts are rendered with its chat template)."""
     opened = open_checkpoint(load_dir, hf_config=hf_config, family_option=None)
     arch = opened.model_arch
+    # the expert-tensor-parallel size hf2mcore and align take where none is given (gpt_oss's biased experts: ETP=1)
+    layout, layout_note = default_expert_tp(arch, layout)
     validate_layout(arch, layout, uneven_pipelines=False)
     if tokenizer is not None:
         tokenizer_dir = _tokenizer_folder(Path(tokenizer), "--tokenizer")
@@ -68,7 +72,7 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
     check_tokenizer(load_hf_tokenizer(tokenizer_dir), arch.vocab_size, chat_template)
     return CheckpointToEvaluate(str(load_dir), arch, str(tokenizer_dir),
                                 None if hf_config is None else str(hf_config), verify, opened.sidecar.hf_config,
-                                tuple(opened.found.notes + opened.notes), str(opened.sidecar_dir))
+                                tuple(opened.found.notes + opened.notes), str(opened.sidecar_dir), layout, layout_note)
 
 
 def generation_stop_ids(model_config: dict | None, folder: str | Path | None) -> frozenset[int]:
