@@ -214,11 +214,18 @@ def test_a_special_token_only_transformers_adds_is_refused_in_a_text_that_holds_
     assert max(tok.encode("The cat sat.")) < tok.vocab_size == 200  # a text without it encodes as before
     with pytest.raises(UserError, match=re.escape("a text holds '<|pad|>', which") + ".*past tokenizer.json's 200 ids"):
         tok.encode("The cat <|pad|> sat.")
-    write_jsonl(tmp_path / "in.jsonl", [{"text": "The cat <|pad|> sat."}])
-    rc, err = run_cli(capsys, "preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
-                      str(tmp_path / "p"), "--tokenizer", str(folder), "--workers", "1", "--quiet")
-    assert rc == 2 and err.count("\n") == 1 and "'<|pad|>'" in err, err
-    assert not list(tmp_path.glob("p_*"))
+    # preprocessing names the line, in a worker or not
+    write_jsonl(tmp_path / "in.jsonl", [{"text": "The cat sat."}] * 5 + [{"text": "The cat <|pad|> sat."}])
+    for workers in ("1", "2"):
+        rc, err = run_cli(capsys, "preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix",
+                          str(tmp_path / "p"), "--tokenizer", str(folder), "--workers", workers, "--quiet")
+        assert rc == 2 and err.count("\n") == 1 and f"{tmp_path / 'in.jsonl'} line 6: " in err, err
+        assert "'<|pad|>'" in err and not list(tmp_path.glob("p_*")), err
+    # and SFT data names the record
+    from megatron_patch.training.sft_tokens import tokenize_record
+
+    with pytest.raises(UserError, match=re.escape("record 3: ") + ".*" + re.escape("'<|pad|>'")):
+        tokenize_record(tok, {"instruction": "Say <|pad|>.", "output": "No."}, "record 3")
 
 
 def test_a_pipeline_the_folders_class_cannot_run_is_one_line(tmp_path):

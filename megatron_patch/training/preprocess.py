@@ -133,12 +133,23 @@ def _encode_line(item: tuple[int, str, int, str, bool]):
             sentence.encode("utf-8")
         except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to a lone surrogate: no tokenizer takes it
             return lineno, None, f"'{key}' holds an unpaired surrogate ({exc.object[exc.start]!r}), not text", 0, size
-        ids += _TOKENIZER.encode(sentence)
+        try:
+            ids += _TOKENIZER.encode(sentence)
+        except UserError as exc:  # the tokenizer refuses it for the whole run: not a bad line to skip
+            raise LineRefused(lineno, str(exc)) from None
     if not ids:  # no token: no document and no EOD, as Megatron-LM's and Pai's preprocessing (a lone EOD was written)
         return lineno, None, EMPTY_DOCUMENT, 0, size
     if append_eod:
         ids.append(_TOKENIZER.eod)
     return lineno, numpy.asarray(ids, dtype=_DTYPE), None, sum(map(len, sentences)), size
+
+
+class LineRefused(UserError):
+    """A line that stops the run (a worker's, named with its file by the parent, which knows the files)."""
+
+    def __init__(self, where: tuple[int, int], message: str):
+        super().__init__(where, message)  # the arguments, so that it crosses from a worker process whole
+        self.where, self.message = where, message
 
 
 def _encode_batch(batch: list) -> list:
@@ -460,6 +471,9 @@ def _preprocess(files: list[Path], prefix: str, tmp: Path, tokenizer, tokenizer_
                    f"every line lacked a string '{json_key}' field or was empty")
             raise UserError(f"{files[0] if len(files) == 1 else files[0].parent} has no usable line ({why})")
         builder.finalize(f"{partial}.idx")
+    except LineRefused as exc:
+        index, lineno = exc.where
+        raise UserError(f"{files[index]} line {lineno}: {exc.message}") from None
     finally:
         encoded.close()  # now, not when collected: the workers end before the partial folder is removed
         bar.close()

@@ -31,17 +31,25 @@ def tokenize_record(tokenizer, record, where: str) -> tuple[list[int], list[int]
     template = getattr(tokenizer, "chat_template", None)
     if template is not None:
         text, spans = template.assistant_spans(messages, where, tools)
-        ids, offsets = tokenizer.encode_with_offsets(text)
+        ids, offsets = _named(where, tokenizer.encode_with_offsets, text)
         return ids, [int(any(start < b and max(end, start + 1) > a for a, b in spans)) for start, end in offsets]
     if tools:
         raise UserError(f"{where}: the record defines 'tools', and {tokenizer.path} has no chat template to render "
                         "them: give a tokenizer folder with one (MP_TOKENIZER)")
     ids, trained = [], []
     for text, on in _plain_segments(record, messages):
-        piece = tokenizer.encode(text)
+        piece = _named(where, tokenizer.encode, text)
         ids += piece
         trained += [int(on)] * len(piece)
     return ids + [tokenizer.eod], trained + [1]
+
+
+def _named(where: str, encode, text: str):
+    """``encode(text)``, a refusal of the text (a special token past tokenizer.json's ids) naming the record."""
+    try:
+        return encode(text)
+    except UserError as exc:
+        raise UserError(f"{where}: {exc}") from None
 
 
 def describe_format(tokenizer) -> str:
