@@ -527,6 +527,39 @@ except KeyboardInterrupt:  # as megatron_patch.cli.main takes it
     assert done.returncode == 130 and done.stderr.strip() == "interrupted", (done.returncode, done.stderr[-2000:])
 
 
+def test_sigterm_inside_a_finalizer_still_stops_the_command(tmp_path):
+    """A SIGTERM whose Terminated was raised inside a finalizer (seen in `mpatch align`, inside regex's
+    Group.__del__) was printed as 'Exception ignored' and dropped: the command ran to the end, wrote its report and
+    exited 0. The signal is taken again once the finalizer is left; here it lands in one every time."""
+    (tmp_path / "sigterm_in_del.py").write_text("""
+import os, signal, sys, time
+from megatron_patch.cli.common import sigterm_as_interrupt
+
+class Finalized:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100000):  # the handler runs here, inside the finalizer
+            pass
+
+@sigterm_as_interrupt
+def run():
+    Finalized()  # collected at once
+    end = time.time() + 30
+    while time.time() < end:  # the command's work goes on
+        pass
+    print("ran to the end", file=sys.stderr)
+
+try:
+    run()
+except KeyboardInterrupt:  # as megatron_patch.cli.main takes it
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+""")
+    done = subprocess.run([sys.executable, "-m", "sigterm_in_del"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 130 and done.stderr.strip() == "interrupted", (done.returncode, done.stderr[-2000:])
+
+
 def _fake_results(iteration: int):
     from megatron_patch.evaluation.evaluate import EvalResults
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
+import sys
+import threading
 
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -29,12 +32,27 @@ def sigterm_as_interrupt(run):
     go; the caller's own handler is back afterwards (tests run the commands in process)."""
     @functools.wraps(run)
     def wrapped(*args, **kwargs):
-        earlier = signal.signal(signal.SIGTERM, _interrupt)
+        earlier, earlier_hook = signal.signal(signal.SIGTERM, _interrupt), sys.unraisablehook
+        sys.unraisablehook = functools.partial(_terminated_again, earlier_hook)
         try:
             return run(*args, **kwargs)
         finally:
             signal.signal(signal.SIGTERM, earlier)
+            sys.unraisablehook = earlier_hook
     return wrapped
+
+
+def _terminated_again(earlier_hook, unraisable) -> None:
+    """A Terminated raised inside a finalizer (``__del__``, a weakref callback), where Python prints it as ignored
+    and goes on: the run went on to the end and exited 0 after the scheduler's SIGTERM. The signal is sent again,
+    so that it unwinds the run from where the finalizer returns to."""
+    if isinstance(unraisable.exc_value, Terminated):
+        # from another thread, a moment later: a signal made pending here is taken at once, inside the hook again
+        again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
+        again.daemon = True
+        again.start()
+        return
+    earlier_hook(unraisable)
 
 
 class Terminated(KeyboardInterrupt):
