@@ -30,7 +30,7 @@ def ours_worker(checkpoint, settings, include_paths, new_tokens: int) -> dict:
     import torch
 
     from megatron_patch.evaluation.evaluate import run_harness
-    from megatron_patch.evaluation.loading import load_hf_tokenizer, load_model
+    from megatron_patch.evaluation.loading import load_model
     from megatron_patch.evaluation.runner import ModelRunner
     from megatron_patch.runtime import init_model_parallel
     from megatron_patch.runtime.distributed import ParallelLayout
@@ -39,7 +39,7 @@ def ours_worker(checkpoint, settings, include_paths, new_tokens: int) -> dict:
     chunks = load_model(checkpoint, ParallelLayout())
     arch = checkpoint.arch
     runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings)
-    tokenizer = load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
+    tokenizer = checkpoint.load_tokenizer()
     started = time.perf_counter()
     results = run_harness(runner, tokenizer, settings, include_paths)
     out = {"loglikelihood_s": time.perf_counter() - started, "requests": 4 * results.results["n-samples"][

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation.evaluate import EvalSettings, run_harness
-from megatron_patch.evaluation.loading import load_hf_tokenizer, load_model, padding_is_neutral
+from megatron_patch.evaluation.loading import load_model, padding_is_neutral
 from megatron_patch.evaluation.runner import ModelRunner
 from megatron_patch.evaluation.tasks import PROJECT_TASKS, offline
 from megatron_patch.runtime import init_model_parallel
@@ -29,7 +29,7 @@ def evaluate_worker(checkpoints: list, layout, include_paths: list[str], setting
         arch = checkpoint.arch
         runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings,
                              padding_is_neutral=padding_is_neutral(arch))
-        tokenizer = load_hf_tokenizer(checkpoint.tokenizer_dir, checkpoint.model_config)
+        tokenizer = checkpoint.load_tokenizer()
         results = run_harness(runner, tokenizer, settings, include_paths)
         without = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, kv_cache=False,
                               padding_is_neutral=padding_is_neutral(arch))
