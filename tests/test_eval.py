@@ -492,10 +492,14 @@ def test_sigterm_stops_an_evaluation_as_ctrl_c_does_leaving_nothing(checkpoints,
                              "--limit", "200", "--output-dir", str(out)], cwd=REPO,
                             env={**os.environ, "TMPDIR": str(tmp)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 120
-    while not any(p.name.startswith("mpatch-eval-tasks-") for p in tmp.iterdir()) and time.time() < deadline:
+    start = time.time()
+    # a loaded CI machine takes minutes to import and read the checkpoint
+    while not any(p.name.startswith("mpatch-eval-tasks-") for p in tmp.iterdir()) and time.time() < start + 600:
+        assert proc.poll() is None, f"the evaluation ended (rc {proc.returncode}) before its tasks folder was seen"
         time.sleep(0.2)
     time.sleep(0.5)  # into the evaluation
+    waited = time.time() - start
+    assert proc.poll() is None, f"the evaluation ended (rc {proc.returncode}) {waited:.0f} s in, before it was stopped"
     os.killpg(proc.pid, signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "mpatch eval: interrupted", err[-2000:]
