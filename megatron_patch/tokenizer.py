@@ -216,7 +216,7 @@ class HFTokenizer:
         # from `legacy`: no '▁' after a special token), so the file's own pipeline gave other ids after each
         # special token of a Llama-2/Mistral chat. A folder transformers reads only with its own code keeps the file's.
         # The vocabulary and the end-of-document token are the file's (transformers adds a special token the
-        # config names and the file lacks, an id no model has a row for: that is refused by name below).
+        # config names and the file lacks, an id no model has a row for: a text holding it is refused, ``_encoded``).
         self._file, self._built_by = self._tok, "tokenizers' own"
         try:
             built = load_hf_tokenizer(folder)

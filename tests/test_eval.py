@@ -273,6 +273,11 @@ def test_one_tokenizer_folder_encodes_alike_in_preprocessing_training_and_evalua
         assert load_tokenizer(folder).encode(text) == evaluated.encode(text, add_special_tokens=False), folder
     assert load_tokenizer(tmp_path / "ckpt").encode(text) == load_tokenizer(hf).encode(text)
     assert load_tokenizer(own).encode(text) != load_tokenizer(hf).encode(text)  # the two pipelines differ here
+    # the tokenizer module names the checkpoint's record without importing the package above it: the same file
+    from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
+    from megatron_patch.tokenizer import CHECKPOINT_RECORD
+
+    assert CHECKPOINT_RECORD == SIDECAR_NAME
 
 
 def test_a_tokenizer_without_an_end_of_text_token_is_refused(checkpoints, tokenizers, capsys):
@@ -512,32 +517,20 @@ def test_sigterm_inside_code_run_from_a_string_still_exits_130(tmp_path):
     signal's KeyboardInterrupt passed through code run from a string (a dataclass made by a late import), CPython
     remembered it as unhandled and, under ``python -m``, re-raised SIGINT at exit. Here the signal lands there
     every time."""
-    (tmp_path / "sigterm_in_exec.py").write_text("""
+    _sigterm_stops_it(tmp_path, """
 import os, signal, sys
-from megatron_patch.cli.common import sigterm_as_interrupt
 
-@sigterm_as_interrupt
 def run():
     exec("os.kill(os.getpid(), signal.SIGTERM)\\nwhile True: pass")
-
-try:
-    run()
-except KeyboardInterrupt:  # as megatron_patch.cli.main takes it
-    print("interrupted", file=sys.stderr)
-    sys.exit(130)
 """)
-    done = subprocess.run([sys.executable, "-m", "sigterm_in_exec"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 130 and done.stderr.strip() == "interrupted", (done.returncode, done.stderr[-2000:])
 
 
 def test_sigterm_inside_a_finalizer_still_stops_the_command(tmp_path):
     """A SIGTERM whose Terminated was raised inside a finalizer (seen in `mpatch align`, inside regex's
     Group.__del__) was printed as 'Exception ignored' and dropped: the command ran to the end, wrote its report and
     exited 0. The signal is taken again once the finalizer is left; here it lands in one every time."""
-    (tmp_path / "sigterm_in_del.py").write_text("""
+    _sigterm_stops_it(tmp_path, """
 import os, signal, sys, time
-from megatron_patch.cli.common import sigterm_as_interrupt
 
 class Finalized:
     def __del__(self):
@@ -545,21 +538,27 @@ class Finalized:
         for _ in range(100000):  # the handler runs here, inside the finalizer
             pass
 
-@sigterm_as_interrupt
 def run():
     Finalized()  # collected at once
     end = time.time() + 30
     while time.time() < end:  # the command's work goes on
         pass
     print("ran to the end", file=sys.stderr)
+""")
 
+
+def _sigterm_stops_it(tmp_path, command: str) -> None:
+    """``command`` (a module source defining ``run``, which sends itself SIGTERM) run with ``python -m`` under
+    ``sigterm_as_interrupt`` and caught as megatron_patch.cli.main catches it: exit 130 and the one line."""
+    (tmp_path / "sigterm_probe.py").write_text("from megatron_patch.cli.common import sigterm_as_interrupt\n" + command
+                                               + """
 try:
-    run()
+    sigterm_as_interrupt(run)()
 except KeyboardInterrupt:  # as megatron_patch.cli.main takes it
     print("interrupted", file=sys.stderr)
     sys.exit(130)
 """)
-    done = subprocess.run([sys.executable, "-m", "sigterm_in_del"], cwd=tmp_path, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "sigterm_probe"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 130 and done.stderr.strip() == "interrupted", (done.returncode, done.stderr[-2000:])
 
