@@ -13,6 +13,7 @@ for where it leads, what it is and how large it is before a byte of it is read.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import stat
@@ -33,6 +34,15 @@ HF_SIDE_FILES = (
     "generation_config.json", "chat_template.*", "preprocessor_config.json", "processor_config.json",
     "video_preprocessor_config.json", "*.py",
 )
+# Those of them that make up the tokenizer (vocabulary, special tokens, chat template, its remote code): one
+# tokenizer's files are taken together from one folder, never mixed with another's. The rest are the model's.
+TOKENIZER_SIDE_FILES = tuple(p for p in HF_SIDE_FILES if p not in (
+    "generation_config.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    "*.py")) + ("tokenization*.py",)
+
+
+def is_tokenizer_file(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in TOKENIZER_SIDE_FILES)
 
 
 def contained(folder: str | Path, name: str | Path, how: str = "found") -> Path:

@@ -159,19 +159,31 @@ def load_chat_template(folder: Path) -> ChatTemplate | None:
 
 
 # A converted checkpoint's folder carries the tokenizer files but no config.json: its record (checkpoint/sidecar.py's
-# SIDECAR_NAME, not imported: that package sits above this one) keeps the model's config.json as "hf_config".
+# SIDECAR_NAME, not imported: that package sits above this one) keeps the model's config.json as "hf_config", and
+# "tokenizer_model_config" where the tokenizer came from a folder with another config, or none ({}).
 CHECKPOINT_RECORD = "mpatch_checkpoint.json"
 
 
-def folder_model_config(folder: str | Path) -> dict | None:
-    """The model config.json that goes with a tokenizer folder where transformers would not find one itself: a
-    converted checkpoint's record of it. None for a folder with a config.json (transformers reads it) or with
-    neither (a tokenizer folder of its own: its files alone decide, wherever it is used)."""
+def class_picking_config(folder: str | Path) -> dict:
+    """The model config that picks transformers' tokenizer class for the folder's tokenizer files where
+    tokenizer_config.json names none: its config.json, else a converted checkpoint's record of the config its
+    tokenizer was read with; {} for a tokenizer folder of its own (its files alone decide, wherever it is used)."""
     folder = Path(folder)
-    if (folder / "config.json").is_file() or not (folder / CHECKPOINT_RECORD).is_file():
+    if (folder / "config.json").is_file():
+        return _folder_json(folder, "config.json")
+    record = _folder_json(folder, CHECKPOINT_RECORD) if (folder / CHECKPOINT_RECORD).is_file() else {}
+    config = record.get("tokenizer_model_config")
+    config = record.get("hf_config") if config is None else config
+    return config if isinstance(config, dict) else {}
+
+
+def folder_model_config(folder: str | Path) -> dict | None:
+    """The model config to hand transformers with a tokenizer folder where it would not find it itself (a
+    converted checkpoint's record, ``class_picking_config``). None for a folder with a config.json (transformers
+    reads it) or with no config at all."""
+    if (Path(folder) / "config.json").is_file():
         return None
-    config = _folder_json(folder, CHECKPOINT_RECORD).get("hf_config")
-    return config if isinstance(config, dict) else None
+    return class_picking_config(folder) or None
 
 
 def load_hf_tokenizer(folder: str | Path):

@@ -1213,3 +1213,54 @@ def test_a_blend_trains_and_records_its_weights(corpus, other_corpus, tmp_path):
     assert [m["iteration"] for m in read_metrics(out)] == [1, 2, 3]
     state = json.loads((out / "checkpoint" / "iter_0000003" / "train_state.json").read_text())
     assert state["data"]["weights"] == [0.7, 0.3], state["data"]
+
+
+def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did(tmp_path):
+    """An SFT run given MP_TOKENIZER (a chat template of its own) from a converted checkpoint that carries another
+    tokenizer: every checkpoint and the export carried the converted checkpoint's, so the HF export and `mpatch eval`
+    rendered chats with a template the model never trained on. And a tokenizer folder of its own (no model config),
+    carried into a checkpoint, was read there with the model's config: another pipeline than the run's."""
+    from megatron_patch.checkpoint.sidecar import Sidecar, read_sidecar
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.demo_data import make_texts, make_tokenizer
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.runtime.distributed import ParallelLayout
+    from megatron_patch.tokenizer import load_tokenizer
+    from megatron_patch.training import checkpointing
+
+    hf = make_tiny_hf_checkpoint("qwen3", tmp_path / "hf")
+    make_tokenizer(hf, make_texts(200, seed=0), vocab_size=190)  # Qwen2Tokenizer's pipeline differs from the file's
+    (hf / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    hf_to_mcore(hf, tmp_path / "ckpt", ParallelLayout(), progress=False)
+    own = tmp_path / "tok"
+    own.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(hf / name, own / name)
+    (own / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    args = launcher_args("qwen3", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), MODEL_SIZE="auto",
+                         PRETRAIN_CHECKPOINT_PATH=str(tmp_path / "ckpt"), OUTPUT_BASEPATH=str(tmp_path / "out"))
+    text = "The cat sat on the mat. A dog ran."
+
+    def saved(env: dict) -> Path:
+        cfg = resolve("qwen3", args, env=env)
+        folder = tmp_path / f"saved{len(list(tmp_path.glob('saved*')))}"
+        folder.mkdir()
+        carried = checkpointing.carry_side_files(checkpointing.side_files_source(cfg, None), folder, cfg)
+        Sidecar.create("torch_dist", cfg.arch, cfg.layout, "float32", **carried).write(folder)
+        assert read_sidecar(folder, release=False).carried_files == carried["carried_files"]
+        return folder
+
+    given = saved({"MP_TOKENIZER": str(own)})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (given / name).read_bytes() == (own / name).read_bytes(), name
+    assert (given / "generation_config.json").read_bytes() == (hf / "generation_config.json").read_bytes()
+    assert load_tokenizer(given).encode(text) == load_tokenizer(own).encode(text) != load_tokenizer(hf).encode(text)
+    cfg = resolve("qwen3", args, env={"MP_TOKENIZER": str(own)})
+    assert checkpointing.replaced_tokenizer_files(checkpointing.side_files_source(cfg, None), cfg) == [
+        "chat_template.jinja"]
+    # without MP_TOKENIZER the converted checkpoint's files, read as its HF folder's were
+    default = saved({})
+    assert all((default / n).read_bytes() == (hf / n).read_bytes() for n in ("tokenizer.json", "chat_template.jinja"))
+    assert load_tokenizer(default).encode(text) == load_tokenizer(hf).encode(text)
+    assert read_sidecar(default, release=False).tokenizer_model_config is None

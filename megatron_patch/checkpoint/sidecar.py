@@ -26,7 +26,7 @@ from megatron_patch.runtime.machine import installed_version
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
 
 SIDECAR_NAME = "mpatch_checkpoint.json"
-SIDECAR_VERSION = 3  # 2: mtp_layers and notes; 3: lora
+SIDECAR_VERSION = 4  # 2: mtp_layers and notes; 3: lora; 4: tokenizer_model_config
 
 
 
@@ -58,6 +58,10 @@ class Sidecar:
     # LoRA adapters it holds (None: none): {"spec": lora.spec.LoraSpec as a dict, "base": None when the base
     # weights are in the checkpoint too, else {"path", "digest"} of the base checkpoint they need}.
     lora: dict | None = None
+    # The model config that picked transformers' tokenizer class when the carried tokenizer was read (a training
+    # run's MP_TOKENIZER folder): None where it is hf_config's choice (a converted HF folder's tokenizer), {} where
+    # the tokenizer folder had none (its files alone decided). tokenizer.class_picking_config reads it.
+    tokenizer_model_config: dict | None = None
     sidecar_version: int = SIDECAR_VERSION
 
     @property
@@ -128,6 +132,8 @@ def _field_problem(sidecar: Sidecar) -> str | None:
         "carried_files": isinstance(sidecar.carried_files, list) and all(isinstance(n, str) and n
                                                                          for n in sidecar.carried_files),
         "notes": isinstance(sidecar.notes, list), "versions": isinstance(sidecar.versions, dict),
+        "tokenizer_model_config": sidecar.tokenizer_model_config is None or isinstance(sidecar.tokenizer_model_config,
+                                                                                       dict),
     }
     bad = next((name for name, ok in checks.items() if not ok), None)
     return f"'{bad}' has the wrong type or value" if bad else None

@@ -57,7 +57,9 @@ from megatron_patch.checkpoint_files.manifest import (
     write_manifest,
 )
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import is_tokenizer_file, read_input
 from megatron_patch.lora.state import adapter_sharded_state, base_record
+from megatron_patch.tokenizer import class_picking_config
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import LAUNCHER_WARNED
 from megatron_patch.training.lora_run import cfg_base
@@ -172,30 +174,88 @@ def _param_gather_hooks(cfg, models: list, enable: bool) -> None:
             m.enable_forward_pre_hook() if enable else m.disable_forward_pre_hook()
 
 
-def side_files_source(cfg, resume_iteration: int | None) -> Path | None:
+# Where each file a run's checkpoints carry comes from: (folder, names) pairs.
+SideFiles = list[tuple[Path, list[str]]]
+
+
+def side_files_source(cfg, resume_iteration: int | None) -> SideFiles:
     """Where the tokenizer, chat template and generation files that each of the run's checkpoints carries come
     from (so that 'mpatch convert mcore2hf' of any iteration, not only of final/, is a whole HF folder): the
-    iteration it resumes, which carries them already (the folder the run started from may be gone by now), else
-    PRETRAIN_CHECKPOINT_PATH's (hf2mcore's copies, or an earlier run's), else the MP_TOKENIZER folder. The first
-    of these that holds any; None when none does."""
-    candidates = []
+    iteration it resumes, which carries them already (the folder the run started from may be gone by now). Else
+    the tokenizer's files come from the MP_TOKENIZER folder the run reads (a chat template given there is the one
+    its SFT records were rendered with, and the one the export must carry), the model's (generation config,
+    carried HF tensors) from PRETRAIN_CHECKPOINT_PATH; each falls back on the other folder's. Empty when none
+    holds any."""
     if resume_iteration is not None:
-        candidates.append(iteration_dir(cfg.checkpoint_dir, resume_iteration))
-    if cfg.pretrain_checkpoint:
-        found = find_checkpoint(cfg.pretrain_checkpoint)
-        candidates.append(found.sidecar_dir or found.root)
-    if cfg.tokenizer and Path(cfg.tokenizer).is_dir():
-        candidates.append(Path(cfg.tokenizer))
-    return next((folder for folder in candidates if carried_files(folder)), None)
+        resumed = iteration_dir(cfg.checkpoint_dir, resume_iteration)
+        if carried_files(resumed):
+            return [(resumed, carried_files(resumed))]
+    model = _pretrain_side_files_folder(cfg)
+    tokenizer = Path(cfg.tokenizer) if cfg.tokenizer and Path(cfg.tokenizer).is_dir() else None
+
+    def group(of_tokenizer: bool, *folders) -> tuple[Path | None, list[str]]:
+        for folder in folders:
+            names = [n for n in carried_files(folder) if is_tokenizer_file(n) == of_tokenizer] if folder else []
+            if names:
+                return folder, names
+        return None, []
+
+    plan: SideFiles = []
+    for folder, names in (group(True, tokenizer, model), group(False, model, tokenizer)):
+        same = next((entry for entry in plan if entry[0].resolve() == folder.resolve()), None) if names else None
+        if same is not None:
+            same[1].extend(names)
+        elif names:
+            plan.append((folder, names))
+    return plan
 
 
-def _carry_side_files(source: Path | None, folder: Path) -> list[str]:
-    return copy_carried(source, folder) if source is not None else []
+def _pretrain_side_files_folder(cfg) -> Path | None:
+    if not cfg.pretrain_checkpoint:
+        return None
+    found = find_checkpoint(cfg.pretrain_checkpoint)
+    return found.sidecar_dir or found.root
 
 
-def save(cfg, iteration: int, models: list, optimizer, scheduler, side_files: Path | None = None) -> Path:
-    """``models``: this rank's DDP-wrapped model chunks (one without a virtual pipeline); ``side_files``: the folder
-    whose tokenizer and generation files the checkpoint carries (``side_files_source``)."""
+def side_files_folder(side_files: SideFiles, name: str) -> Path | None:
+    """The folder ``side_files`` takes ``name`` from (a tokenizer file: any of the tokenizer's)."""
+    wanted = is_tokenizer_file if is_tokenizer_file(name) else (lambda n: n == name)
+    return next((folder for folder, names in side_files if any(map(wanted, names))), None)
+
+
+def replaced_tokenizer_files(side_files: SideFiles, cfg) -> list[str]:
+    """The tokenizer files of PRETRAIN_CHECKPOINT_PATH that ``side_files`` replaces by MP_TOKENIZER's where their
+    bytes differ (or one folder lacks them): said at launch, as the export carries the ones the run read."""
+    model, tokenizer = _pretrain_side_files_folder(cfg), side_files_folder(side_files, "tokenizer.json")
+    if model is None or tokenizer is None or model.resolve() == tokenizer.resolve():
+        return []
+    names = {n for n in carried_files(model) + carried_files(tokenizer) if is_tokenizer_file(n)}
+    return sorted(n for n in names if not _same_bytes(model, tokenizer, n))
+
+
+def _same_bytes(folder: Path, other: Path, name: str) -> bool:
+    if not (os.path.lexists(folder / name) and os.path.lexists(other / name)):
+        return False
+    return read_input(folder / name, inside=folder, limit=None) == read_input(other / name, inside=other, limit=None)
+
+
+def carry_side_files(side_files: SideFiles | None, folder: Path, cfg) -> dict:
+    """The files copied, and the record's note of the config that picks their tokenizer's class (Sidecar's
+    ``tokenizer_model_config``: a tokenizer folder of its own keeps being read by its files alone)."""
+    carried = sorted(n for source, names in side_files or [] for n in copy_carried(source, folder, names))
+    tokenizer = side_files_folder(side_files or [], "tokenizer.json")
+    picking = class_picking_config(tokenizer) if tokenizer is not None else None
+
+    def picks(config: dict) -> tuple:
+        return config.get("model_type"), config.get("tokenizer_class")
+
+    same = picking is None or (picking and picks(picking) == picks(cfg.hf_config))
+    return {"carried_files": carried, "tokenizer_model_config": None if same else picking}
+
+
+def save(cfg, iteration: int, models: list, optimizer, scheduler, side_files: SideFiles | None = None) -> Path:
+    """``models``: this rank's DDP-wrapped model chunks (one without a virtual pipeline); ``side_files``: where the
+    tokenizer and generation files the checkpoint carries come from (``side_files_source``)."""
     from megatron.core import dist_checkpointing
 
     root = cfg.checkpoint_dir
@@ -228,7 +288,7 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler, side_files: Pa
             from megatron_patch.checkpoint.sidecar import Sidecar
 
             Sidecar.create("torch_dist", cfg.arch, cfg.layout, cfg.precision.dtype,
-                           carried_files=_carry_side_files(side_files, tmp),
+                           **carry_side_files(side_files, tmp, cfg),
                            source=f"mpatch train, iteration {iteration}", lora=_lora_record(cfg)).write(tmp)
         _write_shared_manifest(tmp, f"mpatch train, iteration {iteration}")
         if rank == 0:
@@ -449,12 +509,12 @@ def _shared_partial_dir(final: Path, inner: str = "") -> Path:
     return Path(holder[0])
 
 
-def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_files: Path | None = None) -> Path:
+def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_files: SideFiles | None = None) -> Path:
     """The trained weights alone, in the layout 'mpatch convert hf2mcore' writes (``OUTPUT_BASEPATH/final``).
 
     'mpatch convert mcore2hf --load-dir OUTPUT_BASEPATH/final' turns it into an HF folder, and it can be
     the PRETRAIN_CHECKPOINT_PATH of the next run (e.g. SFT after pretraining), at any TP/PP.
-    The tokenizer files of ``side_files`` (``side_files_source``) are carried along.
+    The files ``side_files`` names (``side_files_source``) are carried along.
     """
     from megatron.core import dist_checkpointing
 
@@ -476,7 +536,7 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_fil
         _param_gather_hooks(cfg, models, enable=True)
         dist.barrier()
         if rank == 0:
-            Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, carried_files=_carry_side_files(side_files, tmp),
+            Sidecar.create("torch_dist", cfg.arch, cfg.layout, dtype, **carry_side_files(side_files, tmp, cfg),
                            source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}",
                            lora=_lora_record(cfg)).write(tmp)
             write_tracker(tmp, RELEASE)

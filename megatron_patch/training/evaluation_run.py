@@ -110,9 +110,11 @@ def load_tokenizer(folder: Path | None, cfg):
     return tokenizer
 
 
-def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
+def evaluate(chunks: list, cfg, tokenizer, generation_folder: Path | None) -> dict | None:
     """lm-eval's results of the live model (global rank 0; None on the others). The chunks are put back in train
-    mode, and every random generator as it was: the harness seeds them, and training goes on as without it."""
+    mode, and every random generator as it was: the harness seeds them, and training goes on as without it.
+    ``generation_folder``: the one the run's checkpoints take generation_config.json from (generation stops at
+    its end-of-text ids, as ``mpatch eval`` of a checkpoint stops)."""
     # lm-eval, and torch with the model's blocks: a rank that evaluates has them, the launcher never imports them
     from megatron_patch.evaluation.evaluate import evaluate_live_model
     from megatron_patch.evaluation.loading import generation_stop_ids
@@ -120,8 +122,7 @@ def evaluate(chunks: list, cfg, tokenizer) -> dict | None:
 
     saved = _random_states()
     try:
-        # the tokenizer's folder is the one the run's checkpoints carry their files from (generation_config.json)
-        stop_ids = generation_stop_ids(cfg.hf_config, tokenizer.name_or_path)
+        stop_ids = generation_stop_ids(cfg.hf_config, generation_folder)
         # a PR=fp8 run's float8 GEMMs are a training step's: the model evaluated is the bf16 one it saves
         with in_bf16(chunks):
             results = evaluate_live_model(chunks, cfg.arch, tokenizer, settings(cfg), stop_ids)

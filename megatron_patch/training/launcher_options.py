@@ -460,8 +460,10 @@ ENVIRONMENT = [
            default=Default("PRETRAIN_CHECKPOINT_PATH, which carries tokenizer.json",
                            lambda sft, dataset_type, checkpoint: checkpoint if sft and dataset_type == "raw" else None),
            doc="HF tokenizer folder or tiktoken file: SFT's JSON records are tokenized with it (an idxmap is "
-               "already ids); where PRETRAIN_CHECKPOINT_PATH carries no tokenizer, its files go into "
-               "every checkpoint and the HF export, and MP_EVAL_TASKS and the SFT preview read it"),
+               "already ids); a folder's tokenizer files (chat template included) go into every checkpoint and "
+               "the HF export in place of PRETRAIN_CHECKPOINT_PATH's (the launch says which differ; the model's "
+               "own files, generation_config.json and the carried HF tensors, stay the checkpoint's), and "
+               "MP_EVAL_TASKS and the SFT preview read it"),
     Option("MP_NAN_POLICY", CORE, choice("stop", "skip"), "what a NaN/inf loss, or in bf16/fp32 inf/nan gradients, "
            "do: stop | skip (the update)", default="stop", field="nan_policy",
            doc="`stop`: exit 2 naming the iteration, before its update \\| `skip`: skip that step's update. In "

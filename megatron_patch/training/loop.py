@@ -284,6 +284,10 @@ class Trainer:
         self.last_checkpoint = self.resume_iteration  # where a rerun would go on from
         # Read by rank 0 alone, which writes them into each checkpoint.
         self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
+        if self.side_files and self.resume_iteration is None:
+            if replaced := checkpointing.replaced_tokenizer_files(self.side_files, cfg):
+                self._log(f"checkpoints carry MP_TOKENIZER's tokenizer files ({cfg.tokenizer}), which the run reads, "
+                          f"not PRETRAIN_CHECKPOINT_PATH's: {', '.join(replaced)} differ")
         if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
             base = cfg_base(cfg)
             checkpointing.load_starting_weights(cfg, chunks, base)
@@ -293,8 +297,12 @@ class Trainer:
             self._load_pretrained(chunks)
         # MP_EVAL_TASKS evaluates these chunks as they train, with the tokenizer the run's checkpoints carry
         self.chunks = chunks
-        self.eval_tokenizer = evaluation_run.load_tokenizer(
-            checkpointing.side_files_source(cfg, self.resume_iteration), cfg) if cfg.eval_tasks else None
+        self.eval_tokenizer = self.eval_generation_folder = None
+        if cfg.eval_tasks:
+            side_files = checkpointing.side_files_source(cfg, self.resume_iteration)
+            self.eval_tokenizer = evaluation_run.load_tokenizer(
+                checkpointing.side_files_folder(side_files, "tokenizer.json"), cfg)
+            self.eval_generation_folder = checkpointing.side_files_folder(side_files, "generation_config.json")
         if cfg.dsa and cfg.dsa["indexer_only"]:  # before DDP: its buffers hold the trainable parameters only
             self._log(f"indexer-only (dense warm-up): {sparse_attention_run.setup_indexer_only(chunks):,} indexer "
                       "parameters train, the rest is frozen")
@@ -579,7 +587,7 @@ class Trainer:
         # lm-eval comes with evaluation.evaluate: imported only by a run with MP_EVAL_TASKS
         from megatron_patch.evaluation.evaluate import metric_values
 
-        results = evaluation_run.evaluate(self.chunks, self.cfg, self.eval_tokenizer)
+        results = evaluation_run.evaluate(self.chunks, self.cfg, self.eval_tokenizer, self.eval_generation_folder)
         if self.rank != self.log_rank:
             return
         for name, value in metric_values(results).items():
