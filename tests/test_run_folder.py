@@ -1215,12 +1215,16 @@ def test_a_blend_trains_and_records_its_weights(corpus, other_corpus, tmp_path):
     assert state["data"]["weights"] == [0.7, 0.3], state["data"]
 
 
-def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did(tmp_path):
+def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did(tmp_path, capsys):
     """An SFT run given MP_TOKENIZER (a chat template of its own) from a converted checkpoint that carries another
     tokenizer: every checkpoint and the export carried the converted checkpoint's, so the HF export and `mpatch eval`
     rendered chats with a template the model never trained on. And a tokenizer folder of its own (no model config),
-    carried into a checkpoint, was read there with the model's config: another pipeline than the run's."""
+    carried into a checkpoint, was read there with the model's config: another pipeline than the run's, and in its
+    HF export too."""
+    from transformers import AutoTokenizer
+
     from megatron_patch.checkpoint.sidecar import Sidecar, read_sidecar
+    from megatron_patch.cli import main
     from megatron_patch.convert.checkpoint import hf_to_mcore
     from megatron_patch.demo_data import make_texts, make_tokenizer
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
@@ -1243,12 +1247,15 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
     text = "The cat sat on the mat. A dog ran."
 
     def saved(env: dict) -> Path:
+        """The converted weights, with the side files and record a run launched with ``env`` writes (the manifest
+        left out: another tool's checkpoint, as far as mcore2hf knows)."""
         cfg = resolve("qwen3", args, env=env)
         folder = tmp_path / f"saved{len(list(tmp_path.glob('saved*')))}"
-        folder.mkdir()
+        shutil.copytree(tmp_path / "ckpt" / "release", folder / "release")
+        shutil.copy(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt", folder)
         carried = checkpointing.carry_side_files(checkpointing.side_files_source(cfg, None), folder, cfg)
         Sidecar.create("torch_dist", cfg.arch, cfg.layout, "float32", **carried).write(folder)
-        assert read_sidecar(folder, release=False).carried_files == carried["carried_files"]
+        assert read_sidecar(folder).carried_files == carried["carried_files"]
         return folder
 
     given = saved({"MP_TOKENIZER": str(own)})
@@ -1256,6 +1263,11 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
         assert (given / name).read_bytes() == (own / name).read_bytes(), name
     assert (given / "generation_config.json").read_bytes() == (hf / "generation_config.json").read_bytes()
     assert load_tokenizer(given).encode(text) == load_tokenizer(own).encode(text) != load_tokenizer(hf).encode(text)
+    # its HF export tokenizes as the run did, in transformers too (config.json alone picks Qwen2Tokenizer there)
+    assert main(["convert", "mcore2hf", "--load-dir", str(given), "--save-dir", str(tmp_path / "back")]) == 0
+    assert load_tokenizer(tmp_path / "back").encode(text) == load_tokenizer(own).encode(text)
+    assert AutoTokenizer.from_pretrained(tmp_path / "back").encode(text) == load_tokenizer(own).encode(text)
+    assert "names tokenizer_class PreTrainedTokenizerFast, the class the training run read" in capsys.readouterr().err
     cfg = resolve("qwen3", args, env={"MP_TOKENIZER": str(own)})
     assert checkpointing.replaced_tokenizer_files(checkpointing.side_files_source(cfg, None), cfg) == [
         "chat_template.jinja"]
@@ -1263,4 +1275,6 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
     default = saved({})
     assert all((default / n).read_bytes() == (hf / n).read_bytes() for n in ("tokenizer.json", "chat_template.jinja"))
     assert load_tokenizer(default).encode(text) == load_tokenizer(hf).encode(text)
-    assert read_sidecar(default, release=False).tokenizer_model_config is None
+    assert read_sidecar(default).tokenizer_model_config is None
+    assert main(["convert", "mcore2hf", "--load-dir", str(default), "--save-dir", str(tmp_path / "back2")]) == 0
+    assert (tmp_path / "back2" / "tokenizer_config.json").read_bytes() == (hf / "tokenizer_config.json").read_bytes()

@@ -672,6 +672,8 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
         _carry_side_files(load_dir, [f for f in sidecar.carried_files if f != CARRIED_TENSORS], config_folder, tmp)
+        if sidecar.tokenizer_model_config is not None:  # a training run's MP_TOKENIZER, read with another config
+            _name_the_tokenizer_class(load_dir, tmp)
         if check is not None:
             check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)
@@ -691,6 +693,31 @@ def _carry_side_files(load_dir: Path, listed: list[str], config_folder: Path | N
         return
     print("warning: the export has no tokenizer files, as the checkpoint carries none: --hf-config HF_DIR takes them "
           "from the model's HF folder", file=sys.stderr, flush=True)
+
+
+def _name_the_tokenizer_class(load_dir: Path, out: Path) -> None:
+    """The export's config.json picks transformers' tokenizer class where tokenizer_config.json names none; a
+    training run read its MP_TOKENIZER folder with another model config, or none (its files alone), and built
+    another pipeline (other ids for the same text): the export's tokenizer_config.json names the class the run
+    read it as, so transformers builds that pipeline from the export too."""
+    config_file = out / "tokenizer_config.json"
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if not isinstance(config, dict) or config.get("tokenizer_class"):
+        return
+    # transformers: only for a checkpoint whose tokenizer was read with another config than its own
+    from megatron_patch.tokenizer import load_hf_tokenizer
+
+    read_as, built = type(load_hf_tokenizer(load_dir)).__name__, type(load_hf_tokenizer(out)).__name__
+    if read_as == built:
+        return
+    # transformers 5's name for the class a tokenizer.json alone gives; 4.x knows it by its older name, 5 by both
+    name = "PreTrainedTokenizerFast" if read_as == "TokenizersBackend" else read_as
+    config_file.write_text(json.dumps({**config, "tokenizer_class": name}, indent=2, ensure_ascii=False) + "\n",
+                           encoding="utf-8")
+    print(f"mcore2hf: the export's tokenizer_config.json names tokenizer_class {name}, the class the training run "
+          f"read its tokenizer as (config.json alone would pick {built}: other ids)", file=sys.stderr, flush=True)
 
 
 def _config_folder(hf_config) -> Path | None:
