@@ -687,7 +687,8 @@ def test_megatron_settings_build_megatron_core_configs(data, family, env, over, 
 def test_recompute_a_family_cannot_run_is_refused_before_launch(data, monkeypatch):
     """Each was refused (or crashed) only on the rank, after the dry run had passed it: Gemma 4's KV-shared layers
     under AC=full (with megatron-core's "when instantiating ..." glued on), DeepSeek-V4's AC=full on megatron-core
-    0.19, and DeepSeek sparse attention under AC=sel on 0.16 (an internal error at the first forward)."""
+    0.19, DeepSeek sparse attention under AC=sel on 0.16 (an internal error at the first forward), and AC=sel where a
+    family's own attention module leaves megatron-core nothing to recompute."""
     import dataclasses
 
     from megatron_patch.models.gemma4.config import TINY_CONFIG as GEMMA4_TINY
@@ -714,6 +715,12 @@ def test_recompute_a_family_cannot_run_is_refused_before_launch(data, monkeypatc
     assert refusal("gemma4", "sel", "0.16.1", kv_shared) is None and refusal("gemma4", "full", "0.16.1") is None
     assert "DeepSeek-V4's layers needs megatron-core 0.16" in refusal("deepseek_v4", "full", "0.19.2")
     assert refusal("deepseek_v4", "full", "0.16.1") is None
+    # AC=sel is megatron-core's core attention's, which DeepSeek-V4's own attention never calls: accepted, it
+    # recomputed nothing (autograd saved what AC=none saves) while the memory plan counted its savings
+    assert refusal("deepseek_v4", "sel", "0.16.1") == (
+        "AC=sel: megatron-core's selective recompute recomputes its core attention, which deepseek_v4's own attention "
+        "module does not use, so it would recompute nothing: use AC=full or AC=none")
+    assert refusal("deepseek_v4", "sel", "0.19.2").endswith("recompute nothing: use AC=none")
     assert refusal("deepseek_v32", "sel", "0.16.1").startswith("AC=sel with DeepSeek sparse attention needs "
                                                               "megatron-core 0.19")
     assert refusal("deepseek_v32", "sel", "0.19.2") is None and refusal("deepseek_v32", "full", "0.16.1") is None

@@ -49,7 +49,7 @@ from megatron_patch.training.gpu_setup import initialize_tp_communicators, warm_
 from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup_lora
 from megatron_patch.training.machine_checks import attention_kernel, core_attention
 from megatron_patch.training.megatron_settings import megatron_settings
-from megatron_patch.training.mixed_dtype_optimizers import mend_mixed_dtypes
+from megatron_patch.training.optimizer_mends import mend_optimizers
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
 from megatron_patch.training.node_agreement import agree_on_launch
 from megatron_patch.training.packing import use_packed_local_attention
@@ -335,7 +335,7 @@ class Trainer:
             self._log(self.offload.describe())
         else:
             self.optimizer = get_megatron_optimizer(OptimizerConfig(**self.settings["optimizer"]), self.models)
-        mend_mixed_dtypes(self.optimizer)  # a family's float32 parameters in a 16-bit model save and load
+        mend_optimizers(self.optimizer)  # so that what megatron-core trains it also saves and resumes
         config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(self.optimizer, **self.settings["scheduler"])
         self.iteration = 0

@@ -316,9 +316,17 @@ def recompute_blocks(cfg: RunConfig) -> None:
     """What megatron-core would reject (or crash on) only after every rank has started."""
     ac, ac_layers, num_layers = cfg.activation_checkpointing, cfg.ac_layers, cfg.arch.num_layers
     if ac in ("sel", "full"):
-        why = get_family(cfg.arch.family).recompute_refused(cfg.arch, ac, version_tuple(megatron_core_version()))
+        family, release = get_family(cfg.arch.family), version_tuple(megatron_core_version())
+        why = family.recompute_refused(cfg.arch, ac, release)
         if why is not None:
             raise UserError(f"AC={ac}: {why}")
+        if ac == "sel" and cfg.arch.family_config is not None and not cfg.arch.family_config.core_attention:
+            # selective recompute is megatron-core's core attention's, which such a layer never calls: the run
+            # recomputed nothing while the memory plan counted what recompute saves
+            instead = "AC=none" if family.recompute_refused(cfg.arch, "full", release) else "AC=full or AC=none"
+            raise UserError(f"AC=sel: megatron-core's selective recompute recomputes its core attention, which "
+                            f"{cfg.family}'s own attention module does not use, so it would recompute nothing: use "
+                            f"{instead}")
     pp, vp, pp0 = cfg.pp, cfg.virtual_pipeline, cfg.pp0_layers
     if ac == "offload" and ac_layers >= num_layers:
         raise UserError(f"MP_AC_LAYERS={ac_layers}: AC=offload can offload at most {num_layers - 1} of the "

@@ -5,7 +5,7 @@ A family builds such parameters in float32 whatever ``params_dtype`` is, and dec
 qualified name, as transformers matches them) is marked, and ``cast_parameters`` (which ``build_model`` runs) leaves
 marked parameters as they are. megatron-core's DDP buffers group parameters by dtype, and both its optimizers keep a
 float32 parameter as its own master copy, so a model of mixed dtypes trains as it is; their checkpoint code needs
-``training/mixed_dtype_optimizers.py`` to save and load it.
+``training/optimizer_mends.py`` to save and load it.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def check_supported(raw: dict) -> None:
 
 
 FULL_RECOMPUTE_NEEDS_0_16 = ("full activation recomputation of DeepSeek-V4's layers needs megatron-core 0.16 here "
-                             "(0.19's recompute drops the token ids its hash routers need): use AC=sel or AC=none")
+                             "(0.19's recompute drops the token ids its hash routers need): use AC=none")
 
 
 def recompute_refused(arch, mode: str, megatron_core: tuple[int, ...]) -> str | None:

@@ -144,8 +144,10 @@ def _chunked_class():
                 self._span_of[key] = (group_index, span)
             segments = [(gbuf, spans) for (gbuf, _), spans in sorted(shards.items())]
             self.plan = plan_chunks(segments, self.offload.chunk_elements)
-            self.store = ChunkStore(self.plan, self.buffers[0].grad_data.device,
-                                    pin_host=self.buffers[0].grad_data.device.type == "cuda")
+            # no buffer: an MoE model's experts' optimizer on a pipeline stage without experts (its groups empty)
+            device = self.buffers[0].grad_data.device if self.buffers else torch.device(
+                "cuda" if torch.cuda.is_available() else "cpu")
+            self.store = ChunkStore(self.plan, device, pin_host=device.type == "cuda")
             self._chunk_layout = []
             self._chunk_of_key = {}
             for chunk in self.plan.chunks:
