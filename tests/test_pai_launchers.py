@@ -513,10 +513,17 @@ def test_known_warnings_are_filtered_and_others_shown():
                  "megatron.core.optimizer"),
                 ("Apex is not installed. Falling back to Torch Norm", "megatron.core.models.backends"),
                 ("the loss scale fell", "megatron.core.optimizer"),
-                ("Transformer Engine and Apex are not installed: mine", "my_module")):
+                ("Transformer Engine and Apex are not installed: mine", "my_module"),
+                # megatron-core 0.19's per-rank load of a torch_dist checkpoint, attributed as torch attributes them
+                ("The argument order of load has been changed. Please check the document to avoid future breakages.",
+                 "megatron.core.dist_checkpointing.strategies.torch"),
+                ("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
+                 "single process.", "torch.distributed.checkpoint.utils"),
+                ("The argument order of load has been changed: mine", "my_module")):
             warnings.warn_explicit(message, UserWarning, "x.py", 1, module=module)
     assert [str(w.message) for w in seen] == ["the loss scale fell",
-                                              "Transformer Engine and Apex are not installed: mine"]
+                                              "Transformer Engine and Apex are not installed: mine",
+                                              "The argument order of load has been changed: mine"]
 
 
 def test_known_log_warnings_are_filtered_and_others_shown(caplog):

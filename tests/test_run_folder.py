@@ -718,33 +718,51 @@ def test_a_resume_with_another_seed_or_lora_is_refused_and_another_dropout_resum
         "differ from an uninterrupted run's in their last digits"]
 
 
-def test_a_resume_across_the_experts_own_optimizer_is_refused_before_any_rank(tmp_path):
+def test_a_resume_across_the_experts_own_optimizer_is_refused_before_any_rank(tmp_path, monkeypatch):
     """An MoE run at EP=2 keeps its experts' optimizer state in an optimizer of their own (megatron-core's chained
     one), at EP=1 not: a relaunch at the other said 'resuming from iteration 4', then every rank failed on "has no
     tensor 'optimizer.state...': it was not written for this model". Another EP above 1 resumes."""
+    from megatron_patch.training import run_state
     from megatron_patch.training.run_state import resume_notes
 
     (tmp_path / "a_text_document.bin").write_bytes(b"x" * 40)
     (tmp_path / "a_text_document.idx").write_bytes(b"x" * 8)
     out = tmp_path / "out"
 
-    def args(ep):
-        return launcher_args("qwen2_moe", DATASET_PATH=str(tmp_path / "a_text_document"), OUTPUT_BASEPATH=str(out),
-                             EP=str(ep), GLOBAL_BATCH_SIZE="8")
+    def args(ep, **over):
+        return launcher_args("qwen2_moe", **{"DATASET_PATH": str(tmp_path / "a_text_document"),
+                                             "OUTPUT_BASEPATH": str(out), "EP": str(ep), "GLOBAL_BATCH_SIZE": "8",
+                                             **over})
 
     two = {"MP_NPROC": "2"}
     at_ep2 = _saved_run(out, args(2), env=two, family="qwen2_moe")
     with pytest.raises(UserError) as refused:
         resume_notes(resolve("qwen2_moe", args(1), env=two), at_ep2)
+    monkeypatch.setattr(run_state, "experts_grouped_whenever_etp_differs", lambda: False)  # megatron-core 0.16
+    with pytest.raises(UserError) as refused:
+        resume_notes(resolve("qwen2_moe", args(1), env=two), at_ep2)
     assert str(refused.value).startswith(
-        f"{at_ep2} was trained at EP=2, this launch asks EP=1: megatron-core keeps the experts' optimizer state apart "
-        "from the rest's there and not here (its chained optimizer)"), refused.value
-    assert f"Resume with EP>1, or start from its weights: a new OUTPUT_BASEPATH with PRETRAIN_CHECKPOINT_PATH={out}" \
+        f"{at_ep2} was trained at TP=1 EP=2 ETP=1, this launch asks TP=1 EP=1 ETP=1: megatron-core keeps the experts' "
+        "optimizer state apart from the rest's at EP > 1 (there and not here: its chained optimizer)"), refused.value
+    assert f"Resume with EP > 1, or start from its weights: a new OUTPUT_BASEPATH with PRETRAIN_CHECKPOINT_PATH={out}" \
         in str(refused.value)
     assert resume_notes(resolve("qwen2_moe", args(4), env={"MP_NPROC": "4"}), at_ep2) == []
     at_ep1 = _saved_run(tmp_path / "out1", args(1), env=two, family="qwen2_moe")
-    with pytest.raises(UserError, match="was trained at EP=1, this launch asks EP=2"):
+    with pytest.raises(UserError, match="was trained at TP=1 EP=1 ETP=1, this launch asks TP=1 EP=2 ETP=1"):
         resume_notes(resolve("qwen2_moe", args(2), env=two), at_ep1)
+    # megatron-core 0.19 keeps them apart where ETP differs from TP too: a TP change alone crosses it, and the
+    # refusal said "trained at EP=1, this launch asks EP=1 ... Resume with EP>1", naming neither
+    from megatron_patch.training import validation
+
+    for module in (run_state, validation):
+        monkeypatch.setattr(module, "experts_grouped_whenever_etp_differs", lambda: True)
+    at_tp2 = _saved_run(tmp_path / "out2", args(1, TP="2", ETP="1", SP="true"), env=two, family="qwen2_moe")
+    with pytest.raises(UserError) as refused:
+        resume_notes(resolve("qwen2_moe", args(1), env=two), at_tp2)
+    assert str(refused.value).startswith(
+        f"{at_tp2} was trained at TP=2 EP=1 ETP=1, this launch asks TP=1 EP=1 ETP=1: megatron-core keeps the experts' "
+        "optimizer state apart from the rest's at EP > 1 or ETP other than TP (there and not here"), refused.value
+    assert "Resume with EP > 1 or ETP other than TP, or start from its weights" in str(refused.value)
 
 
 def test_a_launch_of_another_job_into_a_run_folder_stops_before_any_rank(corpus, tmp_path, monkeypatch, capsys):

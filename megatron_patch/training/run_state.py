@@ -178,11 +178,15 @@ def resume_notes(cfg, folder: Path) -> list[str]:
                             f"{start_afresh}")
     grouped = _experts_apart(cfg, then), _experts_apart(cfg, now)
     if grouped[0] != grouped[1]:
-        raise UserError(f"{folder} was trained at EP={then.get('ep')}, this launch asks EP={now.get('ep')}: "
-                        f"megatron-core keeps the experts' optimizer state apart from the rest's "
-                        f"{'there and not here' if grouped[0] else 'here and not there'} (its chained optimizer), and "
-                        f"the saved state does not load across that. Resume with EP"
-                        f"{'>1' if grouped[0] else '=1'}, or start from its weights: a new OUTPUT_BASEPATH with "
+        # the layout that decides it: EP, and on megatron-core 0.19 ETP against TP (a TP change alone can flip it)
+        by_etp = experts_grouped_whenever_etp_differs()
+        apart = "EP > 1" + (" or ETP other than TP" if by_etp else "")
+        together = "EP=1" + (" and ETP equal to TP" if by_etp else "")
+        raise UserError(f"{folder} was trained at {_expert_layout(then)}, this launch asks {_expert_layout(now)}: "
+                        f"megatron-core keeps the experts' optimizer state apart from the rest's at {apart} "
+                        f"({'there and not here' if grouped[0] else 'here and not there'}: its chained optimizer), "
+                        f"and the saved state does not load across that. Resume with "
+                        f"{apart if grouped[0] else together}, or start from its weights: a new OUTPUT_BASEPATH with "
                         f"PRETRAIN_CHECKPOINT_PATH={cfg.checkpoint_dir}")
     lora = _lora_change(then, now)
     if lora:
@@ -226,6 +230,12 @@ def _experts_apart(cfg, config: dict) -> bool:
         return False
     tp, etp = config.get("tp", 1), config.get("etp")
     return config.get("ep", 1) > 1 or (etp not in (None, tp) and experts_grouped_whenever_etp_differs())
+
+
+def _expert_layout(config: dict) -> str:
+    tp = config.get("tp", 1)
+    etp = config.get("etp")
+    return f"TP={tp} EP={config.get('ep', 1)} ETP={tp if etp is None else etp}"
 
 
 def _lora_change(then: dict, now: dict) -> tuple[str, str] | None:
