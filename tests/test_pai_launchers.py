@@ -516,7 +516,7 @@ def test_known_warnings_are_filtered_and_others_shown():
                 ("Transformer Engine and Apex are not installed: mine", "my_module"),
                 # megatron-core 0.19's per-rank load of a torch_dist checkpoint, attributed as torch attributes them
                 ("The argument order of load has been changed. Please check the document to avoid future breakages.",
-                 "megatron.core.dist_checkpointing.strategies.torch"),
+                 "torch.distributed.checkpoint.logger"),
                 ("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a "
                  "single process.", "torch.distributed.checkpoint.utils"),
                 ("The argument order of load has been changed: mine", "my_module")):

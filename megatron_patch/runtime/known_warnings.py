@@ -16,7 +16,7 @@ KNOWN = (
     # megatron-core 0.19 (Python 3.12+) has each rank read its own shards of a torch_dist checkpoint through torch's
     # checkpoint.load(..., no_dist=True), with positional arguments: two notices per rank and load (every launch,
     # resume, align and eval), the second saying that torch.distributed is not initialised in a multi-rank job.
-    (r"The argument order of load has been changed", r"megatron\."),
+    (r"The argument order of load has been changed", r"torch\.distributed\.checkpoint"),
     (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single "
      r"process", r"torch\.distributed\.checkpoint"),
 )
