@@ -307,10 +307,13 @@ def test_each_patch_applies_to_the_releases_that_need_it():
 
 def test_layer_does_nothing_when_cuda_present():
     """On a GPU without transformer-engine only its gaps are filled (megatron-core 0.16 left the MoE router's
-    ``te_general_gemm`` undefined and MLA believing TE was there: a crash in every MoE or MLA forward)."""
+    ``te_general_gemm`` undefined and MLA believing TE was there: a crash in every MoE or MLA forward), and the
+    distributed optimizer's checkpointing with torch's Adam, which megatron-core falls back to there as on CPU (a
+    resume gave every parameter one step tensor, which torch's Adam bumped once per parameter: bias correction ran
+    ahead)."""
     r = _probe("cuda")
     assert r["result"] is False and r["enabled"] is False and r["error"] is None
-    assert len(r["untouched"]) == r["total"], r["untouched"]
+    assert "optim_load" not in r["untouched"] and len(r["untouched"]) == r["total"] - 1, r["untouched"]
     assert r["backend"] == "nccl"
     assert (r["te_gemm_defined"], r["mla_have_te"]) == (True, False)
 

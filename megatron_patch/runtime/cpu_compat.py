@@ -499,7 +499,7 @@ PATCHES = (
     Patch("torch norm sequence parallel", _BOTH, _patch_torch_norm,
           "WrappedTorchNorm refuses sequence_parallel, which MoE with TP>1 needs"),
     Patch("torch Adam checkpointing", _BOTH, _patch_torch_adam_checkpointing,
-          "the distributed optimizer's checkpoint path assumes FusedAdam's step handling"),
+          "the distributed optimizer's checkpoint path assumes FusedAdam's step handling", without_te=True),
 )
 
 
