@@ -326,28 +326,8 @@ def test_a_bf16_run_saves_and_resumes_exactly_with_its_float32_parameters(hf_dir
     16-bit DeepSeek-V4 run could checkpoint. A run killed after its checkpoint and resumed repeats the whole run."""
     import shutil
 
-    from megatron_patch.cli import main
-    from tests.training_helpers import launch, launcher_args, read_metrics
+    from tests.training_helpers import assert_a_killed_run_resumes_as_the_whole
 
-    hf = shutil.copytree(hf_dir, tmp_path / "hf")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(corpus["tok"] / name, hf / name)
-    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(tmp_path / "mcore"), "--quiet"]) == 0
-
-    def run(out, env=None):
-        args = launcher_args("deepseek_v4", MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(tmp_path / "mcore"),
-                             DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), PR="bf16",
-                             DO=distributed_optimizer, GLOBAL_BATCH_SIZE="4", BATCH_SIZE="2", SEQ_LEN="32",
-                             PAD_LEN="32", TRAIN_TOKENS_OR_ITERS=str(4 * 4 * 32), WARMUP_TOKENS_OR_ITERS="128",
-                             SAVE_INTERVAL="2")
-        return launch(args, env, family="deepseek_v4")
-
-    whole = run(tmp_path / "whole")
-    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
-    killed = run(tmp_path / "resumed", {"MP_INJECT_FAULT": "kill@3"})
-    assert killed.returncode != 0 and (tmp_path / "resumed" / "checkpoint" / "iter_0000002").is_dir()
-    resumed = run(tmp_path / "resumed")
-    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    a, b = ({m["iteration"]: m for m in read_metrics(tmp_path / name)} for name in ("whole", "resumed"))
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    assert all(a[i][k] == b[i][k] for i in a for k in ("loss", "grad_norm")), (a, b)
+    hf = shutil.copytree(hf_dir, tmp_path / "hf")  # the shared fixture is left without the corpus's tokenizer
+    assert_a_killed_run_resumes_as_the_whole("deepseek_v4", hf, corpus, tmp_path, PR="bf16", LR="1e-3", MIN_LR="1e-4",
+                                             DO=distributed_optimizer)

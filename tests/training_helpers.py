@@ -152,23 +152,50 @@ def train_converted(family: str, hf_dir: Path, corpus: dict, root: Path, layout:
     """``hf_dir`` (a tiny model, given the corpus's tokenizer) converted by hf2mcore into ``root``/mcore and trained
     ``iters`` iterations of 4 x 32 tokens from it by ``family``'s launcher into ``root``/out, saving at the end:
     the launcher's process and the losses it logged."""
+    args = _converted_args(family, hf_dir, corpus, root, root / "out", layout, iters, **{"SAVE_INTERVAL": str(iters),
+                                                                                        **over})
+    proc = launch(args, env, family=family)
+    return proc, [m["loss"] for m in read_metrics(root / "out")] if proc.returncode == 0 else []
+
+
+def _converted_args(family: str, hf_dir: Path, corpus: dict, root: Path, out: Path, layout, iters: int,
+                    **over) -> list[str]:
+    """The launcher line that trains ``hf_dir``, converted into ``root``/mcore, ``iters`` iterations into ``out``."""
     import shutil
 
     from megatron_patch.cli import main
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(corpus["tok"] / name, Path(hf_dir) / name)
-    mcore, out = Path(root) / "mcore", Path(root) / "out"
+    mcore = Path(root) / "mcore"
     Path(root).mkdir(parents=True, exist_ok=True)
-    assert main(["convert", "hf2mcore", "--hf-dir", str(hf_dir), "--save-dir", str(mcore), "--quiet"]) == 0
+    if not mcore.exists():
+        assert main(["convert", "hf2mcore", "--hf-dir", str(hf_dir), "--save-dir", str(mcore), "--quiet"]) == 0
     gbs, seq = 4, 32
-    args = launcher_args(family, layout, **{
+    return launcher_args(family, layout, **{
         "MODEL_SIZE": "auto", "PRETRAIN_CHECKPOINT_PATH": str(mcore), "DATASET_PATH": corpus["prefix"],
         "OUTPUT_BASEPATH": str(out), "LR": "3e-3", "MIN_LR": "3e-4", "GLOBAL_BATCH_SIZE": str(gbs),
         "BATCH_SIZE": "2", "SEQ_LEN": str(seq), "PAD_LEN": str(seq), "TRAIN_TOKENS_OR_ITERS": str(iters * gbs * seq),
-        "WARMUP_TOKENS_OR_ITERS": str(gbs * seq), "SAVE_INTERVAL": str(iters), **over})
-    proc = launch(args, env, family=family)
-    return proc, [m["loss"] for m in read_metrics(out)] if proc.returncode == 0 else []
+        "WARMUP_TOKENS_OR_ITERS": str(gbs * seq), **over})
+
+
+def assert_a_killed_run_resumes_as_the_whole(family: str, hf_dir: Path, corpus: dict, root: Path,
+                                             env: dict | None = None, **over) -> None:
+    """``hf_dir`` converted and trained 4 iterations by ``family``'s launcher, saving every 2: once whole, once killed
+    as iteration 3 starts and launched again. The resumed run logs the whole run's losses and grad norms."""
+    def run(out: Path, fault: dict | None = None) -> subprocess.CompletedProcess:
+        args = _converted_args(family, hf_dir, corpus, root, out, None, 4, SAVE_INTERVAL="2", **over)
+        return launch(args, {**(env or {}), **(fault or {})}, family=family)
+
+    whole = run(root / "whole")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    killed = run(root / "resumed", {"MP_INJECT_FAULT": "kill@3"})
+    assert killed.returncode != 0 and (root / "resumed" / "checkpoint" / "iter_0000002").is_dir()
+    resumed = run(root / "resumed")
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    a, b = ({m["iteration"]: m for m in read_metrics(root / name)} for name in ("whole", "resumed"))
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert all(a[i][k] == b[i][k] for i in a for k in ("loss", "grad_norm")), (a, b)
 
 
 def node_settings_worker(lines_by_rank: list[tuple]):
