@@ -180,22 +180,29 @@ def _converted_args(family: str, hf_dir: Path, corpus: dict, root: Path, out: Pa
 
 
 def assert_a_killed_run_resumes_as_the_whole(family: str, hf_dir: Path, corpus: dict, root: Path,
-                                             env: dict | None = None, **over) -> None:
+                                             env: dict | None = None, elsewhere: tuple[dict, dict] | None = None,
+                                             **over) -> None:
     """``hf_dir`` converted and trained 4 iterations by ``family``'s launcher, saving every 2: once whole, once killed
-    as iteration 3 starts and launched again. The resumed run logs the whole run's losses and grad norms."""
-    def run(out: Path, fault: dict | None = None) -> subprocess.CompletedProcess:
-        args = _converted_args(family, hf_dir, corpus, root, out, None, 4, SAVE_INTERVAL="2", **over)
-        return launch(args, {**(env or {}), **(fault or {})}, family=family)
+    as iteration 3 starts and launched again. The resumed run logs the whole run's losses and grad norms; resumed
+    ``elsewhere`` (the relaunch's launcher arguments, and its environment in place of ``env``: another layout), its
+    losses within 1e-3 (the other reduction order's rounding)."""
+    def run(out: Path, fault: dict | None = None, layout: tuple[dict, dict] | None = None) -> subprocess.CompletedProcess:
+        arguments, environment = layout or ({}, env or {})  # elsewhere's environment in place of ``env``
+        args = _converted_args(family, hf_dir, corpus, root, out, None, 4, SAVE_INTERVAL="2", **{**over, **arguments})
+        return launch(args, {**environment, **(fault or {})}, family=family)
 
     whole = run(root / "whole")
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
     killed = run(root / "resumed", {"MP_INJECT_FAULT": "kill@3"})
     assert killed.returncode != 0 and (root / "resumed" / "checkpoint" / "iter_0000002").is_dir()
-    resumed = run(root / "resumed")
+    resumed = run(root / "resumed", layout=elsewhere)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     a, b = ({m["iteration"]: m for m in read_metrics(root / name)} for name in ("whole", "resumed"))
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    assert all(a[i][k] == b[i][k] for i in a for k in ("loss", "grad_norm")), (a, b)
+    if elsewhere is None:
+        assert all(a[i][k] == b[i][k] for i in a for k in ("loss", "grad_norm")), (a, b)
+    else:
+        assert all(abs(a[i]["loss"] - b[i]["loss"]) < 1e-3 for i in a), (a, b)
 
 
 def node_settings_worker(lines_by_rank: list[tuple]):

@@ -17,8 +17,9 @@ model's pipeline stage without an expert layer holds an experts' optimizer of em
 Adam (no transformer-engine) it has no step to save: the distributed optimizer failed at the first save, and the
 others saved no step, which global rank 0 (such a stage) writes for every rank, so the ranks that hold experts
 failed at the resume (and rank 0's empty lists of master copies stood in the others' place, as above). Such an
-optimizer now saves the step of the optimizers beside it, which step together, and the 16-bit one's master copies
-are saved by group index on every rank.
+optimizer now saves the step of the optimizers beside it, which step together, and no master copies, as a rank
+whose copies are all sharded leaves none in the state rank 0 writes: the checkpoint resumes at a layout whose
+stages all hold experts, and the other way round.
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ def mend_optimizers(optimizer) -> list[str]:
 
     subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
     # The 16-bit optimizer's master copies are saved by group index where any rank's copy of it holds float32
-    # parameters or none at all: rank 0 writes the part of the state that is not sharded for every rank, and its
-    # empty list of a group would stand in another rank's place at load (megatron-core merges lists by position).
-    # Decided by all ranks together, as the layout of one checkpoint must be one.
-    by_group_index = _on_any_rank([isinstance(sub, Float16OptimizerWithFloat16Params)
-                                   and (any(sub.fp32_from_fp32_groups) or not _holds_parameters(sub)) for sub in subs])
+    # parameters beside 16-bit ones (a family's choice, so at every layout of the model): rank 0 writes the part of
+    # the state that is not sharded for every rank, and its empty list of a group would stand in another's place at
+    # load (megatron-core merges lists by position). Decided by all ranks together: one checkpoint, one layout.
+    by_group_index = _on_any_rank([isinstance(sub, Float16OptimizerWithFloat16Params) and any(sub.fp32_from_fp32_groups)
+                                   and any(sub.float16_groups) for sub in subs])
     mended = []
     for index, (sub, by_index) in enumerate(zip(subs, by_group_index)):
         if isinstance(sub, DistributedOptimizer) and any(sub.model_fp32_groups) and any(sub.model_float16_groups):
@@ -51,6 +52,10 @@ def mend_optimizers(optimizer) -> list[str]:
             sub.sharded_state_dict = types.MethodType(_float16_sharded_state_dict, sub)
             sub.load_state_dict = types.MethodType(_float16_load_state_dict, sub)
             mended.append(f"optimizer {index}: master copies by group")
+        elif isinstance(sub, Float16OptimizerWithFloat16Params) and not _holds_parameters(sub):
+            # it saves no master copies (below), as a rank whose copies are all sharded leaves none in the common
+            # state: the checkpoint reads the same whichever layout wrote it
+            sub.load_state_dict = types.MethodType(_float16_load_state_dict, sub)
         siblings = [other for other in subs if other is not sub and _holds_parameters(other)]
         if _torch_adam(sub) and not _holds_parameters(sub) and siblings:
             _save_the_step_of(sub, siblings[0])
@@ -116,6 +121,10 @@ def _save_the_step_of(optimizer, sibling) -> None:
         step = _torch_step(sibling)
         if "common_step" not in state and step is not None:
             state["common_step"] = step
+        # the 16-bit optimizer's empty lists of master copies: rank 0 would write them for every rank, in the place
+        # of the copies of the ranks that hold parameters
+        if isinstance(saved.get("fp32_from_fp16_params"), list) and not any(saved["fp32_from_fp16_params"]):
+            del saved["fp32_from_fp16_params"]
         return saved
 
     optimizer.sharded_state_dict = sharded_state_dict
@@ -164,9 +173,12 @@ def _float16_sharded_state_dict(self, model_sharded_state_dict, is_loading: bool
 
 
 def _float16_load_state_dict(self, state_dict):
-    """megatron-core's ``load_state_dict``, given the master copies in its list of groups (above: by group index)."""
-    saved = state_dict.get("fp32_from_fp16_params")
-    if isinstance(saved, dict):
+    """megatron-core's ``load_state_dict``, given the master copies in its list of groups (above: by group index;
+    none where this rank holds no parameters)."""
+    saved = state_dict.get("fp32_from_fp16_params", state_dict.get("fp32_from_fp16"))
+    if saved is None and not _holds_parameters(self):
+        state_dict = {**state_dict, "fp32_from_fp16_params": [[] for _ in self.fp32_from_float16_groups]}
+    elif isinstance(saved, dict):
         state_dict = {**state_dict, "fp32_from_fp16_params": [saved.get(index, [])
                                                               for index in range(len(self.fp32_from_float16_groups))]}
     return type(self).load_state_dict(self, state_dict)
