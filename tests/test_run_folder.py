@@ -1249,6 +1249,7 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
     from megatron_patch.runtime.distributed import ParallelLayout
     from megatron_patch.tokenizer import load_tokenizer
     from megatron_patch.training import checkpointing
+    from tests.training_helpers import make_tiktoken_file
 
     hf = make_tiny_hf_checkpoint("qwen3", tmp_path / "hf")
     make_tokenizer(hf, make_texts(200, seed=0), vocab_size=190)  # Qwen2Tokenizer's pipeline differs from the file's
@@ -1287,8 +1288,24 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
     assert AutoTokenizer.from_pretrained(tmp_path / "back").encode(text) == load_tokenizer(own).encode(text)
     assert "names tokenizer_class PreTrainedTokenizerFast, the class the training run read" in capsys.readouterr().err
     cfg = resolve("qwen3", args, env={"MP_TOKENIZER": str(own)})
-    assert checkpointing.replaced_tokenizer_files(checkpointing.side_files_source(cfg, None), cfg) == [
-        "chat_template.jinja"]
+    assert checkpointing.carried_tokenizer_notes(checkpointing.side_files_source(cfg, None), cfg) == [
+        f"checkpoints carry MP_TOKENIZER's tokenizer files ({own}), which the run reads, not PRETRAIN_CHECKPOINT_PATH's: "
+        "chat_template.jinja differ"]
+    # a folder of tokenizer.json alone: its export gets a tokenizer_config.json naming the class (it had none to name
+    # it in, and config.json alone picked Qwen2Tokenizer: other ids)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copy(own / "tokenizer.json", alone)
+    assert main(["convert", "mcore2hf", "--load-dir", str(saved({"MP_TOKENIZER": str(alone)})), "--save-dir",
+                 str(tmp_path / "back_alone")]) == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "back_alone").encode(text) == load_tokenizer(own).encode(text)
+    # a tiktoken file is read by the run and not carried: said at launch (the checkpoint's files are carried)
+    tiktoken_file = make_tiktoken_file(tmp_path / "tok.tiktoken", [b"th", b"he"])
+    cfg = resolve("qwen3", args, env={"MP_TOKENIZER": str(tiktoken_file)})
+    assert checkpointing.carried_tokenizer_notes(checkpointing.side_files_source(cfg, None), cfg) == [
+        f"note: MP_TOKENIZER {tiktoken_file} is a tiktoken file, which the run reads and its checkpoints do not carry: "
+        f"they carry the tokenizer files of {tmp_path / 'ckpt'}, which the export and 'mpatch eval' read; they must "
+        "encode as the file does"]
     # without MP_TOKENIZER the converted checkpoint's files, read as its HF folder's were
     default = saved({})
     assert all((default / n).read_bytes() == (hf / n).read_bytes() for n in ("tokenizer.json", "chat_template.jinja"))

@@ -701,9 +701,10 @@ def _name_the_tokenizer_class(load_dir: Path, out: Path) -> None:
     another pipeline (other ids for the same text): the export's tokenizer_config.json names the class the run
     read it as, so transformers builds that pipeline from the export too."""
     config_file = out / "tokenizer_config.json"
-    if not config_file.is_file():
+    if not (config_file.is_file() or (out / "tokenizer.json").is_file()):
         return
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    # a tokenizer folder of tokenizer.json alone gets a tokenizer_config.json of this one entry
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     if not isinstance(config, dict) or config.get("tokenizer_class"):
         return
     # transformers: only for a checkpoint whose tokenizer was read with another config than its own

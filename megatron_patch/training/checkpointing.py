@@ -223,6 +223,19 @@ def side_files_folder(side_files: SideFiles, name: str) -> Path | None:
     return next((folder for folder, names in side_files if any(map(wanted, names))), None)
 
 
+def carried_tokenizer_notes(side_files: SideFiles, cfg) -> list[str]:
+    """What a launch says of the tokenizer its checkpoints carry where it is not simply PRETRAIN_CHECKPOINT_PATH's."""
+    if replaced := replaced_tokenizer_files(side_files, cfg):
+        return [f"checkpoints carry MP_TOKENIZER's tokenizer files ({cfg.tokenizer}), which the run reads, not "
+                f"PRETRAIN_CHECKPOINT_PATH's: {', '.join(replaced)} differ"]
+    carried = side_files_folder(side_files, "tokenizer.json")
+    if cfg.tokenizer and Path(cfg.tokenizer).is_file() and carried is not None:
+        return [f"note: MP_TOKENIZER {cfg.tokenizer} is a tiktoken file, which the run reads and its checkpoints do "
+                f"not carry: they carry the tokenizer files of {carried}, which the export and 'mpatch eval' read; "
+                "they must encode as the file does"]
+    return []
+
+
 def replaced_tokenizer_files(side_files: SideFiles, cfg) -> list[str]:
     """The tokenizer files of PRETRAIN_CHECKPOINT_PATH that ``side_files`` replaces by MP_TOKENIZER's where their
     bytes differ (or one folder lacks them): said at launch, as the export carries the ones the run read."""

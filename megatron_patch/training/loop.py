@@ -286,9 +286,8 @@ class Trainer:
         # Read by rank 0 alone, which writes them into each checkpoint.
         self.side_files = checkpointing.side_files_source(cfg, self.resume_iteration) if self.rank == 0 else None
         if self.side_files and self.resume_iteration is None:
-            if replaced := checkpointing.replaced_tokenizer_files(self.side_files, cfg):
-                self._log(f"checkpoints carry MP_TOKENIZER's tokenizer files ({cfg.tokenizer}), which the run reads, "
-                          f"not PRETRAIN_CHECKPOINT_PATH's: {', '.join(replaced)} differ")
+            for line in checkpointing.carried_tokenizer_notes(self.side_files, cfg):
+                self._log(line)
         if cfg.lora is not None:  # the base loaded and frozen, the adapters attached (training/lora_run.py)
             base = cfg_base(cfg)
             checkpointing.load_starting_weights(cfg, chunks, base)
