@@ -53,9 +53,8 @@ def mend_optimizers(optimizer) -> list[str]:
             sub.load_state_dict = types.MethodType(_float16_load_state_dict, sub)
             mended.append(f"optimizer {index}: master copies by group")
         elif isinstance(sub, Float16OptimizerWithFloat16Params) and not _holds_parameters(sub):
-            # it saves no master copies (below), as a rank whose copies are all sharded leaves none in the common
-            # state: the checkpoint reads the same whichever layout wrote it
-            sub.load_state_dict = types.MethodType(_float16_load_state_dict, sub)
+            _without_master_copies(sub)
+            mended.append(f"optimizer {index}: no master copies on this rank")
         siblings = [other for other in subs if other is not sub and _holds_parameters(other)]
         if _torch_adam(sub) and not _holds_parameters(sub) and siblings:
             _save_the_step_of(sub, siblings[0])
@@ -121,13 +120,26 @@ def _save_the_step_of(optimizer, sibling) -> None:
         step = _torch_step(sibling)
         if "common_step" not in state and step is not None:
             state["common_step"] = step
-        # the 16-bit optimizer's empty lists of master copies: rank 0 would write them for every rank, in the place
-        # of the copies of the ranks that hold parameters
+        return saved
+
+    optimizer.sharded_state_dict = sharded_state_dict
+
+
+def _without_master_copies(optimizer) -> None:
+    """A 16-bit optimizer with no parameters on this rank saves no master copies and reads none: its empty lists,
+    which rank 0 writes for every rank, took the place of the copies of the ranks that hold parameters. A rank whose
+    copies are all sharded leaves none in that common state either, so the checkpoint reads the same whichever
+    pipeline split wrote it."""
+    original = optimizer.sharded_state_dict
+
+    def sharded_state_dict(model_sharded_state_dict, is_loading: bool = False, metadata=None):
+        saved = original(model_sharded_state_dict, is_loading, metadata)
         if isinstance(saved.get("fp32_from_fp16_params"), list) and not any(saved["fp32_from_fp16_params"]):
             del saved["fp32_from_fp16_params"]
         return saved
 
     optimizer.sharded_state_dict = sharded_state_dict
+    optimizer.load_state_dict = types.MethodType(_float16_load_state_dict, optimizer)
 
 
 def _index_as_the_inner_optimizer_orders(optimizer) -> None:
