@@ -1304,8 +1304,8 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
     cfg = resolve("qwen3", args, env={"MP_TOKENIZER": str(tiktoken_file)})
     assert checkpointing.carried_tokenizer_notes(checkpointing.side_files_source(cfg, None), cfg) == [
         f"note: MP_TOKENIZER {tiktoken_file} is a tiktoken file, which the run reads and its checkpoints do not carry: "
-        f"they carry the tokenizer files of {tmp_path / 'ckpt'}, which the export and 'mpatch eval' read; they must "
-        "encode as the file does"]
+        f"they carry PRETRAIN_CHECKPOINT_PATH's tokenizer files ({tmp_path / 'ckpt'}), which the export and "
+        "'mpatch eval' read; they must encode as the file does"]
     # without MP_TOKENIZER the converted checkpoint's files, read as its HF folder's were
     default = saved({})
     assert all((default / n).read_bytes() == (hf / n).read_bytes() for n in ("tokenizer.json", "chat_template.jinja"))

@@ -230,8 +230,9 @@ def carried_tokenizer_notes(side_files: SideFiles, cfg) -> list[str]:
                 f"PRETRAIN_CHECKPOINT_PATH's: {', '.join(replaced)} differ"]
     carried = side_files_folder(side_files, "tokenizer.json")
     if cfg.tokenizer and Path(cfg.tokenizer).is_file() and carried is not None:
+        whose = "PRETRAIN_CHECKPOINT_PATH's" if carried == _pretrain_side_files_folder(cfg) else "the"
         return [f"note: MP_TOKENIZER {cfg.tokenizer} is a tiktoken file, which the run reads and its checkpoints do "
-                f"not carry: they carry the tokenizer files of {carried}, which the export and 'mpatch eval' read; "
+                f"not carry: they carry {whose} tokenizer files ({carried}), which the export and 'mpatch eval' read; "
                 "they must encode as the file does"]
     return []
 
