@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import explain_failures
+from megatron_patch.runtime.launch import explain_failures, reports_beside
 
 
 def _timed_out_in_all_reduce() -> RuntimeError:
@@ -153,3 +155,65 @@ def test_the_root_cause_is_chosen_in_order(tmp_path):
     plain = _failure(tmp_path, 4, 1, "ValueError: a bug", at=-1)
     assert explain_failures({4: plain, 2: terminated}) == ("rank 4 (pid 104) exited with status 1: its output is "
                                                            "above", 1, None)
+
+
+def _rank_that_fails_after(marks: str, rank: int) -> None:
+    """Local rank 1: its own error; local rank 0: the lost connection that rank 1's exit gives it, written after."""
+    marks = Path(marks)
+    if rank == 1:
+        watchdog.report_failure("internal error: ValueError: x at loop.py:1 on rank 1 (...)", "internal")
+        (marks / "1").touch()
+        os._exit(1)
+    while not (marks / "1").exists():
+        time.sleep(0.01)
+    time.sleep(0.2)  # rank 1 is gone
+    watchdog.report_failure("rank 0 lost its connection to another rank ...", "lost")
+    (marks / "0").touch()
+    os._exit(1)
+
+
+def test_the_rank_whose_error_ended_the_job_is_named_when_torch_lists_only_another(tmp_path):
+    """torch's agent for forked ranks (a function entrypoint) lists one failed rank, the first in local-rank order
+    among those that had exited: rank 0's lost connection, not rank 1's error that caused it. The other ranks'
+    error files of the attempt say it (a 4-rank pipeline job whose last stage failed printed only rank 0's line)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    context = start_processes("ranks", _rank_that_fails_after, args={r: (str(marks), r) for r in (0, 1)},
+                              envs={0: {}, 1: {}}, logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs")),
+                              start_method="fork")
+    try:
+        deadline = time.time() + 60
+        while not (marks / "0").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # both have exited before the agent looks, as when the lost connection comes within its poll
+        result = context.wait(timeout=30, period=0.1)
+    finally:
+        context.close()
+    assert result is not None and list(result.failures) == [0]  # torch's own report: rank 0 alone
+    assert explain_failures(result.failures)[2] == "lost"
+    assert explain_failures(result.failures, reports_beside(result.failures)) == (
+        "internal error: ValueError: x at loop.py:1 on rank 1 (...)", 1, "internal")
+
+
+def test_reports_beside_skip_a_cut_short_file_and_files_outside_torchs_layout(tmp_path):
+    attempt = tmp_path / "attempt_0"
+    for local in (0, 1, 2):
+        (attempt / str(local)).mkdir(parents=True)
+    own = _failure(tmp_path, 0, 1, "rank 4 lost its connection to another rank ...", "lost")
+    (attempt / "0" / "error.json").write_text(Path(own.error_file).read_text())
+    (attempt / "1" / "error.json").write_text('{"message": {"mess')  # the agent's SIGTERM came mid-write
+    user = _failure(tmp_path, 2, 1, "bad input", "user")
+    (attempt / "2" / "error.json").write_text(Path(user.error_file).read_text())
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    lost = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(attempt / "0" / "error.json"))
+    beside = reports_beside({4: lost})  # rank 4 is its node's local rank 0: the others there are 5 and 6
+    assert list(beside) == [6] and _text_of(beside[6]) == "bad input"
+    assert explain_failures({4: lost}, beside) == ("bad input", 2, "user")
+    assert reports_beside({0: own}) == {}  # not torch's <attempt>/<local rank>/error.json: nothing guessed
+
+
+def _text_of(failure) -> str:
+    return failure.error_file_data["message"]["message"]

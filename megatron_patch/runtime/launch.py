@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -30,6 +31,7 @@ import traceback
 import uuid
 import warnings
 from multiprocessing import forkserver, reduction
+from pathlib import Path
 from typing import Any, Callable
 
 from megatron_patch.errors import UserError
@@ -303,7 +305,7 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
                         f"within MP_DIST_TIMEOUT_MIN ({said}): start the same launcher line on every node, RANK 0 "
                         f"to {int(parsed.nnodes.split(':')[-1]) - 1}, or raise MP_DIST_TIMEOUT_MIN", 1) from None
     except ChildFailedError as exc:
-        raise JobFailed(*explain_failures(exc.failures)) from None
+        raise JobFailed(*explain_failures(exc.failures, reports_beside(exc.failures))) from None
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
         raise JobFailed(f"the launcher got {name}: every rank was stopped", 128 + int(exc.sigval)) from None
@@ -407,16 +409,19 @@ def _text(failure) -> str:
     return message.get("message", "") if isinstance(message, dict) else str(message or "")
 
 
-def explain_failures(failures: dict) -> tuple[str, int, str | None]:
-    """(one line, exit status, the rank's kind) for torchrun's failed ranks ({global rank: ProcessFailure}).
+def explain_failures(failures: dict, beside: dict | None = None) -> tuple[str, int, str | None]:
+    """(one line, exit status, the rank's kind) for torchrun's failed ranks ({global rank: ProcessFailure}) and the
+    reports other ranks of the attempt wrote (``beside``, ``reports_beside``'s: their one line counts, their exit
+    is not known).
 
     The root cause, in this order: a rank's own one-line error (bad input: exit 2; a collective that
     timed out, naming the rank that stopped answering), a rank killed by a signal the agent did not
     send (SIGKILL from the OOM killer or a person, SIGSEGV...), a rank's internal error (its traceback in
     the run's log), a lost connection, the first rank that exited non-zero."""
     order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    reported = sorted({**(beside or {}), **failures}.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     for kind, code in (("user", 2), ("hang", 1)):
-        for rank, f in order:
+        for rank, f in reported:
             if _kind(f) == kind:
                 return _text(f), code, kind
     for rank, f in order:
@@ -424,12 +429,38 @@ def explain_failures(failures: dict) -> tuple[str, int, str | None]:
             return (f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (by hand, by the scheduler, or by "
                     "the kernel for want of memory); the other ranks were stopped"), 1, None
     for kind in ("internal", "lost"):
-        for rank, f in order:
+        for rank, f in reported:
             if _kind(f) == kind:
                 return _text(f), 1, kind
     rank, f = order[0]
     how = f"was stopped by {f.signal_name()}" if f.exitcode < 0 else f"exited with status {f.exitcode}"
     return f"rank {rank} (pid {f.pid}) {how}: its output is above", 1, None
+
+
+def reports_beside(failures: dict) -> dict:
+    """{global rank: ProcessFailure} of the error files that the other local ranks of a failed attempt wrote before
+    the agent stopped them. torch's agent for a function entrypoint (forked ranks) names one failed rank, the first
+    in local-rank order among those that had exited: a rank 0 that lost its connection to the rank whose own error
+    ended the job came before that rank. torch keeps each local rank's file at ``<attempt>/<local rank>/error.json``."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    beside = {}
+    for rank, failure in failures.items():
+        own = Path(failure.error_file or "")
+        if own.name != "error.json" or own.parent.name != str(failure.local_rank):
+            continue
+        for folder in own.parent.parent.iterdir():
+            error_file = folder / "error.json"
+            if not folder.name.isdigit() or folder == own.parent or not error_file.is_file():
+                continue
+            try:  # a file the agent's SIGTERM cut short is no report (torch would log its traceback)
+                json.loads(error_file.read_text())
+            except (OSError, ValueError):
+                continue
+            local = int(folder.name)
+            beside[rank - failure.local_rank + local] = ProcessFailure(local_rank=local, pid=0, exitcode=1,
+                                                                       error_file=str(error_file))
+    return {rank: f for rank, f in beside.items() if rank not in failures}
 
 
 # --- ranks end with their launcher ----------------------------------------------------------------
