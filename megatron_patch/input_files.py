@@ -32,7 +32,7 @@ HF_SIDE_FILES = (
     "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
     "*.tiktoken", "tiktoken.model", "tokenizer.model", "spiece.model", "sentencepiece*.model",
     "generation_config.json", "chat_template.*", "preprocessor_config.json", "processor_config.json",
-    "video_preprocessor_config.json", "*.py",
+    "video_preprocessor_config.json", "*.py", "tekken.json",
 )
 # Those of them that make up the tokenizer (vocabulary, special tokens, chat template, its remote code): one
 # tokenizer's files are taken together from one folder, never mixed with another's. The rest are the model's.
@@ -145,17 +145,39 @@ def read_input_text(path: str | Path, **checks) -> str:
         raise UserError(f"{path} is not UTF-8 text (byte {exc.start}): fix or re-download it")
 
 
+# Deeper than any real config, sidecar or manifest nests (a few levels): what reads such a value recursively (copy's
+# deepcopy, transformers' configs) runs out of stack at a few hundred, as an internal error
+MAX_JSON_NESTING = 64
+
+
+def json_nesting(value: Any) -> int:
+    """How deep ``value``'s lists and objects nest (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def read_input_json(path: str | Path, *, hint: str = "", **checks) -> Any:
     """An input file's JSON value, with one-line errors (``hint``: what to give when the file is missing)."""
     data = read_input(path, hint=hint, **checks)
     try:
-        return json.loads(data)
+        value = json.loads(data)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}): fix or re-download it")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path} is not UTF-8 text (byte {exc.start}): fix or re-download it")
     except RecursionError:
+        too_deep = True
+    else:
+        too_deep = json_nesting(value) > MAX_JSON_NESTING
+    if too_deep:
         raise UserError(f"{path} nests its JSON too deeply to be a real file of its kind: fix or re-download it")
+    return value
 
 
 def read_json_object(path: str | Path, *, hint: str = "", **checks) -> dict[str, Any]:
@@ -174,3 +196,29 @@ def check_folder_inputs(folder: str | Path, patterns: tuple[str, ...] = ("config
     found = {p.name for pattern in patterns for p in folder.glob(pattern) if not p.is_dir()}  # tokenizer/: a folder
     for name in sorted(found):
         checked_input(folder / name, inside=folder)
+    _check_what_the_tokenizer_config_names(folder)
+    # transformers reads every additional_chat_templates/*.jinja as a named chat template
+    if os.path.lexists(folder / CHAT_TEMPLATES_FOLDER):
+        contained(folder, CHAT_TEMPLATES_FOLDER)
+        for template in sorted((folder / CHAT_TEMPLATES_FOLDER).glob("*.jinja")):
+            checked_input(template, inside=folder)
+
+
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
+
+
+def _check_what_the_tokenizer_config_names(folder: Path) -> None:
+    """tokenizer_config.json's ``fast_tokenizer_files`` names the tokenizer.json that transformers opens, by version:
+    a name like ``tokenizer.1.json/../../x`` leads anywhere."""
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return
+    listed = read_json_object(config, inside=folder).get("fast_tokenizer_files")
+    if listed is None:
+        return
+    if not isinstance(listed, list) or not all(isinstance(name, str) for name in listed):
+        raise UserError(f"{config}: 'fast_tokenizer_files' must be a list of file names, found {listed!r:.80}")
+    how = "names in tokenizer_config.json's fast_tokenizer_files"
+    for name in listed:
+        if os.path.lexists(contained(folder, name, how)):
+            checked_input(folder / name, inside=folder, how=how)

@@ -230,6 +230,8 @@ class HFTokenizer:
         # The vocabulary and the end-of-document token are the file's (transformers adds a special token the
         # config names and the file lacks, an id no model has a row for: a text holding it is refused, ``_encoded``).
         self._file, self._built_by = self._tok, "tokenizers' own"
+        # a file that leads out of the folder is refused, not passed over for the file's own pipeline below
+        check_folder_inputs(folder)
         try:
             built = load_hf_tokenizer(folder)
             self._tok, self._built_by = built.backend_tokenizer, f"the {type(built).__name__} transformers builds"

@@ -147,6 +147,23 @@ def test_a_sidecar_naming_more_mtp_layers_than_its_config_is_refused(hf, tmp_pat
         _one_line(rc, err, f"'mtp_layers' is {layers}, and the model's config declares 0")
 
 
+def test_a_sidecar_nested_too_deeply_for_its_readers_is_refused(hf, tmp_path, capsys):
+    """A sidecar JSON parses at 600 levels, and its tokenizer_model_config then went through copy.deepcopy, out of
+    stack: mcore2hf and mpatch eval said 'internal error: RecursionError ... a bug'."""
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
+    sidecar = ckpt / "mpatch_checkpoint.json"
+    nested: dict = {}
+    for _ in range(600):
+        nested = {"x": nested}
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()),
+                                   "tokenizer_model_config": {"model_type": "llama", "x": nested}}))
+    for argv in (["inspect", str(ckpt)],
+                 ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"), "--no-verify"]):
+        rc, err = run_cli(capsys, *argv)
+        _one_line(rc, err, "mpatch_checkpoint.json is malformed", "nests deeper than 64 levels")
+
+
 def test_align_and_parity_say_a_mismatched_vocabulary_in_one_line(hf, tmp_path, capsys):
     folder = _variant(hf, tmp_path, "vocab", vocab_size=json.loads((hf / "config.json").read_text())["vocab_size"] - 3)
     for argv in (["align", "--hf-dir", str(folder), "--quiet"], ["parity", "--hf-dir", str(folder)]):

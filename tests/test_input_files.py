@@ -161,6 +161,52 @@ def test_transformers_reads_no_file_of_the_folder_that_was_not_checked(hf, tmp_p
     check_folder_inputs(folder)
 
 
+def _tokenizer_from_elsewhere(root: Path) -> Path:
+    """A word-level tokenizer.json outside any tokenizer folder, under a name no pattern checks."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    (root / "elsewhere").mkdir()
+    other = Tokenizer(models.WordLevel({"</s>": 0, "a": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    other.save(str(root / "elsewhere" / "data"))
+    return root / "elsewhere" / "data"
+
+
+@pytest.mark.parametrize("how", ["fast_tokenizer_files", "additional_chat_templates"])
+def test_what_transformers_opens_by_a_name_in_a_file_or_a_subfolder_stays_inside_the_folder(tokenizer, tmp_path,
+                                                                                             capsys, how):
+    """transformers opens the tokenizer.json tokenizer_config.json's ``fast_tokenizer_files`` picks (by version) and
+    every additional_chat_templates/*.jinja: a name through a sub-folder (``tokenizer.1.json/../../x``) or a link
+    there read a file outside the folder, unchecked, and preprocessing wrote another tokenizer's ids, exit 0."""
+    folder = _linked_copy(tokenizer, tmp_path / "tok", skip=("tokenizer_config.json",))
+    outside = _tokenizer_from_elsewhere(tmp_path)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    if how == "fast_tokenizer_files":
+        (folder / "tokenizer.1.json").mkdir()
+        config["fast_tokenizer_files"] = ["tokenizer.1.json/../../elsewhere/data"]
+    else:
+        (folder / "additional_chat_templates").mkdir()
+        (folder / "additional_chat_templates" / "x.jinja").symlink_to(outside)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "a b c"}])
+    rc, err = run_cli(capsys, "preprocess", "--input", str(data), "--output-prefix", str(tmp_path / "p"),
+                      "--tokenizer", str(folder), "--quiet")
+    _one_line(rc, err, "which leads outside the folder", str(outside))
+    assert not list(tmp_path.glob("p*"))
+
+
+def test_a_fast_tokenizer_files_entry_inside_the_folder_is_read_as_before(tokenizer, tmp_path, capsys):
+    from megatron_patch.tokenizer import load_tokenizer
+
+    folder = _linked_copy(tokenizer, tmp_path / "tok", skip=("tokenizer_config.json",))
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": ["tokenizer.json"]}))
+    assert load_tokenizer(folder).encode("a b c") == load_tokenizer(tokenizer).encode("a b c")
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "fast_tokenizer_files": "tokenizer.json"}))
+    with pytest.raises(UserError, match="'fast_tokenizer_files' must be a list of file names"):
+        check_folder_inputs(folder)
+
+
 # --- N15: a garbage tokenizer is bad input ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, content, words", [

@@ -37,7 +37,7 @@ from megatron_patch.checkpoint_files.torch_dist import (
 )
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex, check_crc
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import file_problem, read_input
+from megatron_patch.input_files import MAX_JSON_NESTING, file_problem, json_nesting, read_input
 from megatron_patch.outputs.folders import (  # noqa: F401 - the layout's folder helpers, one import for readers
     PARTIAL_TAG,
     atomic_dir,
@@ -93,6 +93,9 @@ def read_small_json(path: str | Path, limit: int = SMALL_FILE_BYTES) -> dict:
         raise UserError(f"{path} is unreadable ({exc})") from None
     except (ValueError, RecursionError) as exc:
         raise UserError(f"{path} is unreadable ({' '.join(str(exc).split())[:200]})") from None
+    if json_nesting(value) > MAX_JSON_NESTING:
+        raise UserError(f"{path} is unreadable (its JSON nests deeper than {MAX_JSON_NESTING} levels, as no file of "
+                        "its kind does)")
     if not isinstance(value, dict):
         raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object")
     return value
