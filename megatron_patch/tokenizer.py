@@ -290,6 +290,11 @@ class HFTokenizer:
         raise UserError(f"{folder}: cannot tell the end-of-document token ({named}, none of "
                         f"{', '.join(EOD_CANDIDATES)} in the vocabulary)")
 
+    @property
+    def eod_token(self) -> str:
+        """The end-of-document token's text."""
+        return self._file.id_to_token(self.eod)
+
     def encode(self, text: str) -> list[int]:
         return self._encoded(text).ids
 

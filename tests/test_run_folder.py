@@ -1298,7 +1298,18 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
     shutil.copy(own / "tokenizer.json", alone)
     assert main(["convert", "mcore2hf", "--load-dir", str(saved({"MP_TOKENIZER": str(alone)})), "--save-dir",
                  str(tmp_path / "back_alone")]) == 0
-    assert AutoTokenizer.from_pretrained(tmp_path / "back_alone").encode(text) == load_tokenizer(own).encode(text)
+    exported = AutoTokenizer.from_pretrained(tmp_path / "back_alone")
+    assert exported.encode(text) == load_tokenizer(own).encode(text)
+    # and the end-of-document token the run found and trained: it named none, and lm-eval's HF backend failed on an
+    # export whose tokenizer had no eos_token
+    run_tokenizer = load_tokenizer(alone)
+    assert exported.eos_token == run_tokenizer.eod_token and exported.eos_token_id == run_tokenizer.eod
+    assert "names eos_token '</s>', the end-of-document token the training run found" in capsys.readouterr().err
+    # a carried tokenizer_config.json that is no JSON: one line naming the checkpoint's file (an internal error)
+    broken = saved({"MP_TOKENIZER": str(own)})
+    (broken / "tokenizer_config.json").write_text("{not json")
+    assert main(["convert", "mcore2hf", "--load-dir", str(broken), "--save-dir", str(tmp_path / "back_broken")]) == 2
+    assert f"{broken / 'tokenizer_config.json'} is not valid JSON" in capsys.readouterr().err
     # a tiktoken file is read by the run and not carried: said at launch (the checkpoint's files are carried)
     tiktoken_file = make_tiktoken_file(tmp_path / "tok.tiktoken", [b"th", b"he"])
     cfg = resolve("qwen3", args, env={"MP_TOKENIZER": str(tiktoken_file)})

@@ -61,7 +61,7 @@ from megatron_patch.convert.schedule import WHOLE_FILE
 from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import checked_input
+from megatron_patch.input_files import checked_input, read_json_object
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
 from megatron_patch.models.description.arch import Arch, default_expert_tp, read_config_json, validate_layout
 from megatron_patch.models.description.config_checks import check_weights_fit, config_dtype
@@ -671,54 +671,68 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
             source.close()
         source.check_all_read()
         _write_hf_config(tmp, sidecar.hf_config, out_dtype)
-        _carry_side_files(load_dir, [f for f in sidecar.carried_files if f != CARRIED_TENSORS], config_folder, tmp)
+        files_from = _carry_side_files(load_dir, [f for f in sidecar.carried_files if f != CARRIED_TENSORS],
+                                       config_folder, tmp)
         if sidecar.tokenizer_model_config is not None:  # a training run's MP_TOKENIZER, read with another config
-            _name_the_tokenizer_class(load_dir, tmp)
+            _name_the_tokenizer_class(load_dir, tmp, files_from)
         if check is not None:
             check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)
 
 
-def _carry_side_files(load_dir: Path, listed: list[str], config_folder: Path | None, out: Path) -> None:
+def _carry_side_files(load_dir: Path, listed: list[str], config_folder: Path | None, out: Path) -> Path | None:
     """The tokenizer and generation files into the export: those the checkpoint carries, else (a checkpoint of
-    another tool, or an iteration saved before runs carried them) those of the HF folder --hf-config names."""
+    another tool, or an iteration saved before runs carried them) those of the HF folder --hf-config names.
+    Returns the folder they came from."""
     if listed:
         copy_carried(load_dir, out, listed)
-        return
+        return load_dir
     found = carried_files(config_folder) if config_folder is not None else []
     if found:
         copy_carried(config_folder, out, found)
         print(f"mcore2hf: the checkpoint carries no tokenizer files: {len(found)} taken from {config_folder} "
               f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})", file=sys.stderr, flush=True)
-        return
+        return config_folder
     print("warning: the export has no tokenizer files, as the checkpoint carries none: --hf-config HF_DIR takes them "
           "from the model's HF folder", file=sys.stderr, flush=True)
+    return None
 
 
-def _name_the_tokenizer_class(load_dir: Path, out: Path) -> None:
+def _name_the_tokenizer_class(load_dir: Path, out: Path, files_from: Path | None) -> None:
     """The export's config.json picks transformers' tokenizer class where tokenizer_config.json names none; a
     training run read its MP_TOKENIZER folder with another model config, or none (its files alone), and built
     another pipeline (other ids for the same text): the export's tokenizer_config.json names the class the run
-    read it as, so transformers builds that pipeline from the export too."""
+    read it as, so transformers builds that pipeline from the export too. Where it names no eos_token, it names the
+    end-of-document token the run found and trained (a folder of tokenizer.json alone: transformers' tokenizer of
+    the export had none, and lm-eval's HF backend failed on it)."""
     config_file = out / "tokenizer_config.json"
     if not (config_file.is_file() or (out / "tokenizer.json").is_file()):
         return
-    # a tokenizer folder of tokenizer.json alone gets a tokenizer_config.json of this one entry
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    if not isinstance(config, dict) or config.get("tokenizer_class"):
-        return
+    # a tokenizer folder of tokenizer.json alone gets a tokenizer_config.json of these entries
+    # read where it was copied from (the message names that file; the export is still a partial folder)
+    config = read_json_object(files_from / config_file.name, inside=files_from) if config_file.is_file() else {}
     # transformers: only for a checkpoint whose tokenizer was read with another config than its own
-    from megatron_patch.tokenizer import load_hf_tokenizer
+    from megatron_patch.tokenizer import HFTokenizer, load_hf_tokenizer, load_tokenizer
 
-    read_as, built = type(load_hf_tokenizer(load_dir)).__name__, type(load_hf_tokenizer(out)).__name__
-    if read_as == built:
+    named = {}
+    if not config.get("tokenizer_class"):
+        read_as, built = type(load_hf_tokenizer(load_dir)).__name__, type(load_hf_tokenizer(out)).__name__
+        if read_as != built:
+            # transformers 5's name for the class a tokenizer.json alone gives; 4.x knows it by its older name
+            named["tokenizer_class"] = "PreTrainedTokenizerFast" if read_as == "TokenizersBackend" else read_as
+            why = f"the class the training run read its tokenizer as (config.json alone would pick {built}: other ids)"
+    run_tokenizer = load_tokenizer(load_dir)
+    if not config.get("eos_token") and isinstance(run_tokenizer, HFTokenizer):
+        named["eos_token"] = run_tokenizer.eod_token
+    if not named:
         return
-    # transformers 5's name for the class a tokenizer.json alone gives; 4.x knows it by its older name, 5 by both
-    name = "PreTrainedTokenizerFast" if read_as == "TokenizersBackend" else read_as
-    config_file.write_text(json.dumps({**config, "tokenizer_class": name}, indent=2, ensure_ascii=False) + "\n",
-                           encoding="utf-8")
-    print(f"mcore2hf: the export's tokenizer_config.json names tokenizer_class {name}, the class the training run "
-          f"read its tokenizer as (config.json alone would pick {built}: other ids)", file=sys.stderr, flush=True)
+    config_file.write_text(json.dumps({**config, **named}, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    if "tokenizer_class" in named:
+        print(f"mcore2hf: the export's tokenizer_config.json names tokenizer_class {named['tokenizer_class']}, {why}",
+              file=sys.stderr, flush=True)
+    if "eos_token" in named:
+        print(f"mcore2hf: the export's tokenizer_config.json names eos_token {named['eos_token']!r}, the "
+              "end-of-document token the training run found (it named none)", file=sys.stderr, flush=True)
 
 
 def _config_folder(hf_config) -> Path | None:
