@@ -1137,6 +1137,75 @@ def test_a_hard_linked_copy_resumes_without_touching_the_original(stopped_run, c
         len((original / "log" / "metrics.jsonl").read_text().splitlines())
 
 
+def _tamper_optimizer_state(folder: Path, edit) -> None:
+    """``edit`` applied to the optimizer state in ``folder``'s common.pt, and the manifest written again (whoever can
+    change the files can change the manifest)."""
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+
+    common = torch.load(folder / "common.pt", weights_only=False)  # this test's own run wrote it
+    edit(common["optimizer"])
+    torch.save(common, folder / "common.pt")
+    (folder / MANIFEST_NAME).unlink()
+    write_manifest(folder, "mpatch train", sync=False)
+
+
+def _losses_after(out: Path, iteration: int) -> list[tuple]:
+    from tests.training_helpers import read_metrics
+
+    return [(m["iteration"], m["loss"], m["grad_norm"]) for m in read_metrics(out) if m["iteration"] > iteration]
+
+
+def _set_steps(state, value) -> None:
+    """Every Adam step of an optimizer state dict (torch's per parameter, or megatron-core's ``common_step``)."""
+    if isinstance(state, dict):
+        for key in list(state):
+            if key in ("step", "common_step"):
+                state[key] = value
+            else:
+                _set_steps(state[key], value)
+    elif isinstance(state, (list, tuple)):
+        for item in state:
+            _set_steps(item, value)
+
+
+@pytest.mark.slow
+def test_a_tampered_optimizer_state_is_refused_or_takes_the_launchs_settings(stopped_run, corpus, tmp_path):
+    """An edited common.pt (its manifest written again) resumed silently or as an internal error: Adam's step 1e9
+    trained with its bias correction gone, -1 divided by zero, a 2-element step and a param group fewer stopped
+    as 'a bug'; the saved betas (0, 0) replaced the launch's (torch takes a saved group's settings). A step outside
+    0..iteration and another structure are refused in one line; the launch's betas are used."""
+    newest = f"iter_{STOP_AT:07d}"
+    untouched = tmp_path / "untouched"
+    shutil.copytree(stopped_run, untouched)
+    proc = _resume(corpus, untouched)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    refusals = {
+        "a step past the iteration": (lambda o: _set_steps(o, torch.tensor(1e9)), "holds an Adam step of 1000000000.0 "
+                                      f"for iteration {STOP_AT} (a whole number from 0 to {STOP_AT} is due)"),
+        "a negative step": (lambda o: _set_steps(o, torch.tensor(-1.0)), "holds an Adam step of -1.0"),
+        "a step of two elements": (lambda o: _set_steps(o, torch.tensor([2.0, 2.0])),
+                                   "holds an Adam step of a tensor of shape (2,)"),
+        "a param group fewer": (lambda o: o.__setitem__("param_groups", o["param_groups"][:1]),
+                                "holds a state of another structure than the one this launch's model and optimizer "
+                                "read (Cannot merge two lists with different lengths"),
+    }
+    for case, (edit, said) in refusals.items():
+        out = tmp_path / case.replace(" ", "_")
+        shutil.copytree(stopped_run, out)
+        _tamper_optimizer_state(out / "checkpoint" / newest, edit)
+        proc = _resume(corpus, out)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (case, proc.stdout[-2000:] + proc.stderr)
+        assert f"{out / 'checkpoint' / newest} {said}" in proc.stderr and "the checkpoint is damaged" in proc.stderr, \
+            (case, proc.stderr)
+    betas = tmp_path / "betas"
+    shutil.copytree(stopped_run, betas)
+    _tamper_optimizer_state(betas / "checkpoint" / newest,
+                            lambda o: [group.__setitem__("betas", (0.0, 0.0)) for group in o["param_groups"]])
+    proc = _resume(corpus, betas)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _losses_after(betas, STOP_AT) == _losses_after(untouched, STOP_AT) != []
+
+
 def test_a_legacy_starting_checkpoint_at_another_layout_is_refused_before_any_rank(corpus, tmp_path, monkeypatch, capsys):
     """A legacy checkpoint loads only at the layout it was written at. The refusal came from each rank, after
     torchrun had started them and they had built the model; the launcher now says it before starting any."""
@@ -1231,6 +1300,52 @@ def test_a_blend_trains_and_records_its_weights(corpus, other_corpus, tmp_path):
     assert [m["iteration"] for m in read_metrics(out)] == [1, 2, 3]
     state = json.loads((out / "checkpoint" / "iter_0000003" / "train_state.json").read_text())
     assert state["data"]["weights"] == [0.7, 0.3], state["data"]
+
+
+def test_a_side_file_no_save_can_copy_is_refused_before_the_first_iteration(tmp_path):
+    """A FIFO (or a link out of the folder) among MP_TOKENIZER's tokenizer files trained every iteration up to the
+    first save, which then refused it and left its partial folder: the folders the saves copy from are checked
+    when the run plans them (rank 0, before its first iteration)."""
+    from megatron_patch.demo_data import make_texts, make_tokenizer
+    from megatron_patch.training import checkpointing
+
+    tokenizer = make_tokenizer(tmp_path / "tok", make_texts(50, seed=0), vocab_size=120)
+    os.mkfifo(tokenizer / "tokenizer_extra.txt")
+    cfg = resolve("llama3_1", launcher_args("llama3_1", OUTPUT_BASEPATH=str(tmp_path / "out")),
+                  env={"MP_TOKENIZER": str(tokenizer)}, check_paths=False)
+    with pytest.raises(UserError, match="tokenizer_extra.txt is a FIFO, not a regular file"):
+        checkpointing.side_files_source(cfg, None)
+    (tokenizer / "tokenizer_extra.txt").unlink()
+    (tokenizer / "special_tokens_map.json").symlink_to("/etc/hostname")
+    with pytest.raises(UserError, match="which leads outside the folder"):
+        checkpointing.side_files_source(cfg, None)
+
+
+def test_sft_from_a_runs_checkpoint_folder_reads_the_tokenizer_its_iteration_carries(tmp_path):
+    """docs/training.md starts another job from a run's checkpoint/ folder (PRETRAIN_CHECKPOINT_PATH), and the
+    refusal of another job into a run folder advises it: SFT then looked for tokenizer.json in checkpoint/ itself
+    ("not found"), while the iteration it loads carries it."""
+    from megatron_patch.checkpoint_files.layout import write_tracker
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.demo_data import make_texts, make_tokenizer
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    make_tokenizer(hf, make_texts(200, seed=0), vocab_size=190)
+    hf_to_mcore(hf, tmp_path / "ckpt", ParallelLayout(), progress=False)
+    checkpoints = tmp_path / "run" / "checkpoint"  # a run's, as its saves leave it: iterations and the tracker
+    shutil.copytree(tmp_path / "ckpt" / "release", checkpoints / "iter_0000002")
+    for name in ("mpatch_checkpoint.json", "tokenizer.json", "tokenizer_config.json"):  # each iteration carries them
+        shutil.copy(tmp_path / "ckpt" / name, checkpoints / "iter_0000002")
+    write_tracker(checkpoints, 2)
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    args = launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), MODEL_SIZE="auto",
+                         PRETRAIN_CHECKPOINT_PATH=str(checkpoints), OUTPUT_BASEPATH=str(tmp_path / "out"))
+    assert resolve("llama3_1", args, env={}).tokenizer == str(checkpoints / "iter_0000002")
+    given = launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), MODEL_SIZE="auto",
+                          PRETRAIN_CHECKPOINT_PATH=str(tmp_path / "ckpt"), OUTPUT_BASEPATH=str(tmp_path / "out"))
+    assert resolve("llama3_1", given, env={}).tokenizer == str(tmp_path / "ckpt")  # where it carries it itself
 
 
 def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did(tmp_path, capsys):

@@ -376,3 +376,11 @@ def safe_dist_load(sharded_state_dict: dict, folder: str | Path, **kwargs) -> di
     except CheckpointException as exc:
         _raise_refusal(exc, folder)
         raise
+    except ValueError as exc:  # megatron-core's merge of the saved common state into the one asked for
+        if not str(exc).startswith(_MERGE_FAILURES):
+            raise
+        raise UserError(f"{folder} holds a state of another structure than the one this launch's model and optimizer "
+                        f"read ({' '.join(str(exc).split())[:200]}): the checkpoint is damaged") from None
+
+
+_MERGE_FAILURES = ("Cannot merge two lists with different lengths", "Duplicate non-dict and non-list values")

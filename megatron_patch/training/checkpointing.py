@@ -57,7 +57,7 @@ from megatron_patch.checkpoint_files.manifest import (
     write_manifest,
 )
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import is_tokenizer_file, read_input
+from megatron_patch.input_files import checked_input, is_tokenizer_file, read_input
 from megatron_patch.lora.state import adapter_sharded_state, base_record
 from megatron_patch.tokenizer import class_picking_config
 from megatron_patch.runtime import watchdog
@@ -207,6 +207,11 @@ def side_files_source(cfg, resume_iteration: int | None) -> SideFiles:
             same[1].extend(names)
         elif names:
             plan.append((folder, names))
+    # what each save copies, checked now: a FIFO or a link out of the folder refused before the first iteration,
+    # not at the first save
+    for folder, names in plan:
+        for name in names:
+            checked_input(folder / name, inside=folder, how="has a side file", limit=None)
     return plan
 
 
@@ -461,6 +466,59 @@ def _take_the_launch_schedule(state, cfg) -> None:
             _take_the_launch_schedule(child, cfg)
 
 
+def _check_adam_steps(state, iteration: int, folder: Path) -> None:
+    """Every Adam step the saved optimizer state holds (torch's per parameter, transformer-engine's per group,
+    megatron-core's ``common_step``) is a whole number from 0 to the iteration (a step skipped for an fp16 overflow
+    counts no step): another value is a damaged file, which would divide by zero, stop the step as an internal error,
+    or train with a bias correction that is not the run's."""
+    pending = [state]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+            continue
+        if not isinstance(item, dict):
+            continue
+        for key, value in item.items():
+            if key in ("step", "common_step"):
+                step = _whole_step(value)
+                if step is None or not 0 <= step <= iteration:
+                    raise UserError(f"{folder} holds an Adam step of {_shown(value)} for iteration {iteration} (a "
+                                    f"whole number from 0 to {iteration} is due): the checkpoint is damaged")
+            elif isinstance(value, (dict, list, tuple)):
+                pending.append(value)
+
+
+def _whole_step(value) -> int | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (
+            float("inf"), float("-inf")) or value != int(value):
+        return None
+    return int(value)
+
+
+def _shown(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}" if value.numel() != 1 else repr(value.item())
+    return repr(value)[:80]
+
+
+# What a param group holds of the run's state rather than its settings: its parameters, transformer-engine's Adam
+# step, and what the scheduler sets before each step
+_GROUP_STATE = frozenset({"params", "step", "lr", "weight_decay"})
+
+
+def _load_with_the_launch_hyperparameters(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, its param groups' settings (Adam's betas and eps, megatron-core's
+    multipliers) kept as this launch built them: torch takes a saved group's settings over the optimizer's own, so
+    a saved file's betas trained on, the launch's unsaid (the schedule is the launch's too, as run_state says)."""
+    launched = [{k: v for k, v in group.items() if k not in _GROUP_STATE} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, settings in zip(optimizer.param_groups, launched):
+        group.update(settings)
+
+
 def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     """Restore everything saved at ``iteration``; returns the consumed samples."""
     # megatron-core is imported here, not at the top: the launcher reads this module's tracker helpers
@@ -479,7 +537,8 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
             raise UserError(f"{folder} holds {unexpected[0]}, which this LoRA model does not train: resume with the "
                             "MP_LORA_* settings the run was started with")
     _take_the_launch_schedule(state["optimizer"], cfg)
-    optimizer.load_state_dict(state["optimizer"])
+    _check_adam_steps(state["optimizer"], iteration, folder)
+    _load_with_the_launch_hyperparameters(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     saved = read_train_state(folder)
     rng = folder / "rng" / f"rank_{dist.get_rank():05d}.pt"

@@ -99,8 +99,8 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         raise UserError("param-gather overlap needs the distributed optimizer: set DO=true")
 
     size, ckpt = o["MODEL_SIZE"], o["PRETRAIN_CHECKPOINT_PATH"]
-    family, hf_config, vocab_padded_to, mtp_layers = _model_config(launcher, size, ckpt, o["MP_HF_CONFIG"],
-                                                                   o["MP_NUM_LAYERS"])
+    family, hf_config, vocab_padded_to, mtp_layers, tokenizer_home = _model_config(
+        launcher, size, ckpt, o["MP_HF_CONFIG"], o["MP_NUM_LAYERS"])
     if mtp_layers:
         notes.append(f"{ckpt} holds {mtp_layers} multi-token-prediction layer(s) (converted with --mtp): they train "
                      "with the model, their loss logged as mtp_N loss")
@@ -136,7 +136,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
                      "held out, where Pai's launcher would hold out 1% of the data; give a held-out set, or set "
                      "MP_SPLIT=99,1,0 to hold it out of DATASET_PATH as Pai does")
     # JSON records are tokenized here, by default with the checkpoint's tokenizer; an idxmap is already ids.
-    o.settle("MP_TOKENIZER", sft=sft, dataset_type=dataset_type, checkpoint=ckpt)
+    o.settle("MP_TOKENIZER", sft=sft, dataset_type=dataset_type, checkpoint=tokenizer_home)
     o.settle("MP_WEIGHT_DECAY", family=family, launcher=launcher)
     evaluation_run.settle_options(o)
 
@@ -501,9 +501,10 @@ def check_starting_checkpoint_layout(cfg: RunConfig) -> None:
 # --- reading what a value names ------------------------------------------------------------------------------
 
 def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_file: str | None,
-                  num_layers: int | None = None) -> tuple[str, dict, int | None, int]:
+                  num_layers: int | None = None) -> tuple[str, dict, int | None, int, str | None]:
     """(the model's family, its HF config, the checkpoint's own vocabulary padding when it differs from ours, the
-    multi-token-prediction layers it holds: converted with --mtp, they train too, as Pai trains DeepSeek-V3's).
+    multi-token-prediction layers it holds: converted with --mtp, they train too, as Pai trains DeepSeek-V3's;
+    the folder that carries its tokenizer: a run's checkpoint folder carries it in the iteration it starts from).
 
     MODEL_SIZE names the family among the launcher's (Pai's Qwen3 launcher takes dense and MoE sizes). With a
     PRETRAIN_CHECKPOINT_PATH the checkpoint's architecture wins: its sidecar, else MP_HF_CONFIG, else the
@@ -518,7 +519,7 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
         if preset is None or ckpt is not None:
             raise UserError("MP_NUM_LAYERS shapes a model from a MODEL_SIZE preset and cannot change a checkpoint's: "
                             "drop MP_NUM_LAYERS or PRETRAIN_CHECKPOINT_PATH")
-        return family, {**preset, "num_hidden_layers": num_layers}, None, 0
+        return family, {**preset, "num_hidden_layers": num_layers}, None, 0, None
     if size == "auto" and ckpt is None:
         raise UserError("MODEL_SIZE=auto takes the architecture from PRETRAIN_CHECKPOINT_PATH, which is none: "
                         "give a converted checkpoint or a model size")
@@ -526,7 +527,7 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
         raise UserError("MP_HF_CONFIG describes the model a PRETRAIN_CHECKPOINT_PATH holds, and there is none: drop "
                         "MP_HF_CONFIG (MODEL_SIZE chooses the model)")
     if ckpt is None:
-        return family, preset, None, 0
+        return family, preset, None, 0, None
 
     given = None if hf_config_file is None else read_config_json(
         hf_config_file, hint="MP_HF_CONFIG takes the model's HF config.json or the folder that holds it")
@@ -547,7 +548,15 @@ def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_fil
         if diff:
             raise UserError(f"{ckpt} does not hold a {family} {size} model (differs in {', '.join(diff)}): "
                             "use MODEL_SIZE=auto to take the checkpoint's architecture")
-    return family, sidecar.hf_config, sidecar.arch.vocab_padded_to, sidecar.mtp_layers
+    carrier = opened.found.sidecar_dir
+    tokenizer_home = (str(carrier) if carrier is not None and not _holds_a_tokenizer(Path(ckpt))
+                      and _holds_a_tokenizer(carrier) else ckpt)
+    return family, sidecar.hf_config, sidecar.arch.vocab_padded_to, sidecar.mtp_layers, tokenizer_home
+
+
+def _holds_a_tokenizer(folder: Path) -> bool:
+    return os.path.lexists(folder / "tokenizer.json") or any(folder.glob("*.tiktoken")) or \
+        os.path.lexists(folder / "tiktoken.model")
 
 
 # One run reads one kind of SFT data, the kind DATASET_PATH names (MP_DATASET_TYPE's default)
