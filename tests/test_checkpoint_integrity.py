@@ -557,3 +557,67 @@ def test_training_loads_check_the_distcp_chunks(written, tmp_path):
     target = {key: torch.empty(reader.global_shape(key), dtype=getattr(torch, reader.dtype(key)))}
     with pytest.raises(UserError, match=rf"{name} \(the archive at byte {start}\) is corrupt"):
         load_refusing(target, SafeFileSystemReader(ckpt))
+
+
+# --- a run's checkpoint folder whose newest iteration is damaged ------------------------------------------------
+
+def _run_checkpoints(converted: Path, root: Path, iterations=(1, 2)) -> Path:
+    """A run's checkpoint folder as its saves leave it: iteration folders of the converted weights, each with the
+    sidecar and a manifest of its own, and the tracker at the newest."""
+    from megatron_patch.checkpoint_files.layout import iteration_dir, write_tracker
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+
+    for iteration in iterations:
+        folder = iteration_dir(root, iteration)
+        shutil.copytree(converted / "release", folder)
+        for side in converted.iterdir():  # the sidecar and the files it carries
+            if side.is_file() and side.name not in (MANIFEST_NAME, "latest_checkpointed_iteration.txt"):
+                shutil.copy(side, folder)
+        write_manifest(folder, "mpatch train", sync=False)
+    write_tracker(root, iterations[-1])
+    return root
+
+
+@pytest.mark.parametrize("found_by", ["the look", "the conversion"])
+def test_mcore2hf_of_a_runs_checkpoints_takes_the_newest_sound_iteration(written, tmp_path, capsys, monkeypatch,
+                                                                         found_by):
+    """docs/training.md: mcore2hf of OUTPUT_BASEPATH/checkpoint takes the newest complete iteration with a resume's
+    checks. A flipped byte in the newest iteration's .distcp was refused ('--no-verify reads it as it is': the
+    damaged bytes) while the launcher resumed the previous one. The look that chooses hashes files up to 64 MiB; a
+    bigger file's damage is found by the conversion, which then converts the previous iteration."""
+    import megatron_patch.checkpoint.foreign as foreign
+
+    if found_by == "the conversion":  # as for files past the look's digest limit
+        monkeypatch.setattr(foreign, "_LOOK_DIGEST_LIMIT", 0)
+    root = _run_checkpoints(written["torch_dist"], tmp_path / "checkpoint")
+    newest = root / "iter_0000002"
+    _flip(next(newest.glob("*.distcp")), 200)
+    assert main(["convert", "mcore2hf", "--load-dir", str(root), "--iteration", "1", "--save-dir",
+                 str(tmp_path / "one"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "out"), "--quiet"]) == 0
+    err = capsys.readouterr().err
+    said = {"the look": f"warning: {newest} is incomplete or damaged: {next(newest.glob('*.distcp'))} does not match "
+                        "its digest",
+            "the conversion": f"warning: {newest} is damaged ("}[found_by]
+    assert said in err and "iteration 1" in err, err
+    assert _same_bytes(tmp_path / "out", tmp_path / "one")
+    # an iteration named is converted or refused as it is, never another
+    _one_line_exit_2(capsys, ["convert", "mcore2hf", "--load-dir", str(newest), "--save-dir", str(tmp_path / "o2"),
+                              "--quiet"], "does not match its digest", "--no-verify")
+
+
+def test_evals_refusal_of_a_damaged_newest_iteration_names_the_previous_one(written, tmp_path, monkeypatch):
+    import megatron_patch.checkpoint.foreign as foreign
+    from megatron_patch.checkpoint_files.manifest import IntegrityError
+    from megatron_patch.cli.eval import _with_the_previous_iteration
+
+    monkeypatch.setattr(foreign, "_LOOK_DIGEST_LIMIT", 0)
+    root = _run_checkpoints(written["torch_dist"], tmp_path / "checkpoint", iterations=(1, 2, 3))
+    _flip(next((root / "iter_0000003").glob("*.distcp")), 200)
+    _flip(next((root / "iter_0000002").glob("*.distcp")), 20)  # cut short too: the look skips it
+    (root / "iter_0000002" / "metadata.json").write_text("{}" * 10)
+    said = str(_with_the_previous_iteration(IntegrityError("x does not match its digest"), str(root)))
+    assert said == f"x does not match its digest; --load-dir {root / 'iter_0000001'} evaluates the newest complete " \
+                   "iteration before it"
+    assert str(_with_the_previous_iteration(IntegrityError("x"), str(root / "iter_0000003"))) == "x"

@@ -84,17 +84,17 @@ def what_to_give(found: FoundCheckpoint, config_option: str = "--hf-config", fam
 
 def open_checkpoint(path: str | Path, hf_config: dict | str | Path | None = None, family: str | None = None,
                     iteration: int | None = None, config_option: str = "--hf-config",
-                    family_option: str | None = "--family") -> OpenedCheckpoint:
+                    family_option: str | None = "--family", verify: bool = True) -> OpenedCheckpoint:
     """The checkpoint at ``path`` with its architecture (see the module docstring for the order). ``config_option``
     and ``family_option``: what the asking command calls ``hf_config`` and ``family`` (None: it takes no family),
-    for its messages."""
+    for its messages; ``verify``: as ``find_checkpoint``'s."""
     source = "the model's HF config"
     if hf_config is not None and not isinstance(hf_config, dict):
         # Read whether or not it is needed: a --hf-config that names nothing usable is refused, never ignored.
         source = f"{config_option} {hf_config}"
         hf_config = read_config_json(hf_config, hint=f"{config_option} takes the model's HF config.json or the folder "
                                                       "that holds it")
-    found = find_checkpoint(path, iteration)
+    found = find_checkpoint(path, iteration, verify)
     if found.sidecar_dir is not None:  # this project's own record wins over any other source
         sidecar = found.sidecar
         if family is not None and family != sidecar.family:

@@ -30,7 +30,7 @@ from megatron_patch.checkpoint_files.layout import (
     torch_dist_problem,
     zip_problem,
 )
-from megatron_patch.checkpoint_files.manifest import damage_against_manifest
+from megatron_patch.checkpoint_files.manifest import damage_against_manifest, manifest_of, verify_manifest
 from megatron_patch.checkpoint_files.pickles import Record, TensorRef
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.checkpoint_files.torch_files import nbytes
@@ -134,8 +134,35 @@ def checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
-def _locate(path: Path, iteration: int | None) -> tuple[Path, Path, int | str, list[str]]:
-    """(root, weights folder, iteration or 'release', warnings)."""
+# What a look at a run's iterations hashes (as the launcher's, training/run_state.py): every file's size and the
+# digests of the files up to this many bytes; the reader checks every byte as it reads
+_LOOK_DIGEST_LIMIT = 64 << 20
+
+
+def _sound_iteration_problem(folder: Path) -> str | None:
+    """``checkpoint_problem``, then the folder's files against its manifest (sizes, small files' digests): a newest
+    iteration whose train_state.json was edited or whose archive was cut short is skipped for the previous one."""
+    why = checkpoint_problem(folder)
+    manifest = manifest_of(folder) if why is None else None
+    if manifest is not None:
+        try:
+            verify_manifest(manifest, _LOOK_DIGEST_LIMIT)
+        except UserError as exc:
+            return str(exc)
+    return why
+
+
+def previous_complete_iteration(root: str | Path, before: int) -> int | None:
+    """The newest iteration under a run's checkpoint folder ``root`` older than ``before`` that passes the look
+    (``_sound_iteration_problem``), or None."""
+    found = sorted((int(m.group(1)) for p in Path(root).iterdir() if (m := ITERATION_DIR.fullmatch(p.name))
+                    and p.is_dir()), reverse=True)
+    return next((i for i in found if i < before and _sound_iteration_problem(iteration_dir(root, i)) is None), None)
+
+
+def _locate(path: Path, iteration: int | None, verify: bool = True) -> tuple[Path, Path, int | str, list[str]]:
+    """(root, weights folder, iteration or 'release', warnings); ``verify``: a run's newest iteration is also
+    looked at against its manifest."""
     if not path.is_dir():
         raise UserError(f"{path} is not a folder: point at a Megatron checkpoint folder")
     if is_iteration_dir(path) or (path.name == RELEASE and _format(path)):
@@ -159,7 +186,7 @@ def _locate(path: Path, iteration: int | None) -> tuple[Path, Path, int | str, l
                             "point at the folder that holds latest_checkpointed_iteration.txt")
         raise UserError(f"{path} is not a Megatron checkpoint: it has no {TRACKER_NAME}, iter_XXXXXXX or release "
                         "folder")
-    latest, notes = latest_complete_iteration(path, checkpoint_problem)
+    latest, notes = latest_complete_iteration(path, _sound_iteration_problem if verify else checkpoint_problem)
     return path, iteration_dir(path, latest), latest, notes
 
 
@@ -170,9 +197,10 @@ def _saved_args(obj) -> dict | None:
     return dict(args) if isinstance(args, dict) else None
 
 
-def find_checkpoint(path: str | Path, iteration: int | None = None) -> FoundCheckpoint:
-    """Look at a checkpoint folder (its root, or one iteration or release folder); reads no weights."""
-    root, folder, label, notes = _locate(Path(path), iteration)
+def find_checkpoint(path: str | Path, iteration: int | None = None, verify: bool = True) -> FoundCheckpoint:
+    """Look at a checkpoint folder (its root, or one iteration or release folder); reads no weights. ``verify``: a
+    run's newest iteration whose files differ from its manifest (sizes, small files) is skipped, as a resume does."""
+    root, folder, label, notes = _locate(Path(path), iteration, verify)
     problem = checkpoint_problem(folder)
     if problem:
         damage = damage_against_manifest(folder)

@@ -36,7 +36,7 @@ def load_checkpoint_into_model(model, ckpt_dir: str | Path, layout=None, hf_conf
     config the caller built ``model`` from (``checkpoint.arch_source.open_checkpoint``). ``verify``: its files are
     checked against its manifest first (``IntegrityError``: the caller names its switch that skips this)."""
     chunks = model if isinstance(model, list) else [model]
-    opened = open_checkpoint(ckpt_dir, hf_config=hf_config)
+    opened = open_checkpoint(ckpt_dir, hf_config=hf_config, verify=verify)
     if verify:
         verify_before_load(opened.found.folder)
     sidecar = opened.sidecar

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 import warnings
+from pathlib import Path
 
+from megatron_patch.checkpoint.foreign import find_checkpoint, previous_complete_iteration
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
 from megatron_patch.convert.checkpoint import DEFAULT_WORKERS, hf_to_mcore, mcore_to_hf
@@ -92,11 +95,34 @@ def run_mcore2hf(args) -> int:
                       max_shard_size=args.max_shard_size, verify=not args.no_verify)
         print(f"wrote {args.save_dir} (LoRA merged)")
         return 0
-    mcore_to_hf(args.load_dir, args.save_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
-                progress=False if args.quiet else None, hf_config=args.hf_config, family=args.family,
-                iteration=args.iteration, workers=args.workers, verify=not args.no_verify)
+    _newest_sound_iteration(args, lambda iteration: mcore_to_hf(
+        args.load_dir, args.save_dir, dtype=args.dtype, max_shard_size=args.max_shard_size, force=args.force,
+        progress=False if args.quiet else None, hf_config=args.hf_config, family=args.family, iteration=iteration,
+        workers=args.workers, verify=not args.no_verify))
     print(f"wrote {args.save_dir}")
     return 0
+
+
+def _newest_sound_iteration(args, convert) -> None:
+    """``convert(iteration)`` of --load-dir; for a run's checkpoint folder without --iteration, an iteration whose
+    bytes fail their manifest while they are converted (the look that chose it hashes the small files only) is
+    skipped for the previous complete one with a warning, as a resume skips it. Its partial output is gone."""
+    iteration = args.iteration
+    while True:
+        try:
+            convert(iteration)
+            return
+        except IntegrityError as exc:
+            found = find_checkpoint(args.load_dir, iteration) if args.iteration is None else None
+            if found is None or not isinstance(found.iteration, int) or \
+                    found.root.resolve() != Path(args.load_dir).resolve():  # an iteration folder named: that one
+                raise
+            previous = previous_complete_iteration(found.root, found.iteration)
+            if previous is None:
+                raise
+            print(f"warning: {found.folder} is damaged ({exc}); converting iteration {previous}, the newest complete "
+                  "one before it", file=sys.stderr, flush=True)
+            iteration = previous
 
 
 MAX_WORKERS = 256  # copying threads: far past what any disk serves at once, and short of exhausting threads

@@ -9,6 +9,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from megatron_patch.checkpoint.foreign import find_checkpoint, previous_complete_iteration
+from megatron_patch.checkpoint_files.layout import iteration_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import (SEED_RANGE, add_layout_args, check_not_empty, check_seed, layout_from_args,
                                        print_table, sigterm_as_interrupt)
@@ -128,7 +130,20 @@ def _evaluate(args, layout, settings, checkpoint):
     try:
         return evaluate_checkpoint(checkpoint, layout, settings, args.dtype)
     except IntegrityError as exc:
-        raise naming_the_switch(exc, "--no-verify") from None
+        raise naming_the_switch(_with_the_previous_iteration(exc, args.load_dir), "--no-verify") from None
+
+
+def _with_the_previous_iteration(exc: IntegrityError, load_dir: str) -> IntegrityError:
+    """A run's checkpoint folder whose newest iteration failed its manifest as it was read (the look that chose it
+    hashes the small files only): the refusal names the newest complete iteration before it, which reads."""
+    found = find_checkpoint(load_dir)  # the iteration the evaluation chose
+    if not isinstance(found.iteration, int) or found.root.resolve() != Path(load_dir).resolve():
+        return exc
+    previous = previous_complete_iteration(found.root, found.iteration)
+    if previous is None:
+        return exc
+    return IntegrityError(f"{exc}; --load-dir {iteration_dir(found.root, previous)} evaluates the newest complete "
+                          "iteration before it")
 
 
 def _all_iterations(args, layout, settings, checkpoints: list) -> int:

@@ -586,7 +586,7 @@ def mcore_to_hf(load_dir: str | Path, save_dir: str | Path, dtype=None, max_shar
     config_folder = _config_folder(hf_config)
     inputs = (load_dir, None if config_folder is None else TopLevelInput(config_folder))
     check_target(save_dir, force, inputs=inputs, writer="mpatch convert")
-    opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration)
+    opened = open_checkpoint(load_dir, hf_config=hf_config, family=family, iteration=iteration, verify=verify)
     for note in opened.found.notes + opened.notes:
         print(f"warning: {note}", file=sys.stderr, flush=True)
     lora = opened.sidecar.lora

@@ -53,7 +53,7 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
     """The checkpoint at ``load_dir``, refused in one line when the layout does not divide its model, or no
     tokenizer is found (``tokenizer`` wins over the files the checkpoint carries), or the tokenizer does not fit
     the model (``check_tokenizer``; ``chat_template``: prompts are rendered with its chat template)."""
-    opened = open_checkpoint(load_dir, hf_config=hf_config, family_option=None)
+    opened = open_checkpoint(load_dir, hf_config=hf_config, family_option=None, verify=verify)
     arch = opened.model_arch
     # the expert-tensor-parallel size hf2mcore and align take where none is given (gpt_oss's biased experts: ETP=1)
     layout, layout_note = default_expert_tp(arch, layout)
@@ -141,7 +141,7 @@ def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: 
 
     arch, torch_dtype = checkpoint.arch, precision_dtype(dtype)
     model = build_model(arch, layout, torch_dtype)
-    opened = open_checkpoint(checkpoint.load_dir, hf_config=checkpoint.hf_config)
+    opened = open_checkpoint(checkpoint.load_dir, hf_config=checkpoint.hf_config, verify=checkpoint.verify)
     adapters = open_adapters(checkpoint.load_dir, arch) if opened.sidecar.lora else None
     base = adapters.base if adapters is not None and adapters.base is not None else checkpoint.load_dir
     load_checkpoint_into_model(model, base, layout, hf_config=checkpoint.hf_config, verify=checkpoint.verify)
