@@ -448,6 +448,10 @@ def test_a_recorded_base_that_is_no_checkpoint_is_not_read(foreign_base, tmp_pat
         message = _find_base({**record, "path": str(folder)})
         assert f"CK names its base model {folder}, which is not a checkpoint" in message, message
     assert not cache.exists()
+    # --base-dir given: the refusal is about the user's folder, and names the recorded base (it blamed the record)
+    message = _find_base(record, given=private)
+    assert message.startswith(f"--base-dir {private} is not a Megatron-Core checkpoint (") and \
+        f"give the base CK was trained on, {record['path']} (digest " in message, message
     os.mkfifo(base / "release" / "queue")
     assert "queue is a FIFO, not a regular file" in _find_base(record)
     (base / "release" / "queue").unlink()

@@ -134,6 +134,10 @@ def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> P
     try:
         find_checkpoint(path)
     except UserError as exc:
+        if given is not None:  # the user's folder, not the record's
+            raise UserError(f"{flag} {path} is not a Megatron-Core checkpoint ({exc}): give the base {what} was "
+                            f"trained on, {record['path']} (digest {short}), or its copy (an HF folder converts to "
+                            "one with 'mpatch convert hf2mcore')")
         raise UserError(f"{what} names its base model {path}, which is not a checkpoint ({exc}): give the base it "
                         f"was trained on with {flag}")
     found = checkpoint_digest(path, HIDDEN_FILES_LEFT_OUT if kind == HIDDEN_FILES_LEFT_OUT else DIGEST_FORMAT)
