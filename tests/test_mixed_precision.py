@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -146,6 +147,9 @@ def test_fp16_loss_scale_grows_and_backs_off_on_overflow(fp16_run):
     assert m[8]["lr"] < m[7]["lr"]
     assert "iteration 7: inf/nan gradients, step skipped (loss scale 262144 -> 262144)" in stdout
     assert "iteration 8: inf/nan gradients, step skipped (loss scale 262144 -> 131072)" in stdout
+    # each iteration's console line says the scale it ran with, as metrics.jsonl does (examples/README.md, Logs)
+    lines = [line for line in stdout.splitlines() if line.startswith("iter ")]
+    assert [float(re.search(r"\| loss scale (\S+) \|", line)[1]) for line in lines] == scales, lines
     losses = [x["loss"] for x in m]
     assert losses[5] < losses[0] - 0.5, losses
 

@@ -660,7 +660,8 @@ class Trainer:
                           + "".join(f"{name.replace('_', ' ')} {v:.4f} | "
                                     for name, v in result.get("balancing_losses", {}).items())
                           + f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
-                          f"tokens/s {metrics['tokens_per_s']:.0f}"
+                          + (f"loss scale {metrics['loss_scale']:g} | " if "loss_scale" in metrics else "")
+                          + f"tokens/s {metrics['tokens_per_s']:.0f}"
                           + (f" | TFLOP/s/{'GPU' if peak is not None else 'proc'} {tflops:.3f}" if tflops is not None
                              else "")
                           + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
