@@ -116,7 +116,8 @@ print(status('--help'), status('eval', '--help'),
     assert done.stdout.split() == ["0", "0", "0", "2"], (done.stdout, done.stderr)
     assert (target / "mpatch_manifest.json").is_file()
     refusal = [line for line in done.stderr.splitlines() if line.startswith("mpatch eval:")]
-    assert len(refusal) == 1 and "pip install 'megatron_patch[eval]'" in refusal[0] and "lm-eval==0.4.13" in refusal[0]
+    assert len(refusal) == 1 and "pip install -e \".[eval]\" in megatron_patch's repository" in refusal[0] \
+        and "lm-eval==0.4.13" in refusal[0], refusal
 
 
 def test_only_the_cli_and_training_import_the_evaluation_package():

@@ -25,8 +25,8 @@ LM_EVAL_VERSION = "0.4.13"
 def require_lm_eval(who: str) -> None:
     """``who`` (e.g. "mpatch eval") runs lm-eval: refused in one line where it is not installed."""
     if importlib.util.find_spec("lm_eval") is None:
-        raise UserError(f"{who} runs lm-evaluation-harness, which is not installed: pip install "
-                        f"'megatron_patch[eval]' (lm-eval=={LM_EVAL_VERSION})")
+        raise UserError(f"{who} runs lm-evaluation-harness, which is not installed: pip install -e \".[eval]\" in "
+                        f"megatron_patch's repository (or pip install lm-eval=={LM_EVAL_VERSION})")
 
 
 def task_names(option: str, raw: str) -> tuple[str, ...]:
