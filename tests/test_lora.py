@@ -931,6 +931,30 @@ def test_lora_sft_run_exports_an_adapter_peft_loads(corpus, lora_bases, tmp_path
     assert set(before) == set(after)
     for name in before:
         assert torch.equal(before[name], after[name]) != (name in adapted), name
+    # The newest iteration damaged (its train_state.json edited): the exports of the run's checkpoint folder take the
+    # previous one with a warning, as plain mcore2hf does; --no-verify reads the newest as it is, in export and eval
+    # alike (the adapters were read from another iteration than the model's description)
+    checkpoints, newest = out / "checkpoint", out / "checkpoint" / "iter_0000010"
+    (newest / "train_state.json").write_text((newest / "train_state.json").read_text().replace('"iteration": 10',
+                                                                                               '"iteration": 11'))
+    capsys.readouterr()
+
+    def exported(name, *argv) -> dict:
+        assert _cli("convert", "mcore2hf", "--save-dir", str(tmp_path / name), "--lora-adapter", *argv) == 0
+        return load_file(tmp_path / name / "adapter_model.safetensors")
+
+    skipped = exported("a_root", "--load-dir", str(checkpoints))
+    assert f"warning: {newest} is incomplete or damaged" in capsys.readouterr().err
+    assert _same_tensors(skipped, exported("a_5", "--load-dir", str(checkpoints / "iter_0000005")))
+    assert _same_tensors(exported("a_root_nv", "--load-dir", str(checkpoints), "--no-verify"),
+                         exported("a_10", "--load-dir", str(newest), "--no-verify"))
+
+    def perplexity(load_dir, name) -> float:
+        assert _cli("eval", "--load-dir", str(load_dir), "--tasks", "mpatch_perplexity", "--limit", "2", "--quiet",
+                    "--no-verify", "--output-dir", str(tmp_path / name)) == 0
+        return json.loads((tmp_path / name / "results.json").read_text())["results"]["mpatch_perplexity"]
+    assert perplexity(checkpoints, "e_root") == perplexity(newest, "e_10") != perplexity(
+        checkpoints / "iter_0000005", "e_5")
     # The base moved: the export says in one line what to give, and takes it (checked by digest) from --base-dir.
     moved = tmp_path / "moved_base"
     shutil.copytree(base, moved)
@@ -944,6 +968,10 @@ def test_lora_sft_run_exports_an_adapter_peft_loads(corpus, lora_bases, tmp_path
                     "--merge-lora", "--base-dir", str(moved), "--quiet") == 0
     finally:
         shutil.copytree(moved, base)
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def math_prod(shape) -> int:

@@ -88,8 +88,8 @@ def _adapters_of(run: McoreRun, arch):
     """The LoRA adapters of the MCore side: those ``mcore_dir`` carries, else ``peft_dir``'s, else None."""
     if run.mcore_dir is not None:
         if open_checkpoint(run.mcore_dir, hf_config=run.hf_dir, config_option="--hf-dir",
-                           family_option=None).sidecar.lora:
-            return open_adapters(run.mcore_dir, arch)
+                           family_option=None, verify=run.verify).sidecar.lora:
+            return open_adapters(run.mcore_dir, arch, run.verify)
     return open_adapters(run.peft_dir, arch) if run.peft_dir else None
 
 

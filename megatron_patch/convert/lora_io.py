@@ -99,8 +99,10 @@ def read_peft_import(peft_dir: str | Path, hf_dir: str | Path) -> PeftImport:
 
 # --- out of a LoRA checkpoint ------------------------------------------------------------------------------------
 
-def _open(load_dir, iteration):
-    opened = open_checkpoint(load_dir, iteration=iteration)
+def _open(load_dir, iteration, verify: bool = True):
+    opened = open_checkpoint(load_dir, iteration=iteration, verify=verify)
+    for note in opened.found.notes:  # a damaged newest iteration skipped, as plain mcore2hf says it
+        print(f"warning: {note}", file=sys.stderr, flush=True)
     if not opened.sidecar.lora:
         raise UserError(f"{load_dir} holds no LoRA adapters: --lora-adapter and --merge-lora export a LoRA run's "
                         "checkpoint (or one converted with --peft-dir); export this one without them")
@@ -150,7 +152,7 @@ def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, fo
                    iteration: int | None = None, verify: bool = True) -> Path:
     """A peft adapter folder from a LoRA checkpoint: peft's key names and config; ``dtype`` (a precision
     name) casts the tensors, else they keep the checkpoint's."""
-    opened = _open(load_dir, iteration)
+    opened = _open(load_dir, iteration, verify)
     arch, spec, sites, tensors, saved = _adapters(opened, verify)
     base = opened.sidecar.lora.get("base")
     with atomic_output_dir(save_dir, force, tool="mpatch convert mcore2hf --lora-adapter", inputs=(load_dir,)) as tmp:
@@ -175,7 +177,7 @@ def merge_adapter(load_dir: str | Path, save_dir: str | Path, *, base_dir: str |
                   force: bool = False, iteration: int | None = None, progress: bool | None = None,
                   workers: int | None = None, max_shard_size: str | int = "5GB", verify: bool = True) -> Path:
     """The HF model with a LoRA checkpoint's adapters merged in (W + scaling * B @ A in float32, then cast)."""
-    opened = _open(load_dir, iteration)
+    opened = _open(load_dir, iteration, verify)
     arch, spec, sites, tensors, saved = _adapters(opened, verify)
     record = opened.sidecar.lora.get("base")
     if record is None:

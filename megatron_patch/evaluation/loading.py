@@ -142,7 +142,7 @@ def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: 
     arch, torch_dtype = checkpoint.arch, precision_dtype(dtype)
     model = build_model(arch, layout, torch_dtype)
     opened = open_checkpoint(checkpoint.load_dir, hf_config=checkpoint.hf_config, verify=checkpoint.verify)
-    adapters = open_adapters(checkpoint.load_dir, arch) if opened.sidecar.lora else None
+    adapters = open_adapters(checkpoint.load_dir, arch, checkpoint.verify) if opened.sidecar.lora else None
     base = adapters.base if adapters is not None and adapters.base is not None else checkpoint.load_dir
     load_checkpoint_into_model(model, base, layout, hf_config=checkpoint.hf_config, verify=checkpoint.verify)
     if adapters is not None:

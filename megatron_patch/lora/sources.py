@@ -35,12 +35,13 @@ def is_peft_folder(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def open_adapters(path: str | Path, arch) -> Adapters:
-    """The adapters of a peft folder or of a LoRA checkpoint, checked against ``arch``'s model."""
+def open_adapters(path: str | Path, arch, verify: bool = True) -> Adapters:
+    """The adapters of a peft folder or of a LoRA checkpoint, checked against ``arch``'s model; ``verify``: the
+    iteration of a run's checkpoint folder chosen as ``find_checkpoint`` chooses it (the caller's own choice)."""
     if is_peft_folder(path):
         spec, tensors, saved = read_peft_adapter(path, arch)
         return Adapters(spec, tensors, saved, None, f"the peft adapter {path}")
-    opened = open_checkpoint(path)
+    opened = open_checkpoint(path, verify=verify)
     lora = opened.sidecar.lora
     if not lora:
         raise UserError(f"{path} is neither a peft adapter folder (adapter_config.json) nor a checkpoint with LoRA "

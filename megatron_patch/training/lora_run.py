@@ -144,7 +144,7 @@ def check_lora_launch(cfg, resumed: Path | None) -> None:
 
 def cfg_base(cfg) -> Path:
     """The base weights' checkpoint: PRETRAIN_CHECKPOINT_PATH, or the base a LoRA export there names."""
-    sidecar = open_checkpoint(cfg.pretrain_checkpoint).sidecar
+    sidecar = open_checkpoint(cfg.pretrain_checkpoint, verify=not cfg.no_verify).sidecar
     lora = sidecar.lora or {}
     if lora.get("base"):
         return find_base(lora["base"], None, cfg.pretrain_checkpoint, "a PRETRAIN_CHECKPOINT_PATH converted from the base")
@@ -161,9 +161,9 @@ def setup_lora(cfg, chunks: list, base: Path, resuming: bool, log) -> list:
     arch = cfg.arch
     starting = None
     if not resuming and cfg.lora_init is not None:
-        starting = open_adapters(cfg.lora_init, arch)
-    elif not resuming and open_checkpoint(cfg.pretrain_checkpoint).sidecar.lora:
-        starting = open_adapters(cfg.pretrain_checkpoint, arch)
+        starting = open_adapters(cfg.lora_init, arch, not cfg.no_verify)
+    elif not resuming and open_checkpoint(cfg.pretrain_checkpoint, verify=not cfg.no_verify).sidecar.lora:
+        starting = open_adapters(cfg.pretrain_checkpoint, arch, not cfg.no_verify)
     if starting is not None:
         starting.spec = spec  # MP_LORA_DROPOUT may differ; the rest was checked to agree
         containers = add_adapters(chunks, arch, starting, cfg.layout, cfg.precision.dtype)
