@@ -1142,7 +1142,12 @@ def _tamper_optimizer_state(folder: Path, edit) -> None:
     change the files can change the manifest)."""
     from megatron_patch.checkpoint_files.manifest import write_manifest
 
-    common = torch.load(folder / "common.pt", weights_only=False)  # this test's own run wrote it
+    if (folder / "common.pt").is_file():
+        common = torch.load(folder / "common.pt", weights_only=False)  # this test's own run wrote it
+    else:  # megatron-core 0.19 keeps it in the .distcp data, and reads a common.pt beside it first (its older format)
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        common = load_common_state_dict(folder)
     edit(common["optimizer"])
     torch.save(common, folder / "common.pt")
     (folder / MANIFEST_NAME).unlink()
