@@ -268,6 +268,28 @@ def test_an_expert_without_tokens_computes_nothing():
         assert torch.equal(weight.grad, torch.zeros_like(weight)), recipe
 
 
+def test_a_transposed_input_computes_as_its_contiguous_copy():
+    """DeepSeek-V4's output projection gets a sequence-first transposed view: the row-scaled recipes stopped its first
+    forward ('aten.clone.default with axiswise scaling is not supported yet'), the tensorwise one trained."""
+    from megatron_patch.models.blocks.float8 import Float8ParallelMatmul, Parts, Sharding, _mm_config, torchao_config
+
+    for recipe in RECIPES:
+        config = torchao_config(recipe)
+        weight = torch.randn(32, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+        batch_first = torch.randn(2, 16, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+        outputs, grads = [], []
+        for given in (batch_first.transpose(0, 1), batch_first.transpose(0, 1).contiguous()):
+            given = given.detach().requires_grad_()
+            w = weight.clone().requires_grad_()
+            out = Float8ParallelMatmul.apply(given, w, config, _mm_config(config), Sharding("row"),
+                                             Parts(1, (32,), (True,)))
+            out.float().square().sum().backward()
+            outputs.append(out)
+            grads.append((given.grad, w.grad))
+        assert torch.equal(*outputs), recipe
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1]), recipe
+
+
 def test_the_weight_gradient_gemm_gets_its_tokens_in_multiples_of_16(monkeypatch):
     """The weight-gradient GEMM's inner dimension is the token count (an expert's routed tokens), which a GPU's
     torch._scaled_mm takes only in multiples of 16 (and a compiled one-token expert's backward broke on CPU too):

@@ -198,6 +198,9 @@ class Float8ParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input_hp, weight_hp, config, mm_config, sharding: Sharding, parts: Parts):
+        # a transposed input (DeepSeek-V4's output projection takes its sequence-first view) would be reshaped after
+        # its cast, a copy torchao's row-scaled float8 tensor cannot make ("aten.clone ... axiswise scaling")
+        input_hp = input_hp.contiguous()
         if input_hp.numel() == 0:
             # an expert no token was routed to this step: nothing to scale (every rank of a linear's TP group sees
             # the same tokens, so all of them skip the scales' reductions together)
