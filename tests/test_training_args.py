@@ -152,6 +152,10 @@ BAD = [
     ("deepseek_v4", dict(CP="2"), {}, "context parallelism does not split attention sinks (deepseek_v4): set CP=1"),
     ("deepseek_v4", dict(SFT="true", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
      "MP_SFT_PACKING=true: deepseek_v4's attention computes its own scores"),
+    # a Gated DeltaNet's state runs on across packed documents: the dry run accepted it, the rank's forward refused it
+    ("qwen3_next", dict(SFT="true", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK", "MP_SFT_PACKING": "true"},
+     "MP_SFT_PACKING=true: qwen3_next's Gated DeltaNet (linear attention) layers run unpacked sequences only here"),
+    ("qwen3_5", dict(), {"MP_SFT_PACKING": "true"}, "MP_SFT_PACKING=true: qwen3_5's Gated DeltaNet"),
     ("llama3_1", dict(SFT="true", TP="2", SP="true", PAD_LEN="63", DATASET_PATH="SFT"), {"MP_TOKENIZER": "TOK"},
      "PAD_LEN (63) must be a multiple of 2"),
     ("llama3_1", dict(MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH="/x"), {"MP_NUM_LAYERS": "2"},

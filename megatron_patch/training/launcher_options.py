@@ -410,7 +410,9 @@ ENVIRONMENT = [
                "within each sample and RoPE restarts, on GPU (transformer-engine) and CPU alike; the loss equals the "
                "unpacked loss. In pretraining (Pai's `--reset-position-ids` with it): a document starts after each "
                "end-of-document token of the tokenizer (MP_TOKENIZER or the checkpoint's), attends within itself "
-               "and its positions restart; the loss is each document's alone. Not with CP>1"),
+               "and its positions restart; the loss is each document's alone. Not with CP>1, nor for the families whose "
+               "attention keeps no documents apart (deepseek_v4, the DSA families, the Gated DeltaNet layers of "
+               "qwen3_next and qwen3_5): refused in one line"),
     Option("MP_SFT_LOSS", CORE, choice("record", "token"), "SFT's loss: record (each record's mean over its trained "
            "tokens, averaged over the global batch's records, as Pai-Megatron-Patch) | token (each micro-batch's "
            "token mean, Megatron-LM's)", field="sft_loss",

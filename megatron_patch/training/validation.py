@@ -262,6 +262,10 @@ def packing_and_context_parallelism(cfg: RunConfig) -> None:
         # packed documents are kept apart by megatron-core's core attention (training/packing.py), which it has none of
         raise UserError(f"MP_SFT_PACKING=true: {cfg.arch.family}'s attention computes its own scores and does not "
                         "keep packed documents apart: drop MP_SFT_PACKING")
+    if cfg.sft_packing and cfg.arch.linear_attention is not None:
+        # a Gated DeltaNet's recurrent state would run on from one packed document into the next
+        raise UserError(f"MP_SFT_PACKING=true: {cfg.arch.family}'s Gated DeltaNet (linear attention) layers run "
+                        "unpacked sequences only here: drop MP_SFT_PACKING")
     if cfg.sft_packing and cfg.cp > 1:
         raise UserError(f"MP_SFT_PACKING=true with CP={cfg.cp} is not supported (packed sequences would need "
                         "per-document context-parallel partitioning): set CP=1 or drop MP_SFT_PACKING")
