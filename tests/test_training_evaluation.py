@@ -99,6 +99,20 @@ def test_the_live_evaluation_draws_as_mpatch_eval_whatever_mp_seed_says(data):
     assert cfg.seed == 7 and evaluation_run.settings(cfg).seed == EvalSettings(tasks=()).seed == 1234
 
 
+def test_tasks_are_evaluated_at_the_interval_and_after_the_last_iteration(data):
+    """As the validation loss: a run shorter than the interval (by default MP_EVAL_INTERVAL's 10000) evaluated its
+    tasks never, and said nothing."""
+    env = {"MP_EVAL_TASKS": "mpatch_arithmetic", "MP_TOKENIZER": data["tok"]}
+    cfg = resolve("llama3_1", _args(data), env=env, check_paths=False)
+    assert cfg.eval_tasks_interval == 10000 > cfg.train_iters
+    assert [i for i in range(1, cfg.train_iters + 1) if evaluation_run.due(cfg, i)] == [cfg.train_iters]
+    cfg = resolve("llama3_1", _args(data), env={**env, "MP_EVAL_TASKS_INTERVAL": "3"}, check_paths=False)
+    assert [i for i in range(1, cfg.train_iters + 1) if evaluation_run.due(cfg, i)] == sorted(
+        {*range(3, cfg.train_iters + 1, 3), cfg.train_iters})
+    assert not any(evaluation_run.due(resolve("llama3_1", _args(data), env={}, check_paths=False), i)
+                   for i in range(1, cfg.train_iters + 1))
+
+
 def test_the_task_interval_defaults_to_the_validation_interval(data):
     env = {"MP_EVAL_TASKS": "mpatch_arithmetic, mpatch_perplexity", "MP_TOKENIZER": data["tok"],
            "MP_EVAL_INTERVAL": "6"}

@@ -90,7 +90,9 @@ def settings(cfg):
 
 
 def due(cfg, iteration: int) -> bool:
-    return bool(cfg.eval_tasks) and iteration % cfg.eval_tasks_interval == 0
+    """Every MP_EVAL_TASKS_INTERVAL iterations and after the last one, as the validation loss (a run shorter than
+    the interval, which defaults to MP_EVAL_INTERVAL's 10000, evaluated nothing and said nothing)."""
+    return bool(cfg.eval_tasks) and (iteration % cfg.eval_tasks_interval == 0 or iteration == cfg.train_iters)
 
 
 def load_tokenizer(folder: Path | None, cfg):

@@ -637,7 +637,8 @@ ENVIRONMENT = [
                "`eval/results.jsonl` ([docs/evaluation.md](../docs/evaluation.md)). Not with a virtual pipeline"),
     Option("MP_EVAL_INCLUDE_PATH", EVALUATION, TEXT, "a folder of lm-eval task YAML files for MP_EVAL_TASKS "
            "(mpatch eval's --include-path)", takes="folder", field="eval_include_path"),
-    Option("MP_EVAL_TASKS_INTERVAL", EVALUATION, INTEGER, "evaluate MP_EVAL_TASKS every this many iterations",
+    Option("MP_EVAL_TASKS_INTERVAL", EVALUATION, INTEGER, "evaluate MP_EVAL_TASKS every this many iterations and "
+           "after the last one",
            default=Default("MP_EVAL_INTERVAL", lambda eval_interval: eval_interval), field="eval_tasks_interval"),
     Option("MP_EVAL_TASKS_LIMIT", EVALUATION, Reader(_document_limit, "count, or a fraction below 1", "0"),
            "documents per task of MP_EVAL_TASKS (a fraction below 1: that share)", default=Default("all"),
