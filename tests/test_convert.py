@@ -24,6 +24,7 @@ from megatron_patch.align.parity import FP32_KL, FP32_REL_L2, hf_logits, random_
 from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, read_sidecar
 from megatron_patch.checkpoint_files.layout import PARTIAL_TAG
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
 from megatron_patch.checkpoint_files.torch_dist import COMMON_STATE_OBJECT, TorchDistReader
 from megatron_patch.cli import main
 from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
@@ -487,7 +488,6 @@ def test_damaged_mcore_checkpoint_fails_cleanly(hf_dirs, tmp_path, capsys):
 def _with_integer_weight(ckpt: Path, fmt: str, name: str) -> str:
     """``ckpt`` rewritten (as another tool would: no manifest of ours) with the MCore weight ``name`` of its second
     TP rank (legacy) or its only copy (torch_dist) stored as int32: the file that then holds it."""
-    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
     from megatron_patch.checkpoint_files.torch_dist import ChunkItem
     from tests.convert_helpers import read_torch_dist_release, write_torch_dist_chunks
 
@@ -702,12 +702,20 @@ def test_training_checkpoint_without_sidecar_fails_naming_it(training_ckpt, tmp_
     shutil.copytree(training_ckpt, root)
     iter_dir = root / "iter_0000005"
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
-    (iter_dir / SIDECAR_NAME).unlink()  # e.g. a checkpoint written by another tool
+    # a checkpoint written by another tool: no sidecar, and no manifest (one that lists the sidecar says the folder
+    # is damaged, and the look at a run's checkpoint folder skips it: below)
+    (iter_dir / SIDECAR_NAME).unlink()
+    manifest = (iter_dir / MANIFEST_NAME).read_bytes()
+    (iter_dir / MANIFEST_NAME).unlink()
     for load in (root, iter_dir):
         rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(load), "--save-dir", str(tmp_path / "hf"))
         assert rc == 2 and err.count("\n") == 1, err
         assert f"{iter_dir} has no {SIDECAR_NAME}" in err and "--hf-config" in err and "final" in err, err
         assert not (tmp_path / "hf").exists() and not leftovers(tmp_path / "hf")
+    (iter_dir / MANIFEST_NAME).write_bytes(manifest)
+    rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(root), "--save-dir", str(tmp_path / "hf"))
+    assert rc == 2 and f"{iter_dir} is incomplete or damaged: {iter_dir / SIDECAR_NAME} is missing: " \
+                       f"{MANIFEST_NAME} lists it" in err, err
 
 
 @pytest.mark.slow
