@@ -588,7 +588,7 @@ def test_mcore2hf_of_a_runs_checkpoints_takes_the_newest_sound_iteration(written
     import megatron_patch.checkpoint.foreign as foreign
 
     if found_by == "the conversion":  # as for files past the look's digest limit
-        monkeypatch.setattr(foreign, "_LOOK_DIGEST_LIMIT", 0)
+        monkeypatch.setattr(foreign, "LOOK_DIGEST_LIMIT", 0)
     root = _run_checkpoints(written["torch_dist"], tmp_path / "checkpoint")
     newest = root / "iter_0000002"
     _flip(next(newest.glob("*.distcp")), 200)
@@ -612,7 +612,7 @@ def test_evals_refusal_of_a_damaged_newest_iteration_names_the_previous_one(writ
     from megatron_patch.checkpoint_files.manifest import IntegrityError
     from megatron_patch.cli.eval import _with_the_previous_iteration
 
-    monkeypatch.setattr(foreign, "_LOOK_DIGEST_LIMIT", 0)
+    monkeypatch.setattr(foreign, "LOOK_DIGEST_LIMIT", 0)
     root = _run_checkpoints(written["torch_dist"], tmp_path / "checkpoint", iterations=(1, 2, 3))
     _flip(next((root / "iter_0000003").glob("*.distcp")), 200)
     _flip(next((root / "iter_0000002").glob("*.distcp")), 20)  # cut short too: the look skips it

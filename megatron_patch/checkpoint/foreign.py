@@ -30,7 +30,8 @@ from megatron_patch.checkpoint_files.layout import (
     torch_dist_problem,
     zip_problem,
 )
-from megatron_patch.checkpoint_files.manifest import damage_against_manifest, manifest_of, verify_manifest
+from megatron_patch.checkpoint_files.manifest import (LOOK_DIGEST_LIMIT, damage_against_manifest, manifest_of,
+                                                     verify_manifest)
 from megatron_patch.checkpoint_files.pickles import Record, TensorRef
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.checkpoint_files.torch_files import nbytes
@@ -134,11 +135,6 @@ def checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
-# What a look at a run's iterations hashes (as the launcher's, training/run_state.py): every file's size and the
-# digests of the files up to this many bytes; the reader checks every byte as it reads
-_LOOK_DIGEST_LIMIT = 64 << 20
-
-
 def _sound_iteration_problem(folder: Path) -> str | None:
     """``checkpoint_problem``, then the folder's files against its manifest (sizes, small files' digests): a newest
     iteration whose train_state.json was edited or whose archive was cut short is skipped for the previous one."""
@@ -146,18 +142,23 @@ def _sound_iteration_problem(folder: Path) -> str | None:
     manifest = manifest_of(folder) if why is None else None
     if manifest is not None:
         try:
-            verify_manifest(manifest, _LOOK_DIGEST_LIMIT)
+            verify_manifest(manifest, LOOK_DIGEST_LIMIT)
         except UserError as exc:
             return str(exc)
     return why
 
 
-def previous_complete_iteration(root: str | Path, before: int) -> int | None:
-    """The newest iteration under a run's checkpoint folder ``root`` older than ``before`` that passes the look
-    (``_sound_iteration_problem``), or None."""
-    found = sorted((int(m.group(1)) for p in Path(root).iterdir() if (m := ITERATION_DIR.fullmatch(p.name))
-                    and p.is_dir()), reverse=True)
-    return next((i for i in found if i < before and _sound_iteration_problem(iteration_dir(root, i)) is None), None)
+def iteration_before(load_dir: str | Path, iteration: int | None = None) -> tuple[Path, int] | None:
+    """For a run's checkpoint folder ``load_dir`` (not one of its iterations): the folder of the iteration a reader
+    takes there (``iteration``, else the newest that passes the look), and the newest iteration before it that passes
+    the look (``_sound_iteration_problem``), which a reader takes where that one fails as it is read. None otherwise."""
+    found = find_checkpoint(load_dir, iteration)
+    if not isinstance(found.iteration, int) or found.root.resolve() != Path(load_dir).resolve():
+        return None
+    older = sorted((int(m.group(1)) for p in found.root.iterdir() if (m := ITERATION_DIR.fullmatch(p.name))
+                    and p.is_dir() and int(m.group(1)) < found.iteration), reverse=True)
+    previous = next((i for i in older if _sound_iteration_problem(iteration_dir(found.root, i)) is None), None)
+    return None if previous is None else (found.folder, previous)
 
 
 def _locate(path: Path, iteration: int | None, verify: bool = True) -> tuple[Path, Path, int | str, list[str]]:

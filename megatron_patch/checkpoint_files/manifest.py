@@ -253,6 +253,12 @@ def check_coverage(path: str | Path) -> dict:
     return data
 
 
+# A look at a folder before it is read (the launcher's at the iteration it will resume, mcore2hf's and eval's at a
+# run's checkpoint folder): every size, and the digests of the files up to this many bytes (train_state.json, the
+# metadata, the random states: an edit there is found before anything names the iteration); the reader checks the rest
+LOOK_DIGEST_LIMIT = 64 << 20
+
+
 def verify_manifest(path: str | Path, digest_limit: int | None = None) -> int:
     """Check an output against its manifest: what it holds (``check_coverage``), then every listed file's size
     and digest (``digest_limit``: of the files up to that many bytes only); returns the bytes checked. Raises

@@ -6,9 +6,8 @@ import argparse
 import functools
 import sys
 import warnings
-from pathlib import Path
 
-from megatron_patch.checkpoint.foreign import find_checkpoint, previous_complete_iteration
+from megatron_patch.checkpoint.foreign import iteration_before
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import add_layout_args, layout_from_args, sigterm_as_interrupt
 from megatron_patch.convert.checkpoint import DEFAULT_WORKERS, hf_to_mcore, mcore_to_hf
@@ -113,16 +112,13 @@ def _newest_sound_iteration(args, convert) -> None:
             convert(iteration)
             return
         except IntegrityError as exc:
-            found = find_checkpoint(args.load_dir, iteration) if args.iteration is None else None
-            if found is None or not isinstance(found.iteration, int) or \
-                    found.root.resolve() != Path(args.load_dir).resolve():  # an iteration folder named: that one
+            # --iteration or an iteration folder named: that one, or nothing
+            before = iteration_before(args.load_dir, iteration) if args.iteration is None else None
+            if before is None:
                 raise
-            previous = previous_complete_iteration(found.root, found.iteration)
-            if previous is None:
-                raise
-            print(f"warning: {found.folder} is damaged ({exc}); converting iteration {previous}, the newest complete "
+            damaged, iteration = before
+            print(f"warning: {damaged} is damaged ({exc}); converting iteration {iteration}, the newest complete "
                   "one before it", file=sys.stderr, flush=True)
-            iteration = previous
 
 
 MAX_WORKERS = 256  # copying threads: far past what any disk serves at once, and short of exhausting threads

@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from megatron_patch.checkpoint.foreign import find_checkpoint, previous_complete_iteration
+from megatron_patch.checkpoint.foreign import iteration_before
 from megatron_patch.checkpoint_files.layout import iteration_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import (SEED_RANGE, add_layout_args, check_not_empty, check_seed, layout_from_args,
@@ -136,13 +136,11 @@ def _evaluate(args, layout, settings, checkpoint):
 def _with_the_previous_iteration(exc: IntegrityError, load_dir: str) -> IntegrityError:
     """A run's checkpoint folder whose newest iteration failed its manifest as it was read (the look that chose it
     hashes the small files only): the refusal names the newest complete iteration before it, which reads."""
-    found = find_checkpoint(load_dir)  # the iteration the evaluation chose
-    if not isinstance(found.iteration, int) or found.root.resolve() != Path(load_dir).resolve():
+    before = iteration_before(load_dir)  # after the iteration the evaluation chose
+    if before is None:
         return exc
-    previous = previous_complete_iteration(found.root, found.iteration)
-    if previous is None:
-        return exc
-    return IntegrityError(f"{exc}; --load-dir {iteration_dir(found.root, previous)} evaluates the newest complete "
+    damaged, previous = before
+    return IntegrityError(f"{exc}; --load-dir {iteration_dir(damaged.parent, previous)} evaluates the newest complete "
                           "iteration before it")
 
 

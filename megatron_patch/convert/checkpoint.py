@@ -674,7 +674,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
         files_from = _carry_side_files(load_dir, [f for f in sidecar.carried_files if f != CARRIED_TENSORS],
                                        config_folder, tmp)
         if sidecar.tokenizer_model_config is not None:  # a training run's MP_TOKENIZER, read with another config
-            _name_the_tokenizer_class(load_dir, tmp, files_from)
+            _name_what_the_run_read(load_dir, tmp, files_from)
         if check is not None:
             check.result()  # what was read is what was written: the output may be published
     bar.close(copier.stats)
@@ -698,7 +698,7 @@ def _carry_side_files(load_dir: Path, listed: list[str], config_folder: Path | N
     return None
 
 
-def _name_the_tokenizer_class(load_dir: Path, out: Path, files_from: Path | None) -> None:
+def _name_what_the_run_read(load_dir: Path, out: Path, files_from: Path | None) -> None:
     """The export's config.json picks transformers' tokenizer class where tokenizer_config.json names none; a
     training run read its MP_TOKENIZER folder with another model config, or none (its files alone), and built
     another pipeline (other ids for the same text): the export's tokenizer_config.json names the class the run

@@ -451,19 +451,25 @@ def _take_the_launch_schedule(state, cfg) -> None:
     the launch's schedule (run_state's SCHEDULE says so), and megatron-core 0.19 pairs saved groups with the
     current ones by a key holding ``max_lr`` and ``min_lr``, so another LR failed the load as an internal error.
     Every group of this project's optimizers has the run's LR (no per-group overrides), so they all take it."""
-    if isinstance(state, dict):
-        groups = state.get("param_groups")
+    for table in _tables_in(state):
+        groups = table.get("param_groups")
         for group in groups if isinstance(groups, list) else ():
             if isinstance(group, dict):
                 for key, value in (("max_lr", cfg.lr), ("min_lr", cfg.min_lr)):
                     if key in group:
                         group[key] = value
-        children = state.values()
-    else:
-        children = state if isinstance(state, (list, tuple)) else ()
-    for child in children:
-        if isinstance(child, (dict, list, tuple)):
-            _take_the_launch_schedule(child, cfg)
+
+
+def _tables_in(state):
+    """Every dict in ``state``'s nest of dicts, lists and tuples, ``state`` included (without recursion)."""
+    pending = [state]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            yield item
+            pending.extend(v for v in item.values() if isinstance(v, (dict, list, tuple)))
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
 
 
 def _check_adam_steps(state, iteration: int, folder: Path) -> None:
@@ -471,22 +477,12 @@ def _check_adam_steps(state, iteration: int, folder: Path) -> None:
     megatron-core's ``common_step``) is a whole number from 0 to the iteration (a step skipped for an fp16 overflow
     counts no step): another value is a damaged file, which would divide by zero, stop the step as an internal error,
     or train with a bias correction that is not the run's."""
-    pending = [state]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, (list, tuple)):
-            pending.extend(item)
-            continue
-        if not isinstance(item, dict):
-            continue
-        for key, value in item.items():
-            if key in ("step", "common_step"):
-                step = _whole_step(value)
-                if step is None or not 0 <= step <= iteration:
-                    raise UserError(f"{folder} holds an Adam step of {_shown(value)} for iteration {iteration} (a "
-                                    f"whole number from 0 to {iteration} is due): the checkpoint is damaged")
-            elif isinstance(value, (dict, list, tuple)):
-                pending.append(value)
+    for table in _tables_in(state):
+        for key in ("step", "common_step"):
+            step = _whole_step(table[key]) if key in table else 0
+            if step is None or not 0 <= step <= iteration:
+                raise UserError(f"{folder} holds an Adam step of {_shown(table[key])} for iteration {iteration} (a "
+                                f"whole number from 0 to {iteration} is due): the checkpoint is damaged")
 
 
 def _whole_step(value) -> int | None:

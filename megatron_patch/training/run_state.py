@@ -27,7 +27,8 @@ from megatron_patch.checkpoint_files.layout import (
     torch_dist_problem,
     zip_problem,
 )
-from megatron_patch.checkpoint_files.manifest import IntegrityError, manifest_of, naming_the_switch, verify_manifest
+from megatron_patch.checkpoint_files.manifest import (LOOK_DIGEST_LIMIT, IntegrityError, manifest_of, naming_the_switch,
+                                                     verify_manifest)
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs
 from megatron_patch.input_files import read_input
@@ -38,11 +39,6 @@ from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, ex
 NO_VERIFY = "MP_NO_VERIFY=true"
 
 
-# The launcher's look at the checkpoint it will resume: every size, and the digests of the files up to this many
-# bytes (train_state.json, the metadata, the random states: an edit there is found before the first line names
-# the iteration); the ranks verify the rest.
-LAUNCHER_DIGEST_LIMIT = 64 << 20
-
 
 def iteration_problem(folder: Path, verify: bool | str = True) -> str | None:
     """Why the training checkpoint ``folder`` cannot be resumed from, or None: torch_dist's files
@@ -50,14 +46,14 @@ def iteration_problem(folder: Path, verify: bool | str = True) -> str | None:
     every file against the folder's manifest, where it has one, and every archive's CRC-32s
     (``archives_problem``): whatever a load would refuse as damaged is found here, where the previous
     checkpoint can still be taken. ``verify="small"``: the launcher's look, the manifest's sizes and the digests
-    of its small files (``LAUNCHER_DIGEST_LIMIT``), no CRC-32s."""
+    of its small files (``LOOK_DIGEST_LIMIT``), no CRC-32s."""
     why = torch_dist_problem(folder)
     if why:
         return why
     manifest = manifest_of(folder)
     if verify and manifest is not None:
         try:
-            verify_manifest(manifest, LAUNCHER_DIGEST_LIMIT if verify == "small" else None)
+            verify_manifest(manifest, LOOK_DIGEST_LIMIT if verify == "small" else None)
         except IntegrityError as exc:
             return str(naming_the_switch(exc, NO_VERIFY))
         except UserError as exc:
