@@ -756,7 +756,7 @@ def peft_runs(corpus, lora_bases, tmp_path_factory):
             env = {"MP_LORA_INIT": str(lora_bases["adapters"][base]), **extras}
             metrics, stdout = _run(family, args, env)
             cfg = resolve(family, args, env=env)
-            lrs = [0.0] + [m["lr"] for m in metrics[:-1]]  # the step's rate: the scheduler moves after each step
+            lrs = [m["lr"] for m in metrics]  # each record's rate is the one its update applied
             losses, trained = peft_training_reference(lora_bases["hf"][base], lora_bases["adapters"][base], cfg, lrs)
             made[name] = {"metrics": metrics, "stdout": stdout, "reference": losses, "trained": trained, "tol": tol,
                           "out": root / name, "base": base, "args": (family, args, env)}

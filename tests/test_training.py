@@ -285,10 +285,25 @@ def test_tp2_loss_falls_on_real_text(tp2_run):
     assert [x["iteration"] for x in m] == list(range(1, ITERS + 1))
     assert 5.0 < losses[0] < 6.0, losses  # about ln(256) at initialisation
     assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
-    for key in ("lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "memory_gib"):
+    for key in ("grad_norm", "tokens_per_s", "tflops_per_gpu", "memory_gib"):
         assert all(x[key] is not None and x[key] > 0 for x in m), key
     assert m[0]["loss_tokens"] == GBS * SEQ
-    assert "iter     20/20 | loss" in tp2_run["stdout"] and "TFLOP/s" in tp2_run["stdout"]
+    # Each record's rate is the one its update applied: megatron-core's schedule after the steps before it, so the
+    # first warm-up update runs at 0 and the last one step short of MIN_LR (the num audit: records showed the next
+    # iteration's rate, as Megatron-LM's log does).
+    saved = json.loads((tp2_run["out"] / "checkpoint" / f"iter_{ITERS:07d}" / "train_state.json").read_text())["config"]
+    warmup, decay, top, low = saved["warmup_iters"], saved["lr_decay_iters"], saved["lr"], saved["min_lr"]
+    assert 0 < warmup < ITERS == decay, saved
+
+    def scheduled(steps: int) -> float:
+        if steps <= warmup:
+            return top * steps / warmup
+        return low + 0.5 * (math.cos(math.pi * (steps - warmup) / (decay - warmup)) + 1) * (top - low)
+
+    assert [x["lr"] for x in m] == pytest.approx([scheduled(i - 1) for i in range(1, ITERS + 1)], rel=1e-9, abs=0)
+    assert m[0]["lr"] == 0.0 and m[-1]["lr"] > low
+    assert "iter     20/20 | loss" in tp2_run["stdout"] and "| TFLOP/s/proc " in tp2_run["stdout"]
+    assert " TFLOP/s per process, peak memory" in tp2_run["stdout"]  # a CPU rank is no GPU, in the summary too
     # The first iteration is the warm-up, left out of the throughput summary.
     assert [x["warmup"] for x in m] == [True] + [False] * (ITERS - 1)
     summary = json.loads((tp2_run["out"] / "log" / "throughput.json").read_text())
@@ -1061,8 +1076,8 @@ def test_a_resume_the_checkpoint_cannot_follow_is_refused_and_a_new_schedule_is_
     saved = json.loads((ckpt / f"iter_{DP_ITERS + 4:07d}" / "train_state.json").read_text())["config"]
     warmup, decay, top, low = saved["warmup_iters"], saved["lr_decay_iters"], saved["lr"], saved["min_lr"]
     for i, record in _last_records(out).items():
-        if i > DP_ITERS:  # megatron-core's cosine after warm-up, at the step the record is logged after
-            want = low + 0.5 * (math.cos(math.pi * (i - warmup) / (decay - warmup)) + 1) * (top - low)
+        if i > DP_ITERS:  # megatron-core's cosine after warm-up, after the i - 1 steps before iteration i's update
+            want = low + 0.5 * (math.cos(math.pi * (i - 1 - warmup) / (decay - warmup)) + 1) * (top - low)
             assert record["lr"] == pytest.approx(want, rel=1e-9), (i, record["lr"], want)
 
 

@@ -204,7 +204,11 @@ def test_throughput_leaves_warmup_iterations_out():
     assert abs(s["tflops_per_gpu"] - (100.0 + 2 * 50.0) / 3.0) < 1e-12  # time-weighted
     assert abs(s["mfu"] - s["tflops_per_gpu"] / 200.0) < 1e-12 and s["peak_memory_gib"] == 5.0
     assert "1 warm-up iteration(s) left out" in describe(s)
+    assert "66.7 TFLOP/s per GPU, MFU 33.3% of 200" in describe(s)
     assert summarize(records[:1]) is None
+    # A CPU rank's rate, as its iteration lines give it: per process, and not rounded to 0.00 (the num audit)
+    cpu = summarize([dict(r, tflops_per_gpu=0.00234) for r in records])
+    assert "0.00234 TFLOP/s per process, peak memory" in describe(cpu, per="process")
 
 
 def test_a_model_whose_flops_are_not_counted_reports_no_tflops():

@@ -264,7 +264,8 @@ POSITIONAL = [
            doc="samples per optimizer step; micro-batches per step = GBS / (BATCH_SIZE\\*DP)"),
     Option("LR", CORE, NUMBER, "peak learning rate (> 0)", field="lr", takes="> 0",
            doc="peak learning rate of `OptimizerParamScheduler` (linear warm-up from 0, then cosine decay to MIN_LR: "
-               "pretraining by the last iteration; SFT by iteration TRAIN-WARMUP, Pai's `--lr-decay-iters`, which "
+               "pretraining by the end of the last iteration, whose update runs one step short of it; SFT by iteration "
+               "TRAIN-WARMUP, Pai's `--lr-decay-iters`, which "
                "megatron-core counts from iteration 0, so SFT's last WARMUP iterations run at MIN_LR; as "
                "Pai-Megatron-Patch's launchers)"),
     Option("MIN_LR", CORE, NUMBER, "final learning rate of the cosine decay (0 <= MIN_LR <= LR)", field="min_lr",

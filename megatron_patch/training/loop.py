@@ -53,7 +53,7 @@ from megatron_patch.training.optimizer_mends import mend_optimizers
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
 from megatron_patch.training.node_agreement import agree_on_launch
 from megatron_patch.training.packing import use_packed_local_attention
-from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, peak_tflops, summarize
+from megatron_patch.training.throughput import WARMUP_ITERATIONS, describe, peak_tflops, summarize, tflops_text
 
 # megatron-core is imported inside the functions, after init_model_parallel: on a machine without CUDA the CPU
 # compatibility layer (runtime/cpu_compat.py) must patch torch before megatron binds names at import.
@@ -527,11 +527,15 @@ class Trainer:
             for m in self.models:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
-            return {"loss": loss, "skipped": True, "tokens": float(stats[2]), "mtp_losses": mtp_losses,
+            return {"loss": loss, "skipped": True, "lr": self.optimizer.param_groups[0]["lr"],
+                    "tokens": float(stats[2]), "mtp_losses": mtp_losses,
                     "balancing_losses": balancing}
         indexer_loss = sparse_attention_run.take_indexer_loss(self._device()) if cfg.dsa and cfg.dsa["loss_scale"] \
             else None
         scale = self._loss_scale()
+        # The rate this update applies: the scheduler moves after the step, so reading it afterwards (as
+        # Megatron-LM's log does) would show the next iteration's.
+        lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -540,7 +544,7 @@ class Trainer:
             after = self._loss_scale()
             self._log(f"iteration {self.iteration + 1}: inf/nan gradients, step skipped"
                       + (f" (loss scale {scale:g} -> {after:g})" if scale is not None else ""))
-        return {"loss": loss, "skipped": not ok, "grad_norm": None if grad_norm is None else float(grad_norm),
+        return {"loss": loss, "skipped": not ok, "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
                 "tokens": float(stats[2]), "loss_scale": scale, "indexer_loss": indexer_loss, "mtp_losses": mtp_losses,
                 "balancing_losses": balancing}
 
@@ -636,7 +640,7 @@ class Trainer:
             tokens = cfg.global_batch_size * cfg.sample_length
             tflops = flops / elapsed / self.world / 1e12 if flops is not None else None
             metrics = {"iteration": self.iteration, "loss": result["loss"],
-                       "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": result.get("grad_norm"),
+                       "lr": result["lr"], "grad_norm": result.get("grad_norm"),
                        "tokens_per_s": tokens / elapsed, "tflops_per_gpu": tflops, "memory_gib": _memory_gib(),
                        "iteration_s": elapsed, "tokens": tokens, "loss_tokens": result["tokens"],
                        "skipped": result["skipped"], "warmup": self.iteration < first + WARMUP_ITERATIONS}
@@ -662,7 +666,7 @@ class Trainer:
                           + f"lr {metrics['lr']:.3e} | grad norm {gn if gn is None else f'{gn:.3f}'} | "
                           + (f"loss scale {metrics['loss_scale']:g} | " if "loss_scale" in metrics else "")
                           + f"tokens/s {metrics['tokens_per_s']:.0f}"
-                          + (f" | TFLOP/s/{'GPU' if peak is not None else 'proc'} {tflops:.3f}" if tflops is not None
+                          + (f" | TFLOP/s/{self._rank_unit(short=True)} {tflops_text(tflops)}" if tflops is not None
                              else "")
                           + (f" | MFU {metrics['mfu']:.1%}" if peak else "")
                           + f" | mem {metrics['memory_gib']:.2f} GiB | {elapsed * 1000:.0f} ms"
@@ -722,9 +726,13 @@ class Trainer:
             summary["peak_memory_gib"] = float(mem)
         if self.rank != self.log_rank:
             return
-        self._log(describe(summary))
+        self._log(describe(summary, per=self._rank_unit()))
         write_file_replacing(Path(self.cfg.output_basepath) / run_folder.THROUGHPUT,
                                    json.dumps(summary, indent=2) + "\n")
+
+    def _rank_unit(self, short: bool = False) -> str:
+        """What one rank's TFLOP/s are per: a GPU, or on CPU a process."""
+        return "GPU" if self._device().type == "cuda" else "proc" if short else "process"
 
     def _peak_tflops(self) -> float | None:
         if not torch.cuda.is_available():

@@ -43,13 +43,19 @@ def summarize(records: list[dict], peak_tflops: float | None = None) -> dict | N
     return out
 
 
-def describe(summary: dict | None) -> str:
+def tflops_text(tflops: float) -> str:
+    """Three significant digits below 10 TFLOP/s: a CPU rank's 0.002 must not read as 0.00."""
+    return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
+
+
+def describe(summary: dict | None, per: str = "GPU") -> str:
+    """``per``: what one rank runs on, "GPU" or "process" (a CPU rank), as the iteration lines say it."""
     if summary is None:
         return "throughput: only warm-up iterations ran, nothing to summarise"
     first, last = summary["iterations"]
     mfu = f", MFU {summary['mfu']:.1%} of {summary['peak_tflops']:.0f}" if summary["mfu"] is not None else ""
     return (f"throughput over iterations {first}..{last} ({summary['warmup_excluded']} warm-up iteration(s) left out): "
             f"{summary['tokens_per_s']:.0f} tokens/s, "
-            + (f"{summary['tflops_per_gpu']:.2f} TFLOP/s per GPU{mfu}, " if summary["tflops_per_gpu"] is not None
-               else "TFLOP/s not counted, ")
+            + (f"{tflops_text(summary['tflops_per_gpu'])} TFLOP/s per {per}{mfu}, "
+               if summary["tflops_per_gpu"] is not None else "TFLOP/s not counted, ")
             + f"peak memory {summary['peak_memory_gib']:.2f} GiB")
