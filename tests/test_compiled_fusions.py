@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_patch.errors import UserError
+from megatron_patch.models.blocks.compiled_fusions import config_overrides
 from megatron_patch.runtime import machine
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.runtime.machine import Capabilities
@@ -37,6 +38,22 @@ def test_the_extra_is_read_and_becomes_megatrons_fusion_flags():
     assert "bias_activation_fusion" not in megatron_settings(_cfg(None))["transformer_config"]  # the builder's default
     with pytest.raises(UserError, match="MP_COMPILE_FUSIONS must be true or false"):
         _cfg("yes please")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4", "gpt_oss"])
+def test_a_fusion_the_family_cannot_take_stays_off(family):
+    """Gemma's tanh GeLU and gpt-oss's clamped SwiGLU are no activation megatron-core's bias-SwiGLU fusion takes:
+    MP_COMPILE_FUSIONS=true (or align's ablation) turned it on over the family's False and the model build
+    stopped as an internal error (the cmp audit). The family's False stays; the bias-dropout-add still fuses."""
+    from megatron_patch.models.blocks.builder import transformer_config
+    from megatron_patch.models.description.registry import families, parse_arch
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    arch = parse_arch(families()[family].tiny_config)
+    config = transformer_config(arch, ParallelLayout(), **config_overrides(True))
+    assert (config.bias_activation_fusion, config.bias_dropout_fusion) == (False, True)
+    llama = transformer_config(parse_arch(families()["llama3_1"].tiny_config), ParallelLayout(), **config_overrides(True))
+    assert llama.bias_activation_fusion is True
 
 
 def test_the_machine_must_be_able_to_compile(monkeypatch):

@@ -477,7 +477,8 @@ ENVIRONMENT = [
            "bias-dropout-add (no transformer-engine); false: all of them eager", field="compile_fusions",
            default=Default("megatron-core's own choice"),
            doc="`true`: `torch.compile` the local spec's RMSNorm and RoPE and turn on megatron-core's compiled "
-               "SwiGLU and bias-dropout-add (without transformer-engine; refused where torch.compile has no "
+               "SwiGLU (where it is megatron-core's plain one: not Gemma's GeLU or gpt-oss's clamped one, which stay "
+               "eager) and bias-dropout-add (without transformer-engine; refused where torch.compile has no "
                "compiler, or where TE's spec runs); `false`: all of them eager; unset: megatron-core's choice "
                "(fused on GPU, eager on CPU). The lighter option beside `MP_COMPILE`, which compiles the layers "
                "(not both). docs/gpu.md"),

@@ -23,6 +23,10 @@ from megatron_patch.runtime.machine import transformer_engine_usable
 # launcher's dry run and resume checks) do not pay for it.
 # So is blocks.local_attention, which imports megatron-core at its top.
 
+# TransformerConfig's fused-kernel switches: a family that sets one False keeps it off (transformer_config)
+FUSION_FLAGS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "persist_layer_norm",
+                "apply_rope_fusion", "gradient_accumulation_fusion")
+
 
 @functools.lru_cache(maxsize=1)
 def te_available() -> bool:
@@ -56,7 +60,7 @@ def fused_softmax_available() -> bool:
 def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
                        pp_first_stage_layers: int | None = None, *, use_te: bool | None = None, **overrides):
     """The TransformerConfig of ``arch`` at ``layout`` for the TE layer spec (``use_te``; None: where TE is
-    usable) or the local one; ``overrides`` win over everything derived."""
+    usable) or the local one; ``overrides`` win over everything derived, but for a fusion the family turns off."""
     from megatron.core.transformer import TransformerConfig
 
     validate_layout(arch, layout, pp_first_stage_layers=pp_first_stage_layers)
@@ -124,8 +128,12 @@ def transformer_config(arch: Arch, layout: ParallelLayout, dtype: torch.dtype = 
             moe_layer_freq=arch.moe_layer_pattern if arch.dense_layers else 1,
         )
     kwargs.update(_cuda_graph_default(TransformerConfig))
-    kwargs.update(get_family(arch.family).transformer_config_kwargs(arch))
+    family_kwargs = get_family(arch.family).transformer_config_kwargs(arch)
+    kwargs.update(family_kwargs)
     kwargs.update(overrides)
+    # A fusion the family's own modules cannot take stays off whatever the run asks (MP_COMPILE_FUSIONS, an
+    # align ablation): megatron-core fuses only the plain SwiGLU/GeGLU, not Gemma's tanh GeLU or gpt-oss's clamp.
+    kwargs.update({flag: False for flag in FUSION_FLAGS if family_kwargs.get(flag) is False})
     _refuse_a_top1_weight_megatron_core_lacks(arch, kwargs)
     if kwargs.get("multi_latent_attention"):
         from megatron.core.transformer.transformer_config import MLATransformerConfig
