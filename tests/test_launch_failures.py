@@ -100,6 +100,34 @@ def test_before_the_heartbeats_start_the_line_says_the_job_was_still_forming(mon
     assert "during joining the job and gave up; the ranks had not started their heartbeats yet" in line
 
 
+def test_a_new_phase_reaches_the_store_before_the_next_interval(monkeypatch):
+    """A rank killed 20 s into training was named "during joining the job": its first beat went out before the
+    phase moved on, and the next one 30 s later (the mn audit). A phase change beats within the gap (1 s here),
+    well before the interval (6 s)."""
+    from datetime import timedelta
+
+    from megatron_patch.runtime.distributed import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setitem(watchdog._state, "beat", None)
+    watchdog.set_phase("building the model, optimizer and data")
+    beat = watchdog.start(0, 2, 1.0)
+    try:
+        assert (beat.interval, beat.gap) == (6.0, 1.0)
+        assert beat.read()[0]["phase"] == "building the model, optimizer and data"  # the first beat, at once
+        watchdog.set_phase("iteration 6")
+        deadline = time.time() + 4
+        while beat.read()[0]["phase"] != "iteration 6" and time.time() < deadline:
+            time.sleep(0.1)
+        assert beat.read()[0]["phase"] == "iteration 6"
+    finally:
+        watchdog.stop()
+        del server
+
+
 def test_other_errors_are_left_to_their_traceback():
     assert watchdog.explain(ValueError("a bug"), 0, 10) is None
     assert watchdog.failure_kind(RuntimeError("CUDA out of memory")) is None

@@ -36,8 +36,10 @@ _LOST_WORDS = ("connection closed by peer", "connection reset by peer", "broken 
 
 
 def set_phase(text: str) -> None:
-    """What this rank is doing now; read by the heartbeat (cheap: no I/O here)."""
+    """What this rank is doing now; the heartbeat sends it soon (cheap: no I/O here)."""
     _state["phase"] = text
+    if _state["beat"] is not None:
+        _state["beat"].phase_changed()
 
 
 def phase() -> str:
@@ -53,12 +55,17 @@ class Heartbeat:
         # Ten beats per timeout, between 1 and 30 seconds apart: a rank silent for half the
         # timeout has missed at least five.
         self.interval = min(30.0, max(1.0, timeout_s / 10))
+        # A new phase is sent at its next beat, sooner than the interval but at most one beat per gap: a rank
+        # that dies 20 s into training is not reported as still joining the job (the mn audit), and a job of
+        # thousands of ranks stepping in a second each does not beat the store every iteration.
+        self.gap = max(1.0, self.interval / 10)
         run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"mpatch/heartbeat/{run}/{attempt}/"
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._changed = threading.Event()
         self._store = None
         self._thread = None
 
@@ -82,8 +89,15 @@ class Heartbeat:
         self._thread.start()
         return self
 
+    def phase_changed(self) -> None:
+        self._changed.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(self.gap):
+            self._changed.wait(self.interval - self.gap)
+            self._changed.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._beat()
             except Exception:  # noqa: BLE001 - the store goes away when the job ends; the next beat retries
@@ -113,6 +127,7 @@ class Heartbeat:
         """Stop beating and wait for a beat in flight: a daemon thread still inside the store's C++ client when
         the interpreter exits can abort the process ("terminate called without an active exception")."""
         self._stop.set()
+        self._changed.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.store_timeout_s + 1)
 

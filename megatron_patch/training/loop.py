@@ -748,8 +748,9 @@ def train(cfg) -> dict:
     init_process_group(cfg.dist_timeout_min)
     cfg = agree_on_launch(cfg)  # before any group a node's other TP would split
     init_model_parallel(cfg.layout, seed=cfg.seed, timeout_minutes=cfg.dist_timeout_min)
-    watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.dist_timeout_min)
+    # the phase the first beat sends: the job has formed once the heartbeat starts
     watchdog.set_phase("building the model, optimizer and data")
+    watchdog.start(dist.get_rank(), dist.get_world_size(), cfg.dist_timeout_min)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and dist.get_rank() == 0:
         print(f"restart {restart} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} (MP_MAX_RESTARTS): "
