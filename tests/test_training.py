@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -908,6 +909,35 @@ def test_two_nodes_train_one_model_with_dp_across_them(dp2_run, corpus, tmp_path
     worst = _assert_same_losses(got, _last_records(dp2_run["out"]), range(1, DP_SAVE + 1))
     print(f"two nodes DP=2 vs one node DP=2: largest loss difference {worst:.3g} over {DP_SAVE} iterations")
     assert iteration_problem(out / "checkpoint" / f"iter_{DP_SAVE:07d}") is None
+
+
+@pytest.mark.slow
+def test_a_node_that_goes_away_ends_the_other_in_one_line(corpus, tmp_path):
+    """Node 0 (the job's store) SIGKILLed mid-training: node 1 stops with its one line, where torch's C++ client
+    printed a 15-line stack trace of the store read before it (the mn audit)."""
+    import signal
+
+    from megatron_patch.runtime.distributed import free_port
+
+    out = tmp_path / "out"
+    args = _pretrain_args(corpus, out, ENV="dlc", TRAIN_TOKENS_OR_ITERS=str(200 * GBS * SEQ), SAVE_INTERVAL="1000")
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "1",
+            "OMP_NUM_THREADS": "1", "MP_DIST_TIMEOUT_MIN": "1"}
+    nodes = [_start(args, {**base, "RANK": str(n)}, tmp_path / f"node{n}") for n in (0, 1)]
+    try:
+        deadline = time.time() + 300
+        while not (out / "log" / "metrics.jsonl").exists() or len(read_metrics(out)) < 3:
+            assert time.time() < deadline and all(p.poll() is None for p in nodes), _output(tmp_path / "node1")
+            time.sleep(0.05)
+        os.kill(nodes[0].pid, signal.SIGKILL)
+        code = nodes[1].wait(timeout=180)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    stderr = _output(tmp_path / "node1")[1]
+    assert code not in (0, None) and stderr.count("\n") == 1, stderr[-3000:]
+    assert stderr.startswith("mpatch train: error: rank 1 lost its connection to another rank"), stderr
 
 
 @pytest.mark.slow

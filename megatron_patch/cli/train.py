@@ -397,6 +397,9 @@ def _launch(cfg, command: list[str], argv: list[str], needed: dict) -> int:
     if cfg.nproc_per_node > 1:
         # torchrun's own default, set here so it does not print a banner about it.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # torch's C++ warnings print their own stack trace (a TCPStore read of a node that went away: 15 lines before
+    # the rank's one line, the mn audit); its errors still print. TORCH_CPP_LOG_LEVEL=WARNING shows them again.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print("+ " + " ".join(f"{k}={v}" for k, v in needed.items()) + (" " if needed else "")
           + " ".join(shlex.quote(c) for c in command), flush=True)
 
