@@ -941,6 +941,30 @@ def test_a_node_that_goes_away_ends_the_other_in_one_line(corpus, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_refusal_is_not_restarted(corpus, tmp_path):
+    """MP_MAX_RESTARTS=1 on node 1 only: both nodes refused the differing option, and node 1's agent restarted its
+    rank, which waited out the rendezvous for node 0, gone, and blamed the network (the mn audit). A rank's refusal
+    of its input ends the restarts: it would refuse again."""
+    from megatron_patch.runtime.distributed import free_port
+
+    args = _pretrain_args(corpus, tmp_path / "out", ENV="dlc")
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "1",
+            "OMP_NUM_THREADS": "1", "MP_DIST_TIMEOUT_MIN": "1"}
+    nodes = [_start(args, {**base, "RANK": str(n), **({"MP_MAX_RESTARTS": "1"} if n else {})}, tmp_path / f"node{n}")
+             for n in (0, 1)]
+    try:
+        codes = [p.wait(timeout=300) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    for n, code in enumerate(codes):
+        stdout, stderr = _output(tmp_path / f"node{n}")
+        assert code == 2 and "MP_MAX_RESTARTS is 0 on rank 0" in stderr, (n, stdout[-2000:], stderr[-2000:])
+        assert "restart 1 of 1" not in stdout
+
+
+@pytest.mark.slow
 def test_two_nodes_train_one_model_with_tp_across_them(tp2_run, corpus, tmp_path):
     """TP=2 with one tensor-parallel rank per node (sequence parallel, distributed optimizer): the losses
     and grad norms of the one-node TP=2 run."""

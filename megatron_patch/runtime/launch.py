@@ -294,10 +294,11 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
             lambda record: "death signal" not in record.getMessage())
     parsed = parse_args(torchrun_args)
     try:
-        if forked is None:
-            run(parsed)
-        else:
-            _run_forked(parsed, *forked)
+        with _no_restart_after_bad_input():
+            if forked is None:
+                run(parsed)
+            else:
+                _run_forked(parsed, *forked)
     except (DistStoreError, DistNetworkError) as exc:
         # the nodes' rendezvous, before any rank started: a node that never came (or node 0 never reached)
         said = " ".join(str(exc).split())[:300]
@@ -309,6 +310,34 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
         raise JobFailed(f"the launcher got {name}: every rank was stopped", 128 + int(exc.sigval)) from None
+
+
+@contextlib.contextmanager
+def _no_restart_after_bad_input():
+    """torchrun restarts a failed group while MP_MAX_RESTARTS lasts. A rank that refused its input (its one line
+    of kind "user", exit 2) refuses it again at every restart, and a node that restarts after a refusal all nodes
+    made waits out the rendezvous for nodes that did not restart (the mn audit: another MP_MAX_RESTARTS on one
+    node). While the launch runs, the agent's monitor ends the restarts at such a failure; with a torch whose
+    agent has no such monitor, restarts go on as before."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent.__dict__.get("_monitor_workers")
+    if monitor is None:
+        yield
+        return
+
+    def monitor_ending_restarts_at_bad_input(agent, worker_group):
+        result = monitor(agent, worker_group)
+        if result.is_failed() and getattr(agent, "_remaining_restarts", 0) > 0:
+            if explain_failures(result.failures, reports_beside(result.failures))[2] == "user":
+                agent._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor_ending_restarts_at_bad_input
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = monitor
 
 
 # --- forked ranks ---------------------------------------------------------------------------------
