@@ -12,7 +12,8 @@ import pytest
 
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.launch import run_local
-from tests.training_helpers import launcher_args, node_data_worker, node_refusing_worker, node_settings_worker
+from tests.training_helpers import (launcher_args, node_data_worker, node_refusing_worker, node_settings_worker,
+                                    node_sizes_worker)
 
 pytestmark = pytest.mark.slow  # two rank processes each
 
@@ -86,3 +87,23 @@ def test_a_node_that_refuses_its_line_makes_every_node_refuse(corpus, tmp_path):
     with pytest.raises(UserError) as refused:
         run_local(node_refusing_worker, 2, _line(corpus, tmp_path / "out"), refusal)
     assert str(refused.value) == f"rank 1 ({os.uname().nodename}) refused its node's launcher line: {refusal}"
+
+
+def test_nodes_of_other_sizes_are_told_so_on_every_node():
+    """Node 1 started with GPUS_PER_NODE=2 beside node 0's 1: node 1 said its world did not fill nodes of 2, and
+    node 0 refused GLOBAL_BATCH_SIZE for a data-parallel size of 3, an option both nodes share (the mn audit)."""
+    said = run_local(node_sizes_worker, 2, [1, 2])
+    host = os.uname().nodename
+    assert said == [f"the nodes were not given the same launcher line: GPUS_PER_NODE is 1 on rank 0 ({host}) and 2 on "
+                    f"rank 1 ({host}): run the same line, with the same environment options, on every node"] * 2
+    assert run_local(node_sizes_worker, 2, [2, 2]) == [None, None]  # each then says its own line
+
+
+def test_a_model_that_differs_names_the_keys_it_differs_in(corpus, tmp_path):
+    """MP_NUM_LAYERS on one node only was refused as "the model's config.json (of MODEL_SIZE or
+    PRETRAIN_CHECKPOINT_PATH) differs", naming neither the option nor the key (the mn audit)."""
+    line = _line(corpus, tmp_path / "out")
+    with pytest.raises(UserError) as refused:
+        run_local(node_settings_worker, 2, [(line, {}, tmp_path), (line, {"MP_NUM_LAYERS": "1"}, tmp_path)])
+    assert "MP_NUM_LAYERS) differs between rank 0" in str(refused.value), refused.value
+    assert ": num_hidden_layers 4 and 1: run the same line" in str(refused.value), refused.value

@@ -234,6 +234,16 @@ def node_data_worker(args_by_rank: list[list[str]]):
     return len(build_pretraining_datasets(cfg, cfg.train_iters * cfg.global_batch_size, 0)[0])
 
 
+def node_sizes_worker(processes_by_rank: list[int]):
+    """Each rank refuses its own line, as the ranks of nodes started with another GPUS_PER_NODE each do (each node
+    plans another world): what each would say instead (training.node_agreement.refuse_with_the_others)."""
+    from megatron_patch.training.node_agreement import refuse_with_the_others
+
+    rank = int(os.environ["RANK"])
+    os.environ["LOCAL_WORLD_SIZE"] = str(processes_by_rank[rank])
+    return refuse_with_the_others(f"rank {rank}'s own refusal", 1.0)
+
+
 def node_refusing_worker(line: list[str], refusal: str):
     """Rank 1 refuses its node's line before the job forms (training.node_agreement.refuse_with_the_others); rank 0,
     whose line is sound, agrees with the others as training does."""

@@ -468,7 +468,9 @@ def _rank(launcher: str, argv: list[str]) -> int:
                 # torch: a rank has it already; the launcher's own checks start without it
                 from megatron_patch.training.node_agreement import refuse_with_the_others
 
-                refuse_with_the_others(str(exc), _timeout_of(timeout_min))
+                instead = refuse_with_the_others(str(exc), _timeout_of(timeout_min))
+                if instead:
+                    raise UserError(instead) from None
             raise
         from megatron_patch.training.loop import train
 

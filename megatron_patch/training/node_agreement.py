@@ -9,7 +9,6 @@ its data cache after the spelling.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import socket
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import init_process_group
-from megatron_patch.training.launcher_options import OPTIONS
+from megatron_patch.training.launcher_options import DERIVED, OPTIONS
 
 # What may differ between nodes: injected faults (a test's, on one node) and the notes each launcher printed.
 PER_NODE = ("faults", "notes")
@@ -42,23 +41,22 @@ def agree_on_launch(cfg):
     mine = (socket.gethostname(), _comparable(cfg), {f: getattr(cfg, f) for f in PATHS})
     absolute = {f: _absolute(f, getattr(cfg, f)) for f in PATHS}
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (*mine, absolute))
-    refused = next(((r, e) for r, e in enumerate(everyone) if isinstance(e, dict)), None)
-    if refused is not None:
-        rank, said = refused
-        raise UserError(f"rank {rank} ({said['host']}) refused its node's launcher line: {said['refused']}")
-    host0, reference, spelled, spelled_absolute = everyone[0]
-    for rank, (host, theirs, _, _) in enumerate(everyone):
+    dist.all_gather_object(everyone, (*mine, absolute, _processes_here()))
+    first_problem = _nodes_of_other_sizes(everyone) or _a_refusal(everyone)
+    if first_problem:
+        raise UserError(first_problem)
+    host0, reference, spelled, spelled_absolute, _ = everyone[0]
+    for rank, (host, theirs, _, _, _) in enumerate(everyone):
         differs = next((k for k in reference if theirs.get(k) != reference[k]), None)
         if differs is None:
             continue
-        what = ("the model's config.json (of MODEL_SIZE or PRETRAIN_CHECKPOINT_PATH) differs between rank 0 "
-                f"({host0}) and rank {rank} ({host})" if differs == "hf_config" else
+        what = (f"the model's config.json ({DERIVED['hf_config']}) differs between rank 0 ({host0}) and rank {rank} "
+                f"({host}): {_config_difference(reference[differs], theirs[differs])}" if differs == "hf_config" else
                 f"{_OPTION_OF_FIELD.get(differs, differs)} is {_shown(reference[differs])} on rank 0 ({host0}) and "
                 f"{_shown(theirs[differs])} on rank {rank} ({host})")
         raise UserError(f"the nodes were not given the same launcher line: {what}: run the same line, with the same "
                         "environment options, on every node")
-    if all(theirs == spelled for _, _, theirs, _ in everyone):
+    if all(theirs == spelled for _, _, theirs, _, _ in everyone):
         return cfg
     # spelled otherwise somewhere: every rank takes rank 0's spelling, absolute (a relative one is rank 0's folder's),
     # where it names the same files here
@@ -75,11 +73,49 @@ def agree_on_launch(cfg):
     return dataclasses.replace(cfg, **spelled_absolute)
 
 
+def _processes_here() -> int | None:
+    """This node's processes, as torchrun counts them (GPUS_PER_NODE)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() else None
+
+
+def _nodes_of_other_sizes(everyone: list) -> str | None:
+    """Nodes started with another GPUS_PER_NODE: the first thing to say, since every rank's world then differs
+    from what its own line planned (a node refusing GLOBAL_BATCH_SIZE for the other node's processes, the mn audit).
+    ``everyone``: each rank's gathered tuple, or its refusal (a dict); each ends with, or holds, its process count."""
+    def said(entry) -> tuple[str, int | None]:
+        return (entry["host"], entry.get("processes")) if isinstance(entry, dict) else (entry[0], entry[-1])
+
+    host0, per_node0 = said(everyone[0])
+    for rank, entry in enumerate(everyone):
+        host, per_node = said(entry)
+        if per_node != per_node0:
+            return (f"the nodes were not given the same launcher line: GPUS_PER_NODE is {per_node0} on rank 0 "
+                    f"({host0}) and {per_node} on rank {rank} ({host}): run the same line, with the same environment "
+                    "options, on every node")
+    return None
+
+
+def _a_refusal(everyone: list) -> str | None:
+    refused = next(((r, e) for r, e in enumerate(everyone) if isinstance(e, dict)), None)
+    if refused is None:
+        return None
+    rank, said = refused
+    return f"rank {rank} ({said['host']}) refused its node's launcher line: {said['refused']}"
+
+
+def _config_difference(mine: dict, theirs: dict) -> str:
+    """The config.json keys two nodes' models differ in, with each node's value: "num_hidden_layers 4 and 1"."""
+    keys = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    shown = [f"{k} {_shown(mine.get(k))} and {_shown(theirs.get(k))}" for k in keys[:3]]
+    return ", ".join(shown) + (f" (and {len(keys) - 3} more keys)" if len(keys) > 3 else "")
+
+
 def _comparable(cfg) -> dict:
     settings = {k: v for k, v in cfg.to_dict().items() if k not in PER_NODE}
     for field in PATHS:
         settings[field] = _comparable_path(field, getattr(cfg, field))
-    settings["hf_config"] = hashlib.sha256(json.dumps(cfg.hf_config, sort_keys=True, default=str).encode()).hexdigest()
+    settings["hf_config"] = json.loads(json.dumps(cfg.hf_config, sort_keys=True, default=str))  # named where it differs
     return settings
 
 
@@ -118,15 +154,19 @@ def _shown(value) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value, default=str)
 
 
-def refuse_with_the_others(message: str, timeout_minutes: float) -> None:
+def refuse_with_the_others(message: str, timeout_minutes: float) -> str | None:
     """A rank that refuses its node's line before the job forms (another GPUS_PER_NODE, a path missing there) joins
     the job anyway for ``agree_on_launch``'s one collective, saying why, so that every rank refuses in that line
     instead of waiting for it until MP_DIST_TIMEOUT_MIN. Called in a rank of a job of several only
     (``cli.train._one_of_several_ranks``: elsewhere joining would make this process a world of one). Whatever fails
-    here leaves the refusal as it was."""
+    here leaves the refusal as it was. Returns the line to say instead of ``message``: nodes of other sizes."""
     try:
         init_process_group(timeout_minutes)
         if dist.get_world_size() > 1:
-            dist.all_gather_object([None] * dist.get_world_size(), {"refused": message, "host": socket.gethostname()})
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, {"refused": message, "host": socket.gethostname(),
+                                              "processes": _processes_here()})
+            return _nodes_of_other_sizes(everyone)
     except Exception:  # noqa: BLE001 - the others then time out as before; this rank's own line stands
         pass
+    return None
