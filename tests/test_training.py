@@ -941,6 +941,34 @@ def test_a_node_that_goes_away_ends_the_other_in_one_line(corpus, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_node_whose_launcher_refuses_its_line_tells_the_others(corpus, tmp_path):
+    """Node 1's DATASET_PATH missing there: its launcher refused before torchrun and never joined, and node 0 waited
+    out the rendezvous, then blamed it (the mn audit; 10 minutes by default). Node 1 says its line at once and joins
+    with ranks that only refuse, so node 0 refuses naming node 1's reason."""
+    from megatron_patch.runtime.distributed import free_port
+
+    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "1",
+            "OMP_NUM_THREADS": "1", "MP_DIST_TIMEOUT_MIN": "1"}
+    missing = str(tmp_path / "elsewhere" / "corpus_text_document")
+    lines = [_pretrain_args(corpus, tmp_path / "out", ENV="dlc"),
+             _pretrain_args(corpus, tmp_path / "out", ENV="dlc", DATASET_PATH=missing)]
+    nodes = [_start(lines[n], {**base, "RANK": str(n)}, tmp_path / f"node{n}") for n in (0, 1)]
+    try:
+        codes = [p.wait(timeout=300) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    said = [_output(tmp_path / f"node{n}")[1] for n in (0, 1)]
+    assert codes == [2, 2], said
+    reason = f"mmap data {missing}.bin not found"
+    assert said[1] == f"mpatch train: error: {reason}: give the prefix of the .bin/.idx pair written by 'mpatch " \
+                      "preprocess' (e.g. data/corpus_text_document)\n", said[1]
+    assert said[0].startswith(f"mpatch train: error: rank 1 ({os.uname().nodename}) refused its node's launcher line: "
+                              f"{reason}") and said[0].count("\n") == 1, said[0]
+
+
+@pytest.mark.slow
 def test_a_refusal_is_not_restarted(corpus, tmp_path):
     """MP_MAX_RESTARTS=1 on node 1 only: both nodes refused the differing option, and node 1's agent restarted its
     rank, which waited out the rendezvous for node 0, gone, and blamed the network (the mn audit). A rank's refusal

@@ -26,8 +26,9 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_WARNED, JobFailed, die_with_launcher, forked_ranks,
-                                           helpers_die_with_rank, name_this_process, quiet_cpu_warnings, run_torchrun)
+from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED, JobFailed,
+                                           die_with_launcher, forked_ranks, helpers_die_with_rank, name_this_process,
+                                           quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_data_settings, check_training_data
 from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers
@@ -277,8 +278,8 @@ def run(args) -> int:
     dry = read_option("MP_DRY_RUN", os.environ)
     if launched_rank(os.environ) and not dry:
         return _rank(name, argv)
-    cfg = resolve(name, argv)
     if dry:
+        cfg = resolve(name, argv)
         report = dry_run_report(cfg, argv)
         if dry == "json":
             print(json.dumps(report, indent=2, default=str))
@@ -290,13 +291,74 @@ def run(args) -> int:
         _checked_start(cfg, out=sys.stderr if dry == "json" else sys.stdout, would=True)
         launch_command(cfg, argv, here=False)  # a line the launch refuses is refused here too, exit 2
         return 0
-    check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: it takes a few lstat calls
-    needed = _check_machine(cfg)
-    command = launch_command(cfg, argv)
+    with _other_nodes_told(name, argv):
+        cfg = resolve(name, argv)
+        check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: it takes a few lstat calls
+        needed = _check_machine(cfg)
+        command = launch_command(cfg, argv)
     with _run_lock(cfg):
-        if not _checked_start(cfg, out=sys.stdout, would=False):
-            return 0
+        with _other_nodes_told(name, argv):
+            if not _checked_start(cfg, out=sys.stdout, would=False):
+                return 0
         return _launch(cfg, command, argv, needed)
+
+
+@contextlib.contextmanager
+def _other_nodes_told(name: str, argv: list[str]):
+    """A refusal of this node's line in a job of several nodes (ENV=dlc) is told to the other nodes before it is
+    raised: their ranks would wait for this node until MP_DIST_TIMEOUT_MIN, then blame the rendezvous (the mn audit:
+    a data path missing on one node). The node says its line at once, then joins the job with ranks that only
+    refuse (``_rank``: MP_LAUNCHER_REFUSED), as a rank refusing its line does (node_agreement)."""
+    try:
+        yield
+    except UserError as exc:
+        command = _refusing_command(name, argv)
+        if command is None:
+            raise
+        print(f"mpatch train: error: {exc}", file=sys.stderr, flush=True)
+        print("note: this node joins the job to tell the other nodes why it stops (at most MP_DIST_TIMEOUT_MIN; "
+              "Ctrl-C ends it)", flush=True)
+        os.environ.update({LAUNCHER_REFUSED: str(exc), LAUNCHER_PID: str(os.getpid())})
+        try:
+            run_torchrun(command)
+        except JobFailed:
+            pass  # the ranks refused, as they were started to
+        finally:
+            os.environ.pop(LAUNCHER_REFUSED, None)
+        raise SystemExit(2) from None
+
+
+def _refusing_command(name: str, argv: list[str]) -> list[str] | None:
+    """torchrun's arguments that join this node to the job with the processes its line asks for, or None where this
+    is no node of a job of several, or where the rendezvous itself is what is wrong (then nothing can join)."""
+    env = os.environ
+    try:
+        launcher = get_launcher(name)
+        given = dict(zip(launcher.arg_names(launcher.layout_of(argv)), argv))
+        nodes = int(env.get("WORLD_SIZE", "1")) if env.get("WORLD_SIZE", "1").isdigit() else 1
+        if given.get("ENV") != "dlc" or nodes < 2 or not all(env.get(k) for k in ("RANK", "MASTER_ADDR", "MASTER_PORT")):
+            return None
+        node, port = _int_env("RANK"), _int_env("MASTER_PORT")
+        if node >= nodes:
+            return None
+        _check_rendezvous(env["MASTER_ADDR"], port, node, here=True)
+        try:
+            timeout = read_option("MP_DIST_TIMEOUT_MIN", env) or 10.0
+        except UserError:
+            timeout = 10.0
+        per_node = next((int(env[k]) for k in ("GPUS_PER_NODE", "KUBERNETES_CONTAINER_RESOURCE_GPU")
+                         if env.get(k, "").isdigit() and int(env[k]) > 0), None) or _visible_gpus() or 1
+    except (UserError, ValueError):
+        return None
+    return [f"--nproc_per_node={per_node}", f"--nnodes={nodes}", f"--node_rank={node}",
+            f"--master_addr={env['MASTER_ADDR']}", f"--master_port={port}",
+            f"--rdzv_conf=timeout={max(1, round(timeout * 60))}", "-m", "megatron_patch", "train", name, *argv]
+
+
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _checked_start(cfg, *, out, would: bool) -> bool:
@@ -451,6 +513,8 @@ def _rank(launcher: str, argv: list[str]) -> int:
     out = Path(argv[-1] or ".").absolute()  # OUTPUT_BASEPATH is the last argument of every launcher
     try:
         try:
+            if os.environ.get(LAUNCHER_REFUSED):  # started only to tell the other nodes (_other_nodes_told)
+                raise UserError(os.environ[LAUNCHER_REFUSED])
             cfg = resolve(launcher, argv)
             timeout_min = cfg.dist_timeout_min
             check_run_folder(cfg.output_basepath)

@@ -498,6 +498,7 @@ PR_SET_PDEATHSIG = 1
 LAUNCHER_PID = "MP_LAUNCHER_PID"  # set by the launcher for its ranks
 # the warnings the launcher printed of the checkpoints it skipped (JSON), which its ranks then leave out
 LAUNCHER_WARNED = "MP_LAUNCHER_WARNED"
+LAUNCHER_REFUSED = "MP_LAUNCHER_REFUSED"  # the launcher refused its node's line: its ranks only say so (cli.train)
 
 
 def die_with_launcher(log=print) -> str:
