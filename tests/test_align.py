@@ -776,6 +776,24 @@ def test_cli_ablate_reports_each_source(ablation_report):
 
 
 @pytest.mark.slow
+def test_cli_ablate_of_a_family_with_its_own_norms_and_activation(tmp_path):
+    """Gemma 3 (its own zero-centred norms, a tanh GeLU): --ablate stopped as an internal error, its fp32 residual
+    feeding the norms' fp32 output into bf16 linears and its fused-SwiGLU variant failing the model build (the cmp
+    audit). The residual variant runs; those that would change nothing in this model are skipped saying why."""
+    hf = make_tiny_hf_checkpoint("gemma3", tmp_path / "hf", seed=1)
+    report = tmp_path / "rep"
+    assert main(["align", "--hf-dir", str(hf), "--dtype", "bf16", "--seq-len", "32", "--ablate", "--quiet",
+                 "--report-dir", str(report)]) == 0
+    rows = {r["name"]: r for r in json.loads((report / "report.json").read_text())["ablations"]}
+    assert rows["residual_fp32"]["status"] == rows["rope_fp32"]["status"] == "ran"
+    assert rows["residual_fp32"]["change_vs_baseline"] != 0.0
+    assert rows["bias_swiglu_fused"]["status"] == "skipped"
+    assert "not one megatron-core fuses" in rows["bias_swiglu_fused"]["reason"]
+    for name in ("rmsnorm_hf", "rmsnorm_lowp"):
+        assert rows[name]["status"] == "skipped" and "not torch's RMSNorm" in rows[name]["reason"], rows[name]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the TE/fused variants run (next test)")
 def test_cli_ablate_skips_gpu_variants_on_cpu(ablation_report):
     rows = {r["name"]: r for r in json.loads((ablation_report / "report.json").read_text())["ablations"]}

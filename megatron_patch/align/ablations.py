@@ -60,13 +60,20 @@ def _rope_in_fp32(model):
         rope_utils._apply_rotary_pos_emb_bshd = original
 
 
+class NotApplicable(Exception):
+    """A variant that would change nothing in this model (why): the report lists it as skipped, not as a run equal
+    to the baseline."""
+
+
 def _norm_modules(model):
     return [m for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
 
 
 @contextmanager
-def _replace_norm_forward(model, forward):
+def _replace_norm_forward(model, forward, required: bool = True):
     norms = _norm_modules(model)
+    if required and not norms:
+        raise NotApplicable("the model's norms are a class of its own, not torch's RMSNorm that this variant changes")
     for m in norms:
         m.forward = forward.__get__(m)
     try:
@@ -120,12 +127,22 @@ def _fp32_residual(model):
     def norm_forward(self, x):
         return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps).to(dtype)
 
+    # a family's own norm classes (Gemma's zero-centred ones, DeepSeek-V4's) return the dtype they are given: their
+    # fp32 output went into a model-dtype linear (the cmp audit: gemma3's --ablate stopped there)
+    def in_model_dtype(module, args, output):
+        return output.to(dtype) if torch.is_tensor(output) and output.is_floating_point() else output
+
+    own_norms = [m for m in model.modules()
+                 if type(m).__name__.endswith("Norm") and not isinstance(m, torch.nn.RMSNorm)]
+    hooks = [m.register_forward_hook(in_model_dtype) for m in own_norms]
     fused_bias_dropout._bias_dropout_add_func = add_in_fp32
     try:
-        with _replace_norm_forward(model, norm_forward):
+        with _replace_norm_forward(model, norm_forward, required=False):
             yield
     finally:
         fused_bias_dropout._bias_dropout_add_func = original
+        for hook in hooks:
+            hook.remove()
 
 
 @contextmanager
@@ -182,8 +199,14 @@ def describe_baseline_attention() -> str:
     return describe(local) if local else "transformer-engine's attention (TE layer spec)"
 
 
-def skip_reason(ablation: Ablation) -> str | None:
-    """Why a variant cannot run on this machine (None: it can)."""
+def skip_reason(ablation: Ablation, arch=None) -> str | None:
+    """Why a variant cannot run on this machine, or for the model of ``arch`` (None: it can)."""
+    if arch is not None and "bias_activation_fusion" in ablation.overrides:
+        from megatron_patch.models.description.registry import get_family
+
+        # the builder keeps a fusion off where the family turns it off: the variant would be the baseline again
+        if get_family(arch.family).transformer_config_kwargs(arch).get("bias_activation_fusion") is False:
+            return "the model's activation is not one megatron-core fuses (it runs eager): the baseline's"
     if ablation.needs_gpu and not torch.cuda.is_available():
         return "needs a CUDA GPU (skipped on CPU)"
     if ablation.needs_te and not builder.te_available():

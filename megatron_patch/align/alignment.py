@@ -249,7 +249,7 @@ def _point_series(ref, test, num_layers) -> list[float]:
     return [compare(streams_like(ref[n], test[n]), test[n])["rel_l2"] for n in judged_point_names(ref, num_layers)]
 
 
-def _ablation_rows(s, ref, floor, baseline, variants, num_layers) -> list[dict]:
+def _ablation_rows(s, ref, floor, baseline, variants, num_layers, arch) -> list[dict]:
     same_dtype_ref = floor if floor is not None else ref
     base = compare_logits(ref["logits"], baseline["logits"])
     base_diff = compare(same_dtype_ref["logits"], baseline["logits"])["rel_l2"]
@@ -261,9 +261,12 @@ def _ablation_rows(s, ref, floor, baseline, variants, num_layers) -> list[dict]:
     for ab in ablations.ABLATIONS:
         row = {"name": ab.name, "source": ab.source, "change": ab.change}
         if ab.name not in variants:
-            rows.append({**row, "status": "skipped", "reason": ablations.skip_reason(ab) or "not run"})
+            rows.append({**row, "status": "skipped", "reason": ablations.skip_reason(ab, arch) or "not run"})
             continue
         cap = variants[ab.name]
+        if isinstance(cap, str):  # it would change nothing in this model (ablations.NotApplicable)
+            rows.append({**row, "status": "skipped", "reason": cap})
+            continue
         m = compare_logits(ref["logits"], cap["logits"])
         rows.append({**row, "status": "ran", "logits_rel_l2": m["rel_l2"], "logits_kl": m["kl"],
                      "diff_to_hf_same_dtype": compare(same_dtype_ref["logits"], cap["logits"])["rel_l2"],
@@ -296,7 +299,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
         runs = [McoreRun(dt, **source, fp8=s.fp8 if dt == "fp8" else None) for dt in s.runs]
         if s.ablate:
             runs += [McoreRun(s.dtype, ablation=a.name, **source)
-                     for a in ablations.ABLATIONS if ablations.skip_reason(a) is None]
+                     for a in ablations.ABLATIONS if ablations.skip_reason(a, test_arch) is None]
         log(f"[2/3] MCore {' then '.join(s.runs)} at {s.layout} in {s.layout.world_size} process(es): {len(runs)} "
             "model run(s)" + (" (baseline + ablations; the fused SwiGLU variant compiles first)" if s.ablate else ""))
         captures = capture_mcore_runs(s.layout, tokens, runs)
@@ -330,7 +333,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
                                 + (f"checkpoint {s.mcore_dir} ({sidecar.checkpoint_format})" if s.mcore_dir
                                    else f"{s.hf_dir} (in-memory mapping)") + peft)},
         "config_differences": config_differences(ref_arch.hf_config, test_arch.hf_config),
-        "ablations": _ablation_rows(s, ref, floor, test, variants, ref_arch.num_layers) if s.ablate else [],
+        "ablations": _ablation_rows(s, ref, floor, test, variants, ref_arch.num_layers, test_arch) if s.ablate else [],
         # fp8: the points where MCore's float8 model equals torchao's on the HF model bit for bit
         "fp8_identical_points": [n for n in captured_point_names(test, ref_arch.num_layers) if n in test and n in floor
                                  and torch.equal(test[n], floor[n])] if s.fp8 else None,

@@ -106,17 +106,26 @@ def mcore_capture_worker(layout: ParallelLayout, tokens: torch.Tensor, runs: lis
     out = []
     for run in runs:
         model, arch = _build_and_load(run, layout)
-        with ablations.patched(run.ablation, model):
-            captured = capture_mcore(model, tokens, arch.vocab_size, get_family(arch.family).hf_modules, arch.is_moe)
+        try:
+            with ablations.patched(run.ablation, model):
+                captured = capture_mcore(model, tokens, arch.vocab_size, get_family(arch.family).hf_modules,
+                                         arch.is_moe)
+        except ablations.NotApplicable as exc:
+            captured = str(exc)  # why the variant is skipped, said by every rank alike
         out.append(captured if reporter else None)
         del model
     return out
 
 
-def capture_mcore_runs(layout: ParallelLayout, tokens: torch.Tensor, runs: list[McoreRun]) -> list[Captures]:
+def capture_mcore_runs(layout: ParallelLayout, tokens: torch.Tensor, runs: list[McoreRun]) -> list[Captures | str]:
     """Captures of every run at ``layout``, computed in ``layout.world_size`` local processes."""
     per_rank = run_local(mcore_capture_worker, layout.world_size, layout, tokens, list(runs))
-    return [merge_captures([r[i] if r else None for r in per_rank]) for i in range(len(runs))]
+    merged = []
+    for i in range(len(runs)):
+        parts = [r[i] if r else None for r in per_rank]
+        # a variant that changes nothing in this model: why (ablations.NotApplicable), in place of its captures
+        merged.append(next((p for p in parts if isinstance(p, str)), None) or merge_captures(parts))
+    return merged
 
 
 def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_dir: str | Path | None = None,
