@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from megatron_patch.models.blocks import builder
+from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.blocks.core_attention import SDPA, UNFUSED, default_core_attention, describe
 from megatron_patch.runtime.deferred_compile import compiled_megatron_fusions
 
@@ -202,8 +203,6 @@ def describe_baseline_attention() -> str:
 def skip_reason(ablation: Ablation, arch=None) -> str | None:
     """Why a variant cannot run on this machine, or for the model of ``arch`` (None: it can)."""
     if arch is not None and "bias_activation_fusion" in ablation.overrides:
-        from megatron_patch.models.description.registry import get_family
-
         # the builder keeps a fusion off where the family turns it off: the variant would be the baseline again
         if get_family(arch.family).transformer_config_kwargs(arch).get("bias_activation_fusion") is False:
             return "the model's activation is not one megatron-core fuses (it runs eager): the baseline's"
