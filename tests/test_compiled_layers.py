@@ -189,10 +189,10 @@ def test_the_dry_run_says_what_is_compiled_of_each_kind(monkeypatch, capsys, tmp
     assert "      compiled: input_layernorm, self_attention, pre_mlp_layernorm, " in text
 
 
-def test_the_dry_run_says_where_the_runs_layers_break_unlike_the_tiny_model(monkeypatch, capsys, tmp_path):
+def test_the_dry_run_says_where_the_runs_layers_break_unlike_the_tiny_model(monkeypatch, capsys, tmp_path, corpus):
     """The tiny model is measured at TP=1 without recompute: at TP=2 without SP (the tensor-parallel linears) and with
     AC=sel (get_rng_state) the run's layers compile apart where the dry run said whole (the fp8 audit, fp8b #6 and
-    #9); at TP=2 with SP they trace whole, as the tiny model does (the second fp8 audit)."""
+    #9), and at TP=2 with SP where the column-parallel linears are not in float8 (the cmp audit)."""
     from megatron_patch.cli.train import print_dry_run
 
     monkeypatch.setenv("MP_NPROC", "2")
@@ -204,8 +204,18 @@ def test_the_dry_run_says_where_the_runs_layers_break_unlike_the_tiny_model(monk
     assert caveats[1].startswith("AC=sel's recompute of core attention breaks the graph (torch.get_rng_state)")
     print_dry_run(report)
     assert f"    unlike this run's layers: {caveats[0]}\n" in capsys.readouterr().out
-    assert _dry_run(monkeypatch, capsys, tmp_path, "llama3_1", TP="2", SP="true")["compile"]["unlike_the_run"] == []
+    # with SP the column-parallel linears gather the sequence asynchronously in their backward: apart too (the cmp
+    # audit measured linear_qkv and linear_fc1 eager, the MLP apart, where this dry run said whole)
+    sequence_parallel = _dry_run(monkeypatch, capsys, tmp_path, "llama3_1", TP="2", SP="true")["compile"]
+    assert [c.split(" break")[0] for c in sequence_parallel["unlike_the_run"]] == [
+        "at TP=2 with SP megatron-core's column-parallel linears (those not in float8)"], sequence_parallel
     assert _dry_run(monkeypatch, capsys, tmp_path)["compile"]["unlike_the_run"] == []
+    monkeypatch.setenv("MP_SFT_PACKING", "true")  # the cmp audit: rope_utils' _local_scalar_dense, attention apart
+    monkeypatch.setenv("MP_TOKENIZER", str(corpus["tok"]))
+    packed = _dry_run(monkeypatch, capsys, tmp_path, "llama3_1", DATASET_PATH=str(corpus["prefix"]))
+    assert packed["compile"]["unlike_the_run"] == [
+        "MP_SFT_PACKING's packed sequences break the graph (RoPE and attention per document read each document's "
+        "length), so whole layers compile apart there"]
 
 
 def test_the_dry_run_refuses_a_family_that_does_not_compile(monkeypatch, capsys, tmp_path):

@@ -189,14 +189,24 @@ def _compile_caveats(cfg, float8: bool) -> list[str]:
     (measured on CPU: the fp8 audit, tiny Llama)."""
     caveats = []
     row_float8 = float8 and (cfg.fp8_filter in ("auto", "all") or {"proj", "fc2"} & set(cfg.fp8_filter))
-    if cfg.tp > 1 and not cfg.sequence_parallel:  # with SP the all-reduce is a reduce-scatter, and layers trace whole
+    # torchao's float8 column-parallel linears gather the sequence themselves, synchronously (models/blocks/float8.py)
+    column_float8 = float8 and (cfg.fp8_filter == "all" or cfg.fp8_filter != "auto" and {"qkv", "fc1"} <= set(
+        cfg.fp8_filter))
+    if cfg.tp > 1 and not cfg.sequence_parallel:
         caveats.append(f"at TP={cfg.tp} without SP megatron-core's tensor-parallel linears break a layer's graph (the "
                        "column-parallel linears' asynchronous all-reduce" + (
                            ", and torchao's float8 GEMM of the row-parallel ones, which then run eagerly"
                            if row_float8 else "") + "), so whole layers compile apart there")
+    elif cfg.tp > 1 and not column_float8:  # the cmp audit: linear_qkv and linear_fc1 eager, the MLP apart
+        caveats.append(f"at TP={cfg.tp} with SP megatron-core's column-parallel linears (those not in float8) break a "
+                       "layer's graph (their backward's asynchronous all-gather, and their warning where "
+                       "CUDA_DEVICE_MAX_CONNECTIONS is not 1), so whole layers compile apart there")
     if cfg.activation_checkpointing == "sel":
         caveats.append("AC=sel's recompute of core attention breaks the graph (torch.get_rng_state), so whole layers "
                        "compile apart there")
+    if cfg.sft_packing:  # the cmp audit: first break at rope_utils' _local_scalar_dense
+        caveats.append("MP_SFT_PACKING's packed sequences break the graph (RoPE and attention per document read each "
+                       "document's length), so whole layers compile apart there")
     return caveats
 
 
