@@ -250,3 +250,23 @@ def test_lazy_modules_are_bound_in_their_owners_before_layers_compile(monkeypatc
     torch._dynamo.reset()
     with torch._dynamo.error_on_graph_break(True):
         assert torch.compile(owner.twice, backend="eager")(torch.ones(2)).tolist() == [1.0] * 4
+
+
+@pytest.mark.slow
+def test_each_pipeline_stage_says_what_it_compiled(corpus, tmp_path):
+    """At PP=2 rank 0 alone said what was compiled: Qwen3-MoE's dense first layer on stage 0, and nothing of the MoE
+    layers on stage 1 (the cmp audit). Each stage's first rank says its own layers, naming the stage."""
+    from tests.training_helpers import launch
+
+    args = launcher_args("qwen3_moe", PP="2", FL="true", DATASET_PATH=str(corpus["prefix"]),
+                         OUTPUT_BASEPATH=str(tmp_path / "out"), TRAIN_TOKENS_OR_ITERS=str(2 * 512),
+                         WARMUP_TOKENS_OR_ITERS="0", SAVE_INTERVAL="100")
+    proc = launch(args, {"MP_COMPILE": "true", "MP_PP0_LAYERS": "1", "MP_SAVE": "false"}, family="qwen3_moe")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "torch.compile" in line]
+    assert "pipeline stage 0: torch.compile (MP_COMPILE): 1 decoder layers of 1 kind(s)," in proc.stdout, said
+    assert "pipeline stage 1: torch.compile (MP_COMPILE): 3 decoder layers of 1 kind(s)," in proc.stdout, said
+    assert any(line.startswith("pipeline stage 0: torch.compile: TransformerLayer(SelfAttention, MLP) [layers 1]: ")
+               for line in said), said
+    assert any(line.startswith("pipeline stage 1: torch.compile: TransformerLayer(SelfAttention, MoELayer) "
+                               "[layers 2-4]: ") for line in said), said

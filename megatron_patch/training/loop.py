@@ -277,7 +277,8 @@ class Trainer:
         if cfg.compile_fusions:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         if cfg.compile_layers:
-            self._log(compiled_layers.describe(compiled_layers.compile_layers(chunks, on_decided=self._log_compiled)))
+            self._log_of_stage(compiled_layers.describe(compiled_layers.compile_layers(
+                chunks, on_decided=self._log_compiled)))
         if device.type == "cuda" and core_attention(cfg, caps) == "sdpa":  # FA3/FA4 behind torch SDPA, where installed
             attention_kernels.activate(attention_kernels.flash_implementation(
                 True, caps.compute_capability, caps.flash_attention_3, caps.flash_attention_4))
@@ -400,7 +401,18 @@ class Trainer:
 
     def _log_compiled(self, kind) -> None:
         """MP_COMPILE: what was compiled of a kind of layer, once its first layer has run (the first step)."""
-        self._log("\n".join(f"torch.compile: {line}" for line in kind.lines()))
+        self._log_of_stage("\n".join(f"torch.compile: {line}" for line in kind.lines()))
+
+    def _log_of_stage(self, text: str) -> None:
+        """What a pipeline stage says of its own layers (MP_COMPILE's): said by the stage's first rank, each line
+        naming the stage, where PP>1; rank 0 alone left the later stages' layers unsaid (the cmp audit)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return self._log(text)
+        if (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(), ps.get_context_parallel_rank()) == (0, 0, 0):
+            stage = ps.get_pipeline_model_parallel_rank()
+            print("\n".join(f"pipeline stage {stage}: {line}" for line in text.splitlines()), flush=True)
 
     def _open_logs(self) -> None:
         if self.rank != self.log_rank:
