@@ -23,6 +23,8 @@ NOT_LAUNCHER_OPTIONS = {
     "MP_CPU_COMPAT_ANY_MCORE": "runtime/cpu_compat.py: the CPU patches on an unaudited megatron-core, for every command",
     "MP_LAUNCHER_PID": "runtime/launch.py: set by the launcher for its own ranks",
     "MP_LAUNCHER_WARNED": "runtime/launch.py: set by the launcher for its own ranks (the warnings it printed)",
+    "MP_LAUNCHER_REFUSED": "runtime/launch.py: set by a node's launcher that refused its line, for ranks that only "
+                           "tell the other nodes so",
 }
 # Where a launcher option's name is read by another program, and why.
 READ_ELSEWHERE = {
