@@ -344,6 +344,11 @@ def test_a_printed_size_resolves_without_a_checkpoint(fixtures, tmp_path):
     cfg = resolve("qwen3", dense, env={"GPUS_PER_NODE": "8", "WORLD_SIZE": "1"})
     assert (cfg.family, cfg.etp, cfg.layout.expert_tp) == ("qwen3", None, 4)
     assert any("ETP=2 is ignored: qwen3 8B is a dense model" in n for n in cfg.notes)
+    # and the A3B line's EP, which Pai's launcher passes for its MoE sizes alone (the pai audit: refused)
+    dense[line.names.index("EP")] = "4"
+    cfg = resolve("qwen3", dense, env={"GPUS_PER_NODE": "8", "WORLD_SIZE": "1"})
+    assert (cfg.family, cfg.ep, cfg.layout.ep) == ("qwen3", 1, 1)
+    assert any("EP=4 is ignored: qwen3 8B is a dense model" in n for n in cfg.notes)
 
 
 # --- what Pai's names mean ------------------------------------------------------------------------------------

@@ -106,9 +106,13 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
                      "with the model, their loss logged as mtp_N loss")
     arch = parse_arch(hf_config)
     if o["ETP"] is not None and not arch.is_moe:
-        # a launcher that takes dense and MoE sizes (Pai's Qwen3): ETP means nothing to a dense model
+        # a launcher that takes dense and MoE sizes (Pai's Qwen3): ETP and EP mean nothing to a dense model, and Pai's
+        # launcher passes them for its MoE sizes alone (the pai audit: EP=4 with 8B was refused)
         if o["ETP"] not in (1, o["TP"]):
             notes.append(f"ETP={o['ETP']} is ignored: {family} {size} is a dense model")
+        if o["EP"] != 1:
+            notes.append(f"EP={o['EP']} is ignored: {family} {size} is a dense model")
+            o["EP"] = 1
         o["ETP"] = None
     vp, vp_setting = _virtual_pipeline(o, o["PP"], arch.num_layers, notes)
     layout = ParallelLayout(tp=o["TP"], pp=o["PP"], ep=o["EP"], etp=o["ETP"], cp=o["CP"], vp=vp)
