@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -858,12 +859,13 @@ def _assert_same_losses(got: dict[int, dict], want: dict[int, dict], iterations)
     return worst
 
 
-def _start(args, env, log: Path, family="llama3_1") -> subprocess.Popen:
-    """The launcher script in the background, its output in LOG.out / LOG.err."""
+def _start(args, env, log: Path, family="llama3_1", session: bool = False) -> subprocess.Popen:
+    """The launcher script in the background, its output in LOG.out / LOG.err (``session``: in a process group of its
+    own, as a terminal's job, which Ctrl-C signals as a whole)."""
     script = os.path.join(REPO, "examples", family, f"run_mcore_{family}.sh")
     with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
         return subprocess.Popen(["bash", script, *args], env={**os.environ, "PYTHON": sys.executable, **env},
-                                stdout=out, stderr=err)
+                                stdout=out, stderr=err, start_new_session=session)
 
 
 def _output(log: Path) -> tuple[str, str]:
@@ -940,32 +942,68 @@ def test_a_node_that_goes_away_ends_the_other_in_one_line(corpus, tmp_path):
     assert stderr.startswith("mpatch train: error: rank 1 lost its connection to another rank"), stderr
 
 
-@pytest.mark.slow
-def test_a_node_whose_launcher_refuses_its_line_tells_the_others(corpus, tmp_path):
-    """Node 1's DATASET_PATH missing there: its launcher refused before torchrun and never joined, and node 0 waited
-    out the rendezvous, then blamed it (the mn audit; 10 minutes by default). Node 1 says its line at once and joins
-    with ranks that only refuse, so node 0 refuses naming node 1's reason."""
+def _two_node_base() -> dict:
     from megatron_patch.runtime.distributed import free_port
 
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "1",
+    return {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "1",
             "OMP_NUM_THREADS": "1", "MP_DIST_TIMEOUT_MIN": "1"}
-    missing = str(tmp_path / "elsewhere" / "corpus_text_document")
-    lines = [_pretrain_args(corpus, tmp_path / "out", ENV="dlc"),
-             _pretrain_args(corpus, tmp_path / "out", ENV="dlc", DATASET_PATH=missing)]
-    nodes = [_start(lines[n], {**base, "RANK": str(n)}, tmp_path / f"node{n}") for n in (0, 1)]
-    try:
-        codes = [p.wait(timeout=300) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("refusal", ["data missing on node 1", "run folder locked"])
+def test_a_node_whose_launcher_refuses_its_line_tells_the_others(corpus, tmp_path, refusal):
+    """Node 1's DATASET_PATH missing there: its launcher refused before torchrun and never joined, and node 0 waited
+    out the rendezvous, then blamed it (the mn audit; 10 minutes by default); so did node 1 when node 0 found the run
+    folder locked by another job (the s63 audit). The refusing node says its line at once and joins with ranks that
+    only refuse, so the other refuses naming its reason."""
+    from megatron_patch.outputs.lock import OutputLock
+
+    out = tmp_path / "out"
+    lines = [_pretrain_args(corpus, out, ENV="dlc")] * 2
+    if refusal == "data missing on node 1":
+        missing = str(tmp_path / "elsewhere" / "corpus_text_document")
+        lines[1] = _pretrain_args(corpus, out, ENV="dlc", DATASET_PATH=missing)
+        refusing, reason = 1, f"mmap data {missing}.bin not found"
+    else:
+        refusing, reason = 0, f"{out} is being written by pid {os.getpid()}"
+    base = _two_node_base()
+    with OutputLock(out) if refusal == "run folder locked" else contextlib.nullcontext():
+        nodes = [_start(lines[n], {**base, "RANK": str(n)}, tmp_path / f"node{n}") for n in (0, 1)]
+        try:
+            codes = [p.wait(timeout=300) for p in nodes]
+        finally:
+            for p in nodes:
+                if p.poll() is None:
+                    p.kill()
     said = [_output(tmp_path / f"node{n}")[1] for n in (0, 1)]
     assert codes == [2, 2], said
-    reason = f"mmap data {missing}.bin not found"
-    assert said[1] == f"mpatch train: error: {reason}: give the prefix of the .bin/.idx pair written by 'mpatch " \
-                      "preprocess' (e.g. data/corpus_text_document)\n", said[1]
-    assert said[0].startswith(f"mpatch train: error: rank 1 ({os.uname().nodename}) refused its node's launcher line: "
-                              f"{reason}") and said[0].count("\n") == 1, said[0]
+    assert said[refusing].startswith(f"mpatch train: error: {reason}") and said[refusing].count("\n") == 1, said
+    other = 1 - refusing
+    assert said[other].startswith(f"mpatch train: error: rank {refusing} ({os.uname().nodename}) refused its node's "
+                                  f"launcher line: {reason}") and said[other].count("\n") == 1, said[other]
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_refusing_node_waiting_for_the_others(corpus, tmp_path):
+    """A node whose launcher refused its line waits for the other nodes to tell them; Ctrl-C reached torchrun's
+    rendezvous only at its timeout (the s63 audit)."""
+    import signal
+
+    node = _start(_pretrain_args(corpus, tmp_path / "out", ENV="dlc", LR="abc"), {**_two_node_base(), "RANK": "0"},
+                  tmp_path / "node0", session=True)
+    try:
+        deadline = time.time() + 60
+        while "joins the job" not in _output(tmp_path / "node0")[0]:
+            assert time.time() < deadline and node.poll() is None, _output(tmp_path / "node0")
+            time.sleep(0.1)
+        time.sleep(1)
+        os.killpg(node.pid, signal.SIGINT)
+        code = node.wait(timeout=20)
+    finally:
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    assert code == 130, _output(tmp_path / "node0")
+    assert _output(tmp_path / "node0")[1].endswith("mpatch train: interrupted\n"), _output(tmp_path / "node0")
 
 
 @pytest.mark.slow

@@ -10,11 +10,14 @@ with one line saying why (``runtime.launch.explain_failures``).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
 import shlex
+import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -26,9 +29,9 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED, JobFailed,
-                                           die_with_launcher, forked_ranks, helpers_die_with_rank, name_this_process,
-                                           quiet_cpu_warnings, run_torchrun)
+from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED, PR_SET_PDEATHSIG,
+                                           JobFailed, die_with_launcher, forked_ranks, helpers_die_with_rank,
+                                           name_this_process, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_data_settings, check_training_data
 from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers
@@ -301,13 +304,17 @@ def run(args) -> int:
         _checked_start(cfg, out=sys.stderr if dry == "json" else sys.stdout, would=True)
         launch_command(cfg, argv, here=False)  # a line the launch refuses is refused here too, exit 2
         return 0
-    with _other_nodes_told(name, argv):
-        cfg = resolve(name, argv)
-        check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: it takes a few lstat calls
-        needed = _check_machine(cfg)
-        command = launch_command(cfg, argv)
-    with _run_lock(cfg):
+    # torch's C++ warnings print their own stack trace (a TCPStore read of a node that went away: 15 lines before
+    # the rank's one line, the mn audit); its errors still print. Read as torch loads: set before anything imports
+    # it, in the launcher (its rendezvous) and its ranks. TORCH_CPP_LOG_LEVEL=WARNING shows them again.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    with contextlib.ExitStack() as held:
         with _other_nodes_told(name, argv):
+            cfg = resolve(name, argv)
+            check_run_folder(cfg.output_basepath)  # in the launcher and again in each rank: a few lstat calls
+            needed = _check_machine(cfg)
+            command = launch_command(cfg, argv)
+            held.enter_context(_run_lock(cfg))  # another job writing the run folder: told as well (the s63 audit)
             if not _checked_start(cfg, out=sys.stdout, would=False):
                 return 0
         return _launch(cfg, command, argv, needed)
@@ -328,13 +335,19 @@ def _other_nodes_told(name: str, argv: list[str]):
         print(f"mpatch train: error: {exc}", file=sys.stderr, flush=True)
         print("note: this node joins the job to tell the other nodes why it stops (at most MP_DIST_TIMEOUT_MIN; "
               "Ctrl-C ends it)", flush=True)
-        os.environ.update({LAUNCHER_REFUSED: str(exc), LAUNCHER_PID: str(os.getpid())})
+        # torchrun in a child of its own: its rendezvous blocks in C++, where Ctrl-C reached it only at its timeout
+        # (the s63 audit); its output is the agent's, the ranks only refuse
+        # (its ranks end with it, their parent, and it with this process)
+        env = {**{k: v for k, v in os.environ.items() if k != LAUNCHER_PID}, LAUNCHER_REFUSED: str(exc)}
+        joining = subprocess.Popen([*TORCHRUN, *command], env=env, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   preexec_fn=_die_with_this_process)
         try:
-            run_torchrun(command)
-        except JobFailed:
-            pass  # the ranks refused, as they were started to
+            joining.wait()
         finally:
-            os.environ.pop(LAUNCHER_REFUSED, None)
+            if joining.poll() is None:
+                joining.kill()
+                joining.wait()
         raise SystemExit(2) from None
 
 
@@ -363,6 +376,14 @@ def _refusing_command(name: str, argv: list[str]) -> list[str] | None:
     return [f"--nproc_per_node={per_node}", f"--nnodes={nodes}", f"--node_rank={node}",
             f"--master_addr={env['MASTER_ADDR']}", f"--master_port={port}",
             f"--rdzv_conf=timeout={max(1, round(timeout * 60))}", "-m", "megatron_patch", "train", name, *argv]
+
+
+def _die_with_this_process() -> None:
+    """In a child, before it runs: it is killed when the process that started it ends (Linux), however that ends."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _visible_gpus() -> int:
@@ -469,9 +490,6 @@ def _launch(cfg, command: list[str], argv: list[str], needed: dict) -> int:
     if cfg.nproc_per_node > 1:
         # torchrun's own default, set here so it does not print a banner about it.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # torch's C++ warnings print their own stack trace (a TCPStore read of a node that went away: 15 lines before
-    # the rank's one line, the mn audit); its errors still print. TORCH_CPP_LOG_LEVEL=WARNING shows them again.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     print("+ " + " ".join(f"{k}={v}" for k, v in needed.items()) + (" " if needed else "")
           + " ".join(shlex.quote(c) for c in command), flush=True)
 
