@@ -794,6 +794,27 @@ def test_cli_ablate_of_a_family_with_its_own_norms_and_activation(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family, skipped, ran", [
+    ("gpt_oss", {"attention_sdpa": "unfused arithmetic inside SDPA's module",
+                 "bias_swiglu_fused": "not one megatron-core fuses"}, ("rope_fp32", "residual_fp32")),
+    ("deepseek_v4", {"attention_sdpa": "attention is its own", "softmax_lowp": "attention is its own",
+                     "rope_fp32": "RoPE of its own", "rmsnorm_hf": "not torch's RMSNorm"}, ("residual_fp32",)),
+])
+def test_cli_ablate_skips_what_would_not_change_the_model(tmp_path, family, skipped, ran):
+    """gpt-oss's sinks run megatron's unfused arithmetic inside SDPA's module, DeepSeek-V4 has its own attention and
+    RoPE: those variants were listed as runs equal to the baseline (the s63 audit)."""
+    hf = make_tiny_hf_checkpoint(family, tmp_path / "hf", seed=1)
+    report = tmp_path / "rep"
+    assert main(["align", "--hf-dir", str(hf), "--dtype", "bf16", "--seq-len", "32", "--ablate", "--quiet",
+                 "--report-dir", str(report)]) == 0
+    rows = {r["name"]: r for r in json.loads((report / "report.json").read_text())["ablations"]}
+    for name, why in skipped.items():
+        assert rows[name]["status"] == "skipped" and why in rows[name]["reason"], rows[name]
+    for name in ran:
+        assert rows[name]["status"] == "ran" and rows[name]["change_vs_baseline"] != 0.0, rows[name]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the TE/fused variants run (next test)")
 def test_cli_ablate_skips_gpu_variants_on_cpu(ablation_report):
     rows = {r["name"]: r for r in json.loads((ablation_report / "report.json").read_text())["ablations"]}

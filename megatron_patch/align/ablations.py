@@ -50,8 +50,10 @@ def _rope_in_fp32(model):
     from megatron.core.models.common.embeddings import rope_utils
 
     original = rope_utils._apply_rotary_pos_emb_bshd
+    calls = []
 
     def fp32(t, freqs, *args, **kwargs):
+        calls.append(1)
         return original(t.float(), freqs.float(), *args, **kwargs).to(t.dtype)
 
     rope_utils._apply_rotary_pos_emb_bshd = fp32
@@ -59,6 +61,9 @@ def _rope_in_fp32(model):
         yield
     finally:
         rope_utils._apply_rotary_pos_emb_bshd = original
+    if not calls:  # DeepSeek-V4's own RoPE (the s63 audit: listed as a run equal to the baseline)
+        raise NotApplicable("the model rotates q/k with a RoPE of its own, not megatron-core's that this variant "
+                            "changes")
 
 
 class NotApplicable(Exception):
@@ -242,6 +247,23 @@ def patched(name: str | None, model):
     """Apply the variant's run-time patch (if any) to ``model`` for the duration of the block."""
     with ExitStack() as stack:
         ablation = BY_NAME.get(name) if name else None
+        if ablation is not None and (ablation.core_attention or ablation.needs_unfused_softmax):
+            unchanged = _core_attention_unchanged(model, ablation.core_attention)
+            if unchanged:
+                raise NotApplicable(unchanged)
         if ablation is not None and ablation.patch is not None:
             stack.enter_context(ablation.patch(model))
         yield
+
+
+def _core_attention_unchanged(model, kind: str | None) -> str | None:
+    """Why building ``kind``'s core attention (None: changing megatron's softmax in it) changes nothing in ``model``:
+    no layer has a core attention (DeepSeek-V4's own attention), or every one computes megatron's unfused arithmetic
+    in SDPA's module (gpt-oss's sinks: the s63 audit found both listed as runs equal to the baseline)."""
+    cores = [m for name, m in model.named_modules() if name.endswith("self_attention.core_attention")]
+    if not cores:
+        return "the model's attention is its own: it has no megatron-core core attention for this variant to change"
+    fallbacks = {getattr(m, "fallback", None) for m in cores}
+    if kind == SDPA and None not in fallbacks:
+        return f"every layer's attention runs megatron's unfused arithmetic inside SDPA's module ({min(fallbacks)})"
+    return None
