@@ -919,12 +919,9 @@ def test_a_node_that_goes_away_ends_the_other_in_one_line(corpus, tmp_path):
     printed a 15-line stack trace of the store read before it (the mn audit)."""
     import signal
 
-    from megatron_patch.runtime.distributed import free_port
-
     out = tmp_path / "out"
     args = _pretrain_args(corpus, out, ENV="dlc", TRAIN_TOKENS_OR_ITERS=str(200 * GBS * SEQ), SAVE_INTERVAL="1000")
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "1",
-            "OMP_NUM_THREADS": "1", "MP_DIST_TIMEOUT_MIN": "1"}
+    base = _two_node_base()
     nodes = [_start(args, {**base, "RANK": str(n)}, tmp_path / f"node{n}") for n in (0, 1)]
     try:
         deadline = time.time() + 300
@@ -943,10 +940,21 @@ def test_a_node_that_goes_away_ends_the_other_in_one_line(corpus, tmp_path):
 
 
 def _two_node_base() -> dict:
+    """Two ENV=dlc "nodes" of one process on 127.0.0.1, failing within a minute."""
     from megatron_patch.runtime.distributed import free_port
 
     return {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "1",
             "OMP_NUM_THREADS": "1", "MP_DIST_TIMEOUT_MIN": "1"}
+
+
+def _ended(nodes: list[subprocess.Popen]) -> list[int]:
+    """Each launcher's exit status, once all have ended (at most 5 minutes; killed then)."""
+    try:
+        return [p.wait(timeout=300) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
 
 
 @pytest.mark.slow
@@ -968,13 +976,7 @@ def test_a_node_whose_launcher_refuses_its_line_tells_the_others(corpus, tmp_pat
         refusing, reason = 0, f"{out} is being written by pid {os.getpid()}"
     base = _two_node_base()
     with OutputLock(out) if refusal == "run folder locked" else contextlib.nullcontext():
-        nodes = [_start(lines[n], {**base, "RANK": str(n)}, tmp_path / f"node{n}") for n in (0, 1)]
-        try:
-            codes = [p.wait(timeout=300) for p in nodes]
-        finally:
-            for p in nodes:
-                if p.poll() is None:
-                    p.kill()
+        codes = _ended([_start(lines[n], {**base, "RANK": str(n)}, tmp_path / f"node{n}") for n in (0, 1)])
     said = [_output(tmp_path / f"node{n}")[1] for n in (0, 1)]
     assert codes == [2, 2], said
     assert said[refusing].startswith(f"mpatch train: error: {reason}") and said[refusing].count("\n") == 1, said
@@ -1011,19 +1013,9 @@ def test_a_refusal_is_not_restarted(corpus, tmp_path):
     """MP_MAX_RESTARTS=1 on node 1 only: both nodes refused the differing option, and node 1's agent restarted its
     rank, which waited out the rendezvous for node 0, gone, and blamed the network (the mn audit). A rank's refusal
     of its input ends the restarts: it would refuse again."""
-    from megatron_patch.runtime.distributed import free_port
-
-    args = _pretrain_args(corpus, tmp_path / "out", ENV="dlc")
-    base = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "1",
-            "OMP_NUM_THREADS": "1", "MP_DIST_TIMEOUT_MIN": "1"}
-    nodes = [_start(args, {**base, "RANK": str(n), **({"MP_MAX_RESTARTS": "1"} if n else {})}, tmp_path / f"node{n}")
-             for n in (0, 1)]
-    try:
-        codes = [p.wait(timeout=300) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
+    args, base = _pretrain_args(corpus, tmp_path / "out", ENV="dlc"), _two_node_base()
+    codes = _ended([_start(args, {**base, "RANK": str(n), **({"MP_MAX_RESTARTS": "1"} if n else {})},
+                           tmp_path / f"node{n}") for n in (0, 1)])
     for n, code in enumerate(codes):
         stdout, stderr = _output(tmp_path / f"node{n}")
         assert code == 2 and "MP_MAX_RESTARTS is 0 on rank 0" in stderr, (n, stdout[-2000:], stderr[-2000:])
