@@ -404,6 +404,22 @@ def test_run_local_spawns_its_ranks_where_a_cuda_device_is(monkeypatch):
     assert len(set(pids)) == 2 and os.getpid() not in pids
 
 
+def test_ranks_still_fork_under_a_tmpdir_too_deep_for_a_unix_socket(tmp_path):
+    """The fork server listens on TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX; with a TMPDIR deeper than 75 bytes (a job's
+    scratch folder; CI's pytest-102 folder) every evaluation and local training start failed with "internal error:
+    OSError: AF_UNIX path too long". multiprocessing's folder moves to the system's temporary folder there, the
+    ranks still fork from the server, and the deep TMPDIR gets no multiprocessing folder."""
+    deep = tmp_path / ("d" * (120 - len(str(tmp_path))))
+    deep.mkdir()
+    code = ("import os, tempfile\nfrom megatron_patch.runtime import launch\n"
+            "print('start', launch._start_context().get_start_method())\n"
+            "print('ranks', len(set(launch.run_local(os.getpid, 2, timeout=120))))\n")
+    proc = subprocess.run([sys.executable, "-"], input=code, text=True, capture_output=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(deep), "MP_LOCAL_START": ""})
+    assert proc.returncode == 0 and proc.stdout.split() == ["start", "forkserver", "ranks", "2"], proc.stderr[-3000:]
+    assert not [p.name for p in deep.iterdir() if p.name.startswith("pymp-")]
+
+
 def test_ctrl_c_with_a_rank_that_must_be_killed_says_nothing_more(tmp_path):
     """Ctrl-C during `mpatch eval --tp 2`: "interrupted", then multiprocessing's resource tracker warned of a leaked
     semaphore, tqdm's write lock in a rank that was still blocked 5 s later and killed. A rank's bars take a thread

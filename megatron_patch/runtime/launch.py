@@ -23,14 +23,17 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
 import uuid
 import warnings
-from multiprocessing import forkserver, reduction
+from multiprocessing import forkserver, process, reduction
+from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any, Callable
 
@@ -187,6 +190,32 @@ TRAINING_RANK_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_p
                          "megatron_patch.runtime.fork_server_ready"]
 
 
+# sockaddr_un.sun_path on Linux: 108 bytes with the closing NUL
+_SOCKET_PATH_MAX = 107
+# what multiprocessing adds to its folder's parent: /pymp-XXXXXXXX, then the fork server's /listener-XXXXXXXX
+_SOCKET_PATH_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def _socket_folder_fits() -> bool:
+    """Whether the fork server's socket path fits a Unix socket's, moving multiprocessing's folder (not yet made)
+    from a TMPDIR too deep for it to the system's own temporary folder, as CPython 3.14 does itself: a deep TMPDIR
+    (a job's scratch folder) failed every evaluation and local training start with "internal error: OSError:
+    AF_UNIX path too long". False (spawn instead) where no folder fits."""
+    made = process.current_process()._config.get("tempdir")
+    if made is not None:
+        return len(os.fsencode(made)) + len("/listener-XXXXXXXX") <= _SOCKET_PATH_MAX
+    if len(os.fsencode(tempfile.gettempdir())) + _SOCKET_PATH_TAIL <= _SOCKET_PATH_MAX:
+        return True
+    for base in ("/tmp", "/var/tmp", "/usr/tmp"):
+        if len(base) + _SOCKET_PATH_TAIL <= _SOCKET_PATH_MAX and os.access(base, os.W_OK | os.X_OK):
+            folder = tempfile.mkdtemp(prefix="pymp-", dir=base)
+            # what multiprocessing.util.get_temp_dir does for the folder it makes: removed at this process's exit
+            mp_util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+            process.current_process()._config["tempdir"] = folder
+            return True
+    return False
+
+
 def _start_context(preload: list[str] = LOCAL_JOB_PRELOAD):
     """The fork server (started on first use, kept for this process's life, ranks forked from it with the
     ``preload`` of the first use imported), or "spawn" where asked for, where there is no fork server, or where a
@@ -195,7 +224,7 @@ def _start_context(preload: list[str] = LOCAL_JOB_PRELOAD):
     ``cpu_compat``'s ``torch.cuda.is_available()``, whose device count arms torch's fork guard), and a child
     forked after that cannot use CUDA. A spawned rank starts clean."""
     if (os.environ.get("MP_LOCAL_START") == "spawn" or "forkserver" not in mp.get_all_start_methods()
-            or _cuda_present()):
+            or _cuda_present() or not _socket_folder_fits()):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(preload)
