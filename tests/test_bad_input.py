@@ -361,6 +361,18 @@ def test_a_closed_pipe_ends_quietly(argv, unbuffered):
     assert (proc.returncode, proc.stderr) == (141, ""), proc.stderr
 
 
+def test_a_command_started_without_stdout_or_stdin_runs():
+    """`mpatch families >&- <&-` (a daemon, a cron job): Python leaves sys.stdout None, and the final flush ended
+    the command in an internal error; its output goes nowhere now."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(["bash", "-c", 'exec "$@" >&- <&-', "bash", sys.executable, "-m", "megatron_patch",
+                           "families"], stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+
+
 # --- the fuzzed contract -----------------------------------------------------------------------------------
 
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),

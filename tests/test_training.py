@@ -821,6 +821,27 @@ def test_nan_loss_stops_the_run(corpus, tmp_path):
     assert not math.isnan(read_metrics(out)[0]["loss"])
 
 
+def test_a_launch_whose_reader_goes_away_ends_quietly_and_one_without_stdout_trains(corpus, tmp_path):
+    """`launcher | head -1`: rank 0's next line met a reader gone, and the launcher blamed the network ("rank 0 lost
+    its connection to another rank ... can reach MASTER_ADDR"), exit 1; it ends as every command does, 141 and
+    nothing said. Started with stdout closed (`>&-`, a cron job), the launch failed before training with an internal
+    error (sys.stdout was None); it trains, its output going nowhere (the env audit)."""
+    script = os.path.join(REPO, "examples", "llama3_1", "run_mcore_llama3_1.sh")
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.Popen(["bash", script, *_pretrain_args(corpus, tmp_path / "gone")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # `head -1`
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=480), err) == (141, ""), (first, err[-3000:])
+
+    out = tmp_path / "no stdout"
+    done = subprocess.run(["bash", script, *_pretrain_args(corpus, out)], env=env, stdout=None,
+                          stderr=subprocess.PIPE, text=True, timeout=480, preexec_fn=lambda: os.close(1))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["iteration"] for m in read_metrics(out)] == list(range(1, ITERS + 1))
+
+
 # --- multi-node and failures -----------------------------------------------------------------------------
 
 # Two data-parallel ranks (ENV=cpu, MP_NPROC=2), checkpoints at 6, 12, 18, 24: the reference of the

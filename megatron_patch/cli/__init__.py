@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 import traceback
 from pathlib import Path
@@ -47,16 +48,55 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _reader_gone() -> int:
+def reader_gone() -> int:
     """The reader went away (a pager quit, `| head`): nothing is wrong and nothing more can be said. stdout
     is pointed at /dev/null so that the interpreter's final flush does not complain either."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_BROKEN_PIPE
 
 
+def went_to_a_gone_reader(exc: BaseException) -> bool:
+    """Whether ``exc`` is (or was caused by) a write to stdout or stderr whose reader went away: a BrokenPipeError
+    while the pipe's write end reports the error (poll's POLLERR), not a broken socket of the job's."""
+    seen = set()
+    while exc is not None and id(exc) not in seen and not isinstance(exc, BrokenPipeError):
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    if not isinstance(exc, BrokenPipeError):
+        return False
+    poll = select.poll()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            poll.register(stream.fileno(), select.POLLOUT)
+        except (AttributeError, OSError, ValueError):  # no stream, or one without a descriptor
+            continue
+    return any(events & select.POLLERR for _, events in poll.poll(0))
+
+
+def _closed_streams_to_devnull() -> None:
+    """A command started with stdin, stdout or stderr closed (`>&-`: a daemon, a cron job) reads and writes
+    /dev/null there: Python left sys.stdout None, and the final flush ended a finished conversion in an internal
+    error, a launch before it trained (the env audit); the descriptor's number, free, would have gone to the next
+    file opened. A number already reused by a file opened since is left to it."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+            setattr(sys, name, open(os.devnull, mode))
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: ``fd`` itself, where it is the only one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            os.set_inheritable(fd, True)  # the ranks' and workers' descriptor too
+            setattr(sys, name, open(fd, mode, closefd=False))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Every command: 0 success, 2 bad input (one line), 1 an internal error (one line; its traceback with
     MPATCH_DEBUG=1), 130 interrupted; align and parity: 1 is their negative verdict, 3 an internal error."""
+    _closed_streams_to_devnull()
     argv = sys.argv[1:] if argv is None else list(argv)
     quiet_known_warnings()  # each rank of a launch runs this too
     defer_megatron_compile()  # before anything imports megatron-core (runtime/deferred_compile.py says why)
@@ -79,12 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpatch {command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        return _reader_gone()
+        return reader_gone()
     except SystemExit:  # argparse's --help and usage errors: their output is flushed here too
         try:
             sys.stdout.flush()
         except BrokenPipeError:
-            return _reader_gone()
+            return reader_gone()
         raise
     except ModuleNotFoundError as exc:
         missing = missing_dependency(exc)

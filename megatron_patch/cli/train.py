@@ -23,7 +23,8 @@ import traceback
 from pathlib import Path
 
 from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER, iteration_dir
-from megatron_patch.cli import DEBUG_VARIABLE, internal_error
+from megatron_patch.cli import (DEBUG_VARIABLE, EXIT_BROKEN_PIPE, internal_error, reader_gone,
+                                went_to_a_gone_reader)
 from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
@@ -489,6 +490,8 @@ def _launch(cfg, command: list[str], argv: list[str], needed: dict) -> int:
     except JobFailed as exc:
         if exc.code == 2:
             raise UserError(str(exc))
+        if exc.code == EXIT_BROKEN_PIPE:
+            return reader_gone()
         print(f"mpatch train: {'' if exc.kind == 'internal' else 'error: '}{exc}", file=sys.stderr, flush=True)
         return exc.code
     print(f"done: checkpoints in {cfg.checkpoint_dir}" if cfg.save else "done (MP_SAVE=false: no checkpoint written)",
@@ -562,6 +565,9 @@ def _rank(launcher: str, argv: list[str]) -> int:
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every failure becomes one line for the launcher
         if _interrupted(exc):  # the SIGINT came during a checkpoint's save or load
             return 130
+        if went_to_a_gone_reader(exc):  # `| head`: the launcher ends quietly, as every command does (docs/outputs.md)
+            watchdog.report_failure("the reader of the output went away", "pipe")
+            return reader_gone()
         kind, message = _rank_failure(exc, rank, timeout_min, out)
         if not watchdog.report_failure(message, kind):  # not under torchrun: nobody else will say it
             print(f"mpatch train: {'' if kind == 'internal' else 'error: '}{message}", file=sys.stderr, flush=True)

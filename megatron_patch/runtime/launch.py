@@ -346,7 +346,7 @@ def _no_restart_after_bad_input():
     """torchrun restarts a failed group while MP_MAX_RESTARTS lasts. A rank that refused its input (its one line
     of kind "user", exit 2) refuses it again at every restart, and a node that restarts after a refusal all nodes
     made waits out the rendezvous for nodes that did not restart (the mn audit: another MP_MAX_RESTARTS on one
-    node). While the launch runs, the agent's monitor ends the restarts at such a failure; with a torch whose
+    node); a reader of the output gone is gone for the restart too. While the launch runs, the agent's monitor ends the restarts at such a failure; with a torch whose
     agent has no such monitor, restarts go on as before."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
@@ -358,7 +358,7 @@ def _no_restart_after_bad_input():
     def monitor_ending_restarts_at_bad_input(agent, worker_group):
         result = monitor(agent, worker_group)
         if result.is_failed() and getattr(agent, "_remaining_restarts", 0) > 0:
-            if explain_failures(result.failures, reports_beside(result.failures))[2] == "user":
+            if explain_failures(result.failures, reports_beside(result.failures))[2] in ("user", "pipe"):
                 agent._remaining_restarts = 0
         return result
 
@@ -472,13 +472,13 @@ def explain_failures(failures: dict, beside: dict | None = None) -> tuple[str, i
     reports other ranks of the attempt wrote (``beside``, ``reports_beside``'s: their one line counts, their exit
     is not known).
 
-    The root cause, in this order: a rank's own one-line error (bad input: exit 2; a collective that
-    timed out, naming the rank that stopped answering), a rank killed by a signal the agent did not
+    The root cause, in this order: a rank's own one-line error (bad input: exit 2; the reader of the output gone,
+    `| head`: 141; a collective that timed out, naming the rank that stopped answering), a rank killed by a signal the agent did not
     send (SIGKILL from the OOM killer or a person, SIGSEGV...), a rank's internal error (its traceback in
     the run's log), a lost connection, the first rank that exited non-zero."""
     order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     reported = sorted({**(beside or {}), **failures}.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    for kind, code in (("user", 2), ("hang", 1)):
+    for kind, code in (("user", 2), ("pipe", 141), ("hang", 1)):
         for rank, f in reported:
             if _kind(f) == kind:
                 return _text(f), code, kind

@@ -265,7 +265,8 @@ def _judge(beats: dict[int, dict] | None, now: float, stale_after: float, lost: 
 
 def report_failure(message: str, kind: str) -> bool:
     """Write ``message`` into torchrun's error file for this rank (torch ``ErrorHandler``'s format,
-    plus ``mpatch_kind``: 'user' for bad input, 'hang', 'lost'). False when not under torchrun."""
+    plus ``mpatch_kind``: 'user' for bad input, 'pipe' for a reader of the output gone, 'hang', 'lost'). False
+    when not under torchrun."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
