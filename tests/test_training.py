@@ -825,7 +825,8 @@ def test_a_launch_whose_reader_goes_away_ends_quietly_and_one_without_stdout_tra
     """`launcher | head -1`: rank 0's next line met a reader gone, and the launcher blamed the network ("rank 0 lost
     its connection to another rank ... can reach MASTER_ADDR"), exit 1; it ends as every command does, 141 and
     nothing said. Started with stdout closed (`>&-`, a cron job), the launch failed before training with an internal
-    error (sys.stdout was None); it trains, its output going nowhere (the env audit)."""
+    error (sys.stdout was None); it trains, its output going nowhere, and leaves no torchrun log folder in TMPDIR
+    (torchelastic_*, one per launch before; the env audit)."""
     script = os.path.join(REPO, "examples", "llama3_1", "run_mcore_llama3_1.sh")
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.Popen(["bash", script, *_pretrain_args(corpus, tmp_path / "gone")], env=env,
@@ -835,11 +836,14 @@ def test_a_launch_whose_reader_goes_away_ends_quietly_and_one_without_stdout_tra
     err = proc.stderr.read()
     assert (proc.wait(timeout=480), err) == (141, ""), (first, err[-3000:])
 
-    out = tmp_path / "no stdout"
-    done = subprocess.run(["bash", script, *_pretrain_args(corpus, out)], env=env, stdout=None,
-                          stderr=subprocess.PIPE, text=True, timeout=480, preexec_fn=lambda: os.close(1))
+    out, tmp = tmp_path / "no stdout", tmp_path / "tmp"
+    tmp.mkdir()
+    done = subprocess.run(["bash", script, *_pretrain_args(corpus, out)], env={**env, "TMPDIR": str(tmp)},
+                          stdout=None, stderr=subprocess.PIPE, text=True, timeout=480, preexec_fn=lambda: os.close(1))
     assert done.returncode == 0, done.stderr[-3000:]
     assert [m["iteration"] for m in read_metrics(out)] == list(range(1, ITERS + 1))
+    # torch's compile cache (torchinductor_<user>, docs/outputs.md) is the one thing a launch keeps there
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 # --- multi-node and failures -----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED, JobFailed,
+from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED, JobFailed, agent_log_folder,
                                            die_with_launcher, die_with_parent, forked_ranks, helpers_die_with_rank,
                                            name_this_process, quiet_cpu_warnings, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
@@ -343,15 +343,16 @@ def _other_nodes_told(name: str, argv: list[str]):
         # (the s63 audit); its output is the agent's, the ranks only refuse
         # (its ranks end with it, their parent, and it with this process)
         env = {**{k: v for k, v in os.environ.items() if k != LAUNCHER_PID}, LAUNCHER_REFUSED: str(exc)}
-        joining = subprocess.Popen([*TORCHRUN, *command], env=env, stdin=subprocess.DEVNULL,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   preexec_fn=functools.partial(die_with_parent, os.getpid(), "its launcher"))
-        try:
-            joining.wait()
-        finally:
-            if joining.poll() is None:
-                joining.kill()
+        with agent_log_folder() as log_dir:
+            joining = subprocess.Popen([*TORCHRUN, "--log-dir", log_dir, *command], env=env, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                       preexec_fn=functools.partial(die_with_parent, os.getpid(), "its launcher"))
+            try:
                 joining.wait()
+            finally:
+                if joining.poll() is None:
+                    joining.kill()
+                    joining.wait()
         raise SystemExit(2) from None
 
 

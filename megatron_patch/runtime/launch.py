@@ -307,10 +307,7 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
     must be ``--standalone`` and each rank is forked from the fork server and runs ``entry(*args)``
     (``forked_ranks``). Raises ``JobFailed`` with one line saying why the job failed."""
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed import DistNetworkError, DistStoreError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import parse_args
 
     if os.environ.get("MPATCH_DEBUG") != "1":
         # The agent logs each failed rank and each rank it stops ("failed (exitcode: 1) local_rank: 0 ..."):
@@ -321,7 +318,28 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
         # and the signal it got ("Received 2 death signal, shutting down workers"): said below too
         logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
             lambda record: "death signal" not in record.getMessage())
-    parsed = parse_args(torchrun_args)
+    with agent_log_folder() as log_dir:
+        _run_agent(parse_args(["--log-dir", log_dir, *torchrun_args]), forked)
+
+
+@contextlib.contextmanager
+def agent_log_folder():
+    """A folder for torchrun's agent (its ranks' error files, ``explain_failures`` reads them), removed after the job:
+    without ``--log-dir`` the agent made one in TMPDIR per launch and left it there (the env audit: thousands of
+    torchelastic_* in /tmp)."""
+    folder = tempfile.mkdtemp(prefix="torchelastic_")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_agent(parsed, forked: tuple[Callable, tuple] | None) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed import DistNetworkError, DistStoreError
+    from torch.distributed.run import run
+
     try:
         with _no_restart_after_bad_input():
             if forked is None:
@@ -346,8 +364,8 @@ def _no_restart_after_bad_input():
     """torchrun restarts a failed group while MP_MAX_RESTARTS lasts. A rank that refused its input (its one line
     of kind "user", exit 2) refuses it again at every restart, and a node that restarts after a refusal all nodes
     made waits out the rendezvous for nodes that did not restart (the mn audit: another MP_MAX_RESTARTS on one
-    node); a reader of the output gone is gone for the restart too. While the launch runs, the agent's monitor ends the restarts at such a failure; with a torch whose
-    agent has no such monitor, restarts go on as before."""
+    node); a reader of the output gone is gone for the restart too. While the launch runs, the agent's monitor ends
+    the restarts at such a failure; with a torch whose agent has no such monitor, restarts go on as before."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     monitor = LocalElasticAgent.__dict__.get("_monitor_workers")
