@@ -6,6 +6,7 @@ in one line that says what to change. (The launchers under examples/ put this pr
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import signal
 import sys
@@ -24,12 +25,35 @@ def foreign_package() -> Path | None:
     return folders[0] if folders and not ours else None
 
 
+def megatron_without_core() -> Path | None:
+    """The folder of the ``megatron`` package Python would import, when it holds no ``megatron.core`` (an old
+    Megatron-LM checkout, a Pai set-up's copy on PYTHONPATH) and so hides the installed megatron-core (found without
+    importing it, as above)."""
+    spec = importlib.util.find_spec("megatron")
+    folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    # a regular package (its __init__.py) is searched alone; a namespace package's folders in turn
+    searched = folders[:1] if spec is not None and spec.has_location else folders
+    if not folders or any((f / "core" / "__init__.py").is_file() for f in searched):
+        return None
+    return folders[0]
+
+
 def main() -> int:
     other = foreign_package()
     if other is not None:
         print(f"mpatch: error: the megatron_patch package found first, {other}, is not this project's (Pai-Megatron-"
               f"Patch's repository has one of that name): take {other.parent} off PYTHONPATH to run mpatch (Pai's "
               "scripts put it there themselves)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    hiding = megatron_without_core()
+    if hiding is not None:
+        try:
+            installed = f" and hides the installed megatron-core {importlib.metadata.version('megatron-core')}"
+        except importlib.metadata.PackageNotFoundError:
+            installed = ""
+        print(f"mpatch: error: the megatron package found first, {hiding}, holds no megatron.core{installed}: take "
+              f"{hiding.parent} off PYTHONPATH (or make it a Megatron-LM checkout of megatron-core 0.16 or 0.19)",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     from megatron_patch.cli import main as run
 

@@ -505,6 +505,39 @@ def test_pai_megatron_patch_first_on_pythonpath_is_one_line(tmp_path):
     assert ours.returncode == 0 and "qwen3_moe" in ours.stdout, ours.stderr
 
 
+def test_another_megatron_first_on_pythonpath_is_named_in_one_line(tmp_path):
+    """An old Megatron-LM checkout or a Pai set-up's copy on PYTHONPATH: a `megatron` package without `core` hid the
+    installed megatron-core, and eval and align ended in "internal error: ... No module named 'megatron.core'", the
+    launcher and preprocess in "the Python package 'megatron' is not installed" (it is). One line names the folder;
+    a namespace `megatron` folder (no __init__.py) hides nothing and runs; a whole megatron-core of a release the
+    CPU layer was not written for is named where it was found (the env audit)."""
+    old = tmp_path / "Megatron-LM-old"
+    (old / "megatron" / "training").mkdir(parents=True)
+    (old / "megatron" / "__init__.py").write_text("")
+    for entry in ("mpatch", "megatron_patch"):
+        proc = subprocess.run([sys.executable, "-m", entry, "families"], env={**os.environ, "PYTHONPATH": f"{REPO}:{old}"},
+                              capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, (entry, proc.stderr)
+        assert f"{old / 'megatron'}, holds no megatron.core" in proc.stderr and f"take {old} off PYTHONPATH" in proc.stderr
+
+    spread = tmp_path / "namespace"
+    (spread / "megatron" / "training").mkdir(parents=True)
+    proc = subprocess.run([sys.executable, "-m", "megatron_patch", "families"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}:{spread}"}, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0 and "qwen3_moe" in proc.stdout, proc.stderr
+
+    whole = tmp_path / "Megatron-LM-0.13"
+    (whole / "megatron" / "core").mkdir(parents=True)
+    for init in ("megatron/__init__.py", "megatron/core/__init__.py"):
+        (whole / init).write_text("")
+    (whole / "megatron" / "core" / "package_info.py").write_text("__version__ = '0.13.0'\n")
+    code = ("from megatron_patch.errors import UserError\nfrom megatron_patch.runtime.cpu_compat import "
+            "check_mcore_version\ntry:\n    check_mcore_version()\nexcept UserError as exc:\n    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}:{whole}", "MP_CPU_COMPAT_ANY_MCORE": ""})
+    assert f"found 0.13.0 in {whole}, which comes before the megatron-core" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_known_warnings_are_filtered_and_others_shown():
     """The entry points drop megatron-core's 'Transformer Engine and Apex are not installed' notices (printed
     several times per rank otherwise) and nothing else."""

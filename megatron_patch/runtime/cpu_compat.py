@@ -27,9 +27,11 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import logging
 import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -73,10 +75,25 @@ def check_mcore_version() -> str:
     if release_of(version) not in SUPPORTED_MCORE and os.environ.get("MP_CPU_COMPAT_ANY_MCORE") != "1":
         raise UserError(
             f"the CPU compatibility layer was written for megatron-core {' and '.join(v + '.x' for v in SUPPORTED_MCORE)}, "
-            f"found {version}: install megatron-core 0.16.1 (Python 3.10/3.11) or 0.19.x (Python 3.12/3.13), "
-            f"run on a GPU, or set MP_CPU_COMPAT_ANY_MCORE=1 to try anyway"
+            f"found {version}{_found_before_the_installed(package_info.__file__)}: install megatron-core 0.16.1 "
+            f"(Python 3.10/3.11) or 0.19.x (Python 3.12/3.13), run on a GPU, or set MP_CPU_COMPAT_ANY_MCORE=1 to try "
+            "anyway"
         )
     return version
+
+
+def _found_before_the_installed(module_file: str) -> str:
+    """Where the megatron-core imported comes from, when a folder on PYTHONPATH (a Megatron-LM checkout) put it
+    before the installed one, which is what the user installed and thinks is running."""
+    found = Path(module_file).resolve().parents[2]
+    try:
+        installed = importlib.metadata.distribution("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return f" in {found}"
+    if Path(installed.locate_file("")).resolve() == found:
+        return ""
+    return (f" in {found}, which comes before the megatron-core {installed.version} installed in "
+            f"{installed.locate_file('')} (take it off PYTHONPATH to use that one)")
 
 
 def _audited_release(version: str) -> str:
