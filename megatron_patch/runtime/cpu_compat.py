@@ -27,7 +27,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from torch.utils._device import _device_constructors
 
 from megatron_patch.errors import UserError
+from megatron_patch.runtime.machine import installed_folder, megatron_core_version
 
 # megatron-core's modules are imported by the patches that change them, applied only on CPU (or without
 # transformer-engine) and only for the releases they were audited against (PATCHES).
@@ -85,15 +85,13 @@ def check_mcore_version() -> str:
 def _found_before_the_installed(module_file: str) -> str:
     """Where the megatron-core imported comes from, when a folder on PYTHONPATH (a Megatron-LM checkout) put it
     before the installed one, which is what the user installed and thinks is running."""
-    found = Path(module_file).resolve().parents[2]
-    try:
-        installed = importlib.metadata.distribution("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return f" in {found}"
-    if Path(installed.locate_file("")).resolve() == found:
+    found, installed = Path(module_file).resolve().parents[2], installed_folder("megatron-core", "megatron_core")
+    if installed == found:
         return ""
-    return (f" in {found}, which comes before the megatron-core {installed.version} installed in "
-            f"{installed.locate_file('')} (take it off PYTHONPATH to use that one)")
+    if installed is None:
+        return f" in {found}"
+    return (f" in {found}, which comes before the megatron-core {megatron_core_version()} installed in {installed} "
+            "(take it off PYTHONPATH to use that one)")
 
 
 def _audited_release(version: str) -> str:

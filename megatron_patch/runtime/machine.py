@@ -31,6 +31,16 @@ def installed_version(*dists: str) -> str | None:
     return None
 
 
+def installed_folder(*dists: str) -> Path | None:
+    """The folder the first installed of ``dists`` is installed into (site-packages), as ``installed_version``."""
+    for dist in dists:
+        try:
+            return Path(md.distribution(dist).locate_file("")).resolve()
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
 def version_tuple(text: str | None) -> tuple[int, ...]:
     """'12.9' or '0.19.2' -> (12, 9) / (0, 19): the release line, for comparisons; () when unreadable."""
     try:
