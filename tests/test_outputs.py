@@ -515,6 +515,30 @@ def test_a_full_disk_anywhere_is_bad_input_in_one_line(monkeypatch, capsys):
                         "(/tmp/report/plot.png)", words)
 
 
+def test_a_full_disk_without_a_file_name_names_the_fullest_place_the_command_writes(monkeypatch, tmp_path):
+    """A file's write() fails without a file name: align's and eval's line gave the working directory's room
+    ("47961.6 MiB free there" beside a full --output-dir; the env audit). It names the fullest of the command's
+    output folder and TMPDIR, where its working files go, and that one's room."""
+    import collections
+    import tempfile
+
+    from megatron_patch.outputs.full_disk import unwritten_line
+
+    output, tmp = tmp_path / "results" / "ev", tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    usage = collections.namedtuple("usage", "total used free")
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    for fullest, want in ((output, f"(in --output-dir {output}), 0.1 MiB free there"),
+                          (tmp, f"(in TMPDIR {tmp}), 0.1 MiB free there; what it was writing is left out (an output "
+                                "appears only complete): free space (or choose another TMPDIR)")):
+        monkeypatch.setattr(shutil, "disk_usage",
+                            lambda p, fullest=fullest: usage(2**40, 0, 2**17 if Path(p) == fullest else 2**35))
+        line = unwritten_line(full, {"--output-dir": str(output)})
+        assert want in line, line
+
+
 # --- the manifest ------------------------------------------------------------------------------------------------
 
 def test_every_conversion_carries_a_manifest_that_finds_a_flipped_byte(ckpt, tmp_path, capsys):

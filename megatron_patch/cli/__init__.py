@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_warnings()  # each rank of a launch runs this too
     defer_megatron_compile()  # before anything imports megatron-core (runtime/deferred_compile.py says why)
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else "mpatch"
+    args = None
     try:
         args, extra = build_parser(only=argv[0] if argv else None).parse_known_args(argv)
         if extra:  # argparse names them under the top-level usage, which lists no option of the command
@@ -135,9 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the contract: one line, never a traceback unless asked for
         full = full_disk_error(exc)
         if full is not None:  # a full disk or a file-size limit is bad input, wherever a command met it
-            print(f"mpatch {command}: error: {unwritten_line(full)}", file=sys.stderr)
+            print(f"mpatch {command}: error: {unwritten_line(full, _output_folders(args))}", file=sys.stderr)
             return EXIT_BAD_INPUT
         return _internal(command, exc)
+
+
+def _output_folders(args) -> dict[str, str]:
+    """{option: folder} of the outputs a command writes that a full disk's line may name (align's, eval's)."""
+    return {option: getattr(args, option[2:].replace("-", "_")) for option in ("--report-dir", "--output-dir")
+            if getattr(args, option[2:].replace("-", "_"), None)}
 
 
 def _check_working_directory() -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -31,12 +33,8 @@ def full_disk_error(exc: BaseException) -> OSError | None:
 
 def free_space(output: str | Path) -> str:
     """"N MiB free" on the filesystem of ``output`` (or of its nearest existing parent)."""
-    for folder in (Path(output), *Path(output).parents):
-        try:
-            return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free"
-        except OSError:
-            continue
-    return "free space unknown"
+    free = _free_bytes(output)
+    return "free space unknown" if free == 2**63 else f"{free / 2**20:.1f} MiB free"
 
 
 def _room_and_remedy(full: OSError, where: str | Path, what: str) -> tuple[str, str]:
@@ -46,14 +44,29 @@ def _room_and_remedy(full: OSError, where: str | Path, what: str) -> tuple[str, 
     return f"{free_space(where)} there", f"free space (or choose another {what})"
 
 
-def unwritten_line(full: OSError) -> str:
+def unwritten_line(full: OSError, outputs: dict[str, str | Path] | None = None) -> str:
     """The one line for a full disk, quota or file-size limit met by a command that names no output of its own
-    here (align's report, eval's task data and results: each written whole or not at all)."""
-    where = Path(full.filename).parent if full.filename else Path.cwd()
-    room, remedy = _room_and_remedy(full, where, "output")
-    named = f" ({full.filename})" if full.filename else ""
+    here (align's report, eval's task data and results: each written whole or not at all). A file's write carries
+    no name: then the fullest of the command's ``outputs`` ({option: folder}) and TMPDIR, where its working files
+    go, is the one named (before, the working directory's room was given, another filesystem's; the env audit)."""
+    if full.filename:
+        where, named, what = Path(os.fsdecode(full.filename)).parent, f" ({os.fsdecode(full.filename)})", "output"
+    else:
+        places = {**(outputs or {}), "TMPDIR": tempfile.gettempdir()}
+        what = min(places, key=lambda name: _free_bytes(places[name]))
+        where, named = Path(places[what]), f" (in {what} {places[what]})"
+    room, remedy = _room_and_remedy(full, where, what)
     return (f"writing failed: [Errno {full.errno}] {full.strerror}{named}, {room}; what it was writing is left out "
             f"(an output appears only complete): {remedy} and rerun")
+
+
+def _free_bytes(output: str | Path) -> int:
+    for folder in (Path(output), *Path(output).parents):
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:
+            continue
+    return 2**63
 
 
 @contextlib.contextmanager
@@ -62,6 +75,8 @@ def full_disk_is_bad_input(output: str | Path, what: str) -> Iterator[None]:
     block's own cleanup has run by then (it is raised from the writer's ``finally`` blocks outward)."""
     try:
         yield
+    except UserError:  # said already, by a writer inside
+        raise
     except Exception as exc:
         full = full_disk_error(exc)
         if full is None:
