@@ -1260,6 +1260,14 @@ def test_the_export_command_a_finished_run_suggests_pastes_into_a_shell(tmp_path
     assert argv[argv.index("--load-dir") + 1] == str(out / "final")
     assert finished_run(cfg, 3) is None
 
+    # a relative OUTPUT_BASEPATH that starts with a dash: `--load-dir -run/final` was two options to argparse
+    from megatron_patch.cli import build_parser
+    from megatron_patch.training.run_folder import export_command
+
+    for dashed in (Path("-run") / "final", Path("--run") / "final"):
+        argv = shlex.split(export_command(dashed))
+        assert Path(build_parser(only="convert").parse_args(argv[1:]).load_dir) == dashed, argv
+
 
 # --- a data blend ---------------------------------------------------------------------------------------------
 

@@ -43,8 +43,10 @@ RUN_FOLDER_ENTRIES = (*WRITTEN_FOLDERS, FINAL_DIR)
 
 def export_command(final: Path, flags: str = "--save-dir HF_OUT") -> str:
     """The command that turns a run's exported model into an HF folder, its path quoted for a shell: what the
-    run prints is meant to be pasted, and OUTPUT_BASEPATH may hold spaces."""
-    return f"mpatch convert mcore2hf --load-dir {shlex.quote(str(final))} {flags}"
+    run prints is meant to be pasted, and OUTPUT_BASEPATH may hold spaces, or start with a dash (argparse takes
+    `--load-dir -run/final` for two options: ./-run/final)."""
+    path = str(final)
+    return f"mpatch convert mcore2hf --load-dir {shlex.quote('./' + path if path.startswith('-') else path)} {flags}"
 
 
 def require_folder(out: Path) -> None:
