@@ -1269,6 +1269,24 @@ def test_the_export_command_a_finished_run_suggests_pastes_into_a_shell(tmp_path
         assert Path(build_parser(only="convert").parse_args(argv[1:]).load_dir) == dashed, argv
 
 
+def test_tensorboard_is_left_out_where_it_cannot_name_the_run_folder(monkeypatch, tmp_path):
+    """Under a Latin-1 locale, "run ü" (bytes c3 bc, as a UTF-8 terminal typed it) reads as "run Ã¼": the other
+    writers encode it back to the same bytes, TensorBoard's in UTF-8 to another folder, and the run died in an
+    internal error at its first record (the env audit). Such a folder is named, so the run goes on without it."""
+    import sys
+
+    from megatron_patch.training import run_folder
+
+    typed = "run ü".encode("utf-8")
+    assert run_folder.tensorboard_cannot_name(tmp_path / os.fsdecode(typed) / "tensorboard") is None  # UTF-8 here
+    monkeypatch.setattr(run_folder.os, "fsencode", lambda p: os.fspath(p).encode("latin-1", "surrogateescape"))
+    monkeypatch.setattr(sys, "getfilesystemencoding", lambda: "iso8859-1")
+    assert run_folder.tensorboard_cannot_name(tmp_path / "run" / "tensorboard") is None
+    for name in (typed.decode("latin-1"), "run \udcfc"):  # c3 bc as Latin-1 reads it; a byte no locale decoded
+        said = run_folder.tensorboard_cannot_name(tmp_path / name / "tensorboard")
+        assert said and "it names files in UTF-8 and this locale names them in iso8859-1" in said, name
+
+
 # --- a data blend ---------------------------------------------------------------------------------------------
 
 def _blend_batches(cfg):

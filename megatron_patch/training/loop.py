@@ -425,6 +425,10 @@ class Trainer:
             self.eval_file, note = run_folder.open_metrics(out, run_folder.EVAL_RESULTS, resumed=self.iteration)
             if note:
                 self._log(f"note: {note}")
+        unnamed = run_folder.tensorboard_cannot_name(out / "tensorboard")
+        if unnamed:
+            print(f"note: {unnamed}; metrics go to the console and log/metrics.jsonl only", flush=True)
+            return
         try:
             from torch.utils.tensorboard import SummaryWriter
 

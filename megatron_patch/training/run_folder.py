@@ -18,6 +18,7 @@ import json
 import os
 import shlex
 import stat
+import sys
 from pathlib import Path
 
 from megatron_patch.errors import UserError
@@ -47,6 +48,21 @@ def export_command(final: Path, flags: str = "--save-dir HF_OUT") -> str:
     `--load-dir -run/final` for two options: ./-run/final)."""
     path = str(final)
     return f"mpatch convert mcore2hf --load-dir {shlex.quote('./' + path if path.startswith('-') else path)} {flags}"
+
+
+def tensorboard_cannot_name(folder: Path) -> str | None:
+    """Why TensorBoard's writer cannot write into ``folder``, or None. It names its files in UTF-8 whatever the
+    locale: under a non-UTF-8 locale (LC_ALL=en_US.ISO-8859-1) a folder with a non-ASCII name is another
+    folder to it, and the run died in an internal error (FileNotFoundError) at its first record (the env audit)."""
+    path = str(folder)
+    try:
+        if path.encode("utf-8") == os.fsencode(path):
+            return None
+    except UnicodeEncodeError:  # a name this locale could not decode either
+        pass
+    return (f"TensorBoard cannot write {folder}: it names files in UTF-8 and this locale names them in "
+            f"{sys.getfilesystemencoding()} (a UTF-8 locale, LC_ALL=C.UTF-8, or an ASCII OUTPUT_BASEPATH brings it "
+            "back)")
 
 
 def require_folder(out: Path) -> None:
