@@ -81,6 +81,22 @@ def test_a_stale_lock_is_taken_over_saying_so(tmp_path, capsys):
     assert (target / "a").read_text() == "1" and not lock_path(target).exists()
 
 
+def test_a_lock_whose_record_meets_a_full_disk_is_removed(tmp_path, monkeypatch):
+    """The lock file is made, then its owner's record written: on a full disk that write failed and the empty lock
+    file stayed beside the output (align's and eval's on a full --output-dir, every writer's; the s64 audit)."""
+    from megatron_patch.outputs import lock as lock_module
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(lock_module.os, "pwrite", no_space)
+    target = tmp_path / "out"
+    with pytest.raises(OSError, match="No space left"):
+        with atomic_dir(target):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def _not_a_plain_file(kind: str, lock: Path, victim: Path) -> None:
     """Put something that is not a plain file of its own at ``lock`` (``victim``: what a link leads to)."""
     if kind == "symlink":

@@ -146,9 +146,13 @@ class OutputLock:
             self.log(f"note: took over the lock of {self.target} left by {_owner_text(owner)}, which is gone")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                 "command": shlex.join(["mpatch" if i == 0 else a for i, a in enumerate(sys.argv[:6])])}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
         self.fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+        except BaseException:  # a full disk: the lock file goes as on any other exit (the s64 audit found it left)
+            self.release()
+            raise
         return self
 
     def release(self) -> None:
