@@ -17,12 +17,27 @@ import fnmatch
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
 from megatron_patch.errors import UserError
 
 MAX_INPUT_BYTES = 256 * 2**20
+
+
+def locale_names_it_otherwise(path: str | Path) -> str | None:
+    """Why a library that names files in UTF-8 whatever the locale (TensorBoard's writer, the tokenizers library)
+    cannot reach ``path``, or None: under a non-UTF-8 locale (LC_ALL=en_US.ISO-8859-1) a non-ASCII name is, to it,
+    another file's (the env and s64 audits)."""
+    name = str(path)
+    try:
+        if name.encode("utf-8") == os.fsencode(name):
+            return None
+    except UnicodeEncodeError:  # a name this locale could not decode either
+        pass
+    return (f"names files in UTF-8 and this locale names them in {sys.getfilesystemencoding()}, so {name} is "
+            "another file to it (a UTF-8 locale, LC_ALL=C.UTF-8, or an ASCII path brings it back)")
 
 # The side files of an HF model folder that a tokenizer, transformers, a processor or a chat template read: what
 # the converters carry along with the weights, and what is checked before transformers reads a folder. The

@@ -20,8 +20,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import (check_folder_inputs, checked_input, read_input, read_input_text,
-                                        read_json_object)
+from megatron_patch.input_files import (check_folder_inputs, checked_input, locale_names_it_otherwise, read_input,
+                                        read_input_text, read_json_object)
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -209,6 +209,9 @@ def load_hf_tokenizer(folder: str | Path):
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
                                              **({"config": config} if config is not None else {}))
     except Exception as exc:  # noqa: BLE001 - a garbage tokenizer file fails in transformers in any way at all
+        why = locale_names_it_otherwise(Path(folder).absolute())
+        if why is not None:  # "No such file or directory" of a file that is there: the tokenizers library's
+            raise UserError(f"cannot read the tokenizer in {folder}: the tokenizers library {why}") from None
         raise UserError(f"cannot read the tokenizer in {folder}: {type(exc).__name__}: {exc}")
 
 

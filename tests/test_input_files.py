@@ -238,6 +238,34 @@ def _without_end_of_document_names(tokenizer, folder):
     return folder
 
 
+def test_a_tokenizer_the_locale_names_otherwise_is_said_to_be_so(tokenizer, tmp_path, monkeypatch):
+    """Under a Latin-1 locale the tokenizers library opens "mc ü" by its UTF-8 name, another folder's: eval said
+    "cannot read the tokenizer in ...: No such file or directory" of a tokenizer.json that is there (the s64
+    audit). The line names the locale's encoding where that is the cause; any other failure is said as it is."""
+    import shutil
+
+    import transformers
+
+    from megatron_patch.tokenizer import load_hf_tokenizer
+
+    accented = tmp_path / "mc \u00fc"
+    shutil.copytree(tokenizer, accented)
+
+    def not_found(*args, **kwargs):
+        raise Exception("No such file or directory (os error 2)")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", not_found)
+    with pytest.raises(UserError, match="No such file or directory"):
+        load_hf_tokenizer(accented)  # a UTF-8 locale here: the library names it as Python does
+    monkeypatch.setattr(os, "fsencode", lambda p: os.fspath(p).encode("latin-1", "surrogateescape"))
+    monkeypatch.setattr(sys, "getfilesystemencoding", lambda: "iso8859-1")
+    with pytest.raises(UserError, match=r"the tokenizers library names files in UTF-8 and this locale names them in "
+                                        r"iso8859-1, so .* is another file to it \(a UTF-8 locale, LC_ALL=C.UTF-8"):
+        load_hf_tokenizer(accented)
+    with pytest.raises(UserError, match="No such file or directory"):
+        load_hf_tokenizer(tokenizer)
+
+
 def test_an_eos_token_the_vocabulary_lacks_is_named(tokenizer, tmp_path):
     """The refusal said 'no eos_token in tokenizer_config.json' of a folder that names one tokenizer.json lacks."""
     from megatron_patch.tokenizer import load_tokenizer

@@ -1279,12 +1279,13 @@ def test_tensorboard_is_left_out_where_it_cannot_name_the_run_folder(monkeypatch
 
     typed = "run ü".encode("utf-8")
     assert run_folder.tensorboard_cannot_name(tmp_path / os.fsdecode(typed) / "tensorboard") is None  # UTF-8 here
-    monkeypatch.setattr(run_folder.os, "fsencode", lambda p: os.fspath(p).encode("latin-1", "surrogateescape"))
+    monkeypatch.setattr(os, "fsencode", lambda p: os.fspath(p).encode("latin-1", "surrogateescape"))
     monkeypatch.setattr(sys, "getfilesystemencoding", lambda: "iso8859-1")
     assert run_folder.tensorboard_cannot_name(tmp_path / "run" / "tensorboard") is None
     for name in (typed.decode("latin-1"), "run \udcfc"):  # c3 bc as Latin-1 reads it; a byte no locale decoded
         said = run_folder.tensorboard_cannot_name(tmp_path / name / "tensorboard")
         assert said and "it names files in UTF-8 and this locale names them in iso8859-1" in said, name
+        assert said.startswith(f"TensorBoard cannot write {tmp_path / name / 'tensorboard'}: "), said
 
 
 # --- a data blend ---------------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ import json
 import os
 import shlex
 import stat
-import sys
 from pathlib import Path
 
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import locale_names_it_otherwise
 from megatron_patch.outputs.folders import write_file_replacing
 
 LOG_DIR = "log"
@@ -51,18 +51,10 @@ def export_command(final: Path, flags: str = "--save-dir HF_OUT") -> str:
 
 
 def tensorboard_cannot_name(folder: Path) -> str | None:
-    """Why TensorBoard's writer cannot write into ``folder``, or None. It names its files in UTF-8 whatever the
-    locale: under a non-UTF-8 locale (LC_ALL=en_US.ISO-8859-1) a folder with a non-ASCII name is another
-    folder to it, and the run died in an internal error (FileNotFoundError) at its first record (the env audit)."""
-    path = str(folder)
-    try:
-        if path.encode("utf-8") == os.fsencode(path):
-            return None
-    except UnicodeEncodeError:  # a name this locale could not decode either
-        pass
-    return (f"TensorBoard cannot write {folder}: it names files in UTF-8 and this locale names them in "
-            f"{sys.getfilesystemencoding()} (a UTF-8 locale, LC_ALL=C.UTF-8, or an ASCII OUTPUT_BASEPATH brings it "
-            "back)")
+    """Why TensorBoard's writer cannot write into ``folder``, or None: under a non-UTF-8 locale a run with a
+    non-ASCII OUTPUT_BASEPATH died in an internal error (FileNotFoundError) at its first record (the env audit)."""
+    why = locale_names_it_otherwise(folder)
+    return None if why is None else f"TensorBoard cannot write {folder}: it {why}"
 
 
 def require_folder(out: Path) -> None:
