@@ -821,6 +821,7 @@ def test_nan_loss_stops_the_run(corpus, tmp_path):
     assert not math.isnan(read_metrics(out)[0]["loss"])
 
 
+@pytest.mark.slow
 def test_a_launch_whose_reader_goes_away_ends_quietly_and_one_without_stdout_trains(corpus, tmp_path):
     """`launcher | head -1`: rank 0's next line met a reader gone, and the launcher blamed the network ("rank 0 lost
     its connection to another rank ... can reach MASTER_ADDR"), exit 1; it ends as every command does, 141 and
