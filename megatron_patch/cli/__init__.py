@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _output_folders(args) -> dict[str, str]:
     """{option: folder} of the outputs a command writes that a full disk's line may name (align's, eval's)."""
-    return {option: getattr(args, option[2:].replace("-", "_")) for option in ("--report-dir", "--output-dir")
-            if getattr(args, option[2:].replace("-", "_"), None)}
+    named = {option: getattr(args, option[2:].replace("-", "_"), None) for option in ("--report-dir", "--output-dir")}
+    return {option: folder for option, folder in named.items() if folder}
 
 
 def _check_working_directory() -> None:

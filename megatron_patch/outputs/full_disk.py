@@ -34,7 +34,7 @@ def full_disk_error(exc: BaseException) -> OSError | None:
 def free_space(output: str | Path) -> str:
     """"N MiB free" on the filesystem of ``output`` (or of its nearest existing parent)."""
     free = _free_bytes(output)
-    return "free space unknown" if free == 2**63 else f"{free / 2**20:.1f} MiB free"
+    return "free space unknown" if free is None else f"{free / 2**20:.1f} MiB free"
 
 
 def _room_and_remedy(full: OSError, where: str | Path, what: str) -> tuple[str, str]:
@@ -53,20 +53,22 @@ def unwritten_line(full: OSError, outputs: dict[str, str | Path] | None = None) 
         where, named, what = Path(os.fsdecode(full.filename)).parent, f" ({os.fsdecode(full.filename)})", "output"
     else:
         places = {**(outputs or {}), "TMPDIR": tempfile.gettempdir()}
-        what = min(places, key=lambda name: _free_bytes(places[name]))
+        free = {name: _free_bytes(folder) for name, folder in places.items()}
+        what = min(places, key=lambda name: float("inf") if free[name] is None else free[name])
         where, named = Path(places[what]), f" (in {what} {places[what]})"
     room, remedy = _room_and_remedy(full, where, what)
     return (f"writing failed: [Errno {full.errno}] {full.strerror}{named}, {room}; what it was writing is left out "
             f"(an output appears only complete): {remedy} and rerun")
 
 
-def _free_bytes(output: str | Path) -> int:
+def _free_bytes(output: str | Path) -> int | None:
+    """The free bytes of ``output``'s filesystem (or of its nearest existing parent's), None where none is readable."""
     for folder in (Path(output), *Path(output).parents):
         try:
             return shutil.disk_usage(folder).free
         except OSError:
             continue
-    return 2**63
+    return None
 
 
 @contextlib.contextmanager

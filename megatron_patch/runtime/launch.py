@@ -491,8 +491,8 @@ def explain_failures(failures: dict, beside: dict | None = None) -> tuple[str, i
     is not known).
 
     The root cause, in this order: a rank's own one-line error (bad input: exit 2; the reader of the output gone,
-    `| head`: 141; a collective that timed out, naming the rank that stopped answering), a rank killed by a signal the agent did not
-    send (SIGKILL from the OOM killer or a person, SIGSEGV...), a rank's internal error (its traceback in
+    `| head`: 141; a collective that timed out, naming the rank that stopped answering), a rank killed by a signal
+    the agent did not send (SIGKILL from the OOM killer or a person, SIGSEGV...), a rank's internal error (its traceback in
     the run's log), a lost connection, the first rank that exited non-zero."""
     order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     reported = sorted({**(beside or {}), **failures}.items(), key=lambda kv: (kv[1].timestamp, kv[0]))

@@ -21,24 +21,26 @@ from megatron_patch.runtime.known_warnings import quiet_known_warnings
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
 
 
-def installed_version(*dists: str) -> str | None:
-    """The version of the first of ``dists`` that is installed (distributions spell names two ways)."""
+def _first_installed(dists: tuple[str, ...]) -> md.Distribution | None:
+    """The first of ``dists`` that is installed (distributions spell names two ways)."""
     for dist in dists:
         try:
-            return md.version(dist)
+            return md.distribution(dist)
         except md.PackageNotFoundError:
             continue
     return None
+
+
+def installed_version(*dists: str) -> str | None:
+    """The version of the first of ``dists`` that is installed."""
+    found = _first_installed(dists)
+    return None if found is None else found.version
 
 
 def installed_folder(*dists: str) -> Path | None:
-    """The folder the first installed of ``dists`` is installed into (site-packages), as ``installed_version``."""
-    for dist in dists:
-        try:
-            return Path(md.distribution(dist).locate_file("")).resolve()
-        except md.PackageNotFoundError:
-            continue
-    return None
+    """The folder the first installed of ``dists`` is installed into (site-packages)."""
+    found = _first_installed(dists)
+    return None if found is None else Path(found.locate_file("")).resolve()
 
 
 def version_tuple(text: str | None) -> tuple[int, ...]:
