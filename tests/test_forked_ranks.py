@@ -1,4 +1,4 @@
-"""A one-node CPU job's ranks are forked from a fork server that imported torch and megatron-core once
+"""A CPU job's ranks (every ENV, one node or several) are forked from a fork server that imported torch and megatron-core once
 (runtime/launch.py, ``forked_ranks``), under torchrun's own agent. Each must be what the agent's fresh
 ``python -u -m megatron_patch train ...`` rank is: the launcher's environment and working folder as they are now
 (not the fork server's, taken when it started), its output on the launcher's descriptors, unbuffered, a session of
@@ -20,8 +20,9 @@ import psutil
 import pytest
 
 from megatron_patch.outputs.lock import live_ranks
+from megatron_patch.runtime.distributed import free_port
 from megatron_patch.runtime.launch import JobFailed, forked_ranks, run_torchrun
-from tests.training_helpers import GBS, SEQ, launch, make_corpus, pretrain_args, read_metrics
+from tests.training_helpers import GBS, SEQ, launch, launcher_args, make_corpus, pretrain_args, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TWO_RANKS = ["--standalone", "--nnodes=1", "--nproc_per_node=2", "-m", "unused"]  # the module is not run: the call is
@@ -49,12 +50,19 @@ def fork_server():
     assert forked_ranks(), "this machine has a fork server and no CUDA device: ranks are forked here"
 
 
+def _node_line() -> list[str]:
+    """ENV=dlc's torchrun arguments for node 0 of a one-node job (cli/train.py ``_node_arguments``)."""
+    return ["--nproc_per_node=2", "--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}", "--rdzv_conf=timeout=30", "-m", "unused"]
+
+
+@pytest.mark.parametrize("line", ["standalone", "node"])
 def test_a_forked_rank_sees_the_launcher_as_it_is_now_and_has_a_session_of_its_own(fork_server, tmp_path, capfd,
-                                                                                      monkeypatch):
+                                                                                      monkeypatch, line):
     # after the fork server started: a forked rank must see these, as a fresh one would
     monkeypatch.setenv("MP_PROBE_SET_AFTER_THE_SERVER", "yes")
     monkeypatch.chdir(tmp_path)
-    run_torchrun(TWO_RANKS, (report_rank, (str(tmp_path),)))
+    run_torchrun(TWO_RANKS if line == "standalone" else _node_line(), (report_rank, (str(tmp_path),)))
     facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [f["rank"] for f in facts] == ["0", "1"] and facts[0]["run_id"] and facts[0]["run_id"] == facts[1]["run_id"]
     for f in facts:
@@ -70,6 +78,29 @@ def test_a_forked_rank_s_status_fails_the_job_naming_it(fork_server):
         run_torchrun(TWO_RANKS, (fail_on_rank_one, ()))
     assert failed.value.code == 1
     assert str(failed.value).startswith("rank 1 (pid ") and "exited with status 3" in str(failed.value)
+
+
+@pytest.mark.parametrize("env", [{"ENV": "dsw"}, {"ENV": "dlc", "WORLD_SIZE": "2", "RANK": "1"}])
+def test_every_env_forks_its_ranks_where_no_cuda_device_is(fork_server, env, tmp_path, monkeypatch):
+    """ENV=dsw and ENV=dlc on a CPU node train over gloo as ENV=cpu does, and their ranks are forked too: Pai's
+    command lines, which name them, started each rank as a fresh interpreter (8 imports of torch and megatron-core
+    for its Qwen3 line)."""
+    from megatron_patch.cli import train
+    from megatron_patch.training.validation import resolve
+
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{suffix}").write_bytes(b"")
+    argv = launcher_args(ENV=env["ENV"], DATASET_PATH=str(tmp_path / "corpus_text_document"), TP="2",
+                         OUTPUT_BASEPATH=str(tmp_path / "out"))
+    node = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "2"}
+    for name, value in {**node, **env, train.LAUNCHER_PID: "", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(name, value)  # restored after: the launch sets some of them in this process
+    cfg = resolve("llama3_1", argv, env={**node, **env})
+    started = []
+    monkeypatch.setattr(train, "run_torchrun", lambda args, forked: started.append((args, forked)))
+    assert train._launch(cfg, train.launch_command(cfg, argv, here=False), argv, {}) == 0
+    [(args, forked)] = started
+    assert ("--standalone" in args) == (env["ENV"] == "dsw") and forked == (train._forked_rank_main, ("llama3_1", argv))
 
 
 def test_mp_local_start_spawn_keeps_fresh_interpreters(monkeypatch):

@@ -303,9 +303,8 @@ class JobFailed(Exception):
 def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None = None) -> None:
     """``torchrun torchrun_args...`` in this process: torch.distributed.run's own parser and agent,
     so it behaves exactly as the command does (rendezvous, --max-restarts, signals). With ``forked``
-    (``(entry, args)``, a module-level function and its arguments: the rank's own command as a call), the job
-    must be ``--standalone`` and each rank is forked from the fork server and runs ``entry(*args)``
-    (``forked_ranks``). Raises ``JobFailed`` with one line saying why the job failed."""
+    (``(entry, args)``, a module-level function and its arguments: the rank's own command as a call), each rank
+    is forked from the fork server and runs ``entry(*args)`` (``forked_ranks``). Raises ``JobFailed`` with one line saying why the job failed."""
 
     from torch.distributed.run import parse_args
 
@@ -400,15 +399,18 @@ def forked_ranks() -> bool:
 
 
 def _run_forked(args, entry: Callable, entry_args: tuple) -> None:
-    """torch.distributed.run.run for a standalone job, with ``entry`` as the agent's function entrypoint and the
-    fork server as its start method: the same agent, rendezvous, restarts and failure reports."""
+    """torch.distributed.run.run, with ``entry`` as the agent's function entrypoint and the fork server as its start
+    method: the same agent, rendezvous (a node of a multi-node job joins the others as torchrun's own would),
+    restarts and failure reports."""
     from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args
+    from torch.distributed.run import config_from_args, parse_min_max_nnodes
 
-    if not args.standalone:
-        raise ValueError("forked ranks are for a --standalone job")
-    # what torch.distributed.run.run sets for --standalone: a c10d rendezvous on a free local port
-    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    # what torch.distributed.run.run sets for --standalone, or a one-node static job with no port: a c10d rendezvous
+    # on a free local port
+    one_node = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None \
+        and parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or one_node:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
     config, _, _ = config_from_args(args)
