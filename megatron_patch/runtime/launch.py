@@ -304,7 +304,8 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
     """``torchrun torchrun_args...`` in this process: torch.distributed.run's own parser and agent,
     so it behaves exactly as the command does (rendezvous, --max-restarts, signals). With ``forked``
     (``(entry, args)``, a module-level function and its arguments: the rank's own command as a call), each rank
-    is forked from the fork server and runs ``entry(*args)`` (``forked_ranks``). Raises ``JobFailed`` with one line saying why the job failed."""
+    is forked from the fork server and runs ``entry(*args)`` (``forked_ranks``). Raises ``JobFailed`` with one
+    line saying why the job failed."""
 
     from torch.distributed.run import parse_args
 
