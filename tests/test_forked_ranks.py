@@ -1,9 +1,9 @@
-"""A CPU job's ranks (every ENV, one node or several) are forked from a fork server that imported torch and megatron-core once
-(runtime/launch.py, ``forked_ranks``), under torchrun's own agent. Each must be what the agent's fresh
-``python -u -m megatron_patch train ...`` rank is: the launcher's environment and working folder as they are now
-(not the fork server's, taken when it started), its output on the launcher's descriptors, unbuffered, a session of
-its own, and no life beyond its launcher's. ``MP_LOCAL_START=spawn`` keeps the fresh interpreters (a GPU always
-does), and both give the same run.
+"""A CPU job's ranks (every ENV, one node or several) are forked from a fork server that imported torch and
+megatron-core once (runtime/launch.py, ``forked_ranks``), under torchrun's own agent. Each must be what the
+agent's fresh ``python -u -m megatron_patch train ...`` rank is: the launcher's environment and working folder as
+they are now (not the fork server's, taken when it started), its output on the launcher's descriptors, unbuffered,
+a session of its own, and no life beyond its launcher's. ``MP_LOCAL_START=spawn`` keeps the fresh interpreters (a
+GPU always does), and both give the same run.
 """
 
 from __future__ import annotations
