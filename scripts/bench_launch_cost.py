@@ -9,7 +9,7 @@ Each case runs ``--repeat`` times; the best wall time is printed with the CPU th
 run (``/proc/stat``: a forked rank's CPU is its fork server's child's, which no ``os.times`` of the launcher
 counts, so run it on an otherwise idle machine), after the load average before the runs.
 
-    PYTHONPATH=. python scripts/bench_launch_cost.py --repeat 2
+    PYTHONPATH=. python scripts/bench_launch_cost.py --repeat 2 [--env dlc]
 """
 
 from __future__ import annotations
@@ -32,11 +32,15 @@ def machine_cpu_seconds() -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--env", choices=("cpu", "dlc"), default="cpu",
+                    help="the launcher's ENV: dlc as one CPU node of Pai's lines (forked as cpu is since ddeeafa)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from megatron_patch.runtime.distributed import free_port
     from tests.training_helpers import GBS, SEQ, launch, make_corpus, pretrain_args
 
-    print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores, Python {sys.version.split()[0]}")
+    print(f"ENV={args.env}, load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores, "
+          f"Python {sys.version.split()[0]}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         corpus = make_corpus(root / "corpus", 200)
@@ -47,9 +51,12 @@ def main() -> int:
                     for attempt in range(args.repeat):
                         out = root / f"out-{tp}-{iters}-{ranks}-{attempt}"
                         cpu, start_time = machine_cpu_seconds(), time.perf_counter()
-                        run_args = pretrain_args(corpus, out, TP=str(tp), TRAIN_TOKENS_OR_ITERS=str(iters * GBS * SEQ),
-                                                 WARMUP_TOKENS_OR_ITERS="0")
-                        proc = launch(run_args, env={"MP_SAVE": "false", **start})
+                        run_args = pretrain_args(corpus, out, ENV=args.env, TP=str(tp),
+                                                 TRAIN_TOKENS_OR_ITERS=str(iters * GBS * SEQ), WARMUP_TOKENS_OR_ITERS="0")
+                        # ENV=cpu runs one rank per model-parallel rank, ENV=dlc one per GPUS_PER_NODE
+                        node = {"GPUS_PER_NODE": str(tp), "WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                "MASTER_PORT": str(free_port())} if args.env == "dlc" else {}
+                        proc = launch(run_args, env={"MP_SAVE": "false", **node, **start})
                         runs.append((time.perf_counter() - start_time, machine_cpu_seconds() - cpu))
                         if proc.returncode != 0:
                             print(proc.stderr[-2000:], file=sys.stderr)

@@ -1,4 +1,4 @@
-"""A CPU job's ranks (every ENV, one node or several) are forked from a fork server that imported torch and
+"""A CPU job's ranks (ENV=cpu, or ENV=dlc on one node or several) are forked from a fork server that imported torch and
 megatron-core once (runtime/launch.py, ``forked_ranks``), under torchrun's own agent. Each must be what the
 agent's fresh ``python -u -m megatron_patch train ...`` rank is: the launcher's environment and working folder as
 they are now (not the fork server's, taken when it started), its output on the launcher's descriptors, unbuffered,
@@ -80,17 +80,17 @@ def test_a_forked_rank_s_status_fails_the_job_naming_it(fork_server):
     assert str(failed.value).startswith("rank 1 (pid ") and "exited with status 3" in str(failed.value)
 
 
-@pytest.mark.parametrize("env", [{"ENV": "dsw"}, {"ENV": "dlc", "WORLD_SIZE": "2", "RANK": "1"}])
-def test_every_env_forks_its_ranks_where_no_cuda_device_is(fork_server, env, tmp_path, monkeypatch):
-    """ENV=dsw and ENV=dlc on a CPU node train over gloo as ENV=cpu does, and their ranks are forked too: Pai's
-    command lines, which name them, started each rank as a fresh interpreter (8 imports of torch and megatron-core
-    for its Qwen3 line)."""
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "1", "RANK": "0"}, {"WORLD_SIZE": "2", "RANK": "1"}])
+def test_a_dlc_node_without_a_gpu_forks_its_ranks(fork_server, env, tmp_path, monkeypatch):
+    """ENV=dlc on a CPU node trains over gloo as ENV=cpu does, and its ranks are forked too, one node or several:
+    Pai's command lines, which name it, started each rank as a fresh interpreter (8 imports of torch and
+    megatron-core for its Qwen3 line)."""
     from megatron_patch.cli import train
     from megatron_patch.training.validation import resolve
 
     for suffix in (".bin", ".idx"):
         (tmp_path / f"corpus_text_document{suffix}").write_bytes(b"")
-    argv = launcher_args(ENV=env["ENV"], DATASET_PATH=str(tmp_path / "corpus_text_document"), TP="2",
+    argv = launcher_args(ENV="dlc", DATASET_PATH=str(tmp_path / "corpus_text_document"), TP="2",
                          OUTPUT_BASEPATH=str(tmp_path / "out"))
     node = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "GPUS_PER_NODE": "2"}
     for name, value in {**node, **env, train.LAUNCHER_PID: "", "OMP_NUM_THREADS": "1"}.items():
@@ -100,7 +100,8 @@ def test_every_env_forks_its_ranks_where_no_cuda_device_is(fork_server, env, tmp
     monkeypatch.setattr(train, "run_torchrun", lambda args, forked: started.append((args, forked)))
     assert train._launch(cfg, train.launch_command(cfg, argv, here=False), argv, {}) == 0
     [(args, forked)] = started
-    assert ("--standalone" in args) == (env["ENV"] == "dsw") and forked == (train._forked_rank_main, ("llama3_1", argv))
+    assert f"--nnodes={env['WORLD_SIZE']}" in args and "--standalone" not in args
+    assert forked == (train._forked_rank_main, ("llama3_1", argv))
 
 
 def test_mp_local_start_spawn_keeps_fresh_interpreters(monkeypatch):

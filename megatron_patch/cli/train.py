@@ -484,8 +484,8 @@ def _launch(cfg, command: list[str], argv: list[str], needed: dict) -> int:
     print("+ " + " ".join(f"{k}={v}" for k, v in needed.items()) + (" " if needed else "")
           + " ".join(shlex.quote(c) for c in command), flush=True)
 
-    # Without a CUDA device (every ENV: dsw and dlc on a CPU node train over gloo as ENV=cpu does), each rank is
-    # forked with torch and megatron-core imported, running the command's own call
+    # Without a CUDA device (ENV=cpu, or ENV=dlc on a CPU node, which trains over gloo as ENV=cpu does; ENV=dsw is
+    # refused there), each rank is forked with torch and megatron-core imported, running the command's own call
     forked = (_forked_rank_main, (cfg.launcher, argv)) if forked_ranks() else None
     try:
         run_torchrun(command[len(TORCHRUN):], forked)

@@ -404,13 +404,9 @@ def _run_forked(args, entry: Callable, entry_args: tuple) -> None:
     method: the same agent, rendezvous (a node of a multi-node job joins the others as torchrun's own would),
     restarts and failure reports."""
     from torch.distributed.launcher.api import elastic_launch
-    from torch.distributed.run import config_from_args, parse_min_max_nnodes
+    from torch.distributed.run import config_from_args
 
-    # what torch.distributed.run.run sets for --standalone, or a one-node static job with no port: a c10d rendezvous
-    # on a free local port
-    one_node = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None \
-        and parse_min_max_nnodes(args.nnodes)[1] == 1
-    if args.standalone or one_node:
+    if args.standalone:  # what torch.distributed.run.run sets for it: a c10d rendezvous on a free local port
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
@@ -495,8 +491,8 @@ def explain_failures(failures: dict, beside: dict | None = None) -> tuple[str, i
 
     The root cause, in this order: a rank's own one-line error (bad input: exit 2; the reader of the output gone,
     `| head`: 141; a collective that timed out, naming the rank that stopped answering), a rank killed by a signal
-    the agent did not send (SIGKILL from the OOM killer or a person, SIGSEGV...), a rank's internal error (its traceback in
-    the run's log), a lost connection, the first rank that exited non-zero."""
+    the agent did not send (SIGKILL from the OOM killer or a person, SIGSEGV...), a rank's internal error (its
+    traceback in the run's log), a lost connection, the first rank that exited non-zero."""
     order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     reported = sorted({**(beside or {}), **failures}.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
     for kind, code in (("user", 2), ("pipe", 141), ("hang", 1)):

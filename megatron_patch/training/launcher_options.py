@@ -247,9 +247,10 @@ POSITIONAL = [
                "--node_rank=$RANK --master_addr=$MASTER_ADDR --master_port=$MASTER_PORT` (PAI-DLC's node-level "
                "variables), on GPUs, or on CPU with gloo on nodes without one; cpu: `torchrun --standalone` with "
                "TP\\*PP\\*CP\\*DP local gloo processes (`MP_NPROC`, default the model-parallel size), for development "
-               "and CI. Without a CUDA device (every ENV), torchrun's agent forks each rank from a fork server that "
-               "imported torch and megatron-core once (about 4 s of CPU less per rank; `MP_LOCAL_START=spawn` starts "
-               "each as a fresh interpreter, as GPUs always do). See docs/training.md, \"Multi-node and failures\""),
+               "and CI. Without a CUDA device (ENV=cpu, or dlc on a CPU node), torchrun's agent forks each rank from "
+               "a fork server that imported torch and megatron-core once (about 4 s of CPU less per rank; "
+               "`MP_LOCAL_START=spawn` starts each as a fresh interpreter, as GPUs always do). See docs/training.md, "
+               "\"Multi-node and failures\""),
     Option("MODEL_SIZE", CORE, WHOLE, "a published size (Pai-Megatron-Patch's names too), tiny, or auto "
            "(architecture from PRETRAIN_CHECKPOINT_PATH)", field="model_size", takes="see the table above",
            doc="the published HF config.json of that size (`models/<family>/presets.py`); `tiny` trains on CPU in "
