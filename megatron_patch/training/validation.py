@@ -127,14 +127,15 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         if sft:
             raise UserError("MP_SPLIT holds validation out of pretraining data: with SFT=true give the validation "
                             "records as VALID_DATASET_PATH and leave MP_SPLIT unset")
-        if valid is not None and (valid != paths or valid_weights != weights):
+        if valid is not None and (_data_files(valid, dataset_type) != _data_files(paths, dataset_type)
+                                  or valid_weights != weights):
             raise UserError(f"MP_SPLIT={o.raw('MP_SPLIT')} validates on a held-out share of DATASET_PATH, and "
                             "VALID_DATASET_PATH names other data: set VALID_DATASET_PATH to none (or to DATASET_PATH, "
                             "as Pai's README does), or leave MP_SPLIT unset to validate on it")
         valid, valid_weights = None, None
     elif valid is None and o.given("MP_EVAL_INTERVAL") and o["MP_EVAL_INTERVAL"]:
         notes.append(f"MP_EVAL_INTERVAL={o.raw('MP_EVAL_INTERVAL')} validates nothing: VALID_DATASET_PATH is none")
-    elif valid is not None and set(valid) <= set(paths):
+    elif valid is not None and set(_data_files(valid, dataset_type)) <= set(_data_files(paths, dataset_type)):
         # Pai's README line gives one prefix for both, and Pai's launcher holds out 1% of it (--split 99,1,0)
         notes.append("VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not "
                      "held out, where Pai's launcher would hold out 1% of the data; give a held-out set, or set "
@@ -507,6 +508,12 @@ def check_starting_checkpoint_layout(cfg: RunConfig) -> None:
         raise UserError(f"PRETRAIN_CHECKPOINT_PATH {cfg.pretrain_checkpoint}: {problem}")
 
 # --- reading what a value names ------------------------------------------------------------------------------
+
+def _data_files(paths: list[str], dataset_type: str) -> list[str]:
+    """The files data paths name, links and relative spellings resolved: one prefix written two ways is one data
+    (VALID_DATASET_PATH relative beside an absolute DATASET_PATH was 'other data'; the data audit)."""
+    return [os.path.realpath(path if dataset_type == "raw" else path + ".bin") for path in paths]
+
 
 def _model_config(launcher: Launcher, size: str, ckpt: str | None, hf_config_file: str | None,
                   num_layers: int | None = None) -> tuple[str, dict, int | None, int, str | None]:
