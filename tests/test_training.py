@@ -230,6 +230,15 @@ def test_mp_split_takes_shares_and_refuses_other_validation_data(corpus, tmp_pat
     assert "takes train,valid,test shares" in refusal({"MP_SPLIT": "a,b"})
     other = refusal({"MP_SPLIT": "99,1,0"}, VALID_DATASET_PATH=f"1 {corpus['prefix']} 1 {corpus['prefix']}")
     assert "VALID_DATASET_PATH names other data" in other
+    # DATASET_PATH's own files, spelled relative or through a link, are DATASET_PATH: held out with MP_SPLIT, and
+    # said to be training data without it (compared as strings, they were other data, and no note said so)
+    (tmp_path / "link").symlink_to(Path(corpus["prefix"]).parent)
+    monkeypatch.chdir(Path(corpus["prefix"]).parent.parent)
+    for same in (os.path.relpath(corpus["prefix"]), str(tmp_path / "link" / Path(corpus["prefix"]).name)):
+        assert resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", VALID_DATASET_PATH=same),
+                       env={"MP_SPLIT": "99,1,0"}).valid_dataset_path is None
+        notes = resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", VALID_DATASET_PATH=same), env={}).notes
+        assert any(n.startswith("VALID_DATASET_PATH is training data") for n in notes), notes
     sft = refusal({"MP_SPLIT": "99,1,0", "MP_TOKENIZER": str(corpus["tok"])}, SFT="true",
                   DATASET_PATH=str(write_jsonl(tmp_path / "r.jsonl", [{"prompt": "a", "response": "b"}])))
     assert "with SFT=true give the validation records as VALID_DATASET_PATH" in sft
@@ -267,6 +276,106 @@ def test_mp_split_counts_sequences_as_megatron_core_splits_gpt_data(corpus, tmp_
     with pytest.raises(UserError, match=r"MP_SPLIT=99,1,0 leaves none of the 50 sequences \(5 documents\) of .*five "
                                         "for validation"):
         checked(sentences("five", 5))
+
+
+def _prefixes(corpus, root: Path, **documents: slice) -> dict[str, str]:
+    """Prefixes of ``mpatch preprocess`` output, each of the corpus's documents ``documents[name]``."""
+    from megatron_patch.training.preprocess import preprocess
+
+    made = {}
+    for name, part in documents.items():
+        write_jsonl(root / f"{name}.jsonl", [{"text": t} for t in corpus["texts"][part]])
+        made[name] = preprocess(root / f"{name}.jsonl", str(root / name), corpus["tok"], progress=False).output_prefix
+    return made
+
+
+@contextlib.contextmanager
+def _world_of_one(tmp_path: Path):
+    """A gloo group of this process alone, which megatron-core's BlendedDataset asks its rank of (an earlier test of
+    this worker may have left one, which serves as well)."""
+    ours = not torch.distributed.is_initialized()
+    if ours:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                                             world_size=1)
+    try:
+        yield
+    finally:
+        if ours:
+            torch.distributed.destroy_process_group()
+
+
+def test_a_list_without_weights_read_past_its_epoch_is_blended_by_its_samples(corpus, tmp_path):
+    """megatron-core builds one epoch of prefixes listed without weights (Megatron-LM stops when it runs out): a run
+    that reads more read that epoch again and again in the same order. They are blended by each prefix's samples of
+    that epoch instead, each prefix shuffled anew each epoch."""
+    from megatron_patch.training.data import BLEND_SOURCE, build_pretraining_datasets
+    from megatron_patch.training.data_files import one_epoch
+    from megatron_patch.training.validation import resolve
+
+    made = _prefixes(corpus, tmp_path, a=slice(0, 20), b=slice(20, 35))
+    epoch = [one_epoch(made[name], SEQ)[1] for name in "ab"]
+    iters = 3 * sum(epoch) // GBS + 1
+    cfg = resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", DATASET_PATH=f"{made['a']} {made['b']}",
+                                             TRAIN_TOKENS_OR_ITERS=str(iters * GBS * SEQ)), env={})
+    trained = iters * GBS
+    with _world_of_one(tmp_path):
+        train, _ = build_pretraining_datasets(cfg, trained, 0)
+        within = resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", DATASET_PATH=f"{made['a']} {made['b']}",
+                                                    TRAIN_TOKENS_OR_ITERS=str(3 * GBS * SEQ)), env={})
+        one = build_pretraining_datasets(within, 3 * GBS, 0)[0]
+    assert len(train) >= trained  # megatron-core's one epoch held sum(epoch) samples, read over and over
+    samples = [train[i] for i in range(trained)]
+    from_a = sum(int(s[BLEND_SOURCE]) == 0 for s in samples)
+    assert abs(from_a - trained * epoch[0] / sum(epoch)) <= 1, (from_a, epoch)
+    tokens = [tuple(s["tokens"].tolist()) for s in samples]
+    first = tokens[:sum(epoch)]
+    assert tokens[sum(epoch):2 * sum(epoch)] != first and len(set(first)) > 0.9 * len(first)
+
+    # within one epoch megatron-core's own blend by lengths is kept, as Megatron-LM's
+    assert [len(d) for d in one.datasets] == epoch and len(one) == 3 * GBS
+
+
+@pytest.mark.slow
+def test_a_run_past_the_epoch_of_a_list_without_weights_says_how_it_blends_it(corpus, tmp_path):
+    made = _prefixes(corpus, tmp_path, a=slice(0, 20), b=slice(20, 35))
+    out = tmp_path / "out"
+    proc = launch(_pretrain_args(corpus, out, DATASET_PATH=f"{made['a']} {made['b']}",
+                                 TRAIN_TOKENS_OR_ITERS=str(5 * GBS * SEQ), WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ)),
+                  {"MP_SAVE": "false"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from megatron_patch.training.data_files import one_epoch
+
+    a, b = (one_epoch(made[name], SEQ)[1] for name in "ab")
+    assert a + b < 5 * GBS
+    assert (f"note: DATASET_PATH lists 2 prefixes without weights, whose one epoch holds {a + b} samples, and the run "
+            f"trains {5 * GBS}: they are blended by the samples of that epoch ({a} {made['a']} {b} {made['b']})"
+            in proc.stdout), proc.stdout[-3000:]
+    assert [r["iteration"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+
+
+def test_a_prefix_without_one_sample_in_a_list_without_weights_is_refused(corpus, tmp_path):
+    """It would weigh 0 in megatron-core's blend by lengths, whose BlendedDataset stopped on it (an internal error);
+    alone, or weighted, it is repeated over epochs."""
+    from megatron_patch.training.data_files import check_data_settings, one_epoch
+    from megatron_patch.training.validation import resolve
+
+    made = _prefixes(corpus, tmp_path, big=slice(0, 200), small=slice(200, 201))
+    small_tokens = one_epoch(made["small"], SEQ)[0]
+    assert small_tokens <= SEQ
+
+    def check(env=None, **over):
+        check_data_settings(resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", **over), env=env or {}))
+
+    for name in ("DATASET_PATH", "VALID_DATASET_PATH"):
+        with pytest.raises(UserError, match=rf"^{name} lists 2 prefixes without weights, .* and {made['small']} "
+                                            rf"holds {small_tokens} tokens: not one sample of SEQ_LEN {SEQ} \+ 1"):
+            check(**{name: f"{made['big']} {made['small']}"})
+        check(**{name: f"0.9 {made['big']} 0.1 {made['small']}"})
+    check(DATASET_PATH=made["small"])
+    # MP_SPLIT: each share of each prefix is blended by its samples
+    with pytest.raises(UserError, match=r"its MP_SPLIT=90,10,0 validation share holds 74 tokens: not one sample"):
+        ten = _prefixes(corpus, tmp_path, ten=slice(300, 310))["ten"]  # one document held out: 74 tokens
+        check({"MP_SPLIT": "90,10,0"}, DATASET_PATH=f"{made['big']} {ten}", SEQ_LEN="128")
 
 
 # --- pretraining at TP=2: the loss falls, and a resumed run is the same run ----------------------------

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_patch.errors import UserError
 from megatron_patch.outputs.full_disk import free_space, full_disk_error
 from megatron_patch.training import data_cache
+from megatron_patch.training.data_files import one_epoch
 
 # megatron-core is imported inside the functions that use it, so that in a rank it loads after
 # init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
@@ -63,6 +64,17 @@ def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: i
     return datasets
 
 
+def inferred_weights(cfg, num_train_samples: int) -> list[int] | None:
+    """DATASET_PATH's prefixes weighted by the samples of one epoch of each, where they are listed without weights
+    and the run reads more samples than that epoch holds. megatron-core builds one epoch of such a list (and
+    Megatron-LM stops when it runs out), which the run read again and again in the same order; weighted, each prefix
+    is built for its share of the run's samples and shuffled anew each epoch, in the proportions of that epoch."""
+    if cfg.dataset_weights is not None or len(cfg.dataset_path) < 2:
+        return None
+    samples = [one_epoch(prefix, cfg.seq_len, cfg.split)[1] for prefix in cfg.dataset_path]
+    return samples if num_train_samples > sum(samples) else None
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -78,8 +90,9 @@ def _build(cfg, cache: Path, num_train_samples: int, num_valid_samples: int):
     valid = (cfg.valid_dataset_path, cfg.valid_dataset_weights) if cfg.valid_dataset_path else None
     # MP_SPLIT: megatron-core cuts each prefix's documents into train, validation and test shares (Pai's --split)
     # (each share holds sequences: data_files.check_split, before any rank started)
-    blend = (dict(blend=(cfg.dataset_path, cfg.dataset_weights), split=cfg.split) if cfg.split else
-             dict(blend_per_split=[(cfg.dataset_path, cfg.dataset_weights), valid, None]))
+    weights = cfg.dataset_weights or inferred_weights(cfg, num_train_samples)
+    blend = (dict(blend=(cfg.dataset_path, weights), split=cfg.split) if cfg.split else
+             dict(blend_per_split=[(cfg.dataset_path, weights), valid, None]))
     config = GPTDatasetConfig(
         random_seed=cfg.seed, sequence_length=cfg.seq_len, **blend,
         path_to_cache=str(cache),

@@ -87,6 +87,37 @@ def check_split(prefix: str, split: str) -> None:
                             "share, or validate on VALID_DATASET_PATH without MP_SPLIT")
 
 
+def one_epoch(prefix: str, seq_len: int, split: str | None = None, share: int = 0) -> tuple[int, int]:
+    """(tokens, samples) of one epoch of ``prefix``, or of its MP_SPLIT ``share`` (0 training, 1 validation), as
+    megatron-core's GPTDataset counts them: each sample reads SEQ_LEN + 1 tokens, its last one the next's first."""
+    _, lengths, _, _ = _read_idx(prefix)
+    if split:
+        counts = split_counts(split, len(lengths))
+        first = sum(counts[:share])
+        lengths = lengths[first:first + counts[share]]
+    tokens = int(lengths.sum(dtype=numpy.int64))
+    return tokens, max(0, (tokens - 1) // seq_len)
+
+
+def check_unweighted_blend(name: str, paths: list[str], seq_len: int, split: str | None) -> None:
+    """A list of prefixes without weights is blended by one epoch of each, weighted by its samples (megatron-core's
+    builder; Megatron-LM infers the weights from the lengths): a prefix too short for one sample would weigh 0,
+    and megatron-core's BlendedDataset stopped on it, an internal error (the data audit). The same prefix alone,
+    or weighted, is repeated over epochs."""
+    if len(paths) < 2:
+        return
+    for prefix in paths:
+        for share in (0, 1) if split else (0,):
+            tokens, samples = one_epoch(prefix, seq_len, split, share)
+            if not samples:
+                held = f"its MP_SPLIT={split} {('training', 'validation')[share]} share holds" if split else "holds"
+                raise UserError(f"{name} lists {len(paths)} prefixes without weights, which are blended by the "
+                                f"samples of one epoch of each (as Megatron-LM infers the weights from the lengths), "
+                                f"and {prefix} {held} {tokens} tokens: not one sample of SEQ_LEN {seq_len} + 1. Give "
+                                f"the blend weights ('W1 P1 W2 P2 ...': a small prefix is then repeated), or leave it "
+                                "out")
+
+
 def check_documents_end_with(prefix: str, eod: int, text: str) -> None:
     """Every document of ``prefix`` ends with the end-of-document token ``eod``, where pretraining keeps documents
     apart at it (MP_SFT_PACKING): data preprocessed without it (--no-append-eod) had none kept apart, silently."""
@@ -295,7 +326,8 @@ def check_training_data(cfg) -> None:
 def check_data_settings(cfg, eod: tuple[int, str] | None = None) -> None:
     """What the run's settings need of pretraining data, from its index and one token per document (the dry run
     checks it too; the whole check reads every token): documents that end with the end-of-document token ``eod``
-    (found here when not given) where MP_SFT_PACKING keeps them apart, and documents for each MP_SPLIT share."""
+    (found here when not given) where MP_SFT_PACKING keeps them apart, documents for each MP_SPLIT share, and a
+    sample in each prefix of a list without weights."""
     if cfg.sft or cfg.dataset_type == "raw":
         return
     if cfg.sft_packing and eod is None:
@@ -305,3 +337,7 @@ def check_data_settings(cfg, eod: tuple[int, str] | None = None) -> None:
             check_documents_end_with(prefix, *eod)
         if cfg.split:
             check_split(prefix, cfg.split)
+    if cfg.dataset_weights is None:
+        check_unweighted_blend("DATASET_PATH", cfg.dataset_path, cfg.seq_len, cfg.split)
+    if cfg.valid_dataset_path and cfg.valid_dataset_weights is None:
+        check_unweighted_blend("VALID_DATASET_PATH", cfg.valid_dataset_path, cfg.seq_len, None)

@@ -344,7 +344,11 @@ POSITIONAL = [
            "P2'; a path that exists is one path, spaces and all; quote one with spaces inside a blend); SFT: a "
            "JSON/JSONL file, or the prefix of Pai's SFT idxmap (sft_data_preprocessing)", takes="",
            doc="pretraining: prefix of `mpatch preprocess` output (`P_text_document`), several prefixes, or "
-               "Megatron's blend `W1 P1 W2 P2`; SFT: one JSON or JSONL file (not a folder of shards), or the prefix of Pai's SFT idxmap. A "
+               "Megatron's blend `W1 P1 W2 P2` (prefixes without weights are weighted by the samples of one epoch of "
+               "each, as Megatron-LM infers them from the lengths; a run that reads more than that epoch is blended "
+               "by those weights over its whole length, each prefix shuffled anew each epoch, where megatron-core "
+               "builds one epoch; a prefix without one sample there is refused); SFT: one JSON or JSONL file (not "
+               "a folder of shards), or the prefix of Pai's SFT idxmap. A "
                "value that names existing data as a whole is one path, whatever spaces it holds (`\"my "
                "data/corpus_text_document\"`); otherwise it is split as a shell splits words, so a path with spaces "
                "inside a blend is quoted: `'0.3 \"my data/a_text_document\" 0.7 b_text_document'`"),
