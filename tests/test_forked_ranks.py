@@ -43,6 +43,27 @@ def fail_on_rank_one() -> int:
     return 3 if os.environ["RANK"] == "1" else 0
 
 
+def die_together(folder: str) -> int:
+    """Rank 1 killed by SIGKILL (as by the kernel's OOM killer) and rank 0 ending a moment later with status 1 (as a
+    rank whose peer went away does), once both have started."""
+    Path(folder, f"rank{os.environ['RANK']}.ready").touch()
+    while not all(Path(folder, f"rank{r}.ready").exists() for r in (0, 1)):
+        time.sleep(0.001)
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.005)
+    return 1
+
+
+def report_signals(folder: str) -> int:
+    import signal as signals
+
+    handlers = {name: signals.getsignal(getattr(signals, name)) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")}
+    shown = {name: h.name if isinstance(h, signals.Handlers) else h.__name__ for name, h in handlers.items()}
+    Path(folder, f"rank{os.environ['RANK']}.json").write_text(json.dumps(shown))
+    return 0
+
+
 @pytest.fixture(scope="module")
 def fork_server():
     """The fork server, started before any test of this module captures this process's output or changes its
@@ -78,6 +99,38 @@ def test_a_forked_rank_s_status_fails_the_job_naming_it(fork_server):
         run_torchrun(TWO_RANKS, (fail_on_rank_one, ()))
     assert failed.value.code == 1
     assert str(failed.value).startswith("rank 1 (pid ") and "exited with status 3" in str(failed.value)
+
+
+def test_a_forked_rank_killed_by_a_signal_is_named_not_the_rank_it_took_down(fork_server, tmp_path):
+    """torch's agent for forked ranks reports one failed process, the first in local-rank order: rank 0, whose peer
+    went away, hid rank 1's SIGKILL, which fresh ranks' agent names (and the one line with it: the kernel's OOM
+    killer among the causes)."""
+    with pytest.raises(JobFailed) as failed:
+        run_torchrun(TWO_RANKS, (die_together, (str(tmp_path),)))
+    assert failed.value.code == 1
+    assert str(failed.value).startswith("rank 1 (pid ") and "was killed by SIGKILL (by hand, by the scheduler, or by " \
+        "the kernel for want of memory)" in str(failed.value), str(failed.value)
+
+
+def test_a_forked_rank_handles_the_agents_signals_as_a_fresh_rank_does(tmp_path):
+    """A launcher started with SIGINT ignored (a script's `cmd &`, where the shell has no job control): torch's agent
+    handles SIGINT there, so a fresh rank starts with Python's own handler and stops at the agent's SIGINT, while a
+    forked rank kept the fork server's SIG_IGN and trained on until torch's SIGKILL 30 s later."""
+    script = f"""
+import signal, sys
+sys.path.insert(0, {str(REPO)!r})
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from megatron_patch.runtime.launch import forked_ranks, run_torchrun
+from tests.test_forked_ranks import TWO_RANKS, report_signals
+if __name__ == "__main__":
+    assert forked_ranks()
+    run_torchrun(TWO_RANKS, (report_signals, ({str(tmp_path)!r},)))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {
+            "SIGINT": "default_int_handler", "SIGTERM": "SIG_DFL", "SIGHUP": "SIG_DFL", "SIGQUIT": "SIG_DFL"}
 
 
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "1", "RANK": "0"}, {"WORLD_SIZE": "2", "RANK": "1"}])

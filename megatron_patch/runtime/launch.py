@@ -341,7 +341,7 @@ def _run_agent(parsed, forked: tuple[Callable, tuple] | None) -> None:
     from torch.distributed.run import run
 
     try:
-        with _no_restart_after_bad_input():
+        with _agent_monitor():
             if forked is None:
                 run(parsed)
             else:
@@ -360,31 +360,79 @@ def _run_agent(parsed, forked: tuple[Callable, tuple] | None) -> None:
 
 
 @contextlib.contextmanager
-def _no_restart_after_bad_input():
-    """torchrun restarts a failed group while MP_MAX_RESTARTS lasts. A rank that refused its input (its one line
-    of kind "user", exit 2) refuses it again at every restart, and a node that restarts after a refusal all nodes
-    made waits out the rendezvous for nodes that did not restart (the mn audit: another MP_MAX_RESTARTS on one
-    node); a reader of the output gone is gone for the restart too. While the launch runs, the agent's monitor ends
-    the restarts at such a failure; with a torch whose agent has no such monitor, restarts go on as before."""
+def _agent_monitor():
+    """While the launch runs, the agent's monitor of a failed group:
+
+    - reports every forked rank that had died before the agent stopped the others. torch's agent for a function
+      entrypoint (forked ranks) reports one failed process, the first in local-rank order: a rank 1 killed by
+      SIGKILL (the OOM killer) was reported as rank 0's lost connection (the dlc audit), where a fresh rank's
+      agent reports each, and the one line names the signal;
+    - ends torchrun's restarts (MP_MAX_RESTARTS) at bad input. A rank that refused its input (its one line of kind
+      "user", exit 2) refuses it again at every restart, and a node that restarts after a refusal all nodes made
+      waits out the rendezvous for nodes that did not restart (the mn audit: another MP_MAX_RESTARTS on one node);
+      a reader of the output gone is gone for the restart too.
+
+    With a torch whose agent or process context is laid out otherwise, each is left as torch does it."""
+    from multiprocessing.process import BaseProcess
+
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
     monitor = LocalElasticAgent.__dict__.get("_monitor_workers")
-    if monitor is None:
+    close = MultiprocessContext.__dict__.get("_close")
+    if monitor is None or close is None:
         yield
         return
+    # the ranks torch's process context stops (SIGTERM, and SIGKILL 30 s later) as it finds a failed one: not dead
+    # of themselves, whatever their status says
+    stopped, terminate, kill = set(), BaseProcess.terminate, BaseProcess.kill
 
-    def monitor_ending_restarts_at_bad_input(agent, worker_group):
+    def terminate_noting(process):
+        stopped.add(process.pid)
+        terminate(process)
+
+    def kill_noting(process):
+        stopped.add(process.pid)
+        kill(process)
+
+    def close_noting_the_dead(context, *args, **kwargs):
+        processes = getattr(getattr(context, "_pc", None), "processes", None) or []
+        context.mpatch_dead = {rank: (p.pid, p.exitcode) for rank, p in enumerate(processes)
+                               if p.pid not in stopped and p.exitcode not in (None, 0)}
+        return close(context, *args, **kwargs)
+
+    def monitor_reporting_each_failure(agent, worker_group):
         result = monitor(agent, worker_group)
-        if result.is_failed() and getattr(agent, "_remaining_restarts", 0) > 0:
+        if not result.is_failed():
+            return result
+        _add_dead_forked_ranks(result.failures, getattr(agent._pcontext, "mpatch_dead", {}), agent._pcontext,
+                               worker_group)
+        if getattr(agent, "_remaining_restarts", 0) > 0:
             if explain_failures(result.failures, reports_beside(result.failures))[2] in ("user", "pipe"):
                 agent._remaining_restarts = 0
         return result
 
-    LocalElasticAgent._monitor_workers = monitor_ending_restarts_at_bad_input
+    LocalElasticAgent._monitor_workers = monitor_reporting_each_failure
+    MultiprocessContext._close = close_noting_the_dead
+    BaseProcess.terminate, BaseProcess.kill = terminate_noting, kill_noting
     try:
         yield
     finally:
         LocalElasticAgent._monitor_workers = monitor
+        MultiprocessContext._close = close
+        BaseProcess.terminate, BaseProcess.kill = terminate, kill
+
+
+def _add_dead_forked_ranks(failures: dict, dead: dict, context, worker_group) -> None:
+    """``failures`` ({global rank: ProcessFailure}) with each forked rank that ``dead`` ({local rank: (pid, exit
+    status)}) found exited before the agent stopped the group."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    for local, (pid, status) in dead.items():
+        rank = worker_group.workers[local].global_rank
+        if rank not in failures:
+            failures[rank] = ProcessFailure(local_rank=local, pid=pid, exitcode=status,
+                                            error_file=context.error_files[local])
 
 
 # --- forked ranks ---------------------------------------------------------------------------------
@@ -458,6 +506,7 @@ def _forked_rank(entry: Callable, entry_args: tuple, env: dict, stdout: int, std
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(agent)
+    _signals_as_a_fresh_rank()
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch read the fork server's at its import
         import torch
 
@@ -465,6 +514,18 @@ def _forked_rank(entry: Callable, entry_args: tuple, env: dict, stdout: int, std
     code = entry(*entry_args)
     if code:
         sys.exit(code)
+
+
+def _signals_as_a_fresh_rank() -> None:
+    """The signals torch's agent handles in the launcher (TORCHELASTIC_SIGNALS_TO_HANDLE) as a fresh rank has them:
+    exec gives a handled signal its default, and Python makes SIGINT's a KeyboardInterrupt. A forked rank had the
+    fork server's: SIGINT ignored where the launcher had started with it ignored (a script's `cmd &`), and it
+    trained on through the agent's SIGINT until torch's SIGKILL 30 s later (the dlc audit)."""
+    names = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    for name in names.split(","):
+        number = getattr(signal, name.strip(), None)
+        if isinstance(number, signal.Signals):
+            signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
 
 
 def _unbuffered_text(fd: int, like):
