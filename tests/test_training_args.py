@@ -499,7 +499,9 @@ def test_the_dry_run_refuses_a_node_line_the_launch_refuses(data, env, refusal):
                                         ("1", "while trying to connect to (127.0.0.1, ")])
 def test_a_node_that_never_joins_fails_the_rendezvous_within_mp_dist_timeout_min(corpus, tmp_path, node, said):
     """torchrun's static rendezvous waited 10 minutes, then went on waiting, for a node that never came (the
-    multi-node audit: nothing said after 15 minutes); node 0 alone, or node 1 alone, fails within the timeout."""
+    multi-node audit: nothing said after 15 minutes); node 0 alone, or node 1 alone, fails within the timeout, in
+    one line (node 1's torch printed c10d's timed-out connections and a page of C++ frames above it: the dlc
+    audit)."""
     from megatron_patch.runtime.distributed import free_port
 
     port = free_port()
@@ -509,6 +511,7 @@ def test_a_node_that_never_joins_fails_the_rendezvous_within_mp_dist_timeout_min
            *launcher_args("llama3_1", ENV="dlc", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(tmp_path / "out"))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     last = proc.stderr.strip().splitlines()[-1]
+    assert proc.stderr.count("\n") == 1, proc.stderr[-3000:]
     assert proc.returncode == 1 and last.startswith(
         f"mpatch train: error: the nodes did not all join the rendezvous at 127.0.0.1:{port} within "
         "MP_DIST_TIMEOUT_MIN (") and said in last, proc.stderr[-2000:]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import importlib
 import json
 import os
 import shlex
@@ -309,9 +310,12 @@ def run(args) -> int:
         launch_command(cfg, argv, here=False)  # a line the launch refuses is refused here too, exit 2
         return 0
     # torch's C++ warnings print their own stack trace (a TCPStore read of a node that went away: 15 lines before
-    # the rank's one line, the mn audit); its errors still print. Read as torch loads: set before anything imports
-    # it, in the launcher (its rendezvous) and its ranks. TORCH_CPP_LOG_LEVEL=WARNING shows them again.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # the rank's one line, the mn audit); a rank's errors still print. Read as torch loads: set before anything
+    # imports it. The launcher's torch logs at FATAL: its errors are its rendezvous's, which its one line says (a
+    # node whose peers never came printed c10d's timed-out connections and a page of C++ frames above it, the dlc
+    # audit); its ranks' at ERROR (``_launch``). TORCH_CPP_LOG_LEVEL=WARNING shows them all again.
+    ranks_cpp_log = None if "TORCH_CPP_LOG_LEVEL" in os.environ else "ERROR"
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     with contextlib.ExitStack() as held:
         with _other_nodes_told(name, argv):
             cfg = resolve(name, argv)
@@ -321,7 +325,7 @@ def run(args) -> int:
             held.enter_context(_run_lock(cfg))  # another job writing the run folder: told as well (the s63 audit)
             if not _checked_start(cfg, out=sys.stdout, would=False):
                 return 0
-        return _launch(cfg, command, argv, needed)
+        return _launch(cfg, command, argv, needed, ranks_cpp_log)
 
 
 @contextlib.contextmanager
@@ -470,8 +474,13 @@ def run_folder_identity(output_basepath: str | Path) -> Path:
     return Path(output_basepath).resolve()
 
 
-def _launch(cfg, command: list[str], argv: list[str], needed: dict) -> int:
+def _launch(cfg, command: list[str], argv: list[str], needed: dict, ranks_cpp_log: str | None = None) -> int:
+    """The ranks started through torchrun (``ranks_cpp_log``: their TORCH_CPP_LOG_LEVEL, where the launcher set its
+    own: what it starts, the fork server and the ranks, reads the environment as it is then)."""
     os.environ[LAUNCHER_PID] = str(os.getpid())
+    if ranks_cpp_log:
+        importlib.import_module("torch")  # the launcher's own, at the level run() set, before the ranks' is set
+        os.environ["TORCH_CPP_LOG_LEVEL"] = ranks_cpp_log
     for k, v in needed.items():
         if os.environ.get(k, v) != v:
             print(f"note: {k}={os.environ[k]} replaced by {v} (needed for TP/CP communication overlap)", flush=True)
