@@ -443,8 +443,20 @@ def forked_ranks() -> bool:
     fork). Starts the server now: its imports run while the agent sets up the rendezvous."""
     if _start_context(TRAINING_RANK_PRELOAD).get_start_method() != "forkserver":
         return False
+    _quiet_resource_tracker()
     forkserver.ensure_running()
     return True
+
+
+# The resource tracker this process starts with the fork server outlives a launcher killed alone (the OOM killer's
+# pick): it unlinks the semaphores of torch's process context, as it should, and warned of them under the job's
+# output ("There appear to be 9 leaked semaphore objects", the dlc audit). It takes this process's -W options.
+QUIET_RESOURCE_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def _quiet_resource_tracker() -> None:
+    if QUIET_RESOURCE_TRACKER not in sys.warnoptions:
+        sys.warnoptions.append(QUIET_RESOURCE_TRACKER)
 
 
 def _run_forked(args, entry: Callable, entry_args: tuple) -> None:
