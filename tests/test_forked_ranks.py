@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 from megatron_patch.outputs.lock import live_ranks
 from megatron_patch.runtime.distributed import free_port
 from megatron_patch.runtime.launch import JobFailed, forked_ranks, run_torchrun
-from tests.training_helpers import GBS, SEQ, launch, launcher_args, make_corpus, pretrain_args, read_metrics
+from tests.training_helpers import GBS, SEQ, launcher_args, make_corpus, pretrain_args, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TWO_RANKS = ["--standalone", "--nnodes=1", "--nproc_per_node=2", "-m", "unused"]  # the module is not run: the call is
@@ -167,18 +168,48 @@ def corpus(tmp_path_factory):
     return make_corpus(tmp_path_factory.mktemp("corpus"), 200)
 
 
+def _launch_seeing_the_ranks(args: list[str], out: Path, env: dict) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """The launcher run to its end, and how its ranks started, seen from their marks in ``out`` while they lived:
+    'forked' (from the fork server) or 'fresh' (started by the launcher itself)."""
+    script = REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"
+    launcher = subprocess.Popen(["bash", str(script), *args], env={**os.environ, "PYTHON": sys.executable, **env},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = set()
+
+    def look() -> None:
+        while launcher.poll() is None:
+            for mark in live_ranks(out):
+                try:
+                    parent = psutil.Process(int(mark.split()[1])).parent()
+                    seen.add("forked" if "forkserver" in " ".join(parent.cmdline()) else "fresh")
+                except (psutil.Error, AttributeError):
+                    pass
+            time.sleep(0.02)
+
+    looking = threading.Thread(target=look)
+    looking.start()
+    stdout, stderr = launcher.communicate(timeout=480)
+    looking.join()
+    return subprocess.CompletedProcess(launcher.args, launcher.returncode, stdout, stderr), seen
+
+
 @pytest.mark.slow
-def test_forked_and_fresh_ranks_train_the_same_run(corpus, tmp_path):
-    """TP=2 for three iterations, forked and as fresh interpreters: the same losses, bit for bit; the fresh ranks'
-    command line is the one the launcher prints."""
-    args = {"TP": "2", "TRAIN_TOKENS_OR_ITERS": str(3 * GBS * SEQ), "WARMUP_TOKENS_OR_ITERS": "0"}
-    forked = launch(pretrain_args(corpus, tmp_path / "forked", **args), env={"MP_SAVE": "false"})
-    fresh = launch(pretrain_args(corpus, tmp_path / "fresh", **args),
-                   env={"MP_SAVE": "false", "MP_LOCAL_START": "spawn"})
-    for proc in (forked, fresh):
+@pytest.mark.parametrize("env", ["cpu", "dlc"])
+def test_forked_and_fresh_ranks_train_the_same_run(corpus, tmp_path, env):
+    """TP=2 for three iterations, forked and as fresh interpreters (MP_LOCAL_START=spawn), on ENV=cpu and on a dlc
+    node without a GPU: the same losses, bit for bit; the fresh ranks' command line is the one the launcher prints."""
+    args = {"TP": "2", "TRAIN_TOKENS_OR_ITERS": str(3 * GBS * SEQ), "WARMUP_TOKENS_OR_ITERS": "0", "ENV": env}
+    node = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "GPUS_PER_NODE": "2"} if env == "dlc" else {}
+    line = ("--nproc_per_node=2 --nnodes=1 --node_rank=0 --master_addr=127.0.0.1" if env == "dlc" else
+            "--standalone --nnodes=1 --nproc_per_node=2")
+    for start in ("forked", "fresh"):
+        out = tmp_path / start
+        proc, seen = _launch_seeing_the_ranks(pretrain_args(corpus, out, **args), out, {
+            "MP_SAVE": "false", **node, **({"MP_LOCAL_START": "spawn"} if start == "fresh" else {})})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        assert "-m torch.distributed.run --standalone --nnodes=1 --nproc_per_node=2 -m megatron_patch train" \
-            in proc.stdout
+        assert seen == {start}, seen
+        assert f"-m torch.distributed.run {line}" in proc.stdout and "-m megatron_patch train" in proc.stdout
     losses = [[(r["iteration"], r["loss"]) for r in read_metrics(tmp_path / name)] for name in ("forked", "fresh")]
     assert len(losses[0]) == 3 and losses[0] == losses[1], losses
 
