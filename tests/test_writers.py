@@ -130,7 +130,7 @@ class Train(Folder):
         import megatron_patch.cli.train as train_cli
 
         self.corpus, self.launched = corpus, []
-        monkeypatch.setattr(train_cli, "_launch", lambda cfg, command, argv, needed: self.launched.append(cfg) or 0)
+        monkeypatch.setattr(train_cli, "_launch", lambda cfg, command, argv, needed, *_: self.launched.append(cfg) or 0)
 
     def run(self, capsys, target: Path, force: bool) -> tuple[int, str]:
         return run_cli(capsys, "train", "llama3_1", *launcher_args(DATASET_PATH=str(self.corpus),

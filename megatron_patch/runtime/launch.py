@@ -373,8 +373,6 @@ def _agent_monitor():
       a reader of the output gone is gone for the restart too.
 
     With a torch whose agent or process context is laid out otherwise, each is left as torch does it."""
-    from multiprocessing.process import BaseProcess
-
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
 
@@ -385,15 +383,15 @@ def _agent_monitor():
         return
     # the ranks torch's process context stops (SIGTERM, and SIGKILL 30 s later) as it finds a failed one: not dead
     # of themselves, whatever their status says
-    stopped, terminate, kill = set(), BaseProcess.terminate, BaseProcess.kill
+    stopped, terminate, kill = set(), process.BaseProcess.terminate, process.BaseProcess.kill
 
-    def terminate_noting(process):
-        stopped.add(process.pid)
-        terminate(process)
+    def terminate_noting(stopping):
+        stopped.add(stopping.pid)
+        terminate(stopping)
 
-    def kill_noting(process):
-        stopped.add(process.pid)
-        kill(process)
+    def kill_noting(stopping):
+        stopped.add(stopping.pid)
+        kill(stopping)
 
     def close_noting_the_dead(context, *args, **kwargs):
         processes = getattr(getattr(context, "_pc", None), "processes", None) or []
@@ -414,13 +412,13 @@ def _agent_monitor():
 
     LocalElasticAgent._monitor_workers = monitor_reporting_each_failure
     MultiprocessContext._close = close_noting_the_dead
-    BaseProcess.terminate, BaseProcess.kill = terminate_noting, kill_noting
+    process.BaseProcess.terminate, process.BaseProcess.kill = terminate_noting, kill_noting
     try:
         yield
     finally:
         LocalElasticAgent._monitor_workers = monitor
         MultiprocessContext._close = close
-        BaseProcess.terminate, BaseProcess.kill = terminate, kill
+        process.BaseProcess.terminate, process.BaseProcess.kill = terminate, kill
 
 
 def _add_dead_forked_ranks(failures: dict, dead: dict, context, worker_group) -> None:
