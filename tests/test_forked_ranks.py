@@ -8,6 +8,7 @@ GPU always does), and both give the same run.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -61,6 +62,7 @@ def report_signals(folder: str) -> int:
 
     handlers = {name: signals.getsignal(getattr(signals, name)) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")}
     shown = {name: h.name if isinstance(h, signals.Handlers) else h.__name__ for name, h in handlers.items()}
+    shown["faulthandler"] = faulthandler.is_enabled()
     Path(folder, f"rank{os.environ['RANK']}.json").write_text(json.dumps(shown))
     return 0
 
@@ -113,10 +115,16 @@ def test_a_forked_rank_killed_by_a_signal_is_named_not_the_rank_it_took_down(for
         "the kernel for want of memory)" in str(failed.value), str(failed.value)
 
 
-def test_a_forked_rank_handles_the_agents_signals_as_a_fresh_rank_does(tmp_path):
+def test_a_forked_rank_handles_the_agents_signals_as_a_fresh_rank_does(fork_server, tmp_path, monkeypatch):
     """A launcher started with SIGINT ignored (a script's `cmd &`, where the shell has no job control): torch's agent
     handles SIGINT there, so a fresh rank starts with Python's own handler and stops at the agent's SIGINT, while a
-    forked rank kept the fork server's SIG_IGN and trained on until torch's SIGKILL 30 s later."""
+    forked rank kept the fork server's SIG_IGN and trained on until torch's SIGKILL 30 s later. And faulthandler,
+    which torch's agent turns on around a forked rank, is on only where PYTHONFAULTHANDLER asks, as in a fresh rank
+    (a SIGSEGV printed 40 lines of thread dumps above the launcher's one line)."""
+    monkeypatch.setenv("PYTHONFAULTHANDLER", "1")
+    run_torchrun(TWO_RANKS, (report_signals, (str(tmp_path),)))
+    assert json.loads((tmp_path / "rank1.json").read_text())["faulthandler"] is True
+    monkeypatch.delenv("PYTHONFAULTHANDLER")
     script = f"""
 import signal, sys
 sys.path.insert(0, {str(REPO)!r})
@@ -131,7 +139,8 @@ if __name__ == "__main__":
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {
-            "SIGINT": "default_int_handler", "SIGTERM": "SIG_DFL", "SIGHUP": "SIG_DFL", "SIGQUIT": "SIG_DFL"}
+            "SIGINT": "default_int_handler", "SIGTERM": "SIG_DFL", "SIGHUP": "SIG_DFL", "SIGQUIT": "SIG_DFL",
+            "faulthandler": False}
 
 
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "1", "RANK": "0"}, {"WORLD_SIZE": "2", "RANK": "1"}])

@@ -173,7 +173,12 @@ def test_the_root_cause_is_chosen_in_order(tmp_path):
     lost = _failure(tmp_path, 0, 1, "rank 0 lost its connection to another rank ...", "lost")
     terminated = _failure(tmp_path, 2, sigterm)
     line, code, _ = explain_failures({0: lost, 1: _failure(tmp_path, 1, sigkill), 2: terminated})
-    assert code == 1 and line.startswith("rank 1 (pid 101) was killed by SIGKILL"), line
+    assert code == 1 and line.startswith("rank 1 (pid 101) was killed by SIGKILL (by hand, by the scheduler, or by "
+                                         "the kernel for want of memory)"), line
+    # a crash is not the OOM killer's
+    line, code, _ = explain_failures({0: lost, 1: _failure(tmp_path, 1, -int(signal.SIGSEGV))})
+    assert line.startswith("rank 1 (pid 101) was killed by SIGSEGV (a crash in native code: torch, a library it "
+                           "loads, or the hardware); the other ranks were stopped"), line
     assert explain_failures({0: lost, 2: terminated}) == ("rank 0 lost its connection to another rank ...", 1, "lost")
     # A rank's internal error (a bug, its traceback in the run's log) beats the lost connections it caused.
     bug = _failure(tmp_path, 5, 1, "internal error: ValueError: x at loop.py:1 on rank 5 (...)", "internal", at=7)

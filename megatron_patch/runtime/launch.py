@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import io
 import json
 import logging
@@ -517,6 +518,12 @@ def _forked_rank(entry: Callable, entry_args: tuple, env: dict, stdout: int, std
     os.environ.update(env)
     os.environ.update(agent)
     _signals_as_a_fresh_rank()
+    # torch's agent runs a forked rank under its error handler, which turns faulthandler on: a fresh rank has it only
+    # where PYTHONFAULTHANDLER asks (a SIGSEGV printed 40 lines of thread dumps above the launcher's one line naming
+    # it; the s65 audit)
+    faulthandler.disable()
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable(all_threads=True)  # on the rank's own stderr, as a fresh one
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch read the fork server's at its import
         import torch
 
@@ -572,8 +579,8 @@ def explain_failures(failures: dict, beside: dict | None = None) -> tuple[str, i
                 return _text(f), code, kind
     for rank, f in order:
         if f.exitcode < 0 and f.signal_name() not in ("SIGTERM", "SIGINT"):
-            return (f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()} (by hand, by the scheduler, or by "
-                    "the kernel for want of memory); the other ranks were stopped"), 1, None
+            return (f"rank {rank} (pid {f.pid}) was killed by {f.signal_name()} ({_why_killed(f.signal_name())}); "
+                    "the other ranks were stopped"), 1, None
     for kind in ("internal", "lost"):
         for rank, f in reported:
             if _kind(f) == kind:
@@ -581,6 +588,14 @@ def explain_failures(failures: dict, beside: dict | None = None) -> tuple[str, i
     rank, f = order[0]
     how = f"was stopped by {f.signal_name()}" if f.exitcode < 0 else f"exited with status {f.exitcode}"
     return f"rank {rank} (pid {f.pid}) {how}: its output is above", 1, None
+
+
+def _why_killed(signal_name: str) -> str:
+    if signal_name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"):
+        return "a crash in native code: torch, a library it loads, or the hardware"
+    if signal_name == "SIGKILL":
+        return "by hand, by the scheduler, or by the kernel for want of memory"
+    return "by hand or by the scheduler"
 
 
 def reports_beside(failures: dict) -> dict:
