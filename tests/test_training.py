@@ -228,8 +228,14 @@ def test_mp_split_takes_shares_and_refuses_other_validation_data(corpus, tmp_pat
     assert "leaves none of the 10 documents" in capsys.readouterr().err
     assert "takes train,valid,test shares" in refusal({"MP_SPLIT": "99,1,0,0"})
     assert "takes train,valid,test shares" in refusal({"MP_SPLIT": "a,b"})
-    other = refusal({"MP_SPLIT": "99,1,0"}, VALID_DATASET_PATH=f"1 {corpus['prefix']} 1 {corpus['prefix']}")
+    other = refusal({"MP_SPLIT": "99,1,0"}, VALID_DATASET_PATH=f"0.5 {corpus['prefix']}")
     assert "VALID_DATASET_PATH names other data" in other
+    # data listed twice: megatron-core reads both copies in the same order, each sample twice in a row
+    for name in ("DATASET_PATH", "VALID_DATASET_PATH"):
+        for listed in (f"{corpus['prefix']} {corpus['prefix']}", f"1 {corpus['prefix']} 1 {corpus['prefix']}"):
+            assert refusal({}, **{name: listed}) == (
+                f"{name} lists {corpus['prefix']} twice: megatron-core would read both in the same order, each sample "
+                "twice in a row; give it once, with a larger weight to read it more ('W1 P1 W2 P2 ...')")
     # DATASET_PATH's own files, spelled relative or through a link, are DATASET_PATH: held out with MP_SPLIT, and
     # said to be training data without it (compared as strings, they were other data, and no note said so)
     (tmp_path / "link").symlink_to(Path(corpus["prefix"]).parent)
@@ -307,7 +313,7 @@ def _world_of_one(tmp_path: Path):
 def test_a_list_without_weights_read_past_its_epoch_is_blended_by_its_samples(corpus, tmp_path):
     """megatron-core builds one epoch of prefixes listed without weights (Megatron-LM stops when it runs out): a run
     that reads more read that epoch again and again in the same order. They are blended by each prefix's samples of
-    that epoch instead, each prefix shuffled anew each epoch."""
+    that epoch instead, each prefix repeated as one prefix alone is."""
     from megatron_patch.training.data import BLEND_SOURCE, build_pretraining_datasets
     from megatron_patch.training.data_files import one_epoch
     from megatron_patch.training.validation import resolve

@@ -68,7 +68,8 @@ def inferred_weights(cfg, num_train_samples: int) -> list[int] | None:
     """DATASET_PATH's prefixes weighted by the samples of one epoch of each, where they are listed without weights
     and the run reads more samples than that epoch holds. megatron-core builds one epoch of such a list (and
     Megatron-LM stops when it runs out), which the run read again and again in the same order; weighted, each prefix
-    is built for its share of the run's samples and shuffled anew each epoch, in the proportions of that epoch."""
+    is built for its share of the run's samples, over as many epochs as that takes (its documents shuffled across
+    them, as one prefix alone), in the proportions of that epoch."""
     if cfg.dataset_weights is not None or len(cfg.dataset_path) < 2:
         return None
     samples = [one_epoch(prefix, cfg.seq_len, cfg.split)[1] for prefix in cfg.dataset_path]

@@ -391,7 +391,8 @@ class Trainer:
                 self._log(f"note: DATASET_PATH lists {len(inferred)} prefixes without weights, whose one epoch holds "
                           f"{sum(inferred)} samples, and the run trains {trained}: they are blended by the samples "
                           f"of that epoch ({' '.join(f'{w} {p}' for w, p in zip(inferred, cfg.dataset_path))}), each "
-                          "shuffled anew each epoch (megatron-core builds one epoch of a list without weights)")
+                          "repeated over epochs as one prefix alone is (megatron-core builds one epoch of a list "
+                          "without weights)")
             if cfg.sft_packing:  # documents kept apart at the tokenizer's end-of-document id, as Pai's packing
                 eod, name = data_files.end_of_document(cfg)
                 self.train_data, self.valid_data = (packing.DocumentsApart(d, eod) if d is not None else None

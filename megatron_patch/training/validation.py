@@ -122,6 +122,8 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     paths, weights = parse_data_paths("DATASET_PATH", o["DATASET_PATH"], found)
     valid, valid_weights = (None, None) if o["VALID_DATASET_PATH"] is None else \
         parse_data_paths("VALID_DATASET_PATH", o["VALID_DATASET_PATH"], found)
+    for name, listed in (("DATASET_PATH", paths), ("VALID_DATASET_PATH", valid or [])):
+        _refuse_data_listed_twice(name, listed, dataset_type)
     if o["MP_SPLIT"] is not None:
         # validation is DATASET_PATH's held-out share; Pai's launcher ignores VALID_DATASET_PATH with --split
         if sft:
@@ -508,6 +510,19 @@ def check_starting_checkpoint_layout(cfg: RunConfig) -> None:
         raise UserError(f"PRETRAIN_CHECKPOINT_PATH {cfg.pretrain_checkpoint}: {problem}")
 
 # --- reading what a value names ------------------------------------------------------------------------------
+
+def _refuse_data_listed_twice(name: str, paths: list[str], dataset_type: str) -> None:
+    """megatron-core builds each entry of a blend with the run's seed: data listed twice is read in the same order
+    twice, each sample twice in a row, and a global batch held half as many samples as it said (the s65 audit)."""
+    seen: dict[str, str] = {}
+    for path, files in zip(paths, _data_files(paths, dataset_type)):
+        if files in seen:
+            twice = path if path == seen[files] else f"{seen[files]} (and as {path})"
+            raise UserError(f"{name} lists {twice} twice: megatron-core would read both in the same order, each "
+                            "sample twice in a row; give it once, with a larger weight to read it more "
+                            "('W1 P1 W2 P2 ...')")
+        seen[files] = path
+
 
 def _data_files(paths: list[str], dataset_type: str) -> list[str]:
     """The files data paths name, links and relative spellings resolved: one prefix written two ways is one data
