@@ -230,6 +230,11 @@ def test_mp_split_takes_shares_and_refuses_other_validation_data(corpus, tmp_pat
     assert "takes train,valid,test shares" in refusal({"MP_SPLIT": "a,b"})
     other = refusal({"MP_SPLIT": "99,1,0"}, VALID_DATASET_PATH=f"0.5 {corpus['prefix']}")
     assert "VALID_DATASET_PATH names other data" in other
+    # the same blend written otherwise (weights scaled, entries reordered) is DATASET_PATH, held out
+    for data, valid in ((f"0.5 {corpus['prefix']} 0.5 {ten}", f"1 {ten} 1 {corpus['prefix']}"),
+                        (f"{corpus['prefix']} {ten}", f"{ten} {corpus['prefix']}")):
+        assert resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", DATASET_PATH=data, VALID_DATASET_PATH=valid),
+                       env={"MP_SPLIT": "90,10,0"}).valid_dataset_path is None
     # data listed twice: megatron-core reads both copies in the same order, each sample twice in a row
     for name in ("DATASET_PATH", "VALID_DATASET_PATH"):
         for listed in (f"{corpus['prefix']} {corpus['prefix']}", f"1 {corpus['prefix']} 1 {corpus['prefix']}"):

@@ -129,8 +129,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         if sft:
             raise UserError("MP_SPLIT holds validation out of pretraining data: with SFT=true give the validation "
                             "records as VALID_DATASET_PATH and leave MP_SPLIT unset")
-        if valid is not None and (_data_files(valid, dataset_type) != _data_files(paths, dataset_type)
-                                  or valid_weights != weights):
+        if valid is not None and _blend(valid, valid_weights, dataset_type) != _blend(paths, weights, dataset_type):
             raise UserError(f"MP_SPLIT={o.raw('MP_SPLIT')} validates on a held-out share of DATASET_PATH, and "
                             "VALID_DATASET_PATH names other data: set VALID_DATASET_PATH to none (or to DATASET_PATH, "
                             "as Pai's README does), or leave MP_SPLIT unset to validate on it")
@@ -522,6 +521,15 @@ def _refuse_data_listed_twice(name: str, paths: list[str], dataset_type: str) ->
                             "sample twice in a row; give it once, with a larger weight to read it more "
                             "('W1 P1 W2 P2 ...')")
         seen[files] = path
+
+
+def _blend(paths: list[str], weights: list[float] | None, dataset_type: str) -> dict[str, float | None]:
+    """A blend as megatron-core reads it: each file's share of the weights, in any order ('0.5 A 0.5 B' is '1 B 1 A';
+    'A B' is 'B A'), so that DATASET_PATH given again as VALID_DATASET_PATH is known for itself (the s65 audit)."""
+    files = _data_files(paths, dataset_type)
+    if weights is None:
+        return dict.fromkeys(files)
+    return {f: round(w / sum(weights), 12) for f, w in zip(files, weights)}
 
 
 def _data_files(paths: list[str], dataset_type: str) -> list[str]:
