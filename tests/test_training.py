@@ -233,8 +233,8 @@ def test_mp_split_takes_shares_and_refuses_other_validation_data(corpus, tmp_pat
     # the same blend written otherwise (weights scaled, entries reordered) is DATASET_PATH, held out
     for data, valid in ((f"0.5 {corpus['prefix']} 0.5 {ten}", f"1 {ten} 1 {corpus['prefix']}"),
                         (f"{corpus['prefix']} {ten}", f"{ten} {corpus['prefix']}")):
-        assert resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", DATASET_PATH=data, VALID_DATASET_PATH=valid),
-                       env={"MP_SPLIT": "90,10,0"}).valid_dataset_path is None
+        args = _pretrain_args(corpus, tmp_path / "out", DATASET_PATH=data, VALID_DATASET_PATH=valid)
+        assert resolve("llama3_1", args, env={"MP_SPLIT": "90,10,0"}).valid_dataset_path is None
     # data listed twice: megatron-core reads both copies in the same order, each sample twice in a row
     for name in ("DATASET_PATH", "VALID_DATASET_PATH"):
         for listed in (f"{corpus['prefix']} {corpus['prefix']}", f"1 {corpus['prefix']} 1 {corpus['prefix']}"):
