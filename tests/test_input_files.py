@@ -481,8 +481,9 @@ def test_a_data_path_with_spaces_is_one_path_and_blends_quote_theirs(tmp_path):
     cfg = resolve("llama3_1", launcher_args(DATASET_PATH=blend, VALID_DATASET_PATH=blend, OUTPUT_BASEPATH=out))
     assert cfg.dataset_path == [spaced, plain] and cfg.dataset_weights == [0.3, 0.7]
     assert cfg.valid_dataset_path == [spaced, plain] and cfg.valid_dataset_weights == [0.3, 0.7]
-    cfg = resolve("llama3_1", launcher_args(DATASET_PATH=f"{plain} {plain}", OUTPUT_BASEPATH=out))
-    assert cfg.dataset_path == [plain, plain] and cfg.dataset_weights is None
+    other = _mmap_prefix(tmp_path / "other")
+    cfg = resolve("llama3_1", launcher_args(DATASET_PATH=f"{plain} {other}", OUTPUT_BASEPATH=out))
+    assert cfg.dataset_path == [plain, other] and cfg.dataset_weights is None
     with pytest.raises(UserError, match=r"read as \d+ paths; quote a path that holds spaces"):
         resolve("llama3_1", launcher_args(DATASET_PATH=f"0.5 {spaced} 0.5 {plain}", OUTPUT_BASEPATH=out))
     with pytest.raises(UserError, match="cannot be split into paths"):
