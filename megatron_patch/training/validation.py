@@ -515,6 +515,8 @@ def _refuse_data_listed_twice(name: str, paths: list[str], dataset_type: str) ->
     twice, each sample twice in a row, and a global batch held half as many samples as it said (the s65 audit)."""
     seen: dict[str, str] = {}
     for path, files in zip(paths, _data_files(paths, dataset_type)):
+        if not os.path.exists(files):  # not data (a blend split at a path's spaces): data_exists says what it is
+            continue
         if files in seen:
             twice = path if path == seen[files] else f"{seen[files]} (and as {path})"
             raise UserError(f"{name} lists {twice} twice: megatron-core would read both in the same order, each "
