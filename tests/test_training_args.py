@@ -238,6 +238,12 @@ def test_validation_on_training_data_or_on_nothing_is_noted(data, tmp_path):
         "VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not held out, where "
         "Pai's launcher would hold out 1% of the data; give a held-out set, or set MP_SPLIT=99,1,0 to hold it out of "
         "DATASET_PATH as Pai does"]
+    # SFT: MP_SPLIT cuts pretraining data alone (SFT is refused it), so the note does not offer it
+    sft = resolve("llama3_1", _args(data, SFT="true", DATASET_PATH=data["sft"], VALID_DATASET_PATH=data["sft"]),
+                  env={"MP_TOKENIZER": data["tok"]})
+    assert [n for n in sft.notes if "not held out" in n] == [
+        "VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not held out; give "
+        "held-out records as VALID_DATASET_PATH"]
     split = resolve("llama3_1", _args(data, VALID_DATASET_PATH=data["prefix"]), env={"MP_SPLIT": "99,1,0"})
     assert not [n for n in split.notes if "not held out" in n] and split.valid_dataset_path is None
     for suffix in (".bin", ".idx"):

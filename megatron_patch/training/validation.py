@@ -137,8 +137,11 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     elif valid is None and o.given("MP_EVAL_INTERVAL") and o["MP_EVAL_INTERVAL"]:
         notes.append(f"MP_EVAL_INTERVAL={o.raw('MP_EVAL_INTERVAL')} validates nothing: VALID_DATASET_PATH is none")
     elif valid is not None and set(_data_files(valid, dataset_type)) <= set(_data_files(paths, dataset_type)):
-        # Pai's README line gives one prefix for both, and Pai's launcher holds out 1% of it (--split 99,1,0)
+        # Pai's README line gives one prefix for both, and Pai's launcher holds out 1% of it (--split 99,1,0).
+        # MP_SPLIT cuts pretraining data alone: SFT is refused it, so its note does not offer it (the paisft audit)
         notes.append("VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not "
+                     "held out; give held-out records as VALID_DATASET_PATH" if sft else
+                     "VALID_DATASET_PATH is training data (DATASET_PATH holds it): the validation loss is not "
                      "held out, where Pai's launcher would hold out 1% of the data; give a held-out set, or set "
                      "MP_SPLIT=99,1,0 to hold it out of DATASET_PATH as Pai does")
     # JSON records are tokenized here, by default with the checkpoint's tokenizer; an idxmap is already ids.
