@@ -683,6 +683,44 @@ def test_another_job_into_a_run_folder_is_refused_naming_what_changed(tmp_path, 
                           sft_folder) == []
 
 
+def test_a_resume_given_another_starting_checkpoint_is_refused(tmp_path):
+    """A run resumes its own checkpoint, never PRETRAIN_CHECKPOINT_PATH: a rerun into the folder that named another
+    starting model (the same architecture) resumed the old run without a word (the paisft audit). The same
+    checkpoint by another name resumes; one gone from where the run began (moved) is said, as moved data is."""
+    import dataclasses
+    import json
+
+    from megatron_patch.training.run_state import check_same_job
+
+    for suffix in (".bin", ".idx"):
+        (tmp_path / f"a_text_document{suffix}").write_bytes(b"x" * 8)
+    out = tmp_path / "out"
+    args = launcher_args("llama3_1", DATASET_PATH=str(tmp_path / "a_text_document"), OUTPUT_BASEPATH=str(out))
+    folder = _saved_run(out, args)
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir(), other.mkdir()
+    (tmp_path / "link").symlink_to(first)
+    state = json.loads((folder / "train_state.json").read_text())
+    state["config"]["pretrain_checkpoint"] = str(first)  # the run began from `first`
+    (folder / "train_state.json").write_text(json.dumps(state))
+
+    def check(start):
+        return check_same_job(dataclasses.replace(resolve("llama3_1", args, env={}), pretrain_checkpoint=start), folder)
+
+    assert check(str(first)) == check(str(tmp_path / "link")) == check(None) == []
+    with pytest.raises(UserError, match=re.escape(f"holds another job's run (PRETRAIN_CHECKPOINT_PATH {first} -> "
+                                                  f"{other}), and a launch into it resumes that run")):
+        check(str(other))
+    first.rename(tmp_path / "moved")
+    assert check(str(other)) == [f"PRETRAIN_CHECKPOINT_PATH {other} is not read: the run resumes its own checkpoint "
+                                 f"(it started from {first}, no longer there)"]
+    # a run that began from no checkpoint, rerun from one
+    state["config"]["pretrain_checkpoint"] = None
+    (folder / "train_state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError, match=re.escape(f"(PRETRAIN_CHECKPOINT_PATH none -> {other})")):
+        check(str(other))
+
+
 def test_a_resume_with_another_seed_or_lora_is_refused_and_another_dropout_resumes(tmp_path):
     """MP_SEED orders the data (megatron-core's shuffle) and MP_LORA_* shape the saved adapters: a resume with
     another seed trained the rest on other samples than the run's, another LoRA rank or full fine-tuning failed

@@ -334,6 +334,16 @@ def check_same_job(cfg, folder: Path) -> list[str]:
             changed.append(f"{name} {old} -> {new}")
         if "sft_packing" in then and then["sft_packing"] != now["sft_packing"]:
             changed.append(f"MP_SFT_PACKING {_shown(then['sft_packing'])} -> {_shown(now['sft_packing'])}")
+    started, starting = then.get("pretrain_checkpoint"), now.get("pretrain_checkpoint")
+    if "pretrain_checkpoint" in then and starting and not _same_place(started, starting):
+        # a resume reads the run's own checkpoint, never this one: another starting model is another job, told
+        # (it was dropped without a word; the paisft audit). One that is gone from where the run began (moved) is
+        # said, as data found elsewhere is.
+        if started is None or os.path.exists(started):
+            changed.append(f"PRETRAIN_CHECKPOINT_PATH {started or 'none'} -> {starting}")
+        else:
+            notes.append(f"PRETRAIN_CHECKPOINT_PATH {starting} is not read: the run resumes its own checkpoint (it "
+                         f"started from {started}, no longer there)")
     data = saved.get("data")
     if isinstance(data, dict) and isinstance(data.get("files"), list):
         here = training_data(cfg)
@@ -365,6 +375,10 @@ def check_same_job(cfg, folder: Path) -> list[str]:
                         f"give this job a new OUTPUT_BASEPATH, with PRETRAIN_CHECKPOINT_PATH={start} to start from "
                         "that run's weights; or relaunch that run as it was to resume it")
     return notes
+
+
+def _same_place(a: str | None, b: str | None) -> bool:
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 def kept_sft_loss(cfg, folder: Path) -> str | None:
