@@ -756,6 +756,31 @@ def test_a_resume_with_another_seed_or_lora_is_refused_and_another_dropout_resum
         "differ from an uninterrupted run's in their last digits"]
 
 
+@pytest.mark.parametrize("loss", ["record", "token"])
+def test_an_sft_resume_at_another_batch_size_says_what_regrouping_does(tmp_path, loss):
+    """MP_SFT_LOSS=token means each micro-batch's token mean, so regrouping SFT's uneven micro-batches reweights the
+    tokens; MP_SFT_LOSS=record (the default) weighs each record alike however they are grouped, and the note said it
+    reweighted them (the tdoc audit: the resumed losses equalled the uninterrupted run's to 6e-7)."""
+    from megatron_patch.training.run_state import resume_notes
+
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    env = {"MP_TOKENIZER": str(tmp_path / "tok"), "MP_SFT_LOSS": loss}
+    out = tmp_path / "out"
+
+    def args(batch):
+        return launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), OUTPUT_BASEPATH=str(out),
+                             BATCH_SIZE=batch, TRAIN_TOKENS_OR_ITERS="8", WARMUP_TOKENS_OR_ITERS="1")
+
+    folder = _saved_run(out, args("2"), env=env)
+    how = ("reweights the trained tokens (each micro-batch's mean counts alike), so the steps differ from an "
+           "uninterrupted run's" if loss == "token" else
+           "adds them in another order, so the losses differ from an uninterrupted run's in their last digits")
+    assert resume_notes(resolve("llama3_1", args("4"), env=env), folder) == [
+        f"BATCH_SIZE 2 -> 4: the same samples in other micro-batches, which {how}"]
+
+
 def test_a_resume_across_the_experts_own_optimizer_is_refused_before_any_rank(tmp_path, monkeypatch):
     """An MoE run at EP=2 keeps its experts' optimizer state in an optimizer of their own (megatron-core's chained
     one), at EP=1 not: a relaunch at the other said 'resuming from iteration 4', then every rank failed on "has no

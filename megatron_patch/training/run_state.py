@@ -209,10 +209,11 @@ def resume_notes(cfg, folder: Path) -> list[str]:
                      "iterations are not the continuation of the first launch's order (some samples seen again, "
                      "some not at all); within one epoch it is the same order")
     if "micro_batch_size" in then and then["micro_batch_size"] != now["micro_batch_size"]:
-        # the loss is the mean of each micro-batch's token mean (Megatron-LM's default): SFT's micro-batches hold
-        # uneven numbers of trained tokens, so regrouping them reweights the tokens
+        # MP_SFT_LOSS=token: the loss is the mean of each micro-batch's token mean (Megatron-LM's default), and SFT's
+        # micro-batches hold uneven numbers of trained tokens, so regrouping them reweights the tokens; with
+        # MP_SFT_LOSS=record each record weighs alike however they are grouped (the tdoc audit)
         how = ("reweights the trained tokens (each micro-batch's mean counts alike), so the steps differ from an "
-               "uninterrupted run's" if now.get("sft") else
+               "uninterrupted run's" if now.get("sft") and now.get("sft_loss") == "token" else
                "adds them in another order, so the losses differ from an uninterrupted run's in their last digits")
         notes.append(f"BATCH_SIZE {then['micro_batch_size']} -> {now['micro_batch_size']}: the same samples in other "
                      f"micro-batches, which {how}")
