@@ -1424,8 +1424,15 @@ def test_a_full_disk_in_the_final_export_and_a_file_size_limit_in_a_save_are_one
                         rf"it: free space in {out} \(or choose another OUTPUT_BASEPATH\) and rerun",
                         proc.stderr.strip().splitlines()[-1]), proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir() if "final" in p.name) == []
+    summary = json.loads((out / "log" / "throughput.json").read_text())
+    assert summary["iterations"] == [2, 3], summary
     again = launch(args, {"PYTHONPATH": env["PYTHONPATH"]})
     assert again.returncode == 0 and (out / "final" / "release").is_dir(), again.stderr[-3000:]
+    # the rerun trains nothing: it says so (not "iterations 4..3"), and keeps the run's throughput summary (it wrote
+    # null over it, saying "only warm-up iterations ran")
+    assert "nothing left to train: iteration 3 of 3 is the run's last, whose model is exported now" in again.stdout
+    assert "iterations 4..3" not in again.stdout and "throughput" not in again.stdout, again.stdout[-2000:]
+    assert json.loads((out / "log" / "throughput.json").read_text()) == summary
 
     limited = subprocess.run(["bash", "-c", 'ulimit -f 1000 && exec bash "$@"', "-",
                               str(Path(__file__).parents[1] / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"),

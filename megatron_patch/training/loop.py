@@ -639,11 +639,16 @@ class Trainer:
         if flops is None:
             self._log(f"TFLOP/s and MFU are not counted: {flops_uncounted(self.arch)}")
 
-        self._log(f"training {cfg.family} {cfg.model_size} {cfg.layout} DP={self.dp_size} on {self.world} "
-                  f"{'GPU' if torch.cuda.is_available() else 'CPU process'}(es): iterations {self.iteration + 1}.."
-                  f"{cfg.train_iters}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x "
-                  f"{cfg.sample_length} tokens per DP rank; attention {attention_kernel(cfg, Capabilities.detect())}")
         stop_at = cfg.train_iters if cfg.exit_interval is None else min(cfg.train_iters, cfg.exit_interval)
+        if self.iteration >= stop_at:  # a rerun after a failed export: it said "iterations 5..4" (the tdoc audit)
+            self._log(f"nothing left to train: iteration {self.iteration} of {cfg.train_iters} is the run's last"
+                      + (", whose model is exported now" if cfg.save and self.iteration == cfg.train_iters else ""))
+        else:
+            self._log(f"training {cfg.family} {cfg.model_size} {cfg.layout} DP={self.dp_size} on {self.world} "
+                      f"{'GPU' if torch.cuda.is_available() else 'CPU process'}(es): iterations {self.iteration + 1}.."
+                      f"{cfg.train_iters}, {cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x "
+                      f"{cfg.sample_length} tokens per DP rank; attention "
+                      f"{attention_kernel(cfg, Capabilities.detect())}")
         first = self.iteration + 1
         records = []
         self._param_gather_before_first_step()
@@ -741,6 +746,11 @@ class Trainer:
             self.config.param_sync_func = self._param_sync_func
 
     def _report_throughput(self, records: list[dict], peak: float | None) -> None:
+        """The closing throughput line and ``log/throughput.json``, of this launch's iterations. A launch that
+        trained none (a rerun that only exports) or warm-up ones alone keeps the file an earlier launch wrote (it was
+        replaced by null; the tdoc audit)."""
+        if not records:
+            return
         summary = summarize(records, peak)
         if summary is not None:
             # Peak memory is per rank: report the largest.
@@ -750,8 +760,9 @@ class Trainer:
         if self.rank != self.log_rank:
             return
         self._log(describe(summary, per=self._rank_unit()))
-        write_file_replacing(Path(self.cfg.output_basepath) / run_folder.THROUGHPUT,
-                                   json.dumps(summary, indent=2) + "\n")
+        if summary is not None:
+            write_file_replacing(Path(self.cfg.output_basepath) / run_folder.THROUGHPUT,
+                                 json.dumps(summary, indent=2) + "\n")
 
     def _rank_unit(self, short: bool = False) -> str:
         """What one rank's TFLOP/s are per: a GPU, or on CPU a process."""
