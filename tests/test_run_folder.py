@@ -1099,6 +1099,21 @@ def stopped_run(corpus, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
+def test_a_rerun_stopped_by_mp_exit_interval_again_says_why_it_trains_nothing(stopped_run, corpus, tmp_path):
+    """Relaunched with the MP_EXIT_INTERVAL it stopped at, a run trains nothing: its line says so and why, not that
+    the run ended at its last iteration (nor "iterations 5..4"), and it exports nothing."""
+    from tests.training_helpers import launch
+
+    out = tmp_path / "out"
+    shutil.copytree(stopped_run, out)
+    proc = launch(_resume_args(corpus, out), {"MP_EXIT_INTERVAL": str(STOP_AT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (f"nothing left to train: iteration {STOP_AT} of {RESUME_ITERS} is at or past "
+            f"MP_EXIT_INTERVAL={STOP_AT}") in proc.stdout, proc.stdout[-3000:]
+    assert "run's last" not in proc.stdout and not (out / "final").exists()
+
+
 def _resume(corpus, out: Path):
     from tests.training_helpers import launch
 

@@ -641,8 +641,9 @@ class Trainer:
 
         stop_at = cfg.train_iters if cfg.exit_interval is None else min(cfg.train_iters, cfg.exit_interval)
         if self.iteration >= stop_at:  # a rerun after a failed export: it said "iterations 5..4" (the tdoc audit)
-            self._log(f"nothing left to train: iteration {self.iteration} of {cfg.train_iters} is the run's last"
-                      + (", whose model is exported now" if cfg.save and self.iteration == cfg.train_iters else ""))
+            where = ("is the run's last" + (", whose model is exported now" if cfg.save else "")
+                     if stop_at == cfg.train_iters else f"is at or past MP_EXIT_INTERVAL={cfg.exit_interval}")
+            self._log(f"nothing left to train: iteration {self.iteration} of {cfg.train_iters} {where}")
         else:
             self._log(f"training {cfg.family} {cfg.model_size} {cfg.layout} DP={self.dp_size} on {self.world} "
                       f"{'GPU' if torch.cuda.is_available() else 'CPU process'}(es): iterations {self.iteration + 1}.."
