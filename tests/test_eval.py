@@ -627,3 +627,25 @@ def test_all_iterations_refuses_an_iteration_that_is_a_symlink(tmp_path, capsys,
                       "--output-dir", str(tmp_path / "out"), "--quiet")
     _one_line(rc, err, f"{run / 'iter_0000006'} is a symlink")
     assert not opened and not (tmp_path / "out").exists()
+
+
+def test_the_recorded_command_reproduces_every_option_as_given():
+    """results.json's command is the evaluation to rerun: it wrote `--limit 4.0` for `--limit 4` and dropped
+    `--bootstrap-iters`, so the rerun computed other standard errors. Parsed again, it gives the same options."""
+    import shlex
+
+    from megatron_patch.cli import build_parser
+    from megatron_patch.cli.eval import command_line
+
+    parser = build_parser("eval")
+    given = ["eval", "--load-dir", "ckpt dir", "--tasks", "a,b", "--include-path", "tasks", "--limit", "4",
+             "--num-fewshot", "2", "--batch-size", "3", "--tp", "2", "--pp", "2", "--ep", "1", "--dtype", "bf16",
+             "--tokenizer", "tok", "--hf-config", "config.json", "--output-dir", "out", "--seed", "7",
+             "--bootstrap-iters", "0", "--log-samples", "--apply-chat-template", "--fewshot-as-multiturn",
+             "--no-kv-cache", "--no-verify", "--force", "--all-iterations"]
+    args = parser.parse_args(given)
+    recorded = command_line(args)
+    assert "--limit 4 " in recorded, recorded
+    assert vars(parser.parse_args(shlex.split(recorded)[1:])) == vars(args), recorded
+    assert "--limit 0.25 " in command_line(parser.parse_args(["eval", "--load-dir", "c", "--tasks", "a",
+                                                               "--limit", "0.25"]))

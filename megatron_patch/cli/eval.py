@@ -30,12 +30,12 @@ def command_line(args) -> str:
         parts += ["--include-path", path]
     for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--tokenizer", args.tokenizer),
                         ("--hf-config", args.hf_config), ("--output-dir", args.output_dir)):
-        if value is not None:
-            parts += [flag, str(value)]
+        if value is not None:  # --limit 4, not the 4.0 argparse's float holds
+            parts += [flag, str(int(value) if isinstance(value, float) and value.is_integer() else value)]
     parts += ["--batch-size", str(args.batch_size), "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
     if args.etp is not None:
         parts += ["--etp", str(args.etp)]
-    parts += ["--dtype", args.dtype, "--seed", str(args.seed)]
+    parts += ["--dtype", args.dtype, "--seed", str(args.seed), "--bootstrap-iters", str(args.bootstrap_iters)]
     for flag in ("all_iterations", "log_samples", "apply_chat_template", "fewshot_as_multiturn", "no_kv_cache",
                  "no_verify", "force"):
         if getattr(args, flag):
