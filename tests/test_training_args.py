@@ -647,6 +647,10 @@ def test_dry_run_refuses_what_the_launch_refuses_of_its_run_folder(data, monkeyp
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds notes.txt, which a training run does not write there" in err, err
     (out / "notes.txt").unlink()
+    assert main(["train", "llama3_1", *_args(data)]) == 0
+    said = capsys.readouterr().out
+    assert f"would start afresh from the random initialisation (PRETRAIN_CHECKPOINT_PATH none): {out / 'checkpoint'} " \
+           "holds no checkpoint of this run" in said and "would resume" not in said, said[-600:]
     # a LoRA run's checkpoints, resumed without a base: refused as the launch does (a dry run with neither plans
     # a LoRA run before its base exists, and passes)
     monkeypatch.setenv("MP_LORA_RANK", "4")

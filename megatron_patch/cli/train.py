@@ -436,6 +436,10 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
             print(f"note: {note}", file=out, flush=True)
     if latest is None:
         check_starting_checkpoint_layout(cfg)
+        if would:  # said as "would resume" is: a dry run into a new folder left it unsaid (the tdoc audit)
+            start = cfg.pretrain_checkpoint or "the random initialisation (PRETRAIN_CHECKPOINT_PATH none)"
+            print(f"would start afresh from {start}: {cfg.checkpoint_dir} holds no checkpoint of this run", file=out,
+                  flush=True)
     if not would:
         check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
     else:
