@@ -660,6 +660,11 @@ def test_another_job_into_a_run_folder_is_refused_naming_what_changed(tmp_path, 
     moved = str(tmp_path / "moved" / "a_text_document")
     assert check(folder, DATASET_PATH=moved) == [
         f"DATASET_PATH {moved} is taken as the data the run trained on at {a} (its files have the same sizes)"]
+    # the same path, its files grown since (a corpus appended to): resumes, said (docs/training.md)
+    with open(a + ".bin", "ab") as grown:
+        grown.write(b"y")
+    assert check(folder) == ["DATASET_PATH's files changed size since iter_0000004 was saved: the run goes on over "
+                             "them as they are now"]
     # an older run folder, whose checkpoints do not record their data: other data resumes as it did; SFT does not
     old = _saved_run(tmp_path / "old", args(OUTPUT_BASEPATH=str(tmp_path / "old")), data=False)
     assert check(old, DATASET_PATH=b) == []
