@@ -87,7 +87,7 @@ def load_starting_weights(cfg, chunks: list, folder) -> None:
         raise naming_the_switch(exc, NO_VERIFY) from None
 
 
-def resume_iteration(root: str | Path, log=print, verify: bool = True) -> int | None:
+def resume_iteration(root: str | Path, log=print, verify: bool | str = True) -> int | None:
     """``latest_iteration``, decided by rank 0 and the same on every rank (warnings logged once)."""
     holder: list = [None]
     if dist.get_rank() == 0:

@@ -365,7 +365,7 @@ class Trainer:
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-        return resume_iteration(self.cfg.checkpoint_dir, self._log, verify=not self.cfg.no_verify)
+        return resume_iteration(self.cfg.checkpoint_dir, self._log, verify="archives" if self.cfg.no_verify else True)
 
     def _build_data(self) -> None:
         cfg = self.cfg

@@ -46,19 +46,21 @@ def iteration_problem(folder: Path, verify: bool | str = True) -> str | None:
     every file against the folder's manifest, where it has one, and every archive's CRC-32s
     (``archives_problem``): whatever a load would refuse as damaged is found here, where the previous
     checkpoint can still be taken. ``verify="small"``: the launcher's look, the manifest's sizes and the digests
-    of its small files (``LOOK_DIGEST_LIMIT``), no CRC-32s."""
+    of its small files (``LOOK_DIGEST_LIMIT``), no CRC-32s. ``verify="archives"`` (the ranks under
+    MP_NO_VERIFY=true): the CRC-32s without the manifest, which an edit on purpose no longer matches; a record
+    failing its CRC is refused by the load whatever the switch says, so it is skipped here as without it."""
     why = torch_dist_problem(folder)
     if why:
         return why
     manifest = manifest_of(folder)
-    if verify and manifest is not None:
+    if verify in (True, "small") and manifest is not None:
         try:
             verify_manifest(manifest, LOOK_DIGEST_LIMIT if verify == "small" else None)
         except IntegrityError as exc:
             return str(naming_the_switch(exc, NO_VERIFY))
         except UserError as exc:
             return str(exc)
-    if verify is True:  # the CRC-32s too: a manifest rewritten after the damage, or none, leaves them to the load
+    if verify in (True, "archives"):  # a manifest rewritten after the damage, or none, left them to the load
         why = archives_problem(folder)
         if why:
             return why
@@ -103,8 +105,8 @@ def read_train_state(folder: Path) -> dict:
 
 def latest_iteration(root: str | Path, verify: bool | str = True) -> tuple[int | None, list[str]]:
     """The newest complete checkpoint under ``root`` (None: nothing saved yet) and a warning for each
-    newer one skipped. UserError when checkpoints exist and none is complete. ``verify``: check the files'
-    digests too (the ranks do), or ``"small"`` only those of its small files (the launcher's early look)."""
+    newer one skipped. UserError when checkpoints exist and none is complete. ``verify``: as ``iteration_problem``
+    takes it (True the ranks, ``"small"`` the launcher's early look, ``"archives"`` the ranks under MP_NO_VERIFY)."""
     try:
         return latest_complete_iteration(root, lambda folder: iteration_problem(folder, verify))
     except UserError as exc:
