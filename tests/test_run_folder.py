@@ -786,6 +786,47 @@ def test_an_sft_resume_at_another_batch_size_says_what_regrouping_does(tmp_path,
         f"BATCH_SIZE 2 -> 4: the same samples in other micro-batches, which {how}"]
 
 
+def test_an_extended_run_is_told_its_sample_order_changes_only_where_it_does(corpus, tmp_path):
+    """Every run extended to more iterations was told its order might not continue, "where the data now runs to
+    another number of epochs" (the tdoc audit: within one epoch it does continue). Said now only where a prefix's
+    epochs change (``data_files.sample_order``, checked against megatron-core's orders in tests/test_training.py),
+    naming it; SFT's samples continue in order at any length."""
+    from megatron_patch.training.data_files import one_epoch
+    from megatron_patch.training.run_state import resume_notes
+
+    out, prefix = tmp_path / "out", corpus["prefix"]
+    per_epoch = one_epoch(prefix, 64)[1]
+
+    def args(iterations):
+        return launcher_args("llama3_1", DATASET_PATH=prefix, OUTPUT_BASEPATH=str(out), WARMUP_TOKENS_OR_ITERS="0",
+                             TRAIN_TOKENS_OR_ITERS=str(iterations * 8 * 64))
+
+    def order_notes(iterations):  # the schedule's note (its decay iterations change) apart
+        return [n for n in resume_notes(resolve("llama3_1", args(iterations), env={}), folder)
+                if not n.startswith("the learning-rate schedule")]
+
+    first = per_epoch // 8 // 2
+    folder = _saved_run(out, args(first))
+    assert order_notes(per_epoch // 8) == []  # one epoch still
+    past = per_epoch // 8 + 1
+    assert order_notes(past) == [
+        f"iterations {first} -> {past}: {prefix} now runs to 2 epochs (it ran to 1), and megatron-core builds the "
+        "data's sample order for the run's whole length: the coming iterations are not the continuation of the first "
+        "launch's order (some samples seen again, some not at all)"]
+    (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    sft_out, env = tmp_path / "sft", {"MP_TOKENIZER": str(tmp_path / "tok")}
+
+    def sft(iterations):
+        return launcher_args("llama3_1", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"),
+                             OUTPUT_BASEPATH=str(sft_out), TRAIN_TOKENS_OR_ITERS=str(iterations),
+                             WARMUP_TOKENS_OR_ITERS="1")
+
+    notes = resume_notes(resolve("llama3_1", sft(80), env=env), _saved_run(sft_out, sft(8), env=env))
+    assert [n for n in notes if not n.startswith("the learning-rate schedule")] == [], notes
+
+
 def test_a_resume_across_the_experts_own_optimizer_is_refused_before_any_rank(tmp_path, monkeypatch):
     """An MoE run at EP=2 keeps its experts' optimizer state in an optimizer of their own (megatron-core's chained
     one), at EP=1 not: a relaunch at the other said 'resuming from iteration 4', then every rank failed on "has no

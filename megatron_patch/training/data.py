@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron_patch.errors import UserError
 from megatron_patch.outputs.full_disk import free_space, full_disk_error
 from megatron_patch.training import data_cache
-from megatron_patch.training.data_files import one_epoch
+from megatron_patch.training.data_files import inferred_weights
 
 # megatron-core is imported inside the functions that use it, so that in a rank it loads after
 # init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
@@ -62,18 +62,6 @@ def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: i
     if first:
         data_cache.record(cache)
     return datasets
-
-
-def inferred_weights(cfg, num_train_samples: int) -> list[int] | None:
-    """DATASET_PATH's prefixes weighted by the samples of one epoch of each, where they are listed without weights
-    and the run reads more samples than that epoch holds. megatron-core builds one epoch of such a list (and
-    Megatron-LM stops when it runs out), which the run read again and again in the same order; weighted, each prefix
-    is built for its share of the run's samples, over as many epochs as that takes (its documents shuffled across
-    them, as one prefix alone), in the proportions of that epoch."""
-    if cfg.dataset_weights is not None or len(cfg.dataset_path) < 2:
-        return None
-    samples = [one_epoch(prefix, cfg.seq_len, cfg.split)[1] for prefix in cfg.dataset_path]
-    return samples if num_train_samples > sum(samples) else None
 
 
 def _barrier() -> None:

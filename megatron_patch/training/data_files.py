@@ -25,6 +25,7 @@ manifest's digests), in pieces of at most ``PIECE`` elements, so memory stays bo
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -97,6 +98,47 @@ def one_epoch(prefix: str, seq_len: int, split: str | None = None, share: int = 
         lengths = lengths[first:first + counts[share]]
     tokens = int(lengths.sum(dtype=numpy.int64))
     return tokens, max(0, (tokens - 1) // seq_len)
+
+
+def inferred_weights(cfg, num_train_samples: int) -> list[int] | None:
+    """DATASET_PATH's prefixes weighted by the samples of one epoch of each, where they are listed without weights
+    and the run reads more samples than that epoch holds. megatron-core builds one epoch of such a list (and
+    Megatron-LM stops when it runs out), which the run read again and again in the same order; weighted, each prefix
+    is built for its share of the run's samples, over as many epochs as that takes (its documents shuffled across
+    them, as one prefix alone), in the proportions of that epoch."""
+    if cfg.dataset_weights is not None or len(cfg.dataset_path) < 2:
+        return None
+    samples = [one_epoch(prefix, cfg.seq_len, cfg.split)[1] for prefix in cfg.dataset_path]
+    return samples if num_train_samples > sum(samples) else None
+
+
+# megatron-core's GPTDataset: a last epoch holding under this share of an epoch's samples is shuffled apart
+LAST_EPOCH_APART = 0.80
+# megatron-core's GPTDatasetConfig.mid_level_dataset_surplus: a weighted blend builds each prefix this much more
+MID_LEVEL_SURPLUS = 0.005
+
+
+def sample_order(cfg, train_samples: int, weights: list | None) -> list[tuple[str, int, bool]]:
+    """What megatron-core's order of the training samples rests on, for a run of ``train_samples`` over DATASET_PATH
+    blended by ``weights`` (the given or inferred ones; None: one epoch of each): each prefix's epochs and whether
+    the last one is shuffled apart, as its GPTDataset decides them from the samples its builder asks of it (a
+    weighted blend's share plus its surplus). Two lengths with the same list read the same order, the shorter's
+    samples first: each index is built from these alone, and a blend's is built sample by sample (greedily)."""
+    paths = cfg.dataset_path
+    if weights is None:  # one prefix, or a list within one epoch: each built over one epoch
+        sizes = [train_samples] if len(paths) == 1 else [None] * len(paths)
+    elif len(paths) == 1 and not cfg.split:  # blend_per_split builds one prefix as it is, weighted or not
+        sizes = [train_samples]
+    else:  # megatron-core's normalize and _get_size_per_split_per_dataset, in the same floating-point steps
+        shares = (numpy.array(weights, dtype=numpy.float64) / numpy.sum(numpy.array(weights, dtype=numpy.float64)))
+        sizes = [int(math.ceil(math.ceil(train_samples * w) * (1 + MID_LEVEL_SURPLUS))) for w in shares.tolist()]
+    order = []
+    for prefix, size in zip(paths, sizes):
+        tokens, per_epoch = one_epoch(prefix, cfg.seq_len, cfg.split)
+        epochs = 1 if size is None or tokens <= 0 else max(1, -(-(size * cfg.seq_len + 1) // tokens))
+        apart = epochs > 1 and size - ((epochs - 1) * tokens - 1) // cfg.seq_len < int(LAST_EPOCH_APART * per_epoch)
+        order.append((prefix, epochs, apart))
+    return order
 
 
 def check_unweighted_blend(name: str, paths: list[str], seq_len: int, split: str | None) -> None:

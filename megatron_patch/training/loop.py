@@ -386,7 +386,7 @@ class Trainer:
             # Its files were checked before any rank started (every token id included: training.data_files).
             trained = cfg.train_iters * cfg.global_batch_size
             self.train_data, self.valid_data = data.build_pretraining_datasets(cfg, trained, valid_samples)
-            inferred = data.inferred_weights(cfg, trained)
+            inferred = data_files.inferred_weights(cfg, trained)
             if inferred:
                 self._log(f"note: DATASET_PATH lists {len(inferred)} prefixes without weights, whose one epoch holds "
                           f"{sum(inferred)} samples, and the run trains {trained}: they are blended by the samples "

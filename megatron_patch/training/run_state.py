@@ -32,6 +32,8 @@ from megatron_patch.checkpoint_files.manifest import (LOOK_DIGEST_LIMIT, Integri
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs
 from megatron_patch.input_files import read_input
+from megatron_patch.training import data_files
+from megatron_patch.training.data_files import inferred_weights
 from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, require_folder
 
 # What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
@@ -203,13 +205,15 @@ def resume_notes(cfg, folder: Path) -> list[str]:
                if field in then and then[field] != now[field]]
     notes = [f"the learning-rate schedule follows this launch, not the checkpoint's: {', '.join(changed)}"] \
         if changed else []
-    if "train_iters" in then and then["train_iters"] != now["train_iters"]:
-        # megatron-core (as Megatron-LM) builds the sample order for the run's whole length: another number of
-        # epochs shuffles the documents and samples anew, and the data position counts into that new order
-        notes.append(f"iterations {then['train_iters']} -> {now['train_iters']}: the data's sample order is built "
-                     "for the new length, so where the data now runs to another number of epochs the coming "
-                     "iterations are not the continuation of the first launch's order (some samples seen again, "
-                     "some not at all); within one epoch it is the same order")
+    if "train_iters" in then and then["train_iters"] != now["train_iters"] and not cfg.sft:
+        # megatron-core (as Megatron-LM) builds the pretraining sample order for the run's whole length: another
+        # number of epochs shuffles the documents and samples anew, and the data position counts into that new
+        # order. SFT's samples come in the same order for any length (epochs repeat in order).
+        moved = _order_moved(cfg, then["train_iters"], now["train_iters"])
+        if moved:
+            notes.append(f"iterations {then['train_iters']} -> {now['train_iters']}: {moved}, and megatron-core "
+                         "builds the data's sample order for the run's whole length: the coming iterations are not "
+                         "the continuation of the first launch's order (some samples seen again, some not at all)")
     if "micro_batch_size" in then and then["micro_batch_size"] != now["micro_batch_size"]:
         # MP_SFT_LOSS=token: the loss is the mean of each micro-batch's token mean (Megatron-LM's default), and SFT's
         # micro-batches hold uneven numbers of trained tokens, so regrouping them reweights the tokens; with
@@ -220,6 +224,28 @@ def resume_notes(cfg, folder: Path) -> list[str]:
         notes.append(f"BATCH_SIZE {then['micro_batch_size']} -> {now['micro_batch_size']}: the same samples in other "
                      f"micro-batches, which {how}")
     return notes
+
+
+def _order_moved(cfg, iterations_then: int, iterations_now: int) -> str | None:
+    """What of the data's sample order another length changes (``data_files.sample_order``), in words; None where
+    both lengths read the same order (within one epoch of each prefix, say: the tdoc audit found every extension
+    told it might not continue)."""
+    lengths = (iterations_then * cfg.global_batch_size, iterations_now * cfg.global_batch_size)
+    try:
+        weights = [cfg.dataset_weights or inferred_weights(cfg, samples) for samples in lengths]
+        then, now = (data_files.sample_order(cfg, samples, w) for samples, w in zip(lengths, weights))
+    except (UserError, OSError):  # the data itself is checked, in one line, after these notes
+        return "the data may now run to another number of epochs"
+    if (weights[0] is None) != (weights[1] is None):  # a list without weights, past its one epoch or back within it
+        return "the prefixes listed without weights are now blended " + (
+            "by their samples over more than one epoch" if weights[1] else "as one epoch of each")
+    for (prefix, epochs_then, apart_then), (_, epochs_now, apart_now) in zip(then, now):
+        if epochs_then != epochs_now:
+            return f"{prefix} now runs to {epochs_now} epoch{'s' * (epochs_now > 1)} (it ran to {epochs_then})"
+        if apart_then != apart_now:
+            return (f"the last of the {epochs_now} epochs of {prefix} is now "
+                    f"{'shuffled apart from' if apart_now else 'shuffled with'} the others")
+    return None
 
 
 def _experts_apart(cfg, config: dict) -> bool:
