@@ -83,6 +83,12 @@ def _check(cfgs, results, checked):
             if check_activations:
                 assert abs(ratio - 1) < 0.10, (cfg.family, str(cfg.layout), cfg.activation_checkpointing, ratio)
     print("\n".join(f"{f} {l} {p} AC={a} stage {s}: planned/measured activations {x:.4f}" for f, l, p, a, s, x in rows))
+    for cfg, measured in zip(cfgs, results):  # the plan printed and checked: each stage's fullest DP rank
+        plan = plan_memory(cfg, "local")
+        for stage in {r["pp_rank"] for r in measured}:
+            held = max(r["params"] + r["grads"] + r["optimizer_device"] for r in measured if r["pp_rank"] == stage)
+            st = plan.stage(stage)
+            assert st.params + st.grads + st.optimizer_device == held, (cfg.family, str(cfg.layout), stage)
 
 
 @pytest.mark.slow
@@ -98,6 +104,25 @@ def test_plan_equals_what_two_processes_allocate(corpus, tmp_path):
     assert {c.world_size for c in cfgs} == {2}
     per_rank = run_local(measure_ranks, 2, cfgs, timeout=900)
     _check(cfgs, [[rank[i] for rank in per_rank] for i in range(len(cfgs))], [c for *_, c in TWO_PROCESSES])
+
+
+def test_the_plan_is_the_data_parallel_rank_that_holds_most(corpus, tmp_path):
+    """Each DP rank holds its own shard of the optimizer state, whose chunks fall differently under
+    OPTIMIZER_OFFLOAD: the plan was DP rank 0's, and rank 1 held more on the device than it printed and than an
+    MP_GPU_MEMORY_GB the plan accepted (the odoc audit). It is now each stage's fullest rank."""
+    from megatron_patch.training.memory_plan import _place_chunks
+
+    cfg = _cfg(corpus, tmp_path, "llama3_1", dict(PR="bf16", DO="true", OPTIMIZER_OFFLOAD="0.4"), {"MP_NPROC": "2"})
+    ranks = [stage_memory(cfg.arch, cfg, 0, "local", r) for r in range(2)]
+    for st in ranks:
+        _place_chunks(st, 0.4, cfg.precision.itemsize)
+    assert ranks[1].optimizer_device > ranks[0].optimizer_device  # the case the audit measured
+    plan = plan_memory(cfg, "local")
+    assert plan.stage(0).optimizer_device == ranks[1].optimizer_device and plan.stage(0).device == ranks[1].device
+    between = (ranks[0].device + ranks[1].device) / 2 / GiB
+    with_room = _cfg(corpus, tmp_path, "llama3_1", dict(PR="bf16", DO="true", OPTIMIZER_OFFLOAD="0.4"),
+                     {"MP_NPROC": "2", "MP_GPU_MEMORY_GB": repr(between)})
+    assert "on pipeline stage 0" in plan_memory(with_room, "local").problem()
 
 
 def test_every_family_is_planned():

@@ -25,6 +25,7 @@ share ``auto`` would start from complete the plan. A configuration whose device 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -441,6 +442,21 @@ def in_flight(cfg, pp_rank: int) -> int:
 
 
 def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageMemory:
+    """Pipeline stage ``pp_rank``'s memory on data-parallel rank ``dp_rank``."""
+    return _stage_memories(arch, cfg, pp_rank, spec, [dp_rank])[0]
+
+
+def stage_memories(arch, cfg, pp_rank: int, spec: str) -> list[StageMemory]:
+    """Pipeline stage ``pp_rank``'s memory on each data-parallel rank: with the distributed optimizer each holds its
+    own shard of the optimizer state, whose parameters' spans (torch's step per span) and chunks (OPTIMIZER_OFFLOAD)
+    fall differently, so that DP rank 1 held more on the device than rank 0's plan said (the odoc audit)."""
+    dense_dp = cfg.data_parallel_size * cfg.cp
+    expert_dp = cfg.world_size // (cfg.pp * cfg.ep * (cfg.etp or cfg.tp))
+    return _stage_memories(arch, cfg, pp_rank, spec,
+                           range(max(dense_dp, expert_dp)) if cfg.distributed_optimizer else [0])
+
+
+def _stage_memories(arch, cfg, pp_rank: int, spec: str, dp_ranks) -> list[StageMemory]:
     attention = _attention(cfg, spec)
     param_bytes = cfg.precision.itemsize
     grad_bytes = 4  # fp32 gradient buffers (grad_reduce_in_fp32 with mixed precision)
@@ -500,34 +516,41 @@ def stage_memory(arch, cfg, pp_rank: int, spec: str, dp_rank: int = 0) -> StageM
     from megatron_patch.training.offload.chunks import Span, plan_chunks
 
     capacity = None if cfg.offload_chunk_mb is None else max(1, int(cfg.offload_chunk_mb * 2**20 / 4))
-    # one distributed optimizer for the dense buffers, one for the expert buffers (EP > 1)
-    for buffers, group_dp in ((dense_buffers, dense_dp), (expert_buffers, expert_dp)):
-        segments = []
-        for index, (buf, buf_bytes) in enumerate(buffers):
+    for buffers in (dense_buffers, expert_buffers):
+        for buf, buf_bytes in buffers:
             st.grads += buf.numel * grad_bytes
-            master = 4 if buf_bytes != 4 else 0  # fp32 parameters are their own master weights
-            if do:
-                st.params += buf.numel * buf_bytes
-                for _, spans in shard_spans(buf, dp_rank % group_dp):
-                    n = sum(e - s for _, s, e in spans)
-                    st.optimizer_elements += n
-                    if offload:
-                        segments.append((index, [Span(i, s, e) for i, (_, s, e) in enumerate(spans)]))
-                    else:
-                        st.optimizer_device += n * (master + 8) + len(spans) * step_bytes
-            else:
-                n = sum(p.numel for p, _, _ in buf.params)
-                st.params += n * buf_bytes
-                st.optimizer_elements += n
-                st.optimizer_device += n * (master + 8) + len(buf.params) * step_bytes
-        if offload and segments:
-            st.chunks += [(c.nbytes, c.state_numel, c.capacity) for c in plan_chunks(segments, capacity).chunks]
+            st.params += (buf.numel if do else sum(p.numel for p, _, _ in buf.params)) * buf_bytes
     st.per_microbatch, st.transient = _activations(arch, cfg, pp_rank, spec, attention)
     if spec == "local" and arch.sparse_attention is None:  # PR=fp8 on the local spec is torchao's float8
         st.fp8_casts = fp8_run.cast_bytes(cfg)
     st.in_flight = in_flight(cfg, pp_rank)
     st.activations = _peak_activations(arch, cfg, pp_rank, spec, attention, st.per_microbatch, st.in_flight)
-    return st
+
+    def on_rank(dp_rank: int) -> StageMemory:
+        """``st`` with ``dp_rank``'s optimizer state: one distributed optimizer for the dense buffers, one for the
+        expert buffers (EP > 1)."""
+        held = dataclasses.replace(st, chunks=[])
+        for buffers, group_dp in ((dense_buffers, dense_dp), (expert_buffers, expert_dp)):
+            segments = []
+            for index, (buf, buf_bytes) in enumerate(buffers):
+                master = 4 if buf_bytes != 4 else 0  # fp32 parameters are their own master weights
+                if do:
+                    for _, spans in shard_spans(buf, dp_rank % group_dp):
+                        n = sum(e - s for _, s, e in spans)
+                        held.optimizer_elements += n
+                        if offload:
+                            segments.append((index, [Span(i, s, e) for i, (_, s, e) in enumerate(spans)]))
+                        else:
+                            held.optimizer_device += n * (master + 8) + len(spans) * step_bytes
+                else:
+                    n = sum(p.numel for p, _, _ in buf.params)
+                    held.optimizer_elements += n
+                    held.optimizer_device += n * (master + 8) + len(buf.params) * step_bytes
+            if offload and segments:
+                held.chunks += [(c.nbytes, c.state_numel, c.capacity) for c in plan_chunks(segments, capacity).chunks]
+        return held
+
+    return [on_rank(r) for r in dp_ranks]
 
 
 def expert_process_groups(cfg) -> bool:
@@ -596,20 +619,22 @@ def _peak_activations(arch, cfg, pp_rank, spec, attention, per_microbatch: int, 
 
 
 def plan_memory(cfg, spec: str | None = None, caps=None) -> MemoryPlan:
-    """The plan for ``cfg`` (a RunConfig): every pipeline stage, data-parallel rank 0. ``spec``: "local" or
-    "te" (default: what the run builds on the machine ``caps`` describes, default this one)."""
+    """The plan for ``cfg`` (a RunConfig): every pipeline stage, on its data-parallel rank that holds the most on
+    the device. ``spec``: "local" or "te" (default: what the run builds on the machine ``caps`` describes, default
+    this one)."""
     arch = cfg.arch
     spec = spec or _spec(cfg, caps)
-    stages = [stage_memory(arch, cfg, p, spec) for p in range(cfg.pp)]
+    per_rank = [stage_memories(arch, cfg, p, spec) for p in range(cfg.pp)]
     capacity, source = _capacity(cfg)
     margin = int(cfg.offload_margin_gb * GiB)
     policy = cfg.optimizer_offload_policy
     share = cfg.optimizer_offload_fraction if policy == "static" else 0.0
     if policy == "auto":
-        share = max(auto_share(st, capacity, margin) for st in stages)
+        share = max(auto_share(st, capacity, margin) for ranks in per_rank for st in ranks)
     if policy != "off" or cfg.offload_numerics == "exact":
-        for st in stages:
+        for st in (st for ranks in per_rank for st in ranks):
             _place_chunks(st, share if policy != "off" else 0.0, cfg.precision.itemsize)
+    stages = [max(ranks, key=lambda st: (st.device, st.optimizer_host)) for ranks in per_rank]
     return MemoryPlan(spec, stages, capacity, source, policy, share, margin, _attention(cfg, spec))
 
 
