@@ -11,6 +11,7 @@ with their sidecar deleted.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -76,8 +77,6 @@ def test_export_from_saved_megatron_lm_arguments(ckpts, tmp_path, capsys):
         # --use-rope-scaling records only the factor: megatron-core's other llama3 values are what it trained with.
         assert got.rope_scaling == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        import dataclasses
-
         assert dataclasses.replace(got, rope_scaling=original.rope_scaling) == original
 
 
@@ -163,6 +162,47 @@ def test_rope_variants_the_saved_arguments_record_are_not_dropped_from_a_rebuilt
             assert families()[family].parse_config(config).rotary_percent == percent, (family, percent)
     llama = hf_config_from_megatron_args({**base, "rotary_percent": 0.5}, families()["llama3_1"])[0]
     assert parse_arch(llama).rotary_percent == 1.0  # which the comparison then refuses
+
+
+def test_saved_arguments_that_change_every_logit_without_a_tensor_are_held_to_both_sources(ckpts):
+    """--apply-layernorm-1p (norm weights stored as gamma - 1), --qk-l2-norm, position_embedding_type none and
+    --window-size change every logit while every tensor name and shape still fits: exported from `--family` or
+    `--hf-config`, a plain Llama came out, exit 0, without a word (the pdoc audit). Each is refused from either
+    source; a window the family builds (Mistral's, every layer) is rebuilt from the arguments."""
+    from megatron_patch.models.description.megatron_args import hf_config_from_megatron_args
+    from megatron_patch.models.description.registry import families
+    from megatron_patch.models.description.tiny import tiny_config
+
+    llama = families()["llama3_1"]
+    arch = parse_arch(tiny_config("llama3_1"))
+    base = vars(fc.megatron_lm_args(arch, 1, 1, 256, "torch_dist"))
+    found = find_checkpoint(ckpts["megatron_lm"])
+    for extra, named in (({"apply_layernorm_1p": True}, "norm weights stored as gamma - 1 (apply_layernorm_1p)"),
+                         ({"qk_l2_norm": True}, "L2-normalised queries and keys (qk_l2_norm)"),
+                         ({"position_embedding_type": "none"}, "none position embeddings (position_embedding_type)"),
+                         ({"window_size": (16, 4)}, "an attention window of 16 keys back and 4 ahead (window_size)")):
+        with pytest.raises(UserError, match=r"the saved arguments describe a model with " + re.escape(named)):
+            hf_config_from_megatron_args({**base, **extra}, llama)
+        with pytest.raises(UserError, match=re.escape(f"{named} in the saved arguments, which no family here builds")):
+            check_architecture(parse_arch(_config(ckpts)), dataclasses.replace(found, args={**found.args, **extra}),
+                               "the model's HF config")
+    # Mistral's window on every layer: --family rebuilds it, a config without it is refused, one with it fits
+    config, _ = hf_config_from_megatron_args({**base, "window_size": (16, 0)}, llama)
+    assert (config["model_type"], config["sliding_window"]) == ("mistral", 17), config
+    windowed = dataclasses.replace(found, args={**found.args, "window_size": (16, 0)})
+    with pytest.raises(UserError, match=re.escape("sliding-window attention: config none, saved arguments 17 keys on "
+                                                  f"{arch.num_layers} of {arch.num_layers} layers")):
+        check_architecture(parse_arch(_config(ckpts)), windowed, "the model's HF config")
+    mistral = {k: v for k, v in _config(ckpts).items() if k not in ("rope_parameters", "rope_scaling")}
+    mistral.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=17,
+                   rope_theta=found.args["rotary_base"])
+    check_architecture(parse_arch(mistral), dataclasses.replace(windowed, args={**windowed.args,
+                                                                                "use_rope_scaling": False}),
+                       "the model's HF config")
+    # every second layer in full (--window-attn-skip-freq 2): no family here builds it from one config value
+    with pytest.raises(UserError, match=re.escape("saved arguments 17 keys on 2 of 4 layers")):
+        check_architecture(parse_arch(mistral), dataclasses.replace(windowed, args={
+            **windowed.args, "use_rope_scaling": False, "window_attn_skip_freq": 2}), "the model's HF config")
 
 
 @pytest.mark.parametrize("family,beyond", [

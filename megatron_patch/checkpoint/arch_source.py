@@ -34,9 +34,9 @@ from megatron_patch.checkpoint.outputs import carried_files
 from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar
 from megatron_patch.checkpoint_files.layout import TRAIN_STATE
 from megatron_patch.errors import UserError
-from megatron_patch.models.description.arch import Arch, read_config_json, validate_layout
+from megatron_patch.models.description.arch import SLIDING_ATTENTION, Arch, read_config_json, validate_layout
 from megatron_patch.models.description.megatron_args import (hf_config_from_megatron_args, rope_variants,
-                                                               saved_number)
+                                                              saved_attention_window, saved_number, unbuilt_math)
 from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -242,7 +242,17 @@ def _position_and_norm_disagreements(arch: Arch, args: dict | None) -> list[str]
     if not args:
         return []
 
-    wrong = [f"{variant} in the saved arguments, which no family here builds" for variant in rope_variants(args)]
+    wrong = [f"{variant} in the saved arguments, which no family here builds"
+             for variant in rope_variants(args) + unbuilt_math(args)]
+    window = saved_attention_window(args, arch.num_layers)
+    ours = tuple(kind == SLIDING_ATTENTION for kind in arch.layer_types)
+    if isinstance(window, str):
+        wrong.append(f"{window} in the saved arguments, which no family here builds")
+    elif window is not None and (window[0], window[1]) != (arch.sliding_window, ours):
+        # a Mistral run's --window-size was dropped: the export attended over every key (the pdoc audit)
+        config = (f"{arch.sliding_window} keys on {sum(ours)} of {len(ours)} layers" if any(ours) else "none")
+        wrong.append(f"sliding-window attention: config {config}, saved arguments {window[0]} keys on "
+                     f"{sum(window[1])} of {len(window[1])} layers (--window-size, --window-attn-skip-freq)")
     theta, eps, percent = (saved_number(args, key) for key in ("rotary_base", "norm_epsilon", "rotary_percent"))
     if theta is not None and theta != arch.rope_theta:
         wrong.append(f"RoPE base: config {arch.rope_theta:g}, saved arguments {theta:g}")

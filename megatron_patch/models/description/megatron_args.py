@@ -55,6 +55,51 @@ def rope_variants(args: dict) -> list[str]:
     return found
 
 
+def unbuilt_math(args: dict) -> list[str]:
+    """What the saved arguments record of the model's math, beside RoPE (``rope_variants``), that no family here
+    builds and no tensor shows, in words: each changes every logit while every name and shape still fits."""
+    found = []
+    if args.get("apply_layernorm_1p") is True:  # megatron-core's norms then hold gamma - 1 and add the 1 back
+        found.append("norm weights stored as gamma - 1 (apply_layernorm_1p)")
+    if args.get("qk_l2_norm") is True:
+        found.append("L2-normalised queries and keys (qk_l2_norm)")
+    kind = args.get("position_embedding_type")
+    if isinstance(kind, str) and kind != "rope":
+        found.append(f"{kind} position embeddings (position_embedding_type)")
+    return found
+
+
+def saved_attention_window(args: dict, layers: int) -> tuple[int, tuple[bool, ...]] | str | None:
+    """The sliding window the saved arguments record (--window-size, --window-attn-skip-freq), as transformers
+    says it: (keys a query sees, itself included; whether each layer attends within it). None: full attention
+    (no window, or flash-attention's infinite -1). A string: a window no family here builds, in words."""
+    window, skip = args.get("window_size"), args.get("window_attn_skip_freq")
+    if window is None:
+        return None
+
+    def whole(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    layers = layers if whole(layers) and 0 < layers <= 2**20 else 0  # untrusted: the saved num_layers too
+
+    if not (isinstance(window, (list, tuple)) and len(window) == 2 and all(map(whole, window))):
+        return f"an attention window_size of {window!r}"
+    back, ahead = window
+    if back < 0 and ahead <= 0:
+        return None
+    if back < 0 or ahead != 0:
+        return f"an attention window of {back} keys back and {ahead} ahead (window_size)"
+    if skip is None:
+        windowed = (True,) * layers
+    elif whole(skip) and skip > 0:  # megatron-core: every skip-th layer (1-based) attends in full
+        windowed = tuple((i + 1) % skip != 0 for i in range(layers))
+    elif isinstance(skip, (list, tuple)) and len(skip) == layers and all(v in (0, 1) for v in skip):
+        windowed = tuple(bool(v) for v in skip)
+    else:
+        return f"window_attn_skip_freq {skip!r} for {layers} layers"
+    return back + 1, windowed
+
+
 def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict, list[str]]:
     """(HF config.json dict for ``family``, notes on what the arguments could not say)."""
     # what Megatron-LM's arguments have no words for: the family's template would stand in for the checkpoint's own
@@ -69,9 +114,10 @@ def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict,
         problems.append(f"normalization {args['normalization']}")
     if not _get(args, "swiglu", True):
         problems.append("an MLP without SwiGLU")
-    if _get(args, "position_embedding_type", "rope") != "rope":
-        problems.append(f"{args['position_embedding_type']} position embeddings")
-    problems += rope_variants(args)
+    problems += unbuilt_math(args) + rope_variants(args)
+    window = saved_attention_window(args, args.get("num_layers"))
+    if isinstance(window, str):
+        problems.append(window)
     if problems:
         raise UserError(f"the saved arguments describe a model with {', '.join(problems)}, which {family.name} is not "
                         "as rebuilt from them: give --hf-config (the model's HF config.json), if a family here "
@@ -106,6 +152,10 @@ def hf_config_from_megatron_args(args: dict, family: ModelFamily) -> tuple[dict,
                                   **_MCORE_LLAMA3_ROPE}
     else:
         config.pop("rope_scaling", None)
+    if isinstance(window, tuple) and all(window[1]):  # where the family reads one window for every layer (Mistral's)
+        config["sliding_window"] = window[0]  # checked against the family's model as every saved number is
+        if config.get("model_type") == "llama":  # a Llama with a window is transformers' Mistral (llama3_1 builds both)
+            config.update(model_type="mistral", architectures=["MistralForCausalLM"])
     if "attention_bias" in config:  # Llama-style configs name the biases; Qwen2's are implied by the family
         config["attention_bias"] = config["mlp_bias"] = bool(args.get("add_bias_linear"))
     experts = args.get("num_experts")
