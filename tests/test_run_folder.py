@@ -1128,6 +1128,29 @@ def test_a_huge_or_endless_sidecar_is_refused_in_one_line(converted, tmp_path, d
     assert why.replace("holds", "it holds") in str(refused.value) or why in str(refused.value)
 
 
+@pytest.mark.parametrize("listed", ["config.json", "model.safetensors", "model.safetensors.index.json", "../secret",
+                                    "sub/tokenizer.json"])
+def test_a_sidecar_carrying_what_an_export_writes_itself_is_refused(converted, tmp_path, capsys, listed):
+    """mcore2hf copies the sidecar's carried files into the export after its own: a listed config.json or
+    model.safetensors planted beside the checkpoint replaced the converted ones, exit 0, the export's manifest
+    vouching for them (the sdoc audit). Only side files (tokenizer, chat template, generation config) are carried."""
+    import json
+
+    from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
+    from megatron_patch.cli import main
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(converted["mcore"], folder)
+    (folder / MANIFEST_NAME).unlink()  # another tool's checkpoint has none; a digest is no signature anyway
+    (folder / "config.json").write_text("{}")
+    sidecar = json.loads((folder / SIDECAR_NAME).read_text())
+    (folder / SIDECAR_NAME).write_text(json.dumps({**sidecar, "carried_files": [*sidecar["carried_files"], listed]}))
+    rc = main(["convert", "mcore2hf", "--load-dir", str(folder), "--save-dir", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"lists {listed!r} among its carried files, which is not a side file" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 # --- end to end: the launcher resumes a run folder that travelled ---------------------------------------------
 
 RESUME_ITERS, RESUME_SAVE, STOP_AT = 6, 2, 4

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import re
 import shutil
@@ -21,6 +22,13 @@ from megatron_patch.outputs.folders import atomic_dir, overlap
 # Files of an HF model folder that travel with the weights (tokenizer, chat template, generation), and the HF
 # tensors the MCore model does not hold, kept beside it (convert/carried.py).
 CARRIED_PATTERNS = (*HF_SIDE_FILES, "carried_tensors.safetensors")
+
+
+def is_carried_file(name: str) -> bool:
+    """Whether ``name`` is a side file a checkpoint carries: a plain name that ``CARRIED_PATTERNS`` matches (never
+    a weight file or config.json, which an export writes itself, nor a path)."""
+    return (name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and any(fnmatch.fnmatchcase(name, pattern) for pattern in CARRIED_PATTERNS))
 
 
 def carried_files(folder: str | Path) -> list[str]:

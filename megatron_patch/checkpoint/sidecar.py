@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_patch import __version__
+from megatron_patch.checkpoint.outputs import is_carried_file
 from megatron_patch.checkpoint_files.layout import PARTIAL_TAG, RELEASE, TRACKER_NAME, read_small_json, read_tracker
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name
 from megatron_patch.errors import UserError
@@ -171,6 +172,13 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
     why = _field_problem(sidecar)
     if why:
         raise UserError(f"{path} is malformed ({why}): the checkpoint's sidecar is damaged")
+    not_side = next((n for n in sidecar.carried_files if not is_carried_file(n)), None)
+    if not_side is not None:
+        # what mcore2hf copies into the export after its own files: a listed config.json or model.safetensors
+        # (planted beside the checkpoint) replaced the converted ones, vouched for by the manifest (the sdoc audit)
+        raise UserError(f"{path} lists {not_side!r} among its carried files, which is not a side file a checkpoint "
+                        "carries (tokenizer, chat template, generation config, remote code): the checkpoint's sidecar "
+                        "is damaged or edited")
     if sidecar.sidecar_version > SIDECAR_VERSION:
         raise UserError(f"{path} has sidecar version {sidecar.sidecar_version}; this megatron_patch reads up to "
                         f"{SIDECAR_VERSION}: upgrade megatron_patch")
