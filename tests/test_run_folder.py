@@ -1151,6 +1151,38 @@ def test_a_sidecar_carrying_what_an_export_writes_itself_is_refused(converted, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("linked", ["release/__0_0.distcp", "release/.metadata", "release/common.pt", "release",
+                                    "legacy"])
+def test_a_checkpoint_file_or_folder_linked_outside_it_is_refused(converted, tmp_path, capsys, linked):
+    """A .distcp (or .metadata, common.pt, a legacy rank file, the release folder) that is a symlink to a file
+    elsewhere was read as the checkpoint's own, exit 0 (the sdoc audit; an HF folder's linked weights were refused,
+    and so was a .metadata entry naming ../x.distcp). Refused in one line, as they are; a resume skips it."""
+    import os
+
+    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
+    from megatron_patch.checkpoint_files.layout import latest_complete_iteration
+    from megatron_patch.cli import main
+
+    folder, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    if linked == "legacy":
+        assert main(["convert", "hf2mcore", "--hf-dir", str(converted["hf"]), "--save-dir", str(folder), "--format",
+                     "legacy", "--quiet"]) == 0
+        linked = "release/mp_rank_00/model_optim_rng.pt"
+    else:
+        shutil.copytree(converted["mcore"], folder)
+    (folder / MANIFEST_NAME).unlink()  # another tool's checkpoint: no manifest to tell the bytes apart
+    shutil.move(folder / linked, elsewhere)
+    os.symlink(elsewhere, folder / linked)
+    rc = main(["convert", "mcore2hf", "--load-dir", str(folder), "--save-dir", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "leads outside" in err and str(elsewhere) in err and err.count("\n") == 1, err
+    if "mp_rank" not in linked:  # as a training run's iteration: skipped (for none older here, so refused naming it)
+        (folder / "release").rename(folder / "iter_0000002")
+        (folder / "latest_checkpointed_iteration.txt").write_text("2")
+        with pytest.raises(UserError, match="leads outside the folder"):
+            latest_complete_iteration(folder)
+
+
 # --- end to end: the launcher resumes a run folder that travelled ---------------------------------------------
 
 RESUME_ITERS, RESUME_SAVE, STOP_AT = 6, 2, 4

@@ -132,6 +132,9 @@ def checkpoint_problem(folder: Path) -> str | None:
     for rank_dir in sorted(p for p in folder.iterdir() if _RANK_DIR.fullmatch(p.name)):
         if (problem := file_problem(rank_dir / FILE_NAME)) is not None:
             return f"{rank_dir.name}/{problem}"
+        real = (rank_dir / FILE_NAME).resolve()
+        if folder.resolve() not in real.parents:  # a rank file (or its folder) linked elsewhere: not this one's
+            return f"{rank_dir.name}/{FILE_NAME} leads outside the folder (to {real}): refused"
     return None
 
 
@@ -202,6 +205,10 @@ def find_checkpoint(path: str | Path, iteration: int | None = None, verify: bool
     """Look at a checkpoint folder (its root, or one iteration or release folder); reads no weights. ``verify``: a
     run's newest iteration whose files differ from its manifest (sizes, small files) is skipped, as a resume does."""
     root, folder, label, notes = _locate(Path(path), iteration, verify)
+    given = Path(path).resolve()
+    if folder.resolve() != given and given not in folder.resolve().parents:  # release/ or iter_N linked elsewhere
+        raise UserError(f"{folder} leads outside {path} (to {folder.resolve()}): refused; point at that folder "
+                        "itself if it is the checkpoint meant")
     problem = checkpoint_problem(folder)
     if problem:
         damage = damage_against_manifest(folder)

@@ -156,6 +156,13 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
     config = folder / "metadata.json"
     if not os.path.lexists(config):
         return "metadata.json is missing"
+    # every file it reads stays inside it: a .distcp, .metadata or common.pt linked to a file elsewhere was read
+    # as the checkpoint's own (the sdoc audit; an HF folder's weights are refused alike)
+    # (what is no regular file is named as such by the checks below)
+    linked_out = next((name for name in ("metadata.json", ".metadata", "common.pt")
+                       if file_problem(folder / name) is None and _leads_outside(folder, name)), None)
+    if linked_out is not None:
+        return _outside_line(folder, linked_out)
     try:
         read_small_json(config, 2**16)
     except UserError as exc:
@@ -181,6 +188,8 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
         path = folder / name
         if (problem := file_problem(path)) is not None:
             return problem
+        if _leads_outside(folder, name):
+            return _outside_line(folder, name)
         size = path.stat().st_size
         if size < end:
             return f"{name} is truncated ({size} bytes; its records end at byte {end})"
@@ -215,6 +224,15 @@ def archives_problem(folder: str | Path) -> str | None:
         except (ZipFormatError, OSError, ValueError) as exc:
             return f"{name} is damaged (the archive at byte {start}: {exc})"
     return None
+
+
+def _leads_outside(folder: Path, name: str) -> bool:
+    real, home = (folder / name).resolve(), folder.resolve()
+    return home not in real.parents
+
+
+def _outside_line(folder: Path, name: str) -> str:
+    return f"{name} leads outside the folder (to {(folder / name).resolve()}): refused"
 
 
 def _common_state_problem(folder: Path, metadata) -> str | None:
@@ -264,7 +282,8 @@ def latest_complete_iteration(root: str | Path, problem: Callable[[Path], str | 
     skipped = False
     for iteration in found:
         folder = iteration_dir(root, iteration)
-        why = problem(folder)
+        # an iteration folder linked elsewhere is another folder's checkpoint (the sdoc audit)
+        why = _outside_line(root, folder.name) if _leads_outside(root, folder.name) else problem(folder)
         if why is None:
             if skipped:  # whatever reads it (an export, an evaluation, a resume) says which iteration it holds
                 notes.append(f"iteration {iteration} ({folder.name}) is read instead")
