@@ -198,6 +198,11 @@ def test_a_damaged_cache_file_is_built_again(built, capsys, damage):
     ("shuffle_index.npy", lambda a: a + len(a) + 5, "its shuffle index names samples beyond"),
     ("document_index.npy", lambda a: a + 10**6, "its document index names documents beyond"),
     ("sample_index.npy", lambda a: a[::-1].copy(), "its sample index does not run in order"),
+    # every entry within range, and one sample over and over (the sdoc audit: it trained on sample 0)
+    ("shuffle_index.npy", numpy.zeros_like, "its shuffle index is no order of its"),
+    ("shuffle_index.npy", lambda a: a[: len(a) // 2].copy(), "its shuffle index is no order of its"),
+    # one document in place of another: the spans still fit where both are as long
+    ("document_index.npy", lambda a: numpy.where(a == a[1], a[0], a), "its document index does not hold each of"),
 ])
 def test_a_well_formed_index_that_does_not_fit_the_data_is_built_again(built, capsys, affix, values, why):
     """Real .npy arrays of the right type, with the cache's manifest rewritten to match them: only their

@@ -19,7 +19,8 @@ deterministically, from the data and the seed; a sound cache is kept and read as
   the data silently);
 - after megatron-core has built or loaded the datasets, their indices must fit the data
   (``unfit_indices``): document ids within the corpus, sample boundaries in order, each sample spanning
-  exactly its sequence length of the documents as they are now, shuffle entries within the samples. An index
+  exactly its sequence length of the documents as they are now, each exposed document equally often in the
+  document index, the shuffle index an order of every sample once (megatron-core writes nothing else). An index
   that does not fit is removed and built again. The spans catch a corpus rewritten in place with other
   document lengths but the same file sizes (megatron-core keys its cache by the data's path, this project adds
   the sizes): documents reordered or re-cut read the old boundaries, silently.
@@ -172,6 +173,30 @@ def _outside(values, low: int, high: int) -> bool:
                for part in (values[i:i + step] for i in range(0, len(values), step)))
 
 
+def _each_once(values, size: int) -> bool:
+    """Whether ``values`` (within [0, size), read in pieces) holds each of them at most once."""
+    seen = numpy.zeros(size, dtype=bool)
+    values = numpy.asarray(values).reshape(-1)
+    step = 1 << 24
+    for i in range(0, len(values), step):
+        part = numpy.asarray(values[i:i + step]).astype(numpy.int64)
+        if seen[part].any() or len(numpy.unique(part)) != len(part):
+            return False
+        seen[part] = True
+    return True
+
+
+def _each_alike(document_index, exposed: numpy.ndarray, documents: int) -> bool:
+    """Whether ``document_index`` holds each ``exposed`` document equally often and no other (counted in pieces)."""
+    counts = numpy.zeros(documents, dtype=numpy.int64)
+    values = numpy.asarray(document_index).reshape(-1)
+    step = 1 << 24
+    for i in range(0, len(values), step):
+        counts += numpy.bincount(numpy.asarray(values[i:i + step]).astype(numpy.int64), minlength=documents)
+    held = counts[exposed]
+    return len(held) == 0 or (bool(numpy.all(held == held[0])) and int(held.sum()) == len(values))
+
+
 def _gpt_problem(ds) -> str | None:
     documents = len(ds.dataset.sequence_lengths)
     document_index, sample_index, shuffle_index = ds.document_index, ds.sample_index, ds.shuffle_index
@@ -188,6 +213,13 @@ def _gpt_problem(ds) -> str | None:
         return "its sample index points past the end of a document"
     if _outside(shuffle_index, 0, len(sample_index) - 1):
         return f"its shuffle index names samples beyond its {len(sample_index) - 1}"
+    # megatron-core writes only orders of every sample once, and of every exposed document once an epoch: an index
+    # of zeros (one sample over and over) fitted every range above and trained (the sdoc audit)
+    if len(shuffle_index) != len(sample_index) - 1 or not _each_once(shuffle_index, len(sample_index) - 1):
+        return f"its shuffle index is no order of its {len(sample_index) - 1} samples"
+    indices = getattr(ds, "indices", None)
+    if indices is not None and not _each_alike(document_index, numpy.asarray(indices), documents):
+        return "its document index does not hold each of its documents equally often (once an epoch)"
     # megatron-core keeps a partial last sample only in a validation split told to (this project never does)
     partial = getattr(getattr(ds, "index_split", None), "name", "") == "valid" and \
         not getattr(ds.config, "drop_last_partial_validation_sequence", True)
