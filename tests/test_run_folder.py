@@ -319,7 +319,13 @@ def test_a_blend_whose_index_names_a_missing_dataset_is_unfit():
     blend.dataset_index = numpy.array([0, 1, 1], dtype=numpy.int16)
     blend.dataset_sample_index = numpy.array([4, 2, 3])
     assert data_cache.unfit_indices([blend])[0][1] == "its sample index names samples beyond a dataset of the blend"
+    # in range, but not what megatron-core counts (each dataset's samples from 0, in blend order): one sample
+    # of each dataset over and over trained silently (the sdoc audit, for the shuffle index)
     blend.dataset_sample_index = numpy.array([4, 2, 1])
+    assert data_cache.unfit_indices([blend])[0][1] == "its sample index does not count each dataset's samples in order"
+    blend.dataset_index, blend.dataset_sample_index = numpy.array([0, 1, 1, 0], dtype=numpy.int16), numpy.zeros(4)
+    assert data_cache.unfit_indices([blend])[0][1] == "its sample index does not count each dataset's samples in order"
+    blend.dataset_sample_index = numpy.array([0, 0, 1, 1])
     assert data_cache.unfit_indices([blend]) == []
 
 

@@ -264,6 +264,11 @@ def _blended_problem(ds) -> str | None:
     if numpy.any(numpy.asarray(ds.dataset_sample_index) < 0) or \
             numpy.any(numpy.asarray(ds.dataset_sample_index) >= sizes[numpy.asarray(ds.dataset_index)]):
         return "its sample index names samples beyond a dataset of the blend"
+    # megatron-core counts each dataset's samples up from 0 in blend order (helpers.build_blending_indices)
+    which, samples = numpy.asarray(ds.dataset_index), numpy.asarray(ds.dataset_sample_index)
+    if any(not numpy.array_equal(samples[which == d], numpy.arange(int(numpy.sum(which == d))))
+           for d in range(len(ds.datasets))):
+        return "its sample index does not count each dataset's samples in order"
     return None
 
 
