@@ -194,6 +194,25 @@ def test_a_damaged_cache_file_is_built_again(built, capsys, damage):
         assert not outside.samefile(path)
 
 
+def test_a_cache_rebuilt_in_a_hard_linked_copy_writes_nothing_outside_it(built, tmp_path):
+    """A run folder copied with `cp -al` shares its cache files' inodes with the original: megatron-core writes its
+    files in place, so a rebuild in the copy rewrote the original's description and indices (the sdoc audit). Each
+    cache file gets an inode of its own first; what was sound is kept."""
+    cfg, want, folder = built
+    original = tmp_path / "original"
+    original.mkdir()
+    for path in folder.iterdir():  # the copy's files are hard links to the original's
+        os.link(path, original / path.name)
+    described = _cache_file(folder, "description.txt")
+    (original / described.name).write_text("the original run's own")  # through the link: the copy's as well
+    kept = {p.name: p.read_bytes() for p in original.iterdir()}
+    _cache_file(folder, "shuffle_index.npy").unlink()  # built again: megatron-core rewrites its description too
+    assert _same(_indices(_build(cfg)), want)
+    assert {p.name: p.read_bytes() for p in original.iterdir()} == kept
+    assert all(os.stat(p).st_nlink == 1 for p in folder.iterdir()), [p.name for p in folder.iterdir()]
+    assert not list(folder.glob(f"*{data_cache.OWN_COPY}"))
+
+
 @pytest.mark.parametrize("affix, values, why", [
     ("shuffle_index.npy", lambda a: a + len(a) + 5, "its shuffle index names samples beyond"),
     ("document_index.npy", lambda a: a + 10**6, "its document index names documents beyond"),

@@ -32,6 +32,7 @@ above hold without it.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -132,6 +133,25 @@ def keep_sound_files(folder: Path, log=print) -> None:
                 why = f"not what {MANIFEST_NAME} records (changed or damaged since it was built)"
         if why is not None:
             _remove(path, why, log)
+    _own_inodes(folder)
+
+
+def _own_inodes(folder: Path) -> None:
+    """Each file left in the cache on an inode of its own: megatron-core writes its files in place (numpy.save, its
+    descriptions' open "wt"), so one hard-linked to a file elsewhere (a run copied with `cp -al`) was rewritten
+    there too when it built again (the sdoc audit). A copy renamed over the link keeps the contents."""
+    for path in sorted(folder.iterdir()):
+        if path.name.endswith(OWN_COPY):  # one a killed run left
+            path.unlink()
+            continue
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            own = path.with_name(f".{path.name}{OWN_COPY}")
+            shutil.copyfile(path, own)
+            os.replace(own, path)
+
+
+OWN_COPY = ".mpatch-own"
 
 
 def _listed(manifest: Path, log) -> dict:
