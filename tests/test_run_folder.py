@@ -1110,6 +1110,28 @@ def test_a_huge_or_endless_small_file_skips_its_iteration_in_one_line(tmp_path, 
     assert notes[0].startswith(f"{newest} is incomplete or damaged: {name} ") and why in notes[0], notes
 
 
+@pytest.mark.parametrize("config, why", [
+    ({"sharded_backend": "zarr"}, "names the sharded backend 'zarr' version 1: only torch_dist version 1 is read"),
+    ({"sharded_backend": "torch_dist", "sharded_backend_version": 99}, "names the sharded backend 'torch_dist' "
+                                                                        "version 99"),
+    ({"sharded_backend": "torch_dist", "singleton_local_shards": True}, "holds 'singleton_local_shards', which "
+                                                                         "megatron-core's checkpoint config has not")])
+def test_a_metadata_json_megatron_core_cannot_load_skips_its_iteration(tmp_path, config, why):
+    """megatron-core's load stopped on another backend (CheckpointingException) or an extra key (0.16: TypeError):
+    an internal error in eval and at resume, where mcore2hf and inspect read past the file (the sdoc audit)."""
+    import json
+
+    from megatron_patch.training.run_state import latest_iteration
+
+    root = tmp_path / "checkpoint"
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+    (newest / "metadata.json").write_text(json.dumps(config))
+    latest, notes = latest_iteration(root)
+    assert latest == 2 and notes[0].startswith(f"{newest} is incomplete or damaged: metadata.json ") and \
+        why in notes[0], notes
+
+
 @pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
 def test_a_huge_or_endless_tracker_is_skipped_for_the_newest_complete_iteration(tmp_path, damage):
     from megatron_patch.checkpoint_files.layout import TRACKER_NAME

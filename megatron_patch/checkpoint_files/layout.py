@@ -164,9 +164,11 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
     if linked_out is not None:
         return _outside_line(folder, linked_out)
     try:
-        read_small_json(config, 2**16)
+        said = read_small_json(config, 2**16)
     except UserError as exc:
         return str(exc).replace(str(config), config.name, 1)
+    if (why := _backend_problem(said)) is not None:
+        return why
 
     if os.path.lexists(folder / ".metadata") and (problem := file_problem(folder / ".metadata")) is not None:
         return problem  # a FIFO, a device, a dangling link: named as such, never read
@@ -223,6 +225,25 @@ def archives_problem(folder: str | Path) -> str | None:
                 check_crc(where, offset, size, crc, f"a record at byte {offset}")
         except (ZipFormatError, OSError, ValueError) as exc:
             return f"{name} is damaged (the archive at byte {start}: {exc})"
+    return None
+
+
+# megatron-core's CheckpointingConfig, as metadata.json holds it: 0.16 takes exactly these keys (another is a
+# TypeError inside its load), and loads only the torch_dist backend, version 1 (another: a CheckpointingException)
+CHECKPOINTING_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                        "common_backend_version": 1}
+
+
+def _backend_problem(said) -> str | None:
+    """What of metadata.json megatron-core's load would stop on, past what this project reads (an internal error in
+    eval and at resume until the sdoc audit)."""
+    other = sorted(set(said) - set(CHECKPOINTING_CONFIG))
+    if other:
+        return f"metadata.json holds {other[0]!r}, which megatron-core's checkpoint config has not"
+    backend, version = said.get("sharded_backend"), said.get("sharded_backend_version", 1)
+    if backend != "torch_dist" or version != 1:
+        return (f"metadata.json names the sharded backend {backend!r} version {version!r}: only torch_dist version 1 "
+                "is read (megatron-core's torch_dist checkpoints)")
     return None
 
 
