@@ -17,6 +17,7 @@ import torch
 
 from megatron_patch.align.parity import random_tokens
 from megatron_patch.convert.checkpoint import hf_to_mcore
+from megatron_patch.demo_data import make_texts, make_tokenizer
 from megatron_patch.lora.peft_io import peft_tensors, read_peft_adapter, write_peft_adapter
 from megatron_patch.lora.plan import count_params, plan_sites
 from megatron_patch.lora.spec import LoraSpec
@@ -968,6 +969,33 @@ def test_lora_sft_run_exports_an_adapter_peft_loads(corpus, lora_bases, tmp_path
                     "--merge-lora", "--base-dir", str(moved), "--quiet") == 0
     finally:
         shutil.copytree(moved, base)
+
+
+@pytest.mark.slow
+def test_a_lora_run_with_modules_to_save_is_evaluated_in_place_as_its_merged_export(corpus, lora_models, lora_bases,
+                                                                                   tmp_path):
+    """A LoRA run started from a peft adapter with modules_to_save (lm_head, the final norm) keeps those weights
+    beside its adapters, not in its base: `mpatch eval` of its final/ was refused, "start from its peft export"
+    (the ldoc audit; docs/evaluation.md takes a LoRA run). It now evaluates as its merged export does."""
+    out = tmp_path / "run"
+    family, args = _lora_args(corpus, out, lora_bases["bases"]["llama3_1"], TRAIN_TOKENS_OR_ITERS=str(2 * 8 * 64),
+                              WARMUP_TOKENS_OR_ITERS="0")
+    _run(family, args, {"MP_LORA_INIT": str(lora_models["variants"]["saved"])})
+    assert _cli("convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(tmp_path / "merged"),
+                "--merge-lora", "--quiet") == 0
+    make_tokenizer(tmp_path / "merged", make_texts(200, seed=0))
+    hf_to_mcore(tmp_path / "merged", tmp_path / "merged_mcore", ParallelLayout(), progress=False)
+
+    def perplexity(load_dir, name, *extra) -> float:
+        assert _cli("eval", "--load-dir", str(load_dir), "--tasks", "mpatch_perplexity", "--limit", "2", "--quiet",
+                    "--output-dir", str(tmp_path / name), *extra) == 0
+        return json.loads((tmp_path / name / "results.json").read_text())["results"]["mpatch_perplexity"]
+
+    tokenizer = ("--tokenizer", str(tmp_path / "merged"))
+    in_place, merged = perplexity(out / "final", "in_place", *tokenizer), perplexity(tmp_path / "merged_mcore", "m")
+    assert in_place.keys() == merged.keys() and all(
+        abs(in_place[k] - merged[k]) <= 1e-5 * abs(merged[k]) for k in in_place if isinstance(merged[k], float)), \
+        (in_place, merged)
 
 
 def _same_tensors(a: dict, b: dict) -> bool:

@@ -20,7 +20,6 @@ from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.byte_io import write_all
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_for, verify_manifest
-from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.convert.checkpoint import mcore_to_hf
 from megatron_patch.convert.copier import cast
 from megatron_patch.convert.stacked import StackedView
@@ -28,13 +27,10 @@ from megatron_patch.dtypes import dtype_name, precision_dtype
 from megatron_patch.errors import UserError
 from megatron_patch.lora.peft_io import read_peft_adapter, write_peft_adapter
 from megatron_patch.lora.plan import plan_sites
-from megatron_patch.lora.saved import saved_rules
+from megatron_patch.lora.saved import stored_hf_tensors, stored_saved_tensors
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.lora.state import check_adapter_keys, find_base, read_adapter_tensors
 from megatron_patch.models.description.registry import get_family, parse_arch
-from megatron_patch.models.mapping import plan_transfers
-from megatron_patch.models.shape.skeleton import describe_model
-from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -121,31 +117,7 @@ def _adapters(opened, verify: bool = True):
     sites = plan_sites(arch, spec)
     tensors = read_adapter_tensors(opened.found.folder)
     check_adapter_keys(sites, tensors, str(opened.found.folder))
-    return arch, spec, sites, tensors, _saved_tensors(opened, arch, spec)
-
-
-def _saved_tensors(opened, arch, spec: LoraSpec) -> dict:
-    """The modules_to_save weights a LoRA checkpoint stores (under megatron-core's keys), as HF tensors."""
-    if not spec.modules_to_save:
-        return {}
-    rules = list({id(r): r for r in saved_rules(arch, spec.modules_to_save).values()}.values())
-    return {name: t for tensors in _stored_hf_tensors(opened.found.folder, arch, rules) for name, t in tensors.items()}
-
-
-def _stored_hf_tensors(folder: Path, arch, rules: list):
-    """For each transfer of ``rules``, its HF tensors read whole from the torch_dist checkpoint at ``folder``, in
-    the dtype they are stored in (one transfer's tensors in memory at a time)."""
-    import torch
-
-    skeleton = describe_model(arch)
-    reader = TorchDistReader(folder)
-    for t in plan_transfers(rules, arch, ParallelLayout()):
-        name = t.placements[0].mcore_name
-        chunks = [c for c in skeleton.chunks if c.name == name]
-        full = torch.empty(skeleton.shapes[name], dtype=getattr(torch, reader.dtype(chunks[0].key)))
-        for c in chunks:
-            full[c.region()] = reader.read_block(c.key, c.global_offset, c.local_shape).reshape(full[c.region()].shape)
-        yield dict(zip(t.hf_names, t.split.merge([full], t.context)))
+    return arch, spec, sites, tensors, stored_saved_tensors(opened.found.folder, arch, spec)
 
 
 def export_adapter(load_dir: str | Path, save_dir: str | Path, *, dtype=None, force: bool = False,
@@ -248,7 +220,7 @@ def _merge_in_place(folder: Path, arch, sites, spec: LoraSpec, tensors: dict, sa
 
     count = len(pending)
     if base_folder is not None:
-        for weights in _stored_hf_tensors(base_folder, arch, list({id(s.rule): s.rule for s in sites}.values())):
+        for weights in stored_hf_tensors(base_folder, arch, list({id(s.rule): s.rule for s in sites}.values())):
             for hf_name, weight in weights.items():
                 if hf_name in pending:
                     merge(hf_name, weight)

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import re
 
+from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
 from megatron_patch.lora.plan import loaded_name
 from megatron_patch.models.description.arch import Arch
 from megatron_patch.models.description.registry import get_family
 from megatron_patch.models.mapping import Rule, Scope, plan_transfers
 from megatron_patch.models.mapping.naming import te_to_local_name
+from megatron_patch.models.shape.skeleton import describe_model
+from megatron_patch.runtime.distributed import ParallelLayout
 
 # torch (1.1 s to import on 2 cores) and megatron-core (3.4 s with torch) are imported inside the functions
 # that use them: a conversion runs without either (tests/test_convert_bytes.py checks that it imports neither).
@@ -109,3 +112,28 @@ def load_saved(chunks: list, arch: Arch, layout, saved: dict) -> None:
 
 def _modules_of(saved: dict) -> set[str]:
     return {n.rpartition(".")[0] for n in saved}
+
+
+def stored_saved_tensors(folder, arch: Arch, spec) -> dict:
+    """The modules_to_save weights a LoRA checkpoint at ``folder`` stores (under megatron-core's keys), as HF
+    tensors, whole: what a peft adapter's modules_to_save holds (``load_saved`` takes either)."""
+    if not spec.modules_to_save:
+        return {}
+    rules = list({id(r): r for r in saved_rules(arch, spec.modules_to_save).values()}.values())
+    return {name: t for tensors in stored_hf_tensors(folder, arch, rules) for name, t in tensors.items()}
+
+
+def stored_hf_tensors(folder, arch: Arch, rules: list):
+    """For each transfer of ``rules``, its HF tensors read whole from the torch_dist checkpoint at ``folder``, in
+    the dtype they are stored in (one transfer's tensors in memory at a time)."""
+    import torch
+
+    skeleton = describe_model(arch)
+    reader = TorchDistReader(folder)
+    for t in plan_transfers(rules, arch, ParallelLayout()):
+        name = t.placements[0].mcore_name
+        chunks = [c for c in skeleton.chunks if c.name == name]
+        full = torch.empty(skeleton.shapes[name], dtype=getattr(torch, reader.dtype(chunks[0].key)))
+        for c in chunks:
+            full[c.region()] = reader.read_block(c.key, c.global_offset, c.local_shape).reshape(full[c.region()].shape)
+        yield dict(zip(t.hf_names, t.split.merge([full], t.context)))

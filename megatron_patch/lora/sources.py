@@ -13,7 +13,7 @@ from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.errors import UserError
 from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.plan import plan_sites
-from megatron_patch.lora.saved import load_saved
+from megatron_patch.lora.saved import load_saved, stored_saved_tensors
 from megatron_patch.lora.spec import ADAPTER_CONFIG, LoraSpec
 from megatron_patch.lora.state import check_adapter_keys, find_base, load_adapters, read_adapter_tensors
 
@@ -50,10 +50,10 @@ def open_adapters(path: str | Path, arch, verify: bool = True) -> Adapters:
     tensors = read_adapter_tensors(opened.found.folder)
     check_adapter_keys(plan_sites(arch, spec), tensors, str(opened.found.folder))
     base = find_base(lora["base"], None, str(path), "its base") if lora.get("base") else None
-    if spec.modules_to_save and base is not None:  # saved weights beside the adapters, not in a base loaded here
-        raise UserError(f"{path} carries modules_to_save weights beside its adapters: start from its peft export "
-                        "(mpatch convert mcore2hf --lora-adapter) instead")
-    return Adapters(spec, tensors, {}, base, f"the adapters of {path}")
+    # a LoRA run's modules_to_save weights are beside its adapters, not in the base loaded first: laid over it as a
+    # peft adapter's are (they were refused, and `mpatch eval` of such a run with them; the ldoc audit)
+    saved = stored_saved_tensors(opened.found.folder, arch, spec) if base is not None else {}
+    return Adapters(spec, tensors, saved, base, f"the adapters of {path}")
 
 
 def add_adapters(chunks: list, arch, adapters: Adapters, layout, dtype) -> list:
