@@ -368,6 +368,21 @@ def test_an_adapter_its_config_contradicts_is_refused(lora_models, tmp_path, cap
                    str(tmp_path / "out"), "--peft-dir", str(adapter))[0] == 0
 
 
+def test_modules_to_save_match_as_peft_matches_them():
+    """peft keeps a module when its name ends with a listed one (``key.endswith(name)``): "norm" is every *norm
+    module, input_layernorm too. Matching only at a dot, the import refused such a peft adapter as made for another
+    model (the ldoc audit)."""
+    from megatron_patch.lora.saved import saved_rules
+    from megatron_patch.models.description.tiny import tiny_config
+
+    arch = parse_arch(tiny_config("llama3_1"))
+    names = set(saved_rules(arch, ("lm_head", "norm")))
+    layers = range(arch.num_layers)
+    assert names == {"lm_head.weight", "model.norm.weight"} | {
+        f"model.layers.{i}.{kind}.weight" for i in layers for kind in ("input_layernorm", "post_attention_layernorm")}
+    assert set(saved_rules(arch, ("model.norm",))) == {"model.norm.weight"}  # a longer name, fewer modules
+
+
 @pytest.mark.parametrize("module", ["embed_tokens", "lm_head"])
 def test_either_end_of_a_tied_embedding_in_modules_to_save_is_refused(lora_models, tmp_path, capsys, module):
     """peft trains a copy of the module named and keeps the other end of the tied pair as it was. embed_tokens was

@@ -26,8 +26,10 @@ from megatron_patch.runtime.distributed import ParallelLayout
 
 
 def _named(hf_name: str, modules: tuple[str, ...]) -> bool:
+    """Whether the module holding ``hf_name`` is one of ``modules`` as peft matches them: by a plain suffix of its
+    name ("norm" is every *norm module: input_layernorm too), which a match at a dot missed (the ldoc audit)."""
     module = hf_name.rpartition(".")[0]
-    return any(re.match(rf"(^|.*\.){m}$", module) for m in modules)
+    return any(module.endswith(m) for m in modules)
 
 
 def saved_rules(arch: Arch, modules: tuple[str, ...]) -> dict[str, Rule]:
