@@ -633,6 +633,27 @@ def test_config_differences_name_the_changed_keys(aligned):
     assert keys == {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 
 
+@pytest.mark.slow
+def test_a_checkpoint_whose_config_says_another_model_is_not_aligned(tmp_path, capsys):
+    """A gpt-oss checkpoint whose sidecar says sliding_window 4096 for the HF model's 128 agrees on align's 128
+    tokens: it was certified ALIGNED, exit 0, the difference only a table at the end of report.md (the adoc audit;
+    at 256 tokens it fails at layers.0.attention). The verdict is NOT ALIGNED, naming the key."""
+    from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
+
+    hf = make_tiny_hf_checkpoint("gpt_oss", tmp_path / "hf", seed=1, sliding_window=128)
+    hf_to_mcore(hf, tmp_path / "ckpt", ParallelLayout(), progress=False)
+    sidecar = tmp_path / "ckpt" / SIDECAR_NAME
+    saved = json.loads(sidecar.read_text())
+    saved["hf_config"]["sliding_window"] = 4096
+    sidecar.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(["align", "--hf-dir", str(hf), "--mcore-dir", str(tmp_path / "ckpt"), "--no-verify", "--dtype",
+                 "fp32", "--quiet", "--report-dir", str(tmp_path / "out")]) == 1
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert not report["verdict"]["aligned"] and "(sliding_window: 128 -> 4096)" in report["verdict"]["summary"]
+    assert report["verdict"]["runs"]["fp32"]["aligned"]  # what the numbers alone said
+
+
 def _with_weight(hf, out, name, value):
     """A copy of the HF folder ``hf`` whose tensor ``name`` holds ``value`` at one element."""
     from safetensors.torch import load_file, save_file

@@ -315,6 +315,8 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
     if unreached and verdict["aligned"]:
         verdict["summary"] += f" [{unreached}]"
     verdict["coverage"] = unreached
+    differences = config_differences(ref_arch.hf_config, test_arch.hf_config)
+    _fail_on_config_differences(verdict, differences, s)
     shown = verdict["dtype"]  # the run whose numbers the report's tables hold (combined_verdict)
     result = {
         "verdict": verdict,
@@ -332,7 +334,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
                                 f"MCore {shown} at {s.layout} from "
                                 + (f"checkpoint {s.mcore_dir} ({sidecar.checkpoint_format})" if s.mcore_dir
                                    else f"{s.hf_dir} (in-memory mapping)") + peft)},
-        "config_differences": config_differences(ref_arch.hf_config, test_arch.hf_config),
+        "config_differences": differences,
         "ablations": _ablation_rows(s, ref, floor, test, variants, ref_arch.num_layers, test_arch) if s.ablate else [],
         # fp8: the points where MCore's float8 model equals torchao's on the HF model bit for bit
         "fp8_identical_points": [n for n in captured_point_names(test, ref_arch.num_layers) if n in test and n in floor
@@ -361,6 +363,23 @@ def input_coverage(ref: dict, arch) -> str | None:
         return None
     return (f"the forced routing reaches {slots} of the {arch.num_experts} experts of each MoE layer (batch x seq-len "
             "x top-k): a fault in the rest is not seen here; a larger --batch or --seq-len reaches them all")
+
+
+# config.json keys that name tokens, not anything the forward pass computes: a difference there is reported only
+TOKEN_ID_KEYS = {"bos_token_id", "eos_token_id", "pad_token_id"}
+
+
+def _fail_on_config_differences(verdict: dict, differences: list[dict], s: AlignSettings) -> None:
+    """A tested model whose config says another model than --hf-dir's is not aligned, whatever these inputs showed:
+    a gpt-oss checkpoint whose sidecar says sliding_window 4096 for 128 agreed on 128 tokens, and was certified
+    (the adoc audit; at 256 tokens it failed at layers.0.attention)."""
+    telling = [d for d in differences if d["key"].split(".")[-1] not in TOKEN_ID_KEYS]
+    if not telling or not verdict["aligned"]:
+        return
+    shown = "; ".join(f"{d['key']}: {d['reference']} -> {d['tested']}" for d in telling[:3])
+    verdict.update(aligned=False, decided_by="config", summary=(
+        f"NOT aligned: the {s.test_side} model's config describes another model than --hf-dir's ({shown}"
+        f"{'; ...' if len(telling) > 3 else ''}), which these inputs did not reach: its every compared output agreed"))
 
 
 def combined_verdict(verdicts: dict, s: AlignSettings) -> dict:
