@@ -276,6 +276,12 @@ def test_weights_of_two_dtypes_are_exported_in_one_saying_so(ckpts, tmp_path, ca
     assert rc == 0, err
     exact = fc.hf_tensors(tmp_path / "exact")
     assert torch.equal(exact["model.norm.weight"], state["decoder.final_layernorm.weight"])
+    # a weight stored as integers is refused, and not first announced as read and exported as a float (the pdoc
+    # audit: the two lines contradicted each other)
+    _rewritten(folder, lambda state: {k: v.to(torch.int64) if k == "decoder.final_layernorm.weight" else v
+                                      for k, v in state.items()})
+    rc, err = _export(capsys, folder.parent, tmp_path / "ints", "--hf-config", str(ckpts["hf"]))
+    assert rc == 2 and "is stored as int64, not a floating-point dtype" in err and err.count("int64") == 1, err
 
 
 def test_an_moe_checkpoint_of_megatron_cores_local_spec_reads_its_pre_mlp_norms(tmp_path, capsys):

@@ -227,8 +227,10 @@ def find_checkpoint(path: str | Path, iteration: int | None = None, verify: bool
                     and (p := file_problem(d / SIDECAR_NAME)) is not None), None)
         if odd is not None:
             raise UserError(f"{odd}: the checkpoint's sidecar must be a file")
-    if sidecar_dir is None and found["other_dtypes"]:
-        notes.append(_mixed_dtypes_note(folder, found["dtype"], found["other_dtypes"]))
+    # a tensor stored as integers is refused when read (convert's _check_floating), not announced as exported
+    cast = {k: v for k, v in found["other_dtypes"].items() if v.startswith(("float", "bfloat"))}
+    if sidecar_dir is None and cast:
+        notes.append(_mixed_dtypes_note(folder, found["dtype"], cast))
     return FoundCheckpoint(root=root, folder=folder, fmt=fmt, iteration=label, iterations=iterations,
                            sidecar_dir=sidecar_dir, notes=notes, **found)
 
