@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_patch.checkpoint.arch_source import open_checkpoint
+from megatron_patch.checkpoint.foreign import find_checkpoint
 from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
 from megatron_patch.convert.checkpoint import dequantize_hf
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES
@@ -247,6 +248,21 @@ def _judged_in_its_dtype(todo: Plan) -> list[str]:
     return [] if stored == PRECISION_DTYPE_NAMES[todo.pr] else ["--only-dtype"]
 
 
+def _check_describes_itself(script: PaiScript, source: str) -> None:
+    """mg2hf of a checkpoint that does not say what model it holds needs the HF folder it came from: asked for by
+    its position, not by mcore2hf's --family and --hf-config, which this line has no place for (the pdoc audit)."""
+    found = find_checkpoint(source)
+    if found.sidecar_dir is not None:
+        return
+    beside = f" ({found.hf_config_beside} lies beside the weights)" if found.hf_config_beside else ""
+    at = next((i for i, name in enumerate(script.positions) if ROLES.get(name) == "hf"), None)
+    if at is None:
+        raise UserError(f"{source} does not say what model it holds, and {script.name} takes no HF folder: convert it "
+                        f"with 'mpatch convert mcore2hf --load-dir {source} --hf-config PATH'{beside}")
+    raise UserError(f"{source} does not say what model it holds: give the HF folder it came from as "
+                    f"{script.positions[at]} (position {at + 1}){beside}")
+
+
 def describe(script: PaiScript) -> str:
     """The script's positions and what each does here (its --help)."""
     least = len(script.positions) - script.optional
@@ -284,6 +300,8 @@ def run(args) -> int:
         print(describe(script))
         return 0
     todo = plan(script, list(args.arguments), dict(os.environ))
+    if todo.mg2hf and todo.hf is None:
+        _check_describes_itself(script, todo.source)
     if todo.ignored:
         print(f"{script.name}: ignored here: " + "; ".join(todo.ignored), file=sys.stderr, flush=True)
     code = 0
