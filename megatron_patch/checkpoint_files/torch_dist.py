@@ -418,7 +418,7 @@ WRAPPER_PREFIXES = ("model.", "module.")
 _MODEL_ROOTS = ("embedding.", "decoder.", "output_layer.", "mtp.")
 
 
-def _wrapper_prefix_dropped(tensors: dict) -> dict[str, str]:
+def wrapper_prefix_dropped(tensors: dict) -> dict[str, str]:
     """stored name -> the name read, where every model tensor carries a wrapper's prefix (NeMo's ``model.``,
     ``module.``) and none is named as megatron-core names it: the prefix is dropped."""
     if any(key.startswith(_MODEL_ROOTS) for key in tensors):
@@ -471,7 +471,7 @@ class TorchDistReader:
                             "the checkpoint is damaged")
         self.tensors, self.objects, self.storage = md.tensors, md.objects, md.storage
         # other tools' spellings of megatron-core's names, read as this project reads its own
-        self._read_as(_wrapper_prefix_dropped(self.tensors))
+        self._read_as(wrapper_prefix_dropped(self.tensors))
         self._read_as(_moe_norms_under_local_names(self.tensors))
         self.integrity: dict[tuple[str, int, int], tuple[int, str]] = {}   # (path, offset, length) -> (crc, what)
         self._chunks: dict[tuple[str, tuple], Stored] = {}
