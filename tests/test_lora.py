@@ -368,6 +368,18 @@ def test_an_adapter_its_config_contradicts_is_refused(lora_models, tmp_path, cap
                    str(tmp_path / "out"), "--peft-dir", str(adapter))[0] == 0
 
 
+def test_an_adapter_on_the_output_layer_is_refused_as_not_supported_yet(lora_models, tmp_path):
+    """peft's LoRA on lm_head, made on this very model, was refused as "made for another base model" (the ldoc
+    audit); docs/lora.md lists it as not supported yet, with modules_to_save the way on."""
+    from megatron_patch.errors import UserError
+
+    hf = lora_models["hf"]["llama3_1"]
+    adapter = make_peft_adapter(hf, tmp_path / "peft", modules=["q_proj", "lm_head"])
+    with pytest.raises(UserError, match=r"has an adapter on lm_head: LoRA on the output layer or the embedding is not "
+                                        r"supported yet \(docs/lora.md\); train it whole with modules_to_save"):
+        read_peft_adapter(adapter, parse_arch(hf))
+
+
 def test_modules_to_save_match_as_peft_matches_them():
     """peft keeps a module when its name ends with a listed one (``key.endswith(name)``): "norm" is every *norm
     module, input_layernorm too. Matching only at a dot, the import refused such a peft adapter as made for another

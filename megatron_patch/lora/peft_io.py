@@ -214,6 +214,9 @@ def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec:
                         if module == leaf or module.endswith("." + leaf)), None)
         if refused is not None:
             raise UserError(f"{where}: has an adapter on {module}: {refused}")
+        if module.rpartition(".")[2] in ("lm_head", "embed_tokens"):  # not another model's: not built here yet
+            raise UserError(f"{where}: has an adapter on {module}: LoRA on the output layer or the embedding is not "
+                            "supported yet (docs/lora.md); train it whole with modules_to_save instead")
         if module not in per_expert:
             raise UserError(f"{where}: has an adapter on {module}, which this {arch.family} model does not have as a "
                             f"LoRA target: the adapter was made for another base model (targets here: "
