@@ -930,3 +930,20 @@ def test_experts_split_otherwise_than_tp_at_ep1_train_only_where_megatron_core_g
     err = capsys.readouterr().err
     assert "at EP=1: megatron-core 0.16" in err and "reduces the experts' gradients over the wrong ranks" in err, err
     assert err.count("\n") == 1
+
+
+def test_mp_overlap_param_gather_false_turns_it_off_under_the_distributed_optimizer(data):
+    """Its values are true | false with DO's as the default; false was read only as "not insisting", and the
+    run overlapped the param gather all the same (the rdoc audit)."""
+    from megatron_patch.training.megatron_settings import megatron_settings
+
+    def gathered(env: dict, **over) -> tuple:
+        cfg = resolve("llama3_1", _args(data, DO="true", **over), env=env)
+        settings = megatron_settings(cfg)
+        return settings["ddp"]["overlap_param_gather"], settings["optimizer"]["overlap_param_gather"]
+
+    assert gathered({}) == (True, True)
+    assert gathered({"MP_OVERLAP_PARAM_GATHER": "false"}) == (False, False)
+    assert gathered({"MP_OVERLAP_PARAM_GATHER": "true"}) == (True, True)
+    with pytest.raises(UserError, match="param-gather overlap needs the distributed optimizer"):
+        resolve("llama3_1", _args(data, DO="false"), env={"MP_OVERLAP_PARAM_GATHER": "true"})

@@ -439,9 +439,9 @@ ENVIRONMENT = [
            "transformer-engine)", field="tp_comm_overlap",
            default=Default("true where TP > 1 with SP=true", lambda tp, sp: tp > 1 and sp),
            doc="`false`: SP without TP communication overlap (what machines without transformer-engine need)"),
-    Option("MP_OVERLAP_PARAM_GATHER", CORE, BOOL, "true: insist on param-gather overlap (refused without DO=true)",
-           default=Default("what DO says"),
-           doc="`true` insists on param-gather overlap, refused unless DO=true"),
+    Option("MP_OVERLAP_PARAM_GATHER", CORE, BOOL, "true: insist on param-gather overlap (refused without DO=true); "
+           "false: turn it off under DO=true", default=Default("what DO says"),
+           doc="`true` insists on param-gather overlap, refused unless DO=true; `false` turns it off under DO=true"),
     Option("MP_NPROC", CORE, integer(hi=MAX_LOCAL_PROCESSES), "ENV=cpu: number of local processes",
            default=Default("TP*PP*CP, or what the expert layout needs"),
            doc="ENV=cpu: number of local processes (DP = MP_NPROC / (TP\\*PP\\*CP))"),

@@ -157,7 +157,9 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         # pretraining's over all of them
         lr_decay_iters=train_iters - warmup_iters if sft else train_iters,
         virtual_pipeline=vp, virtual_pipeline_setting=vp_setting, overlap_grad_reduce=True,
-        overlap_param_gather=o["DO"], world_size=world, nproc_per_node=nproc, nnodes=nnodes,
+        # MP_OVERLAP_PARAM_GATHER=false turns it off under DO=true (it was read only when true: the rdoc audit)
+        overlap_param_gather=bool(o["MP_OVERLAP_PARAM_GATHER"]) if o.given("MP_OVERLAP_PARAM_GATHER") else o["DO"],
+        world_size=world, nproc_per_node=nproc, nnodes=nnodes,
         device=_device(o["ENV"]), hf_config=hf_config, vocab_padded_to=vocab_padded_to, mtp_layers=mtp_layers,
         notes=notes,
     )
