@@ -960,6 +960,11 @@ def test_a_run_saved_before_mp_sft_loss_resumes_with_the_token_weighting_it_trai
            "here)" in resumed.stdout
     weighting = re.compile(r"SFT data: \d+ samples, .* epochs; the loss is .*\(MP_SFT_LOSS=(\w+)")
     assert weighting.findall(resumed.stdout) == ["token"], resumed.stdout[-2000:]
+    # the dry run lists what the launch trains with, beside its note (it listed record: the rdoc audit)
+    dry = launch(args(3), {**env, "MP_DRY_RUN": "json"})
+    report = json.loads(dry.stdout)
+    assert report["options"]["MP_SFT_LOSS"]["value"] == report["resolved"]["sft_loss"] == "token", dry.stderr[-2000:]
+    assert "note: MP_SFT_LOSS=token: the loss weighting this run trained with" in dry.stderr, dry.stderr[-2000:]
     changed = launch(args(3), {**env, "MP_SFT_LOSS": "record"})
     assert changed.returncode == 0 and weighting.findall(changed.stdout) == ["record"], changed.stdout[-2000:]
     assert "note: MP_SFT_LOSS" not in changed.stdout

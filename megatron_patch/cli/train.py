@@ -298,7 +298,10 @@ def run(args) -> int:
         return _rank(name, argv)
     if dry:
         cfg = resolve(name, argv)
-        report = dry_run_report(cfg, argv)
+        kept = _kept_weighting(cfg)
+        # what the launch will train with, as the note below says (the list said record: the rdoc audit)
+        shown = cfg if kept is None else resolve(name, argv, env={**os.environ, "MP_SFT_LOSS": kept})
+        report = dry_run_report(shown, argv)
         if dry == "json":
             print(json.dumps(report, indent=2, default=str))
         else:
@@ -385,6 +388,18 @@ def _visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+def _kept_weighting(cfg) -> str | None:
+    """The SFT loss weighting a run in OUTPUT_BASEPATH trained with, where this launch does not say one and would
+    resume it (``_checked_start`` says so and keeps it); None otherwise, or where the folder is refused there."""
+    if "MP_SFT_LOSS" in os.environ:
+        return None
+    try:
+        latest, _ = latest_iteration(cfg.checkpoint_dir, verify=False if cfg.no_verify else "small")
+        return None if latest is None else kept_sft_loss(cfg, iteration_dir(cfg.checkpoint_dir, latest))
+    except UserError:
+        return None
 
 
 def _checked_start(cfg, *, out, would: bool) -> bool:
