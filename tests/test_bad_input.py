@@ -617,3 +617,15 @@ def test_top1_routing_megatron_core_cannot_weigh_is_one_line(family, over, refus
     else:
         with pytest.raises(UserError, match=re.escape(refused) + ", which megatron-core's router does not compute"):
             transformer_config(arch, ParallelLayout())
+
+
+def test_families_names_each_launcher_with_every_argument_count_it_takes(capsys):
+    """README: `mpatch families` prints the launchers; the text named none, and its one count per family
+    understated Gemma 4's (25 or 27) and Qwen3's (26 or 27) launchers (the rdoc audit)."""
+    from megatron_patch.cli import main
+
+    assert main(["families"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "run_mcore_gemma4.sh: 25 or 27 (ETP, EP after CP)" in rows["gemma4"], rows["gemma4"]
+    assert "run_mcore_qwen3.sh: 26 (EP after CP) or 27 (ETP, EP after CP)" in rows["qwen3"], rows["qwen3"]
+    assert "run_mcore_llama3_1.sh: 25" in rows["llama3_1"], rows["llama3_1"]

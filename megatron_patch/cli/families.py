@@ -79,8 +79,13 @@ def run(args) -> int:
         def sizes(r: dict) -> str:  # "30B-A3B/A3B": a preset and Pai's name for it
             return " ".join(s + "".join(f"/{a}" for a, p in r["size_aliases"].items() if p == s) for s in r["sizes"])
 
-        rows = [{**r, "model_types": ",".join(r["model_types"]), "sizes": sizes(r)} for r in family_rows()]
-        print_table(rows, ["family", "model_types", "arguments", "sizes", "summary"])
+        def launcher(r: dict) -> str:  # its script and every argument count it takes (gemma4: 25 or 27)
+            found = get_launcher(r["family"])
+            return f"{found.script.rpartition('/')[2]}: {found.counts()}"
+
+        rows = [{**r, "model_types": ",".join(r["model_types"]), "sizes": sizes(r), "launcher": launcher(r)}
+                for r in family_rows()]
+        print_table(rows, ["family", "model_types", "launcher", "sizes", "summary"])
     return 0
 
 

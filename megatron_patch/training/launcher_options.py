@@ -274,9 +274,10 @@ POSITIONAL = [
     Option("SEQ_LEN", CORE, INTEGER, "sequence length of pretraining samples (and of an SFT idxmap's, as in "
            "Pai-Megatron-Patch)", field="seq_len", takes="<= the model's positions",
            doc="pretraining sample length (`GPTDatasetConfig.sequence_length`), and an SFT idxmap's (Pai's meaning)"),
-    Option("PAD_LEN", CORE, INTEGER, "length of SFT samples from JSON records (padded or packed to it); <= SEQ_LEN",
-           field="pad_len", takes="<= SEQ_LEN",
-           doc="sample length of SFT on JSON records: they are padded (or packed, `MP_SFT_PACKING`) to it"),
+    Option("PAD_LEN", CORE, INTEGER, "length of SFT samples from JSON records (padded or packed to it); <= SEQ_LEN "
+           "there (pretraining and idxmaps do not read it)", field="pad_len", takes="<= SEQ_LEN (SFT on JSON records)",
+           doc="sample length of SFT on JSON records: they are padded (or packed, `MP_SFT_PACKING`) to it; pretraining "
+               "and Pai's SFT idxmaps do not read it"),
     Option("PR", CORE, choice(*PRECISIONS, means=Precision), "precision: fp16 | bf16 | fp8 (transformer-engine's, "
            "else torchao's float8 GEMMs; docs/fp8.md) | fp32 (CPU development)", field="precision",
            doc="bf16/fp16: every parameter in that dtype (norms included, as Megatron-LM's Float16Module), fp32 "
@@ -306,7 +307,7 @@ POSITIONAL = [
            "overlap; ignored at TP=1)", field="sequence_parallel",
            doc="`sequence_parallel`; at TP=1 ignored with a note (as Pai-Megatron-Patch's launchers); with TP>1 also "
                "`tp_comm_overlap=True` (transformer-engine userbuffers; `MP_TP_COMM_OVERLAP=false` keeps SP without "
-               "it). MoE with TP>1 and EP>1 requires SP=true"),
+               "it). MoE with TP>1 requires SP=true, at any EP (megatron-core's)"),
     Option("DO", CORE, BOOL, "distributed optimizer: true | false (true also overlaps the parameter all-gather)",
            field="distributed_optimizer", doc="`use_distributed_optimizer`; true also turns on `overlap_param_gather` "
                                               "(grad-reduce overlap is always on)"),
@@ -329,7 +330,8 @@ POSITIONAL = [
            takes="`sel` \\| `full` \\| `offload` \\| `none` (`false`: none, Pai-Megatron-Patch's word)",
            doc="sel: `recompute_granularity=\"selective\"`; full: `\"full\"`, `recompute_method=\"uniform\"`, "
                "`recompute_num_layers=$MP_AC_LAYERS`; offload: `cpu_offloading=True` for `$MP_AC_LAYERS` layers (GPU "
-               "only; PP=1, at most layers-1). full needs MP_AC_LAYERS <= the layers of a pipeline stage"),
+               "only; PP=1, at most layers-1). full needs MP_AC_LAYERS to divide the layers of a pipeline stage (uniform "
+               "recompute)"),
     Option("OPTIMIZER_OFFLOAD", CORE, Reader(_offload, "false | static | fraction in (0,1] | auto", "1.5"),
            "false | static (all optimizer state on the host) | a fraction 0..1 on the host | auto (what the GPU "
            "cannot hold, measured each step); forces DO=true",
