@@ -640,7 +640,8 @@ def test_the_recorded_command_reproduces_every_option_as_given():
     parser = build_parser("eval")
     given = ["eval", "--load-dir", "ckpt dir", "--tasks", "a,b", "--include-path", "tasks", "--limit", "4",
              "--num-fewshot", "2", "--batch-size", "3", "--tp", "2", "--pp", "2", "--ep", "1", "--dtype", "bf16",
-             "--tokenizer", "tok", "--hf-config", "config.json", "--output-dir", "out", "--seed", "7",
+             "--tokenizer", "tok", "--hf-config", "config.json", "--base-dir", "base", "--output-dir", "out",
+             "--seed", "7",
              "--bootstrap-iters", "0", "--log-samples", "--apply-chat-template", "--fewshot-as-multiturn",
              "--no-kv-cache", "--no-verify", "--force", "--all-iterations"]
     args = parser.parse_args(given)

@@ -977,12 +977,13 @@ def test_lora_sft_run_exports_an_adapter_peft_loads(corpus, lora_bases, tmp_path
     assert _same_tensors(exported("a_root_nv", "--load-dir", str(checkpoints), "--no-verify"),
                          exported("a_10", "--load-dir", str(newest), "--no-verify"))
 
-    def perplexity(load_dir, name) -> float:
+    def perplexity(load_dir, name, *extra) -> float:
         assert _cli("eval", "--load-dir", str(load_dir), "--tasks", "mpatch_perplexity", "--limit", "2", "--quiet",
-                    "--no-verify", "--output-dir", str(tmp_path / name)) == 0
+                    "--no-verify", "--output-dir", str(tmp_path / name), *extra) == 0
         return json.loads((tmp_path / name / "results.json").read_text())["results"]["mpatch_perplexity"]
     assert perplexity(checkpoints, "e_root") == perplexity(newest, "e_10") != perplexity(
         checkpoints / "iter_0000005", "e_5")
+    in_place = perplexity(out / "final", "e_final")
     # The base moved: the export says in one line what to give, and takes it (checked by digest) from --base-dir.
     moved = tmp_path / "moved_base"
     shutil.copytree(base, moved)
@@ -994,6 +995,15 @@ def test_lora_sft_run_exports_an_adapter_peft_loads(corpus, lora_bases, tmp_path
         assert "give that checkpoint with --base-dir" in _one_line(capsys.readouterr().err)
         assert _cli("convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(tmp_path / "m2"),
                     "--merge-lora", "--base-dir", str(moved), "--quiet") == 0
+        # mpatch eval the same (it said "give that checkpoint with its base", naming no option: the ldoc audit);
+        # align, which takes no other base, says where to put it
+        assert _cli("eval", "--load-dir", str(out / "final"), "--tasks", "mpatch_perplexity", "--limit", "2",
+                    "--quiet", "--no-verify") == 2
+        assert "give that checkpoint with --base-dir" in _one_line(capsys.readouterr().err)
+        assert perplexity(out / "final", "e_moved", "--base-dir", str(moved)) == in_place
+        assert _cli("align", "--hf-dir", str(lora_bases["hf"]["llama3_1"]), "--mcore-dir", str(out / "final"),
+                    "--quiet", "--no-verify") == 2
+        assert f"put that checkpoint back at {base}" in capsys.readouterr().err
     finally:
         shutil.copytree(moved, base)
 

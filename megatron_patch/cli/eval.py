@@ -29,7 +29,8 @@ def command_line(args) -> str:
     for path in args.include_path or []:
         parts += ["--include-path", path]
     for flag, value in (("--limit", args.limit), ("--num-fewshot", args.num_fewshot), ("--tokenizer", args.tokenizer),
-                        ("--hf-config", args.hf_config), ("--output-dir", args.output_dir)):
+                        ("--hf-config", args.hf_config), ("--base-dir", args.base_dir),
+                        ("--output-dir", args.output_dir)):
         if value is not None:  # --limit 4, not the 4.0 argparse's float holds
             parts += [flag, str(int(value) if isinstance(value, float) and value.is_integer() else value)]
     parts += ["--batch-size", str(args.batch_size), "--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
@@ -81,7 +82,8 @@ def run(args) -> int:
     try:
         checkpoints = [(iteration, open_for_evaluation(folder, layout, args.tokenizer, args.hf_config,
                                                        verify=not args.no_verify,
-                                                       chat_template=args.apply_chat_template))
+                                                       chat_template=args.apply_chat_template,
+                                                       base_dir=args.base_dir))
                        for iteration, folder in iterations]
     except IntegrityError as exc:
         raise naming_the_switch(exc, "--no-verify") from None
@@ -221,6 +223,9 @@ def register(subparsers) -> None:
                    help="an HF tokenizer folder (default: the one the checkpoint carries)")
     p.add_argument("--hf-config", default=None,
                    help="the HF config.json (or its folder) of a checkpoint without this project's sidecar")
+    p.add_argument("--base-dir", default=None, metavar="DIR",
+                   help="a LoRA run's base checkpoint, where it is no longer where the run recorded it (checked by "
+                        "digest, as mcore2hf --merge-lora's)")
     p.add_argument("--output-dir", default=None,
                    help="write results.json (and samples_TASK.jsonl with --log-samples) into this new folder, with a "
                         "manifest")

@@ -41,6 +41,7 @@ class CheckpointToEvaluate:
     model_dir: str | None = None  # the folder of the files the checkpoint carries (generation_config.json)
     layout: ParallelLayout | None = None  # the layout asked, with hf2mcore's default ETP where none was given
     layout_note: str | None = None  # the line that says that default, where it is not TP
+    base_dir: str | None = None  # a LoRA run's base, where it is no longer where the run recorded it (--base-dir)
 
     def load_tokenizer(self):
         """transformers' tokenizer of ``tokenizer_dir``, built as preprocessing and training build that folder's."""
@@ -49,12 +50,14 @@ class CheckpointToEvaluate:
 
 def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer: str | Path | None = None,
                         hf_config: str | Path | None = None, verify: bool = True,
-                        chat_template: bool = False) -> CheckpointToEvaluate:
+                        chat_template: bool = False, base_dir: str | Path | None = None) -> CheckpointToEvaluate:
     """The checkpoint at ``load_dir``, refused in one line when the layout does not divide its model, or no
     tokenizer is found (``tokenizer`` wins over the files the checkpoint carries), or the tokenizer does not fit
     the model (``check_tokenizer``; ``chat_template``: prompts are rendered with its chat template)."""
     opened = open_checkpoint(load_dir, hf_config=hf_config, family_option=None, verify=verify)
     arch = opened.model_arch
+    if base_dir is not None and not (opened.sidecar.lora or {}).get("base"):
+        raise UserError(f"--base-dir names the base of a LoRA run's checkpoint, and {load_dir} is none")
     # the expert-tensor-parallel size hf2mcore and align take where none is given (gpt_oss's biased experts: ETP=1)
     layout, layout_note = default_expert_tp(arch, layout)
     validate_layout(arch, layout, uneven_pipelines=False)
@@ -72,7 +75,8 @@ def open_for_evaluation(load_dir: str | Path, layout: ParallelLayout, tokenizer:
     check_tokenizer(load_hf_tokenizer(tokenizer_dir), arch.vocab_size, chat_template)
     return CheckpointToEvaluate(str(load_dir), arch, str(tokenizer_dir),
                                 None if hf_config is None else str(hf_config), verify, opened.sidecar.hf_config,
-                                tuple(opened.found.notes + opened.notes), str(opened.sidecar_dir), layout, layout_note)
+                                tuple(opened.found.notes + opened.notes), str(opened.sidecar_dir), layout, layout_note,
+                                None if base_dir is None else str(base_dir))
 
 
 def generation_stop_ids(model_config: dict | None, folder: str | Path | None) -> frozenset[int]:
@@ -142,7 +146,8 @@ def load_model(checkpoint: CheckpointToEvaluate, layout: ParallelLayout, dtype: 
     arch, torch_dtype = checkpoint.arch, precision_dtype(dtype)
     model = build_model(arch, layout, torch_dtype)
     opened = open_checkpoint(checkpoint.load_dir, hf_config=checkpoint.hf_config, verify=checkpoint.verify)
-    adapters = open_adapters(checkpoint.load_dir, arch, checkpoint.verify) if opened.sidecar.lora else None
+    adapters = (open_adapters(checkpoint.load_dir, arch, checkpoint.verify, checkpoint.base_dir, "--base-dir")
+                if opened.sidecar.lora else None)
     base = adapters.base if adapters is not None and adapters.base is not None else checkpoint.load_dir
     load_checkpoint_into_model(model, base, layout, hf_config=checkpoint.hf_config, verify=checkpoint.verify)
     if adapters is not None:

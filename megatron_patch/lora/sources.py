@@ -35,9 +35,12 @@ def is_peft_folder(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def open_adapters(path: str | Path, arch, verify: bool = True) -> Adapters:
+def open_adapters(path: str | Path, arch, verify: bool = True, base_dir: str | Path | None = None,
+                  base_flag: str | None = None) -> Adapters:
     """The adapters of a peft folder or of a LoRA checkpoint, checked against ``arch``'s model; ``verify``: the
-    iteration of a run's checkpoint folder chosen as ``find_checkpoint`` chooses it (the caller's own choice)."""
+    iteration of a run's checkpoint folder chosen as ``find_checkpoint`` chooses it (the caller's own choice).
+    ``base_dir``: the base a LoRA checkpoint was trained on, where it is no longer where it was recorded, given by
+    the caller's option ``base_flag`` (None: it has none)."""
     if is_peft_folder(path):
         spec, tensors, saved = read_peft_adapter(path, arch)
         return Adapters(spec, tensors, saved, None, f"the peft adapter {path}")
@@ -49,7 +52,7 @@ def open_adapters(path: str | Path, arch, verify: bool = True) -> Adapters:
     spec = LoraSpec.from_dict(lora["spec"])
     tensors = read_adapter_tensors(opened.found.folder)
     check_adapter_keys(plan_sites(arch, spec), tensors, str(opened.found.folder))
-    base = find_base(lora["base"], None, str(path), "its base") if lora.get("base") else None
+    base = find_base(lora["base"], base_dir, str(path), base_flag) if lora.get("base") else None
     # a LoRA run's modules_to_save weights are beside its adapters, not in the base loaded first: laid over it as a
     # peft adapter's are (they were refused, and `mpatch eval` of such a run with them; the ldoc audit)
     saved = stored_saved_tensors(opened.found.folder, arch, spec) if base is not None else {}

@@ -117,7 +117,7 @@ def base_record(path: str | Path) -> dict:
     return {"path": str(Path(path).resolve()), "digest": checkpoint_digest(path)}
 
 
-def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> Path:
+def find_base(record: dict, given: str | Path | None, what: str, flag: str | None) -> Path:
     """The base checkpoint a LoRA checkpoint needs: ``given`` (an override) or the one ``record`` names;
     it must be a checkpoint folder and its digest the record's, or one line says what to give (``flag``).
 
@@ -126,10 +126,11 @@ def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> P
     under it is hashed, so a record naming / or a private folder makes no reader walk it."""
     path = Path(given) if given is not None else Path(record["path"])
     short = record["digest"].split(":")[-1][:12]
+    # where no option can name another base (``flag`` None), the one way is the recorded place
+    give = f"give that checkpoint with {flag}" if flag else f"put that checkpoint back at {record['path']}"
     if not path.is_dir():
         raise UserError(f"{what} was trained on the base model {record['path']} (digest {short}), which is not "
-                        f"there{' (' + str(path) + ' is not a folder)' if given is not None else ''}: give that "
-                        f"checkpoint with {flag}")
+                        f"there{' (' + str(path) + ' is not a folder)' if given is not None else ''}: {give}")
     kind = record["digest"].split(":")[0]
     try:
         find_checkpoint(path)
@@ -138,12 +139,13 @@ def find_base(record: dict, given: str | Path | None, what: str, flag: str) -> P
             raise UserError(f"{flag} {path} is not a Megatron-Core checkpoint ({exc}): give the base {what} was "
                             f"trained on, {record['path']} (digest {short}), or its copy (an HF folder converts to "
                             "one with 'mpatch convert hf2mcore')")
-        raise UserError(f"{what} names its base model {path}, which is not a checkpoint ({exc}): give the base it "
-                        f"was trained on with {flag}")
+        raise UserError(f"{what} names its base model {path}, which is not a checkpoint ({exc}): "
+                        + (f"give the base it was trained on with {flag}" if flag else give))
     found = checkpoint_digest(path, HIDDEN_FILES_LEFT_OUT if kind == HIDDEN_FILES_LEFT_OUT else DIGEST_FORMAT)
     if found != record["digest"]:
         raise UserError(f"{path} is not the base model {what} was trained on (digest {found.split(':')[-1][:12]}, "
-                        f"expected {short}): give the base it was trained on with {flag}")
+                        f"expected {short}): "
+                        + (f"give the base it was trained on with {flag}" if flag else f"put it back at {path}"))
     if kind == HIDDEN_FILES_LEFT_OUT:  # a run of an older megatron_patch goes on; what it cannot vouch for is said
         print(f"note: {what} names its base by an older digest ({kind}) that leaves out hidden files, torch_dist's "
               ".metadata among them: that file of the base is not checked (a LoRA run's next checkpoint records the "
