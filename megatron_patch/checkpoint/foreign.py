@@ -210,6 +210,8 @@ def find_checkpoint(path: str | Path, iteration: int | None = None, verify: bool
         raise UserError(f"{folder} leads outside {path} (to {folder.resolve()}): refused; point at that folder "
                         "itself if it is the checkpoint meant")
     problem = checkpoint_problem(folder)
+    if problem and "leads outside the folder" in problem:  # not damage: a link elsewhere, named as one
+        raise UserError(f"{folder}: {problem}; copy the file into the folder if it belongs to the checkpoint")
     if problem:
         damage = damage_against_manifest(folder)
         if damage is not None:
