@@ -648,7 +648,7 @@ def test_a_checkpoint_whose_config_says_another_model_is_not_aligned(tmp_path, c
     sidecar.write_text(json.dumps(saved))
     capsys.readouterr()
     assert main(["align", "--hf-dir", str(hf), "--mcore-dir", str(tmp_path / "ckpt"), "--no-verify", "--dtype",
-                 "fp32", "--quiet", "--report-dir", str(tmp_path / "out")]) == 1
+                 "fp32", "--seq-len", "32", "--batch", "1", "--quiet", "--report-dir", str(tmp_path / "out")]) == 1
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert not report["verdict"]["aligned"] and "(sliding_window: 128 -> 4096)" in report["verdict"]["summary"]
     assert report["verdict"]["runs"]["fp32"]["aligned"]  # what the numbers alone said

@@ -307,8 +307,7 @@ def test_an_moe_checkpoint_of_megatron_cores_local_spec_reads_its_pre_mlp_norms(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefix", ["model.", "module."])
-@pytest.mark.parametrize("kind", ["megatron_lm", "pai"])
+@pytest.mark.parametrize("kind, prefix", [("megatron_lm", "model."), ("megatron_lm", "module."), ("pai", "module.")])
 def test_a_wrappers_prefix_on_every_name_is_read_past(ckpts, tmp_path, capsys, prefix, kind):
     """NeMo writes megatron-core's names under ``model.`` (and a wrapped module's state under ``module.``): such a
     checkpoint was refused with a false reason ("tied output layer: config no, tensors yes" of an untied one).

@@ -17,7 +17,6 @@ import torch
 
 from megatron_patch.align.parity import random_tokens
 from megatron_patch.convert.checkpoint import hf_to_mcore
-from megatron_patch.demo_data import make_texts, make_tokenizer
 from megatron_patch.lora.peft_io import peft_tensors, read_peft_adapter, write_peft_adapter
 from megatron_patch.lora.plan import count_params, plan_sites
 from megatron_patch.lora.spec import LoraSpec
@@ -995,44 +994,37 @@ def test_lora_sft_run_exports_an_adapter_peft_loads(corpus, lora_bases, tmp_path
         assert "give that checkpoint with --base-dir" in _one_line(capsys.readouterr().err)
         assert _cli("convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(tmp_path / "m2"),
                     "--merge-lora", "--base-dir", str(moved), "--quiet") == 0
-        # mpatch eval the same (it said "give that checkpoint with its base", naming no option: the ldoc audit);
-        # align, which takes no other base, says where to put it
+        # mpatch eval the same (it said "give that checkpoint with its base", naming no option: the ldoc audit)
         assert _cli("eval", "--load-dir", str(out / "final"), "--tasks", "mpatch_perplexity", "--limit", "2",
                     "--quiet", "--no-verify") == 2
         assert "give that checkpoint with --base-dir" in _one_line(capsys.readouterr().err)
         assert perplexity(out / "final", "e_moved", "--base-dir", str(moved)) == in_place
-        assert _cli("align", "--hf-dir", str(lora_bases["hf"]["llama3_1"]), "--mcore-dir", str(out / "final"),
-                    "--quiet", "--no-verify") == 2
-        assert f"put that checkpoint back at {base}" in capsys.readouterr().err
     finally:
         shutil.copytree(moved, base)
 
 
 @pytest.mark.slow
-def test_a_lora_run_with_modules_to_save_is_evaluated_in_place_as_its_merged_export(corpus, lora_models, lora_bases,
-                                                                                   tmp_path):
+def test_a_lora_run_with_modules_to_save_is_evaluated_in_place(corpus, lora_models, lora_bases, tmp_path):
     """A LoRA run started from a peft adapter with modules_to_save (lm_head, the final norm) keeps those weights
     beside its adapters, not in its base: `mpatch eval` of its final/ was refused, "start from its peft export"
-    (the ldoc audit; docs/evaluation.md takes a LoRA run). It now evaluates as its merged export does."""
+    (the ldoc audit; docs/evaluation.md takes a LoRA run). It evaluates, with the run's trained weights laid over
+    the base: those its peft export holds."""
+    from megatron_patch.convert.lora_io import export_adapter
+    from megatron_patch.lora.sources import open_adapters
+
     out = tmp_path / "run"
     family, args = _lora_args(corpus, out, lora_bases["bases"]["llama3_1"], TRAIN_TOKENS_OR_ITERS=str(2 * 8 * 64),
                               WARMUP_TOKENS_OR_ITERS="0")
     _run(family, args, {"MP_LORA_INIT": str(lora_models["variants"]["saved"])})
-    assert _cli("convert", "mcore2hf", "--load-dir", str(out / "final"), "--save-dir", str(tmp_path / "merged"),
-                "--merge-lora", "--quiet") == 0
-    make_tokenizer(tmp_path / "merged", make_texts(200, seed=0))
-    hf_to_mcore(tmp_path / "merged", tmp_path / "merged_mcore", ParallelLayout(), progress=False)
-
-    def perplexity(load_dir, name, *extra) -> float:
-        assert _cli("eval", "--load-dir", str(load_dir), "--tasks", "mpatch_perplexity", "--limit", "2", "--quiet",
-                    "--output-dir", str(tmp_path / name), *extra) == 0
-        return json.loads((tmp_path / name / "results.json").read_text())["results"]["mpatch_perplexity"]
-
-    tokenizer = ("--tokenizer", str(tmp_path / "merged"))
-    in_place, merged = perplexity(out / "final", "in_place", *tokenizer), perplexity(tmp_path / "merged_mcore", "m")
-    assert in_place.keys() == merged.keys() and all(
-        abs(in_place[k] - merged[k]) <= 1e-5 * abs(merged[k]) for k in in_place if isinstance(merged[k], float)), \
-        (in_place, merged)
+    arch = parse_arch(lora_models["hf"]["llama3_1"])
+    laid = open_adapters(out / "final", arch).saved
+    exported = read_peft_adapter(export_adapter(out / "final", tmp_path / "peft"), arch)[2]
+    assert laid.keys() == exported.keys() == {"lm_head.weight", "model.norm.weight"}, (laid.keys(), exported.keys())
+    assert all(torch.equal(laid[k], exported[k]) for k in laid)
+    trained = read_peft_adapter(lora_models["variants"]["saved"], arch)[2]
+    assert not torch.equal(laid["lm_head.weight"], trained["lm_head.weight"])  # the run's, not the start's
+    assert _cli("eval", "--load-dir", str(out / "final"), "--tasks", "mpatch_perplexity", "--limit", "2", "--quiet",
+                "--tokenizer", str(corpus["tok"])) == 0
 
 
 def _same_tensors(a: dict, b: dict) -> bool:
@@ -1092,3 +1084,16 @@ def test_memory_plan_equals_what_lora_runs_allocate(corpus, lora_bases, tmp_path
             # activations: modelled for standard attention layers (Qwen3.5's Gated DeltaNet: 27% under here, not LoRA's)
             if not cfg.arch.is_moe and not cfg.arch.layer_types:
                 assert abs(st.activations / r["activations"] - 1) < 0.10, (str(cfg.layout), st.activations, r)
+
+
+def test_a_moved_base_is_asked_for_by_the_option_that_names_it_or_where_to_put_it(tmp_path):
+    """Readers of a LoRA run whose base moved said "give that checkpoint with its base", naming no option (the ldoc
+    audit): mcore2hf and eval name --base-dir; align and a training start, which take no other base, the place."""
+    from megatron_patch.errors import UserError
+    from megatron_patch.lora.state import find_base
+
+    record = {"path": str(tmp_path / "gone"), "digest": "sha256-files-3:0123456789abcdef"}
+    with pytest.raises(UserError, match=r"which is not there: give that checkpoint with --base-dir$"):
+        find_base(record, None, "the run", "--base-dir")
+    with pytest.raises(UserError, match=rf"which is not there: put that checkpoint back at {tmp_path / 'gone'}$"):
+        find_base(record, None, "the run", None)

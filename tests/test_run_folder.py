@@ -953,7 +953,7 @@ def test_a_newest_iteration_failing_its_crc_is_skipped_for_the_previous_one(tmp_
 
     from megatron_patch.checkpoint_files.manifest import write_manifest
     from megatron_patch.checkpoint_files.safe_torch import SafeFileSystemReader, load_refusing
-    from megatron_patch.training.run_state import latest_iteration
+    from megatron_patch.training.run_state import latest_iteration, resume_look
 
     root = tmp_path / "checkpoint"
     _training_iteration(root, 2)
@@ -971,7 +971,7 @@ def test_a_newest_iteration_failing_its_crc_is_skipped_for_the_previous_one(tmp_
     assert latest_iteration(root, verify=False) == (4, [])  # the launcher's early look leaves the bytes to the ranks
     # MP_NO_VERIFY=true: the ranks read past the manifest, not past what the load refuses (they said "resuming from
     # iteration 4" and the load then stopped the run, exit 2, where without the switch 2 was taken)
-    latest, notes = latest_iteration(root, verify="archives")
+    latest, notes = latest_iteration(root, verify=resume_look(no_verify=True))
     assert latest == 2 and "fails its CRC-32 check" in notes[0], notes
 
 
@@ -982,7 +982,7 @@ def test_the_launcher_skips_a_newest_iteration_whose_small_files_were_edited(tmp
     import json
 
     from megatron_patch.checkpoint_files.manifest import write_manifest
-    from megatron_patch.training.run_state import latest_iteration
+    from megatron_patch.training.run_state import latest_iteration, resume_look
 
     root = tmp_path / "checkpoint"
     _training_iteration(root, 2)
@@ -997,7 +997,7 @@ def test_the_launcher_skips_a_newest_iteration_whose_small_files_were_edited(tmp
     assert notes[0].startswith(f"{newest} is incomplete or damaged: {newest / 'train_state.json'} does not match its "
                                "digest"), notes
     assert latest_iteration(root, verify=False) == (4, [])
-    assert latest_iteration(root, verify="archives") == (4, [])  # the ranks under MP_NO_VERIFY: edited on purpose
+    assert latest_iteration(root, verify=resume_look(no_verify=True)) == (4, [])  # MP_NO_VERIFY: edited on purpose
 
 
 # --- every reader of .metadata refuses the same impossible shapes -------------------------------------------
@@ -1309,12 +1309,8 @@ def test_resuming_a_folder_with_a_planted_cache_pickle_never_runs_it(stopped_run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("no_verify", [False, True])
-def test_resume_falls_back_past_a_newest_iteration_failing_its_crc(stopped_run, corpus, tmp_path, no_verify):
-    """A manifest rewritten after the damage, or MP_NO_VERIFY=true (which reads past the manifest, not past what the
-    load refuses: its load stopped the run, exit 2): the CRC-32s find the damage and the run resumes from 2."""
+def test_resume_falls_back_past_a_newest_iteration_failing_its_crc(stopped_run, corpus, tmp_path):
     from megatron_patch.checkpoint_files.manifest import write_manifest
-    from tests.training_helpers import launch
     from megatron_patch.checkpoint_files.torch_dist import read_metadata
     from megatron_patch.checkpoint_files.zipfmt import ZipIndex
 
@@ -1329,9 +1325,8 @@ def test_resume_falls_back_past_a_newest_iteration_failing_its_crc(stopped_run, 
     data = bytearray((newest / name).read_bytes())
     data[offset + size // 2] ^= 0x10
     (newest / name).write_bytes(bytes(data))
-    if not no_verify:
-        write_manifest(newest, "attacker", sync=False)  # a digest is no signature: only the CRC-32 can tell
-    proc = launch(_resume_args(corpus, out), {"MP_NO_VERIFY": "true"} if no_verify else {})
+    write_manifest(newest, "attacker", sync=False)  # a digest is no signature: only the CRC-32 can tell
+    proc = _resume(corpus, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"warning: {newest} is incomplete or damaged: {name} is damaged (the archive at byte {start}:" in \
         proc.stdout, proc.stdout[-3000:]

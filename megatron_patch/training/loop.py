@@ -41,6 +41,7 @@ from megatron_patch.training import (
     packing,
     record_loss,
     run_folder,
+    run_state,
     sft_data,
     sparse_attention_run,
 )
@@ -365,7 +366,7 @@ class Trainer:
         self._log(f"loaded pretrained weights from {cfg.pretrain_checkpoint}")
 
     def _latest(self):
-        return resume_iteration(self.cfg.checkpoint_dir, self._log, verify="archives" if self.cfg.no_verify else True)
+        return resume_iteration(self.cfg.checkpoint_dir, self._log, verify=run_state.resume_look(self.cfg.no_verify))
 
     def _build_data(self) -> None:
         cfg = self.cfg

@@ -105,6 +105,12 @@ def read_train_state(folder: Path) -> dict:
     return state
 
 
+def resume_look(no_verify: bool) -> bool | str:
+    """How the ranks look at the run's checkpoints at resume: every check, or under MP_NO_VERIFY=true all but the
+    manifest's (a record failing its CRC-32 is refused by the load whatever the switch says)."""
+    return "archives" if no_verify else True
+
+
 def latest_iteration(root: str | Path, verify: bool | str = True) -> tuple[int | None, list[str]]:
     """The newest complete checkpoint under ``root`` (None: nothing saved yet) and a warning for each
     newer one skipped. UserError when checkpoints exist and none is complete. ``verify``: as ``iteration_problem``
