@@ -21,6 +21,7 @@ from megatron_patch.checkpoint.legacy import FILE_NAME, open_rank_file
 from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
 from megatron_patch.checkpoint_files.layout import (
     ITERATION_DIR,
+    LEADS_OUTSIDE,
     RELEASE,
     TRACKER_NAME,
     is_iteration_dir,
@@ -134,7 +135,7 @@ def checkpoint_problem(folder: Path) -> str | None:
             return f"{rank_dir.name}/{problem}"
         real = (rank_dir / FILE_NAME).resolve()
         if folder.resolve() not in real.parents:  # a rank file (or its folder) linked elsewhere: not this one's
-            return f"{rank_dir.name}/{FILE_NAME} leads outside the folder (to {real}): refused"
+            return f"{rank_dir.name}/{FILE_NAME} {LEADS_OUTSIDE} (to {real}): refused"
     return None
 
 
@@ -210,7 +211,7 @@ def find_checkpoint(path: str | Path, iteration: int | None = None, verify: bool
         raise UserError(f"{folder} leads outside {path} (to {folder.resolve()}): refused; point at that folder "
                         "itself if it is the checkpoint meant")
     problem = checkpoint_problem(folder)
-    if problem and "leads outside the folder" in problem:  # not damage: a link elsewhere, named as one
+    if problem and LEADS_OUTSIDE in problem:  # not damage: a link elsewhere, named as one
         raise UserError(f"{folder}: {problem}; copy the file into the folder if it belongs to the checkpoint")
     if problem:
         damage = damage_against_manifest(folder)

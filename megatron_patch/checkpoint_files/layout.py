@@ -252,8 +252,11 @@ def _leads_outside(folder: Path, name: str) -> bool:
     return home not in real.parents
 
 
+LEADS_OUTSIDE = "leads outside the folder"  # what a checkpoint problem says of a link elsewhere, not damage
+
+
 def _outside_line(folder: Path, name: str) -> str:
-    return f"{name} leads outside the folder (to {(folder / name).resolve()}): refused"
+    return f"{name} {LEADS_OUTSIDE} (to {(folder / name).resolve()}): refused"
 
 
 def _common_state_problem(folder: Path, metadata) -> str | None:

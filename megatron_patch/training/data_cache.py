@@ -147,7 +147,9 @@ def _own_inodes(folder: Path) -> None:
         st = os.lstat(path)
         if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
             own = path.with_name(f".{path.name}{OWN_COPY}")
-            shutil.copyfile(path, own)
+            # "x": a new file, never written through whatever is at that name (a planted link among them)
+            with open(path, "rb") as source, open(own, "xb") as copy:
+                shutil.copyfileobj(source, copy)
             os.replace(own, path)
 
 

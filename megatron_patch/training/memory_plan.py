@@ -450,13 +450,11 @@ def stage_memories(arch, cfg, pp_rank: int, spec: str) -> list[StageMemory]:
     """Pipeline stage ``pp_rank``'s memory on each data-parallel rank: with the distributed optimizer each holds its
     own shard of the optimizer state, whose parameters' spans (torch's step per span) and chunks (OPTIMIZER_OFFLOAD)
     fall differently, so that DP rank 1 held more on the device than rank 0's plan said (the odoc audit)."""
-    dense_dp = cfg.data_parallel_size * cfg.cp
-    expert_dp = cfg.world_size // (cfg.pp * cfg.ep * (cfg.etp or cfg.tp))
-    return _stage_memories(arch, cfg, pp_rank, spec,
-                           range(max(dense_dp, expert_dp)) if cfg.distributed_optimizer else [0])
+    return _stage_memories(arch, cfg, pp_rank, spec, None)
 
 
 def _stage_memories(arch, cfg, pp_rank: int, spec: str, dp_ranks) -> list[StageMemory]:
+    """The stage on each of ``dp_ranks`` (None: every DP rank whose shard differs)."""
     attention = _attention(cfg, spec)
     param_bytes = cfg.precision.itemsize
     grad_bytes = 4  # fp32 gradient buffers (grad_reduce_in_fp32 with mixed precision)
@@ -550,6 +548,8 @@ def _stage_memories(arch, cfg, pp_rank: int, spec: str, dp_ranks) -> list[StageM
                 held.chunks += [(c.nbytes, c.state_numel, c.capacity) for c in plan_chunks(segments, capacity).chunks]
         return held
 
+    if dp_ranks is None:
+        dp_ranks = range(max(dense_dp, expert_dp)) if do else [0]
     return [on_rank(r) for r in dp_ranks]
 
 
