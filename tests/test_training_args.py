@@ -346,6 +346,12 @@ def test_env_dsw_without_a_gpu_says_so_before_the_batch_sizes_it_would_fault(dat
         resolve("llama3_1", args)
     planned = resolve("llama3_1", _args(data, ENV="dsw", PR="bf16", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="16"))
     assert planned.world_size == 8
+    # the dry run says where its 8 came from, and how to plan another count (the rdoc audit)
+    assert ("ENV=dsw on a machine without a GPU: planned for 8 GPUs per node, as a GPU node has; set GPUS_PER_NODE "
+            "to plan for another count") in planned.notes
+    monkeypatch.setenv("GPUS_PER_NODE", "2")
+    counted = resolve("llama3_1", _args(data, ENV="dsw", PR="bf16", BATCH_SIZE="2", GLOBAL_BATCH_SIZE="4"))
+    assert counted.world_size == 2 and not any("without a GPU" in n for n in counted.notes)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -449,7 +449,7 @@ ENVIRONMENT = [
            doc="ENV=cpu: number of local processes (DP = MP_NPROC / (TP\\*PP\\*CP))"),
     Option("GPUS_PER_NODE", CORE, INTEGER, "dsw/dlc: processes per node",
            default=Default("the GPUs visible; on dlc KUBERNETES_CONTAINER_RESOURCE_GPU first, else 1 on a node "
-                           "without GPUs")),
+                           "without GPUs; a dsw dry run without GPUs plans 8")),
     Option("KUBERNETES_CONTAINER_RESOURCE_GPU", CORE, INTEGER,
            "dlc: PAI-DLC's GPUs per node, read as GPUS_PER_NODE when that is unset",
            doc="ENV=dlc: PAI-DLC's GPUs per node, the processes per node where `GPUS_PER_NODE` is unset (as "

@@ -116,7 +116,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
         o["ETP"] = None
     vp, vp_setting = _virtual_pipeline(o, o["PP"], arch.num_layers, notes)
     layout = ParallelLayout(tp=o["TP"], pp=o["PP"], ep=o["EP"], etp=o["ETP"], cp=o["CP"], vp=vp)
-    world, nproc, nnodes = _world(o, layout, env)
+    world, nproc, nnodes = _world(o, layout, env, notes)
     train_iters, warmup_iters = _iterations(o, sft, o["GLOBAL_BATCH_SIZE"] * o["SEQ_LEN"], notes)
     found = functools.partial(names_data, dataset_type=dataset_type)
     paths, weights = parse_data_paths("DATASET_PATH", o["DATASET_PATH"], found)
@@ -637,7 +637,7 @@ def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
                         "written by 'mpatch preprocess' (e.g. data/corpus_text_document)")
 
 
-def _world(o: Options, layout: ParallelLayout, env: dict) -> tuple[int, int, int]:
+def _world(o: Options, layout: ParallelLayout, env: dict, notes: list[str]) -> tuple[int, int, int]:
     """(world size, processes per node, nodes); ``env``: what torchrun and PAI-DLC say of the job."""
     run_env = o["ENV"]
     if run_env == "cpu":
@@ -658,7 +658,11 @@ def _world(o: Options, layout: ParallelLayout, env: dict) -> tuple[int, int, int
         # Without a GPU: a dlc node trains on its CPU, one process unless GPUS_PER_NODE says more; dsw keeps a GPU
         # node's 8 for dry runs that plan one, and a launch is refused here, before the batch sizes it would fault.
         per_node = torch.cuda.device_count() or (1 if run_env == "dlc" else 8)
-        if not torch.cuda.device_count() and run_env != "dlc" and not o["MP_DRY_RUN"]:
-            raise UserError(no_gpu_problem(run_env))
+        if not torch.cuda.device_count() and run_env != "dlc":
+            if not o["MP_DRY_RUN"]:
+                raise UserError(no_gpu_problem(run_env))
+            # the plan's size is otherwise an unexplained guess (the rdoc audit)
+            notes.append(f"ENV={run_env} on a machine without a GPU: planned for {per_node} GPUs per node, as a GPU "
+                         "node has; set GPUS_PER_NODE to plan for another count")
     nnodes = parse_int("WORLD_SIZE", env.get("WORLD_SIZE", "1")) if run_env == "dlc" else 1
     return per_node * nnodes, per_node, nnodes
