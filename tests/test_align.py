@@ -726,6 +726,10 @@ def test_cli_bad_input_exits_2(aligned, tmp_path, capsys):
     assert main(["align", "--hf-dir", llama, "--mcore-dir", str(aligned["faulty"]["expert_0_and_1_swapped"])]) == 2
     err = capsys.readouterr().err
     assert "legacy checkpoint for TP=1" in err and "different models" in err
+    # --base-dir is for a LoRA run's moved base; a plain checkpoint has none to replace
+    assert main(["align", "--hf-dir", llama, "--mcore-dir", legacy, "--base-dir", str(tmp_path)]) == 2
+    assert f"--base-dir names the base of a LoRA run's checkpoint given as --mcore-dir, and {legacy} is none" in \
+        capsys.readouterr().err
 
 
 def test_a_reference_transformers_cannot_build_is_bad_input(tmp_path):

@@ -999,6 +999,21 @@ def test_lora_sft_run_exports_an_adapter_peft_loads(corpus, lora_bases, tmp_path
                     "--quiet", "--no-verify") == 2
         assert "give that checkpoint with --base-dir" in _one_line(capsys.readouterr().err)
         assert perplexity(out / "final", "e_moved", "--base-dir", str(moved)) == in_place
+        # mpatch align too (it took no other base and said where to put it back): refused before any rank starts,
+        # then taken from --base-dir, checked by digest, by the main process and by the ranks that load the run
+        align = ["align", "--hf-dir", str(hf), "--peft-dir", str(adapter), "--mcore-dir", str(out / "final"),
+                 "--dtype", "fp32", "--seq-len", "8", "--batch", "1", "--quiet", "--no-verify"]
+        assert _cli(*align) == 2 and "give that checkpoint with --base-dir" in _one_line(capsys.readouterr().err)
+        assert _cli(*align, "--base-dir", str(base)) == 2  # the old place, gone
+        assert f"({base} is not a folder): give that checkpoint with --base-dir" in _one_line(capsys.readouterr().err)
+        from megatron_patch.align.alignment import AlignSettings, validate
+        from megatron_patch.align.runner import McoreRun, _adapters_of
+        settings = AlignSettings(hf_dir=str(hf), mcore_dir=str(out / "final"), peft_dir=str(adapter), dtype="fp32",
+                                 verify=False, base_dir=str(moved))
+        _, test_arch, _ = validate(settings)
+        run = McoreRun("fp32", hf_dir=str(hf), mcore_dir=str(out / "final"), peft_dir=str(adapter), verify=False,
+                       base_dir=str(moved))
+        assert _adapters_of(run, test_arch).base == moved
     finally:
         shutil.copytree(moved, base)
 

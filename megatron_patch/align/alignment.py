@@ -28,6 +28,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
 from megatron_patch.lora.peft_io import read_peft_adapter
 from megatron_patch.lora.sources import is_peft_folder
+from megatron_patch.lora.state import find_base
 from megatron_patch.models.blocks.float8_plan import arch_gemms, check_filter_kinds, cpu_recipe_problem, filter_text
 from megatron_patch.models.description.arch import default_expert_tp, validate_layout
 from megatron_patch.models.description.registry import parse_arch
@@ -67,6 +68,8 @@ class AlignSettings:
     peft_dir: str | None = None
     # Check --mcore-dir's files against its manifest before loading them (--no-verify: False).
     verify: bool = True
+    # The base a LoRA run in --mcore-dir was trained on, where it is no longer where the run recorded it
+    base_dir: str | None = None
     # --dtype fp8: torchao's float8 recipe and filter, on both sides (docs/fp8.md)
     fp8_recipe: str = "tensorwise"
     fp8_filter: str | tuple = "auto"
@@ -111,6 +114,16 @@ def _test_arch(s: AlignSettings):
         opened = open_checkpoint(s.mcore_dir, hf_config=s.hf_dir, config_option="--hf-dir", family_option=None)
         return opened.model_arch, opened.sidecar
     return parse_arch(s.hf_dir_2 or s.hf_dir), None
+
+
+def _check_lora_base(s: AlignSettings, sidecar) -> None:
+    """A LoRA run's base (or --base-dir's), checked by digest before any rank process starts."""
+    record = ((sidecar.lora or {}) if sidecar is not None else {}).get("base")
+    if record:
+        find_base(record, s.base_dir, s.mcore_dir, "--base-dir")
+    elif s.base_dir is not None:
+        raise UserError(f"--base-dir names the base of a LoRA run's checkpoint given as --mcore-dir, and "
+                        f"{s.mcore_dir or 'no --mcore-dir'} is none")
 
 
 def check_run_fits(arch, batch: int, seq_len: int, command: str) -> None:
@@ -198,6 +211,7 @@ def validate(s: AlignSettings):
     if s.hf_dir_2:
         checked_arch(s.hf_dir_2, shapes=True)
     test_arch, sidecar = _test_arch(s)
+    _check_lora_base(s, sidecar)
     if s.peft_dir:
         read_peft_adapter(s.peft_dir, ref_arch)  # refused in one line if it does not fit the model
     diff = [f for f in STRUCTURE if getattr(ref_arch, f) != getattr(test_arch, f)]
@@ -295,7 +309,7 @@ def run_alignment(s: AlignSettings, log: Callable[[str], None] | None = None) ->
         tests = {dt: capture_hf_dir(s.hf_dir_2, tokens, dt) for dt in s.runs}
     else:
         source = {"mcore_dir": s.mcore_dir, "hf_dir": s.hf_dir} if s.mcore_dir else {"hf_dir": s.hf_dir}
-        source.update(peft_dir=s.peft_dir, verify=s.verify)
+        source.update(peft_dir=s.peft_dir, verify=s.verify, base_dir=s.base_dir)
         runs = [McoreRun(dt, **source, fp8=s.fp8 if dt == "fp8" else None) for dt in s.runs]
         if s.ablate:
             runs += [McoreRun(s.dtype, ablation=a.name, **source)

@@ -49,6 +49,8 @@ class McoreRun:
     peft_dir: str | None = None
     # check ``mcore_dir``'s files against its manifest before loading them (align --no-verify: False)
     verify: bool = True
+    # a LoRA run's base where it is no longer where the run recorded it (align --base-dir)
+    base_dir: str | None = None
     # dtype "fp8": torchao's float8 (recipe, filter) in the bf16 model's decoder GEMMs (models/blocks/float8.py)
     fp8: tuple | None = None
 
@@ -89,7 +91,7 @@ def _adapters_of(run: McoreRun, arch):
     if run.mcore_dir is not None:
         if open_checkpoint(run.mcore_dir, hf_config=run.hf_dir, config_option="--hf-dir",
                            family_option=None, verify=run.verify).sidecar.lora:
-            return open_adapters(run.mcore_dir, arch, run.verify)
+            return open_adapters(run.mcore_dir, arch, run.verify, run.base_dir, "--base-dir")
     return open_adapters(run.peft_dir, arch) if run.peft_dir else None
 
 

@@ -32,6 +32,8 @@ def command_line(args) -> str:
         parts += ["--etp", str(args.etp)]
     if args.peft_dir:
         parts += ["--peft-dir", args.peft_dir]
+    if args.base_dir:
+        parts += ["--base-dir", args.base_dir]
     parts += ["--dtype", args.dtype]
     if args.dtype == "fp8":
         parts += ["--fp8-recipe", args.fp8_recipe, "--fp8-filter", args.fp8_filter]
@@ -75,7 +77,7 @@ def run(args) -> int:
         hf_dir=args.hf_dir, mcore_dir=args.mcore_dir, hf_dir_2=args.hf_dir_2, layout=layout_from_args(args),
         dtype=args.dtype, seq_len=args.seq_len, batch=args.batch, seed=args.seed, text_file=args.text_file,
         ablate=args.ablate, tolerance=args.tolerance, only_dtype=args.only_dtype, peft_dir=args.peft_dir,
-        verify=not args.no_verify, fp8_recipe=args.fp8_recipe,
+        verify=not args.no_verify, base_dir=args.base_dir, fp8_recipe=args.fp8_recipe,
         fp8_filter=parse_filter("--fp8-filter", args.fp8_filter))
     if args.report_dir:
         try:
@@ -84,7 +86,7 @@ def run(args) -> int:
             raise UserError(f"cannot create the folder of --report-dir {args.report_dir} ({exc.strerror or exc})")
     # The report folder is an output like any other (docs/outputs.md): its lock is taken and the folder checked
     # (new, or an earlier report replaced with --force) before the run, and it is published whole at the end.
-    inputs = (args.hf_dir, args.mcore_dir, args.hf_dir_2, args.peft_dir, args.text_file)
+    inputs = (args.hf_dir, args.mcore_dir, args.hf_dir_2, args.peft_dir, args.base_dir, args.text_file)
     with atomic_output_dir(args.report_dir, args.force, tool="mpatch align", inputs=inputs, what="--report-dir") \
             if args.report_dir else contextlib.nullcontext() as partial:
         try:
@@ -137,6 +139,9 @@ def register(subparsers) -> None:
     p.add_argument("--peft-dir", default=None,
                    help="a peft LoRA adapter of --hf-dir: the reference is peft's model with it, MCore carries the same "
                         "adapters (from --mcore-dir when it holds adapters, else from this folder)")
+    p.add_argument("--base-dir", default=None, metavar="DIR",
+                   help="the base checkpoint a LoRA run in --mcore-dir was trained on, where it is no longer where the "
+                        "run recorded it (checked by digest, as mpatch eval's and mcore2hf --merge-lora's)")
     p.add_argument("--no-verify", action="store_true",
                    help="do not check --mcore-dir's files against its mpatch_manifest.json (checked by default, where it "
                         "has one): for a checkpoint edited on purpose")
