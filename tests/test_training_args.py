@@ -516,13 +516,16 @@ def test_a_node_that_never_joins_fails_the_rendezvous_within_mp_dist_timeout_min
     audit)."""
     from megatron_patch.runtime.distributed import free_port
 
-    port = free_port()
-    env = {**os.environ, "PYTHON": sys.executable, "WORLD_SIZE": "2", "RANK": node, "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "GPUS_PER_NODE": "1", "MP_DIST_TIMEOUT_MIN": "0.05"}
     cmd = ["bash", os.path.join(REPO, "examples", "llama3_1", "run_mcore_llama3_1.sh"),
            *launcher_args("llama3_1", ENV="dlc", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(tmp_path / "out"))]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    last = proc.stderr.strip().splitlines()[-1]
+    for _ in range(3):  # a free port can be taken by another process before node 0 binds it: another, then
+        port = free_port()
+        env = {**os.environ, "PYTHON": sys.executable, "WORLD_SIZE": "2", "RANK": node, "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "GPUS_PER_NODE": "1", "MP_DIST_TIMEOUT_MIN": "0.05"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        last = proc.stderr.strip().splitlines()[-1]
+        if f"MASTER_PORT {port} is in use on this node" not in last:
+            break
     assert proc.stderr.count("\n") == 1, proc.stderr[-3000:]
     assert proc.returncode == 1 and last.startswith(
         f"mpatch train: error: the nodes did not all join the rendezvous at 127.0.0.1:{port} within "
