@@ -389,7 +389,8 @@ selected() {
 missing_need() {  # prints the reason (and fails) when this machine lacks one of the step's needs
   local need reason
   [ -n "$1" ] || return 0
-  [ -f "$WORK/needs.tsv" ] || helper needs >"$WORK/needs.tsv" || return 0
+  [ -f "$WORK/needs.tsv" ] || helper needs --wheels "$WHEELS" ${WHEELS:+--also "$WHEELS/eval"} >"$WORK/needs.tsv" \
+    || return 0
   for need in ${1//,/ }; do
     reason=$(awk -F'\t' -v n="$need" '$1 == n { print $2 }' "$WORK/needs.tsv")
     [ -z "$reason" ] && continue

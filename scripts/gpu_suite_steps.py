@@ -181,6 +181,20 @@ def needs(args) -> int:
     import importlib.util
 
     te = capabilities().transformer_engine
+    if simulated() and args.wheels:
+        # the lent machine has none of these and cannot reach a package index: what it gets is a wheel carried in
+        # --wheels (the fdoc audit: phase 5's dry run passed on this machine's torchao, and the GPU call would skip);
+        # without --wheels the pins come from the package index, as install() says, so this machine's stand for them
+        carried = {_wheel_name(w)[0] for f in (args.wheels, *args.also) if f and Path(f).is_dir()
+                   for w in Path(f).glob("*.whl")}
+        wheels = {"mcore": ("megatron-core", "--wheels"), "torchao": ("torchao", "--wheels"),
+                  "lmeval": ("lm-eval", "WHEELS/eval")}
+        for name, (dist, where) in wheels.items():
+            print(f"{name}\t" + ("" if dist in carried else f"{dist} is not on the lent machine, and no wheel of it is "
+                                 f"carried in {where} (docs/gpu.md says how to download it)"))
+        print(f"te\t{'' if te else 'needs transformer-engine, which the lent machine lacks (docs/gpu.md)'}")
+        print("local\t")
+        return 0
     reasons = {
         "mcore": "" if importlib.util.find_spec("megatron") and importlib.util.find_spec("megatron.core") else
         "megatron-core is not importable here (carry its wheel with --wheels: docs/gpu.md)",
@@ -652,6 +666,8 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true")
     p.set_defaults(run=install)
     p = sub.add_parser("needs")
+    p.add_argument("--wheels", default="")
+    p.add_argument("--also", action="append", default=[], help="another folder of wheels (a phase's own)")
     p.set_defaults(run=needs)
     p = sub.add_parser("prepare")
     p.add_argument("--work", required=True)

@@ -68,9 +68,10 @@ def _wheel(folder: Path, name: str, version: str, module: str | None = None) -> 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("suite")
-    wheels = root / "wheels"  # what the lent machine gets: the megatron-core wheel, and lm-eval's for phase 6
+    wheels = root / "wheels"  # what the lent machine gets: megatron-core's and torchao's wheels, lm-eval's for phase 6
     (wheels / "eval").mkdir(parents=True)
     _wheel(wheels, "megatron-core", "0.19.2")
+    _wheel(wheels, "torchao", "0.18.0")
     _wheel(wheels / "eval", "lm-eval", "0.4.13")
     proc = _suite(root / "out", root / "work", "--wheels", str(wheels))
     return {"out": root / "out", "work": root / "work", "proc": proc}
@@ -181,6 +182,22 @@ def test_a_failing_step_is_marked_and_the_suite_goes_on(dry_run, tmp_path):
     assert "!!! FAILED  train-bf16" in proc.stdout and "step(s) FAILED" in proc.stderr
     assert "**2 step(s) FAILED**" in (tmp_path / "gpu-suite-phase2.md").read_text()  # prepare sized nothing either
     assert [p.name for p in tmp_path.iterdir()] and len(list(tmp_path.iterdir())) == 2  # only phase 2 ran
+
+
+def test_a_step_whose_wheel_is_not_carried_is_skipped_as_on_the_lent_machine(tmp_path):
+    """The fdoc audit: the dry run found torchao on this machine and called phase 5's fp8 steps OK, with no torchao
+    wheel carried, and the lent machine (no torchao, no package index) would have skipped them. What the simulated
+    machine has is what --wheels carries."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "megatron-core", "0.19.2")
+    proc = _suite(tmp_path / "out", tmp_path / "work", "--phase", "5", "--only", "train-fp8-tensorwise-compiled",
+                  "--wheels", str(wheels))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    step = _steps(tmp_path / "work", 5)["train-fp8-tensorwise-compiled"]
+    assert step["status"] == "SKIPPED" and step["note"] == (
+        "torchao is not on the lent machine, and no wheel of it is carried in --wheels (docs/gpu.md says how to "
+        "download it)"), step
 
 
 def test_bad_option_is_refused(tmp_path):
