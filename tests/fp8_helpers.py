@@ -235,3 +235,78 @@ def torchao_reference_losses(hf_dir, family: str, args: list[str], recipe: str, 
                 p.copy_(m)
     return losses
 
+
+
+def plan_and_live_worker(families: tuple[str, ...], recipe: str, fp8_filter) -> dict:
+    """Per family: the decoder GEMMs the dry run's plan (``float8_plan.arch_gemms``) puts in float8, and those the
+    live tiny model's conversion (``float8.convert_chunks``) does, each as (module, part, float8) with the experts'
+    indices left out."""
+    import re
+
+    from megatron_patch.models.blocks import float8
+    from megatron_patch.models.blocks.builder import build_model
+    from megatron_patch.models.blocks.float8_plan import arch_gemms
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.models.description.tiny import tiny_config
+
+    init_model_parallel(ParallelLayout())
+    out = {}
+    for family in families:
+        arch = parse_arch(tiny_config(family))
+
+        def named(gemms):
+            return {(re.sub(r"\.local_experts\.\d+\.", ".", g.module), g.part, g.float8) for g in gemms}
+
+        planned = named(g for layer in arch_gemms(arch, recipe, fp8_filter).values() for g in layer)
+        model = build_model(arch, ParallelLayout(), torch.bfloat16)
+        live = named(float8.convert_chunks([model], recipe, fp8_filter, arch.linear_attention))
+        out[family] = (planned, live)
+    return out
+
+
+def sequence_parallel_worker() -> dict:
+    """A column-parallel linear at TP=2 with sequence parallelism, bf16 and float8 (tensorwise, every GEMM): the bytes
+    each keeps for backward, and whether the float8 one's output and gradients equal those of its GEMM fed the
+    sequence gathered beforehand (how it computed before it kept the local part alone)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_patch.models.blocks import float8
+    from tests.saved_tensors import SavedTensorMeter
+
+    init_model_parallel(ParallelLayout(tp=2))
+    cfg = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                            params_dtype=torch.bfloat16, bf16=True, tensor_model_parallel_size=2,
+                            sequence_parallel=True, gradient_accumulation_fusion=False, add_bias_linear=False)
+    torch.manual_seed(0)
+    x = torch.randn(16, 2, 64, dtype=torch.bfloat16)  # this rank's 16 of 32 positions
+    out = {}
+    for as_float8 in (False, True):
+        torch.manual_seed(1)
+        linear = ColumnParallelLinear(64, 256, config=cfg, init_method=torch.nn.init.normal_, bias=False,
+                                      gather_output=False)
+        if as_float8:
+            chunk = torch.nn.Module()
+            chunk.decoder = torch.nn.Module()
+            chunk.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+            chunk.decoder.layers[0].mlp = torch.nn.Module()
+            chunk.decoder.layers[0].mlp.linear_fc1 = linear
+            float8.convert_chunks([chunk], "tensorwise", "all", None)
+        local = x.clone().requires_grad_()
+        with SavedTensorMeter(exclude=[linear.weight]) as meter:
+            y, _ = linear(local)
+            out[f"saved_{'float8' if as_float8 else 'bf16'}"] = meter.live
+            y.float().square().sum().backward()
+        if as_float8:  # the same GEMM fed the gathered sequence
+            before = x.clone().requires_grad_()
+            weight = linear.weight.detach().clone().requires_grad_()
+            gathered = gather_from_sequence_parallel_region(before, tensor_parallel_output_grad=True,
+                                                            group=linear.tp_group)
+            y0 = float8.Float8ParallelMatmul.apply(gathered, weight, float8.torchao_config("tensorwise"),
+                                                   float8._mm_config(float8.torchao_config("tensorwise")),
+                                                   float8.Sharding("column", linear.tp_group), linear._float8_parts)
+            y0.float().square().sum().backward()
+            out["same"] = (torch.equal(y, y0) and torch.equal(local.grad, before.grad)
+                           and torch.equal(linear.weight.grad, weight.grad))
+    return out

@@ -19,7 +19,7 @@ from megatron_patch.training import fp8_run
 from megatron_patch.training.machine_checks import machine_problems
 from megatron_patch.training.megatron_settings import megatron_settings
 from megatron_patch.training.validation import resolve
-from tests.fp8_helpers import gemms_worker
+from tests.fp8_helpers import gemms_worker, plan_and_live_worker, sequence_parallel_worker
 from tests.training_helpers import REPO, launcher_args
 
 torchao = pytest.importorskip("torchao")
@@ -121,8 +121,30 @@ def test_a_torchao_that_does_not_import_is_refused_before_launch(monkeypatch):
         machine.torchao_import_error.cache_clear()
     assert caps.torchao and "import of torchao.float8 halted" in caps.torchao_import_error
     assert machine_problems(_cfg(), caps) == [
-        f"PR=fp8 runs torchao's float8 here, and torchao is installed but does not import ({caps.torchao_import_error})"
-        ": reinstall it for this torch (pip install -e \".[fp8]\"), or use PR=bf16"]
+        f"PR=fp8 runs torchao's float8 here, and the torchao installed cannot run it ({caps.torchao_import_error})"
+        ": install torchao>=0.18 for this torch (pip install -e \".[fp8]\"), or use PR=bf16"]
+
+
+def test_a_torchao_without_the_float8_modules_the_run_uses_is_refused(monkeypatch):
+    """The fdoc audit: a torchao whose float8 package imports without the modules the ranks use (float8_training_tensor
+    was float8_tensor before 0.12) passed the check, and every rank failed; one older than the [fp8] extra's minimum
+    is refused for its version alike."""
+    import sys
+
+    import torchao.float8
+
+    from megatron_patch.runtime import machine
+
+    monkeypatch.delattr(torchao.float8, "float8_training_tensor")
+    monkeypatch.setitem(sys.modules, "torchao.float8.float8_training_tensor", None)
+    machine.torchao_import_error.cache_clear()
+    try:
+        assert "torchao.float8.float8_training_tensor" in machine.torchao_import_error()
+        machine.torchao_import_error.cache_clear()
+        monkeypatch.setattr(machine, "installed_version", lambda *dists: "0.11.0" if dists == ("torchao",) else None)
+        assert machine.torchao_import_error() == "torchao 0.11.0 is older than 0.18"
+    finally:
+        machine.torchao_import_error.cache_clear()
 
 
 def test_neither_transformer_engine_nor_torchao_is_refused_in_one_line():
@@ -248,6 +270,15 @@ def test_tp2_scales_are_the_whole_tensors():
                 assert d["relative"] <= 1e-2, (recipe, name, what, d)  # bf16 rounding of a sum
     local = run_local(gemms_worker, 2, 2, ("tensorwise",), False)[0]
     assert not any(local[("tensorwise", name)][what]["equal"] for name, whats in exact.items() for what in whats)
+
+
+def test_under_sequence_parallelism_the_float8_linear_keeps_the_local_input_as_megatrons():
+    """The fdoc audit: the float8 linear was fed the gathered sequence and kept it for backward, TP times what
+    megatron-core's bf16 linear keeps (its local part, gathered again in backward), which docs/fp8.md's memory
+    section says it does not add. It gathers inside now: the same bytes kept, the same results bit for bit."""
+    result = run_local(sequence_parallel_worker, 2)[0]
+    assert result["saved_float8"] == result["saved_bf16"] > 0, result
+    assert result["same"]
 
 
 def test_an_expert_without_tokens_computes_nothing():
@@ -414,11 +445,14 @@ def test_fp8_trains_at_tp2_pp2_and_ep2_dense_and_moe(corpus, converted, tmp_path
     """The launcher trains PR=fp8 (torchao) from a converted checkpoint at TP=2 and PP=2 (Llama), and EP=2 and
     TP=2 x ETP=2 (Qwen2-MoE, each local expert's GEMMs in float8): the loss falls over 4 iterations, and the log says
     what ran in float8."""
-    assert "float8 (torchao, tensorwise): decoder GEMMs in float8 by kind: proj 4/4, qkv 12/12, fc1 8/8, fc2 4/4" \
-        in tp2["stdout"], tp2["stdout"][-2000:]
+    assert "float8 (torchao, tensorwise): this rank's decoder GEMMs in float8 by kind: proj 4/4, qkv 12/12, fc1 8/8, " \
+        "fc2 4/4" in tp2["stdout"], tp2["stdout"][-2000:]
     assert _falls(tp2["metrics"]), [m["loss"] for m in tp2["metrics"]]
     pp2 = _run(corpus, converted, tmp_path_factory, "fp8-pp2", PP="2", env={"MP_FP8_RECIPE": "rowwise"})
     assert _falls(pp2["metrics"]), [m["loss"] for m in pp2["metrics"]]
+    for stage in (0, 1):  # each stage says what its own layers run (rank 0 alone said it: the fdoc audit)
+        assert (f"pipeline stage {stage}: float8 (torchao, rowwise): this rank's decoder GEMMs in float8 by kind: proj "
+                "2/2, qkv 6/6, fc1 4/4, fc2 2/2") in pp2["stdout"], pp2["stdout"][-3000:]
     moe = _run(corpus, converted, tmp_path_factory, "fp8-ep2", family="qwen2_moe", EP="2", ETP="1", BATCH_SIZE="2",
                env={"MP_NPROC": "2"})
     assert "experts " in moe["stdout"] and _falls(moe["metrics"]), [m["loss"] for m in moe["metrics"]]
@@ -663,6 +697,13 @@ def test_align_fp8_without_torchao_names_the_fp8_extra(tmp_path, monkeypatch, ca
     assert main(["align", "--hf-dir", str(tmp_path), "--dtype", "fp8"]) == 2
     error = capsys.readouterr().err
     assert 'pip install -e ".[fp8]"' in error and len(error.strip().splitlines()) == 1
+    # installed but unusable: it was an internal error after the fp32 run (the fdoc audit)
+    monkeypatch.setattr(alignment, "installed_version", lambda *dists: "0.18.0")
+    monkeypatch.setattr(alignment, "torchao_import_error", lambda: "ImportError: built for another torch")
+    assert main(["align", "--hf-dir", str(tmp_path), "--dtype", "fp8"]) == 2
+    assert capsys.readouterr().err == ("mpatch align: error: --dtype fp8 runs torchao's float8, and the torchao installed "
+                                       "cannot run it (ImportError: built for another torch): install torchao>=0.18 for "
+                                       "this torch (pip install -e \".[fp8]\"), or choose another --dtype\n")
 
 
 def test_align_fp8_refuses_a_filter_that_leaves_every_gemm_in_bf16(tmp_path, capsys):
@@ -717,6 +758,19 @@ def test_the_dry_run_and_the_memory_plan_count_linear_attentions_gemms():
     linear = qwen3_5.arch.linear_attention
     qk, v = linear.num_key_heads * linear.key_head_dim, linear.num_value_heads * linear.value_head_dim
     assert parts == [("qkv", 2 * qk + v), ("z", v), ("b", linear.num_value_heads), ("a", linear.num_value_heads)]
+
+
+def test_the_plan_lists_exactly_the_gemms_the_run_converts():
+    """The fdoc audit: DeepSeek-V3.2's and GLM-5's indexers and DeepSeek-V4's whole linears (IndexerLinear) were in
+    the dry run's float8 list and in align's HF floor, and the run kept them in bf16. Each is converted now; the
+    plan and the live tiny model agree on every GEMM, a family of megatron-core's linears alone beside them."""
+    families = ("deepseek_v32", "glm_moe_dsa", "deepseek_v4", "qwen3_moe")
+    result = run_local(plan_and_live_worker, 1, families, "tensorwise", "all")[0]
+    for family, (planned, live) in result.items():
+        assert planned == live, (family, planned ^ live)
+        assert all(fp8 for *_, fp8 in live), family
+    assert {m.split(".")[-1] for m, _, _ in result["deepseek_v32"][1] if ".indexer." in m} == {
+        "linear_wq_b", "linear_wk", "linear_weights_proj"}
 
 
 def test_the_mtp_layer_is_converted_and_listed_like_a_decoder_layer():

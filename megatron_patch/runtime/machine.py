@@ -118,14 +118,25 @@ def cpu_float8_rowwise() -> bool:
     return True
 
 
+# the [fp8] extra's torchao (setup.py): older releases name float8's modules otherwise (float8_training_tensor was
+# float8_tensor before 0.12), so their import fails on every rank
+TORCHAO_MINIMUM = (0, 18)
+
+
 @functools.cache
 def torchao_import_error() -> str | None:
-    """Why torchao's float8 training modules fail to import although its distribution is installed (a torchao built
-    for another torch, say), or None. Tried once per process, and only for a PR=fp8 launch or dry run (the import
-    takes about a second): otherwise the ranks would start and stop with an internal error."""
+    """Why torchao's float8 training cannot run although its distribution is installed (older than the [fp8] extra's
+    minimum, or built for another torch so its float8 modules fail to import), or None. Tried once per process, and
+    only for a PR=fp8 launch or dry run and align --dtype fp8 (the import takes about a second): otherwise the ranks
+    would start and stop with an internal error."""
+    version = installed_version("torchao")
+    if version and version_tuple(version) and version_tuple(version) < TORCHAO_MINIMUM:
+        return f"torchao {version} is older than {'.'.join(map(str, TORCHAO_MINIMUM))}"
     quiet_known_warnings()  # the notices torchao's import prints about CUDA extensions it cannot load
     try:
+        # what models/blocks/float8.py imports
         import torchao.float8  # noqa: F401
+        from torchao.float8 import float8_training_tensor, float8_utils  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any failure to import means: not usable here
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
     return None

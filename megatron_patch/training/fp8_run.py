@@ -42,9 +42,9 @@ def fp8_problem(cfg, caps) -> str | None:
         return ("PR=fp8 needs transformer-engine (on a GPU) or torchao (pip install -e \".[fp8]\", or pip install "
                 "torchao), and neither is installed here: install torchao, or use PR=bf16")
     if impl == TORCHAO and caps.torchao_import_error:
-        return (f"PR=fp8 runs torchao's float8 here, and torchao is installed but does not import "
-                f"({caps.torchao_import_error}): reinstall it for this torch (pip install -e \".[fp8]\"), or use "
-                "PR=bf16")
+        return (f"PR=fp8 runs torchao's float8 here, and the torchao installed cannot run it "
+                f"({caps.torchao_import_error}): install torchao>=0.18 for this torch (pip install -e \".[fp8]\"), or "
+                "use PR=bf16")
     if impl == TORCHAO and recipe(cfg, impl) not in TORCHAO_RECIPES:
         return (f"MP_FP8_RECIPE={cfg.fp8_recipe} is transformer-engine's, which this machine runs without: torchao "
                 f"takes {' | '.join(TORCHAO_RECIPES)}")

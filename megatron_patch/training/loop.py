@@ -274,7 +274,7 @@ class Trainer:
 
             recipe = fp8_run.recipe(cfg, fp8)
             gemms = float8.convert_chunks(chunks, recipe, cfg.fp8_filter, self.arch.linear_attention)
-            self._log(float8.describe_gemms(gemms, recipe))
+            self._log_of_stage(float8.describe_gemms(gemms, recipe))  # each stage its own layers (the fdoc audit)
         if cfg.compile_fusions:
             self._log(compiled_fusions.describe(compiled_fusions.compile_fusions(chunks)))
         if cfg.compile_layers:

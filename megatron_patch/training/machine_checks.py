@@ -1,7 +1,7 @@
-"""What this machine can run of a ``RunConfig`` (read from ``runtime/machine.py``'s ``Capabilities``): FP8,
-transformer-engine's FlashAttention, sequence parallelism, TP overlap, context parallelism and activation
-offloading need a GPU with transformer-engine. Each problem says what to change; the launcher refuses on the
-first. Which attention runs is decided here too (``core_attention``, ``attention_kernel``)."""
+"""What this machine can run of a ``RunConfig`` (read from ``runtime/machine.py``'s ``Capabilities``):
+transformer-engine's FP8 recipes and FlashAttention, sequence parallelism and TP overlap on a GPU, context
+parallelism and activation offloading need transformer-engine; PR=fp8 elsewhere needs torchao. Each problem says
+what to change; the launcher refuses on the first. Which attention runs is decided here too (``core_attention``, ``attention_kernel``)."""
 
 from __future__ import annotations
 

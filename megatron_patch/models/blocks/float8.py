@@ -194,18 +194,29 @@ def _pad_tokens(tensor: torch.Tensor) -> torch.Tensor:
 class Float8ParallelMatmul(torch.autograd.Function):
     """``input @ weight.T`` with each operand of each of the three GEMMs cast to float8 as ``config`` (torchao's
     ``Float8LinearConfig``) says: torchao's ``matmul_with_hp_or_float8_args``, with the scales of ``sharding`` and
-    one GEMM per part of the weight (``parts``)."""
+    one GEMM per part of the weight (``parts``).
+
+    ``sequence_group``: the input is this rank's part of the sequence (sequence parallelism): it is gathered over
+    the group in bf16 for the GEMMs, and the input's gradient reduce-scattered back, as megatron-core's own linear
+    does, which keeps only the local part for backward and gathers it again there (the fdoc audit: gathered before
+    this function, the float8 linear kept TP times the bf16 linear's input)."""
 
     @staticmethod
-    def forward(ctx, input_hp, weight_hp, config, mm_config, sharding: Sharding, parts: Parts):
+    def forward(ctx, input_hp, weight_hp, config, mm_config, sharding: Sharding, parts: Parts, sequence_group=None):
         # a transposed input (DeepSeek-V4's output projection takes its sequence-first view) would be reshaped after
         # its cast, a copy torchao's row-scaled float8 tensor cannot make ("aten.clone ... axiswise scaling")
         input_hp = input_hp.contiguous()
+        local = input_hp
+        if sequence_group is not None:
+            from megatron.core.tensor_parallel.mappings import _gather_along_first_dim  # as the class above says
+
+            input_hp = _gather_along_first_dim(local, sequence_group)
+        ctx.sequence_group = sequence_group
         if input_hp.numel() == 0:
             # an expert no token was routed to this step: nothing to scale (every rank of a linear's TP group sees
             # the same tokens, so all of them skip the scales' reductions together)
             parts = Parts(parts.groups, parts.widths, (False,) * len(parts.widths))
-        ctx.save_for_backward(input_hp, weight_hp)
+        ctx.save_for_backward(local, weight_hp)
         ctx.config, ctx.mm_config, ctx.sharding, ctx.parts = config, mm_config, sharding, parts
         tt = _torchao()[1]
         c, group, pow2 = config, sharding.group, config.round_scales_to_power_of_2
@@ -228,6 +239,10 @@ class Float8ParallelMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input_hp, weight_hp = ctx.saved_tensors
+        if ctx.sequence_group is not None and ctx.needs_input_grad[1]:
+            from megatron.core.tensor_parallel.mappings import _gather_along_first_dim  # megatron-core: see forward
+
+            input_hp = _gather_along_first_dim(input_hp, ctx.sequence_group)
         c, mm, sharding, parts = ctx.config, ctx.mm_config, ctx.sharding, ctx.parts
         tt = _torchao()[1]
         group, pow2 = sharding.group, c.round_scales_to_power_of_2
@@ -264,8 +279,12 @@ class Float8ParallelMatmul(torch.autograd.Function):
             grad_input = piece if grad_input is None else grad_input + piece
         if grad_input is not None:
             grad_input = grad_input.reshape(*out_shape[:-1], grad_input.shape[-1])
+            if ctx.sequence_group is not None:  # back to this rank's part of the sequence, summed over the group
+                from megatron.core.tensor_parallel.mappings import _reduce_scatter_along_first_dim  # see forward
+
+                grad_input = _reduce_scatter_along_first_dim(grad_input, ctx.sequence_group)
         grad_weight = parts.join_rows(grad_weights) if need_weight else None
-        return grad_input, grad_weight, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None
 
 
 # --- megatron-core's linears ----------------------------------------------------------------------------------------
@@ -297,9 +316,14 @@ def _parts(module, relative: str, recipe: str, fp8_filter, tp: int, linear_atten
 def _float8_forward_impl(module, config, mm_config, parts: Parts):
     """A ``_forward_impl`` for ``module`` (megatron-core's ``linear_with_grad_accumulation_and_async_allreduce``'s
     arguments): megatron-core's bf16 communication around ``Float8ParallelMatmul``."""
-    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                        gather_from_sequence_parallel_region)
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    if _whole_linear(module):
+        # a whole weight on every rank, fed the whole sequence (the sparse attention gathers it first): nothing to
+        # communicate, and no scale spans a split
+        return lambda input, weight, bias=None: Float8ParallelMatmul.apply(input, weight, config, mm_config,
+                                                                          Sharding("column"), parts)
 
     tp_group = module.tp_group
     group = tp_group if tp_group is not None and tp_group.size() > 1 else None
@@ -307,25 +331,36 @@ def _float8_forward_impl(module, config, mm_config, parts: Parts):
 
     def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
                      sequence_parallel=False, *args, **kwargs):
-        if sequence_parallel:  # the sequence gathered in bf16; the gradient reduce-scattered in bf16
-            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-        elif allreduce_dgrad:  # the input's gradient all-reduced over TP in bf16
+        # sequence parallelism: the sequence gathered in bf16 inside the GEMM's function (its gradient reduce-scattered
+        # in bf16), which keeps the local part for backward, as megatron-core's linear does
+        if allreduce_dgrad and not sequence_parallel:  # the input's gradient all-reduced over TP in bf16
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        output = Float8ParallelMatmul.apply(input, weight, config, mm_config, sharding, parts)
+        output = Float8ParallelMatmul.apply(input, weight, config, mm_config, sharding, parts,
+                                            tp_group if sequence_parallel else None)
         return output if bias is None else output + bias
 
     return forward_impl
 
 
+def _whole_linear(module) -> bool:
+    """Whether ``module`` is a sparse attention's whole linear (``IndexerLinear``), unsplit on every TP rank."""
+    # sparse_attention imports megatron-core at its top: imported here, as megatron-core is (above)
+    from megatron_patch.models.blocks.sparse_attention import IndexerLinear
+
+    return isinstance(module, IndexerLinear)
+
+
 def decoder_linears(chunk):
     """(layer-relative name, full name, module) of every column- and row-parallel linear in ``chunk``'s decoder
-    layers and its MTP layers' transformer layers (the output layer, the embedding and MTP's eh_proj are not among
-    them)."""
+    layers and its MTP layers' transformer layers, and of the sparse attentions' whole linears (``IndexerLinear``:
+    DeepSeek's indexers, V4's attention projections; the output layer, the embedding and MTP's eh_proj are not
+    among them)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     for name, module in chunk.named_modules():
         match = _DECODER_LAYER.match(name)
-        if match and isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.weight is not None:
+        if match and (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or _whole_linear(module)) \
+                and module.weight is not None:
             yield match.group(1), name, module
 
 
@@ -334,6 +369,8 @@ def whole_shape(module) -> tuple[int, int]:
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     out_local, in_local = module.weight.shape
+    if _whole_linear(module):
+        return out_local, in_local
     if isinstance(module, ColumnParallelLinear):
         return module.output_size, in_local
     return out_local, module.input_size
@@ -350,7 +387,10 @@ def convert_chunks(chunks: list, recipe: str, fp8_filter, linear_attention) -> l
     gemms = []
     for chunk in chunks:
         for relative, name, module in decoder_linears(chunk):
-            tp = module.tp_group.size() if module.tp_group is not None else 1
+            # an IndexerLinear's whole weight is decided at the model's TP, as the dry run's plan sizes every decoder
+            # GEMM (on a GPU a shape that TP would cut below float8's multiples of 16 stays in bf16 on both sides)
+            tp = (module.config.tensor_model_parallel_size if _whole_linear(module)
+                  else module.tp_group.size() if module.tp_group is not None else 1)
             parts, found = _parts(module, relative, recipe, fp8_filter, tp, linear_attention)
             gemms += found
             if any(parts.float8):
@@ -382,7 +422,7 @@ def describe_gemms(gemms: list[Gemm], recipe: str) -> str:
         counts = kinds.setdefault(gemm.kind, [0, 0])
         counts[0 if gemm.float8 else 1] += 1
     parts = [f"{kind} {fp8}/{fp8 + bf16}" for kind, (fp8, bf16) in kinds.items()]
-    return (f"float8 (torchao, {recipe}): decoder GEMMs in float8 by kind: {', '.join(parts) or 'none'}; "
+    return (f"float8 (torchao, {recipe}): this rank's decoder GEMMs in float8 by kind: {', '.join(parts) or 'none'}; "
             "the rest, the embedding and the output layer in bf16; communication in bf16")
 
 

@@ -99,13 +99,19 @@ class IndexerLinear(torch.nn.Module):
             raise ValueError("the indexer's projections have no bias")
         # as megatron's linears keep it: whether its input is cut along the sequence (LoRA's adapters follow it)
         self.sequence_parallel = config.sequence_parallel
+        self.config = config  # as megatron's linears keep it: PR=fp8's conversion reads the model's shape from it
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype, device=device))
         if config.perform_initialization:
             init_method(self.weight)
 
     def forward(self, x: torch.Tensor):
-        return F.linear(x, self.weight), None
+        return self._forward_impl(x, self.weight), None
+
+    @staticmethod
+    def _forward_impl(input: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+        """The GEMM, megatron's linears' seam by name: PR=fp8 replaces it with a float8 one (blocks/float8.py)."""
+        return F.linear(input, weight, bias)
 
 
 class IndexerKeyNorm(torch.nn.LayerNorm):
