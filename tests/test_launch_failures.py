@@ -250,3 +250,27 @@ def test_reports_beside_skip_a_cut_short_file_and_files_outside_torchs_layout(tm
 
 def _text_of(failure) -> str:
     return failure.error_file_data["message"]["message"]
+
+
+def test_a_stopped_rank_is_woken_to_take_the_agents_sigterm():
+    """A rank stopped by SIGSTOP (or a debugger's pause) takes the SIGTERM torch's process context sends the others
+    once one failed only when continued: torch waited out its 30 s grace, then sent SIGKILL, so such a job ended 30 s
+    after its timeout (tests/test_training.py::test_stopped_rank_fails_the_job_naming_it prints how long). Within
+    the launch's monitor, the SIGTERM is followed by SIGCONT, and the rank ends by it."""
+    import multiprocessing
+
+    from megatron_patch.runtime.launch import _agent_monitor
+
+    rank = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,))
+    rank.start()
+    try:
+        os.kill(rank.pid, signal.SIGSTOP)
+        with _agent_monitor():
+            rank.terminate()
+        rank.join(20)  # at once where woken; a rank left stopped would still be there after it
+        assert rank.exitcode == -signal.SIGTERM, rank.exitcode
+    finally:
+        if rank.is_alive():
+            os.kill(rank.pid, signal.SIGCONT)
+            rank.kill()
+            rank.join()

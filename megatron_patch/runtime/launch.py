@@ -368,6 +368,8 @@ def _agent_monitor():
       entrypoint (forked ranks) reports one failed process, the first in local-rank order: a rank 1 killed by
       SIGKILL (the OOM killer) was reported as rank 0's lost connection (the dlc audit), where a fresh rank's
       agent reports each, and the one line names the signal;
+    - wakes a stopped rank (SIGSTOP, a debugger's pause) before the agent's SIGTERM, which a stopped process takes
+      only once continued: torch waited out its 30 s grace for it, then sent SIGKILL;
     - ends torchrun's restarts (MP_MAX_RESTARTS) at bad input. A rank that refused its input (its one line of kind
       "user", exit 2) refuses it again at every restart, and a node that restarts after a refusal all nodes made
       waits out the rendezvous for nodes that did not restart (the mn audit: another MP_MAX_RESTARTS on one node);
@@ -375,20 +377,22 @@ def _agent_monitor():
 
     With a torch whose agent or process context is laid out otherwise, each is left as torch does it."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SubprocessContext
 
     monitor = LocalElasticAgent.__dict__.get("_monitor_workers")
     close = MultiprocessContext.__dict__.get("_close")
-    if monitor is None or close is None:
+    close_spawned = SubprocessContext.__dict__.get("_close")
+    if monitor is None or close is None or close_spawned is None:
         yield
         return
     # the ranks torch's process context stops (SIGTERM, and SIGKILL 30 s later) as it finds a failed one: not dead
     # of themselves, whatever their status says
     stopped, terminate, kill = set(), process.BaseProcess.terminate, process.BaseProcess.kill
 
-    def terminate_noting(stopping):
+    def terminate_noting(stopping):  # torch's process context stopping the others once one failed
         stopped.add(stopping.pid)
         terminate(stopping)
+        _continue([stopping.pid])
 
     def kill_noting(stopping):
         stopped.add(stopping.pid)
@@ -398,7 +402,14 @@ def _agent_monitor():
         processes = getattr(getattr(context, "_pc", None), "processes", None) or []
         context.mpatch_dead = {rank: (p.pid, p.exitcode) for rank, p in enumerate(processes)
                                if p.pid not in stopped and p.exitcode not in (None, 0)}
+        _continue(p.pid for p in processes if p.exitcode is None)
         return close(context, *args, **kwargs)
+
+    def close_spawned_continuing(context, *args, **kwargs):
+        handlers = getattr(context, "subprocess_handlers", None) or {}
+        # each spawned rank leads its own process group, which the agent's signals go to (os.killpg)
+        _continue((h.proc.pid for h in handlers.values() if h.proc.poll() is None), group=True)
+        return close_spawned(context, *args, **kwargs)
 
     def monitor_reporting_each_failure(agent, worker_group):
         result = monitor(agent, worker_group)
@@ -413,13 +424,25 @@ def _agent_monitor():
 
     LocalElasticAgent._monitor_workers = monitor_reporting_each_failure
     MultiprocessContext._close = close_noting_the_dead
+    SubprocessContext._close = close_spawned_continuing
     process.BaseProcess.terminate, process.BaseProcess.kill = terminate_noting, kill_noting
     try:
         yield
     finally:
         LocalElasticAgent._monitor_workers = monitor
         MultiprocessContext._close = close
+        SubprocessContext._close = close_spawned
         process.BaseProcess.terminate, process.BaseProcess.kill = terminate, kill
+
+
+def _continue(pids, group: bool = False) -> None:
+    """SIGCONT to each of ``pids`` (``group``: to the process group each leads), gone ones skipped: a running process
+    ignores it."""
+    for pid in pids:
+        try:
+            (os.killpg if group else os.kill)(pid, signal.SIGCONT)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _add_dead_forked_ranks(failures: dict, dead: dict, context, worker_group) -> None:
