@@ -8,6 +8,7 @@ config.json forms, the full-attention layers' keys doubling as values (attention
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -48,6 +49,34 @@ def test_hub_and_transformers5_config_forms_read_the_same():
     # transformers makes the last layer full attention whatever layer_types says; so does the reader
     assert parse_arch({**GEMMA4.tiny_config, "layer_types": ["sliding_attention"] * 2}).layer_types[-1] == \
         "full_attention"
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6, "factor": 8.0}}},
+    {"partial_rotary_factor": 0.25, "rope_parameters": {"full_attention": {"rope_type": "proportional",
+                                                                          "rope_theta": 1e6}}},
+    {"rope_parameters": {"full_attention": {"type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
+                                            "rope_theta": 1e6}}},
+], ids=["default-with-factor", "top-level-share", "legacy-type-key"])
+def test_full_attention_rope_is_read_as_transformers_standardizes_it(rope):
+    """The cfg audit: a default table's factor divided the frequencies (transformers' Gemma 4 reads none), a top-level
+    partial_rotary_factor and a legacy "type" key were not read: each converted into a model align found NOT
+    aligned. The full-attention frequencies equal transformers' own rotary embedding's."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    from megatron_patch.models.gemma4.layers import proportional_inv_freq
+
+    tables = {**GEMMA4.tiny_config["rope_parameters"], **rope.pop("rope_parameters")}
+    config = {k: v for k, v in GEMMA4.tiny_config.items() if k != "per_layer_config"}
+    config.update(rope, rope_parameters=tables)
+    # a copy: transformers fills the tables it is given in place
+    theirs = Gemma4TextRotaryEmbedding(Gemma4TextConfig(**copy.deepcopy(config))).full_attention_inv_freq
+    arch = parse_arch(config)
+    own = arch.family_config
+    ours = proportional_inv_freq(own.full_rope_theta, arch.attention_shape(1).head_dim,
+                                 own.full_partial_rotary_factor, own.full_rope_factor)
+    assert torch.equal(ours, theirs.to(ours.dtype)), (ours, theirs)
 
 
 @pytest.mark.parametrize("over, fragment", [

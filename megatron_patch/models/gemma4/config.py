@@ -168,9 +168,18 @@ def moe_fields(raw: dict) -> dict:
 
 
 def rope_of(raw: dict) -> dict[str, dict]:
-    """Each layer type's RoPE table: default RoPE on sliding windows, proportional RoPE on full attention."""
+    """Each layer type's RoPE table: default RoPE on sliding windows, proportional RoPE on full attention; filled
+    in as transformers' ``standardize_rope_params`` fills it: the kind from a legacy ``type`` key, and the
+    top-level ``partial_rotary_factor`` where the table has none (each was read otherwise, and converted into a
+    model align found NOT aligned: the cfg audit)."""
     given = raw.get("rope_parameters") or {}
-    tables = {t: given.get(t) or DEFAULT_ROPE[t] for t in (SLIDING_ATTENTION, FULL_ATTENTION)}
+    tables = {}
+    for layer_type in (SLIDING_ATTENTION, FULL_ATTENTION):
+        table = dict(given.get(layer_type) or DEFAULT_ROPE[layer_type])
+        table.setdefault("rope_type", table.get("type", "default"))
+        if raw.get("partial_rotary_factor") is not None:
+            table.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+        tables[layer_type] = table
     wanted = {SLIDING_ATTENTION: ("default",), FULL_ATTENTION: ("proportional", "default")}
     for layer_type, kinds in wanted.items():
         kind = tables[layer_type].get("rope_type", "default")
@@ -186,7 +195,9 @@ def parse_config(raw: dict) -> Arch:
     check_supported(raw)
     ropes = rope_of(raw)
     full = ropes[FULL_ATTENTION]
-    partial = float(full.get("partial_rotary_factor", 1.0)) if full.get("rope_type") == "proportional" else 1.0
+    # Gemma 4's default RoPE reads neither a share nor a factor (transformers' compute_default_rope_parameters)
+    proportional = full["rope_type"] == "proportional"
+    partial = float(full.get("partial_rotary_factor", 1.0)) if proportional else 1.0
     tied = raw.get("tie_word_embeddings")
     return Arch(
         family="gemma4", vocab_size=value(raw, "vocab_size"), hidden_size=value(raw, "hidden_size"),
@@ -200,7 +211,7 @@ def parse_config(raw: dict) -> Arch:
         own_attention_shapes=own_attention_shapes(raw, types),
         family_config=Gemma4Settings(
             full_rope_theta=float(full.get("rope_theta", 1_000_000.0)), full_partial_rotary_factor=partial,
-            full_rope_factor=float(full.get("factor", 1.0)),
+            full_rope_factor=float(full.get("factor", 1.0)) if proportional else 1.0,
             final_logit_softcapping=raw.get("final_logit_softcapping"),
             full_keys_are_values=bool(raw.get("attention_k_eq_v")),
             per_layer_input_size=per_layer_input_size(raw), per_layer_input_layers=layers,
