@@ -222,7 +222,24 @@ def buffer_worker() -> dict:
     except UserError as exc:
         aux_refused = str(exc)
     topk = moe_layer("moe", hf_block(1, seed=2).state_dict())
+
+    def planted(edit) -> str:  # what a step says of a table edited as a checkpoint could hold it
+        kept = hashed.router.tid2eid.clone()
+        with torch.no_grad():
+            edit(hashed.router.tid2eid)
+        try:
+            mcore_run(hashed, xs[0], ids[0], grads[0])
+            return ""
+        except UserError as exc:
+            return str(exc)
+        finally:
+            with torch.no_grad():
+                hashed.router.tid2eid.copy_(kept)
+
+    experts = hashed.config.num_moe_experts
     return dict(
+        out_of_range=planted(lambda t: t.__setitem__((3, 0), experts)), negative=planted(lambda t: t.__setitem__((3, 0), -1)),
+        twice=planted(lambda t: t[5].fill_(int(t[5, 0]))), restored=planted(lambda t: None), experts=experts,
         params=[n for n, _ in hashed.named_parameters()],
         state={k: v.dtype for k, v in hashed.state_dict().items() if torch.is_tensor(v)},
         in_optimizer=any(p is hashed.router.tid2eid for g in optimizer.param_groups for p in g["params"]),
@@ -240,6 +257,12 @@ def test_tid2eid_is_a_buffer_kept_in_the_checkpoint_that_no_optimizer_sees():
     # megatron-core's distributed checkpoint (torch_dist) keeps it too, as it is
     assert got["sharded"] == {"mlp.router.weight": torch.float32, "mlp.router.tid2eid": torch.int32}
     assert "routes by token id (hash_moe) but no token ids are bound" in got["refused"]
+    # a checkpoint's table naming an expert the layer lacks was an internal error in the first step, one naming an
+    # expert twice for a token trained another model than transformers' silently (the dsa audit): refused in one line
+    assert got["out_of_range"].endswith(f"tid2eid names expert {got['experts']}, and the layer has {got['experts']} (0 "
+                                        f"to {got['experts'] - 1}): the checkpoint is damaged or not this model's")
+    assert f"tid2eid names expert -1, and the layer has {got['experts']}" in got["negative"]
+    assert "tid2eid names one expert twice for token 5 (" in got["twice"] and got["restored"] == ""
     assert got["aux_refused"].startswith("DeepSeek-V4's router does not support an auxiliary loss")
     # the top-k layer keeps transformers' e_score_correction_bias as megatron-core's expert bias; a hash layer has none
     assert got["topk_state"] == ["router.expert_bias", "router.weight"] and not got["hash_has_bias"]

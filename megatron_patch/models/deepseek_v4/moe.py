@@ -156,6 +156,31 @@ class DeepseekV4HashRouter(DeepseekV4Router):
         order = torch.rand(vocab_size, self.config.num_moe_experts, device=self.weight.device).argsort(dim=1)
         self.register_buffer("tid2eid", order[:, :self.topk].to(torch.int32).contiguous(), persistent=True)
         self.token_ids: torch.Tensor | None = None
+        self._table_checked: tuple | None = None  # the table ``check_table`` last passed: (id, version)
+
+    def check_table(self) -> None:
+        """The table a checkpoint gave (untrusted input): each row k distinct experts of the layer's. An expert
+        number outside them was an internal error in the first step, and a row naming one twice trained silently
+        another model than transformers' (docs/deepseek.md: not representable); both are refused in one line (the
+        dsa audit). Checked once per table, at its first use."""
+        table = self.tid2eid
+        seen = (id(table), table._version)  # a load copies into the buffer in place, which bumps its version
+        if self._table_checked == seen:
+            return
+        experts = self.config.num_moe_experts
+        where = f"layer {self.layer_number - 1}'s tid2eid" if self.layer_number else "a hash layer's tid2eid"
+        low, high = int(table.min()), int(table.max())
+        if low < 0 or high >= experts:
+            raise UserError(f"{where} names expert {low if low < 0 else high}, and the layer has {experts} (0 to "
+                            f"{experts - 1}): the checkpoint is damaged or not this model's")
+        ordered = table.sort(dim=1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            token = int((ordered[:, 1:] == ordered[:, :-1]).any(dim=1).nonzero()[0])
+            raise UserError(f"{where} names one expert twice for token {token} ({table[token].tolist()}): "
+                            "megatron-core routes a token to each expert once, "
+                            "so this model cannot be trained or evaluated as transformers computes it "
+                            "(docs/deepseek.md)")
+        self._table_checked = seen
 
     def _maintain_float32_expert_bias(self):
         pass  # it has no expert bias
@@ -166,6 +191,7 @@ class DeepseekV4HashRouter(DeepseekV4Router):
                                "routing_token_ids(input_ids)")
         if self.token_ids.numel() != scores.shape[0]:
             raise RuntimeError(f"a hash_moe router has {scores.shape[0]} tokens but {self.token_ids.numel()} token ids")
+        self.check_table()
         return self.tid2eid[self.token_ids.reshape(-1)].long()
 
 
