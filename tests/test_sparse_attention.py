@@ -237,7 +237,9 @@ def test_indexer_only_warm_up_trains_the_indexers_alone(tmp_path):
                          DATASET_PATH=data["prefix"], OUTPUT_BASEPATH=str(out), LR="2e-2", MIN_LR="2e-2",
                          GLOBAL_BATCH_SIZE=str(gbs), BATCH_SIZE="2", SEQ_LEN=str(seq),
                          TRAIN_TOKENS_OR_ITERS=str(iters * gbs * seq), WARMUP_TOKENS_OR_ITERS="0",
-                         SAVE_INTERVAL=str(iters))
+                         SAVE_INTERVAL=str(iters), AC="full")
+    # under AC=full (the dsa audit: megatron-core's recompute of a frozen embedding's output ran without a gradient,
+    # computed no indexer loss and trained nothing, at exit 0)
     env = {**os.environ, "PYTHON": sys.executable, "MP_DSA_INDEXER_ONLY": "true",
            "MP_DSA_INDEXER_LOSS_SCALE": "1"}
     proc = subprocess.run(["bash", os.path.join(REPO, "examples/deepseek_v32/run_mcore_deepseek_v32.sh"), *args],

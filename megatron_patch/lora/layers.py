@@ -339,7 +339,7 @@ def attach(chunks: list, arch, spec: LoraSpec, sites: list[Site], dtype: torch.d
             container._hooks.append(module.register_forward_hook(_grouped_hook(entry), with_kwargs=True))
         embedding = getattr(chunk, "embedding", None)
         if embedding is not None:
-            container._hooks.append(embedding.register_forward_hook(_input_requires_grad))
+            container._hooks.append(embedding.register_forward_hook(input_requires_grad))
         chunk.add_module("lora", container)
         containers.append(container)
     return containers
@@ -356,7 +356,7 @@ def _sequence_split(module, mode: str, model_sequence_parallel: bool) -> bool:
     return getattr(module, "sequence_parallel", model_sequence_parallel)
 
 
-def _input_requires_grad(module, args, output):
+def input_requires_grad(module, args, output):
     """The frozen embedding's output made to require a gradient: megatron-core's full recompute is an
     autograd Function of the layer's input, and an input that needs no gradient would skip the backward
     of every recomputed layer, adapters included (what transformers' enable_input_require_grads fixes)."""

@@ -79,8 +79,16 @@ def setup_indexer_only(chunks: list) -> int:
     """Freeze everything but the indexers and make every layer attend densely; the indexers' parameter count.
     The routers' score-correction biases (buffers megatron-core moves after each step to balance the experts)
     stay as they are too: their update rate is 0, so sign(load) * 0 leaves each bit."""
+    # the frozen embedding's output made to need a gradient, as LoRA's is: under AC=full megatron-core's recompute
+    # ran every layer under no_grad for an input that needs none, so no indexer loss was computed and nothing
+    # trained (grad norm 0 at exit 0; the dsa audit). lora.layers imports megatron-core: ranks only.
+    from megatron_patch.lora.layers import input_requires_grad
+
     trainable = 0
     for chunk in chunks:
+        embedding = getattr(chunk, "embedding", None)
+        if embedding is not None:
+            embedding.register_forward_hook(input_requires_grad)
         chunk.config.moe_router_bias_update_rate = 0.0
         for name, p in chunk.named_parameters():
             p.requires_grad_(INDEXER_PARAMS in f".{name}")
