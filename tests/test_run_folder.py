@@ -791,6 +791,33 @@ def test_a_resume_with_another_seed_or_lora_is_refused_and_another_dropout_resum
         "differ from an uninterrupted run's in their last digits"]
 
 
+def test_a_resume_that_would_train_other_sparse_attention_parameters_is_refused(tmp_path):
+    """The dsa audit: a DeepSeek-V3.2 run resumed with its indexer loss off resumed silently (the indexer frozen
+    from then on, its optimizer state dropped), with it on a rank refused blaming the checkpoint, and the indexer-only
+    mode switched the same way. Refused before any rank starts; another scale of the same loss resumes."""
+    from megatron_patch.training.run_state import resume_notes
+
+    (tmp_path / "a_text_document.bin").write_bytes(b"x" * 40)
+    (tmp_path / "a_text_document.idx").write_bytes(b"x" * 8)
+    out = tmp_path / "out"
+    args = launcher_args("deepseek_v32", DATASET_PATH=str(tmp_path / "a_text_document"), OUTPUT_BASEPATH=str(out))
+    folder = _saved_run(out, args, env={"MP_DSA_INDEXER_LOSS_SCALE": "1"}, family="deepseek_v32")
+
+    def notes(**env):
+        return resume_notes(resolve("deepseek_v32", args, env=env), folder)
+
+    assert notes(MP_DSA_INDEXER_LOSS_SCALE="0.5") == []
+    saved = "MP_DSA_INDEXER_ONLY=false MP_DSA_INDEXER_LOSS_SCALE=1.0"
+    for env, asked in (({}, "MP_DSA_INDEXER_ONLY=false MP_DSA_INDEXER_LOSS_SCALE=0.0"),
+                       ({"MP_DSA_INDEXER_ONLY": "true"}, "MP_DSA_INDEXER_ONLY=true MP_DSA_INDEXER_LOSS_SCALE=1.0")):
+        with pytest.raises(UserError) as refused:
+            notes(**env)
+        assert str(refused.value) == (
+            f"{folder} was trained with {saved}, and this launch asks {asked}: which parameters train, and the "
+            "optimizer state saved for them, follow those. Resume with its MP_DSA_* settings, or start afresh in "
+            "another OUTPUT_BASEPATH"), env
+
+
 @pytest.mark.parametrize("loss", ["record", "token"])
 def test_an_sft_resume_at_another_batch_size_says_what_regrouping_does(tmp_path, loss):
     """MP_SFT_LOSS=token means each micro-batch's token mean, so regrouping SFT's uneven micro-batches reweights the

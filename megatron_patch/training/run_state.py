@@ -199,6 +199,11 @@ def resume_notes(cfg, folder: Path) -> list[str]:
         raise UserError(f"{folder} was trained with LoRA {lora[0]}, and this launch asks {lora[1]}: the weights and "
                         f"optimizer state saved there are that run's. Resume with its MP_LORA_* settings, "
                         f"{start_afresh}")
+    dsa = _dsa_change(then, now)
+    if dsa:
+        raise UserError(f"{folder} was trained with {dsa[0]}, and this launch asks {dsa[1]}: which parameters train, "
+                        f"and the optimizer state saved for them, follow those. Resume with its MP_DSA_* settings, "
+                        f"{start_afresh}")
     # compared as saved: through JSON, where a preset's tuples became lists
     model, building = saved.get("hf_config"), json.loads(json.dumps(cfg.hf_config, default=str))
     if isinstance(model, dict) and model != building:
@@ -279,6 +284,23 @@ def _lora_change(then: dict, now: dict) -> tuple[str, str] | None:
     if old == new:
         return None
     return _lora_shown(then["lora"]), _lora_shown(now["lora"])
+
+
+def _dsa_change(then: dict, now: dict) -> tuple[str, str] | None:
+    """(the saved run's MP_DSA_* settings, this launch's) where they train other parameters: the indexer-only mode,
+    or an indexer loss switched on or off (which trains the indexer or freezes it; the dsa audit: off resumed
+    silently, dropping the indexer's optimizer state, on was a rank's refusal blaming the checkpoint). Another
+    scale of the same loss is the launch's, as a learning rate is."""
+    old, new = then.get("dsa"), now.get("dsa")
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return None
+
+    def trains(dsa: dict) -> tuple:
+        return bool(dsa.get("indexer_only")), bool(dsa.get("loss_scale"))
+    if trains(old) == trains(new):
+        return None
+    return tuple(f"MP_DSA_INDEXER_ONLY={str(bool(d.get('indexer_only'))).lower()} "
+                 f"MP_DSA_INDEXER_LOSS_SCALE={_shown(d.get('loss_scale'))}" for d in (old, new))
 
 
 def _lora_shown(spec) -> str:
