@@ -110,6 +110,8 @@ def test_norms_are_transformers_bit_for_bit():
     ({"attention_bias": True}, "attention_bias=true is not supported for qwen3_next"),
     ({"layer_types": ["linear_attention", "sliding_attention"]}, "each linear_attention or full_attention"),
     ({"linear_num_value_heads": 3}, "linear_num_value_heads=3 is not a multiple"),
+    # the weight table refused its zero-wide tensors, naming no config field (the cfg audit)
+    ({"shared_expert_intermediate_size": 0}, "shared_expert_intermediate_size=0 is not supported for qwen3_next"),
 ])
 def test_what_megatron_core_computes_otherwise_is_refused(over, fragment):
     with pytest.raises(UserError) as err:

@@ -68,6 +68,11 @@ def parse_hybrid(raw: dict, family: str) -> Arch:
 def with_moe(arch: Arch, raw: dict) -> Arch:
     """Qwen3-Next's MoE block: routed experts, a sigmoid-gated shared expert, dense layers where config says."""
     shared = raw.get("shared_expert_intermediate_size") or 0
+    if raw.get("shared_expert_intermediate_size") == 0:
+        # transformers still builds the block, zero rows wide, with its gate: the weight table's refusal of those
+        # tensors named no config field (the cfg audit)
+        raise UserError(f"shared_expert_intermediate_size=0 is not supported for {arch.family}: transformers builds a "
+                        "shared expert zero rows wide and its gate, which this model has no block to hold")
     return dataclasses.replace(
         arch, num_experts=require(raw, "num_experts", aliases=("num_local_experts",)),
         moe_topk=require(raw, "num_experts_per_tok"), moe_ffn_hidden_size=require(raw, "moe_intermediate_size"),
