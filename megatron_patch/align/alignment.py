@@ -33,7 +33,8 @@ from megatron_patch.models.blocks.float8_plan import arch_gemms, check_filter_ki
 from megatron_patch.models.description.arch import default_expert_tp, validate_layout
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
-from megatron_patch.runtime.machine import cpu_float8_rowwise, installed_version, torchao_import_error
+from megatron_patch.runtime.machine import (TORCHAO_REINSTALL, cpu_float8_rowwise, installed_version,
+                                            torchao_import_error)
 from megatron_patch.tokenizer import load_tokenizer
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
@@ -182,7 +183,7 @@ def validate(s: AlignSettings):
                         "choose another --dtype")
     if s.dtype == "fp8" and (unusable := torchao_import_error()):  # an internal error after the fp32 run (fdoc audit)
         raise UserError(f"--dtype fp8 runs torchao's float8, and the torchao installed cannot run it ({unusable}): "
-                        "install torchao>=0.18 for this torch (pip install -e \".[fp8]\"), or choose another --dtype")
+                        f"{TORCHAO_REINSTALL}, or choose another --dtype")
     if s.dtype == "fp8" and not torch.cuda.is_available():
         problem = cpu_recipe_problem(s.fp8_recipe, cpu_float8_rowwise(), torch.__version__,
                                      f"--fp8-recipe {s.fp8_recipe}")

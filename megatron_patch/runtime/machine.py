@@ -121,6 +121,8 @@ def cpu_float8_rowwise() -> bool:
 # the [fp8] extra's torchao (setup.py): older releases name float8's modules otherwise (float8_training_tensor was
 # float8_tensor before 0.12), so their import fails on every rank
 TORCHAO_MINIMUM = (0, 18)
+# what to do where torchao_import_error says why it cannot run: the same advice from the launcher and from align
+TORCHAO_REINSTALL = f"install torchao>={'.'.join(map(str, TORCHAO_MINIMUM))} for this torch (pip install -e \".[fp8]\")"
 
 
 @functools.cache

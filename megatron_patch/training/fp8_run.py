@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from megatron_patch.models.blocks.float8_plan import RECIPES as TORCHAO_RECIPES
 from megatron_patch.models.blocks.float8_plan import arch_gemms, cpu_recipe_problem, describe, filter_text, row_parallel
+from megatron_patch.runtime.machine import TORCHAO_REINSTALL
 
 TE_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 ALL_RECIPES = tuple(dict.fromkeys(TE_RECIPES + TORCHAO_RECIPES))
@@ -43,8 +44,7 @@ def fp8_problem(cfg, caps) -> str | None:
                 "torchao), and neither is installed here: install torchao, or use PR=bf16")
     if impl == TORCHAO and caps.torchao_import_error:
         return (f"PR=fp8 runs torchao's float8 here, and the torchao installed cannot run it "
-                f"({caps.torchao_import_error}): install torchao>=0.18 for this torch (pip install -e \".[fp8]\"), or "
-                "use PR=bf16")
+                f"({caps.torchao_import_error}): {TORCHAO_REINSTALL}, or use PR=bf16")
     if impl == TORCHAO and recipe(cfg, impl) not in TORCHAO_RECIPES:
         return (f"MP_FP8_RECIPE={cfg.fp8_recipe} is transformer-engine's, which this machine runs without: torchao "
                 f"takes {' | '.join(TORCHAO_RECIPES)}")

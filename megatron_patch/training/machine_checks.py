@@ -1,7 +1,8 @@
 """What this machine can run of a ``RunConfig`` (read from ``runtime/machine.py``'s ``Capabilities``):
 transformer-engine's FP8 recipes and FlashAttention, sequence parallelism and TP overlap on a GPU, context
 parallelism and activation offloading need transformer-engine; PR=fp8 elsewhere needs torchao. Each problem says
-what to change; the launcher refuses on the first. Which attention runs is decided here too (``core_attention``, ``attention_kernel``)."""
+what to change; the launcher refuses on the first. Which attention runs is decided here too (``core_attention``,
+``attention_kernel``)."""
 
 from __future__ import annotations
 
