@@ -175,11 +175,11 @@ def rope_of(raw: dict) -> dict[str, dict]:
     given = raw.get("rope_parameters") or {}
     tables = {}
     for layer_type in (SLIDING_ATTENTION, FULL_ATTENTION):
-        table = dict(given.get(layer_type) or DEFAULT_ROPE[layer_type])
-        table.setdefault("rope_type", table.get("type", "default"))
-        if raw.get("partial_rotary_factor") is not None:
-            table.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
-        tables[layer_type] = table
+        table = given.get(layer_type) or DEFAULT_ROPE[layer_type]
+        filled = {"rope_type": table.get("rope_type", table.get("type", "default"))}
+        if raw.get("partial_rotary_factor") is not None and "partial_rotary_factor" not in table:
+            filled["partial_rotary_factor"] = raw["partial_rotary_factor"]
+        tables[layer_type] = table | filled  # a copy with ``|``: the fields read stay known (test_family_seams)
     wanted = {SLIDING_ATTENTION: ("default",), FULL_ATTENTION: ("proportional", "default")}
     for layer_type, kinds in wanted.items():
         kind = tables[layer_type].get("rope_type", "default")
@@ -280,7 +280,7 @@ CONFIG_KEYS = {
     "final_logit_softcapping": Real(0), "use_bidirectional_attention": Given(),
     "hidden_size_per_layer_input": Whole(0, MAX_WIDTH), "vocab_size_per_layer_input": Whole(0, MAX_VOCAB),
     "num_kv_shared_layers": Whole(0, MAX_LAYERS), "attention_k_eq_v": Flag(), "enable_moe_block": Flag(),
-    "use_double_wide_mlp": Flag(), **MOE_KEYS,
+    "use_double_wide_mlp": Flag(), "partial_rotary_factor": Real(0, 1.0), **MOE_KEYS,
 }
 
 # A tiny Gemma 4 (Gemma4ForCausalLM): a sliding-window layer (window 8, shorter than the tests' sequences), 4 heads
