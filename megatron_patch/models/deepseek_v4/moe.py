@@ -162,7 +162,7 @@ class DeepseekV4HashRouter(DeepseekV4Router):
         """The table a checkpoint gave (untrusted input): each row k distinct experts of the layer's. An expert
         number outside them was an internal error in the first step, and a row naming one twice trained silently
         another model than transformers' (docs/deepseek.md: not representable); both are refused in one line (the
-        dsa audit). Checked once per table, at its first use."""
+        dsa audit). Checked once per table, at its first use, by the MoE layer (outside a compiled router)."""
         table = self.tid2eid
         seen = (id(table), table._version)  # a load copies into the buffer in place, which bumps its version
         if self._table_checked == seen:
@@ -191,7 +191,6 @@ class DeepseekV4HashRouter(DeepseekV4Router):
                                "routing_token_ids(input_ids)")
         if self.token_ids.numel() != scores.shape[0]:
             raise RuntimeError(f"a hash_moe router has {scores.shape[0]} tokens but {self.token_ids.numel()} token ids")
-        self.check_table()
         return self.tid2eid[self.token_ids.reshape(-1)].long()
 
 
@@ -225,6 +224,9 @@ class DeepseekV4MoELayer(MoELayer):
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
         if not isinstance(self.router, DeepseekV4HashRouter):
             return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        # checked here, eagerly: the router may be compiled (MP_COMPILE), and the check's data-dependent branch
+        # would keep dynamo from tracing it
+        self.router.check_table()
         token_ids = self.local_token_ids(hidden_states)
         if self.moe_layer_recompute and torch.is_grad_enabled() and intermediate_tensors is None:
             return tensor_parallel.checkpoint(self._hash_forward, False, hidden_states, token_ids, padding_mask)
