@@ -104,13 +104,13 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
     # Tensors the family keeps in a dtype of their own (DeepSeek's fp32 router bias) stay in it.
     from megatron_patch.checkpoint.engine import plan
     from megatron_patch.models.description.registry import get_family, parse_arch
-    from megatron_patch.models.mapping import AS_STORED
+    from megatron_patch.models.mapping.rules import KEPT_AS_STORED
 
     arch = parse_arch(src)
     fam = get_family(arch.family)
-    # (AS_STORED: in the dtype the file holds them in, DeepSeek-V4's integer hash tables)
+    # (KEPT_AS_STORED: in the dtype the file holds them in, DeepSeek-V4's integer hash tables and float32 parameters)
     stored = tensors(src)
-    kept = {n: stored[n].dtype if t.dtype == AS_STORED else getattr(torch, t.dtype)
+    kept = {n: stored[n].dtype if t.dtype in KEPT_AS_STORED else getattr(torch, t.dtype)
             for t in plan(fam, arch, ParallelLayout()) for n in t.hf_names if t.dtype}
     # tensors carried beside the model (Qwen3.5's vision tower) come back as they were
     want = {k: v if fam.is_carried(k) else v.to(kept.get(k, DTYPES[dtype])) for k, v in stored.items()}

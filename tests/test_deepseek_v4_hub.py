@@ -1,5 +1,6 @@
 """DeepSeek-V4's weight table on the files as they come: ``tid2eid`` in whichever integer dtype the file holds
-(int64 as transformers writes it, int32 in ports of the hub's checkpoint), converted and written back in it, bit for
+(int64 as transformers writes it, int32 in ports of the hub's checkpoint), and the float32 parameters in whichever
+float dtype (float32 as transformers saves a bf16 model, bf16 on the hub), converted and written back in it, bit for
 bit."""
 
 from __future__ import annotations
@@ -47,6 +48,39 @@ def test_an_int32_tid2eid_checkpoint_loads_with_transformers_logits(v4, hf_dir, 
     ckpt, _ = round_trip(src, tmp_path, "torch_dist", ParallelLayout())
     metrics = checkpoint_against_transformers(hf_dir, ckpt)
     assert metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL, metrics
+
+
+def test_a_bf16_checkpoint_transformers_saved_keeps_its_float32_tensors_both_ways(v4, hf_dir, tmp_path):
+    """transformers saves a bf16 V4 with its sinks, position biases and norms in float32 (its
+    _keep_in_fp32_modules_strict): hf2mcore wrote them in bf16, rounded, though the model holds them in float32, and
+    the round trip changed 31 tensors (the dsa audit). They keep the float dtype their file holds, both ways."""
+    import transformers
+
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+
+    src = tmp_path / "bf16"
+    transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).save_pretrained(src)
+    reader = HFCheckpointReader(src)
+    assert reader.dtype("model.layers.0.attn.attn_sink") == reader.dtype("model.norm.weight") == "float32"
+    assert reader.dtype("model.layers.0.attn.wq_a.weight") == "bfloat16"
+    for fmt, layout in (("torch_dist", ParallelLayout()), ("legacy", ParallelLayout(tp=2, pp=2))):
+        ckpt, back = tmp_path / fmt, tmp_path / f"back-{fmt}"
+        assert hf_to_mcore(src, ckpt, layout, fmt=fmt, progress=False).dtype == "bf16"
+        mcore_to_hf(ckpt, back, progress=False)
+        assert_same_tensors(back, src)
+
+
+def test_a_float32_parameter_stored_as_integers_is_refused(v4, hf_dir, tmp_path):
+    """Kept in the dtype its file holds, a sink is still a float weight: stored as integers it would be cast by
+    value into the model, so it is refused as any weight is."""
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.errors import UserError
+
+    src = rewritten(hf_dir, tmp_path / "hf", lambda ts: {n: t.to(torch.int32) if n.endswith("1.attn.attn_sink") else t
+                                                         for n, t in ts.items()})
+    with pytest.raises(UserError, match=r"^model.layers.1.attn.attn_sink in .* is stored as int32, not a floating"):
+        hf_to_mcore(src, tmp_path / "mc", ParallelLayout(), progress=False)
 
 
 def hub_named(tensors):

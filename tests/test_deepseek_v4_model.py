@@ -331,3 +331,16 @@ def test_a_bf16_run_saves_and_resumes_exactly_with_its_float32_parameters(hf_dir
     hf = shutil.copytree(hf_dir, tmp_path / "hf")  # the shared fixture is left without the corpus's tokenizer
     assert_a_killed_run_resumes_as_the_whole("deepseek_v4", hf, corpus, tmp_path, PR="bf16", LR="1e-3", MIN_LR="1e-4",
                                              DO=distributed_optimizer)
+    # exported, the float32 parameters come back as the run held them, unrounded (transformers saves them so too);
+    # mcore2hf wrote them in the checkpoint's bf16
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.cli import main
+
+    back = tmp_path / "back"
+    assert main(["convert", "mcore2hf", "--load-dir", str(tmp_path / "whole" / "checkpoint"), "--save-dir", str(back),
+                 "--quiet"]) == 0
+    exported = HFCheckpointReader(back)
+    assert exported.dtype("model.layers.0.attn.wq_a.weight") == "bfloat16"
+    for name in ("model.layers.0.attn.attn_sink", "model.layers.0.attn_norm.weight", "model.norm.weight"):
+        trained = exported.get(name)
+        assert trained.dtype == torch.float32 and not torch.equal(trained, trained.bfloat16().float()), name

@@ -231,7 +231,7 @@ def hf_to_mcore(hf_dir: str | Path, save_dir: str | Path, layout: ParallelLayout
     reader = StackedView(reader, family.hf_stacked(arch))  # stacked experts read as the table's members
     # Tensors with a dtype of their own (Rule.dtype: an integer table, say) do not decide the checkpoint's.
     weights = [n for t in tp1 if t.dtype is None for n in t.hf_names]
-    for n in weights:
+    for n in (n for t in tp1 if t.floating for n in t.hf_names):
         place = reader.stored(n)  # None: dequantized (float32)
         _check_floating(reader.dtype(n), f"{n} in {place.path}" if place is not None else n)
     out_dtype = _choose_dtype(reader, weights, dtype, arch.hf_config)
@@ -633,7 +633,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     else:
         transfers = tp1
         adapters = (LORA_KEY_PREFIX,) if sidecar.lora else ()  # stored beside the base weights (--peft-dir)
-        weights = {t.placements[0].mcore_name for t in transfers if t.dtype is None}
+        weights = {t.placements[0].mcore_name for t in transfers if t.floating}
         source = _TorchDistSource(data_dir, skeleton, weights,
                                   ignore=lambda k: is_training_state(k) or k.startswith(adapters))
     # tensors kept in the dtype they are stored in (an integer table) are written back in the MCore checkpoint's
@@ -847,7 +847,7 @@ class _LegacySource:
         self.checks: dict = {}   # CRC-32s of the records read, checked beside the copies
         # Check names and shapes of every file against the plan before reading any data.
         expected: dict = {c: {} for c in self.files}
-        weights = {p.mcore_name for t in transfers if t.dtype is None for p in t.placements}  # Rule.dtype: its own
+        weights = {p.mcore_name for t in transfers if t.floating for p in t.placements}
         for t in transfers:
             shapes = [tuple(hf_shapes[n]) for n in t.hf_names]
             blocks = t.split.blocks(shapes, t.num_shards, t.context)
@@ -915,7 +915,7 @@ class _TorchDistSource:
     """Full (TP=1) parameters from the chunks of a torch_dist checkpoint, whatever chunks were stored."""
 
     def __init__(self, release: Path, skeleton: ModelSkeleton, weights: set[str], ignore=lambda key: False):
-        """``weights``: the MCore names of the parameters stored in the checkpoint's float dtype."""
+        """``weights``: the MCore names of the float parameters (``Transfer.floating``)."""
         self.reader = TorchDistReader(release)
         self.skeleton = skeleton
         self.chunks = defaultdict(list)

@@ -9,11 +9,15 @@ LoRA: peft names adapters by the modules transformers loads (``self_attn.q_a_pro
 ``LOADED_NAMES``, the table's names as loaded. The sites are the attention's projections and the routed and shared
 experts, as DeepSeek-V3's. The grouped output projection ``o_a_proj`` takes none: peft wraps it as a plain linear
 whose adapter adds all groups' rows to each group's output, which fails in peft's forward, so no peft adapter on it
-has a meaning to convert (``LORA_REFUSED``)."""
+has a meaning to convert (``LORA_REFUSED``).
 
-from megatron_patch.models.deepseek_v4.settings import CSA, HCA, SLIDING, settings
+The float32 parameters (sinks, position biases, norms) keep the dtype their file holds (``kept_as_stored``)."""
+
+import dataclasses
+
+from megatron_patch.models.deepseek_v4.settings import CSA, HCA, SLIDING, DeepseekV4Settings, settings
 from megatron_patch.models.description.arch import Arch
-from megatron_patch.models.mapping import AS_STORED, COLUMN, GATE_UP, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope
+from megatron_patch.models.mapping import AS_STORED, COLUMN, FLOAT_AS_STORED, GATE_UP, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope
 
 MC = "decoder.layers.{layer}"
 HF = "model.layers.{layer}"
@@ -132,6 +136,21 @@ LOADED_NAMES = (
 
 
 def weight_rules(arch: Arch) -> list[Rule]:
+    return kept_as_stored(_weight_rules(arch))
+
+
+def kept_as_stored(rules: list[Rule]) -> list[Rule]:
+    """The float32 parameters' rules (sinks, position biases, norms: ``DeepseekV4Settings.float32_parameters``)
+    keep the dtype their checkpoint holds: the model holds them in float32 whatever its dtype, and transformers
+    saves them in float32 from a bf16 model, so ``--dtype bf16`` rounded them on the way in for nothing (the dsa
+    audit); the hub's bf16 norms stay bf16, so either checkpoint round-trips byte for byte. The hyper-connection
+    tensors keep their own fixed float32."""
+    float32 = set(DeepseekV4Settings.float32_parameters)
+    return [dataclasses.replace(rule, dtype=FLOAT_AS_STORED) if rule.dtype is None and float32 & set(rule.mcore.split("."))
+            else rule for rule in rules]
+
+
+def _weight_rules(arch: Arch) -> list[Rule]:
     embedding, last = "model.embed_tokens.weight", Scope.LAST_STAGE
     return [
         Rule("embedding.word_embeddings.weight", embedding, VOCAB, Scope.FIRST_STAGE),

@@ -15,7 +15,7 @@ from typing import Iterable
 
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import Arch, AttentionShape, pipeline_layer_ranges
-from megatron_patch.models.mapping.rules import AS_STORED, Rule, Scope
+from megatron_patch.models.mapping.rules import AS_STORED, KEPT_AS_STORED, Rule, Scope
 from megatron_patch.models.mapping.splits import Split, SplitContext
 from megatron_patch.runtime.distributed import ParallelLayout
 
@@ -54,14 +54,20 @@ class Transfer:
 
     def dtype_in(self, checkpoint_dtype: str) -> str:
         """The dtype name this transfer's tensors have in a checkpoint of ``checkpoint_dtype`` (a name)."""
-        if self.dtype == AS_STORED:
+        if self.dtype in KEPT_AS_STORED:
             raise MappingError(f"internal error: {self.hf_names[0]} keeps its stored dtype, not yet read from its file")
         return self.dtype or checkpoint_dtype
 
     def as_stored(self, dtype_of) -> "Transfer":
-        """This transfer with an ``AS_STORED`` dtype replaced by ``dtype_of(self)`` (the dtype name its tensor has
-        where it is read from); any other transfer as it is."""
-        return dataclasses.replace(self, dtype=dtype_of(self)) if self.dtype == AS_STORED else self
+        """This transfer with an ``AS_STORED`` or ``FLOAT_AS_STORED`` dtype replaced by ``dtype_of(self)`` (the dtype
+        name its tensor has where it is read from); any other transfer as it is."""
+        return dataclasses.replace(self, dtype=dtype_of(self)) if self.dtype in KEPT_AS_STORED else self
+
+    @property
+    def floating(self) -> bool:
+        """Whether its tensors are float weights, refused where they are read stored otherwise (cast by value, an
+        integer or boolean tensor would be silently another weight): every tensor but an integer table."""
+        return self.dtype != AS_STORED
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,13 @@ class LayerKind(Enum):
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "experts", "shared_experts", "indexer")
 
 
-# Rule.dtype of a tensor kept in the dtype it is stored in, whatever that is (resolved by the converter per file)
+# Rule.dtype of a tensor kept in the dtype it is stored in, whatever that is (resolved by the converter per file):
+# an integer table
 AS_STORED = "as stored"
+# Rule.dtype of a float parameter kept in the float dtype it is stored in (one a model holds in float32 whatever
+# its dtype, which a bf16 checkpoint may hold in bf16 or float32); checked floating as every weight is
+FLOAT_AS_STORED = "float, as stored"
+KEPT_AS_STORED = (AS_STORED, FLOAT_AS_STORED)
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,8 @@ class Rule:
     # checkpoints and in megatron-core, where routing decisions depend on its exact values), by name
     # ("float32"): the converter plans bytes by dtype name, without importing torch. ``AS_STORED``: the dtype
     # the tensor has where it is read from (the HF file on hf2mcore, the MCore checkpoint on mcore2hf), as an
-    # integer table is kept in whichever integer dtype its checkpoint chose.
+    # integer table is kept in whichever integer dtype its checkpoint chose; ``FLOAT_AS_STORED`` the same for a
+    # float parameter.
     dtype: str | None = None
     # The linear layer this rule's weight belongs to takes LoRA adapters (None: it does not).
     lora: LoraSite | None = None
