@@ -17,7 +17,8 @@ import dataclasses
 
 from megatron_patch.models.deepseek_v4.settings import CSA, HCA, SLIDING, DeepseekV4Settings, settings
 from megatron_patch.models.description.arch import Arch
-from megatron_patch.models.mapping import AS_STORED, COLUMN, FLOAT_AS_STORED, GATE_UP, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope
+from megatron_patch.models.mapping import (
+    AS_STORED, COLUMN, FLOAT_AS_STORED, GATE_UP, REPLICATED, ROW, VOCAB, LoraSite, Rule, Scope)
 
 MC = "decoder.layers.{layer}"
 HF = "model.layers.{layer}"
@@ -146,8 +147,8 @@ def kept_as_stored(rules: list[Rule]) -> list[Rule]:
     audit); the hub's bf16 norms stay bf16, so either checkpoint round-trips byte for byte. The hyper-connection
     tensors keep their own fixed float32."""
     float32 = set(DeepseekV4Settings.float32_parameters)
-    return [dataclasses.replace(rule, dtype=FLOAT_AS_STORED) if rule.dtype is None and float32 & set(rule.mcore.split("."))
-            else rule for rule in rules]
+    return [dataclasses.replace(rule, dtype=FLOAT_AS_STORED)
+            if rule.dtype is None and float32 & set(rule.mcore.split(".")) else rule for rule in rules]
 
 
 def _weight_rules(arch: Arch) -> list[Rule]:
