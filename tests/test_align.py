@@ -260,6 +260,8 @@ def aligned(tmp_path_factory):
     tokens = align_tokens()
     ref = {f: capture_hf_dir(hf[f], tokens, "fp32") for f in FAMILY_NAMES}
     floor = {f: capture_hf_dir(hf[f], tokens, "bf16") for f in FAMILY_NAMES}
+    # HF's own fp32 rounding: the floor an fp32 run over the fixed bound is judged against again (verdict.py)
+    floor64 = {f: capture_hf_dir(hf[f], tokens, "fp64") for f in {FAULTS[n][0] for n in FAULTS}}
 
     (root / "clean").mkdir()
     (root / "faulty").mkdir()
@@ -302,7 +304,7 @@ def aligned(tmp_path_factory):
     keys = [(f, dt) for f in FAMILY_NAMES for dt in DTYPES]
     moe_keys = [(f, "bf16") for f in MOE_FAMILIES]
     return {
-        "hf": hf, "ref": ref, "floor": floor, "faulty": faulty,
+        "hf": hf, "ref": ref, "floor": floor, "floor64": floor64, "faulty": faulty,
         "clean": {"tp1": dict(zip(keys, tp1[:n])), "multi": multi,
                   "tp2": dict(zip(moe_keys, tp2)), "ep2": dict(zip(moe_keys, ep2))},
         "faults": dict(zip(FAULTS, tp1[n:n + len(FAULTS)])),
@@ -310,16 +312,20 @@ def aligned(tmp_path_factory):
     }
 
 
-def _judge(aligned, family, dtype, test):
+def _judge(aligned, family, dtype, test, fp32_floor=False):
     arch = parse_arch(aligned["hf"][family])
-    return judge(aligned["ref"][family], test, dtype, arch.num_layers,
-                 aligned["floor"][family] if dtype != "fp32" else None, exact_routing=exact_routing_layers(arch))
+    floor = aligned["floor64"][family] if fp32_floor else aligned["floor"][family] if dtype != "fp32" else None
+    return judge(aligned["ref"][family], test, dtype, arch.num_layers, floor, exact_routing=exact_routing_layers(arch))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_planted_fault_fails_at_its_first_layer(aligned, fault):
     family, _, _, expected = FAULTS[fault]
+    # judged again against transformers' own fp32 rounding (HF fp64), as align does an fp32 run over the fixed
+    # bound: the floor hides no planted fault
+    on_floor = _judge(aligned, family, "fp32", aligned["faults"][fault], fp32_floor=True)
+    assert on_floor.fp32_floor and not on_floor.aligned and on_floor.first_failure == expected, on_floor.summary
     v = _judge(aligned, family, "fp32", aligned["faults"][fault])
     assert not v.aligned, v.summary
     assert v.first_failure == expected, v.summary
@@ -506,6 +512,42 @@ def test_routing_flips_are_judged_on_their_own_floor():
     v = judge(ref, test, "bf16", layers, floor)
     assert not v.aligned and v.first_failure == "layers.0.routing", v.summary
     assert v.routing[0].flipped == b * s and v.routing[0].ratio == b * s / MIN_FLOOR_FLIPS
+
+
+def test_an_fp32_floor_raises_the_fixed_bound_to_twice_transformers_own_rounding_and_no_further():
+    """fp32 rounding adds up with depth (a correct 12-layer Qwen3-Next went over 1e-5 at layer 4: the cfg audit), so
+    an fp32 run over the fixed bound is judged again against HF's own fp32 error from HF fp64: each point within the
+    larger of 1e-5 and 2x that floor, on made-up captures."""
+    torch.manual_seed(0)
+    layers, b, s, h = 2, 2, 16, 8
+
+    def off(captures, by, names=None):  # each point moved by ``by`` of its norm (relative L2), or only ``names``
+        out = {}
+        for n, t in captures.items():
+            noise = torch.randn_like(t)
+            moved = by if names is None or n in names else 0.0
+            out[n] = t + moved * t.norm() / noise.norm() * noise
+        return out
+
+    ref = {n: torch.randn(b, s, h) for n in point_names(layers)}
+    ref["logits"] = torch.randn(b, s, 32)
+    floor = off(ref, 4e-5)    # HF fp64, as far from HF fp32 as a deep model's fp32 rounding goes
+    drifted = off(ref, 6e-5)  # the tested side: over 1e-5, within 2x the floor
+    fixed = judge(ref, drifted, "fp32", layers)
+    assert not fixed.aligned and not fixed.fp32_floor and fixed.first_failure == "embedding", fixed.summary
+    v = judge(ref, drifted, "fp32", layers, floor)
+    assert v.aligned and v.fp32_floor, v.summary
+    assert "judged against HF's own fp32 error from HF fp64, 4.0e-05 at the logits, as a floor" in v.summary
+    assert v.points[0].limit == "rel_l2 <= 8.0e-05 (max of 1e-05, 2x floor)" and 1.4 < v.points[0].ratio < 1.6
+    # past twice the floor at layer 1's MLP alone: named there, with both numbers
+    faulty = {**drifted, **off(ref, 1e-4, {"layers.1.mlp"})}
+    v = judge(ref, faulty, "fp32", layers, floor)
+    assert not v.aligned and v.first_failure == "layers.1.mlp", v.summary
+    assert ("rel_l2 1.0e-04 > 8.0e-05, the larger of 1e-05 and 2x HF's own fp32 error (4.0e-05 against HF fp64)"
+            in v.summary), v.summary
+    # where HF's own rounding is below half the fixed bound, the fixed bound holds
+    v = judge(ref, off(ref, 2e-5), "fp32", layers, off(ref, 1e-6))
+    assert not v.aligned and v.first_failure == "embedding" and "> 1.0e-05, the larger of" in v.summary, v.summary
 
 
 def test_the_verdict_says_which_experts_the_forced_routing_leaves_unexercised():

@@ -133,3 +133,52 @@ def test_the_bf16_floor_of_a_peft_adapter_rounds_it_as_the_mcore_side_does(llama
     for dtype in ("fp32", "bf16"):
         runner.capture_hf_dir(llama, tokens, dtype, adapter)
     assert seen == {torch.float32: {torch.float32}, torch.bfloat16: {torch.bfloat16}}, seen
+
+
+@pytest.mark.slow
+def test_a_deep_models_fp32_drift_is_judged_against_transformers_own_and_a_fault_in_it_still_fails(tmp_path):
+    """A correct 12-layer Qwen3-Next drifts ~2e-6 per layer in fp32 (megatron-core's linear and full attention
+    against transformers') and was called NOT aligned at layer 4, transformers' own fp32 run being further from its
+    fp64 one than that (the cfg audit). Over the fixed bound, the fp32 run is judged again against that floor:
+    aligned, saying so; and a 0.1% norm scale in layer 8 of the same deep model still fails there (at its router,
+    the first point after the norm)."""
+    hf = make_tiny_hf_checkpoint("qwen3_next", tmp_path / "hf", seed=0, num_hidden_layers=12,
+                                 layer_types=["linear_attention", "full_attention"] * 6)
+    report = tmp_path / "clean"
+    assert main(["align", "--hf-dir", str(hf), "--dtype", "fp32", "--quiet", "--report-dir", str(report)]) == 0
+    v = json.loads((report / "report.json").read_text())["verdict"]
+    assert v["aligned"] and v["fp32_floor"], v["summary"]
+    assert max(p["metrics"]["rel_l2"] for p in v["points"]) > 1e-5  # past the fixed bound: the floor decided
+    assert "(the fp32 run went over 1e-05: judged against HF's own fp32 error from HF fp64" in v["summary"]
+    assert "- floor: HF fp64 (" in (report / "report.md").read_text()
+
+    bad = _planted(hf, tmp_path / "bad", lambda t: t["model.layers.8.post_attention_layernorm.weight"].mul_(1.001))
+    mcore = tmp_path / "mcore"
+    assert main(["convert", "hf2mcore", "--hf-dir", str(bad), "--save-dir", str(mcore), "--quiet"]) == 0
+    report = tmp_path / "faulty"
+    assert main(["align", "--hf-dir", str(hf), "--mcore-dir", str(mcore), "--dtype", "fp32", "--quiet",
+                 "--report-dir", str(report)]) == 1
+    v = json.loads((report / "report.json").read_text())["verdict"]
+    assert v["fp32_floor"] and v["first_failure"] == "layers.8.router", v["summary"]  # the MoE block's first point
+    assert "the larger of 1e-05 and 2x HF's own fp32 error" in v["summary"], v["summary"]
+
+
+def test_without_the_memory_for_hf_fp64_the_fixed_bound_stands_and_says_so(llama, monkeypatch):
+    """The floor's fp64 model takes twice fp32's memory: where its weights would not fit, it is not loaded (an
+    out-of-memory kill would lose the whole report), and the fixed bound's NOT aligned stands, naming what it
+    could not measure and why."""
+    from types import SimpleNamespace
+
+    from megatron_patch.align import alignment
+    from megatron_patch.align.verdict import Verdict
+    from megatron_patch.models.description.registry import parse_arch
+
+    monkeypatch.setattr(alignment.psutil, "virtual_memory", lambda: SimpleNamespace(available=2**20))
+    verdict = Verdict(aligned=False, dtype="fp32", tolerance=2.0, summary="NOT aligned: first divergence at layer 3")
+    loaded = []
+    monkeypatch.setattr(alignment, "capture_hf_dir", lambda *args, **kwargs: loaded.append(args))
+    kept = alignment._judged_on_fp32_floor(alignment.AlignSettings(str(llama), dtype="fp32"), {}, {}, None,
+                                           parse_arch(llama), verdict, log=lambda msg: None)
+    assert kept is verdict and not kept.aligned and not loaded
+    assert kept.summary.startswith("NOT aligned: first divergence at layer 3 [transformers' own fp32 rounding, ")
+    assert "not measured: its HF fp64 run needs about 0.0 GiB for the weights, and 0.0 GiB are free]" in kept.summary
