@@ -20,6 +20,21 @@ from megatron_patch.runtime.launch import run_local
 # fp32 bounds from the project's requirements: relative L2 error and mean per-token KL.
 FP32_REL_L2 = 1e-5
 FP32_KL = 1e-10
+# fp32 rounding adds up with depth (a correct 12-layer Qwen3-Next went over 1e-5: the cfg audit), so a comparison
+# over the fixed bounds is judged again against transformers' own fp32 error from its fp64 run: within this many
+# times it (KL: squared) where that is more than the fixed bound. align's --tolerance, whose default this is, sets it
+# there.
+FP32_FLOOR_TOLERANCE = 2.0
+
+
+def fp32_rel_l2_limit(floor_rel_l2: float, tolerance: float = FP32_FLOOR_TOLERANCE) -> float:
+    """The rel_l2 bound of an fp32 comparison where HF fp32 is ``floor_rel_l2`` from HF fp64."""
+    return max(FP32_REL_L2, tolerance * floor_rel_l2)
+
+
+def fp32_kl_limit(floor_kl: float, tolerance: float = FP32_FLOOR_TOLERANCE) -> float:
+    """The logits' KL bound of an fp32 comparison where HF fp32's KL from HF fp64 is ``floor_kl``."""
+    return max(FP32_KL, tolerance ** 2 * floor_kl)
 
 
 def random_tokens(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0) -> torch.Tensor:
@@ -28,10 +43,12 @@ def random_tokens(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0)
 
 
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    model = load_causal_lm(hf_dir, dtype)
+    # float64: the experts as a loop (torch's grouped GEMM has no float64 kernel), the logits kept in it
+    model = load_causal_lm(hf_dir, dtype, **({"experts_implementation": "eager"} if dtype == torch.float64 else {}))
     model.eval()
     with torch.no_grad():
-        return model(tokens, use_cache=False).logits.float()  # one forward (see capture_hf)
+        logits = model(tokens, use_cache=False).logits  # one forward (see capture_hf)
+        return logits if dtype == torch.float64 else logits.float()
 
 
 def mcore_logits_worker(hf_dirs: list[str], layout: ParallelLayout, tokens: list[torch.Tensor], dtype=torch.float32):
@@ -63,8 +80,14 @@ def check_parity_all(hf_dirs: list[str | Path], layout: ParallelLayout = Paralle
     tests = mcore_logits(hf_dirs, layout, tokens)
     out = []
     for hf_dir, toks, test in zip(hf_dirs, tokens, tests):
-        metrics = compare_logits(hf_logits(hf_dir, toks), test)
-        metrics["passed"] = metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL
+        ref = hf_logits(hf_dir, toks)
+        metrics = compare_logits(ref, test)
+        metrics.update(limit_rel_l2=FP32_REL_L2, limit_kl=FP32_KL)
+        if not (metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL):  # run HF fp64 only where it decides
+            own = compare_logits(hf_logits(hf_dir, toks, torch.float64), ref)
+            metrics.update(floor_rel_l2=own["rel_l2"], floor_kl=own["kl"],
+                           limit_rel_l2=fp32_rel_l2_limit(own["rel_l2"]), limit_kl=fp32_kl_limit(own["kl"]))
+        metrics["passed"] = metrics["rel_l2"] <= metrics["limit_rel_l2"] and metrics["kl"] <= metrics["limit_kl"]
         out.append(metrics)
     return out
 

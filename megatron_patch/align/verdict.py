@@ -61,9 +61,9 @@ from megatron_patch.align.capture import (
     EVERY_EXPERT, EVERY_ID, ROUTER, ROUTING, SELECTION, Captures, captured_point_names, every_expert_point,
     point_layer, router_point, routing_layers, selection_layers, stream_count, streams_like)
 from megatron_patch.align.metrics import compare, compare_logits
-from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
+from megatron_patch.align.parity import FP32_FLOOR_TOLERANCE, FP32_KL, FP32_REL_L2, fp32_kl_limit, fp32_rel_l2_limit
 
-DEFAULT_TOLERANCE = 2.0
+DEFAULT_TOLERANCE = FP32_FLOOR_TOLERANCE  # the fp32 floor's too (parity.py)
 # Routing flips HF's own rounding is credited with at least: a floor of zero would forbid any flip, and
 # at the few flips per layer a short run sees (256 tokens: 0-5), a ratio of 2 is within counting noise.
 MIN_FLOOR_FLIPS = 3
@@ -157,17 +157,12 @@ def _judge_fp32(name: str, m: dict) -> tuple[bool, str]:
     return m["rel_l2"] <= FP32_REL_L2, f"rel_l2 <= {FP32_REL_L2:g}"
 
 
-def fp32_bound(floor_rel_l2: float, tol: float) -> float:
-    """An fp32 point's rel_l2 bound where HF's own fp32 error (against HF fp64) is ``floor_rel_l2``."""
-    return max(FP32_REL_L2, tol * floor_rel_l2)
-
-
 def _judge_fp32_floor(name: str, m: dict, floor: dict, tol: float) -> tuple[bool, float, str]:
-    bound = fp32_bound(floor["rel_l2"], tol)
+    bound = fp32_rel_l2_limit(floor["rel_l2"], tol)
     ok = m["rel_l2"] <= bound
     limit = f"rel_l2 <= {bound:.1e} (max of {FP32_REL_L2:g}, {tol:g}x floor)"
     if name == "logits":
-        kl_bound = max(FP32_KL, tol ** 2 * floor["kl"])
+        kl_bound = fp32_kl_limit(floor["kl"], tol)
         ok = ok and m["kl"] <= kl_bound
         limit += f", KL <= {kl_bound:.1e}"
     return ok, m["rel_l2"] / max(floor["rel_l2"], torch.finfo(torch.float64).tiny), limit
@@ -339,7 +334,7 @@ def _judge_every_id(ref: Captures, test: Captures, floor: Captures | None, dtype
     f = streams_like(floor[EVERY_ID], t)
     own = _row_errors(r, f)
     if dtype == "fp32":  # each id within the larger of the fixed bound and tolerance x its own fp32 error
-        bounds = (tolerance * own).clamp_min(FP32_REL_L2)
+        bounds = (tolerance * own).clamp_min(FP32_REL_L2)  # fp32_rel_l2_limit, id by id
         worst = int((err / bounds).argmax())
         metrics = {**worst_of(t, worst), "worst_id": worst, "ids": len(err)}
         return PointResult(EVERY_ID, None, metrics, {**compare(r, f), "rel_l2": float(own[worst])},
@@ -417,11 +412,11 @@ def _why(first, dtype: str, tol: float) -> tuple[str, str]:
     worst = max(first.failed_streams, key=lambda r: r.ratio if r.ratio is not None else r.metrics["rel_l2"],
                 default=first)
     if dtype == "fp32" and first.floor is not None:
-        bound = fp32_bound(worst.floor["rel_l2"], tol)
+        bound = fp32_rel_l2_limit(worst.floor["rel_l2"], tol)
         why = (f"rel_l2 {worst.metrics['rel_l2']:.1e} > {bound:.1e}, the larger of {FP32_REL_L2:g} and {tol:g}x HF's "
                f"own fp32 error ({worst.floor['rel_l2']:.1e} against HF fp64)")
         if first.name == "logits" and first.metrics["rel_l2"] <= bound:
-            why = (f"KL {first.metrics['kl']:.1e} > {max(FP32_KL, tol ** 2 * first.floor['kl']):.1e}, the larger of "
+            why = (f"KL {first.metrics['kl']:.1e} > {fp32_kl_limit(first.floor['kl'], tol):.1e}, the larger of "
                    f"{FP32_KL:g} and {tol ** 2:g}x HF's own fp32 KL against HF fp64")
     elif dtype == "fp32":
         why = f"rel_l2 {worst.metrics['rel_l2']:.1e} > {FP32_REL_L2:g}"
@@ -440,10 +435,10 @@ def _why(first, dtype: str, tol: float) -> tuple[str, str]:
 
 def _fp32_limit(point: PointResult, tol: float, metric: str = "rel_l2") -> str:
     """An fp32 point's bound on ``metric`` in words: the fixed one, or the one its floor raised it to."""
-    fixed = FP32_REL_L2 if metric == "rel_l2" else FP32_KL
     if point.floor is None:
-        return f"{fixed:g}"
-    return f"{max(fixed, (tol if metric == 'rel_l2' else tol ** 2) * point.floor[metric]):.1e}"
+        return f"{FP32_REL_L2 if metric == 'rel_l2' else FP32_KL:g}"
+    limit = fp32_rel_l2_limit if metric == "rel_l2" else fp32_kl_limit
+    return f"{limit(point.floor[metric], tol):.1e}"
 
 
 def _nan_worst(value: float) -> float:

@@ -110,8 +110,10 @@ def register(subparsers) -> None:
         "align", help="layer-by-layer precision alignment of HF and Megatron-Core, with a verdict",
         description="Run the HF model and its Megatron-Core twin (a converted checkpoint, or the HF folder mapped in "
                     "memory) on the same inputs, capture every layer (embedding, attention and MLP outputs, layer "
-                    f"outputs, final norm, logits) and judge them. fp32: logits rel_l2 <= {FP32_REL_L2:g} and KL <= {FP32_KL:g} "
-                    f"and every point rel_l2 <= {FP32_REL_L2:g}. bf16/fp16: HF's own error in that dtype (vs HF fp32) is the noise "
+                    f"outputs, final norm, logits) and judge them. fp32: logits rel_l2 <= {FP32_REL_L2:g} and KL <= "
+                    f"{FP32_KL:g} and every point rel_l2 <= {FP32_REL_L2:g} (over it, judged again against HF fp32's "
+                    "own error from HF fp64: within the larger of the fixed bound and --tolerance times it). "
+                    "bf16/fp16: HF's own error in that dtype (vs HF fp32) is the noise "
                     "floor, and each point's error must stay within --tolerance times it. The first point over the "
                     "line is named. The tested side runs in fp32 first, which certifies the conversion (bf16 rounding "
                     "hides faults such as a 0.1% norm scale), then in --dtype; one verdict says which run decided it. "
