@@ -187,3 +187,29 @@ def test_without_the_memory_for_hf_fp64_the_fixed_bound_stands_and_says_so(llama
     assert kept is verdict and not kept.aligned and not loaded
     assert kept.summary.startswith("NOT aligned: first divergence at layer 3 [transformers' own fp32 rounding, ")
     assert "not measured: its HF fp64 run needs about 0.0 GiB for the weights, and 0.0 GiB are free]" in kept.summary
+
+
+def test_parity_without_the_memory_for_hf_fp64_keeps_the_fixed_bounds_and_says_so(llama, monkeypatch, capsys):
+    """mpatch parity's floor the same: over the fixed bounds without the memory for the fp64 model, it is not loaded
+    (the align audit: parity loaded it whatever the memory), the fixed bounds decide, and the line says why."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_patch.align import parity
+
+    loaded = []
+    hf_logits = parity.hf_logits
+
+    def recorded(hf_dir, tokens, dtype=torch.float32):
+        loaded.append(dtype)
+        return hf_logits(hf_dir, tokens, dtype)
+
+    monkeypatch.setattr(parity, "hf_logits", recorded)
+    # the MCore side 1e-4 off HF's logits: over the fixed bound
+    monkeypatch.setattr(parity, "mcore_logits", lambda dirs, layout, tokens: [
+        hf_logits(dirs[0], tokens[0]) * (1 + 1e-4)])
+    monkeypatch.setattr(parity.psutil, "virtual_memory", lambda: SimpleNamespace(available=2**20))
+    metrics = parity.check_parity(llama)
+    assert loaded == [torch.float32] and not metrics["passed"], (loaded, metrics)
+    assert metrics["floor_not_measured"].startswith("its HF fp64 run needs about 0.0 GiB for the weights"), metrics

@@ -19,10 +19,11 @@ import torch
 from megatron_patch.align import ablations
 from megatron_patch.align.capture import ROUTING, captured_point_names, streams_like
 from megatron_patch.align.metrics import compare, compare_logits
+from megatron_patch.align.parity import fp64_unaffordable
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, exact_routing_layers, judge, judged_point_names
 from megatron_patch.checkpoint.arch_source import open_checkpoint
-from megatron_patch.checkpoint.hf_reader import HFCheckpointReader, checked_arch
+from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.dtypes import PRECISIONS
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import read_input_text
@@ -374,22 +375,15 @@ def _judged_on_fp32_floor(s: AlignSettings, ref, test, tokens, arch, verdict, lo
     over 1e-5 at layer 4, transformers' own fp32 run 3.7e-5 off its fp64 one (the cfg audit). Run only then: the
     fp64 model takes twice fp32's memory, and the bound it gives is never below the fixed one, so the verdict is the
     one running it always would give. Without the memory for it, the fixed bound's verdict stands, saying so."""
-    need = 8 * sum(math.prod(shape) for shape in _hf_shapes(s.hf_dir))
-    free = psutil.virtual_memory().available
-    if need > free:
+    unaffordable = fp64_unaffordable(s.hf_dir)
+    if unaffordable:
         verdict.summary += (f" [transformers' own fp32 rounding, which deep models' fp32 error can pass 1e-5 within, "
-                            f"was not measured: its HF fp64 run needs about {need / 2**30:,.1f} GiB for the weights, "
-                            f"and {free / 2**30:,.1f} GiB are free]")
+                            f"was not measured: {unaffordable}]")
         return verdict
     log(f"[3/3] fp32 over the fixed bound at {verdict.first_failure}: HF fp64, for transformers' own fp32 rounding")
     fp64 = capture_hf_dir(s.hf_dir, tokens, "fp64", s.peft_dir)
     return judge(ref, test, "fp32", arch.num_layers, fp64, s.tolerance, what=s.test_side,
                  exact_routing=exact_routing_layers(arch))
-
-
-def _hf_shapes(hf_dir) -> list[tuple[int, ...]]:
-    reader = HFCheckpointReader(hf_dir)
-    return [reader.shape(name) for name in reader.keys()]
 
 
 # What a run in bf16 / fp16 alone cannot see: faults whose effect is below that dtype's rounding (measured

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import psutil
 import torch
 
 from megatron_patch.align.metrics import compare_logits
@@ -35,6 +37,18 @@ def fp32_rel_l2_limit(floor_rel_l2: float, tolerance: float = FP32_FLOOR_TOLERAN
 def fp32_kl_limit(floor_kl: float, tolerance: float = FP32_FLOOR_TOLERANCE) -> float:
     """The logits' KL bound of an fp32 comparison where HF fp32's KL from HF fp64 is ``floor_kl``."""
     return max(FP32_KL, tolerance ** 2 * floor_kl)
+
+
+def fp64_unaffordable(hf_dir: str | Path) -> str | None:
+    """Why transformers' fp64 model of ``hf_dir`` is not loaded (twice fp32's memory: its weights alone would not fit
+    in free memory, and an out-of-memory kill would lose the whole result), or None where it fits."""
+    reader = HFCheckpointReader(hf_dir)
+    need = 8 * sum(math.prod(reader.shape(name)) for name in reader.keys())
+    free = psutil.virtual_memory().available
+    if need <= free:
+        return None
+    return (f"its HF fp64 run needs about {need / 2**30:,.1f} GiB for the weights, and {free / 2**30:,.1f} GiB are "
+            "free")
 
 
 def random_tokens(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0) -> torch.Tensor:
@@ -83,7 +97,11 @@ def check_parity_all(hf_dirs: list[str | Path], layout: ParallelLayout = Paralle
         ref = hf_logits(hf_dir, toks)
         metrics = compare_logits(ref, test)
         metrics.update(limit_rel_l2=FP32_REL_L2, limit_kl=FP32_KL)
-        if not (metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL):  # run HF fp64 only where it decides
+        over = not (metrics["rel_l2"] <= FP32_REL_L2 and metrics["kl"] <= FP32_KL)
+        unaffordable = fp64_unaffordable(hf_dir) if over else None
+        if unaffordable:
+            metrics["floor_not_measured"] = unaffordable
+        elif over:  # run HF fp64 only where it decides
             own = compare_logits(hf_logits(hf_dir, toks, torch.float64), ref)
             metrics.update(floor_rel_l2=own["rel_l2"], floor_kl=own["kl"],
                            limit_rel_l2=fp32_rel_l2_limit(own["rel_l2"]), limit_kl=fp32_kl_limit(own["kl"]))
