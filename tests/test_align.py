@@ -665,6 +665,19 @@ def test_bf16_verdict_needs_the_floor_and_uses_it(aligned):
     assert judge(ref, floor, "fp32", 4).first_failure == EVERY_ID
 
 
+def test_keys_that_say_nothing_about_the_computation_are_ignored_at_any_depth():
+    """A multimodal config.json holds a dtype in each sub-config: the same weights saved again in another dtype were
+    called "another model" (text_config.dtype: bfloat16 -> float32; the align audit); a nested key that does say
+    something is still named."""
+    saved = {"dtype": "bfloat16", "text_config": {"dtype": "bfloat16", "rope_theta": 1e6, "use_cache": True},
+             "vision_config": {"dtype": "bfloat16", "torch_dtype": "bfloat16", "depth": 2}}
+    again = {"dtype": "float32", "text_config": {"dtype": "float32", "rope_theta": 1e6, "use_cache": False},
+             "vision_config": {"dtype": "float32", "torch_dtype": "float32", "depth": 2}}
+    assert config_differences(saved, again) == []
+    again["text_config"]["rope_theta"] = 1e4
+    assert config_differences(saved, again) == [{"key": "text_config.rope_theta", "reference": 1e6, "tested": 1e4}]
+
+
 @pytest.mark.slow
 def test_config_differences_name_the_changed_keys(aligned):
     from megatron_patch.checkpoint.sidecar import read_sidecar

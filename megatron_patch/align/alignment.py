@@ -104,8 +104,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def config_differences(a: dict, b: dict) -> list[dict]:
-    fa = {k: v for k, v in _flatten(a).items() if k.split(".")[0] not in IGNORED_CONFIG_KEYS}
-    fb = {k: v for k, v in _flatten(b).items() if k.split(".")[0] not in IGNORED_CONFIG_KEYS}
+    # ignored at any depth: a multimodal config.json has a dtype in each sub-config (text_config.dtype), which a
+    # folder saved again in another dtype changes (the align audit: the same weights were "another model")
+    fa = {k: v for k, v in _flatten(a).items() if k.split(".")[-1] not in IGNORED_CONFIG_KEYS}
+    fb = {k: v for k, v in _flatten(b).items() if k.split(".")[-1] not in IGNORED_CONFIG_KEYS}
     return [{"key": k, "reference": fa.get(k), "tested": fb.get(k)}
             for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)]
 
