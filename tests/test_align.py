@@ -787,6 +787,19 @@ def test_cli_bad_input_exits_2(aligned, tmp_path, capsys):
         capsys.readouterr().err
 
 
+def test_options_for_a_side_that_is_not_there_are_refused(tmp_path, capsys):
+    """--tp/--pp/--ep with --hf-dir-2 ran two HF models whole, ALIGNED and exit 0, the layout silently dropped (and
+    written in the report's command); --no-verify without --mcore-dir did nothing (the align audit): exit 2."""
+    hf = str(make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf"))
+    assert main(["align", "--hf-dir", hf, "--hf-dir-2", hf, "--tp", "2", "--pp", "2"]) == 2
+    assert ("--tp/--pp/--ep/--etp split the MCore side, and --hf-dir-2 runs two HF models whole: drop them (got TP=2 "
+            "PP=2") in capsys.readouterr().err
+    assert main(["align", "--hf-dir", hf, "--hf-dir-2", hf, "--etp", "1"]) == 2
+    assert main(["align", "--hf-dir", hf, "--no-verify"]) == 2
+    assert "--no-verify skips checking --mcore-dir's files against its manifest, and there is no --mcore-dir" in \
+        capsys.readouterr().err
+
+
 def test_a_reference_transformers_cannot_build_is_bad_input(tmp_path):
     """A pad_token_id beyond the vocabulary converts (the weights are whole) but transformers cannot build the
     model align compares against: that was an internal error (exit 3)."""

@@ -199,6 +199,12 @@ def validate(s: AlignSettings):
                         f"got {s.tolerance}")
     if s.ablate and s.hf_dir_2:
         raise UserError("--ablate switches MCore implementation details: it needs the MCore side, not --hf-dir-2")
+    if s.hf_dir_2 and s.layout != ParallelLayout():  # it ran whole and said nothing (the align audit)
+        raise UserError(f"--tp/--pp/--ep/--etp split the MCore side, and --hf-dir-2 runs two HF models whole: drop "
+                        f"them (got {s.layout})")
+    if not s.verify and not s.mcore_dir:
+        raise UserError("--no-verify skips checking --mcore-dir's files against its manifest, and there is no "
+                        "--mcore-dir: drop it")
     if s.only_dtype and s.dtype == "fp32":
         raise UserError("--only-dtype skips the fp32 run before another --dtype: with --dtype fp32 there is only one run")
     if s.peft_dir:
