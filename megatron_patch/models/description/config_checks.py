@@ -256,9 +256,12 @@ def least_weight_elements(arch) -> int:
 
 def check_weights_fit(arch, stored_bytes: int, where: str) -> None:
     """Refuse a config that describes more weights than ``where``'s files can hold (at least one byte per
-    element, FP8 included), before any work proportional to the model."""
+    element, FP8 included; half a byte where config.json names a quantization, as MXFP4 and FP4 pack two values a
+    byte: gpt-oss-120b's hub files hold 65 GB for 77 billion expert weights, and were refused), before any work
+    proportional to the model."""
     least = least_weight_elements(arch)
-    if least > stored_bytes:
+    packed = bool((arch.hf_config or {}).get("quantization_config"))
+    if ((least + 1) // 2 if packed else least) > stored_bytes:
         raise UserError(
             f"config.json describes a model of at least {least:,} weights (vocab_size={arch.vocab_size:,}, "
             f"hidden_size={arch.hidden_size:,}, num_hidden_layers={arch.num_layers:,}), but {where} holds "
