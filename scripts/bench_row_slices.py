@@ -11,6 +11,8 @@ deleted until the end, so neither way gets pages the other just freed), and prin
 time (user + system) and wall time of each, with the load average.
 
     python scripts/bench_row_slices.py [--mib 256] [--sizes 1024,2048,4096,8192,16384] [--repeat 6] [--dir /tmp]
+
+--mib is a multiple of 32 (whole bands) and every size divides 32 MiB (whole slices).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ def file_to_file(src: int, dst: int, total: int, piece: int) -> None:
     for off in range(0, total, piece):
         done = 0
         while done < piece:
-            done += os.copy_file_range(src, dst, piece - done, off + done, off + done)
+            copied = os.copy_file_range(src, dst, piece - done, off + done, off + done)
+            if copied == 0:  # the source ended: it spun here forever (the perf audit)
+                raise RuntimeError(f"the source ends at {off + done:,} bytes, before the {total:,} measured")
+            done += copied
 
 
 def main() -> int:
@@ -55,6 +60,18 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=6)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = ap.parse_args()
+    # whole bands of whole slices, as a gather's rows are: a size that does not divide a band hung the copy or
+    # failed the mapping (the perf audit)
+    if args.mib < 32 or args.mib % 32:
+        ap.error(f"--mib must be a positive multiple of {BAND >> 20} (a band), got {args.mib}")
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes must be byte counts separated by commas, got {args.sizes!r}")
+    if any(size < 1 or BAND % size for size in sizes):
+        ap.error(f"every --sizes must divide {BAND >> 20} MiB (a band), as a power of two does; got {args.sizes}")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
     total = args.mib << 20
     work = Path(tempfile.mkdtemp(prefix="row-slices-", dir=args.dir))
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs); "
@@ -62,13 +79,13 @@ def main() -> int:
     try:
         source = work / "source"
         with open(source, "wb") as f:
-            for _ in range(total // (64 << 20) or 1):
-                f.write(os.urandom(min(total, 64 << 20)))
+            for start in range(0, total, 64 << 20):
+                f.write(os.urandom(min(total - start, 64 << 20)))
         src = os.open(source, os.O_RDONLY)
         while os.read(src, 64 << 20):
             pass
         outputs = []
-        for piece in (int(x) for x in args.sizes.split(",")):
+        for piece in sizes:
             results = {"from a mapping (pwritev)": [], "file to file (copy_file_range)": []}
             ways = list(zip(results, (from_mapping, file_to_file)))
             for rep in range(args.repeat):
