@@ -23,6 +23,8 @@ import torch
 
 from megatron_patch.training.offload import adam
 
+from cli_types import positive_int  # scripts/, beside this one
+
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
@@ -44,8 +46,8 @@ def _time(update, n: int, repeat: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--elements", type=int, default=16 * 2**20)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--elements", type=positive_int, default=16 * 2**20)
+    ap.add_argument("--repeat", type=positive_int, default=5)
     args = ap.parse_args()
     n = args.elements
 

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_patch.runtime.distributed import ParallelLayout  # noqa: E402
 from megatron_patch.runtime.launch import run_local  # noqa: E402
+from cli_types import comma_list, positive_int  # noqa: E402  (scripts/, beside this one)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -136,13 +137,13 @@ def measure(step, device: torch.device, repeat: int) -> tuple[float, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--seq", default="2048,4096")
-    ap.add_argument("--dtype", default="fp32,bf16")
+    ap.add_argument("--seq", type=comma_list(item=positive_int), default="2048,4096")
+    ap.add_argument("--dtype", type=comma_list(("fp32", "bf16")), default="fp32,bf16")
     ap.add_argument("--heads", type=int)
     ap.add_argument("--kv-heads", type=int)
     ap.add_argument("--head-dim", type=int)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=positive_int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per case (default: torch's choice)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
@@ -165,8 +166,8 @@ def main() -> int:
           f"{args.batch}, causal, forward+backward, median of {args.repeat}; load average {os.getloadavg()}",
           flush=True)
     rows = []
-    for dtype in args.dtype.split(","):
-        for seq in (int(s) for s in args.seq.split(",")):
+    for dtype in args.dtype:
+        for seq in args.seq:
             for kind in ("unfused", "sdpa"):
                 r = run_local(case_worker, 1, kind, seq, dtype, heads, kv_heads, head_dim, args.batch, args.repeat,
                               args.device, timeout=1800)[0]

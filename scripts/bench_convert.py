@@ -69,8 +69,33 @@ PRESETS = {  # hidden, layers, ffn, heads, kv heads, vocab
     "bench": (2048, 12, 8192, 32, 8, 32000),
     "3gb": (2048, 16, 8192, 32, 8, 128256),
     "8b": (4096, 32, 14336, 32, 8, 128256),
-    "tiny": (64, 4, 128, 4, 2, 256),
 }
+
+
+def tiny_dims(tp: int, pp: int) -> tuple:
+    """The untimed warm-up model: tiny, with heads and layers that split at the benchmarked TP and PP (a fixed
+    4-head model failed --tp 4, the reason hidden: the perf audit)."""
+    kv_heads = max(2, tp)
+    return 32 * kv_heads, max(4, 2 * pp), 64 * kv_heads, 2 * kv_heads, kv_heads, 256
+
+
+def _check_layout(ap, config: dict, tp: int, pp: int) -> None:
+    from megatron_patch.errors import UserError
+    from megatron_patch.models.description.arch import validate_layout
+    from megatron_patch.models.description.registry import parse_arch
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    try:
+        validate_layout(parse_arch(config), ParallelLayout(tp=tp, pp=pp), uneven_pipelines=False)
+    except UserError as exc:
+        ap.error(f"--tp {tp} --pp {pp}: {exc}")
+
+
+def _untimed(command: list[str], env: dict) -> None:
+    """A warm-up command; its own error said where it fails (it was captured and dropped: the perf audit)."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(command[3:5])} of the warm-up model failed: {done.stderr.strip()[-2000:]}")
 
 
 def llama_config(hidden: int, layers: int, ffn: int, heads: int, kv_heads: int, vocab: int) -> dict:
@@ -103,6 +128,7 @@ def synthesize(folder: Path, config: dict, shard_bytes: int = 5 * 10**9) -> int:
                     (f"{p}.mlp.gate_proj.weight", (f, h)), (f"{p}.mlp.up_proj.weight", (f, h)),
                     (f"{p}.mlp.down_proj.weight", (h, f))]
     entries += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    shutil.rmtree(folder, ignore_errors=True)  # a rerun in the same --work-dir writes it again (the perf audit)
     folder.mkdir(parents=True)
     writer = SafetensorsShardWriter(folder, [(n, s, torch.bfloat16) for n, s in entries], shard_bytes)
     gen = torch.Generator().manual_seed(0)
@@ -287,8 +313,21 @@ def main() -> int:
                     help="write rate assumed for the projected conversion node's storage (default 4 GB/s)")
     args = ap.parse_args()
     args.formats = args.formats.split(",")
-    worker_counts = [int(w) for w in args.workers.split(",")]
+    try:
+        worker_counts = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        ap.error(f"--workers must be worker counts separated by commas, got {args.workers!r}")
     caches = args.cache.split(",")
+    # each refused in one line, before gigabytes are synthesized (the perf audit: a traceback, or a misspelt cache
+    # state measured as a cold one)
+    if min(worker_counts) < 1 or args.repeat < 1 or args.tp < 1 or args.pp < 1:
+        ap.error("--workers, --repeat, --tp and --pp must be at least 1")
+    if set(caches) - {"warm", "cold"} or set(args.formats) - {"legacy", "torch_dist"}:
+        ap.error(f"--cache takes warm and cold, --formats legacy and torch_dist; got {args.cache!r}, "
+                 f"{','.join(args.formats)!r}")
+    tiny = tiny_dims(args.tp, args.pp)
+    for dims in (tiny, PRESETS[args.preset]):
+        _check_layout(ap, llama_config(*dims), args.tp, args.pp)
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-convert-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -311,7 +350,7 @@ def main() -> int:
                   "load_average": {"start": os.getloadavg(), "passes": []}, "runs": {}}
         print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)", flush=True)
         models = {}
-        for label, dims in (("tiny", PRESETS["tiny"]), ("large", PRESETS[args.preset])):
+        for label, dims in (("tiny", tiny), ("large", PRESETS[args.preset])):
             hf = work / label / "hf"
             t = time.perf_counter()
             nbytes = synthesize(hf, llama_config(*dims))
@@ -321,11 +360,10 @@ def main() -> int:
                   f"(synthesized in {time.perf_counter() - t:.1f} s)", flush=True)
         hf, _ = models["tiny"]
         for fmt in args.formats:  # untimed: every module the commands import is compiled once
-            subprocess.run([sys.executable, "-m", "megatron_patch", "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir",
-                            str(work / "compile"), "--format", fmt, "--tp", str(args.tp), "--pp", str(args.pp), "--quiet"],
-                           env=env, check=True, capture_output=True)
-            subprocess.run([sys.executable, "-m", "megatron_patch", "convert", "mcore2hf", "--load-dir", str(work / "compile"),
-                            "--save-dir", str(work / "compile-hf"), "--quiet"], env=env, check=True, capture_output=True)
+            _untimed([sys.executable, "-m", "megatron_patch", "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir",
+                      str(work / "compile"), "--format", fmt, "--tp", str(args.tp), "--pp", str(args.pp), "--quiet"], env)
+            _untimed([sys.executable, "-m", "megatron_patch", "convert", "mcore2hf", "--load-dir", str(work / "compile"),
+                      "--save-dir", str(work / "compile-hf"), "--quiet"], env)
             shutil.rmtree(work / "compile")
             shutil.rmtree(work / "compile-hf")
         for cache in caches:

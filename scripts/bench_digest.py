@@ -20,6 +20,8 @@ import xxhash
 
 from megatron_patch.checkpoint_files.manifest import digest_file
 
+from cli_types import positive_int  # scripts/, beside this one
+
 
 def rate(fn, nbytes: int, repeat: int) -> float:
     times = []
@@ -32,8 +34,8 @@ def rate(fn, nbytes: int, repeat: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mib", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--mib", type=positive_int, default=1024)
+    ap.add_argument("--repeat", type=positive_int, default=5)
     args = ap.parse_args()
     n = args.mib * 2**20
     data = memoryview(os.urandom(n))

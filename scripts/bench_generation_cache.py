@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from cli_types import comma_list, positive_int  # scripts/, beside this one
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))  # the rank process too: every core
@@ -74,21 +76,24 @@ def time_generation(model, vocab_size: int, max_positions: int, contexts: list[i
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default="qwen3_next,deepseek_v32,deepseek_v4")
-    parser.add_argument("--contexts", default="128,1024", help="prompt lengths, comma-separated")
-    parser.add_argument("--new-tokens", type=int, default=32)
+    from megatron_patch.models.description.registry import families
+
+    parser.add_argument("--families", type=comma_list(families()), default="qwen3_next,deepseek_v32,deepseek_v4")
+    parser.add_argument("--contexts", type=comma_list(item=positive_int), default="128,1024",
+                        help="prompt lengths, comma-separated")
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
     parser.add_argument("--work", default="/tmp/mpatch-bench-generation-cache")
     args = parser.parse_args()
 
     from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
     from megatron_patch.runtime.launch import run_local
 
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = args.contexts
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cores; {args.new_tokens} new tokens, batch 1, "
           f"fp32, TP=1")
     print("| family | prompt | tokens/s with the cache | without | speed-up | first tokens alike |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for family in args.families.split(","):
+    for family in args.families:
         hf = make_tiny_hf_checkpoint(family, Path(args.work) / family, seed=0, **WIDER)
         speeds = run_local(generation_worker, 1, str(hf), contexts, args.new_tokens, timeout=3600)[0]
         for context in contexts:

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli_types import positive_int  # scripts/, beside this one
+
 
 def machine_cpu_seconds() -> float:
     """CPU seconds every core has spent busy since boot (Linux's /proc/stat: all but idle and iowait)."""
@@ -31,7 +33,7 @@ def machine_cpu_seconds() -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=positive_int, default=2)
     ap.add_argument("--env", choices=("cpu", "dlc"), default="cpu",
                     help="the launcher's ENV: dlc as one CPU node of Pai's lines (forked as cpu is since ddeeafa)")
     args = ap.parse_args()

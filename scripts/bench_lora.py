@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from cli_types import comma_list, positive_int  # scripts/, beside this one
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -133,10 +135,10 @@ def main() -> None:
 
     quiet_known_warnings()  # as mpatch does (torchao's import notices, megatron-core's fallbacks)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="tiny,smol135m")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--models", type=comma_list(("tiny", "smol135m")), default="tiny,smol135m")
+    p.add_argument("--iters", type=positive_int, default=20)
+    p.add_argument("--seq", type=positive_int, default=512)
+    p.add_argument("--rank", type=positive_int, default=16)
     p.add_argument("--json", default=None)
     p.add_argument("--plan-only", action="store_true")
     args = p.parse_args()
@@ -157,7 +159,7 @@ def main() -> None:
             print("\n| model | mode | trainable | frozen | grads | optimizer state | peak RSS | s / iteration | loss "
                   f"(iteration 1 -> {args.iters}) |")
             print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-            for name in args.models.split(","):
+            for name in args.models:
                 base = make_model(name, root)
                 for rank in (None, args.rank):
                     r = train(base, corpus, root / f"{name}_{rank}", args.iters, args.seq, rank)

