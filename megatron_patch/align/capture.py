@@ -414,8 +414,8 @@ def capture_hf(model, tokens: torch.Tensor, modules: HFModules, vocab_size: int)
     return store
 
 
-def load_hf_model(hf_dir, dtype: torch.dtype, **kwargs):
-    return load_causal_lm(hf_dir, dtype, **kwargs)  # eager attention, as parity's
+def load_hf_model(hf_dir, dtype: torch.dtype):
+    return load_causal_lm(hf_dir, dtype)  # eager attention, as parity's
 
 
 def mcore_capture_targets(model, modules: HFModules = HFModules()) -> dict[str, torch.nn.Module]:

@@ -57,12 +57,11 @@ def random_tokens(vocab_size: int, batch: int = 2, seq: int = 32, seed: int = 0)
 
 
 def hf_logits(hf_dir: str | Path, tokens: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    # float64: the experts as a loop (torch's grouped GEMM has no float64 kernel), the logits kept in it
-    model = load_causal_lm(hf_dir, dtype, **({"experts_implementation": "eager"} if dtype == torch.float64 else {}))
+    model = load_causal_lm(hf_dir, dtype)
     model.eval()
     with torch.no_grad():
         logits = model(tokens, use_cache=False).logits  # one forward (see capture_hf)
-        return logits if dtype == torch.float64 else logits.float()
+        return logits if dtype == torch.float64 else logits.float()  # the fp32 floor's kept in float64
 
 
 def mcore_logits_worker(hf_dirs: list[str], layout: ParallelLayout, tokens: list[torch.Tensor], dtype=torch.float32):

@@ -49,21 +49,19 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(8, len(points) * 0.32), 4.8))
     tested = result["compared"]["tested"].split(" (")[0].split(" from ")[0]
     ax.semilogy(xs, test, "o-", color="tab:blue", label=f"{tested} vs HF fp32", zorder=3)
+    # align.parity imports torch
+    from megatron_patch.align.parity import FP32_REL_L2, fp32_rel_l2_limit
+
+    floor = [max((p["floor"] or {}).get("rel_l2", 0.0), tiny) for p in points]
     if v["dtype"] != "fp32":
-        floor = [max((p["floor"] or {}).get("rel_l2", 0.0), tiny) for p in points]
         ax.semilogy(xs, floor, "s--", color="tab:gray", label=f"noise floor: HF {v['dtype']} vs HF fp32")
         ax.semilogy(xs, [f * v["tolerance"] for f in floor], ":", color="tab:red", label=f"limit: {v['tolerance']:g}x floor")
+    elif v.get("fp32_floor"):  # the fp32 run judged against transformers' own fp32 rounding (verdict.py)
+        ax.semilogy(xs, floor, "s--", color="tab:gray", label="floor: HF fp32 vs HF fp64")
+        ax.semilogy(xs, [fp32_rel_l2_limit(f, v["tolerance"]) for f in floor], ":", color="tab:red",
+                    label=f"limit: the larger of {FP32_REL_L2:g} and {v['tolerance']:g}x floor")
     else:
-        # align.parity imports torch
-        from megatron_patch.align.parity import FP32_REL_L2
-
-        if v.get("fp32_floor"):  # the fp32 run judged against transformers' own fp32 rounding (verdict.py)
-            floor = [max((p["floor"] or {}).get("rel_l2", 0.0), tiny) for p in points]
-            ax.semilogy(xs, floor, "s--", color="tab:gray", label="floor: HF fp32 vs HF fp64")
-            ax.semilogy(xs, [max(FP32_REL_L2, f * v["tolerance"]) for f in floor], ":", color="tab:red",
-                        label=f"limit: the larger of {FP32_REL_L2:g} and {v['tolerance']:g}x floor")
-        else:
-            ax.axhline(FP32_REL_L2, color="tab:red", linestyle=":", label=f"limit: rel_l2 {FP32_REL_L2:g}")
+        ax.axhline(FP32_REL_L2, color="tab:red", linestyle=":", label=f"limit: rel_l2 {FP32_REL_L2:g}")
     for row in result.get("ablations", []):
         if row["status"] == "ran" and row["name"] != "baseline":
             ax.semilogy(xs, [max(e, tiny) for e in row["series"]], "-", linewidth=0.8, alpha=0.55,

@@ -134,13 +134,10 @@ def capture_hf_dir(hf_dir: str | Path, tokens: torch.Tensor, dtype: str, peft_di
                    fp8: tuple | None = None) -> Captures:
     """Captures of the HF model in ``hf_dir`` (with ``peft_dir``: peft's model of it with that adapter; dtype
     "fp8": in bf16 after torchao's ``convert_to_float8_training`` with ``fp8`` = (recipe, filter); "fp64": the
-    floor of an fp32 run, its experts as a loop: torch's grouped GEMM has no float64 kernel)."""
+    floor of an fp32 run)."""
     config = read_config_json(hf_dir)
     modules = detect_family(config).hf_modules
-    if dtype == "fp64":
-        model = load_hf_model(hf_dir, torch.float64, experts_implementation="eager")
-    else:
-        model = load_hf_model(hf_dir, precision_dtype(dtype))
+    model = load_hf_model(hf_dir, torch.float64 if dtype == "fp64" else precision_dtype(dtype))
     if dtype == "fp8":
         from megatron_patch.models.blocks.float8 import convert_hf_model  # torchao: only an fp8 alignment needs it
 

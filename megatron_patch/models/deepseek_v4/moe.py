@@ -174,8 +174,9 @@ class DeepseekV4HashRouter(DeepseekV4Router):
             raise UserError(f"{where} names expert {low if low < 0 else high}, and the layer has {experts} (0 to "
                             f"{experts - 1}): the checkpoint is damaged or not this model's")
         ordered = table.sort(dim=1).values
-        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
-            token = int((ordered[:, 1:] == ordered[:, :-1]).any(dim=1).nonzero()[0])
+        repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1)
+        if bool(repeated.any()):
+            token = int(repeated.nonzero()[0])
             raise UserError(f"{where} names one expert twice for token {token} ({table[token].tolist()}): "
                             "megatron-core routes a token to each expert once, "
                             "so this model cannot be trained or evaluated as transformers computes it "

@@ -36,6 +36,8 @@ def load_causal_lm(hf_dir: str | Path, dtype, **kwargs):
         values = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
         kwargs["config"] = AutoConfig.for_model(as_type, **values)
     kwargs.setdefault("attn_implementation", "eager")
+    if str(dtype) == "torch.float64":  # the fp32 floor (align, parity): torch's grouped GEMM has no float64 kernel
+        kwargs.setdefault("experts_implementation", "eager")
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, trust_remote_code=False,
                                                               output_loading_info=True, **kwargs)
