@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from megatron_patch.outputs.lock import live_ranks
+from megatron_patch.runtime import scratch
 from megatron_patch.runtime.distributed import free_port
 from megatron_patch.runtime.launch import JobFailed, forked_ranks, run_torchrun
 from tests.training_helpers import GBS, SEQ, launcher_args, make_corpus, pretrain_args, read_metrics
@@ -260,11 +261,14 @@ def test_forked_ranks_end_when_the_launcher_alone_is_killed(corpus, tmp_path):
     against the launcher (fork_server_guard), ends, and the ranks, armed against the server, with it. Without the
     guard, multiprocessing's "alive" pipe, which every rank holds, kept the server and its ranks up for good. The
     launcher's resource tracker, left behind, unlinks what torch's process context made, without a word (it warned of
-    "9 leaked semaphore objects" under the job's output)."""
-    out = tmp_path / "out"
+    "9 leaked semaphore objects" under the job's output). Its scratch folders in TMPDIR (multiprocessing's and
+    torchrun's agent's) stay behind, and the next launch removes them: a pymp-* and a torchelastic_* piled up in
+    /tmp per killed launch."""
+    out, scratch_base = tmp_path / "out", tmp_path / "tmp"
+    scratch_base.mkdir()
     args = pretrain_args(corpus, out, TP="2", TRAIN_TOKENS_OR_ITERS=str(10**6 * GBS * SEQ))
     script = REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"
-    env = {**os.environ, "PYTHON": sys.executable, "MP_SAVE": "false"}
+    env = {**os.environ, "PYTHON": sys.executable, "MP_SAVE": "false", "TMPDIR": str(scratch_base)}
     stderr = open(tmp_path / "stderr", "w")
     launcher = subprocess.Popen(["bash", str(script), *args], env=env, stdout=subprocess.DEVNULL,
                                 stderr=stderr, start_new_session=True)  # bash execs the launcher
@@ -287,6 +291,11 @@ def test_forked_ranks_end_when_the_launcher_alone_is_killed(corpus, tmp_path):
         assert not tracker[0].is_running() or tracker[0].status() == psutil.STATUS_ZOMBIE
         stderr.close()
         assert "leaked semaphore" not in (tmp_path / "stderr").read_text(), (tmp_path / "stderr").read_text()
+        left = sorted(p.name.split("-")[2] for p in scratch_base.iterdir() if p.name.startswith(scratch.PREFIX))
+        assert left == ["pymp", "torchelastic"], left
+        nothing = "import os\nfrom megatron_patch.runtime.launch import run_local\nrun_local(os.getpid, 2, timeout=120)\n"
+        subprocess.run([sys.executable, "-c", nothing], env=env, cwd=REPO, check=True, timeout=180)
+        assert not [p.name for p in scratch_base.iterdir() if p.name.startswith(scratch.PREFIX)]
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)

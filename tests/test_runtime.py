@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ import torch
 from megatron_patch.checkpoint_files.layout import torch_dist_problem
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
-from megatron_patch.runtime import ParallelLayout
+from megatron_patch.runtime import ParallelLayout, scratch
 from megatron_patch.runtime.launch import run_local
 from tests import runtime_helpers as rh
 
@@ -417,7 +418,7 @@ def test_ranks_still_fork_under_a_tmpdir_too_deep_for_a_unix_socket(tmp_path):
     proc = subprocess.run([sys.executable, "-"], input=code, text=True, capture_output=True, timeout=300, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(deep), "MP_LOCAL_START": ""})
     assert proc.returncode == 0 and proc.stdout.split() == ["start", "forkserver", "ranks", "2"], proc.stderr[-3000:]
-    assert not [p.name for p in deep.iterdir() if p.name.startswith("pymp-")]
+    assert not [p.name for p in deep.iterdir() if p.name.startswith(("pymp-", scratch.PREFIX))]
 
 
 def test_ctrl_c_with_a_rank_that_must_be_killed_says_nothing_more(tmp_path):
@@ -505,3 +506,33 @@ def test_the_model_parallel_rng_fork_is_quiet_on_cpu():
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["log"] == "" and r["restored"] and 0 < r["dropped"] < 64, r
+
+
+def test_a_killed_process_scratch_folder_is_swept_and_a_live_ones_is_kept(tmp_path):
+    """scratch.sweep_abandoned removes the folders whose owner is gone however it ended (a SIGKILL here), by the
+    owner file's lock, and keeps a live process's, one still being made (its owner file empty), and what is not a
+    folder of this kind (a link by its name, a plain file)."""
+    hold = ("import os, sys, signal, time\nfrom megatron_patch.runtime import scratch\n"
+            "print(scratch.make_owned_folder(sys.argv[1], sys.argv[2]), flush=True)\n"
+            "if sys.argv[1] == 'killed':\n    os.kill(os.getpid(), signal.SIGKILL)\ntime.sleep(600)\n")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    killed = subprocess.run([sys.executable, "-c", hold, "killed", str(tmp_path)], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    live = subprocess.Popen([sys.executable, "-c", hold, "live", str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        live_folder = live.stdout.readline().strip()
+        being_made = tmp_path / f"{scratch.PREFIX}new-x"
+        being_made.mkdir()
+        (being_made / scratch.OWNER).touch()
+        (tmp_path / f"{scratch.PREFIX}link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / f"{scratch.PREFIX}file").write_text("")
+        assert scratch.sweep_abandoned(str(tmp_path)) == [killed.stdout.strip()]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [Path(live_folder).name, being_made.name, f"{scratch.PREFIX}link", "elsewhere", f"{scratch.PREFIX}file"])
+    finally:
+        live.kill()
+        live.wait()
+    assert scratch.sweep_abandoned(str(tmp_path)) == [live_folder]

@@ -24,7 +24,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import shutil
 import signal
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from megatron_patch.errors import UserError
+from megatron_patch.runtime import scratch
 from megatron_patch.runtime.distributed import destroy, free_port
 from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
@@ -193,25 +193,25 @@ TRAINING_RANK_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_p
 
 # sockaddr_un.sun_path on Linux: 108 bytes with the closing NUL
 _SOCKET_PATH_MAX = 107
-# what multiprocessing adds to its folder's parent: /pymp-XXXXXXXX, then the fork server's /listener-XXXXXXXX
-_SOCKET_PATH_TAIL = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+# what multiprocessing's folder adds to its parent (ours: scratch.make_owned_folder's), then the fork server's socket
+_SOCKET_PATH_TAIL = len(f"/{scratch.PREFIX}pymp-XXXXXXXX/listener-XXXXXXXX")
 
 
 def _socket_folder_fits() -> bool:
-    """Whether the fork server's socket path fits a Unix socket's, moving multiprocessing's folder (not yet made)
-    from a TMPDIR too deep for it to the system's own temporary folder, as CPython 3.14 does itself: a deep TMPDIR
-    (a job's scratch folder) failed every evaluation and local training start with "internal error: OSError:
-    AF_UNIX path too long". False (spawn instead) where no folder fits."""
+    """Whether the fork server's socket path fits a Unix socket's. multiprocessing's folder (not yet made) is made
+    here, as a scratch folder a killed launch's successor removes (multiprocessing's own pymp-* stayed behind
+    each killed launch), and in the system's own temporary folder where TMPDIR is too deep for the socket, as
+    CPython 3.14 does itself: a deep TMPDIR (a job's scratch folder) failed every evaluation and local training
+    start with "internal error: OSError: AF_UNIX path too long". False (spawn instead) where no folder fits."""
     made = process.current_process()._config.get("tempdir")
     if made is not None:
         return len(os.fsencode(made)) + len("/listener-XXXXXXXX") <= _SOCKET_PATH_MAX
-    if len(os.fsencode(tempfile.gettempdir())) + _SOCKET_PATH_TAIL <= _SOCKET_PATH_MAX:
-        return True
-    for base in ("/tmp", "/var/tmp", "/usr/tmp"):
-        if len(base) + _SOCKET_PATH_TAIL <= _SOCKET_PATH_MAX and os.access(base, os.W_OK | os.X_OK):
-            folder = tempfile.mkdtemp(prefix="pymp-", dir=base)
-            # what multiprocessing.util.get_temp_dir does for the folder it makes: removed at this process's exit
-            mp_util.Finalize(None, shutil.rmtree, args=(folder, True), exitpriority=-100)
+    for base in (tempfile.gettempdir(), "/tmp", "/var/tmp", "/usr/tmp"):
+        if len(os.fsencode(base)) + _SOCKET_PATH_TAIL <= _SOCKET_PATH_MAX and os.access(base, os.W_OK | os.X_OK):
+            scratch.sweep_abandoned(base)
+            folder = scratch.make_owned_folder("pymp", base)
+            # as multiprocessing.util.get_temp_dir does for the folder it makes: removed at this process's exit
+            mp_util.Finalize(None, scratch.remove, args=(folder,), exitpriority=-100)
             process.current_process()._config["tempdir"] = folder
             return True
     return False
@@ -325,14 +325,15 @@ def run_torchrun(torchrun_args: list[str], forked: tuple[Callable, tuple] | None
 
 @contextlib.contextmanager
 def agent_log_folder():
-    """A folder for torchrun's agent (its ranks' error files, ``explain_failures`` reads them), removed after the job:
-    without ``--log-dir`` the agent made one in TMPDIR per launch and left it there (the env audit: thousands of
-    torchelastic_* in /tmp)."""
-    folder = tempfile.mkdtemp(prefix="torchelastic_")
+    """A folder for torchrun's agent (its ranks' error files, ``explain_failures`` reads them), removed after the job,
+    or by the next launch where this one was killed: without ``--log-dir`` the agent made one in TMPDIR per launch
+    and left it there (the env audit: thousands of torchelastic_* in /tmp)."""
+    scratch.sweep_abandoned()
+    folder = scratch.make_owned_folder("torchelastic")
     try:
         yield folder
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        scratch.remove(folder)
 
 
 def _run_agent(parsed, forked: tuple[Callable, tuple] | None) -> None:
