@@ -1174,6 +1174,20 @@ def test_a_node_whose_launcher_refuses_its_line_tells_the_others(corpus, tmp_pat
 
 
 @pytest.mark.slow
+def test_a_node_refused_for_another_output_folder_leaves_nothing_beside_it(corpus, tmp_path):
+    """Node 1 given another OUTPUT_BASEPATH (its own disk): both nodes refuse in one line, and node 1's rank, which
+    marked itself beside that folder as a rank writing it, takes its mark away as it ends: no launcher of node 1
+    sweeps marks (node 0's does, for the shared folder), so a hidden .other.mpatch-lock.ranks stayed there."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    lines = [_pretrain_args(corpus, out, ENV="dlc"), _pretrain_args(corpus, other, ENV="dlc")]
+    base = _two_node_base()
+    codes = _ended([_start(lines[n], {**base, "RANK": str(n)}, tmp_path / f"node{n}") for n in (0, 1)])
+    said = [_output(tmp_path / f"node{n}")[1] for n in (0, 1)]
+    assert codes == [2, 2] and all("OUTPUT_BASEPATH" in s and s.count("\n") == 1 for s in said), said
+    assert [p.name for p in tmp_path.iterdir() if "mpatch-lock" in p.name] == []
+
+
+@pytest.mark.slow
 def test_ctrl_c_ends_a_refusing_node_waiting_for_the_others(corpus, tmp_path):
     """A node whose launcher refused its line waits for the other nodes to tell them; Ctrl-C reached torchrun's
     rendezvous only at its timeout (the s63 audit)."""

@@ -28,7 +28,7 @@ from megatron_patch.cli import (DEBUG_VARIABLE, EXIT_BROKEN_PIPE, internal_error
                                 went_to_a_gone_reader)
 from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
-from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank
+from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank, release_rank
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED, JobFailed, agent_log_folder,
                                            die_with_launcher, die_with_parent, forked_ranks, helpers_die_with_rank,
@@ -561,6 +561,7 @@ def _rank(launcher: str, argv: list[str]) -> int:
     rank, timeout_min = int(os.environ.get("RANK", "0")), 10.0
     name_this_process(f"mpatch-rank{rank}")
     out = Path(argv[-1] or ".").absolute()  # OUTPUT_BASEPATH is the last argument of every launcher
+    mark = None
     try:
         try:
             if os.environ.get(LAUNCHER_REFUSED):  # started only to tell the other nodes (_other_nodes_told)
@@ -574,7 +575,7 @@ def _rank(launcher: str, argv: list[str]) -> int:
                 k, v = next(iter(wrong.items()))
                 raise UserError(f"TP={cfg.tp} CP={cfg.cp} on this GPU needs {k}={v} in every rank's environment (the "
                                 f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
-            register_rank(run_folder_identity(out))  # held until this process ends, however it ends
+            mark = register_rank(run_folder_identity(out))  # held until this rank ends, however it ends
             if LAUNCHER_PID not in os.environ and rank == 0:
                 check_training_data(cfg)  # a torchrun started by hand: no launcher has checked the data
         except UserError as exc:
@@ -606,6 +607,8 @@ def _rank(launcher: str, argv: list[str]) -> int:
         return 2 if kind == "user" else 1
     finally:
         watchdog.stop()
+        if mark is not None:
+            release_rank(run_folder_identity(out), mark)
 
 
 def _leave_the_job() -> None:

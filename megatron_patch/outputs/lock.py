@@ -205,6 +205,23 @@ def register_rank(target: str | Path) -> int:
     return fd
 
 
+def release_rank(target: str | Path, fd: int) -> None:
+    """A rank's own end: its mark removed (the folder too once empty), then its lock let go. A rank that ends
+    however it may be leaves its mark to the next launcher's ``live_ranks``; one that ends by returning (done, or
+    refused) leaves nothing beside ``target``: another node's ranks, which no launcher of theirs sweeps, did."""
+    folder = _ranks_dir(target)
+    path = folder / f"{socket.gethostname()}.{os.getpid()}"
+    try:
+        held, there = os.fstat(fd), os.lstat(path)
+        if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino):
+            path.unlink()
+        folder.rmdir()
+    except OSError:
+        pass  # gone already, or another rank's mark is still there
+    finally:
+        os.close(fd)
+
+
 def live_ranks(target: str | Path) -> list[str]:
     """'pid N on HOST' for every rank of an earlier run that still holds its mark on ``target``; the marks of
     ranks that are gone are removed."""
