@@ -14,6 +14,7 @@ import pytest
 
 from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+from megatron_patch.runtime import scratch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.demo_data import make_texts, make_tokenizer
 from megatron_patch.cli import main
@@ -500,7 +501,8 @@ def test_sigterm_stops_an_evaluation_as_ctrl_c_does_leaving_nothing(checkpoints,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     start = time.time()
     # a loaded CI machine takes minutes to import and read the checkpoint
-    while not any(p.name.startswith("mpatch-eval-tasks-") for p in tmp.iterdir()) and time.time() < start + 600:
+    tasks = f"{scratch.PREFIX}eval-tasks-"
+    while not any(p.name.startswith(tasks) for p in tmp.iterdir()) and time.time() < start + 600:
         assert proc.poll() is None, f"the evaluation ended (rc {proc.returncode}) before its tasks folder was seen"
         time.sleep(0.2)
     time.sleep(0.5)  # into the evaluation
@@ -509,7 +511,7 @@ def test_sigterm_stops_an_evaluation_as_ctrl_c_does_leaving_nothing(checkpoints,
     os.killpg(proc.pid, signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "mpatch eval: interrupted", err[-2000:]
-    assert not any(p.name.startswith("mpatch-eval-tasks-") for p in tmp.iterdir()), sorted(tmp.iterdir())
+    assert not any(p.name.startswith(scratch.PREFIX) for p in tmp.iterdir()), sorted(tmp.iterdir())
     assert not out.exists()
 
 

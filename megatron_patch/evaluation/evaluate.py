@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.evaluation import tasks as task_files
 from megatron_patch.evaluation.loading import CheckpointToEvaluate, generation_stop_ids, padding_is_neutral
 from megatron_patch.runtime.distributed import ParallelLayout
+from megatron_patch.runtime.scratch import scratch_folder
 
 # torch, megatron-core and lm-eval are imported inside the functions that use them (on the ranks): the CLI's
 # process checks the input and writes the results without a model.
@@ -76,7 +76,7 @@ def evaluate_live_model(chunks: list, arch, tokenizer, settings: EvalSettings,
 
     runner = ModelRunner(chunks, arch.vocab_size, arch.max_position_embeddings, kv_cache=settings.kv_cache,
                          padding_is_neutral=padding_is_neutral(arch))
-    with tempfile.TemporaryDirectory(prefix="mpatch-eval-tasks-") as folder:
+    with scratch_folder("eval-tasks") as folder:
         return run_harness(runner, tokenizer, settings, prepare_tasks(settings, folder), stop_ids)
 
 
@@ -150,7 +150,7 @@ def evaluate_checkpoint(checkpoint: CheckpointToEvaluate, layout: ParallelLayout
     # imported here: the launcher's module pulls in torch, which reading the arguments does not need
     from megatron_patch.runtime.launch import run_local
 
-    with tempfile.TemporaryDirectory(prefix="mpatch-eval-tasks-") as folder:
+    with scratch_folder("eval-tasks") as folder:
         include_paths = prepare_tasks(settings, folder)
         per_rank = run_local(evaluate_checkpoint_worker, layout.world_size, checkpoint, layout, dtype, settings,
                              include_paths, timeout=24 * 3600)

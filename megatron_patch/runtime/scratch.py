@@ -10,11 +10,13 @@ other PID namespaces (containers) may share the TMPDIR.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
 import tempfile
 import time
+from typing import Iterator
 
 PREFIX = "mpatch-scratch-"
 OWNER = ".owner"
@@ -33,6 +35,17 @@ def make_owned_folder(kind: str, base: str | None = None) -> str:
     os.write(fd, f"{os.getpid()}\n".encode())
     _held[folder] = fd
     return folder
+
+
+@contextlib.contextmanager
+def scratch_folder(kind: str) -> Iterator[str]:
+    """A scratch folder in TMPDIR for the ``with`` block (after sweeping what killed processes left there)."""
+    sweep_abandoned()
+    folder = make_owned_folder(kind)
+    try:
+        yield folder
+    finally:
+        remove(folder)
 
 
 def remove(folder: str) -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import require_lm_eval
+from megatron_patch.runtime.scratch import scratch_folder
 from megatron_patch.training.launcher_args import launched_rank
 
 # evaluation.evaluate and evaluation.loading (lm-eval, torch and megatron-core come with them) are imported inside the
@@ -73,7 +73,7 @@ def check_tasks_exist(cfg) -> None:
     if cfg.eval_include_path and not Path(cfg.eval_include_path).is_dir():
         raise UserError(f"MP_EVAL_INCLUDE_PATH {cfg.eval_include_path} is not a folder: give a folder of lm-eval task "
                         "YAML files")
-    with tempfile.TemporaryDirectory(prefix="mpatch-eval-tasks-") as folder:
+    with scratch_folder("eval-tasks") as folder:
         try:
             prepare_tasks(settings(cfg), folder)
         except UserError as exc:
