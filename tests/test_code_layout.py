@@ -116,6 +116,29 @@ def _package_of(module: str) -> str | None:
     return parts[1] if parts[0] == "megatron_patch" and len(parts) > 1 else None
 
 
+def test_imports_are_absolute():
+    """The rules below read an import by its absolute name: a relative one (``from ..training import loop``) would
+    pass them unread, an upward import or a cycle included."""
+    relative = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in _modules()
+                for node, _, _ in _imports(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative, f"relative imports: {relative}"
+
+
+def test_only_a_family_names_itself():
+    """Everything that differs between families lives in the family's folder (docs/architecture.md): the converter,
+    the aligner, the trainer, LoRA, the checkpoint readers and evaluation read the registry's fields, and no module
+    outside models/ holds a family's name (the aligner listed DeepSeek-V4 as having no fp8 floor). Pai's converter
+    scripts are named by Pai's folders, some of which share a family's name: cli/ is left out."""
+    from megatron_patch.models.description.registry import families
+
+    names = set(families())
+    named = [f"{path.relative_to(ROOT)}:{node.lineno} ({node.value})" for path in _modules()
+             if path.relative_to(PACKAGE).parts[0] not in ("models", "cli")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names]
+    assert not named, f"family names outside models/: {named}"
+
+
 def test_package_order_names_every_package():
     top_level = {p.stem if p.parent == PACKAGE else p.relative_to(PACKAGE).parts[0] for p in _modules()} - {"__init__"}
     named = {name for layer in PACKAGE_ORDER for name in layer}

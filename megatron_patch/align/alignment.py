@@ -32,7 +32,7 @@ from megatron_patch.lora.sources import is_peft_folder
 from megatron_patch.lora.state import find_base
 from megatron_patch.models.blocks.float8_plan import arch_gemms, check_filter_kinds, cpu_recipe_problem, filter_text
 from megatron_patch.models.description.arch import default_expert_tp, validate_layout
-from megatron_patch.models.description.registry import parse_arch
+from megatron_patch.models.description.registry import get_family, parse_arch
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.machine import (TORCHAO_REINSTALL, cpu_float8_rowwise, installed_version,
                                             torchao_import_error)
@@ -148,12 +148,6 @@ def check_run_fits(arch, batch: int, seq_len: int, command: str) -> None:
                         f"for its activations; {free / 2**30:.1f} GiB are free: lower --batch or --seq-len")
 
 
-# Families whose HF model has no float8 floor like MCore's: DeepSeek-V4's attention (its grouped output projection,
-# which torchao would run as one plain linear, and its compressor and indexer linears, which the HF names do not
-# tell apart from the other kinds).
-NO_FP8_FLOOR = ("deepseek_v4",)
-
-
 def _check_some_gemm_in_float8(s: AlignSettings, arch) -> None:
     """An fp8 verdict where the filter left every GEMM in bf16 would certify bf16 under fp8's name (torchao's auto
     filter keeps every GEMM of a small model in bf16; on a GPU, shards that are no multiple of 16 stay in bf16)."""
@@ -216,10 +210,10 @@ def validate(s: AlignSettings):
     check_run_fits(ref_arch, s.batch, s.seq_len, "align")
     if s.dtype == "fp8":
         check_filter_kinds(ref_arch, s.fp8_filter, "--fp8-filter")
-        if ref_arch.family in NO_FP8_FLOOR:
-            raise UserError(f"--dtype fp8 has no HF floor for {ref_arch.family}: its attention's grouped output "
-                            "projection, compressor and indexer have no torchao counterpart on the HF model that puts the "
-                            "same GEMMs in float8 as MCore; compare --dtype bf16 (training with PR=fp8 is not affected)")
+        no_floor = get_family(ref_arch.family).fp8_align_refused
+        if no_floor:
+            raise UserError(f"--dtype fp8 has no HF floor for {ref_arch.family}: {no_floor}; compare --dtype bf16 "
+                            "(training with PR=fp8 is not affected)")
         _check_some_gemm_in_float8(s, ref_arch)
     if s.hf_dir_2:
         checked_arch(s.hf_dir_2, shapes=True)

@@ -146,6 +146,9 @@ class ModelFamily:
     # a decoder layer -> why, the one line that refuses such an adapter (DeepSeek-V4's grouped o_a_proj).
     lora_refused: Mapping[str, str] = field(default_factory=dict)
     test_layouts: TestLayouts = field(default_factory=TestLayouts)
+    # Why `mpatch align --dtype fp8` has no floor on the HF side for it (the one line that refuses it): an HF model
+    # whose GEMMs torchao cannot put in float8 as MCore's are (DeepSeek-V4's attention); None: it has one.
+    fp8_align_refused: str | None = None
     # Why its layers cannot run activation recompute ``mode`` ("sel", "full") on this megatron-core release line, the
     # one line the launcher refuses it with before any rank starts; None: they can.
     recompute_refused: Callable[[Arch, str, tuple[int, ...]], str | None] = _no_recompute_limits
