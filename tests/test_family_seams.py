@@ -68,10 +68,31 @@ class RecordingConfig(dict):
         return RecordingConfig({**dict(dict.items(self)), **other}, self.log, self.path)
 
 
-def fields_read(family, raw: dict) -> set[str]:
-    log: set = set()
-    family.parse_config(RecordingConfig(raw, log))
+def fields_read(family, raw: dict, log: set | None = None) -> set[str]:
+    """The fields the family's readers touch (noted into ``log`` as they are read): its parser, then what reads the
+    parsed model's config.json (its TransformerConfig fields, its weight table, its MTP layers)."""
+    log = set() if log is None else log
+    arch = family.parse_config(RecordingConfig(raw, log))
+    family.transformer_config_kwargs(arch)
+    family.weight_rules(arch)
     family.hf_mtp_layers(RecordingConfig(raw, log))
+    return log
+
+
+def fields_read_without_each(family, raw: dict) -> set[str]:
+    """``fields_read`` on ``raw`` and on ``raw`` less each field it has in turn: a field read only where another is
+    missing (an alias: num_local_experts for num_experts) is read there. A config the family then refuses counts
+    what was read before the refusal."""
+    from megatron_patch.errors import UserError
+
+    log = fields_read(family, raw)
+    for name in raw:
+        if name in ("model_type", "architectures"):
+            continue
+        try:
+            fields_read(family, {k: v for k, v in raw.items() if k != name}, log)
+        except (UserError, ValueError, KeyError, TypeError):
+            pass
     return log
 
 
@@ -98,7 +119,7 @@ def undeclared(declared: dict, read: set[str]) -> list[str]:
 def test_a_family_declares_every_config_field_it_reads(name):
     family = families()[name]
     for size, raw in {"tiny": family.tiny_config, **family.presets}.items():
-        read = fields_read(family, raw)
+        read = fields_read_without_each(family, raw)
         per_layer = {k for k, rule in family.config_keys.items() if isinstance(rule, PerLayer)}
         whole = sorted(p for p in read if p.endswith(WHOLE) and p[:-len(WHOLE) - 1] not in per_layer)
         assert not whole, f"{name} {size}: a reader copies config.json whole ({whole}); write raw | {{...}} instead, " \
@@ -126,6 +147,19 @@ def test_an_undeclared_field_is_found_and_a_declared_one_checked():
     stand_in = dataclasses.replace(llama, parse_config=reads_more)
     assert undeclared(llama.config_keys, fields_read(stand_in, llama.tiny_config)) == \
         ["rope_scaling.new_knob", "sneaky_field"]
+
+    def reads_an_alias(raw):  # read only where the field it stands for is missing, as require's aliases are
+        if raw.get("num_hidden_layers") is None:
+            raw.get("n_layers")
+        return llama.parse_config(raw)
+
+    def reads_in_its_weight_table(arch):
+        arch.hf_config.get("table_switch")
+        return llama.weight_rules(arch)
+
+    stand_in = dataclasses.replace(llama, parse_config=reads_an_alias, weight_rules=reads_in_its_weight_table)
+    assert undeclared(llama.config_keys, fields_read_without_each(stand_in, llama.tiny_config)) == \
+        ["n_layers", "table_switch"]
     with pytest.raises(UserError, match=r"'rope_scaling.factor' must be a number"):
         parse_arch({**llama.tiny_config, "rope_scaling": {**llama.tiny_config["rope_scaling"], "factor": "4"}})
     qwen3_5 = families()["qwen3_5"].tiny_config

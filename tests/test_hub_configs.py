@@ -93,7 +93,8 @@ REQUIRED = {
     "llama3_1": _SIZES, "qwen2": _TYPED, "qwen3": _TYPED,
     "mixtral": _SIZES | {"num_local_experts", "num_experts_per_tok"},
     "qwen2_moe": _TYPED | {"num_experts", "num_experts_per_tok", "moe_intermediate_size"},
-    "qwen3_moe": _SIZES | {"num_experts_per_tok", "moe_intermediate_size"},  # num_experts: or num_local_experts
+    # transformers 5 writes num_experts as num_local_experts: without either, the count is not known
+    "qwen3_moe": _SIZES | {"num_experts_per_tok", "moe_intermediate_size", "num_local_experts"},
     "glm4_moe": _SIZES | {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"},
     "gpt_oss": _TYPED | {"num_local_experts", "num_experts_per_tok"},
     "minimax_m2": _SIZES | {"num_local_experts", "num_experts_per_tok"},

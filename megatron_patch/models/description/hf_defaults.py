@@ -32,10 +32,11 @@ def config_as_transformers_reads(raw: dict, defaults: Mapping[str, Mapping[str, 
     """config.json with its model_type's defaults filled in; ``within``: a multimodal config keeps the language
     model's fields in that nested table (Qwen3.5's text_config), where the defaults then go."""
     table = defaults.get(raw.get("model_type"), {})
-    nested = raw.get(within) if within is not None else None
-    if isinstance(nested, dict):
-        return raw | {within: hf_values(nested, table)}
-    return hf_values(raw, table)
+    if within is None:
+        return hf_values(raw, table)
+    nested = raw.get(within)
+    # without its table the config.json is not the family's to read (it refuses it): nothing is filled in
+    return raw | {within: hf_values(nested, table)} if isinstance(nested, dict) else raw
 
 
 def reads_hf_defaults(defaults: Mapping[str, Mapping[str, object]], within: str | None = None) -> Callable:

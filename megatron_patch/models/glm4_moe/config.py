@@ -84,5 +84,5 @@ CONFIG_KEYS = {
     "n_shared_experts": Whole(0, MAX_EXPERTS), "n_group": Whole(1, MAX_EXPERTS), "topk_group": Whole(1, MAX_EXPERTS),
     "norm_topk_prob": Flag(), "routed_scaling_factor": Real(0), "num_nextn_predict_layers": Whole(0, MAX_LAYERS),
     "num_mtp_layers": Whole(0, MAX_LAYERS), "num_experts_per_tok": Whole(1, MAX_EXPERTS),
-    "router_aux_loss_coef": Real(0, closed=True),
+    "router_aux_loss_coef": Real(0, closed=True), "use_qk_norm": Flag(),
 }

@@ -110,7 +110,7 @@ TINY_CONFIG = {
 # The config.json fields this family reads (checked before it reads them: config_checks).
 CONFIG_KEYS = {
     **DECODER_KEYS, "attention_bias": Flag(), "attn_type_list": WholeList(0, 1, longest=MAX_LAYERS),
-    "num_local_experts": Whole(0, MAX_EXPERTS), "rotary_dim": Whole(1, MAX_WIDTH), "use_qk_norm": Flag(),
+    "num_local_experts": Whole(0, MAX_EXPERTS), "num_experts": Whole(0, MAX_EXPERTS), "rotary_dim": Whole(1, MAX_WIDTH), "use_qk_norm": Flag(),
     "qk_norm_type": Text(), "use_routing_bias": Flag(), "scoring_func": Text(),
     "shared_intermediate_size": Whole(0, MAX_WIDTH), "router_jitter_noise": Real(0, closed=True),
     "num_experts_per_tok": Whole(1, MAX_EXPERTS), "router_aux_loss_coef": Real(0, closed=True),

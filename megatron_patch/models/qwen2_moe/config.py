@@ -63,7 +63,7 @@ TINY_CONFIG = {
 # The config.json fields this family reads (checked before it reads them: config_checks).
 CONFIG_KEYS = {
     **DECODER_KEYS, **QWEN_DENSE_LAYER_KEYS, **QWEN_WINDOW_KEYS, "num_experts": Whole(0, MAX_EXPERTS),
-    "moe_intermediate_size": Whole(1, MAX_WIDTH), "shared_expert_intermediate_size": Whole(0, MAX_WIDTH),
+    "num_local_experts": Whole(0, MAX_EXPERTS), "moe_intermediate_size": Whole(1, MAX_WIDTH), "shared_expert_intermediate_size": Whole(0, MAX_WIDTH),
     "norm_topk_prob": Flag(), "qkv_bias": Flag(),
     "num_experts_per_tok": Whole(1, MAX_EXPERTS), "router_aux_loss_coef": Real(0, closed=True),
 }

@@ -61,6 +61,7 @@ TINY_CONFIG = {
 # The config.json fields this family reads (checked before it reads them: config_checks).
 CONFIG_KEYS = {
     **DECODER_KEYS, **QWEN_DENSE_LAYER_KEYS, **QWEN_WINDOW_KEYS, "attention_bias": Flag(),
-    "num_experts": Whole(0, MAX_EXPERTS), "moe_intermediate_size": Whole(1, MAX_WIDTH), "norm_topk_prob": Flag(),
+    "num_experts": Whole(0, MAX_EXPERTS), "num_local_experts": Whole(0, MAX_EXPERTS),
+    "moe_intermediate_size": Whole(1, MAX_WIDTH), "norm_topk_prob": Flag(),
     "num_experts_per_tok": Whole(1, MAX_EXPERTS), "router_aux_loss_coef": Real(0, closed=True),
 }
