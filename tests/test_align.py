@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from megatron_patch.align.alignment import config_differences
-from megatron_patch.align.capture import (EVERY_ID, _hooks, every_expert_point, point_layer, point_names,
-                                          router_point, selection_layers)
+from megatron_patch.align.capture import _hooks
+from megatron_patch.align.points import (EVERY_ID, every_expert_point, point_layer, point_names, router_point,
+                                        selection_layers)
 from megatron_patch.align.parity import random_tokens
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
 from megatron_patch.align.verdict import DEFAULT_TOLERANCE, MIN_FLOOR_FLIPS, exact_routing_layers, judge

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_patch.errors import UserError
-from megatron_patch.models.blocks.compiled_fusions import config_overrides
+from megatron_patch.training.megatron_settings import fusion_overrides
 from megatron_patch.runtime import machine
 from megatron_patch.runtime.launch import run_local
 from megatron_patch.runtime.machine import Capabilities
@@ -50,9 +50,9 @@ def test_a_fusion_the_family_cannot_take_stays_off(family):
     from megatron_patch.runtime.distributed import ParallelLayout
 
     arch = parse_arch(families()[family].tiny_config)
-    config = transformer_config(arch, ParallelLayout(), **config_overrides(True))
+    config = transformer_config(arch, ParallelLayout(), **fusion_overrides(True))
     assert (config.bias_activation_fusion, config.bias_dropout_fusion) == (False, True)
-    llama = transformer_config(parse_arch(families()["llama3_1"].tiny_config), ParallelLayout(), **config_overrides(True))
+    llama = transformer_config(parse_arch(families()["llama3_1"].tiny_config), ParallelLayout(), **fusion_overrides(True))
     assert llama.bias_activation_fusion is True
 
 

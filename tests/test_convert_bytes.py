@@ -806,6 +806,28 @@ print(sorted(m for m in ("torch", "megatron") if m in sys.modules))
                for fmt in ("legacy", "torch_dist"))
 
 
+def test_a_first_conversion_asking_megatron_core_for_its_skeleton_imports_torch_only_in_the_helper(
+        tiny_hf_dirs, tmp_path):
+    """Gemma 3's skeleton comes from megatron-core, in a helper process; the converter's own process still imports
+    neither torch nor megatron-core (it imported torch only to ask whether the machine has a GPU, to start the
+    helper: 1.1 s of every such first conversion)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from megatron_patch.convert.checkpoint import hf_to_mcore
+from megatron_patch.runtime.distributed import ParallelLayout
+hf_to_mcore({str(tiny_hf_dirs["gemma3"])!r}, {str(tmp_path / "mc")!r}, ParallelLayout(), "torch_dist", progress=False)
+print(sorted(m for m in ("torch", "megatron") if m in sys.modules))
+"""
+    env = {**os.environ, "MPATCH_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert any((tmp_path / "cache").rglob("*")), "the helper process was not asked"
+
+
 def test_a_legacy_export_of_many_small_experts_streams(tmp_path):
     """mcore2hf of a legacy MoE checkpoint whose experts are small zip records (<= 1 MiB each) streams: the zip
     index kept every small record's bytes after checking them, so memory grew with the experts (the resource audit:

@@ -203,7 +203,7 @@ def test_align_compares_the_router_and_every_expert_and_a_fault_no_token_reaches
     and every-expert points as every MoE family's: a clean conversion is aligned with them, an expert no input token
     chose scaled by 2 fails at that layer's every-expert point (it was ALIGNED: the MoE block had neither point), and
     a router row 0.3% off fails at the router's logits."""
-    from megatron_patch.align.capture import every_expert_point, router_point
+    from megatron_patch.align.points import every_expert_point, router_point
     from megatron_patch.align.parity import random_tokens
     from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs
     from megatron_patch.align.verdict import judge

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from megatron_patch.align.capture import point_names, selection_mask
+from megatron_patch.align.capture import selection_mask
+from megatron_patch.align.points import point_names
 from megatron_patch.cli import main
 from megatron_patch.errors import UserError
 from megatron_patch.models.description.registry import parse_arch

@@ -299,6 +299,30 @@ print(sorted(m for m in ("torch", "megatron") if m in sys.modules))
     assert lines[-1] == "[]", lines
 
 
+def test_mpatch_starts_and_the_dry_run_plans_without_megatron_core(data):
+    """`mpatch --version` and `--help` import none of torch, megatron-core and transformers (the align and parity
+    subcommands' help imported torch for the bounds it prints); the launcher's dry run asks torch what the machine
+    is, and imports neither megatron-core nor transformers (its settings imported megatron-core for an enum)."""
+    code = f"""
+import contextlib, io, os, sys
+from megatron_patch.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    for line in (["--version"], ["--help"]):
+        try:
+            main(line)
+        except SystemExit:
+            pass
+print(sorted(m for m in ("torch", "megatron", "transformers") if m in sys.modules))
+os.environ["MP_DRY_RUN"] = "1"
+with contextlib.redirect_stdout(io.StringIO()):
+    print(main(["train", "llama3_1", *{_args(data, "llama3_1")!r}]), file=sys.stderr)
+print(sorted(m for m in ("torch", "megatron", "transformers") if m in sys.modules))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0 and proc.stderr.strip().splitlines()[-1] == "0", proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines() == ["[]", "['torch']"], proc.stdout
+
+
 # --- what this machine can do ------------------------------------------------------------------------
 
 CPU = Capabilities(cuda=False, transformer_engine=False, fp8=False, flash_attention_3=False, torchao=True)
@@ -834,13 +858,15 @@ def test_flash_attention_needs_a_flash_attn_package(data):
 
 
 def test_attention_backend_per_precision_and_device(data):
-    """fp32 on a GPU must not ask transformer-engine for fused/flash attention, which have no fp32 kernel."""
+    """fp32 on a GPU must not ask transformer-engine for fused/flash attention, which have no fp32 kernel. The settings
+    name the backend (the dry run prints them without megatron-core); the model is built with megatron-core's enum."""
     from megatron.core.transformer.enums import AttnBackend
 
-    from megatron_patch.training.megatron_settings import megatron_settings
+    from megatron_patch.training.megatron_settings import as_megatron_takes_it, megatron_settings
 
     def backend(**over):
-        return megatron_settings(_cfg(data, **over))["transformer_config"]["attention_backend"]
+        name = megatron_settings(_cfg(data, **over))["transformer_config"]["attention_backend"]
+        return as_megatron_takes_it({"attention_backend": name})["attention_backend"]
 
     assert backend(ENV="dsw", PR="fp32") == AttnBackend.auto
     assert backend(ENV="dsw", PR="bf16") == AttnBackend.fused

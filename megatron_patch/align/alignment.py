@@ -17,7 +17,8 @@ import psutil
 import torch
 
 from megatron_patch.align import ablations
-from megatron_patch.align.capture import ROUTING, captured_point_names, streams_like
+from megatron_patch.align.capture import streams_like
+from megatron_patch.align.points import ROUTING, captured_point_names
 from megatron_patch.align.metrics import compare, compare_logits
 from megatron_patch.align.parity import fp64_unaffordable
 from megatron_patch.align.runner import McoreRun, capture_hf_dir, capture_mcore_runs

@@ -1,6 +1,6 @@
 """Activations captured at the same points of an HF model and of an MCore GPTModel.
 
-Points, in the order data flows through the model (``point_names``)::
+Points, in the order data flows through the model (``align.points.point_names``)::
 
     embedding, layers.{i}.attention, [layers.{i}.residual,] layers.{i}.mlp, layers.{i}.output, ..., final_norm, logits
 
@@ -37,53 +37,14 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_patch.align.points import (EVERY_ID, RESIDUAL, ROUTING, SELECTION, Captures, every_expert_point,
+                                        router_point)
 from megatron_patch.models.blocks.inference import forward_logits
 from megatron_patch.models.description.family import HFModules
 from megatron_patch.models.description.hf_model import load_causal_lm
 
-Captures = dict[str, torch.Tensor]
-
-SUBLAYER_POINTS = ("attention", "mlp", "output")
-
-
-RESIDUAL = "residual"
-
-
-def point_names(num_layers: int, residual: bool = False) -> list[str]:
-    """The points in data-flow order; ``residual``: with each layer's residual after its attention step."""
-    sublayer = ("attention", RESIDUAL, "mlp", "output") if residual else SUBLAYER_POINTS
-    names = ["embedding"]
-    for i in range(num_layers):
-        names += [f"layers.{i}.{p}" for p in sublayer]
-    return names + ["final_norm", "logits"]
-
-
-def captured_point_names(captures: Captures, num_layers: int) -> list[str]:
-    """``point_names`` of what ``captures`` holds: with the residual points where the family's layers have them."""
-    return point_names(num_layers, residual=any(n.endswith(f".{RESIDUAL}") for n in captures))
-
-
-ROUTING = "routing."
-
-
-SELECTION = "selection."
-
-
-# The embedding module run on every token id (one id per sequence), [vocab, 1, hidden]: the inputs reach only the
-# rows of their own ids, and an untied embedding's other rows would go unseen (two rows swapped was ALIGNED).
-EVERY_ID = "embedding.every_id"
 # ids per call: [4096, 1, hidden] fp32 is 64 MiB at hidden 4096
 ID_CHUNK = 4096
-
-# A second forward of an MoE model with every router's choice replaced, on both sides alike, by a fixed one that
-# sends the tokens to every expert in turn (``forced_routes``); each MoE layer's MLP output there is the point
-# ``layers.{i}.every_expert``. The inputs' own routing leaves experts no token chose unseen (two of them swapped
-# was ALIGNED); these outputs compare every expert of every MoE layer, and with no routing flip to allow for.
-EVERY_EXPERT = "every_expert"
-
-
-def every_expert_point(layer: int) -> str:
-    return f"layers.{layer}.{EVERY_EXPERT}"
 
 
 def forced_routes(batch: int, seq: int, num_experts: int, top_k: int, seq_first: bool
@@ -96,17 +57,6 @@ def forced_routes(batch: int, seq: int, num_experts: int, top_k: int, seq_first:
     indices = (order[:, None] * top_k + torch.arange(top_k)) % num_experts
     weights = (torch.arange(top_k) + 1.0) / (top_k * (top_k + 1) / 2)
     return indices, weights.expand(len(order), top_k)
-
-
-# Each MoE layer's router logits [batch, seq, experts] and, beside them, its score-correction bias (DeepSeek's
-# e_score_correction_bias, megatron-core's expert_bias; zeros where the router has none), broadcast to
-# [batch, seq, experts]: ``layers.{i}.router``. The routing judged alone lets a router fault through where it moves
-# few tokens (fp32 allows 1% of them as near-ties); its logits and bias show any.
-ROUTER = "router"
-
-
-def router_point(layer: int) -> str:
-    return f"layers.{layer}.{ROUTER}"
 
 
 def _hf_correction_bias(router: torch.nn.Module, args: tuple) -> torch.Tensor | None:
@@ -185,11 +135,6 @@ def _forced_routing(routers: dict[int, torch.nn.Module], batch: int, seq: int, m
             h.remove()
 
 
-def selection_layers(captures: Captures) -> list[int]:
-    """The sparse-attention layers whose key selections ``captures`` holds."""
-    return sorted(int(n[len(SELECTION):]) for n in captures if n.startswith(SELECTION))
-
-
 def selection_mask(topk: torch.Tensor) -> torch.Tensor:
     """[batch, seq, seq] bool of the top-k key indices [batch, seq, k] a query may see (causal); a negative
     index marks no choice (DeepSeek-V4's indexer, for a query that sees fewer blocks than the top-k)."""
@@ -216,16 +161,6 @@ def _selection_hooks(modules: dict[int, torch.nn.Module], store: Captures, mcore
     finally:
         for h in handles:
             h.remove()
-
-
-def routing_layers(captures: Captures) -> list[int]:
-    """The MoE layers whose expert choices ``captures`` holds."""
-    return sorted(int(n[len(ROUTING):]) for n in captures if n.startswith(ROUTING))
-
-
-def point_layer(name: str) -> int | None:
-    """The decoder layer a point belongs to (None for embedding, final norm and logits)."""
-    return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
 def _first(output):

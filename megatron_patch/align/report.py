@@ -11,7 +11,8 @@ import math
 import sys
 from pathlib import Path
 
-from megatron_patch.align.capture import EVERY_EXPERT, EVERY_ID, every_expert_point, router_point
+from megatron_patch.align.bounds import FP32_REL_L2, fp32_rel_l2_limit
+from megatron_patch.align.points import EVERY_EXPERT, EVERY_ID, every_expert_point, router_point
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -49,9 +50,6 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(8, len(points) * 0.32), 4.8))
     tested = result["compared"]["tested"].split(" (")[0].split(" from ")[0]
     ax.semilogy(xs, test, "o-", color="tab:blue", label=f"{tested} vs HF fp32", zorder=3)
-    # align.parity imports torch
-    from megatron_patch.align.parity import FP32_REL_L2, fp32_rel_l2_limit
-
     floor = [max((p["floor"] or {}).get("rel_l2", 0.0), tiny) for p in points]
     if v["dtype"] != "fp32":
         ax.semilogy(xs, floor, "s--", color="tab:gray", label=f"noise floor: HF {v['dtype']} vs HF fp32")

@@ -57,13 +57,13 @@ from typing import Collection
 
 import torch
 
-from megatron_patch.align.capture import (
-    EVERY_EXPERT, EVERY_ID, ROUTER, ROUTING, SELECTION, Captures, captured_point_names, every_expert_point,
-    point_layer, router_point, routing_layers, selection_layers, stream_count, streams_like)
+from megatron_patch.align.capture import stream_count, streams_like
+from megatron_patch.align.points import (EVERY_EXPERT, EVERY_ID, ROUTER, ROUTING, SELECTION, Captures,
+                                        captured_point_names, every_expert_point, point_layer, router_point,
+                                        routing_layers, selection_layers)
 from megatron_patch.align.metrics import compare, compare_logits
-from megatron_patch.align.parity import FP32_FLOOR_TOLERANCE, FP32_KL, FP32_REL_L2, fp32_kl_limit, fp32_rel_l2_limit
+from megatron_patch.align.bounds import DEFAULT_TOLERANCE, FP32_KL, FP32_REL_L2, fp32_kl_limit, fp32_rel_l2_limit
 
-DEFAULT_TOLERANCE = FP32_FLOOR_TOLERANCE  # the fp32 floor's too (parity.py)
 # Routing flips HF's own rounding is credited with at least: a floor of zero would forbid any flip, and
 # at the few flips per layer a short run sees (256 tokens: 0-5), a ratio of 2 is within counting noise.
 MIN_FLOOR_FLIPS = 3

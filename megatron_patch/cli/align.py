@@ -7,6 +7,7 @@ import shlex
 import warnings
 from pathlib import Path
 
+from megatron_patch.align.bounds import DEFAULT_TOLERANCE, FP32_KL, FP32_REL_L2
 from megatron_patch.align.report import PLOT_NAME, print_summary, write_report
 from megatron_patch.checkpoint.outputs import atomic_output_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
@@ -103,9 +104,6 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
-    from megatron_patch.align.parity import FP32_KL, FP32_REL_L2
-    from megatron_patch.align.verdict import DEFAULT_TOLERANCE
-
     p = subparsers.add_parser(
         "align", help="layer-by-layer precision alignment of HF and Megatron-Core, with a verdict",
         description="Run the HF model and its Megatron-Core twin (a converted checkpoint, or the HF folder mapped in "

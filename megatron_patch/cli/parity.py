@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from megatron_patch.align.bounds import FP32_FLOOR_TOLERANCE, FP32_KL, FP32_REL_L2
 from megatron_patch.checkpoint.hf_reader import checked_arch
 from megatron_patch.cli.common import SEED_RANGE, add_layout_args, check_seed, layout_from_args, sigterm_as_interrupt
 from megatron_patch.errors import UserError
@@ -11,7 +12,8 @@ from megatron_patch.models.description.arch import validate_layout
 from megatron_patch.runtime.progress_bars import bars_wanted, hide_transformers_bars
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
-# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# imported inside the functions that use them: `mpatch` and the launcher's checks start without them, its dry run
+# with torch alone (to see the machine).
 # So are the modules a subcommand runs (cli/__init__.py): align.alignment, align.parity.
 
 
@@ -43,8 +45,6 @@ def run(args) -> int:
 
 
 def register(subparsers) -> None:
-    from megatron_patch.align.parity import FP32_FLOOR_TOLERANCE, FP32_KL, FP32_REL_L2
-
     p = subparsers.add_parser(
         "parity", help="fp32 logit parity of an HF model and its MCore twin",
         description="Build the MCore model for an HF folder at a TP/PP/EP layout (in local processes), map the "

@@ -43,7 +43,8 @@ from megatron_patch.runtime.distributed import destroy, free_port
 from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
-# imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
+# imported inside the functions that use them: `mpatch` and the launcher's checks start without them, its dry run
+# with torch alone (to see the machine).
 
 
 class WorkerError(RuntimeError):
@@ -179,10 +180,17 @@ def _main_importable():
 
 
 def _cuda_present() -> bool:
-    """Whether this machine has a CUDA device, asked without initialising CUDA here (NVML's count)."""
-    import torch
+    """Whether this machine has a CUDA device, asked without initialising CUDA here: torch's count (NVML's) where
+    this process has torch, else the device files CUDA needs, so that a process without torch (a conversion asking
+    for its model's skeleton) does not import it for this (1.1 s). A device file CUDA cannot use errs on the safe
+    side: fresh interpreters, only slower."""
+    if "torch" in sys.modules:
+        import torch
 
-    return torch.cuda.device_count() > 0
+        return torch.cuda.device_count() > 0
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return any(name[len("nvidia"):].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia"))
 
 
 LOCAL_JOB_PRELOAD = ["megatron_patch.runtime.fork_server_guard", "megatron_patch.runtime.local_job_preload",

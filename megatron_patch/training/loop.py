@@ -49,7 +49,7 @@ from megatron_patch.training.checkpointing import resume_iteration
 from megatron_patch.training.gpu_setup import initialize_tp_communicators, warm_up_fused_kernels
 from megatron_patch.training.lora_run import cfg_base, describe_trainable, setup_lora
 from megatron_patch.training.machine_checks import attention_kernel, core_attention
-from megatron_patch.training.megatron_settings import megatron_settings
+from megatron_patch.training.megatron_settings import as_megatron_takes_it, megatron_settings
 from megatron_patch.training.optimizer_mends import mend_optimizers
 from megatron_patch.training.offload import build_chunked_optimizer, settings_from_config
 from megatron_patch.training.node_agreement import agree_on_launch
@@ -258,7 +258,7 @@ class Trainer:
         # One GPTModel per virtual pipeline stage (one in all without MP_VP).
         chunks = build_model_chunks(self.arch, cfg.layout, cfg.precision.dtype, pp_first_stage_layers=cfg.pp0_layers,
                                     core_attention=core_attention(cfg, Capabilities.detect()),
-                                    **self.settings["transformer_config"])
+                                    **as_megatron_takes_it(self.settings["transformer_config"]))
         if cfg.sft_packing:
             for c in chunks:
                 use_packed_local_attention(c)

@@ -3,7 +3,6 @@ settings, each flag's translation in one place (the dry run prints it; the train
 
 from __future__ import annotations
 
-from megatron_patch.models.blocks.compiled_fusions import config_overrides
 from megatron_patch.models.description.registry import has_load_balancing_loss
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import fp8_run, lora_run, sparse_attention_run
@@ -14,12 +13,27 @@ from megatron_patch.training.run_config import RunConfig
 # launcher's dry run and resume checks) do not pay for it.
 
 
+def fusion_overrides(enabled: bool | None) -> dict:
+    """TransformerConfig fields for MP_COMPILE_FUSIONS (None: megatron-core's defaults, set by the builder;
+    models/blocks/compiled_fusions.py compiles the rest)."""
+    if enabled is None:
+        return {}
+    return {"bias_activation_fusion": enabled, "bias_dropout_fusion": enabled}
+
+
+def as_megatron_takes_it(transformer_config: dict) -> dict:
+    """The TransformerConfig overrides with the attention backend as megatron-core's enum: the settings keep its
+    name, so that the dry run prints them without importing megatron-core."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    name = transformer_config.get("attention_backend")
+    return transformer_config if name is None else transformer_config | {"attention_backend": AttnBackend[name]}
+
+
 def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> dict:
     """TransformerConfig overrides, DDP and optimizer settings: what each flag becomes. ``fp8_implementation``: who
     runs PR=fp8 (training/fp8_run.py; None: what this machine would run): transformer-engine's FP8 is a
     TransformerConfig setting, torchao's a change to the built model (models/blocks/float8.py)."""
-    from megatron.core.transformer.enums import AttnBackend
-
     gpu = cfg.device == "cuda"
     tc: dict = {"sequence_parallel": cfg.sequence_parallel, "tp_comm_overlap": cfg.tp_comm_overlap}
     if gpu:
@@ -28,15 +42,15 @@ def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> 
         tc["deallocate_pipeline_outputs"] = True
     if not gpu:
         # the local spec; FL=true picks its SDPA core attention (machine_checks.core_attention), not TE's
-        tc["attention_backend"] = AttnBackend.local
+        tc["attention_backend"] = "local"
     elif cfg.flash_attention:
-        tc["attention_backend"] = AttnBackend.flash
+        tc["attention_backend"] = "flash"
     elif not cfg.precision.mixed:
         # transformer-engine's fused (cuDNN) and flash kernels have no fp32 path; auto lets TE take its unfused one.
-        tc["attention_backend"] = AttnBackend.auto
+        tc["attention_backend"] = "auto"
     else:
-        tc["attention_backend"] = AttnBackend.fused
-    tc.update(config_overrides(cfg.compile_fusions))
+        tc["attention_backend"] = "fused"
+    tc.update(fusion_overrides(cfg.compile_fusions))
     tc.update(sparse_attention_run.config_overrides(cfg))
     tc.update(lora_run.config_overrides(cfg))
     if cfg.precision.fp8 and fp8_implementation is None:

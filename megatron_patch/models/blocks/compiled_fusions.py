@@ -31,13 +31,6 @@ import torch.nn.functional as F
 # launcher's dry run and resume checks) do not pay for it.
 
 
-def config_overrides(enabled: bool | None) -> dict:
-    """TransformerConfig fields for MP_COMPILE_FUSIONS (None: megatron-core's defaults, set by the builder)."""
-    if enabled is None:
-        return {}
-    return {"bias_activation_fusion": enabled, "bias_dropout_fusion": enabled}
-
-
 @functools.lru_cache(maxsize=1)
 def _compiled_rms_norm():
     def rms_norm(x, weight, shape: tuple, eps: float | None):
@@ -59,7 +52,7 @@ def compile_rope() -> None:
 
 
 def compile_fusions(models) -> dict:
-    """Compile the pieces of ``models`` (model chunks built with ``config_overrides(True)``); returns what
+    """Compile the pieces of ``models`` (model chunks built with ``training.megatron_settings.fusion_overrides(True)``); returns what
     was compiled, for the log."""
     norms = 0
     for model in models:
