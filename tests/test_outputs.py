@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest
 from megatron_patch.convert.checkpoint import hf_to_mcore
 from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
 from megatron_patch.outputs import renames
@@ -755,6 +755,19 @@ def test_training_run_outputs_one_run_per_folder_and_ranks_die_with_their_launch
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "is complete (iteration 4 of 4)" in again.stdout and str(out / "final") in again.stdout
     assert "Traceback" not in again.stderr and not lock_path(out).exists()
+
+    # Extended to 6 iterations, then stopped in its export (here: the earlier export put back): final/ holds
+    # iteration 4, and the rerun said the run was complete with its model there. It exports iteration 6 now.
+    shutil.copytree(out / "final", tmp_path / "final-4")
+    extended = pretrain_args(corpus, out, DO="true", TRAIN_TOKENS_OR_ITERS=str(6 * GBS * SEQ), SAVE_INTERVAL="2",
+                             WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))
+    assert launch(extended).returncode == 0
+    shutil.rmtree(out / "final")
+    shutil.copytree(tmp_path / "final-4", out / "final")
+    rerun = launch(extended)
+    assert rerun.returncode == 0 and "is complete" not in rerun.stdout, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert "nothing left to train: iteration 6 of 6" in rerun.stdout
+    assert read_manifest(out / "final" / MANIFEST_NAME)["tool"] == "mpatch train, final export of iteration 6"
 
     longer = pretrain_args(corpus, out, DO="true", TRAIN_TOKENS_OR_ITERS=str(400 * GBS * SEQ), SAVE_INTERVAL="1000",
                            WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ))

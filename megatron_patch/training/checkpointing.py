@@ -63,7 +63,7 @@ from megatron_patch.tokenizer import class_picking_config
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import LAUNCHER_WARNED
 from megatron_patch.training.lora_run import cfg_base
-from megatron_patch.training.run_folder import FINAL_DIR, export_command
+from megatron_patch.training.run_folder import FINAL_DIR, export_command, final_export_tool
 from megatron_patch.training.run_state import (NO_VERIFY, TRAIN_STATE, iteration_problem, latest_iteration,
                                               read_train_state, training_data)
 
@@ -609,7 +609,7 @@ def export_model(cfg, iteration: int, models: list, dtype: torch.dtype, side_fil
                            source=f"mpatch train, iteration {iteration}, {cfg.output_basepath}",
                            lora=_lora_record(cfg)).write(tmp)
             write_tracker(tmp, RELEASE)
-        _write_shared_manifest(tmp, f"mpatch train, final export of iteration {iteration}")
+        _write_shared_manifest(tmp, final_export_tool(iteration))
         if rank == 0:
             publish(tmp, final)
             how = " --lora-adapter (or --merge-lora)" if cfg.lora is not None else " ..."

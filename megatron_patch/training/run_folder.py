@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import stat
 from pathlib import Path
 
+from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import locale_names_it_otherwise
 from megatron_patch.outputs.folders import write_file_replacing
@@ -40,6 +42,22 @@ WRITTEN_FOLDERS = tuple(name for name, kind in WRITTEN if kind == "folder" and "
 # Everything a run keeps at the top of OUTPUT_BASEPATH, each a folder, beside the hidden names its publishing
 # uses (``.final.mpatch-partial.PID``): a folder holding anything else is not a run's.
 RUN_FOLDER_ENTRIES = (*WRITTEN_FOLDERS, FINAL_DIR)
+
+
+def final_export_tool(iteration: int) -> str:
+    """What ``final/``'s manifest says wrote it: the iteration it holds, read back by ``exported_iteration``."""
+    return f"mpatch train, final export of iteration {iteration}"
+
+
+def exported_iteration(final: Path) -> int | None:
+    """The iteration a run's ``final/`` holds, as its manifest records it; None where it records none or cannot be
+    read (then the run exports again)."""
+    try:
+        tool = read_manifest(final / MANIFEST_NAME).get("tool")
+    except (UserError, OSError):
+        return None
+    match = re.fullmatch(r"mpatch train, final export of iteration (\d{1,12})", tool) if isinstance(tool, str) else None
+    return int(match.group(1)) if match else None
 
 
 def export_command(final: Path, flags: str = "--save-dir HF_OUT") -> str:

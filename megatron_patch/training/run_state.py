@@ -34,7 +34,8 @@ from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs
 from megatron_patch.input_files import read_input
 from megatron_patch.training import data_files
 from megatron_patch.training.data_files import inferred_weights
-from megatron_patch.training.run_folder import FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, require_folder
+from megatron_patch.training.run_folder import (FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, exported_iteration,
+                                                 require_folder)
 
 # What a launch sets to read its checkpoints (PRETRAIN_CHECKPOINT_PATH, the run's own) without checking their files
 # against their manifests: the same switch as the commands' --no-verify, for a checkpoint edited on purpose.
@@ -134,9 +135,10 @@ def check_iterations_left(cfg, latest: int | None) -> None:
 
 def finished_run(cfg, latest: int | None) -> str | None:
     """What to say, instead of training, when OUTPUT_BASEPATH holds a run that is already complete (nothing left
-    to train and, with saving on, its model exported); None otherwise."""
+    to train and, with saving on, its last checkpoint exported); None otherwise. A ``final/`` of an earlier
+    iteration (a run extended, then stopped in its export) is not the run's model: the ranks export again."""
     final = Path(cfg.output_basepath) / FINAL_DIR
-    if latest is None or latest < cfg.train_iters or (cfg.save and not (final / TRACKER_NAME).is_file()):
+    if latest is None or latest < cfg.train_iters or (cfg.save and exported_iteration(final) != latest):
         return None
     where = (f"its model is in {final} ({export_command(final)})" if cfg.save
              else f"its checkpoints are in {cfg.checkpoint_dir}")
