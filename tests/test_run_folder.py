@@ -1528,12 +1528,16 @@ def test_the_export_command_a_finished_run_suggests_pastes_into_a_shell(tmp_path
     from types import SimpleNamespace
 
     from megatron_patch.checkpoint_files.layout import TRACKER_NAME
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from megatron_patch.training.run_folder import final_export_tool
     from megatron_patch.training.run_state import finished_run
 
     out = tmp_path / "my run's out"
     (out / "final").mkdir(parents=True)
     (out / "final" / TRACKER_NAME).write_text("release")
+    write_manifest(out / "final", final_export_tool(4))
     cfg = SimpleNamespace(output_basepath=str(out), train_iters=4, save=True, checkpoint_dir=str(out / "checkpoint"))
+    assert finished_run(cfg, 5) is None  # final/ holds iteration 4: exported again
     said = finished_run(cfg, 4)
     command = re.search(r"\((mpatch convert mcore2hf .*?HF_OUT)\)", said).group(1)
     argv = shlex.split(command)
