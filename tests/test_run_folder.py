@@ -1118,9 +1118,10 @@ def _fifo(path: Path) -> str:
 
 
 def _endless(path: Path) -> str:
+    """A link to a device that never ends: a link out of the folder, which is not followed."""
     path.unlink(missing_ok=True)
     path.symlink_to("/dev/zero")
-    return "is a character device, not a regular file"
+    return "which leads outside the folder (to /dev/zero)"
 
 
 @pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
@@ -1170,6 +1171,25 @@ def test_a_huge_or_endless_tracker_is_skipped_for_the_newest_complete_iteration(
     latest, notes = latest_iteration(root)
     assert latest == 2 and len(notes) == 1 and why in notes[0], notes
     assert notes[0].startswith(f"{root / TRACKER_NAME} is unreadable"), notes
+
+
+def test_a_tracker_linked_out_of_the_run_folder_is_not_read(tmp_path):
+    """A run folder's tracker linked to a file outside it (a colleague's folder, a planted link): its content was read,
+    quoted in the launcher's warning (a private file's first 40 bytes) and, holding a number, chose the iteration to
+    resume. The link is not followed: the newest complete iteration is read instead, and nothing of the file shown."""
+    from megatron_patch.checkpoint_files.layout import TRACKER_NAME
+    from megatron_patch.training.run_state import latest_iteration
+
+    root = tmp_path / "run" / "checkpoint"
+    _training_iteration(root, 2)
+    _training_iteration(root, 4)
+    for text in ("api_key=SECRET", "2"):
+        outside = tmp_path / "private.txt"
+        outside.write_text(text)
+        (root / TRACKER_NAME).unlink(missing_ok=True)
+        (root / TRACKER_NAME).symlink_to(outside)
+        latest, notes = latest_iteration(root)
+        assert latest == 4 and "leads outside the folder" in notes[0] and "SECRET" not in " ".join(notes), notes
 
 
 @pytest.mark.parametrize("state, why", [

@@ -80,9 +80,11 @@ SMALL_FILE_BYTES = 16 * 2**20
 
 def read_small_file(path: str | Path, limit: int = SMALL_FILE_BYTES) -> bytes:
     """The bytes of a small file of a checkpoint or run folder, read only if it is a regular file of at most
-    ``limit`` bytes: ``input_files.read_input``, the one reader of small files (a FIFO or a device put in its
-    place never stalls or floods the reader). One-line ``UserError`` otherwise."""
-    return read_input(path, limit=limit)
+    ``limit`` bytes in its own folder: ``input_files.read_input``, the one reader of small files (a FIFO or a device
+    put in its place never stalls or floods the reader; a symlink leading out of the folder is not followed: a
+    tracker linked to a private file was read, quoted in a warning and, holding a number, chose the resume point).
+    One-line ``UserError`` otherwise."""
+    return read_input(path, limit=limit, inside=Path(path).parent)
 
 
 def read_small_json(path: str | Path, limit: int = SMALL_FILE_BYTES) -> dict:
