@@ -1173,6 +1173,24 @@ def test_a_huge_or_endless_tracker_is_skipped_for_the_newest_complete_iteration(
     assert notes[0].startswith(f"{root / TRACKER_NAME} is unreadable"), notes
 
 
+def test_only_a_release_tracker_is_told_to_be_a_pretrain_checkpoint(tmp_path):
+    """A run folder whose checkpoint/ tracker says 'release' holds converted weights: the refusal says to give it as
+    PRETRAIN_CHECKPOINT_PATH. A garbage tracker with no complete iteration was told the same (its own message names
+    'release', which the check looked for)."""
+    from megatron_patch.checkpoint_files.layout import TRACKER_NAME
+    from megatron_patch.training.run_state import latest_iteration
+
+    advice = "give it as PRETRAIN_CHECKPOINT_PATH"
+    for text, advised in (("release", True), ("garbage", False)):
+        root = tmp_path / text / "checkpoint"
+        root.mkdir(parents=True)
+        (root / TRACKER_NAME).write_text(text)
+        (root / "iter_0000002").mkdir()  # no complete iteration
+        with pytest.raises(UserError) as refused:
+            latest_iteration(root)
+        assert (advice in str(refused.value)) == advised, refused.value
+
+
 def test_a_tracker_linked_out_of_the_run_folder_is_not_read(tmp_path):
     """A run folder's tracker linked to a file outside it (a colleague's folder, a planted link): its content was read,
     quoted in the launcher's warning (a private file's first 40 bytes) and, holding a number, chose the iteration to

@@ -103,6 +103,11 @@ def read_small_json(path: str | Path, limit: int = SMALL_FILE_BYTES) -> dict:
     return value
 
 
+class ConvertedWeights(UserError):
+    """A folder of converted weights (its tracker says ``release``) where a training run's checkpoints were looked
+    for: its readers say where such a folder goes instead."""
+
+
 def read_tracker(root: str | Path) -> int | str | None:
     """What ``root``'s tracker says: ``"release"``, an iteration number, or None without a tracker."""
     tracker = Path(root) / TRACKER_NAME
@@ -290,7 +295,8 @@ def latest_complete_iteration(root: str | Path, problem: Callable[[Path], str | 
         notes.append(f"{exc}; looking for the newest complete iteration folder instead")
         latest = None
     if latest == RELEASE:
-        raise UserError(f"{tracker} says '{RELEASE}': {root} holds converted weights, not a training run's checkpoints")
+        raise ConvertedWeights(f"{tracker} says '{RELEASE}': {root} holds converted weights, not a training run's "
+                               "checkpoints")
     found = sorted((int(m.group(1)) for p in (root.iterdir() if root.is_dir() else ())
                     if (m := ITERATION_DIR.fullmatch(p.name)) and p.is_dir()), reverse=True)
     if latest is None and not notes and not found:

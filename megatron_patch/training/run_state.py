@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_patch.checkpoint.outputs import replace_refusal
 from megatron_patch.checkpoint_files.layout import (
-    RELEASE,
+    ConvertedWeights,
     TRACKER_NAME,
     TRAIN_STATE,
     archives_problem,
@@ -118,10 +118,8 @@ def latest_iteration(root: str | Path, verify: bool | str = True) -> tuple[int |
     takes it (True the ranks, ``"small"`` the launcher's early look, ``"archives"`` the ranks under MP_NO_VERIFY)."""
     try:
         return latest_complete_iteration(root, lambda folder: iteration_problem(folder, verify))
-    except UserError as exc:
-        if f"'{RELEASE}'" in str(exc):
-            raise UserError(f"{exc}; give it as PRETRAIN_CHECKPOINT_PATH and choose another OUTPUT_BASEPATH")
-        raise
+    except ConvertedWeights as exc:  # a garbage tracker's message names 'release' too: not this advice
+        raise UserError(f"{exc}; give it as PRETRAIN_CHECKPOINT_PATH and choose another OUTPUT_BASEPATH") from None
 
 
 def check_iterations_left(cfg, latest: int | None) -> None:
