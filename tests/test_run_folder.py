@@ -324,6 +324,27 @@ def test_a_full_disk_while_the_data_cache_is_written_is_bad_input_in_one_line(co
     assert str(raised.value).endswith("MiB free there: free space (or choose another OUTPUT_BASEPATH) and rerun")
 
 
+def test_a_full_disk_while_the_cache_manifest_is_written_leaves_no_half_manifest(tmp_path, monkeypatch):
+    """The data cache's manifest is written to a temporary name, then renamed: a full disk there left the empty
+    .mpatch_manifest.json.tmp.PID beside the cache (the fail audit, on a 24 KiB tmpfs)."""
+    from megatron_patch.checkpoint_files import manifest
+
+    real = manifest.write_manifest
+
+    def full(folder, *args, name, **kwargs):
+        (Path(folder) / name).write_text("")  # opened, then the disk was full
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    (tmp_path / "x-description.txt").write_text("a cache")
+    monkeypatch.setattr(data_cache, "write_manifest", full)
+    with pytest.raises(OSError):
+        data_cache.record(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x-description.txt"]
+    monkeypatch.setattr(data_cache, "write_manifest", real)
+    data_cache.record(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [manifest.MANIFEST_NAME, "x-description.txt"]
+
+
 def test_a_blend_whose_index_names_a_missing_dataset_is_unfit():
     from types import SimpleNamespace
 

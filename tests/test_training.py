@@ -1502,6 +1502,18 @@ def test_a_full_disk_in_the_final_export_and_a_file_size_limit_in_a_save_are_one
                          "without it) and rerun"), last
     assert resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY  # this process: no limit
 
+    # between saves: the limit met by the run's logs (metrics.jsonl's flush, TensorBoard's event file), whose writes
+    # name no file: an internal error, with TensorBoard's thread's traceback above it, restarted under MP_MAX_RESTARTS
+    between = subprocess.run(["bash", "-c", 'ulimit -f 40 && exec bash "$@"', "-",
+                              str(Path(__file__).parents[1] / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"),
+                              *_pretrain_args(corpus, tmp_path / "between", TRAIN_TOKENS_OR_ITERS=str(400 * GBS * SEQ),
+                                              SAVE_INTERVAL="1000", WARMUP_TOKENS_OR_ITERS="1")],
+                             env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=480)
+    last = between.stderr.strip().splitlines()[-1]
+    assert between.returncode == 2 and "Traceback" not in between.stderr, between.stderr[-3000:]
+    assert re.match(rf"mpatch train: error: rank \d stopped: writing failed: \[Errno 27\] File too large \(in "
+                    rf"OUTPUT_BASEPATH {tmp_path / 'between'}\), a file reached the largest size allowed", last), last
+
 @pytest.mark.slow
 def test_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(dp2_run, corpus, tmp_path):
     """The checkpoint folder on a disk with room for one and a half checkpoints: the save at 12 fails, the run

@@ -19,6 +19,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -28,6 +29,7 @@ from megatron_patch.cli import (DEBUG_VARIABLE, EXIT_BROKEN_PIPE, internal_error
                                 went_to_a_gone_reader)
 from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
+from megatron_patch.outputs.full_disk import full_disk_error, unwritten_line
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank, release_rank
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED, JobFailed, agent_log_folder,
@@ -558,6 +560,7 @@ def _rank(launcher: str, argv: list[str]) -> int:
     quiet_cpu_warnings()
     die_with_launcher()
     helpers_die_with_rank()
+    _full_disk_said_once()
     rank, timeout_min = int(os.environ.get("RANK", "0")), 10.0
     name_this_process(f"mpatch-rank{rank}")
     out = Path(argv[-1] or ".").absolute()  # OUTPUT_BASEPATH is the last argument of every launcher
@@ -611,6 +614,19 @@ def _rank(launcher: str, argv: list[str]) -> int:
             release_rank(run_folder_identity(out), mark)
 
 
+def _full_disk_said_once() -> None:
+    """A writer's thread that met a full disk (TensorBoard's event file writer) printed its traceback above the
+    rank's line; that writer raises the same error at the rank's next write through it (tensorboard's
+    ``_check_worker_status``), which the rank says in one line. Other threads' failures print as before."""
+    printed = threading.excepthook
+
+    def hook(args) -> None:
+        if full_disk_error(args.exc_value) is None:
+            printed(args)
+
+    threading.excepthook = hook
+
+
 def _leave_the_job() -> None:
     """A rank that refused, once its line is reported: its process group closed now, while the other nodes' ranks
     are still leaving too. Left to the interpreter's exit, a node's rank sometimes printed "terminate called without
@@ -662,6 +678,10 @@ def _rank_failure(exc: Exception, rank: int, timeout_min: float, out: Path) -> t
         return "user", (f"rank {rank} cannot write {unwritable.filename} in OUTPUT_BASEPATH ([Errno {unwritable.errno}] "
                         f"{unwritable.strerror}): make {out} a folder this job can write to and that has room, or "
                         "choose another OUTPUT_BASEPATH")
+    full = full_disk_error(exc)
+    if full is not None:  # a write that carries no file's name (an append's flush, TensorBoard's event file)
+        return "user", (f"rank {rank} stopped: {unwritten_line(full, {'OUTPUT_BASEPATH': str(out)})}; a rerun "
+                        "resumes from the run's last complete checkpoint")
     where = _write_traceback(exc, out, rank)
     if os.environ.get(DEBUG_VARIABLE) == "1" or where is None:
         traceback.print_exception(exc)

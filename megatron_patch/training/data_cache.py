@@ -180,9 +180,13 @@ def record(folder: Path) -> None:
                    or (p.name.endswith(".txt") and stat.S_ISREG(os.lstat(p).st_mode)))
     tmp = f".{MANIFEST_NAME}.tmp.{os.getpid()}"
     (folder / tmp).unlink(missing_ok=True)  # a link planted at the name is removed, not written through
-    write_manifest(folder, "mpatch train, megatron-core's dataset cache", name=tmp,
-                   files=digests(folder, names, sync=True))
-    os.replace(folder / tmp, folder / MANIFEST_NAME)
+    try:
+        write_manifest(folder, "mpatch train, megatron-core's dataset cache", name=tmp,
+                       files=digests(folder, names, sync=True))
+        os.replace(folder / tmp, folder / MANIFEST_NAME)
+    except BaseException:  # a full disk: no half-written manifest is left beside the cache
+        (folder / tmp).unlink(missing_ok=True)
+        raise
 
 
 # --- the indices against the data ----------------------------------------------------------------------------
