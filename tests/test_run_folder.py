@@ -1194,6 +1194,58 @@ def test_a_huge_or_endless_tracker_is_skipped_for_the_newest_complete_iteration(
     assert notes[0].startswith(f"{root / TRACKER_NAME} is unreadable"), notes
 
 
+def test_files_a_checkpoint_reads_are_not_followed_out_of_it(tmp_path):
+    """Every file a reader takes from a checkpoint stays inside it (docs/security.md; the sec audit): a rank-local
+    __0.metadata, a carried_tensors.safetensors and an RNG file linked to files elsewhere were read as the
+    checkpoint's own (the metadata merged and used, the carried file's bytes copied into the export, a valid RNG
+    state resumed from). Each is refused as a link out, and the resume takes the iteration before."""
+    import shutil
+
+    import torch
+
+    from megatron_patch.checkpoint.hf_reader import read_safetensors_header
+    from megatron_patch.checkpoint_files.layout import LEADS_OUTSIDE, torch_dist_problem
+    from megatron_patch.checkpoint_files.safe_torch import load_torch_file
+    from megatron_patch.training.run_state import iteration_problem, latest_iteration
+
+    root, outside = tmp_path / "run" / "checkpoint", tmp_path / "private"
+    outside.mkdir()
+    _training_iteration(root, 2)
+    newest = _training_iteration(root, 4)
+
+    shutil.move(newest / "rng" / "rank_00000.pt", outside / "rng.pt")  # a sound RNG file, elsewhere
+    (newest / "rng" / "rank_00000.pt").symlink_to(outside / "rng.pt")
+    assert LEADS_OUTSIDE in iteration_problem(newest)
+    assert latest_iteration(root)[0] == 2
+    with pytest.raises(UserError, match=LEADS_OUTSIDE):
+        load_torch_file(newest / "rng" / "rank_00000.pt", inside=newest)
+
+    shutil.move(newest / ".metadata", outside / "elsewhere.metadata")  # only a rank-local metadata file, elsewhere
+    (newest / "__0.metadata").symlink_to(outside / "elsewhere.metadata")
+    assert LEADS_OUTSIDE in torch_dist_problem(newest)
+
+    from safetensors.torch import save_file
+
+    save_file({"secret": torch.zeros(2)}, str(outside / "private.safetensors"))
+    (newest / "carried_tensors.safetensors").symlink_to(outside / "private.safetensors")
+    with pytest.raises(UserError, match=LEADS_OUTSIDE):
+        read_safetensors_header(newest / "carried_tensors.safetensors")
+
+
+def test_a_random_state_no_run_can_take_is_one_line(tmp_path):
+    """An RNG file holding a state of the wrong size (a sound archive): an internal error deep in torch at resume."""
+    import torch
+
+    from megatron_patch.training.checkpointing import _set_rng_state
+
+    with pytest.raises(UserError, match=r"rank_00000.pt holds no random state a run can resume with \(KeyError"):
+        _set_rng_state({"torch": torch.zeros(7, dtype=torch.uint8)}, tmp_path / "rank_00000.pt")
+    state = {"random": __import__("random").getstate(), "numpy": __import__("numpy").random.get_state(),
+             "torch": torch.zeros(7, dtype=torch.uint8), "tracker": {}}
+    with pytest.raises(UserError, match=r"holds no random state a run can resume with \(RuntimeError: Expected a"):
+        _set_rng_state(state, tmp_path / "rank_00000.pt")
+
+
 def test_only_a_release_tracker_is_told_to_be_a_pretrain_checkpoint(tmp_path):
     """A run folder whose checkpoint/ tracker says 'release' holds converted weights: the refusal says to give it as
     PRETRAIN_CHECKPOINT_PATH. A garbage tracker with no complete iteration was told the same (its own message names

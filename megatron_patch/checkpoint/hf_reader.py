@@ -31,12 +31,14 @@ MAX_HEADER_BYTES = 100_000_000
 
 
 def read_safetensors_header(path: Path) -> dict[str, Stored]:
-    """Every tensor of one safetensors file as a ``Stored``; UserError if the file is damaged."""
+    """Every tensor of one safetensors file of a checkpoint folder as a ``Stored``; UserError if the file is damaged,
+    or a link leading out of its folder (a carried_tensors.safetensors linked to a private file was copied into
+    the export)."""
 
     def bad(why: str) -> UserError:
         return UserError(f"{path} is not a readable safetensors file ({why}): it may be truncated or corrupt")
 
-    checked_input(path, limit=None)  # a FIFO would block the open below
+    checked_input(path, limit=None, inside=path.parent)  # a FIFO would block the open below
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:

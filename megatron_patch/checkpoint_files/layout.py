@@ -262,6 +262,11 @@ def _leads_outside(folder: Path, name: str) -> bool:
 LEADS_OUTSIDE = "leads outside the folder"  # what a checkpoint problem says of a link elsewhere, not damage
 
 
+def outside_problem(folder: Path, name: str) -> str | None:
+    """The line refusing ``folder / name`` where it is a link that leads out of ``folder``, else None."""
+    return _outside_line(folder, name) if os.path.lexists(folder / name) and _leads_outside(folder, name) else None
+
+
 def _outside_line(folder: Path, name: str) -> str:
     return f"{name} {LEADS_OUTSIDE} (to {(folder / name).resolve()}): refused"
 

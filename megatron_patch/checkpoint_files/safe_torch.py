@@ -167,11 +167,12 @@ def load_torch_bytes(data: bytes, where: str) -> Any:
         raise UnsafePickle(f"{where}: refused by torch's restricted loader ({str(exc).splitlines()[0]})") from None
 
 
-def load_torch_file(path: str | Path) -> Any:
+def load_torch_file(path: str | Path, inside: str | Path | None = None) -> Any:
     """A torch.save file (RNG state, common.pt, another tool's train state), read once, allow-listed; only a
-    regular file is read (a FIFO or a device planted at its name would stall or flood the reader)."""
+    regular file is read (a FIFO or a device planted at its name would stall or flood the reader), inside the
+    checkpoint folder ``inside`` (default: its own folder; a link out of it is refused, not read)."""
     path = Path(path)
-    return load_torch_bytes(read_input(path, limit=None), str(path))
+    return load_torch_bytes(read_input(path, limit=None, inside=path.parent if inside is None else inside), str(path))
 
 
 class _SafeBytesPlanner:

@@ -376,7 +376,8 @@ def read_metadata(path: Path) -> DistMetadata:
 
 
 def _parse_metadata(path: Path) -> DistMetadata:
-    md = loads(read_input(path, limit=None), where=str(path))
+    # inside its folder: a rank-local __N.metadata linked to a file elsewhere was read as the checkpoint's own
+    md = loads(read_input(path, limit=None, inside=path.parent), where=str(path))
     tensors: dict[str, TensorInfo] = {}
     objects: set[str] = set()
     for key, entry in _state(md, "state_dict_metadata").items():

@@ -123,15 +123,22 @@ def _rng_state() -> dict:
             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state, path: Path) -> None:
+    """The random state a rank saved (``_rng_state``), from ``path``; one line where it holds none this process can
+    take (it was an internal error deep in torch: "Expected a CPUGeneratorImplState of size 5056")."""
     from megatron.core import tensor_parallel
 
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    try:
+        random.setstate(state["random"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if state.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError) as exc:
+        said = " ".join(str(exc).split())[:160]
+        raise UserError(f"{path} holds no random state a run can resume with ({type(exc).__name__}: {said}): the "
+                        "checkpoint is damaged; move its iteration folder away to resume from the one before") from None
 
 
 def _model_keys(models: list) -> list[str]:
@@ -539,7 +546,7 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
     saved = read_train_state(folder)
     rng = folder / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if saved.get("world_size") == dist.get_world_size() and rng.is_file():
-        _set_rng_state(load_torch_file(rng))
+        _set_rng_state(load_torch_file(rng, inside=folder), rng)
     elif dist.get_rank() == 0:
         print(f"note: {folder} was written by {saved.get('world_size')} processes; random state starts afresh",
               flush=True)

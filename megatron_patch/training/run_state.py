@@ -23,6 +23,7 @@ from megatron_patch.checkpoint_files.layout import (
     archives_problem,
     iteration_dir,
     latest_complete_iteration,
+    outside_problem,
     read_small_json,
     torch_dist_problem,
     zip_problem,
@@ -77,7 +78,10 @@ def iteration_problem(folder: Path, verify: bool | str = True) -> str | None:
     if iteration_dir(folder.parent, iteration).name != folder.name:
         return f"{TRAIN_STATE} says iteration {iteration}"
     for rank in range(world):
-        why = zip_problem(folder / "rng" / f"rank_{rank:05d}.pt")
+        name = f"rng/rank_{rank:05d}.pt"
+        if (outside := outside_problem(folder, name)) is not None:  # read at resume as the iteration's own
+            return outside
+        why = zip_problem(folder / name)
         if why:
             return f"rng/{why}"
     return None
