@@ -147,6 +147,28 @@ def test_a_sidecar_naming_more_mtp_layers_than_its_config_is_refused(hf, tmp_pat
         _one_line(rc, err, f"'mtp_layers' is {layers}, and the model's config declares 0")
 
 
+@pytest.mark.parametrize("lora, said", [
+    ("yes", "'lora' has the wrong type or value"),
+    ({"base": "x", "spec": {"rank": 4, "alpha": 8}}, "'lora' has the wrong type or value"),
+    ({"spec": 5}, "'lora' has the wrong type or value"),
+    ({"spec": {"rank": "4", "alpha": 8}, "base": None}, "its spec's 'rank' is of the wrong type or value"),
+    ({"spec": {"rank": 4}, "base": None}, "its spec's 'rank or alpha' is missing"),
+])
+def test_a_sidecar_lora_record_of_the_wrong_shape_is_refused(hf, tmp_path, capsys, lora, said):
+    """The sidecar's lora record was read unchecked: inspect and mcore2hf --merge-lora ended in internal errors
+    (AttributeError, TypeError, KeyError) on a string, a base that is not a record, a spec that is not one."""
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
+    sidecar = ckpt / "mpatch_checkpoint.json"
+    sidecar.write_text(json.dumps({**json.loads(sidecar.read_text()), "lora": lora}))
+    merge = ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"), "--no-verify",
+             "--merge-lora"]
+    # inspect shows a spec's fields as they are; the record's own shape it reads, and refuses
+    for argv in ([["inspect", str(ckpt)]] if "'lora'" in said else []) + [merge]:
+        rc, err = run_cli(capsys, *argv)
+        _one_line(rc, err, said)
+
+
 def test_a_sidecar_nested_too_deeply_for_its_readers_is_refused(hf, tmp_path, capsys):
     """A sidecar JSON parses at 600 levels, and its tokenizer_model_config then went through copy.deepcopy, out of
     stack: mcore2hf and mpatch eval said 'internal error: RecursionError ... a bug'."""

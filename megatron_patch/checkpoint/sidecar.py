@@ -135,9 +135,18 @@ def _field_problem(sidecar: Sidecar) -> str | None:
         "notes": isinstance(sidecar.notes, list), "versions": isinstance(sidecar.versions, dict),
         "tokenizer_model_config": sidecar.tokenizer_model_config is None or isinstance(sidecar.tokenizer_model_config,
                                                                                        dict),
+        # a LoRA run's record: its spec (each field checked where it is read, lora.spec.LoraSpec.from_dict) and the
+        # base it needs, by path and digest
+        "lora": sidecar.lora is None or (isinstance(sidecar.lora, dict) and isinstance(sidecar.lora.get("spec"), dict)
+                                         and _base_record_ok(sidecar.lora.get("base"))),
     }
     bad = next((name for name, ok in checks.items() if not ok), None)
     return f"'{bad}' has the wrong type or value" if bad else None
+
+
+def _base_record_ok(record) -> bool:
+    return record is None or (isinstance(record, dict) and all(isinstance(record.get(k), str) and record[k]
+                                                               for k in ("path", "digest")))
 
 
 def _check_mtp_layers(sidecar: Sidecar, path: Path) -> None:

@@ -54,8 +54,15 @@ class LoraSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "LoraSpec":
+    def from_dict(cls, data: dict, where: str = "the checkpoint's LoRA record") -> "LoraSpec":
+        """A spec as ``to_dict`` wrote it into a checkpoint's sidecar (untrusted: each field's type checked, one line
+        naming ``where`` and the field otherwise)."""
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        bad = next((k for k, ok in _RECORD_CHECKS.items() if k in known and not ok(known[k])), None)
+        if bad is not None or not {"rank", "alpha"} <= set(known):
+            raise UserError(f"{where}: its spec's {bad or 'rank or alpha'!r} is "
+                            f"{'missing' if bad is None else 'of the wrong type or value'}: the checkpoint's sidecar "
+                            "is damaged")
         for key in ("targets", "layers", "modules", "modules_to_save"):
             if known.get(key) is not None:
                 known[key] = tuple(known[key])
@@ -67,6 +74,28 @@ class LoraSpec:
                 f"{self.dropout:g}, targets {','.join(self.targets)}"
                 + (f", layers {list(self.layers)}" if self.layers is not None else "")
                 + (f", modules_to_save {list(self.modules_to_save)}" if self.modules_to_save else ""))
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _strings(v) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)
+
+
+# Each field of a spec read back from a sidecar, and what it must be.
+_RECORD_CHECKS = {
+    "rank": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    "alpha": _number, "dropout": lambda v: _number(v) and 0 <= v < 1, "targets": _strings,
+    "use_rslora": lambda v: isinstance(v, bool),
+    "rank_pattern": lambda v: isinstance(v, dict) and all(isinstance(r, int) and not isinstance(r, bool) and r > 0
+                                                          for r in v.values()),
+    "alpha_pattern": lambda v: isinstance(v, dict) and all(_number(a) for a in v.values()),
+    "layers": lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                  for i in v)),
+    "modules": lambda v: v is None or _strings(v), "modules_to_save": _strings,
+}
 
 
 def _pattern_key(patterns: dict, name: str) -> str:
