@@ -1866,3 +1866,22 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
     assert read_sidecar(default).tokenizer_model_config is None
     assert main(["convert", "mcore2hf", "--load-dir", str(default), "--save-dir", str(tmp_path / "back2")]) == 0
     assert (tmp_path / "back2" / "tokenizer_config.json").read_bytes() == (hf / "tokenizer_config.json").read_bytes()
+
+
+def test_a_copied_runs_error_log_is_its_own_before_a_crash_is_appended(tmp_path):
+    """A run folder copied with `cp -al` shares log/rank0-error.log with the original by a hard link: the copy's
+    crash was appended to the original's log too. It gets an inode of its own first, as the metrics do."""
+    from megatron_patch.cli.train import _write_traceback
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    (original / "log").mkdir(parents=True)
+    (original / "log" / "rank0-error.log").write_text("the original's crash\n")
+    (copy / "log").mkdir(parents=True)
+    os.link(original / "log" / "rank0-error.log", copy / "log" / "rank0-error.log")
+    try:
+        raise RuntimeError("the copy's crash")
+    except RuntimeError as exc:
+        assert _write_traceback(exc, copy, 0) == copy / "log" / "rank0-error.log"
+    assert (original / "log" / "rank0-error.log").read_text() == "the original's crash\n"
+    said = (copy / "log" / "rank0-error.log").read_text()
+    assert said.startswith("the original's crash\n") and "RuntimeError: the copy's crash" in said

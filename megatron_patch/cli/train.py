@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from megatron_patch.cli import (DEBUG_VARIABLE, EXIT_BROKEN_PIPE, internal_error
 from megatron_patch.cli.common import interrupts_survive_finalizers
 from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
+from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.outputs.full_disk import full_disk_error, unwritten_line
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank, release_rank
 from megatron_patch.runtime import watchdog
@@ -712,6 +714,11 @@ def _write_traceback(exc: BaseException, out: Path, rank: int) -> Path | None:
             f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        st = os.lstat(path) if os.path.lexists(path) else None
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            # shared with another run's folder by a hard link (a `cp -al` copy): an inode of its own first, as the
+            # metrics get (training.run_folder.open_metrics); a copy's crash was appended to the original's log
+            write_file_replacing(path, path.read_bytes())
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         with os.fdopen(fd, "a") as f:
             f.write(head + "".join(traceback.format_exception(exc)))
