@@ -237,3 +237,31 @@ def _check_what_the_tokenizer_config_names(folder: Path) -> None:
     for name in listed:
         if os.path.lexists(contained(folder, name, how)):
             checked_input(folder / name, inside=folder, how=how)
+
+
+def walk(folder: str | Path, onerror=None):
+    """``os.walk(folder)`` (top-down, links to folders listed among the folders but never entered; ``dirnames``
+    pruned in place is honoured), without recursion: on Python 3.11 os.walk and Path.rglob recurse once per level,
+    and a folder nested past the interpreter's recursion limit ended ``mpatch verify`` and ``mcore2hf`` in an
+    internal error (RecursionError; the sec audit)."""
+    stack = [os.fspath(folder)]
+    while stack:
+        top = stack.pop()
+        try:
+            entries = sorted(os.scandir(top), key=lambda e: e.name)
+        except OSError as exc:
+            if onerror is not None:
+                onerror(exc)
+            continue
+        dirnames, filenames, linked = [], [], set()
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            (dirnames if is_dir else filenames).append(entry.name)
+            if is_dir and entry.is_symlink():
+                linked.add(entry.name)
+        yield top, dirnames, filenames
+        stack.extend(os.path.join(top, d) for d in reversed(dirnames) if d not in linked)
+

@@ -651,3 +651,24 @@ def test_families_names_each_launcher_with_every_argument_count_it_takes(capsys)
     assert "run_mcore_gemma4.sh: 25 or 27 (ETP, EP after CP)" in rows["gemma4"], rows["gemma4"]
     assert "run_mcore_qwen3.sh: 26 (EP after CP) or 27 (ETP, EP after CP)" in rows["qwen3"], rows["qwen3"]
     assert "run_mcore_llama3_1.sh: 25" in rows["llama3_1"], rows["llama3_1"]
+
+
+def test_a_folder_nested_deeper_than_pythons_recursion_is_refused_in_one_line(hf, tmp_path, capsys):
+    """A folder 1100 levels deep inside a checkpoint: os.walk and Path.rglob recurse per level on Python 3.11, and
+    `mpatch verify` and `mcore2hf` ended in "internal error: RecursionError". Walked without recursion, it is an
+    unlisted folder, refused in one line."""
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
+    levels = [ckpt / "release" / "/".join(["d"] * n) for n in range(1, 1101)]
+    for level in levels:  # made and removed level by level: os.makedirs and shutil.rmtree recurse too
+        level.mkdir()
+    (levels[-1] / "x").write_text("x")
+    try:
+        rc, err = run_cli(capsys, "verify", str(ckpt))
+        _one_line(rc, err, "does not list")
+        rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"))
+        _one_line(rc, err, "does not list")
+    finally:
+        (levels[-1] / "x").unlink()
+        for level in reversed(levels):
+            level.rmdir()

@@ -39,7 +39,7 @@ import xxhash
 
 from megatron_patch import __version__
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import contained, read_input_json
+from megatron_patch.input_files import contained, read_input_json, walk
 
 MANIFEST_NAME = "mpatch_manifest.json"
 MANIFEST_VERSION = 1
@@ -75,7 +75,7 @@ def digest_file(path: str | Path) -> tuple[int, str]:
 
 def _files(folder: Path, exclude: str) -> list[str]:
     out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
+    for dirpath, dirnames, filenames in walk(folder):
         dirnames.sort()
         for name in sorted(filenames):
             path = Path(dirpath) / name
@@ -173,7 +173,7 @@ def output_files(path: str | Path) -> list[str]:
         prefix = path.name[:-len(MANIFEST_NAME) - 1]
         return [prefix + s for s in PREFIX_SUFFIXES if os.path.lexists(folder / (prefix + s))]
     out = []
-    for dirpath, dirnames, filenames in os.walk(folder):  # links to folders are listed, never entered
+    for dirpath, dirnames, filenames in walk(folder):  # links to folders are listed, never entered
         here = Path(dirpath)
         out += [(here / d).relative_to(folder).as_posix() for d in dirnames if (here / d).is_symlink()]
         out += [(here / f).relative_to(folder).as_posix() for f in filenames]
@@ -189,7 +189,7 @@ def unlisted_entries(folder: str | Path) -> list[str]:
 
 def _empty_folders(folder: Path) -> list[str]:
     """The empty folders under ``folder`` (``NAME/``), which no manifest lists: something added."""
-    return [Path(d).relative_to(folder).as_posix() + "/" for d, dirnames, filenames in os.walk(folder)
+    return [Path(d).relative_to(folder).as_posix() + "/" for d, dirnames, filenames in walk(folder)
             if not dirnames and not filenames and Path(d) != folder]
 
 

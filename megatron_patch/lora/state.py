@@ -22,7 +22,7 @@ from megatron_patch.checkpoint.foreign import find_checkpoint
 from megatron_patch.checkpoint_files.manifest import manifest_for, read_manifest
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import checked_input
+from megatron_patch.input_files import checked_input, walk
 from megatron_patch.lora.plan import KEY_PREFIX
 from megatron_patch.models.shape.skeleton import cache_dir
 
@@ -42,7 +42,7 @@ def _files(folder: Path) -> list[Path]:
     """Every file under ``folder``, hidden ones too; refused in one line: a link that leads outside it, anything
     but a regular file (a FIFO would block the hash, a device never ends)."""
     out = []
-    for dirpath, dirnames, filenames in os.walk(folder, onerror=_walk_error):  # never into linked folders
+    for dirpath, dirnames, filenames in walk(folder, onerror=_walk_error):  # never into linked folders
         dirnames.sort()
         for name in sorted(filenames):
             path = Path(dirpath) / name

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import walk
 from megatron_patch.outputs.lock import OutputLock
 from megatron_patch.outputs.renames import FlagsUnsupported, exchange, rename_noreplace
 
@@ -95,7 +96,7 @@ def write_file_replacing(path: str | Path, data: str | bytes, *, durable: bool =
 def fsync_tree(folder: str | Path) -> None:
     """fsync every file under ``folder``, then every folder, deepest first (their entries)."""
     folders = []
-    for dirpath, _dirnames, filenames in os.walk(folder):
+    for dirpath, _dirnames, filenames in walk(folder):
         folders.append(dirpath)
         for name in filenames:
             path = os.path.join(dirpath, name)
