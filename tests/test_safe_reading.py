@@ -286,3 +286,25 @@ def test_an_enum_member_pickled_by_name_is_read_and_no_other_getattr():
         assert type(got).__mro__[1].__name__ == "Record" and got.state == {"_name_": name} and not callable(got)
     with pytest.raises(UnsafePickle, match="getattr"):
         loads(_enum_by_name_pickle("megatron.core.enums", "ModelType", "not a name"), where="m")
+
+
+def test_a_stored_tensor_whose_view_leaves_its_storage_is_refused_in_one_line(tmp_path):
+    """A legacy rank file's tensor whose stride reaches past its storage (a sound archive, CRCs and all): torch's
+    as_strided failed inside mcore2hf ("setStorage ... out of bounds"), an internal error. It is refused as
+    torch_dist's chunks are (checkpoint_files.pickles.lies_outside_its_storage)."""
+    import dataclasses
+
+    import torch
+
+    from megatron_patch.checkpoint_files.pickles import TensorRef
+    from megatron_patch.checkpoint_files.torch_files import LazyTorchFile
+    from megatron_patch.errors import UserError
+
+    torch.save({"norm": torch.ones(250, 256)}, tmp_path / "model_optim_rng.pt")
+    lazy = LazyTorchFile(tmp_path / "model_optim_rng.pt")
+    ref = lazy.obj["norm"]
+    assert isinstance(ref, TensorRef) and torch.equal(lazy.load(ref), torch.ones(250, 256))
+    for bad in (dataclasses.replace(ref, stride=(60000, 1)), dataclasses.replace(ref, offset=-1),
+                dataclasses.replace(ref, stride=(256, -1)), dataclasses.replace(ref, offset=64000)):
+        with pytest.raises(UserError, match="lies outside its storage: the file is damaged"):
+            lazy.load(bad)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import collections
 import io
+import math
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -189,6 +190,16 @@ class TensorRef:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     extra: dict = field(default_factory=dict, compare=False)
+
+
+def lies_outside_its_storage(ref: TensorRef, numel: int) -> bool:
+    """Whether a stored tensor's view (offset, shape, strides) reaches past the ``numel`` elements of its storage, or
+    has a negative offset or stride: torch's as_strided then fails ("setStorage ... out of bounds"), or reads bytes
+    beyond the record."""
+    if len(ref.stride) != len(ref.shape) or ref.offset < 0 or any(st < 0 for st in ref.stride) \
+            or any(n < 0 for n in ref.shape):
+        return True
+    return bool(math.prod(ref.shape)) and ref.offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride)) >= numel
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):

@@ -37,6 +37,7 @@ from megatron_patch.checkpoint_files.pickles import (
     Record,
     TensorRef,
     dumps,
+    lies_outside_its_storage,
     loads,
     torch_dtype,
     torch_size,
@@ -336,9 +337,7 @@ def check_chunk_record(ref, dtype: str, sizes: tuple, what: str) -> None:
     if ref.storage.dtype != dtype or tuple(ref.shape) != tuple(sizes):
         raise UserError(f"{what} holds a {ref.storage.dtype} tensor of shape {list(ref.shape)} where .metadata "
                         f"says {dtype} of {list(sizes)}: the checkpoint is damaged")
-    if len(ref.stride) != len(ref.shape) or ref.offset < 0 or any(st < 0 for st in ref.stride) or (
-            math.prod(ref.shape) and ref.offset + sum((n - 1) * st for n, st in zip(ref.shape, ref.stride))
-            >= ref.storage.numel):
+    if lies_outside_its_storage(ref, ref.storage.numel):
         raise UserError(f"{what} holds a tensor that lies outside its storage: the checkpoint is damaged")
 
 

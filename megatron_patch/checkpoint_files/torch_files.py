@@ -29,7 +29,7 @@ from typing import Any
 from megatron_patch.checkpoint_files.byte_io import Stored
 from megatron_patch.checkpoint_files.byte_io import read_range
 from megatron_patch.checkpoint_files.pickles import (
-    STORAGE_CLASS_OF_DTYPE, Call, Global, PersistentId, StorageRef, TensorRef, dumps, loads)
+    STORAGE_CLASS_OF_DTYPE, Call, Global, PersistentId, StorageRef, TensorRef, dumps, lies_outside_its_storage, loads)
 from megatron_patch.checkpoint_files.zipfmt import ALIGNMENT, ZipFormatError, ZipIndex, ZipLayout, check_crc, plan_zip, crc32
 from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.errors import UserError
@@ -183,4 +183,7 @@ class LazyTorchFile:
             raise UserError(f"{self._where()}: record data/{t.storage.key} fails its CRC-32 check: the file is corrupt")
         flat = torch.frombuffer(buf, dtype=getattr(torch, t.storage.dtype)) if length else \
             torch.empty(0, dtype=getattr(torch, t.storage.dtype))
+        if lies_outside_its_storage(t, flat.numel()):  # a legacy rank file's tensor: as torch_dist's chunks are checked
+            raise UserError(f"{self._where()}: a tensor of record data/{t.storage.key} lies outside its storage: the "
+                            "file is damaged")
         return torch.as_strided(flat, t.shape, t.stride, t.offset).clone()
