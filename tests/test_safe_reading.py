@@ -308,3 +308,23 @@ def test_a_stored_tensor_whose_view_leaves_its_storage_is_refused_in_one_line(tm
                 dataclasses.replace(ref, stride=(256, -1)), dataclasses.replace(ref, offset=64000)):
         with pytest.raises(UserError, match="lies outside its storage: the file is damaged"):
             lazy.load(bad)
+
+
+def test_a_rank_file_holding_one_tensor_under_both_specs_names_is_refused(tmp_path):
+    """The local spec's input_layernorm.weight and TE's linear_qkv.layer_norm_weight are one tensor: a rank file
+    holding both (7s in one, 1s in the other) was exported with whichever came last, silently."""
+    import torch
+
+    from megatron_patch.checkpoint.legacy import open_rank_file
+    from megatron_patch.errors import UserError
+
+    path = tmp_path / "model_optim_rng.pt"
+    qkv = {"decoder.layers.0.self_attention.linear_qkv.weight": torch.ones(9, 3)}
+    torch.save({"model": {**qkv, "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": torch.ones(3),
+                          "decoder.layers.0.input_layernorm.weight": torch.full((3,), 7.0)}}, path)
+    with pytest.raises(UserError, match="both the model's decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"):
+        open_rank_file(path)
+    torch.save({"model": {**qkv, "decoder.layers.0.input_layernorm.weight": torch.full((3,), 7.0)}}, path)
+    _, refs = open_rank_file(path)  # the local spec's name alone: read as TE's
+    assert sorted(refs) == ["decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+                            "decoder.layers.0.self_attention.linear_qkv.weight"]

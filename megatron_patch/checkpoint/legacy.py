@@ -88,4 +88,11 @@ def open_rank_file(path: Path) -> tuple[LazyTorchFile, dict[str, TensorRef]]:
     unwrapped = wrapper_prefix_dropped(model)
     model = {unwrapped.get(k, k): v for k, v in model.items()}
     names = local_to_te_names(model)
-    return lazy, {names[k]: v for k, v in model.items()}
+    renamed: dict[str, TensorRef] = {}
+    for stored, name in names.items():
+        if name in renamed:  # one tensor under both specs' names: which one the model holds is not known
+            first = next(k for k, n in names.items() if n == name)
+            raise UserError(f"{path} holds {first} and {stored}, both the model's {name}: a checkpoint holds one "
+                            "of them; the file is damaged or was edited")
+        renamed[name] = model[stored]
+    return lazy, renamed
