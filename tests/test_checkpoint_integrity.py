@@ -146,6 +146,23 @@ def test_zstd_chunks_are_decoded_and_unknown_transforms_refused(tmp_path, capsys
         TorchDistReader(tmp_path / "z").read_block("a")
 
 
+def test_a_zstd_frame_is_decompressed_only_to_what_its_chunk_can_hold(tmp_path):
+    """A 128 KiB zstd frame stored for a 256-byte norm inflated to 4 GiB, and mcore2hf ended in a MemoryError (the
+    sec audit): an item is decompressed to at most what its chunk holds (its elements and an archive's overhead;
+    a byte object to OBJECT_BYTES), and refused past it."""
+    import zstandard
+
+    from megatron_patch.checkpoint_files.torch_dist import ARCHIVE_OVERHEAD, chunk_bytes, undo_transforms
+
+    bomb = zstandard.ZstdCompressor().compress(bytes(8 << 20))  # 8 MiB of zeros in a few hundred bytes
+    assert len(bomb) < 4096
+    limit = chunk_bytes((64,), "float32")
+    assert limit == 256 + ARCHIVE_OVERHEAD
+    with pytest.raises(UserError, match=f"decompresses to more than {limit:,} bytes, more than it holds"):
+        undo_transforms(bomb, ["stream.zstd/1"], tmp_path / "__0_0.distcp", "a norm", limit)
+    assert undo_transforms(bomb, ["stream.zstd/1"], tmp_path / "__0_0.distcp", "a big chunk", 8 << 20) == bytes(8 << 20)
+
+
 # --- blocks from odd chunkings -----------------------------------------------------------------
 
 def _write_chunked(folder: Path, tensors: dict[str, torch.Tensor], cuts: dict[str, list[list[int]]]) -> None:

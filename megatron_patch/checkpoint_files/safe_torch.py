@@ -36,7 +36,8 @@ from megatron_patch.checkpoint_files.allowlist import ALLOWED, ENUM_BY_NAME, Uns
 from megatron_patch.checkpoint_files.pickles import loads as parse_inert
 from megatron_patch.checkpoint_files.pickles import Record, record_class
 from megatron_patch.checkpoint_files.torch_dist import (
-    COMMON_STATE_OBJECT, DistMetadata, TensorInfo, check_chunk_record, check_metadata, check_transforms, undo_transforms)
+    COMMON_STATE_OBJECT, DistMetadata, TensorInfo, check_chunk_record, check_metadata, check_transforms, chunk_bytes,
+    undo_transforms)
 from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex
 from megatron_patch.errors import UserError
@@ -241,8 +242,8 @@ class SafeFileSystemReader(FileSystemReader):
             what, dtype, sizes = declared
             if len(data) < sinfo.length:
                 raise UserError(f"{where} ends {sinfo.length - len(data)} bytes early: the checkpoint is truncated")
-            archive = undo_transforms(data, transforms, Path(self.path) / sinfo.relative_path, what) \
-                if transforms else data
+            archive = undo_transforms(data, transforms, Path(self.path) / sinfo.relative_path, what,
+                                      chunk_bytes(sizes, dtype)) if transforms else data
             try:
                 index = ZipIndex(where, data=archive)
                 index.verify()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import io
 import math
 import os
 import tempfile
@@ -165,6 +166,11 @@ def plan_torch_dist(folder: str | Path, chunks: list[ChunkItem], objects: list[t
 # Transform descriptors (torch >= 2.7's StreamTransformExtension) this reader decodes: the registry name
 # and the major version it knows.
 ZSTD = "stream.zstd"
+# The most bytes a stored byte object (megatron's common state, an optimizer's step) decompresses to: such objects
+# hold kilobytes; a tensor chunk's bound is its own size (``chunk_bytes``).
+OBJECT_BYTES = 1 << 30
+# what a chunk's torch.save archive holds beside its data: the pickle, the zip's headers, the records' alignment
+ARCHIVE_OVERHEAD = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -541,7 +547,8 @@ class TorchDistReader:
             raise UserError(f"{self.folder / '.metadata'} lists a chunk of {key} at {offset} but not where it is "
                             "stored: the checkpoint is damaged")
         relative, start, length, transforms = where
-        path, start, length = self._decoded(self.folder / relative, start, length, transforms, f"{key} at {offset}")
+        path, start, length = self._decoded(self.folder / relative, start, length, transforms, f"{key} at {offset}",
+                                            chunk_bytes(sizes, info.dtype))
         blob = LazyTorchFile(path, window=(start, length))
         ref = blob.obj
         what = f"{Path(relative).name}: chunk of {key} at {list(offset)}"
@@ -565,13 +572,14 @@ class TorchDistReader:
         self._scratch.append(f)
         return Stored(f"/proc/self/fd/{f.fileno()}", 0, shape, dtype)
 
-    def _decoded(self, path: Path, start: int, length: int, transforms: tuple[str, ...], what: str):
+    def _decoded(self, path: Path, start: int, length: int, transforms: tuple[str, ...], what: str,
+                 limit: int = OBJECT_BYTES):
         """(file, start, length) of an item's bytes once its transforms are undone (they are applied in
-        order when saving, so undone in reverse)."""
+        order when saving, so undone in reverse), at most ``limit`` bytes."""
         if not transforms:
             return path, start, length
         check_transforms(path, transforms, what)
-        data = undo_transforms(bytes(read_range(path, start, length)), transforms, path, what)
+        data = undo_transforms(bytes(read_range(path, start, length)), transforms, path, what, limit)
         stored = self._scratch_file(data, (len(data),), "uint8")
         return Path(stored.path), 0, len(data)
 
@@ -645,8 +653,14 @@ class TorchDistReader:
         return {k: self.read_block(k) for k in self.tensor_keys()}
 
 
-def undo_transforms(data: bytes, transforms, path, what: str) -> bytes:
-    """An item's stored bytes with its (``check_transforms``-ed) zstd transforms undone, in reverse order."""
+def chunk_bytes(sizes: tuple[int, ...], dtype: str) -> int:
+    """The most bytes a chunk of ``sizes`` stored as a torch.save archive takes once decompressed."""
+    return math.prod(sizes) * ITEMSIZE.get(dtype, 8) + ARCHIVE_OVERHEAD
+
+
+def undo_transforms(data: bytes, transforms, path, what: str, limit: int = OBJECT_BYTES) -> bytes:
+    """An item's stored bytes with its (``check_transforms``-ed) zstd transforms undone, in reverse order, each to at
+    most ``limit`` bytes: a 128 KiB frame of a 256-byte norm inflated to 4 GiB and ended mcore2hf in a MemoryError."""
     try:
         import zstandard
     except ImportError:
@@ -654,7 +668,15 @@ def undo_transforms(data: bytes, transforms, path, what: str) -> bytes:
                         "to read it") from None
     try:
         for _ in transforms:
-            data = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data))  # one frame, as torch writes it
+            parts, size = [], 0
+            while size <= limit and (part := reader.read(min(1 << 24, limit + 1 - size))):
+                parts.append(part)
+                size += len(part)
+            if size > limit:
+                raise UserError(f"{path}: {what} decompresses to more than {limit:,} bytes, more than it holds: the "
+                                "checkpoint is damaged")
+            data = b"".join(parts)
     except zstandard.ZstdError as exc:
         raise UserError(f"{path}: {what} does not decompress ({exc}): the checkpoint is damaged") from None
     return data
