@@ -206,11 +206,16 @@ def read_json_object(path: str | Path, *, hint: str = "", **checks) -> dict[str,
 def check_folder_inputs(folder: str | Path, patterns: tuple[str, ...] = ("config.json", "model.safetensors.index.json",
                                                                           *HF_SIDE_FILES)) -> None:
     """Check every file of ``folder`` that matches ``patterns`` before a reader that opens them itself
-    (transformers) does: inside the folder, regular, bounded."""
+    (transformers) does: inside the folder, regular, bounded. A link of any other name must stay inside too:
+    transformers' tokenizer classes open files by names of their own (ProphetNet's prophetnet.tokenizer, BPE's
+    bpe.codes, LUKE's entity_vocab.json, ...), and one linked to a file elsewhere was read as the vocabulary."""
     folder = Path(folder)
     found = {p.name for pattern in patterns for p in folder.glob(pattern) if not p.is_dir()}  # tokenizer/: a folder
     for name in sorted(found):
         checked_input(folder / name, inside=folder)
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else ():
+        if entry.is_symlink():
+            contained(folder, entry.name)
     _check_what_the_tokenizer_config_names(folder)
     # transformers reads every additional_chat_templates/*.jinja as a named chat template
     if os.path.lexists(folder / CHAT_TEMPLATES_FOLDER):

@@ -498,3 +498,19 @@ def test_sft_data_with_spaces_in_its_path(tmp_path, tokenizer):
                                             TRAIN_TOKENS_OR_ITERS="4", WARMUP_TOKENS_OR_ITERS="1"),
                   env={"MP_TOKENIZER": str(tokenizer)})
     assert cfg.dataset_path == [str(data)]
+
+
+def test_a_link_out_of_a_model_folder_under_any_name_is_refused(tmp_path):
+    """transformers' tokenizer classes open files by names of their own (ProphetNet's prophetnet.tokenizer): one
+    linked to a private file was read as the vocabulary by `mpatch eval` (the sec audit). A link of any name that
+    leads out of the folder is refused; one that stays inside is taken."""
+    folder, outside = tmp_path / "model", tmp_path / "private.txt"
+    folder.mkdir()
+    outside.write_text("secret\n")
+    (folder / "config.json").write_text("{}")
+    (folder / "vocab-copy.txt").write_text("a\n")
+    (folder / "inside-link.txt").symlink_to("vocab-copy.txt")
+    check_folder_inputs(folder)
+    (folder / "prophetnet.tokenizer").symlink_to(outside)
+    with pytest.raises(UserError, match="found 'prophetnet.tokenizer', which leads outside the folder"):
+        check_folder_inputs(folder)
