@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import _thread
 import functools
 import os
 import signal
 import sys
-import time
+import threading
 
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.distributed import ParallelLayout
@@ -34,7 +33,7 @@ def sigterm_as_interrupt(run):
     @functools.wraps(run)
     def wrapped(*args, **kwargs):
         earlier, earlier_hook = signal.signal(signal.SIGTERM, _interrupt), sys.unraisablehook
-        sys.unraisablehook = functools.partial(_signalled_again, earlier_hook, Terminated, signal.SIGTERM)
+        sys.unraisablehook = functools.partial(_terminated_again, earlier_hook)
         try:
             return run(*args, **kwargs)
         finally:
@@ -43,30 +42,33 @@ def sigterm_as_interrupt(run):
     return wrapped
 
 
-def interrupts_survive_finalizers() -> None:
+def quiet_interrupts_in_finalizers() -> None:
     """For the rest of this process (a training rank): a Ctrl-C's KeyboardInterrupt raised inside a finalizer or a
-    fork hook is taken again, not printed. megatron-core's checkpoint writer forks during a save, and a SIGINT landing
-    in logging's at-fork hook printed "Exception ignored in: <function _releaseLock>" with its traceback above the
-    launcher's one line."""
-    sys.unraisablehook = functools.partial(_signalled_again, sys.unraisablehook, KeyboardInterrupt, signal.SIGINT)
+    fork hook is dropped, not printed. megatron-core's checkpoint writer forks during a save, and a SIGINT landing in
+    logging's at-fork hook printed "Exception ignored in: <function _releaseLock>" with its traceback above the
+    launcher's one line. The rank is stopped all the same: torchrun's agent, which took the Ctrl-C too, ends every
+    rank. (Sent again instead, as ``sigterm_as_interrupt`` does, the interrupt escaped the rank's handlers on
+    CPython 3.13 when it followed a fork.)"""
+    earlier_hook = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            earlier_hook(unraisable)
+
+    sys.unraisablehook = hook
 
 
-def _signalled_again(earlier_hook, kind: type, signum: int, unraisable) -> None:
-    """A ``kind`` (the interrupt ``signum`` raises) raised inside a finalizer (``__del__``, a weakref callback, a fork
-    hook), where Python prints it as ignored and goes on: the run went on to the end and exited 0 after the
-    scheduler's SIGTERM. The signal is sent again, so that it unwinds the run from where the finalizer returns to."""
-    if isinstance(unraisable.exc_value, kind):
-        # from another thread, a moment later: a signal made pending here is taken at once, inside the hook again.
-        # Started without waiting for it to start (threading's start waits, and a second signal landing in that wait
-        # was printed as the hook's own failure)
-        _thread.start_new_thread(_signal_soon, (os.getpid(), signum))
+def _terminated_again(earlier_hook, unraisable) -> None:
+    """A Terminated raised inside a finalizer (``__del__``, a weakref callback), where Python prints it as ignored
+    and goes on: the run went on to the end and exited 0 after the scheduler's SIGTERM. The signal is sent again,
+    so that it unwinds the run from where the finalizer returns to."""
+    if isinstance(unraisable.exc_value, Terminated):
+        # from another thread, a moment later: a signal made pending here is taken at once, inside the hook again
+        again = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGTERM))
+        again.daemon = True
+        again.start()
         return
     earlier_hook(unraisable)
-
-
-def _signal_soon(pid: int, signum: int) -> None:
-    time.sleep(0.01)
-    os.kill(pid, signum)
 
 
 class Terminated(KeyboardInterrupt):

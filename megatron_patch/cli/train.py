@@ -28,7 +28,7 @@ from pathlib import Path
 from megatron_patch.checkpoint_files.layout import WHOLE_NUMBER, iteration_dir
 from megatron_patch.cli import (DEBUG_VARIABLE, EXIT_BROKEN_PIPE, internal_error, reader_gone,
                                 went_to_a_gone_reader)
-from megatron_patch.cli.common import interrupts_survive_finalizers
+from megatron_patch.cli.common import quiet_interrupts_in_finalizers
 from megatron_patch.errors import UserError
 from megatron_patch.models.shape.model_shape import model_shape
 from megatron_patch.outputs.folders import write_file_replacing
@@ -564,7 +564,7 @@ def _rank(launcher: str, argv: list[str]) -> int:
     die_with_launcher()
     helpers_die_with_rank()
     _full_disk_said_once()
-    interrupts_survive_finalizers()
+    quiet_interrupts_in_finalizers()
     rank, timeout_min = int(os.environ.get("RANK", "0")), 10.0
     name_this_process(f"mpatch-rank{rank}")
     out = Path(argv[-1] or ".").absolute()  # OUTPUT_BASEPATH is the last argument of every launcher
