@@ -774,3 +774,23 @@ def test_training_state_is_known_by_megatron_cores_prefixes_chained_optimizers_i
     for key in ("decoder.layers.0.mlp.router.weight", "chained_0.decoder.final_layernorm.weight",
                 "xoptimizer.state", "decoder.optimizer.weight"):
         assert not is_training_state(key), key
+
+
+@pytest.mark.parametrize("layout, rank_dir", [(ParallelLayout(tp=2), "mp_rank_01"),
+                                              (ParallelLayout(ep=2), "mp_rank_00_001")])
+def test_copies_of_a_dense_parameter_that_disagree_between_rank_files_are_refused(tmp_path, layout, rank_dir):
+    """A legacy MoE checkpoint whose second rank file holds another final norm and router: between TP ranks it was
+    refused, between expert-parallel ranks EP rank 0's copy was exported without a word (the conv audit), though a
+    run at that layout gives each EP rank its own file's. Both are refused now; agreeing copies export exactly."""
+    hf = make_tiny_hf_checkpoint("qwen3_moe", tmp_path / "hf", seed=3)
+    hf_to_mcore(hf, tmp_path / "ck", layout, fmt="legacy", progress=False)
+    mcore_to_hf(tmp_path / "ck", tmp_path / "back", progress=False)
+    assert all(torch.equal(t, load_file(hf / "model.safetensors")[k])
+               for k, t in load_file(tmp_path / "back" / "model.safetensors").items())
+    path = tmp_path / "ck" / "release" / rank_dir / "model_optim_rng.pt"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    state["model"]["decoder.final_layernorm.weight"].mul_(1.5)
+    torch.save(state, path)
+    with pytest.raises(UserError, match=r"decoder.final_layernorm.weight: (replica 1 differs from replica 0|the copy "
+                                        r"in expert-parallel rank 1's file differs)"):
+        mcore_to_hf(tmp_path / "ck", tmp_path / "again", progress=False, verify=False)

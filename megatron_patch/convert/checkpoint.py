@@ -756,6 +756,7 @@ def _plan_mcore_to_hf(arch: Arch, transfers: list[Transfer], source, places: dic
     tasks = []
     for t in transfers:
         shards = source.shards(t)
+        tasks += source.copy_checks(t)
         again = len(t.hf_names) == 1 and t.hf_names[0] in first
         if again:  # the last stage's own copy of a tied embedding
             message = ("the last stage's output layer differs from the tied embedding: the checkpoint was changed "
@@ -838,8 +839,9 @@ class _LegacySource:
 
     ``shards(t)`` gives one ``Stored`` per shard (None for a tensor that is not a dense run of its
     storage: those are read through torch by ``load_shards``). A shard is taken from the first rank
-    file that holds it; data-parallel copies (dense parameters in every expert-parallel rank's file)
-    are left unread, and ``check_all_read`` names any parameter that no rule read.
+    file that holds it; the copies of a dense parameter in the other expert-parallel ranks' files are
+    compared with it (``copy_checks``), since a run at this layout gives each EP rank its own file's,
+    and ``check_all_read`` names any parameter that no rule read.
     """
 
     def __init__(self, release: Path, arch: Arch, layout: ParallelLayout, transfers: list[Transfer], hf_shapes: dict):
@@ -895,6 +897,30 @@ class _LegacySource:
     def shards(self, t: Transfer) -> list[Stored | None]:
         return [lazy.stored(ref) for lazy, ref in (self._find(t, i) for i in range(t.num_shards))]
 
+    def copy_checks(self, t: Transfer) -> list:
+        """A dense parameter's copies in the other expert-parallel ranks' files, each compared with the copy that is
+        read: copies that disagree were exported from EP rank 0's file without a word (the conv audit), where TP
+        replicas that disagree are refused. A copy that is no dense run of its storage is compared through torch."""
+        if t.expert:
+            return []
+        tasks = []
+        for index in range(t.num_shards):
+            lazy, ref = self._find(t, index)
+            for p in (p for p in t.placements if p.shard == index):
+                for c, (other_lazy, sd) in self.files.items():
+                    other = sd.get(p.mcore_name)
+                    if other is None or other is ref or not c.holds(t, p):
+                        continue
+                    message = (f"{p.mcore_name}: the copy in expert-parallel rank {c.ep}'s file differs from the one "
+                               "in the first rank file's, of a parameter that must be identical on every rank")
+                    a, b = lazy.stored(ref), other_lazy.stored(other)
+                    if a is not None and b is not None:
+                        tasks.append(CompareTask(a, b, message))
+                    else:
+                        tasks.append(CallTask(lambda copier, x=(lazy, ref), y=(other_lazy, other), m=message:
+                                              _same_through_torch(x, y, m), writes=()))
+        return tasks
+
     def load_shards(self, t: Transfer) -> list:
         return [lazy.load(ref) for lazy, ref in (self._find(t, i) for i in range(t.num_shards))]
 
@@ -910,6 +936,15 @@ class _LegacySource:
                   if (c.pp, None, name) not in self.used and (c.pp, c.ep, name) not in self.used}
         if unused:
             raise MappingError(f"MCore state dict has {len(unused)} parameter(s) no mapping rule reads: {names_list(unused)}")
+
+
+def _same_through_torch(first, second, message: str) -> int:
+    """Two legacy copies that are no dense runs of their storage (views), compared as tensors; 0 bytes written."""
+    import torch
+
+    if not torch.equal(first[0].load(first[1]), second[0].load(second[1])):
+        raise MappingError(message)
+    return 0
 
 
 class _TorchDistSource:
@@ -937,6 +972,9 @@ class _TorchDistSource:
             if ch.name in weights:
                 _check_floating(self.reader.dtype(ch.key), f"the torch_dist checkpoint {release}: {ch.key}")
         self.read: set = set()
+
+    def copy_checks(self, t: Transfer) -> list:
+        return []  # one stored copy of each chunk: nothing to compare
 
     def shards(self, t: Transfer) -> list[Stored | Tiled]:
         """The (TP=1) parameter where its bytes are: one ``Stored`` when one stored chunk is exactly it,
