@@ -11,9 +11,11 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -264,8 +266,10 @@ def test_forked_ranks_end_when_the_launcher_alone_is_killed(corpus, tmp_path):
     "9 leaked semaphore objects" under the job's output). Its scratch folders in TMPDIR (multiprocessing's and
     torchrun's agent's) stay behind, and the next launch removes them: a pymp-* and a torchelastic_* piled up in
     /tmp per killed launch."""
-    out, scratch_base = tmp_path / "out", tmp_path / "tmp"
-    scratch_base.mkdir()
+    out = tmp_path / "out"
+    # a TMPDIR short enough for the fork server's socket (a deep one sends multiprocessing's folder to /tmp itself:
+    # test_runtime's test of a deep TMPDIR)
+    scratch_base = Path(tempfile.mkdtemp(prefix="mp-scratch-test-", dir="/tmp"))
     args = pretrain_args(corpus, out, TP="2", TRAIN_TOKENS_OR_ITERS=str(10**6 * GBS * SEQ))
     script = REPO / "examples" / "llama3_1" / "run_mcore_llama3_1.sh"
     env = {**os.environ, "PYTHON": sys.executable, "MP_SAVE": "false", "TMPDIR": str(scratch_base)}
@@ -300,3 +304,4 @@ def test_forked_ranks_end_when_the_launcher_alone_is_killed(corpus, tmp_path):
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+        shutil.rmtree(scratch_base, ignore_errors=True)
