@@ -270,3 +270,8 @@ def walk(folder: str | Path, onerror=None):
         yield top, dirnames, filenames
         stack.extend(os.path.join(top, d) for d in reversed(dirnames) if d not in linked)
 
+
+def folder_bytes(folder: str | Path) -> int:
+    """The bytes of the regular files under ``folder`` (``walk``: links to folders not entered)."""
+    return sum(os.path.getsize(path) for top, _, files in walk(folder)
+               for path in (os.path.join(top, name) for name in files) if os.path.isfile(path))

@@ -197,8 +197,8 @@ def torch_dist_problem(folder: str | Path, *, common: bool = True) -> str | None
         path = folder / name
         if (problem := file_problem(path)) is not None:
             return problem
-        if _leads_outside(folder, name):
-            return _outside_line(folder, name)
+        if (outside := outside_problem(folder, name)) is not None:
+            return outside
         size = path.stat().st_size
         if size < end:
             return f"{name} is truncated ({size} bytes; its records end at byte {end})"

@@ -61,7 +61,7 @@ from megatron_patch.convert.schedule import WHOLE_FILE
 from megatron_patch.convert.stacked import StackedView, member_places, stack_entries
 from megatron_patch.dtypes import PRECISION_DTYPE_NAMES, PRECISION_OF_DTYPE_NAME, dtype_name, precision_dtype_name
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import checked_input, read_json_object, walk
+from megatron_patch.input_files import checked_input, folder_bytes, read_json_object
 from megatron_patch.lora.plan import KEY_PREFIX as LORA_KEY_PREFIX
 from megatron_patch.models.description.arch import Arch, default_expert_tp, read_config_json, validate_layout
 from megatron_patch.models.description.config_checks import check_weights_fit, config_dtype
@@ -617,8 +617,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     if (arch.vocab_size, arch.padded_vocab_size()) != (sidecar.vocab_size, sidecar.padded_vocab_size):
         raise UserError(f"the sidecar's vocabulary ({sidecar.vocab_size}, padded {sidecar.padded_vocab_size}) "
                         f"disagrees with its config ({arch.vocab_size}, padded {arch.padded_vocab_size()})")
-    check_weights_fit(arch, sum(os.path.getsize(os.path.join(d, f)) for d, _, files in walk(data_dir) for f in files
-                                 if os.path.isfile(os.path.join(d, f))), f"{data_dir}")
+    check_weights_fit(arch, folder_bytes(data_dir), f"{data_dir}")
     family = get_family(arch.family)
     out_dtype = sidecar.dtype_name if dtype is None else _choose_dtype(None, [], dtype)
     max_bytes = parse_size(max_shard_size)

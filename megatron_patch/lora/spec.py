@@ -76,8 +76,10 @@ class LoraSpec:
                 + (f", modules_to_save {list(self.modules_to_save)}" if self.modules_to_save else ""))
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+def _finite(value) -> bool:
+    # Python's json (and so peft) reads NaN and Infinity: int() of them raises, and an alpha of them merges
+    # into NaN weights, so they are refused with the other non-numbers before anything converts them.
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _strings(v) -> bool:
@@ -87,11 +89,11 @@ def _strings(v) -> bool:
 # Each field of a spec read back from a sidecar, and what it must be.
 _RECORD_CHECKS = {
     "rank": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
-    "alpha": _number, "dropout": lambda v: _number(v) and 0 <= v < 1, "targets": _strings,
+    "alpha": _finite, "dropout": lambda v: _finite(v) and 0 <= v < 1, "targets": _strings,
     "use_rslora": lambda v: isinstance(v, bool),
     "rank_pattern": lambda v: isinstance(v, dict) and all(isinstance(r, int) and not isinstance(r, bool) and r > 0
                                                           for r in v.values()),
-    "alpha_pattern": lambda v: isinstance(v, dict) and all(_number(a) for a in v.values()),
+    "alpha_pattern": lambda v: isinstance(v, dict) and all(_finite(a) for a in v.values()),
     "layers": lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool)
                                                                   for i in v)),
     "modules": lambda v: v is None or _strings(v), "modules_to_save": _strings,
@@ -194,12 +196,6 @@ def spec_from_peft_config(data: dict, where: str) -> LoraSpec:
                     use_rslora=bool(data.get("use_rslora", False)), rank_pattern=patterns["rank_pattern"],
                     alpha_pattern=patterns["alpha_pattern"], layers=None if layers is None else tuple(layers),
                     modules_to_save=tuple(saved))
-
-
-def _finite(value) -> bool:
-    # Python's json (and so peft) reads NaN and Infinity: int() of them raises, and an alpha of them merges
-    # into NaN weights, so they are refused with the other non-numbers before anything converts them.
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def number_of(value, kind, what: str):

@@ -57,7 +57,7 @@ from megatron_patch.checkpoint_files.manifest import (
     write_manifest,
 )
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import checked_input, is_tokenizer_file, read_input
+from megatron_patch.input_files import checked_input, folder_bytes, is_tokenizer_file, read_input
 from megatron_patch.lora.state import adapter_sharded_state, base_record
 from megatron_patch.tokenizer import class_picking_config
 from megatron_patch.runtime import watchdog
@@ -390,10 +390,6 @@ def _write_failure_text(exc: BaseException, logged: list[str] = ()) -> str | Non
     return None
 
 
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
 def _write_remedy(what: str, folder: Path) -> str:
     """What to do about a failed write: a file-size limit (EFBIG, or torch.save's errno-less short write under a
     finite `ulimit -f`) is raised, not freed."""
@@ -442,7 +438,7 @@ def _stop_on_write_error(final: Path, tmp: Path, rank: int, checkpoints: Path | 
             kept, room = "no complete earlier checkpoint exists", ""
         else:
             kept = f"{iteration_dir(root, previous)} is intact and a rerun resumes from it"
-            free, size = shutil.disk_usage(root).free, _folder_bytes(iteration_dir(root, previous))
+            free, size = shutil.disk_usage(root).free, folder_bytes(iteration_dir(root, previous))
             room = (f" (the disk is full: {free / 2**20:.1f} MiB free, a checkpoint takes {size / 2**20:.1f} MiB)"
                     if free < size else "")
         doing, stopped = ((f"saving {final.name}", "training stopped, ") if checkpoints is None else
