@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import struct
 import zipfile
@@ -102,10 +103,8 @@ def test_torch215_fixture_aligns(tmp_path, capsys):
     assert rc == 0 and "ALIGNED" in out, out[-2000:]
 
 
-def test_rank_local_metadata_without_a_global_file(tmp_path, capsys):
-    """dcp.save(use_collectives=False) writes __<rank>.metadata files and no .metadata: read merged."""
-    shutil.copytree(FIXTURE, tmp_path / "ckpt")
-    folder = tmp_path / "ckpt" / "iter_0000001"
+def _split_into_rank_local_metadata(folder: Path) -> None:
+    """The fixture's iteration as dcp.save(use_collectives=False) writes it: one __<rank>.metadata per rank."""
     md = read_dcp_metadata(folder / ".metadata")
     (folder / ".metadata").unlink()
     for rank in range(4):
@@ -121,8 +120,38 @@ def test_rank_local_metadata_without_a_global_file(tmp_path, capsys):
                 else:
                     part.state_dict_metadata[index.fqn] = entry
         (folder / f"__{rank}.metadata").write_bytes(pickle.dumps(part))
+
+
+def test_rank_local_metadata_without_a_global_file(tmp_path, capsys):
+    """dcp.save(use_collectives=False) writes __<rank>.metadata files and no .metadata: read merged."""
+    shutil.copytree(FIXTURE, tmp_path / "ckpt")
+    _split_into_rank_local_metadata(tmp_path / "ckpt" / "iter_0000001")
     _export(capsys, tmp_path / "ckpt", tmp_path / "hf", "--hf-config", str(FIXTURE / "hf" / "config.json"))
     assert _same_bytes(tmp_path / "hf", FIXTURE / "hf")
+
+
+def test_torchs_loader_is_given_every_ranks_metadata_merged(tmp_path):
+    """The reader megatron-core's load runs (training's resume, align, parity) read ".metadata" alone: a checkpoint
+    with only rank-local files was "iter_0000001/.metadata not found" in mpatch align. It is given all of them merged,
+    as the torch-free reader merges them, and ranks that disagree on a tensor's shape are refused in one line."""
+    def described(md):
+        return md.storage_data, {key: (tuple(entry.size), entry.properties.dtype,
+                                       {(tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks})
+                                 if hasattr(entry, "chunks") else "bytes"
+                                 for key, entry in md.state_dict_metadata.items()}
+
+    whole = described(read_dcp_metadata(FIXTURE / "iter_0000001" / ".metadata"))
+    folder = tmp_path / "ckpt" / "iter_0000001"
+    shutil.copytree(FIXTURE, tmp_path / "ckpt")
+    _split_into_rank_local_metadata(folder)
+    assert described(SafeFileSystemReader(folder).read_metadata()) == whole
+
+    part = pickle.loads((folder / "__1.metadata").read_bytes())
+    key, entry = next((k, e) for k, e in part.state_dict_metadata.items() if hasattr(e, "chunks"))
+    entry.size = torch.Size([n + 1 for n in entry.size])
+    (folder / "__1.metadata").write_bytes(pickle.dumps(part))
+    with pytest.raises(UserError, match=f"__1.metadata gives {re.escape(key)} another shape or dtype"):
+        SafeFileSystemReader(folder)
 
 
 # --- transforms: zstd decoded, anything else refused ----------------------------------------------
@@ -495,7 +524,7 @@ def test_a_metadata_linked_to_a_device_is_named_as_one(written, tmp_path, capsys
         assert "missing" not in err, err
     with pytest.raises(UserError, match="is a character device, not a regular file"):
         TorchDistReader(ckpt / "release")
-    with pytest.raises(UserError, match="character device"):
+    with pytest.raises(UserError, match=r"leads outside the folder \(to /dev/zero\)"):
         SafeFileSystemReader(ckpt / "release")
 
 

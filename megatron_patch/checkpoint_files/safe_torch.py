@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import os
 import pickle
 import re
 from pathlib import Path
@@ -37,7 +38,7 @@ from megatron_patch.checkpoint_files.pickles import loads as parse_inert
 from megatron_patch.checkpoint_files.pickles import Record, record_class
 from megatron_patch.checkpoint_files.torch_dist import (
     COMMON_STATE_OBJECT, DistMetadata, TensorInfo, check_chunk_record, check_metadata, check_transforms, chunk_bytes,
-    undo_transforms)
+    metadata_files, undo_transforms)
 from megatron_patch.dtypes import ITEMSIZE
 from megatron_patch.checkpoint_files.zipfmt import ZipFormatError, ZipIndex
 from megatron_patch.errors import UserError
@@ -85,18 +86,51 @@ def read_dcp_metadata(path: str | Path):
 
 
 def _read_dcp_metadata(path: str | Path):
-    """``read_dcp_metadata``, and the checked description of it (``torch_dist.DistMetadata``)."""
+    """``read_dcp_metadata``, and the checked description of it (``torch_dist.DistMetadata``). Where the folder has
+    no ``.metadata`` but rank-local ``__<rank>.metadata`` files (``dcp.save(use_collectives=False)``), all of them
+    merged, as the torch-free reader merges them: torch's own reader would take one rank's alone."""
     path = Path(path)
-    data = read_input(path, limit=None)  # a regular file: a FIFO or a device at its name would stall or flood
+    files = [path] if os.path.lexists(path) else metadata_files(path.parent)
+    if not files:
+        raise UserError(f"{path.parent} has no .metadata: it is not a complete torch_dist checkpoint")
+    metadata = None
+    for file in files:
+        part = _unpickled_metadata(file)
+        metadata = part if metadata is None else _merged(metadata, part, file)
+    described = _described(metadata)
+    check_metadata(described, path)
+    return metadata, described
+
+
+def _unpickled_metadata(path: Path):
+    # a regular file inside its folder: a FIFO or a device at its name would stall or flood, a link out is not its own
+    data = read_input(path, limit=None, inside=path.parent)
     try:
-        metadata = _AllowListUnpickler(data, str(path)).load()
-        described = _described(metadata)
+        return _AllowListUnpickler(data, str(path)).load()
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise UserError(f"{path} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is damaged") from None
-    check_metadata(described, path)
-    return metadata, described
+
+
+def _merged(metadata, part, where: Path):
+    """``metadata`` with one more rank's ``part``: each tensor's chunks joined, its shape and dtype the same."""
+    for key, entry in part.state_dict_metadata.items():
+        have = metadata.state_dict_metadata.setdefault(key, entry)
+        if have is entry:
+            continue
+        if isinstance(have, BytesStorageMetadata) and isinstance(entry, BytesStorageMetadata):
+            continue
+        if (isinstance(have, BytesStorageMetadata) or isinstance(entry, BytesStorageMetadata)
+                or (tuple(have.size), have.properties.dtype) != (tuple(entry.size), entry.properties.dtype)):
+            raise UserError(f"{where} gives {key} another shape or dtype than an earlier rank's metadata: "
+                            "the checkpoint is damaged")
+        known = {(tuple(c.offsets), tuple(c.sizes)) for c in have.chunks}
+        have.chunks = list(have.chunks) + [c for c in entry.chunks if (tuple(c.offsets), tuple(c.sizes)) not in known]
+    metadata.storage_data.update(part.storage_data or {})
+    if isinstance(metadata.planner_data, dict) and isinstance(part.planner_data, dict):
+        metadata.planner_data.update(part.planner_data)
+    return metadata
 
 
 def _described(metadata) -> DistMetadata:
