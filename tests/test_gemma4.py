@@ -270,6 +270,32 @@ def test_keys_as_values_convert_from_q_and_k_alone_and_back_bit_exact(tmp_path, 
         assert all(torch.equal(got.get(n), src.get(n)) for n in src.keys()), (fmt, layout)
 
 
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 2)])
+def test_a_legacy_checkpoint_without_a_sidecar_exports_with_its_own_config(tmp_path, tp, pp):
+    """A legacy Gemma 4 checkpoint from another tool (no sidecar, no manifest) with its own --hf-config: a legacy
+    rank file's layers were read as one stack, so the last layer's (full-attention) heads stood for every layer and
+    the checkpoint was refused as "not the model the config describes". Layers that differ are read one by one, as
+    torch_dist stores them, and the export is the HF model bit for bit."""
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME
+    from megatron_patch.checkpoint.sidecar import SIDECAR_NAME
+    from megatron_patch.cli import main
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    hf = make_tiny_hf_checkpoint("gemma4", tmp_path / "hf", seed=5)
+    ckpt = tmp_path / "legacy"
+    hf_to_mcore(hf, ckpt, ParallelLayout(tp=tp, pp=pp), fmt="legacy", dtype="fp32", progress=False)
+    (ckpt / SIDECAR_NAME).unlink()
+    (ckpt / MANIFEST_NAME).unlink()
+    assert main(["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "back"),
+                 "--hf-config", str(hf / "config.json"), "--quiet"]) == 0
+    src, got = HFCheckpointReader(hf), HFCheckpointReader(tmp_path / "back")
+    assert sorted(got.keys()) == sorted(src.keys())
+    assert all(torch.equal(got.get(n), src.get(n)) for n in src.keys())
+
+
 @pytest.mark.slow
 def test_the_31b_preset_has_the_published_size():
     """The 31B preset's language model, as megatron-core builds it (its full-attention layers: 32 heads and 4

@@ -329,7 +329,7 @@ def _read_legacy(folder: Path) -> dict:
             raise UserError(f"{folder}: pipeline stage {p} holds layers {held[:6]}, not 0..{len(held) - 1} as "
                             "Megatron numbers them on each stage: the layers don't add up")
         layers_per_stage.append(len(held))
-    shapes, dtypes, count, total = {}, {}, 0, 0
+    shapes, per_layer, dtypes, count, total = {}, {}, {}, 0, 0
     for p in range(layout.pp):
         for (t, pp, e), sd in by_coord.items():
             if pp != p:
@@ -338,15 +338,18 @@ def _read_legacy(folder: Path) -> dict:
             total += sum(nbytes(v.shape, v.storage.dtype) for v in sd.values())
             dtypes.update((k, v.storage.dtype) for k, v in sd.items())
             if t == 0 and e == 0:
-                _add_global_shapes(shapes, sd, layout, sum(layers_per_stage))
+                _add_global_shapes(shapes, per_layer, sd, layout, sum(layers_per_stage), sum(layers_per_stage[:p]))
+    _stack_alike_layers(shapes, per_layer, sum(layers_per_stage))
     return dict(shapes=shapes, **_weights_dtype(dtypes), num_tensors=count, num_bytes=total,
                 has_optimizer=has_optimizer, args=args, layout=layout, layers_per_stage=layers_per_stage)
 
 
-def _add_global_shapes(shapes: dict, sd: dict[str, TensorRef], layout: ParallelLayout, num_layers: int) -> None:
-    """The torch_dist-style global shape of each tensor of one (TP 0, EP 0) rank file: TP slices
-    scaled back up, layers stacked on a leading axis, experts (local-spec lists or TE ``weightN``)
-    on a second one."""
+def _add_global_shapes(shapes: dict, per_layer: dict, sd: dict[str, TensorRef], layout: ParallelLayout,
+                       num_layers: int, first_layer: int) -> None:
+    """The torch_dist-style global shape of each tensor of one (TP 0, EP 0) rank file of the stage whose first
+    layer is ``first_layer``: TP slices scaled back up, experts (local-spec lists or TE ``weightN``) on a second
+    axis of a stack of layers; a layer's other tensors go into ``per_layer`` (name -> layer -> shape), for
+    ``_stack_alike_layers``."""
     for name, t in sd.items():
         shape = list(t.shape)
         for suffix, dim in _TP_DIM.items():
@@ -369,7 +372,18 @@ def _add_global_shapes(shapes: dict, sd: dict[str, TensorRef], layout: ParallelL
             prev = shapes.get(key, (num_layers, 0))
             shapes[key] = (num_layers, max(prev[1], local * layout.ep), *shape)
             continue
-        shapes[f"decoder.layers.{rest}"] = (num_layers, *shape)
+        per_layer.setdefault(rest, {})[first_layer + int(m.group(1))] = tuple(shape)
+
+
+def _stack_alike_layers(shapes: dict, per_layer: dict, num_layers: int) -> None:
+    """Each layer tensor as torch_dist stores it: stacked on a leading axis where every layer's is alike, one key per
+    layer where they differ (Gemma 4's full-attention layers have heads of their own: stacked, the last layer's
+    shape stood for all, and a sidecarless legacy Gemma 4 was refused as another model than its own config)."""
+    for rest, by_layer in per_layer.items():
+        if len(set(by_layer.values())) == 1:
+            shapes[f"decoder.layers.{rest}"] = (num_layers, *next(iter(by_layer.values())))
+        else:
+            shapes.update((f"decoder.layers.{layer}.{rest}", shape) for layer, shape in sorted(by_layer.items()))
 
 
 # Tensors of megatron-core's Gated DeltaNet layers: the hybrid stacks that have them (Qwen3-Next, Qwen3.5) give
