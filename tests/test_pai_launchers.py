@@ -321,6 +321,44 @@ def test_the_weight_decay_is_the_scripts_that_trains_the_size():
     assert get_launcher("qwen2_moe").weight_decay("qwen2_moe") == 0.01
 
 
+# What each Pai script passes for an MoE size (its moe_options): --moe-aux-loss-coeff (none: Megatron-LM's 0.0) and
+# --moe-router-load-balancing-type; this project's own launchers: 0.001 per batch.
+PAI_MOE_BALANCING = [
+    ("examples/mistral/run_mcore_mistral.sh", "8x7B", "mixtral", 0.01, "aux_loss"),
+    ("examples/qwen2/run_mcore_qwen.sh", "A14B", "qwen2_moe", 0.0, "aux_loss"),
+    ("examples/qwen2/run_mcore_qwen2_moe.sh", "A14B", "qwen2_moe", 0.001, "seq_aux_loss"),
+    ("examples/qwen3/run_mcore_qwen3.sh", "A3B", "qwen3_moe", 0.001, "aux_loss"),
+    ("examples/qwen3_next/run_mcore_qwen3.sh", "A3B", "qwen3_next", 0.001, "aux_loss"),
+    ("examples/deepseek_v3/run_mcore_deepseek.sh", "A37B", "deepseek_v3", 0.001, "seq_aux_loss"),
+    ("examples/mixtral/run_mcore_mixtral.sh", "8x7B", "mixtral", 0.001, "aux_loss"),
+    ("examples/qwen2_moe/run_mcore_qwen2_moe.sh", "A14B", "qwen2_moe", 0.001, "aux_loss"),
+]
+
+
+@pytest.mark.parametrize("script,size,family,coeff,balancing", PAI_MOE_BALANCING,
+                         ids=[f"{p}:{s}" for p, s, *_ in PAI_MOE_BALANCING])
+def test_a_pai_scripts_moe_size_balances_its_experts_as_that_script_does(script, size, family, coeff, balancing):
+    """Pai's Mistral script trained Mixtral with a tenth of its coefficient, its Qwen2-MoE script balanced per batch
+    where it balances per sequence, and its dense Qwen2 script's A14B had a balancing loss it does not pass (the pai2
+    audit): each Pai script's line trains with what that script passes, whatever config.json says."""
+    from megatron_patch.training.megatron_settings import megatron_settings
+
+    launcher = launcher_of(script)
+    values = dict(ENV="dsw", MODEL_SIZE=size, BATCH_SIZE="1", GLOBAL_BATCH_SIZE="8", LR="1e-5", MIN_LR="1e-6",
+                  SEQ_LEN="128", PAD_LEN="128", PR="bf16", TP="1", PP="1", CP="1", ETP="1", EP="1", SP="false",
+                  DO="true", FL="false", SFT="false", AC="false", OPTIMIZER_OFFLOAD="false", SAVE_INTERVAL="100",
+                  DATASET_PATH="data", VALID_DATASET_PATH="none", PRETRAIN_CHECKPOINT_PATH="none",
+                  TRAIN_TOKENS_OR_ITERS="100000", WARMUP_TOKENS_OR_ITERS="100", OUTPUT_BASEPATH="out")
+    argv = [values[name] for name in launcher.arg_names(launcher.layouts[-1])]
+    cfg = resolve(launcher.name, argv, env={"GPUS_PER_NODE": "8"}, check_paths=False)
+    tc = megatron_settings(cfg, fp8_implementation=None)["transformer_config"]
+    assert cfg.family == family
+    assert (tc["moe_aux_loss_coeff"], tc.get("moe_router_load_balancing_type", "aux_loss")) == (coeff, balancing)
+    # MP_MOE_AUX_LOSS still rules
+    cfg = resolve(launcher.name, argv, env={"GPUS_PER_NODE": "8", "MP_MOE_AUX_LOSS": "0.05"}, check_paths=False)
+    assert megatron_settings(cfg, fp8_implementation=None)["transformer_config"]["moe_aux_loss_coeff"] == 0.05
+
+
 @pytest.mark.parametrize("path,size", list(PAI_SIZES), ids=[f"{p}:{s}" for p, s in PAI_SIZES])
 def test_pai_size_names_are_presets_here(path, size):
     """The printed MODEL_SIZE of every line names this project's preset on that launcher."""

@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from megatron_patch.errors import UserError
+from megatron_patch.models.description.family import PaiLauncher
 from megatron_patch.models.description.registry import families, get_family
 
 HEAD = ["ENV", "MODEL_SIZE", "BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", "SEQ_LEN", "PAD_LEN", "PR",
@@ -41,11 +42,29 @@ class Launcher:
     sizes: dict[str, tuple[str, str]]
     families: tuple[str, ...]
     pai: bool = False
-    # family -> the weight decay this script passes for it, where not the family's own
-    weight_decays: tuple[tuple[str, float], ...] = ()
+    # family -> what Pai's script at this path passes for it (its weight decay, MoE balancing), where it is Pai's
+    pai_records: tuple[tuple[str, PaiLauncher], ...] = ()
 
     def weight_decay(self, family: str) -> float:
-        return dict(self.weight_decays).get(family, get_family(family).weight_decay)
+        said = self._pai_record(family)
+        return get_family(family).weight_decay if said is None or said.weight_decay is None else said.weight_decay
+
+    def moe_aux_loss(self, family: str) -> float | None:
+        """What Pai's script passes as --moe-aux-loss-coeff for ``family``, where it says (None: the run decides)."""
+        said = self._pai_record(family)
+        return None if said is None else said.moe_aux_loss
+
+    def moe_balancing(self, family: str) -> str | None:
+        """Pai's script's --moe-router-load-balancing-type for ``family`` where not megatron-core's aux_loss."""
+        said = self._pai_record(family)
+        return None if said is None else said.moe_balancing
+
+    def trains_as_pai(self, family: str) -> bool:
+        """Whether this is Pai's script for ``family``, whose line passes Pai's MoE settings whatever config.json says."""
+        return self._pai_record(family) is not None
+
+    def _pai_record(self, family: str) -> PaiLauncher | None:
+        return dict(self.pai_records).get(family)
 
     def arg_names(self, layout: tuple[str, ...] | None = None) -> list[str]:
         return HEAD + list(self.layouts[0] if layout is None else layout) + TAIL
@@ -126,7 +145,7 @@ def _launchers(names: tuple[str, ...]) -> dict[str, Launcher]:
                 known.name, known.script,
                 known.layouts + (() if pai.parallel_args in known.layouts else (pai.parallel_args,)),
                 {**known.sizes, **sizes}, known.families + (() if name in known.families else (name,)), pai=True,
-                weight_decays=known.weight_decays + (((name, pai.weight_decay),) if pai.weight_decay is not None else ()))
+                pai_records=known.pai_records + ((name, pai),))
     return {launcher.name: launcher for launcher in found.values()}
 
 

@@ -227,6 +227,15 @@ def _weight_decays() -> str:
     return "; ".join(rest + [f"{common:g} for the others"] + scripts)
 
 
+def _pai_moe_settings() -> str:
+    """What Pai's scripts pass for the MoE families they train where not the usual (0.001, balanced per batch)."""
+    said = [f"{pai.moe_aux_loss:g} for {name} through {pai.script}" for name, family in families().items()
+            for pai in family.pai_launchers if pai.moe_aux_loss is not None]
+    balanced = [f"{name} through {pai.script} balances with {pai.moe_balancing}" for name, family in families().items()
+                for pai in family.pai_launchers if pai.moe_balancing is not None]
+    return "; ".join(said + balanced)
+
+
 def _dataset_type(sft: bool, dataset_path: str) -> str:
     """For SFT what DATASET_PATH names: a JSON/JSONL file (raw) or the prefix of an idxmap's .bin/.idx (Pai's
     default, idxmap, is what its SFT preprocessing writes); mmap for pretraining."""
@@ -566,13 +575,18 @@ ENVIRONMENT = [
            field="weight_decay"),
     Option("MP_MOE_AUX_LOSS", CORE, NUMBER, "MoE: coefficient of megatron-core's load-balancing loss "
            "(--moe-aux-loss-coeff)", field="moe_aux_loss",
-           default=Default("0.001, what Pai-Megatron-Patch's MoE launchers pass; config.json's router_aux_loss_coef "
-                           "where its output_router_logits is true, as transformers trains with it then"),
+           default=Default(lambda: "0.001, what most of Pai-Megatron-Patch's MoE launchers pass; a Pai script's own "
+                           "where it passes another (" + _pai_moe_settings() + "); config.json's router_aux_loss_coef "
+                           "where its output_router_logits is true on this project's own launchers, as transformers "
+                           "trains with it then"),
            doc="MoE: coefficient of megatron-core's load-balancing loss (Megatron-LM's `--moe-aux-loss-coeff`), "
                "whose gradient is added to the language-model loss's (the logged `loss` is that loss alone; the "
                "balancing loss itself, without its coefficient, is logged as `load_balancing_loss`, the mean over MoE "
-               "layers as Megatron-LM logs it, `seq_load_balancing_loss` for DeepSeek's `seq_aux`). Default 0.001, what Pai-Megatron-Patch's launchers pass for Qwen's "
-               "and DeepSeek's MoE; where config.json's `output_router_logits` is true, its `router_aux_loss_coef`, "
+               "layers as Megatron-LM logs it, `seq_load_balancing_loss` for DeepSeek's `seq_aux` and Pai's Qwen2-MoE script). Default 0.001, what Pai-Megatron-Patch's launchers pass for Qwen's "
+               "and DeepSeek's MoE; on Pai's own script for a family, what that script passes (its Mistral script 0.01 "
+               "for Mixtral, its dense Qwen2 script none for A14B; its Qwen2-MoE and DeepSeek-V3 scripts balance per "
+               "sequence, `seq_aux_loss`); on this project's launchers, where config.json's `output_router_logits` is "
+               "true, its `router_aux_loss_coef`, "
                "as transformers trains then (transformers adds none otherwise: gpt-oss publishes 0.9 with "
                "`output_router_logits` false). `0`: none. Refused for a dense model and a router without one "
                "(Gemma 4, DeepSeek-V4); the dry run's megatron-core settings show it as `moe_aux_loss_coeff`"),

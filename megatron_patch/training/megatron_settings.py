@@ -6,6 +6,7 @@ from __future__ import annotations
 from megatron_patch.models.description.registry import has_load_balancing_loss
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training import fp8_run, lora_run, sparse_attention_run
+from megatron_patch.training.launcher_args import get_launcher
 from megatron_patch.training.run_config import RunConfig
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
@@ -64,6 +65,8 @@ def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> 
             tc["moe_router_padding_for_quantization"] = True
     if has_load_balancing_loss(cfg.arch):
         tc["moe_aux_loss_coeff"] = moe_aux_loss_coeff(cfg)
+        if (balancing := get_launcher(cfg.launcher).moe_balancing(cfg.arch.family)) is not None:
+            tc["moe_router_load_balancing_type"] = balancing  # Pai's Qwen2-MoE script balances per sequence
     if cfg.activation_checkpointing == "sel":
         tc.update(recompute_granularity="selective")
     elif cfg.activation_checkpointing == "full":
@@ -104,14 +107,20 @@ def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> 
             "pp_first_stage_layers": cfg.pp0_layers}
 
 
-# What Pai-Megatron-Patch's launchers pass as --moe-aux-loss-coeff for Qwen's and DeepSeek's MoE models.
+# What most of Pai-Megatron-Patch's MoE launchers pass as --moe-aux-loss-coeff (Qwen's, DeepSeek-V3's).
 PAI_MOE_AUX_LOSS = 0.001
 
 
 def moe_aux_loss_coeff(cfg: RunConfig) -> float:
-    """MP_MOE_AUX_LOSS, else config.json's router_aux_loss_coef where transformers trains with it (its
-    output_router_logits is true), else Pai's. config.json's coefficient alone was used: gpt-oss trained with 0.9,
-    which transformers never adds (output_router_logits false)."""
+    """MP_MOE_AUX_LOSS, else what Pai's script passes where the launch is Pai's script for the family (its Mistral
+    script 0.01 for Mixtral; its dense Qwen2 script none for its MoE size), else config.json's router_aux_loss_coef
+    where transformers trains with it (its output_router_logits is true), else Pai's usual 0.001. config.json's
+    coefficient alone was used: gpt-oss trained with 0.9, which transformers never adds (output_router_logits false)."""
     if cfg.moe_aux_loss is not None:
         return cfg.moe_aux_loss
-    return cfg.arch.router_aux_loss_coef if cfg.arch.hf_config.get("output_router_logits") else PAI_MOE_AUX_LOSS
+    launcher = get_launcher(cfg.launcher)
+    if (said := launcher.moe_aux_loss(cfg.arch.family)) is not None:
+        return said
+    if cfg.arch.hf_config.get("output_router_logits") and not launcher.trains_as_pai(cfg.arch.family):
+        return cfg.arch.router_aux_loss_coef
+    return PAI_MOE_AUX_LOSS

@@ -17,7 +17,8 @@ FAMILY = register(ModelFamily(
     weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
     size_aliases={"A37B": "671B"},
-    pai_launchers=(PaiLauncher("examples/deepseek_v3/run_mcore_deepseek.sh", ("ETP", "EP")),),
+    pai_launchers=(PaiLauncher("examples/deepseek_v3/run_mcore_deepseek.sh", ("ETP", "EP"),
+                               moe_balancing="seq_aux_loss"),),
     hf_modules=HFModules(router="mlp.gate"), hf_mtp_layers=num_mtp_layers, hf_copies=mtp_copies,
     test_layouts=TestLayouts(
         parity=(L(), L(tp=2, ep=2), L(pp=3)),

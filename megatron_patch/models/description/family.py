@@ -103,6 +103,11 @@ class PaiLauncher:
     sizes: Mapping[str, str] | None = None
     # the AdamW weight decay that script passes for this family, where it is not the family's (``weight_decay``)
     weight_decay: float | None = None
+    # its --moe-aux-loss-coeff for this family, where not the 0.001 most of Pai's MoE scripts pass (Megatron-LM's
+    # default 0.0 where the script passes none), and its --moe-router-load-balancing-type where not megatron-core's
+    # aux_loss (per batch): a Pai line trains with these, whatever config.json says
+    moe_aux_loss: float | None = None
+    moe_balancing: str | None = None
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ FAMILY = register(ModelFamily(
     parse_config=parse_config, config_keys=CONFIG_KEYS,
     weight_rules=weight_rules, tiny_config=TINY_CONFIG, presets=PRESETS,
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
-    # Pai's Mistral launcher takes Mixtral too (EP only: ETP follows TP)
-    pai_launchers=(PaiLauncher("examples/mistral/run_mcore_mistral.sh", ("EP",), {"8x7B": "8x7B"}),),
+    # Pai's Mistral launcher takes Mixtral too (EP only: ETP follows TP), with its own --moe-aux-loss-coeff 1e-2
+    pai_launchers=(PaiLauncher("examples/mistral/run_mcore_mistral.sh", ("EP",), {"8x7B": "8x7B"}, moe_aux_loss=0.01),),
     # transformers 4.x calls the MoE block block_sparse_moe
     hf_modules=HFModules(mlp=("mlp", "block_sparse_moe"), router=("mlp.gate", "block_sparse_moe.gate")),
     test_layouts=TestLayouts(

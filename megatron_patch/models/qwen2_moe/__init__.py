@@ -15,9 +15,10 @@ FAMILY = register(ModelFamily(
     transformer_config_kwargs=transformer_config_kwargs, launcher_parallel_args=("ETP", "EP"),
     size_aliases={"A14B": "57B-A14B"}, weight_decay=0.01,
     # Pai's dense Qwen2 launcher takes its MoE size too (EP only: ETP follows TP), with that script's weight decay
+    # and no load-balancing loss (it passes no --moe-aux-loss-coeff); its MoE launcher balances per sequence
     pai_launchers=(PaiLauncher("examples/qwen2/run_mcore_qwen.sh", ("EP",),
-                               {"A14B": "57B-A14B", "57B-A14B": "57B-A14B"}, weight_decay=0.1),
-                   PaiLauncher("examples/qwen2/run_mcore_qwen2_moe.sh", ("ETP", "EP"))),
+                               {"A14B": "57B-A14B", "57B-A14B": "57B-A14B"}, weight_decay=0.1, moe_aux_loss=0.0),
+                   PaiLauncher("examples/qwen2/run_mcore_qwen2_moe.sh", ("ETP", "EP"), moe_balancing="seq_aux_loss")),
     hf_modules=HFModules(router="mlp.gate"),
     test_layouts=TestLayouts(
         parity=(L(), L(pp=2), L(ep=2), L(tp=2, ep=2)),
