@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,18 @@ def _one_line(rc: int, err: str, *words: str) -> None:
 def test_a_checkpoint_without_a_tokenizer_needs_one(checkpoints, capsys):
     rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["no_tokenizer"]), "--tasks", "mpatch_arithmetic")
     _one_line(rc, err, "carries no tokenizer", "--tokenizer")
+
+
+def test_a_refused_output_dir_leaves_nothing_inside_the_checkpoint(checkpoints, tmp_path, capsys):
+    """eval made --output-dir's parent folders before its overlap check: a refused ck/results/r1 left ck/results/ in
+    the checkpoint, which then failed its manifest check (the outputs audit)."""
+    work = tmp_path / "ck"
+    shutil.copytree(checkpoints["ckpt"], work)
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(work), "--tasks", "mpatch_arithmetic", "--output-dir",
+                      str(work / "results" / "r1"))
+    _one_line(rc, err, "overlaps the input", "--output-dir")
+    assert not (work / "results").exists()
+    assert run_cli(capsys, "verify", str(work))[0] == 0
 
 
 def test_a_layout_the_model_does_not_divide_is_refused(checkpoints, capsys):

@@ -674,6 +674,23 @@ def test_the_report_dir_is_checked_before_the_run_and_never_written_into(hf, tmp
     assert (mine / "report.md").read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["mine", "report"]
 
 
+def test_a_refused_report_dir_leaves_nothing_inside_its_input(hf, ckpt, tmp_path, capsys, monkeypatch):
+    """align made --report-dir's parent folders before its overlap check: a refused ck/reports/r1 left ck/reports/
+    in the checkpoint, which then failed mpatch verify (the outputs audit). A literal "~/r1" (quoted, unexpanded) made
+    a folder named ~ here and said "report: ~/r1/report.md"."""
+    work = tmp_path / "ck"
+    shutil.copytree(ckpt, work)
+    rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--mcore-dir", str(work), "--report-dir",
+                      str(work / "reports" / "r1"), "--quiet")
+    _one_line_error(rc, err, "overlaps the input")
+    assert not (work / "reports").exists()
+    assert run_cli(capsys, "verify", str(work))[0] == 0
+    monkeypatch.chdir(tmp_path)
+    rc, err = run_cli(capsys, "align", "--hf-dir", str(hf), "--report-dir", "~/reports/r1", "--quiet")
+    _one_line_error(rc, err, "begins with a literal ~", "--report-dir")
+    assert not (tmp_path / "~").exists()
+
+
 def test_preprocess_replaces_only_a_pair_its_manifest_lists(tmp_path, capsys):
     """N3: a .bin/.idx pair mpatch never wrote was overwritten, and preprocess had no --force."""
     from tests.training_helpers import make_tiktoken_file

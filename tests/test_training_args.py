@@ -982,3 +982,29 @@ def test_mp_overlap_param_gather_false_turns_it_off_under_the_distributed_optimi
     assert gathered({"MP_OVERLAP_PARAM_GATHER": "true"}) == (True, True)
     with pytest.raises(UserError, match="param-gather overlap needs the distributed optimizer"):
         resolve("llama3_1", _args(data, DO="false"), env={"MP_OVERLAP_PARAM_GATHER": "true"})
+
+
+def test_an_output_basepath_inside_what_the_run_reads_or_behind_a_literal_tilde_is_refused(data, tmp_path, monkeypatch,
+                                                                                            capsys):
+    """OUTPUT_BASEPATH inside PRETRAIN_CHECKPOINT_PATH: the launcher's lock made the checkpoint fail its manifest
+    check, and with MP_NO_VERIFY=true the run wrote its checkpoints into it; a quoted "~/runs/r1" made a folder named
+    ~ in the working directory, and every line after it read as the home folder (the outputs audit). Both refused
+    before anything is written; a tokenizer folder (an HF model's: top-level files read) may hold the run."""
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.runtime.distributed import ParallelLayout
+
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf"), ckpt, ParallelLayout(), progress=False)
+    written = sorted(p.name for p in ckpt.iterdir())
+    for out, said in ((ckpt, "is PRETRAIN_CHECKPOINT_PATH"), (ckpt / "run", "lies inside PRETRAIN_CHECKPOINT_PATH")):
+        with pytest.raises(UserError, match=said):
+            resolve("llama3_1", _args(data, PRETRAIN_CHECKPOINT_PATH=str(ckpt), OUTPUT_BASEPATH=str(out)), env={})
+    assert resolve("llama3_1", _args(data, OUTPUT_BASEPATH=str(Path(data["tok"]) / "run")),
+                   env={"MP_TOKENIZER": data["tok"]}).output_basepath == str(Path(data["tok"]) / "run")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["train", "llama3_1", *_args(data, OUTPUT_BASEPATH="~/runs/r1")]) == 2
+    err = capsys.readouterr().err
+    assert "begins with a literal ~" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in ckpt.iterdir()) == written and not (tmp_path / "~").exists()

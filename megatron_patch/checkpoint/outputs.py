@@ -17,7 +17,7 @@ from megatron_patch.checkpoint_files.layout import TRAIN_STATE
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_entries, write_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import HF_SIDE_FILES, checked_input
-from megatron_patch.outputs.folders import atomic_dir, overlap
+from megatron_patch.outputs.folders import atomic_dir, overlap, refuse_unexpanded_home
 
 # Files of an HF model folder that travel with the weights (tokenizer, chat template, generation), and the HF
 # tensors the MCore model does not hold, kept beside it (convert/carried.py).
@@ -140,11 +140,9 @@ def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: s
     directory."""
     if str(target) == "":
         raise UserError(f"{what} is an empty path: give the output folder")
+    refuse_unexpanded_home(target, what)
     target = Path(target).absolute()
-    clash = _overlap(target, inputs)
-    if clash is not None:
-        raise UserError(f"the output folder {target} overlaps the input {clash} (it is, lies inside, or holds it): "
-                        f"choose a {what} outside every input")
+    _refuse_overlap(target, inputs, what)
     cwd = Path.cwd()
     if target.resolve() in (cwd, *cwd.parents):
         # The output is published by putting a new folder in the place of this one (an empty one is removed
@@ -180,6 +178,26 @@ def check_target(target: str | Path, force: bool, *, inputs: tuple = (), what: s
             raise UserError(f"--force replaces only an earlier output of {mine}, and {target} {why}: move it away or "
                             f"choose another {what}")
     return target
+
+
+def _refuse_overlap(target: Path, inputs: tuple, what: str) -> None:
+    clash = _overlap(target, inputs)
+    if clash is not None:
+        raise UserError(f"the output folder {target} overlaps the input {clash} (it is, lies inside, or holds it): "
+                        f"choose a {what} outside every input")
+
+
+def make_parent_folders(target: str | Path, *, inputs: tuple = (), what: str) -> None:
+    """The folders above an output that its command makes (align's --report-dir, eval's --output-dir), made only once
+    the output is known to be outside every input: a refused one left them inside its input (a stray folder that
+    made the checkpoint fail its manifest check)."""
+    refuse_unexpanded_home(target, what)
+    target = Path(target).absolute()
+    _refuse_overlap(target, inputs, what)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the folder of {what} {target} ({exc.strerror or exc})") from None
 
 
 @contextlib.contextmanager

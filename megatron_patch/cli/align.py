@@ -9,7 +9,7 @@ from pathlib import Path
 
 from megatron_patch.align.bounds import DEFAULT_TOLERANCE, FP32_KL, FP32_REL_L2
 from megatron_patch.align.report import PLOT_NAME, print_summary, write_report
-from megatron_patch.checkpoint.outputs import atomic_output_dir
+from megatron_patch.checkpoint.outputs import atomic_output_dir, make_parent_folders
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import (SEED_RANGE, add_layout_args, check_not_empty, check_seed, layout_from_args,
                                        sigterm_as_interrupt)
@@ -80,14 +80,11 @@ def run(args) -> int:
         ablate=args.ablate, tolerance=args.tolerance, only_dtype=args.only_dtype, peft_dir=args.peft_dir,
         verify=not args.no_verify, base_dir=args.base_dir, fp8_recipe=args.fp8_recipe,
         fp8_filter=parse_filter("--fp8-filter", args.fp8_filter))
-    if args.report_dir:
-        try:
-            Path(args.report_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"cannot create the folder of --report-dir {args.report_dir} ({exc.strerror or exc})")
     # The report folder is an output like any other (docs/outputs.md): its lock is taken and the folder checked
     # (new, or an earlier report replaced with --force) before the run, and it is published whole at the end.
     inputs = (args.hf_dir, args.mcore_dir, args.hf_dir_2, args.peft_dir, args.base_dir, args.text_file)
+    if args.report_dir:
+        make_parent_folders(args.report_dir, inputs=inputs, what="--report-dir")
     with atomic_output_dir(args.report_dir, args.force, tool="mpatch align", inputs=inputs, what="--report-dir") \
             if args.report_dir else contextlib.nullcontext() as partial:
         try:

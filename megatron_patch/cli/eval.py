@@ -14,7 +14,7 @@ from megatron_patch.checkpoint_files.layout import iteration_dir
 from megatron_patch.checkpoint_files.manifest import IntegrityError, naming_the_switch
 from megatron_patch.cli.common import (SEED_RANGE, add_layout_args, check_not_empty, check_seed, layout_from_args,
                                        print_table, sigterm_as_interrupt)
-from megatron_patch.checkpoint.outputs import atomic_output_dir
+from megatron_patch.checkpoint.outputs import atomic_output_dir, make_parent_folders
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation import document_limit, require_lm_eval, task_names
 from megatron_patch.runtime.progress_bars import bars_wanted
@@ -95,10 +95,7 @@ def run(args) -> int:
     if layout_note:
         print(f"eval: {layout_note}", file=sys.stderr, flush=True)
     if args.output_dir:
-        try:
-            Path(args.output_dir).absolute().parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"cannot create the folder of --output-dir {args.output_dir} ({exc.strerror or exc})")
+        make_parent_folders(args.output_dir, inputs=_inputs(args), what="--output-dir")
     if args.all_iterations:
         return _all_iterations(args, layout, settings, checkpoints)
     # The results folder follows the one output rule (docs/outputs.md): checked and locked before the run,
@@ -117,8 +114,11 @@ def run(args) -> int:
 
 def _output_dir(args):
     """--output-dir under the one output rule: new, or an earlier mpatch eval's replaced with --force."""
-    inputs = (args.load_dir, args.tokenizer, args.hf_config, *(args.include_path or ()))
-    return atomic_output_dir(args.output_dir, args.force, tool="mpatch eval", inputs=inputs, what="--output-dir")
+    return atomic_output_dir(args.output_dir, args.force, tool="mpatch eval", inputs=_inputs(args), what="--output-dir")
+
+
+def _inputs(args) -> tuple:
+    return (args.load_dir, args.tokenizer, args.hf_config, *(args.include_path or ()))
 
 
 def _evaluate(args, layout, settings, checkpoint):

@@ -270,6 +270,15 @@ def _take_empty_target(target: Path, what: str) -> int | None:
     return mode
 
 
+def refuse_unexpanded_home(path: str | Path, what: str) -> None:
+    """Refuse a path that begins with a literal ``~`` (quoted in a job script, so no shell expanded it): it named a
+    folder called ``~`` in the working directory, and every line after it read as the home folder."""
+    first = str(path).split(os.sep, 1)[0]
+    if first.startswith("~"):
+        raise UserError(f"{what} {path} begins with a literal {first}, which no shell expanded (it was quoted): give "
+                        f"the path with $HOME or unquoted, or as ./{path} for a folder of that name here")
+
+
 def overlap(target: str | Path, inputs) -> Path | None:
     """The input ``target`` would overlap (be, lie inside, or hold), or None. Symlinks are resolved."""
     t = Path(target).resolve()

@@ -20,6 +20,7 @@ from megatron_patch.errors import UserError
 from megatron_patch.models.description.arch import read_config_json, validate_layout
 from megatron_patch.models.blocks.float8_plan import check_filter_kinds
 from megatron_patch.models.description.registry import get_family, has_load_balancing_loss, parse_arch
+from megatron_patch.outputs.folders import refuse_unexpanded_home
 from megatron_patch.runtime.distributed import ParallelLayout
 from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs, megatron_core_version, version_tuple
 from megatron_patch.training.launcher_args import (
@@ -470,6 +471,21 @@ def tokenizer_exists(cfg: RunConfig) -> None:
                         "checkpoints and export carry, or leave MP_TOKENIZER unset")
 
 
+def output_outside_inputs(cfg: RunConfig) -> None:
+    """OUTPUT_BASEPATH is not, and lies in none of, the folders the run reads: inside PRETRAIN_CHECKPOINT_PATH the
+    launcher's lock made the checkpoint fail its manifest check, and with MP_NO_VERIFY=true the run wrote its
+    checkpoints into it (docs/outputs.md: an output never overlaps an input). A folder the run holds is its own; a
+    tokenizer's (an HF model folder, of which only the top-level files are read) may hold it, as converters' outputs."""
+    refuse_unexpanded_home(cfg.output_basepath, "OUTPUT_BASEPATH")
+    out = Path(cfg.output_basepath).resolve()
+    for name, given, around in (("PRETRAIN_CHECKPOINT_PATH", cfg.pretrain_checkpoint, out.parents),
+                                ("MP_TOKENIZER", cfg.tokenizer, ()), ("MP_LORA_INIT", cfg.lora_init, out.parents),
+                                ("MP_EVAL_INCLUDE_PATH", cfg.eval_include_path, out.parents)):
+        if given is not None and (folder := Path(given).resolve()) in (out, *around):
+            raise UserError(f"OUTPUT_BASEPATH {cfg.output_basepath} {'is' if folder == out else 'lies inside'} "
+                            f"{name} {given}, which the run reads: choose an OUTPUT_BASEPATH outside it")
+
+
 def output_folder_writable(cfg: RunConfig) -> None:
     """OUTPUT_BASEPATH, and the folders a run writes in it, are folders this process can write (or can be made
     so): each rank would otherwise fail at its first write, deep inside megatron-core."""
@@ -498,7 +514,8 @@ def _check_writable(folder: Path, out: Path) -> None:
 
 
 PATH_CHECKS: tuple[Callable[[RunConfig], None], ...] = (probe_script_exists, data_exists, tokenizer_exists,
-                                                        output_folder_writable, evaluation_run.check_tasks_exist)
+                                                        output_outside_inputs, output_folder_writable,
+                                                        evaluation_run.check_tasks_exist)
 
 
 
