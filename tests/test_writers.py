@@ -108,6 +108,27 @@ class Eval(Folder):
         (target / "results.json").write_text("{}")
 
 
+class Demo(Folder):
+    """The parity runs are replaced by a passing measurement: what is checked here is how the tiny models are
+    written (tests/test_models.py runs the parity)."""
+
+    def __init__(self, argv, monkeypatch):
+        import megatron_patch.align.parity as parity
+
+        super().__init__(argv)
+        passed = {"passed": True, "rel_l2": 0.0, "kl": 0.0, "max_abs": 0.0, "top1": 1.0}
+        monkeypatch.setattr(parity, "check_parity", lambda *args, **kwargs: passed)
+
+    def run(self, capsys, target: Path, force: bool) -> tuple[int, str]:
+        return run_cli(capsys, *self.argv(target), *(["--force"] if force else []))
+
+    def plant(self, target: Path) -> None:
+        """A model the user downloaded, in the folder of the family the demo makes: its shards were deleted."""
+        (target / "llama3_1").mkdir(parents=True)
+        (target / "llama3_1" / "config.json").write_text('{"model_type": "llama"}')
+        (target / "llama3_1" / "model-00001-of-00002.safetensors").write_bytes(b"weights")
+
+
 class Preprocess(Folder):
     def target(self, root: Path) -> Path:
         return root / "p_text_document"  # the name the lock goes beside
@@ -159,6 +180,8 @@ def _drivers(inputs, monkeypatch) -> dict:
         "mpatch train OUTPUT_BASEPATH": lambda: Train(inputs["corpus"], monkeypatch),
         "mpatch align --report-dir": lambda: Align(
             lambda out: ["align", "--hf-dir", str(inputs["hf"]), "--report-dir", str(out)], monkeypatch),
+        "mpatch demo --work-dir": lambda: Demo(
+            lambda out: ["demo", "--families", "llama3_1", "--layouts", "tp1", "--work-dir", str(out)], monkeypatch),
         "mpatch eval --output-dir": lambda: Eval(
             lambda out: ["eval", "--load-dir", str(inputs["ckpt"]), "--tasks", "mpatch_arithmetic", "--output-dir",
                          str(out)], monkeypatch),

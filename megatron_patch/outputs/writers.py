@@ -30,4 +30,5 @@ WRITERS = (
     Writer("mpatch train", "OUTPUT_BASEPATH"),
     Writer("mpatch align", "--report-dir"),
     Writer("mpatch eval", "--output-dir"),
+    Writer("mpatch demo", "--work-dir"),
 )
