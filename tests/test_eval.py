@@ -67,6 +67,91 @@ def test_a_layout_the_model_does_not_divide_is_refused(checkpoints, capsys):
     _one_line(rc, err, "dense model", "set EP=1")
 
 
+def _local_task(folder: Path, name: str, lines: list[dict], extra: str, *, fewshot: list[dict] | None = None) -> Path:
+    """A local YAML task over JSON lines (its few-shot split another file where given)."""
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    files = f"    test: {folder / (name + '.jsonl')}\n"
+    if fewshot is not None:
+        (folder / f"{name}-shots.jsonl").write_text("".join(json.dumps(line) + "\n" for line in fewshot))
+        files += f"    train: {folder / (name + '-shots.jsonl')}\n"
+    (folder / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n{files}"
+                                         f"test_split: test\n{extra}")
+    return folder
+
+
+GENERATE = ("output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+            "metric_list:\n  - metric: exact_match\n")
+QA = [{"question": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(4)]
+
+
+def test_generation_settings_it_would_not_apply_are_refused_before_the_ranks_start(checkpoints, tmp_path, capsys):
+    """A generation task's repetition_penalty (num_beams, min_new_tokens, ...) was dropped without a word: plain
+    greedy text, every generation other than the HF backend's (the eval audit). Refused in one line; num_beams 1,
+    greedy search, is what runs."""
+    from megatron_patch.evaluation.tasks import unsupported_generation_settings
+
+    tasks = _local_task(tmp_path / "tasks", "penalised", QA, GENERATE + "generation_kwargs:\n  until: ['\\n']\n"
+                        "  repetition_penalty: 3.0\n  num_beams: 1\n  do_sample: false\n")
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "penalised",
+                      "--include-path", str(tasks), "--output-dir", str(tmp_path / "out"))
+    _one_line(rc, err, "task penalised: its generation_kwargs repetition_penalty are not supported")
+    assert not (tmp_path / "out").exists()
+    assert unsupported_generation_settings({"until": ["\n"], "max_new_tokens": 4, "num_beams": 1, "top_p": 0.9}) == []
+    assert unsupported_generation_settings({"num_beams": 4, "min_new_tokens": 2}) == ["min_new_tokens", "num_beams"]
+
+
+@pytest.mark.parametrize("case", ["fewshot", "description"])
+def test_few_shot_documents_and_the_description_are_rendered_before_the_ranks_start(case, checkpoints, tmp_path,
+                                                                                    capsys):
+    """A few-shot document with a null field its template reads, or a description naming a field the documents lack,
+    was an internal error in every rank (in training, after the first checkpoints): the eval audit."""
+    if case == "fewshot":
+        extra = GENERATE.replace("{{question}}", "{{question.strip()}}") + "fewshot_split: train\nnum_fewshot: 2\n"
+        tasks = _local_task(tmp_path / "tasks", "shots", QA, extra, fewshot=[QA[0], {"question": None, "answer": "1"}])
+        said = "few-shot document 2 cannot be rendered"
+    else:
+        tasks = _local_task(tmp_path / "tasks", "shots", QA, GENERATE + "description: 'About {{ topic.name }}: '\n")
+        said = "document 1 cannot be rendered"
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "shots",
+                      "--include-path", str(tasks))
+    _one_line(rc, err, f"task shots: {said}")
+
+
+def test_a_task_name_that_is_no_file_name_keeps_its_samples(tmp_path):
+    """lm-eval takes a task named qa/v1: writing samples_qa/v1.jsonl failed after the whole evaluation, an internal
+    error that lost its results (the eval audit)."""
+    from megatron_patch.evaluation.evaluate import EvalResults, write_results
+
+    samples = {"qa/v1": [{"doc_id": 0}], "qa_v1": [{"doc_id": 1}], "plain": [{"doc_id": 2}]}
+    write_results(EvalResults({"results": {}}, samples), tmp_path, "mpatch eval")
+    written = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("samples_*.jsonl")}
+    assert written == {"samples_qa_v1-1.jsonl": {"doc_id": 0}, "samples_qa_v1-2.jsonl": {"doc_id": 1},
+                       "samples_plain.jsonl": {"doc_id": 2}}
+
+
+def test_a_chat_template_that_refuses_a_system_message_is_applied_without_it(checkpoints, capsys):
+    """A task's description goes into a system message, which Mistral-Instruct's and Gemma 2's templates refuse: an
+    internal error in every rank, where the HF backend leaves the system message out (the eval audit)."""
+    from transformers import AutoTokenizer
+
+    from megatron_patch.errors import UserError
+    from megatron_patch.evaluation.harness import MpatchLM
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints["hf"])
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    lm = MpatchLM.__new__(MpatchLM)
+    lm.tokenizer, lm._system_dropped_said = tokenizer, False
+    history = [{"role": "system", "content": "About arithmetic."}, {"role": "user", "content": "1 plus 1?"}]
+    assert lm.apply_chat_template(history) == "[user] 1 plus 1?\n"
+    assert "refuses a system message" in capsys.readouterr().err
+    tokenizer.chat_template = "{{ raise_exception('no template for you') }}"
+    with pytest.raises(UserError, match="chat template fails on this task's prompts"):
+        lm.apply_chat_template(history)
+
+
 def test_a_task_whose_data_file_is_missing_is_named(checkpoints, tmp_path, capsys):
     missing = tmp_path / "gone.jsonl"
     (tmp_path / "tasks").mkdir()

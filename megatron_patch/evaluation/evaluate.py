@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def prepare_tasks(settings: EvalSettings, folder: str | Path) -> list[str]:
     task_dict = task_files.load_tasks(list(settings.tasks), manager)
     task_files.check_documents(task_dict)
     task_files.check_fewshot(task_dict, settings.num_fewshot)
+    task_files.check_generation_settings(task_dict)
     return paths
 
 
@@ -194,4 +196,18 @@ def write_results(results: EvalResults, folder: str | Path, command: str) -> Non
     (folder / "results.json").write_text(json.dumps({**results.results, "command": command}, indent=2,
                                                     ensure_ascii=False) + "\n")
     for task, rows in results.samples.items():
-        (folder / f"samples_{task}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        (folder / samples_file_name(task, results.samples)).write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def samples_file_name(task: str, tasks) -> str:
+    """``samples_TASK.jsonl``, with what a file name cannot hold in TASK (lm-eval takes a task named ``qa/v1``: its
+    samples' file was an internal error after the whole evaluation, its results lost: the eval audit) written as _,
+    and the task's place among ``tasks`` added where that makes two names alike."""
+    def safe(name: str) -> str:
+        return re.sub(r"[^\w.-]", "_", name).lstrip(".") or "_"
+
+    name = safe(task)
+    if name in [safe(other) for other in tasks if other != task]:
+        name += f"-{list(tasks).index(task) + 1}"
+    return f"samples_{name}.jsonl"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+import jinja2
 import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -23,9 +24,11 @@ from lm_eval.models.utils import (
     Collator, _add_special_kwargs, handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
     postprocess_generated_text)
 
+from megatron_patch.errors import UserError
 from megatron_patch.evaluation.loading import (
     end_of_text_id, generation_stop_ids, load_model, open_for_evaluation, padding_is_neutral)
 from megatron_patch.evaluation.runner import ModelRunner, Sampling
+from megatron_patch.evaluation.tasks import unsupported_generation_settings
 
 # megatron-core and the checkpoint loaders are imported inside the function that loads a checkpoint for lm-eval's
 # `--model_args`: a harness over a live model (training, `mpatch eval`'s ranks) has them already.
@@ -57,6 +60,7 @@ class MpatchLM(TemplateLM):
         self._end_of_text = end_of_text_id(tokenizer)
         # model_stop_ids: the model's own (``loading.generation_stop_ids``), what the HF backend stops at
         self.stop_ids = frozenset(_eos_ids(tokenizer) | {self._end_of_text} | set(model_stop_ids))
+        self._system_dropped_said = False
 
     # --- what the harness asks of a model ---------------------------------------------------------------
 
@@ -96,9 +100,31 @@ class MpatchLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        """The tokenizer's chat template over ``chat_history``; where it refuses a system message (Mistral-Instruct's,
+        Gemma 2's), without it, as the HF backend does (it was an internal error in every rank: the eval audit)."""
+        def render(history):
+            return self.tokenizer.apply_chat_template(history, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError as exc:
+            refused = exc
+        without = [message for message in chat_history if message["role"] != "system"]
+        try:
+            text = render(without) if len(without) < len(chat_history) else None
+        except jinja2.exceptions.TemplateError as exc:
+            refused, text = exc, None
+        if text is None:
+            raise UserError(f"the tokenizer's chat template fails on this task's prompts ({refused}): evaluate without "
+                            "--apply-chat-template or fix the template") from None
+        first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if not self._system_dropped_said and first_rank:
+            print(f"warning: the tokenizer's chat template refuses a system message ({refused}): the task's "
+                  "description is left out of its prompts, as lm-eval's HF backend does", file=sys.stderr, flush=True)
+        self._system_dropped_said = True
+        return text
 
     # --- scoring ----------------------------------------------------------------------------------------
 
@@ -155,6 +181,9 @@ class MpatchLM(TemplateLM):
         return ordered.get_original(answers)
 
     def _generate_batch(self, batch, eos: str) -> list[str]:
+        unsupported = unsupported_generation_settings(batch[0][2])
+        if unsupported:  # refused before the ranks start (tasks.check_generation_settings); never dropped silently
+            raise UserError(f"generation settings {', '.join(unsupported)} are not supported by mpatch eval")
         kwargs = normalize_gen_kwargs(batch[0][2], self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
         max_new = int(kwargs.pop("max_gen_toks"))

@@ -184,7 +184,8 @@ DOCUMENTS_CHECKED = 1000
 
 def check_documents(task_dict: dict) -> None:
     """Refuse, in one line, a task (of ``load_tasks``' dict) without documents to evaluate, or whose templates
-    (doc_to_text, doc_to_target, doc_to_choice) fail on one of its first ``DOCUMENTS_CHECKED`` documents."""
+    (doc_to_text, doc_to_target, doc_to_choice, its description) fail on one of its first ``DOCUMENTS_CHECKED``
+    documents (its few-shot documents: ``check_fewshot``)."""
     for name, task in _leaf_tasks(task_dict):
         docs = list(itertools.islice(task.eval_docs, DOCUMENTS_CHECKED))
         if not docs:
@@ -195,16 +196,58 @@ def check_documents(task_dict: dict) -> None:
                 target = task.doc_to_target(doc)
                 continuations = [target] if task.OUTPUT_TYPE == "loglikelihood" else \
                     task.doc_to_choice(doc) if task.OUTPUT_TYPE == "multiple_choice" else []
+                task.resolve_field(doc, task.config.description)  # the system message lm-eval builds of it
             except Exception as exc:  # noqa: BLE001 - jinja, a user's Python function: anything at all
                 raise UserError(f"task {name}: document {number} cannot be rendered ({type(exc).__name__}: "
-                                f"{_first_line(exc)}): fix the task's doc_to_text/doc_to_target/doc_to_choice or "
-                                "its data") from None
+                                f"{_first_line(exc)}): fix the task's doc_to_text/doc_to_target/doc_to_choice/"
+                                "description or its data") from None
             # lm-eval scores target_delimiter + each continuation: an empty one has no tokens, log-likelihood 0 and
             # a perfect score (the HF backend fails an assertion on it)
             if any(isinstance(c, str) and not task.config.target_delimiter + c for c in continuations):
                 raise UserError(f"task {name}: document {number}'s continuation is empty (its target or a choice "
                                 "renders to '' and target_delimiter is ''): nothing to score; fix the task's "
                                 "doc_to_target/doc_to_choice or its data")
+
+
+def _check_fewshot_documents(name: str, task) -> None:
+    """The few-shot documents a task draws from, rendered as lm-eval renders them into every prompt: one that fails
+    was an internal error in every rank, or in a training run after its first checkpoints (the eval audit)."""
+    sampler = getattr(task, "sampler", None)
+    docs = list(itertools.islice(sampler.fewshot_docs(), DOCUMENTS_CHECKED)) if sampler is not None else []
+    cfg = task.fewshot_cfg
+    for number, doc in enumerate(docs, 1):
+        try:
+            task.doc_to_text(doc, cfg.doc_to_text)
+            task.doc_to_target(doc, cfg.doc_to_target)
+            if cfg.doc_to_choice:
+                task.doc_to_choice(doc, cfg.doc_to_choice)
+        except Exception as exc:  # noqa: BLE001 - as in check_documents
+            raise UserError(f"task {name}: few-shot document {number} cannot be rendered ({type(exc).__name__}: "
+                            f"{_first_line(exc)}): fix the task's templates or its few-shot split's data") from None
+
+
+# The generation settings of a task (its generation_kwargs) that mpatch eval runs as the HF backend does: the
+# stop sequences, the length (any of lm-eval's aliases), greedy or sampled with temperature, top-k, top-p and a seed.
+GENERATION_SETTINGS = frozenset({"until", "max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens",
+                                 "do_sample", "temperature", "top_k", "top_p", "seed"})
+
+
+def unsupported_generation_settings(gen_kwargs: dict) -> list[str]:
+    """The settings of ``gen_kwargs`` that mpatch eval would not apply (num_beams 1 is greedy search: applied)."""
+    return sorted(k for k, v in gen_kwargs.items() if k not in GENERATION_SETTINGS and not (k == "num_beams" and v == 1))
+
+
+def check_generation_settings(task_dict: dict) -> None:
+    """Refuse, in one line, a generation task asking for what mpatch eval does not do (beam search, a repetition
+    penalty, min_new_tokens, ...): each was dropped without a word, and the text differed from the HF backend's."""
+    for name, task in _leaf_tasks(task_dict):
+        if task.OUTPUT_TYPE != "generate_until":
+            continue
+        unsupported = unsupported_generation_settings(dict(task.config.generation_kwargs or {}))
+        if unsupported:
+            raise UserError(f"task {name}: its generation_kwargs {', '.join(unsupported)} are not supported by mpatch "
+                            f"eval (it generates with {', '.join(sorted(GENERATION_SETTINGS))}): remove them from the "
+                            "task, or evaluate it with lm-eval's HF backend on an export")
 
 
 def check_fewshot(task_dict: dict, num_fewshot: int | None) -> None:
@@ -216,6 +259,7 @@ def check_fewshot(task_dict: dict, num_fewshot: int | None) -> None:
         wanted = num_fewshot if num_fewshot is not None and own != 0 else own or 0
         if wanted == 0:
             continue
+        _check_fewshot_documents(name, task)
         sampler = getattr(task, "sampler", None)  # lm-eval makes none for a task without few-shot documents
         pool = len(sampler.fewshot_docs()) if sampler is not None else 0
         # examples drawn from the test split leave out the document they are for: one fewer to draw from
