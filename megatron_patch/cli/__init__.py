@@ -172,6 +172,8 @@ def _internal(command: str, exc: BaseException) -> int:
     """One line for a bug (its traceback with MPATCH_DEBUG=1)."""
     if os.environ.get(DEBUG_VARIABLE) == "1":
         traceback.print_exc()
+        if getattr(exc, "worker_traceback", ""):  # a rank's own (runtime/launch.py WorkerError)
+            print(f"the rank's traceback:\n{exc.worker_traceback}", file=sys.stderr)
     print(f"mpatch {command}: {internal_error(exc)} (a bug: please report it; {DEBUG_VARIABLE}=1 prints the "
           "traceback)", file=sys.stderr)
     return EXIT_INTERNAL.get(command, 1)

@@ -24,6 +24,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import re
 import signal
 import sys
 import tempfile
@@ -48,7 +49,20 @@ from megatron_patch.runtime.known_warnings import quiet_known_warnings
 
 
 class WorkerError(RuntimeError):
-    """A worker raised; carries the worker's own traceback."""
+    """A worker raised: its message is the worker's exception and where the worker raised it, on one line (the
+    mpatch line of an internal error quoted the start of the worker's traceback); ``worker_traceback`` is the whole
+    of it, which MPATCH_DEBUG=1 prints."""
+
+    def __init__(self, message: str, worker_traceback: str = ""):
+        super().__init__(message)
+        self.worker_traceback = worker_traceback
+
+    @classmethod
+    def of_rank(cls, rank: int, report: str) -> "WorkerError":
+        said, _, worker_traceback = report.partition("\n")
+        frames = re.findall(r'File "([^"]+)", line (\d+)', worker_traceback)
+        where = f" (at {Path(frames[-1][0]).name}:{frames[-1][1]} on the rank)" if frames else ""
+        return cls(f"rank {rank} failed: {said}{where}", worker_traceback)
 
 
 def quiet_cpu_warnings() -> None:
@@ -293,7 +307,7 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> lis
         rank = min(errors)
         if isinstance(errors[rank], bytes):
             raise pickle.loads(errors[rank])
-        raise WorkerError(f"rank {rank} failed: {errors[rank]}")
+        raise WorkerError.of_rank(rank, errors[rank])
     return [outputs[r] for r in range(world_size)]
 
 
