@@ -718,6 +718,36 @@ def test_preprocess_replaces_only_a_pair_its_manifest_lists(tmp_path, capsys):
         "p_text_document.bin", "p_text_document.idx", f"p_text_document.{MANIFEST_NAME}"]
 
 
+@pytest.mark.parametrize("renames_done", [1, 2])
+def test_a_first_preprocess_stopped_between_its_renames_is_redone_with_force(tmp_path, capsys, monkeypatch,
+                                                                             renames_done):
+    """A first run killed after its .bin was renamed into place, before its manifest, left a .bin no manifest listed:
+    every rerun, --force too, refused it as not mpatch's (the outputs audit). A first pair's manifest goes first."""
+    import megatron_patch.training.preprocess as preprocess_module
+    from tests.training_helpers import make_tiktoken_file
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    tok = make_tiktoken_file(tmp_path / "tok.tiktoken", [])
+    argv = ["preprocess", "--input", str(data), "--tokenizer", str(tok), "--output-prefix", str(tmp_path / "p"),
+            "--quiet"]
+    real, calls = os.replace, []
+
+    def stopped(src, dst):  # the process killed right after this many renames
+        if len(calls) == renames_done:
+            raise KeyboardInterrupt
+        calls.append(dst)
+        real(src, dst)
+
+    monkeypatch.setattr(preprocess_module.os, "replace", stopped)
+    rc, _ = run_cli(capsys, *argv)
+    monkeypatch.setattr(preprocess_module.os, "replace", real)
+    assert rc == 130 and len(calls) == renames_done
+    _one_line_error(*run_cli(capsys, *argv), "an earlier output of mpatch preprocess", "pass --force")
+    assert run_cli(capsys, *argv, "--force")[0] == 0
+    assert run_cli(capsys, "verify", str(tmp_path / f"p_text_document.{MANIFEST_NAME}"))[0] == 0
+
+
 def test_preprocess_never_writes_into_its_input_folder(tmp_path, capsys):
     """`--input data/ --output-prefix data/corpus` wrote the pair and its manifest among the shards, and the same
     command again was refused (the .bin is not JSONL); moving the pair away, the manifest was read as corpus, 18

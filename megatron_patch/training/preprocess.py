@@ -301,11 +301,15 @@ def _seal(tmp: Path, prefix: str) -> None:
 
 
 def _rename_into_place(tmp: Path, prefix: str) -> None:
-    """The sealed files onto their names, with the manifest last. The old manifest stays until the new one
-    replaces it: a replace interrupted between the renames leaves a pair its manifest does not match (mpatch
-    verify names the file), still known as mpatch's for the --force that repairs it."""
+    """The sealed files onto their names. Replacing an earlier pair, the manifest last: the old manifest stays until
+    the new one replaces it, so a replace interrupted between the renames leaves a pair its manifest does not match
+    (mpatch verify names the file), still known as mpatch's for the --force that repairs it. A first pair, the
+    manifest first, for the same reason: with it last, a kill between the renames left a .bin no manifest listed,
+    which no rerun would replace, --force or not (the outputs audit)."""
     manifest = _manifest_path(prefix)
-    for name in (Path(prefix + ".bin").name, Path(prefix + ".idx").name, manifest.name):
+    pair = [Path(prefix + ".bin").name, Path(prefix + ".idx").name]
+    first = not os.path.lexists(manifest)
+    for name in [manifest.name, *pair] if first else [*pair, manifest.name]:
         os.replace(tmp / name, manifest.parent / name)
     fsync_dir(manifest.parent)
 
