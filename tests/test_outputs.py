@@ -69,6 +69,20 @@ def test_second_writer_is_refused_naming_the_first_and_the_lock_goes_on_exit(hf,
     assert rc == 0 and not leftovers(target)  # the lock file is removed on a clean exit
 
 
+def test_an_output_inside_a_folder_being_written_is_refused(hf, tmp_path, capsys):
+    """hf2mcore --save-dir RUN/final while a run trained into RUN took only its own lock: the run's export then
+    replaced the conversion without a word (the outputs audit). An output inside a folder whose writer is alive is
+    refused, nothing made there; a lock file left by a writer that is gone says nothing."""
+    run = tmp_path / "RUN"
+    run.mkdir()
+    argv = ["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(run / "final"), "--quiet"]
+    with OutputLock(run, "OUTPUT_BASEPATH"):
+        _one_line_error(*run_cli(capsys, *argv), f"lies inside {run}, which is being written by", f"pid {os.getpid()}")
+        assert list(run.iterdir()) == []
+    lock_path(run).write_text('{"pid": 1}')  # stale: nobody holds it
+    assert run_cli(capsys, *argv)[0] == 0 and (run / "final").is_dir()
+
+
 def test_a_stale_lock_is_taken_over_saying_so(tmp_path, capsys):
     dead = subprocess.Popen(["true"])
     dead.wait()

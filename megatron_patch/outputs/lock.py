@@ -117,6 +117,29 @@ def _try_flock(path: Path, *, shared: bool = False) -> tuple[int, bool]:
         os.close(fd)
 
 
+def _writer_around(target: Path) -> tuple[Path, dict] | None:
+    """(folder, its writer) for a folder above ``target`` whose lock another process holds: a running training run's
+    folder took a converter's output into it (its export then replaced that output without a word; the outputs
+    audit). Only asked, never taken: a lock file no one holds says nothing."""
+    for folder in target.parents:
+        if folder.parent == folder:
+            break
+        try:
+            fd = os.open(lock_path(folder), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return folder, _read_owner(fd)
+        finally:
+            os.close(fd)
+    return None
+
+
 class OutputLock:
     """``with OutputLock(target, "--save-dir"):`` the caller is the one writer of ``target`` until the block
     ends. ``what`` names the option the user gave the output with, for the messages."""
@@ -132,6 +155,12 @@ class OutputLock:
         if not self.target.parent.is_dir():
             raise UserError(f"the folder {self.target.parent} (where {self.target.name} would go) does not exist or "
                             f"is not a folder: create it first, or choose another {self.what}")
+        # asked before this output's own lock file is made: that file would be a stray one inside the other output
+        around = _writer_around(self.target)
+        if around is not None:
+            folder, holder = around
+            raise UserError(f"{self.target} lies inside {folder}, which is being written by {_owner_text(holder)}: "
+                            f"wait for it to finish, or choose a {self.what} outside it")
         try:
             fd, locked = _try_flock(self.path)
         except OSError as exc:
