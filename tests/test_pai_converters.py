@@ -318,7 +318,7 @@ def test_what_each_line_runs():
     """The conversion each form runs, and the check Pai's CHECK / CHECK_ONLY asks for."""
     llama = plan(find_script(LLAMA), ["8B", "hf", "mc", "4", "2", "false", "true", "false", "bf16"], {})
     assert llama.convert == ["convert", "hf2mcore", "--hf-dir", "hf", "--save-dir", "mc", "--tp", "4", "--pp", "2",
-                             "--format", "torch_dist", "--mtp", "auto", "--force", "--dtype", "bf16"]
+                             "--format", "torch_dist", "--force", "--dtype", "bf16"]
     assert llama.align == ["align", "--hf-dir", "hf", "--mcore-dir", "mc", "--tp", "4", "--pp", "2", "--dtype", "bf16"]
     only = plan(find_script(LLAMA), ["8B", "mc", "out", "4", "2", "true", "false", "true", "bf16", "hf"], {})
     assert only.convert is None and only.align[:5] == ["align", "--hf-dir", "out", "--mcore-dir", "mc"]
@@ -370,6 +370,18 @@ def test_an_export_takes_the_tokenizer_of_the_hf_folder_when_the_checkpoint_carr
 
 
 @pytest.mark.slow
+def test_only_the_converter_pai_keeps_mtp_layers_with_keeps_them():
+    """Pai's DeepSeek-V3 converter keeps the multi-token-prediction layers; its Qwen3-Next converter (and every other)
+    drops them, and Pai's launcher then trains none: here every Pai line kept them, and the Qwen3-Next run trained an
+    MTP layer and its loss (the pai2 audit)."""
+    keeping = {name for name, script in SCRIPTS.items() if script.keeps_mtp}
+    assert keeping == {"toolkits/model_checkpoints_convertor/deepseek/hf2mcore_deepseek_v3_moe_convertor.sh"}
+    v3 = plan(find_script("hf2mcore_deepseek_v3_moe_convertor.sh"),
+              ["A37B", "hf", "mc", "1", "1", "1", "1", "bf16", "false"], {})
+    nxt = plan(find_script(f"{DIST}/scripts/qwen3_next/run_8xH20.sh"), ["A3B", "hf", "mc", "false", "true", "bf16"], {})
+    assert "--mtp" in v3.convert and "--mtp" not in nxt.convert
+
+
 def test_hf2mcore_sh_keeps_the_mtp_layers_config_json_declares(tmp_path):
     """toolkits/checkpoint/hf2mcore.sh keeps DeepSeek-V3's multi-token-prediction layer (MTP=auto, its default),
     as Pai's converter does, so that training trains it; MTP=false drops it."""

@@ -11,8 +11,9 @@ bytes move on the CPU) and is named in one line with why. The conversion itself 
 
 - hf2mcore writes torch_dist, which loads at any TP/PP/EP/ETP (Pai's model_checkpoints_convertor writes per-rank
   files for one layout); the layout given is still checked against the model (with MP_PP0_LAYERS, as Pai's
-  converters read it), keeps the multi-token-prediction layers config.json declares (Pai's DeepSeek-V3 converter
-  does), and replaces an earlier output of mpatch in the target, as Pai's scripts write over theirs.
+  converters read it), keeps the multi-token-prediction layers config.json declares where Pai's script does (its
+  DeepSeek-V3 converter; Qwen3-Next's drops them), and replaces an earlier output of mpatch in the target, as Pai's
+  scripts write over theirs.
 - mcore2hf reads the architecture from the checkpoint's own record; Pai's HF folder gives it for a checkpoint
   without one, and the tokenizer files for a checkpoint that carries none.
 """
@@ -45,6 +46,9 @@ class PaiScript:
     paths: tuple[str, ...]
     positions: tuple[str, ...]
     optional: int = 1
+    # whether it keeps the multi-token-prediction layers config.json declares (Pai's DeepSeek-V3 converter): the
+    # others drop them (Qwen3-Next's), and a Pai launcher's line then trains none, as in Pai
+    keeps_mtp: bool = False
 
     @property
     def name(self) -> str:
@@ -73,7 +77,7 @@ SCRIPTS = {s.paths[0]: s for s in (
                "HF_CKPT_PATH")),
     PaiScript((f"{_MODEL}/deepseek/hf2mcore_deepseek_v3_moe_convertor.sh",),
               ("MODEL_SIZE", "SOURCE_CKPT_PATH", "TARGET_CKPT_PATH", "TP", "PP", "ETP", "EP", "PR", "MG2HF",
-               "HF_CKPT_PATH")),
+               "HF_CKPT_PATH"), keeps_mtp=True),
     PaiScript((f"{_MODEL}/mistral/hf2mcore_convertor.sh",),
               ("MODEL_SIZE", "HG_CKPT_PATH", "MEGATRON_PATH", "SOURCE_CKPT_PATH", "TARGET_CKPT_PATH", "TP", "PP",
                "EXTRA_VOCAB_SIZE", "NUM_EXPERTS", "EXPERTS_TOPK", "EP", "mg2hf", "WS")),
@@ -203,7 +207,7 @@ def plan(script: PaiScript, argv: list[str], env: dict) -> Plan:
         if hf is not None and hf != source:
             ignored.append(f"{name_of['hf']}={hf} (the HF folder read is {name_of['source']})")
         convert = ["convert", "hf2mcore", "--hf-dir", source, "--save-dir", target, *_layout_args(source, layout, env),
-                   "--format", "torch_dist", "--mtp", "auto", "--force"]
+                   "--format", "torch_dist", *(["--mtp", "auto"] if script.keeps_mtp else []), "--force"]
         align = ["align", "--hf-dir", source, "--mcore-dir", target]
     else:
         if not (check or check_only):
