@@ -1112,3 +1112,44 @@ def test_a_moved_base_is_asked_for_by_the_option_that_names_it_or_where_to_put_i
         find_base(record, None, "the run", "--base-dir")
     with pytest.raises(UserError, match=rf"which is not there: put that checkpoint back at {tmp_path / 'gone'}$"):
         find_base(record, None, "the run", None)
+
+
+@pytest.fixture(scope="module")
+def imported_lora(tmp_path_factory):
+    """A LoRA checkpoint of the tiny Llama from a rank-3 peft adapter (hf2mcore --peft-dir)."""
+    from tests.lora_helpers import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("imported")
+    hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=1)
+    make_peft_adapter(hf, root / "peft", modules=["q_proj", "v_proj"], r=3, lora_alpha=6)
+    from megatron_patch.cli import main
+
+    assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(root / "ckpt"), "--peft-dir",
+                 str(root / "peft"), "--quiet"]) == 0
+    return root / "ckpt"
+
+
+@pytest.mark.parametrize("edit, said", [
+    ({"rank": 6}, "is [3, 64], and the checkpoint's record of its LoRA settings (rank, targets) makes it [6, 64]"),
+    ({"modules_to_save": ["lm_head"]}, "holds no output_layer.weight, which its record's modules_to_save names"),
+    ({"rank_pattern": {"(": 3}}, "its spec's 'rank_pattern' is of the wrong type or value"),
+], ids=["rank", "modules_to_save", "pattern-no-regex"])
+def test_a_lora_record_that_lies_about_its_tensors_is_refused_by_both_exports(imported_lora, tmp_path, capsys, edit,
+                                                                              said):
+    """The lora audit: a sidecar saying rank 6 over rank-3 tensors merged at alpha/6 (half the change the adapters
+    compute) and exported r: 6 beside them, exit 0; modules_to_save it never saved, and a pattern that is no regular
+    expression, were internal errors. Each is one line, exit 2, in --merge-lora and --lora-adapter."""
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(imported_lora, ckpt)
+    sidecar = ckpt / "mpatch_checkpoint.json"
+    data = json.loads(sidecar.read_text())
+    data["lora"]["spec"].update(edit)
+    sidecar.write_text(json.dumps(data))
+    write_manifest(ckpt, "edited")  # a manifest that agrees, as anyone can write one
+    for how in ("--merge-lora", "--lora-adapter"):
+        rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / how),
+                          how, "--quiet")
+        assert rc == 2 and said in err and err.count("\n") == 1, err
+        assert not (tmp_path / how).exists()

@@ -135,6 +135,10 @@ def stored_hf_tensors(folder, arch: Arch, rules: list):
     for t in plan_transfers(rules, arch, ParallelLayout()):
         name = t.placements[0].mcore_name
         chunks = [c for c in skeleton.chunks if c.name == name]
+        absent = next((c.key for c in chunks if c.key not in reader.tensors), None)
+        if absent is not None:  # a record naming modules_to_save it never saved: a KeyError (the lora audit)
+            raise UserError(f"{folder} holds no {absent}, which its record's modules_to_save names: the checkpoint's "
+                            "sidecar is damaged or was edited")
         full = torch.empty(skeleton.shapes[name], dtype=getattr(torch, reader.dtype(chunks[0].key)))
         for c in chunks:
             full[c.region()] = reader.read_block(c.key, c.global_offset, c.local_shape).reshape(full[c.region()].shape)

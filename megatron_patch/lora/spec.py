@@ -86,14 +86,27 @@ def _strings(v) -> bool:
     return isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)
 
 
+def _patterns(v) -> bool:
+    """A rank_pattern or alpha_pattern: a dict whose keys are regular expressions (one that is not was an internal
+    error in both exports: the lora audit)."""
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        return False
+    try:
+        for key in v:
+            re.compile(key)
+    except re.error:
+        return False
+    return True
+
+
 # Each field of a spec read back from a sidecar, and what it must be.
 _RECORD_CHECKS = {
     "rank": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
     "alpha": _finite, "dropout": lambda v: _finite(v) and 0 <= v < 1, "targets": _strings,
     "use_rslora": lambda v: isinstance(v, bool),
-    "rank_pattern": lambda v: isinstance(v, dict) and all(isinstance(r, int) and not isinstance(r, bool) and r > 0
-                                                          for r in v.values()),
-    "alpha_pattern": lambda v: isinstance(v, dict) and all(_finite(a) for a in v.values()),
+    "rank_pattern": lambda v: _patterns(v) and all(isinstance(r, int) and not isinstance(r, bool) and r > 0
+                                                   for r in v.values()),
+    "alpha_pattern": lambda v: _patterns(v) and all(_finite(a) for a in v.values()),
     "layers": lambda v: v is None or (isinstance(v, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool)
                                                                   for i in v)),
     "modules": lambda v: v is None or _strings(v), "modules_to_save": _strings,

@@ -172,14 +172,21 @@ def load_adapters(containers: list, tensors: dict) -> None:
 
 
 def check_adapter_keys(sites: list, tensors: dict, where: str) -> None:
-    """The tensors are exactly the plan's adapters: one missing or one too many means another model's."""
-    want = {k for s in sites for a in s.adapters for k in (a.key_a, a.key_b)}
-    missing, extra = want - set(tensors), set(tensors) - want
+    """The tensors are exactly the plan's adapters, each of the shape its record gives (rank and width): one missing
+    or one too many means another model's; another shape, a record that lies (a sidecar's rank 6 over rank-3 tensors
+    merged at alpha/6, half the change the adapters compute: the lora audit)."""
+    want = {k: shape for s in sites for a in s.adapters for k, shape in ((a.key_a, a.shape_a), (a.key_b, a.shape_b))}
+    missing, extra = set(want) - set(tensors), set(tensors) - set(want)
     if missing or extra:
         name = sorted(missing or extra)[0]
         raise UserError(f"{where} {'lacks' if missing else 'has'} the adapter tensor {name}"
                         f"{'' if missing else ', which no adapter of this model takes'}: its adapters were made for "
                         "another model or other targets")
+    wrong = next((k for k in sorted(want) if tuple(tensors[k].shape) != tuple(want[k])), None)
+    if wrong is not None:
+        raise UserError(f"{where}: the adapter tensor {wrong} is {list(tensors[wrong].shape)}, and the checkpoint's "
+                        f"record of its LoRA settings (rank, targets) makes it {list(want[wrong])}: the sidecar is "
+                        "damaged or was edited")
 
 
 # --- the sharded state of a LoRA model chunk --------------------------------------------------------------------
