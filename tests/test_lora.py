@@ -1131,14 +1131,13 @@ def imported_lora(tmp_path_factory):
 
 @pytest.mark.parametrize("edit, said", [
     ({"rank": 6}, "is [3, 64], and the checkpoint's record of its LoRA settings (rank, targets) makes it [6, 64]"),
-    ({"modules_to_save": ["lm_head"]}, "holds no output_layer.weight, which its record's modules_to_save names"),
     ({"rank_pattern": {"(": 3}}, "its spec's 'rank_pattern' is of the wrong type or value"),
-], ids=["rank", "modules_to_save", "pattern-no-regex"])
+], ids=["rank", "pattern-no-regex"])
 def test_a_lora_record_that_lies_about_its_tensors_is_refused_by_both_exports(imported_lora, tmp_path, capsys, edit,
                                                                               said):
     """The lora audit: a sidecar saying rank 6 over rank-3 tensors merged at alpha/6 (half the change the adapters
-    compute) and exported r: 6 beside them, exit 0; modules_to_save it never saved, and a pattern that is no regular
-    expression, were internal errors. Each is one line, exit 2, in --merge-lora and --lora-adapter."""
+    compute) and exported r: 6 beside them, exit 0; a pattern that is no regular expression was an internal error.
+    Each is one line, exit 2, in --merge-lora and --lora-adapter."""
     from megatron_patch.checkpoint_files.manifest import write_manifest
 
     ckpt = tmp_path / "ckpt"
@@ -1153,3 +1152,18 @@ def test_a_lora_record_that_lies_about_its_tensors_is_refused_by_both_exports(im
                           how, "--quiet")
         assert rc == 2 and said in err and err.count("\n") == 1, err
         assert not (tmp_path / how).exists()
+
+
+def test_modules_to_save_a_checkpoint_never_saved_are_one_line(tmp_path):
+    """A LoRA run's record naming modules_to_save (lm_head) whose weights its checkpoint does not hold was a KeyError
+    in both exports (the lora audit)."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_patch.errors import UserError
+    from megatron_patch.lora.saved import stored_saved_tensors
+
+    dcp.save({"embedding.word_embeddings.weight": torch.zeros(4, 4)}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    arch = parse_arch(families()["llama3_1"].tiny_config)
+    spec = LoraSpec(rank=2, alpha=4.0, targets=("qkv",), modules_to_save=("lm_head",))
+    with pytest.raises(UserError, match="holds no output_layer.weight, which its record's modules_to_save names"):
+        stored_saved_tensors(tmp_path / "ck", arch, spec)
