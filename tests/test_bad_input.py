@@ -672,3 +672,22 @@ def test_a_folder_nested_deeper_than_pythons_recursion_is_refused_in_one_line(hf
         (levels[-1] / "x").unlink()
         for level in reversed(levels):
             level.rmdir()
+
+
+def test_a_run_folder_or_an_hf_folder_given_as_a_checkpoint_is_named_as_such(tmp_path, capsys):
+    """OUTPUT_BASEPATH or an HF model folder given where a checkpoint goes was only "not a Megatron checkpoint", naming
+    neither RUN/final nor hf2mcore (the newuser audit)."""
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "log").mkdir()
+    _one_line(*run_cli(capsys, "inspect", str(run)), "is not a Megatron checkpoint",
+              f"a training run's folder (OUTPUT_BASEPATH); its exported model is {run / 'final'}")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    _one_line(*run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(hf), "--save-dir", str(tmp_path / "out")),
+              "a Hugging Face model folder; convert it first (mpatch convert hf2mcore")
+    (tmp_path / "empty").mkdir()
+    rc, err = run_cli(capsys, "inspect", str(tmp_path / "empty"))
+    assert rc == 2 and err.rstrip().endswith("iter_XXXXXXX or release folder"), err

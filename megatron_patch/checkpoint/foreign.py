@@ -190,9 +190,22 @@ def _locate(path: Path, iteration: int | None, verify: bool = True) -> tuple[Pat
             raise UserError(f"{path} holds checkpoint files but is not inside an iter_XXXXXXX or release folder: "
                             "point at the folder that holds latest_checkpointed_iteration.txt")
         raise UserError(f"{path} is not a Megatron checkpoint: it has no {TRACKER_NAME}, iter_XXXXXXX or release "
-                        "folder")
+                        f"folder{_what_it_is_instead(path)}")
     latest, notes = latest_complete_iteration(path, _sound_iteration_problem if verify else checkpoint_problem)
     return path, iteration_dir(path, latest), latest, notes
+
+
+def _what_it_is_instead(path: Path) -> str:
+    """What a folder given as a checkpoint holds instead, where it is plain: a training run's folder (its model is in
+    final/, its checkpoints in checkpoint/) or an HF model folder (to convert first); the line said neither (the
+    newuser audit)."""
+    if (path / "checkpoint").is_dir() or (path / "final").is_dir():
+        return (f": it is a training run's folder (OUTPUT_BASEPATH); its exported model is {path / 'final'}, its "
+                f"checkpoints {path / 'checkpoint'}")
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return (f": it is a Hugging Face model folder; convert it first (mpatch convert hf2mcore --hf-dir {path} "
+                "--save-dir CKPT)")
+    return ""
 
 
 def _saved_args(obj) -> dict | None:
