@@ -201,3 +201,26 @@ def test_fp16_without_distributed_optimizer_resumes_after_a_kill_bit_for_bit(fp1
     fa, fb = read_tensors(fp16_run["out"] / "final" / "release"), read_tensors(out / "final" / "release")
     assert {t.dtype for t in fa.values()} == {torch.float16}
     assert all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("do", ["false", "true"])
+def test_a_checkpoint_before_the_first_successful_step_resumes(corpus, tmp_path, do):
+    """fp16's first steps overflow (its scale starts at 2^16); a checkpoint then held no Adam state (torch makes it at
+    the first step taken): without the distributed optimizer the resume refused it as "not written for this model",
+    with it the save was an internal error (the equiv2 audit). The killed and resumed run logs the whole run's steps."""
+    def args(out):
+        return _args(corpus, out, PR="fp16", DO=do, TRAIN_TOKENS_OR_ITERS=str(4 * GBS * SEQ),
+                     WARMUP_TOKENS_OR_ITERS=str(GBS * SEQ), SAVE_INTERVAL="1")
+
+    whole = launch(args(tmp_path / "whole"), {"MP_INJECT_FAULT": "overflow@1"})
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    killed = launch(args(tmp_path / "killed"), {"MP_INJECT_FAULT": "overflow@1,kill@2"})
+    assert killed.returncode != 0 and (tmp_path / "killed" / "checkpoint" / "iter_0000001").is_dir()
+    resumed = launch(args(tmp_path / "killed"), {})
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    a, b = _last_per_iteration(tmp_path / "whole"), _last_per_iteration(tmp_path / "killed")
+    assert a[1]["skipped"] and sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for i in a:
+        for key in ("loss", "grad_norm", "loss_scale", "skipped"):
+            assert a[i][key] == b[i][key], (i, key, a[i][key], b[i][key])

@@ -146,6 +146,55 @@ def _model_keys(models: list) -> list[str]:
     return ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
 
 
+def _torch_adams(optimizer):
+    """The torch Adam optimizers inside megatron-core's wrappers (the offload's keeps a state of its own)."""
+    import torch
+
+    for part in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(part, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            yield inner
+
+
+def _step_zero(group: dict, param):
+    import torch
+
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
+
+
+def start_adam_state(optimizer) -> None:
+    """Adam's state as its first step makes it (zero moments, step 0), where no step has succeeded yet: an fp16 run
+    whose first steps overflowed, saved then. torch makes the state lazily, so the save wrote a checkpoint without it,
+    which the resume refused as "not written for this model", and the distributed optimizer's save failed on the
+    missing step, an internal error (the equiv2 audit). The step that follows computes what it would have."""
+    import torch
+
+    for inner in _torch_adams(optimizer):
+        if any(inner.state.values()):
+            continue  # it has stepped: its state is whole
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                state["step"] = _step_zero(group, p)
+                for name in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ()):
+                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _steps_of_zero_restored(saved_optimizer: dict) -> None:
+    """megatron-core saves no common Adam step of 0 (``if step:``), so a checkpoint of ``start_adam_state``'s state
+    held moments without a step, which torch's Adam refuses at load (a KeyError): step 0 put back, as it was."""
+    import torch
+
+    for table in _tables_in(saved_optimizer):
+        per_param = table.get("state")
+        if not isinstance(per_param, dict) or "common_step" in per_param:
+            continue
+        for entry in per_param.values():
+            if isinstance(entry, dict) and "exp_avg" in entry and "step" not in entry:
+                entry["step"] = torch.tensor(0.0)
+
+
 def _sharded_state(models: list, optimizer, is_loading: bool) -> dict:
     """Each chunk's sharded state dict under its Megatron-LM key; the optimizer's built from all of them.
 
@@ -292,6 +341,7 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler, side_files: Si
     start = time.time()
     with _stop_on_write_error(final, tmp, rank):
         _param_gather_hooks(cfg, models, enable=False)
+        start_adam_state(optimizer)
         state = _sharded_state(models, optimizer, is_loading=False)
         state.update(scheduler=scheduler.state_dict(), iteration=iteration,
                      consumed_samples=iteration * cfg.global_batch_size)
@@ -537,6 +587,7 @@ def load(cfg, iteration: int, models: list, optimizer, scheduler) -> int:
                             "MP_LORA_* settings the run was started with")
     _take_the_launch_schedule(state["optimizer"], cfg)
     _check_adam_steps(state["optimizer"], iteration, folder)
+    _steps_of_zero_restored(state["optimizer"])
     _load_with_the_launch_hyperparameters(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     saved = read_train_state(folder)
