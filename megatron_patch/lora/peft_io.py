@@ -200,6 +200,16 @@ def _match_adapters(lora: dict, every: list[Site], arch: Arch, where: str, spec:
             raise UserError(f"{where}: {module}'s adapter on {name.rpartition('.')[2]} has A {tuple(a.shape)} and B "
                             f"{tuple(b.shape)}, which do not stack {n} experts: the adapter was made for another base model")
         check(name, a[:rank], b[:, :rank], ad0.in_features, sum(ad0.rows), f"{name} (expert 0)")
+        # as _as_configured for modules: peft builds the experts' adapters from target_parameters and the rank the
+        # config gives, then loads the file; these were taken as the file had them (the lora audit: logits 0.15 off
+        # peft's where target_parameters left the experts out)
+        if not any(name == t or name.endswith("." + t) for t in config_params):
+            raise UserError(f"{where}: holds an adapter on {name}, which its adapter_config.json's target_parameters "
+                            f"({config_params!r}) do not name: peft would not load it; fix the config or the file")
+        if rank != spec.rank_alpha(name)[0]:
+            raise UserError(f"{where}: {name}'s adapter has rank {rank}, but its adapter_config.json gives it rank "
+                            f"{spec.rank_alpha(name)[0]} (r, rank_pattern): peft refuses it (a size mismatch); fix "
+                            "the config or the file")
         b3 = b.reshape(b.shape[0], rank, n)
         for e, (s, ad) in enumerate(sorted(group, key=lambda g: g[1].expert)):
             out[ad.key_a] = a[e * rank:(e + 1) * rank].contiguous()
