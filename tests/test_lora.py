@@ -1167,3 +1167,49 @@ def test_modules_to_save_a_checkpoint_never_saved_are_one_line(tmp_path):
     spec = LoraSpec(rank=2, alpha=4.0, targets=("qkv",), modules_to_save=("lm_head",))
     with pytest.raises(UserError, match="holds no output_layer.weight, which its record's modules_to_save names"):
         stored_saved_tensors(tmp_path / "ck", arch, spec)
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda c: c.pop("target_parameters"), "which its adapter_config.json's target_parameters"),
+    (lambda c: c.update(target_parameters=["mlp.experts.down_proj"]), "gate_up_proj, which its adapter_config.json's"),
+    (lambda c: c.update(rank_pattern={"mlp.experts.gate_up_proj": 6, "mlp.experts.down_proj": 6}),
+     "gives it rank 6 (r, rank_pattern): peft refuses it"),
+], ids=["no-target-parameters", "down-only", "expert-rank"])
+def test_routed_expert_adapters_are_held_to_their_config(lora_models, tmp_path, capsys, edit, said):
+    """Stacked routed-expert adapters were taken as the file had them, whatever adapter_config.json said: a config
+    without target_parameters (peft builds no expert adapters) gave MCore logits 0.15 off peft's, and another rank
+    in rank_pattern (peft refuses the folder) was accepted (the lora audit). Refused as for plain modules."""
+    adapter = tmp_path / "peft"
+    shutil.copytree(lora_models["adapters"]["qwen2_moe"], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    edit(config)
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    hf = lora_models["hf"]["qwen2_moe"]
+    capsys.readouterr()  # what making the models printed
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir",
+                      str(tmp_path / "out"), "--peft-dir", str(adapter), "--quiet")
+    assert rc == 2 and said in err and err.count("\n") == 1, err
+
+
+def test_the_dry_run_refuses_a_lora_export_whose_base_moved(imported_lora, corpus, tmp_path, capsys, monkeypatch):
+    """A LoRA checkpoint given as PRETRAIN_CHECKPOINT_PATH to continue from names its base; moved, the dry run planned
+    the run ("would start afresh", exit 0) and the ranks refused it (the lora audit). The dry run refuses it as the
+    launch does, saying where to put the base back (no launcher option names another)."""
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from tests.training_helpers import launcher_args
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(imported_lora, ckpt)
+    sidecar = ckpt / "mpatch_checkpoint.json"
+    data = json.loads(sidecar.read_text())
+    data["lora"]["base"] = {"path": str(tmp_path / "gone"), "digest": "sha256-files-3:0123456789abcdef"}
+    sidecar.write_text(json.dumps(data))
+    write_manifest(ckpt, "edited")
+    args = launcher_args("llama3_1", MODEL_SIZE="auto", PRETRAIN_CHECKPOINT_PATH=str(ckpt),
+                         DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(tmp_path / "run"))
+    for name, value in {"MP_DRY_RUN": "1", "MP_LORA_RANK": "3", "MP_LORA_ALPHA": "6", "MP_LORA_TARGETS": "qkv"}.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    rc, err = run_cli(capsys, "train", "llama3_1", *args)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"which is not there: put that checkpoint back at {tmp_path / 'gone'}" in err, err

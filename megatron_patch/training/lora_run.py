@@ -133,6 +133,7 @@ def check_lora_launch(cfg, resumed: Path | None) -> None:
         raise UserError("LoRA trains adapters on a base model: give its converted checkpoint as "
                         "PRETRAIN_CHECKPOINT_PATH (mpatch convert hf2mcore)")
     if resumed is None:
+        cfg_base(cfg)  # a LoRA export given to continue from names its base: moved, refused here, not by the ranks
         return
     folder = resumed
     lora = read_sidecar(folder, release=False).lora
@@ -147,7 +148,8 @@ def cfg_base(cfg) -> Path:
     sidecar = open_checkpoint(cfg.pretrain_checkpoint, verify=not cfg.no_verify).sidecar
     lora = sidecar.lora or {}
     if lora.get("base"):
-        return find_base(lora["base"], None, cfg.pretrain_checkpoint, "a PRETRAIN_CHECKPOINT_PATH converted from the base")
+        # no launcher option names another base: the record's own place is the way on (find_base says so)
+        return find_base(lora["base"], None, cfg.pretrain_checkpoint, None)
     return Path(cfg.pretrain_checkpoint)
 
 
