@@ -1213,3 +1213,21 @@ def test_the_dry_run_refuses_a_lora_export_whose_base_moved(imported_lora, corpu
     rc, err = run_cli(capsys, "train", "llama3_1", *args)
     assert rc == 2 and err.count("\n") == 1, err
     assert f"which is not there: put that checkpoint back at {tmp_path / 'gone'}" in err, err
+
+
+def test_the_same_targets_in_another_order_are_the_same_adapters(lora_models, lora_bases, corpus, tmp_path):
+    """MP_LORA_TARGETS=proj,qkv,fc1,fc2 beside an MP_LORA_INIT adapter of qkv,proj,fc1,fc2, and a resume relaunched
+    with the targets reordered, were refused as other adapters (the lora audit)."""
+    from megatron_patch.training.run_state import _lora_change
+    from megatron_patch.training.validation import resolve
+    from tests.training_helpers import launcher_args
+
+    args = launcher_args("llama3_1", MODEL_SIZE="auto", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(tmp_path),
+                         PRETRAIN_CHECKPOINT_PATH=str(lora_bases["bases"]["llama3_1"]))
+    adapter = str(lora_models["adapters"]["llama3_1"])
+    cfg = resolve("llama3_1", args, env={"MP_LORA_INIT": adapter})
+    reordered = ",".join(reversed(cfg.lora["targets"]))
+    assert resolve("llama3_1", args, env={"MP_LORA_INIT": adapter, "MP_LORA_TARGETS": reordered}).lora == cfg.lora
+    then = {"lora": {**cfg.lora, "targets": list(reversed(cfg.lora["targets"]))}}
+    assert _lora_change(then, {"lora": cfg.lora}) is None
+    assert _lora_change({"lora": {**then["lora"], "rank": cfg.lora["rank"] + 1}}, {"lora": cfg.lora}) is not None

@@ -64,7 +64,9 @@ def lora_from_options(options, arch, checkpoint: str | None) -> tuple[dict | Non
         asked = {"MP_LORA_RANK": (rank or None, spec.rank), "MP_LORA_ALPHA": (alpha, spec.alpha),
                  "MP_LORA_TARGETS": (targets, spec.targets)}
         for name, (value, have) in asked.items():
-            if value is not None and value != have:
+            # the same targets in another order are the same adapters (the lora audit: refused)
+            same = value is not None and (set(value) == set(have) if name == "MP_LORA_TARGETS" else value == have)
+            if value is not None and not same:
                 shown = ",".join(have) if isinstance(have, tuple) else f"{have:g}"
                 raise UserError(f"{name}={options.raw(name)} disagrees with the adapter of {source} ({shown}): leave "
                                 f"{name} unset to continue that adapter")

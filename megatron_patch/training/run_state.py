@@ -283,8 +283,9 @@ def _lora_change(then: dict, now: dict) -> tuple[str, str] | None:
     adapters are (anything but their dropout, which a resumed run may change); None where they agree."""
     if "lora" not in then:
         return None
-    old, new = ({k: v for k, v in spec.items() if k != "dropout"} if isinstance(spec, dict) else spec
-                for spec in (then["lora"], now["lora"]))
+    # dropout aside (a resumed run may change it), and targets in any order (the same adapters: the lora audit)
+    old, new = ({k: (sorted(v) if k == "targets" and isinstance(v, (list, tuple)) else v) for k, v in spec.items()
+                 if k != "dropout"} if isinstance(spec, dict) else spec for spec in (then["lora"], now["lora"]))
     if old == new:
         return None
     return _lora_shown(then["lora"]), _lora_shown(now["lora"])
