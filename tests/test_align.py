@@ -1051,3 +1051,17 @@ def test_a_capture_is_a_copy_even_when_the_output_is_changed_in_place_later():
         expected = out.transpose(0, 1).clone()
         out.add_(1.0)
     assert torch.equal(store["layers.0.mlp"], expected)
+
+
+def test_peft_dir_without_peft_is_refused_before_the_models_load(tmp_path, capsys, monkeypatch):
+    """align --peft-dir without peft installed stopped 13-33 s in, after the HF model loaded (the newuser audit)."""
+    import importlib.util
+
+    import megatron_patch.align.alignment as alignment
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    monkeypatch.setattr(alignment, "run_alignment", lambda *a, **k: pytest.fail("the alignment ran"))
+    rc = main(["align", "--hf-dir", str(tmp_path / "hf"), "--peft-dir", str(tmp_path / "peft"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--peft-dir compares against peft's own model of the adapter: pip install peft" in err, err
