@@ -234,7 +234,8 @@ GENERATION_SETTINGS = frozenset({"until", "max_gen_toks", "max_new_tokens", "max
 
 def unsupported_generation_settings(gen_kwargs: dict) -> list[str]:
     """The settings of ``gen_kwargs`` that mpatch eval would not apply (num_beams 1 is greedy search: applied)."""
-    return sorted(k for k, v in gen_kwargs.items() if k not in GENERATION_SETTINGS and not (k == "num_beams" and v == 1))
+    return sorted(k for k, v in gen_kwargs.items()
+                  if k not in GENERATION_SETTINGS and not (k == "num_beams" and v == 1))
 
 
 def check_generation_settings(task_dict: dict) -> None:

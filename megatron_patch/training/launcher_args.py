@@ -60,7 +60,8 @@ class Launcher:
         return None if said is None else said.moe_balancing
 
     def trains_as_pai(self, family: str) -> bool:
-        """Whether this is Pai's script for ``family``, whose line passes Pai's MoE settings whatever config.json says."""
+        """Whether this is Pai's script for ``family``, whose line passes Pai's MoE settings whatever config.json
+        says."""
         return self._pai_record(family) is not None
 
     def _pai_record(self, family: str) -> PaiLauncher | None:
