@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import hashlib
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -309,6 +310,10 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=False)
 
+    def id_tokens(self) -> dict[int, str]:
+        """Every id of tokenizer.json's vocabulary (added tokens too) and its token."""
+        return {i: token for token, i in self._file.get_vocab(with_added_tokens=True).items()}
+
 
 class TiktokenTokenizer:
     """A tiktoken BPE ranks file (base64 token, rank per line). Its special tokens and EOD are those the
@@ -324,6 +329,7 @@ class TiktokenTokenizer:
         self.path = path
         self.chat_template = None
         special, self.eod = _tiktoken_specials(path, len(ranks), max(ranks.values()) + 1)
+        self._ranks, self._special = ranks, special
         try:
             self._enc = tiktoken.Encoding(name=path.name, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
                                           special_tokens=special)
@@ -336,6 +342,20 @@ class TiktokenTokenizer:
 
     def decode(self, ids) -> str:
         return self._enc.decode(list(map(int, ids)))
+
+    def id_tokens(self) -> dict[int, bytes | str]:
+        """Every rank's id and its bytes, and the special tokens' ids and texts."""
+        return {**{i: token for token, i in self._ranks.items()}, **{i: name for name, i in self._special.items()}}
+
+
+def vocabulary_digest(tokenizer) -> str:
+    """sha256 over ``tokenizer``'s ids and the token each stands for: equal exactly where every id means the same
+    token, whatever else of the folder differs (its chat template, config.json), which is what ids already
+    tokenized need of the tokenizer a run reads them with."""
+    digest = hashlib.sha256()
+    for i, token in sorted(tokenizer.id_tokens().items()):
+        digest.update(f"{i}\t{token!r}\n".encode())
+    return digest.hexdigest()
 
 
 def _tiktoken_specials(path: Path, ranks: int, after: int) -> tuple[dict[str, int], int]:

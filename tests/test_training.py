@@ -71,7 +71,9 @@ def test_preprocess_round_trip_and_bad_lines(corpus, tmp_path, capsys):
 def test_preprocess_tiktoken_file_round_trip(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_patch.tokenizer import load_tokenizer
+    from megatron_patch.checkpoint_files.manifest import read_manifest
+    from megatron_patch.tokenizer import load_tokenizer, vocabulary_digest
+    from megatron_patch.training.data_files import manifest_path
     from megatron_patch.training.preprocess import preprocess
 
     bpe = make_tiktoken_file(tmp_path / "tiny.tiktoken", [b"th", b"the", b" the", b"in", b"ing"])
@@ -84,6 +86,14 @@ def test_preprocess_tiktoken_file_round_trip(tmp_path):
     assert [tok.decode(ds[i][:-1]) for i in range(2)] == texts
     assert 258 in ds[0].tolist()  # the merges were used, " the"
     assert report.tokens < sum(len(t.encode()) for t in texts) + 2
+    # the manifest records the file's vocabulary: the same merges in another order are another tokenizer
+    record = read_manifest(manifest_path(report.output_prefix))["tokenizer"]
+    assert record == {"path": str(bpe.resolve()), "vocabulary_sha256": vocabulary_digest(tok), "ids": 262,
+                      "end_of_document": {"id": 261, "token": "<|endoftext|>"}}
+    reordered = make_tiktoken_file(tmp_path / "reordered.tiktoken", [b"in", b"ing", b"th", b"the", b" the"])
+    assert vocabulary_digest(load_tokenizer(reordered)) != record["vocabulary_sha256"]
+    assert vocabulary_digest(load_tokenizer(make_tiktoken_file(tmp_path / "same.tiktoken", [
+        b"th", b"the", b" the", b"in", b"ing"]))) == record["vocabulary_sha256"]
 
 
 def test_a_tiktoken_file_ends_documents_with_the_eos_its_folder_names(tmp_path):
@@ -424,6 +434,80 @@ def test_a_prefix_without_one_sample_in_a_list_without_weights_is_refused(corpus
     with pytest.raises(UserError, match=r"its MP_SPLIT=90,10,0 validation share holds 74 tokens: not one sample"):
         ten = _prefixes(corpus, tmp_path, ten=slice(300, 310))["ten"]  # one document held out: 74 tokens
         check({"MP_SPLIT": "90,10,0"}, DATASET_PATH=f"{made['big']} {ten}", SEQ_LEN="128")
+
+
+def _swapped_tokenizer(base: Path, folder: Path, eos: str | None = None) -> Path:
+    """``base``'s tokenizer with two merged tokens' ids swapped (the same size, other ids: another tokenizer), or
+    with ``eos``, its vocabulary untouched, as the end-of-document token."""
+    shutil.copytree(base, folder)
+    if eos is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "bos_token": "<s>"}))
+        return folder
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def test_data_preprocessed_with_another_tokenizer_of_the_same_size_is_refused(corpus, tmp_path, monkeypatch,
+                                                                               capsys):
+    """Its ids stand for other tokens, which the vocabulary's size (all the launch checked) does not show: the
+    model trained on other text than the corpus without a word. The manifest records the tokenizer's vocabulary;
+    the launch compares it with the run's tokenizer (MP_TOKENIZER, else the checkpoint's) and refuses another."""
+    from megatron_patch.checkpoint_files.manifest import read_manifest
+    from megatron_patch.training.data_files import check_data_settings, check_training_data, manifest_path
+    from megatron_patch.training.preprocess import preprocess
+    from megatron_patch.training.validation import resolve
+
+    swapped = _swapped_tokenizer(Path(corpus["tok"]), tmp_path / "swapped")
+    write_jsonl(tmp_path / "part.jsonl", [{"text": t} for t in corpus["texts"][:300]])
+    ours = preprocess(tmp_path / "part.jsonl", str(tmp_path / "ours"), corpus["tok"], progress=False).output_prefix
+    other = preprocess(tmp_path / "part.jsonl", str(tmp_path / "other"), swapped, progress=False).output_prefix
+
+    def notes(prefix, tokenizer=corpus["tok"], check=check_data_settings):
+        env = {"MP_TOKENIZER": str(tokenizer)} if tokenizer else {}
+        return check(resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", DATASET_PATH=prefix), env=env))
+
+    assert notes(ours) == [] and notes(other, swapped) == []
+    for check in (check_data_settings, check_training_data):  # the dry run's check and the launch's
+        with pytest.raises(UserError, match=rf"^{other} was preprocessed with the tokenizer of {swapped}, whose ids "
+                                            rf"stand for other tokens than those of MP_TOKENIZER {corpus['tok']} "
+                                            r"\(both \d+ ids\): the model would train on other text"):
+            notes(other, check=check)
+    with pytest.raises(UserError, match=rf"^{ours} was preprocessed .* than those of MP_TOKENIZER {swapped}"):
+        notes(f"{other} {ours}", swapped)  # each prefix of a list; a validation prefix too
+    with pytest.raises(UserError, match=rf"^{other} was preprocessed"):
+        check_data_settings(resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", VALID_DATASET_PATH=other),
+                                    env={"MP_TOKENIZER": str(corpus["tok"])}))
+    # without a tokenizer to compare with, or without a record (another tool's data, an older mpatch's), a note
+    assert notes(other, None) == ["the data's tokenizer is not compared with the model's: the run has none (set "
+                                  "MP_TOKENIZER, or give a PRETRAIN_CHECKPOINT_PATH that carries tokenizer.json)"]
+    manifest = manifest_path(other)
+    recorded, unrecorded = manifest.read_text(), read_manifest(manifest)
+    del unrecorded["tokenizer"]
+    manifest.write_text(json.dumps(unrecorded))
+    assert notes(other) == [f"{other}: no record of the tokenizer the data was preprocessed with (another tool's "
+                            "data, or mpatch preprocess's before it kept one), so its ids are checked against the "
+                            "model's vocabulary size only"]
+    manifest.write_text(json.dumps({**unrecorded, "tokenizer": {"path": "x", "ids": "200"}}))
+    with pytest.raises(UserError, match=r"'tokenizer' record is malformed: the manifest is damaged"):
+        notes(other)
+    manifest.write_text(recorded)
+    # the same vocabulary with another end-of-document token: trains, with a note of what documents end with
+    eos = _swapped_tokenizer(Path(corpus["tok"]), tmp_path / "eos", eos="<s>")
+    assert notes(ours, eos) == [f"the documents of {ours} end with '</s>' (id 2), the end-of-document token of the "
+                                f"tokenizer it was preprocessed with; MP_TOKENIZER {eos} ends a document with '<s>' "
+                                "(id 1)"]
+    # the launcher's dry run shows the note; the launch refuses the other tokenizer's data before any rank starts
+    monkeypatch.setenv("MP_TOKENIZER", str(eos))
+    monkeypatch.setenv("MP_DRY_RUN", "1")
+    assert main(["train", "llama3_1", *_pretrain_args(corpus, tmp_path / "dry", DATASET_PATH=ours)]) == 0
+    assert f"note: the documents of {ours} end with '</s>'" in capsys.readouterr().out
+    monkeypatch.setenv("MP_DRY_RUN", "0")
+    assert main(["train", "llama3_1", *_pretrain_args(corpus, tmp_path / "run", DATASET_PATH=other)]) == 2
+    assert f"{other} was preprocessed with the tokenizer of {swapped}" in capsys.readouterr().err
 
 
 # --- pretraining at TP=2: the loss falls, and a resumed run is the same run ----------------------------

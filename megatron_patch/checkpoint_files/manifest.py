@@ -112,17 +112,22 @@ def digests(folder: str | Path, names: Iterable[str], *, sync: bool = True) -> d
 
 
 def write_manifest(folder: str | Path, tool: str, *, name: str = MANIFEST_NAME, files: dict[str, dict] | None = None,
-                   sync: bool = True, known: dict[str, dict] | None = None) -> Path:
+                   sync: bool = True, known: dict[str, dict] | None = None, records: dict | None = None) -> Path:
     """Write ``folder``'s manifest (``name``) listing every file under it (or ``files``, already hashed, e.g.
     by several ranks), named as written by ``tool``. Call it last, before the folder is published. ``known``:
-    entries of files hashed already, once complete (a converter's large files, hashed beside its copies)."""
+    entries of files hashed already, once complete (a converter's large files, hashed beside its copies).
+    ``records``: more of what the tool knows of its output, each under a key of its own (readers that do not know
+    a key pass it over, so a record can be added without a new manifest version)."""
     folder = Path(folder)
     if files is None:
         known = known or {}
         files = {**known, **digests(folder, [n for n in _files(folder, name) if n not in known], sync=sync)}
     # No time stamp: converting the same input twice gives the same bytes, manifest included.
-    data = {"manifest_version": MANIFEST_VERSION, "tool": tool, "versions": _tool_versions(), "digest": DIGEST,
-            "files": dict(sorted(files.items()))}
+    data = {"manifest_version": MANIFEST_VERSION, "tool": tool, "versions": _tool_versions(), "digest": DIGEST}
+    taken = sorted(set(records or ()) & {*data, "files"})
+    if taken:
+        raise ValueError(f"a manifest record cannot take the manifest's own keys {taken}")
+    data = {**data, **(records or {}), "files": dict(sorted(files.items()))}
     path = folder / name
     with open(path, "w") as f:
         f.write(json.dumps(data, indent=1) + "\n")

@@ -461,9 +461,11 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
             print(f"would start afresh from {start}: {cfg.checkpoint_dir} holds no checkpoint of this run", file=out,
                   flush=True)
     if not would:
-        check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
+        data_notes = check_training_data(cfg)  # once, here: the ranks of this launcher do not read it again
     else:
-        check_data_settings(cfg)  # the dry run reads the index, not every token
+        data_notes = check_data_settings(cfg)  # the dry run reads the index, not every token
+    for note in data_notes:
+        print(f"note: {note}", file=out, flush=True)
     return True
 
 
@@ -584,7 +586,8 @@ def _rank(launcher: str, argv: list[str]) -> int:
                                 f"launcher sets it; found {os.environ.get(k)!r}): export {k}={v} before torchrun")
             mark = register_rank(run_folder_identity(out))  # held until this rank ends, however it ends
             if LAUNCHER_PID not in os.environ and rank == 0:
-                check_training_data(cfg)  # a torchrun started by hand: no launcher has checked the data
+                for note in check_training_data(cfg):  # a torchrun started by hand: no launcher has checked the data
+                    print(f"note: {note}", flush=True)
         except UserError as exc:
             if _one_of_several_ranks(os.environ):  # the other ranks would wait for this one
                 # torch: a rank has it already; the launcher's own checks start without it

@@ -33,7 +33,8 @@ import numpy
 
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest, verify_manifest
 from megatron_patch.errors import UserError
-from megatron_patch.tokenizer import check_tokenizer_path, load_tokenizer
+from megatron_patch.tokenizer import check_tokenizer_path, load_tokenizer, vocabulary_digest
+from megatron_patch.training.preprocess import TOKENIZER_RECORD
 from megatron_patch.training.sft_records import record_groups
 from megatron_patch.training.sft_tokens import refuse_untrainable
 
@@ -345,16 +346,16 @@ def end_of_document(cfg) -> tuple[int, str]:
     return tokenizer.eod, tokenizer.decode([tokenizer.eod])
 
 
-def check_training_data(cfg) -> None:
+def check_training_data(cfg) -> list[str]:
     """Every mmap prefix a run reads (training, validation), before its first step: pretraining data, or with
-    SFT=true Pai's SFT idxmap; or each SFT JSON/JSONL file's records, for their shape."""
+    SFT=true Pai's SFT idxmap; or each SFT JSON/JSONL file's records, for their shape. Returns the notes to show."""
     if cfg.dataset_type == "raw":
         # the files build_sft_datasets reads, and whether any of their records trains a token (the ranks' own
         # refusal came after minutes of imports on each)
         tokenizer = load_tokenizer(cfg.tokenizer)
         for path in dict.fromkeys([cfg.dataset_path[0], *(cfg.valid_dataset_path or [])[:1]]):
             refuse_untrainable(path, record_groups(path), tokenizer, cfg.sample_length, cfg.sft_packing)
-        return
+        return []
     eod = end_of_document(cfg) if cfg.sft_packing and not cfg.sft else None  # the setting's own refusal first
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
         # The model's own vocabulary, not megatron's padded one: the loss masks the padding rows out.
@@ -362,16 +363,18 @@ def check_training_data(cfg) -> None:
             check_sft_idxmap(prefix, cfg.arch.vocab_size, cfg.sample_length)
         else:
             check_mmap_data(prefix, cfg.arch.vocab_size)
-    check_data_settings(cfg, eod)
+    return check_data_settings(cfg, eod)
 
 
-def check_data_settings(cfg, eod: tuple[int, str] | None = None) -> None:
+def check_data_settings(cfg, eod: tuple[int, str] | None = None) -> list[str]:
     """What the run's settings need of pretraining data, from its index and one token per document (the dry run
-    checks it too; the whole check reads every token): documents that end with the end-of-document token ``eod``
-    (found here when not given) where MP_SFT_PACKING keeps them apart, documents for each MP_SPLIT share, and a
-    sample in each prefix of a list without weights."""
+    checks it too; the whole check reads every token): ids of the run's tokenizer (``check_data_tokenizer``),
+    documents that end with the end-of-document token ``eod`` (found here when not given) where MP_SFT_PACKING keeps
+    them apart, documents for each MP_SPLIT share, and a sample in each prefix of a list without weights. Returns
+    the notes to show (what could not be checked)."""
     if cfg.sft or cfg.dataset_type == "raw":
-        return
+        return []
+    notes = check_data_tokenizer(cfg)
     if cfg.sft_packing and eod is None:
         eod = end_of_document(cfg)
     for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
@@ -383,3 +386,72 @@ def check_data_settings(cfg, eod: tuple[int, str] | None = None) -> None:
         check_unweighted_blend("DATASET_PATH", cfg.dataset_path, cfg.seq_len, cfg.split)
     if cfg.valid_dataset_path and cfg.valid_dataset_weights is None:
         check_unweighted_blend("VALID_DATASET_PATH", cfg.valid_dataset_path, cfg.seq_len, None)
+    return notes
+
+
+def check_data_tokenizer(cfg) -> list[str]:
+    """Pretraining data tokenized by the run's tokenizer (MP_TOKENIZER, else the checkpoint's), by the record
+    ``mpatch preprocess`` keeps in each prefix's manifest: another tokenizer's ids stand for other tokens, which the
+    vocabulary's size alone does not show (Llama-3 and a Llama-3 derivative with other merges both have 128256
+    ids), and the model would train on other text than the corpus. Refused in one line; returns notes for what
+    cannot be compared (data without a record, a run without a tokenizer) and for documents that end with another
+    end-of-document token than the run's tokenizer's."""
+    records, unrecorded = {}, []
+    for prefix in dict.fromkeys(cfg.dataset_path + (cfg.valid_dataset_path or [])):
+        record = _tokenizer_record(prefix)
+        if record is None:
+            unrecorded.append(prefix)
+        else:
+            records[prefix] = record
+    notes = []
+    if unrecorded:
+        more = f" and {len(unrecorded) - 2} more" if len(unrecorded) > 2 else ""
+        notes.append(f"{', '.join(unrecorded[:2])}{more}: no record of the tokenizer the data was preprocessed with "
+                     "(another tool's data, or mpatch preprocess's before it kept one), so its ids are checked against "
+                     "the model's vocabulary size only")
+    tokenizer = run_tokenizer(cfg) if records else None
+    if records and tokenizer is None:
+        notes.append("the data's tokenizer is not compared with the model's: the run has none (set MP_TOKENIZER, or "
+                     "give a PRETRAIN_CHECKPOINT_PATH that carries tokenizer.json)")
+    if tokenizer is None:
+        return notes
+    digest = vocabulary_digest(tokenizer)
+    source = (f"MP_TOKENIZER {cfg.tokenizer}" if cfg.tokenizer else
+              f"the tokenizer of PRETRAIN_CHECKPOINT_PATH {cfg.pretrain_checkpoint}")
+    for prefix, record in records.items():
+        if record["vocabulary_sha256"] != digest:
+            sizes = (f"both {tokenizer.vocab_size} ids" if record["ids"] == tokenizer.vocab_size else
+                     f"{record['ids']} ids against {tokenizer.vocab_size}")
+            raise UserError(f"{prefix} was preprocessed with the tokenizer of {record['path']}, whose ids stand for "
+                            f"other tokens than those of {source} ({sizes}): the model would train on other text "
+                            "than the corpus; preprocess it with the model's tokenizer (mpatch preprocess "
+                            "--tokenizer), or set MP_TOKENIZER to the model's if the run's is not")
+        ends = record["end_of_document"]
+        if ends is not None and ends["id"] != tokenizer.eod:
+            notes.append(f"the documents of {prefix} end with {ends['token']!r} (id {ends['id']}), the "
+                         f"end-of-document token of the tokenizer it was preprocessed with; {source} ends a document "
+                         f"with {tokenizer.decode([tokenizer.eod])!r} (id {tokenizer.eod})")
+    return notes
+
+
+def _tokenizer_record(prefix: str) -> dict | None:
+    """The tokenizer record of ``prefix``'s manifest (``preprocess.tokenizer_record``), checked for shape (the
+    manifest is untrusted input), or None where there is no manifest or it keeps none."""
+    manifest = manifest_path(prefix)
+    if not manifest.is_file():
+        return None
+    record = read_manifest(manifest).get(TOKENIZER_RECORD)
+    if record is None:
+        return None
+    ends = record.get("end_of_document") if isinstance(record, dict) else None
+    if not (isinstance(record, dict) and isinstance(record.get("path"), str)
+            and isinstance(record.get("vocabulary_sha256"), str) and _is_int(record.get("ids"))
+            and (ends is None or isinstance(ends, dict) and _is_int(ends.get("id"))
+                 and isinstance(ends.get("token"), str))):
+        raise UserError(f"{manifest}: its '{TOKENIZER_RECORD}' record is malformed: the manifest is damaged; "
+                        "preprocess the data again")
+    return record
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

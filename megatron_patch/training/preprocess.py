@@ -52,7 +52,7 @@ from megatron_patch.outputs.lock import OutputLock
 from megatron_patch.runtime.launch import die_with_parent
 from megatron_patch.training.compressed_files import (COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, decompressing_command,
                                                        open_decompressed, plain_name, unnamed_compression)
-from megatron_patch.tokenizer import load_tokenizer
+from megatron_patch.tokenizer import load_tokenizer, vocabulary_digest
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -76,6 +76,10 @@ TEXT_SUFFIXES = (".jsonl", ".json")
 # Where stderr is not a terminal (a batch job's log file), a progress line this often instead of a bar.
 PROGRESS_LOG_SECONDS = 30.0
 UTF8_BOM = b"\xef\xbb\xbf"
+
+# The manifest's record of the tokenizer the pair's ids come from (``tokenizer_record``); data written before it
+# was kept has none, and is read as before.
+TOKENIZER_RECORD = "tokenizer"
 
 _TOKENIZER = None
 _DTYPE = None
@@ -289,15 +293,25 @@ def check_output_outside_input(input_path: str | Path, output_prefix: str) -> No
                         f"is read as corpus: choose a prefix outside it, such as {folder.parent / Path(output_prefix).name}")
 
 
-def _seal(tmp: Path, prefix: str) -> None:
-    """The two finished files in ``tmp`` made durable, and their manifest written beside them: every byte of the
-    output, so that only renames are left (``_rename_into_place``)."""
+def tokenizer_record(tokenizer, tokenizer_path: str | Path, append_eod: bool) -> dict:
+    """What the data's manifest keeps of the tokenizer its ids come from (``TOKENIZER_RECORD``), for the launch to
+    compare with the run's (``data_files.check_data_tokenizer``): the ids' meaning (``vocabulary_digest``), the
+    end-of-document token each document ends with (None without one), and where the tokenizer was."""
+    ends = {"id": tokenizer.eod, "token": tokenizer.decode([tokenizer.eod])} if append_eod else None
+    return {"path": str(Path(tokenizer_path).resolve()), "vocabulary_sha256": vocabulary_digest(tokenizer),
+            "ids": tokenizer.vocab_size, "end_of_document": ends}
+
+
+def _seal(tmp: Path, prefix: str, tokenizer: dict) -> None:
+    """The two finished files in ``tmp`` made durable, and their manifest written beside them (with the
+    ``tokenizer`` record): every byte of the output, so that only renames are left (``_rename_into_place``)."""
     files = {}
     for name in (Path(prefix + suffix).name for suffix in (".bin", ".idx")):
         size, digest = digest_file(tmp / name)
         fsync_file(tmp / name)
         files[name] = {"size": size, DIGEST: digest}
-    write_manifest(tmp, "mpatch preprocess", name=_manifest_path(prefix).name, files=files)
+    write_manifest(tmp, "mpatch preprocess", name=_manifest_path(prefix).name, files=files,
+                   records={TOKENIZER_RECORD: tokenizer})
 
 
 def _rename_into_place(tmp: Path, prefix: str) -> None:
@@ -359,12 +373,12 @@ def preprocess_keys(input_path: str | Path, output_prefix: str, tokenizer_path: 
                 tmp.mkdir()  # a new folder, not one found at the name
                 held.callback(shutil.rmtree, tmp, ignore_errors=True)
                 partials.append(tmp)
-        reports = []
+        reports, record = [], tokenizer_record(tokenizer, tokenizer_path, append_eod)
         for key, prefix, tmp in zip(json_keys, prefixes, partials):
             with full_disk_is_bad_input(f"{prefix}.bin/.idx", "--output-prefix"):
                 reports.append(_preprocess(files, prefix, tmp, tokenizer, tokenizer_path, key, workers, append_eod,
                                            strict, progress, max_line_bytes))
-                _seal(tmp, prefix)
+                _seal(tmp, prefix, record)
         for prefix, tmp in zip(prefixes, partials):  # renames only: every byte is written by now
             _rename_into_place(tmp, prefix)
         return reports
