@@ -133,6 +133,43 @@ def test_peft_rules_for_rank_alpha_layers_and_rslora(lora_models):
     assert {r for r, _ in ours.values()} == {2, 3, 5}
 
 
+def test_a_module_named_in_full_takes_its_adapter_outside_layers_to_transform(lora_models, tmp_path):
+    """peft applies layers_to_transform to the modules target_modules names by their last parts only: one named in
+    full (or by a regular expression) takes its adapter in any layer. Such an adapter, saved by peft and loaded by
+    it, was refused as "outside its adapter_config.json's layers_to_transform"."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    from megatron_patch.errors import UserError
+
+    hf = lora_models["hf"]["llama3_1"]
+    full_name = "model.layers.0.mlp.down_proj"
+    peft_model = get_peft_model(load_hf(hf), LoraConfig(r=3, lora_alpha=5, layers_to_transform=[1],
+                                                        target_modules=["q_proj", full_name]))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    arch = parse_arch(hf)
+    spec, tensors, _ = read_peft_adapter(tmp_path / "peft", arch)
+    ours = {a.name for s in plan_sites(arch, spec) for a in s.adapters}
+    model = PeftModel.from_pretrained(load_hf(hf), str(tmp_path / "peft"))
+    theirs = {name.removeprefix("base_model.model.") for name, m in model.named_modules()
+              if hasattr(m, "lora_A") and "default" in m.lora_A}
+    assert ours == theirs == {"model.layers.1.self_attn.q_proj", full_name}
+    assert set(peft_tensors(plan_sites(arch, spec), tensors)) == set(load_file(tmp_path / "peft"
+                                                                              / "adapter_model.safetensors"))
+    # the same module named by its last parts stays within layers_to_transform, as in peft
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "down_proj"]
+    (tmp_path / "peft" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=rf"holds an adapter on {full_name}, outside its adapter_config.json's "
+                                        r"layers_to_transform \[1\]"):
+        read_peft_adapter(tmp_path / "peft", arch)
+
+
 @pytest.mark.parametrize("family, expert_module, projections", [
     ("mixtral", "block_sparse_moe.experts.{e}", ("w1", "w3", "w2")),
     ("qwen3_moe", "mlp.experts.{e}", ("gate_proj", "up_proj", "down_proj")),
@@ -329,6 +366,11 @@ def _one_line(err: str) -> str:
     ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number, found nan"),
     ({"lora_alpha": float("inf")}, "lora_alpha must be a finite number, found inf"),
     ({"alpha_pattern": {"q_proj": float("inf")}}, "alpha_pattern['q_proj'] must be a positive finite number, found inf"),
+    # malformed target lists were internal errors (a TypeError)
+    ({"target_modules": [{"a": 1}]}, "target_modules must be a regular expression or a list of module names"),
+    ({"target_modules": 5}, "target_modules must be a regular expression or a list of module names, found 5"),
+    ({"target_modules": "q_proj("}, "target_modules 'q_proj(' is not a regular expression"),
+    ({"target_parameters": "experts"}, "target_parameters must be a list of parameter names, found experts"),
 ])
 def test_unsupported_peft_configs_are_refused(lora_models, tmp_path, capsys, edit, message):
     adapter = tmp_path / "a"

@@ -282,19 +282,27 @@ def _as_configured(config: dict, spec: LoraSpec, where: str):
     layers_to_transform) and refuses another rank (a size mismatch). Merging them would not be peft's model."""
     targets = config.get("target_modules")
 
-    def targeted(name: str) -> bool:
+    def names_of(name: str) -> set[str]:
         # under either class's names (_language_model_names): the config names modules as the file does
-        names = {name, "model." + name[len(LANGUAGE_MODEL):] if name.startswith(LANGUAGE_MODEL) else name}
+        return {name, "model." + name[len(LANGUAGE_MODEL):] if name.startswith(LANGUAGE_MODEL) else name}
+
+    def targeted(name: str) -> bool:
         if isinstance(targets, str):  # a regular expression over the whole name, or peft's shorthand
-            return targets == "all-linear" or any(re.fullmatch(targets, n) for n in names)
-        return any(n == t or n.endswith("." + t) for n in names for t in targets or ())
+            return targets == "all-linear" or any(re.fullmatch(targets, n) for n in names_of(name))
+        return any(n == t or n.endswith("." + t) for n in names_of(name) for t in targets or ())
+
+    def by_last_parts(name: str) -> bool:
+        """peft applies layers_to_transform only to a module a list names by its last parts, not to one it names
+        in full or a regular expression matches (``check_target_module_exists``)."""
+        return not isinstance(targets, str) and not names_of(name) & set(targets or ())
 
     def check(name: str, rank: int) -> None:
         if not targeted(name):
             raise UserError(f"{where}: holds an adapter on {name}, which its adapter_config.json does not target "
                             f"(target_modules {targets!r}): peft would not load it; fix the config or the file")
         layer = _LAYER.search(name)
-        if spec.layers is not None and layer is not None and int(layer.group(1)) not in spec.layers:
+        if (spec.layers is not None and layer is not None and int(layer.group(1)) not in spec.layers
+                and by_last_parts(name)):
             raise UserError(f"{where}: holds an adapter on {name}, outside its adapter_config.json's "
                             f"layers_to_transform {list(spec.layers)}: peft would not load it; fix the config or the file")
         configured = spec.rank_alpha(name)[0]

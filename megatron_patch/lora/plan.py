@@ -277,7 +277,9 @@ def _adapters(rule: Rule, spec: LoraSpec, layer: int, expert, names, parts, want
             return []
         rank, alpha = spec.rank_alpha(name)
         return [Adapter(name, expert, rank, alpha, parts[0][1], tuple(range(len(parts))), tuple(p[0] for p in parts))]
-    if spec.layers is not None and layer not in spec.layers:
+    # layers_to_transform picks the layers of a spec's targets; an imported adapter's modules are exact names,
+    # checked against its config as peft reads it (peft_io._as_configured: a module named in full is in any layer)
+    if spec.layers is not None and wanted is None and layer not in spec.layers:
         return []
     out = []
     for i, (hf_name, part) in enumerate(zip(names, parts)):

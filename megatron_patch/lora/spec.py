@@ -179,6 +179,19 @@ def spec_from_peft_config(data: dict, where: str) -> LoraSpec:
     rank = number("r", int, 8)
     if rank < 1:
         raise UserError(f"{where}: r must be >= 1, found {rank}")
+    # peft's forms (a malformed one was an internal error): target_modules a regular expression or a list of names,
+    # target_parameters a list of names
+    modules, parameters = data.get("target_modules"), data.get("target_parameters")
+    if not (modules is None or isinstance(modules, str) or _strings(modules)):
+        raise UserError(f"{where}: target_modules must be a regular expression or a list of module names, "
+                        f"found {str(modules)[:80]}")
+    if isinstance(modules, str) and modules != "all-linear":
+        try:
+            re.compile(modules)
+        except re.error as exc:
+            raise UserError(f"{where}: target_modules {modules[:80]!r} is not a regular expression ({exc})")
+    if not (parameters is None or _strings(parameters)):
+        raise UserError(f"{where}: target_parameters must be a list of parameter names, found {str(parameters)[:80]}")
     patterns = {}
     for key, kind in (("rank_pattern", int), ("alpha_pattern", float)):
         raw = data.get(key) or {}
