@@ -616,6 +616,18 @@ def test_launcher_lora_settings_are_checked_in_one_line(lora_models, tmp_path, c
             monkeypatch.setenv(k, v)
         assert main(["train", "llama3_1", *args]) == 2, env
         assert message in _one_line(capsys.readouterr().err), env
+    # the dry run lists the adapter's rank, alpha and targets, which train (it said MP_LORA_RANK 0: full fine-tuning)
+    monkeypatch.delenv("MP_LORA_RANK")
+    monkeypatch.setenv("MP_LORA_DROPOUT", "0.25")
+    monkeypatch.setenv("MP_LORA_INIT", str(lora_models["adapters"]["llama3_1"]))
+    monkeypatch.setenv("MP_DRY_RUN", "json")
+    assert main(["train", "llama3_1", *args]) == 0
+    options = json.loads(capsys.readouterr().out)["options"]
+    assert {k: options[k]["value"] for k in ("MP_LORA_RANK", "MP_LORA_ALPHA", "MP_LORA_TARGETS", "MP_LORA_DROPOUT")} \
+        == {"MP_LORA_RANK": "3 (MP_LORA_INIT's adapter)", "MP_LORA_ALPHA": "5 (MP_LORA_INIT's adapter)",
+            "MP_LORA_TARGETS": "qkv,proj,fc1,fc2 (MP_LORA_INIT's adapter)", "MP_LORA_DROPOUT": "0.25"}
+    monkeypatch.delenv("MP_DRY_RUN")
+    monkeypatch.delenv("MP_LORA_DROPOUT")
     # LoRA with FP8 runs (the frozen base's GEMMs in float8: transformer-engine's or torchao's, docs/fp8.md) and, as any
     # LoRA run, needs its base checkpoint (a dry run plans without one)
     monkeypatch.delenv("MP_LORA_INIT")

@@ -818,6 +818,15 @@ def dry_run_options(cfg, env: dict) -> dict:
         else:
             value = option.default_text() or "unset"
         out[option.name] = {"value": value, "set": given, "part": option.part}
+    # LoRA's settings from an adapter (MP_LORA_INIT's, or the one PRETRAIN_CHECKPOINT_PATH carries), which no option
+    # fills: the list said MP_LORA_RANK 0 (full fine-tuning) where the adapter's rank trains
+    lora = getattr(cfg, "lora", None)
+    if lora and not out["MP_LORA_RANK"]["set"]:
+        source = "MP_LORA_INIT's adapter" if getattr(cfg, "lora_init", None) else "the checkpoint's adapter"
+        for name, value in (("MP_LORA_RANK", lora["rank"]), ("MP_LORA_ALPHA", f"{lora['alpha']:g}"),
+                            ("MP_LORA_DROPOUT", f"{lora['dropout']:g}"), ("MP_LORA_TARGETS", ",".join(lora["targets"]))):
+            if not out[name]["set"]:
+                out[name]["value"] = f"{value} ({source})"
     return out
 
 
