@@ -51,9 +51,12 @@ HF_SIDE_FILES = (
 )
 # Those of them that make up the tokenizer (vocabulary, special tokens, chat template, its remote code): one
 # tokenizer's files are taken together from one folder, never mixed with another's. The rest are the model's.
+# transformers 5 saves a tokenizer's named chat templates (tool_use, rag, ...) one folder down, as .jinja files.
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
+NAMED_CHAT_TEMPLATES = f"{CHAT_TEMPLATES_FOLDER}/*.jinja"
 TOKENIZER_SIDE_FILES = tuple(p for p in HF_SIDE_FILES if p not in (
     "generation_config.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
-    "*.py")) + ("tokenization*.py",)
+    "*.py")) + ("tokenization*.py", NAMED_CHAT_TEMPLATES)
 
 
 def is_tokenizer_file(name: str) -> bool:
@@ -223,8 +226,6 @@ def check_folder_inputs(folder: str | Path, patterns: tuple[str, ...] = ("config
         for template in sorted((folder / CHAT_TEMPLATES_FOLDER).glob("*.jinja")):
             checked_input(template, inside=folder)
 
-
-CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
 
 
 def _check_what_the_tokenizer_config_names(folder: Path) -> None:

@@ -139,12 +139,46 @@ def test_processor_files_and_remote_code_travel_both_ways(hf_dirs, tmp_path):
     side = {"processor_config.json": '{"image_seq_length": 4}', "video_preprocessor_config.json": "{}",
             "tiktoken.model": "IQ== 0\n", "configuration_deepseek.py": "# remote code, carried as bytes\n",
             "tokenization_kimi.py": "# remote code\n"}
+    # and transformers 5's named chat templates, one folder down (both converters dropped the folder: the conv audit)
+    side["additional_chat_templates/tool_use.jinja"] = "TOOLS {{ messages[0]['content'] }}"
+    (src / "additional_chat_templates").mkdir()
     for name, text in side.items():
         (src / name).write_text(text)
     hf_to_mcore(src, tmp_path / "mcore", ParallelLayout(), progress=False)
+    assert "additional_chat_templates/tool_use.jinja" in read_sidecar(tmp_path / "mcore").carried_files
+    assert main(["verify", str(tmp_path / "mcore")]) == 0
     mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
     for name, text in side.items():
         assert (tmp_path / "back" / name).read_text() == text, name
+    # a folder of that name that leads out of the model is refused, not copied from
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.jinja").write_text("not the model's")
+    shutil.rmtree(src / "additional_chat_templates")
+    (src / "additional_chat_templates").symlink_to(outside)
+    with pytest.raises(UserError, match="additional_chat_templates"):
+        hf_to_mcore(src, tmp_path / "mcore2", ParallelLayout(), progress=False)
+
+
+def test_a_carried_tensor_the_model_exports_or_the_family_does_not_carry_is_refused(hf_dirs, tmp_path, capsys):
+    """A checkpoint's carried_tensors.safetensors that names a tensor of the model (a hand edit, another tool's
+    file) was planned twice under one name: an export no safetensors reader opens, published with exit 0 under
+    --no-verify (the conv audit). One line, nothing written."""
+    from megatron_patch.convert.hf_writer import plan_safetensors
+
+    hf_to_mcore(hf_dirs["llama3_1"], tmp_path / "ck", ParallelLayout(), progress=False)
+    sidecar = json.loads((tmp_path / "ck" / SIDECAR_NAME).read_text())
+    (tmp_path / "ck" / SIDECAR_NAME).write_text(json.dumps(
+        {**sidecar, "carried_files": [*sidecar["carried_files"], "carried_tensors.safetensors"]}))
+    for name, why in (("model.norm.weight", "a tensor of the model itself"),
+                      ("model.visual.patch_embed.weight", "not one the llama3_1 family carries")):
+        save_file({name: torch.zeros(64)}, str(tmp_path / "ck" / "carried_tensors.safetensors"))
+        rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(tmp_path / "ck"), "--save-dir",
+                          str(tmp_path / "back"), "--no-verify")
+        assert rc == 2 and f"carried_tensors.safetensors holds '{name}', {why}" in err, err
+        assert not (tmp_path / "back").exists()
+    with pytest.raises(ValueError, match="tensor names planned twice"):  # the writer's own guard
+        plan_safetensors(tmp_path, [("a", (2,), "float32"), ("a", (2,), "float32")], 1 << 30)
 
 
 # Families whose hub checkpoints carry multi-token-prediction layers (DeepSeek's own tests,

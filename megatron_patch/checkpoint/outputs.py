@@ -16,25 +16,34 @@ from typing import Iterator
 from megatron_patch.checkpoint_files.layout import TRAIN_STATE
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, manifest_of, read_manifest, unlisted_entries, write_manifest
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import HF_SIDE_FILES, checked_input
+from megatron_patch.input_files import HF_SIDE_FILES, NAMED_CHAT_TEMPLATES, checked_input
 from megatron_patch.outputs.folders import atomic_dir, overlap, refuse_unexpanded_home
 
 # Files of an HF model folder that travel with the weights (tokenizer, chat template, generation), and the HF
 # tensors the MCore model does not hold, kept beside it (convert/carried.py).
 CARRIED_PATTERNS = (*HF_SIDE_FILES, "carried_tensors.safetensors")
+# and one folder down: the tokenizer's named chat templates (both converters dropped the folder without a word)
+CARRIED_ONE_DOWN = (NAMED_CHAT_TEMPLATES,)
 
 
 def is_carried_file(name: str) -> bool:
-    """Whether ``name`` is a side file a checkpoint carries: a plain name that ``CARRIED_PATTERNS`` matches (never
-    a weight file or config.json, which an export writes itself, nor a path)."""
-    return (name not in ("", ".", "..") and "/" not in name and "\\" not in name
-            and any(fnmatch.fnmatchcase(name, pattern) for pattern in CARRIED_PATTERNS))
+    """Whether ``name`` is a side file a checkpoint carries: a plain name that ``CARRIED_PATTERNS`` matches, or a
+    folder and a plain name that ``CARRIED_ONE_DOWN`` matches (never a weight file or config.json, which an export
+    writes itself, nor any other path)."""
+    parts = name.split("/")
+    if any(part in ("", ".", "..") or "\\" in part for part in parts) or len(parts) > 2:
+        return False
+    patterns = CARRIED_PATTERNS if len(parts) == 1 else CARRIED_ONE_DOWN
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def carried_files(folder: str | Path) -> list[str]:
+    """The side files of ``folder`` (names relative to it, '/' between a folder and its file)."""
     folder = Path(folder)
     # Whatever is there but folders: a FIFO or a dangling link is refused when copied, not silently left out.
     names = {p.name for pattern in CARRIED_PATTERNS for p in folder.glob(pattern) if not p.is_dir()}
+    names |= {p.relative_to(folder).as_posix() for pattern in CARRIED_ONE_DOWN for p in folder.glob(pattern)
+              if not p.is_dir()}
     return sorted(names)
 
 
@@ -45,7 +54,9 @@ def copy_carried(src: str | Path, dst: str | Path, names: list[str] | None = Non
     for name in names:
         path = checked_input(Path(src) / name, inside=src, how="has a side file", limit=None,
                              hint="the checkpoint's side files are incomplete")
-        shutil.copy2(path, Path(dst) / Path(name).name)
+        target = Path(dst) / name
+        target.parent.mkdir(exist_ok=True)  # a file one folder down (CARRIED_ONE_DOWN)
+        shutil.copy2(path, target)
     return names
 
 

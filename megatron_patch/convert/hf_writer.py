@@ -63,6 +63,9 @@ def plan_safetensors(folder: str | Path, entries: list[tuple[str, tuple[int, ...
     data (a tensor larger than the limit gets a shard of its own, as transformers does); ``file_name``: the
     file's name when there is one shard."""
     folder = Path(folder)
+    names = [name for name, _, _ in entries]
+    if len(set(names)) != len(names) or "__metadata__" in names:  # a header keeps one entry a name: a gap, unreadable
+        raise ValueError(f"tensor names planned twice: {sorted({n for n in names if names.count(n) > 1})[:3]}")
     shards: list[list[int]] = [[]]
     size = 0
     for i, (_, shape, dtype) in enumerate(entries):
