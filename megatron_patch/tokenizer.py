@@ -348,14 +348,21 @@ class TiktokenTokenizer:
         return {**{i: token for token, i in self._ranks.items()}, **{i: name for name, i in self._special.items()}}
 
 
-def vocabulary_digest(tokenizer) -> str:
-    """sha256 over ``tokenizer``'s ids and the token each stands for: equal exactly where every id means the same
-    token, whatever else of the folder differs (its chat template, config.json), which is what ids already
-    tokenized need of the tokenizer a run reads them with."""
+def vocabulary_digest(tokenizer, below: int | None = None) -> str:
+    """sha256 over ``tokenizer``'s ids (those ``below`` a bound, where given) and the token each stands for: equal
+    exactly where every such id means the same token, whatever else of the folder differs (its chat template,
+    config.json), which is what ids already tokenized need of the tokenizer a run reads them with. With the bound,
+    a tokenizer extended past it (a pad or chat token added) digests as the one it extends."""
     digest = hashlib.sha256()
     for i, token in sorted(tokenizer.id_tokens().items()):
-        digest.update(f"{i}\t{token!r}\n".encode())
+        if below is None or i < below:
+            digest.update(f"{i}\t{token!r}\n".encode())
     return digest.hexdigest()
+
+
+def ids_end(tokenizer) -> int:
+    """One past ``tokenizer``'s highest id: every id it gives is below it."""
+    return max(tokenizer.id_tokens(), default=-1) + 1
 
 
 def _tiktoken_specials(path: Path, ranks: int, after: int) -> tuple[dict[str, int], int]:

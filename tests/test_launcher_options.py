@@ -33,7 +33,7 @@ READ_ELSEWHERE = {
                                      "not set it, the launcher sets it for its ranks",
 }
 # RunConfig fields with a default of their own: set after the RunConfig is built, by the part that owns them.
-SET_AFTER = {"lora", "lora_init", "dsa"}
+SET_AFTER = {"lora", "lora_init", "dsa", "checkpoint_tokenizer"}
 
 
 def _environment_reads() -> set[tuple[str, str]]:

@@ -716,6 +716,26 @@ def test_another_job_into_a_run_folder_is_refused_naming_what_changed(tmp_path, 
         grown.write(b"y")
     assert check(folder) == ["DATASET_PATH's files changed size since iter_0000004 was saved: the run goes on over "
                              "them as they are now"]
+    # data preprocessed again with the same sizes (the same documents in another order): its manifest's digests
+    # differ, said alike (the data audit: it resumed without a word)
+    from megatron_patch.checkpoint_files.manifest import DIGEST, digest_file, write_manifest
+    from megatron_patch.training.data_files import manifest_path
+
+    def preprocessed(content: bytes) -> str:
+        c = str(tmp_path / "c_text_document")
+        for suffix in (".bin", ".idx"):
+            Path(c + suffix).write_bytes(content)
+        write_manifest(tmp_path, "mpatch preprocess", name=manifest_path(c).name, files={
+            Path(c + s).name: dict(zip(("size", DIGEST), digest_file(c + s))) for s in (".bin", ".idx")})
+        return c
+
+    c = preprocessed(b"x" * 40)
+    c_folder = _saved_run(tmp_path / "c_out", args(DATASET_PATH=c, OUTPUT_BASEPATH=str(tmp_path / "c_out")))
+    assert check(c_folder, DATASET_PATH=c) == []
+    preprocessed(b"z" * 40)
+    assert check(c_folder, DATASET_PATH=c) == [
+        "DATASET_PATH's files changed since iter_0000004 was saved (rebuilt: the same sizes, other digests in their "
+        "manifests): the run goes on over them as they are now, in a sample order built for them"]
     # an older run folder, whose checkpoints do not record their data: other data resumes as it did; SFT does not
     old = _saved_run(tmp_path / "old", args(OUTPUT_BASEPATH=str(tmp_path / "old")), data=False)
     assert check(old, DATASET_PATH=b) == []

@@ -456,6 +456,8 @@ def test_data_preprocessed_with_another_tokenizer_of_the_same_size_is_refused(co
     """Its ids stand for other tokens, which the vocabulary's size (all the launch checked) does not show: the
     model trained on other text than the corpus without a word. The manifest records the tokenizer's vocabulary;
     the launch compares it with the run's tokenizer (MP_TOKENIZER, else the checkpoint's) and refuses another."""
+    from tokenizers import Tokenizer
+
     from megatron_patch.checkpoint_files.manifest import read_manifest
     from megatron_patch.training.data_files import check_data_settings, check_training_data, manifest_path
     from megatron_patch.training.preprocess import preprocess
@@ -473,10 +475,10 @@ def test_data_preprocessed_with_another_tokenizer_of_the_same_size_is_refused(co
     assert notes(ours) == [] and notes(other, swapped) == []
     for check in (check_data_settings, check_training_data):  # the dry run's check and the launch's
         with pytest.raises(UserError, match=rf"^{other} was preprocessed with the tokenizer of {swapped}, whose ids "
-                                            rf"stand for other tokens than those of MP_TOKENIZER {corpus['tok']} "
+                                            rf"do not all stand for the same tokens in MP_TOKENIZER {corpus['tok']} "
                                             r"\(both \d+ ids\): the model would train on other text"):
             notes(other, check=check)
-    with pytest.raises(UserError, match=rf"^{ours} was preprocessed .* than those of MP_TOKENIZER {swapped}"):
+    with pytest.raises(UserError, match=rf"^{ours} was preprocessed .* in MP_TOKENIZER {swapped}"):
         notes(f"{other} {ours}", swapped)  # each prefix of a list; a validation prefix too
     with pytest.raises(UserError, match=rf"^{other} was preprocessed"):
         check_data_settings(resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", VALID_DATASET_PATH=other),
@@ -508,6 +510,49 @@ def test_data_preprocessed_with_another_tokenizer_of_the_same_size_is_refused(co
     monkeypatch.setenv("MP_DRY_RUN", "0")
     assert main(["train", "llama3_1", *_pretrain_args(corpus, tmp_path / "run", DATASET_PATH=other)]) == 2
     assert f"{other} was preprocessed with the tokenizer of {swapped}" in capsys.readouterr().err
+    monkeypatch.delenv("MP_TOKENIZER")
+    # a run's checkpoint/ folder carries its tokenizer in the iteration it loads: compared from there too (the data
+    # audit: "the run has none", and the other tokenizer's data trained)
+    run_checkpoint = _a_runs_checkpoint_folder(Path(corpus["tok"]), tmp_path / "earlier")
+    from_run = resolve("llama3_1", _pretrain_args(corpus, tmp_path / "out", DATASET_PATH=other,
+                                                  PRETRAIN_CHECKPOINT_PATH=str(run_checkpoint), MODEL_SIZE="auto"))
+    with pytest.raises(UserError, match=rf"^{other} was preprocessed .* in the tokenizer of PRETRAIN_CHECKPOINT_PATH "
+                                        rf"{run_checkpoint / 'iter_0000003'} \("):
+        check_data_settings(from_run)
+    # a tokenizer that extends the data's (a pad token added past its ids) gives each of the data's ids the same
+    # token: accepted (it was refused); data of the extended one is refused with the base's
+    extended = tmp_path / "extended"
+    shutil.copytree(corpus["tok"], extended)
+    pad = Tokenizer.from_file(str(extended / "tokenizer.json"))
+    assert pad.add_special_tokens(["<pad>"]) == 1
+    pad.save(str(extended / "tokenizer.json"))
+    assert notes(ours, extended) == []
+    with_pad = preprocess(tmp_path / "part.jsonl", str(tmp_path / "with_pad"), extended,
+                          progress=False).output_prefix
+    with pytest.raises(UserError, match=rf"^{with_pad} was preprocessed .* \((\d+) ids against (?!\1)\d+\)"):
+        notes(with_pad)
+
+
+def _a_runs_checkpoint_folder(tokenizer: Path, root: Path) -> Path:
+    """A training run's ``checkpoint/`` folder (tracker and ``iter_0000003/``, whose files carry the tokenizer) of
+    a tiny Llama, made from a conversion without training."""
+    from megatron_patch.checkpoint_files.layout import TRACKER_NAME
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+    from megatron_patch.convert.checkpoint import hf_to_mcore
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+    from megatron_patch.runtime import ParallelLayout
+
+    hf = make_tiny_hf_checkpoint("llama3_1", root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, hf / name)
+    hf_to_mcore(hf, root / "converted", ParallelLayout(), progress=False)
+    iteration = root / "checkpoint" / "iter_0000003"
+    shutil.copytree(root / "converted" / "release", iteration)
+    for name in ("tokenizer.json", "tokenizer_config.json", "mpatch_checkpoint.json"):
+        shutil.copy(root / "converted" / name, iteration / name)
+    write_manifest(iteration, "mpatch train")
+    (root / "checkpoint" / TRACKER_NAME).write_text("3")
+    return root / "checkpoint"
 
 
 # --- pretraining at TP=2: the loss falls, and a resumed run is the same run ----------------------------

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron_patch.errors import UserError
 from megatron_patch.outputs.full_disk import free_space, full_disk_error
 from megatron_patch.training import data_cache
-from megatron_patch.training.data_files import inferred_weights
+from megatron_patch.training.data_files import inferred_weights, recorded_digests
 
 # megatron-core is imported inside the functions that use it, so that in a rank it loads after
 # init_process_group has enabled runtime/cpu_compat (on CPU, megatron-core's CUDA-only spots are patched).
@@ -36,9 +36,12 @@ class _DatasetTokenizer:
         self.unique_identifiers = {"class": "mpatch", "vocab_size": vocab_size, "eod": eod, "data": data or {}}
 
 
-def data_identity(prefixes: list[str]) -> dict[str, list[int]]:
-    """Each mmap prefix's .bin and .idx sizes: the same on every node (a copy's modification time is not)."""
-    return {prefix: [os.path.getsize(prefix + suffix) for suffix in (".bin", ".idx")] for prefix in prefixes}
+def data_identity(prefixes: list[str]) -> dict[str, list]:
+    """Each mmap prefix's .bin and .idx sizes, and their digests where its manifest records them: the same on every
+    node (a copy's modification time is not). A corpus preprocessed again with the same sizes (the same documents
+    in another order: Pai's preprocessing line replaces its pair) read the old indices without the digests."""
+    return {prefix: [os.path.getsize(prefix + suffix) for suffix in (".bin", ".idx")] + (recorded_digests(prefix) or [])
+            for prefix in prefixes}
 
 
 def build_pretraining_datasets(cfg, num_train_samples: int, num_valid_samples: int):

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy
 
-from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, read_manifest, verify_manifest
+from megatron_patch.checkpoint_files.manifest import DIGEST, MANIFEST_NAME, read_manifest, verify_manifest
 from megatron_patch.errors import UserError
-from megatron_patch.tokenizer import check_tokenizer_path, load_tokenizer, vocabulary_digest
+from megatron_patch.tokenizer import check_tokenizer_path, ids_end, load_tokenizer, vocabulary_digest
 from megatron_patch.training.preprocess import TOKENIZER_RECORD
 from megatron_patch.training.sft_records import record_groups
 from megatron_patch.training.sft_tokens import refuse_untrainable
@@ -52,6 +52,17 @@ PIECE = 1 << 24
 def manifest_path(prefix: str) -> Path:
     """Where ``mpatch preprocess`` writes the manifest of ``prefix``'s pair."""
     return Path(prefix).parent / f"{Path(prefix).name}.{MANIFEST_NAME}"
+
+
+def recorded_digests(prefix: str) -> list[str] | None:
+    """The digests of ``prefix``'s .bin and .idx that its manifest records (checked against the files before the
+    first step), or None where no manifest lists both: what a pair rebuilt with the same sizes differs by."""
+    manifest = manifest_path(prefix)
+    if not manifest.is_file():
+        return None
+    files = read_manifest(manifest)["files"]
+    entries = [files.get(Path(prefix + suffix).name) for suffix in (".bin", ".idx")]
+    return None if None in entries else [entry[DIGEST] for entry in entries]
 
 
 def check_mmap_data(prefix: str, vocab_size: int) -> int:
@@ -326,12 +337,15 @@ def run_tokenizer(cfg):
     carries one, else None."""
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer)
-    if cfg.pretrain_checkpoint:
+    # the folder that carries the checkpoint's tokenizer: a run's checkpoint/ folder holds none itself, the
+    # iteration it loads does (from there, pretraining data went unchecked: the data audit)
+    home = cfg.checkpoint_tokenizer or cfg.pretrain_checkpoint
+    if home:
         try:
-            check_tokenizer_path(cfg.pretrain_checkpoint)
+            check_tokenizer_path(home)
         except UserError:  # the checkpoint carries no tokenizer
             return None
-        return load_tokenizer(cfg.pretrain_checkpoint)
+        return load_tokenizer(home)
     return None
 
 
@@ -415,17 +429,17 @@ def check_data_tokenizer(cfg) -> list[str]:
                      "give a PRETRAIN_CHECKPOINT_PATH that carries tokenizer.json)")
     if tokenizer is None:
         return notes
-    digest = vocabulary_digest(tokenizer)
     source = (f"MP_TOKENIZER {cfg.tokenizer}" if cfg.tokenizer else
-              f"the tokenizer of PRETRAIN_CHECKPOINT_PATH {cfg.pretrain_checkpoint}")
+              f"the tokenizer of PRETRAIN_CHECKPOINT_PATH {cfg.checkpoint_tokenizer or cfg.pretrain_checkpoint}")
+    end = ids_end(tokenizer)
     for prefix, record in records.items():
-        if record["vocabulary_sha256"] != digest:
-            sizes = (f"both {tokenizer.vocab_size} ids" if record["ids"] == tokenizer.vocab_size else
-                     f"{record['ids']} ids against {tokenizer.vocab_size}")
-            raise UserError(f"{prefix} was preprocessed with the tokenizer of {record['path']}, whose ids stand for "
-                            f"other tokens than those of {source} ({sizes}): the model would train on other text "
-                            "than the corpus; preprocess it with the model's tokenizer (mpatch preprocess "
-                            "--tokenizer), or set MP_TOKENIZER to the model's if the run's is not")
+        # the data's ids mean the same tokens in the run's tokenizer, which may extend the data's (a pad or chat token
+        # added, the model's vocabulary resized for it: the data audit)
+        if end < record["ids"] or vocabulary_digest(tokenizer, below=record["ids"]) != record["vocabulary_sha256"]:
+            sizes = (f"both {end} ids" if record["ids"] == end else f"{record['ids']} ids against {end}")
+            raise UserError(f"{prefix} was preprocessed with the tokenizer of {record['path']}, whose ids do not all "
+                            f"stand for the same tokens in {source} ({sizes}): the model would train on other text "
+                            "than the corpus; preprocess it with the model's tokenizer (mpatch preprocess --tokenizer)")
         ends = record["end_of_document"]
         if ends is not None and ends["id"] != tokenizer.eod:
             notes.append(f"the documents of {prefix} end with {ends['token']!r} (id {ends['id']}), the "

@@ -694,6 +694,7 @@ DERIVED = {
     "device": "ENV (dlc: whether the node has a GPU)",
     "lora": "the LoRA part's MP_LORA_* (training/lora_run.py)", "lora_init": "MP_LORA_INIT",
     "dsa": "the DSA part's MP_DSA_* (training/sparse_attention_run.py)",
+    "checkpoint_tokenizer": "PRETRAIN_CHECKPOINT_PATH: the folder that carries its tokenizer",
     "notes": "what the run adjusted, and why",
 }
 

@@ -23,7 +23,7 @@ from megatron_patch.training.launcher_options import DERIVED, OPTIONS
 PER_NODE = ("faults", "notes")
 # Fields naming files: compared by what they resolve to, used as rank 0 spells them.
 PATHS = ("dataset_path", "valid_dataset_path", "pretrain_checkpoint", "output_basepath", "tokenizer",
-         "eval_include_path", "offload_probe_script", "lora_init")
+         "eval_include_path", "offload_probe_script", "lora_init", "checkpoint_tokenizer")
 # The option a differing field comes from (fields read from several options, or derived, by their main one).
 _OPTION_OF_FIELD = {
     **{f: o.name for o in OPTIONS for f in ((o.field,) if isinstance(o.field, str) else o.field or ())},
@@ -31,7 +31,8 @@ _OPTION_OF_FIELD = {
     "valid_dataset_weights": "VALID_DATASET_PATH", "train_iters": "TRAIN_TOKENS_OR_ITERS",
     "warmup_iters": "WARMUP_TOKENS_OR_ITERS", "lr_decay_iters": "TRAIN_TOKENS_OR_ITERS", "launcher": "the launcher",
     "nproc_per_node": "GPUS_PER_NODE", "nnodes": "WORLD_SIZE", "world_size": "the world size",
-    "lora": "MP_LORA_RANK/ALPHA/DROPOUT/TARGETS", "lora_init": "MP_LORA_INIT", "dsa": "MP_DSA_*"}
+    "lora": "MP_LORA_RANK/ALPHA/DROPOUT/TARGETS", "lora_init": "MP_LORA_INIT", "dsa": "MP_DSA_*",
+    "checkpoint_tokenizer": "PRETRAIN_CHECKPOINT_PATH"}
 
 
 def agree_on_launch(cfg):

@@ -52,7 +52,7 @@ from megatron_patch.outputs.lock import OutputLock
 from megatron_patch.runtime.launch import die_with_parent
 from megatron_patch.training.compressed_files import (COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, decompressing_command,
                                                        open_decompressed, plain_name, unnamed_compression)
-from megatron_patch.tokenizer import load_tokenizer, vocabulary_digest
+from megatron_patch.tokenizer import ids_end, load_tokenizer, vocabulary_digest
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
 # imported inside the functions that use them: `mpatch`, the launcher's checks and its dry run start without them.
@@ -295,11 +295,12 @@ def check_output_outside_input(input_path: str | Path, output_prefix: str) -> No
 
 def tokenizer_record(tokenizer, tokenizer_path: str | Path, append_eod: bool) -> dict:
     """What the data's manifest keeps of the tokenizer its ids come from (``TOKENIZER_RECORD``), for the launch to
-    compare with the run's (``data_files.check_data_tokenizer``): the ids' meaning (``vocabulary_digest``), the
-    end-of-document token each document ends with (None without one), and where the tokenizer was."""
+    compare with the run's (``data_files.check_data_tokenizer``): the ids' meaning (``vocabulary_digest``) and
+    their end (every id is below ``ids``), the end-of-document token each document ends with (None without one),
+    and where the tokenizer was."""
     ends = {"id": tokenizer.eod, "token": tokenizer.decode([tokenizer.eod])} if append_eod else None
     return {"path": str(Path(tokenizer_path).resolve()), "vocabulary_sha256": vocabulary_digest(tokenizer),
-            "ids": tokenizer.vocab_size, "end_of_document": ends}
+            "ids": ids_end(tokenizer), "end_of_document": ends}
 
 
 def _seal(tmp: Path, prefix: str, tokenizer: dict) -> None:

@@ -127,6 +127,9 @@ class RunConfig:
     # DeepSeek sparse attention (MP_DSA_*; training/sparse_attention_run.py): {"loss_scale", "indexer_only"}, None
     # for a model without it.
     dsa: dict | None = None
+    # The folder whose tokenizer PRETRAIN_CHECKPOINT_PATH carries: the iteration it loads where it names a run's
+    # checkpoint/ folder (None: no checkpoint)
+    checkpoint_tokenizer: str | None = None
 
     @property
     def layout(self) -> ParallelLayout:

@@ -328,6 +328,9 @@ def training_data(cfg) -> dict:
     for path in cfg.dataset_path:
         names = [path] if cfg.dataset_type == "raw" else [path + ".bin", path + ".idx"]
         files.append({"path": os.path.realpath(path), "bytes": [_size(name) for name in names]})
+        digests = None if cfg.dataset_type == "raw" else data_files.recorded_digests(path)
+        if digests:  # mpatch preprocess's: a pair rebuilt with the same sizes is told apart by them
+            files[-1]["digests"] = digests
     out = {"files": files, "weights": cfg.dataset_weights}
     if cfg.split:  # MP_SPLIT: another split trains on other documents
         out["split"] = cfg.split
@@ -422,6 +425,10 @@ def check_same_job(cfg, folder: Path) -> list[str]:
         elif sized and old_sizes != new_sizes:
             notes.append(f"DATASET_PATH's files changed size since {folder.name} was saved: the run goes on over "
                          "them as they are now")
+        elif _rebuilt(data["files"], here["files"]):
+            notes.append(f"DATASET_PATH's files changed since {folder.name} was saved (rebuilt: the same sizes, other "
+                         "digests in their manifests): the run goes on over them as they are now, in a sample order "
+                         "built for them")
         if data.get("split") != here.get("split"):
             changed.append(f"MP_SPLIT {data.get('split') or 'unset'} -> {here.get('split') or 'unset'}")
         if data.get("weights") != here["weights"] and (data.get("weights") or here["weights"]):
@@ -437,6 +444,12 @@ def check_same_job(cfg, folder: Path) -> list[str]:
                         f"give this job a new OUTPUT_BASEPATH, with PRETRAIN_CHECKPOINT_PATH={start} to start from "
                         "that run's weights; or relaunch that run as it was to resume it")
     return notes
+
+
+def _rebuilt(saved: list, now: list[dict]) -> bool:
+    """Whether a prefix both records digests of differs by them (data preprocessed again with the same sizes)."""
+    return any(isinstance(old, dict) and old.get("digests") and new.get("digests") and old["digests"] != new["digests"]
+               for old, new in zip(saved, now))
 
 
 def _same_place(a: str | None, b: str | None) -> bool:

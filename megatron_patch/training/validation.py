@@ -166,6 +166,7 @@ def _parse(launcher: Launcher, argv: list[str], env: dict) -> RunConfig:
     )
     cfg.lora, cfg.lora_init = lora_from_options(o, cfg.arch, cfg.pretrain_checkpoint)
     cfg.dsa = dsa_from_options(o, cfg.arch)
+    cfg.checkpoint_tokenizer = tokenizer_home
     return cfg
 
 
