@@ -1816,12 +1816,16 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
     hf = make_tiny_hf_checkpoint("qwen3", tmp_path / "hf")
     make_tokenizer(hf, make_texts(200, seed=0), vocab_size=190)  # Qwen2Tokenizer's pipeline differs from the file's
     (hf / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    named = "additional_chat_templates/tool_use.jinja"  # transformers 5's named templates, one folder down
+    (hf / "additional_chat_templates").mkdir()
+    (hf / named).write_text("TOOLS {{ messages[0]['content'] }}")
     hf_to_mcore(hf, tmp_path / "ckpt", ParallelLayout(), progress=False)
     own = tmp_path / "tok"
-    own.mkdir()
+    (own / "additional_chat_templates").mkdir(parents=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(hf / name, own / name)
     (own / "chat_template.jinja").write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    (own / named).write_text("OWN TOOLS {{ messages[0]['content'] }}")
     (tmp_path / "sft.jsonl").write_text('{"prompt": "a", "response": "b"}\n')
     args = launcher_args("qwen3", SFT="true", DATASET_PATH=str(tmp_path / "sft.jsonl"), MODEL_SIZE="auto",
                          PRETRAIN_CHECKPOINT_PATH=str(tmp_path / "ckpt"), OUTPUT_BASEPATH=str(tmp_path / "out"))
@@ -1840,19 +1844,21 @@ def test_checkpoints_carry_the_tokenizer_the_run_read_and_read_it_as_the_run_did
         return folder
 
     given = saved({"MP_TOKENIZER": str(own)})
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", named):
         assert (given / name).read_bytes() == (own / name).read_bytes(), name
+    assert (saved({}) / named).read_bytes() == (hf / named).read_bytes()  # the checkpoint's, without MP_TOKENIZER
     assert (given / "generation_config.json").read_bytes() == (hf / "generation_config.json").read_bytes()
     assert load_tokenizer(given).encode(text) == load_tokenizer(own).encode(text) != load_tokenizer(hf).encode(text)
     # its HF export tokenizes as the run did, in transformers too (config.json alone picks Qwen2Tokenizer there)
     assert main(["convert", "mcore2hf", "--load-dir", str(given), "--save-dir", str(tmp_path / "back")]) == 0
     assert load_tokenizer(tmp_path / "back").encode(text) == load_tokenizer(own).encode(text)
+    assert AutoTokenizer.from_pretrained(tmp_path / "back").chat_template["tool_use"] == (own / named).read_text()
     assert AutoTokenizer.from_pretrained(tmp_path / "back").encode(text) == load_tokenizer(own).encode(text)
     assert "names tokenizer_class PreTrainedTokenizerFast, the class the training run read" in capsys.readouterr().err
     cfg = resolve("qwen3", args, env={"MP_TOKENIZER": str(own)})
     assert checkpointing.carried_tokenizer_notes(checkpointing.side_files_source(cfg, None), cfg) == [
         f"checkpoints carry MP_TOKENIZER's tokenizer files ({own}), which the run reads, not PRETRAIN_CHECKPOINT_PATH's: "
-        "chat_template.jinja differ"]
+        "additional_chat_templates/tool_use.jinja, chat_template.jinja differ"]
     # a folder of tokenizer.json alone: its export gets a tokenizer_config.json naming the class (it had none to name
     # it in, and config.json alone picked Qwen2Tokenizer: other ids)
     alone = tmp_path / "alone"
