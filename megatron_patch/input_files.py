@@ -85,6 +85,11 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, 
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+def kind_of(mode: int) -> str:
+    """What a file of stat mode ``mode`` is ("a FIFO"), for a message about a path that should be another kind."""
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
 def _not_regular(mode: int) -> str:
     return next((f"{kind}, not a regular file" for test, kind in _KINDS if test(mode)), "not a regular file")
 

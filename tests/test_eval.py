@@ -427,6 +427,17 @@ def test_lm_evals_hf_backend_gets_no_folder_whose_files_lead_outside(checkpoints
         evaluate_hf_backend(str(hf), EvalSettings(tasks=("mpatch_perplexity",), limit=1), [])
 
 
+def test_a_document_limit_past_any_count_is_every_document():
+    """--limit 1e30 (or MP_EVAL_TASKS_LIMIT) passed the check and stopped every rank in lm-eval's islice, in training
+    at the first evaluation (the tools audit)."""
+    import sys
+
+    from megatron_patch.evaluation import document_limit
+
+    assert document_limit("--limit", 1e30) == sys.maxsize and document_limit("--limit", 2.0 ** 70) == sys.maxsize
+    assert document_limit("--limit", 12.0) == 12 and document_limit("--limit", 0.25) == 0.25
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--limit", "nan"], "--limit must be > 0"),
     (["--limit", "inf"], "--limit must be a whole number of documents, or a fraction below 1"),

@@ -56,6 +56,18 @@ def _link_out(work: Path, name: str) -> Path:
     return outside
 
 
+def test_verify_takes_the_working_folder_and_refuses_what_is_no_folder_in_one_line(work, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """`mpatch verify .` inside an output, an empty path (an unset variable) and a FIFO or a device were internal
+    errors (the tools audit)."""
+    monkeypatch.chdir(work)
+    assert run_cli(capsys, "verify", ".")[0] == 0
+    _one_line(*run_cli(capsys, "verify", ""), "the path is empty")
+    os.mkfifo(tmp_path / "fifo")
+    _verify(capsys, tmp_path / "fifo", f"{tmp_path / 'fifo'} is a FIFO, not an output folder or a manifest")
+    _verify(capsys, Path("/dev/null"), "/dev/null is a character device, not an output folder or a manifest")
+
+
 def test_verify_names_every_file_the_manifest_does_not_list(work, capsys):
     (work / "notes.txt").write_text("mine")
     (work / "release" / "extra.distcp").write_bytes(b"x")

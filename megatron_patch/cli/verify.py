@@ -8,6 +8,7 @@ from pathlib import Path
 from megatron_patch.checkpoint_files.layout import ITERATION_DIR, RELEASE
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, verify_manifest
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import kind_of
 from megatron_patch.outputs.folders import PARTIAL_TAG
 from megatron_patch.training.run_folder import FINAL_DIR
 
@@ -43,12 +44,17 @@ def manifests_under(path: Path) -> tuple[list[Path], list[Path]]:
 
 
 def run(args) -> int:
+    if not args.path:  # an unset variable ("$CKPT"): Path("") is the working folder
+        raise UserError("the path is empty: give an output folder, a training run's folder or a manifest")
     path = Path(args.path)
-    prefix_manifest = path.with_name(f"{path.name}.{MANIFEST_NAME}")
-    if not path.exists() and prefix_manifest.is_file():  # preprocessed data, named by its prefix as elsewhere
-        path = prefix_manifest
+    # "." and "..", which have no name to put a prefix's suffix on (an internal error: the tools audit)
+    prefix_manifest = path.with_name(f"{path.name}.{MANIFEST_NAME}") if path.name else None
+    if not path.exists() and prefix_manifest is not None and prefix_manifest.is_file():
+        path = prefix_manifest  # preprocessed data, named by its prefix as elsewhere
     if not path.exists():
         raise UserError(f"{path} does not exist")
+    if not path.is_dir() and not path.is_file():  # a FIFO, a device, a socket: iterdir failed on it
+        raise UserError(f"{path} is {kind_of(path.stat().st_mode)}, not an output folder or a manifest")
     manifests, unvouched = manifests_under(path)
     if not manifests and not unvouched:
         raise UserError(f"{path} has no mpatch_manifest.json: it was not written by this version of mpatch (or its "

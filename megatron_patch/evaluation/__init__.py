@@ -12,6 +12,7 @@ below imports it.
 """
 
 import importlib.util
+import sys
 
 from megatron_patch.errors import UserError
 
@@ -46,4 +47,6 @@ def document_limit(option: str, value: float) -> int | float:
     if value >= 1 and not float(value).is_integer():  # inf too
         raise UserError(f"{option} must be a whole number of documents, or a fraction below 1 (0.5: half of each "
                         f"task's), got {value:g}")
-    return int(value) if value >= 1 else value
+    # a count past any task's documents is all of them; past sys.maxsize lm-eval's islice refused it, in every rank
+    # after the model had loaded (and in training, at the first evaluation: the tools audit)
+    return min(int(value), sys.maxsize) if value >= 1 else value
