@@ -25,6 +25,8 @@ NOT_LAUNCHER_OPTIONS = {
     "MP_LAUNCHER_WARNED": "runtime/launch.py: set by the launcher for its own ranks (the warnings it printed)",
     "MP_LAUNCHER_REFUSED": "runtime/launch.py: set by a node's launcher that refused its line, for ranks that only "
                            "tell the other nodes so",
+    "MP_LAUNCHER_COMPLETE": "runtime/launch.py: set by a node's launcher that found its run complete, for ranks that "
+                            "only compare its line with the other nodes'",
 }
 # Where a launcher option's name is read by another program, and why.
 READ_ELSEWHERE = {

@@ -12,8 +12,8 @@ import pytest
 
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.launch import run_local
-from tests.training_helpers import (launcher_args, node_data_worker, node_refusing_worker, node_settings_worker,
-                                    node_sizes_worker)
+from tests.training_helpers import (launcher_args, node_complete_worker, node_data_worker, node_refusing_worker,
+                                    node_settings_worker, node_sizes_worker)
 
 pytestmark = pytest.mark.slow  # two rank processes each
 
@@ -87,6 +87,32 @@ def test_a_node_that_refuses_its_line_makes_every_node_refuse(corpus, tmp_path):
     with pytest.raises(UserError) as refused:
         run_local(node_refusing_worker, 2, _line(corpus, tmp_path / "out"), refusal)
     assert str(refused.value) == f"rank 1 ({os.uname().nodename}) refused its node's launcher line: {refusal}"
+
+
+def test_a_node_whose_run_is_complete_compares_its_line_with_the_others(corpus, tmp_path):
+    """A node that found its run complete (its line the old one, another node's extended) exited 0 at once; the other
+    waited for it until MP_DIST_TIMEOUT_MIN and blamed the rendezvous (the fail audit). It joins for the comparison:
+    a difference is refused on every node naming the option; the same line ends with the job."""
+    longer = _line(corpus, tmp_path / "out", TRAIN_TOKENS_OR_ITERS=str(6 * 8 * 64))
+    shorter = _line(corpus, tmp_path / "out", TRAIN_TOKENS_OR_ITERS=str(4 * 8 * 64))
+    with pytest.raises(UserError, match=r"^the nodes were not given the same launcher line: TRAIN_TOKENS_OR_ITERS is "
+                                        r"6 on rank 0 .* and 4 on rank 1"):
+        run_local(node_complete_worker, 2, [longer, shorter])
+    assert run_local(node_complete_worker, 2, [shorter, shorter]) == [4, 0]
+
+
+def test_a_rank_refusal_is_read_from_the_agents_error_files(tmp_path):
+    """What the joining launcher of a complete node says: its rank's one line, from torchrun's error file."""
+    import json
+
+    from megatron_patch.runtime.launch import refusal_reported
+
+    assert refusal_reported(tmp_path) is None
+    folder = tmp_path / "run" / "attempt_0" / "0"
+    folder.mkdir(parents=True)
+    (folder / "error.json").write_text(json.dumps({"message": {"message": "TRAIN_TOKENS_OR_ITERS differs",
+                                                               "extraInfo": {"mpatch_kind": "user"}}}))
+    assert refusal_reported(tmp_path) == "TRAIN_TOKENS_OR_ITERS differs"
 
 
 def test_nodes_of_other_sizes_are_told_so_on_every_node():

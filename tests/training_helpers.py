@@ -244,6 +244,23 @@ def node_sizes_worker(processes_by_rank: list[int]):
     return refuse_with_the_others(f"rank {rank}'s own refusal", 1.0)
 
 
+def node_complete_worker(lines: list[list[str]]):
+    """Rank 1's launcher found its run complete: its rank only compares its line (``cli.train._compared_line``);
+    rank 0 agrees with the others as training does. Returns what each ends with."""
+    import torch.distributed as dist
+
+    from megatron_patch.cli.train import _compared_line
+    from megatron_patch.runtime.distributed import init_process_group
+    from megatron_patch.training.node_agreement import agree_on_launch
+    from megatron_patch.training.validation import resolve
+
+    cfg = resolve("llama3_1", lines[int(os.environ["RANK"])], env={})
+    if int(os.environ["RANK"]) == 1:
+        return _compared_line(cfg)
+    init_process_group(1.0)
+    return agree_on_launch(cfg).train_iters if dist.get_rank() == 0 else None
+
+
 def node_refusing_worker(line: list[str], refusal: str):
     """Rank 1 refuses its node's line before the job forms (training.node_agreement.refuse_with_the_others); rank 0,
     whose line is sound, agrees with the others as training does."""

@@ -35,9 +35,10 @@ from megatron_patch.outputs.folders import write_file_replacing
 from megatron_patch.outputs.full_disk import full_disk_error, unwritten_line
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank, release_rank
 from megatron_patch.runtime import watchdog
-from megatron_patch.runtime.launch import (LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED, JobFailed, agent_log_folder,
-                                           die_with_launcher, die_with_parent, forked_ranks, helpers_die_with_rank,
-                                           name_this_process, quiet_cpu_warnings, run_torchrun)
+from megatron_patch.runtime.launch import (LAUNCHER_COMPLETE, LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED,
+                                           JobFailed, agent_log_folder, die_with_launcher, die_with_parent, forked_ranks,
+                                           helpers_die_with_rank, name_this_process, quiet_cpu_warnings,
+                                           refusal_reported, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_data_settings, check_training_data
 from megatron_patch.training.launcher_args import get_launcher, launched_rank, launchers
@@ -332,7 +333,7 @@ def run(args) -> int:
             command = launch_command(cfg, argv)
             held.enter_context(_run_lock(cfg))  # another job writing the run folder: told as well (the s63 audit)
             if not _checked_start(cfg, out=sys.stdout, would=False):
-                return 0
+                return _compared_with_the_other_nodes(name, argv)
         return _launch(cfg, command, argv, needed, ranks_cpp_log)
 
 
@@ -351,21 +352,61 @@ def _other_nodes_told(name: str, argv: list[str]):
         print(f"mpatch train: error: {exc}", file=sys.stderr, flush=True)
         print("note: this node joins the job to tell the other nodes why it stops (at most MP_DIST_TIMEOUT_MIN; "
               "Ctrl-C ends it)", flush=True)
-        # torchrun in a child of its own: its rendezvous blocks in C++, where Ctrl-C reached it only at its timeout
-        # (the s63 audit); its output is the agent's, the ranks only refuse
-        # (its ranks end with it, their parent, and it with this process)
-        env = {**{k: v for k, v in os.environ.items() if k != LAUNCHER_PID}, LAUNCHER_REFUSED: str(exc)}
-        with agent_log_folder() as log_dir:
-            joining = subprocess.Popen([*TORCHRUN, "--log-dir", log_dir, *command], env=env, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                       preexec_fn=functools.partial(die_with_parent, os.getpid(), "its launcher"))
-            try:
-                joining.wait()
-            finally:
-                if joining.poll() is None:
-                    joining.kill()
-                    joining.wait()
+        # its ranks only refuse
+        _join_the_job(command, {LAUNCHER_REFUSED: str(exc)})
         raise SystemExit(2) from None
+
+
+def _compared_with_the_other_nodes(name: str, argv: list[str]) -> int:
+    """A node that finds the run complete, in a job of several: its line is compared with the other nodes' before
+    it says so with exit 0. It exited at once, and a node given a longer run waited for it until MP_DIST_TIMEOUT_MIN,
+    then blamed the rendezvous, while this one had said the run was complete (the fail audit). Its ranks only take
+    part in the launch's comparison (``_rank``: MP_LAUNCHER_COMPLETE); a difference is the one line every node says."""
+    command = _refusing_command(name, argv)
+    if command is None:
+        return 0
+    print("note: this node joins the job to compare its line with the other nodes' (at most MP_DIST_TIMEOUT_MIN; "
+          "Ctrl-C ends it)", flush=True)
+    rc, said = _join_the_job(command, {LAUNCHER_COMPLETE: "1"})
+    if rc == 0:
+        return 0
+    print(f"mpatch train: error: {said}" if said else "mpatch train: error: the job did not form to compare this "
+          "node's line with the other nodes' (this node's run is complete)", file=sys.stderr, flush=True)
+    return 2 if said else 1
+
+
+def _join_the_job(command: list[str], env: dict) -> tuple[int, str | None]:
+    """torchrun's ``command`` with ``env`` added, in a child of its own: its rendezvous blocks in C++, where Ctrl-C
+    reached it only at its timeout (the s63 audit). Its ranks end with it, their parent, and it with this process;
+    its output is left out. Returns its exit status and the one line a rank of it refused with (bad input), if any."""
+    env = {**{k: v for k, v in os.environ.items() if k != LAUNCHER_PID}, **env}
+    with agent_log_folder() as log_dir:
+        joining = subprocess.Popen([*TORCHRUN, "--log-dir", log_dir, *command], env=env, stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   preexec_fn=functools.partial(die_with_parent, os.getpid(), "its launcher"))
+        try:
+            joining.wait()
+        finally:
+            if joining.poll() is None:
+                joining.kill()
+                joining.wait()
+        return joining.returncode, refusal_reported(log_dir)
+
+
+def _compared_line(cfg) -> int:
+    """A rank of a node whose run is complete: it takes part in the launch's comparison of the nodes' lines (the
+    training ranks' first collective, ``loop.train``) and ends; a difference is a UserError in every rank."""
+    # torch: a rank has it already; the launcher's own checks start without it
+    import torch.distributed as dist
+
+    # these import torch too
+    from megatron_patch.runtime.distributed import init_process_group
+    from megatron_patch.training.node_agreement import agree_on_launch
+
+    init_process_group(cfg.dist_timeout_min)
+    agree_on_launch(cfg)
+    dist.destroy_process_group()
+    return 0
 
 
 def _refusing_command(name: str, argv: list[str]) -> list[str] | None:
@@ -577,6 +618,8 @@ def _rank(launcher: str, argv: list[str]) -> int:
                 raise UserError(os.environ[LAUNCHER_REFUSED])
             cfg = resolve(launcher, argv)
             timeout_min = cfg.dist_timeout_min
+            if os.environ.get(LAUNCHER_COMPLETE):  # started only to compare lines (_compared_with_the_other_nodes)
+                return _compared_line(cfg)
             check_run_folder(cfg.output_basepath)
             needed = _check_machine(cfg)
             wrong = {k: v for k, v in needed.items() if os.environ.get(k) != v}

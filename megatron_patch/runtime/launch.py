@@ -636,6 +636,19 @@ def explain_failures(failures: dict, beside: dict | None = None) -> tuple[str, i
     return f"rank {rank} (pid {f.pid}) {how}: its output is above", 1, None
 
 
+def refusal_reported(log_dir: str | Path) -> str | None:
+    """The one line a rank refused its line with (bad input), from the error files torchrun's agent keeps under
+    ``log_dir`` (``<run>/attempt_<n>/<local rank>/error.json``), or None."""
+    for error_file in sorted(Path(log_dir).glob("**/error.json")):
+        try:
+            message = json.loads(error_file.read_text()).get("message")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(message, dict) and message.get("extraInfo", {}).get("mpatch_kind") == "user":
+            return str(message.get("message", ""))
+    return None
+
+
 def _why_killed(signal_name: str) -> str:
     if signal_name in ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"):
         return "a crash in native code: torch, a library it loads, or the hardware"
@@ -677,6 +690,8 @@ LAUNCHER_PID = "MP_LAUNCHER_PID"  # set by the launcher for its ranks
 # the warnings the launcher printed of the checkpoints it skipped (JSON), which its ranks then leave out
 LAUNCHER_WARNED = "MP_LAUNCHER_WARNED"
 LAUNCHER_REFUSED = "MP_LAUNCHER_REFUSED"  # the launcher refused its node's line: its ranks only say so (cli.train)
+# the launcher found the run complete: its ranks only compare the node's line with the other nodes' (cli.train)
+LAUNCHER_COMPLETE = "MP_LAUNCHER_COMPLETE"
 
 
 def die_with_launcher(log=print) -> str:

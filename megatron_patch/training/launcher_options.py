@@ -767,8 +767,8 @@ def read_option(name: str, env: dict):
 
 
 # MP_ variables of the project's runtime, not launcher options: the launcher leaves them alone.
-RUNTIME_VARIABLES = frozenset({"MP_LAUNCHER_PID", "MP_LAUNCHER_WARNED", "MP_LAUNCHER_REFUSED", "MP_LOCAL_START",
-                               "MP_CPU_COMPAT_ANY_MCORE", "MP_SHOW_WARNINGS"})
+RUNTIME_VARIABLES = frozenset({"MP_LAUNCHER_PID", "MP_LAUNCHER_WARNED", "MP_LAUNCHER_REFUSED", "MP_LAUNCHER_COMPLETE",
+                               "MP_LOCAL_START", "MP_CPU_COMPAT_ANY_MCORE", "MP_SHOW_WARNINGS"})
 
 
 def unread_variables(env: dict) -> list[str]:
