@@ -108,11 +108,21 @@ def test_verify_of_a_run_names_every_iteration_no_manifest_vouches_for(work, tmp
     partial = run / "checkpoint" / ".iter_0000006.mpatch-partial.1234"
     partial.mkdir()
     (partial / "common.pt").write_bytes(b"half")
+    (run / "checkpoint" / "latest_checkpointed_iteration.txt").write_text("4")
     assert run_cli(capsys, "verify", str(run))[0] == 0
+    # the iteration the tracker names is the run's newest checkpoint: gone (or a tracker edited), it was not said
+    # (the tools audit)
+    for named in ("6", "999"):
+        (run / "checkpoint" / "latest_checkpointed_iteration.txt").write_text(named)
+        for path in (run, run / "checkpoint"):
+            _verify(capsys, path, f"latest_checkpointed_iteration.txt names iteration {named}, but "
+                                  f"iter_{int(named):07d} is missing")
+    (run / "checkpoint" / "latest_checkpointed_iteration.txt").write_text("4")
     (run / "checkpoint" / "iter_0000004" / MANIFEST_NAME).unlink()
     for path in (run, run / "checkpoint"):
         _verify(capsys, path, f"{run / 'checkpoint' / 'iter_0000004'} has no {MANIFEST_NAME}", "nothing vouches")
     shutil.rmtree(run / "checkpoint" / "iter_0000004")
+    (run / "checkpoint" / "latest_checkpointed_iteration.txt").write_text("2")
     (run / "checkpoint" / "iter_0000008").mkdir()  # a folder begun by hand or by another tool
     (run / "checkpoint" / "iter_0000008" / "common.pt").write_bytes(b"x")
     _verify(capsys, run, "iter_0000008 has no")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.layout import ITERATION_DIR, RELEASE
+from megatron_patch.checkpoint_files.layout import ITERATION_DIR, RELEASE, TRACKER_NAME, iteration_dir, read_tracker
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, verify_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import kind_of
 from megatron_patch.outputs.folders import PARTIAL_TAG
-from megatron_patch.training.run_folder import FINAL_DIR
+from megatron_patch.training.run_folder import CHECKPOINT_DIR, FINAL_DIR
 
 
 # The folders of a training run or checkpoint folder that each carry a manifest: iterations, a conversion's
@@ -43,6 +43,18 @@ def manifests_under(path: Path) -> tuple[list[Path], list[Path]]:
     return found + sorted(path.glob(f"*.{MANIFEST_NAME}")), unvouched
 
 
+def _tracked_iteration_missing(path: Path) -> str | None:
+    """Why the iteration a training run's tracker names (``path``'s, or its ``checkpoint/``'s) is not there: the
+    run's newest checkpoint lost, or the tracker edited. Every manifest left verified, and the run resumed, or was
+    exported, from an older iteration (the tools audit)."""
+    for root in (path, path / CHECKPOINT_DIR):
+        named = read_tracker(root) if root.is_dir() else None  # an unreadable tracker: one line
+        if isinstance(named, int) and not iteration_dir(root, named).is_dir():
+            return (f"{root / TRACKER_NAME} names iteration {named}, but {iteration_dir(root, named).name} is missing: "
+                    "the run's newest checkpoint is not as written")
+    return None
+
+
 def run(args) -> int:
     if not args.path:  # an unset variable ("$CKPT"): Path("") is the working folder
         raise UserError("the path is empty: give an output folder, a training run's folder or a manifest")
@@ -59,6 +71,9 @@ def run(args) -> int:
     if not manifests and not unvouched:
         raise UserError(f"{path} has no mpatch_manifest.json: it was not written by this version of mpatch (or its "
                         "manifest was removed), so there is nothing to check it against")
+    missing = _tracked_iteration_missing(path) if path.is_dir() else None
+    if missing:
+        raise IntegrityError(missing)
     if unvouched:
         more = f" (and {len(unvouched) - 1} more)" if len(unvouched) > 1 else ""
         raise IntegrityError(f"{unvouched[0]} has no {MANIFEST_NAME}{more}, so nothing vouches for its files: it was "
