@@ -140,9 +140,9 @@ def _add_workers(parser) -> None:
                              f"(default {DEFAULT_WORKERS}: one per core, at most 8; more help on fast disks)")
 
 
-FORCE_HELP = ("replace an earlier output of mpatch in --save-dir (a folder its mpatch_manifest.json describes, or an "
-              "MCore checkpoint / HF export holding nothing else), in one step once the new one is complete; "
-              "anything else is refused (docs/outputs.md)")
+FORCE_HELP = ("replace an earlier output of mpatch convert in --save-dir (a folder whose mpatch_manifest.json lists "
+              "every file in it), in one step once the new one is complete; anything else, a folder without a "
+              "manifest included, is refused (docs/outputs.md)")
 
 
 def register(subparsers) -> None:
