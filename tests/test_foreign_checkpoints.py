@@ -571,3 +571,28 @@ def test_stored_mtp_layers_the_config_does_not_declare_are_refused(sidecarless, 
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match="holds 1 multi-token-prediction layer.s., and --hf-config .* declares 0"):
         open_checkpoint(ckpt, hf_config=tmp_path / "config.json")
+
+
+def test_a_legacy_checkpoint_missing_a_whole_stage_or_tp_column_is_refused(tmp_path, capsys):
+    """Its remaining rank folders look like a smaller layout: `mpatch inspect` described a TP=2 PP=2 conversion that
+    lost its second stage as a complete TP=2 PP=1 one (exit 0), which mcore2hf refused (the tools audit). Its
+    sidecar's layout, or Megatron-LM's saved arguments, say what the folders must be."""
+    from megatron_patch.checkpoint.foreign import _legacy_layout
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    hf = make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf")
+    hf_to_mcore(hf, tmp_path / "ck", ParallelLayout(tp=2, pp=2), fmt="legacy", progress=False)
+    for lost, left in ((("mp_rank_00_001", "mp_rank_01_001"), "TP=2 PP=1"),
+                       (("mp_rank_01_000", "mp_rank_01_001"), "TP=1 PP=2")):
+        spoilt = tmp_path / f"spoilt_{left[3]}"
+        shutil.copytree(tmp_path / "ck", spoilt)
+        for name in lost:
+            shutil.rmtree(spoilt / "release" / name)
+        rc, err = run_cli(capsys, "inspect", str(spoilt))
+        assert rc == 2 and f"holds the rank folders of {left} EP=1, and its sidecar records TP=2 PP=2 EP=1" in err
+    # another tool's checkpoint, without a sidecar: by the saved arguments' sizes
+    files = {name: {"embedding.word_embeddings.weight": None} for name in ("mp_rank_00_000", "mp_rank_01_000")}
+    with pytest.raises(UserError, match="lacks rank folder.s. mp_rank_00_001, mp_rank_01_001 of its TP=2 PP=2 EP=1"):
+        _legacy_layout(tmp_path, files, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
+    assert _legacy_layout(tmp_path, files, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+                          )[0] == ParallelLayout(tp=2)

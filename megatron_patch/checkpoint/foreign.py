@@ -247,8 +247,17 @@ def find_checkpoint(path: str | Path, iteration: int | None = None, verify: bool
     cast = {k: v for k, v in found["other_dtypes"].items() if v.startswith(("float", "bfloat"))}
     if sidecar_dir is None and cast:
         notes.append(_mixed_dtypes_note(folder, found["dtype"], cast))
-    return FoundCheckpoint(root=root, folder=folder, fmt=fmt, iteration=label, iterations=iterations,
-                           sidecar_dir=sidecar_dir, notes=notes, **found)
+    checkpoint = FoundCheckpoint(root=root, folder=folder, fmt=fmt, iteration=label, iterations=iterations,
+                                 sidecar_dir=sidecar_dir, notes=notes, **found)
+    if fmt == "legacy" and sidecar_dir is not None:
+        # a whole lost stage or TP column leaves rank folders that look like a smaller layout: inspect described
+        # it as complete, mcore2hf refused it (the tools audit)
+        written, here = checkpoint.sidecar.parallel_layout, checkpoint.layout
+        if (written.tp, written.pp, written.ep) != (here.tp, here.pp, here.ep):
+            raise UserError(f"{folder} holds the rank folders of TP={here.tp} PP={here.pp} EP={here.ep}, and its "
+                            f"sidecar records TP={written.tp} PP={written.pp} EP={written.ep}: the checkpoint is "
+                            "incomplete (rank folders lost); restore it from a good copy")
+    return checkpoint
 
 
 def _mixed_dtypes_note(folder: Path, dtype: str, others: dict[str, str]) -> str:
@@ -310,6 +319,12 @@ def _legacy_layout(folder: Path, files: dict[str, dict], args: dict | None) -> t
                 is_pp = not all("embedding.word_embeddings.weight" in sd for sd in files.values())
             coords[name] = (int(tp), int(a), 0) if is_pp else (int(tp), 0, int(a))
     tp, pp, ep = (max(c[i] for c in coords.values()) + 1 for i in range(3))
+    # the layout the saved arguments give, where they give it: a whole lost stage or TP column leaves folders that
+    # look like a smaller layout, described as complete (the tools audit)
+    saved = [(args or {}).get(k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                           "expert_model_parallel_size")]
+    tp, pp, ep = (max(n, s) if isinstance(s, int) and not isinstance(s, bool) and s > 0 else n
+                  for n, s in zip((tp, pp, ep), saved))
     missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
                for t in range(tp) for p in range(pp) for e in range(ep) if (t, p, e) not in coords.values()]
     if missing:
