@@ -596,3 +596,17 @@ def test_a_legacy_checkpoint_missing_a_whole_stage_or_tp_column_is_refused(tmp_p
         _legacy_layout(tmp_path, files, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2})
     assert _legacy_layout(tmp_path, files, {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
                           )[0] == ParallelLayout(tp=2)
+
+
+@pytest.mark.parametrize("tool", ["mpatch eval", "mpatch align", "mpatch demo"])
+def test_an_output_of_another_command_is_named_as_such_not_as_a_damaged_checkpoint(tmp_path, capsys, tool):
+    """An `mpatch eval --all-iterations` output holds iter_XXXXXXX folders: inspect called it a checkpoint whose
+    iterations were all damaged and said to move them away (the tools audit). Its manifest names its command."""
+    from megatron_patch.checkpoint_files.manifest import write_manifest
+
+    out = tmp_path / "out"
+    (out / "iter_0000002").mkdir(parents=True)
+    (out / "iter_0000002" / "results.json").write_text("{}")
+    write_manifest(out, tool, sync=False)
+    rc, err = run_cli(capsys, "inspect", str(out))
+    assert rc == 2 and f"{out} is an output of {tool} (its mpatch_manifest.json says so), not a checkpoint" in err

@@ -31,8 +31,8 @@ from megatron_patch.checkpoint_files.layout import (
     torch_dist_problem,
     zip_problem,
 )
-from megatron_patch.checkpoint_files.manifest import (LOOK_DIGEST_LIMIT, damage_against_manifest, manifest_of,
-                                                     verify_manifest)
+from megatron_patch.checkpoint_files.manifest import (LOOK_DIGEST_LIMIT, MANIFEST_NAME, damage_against_manifest,
+                                                     manifest_of, read_manifest, verify_manifest)
 from megatron_patch.checkpoint_files.pickles import Record, TensorRef
 from megatron_patch.checkpoint_files.torch_dist import TorchDistReader
 from megatron_patch.checkpoint_files.torch_files import nbytes
@@ -170,6 +170,9 @@ def _locate(path: Path, iteration: int | None, verify: bool = True) -> tuple[Pat
     looked at against its manifest."""
     if not path.is_dir():
         raise UserError(f"{path} is not a folder: point at a Megatron checkpoint folder")
+    other = _other_commands_output(path)
+    if other:  # an eval output's iter_XXXXXXX folders were called a checkpoint's damaged iterations (the tools audit)
+        raise UserError(f"{path} is an output of {other} (its {MANIFEST_NAME} says so), not a checkpoint")
     if is_iteration_dir(path) or (path.name == RELEASE and _format(path)):
         if iteration is not None:
             raise UserError(f"{path} is one iteration's folder: give its parent with --iteration, or this folder alone")
@@ -193,6 +196,23 @@ def _locate(path: Path, iteration: int | None, verify: bool = True) -> tuple[Pat
                         f"folder{_what_it_is_instead(path)}")
     latest, notes = latest_complete_iteration(path, _sound_iteration_problem if verify else checkpoint_problem)
     return path, iteration_dir(path, latest), latest, notes
+
+
+# The commands whose outputs hold no checkpoint (their folders may still hold iter_XXXXXXX folders: eval's).
+NOT_CHECKPOINTS = ("mpatch eval", "mpatch align", "mpatch demo")
+
+
+def _other_commands_output(path: Path) -> str | None:
+    """The command (``NOT_CHECKPOINTS``) whose output ``path`` is, by its manifest; None otherwise (a damaged manifest
+    too: the checkpoint's own checks say what is wrong)."""
+    if not (path / MANIFEST_NAME).is_file():
+        return None
+    try:
+        tool = read_manifest(path / MANIFEST_NAME).get("tool")
+    except UserError:  # IntegrityError included
+        return None
+    return next((c for c in NOT_CHECKPOINTS if isinstance(tool, str) and (tool == c or tool.startswith(c + " "))),
+                None)
 
 
 def _what_it_is_instead(path: Path) -> str:
