@@ -36,8 +36,8 @@ from megatron_patch.outputs.full_disk import full_disk_error, unwritten_line
 from megatron_patch.outputs.lock import OutputLock, live_ranks, register_rank, release_rank
 from megatron_patch.runtime import watchdog
 from megatron_patch.runtime.launch import (LAUNCHER_COMPLETE, LAUNCHER_PID, LAUNCHER_REFUSED, LAUNCHER_WARNED,
-                                           JobFailed, agent_log_folder, die_with_launcher, die_with_parent, forked_ranks,
-                                           helpers_die_with_rank, name_this_process, quiet_cpu_warnings,
+                                           JobFailed, agent_log_folder, die_with_launcher, die_with_parent,
+                                           forked_ranks, helpers_die_with_rank, name_this_process, quiet_cpu_warnings,
                                            refusal_reported, run_torchrun)
 from megatron_patch.runtime.machine import Capabilities
 from megatron_patch.training.data_files import check_data_settings, check_training_data

@@ -825,7 +825,8 @@ def dry_run_options(cfg, env: dict) -> dict:
     if lora and not out["MP_LORA_RANK"]["set"]:
         source = "MP_LORA_INIT's adapter" if getattr(cfg, "lora_init", None) else "the checkpoint's adapter"
         for name, value in (("MP_LORA_RANK", lora["rank"]), ("MP_LORA_ALPHA", f"{lora['alpha']:g}"),
-                            ("MP_LORA_DROPOUT", f"{lora['dropout']:g}"), ("MP_LORA_TARGETS", ",".join(lora["targets"]))):
+                            ("MP_LORA_DROPOUT", f"{lora['dropout']:g}"),
+                            ("MP_LORA_TARGETS", ",".join(lora["targets"]))):
             if not out[name]["set"]:
                 out[name]["value"] = f"{value} ({source})"
     return out
