@@ -610,3 +610,16 @@ def test_an_output_of_another_command_is_named_as_such_not_as_a_damaged_checkpoi
     write_manifest(out, tool, sync=False)
     rc, err = run_cli(capsys, "inspect", str(out))
     assert rc == 2 and f"{out} is an output of {tool} (its mpatch_manifest.json says so), not a checkpoint" in err
+
+
+def test_an_iteration_a_checkpoint_cannot_have_is_said_plainly(tmp_path, capsys):
+    """--iteration -1 read "iter_-000001 not found", and --iteration 5 on converted weights said its iterations are
+    "none" (the tools audit)."""
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    hf_to_mcore(make_tiny_hf_checkpoint("llama3_1", tmp_path / "hf"), tmp_path / "ck", ParallelLayout(),
+                progress=False)
+    rc, err = run_cli(capsys, "inspect", str(tmp_path / "ck"), "--iteration", "-1")
+    assert rc == 2 and "--iteration must be >= 0, got -1" in err
+    rc, err = run_cli(capsys, "inspect", str(tmp_path / "ck"), "--iteration", "5")
+    assert rc == 2 and f"{tmp_path / 'ck'} holds converted weights (release/), not a training run's iterations" in err

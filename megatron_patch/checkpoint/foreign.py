@@ -180,7 +180,12 @@ def _locate(path: Path, iteration: int | None, verify: bool = True) -> tuple[Pat
         return path.parent, path, label, []
     found = sorted(int(m.group(1)) for p in path.iterdir() if (m := ITERATION_DIR.fullmatch(p.name)) and p.is_dir())
     if iteration is not None:
+        if iteration < 0:  # it read "iter_-000001 not found" (the tools audit)
+            raise UserError(f"--iteration must be >= 0, got {iteration}")
         folder = iteration_dir(path, iteration)
+        if not folder.is_dir() and not found and (path / RELEASE).is_dir():
+            raise UserError(f"{path} holds converted weights ({RELEASE}/), not a training run's iterations: drop "
+                            "--iteration")
         if not folder.is_dir():
             have = ", ".join(map(str, found)) or "none"
             raise UserError(f"{folder} not found: the iterations saved in {path} are {have}")
