@@ -209,6 +209,11 @@ def test_a_folder_holding_anything_else_is_refused(tok, tmp_path, capsys):
         _one_line(rc, err, f"{folder / stray} is not a .jsonl or .json file", "move it away")
         (folder / stray).rmdir() if stray == "sub" else (folder / stray).unlink()
     assert pre.input_files(folder) == [folder / "00.jsonl"]
+    # an input that is neither (a FIFO) said "not found" (the tools audit)
+    os.mkfifo(tmp_path / "fifo")
+    rc, err = run_cli(capsys, "preprocess", "--input", str(tmp_path / "fifo"), "--output-prefix", str(tmp_path / "p"),
+                      "--tokenizer", str(tok))
+    _one_line(rc, err, f"input {tmp_path / 'fifo'} is a FIFO: give a JSONL file")
 
 
 def test_a_byte_order_mark_opening_a_file_is_not_part_of_its_first_line(tok, tmp_path, capsys):

@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from megatron_patch.checkpoint_files.manifest import DIGEST, MANIFEST_NAME, digest_file, read_manifest, write_manifest
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import kind_of
 from megatron_patch.outputs.folders import fsync_dir, fsync_file, partial_dir, recover
 from megatron_patch.outputs.full_disk import full_disk_is_bad_input
 from megatron_patch.outputs.lock import OutputLock
@@ -392,6 +393,8 @@ def input_files(input_path: Path) -> list[Path]:
     if input_path.is_file():
         return [input_path]
     if not input_path.is_dir():
+        if os.path.exists(input_path):  # a FIFO, a device: it said "not found" (the tools audit)
+            raise UserError(f"input {input_path} is {kind_of(input_path.stat().st_mode)}: {hint}")
         raise UserError(f"input {input_path} not found: {hint}")
     files = sorted(p for p in input_path.iterdir() if not p.name.startswith("."))
     for p in files:
