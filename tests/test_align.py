@@ -1065,3 +1065,13 @@ def test_peft_dir_without_peft_is_refused_before_the_models_load(tmp_path, capsy
     rc = main(["align", "--hf-dir", str(tmp_path / "hf"), "--peft-dir", str(tmp_path / "peft"), "--quiet"])
     err = capsys.readouterr().err
     assert rc == 2 and "--peft-dir compares against peft's own model of the adapter: pip install peft" in err, err
+
+
+def test_force_without_a_report_dir_is_refused_before_the_models_load(tmp_path, capsys, monkeypatch):
+    """--force without --report-dir was accepted and did nothing (the tools audit)."""
+    import megatron_patch.align.alignment as alignment
+
+    monkeypatch.setattr(alignment, "run_alignment", lambda *a, **k: pytest.fail("the alignment ran"))
+    rc = main(["align", "--hf-dir", str(tmp_path / "hf"), "--force", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--force replaces an earlier report in --report-dir, and none is given" in err, err

@@ -71,6 +71,9 @@ def run(args) -> int:
     from megatron_patch.align.alignment import AlignSettings, run_alignment
     check_seed(args.seed)
     check_not_empty(args.report_dir, "--report-dir")
+    if args.force and not args.report_dir:  # it was accepted, and did nothing (the tools audit)
+        raise UserError("--force replaces an earlier report in --report-dir, and none is given: give --report-dir, or "
+                        "drop --force")
     resolve_fp8_options(args)
     if args.peft_dir and importlib.util.find_spec("peft") is None:
         # before the HF model loads (it stopped 13-33 s in, at the first phase: the newuser audit)
