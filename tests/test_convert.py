@@ -448,11 +448,13 @@ def test_bad_input_fails_in_one_line_leaving_nothing(hf_dirs, tmp_path, capsys, 
 @pytest.mark.parametrize("args,message", [
     (["--tp", "3"], "TP=3 does not divide"),
     (["--pp", "3"], "PP=3 does not divide"),
-    (["--ep", "2"], "dense model"),
+    (["--ep", "2"], "dense model: EP and ETP apply only to MoE models (EP=2), set EP=1"),
     (["--tp", "2", "--etp", "1", "--format", "legacy"], "ETP"),
-], ids=["tp3", "pp3", "ep-on-dense", "legacy-etp"])
+    # named by what was given: it said "set EP=1" (the tools audit)
+    (["--etp", "2"], "dense model: EP and ETP apply only to MoE models (ETP=2), give ETP=1 (the TP) or none"),
+], ids=["tp3", "pp3", "ep-on-dense", "legacy-etp", "etp-on-dense"])
 def test_impossible_layout_is_refused(hf_dirs, tmp_path, capsys, args, message):
-    family = "qwen2_moe" if "--etp" in args else "llama3_1"
+    family = "qwen2_moe" if "--format" in args else "llama3_1"
     rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(hf_dirs[family]), "--save-dir", str(tmp_path / "o"), *args)
     assert rc == 2 and message in err and err.count("\n") == 1, err
     assert not (tmp_path / "o").exists()

@@ -105,7 +105,7 @@ BAD = [
     ("qwen2_moe", dict(EP="3"), {}, "EP=3 does not divide the 4 experts"),
     ("qwen2_moe", dict(TP="2", EP="2", ETP="1", GLOBAL_BATCH_SIZE="8"), {}, "needs sequence parallelism: set SP=true"),
     ("deepseek_v3", dict(TP="2"), {}, "a MoE model trained with TP > 1 needs sequence parallelism: set SP=true"),
-    ("qwen2", dict(EP="2"), {}, "apply only to MoE models, set EP=1"),
+    ("qwen2", dict(EP="2"), {}, "apply only to MoE models (EP=2), set EP=1"),
     ("llama3_1", dict(GLOBAL_BATCH_SIZE="7"), {}, "GLOBAL_BATCH_SIZE (7) must be a multiple of BATCH_SIZE*DP"),
     ("llama3_1", dict(TRAIN_TOKENS_OR_ITERS="100"), {}, "less than one iteration"),
     ("llama3_1", dict(TRAIN_TOKENS_OR_ITERS="lots"), {}, "TRAIN_TOKENS_OR_ITERS must be a count"),

@@ -416,7 +416,10 @@ def validate_layout(arch: Arch, layout: ParallelLayout, *, pp_first_stage_layers
             raise UserError(f"ETP={layout.expert_tp}: megatron-core's experts take biases ({arch.family}) only unsplit: "
                             "set ETP=1")
     elif layout.ep > 1 or layout.etp not in (None, tp):
-        raise UserError(f"{arch.family} is a dense model: EP and ETP apply only to MoE models, set EP=1")
+        # named by what was given: "set EP=1" to an ETP given alone (the tools audit)
+        given = f"EP={layout.ep}" if layout.ep > 1 else f"ETP={layout.etp}"
+        unset = "set EP=1" if layout.ep > 1 else f"give ETP={tp} (the TP) or none"
+        raise UserError(f"{arch.family} is a dense model: EP and ETP apply only to MoE models ({given}), {unset}")
     if layout.cp > 1:
         kinds = set(arch.layer_types)
         unsplit = ("attention sinks" if arch.attention_sinks else "sliding-window attention" if SLIDING_ATTENTION in kinds
