@@ -142,6 +142,17 @@ def test_verify_refuses_an_empty_manifest(work, capsys):
     _verify(capsys, work, "lists no files, so it vouches for nothing")
 
 
+@pytest.mark.parametrize("spelling", ["./{}", "{}/", "release//{}"])
+def test_verify_refuses_a_file_listed_under_another_spelling(work, capsys, spelling):
+    """"./release/common.pt" beside "release/common.pt": one file listed twice verified (the tools audit)."""
+    manifest = json.loads((work / MANIFEST_NAME).read_text())
+    name = next(n for n in manifest["files"] if n.startswith("release/"))
+    other = spelling.format(name if not spelling.startswith("release//") else name.removeprefix("release/"))
+    (work / MANIFEST_NAME).write_text(json.dumps({**manifest, "files": {**manifest["files"],
+                                                                        other: manifest["files"][name]}}))
+    _verify(capsys, work, "has a malformed entry")
+
+
 def test_verify_refuses_a_run_folder_whose_iterations_lie_elsewhere(work, tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

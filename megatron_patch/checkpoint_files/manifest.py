@@ -160,7 +160,9 @@ def read_manifest(path: str | Path) -> dict:
         raise UserError(f"{path} uses digest {data.get('digest')!r}; this megatron_patch checks {DIGEST}")
     for name, entry in files.items():
         if (not isinstance(name, str) or not isinstance(entry, dict) or not isinstance(entry.get("size"), int)
-                or not isinstance(entry.get(DIGEST), str) or name.startswith("/") or ".." in Path(name).parts):
+                or not isinstance(entry.get(DIGEST), str) or name.startswith("/") or ".." in Path(name).parts
+                # one file listed twice under two spellings ("./release/x" beside "release/x") verified (tools audit)
+                or Path(name).as_posix() != name):
             raise IntegrityError(f"{path} has a malformed entry {str(name)[:80]!r}: the output's manifest is damaged")
     return data
 
