@@ -650,7 +650,7 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     entries = stack_entries(entries, family.hf_stacked(arch))
     # HF tensors carried beside the model (convert/carried.py), back among the exported ones as they were
     carried = read_carried(load_dir) if CARRIED_TENSORS in sidecar.carried_files else {}
-    _check_carried(carried, family, {n for n, _, _ in entries}, load_dir)
+    _check_carried(carried, family, arch, {n for n, _, _ in entries}, load_dir)
     entries += [(n, place.shape, place.dtype) for n, place in carried.items()]
     copier = _make_copier(copier, workers)
     total = sum(nbytes(s, d) for _, s, d in entries)
@@ -681,12 +681,14 @@ def _export_hf(opened, save_dir, dtype, max_shard_size, force: bool, progress, c
     bar.close(copier.stats)
 
 
-def _check_carried(carried: dict, family, exported: set[str], load_dir) -> None:
-    """Each carried tensor one the family carries and the model does not export itself: one that names a tensor of
-    the model (a hand edit, another tool's file) was written twice under one name, a safetensors file no reader
-    opens, published with exit 0 (the converter audit)."""
+def _check_carried(carried: dict, family, arch: Arch, exported: set[str], load_dir) -> None:
+    """Each carried tensor one the family carries (``_carried_sources``: its carried modules, and its MTP layers kept
+    unbuilt) and the model does not export itself: one that names a tensor of the model (a hand edit, another tool's
+    file) was written twice under one name, a safetensors file no reader opens, published with exit 0 (the
+    converter audit)."""
+    mtp = family.hf_mtp_names(arch, set(carried)) if family.hf_mtp_carried else set()
     for name in carried:
-        if name in exported or not family.is_carried(name):
+        if name in exported or not (family.is_carried(name) or name in mtp):
             why = "a tensor of the model itself" if name in exported else f"not one the {family.name} family carries"
             raise UserError(f"{Path(load_dir) / CARRIED_TENSORS} holds {name[:120]!r}, {why}: the file is not this "
                             "checkpoint's; restore it from the conversion that wrote it, or convert again")
