@@ -49,11 +49,11 @@ HF_SIDE_FILES = (
     "generation_config.json", "chat_template.*", "preprocessor_config.json", "processor_config.json",
     "video_preprocessor_config.json", "*.py", "tekken.json",
 )
-# Those of them that make up the tokenizer (vocabulary, special tokens, chat template, its remote code): one
-# tokenizer's files are taken together from one folder, never mixed with another's. The rest are the model's.
 # transformers 5 saves a tokenizer's named chat templates (tool_use, rag, ...) one folder down, as .jinja files.
 CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
 NAMED_CHAT_TEMPLATES = f"{CHAT_TEMPLATES_FOLDER}/*.jinja"
+# Those of them that make up the tokenizer (vocabulary, special tokens, chat template, its remote code): one
+# tokenizer's files are taken together from one folder, never mixed with another's. The rest are the model's.
 TOKENIZER_SIDE_FILES = tuple(p for p in HF_SIDE_FILES if p not in (
     "generation_config.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
     "*.py")) + ("tokenization*.py", NAMED_CHAT_TEMPLATES)
@@ -91,7 +91,8 @@ def kind_of(mode: int) -> str:
 
 
 def _not_regular(mode: int) -> str:
-    return next((f"{kind}, not a regular file" for test, kind in _KINDS if test(mode)), "not a regular file")
+    kind = kind_of(mode)
+    return kind if kind == "not a regular file" else f"{kind}, not a regular file"
 
 
 def file_problem(path: str | Path) -> str | None:

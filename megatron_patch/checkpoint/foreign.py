@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_patch.checkpoint.legacy import FILE_NAME, open_rank_file
+from megatron_patch.checkpoint.outputs import command_of
 from megatron_patch.checkpoint.sidecar import SIDECAR_NAME, Sidecar, read_sidecar
 from megatron_patch.checkpoint_files.layout import (
     ITERATION_DIR,
@@ -216,8 +217,8 @@ def _other_commands_output(path: Path) -> str | None:
         tool = read_manifest(path / MANIFEST_NAME).get("tool")
     except UserError:  # IntegrityError included
         return None
-    return next((c for c in NOT_CHECKPOINTS if isinstance(tool, str) and (tool == c or tool.startswith(c + " "))),
-                None)
+    command = command_of(tool) if isinstance(tool, str) else None
+    return command if command in NOT_CHECKPOINTS else None
 
 
 def _what_it_is_instead(path: Path) -> str:

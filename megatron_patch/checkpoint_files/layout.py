@@ -124,6 +124,13 @@ def read_tracker(root: str | Path) -> int | str | None:
     raise UserError(f"{tracker} says {text[:40]!r}, neither 'release' nor an iteration number: the checkpoint is damaged")
 
 
+def tracked_iteration_missing(root: str | Path, latest: int | str | None) -> str | None:
+    """Why the iteration ``root``'s tracker names (``latest``, as ``read_tracker`` gives it) is not there, or None."""
+    if not isinstance(latest, int) or iteration_dir(root, latest).is_dir():
+        return None
+    return f"{Path(root) / TRACKER_NAME} names iteration {latest}, but {iteration_dir(root, latest).name} is missing"
+
+
 def write_tracker(root: str | Path, value: int | str) -> None:
     """Point ``root``'s tracker at an iteration or at ``"release"``; written aside, then renamed."""
     if value != RELEASE and not isinstance(value, int):
@@ -309,8 +316,9 @@ def latest_complete_iteration(root: str | Path, problem: Callable[[Path], str | 
     if latest is None and not notes:
         notes.append(f"{tracker} is missing; looking for the newest complete iteration folder instead")
     if isinstance(latest, int):
-        if latest not in found:
-            notes.append(f"{tracker} names iteration {latest}, but {iteration_dir(root, latest).name} is missing")
+        missing = tracked_iteration_missing(root, latest)
+        if missing:
+            notes.append(missing)
         newer = [i for i in found if i > latest]
         if newer:  # a tracker moved back by hand is respected, and said: a newer folder is not taken silently
             notes.append(f"{tracker} names iteration {latest}, and {len(newer)} newer iteration folder(s) "

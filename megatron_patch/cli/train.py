@@ -346,7 +346,7 @@ def _other_nodes_told(name: str, argv: list[str]):
     try:
         yield
     except UserError as exc:
-        command = _refusing_command(name, argv)
+        command = _joining_command(name, argv)
         if command is None:
             raise
         print(f"mpatch train: error: {exc}", file=sys.stderr, flush=True)
@@ -362,7 +362,7 @@ def _compared_with_the_other_nodes(name: str, argv: list[str]) -> int:
     it says so with exit 0. It exited at once, and a node given a longer run waited for it until MP_DIST_TIMEOUT_MIN,
     then blamed the rendezvous, while this one had said the run was complete (the fail audit). Its ranks only take
     part in the launch's comparison (``_rank``: MP_LAUNCHER_COMPLETE); a difference is the one line every node says."""
-    command = _refusing_command(name, argv)
+    command = _joining_command(name, argv)
     if command is None:
         return 0
     print("note: this node joins the job to compare its line with the other nodes' (at most MP_DIST_TIMEOUT_MIN; "
@@ -409,7 +409,7 @@ def _compared_line(cfg) -> int:
     return 0
 
 
-def _refusing_command(name: str, argv: list[str]) -> list[str] | None:
+def _joining_command(name: str, argv: list[str]) -> list[str] | None:
     """torchrun's arguments that join this node to the job with the processes its line asks for, or None where this
     is no node of a job of several, or where the rendezvous itself is what is wrong (then nothing can join)."""
     env = os.environ

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megatron_patch.checkpoint_files.layout import ITERATION_DIR, RELEASE, TRACKER_NAME, iteration_dir, read_tracker
+from megatron_patch.checkpoint_files.layout import ITERATION_DIR, RELEASE, read_tracker, tracked_iteration_missing
 from megatron_patch.checkpoint_files.manifest import MANIFEST_NAME, IntegrityError, verify_manifest
 from megatron_patch.errors import UserError
 from megatron_patch.input_files import kind_of
@@ -48,10 +48,10 @@ def _tracked_iteration_missing(path: Path) -> str | None:
     run's newest checkpoint lost, or the tracker edited. Every manifest left verified, and the run resumed, or was
     exported, from an older iteration (the tools audit)."""
     for root in (path, path / CHECKPOINT_DIR):
-        named = read_tracker(root) if root.is_dir() else None  # an unreadable tracker: one line
-        if isinstance(named, int) and not iteration_dir(root, named).is_dir():
-            return (f"{root / TRACKER_NAME} names iteration {named}, but {iteration_dir(root, named).name} is missing: "
-                    "the run's newest checkpoint is not as written")
+        # an unreadable tracker: one line
+        missing = tracked_iteration_missing(root, read_tracker(root)) if root.is_dir() else None
+        if missing:
+            return f"{missing}: the run's newest checkpoint is not as written"
     return None
 
 

@@ -431,11 +431,13 @@ def check_data_tokenizer(cfg) -> list[str]:
         return notes
     source = (f"MP_TOKENIZER {cfg.tokenizer}" if cfg.tokenizer else
               f"the tokenizer of PRETRAIN_CHECKPOINT_PATH {cfg.checkpoint_tokenizer or cfg.pretrain_checkpoint}")
-    end = ids_end(tokenizer)
+    end, digests = ids_end(tokenizer), {}  # the run's vocabulary digested once per bound, not once per prefix
     for prefix, record in records.items():
         # the data's ids mean the same tokens in the run's tokenizer, which may extend the data's (a pad or chat token
         # added, the model's vocabulary resized for it: the data audit)
-        if end < record["ids"] or vocabulary_digest(tokenizer, below=record["ids"]) != record["vocabulary_sha256"]:
+        if record["ids"] not in digests:
+            digests[record["ids"]] = vocabulary_digest(tokenizer, below=record["ids"])
+        if end < record["ids"] or digests[record["ids"]] != record["vocabulary_sha256"]:
             sizes = (f"both {end} ids" if record["ids"] == end else f"{record['ids']} ids against {end}")
             raise UserError(f"{prefix} was preprocessed with the tokenizer of {record['path']}, whose ids do not all "
                             f"stand for the same tokens in {source} ({sizes}): the model would train on other text "
