@@ -518,3 +518,27 @@ def join_and_report_world():
 
     init_process_group()
     return dist.get_world_size()
+
+
+def lose_the_port_on_the_first_attempt(attempts_file: str):
+    """Rank 0 of the first attempt loses the rendezvous port (its EADDRINUSE reported last, after rank 1's lost
+    connection to it, as under load); the next attempt reports each rank."""
+    import os
+    import time
+    from pathlib import Path
+
+    rank = int(os.environ["RANK"])
+    marks = Path(attempts_file)
+    if rank == 0:
+        attempt = len(marks.read_text()) + 1 if marks.exists() else 1
+        marks.write_text("x" * attempt)
+    else:
+        time.sleep(0.5)  # rank 0 has counted this attempt
+        attempt = len(marks.read_text())
+    if attempt > 1:
+        return rank
+    if rank == 1:
+        raise RuntimeError("Gloo connectFullMesh failed: Connection closed by peer")
+    time.sleep(1.0)
+    raise RuntimeError("The server socket has failed to listen on any local network address. code: -98, name: "
+                       "EADDRINUSE")

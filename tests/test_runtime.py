@@ -483,6 +483,18 @@ def test_run_local_starts_again_when_its_port_was_taken(monkeypatch):
         taken.close()
 
 
+@pytest.mark.slow
+def test_a_lost_port_is_started_again_whichever_rank_reports_first(tmp_path):
+    """Under load, rank 1's lost connection reached run_local before rank 0's EADDRINUSE, and the job failed
+    instead of starting again on another port (the stop 71 CI rehearsal): every rank's report is read."""
+    from megatron_patch.runtime import launch
+    from tests.runtime_helpers import lose_the_port_on_the_first_attempt
+
+    attempts = tmp_path / "attempts"
+    assert launch.run_local(lose_the_port_on_the_first_attempt, 2, str(attempts), timeout=120) == [0, 1]
+    assert attempts.read_text() == "xx"
+
+
 _RNG_PROBE = r"""
 import io, json, logging, torch
 from megatron_patch.runtime import cpu_compat

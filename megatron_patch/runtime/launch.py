@@ -155,7 +155,7 @@ def run_local(fn: Callable, world_size: int, *args: Any, timeout: float = 600) -
         try:
             return _run_once(fn, world_size, args, timeout)
         except WorkerError as exc:
-            if "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS:
+            if "EADDRINUSE" not in f"{exc}\n{exc.worker_traceback}" or attempt == PORT_ATTEMPTS:
                 raise
 
 
@@ -304,7 +304,17 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> lis
                 p.kill()
                 p.join()
     if errors:
-        rank = min(errors)
+        # the other ranks' reports too: the root cause is not always the first to arrive (rank 0's port taken,
+        # EADDRINUSE, came after rank 1's lost connection to it under load, and the job was not started again)
+        while True:
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                break
+            if not ok:
+                errors.setdefault(rank, payload)
+        port_taken = [r for r in sorted(errors) if isinstance(errors[r], str) and "EADDRINUSE" in errors[r]]
+        rank = port_taken[0] if port_taken else min(errors)
         if isinstance(errors[rank], bytes):
             raise pickle.loads(errors[rank])
         raise WorkerError.of_rank(rank, errors[rank])
