@@ -29,15 +29,15 @@ class Combination:
 TESTED = (
     Combination("3.11", "0.16.1", "2.13.0", "5.25.0", "CI: the whole suite (.ci/run, fresh venv)"),
     Combination("3.12", "0.19.2", "2.13.0", "5.25.0",
-                "CI: the quick subset, every conversion and checkpoint test, a resume of another schedule, and "
-                "checkpoints across releases; by hand (2026-12-05): the slow tests, 598 passed, 1 failed (a resume "
-                "with another LR, fixed in 4ad0986), 1 GPU-only skip"),
+                "CI: the quick subset and checkpoints across releases; every conversion and checkpoint test and a "
+                "resume of another schedule one day in three (.ci/run's turns); by hand (2026-12-05): the slow "
+                "tests, 598 passed, 1 failed (a resume with another LR, fixed in 4ad0986), 1 GPU-only skip"),
     Combination("3.13", "0.19.2", "2.13.0", "5.25.0",
-                "CI: the quick subset (where pyenv has 3.13); by hand (2026-11-26, transformers 5.24): the whole "
-                "suite, 976 passed, 8 GPU-only skips"),
+                "CI: the quick subset one day in three (where pyenv has 3.13); by hand (2026-11-26, transformers "
+                "5.24): the whole suite, 976 passed, 8 GPU-only skips"),
     Combination("3.10", "0.16.1", "2.13.0", "5.20.2",
-                "CI: the quick subset (where pyenv has 3.10); by hand (2026-11-26): the whole suite, 976 passed, "
-                "8 GPU-only skips"),
+                "CI: the quick subset one day in three (where pyenv has 3.10); by hand (2026-11-26): the whole suite, "
+                "976 passed, 8 GPU-only skips"),
     Combination("3.11", "0.16.1", "2.15.0", "5.25.0",
                 "by hand (2026-12-03, pip's CUDA build, on the CPU): the whole suite, 1931 passed, 8 GPU-only skips"),
     Combination("3.11", "0.16.1", "2.14.1", "5.25.0",
