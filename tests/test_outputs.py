@@ -199,6 +199,35 @@ def test_ranks_of_an_earlier_run_are_named_until_they_end(tmp_path):
     os.close(fd)
 
 
+@pytest.mark.parametrize("goes", ["before its look", "after its look"])
+def test_a_rank_marks_itself_though_the_empty_ranks_folder_goes_meanwhile(tmp_path, monkeypatch, goes):
+    """Another rank's end, or a launcher's live_ranks, removes the ranks' folder once it is empty: a rank that found
+    the folder there and had not yet made its mark in it failed with an internal error (a CI run's forked ranks), or
+    called it "not a folder"."""
+    from megatron_patch.outputs import lock
+
+    out = tmp_path / "run"
+    folder = tmp_path / ".run.mpatch-lock.ranks"
+    folder.mkdir()  # left by a rank that is ending
+    checked = lock._check_ranks_dir
+
+    def look_losing_it(path):
+        if goes == "after its look":
+            checked(path)
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()  # that rank's release_rank, between this rank's mkdir and its mark
+        if goes == "before its look":
+            checked(path)
+
+    monkeypatch.setattr(lock, "_check_ranks_dir", look_losing_it)
+    fd = register_rank(out)
+    try:
+        assert [p.name for p in folder.iterdir()] == [f"{os.uname().nodename}.{os.getpid()}"]
+    finally:
+        os.close(fd)
+    assert live_ranks(out) == [] and not folder.exists()
+
+
 # --- publishing that cannot clobber, and what killed runs left ----------------------------------------------
 
 def test_a_name_taken_meanwhile_is_never_replaced(tmp_path):

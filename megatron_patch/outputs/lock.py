@@ -211,9 +211,14 @@ def _ranks_dir(target: str | Path) -> Path:
 
 def _check_ranks_dir(folder: Path) -> None:
     """The ranks' folder must be a folder itself: through a symlink, the marks of ranks that are gone (every
-    file in it that no process holds) would be removed from wherever it leads."""
-    if folder.is_symlink() or not folder.is_dir():
-        kind = f"a symlink (to {os.readlink(folder)})" if folder.is_symlink() else "not a folder"
+    file in it that no process holds) would be removed from wherever it leads. One that went meanwhile (its last
+    rank's end) passes: the caller's next step on it meets its absence."""
+    try:
+        mode = os.lstat(folder).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        kind = f"a symlink (to {os.readlink(folder)})" if stat.S_ISLNK(mode) else "not a folder"
         raise UserError(f"{folder} is {kind}: mpatch keeps the marks of a run's ranks in a folder of its own there, "
                         "so something else put this there; nothing was written through it. Remove it and rerun")
 
@@ -222,12 +227,17 @@ def register_rank(target: str | Path) -> int:
     """Mark this process as a rank writing ``target`` for as long as it lives (the returned descriptor holds
     the mark; the kernel drops it when the process ends)."""
     folder = _ranks_dir(target)
-    try:
-        folder.mkdir()
-    except FileExistsError:
-        _check_ranks_dir(folder)
     path = folder / f"{socket.gethostname()}.{os.getpid()}"
-    fd, locked = _try_flock(path)
+    while True:
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            _check_ranks_dir(folder)
+        try:
+            fd, locked = _try_flock(path)
+            break
+        except FileNotFoundError:  # the folder was empty and went (another rank's end, a launcher's live_ranks)
+            continue
     if not locked:  # a PID reused on this host while an old holder's descriptor lives on elsewhere
         os.close(fd)
         raise UserError(f"{path} is held by another process: an earlier run still writes {target}")
@@ -259,7 +269,11 @@ def live_ranks(target: str | Path) -> list[str]:
         return []
     _check_ranks_dir(folder)
     alive = []
-    for path in sorted(folder.iterdir()):
+    try:
+        marks = sorted(folder.iterdir())
+    except FileNotFoundError:  # its last rank removed it meanwhile
+        return []
+    for path in marks:
         try:
             fd, locked = _try_flock(path)
         except OSError:
