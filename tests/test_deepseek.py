@@ -137,7 +137,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "RoPE type 'linear' is not supported for multi-latent"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
                         "original_max_position_embeddings": 64}), "RoPE type 'llama3' is not supported for multi"),
-    (dict(rope_scaling={**YARN, "attention_factor": 0.5}), "YaRN attention_factor=0.5 is not supported for multi"),
+    (dict(rope_scaling={**YARN, "factor": 1.0, "attention_factor": 0.5}),
+     "YaRN attention_factor=0.5 with factor=1 is not supported for multi"),
     (dict(rope_scaling={**YARN, "truncate": False}), "YaRN truncate=false is not supported for multi-latent"),
 ])
 def test_what_megatron_core_computes_otherwise_is_refused(over, fragment):
@@ -153,6 +154,51 @@ def test_yarn_s_attention_factor_as_transformers_derives_it_is_accepted():
     derived = (0.1 * math.log(4.0) + 1) / (0.1 * 0.8 * math.log(4.0) + 1)
     arch = parse_arch({**tiny_config("deepseek_v3"), "rope_scaling": {**YARN, "attention_factor": derived}})
     assert arch.rope_scaling["attention_factor"] == derived
+
+
+# YaRN's two mscales as configs give them: transformers scales cos/sin by their ratio only where both are given, else
+# by the plain YaRN factor or config.json's attention_factor, and corrects the softmax by mscale_all_dim's whenever
+# it is given. Only mscale_all_dim converted into another model, aligned NOT at layer 0 (the cfgvar audit).
+YARN_MSCALES = {
+    "both": {"mscale": 1.0, "mscale_all_dim": 0.8},
+    "mscale_all_dim alone": {"mscale_all_dim": 0.8},
+    "mscale 0 beside mscale_all_dim": {"mscale": 0, "mscale_all_dim": 0.8},
+    "mscale alone": {"mscale": 0.7},
+    "neither": {},
+    "attention_factor": {"mscale": 1.0, "mscale_all_dim": 0.8, "attention_factor": 0.9},
+}
+
+
+def _yarn_with(mscales: dict) -> dict:
+    return {**{k: v for k, v in YARN.items() if k not in ("mscale", "mscale_all_dim")}, **mscales}
+
+
+@pytest.mark.parametrize("mscales", YARN_MSCALES.values(), ids=YARN_MSCALES.keys())
+def test_megatron_cores_yarn_scales_cos_sin_and_softmax_as_transformers(mscales):
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        _yarn_get_concentration_factor, _yarn_get_mscale)
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = _yarn_with(mscales)
+    config = DeepseekV3Config(**{**tiny_config("deepseek_v3"), "rope_scaling": rope})
+    _, theirs = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    kwargs = get_family("deepseek_v3").transformer_config_kwargs(parse_arch({**tiny_config("deepseek_v3"),
+                                                                            "rope_scaling": rope}))
+    ours = _yarn_get_concentration_factor(kwargs["rotary_scaling_factor"], kwargs["mscale"], kwargs["mscale_all_dim"])
+    assert ours == pytest.approx(theirs, rel=1e-12)
+    softmax = _yarn_get_mscale(kwargs["rotary_scaling_factor"], kwargs["mscale_all_dim"]) ** 2
+    wanted = _yarn_get_mscale(4.0, mscales["mscale_all_dim"]) ** 2 if mscales.get("mscale_all_dim") else 1.0
+    assert softmax == pytest.approx(wanted, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_each_way_of_giving_yarns_mscales_matches_transformers(tmp_path):
+    names = list(YARN_MSCALES)
+    folders = [make_tiny_hf_checkpoint("deepseek_v3", tmp_path / str(i), seed=4, rope_scaling=_yarn_with(m))
+               for i, m in enumerate(YARN_MSCALES.values())]
+    for name, m in zip(names, check_parity_all(folders, ParallelLayout(), seed=6)):
+        assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, (name, m)
 
 
 @pytest.mark.parametrize("over", [dict(scoring_func="softmax"), dict(topk_method="greedy", scoring_func="softmax"),

@@ -14,7 +14,7 @@ import math
 from megatron_patch.errors import UserError
 from megatron_patch.models.blocks.decoder import DECODER_KEYS, parse_decoder_config
 from megatron_patch.models.blocks.routing import check_renormalised, expert_groups
-from megatron_patch.models.description.arch import Arch, MLAShape, require, yarn_attention_factor
+from megatron_patch.models.description.arch import Arch, MLAShape, require, yarn_attention_factor, yarn_mscale
 from megatron_patch.models.description.config_checks import MAX_EXPERTS, MAX_LAYERS, MAX_WIDTH, Flag, Real, Text, Whole
 from megatron_patch.models.description.hf_defaults import config_as_transformers_reads, reads_hf_defaults
 
@@ -66,8 +66,8 @@ def routing_of(raw: dict) -> dict:
 def check_mla_rope(rope: dict | None) -> None:
     """megatron-core's multi-latent attention rotates with plain RoPE or its YaRN, which rounds the correction
     range and scales cos/sin by the ratio of the two mscales (``transformer_config_kwargs``): any other RoPE, an
-    ``attention_factor`` other than the one transformers derives the same way, or ``truncate=false`` would
-    convert into a model that computes otherwise, so each is refused."""
+    ``attention_factor`` other than 1 where every YaRN factor is 1, or ``truncate=false`` would convert into a
+    model that computes otherwise, so each is refused."""
     kind = (rope or {}).get("rope_type", "default")
     if kind not in ("default", "yarn"):
         raise UserError(f"RoPE type '{kind}' is not supported for multi-latent attention: megatron-core's MLA takes "
@@ -78,12 +78,24 @@ def check_mla_rope(rope: dict | None) -> None:
         raise UserError("YaRN truncate=false is not supported for multi-latent attention: megatron-core rounds the "
                         "correction range, as transformers does with truncate=true (the default)")
     given = rope.get("attention_factor")
-    if given is not None:
-        derived = yarn_attention_factor({k: v for k, v in rope.items() if k != "attention_factor"})
-        if not math.isclose(given, derived, rel_tol=1e-6):
-            raise UserError(f"YaRN attention_factor={given:g} is not supported for multi-latent attention: "
-                            f"megatron-core scales cos/sin by {derived:g}, the factor it derives from factor, mscale "
-                            "and mscale_all_dim (drop attention_factor, or set it to that)")
+    if given is not None and rope["factor"] <= 1 and not math.isclose(given, 1.0, rel_tol=1e-6):
+        raise UserError(f"YaRN attention_factor={given:g} with factor={rope['factor']:g} is not supported for "
+                        "multi-latent attention: megatron-core scales cos/sin by 1 where factor is at most 1 (drop "
+                        "attention_factor, or set it to 1)")
+
+
+def mcore_yarn_mscale(rope: dict) -> float:
+    """The ``mscale`` that makes megatron-core's cos/sin factor, the ratio of ``mscale``'s YaRN factor to
+    ``mscale_all_dim``'s, the one transformers applies (``yarn_attention_factor``: config.json's attention_factor,
+    else that ratio where both are given, else the plain YaRN factor). ``mscale_all_dim`` goes to megatron-core as
+    given: both take it for the softmax correction, whether or not ``mscale`` is given."""
+    factor, all_dim = rope["factor"], rope.get("mscale_all_dim") or 0.0
+    if rope.get("attention_factor") is None and rope.get("mscale") and all_dim:
+        return float(rope["mscale"])  # transformers' ratio itself
+    if factor <= 1:
+        return 1.0  # every YaRN factor is 1 there (check_mla_rope refuses an attention_factor that is not)
+    # yarn_mscale(factor, m) / yarn_mscale(factor, all_dim) == wanted, solved for m
+    return (yarn_attention_factor(rope) * yarn_mscale(factor, all_dim) - 1.0) / (0.1 * math.log(factor))
 
 
 @reads_hf_defaults(HF_DEFAULTS)
@@ -139,14 +151,13 @@ def transformer_config_kwargs(arch: Arch) -> dict:
         moe_router_load_balancing_type="seq_aux_loss" if raw.get("seq_aux") else "aux_loss",
     )
     if rope.get("rope_type") == "yarn":
-        # transformers scales cos/sin by mscale/mscale_all_dim only when both are given, else by the
-        # plain YaRN factor; megatron-core always takes the ratio, which with mscale=1, mscale_all_dim=0
-        # is that same plain factor. The softmax correction (mscale_all_dim) is the same in both.
-        both = bool(rope.get("mscale")) and bool(rope.get("mscale_all_dim"))
+        # transformers scales cos/sin by mscale/mscale_all_dim only when both are given, else by the plain YaRN
+        # factor (or config.json's attention_factor); megatron-core always takes the ratio: mcore_yarn_mscale
+        # picks its mscale to match. The softmax correction (mscale_all_dim) is the same in both.
         kwargs.update(rotary_scaling_factor=rope["factor"],
                       original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
                       beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
-                      mscale=rope["mscale"] if both else 1.0, mscale_all_dim=rope.get("mscale_all_dim") or 0.0)
+                      mscale=mcore_yarn_mscale(rope), mscale_all_dim=rope.get("mscale_all_dim") or 0.0)
     else:
         kwargs.update(rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
     return kwargs
