@@ -177,6 +177,16 @@ def test_a_carried_tensor_the_model_exports_or_the_family_does_not_carry_is_refu
                           str(tmp_path / "back"), "--no-verify")
         assert rc == 2 and f"carried_tensors.safetensors holds '{name}', {why}" in err, err
         assert not (tmp_path / "back").exists()
+    # listed but not there, or not a file: the export was written without them, exit 0 (the hostile audit)
+    carried = tmp_path / "ck" / "carried_tensors.safetensors"
+    for make, said in ((lambda: None, "not found"), (lambda: os.mkfifo(carried), "FIFO"),
+                       (lambda: carried.mkdir(), "folder")):
+        carried.unlink(missing_ok=True) if not carried.is_dir() else carried.rmdir()
+        make()
+        rc, err = run_cli(capsys, "convert", "mcore2hf", "--load-dir", str(tmp_path / "ck"), "--save-dir",
+                          str(tmp_path / "back"), "--no-verify")
+        assert rc == 2 and "carried_tensors.safetensors" in err and said in err and "\n" not in err.strip(), err
+        assert not (tmp_path / "back").exists()
     with pytest.raises(ValueError, match="tensor names planned twice"):  # the writer's own guard
         plan_safetensors(tmp_path, [("a", (2,), "float32"), ("a", (2,), "float32")], 1 << 30)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from megatron_patch.checkpoint.hf_reader import read_safetensors_header
 from megatron_patch.checkpoint_files.byte_io import Stored
 from megatron_patch.convert.hf_writer import plan_safetensors
+from megatron_patch.input_files import checked_input
 
 CARRIED_TENSORS = "carried_tensors.safetensors"
 
@@ -29,6 +30,9 @@ def write_carried_plan(folder: Path, sources: dict[str, Stored]) -> dict[str, St
 
 
 def read_carried(folder: Path) -> dict[str, Stored]:
-    """The tensors of a checkpoint's ``CARRIED_TENSORS`` (empty when it has none)."""
+    """The tensors of the ``CARRIED_TENSORS`` a checkpoint's sidecar lists: one that is not there, or not a file,
+    is refused in one line (an export without the vision tower was written with exit 0: the hostile audit)."""
     path = Path(folder) / CARRIED_TENSORS
-    return dict(sorted(read_safetensors_header(path).items())) if path.is_file() else {}
+    checked_input(path, inside=folder, limit=None, hint="the checkpoint's sidecar lists it among its carried files, "
+                  "so the checkpoint is incomplete: copy it again from where it was written")
+    return dict(sorted(read_safetensors_header(path).items()))
