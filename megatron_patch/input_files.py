@@ -71,7 +71,14 @@ def contained(folder: str | Path, name: str | Path, how: str = "found") -> Path:
     if "\0" in str(name):  # no file has one: the OS refuses it, and resolve() raises ValueError on it
         raise UserError(f"{folder} {how} {str(name)!r}, which no file can be named (a NUL byte): refused")
     path = folder / name
-    real, home = path.resolve(), folder.resolve()
+    try:
+        real, home = path.resolve(), folder.resolve()
+        # a link to itself: Python 3.11 and 3.12 raise RuntimeError, 3.13 returns the link as it is
+        looped = "a symlink loop" if real.is_symlink() or home.is_symlink() else None
+    except (RuntimeError, OSError) as exc:
+        looped = "a symlink loop" if isinstance(exc, RuntimeError) else exc.strerror or str(exc)
+    if looped:
+        raise UserError(f"{folder} {how} {str(name)!r}, which cannot be followed ({looped}): refused")
     allowed = [home]
     if home.parent.name == "snapshots":
         allowed.append(home.parent.parent / "blobs")

@@ -1201,7 +1201,15 @@ def test_a_metadata_json_megatron_core_cannot_load_skips_its_iteration(tmp_path,
         why in notes[0], notes
 
 
-@pytest.mark.parametrize("damage", [_huge, _fifo, _endless])
+def _loop(path: Path) -> str:
+    """A link to itself: an internal error (Python's RuntimeError) in verify, inspect and the resume (the hostile
+    audit)."""
+    path.unlink(missing_ok=True)
+    path.symlink_to(path.name)
+    return "which cannot be followed (a symlink loop)"
+
+
+@pytest.mark.parametrize("damage", [_huge, _fifo, _endless, _loop])
 def test_a_huge_or_endless_tracker_is_skipped_for_the_newest_complete_iteration(tmp_path, damage):
     from megatron_patch.checkpoint_files.layout import TRACKER_NAME
     from megatron_patch.training.run_state import latest_iteration
