@@ -193,6 +193,19 @@ def json_nesting(value: Any) -> int:
     return deepest
 
 
+def json_error(exc: ValueError | RecursionError, *, line: bool = True) -> str:
+    """What ``json.loads`` found wrong, in a few words (``line``: where, for text of several lines): beside
+    malformed text, a number of more than 4300 digits (Python's limit on int(), a plain ValueError) and nesting past
+    the recursion limit end it."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at line {exc.lineno}" if line else exc.msg
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text at byte {exc.start}"
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).split(":")[0]
+
+
 def read_input_json(path: str | Path, *, hint: str = "", **checks) -> Any:
     """An input file's JSON value, with one-line errors (``hint``: what to give when the file is missing)."""
     data = read_input(path, hint=hint, **checks)
@@ -202,6 +215,8 @@ def read_input_json(path: str | Path, *, hint: str = "", **checks) -> Any:
         raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}): fix or re-download it")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path} is not UTF-8 text (byte {exc.start}): fix or re-download it")
+    except ValueError as exc:  # a number of more than 4300 digits
+        raise UserError(f"{path} is not readable JSON ({json_error(exc)}): fix or re-download it")
     except RecursionError:
         too_deep = True
     else:

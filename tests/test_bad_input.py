@@ -94,6 +94,22 @@ def test_bad_config_values_are_one_line_in_hf2mcore(hf, tmp_path, capsys, name):
     assert not (tmp_path / "o").exists() and not leftovers(tmp_path / "o")
 
 
+def test_a_number_of_more_digits_than_python_reads_is_one_line(hf, tmp_path, capsys):
+    """json.loads raises a plain ValueError for an integer of more than 4300 digits (Python's limit on int()): an
+    internal error in hf2mcore's config.json and in every safetensors header (the hostile audit)."""
+    huge = "9" * 5000
+    folder = _variant(hf, tmp_path, "digits", num_hidden_layers="HUGE")
+    (folder / "config.json").write_text((folder / "config.json").read_text().replace('"HUGE"', huge))
+    rc, err = run_cli(capsys, "convert", "hf2mcore", "--hf-dir", str(folder), "--save-dir", str(tmp_path / "o"))
+    _one_line(rc, err, "config.json is not readable JSON (Exceeds the limit (4300 digits)")
+    header = f'{{"w": {{"dtype": "F32", "shape": [{huge}], "data_offsets": [0, 4]}}}}'.encode()
+    shard = tmp_path / "x.safetensors"
+    shard.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(UserError, match=r"header is not valid JSON: Exceeds the limit \(4300 digits\)") as err:
+        read_safetensors_header(shard)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("command", ["parity", "align", "mcore2hf", "inspect"])
 def test_every_command_that_reads_a_config_refuses_enormous_values(hf, tmp_path, capsys, command):
     layers = _variant(hf, tmp_path, "layers", num_hidden_layers=10**9)

@@ -359,6 +359,22 @@ def test_a_bad_record_anywhere_is_refused_at_launch_before_any_rank(chat_tok, tm
         assert message in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("name, text, said", [
+    ("digits.jsonl", '{"instruction": "a", "output": "b", "id": ' + "9" * 5000 + "}\n",
+     "digits.jsonl line 1 is not valid JSON (Exceeds the limit (4300 digits)"),
+    ("digits.json", '[{"instruction": "a", "output": "b", "id": ' + "9" * 5000 + "}]",
+     "digits.json is not valid JSON (Exceeds the limit (4300 digits)"),
+    ("deep.jsonl", "[" * 100_000 + "\n", "deep.jsonl is not valid JSON (nested too deeply)"),
+])
+def test_sft_records_python_cannot_read_are_one_line(tmp_path, name, text, said):
+    """A number of more than 4300 digits (Python's int() limit) or nesting past the recursion limit ended json.loads
+    with an error the reader did not catch: an internal error (the hostile audit)."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UserError) as err:
+        read_records(tmp_path / name)
+    assert said in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
 def test_sft_files_in_another_encoding_are_one_line_and_a_bom_is_taken(chat_tok, tmp_path, monkeypatch, capsys):
     """A byte that is not UTF-8, or a UTF-16 file, is refused naming the file and line, as ``mpatch preprocess``
     refuses it (it was an internal error, exit 1); a UTF-8 file with a byte-order mark (Windows editors) is read,

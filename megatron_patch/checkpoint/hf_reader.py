@@ -18,7 +18,7 @@ from pathlib import Path
 from megatron_patch.checkpoint_files.byte_io import Stored, read_range
 from megatron_patch.dtypes import ITEMSIZE, SAFETENSORS_TAG_NAMES
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import checked_input, contained, read_input_json
+from megatron_patch.input_files import checked_input, contained, json_error, read_input_json
 from megatron_patch.models.description.config_checks import check_weights_fit
 from megatron_patch.models.description.registry import parse_arch
 from megatron_patch.models.shape.skeleton import describe_model
@@ -53,8 +53,8 @@ def read_safetensors_header(path: Path) -> dict[str, Stored]:
         raise UserError(f"cannot read {path} ({exc})")
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise bad(f"header is not valid JSON: {exc}")
+    except (ValueError, RecursionError) as exc:  # ValueError: malformed, not UTF-8, or a number of 4300+ digits
+        raise bad(f"header is not valid JSON: {json_error(exc)}")
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     data_start, data_size = 8 + length, size - 8 - length

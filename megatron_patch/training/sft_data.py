@@ -215,7 +215,7 @@ def _first_record(path: Path):
             while first and not first.strip():
                 first = f.readline(FIRST_LINE_CHARS)
         item = json.loads(first)
-    except (json.JSONDecodeError, UnicodeDecodeError, *DECOMPRESSION_ERRORS):  # read_records names the problem
+    except (ValueError, RecursionError, *DECOMPRESSION_ERRORS):  # read_records names the problem
         item = read_records(path)[0]
     return item[0] if isinstance(item, list) and item else item
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from megatron_patch.errors import UserError
+from megatron_patch.input_files import json_error
 from megatron_patch.training.compressed_files import (COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, open_decompressed,
                                                        unnamed_compression)
 
@@ -40,9 +41,9 @@ def read_records(path: str | Path) -> list:
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:
             if not _starts_with_a_json_line(text):  # a JSON array with an error, not lines of packed-SFT lists
-                raise UserError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})")
+                raise UserError(f"{path} is not valid JSON ({json_error(exc)})")
     if records is None:
         records = []
         for lineno, line in enumerate(_json_lines(text), 1):
@@ -50,8 +51,8 @@ def read_records(path: str | Path) -> list:
                 continue
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path} line {lineno} is not valid JSON ({exc.msg})")
+            except (ValueError, RecursionError) as exc:
+                raise UserError(f"{path} line {lineno} is not valid JSON ({json_error(exc, line=False)})")
     if not records:
         raise UserError(f"{path} holds no SFT records")
     return records
@@ -104,7 +105,7 @@ def _json_lines(text: str) -> list[str]:
 def _starts_with_a_json_line(text: str) -> bool:
     try:
         json.loads(next(line for line in _json_lines(text) if line.strip()))
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return False
     return True
 
