@@ -1319,9 +1319,16 @@ def test_a_tracker_linked_out_of_the_run_folder_is_not_read(tmp_path):
     ({"iteration": 4, "world_size": 10**12}, f"'world_size' is {10**12}"),
     ({"iteration": 4, "world_size": 1, "consumed_samples": -8}, "'consumed_samples' is -8"),
     ([4, 1], "holds a JSON list, not an object"),
+    # the run's config, where a resume computes with it: internal errors (TypeError) at resume (the hostile audit)
+    ({"iteration": 4, "world_size": 1, "config": {"train_iters": "ten"}}, "its run's config 'train_iters' is \"ten\""),
+    ({"iteration": 4, "world_size": 1, "config": {"ep": None}}, "its run's config 'ep' is null"),
+    ({"iteration": 4, "world_size": 1, "config": {"lora": {"rank": 4, "targets": ["linear_qkv", 1]}}},
+     "its run's config 'lora' has 'targets' [\"linear_qkv\", 1]"),
+    ({"iteration": 4, "world_size": 1, "config": [1]}, "its run's config is not a JSON object"),
 ])
 def test_train_state_is_parsed_strictly(tmp_path, state, why):
-    """int() took 4.5, '4' and True; a world size of -1 skipped every RNG file's check."""
+    """int() took 4.5, '4' and True; a world size of -1 skipped every RNG file's check; a config of other types
+    reached the resume's arithmetic."""
     import json
 
     from megatron_patch.training.run_state import latest_iteration

@@ -13,6 +13,8 @@ import functools
 import hashlib
 import json
 import os
+import types
+import typing
 from pathlib import Path
 
 from megatron_patch.checkpoint.outputs import replace_refusal
@@ -33,8 +35,10 @@ from megatron_patch.checkpoint_files.manifest import (LOOK_DIGEST_LIMIT, Integri
 from megatron_patch.errors import UserError
 from megatron_patch.runtime.machine import experts_grouped_whenever_etp_differs
 from megatron_patch.input_files import read_input
+from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.training import data_files
 from megatron_patch.training.data_files import inferred_weights
+from megatron_patch.training.run_config import RunConfig
 from megatron_patch.training.run_folder import (FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, exported_iteration,
                                                  require_folder)
 
@@ -107,7 +111,59 @@ def read_train_state(folder: Path) -> dict:
         if not whole or (name == "world_size" and not 1 <= value <= MAX_WORLD_SIZE):
             raise UserError(f"{path} is unreadable ('{name}' is {json.dumps(value)[:40]}, not a number of "
                             f"{'processes' if name == 'world_size' else 'iterations or samples'})")
+    config = state.get("config")
+    wrong = _saved_config_problem(config) if isinstance(config, dict) else None
+    if wrong or not isinstance(config, (dict, type(None))):
+        raise UserError(f"{path} is unreadable (its run's config {wrong or 'is not a JSON object'}, not as a run "
+                        "saves it)")
     return state
+
+
+def _saved_config_problem(config: dict) -> str | None:
+    """The first field of a saved run's config that a resume reads (``RESUME_READS``) whose value is not of its
+    RunConfig (or LoraSpec) type as JSON writes it, as "'tp' is \"2\""; None where they all are. A digest is no
+    signature: a config edited beside a rewritten manifest reached the resume's arithmetic (an internal error)."""
+    run, adapters = typing.get_type_hints(RunConfig), typing.get_type_hints(LoraSpec)
+    for name in RESUME_READS:
+        value = config.get(name)
+        if name not in config or (name == "lora" and value is None):
+            continue
+        if name == "lora":
+            if not isinstance(value, dict):
+                return f"'lora' is {json.dumps(value)[:40]}"
+            inner = next((k for k, v in value.items() if k in adapters and not _as_json_of(v, adapters[k])), None)
+            if inner is not None:
+                return f"'lora' has '{inner}' {json.dumps(value[inner])[:40]}"
+        elif not _as_json_of(value, run[name]):
+            return f"'{name}' is {json.dumps(value)[:40]}"
+    return None
+
+
+# The saved config's fields a resume computes with (resume_notes), beyond comparing them.
+RESUME_READS = ("tp", "ep", "etp", "train_iters", "micro_batch_size", "global_batch_size", "sft", "sft_loss", "lora",
+                "dsa")
+
+
+def _as_json_of(value, hint) -> bool:
+    """Whether ``value``, read from JSON, is what JSON makes of a value of type ``hint`` (tuples become lists, an
+    int may stand for a float); types this does not know are taken."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_as_json_of(value, arg) for arg in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):
+        return isinstance(value, (int, float) if hint is float else int) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    if hint in (list, tuple) or origin in (list, tuple):
+        item = args[0] if args else None
+        return isinstance(value, list) and (item is None or all(_as_json_of(v, item) for v in value))
+    return True
 
 
 def resume_look(no_verify: bool) -> bool | str:
