@@ -150,6 +150,27 @@ def test_a_chat_template_that_refuses_a_system_message_is_applied_without_it(che
     tokenizer.chat_template = "{{ raise_exception('no template for you') }}"
     with pytest.raises(UserError, match="chat template fails on this task's prompts"):
         lm.apply_chat_template(history)
+    # an expression that fails in jinja's sandbox: an internal error in every rank (the hostile audit)
+    tokenizer.chat_template = "{{ (1 / 0) }}"
+    with pytest.raises(UserError, match=r"fails on this task's prompts \(ZeroDivisionError: division by zero\)"):
+        lm.apply_chat_template(history)
+
+
+def test_a_chat_template_that_fails_is_refused_before_the_model_loads(checkpoints, tmp_path, capsys):
+    """--apply-chat-template with a template that fails on any chat: the ranks loaded the model and failed at its
+    first prompt (an internal error); it is rendered once before they start (the hostile audit)."""
+    import shutil
+
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(checkpoints["hf"] / name, tokenizer / name)
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ (1 / 0) }}"}))
+    rc, err = run_cli(capsys, "eval", "--load-dir", str(checkpoints["ckpt"]), "--tasks", "mpatch_arithmetic_choice",
+                      "--output-dir", str(tmp_path / "out"), "--tokenizer", str(tokenizer), "--apply-chat-template")
+    _one_line(rc, err, "fails on a one-question chat (ZeroDivisionError: division by zero)")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_task_whose_data_file_is_missing_is_named(checkpoints, tmp_path, capsys):

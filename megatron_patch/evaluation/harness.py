@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import sys
 
-import jinja2
 import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -26,7 +25,7 @@ from lm_eval.models.utils import (
 
 from megatron_patch.errors import UserError
 from megatron_patch.evaluation.loading import (
-    end_of_text_id, generation_stop_ids, load_model, open_for_evaluation, padding_is_neutral)
+    end_of_text_id, generation_stop_ids, load_model, open_for_evaluation, padding_is_neutral, template_failure)
 from megatron_patch.evaluation.runner import ModelRunner, Sampling
 from megatron_patch.evaluation.tasks import unsupported_generation_settings
 
@@ -107,18 +106,20 @@ class MpatchLM(TemplateLM):
                                                       add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=not add_generation_prompt)
 
+        # a template's own failure is any exception its expressions raise in jinja's sandbox ({{ 1 / 0 }}), not only
+        # a TemplateError: each was an internal error in every rank (the hostile audit)
         try:
             return render(chat_history)
-        except jinja2.exceptions.TemplateError as exc:
+        except Exception as exc:  # noqa: BLE001
             refused = exc
         without = [message for message in chat_history if message["role"] != "system"]
         try:
             text = render(without) if len(without) < len(chat_history) else None
-        except jinja2.exceptions.TemplateError as exc:
+        except Exception as exc:  # noqa: BLE001
             refused, text = exc, None
         if text is None:
-            raise UserError(f"the tokenizer's chat template fails on this task's prompts ({refused}): evaluate without "
-                            "--apply-chat-template or fix the template") from None
+            raise UserError(f"the tokenizer's chat template fails on this task's prompts ({template_failure(refused)}): "
+                            "evaluate without --apply-chat-template or fix the template") from None
         first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         if not self._system_dropped_said and first_rank:
             print(f"warning: the tokenizer's chat template refuses a system message ({refused}): the task's "

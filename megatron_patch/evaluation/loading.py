@@ -12,6 +12,8 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
+
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.dtypes import precision_dtype
 from megatron_patch.errors import UserError
@@ -106,6 +108,21 @@ def check_tokenizer(tokenizer, vocab_size: int, chat_template: bool = False, giv
     if chat_template and not tokenizer.chat_template:
         raise UserError(f"--apply-chat-template: the tokenizer in {tokenizer.name_or_path} has no chat template "
                         "(chat_template in tokenizer_config.json, or chat_template.jinja)")
+    if chat_template:  # rendered once here, before the ranks load the model, as the harness renders each prompt
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "1 plus 1?"}], tokenize=False,
+                                          add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - whatever the template's expressions raise in jinja's sandbox
+            raise UserError(f"--apply-chat-template: the chat template of the tokenizer in {tokenizer.name_or_path} "
+                            f"fails on a one-question chat ({template_failure(exc)}): fix the template, or evaluate "
+                            "without --apply-chat-template") from None
+
+
+def template_failure(exc: Exception) -> str:
+    """A chat template's failure in a few words: a TemplateError's (raise_exception's) message is the template's
+    own, any other exception its expressions raised is named by its type."""
+    text = " ".join(str(exc).split())[:200]
+    return text if isinstance(exc, jinja2.exceptions.TemplateError) else f"{type(exc).__name__}: {text}"
 
 
 def end_of_text_id(tokenizer) -> int:
