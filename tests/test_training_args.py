@@ -205,6 +205,30 @@ def test_bad_input_is_refused_with_a_message(data, family, over, env, message, m
     assert err.count("\n") == 1, f"not one line: {err!r}"
 
 
+@pytest.mark.parametrize("make, said", [
+    (lambda path: os.mkfifo(path), "is a FIFO"),
+    (lambda path: path.symlink_to(path.parent / "gone"), "is a dangling link"),
+    (lambda path: path.mkdir(), "is a folder"),
+])
+def test_data_that_is_there_but_no_regular_file_is_named_so(data, tmp_path, make, said):
+    """An .idx (or SFT file) that is a FIFO, a dangling link or a folder was called "not found" (the hostile
+    audit)."""
+    import shutil
+
+    (tmp_path / "planted").mkdir()
+    prefix = tmp_path / "planted" / "corpus_text_document"
+    shutil.copy(data["prefix"] + ".bin", str(prefix) + ".bin")
+    make(Path(str(prefix) + ".idx"))
+    with pytest.raises(UserError) as err:
+        resolve("llama3_1", _args(data, DATASET_PATH=str(prefix)), env={})
+    assert f"mmap data {prefix}.idx {said}: give the .bin/.idx pair's regular files" == str(err.value)
+    records = tmp_path / "planted" / "records.jsonl"
+    make(records)
+    with pytest.raises(UserError) as err:
+        resolve("llama3_1", _args(data, SFT="true", DATASET_PATH=str(records)), env={"MP_TOKENIZER": data["tok"]})
+    assert str(err.value).startswith(f"SFT data {records} {said}"), str(err.value)
+
+
 def test_token_counts_that_are_not_whole_iterations_are_noted(data):
     """Pretraining takes tokens, rounded down to whole iterations (as the reference): 100 warm-up tokens were 0
     warm-up iterations without a word."""
