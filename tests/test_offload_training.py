@@ -16,6 +16,7 @@ layout to change mid-run: a drop at iteration 3, a rise at 7, an oscillation ove
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -158,3 +159,32 @@ def _args_from(out, offload):
     """The arguments a finished run in ``out`` was launched with, OPTIMIZER_OFFLOAD changed."""
     state = json.loads(next((out / "checkpoint").glob("iter_*/train_state.json")).read_text())["config"]
     return _args({"prefix": state["dataset_path"][0]}, out, offload)
+
+
+@pytest.mark.slow
+def test_auto_starts_from_the_share_the_dry_run_states(corpus, tmp_path):
+    """OPTIMIZER_OFFLOAD=auto at DP=2 with a device too small for the whole state: the dry run said "starts with 50%"
+    (the most any rank needs) and checked the device at that share, while each rank started from its stage's own
+    share (41%), a chunk more on the device than the plan that passed the check (the dryrun audit)."""
+    from megatron_patch.training.memory_plan import auto_share, plan_memory
+    from megatron_patch.training.validation import resolve
+
+    out = tmp_path / "out"
+    args = _args(corpus, out, "auto")
+    for tenths_of_mb in range(40, 53):  # a device size where the ranks' own shares differ by more than a chunk
+        env = {"MP_NPROC": "2", "MP_GPU_MEMORY_GB": str(tenths_of_mb / 10000), "MP_OFFLOAD_MARGIN_GB": "0"}
+        plan = plan_memory(resolve("llama3_1", args, env=env))
+        stage = plan.stage(0)
+        if plan.offload_share - auto_share(stage, plan.capacity, plan.margin) > 1 / len(stage.chunks):
+            break
+    else:
+        pytest.fail("no device size found where the ranks' own shares differ: the premise of this test is gone")
+    dry = launch(args, {**env, "MP_DRY_RUN": "json"})
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    said = json.loads(dry.stdout)["memory_plan"]["offload_share"]
+    assert said == pytest.approx(plan.offload_share)
+    stdout = _run(corpus, out, "auto", env)
+    # where the run starts (its first step may move chunks at once: the policy then measures the CPU's memory)
+    started = float(re.search(r"on the host \(([\d.]+)% of the state\)", stdout).group(1)) / 100
+    assert abs(started - said) <= 1 / len(stage.chunks), (started, said, env)
+

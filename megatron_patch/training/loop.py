@@ -321,13 +321,15 @@ class Trainer:
 
         offload = settings_from_config(cfg)
         if offload.enabled:
-            # auto starts from the share the memory plan leaves room for on this stage, and without a GPU
-            # the plan's activations stand for the measured non-model data (offload/probe.py)
-            from megatron_patch.training.memory_plan import auto_share, plan_memory
+            # auto starts from the share the memory plan states and checked against the device (the dry run's
+            # "starts with N%": each rank had started from its stage's own, less where another rank needs more: the
+            # dryrun audit), and without a GPU the plan's activations stand for the measured non-model data
+            # (offload/probe.py)
+            from megatron_patch.training.memory_plan import plan_memory
 
             plan = plan_memory(cfg)
             stage = plan.stage(parallel_state.get_pipeline_model_parallel_rank())
-            offload = settings_from_config(cfg, initial_share=auto_share(stage, plan.capacity, plan.margin),
+            offload = settings_from_config(cfg, initial_share=plan.offload_share,
                                            activation_bytes=stage.activations + stage.transient)
         if offload.enabled:
             # megatron's distributed optimizer with its state in chunks on two tiers (training/offload/)
