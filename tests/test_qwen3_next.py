@@ -171,6 +171,36 @@ def test_qwen3_5_dense_language_model_round_trips_and_matches_transformers(tmp_p
     assert m["rel_l2"] <= FP32_REL_L2 and m["kl"] <= FP32_KL, m
 
 
+def test_qwen3_5_ties_its_embeddings_as_its_own_class_does(tmp_path):
+    """Qwen3_5*ForConditionalGeneration reads tie_word_embeddings at the top of config.json (absent: untied); the
+    family fell back on text_config's, built a tied model, and the export left out lm_head.weight, which the folder's
+    own class then loaded at random: exit 0 both ways, the logits off (the cfgvar2 audit)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_patch.checkpoint.hf_reader import HFCheckpointReader
+    from megatron_patch.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_patch.models.description.tiny import make_tiny_hf_checkpoint
+
+    text = {**tiny_config("qwen3_5")["text_config"], "tie_word_embeddings": True}
+    hf = make_tiny_hf_checkpoint("qwen3_5", tmp_path / "hf", seed=4, text_config=text)
+    config = json.loads((hf / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (hf / "config.json").write_text(json.dumps(config))
+    shard = next(hf.glob("*.safetensors"))
+    tensors = load_file(shard)
+    tensors["lm_head.weight"] = tensors["model.language_model.embed_tokens.weight"] * 2  # not the embedding: untied
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    assert not parse_arch(hf).tie_word_embeddings
+    hf_to_mcore(hf, tmp_path / "mcore", ParallelLayout(), progress=False)
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "back", progress=False)
+    src, out = HFCheckpointReader(hf), HFCheckpointReader(tmp_path / "back")
+    assert sorted(out.keys()) == sorted(src.keys()) and all(torch.equal(out.get(n), src.get(n)) for n in src.keys())
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "back", dtype=torch.float32)
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+
+
 def test_qwen3_5_without_its_text_config_is_refused():
     with pytest.raises(UserError, match="has no text_config: point at Qwen3.5's multimodal hub folder"):
         parse_arch({"model_type": "qwen3_5", "hidden_size": 64})

@@ -36,7 +36,10 @@ def text_config(raw: dict) -> dict:
     if not isinstance(text, dict):
         raise UserError(f"config.json of a {raw.get('model_type')} model has no text_config: point at Qwen3.5's "
                         "multimodal hub folder")
-    return text | {"tie_word_embeddings": raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+    # Tied as its own class (Qwen3_5*ForConditionalGeneration) ties: by the top level only, untied where absent.
+    # Falling back on text_config's (which AutoModelForCausalLM reads) built a tied model, and the export left out the
+    # lm_head.weight the folder's own class then loaded at random (the cfgvar2 audit).
+    return text | {"tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))}
 
 
 @reads_hf_defaults(HF_DEFAULTS, within="text_config")
