@@ -129,16 +129,18 @@ def test_round_trip_is_bit_identical(hf_dirs, tmp_path, family, fmt, layout, dty
 
 
 def test_processor_files_and_remote_code_travel_both_ways(hf_dirs, tmp_path):
-    """An export is the HF folder again: a multimodal model's processor files (AutoProcessor failed on the export)
-    and Kimi-K2's remote code and tiktoken file, which its config.json's auto_map names (the export kept auto_map,
-    dropped the files, and loaded neither with nor without trust_remote_code)."""
+    """An export is the HF folder again: a multimodal model's processor files (AutoProcessor failed on the export),
+    Kimi-K2's remote code and tiktoken file, which its config.json's auto_map names (the export kept auto_map,
+    dropped the files, and loaded neither with nor without trust_remote_code), and the weights' licence files
+    (Llama's licence asks that a copy travel with the weights)."""
     import shutil
 
     src = tmp_path / "src"
     shutil.copytree(hf_dirs["llama3_1"], src)
     side = {"processor_config.json": '{"image_seq_length": 4}', "video_preprocessor_config.json": "{}",
             "tiktoken.model": "IQ== 0\n", "configuration_deepseek.py": "# remote code, carried as bytes\n",
-            "tokenization_kimi.py": "# remote code\n"}
+            "tokenization_kimi.py": "# remote code\n", "LICENSE": "Llama 3.1 Community License",
+            "USE_POLICY.md": "# Acceptable use", "LICENSE-MODEL": "DeepSeek's model licence"}
     # and transformers 5's named chat templates, one folder down (both converters dropped the folder: the conv audit)
     side["additional_chat_templates/tool_use.jinja"] = "TOOLS {{ messages[0]['content'] }}"
     (src / "additional_chat_templates").mkdir()

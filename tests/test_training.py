@@ -653,6 +653,7 @@ def converted(corpus, tmp_path_factory):
     hf = make_tiny_hf_checkpoint("llama3_1", root / "hf", seed=3)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(corpus["tok"] / name, hf / name)
+    (hf / "LICENSE").write_text("LLAMA 3.1 COMMUNITY LICENSE AGREEMENT")
     mc = root / "mcore"
     assert main(["convert", "hf2mcore", "--hf-dir", str(hf), "--save-dir", str(mc), "--tp", "2", "--quiet"]) == 0
     return {"hf": hf, "mcore": mc}
@@ -739,11 +740,11 @@ def test_pretraining_documents_kept_apart_need_data_that_marks_their_ends(corpus
 
 @pytest.mark.slow
 def test_every_checkpoint_of_a_run_exports_with_its_tokenizer(pp2_run, converted, tmp_path, capsys):
-    """Not only final/: each iteration a run saves carries the tokenizer and generation files of the checkpoint it
-    started from, so 'mpatch convert mcore2hf' of the run's checkpoint folder (or an older iteration) is a whole HF
-    folder."""
+    """Not only final/: each iteration a run saves carries the tokenizer, generation and licence files of the
+    checkpoint it started from, so 'mpatch convert mcore2hf' of the run's checkpoint folder (or an older iteration)
+    is a whole HF folder."""
     hf, ckpt = converted["hf"], pp2_run["out"] / "checkpoint"
-    side = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    side = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "LICENSE")
     for i, folder in enumerate((ckpt, ckpt / "iter_0000006")):
         back = tmp_path / f"back{i}"
         assert main(["convert", "mcore2hf", "--load-dir", str(folder), "--save-dir", str(back), "--quiet"]) == 0

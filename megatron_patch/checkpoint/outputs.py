@@ -22,6 +22,11 @@ from megatron_patch.outputs.folders import atomic_dir, overlap, refuse_unexpande
 # Files of an HF model folder that travel with the weights (tokenizer, chat template, generation), and the HF
 # tensors the MCore model does not hold, kept beside it (convert/carried.py).
 CARRIED_PATTERNS = (*HF_SIDE_FILES, "carried_tensors.safetensors")
+# The weights' licence and use policy travel too: Llama's licence asks that a copy go with every copy of the
+# weights, and transformers reads neither, so an export had none (DeepSeek's LICENSE-MODEL, Llama's USE_POLICY.md).
+# Not the model card (README.md): it describes the original model, not what a run trained it into.
+LICENCE_FILES = ("LICENSE*", "LICENCE*", "License*", "license*", "NOTICE*", "USE_POLICY*")
+CARRIED_PATTERNS += LICENCE_FILES
 # and one folder down: the tokenizer's named chat templates (both converters dropped the folder without a word)
 CARRIED_ONE_DOWN = (NAMED_CHAT_TEMPLATES,)
 

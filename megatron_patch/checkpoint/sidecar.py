@@ -186,8 +186,8 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
         # what mcore2hf copies into the export after its own files: a listed config.json or model.safetensors
         # (planted beside the checkpoint) replaced the converted ones, vouched for by the manifest (the sdoc audit)
         raise UserError(f"{path} lists {not_side!r} among its carried files, which is not a side file a checkpoint "
-                        "carries (tokenizer, chat template, generation config, remote code): the checkpoint's sidecar "
-                        "is damaged or edited")
+                        "carries (tokenizer, chat template, generation config, remote code, licence): the "
+                        "checkpoint's sidecar is damaged or edited")
     if sidecar.sidecar_version > SIDECAR_VERSION:
         raise UserError(f"{path} has sidecar version {sidecar.sidecar_version}; this megatron_patch reads up to "
                         f"{SIDECAR_VERSION}: upgrade megatron_patch")
