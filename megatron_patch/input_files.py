@@ -203,6 +203,8 @@ def json_error(exc: ValueError | RecursionError, *, line: bool = True) -> str:
         return f"not UTF-8 text at byte {exc.start}"
     if isinstance(exc, RecursionError):
         return "nested too deeply"
+    if "integer string conversion" in str(exc):  # worded otherwise by each Python
+        return f"a number of more than {sys.get_int_max_str_digits()} digits, Python's limit"
     return str(exc).split(":")[0]
 
 

@@ -361,9 +361,9 @@ def test_a_bad_record_anywhere_is_refused_at_launch_before_any_rank(chat_tok, tm
 
 @pytest.mark.parametrize("name, text, said", [
     ("digits.jsonl", '{"instruction": "a", "output": "b", "id": ' + "9" * 5000 + "}\n",
-     "digits.jsonl line 1 is not valid JSON (Exceeds the limit (4300 digits)"),
+     "digits.jsonl line 1 is not valid JSON (a number of more than 4300 digits"),
     ("digits.json", '[{"instruction": "a", "output": "b", "id": ' + "9" * 5000 + "}]",
-     "digits.json is not valid JSON (Exceeds the limit (4300 digits)"),
+     "digits.json is not valid JSON (a number of more than 4300 digits"),
     ("deep.jsonl", "[" * 100_000 + "\n", "deep.jsonl is not valid JSON (nested too deeply)"),
 ])
 def test_sft_records_python_cannot_read_are_one_line(tmp_path, name, text, said):
