@@ -102,17 +102,27 @@ def _not_regular(mode: int) -> str:
     return kind if kind == "not a regular file" else f"{kind}, not a regular file"
 
 
+def what_is_at(path: str | Path) -> str | None:
+    """What is at ``path`` where a file to read should be, as said after its name ("is a FIFO, not a regular file",
+    "is a dangling link", "cannot be read (Permission denied)"), or None: a regular file (through links: the reader
+    checks where they lead), or nothing at all."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "is a dangling link" if os.path.lexists(path) else None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    return None if stat.S_ISREG(mode) else f"is {_not_regular(mode)}"
+
+
 def file_problem(path: str | Path) -> str | None:
     """Why ``path`` is no file to read, named by its last part ("common.pt is missing", "common.pt is a FIFO, not a
-    regular file"), or None for a regular file (through links: the reader checks where they lead)."""
+    regular file"), or None for a regular file."""
     path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return f"{path.name} is missing" if not os.path.lexists(path) else f"{path.name} is a dangling link"
-    except OSError as exc:
-        return f"{path.name} cannot be read ({exc.strerror})"
-    return None if stat.S_ISREG(mode) else f"{path.name} is {_not_regular(mode)}"
+    what = what_is_at(path)
+    if what is None:
+        return None if os.path.lexists(path) else f"{path.name} is missing"
+    return f"{path.name} {what}"
 
 
 def _check_regular(shown: Path, st: os.stat_result, limit: int | None) -> None:

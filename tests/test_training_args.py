@@ -205,12 +205,12 @@ def test_bad_input_is_refused_with_a_message(data, family, over, env, message, m
     assert err.count("\n") == 1, f"not one line: {err!r}"
 
 
-@pytest.mark.parametrize("make, said", [
-    (lambda path: os.mkfifo(path), "is a FIFO"),
-    (lambda path: path.symlink_to(path.parent / "gone"), "is a dangling link"),
-    (lambda path: path.mkdir(), "is a folder"),
+@pytest.mark.parametrize("make, said, sft_said", [
+    (lambda path: os.mkfifo(path), "is a FIFO, not a regular file", "is a FIFO, not a regular file"),
+    (lambda path: path.symlink_to(path.parent / "gone"), "is a dangling link", "is a dangling link"),
+    (lambda path: path.mkdir(), "is a folder, not a regular file", "is a folder"),
 ])
-def test_data_that_is_there_but_no_regular_file_is_named_so(data, tmp_path, make, said):
+def test_data_that_is_there_but_no_regular_file_is_named_so(data, tmp_path, make, said, sft_said):
     """An .idx (or SFT file) that is a FIFO, a dangling link or a folder was called "not found" (the hostile
     audit)."""
     import shutil
@@ -226,7 +226,7 @@ def test_data_that_is_there_but_no_regular_file_is_named_so(data, tmp_path, make
     make(records)
     with pytest.raises(UserError) as err:
         resolve("llama3_1", _args(data, SFT="true", DATASET_PATH=str(records)), env={"MP_TOKENIZER": data["tok"]})
-    assert str(err.value).startswith(f"SFT data {records} {said}"), str(err.value)
+    assert str(err.value).startswith(f"SFT data {records} {sft_said}"), str(err.value)
 
 
 def test_token_counts_that_are_not_whole_iterations_are_noted(data):

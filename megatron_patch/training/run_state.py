@@ -123,7 +123,7 @@ def _saved_config_problem(config: dict) -> str | None:
     """The first field of a saved run's config that a resume reads (``RESUME_READS``) whose value is not of its
     RunConfig (or LoraSpec) type as JSON writes it, as "'tp' is \"2\""; None where they all are. A digest is no
     signature: a config edited beside a rewritten manifest reached the resume's arithmetic (an internal error)."""
-    run, adapters = typing.get_type_hints(RunConfig), typing.get_type_hints(LoraSpec)
+    run, adapters = _saved_config_types()
     for name in RESUME_READS:
         value = config.get(name)
         if name not in config or (name == "lora" and value is None):
@@ -137,6 +137,12 @@ def _saved_config_problem(config: dict) -> str | None:
         elif not _as_json_of(value, run[name]):
             return f"'{name}' is {json.dumps(value)[:40]}"
     return None
+
+
+@functools.cache
+def _saved_config_types() -> tuple[dict, dict]:
+    """RunConfig's and LoraSpec's field types, read once (every iteration folder a resume looks at is checked)."""
+    return typing.get_type_hints(RunConfig), typing.get_type_hints(LoraSpec)
 
 
 # The saved config's fields a resume computes with (resume_notes), beyond comparing them.

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import functools
 import os
-import stat
 from pathlib import Path
 from typing import Callable
 
 from megatron_patch.checkpoint.arch_source import open_checkpoint
 from megatron_patch.checkpoint.sidecar import legacy_layout_problem
 from megatron_patch.errors import UserError
-from megatron_patch.input_files import kind_of
+from megatron_patch.input_files import what_is_at
 from megatron_patch.models.description.arch import read_config_json, validate_layout
 from megatron_patch.models.blocks.float8_plan import check_filter_kinds
 from megatron_patch.models.description.registry import get_family, has_load_balancing_loss, parse_arch
@@ -629,18 +628,6 @@ _ONE_KIND = ("training and validation data must be of one kind (MP_DATASET_TYPE,
              " both JSON/JSONL files, or both SFT idxmap prefixes")
 
 
-def _what_is_there(name: str) -> str | None:
-    """What is at ``name`` where a data file should be ("a FIFO", "a dangling link"), or None: a regular file, or
-    nothing at all."""
-    try:
-        mode = os.stat(name).st_mode
-    except FileNotFoundError:
-        return "a dangling link" if os.path.lexists(name) else None
-    except OSError as exc:
-        return f"unreadable ({exc.strerror})"
-    return None if stat.S_ISREG(mode) else kind_of(mode)
-
-
 def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
     """``path`` names data of the run's kind; else one line that says what it is instead ("not found" only where
     nothing is there)."""
@@ -653,9 +640,9 @@ def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
         if Path(path).is_dir():
             raise UserError(f"SFT data {path} is a folder: give one JSON or JSONL file (shards concatenated into "
                             "one: cat part-*.jsonl > train.jsonl)")
-        there = _what_is_there(path)
+        there = what_is_at(path)
         if there:
-            raise UserError(f"SFT data {path} is {there}: give a JSON or JSONL file itself")
+            raise UserError(f"SFT data {path} {there}: give a JSON or JSONL file itself")
         raise UserError(f"SFT data {path} not found: give a JSON or JSONL file, or the prefix of an SFT idxmap's "
                         ".bin/.idx (Pai's sft_data_preprocessing)")
     missing = [s for s in (".bin", ".idx") if not Path(path + s).is_file()]
@@ -664,7 +651,7 @@ def _check_data(path: str, dataset_type: str, sft: bool = False) -> None:
     if missing and sft and Path(path).is_file():
         raise UserError(f"SFT data {path} is a file (JSON/JSONL records), and this run reads an SFT idxmap's "
                         f".bin/.idx: {_ONE_KIND}")
-    there = next((f"{path}{s} is {_what_is_there(path + s)}" for s in missing if _what_is_there(path + s)), None)
+    there = next((f"{path}{s} {what}" for s in missing if (what := what_is_at(path + s))), None)
     if there:  # called "not found" (the hostile audit)
         raise UserError(f"{'SFT idxmap' if sft else 'mmap data'} {there}: give the .bin/.idx pair's regular files")
     if missing and sft:
