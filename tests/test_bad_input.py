@@ -163,6 +163,22 @@ def test_a_sidecar_naming_more_mtp_layers_than_its_config_is_refused(hf, tmp_pat
         _one_line(rc, err, f"'mtp_layers' is {layers}, and the model's config declares 0")
 
 
+def test_a_newer_releases_sidecar_asks_for_an_upgrade_not_called_damaged(hf, tmp_path, capsys):
+    """The version was compared after the fields were read: a newer release's sidecar, with a field this release
+    does not know (or a side file it does not carry), was 'malformed ... the checkpoint's sidecar is damaged'."""
+    ckpt = tmp_path / "ck"
+    hf_to_mcore(hf, ckpt, ParallelLayout(), progress=False)
+    sidecar = ckpt / "mpatch_checkpoint.json"
+    data = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({**data, "sidecar_version": data["sidecar_version"] + 1, "a_later_field": {"x": 1},
+                                   "carried_files": [*data.get("carried_files", []), "a_later_side_file.json"]}))
+    for argv in (["inspect", str(ckpt)],
+                 ["convert", "mcore2hf", "--load-dir", str(ckpt), "--save-dir", str(tmp_path / "o"), "--no-verify"]):
+        rc, err = run_cli(capsys, *argv)
+        _one_line(rc, err, f"has sidecar version {data['sidecar_version'] + 1}; this megatron_patch reads up to")
+        assert "upgrade megatron_patch" in err and "damaged" not in err
+
+
 @pytest.mark.parametrize("lora, said", [
     ("yes", "'lora' has the wrong type or value"),
     ({"base": "x", "spec": {"rank": 4, "alpha": 8}}, "'lora' has the wrong type or value"),

@@ -160,6 +160,23 @@ def _check_mtp_layers(sidecar: Sidecar, path: Path) -> None:
                         f"{declared} multi-token-prediction layer(s)): the checkpoint's sidecar is damaged")
 
 
+def _read_raw(path: Path):
+    try:
+        return read_small_json(path)
+    except UserError as exc:
+        raise UserError(f"{path} is malformed ({str(exc).replace(str(path), 'it', 1)}): the checkpoint's sidecar is "
+                        "damaged")
+
+
+def _check_version(data, path: Path) -> None:
+    """Read before the fields: a newer release's sidecar carries fields (and side files) this one does not know,
+    which are its version's, not damage."""
+    version = data.get("sidecar_version") if isinstance(data, dict) else None
+    if type(version) is int and version > SIDECAR_VERSION:
+        raise UserError(f"{path} has sidecar version {version}; this megatron_patch reads up to "
+                        f"{SIDECAR_VERSION}: upgrade megatron_patch")
+
+
 def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
     """The sidecar of a checkpoint folder. ``release``: a converted / exported checkpoint, whose
     tracker file must say 'release'; ``False`` for a training iteration folder (``iter_XXXXXXX``),
@@ -172,10 +189,11 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
         partial = any(p.name.startswith(f".{folder.name}{PARTIAL_TAG}") for p in folder.parent.iterdir())
         hint = " (a partial conversion of it exists: rerun hf2mcore)" if partial else ""
         raise UserError(f"{path} not found: {folder} is not a complete checkpoint written by 'mpatch convert hf2mcore'{hint}")
+    data = _read_raw(path)
+    _check_version(data, path)
     try:
-        data = read_small_json(path)
         sidecar = Sidecar(**data)
-    except (UserError, TypeError) as exc:
+    except TypeError as exc:
         raise UserError(f"{path} is malformed ({str(exc).replace(str(path), 'it', 1)}): the checkpoint's sidecar is "
                         "damaged")
     why = _field_problem(sidecar)
@@ -188,9 +206,6 @@ def read_sidecar(folder: str | Path, *, release: bool = True) -> Sidecar:
         raise UserError(f"{path} lists {not_side!r} among its carried files, which is not a side file a checkpoint "
                         "carries (tokenizer, chat template, generation config, remote code, licence): the "
                         "checkpoint's sidecar is damaged or edited")
-    if sidecar.sidecar_version > SIDECAR_VERSION:
-        raise UserError(f"{path} has sidecar version {sidecar.sidecar_version}; this megatron_patch reads up to "
-                        f"{SIDECAR_VERSION}: upgrade megatron_patch")
     if sidecar.checkpoint_format not in ("legacy", "torch_dist") or sidecar.dtype not in PRECISION_DTYPE_NAMES:
         raise UserError(f"{path} names format {sidecar.checkpoint_format!r} / dtype {sidecar.dtype!r}, which are unknown")
     if sidecar.mtp_layers:
