@@ -710,12 +710,18 @@ def test_a_folder_nested_deeper_than_pythons_recursion_is_refused_in_one_line(hf
 
 def test_a_run_folder_or_an_hf_folder_given_as_a_checkpoint_is_named_as_such(tmp_path, capsys):
     """OUTPUT_BASEPATH or an HF model folder given where a checkpoint goes was only "not a Megatron checkpoint", naming
-    neither RUN/final nor hf2mcore (the newuser audit)."""
+    neither RUN/final nor hf2mcore (the newuser audit). A run stopped before its end has no final/ to name (the
+    upgrade audit: it was named all the same)."""
     run = tmp_path / "run"
     (run / "checkpoint").mkdir(parents=True)
     (run / "log").mkdir()
     _one_line(*run_cli(capsys, "inspect", str(run)), "is not a Megatron checkpoint",
-              f"a training run's folder (OUTPUT_BASEPATH); its exported model is {run / 'final'}")
+              "a training run's folder (OUTPUT_BASEPATH) with no exported model yet (final/ is written when the run "
+              f"ends: launch it again to go on); its checkpoints are in {run / 'checkpoint'}")
+    (run / "final").mkdir()
+    _one_line(*run_cli(capsys, "inspect", str(run)), "is not a Megatron checkpoint",
+              f"a training run's folder (OUTPUT_BASEPATH); its exported model is {run / 'final'}, its checkpoints "
+              f"{run / 'checkpoint'}")
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")

@@ -225,9 +225,15 @@ def _what_it_is_instead(path: Path) -> str:
     """What a folder given as a checkpoint holds instead, where it is plain: a training run's folder (its model is in
     final/, its checkpoints in checkpoint/) or an HF model folder (to convert first); the line said neither (the
     newuser audit)."""
-    if (path / "checkpoint").is_dir() or (path / "final").is_dir():
-        return (f": it is a training run's folder (OUTPUT_BASEPATH); its exported model is {path / 'final'}, its "
-                f"checkpoints {path / 'checkpoint'}")
+    final, checkpoints = path / "final", path / "checkpoint"
+    if final.is_dir() and checkpoints.is_dir():
+        return (f": it is a training run's folder (OUTPUT_BASEPATH); its exported model is {final}, its "
+                f"checkpoints {checkpoints}")
+    if final.is_dir():
+        return f": it is a training run's folder (OUTPUT_BASEPATH); its exported model is {final}"
+    if checkpoints.is_dir():  # a run stopped before its end (MP_EXIT_INTERVAL, a time limit): final/ is not there yet
+        return (f": it is a training run's folder (OUTPUT_BASEPATH) with no exported model yet (final/ is written when "
+                f"the run ends: launch it again to go on); its checkpoints are in {checkpoints}")
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return (f": it is a Hugging Face model folder; convert it first (mpatch convert hf2mcore --hf-dir {path} "
                 "--save-dir CKPT)")
