@@ -221,7 +221,7 @@ def test_forked_and_fresh_ranks_train_the_same_run(corpus, tmp_path, env):
             "MP_SAVE": "false", **node, **({"MP_LOCAL_START": "spawn"} if start == "fresh" else {})})
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert seen == {start}, seen
-        assert f"-m torch.distributed.run {line}" in proc.stdout and "-m megatron_patch train" in proc.stdout
+        assert f"-m torch.distributed.run {line}" in proc.stdout and f"{REPO}/mpatch.py train" in proc.stdout
     losses = [[(r["iteration"], r["loss"]) for r in read_metrics(tmp_path / name)] for name in ("forked", "fresh")]
     assert len(losses[0]) == 3 and losses[0] == losses[1], losses
 

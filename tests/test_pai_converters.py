@@ -267,7 +267,7 @@ def test_every_wrapper_runs_under_sh_and_bash(tmp_path):
         for shell in ("sh", "bash"):
             proc = run_line(shell, path, "a b", "--help", env={"PYTHON": str(stand_in), "PYTHONPATH": "/elsewhere"})
             assert proc.returncode == 0, (path, shell, proc.stderr)
-            assert proc.stdout.splitlines() == [f"{REPO}:/elsewhere", f"-m megatron_patch convert pai {path} a b --help"]
+            assert proc.stdout.splitlines() == [f"{REPO}:/elsewhere", f"{REPO}/mpatch.py convert pai {path} a b --help"]
     listed = {p.relative_to(REPO).as_posix() for p in (REPO / "toolkits").glob("*_checkpoints_convertor/**/*.sh")}
     assert listed == set(ALL_PATHS)
     proc = run_line("sh", QWEN2_MOE, "--help")

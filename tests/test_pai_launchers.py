@@ -242,12 +242,12 @@ def run_script(shell: str, folder: Path, script: str, argv: list[str], stand_in:
 @pytest.mark.parametrize("shell", [SH, "bash"], ids=["sh", "bash"])
 @pytest.mark.parametrize("line", LINES, ids=[line.id for line in LINES])
 def test_each_line_runs_unchanged_under_sh_and_bash(line, shell, stand_in, tmp_path):
-    """From Pai's folder, by Pai's script name, the line's arguments reach `python -m megatron_patch train` as
+    """From Pai's folder, by Pai's script name, the line's arguments reach `python REPO/mpatch.py train` as
     printed, with this checkout first on PYTHONPATH. (On today's launchers dash stops at `set -o pipefail`, and
     five of the paths do not exist.)"""
     handed = run_script(shell, REPO / line.folder, line.script, line.argv, stand_in, line.exports, tmp_path)
     launcher = launcher_of(line.path)
-    assert handed["argv"] == ["-m", "megatron_patch", "train", launcher.name, *line.argv]
+    assert handed["argv"] == [str(REPO / "mpatch.py"), "train", launcher.name, *line.argv]
     assert handed["pythonpath"].split(":")[0] == str(REPO)
     assert launcher.pai
 
@@ -257,8 +257,8 @@ def test_every_launcher_is_posix_sh(script, stand_in, tmp_path):
     """Each launcher, this project's and Pai's aliases, runs under dash as under bash, from any folder."""
     for shell, folder, name in ((SH, REPO, script), ("bash", REPO / Path(script).parent, Path(script).name)):
         handed = run_script(shell, folder, name, ["--help"], stand_in, {}, tmp_path)
-        assert handed["argv"][:3] == ["-m", "megatron_patch", "train"] and handed["argv"][-1] == "--help"
-        assert launcher_of(script).name == handed["argv"][3]
+        assert handed["argv"][:2] == [str(REPO / "mpatch.py"), "train"] and handed["argv"][-1] == "--help"
+        assert launcher_of(script).name == handed["argv"][2]
 
 
 # --- the dry run of each line, on exactly those arguments ---------------------------------------------------
@@ -541,6 +541,28 @@ def test_pai_megatron_patch_first_on_pythonpath_is_one_line(tmp_path):
     ours = subprocess.run([sys.executable, "-m", "mpatch", "families"], env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert ours.returncode == 0 and "qwen3_moe" in ours.stdout, ours.stderr
+
+
+def test_a_launcher_run_from_inside_another_checkout_runs_its_own_code(tmp_path):
+    """The launchers ran `python -m megatron_patch`, which puts the working folder first on sys.path: from inside
+    another checkout (an older release kept beside the new one) that one's code trained, without a word (the
+    upgrade audit). They run their own checkout's mpatch.py by its path, and so does each rank's command."""
+    other = tmp_path / "megatron_patch-old"
+    (other / "megatron_patch").mkdir(parents=True)
+    (other / "megatron_patch" / "__init__.py").write_text("print('THE OTHER CHECKOUT RAN')\n")
+    (other / "megatron_patch" / "__main__.py").write_text("")
+    (other / "mpatch.py").write_text("print('THE OTHER CHECKOUT RAN')\n")
+    for shell, script, argv, said in (
+            ("sh", "examples/llama3_1/run_mcore_llama3_1.sh", ["--help"], "usage"),
+            ("bash", "toolkits/checkpoint/hf2mcore.sh", [str(tmp_path / "no-hf"), str(tmp_path / "out"), "1", "1"],
+             "mpatch convert: error:")):
+        proc = subprocess.run([shell, str(REPO / script), *argv], cwd=other, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHON": sys.executable})
+        said_all = proc.stdout + proc.stderr
+        assert "OTHER CHECKOUT" not in said_all and said in said_all, (script, said_all[-800:])
+    from megatron_patch.cli.train import rank_entry
+
+    assert rank_entry() == [str(REPO / "mpatch.py")]
 
 
 def test_another_megatron_first_on_pythonpath_is_named_in_one_line(tmp_path):

@@ -926,7 +926,7 @@ def test_dlc_on_a_cpu_node_trains_on_gloo_with_restarts_and_a_timeout(data):
     assert tc["attention_backend"] == "local" and "deallocate_pipeline_outputs" not in tc
     assert r["command"][3:10] == ["--nproc_per_node=1", "--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3",
                                  "--master_port=29555", "--rdzv_conf=timeout=30", "--max-restarts=3"]
-    assert r["command"][10:14] == ["-m", "megatron_patch", "train", "llama3_1"]
+    assert r["command"][10:13] == [os.path.join(REPO, "mpatch.py"), "train", "llama3_1"]
     # Without PAI-DLC's GPUS_PER_NODE a CPU node runs one process.
     one = _dry(data, "llama3_1", {k: v for k, v in env.items() if k != "GPUS_PER_NODE"}, ENV="dlc")
     assert one["resolved"]["nproc_per_node"] == 1 and one["processes"] == 2

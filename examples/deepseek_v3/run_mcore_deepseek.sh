@@ -5,4 +5,4 @@
 set -eu
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" -m megatron_patch train deepseek_v3/run_mcore_deepseek "$@"
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" train deepseek_v3/run_mcore_deepseek "$@"

@@ -7,4 +7,4 @@
 set -eu
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" -m megatron_patch train gemma3 "$@"
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" train gemma3 "$@"

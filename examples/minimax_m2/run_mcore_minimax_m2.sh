@@ -6,4 +6,4 @@
 set -eu
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" -m megatron_patch train minimax_m2 "$@"
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" train minimax_m2 "$@"

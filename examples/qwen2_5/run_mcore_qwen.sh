@@ -5,4 +5,4 @@
 set -eu
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" -m megatron_patch train qwen2_5/run_mcore_qwen "$@"
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" train qwen2_5/run_mcore_qwen "$@"

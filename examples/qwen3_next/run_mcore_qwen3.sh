@@ -5,4 +5,4 @@
 set -eu
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" -m megatron_patch train qwen3_next/run_mcore_qwen3 "$@"
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" train qwen3_next/run_mcore_qwen3 "$@"

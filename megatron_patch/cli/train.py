@@ -62,10 +62,19 @@ from megatron_patch.training.validation import check_starting_checkpoint_layout,
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # `torchrun`, with this interpreter
 
 
+def rank_entry() -> list[str]:
+    """What each rank runs: the checkout's mpatch.py by its path, whose folder Python puts first on sys.path. With
+    ``-m megatron_patch`` Python puts the working folder first: started from inside another checkout (an older
+    release kept beside the new one), the ranks ran that one's code without a word (the upgrade audit). ``-m`` where
+    the package has no mpatch.py beside it (installed apart from it)."""
+    script = Path(__file__).resolve().parents[2] / "mpatch.py"
+    return [str(script)] if script.is_file() else ["-m", "megatron_patch"]
+
+
 def launch_command(cfg, argv: list[str], here: bool = True) -> list[str]:
     """The torchrun command line that runs the job (on this node). ``here``: also check what only this node can
     (MASTER_ADDR resolves, node 0's MASTER_PORT is free); a dry run plans the line on any machine."""
-    tail = ["-m", "megatron_patch", "train", cfg.launcher, *argv]
+    tail = [*rank_entry(), "train", cfg.launcher, *argv]
     restarts = [f"--max-restarts={cfg.max_restarts}"] if cfg.max_restarts else []
     if cfg.env in ("cpu", "dsw"):
         # A rendezvous on a free local port: several jobs can share a machine.
@@ -425,7 +434,7 @@ def _joining_command(name: str, argv: list[str]) -> list[str] | None:
             timeout = 10.0
         per_node = next((int(env[k]) for k in ("GPUS_PER_NODE", "KUBERNETES_CONTAINER_RESOURCE_GPU")
                          if env.get(k, "").isdigit() and int(env[k]) > 0), None) or _visible_gpus() or 1
-        return [*_node_arguments(per_node, nodes, timeout, here=True), "-m", "megatron_patch", "train", name, *argv]
+        return [*_node_arguments(per_node, nodes, timeout, here=True), *rank_entry(), "train", name, *argv]
     except (UserError, ValueError):
         return None
 

@@ -18,4 +18,5 @@ args=(convert hf2mcore --hf-dir "$HF_DIR" --save-dir "$SAVE_DIR" --tp "$TP" --pp
 [[ "$DTYPE" != "auto" ]] && args+=(--dtype "$DTYPE")
 [[ "$FORCE" == "true" ]] && args+=(--force)
 [[ "$MTP" == "auto" ]] && args+=(--mtp auto)
-exec "${PYTHON:-python}" -m megatron_patch "${args[@]}"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" "${args[@]}"

@@ -14,4 +14,5 @@ args=(convert mcore2hf --load-dir "$LOAD_DIR" --save-dir "$SAVE_DIR" --max-shard
 [[ "$FORCE" == "true" ]] && args+=(--force)
 [[ "$HF_CONFIG" != "none" ]] && args+=(--hf-config "$HF_CONFIG")
 [[ "$FAMILY" != "none" ]] && args+=(--family "$FAMILY")
-exec "${PYTHON:-python}" -m megatron_patch "${args[@]}"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" "${args[@]}"

@@ -38,5 +38,5 @@ PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH
 # JSON_KEYS unquoted on purpose: Pai's script passes it as it is, several keys split by spaces.
 # shellcheck disable=SC2086
-exec "${PYTHON:-python}" -m megatron_patch preprocess --input "$INPUT" --output-prefix "$OUTPUT_DIR/mmap_${NAME}_datasets" \
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" preprocess --input "$INPUT" --output-prefix "$OUTPUT_DIR/mmap_${NAME}_datasets" \
   --json-keys $JSON_KEYS --tokenizer "$LOAD_DIR" --workers "$WORKERS" --append-eod --force

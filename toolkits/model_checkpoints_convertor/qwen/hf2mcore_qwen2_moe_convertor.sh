@@ -4,4 +4,4 @@
 # `mpatch convert pai hf2mcore_qwen2_moe_convertor.sh --help` and docs/coming-from-pai.md say what each position does here.
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd) || exit 2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" -m megatron_patch convert pai toolkits/model_checkpoints_convertor/qwen/hf2mcore_qwen2_moe_convertor.sh "$@"
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" convert pai toolkits/model_checkpoints_convertor/qwen/hf2mcore_qwen2_moe_convertor.sh "$@"

@@ -4,4 +4,4 @@
 # `mpatch convert pai run_8xH20.sh --help` and docs/coming-from-pai.md say what each position does here.
 ROOT=$(cd "$(dirname "$0")/../../../.." && pwd) || exit 2
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python}" -m megatron_patch convert pai toolkits/distributed_checkpoints_convertor/scripts/qwen2_5/run_8xH20.sh "$@"
+exec "${PYTHON:-python}" "$ROOT/mpatch.py" convert pai toolkits/distributed_checkpoints_convertor/scripts/qwen2_5/run_8xH20.sh "$@"
