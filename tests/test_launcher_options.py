@@ -33,6 +33,8 @@ READ_ELSEWHERE = {
     ("cli/pai_convert.py", "MP_PP0_LAYERS"): "Pai's converter scripts read it for the converter, as Pai's do",
     ("cli/train.py", "MP_SFT_LOSS"): "a resumed SFT run keeps the weighting it trained with: where the launch does "
                                      "not set it, the launcher sets it for its ranks",
+    ("cli/train.py", "MP_MOE_AUX_LOSS"): "a resumed MoE run keeps the load-balancing coefficient it trained with, "
+                                         "as MP_SFT_LOSS",
 }
 # RunConfig fields with a default of their own: set after the RunConfig is built, by the part that owns them.
 SET_AFTER = {"lora", "lora_init", "dsa", "checkpoint_tokenizer"}

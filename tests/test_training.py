@@ -1101,6 +1101,50 @@ def test_a_run_saved_before_mp_sft_loss_resumes_with_the_token_weighting_it_trai
 
 
 @pytest.mark.slow
+def test_a_resume_keeps_the_load_balancing_its_run_trained_with(corpus, tmp_path):
+    """A release changed what Pai's MoE scripts pass as the load-balancing coefficient (Mixtral 0.001 -> 0.01), and a
+    run resumed by it trained with the new one midway, without a word: its checkpoints recorded MP_MOE_AUX_LOSS as
+    unset, not the coefficient (the upgrade audit). The train state records the run's rules now; a resume keeps its
+    coefficient, says so, refuses another balancing type, and tells a run saved before the rules were recorded what
+    changed since."""
+    from megatron_patch.checkpoint_files.layout import TRAIN_STATE
+
+    out = tmp_path / "out"
+
+    def args(iterations):
+        return launcher_args("qwen3_moe", DATASET_PATH=corpus["prefix"], OUTPUT_BASEPATH=str(out), GLOBAL_BATCH_SIZE="4",
+                             SEQ_LEN="32", PAD_LEN="32", TRAIN_TOKENS_OR_ITERS=str(iterations * 4 * 32),
+                             WARMUP_TOKENS_OR_ITERS="0", SAVE_INTERVAL="1")
+
+    first = launch(args(1), family="qwen3_moe")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    state = out / "checkpoint" / "iter_0000001" / TRAIN_STATE
+    saved = json.loads(state.read_text())
+    assert saved["rules"] == {"version": 1, "moe_balancing": {"coeff": 0.001, "type": None}}, saved["rules"]
+    saved["rules"]["moe_balancing"]["coeff"] = 0.25  # what another release's launcher gave this run
+    state.write_text(json.dumps(saved))
+    env = {"MP_NO_VERIFY": "true"}  # the file no longer matches the checkpoint's manifest
+    resumed = launch(args(2), env, family="qwen3_moe")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "note: MP_MOE_AUX_LOSS=0.25: the load-balancing coefficient this run trained with (this launcher's is " \
+           "0.001; MP_MOE_AUX_LOSS changes it from here)" in resumed.stdout
+    later = json.loads((out / "checkpoint" / "iter_0000002" / TRAIN_STATE).read_text())
+    assert later["config"]["moe_aux_loss"] == 0.25 and later["rules"]["moe_balancing"]["coeff"] == 0.25
+
+    later["rules"]["moe_balancing"]["type"] = "seq_aux_loss"
+    (out / "checkpoint" / "iter_0000002" / TRAIN_STATE).write_text(json.dumps(later))
+    refused = launch(args(3), env, family="qwen3_moe")
+    assert refused.returncode == 2 and "was trained with the experts balanced by seq_aux_loss, and this launch " \
+        "balances them by the family default" in refused.stderr, refused.stderr[-2000:]
+    del later["rules"]  # as a release before the rules were recorded saved it
+    (out / "checkpoint" / "iter_0000002" / TRAIN_STATE).write_text(json.dumps(later))
+    told = launch(args(3), env, family="qwen3_moe")
+    assert told.returncode == 0, told.stdout[-2000:] + told.stderr[-2000:]
+    assert "recorded no training rules (before 2026-12-08); if the run started before one of these changes, it " \
+           "trains otherwise from here: 2026-12-07: Pai's Mistral and Qwen2 scripts balance experts" in told.stdout
+
+
+@pytest.mark.slow
 def test_nan_loss_stops_the_run(corpus, tmp_path):
     out = tmp_path / "out"
     proc = launch(_pretrain_args(corpus, out, LR="1e30", MIN_LR="0"))

@@ -659,8 +659,8 @@ def test_dry_run_sft_counts_iterations_and_cpu_runs_locally(data):
     assert (res["train_iters"], res["warmup_iters"], res["dataset_type"], res["sft_packing"]) == (30, 3, "raw", True)
     # ENV=cpu goes through torchrun too, the cluster's path: one process per rank on one node
     assert r["command"][1:7] == ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc_per_node=2",
-                                 "-m"] and r["processes"] == 2
-    assert r["command"][7:10] == ["megatron_patch", "train", "qwen2"]
+                                 os.path.join(REPO, "mpatch.py")] and r["processes"] == 2
+    assert r["command"][7:9] == ["train", "qwen2"]
     assert r["megatron_core"]["transformer_config"]["attention_backend"] == "local"
     assert any("TP communication overlap" in p for p in r["machine_problems"])
 

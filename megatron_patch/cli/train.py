@@ -50,7 +50,8 @@ from megatron_patch.training.machine_checks import (attention_kernel, check_mach
 from megatron_patch.training.memory_plan import plan_memory
 from megatron_patch.training.run_folder import check_run_folder
 from megatron_patch.training.run_state import (check_iterations_left, check_output_basepath, check_same_job,
-                                               finished_run, kept_sft_loss, latest_iteration, resume_notes)
+                                               finished_run, kept_sft_loss, latest_iteration, resume_notes,
+                                               rules_at_resume)
 from megatron_patch.training.validation import check_starting_checkpoint_layout, resolve
 
 # torch (1.1 s to import on 2 cores), megatron-core (3.4 s with torch) and transformers (0.6 s) are
@@ -487,6 +488,11 @@ def _checked_start(cfg, *, out, would: bool) -> bool:
                            "changes it from here)")
             if not would:
                 os.environ["MP_SFT_LOSS"] = kept  # the ranks read the settings from the environment
+    if latest is not None:
+        notes, coefficient = rules_at_resume(cfg, iteration_dir(cfg.checkpoint_dir, latest))
+        changes.extend(notes)
+        if coefficient is not None and not would:
+            os.environ["MP_MOE_AUX_LOSS"] = repr(coefficient)
     check_iterations_left(cfg, latest)
     done = finished_run(cfg, latest)
     if done:
@@ -587,7 +593,7 @@ def _launch(cfg, command: list[str], argv: list[str], needed: dict, ranks_cpp_lo
 
 
 def _forked_rank_main(launcher: str, argv: list[str]) -> int:
-    """A forked rank's whole life: what ``python -m megatron_patch train LAUNCHER ARGV...`` runs."""
+    """A forked rank's whole life: what ``python mpatch.py train LAUNCHER ARGV...`` runs."""
     from megatron_patch.cli import main  # imported here: megatron_patch.cli imports this module
 
     return main(["train", launcher, *argv])

@@ -2,7 +2,7 @@
 
 ``run_torchrun``: training's one launch path, on a laptop (ENV=cpu) as on a cluster (dsw, dlc):
 torch's own torchrun, run in this process, and its failures turned into one line. Its ranks are fresh
-interpreters (``python -u -m megatron_patch train ...``), or, for a one-node CPU job, processes forked from the
+interpreters (``python -u ROOT/mpatch.py train ...``), or, for a one-node CPU job, processes forked from the
 fork server below with torch and megatron-core already imported (``forked_ranks``: about 4 s of CPU less per rank).
 
 ``run_local``: a function in N local processes that form one torch.distributed job (gloo on CPU),

@@ -65,7 +65,7 @@ from megatron_patch.runtime.launch import LAUNCHER_WARNED
 from megatron_patch.training.lora_run import cfg_base
 from megatron_patch.training.run_folder import FINAL_DIR, export_command, final_export_tool
 from megatron_patch.training.run_state import (NO_VERIFY, TRAIN_STATE, iteration_problem, latest_iteration,
-                                              read_train_state, training_data)
+                                              read_train_state, training_data, training_rules)
 
 # megatron-core (2.3 s to import after torch on 2 cores) is imported inside the functions that use it: the
 # processes that import this module without building a megatron-core model (align's main process) do not pay for
@@ -358,7 +358,8 @@ def save(cfg, iteration: int, models: list, optimizer, scheduler, side_files: Si
             (tmp / TRAIN_STATE).write_text(json.dumps(
                 {"iteration": iteration, "consumed_samples": iteration * cfg.global_batch_size,
                  "world_size": dist.get_world_size(), "family": cfg.family, "hf_config": cfg.hf_config,
-                 "config": cfg.to_dict(), "data": training_data(cfg)}, indent=2, default=str) + "\n")
+                 "config": cfg.to_dict(), "data": training_data(cfg), "rules": training_rules(cfg)}, indent=2,
+                default=str) + "\n")
             # The converter's sidecar too, and the tokenizer files, so that 'mpatch convert mcore2hf' of any
             # iteration folder is a whole HF folder.
             from megatron_patch.checkpoint.sidecar import Sidecar

@@ -107,6 +107,15 @@ def megatron_settings(cfg: RunConfig, fp8_implementation: str | None = None) -> 
             "pp_first_stage_layers": cfg.pp0_layers}
 
 
+def moe_balancing(cfg: RunConfig) -> dict | None:
+    """The experts' load balancing a run trains with, as its train state records it (``run_state.training_rules``):
+    the coefficient, and the balancing type the launcher gives megatron-core (None: the family's own); None for a
+    model without a load-balancing loss."""
+    if not has_load_balancing_loss(cfg.arch):
+        return None
+    return {"coeff": moe_aux_loss_coeff(cfg), "type": get_launcher(cfg.launcher).moe_balancing(cfg.arch.family)}
+
+
 # What most of Pai-Megatron-Patch's MoE launchers pass as --moe-aux-loss-coeff (Qwen's, DeepSeek-V3's).
 PAI_MOE_AUX_LOSS = 0.001
 

@@ -38,6 +38,7 @@ from megatron_patch.input_files import read_input
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.training import data_files
 from megatron_patch.training.data_files import inferred_weights
+from megatron_patch.training.megatron_settings import moe_balancing
 from megatron_patch.training.run_config import RunConfig
 from megatron_patch.training.run_folder import (FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, exported_iteration,
                                                  require_folder)
@@ -516,6 +517,60 @@ def _rebuilt(saved: list, now: list[dict]) -> bool:
 
 def _same_place(a: str | None, b: str | None) -> bool:
     return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+# A run's rules: what a release decides for a run that its config does not record (a default that a later release
+# may change), saved in train_state.json (``training_rules``) and kept, or told, at a resume (``rules_at_resume``).
+RULES_VERSION = 1
+# What releases changed before they recorded their rules (2026-12-08) that a run saved earlier trains otherwise when
+# resumed here (the upgrade audit): whether it concerns a launch, and in words.
+UNRECORDED_CHANGES = (
+    (lambda cfg: cfg.sft, "2026-12-05: an SFT record's 'system' field and 'tools' are rendered into its conversation "
+                          "(they were left out)"),
+    (lambda cfg: len(cfg.dataset_path) > 1 and not cfg.dataset_weights,
+     "2026-12-06: prefixes listed without weights, read past one epoch, are blended by their samples (one epoch's "
+     "order was read again and again)"),
+    (lambda cfg: cfg.arch.is_moe and cfg.moe_aux_loss is None,
+     "2026-12-07: Pai's Mistral and Qwen2 scripts balance experts as Pai's own do (Mixtral 0.01, was 0.001; "
+     "Qwen2-MoE per sequence; the Qwen script's A14B none): MP_MOE_AUX_LOSS keeps another coefficient"),
+)
+
+
+def training_rules(cfg) -> dict:
+    return {"version": RULES_VERSION, "moe_balancing": moe_balancing(cfg)}
+
+
+def rules_at_resume(cfg, folder: Path) -> tuple[list[str], float | None]:
+    """(notes for the launch, the MP_MOE_AUX_LOSS to keep or None) for a resume from ``folder``: a run keeps the
+    load-balancing coefficient it trained with where this release's launcher would give another and MP_MOE_AUX_LOSS
+    does not say one, and refuses another balancing type; a run saved before rules were recorded is told what
+    changed since then that concerns it."""
+    saved, then, _ = _saved_and_now(cfg, folder)
+    if then is None:
+        return [], None
+    rules = saved.get("rules")
+    if rules is None:
+        changed = [words for concerns, words in UNRECORDED_CHANGES if concerns(cfg)]
+        return ([f"{folder} was saved by a megatron_patch that recorded no training rules (before 2026-12-08); if the "
+                 "run started before one of these changes, it trains otherwise from here: " + "; ".join(changed)]
+                if changed else []), None
+    before, now = rules.get("moe_balancing") if isinstance(rules, dict) else "?", moe_balancing(cfg)
+    if before is not None and not (isinstance(before, dict) and _is_coefficient(before.get("coeff"))
+                                   and isinstance(before.get("type"), (str, type(None)))):
+        raise UserError(f"{folder / TRAIN_STATE} records its rules as {json.dumps(rules)[:80]}, which no release "
+                        "writes: the checkpoint is damaged or edited")
+    if before is None or now is None or before == now or cfg.moe_aux_loss is not None:
+        return [], None
+    if before["type"] != now["type"]:
+        raise UserError(f"{folder} was trained with the experts balanced by {before['type'] or 'the family default'}, "
+                        f"and this launch balances them by {now['type'] or 'the family default'}: resume with the "
+                        "release that started the run, or start afresh in another OUTPUT_BASEPATH")
+    return [f"MP_MOE_AUX_LOSS={before['coeff']}: the load-balancing coefficient this run trained with (this "
+            f"launcher's is {now['coeff']}; MP_MOE_AUX_LOSS changes it from here)"], before["coeff"]
+
+
+def _is_coefficient(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
 
 
 def kept_sft_loss(cfg, folder: Path) -> str | None:
