@@ -521,7 +521,7 @@ def _same_place(a: str | None, b: str | None) -> bool:
 
 # A run's rules: what a release decides for a run that its config does not record (a default that a later release
 # may change), saved in train_state.json (``training_rules``) and kept, or told, at a resume (``rules_at_resume``).
-RULES_VERSION = 1
+RULES_VERSION = 1  # raised by a release that changes a rule; the runs saved under an older one are told what changed
 # What releases changed before they recorded their rules (2026-12-08) that a run saved earlier trains otherwise when
 # resumed here (the upgrade audit): whether it concerns a launch, and in words.
 UNRECORDED_CHANGES = (
