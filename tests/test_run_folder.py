@@ -1926,3 +1926,37 @@ def test_a_copied_runs_error_log_is_its_own_before_a_crash_is_appended(tmp_path)
     assert (original / "log" / "rank0-error.log").read_text() == "the original's crash\n"
     said = (copy / "log" / "rank0-error.log").read_text()
     assert said.startswith("the original's crash\n") and "RuntimeError: the copy's crash" in said
+
+
+@pytest.mark.parametrize("line, told", [
+    (dict(SFT="true", DATASET_PATH="/data/sft.jsonl"), ["2026-12-05: an SFT record's 'system' field"]),
+    (dict(DATASET_PATH="/data/a_text_document /data/b_text_document"), ["2026-12-06: prefixes listed without weights"]),
+    (dict(DATASET_PATH="0.5 /data/a_text_document 0.5 /data/b_text_document"), []),
+    (dict(DATASET_PATH="/data/a_text_document"), []),
+])
+def test_a_checkpoint_saved_before_the_rules_were_recorded_is_told_what_changed_that_concerns_it(tmp_path, line, told):
+    """The upgrade audit: an SFT run's records and a run's unweighted blend were read otherwise by a newer release at
+    the resume, without a word; what the older release did is not recorded, so the resume says what changed since
+    that concerns the run (a MoE run's coefficient: tests/test_training.py), and nothing where nothing does."""
+    import json
+
+    from megatron_patch.checkpoint_files.layout import TRAIN_STATE
+    from megatron_patch.training.run_state import rules_at_resume
+
+    cfg = resolve("llama3_1", launcher_args("llama3_1", OUTPUT_BASEPATH=str(tmp_path / "out"), **line),
+                  env={"MP_TOKENIZER": "/data/tok"}, check_paths=False)
+    folder = tmp_path / "iter_0000002"
+    folder.mkdir()
+    state = {"iteration": 2, "world_size": 1, "consumed_samples": 16, "config": {"tp": 1}}
+    (folder / TRAIN_STATE).write_text(json.dumps(state))
+    notes, kept = rules_at_resume(cfg, folder)
+    assert kept is None and len(notes) == len(told[:1]), notes
+    for words in told:
+        assert "was saved by a megatron_patch that recorded no training rules (before 2026-12-08)" in notes[0]
+        assert words in notes[0] and "Pai's Mistral" not in notes[0], notes[0]
+    (folder / TRAIN_STATE).write_text(json.dumps({**state, "rules": {"version": 1, "moe_balancing": None}}))
+    assert rules_at_resume(cfg, folder) == ([], None)
+    (folder / TRAIN_STATE).write_text(json.dumps({**state, "rules": ["edited"]}))
+    with pytest.raises(UserError, match="records its rules as"):
+        rules_at_resume(cfg, folder)
+
