@@ -1928,13 +1928,17 @@ def test_a_copied_runs_error_log_is_its_own_before_a_crash_is_appended(tmp_path)
     assert said.startswith("the original's crash\n") and "RuntimeError: the copy's crash" in said
 
 
-@pytest.mark.parametrize("line, told", [
-    (dict(SFT="true", DATASET_PATH="/data/sft.jsonl"), ["2026-12-05: an SFT record's 'system' field"]),
-    (dict(DATASET_PATH="/data/a_text_document /data/b_text_document"), ["2026-12-06: prefixes listed without weights"]),
-    (dict(DATASET_PATH="0.5 /data/a_text_document 0.5 /data/b_text_document"), []),
-    (dict(DATASET_PATH="/data/a_text_document"), []),
+@pytest.mark.parametrize("launcher, line, told", [
+    ("qwen2/run_mcore_qwen2_moe", {}, ["2026-12-07: Pai's Mistral and Qwen2 scripts balance experts"]),
+    ("qwen3_moe", {}, []),
+    ("llama3_1", dict(SFT="true", DATASET_PATH="/data/sft.jsonl"), ["2026-12-05: an SFT record's 'system' field"]),
+    ("llama3_1", dict(DATASET_PATH="/data/a_text_document /data/b_text_document"),
+     ["2026-12-06: prefixes listed without weights"]),
+    ("llama3_1", dict(DATASET_PATH="0.5 /data/a_text_document 0.5 /data/b_text_document"), []),
+    ("llama3_1", dict(DATASET_PATH="/data/a_text_document"), []),
 ])
-def test_a_checkpoint_saved_before_the_rules_were_recorded_is_told_what_changed_that_concerns_it(tmp_path, line, told):
+def test_a_checkpoint_saved_before_the_rules_were_recorded_is_told_what_changed_that_concerns_it(tmp_path, launcher,
+                                                                                                   line, told):
     """The upgrade audit: an SFT run's records and a run's unweighted blend were read otherwise by a newer release at
     the resume, without a word; what the older release did is not recorded, so the resume says what changed since
     that concerns the run (a MoE run's coefficient: tests/test_training.py), and nothing where nothing does."""
@@ -1943,7 +1947,7 @@ def test_a_checkpoint_saved_before_the_rules_were_recorded_is_told_what_changed_
     from megatron_patch.checkpoint_files.layout import TRAIN_STATE
     from megatron_patch.training.run_state import rules_at_resume
 
-    cfg = resolve("llama3_1", launcher_args("llama3_1", OUTPUT_BASEPATH=str(tmp_path / "out"), **line),
+    cfg = resolve(launcher, launcher_args(launcher, OUTPUT_BASEPATH=str(tmp_path / "out"), **line),
                   env={"MP_TOKENIZER": "/data/tok"}, check_paths=False)
     folder = tmp_path / "iter_0000002"
     folder.mkdir()
@@ -1953,7 +1957,7 @@ def test_a_checkpoint_saved_before_the_rules_were_recorded_is_told_what_changed_
     assert kept is None and len(notes) == len(told[:1]), notes
     for words in told:
         assert "was saved by a megatron_patch that recorded no training rules (before 2026-12-08)" in notes[0]
-        assert words in notes[0] and "Pai's Mistral" not in notes[0], notes[0]
+        assert words in notes[0] and notes[0].count("2026-12-0") == 2, notes[0]
     (folder / TRAIN_STATE).write_text(json.dumps({**state, "rules": {"version": 1, "moe_balancing": None}}))
     assert rules_at_resume(cfg, folder) == ([], None)
     (folder / TRAIN_STATE).write_text(json.dumps({**state, "rules": ["edited"]}))

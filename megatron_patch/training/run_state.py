@@ -38,6 +38,7 @@ from megatron_patch.input_files import read_input
 from megatron_patch.lora.spec import LoraSpec
 from megatron_patch.training import data_files
 from megatron_patch.training.data_files import inferred_weights
+from megatron_patch.training.launcher_args import get_launcher
 from megatron_patch.training.megatron_settings import moe_balancing
 from megatron_patch.training.run_config import RunConfig
 from megatron_patch.training.run_folder import (FINAL_DIR, RUN_FOLDER_ENTRIES, export_command, exported_iteration,
@@ -530,10 +531,17 @@ UNRECORDED_CHANGES = (
     (lambda cfg: len(cfg.dataset_path) > 1 and not cfg.dataset_weights,
      "2026-12-06: prefixes listed without weights, read past one epoch, are blended by their samples (one epoch's "
      "order was read again and again)"),
-    (lambda cfg: cfg.arch.is_moe and cfg.moe_aux_loss is None,
+    (lambda cfg: cfg.moe_aux_loss is None and _balanced_as_pais_script(cfg),
      "2026-12-07: Pai's Mistral and Qwen2 scripts balance experts as Pai's own do (Mixtral 0.01, was 0.001; "
      "Qwen2-MoE per sequence; the Qwen script's A14B none): MP_MOE_AUX_LOSS keeps another coefficient"),
 )
+
+
+def _balanced_as_pais_script(cfg) -> bool:
+    """Whether the launch is one of Pai's scripts that give the experts' load balancing themselves."""
+    launcher = get_launcher(cfg.launcher)
+    return cfg.arch.is_moe and (launcher.moe_aux_loss(cfg.arch.family) is not None
+                                or launcher.moe_balancing(cfg.arch.family) is not None)
 
 
 def training_rules(cfg) -> dict:
