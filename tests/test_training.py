@@ -1133,7 +1133,7 @@ def test_a_resume_keeps_the_load_balancing_its_run_trained_with(corpus, tmp_path
 
     later["rules"]["moe_balancing"]["type"] = "seq_aux_loss"
     (out / "checkpoint" / "iter_0000002" / TRAIN_STATE).write_text(json.dumps(later))
-    refused = launch(args(3), env, family="qwen3_moe")
+    refused = launch(args(3), {**env, "MP_MOE_AUX_LOSS": "0.25"}, family="qwen3_moe")  # the coefficient, not the type
     assert refused.returncode == 2 and "was trained with the experts balanced by seq_aux_loss, and this launch " \
         "balances them by the family default" in refused.stderr, refused.stderr[-2000:]
     del later["rules"]  # as a release before the rules were recorded saved it

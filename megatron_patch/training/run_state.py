@@ -567,12 +567,14 @@ def rules_at_resume(cfg, folder: Path) -> tuple[list[str], float | None]:
                                    and isinstance(before.get("type"), (str, type(None)))):
         raise UserError(f"{folder / TRAIN_STATE} records its rules as {json.dumps(rules)[:80]}, which no release "
                         "writes: the checkpoint is damaged or edited")
-    if before is None or now is None or before == now or cfg.moe_aux_loss is not None:
+    if before is None or now is None or before == now:
         return [], None
-    if before["type"] != now["type"]:
+    if before["type"] != now["type"]:  # MP_MOE_AUX_LOSS sets the coefficient, not the type
         raise UserError(f"{folder} was trained with the experts balanced by {before['type'] or 'the family default'}, "
                         f"and this launch balances them by {now['type'] or 'the family default'}: resume with the "
                         "release that started the run, or start afresh in another OUTPUT_BASEPATH")
+    if cfg.moe_aux_loss is not None:
+        return [], None
     return [f"MP_MOE_AUX_LOSS={before['coeff']}: the load-balancing coefficient this run trained with (this "
             f"launcher's is {now['coeff']}; MP_MOE_AUX_LOSS changes it from here)"], before["coeff"]
 
